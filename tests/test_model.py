@@ -1,0 +1,339 @@
+"""model.py: shapes, init, parameter counts, HF equivalence, variants, KV cache, sampling, config errors."""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from model import (
+    EOT,
+    GPT,
+    GPT2_VOCAB,
+    MODEL_PRESETS,
+    GPTConfig,
+    export_hf,
+    get_tokenizer,
+    load_checkpoint,
+    mfu,
+    parse_config,
+    peak_flops,
+)
+
+
+def tiny(**kw) -> GPTConfig:
+    return GPTConfig(**{**dict(block_size=32, vocab_size=96, n_layer=2, n_head=4, n_embd=32), **kw})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def test_tokenizer_matches_tiktoken_gpt2_known_ids():
+    enc = get_tokenizer()
+    assert enc.n_vocab == 50257
+    assert enc.encode("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    assert enc.encode("hello world") == [31373, 995]
+    assert enc.encode(" the") == [262]
+    assert enc.encode("<|endoftext|>", allowed_special={"<|endoftext|>"}) == [EOT]
+    text = "def f(x):\n    return x ** 2  # über naïve 日本\n\n"
+    assert enc.decode(enc.encode(text)) == text
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# shapes, init, counts
+
+
+def test_forward_shapes_and_loss_ignores_minus_one():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx = torch.randint(0, 96, (3, 17))
+    targets = torch.randint(0, 96, (3, 17))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 17, 96) and loss is None
+    logits, loss = model(idx, targets)
+    masked = targets.clone()
+    masked[:, ::2] = -1
+    _, loss_masked = model(idx, masked)
+    keep = masked != -1
+    expected = torch.nn.functional.cross_entropy(logits[keep], targets[keep])
+    torch.testing.assert_close(loss_masked, expected, rtol=1e-6, atol=1e-6)
+    _, loss_smooth = model(idx, targets, label_smoothing=0.1)
+    assert abs(loss_smooth.item() - loss.item()) > 1e-4
+
+
+def test_loss_at_init_is_about_ln_vocab():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64))  # padded 50304 vocab
+    idx, targets = torch.randint(0, GPT2_VOCAB, (2, 4, 64))
+    _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(GPT2_VOCAB)) < 0.1, loss.item()
+
+
+def test_weight_tying():
+    model = GPT(tiny())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "lm_head.weight" not in names  # counted once
+
+
+def test_gpt2_parameter_counts():
+    with torch.device("meta"):
+        real = GPT(GPTConfig(vocab_size=50257))
+        padded = GPT(MODEL_PRESETS["gpt2"]())
+    assert real.num_params(non_embedding=False) == 124_439_808  # OpenAI GPT-2 124M
+    # padding adds 47 rows of 768 to the tied wte/lm_head
+    assert padded.num_params(non_embedding=False) == 124_439_808 + 47 * 768 == 124_475_904
+    assert padded.num_params() == 124_475_904 - 1024 * 768
+    # 6N + 12*L*H*Q*T
+    assert padded.flops_per_token() == 6 * 123_689_472 + 12 * 12 * 12 * 64 * 1024 == 855_383_040
+
+
+def test_preset_sizes():
+    expected = {"gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}
+    for name, n in expected.items():
+        cfg = MODEL_PRESETS[name]()
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**{**cfg.__dict__, "vocab_size": 50257}))
+        assert model.num_params(non_embedding=False) == n, name
+    for depth in (12, 24, 36, 48):
+        cfg = MODEL_PRESETS[f"d{depth}"]()
+        assert (cfg.n_layer, cfg.n_embd, cfg.head_dim) == (depth, 64 * depth, 64)
+
+
+def test_residual_init_std():
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=32, vocab_size=512, n_layer=8, n_head=4, n_embd=256)
+    model = GPT(cfg)
+    proj = torch.cat([b.attn.c_proj.weight.flatten() for b in model.transformer.h]
+                     + [b.mlp.c_proj.weight.flatten() for b in model.transformer.h])
+    fc = torch.cat([b.mlp.c_fc.weight.flatten() for b in model.transformer.h])
+    assert abs(proj.std().item() - 0.02 / math.sqrt(2 * 8)) < 0.0002
+    assert abs(fc.std().item() - 0.02) < 0.0005
+    assert abs(model.transformer.wte.weight.std().item() - 0.02) < 0.0005
+    assert all((b.mlp.c_fc.bias == 0).all() and (b.attn.c_attn.bias == 0).all() for b in model.transformer.h)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# variants
+
+
+@pytest.mark.parametrize("kw", [
+    dict(n_kv_head=2), dict(n_kv_head=1), dict(pos="rope"), dict(mlp="swiglu"), dict(bias=False),
+    dict(dropout=0.1), dict(pos="rope", n_kv_head=2, mlp="swiglu", bias=False),
+])
+def test_variants_forward_backward(kw):
+    torch.manual_seed(0)
+    model = GPT(tiny(**kw))
+    idx, targets = torch.randint(0, 96, (2, 2, 32))
+    _, loss = model(idx, targets)
+    loss.backward()
+    assert abs(loss.item() - math.log(96)) < 0.2
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_gqa_kv_projection_size():
+    model = GPT(tiny(n_kv_head=1))
+    assert model.transformer.h[0].attn.c_attn.weight.shape == (32 + 2 * 8, 32)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(n_embd=30), "divisible by n_head"),
+    (dict(n_kv_head=3), "divisible by n_kv_head"),
+    (dict(mlp="relu"), "'gelu' or 'swiglu'"),
+    (dict(pos="alibi"), "'learned' or 'rope'"),
+    (dict(dropout=1.5), "dropout"),
+    (dict(n_layer=0), "n_layer"),
+])
+def test_bad_config_raises(kw, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**kw)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# HF interop
+
+
+def _hf_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_cfg = transformers.GPT2Config(vocab_size=101, n_positions=48, n_embd=32, n_layer=2, n_head=4)
+    return transformers, transformers.GPT2LMHeadModel(hf_cfg).eval()
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_from_pretrained_matches_hf_logits(tmp_path, safe):
+    _, hf = _hf_model(tmp_path)
+    hf.save_pretrained(tmp_path, safe_serialization=safe)
+    model = GPT.from_pretrained(str(tmp_path)).eval()
+    idx = torch.randint(0, 101, (2, 48))
+    with torch.no_grad():
+        ours, _ = model(idx)
+        theirs = hf(idx).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_export_hf_round_trip(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)).eval()
+    export_hf(model, tmp_path)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    back = GPT.from_pretrained(str(tmp_path)).eval()
+    idx = torch.randint(0, GPT2_VOCAB, (2, 32))
+    with torch.no_grad():
+        ours, _ = model(idx)
+        torch.testing.assert_close(hf(idx).logits, ours, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(back(idx)[0], ours, atol=0, rtol=0)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+
+
+def test_export_hf_refuses_other_architectures(tmp_path):
+    with pytest.raises(ValueError, match="only the plain GPT-2"):
+        export_hf(GPT(tiny(mlp="swiglu")), tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# KV cache and generation
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(pos="rope", n_kv_head=2)])
+def test_cached_logits_equal_uncached(kw):
+    from model import KVCache
+
+    torch.manual_seed(0)
+    model = GPT(tiny(**kw)).eval()
+    idx = torch.randint(0, 96, (2, 20))
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = KVCache(model.config, 2, idx.device, torch.float32)
+        steps = [model(idx[:, :8], cache=cache)[0]]
+        steps += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(8, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=10, top_p=0.9)])
+def test_generate_cache_and_no_cache_give_same_tokens(sampling):
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx = torch.randint(0, 96, (2, 10))
+    # 40 new tokens past a 32-token block: the context crop path is exercised as well
+    a = model.generate(idx, 40, use_cache=True, generator=torch.Generator().manual_seed(7), **sampling)
+    b = model.generate(idx, 40, use_cache=False, generator=torch.Generator().manual_seed(7), **sampling)
+    assert a.shape == (2, 50)
+    assert torch.equal(a, b)
+    assert model.training  # generate restores the mode it found
+
+
+def test_top_k_top_p_never_sample_outside_allowed_set():
+    model = GPT(tiny(vocab_size=50304))
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50304, generator=gen) * 3
+    logits[:, GPT2_VOCAB:] = 100.0  # padded entries would win everything if they were not masked
+    topk = set(torch.topk(logits[:, :GPT2_VOCAB], 5, dim=-1).indices.flatten().tolist())
+    probs = logits[:, :GPT2_VOCAB].softmax(-1)
+    for _ in range(200):
+        tok = model._next_token(logits.clone(), 1.0, 5, None, gen)
+        assert set(tok.flatten().tolist()) <= topk
+    # nucleus: per row, the smallest prefix of the sorted distribution whose mass reaches p
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    for _ in range(200):
+        tok = model._next_token(logits.clone(), 1.0, None, 0.5, gen)
+        for row in range(4):
+            n_keep = int((sorted_p[row].cumsum(0) < 0.5).sum()) + 1
+            assert tok[row].item() in set(order[row, :n_keep].tolist())
+    tok = model._next_token(logits.clone(), 0.0, None, None, gen)
+    assert (tok < GPT2_VOCAB).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# optimizer, MFU
+
+
+def test_configure_optimizers_decays_2d_only(capsys):
+    model = GPT(tiny())
+    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert "decayed tensors" in capsys.readouterr().out
+
+
+def test_peak_flops_table():
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("cpu (2 cores)") is None
+    assert peak_flops("cpu", override=1e12) == 1e12
+    assert mfu(1e9, 494_500, "NVIDIA H100 80GB HBM3") == pytest.approx(0.5, rel=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# shared helpers: CLI, checkpoint safety
+
+
+@dataclass
+class _Cfg:
+    lr: float = 1e-3  # learning rate
+    steps: int = 10  # steps
+    name: str = "x"  # a name
+    compile: bool = False  # compile
+    limit: int | None = None  # optional
+
+
+def test_parse_config_forms_and_errors():
+    cfg = parse_config(_Cfg, ["--lr=0.5", "--steps", "3", "--compile", "--limit", "none", "--name", "y"])
+    assert cfg == _Cfg(lr=0.5, steps=3, name="y", compile=True, limit=None)
+    assert parse_config(_Cfg, ["--compile=false", "--limit=4"]) == _Cfg(compile=False, limit=4)
+    with pytest.raises(SystemExit, match="unknown option --lrr; did you mean --lr"):
+        parse_config(_Cfg, ["--lrr=1"])
+    with pytest.raises(SystemExit, match="--steps expects int"):
+        parse_config(_Cfg, ["--steps=many"])
+    with pytest.raises(SystemExit, match="unknown --preset"):
+        parse_config(_Cfg, ["--preset", "huge"], presets={"small": _Cfg})
+
+
+def test_parse_config_help_lists_field_comments(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(_Cfg, ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--lr" in out and "learning rate" in out and "--limit" in out
+
+
+class _Payload:
+    pass
+
+
+def test_load_checkpoint_refuses_pickles(tmp_path):
+    model = GPT(tiny())
+    good = tmp_path / "good.pt"
+    torch.save({"model": model.state_dict(), "model_config": model.config.__dict__}, good)
+    back = GPT.from_checkpoint(good)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+    bad = tmp_path / "bad.pt"
+    torch.save({"model": {}, "model_config": {}, "evil": _Payload()}, bad)
+    with pytest.raises(ValueError, match="pickled Python object"):
+        load_checkpoint(bad)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_from_checkpoint_other_architecture_is_clear(tmp_path):
+    model = GPT(tiny())
+    path = tmp_path / "c.pt"
+    torch.save({"model": model.state_dict(), "model_config": {**model.config.__dict__, "n_layer": 3}}, path)
+    with pytest.raises(ValueError, match="do not fit"):
+        GPT.from_checkpoint(path)
+
+
+def test_smoke_main_samples(capsys):
+    import model as model_module
+
+    model_module.main(["--max-new-tokens", "5"])
+    out = capsys.readouterr().out
+    assert "params; untrained sample" in out and "Hello, I'm a language model," in out
