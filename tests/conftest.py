@@ -1,0 +1,34 @@
+"""Shared fixtures: small token shards on disk, and a runner for train.py under torchrun (gloo, CPU)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(scope="session")
+def token_data(tmp_path_factory) -> Path:
+    """A val shard and two train shards of random GPT-2 ids: enough windows for tiny runs on 1-3 ranks."""
+    from fineweb import write_shard
+
+    out = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(0)
+    write_shard(out / "rand_val_000000.bin", rng.integers(0, 50257, 8_000, dtype=np.uint16))
+    for i in (1, 2):
+        write_shard(out / f"rand_train_{i:06d}.bin", rng.integers(0, 50257, 20_000, dtype=np.uint16))
+    return out
+
+
+def run_torchrun(args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run train.py (or another script) under torchrun on CPU/gloo; fails the test with its output on error."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc

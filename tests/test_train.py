@@ -1,0 +1,225 @@
+"""train.py: schedule, CLI, overfitting, exact resume, SIGTERM, atomic checkpoints, NaN stop, DDP/ZeRO-1/FSDP2."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+from conftest import ROOT, run_torchrun
+from model import load_checkpoint, parse_config
+
+
+def tiny_args(data, out, *extra: str) -> list[str]:
+    return ["--preset", "tiny", "--data", str(data), "--out-dir", str(out), *extra]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# config and schedule
+
+
+def test_lr_schedule_values():
+    cfg = train.TrainConfig(max_lr=1.0, min_lr_frac=0.1, warmup_steps=10, max_steps=110)
+    assert train.get_lr(0, cfg) == pytest.approx(0.1)  # warmup start: max_lr / warmup
+    assert train.get_lr(9, cfg) == pytest.approx(1.0)  # warmup end
+    assert train.get_lr(10, cfg) == pytest.approx(1.0)  # decay start
+    assert train.get_lr(60, cfg) == pytest.approx(0.55)  # middle of the cosine: halfway between max and min
+    assert train.get_lr(110, cfg) == pytest.approx(0.1)  # end
+    assert train.get_lr(109, cfg) == pytest.approx(0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * 0.99))).item())
+    zero_min = train.TrainConfig(max_lr=1.0, min_lr_frac=0.0, warmup_steps=0, max_steps=100)
+    assert train.get_lr(0, zero_min) == pytest.approx(1.0) and train.get_lr(100, zero_min) == 0.0
+
+
+def test_gpt2_124m_preset_is_the_reference_recipe():
+    cfg = train.PRESETS["gpt2-124m"]()
+    assert (cfg.total_batch_size, cfg.batch_size, cfg.seq_len, cfg.max_lr) == (524288, 64, 1024, 6e-4)
+    assert (cfg.max_steps, cfg.weight_decay, cfg.grad_clip, cfg.eval_every, cfg.ckpt_every) == (19073, 0.1, 1.0, 250,
+                                                                                                5000)
+    assert 700 <= cfg.warmup_steps <= 750
+    mcfg = train.model_config(cfg)
+    assert (mcfg.n_layer, mcfg.n_embd, mcfg.vocab_size, mcfg.block_size) == (12, 768, 50304, 1024)
+    shakespeare = train.model_config(train.PRESETS["shakespeare"]())
+    assert (shakespeare.n_layer, shakespeare.n_head, shakespeare.n_embd) == (6, 6, 384)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-lrr=1"], "unknown option --max-lrr; did you mean --max-lr"),
+    (["--parallel", "zero3"], "--parallel must be one of ddp, zero1, fsdp"),
+    (["--batch-size=big"], "--batch-size expects int"),
+    (["--preset", "gpt5"], "unknown --preset 'gpt5'"),
+    (["--recompute=all"], "--recompute must be one of none, mlp, block"),
+])
+def test_cli_rejects_bad_overrides(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        parse_config(train.TrainConfig, argv, train.PRESETS)
+
+
+def test_cli_subprocess_one_line_error_and_help():
+    bad = subprocess.run([sys.executable, "train.py", "--grad-clp=2"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert bad.stderr.strip() == "error: unknown option --grad-clp; did you mean --grad-clip?"
+    ok = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0
+    assert "--total-batch-size" in ok.stdout and "tokens per optimizer step" in ok.stdout and "gpt2-124m" in ok.stdout
+
+
+def test_indivisible_batch_is_a_clear_error(token_data, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(tiny_args(token_data, tmp_path, "--total-batch-size", "1000"))
+    assert "not divisible by batch_size * seq_len * world_size = 4 * 64 * 1 = 256" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# training behaviour
+
+
+def test_overfit_batch_drives_loss_near_zero(token_data, tmp_path):
+    result = train.main(tiny_args(token_data, tmp_path, "--overfit-batch", "--max-steps=80", "--max-lr=1e-2",
+                                  "--warmup-steps=5", "--eval-every=0", "--total-batch-size=256"))
+    losses = result["losses"]
+    assert losses[0] > 10.0  # ~ln(50257) at init
+    assert losses[-1] < 0.1, losses[-10:]
+
+
+def test_recompute_gives_the_same_losses(token_data, tmp_path):
+    base = train.main(tiny_args(token_data, tmp_path / "a", "--max-steps=3", "--eval-every=0"))["losses"]
+    for mode in ("mlp", "block"):
+        again = train.main(tiny_args(token_data, tmp_path / mode, "--max-steps=3", "--eval-every=0",
+                                     f"--recompute={mode}"))["losses"]
+        assert again == pytest.approx(base, abs=1e-5), mode
+
+
+def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=4", "--eval-every=2", "--label-smoothing=0.1"))
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith('{"provenance"')
+    records = list(train.iter_log(tmp_path / "log.jsonl"))
+    assert records[0]["type"] == "config" and records[0]["provenance"]["torch"] == torch.__version__
+    assert records[0]["config"]["label_smoothing"] == 0.1
+    assert [r["step"] for r in records if r["type"] == "train"] == [0, 1, 2, 3]
+    assert [r["step"] for r in records if r["type"] == "val"] == [0, 2, 3]
+    first = next(r for r in records if r["type"] == "train")
+    assert set(first) >= {"loss", "lr", "grad_norm", "ms", "tok_s", "mfu", "tokens"}
+    assert first["tokens"] == 512
+    ckpt = load_checkpoint(tmp_path / "ckpt_000004.pt")
+    assert ckpt["provenance"]["world_size"] == 1 and ckpt["train_config"]["max_steps"] == 4
+    assert not any(k.startswith("_orig_mod") for k in ckpt["model"])
+
+
+def test_resume_is_bitwise_exact(token_data, tmp_path):
+    # dropout on, so the restored RNG matters as well as weights, optimizer moments and the data position
+    common = ["--max-steps=8", "--ckpt-every=3", "--keep-last=5", "--dropout=0.1", "--eval-every=4"]
+    full = train.main(tiny_args(token_data, tmp_path / "full", *common))["losses"]
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copy(tmp_path / "full" / "ckpt_000003.pt", resumed_dir)
+    rest = train.main(tiny_args(token_data, resumed_dir, *common, "--resume", "auto"))["losses"]
+    assert len(full) == 8 and len(rest) == 5
+    assert rest == full[3:]  # bitwise: float equality, no tolerance
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
+    cmd = [sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and '"type": "train"' in log.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopping after step" in out and "(SIGTERM)" in out
+    ckpts = sorted(tmp_path.glob("ckpt_*.pt"))
+    assert len(ckpts) == 1
+    step = load_checkpoint(ckpts[0])["step"]
+    assert 1 <= step < 100000
+    more = train.main(tiny_args(token_data, tmp_path, f"--max-steps={step + 2}", "--eval-every=0", "--resume=auto"))
+    assert len(more["losses"]) == 2
+
+
+def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_path, monkeypatch):
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=3", "--eval-every=0"))
+    good = tmp_path / "ckpt_000003.pt"
+    before = good.read_bytes()
+
+    def dies_halfway(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(train.torch, "save", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--eval-every=0", "--resume=auto"))
+    monkeypatch.undo()
+    assert good.read_bytes() == before and not (tmp_path / "ckpt_000006.pt").exists()
+    # a torn file under the final name (e.g. copied by hand) is skipped with a warning, not loaded
+    (tmp_path / "ckpt_000009.pt").write_bytes(b"garbage")
+    path, ckpt = train.find_checkpoint(tmp_path)
+    assert path == good and ckpt["step"] == 3
+
+
+def test_nan_loss_stops_without_overwriting_checkpoint(token_data, tmp_path, monkeypatch, capsys):
+    real_step = train.train_step
+    calls = {"n": 0}
+
+    def nan_on_third_step(*args, **kwargs):
+        loss, norm = real_step(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] == 3 else loss), norm
+
+    monkeypatch.setattr(train, "train_step", nan_on_third_step)
+    result = train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--ckpt-every=2", "--eval-every=0"))
+    assert result["stopped"] == "nan" and len(result["losses"]) == 2
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000002.pt"]
+    assert "loss is nan at step 2" in capsys.readouterr().err
+
+
+def test_profile_writes_a_trace(token_data, tmp_path, capsys):
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=5", "--eval-every=0", "--profile", "--profile-steps=1"))
+    trace = json.loads((tmp_path / "trace_rank0.json").read_text())
+    assert len(trace["traceEvents"]) > 10
+    assert "Self CPU" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# distributed (gloo, 2 processes) against one process with the same total batch
+
+
+@pytest.mark.slow
+def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
+    common = ["--max-steps=4", "--eval-every=2", "--eval-batches=1", "--total-batch-size=512", "--batch-size=4",
+              "--dropout=0.0"]
+    single = train.main(tiny_args(token_data, tmp_path / "single", *common))  # 2 micro-steps of accumulation
+    ref = load_checkpoint(tmp_path / "single" / "ckpt_000004.pt")["model"]
+    for parallel in ("ddp", "zero1", "fsdp"):
+        out = tmp_path / parallel
+        proc = run_torchrun(["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}")], nproc=2)
+        assert "2 ranks x 1 accum" in proc.stdout
+        ckpt = load_checkpoint(out / "ckpt_000004.pt")
+        assert ckpt["world_size"] == 2
+        for name, ref_tensor in ref.items():
+            torch.testing.assert_close(ckpt["model"][name], ref_tensor, atol=1e-5, rtol=0, msg=f"{parallel} {name}")
+        losses = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
+        assert losses == pytest.approx(single["losses"], abs=1e-5), parallel
+        if parallel == "fsdp":  # resume a sharded run from its (full) checkpoint, on 2 ranks
+            run_torchrun(["train.py", *tiny_args(token_data, out, *common, "--parallel=fsdp", "--max-steps=5",
+                                                 "--resume=auto")], nproc=2)
+            assert load_checkpoint(out / "ckpt_000005.pt")["step"] == 5
+
+
+@pytest.mark.slow
+def test_compiled_run_with_eval_hellaswag_and_samples(token_data, tmp_path, capsys):
+    hellaswag_data = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
+    result = train.main(tiny_args(token_data, tmp_path, "--compile", "--max-steps=3", "--eval-every=2",
+                                  "--hellaswag-every=2", f"--hellaswag={hellaswag_data}", "--sample-every=2",
+                                  "--sample-tokens=8"))
+    out = capsys.readouterr().out
+    assert "compile True" in out
+    assert len(result["losses"]) == 3 and all(loss == loss for loss in result["losses"])
+    assert 0.0 <= result["hellaswag"]["acc_norm"] <= 1.0 and result["hellaswag"]["n"] > 0
+    assert result["val_loss"] > 5.0
+    assert out.count("sample: ") == 2

@@ -1,0 +1,641 @@
+"""Train GPT-2: one process, or torchrun DDP / ZeRO-1 / FSDP2 on one or many nodes.
+
+Usage:
+    python train.py --preset tiny                                   # CPU, seconds (needs data/stdlib, see README)
+    torchrun --standalone --nproc_per_node=8 train.py --preset gpt2-124m
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py --preset gpt2-124m
+    python train.py --help                                          # every option, with its meaning
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
+
+from fineweb import DataError, TokenLoader
+from model import GPT, MODEL_PRESETS, GPTConfig, get_tokenizer, load_checkpoint, mfu, parse_config, provenance
+
+
+@dataclass
+class TrainConfig:
+    """Train a GPT-2 with this project's training loop. Flags override the chosen --preset."""
+
+    # model
+    model: str = "gpt2"  # architecture preset from model.py: gpt2, gpt2-medium, gpt2-large, gpt2-xl, d12..d48, tiny
+    seq_len: int = 1024  # T: tokens per sequence; also the model's block_size
+    n_layer: int | None = None  # override the preset's depth
+    n_head: int | None = None  # override the preset's query heads
+    n_embd: int | None = None  # override the preset's width
+    n_kv_head: int | None = None  # GQA/MQA key-value heads (None = n_head)
+    mlp: str = "gelu"  # gelu (GPT-2) or swiglu
+    pos: str = "learned"  # learned (GPT-2) or rope
+    bias: bool = True  # biases in Linear/LayerNorm
+    dropout: float = 0.0  # dropout probability (0 for pretraining)
+    fused_gelu: bool = False  # Triton fused bias+GELU kernel in the MLP (CUDA only)
+    # data
+    data: str = "data/edu_fineweb10B"  # directory or glob of token shards written by fineweb.py (or llm.c)
+    preload: bool = False  # load the whole dataset onto the device once (small datasets only)
+    # batch
+    total_batch_size: int = 524288  # tokens per optimizer step, over all ranks and micro-steps
+    batch_size: int = 64  # B: sequences per micro-step per rank (lower it to fit memory; see README table)
+    # optimizer and schedule
+    max_lr: float = 6e-4  # peak learning rate, reached after warmup
+    min_lr_frac: float = 0.1  # cosine decays to min_lr_frac * max_lr
+    warmup_steps: int = 715  # linear warmup steps
+    max_steps: int = 19073  # optimizer steps (19073 * 524288 tokens ~ 10B)
+    weight_decay: float = 0.1  # AdamW decoupled weight decay, 2-D tensors only
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
+    label_smoothing: float = 0.0  # cross-entropy label smoothing
+    # system
+    device: str = "auto"  # auto (cuda if available, else cpu), cuda, cpu
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 (with GradScaler), fp32
+    compile: bool | None = None  # torch.compile the model (None = on for CUDA, off for CPU)
+    parallel: str = "ddp"  # ddp, zero1 (ZeroRedundancyOptimizer) or fsdp (FSDP2 fully_shard per block + root)
+    recompute: str = "none"  # activation recompute: none, mlp or block (trade compute for memory)
+    seed: int = 1337  # seeds weights, dropout and the data shuffle
+    peak_tflops: float | None = None  # override the per-GPU peak bf16 TFLOP/s used for MFU
+    # evaluation
+    eval_every: int = 250  # val loss every N steps (and at the last step); 0 = never
+    eval_batches: int = 20  # val micro-batches per rank per evaluation
+    hellaswag_every: int = 250  # HellaSwag every N steps (and at the last step); 0 = never
+    hellaswag: str = "auto"  # HellaSwag val jsonl: a path, 'auto' (cached download) or 'off'
+    hellaswag_limit: int | None = None  # evaluate only the first N HellaSwag examples
+    sample_every: int = 250  # print samples every N steps; 0 = never
+    sample_tokens: int = 32  # new tokens per sample
+    sample_prompt: str = "Hello, I'm a language model,"  # prompt for the in-training samples
+    # checkpoints and logs
+    out_dir: str = "out/gpt2-124m"  # checkpoints, log.jsonl and profiler traces go here
+    ckpt_every: int = 5000  # checkpoint every N steps (and at the end, and on SIGTERM); 0 = only at the end
+    keep_last: int = 3  # keep the newest K checkpoints
+    resume: str = ""  # '' (fresh run), 'auto' (latest valid checkpoint in out_dir) or a checkpoint path
+    log_every: int = 1  # print a step line every N steps
+    # run control
+    overfit_batch: bool = False  # train on the first batch only (sanity check: the loss must go to ~0)
+    max_time: float = 0.0  # wall-clock budget in minutes; checkpoint and stop when reached (0 = none)
+    profile: bool = False  # profile a few steps after warmup; writes a Chrome/Perfetto trace to out_dir
+    profile_steps: int = 3  # steps to profile
+
+    def __post_init__(self) -> None:
+        choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
+                   "dtype": ("auto", "bf16", "fp16", "fp32"), "device": ("auto", "cuda", "cpu")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
+        for name in ("seq_len", "batch_size", "total_batch_size", "max_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_frac <= 1.0:
+            raise ValueError(f"--min-lr-frac must be in [0, 1]; got {self.min_lr_frac}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0; got {self.warmup_steps}")
+
+
+def _preset(**kw: Any) -> Callable[[], TrainConfig]:
+    return lambda: TrainConfig(**kw)
+
+
+PRESETS: dict[str, Callable[[], TrainConfig]] = {
+    # build-nanogpt / llm.c GPT-2 124M on fineweb-edu 10B: 19073 steps of 2**19 tokens
+    "gpt2-124m": _preset(),
+    "gpt2-350m": _preset(model="gpt2-medium", batch_size=32, max_lr=3e-4, out_dir="out/gpt2-350m"),
+    "gpt2-774m": _preset(model="gpt2-large", batch_size=16, max_lr=2.5e-4, out_dir="out/gpt2-774m"),
+    "gpt2-1558m": _preset(model="gpt2-xl", batch_size=8, max_lr=2e-4, out_dir="out/gpt2-1558m"),
+    # a 10.7M-param model on Tiny Shakespeare (~300K tokens): minutes on one GPU
+    "shakespeare": _preset(model="gpt2", n_layer=6, n_head=6, n_embd=384, seq_len=256, data="data/shakespeare",
+                           preload=True,
+                           total_batch_size=16384, batch_size=64, max_lr=1e-3, warmup_steps=100, max_steps=2000,
+                           dropout=0.2, eval_every=250, eval_batches=8, hellaswag="off", sample_every=500,
+                           sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
+    # the offline demo: a small model on the Python standard library's source, minutes on 2 CPU cores
+    "demo": _preset(model="tiny", seq_len=128, data="data/stdlib", total_batch_size=4096, batch_size=16,
+                    max_lr=2e-3, warmup_steps=20, max_steps=300, eval_every=100, eval_batches=4, hellaswag="off",
+                    sample_every=0, sample_tokens=64, ckpt_every=0, out_dir="out/demo", sample_prompt="def "),
+    # seconds on CPU, for tests
+    "tiny": _preset(model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,
+                    max_lr=1e-3, warmup_steps=2, max_steps=10, eval_every=5, eval_batches=2, hellaswag="off",
+                    sample_every=0, ckpt_every=0, out_dir="out/tiny", sample_prompt="def "),
+}
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    base = MODEL_PRESETS[cfg.model]()
+    shape = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k) is not None}
+    n_head = shape.get("n_head", base.n_head)
+    return dataclasses.replace(base, block_size=cfg.seq_len, n_kv_head=cfg.n_kv_head or n_head, mlp=cfg.mlp,
+                               pos=cfg.pos, bias=cfg.bias, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu, **shape)
+
+
+def get_lr(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup from max_lr/warmup to max_lr, then cosine down to min_lr_frac * max_lr at max_steps."""
+    min_lr = cfg.min_lr_frac * cfg.max_lr
+    if step < cfg.warmup_steps:
+        return cfg.max_lr * (step + 1) / cfg.warmup_steps
+    if step >= cfg.max_steps:
+        return min_lr
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parallelism, applied from outside the model
+
+
+def apply_recompute(model: GPT, mode: str) -> None:
+    """Recompute activations in backward instead of storing them, per block or per MLP (names stay unchanged)."""
+    if mode == "none":
+        return
+    for block in model.transformer.h:
+        target = block if mode == "block" else block.mlp
+        inner = target.forward
+        target.forward = lambda *args, _f=inner: activation_checkpoint(_f, *args, use_reentrant=False)
+
+
+def parallelize(model: GPT, cfg: TrainConfig, device: torch.device, world_size: int) -> nn.Module:
+    """Wrap (DDP) or shard (FSDP2) the model; returns the module that train steps call."""
+    if cfg.parallel == "fsdp":
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch 2.5 keeps FSDP2 under _composable
+            from torch.distributed._composable.fsdp import fully_shard
+        if world_size > 1:
+            for block in model.transformer.h:
+                fully_shard(block)
+            fully_shard(model)
+        return model
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, world_size: int,
+                    verbose: bool) -> torch.optim.Optimizer:
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
+                                           device.type, verbose=verbose)
+    if cfg.parallel == "zero1" and world_size > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        # the same AdamW and groups, with each rank keeping the optimizer state of only its shard of parameters
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+        d = optimizer.defaults
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=d["lr"], betas=d["betas"],
+                                       eps=d["eps"], fused=d["fused"])
+    return optimizer
+
+
+def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Skip the gradient all-reduce on non-final micro-steps of gradient accumulation."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync") and not enabled:  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One optimizer step (bench.py times this same function)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], tuple], grad_accum: int,
+               autocast: contextlib.AbstractContextManager, grad_clip: float, label_smoothing: float = 0.0,
+               scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward grad_accum micro-batches, clip, step. Returns (mean loss, grad norm) as 0-d tensors."""
+    loss_accum = torch.zeros((), device=next(model.parameters()).device)
+    for micro in range(grad_accum):
+        x, y = next_batch()
+        with sync_gradients(model, micro == grad_accum - 1), autocast:
+            _, loss = model(x, y, label_smoothing=label_smoothing)
+        loss = loss / grad_accum  # gradients of the mean over all micro-batches, not the sum
+        loss_accum += loss.detach()
+        (scaler.scale(loss) if scaler else loss).backward()
+    if scaler:
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
+        norm = norm.full_tensor()
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_accum, norm
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _state_dicts(raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> tuple[dict | None, dict | None]:
+    """Full (unsharded, unwrapped) model and optimizer state; collective under ZeRO-1/FSDP, so every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(raw, options=opts)
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: gather every rank's shard on rank 0
+        optimizer.consolidate_state_dict(to=0)
+        optim_sd = optimizer.state_dict() if dist.get_rank() == 0 else None
+    else:  # keyed by parameter name, so DDP, FSDP and single-process checkpoints are interchangeable
+        optim_sd = get_optimizer_state_dict(raw, optimizer, options=opts)
+    return model_sd, optim_sd
+
+
+def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig,
+                    loader: TokenLoader, scaler: torch.amp.GradScaler | None, rank: int, world_size: int,
+                    prov: dict) -> None:
+    model_sd, optim_sd = _state_dicts(raw, optimizer, cfg)
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    rngs = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(rngs, rng)  # dropout masks differ per rank, so every rank's RNG is saved
+    else:
+        rngs = [rng]
+    if rank != 0:
+        return
+    ckpt = {
+        "model": model_sd, "optimizer": optim_sd, "optimizer_kind": cfg.parallel if world_size > 1 else "single",
+        "step": step, "loader": loader.state_dict(), "rng": rngs, "scaler": scaler.state_dict() if scaler else None,
+        "model_config": dataclasses.asdict(raw.config), "train_config": dataclasses.asdict(cfg),
+        "provenance": prov, "world_size": world_size,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(ckpt, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoint untouched
+    old = sorted(path.parent.glob("ckpt_*.pt"))
+    for stale in old[:-cfg.keep_last] if cfg.keep_last > 0 else []:
+        stale.unlink()
+
+
+def find_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint in out_dir that loads; corrupt or partial ones are reported and skipped."""
+    for path in sorted(out_dir.glob("ckpt_*.pt"), reverse=True):
+        try:
+            return path, load_checkpoint(path)
+        except (ValueError, OSError) as e:
+            print(f"warning: skipping unreadable checkpoint {path}: {e}", file=sys.stderr)
+    return None
+
+
+def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig, loader: TokenLoader,
+            scaler: torch.amp.GradScaler | None, rank: int, world_size: int) -> int:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    kind = cfg.parallel if world_size > 1 else "single"
+    if (ckpt["optimizer_kind"] == "zero1") != (kind == "zero1"):
+        raise ValueError(f"checkpoint optimizer state was saved with parallel={ckpt['optimizer_kind']}; resume with "
+                         "--parallel zero1 on both sides, or neither")
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(raw, ckpt["model"], options=opts)
+    if kind == "zero1":
+        optimizer.load_state_dict(ckpt["optimizer"])
+    else:
+        set_optimizer_state_dict(raw, optimizer, ckpt["optimizer"], options=opts)
+    loader.load_state_dict(ckpt["loader"])
+    if scaler and ckpt["scaler"]:
+        scaler.load_state_dict(ckpt["scaler"])
+    if len(ckpt["rng"]) == world_size:
+        rng = ckpt["rng"][rank]
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    elif rank == 0:
+        print(f"note: checkpoint came from world size {len(ckpt['rng'])}; RNG streams restart (dropout differs)")
+    return int(ckpt["step"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def val_loss(model: nn.Module, loader: TokenLoader, batches: int, autocast: contextlib.AbstractContextManager,
+             world_size: int) -> float:
+    """Mean loss over a fixed set of val batches (identical every call), averaged over all ranks."""
+    model.eval()
+    loader.reset()
+    total = torch.zeros((), device=loader.device)
+    for _ in range(batches):
+        x, y = loader.next_batch()
+        with autocast:
+            _, loss = model(x, y)
+        total += loss.float()
+    if world_size > 1:
+        dist.all_reduce(total)  # SUM: gloo has no AVG
+    model.train()
+    return total.item() / (batches * world_size)
+
+
+def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step: int) -> list[str]:
+    """A few samples from the uncompiled module (which shares the trained weights); own generator, so the
+    training RNG and therefore exact resume are untouched."""
+    idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=device)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
+    out = raw.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+    return [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Setup helpers
+
+
+def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
+    """rank, local_rank, world_size and device from torchrun's environment (or a single process)."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but CUDA is not available; use --device cpu")
+    if "RANK" in os.environ:
+        rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    else:
+        rank, local_rank, world = 0, 0, 1
+    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    return rank, local_rank, world, device
+
+
+def precision(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
+    name = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    if dtype == torch.float32:
+        return dtype, contextlib.nullcontext()
+    return dtype, torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class StopFlags:
+    """SIGTERM (cloud preemption) and the wall-clock budget: checked once per step, agreed across ranks."""
+
+    def __init__(self, max_minutes: float):
+        self.term = False
+        self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
+        signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, *_: Any) -> None:
+        self.term = True
+
+    def should_stop(self, device: torch.device, world_size: int) -> bool:
+        local = self.term or (self.deadline is not None and time.time() > self.deadline)
+        if world_size == 1:
+            return local
+        flag = torch.tensor([float(local)], device=device)
+        dist.all_reduce(flag)  # one rank's signal stops every rank at the same step
+        return bool(flag.item() > 0)
+
+
+def open_log(path: Path, resume: bool) -> Any:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "a" if resume else "w", buffering=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS, __doc__)
+    rank, _, world, device = setup_distributed(cfg)
+    master = rank == 0
+    try:
+        return _train(cfg, rank, world, device, master)
+    except (DataError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, master: bool) -> dict[str, Any]:
+    out_dir = Path(cfg.out_dir)
+    mcfg = model_config(cfg)
+    prov = provenance(device, world)
+    if master:
+        print(json.dumps({"provenance": prov, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg)},
+                         indent=None))
+    B, T = cfg.batch_size, cfg.seq_len
+    if cfg.total_batch_size % (B * T * world):
+        raise ValueError(f"--total-batch-size {cfg.total_batch_size} is not divisible by batch_size * seq_len * "
+                         f"world_size = {B} * {T} * {world} = {B * T * world}; change --batch-size or "
+                         "--total-batch-size")
+    grad_accum = cfg.total_batch_size // (B * T * world)
+    if cfg.dtype == "fp16" and cfg.parallel == "fsdp":
+        raise ValueError("--dtype fp16 is not supported with --parallel fsdp; use bf16")
+
+    torch.manual_seed(cfg.seed + rank)  # ranks see different data, so different dropout masks are right
+    if device.type == "cuda":
+        torch.cuda.manual_seed(cfg.seed + rank)
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (outside autocast) on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    train_loader = TokenLoader(cfg.data, "train", B, T, rank, world, cfg.seed, device, cfg.preload)
+    val_loader = TokenLoader(cfg.data, "val", B, T, rank, world, cfg.seed, device, cfg.preload) \
+        if cfg.eval_every > 0 else None
+
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    raw = GPT(mcfg).to(device)
+    torch.manual_seed(cfg.seed + rank)
+    apply_recompute(raw, cfg.recompute)
+    model = parallelize(raw, cfg, device, world)
+    # after parallelize: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
+    optimizer = build_optimizer(raw, cfg, device, world, master)
+    dtype, autocast = precision(cfg, device)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+
+    start_step = 0
+    found = None
+    if cfg.resume == "auto":
+        found = find_checkpoint(out_dir)
+        if found is None and master:
+            print(f"resume: no valid checkpoint in {out_dir}; starting from scratch")
+    elif cfg.resume:
+        found = (Path(cfg.resume), load_checkpoint(cfg.resume))
+    if found is not None:
+        start_step = restore(found[1], raw, optimizer, cfg, train_loader, scaler, rank, world)
+        if master:
+            print(f"resumed from {found[0]} at step {start_step}")
+    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    if use_compile:
+        model = torch.compile(model)
+
+    tokens_per_step = grad_accum * B * T * world
+    flops_per_token = raw.flops_per_token(T)
+    device_name = prov["device"]
+    if master:
+        print(f"{raw.num_params():,} params | {tokens_per_step:,} tokens/step = {B} x {T} x {world} ranks x "
+              f"{grad_accum} accum | {cfg.max_steps} steps | compile {use_compile} | {cfg.parallel} | {dtype}")
+    log = open_log(out_dir / "log.jsonl", resume=found is not None) if master else None
+
+    def write(record: dict) -> None:
+        if log:
+            log.write(json.dumps(record) + "\n")
+
+    write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
+           "model_config": dataclasses.asdict(mcfg), "provenance": prov})
+
+    hellaswag_examples = _load_hellaswag(cfg, master)
+    enc = get_tokenizer() if (cfg.sample_every > 0 or hellaswag_examples) else None
+    if cfg.overfit_batch:
+        fixed = train_loader.next_batch()
+        next_batch: Callable[[], tuple] = lambda: fixed
+    else:
+        next_batch = train_loader.next_batch
+    stop = StopFlags(cfg.max_time)
+    profiler = None
+    recent_ms: list[float] = []
+    losses: list[float] = []
+    result: dict[str, Any] = {"losses": losses}
+    step = start_step
+    t_start = time.time()
+    for step in range(start_step, cfg.max_steps):
+        last = step == cfg.max_steps - 1
+        if val_loader is not None and (step % cfg.eval_every == 0 or last):
+            vl = val_loss(model, val_loader, cfg.eval_batches, autocast, world)
+            result["val_loss"] = vl
+            write({"type": "val", "step": step, "tokens": step * tokens_per_step, "val_loss": vl})
+            if master:
+                print(f"step {step:6d} | val loss {vl:.4f}")
+        if hellaswag_examples and cfg.hellaswag_every > 0 and (step % cfg.hellaswag_every == 0 or last):
+            import hellaswag
+            hs = hellaswag.evaluate(model, hellaswag_examples, device, rank, world, limit=cfg.hellaswag_limit,
+                                    enc=enc)
+            result["hellaswag"] = hs
+            write({"type": "hellaswag", "step": step, "tokens": step * tokens_per_step, **hs})
+            if master:
+                print(f"step {step:6d} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
+        if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or last) and step > 0:
+            if master or cfg.parallel == "fsdp":  # FSDP forwards are collective: every rank must run them
+                texts = sample_text(raw, enc, cfg, device, step)
+                if master:
+                    for text in texts:
+                        print(f"sample: {text!r}")
+                    write({"type": "sample", "step": step, "texts": texts})
+
+        if cfg.profile and step == start_step + 2:
+            profiler = _start_profiler(device)
+        t0 = time.time()
+        lr = get_lr(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss, norm = train_step(model, optimizer, next_batch, grad_accum, autocast, cfg.grad_clip,
+                                cfg.label_smoothing, scaler)
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        loss_value = loss.item()  # also waits for the GPU, so the timing below is the real step time
+        dt = time.time() - t0
+        if profiler is not None and step == start_step + 2 + cfg.profile_steps - 1:
+            _stop_profiler(profiler, out_dir, rank, master)
+            profiler = None
+        if not math.isfinite(loss_value):
+            if master:
+                print(f"error: loss is {loss_value} at step {step}; stopping without writing a checkpoint. "
+                      "Lower --max-lr, raise --warmup-steps, or resume from the last good checkpoint.",
+                      file=sys.stderr)
+            result["stopped"] = "nan"
+            break
+        losses.append(loss_value)
+        if step > start_step:  # the first step includes compilation and warmup
+            recent_ms = (recent_ms + [dt * 1000])[-20:]
+        tok_s = tokens_per_step / dt
+        util = mfu(flops_per_token, tok_s / world, device_name, cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
+        write({"type": "train", "step": step, "tokens": (step + 1) * tokens_per_step, "loss": loss_value, "lr": lr,
+               "grad_norm": norm.item(), "ms": dt * 1000, "tok_s": tok_s, "mfu": util})
+        if master and (step % cfg.log_every == 0 or last):
+            ms = sorted(recent_ms)[len(recent_ms) // 2] if recent_ms else dt * 1000
+            eta = ms * (cfg.max_steps - step - 1) / 1000
+            print(f"step {step:6d}/{cfg.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | norm {norm.item():.3f} | "
+                  f"{dt * 1000:7.1f} ms | {tok_s:,.0f} tok/s | mfu {f'{util:.1%}' if util else 'n/a'} | "
+                  f"eta {_fmt_time(eta)}", flush=True)
+
+        done = last
+        stopping = stop.should_stop(device, world)
+        if (cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0) or done or stopping:
+            path = out_dir / f"ckpt_{step + 1:06d}.pt"
+            save_checkpoint(path, raw, optimizer, step + 1, cfg, train_loader, scaler, rank, world, prov)
+            if master:
+                print(f"saved {path}")
+            result["checkpoint"] = str(path)
+        if stopping:
+            if master:
+                why = "SIGTERM" if stop.term else f"--max-time {cfg.max_time} min"
+                print(f"stopping after step {step} ({why}); resume with --resume auto")
+            result["stopped"] = "signal" if stop.term else "max_time"
+            break
+    if master:
+        print(f"done: {len(losses)} steps in {_fmt_time(time.time() - t_start)}; outputs in {out_dir}")
+    if log:
+        log.close()
+    result["step"] = step
+    return result
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _load_hellaswag(cfg: TrainConfig, master: bool) -> list[dict] | None:
+    if cfg.hellaswag == "off" or cfg.hellaswag_every <= 0:
+        return None
+    import hellaswag
+    try:
+        path = hellaswag.download() if cfg.hellaswag == "auto" else Path(cfg.hellaswag)
+        return hellaswag.load_examples(path)
+    except (OSError, ValueError) as e:
+        if master:
+            print(f"hellaswag: skipped ({e.__class__.__name__}: {str(e).splitlines()[0][:150]}); "
+                  "pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it")
+        return None
+
+
+def _start_profiler(device: torch.device) -> torch.profiler.profile:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=acts, record_shapes=True)
+    prof.start()
+    return prof
+
+
+def _stop_profiler(prof: torch.profiler.profile, out_dir: Path, rank: int, master: bool) -> None:
+    prof.stop()
+    trace = out_dir / f"trace_rank{rank}.json"
+    prof.export_chrome_trace(str(trace))
+    if master:
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=15))
+        print(f"profile: trace written to {trace} (open in chrome://tracing or ui.perfetto.dev)")
+
+
+def iter_log(path: str | os.PathLike) -> Iterator[dict]:
+    """Records of a train.py log.jsonl (plot.py and the tests read it through this)."""
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+if __name__ == "__main__":
+    main()
