@@ -414,10 +414,10 @@ def open_log(path: Path, resume: bool) -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS, __doc__)
-    rank, _, world, device = setup_distributed(cfg)
+    rank, local_rank, world, device = setup_distributed(cfg)
     master = rank == 0
     try:
-        return _train(cfg, rank, world, device, master)
+        return _train(cfg, rank, local_rank, world, device, master)
     except (DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -426,7 +426,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, master: bool) -> dict[str, Any]:
+def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torch.device,
+           master: bool) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir)
     mcfg = model_config(cfg)
     prov = provenance(device, world)
@@ -492,7 +493,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, master
     write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
            "model_config": dataclasses.asdict(mcfg), "provenance": prov})
 
-    hellaswag_examples = _load_hellaswag(cfg, master)
+    hellaswag_examples = _load_hellaswag(cfg, local_rank, world, device, master)
     enc = get_tokenizer() if (cfg.sample_every > 0 or hellaswag_examples) else None
     if cfg.overfit_batch:
         fixed = train_loader.next_batch()
@@ -596,18 +597,36 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def _load_hellaswag(cfg: TrainConfig, master: bool) -> list[dict] | None:
+def _load_hellaswag(cfg: TrainConfig, local_rank: int, world: int, device: torch.device,
+                    master: bool) -> list[dict] | None:
+    """HellaSwag examples on every rank, or None on every rank (evaluate is collective, so all or none)."""
     if cfg.hellaswag == "off" or cfg.hellaswag_every <= 0:
         return None
     import hellaswag
+
+    path = Path(cfg.hellaswag) if cfg.hellaswag != "auto" else hellaswag.default_cache_dir() / "hellaswag_val.jsonl"
+    reason = ""
+    if cfg.hellaswag == "auto" and local_rank == 0:  # one download per node, the other ranks wait
+        try:
+            hellaswag.download()
+        except ConnectionError as e:
+            reason = f"could not download it: {e.__cause__ or e}"
+    if world > 1:
+        dist.barrier()
+    examples = None
     try:
-        path = hellaswag.download() if cfg.hellaswag == "auto" else Path(cfg.hellaswag)
-        return hellaswag.load_examples(path)
+        examples = hellaswag.load_examples(path)
     except (OSError, ValueError) as e:
+        reason = reason or str(e).splitlines()[0][:200]
+    have = torch.tensor([1.0 if examples else 0.0], device=device)
+    if world > 1:
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+    if have.item() == 0.0:
         if master:
-            print(f"hellaswag: skipped ({e.__class__.__name__}: {str(e).splitlines()[0][:150]}); "
-                  "pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it")
+            print(f"hellaswag: skipped ({reason or 'not available on every rank'}); pass --hellaswag PATH to a local "
+                  "hellaswag_val.jsonl to enable it, or --hellaswag off to silence this")
         return None
+    return examples
 
 
 def _start_profiler(device: torch.device) -> torch.profiler.profile:

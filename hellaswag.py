@@ -1,0 +1,330 @@
+"""HellaSwag, completion style: render, score, evaluate(model, ..., rank, world_size) -> metrics; CLI below.
+
+Each example is a context and 4 candidate endings. The model scores each ending by the cross-entropy of its
+tokens given the context; `acc` picks the lowest summed loss, `acc_norm` the lowest mean loss per token. This is
+the "completion style" of build-nanogpt / llm.c (GPT-2 124M: acc 0.2859, acc_norm 0.2955 on the 10,042
+validation examples), not the Eleuther harness's multiple-choice style, whose numbers are higher.
+
+train.py and the CLI both call `evaluate`; the scoring exists only there.
+
+Usage:
+    python hellaswag.py --init-from gpt2                      # OpenAI GPT-2 124M via HF
+    python hellaswag.py --ckpt out/run/ckpt_019000.pt --limit 1000
+    python hellaswag.py --init-from gpt2 --data hellaswag_val.jsonl   # offline: a local copy of the data
+    torchrun --standalone --nproc_per_node=8 hellaswag.py --ckpt out/run/ckpt_019000.pt
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from model import EOT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, provenance, resolve_device
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+SEQ_MULTIPLE = 32  # batches are padded to a multiple of this length, so a compiled model sees few distinct shapes
+
+
+class HellaSwagError(ValueError):
+    """A HellaSwag file or line that is malformed; the message starts with `path:line:`."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def default_cache_dir() -> Path:
+    return Path(__file__).resolve().parent / "data" / "hellaswag"  # data/ is git-ignored
+
+
+def download(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL) -> Path:
+    """Return the cached validation jsonl, downloading it first if needed (into a temp file, then renamed, so
+    an interrupted download never leaves a truncated file that looks complete)."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    dest = cache / "hellaswag_val.jsonl"
+    if dest.is_file():
+        return dest
+    from tqdm import tqdm
+
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".hellaswag_val.", suffix=".tmp")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp, os.fdopen(fd, "wb") as f:
+            total = int(resp.headers.get("Content-Length") or 0) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {dest.name}") as bar:
+                while chunk := resp.read(1 << 20):
+                    f.write(chunk)
+                    bar.update(len(chunk))
+        os.replace(tmp, dest)
+    except (urllib.error.URLError, OSError) as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise ConnectionError(f"could not download HellaSwag from {url} ({e}); on an offline machine copy "
+                              f"hellaswag_val.jsonl over and pass --data PATH (or place it at {dest})") from e
+    return dest
+
+
+def _validate(ex: Any) -> str | None:
+    """What is wrong with one parsed line, or None if it is a usable example."""
+    if not isinstance(ex, dict):
+        return f"expected a JSON object, got {type(ex).__name__}"
+    if "ctx" in ex:
+        if not isinstance(ex["ctx"], str):
+            return f"'ctx' must be a string, got {type(ex['ctx']).__name__}"
+    elif "ctx_a" in ex and "ctx_b" in ex:
+        if not (isinstance(ex["ctx_a"], str) and isinstance(ex["ctx_b"], str)):
+            return "'ctx_a' and 'ctx_b' must be strings"
+    else:
+        return "missing key 'ctx' (or 'ctx_a' and 'ctx_b')"
+    if "endings" not in ex:
+        return "missing key 'endings'"
+    endings = ex["endings"]
+    if not isinstance(endings, list) or len(endings) != 4 or not all(isinstance(e, str) for e in endings):
+        got = f"{len(endings)} items" if isinstance(endings, list) else type(endings).__name__
+        return f"'endings' must be a list of 4 strings, got {got}"
+    if "label" not in ex:
+        return "missing key 'label' (the test split has no labels; use the validation file)"
+    label = ex["label"]
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label <= 3:
+        return f"'label' must be an integer 0..3, got {label!r}"
+    return None
+
+
+def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Read and validate HellaSwag jsonl lines (the first `limit` examples if given). Blank lines are skipped.
+
+    Examples without `ctx` get it from `ctx_a + " " + ctx_b`, which is how HellaSwag builds it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"HellaSwag file {path} does not exist; pass the validation jsonl with --data PATH, "
+                                "or leave --data out to download it")
+    examples: list[dict] = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if limit is not None and len(examples) >= limit:
+                break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise HellaSwagError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                ex = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise HellaSwagError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            problem = _validate(ex)
+            if problem:
+                raise HellaSwagError(f"{path}:{lineno}: {problem}")
+            if "ctx" not in ex:
+                ex = {**ex, "ctx": " ".join(s for s in (ex["ctx_a"], ex["ctx_b"]) if s)}
+            examples.append(ex)
+    if not examples:
+        raise HellaSwagError(f"{path}: no examples")
+    return examples
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Rendering and scoring
+
+
+@dataclass
+class Rendered:
+    """One example as tokens: the context once, then the 4 candidate endings."""
+
+    ctx: list[int]  # context tokens, shared by the 4 candidates
+    endings: list[list[int]]  # each ending's tokens, encoded with a leading space so it continues the context
+    label: int  # index of the correct ending
+
+
+def render_example(example: dict, enc: Any) -> Rendered:
+    """Tokenize an example (as returned by load_examples): candidate i is `ctx + endings[i]`."""
+    return Rendered(ctx=enc.encode(example["ctx"]), endings=[enc.encode(" " + e) for e in example["endings"]],
+                    label=example["label"])
+
+
+def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and ending masks, (rows, T) each: 4 rows per example, then dummy rows (mask 0) up to `rows`.
+
+    T is the longest candidate rounded up to a multiple of 32 and capped at block_size, and `rows` is fixed, so a
+    compiled model sees few distinct shapes. Padding goes on the right, where causal attention cannot see it from
+    the real tokens. A candidate longer than block_size is cropped from the left, keeping its ending: the context
+    loses its first tokens (and if the ending alone is longer, its first tokens are not scored either).
+    """
+    assert 4 * len(batch) <= rows, f"{len(batch)} examples do not fit in {rows} rows"
+    seqs, masks = [], []
+    for r in batch:
+        for end in r.endings:
+            seq, mask = r.ctx + end, [0] * len(r.ctx) + [1] * len(end)
+            if block_size is not None and len(seq) > block_size:
+                seq, mask = seq[-block_size:], mask[-block_size:]
+            seqs.append(seq)
+            masks.append(mask)
+    longest = max((len(s) for s in seqs), default=1)  # an empty batch still makes one (all-dummy) forward
+    T = SEQ_MULTIPLE * math.ceil(longest / SEQ_MULTIPLE)
+    T = min(T, block_size) if block_size is not None else T
+    tokens = torch.full((rows, T), EOT, dtype=torch.long)
+    mask = torch.zeros((rows, T), dtype=torch.long)
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+        tokens[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(m)] = torch.tensor(m)
+    return tokens, mask
+
+
+def score_batch(model: Any, tokens: torch.Tensor, mask: torch.Tensor,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed and mean cross-entropy of the masked tokens of each row, (rows,) each, in fp32 (0 for dummy rows).
+
+    Logit t predicts token t + 1, so a masked token at t + 1 is scored by row position t. Only those positions
+    are gathered and upcast to fp32: the full (rows, T, V) logits in fp32 would be several GB for GPT-2.
+    """
+    rows, T = tokens.shape
+    scored = mask[:, 1:].bool()  # (rows, T-1): target t+1 is an ending token
+    r, t = scored.nonzero(as_tuple=True)  # computed on the CPU tensors: no device sync
+    flat = (r * T + t).to(device, non_blocking=True)  # index into logits viewed as (rows*T, V)
+    tokens = tokens.to(device, non_blocking=True)
+    logits, _ = model(tokens)  # (rows, T, V)
+    logits = logits.reshape(rows * T, -1)[flat, :GPT2_VOCAB].float()  # (M, V): padded vocab ids are not tokens
+    targets = tokens.view(-1)[flat + 1]  # (M,)
+    ce = F.cross_entropy(logits, targets, reduction="none")  # (M,)
+    sums = torch.zeros(rows, device=device).index_add_(0, r.to(device), ce)
+    counts = scored.sum(1).clamp(min=1).to(device)
+    return sums, sums / counts
+
+
+def _config(model: Any) -> Any:
+    """The GPTConfig under torch.compile and DDP wrappers (in either order), or None for another kind of model."""
+    while isinstance(model, DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
+    return getattr(model, "config", None)
+
+
+def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank: int = 0, world_size: int = 1,
+             limit: int | None = None, batch_size: int = 16, enc: Any = None) -> dict:
+    """Completion-style HellaSwag accuracy of `model` (callable as `model(idx) -> (logits, loss)`): a GPT, or the
+    module train.py steps (compiled, DDP-wrapped or FSDP-sharded), called on every rank.
+
+    Examples are split across ranks by striding; the counts are all-reduced, so the result is the same on every
+    rank (world_size > 1 needs an initialized process group). Runs under no_grad, in eval mode (restored after),
+    and in bf16 autocast on CUDA. A candidate longer than the model's block_size is cropped from the left, keeping
+    its ending (see make_batch). Returns {"acc", "acc_norm", "n", "examples_per_sec"}.
+    """
+    device = torch.device(device)
+    examples = examples[:limit] if limit is not None else examples
+    if not examples:
+        raise ValueError("evaluate() got no HellaSwag examples")
+    enc = enc if enc is not None else get_tokenizer()
+    block_size = getattr(_config(model), "block_size", None)  # None (no GPTConfig): candidates are not cropped
+    t0 = time.perf_counter()
+    rendered = [render_example(ex, enc) for ex in examples[rank::world_size]]
+    # longest first: less padding per batch, and an out-of-memory batch size fails at once, not at the end
+    rendered.sort(key=lambda r: -max(len(r.ctx) + len(e) for e in r.endings))
+    # every rank runs as many forwards as the rank with the most examples (the others finish with all-dummy
+    # batches): forwards of FSDP and of DDP with buffers are collectives, which hang if one rank skips them
+    n_batches = math.ceil(math.ceil(len(examples) / world_size) / batch_size)
+    correct = torch.zeros(2, dtype=torch.long, device=device)  # (acc, acc_norm) counts on this rank
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            for b in range(n_batches):
+                batch = rendered[b * batch_size:(b + 1) * batch_size]  # short or empty at the end
+                tokens, mask = make_batch(batch, 4 * batch_size, block_size)
+                sums, means = score_batch(model, tokens, mask, device)
+                n = len(batch)
+                labels = torch.tensor([r.label for r in batch], dtype=torch.long, device=device)
+                correct[0] += (sums[:4 * n].view(n, 4).argmin(1) == labels).sum()
+                correct[1] += (means[:4 * n].view(n, 4).argmin(1) == labels).sum()
+    finally:
+        model.train(was_training)
+    counts = torch.cat([correct, torch.tensor([len(rendered)], device=device)])
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank is when the result is ready
+    acc, acc_norm, n = counts.tolist()
+    return {"acc": acc / n, "acc_norm": acc_norm / n, "n": n, "examples_per_sec": n / elapsed.item()}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+@dataclass
+class HellaSwagConfig:
+    """Completion-style HellaSwag accuracy of this project's checkpoint or an HF GPT-2 (runs under torchrun too)."""
+
+    ckpt: str | None = None  # checkpoint of this project (.pt written by train.py)
+    init_from: str | None = None  # or HF GPT-2: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a local HF directory
+    data: str | None = None  # local hellaswag_val.jsonl (offline machines); None downloads it into cache_dir
+    cache_dir: str | None = None  # where the download goes; None is data/hellaswag next to this script
+    limit: int | None = None  # evaluate only the first N examples (quick checks)
+    batch_size: int = 16  # examples per forward pass (x4 rows); lower it if the GPU runs out of memory
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    compile: bool = False  # torch.compile the model first (pays off on the full set on a GPU)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"HellaSwagConfig.batch_size must be >= 1, got {self.batch_size}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"HellaSwagConfig.limit must be >= 1 or None, got {self.limit}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+
+    cfg = parse_config(HellaSwagConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    # torchrun sets these; a plain `python hellaswag.py` is one rank
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = resolve_device(cfg.device)
+    if world_size > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    try:
+        try:
+            if cfg.data is not None:
+                path = Path(cfg.data)
+            else:
+                # rank 0 downloads while the others wait, then they all find it in the cache
+                if rank == 0:
+                    download(cfg.cache_dir)
+                if world_size > 1:
+                    dist.barrier()
+                path = download(cfg.cache_dir)
+            examples = load_examples(path, cfg.limit)
+            model = load_model(cfg.ckpt, cfg.init_from).to(device)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise SystemExit(f"error: {e}".replace("\n", " ")) from None
+        if rank == 0:
+            source = cfg.ckpt or cfg.init_from
+            print(f"hellaswag: {source}, {model.num_params():,} params, {len(examples)} examples, "
+                  f"{provenance(device, world_size)}", file=sys.stderr)
+        net = torch.compile(model) if cfg.compile else model
+        result = evaluate(net, examples, device, rank, world_size, batch_size=cfg.batch_size)
+        if rank == 0:
+            print(f"hellaswag: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} n {result['n']} "
+                  f"({result['examples_per_sec']:.1f} examples/s)", flush=True)
+        return result
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

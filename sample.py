@@ -1,0 +1,151 @@
+"""Generate text from this project's checkpoint or an OpenAI GPT-2, streamed to the terminal as it is produced.
+
+Samples are drawn one after another from one generator seeded by --seed, so a seed gives the same text on a
+given device. bf16 on CUDA, fp32 on CPU. The text goes to stdout; notices and the speed line go to stderr.
+
+Usage:
+    python sample.py --ckpt out/run/ckpt_019000.pt --prompt "Hello, I'm a language model,"
+    python sample.py --init-from gpt2-xl --prompt @prompt.txt --num-samples 1 --max-new-tokens 200
+    echo "The meaning of life is" | python sample.py --init-from gpt2 --prompt - --temperature 0
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from model import EOT, GPT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, resolve_device
+
+
+@dataclass
+class SampleConfig:
+    """Sample text from a checkpoint of this project (--ckpt) or an HF GPT-2 (--init-from)."""
+
+    ckpt: str | None = None  # checkpoint of this project (.pt written by train.py)
+    init_from: str | None = None  # or HF GPT-2: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a local HF directory
+    prompt: str = "Hello, I'm a language model,"  # text to continue; @FILE reads a file, - reads stdin
+    num_samples: int = 3  # samples, generated one after another
+    max_new_tokens: int = 100  # tokens generated per sample
+    temperature: float = 0.8  # softmax temperature; 0 is greedy
+    top_k: int | None = 200  # sample among the k most likely tokens only; none disables
+    top_p: float | None = None  # nucleus sampling: the smallest set of tokens with this much probability
+    seed: int = 1337  # seed of the sampling generator: the same seed gives the same text on a given device
+    no_cache: bool = False  # recompute the whole context every step instead of using the KV cache (slow; a check)
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"SampleConfig.num_samples must be >= 1, got {self.num_samples}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SampleConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SampleConfig.temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"SampleConfig.top_k must be >= 1 or none, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SampleConfig.top_p must be in (0, 1] or none, got {self.top_p}")
+
+
+def read_prompt(prompt: str, stdin: TextIO | None = None) -> str:
+    """`-` reads stdin, `@FILE` reads a file, anything else is the prompt itself."""
+    if prompt == "-":
+        return (stdin or sys.stdin).read()
+    if prompt.startswith("@"):
+        path = Path(prompt[1:])
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {path} does not exist (--prompt @FILE reads a file)")
+        return path.read_text(encoding="utf-8")
+    return prompt
+
+
+def generate_text(model: GPT, enc: Any, cfg: SampleConfig, device: torch.device | str,
+                  out: TextIO | None = None) -> list[str]:
+    """Stream cfg.num_samples continuations of cfg.prompt (the text itself) to `out`; return the continuations.
+
+    The model is used as it is (main casts it to bf16 on CUDA). Speed goes to stderr as `N tokens in S s (R tok/s)`.
+    """
+    out = out or sys.stdout
+    device = torch.device(device)
+    tokens = enc.encode(cfg.prompt, allowed_special="all") or [EOT]  # an empty prompt starts a new document
+    shown = cfg.prompt
+    keep = model.config.block_size - 1  # room for at least one new token in the context window
+    if len(tokens) > keep:
+        print(f"notice: the prompt has {len(tokens)} tokens, more than block_size - 1 = {keep}; "
+              f"keeping the last {keep}", file=sys.stderr)
+        tokens = tokens[-keep:]
+        shown = enc.decode(tokens)
+    idx = torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    texts, n_tokens = [], 0
+    t0 = time.perf_counter()
+    for _ in range(cfg.num_samples):
+        out.write(shown)
+        out.flush()
+        # a token can end in the middle of a multi-byte UTF-8 character: the decoder holds it back until complete
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        pieces = []
+        for nxt in model.generate_stream(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                                         top_p=cfg.top_p, use_cache=not cfg.no_cache, generator=generator):
+            piece = decoder.decode(enc.decode_single_token_bytes(int(nxt[0, 0])))
+            pieces.append(piece)
+            out.write(piece)
+            out.flush()
+            n_tokens += 1
+        pieces.append(decoder.decode(b"", final=True))
+        out.write(pieces[-1] + "\n---------------\n")
+        out.flush()
+        texts.append("".join(pieces))
+    elapsed = time.perf_counter() - t0
+    print(f"{n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tok/s)", file=sys.stderr)
+    return texts
+
+
+def decode_speed(model: GPT, prompt_len: int, new_tokens: int, use_cache: bool, device: torch.device | str,
+                 batch_size: int = 1) -> float:
+    """Greedy decoding speed in generated tokens/s (all sequences of the batch), prefill included.
+
+    For bench.py. The model is used as it is: cast it to bf16 first to measure bf16 on CUDA, as sample.py does.
+    A short untimed run first takes allocation and kernel selection out of the measurement.
+    """
+    device = torch.device(device)
+    if prompt_len < 1 or new_tokens < 1 or prompt_len + new_tokens > model.config.block_size:
+        raise ValueError(f"decode_speed needs 1 <= prompt_len, 1 <= new_tokens and prompt_len + new_tokens <= "
+                         f"block_size ({model.config.block_size}), got {prompt_len} + {new_tokens}")
+    gen = torch.Generator(device=device).manual_seed(0)
+    idx = torch.randint(0, GPT2_VOCAB, (batch_size, prompt_len), generator=gen, device=device)
+    for _ in model.generate_stream(idx, min(new_tokens, 4), temperature=0.0, use_cache=use_cache):
+        pass
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in model.generate_stream(idx, new_tokens, temperature=0.0, use_cache=use_cache):
+        pass  # no .item(): the device runs ahead; the synchronize below waits for it
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return batch_size * new_tokens / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    cfg = parse_config(SampleConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    device = resolve_device(cfg.device)
+    try:
+        prompt = read_prompt(cfg.prompt)
+        model = load_model(cfg.ckpt, cfg.init_from)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SystemExit(f"error: {e}".replace("\n", " ")) from None
+    model.to(device)
+    if device.type == "cuda":
+        model.to(torch.bfloat16)  # decoding is bound by reading the weights: half the bytes, about twice the speed
+    torch.manual_seed(cfg.seed)
+    return generate_text(model, get_tokenizer(), dataclasses.replace(cfg, prompt=prompt), device)
+
+
+if __name__ == "__main__":
+    main()

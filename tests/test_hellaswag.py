@@ -1,0 +1,293 @@
+"""hellaswag.py: loading and validation, rendering, batched and 2-rank scoring against a per-example reference, CLI."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hellaswag import (
+    HellaSwagError,
+    download,
+    evaluate,
+    load_examples,
+    main,
+    make_batch,
+    render_example,
+    score_batch,
+)
+from model import EOT, GPT, GPT2_VOCAB, GPTConfig, get_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
+LABELS = [2, 0, 1, 3, 1, 0]  # the fixture's labels, in file order
+RESULT = re.compile(r"^hellaswag: acc (\d\.\d{4}) acc_norm (\d\.\d{4}) n (\d+) \(([\d.]+) examples/s\)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return load_examples(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf_tiny")
+    GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4)).save_pretrained(path)
+    return path
+
+
+def tiny_gpt(block_size: int = 64, dropout: float = 0.0) -> GPT:
+    torch.manual_seed(0)
+    # vocab 50304: the padded table, so the test also covers that padded ids are left out of the softmax
+    return GPT(GPTConfig(block_size=block_size, n_layer=2, n_head=4, n_embd=32, dropout=dropout)).eval()
+
+
+def reference_losses(model: GPT, example: dict, enc, block_size: int) -> list[tuple[float, float]]:
+    """Per ending, one unpadded forward of ctx + ending (cropped from the left to block_size): (sum, mean) of the
+    negative log-likelihood of the ending tokens that have a token before them."""
+    ctx = enc.encode(example["ctx"])
+    out = []
+    with torch.no_grad():
+        for ending in example["endings"]:
+            end = enc.encode(" " + ending)
+            seq = (ctx + end)[-block_size:]
+            n_scored = min(len(end), len(seq) - 1)
+            logits, _ = model(torch.tensor([seq]))
+            logp = logits[0, :-1, :GPT2_VOCAB].double().log_softmax(-1)  # (T-1, V)
+            nll = -logp[torch.arange(len(seq) - 1), torch.tensor(seq[1:])][-n_scored:]
+            out.append((nll.sum().item(), nll.mean().item()))
+    return out
+
+
+def reference_correct(model: GPT, examples: list[dict], enc, block_size: int) -> list[tuple[bool, bool]]:
+    """Per example: is the lowest summed loss (acc) / lowest mean loss (acc_norm) the labelled ending?"""
+    out = []
+    for ex in examples:
+        losses = reference_losses(model, ex, enc, block_size)
+        by_sum = min(range(4), key=lambda i: losses[i][0])
+        by_mean = min(range(4), key=lambda i: losses[i][1])
+        out.append((by_sum == ex["label"], by_mean == ex["label"]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def test_load_examples_reads_the_fixture(examples, tmp_path):
+    assert len(examples) == 6
+    assert [ex["label"] for ex in examples] == LABELS
+    assert all(ex["ctx"] == " ".join(s for s in (ex["ctx_a"], ex["ctx_b"]) if s) for ex in examples)
+    assert len(load_examples(FIXTURE, limit=2)) == 2
+    # without `ctx`, it is built the way HellaSwag builds it: ctx_a, a space, ctx_b
+    line = {k: v for k, v in examples[0].items() if k != "ctx"}
+    path = tmp_path / "no_ctx.jsonl"
+    path.write_text(json.dumps(line) + "\n\n")
+    (loaded,) = load_examples(path)
+    assert loaded["ctx"] == "A woman stands at a kitchen sink full of plates. she"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 0', "not valid JSON"),
+    ('["ctx", "endings"]', "expected a JSON object, got list"),
+    ('{"endings": ["a", "b", "c", "d"], "label": 0}', "missing key 'ctx' (or 'ctx_a' and 'ctx_b')"),
+    ('{"ctx": "a", "label": 0}', "missing key 'endings'"),
+    ('{"ctx": "a", "endings": ["a", "b", "c"], "label": 0}', "'endings' must be a list of 4 strings, got 3 items"),
+    ('{"ctx": "a", "endings": ["a", "b", "c", 4], "label": 0}', "'endings' must be a list of 4 strings"),
+    ('{"ctx": "a", "endings": ["a", "b", "c", "d"]}', "missing key 'label'"),
+    ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 4}', "'label' must be an integer 0..3, got 4"),
+    ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": "1"}', "'label' must be an integer 0..3, got '1'"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(FIXTURE.read_text().splitlines()[0] + "\n" + line + "\n")
+    with pytest.raises(HellaSwagError) as e:
+        load_examples(path)
+    assert str(e.value).startswith(f"{path}:2: ")
+    assert message in str(e.value)
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist; pass the validation jsonl with --data"):
+        load_examples(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(HellaSwagError, match="empty.jsonl: no examples"):
+        load_examples(tmp_path / "empty.jsonl")
+
+
+def test_download_caches_and_explains_failure(tmp_path):
+    # a file:// URL runs the real urllib download path without a network
+    path = download(tmp_path / "cache", url=FIXTURE.as_uri())
+    assert path == tmp_path / "cache" / "hellaswag_val.jsonl"
+    assert path.read_bytes() == FIXTURE.read_bytes()
+    assert [p.name for p in path.parent.iterdir()] == ["hellaswag_val.jsonl"]  # the temp file is gone
+    assert download(tmp_path / "cache", url=(tmp_path / "gone").as_uri()) == path  # cached: no second download
+    with pytest.raises(ConnectionError, match="could not download HellaSwag.*pass --data PATH"):
+        download(tmp_path / "other", url=(tmp_path / "gone").as_uri())
+    assert list((tmp_path / "other").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# rendering
+
+
+def test_render_and_batch_shapes_and_masks(examples, enc):
+    rendered = [render_example(ex, enc) for ex in examples[1:3]]
+    for ex, r in zip(examples[1:3], rendered, strict=True):
+        assert r.ctx == enc.encode(ex["ctx"])
+        assert r.endings == [enc.encode(" " + e) for e in ex["endings"]]
+        assert all(enc.decode(e).startswith(" ") for e in r.endings)
+        assert r.label == ex["label"]
+    tokens, mask = make_batch(rendered, rows=12, block_size=64)
+    longest = max(len(r.ctx) + len(e) for r in rendered for e in r.endings)
+    assert longest == 40
+    assert tokens.shape == mask.shape == (12, 64)  # 2 examples x 4 + 4 dummy rows; 40 rounded up to 64
+    for j, r in enumerate(rendered):
+        for i, end in enumerate(r.endings):
+            row, n = 4 * j + i, len(r.ctx) + len(end)
+            assert tokens[row, :n].tolist() == r.ctx + end
+            assert (tokens[row, n:] == EOT).all()
+            assert mask[row].tolist() == [0] * len(r.ctx) + [1] * len(end) + [0] * (64 - n)
+    assert (mask[8:] == 0).all()
+
+
+def test_batch_crops_from_the_left_keeping_the_ending(examples, enc):
+    r = render_example(examples[2], enc)  # the longest example: 40 tokens
+    tokens, mask = make_batch([r], rows=4, block_size=24)
+    assert tokens.shape == (4, 24)  # 40 -> 64 by rounding, capped at the block size
+    for i, end in enumerate(r.endings):
+        assert tokens[i].tolist()[-len(end):] == end
+        seq = (r.ctx + end)[-24:]
+        assert tokens[i, :len(seq)].tolist() == seq
+        assert mask[i, :len(seq)].sum().item() == len(end)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# scoring
+
+
+def test_score_batch_equals_per_ending_reference(examples, enc):
+    model = tiny_gpt()
+    rendered = [render_example(ex, enc) for ex in examples]
+    tokens, mask = make_batch(rendered, rows=28, block_size=64)
+    with torch.no_grad():
+        sums, means = score_batch(model, tokens, mask, torch.device("cpu"))
+    ref = torch.tensor([loss for ex in examples for loss in reference_losses(model, ex, enc, 64)])  # (24, 2)
+    torch.testing.assert_close(sums[:24], ref[:, 0].float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(means[:24], ref[:, 1].float(), rtol=1e-5, atol=1e-5)
+    assert (sums[24:] == 0).all() and (means[24:] == 0).all()  # dummy rows
+    assert ref[:, 1].min() > 10.0  # untrained: about ln(50257) = 10.8 per token
+
+
+@pytest.mark.parametrize("block_size", [64, 24])  # 24 crops the long examples from the left
+def test_evaluate_equals_per_example_reference(examples, enc, block_size):
+    model = tiny_gpt(block_size)
+    ref = reference_correct(model, examples, enc, block_size)
+    expected_acc = sum(a for a, _ in ref) / 6
+    expected_norm = sum(b for _, b in ref) / 6
+    for batch_size in (1, 4):  # 4: the second batch has 2 examples and 8 dummy rows
+        result = evaluate(model, examples, "cpu", batch_size=batch_size, enc=enc)
+        assert result["n"] == 6
+        assert result["acc"] == expected_acc and result["acc_norm"] == expected_norm
+        assert result["examples_per_sec"] > 0
+    # one example at a time: each verdict, not only the totals, matches the reference
+    for ex, (ok, ok_norm) in zip(examples, ref, strict=True):
+        one = evaluate(model, [ex], "cpu", batch_size=1, enc=enc)
+        assert (one["acc"], one["acc_norm"]) == (float(ok), float(ok_norm))
+    assert evaluate(model, examples, "cpu", limit=2, batch_size=2, enc=enc)["n"] == 2
+
+
+class CountingModel(torch.nn.Module):
+    """A GPT that counts its forward passes."""
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.model, self.config, self.calls = model, model.config, 0
+
+    def forward(self, idx):
+        self.calls += 1
+        return self.model(idx)
+
+
+def test_evaluate_compiled_ddp_model_in_training_mode(examples, enc, tmp_path):
+    """train.py passes torch.compile(DDP(model)) in training mode: evaluate scores it in eval mode (dropout off) and
+    restores training mode. DDP's forward (like FSDP's) is a collective, so every rank must also run the same number
+    of forwards when the examples do not split evenly."""
+    import torch.distributed as dist
+
+    model = tiny_gpt(dropout=0.5)
+    ref = reference_correct(model, examples, enc, 64)  # eval mode
+    model.train()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        # the eager backend: dynamo's wrapper and tracing, without needing a C++ compiler
+        wrapped = torch.compile(torch.nn.parallel.DistributedDataParallel(model), backend="eager")
+        result = evaluate(wrapped, examples, "cpu", rank=0, world_size=1, batch_size=6, enc=enc)  # one batch
+        assert model.training and wrapped.training
+        model.eval()
+        # a group of one, told it is one of 4 ranks: ranks 0-1 get 2 examples, ranks 2-3 get 1; all run 2 forwards
+        calls = []
+        for rank in range(4):
+            counting = CountingModel(model)
+            evaluate(counting, examples, "cpu", rank=rank, world_size=4, batch_size=1, enc=enc)
+            calls.append(counting.calls)
+    finally:
+        dist.destroy_process_group()
+    assert result["n"] == 6
+    assert result["acc"] == sum(a for a, _ in ref) / 6 and result["acc_norm"] == sum(b for _, b in ref) / 6
+    assert calls == [2, 2, 2, 2]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CLI, one rank and two
+
+
+def test_cli_on_hf_directory_matches_evaluate(hf_dir, examples, enc, capsys):
+    result = main(["--data", str(FIXTURE), "--init-from", str(hf_dir), "--batch-size", "2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    acc, acc_norm, n, _ = RESULT.search(out).groups()
+    assert (float(acc), float(acc_norm), int(n)) == (round(result["acc"], 4), round(result["acc_norm"], 4), 6)
+    model = GPT.from_pretrained(str(hf_dir)).eval()
+    ref = reference_correct(model, examples, enc, 64)
+    assert result["acc"] == sum(a for a, _ in ref) / 6 and result["acc_norm"] == sum(b for _, b in ref) / 6
+
+
+def test_cli_two_ranks_equal_one_rank(hf_dir, examples, enc):
+    """torchrun with 2 gloo ranks (3 examples each) prints the acc, acc_norm and n of one process."""
+    one = evaluate(GPT.from_pretrained(str(hf_dir)), examples, "cpu", batch_size=2, enc=enc)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hellaswag.py",
+           "--data", str(FIXTURE), "--init-from", str(hf_dir), "--batch-size", "2", "--device", "cpu"]
+    two = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=120)
+    assert two.returncode == 0, two.stderr
+    lines = RESULT.findall(two.stdout)
+    assert len(lines) == 1  # only rank 0 prints
+    acc, acc_norm, n, _ = lines[0]
+    assert (float(acc), float(acc_norm), int(n)) == (round(one["acc"], 4), round(one["acc_norm"], 4), 6)
+
+
+def test_cli_errors_are_one_line(tmp_path, hf_dir):
+    with pytest.raises(SystemExit, match=r"^error: HellaSwag file .*nope.jsonl does not exist"):
+        main(["--data", str(tmp_path / "nope.jsonl"), "--init-from", str(hf_dir)])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ctx": "a", "endings": ["a"], "label": 0}\n')
+    with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(bad))}:1: 'endings' must be a list of 4"):
+        main(["--data", str(bad), "--init-from", str(hf_dir)])
+    not_ckpt = tmp_path / "not_ckpt.pt"
+    torch.save({"weights": torch.zeros(2)}, not_ckpt)
+    with pytest.raises(SystemExit, match=r"^error: .*not_ckpt.pt is not a checkpoint of this project"):
+        main(["--data", str(FIXTURE), "--ckpt", str(not_ckpt)])
+    with pytest.raises(SystemExit, match=r"^error: no model given: pass --ckpt PATH"):
+        main(["--data", str(FIXTURE)])

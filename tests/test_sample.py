@@ -1,0 +1,230 @@
+"""sample.py: end to end from a checkpoint and an HF directory, seeds, KV cache vs none, prompts, streaming, errors."""
+
+import dataclasses
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import GPT, MODEL_PRESETS, get_tokenizer
+from sample import SampleConfig, decode_speed, generate_text, main
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEED = re.compile(r"^(\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\)$", re.M)
+SEP = "\n---------------\n"
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GPT(MODEL_PRESETS["tiny"]()).eval()  # block_size 64
+
+
+@pytest.fixture(scope="module")
+def ckpt(model, tmp_path_factory):
+    """A checkpoint in train.py's format."""
+    path = tmp_path_factory.mktemp("ckpt") / "ckpt_000000.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "step": 0}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf_tiny")
+    GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4)).save_pretrained(path)
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "sample.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# end to end
+
+
+def test_main_from_checkpoint_streams_samples_and_speed(ckpt, capsys):
+    texts = main(["--ckpt", str(ckpt), "--prompt", "Hello", "--num-samples", "2", "--max-new-tokens", "5",
+                  "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert len(texts) == 2 and all(texts)
+    assert out == "Hello" + texts[0] + SEP + "Hello" + texts[1] + SEP
+    n, seconds, rate = SPEED.search(err).groups()
+    assert int(n) == 10
+    # the rate is n over the unrounded time; the printed time is rounded to 0.01 s
+    assert 10 / (float(seconds) + 0.005) - 0.05 <= float(rate) <= 10 / max(float(seconds) - 0.005, 1e-3) + 0.05
+
+
+def test_checkpoint_and_hf_dir_agree_with_generate(model, ckpt, hf_dir, enc, capsys):
+    """Greedy text from main() equals model.generate on the same weights, for both ways of loading."""
+    prompt = "The cat sat on"
+    idx = torch.tensor([enc.encode(prompt)])
+    hf_model = GPT.from_pretrained(str(hf_dir))
+    for flag, weights, ref_model, extra in (("--ckpt", ckpt, model, []),
+                                            ("--init-from", hf_dir, hf_model, ["--no-cache"])):
+        (text,) = main([flag, str(weights), "--prompt", prompt, "--num-samples", "1", "--max-new-tokens", "12",
+                        "--temperature", "0", "--device", "cpu", *extra])
+        expected = ref_model.generate(idx, 12, temperature=0.0)[0, idx.size(1):].tolist()
+        assert text == enc.decode(expected)
+    assert SPEED.search(capsys.readouterr().err).group(1) == "12"
+
+
+def test_cli_subprocess_exit_codes(hf_dir, tmp_path):
+    ok = run_cli("--init-from", str(hf_dir), "--num-samples", "1", "--max-new-tokens", "4", "--device", "cpu")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("Hello, I'm a language model,") and ok.stdout.endswith(SEP)
+    assert SPEED.search(ok.stderr).group(1) == "4"
+    bad = run_cli("--ckpt", str(tmp_path / "missing.pt"))
+    assert bad.returncode == 1
+    assert bad.stdout == ""
+    assert bad.stderr.count("\n") == 1 and bad.stderr.startswith(f"error: checkpoint {tmp_path / 'missing.pt'} does")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# determinism and the KV cache
+
+
+def test_same_seed_same_text_other_seed_other_text(model, enc, capsys):
+    cfg = SampleConfig(prompt="Once upon a time", num_samples=2, max_new_tokens=16, temperature=1.0, top_k=None)
+    first = generate_text(model, enc, cfg, "cpu")
+    again = generate_text(model, enc, cfg, "cpu")
+    other = generate_text(model, enc, dataclasses.replace(cfg, seed=cfg.seed + 1), "cpu")
+    assert first == again
+    assert first[0] != first[1]  # the samples continue one generator: they differ from each other
+    assert first != other
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, None, None), (0.9, 50, 0.9)])
+def test_cache_and_no_cache_give_identical_text(model, enc, capsys, temperature, top_k, top_p):
+    # 80 new tokens after an 8-token prompt overflow the 64-token window: the cache is refilled from the crop
+    cfg = SampleConfig(prompt="Hello, I'm a language model,", num_samples=1, max_new_tokens=80,
+                       temperature=temperature, top_k=top_k, top_p=top_p)
+    cached = generate_text(model, enc, cfg, "cpu")
+    uncached = generate_text(model, enc, dataclasses.replace(cfg, no_cache=True), "cpu")
+    assert cached == uncached
+    assert SPEED.findall(capsys.readouterr().err)[0][0] == "80"
+
+
+class ScriptedModel:
+    """Stands in for a GPT: emits fixed tokens, so the streamed text can be checked byte for byte."""
+
+    def __init__(self, tokens: list[int], block_size: int = 64):
+        self.tokens = tokens
+        self.config = MODEL_PRESETS["tiny"]()
+        assert self.config.block_size == block_size
+
+    def generate_stream(self, idx, max_new_tokens, **kw):
+        for t in self.tokens[:max_new_tokens]:
+            yield torch.tensor([[t]])
+
+
+def test_streaming_joins_utf8_split_across_tokens(enc):
+    text = " naïve 日本語 über 🙂"
+    tokens = enc.encode(text)
+    pieces = [enc.decode_single_token_bytes(t) for t in tokens]
+    broken = [p for p in pieces if not _is_utf8(p)]
+    assert len(broken) >= 2  # the test is only meaningful if some tokens hold part of a character
+    out = io.StringIO()
+    cfg = SampleConfig(prompt="A", num_samples=1, max_new_tokens=len(tokens))
+    (result,) = generate_text(ScriptedModel(tokens), enc, cfg, "cpu", out=out)
+    assert result == text
+    assert out.getvalue() == "A" + text + SEP
+    assert "\ufffd" not in out.getvalue()
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# prompts
+
+
+def test_prompt_from_file_and_stdin_equal_literal(ckpt, tmp_path, monkeypatch, capsys):
+    prompt = "Roses are red,\nviolets are"
+    common = ["--ckpt", str(ckpt), "--num-samples", "1", "--max-new-tokens", "6", "--temperature", "0",
+              "--device", "cpu"]
+    literal = main([*common, "--prompt", prompt])
+    (tmp_path / "prompt.txt").write_text(prompt)
+    from_file = main([*common, "--prompt", f"@{tmp_path / 'prompt.txt'}"])
+    monkeypatch.setattr(sys, "stdin", io.StringIO(prompt))
+    from_stdin = main([*common, "--prompt", "-"])
+    assert literal == from_file == from_stdin
+    assert capsys.readouterr().out.count(prompt) == 3
+    with pytest.raises(SystemExit, match=r"^error: prompt file .*nope.txt does not exist"):
+        main([*common, "--prompt", f"@{tmp_path / 'nope.txt'}"])
+
+
+def test_long_prompt_is_cropped_with_notice(model, enc, capsys):
+    prompt = "".join(f" w{i}" for i in range(50))  # 100 tokens: " w" and the number
+    assert len(enc.encode(prompt)) == 100
+    cfg = SampleConfig(prompt=prompt, num_samples=1, max_new_tokens=3, temperature=0.0)
+    (text,) = generate_text(model, enc, cfg, "cpu")
+    out, err = capsys.readouterr()
+    assert "notice: the prompt has 100 tokens, more than block_size - 1 = 63; keeping the last 63" in err
+    kept = enc.encode(prompt)[-63:]
+    assert out.startswith(enc.decode(kept)) and not out.startswith(prompt)
+    expected = model.generate(torch.tensor([kept]), 3, temperature=0.0)[0, 63:].tolist()
+    assert text == enc.decode(expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# errors and the bench helper
+
+
+def test_model_errors_are_one_line(model, ckpt, tmp_path):
+    other = tmp_path / "other_arch.pt"
+    config = {**dataclasses.asdict(model.config), "n_experts": 8}
+    torch.save({"model": model.state_dict(), "model_config": config, "step": 0}, other)
+    with pytest.raises(SystemExit, match=r"^error: checkpoint model_config does not match this GPTConfig"):
+        main(["--ckpt", str(other)])
+    with pytest.raises(SystemExit, match=r"^error: pass either --ckpt or --init-from, not both"):
+        main(["--ckpt", str(ckpt), "--init-from", "gpt2"])
+    with pytest.raises(SystemExit, match=r"^error: no model given: pass --ckpt PATH .* or --init-from gpt2"):
+        main([])
+    with pytest.raises(SystemExit, match=r"^error: SampleConfig.top_p must be in \(0, 1\] or none, got 1.5"):
+        main(["--ckpt", str(ckpt), "--top-p", "1.5"])
+
+
+def test_decode_speed(model):
+    for use_cache in (True, False):
+        assert decode_speed(model, prompt_len=16, new_tokens=8, use_cache=use_cache, device="cpu") > 0
+    with pytest.raises(ValueError, match=r"prompt_len \+ new_tokens <= block_size \(64\), got 60 \+ 8"):
+        decode_speed(model, prompt_len=60, new_tokens=8, use_cache=True, device="cpu")
+
+
+def test_sample_and_hellaswag_from_a_checkpoint_train_py_wrote(token_data, tmp_path, capsys):
+    import hellaswag
+    import train
+
+    train.main(["--preset", "tiny", "--data", str(token_data), "--out-dir", str(tmp_path), "--max-steps=2",
+                "--eval-every=0"])
+    ckpt = tmp_path / "ckpt_000002.pt"
+    capsys.readouterr()
+    texts = main(["--ckpt", str(ckpt), "--temperature", "0", "--num-samples", "1", "--max-new-tokens", "6"])
+    trained = GPT.from_checkpoint(ckpt)
+    enc = get_tokenizer()
+    prompt = enc.encode(SampleConfig().prompt)
+    expected = trained.generate(torch.tensor([prompt]), 6, temperature=0.0)[0, len(prompt):].tolist()
+    assert texts == [enc.decode(expected)]
+    result = hellaswag.main(["--ckpt", str(ckpt), "--data", str(ROOT / "tests/data/hellaswag_tiny.jsonl")])
+    assert result["n"] == len(hellaswag.load_examples(ROOT / "tests/data/hellaswag_tiny.jsonl"))
+    assert "acc_norm" in capsys.readouterr().out
