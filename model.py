@@ -3,8 +3,9 @@
 Also home to the few helpers every stage shares (offline tokenizer, dataclass CLI, safe checkpoint load,
 provenance), because this is the lowest stage and shared logic lives in exactly one place.
 
-Usage (smoke run: sample from an untrained tiny model):
-    python model.py --preset tiny --max-new-tokens 32
+Usage:
+    python model.py --model tiny --max-new-tokens 32                       # smoke run: sample an untrained model
+    python model.py --ckpt out/gpt2-124m/ckpt_019073.pt --export-hf out/hf  # export for transformers / lm-eval
 """
 
 from __future__ import annotations
@@ -728,21 +729,33 @@ def mfu(flops_per_token: float, tokens_per_sec_per_device: float, device_name: s
 
 
 @dataclass
-class SmokeConfig:
-    """Sample from an untrained model: a check that the model builds and generates on this machine."""
+class ModelCLIConfig:
+    """Without --ckpt: sample from an untrained model (a check that the model builds and generates here).
+    With --ckpt and --export-hf DIR: write a train.py checkpoint as an HF GPT2LMHeadModel directory."""
 
-    preset: str = "tiny"  # model preset (see MODEL_PRESETS)
+    model: str = "tiny"  # model preset for the smoke run (see MODEL_PRESETS)
     prompt: str = "Hello, I'm a language model,"  # text to continue
     max_new_tokens: int = 32  # tokens to generate
     seed: int = 1337  # RNG seed for weights and sampling
+    ckpt: str = ""  # a train.py checkpoint to export
+    export_hf: str = ""  # output directory for the HF export (for transformers / lm-eval-harness)
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(SmokeConfig, sys.argv[1:] if argv is None else argv)
-    if cfg.preset not in MODEL_PRESETS:
-        raise SystemExit(f"error: --preset must be one of {', '.join(MODEL_PRESETS)}")
+    cfg = parse_config(ModelCLIConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    if cfg.export_hf:
+        if not cfg.ckpt:
+            raise SystemExit("error: --export-hf needs --ckpt PATH (a checkpoint train.py wrote)")
+        try:
+            out = export_hf(GPT.from_checkpoint(cfg.ckpt), cfg.export_hf)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"error: {e}") from None
+        print(f"exported {cfg.ckpt} to {out} (load with transformers.GPT2LMHeadModel.from_pretrained)")
+        return
+    if cfg.model not in MODEL_PRESETS:
+        raise SystemExit(f"error: --model must be one of {', '.join(MODEL_PRESETS)}; got {cfg.model!r}")
     torch.manual_seed(cfg.seed)
-    model = GPT(MODEL_PRESETS[cfg.preset]())
+    model = GPT(MODEL_PRESETS[cfg.model]())
     enc = get_tokenizer()
     idx = torch.tensor([enc.encode(cfg.prompt)])
     out = model.generate(idx, cfg.max_new_tokens, top_k=50, generator=torch.Generator().manual_seed(cfg.seed))

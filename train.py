@@ -127,8 +127,8 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                            dropout=0.2, eval_every=250, eval_batches=8, hellaswag="off", sample_every=500,
                            sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
     # the offline demo: a small model on the Python standard library's source, minutes on 2 CPU cores
-    "demo": _preset(model="tiny", seq_len=128, data="data/stdlib", total_batch_size=4096, batch_size=16,
-                    max_lr=2e-3, warmup_steps=20, max_steps=300, eval_every=100, eval_batches=4, hellaswag="off",
+    "demo": _preset(model="tiny", seq_len=128, data="data/stdlib", total_batch_size=2048, batch_size=16,
+                    max_lr=3e-3, warmup_steps=20, max_steps=250, eval_every=50, eval_batches=4, hellaswag="off",
                     sample_every=0, sample_tokens=64, ckpt_every=0, out_dir="out/demo", sample_prompt="def "),
     # seconds on CPU, for tests
     "tiny": _preset(model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,

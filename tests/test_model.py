@@ -314,7 +314,7 @@ def test_load_checkpoint_refuses_pickles(tmp_path):
     good = tmp_path / "good.pt"
     torch.save({"model": model.state_dict(), "model_config": model.config.__dict__}, good)
     back = GPT.from_checkpoint(good)
-    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values(), strict=True))
     bad = tmp_path / "bad.pt"
     torch.save({"model": {}, "model_config": {}, "evil": _Payload()}, bad)
     with pytest.raises(ValueError, match="pickled Python object"):
@@ -337,3 +337,21 @@ def test_smoke_main_samples(capsys):
     model_module.main(["--max-new-tokens", "5"])
     out = capsys.readouterr().out
     assert "params; untrained sample" in out and "Hello, I'm a language model," in out
+
+
+def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    import model as model_module
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)).eval()
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"model": gpt.state_dict(), "model_config": gpt.config.__dict__, "step": 1}, ckpt)
+    model_module.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / "hf")])
+    assert "exported" in capsys.readouterr().out
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, GPT2_VOCAB, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, gpt(idx)[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(SystemExit, match="--export-hf needs --ckpt"):
+        model_module.main(["--export-hf", str(tmp_path / "x")])
