@@ -25,6 +25,19 @@ def token_data(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory) -> Path:
+    """A tiny random HF GPT2LMHeadModel saved with save_pretrained (no download): vocab 50257, context 64."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf_tiny")
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
 def run_torchrun(args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run train.py (or another script) under torchrun on CPU/gloo; fails the test with its output on error."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -38,16 +38,6 @@ def examples():
     return load_examples(FIXTURE)
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("hf_tiny")
-    GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4)).save_pretrained(path)
-    return path
-
-
 def tiny_gpt(block_size: int = 64, dropout: float = 0.0) -> GPT:
     torch.manual_seed(0)
     # vocab 50304: the padded table, so the test also covers that padded ids are left out of the softmax

@@ -38,16 +38,6 @@ def ckpt(model, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("hf_tiny")
-    GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4)).save_pretrained(path)
-    return path
-
-
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "sample.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
