@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 from model import EOT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, provenance, resolve_device
 
@@ -58,8 +59,6 @@ def download(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL) -> P
     dest = cache / "hellaswag_val.jsonl"
     if dest.is_file():
         return dest
-    from tqdm import tqdm
-
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=".hellaswag_val.", suffix=".tmp")
     try:
@@ -214,14 +213,15 @@ def _config(model: Any) -> Any:
 
 
 def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank: int = 0, world_size: int = 1,
-             limit: int | None = None, batch_size: int = 16, enc: Any = None) -> dict:
+             limit: int | None = None, batch_size: int = 16, enc: Any = None, progress: bool = False) -> dict:
     """Completion-style HellaSwag accuracy of `model` (callable as `model(idx) -> (logits, loss)`): a GPT, or the
     module train.py steps (compiled, DDP-wrapped or FSDP-sharded), called on every rank.
 
     Examples are split across ranks by striding; the counts are all-reduced, so the result is the same on every
     rank (world_size > 1 needs an initialized process group). Runs under no_grad, in eval mode (restored after),
     and in bf16 autocast on CUDA. A candidate longer than the model's block_size is cropped from the left, keeping
-    its ending (see make_batch). Returns {"acc", "acc_norm", "n", "examples_per_sec"}.
+    its ending (see make_batch). `progress` shows a tqdm bar on rank 0. Returns {"acc", "acc_norm", "n",
+    "examples_per_sec"}.
     """
     device = torch.device(device)
     examples = examples[:limit] if limit is not None else examples
@@ -241,7 +241,8 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
     model.eval()
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            for b in range(n_batches):
+            bar = tqdm(range(n_batches), desc="hellaswag", unit="batch", disable=not progress or rank != 0)
+            for b in bar:
                 batch = rendered[b * batch_size:(b + 1) * batch_size]  # short or empty at the end
                 tokens, mask = make_batch(batch, 4 * batch_size, block_size)
                 sums, means = score_batch(model, tokens, mask, device)
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"hellaswag: {source}, {model.num_params():,} params, {len(examples)} examples, "
                   f"{provenance(device, world_size)}", file=sys.stderr)
         net = torch.compile(model) if cfg.compile else model
-        result = evaluate(net, examples, device, rank, world_size, batch_size=cfg.batch_size)
+        result = evaluate(net, examples, device, rank, world_size, batch_size=cfg.batch_size, progress=True)
         if rank == 0:
             print(f"hellaswag: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} n {result['n']} "
                   f"({result['examples_per_sec']:.1f} examples/s)", flush=True)

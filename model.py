@@ -468,7 +468,7 @@ class GPT(nn.Module):
         T = seq_len or cfg.block_size
         return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
-    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float] = (0.9, 0.95),
+    def configure_optimizers(self, weight_decay: float, lr: float, betas: tuple[float, float] = (0.9, 0.95),
                              eps: float = 1e-8, device_type: str = "cpu", verbose: bool = True) -> torch.optim.AdamW:
         """AdamW with weight decay on 2-D tensors (matmuls, embeddings) only, never on biases or LayerNorms."""
         params = [p for p in self.parameters() if p.requires_grad]
@@ -479,7 +479,7 @@ class GPT(nn.Module):
                   f"{len(no_decay)} non-decayed tensors ({sum(p.numel() for p in no_decay):,} params)")
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         # the fused CUDA kernel updates every parameter in one launch instead of a loop of small ones
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=device_type == "cuda")
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device_type == "cuda")
 
     # ------------------------------------------------------------------------------------------------------------------
     # Generation

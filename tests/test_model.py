@@ -254,7 +254,7 @@ def test_top_k_top_p_never_sample_outside_allowed_set():
 
 def test_configure_optimizers_decays_2d_only(capsys):
     model = GPT(tiny())
-    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=1e-3)
+    opt = model.configure_optimizers(weight_decay=0.1, lr=1e-3)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])

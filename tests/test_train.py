@@ -142,6 +142,14 @@ def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
     assert len(more["losses"]) == 2
 
 
+def test_max_time_budget_checkpoints_and_stops(token_data, tmp_path, capsys):
+    # a budget of 60 us: the first step exceeds it, so the run stops after one step, with a checkpoint
+    result = train.main(tiny_args(token_data, tmp_path, "--max-steps=50", "--eval-every=0", "--max-time=0.000001"))
+    assert result["stopped"] == "max_time" and len(result["losses"]) == 1
+    assert load_checkpoint(tmp_path / "ckpt_000001.pt")["step"] == 1
+    assert "(--max-time 1e-06 min)" in capsys.readouterr().out
+
+
 def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_path, monkeypatch):
     train.main(tiny_args(token_data, tmp_path, "--max-steps=3", "--eval-every=0"))
     good = tmp_path / "ckpt_000003.pt"
