@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import multiprocessing
 import os
 import re
@@ -514,11 +515,44 @@ def _skip_tokens(stream: Iterator[np.ndarray], expected: np.ndarray, path: Path)
                         "--out-dir")
 
 
+def _done_path(cfg: FinewebConfig) -> Path:
+    return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_done.json"
+
+
+def _done_record(cfg: FinewebConfig, shards: list[Path]) -> dict[str, Any]:
+    """What a finished run wrote, and with which settings: a rerun with the same settings need not read the source
+    again (the last shard is short, so its size alone cannot tell a finished run from an interrupted one)."""
+    keys = ("source", "name", "split", "text_field", "txt_unit", "prefix", "shard_size", "val_tokens", "max_tokens")
+    return {"settings": {k: getattr(cfg, k) for k in keys},
+            "shards": {p.name: len(read_shard(p)) for p in shards}}
+
+
+def _already_done(cfg: FinewebConfig) -> dict[str, Any] | None:
+    done = _done_path(cfg)
+    try:
+        record = json.loads(done.read_text())
+        shards = [done.parent / name for name in record["shards"]]
+        if record != _done_record(cfg, shards):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, DataError):
+        return None  # absent, other settings, or a shard changed since: write again
+    sizes = list(record["shards"].values())
+    val, train = sizes[0], sum(sizes[1:])
+    print(f"{done.parent}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
+          f"nothing to do (delete {done.name} to write again)")
+    return {"out_dir": str(done.parent), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
+            "train_tokens": train, "tokenized": 0, "documents_read": 0, "seconds": 0.0, "tokens_per_sec": 0.0,
+            "workers": 0}
+
+
 def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
     from tqdm import tqdm
 
+    if (finished := _already_done(cfg)) is not None:
+        return finished
     out = Path(cfg.out_dir).expanduser()
+    _done_path(cfg).unlink(missing_ok=True)  # from here on the directory is being changed
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
     for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # left by a killed run; never a valid shard
@@ -573,6 +607,10 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
         match = numbered.fullmatch(old.name)
         if match and int(match[1]) >= index:
             old.unlink()
+    done = _done_path(cfg)
+    tmp = done.with_name(f".{done.name}.tmp")
+    tmp.write_text(json.dumps(_done_record(cfg, [shard_path(cfg, i) for i in range(index)])))
+    os.replace(tmp, done)
     seconds = time.time() - t0
     val = min(total, cfg.val_tokens)
     result = {"out_dir": str(out), "shards": index, "skipped_shards": kept, "val_tokens": val,

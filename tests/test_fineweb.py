@@ -331,10 +331,13 @@ def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
     (out / "t_train_000099.bin").write_bytes(ref["t_train_000001.bin"])  # from a longer earlier run
     result = write_dataset(cfg_for(src, out))
     assert result["skipped_shards"] == 4
-    assert sorted(p.name for p in out.iterdir()) == sorted(ref)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*ref, "t_done.json"])
     assert {p.name: p.read_bytes() for p in shard_files(out)} == ref
-    again = write_dataset(cfg_for(src, out))  # complete: only the short last shard is read again
-    assert again["skipped_shards"] == len(ref) - 1 and {p.name: p.read_bytes() for p in shard_files(out)} == ref
+    again = write_dataset(cfg_for(src, out))  # finished with these settings: the source is not read again
+    assert again["skipped_shards"] == len(ref) and again["tokenized"] == 0
+    assert {p.name: p.read_bytes() for p in shard_files(out)} == ref
+    other = write_dataset(cfg_for(src, out, val_tokens=600))  # other settings: the finished record does not apply
+    assert other["skipped_shards"] == 0 and other["tokenized"] == sum(len(v) - 1024 for v in ref.values()) // 2
 
 
 def test_rerun_over_shards_of_other_data_is_refused(tmp_path, reference):
