@@ -1,5 +1,6 @@
 """hellaswag.py: loading and validation, rendering, batched and 2-rank scoring against a per-example reference, CLI."""
 
+import gc
 import json
 import os
 import re
@@ -226,6 +227,10 @@ def test_evaluate_compiled_ddp_model_in_training_mode(examples, enc, tmp_path):
         wrapped = torch.compile(torch.nn.parallel.DistributedDataParallel(model), backend="eager")
         result = evaluate(wrapped, examples, "cpu", rank=0, world_size=1, batch_size=6, enc=enc)  # one batch
         assert model.training and wrapped.training
+        # DDP's reducer holds the process group: it must go before the group does, or a later garbage collection
+        # destroys the group twice and hangs joining gloo's threads
+        del wrapped
+        gc.collect()
         model.eval()
         # a group of one, told it is one of 4 ranks: ranks 0-1 get 2 examples, ranks 2-3 get 1; all run 2 forwards
         calls = []
