@@ -34,6 +34,8 @@ from fused_gelu import bias_gelu
 
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must never be sampled
 EOT = 50256  # <|endoftext|>
+# HF's GPT-2 keeps these matmuls as Conv1D, weight (in, out); ours are nn.Linear, (out, in): transposed both ways
+HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Tokenizer (offline)
@@ -241,15 +243,21 @@ class GPTConfig:
     fused_gelu: bool = False  # Triton bias+GELU kernel in the MLP (CUDA only; CPU always uses the reference)
 
     def __post_init__(self) -> None:
-        if self.n_kv_head is None:
-            object.__setattr__(self, "n_kv_head", self.n_head)  # frozen: resolve the default once, here
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        # types first: a string or float that slipped past a caller would otherwise fail deep inside nn.Linear
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.n_kv_head is not None and (isinstance(self.n_kv_head, bool) or not isinstance(self.n_kv_head, int)
+                                           or self.n_kv_head < 1):
+            raise ValueError(f"GPTConfig.n_kv_head must be an integer >= 1 or None (= n_head), got {self.n_kv_head!r}")
+        for name in ("bias", "fused_gelu"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.n_head % self.n_kv_head:  # type: ignore[operator]
-            raise ValueError(f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         if self.mlp not in ("gelu", "swiglu"):
@@ -258,6 +266,17 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.pos must be 'learned' or 'rope', got {self.pos!r}")
         if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"GPTConfig.pos='rope' needs an even head size, got {self.n_embd // self.n_head}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"GPTConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if self.fused_gelu and (self.mlp != "gelu" or not self.bias):
+            raise ValueError("GPTConfig.fused_gelu fuses the c_fc bias into GELU, so it needs mlp='gelu' and "
+                             f"bias=True; got mlp={self.mlp!r}, bias={self.bias}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when it is None. Resolved here rather than stored, so that
+        dataclasses.replace(config, n_head=...) on a plain config stays plain instead of silently becoming GQA."""
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
 
     @property
     def head_dim(self) -> int:
@@ -273,7 +292,9 @@ MODEL_PRESETS: dict[str, Callable[[], GPTConfig]] = {
     "gpt2-medium": _gpt2(24, 16, 1024),  # 350M
     "gpt2-large": _gpt2(36, 20, 1280),  # 774M
     "gpt2-xl": _gpt2(48, 25, 1600),  # 1558M
-    # llm.c's depth-N family: width 64*N, head size 64
+    # a depth-N family with aspect ratio 64 (width 64*N, head size 64, so N heads): d12 is GPT-2 124M, the others
+    # are wider than the GPT-2 size of the same depth (d24: 680M, d48: 5.6B). llm.c's own -e d24/d36/d48 flags mean
+    # the GPT-2 sizes instead: use gpt2-medium/-large/-xl for those.
     "d12": _gpt2(12, 12, 768),
     "d24": _gpt2(24, 24, 1536),
     "d36": _gpt2(36, 36, 2304),
@@ -291,7 +312,7 @@ class KVCache:
     """Preallocated per-layer keys/values for incremental decoding; `pos` is the number of cached positions."""
 
     def __init__(self, config: GPTConfig, batch_size: int, device: torch.device, dtype: torch.dtype):
-        shape = (batch_size, config.n_kv_head, config.block_size, config.head_dim)
+        shape = (batch_size, config.kv_heads, config.block_size, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.pos = 0
@@ -321,7 +342,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer = config, layer
-        kv_dim = config.n_kv_head * config.head_dim  # type: ignore[operator]
+        kv_dim = config.kv_heads * config.head_dim
         # one matmul for q, k and v: (C) -> (C + 2 * kv_dim)
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -331,11 +352,11 @@ class CausalSelfAttention(nn.Module):
                 cache: KVCache | None) -> torch.Tensor:
         B, T, C = x.size()
         cfg = self.config
-        kv_dim = cfg.n_kv_head * cfg.head_dim  # type: ignore[operator]
+        kv_dim = cfg.kv_heads * cfg.head_dim
         q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
         q = q.view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = v.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        k = k.view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # a new chunk attends causally to itself; a single decoded token sees every cached position
@@ -344,7 +365,7 @@ class CausalSelfAttention(nn.Module):
             if cache.pos > 0 and T > 1:
                 raise ValueError("KVCache supports a prefill into an empty cache, then one token at a time")
             k, v = cache.update(self.layer, k, v)
-        gqa = {"enable_gqa": True} if cfg.n_kv_head != cfg.n_head else {}
+        gqa = {"enable_gqa": True} if cfg.kv_heads != cfg.n_head else {}
         y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa,
                                            dropout_p=cfg.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -486,7 +507,7 @@ class GPT(nn.Module):
 
     def _next_token(self, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                     generator: torch.Generator | None) -> torch.Tensor:
-        logits = logits.float()
+        logits = logits.float().clone()  # a copy: float() of fp32 logits is the caller's tensor, edited below
         if logits.size(-1) > GPT2_VOCAB:
             logits[:, GPT2_VOCAB:] = -float("inf")  # padded vocabulary entries are not tokens
         if temperature == 0.0:
@@ -510,6 +531,12 @@ class GPT(nn.Module):
                         top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
                         generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time. The context is cropped to the last block_size tokens."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
         was_training = self.training
         self.eval()
         try:
@@ -573,11 +600,10 @@ class GPT(nn.Module):
                                    "`pip install huggingface_hub`") from e
             path = Path(snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors"]))
         hf = json.loads((path / "config.json").read_text())
-        if hf.get("model_type") != "gpt2" or hf.get("activation_function", "gelu_new") != "gelu_new":
-            raise ValueError(f"{path} is not a GPT-2 checkpoint (model_type={hf.get('model_type')!r}, "
-                             f"activation={hf.get('activation_function')!r})")
-        config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
-                           n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True, **overrides)
+        _check_plain_gpt2(hf, path)
+        shape = dict(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
+                     n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True)
+        config = GPTConfig(**{**shape, **overrides})  # an override (e.g. dropout, fused_gelu) wins
         if (path / "model.safetensors").exists():
             from safetensors.torch import load_file
             sd_hf = load_file(str(path / "model.safetensors"))
@@ -589,7 +615,6 @@ class GPT(nn.Module):
                  if not k.endswith((".attn.bias", ".attn.masked_bias"))}
         model = cls(config)
         sd = model.state_dict()
-        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
         with torch.no_grad():
             for key, p in sd.items():
                 if key == "lm_head.weight":
@@ -597,11 +622,27 @@ class GPT(nn.Module):
                 src = sd_hf.get(key.removeprefix("transformer."))
                 if src is None:
                     raise ValueError(f"{path} lacks weight {key}")
-                src = src.t() if key.endswith(conv1d) else src
+                src = src.t() if key.endswith(HF_CONV1D) else src
                 if src.shape != p.shape:
                     raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {tuple(p.shape)}")
                 p.copy_(src)
         return model
+
+
+def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:
+    """Refuse an HF config whose model this GPT cannot reproduce exactly, instead of loading wrong logits."""
+    if hf.get("model_type") != "gpt2":
+        raise ValueError(f"{path} is not a GPT-2 checkpoint (model_type={hf.get('model_type')!r})")
+    # HF's defaults for each key, and the value this model computes with
+    expected = {"activation_function": ("gelu_new", {"gelu_new", "gelu_pytorch_tanh"}),  # both are tanh GELU
+                "layer_norm_epsilon": (1e-5, {1e-5}), "tie_word_embeddings": (True, {True}),
+                "scale_attn_weights": (True, {True}), "scale_attn_by_inverse_layer_idx": (False, {False}),
+                "n_inner": (None, {None, 4 * hf.get("n_embd", 0)})}
+    wrong = {k: hf.get(k, default) for k, (default, ok) in expected.items() if hf.get(k, default) not in ok}
+    if wrong:
+        found = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
+        raise ValueError(f"{path} is a GPT-2 variant this model does not implement ({found}); only plain GPT-2 "
+                         "checkpoints load")
 
 
 def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
@@ -610,21 +651,20 @@ def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
     The full (possibly padded) vocabulary is kept so that exported logits equal ours exactly.
     """
     cfg = model.config
-    if cfg.mlp != "gelu" or cfg.pos != "learned" or cfg.n_kv_head != cfg.n_head or not cfg.bias:
+    if cfg.mlp != "gelu" or cfg.pos != "learned" or cfg.kv_heads != cfg.n_head or not cfg.bias:
         raise ValueError("export_hf supports only the plain GPT-2 architecture (mlp='gelu', pos='learned', "
                          f"n_kv_head=n_head, bias=True); this model has mlp={cfg.mlp!r}, pos={cfg.pos!r}, "
-                         f"n_kv_head={cfg.n_kv_head}, bias={cfg.bias}")
+                         f"n_kv_head={cfg.kv_heads}, bias={cfg.bias}")
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     sd = {}
     for key, p in model.state_dict().items():
         if key == "lm_head.weight":
             continue  # tied: HF re-ties lm_head to wte on load
         p = p.detach().float().cpu()
-        sd[key] = (p.t() if key.endswith(conv1d) else p).contiguous()
+        sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
@@ -690,6 +730,7 @@ PEAK_FLOPS: dict[str, float] = {
     "h100 nvl": 835e12,
     "h100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
     "h200": 989e12,
+    "h200 nvl": 835e12,
     "gh200": 989e12,
     "h800": 989e12,
     "b200": 2250e12,
@@ -698,6 +739,7 @@ PEAK_FLOPS: dict[str, float] = {
     "a10g": 70e12,
     "a10": 125e12,
     "l40s": 362e12,
+    "l40": 181e12,
     "l4": 121e12,
     "a6000": 155e12,
     "rtx 4090": 165e12,
@@ -707,7 +749,8 @@ PEAK_FLOPS: dict[str, float] = {
 
 
 def peak_flops(device_name: str, override: float | None = None) -> float | None:
-    """Peak FLOP/s for MFU. `override` wins; unknown devices (and CPUs) give None rather than a wrong guess."""
+    """Peak FLOP/s for MFU. A positive `override` wins; unknown devices (and CPUs) give None rather than a wrong
+    guess. Keys are matched as substrings of the lower-cased name, longest first ("h100 pcie" before "h100")."""
     if override:
         return override
     name = device_name.lower()

@@ -135,12 +135,14 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                     max_lr=1e-3, warmup_steps=2, max_steps=10, eval_every=5, eval_batches=2, hellaswag="off",
                     sample_every=0, ckpt_every=0, out_dir="out/tiny", sample_prompt="def "),
 }
+
+
 def model_config(cfg: TrainConfig) -> GPTConfig:
+    """The preset's architecture with this run's overrides (context length, shape, model options)."""
     base = MODEL_PRESETS[cfg.model]()
     shape = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k) is not None}
-    n_head = shape.get("n_head", base.n_head)
-    return dataclasses.replace(base, block_size=cfg.seq_len, n_kv_head=cfg.n_kv_head or n_head, mlp=cfg.mlp,
-                               pos=cfg.pos, bias=cfg.bias, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu, **shape)
+    return dataclasses.replace(base, block_size=cfg.seq_len, n_kv_head=cfg.n_kv_head, mlp=cfg.mlp, pos=cfg.pos,
+                               bias=cfg.bias, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu, **shape)
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:

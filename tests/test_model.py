@@ -133,6 +133,16 @@ def test_variants_forward_backward(kw):
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
 
 
+def test_n_kv_head_default_follows_n_head_through_replace():
+    import dataclasses
+
+    plain = MODEL_PRESETS["gpt2"]()
+    assert plain.n_kv_head is None and plain.kv_heads == 12
+    wider = dataclasses.replace(plain, n_head=16, n_embd=1024)  # stays plain multi-head attention, not GQA
+    assert wider.kv_heads == 16
+    assert dataclasses.replace(tiny(n_kv_head=2), n_layer=3).kv_heads == 2
+
+
 def test_gqa_kv_projection_size():
     model = GPT(tiny(n_kv_head=1))
     assert model.transformer.h[0].attn.c_attn.weight.shape == (32 + 2 * 8, 32)
@@ -145,6 +155,13 @@ def test_gqa_kv_projection_size():
     (dict(pos="alibi"), "'learned' or 'rope'"),
     (dict(dropout=1.5), "dropout"),
     (dict(n_layer=0), "n_layer"),
+    (dict(n_layer="12"), "n_layer must be an integer"),
+    (dict(block_size=2.5), "block_size must be an integer"),
+    (dict(n_kv_head=0), "n_kv_head must be an integer >= 1 or None"),
+    (dict(bias="no"), "bias must be True or False"),
+    (dict(pos="rope", rope_theta=0.0), "rope_theta must be > 0"),
+    (dict(fused_gelu=True, mlp="swiglu"), "fused_gelu .* needs mlp='gelu' and bias=True"),
+    (dict(fused_gelu=True, bias=False), "fused_gelu .* needs mlp='gelu' and bias=True"),
 ])
 def test_bad_config_raises(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -155,11 +172,17 @@ def test_bad_config_raises(kw, message):
 # HF interop
 
 
-def _hf_model(tmp_path):
+def _hf_model(tmp_path, **config):
+    """A tiny random HF GPT-2 whose every parameter is perturbed: HF initializes biases to 0 and LayerNorms to 1/0,
+    as we do, so without noise a loader that dropped those tensors would still match."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    hf_cfg = transformers.GPT2Config(vocab_size=101, n_positions=48, n_embd=32, n_layer=2, n_head=4)
-    return transformers, transformers.GPT2LMHeadModel(hf_cfg).eval()
+    hf_cfg = transformers.GPT2Config(vocab_size=101, n_positions=48, n_embd=32, n_layer=2, n_head=4, **config)
+    hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return transformers, hf
 
 
 @pytest.mark.parametrize("safe", [True, False])
@@ -174,10 +197,33 @@ def test_from_pretrained_matches_hf_logits(tmp_path, safe):
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", [dict(tie_word_embeddings=False), dict(layer_norm_epsilon=1e-2),
+                                     dict(scale_attn_weights=False), dict(scale_attn_by_inverse_layer_idx=True),
+                                     dict(activation_function="relu"), dict(n_inner=100)])
+def test_from_pretrained_refuses_gpt2_variants_it_cannot_reproduce(tmp_path, variant):
+    _, hf = _hf_model(tmp_path, **variant)
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"GPT-2 variant this model does not implement .*{next(iter(variant))}="):
+        GPT.from_pretrained(str(tmp_path))
+
+
+def test_from_pretrained_overrides_win_and_pytorch_tanh_gelu_loads(tmp_path):
+    _, hf = _hf_model(tmp_path, activation_function="gelu_pytorch_tanh")
+    hf.save_pretrained(tmp_path)
+    model = GPT.from_pretrained(str(tmp_path), block_size=48, dropout=0.1).eval()
+    assert (model.config.block_size, model.config.dropout) == (48, 0.1)
+    idx = torch.randint(0, 101, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_export_hf_round_trip(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)).eval()
+    with torch.no_grad():  # biases and LayerNorms away from their init, so their export is checked too
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
     export_hf(model, tmp_path)
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     back = GPT.from_pretrained(str(tmp_path)).eval()
@@ -214,10 +260,11 @@ def test_cached_logits_equal_uncached(kw):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(pos="rope", n_kv_head=1, mlp="swiglu", bias=False)])
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=10, top_p=0.9)])
-def test_generate_cache_and_no_cache_give_same_tokens(sampling):
+def test_generate_cache_and_no_cache_give_same_tokens(sampling, kw):
     torch.manual_seed(0)
-    model = GPT(tiny())
+    model = GPT(tiny(**kw))
     idx = torch.randint(0, 96, (2, 10))
     # 40 new tokens past a 32-token block: the context crop path is exercised as well
     a = model.generate(idx, 40, use_cache=True, generator=torch.Generator().manual_seed(7), **sampling)
@@ -225,6 +272,23 @@ def test_generate_cache_and_no_cache_give_same_tokens(sampling):
     assert a.shape == (2, 50)
     assert torch.equal(a, b)
     assert model.training  # generate restores the mode it found
+
+
+@pytest.mark.parametrize("kw, message", [(dict(temperature=-1.0), "temperature must be >= 0"),
+                                         (dict(top_k=0), "top_k must be >= 1"), (dict(top_p=0.0), r"top_p must be in"),
+                                         (dict(top_p=1.5), r"top_p must be in")])
+def test_generate_rejects_bad_sampling_arguments(kw, message):
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 3, **kw)
+
+
+def test_next_token_leaves_the_callers_logits_alone():
+    model = GPT(tiny(vocab_size=50304))
+    logits = torch.randn(2, 50304)
+    before = logits.clone()
+    model._next_token(logits, 1.0, 5, 0.9, torch.Generator().manual_seed(0))
+    assert torch.equal(logits, before)
 
 
 def test_top_k_top_p_never_sample_outside_allowed_set():
@@ -267,6 +331,8 @@ def test_peak_flops_table():
     assert peak_flops("NVIDIA H100 PCIe") == 756e12
     assert peak_flops("NVIDIA H200") == 989e12
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("NVIDIA L40") == 181e12 and peak_flops("NVIDIA L4") == 121e12  # L4 is a substring of L40
+    assert peak_flops("NVIDIA H200 NVL") == 835e12 and peak_flops("NVIDIA GH200 480GB") == 989e12
     assert peak_flops("cpu (2 cores)") is None
     assert peak_flops("cpu", override=1e12) == 1e12
     assert mfu(1e9, 494_500, "NVIDIA H100 80GB HBM3") == pytest.approx(0.5, rel=1e-3)
