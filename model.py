@@ -150,6 +150,8 @@ def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any
     rest = []
     for key, val in pairs:
         if key == "preset":
+            if base is not None:
+                raise SystemExit("error: --preset given twice; pass one preset and override its fields with flags")
             if val not in presets:
                 hint = difflib.get_close_matches(str(val), list(presets), n=1)
                 raise SystemExit(f"error: unknown --preset {val!r}; choose from {', '.join(presets)}"
@@ -309,19 +311,28 @@ MODEL_PRESETS: dict[str, Callable[[], GPTConfig]] = {
 
 
 class KVCache:
-    """Preallocated per-layer keys/values for incremental decoding; `pos` is the number of cached positions."""
+    """Per-layer keys/values for incremental decoding; `pos` is the number of cached positions.
 
-    def __init__(self, config: GPTConfig, batch_size: int, device: torch.device, dtype: torch.dtype):
-        shape = (batch_size, config.kv_heads, config.block_size, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+    Each layer's (B, n_kv, block_size, hs) buffers are allocated on its first update, in the dtype and on the device
+    of the keys it is given: the weights' dtype does not tell (under autocast, or FSDP2's mixed precision, whose
+    resharded parameters are fp32 while the attention runs in bf16).
+    """
+
+    def __init__(self, config: GPTConfig, batch_size: int):
+        self.shape = (batch_size, config.kv_heads, config.block_size, config.head_dim)
+        self.k: list[torch.Tensor | None] = [None] * config.n_layer
+        self.v: list[torch.Tensor | None] = [None] * config.n_layer
         self.pos = 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is None:
+            self.k[layer] = k.new_zeros(self.shape)
+            self.v[layer] = v.new_zeros(self.shape)
+        ck, cv = self.k[layer], self.v[layer]
         t0, t1 = self.pos, self.pos + k.size(2)
-        self.k[layer][:, :, t0:t1] = k
-        self.v[layer][:, :, t0:t1] = v
-        return self.k[layer][:, :, :t1], self.v[layer][:, :, :t1]
+        ck[:, :, t0:t1] = k  # type: ignore[index]
+        cv[:, :, t0:t1] = v  # type: ignore[index]
+        return ck[:, :, :t1], cv[:, :, :t1]  # type: ignore[index]
 
 
 def rope_tables(config: GPTConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -548,8 +559,7 @@ class GPT(nn.Module):
                 else:
                     # first step, or the context overflowed: (re)fill the cache from the cropped context, which
                     # is exactly what the uncached path computes
-                    cache = KVCache(self.config, idx.size(0), idx.device, self.lm_head.weight.dtype) \
-                        if use_cache else None
+                    cache = KVCache(self.config, idx.size(0)) if use_cache else None
                     logits, _ = self(idx[:, -bs:], cache=cache, last_only=True)
                 nxt = self._next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
                 idx = torch.cat((idx, nxt), dim=1)

@@ -101,13 +101,25 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
-        for name in ("seq_len", "batch_size", "total_batch_size", "max_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+        at_least = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "max_steps": 1, "eval_batches": 1,
+                    "log_every": 1, "sample_tokens": 1, "profile_steps": 1, "warmup_steps": 0, "eval_every": 0,
+                    "hellaswag_every": 0, "sample_every": 0, "ckpt_every": 0, "keep_last": 0}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
+        if self.hellaswag_limit is not None and self.hellaswag_limit < 1:
+            raise ValueError(f"--hellaswag-limit must be >= 1 or none; got {self.hellaswag_limit}")
+        if not (math.isfinite(self.max_lr) and self.max_lr > 0):
+            raise ValueError(f"--max-lr must be a positive number; got {self.max_lr}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
             raise ValueError(f"--min-lr-frac must be in [0, 1]; got {self.min_lr_frac}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be >= 0; got {self.warmup_steps}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
+        for name in ("weight_decay", "grad_clip", "max_time"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"--peak-tflops must be > 0 or none; got {self.peak_tflops}")
 
 
 def _preset(**kw: Any) -> Callable[[], TrainConfig]:
@@ -288,14 +300,24 @@ def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoint untouched
-    old = sorted(path.parent.glob("ckpt_*.pt"))
-    for stale in old[:-cfg.keep_last] if cfg.keep_last > 0 else []:
+    for stale in checkpoints(path.parent)[:-cfg.keep_last] if cfg.keep_last > 0 else []:
         stale.unlink()
+
+
+def checkpoints(out_dir: Path) -> list[Path]:
+    """out_dir's checkpoints, oldest written first. By write time rather than step: after a rewind (--resume an
+    older checkpoint), the new ckpt_000004 is the one to keep and to resume from, not the abandoned ckpt_000009."""
+    def written(p: Path) -> tuple[int, str]:
+        try:
+            return p.stat().st_mtime_ns, p.name
+        except FileNotFoundError:  # pruned by another process meanwhile
+            return 0, p.name
+    return sorted(out_dir.glob("ckpt_*.pt"), key=written)
 
 
 def find_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
     """The newest checkpoint in out_dir that loads; corrupt or partial ones are reported and skipped."""
-    for path in sorted(out_dir.glob("ckpt_*.pt"), reverse=True):
+    for path in reversed(checkpoints(out_dir)):
         try:
             return path, load_checkpoint(path)
         except (ValueError, OSError) as e:
@@ -352,12 +374,14 @@ def val_loss(model: nn.Module, loader: TokenLoader, batches: int, autocast: cont
     return total.item() / (batches * world_size)
 
 
-def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step: int) -> list[str]:
-    """A few samples from the uncompiled module (which shares the trained weights); own generator, so the
-    training RNG and therefore exact resume are untouched."""
+def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step: int,
+                autocast: contextlib.AbstractContextManager) -> list[str]:
+    """A few samples from the uncompiled module (which shares the trained weights), in the training precision; own
+    generator, so the training RNG and therefore exact resume are untouched."""
     idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
-    out = raw.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+    with autocast:
+        out = raw.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
     return [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
 
 
@@ -409,9 +433,19 @@ class StopFlags:
         return bool(flag.item() > 0)
 
 
-def open_log(path: Path, resume: bool) -> Any:
+def open_log(path: Path, resume_step: int | None) -> Any:
+    """The run's JSONL log, line-buffered. A fresh run starts it anew; a resumed one keeps the records before the
+    step it resumes at and drops those after it, which an interrupted run logged past its last checkpoint and the
+    resumed run is about to log again."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return open(path, "a" if resume else "w", buffering=1)
+    if resume_step is None or not path.is_file():
+        return open(path, "w", buffering=1)
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and (json.loads(line).get("type") == "config" or json.loads(line)["step"] < resume_step)]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    return open(path, "a", buffering=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -479,6 +513,14 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         start_step = restore(found[1], raw, optimizer, cfg, train_loader, scaler, rank, world)
         if master:
             print(f"resumed from {found[0]} at step {start_step}")
+        del found[1]["model"], found[1]["optimizer"]  # copied into the model and optimizer: free the CPU copy
+    if world > 1:  # every rank must resume the same step, or the collectives below would pair up wrong and hang
+        steps = [0] * world
+        dist.all_gather_object(steps, start_step)
+        if len(set(steps)) > 1:
+            raise ValueError(f"ranks resumed different steps {steps}: every node must see the same checkpoints in "
+                             f"--out-dir {out_dir} (put it on a shared filesystem, or copy the checkpoint to each node "
+                             "and pass --resume PATH)")
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     if use_compile:
         model = torch.compile(model)
@@ -489,7 +531,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     if master:
         print(f"{raw.num_params():,} params | {tokens_per_step:,} tokens/step = {B} x {T} x {world} ranks x "
               f"{grad_accum} accum | {cfg.max_steps} steps | compile {use_compile} | {cfg.parallel} | {dtype}")
-    log = open_log(out_dir / "log.jsonl", resume=found is not None) if master else None
+        for stale in out_dir.glob("ckpt_*.pt.tmp"):  # left by a run killed mid-write: never a valid checkpoint
+            stale.unlink()
+    log = open_log(out_dir / "log.jsonl", start_step if found is not None else None) if master else None
 
     def write(record: dict) -> None:
         if log:
@@ -498,45 +542,59 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
            "model_config": dataclasses.asdict(mcfg), "provenance": prov})
 
+    eval_batches = cfg.eval_batches
+    if val_loader is not None and eval_batches * world > val_loader.num_windows:
+        eval_batches = val_loader.num_windows // world  # more would score the same val windows twice
+        if master:
+            print(f"val: the val split has {val_loader.num_windows} windows of B*T+1 tokens, so each evaluation uses "
+                  f"{eval_batches} batches per rank instead of --eval-batches {cfg.eval_batches}")
     hellaswag_examples = _load_hellaswag(cfg, local_rank, world, device, master)
     enc = get_tokenizer() if (cfg.sample_every > 0 or hellaswag_examples) else None
-    if cfg.overfit_batch:
+    if cfg.overfit_batch:  # always the run's first batch, also after a resume moved the loader on
+        position = train_loader.state_dict()
+        train_loader.reset()
         fixed = train_loader.next_batch()
+        train_loader.load_state_dict(position)
         next_batch: Callable[[], tuple] = lambda: fixed
     else:
         next_batch = train_loader.next_batch
     stop = StopFlags(cfg.max_time)
     profiler = None
+    profile_at = start_step + 2  # after the first steps' compilation and allocator warmup
     recent_ms: list[float] = []
     losses: list[float] = []
     result: dict[str, Any] = {"losses": losses}
-    step = start_step
     t_start = time.time()
-    for step in range(start_step, cfg.max_steps):
-        last = step == cfg.max_steps - 1
-        if val_loader is not None and (step % cfg.eval_every == 0 or last):
-            vl = val_loss(model, val_loader, cfg.eval_batches, autocast, world)
+    step = start_step
+    # step counts optimizer steps done; the evaluations at `step` see the weights after `step` steps, so the one at
+    # max_steps (after the loop's last update) scores the final model
+    for step in range(start_step, cfg.max_steps + 1):
+        final = step == cfg.max_steps
+        if val_loader is not None and (step % cfg.eval_every == 0 or final):
+            vl = val_loss(model, val_loader, eval_batches, autocast, world)
             result["val_loss"] = vl
             write({"type": "val", "step": step, "tokens": step * tokens_per_step, "val_loss": vl})
             if master:
                 print(f"step {step:6d} | val loss {vl:.4f}")
-        if hellaswag_examples and cfg.hellaswag_every > 0 and (step % cfg.hellaswag_every == 0 or last):
+        if hellaswag_examples and (step % cfg.hellaswag_every == 0 or final):
             import hellaswag
             hs = hellaswag.evaluate(model, hellaswag_examples, device, rank, world, limit=cfg.hellaswag_limit,
-                                    enc=enc)
+                                    enc=enc, progress=True)
             result["hellaswag"] = hs
             write({"type": "hellaswag", "step": step, "tokens": step * tokens_per_step, **hs})
             if master:
                 print(f"step {step:6d} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
-        if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or last) and step > 0:
+        if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or final) and step > 0:
             if master or cfg.parallel == "fsdp":  # FSDP forwards are collective: every rank must run them
-                texts = sample_text(raw, enc, cfg, device, step)
+                texts = sample_text(raw, enc, cfg, device, step, autocast)
                 if master:
                     for text in texts:
                         print(f"sample: {text!r}")
                     write({"type": "sample", "step": step, "texts": texts})
+        if final:
+            break
 
-        if cfg.profile and step == start_step + 2:
+        if cfg.profile and step == profile_at:
             profiler = _start_profiler(device)
         t0 = time.time()
         lr = get_lr(step, cfg)
@@ -548,15 +606,19 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             dist.all_reduce(loss)
             loss /= world
         loss_value = loss.item()  # also waits for the GPU, so the timing below is the real step time
+        norm_value = norm.item()
         dt = time.time() - t0
-        if profiler is not None and step == start_step + 2 + cfg.profile_steps - 1:
+        if profiler is not None and step == profile_at + cfg.profile_steps - 1:
             _stop_profiler(profiler, out_dir, rank, master)
             profiler = None
-        if not math.isfinite(loss_value):
+        # an inf/nan gradient norm has already been applied (clipping scales every gradient by it), so the weights
+        # are gone even when this step's loss, computed before the update, is finite; under fp16 the GradScaler
+        # skips such steps itself
+        if not math.isfinite(loss_value) or (scaler is None and not math.isfinite(norm_value)):
             if master:
-                print(f"error: loss is {loss_value} at step {step}; stopping without writing a checkpoint. "
-                      "Lower --max-lr, raise --warmup-steps, or resume from the last good checkpoint.",
-                      file=sys.stderr)
+                what = f"loss is {loss_value}" if not math.isfinite(loss_value) else f"gradient norm is {norm_value}"
+                print(f"error: {what} at step {step}; stopping without writing a checkpoint. Lower --max-lr, raise "
+                      "--warmup-steps, or resume from the last good checkpoint.", file=sys.stderr)
             result["stopped"] = "nan"
             break
         losses.append(loss_value)
@@ -565,17 +627,16 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         tok_s = tokens_per_step / dt
         util = mfu(flops_per_token, tok_s / world, device_name, cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
         write({"type": "train", "step": step, "tokens": (step + 1) * tokens_per_step, "loss": loss_value, "lr": lr,
-               "grad_norm": norm.item(), "ms": dt * 1000, "tok_s": tok_s, "mfu": util})
-        if master and (step % cfg.log_every == 0 or last):
+               "grad_norm": norm_value, "ms": dt * 1000, "tok_s": tok_s, "mfu": util})
+        if master and (step % cfg.log_every == 0 or step == cfg.max_steps - 1):
             ms = sorted(recent_ms)[len(recent_ms) // 2] if recent_ms else dt * 1000
             eta = ms * (cfg.max_steps - step - 1) / 1000
-            print(f"step {step:6d}/{cfg.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | norm {norm.item():.3f} | "
+            print(f"step {step:6d}/{cfg.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | norm {norm_value:.3f} | "
                   f"{dt * 1000:7.1f} ms | {tok_s:,.0f} tok/s | mfu {f'{util:.1%}' if util else 'n/a'} | "
                   f"eta {_fmt_time(eta)}", flush=True)
 
-        done = last
         stopping = stop.should_stop(device, world)
-        if (cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0) or done or stopping:
+        if (cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0) or step + 1 == cfg.max_steps or stopping:
             path = out_dir / f"ckpt_{step + 1:06d}.pt"
             save_checkpoint(path, raw, optimizer, step + 1, cfg, train_loader, scaler, rank, world, prov)
             if master:
@@ -587,6 +648,10 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                 print(f"stopping after step {step} ({why}); resume with --resume auto")
             result["stopped"] = "signal" if stop.term else "max_time"
             break
+    if profiler is not None:  # the run ended inside the profiled window: keep what was recorded
+        _stop_profiler(profiler, out_dir, rank, master)
+    elif cfg.profile and master and step <= profile_at:
+        print(f"profile: nothing recorded; the run ended before step {profile_at}, where profiling starts")
     if master:
         print(f"done: {len(losses)} steps in {_fmt_time(time.time() - t_start)}; outputs in {out_dir}")
     if log:
@@ -645,6 +710,7 @@ def _start_profiler(device: torch.device) -> torch.profiler.profile:
 
 def _stop_profiler(prof: torch.profiler.profile, out_dir: Path, rank: int, master: bool) -> None:
     prof.stop()
+    out_dir.mkdir(parents=True, exist_ok=True)  # on another node the master's out_dir may not exist
     trace = out_dir / f"trace_rank{rank}.json"
     prof.export_chrome_trace(str(trace))
     if master:
@@ -662,4 +728,4 @@ def iter_log(path: str | os.PathLike) -> Iterator[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main().get("stopped") == "nan" else 0)  # a diverged run must not look like success to a scheduler

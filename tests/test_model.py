@@ -254,7 +254,7 @@ def test_cached_logits_equal_uncached(kw):
     idx = torch.randint(0, 96, (2, 20))
     with torch.no_grad():
         full, _ = model(idx)
-        cache = KVCache(model.config, 2, idx.device, torch.float32)
+        cache = KVCache(model.config, 2)
         steps = [model(idx[:, :8], cache=cache)[0]]
         steps += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(8, 20)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
@@ -272,6 +272,17 @@ def test_generate_cache_and_no_cache_give_same_tokens(sampling, kw):
     assert a.shape == (2, 50)
     assert torch.equal(a, b)
     assert model.training  # generate restores the mode it found
+
+
+def test_generate_under_autocast_cached_equals_uncached():
+    # fp32 weights, bf16 matmuls: what train.py's in-loop samples and HellaSwag see on a GPU
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx = torch.randint(0, 96, (2, 5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = model.generate(idx, 12, temperature=0.0, use_cache=True)
+        b = model.generate(idx, 12, temperature=0.0, use_cache=False)
+    assert a.shape == (2, 17) and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kw, message", [(dict(temperature=-1.0), "temperature must be >= 0"),

@@ -15,7 +15,7 @@ def test_plot_png_comes_from_the_log(token_data, tmp_path, capsys):
     config, curves = plot.load_curves(log)
     assert config["model_config"]["n_layer"] == 2
     assert [r["step"] for r in curves["train"]] == list(range(6))
-    assert [r["step"] for r in curves["val"]] == [0, 2, 4, 5]
+    assert [r["step"] for r in curves["val"]] == [0, 2, 4, 6]
     png = plot.main(["--log", str(log)])
     assert png == tmp_path / "loss.png" and f"plot: wrote {png}" in capsys.readouterr().out
     data = png.read_bytes()

@@ -53,6 +53,13 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     (["--batch-size=big"], "--batch-size expects int"),
     (["--preset", "gpt5"], "unknown --preset 'gpt5'"),
     (["--recompute=all"], "--recompute must be one of none, mlp, block"),
+    (["--log-every=0"], "--log-every must be >= 1"),
+    (["--eval-batches", "0"], "--eval-batches must be >= 1"),
+    (["--label-smoothing=2"], r"--label-smoothing must be in \[0, 1\)"),
+    (["--max-lr=-1"], "--max-lr must be a positive number"),
+    (["--hellaswag-limit=0"], "--hellaswag-limit must be >= 1"),
+    (["--ckpt-every=-1"], "--ckpt-every must be >= 0"),
+    (["--preset", "tiny", "--preset", "gpt2-124m"], "--preset given twice"),
 ])
 def test_cli_rejects_bad_overrides(argv, message):
     with pytest.raises(SystemExit, match=message):
@@ -102,7 +109,7 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
     assert records[0]["type"] == "config" and records[0]["provenance"]["torch"] == torch.__version__
     assert records[0]["config"]["label_smoothing"] == 0.1
     assert [r["step"] for r in records if r["type"] == "train"] == [0, 1, 2, 3]
-    assert [r["step"] for r in records if r["type"] == "val"] == [0, 2, 3]
+    assert [r["step"] for r in records if r["type"] == "val"] == [0, 2, 4]  # 4: the final weights
     first = next(r for r in records if r["type"] == "train")
     assert set(first) >= {"loss", "lr", "grad_norm", "ms", "tok_s", "mfu", "tokens"}
     assert first["tokens"] == 512
@@ -186,6 +193,59 @@ def test_nan_loss_stops_without_overwriting_checkpoint(token_data, tmp_path, mon
     assert "loss is nan at step 2" in capsys.readouterr().err
 
 
+def test_inf_gradient_norm_with_finite_loss_stops_before_the_checkpoint(token_data, tmp_path, monkeypatch, capsys):
+    # the loss is computed before the update, so it is still finite on the step whose gradient wrecks the weights
+    real_step = train.train_step
+    calls = {"n": 0}
+
+    def inf_norm_on_fourth_step(*args, **kwargs):
+        loss, norm = real_step(*args, **kwargs)
+        calls["n"] += 1
+        return loss, (norm * float("inf") if calls["n"] == 4 else norm)
+
+    monkeypatch.setattr(train, "train_step", inf_norm_on_fourth_step)
+    result = train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--ckpt-every=2", "--keep-last=1",
+                                  "--eval-every=0"))
+    assert result["stopped"] == "nan" and len(result["losses"]) == 3
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000002.pt"]  # ckpt_000004 never written
+    assert "gradient norm is inf at step 3" in capsys.readouterr().err
+
+
+def test_diverged_run_exits_nonzero(token_data, tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-lr=1e4",
+                                                                  "--warmup-steps=0", "--grad-clip=0", "--max-steps=20",
+                                                                  "--eval-every=0")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "stopping without writing a checkpoint" in proc.stderr and not list(tmp_path.glob("ckpt_*.pt"))
+
+
+def test_overfit_resume_is_exact_and_the_log_has_each_step_once(token_data, tmp_path):
+    args = tiny_args(token_data, tmp_path, "--overfit-batch", "--max-steps=6", "--ckpt-every=3", "--keep-last=5",
+                     "--eval-every=3")
+    full = train.main(args)["losses"]
+    (tmp_path / "ckpt_000006.pt").unlink()  # as if the run had died after step 5, its log already written
+    rest = train.main([*args, "--resume=auto"])["losses"]
+    assert rest == full[3:]  # the same first batch after the resume, not the batch at the loader's position
+    records = list(train.iter_log(tmp_path / "log.jsonl"))
+    assert [r["step"] for r in records if r["type"] == "train"] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in records if r["type"] == "val"] == [0, 3, 6]
+    assert [r["type"] for r in records].count("config") == 2
+
+
+def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_data, tmp_path):
+    common = ["--max-steps=9", "--ckpt-every=3", "--eval-every=0"]
+    train.main(tiny_args(token_data, tmp_path, *common, "--keep-last=5"))
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000006.pt",
+                                                                 "ckpt_000009.pt"]
+    # rewind to step 3 (say, before a loss spike) and stop after one step
+    train.main(tiny_args(token_data, tmp_path, *common, "--keep-last=2", f"--resume={tmp_path / 'ckpt_000003.pt'}",
+                         "--max-time=0.000001"))
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000004.pt", "ckpt_000009.pt"]
+    path, ckpt = train.find_checkpoint(tmp_path)
+    assert path.name == "ckpt_000004.pt" and ckpt["step"] == 4  # not the abandoned ckpt_000009
+
+
 def test_profile_writes_a_trace(token_data, tmp_path, capsys):
     train.main(tiny_args(token_data, tmp_path, "--max-steps=5", "--eval-every=0", "--profile", "--profile-steps=1"))
     trace = json.loads((tmp_path / "trace_rank0.json").read_text())
@@ -199,8 +259,8 @@ def test_profile_writes_a_trace(token_data, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
-    common = ["--max-steps=4", "--eval-every=2", "--eval-batches=1", "--total-batch-size=512", "--batch-size=4",
-              "--dropout=0.0"]
+    common = ["--max-steps=5", "--ckpt-every=4", "--keep-last=5", "--eval-every=2", "--eval-batches=1",
+              "--total-batch-size=512", "--batch-size=4", "--dropout=0.0"]
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))  # 2 micro-steps of accumulation
     ref = load_checkpoint(tmp_path / "single" / "ckpt_000004.pt")["model"]
     for parallel in ("ddp", "zero1", "fsdp"):
@@ -213,10 +273,24 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
             torch.testing.assert_close(ckpt["model"][name], ref_tensor, atol=1e-5, rtol=0, msg=f"{parallel} {name}")
         losses = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert losses == pytest.approx(single["losses"], abs=1e-5), parallel
-        if parallel == "fsdp":  # resume a sharded run from its (full) checkpoint, on 2 ranks
-            run_torchrun(["train.py", *tiny_args(token_data, out, *common, "--parallel=fsdp", "--max-steps=5",
-                                                 "--resume=auto")], nproc=2)
+        if parallel == "fsdp":  # resume a sharded run from its (full) checkpoint at step 4, on 2 ranks
+            (out / "ckpt_000005.pt").unlink()
+            run_torchrun(["train.py", *tiny_args(token_data, out, *common, "--parallel=fsdp", "--resume=auto")],
+                         nproc=2)
             assert load_checkpoint(out / "ckpt_000005.pt")["step"] == 5
+            again = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
+            assert again == losses  # the resumed step 4 repeats the uninterrupted one exactly, logged once
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_samples_between_evaluations(token_data, tmp_path):
+    # FSDP2 gathers parameters in bf16 for a forward and reshards them to fp32 after the backward: the samples at
+    # step 1 and 3 follow a training step, not an evaluation, and must still run (their cache follows the bf16 keys)
+    proc = run_torchrun(["train.py", *tiny_args(token_data, tmp_path, "--parallel=fsdp", "--dtype=bf16",
+                                                "--max-steps=3", "--sample-every=1", "--sample-tokens=4",
+                                                "--eval-every=0", "--total-batch-size=512")], nproc=2)
+    assert proc.stdout.count("sample: ") == 6  # 2 samples at each of steps 1, 2, 3
+    assert (tmp_path / "ckpt_000003.pt").is_file()
 
 
 @pytest.mark.slow
