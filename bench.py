@@ -234,6 +234,11 @@ def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
         Variant("compile", {"compile": True}),
         Variant("compile+fused", {"compile": True, "fused_gelu": True}),
         *[Variant(f"compile-b{b}", {"compile": True, "batch_size": b}) for b in batch_sizes if b != largest],
+        # the attention kernel: FlashAttention-2 is torch's usual pick on Hopper; cuDNN's may be faster there
+        Variant("compile+flash-attn", {"compile": True, "attention": "flash"}),
+        Variant("compile+cudnn-attn", {"compile": True, "attention": "cudnn"}),
+        # Triton matmul autotuning, without CUDA graphs (the optimizer step runs outside the compiled graph)
+        Variant("compile-max-autotune", {"compile": True, "compile_mode": "max-autotune-no-cudagraphs"}),
         # the kernel's gain where nothing else fuses bias+GELU (Inductor fuses them itself under compile)
         Variant("eager+fused", {"fused_gelu": True}),
         Variant("compile-fp32", {"compile": True, "dtype": "fp32"}),  # what bf16 autocast buys (fp32 matmuls on TF32)
@@ -285,7 +290,8 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     optimizer = train.build_optimizer(raw, tcfg, device, world_size=1, verbose=False)
     dtype, autocast = train.precision(tcfg, device)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    model = torch.compile(raw) if tcfg.compile else raw
+    train.select_attention(tcfg.attention)  # every row sets it: a row's choice must not leak into the next
+    model = train.compile_model(raw, tcfg) if tcfg.compile else raw
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     tokens = torch.randint(0, GPT2_VOCAB, (accum, B, T + 1), generator=gen, device=device)
     xs, ys = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()  # (accum, B, T) each, like the loader's

@@ -1,22 +1,55 @@
 #!/usr/bin/env bash
-# The whole pipeline, offline, on a small default: shards from the Python standard library's source, a small GPT
-# trained on them, a checkpoint, samples from it and a loss plot. Safe to run twice (finished stages are skipped).
-# Usage: bash demo.sh        DEMO_STEPS=N trains longer or shorter; DEMO_DIR=path puts data/ and out/ elsewhere
+# The whole pipeline on a small default: token shards, a small GPT trained on them, a checkpoint, samples from it and
+# a loss plot. Offline by default (the Python standard library's own source is the corpus). Safe to run twice:
+# finished stages are skipped and a finished run is resumed, not redone.
+#
+# Usage: bash demo.sh                                    # stdlib source, offline
+#        bash demo.sh --source shakespeare               # Tiny Shakespeare (downloaded once)
+#        bash demo.sh --source path/to/tinyshakespeare.txt   # any local .txt/.jsonl/.parquet file, dir or glob
+#        bash demo.sh --source fineweb                   # the first 20M tokens of fineweb-edu sample-10BT (network)
+# Environment: DEMO_STEPS=N trains longer or shorter (default 250); DEMO_DIR=path puts data/ and out/ elsewhere;
+# DEMO_PROMPT sets the sample prompt.
 set -euo pipefail
 cd "$(dirname "$0")"
+source="stdlib"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --source) source="${2:?--source needs a value}"; shift 2 ;;
+        --source=*) source="${1#*=}"; shift ;;
+        -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "error: unknown argument $1 (demo.sh takes --source NAME_OR_PATH; see bash demo.sh --help)" >&2; exit 2 ;;
+    esac
+done
 . scripts/env.sh
 steps="${DEMO_STEPS:-250}"
 root="${DEMO_DIR:-.}"
-data="$root/data/stdlib"
+prepare=(--source "$source")
+case "$source" in
+    stdlib) name=stdlib ;;
+    shakespeare) name=shakespeare ;;
+    fineweb) name=fineweb_demo  # fineweb.py's default source is fineweb-edu sample-10BT; a demo needs 20M tokens
+             prepare=(--max-tokens 20000000 --shard-size 10000000 --val-tokens 1000000) ;;
+    *) name=$(basename "${source%%[*?]*}"); name="${name%%.*}"; name="${name:-local}" ;;
+esac
+case "$source" in
+    stdlib) prompt="def " ;;
+    *shakespeare*) prompt="ROMEO:" ;;
+    *) prompt="The" ;;
+esac
+prompt="${DEMO_PROMPT:-$prompt}"
+data="$root/data/$name"
 out="$root/out/demo"
-echo ">> 1/4 data: python fineweb.py --source stdlib --out-dir $data"
-python fineweb.py --source stdlib --out-dir "$data"
+[ "$name" = stdlib ] || out="$root/out/demo_$name"
+echo ">> 1/4 data: python fineweb.py ${prepare[*]} --out-dir $data"
+python fineweb.py "${prepare[@]}" --out-dir "$data"
 echo ">> 2/4 train: python train.py --preset demo --data $data --out-dir $out --max-steps $steps --resume auto"
-python train.py --preset demo --data "$data" --out-dir "$out" --max-steps "$steps" --resume auto
-ckpt=$(ls "$out"/ckpt_*.pt | tail -n 1)
-echo ">> 3/4 sample: python sample.py --ckpt $ckpt"
-python sample.py --ckpt "$ckpt" --prompt "def " --max-new-tokens 100 --num-samples 2 --top-k 50 --seed 1
+python train.py --preset demo --data "$data" --out-dir "$out" --max-steps "$steps" --resume auto \
+    --sample-prompt "$prompt"
+ckpt=$(ls -t "$out"/ckpt_*.pt | head -n 1)
+echo ">> 3/4 sample: python sample.py --ckpt $ckpt --prompt '$prompt'"
+python sample.py --ckpt "$ckpt" --prompt "$prompt" --max-new-tokens 100 --num-samples 2 --top-k 50 --seed 1 \
+    | tee "$out/samples.txt"
 echo ">> 4/4 plot: python plot.py --log $out/log.jsonl"
 python plot.py --log "$out/log.jsonl"
 echo
-echo "demo outputs: shards in $data/, checkpoint $ckpt, log $out/log.jsonl, plot $out/loss.png"
+echo "demo outputs: shards in $data/, checkpoint $ckpt, log $out/log.jsonl, samples $out/samples.txt, plot $out/loss.png"

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Run the whole test suite on CPU: creates .venv on first use (torch pinned), then pytest.
-# Usage: bash test.sh [pytest args]
+# Run the whole test suite on CPU: creates the virtualenv on first use (torch pinned), then pytest.
+# Usage: bash test.sh [pytest args]      VENV=path picks the virtualenv (default .venv); REPORT=path the JUnit report
 set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/env.sh requirements-dev.txt
-echo ">> python $(python -c 'import sys; print(sys.version.split()[0])'), torch $(python -c 'import torch; print(torch.__version__)')"
+report="${REPORT:-out/tests/junit.xml}"
+mkdir -p "$(dirname "$report")"
+echo ">> python $(python -c 'import sys; print(sys.version.split()[0])'), torch $(python -c 'import torch; print(torch.__version__)'), venv $VENV"
 set +e
-python -m pytest -q "$@"
+python -m pytest -q --junitxml="$report" "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi
+echo "test outputs: JUnit report $report (exit $rc); virtualenv $VENV"
 exit "$rc"

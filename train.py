@@ -30,6 +30,11 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from fineweb import DataError, TokenLoader
 from model import GPT, MODEL_PRESETS, GPTConfig, get_tokenizer, load_checkpoint, mfu, parse_config, provenance
 
+COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
+# SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
+SDPA_SWITCHES = {"flash": "enable_flash_sdp", "cudnn": "enable_cudnn_sdp", "efficient": "enable_mem_efficient_sdp",
+                 "math": "enable_math_sdp"}
+
 
 @dataclass
 class TrainConfig:
@@ -68,6 +73,8 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda if available, else cpu), cuda, cpu
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 (with GradScaler), fp32
     compile: bool | None = None  # torch.compile the model (None = on for CUDA, off for CPU)
+    compile_mode: str = "default"  # torch.compile mode: default, reduce-overhead, max-autotune(-no-cudagraphs)
+    attention: str = "auto"  # SDPA kernel: auto (torch picks), flash, cudnn, efficient or math (only that one allowed)
     parallel: str = "ddp"  # ddp, zero1 (ZeroRedundancyOptimizer) or fsdp (FSDP2 fully_shard per block + root)
     recompute: str = "none"  # activation recompute: none, mlp or block (trade compute for memory)
     seed: int = 1337  # seeds weights, dropout and the data shuffle
@@ -95,10 +102,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
-                   "dtype": ("auto", "bf16", "fp16", "fp32"), "device": ("auto", "cuda", "cpu")}
+                   "dtype": ("auto", "bf16", "fp16", "fp32"), "device": ("auto", "cuda", "cpu"),
+                   "compile_mode": COMPILE_MODES, "attention": ("auto", *SDPA_SWITCHES)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; "
+                                 f"got {getattr(self, name)!r}")
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
         at_least = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "max_steps": 1, "eval_batches": 1,
@@ -215,6 +224,19 @@ def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, world_si
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=d["lr"], betas=d["betas"],
                                        eps=d["eps"], fused=d["fused"])
     return optimizer
+
+
+def select_attention(name: str) -> None:
+    """Allow only the named SDPA kernel, or every kernel for 'auto' (torch's default). These are process-wide
+    switches, and a compiled graph keeps the kernel chosen when it was traced: set them before compiling."""
+    for kernel, switch in SDPA_SWITCHES.items():
+        getattr(torch.backends.cuda, switch)(name in ("auto", kernel))
+
+
+def compile_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """torch.compile with the configured mode; 'reduce-overhead' adds CUDA graphs, the max-autotune modes search
+    Triton matmul configs (minutes of compilation for GPT-2)."""
+    return torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
 
 
 def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -521,9 +543,10 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             raise ValueError(f"ranks resumed different steps {steps}: every node must see the same checkpoints in "
                              f"--out-dir {out_dir} (put it on a shared filesystem, or copy the checkpoint to each node "
                              "and pass --resume PATH)")
+    select_attention(cfg.attention)
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     if use_compile:
-        model = torch.compile(model)
+        model = compile_model(model, cfg)
 
     tokens_per_step = grad_accum * B * T * world
     flops_per_token = raw.flops_per_token(T)

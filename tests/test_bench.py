@@ -46,6 +46,10 @@ def test_variants_are_selected_by_name_and_skips_carry_reasons():
     names = [v.name for v in bench.default_variants((16, 32, 64))]
     assert names[:5] == ["eager", "compile", "compile+fused", "compile-b16", "compile-b32"]
     assert "compile-b64" not in names  # 64 is the largest: the other rows already run at B=64
+    assert {"compile+flash-attn", "compile+cudnn-attn", "compile-max-autotune"} <= set(names)
+    cudnn = bench.train_config(BenchConfig(**TINY), next(v for v in bench.default_variants((4,))
+                                                         if v.name == "compile+cudnn-attn"))
+    assert (cudnn.compile, cudnn.attention, cudnn.compile_mode) == (True, "cudnn", "default")
     assert len(names) == len(set(names))
     with pytest.raises(ValueError, match="unknown nope.*eager"):
         bench.select_variants(BenchConfig(**TINY, variants="eager,nope"))

@@ -1,4 +1,5 @@
-"""demo.sh end to end with a few steps: shards, training, a checkpoint, samples and the plot, twice (idempotent)."""
+"""demo.sh end to end with a few steps: shards, training, a checkpoint, samples and the plot, twice (idempotent),
+and the same pipeline on another corpus through --source."""
 
 import os
 import subprocess
@@ -6,19 +7,40 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, SHAKESPEARE
+
+
+def run_demo(tmp_path, *args: str) -> str:
+    env = {**os.environ, "VENV": sys.prefix, "DEMO_STEPS": "3", "DEMO_DIR": str(tmp_path), "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run(["bash", "demo.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
 
 
 @pytest.mark.slow
 def test_demo_runs_end_to_end_twice(tmp_path):
-    env = {**os.environ, "VENV": sys.prefix, "DEMO_STEPS": "3", "DEMO_DIR": str(tmp_path), "OMP_NUM_THREADS": "2"}
     for run in range(2):
-        proc = subprocess.run(["bash", "demo.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out = proc.stdout
-        assert f"demo outputs: shards in {tmp_path}/data/stdlib/" in out
-        assert "plot: wrote" in out and (tmp_path / "out/demo/loss.png").stat().st_size > 10_000
-        assert (tmp_path / "out/demo/ckpt_000003.pt").is_file()
-        assert out.count("---------------") == 2  # two streamed samples
+        out = run_demo(tmp_path)
+        demo = tmp_path / "out" / "demo"
+        assert (f"demo outputs: shards in {tmp_path}/data/stdlib/, checkpoint {demo}/ckpt_000003.pt, log "
+                f"{demo}/log.jsonl, samples {demo}/samples.txt, plot {demo}/loss.png") in out
+        assert "plot: wrote" in out and (demo / "loss.png").stat().st_size > 10_000
+        assert out.count("---------------") == 2  # two streamed samples, also kept in samples.txt
+        assert (demo / "samples.txt").read_text().count("def ") >= 2
         if run == 1:  # the second run reuses the shards and the finished checkpoint
             assert "(2 already complete)" in out and "nothing to do" in out and "resumed from" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
+def test_demo_takes_another_corpus_with_one_flag(tmp_path):
+    out = run_demo(tmp_path, "--source", str(SHAKESPEARE))
+    demo = tmp_path / "out" / "demo_tinyshakespeare"
+    assert f"shards in {tmp_path}/data/tinyshakespeare/" in out
+    assert (demo / "ckpt_000003.pt").is_file() and (demo / "loss.png").is_file()
+    assert (demo / "samples.txt").read_text().startswith("ROMEO:")
+
+
+def test_demo_rejects_unknown_arguments():
+    proc = subprocess.run(["bash", "demo.sh", "--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown argument --steps" in proc.stderr

@@ -53,6 +53,8 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     (["--batch-size=big"], "--batch-size expects int"),
     (["--preset", "gpt5"], "unknown --preset 'gpt5'"),
     (["--recompute=all"], "--recompute must be one of none, mlp, block"),
+    (["--attention=sdpa"], "--attention must be one of auto, flash, cudnn, efficient, math"),
+    (["--compile-mode=fast"], "--compile-mode must be one of default, max-autotune"),
     (["--log-every=0"], "--log-every must be >= 1"),
     (["--eval-batches", "0"], "--eval-batches must be >= 1"),
     (["--label-smoothing=2"], r"--label-smoothing must be in \[0, 1\)"),
@@ -99,6 +101,25 @@ def test_recompute_gives_the_same_losses(token_data, tmp_path):
         again = train.main(tiny_args(token_data, tmp_path / mode, "--max-steps=3", "--eval-every=0",
                                      f"--recompute={mode}"))["losses"]
         assert again == pytest.approx(base, abs=1e-5), mode
+
+
+def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path):
+    q = torch.randn(1, 2, 8, 4)
+    kernels = {"math": "aten::_scaled_dot_product_attention_math",
+               "flash": "aten::_scaled_dot_product_flash_attention_for_cpu"}
+    try:
+        for name, op in kernels.items():
+            train.select_attention(name)
+            with torch.profiler.profile() as prof:
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            assert op in {e.name for e in prof.events()}, name
+        math_run = train.main(tiny_args(token_data, tmp_path / "math", "--max-steps=3", "--eval-every=0",
+                                        "--attention=math"))["losses"]
+        assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    finally:
+        train.select_attention("auto")
+    auto_run = train.main(tiny_args(token_data, tmp_path / "auto", "--max-steps=3", "--eval-every=0"))["losses"]
+    assert math_run == pytest.approx(auto_run, abs=1e-5)  # another kernel, the same attention
 
 
 def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
