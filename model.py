@@ -243,6 +243,7 @@ class GPTConfig:
     pos: str = "learned"  # "learned": GPT-2 position table; "rope": rotary embeddings on q and k
     rope_theta: float = 10000.0  # RoPE base frequency
     fused_gelu: bool = False  # Triton bias+GELU kernel in the MLP (CUDA only; CPU always uses the reference)
+    loss_chunk: int = 0  # >0: the loss with targets is computed this many rows at a time, logits not returned
 
     def __post_init__(self) -> None:
         # types first: a string or float that slipped past a caller would otherwise fail deep inside nn.Linear
@@ -270,6 +271,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.pos='rope' needs an even head size, got {self.n_embd // self.n_head}")
         if not self.rope_theta > 0:
             raise ValueError(f"GPTConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(f"GPTConfig.loss_chunk must be an integer >= 0 (0 = off), got {self.loss_chunk!r}")
         if self.fused_gelu and (self.mlp != "gelu" or not self.bias):
             raise ValueError("GPTConfig.fused_gelu fuses the c_fc bias into GELU, so it needs mlp='gelu' and "
                              f"bias=True; got mlp={self.mlp!r}, bias={self.bias}")
@@ -347,6 +350,71 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.type_as(x)
+
+
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float,
+                with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed cross-entropy of fp32 logits (n, V) over the rows whose target is not -1, and optionally its gradient
+    with respect to the logits: softmax - (1 - s) * onehot - s / V on those rows, 0 on the others."""
+    valid = targets != -1
+    safe = targets.masked_fill(~valid, 0)  # (n,)
+    lse = logits.logsumexp(dim=-1)  # (n,)
+    rows = lse - logits.gather(1, safe[:, None]).squeeze(1)  # -log p(target)
+    if label_smoothing:  # as F.cross_entropy: the mean over all V classes of -log p(class)
+        rows = (1 - label_smoothing) * rows + label_smoothing * (lse - logits.mean(dim=-1))
+    loss = (rows * valid).sum()
+    if not with_grad:
+        return loss, None
+    grad = (logits - lse[:, None]).exp_()  # softmax, in place of a second (n, V) buffer
+    grad.scatter_add_(1, safe[:, None], torch.full_like(grad[:, :1], label_smoothing - 1.0))
+    if label_smoothing:
+        grad -= label_smoothing / logits.size(-1)
+    return loss, grad.mul_(valid[:, None])
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of x @ weight.T against targets, a chunk of rows at a time. Each chunk's gradients with
+    respect to x and weight are computed in forward, from its logits, which are then freed; backward only scales
+    them. Peak memory is one chunk's fp32 logits instead of all B*T of them (6.6 GB for GPT-2 at B=64 in bf16)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                label_smoothing: float) -> torch.Tensor:
+        count = (targets != -1).sum().clamp(min=1)  # the mean is over the targets that count, as ignore_index
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32)
+        device = x.device.type
+        # the backward matmuls run in the forward matmul's precision: bf16 under autocast, as in the plain path
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+        for i in range(0, x.size(0), chunk):
+            xc = x[i:i + chunk]
+            logits = F.linear(xc, weight).float()  # (n, V)
+            part, grad = _chunk_loss(logits, targets[i:i + chunk], label_smoothing, with_grad=True)
+            loss += part
+            grad = grad.to(dtype)
+            grad_x[i:i + chunk] = grad @ weight.to(dtype)  # (n, C)
+            grad_w += (grad.t() @ xc.to(dtype)).float()  # (V, C)
+        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype), count)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_x, grad_w, count = ctx.saved_tensors
+        scale = grad_out / count
+        return grad_x * scale.to(grad_x.dtype), grad_w * scale.to(grad_w.dtype), None, None, None
+
+
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                          label_smoothing: float = 0.0) -> torch.Tensor:
+    """F.cross_entropy(x @ weight.T, targets, ignore_index=-1, label_smoothing=...) without the full logits.
+    x (N, C), weight (V, C), targets (N,). Without autograd (eval) the chunks' gradients are not computed."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _ChunkedCrossEntropy.apply(x, weight, targets, chunk, label_smoothing)
+    count = (targets != -1).sum().clamp(min=1)
+    total = sum(_chunk_loss(F.linear(x[i:i + chunk], weight).float(), targets[i:i + chunk], label_smoothing,
+                            with_grad=False)[0] for i in range(0, x.size(0), chunk))
+    return total / count
 
 
 class CausalSelfAttention(nn.Module):
@@ -477,6 +545,11 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if last_only:
             x = x[:, -1:]
+        if targets is not None and self.config.loss_chunk:
+            # the (B*T, V) logits never exist at once; the caller gets the loss only
+            loss = chunked_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                         self.config.loss_chunk, label_smoothing)
+            return None, loss
         logits = self.lm_head(x)  # (B, T, V)
         loss = None
         if targets is not None:

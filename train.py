@@ -52,6 +52,7 @@ class TrainConfig:
     bias: bool = True  # biases in Linear/LayerNorm
     dropout: float = 0.0  # dropout probability (0 for pretraining)
     fused_gelu: bool = False  # Triton fused bias+GELU kernel in the MLP (CUDA only)
+    loss_chunk: int = 0  # >0: cross-entropy this many rows at a time, never all B*T fp32 logits at once (0 = off)
     # data
     data: str = "data/edu_fineweb10B"  # directory or glob of token shards written by fineweb.py (or llm.c)
     preload: bool = False  # load the whole dataset onto the device once (small datasets only)
@@ -163,7 +164,8 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     base = MODEL_PRESETS[cfg.model]()
     shape = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k) is not None}
     return dataclasses.replace(base, block_size=cfg.seq_len, n_kv_head=cfg.n_kv_head, mlp=cfg.mlp, pos=cfg.pos,
-                               bias=cfg.bias, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu, **shape)
+                               bias=cfg.bias, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu,
+                               loss_chunk=cfg.loss_chunk, **shape)
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:

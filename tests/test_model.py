@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model import (
     EOT,
@@ -162,10 +163,51 @@ def test_gqa_kv_projection_size():
     (dict(pos="rope", rope_theta=0.0), "rope_theta must be > 0"),
     (dict(fused_gelu=True, mlp="swiglu"), "fused_gelu .* needs mlp='gelu' and bias=True"),
     (dict(fused_gelu=True, bias=False), "fused_gelu .* needs mlp='gelu' and bias=True"),
+    (dict(loss_chunk=-1), "loss_chunk must be an integer >= 0"),
 ])
 def test_bad_config_raises(kw, message):
     with pytest.raises(ValueError, match=message):
         tiny(**kw)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_chunked_cross_entropy_equals_the_plain_loss_and_gradients(label_smoothing):
+    from model import chunked_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 16, generator=gen, requires_grad=True)  # 37 rows: chunks of 8 leave a short last one
+    w = torch.randn(101, 16, generator=gen, requires_grad=True)
+    t = torch.randint(0, 101, (37,), generator=gen)
+    t[::5] = -1  # ignored rows: no loss, no gradient, not in the mean
+    ref = F.cross_entropy(F.linear(x, w), t, ignore_index=-1, label_smoothing=label_smoothing)
+    ref_dx, ref_dw = torch.autograd.grad(3 * ref, (x, w))  # 3: the upstream gradient is applied in backward
+    got = chunked_cross_entropy(x, w, t, 8, label_smoothing)
+    dx, dw = torch.autograd.grad(3 * got, (x, w))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(dx, ref_dx, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dw, ref_dw, atol=1e-6, rtol=1e-5)
+    assert dx[::5].abs().max() == 0
+    with torch.no_grad():  # eval: the loss alone, no gradients computed
+        torch.testing.assert_close(chunked_cross_entropy(x, w, t, 8, label_smoothing), ref, atol=1e-5, rtol=1e-6)
+
+
+def test_loss_chunk_trains_like_the_full_logits():
+    torch.manual_seed(0)
+    plain, chunked = GPT(tiny()), GPT(tiny(loss_chunk=24))
+    chunked.load_state_dict(plain.state_dict())
+    idx, targets = torch.randint(0, 96, (2, 3, 32))
+    targets[0, :7] = -1
+    logits, loss = chunked(idx, targets)
+    ref_logits, ref_loss = plain(idx, targets)
+    assert logits is None and ref_logits.shape == (3, 32, 96)
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-6)
+    for (name, p), q in zip(chunked.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 matmuls in both: equal to bf16 accuracy
+        torch.testing.assert_close(chunked(idx, targets)[1], plain(idx, targets)[1], atol=2e-2, rtol=0)
+    assert chunked(idx)[0].shape == (3, 32, 96)  # without targets the logits come back as usual
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -95,12 +95,12 @@ def test_overfit_batch_drives_loss_near_zero(token_data, tmp_path):
     assert losses[-1] < 0.1, losses[-10:]
 
 
-def test_recompute_gives_the_same_losses(token_data, tmp_path):
-    base = train.main(tiny_args(token_data, tmp_path / "a", "--max-steps=3", "--eval-every=0"))["losses"]
-    for mode in ("mlp", "block"):
-        again = train.main(tiny_args(token_data, tmp_path / mode, "--max-steps=3", "--eval-every=0",
-                                     f"--recompute={mode}"))["losses"]
-        assert again == pytest.approx(base, abs=1e-5), mode
+def test_recompute_and_chunked_loss_give_the_same_losses(token_data, tmp_path):
+    base = train.main(tiny_args(token_data, tmp_path / "a", "--max-steps=3", "--eval-every=2"))
+    for flag in ("--recompute=mlp", "--recompute=block", "--loss-chunk=100"):
+        again = train.main(tiny_args(token_data, tmp_path / flag[2:], "--max-steps=3", "--eval-every=2", flag))
+        assert again["losses"] == pytest.approx(base["losses"], abs=1e-5), flag
+        assert again["val_loss"] == pytest.approx(base["val_loss"], abs=1e-5), flag
 
 
 def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path):
