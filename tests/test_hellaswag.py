@@ -14,6 +14,7 @@ import torch
 
 from hellaswag import (
     HellaSwagError,
+    describe_provenance,
     download,
     evaluate,
     load_examples,
@@ -50,11 +51,11 @@ def reference_losses(model, example: dict, enc, block_size: int) -> list[tuple[f
     """Per ending, one unpadded forward of ctx + ending (cropped from the left to block_size): (sum, mean) of the
     negative log-likelihood of the ending tokens that have a token before them. `model` is a GPT or an HF
     GPT2LMHeadModel (both give the logits first when indexed with [0])."""
-    ctx = enc.encode(example["ctx"])
+    ctx = enc.encode_ordinary(example["ctx"])
     out = []
     with torch.no_grad():
         for ending in example["endings"]:
-            end = enc.encode(" " + ending)
+            end = enc.encode_ordinary(" " + ending)
             seq = (ctx + end)[-block_size:]
             n_scored = min(len(end), len(seq) - 1)
             logits = model(torch.tensor([seq]))[0]  # (1, T, V)
@@ -131,7 +132,7 @@ def table_verdicts(examples: list[dict], enc) -> list[tuple[bool, bool]]:
     cost = torch.logsumexp(table, 0) - table  # (V,)
     out = []
     for ex in examples:
-        costs = [cost[enc.encode(" " + e)] for e in ex["endings"]]
+        costs = [cost[enc.encode_ordinary(" " + e)] for e in ex["endings"]]
         by_sum = min(range(4), key=lambda i: costs[i].sum().item())
         by_mean = min(range(4), key=lambda i: costs[i].mean().item())
         out.append((by_sum == ex["label"], by_mean == ex["label"]))
@@ -175,9 +176,34 @@ def test_malformed_line_names_file_and_line(tmp_path, line, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("fields", [{"ctx": ""}, {"ctx": "  "}, {"ctx_a": "", "ctx_b": ""}])
+def test_empty_context_names_file_and_line(tmp_path, fields):
+    path = tmp_path / "empty_ctx.jsonl"
+    line = json.dumps({**fields, "endings": ["a", "b", "c", "d"], "label": 0})
+    path.write_text(FIXTURE.read_text().splitlines()[0] + "\n" + line + "\n")
+    with pytest.raises(HellaSwagError) as e:
+        load_examples(path)
+    assert str(e.value) == f"{path}:2: empty context ('ctx', or 'ctx_a' and 'ctx_b', hold no text)"
+
+
+def test_byte_order_mark_is_skipped(tmp_path, examples):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + FIXTURE.read_bytes())
+    assert load_examples(path) == examples
+    # only at the start of the file: elsewhere it is a stray character, and the line is not JSON
+    lines = FIXTURE.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + b"\xef\xbb\xbf" + lines[1])
+    with pytest.raises(HellaSwagError, match=rf"^{re.escape(str(path))}:2: not valid JSON"):
+        load_examples(path)
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist; pass the validation jsonl with --data"):
         load_examples(tmp_path / "nope.jsonl")
+    with pytest.raises(IsADirectoryError) as e:
+        load_examples(tmp_path)
+    assert str(e.value) == (f"HellaSwag file {tmp_path} is a directory; pass the validation jsonl itself with --data "
+                            f"PATH (e.g. {tmp_path / 'hellaswag_val.jsonl'})")
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(HellaSwagError, match="empty.jsonl: no examples"):
         load_examples(tmp_path / "empty.jsonl")
@@ -217,6 +243,22 @@ def test_render_and_batch_shapes_and_masks(examples, enc):
             assert (tokens[row, n:] == EOT).all()
             assert mask[row].tolist() == [0] * len(r.ctx) + [1] * len(end) + [0] * (64 - n)
     assert (mask[8:] == 0).all()
+
+
+def test_endoftext_in_the_text_is_ordinary_text(examples, enc):
+    """A context or ending that contains the text <|endoftext|> is scored as those characters, not as EOT."""
+    ex = {"ctx": "The page ended with <|endoftext|> and then", "label": 1,
+          "endings": ["a new page began.", "<|endoftext|>", "the <|endoftext|> token was printed.", "nothing."]}
+    r = render_example(ex, enc)
+    assert r.ctx == enc.encode("The page ended with <|endoftext|> and then", disallowed_special=())
+    assert r.endings[1] == enc.encode(" <|endoftext|>", disallowed_special=())
+    assert len(r.endings[1]) == 7 and EOT not in r.ctx + [t for e in r.endings for t in e]
+    assert enc.decode(r.ctx) == ex["ctx"] and enc.decode(r.endings[2]) == " " + ex["endings"][2]
+    model = tiny_gpt()
+    mixed = [ex, *examples[:3]]
+    ref = reference_correct(model, mixed, enc, 64)
+    result = evaluate(model, mixed, "cpu", batch_size=2, enc=enc)
+    assert (result["acc"], result["acc_norm"]) == (sum(a for a, _ in ref) / 4, sum(b for _, b in ref) / 4)
 
 
 def test_batch_crops_from_the_left_keeping_the_ending(examples, enc):
@@ -333,7 +375,12 @@ def test_cli_on_hf_directory_matches_hf_reference(hf_dir, examples, enc, capsys)
     """The CLI's numbers on an HF directory equal a per-example reference on transformers' own model."""
     transformers = pytest.importorskip("transformers")
     result = main(["--data", str(FIXTURE), "--init-from", str(hf_dir), "--batch-size", "2", "--device", "cpu"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # provenance is one readable line, not a Python dict
+    header = re.search(r"^hellaswag: (.*), ([\d,]+) params, 6 examples; git ([0-9a-f]{12}|unknown)(\+dirty)?, "
+                       r"python 3\.[\d.]+, torch [^,]+, (triton [^,]+, )?cpu \(\d+ cores\), 1 rank$", err, re.M)
+    assert header is not None, err
+    assert header.group(1) == str(hf_dir) and "{" not in err
     acc, acc_norm, n, _ = RESULT.search(out).groups()
     assert (float(acc), float(acc_norm), int(n)) == (round(result["acc"], 4), round(result["acc_norm"], 4), 6)
     hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
@@ -362,9 +409,22 @@ def test_cli_two_ranks_equal_one_rank(enc, tmp_path):
     assert (acc, acc_norm, int(n)) == ("0.5714", "0.4286", 7)
 
 
+def test_describe_provenance():
+    prov = {"git_sha": "0123456789abcdef0123456789abcdef01234567", "git_dirty": True, "python": "3.11.9",
+            "torch": "2.6.0+cu124", "triton": "3.2.0", "cuda": "12.4", "device": "NVIDIA H100 80GB HBM3",
+            "world_size": 8}
+    assert describe_provenance(prov) == ("git 0123456789ab+dirty, python 3.11.9, torch 2.6.0+cu124, triton 3.2.0, "
+                                         "cuda 12.4, NVIDIA H100 80GB HBM3, 8 ranks")
+    cpu = {**prov, "git_sha": None, "git_dirty": None, "triton": None, "cuda": None, "device": "cpu (2 cores)",
+           "world_size": 1}
+    assert describe_provenance(cpu) == "git unknown, python 3.11.9, torch 2.6.0+cu124, cpu (2 cores), 1 rank"
+
+
 def test_cli_errors_are_one_line(tmp_path, hf_dir):
     with pytest.raises(SystemExit, match=r"^error: HellaSwag file .*nope.jsonl does not exist"):
         main(["--data", str(tmp_path / "nope.jsonl"), "--init-from", str(hf_dir)])
+    with pytest.raises(SystemExit, match=rf"^error: HellaSwag file {re.escape(str(tmp_path))} is a directory; pass"):
+        main(["--data", str(tmp_path), "--init-from", str(hf_dir)])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ctx": "a", "endings": ["a"], "label": 0}\n')
     with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(bad))}:1: 'endings' must be a list of 4"):
