@@ -167,6 +167,22 @@ def test_prompt_from_file_and_stdin_equal_literal(ckpt, tmp_path, monkeypatch, c
         main([*common, "--prompt", f"@{tmp_path / 'nope.txt'}"])
 
 
+def test_prompt_file_errors_say_what_is_wrong(ckpt, tmp_path):
+    common = ["--ckpt", str(ckpt), "--num-samples", "1", "--max-new-tokens", "1", "--device", "cpu"]
+    with pytest.raises(SystemExit) as e:
+        main([*common, "--prompt", f"@{tmp_path}"])
+    assert str(e.value) == f"error: prompt file {tmp_path} is a directory; --prompt @FILE reads a text file"
+    with pytest.raises(SystemExit) as e:
+        main([*common, "--prompt", "@"])
+    assert str(e.value) == ("error: --prompt @ names no file; write --prompt @FILE to read the prompt from FILE, or "
+                            "--prompt - to read it from stdin")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(SystemExit) as e:
+        main([*common, "--prompt", f"@{tmp_path / 'latin1.txt'}"])
+    assert str(e.value) == (f"error: prompt file {tmp_path / 'latin1.txt'} is not UTF-8 text (unexpected end of "
+                            "data at byte 3); save it as UTF-8")
+
+
 def test_long_prompt_is_cropped_with_notice(model, enc, capsys):
     prompt = "".join(f" w{i}" for i in range(50))  # 100 tokens: " w" and the number
     assert len(enc.encode(prompt)) == 100
@@ -177,6 +193,23 @@ def test_long_prompt_is_cropped_with_notice(model, enc, capsys):
     kept = enc.encode(prompt)[-63:]
     assert out.startswith(enc.decode(kept)) and not out.startswith(prompt)
     expected = model.generate(torch.tensor([kept]), 3, temperature=0.0)[0, 63:].tolist()
+    assert text == enc.decode(expected)
+
+
+def test_cropped_prompt_starts_at_a_whole_character(model, enc, capsys):
+    prompt = " 𝔘𝔫𝔦𝔠𝔬𝔡𝔢" * 12  # 4-byte characters, each split over 2-3 tokens
+    tokens = enc.encode(prompt)
+    assert len(tokens) == 264 and enc.decode(tokens[-63:])[0] == "\ufffd"  # cropping to 63 cuts a character
+    cfg = SampleConfig(prompt=prompt, num_samples=1, max_new_tokens=3, temperature=0.0)
+    (text,) = generate_text(model, enc, cfg, "cpu")
+    out, err = capsys.readouterr()
+    assert ("notice: the prompt has 264 tokens, more than block_size - 1 = 63; keeping the last 62 (from the first "
+            "whole character)") in err
+    kept = tokens[-62:]  # one token less: the one holding the last byte of the cut character
+    shown = enc.decode(kept)
+    assert shown == "𝔫𝔦𝔠𝔬𝔡𝔢" + " 𝔘𝔫𝔦𝔠𝔬𝔡𝔢" * 2 and out.startswith(shown)
+    # the model continues exactly the text shown
+    expected = model.generate(torch.tensor([kept]), 3, temperature=0.0)[0, 62:].tolist()
     assert text == enc.decode(expected)
 
 
