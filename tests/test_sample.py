@@ -247,34 +247,37 @@ def bad_inputs(model, ckpt, hf_dir, tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--ckpt", "notes.txt"], "{d}/notes.txt is not a PyTorch checkpoint (it is a text file, not the zip archive "
+    (["--ckpt", "notes.txt"], "notes.txt is not a PyTorch checkpoint (it is a text file, not the zip archive "
                               "torch.save writes); pass the .pt file that train.py wrote (e.g. "
                               "out/<run>/ckpt_000100.pt)"),
-    (["--ckpt", "random.bin"], "{d}/random.bin is not a PyTorch checkpoint (it starts with bytes 07 08 09 0a 0b 0c 0d "
-                               "0e, not the zip archive torch.save writes); pass the .pt file that train.py wrote "
-                               "(e.g. out/<run>/ckpt_000100.pt)"),
-    (["--ckpt", "run"], "checkpoint {d}/run is a directory, not a file; pass a checkpoint file in it (the latest is "
-                        "{d}/run/ckpt_000010.pt)"),
+    (["--ckpt", "random.bin"], "random.bin is not a PyTorch checkpoint (it starts with bytes 07 08 09 0a 0b 0c 0d 0e, "
+                               "not the zip archive torch.save writes); pass the .pt file that train.py wrote (e.g. "
+                               "out/<run>/ckpt_000100.pt)"),
+    (["--ckpt", "run"], "checkpoint run is a directory, not a file; pass a checkpoint file in it (the latest is "
+                        "run/ckpt_000010.pt)"),
+    (["--ckpt", "empty_dir"], "checkpoint empty_dir is a directory, not a file; pass the .pt file that train.py wrote "
+                              "(e.g. out/<run>/ckpt_000100.pt); an HF GPT-2 directory (config.json + "
+                              "model.safetensors) loads with --init-from instead"),
     (["--ckpt", "{hf}"], "checkpoint {hf} is a directory, not a file; it has a config.json, so it looks like an HF "
                          "GPT-2 directory: load it with --init-from {hf}"),
-    (["--init-from", "run/ckpt_000002.pt"], "--init-from {d}/run/ckpt_000002.pt is a file; --init-from takes a hub "
-                                            "name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local HF GPT-2 "
-                                            "directory (config.json + model.safetensors). For a checkpoint train.py "
-                                            "wrote, use --ckpt {d}/run/ckpt_000002.pt"),
-    (["--init-from", "nope_dir"], "--init-from {d}/nope_dir: the directory does not exist; pass a local HF GPT-2 "
-                                  "directory (config.json + model.safetensors), or a hub name such as gpt2"),
-    (["--init-from", "empty_dir"], "--init-from {d}/empty_dir has no config.json, so it is not a local HF GPT-2 "
+    (["--init-from", "run/ckpt_000002.pt"], "--init-from run/ckpt_000002.pt is a file; --init-from takes a hub name "
+                                            "(gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local HF GPT-2 directory "
+                                            "(config.json + model.safetensors). For a checkpoint train.py wrote, use "
+                                            "--ckpt run/ckpt_000002.pt"),
+    (["--init-from", "./nope_dir"], "--init-from ./nope_dir: the directory does not exist; pass a local HF GPT-2 "
+                                    "directory (config.json + model.safetensors), or a hub name such as gpt2"),
+    (["--init-from", "empty_dir"], "--init-from empty_dir has no config.json, so it is not a local HF GPT-2 "
                                    "directory (config.json + model.safetensors)"),
-    (["--init-from", "run"], "--init-from {d}/run has no config.json, so it is not a local HF GPT-2 directory "
+    (["--init-from", "run"], "--init-from run has no config.json, so it is not a local HF GPT-2 directory "
                              "(config.json + model.safetensors); it holds train.py checkpoints: pass --ckpt "
-                             "{d}/run/ckpt_000010.pt"),
+                             "run/ckpt_000010.pt"),
 ])
-def test_wrong_model_paths_say_what_they_are_and_what_to_pass(bad_inputs, hf_dir, args, message):
-    flag, name = args
-    value = name.format(hf=hf_dir) if name == "{hf}" else str(bad_inputs / name)
+def test_wrong_model_paths_say_what_they_are_and_what_to_pass(bad_inputs, hf_dir, monkeypatch, args, message):
+    monkeypatch.chdir(bad_inputs)  # the paths as a user types them, relative to the working directory
+    flag, value = args
     with pytest.raises(SystemExit) as e:
-        main([flag, value, "--device", "cpu"])
-    assert str(e.value) == "error: " + message.format(d=bad_inputs, hf=hf_dir)
+        main([flag, value.format(hf=hf_dir), "--device", "cpu"])
+    assert str(e.value) == "error: " + message.format(hf=hf_dir)
 
 
 def test_weights_that_do_not_fit_their_config_are_summarized(bad_inputs):
