@@ -103,11 +103,15 @@ def _validate(ex: Any) -> str | None:
 
 
 def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Read and validate HellaSwag jsonl lines (the first `limit` examples if given). Blank lines are skipped.
+    """Read and validate HellaSwag jsonl lines (the first `limit` examples if given). Blank lines are skipped, and so
+    is a UTF-8 byte order mark at the start of the file (editors on Windows write one).
 
     Examples without `ctx` get it from `ctx_a + " " + ctx_b`, which is how HellaSwag builds it.
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"HellaSwag file {path} is a directory; pass the validation jsonl itself with --data "
+                                f"PATH (e.g. {path / 'hellaswag_val.jsonl'})")
     if not path.is_file():
         raise FileNotFoundError(f"HellaSwag file {path} does not exist; pass the validation jsonl with --data PATH, "
                                 "or leave --data out to download it")
@@ -117,7 +121,7 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
             if limit is not None and len(examples) >= limit:
                 break
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise HellaSwagError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
@@ -131,6 +135,8 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
                 raise HellaSwagError(f"{path}:{lineno}: {problem}")
             if "ctx" not in ex:
                 ex = {**ex, "ctx": " ".join(s for s in (ex["ctx_a"], ex["ctx_b"]) if s)}
+            if not ex["ctx"].strip():  # an ending is scored as the continuation of the context: it needs one
+                raise HellaSwagError(f"{path}:{lineno}: empty context ('ctx', or 'ctx_a' and 'ctx_b', hold no text)")
             examples.append(ex)
     if not examples:
         raise HellaSwagError(f"{path}: no examples")
@@ -151,9 +157,13 @@ class Rendered:
 
 
 def render_example(example: dict, enc: Any) -> Rendered:
-    """Tokenize an example (as returned by load_examples): candidate i is `ctx + endings[i]`."""
-    return Rendered(ctx=enc.encode(example["ctx"]), endings=[enc.encode(" " + e) for e in example["endings"]],
-                    label=example["label"])
+    """Tokenize an example (as returned by load_examples): candidate i is `ctx + endings[i]`.
+
+    Text is encoded as ordinary text: an `<|endoftext|>` written in a context or ending is those 13 characters,
+    not the document separator (and tiktoken's `encode` would refuse it).
+    """
+    return Rendered(ctx=enc.encode_ordinary(example["ctx"]),
+                    endings=[enc.encode_ordinary(" " + e) for e in example["endings"]], label=example["label"])
 
 
 def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,6 +275,18 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
 # CLI
 
 
+def describe_provenance(prov: dict) -> str:
+    """model.provenance() as one readable line: `git 0123456789ab+dirty, python 3.11.9, torch 2.6.0, cuda 12.4,
+    NVIDIA H100 80GB HBM3, 8 ranks` (the git sha is shortened to 12 characters; unknown parts are left out)."""
+    sha = (prov.get("git_sha") or "unknown")[:12] + ("+dirty" if prov.get("git_dirty") else "")
+    parts = [f"git {sha}"]
+    parts += [f"{name} {prov[name]}" for name in ("python", "torch", "triton", "cuda") if prov.get(name)]
+    parts.append(str(prov.get("device")))
+    world = prov.get("world_size", 1)
+    parts.append(f"{world} rank" + ("s" if world != 1 else ""))
+    return ", ".join(parts)
+
+
 @dataclass
 class HellaSwagConfig:
     """Completion-style HellaSwag accuracy of this project's checkpoint or an HF GPT-2 (runs under torchrun too)."""
@@ -314,8 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"error: {e}".replace("\n", " ")) from None
         if rank == 0:
             source = cfg.ckpt or cfg.init_from
-            print(f"hellaswag: {source}, {model.num_params():,} params, {len(examples)} examples, "
-                  f"{provenance(device, world_size)}", file=sys.stderr)
+            print(f"hellaswag: {source}, {model.num_params():,} params, {len(examples)} examples; "
+                  f"{describe_provenance(provenance(device, world_size))}", file=sys.stderr)
         net = torch.compile(model) if cfg.compile else model
         result = evaluate(net, examples, device, rank, world_size, batch_size=cfg.batch_size, progress=True)
         if rank == 0:

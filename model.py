@@ -206,20 +206,56 @@ def provenance(device: torch.device | str | None = None, world_size: int = 1) ->
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint with `weights_only=True`: tensors and plain containers only, never arbitrary pickles."""
+    """Load a checkpoint with `weights_only=True`: tensors and plain containers only, never arbitrary pickles.
+
+    The file's first bytes must be what torch.save writes (a zip archive, or the legacy format's pickled magic
+    number) before anything is unpickled: otherwise a text file fails deep in the unpickler with a bare KeyError,
+    and random bytes look like a refused pickle payload.
+    """
+    import codecs
+
     path = Path(path)
+    usage = "pass the .pt file that train.py wrote (e.g. out/<run>/ckpt_000100.pt)"
+    if path.is_dir():
+        found = sorted(path.glob("ckpt_*.pt"))  # zero-padded steps: the last is the latest
+        if (path / "config.json").is_file():
+            fix = f"it has a config.json, so it looks like an HF GPT-2 directory: load it with --init-from {path}"
+        elif found:
+            fix = f"pass a checkpoint file in it (the latest is {found[-1]})"
+        else:
+            fix = f"{usage}; an HF GPT-2 directory (config.json + model.safetensors) loads with --init-from instead"
+        raise IsADirectoryError(f"checkpoint {path} is a directory, not a file; {fix}")
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; pass the .pt file that train.py wrote "
-                                "(e.g. out/<run>/ckpt_000100.pt)")
+        raise FileNotFoundError(f"checkpoint {path} does not exist; {usage}")
+    with open(path, "rb") as f:
+        head = f.read(512)
+    legacy = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # torch's magic number, pickled
+    if not head.startswith((b"PK\x03\x04", legacy)):
+        what = f"it starts with bytes {head[:8].hex(' ')}"
+        try:  # incremental: a character cut at byte 512 is not an error
+            codecs.getincrementaldecoder("utf-8")().decode(head)
+            if not head:
+                what = "it is empty"
+            elif b"\0" not in head:
+                what = "it is a text file"
+        except UnicodeDecodeError:
+            pass
+        raise ValueError(f"{path} is not a PyTorch checkpoint ({what}, not the zip archive torch.save writes); "
+                         f"{usage}")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise ValueError(f"refusing to load {path}: it carries a pickled Python object, which could run code. "
                          "Only checkpoints of tensors and plain containers are accepted.") from e
-    except (RuntimeError, EOFError) as e:
-        raise ValueError(f"checkpoint {path} is corrupt or truncated ({e.__class__.__name__}: {e})") from e
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError, IndexError, TypeError) as e:
+        reason = (str(e).splitlines() or [""])[0].split(". ")[0][:200]  # torch's run to several paragraphs
+        raise ValueError(f"checkpoint {path} is corrupt or truncated ({e.__class__.__name__}: {reason}); "
+                         "pass an intact copy, or an earlier checkpoint of the run") from e
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise ValueError(f"{path} is not a checkpoint of this project (expected keys 'model' and 'model_config')")
+        got = ((f"keys {', '.join(map(repr, list(ckpt)[:4]))}" if ckpt else "an empty dict")
+               if isinstance(ckpt, dict) else f"a {type(ckpt).__name__}")
+        raise ValueError(f"{path} is not a checkpoint of this project (expected keys 'model' and 'model_config', "
+                         f"got {got}); {usage}")
     return ckpt
 
 
@@ -653,19 +689,44 @@ class GPT(nn.Module):
     @classmethod
     def from_checkpoint(cls, ckpt: str | os.PathLike | dict[str, Any], map_location: str | torch.device = "cpu",
                         **overrides: Any) -> GPT:
-        """Rebuild the model a train.py checkpoint describes (path or already-loaded dict)."""
+        """Rebuild the model a train.py checkpoint describes (path or already-loaded dict).
+
+        Weights that do not fit the config are summarized (counts and the first two names) rather than listed:
+        PyTorch's own size-mismatch error names every tensor, kilobytes for one mistake.
+        """
+        source = "checkpoint" if isinstance(ckpt, dict) else f"checkpoint {ckpt}"
         if not isinstance(ckpt, dict):
             ckpt = load_checkpoint(ckpt, map_location)
+        if not isinstance(ckpt["model_config"], dict) or not isinstance(ckpt["model"], dict):
+            raise ValueError(f"{source} is not a checkpoint of this project: 'model_config' and 'model' must be "
+                             f"dicts, got {type(ckpt['model_config']).__name__} and {type(ckpt['model']).__name__}")
         try:
             config = GPTConfig(**{**ckpt["model_config"], **overrides})
         except TypeError as e:
             raise ValueError(f"checkpoint model_config does not match this GPTConfig ({e}); it was written by "
                              "another architecture or version") from e
         model = cls(config)
-        missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
-        if missing or unexpected:
-            raise ValueError(f"checkpoint weights do not fit GPTConfig {config}: missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]}")
+        expected, weights = model.state_dict(), ckpt["model"]
+        wrong = [f"{k} is a {type(v).__name__}, not a tensor" if not isinstance(v, torch.Tensor) else
+                 f"{k} is {tuple(v.shape)}, the config makes it {tuple(expected[k].shape)}"
+                 for k, v in weights.items()
+                 if k in expected and (not isinstance(v, torch.Tensor) or v.shape != expected[k].shape)]
+        missing = [k for k in expected if k not in weights]
+        unexpected = [k for k in weights if k not in expected]
+
+        def few(items: list[str]) -> str:
+            return "; ".join(items[:2]) + (f"; and {len(items) - 2} more" if len(items) > 2 else "")
+
+        problems = [f"{len(items)} {what} ({few(items)})" for items, what in
+                    ((wrong, "tensors do not fit"), (missing, "weights missing"), (unexpected, "unexpected weights"))
+                    if items]
+        if problems:
+            shape = ", ".join(f"{f}={getattr(config, f)}" for f in ("n_layer", "n_head", "n_embd", "vocab_size",
+                                                                    "block_size"))
+            raise ValueError(f"{source}: the weights do not fit its model_config ({shape}): {', '.join(problems)}. "
+                             "Its weights and model_config describe different models; pass a checkpoint as train.py "
+                             "wrote it")
+        model.load_state_dict(weights)  # strict: every name and shape was checked above
         return model
 
     @classmethod
@@ -791,14 +852,38 @@ def load_model(ckpt: str | None, init_from: str | None) -> GPT:
     if ckpt:
         return GPT.from_checkpoint(ckpt, map_location="cpu")
     if init_from:
-        if Path(init_from).is_dir():  # local files: model.py's errors already name what is wrong with them
-            return GPT.from_pretrained(init_from)
+        import re
+
+        hf_dir = "a local HF GPT-2 directory (config.json + model.safetensors)"
+        path = Path(init_from).expanduser()
+        if path.is_file():
+            raise ValueError(f"--init-from {init_from} is a file; --init-from takes a hub name (gpt2, gpt2-medium, "
+                             f"gpt2-large, gpt2-xl) or {hf_dir}. For a checkpoint train.py wrote, use --ckpt "
+                             f"{init_from}")
+        if path.is_dir():  # local files: from_pretrained's errors name what is wrong with them, except these
+            config_json = path / "config.json"
+            if not config_json.is_file():
+                found = sorted(path.glob("ckpt_*.pt"))
+                hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
+                raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {hf_dir}{hint}")
+            try:
+                return GPT.from_pretrained(str(path))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{config_json} is not valid JSON ({e}); --init-from needs {hf_dir}") from e
+            except KeyError as e:
+                raise ValueError(f"{config_json} lacks the key {e}, so it is not a GPT-2 config.json") from e
+        # a hub id is `name` or `org/name` of word characters, '-' and '.', neither first nor last: anything else
+        # (./x, ../x, /abs/x, a/b/c) was meant as a local path
+        part = r"\w(?:[\w.-]*\w)?"
+        if not re.fullmatch(rf"(?:{part}/)?{part}", init_from) or ".." in init_from or "--" in init_from:
+            raise FileNotFoundError(f"--init-from {init_from}: the directory does not exist; pass {hf_dir}, or a "
+                                    "hub name such as gpt2")
         try:
             return GPT.from_pretrained(init_from)
         except OSError as e:
             reason = str(e).splitlines()[0] if str(e) else e.__class__.__name__
-            raise OSError(f"could not get {init_from!r} from the HF hub ({reason}); offline, pass --init-from a local "
-                          "HF GPT-2 directory (config.json + model.safetensors)") from e
+            raise OSError(f"could not get {init_from!r} from the HF hub ({reason}), and there is no local directory "
+                          f"of that name; offline, pass --init-from {hf_dir}") from e
     raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
                      "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")
 

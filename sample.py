@@ -58,10 +58,19 @@ def read_prompt(prompt: str, stdin: TextIO | None = None) -> str:
     if prompt == "-":
         return (stdin or sys.stdin).read()
     if prompt.startswith("@"):
+        if prompt == "@":
+            raise ValueError("--prompt @ names no file; write --prompt @FILE to read the prompt from FILE, or --prompt "
+                             "- to read it from stdin")
         path = Path(prompt[1:])
+        if path.is_dir():
+            raise IsADirectoryError(f"prompt file {path} is a directory; --prompt @FILE reads a text file")
         if not path.is_file():
             raise FileNotFoundError(f"prompt file {path} does not exist (--prompt @FILE reads a file)")
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as "
+                             "UTF-8") from None
     return prompt
 
 
@@ -77,9 +86,15 @@ def generate_text(model: GPT, enc: Any, cfg: SampleConfig, device: torch.device 
     shown = cfg.prompt
     keep = model.config.block_size - 1  # room for at least one new token in the context window
     if len(tokens) > keep:
-        print(f"notice: the prompt has {len(tokens)} tokens, more than block_size - 1 = {keep}; "
-              f"keeping the last {keep}", file=sys.stderr)
-        tokens = tokens[-keep:]
+        n_prompt, tokens = len(tokens), tokens[-keep:]
+        # a token can hold part of a multi-byte character, so the cut can fall inside one: drop the leading tokens
+        # that start with its continuation bytes (0b10xxxxxx), so that the echoed text and the model's context both
+        # start at a whole character instead of a U+FFFD
+        while len(tokens) > 1 and 0x80 <= enc.decode_single_token_bytes(tokens[0])[0] < 0xC0:
+            tokens = tokens[1:]
+        whole = "" if len(tokens) == keep else " (from the first whole character)"
+        print(f"notice: the prompt has {n_prompt} tokens, more than block_size - 1 = {keep}; "
+              f"keeping the last {len(tokens)}{whole}", file=sys.stderr)
         shown = enc.decode(tokens)
     idx = torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)

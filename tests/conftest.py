@@ -27,14 +27,22 @@ def token_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory) -> Path:
-    """A tiny random HF GPT2LMHeadModel saved with save_pretrained (no download): vocab 50257, context 64."""
+    """A tiny random HF GPT2LMHeadModel saved with save_pretrained (no download): vocab 50257, context 64.
+
+    HF initializes biases to 0 and LayerNorms to 1 and 0, as GPT does: a loader that dropped or swapped them
+    would still match. Every parameter gets noise, so each one has to be mapped to the right place.
+    """
     transformers = pytest.importorskip("transformers")
     import torch
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("hf_tiny")
     config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4)
-    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in model.parameters():  # wte and lm_head are tied: one parameter, perturbed once
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
     return path
 
 

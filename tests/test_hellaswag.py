@@ -1,5 +1,6 @@
 """hellaswag.py: loading and validation, rendering, batched and 2-rank scoring against a per-example reference, CLI."""
 
+import dataclasses
 import gc
 import json
 import os
@@ -13,6 +14,7 @@ import torch
 
 from hellaswag import (
     HellaSwagError,
+    describe_provenance,
     download,
     evaluate,
     load_examples,
@@ -45,30 +47,94 @@ def tiny_gpt(block_size: int = 64, dropout: float = 0.0) -> GPT:
     return GPT(GPTConfig(block_size=block_size, n_layer=2, n_head=4, n_embd=32, dropout=dropout)).eval()
 
 
-def reference_losses(model: GPT, example: dict, enc, block_size: int) -> list[tuple[float, float]]:
+def reference_losses(model, example: dict, enc, block_size: int) -> list[tuple[float, float]]:
     """Per ending, one unpadded forward of ctx + ending (cropped from the left to block_size): (sum, mean) of the
-    negative log-likelihood of the ending tokens that have a token before them."""
-    ctx = enc.encode(example["ctx"])
+    negative log-likelihood of the ending tokens that have a token before them. `model` is a GPT or an HF
+    GPT2LMHeadModel (both give the logits first when indexed with [0])."""
+    ctx = enc.encode_ordinary(example["ctx"])
     out = []
     with torch.no_grad():
         for ending in example["endings"]:
-            end = enc.encode(" " + ending)
+            end = enc.encode_ordinary(" " + ending)
             seq = (ctx + end)[-block_size:]
             n_scored = min(len(end), len(seq) - 1)
-            logits, _ = model(torch.tensor([seq]))
+            logits = model(torch.tensor([seq]))[0]  # (1, T, V)
             logp = logits[0, :-1, :GPT2_VOCAB].double().log_softmax(-1)  # (T-1, V)
             nll = -logp[torch.arange(len(seq) - 1), torch.tensor(seq[1:])][-n_scored:]
             out.append((nll.sum().item(), nll.mean().item()))
     return out
 
 
-def reference_correct(model: GPT, examples: list[dict], enc, block_size: int) -> list[tuple[bool, bool]]:
+def reference_correct(model, examples: list[dict], enc, block_size: int) -> list[tuple[bool, bool]]:
     """Per example: is the lowest summed loss (acc) / lowest mean loss (acc_norm) the labelled ending?"""
     out = []
     for ex in examples:
         losses = reference_losses(model, ex, enc, block_size)
         by_sum = min(range(4), key=lambda i: losses[i][0])
         by_mean = min(range(4), key=lambda i: losses[i][1])
+        out.append((by_sum == ex["label"], by_mean == ex["label"]))
+    return out
+
+
+# A model and examples on which summed and mean loss disagree. The model's next-token logits are a fixed table (plus
+# the small context-dependent logits of a random tiny GPT): 5 for the "fair" words, 7 for the "good" words, 0 for the
+# rest of the vocabulary, so a token costs about 5.9, 3.9 or 10.9 nats. In each example, by sum, one fair word (5.9)
+# beats three good words (11.7) and the neutral endings (10.9, 21.8); by mean, the three good words (3.9) win.
+FAIR, GOOD = ("cold", "mild"), ("sunny", "warm", "bright", "clear")
+SHORT, LONG, NEUTRAL, NEUTRAL2 = "cold", "sunny warm bright", "purple", "elephant banana"
+DESIGNED = [  # (ctx, endings, label): acc right on 1 3 5 7, acc_norm right on 2 5 6
+    ("The forecast for tomorrow says it will be", [LONG, SHORT, NEUTRAL, NEUTRAL2], 1),  # label by sum
+    ("In the morning the sky looked", [NEUTRAL2, LONG, SHORT, NEUTRAL], 1),  # label by mean
+    ("She opened the window because it was", [SHORT, NEUTRAL, NEUTRAL2, LONG], 0),  # by sum
+    ("The old man told us the summer had been", [NEUTRAL, SHORT, LONG, NEUTRAL2], 3),  # neither
+    ("He checked the weather and it was", ["violin", "mild warm", "clear", "kettle seven"], 2),  # both: one good word
+    ("By noon the beach was", [LONG, NEUTRAL2, NEUTRAL, SHORT], 0),  # by mean
+    ("They said the water would be", [NEUTRAL2, NEUTRAL, LONG, SHORT], 3),  # by sum
+]
+DESIGNED_VERDICTS = [(True, False), (False, True), (True, False), (False, False), (True, True), (False, True),
+                     (True, False)]
+TABLE_SCALE = 100.0  # the table lives in one embedding dimension, scaled down so it barely changes the input
+
+
+def designed_examples() -> list[dict]:
+    return [{"ctx": ctx, "endings": endings, "label": label} for ctx, endings, label in DESIGNED]
+
+
+def word_logits(enc) -> dict[int, float]:
+    """Token id -> logit for the fair and good words (each one token after a space)."""
+    table = {}
+    for words, logit in ((FAIR, 5.0), (GOOD, 7.0)):
+        for w in words:
+            (tok,) = enc.encode(" " + w)
+            table[tok] = logit
+    return table
+
+
+def table_gpt(enc) -> GPT:
+    """tiny_gpt whose logits are word_logits(enc) plus its own small (about 0.1) context-dependent logits: the final
+    LayerNorm emits TABLE_SCALE in dimension 0 (weight 0, bias TABLE_SCALE), and the tied wte/lm_head holds the
+    table / TABLE_SCALE there."""
+    model = tiny_gpt()
+    with torch.no_grad():
+        wte, ln_f = model.transformer.wte.weight, model.transformer.ln_f  # wte: (V, C)
+        wte[:, 0] = 0.0
+        for tok, logit in word_logits(enc).items():
+            wte[tok, 0] = logit / TABLE_SCALE
+        ln_f.weight[0], ln_f.bias[0] = 0.0, TABLE_SCALE
+    return model
+
+
+def table_verdicts(examples: list[dict], enc) -> list[tuple[bool, bool]]:
+    """The verdicts of the table alone, in float64, without running a model: a token costs logsumexp - logit."""
+    table = torch.zeros(GPT2_VOCAB, dtype=torch.float64)
+    for tok, logit in word_logits(enc).items():
+        table[tok] = logit
+    cost = torch.logsumexp(table, 0) - table  # (V,)
+    out = []
+    for ex in examples:
+        costs = [cost[enc.encode_ordinary(" " + e)] for e in ex["endings"]]
+        by_sum = min(range(4), key=lambda i: costs[i].sum().item())
+        by_mean = min(range(4), key=lambda i: costs[i].mean().item())
         out.append((by_sum == ex["label"], by_mean == ex["label"]))
     return out
 
@@ -110,9 +176,34 @@ def test_malformed_line_names_file_and_line(tmp_path, line, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("fields", [{"ctx": ""}, {"ctx": "  "}, {"ctx_a": "", "ctx_b": ""}])
+def test_empty_context_names_file_and_line(tmp_path, fields):
+    path = tmp_path / "empty_ctx.jsonl"
+    line = json.dumps({**fields, "endings": ["a", "b", "c", "d"], "label": 0})
+    path.write_text(FIXTURE.read_text().splitlines()[0] + "\n" + line + "\n")
+    with pytest.raises(HellaSwagError) as e:
+        load_examples(path)
+    assert str(e.value) == f"{path}:2: empty context ('ctx', or 'ctx_a' and 'ctx_b', hold no text)"
+
+
+def test_byte_order_mark_is_skipped(tmp_path, examples):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + FIXTURE.read_bytes())
+    assert load_examples(path) == examples
+    # only at the start of the file: elsewhere it is a stray character, and the line is not JSON
+    lines = FIXTURE.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + b"\xef\xbb\xbf" + lines[1])
+    with pytest.raises(HellaSwagError, match=rf"^{re.escape(str(path))}:2: not valid JSON"):
+        load_examples(path)
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist; pass the validation jsonl with --data"):
         load_examples(tmp_path / "nope.jsonl")
+    with pytest.raises(IsADirectoryError) as e:
+        load_examples(tmp_path)
+    assert str(e.value) == (f"HellaSwag file {tmp_path} is a directory; pass the validation jsonl itself with --data "
+                            f"PATH (e.g. {tmp_path / 'hellaswag_val.jsonl'})")
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(HellaSwagError, match="empty.jsonl: no examples"):
         load_examples(tmp_path / "empty.jsonl")
@@ -152,6 +243,22 @@ def test_render_and_batch_shapes_and_masks(examples, enc):
             assert (tokens[row, n:] == EOT).all()
             assert mask[row].tolist() == [0] * len(r.ctx) + [1] * len(end) + [0] * (64 - n)
     assert (mask[8:] == 0).all()
+
+
+def test_endoftext_in_the_text_is_ordinary_text(examples, enc):
+    """A context or ending that contains the text <|endoftext|> is scored as those characters, not as EOT."""
+    ex = {"ctx": "The page ended with <|endoftext|> and then", "label": 1,
+          "endings": ["a new page began.", "<|endoftext|>", "the <|endoftext|> token was printed.", "nothing."]}
+    r = render_example(ex, enc)
+    assert r.ctx == enc.encode("The page ended with <|endoftext|> and then", disallowed_special=())
+    assert r.endings[1] == enc.encode(" <|endoftext|>", disallowed_special=())
+    assert len(r.endings[1]) == 7 and EOT not in r.ctx + [t for e in r.endings for t in e]
+    assert enc.decode(r.ctx) == ex["ctx"] and enc.decode(r.endings[2]) == " " + ex["endings"][2]
+    model = tiny_gpt()
+    mixed = [ex, *examples[:3]]
+    ref = reference_correct(model, mixed, enc, 64)
+    result = evaluate(model, mixed, "cpu", batch_size=2, enc=enc)
+    assert (result["acc"], result["acc_norm"]) == (sum(a for a, _ in ref) / 4, sum(b for _, b in ref) / 4)
 
 
 def test_batch_crops_from_the_left_keeping_the_ending(examples, enc):
@@ -198,6 +305,21 @@ def test_evaluate_equals_per_example_reference(examples, enc, block_size):
         one = evaluate(model, [ex], "cpu", batch_size=1, enc=enc)
         assert (one["acc"], one["acc_norm"]) == (float(ok), float(ok_norm))
     assert evaluate(model, examples, "cpu", limit=2, batch_size=2, enc=enc)["n"] == 2
+
+
+def test_evaluate_acc_and_acc_norm_differ_and_equal_reference(enc):
+    """The summed-loss verdict (acc) is checked on examples where it is right and acc_norm wrong, and the reverse."""
+    examples = designed_examples()
+    assert table_verdicts(examples, enc) == DESIGNED_VERDICTS  # the design: sum and mean pick different endings
+    model = table_gpt(enc)
+    ref = reference_correct(model, examples, enc, 64)
+    assert ref == DESIGNED_VERDICTS  # the random part of the logits (about 0.1) is too small to flip a verdict
+    for batch_size in (1, 3, 7):  # 3: batches of 3, 3 and 1 (with 8 dummy rows)
+        result = evaluate(model, examples, "cpu", batch_size=batch_size, enc=enc)
+        assert (result["acc"], result["acc_norm"], result["n"]) == (4 / 7, 3 / 7, 7)
+    for ex, (ok, ok_norm) in zip(examples, ref, strict=True):
+        one = evaluate(model, [ex], "cpu", batch_size=1, enc=enc)
+        assert (one["acc"], one["acc_norm"]) == (float(ok), float(ok_norm))
 
 
 class CountingModel(torch.nn.Module):
@@ -249,33 +371,60 @@ def test_evaluate_compiled_ddp_model_in_training_mode(examples, enc, tmp_path):
 # CLI, one rank and two
 
 
-def test_cli_on_hf_directory_matches_evaluate(hf_dir, examples, enc, capsys):
+def test_cli_on_hf_directory_matches_hf_reference(hf_dir, examples, enc, capsys):
+    """The CLI's numbers on an HF directory equal a per-example reference on transformers' own model."""
+    transformers = pytest.importorskip("transformers")
     result = main(["--data", str(FIXTURE), "--init-from", str(hf_dir), "--batch-size", "2", "--device", "cpu"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # provenance is one readable line, not a Python dict
+    header = re.search(r"^hellaswag: (.*), ([\d,]+) params, 6 examples; git ([0-9a-f]{12}|unknown)(\+dirty)?, "
+                       r"python 3\.[\d.]+, torch [^,]+, (triton [^,]+, )?cpu \(\d+ cores\), 1 rank$", err, re.M)
+    assert header is not None, err
+    assert header.group(1) == str(hf_dir) and "{" not in err
     acc, acc_norm, n, _ = RESULT.search(out).groups()
     assert (float(acc), float(acc_norm), int(n)) == (round(result["acc"], 4), round(result["acc_norm"], 4), 6)
-    model = GPT.from_pretrained(str(hf_dir)).eval()
-    ref = reference_correct(model, examples, enc, 64)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    ref = reference_correct(hf, examples, enc, 64)
     assert result["acc"] == sum(a for a, _ in ref) / 6 and result["acc_norm"] == sum(b for _, b in ref) / 6
 
 
-def test_cli_two_ranks_equal_one_rank(hf_dir, examples, enc):
-    """torchrun with 2 gloo ranks (3 examples each) prints the acc, acc_norm and n of one process."""
-    one = evaluate(GPT.from_pretrained(str(hf_dir)), examples, "cpu", batch_size=2, enc=enc)
+def test_cli_two_ranks_equal_one_rank(enc, tmp_path):
+    """torchrun with 2 gloo ranks (4 and 3 examples) prints the acc, acc_norm and n of one process, on the designed
+    examples, where acc (4/7) and acc_norm (3/7) are both nonzero and differ."""
+    model = table_gpt(enc)
+    ckpt = tmp_path / "ckpt_000000.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config), "step": 0}, ckpt)
+    data = tmp_path / "designed.jsonl"
+    data.write_text("".join(json.dumps(ex) + "\n" for ex in designed_examples()))
+    one = evaluate(model, designed_examples(), "cpu", batch_size=2, enc=enc)
+    assert (one["acc"], one["acc_norm"], one["n"]) == (4 / 7, 3 / 7, 7)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hellaswag.py",
-           "--data", str(FIXTURE), "--init-from", str(hf_dir), "--batch-size", "2", "--device", "cpu"]
+           "--data", str(data), "--ckpt", str(ckpt), "--batch-size", "2", "--device", "cpu"]
     two = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=120)
     assert two.returncode == 0, two.stderr
     lines = RESULT.findall(two.stdout)
     assert len(lines) == 1  # only rank 0 prints
     acc, acc_norm, n, _ = lines[0]
-    assert (float(acc), float(acc_norm), int(n)) == (round(one["acc"], 4), round(one["acc_norm"], 4), 6)
+    assert (acc, acc_norm, int(n)) == ("0.5714", "0.4286", 7)
+
+
+def test_describe_provenance():
+    prov = {"git_sha": "0123456789abcdef0123456789abcdef01234567", "git_dirty": True, "python": "3.11.9",
+            "torch": "2.6.0+cu124", "triton": "3.2.0", "cuda": "12.4", "device": "NVIDIA H100 80GB HBM3",
+            "world_size": 8}
+    assert describe_provenance(prov) == ("git 0123456789ab+dirty, python 3.11.9, torch 2.6.0+cu124, triton 3.2.0, "
+                                         "cuda 12.4, NVIDIA H100 80GB HBM3, 8 ranks")
+    cpu = {**prov, "git_sha": None, "git_dirty": None, "triton": None, "cuda": None, "device": "cpu (2 cores)",
+           "world_size": 1}
+    assert describe_provenance(cpu) == "git unknown, python 3.11.9, torch 2.6.0+cu124, cpu (2 cores), 1 rank"
 
 
 def test_cli_errors_are_one_line(tmp_path, hf_dir):
     with pytest.raises(SystemExit, match=r"^error: HellaSwag file .*nope.jsonl does not exist"):
         main(["--data", str(tmp_path / "nope.jsonl"), "--init-from", str(hf_dir)])
+    with pytest.raises(SystemExit, match=rf"^error: HellaSwag file {re.escape(str(tmp_path))} is a directory; pass"):
+        main(["--data", str(tmp_path), "--init-from", str(hf_dir)])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ctx": "a", "endings": ["a"], "label": 0}\n')
     with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(bad))}:1: 'endings' must be a list of 4"):
@@ -286,3 +435,10 @@ def test_cli_errors_are_one_line(tmp_path, hf_dir):
         main(["--data", str(FIXTURE), "--ckpt", str(not_ckpt)])
     with pytest.raises(SystemExit, match=r"^error: no model given: pass --ckpt PATH"):
         main(["--data", str(FIXTURE)])
+    with pytest.raises(SystemExit, match=rf"^error: --init-from {re.escape(str(not_ckpt))} is a file; .* For a "
+                                         rf"checkpoint train.py wrote, use --ckpt {re.escape(str(not_ckpt))}$"):
+        main(["--data", str(FIXTURE), "--init-from", str(not_ckpt)])
+    with pytest.raises(SystemExit, match=rf"^error: checkpoint {re.escape(str(hf_dir))} is a directory, not a file; "
+                                         "it has a config.json, so it looks like an HF GPT-2 directory: load it with "
+                                         rf"--init-from {re.escape(str(hf_dir))}$"):
+        main(["--data", str(FIXTURE), "--ckpt", str(hf_dir)])

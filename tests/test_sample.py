@@ -82,6 +82,10 @@ def test_cli_subprocess_exit_codes(hf_dir, tmp_path):
     assert bad.returncode == 1
     assert bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith(f"error: checkpoint {tmp_path / 'missing.pt'} does")
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    text = run_cli("--ckpt", str(tmp_path / "notes.txt"))  # was a traceback ending in KeyError
+    assert (text.returncode, text.stdout) == (1, "")
+    assert text.stderr.count("\n") == 1 and text.stderr.startswith(f"error: {tmp_path / 'notes.txt'} is not a PyTorch")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -163,6 +167,22 @@ def test_prompt_from_file_and_stdin_equal_literal(ckpt, tmp_path, monkeypatch, c
         main([*common, "--prompt", f"@{tmp_path / 'nope.txt'}"])
 
 
+def test_prompt_file_errors_say_what_is_wrong(ckpt, tmp_path):
+    common = ["--ckpt", str(ckpt), "--num-samples", "1", "--max-new-tokens", "1", "--device", "cpu"]
+    with pytest.raises(SystemExit) as e:
+        main([*common, "--prompt", f"@{tmp_path}"])
+    assert str(e.value) == f"error: prompt file {tmp_path} is a directory; --prompt @FILE reads a text file"
+    with pytest.raises(SystemExit) as e:
+        main([*common, "--prompt", "@"])
+    assert str(e.value) == ("error: --prompt @ names no file; write --prompt @FILE to read the prompt from FILE, or "
+                            "--prompt - to read it from stdin")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(SystemExit) as e:
+        main([*common, "--prompt", f"@{tmp_path / 'latin1.txt'}"])
+    assert str(e.value) == (f"error: prompt file {tmp_path / 'latin1.txt'} is not UTF-8 text (unexpected end of "
+                            "data at byte 3); save it as UTF-8")
+
+
 def test_long_prompt_is_cropped_with_notice(model, enc, capsys):
     prompt = "".join(f" w{i}" for i in range(50))  # 100 tokens: " w" and the number
     assert len(enc.encode(prompt)) == 100
@@ -173,6 +193,23 @@ def test_long_prompt_is_cropped_with_notice(model, enc, capsys):
     kept = enc.encode(prompt)[-63:]
     assert out.startswith(enc.decode(kept)) and not out.startswith(prompt)
     expected = model.generate(torch.tensor([kept]), 3, temperature=0.0)[0, 63:].tolist()
+    assert text == enc.decode(expected)
+
+
+def test_cropped_prompt_starts_at_a_whole_character(model, enc, capsys):
+    prompt = " 𝔘𝔫𝔦𝔠𝔬𝔡𝔢" * 12  # 4-byte characters, each split over 2-3 tokens
+    tokens = enc.encode(prompt)
+    assert len(tokens) == 264 and enc.decode(tokens[-63:])[0] == "\ufffd"  # cropping to 63 cuts a character
+    cfg = SampleConfig(prompt=prompt, num_samples=1, max_new_tokens=3, temperature=0.0)
+    (text,) = generate_text(model, enc, cfg, "cpu")
+    out, err = capsys.readouterr()
+    assert ("notice: the prompt has 264 tokens, more than block_size - 1 = 63; keeping the last 62 (from the first "
+            "whole character)") in err
+    kept = tokens[-62:]  # one token less: the one holding the last byte of the cut character
+    shown = enc.decode(kept)
+    assert shown == "𝔫𝔦𝔠𝔬𝔡𝔢" + " 𝔘𝔫𝔦𝔠𝔬𝔡𝔢" * 2 and out.startswith(shown)
+    # the model continues exactly the text shown
+    expected = model.generate(torch.tensor([kept]), 3, temperature=0.0)[0, 62:].tolist()
     assert text == enc.decode(expected)
 
 
@@ -192,6 +229,96 @@ def test_model_errors_are_one_line(model, ckpt, tmp_path):
         main([])
     with pytest.raises(SystemExit, match=r"^error: SampleConfig.top_p must be in \(0, 1\] or none, got 1.5"):
         main(["--ckpt", str(ckpt), "--top-p", "1.5"])
+
+
+@pytest.fixture
+def bad_inputs(model, ckpt, hf_dir, tmp_path) -> Path:
+    """Things passed to --ckpt / --init-from by mistake, in tmp_path."""
+    (tmp_path / "notes.txt").write_text("step 100: loss 3.2\nstep 200: loss 3.0\n")
+    (tmp_path / "random.bin").write_bytes(bytes(range(7, 256)) * 4)
+    (tmp_path / "empty_dir").mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (2, 10):
+        (run / f"ckpt_{step:06d}.pt").write_bytes(ckpt.read_bytes())
+    config = {**dataclasses.asdict(model.config), "n_embd": 32}  # the weights are 64 wide
+    torch.save({"model": model.state_dict(), "model_config": config, "step": 0}, tmp_path / "mismatch.pt")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ckpt", "notes.txt"], "notes.txt is not a PyTorch checkpoint (it is a text file, not the zip archive "
+                              "torch.save writes); pass the .pt file that train.py wrote (e.g. "
+                              "out/<run>/ckpt_000100.pt)"),
+    (["--ckpt", "random.bin"], "random.bin is not a PyTorch checkpoint (it starts with bytes 07 08 09 0a 0b 0c 0d 0e, "
+                               "not the zip archive torch.save writes); pass the .pt file that train.py wrote (e.g. "
+                               "out/<run>/ckpt_000100.pt)"),
+    (["--ckpt", "run"], "checkpoint run is a directory, not a file; pass a checkpoint file in it (the latest is "
+                        "run/ckpt_000010.pt)"),
+    (["--ckpt", "empty_dir"], "checkpoint empty_dir is a directory, not a file; pass the .pt file that train.py wrote "
+                              "(e.g. out/<run>/ckpt_000100.pt); an HF GPT-2 directory (config.json + "
+                              "model.safetensors) loads with --init-from instead"),
+    (["--ckpt", "{hf}"], "checkpoint {hf} is a directory, not a file; it has a config.json, so it looks like an HF "
+                         "GPT-2 directory: load it with --init-from {hf}"),
+    (["--init-from", "run/ckpt_000002.pt"], "--init-from run/ckpt_000002.pt is a file; --init-from takes a hub name "
+                                            "(gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local HF GPT-2 directory "
+                                            "(config.json + model.safetensors). For a checkpoint train.py wrote, use "
+                                            "--ckpt run/ckpt_000002.pt"),
+    (["--init-from", "./nope_dir"], "--init-from ./nope_dir: the directory does not exist; pass a local HF GPT-2 "
+                                    "directory (config.json + model.safetensors), or a hub name such as gpt2"),
+    (["--init-from", "empty_dir"], "--init-from empty_dir has no config.json, so it is not a local HF GPT-2 "
+                                   "directory (config.json + model.safetensors)"),
+    (["--init-from", "run"], "--init-from run has no config.json, so it is not a local HF GPT-2 directory "
+                             "(config.json + model.safetensors); it holds train.py checkpoints: pass --ckpt "
+                             "run/ckpt_000010.pt"),
+])
+def test_wrong_model_paths_say_what_they_are_and_what_to_pass(bad_inputs, hf_dir, monkeypatch, args, message):
+    monkeypatch.chdir(bad_inputs)  # the paths as a user types them, relative to the working directory
+    flag, value = args
+    with pytest.raises(SystemExit) as e:
+        main([flag, value.format(hf=hf_dir), "--device", "cpu"])
+    assert str(e.value) == "error: " + message.format(hf=hf_dir)
+
+
+def test_weights_that_do_not_fit_their_config_are_summarized(bad_inputs):
+    with pytest.raises(SystemExit) as e:
+        main(["--ckpt", str(bad_inputs / "mismatch.pt"), "--device", "cpu"])
+    # every one of the 29 tensors has the wrong shape: the two first are named, the rest counted
+    assert str(e.value) == (
+        f"error: checkpoint {bad_inputs / 'mismatch.pt'}: the weights do not fit its model_config (n_layer=2, "
+        "n_head=4, n_embd=32, vocab_size=50304, block_size=64): 29 tensors do not fit (transformer.wte.weight is "
+        "(50304, 64), the config makes it (50304, 32); transformer.h.0.ln_1.weight is (64,), the config makes it "
+        "(32,); and 27 more). Its weights and model_config describe different models; pass a checkpoint as train.py "
+        "wrote it")
+
+
+def test_damaged_and_foreign_checkpoints(model, ckpt, tmp_path):
+    truncated = tmp_path / "truncated.pt"
+    data = ckpt.read_bytes()
+    truncated.write_bytes(data[:len(data) // 2])
+    with pytest.raises(SystemExit) as e:
+        main(["--ckpt", str(truncated)])
+    assert str(e.value) == (f"error: checkpoint {truncated} is corrupt or truncated (RuntimeError: "
+                            "PytorchStreamReader failed reading zip archive: failed finding central directory); pass "
+                            "an intact copy, or an earlier checkpoint of the run")
+    truncated.write_bytes(data[:5000])  # torch fails differently here: OSError, which used to lose the path
+    with pytest.raises(SystemExit, match=rf"^error: checkpoint {re.escape(str(truncated))} is corrupt or truncated "
+                                         r"\(OSError: \[Errno 22\] Invalid argument\); pass an intact copy"):
+        main(["--ckpt", str(truncated)])
+    bare = tmp_path / "state_dict.pt"
+    torch.save(model.state_dict(), bare)  # the weights alone, without model_config
+    with pytest.raises(SystemExit) as e:
+        main(["--ckpt", str(bare)])
+    assert str(e.value) == (f"error: {bare} is not a checkpoint of this project (expected keys 'model' and "
+                            "'model_config', got keys 'transformer.wte.weight', 'transformer.h.0.ln_1.weight', "
+                            "'transformer.h.0.ln_1.bias', 'transformer.h.0.attn.c_attn.weight'); pass the .pt file "
+                            "that train.py wrote (e.g. out/<run>/ckpt_000100.pt)")
+    # the file format of torch.save(..., _use_new_zipfile_serialization=False) still loads
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)}, legacy,
+               _use_new_zipfile_serialization=False)
+    back = GPT.from_checkpoint(legacy)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values(), strict=True))
 
 
 def test_decode_speed(model):
