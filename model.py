@@ -205,8 +205,11 @@ def provenance(device: torch.device | str | None = None, world_size: int = 1) ->
             "triton": triton_version, "cuda": torch.version.cuda, "device": name, "world_size": world_size}
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
+                    mmap: bool = False) -> dict[str, Any]:
     """Load a checkpoint with `weights_only=True`: tensors and plain containers only, never arbitrary pickles.
+    mmap=True maps the tensors from the file instead of reading them into memory (train.py's resume: 8 ranks of a
+    node then share the page cache instead of holding 8 copies of a GPT-2 XL checkpoint).
 
     The file's first bytes must be what torch.save writes (a zip archive, or the legacy format's pickled magic
     number) before anything is unpickled: otherwise a text file fails deep in the unpickler with a bare KeyError,
@@ -243,7 +246,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         raise ValueError(f"{path} is not a PyTorch checkpoint ({what}, not the zip archive torch.save writes); "
                          f"{usage}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True,
+                          mmap=mmap and head.startswith(b"PK\x03\x04"))  # the legacy format cannot be mapped
     except pickle.UnpicklingError as e:
         raise ValueError(f"refusing to load {path}: it carries a pickled Python object, which could run code. "
                          "Only checkpoints of tensors and plain containers are accepted.") from e

@@ -343,7 +343,7 @@ def find_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
     """The newest checkpoint in out_dir that loads; corrupt or partial ones are reported and skipped."""
     for path in reversed(checkpoints(out_dir)):
         try:
-            return path, load_checkpoint(path)
+            return path, load_checkpoint(path, mmap=True)
         except (ValueError, OSError) as e:
             print(f"warning: skipping unreadable checkpoint {path}: {e}", file=sys.stderr)
     return None
@@ -532,7 +532,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         if found is None and master:
             print(f"resume: no valid checkpoint in {out_dir}; starting from scratch")
     elif cfg.resume:
-        found = (Path(cfg.resume), load_checkpoint(cfg.resume))
+        found = (Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True))
     if found is not None:
         start_step = restore(found[1], raw, optimizer, cfg, train_loader, scaler, rank, world)
         if master:
