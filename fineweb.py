@@ -3,7 +3,8 @@
 This file is the one owner of the shard format. A shard is llm.c's / modded-nanogpt's `.bin`: a 256 x int32
 little-endian header (magic 20240520, version 1, token count, then zeros) followed by the tokens as uint16.
 build-nanogpt's `.npy` uint16 shards are read too. Shards are named PREFIX_val_000000.bin, PREFIX_train_000001.bin,
-...; the first is validation, the rest training, and the loader tells them apart by `_val`/`_train` in the name.
+...; the first is validation, the rest training. The loader tells them apart by the `_val`/`_train` that ends the
+name before the optional index (llm.c's tinyshakespeare_val.bin too), so any prefix is safe, even `train` or `val`.
 
 The writer reads every source through `datasets.load_dataset` (hub, or the text/json/parquet builders for local files)
 and writes each document as <|endoftext|> + its GPT-2 tokens, in source order. A .txt file is one document (the whole
@@ -129,7 +130,10 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
 def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     """The `split` shards (.bin or .npy) in a directory or matched by a glob, sorted by path."""
     pattern = str(pattern)
-    marker = re.compile(rf"(?:^|_){split}(?:_|\.)")  # PREFIX_val_000000.bin (fineweb) and PREFIX_val.bin (llm.c)
+    # the split is the last word before the index and suffix: PREFIX_val_000000.bin (ours, build-nanogpt's .npy) and
+    # PREFIX_val.bin (llm.c). Anchored at the end, so a prefix that is itself a split word (train_val_000000.bin,
+    # written from --source train.jsonl) is never taken for the other split.
+    marker = re.compile(rf"(?:.*_)?{split}(?:_\d+)?\.(?:bin|npy)")
     base = Path(pattern).expanduser()
     if any(c in pattern for c in "*?["):
         files = [Path(f) for f in glob.glob(str(base), recursive=True)]
@@ -140,10 +144,11 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     else:
         raise DataError(f"data directory {pattern} does not exist; write shards there with "
                         f"`python fineweb.py --out-dir {pattern}` or point --data at a directory or glob of shards")
-    files = sorted(f for f in files if f.suffix in (".bin", ".npy") and f.is_file() and marker.search(f.name))
+    files = sorted(f for f in files if marker.fullmatch(f.name) and f.is_file())
     if not files:
-        raise DataError(f"no {split} shards in {pattern} (looked for *_{split}_*.bin / .npy); write them with "
-                        "`python fineweb.py` or point --data at the right directory or glob")
+        raise DataError(f"no {split} shards in {pattern} (looked for names ending in _{split}.bin or "
+                        f"_{split}_NNNNNN.bin, or .npy); write them with `python fineweb.py` or point --data at the "
+                        "right directory or glob")
     return files
 
 

@@ -123,13 +123,29 @@ def test_npy_shards_from_build_nanogpt_serve_the_same_batches_as_bin(tmp_path):
 
 def test_find_shards_by_split_name_in_directory_or_glob(tmp_path):
     for name in ("fw_val_000000.bin", "fw_train_000001.bin", "fw_train_000002.npy", "tiny_shakespeare_val.bin",
-                 "tiny_shakespeare_train.bin", "interval_x.bin", "fw_train_000003.bin.7.tmp", "notes.txt"):
+                 "tiny_shakespeare_train.bin", "edufineweb_val_000000.npy", "interval_x.bin", "val_notes.bin",
+                 "fw_train_000003.bin.7.tmp", "notes.txt"):
         (tmp_path / name).touch()
     names = lambda files: [f.name for f in files]
-    assert names(find_shards(tmp_path, "val")) == ["fw_val_000000.bin", "tiny_shakespeare_val.bin"]
+    assert names(find_shards(tmp_path, "val")) == ["edufineweb_val_000000.npy", "fw_val_000000.bin",
+                                                   "tiny_shakespeare_val.bin"]
     assert names(find_shards(tmp_path, "train")) == ["fw_train_000001.bin", "fw_train_000002.npy",
                                                      "tiny_shakespeare_train.bin"]
     assert names(find_shards(str(tmp_path / "fw_*"), "train")) == ["fw_train_000001.bin", "fw_train_000002.npy"]
+
+
+@pytest.mark.parametrize("word", ["train", "val"])
+def test_a_prefix_that_is_a_split_word_keeps_val_and_train_apart(tmp_path, word):
+    """--source x/train.jsonl gives the prefix `train`: its val shard train_val_000000.bin is val only."""
+    docs = make_docs(30)
+    src = write_jsonl(tmp_path / f"{word}.jsonl", docs)
+    cfg = FinewebConfig(source=str(src), out_dir=str(tmp_path / "out"), shard_size=1000, val_tokens=700, workers=1)
+    assert cfg.prefix == word
+    write_dataset(cfg)
+    val, train = find_shards(tmp_path / "out", "val"), find_shards(tmp_path / "out", "train")
+    assert [f.name for f in val] == [f"{word}_val_000000.bin"]
+    n_train = -(-(len(expected_tokens(docs)) - 700) // 1000)
+    assert [f.name for f in train] == [f"{word}_train_{i:06d}.bin" for i in range(1, n_train + 1)] and n_train > 2
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -475,7 +491,8 @@ def test_missing_directory_and_pattern_without_shards(tmp_path):
     with pytest.raises(DataError, match=r"data directory .*nope does not exist; .*fineweb.py --out-dir"):
         TokenLoader(str(tmp_path / "nope"), "train", 2, 8)
     numbered_shards(tmp_path, [100], split="val")
-    with pytest.raises(DataError, match=r"no train shards in .* \(looked for \*_train_\*.bin / .npy\)"):
+    with pytest.raises(DataError, match=r"no train shards in .* \(looked for names ending in _train.bin or "
+                                        r"_train_NNNNNN.bin, or .npy\)"):
         TokenLoader(str(tmp_path), "train", 2, 8)
     with pytest.raises(DataError, match="no val shards in .*other_"):
         TokenLoader(str(tmp_path / "other_*.bin"), "val", 2, 8)
