@@ -22,6 +22,9 @@ Usage:
 Loader (used by train.py, one per split and rank):
     loader = TokenLoader("data/edu_fineweb10B", "train", B, T, rank, world_size, seed, device)
     x, y = loader.next_batch()  # int64 (B, T); y is x shifted by one token
+It serves every window of B*T+1 tokens of every shard exactly once per epoch over all ranks (a shard's tail shorter
+than a window is skipped), train shards in a new seeded order each epoch, as one continuous stream whose position is
+one step counter: `loader.state_dict()` from any rank resumes every rank exactly.
 """
 
 from __future__ import annotations
@@ -161,14 +164,17 @@ class TokenLoader:
 
     Windows: shard s holds (len_s - 1) // (B*T) windows of B*T+1 tokens at stride B*T, so adjacent windows share one
     token (the last y of one is the first x of the next) and every x token is read once; a shard's tail shorter
-    than a window is skipped. An epoch is the windows of all shards, shards in the order of a permutation drawn from
-    np.random.default_rng((seed, epoch)) (train) or in file order (val), each shard's windows in order. Global
-    window g goes to rank g % world_size as its batch g // world_size. Every rank serves `batches_per_epoch`
-    = num_windows // world_size batches per epoch, so ranks stay in lockstep (DDP needs that): the last
-    num_windows % world_size (< world_size) windows of each epoch's order are dropped. Then the next epoch starts.
+    than a window is skipped. An epoch is the `num_windows` windows of all shards: shards in the order of a
+    permutation drawn from np.random.default_rng((seed, epoch)) (train) or in file order (val), each shard's windows
+    in order. The epochs form one continuous stream of global windows g = 0, 1, 2, ...: g is window g % num_windows
+    of epoch g // num_windows. Rank r's s-th batch is g = s * world_size + r, so every rank serves one batch per step
+    (ranks stay in lockstep, as DDP needs) and every window of every epoch is served exactly once over all ranks,
+    none dropped or repeated. When world_size does not divide num_windows, a step straddles two epochs: the low
+    ranks finish epoch e while the others start epoch e + 1.
 
-    The position is just (epoch, step), identical on every rank, so `state_dict()` from any rank resumes all of them.
-    Attributes: epoch, step (batches served this epoch), num_windows, batches_per_epoch, tokens_per_epoch, files.
+    The position is just `step`, the batches each rank has served since reset(), identical on every rank, so
+    `state_dict()` from any rank resumes all of them. Attributes: files, num_windows (windows per epoch, all ranks
+    together), tokens_per_epoch, step, epoch (the epoch of this rank's next window), device.
     """
 
     def __init__(self, pattern: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
@@ -187,16 +193,15 @@ class TokenLoader:
         self._shards = [read_shard(f) for f in self.files]  # memory maps, not loaded
         lengths = np.array([len(s) for s in self._shards], dtype=np.int64)
         self._windows = np.maximum(lengths - 1, 0) // (B * T)  # per shard
-        self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks, before the drop
+        self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks
         if self.num_windows == 0:
             big = int(lengths.argmax())
             raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
                             f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write more data")
-        if self.num_windows < world_size:
+        if self.num_windows < world_size:  # every step would hand some rank a window of the next epoch or later
             raise DataError(f"world size {world_size} is too large for the {split} data: it has only "
                             f"{self.num_windows} windows of B*T+1 = {B * T + 1:,} tokens, fewer than one per rank; "
                             "use fewer ranks, a smaller --batch-size/--seq-len, or more data")
-        self.batches_per_epoch = self.num_windows // world_size  # per rank
         self._preloaded: torch.Tensor | None = None
         if preload:  # one device tensor of the whole split; offsets let it serve the very same windows
             self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -206,13 +211,17 @@ class TokenLoader:
 
     @property
     def tokens_per_epoch(self) -> int:
-        """Tokens trained on per epoch, all ranks together (x tokens of the windows served)."""
-        return self.batches_per_epoch * self.world_size * self.B * self.T
+        """x tokens in one epoch, all ranks together: every window once."""
+        return self.num_windows * self.B * self.T
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of this rank's next window (ranks may differ by one during the step that straddles epochs)."""
+        return (self.step * self.world_size + self.rank) // self.num_windows
 
     def reset(self) -> None:
         """Back to the first batch of epoch 0 (for val: the same batches on every call)."""
-        self.epoch = 0
-        self.step = 0  # batches this rank has served in the current epoch
+        self.step = 0  # batches each rank has served since reset: the whole position
 
     def shard_order(self, epoch: int) -> np.ndarray:
         """Indices into self.files in the order epoch `epoch` reads them."""
@@ -221,20 +230,18 @@ class TokenLoader:
         return np.random.default_rng((self.seed, epoch)).permutation(len(self.files))
 
     def _locate(self, g: int) -> tuple[int, int]:
-        """(shard index, first token) of the epoch's global window g."""
-        if self._order_cache is None or self._order_cache[0] != self.epoch:
-            order = self.shard_order(self.epoch)
-            self._order_cache = (self.epoch, order, np.cumsum(self._windows[order]))
+        """(shard index, first token) of global window g of the stream."""
+        epoch, w = divmod(g, self.num_windows)
+        if self._order_cache is None or self._order_cache[0] != epoch:  # a rank's epochs only grow: one entry is enough
+            order = self.shard_order(epoch)
+            self._order_cache = (epoch, order, np.cumsum(self._windows[order]))
         _, order, cum = self._order_cache
-        i = int(np.searchsorted(cum, g, side="right"))
+        i = int(np.searchsorted(cum, w, side="right"))
         first = int(cum[i - 1]) if i else 0
-        return int(order[i]), (g - first) * self.B * self.T
+        return int(order[i]), (w - first) * self.B * self.T
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each int64 (B, T) on the loader's device."""
-        if self.step == self.batches_per_epoch:
-            self.epoch += 1
-            self.step = 0
         shard, start = self._locate(self.step * self.world_size + self.rank)
         self.step += 1
         n = self.B * self.T + 1
@@ -253,10 +260,14 @@ class TokenLoader:
         """The exact position plus what it is relative to; plain ints, strs and lists (safe for weights_only)."""
         return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
                 "shards": [f.name for f in self.files], "shard_tokens": [len(s) for s in self._shards],
-                "epoch": self.epoch, "step": self.step}
+                "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; it must come from a loader over the same shards, B, T, world size and seed."""
+        if "epoch" in state:  # (epoch, step within it) from the loader that dropped each epoch's last windows
+            raise DataError(f"cannot resume the {self.split} loader: its state (epoch={state['epoch']!r}, "
+                            f"step={state.get('step')!r}) was written by an older loader that dropped windows at each "
+                            "epoch's end, and has no equivalent position here; start a fresh run")
         mine = self.state_dict()
         for key, what in (("split", "split"), ("B", "--batch-size"), ("T", "--seq-len"), ("world_size", "world size"),
                           ("seed", "--seed"), ("shards", "shard files"), ("shard_tokens", "shard sizes")):
@@ -268,10 +279,11 @@ class TokenLoader:
                     detail = f"{key}={theirs!r} in the checkpoint but {mine[key]!r} here"
                 raise DataError(f"cannot resume the {self.split} loader: {detail}; resume with the same {what} "
                                 "or start a fresh run")
-        if not (0 <= state["step"] <= self.batches_per_epoch and state["epoch"] >= 0):
-            raise DataError(f"cannot resume the {self.split} loader: position epoch={state['epoch']}, "
-                            f"step={state['step']} is outside 0..{self.batches_per_epoch} batches per epoch")
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        step = state.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise DataError(f"cannot resume the {self.split} loader: its position step={step!r} is not a count of "
+                            "batches >= 0; the checkpoint is corrupt, start a fresh run")
+        self.step = step
 
 
 # ----------------------------------------------------------------------------------------------------------------------

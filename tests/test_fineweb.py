@@ -370,33 +370,39 @@ def test_rerun_over_shards_of_other_data_is_refused(tmp_path, reference):
 # ----------------------------------------------------------------------------------------------------------------------
 # loader
 
-LENGTHS = [1000, 1537, 777, 2001, 70]  # windows of 33 tokens at stride 32: 31 + 48 + 24 + 62 + 2 = 167
+LENGTHS = [1000, 1537, 777, 2001, 70]  # windows of 33 tokens at stride 32: 31 + 48 + 24 + 62 + 2 = 167, a prime
 B, T = 2, 16
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_every_window_is_served_exactly_once_per_epoch_over_ranks(tmp_path, world):
+def epoch_windows(seed: int, epoch: int, lengths: list[int] = LENGTHS) -> list[int]:
+    """First tokens of one train epoch's windows in serving order: shards permuted, each shard's windows in order."""
+    order = np.random.default_rng((seed, epoch)).permutation(len(lengths))
+    return [s * 5000 + B * T * j for s in order for j in range((lengths[s] - 1) // (B * T))]
+
+
+@pytest.mark.parametrize(("world", "straddles"), [(1, 0), (2, 2), (3, 3)])
+def test_every_window_is_served_exactly_once_per_epoch_over_ranks(tmp_path, world, straddles):
     data = numbered_shards(tmp_path, LENGTHS)
     loaders = [TokenLoader(str(data), "train", B, T, r, world, seed=7) for r in range(world)]
-    assert loaders[0].num_windows == 167
-    assert [ld.batches_per_epoch for ld in loaders] == [167 // world] * world  # lockstep: same count on every rank
-    assert loaders[0].tokens_per_epoch == (167 // world) * world * B * T
-    for epoch in (0, 1):
-        served = []
-        for ld in loaders:
-            for x, y in batches(ld, ld.batches_per_epoch):
-                assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (B, T)
-                assert torch.equal(y.flatten(), x.flatten() + 1)  # y is x shifted by one token
-                served.extend(x.flatten().tolist())
-            assert ld.epoch == epoch
-        assert len(served) == len(set(served)) == (167 - 167 % world) * B * T  # no overlap
-        # the gap: each shard's tail shorter than a window, and the last 167 % world windows of the epoch's order
-        order = np.random.default_rng((7, epoch)).permutation(5)
-        windows = [(s, j) for s in order for j in range((LENGTHS[s] - 1) // 32)]
-        kept = windows[:len(windows) - 167 % world]
-        assert set(served) == {s * 5000 + 32 * j + t for s, j in kept for t in range(32)}
-    loaders[0].next_batch()
-    assert loaders[0].epoch == 2
+    assert loaders[0].num_windows == 167 and loaders[0].tokens_per_epoch == 167 * B * T
+    steps = -(-4 * 167 // world)  # lockstep steps until four whole epochs are served over all ranks
+    served: dict[int, list[int]] = {}  # epoch -> first token of each window served in it, in global order
+    mixed = 0  # steps whose ranks are not all in the same epoch
+    for step in range(steps):
+        epochs = [ld.epoch for ld in loaders]
+        mixed += len(set(epochs)) > 1
+        for ld, epoch in zip(loaders, epochs, strict=True):
+            assert ld.step == step
+            x, y = ld.next_batch()
+            assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (B, T)
+            assert torch.equal(x.flatten(), x[0, 0] + torch.arange(B * T))  # one window of consecutive tokens
+            assert torch.equal(y.flatten(), x.flatten() + 1)  # y is x shifted by one token
+            served.setdefault(epoch, []).append(int(x[0, 0]))
+    for epoch in range(4):  # every window once, in the epoch's order: no overlap, no gap, nothing dropped
+        assert served[epoch] == epoch_windows(7, epoch), epoch
+    assert served.get(4, []) == epoch_windows(7, 4)[:steps * world - 4 * 167]  # 0, 0, 1: the fifth has begun
+    # a step straddles epochs wherever world does not divide the boundary g = 167 e: e = 1, 3 for 2 ranks; 1, 2, 4 for 3
+    assert mixed == straddles
 
 
 def test_shuffle_is_reproducible_per_seed_and_new_each_epoch(tmp_path):
@@ -413,34 +419,42 @@ def test_shuffle_is_reproducible_per_seed_and_new_each_epoch(tmp_path):
 
 
 def test_val_is_in_file_order_and_identical_after_reset(tmp_path):
-    data = numbered_shards(tmp_path, [500, 300], split="val")
-    val = TokenLoader(str(data), "val", B, T, rank=1, world_size=2, seed=123)
-    assert val.num_windows == 15 + 9 and val.batches_per_epoch == 12
-    first = batches(val, 12)
+    data = numbered_shards(tmp_path, [500, 333], split="val")
+    val = [TokenLoader(str(data), "val", B, T, rank=r, world_size=2, seed=123) for r in (0, 1)]
+    assert val[1].num_windows == 15 + 10 and val[1].tokens_per_epoch == 25 * B * T
+    first = batches(val[1], 12)  # num_windows // world_size: the val batches train.py evaluates
     assert [int(x[0, 0]) for x, _ in first] == [32 * (2 * i + 1) for i in range(7)] + \
         [5000 + 32 * (2 * i) for i in range(5)]  # rank 1 takes windows 1, 3, 5, ... in shard order
-    assert torch.equal(val.next_batch()[0], first[0][0])  # past the end it starts over in the same order
-    val.reset()
-    again = batches(val, 12)
+    assert int(batches(val[0], 13)[-1][0][0, 0]) == 5000 + 32 * 9  # rank 0's 13th: window 24, the epoch's last
+    assert int(val[1].next_batch()[0][0, 0]) == 0 and val[1].epoch == 1  # then epoch 1, in the same order
+    val[1].reset()
+    assert val[1].step == 0 and val[1].epoch == 0
+    again = batches(val[1], 12)
     assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(first, again, strict=True))
 
 
-@pytest.mark.parametrize("split_at", [5, 83, 100])  # mid-epoch, at the epoch's end, in the second epoch
-def test_resume_gives_the_batches_an_uninterrupted_run_would(tmp_path, split_at):
+@pytest.mark.parametrize(("world", "split_at", "epochs"), [
+    (1, 167, [1]),  # exactly at an epoch boundary
+    (3, 5, [0, 0, 0]),  # mid-epoch
+    (3, 55, [0, 0, 1]),  # the step that straddles the boundary: ranks 0, 1 end epoch 0, rank 2 starts epoch 1
+    (3, 56, [1, 1, 1]),  # just past it
+    (3, 150, [2, 2, 2]),  # in a later epoch
+])
+def test_resume_gives_the_batches_an_uninterrupted_run_would(tmp_path, world, split_at, epochs):
     data = numbered_shards(tmp_path, LENGTHS)
-    for rank in (0, 1):
-        straight = batches(TokenLoader(str(data), "train", B, T, rank, 2, seed=3), 200)
-        first = TokenLoader(str(data), "train", B, T, rank, 2, seed=3)
+    for rank in range(world):
+        straight = batches(TokenLoader(str(data), "train", B, T, rank, world, seed=3), 250)
+        first = TokenLoader(str(data), "train", B, T, rank, world, seed=3)
         batches(first, split_at)
         buf = io.BytesIO()
         torch.save({"loader": first.state_dict()}, buf)
         buf.seek(0)
         state = torch.load(buf, weights_only=True)["loader"]
-        assert first.batches_per_epoch == 83
-        assert (state["epoch"], state["step"]) == ((0, split_at) if split_at <= 83 else (1, split_at - 83))
-        resumed = TokenLoader(str(data), "train", B, T, rank, 2, seed=3)
+        assert state["step"] == split_at and "epoch" not in state
+        resumed = TokenLoader(str(data), "train", B, T, rank, world, seed=3)
         resumed.load_state_dict(state)
-        rest = batches(resumed, 200 - split_at)
+        assert (resumed.step, resumed.epoch) == (split_at, epochs[rank])
+        rest = batches(resumed, 250 - split_at)
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
                    for a, b in zip(straight[split_at:], rest, strict=True))
 
@@ -454,9 +468,23 @@ def test_resume_state_that_does_not_match_is_refused(tmp_path):
         TokenLoader(str(data), "train", B, T, 0, 1, seed=3).load_state_dict(state)
     with pytest.raises(DataError, match="seed=3 in the checkpoint but 4 here"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=4).load_state_dict(state)
+    with pytest.raises(DataError, match="step=-1 is not a count of batches"):
+        TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict({**state, "step": -1})
     (tmp_path / "n_train_000004.bin").unlink()
     with pytest.raises(DataError, match=r"other shard files \(5 in the checkpoint, 4 here\)"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict(state)
+
+
+def test_state_of_the_older_per_epoch_loader_is_refused_in_one_line(tmp_path):
+    data = numbered_shards(tmp_path, LENGTHS)
+    loader = TokenLoader(str(data), "train", B, T, 0, 2, seed=3)
+    old = {**loader.state_dict(), "epoch": 1, "step": 4}  # (epoch, batches within it): the format before
+    with pytest.raises(DataError) as err:
+        loader.load_state_dict(old)
+    assert str(err.value) == ("cannot resume the train loader: its state (epoch=1, step=4) was written by an older "
+                              "loader that dropped windows at each epoch's end, and has no equivalent position here; "
+                              "start a fresh run")
+    assert loader.step == 0
 
 
 def test_preload_serves_exactly_the_same_batches(tmp_path):
@@ -530,7 +558,12 @@ def test_only_shard_shorter_than_one_window(tmp_path):
 
 def test_world_size_too_large_for_the_data(tmp_path):
     numbered_shards(tmp_path, [50, 40])  # 3 + 2 windows of 2*8+1 tokens
-    assert TokenLoader(str(tmp_path), "train", 2, 8, 4, 5).batches_per_epoch == 1
+    last = TokenLoader(str(tmp_path), "train", 2, 8, 4, 5)  # one window per rank: each step is a whole epoch
+    epochs = []
+    for _ in range(3):
+        last.next_batch()
+        epochs.append(last.epoch)
+    assert last.num_windows == 5 and epochs == [1, 2, 3]
     with pytest.raises(DataError, match="world size 6 is too large for the train data: it has only 5 windows"):
         TokenLoader(str(tmp_path), "train", 2, 8, 0, 6)
 
