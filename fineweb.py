@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -104,8 +105,9 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     if path.suffix == ".npy":
         try:
             arr = np.load(path, mmap_mode="r")
-        except ValueError as e:
-            raise DataError(f"{path} is not a readable .npy file ({e}); rewrite it with fineweb.py") from None
+        except (ValueError, EOFError, OSError) as e:  # EOFError: an empty (0-byte) file
+            raise DataError(f"{path} is not a readable .npy file ({type(e).__name__}: {e}); delete or rewrite it "
+                            "with fineweb.py") from None
         if arr.dtype != np.uint16 or arr.ndim != 1:
             raise DataError(f"{path}: expected a 1-D uint16 token array (build-nanogpt format), got {arr.dtype} "
                             f"with shape {arr.shape}; rewrite it with fineweb.py")
@@ -344,8 +346,8 @@ def source_kind(source: str) -> str:
     return "hub"
 
 
-def local_files(source: str) -> tuple[list[Path], str]:
-    """The files of a local source, sorted, and the one `datasets` builder (text, json, parquet) that reads them."""
+def local_files(source: str) -> list[Path]:
+    """The files of a local source, sorted, all of one type (one `datasets` builder: text, json or parquet)."""
     path = Path(source).expanduser()
     if any(c in source for c in "*?["):
         files = [Path(f) for f in glob.glob(str(path), recursive=True)]
@@ -367,7 +369,7 @@ def local_files(source: str) -> tuple[list[Path], str]:
                         "matches one type, e.g. 'dir/*.jsonl'")
     if all(f.stat().st_size == 0 for f in files):
         raise DataError(f"--source {source} is empty: its {len(files)} file(s) hold no bytes")
-    return files, builders.pop()
+    return files
 
 
 def stdlib_files() -> list[Path]:
@@ -401,43 +403,120 @@ def shakespeare_file(cfg: FinewebConfig) -> Path:
     return path
 
 
-def load_source(cfg: FinewebConfig) -> Iterable[dict[str, Any]]:
-    """The source as rows (dicts) in a fixed order, always through `datasets.load_dataset`, so every source is read
-    the same way. Local .txt files: one row per whole file by default (--txt-unit); stdlib: one row per .py file."""
-    import datasets  # lazily: the loader above must import on machines without `datasets`
-
+def source_files(cfg: FinewebConfig) -> list[Path] | None:
+    """The files a non-hub source reads, in order (None for a hub dataset); fetches Tiny Shakespeare once."""
     kind = source_kind(cfg.source)
     if kind in ("fineweb", "hub"):
-        try:
-            return datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming)
-        except (ConnectionError, OSError, ValueError) as e:
-            raise DataError(f"could not load hub dataset --source {cfg.source} (--name {cfg.name or 'none'}, "
-                            f"--split {cfg.split}): {type(e).__name__}: {e}; check the names and the network, or "
-                            "pass a local file, directory or glob") from None
+        return None
     if kind == "stdlib":
-        files, builder, unit = stdlib_files(), "text", "document"
-    elif kind == "shakespeare":
-        files, builder, unit = [shakespeare_file(cfg)], "text", cfg.txt_unit
+        return stdlib_files()
+    if kind == "shakespeare":
+        return [shakespeare_file(cfg)]
+    return local_files(cfg.source)
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """datasets' builders log a read error to stderr before raising it; we report it ourselves, in one line."""
+    log = logging.getLogger("datasets")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _read_error(cfg: FinewebConfig, where: str, file: Path | None, err: Exception) -> DataError:
+    """One line for an error raised while `datasets` read the source: where, the root cause, and what to do."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    cause: BaseException = err
+    # datasets wraps a builder's error (raise DatasetGenerationError from e) and may re-raise inside an except, so
+    # the useful message is at the end of __cause__, or in the __context__ of a wrapper that has none
+    while (inner := cause.__cause__ or (cause.__context__ if isinstance(cause, datasets.exceptions.DatasetsError)
+                                        else None)) is not None:
+        cause = inner
+    message = " ".join(f"{type(cause).__name__}: {cause}".split())  # its messages can span several lines
+    message = message if len(message) <= 300 else message[:297] + "..."
+    if isinstance(cause, UnicodeDecodeError):
+        fix = "convert it to UTF-8 (e.g. iconv -t UTF-8) or leave it out of --source"
+    elif isinstance(cause, datasets.table.CastError):
+        fix = (f"its columns differ from the first file's; give every file the same columns, --text-field "
+               f"{cfg.text_field!r} among them, or pass a glob that leaves the odd ones out")
+    elif file is not None and file.suffix == ".parquet" and _parquet_rows(pq, file) == 0:
+        fix = "the file has no rows; delete it or leave it out of --source"
+    elif source_kind(cfg.source) in ("fineweb", "hub"):
+        fix = "check the network and rerun (complete shards are kept)"
     else:
-        files, builder = local_files(cfg.source)
-        unit = cfg.txt_unit
-    options = {"sample_by": unit} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                 streaming=cfg.streaming, **options)
+        fix = "fix that file or leave it out of --source"
+    return DataError(f"could not read {where}: {message}; {fix}")
 
 
-def documents(rows: Iterable[dict[str, Any]], cfg: FinewebConfig, stats: dict[str, int]) -> Iterator[str]:
-    """The non-empty texts of `rows[cfg.text_field]`; empty documents would add a lone EOT and nothing else."""
-    for i, row in enumerate(rows):
-        if i == 0 and cfg.text_field not in row:
-            raise DataError(f"--text-field {cfg.text_field!r} is not in --source {cfg.source}; its columns are "
-                            f"{', '.join(row)}; pass one of them with --text-field")
+def _parquet_rows(pq: Any, file: Path) -> int | None:
+    try:
+        return pq.read_metadata(file).num_rows
+    except (OSError, ValueError):  # corrupt: no row count to tell
+        return None
+
+
+def read_rows(cfg: FinewebConfig, files: list[Path] | None) -> Iterator[tuple[dict[str, Any], str]]:
+    """The source's rows (dicts) in a fixed order, each with where it came from ('FILE of --source S', or
+    '--source S'), always through `datasets.load_dataset`, so every source is read the same way. Local .txt files:
+    one row per whole file by default (--txt-unit); stdlib: one row per .py file. An error `datasets` raises while
+    reading becomes one DataError line naming the file (streaming) or --source, and the root cause."""
+    import datasets  # lazily: the loader above must import on machines without `datasets`
+    import pyarrow
+
+    kind = source_kind(cfg.source)
+    # what reading data raises (bad bytes, bad JSON, a schema mismatch, a network drop); anything else is a bug
+    reading = (OSError, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
+    source = f"--source {cfg.source}"
+    with _quiet_datasets():
+        try:
+            if files is None:
+                ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split,
+                                           streaming=cfg.streaming)
+            else:
+                builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
+                options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
+                ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                           streaming=cfg.streaming, **options)
+        except reading as e:
+            if files is None:
+                raise DataError(f"could not load hub dataset {source} (--name {cfg.name or 'none'}, --split "
+                                f"{cfg.split}): {type(e).__name__}: {e}; check the names and the network, or pass a "
+                                "local file, directory or glob") from None
+            raise _read_error(cfg, source, None, e) from None
+        # streamed, each file is one shard, in order: reading shard by shard names the file a bad row comes from
+        parts: list[tuple[Any, str, Path | None]] = [(ds, source, files[0] if files and len(files) == 1 else None)]
+        if files and len(files) > 1 and isinstance(ds, datasets.IterableDataset) and ds.num_shards == len(files):
+            parts = [(ds.shard(len(files), i, contiguous=True), f"{f} of {source}", f) for i, f in enumerate(files)]
+        for part, where, file in parts:
+            rows = iter(part)
+            while True:
+                try:
+                    row = next(rows)
+                except StopIteration:
+                    break
+                except reading as e:
+                    raise _read_error(cfg, where, file, e) from None
+                yield row, where
+
+
+def documents(rows: Iterable[tuple[dict[str, Any], str]], cfg: FinewebConfig, stats: dict[str, int]) -> Iterator[str]:
+    """The non-empty texts of `row[cfg.text_field]`; empty documents would add a lone EOT and nothing else."""
+    for row, where in rows:
+        if cfg.text_field not in row:
+            raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are {', '.join(row)}; "
+                            "pass one of them with --text-field")
         text = row[cfg.text_field]
         if text is None or text == "":
             continue
         if not isinstance(text, str):
-            raise DataError(f"--text-field {cfg.text_field!r} of --source {cfg.source} holds {type(text).__name__}, "
-                            "not text; pass a text column with --text-field")
+            raise DataError(f"--text-field {cfg.text_field!r} of {where} holds {type(text).__name__}, not text; "
+                            "pass a text column with --text-field")
         stats["documents"] += 1
         yield text
 
@@ -566,9 +645,15 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
     from tqdm import tqdm
 
+    out = Path(cfg.out_dir).expanduser()
+    for parent in (out, *out.parents):  # fail now, not after tokenizing a whole val shard
+        if parent.exists():
+            if not parent.is_dir():
+                raise DataError(f"--out-dir {cfg.out_dir}: {parent} is a file, not a directory; pass a directory "
+                                "(it is created if missing)")
+            break
     if (finished := _already_done(cfg)) is not None:
         return finished
-    out = Path(cfg.out_dir).expanduser()
     _done_path(cfg).unlink(missing_ok=True)  # from here on the directory is being changed
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
@@ -584,7 +669,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     # the pool is forked before `datasets` starts any threads (forking a process with threads can deadlock)
     with multiprocessing.Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
         try:
-            rows = load_source(cfg)
+            rows = read_rows(cfg, source_files(cfg))
             # a rerun regenerates the same stream without tokenizing what is on disk: skip the complete documents,
             # then drop the part of the last one that is already written (checking it is the same)
             docs = islice(documents(rows, cfg, stats), max(docs_started - 1, 0), None)

@@ -4,6 +4,7 @@ over ranks, reproducible shuffle, exact resume, preload), and a one-line error f
 import functools
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -547,6 +548,12 @@ def test_bad_magic_version_and_size_are_named(tmp_path):
     np.save(tmp_path / "x_train_000001.npy", np.arange(100, dtype=np.int32))
     with pytest.raises(DataError, match="expected a 1-D uint16 token array .* got int32"):
         read_shard(tmp_path / "x_train_000001.npy")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "e_train_000001.npy").touch()  # 0 bytes: np.load raises EOFError
+    with pytest.raises(DataError) as err:
+        TokenLoader(str(tmp_path / "empty"), "train", 2, 8)
+    assert str(err.value) == (f"{tmp_path / 'empty' / 'e_train_000001.npy'} is not a readable .npy file (EOFError: "
+                              "No data left in file); delete or rewrite it with fineweb.py")
 
 
 def test_only_shard_shorter_than_one_window(tmp_path):
@@ -600,6 +607,83 @@ def test_hub_failure_is_one_clear_line(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"could not load hub dataset --source org/x \(--name none, --split train\)"):
         write_dataset(FinewebConfig(source="org/x", out_dir=str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
+
+
+def bad_sources(d: Path) -> dict[str, tuple[Path, str]]:
+    """Sources that `datasets` fails to read, each with the one line the CLI must print (a regex)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = json.dumps({"text": "hello there"})
+    (d / "mixed").mkdir()
+    (d / "mixed" / "a.jsonl").write_text(good + "\n")
+    (d / "mixed" / "b.jsonl").write_text(json.dumps({"body": "no text field here"}) + "\n")
+    (d / "broken.jsonl").write_text(good + "\n{not json\n")
+    (d / "latin1").mkdir()
+    (d / "latin1" / "a.txt").write_text("fine")
+    (d / "latin1" / "b.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), d / "empty.parquet")
+    (d / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet")
+    e = re.escape(str(d))
+    return {
+        "text field in one file only": (d / "mixed", rf"could not read {e}/mixed/b\.jsonl of --source {e}/mixed: "
+                                        r"CastError: Couldn't cast .* because column names don't match; its columns "
+                                        r"differ from the first file's; give every file the same columns, "
+                                        r"--text-field 'text' among them, or pass a glob that leaves the odd ones out"),
+        "malformed jsonl line": (d / "broken.jsonl", rf"could not read --source {e}/broken\.jsonl: ArrowInvalid: JSON "
+                                 r"parse error: .* in row 1; fix that file or leave it out of --source"),
+        "non-UTF-8 txt": (d / "latin1", rf"could not read {e}/latin1/b\.txt of --source {e}/latin1: "
+                          r"UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9 in position 3: .*; convert it "
+                          r"to UTF-8 \(e\.g\. iconv -t UTF-8\) or leave it out of --source"),
+        "0-row parquet": (d / "empty.parquet", rf"could not read --source {e}/empty\.parquet: ArrowInvalid: .*; "
+                          "the file has no rows; delete it or leave it out of --source"),
+        "corrupt parquet": (d / "corrupt.parquet", rf"could not read --source {e}/corrupt\.parquet: ArrowInvalid: "
+                            r"Parquet magic bytes not found in footer.*; fix that file or leave it out of --source"),
+    }
+
+
+@pytest.mark.parametrize("case", ["text field in one file only", "malformed jsonl line", "non-UTF-8 txt",
+                                  "0-row parquet", "corrupt parquet"])
+def test_unreadable_source_is_one_line_naming_the_file(tmp_path, capsys, case):
+    source, line = bad_sources(tmp_path)[case]
+    with pytest.raises(SystemExit) as err:
+        main(["--source", str(source), "--out-dir", str(tmp_path / "out"), "--workers", "1", "--val-tokens", "10"])
+    assert err.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()  # nothing from datasets' own logging either
+    assert len(lines) == 1 and re.fullmatch(f"error: {line}", lines[0]), lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_source_without_streaming_names_source_and_root_cause(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))  # not streamed: it writes a cache
+    source, _ = bad_sources(tmp_path)["non-UTF-8 txt"]
+    with pytest.raises(DataError, match=rf"^could not read --source {source}: UnicodeDecodeError: 'utf-8' codec "
+                                        r"can't decode byte 0xe9 in position 3"):  # not DatasetGenerationError's
+        write_dataset(cfg_for(source, tmp_path / "out", streaming=False, val_tokens=10))
+
+
+def test_programming_errors_outside_reading_are_not_turned_into_data_errors(tmp_path, monkeypatch):
+    def broken(texts):
+        raise TypeError("a bug in the tokenizer step")
+
+    monkeypatch.setattr(fineweb, "tokenize", broken)
+    with pytest.raises(TypeError, match="a bug in the tokenizer step"):
+        write_dataset(cfg_for(write_jsonl(tmp_path / "docs.jsonl", make_docs(5)), tmp_path / "out"))
+
+
+def test_out_dir_that_is_a_file_is_refused_before_reading(tmp_path, capsys):
+    (tmp_path / "taken").write_text("not a directory")
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(5))
+    for out in (tmp_path / "taken", tmp_path / "taken" / "sub"):
+        with pytest.raises(SystemExit) as err:
+            main(["--source", str(src), "--out-dir", str(out), "--workers", "1"])
+        assert err.value.code == 1
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: --out-dir {out}: {tmp_path / 'taken'} is a file, not a directory; pass a directory (it is "
+            "created if missing)"]
+    assert (tmp_path / "taken").read_text() == "not a directory"
 
 
 def test_cli_errors_exit_1_with_one_line(tmp_path, capsys):
