@@ -641,6 +641,18 @@ def _already_done(cfg: FinewebConfig) -> dict[str, Any] | None:
             "workers": 0}
 
 
+def _write_next(cfg: FinewebConfig, index: int, tokens: np.ndarray, first: bool) -> None:
+    """Write shard `index`. The run's first write first removes the completion record (the directory is about to
+    change) and the temporaries of killed runs, so a run that fails before it leaves --out-dir as it was."""
+    out = Path(cfg.out_dir).expanduser()
+    if first:
+        out.mkdir(parents=True, exist_ok=True)
+        _done_path(cfg).unlink(missing_ok=True)
+        for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # never a valid shard
+            stale.unlink()
+    write_shard(shard_path(cfg, index), tokens)
+
+
 def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
     from tqdm import tqdm
@@ -654,12 +666,10 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
             break
     if (finished := _already_done(cfg)) is not None:
         return finished
-    _done_path(cfg).unlink(missing_ok=True)  # from here on the directory is being changed
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
-    for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # left by a killed run; never a valid shard
-        stale.unlink()
     kept, written, docs_started, partial = existing_shards(cfg)
+    changed = False  # whether this run has touched --out-dir yet
     stats = {"documents": 0}
     limit = cfg.max_tokens or float("inf")
     index, total, fill = kept, written, 0
@@ -678,8 +688,8 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
                 pos = 0
                 while pos < len(arr) and total < limit:
                     if fill == len(buf):  # written once more tokens come, so a val shard is never left on its own
-                        out.mkdir(parents=True, exist_ok=True)
-                        write_shard(shard_path(cfg, index), buf)
+                        _write_next(cfg, index, buf, first=not changed)
+                        changed = True
                         bar.close()
                         bar, index, fill = None, index + 1, 0
                         buf = np.empty(cfg.shard_size, dtype=np.uint16)
@@ -701,8 +711,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
         raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
                         f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training")
     if fill:
-        out.mkdir(parents=True, exist_ok=True)
-        write_shard(shard_path(cfg, index), buf[:fill])
+        _write_next(cfg, index, buf[:fill], first=not changed)
         index += 1
     numbered = re.compile(rf"{re.escape(cfg.prefix)}_train_(\d+)\.bin")
     for old in out.glob(f"{cfg.prefix}_train_*.bin"):  # beyond the end: left by an earlier, longer run

@@ -357,6 +357,22 @@ def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
     assert other["skipped_shards"] == 0 and other["tokenized"] == sum(len(v) - 1024 for v in ref.values()) // 2
 
 
+def test_failed_rerun_leaves_a_finished_directory_as_it_was(tmp_path, reference, capsys):
+    src, ref = reference
+    out = tmp_path / "out"
+    write_dataset(cfg_for(src, out))
+    (out / ".t_train_000009.bin.1.tmp").write_bytes(b"a killed run's")  # only a run that writes removes it
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "t_done.json" in before and len(before) == len(ref) + 2
+    with pytest.raises(SystemExit):
+        main(["--source", str(src), "--out-dir", str(out), "--prefix", "t", "--shard-size", "1000", "--val-tokens",
+              "700", "--workers", "1", "--text-field", "body"])  # a wrong flag: fails while reading the source
+    assert "--text-field 'body' is not in --source" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    again = write_dataset(cfg_for(src, out))  # the finished run is still recognized
+    assert again["skipped_shards"] == len(ref) and again["tokenized"] == 0
+
+
 def test_rerun_over_shards_of_other_data_is_refused(tmp_path, reference):
     src, ref = reference
     out = tmp_path / "out"
