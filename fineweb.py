@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -615,30 +616,44 @@ def _done_path(cfg: FinewebConfig) -> Path:
     return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_done.json"
 
 
-def _done_record(cfg: FinewebConfig, shards: list[Path]) -> dict[str, Any]:
-    """What a finished run wrote, and with which settings: a rerun with the same settings need not read the source
-    again (the last shard is short, so its size alone cannot tell a finished run from an interrupted one)."""
+def input_fingerprint(files: list[Path] | None) -> dict[str, Any] | None:
+    """What a local, shakespeare or stdlib source is made of: every file's absolute path, size and mtime_ns, hashed,
+    so a rerun after a file was added, removed or edited writes again. None for a hub dataset (no files to stat)."""
+    if files is None:
+        return None
+    digest, size = hashlib.sha256(), 0
+    for f in files:
+        st = f.stat()
+        digest.update(os.fsencode(f.resolve()) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        size += st.st_size
+    return {"files": len(files), "bytes": size, "sha256": digest.hexdigest()}
+
+
+def _done_record(cfg: FinewebConfig, inputs: dict[str, Any] | None, shards: list[Path]) -> dict[str, Any]:
+    """What a finished run read and wrote, and with which settings: a rerun with the same settings and inputs need
+    not read the source again (the last shard is short, so its size alone cannot tell a finished run from an
+    interrupted one)."""
     keys = ("source", "name", "split", "text_field", "txt_unit", "prefix", "shard_size", "val_tokens", "max_tokens")
-    return {"settings": {k: getattr(cfg, k) for k in keys},
+    return {"settings": {k: getattr(cfg, k) for k in keys}, "inputs": inputs,
             "shards": {p.name: len(read_shard(p)) for p in shards}}
 
 
-def _already_done(cfg: FinewebConfig) -> dict[str, Any] | None:
+def _previous_run(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
+    """What the completion record says: ('done', record) when this very run finished (same settings and inputs, its
+    shards unchanged); ('other', record) when a run with other settings or inputs finished here, so the shards on
+    disk are not this run's prefix (an edited document would go unnoticed by the resume check); else ('none', None)."""
     done = _done_path(cfg)
     try:
         record = json.loads(done.read_text())
         shards = [done.parent / name for name in record["shards"]]
-        if record != _done_record(cfg, shards):
-            return None
+        if record == _done_record(cfg, inputs, shards):
+            return "done", record
+        mine = _done_record(cfg, inputs, [])
+        if (record["settings"], record["inputs"]) != (mine["settings"], mine["inputs"]):
+            return "other", record
     except (OSError, ValueError, KeyError, TypeError, DataError):
-        return None  # absent, other settings, or a shard changed since: write again
-    sizes = list(record["shards"].values())
-    val, train = sizes[0], sum(sizes[1:])
-    print(f"{done.parent}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
-          f"nothing to do (delete {done.name} to write again)")
-    return {"out_dir": str(done.parent), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
-            "train_tokens": train, "tokenized": 0, "documents_read": 0, "seconds": 0.0, "tokens_per_sec": 0.0,
-            "workers": 0}
+        pass  # absent or unreadable, or a shard changed since: resume from what is on disk
+    return "none", None
 
 
 def _write_next(cfg: FinewebConfig, index: int, tokens: np.ndarray, first: bool) -> None:
@@ -664,11 +679,22 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
                 raise DataError(f"--out-dir {cfg.out_dir}: {parent} is a file, not a directory; pass a directory "
                                 "(it is created if missing)")
             break
-    if (finished := _already_done(cfg)) is not None:
-        return finished
+    files = source_files(cfg)
+    inputs = input_fingerprint(files)  # before reading: a file edited during the run makes the next run write again
+    previous, record = _previous_run(cfg, inputs)
+    if previous == "done":
+        sizes = list(record["shards"].values())
+        val, train = sizes[0], sum(sizes[1:])
+        print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
+              f"nothing to do (delete {_done_path(cfg).name} to write again)")
+        return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
+                "train_tokens": train, "tokenized": 0, "documents_read": 0, "seconds": 0.0, "tokens_per_sec": 0.0,
+                "workers": 0}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
-    kept, written, docs_started, partial = existing_shards(cfg)
+    # resume from the complete shards on disk, unless they are a finished run's of other settings or inputs
+    kept, written, docs_started, partial = (existing_shards(cfg) if previous == "none"
+                                            else (0, 0, 0, np.zeros(0, np.uint16)))
     changed = False  # whether this run has touched --out-dir yet
     stats = {"documents": 0}
     limit = cfg.max_tokens or float("inf")
@@ -679,7 +705,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     # the pool is forked before `datasets` starts any threads (forking a process with threads can deadlock)
     with multiprocessing.Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
         try:
-            rows = read_rows(cfg, source_files(cfg))
+            rows = read_rows(cfg, files)
             # a rerun regenerates the same stream without tokenizing what is on disk: skip the complete documents,
             # then drop the part of the last one that is already written (checking it is the same)
             docs = islice(documents(rows, cfg, stats), max(docs_started - 1, 0), None)
@@ -720,7 +746,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
             old.unlink()
     done = _done_path(cfg)
     tmp = done.with_name(f".{done.name}.tmp")
-    tmp.write_text(json.dumps(_done_record(cfg, [shard_path(cfg, i) for i in range(index)])))
+    tmp.write_text(json.dumps(_done_record(cfg, inputs, [shard_path(cfg, i) for i in range(index)])))
     os.replace(tmp, done)
     seconds = time.time() - t0
     val = min(total, cfg.val_tokens)

@@ -4,6 +4,7 @@ over ranks, reproducible shuffle, exact resume, preload), and a one-line error f
 import functools
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -355,6 +356,36 @@ def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
     assert {p.name: p.read_bytes() for p in shard_files(out)} == ref
     other = write_dataset(cfg_for(src, out, val_tokens=600))  # other settings: the finished record does not apply
     assert other["skipped_shards"] == 0 and other["tokenized"] == sum(len(v) - 1024 for v in ref.values()) // 2
+
+
+def test_a_changed_local_source_is_written_again(tmp_path):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    docs = make_docs(40, seed=3)
+    write_jsonl(src / "a.jsonl", docs[:20])
+    cfg = cfg_for(src, tmp_path / "out")
+    write_dataset(cfg)
+    assert write_dataset(cfg)["tokenized"] == 0  # unchanged: nothing to do
+    # a finished run's shards are not resumed from when the inputs changed: an edit inside a document already on
+    # disk would go unnoticed, so every change is written from the start
+    write_jsonl(src / "b.jsonl", docs[20:30])  # a file added
+    added = write_dataset(cfg)
+    assert (added["skipped_shards"], added["tokenized"]) == (0, len(expected_tokens(docs[:30])))
+    assert np.array_equal(concat(tmp_path / "out"), expected_tokens(docs[:30]))
+    edited_docs = ["A" + docs[0][1:], *docs[1:]]  # the same documents, the first one's first letter changed
+    write_jsonl(src / "a.jsonl", edited_docs[:20])
+    edited = write_dataset(cfg)
+    assert (edited["skipped_shards"], edited["tokenized"]) == (0, len(expected_tokens(edited_docs[:30])))
+    assert np.array_equal(concat(tmp_path / "out"), expected_tokens(edited_docs[:30]))
+    st = (src / "a.jsonl").stat()
+    os.utime(src / "a.jsonl", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched only: read again, same bytes
+    before = {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")}
+    assert write_dataset(cfg)["tokenized"] == len(expected_tokens(edited_docs[:30]))
+    assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")} == before
+    assert write_dataset(cfg)["tokenized"] == 0
+    record = json.loads((tmp_path / "out" / "t_done.json").read_text())
+    assert record["inputs"]["files"] == 2 and record["inputs"]["bytes"] == sum(
+        f.stat().st_size for f in src.iterdir())
 
 
 def test_failed_rerun_leaves_a_finished_directory_as_it_was(tmp_path, reference, capsys):
