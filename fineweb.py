@@ -9,13 +9,22 @@ name before the optional index (llm.c's tinyshakespeare_val.bin too), so any pre
 The writer reads every source through `datasets.load_dataset` (hub, or the text/json/parquet builders for local files)
 and writes each document as <|endoftext|> + its GPT-2 tokens, in source order. A .txt file is one document (the whole
 file) unless --txt-unit says paragraph or line; stdlib is one document per .py file. The val shard is exactly the
-first --val-tokens tokens of that stream (it may end inside a document, whose rest opens train shard 1); by default
-that is a whole --shard-size shard, as in build-nanogpt. A rerun keeps the shards already complete and continues.
+first --val-tokens tokens of that stream (it may end inside a document, whose rest opens train shard 1). Without
+--val-tokens it is a whole --shard-size shard, as in build-nanogpt (shakespeare: 32768 tokens, stdlib: 2**18), unless
+the source (or --max-tokens) ends before that leaves a single train token: then the first 10% (rounded down) is val
+and the rest is train shard 1, so a small corpus needs no flags. An explicit --val-tokens that leaves nothing for
+training is an error.
+
+A rerun keeps the shards already complete and continues. A finished run leaves PREFIX_done.json (its settings, a
+fingerprint of a local source's files: paths, sizes, mtimes; and the shard sizes): a rerun that matches it reads
+nothing, and one with other settings or changed input files writes every shard again. Input that cannot be read ends
+in one line naming the file or flag; --out-dir is not touched before the first shard is written.
 
 Usage:
     python fineweb.py                                         # fineweb-edu sample-10BT -> data/edu_fineweb10B
     python fineweb.py --source shakespeare                    # Tiny Shakespeare -> data/shakespeare
     python fineweb.py --source stdlib                         # this Python's stdlib .py files -> data/stdlib
+    python fineweb.py --source notes.txt                      # a small file: its first 10% val, the rest train
     python fineweb.py --source "corpus/*.jsonl" --out-dir data/mine --shard-size 10000000 --val-tokens 1000000
     python fineweb.py --help
 
@@ -305,7 +314,7 @@ class FinewebConfig:
     out_dir: str = ""  # output directory ('' = data/edu_fineweb10B for fineweb-edu, else data/<source name>)
     prefix: str = ""  # shard names are PREFIX_val_000000.bin, PREFIX_train_000001.bin ('' = from the source)
     shard_size: int = 100_000_000  # tokens per train shard
-    val_tokens: int = -1  # val shard = exactly the first N tokens (-1: shard-size; shakespeare 32768, stdlib 2**18)
+    val_tokens: int = -1  # val shard = first N tokens (-1: shard-size; shakespeare 32768, stdlib 2**18; 10% if short)
     workers: int = 0  # tokenizer processes (0 = every available core)
     max_tokens: int = 0  # stop after this many tokens in all, val included (0 = the whole source)
     streaming: bool = True  # stream the source rather than download all of it into the HF cache first
@@ -321,6 +330,9 @@ class FinewebConfig:
             raise ValueError(f"--val-tokens must be -1 (a default per source) or in [1, 2**31), got {self.val_tokens}")
         if self.workers < 0 or self.max_tokens < 0:
             raise ValueError("--workers and --max-tokens must be >= 0 (0 = all cores / the whole source)")
+        if self.max_tokens and self.val_tokens != -1 and self.max_tokens <= self.val_tokens:
+            raise ValueError(f"--max-tokens {self.max_tokens} leaves no train tokens after the val shard's "
+                             f"--val-tokens {self.val_tokens}; raise --max-tokens or lower --val-tokens")
         kind = source_kind(self.source)
         stem = {"fineweb": "edufineweb", "shakespeare": "shakespeare", "stdlib": "stdlib"}.get(kind)
         if stem is None:  # corpus/*.jsonl -> corpus, books.txt -> books, org/name -> name
@@ -330,8 +342,14 @@ class FinewebConfig:
         self.out_dir = self.out_dir or ("data/edu_fineweb10B" if kind == "fineweb" else f"data/{stem}")
         if kind == "fineweb" and not self.name:
             self.name = "sample-10BT"
-        if self.val_tokens == -1:
-            self.val_tokens = {"shakespeare": 32_768, "stdlib": 2**18}.get(kind, self.shard_size)  # ~10% and ~6%
+
+    @property
+    def val_target(self) -> int:
+        """The size of a full val shard: --val-tokens, or its default for the source (-1). A source that ends before
+        a default-sized val shard leaves a train token gets the 10% rule instead (see write_dataset)."""
+        if self.val_tokens != -1:
+            return self.val_tokens
+        return {"shakespeare": 32_768, "stdlib": 2**18}.get(source_kind(self.source), self.shard_size)  # ~10%, ~6%
 
 
 def source_kind(source: str) -> str:
@@ -579,7 +597,7 @@ def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
             tokens = read_shard(path)
         except DataError:
             break
-        if len(tokens) != (cfg.val_tokens if kept == 0 else cfg.shard_size):
+        if len(tokens) != (cfg.val_target if kept == 0 else cfg.shard_size):
             break  # a short last shard, or one written with other settings: rewritten from here
         if cfg.max_tokens and total + len(tokens) > cfg.max_tokens:
             break  # this run stops earlier
@@ -699,7 +717,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     stats = {"documents": 0}
     limit = cfg.max_tokens or float("inf")
     index, total, fill = kept, written, 0
-    buf = np.empty(cfg.val_tokens if index == 0 else cfg.shard_size, dtype=np.uint16)
+    buf = np.empty(cfg.val_target if index == 0 else cfg.shard_size, dtype=np.uint16)
     bar = None
     t0 = time.time()
     # the pool is forked before `datasets` starts any threads (forking a process with threads can deadlock)
@@ -733,9 +751,18 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     if total == 0:
         raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
                         f"{cfg.text_field!r}")
-    if index == 0:
-        raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
-                        f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training")
+    val = cfg.val_target
+    if index == 0:  # the source (or --max-tokens) ended before a single train token
+        if cfg.val_tokens != -1:  # asked for: --max-tokens > --val-tokens is checked, so the source is short
+            raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
+                            f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training, e.g. "
+                            f"--val-tokens {max(total // 10, 1)}, or leave it out to use the first 10%")
+        # the default was not: the first 10% is val, the rest train shard 1. Both are written only now, from memory,
+        # and existing_shards never keeps such a val shard (it is not full), so an interrupted write starts over
+        # and a finished one is recognized by its completion record (val_tokens -1, these sizes)
+        val = max(total // 10, 1)  # a document is EOT + at least one token: total >= 2
+        _write_next(cfg, 0, buf[:val], first=not changed)
+        changed, index, buf, fill = True, 1, buf[val:total], total - val
     if fill:
         _write_next(cfg, index, buf[:fill], first=not changed)
         index += 1
@@ -749,7 +776,6 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     tmp.write_text(json.dumps(_done_record(cfg, inputs, [shard_path(cfg, i) for i in range(index)])))
     os.replace(tmp, done)
     seconds = time.time() - t0
-    val = min(total, cfg.val_tokens)
     result = {"out_dir": str(out), "shards": index, "skipped_shards": kept, "val_tokens": val,
               "train_tokens": total - val, "tokenized": total - written, "documents_read": stats["documents"],
               "seconds": seconds, "tokens_per_sec": (total - written) / max(seconds, 1e-9), "workers": workers}

@@ -284,8 +284,8 @@ def test_default_job_is_fineweb_edu_sample_10bt_through_datasets(tmp_path, monke
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     cfg = FinewebConfig()
-    assert (cfg.out_dir, cfg.prefix, cfg.name, cfg.val_tokens) == ("data/edu_fineweb10B", "edufineweb",
-                                                                   "sample-10BT", 100_000_000)
+    assert (cfg.out_dir, cfg.prefix, cfg.name, cfg.val_tokens, cfg.val_target) == ("data/edu_fineweb10B", "edufineweb",
+                                                                                   "sample-10BT", -1, 100_000_000)
     main(["--out-dir", str(tmp_path), "--shard-size", "1000", "--workers", "1"])
     assert calls == [("HuggingFaceFW/fineweb-edu", {"name": "sample-10BT", "split": "train", "streaming": True})]
     assert [f.name for f in shard_files(tmp_path)][:2] == ["edufineweb_val_000000.bin", "edufineweb_train_000001.bin"]
@@ -297,9 +297,63 @@ def test_config_defaults_per_source():
     assert (FinewebConfig(source="corpus/*.jsonl").prefix, FinewebConfig(source="corpus/*.jsonl").out_dir) == \
         ("corpus", "data/corpus")
     hub = FinewebConfig(source="someone/my-data")
-    assert (hub.prefix, hub.name, hub.val_tokens) == ("my_data", "", 100_000_000)
-    assert (FinewebConfig(source="stdlib").out_dir, FinewebConfig(source="stdlib").val_tokens) == ("data/stdlib", 2**18)
-    assert FinewebConfig(source="shakespeare").val_tokens == 32768
+    assert (hub.prefix, hub.name, hub.val_target) == ("my_data", "", 100_000_000)
+    assert (FinewebConfig(source="stdlib").out_dir, FinewebConfig(source="stdlib").val_target) == ("data/stdlib", 2**18)
+    assert FinewebConfig(source="shakespeare").val_target == 32768
+    assert FinewebConfig(source="shakespeare", val_tokens=5).val_target == 5
+    assert FinewebConfig(source="a.txt", shard_size=1000).val_target == 1000
+
+
+def test_max_tokens_below_val_tokens_names_max_tokens():
+    with pytest.raises(ValueError) as err:
+        FinewebConfig(source="a.jsonl", val_tokens=700, max_tokens=500)
+    assert str(err.value) == ("--max-tokens 500 leaves no train tokens after the val shard's --val-tokens 700; raise "
+                              "--max-tokens or lower --val-tokens")
+    with pytest.raises(SystemExit, match=r"^error: --max-tokens 700 leaves no train tokens after the val shard's "
+                                         r"--val-tokens 700; raise --max-tokens or lower --val-tokens$"):
+        main(["--source", "a.jsonl", "--val-tokens", "700", "--max-tokens", "700"])
+
+
+def test_short_source_without_val_tokens_gives_its_first_10_percent_to_val(tmp_path, monkeypatch):
+    docs = make_docs(6, seed=4)
+    want = expected_tokens(docs)
+    assert 600 < len(want) < 1000  # ends before a default (--shard-size) val shard is full
+    src = write_jsonl(tmp_path / "docs.jsonl", docs)
+    real = fineweb.write_shard
+
+    def killed_after_val(path, tokens):
+        if "train" in path.name:
+            raise KeyboardInterrupt
+        real(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", killed_after_val)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(cfg_for(src, tmp_path / "out", val_tokens=-1))
+    assert [len(read_shard(f)) for f in shard_files(tmp_path / "out")] == [len(want) // 10]
+    monkeypatch.setattr(fineweb, "write_shard", real)
+    result = write_dataset(cfg_for(src, tmp_path / "out", val_tokens=-1))  # not kept: a val shard that is not full
+    assert (result["skipped_shards"], result["val_tokens"], result["train_tokens"]) == \
+        (0, len(want) // 10, len(want) - len(want) // 10)
+    assert [f.name for f in shard_files(tmp_path / "out")] == ["t_val_000000.bin", "t_train_000001.bin"]
+    assert [len(read_shard(f)) for f in shard_files(tmp_path / "out")] == [len(want) // 10, len(want) - len(want) // 10]
+    assert np.array_equal(concat(tmp_path / "out"), want)
+    assert write_dataset(cfg_for(src, tmp_path / "out", val_tokens=-1))["tokenized"] == 0  # recognized as finished
+    limited = write_dataset(cfg_for(src, tmp_path / "lim", val_tokens=-1, max_tokens=500))  # the 10% of what is read
+    assert [len(read_shard(f)) for f in shard_files(tmp_path / "lim")] == [50, 450] and limited["val_tokens"] == 50
+    assert np.array_equal(concat(tmp_path / "lim"), want[:500])
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
+def test_shakespeare_as_a_local_file_needs_no_val_tokens(tmp_path, capsys):
+    argv = ["--source", str(SHAKESPEARE), "--out-dir", str(tmp_path), "--workers", "1"]
+    main(argv)
+    files = shard_files(tmp_path)
+    assert [f.name for f in files] == ["tinyshakespeare_val_000000.bin", "tinyshakespeare_train_000001.bin"]
+    assert [len(read_shard(f)) for f in files] == [33802, 338026 - 33802]
+    assert main(argv)["tokenized"] == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"{tmp_path}: 2 shards (2 already complete), 33,802 val + 304,224 train tokens; nothing to do (delete "
+        "tinyshakespeare_done.json to write again)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -632,7 +686,10 @@ def test_empty_source_and_missing_text_field_write_nothing(tmp_path):
     write_jsonl(tmp_path / "docs.jsonl", make_docs(30), field="content")
     with pytest.raises(DataError, match="--text-field 'text' is not in --source .*; its columns are content, id"):
         write_dataset(cfg_for(tmp_path / "docs.jsonl", tmp_path / "out"))
-    with pytest.raises(DataError, match="all of them for the val shard .*; lower --val-tokens"):
+    n = len(expected_tokens(make_docs(30)))
+    with pytest.raises(DataError, match=rf"has only {n:,} tokens, all of them for the val shard \(--val-tokens "
+                                        rf"1000000\); lower --val-tokens to leave some for training, e.g. "
+                                        rf"--val-tokens {n // 10}, or leave it out to use the first 10%"):
         write_dataset(cfg_for(tmp_path / "docs.jsonl", tmp_path / "out", text_field="content", val_tokens=10**6))
     (tmp_path / "mixed").mkdir()
     (tmp_path / "mixed" / "a.txt").write_text("a")
