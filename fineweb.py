@@ -524,7 +524,7 @@ def read_rows(cfg: FinewebConfig, files: list[Path] | None) -> Iterator[tuple[di
                 yield row, where
 
 
-def documents(rows: Iterable[tuple[dict[str, Any], str]], cfg: FinewebConfig, stats: dict[str, int]) -> Iterator[str]:
+def documents(rows: Iterable[tuple[dict[str, Any], str]], cfg: FinewebConfig) -> Iterator[str]:
     """The non-empty texts of `row[cfg.text_field]`; empty documents would add a lone EOT and nothing else."""
     for row, where in rows:
         if cfg.text_field not in row:
@@ -536,7 +536,6 @@ def documents(rows: Iterable[tuple[dict[str, Any], str]], cfg: FinewebConfig, st
         if not isinstance(text, str):
             raise DataError(f"--text-field {cfg.text_field!r} of {where} holds {type(text).__name__}, not text; "
                             "pass a text column with --text-field")
-        stats["documents"] += 1
         yield text
 
 
@@ -706,7 +705,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
         print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
               f"nothing to do (delete {_done_path(cfg).name} to write again)")
         return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
-                "train_tokens": train, "tokenized": 0, "documents_read": 0, "seconds": 0.0, "tokens_per_sec": 0.0,
+                "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "seconds": 0.0, "tokens_per_sec": 0.0,
                 "workers": 0}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
@@ -714,7 +713,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     kept, written, docs_started, partial = (existing_shards(cfg) if previous == "none"
                                             else (0, 0, 0, np.zeros(0, np.uint16)))
     changed = False  # whether this run has touched --out-dir yet
-    stats = {"documents": 0}
+    docs_written = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
     limit = cfg.max_tokens or float("inf")
     index, total, fill = kept, written, 0
     buf = np.empty(cfg.val_target if index == 0 else cfg.shard_size, dtype=np.uint16)
@@ -726,7 +725,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
             rows = read_rows(cfg, files)
             # a rerun regenerates the same stream without tokenizing what is on disk: skip the complete documents,
             # then drop the part of the last one that is already written (checking it is the same)
-            docs = islice(documents(rows, cfg, stats), max(docs_started - 1, 0), None)
+            docs = islice(documents(rows, cfg), max(docs_started - 1, 0), None)
             stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))
             for arr in stream:
                 pos = 0
@@ -740,6 +739,9 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
                     if bar is None:
                         bar = tqdm(total=len(buf), unit="tok", unit_scale=True, desc=shard_path(cfg, index).name)
                     take = int(min(len(arr) - pos, len(buf) - fill, limit - total))
+                    if total == written:  # this run's first token: the rest of a document the kept shards began?
+                        docs_written += int(arr[pos] != EOT)
+                    docs_written += int(np.count_nonzero(arr[pos:pos + take] == EOT))  # each document opens with EOT
                     buf[fill:fill + take] = arr[pos:pos + take]
                     pos, fill, total = pos + take, fill + take, total + take
                     bar.update(take)
@@ -777,10 +779,10 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     os.replace(tmp, done)
     seconds = time.time() - t0
     result = {"out_dir": str(out), "shards": index, "skipped_shards": kept, "val_tokens": val,
-              "train_tokens": total - val, "tokenized": total - written, "documents_read": stats["documents"],
+              "train_tokens": total - val, "tokenized": total - written, "documents_tokenized": docs_written,
               "seconds": seconds, "tokens_per_sec": (total - written) / max(seconds, 1e-9), "workers": workers}
     print(f"{out}: {index} shards ({kept} already complete), {val:,} val + {total - val:,} train tokens; tokenized "
-          f"{total - written:,} tokens from {stats['documents']:,} documents in {seconds:.1f}s = "
+          f"{total - written:,} tokens of {docs_written:,} documents in {seconds:.1f}s = "
           f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
     return result
 

@@ -166,7 +166,7 @@ def test_write_then_read_back_equals_tokenizer_output_with_eots(tmp_path):
     assert np.array_equal(concat(tmp_path / "out"), want)
     assert int((want == EOT).sum()) == 60 and want[0] == EOT
     assert result["shards"] == n_train + 1 and result["val_tokens"] == 700
-    assert result["train_tokens"] == len(want) - 700 and result["documents_read"] == 60
+    assert result["train_tokens"] == len(want) - 700 and result["documents_tokenized"] == 60
 
 
 def test_two_workers_write_the_same_bytes_as_one(tmp_path):
@@ -184,6 +184,7 @@ def test_max_tokens_stops_exactly_and_default_val_is_the_first_shard(tmp_path):
     assert [len(read_shard(f)) for f in shard_files(tmp_path / "out")] == [1000, 1000, 500]
     assert np.array_equal(concat(tmp_path / "out"), expected_tokens(make_docs(60))[:2500])
     assert (result["val_tokens"], result["train_tokens"]) == (1000, 1500)
+    assert result["documents_tokenized"] == int((expected_tokens(make_docs(60))[:2500] == EOT).sum()) == 23
 
 
 def test_local_sources_jsonl_parquet_txt_give_the_same_tokens(tmp_path):
@@ -220,7 +221,7 @@ def test_shakespeare_local_copy_whole_file_is_one_document(tmp_path):
     assert [len(read_shard(f)) for f in files] == [32768, len(want) - 32768]
     assert len(want) == 338026  # GPT-2 tokens of Tiny Shakespeare, + 1 EOT
     assert np.array_equal(concat(tmp_path), want)
-    assert result["documents_read"] == 1
+    assert result["documents_tokenized"] == 1
     loader = TokenLoader(str(tmp_path), "val", 8, 256)
     assert loader.num_windows == 32767 // 2048 == 15
 
@@ -368,7 +369,7 @@ def reference(tmp_path):
     return src, {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
 
 
-def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, monkeypatch, reference):
+def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, monkeypatch, reference, capsys):
     src, ref = reference
     real = fineweb.write_shard
     written = []
@@ -385,9 +386,15 @@ def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, mo
     assert len(list((tmp_path / "out").glob("*.bin"))) == 3
     assert read_shard(tmp_path / "out" / "t_train_000002.bin")[-1] != EOT  # cut inside a document
     monkeypatch.setattr(fineweb, "write_shard", real)
+    capsys.readouterr()
     result = write_dataset(cfg_for(src, tmp_path / "out"))
     assert result["skipped_shards"] == 3 and len(ref) > 6
     assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")} == ref
+    # only the documents this run wrote tokens of: the one cut at the end of train shard 2, and those after it
+    kept_docs = sum(int((np.frombuffer(ref[n][1024:], "<u2") == EOT).sum()) for n in list(ref)[:3])
+    assert result["documents_tokenized"] == 70 - kept_docs + 1 < 70
+    assert result["tokenized"] == sum(len(v) - 1024 for v in ref.values()) // 2 - 700 - 2000
+    assert f"tokenized {result['tokenized']:,} tokens of {70 - kept_docs + 1} documents in" in capsys.readouterr().out
 
 
 def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
