@@ -675,14 +675,25 @@ def _previous_run(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> tuple[st
 
 def _write_next(cfg: FinewebConfig, index: int, tokens: np.ndarray, first: bool) -> None:
     """Write shard `index`. The run's first write first removes the completion record (the directory is about to
-    change) and the temporaries of killed runs, so a run that fails before it leaves --out-dir as it was."""
+    change), the temporaries of killed runs and the train shards after `index` (an earlier run's: if this one is
+    interrupted, its resume must not take them for its own). A run that fails before that leaves --out-dir as it was."""
     out = Path(cfg.out_dir).expanduser()
     if first:
         out.mkdir(parents=True, exist_ok=True)
         _done_path(cfg).unlink(missing_ok=True)
         for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # never a valid shard
             stale.unlink()
+        _remove_train_shards(cfg, index + 1)
     write_shard(shard_path(cfg, index), tokens)
+
+
+def _remove_train_shards(cfg: FinewebConfig, start: int) -> None:
+    """Delete PREFIX_train_NNNNNN.bin for every NNNNNN >= start."""
+    numbered = re.compile(rf"{re.escape(cfg.prefix)}_train_(\d+)\.bin")
+    for old in Path(cfg.out_dir).expanduser().glob(f"{cfg.prefix}_train_*.bin"):
+        match = numbered.fullmatch(old.name)
+        if match and int(match[1]) >= start:
+            old.unlink()
 
 
 def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
@@ -768,11 +779,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     if fill:
         _write_next(cfg, index, buf[:fill], first=not changed)
         index += 1
-    numbered = re.compile(rf"{re.escape(cfg.prefix)}_train_(\d+)\.bin")
-    for old in out.glob(f"{cfg.prefix}_train_*.bin"):  # beyond the end: left by an earlier, longer run
-        match = numbered.fullmatch(old.name)
-        if match and int(match[1]) >= index:
-            old.unlink()
+    _remove_train_shards(cfg, index)  # beyond the end, when this run wrote nothing: left by an earlier, longer run
     done = _done_path(cfg)
     tmp = done.with_name(f".{done.name}.tmp")
     tmp.write_text(json.dumps(_done_record(cfg, inputs, [shard_path(cfg, i) for i in range(index)])))

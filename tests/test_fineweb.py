@@ -449,6 +449,33 @@ def test_a_changed_local_source_is_written_again(tmp_path):
         f.stat().st_size for f in src.iterdir())
 
 
+def test_interrupted_rewrite_of_a_changed_source_keeps_no_shard_of_the_old_one(tmp_path, monkeypatch):
+    docs = make_docs(70, seed=9)
+    src = write_jsonl(tmp_path / "docs.jsonl", docs)
+    out = tmp_path / "out"
+    write_dataset(cfg_for(src, out))
+    assert len(shard_files(out)) > 6
+    edited = ["A" + docs[0][1:], *docs[1:]]  # the old shards after the first stay full-size and valid
+    write_jsonl(src, edited)
+    real = fineweb.write_shard
+    written = []
+
+    def killed_after_two(path, tokens):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(path.name)
+        real(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(cfg_for(src, out))
+    assert written == ["t_val_000000.bin", "t_train_000001.bin"]
+    assert [p.name for p in shard_files(out)] == written  # the old run's train shards 2, 3, ... are gone
+    monkeypatch.setattr(fineweb, "write_shard", real)
+    assert write_dataset(cfg_for(src, out))["skipped_shards"] == 2
+    assert np.array_equal(concat(out), expected_tokens(edited))
+
+
 def test_failed_rerun_leaves_a_finished_directory_as_it_was(tmp_path, reference, capsys):
     src, ref = reference
     out = tmp_path / "out"
