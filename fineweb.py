@@ -585,7 +585,7 @@ def shard_path(cfg: FinewebConfig, index: int) -> Path:
 
 
 def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
-    """What an earlier (interrupted) run left: complete shards are those that validate and are full (val_tokens,
+    """What an earlier (interrupted) run left: complete shards are those that validate and are full (val_target,
     then shard_size tokens), in order from shard 0. Every document starts with EOT, so counting EOTs tells how many
     documents they hold. Returns (complete shards, their tokens, documents started, tokens of the last started one)."""
     kept, total, docs = 0, 0, 0
