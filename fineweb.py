@@ -3,31 +3,46 @@
 This file is the one owner of the shard format. A shard is llm.c's / modded-nanogpt's `.bin`: a 256 x int32
 little-endian header (magic 20240520, version 1, token count, then zeros) followed by the tokens as uint16.
 build-nanogpt's `.npy` uint16 shards are read too. Shards are named PREFIX_val_000000.bin, PREFIX_train_000001.bin,
-...; the first is validation, the rest training, and the loader tells them apart by `_val`/`_train` in the name.
+...; the first is validation, the rest training. The loader tells them apart by the `_val`/`_train` that ends the
+name before the optional index (llm.c's tinyshakespeare_val.bin too), so any prefix is safe, even `train` or `val`.
 
 The writer reads every source through `datasets.load_dataset` (hub, or the text/json/parquet builders for local files)
 and writes each document as <|endoftext|> + its GPT-2 tokens, in source order. A .txt file is one document (the whole
 file) unless --txt-unit says paragraph or line; stdlib is one document per .py file. The val shard is exactly the
-first --val-tokens tokens of that stream (it may end inside a document, whose rest opens train shard 1); by default
-that is a whole --shard-size shard, as in build-nanogpt. A rerun keeps the shards already complete and continues.
+first --val-tokens tokens of that stream (it may end inside a document, whose rest opens train shard 1). Without
+--val-tokens it is a whole --shard-size shard, as in build-nanogpt (shakespeare: 32768 tokens, stdlib: 2**18), unless
+the source (or --max-tokens) ends before that leaves a single train token: then the first 10% (rounded down) is val
+and the rest is train shard 1, so a small corpus needs no flags. An explicit --val-tokens that leaves nothing for
+training is an error.
+
+A rerun keeps the shards already complete and continues. A finished run leaves PREFIX_done.json (its settings, a
+fingerprint of a local source's files: paths, sizes, mtimes; and the shard sizes): a rerun that matches it reads
+nothing, and one with other settings or changed input files writes every shard again. Input that cannot be read ends
+in one line naming the file or flag; --out-dir is not touched before the first shard is written.
 
 Usage:
     python fineweb.py                                         # fineweb-edu sample-10BT -> data/edu_fineweb10B
     python fineweb.py --source shakespeare                    # Tiny Shakespeare -> data/shakespeare
     python fineweb.py --source stdlib                         # this Python's stdlib .py files -> data/stdlib
+    python fineweb.py --source notes.txt                      # a small file: its first 10% val, the rest train
     python fineweb.py --source "corpus/*.jsonl" --out-dir data/mine --shard-size 10000000 --val-tokens 1000000
     python fineweb.py --help
 
 Loader (used by train.py, one per split and rank):
     loader = TokenLoader("data/edu_fineweb10B", "train", B, T, rank, world_size, seed, device)
     x, y = loader.next_batch()  # int64 (B, T); y is x shifted by one token
+It serves every window of B*T+1 tokens of every shard exactly once per epoch over all ranks (a shard's tail shorter
+than a window is skipped), train shards in a new seeded order each epoch, as one continuous stream whose position is
+one step counter: `loader.state_dict()` from any rank resumes every rank exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -100,8 +115,9 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     if path.suffix == ".npy":
         try:
             arr = np.load(path, mmap_mode="r")
-        except ValueError as e:
-            raise DataError(f"{path} is not a readable .npy file ({e}); rewrite it with fineweb.py") from None
+        except (ValueError, EOFError, OSError) as e:  # EOFError: an empty (0-byte) file
+            raise DataError(f"{path} is not a readable .npy file ({type(e).__name__}: {e}); delete or rewrite it "
+                            "with fineweb.py") from None
         if arr.dtype != np.uint16 or arr.ndim != 1:
             raise DataError(f"{path}: expected a 1-D uint16 token array (build-nanogpt format), got {arr.dtype} "
                             f"with shape {arr.shape}; rewrite it with fineweb.py")
@@ -129,7 +145,10 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
 def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     """The `split` shards (.bin or .npy) in a directory or matched by a glob, sorted by path."""
     pattern = str(pattern)
-    marker = re.compile(rf"(?:^|_){split}(?:_|\.)")  # PREFIX_val_000000.bin (fineweb) and PREFIX_val.bin (llm.c)
+    # the split is the last word before the index and suffix: PREFIX_val_000000.bin (ours, build-nanogpt's .npy) and
+    # PREFIX_val.bin (llm.c). Anchored at the end, so a prefix that is itself a split word (train_val_000000.bin,
+    # written from --source train.jsonl) is never taken for the other split.
+    marker = re.compile(rf"(?:.*_)?{split}(?:_\d+)?\.(?:bin|npy)")
     base = Path(pattern).expanduser()
     if any(c in pattern for c in "*?["):
         files = [Path(f) for f in glob.glob(str(base), recursive=True)]
@@ -140,10 +159,11 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     else:
         raise DataError(f"data directory {pattern} does not exist; write shards there with "
                         f"`python fineweb.py --out-dir {pattern}` or point --data at a directory or glob of shards")
-    files = sorted(f for f in files if f.suffix in (".bin", ".npy") and f.is_file() and marker.search(f.name))
+    files = sorted(f for f in files if marker.fullmatch(f.name) and f.is_file())
     if not files:
-        raise DataError(f"no {split} shards in {pattern} (looked for *_{split}_*.bin / .npy); write them with "
-                        "`python fineweb.py` or point --data at the right directory or glob")
+        raise DataError(f"no {split} shards in {pattern} (looked for names ending in _{split}.bin or "
+                        f"_{split}_NNNNNN.bin, or .npy); write them with `python fineweb.py` or point --data at the "
+                        "right directory or glob")
     return files
 
 
@@ -156,14 +176,17 @@ class TokenLoader:
 
     Windows: shard s holds (len_s - 1) // (B*T) windows of B*T+1 tokens at stride B*T, so adjacent windows share one
     token (the last y of one is the first x of the next) and every x token is read once; a shard's tail shorter
-    than a window is skipped. An epoch is the windows of all shards, shards in the order of a permutation drawn from
-    np.random.default_rng((seed, epoch)) (train) or in file order (val), each shard's windows in order. Global
-    window g goes to rank g % world_size as its batch g // world_size. Every rank serves `batches_per_epoch`
-    = num_windows // world_size batches per epoch, so ranks stay in lockstep (DDP needs that): the last
-    num_windows % world_size (< world_size) windows of each epoch's order are dropped. Then the next epoch starts.
+    than a window is skipped. An epoch is the `num_windows` windows of all shards: shards in the order of a
+    permutation drawn from np.random.default_rng((seed, epoch)) (train) or in file order (val), each shard's windows
+    in order. The epochs form one continuous stream of global windows g = 0, 1, 2, ...: g is window g % num_windows
+    of epoch g // num_windows. Rank r's s-th batch is g = s * world_size + r, so every rank serves one batch per step
+    (ranks stay in lockstep, as DDP needs) and every window of every epoch is served exactly once over all ranks,
+    none dropped or repeated. When world_size does not divide num_windows, a step straddles two epochs: the low
+    ranks finish epoch e while the others start epoch e + 1.
 
-    The position is just (epoch, step), identical on every rank, so `state_dict()` from any rank resumes all of them.
-    Attributes: epoch, step (batches served this epoch), num_windows, batches_per_epoch, tokens_per_epoch, files.
+    The position is just `step`, the batches each rank has served since reset(), identical on every rank, so
+    `state_dict()` from any rank resumes all of them. Attributes: files, num_windows (windows per epoch, all ranks
+    together), tokens_per_epoch, step, epoch (the epoch of this rank's next window), device.
     """
 
     def __init__(self, pattern: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
@@ -182,16 +205,15 @@ class TokenLoader:
         self._shards = [read_shard(f) for f in self.files]  # memory maps, not loaded
         lengths = np.array([len(s) for s in self._shards], dtype=np.int64)
         self._windows = np.maximum(lengths - 1, 0) // (B * T)  # per shard
-        self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks, before the drop
+        self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks
         if self.num_windows == 0:
             big = int(lengths.argmax())
             raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
                             f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write more data")
-        if self.num_windows < world_size:
+        if self.num_windows < world_size:  # every step would hand some rank a window of the next epoch or later
             raise DataError(f"world size {world_size} is too large for the {split} data: it has only "
                             f"{self.num_windows} windows of B*T+1 = {B * T + 1:,} tokens, fewer than one per rank; "
                             "use fewer ranks, a smaller --batch-size/--seq-len, or more data")
-        self.batches_per_epoch = self.num_windows // world_size  # per rank
         self._preloaded: torch.Tensor | None = None
         if preload:  # one device tensor of the whole split; offsets let it serve the very same windows
             self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -201,13 +223,17 @@ class TokenLoader:
 
     @property
     def tokens_per_epoch(self) -> int:
-        """Tokens trained on per epoch, all ranks together (x tokens of the windows served)."""
-        return self.batches_per_epoch * self.world_size * self.B * self.T
+        """x tokens in one epoch, all ranks together: every window once."""
+        return self.num_windows * self.B * self.T
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of this rank's next window (ranks may differ by one during the step that straddles epochs)."""
+        return (self.step * self.world_size + self.rank) // self.num_windows
 
     def reset(self) -> None:
         """Back to the first batch of epoch 0 (for val: the same batches on every call)."""
-        self.epoch = 0
-        self.step = 0  # batches this rank has served in the current epoch
+        self.step = 0  # batches each rank has served since reset: the whole position
 
     def shard_order(self, epoch: int) -> np.ndarray:
         """Indices into self.files in the order epoch `epoch` reads them."""
@@ -216,20 +242,18 @@ class TokenLoader:
         return np.random.default_rng((self.seed, epoch)).permutation(len(self.files))
 
     def _locate(self, g: int) -> tuple[int, int]:
-        """(shard index, first token) of the epoch's global window g."""
-        if self._order_cache is None or self._order_cache[0] != self.epoch:
-            order = self.shard_order(self.epoch)
-            self._order_cache = (self.epoch, order, np.cumsum(self._windows[order]))
+        """(shard index, first token) of global window g of the stream."""
+        epoch, w = divmod(g, self.num_windows)
+        if self._order_cache is None or self._order_cache[0] != epoch:  # a rank's epochs only grow: one entry is enough
+            order = self.shard_order(epoch)
+            self._order_cache = (epoch, order, np.cumsum(self._windows[order]))
         _, order, cum = self._order_cache
-        i = int(np.searchsorted(cum, g, side="right"))
+        i = int(np.searchsorted(cum, w, side="right"))
         first = int(cum[i - 1]) if i else 0
-        return int(order[i]), (g - first) * self.B * self.T
+        return int(order[i]), (w - first) * self.B * self.T
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each int64 (B, T) on the loader's device."""
-        if self.step == self.batches_per_epoch:
-            self.epoch += 1
-            self.step = 0
         shard, start = self._locate(self.step * self.world_size + self.rank)
         self.step += 1
         n = self.B * self.T + 1
@@ -248,10 +272,14 @@ class TokenLoader:
         """The exact position plus what it is relative to; plain ints, strs and lists (safe for weights_only)."""
         return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
                 "shards": [f.name for f in self.files], "shard_tokens": [len(s) for s in self._shards],
-                "epoch": self.epoch, "step": self.step}
+                "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; it must come from a loader over the same shards, B, T, world size and seed."""
+        if "epoch" in state:  # (epoch, step within it) from the loader that dropped each epoch's last windows
+            raise DataError(f"cannot resume the {self.split} loader: its state (epoch={state['epoch']!r}, "
+                            f"step={state.get('step')!r}) was written by an older loader that dropped windows at each "
+                            "epoch's end, and has no equivalent position here; start a fresh run")
         mine = self.state_dict()
         for key, what in (("split", "split"), ("B", "--batch-size"), ("T", "--seq-len"), ("world_size", "world size"),
                           ("seed", "--seed"), ("shards", "shard files"), ("shard_tokens", "shard sizes")):
@@ -263,10 +291,11 @@ class TokenLoader:
                     detail = f"{key}={theirs!r} in the checkpoint but {mine[key]!r} here"
                 raise DataError(f"cannot resume the {self.split} loader: {detail}; resume with the same {what} "
                                 "or start a fresh run")
-        if not (0 <= state["step"] <= self.batches_per_epoch and state["epoch"] >= 0):
-            raise DataError(f"cannot resume the {self.split} loader: position epoch={state['epoch']}, "
-                            f"step={state['step']} is outside 0..{self.batches_per_epoch} batches per epoch")
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        step = state.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise DataError(f"cannot resume the {self.split} loader: its position step={step!r} is not a count of "
+                            "batches >= 0; the checkpoint is corrupt, start a fresh run")
+        self.step = step
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -285,7 +314,7 @@ class FinewebConfig:
     out_dir: str = ""  # output directory ('' = data/edu_fineweb10B for fineweb-edu, else data/<source name>)
     prefix: str = ""  # shard names are PREFIX_val_000000.bin, PREFIX_train_000001.bin ('' = from the source)
     shard_size: int = 100_000_000  # tokens per train shard
-    val_tokens: int = -1  # val shard = exactly the first N tokens (-1: shard-size; shakespeare 32768, stdlib 2**18)
+    val_tokens: int = -1  # val shard = first N tokens (-1: shard-size; shakespeare 32768, stdlib 2**18; 10% if short)
     workers: int = 0  # tokenizer processes (0 = every available core)
     max_tokens: int = 0  # stop after this many tokens in all, val included (0 = the whole source)
     streaming: bool = True  # stream the source rather than download all of it into the HF cache first
@@ -301,6 +330,9 @@ class FinewebConfig:
             raise ValueError(f"--val-tokens must be -1 (a default per source) or in [1, 2**31), got {self.val_tokens}")
         if self.workers < 0 or self.max_tokens < 0:
             raise ValueError("--workers and --max-tokens must be >= 0 (0 = all cores / the whole source)")
+        if self.max_tokens and self.val_tokens != -1 and self.max_tokens <= self.val_tokens:
+            raise ValueError(f"--max-tokens {self.max_tokens} leaves no train tokens after the val shard's "
+                             f"--val-tokens {self.val_tokens}; raise --max-tokens or lower --val-tokens")
         kind = source_kind(self.source)
         stem = {"fineweb": "edufineweb", "shakespeare": "shakespeare", "stdlib": "stdlib"}.get(kind)
         if stem is None:  # corpus/*.jsonl -> corpus, books.txt -> books, org/name -> name
@@ -310,8 +342,14 @@ class FinewebConfig:
         self.out_dir = self.out_dir or ("data/edu_fineweb10B" if kind == "fineweb" else f"data/{stem}")
         if kind == "fineweb" and not self.name:
             self.name = "sample-10BT"
-        if self.val_tokens == -1:
-            self.val_tokens = {"shakespeare": 32_768, "stdlib": 2**18}.get(kind, self.shard_size)  # ~10% and ~6%
+
+    @property
+    def val_target(self) -> int:
+        """The size of a full val shard: --val-tokens, or its default for the source (-1). A source that ends before
+        a default-sized val shard leaves a train token gets the 10% rule instead (see write_dataset)."""
+        if self.val_tokens != -1:
+            return self.val_tokens
+        return {"shakespeare": 32_768, "stdlib": 2**18}.get(source_kind(self.source), self.shard_size)  # ~10%, ~6%
 
 
 def source_kind(source: str) -> str:
@@ -327,8 +365,8 @@ def source_kind(source: str) -> str:
     return "hub"
 
 
-def local_files(source: str) -> tuple[list[Path], str]:
-    """The files of a local source, sorted, and the one `datasets` builder (text, json, parquet) that reads them."""
+def local_files(source: str) -> list[Path]:
+    """The files of a local source, sorted, all of one type (one `datasets` builder: text, json or parquet)."""
     path = Path(source).expanduser()
     if any(c in source for c in "*?["):
         files = [Path(f) for f in glob.glob(str(path), recursive=True)]
@@ -350,7 +388,7 @@ def local_files(source: str) -> tuple[list[Path], str]:
                         "matches one type, e.g. 'dir/*.jsonl'")
     if all(f.stat().st_size == 0 for f in files):
         raise DataError(f"--source {source} is empty: its {len(files)} file(s) hold no bytes")
-    return files, builders.pop()
+    return files
 
 
 def stdlib_files() -> list[Path]:
@@ -384,44 +422,120 @@ def shakespeare_file(cfg: FinewebConfig) -> Path:
     return path
 
 
-def load_source(cfg: FinewebConfig) -> Iterable[dict[str, Any]]:
-    """The source as rows (dicts) in a fixed order, always through `datasets.load_dataset`, so every source is read
-    the same way. Local .txt files: one row per whole file by default (--txt-unit); stdlib: one row per .py file."""
-    import datasets  # lazily: the loader above must import on machines without `datasets`
-
+def source_files(cfg: FinewebConfig) -> list[Path] | None:
+    """The files a non-hub source reads, in order (None for a hub dataset); fetches Tiny Shakespeare once."""
     kind = source_kind(cfg.source)
     if kind in ("fineweb", "hub"):
-        try:
-            return datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming)
-        except (ConnectionError, OSError, ValueError) as e:
-            raise DataError(f"could not load hub dataset --source {cfg.source} (--name {cfg.name or 'none'}, "
-                            f"--split {cfg.split}): {type(e).__name__}: {e}; check the names and the network, or "
-                            "pass a local file, directory or glob") from None
+        return None
     if kind == "stdlib":
-        files, builder, unit = stdlib_files(), "text", "document"
-    elif kind == "shakespeare":
-        files, builder, unit = [shakespeare_file(cfg)], "text", cfg.txt_unit
+        return stdlib_files()
+    if kind == "shakespeare":
+        return [shakespeare_file(cfg)]
+    return local_files(cfg.source)
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """datasets' builders log a read error to stderr before raising it; we report it ourselves, in one line."""
+    log = logging.getLogger("datasets")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _read_error(cfg: FinewebConfig, where: str, file: Path | None, err: Exception) -> DataError:
+    """One line for an error raised while `datasets` read the source: where, the root cause, and what to do."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    cause: BaseException = err
+    # datasets wraps a builder's error (raise DatasetGenerationError from e) and may re-raise inside an except, so
+    # the useful message is at the end of __cause__, or in the __context__ of a wrapper that has none
+    while (inner := cause.__cause__ or (cause.__context__ if isinstance(cause, datasets.exceptions.DatasetsError)
+                                        else None)) is not None:
+        cause = inner
+    message = " ".join(f"{type(cause).__name__}: {cause}".split())  # its messages can span several lines
+    message = message if len(message) <= 300 else message[:297] + "..."
+    if isinstance(cause, UnicodeDecodeError):
+        fix = "convert it to UTF-8 (e.g. iconv -t UTF-8) or leave it out of --source"
+    elif isinstance(cause, datasets.table.CastError):
+        fix = (f"its columns differ from the first file's; give every file the same columns, --text-field "
+               f"{cfg.text_field!r} among them, or pass a glob that leaves the odd ones out")
+    elif file is not None and file.suffix == ".parquet" and _parquet_rows(pq, file) == 0:
+        fix = "the file has no rows; delete it or leave it out of --source"
+    elif source_kind(cfg.source) in ("fineweb", "hub"):
+        fix = "check the network and rerun (complete shards are kept)"
     else:
-        files, builder = local_files(cfg.source)
-        unit = cfg.txt_unit
-    options = {"sample_by": unit} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                 streaming=cfg.streaming, **options)
+        fix = "fix that file or leave it out of --source"
+    return DataError(f"could not read {where}: {message}; {fix}")
 
 
-def documents(rows: Iterable[dict[str, Any]], cfg: FinewebConfig, stats: dict[str, int]) -> Iterator[str]:
-    """The non-empty texts of `rows[cfg.text_field]`; empty documents would add a lone EOT and nothing else."""
-    for i, row in enumerate(rows):
-        if i == 0 and cfg.text_field not in row:
-            raise DataError(f"--text-field {cfg.text_field!r} is not in --source {cfg.source}; its columns are "
-                            f"{', '.join(row)}; pass one of them with --text-field")
+def _parquet_rows(pq: Any, file: Path) -> int | None:
+    try:
+        return pq.read_metadata(file).num_rows
+    except (OSError, ValueError):  # corrupt: no row count to tell
+        return None
+
+
+def read_rows(cfg: FinewebConfig, files: list[Path] | None) -> Iterator[tuple[dict[str, Any], str]]:
+    """The source's rows (dicts) in a fixed order, each with where it came from ('FILE of --source S', or
+    '--source S'), always through `datasets.load_dataset`, so every source is read the same way. Local .txt files:
+    one row per whole file by default (--txt-unit); stdlib: one row per .py file. An error `datasets` raises while
+    reading becomes one DataError line naming the file (streaming) or --source, and the root cause."""
+    import datasets  # lazily: the loader above must import on machines without `datasets`
+    import pyarrow
+
+    kind = source_kind(cfg.source)
+    # what reading data raises (bad bytes, bad JSON, a schema mismatch, a network drop); anything else is a bug
+    reading = (OSError, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
+    source = f"--source {cfg.source}"
+    with _quiet_datasets():
+        try:
+            if files is None:
+                ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split,
+                                           streaming=cfg.streaming)
+            else:
+                builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
+                options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
+                ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                           streaming=cfg.streaming, **options)
+        except reading as e:
+            if files is None:
+                raise DataError(f"could not load hub dataset {source} (--name {cfg.name or 'none'}, --split "
+                                f"{cfg.split}): {type(e).__name__}: {e}; check the names and the network, or pass a "
+                                "local file, directory or glob") from None
+            raise _read_error(cfg, source, None, e) from None
+        # streamed, each file is one shard, in order: reading shard by shard names the file a bad row comes from
+        parts: list[tuple[Any, str, Path | None]] = [(ds, source, files[0] if files and len(files) == 1 else None)]
+        if files and len(files) > 1 and isinstance(ds, datasets.IterableDataset) and ds.num_shards == len(files):
+            parts = [(ds.shard(len(files), i, contiguous=True), f"{f} of {source}", f) for i, f in enumerate(files)]
+        for part, where, file in parts:
+            rows = iter(part)
+            while True:
+                try:
+                    row = next(rows)
+                except StopIteration:
+                    break
+                except reading as e:
+                    raise _read_error(cfg, where, file, e) from None
+                yield row, where
+
+
+def documents(rows: Iterable[tuple[dict[str, Any], str]], cfg: FinewebConfig) -> Iterator[str]:
+    """The non-empty texts of `row[cfg.text_field]`; empty documents would add a lone EOT and nothing else."""
+    for row, where in rows:
+        if cfg.text_field not in row:
+            raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are {', '.join(row)}; "
+                            "pass one of them with --text-field")
         text = row[cfg.text_field]
         if text is None or text == "":
             continue
         if not isinstance(text, str):
-            raise DataError(f"--text-field {cfg.text_field!r} of --source {cfg.source} holds {type(text).__name__}, "
-                            "not text; pass a text column with --text-field")
-        stats["documents"] += 1
+            raise DataError(f"--text-field {cfg.text_field!r} of {where} holds {type(text).__name__}, not text; "
+                            "pass a text column with --text-field")
         yield text
 
 
@@ -471,7 +585,7 @@ def shard_path(cfg: FinewebConfig, index: int) -> Path:
 
 
 def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
-    """What an earlier (interrupted) run left: complete shards are those that validate and are full (val_tokens,
+    """What an earlier (interrupted) run left: complete shards are those that validate and are full (val_target,
     then shard_size tokens), in order from shard 0. Every document starts with EOT, so counting EOTs tells how many
     documents they hold. Returns (complete shards, their tokens, documents started, tokens of the last started one)."""
     kept, total, docs = 0, 0, 0
@@ -482,7 +596,7 @@ def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
             tokens = read_shard(path)
         except DataError:
             break
-        if len(tokens) != (cfg.val_tokens if kept == 0 else cfg.shard_size):
+        if len(tokens) != (cfg.val_target if kept == 0 else cfg.shard_size):
             break  # a short last shard, or one written with other settings: rewritten from here
         if cfg.max_tokens and total + len(tokens) > cfg.max_tokens:
             break  # this run stops earlier
@@ -519,71 +633,126 @@ def _done_path(cfg: FinewebConfig) -> Path:
     return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_done.json"
 
 
-def _done_record(cfg: FinewebConfig, shards: list[Path]) -> dict[str, Any]:
-    """What a finished run wrote, and with which settings: a rerun with the same settings need not read the source
-    again (the last shard is short, so its size alone cannot tell a finished run from an interrupted one)."""
+def input_fingerprint(files: list[Path] | None) -> dict[str, Any] | None:
+    """What a local, shakespeare or stdlib source is made of: every file's absolute path, size and mtime_ns, hashed,
+    so a rerun after a file was added, removed or edited writes again. None for a hub dataset (no files to stat)."""
+    if files is None:
+        return None
+    digest, size = hashlib.sha256(), 0
+    for f in files:
+        st = f.stat()
+        digest.update(os.fsencode(f.resolve()) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        size += st.st_size
+    return {"files": len(files), "bytes": size, "sha256": digest.hexdigest()}
+
+
+def _done_record(cfg: FinewebConfig, inputs: dict[str, Any] | None, shards: list[Path]) -> dict[str, Any]:
+    """What a finished run read and wrote, and with which settings: a rerun with the same settings and inputs need
+    not read the source again (the last shard is short, so its size alone cannot tell a finished run from an
+    interrupted one)."""
     keys = ("source", "name", "split", "text_field", "txt_unit", "prefix", "shard_size", "val_tokens", "max_tokens")
-    return {"settings": {k: getattr(cfg, k) for k in keys},
+    return {"settings": {k: getattr(cfg, k) for k in keys}, "inputs": inputs,
             "shards": {p.name: len(read_shard(p)) for p in shards}}
 
 
-def _already_done(cfg: FinewebConfig) -> dict[str, Any] | None:
+def _previous_run(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
+    """What the completion record says: ('done', record) when this very run finished (same settings and inputs, its
+    shards unchanged); ('other', record) when a run with other settings or inputs finished here, so the shards on
+    disk are not this run's prefix (an edited document would go unnoticed by the resume check); else ('none', None)."""
     done = _done_path(cfg)
     try:
         record = json.loads(done.read_text())
         shards = [done.parent / name for name in record["shards"]]
-        if record != _done_record(cfg, shards):
-            return None
+        if record == _done_record(cfg, inputs, shards):
+            return "done", record
+        mine = _done_record(cfg, inputs, [])
+        if (record["settings"], record["inputs"]) != (mine["settings"], mine["inputs"]):
+            return "other", record
     except (OSError, ValueError, KeyError, TypeError, DataError):
-        return None  # absent, other settings, or a shard changed since: write again
-    sizes = list(record["shards"].values())
-    val, train = sizes[0], sum(sizes[1:])
-    print(f"{done.parent}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
-          f"nothing to do (delete {done.name} to write again)")
-    return {"out_dir": str(done.parent), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
-            "train_tokens": train, "tokenized": 0, "documents_read": 0, "seconds": 0.0, "tokens_per_sec": 0.0,
-            "workers": 0}
+        pass  # absent or unreadable, or a shard changed since: resume from what is on disk
+    return "none", None
+
+
+def _write_next(cfg: FinewebConfig, index: int, tokens: np.ndarray, first: bool) -> None:
+    """Write shard `index`. The run's first write first removes the completion record (the directory is about to
+    change), the temporaries of killed runs and the train shards after `index` (an earlier run's: if this one is
+    interrupted, its resume must not take them for its own). A run that fails before that leaves --out-dir as it was."""
+    out = Path(cfg.out_dir).expanduser()
+    if first:
+        out.mkdir(parents=True, exist_ok=True)
+        _done_path(cfg).unlink(missing_ok=True)
+        for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # never a valid shard
+            stale.unlink()
+        _remove_train_shards(cfg, index + 1)
+    write_shard(shard_path(cfg, index), tokens)
+
+
+def _remove_train_shards(cfg: FinewebConfig, start: int) -> None:
+    """Delete PREFIX_train_NNNNNN.bin for every NNNNNN >= start."""
+    numbered = re.compile(rf"{re.escape(cfg.prefix)}_train_(\d+)\.bin")
+    for old in Path(cfg.out_dir).expanduser().glob(f"{cfg.prefix}_train_*.bin"):
+        match = numbered.fullmatch(old.name)
+        if match and int(match[1]) >= start:
+            old.unlink()
 
 
 def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
     from tqdm import tqdm
 
-    if (finished := _already_done(cfg)) is not None:
-        return finished
     out = Path(cfg.out_dir).expanduser()
-    _done_path(cfg).unlink(missing_ok=True)  # from here on the directory is being changed
+    for parent in (out, *out.parents):  # fail now, not after tokenizing a whole val shard
+        if parent.exists():
+            if not parent.is_dir():
+                raise DataError(f"--out-dir {cfg.out_dir}: {parent} is a file, not a directory; pass a directory "
+                                "(it is created if missing)")
+            break
+    files = source_files(cfg)
+    inputs = input_fingerprint(files)  # before reading: a file edited during the run makes the next run write again
+    previous, record = _previous_run(cfg, inputs)
+    if previous == "done":
+        sizes = list(record["shards"].values())
+        val, train = sizes[0], sum(sizes[1:])
+        print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
+              f"nothing to do (delete {_done_path(cfg).name} to write again)")
+        return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
+                "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "seconds": 0.0, "tokens_per_sec": 0.0,
+                "workers": 0}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
-    for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # left by a killed run; never a valid shard
-        stale.unlink()
-    kept, written, docs_started, partial = existing_shards(cfg)
-    stats = {"documents": 0}
+    # resume from the complete shards on disk, unless they are a finished run's of other settings or inputs
+    kept, written, docs_started, partial = (existing_shards(cfg) if previous == "none"
+                                            else (0, 0, 0, np.zeros(0, np.uint16)))
+    changed = False  # whether this run has touched --out-dir yet
+    docs_written = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
     limit = cfg.max_tokens or float("inf")
     index, total, fill = kept, written, 0
-    buf = np.empty(cfg.val_tokens if index == 0 else cfg.shard_size, dtype=np.uint16)
+    buf = np.empty(cfg.val_target if index == 0 else cfg.shard_size, dtype=np.uint16)
     bar = None
     t0 = time.time()
     # the pool is forked before `datasets` starts any threads (forking a process with threads can deadlock)
     with multiprocessing.Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
         try:
-            rows = load_source(cfg)
+            rows = read_rows(cfg, files)
             # a rerun regenerates the same stream without tokenizing what is on disk: skip the complete documents,
             # then drop the part of the last one that is already written (checking it is the same)
-            docs = islice(documents(rows, cfg, stats), max(docs_started - 1, 0), None)
+            docs = islice(documents(rows, cfg), max(docs_started - 1, 0), None)
             stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))
             for arr in stream:
                 pos = 0
                 while pos < len(arr) and total < limit:
                     if fill == len(buf):  # written once more tokens come, so a val shard is never left on its own
-                        out.mkdir(parents=True, exist_ok=True)
-                        write_shard(shard_path(cfg, index), buf)
+                        _write_next(cfg, index, buf, first=not changed)
+                        changed = True
                         bar.close()
                         bar, index, fill = None, index + 1, 0
                         buf = np.empty(cfg.shard_size, dtype=np.uint16)
                     if bar is None:
                         bar = tqdm(total=len(buf), unit="tok", unit_scale=True, desc=shard_path(cfg, index).name)
                     take = int(min(len(arr) - pos, len(buf) - fill, limit - total))
+                    if total == written:  # this run's first token: the rest of a document the kept shards began?
+                        docs_written += int(arr[pos] != EOT)
+                    docs_written += int(np.count_nonzero(arr[pos:pos + take] == EOT))  # each document opens with EOT
                     buf[fill:fill + take] = arr[pos:pos + take]
                     pos, fill, total = pos + take, fill + take, total + take
                     bar.update(take)
@@ -595,29 +764,32 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     if total == 0:
         raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
                         f"{cfg.text_field!r}")
-    if index == 0:
-        raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
-                        f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training")
+    val = cfg.val_target
+    if index == 0:  # the source (or --max-tokens) ended before a single train token
+        if cfg.val_tokens != -1:  # asked for: --max-tokens > --val-tokens is checked, so the source is short
+            raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
+                            f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training, e.g. "
+                            f"--val-tokens {max(total // 10, 1)}, or leave it out to use the first 10%")
+        # the default was not: the first 10% is val, the rest train shard 1. Both are written only now, from memory,
+        # and existing_shards never keeps such a val shard (it is not full), so an interrupted write starts over
+        # and a finished one is recognized by its completion record (val_tokens -1, these sizes)
+        val = max(total // 10, 1)  # a document is EOT + at least one token: total >= 2
+        _write_next(cfg, 0, buf[:val], first=not changed)
+        changed, index, buf, fill = True, 1, buf[val:total], total - val
     if fill:
-        out.mkdir(parents=True, exist_ok=True)
-        write_shard(shard_path(cfg, index), buf[:fill])
+        _write_next(cfg, index, buf[:fill], first=not changed)
         index += 1
-    numbered = re.compile(rf"{re.escape(cfg.prefix)}_train_(\d+)\.bin")
-    for old in out.glob(f"{cfg.prefix}_train_*.bin"):  # beyond the end: left by an earlier, longer run
-        match = numbered.fullmatch(old.name)
-        if match and int(match[1]) >= index:
-            old.unlink()
+    _remove_train_shards(cfg, index)  # beyond the end, when this run wrote nothing: left by an earlier, longer run
     done = _done_path(cfg)
     tmp = done.with_name(f".{done.name}.tmp")
-    tmp.write_text(json.dumps(_done_record(cfg, [shard_path(cfg, i) for i in range(index)])))
+    tmp.write_text(json.dumps(_done_record(cfg, inputs, [shard_path(cfg, i) for i in range(index)])))
     os.replace(tmp, done)
     seconds = time.time() - t0
-    val = min(total, cfg.val_tokens)
     result = {"out_dir": str(out), "shards": index, "skipped_shards": kept, "val_tokens": val,
-              "train_tokens": total - val, "tokenized": total - written, "documents_read": stats["documents"],
+              "train_tokens": total - val, "tokenized": total - written, "documents_tokenized": docs_written,
               "seconds": seconds, "tokens_per_sec": (total - written) / max(seconds, 1e-9), "workers": workers}
     print(f"{out}: {index} shards ({kept} already complete), {val:,} val + {total - val:,} train tokens; tokenized "
-          f"{total - written:,} tokens from {stats['documents']:,} documents in {seconds:.1f}s = "
+          f"{total - written:,} tokens of {docs_written:,} documents in {seconds:.1f}s = "
           f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
     return result
 

@@ -4,6 +4,8 @@ over ranks, reproducible shuffle, exact resume, preload), and a one-line error f
 import functools
 import io
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,13 +125,29 @@ def test_npy_shards_from_build_nanogpt_serve_the_same_batches_as_bin(tmp_path):
 
 def test_find_shards_by_split_name_in_directory_or_glob(tmp_path):
     for name in ("fw_val_000000.bin", "fw_train_000001.bin", "fw_train_000002.npy", "tiny_shakespeare_val.bin",
-                 "tiny_shakespeare_train.bin", "interval_x.bin", "fw_train_000003.bin.7.tmp", "notes.txt"):
+                 "tiny_shakespeare_train.bin", "edufineweb_val_000000.npy", "interval_x.bin", "val_notes.bin",
+                 "fw_train_000003.bin.7.tmp", "notes.txt"):
         (tmp_path / name).touch()
     names = lambda files: [f.name for f in files]
-    assert names(find_shards(tmp_path, "val")) == ["fw_val_000000.bin", "tiny_shakespeare_val.bin"]
+    assert names(find_shards(tmp_path, "val")) == ["edufineweb_val_000000.npy", "fw_val_000000.bin",
+                                                   "tiny_shakespeare_val.bin"]
     assert names(find_shards(tmp_path, "train")) == ["fw_train_000001.bin", "fw_train_000002.npy",
                                                      "tiny_shakespeare_train.bin"]
     assert names(find_shards(str(tmp_path / "fw_*"), "train")) == ["fw_train_000001.bin", "fw_train_000002.npy"]
+
+
+@pytest.mark.parametrize("word", ["train", "val"])
+def test_a_prefix_that_is_a_split_word_keeps_val_and_train_apart(tmp_path, word):
+    """--source x/train.jsonl gives the prefix `train`: its val shard train_val_000000.bin is val only."""
+    docs = make_docs(30)
+    src = write_jsonl(tmp_path / f"{word}.jsonl", docs)
+    cfg = FinewebConfig(source=str(src), out_dir=str(tmp_path / "out"), shard_size=1000, val_tokens=700, workers=1)
+    assert cfg.prefix == word
+    write_dataset(cfg)
+    val, train = find_shards(tmp_path / "out", "val"), find_shards(tmp_path / "out", "train")
+    assert [f.name for f in val] == [f"{word}_val_000000.bin"]
+    n_train = -(-(len(expected_tokens(docs)) - 700) // 1000)
+    assert [f.name for f in train] == [f"{word}_train_{i:06d}.bin" for i in range(1, n_train + 1)] and n_train > 2
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -148,7 +166,7 @@ def test_write_then_read_back_equals_tokenizer_output_with_eots(tmp_path):
     assert np.array_equal(concat(tmp_path / "out"), want)
     assert int((want == EOT).sum()) == 60 and want[0] == EOT
     assert result["shards"] == n_train + 1 and result["val_tokens"] == 700
-    assert result["train_tokens"] == len(want) - 700 and result["documents_read"] == 60
+    assert result["train_tokens"] == len(want) - 700 and result["documents_tokenized"] == 60
 
 
 def test_two_workers_write_the_same_bytes_as_one(tmp_path):
@@ -166,6 +184,7 @@ def test_max_tokens_stops_exactly_and_default_val_is_the_first_shard(tmp_path):
     assert [len(read_shard(f)) for f in shard_files(tmp_path / "out")] == [1000, 1000, 500]
     assert np.array_equal(concat(tmp_path / "out"), expected_tokens(make_docs(60))[:2500])
     assert (result["val_tokens"], result["train_tokens"]) == (1000, 1500)
+    assert result["documents_tokenized"] == int((expected_tokens(make_docs(60))[:2500] == EOT).sum()) == 23
 
 
 def test_local_sources_jsonl_parquet_txt_give_the_same_tokens(tmp_path):
@@ -202,7 +221,7 @@ def test_shakespeare_local_copy_whole_file_is_one_document(tmp_path):
     assert [len(read_shard(f)) for f in files] == [32768, len(want) - 32768]
     assert len(want) == 338026  # GPT-2 tokens of Tiny Shakespeare, + 1 EOT
     assert np.array_equal(concat(tmp_path), want)
-    assert result["documents_read"] == 1
+    assert result["documents_tokenized"] == 1
     loader = TokenLoader(str(tmp_path), "val", 8, 256)
     assert loader.num_windows == 32767 // 2048 == 15
 
@@ -266,8 +285,8 @@ def test_default_job_is_fineweb_edu_sample_10bt_through_datasets(tmp_path, monke
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     cfg = FinewebConfig()
-    assert (cfg.out_dir, cfg.prefix, cfg.name, cfg.val_tokens) == ("data/edu_fineweb10B", "edufineweb",
-                                                                   "sample-10BT", 100_000_000)
+    assert (cfg.out_dir, cfg.prefix, cfg.name, cfg.val_tokens, cfg.val_target) == ("data/edu_fineweb10B", "edufineweb",
+                                                                                   "sample-10BT", -1, 100_000_000)
     main(["--out-dir", str(tmp_path), "--shard-size", "1000", "--workers", "1"])
     assert calls == [("HuggingFaceFW/fineweb-edu", {"name": "sample-10BT", "split": "train", "streaming": True})]
     assert [f.name for f in shard_files(tmp_path)][:2] == ["edufineweb_val_000000.bin", "edufineweb_train_000001.bin"]
@@ -279,9 +298,63 @@ def test_config_defaults_per_source():
     assert (FinewebConfig(source="corpus/*.jsonl").prefix, FinewebConfig(source="corpus/*.jsonl").out_dir) == \
         ("corpus", "data/corpus")
     hub = FinewebConfig(source="someone/my-data")
-    assert (hub.prefix, hub.name, hub.val_tokens) == ("my_data", "", 100_000_000)
-    assert (FinewebConfig(source="stdlib").out_dir, FinewebConfig(source="stdlib").val_tokens) == ("data/stdlib", 2**18)
-    assert FinewebConfig(source="shakespeare").val_tokens == 32768
+    assert (hub.prefix, hub.name, hub.val_target) == ("my_data", "", 100_000_000)
+    assert (FinewebConfig(source="stdlib").out_dir, FinewebConfig(source="stdlib").val_target) == ("data/stdlib", 2**18)
+    assert FinewebConfig(source="shakespeare").val_target == 32768
+    assert FinewebConfig(source="shakespeare", val_tokens=5).val_target == 5
+    assert FinewebConfig(source="a.txt", shard_size=1000).val_target == 1000
+
+
+def test_max_tokens_below_val_tokens_names_max_tokens():
+    with pytest.raises(ValueError) as err:
+        FinewebConfig(source="a.jsonl", val_tokens=700, max_tokens=500)
+    assert str(err.value) == ("--max-tokens 500 leaves no train tokens after the val shard's --val-tokens 700; raise "
+                              "--max-tokens or lower --val-tokens")
+    with pytest.raises(SystemExit, match=r"^error: --max-tokens 700 leaves no train tokens after the val shard's "
+                                         r"--val-tokens 700; raise --max-tokens or lower --val-tokens$"):
+        main(["--source", "a.jsonl", "--val-tokens", "700", "--max-tokens", "700"])
+
+
+def test_short_source_without_val_tokens_gives_its_first_10_percent_to_val(tmp_path, monkeypatch):
+    docs = make_docs(6, seed=4)
+    want = expected_tokens(docs)
+    assert 600 < len(want) < 1000  # ends before a default (--shard-size) val shard is full
+    src = write_jsonl(tmp_path / "docs.jsonl", docs)
+    real = fineweb.write_shard
+
+    def killed_after_val(path, tokens):
+        if "train" in path.name:
+            raise KeyboardInterrupt
+        real(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", killed_after_val)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(cfg_for(src, tmp_path / "out", val_tokens=-1))
+    assert [len(read_shard(f)) for f in shard_files(tmp_path / "out")] == [len(want) // 10]
+    monkeypatch.setattr(fineweb, "write_shard", real)
+    result = write_dataset(cfg_for(src, tmp_path / "out", val_tokens=-1))  # not kept: a val shard that is not full
+    assert (result["skipped_shards"], result["val_tokens"], result["train_tokens"]) == \
+        (0, len(want) // 10, len(want) - len(want) // 10)
+    assert [f.name for f in shard_files(tmp_path / "out")] == ["t_val_000000.bin", "t_train_000001.bin"]
+    assert [len(read_shard(f)) for f in shard_files(tmp_path / "out")] == [len(want) // 10, len(want) - len(want) // 10]
+    assert np.array_equal(concat(tmp_path / "out"), want)
+    assert write_dataset(cfg_for(src, tmp_path / "out", val_tokens=-1))["tokenized"] == 0  # recognized as finished
+    limited = write_dataset(cfg_for(src, tmp_path / "lim", val_tokens=-1, max_tokens=500))  # the 10% of what is read
+    assert [len(read_shard(f)) for f in shard_files(tmp_path / "lim")] == [50, 450] and limited["val_tokens"] == 50
+    assert np.array_equal(concat(tmp_path / "lim"), want[:500])
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
+def test_shakespeare_as_a_local_file_needs_no_val_tokens(tmp_path, capsys):
+    argv = ["--source", str(SHAKESPEARE), "--out-dir", str(tmp_path), "--workers", "1"]
+    main(argv)
+    files = shard_files(tmp_path)
+    assert [f.name for f in files] == ["tinyshakespeare_val_000000.bin", "tinyshakespeare_train_000001.bin"]
+    assert [len(read_shard(f)) for f in files] == [33802, 338026 - 33802]
+    assert main(argv)["tokenized"] == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"{tmp_path}: 2 shards (2 already complete), 33,802 val + 304,224 train tokens; nothing to do (delete "
+        "tinyshakespeare_done.json to write again)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -296,7 +369,7 @@ def reference(tmp_path):
     return src, {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
 
 
-def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, monkeypatch, reference):
+def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, monkeypatch, reference, capsys):
     src, ref = reference
     real = fineweb.write_shard
     written = []
@@ -313,9 +386,15 @@ def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, mo
     assert len(list((tmp_path / "out").glob("*.bin"))) == 3
     assert read_shard(tmp_path / "out" / "t_train_000002.bin")[-1] != EOT  # cut inside a document
     monkeypatch.setattr(fineweb, "write_shard", real)
+    capsys.readouterr()
     result = write_dataset(cfg_for(src, tmp_path / "out"))
     assert result["skipped_shards"] == 3 and len(ref) > 6
     assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")} == ref
+    # only the documents this run wrote tokens of: the one cut at the end of train shard 2, and those after it
+    kept_docs = sum(int((np.frombuffer(ref[n][1024:], "<u2") == EOT).sum()) for n in list(ref)[:3])
+    assert result["documents_tokenized"] == 70 - kept_docs + 1 < 70
+    assert result["tokenized"] == sum(len(v) - 1024 for v in ref.values()) // 2 - 700 - 2000
+    assert f"tokenized {result['tokenized']:,} tokens of {70 - kept_docs + 1} documents in" in capsys.readouterr().out
 
 
 def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
@@ -340,6 +419,79 @@ def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
     assert other["skipped_shards"] == 0 and other["tokenized"] == sum(len(v) - 1024 for v in ref.values()) // 2
 
 
+def test_a_changed_local_source_is_written_again(tmp_path):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    docs = make_docs(40, seed=3)
+    write_jsonl(src / "a.jsonl", docs[:20])
+    cfg = cfg_for(src, tmp_path / "out")
+    write_dataset(cfg)
+    assert write_dataset(cfg)["tokenized"] == 0  # unchanged: nothing to do
+    # a finished run's shards are not resumed from when the inputs changed: an edit inside a document already on
+    # disk would go unnoticed, so every change is written from the start
+    write_jsonl(src / "b.jsonl", docs[20:30])  # a file added
+    added = write_dataset(cfg)
+    assert (added["skipped_shards"], added["tokenized"]) == (0, len(expected_tokens(docs[:30])))
+    assert np.array_equal(concat(tmp_path / "out"), expected_tokens(docs[:30]))
+    edited_docs = ["A" + docs[0][1:], *docs[1:]]  # the same documents, the first one's first letter changed
+    write_jsonl(src / "a.jsonl", edited_docs[:20])
+    edited = write_dataset(cfg)
+    assert (edited["skipped_shards"], edited["tokenized"]) == (0, len(expected_tokens(edited_docs[:30])))
+    assert np.array_equal(concat(tmp_path / "out"), expected_tokens(edited_docs[:30]))
+    st = (src / "a.jsonl").stat()
+    os.utime(src / "a.jsonl", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched only: read again, same bytes
+    before = {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")}
+    assert write_dataset(cfg)["tokenized"] == len(expected_tokens(edited_docs[:30]))
+    assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")} == before
+    assert write_dataset(cfg)["tokenized"] == 0
+    record = json.loads((tmp_path / "out" / "t_done.json").read_text())
+    assert record["inputs"]["files"] == 2 and record["inputs"]["bytes"] == sum(
+        f.stat().st_size for f in src.iterdir())
+
+
+def test_interrupted_rewrite_of_a_changed_source_keeps_no_shard_of_the_old_one(tmp_path, monkeypatch):
+    docs = make_docs(70, seed=9)
+    src = write_jsonl(tmp_path / "docs.jsonl", docs)
+    out = tmp_path / "out"
+    write_dataset(cfg_for(src, out))
+    assert len(shard_files(out)) > 6
+    edited = ["A" + docs[0][1:], *docs[1:]]  # the old shards after the first stay full-size and valid
+    write_jsonl(src, edited)
+    real = fineweb.write_shard
+    written = []
+
+    def killed_after_two(path, tokens):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(path.name)
+        real(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(cfg_for(src, out))
+    assert written == ["t_val_000000.bin", "t_train_000001.bin"]
+    assert [p.name for p in shard_files(out)] == written  # the old run's train shards 2, 3, ... are gone
+    monkeypatch.setattr(fineweb, "write_shard", real)
+    assert write_dataset(cfg_for(src, out))["skipped_shards"] == 2
+    assert np.array_equal(concat(out), expected_tokens(edited))
+
+
+def test_failed_rerun_leaves_a_finished_directory_as_it_was(tmp_path, reference, capsys):
+    src, ref = reference
+    out = tmp_path / "out"
+    write_dataset(cfg_for(src, out))
+    (out / ".t_train_000009.bin.1.tmp").write_bytes(b"a killed run's")  # only a run that writes removes it
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "t_done.json" in before and len(before) == len(ref) + 2
+    with pytest.raises(SystemExit):
+        main(["--source", str(src), "--out-dir", str(out), "--prefix", "t", "--shard-size", "1000", "--val-tokens",
+              "700", "--workers", "1", "--text-field", "body"])  # a wrong flag: fails while reading the source
+    assert "--text-field 'body' is not in --source" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    again = write_dataset(cfg_for(src, out))  # the finished run is still recognized
+    assert again["skipped_shards"] == len(ref) and again["tokenized"] == 0
+
+
 def test_rerun_over_shards_of_other_data_is_refused(tmp_path, reference):
     src, ref = reference
     out = tmp_path / "out"
@@ -354,33 +506,39 @@ def test_rerun_over_shards_of_other_data_is_refused(tmp_path, reference):
 # ----------------------------------------------------------------------------------------------------------------------
 # loader
 
-LENGTHS = [1000, 1537, 777, 2001, 70]  # windows of 33 tokens at stride 32: 31 + 48 + 24 + 62 + 2 = 167
+LENGTHS = [1000, 1537, 777, 2001, 70]  # windows of 33 tokens at stride 32: 31 + 48 + 24 + 62 + 2 = 167, a prime
 B, T = 2, 16
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_every_window_is_served_exactly_once_per_epoch_over_ranks(tmp_path, world):
+def epoch_windows(seed: int, epoch: int, lengths: list[int] = LENGTHS) -> list[int]:
+    """First tokens of one train epoch's windows in serving order: shards permuted, each shard's windows in order."""
+    order = np.random.default_rng((seed, epoch)).permutation(len(lengths))
+    return [s * 5000 + B * T * j for s in order for j in range((lengths[s] - 1) // (B * T))]
+
+
+@pytest.mark.parametrize(("world", "straddles"), [(1, 0), (2, 2), (3, 3)])
+def test_every_window_is_served_exactly_once_per_epoch_over_ranks(tmp_path, world, straddles):
     data = numbered_shards(tmp_path, LENGTHS)
     loaders = [TokenLoader(str(data), "train", B, T, r, world, seed=7) for r in range(world)]
-    assert loaders[0].num_windows == 167
-    assert [ld.batches_per_epoch for ld in loaders] == [167 // world] * world  # lockstep: same count on every rank
-    assert loaders[0].tokens_per_epoch == (167 // world) * world * B * T
-    for epoch in (0, 1):
-        served = []
-        for ld in loaders:
-            for x, y in batches(ld, ld.batches_per_epoch):
-                assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (B, T)
-                assert torch.equal(y.flatten(), x.flatten() + 1)  # y is x shifted by one token
-                served.extend(x.flatten().tolist())
-            assert ld.epoch == epoch
-        assert len(served) == len(set(served)) == (167 - 167 % world) * B * T  # no overlap
-        # the gap: each shard's tail shorter than a window, and the last 167 % world windows of the epoch's order
-        order = np.random.default_rng((7, epoch)).permutation(5)
-        windows = [(s, j) for s in order for j in range((LENGTHS[s] - 1) // 32)]
-        kept = windows[:len(windows) - 167 % world]
-        assert set(served) == {s * 5000 + 32 * j + t for s, j in kept for t in range(32)}
-    loaders[0].next_batch()
-    assert loaders[0].epoch == 2
+    assert loaders[0].num_windows == 167 and loaders[0].tokens_per_epoch == 167 * B * T
+    steps = -(-4 * 167 // world)  # lockstep steps until four whole epochs are served over all ranks
+    served: dict[int, list[int]] = {}  # epoch -> first token of each window served in it, in global order
+    mixed = 0  # steps whose ranks are not all in the same epoch
+    for step in range(steps):
+        epochs = [ld.epoch for ld in loaders]
+        mixed += len(set(epochs)) > 1
+        for ld, epoch in zip(loaders, epochs, strict=True):
+            assert ld.step == step
+            x, y = ld.next_batch()
+            assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (B, T)
+            assert torch.equal(x.flatten(), x[0, 0] + torch.arange(B * T))  # one window of consecutive tokens
+            assert torch.equal(y.flatten(), x.flatten() + 1)  # y is x shifted by one token
+            served.setdefault(epoch, []).append(int(x[0, 0]))
+    for epoch in range(4):  # every window once, in the epoch's order: no overlap, no gap, nothing dropped
+        assert served[epoch] == epoch_windows(7, epoch), epoch
+    assert served.get(4, []) == epoch_windows(7, 4)[:steps * world - 4 * 167]  # 0, 0, 1: the fifth has begun
+    # a step straddles epochs wherever world does not divide the boundary g = 167 e: e = 1, 3 for 2 ranks; 1, 2, 4 for 3
+    assert mixed == straddles
 
 
 def test_shuffle_is_reproducible_per_seed_and_new_each_epoch(tmp_path):
@@ -397,34 +555,42 @@ def test_shuffle_is_reproducible_per_seed_and_new_each_epoch(tmp_path):
 
 
 def test_val_is_in_file_order_and_identical_after_reset(tmp_path):
-    data = numbered_shards(tmp_path, [500, 300], split="val")
-    val = TokenLoader(str(data), "val", B, T, rank=1, world_size=2, seed=123)
-    assert val.num_windows == 15 + 9 and val.batches_per_epoch == 12
-    first = batches(val, 12)
+    data = numbered_shards(tmp_path, [500, 333], split="val")
+    val = [TokenLoader(str(data), "val", B, T, rank=r, world_size=2, seed=123) for r in (0, 1)]
+    assert val[1].num_windows == 15 + 10 and val[1].tokens_per_epoch == 25 * B * T
+    first = batches(val[1], 12)  # num_windows // world_size: the val batches train.py evaluates
     assert [int(x[0, 0]) for x, _ in first] == [32 * (2 * i + 1) for i in range(7)] + \
         [5000 + 32 * (2 * i) for i in range(5)]  # rank 1 takes windows 1, 3, 5, ... in shard order
-    assert torch.equal(val.next_batch()[0], first[0][0])  # past the end it starts over in the same order
-    val.reset()
-    again = batches(val, 12)
+    assert int(batches(val[0], 13)[-1][0][0, 0]) == 5000 + 32 * 9  # rank 0's 13th: window 24, the epoch's last
+    assert int(val[1].next_batch()[0][0, 0]) == 0 and val[1].epoch == 1  # then epoch 1, in the same order
+    val[1].reset()
+    assert val[1].step == 0 and val[1].epoch == 0
+    again = batches(val[1], 12)
     assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(first, again, strict=True))
 
 
-@pytest.mark.parametrize("split_at", [5, 83, 100])  # mid-epoch, at the epoch's end, in the second epoch
-def test_resume_gives_the_batches_an_uninterrupted_run_would(tmp_path, split_at):
+@pytest.mark.parametrize(("world", "split_at", "epochs"), [
+    (1, 167, [1]),  # exactly at an epoch boundary
+    (3, 5, [0, 0, 0]),  # mid-epoch
+    (3, 55, [0, 0, 1]),  # the step that straddles the boundary: ranks 0, 1 end epoch 0, rank 2 starts epoch 1
+    (3, 56, [1, 1, 1]),  # just past it
+    (3, 150, [2, 2, 2]),  # in a later epoch
+])
+def test_resume_gives_the_batches_an_uninterrupted_run_would(tmp_path, world, split_at, epochs):
     data = numbered_shards(tmp_path, LENGTHS)
-    for rank in (0, 1):
-        straight = batches(TokenLoader(str(data), "train", B, T, rank, 2, seed=3), 200)
-        first = TokenLoader(str(data), "train", B, T, rank, 2, seed=3)
+    for rank in range(world):
+        straight = batches(TokenLoader(str(data), "train", B, T, rank, world, seed=3), 250)
+        first = TokenLoader(str(data), "train", B, T, rank, world, seed=3)
         batches(first, split_at)
         buf = io.BytesIO()
         torch.save({"loader": first.state_dict()}, buf)
         buf.seek(0)
         state = torch.load(buf, weights_only=True)["loader"]
-        assert first.batches_per_epoch == 83
-        assert (state["epoch"], state["step"]) == ((0, split_at) if split_at <= 83 else (1, split_at - 83))
-        resumed = TokenLoader(str(data), "train", B, T, rank, 2, seed=3)
+        assert state["step"] == split_at and "epoch" not in state
+        resumed = TokenLoader(str(data), "train", B, T, rank, world, seed=3)
         resumed.load_state_dict(state)
-        rest = batches(resumed, 200 - split_at)
+        assert (resumed.step, resumed.epoch) == (split_at, epochs[rank])
+        rest = batches(resumed, 250 - split_at)
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
                    for a, b in zip(straight[split_at:], rest, strict=True))
 
@@ -438,9 +604,23 @@ def test_resume_state_that_does_not_match_is_refused(tmp_path):
         TokenLoader(str(data), "train", B, T, 0, 1, seed=3).load_state_dict(state)
     with pytest.raises(DataError, match="seed=3 in the checkpoint but 4 here"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=4).load_state_dict(state)
+    with pytest.raises(DataError, match="step=-1 is not a count of batches"):
+        TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict({**state, "step": -1})
     (tmp_path / "n_train_000004.bin").unlink()
     with pytest.raises(DataError, match=r"other shard files \(5 in the checkpoint, 4 here\)"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict(state)
+
+
+def test_state_of_the_older_per_epoch_loader_is_refused_in_one_line(tmp_path):
+    data = numbered_shards(tmp_path, LENGTHS)
+    loader = TokenLoader(str(data), "train", B, T, 0, 2, seed=3)
+    old = {**loader.state_dict(), "epoch": 1, "step": 4}  # (epoch, batches within it): the format before
+    with pytest.raises(DataError) as err:
+        loader.load_state_dict(old)
+    assert str(err.value) == ("cannot resume the train loader: its state (epoch=1, step=4) was written by an older "
+                              "loader that dropped windows at each epoch's end, and has no equivalent position here; "
+                              "start a fresh run")
+    assert loader.step == 0
 
 
 def test_preload_serves_exactly_the_same_batches(tmp_path):
@@ -475,7 +655,8 @@ def test_missing_directory_and_pattern_without_shards(tmp_path):
     with pytest.raises(DataError, match=r"data directory .*nope does not exist; .*fineweb.py --out-dir"):
         TokenLoader(str(tmp_path / "nope"), "train", 2, 8)
     numbered_shards(tmp_path, [100], split="val")
-    with pytest.raises(DataError, match=r"no train shards in .* \(looked for \*_train_\*.bin / .npy\)"):
+    with pytest.raises(DataError, match=r"no train shards in .* \(looked for names ending in _train.bin or "
+                                        r"_train_NNNNNN.bin, or .npy\)"):
         TokenLoader(str(tmp_path), "train", 2, 8)
     with pytest.raises(DataError, match="no val shards in .*other_"):
         TokenLoader(str(tmp_path / "other_*.bin"), "val", 2, 8)
@@ -502,6 +683,12 @@ def test_bad_magic_version_and_size_are_named(tmp_path):
     np.save(tmp_path / "x_train_000001.npy", np.arange(100, dtype=np.int32))
     with pytest.raises(DataError, match="expected a 1-D uint16 token array .* got int32"):
         read_shard(tmp_path / "x_train_000001.npy")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "e_train_000001.npy").touch()  # 0 bytes: np.load raises EOFError
+    with pytest.raises(DataError) as err:
+        TokenLoader(str(tmp_path / "empty"), "train", 2, 8)
+    assert str(err.value) == (f"{tmp_path / 'empty' / 'e_train_000001.npy'} is not a readable .npy file (EOFError: "
+                              "No data left in file); delete or rewrite it with fineweb.py")
 
 
 def test_only_shard_shorter_than_one_window(tmp_path):
@@ -513,7 +700,12 @@ def test_only_shard_shorter_than_one_window(tmp_path):
 
 def test_world_size_too_large_for_the_data(tmp_path):
     numbered_shards(tmp_path, [50, 40])  # 3 + 2 windows of 2*8+1 tokens
-    assert TokenLoader(str(tmp_path), "train", 2, 8, 4, 5).batches_per_epoch == 1
+    last = TokenLoader(str(tmp_path), "train", 2, 8, 4, 5)  # one window per rank: each step is a whole epoch
+    epochs = []
+    for _ in range(3):
+        last.next_batch()
+        epochs.append(last.epoch)
+    assert last.num_windows == 5 and epochs == [1, 2, 3]
     with pytest.raises(DataError, match="world size 6 is too large for the train data: it has only 5 windows"):
         TokenLoader(str(tmp_path), "train", 2, 8, 0, 6)
 
@@ -528,7 +720,10 @@ def test_empty_source_and_missing_text_field_write_nothing(tmp_path):
     write_jsonl(tmp_path / "docs.jsonl", make_docs(30), field="content")
     with pytest.raises(DataError, match="--text-field 'text' is not in --source .*; its columns are content, id"):
         write_dataset(cfg_for(tmp_path / "docs.jsonl", tmp_path / "out"))
-    with pytest.raises(DataError, match="all of them for the val shard .*; lower --val-tokens"):
+    n = len(expected_tokens(make_docs(30)))
+    with pytest.raises(DataError, match=rf"has only {n:,} tokens, all of them for the val shard \(--val-tokens "
+                                        rf"1000000\); lower --val-tokens to leave some for training, e.g. "
+                                        rf"--val-tokens {n // 10}, or leave it out to use the first 10%"):
         write_dataset(cfg_for(tmp_path / "docs.jsonl", tmp_path / "out", text_field="content", val_tokens=10**6))
     (tmp_path / "mixed").mkdir()
     (tmp_path / "mixed" / "a.txt").write_text("a")
@@ -550,6 +745,83 @@ def test_hub_failure_is_one_clear_line(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"could not load hub dataset --source org/x \(--name none, --split train\)"):
         write_dataset(FinewebConfig(source="org/x", out_dir=str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
+
+
+def bad_sources(d: Path) -> dict[str, tuple[Path, str]]:
+    """Sources that `datasets` fails to read, each with the one line the CLI must print (a regex)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = json.dumps({"text": "hello there"})
+    (d / "mixed").mkdir()
+    (d / "mixed" / "a.jsonl").write_text(good + "\n")
+    (d / "mixed" / "b.jsonl").write_text(json.dumps({"body": "no text field here"}) + "\n")
+    (d / "broken.jsonl").write_text(good + "\n{not json\n")
+    (d / "latin1").mkdir()
+    (d / "latin1" / "a.txt").write_text("fine")
+    (d / "latin1" / "b.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), d / "empty.parquet")
+    (d / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet")
+    e = re.escape(str(d))
+    return {
+        "text field in one file only": (d / "mixed", rf"could not read {e}/mixed/b\.jsonl of --source {e}/mixed: "
+                                        r"CastError: Couldn't cast .* because column names don't match; its columns "
+                                        r"differ from the first file's; give every file the same columns, "
+                                        r"--text-field 'text' among them, or pass a glob that leaves the odd ones out"),
+        "malformed jsonl line": (d / "broken.jsonl", rf"could not read --source {e}/broken\.jsonl: ArrowInvalid: JSON "
+                                 r"parse error: .* in row 1; fix that file or leave it out of --source"),
+        "non-UTF-8 txt": (d / "latin1", rf"could not read {e}/latin1/b\.txt of --source {e}/latin1: "
+                          r"UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9 in position 3: .*; convert it "
+                          r"to UTF-8 \(e\.g\. iconv -t UTF-8\) or leave it out of --source"),
+        "0-row parquet": (d / "empty.parquet", rf"could not read --source {e}/empty\.parquet: ArrowInvalid: .*; "
+                          "the file has no rows; delete it or leave it out of --source"),
+        "corrupt parquet": (d / "corrupt.parquet", rf"could not read --source {e}/corrupt\.parquet: ArrowInvalid: "
+                            r"Parquet magic bytes not found in footer.*; fix that file or leave it out of --source"),
+    }
+
+
+@pytest.mark.parametrize("case", ["text field in one file only", "malformed jsonl line", "non-UTF-8 txt",
+                                  "0-row parquet", "corrupt parquet"])
+def test_unreadable_source_is_one_line_naming_the_file(tmp_path, capsys, case):
+    source, line = bad_sources(tmp_path)[case]
+    with pytest.raises(SystemExit) as err:
+        main(["--source", str(source), "--out-dir", str(tmp_path / "out"), "--workers", "1", "--val-tokens", "10"])
+    assert err.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()  # nothing from datasets' own logging either
+    assert len(lines) == 1 and re.fullmatch(f"error: {line}", lines[0]), lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_source_without_streaming_names_source_and_root_cause(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))  # not streamed: it writes a cache
+    source, _ = bad_sources(tmp_path)["non-UTF-8 txt"]
+    with pytest.raises(DataError, match=rf"^could not read --source {source}: UnicodeDecodeError: 'utf-8' codec "
+                                        r"can't decode byte 0xe9 in position 3"):  # not DatasetGenerationError's
+        write_dataset(cfg_for(source, tmp_path / "out", streaming=False, val_tokens=10))
+
+
+def test_programming_errors_outside_reading_are_not_turned_into_data_errors(tmp_path, monkeypatch):
+    def broken(texts):
+        raise TypeError("a bug in the tokenizer step")
+
+    monkeypatch.setattr(fineweb, "tokenize", broken)
+    with pytest.raises(TypeError, match="a bug in the tokenizer step"):
+        write_dataset(cfg_for(write_jsonl(tmp_path / "docs.jsonl", make_docs(5)), tmp_path / "out"))
+
+
+def test_out_dir_that_is_a_file_is_refused_before_reading(tmp_path, capsys):
+    (tmp_path / "taken").write_text("not a directory")
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(5))
+    for out in (tmp_path / "taken", tmp_path / "taken" / "sub"):
+        with pytest.raises(SystemExit) as err:
+            main(["--source", str(src), "--out-dir", str(out), "--workers", "1"])
+        assert err.value.code == 1
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: --out-dir {out}: {tmp_path / 'taken'} is a file, not a directory; pass a directory (it is "
+            "created if missing)"]
+    assert (tmp_path / "taken").read_text() == "not a directory"
 
 
 def test_cli_errors_exit_1_with_one_line(tmp_path, capsys):
