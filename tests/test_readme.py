@@ -1,7 +1,12 @@
-"""README: every command of ours that it documents parses, with flags that exist; the quickstart matches .ci/run."""
+"""README: every command of ours that it documents parses, with flags that exist; the quickstart matches .ci/run;
+its training presets and its multi-node torchrun form run (briefly)."""
 
+import os
 import re
 import shlex
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -12,7 +17,7 @@ import model
 import plot
 import sample
 import train
-from conftest import ROOT
+from conftest import ROOT, SHAKESPEARE
 
 SCRIPTS = {
     "train.py": (train.TrainConfig, train.PRESETS),
@@ -56,3 +61,37 @@ def test_quickstart_is_what_ci_runs():
     quickstart = text.split("## Quickstart")[1].split("```bash\n")[1].split("```")[0]
     assert [line.split("#")[0].strip() for line in quickstart.strip().splitlines()] == ["bash demo.sh", "bash test.sh"]
     assert "exec bash test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the README's training commands, run for real at a size this machine takes: its presets, and torchrun's rendezvous
+
+
+@pytest.mark.slow
+def test_readme_presets_take_steps(token_data, tmp_path):
+    small = ["--eval-every=1", "--eval-batches=1", "--hellaswag=off", "--sample-every=0", "--compile=false"]
+    gpt2 = train.main(["--preset", "gpt2-124m", "--data", str(token_data), "--out-dir", str(tmp_path / "gpt2"),
+                       "--batch-size=1", "--seq-len=64", "--total-batch-size=64", "--max-steps=1", *small])
+    assert abs(gpt2["losses"][0] - 10.82) < 0.5  # about ln(50257) = 10.82: GPT-2 124M at init, random tokens
+    assert train.model_config(train.PRESETS["gpt2-124m"]()).n_embd == 768
+    if SHAKESPEARE.is_file():  # the shakespeare preset as the README runs it, on shards of the local copy
+        data = tmp_path / "shakespeare"
+        fineweb.main(["--source", str(SHAKESPEARE), "--out-dir", str(data)])
+        run = train.main(["--preset", "shakespeare", "--data", str(data), "--out-dir", str(tmp_path / "out"),
+                          "--max-steps=2", *small])
+        assert len(run["losses"]) == 2 and run["val_loss"] > 5.0
+
+
+@pytest.mark.slow
+def test_readme_multinode_rendezvous_form_runs(token_data, tmp_path):
+    # the README's multi-node command with one node: the same c10d rendezvous flags, on this machine
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--rdzv-id=gpt2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "train.py", "--preset", "tiny", "--data",
+           str(token_data), "--out-dir", str(tmp_path), "--max-steps=2", "--eval-every=0"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 ranks" in proc.stdout and (tmp_path / "ckpt_000002.pt").is_file()
