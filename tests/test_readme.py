@@ -74,11 +74,11 @@ def test_readme_presets_take_steps(token_data, tmp_path):
                        "--batch-size=1", "--seq-len=64", "--total-batch-size=64", "--max-steps=1", *small])
     assert abs(gpt2["losses"][0] - 10.82) < 0.5  # about ln(50257) = 10.82: GPT-2 124M at init, random tokens
     assert train.model_config(train.PRESETS["gpt2-124m"]()).n_embd == 768
-    if SHAKESPEARE.is_file():  # the shakespeare preset as the README runs it, on shards of the local copy
-        data = tmp_path / "shakespeare"
+    if SHAKESPEARE.is_file():  # the shakespeare preset (its model, context, preloaded data) on the local copy's
+        data = tmp_path / "shakespeare"  # shards, with 512-token steps instead of 16K: a CPU takes ~30 s for those
         fineweb.main(["--source", str(SHAKESPEARE), "--out-dir", str(data)])
         run = train.main(["--preset", "shakespeare", "--data", str(data), "--out-dir", str(tmp_path / "out"),
-                          "--max-steps=2", *small])
+                          "--max-steps=2", "--batch-size=2", "--total-batch-size=512", *small])
         assert len(run["losses"]) == 2 and run["val_loss"] > 5.0
 
 
