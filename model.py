@@ -10,6 +10,7 @@ Usage:
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import functools
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 import typing
@@ -215,8 +217,6 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     number) before anything is unpickled: otherwise a text file fails deep in the unpickler with a bare KeyError,
     and random bytes look like a refused pickle payload.
     """
-    import codecs
-
     path = Path(path)
     usage = "pass the .pt file that train.py wrote (e.g. out/<run>/ckpt_000100.pt)"
     if path.is_dir():
@@ -856,8 +856,6 @@ def load_model(ckpt: str | None, init_from: str | None) -> GPT:
     if ckpt:
         return GPT.from_checkpoint(ckpt, map_location="cpu")
     if init_from:
-        import re
-
         hf_dir = "a local HF GPT-2 directory (config.json + model.safetensors)"
         path = Path(init_from).expanduser()
         if path.is_file():
