@@ -466,8 +466,9 @@ def open_log(path: Path, resume_step: int | None) -> Any:
     path.parent.mkdir(parents=True, exist_ok=True)
     if resume_step is None or not path.is_file():
         return open(path, "w", buffering=1)
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and (json.loads(line).get("type") == "config" or json.loads(line)["step"] < resume_step)]
+    lines = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
+    kept = [line for line, record in zip(lines, map(json.loads, lines), strict=True)
+            if record["type"] == "config" or record["step"] < resume_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)
