@@ -150,7 +150,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                            sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
     # the offline demo: a small model on the Python standard library's source, minutes on 2 CPU cores. The loss in
     # chunks of 128 rows: 26 MB of logits at a time stay in malloc's heap, where 2048 rows' 412 MB were mapped and
-    # unmapped every step (0.7 instead of 1.0 s/step on 2 cores, docs/benchmarks.md)
+    # unmapped every step (656 instead of 835 ms/step on 2 cores, docs/benchmarks.md)
     "demo": _preset(model="tiny", seq_len=128, data="data/stdlib", total_batch_size=2048, batch_size=16, loss_chunk=128,
                     max_lr=3e-3, warmup_steps=20, max_steps=250, eval_every=50, eval_batches=4, hellaswag="off",
                     sample_every=0, sample_tokens=64, ckpt_every=0, out_dir="out/demo", sample_prompt="def "),
