@@ -86,17 +86,19 @@ if _HAS_TRITON:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bias_gelu_bwd_kernel(dy_ptr, x_ptr, b_ptr, dx_ptr, db_partial_ptr, M, N, rows_per_program,
+    def _bias_gelu_bwd_kernel(dy_ptr, x_ptr, b_ptr, dx_ptr, db_partial_ptr, M, N, ROWS_PER_PROGRAM: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # program (g, j) owns rows [g * rows_per_program, (g + 1) * rows_per_program) of column block j, and writes
-        # that slice's db to row g of db_partial: a fixed summation order, hence deterministic db
+        # program (g, j) owns rows [g * ROWS_PER_PROGRAM, (g + 1) * ROWS_PER_PROGRAM) of column block j, and writes
+        # that slice's db to row g of db_partial: a fixed summation order, hence deterministic db. The loop bound is a
+        # constexpr because Triton 3.6's interpreter cannot loop to a runtime int (TypeError in __index__); training
+        # launches one value (M = B * T is fixed), so it costs one compile.
         group = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
         b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # reduced over rows once, after the loop
-        for start in range(0, rows_per_program, BLOCK_M):
-            rows = group * rows_per_program + start + tl.arange(0, BLOCK_M)
+        for start in range(0, ROWS_PER_PROGRAM, BLOCK_M):
+            rows = group * ROWS_PER_PROGRAM + start + tl.arange(0, BLOCK_M)
             mask = (rows < M)[:, None] & col_mask[None, :]
             offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
             u = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + b[None, :]  # recomputed x + b
@@ -162,8 +164,8 @@ def bias_gelu_bwd(dy: Tensor, x: Tensor, b: Tensor, block_m: int = BWD_BLOCK_M, 
     groups = _cdiv(M, rows)
     db_partial = torch.empty((groups, N), dtype=torch.float32, device=x.device)  # (row_groups, N), fp32
     grid = (groups, _cdiv(N, block_n))
-    _bias_gelu_bwd_kernel[grid](dy, x, b, dx, db_partial, M, N, rows, BLOCK_M=block_m, BLOCK_N=block_n,
-                                num_warps=num_warps)
+    _bias_gelu_bwd_kernel[grid](dy, x, b, dx, db_partial, M, N, ROWS_PER_PROGRAM=rows, BLOCK_M=block_m,
+                                BLOCK_N=block_n, num_warps=num_warps)
     return dx, db_partial.sum(0).to(b.dtype)
 
 
