@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 import train
+from fineweb import TokenLoader, write_shard
 from fused_gelu import (
     BWD_BLOCK_M,
     BWD_BLOCK_N,
@@ -222,6 +224,10 @@ class Variant:
 
     name: str  # row label and what --variants selects
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields to override (compile, fused_gelu, ...)
+    # train.py's loop around the step: batches from fineweb.TokenLoader over a shard of random tokens (host memmap,
+    # pinned, non_blocking copy; or device-resident with preload=True), and loss and grad norm read with .item()
+    # after every step as train.py's logging does, so the GPU idles while the host prepares the next step
+    loop: bool = False
 
 
 def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
@@ -241,6 +247,11 @@ def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
         Variant("compile+chunked-ce", {"compile": True, "loss_chunk": 4096}),
         # Triton matmul autotuning, without CUDA graphs (the optimizer step runs outside the compiled graph)
         Variant("compile-max-autotune", {"compile": True, "compile_mode": "max-autotune-no-cudagraphs"}),
+        # what the loop around the step costs: compile+loop - compile is data loading plus the per-step host sync
+        Variant("compile+loop", {"compile": True}, loop=True),
+        Variant("compile+loop-preload", {"compile": True, "preload": True}, loop=True),
+        # CUDA graphs for forward and backward: removes kernel-launch gaps, at the cost of static memory
+        Variant("compile-reduce-overhead", {"compile": True, "compile_mode": "reduce-overhead"}),
         # the kernel's gain where nothing else fuses bias+GELU (Inductor fuses them itself under compile)
         Variant("eager+fused", {"fused_gelu": True}),
         Variant("compile-fp32", {"compile": True, "dtype": "fp32"}),  # what bf16 autocast buys (fp32 matmuls on TF32)
@@ -295,27 +306,33 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     train.select_attention(tcfg.attention)  # every row sets it: a row's choice must not leak into the next
     model = train.compile_model(raw, tcfg) if tcfg.compile else raw
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    tokens = torch.randint(0, GPT2_VOCAB, (accum, B, T + 1), generator=gen, device=device)
-    xs, ys = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()  # (accum, B, T) each, like the loader's
-    micro = 0
     losses: list[torch.Tensor] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if variant.loop:
+            next_batch = shard_loader(Path(tmp), tcfg, device, accum, gen).next_batch
+        else:
+            tokens = torch.randint(0, GPT2_VOCAB, (accum, B, T + 1), generator=gen, device=device)
+            xs, ys = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()  # (accum, B, T), like the loader's
+            micro = 0
 
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        nonlocal micro
-        micro = (micro + 1) % accum
-        return xs[micro], ys[micro]
+            def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+                nonlocal micro
+                micro = (micro + 1) % accum
+                return xs[micro], ys[micro]
 
-    def step() -> None:
-        loss, _ = train.train_step(model, optimizer, next_batch, accum, autocast, tcfg.grad_clip,
-                                   tcfg.label_smoothing, scaler)
-        losses.append(loss)  # no .item(): that would wait for the GPU inside the timed loop
+        def step() -> None:
+            loss, norm = train.train_step(model, optimizer, next_batch, accum, autocast, tcfg.grad_clip,
+                                          tcfg.label_smoothing, scaler)
+            losses.append(loss)  # no .item() unless the variant is train.py's loop: it waits for the GPU
+            if variant.loop:
+                loss.item(), norm.item()
 
-    t0 = time.perf_counter()
-    for _ in range(cfg.warmup):
-        step()
-    sync(device)
-    warmup_s = time.perf_counter() - t0
-    ms = time_ms(step, device, cfg.steps)
+        t0 = time.perf_counter()
+        for _ in range(cfg.warmup):
+            step()
+        sync(device)
+        warmup_s = time.perf_counter() - t0
+        ms = time_ms(step, device, cfg.steps)
     loss = losses[-1].item()
     if not math.isfinite(loss):  # a step that diverged is not a training step worth timing
         raise FloatingPointError(f"loss is {loss} after {len(losses)} steps")
@@ -336,6 +353,16 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     }
 
 
+def shard_loader(folder: Path, tcfg: train.TrainConfig, device: torch.device, accum: int,
+                 gen: torch.Generator) -> TokenLoader:
+    """A TokenLoader as train.py builds it (rank 0 of 1, tcfg.preload), over one shard of random tokens written in
+    folder: 4 optimizer steps of windows, so the timed steps wrap around the epoch as a long run does."""
+    n = 4 * accum * tcfg.batch_size * tcfg.seq_len + 1
+    write_shard(folder / "bench_train_000000.bin",
+                torch.randint(0, GPT2_VOCAB, (n,), generator=gen, device=gen.device).cpu().numpy().astype(np.uint16))
+    return TokenLoader(str(folder), "train", tcfg.batch_size, tcfg.seq_len, device=device, preload=tcfg.preload)
+
+
 def run_train(cfg: BenchConfig, deadline: float | None = None,
               report: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """bench_train for each selected variant; failures and skips become rows, and no variant starts after deadline
@@ -344,7 +371,8 @@ def run_train(cfg: BenchConfig, deadline: float | None = None,
     device = torch.device(cfg.device)
     rows = []
     for variant in select_variants(cfg):
-        row = {"suite": "train", "name": variant.name, "model": cfg.model, "overrides": variant.train}
+        row = {"suite": "train", "name": variant.name, "model": cfg.model, "overrides": variant.train,
+               "loop": variant.loop}
         if deadline is not None and time.monotonic() > deadline:
             row = {**row, "status": "skipped", "reason": f"time budget (--budget-s {cfg.budget_s:g}) spent"}
         else:
@@ -634,9 +662,10 @@ def format_table(result: dict[str, Any]) -> str:
                  ("examples/s", 10, lambda r: f"{r['examples_per_sec']:.1f}"),
                  ("tokenizer", 10, lambda r: r["tokenizer"])])
     if result.get("train"):
-        section(f"train: {cfg['model']}, T={cfg['seq_len']}, train.train_step on device-resident random tokens; "
-                f"median of {cfg['steps']} steps after {cfg['warmup']} warmup", result["train"],
-                [("variant", 18, lambda r: r["name"]), ("B", 4, lambda r: str(r["batch_size"])),
+        section(f"train: {cfg['model']}, T={cfg['seq_len']}, train.train_step on device-resident random tokens "
+                f"(+loop rows: TokenLoader batches and a per-step .item()); median of {cfg['steps']} steps after "
+                f"{cfg['warmup']} warmup", result["train"],
+                [("variant", 23, lambda r: r["name"]), ("B", 4, lambda r: str(r["batch_size"])),
                  ("accum", 5, lambda r: str(r["grad_accum"])), ("dtype", 8, lambda r: r["dtype"]),
                  ("tok/step", 9, lambda r: f"{r['tokens_per_step']:,}"),
                  ("ms/step", 9, lambda r: f"{r['ms_per_step']:.1f}"), ("tok/s", 10, lambda r: f"{r['tok_per_s']:,.0f}"),

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import bench
 from bench import BenchConfig, Variant, bench_decode, bench_hellaswag, bench_kernel, bench_train, main
@@ -167,3 +168,21 @@ def test_main_writes_json_with_provenance_config_and_table(tmp_path, capsys):
 def test_bad_flags_exit_with_a_message(argv, message):
     with pytest.raises(SystemExit, match=message):
         main(["--device", "cpu", *argv])
+
+
+@pytest.mark.parametrize("preload", [False, True])
+def test_loop_variant_feeds_the_real_loader_and_syncs(preload, tmp_path):
+    cfg = BenchConfig(**TINY, grad_accum=2)
+    tcfg = bench.train_config(cfg, Variant("x", {"preload": preload}))
+    gen = torch.Generator().manual_seed(0)
+    loader = bench.shard_loader(tmp_path, tcfg, torch.device("cpu"), 2, gen)
+    assert loader.num_windows == 4 * 2  # 4 optimizer steps of 2 micro-batches, then the epoch wraps
+    x, y = loader.next_batch()
+    assert x.shape == y.shape == (2, 32) and torch.equal(x[0, 1:], y[0, :-1])
+    assert (loader._preloaded is not None) == preload
+    row = bench_train(cfg, Variant("eager+loop", {"preload": preload}, loop=True))
+    assert row["tokens_per_step"] == 2 * 32 * 2 and row["ms_per_step"] > 0
+    assert abs(row["loss"] - math.log(50304)) < 1.0  # random tokens: the loss stays near uniform
+    names = {v.name: v for v in bench.default_variants((4,))}
+    assert names["compile+loop"].loop and names["compile+loop-preload"].train["preload"]
+    assert names["compile-reduce-overhead"].train["compile_mode"] == "reduce-overhead"
