@@ -90,8 +90,7 @@ if _HAS_TRITON:
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # program (g, j) owns rows [g * ROWS_PER_PROGRAM, (g + 1) * ROWS_PER_PROGRAM) of column block j, and writes
         # that slice's db to row g of db_partial: a fixed summation order, hence deterministic db. The loop bound is a
-        # constexpr because Triton 3.6's interpreter cannot loop to a runtime int (TypeError in __index__); training
-        # launches one value (M = B * T is fixed), so it costs one compile.
+        # constexpr because Triton 3.6's interpreter cannot loop to a runtime int (TypeError in __index__).
         group = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
@@ -153,14 +152,16 @@ def bias_gelu_bwd(dy: Tensor, x: Tensor, b: Tensor, block_m: int = BWD_BLOCK_M, 
                   num_warps: int = BWD_NUM_WARPS) -> tuple[Tensor, Tensor]:
     """Launch the backward kernel on contiguous (M, N) dy and x and an (N,) b; returns dx (x's dtype), db (b's dtype).
 
-    rows_per_program is rounded up to a multiple of block_m, and down to M when M is smaller (no empty loop steps).
+    rows_per_program is rounded up to a multiple of block_m. It is a kernel constant that does not depend on M, so
+    the kernel compiles once for every M (under torch.compile M may be symbolic, and a constexpr cannot be); an M
+    smaller than it leaves the tail of the loop masked.
     """
     _check_launch({"dy": dy, "x": x, "b": b}, block_m=block_m, block_n=block_n)
     M, N = x.shape
     dx = torch.empty_like(x)
     if x.numel() == 0:
         return dx, torch.zeros_like(b)
-    rows = block_m * min(_cdiv(rows_per_program, block_m), _cdiv(M, block_m))
+    rows = block_m * _cdiv(rows_per_program, block_m)
     groups = _cdiv(M, rows)
     db_partial = torch.empty((groups, N), dtype=torch.float32, device=x.device)  # (row_groups, N), fp32
     grid = (groups, _cdiv(N, block_n))

@@ -143,7 +143,7 @@ class TestInterpreted:
 
     # small blocks, so that with M = 21, N = 40 every block edge is masked and db comes from several row groups
     # (rows_per_program 4: six groups of one step; 6, rounded up to 8: three groups of two steps) or from one group
-    # looping six steps (64 > M is cut to 24)
+    # looping six steps and then ten fully masked ones (64 > M = 21)
     @pytest.mark.parametrize("rows_per_program", [4, 6, 64])
     def test_launchers_with_small_blocks(self, rows_per_program: int) -> None:
         x, b, dy = make_inputs((21, 40))
