@@ -13,6 +13,7 @@ from model import (
     GPT2_VOCAB,
     MODEL_PRESETS,
     GPTConfig,
+    KVCache,
     export_hf,
     get_tokenizer,
     load_checkpoint,
@@ -289,8 +290,6 @@ def test_export_hf_refuses_other_architectures(tmp_path):
 
 @pytest.mark.parametrize("kw", [dict(), dict(pos="rope", n_kv_head=2)])
 def test_cached_logits_equal_uncached(kw):
-    from model import KVCache
-
     torch.manual_seed(0)
     model = GPT(tiny(**kw)).eval()
     idx = torch.randint(0, 96, (2, 20))
@@ -325,6 +324,23 @@ def test_generate_under_autocast_cached_equals_uncached():
         a = model.generate(idx, 12, temperature=0.0, use_cache=True)
         b = model.generate(idx, 12, temperature=0.0, use_cache=False)
     assert a.shape == (2, 17) and torch.equal(a, b)
+
+
+def test_kv_cache_takes_the_keys_dtype_not_the_weights():
+    # FSDP2's mixed precision runs attention in bf16 while the resharded parameters are fp32 and no autocast is
+    # active: the cache must hold bf16 then, or SDPA gets bf16 queries against fp32 keys
+    cfg = tiny()
+    cache = KVCache(cfg, batch_size=2)
+    k = torch.randn(2, cfg.kv_heads, 3, cfg.head_dim, dtype=torch.bfloat16)
+    v = torch.randn(2, cfg.kv_heads, 3, cfg.head_dim, dtype=torch.bfloat16)
+    ck, cv = cache.update(0, k, v)
+    assert cache.k[0].dtype == cache.v[0].dtype == torch.bfloat16
+    assert cache.k[0].shape == (2, cfg.kv_heads, cfg.block_size, cfg.head_dim)
+    assert torch.equal(ck, k) and torch.equal(cv, v)
+    assert cache.k[1] is None  # layers allocate on first use, each in its own keys' dtype
+    cache.pos = 3
+    ck, _ = cache.update(0, k[:, :, :1], v[:, :, :1])
+    assert ck.shape[2] == 4 and torch.equal(ck[:, :, 3], k[:, :, 0])
 
 
 @pytest.mark.parametrize("kw, message", [(dict(temperature=-1.0), "temperature must be >= 0"),
