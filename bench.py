@@ -51,7 +51,7 @@ from fused_gelu import (
     fused_bias_gelu,
     triton_available,
 )
-from model import EOT, GPT, GPT2_VOCAB, MODEL_PRESETS, get_tokenizer, mfu, parse_config, provenance
+from model import EOT, GPT, GPT2_VOCAB, MODEL_PRESETS, get_tokenizer, mfu, parse_config, peak_flops, provenance
 
 SUITES = ("kernel", "decode", "hellaswag", "train")  # the order of --suite all: the short suites first, so a time
 # budget spent by the training variants (minutes of compilation each) never loses them
@@ -82,6 +82,8 @@ class BenchConfig:
     kernel_cols: int = 3072  # N: GPT-2 124M's MLP width, 4 x 768
     kernel_impls: str = "eager,compile,triton"  # which bias+GELU implementations to time (comma list)
     kernel_sweep: bool = True  # on CUDA, also time the Triton launchers at tile sizes around fused_gelu.py's defaults
+    matmul_size: int | None = None  # n of the n x n x n matmul that measures the device's FLOP/s ceiling; None = 8192
+    # on CUDA, 256 on CPU (0 = no matmul rows)
     # decode suite
     decode_model: str = "gpt2"  # preset whose shape the random HF GPT2Config takes: gpt2 (124M) or tiny
     decode_tokens: tuple[int, ...] = (128, 512)  # new tokens per generation (greedy, batch 1)
@@ -109,6 +111,8 @@ class BenchConfig:
         if self.warmup < 0 or self.budget_s < 0 or self.threads < 0:
             raise ValueError(f"--warmup, --budget-s and --threads must be >= 0; got {self.warmup}, {self.budget_s} "
                              f"and {self.threads}")
+        if self.matmul_size is not None and self.matmul_size < 0:
+            raise ValueError(f"--matmul-size must be >= 0 or none; got {self.matmul_size}")
         for name in ("seq_len", "kernel_rows"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 or none; got {getattr(self, name)}")
@@ -139,6 +143,7 @@ def resolve(cfg: BenchConfig) -> BenchConfig:
         seq_len=cfg.seq_len or (1024 if gpu else 64),
         batch_sizes=cfg.batch_sizes or ((16, 32, 64) if gpu else (4,)),
         kernel_rows=cfg.kernel_rows or (64 * 1024 if gpu else 1024),
+        matmul_size=cfg.matmul_size if cfg.matmul_size is not None else (8192 if gpu else 256),
         hellaswag_model=cfg.hellaswag_model if cfg.hellaswag_model != "auto" else ("gpt2" if gpu else "tiny"),
         hellaswag_batch_sizes=cfg.hellaswag_batch_sizes or ((1, 16, 64) if gpu else (1, 16)),
     )
@@ -421,6 +426,8 @@ def bench_kernel(cfg: BenchConfig) -> list[dict[str, Any]]:
     copy = bandwidth(lambda: dst.copy_(src), device, cfg, 2 * x.numel() * elem, copy_gbps=float("nan"))
     rows = [{**common, "name": "copy", "pass": "d2d copy", **copy, "pct_copy": 100.0, "status": "ok"}]
 
+    if cfg.matmul_size:
+        rows += matmul_rows(cfg, dtype, gen, common)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
 
     def triton_fn(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -449,6 +456,31 @@ def bench_kernel(cfg: BenchConfig) -> list[dict[str, Any]]:
             rows.append(guarded({**common, "name": name, "pass": which, **note}, measure))
     if cfg.kernel_sweep and "triton" in cfg.kernel_impls and device.type == "cuda" and triton_available():
         rows += sweep_launchers(cfg, x, b, dy, copy["gb_per_s"], common)
+    return rows
+
+
+def matmul_rows(cfg: BenchConfig, dtype: torch.dtype, gen: torch.Generator,
+                common: dict[str, Any]) -> list[dict[str, Any]]:
+    """The device's matmul ceiling in TFLOP/s, what MFU is bounded by in practice: an n x n x n product, and the
+    model's largest one, the lm_head's (rows, 768) @ (768, 50304) forward, both in the train dtype."""
+    device = torch.device(cfg.device)
+    gpt2 = MODEL_PRESETS["gpt2"]()
+    n, C, V = cfg.matmul_size, gpt2.n_embd, gpt2.vocab_size  # 768, 50304 (the padded vocabulary)
+    # the lm_head's rows: a whole micro-batch on CUDA (B=64 x T=1024 by default); on CPU 64, where a 1024-row
+    # product takes most of a second and only shows that the row runs
+    lm_rows = cfg.kernel_rows if device.type == "cuda" else min(cfg.kernel_rows, 64)
+    peak = peak_flops(provenance(device)["device"], cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
+    rows = []
+    for label, (m, k, nn) in (("ceiling", (n, n, n)), ("lm_head", (lm_rows, C, V))):
+
+        def measure(m: int = m, k: int = k, nn: int = nn) -> dict[str, Any]:
+            a = torch.randn(m, k, generator=gen, device=device).to(dtype)  # random, not zeros: zeros run faster
+            b = torch.randn(k, nn, generator=gen, device=device).to(dtype)
+            ms = statistics.median(time_ms(lambda: a @ b, device, cfg.steps, cfg.warmup))
+            tflops = 2 * m * k * nn / (ms / 1000) / 1e12
+            return {"ms": ms, "tflops": tflops, "pct_peak": 100 * tflops * 1e12 / peak if peak else None}
+
+        rows.append(guarded({**common, "name": "matmul", "pass": label, "shape": f"{m}x{k}x{nn}"}, measure))
     return rows
 
 
@@ -638,10 +670,18 @@ def format_table(result: dict[str, Any]) -> str:
             status = r.get("status", "?") + (f": {r['reason']}" if r.get("reason") else "")
             out.append(line(cells, widths) + "  " + status + (f" ({r['note']})" if r.get("note") else ""))
 
-    if result.get("kernel"):
-        k = result["kernel"][0]
+    matmuls = [r for r in result.get("kernel", []) if r["name"] == "matmul"]
+    if matmuls:
+        section(f"matmul: the device's ceiling for MFU, {matmuls[0]['dtype']} (m x k x n, 2mkn FLOPs; % of the peak "
+                f"in model.py's table); median of {cfg['steps']}", matmuls,
+                [("shape", 22, lambda r: f"{r['pass']} {r['shape']}"), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
+                 ("TFLOP/s", 8, lambda r: f"{r['tflops']:.1f}"),
+                 ("% peak", 7, lambda r: "n/a" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}%")])
+    kernels = [r for r in result.get("kernel", []) if r["name"] != "matmul"]
+    if kernels:
+        k = kernels[0]
         section(f"kernel: bias+GELU on ({k['rows']}, {k['cols']}) {k['dtype']}; GB/s counts the bytes a fused kernel "
-                f"must move (fwd 2MN+N, bwd 3MN+2N elements); median of {cfg['steps']}", result["kernel"],
+                f"must move (fwd 2MN+N, bwd 3MN+2N elements); median of {cfg['steps']}", kernels,
                 [("impl", 18, lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
                  ("pass", 8, lambda r: r["pass"]), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
                  ("GB/s", 8, lambda r: f"{r['gb_per_s']:.1f}"), ("% copy", 7, lambda r: f"{r['pct_copy']:.0f}%")])

@@ -73,7 +73,7 @@ def test_kernel_rows_count_bytes_and_skip_triton_without_cuda(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     M, N = 64, 96
     rows = bench_kernel(BenchConfig(device="cpu", kernel_rows=M, kernel_cols=N, kernel_impls="eager,triton", steps=2,
-                                    warmup=1))
+                                    warmup=1, matmul_size=0))
     by = {(r["name"], r["pass"]): r for r in rows if "pass" in r}
     assert set(by) == {("copy", "d2d copy"), ("eager", "fwd"), ("eager", "fwd+bwd"), ("triton", "fwd"),
                        ("triton", "fwd+bwd")}
@@ -88,6 +88,19 @@ def test_kernel_rows_count_bytes_and_skip_triton_without_cuda(monkeypatch):
         assert r["pct_copy"] == pytest.approx(100 * r["gb_per_s"] / copy, rel=1e-9)
     for p in ("fwd", "fwd+bwd"):
         assert by["triton", p]["status"] == "skipped" and by["triton", p]["reason"].startswith("no CUDA")
+
+
+def test_matmul_rows_count_flops():
+    rows = bench_kernel(BenchConfig(device="cpu", kernel_rows=32, kernel_cols=8, kernel_impls="eager", steps=2,
+                                    warmup=1, matmul_size=48, peak_tflops=0.5))
+    mm = {r["pass"]: r for r in rows if r["name"] == "matmul"}
+    assert (mm["ceiling"]["shape"], mm["lm_head"]["shape"]) == ("48x48x48", "32x768x50304")
+    for r, flops in ((mm["ceiling"], 2 * 48**3), (mm["lm_head"], 2 * 32 * 768 * 50304)):
+        assert r["status"] == "ok" and r["tflops"] == pytest.approx(flops / (r["ms"] / 1000) / 1e12, rel=1e-9)
+        assert r["pct_peak"] == pytest.approx(100 * r["tflops"] / 0.5, rel=1e-9)  # against --peak-tflops
+    table = bench.format_table({"provenance": bench.provenance(torch.device("cpu")), "config": {"steps": 2},
+                                "kernel": rows})
+    assert "matmul: the device's ceiling" in table and "lm_head 32x768x50304" in table
 
 
 @pytest.mark.skipif(not bench.triton_available(), reason="triton is not installed")
