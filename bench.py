@@ -295,6 +295,8 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     tcfg = train_config(cfg, variant)
     if tcfg.fused_gelu and not (device.type == "cuda" and triton_available()):
         raise Skipped("the fused bias+GELU kernel needs CUDA and triton (elsewhere the MLP uses the reference)")
+    if tcfg.compile and (why := train.cuda_graph_conflict(tcfg, cfg.grad_accum, device)):
+        raise Skipped(why)  # train.py refuses it too
     B, T, accum = tcfg.batch_size, tcfg.seq_len, cfg.grad_accum
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as train.py: fp32 matmuls outside autocast use tensor cores
@@ -305,7 +307,7 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     raw = GPT(train.model_config(tcfg)).to(device)
     train.apply_recompute(raw, tcfg.recompute)
-    optimizer = train.build_optimizer(raw, tcfg, device, world_size=1, verbose=False)
+    optimizer = train.build_optimizer(raw, tcfg, device, verbose=False)
     dtype, autocast = train.precision(tcfg, device)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     train.select_attention(tcfg.attention)  # every row sets it: a row's choice must not leak into the next

@@ -195,9 +195,10 @@ def apply_recompute(model: GPT, mode: str) -> None:
         target.forward = lambda *args, _f=inner: activation_checkpoint(_f, *args, use_reentrant=False)
 
 
-def parallelize(model: GPT, cfg: TrainConfig, device: torch.device, world_size: int,
+def parallelize(model: GPT, cfg: TrainConfig, device: torch.device,
                 dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Wrap (DDP) or shard (FSDP2) the model; returns the module that train steps call."""
+    """Wrap (DDP) or shard (FSDP2) the model under torchrun, at any world size (one rank included, as nanoGPT does:
+    the same code path on 1 GPU as on 64); returns the module that train steps call."""
     if cfg.parallel == "fsdp":
         try:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -205,22 +206,22 @@ def parallelize(model: GPT, cfg: TrainConfig, device: torch.device, world_size: 
             from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
         # gather parameters in the compute dtype (half the all-gather traffic in bf16), reduce gradients in fp32
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        if world_size > 1:
+        if dist.is_initialized():
             for block in model.transformer.h:
                 fully_shard(block, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
         return model
-    if world_size > 1:
+    if dist.is_initialized():
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
 
 
-def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, world_size: int,
-                    verbose: bool) -> torch.optim.Optimizer:
+def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, verbose: bool) -> torch.optim.Optimizer:
+    """Fused AdamW (on CUDA), inside ZeroRedundancyOptimizer for --parallel zero1 under torchrun."""
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
                                            device.type, verbose=verbose)
-    if cfg.parallel == "zero1" and world_size > 1:
+    if cfg.parallel == "zero1" and dist.is_initialized():
         from torch.distributed.optim import ZeroRedundancyOptimizer
         # the same AdamW and groups, with each rank keeping the optimizer state of only its shard of parameters
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
@@ -228,6 +229,25 @@ def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, world_si
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=d["lr"], betas=d["betas"],
                                        eps=d["eps"], fused=d["fused"])
     return optimizer
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> str:
+    """What a checkpoint's optimizer state is: ZeRO-1's own format, or the parameter-keyed one of everything else."""
+    if hasattr(optimizer, "consolidate_state_dict"):
+        return "zero1"
+    return cfg.parallel if dist.is_initialized() else "single"
+
+
+def cuda_graph_conflict(cfg: TrainConfig, grad_accum: int, device: torch.device) -> str | None:
+    """Why this compile mode cannot run with this gradient accumulation, or None. The CUDA-graph modes keep a
+    compiled backward's outputs in the graph's memory pool, so a parameter's .grad, which autograd takes from the
+    first micro-step's output, is overwritten by the next replay before the accumulation adds into it
+    (pytorch/pytorch#169545: an error, or silently wrong gradients)."""
+    if device.type == "cuda" and cfg.compile_mode in ("reduce-overhead", "max-autotune") and grad_accum > 1:
+        return (f"--compile-mode {cfg.compile_mode} uses CUDA graphs, which break gradient accumulation "
+                f"({grad_accum} micro-steps here); use --compile-mode max-autotune-no-cudagraphs, or raise "
+                "--batch-size or the number of GPUs until one micro-step makes the whole batch")
+    return None
 
 
 def select_attention(name: str) -> None:
@@ -314,7 +334,7 @@ def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step
     if rank != 0:
         return
     ckpt = {
-        "model": model_sd, "optimizer": optim_sd, "optimizer_kind": cfg.parallel if world_size > 1 else "single",
+        "model": model_sd, "optimizer": optim_sd, "optimizer_kind": optimizer_kind(optimizer, cfg),
         "step": step, "loader": loader.state_dict(), "rng": rngs, "scaler": scaler.state_dict() if scaler else None,
         "model_config": dataclasses.asdict(raw.config), "train_config": dataclasses.asdict(cfg),
         "provenance": prov, "world_size": world_size,
@@ -355,7 +375,7 @@ def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
             scaler: torch.amp.GradScaler | None, rank: int, world_size: int) -> int:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    kind = cfg.parallel if world_size > 1 else "single"
+    kind = optimizer_kind(optimizer, cfg)
     if (ckpt["optimizer_kind"] == "zero1") != (kind == "zero1"):
         raise ValueError(f"checkpoint optimizer state was saved with parallel={ckpt['optimizer_kind']}; resume with "
                          "--parallel zero1 on both sides, or neither")
@@ -363,6 +383,12 @@ def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
     set_model_state_dict(raw, ckpt["model"], options=opts)
     if kind == "zero1":
         optimizer.load_state_dict(ckpt["optimizer"])
+        if optimizer.optim.defaults.get("fused"):
+            # ZeRO's load_state_dict moves Adam's 0-d `step` tensors to the CPU, and the fused CUDA kernel then fails
+            # on mixed devices (pytorch/pytorch#124133): put them back beside their parameters
+            for p, state in optimizer.optim.state.items():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(p.device, torch.float32)
     else:
         set_optimizer_state_dict(raw, optimizer, ckpt["optimizer"], options=opts)
     loader.load_state_dict(ckpt["loader"])
@@ -508,6 +534,12 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     grad_accum = cfg.total_batch_size // (B * T * world)
     if cfg.dtype == "fp16" and cfg.parallel == "fsdp":
         raise ValueError("--dtype fp16 is not supported with --parallel fsdp; use bf16")
+    if device.type == "cuda" and cfg.attention in ("flash", "cudnn") and cfg.dtype == "fp32":
+        raise ValueError(f"--attention {cfg.attention} has no fp32 kernel on CUDA; use --dtype bf16 or "
+                         "--attention auto")
+    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    if use_compile and (why := cuda_graph_conflict(cfg, grad_accum, device)):
+        raise ValueError(why)
 
     torch.manual_seed(cfg.seed + rank)  # ranks see different data, so different dropout masks are right
     if device.type == "cuda":
@@ -523,9 +555,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     torch.manual_seed(cfg.seed + rank)
     apply_recompute(raw, cfg.recompute)
     dtype, autocast = precision(cfg, device)
-    model = parallelize(raw, cfg, device, world, dtype)
+    model = parallelize(raw, cfg, device, dtype)
     # after parallelize: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
-    optimizer = build_optimizer(raw, cfg, device, world, master)
+    optimizer = build_optimizer(raw, cfg, device, master)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     start_step = 0
@@ -549,7 +581,6 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                              f"--out-dir {out_dir} (put it on a shared filesystem, or copy the checkpoint to each node "
                              "and pass --resume PATH)")
     select_attention(cfg.attention)
-    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     if use_compile:
         model = compile_model(model, cfg)
 

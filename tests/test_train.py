@@ -295,6 +295,38 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path):
+    # as in nanoGPT, torchrun means DDP/ZeRO-1/FSDP2 even on one rank: a one-GPU machine then runs the real wrappers
+    common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=0"]
+    single = train.main(tiny_args(token_data, tmp_path / "single", *common))["losses"]
+    for parallel in ("ddp", "zero1", "fsdp"):
+        out = tmp_path / parallel
+        run_torchrun(["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}")], nproc=1)
+        assert load_checkpoint(out / "ckpt_000004.pt")["optimizer_kind"] == parallel
+        losses = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
+        assert losses == pytest.approx(single, abs=1e-5), parallel
+    # ZeRO-1's own state format (consolidated on rank 0) resumes at one rank too
+    (tmp_path / "zero1" / "ckpt_000004.pt").unlink()
+    run_torchrun(["train.py", *tiny_args(token_data, tmp_path / "zero1", *common, "--parallel=zero1",
+                                         "--resume=auto")], nproc=1)
+    again = [r["loss"] for r in train.iter_log(tmp_path / "zero1" / "log.jsonl") if r["type"] == "train"]
+    assert again == pytest.approx(single, abs=1e-5)
+    with pytest.raises(SystemExit):  # ZeRO-1 state cannot seed a plain AdamW: the refusal names the fix
+        train.main(tiny_args(token_data, tmp_path / "zero1", *common, "--max-steps=6", "--resume=auto"))
+
+
+def test_cuda_graph_modes_refuse_gradient_accumulation():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU
+    for mode in ("reduce-overhead", "max-autotune"):
+        why = train.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cuda)
+        assert why and "max-autotune-no-cudagraphs" in why and "8 micro-steps" in why
+        assert train.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 1, cuda) is None  # nothing accumulates
+        assert train.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cpu) is None  # no CUDA graphs on CPU
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        assert train.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cuda) is None
+
+
+@pytest.mark.slow
 def test_fsdp_bf16_samples_between_evaluations(token_data, tmp_path):
     # FSDP2 gathers parameters in bf16 for a forward and reshards them to fp32 after the backward: the samples at
     # step 1 and 3 follow a training step, not an evaluation, and must still run (their cache follows the bf16 keys)
