@@ -537,6 +537,10 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     if device.type == "cuda" and cfg.attention in ("flash", "cudnn") and cfg.dtype == "fp32":
         raise ValueError(f"--attention {cfg.attention} has no fp32 kernel on CUDA; use --dtype bf16 or "
                          "--attention auto")
+    if device.type == "cuda" and cfg.attention == "efficient" and mcfg.kv_heads != mcfg.n_head:
+        # enable_gqa has flash and cuDNN kernels only; forcing the memory-efficient one leaves no kernel at all
+        raise ValueError("--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, "
+                         "cudnn or auto")
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     if use_compile and (why := cuda_graph_conflict(cfg, grad_accum, device)):
         raise ValueError(why)
