@@ -412,7 +412,7 @@ def bandwidth(call: Callable[[], Any], device: torch.device, cfg: BenchConfig, n
 
 
 def bench_kernel(cfg: BenchConfig) -> list[dict[str, Any]]:
-    """GB/s of bias+GELU forward and forward+backward per implementation, and as a % of device-to-device copy."""
+    """GB/s of bias+GELU forward, backward and both per implementation, and as a % of device-to-device copy."""
     cfg = resolve(cfg)
     device = torch.device(cfg.device)
     dtype = train.precision(train.TrainConfig(dtype=cfg.dtype), device)[0]
@@ -446,14 +446,18 @@ def bench_kernel(cfg: BenchConfig) -> list[dict[str, Any]]:
     }
     for name in [s for s in cfg.kernel_impls.split(",") if s]:
         note = {"note": "Triton interpreter: not kernel speed"} if name == "triton" and interpreted else {}
-        for which in ("fwd", "fwd+bwd"):
+        for which in ("fwd", "bwd", "fwd+bwd"):
 
-            def measure(fn: Callable = impls[name], backward: bool = which != "fwd",
+            def measure(fn: Callable = impls[name], which: str = which,
                         nbytes: int = kernel_bytes(M, N, elem, which)) -> dict[str, Any]:
+                backward = which != "fwd"
                 xg, bg = x.clone().requires_grad_(backward), b.clone().requires_grad_(backward)
-                call = (lambda: torch.autograd.grad(fn(xg, bg), (xg, bg), dy)) if backward else (lambda: fn(xg, bg))
                 with torch.set_grad_enabled(backward):
-                    return bandwidth(call, device, cfg, nbytes, copy["gb_per_s"])
+                    y = fn(xg, bg) if which == "bwd" else None  # bwd: one forward, then its backward alone, repeatedly
+                    calls = {"fwd": lambda: fn(xg, bg),
+                             "bwd": lambda: torch.autograd.grad(y, (xg, bg), dy, retain_graph=True),
+                             "fwd+bwd": lambda: torch.autograd.grad(fn(xg, bg), (xg, bg), dy)}
+                    return bandwidth(calls[which], device, cfg, nbytes, copy["gb_per_s"])
 
             rows.append(guarded({**common, "name": name, "pass": which, **note}, measure))
     if cfg.kernel_sweep and "triton" in cfg.kernel_impls and device.type == "cuda" and triton_available():

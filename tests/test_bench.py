@@ -75,18 +75,19 @@ def test_kernel_rows_count_bytes_and_skip_triton_without_cuda(monkeypatch):
     rows = bench_kernel(BenchConfig(device="cpu", kernel_rows=M, kernel_cols=N, kernel_impls="eager,triton", steps=2,
                                     warmup=1, matmul_size=0))
     by = {(r["name"], r["pass"]): r for r in rows if "pass" in r}
-    assert set(by) == {("copy", "d2d copy"), ("eager", "fwd"), ("eager", "fwd+bwd"), ("triton", "fwd"),
-                       ("triton", "fwd+bwd")}
+    assert set(by) == {("copy", "d2d copy"), ("eager", "fwd"), ("eager", "bwd"), ("eager", "fwd+bwd"),
+                       ("triton", "fwd"), ("triton", "bwd"), ("triton", "fwd+bwd")}
     assert by["copy", "d2d copy"]["bytes"] == 2 * M * N * 4 and by["copy", "d2d copy"]["pct_copy"] == 100.0
     assert by["eager", "fwd"]["bytes"] == 4 * (2 * M * N + N)  # x and b in, y out (fp32)
-    assert by["eager", "fwd+bwd"]["bytes"] == 4 * (2 * M * N + N + 3 * M * N + 2 * N)  # + dy, x, b in, dx, db out
+    assert by["eager", "bwd"]["bytes"] == 4 * (3 * M * N + 2 * N)  # dy, x, b in, dx, db out
+    assert by["eager", "fwd+bwd"]["bytes"] == 4 * (2 * M * N + N + 3 * M * N + 2 * N)
     copy = by["copy", "d2d copy"]["gb_per_s"]
-    for key in (("eager", "fwd"), ("eager", "fwd+bwd")):
+    for key in (("eager", "fwd"), ("eager", "bwd"), ("eager", "fwd+bwd")):
         r = by[key]
         assert r["status"] == "ok" and r["gb_per_s"] > 0
         assert r["gb_per_s"] == pytest.approx(r["bytes"] / (r["ms"] / 1000) / 1e9, rel=1e-9)
         assert r["pct_copy"] == pytest.approx(100 * r["gb_per_s"] / copy, rel=1e-9)
-    for p in ("fwd", "fwd+bwd"):
+    for p in ("fwd", "bwd", "fwd+bwd"):
         assert by["triton", p]["status"] == "skipped" and by["triton", p]["reason"].startswith("no CUDA")
 
 
@@ -112,7 +113,7 @@ def test_kernel_cli_times_triton_under_the_interpreter(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [r for r in json.loads(out.read_text())["kernel"] if r["name"] == "triton"]
-    assert [(r["pass"], r["status"]) for r in rows] == [("fwd", "ok"), ("fwd+bwd", "ok")]
+    assert [(r["pass"], r["status"]) for r in rows] == [("fwd", "ok"), ("bwd", "ok"), ("fwd+bwd", "ok")]
     assert all(r["gb_per_s"] > 0 and "interpreter" in r["note"] for r in rows)
 
 
