@@ -21,10 +21,13 @@ set -uo pipefail  # no -e: a failing stage is reported, and the later stages sti
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/gpu_suite}"
 mkdir -p "$OUT"
-PY="${PYTHON:-$(command -v python || command -v python3)}"
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-420}"  # hard stop for bench.py, seconds
-BENCH_BUDGET="${BENCH_BUDGET:-300}"    # bench.py starts no new suite or variant after this; leaves ~2 min for one
-                                       # last torch.compile (an estimate: not yet timed on a GPU)
+PY="${PYTHON:-$(command -v python3 || command -v python)}"  # python3 first: the GPU machine's torch is there
+LIMIT="${LIMIT:-585}"  # seconds this call may take in all: the device runner kills a command at 600
+# bench.py's hard stop and its budget (no new suite or variant starts after it, leaving ~2 min for one last
+# torch.compile: an estimate, not yet timed on a GPU). Unset, they shrink to what is left of LIMIT when bench starts,
+# so that a slow earlier stage cannot push bench.py past the runner's kill and lose its table.
+BENCH_TIMEOUT_MAX="${BENCH_TIMEOUT:-420}"
+BENCH_BUDGET_SET="${BENCH_BUDGET:-}"
 STAGES="${STAGES:-kernel-tests,bench}"
 for s in ${STAGES//,/ }; do
     case "$s" in kernel-tests|train-tests|bench) ;; *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
@@ -59,6 +62,10 @@ EOF
 [ $? -eq 0 ] || status=1
 git rev-parse HEAD 2>/dev/null || echo "(not a git checkout)"
 
+left() {  # left MAX: MAX seconds, or what is left of LIMIT if that is less (at least 1)
+    local t=$(( LIMIT - SECONDS )); t=$(( t < $1 ? t : $1 )); echo $(( t > 1 ? t : 1 ))
+}
+
 run_pytest() {  # run_pytest NAME FILE TIMEOUT
     if ! "$PY" -c "import pytest" 2>/dev/null; then
         echo "skipped: pytest is not installed"; status=1; return
@@ -73,15 +80,17 @@ run_pytest() {  # run_pytest NAME FILE TIMEOUT
 
 if want kernel-tests; then
     stage "fused_gelu tests on the GPU (TestCUDA: bf16/fp16/fp32 against the reference, under torch.compile too)"
-    run_pytest fused_gelu tests/test_fused_gelu.py 180
+    run_pytest fused_gelu tests/test_fused_gelu.py "$(left 180)"
 fi
 
 if want train-tests; then
     stage "train.py end to end on the GPU (torchrun/NCCL, compile, bf16, fused kernel, resume, ZeRO-1, FSDP2)"
-    run_pytest gpu_train tests/test_gpu_train.py 540
+    run_pytest gpu_train tests/test_gpu_train.py "$(left 540)"
 fi
 
 if want bench; then
+    BENCH_TIMEOUT=$(left "$BENCH_TIMEOUT_MAX")
+    BENCH_BUDGET="${BENCH_BUDGET_SET:-$(( BENCH_TIMEOUT > 180 ? BENCH_TIMEOUT - 120 : 60 ))}"
     stage "bench.py (budget ${BENCH_BUDGET}s, hard timeout ${BENCH_TIMEOUT}s)"
     env -u TRITON_INTERPRET timeout "$BENCH_TIMEOUT" "$PY" bench.py --suite all --budget-s "$BENCH_BUDGET" \
         --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"

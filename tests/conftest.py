@@ -1,6 +1,7 @@
 """Shared fixtures: small token shards on disk, and a runner for train.py under torchrun (gloo, CPU)."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -47,9 +48,24 @@ def hf_dir(tmp_path_factory) -> Path:
 
 
 def run_torchrun(args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run train.py (or another script) under torchrun on CPU/gloo; fails the test with its output on error."""
+    """Run train.py (or another script) under torchrun; fails the test with its output on error or timeout.
+
+    On a timeout the launcher gets SIGTERM, which it passes on to its workers (they run in sessions of their own, so
+    killing the launcher alone would leave them alive, holding a GPU), then SIGKILL if it is still there 30 s later.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    return proc
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    assert done.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    return done

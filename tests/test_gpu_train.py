@@ -32,6 +32,7 @@ pytestmark = [
 ]
 GPU = DEVICE == "cuda"
 STEPS = 40
+RUN_TIMEOUT = 200  # s per torchrun: compiling a 2-layer model takes well under a minute; six runs share 540 s
 # a GPT-2-wide model (the kernels' real shapes: C = 768, MLP 3072, vocab 50304) at 2 layers, so compiling is quick
 if GPU:
     SHAPE = ["--model=gpt2", "--n-layer=2", "--seq-len=256", "--batch-size=8", "--total-batch-size=4096",
@@ -66,9 +67,10 @@ def tokenizer_args() -> list[str]:
 
 
 def args(data: Path, out: Path, *extra: str) -> list[str]:
+    # HellaSwag off unless extra names a file: 'auto' would try a download, and the GPU machine has no network
+    hellaswag = [] if any(a.startswith("--hellaswag=") for a in extra) else ["--hellaswag=off"]
     return ["train.py", *SHAPE, f"--data={data}", f"--out-dir={out}", f"--max-steps={STEPS}", "--warmup-steps=5",
-            "--eval-every=20", "--eval-batches=4", "--ckpt-every=20", "--keep-last=5", "--seed=7",
-            *extra]
+            "--eval-every=20", "--eval-batches=4", "--ckpt-every=20", "--keep-last=5", "--seed=7", *hellaswag, *extra]
 
 
 def records(out: Path, kind: str) -> list[dict]:
@@ -78,7 +80,7 @@ def records(out: Path, kind: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def ddp_run(learnable_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ddp")
-    proc = run_torchrun(args(learnable_data, out, *tokenizer_args()), nproc=1, timeout=600)
+    proc = run_torchrun(args(learnable_data, out, *tokenizer_args()), nproc=1, timeout=RUN_TIMEOUT)
     print(proc.stdout[-3000:])
     return out
 
@@ -106,7 +108,7 @@ def test_compiled_bf16_run_learns_evaluates_samples_and_scores_hellaswag(ddp_run
 
 def test_resume_from_checkpoint_repeats_the_last_steps(ddp_run, learnable_data, tmp_path):
     shutil.copy(ddp_run / "ckpt_000020.pt", tmp_path)
-    run_torchrun(args(learnable_data, tmp_path, "--resume=auto"), nproc=1, timeout=600)
+    run_torchrun(args(learnable_data, tmp_path, "--resume=auto"), nproc=1, timeout=RUN_TIMEOUT)
     full = [r["loss"] for r in records(ddp_run, "train")][20:]
     resumed = records(tmp_path, "train")  # a fresh log: the copied folder had only the checkpoint
     assert [r["step"] for r in resumed] == list(range(20, STEPS))
@@ -121,7 +123,7 @@ def test_zero1_and_fsdp_follow_ddp_and_resume(parallel, tol, ddp_run, learnable_
     # one rank under torchrun still builds ZeroRedundancyOptimizer (with fused AdamW) or FSDP2's fully_shard (with
     # bf16 parameters for compute), so this is their real code on the GPU, short of multi-GPU communication
     common = [f"--parallel={parallel}", "--max-steps=10", "--eval-every=0", "--ckpt-every=5"]
-    run_torchrun(args(learnable_data, tmp_path, *common), nproc=1, timeout=600)
+    run_torchrun(args(learnable_data, tmp_path, *common), nproc=1, timeout=RUN_TIMEOUT)
     assert train.load_checkpoint(tmp_path / "ckpt_000010.pt")["optimizer_kind"] == parallel
     ddp = [r["loss"] for r in records(ddp_run, "train")][:10]
     other = [r["loss"] for r in records(tmp_path, "train")]
@@ -133,7 +135,7 @@ def test_zero1_and_fsdp_follow_ddp_and_resume(parallel, tol, ddp_run, learnable_
     # resume from step 5: ZeRO-1's load_state_dict moves AdamW's step counters to the CPU, which the fused CUDA
     # kernel rejects unless train.py moves them back
     (tmp_path / "ckpt_000010.pt").unlink()
-    run_torchrun(args(learnable_data, tmp_path, *common, "--resume=auto"), nproc=1, timeout=600)
+    run_torchrun(args(learnable_data, tmp_path, *common, "--resume=auto"), nproc=1, timeout=RUN_TIMEOUT)
     again = [r["loss"] for r in records(tmp_path, "train")]
     diff = max(abs(a - b) for a, b in zip(other[5:], again[5:], strict=True))
     print(f"{parallel}: resume at step 5, max |loss difference| over steps 5-9 = {diff:.2e}")
