@@ -340,6 +340,7 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         sync(device)
         warmup_s = time.perf_counter() - t0
         ms = time_ms(step, device, cfg.steps)
+        attention = sdpa_kernels(step, device)  # one more, untimed step
     loss = losses[-1].item()
     if not math.isfinite(loss):  # a step that diverged is not a training step worth timing
         raise FloatingPointError(f"loss is {loss} after {len(losses)} steps")
@@ -355,9 +356,20 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         "batch_size": B, "seq_len": T, "grad_accum": accum, "dtype": str(dtype).removeprefix("torch."),
         "tokens_per_step": tokens_per_step, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
         "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, provenance(device)["device"], peak_flops),
-        "peak_mem_bytes": peak, "mem_metric": mem_metric, "warmup_s": warmup_s, "loss": loss,
+        "peak_mem_bytes": peak, "mem_metric": mem_metric, "warmup_s": warmup_s, "loss": loss, "attention": attention,
         "params": raw.num_params(),
     }
+
+
+def sdpa_kernels(step: Callable[[], Any], device: torch.device) -> str:
+    """The SDPA kernels one call of step ran, from the aten ops the profiler records (eager and compiled alike):
+    flash, cudnn, efficient, or math when none of those ran (a compiled math path is plain matmuls and softmax)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+        sync(device)
+    names = {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")}
+    found = [k for k in ("flash", "cudnn", "efficient") if any(f"_{k}_" in n or n.endswith(f"_{k}") for n in names)]
+    return ",".join(found) or "math"
 
 
 def shard_loader(folder: Path, tcfg: train.TrainConfig, device: torch.device, accum: int,
@@ -717,7 +729,8 @@ def format_table(result: dict[str, Any]) -> str:
                  ("ms/step", 9, lambda r: f"{r['ms_per_step']:.1f}"), ("tok/s", 10, lambda r: f"{r['tok_per_s']:,.0f}"),
                  ("MFU", 6, lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"),
                  ("peak mem", 9, lambda r: f"{r['peak_mem_bytes'] / 2**30:.2f}G"),
-                 ("warmup", 7, lambda r: f"{r['warmup_s']:.0f}s"), ("loss", 6, lambda r: f"{r['loss']:.3f}")])
+                 ("warmup", 7, lambda r: f"{r['warmup_s']:.0f}s"), ("loss", 6, lambda r: f"{r['loss']:.3f}"),
+                 ("attn", 9, lambda r: r["attention"])])
         if any(r.get("status") == "ok" and r["peak_mem_bytes"] is not None for r in result["train"]):
             out.append(f"peak mem: {next(r['mem_metric'] for r in result['train'] if r.get('status') == 'ok')}")
     for name, err in result.get("errors", {}).items():

@@ -37,6 +37,13 @@ def test_train_step_rates_agree_with_times():
     assert row["peak_mem_bytes"] >= 0 and "RSS" in row["mem_metric"]
 
 
+def test_rows_name_the_attention_kernel_that_ran():
+    # the process-wide SDPA switches reach the CPU dispatcher too: forcing math leaves no fused kernel in the profile
+    cfg = BenchConfig(**{**TINY, "steps": 1, "warmup": 0})
+    assert bench_train(cfg, Variant("auto"))["attention"] == "flash"  # torch's CPU pick for fp32
+    assert bench_train(cfg, Variant("math", {"attention": "math"}))["attention"] == "math"
+
+
 def test_mfu_uses_the_peak_override():
     row = bench_train(BenchConfig(**TINY, peak_tflops=1.0), Variant("eager"))
     flops = GPT(MODEL_PRESETS["tiny"]()).flops_per_token(32)  # block_size does not change the parameter count
