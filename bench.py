@@ -479,26 +479,46 @@ def bench_kernel(cfg: BenchConfig) -> list[dict[str, Any]]:
 
 def matmul_rows(cfg: BenchConfig, dtype: torch.dtype, gen: torch.Generator,
                 common: dict[str, Any]) -> list[dict[str, Any]]:
-    """The device's matmul ceiling in TFLOP/s, what MFU is bounded by in practice: an n x n x n product, and the
-    model's largest one, the lm_head's (rows, 768) @ (768, 50304) forward, both in the train dtype."""
+    """The device's matmul rates in TFLOP/s, in the train dtype: an n x n x n product (the ceiling), and every matmul
+    of a GPT-2 124M micro-step of M tokens as nn.Linear's autograd runs it (forward x @ W.T, input gradient dy @ W,
+    weight gradient dy.T @ x). A last row adds those up, times each one's count per micro-step: the time the step's
+    matmuls alone take, hence the most tokens/s any implementation can reach at these rates (attention excluded)."""
     device = torch.device(cfg.device)
     gpt2 = MODEL_PRESETS["gpt2"]()
-    n, C, V = cfg.matmul_size, gpt2.n_embd, gpt2.vocab_size  # 768, 50304 (the padded vocabulary)
-    # the lm_head's rows: a whole micro-batch on CUDA (B=64 x T=1024 by default); on CPU 64, where a 1024-row
-    # product takes most of a second and only shows that the row runs
-    lm_rows = cfg.kernel_rows if device.type == "cuda" else min(cfg.kernel_rows, 64)
+    C, V, L = gpt2.n_embd, gpt2.vocab_size, gpt2.n_layer  # 768, 50304 (the padded vocabulary), 12
+    # M: a whole micro-batch on CUDA (B=64 x T=1024 by default); on CPU 64 rows, where only that the rows run matters
+    M = cfg.kernel_rows if device.type == "cuda" else min(cfg.kernel_rows, 64)
     peak = peak_flops(provenance(device)["device"], cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
-    rows = []
-    for label, (m, k, nn) in (("ceiling", (n, n, n)), ("lm_head", (lm_rows, C, V))):
 
-        def measure(m: int = m, k: int = k, nn: int = nn) -> dict[str, Any]:
-            a = torch.randn(m, k, generator=gen, device=device).to(dtype)  # random, not zeros: zeros run faster
-            b = torch.randn(k, nn, generator=gen, device=device).to(dtype)
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)  # random, not zeros: zeros run faster
+
+    def row(label: str, which: str, make: Callable[[], tuple[torch.Tensor, torch.Tensor]], count: int) -> dict:
+        def measure() -> dict[str, Any]:
+            a, b = make()
             ms = statistics.median(time_ms(lambda: a @ b, device, cfg.steps, cfg.warmup))
-            tflops = 2 * m * k * nn / (ms / 1000) / 1e12
-            return {"ms": ms, "tflops": tflops, "pct_peak": 100 * tflops * 1e12 / peak if peak else None}
+            flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            tflops = flops / (ms / 1000) / 1e12
+            return {"ms": ms, "shape": f"{a.shape[0]}x{a.shape[1]}x{b.shape[1]}", "flops": flops, "tflops": tflops,
+                    "pct_peak": 100 * tflops * 1e12 / peak if peak else None}
 
-        rows.append(guarded({**common, "name": "matmul", "pass": label, "shape": f"{m}x{k}x{nn}"}, measure))
+        return guarded({**common, "name": "matmul", "pass": which, "layer": label, "count": count}, measure)
+
+    n = cfg.matmul_size
+    rows = [row(f"{n}^3", "ceiling", lambda: (rand(n, n), rand(n, n)), 0)]
+    for label, (k, nn, count) in {"c_attn": (C, 3 * C, L), "attn.c_proj": (C, C, L), "c_fc": (C, 4 * C, L),
+                                  "mlp.c_proj": (4 * C, C, L), "lm_head": (C, V, 1)}.items():
+        rows += [row(label, "fwd", lambda k=k, nn=nn: (rand(M, k), rand(nn, k).t()), count),  # x @ W.T
+                 row(label, "dgrad", lambda k=k, nn=nn: (rand(M, nn), rand(nn, k)), count),  # dy @ W
+                 row(label, "wgrad", lambda k=k, nn=nn: (rand(M, nn).t(), rand(M, k)), count)]  # dy.T @ x
+    parts = [r for r in rows if r["pass"] != "ceiling"]
+    if all(r["status"] == "ok" for r in parts):
+        ms = sum(r["ms"] * r["count"] for r in parts)
+        flops = sum(r["flops"] * r["count"] for r in parts)
+        tflops = flops / (ms / 1000) / 1e12
+        rows.append({**common, "name": "matmul", "pass": "step", "layer": f"all, {M} tokens", "count": 1, "ms": ms,
+                     "flops": flops, "tflops": tflops, "pct_peak": 100 * tflops * 1e12 / peak if peak else None,
+                     "tok_per_s_bound": M / (ms / 1000), "status": "ok"})
     return rows
 
 
@@ -690,11 +710,16 @@ def format_table(result: dict[str, Any]) -> str:
 
     matmuls = [r for r in result.get("kernel", []) if r["name"] == "matmul"]
     if matmuls:
-        section(f"matmul: the device's ceiling for MFU, {matmuls[0]['dtype']} (m x k x n, 2mkn FLOPs; % of the peak "
-                f"in model.py's table); median of {cfg['steps']}", matmuls,
-                [("shape", 22, lambda r: f"{r['pass']} {r['shape']}"), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
+        section(f"matmul: {matmuls[0]['dtype']} rates, 2mkn FLOPs, % of model.py's peak; GPT-2 124M's matmuls as "
+                f"nn.Linear runs them, x count per micro-step; step = their sum; median of {cfg['steps']}", matmuls,
+                [("matmul", 18, lambda r: r["layer"]), ("pass", 7, lambda r: r["pass"]),
+                 ("count", 5, lambda r: str(r["count"] or "")), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
                  ("TFLOP/s", 8, lambda r: f"{r['tflops']:.1f}"),
                  ("% peak", 7, lambda r: "n/a" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}%")])
+        step = next((r for r in matmuls if r["pass"] == "step"), None)
+        if step:
+            out.append(f"matmuls alone bound a micro-step to {step['ms']:.1f} ms: at most "
+                       f"{step['tok_per_s_bound']:,.0f} tokens/s at these rates, before attention and everything else")
     kernels = [r for r in result.get("kernel", []) if r["name"] != "matmul"]
     if kernels:
         k = kernels[0]

@@ -98,17 +98,29 @@ def test_kernel_rows_count_bytes_and_skip_triton_without_cuda(monkeypatch):
         assert by["triton", p]["status"] == "skipped" and by["triton", p]["reason"].startswith("no CUDA")
 
 
-def test_matmul_rows_count_flops():
-    rows = bench_kernel(BenchConfig(device="cpu", kernel_rows=32, kernel_cols=8, kernel_impls="eager", steps=2,
-                                    warmup=1, matmul_size=48, peak_tflops=0.5))
-    mm = {r["pass"]: r for r in rows if r["name"] == "matmul"}
-    assert (mm["ceiling"]["shape"], mm["lm_head"]["shape"]) == ("48x48x48", "32x768x50304")
-    for r, flops in ((mm["ceiling"], 2 * 48**3), (mm["lm_head"], 2 * 32 * 768 * 50304)):
-        assert r["status"] == "ok" and r["tflops"] == pytest.approx(flops / (r["ms"] / 1000) / 1e12, rel=1e-9)
+def test_matmul_rows_count_flops_and_add_up_a_micro_step():
+    rows = bench_kernel(BenchConfig(device="cpu", kernel_rows=32, kernel_cols=8, kernel_impls="eager", steps=1,
+                                    warmup=0, matmul_size=48, peak_tflops=0.5))
+    mm = {(r["layer"], r["pass"]): r for r in rows if r["name"] == "matmul"}
+    assert mm["48^3", "ceiling"]["shape"] == "48x48x48"
+    # nn.Linear(768, 3072) on 32 rows: forward x @ W.T, input gradient dy @ W, weight gradient dy.T @ x
+    assert [mm["c_fc", p]["shape"] for p in ("fwd", "dgrad", "wgrad")] == ["32x768x3072", "32x3072x768",
+                                                                           "3072x32x768"]
+    assert mm["lm_head", "fwd"]["shape"] == "32x768x50304" and mm["lm_head", "fwd"]["count"] == 1
+    assert mm["c_attn", "wgrad"]["count"] == 12
+    for r in mm.values():
+        assert r["status"] == "ok" and r["tflops"] == pytest.approx(r["flops"] / (r["ms"] / 1000) / 1e12, rel=1e-9)
         assert r["pct_peak"] == pytest.approx(100 * r["tflops"] / 0.5, rel=1e-9)  # against --peak-tflops
-    table = bench.format_table({"provenance": bench.provenance(torch.device("cpu")), "config": {"steps": 2},
+    step = mm["all, 32 tokens", "step"]
+    parts = [r for r in mm.values() if r["pass"] in ("fwd", "dgrad", "wgrad")]
+    assert len(parts) == 15
+    assert step["ms"] == pytest.approx(sum(r["ms"] * r["count"] for r in parts), rel=1e-9)
+    # 6 x the matmul parameters per token (fwd 2, backward 4): the 6N of the MFU formula, without the embeddings
+    assert step["flops"] == 6 * 32 * (12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072) + 768 * 50304)
+    assert step["tok_per_s_bound"] == pytest.approx(32 / (step["ms"] / 1000), rel=1e-9)
+    table = bench.format_table({"provenance": bench.provenance(torch.device("cpu")), "config": {"steps": 1},
                                 "kernel": rows})
-    assert "matmul: the device's ceiling" in table and "lm_head 32x768x50304" in table
+    assert "matmuls alone bound a micro-step to" in table
 
 
 @pytest.mark.skipif(not bench.triton_available(), reason="triton is not installed")
