@@ -285,8 +285,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     for micro in range(grad_accum):
         x, y = next_batch()
         with sync_gradients(model, micro == grad_accum - 1), autocast:
-            # [1]: no name keeps the (B, T, V) logits alive through backward (6.6 GB in bf16 at B=64, T=1024)
-            loss = model(x, y, label_smoothing=label_smoothing)[1]
+            _, loss = model(x, y, label_smoothing=label_smoothing)
         loss = loss / grad_accum  # gradients of the mean over all micro-batches, not the sum
         loss_accum += loss.detach()
         (scaler.scale(loss) if scaler else loss).backward()
@@ -419,7 +418,7 @@ def val_loss(model: nn.Module, loader: TokenLoader, batches: int, autocast: cont
     for _ in range(batches):
         x, y = loader.next_batch()
         with autocast:
-            loss = model(x, y)[1]  # the logits are freed at once, not at the next batch
+            _, loss = model(x, y)
         total += loss.float()
     if world_size > 1:
         dist.all_reduce(total)  # SUM: gloo has no AVG
@@ -510,7 +509,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rank, local_rank, world, device = setup_distributed(cfg)
     master = rank == 0
     try:
-        return _train(cfg, rank, local_rank, world, device, master)
+        result = _train(cfg, rank, local_rank, world, device, master)
+        if dist.is_initialized():
+            # leave together, so no rank tears its process group down while another is still using it: 2-rank
+            # gloo runs on a loaded CPU aborted in teardown at times ("terminate called without an active
+            # exception" on rank 0, after its last checkpoint). Only on success: after an error it could hang.
+            dist.barrier()
+        return result
     except (DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
