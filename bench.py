@@ -51,7 +51,18 @@ from fused_gelu import (
     fused_bias_gelu,
     triton_available,
 )
-from model import EOT, GPT, GPT2_VOCAB, MODEL_PRESETS, get_tokenizer, mfu, parse_config, peak_flops, provenance
+from model import (
+    EOT,
+    GPT,
+    GPT2_VOCAB,
+    MODEL_PRESETS,
+    device_name,
+    get_tokenizer,
+    mfu,
+    parse_config,
+    peak_flops,
+    provenance,
+)
 
 SUITES = ("kernel", "decode", "hellaswag", "train")  # the order of --suite all: the short suites first, so a time
 # budget spent by the training variants (minutes of compilation each) never loses them
@@ -355,7 +366,7 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     return {
         "batch_size": B, "seq_len": T, "grad_accum": accum, "dtype": str(dtype).removeprefix("torch."),
         "tokens_per_step": tokens_per_step, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
-        "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, provenance(device)["device"], peak_flops),
+        "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak_flops),
         "peak_mem_bytes": peak, "mem_metric": mem_metric, "warmup_s": warmup_s, "loss": loss, "attention": attention,
         "params": raw.num_params(),
     }
@@ -488,7 +499,11 @@ def matmul_rows(cfg: BenchConfig, dtype: torch.dtype, gen: torch.Generator,
     C, V, L = gpt2.n_embd, gpt2.vocab_size, gpt2.n_layer  # 768, 50304 (the padded vocabulary), 12
     # M: a whole micro-batch on CUDA (B=64 x T=1024 by default); on CPU 64 rows, where only that the rows run matters
     M = cfg.kernel_rows if device.type == "cuda" else min(cfg.kernel_rows, 64)
-    peak = peak_flops(provenance(device)["device"], cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
+    peak = peak_flops(device_name(device), cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
+
+    def rates(flops: int, ms: float) -> dict[str, Any]:
+        tflops = flops / (ms / 1000) / 1e12
+        return {"ms": ms, "flops": flops, "tflops": tflops, "pct_peak": 100 * tflops * 1e12 / peak if peak else None}
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device).to(dtype)  # random, not zeros: zeros run faster
@@ -497,10 +512,8 @@ def matmul_rows(cfg: BenchConfig, dtype: torch.dtype, gen: torch.Generator,
         def measure() -> dict[str, Any]:
             a, b = make()
             ms = statistics.median(time_ms(lambda: a @ b, device, cfg.steps, cfg.warmup))
-            flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-            tflops = flops / (ms / 1000) / 1e12
-            return {"ms": ms, "shape": f"{a.shape[0]}x{a.shape[1]}x{b.shape[1]}", "flops": flops, "tflops": tflops,
-                    "pct_peak": 100 * tflops * 1e12 / peak if peak else None}
+            return {**rates(2 * a.shape[0] * a.shape[1] * b.shape[1], ms),
+                    "shape": f"{a.shape[0]}x{a.shape[1]}x{b.shape[1]}"}
 
         return guarded({**common, "name": "matmul", "pass": which, "layer": label, "count": count}, measure)
 
@@ -514,11 +527,9 @@ def matmul_rows(cfg: BenchConfig, dtype: torch.dtype, gen: torch.Generator,
     parts = [r for r in rows if r["pass"] != "ceiling"]
     if all(r["status"] == "ok" for r in parts):
         ms = sum(r["ms"] * r["count"] for r in parts)
-        flops = sum(r["flops"] * r["count"] for r in parts)
-        tflops = flops / (ms / 1000) / 1e12
-        rows.append({**common, "name": "matmul", "pass": "step", "layer": f"all, {M} tokens", "count": 1, "ms": ms,
-                     "flops": flops, "tflops": tflops, "pct_peak": 100 * tflops * 1e12 / peak if peak else None,
-                     "tok_per_s_bound": M / (ms / 1000), "status": "ok"})
+        rows.append({**common, "name": "matmul", "pass": "step", "layer": f"all, {M} tokens", "count": 1,
+                     **rates(sum(r["flops"] * r["count"] for r in parts), ms), "tok_per_s_bound": M / (ms / 1000),
+                     "status": "ok"})
     return rows
 
 

@@ -201,10 +201,15 @@ def provenance(device: torch.device | str | None = None, world_size: int = 1) ->
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     return {"git_sha": sha, "git_dirty": dirty, "python": sys.version.split()[0], "torch": str(torch.__version__),
-            "triton": triton_version, "cuda": torch.version.cuda, "device": name, "world_size": world_size}
+            "triton": triton_version, "cuda": torch.version.cuda, "device": device_name(device),
+            "world_size": world_size}
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """The name MFU's peak table is keyed by: the GPU's, or the CPU's core count."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
