@@ -212,6 +212,17 @@ def device_name(device: torch.device | str | None = None) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
 
 
+def checkpoints(out_dir: Path) -> list[Path]:
+    """out_dir's checkpoints, oldest written first. By write time rather than step: after a rewind (--resume an
+    older checkpoint), the new ckpt_000004 is the one to keep and to resume from, not the abandoned ckpt_000009."""
+    def written(p: Path) -> tuple[int, str]:
+        try:
+            return p.stat().st_mtime_ns, p.name
+        except FileNotFoundError:  # pruned by another process meanwhile
+            return 0, p.name
+    return sorted(out_dir.glob("ckpt_*.pt"), key=written)
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
                     mmap: bool = False) -> dict[str, Any]:
     """Load a checkpoint with `weights_only=True`: tensors and plain containers only, never arbitrary pickles.
@@ -225,7 +236,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     path = Path(path)
     usage = "pass the .pt file that train.py wrote (e.g. out/<run>/ckpt_000100.pt)"
     if path.is_dir():
-        found = sorted(path.glob("ckpt_*.pt"))  # zero-padded steps: the last is the latest
+        found = checkpoints(path)  # the last is the latest, the one train.py --resume auto would take
         if (path / "config.json").is_file():
             fix = f"it has a config.json, so it looks like an HF GPT-2 directory: load it with --init-from {path}"
         elif found:
@@ -870,7 +881,7 @@ def load_model(ckpt: str | None, init_from: str | None) -> GPT:
         if path.is_dir():  # local files: from_pretrained's errors name what is wrong with them, except these
             config_json = path / "config.json"
             if not config_json.is_file():
-                found = sorted(path.glob("ckpt_*.pt"))
+                found = checkpoints(path)
                 hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
                 raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {hf_dir}{hint}")
             try:

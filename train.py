@@ -28,7 +28,17 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from fineweb import DataError, TokenLoader
-from model import GPT, MODEL_PRESETS, GPTConfig, get_tokenizer, load_checkpoint, mfu, parse_config, provenance
+from model import (
+    GPT,
+    MODEL_PRESETS,
+    GPTConfig,
+    checkpoints,
+    get_tokenizer,
+    load_checkpoint,
+    mfu,
+    parse_config,
+    provenance,
+)
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 # SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
@@ -348,17 +358,6 @@ def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step
     os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoint untouched
     for stale in checkpoints(path.parent)[:-cfg.keep_last] if cfg.keep_last > 0 else []:
         stale.unlink()
-
-
-def checkpoints(out_dir: Path) -> list[Path]:
-    """out_dir's checkpoints, oldest written first. By write time rather than step: after a rewind (--resume an
-    older checkpoint), the new ckpt_000004 is the one to keep and to resume from, not the abandoned ckpt_000009."""
-    def written(p: Path) -> tuple[int, str]:
-        try:
-            return p.stat().st_mtime_ns, p.name
-        except FileNotFoundError:  # pruned by another process meanwhile
-            return 0, p.name
-    return sorted(out_dir.glob("ckpt_*.pt"), key=written)
 
 
 def find_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
