@@ -35,6 +35,7 @@ from model import (
     checkpoints,
     get_tokenizer,
     load_checkpoint,
+    load_model,
     mfu,
     parse_config,
     provenance,
@@ -63,6 +64,7 @@ class TrainConfig:
     dropout: float = 0.0  # dropout probability (0 for pretraining)
     fused_gelu: bool = False  # Triton fused bias+GELU kernel in the MLP (CUDA only)
     loss_chunk: int = 0  # >0: cross-entropy this many rows at a time, never all B*T fp32 logits at once (0 = off)
+    init_from: str = ""  # '' (random init), a train.py checkpoint, or HF GPT-2 (gpt2..gpt2-xl, a local dir)
     # data
     data: str = "data/edu_fineweb10B"  # directory or glob of token shards written by fineweb.py (or llm.c)
     preload: bool = False  # load the whole dataset onto the device once (small datasets only)
@@ -71,7 +73,9 @@ class TrainConfig:
     batch_size: int = 64  # B: sequences per micro-step per rank (lower it to fit memory; see README table)
     # optimizer and schedule
     max_lr: float = 6e-4  # peak learning rate, reached after warmup
-    min_lr_frac: float = 0.1  # cosine decays to min_lr_frac * max_lr
+    min_lr_frac: float = 0.1  # the schedule decays to min_lr_frac * max_lr
+    lr_schedule: str = "cosine"  # after warmup: cosine or linear decay, constant, wsd (stable, then decay)
+    decay_frac: float = 0.2  # wsd: the fraction of max_steps spent decaying to the min
     warmup_steps: int = 715  # linear warmup steps
     max_steps: int = 19073  # optimizer steps (19073 * 524288 tokens ~ 10B)
     weight_decay: float = 0.1  # AdamW decoupled weight decay, 2-D tensors only
@@ -107,6 +111,7 @@ class TrainConfig:
     log_every: int = 1  # print a step line every N steps
     # run control
     overfit_batch: bool = False  # train on the first batch only (sanity check: the loss must go to ~0)
+    eval_only: bool = False  # evaluate the starting weights once and exit: no training, checkpoint or log
     max_time: float = 0.0  # wall-clock budget in minutes; checkpoint and stop when reached (0 = none)
     profile: bool = False  # profile a few steps after warmup; writes a Chrome/Perfetto trace to out_dir
     profile_steps: int = 3  # steps to profile
@@ -114,7 +119,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
                    "dtype": ("auto", "bf16", "fp16", "fp32"), "device": ("auto", "cuda", "cpu"),
-                   "compile_mode": COMPILE_MODES, "attention": ("auto", *SDPA_SWITCHES)}
+                   "compile_mode": COMPILE_MODES, "attention": ("auto", *SDPA_SWITCHES),
+                   "lr_schedule": ("cosine", "linear", "constant", "wsd")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; "
@@ -133,6 +139,8 @@ class TrainConfig:
             raise ValueError(f"--max-lr must be a positive number; got {self.max_lr}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
             raise ValueError(f"--min-lr-frac must be in [0, 1]; got {self.min_lr_frac}")
+        if not 0.0 < self.decay_frac <= 1.0:
+            raise ValueError(f"--decay-frac must be in (0, 1]; got {self.decay_frac}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
         for name in ("weight_decay", "grad_clip", "max_time"):
@@ -158,6 +166,12 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                            total_batch_size=16384, batch_size=64, max_lr=1e-3, warmup_steps=100, max_steps=2000,
                            dropout=0.2, eval_every=250, eval_batches=8, hellaswag="off", sample_every=500,
                            sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
+    # fine-tune OpenAI's GPT-2 124M on Tiny Shakespeare (as nanoGPT's finetune_shakespeare): 20 steps of 32K tokens,
+    # about two epochs of its ~300K train tokens, at a small constant learning rate; minutes on one GPU
+    "shakespeare-ft": _preset(init_from="gpt2", data="data/shakespeare", total_batch_size=32768, batch_size=8,
+                              max_lr=3e-5, lr_schedule="constant", warmup_steps=0, max_steps=20, eval_every=5,
+                              eval_batches=4, hellaswag="off", sample_every=10, sample_tokens=128, ckpt_every=0,
+                              out_dir="out/shakespeare-ft", sample_prompt="ROMEO:"),
     # the offline demo: a small model on the Python standard library's source, minutes on 2 CPU cores. The loss in
     # chunks of 128 rows: 26 MB of logits at a time stay in malloc's heap, where 2048 rows' 412 MB were mapped and
     # unmapped every step (656 instead of 835 ms/step on 2 cores, docs/benchmarks.md)
@@ -180,14 +194,59 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
                                loss_chunk=cfg.loss_chunk, **shape)
 
 
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp", "pos", "bias")
+
+
+def load_init(cfg: TrainConfig) -> GPT:
+    """The --init-from weights as a GPT on the CPU, rebuilt with this run's context length (a learned position
+    table is cut to its first seq_len rows, as nanoGPT's crop_block_size does) and run options (dropout, fused GELU,
+    chunked loss). The architecture is the source's: an architecture flag this run sets to anything else is an
+    error, since it would otherwise be ignored without a word."""
+    path = Path(cfg.init_from).expanduser()
+    if path.is_dir() and not (path / "config.json").exists() and (found := checkpoints(path)):
+        raise ValueError(f"--init-from {cfg.init_from} is a run directory; pass one of its checkpoints, e.g. "
+                         f"--init-from {found[-1]} (the latest)")
+    source = load_model(str(path), None) if path.is_file() else load_model(None, cfg.init_from)
+    src, defaults = source.config, TrainConfig()
+    has = {k: getattr(src, "kv_heads" if k == "n_kv_head" else k) for k in ARCHITECTURE}
+    wrong = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (it has {v})" for k, v in has.items()
+             if getattr(cfg, k) not in (getattr(defaults, k), v)]
+    if wrong:
+        raise ValueError(f"--init-from {cfg.init_from} fixes the architecture, but this run asks for "
+                         f"{', '.join(wrong)}: drop those flags (or use a preset that does not set them)")
+    if cfg.seq_len > src.block_size:
+        raise ValueError(f"--seq-len {cfg.seq_len} is longer than --init-from {cfg.init_from}'s context of "
+                         f"{src.block_size} tokens; pass --seq-len {src.block_size} or less")
+    config = dataclasses.replace(src, block_size=cfg.seq_len, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu,
+                                 loss_chunk=cfg.loss_chunk)
+    weights = source.state_dict()
+    if "transformer.wpe.weight" in weights:
+        weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.seq_len]
+    model = GPT(config)
+    model.load_state_dict(weights)
+    return model
+
+
 def get_lr(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup from max_lr/warmup to max_lr, then cosine down to min_lr_frac * max_lr at max_steps."""
+    """Linear warmup from max_lr/warmup to max_lr, then the schedule down to min_lr_frac * max_lr at max_steps:
+    cosine (GPT-2 / nanoGPT / llm.c's default) or linear over all the steps after warmup; constant stays at max_lr;
+    wsd (warmup-stable-decay) holds max_lr, then decays linearly over the last decay_frac of the steps, so a run
+    can be extended from a checkpoint taken before its decay."""
     min_lr = cfg.min_lr_frac * cfg.max_lr
     if step < cfg.warmup_steps:
         return cfg.max_lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.max_lr
     if step >= cfg.max_steps:
         return min_lr
+    if cfg.lr_schedule == "wsd":
+        decay_start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
+        if step < decay_start:
+            return cfg.max_lr
+        return cfg.max_lr - (step - decay_start) / max(1, cfg.max_steps - decay_start) * (cfg.max_lr - min_lr)
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    if cfg.lr_schedule == "linear":
+        return cfg.max_lr - progress * (cfg.max_lr - min_lr)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
 
@@ -526,11 +585,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torch.device,
            master: bool) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir)
-    mcfg = model_config(cfg)
     prov = provenance(device, world)
-    if master:
-        print(json.dumps({"provenance": prov, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg)},
-                         indent=None))
     B, T = cfg.batch_size, cfg.seq_len
     if cfg.total_batch_size % (B * T * world):
         raise ValueError(f"--total-batch-size {cfg.total_batch_size} is not divisible by batch_size * seq_len * "
@@ -542,10 +597,6 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     if device.type == "cuda" and cfg.attention in ("flash", "cudnn") and cfg.dtype == "fp32":
         raise ValueError(f"--attention {cfg.attention} has no fp32 kernel on CUDA; use --dtype bf16 or "
                          "--attention auto")
-    if device.type == "cuda" and cfg.attention == "efficient" and mcfg.kv_heads != mcfg.n_head:
-        # enable_gqa has flash and cuDNN kernels only; forcing the memory-efficient one leaves no kernel at all
-        raise ValueError("--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, "
-                         "cudnn or auto")
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     if use_compile and (why := cuda_graph_conflict(cfg, grad_accum, device)):
         raise ValueError(why)
@@ -557,11 +608,27 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         torch.backends.cudnn.allow_tf32 = True
     train_loader = TokenLoader(cfg.data, "train", B, T, rank, world, cfg.seed, device, cfg.preload)
     val_loader = TokenLoader(cfg.data, "val", B, T, rank, world, cfg.seed, device, cfg.preload) \
-        if cfg.eval_every > 0 else None
+        if cfg.eval_every > 0 or cfg.eval_only else None
 
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    raw = GPT(mcfg).to(device)
+    if cfg.init_from:
+        if world > 1 and local_rank != 0:  # a hub download once per node: the other ranks read the cached copy
+            dist.barrier()
+        raw = load_init(cfg)
+        if world > 1 and local_rank == 0:
+            dist.barrier()
+    else:
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        raw = GPT(model_config(cfg))
+    raw = raw.to(device)
+    mcfg = raw.config
     torch.manual_seed(cfg.seed + rank)
+    if master:
+        print(json.dumps({"provenance": prov, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg)},
+                         indent=None))
+    if device.type == "cuda" and cfg.attention == "efficient" and mcfg.kv_heads != mcfg.n_head:
+        # enable_gqa has flash and cuDNN kernels only; forcing the memory-efficient one leaves no kernel at all
+        raise ValueError("--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, "
+                         "cudnn or auto")
     apply_recompute(raw, cfg.recompute)
     dtype, autocast = precision(cfg, device)
     model = parallelize(raw, cfg, device, dtype)
@@ -601,7 +668,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
               f"{grad_accum} accum | {cfg.max_steps} steps | compile {use_compile} | {cfg.parallel} | {dtype}")
         for stale in out_dir.glob("ckpt_*.pt.tmp"):  # left by a run killed mid-write: never a valid checkpoint
             stale.unlink()
-    log = open_log(out_dir / "log.jsonl", start_step if found is not None else None) if master else None
+    # an evaluation-only run leaves out_dir alone: its log.jsonl may be a training run's
+    log = open_log(out_dir / "log.jsonl", start_step if found is not None else None) \
+        if master and not cfg.eval_only else None
 
     def write(record: dict) -> None:
         if log:
@@ -637,14 +706,14 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     # step counts optimizer steps done; the evaluations at `step` see the weights after `step` steps, so the one at
     # max_steps (after the loop's last update) scores the final model
     for step in range(start_step, cfg.max_steps + 1):
-        final = step == cfg.max_steps
-        if val_loader is not None and (step % cfg.eval_every == 0 or final):
+        final = step == cfg.max_steps or cfg.eval_only
+        if val_loader is not None and (final or step % cfg.eval_every == 0):
             vl = val_loss(model, val_loader, eval_batches, autocast, world)
             result["val_loss"] = vl
             write({"type": "val", "step": step, "tokens": step * tokens_per_step, "val_loss": vl})
             if master:
                 print(f"step {step:6d} | val loss {vl:.4f}")
-        if hellaswag_examples and (step % cfg.hellaswag_every == 0 or final):
+        if hellaswag_examples and (final or step % cfg.hellaswag_every == 0):
             import hellaswag
             hs = hellaswag.evaluate(model, hellaswag_examples, device, rank, world, limit=cfg.hellaswag_limit,
                                     enc=enc, progress=True)
@@ -652,7 +721,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             write({"type": "hellaswag", "step": step, "tokens": step * tokens_per_step, **hs})
             if master:
                 print(f"step {step:6d} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
-        if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or final) and step > 0:
+        if cfg.sample_every > 0 and (final or step % cfg.sample_every == 0) and (step > 0 or cfg.eval_only):
             if master or cfg.parallel == "fsdp":  # FSDP forwards are collective: every rank must run them
                 texts = sample_text(raw, enc, cfg, device, step, autocast)
                 if master:
@@ -720,7 +789,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         _stop_profiler(profiler, out_dir, rank, master)
     elif cfg.profile and master and step <= profile_at:
         print(f"profile: nothing recorded; the run ended before step {profile_at}, where profiling starts")
-    if master:
+    if master and cfg.eval_only:
+        print(f"done: evaluated the weights at step {step} in {_fmt_time(time.time() - t_start)}")
+    elif master:
         print(f"done: {len(losses)} steps in {_fmt_time(time.time() - t_start)}; outputs in {out_dir}")
     if log:
         log.close()
@@ -738,7 +809,7 @@ def _fmt_time(seconds: float) -> str:
 def _load_hellaswag(cfg: TrainConfig, local_rank: int, world: int, device: torch.device,
                     master: bool) -> list[dict] | None:
     """HellaSwag examples on every rank, or None on every rank (evaluate is collective, so all or none)."""
-    if cfg.hellaswag == "off" or cfg.hellaswag_every <= 0:
+    if cfg.hellaswag == "off" or (cfg.hellaswag_every <= 0 and not cfg.eval_only):
         return None
     import hellaswag
 

@@ -1,6 +1,7 @@
 """train.py: schedule, CLI, overfitting, exact resume, SIGTERM, atomic checkpoints, NaN stop, DDP/ZeRO-1/FSDP2."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,21 @@ def test_lr_schedule_values():
     assert train.get_lr(0, zero_min) == pytest.approx(1.0) and train.get_lr(100, zero_min) == 0.0
 
 
+def test_lr_schedule_shapes():
+    def lrs(schedule: str, **kw) -> list[float]:
+        cfg = train.TrainConfig(max_lr=1.0, min_lr_frac=0.1, warmup_steps=10, max_steps=110, lr_schedule=schedule,
+                                **kw)
+        return [train.get_lr(step, cfg) for step in (0, 9, 10, 60, 100, 109, 110)]
+
+    assert lrs("linear") == pytest.approx([0.1, 1.0, 1.0, 0.55, 0.19, 0.109, 0.1])
+    assert lrs("constant") == pytest.approx([0.1, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    # wsd: max_lr until the last 20% (22 of 110 steps), then linear to the min at max_steps
+    assert lrs("wsd") == pytest.approx([0.1, 1.0, 1.0, 1.0, 1.0 - 12 / 22 * 0.9, 1.0 - 21 / 22 * 0.9, 0.1])
+    assert lrs("wsd", decay_frac=1.0)[2:] == pytest.approx(lrs("linear")[2:])  # decaying from the warmup's end
+    with pytest.raises(ValueError, match="--decay-frac must be in"):
+        train.TrainConfig(decay_frac=0.0)
+
+
 def test_gpt2_124m_preset_is_the_reference_recipe():
     cfg = train.PRESETS["gpt2-124m"]()
     assert (cfg.total_batch_size, cfg.batch_size, cfg.seq_len, cfg.max_lr) == (524288, 64, 1024, 6e-4)
@@ -53,6 +69,7 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     (["--batch-size=big"], "--batch-size expects int"),
     (["--preset", "gpt5"], "unknown --preset 'gpt5'"),
     (["--recompute=all"], "--recompute must be one of none, mlp, block"),
+    (["--lr-schedule=step"], "--lr-schedule must be one of cosine, linear, constant, wsd"),
     (["--attention=sdpa"], "--attention must be one of auto, flash, cudnn, efficient, math"),
     (["--compile-mode=fast"], "--compile-mode must be one of default, max-autotune"),
     (["--log-every=0"], "--log-every must be >= 1"),
@@ -149,6 +166,78 @@ def test_resume_is_bitwise_exact(token_data, tmp_path):
     rest = train.main(tiny_args(token_data, resumed_dir, *common, "--resume", "auto"))["losses"]
     assert len(full) == 8 and len(rest) == 5
     assert rest == full[3:]  # bitwise: float equality, no tolerance
+
+
+def _hf_loss(hf_dir, data, split: str, batches: int, B: int, T: int) -> float:
+    """transformers' GPT-2 loss on the first batches a one-rank TokenLoader serves (what train.py evaluates)."""
+    from transformers import GPT2LMHeadModel
+
+    from fineweb import TokenLoader
+
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    loader = TokenLoader(str(data), split, B, T, 0, 1, 1337, torch.device("cpu"))
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+                  for x, y in (loader.next_batch() for _ in range(batches))]
+    return sum(losses) / batches
+
+
+def test_init_from_hf_fine_tunes_and_its_checkpoint_evaluates(token_data, hf_dir, tmp_path, capsys):
+    # the fine-tuning preset, shrunk to the tiny HF model (context 64, cut to 32) and CPU sizes
+    shrink = ["--data", str(token_data), "--init-from", str(hf_dir), "--seq-len=32", "--batch-size=2",
+              "--total-batch-size=128", "--eval-batches=2", "--sample-tokens=4"]
+    cfg = parse_config(train.TrainConfig, ["--preset", "shakespeare-ft"], train.PRESETS)
+    assert (cfg.init_from, cfg.lr_schedule, cfg.max_lr, cfg.seq_len) == ("gpt2", "constant", 3e-5, 1024)
+    run = train.main(["--preset", "shakespeare-ft", *shrink, "--out-dir", str(tmp_path / "ft"), "--max-steps=3",
+                      "--eval-every=3", "--sample-every=3", "--ckpt-every=3"])
+    assert "sample: " in capsys.readouterr().out
+    # the first loss is the HF model's own on the first train batch: every weight arrived, the position table cut
+    assert run["losses"][0] == pytest.approx(_hf_loss(hf_dir, token_data, "train", 2, 2, 32), abs=1e-5)
+    records = list(train.iter_log(tmp_path / "ft" / "log.jsonl"))
+    assert [r["lr"] for r in records if r["type"] == "train"] == [3e-5] * 3  # constant, no warmup
+    ckpt = load_checkpoint(tmp_path / "ft" / "ckpt_000003.pt")
+    assert {k: ckpt["model_config"][k] for k in ("n_embd", "n_layer", "vocab_size", "block_size")} == \
+        {"n_embd": 32, "n_layer": 2, "vocab_size": 50257, "block_size": 32}
+    assert tuple(ckpt["model"]["transformer.wpe.weight"].shape) == (32, 32)
+
+    # --eval-only from the HF weights: the HF model's val loss, and out_dir untouched
+    before = train.main(["--preset", "shakespeare-ft", *shrink, "--out-dir", str(tmp_path / "ev"), "--eval-only"])
+    assert before["losses"] == [] and not (tmp_path / "ev").exists()
+    assert before["val_loss"] == pytest.approx(_hf_loss(hf_dir, token_data, "val", 2, 2, 32), abs=1e-5)
+    # --init-from a train.py checkpoint: its weights, scored as the run scored them after its last step
+    after = train.main(tiny_args(token_data, tmp_path / "ev2", "--init-from", str(tmp_path / "ft" / "ckpt_000003.pt"),
+                                 "--seq-len=32", "--batch-size=2", "--eval-batches=2", "--eval-only"))
+    assert after["val_loss"] == pytest.approx(run["val_loss"], abs=1e-6)
+    assert abs(after["val_loss"] - before["val_loss"]) > 1e-4  # the fine-tuned weights, not the HF ones
+
+
+@pytest.mark.slow
+def test_init_from_on_two_ranks_scores_the_hf_model(token_data, hf_dir, tmp_path):
+    # each rank loads the weights (local rank 0 first, so a hub download happens once per node); one val batch per
+    # rank is the first two windows, as two batches are on one rank
+    proc = run_torchrun(["train.py", *tiny_args(token_data, tmp_path, "--init-from", str(hf_dir), "--seq-len=32",
+                                                "--batch-size=2", "--eval-batches=1", "--eval-only")], nproc=2)
+    val = float(re.search(r"step +0 \| val loss (\d+\.\d+)", proc.stdout).group(1))
+    assert val == pytest.approx(_hf_loss(hf_dir, token_data, "val", 2, 2, 32), abs=1e-4)  # printed to 4 decimals
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--n-layer=3"], r"fixes the architecture, but this run asks for --n-layer 3 \(it has 2\)"),
+    (["--mlp=swiglu", "--n-embd=32"], r"asks for --mlp swiglu \(it has gelu\): drop"),
+    (["--seq-len=128"], "--seq-len 128 is longer than --init-from .*'s context of 64 tokens"),
+])
+def test_init_from_refuses_a_different_architecture(token_data, hf_dir, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit):
+        train.main(tiny_args(token_data, tmp_path, "--init-from", str(hf_dir), "--eval-only", *extra))
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_init_from_a_run_directory_names_its_latest_checkpoint(token_data, tmp_path, capsys):
+    train.main(tiny_args(token_data, tmp_path / "run", "--max-steps=2", "--ckpt-every=1", "--eval-every=0"))
+    with pytest.raises(SystemExit):
+        train.main(tiny_args(token_data, tmp_path / "b", "--init-from", str(tmp_path / "run"), "--eval-only"))
+    assert f"pass one of its checkpoints, e.g. --init-from {tmp_path / 'run' / 'ckpt_000002.pt'}" in \
+        capsys.readouterr().err
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
