@@ -83,6 +83,8 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
+    skip_loss_z: float = 0.0  # skip the update when the loss is this many std devs above the last 128 (0 = off)
+    skip_norm_z: float = 0.0  # skip the update when the grad norm is this many std devs above the last 128 (0 = off)
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     # system
     device: str = "auto"  # auto (cuda if available, else cpu), cuda, cpu
@@ -143,7 +145,7 @@ class TrainConfig:
             raise ValueError(f"--decay-frac must be in (0, 1]; got {self.decay_frac}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
-        for name in ("weight_decay", "grad_clip", "max_time"):
+        for name in ("weight_decay", "grad_clip", "max_time", "skip_loss_z", "skip_norm_z"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
@@ -250,6 +252,28 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
 
+OUTLIER_WINDOW = 128  # steps of history behind a z-score, as in llm.c
+
+
+class OutlierDetector:
+    """z-score of a value against the last OUTLIER_WINDOW values (llm.c's -sl/-sg update skipping): a loss or gradient
+    norm far above its recent history is a spike whose update is better dropped than applied. Until the window is
+    full every z-score is 0, so nothing is skipped early in a run. Every value enters the window, skipped or not."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def __call__(self, x: float) -> float:
+        z = 0.0
+        if len(self.values) >= OUTLIER_WINDOW and math.isfinite(x):
+            mean = sum(self.values) / len(self.values)
+            std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / len(self.values))
+            z = (x - mean) / std if std > 0 else 0.0
+        if math.isfinite(x):  # a NaN stops the run anyway; it must not poison the statistics of a resumed one
+            self.values = (self.values + [x])[-OUTLIER_WINDOW:]
+        return z
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Parallelism, applied from outside the model
 
@@ -348,8 +372,11 @@ def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContex
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], tuple], grad_accum: int,
                autocast: contextlib.AbstractContextManager, grad_clip: float, label_smoothing: float = 0.0,
-               scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward grad_accum micro-batches, clip, step. Returns (mean loss, grad norm) as 0-d tensors."""
+               scaler: torch.amp.GradScaler | None = None,
+               update: Callable[[torch.Tensor, torch.Tensor], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward grad_accum micro-batches, clip, step. Returns (mean loss, grad norm) as 0-d tensors.
+    `update(loss, norm)`, when given, decides before the optimizer step whether to take it (False drops this
+    step's gradients); it must return the same answer on every rank."""
     loss_accum = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(grad_accum):
         x, y = next_batch()
@@ -363,7 +390,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
         norm = norm.full_tensor()
-    if scaler:
+    if update is not None and not update(loss_accum, norm):
+        if scaler:
+            scaler.update()  # the scale still reacts to this step's inf checks
+    elif scaler:
         scaler.step(optimizer)
         scaler.update()
     else:
@@ -392,7 +422,7 @@ def _state_dicts(raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -
 
 def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig,
                     loader: TokenLoader, scaler: torch.amp.GradScaler | None, rank: int, world_size: int,
-                    prov: dict) -> None:
+                    prov: dict, outliers: dict[str, list[float]] | None = None) -> None:
     model_sd, optim_sd = _state_dicts(raw, optimizer, cfg)
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     rngs = [None] * world_size
@@ -406,7 +436,7 @@ def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step
         "model": model_sd, "optimizer": optim_sd, "optimizer_kind": optimizer_kind(optimizer, cfg),
         "step": step, "loader": loader.state_dict(), "rng": rngs, "scaler": scaler.state_dict() if scaler else None,
         "model_config": dataclasses.asdict(raw.config), "train_config": dataclasses.asdict(cfg),
-        "provenance": prov, "world_size": world_size,
+        "provenance": prov, "world_size": world_size, "outliers": outliers or {},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -636,6 +666,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     optimizer = build_optimizer(raw, cfg, device, master)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
+    detectors = {"loss": OutlierDetector(), "norm": OutlierDetector()}
     start_step = 0
     found = None
     if cfg.resume == "auto":
@@ -646,6 +677,8 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         found = (Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True))
     if found is not None:
         start_step = restore(found[1], raw, optimizer, cfg, train_loader, scaler, rank, world)
+        for name, detector in detectors.items():  # the z-scores' history, so a resumed run skips the same steps
+            detector.values = [float(v) for v in found[1].get("outliers", {}).get(name, [])]
         if master:
             print(f"resumed from {found[0]} at step {start_step}")
         del found[1]["model"], found[1]["optimizer"]  # copied into the model and optimizer: free the CPU copy
@@ -695,6 +728,25 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         next_batch: Callable[[], tuple] = lambda: fixed
     else:
         next_batch = train_loader.next_batch
+    skipped = ""  # why this step's update was dropped, or ""
+
+    def update(loss: torch.Tensor, norm: torch.Tensor) -> bool:
+        """llm.c's spike guard: no update from a step whose loss or gradient norm is an outlier. The loss is
+        averaged over ranks first (the norm already is global), so every rank decides the same."""
+        nonlocal skipped
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean)
+            mean /= world
+        z_loss, z_norm = detectors["loss"](mean.item()), detectors["norm"](norm.item())
+        if cfg.skip_loss_z > 0 and z_loss > cfg.skip_loss_z:
+            skipped = f"loss z-score {z_loss:.1f} > {cfg.skip_loss_z}"
+        elif cfg.skip_norm_z > 0 and z_norm > cfg.skip_norm_z:
+            skipped = f"grad norm z-score {z_norm:.1f} > {cfg.skip_norm_z}"
+        return not skipped
+
+    # the guard reads the loss and norm on the host before the optimizer step: one sync more, so only when asked
+    guard = update if cfg.skip_loss_z > 0 or cfg.skip_norm_z > 0 else None
     stop = StopFlags(cfg.max_time)
     profiler = None
     profile_at = start_step + 2  # after the first steps' compilation and allocator warmup
@@ -737,8 +789,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         lr = get_lr(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        skipped = ""
         loss, norm = train_step(model, optimizer, next_batch, grad_accum, autocast, cfg.grad_clip,
-                                cfg.label_smoothing, scaler)
+                                cfg.label_smoothing, scaler, guard)
         if world > 1:
             dist.all_reduce(loss)
             loss /= world
@@ -764,7 +817,10 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         tok_s = tokens_per_step / dt
         util = mfu(flops_per_token, tok_s / world, device_name, cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
         write({"type": "train", "step": step, "tokens": (step + 1) * tokens_per_step, "loss": loss_value, "lr": lr,
-               "grad_norm": norm_value, "ms": dt * 1000, "tok_s": tok_s, "mfu": util})
+               "grad_norm": norm_value, "ms": dt * 1000, "tok_s": tok_s, "mfu": util,
+               **({"skipped": skipped} if skipped else {})})
+        if master and skipped:
+            print(f"step {step:6d} | update skipped: {skipped}")
         if master and (step % cfg.log_every == 0 or step == cfg.max_steps - 1):
             ms = sorted(recent_ms)[len(recent_ms) // 2] if recent_ms else dt * 1000
             eta = ms * (cfg.max_steps - step - 1) / 1000
@@ -775,7 +831,8 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         stopping = stop.should_stop(device, world)
         if (cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0) or step + 1 == cfg.max_steps or stopping:
             path = out_dir / f"ckpt_{step + 1:06d}.pt"
-            save_checkpoint(path, raw, optimizer, step + 1, cfg, train_loader, scaler, rank, world, prov)
+            save_checkpoint(path, raw, optimizer, step + 1, cfg, train_loader, scaler, rank, world, prov,
+                            {name: d.values for name, d in detectors.items()})
             if master:
                 print(f"saved {path}")
             result["checkpoint"] = str(path)

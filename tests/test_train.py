@@ -77,6 +77,7 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     (["--label-smoothing=2"], r"--label-smoothing must be in \[0, 1\)"),
     (["--max-lr=-1"], "--max-lr must be a positive number"),
     (["--hellaswag-limit=0"], "--hellaswag-limit must be >= 1"),
+    (["--skip-loss-z=-1"], "--skip-loss-z must be >= 0"),
     (["--ckpt-every=-1"], "--ckpt-every must be >= 0"),
     (["--preset", "tiny", "--preset", "gpt2-124m"], "--preset given twice"),
 ])
@@ -240,6 +241,45 @@ def test_init_from_a_run_directory_names_its_latest_checkpoint(token_data, tmp_p
         capsys.readouterr().err
 
 
+def test_outlier_detector_zscores(monkeypatch):
+    monkeypatch.setattr(train, "OUTLIER_WINDOW", 4)
+    detect = train.OutlierDetector()
+    assert [detect(v) for v in (1.0, 2.0, 3.0, 4.0)] == [0.0] * 4  # no verdict before the window is full
+    assert detect(5.0) == pytest.approx(2.5 / 1.25 ** 0.5)  # (5 - mean 2.5) / population std of 1, 2, 3, 4
+    assert detect.values == [2.0, 3.0, 4.0, 5.0]  # the spike entered the window: the window slides over everything
+    assert detect(float("nan")) == 0.0 and detect.values == [2.0, 3.0, 4.0, 5.0]  # not poisoned by a NaN
+
+
+def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_path, monkeypatch):
+    # the loss at step 6 is tripled; with --skip-loss-z that step changes neither weights nor AdamW moments
+    monkeypatch.setattr(train, "OUTLIER_WINDOW", 4)
+    current = {}
+    real_lr, real_forward = train.get_lr, train.GPT.forward
+    monkeypatch.setattr(train, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
+
+    def spiky(self, idx, targets=None, **kw):
+        logits, loss = real_forward(self, idx, targets, **kw)
+        return logits, (loss * 3 if self.training and current["step"] == 6 else loss)
+
+    monkeypatch.setattr(train.GPT, "forward", spiky)
+    common = ["--max-steps=8", "--ckpt-every=1", "--keep-last=10", "--eval-every=0", "--skip-loss-z=10"]
+    full = train.main(tiny_args(token_data, tmp_path / "full", *common))["losses"]
+    records = [r for r in train.iter_log(tmp_path / "full" / "log.jsonl") if r["type"] == "train"]
+    assert [r["step"] for r in records if "skipped" in r] == [6] and full[6] > 3 * 10
+    ckpts = {step: load_checkpoint(tmp_path / "full" / f"ckpt_{step:06d}.pt") for step in (5, 6, 7)}
+    for name, before in ckpts[6]["model"].items():
+        assert torch.equal(ckpts[7]["model"][name], before), name  # step 6 was not applied
+    assert not torch.equal(ckpts[5]["model"]["lm_head.weight"], ckpts[6]["model"]["lm_head.weight"])  # step 5 was
+    for name, state in ckpts[6]["optimizer"]["state"].items():  # keyed by parameter name
+        assert torch.equal(ckpts[7]["optimizer"]["state"][name]["exp_avg"], state["exp_avg"]), name
+    assert ckpts[6]["outliers"]["loss"] == pytest.approx([r["loss"] for r in records[2:6]])  # the last 4 losses
+    # resumed at step 5, the restored history flags step 6 again: the same losses, bitwise
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copy(tmp_path / "full" / "ckpt_000005.pt", resumed)
+    assert train.main(tiny_args(token_data, resumed, *common, "--resume=auto"))["losses"] == full[5:]
+
+
 def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
     cmd = [sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -360,8 +400,9 @@ def test_profile_writes_a_trace(token_data, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
+    # --skip-loss-z: the spike guard's collective (the loss averaged over ranks before the update) runs every step
     common = ["--max-steps=5", "--ckpt-every=4", "--keep-last=5", "--eval-every=2", "--eval-batches=1",
-              "--total-batch-size=512", "--batch-size=4", "--dropout=0.0"]
+              "--total-batch-size=512", "--batch-size=4", "--dropout=0.0", "--skip-loss-z=6"]
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))  # 2 micro-steps of accumulation
     ref = load_checkpoint(tmp_path / "single" / "ckpt_000004.pt")["model"]
     for parallel in ("ddp", "zero1", "fsdp"):
