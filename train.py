@@ -52,15 +52,15 @@ class TrainConfig:
     """Train a GPT-2 with this project's training loop. Flags override the chosen --preset."""
 
     # model
-    model: str = "gpt2"  # architecture preset from model.py: gpt2, gpt2-medium, gpt2-large, gpt2-xl, d12..d48, tiny
+    model: str | None = None  # architecture preset: gpt2 (None), gpt2-medium, gpt2-large, gpt2-xl, d12..d48, tiny
     seq_len: int = 1024  # T: tokens per sequence; also the model's block_size
     n_layer: int | None = None  # override the preset's depth
     n_head: int | None = None  # override the preset's query heads
     n_embd: int | None = None  # override the preset's width
     n_kv_head: int | None = None  # GQA/MQA key-value heads (None = n_head)
-    mlp: str = "gelu"  # gelu (GPT-2) or swiglu
-    pos: str = "learned"  # learned (GPT-2) or rope
-    bias: bool = True  # biases in Linear/LayerNorm
+    mlp: str | None = None  # gelu (GPT-2; None) or swiglu
+    pos: str | None = None  # learned (GPT-2; None) or rope
+    bias: bool | None = None  # biases in Linear/LayerNorm (GPT-2; None = true)
     dropout: float = 0.0  # dropout probability (0 for pretraining)
     fused_gelu: bool = False  # Triton fused bias+GELU kernel in the MLP (CUDA only)
     loss_chunk: int = 0  # >0: cross-entropy this many rows at a time, never all B*T fp32 logits at once (0 = off)
@@ -127,7 +127,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; "
                                  f"got {getattr(self, name)!r}")
-        if self.model not in MODEL_PRESETS:
+        if self.model is not None and self.model not in MODEL_PRESETS:
             raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
         at_least = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "max_steps": 1, "eval_batches": 1,
                     "log_every": 1, "sample_tokens": 1, "profile_steps": 1, "warmup_steps": 0, "eval_every": 0,
@@ -172,7 +172,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     # about two epochs of its ~300K train tokens, at a small constant learning rate; minutes on one GPU
     "shakespeare-ft": _preset(init_from="gpt2", data="data/shakespeare", total_batch_size=32768, batch_size=8,
                               max_lr=3e-5, lr_schedule="constant", warmup_steps=0, max_steps=20, eval_every=5,
-                              eval_batches=4, hellaswag="off", sample_every=10, sample_tokens=128, ckpt_every=0,
+                              eval_batches=3, hellaswag="off", sample_every=10, sample_tokens=128, ckpt_every=0,
                               out_dir="out/shakespeare-ft", sample_prompt="ROMEO:"),
     # the offline demo: a small model on the Python standard library's source, minutes on 2 CPU cores. The loss in
     # chunks of 128 rows: 26 MB of logits at a time stay in malloc's heap, where 2048 rows' 412 MB were mapped and
@@ -187,32 +187,41 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 }
 
 
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp", "pos", "bias")  # None = the preset's
+
+
 def model_config(cfg: TrainConfig) -> GPTConfig:
-    """The preset's architecture with this run's overrides (context length, shape, model options)."""
-    base = MODEL_PRESETS[cfg.model]()
-    shape = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k) is not None}
-    return dataclasses.replace(base, block_size=cfg.seq_len, n_kv_head=cfg.n_kv_head, mlp=cfg.mlp, pos=cfg.pos,
-                               bias=cfg.bias, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu,
-                               loss_chunk=cfg.loss_chunk, **shape)
-
-
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp", "pos", "bias")
+    """The preset's architecture with this run's overrides (context length, shape, model options); an architecture
+    field left at None keeps the preset's value (GPT-2's)."""
+    base = MODEL_PRESETS[cfg.model or "gpt2"]()
+    arch = {k: getattr(cfg, k) for k in ARCHITECTURE if getattr(cfg, k) is not None}
+    return dataclasses.replace(base, block_size=cfg.seq_len, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu,
+                               loss_chunk=cfg.loss_chunk, **arch)
 
 
 def load_init(cfg: TrainConfig) -> GPT:
     """The --init-from weights as a GPT on the CPU, rebuilt with this run's context length (a learned position
     table is cut to its first seq_len rows, as nanoGPT's crop_block_size does) and run options (dropout, fused GELU,
-    chunked loss). The architecture is the source's: an architecture flag this run sets to anything else is an
-    error, since it would otherwise be ignored without a word."""
+    chunked loss). The architecture is the source's: an architecture flag this run sets (on the command line or
+    through its preset; None means unset) to anything else is an error, since it would otherwise be ignored without
+    a word."""
     path = Path(cfg.init_from).expanduser()
     if path.is_dir() and not (path / "config.json").exists() and (found := checkpoints(path)):
         raise ValueError(f"--init-from {cfg.init_from} is a run directory; pass one of its checkpoints, e.g. "
                          f"--init-from {found[-1]} (the latest)")
-    source = load_model(str(path), None) if path.is_file() else load_model(None, cfg.init_from)
-    src, defaults = source.config, TrainConfig()
+    # a checkpoint's tensors are mapped, not read: its AdamW moments (twice the weights) never enter memory
+    source = GPT.from_checkpoint(load_checkpoint(path, mmap=True)) if path.is_file() else \
+        load_model(None, cfg.init_from)
+    src = source.config
     has = {k: getattr(src, "kv_heads" if k == "n_kv_head" else k) for k in ARCHITECTURE}
-    wrong = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (it has {v})" for k, v in has.items()
-             if getattr(cfg, k) not in (getattr(defaults, k), v)]
+    wrong = [f"--{k.replace('_', '-')} {v} (it has {has[k]})" for k in ARCHITECTURE
+             if (v := getattr(cfg, k)) is not None and v != has[k]]
+    if cfg.model is not None:  # a named preset's shape, where no explicit --n-layer/--n-head/--n-embd replaces it
+        preset = MODEL_PRESETS[cfg.model]()
+        shape = [k for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k) is None and getattr(preset, k) != has[k]]
+        if shape:
+            wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(preset, k)}' for k in shape)}; it has "
+                         f"{', '.join(f'{k} {has[k]}' for k in shape)})")
     if wrong:
         raise ValueError(f"--init-from {cfg.init_from} fixes the architecture, but this run asks for "
                          f"{', '.join(wrong)}: drop those flags (or use a preset that does not set them)")
@@ -222,6 +231,7 @@ def load_init(cfg: TrainConfig) -> GPT:
     config = dataclasses.replace(src, block_size=cfg.seq_len, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu,
                                  loss_chunk=cfg.loss_chunk)
     weights = source.state_dict()
+    del source  # its tensors live on in `weights`: at most two copies of the model at once
     if "transformer.wpe.weight" in weights:
         weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.seq_len]
     model = GPT(config)
@@ -640,7 +650,17 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     val_loader = TokenLoader(cfg.data, "val", B, T, rank, world, cfg.seed, device, cfg.preload) \
         if cfg.eval_every > 0 or cfg.eval_only else None
 
-    if cfg.init_from:
+    found = None  # the checkpoint to resume: looked for first, since a resumed fine-tune needs no --init-from source
+    if cfg.resume == "auto":
+        found = find_checkpoint(out_dir)
+        if found is None and master:
+            print(f"resume: no valid checkpoint in {out_dir}; starting from scratch")
+    elif cfg.resume:
+        found = (Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True))
+    if cfg.init_from and found is not None:  # the fine-tune's own architecture; restore() loads its weights below
+        raw = GPT(dataclasses.replace(GPTConfig(**found[1]["model_config"]), block_size=cfg.seq_len,
+                                      dropout=cfg.dropout, fused_gelu=cfg.fused_gelu, loss_chunk=cfg.loss_chunk))
+    elif cfg.init_from:
         if world > 1 and local_rank != 0:  # a hub download once per node: the other ranks read the cached copy
             dist.barrier()
         raw = load_init(cfg)
@@ -668,13 +688,6 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
 
     detectors = {"loss": OutlierDetector(), "norm": OutlierDetector()}
     start_step = 0
-    found = None
-    if cfg.resume == "auto":
-        found = find_checkpoint(out_dir)
-        if found is None and master:
-            print(f"resume: no valid checkpoint in {out_dir}; starting from scratch")
-    elif cfg.resume:
-        found = (Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True))
     if found is not None:
         start_step = restore(found[1], raw, optimizer, cfg, train_loader, scaler, rank, world)
         for name, detector in detectors.items():  # the z-scores' history, so a resumed run skips the same steps
@@ -699,6 +712,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     if master:
         print(f"{raw.num_params():,} params | {tokens_per_step:,} tokens/step = {B} x {T} x {world} ranks x "
               f"{grad_accum} accum | {cfg.max_steps} steps | compile {use_compile} | {cfg.parallel} | {dtype}")
+    if master and not cfg.eval_only:  # an evaluation may sit beside a live run, whose .tmp is a checkpoint in flight
         for stale in out_dir.glob("ckpt_*.pt.tmp"):  # left by a run killed mid-write: never a valid checkpoint
             stale.unlink()
     # an evaluation-only run leaves out_dir alone: its log.jsonl may be a training run's
@@ -757,7 +771,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     step = start_step
     # step counts optimizer steps done; the evaluations at `step` see the weights after `step` steps, so the one at
     # max_steps (after the loop's last update) scores the final model
-    for step in range(start_step, cfg.max_steps + 1):
+    for step in range(start_step, cfg.max_steps + 1 if not cfg.eval_only else start_step + 1):
         final = step == cfg.max_steps or cfg.eval_only
         if val_loader is not None and (final or step % cfg.eval_every == 0):
             vl = val_loss(model, val_loader, eval_batches, autocast, world)
@@ -844,7 +858,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             break
     if profiler is not None:  # the run ended inside the profiled window: keep what was recorded
         _stop_profiler(profiler, out_dir, rank, master)
-    elif cfg.profile and master and step <= profile_at:
+    elif cfg.profile and master and step <= profile_at and not cfg.eval_only:
         print(f"profile: nothing recorded; the run ended before step {profile_at}, where profiling starts")
     if master and cfg.eval_only:
         print(f"done: evaluated the weights at step {step} in {_fmt_time(time.time() - t_start)}")

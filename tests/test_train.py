@@ -183,14 +183,17 @@ def _hf_loss(hf_dir, data, split: str, batches: int, B: int, T: int) -> float:
     return sum(losses) / batches
 
 
+def ft_args(data, hf_dir, out, *extra: str) -> list[str]:
+    """The fine-tuning preset, shrunk to the tiny HF model (context 64, cut to 32) and CPU sizes."""
+    return ["--preset", "shakespeare-ft", "--data", str(data), "--init-from", str(hf_dir), "--out-dir", str(out),
+            "--seq-len=32", "--batch-size=2", "--total-batch-size=128", "--eval-batches=2", "--sample-tokens=4", *extra]
+
+
 def test_init_from_hf_fine_tunes_and_its_checkpoint_evaluates(token_data, hf_dir, tmp_path, capsys):
-    # the fine-tuning preset, shrunk to the tiny HF model (context 64, cut to 32) and CPU sizes
-    shrink = ["--data", str(token_data), "--init-from", str(hf_dir), "--seq-len=32", "--batch-size=2",
-              "--total-batch-size=128", "--eval-batches=2", "--sample-tokens=4"]
     cfg = parse_config(train.TrainConfig, ["--preset", "shakespeare-ft"], train.PRESETS)
     assert (cfg.init_from, cfg.lr_schedule, cfg.max_lr, cfg.seq_len) == ("gpt2", "constant", 3e-5, 1024)
-    run = train.main(["--preset", "shakespeare-ft", *shrink, "--out-dir", str(tmp_path / "ft"), "--max-steps=3",
-                      "--eval-every=3", "--sample-every=3", "--ckpt-every=3"])
+    run = train.main(ft_args(token_data, hf_dir, tmp_path / "ft", "--max-steps=3", "--eval-every=3",
+                             "--sample-every=3", "--ckpt-every=3"))
     assert "sample: " in capsys.readouterr().out
     # the first loss is the HF model's own on the first train batch: every weight arrived, the position table cut
     assert run["losses"][0] == pytest.approx(_hf_loss(hf_dir, token_data, "train", 2, 2, 32), abs=1e-5)
@@ -202,35 +205,79 @@ def test_init_from_hf_fine_tunes_and_its_checkpoint_evaluates(token_data, hf_dir
     assert tuple(ckpt["model"]["transformer.wpe.weight"].shape) == (32, 32)
 
     # --eval-only from the HF weights: the HF model's val loss, and out_dir untouched
-    before = train.main(["--preset", "shakespeare-ft", *shrink, "--out-dir", str(tmp_path / "ev"), "--eval-only"])
+    before = train.main(ft_args(token_data, hf_dir, tmp_path / "ev", "--eval-only"))
     assert before["losses"] == [] and not (tmp_path / "ev").exists()
     assert before["val_loss"] == pytest.approx(_hf_loss(hf_dir, token_data, "val", 2, 2, 32), abs=1e-5)
     # --init-from a train.py checkpoint: its weights, scored as the run scored them after its last step
-    after = train.main(tiny_args(token_data, tmp_path / "ev2", "--init-from", str(tmp_path / "ft" / "ckpt_000003.pt"),
-                                 "--seq-len=32", "--batch-size=2", "--eval-batches=2", "--eval-only"))
+    after = train.main(ft_args(token_data, hf_dir, tmp_path / "ev2", "--eval-only",
+                               "--init-from", str(tmp_path / "ft" / "ckpt_000003.pt")))
     assert after["val_loss"] == pytest.approx(run["val_loss"], abs=1e-6)
     assert abs(after["val_loss"] - before["val_loss"]) > 1e-4  # the fine-tuned weights, not the HF ones
+
+
+def test_eval_only_beside_a_live_run_leaves_its_files_alone(token_data, hf_dir, tmp_path):
+    run = tmp_path / "run"
+    train.main(ft_args(token_data, hf_dir, run, "--max-steps=2", "--eval-every=0", "--ckpt-every=1"))
+    (run / "ckpt_000003.pt.tmp").write_bytes(b"PK\x03\x04 a checkpoint being written")  # the live run's next one
+    before = {f.name: f.read_bytes() for f in run.iterdir()}
+    result = train.main(ft_args(token_data, hf_dir, run, "--eval-only", "--resume=auto", "--profile"))
+    assert result["step"] == 2 and result["losses"] == [] and result["val_loss"] > 5.0  # the step-2 weights, scored
+    assert {f.name: f.read_bytes() for f in run.iterdir()} == before
+    # past --max-steps, eval-only still scores the checkpoint instead of silently doing nothing
+    assert train.main(ft_args(token_data, hf_dir, run, "--eval-only", "--resume=auto", "--max-steps=1"))["val_loss"] \
+        == pytest.approx(result["val_loss"], abs=1e-6)
+
+
+def test_resumed_fine_tune_needs_no_init_source(token_data, hf_dir, tmp_path):
+    full = train.main(ft_args(token_data, hf_dir, tmp_path, "--max-steps=4", "--eval-every=0", "--ckpt-every=2",
+                              "--dropout=0.1"))["losses"]
+    (tmp_path / "ckpt_000004.pt").unlink()
+    gone = tmp_path / "hf_gone"  # an offline node without the HF weights resumes from the checkpoint alone
+    rest = train.main(ft_args(token_data, gone, tmp_path, "--max-steps=4", "--eval-every=0", "--ckpt-every=2",
+                              "--dropout=0.1", "--resume=auto"))["losses"]
+    assert rest == full[2:]  # bitwise
 
 
 @pytest.mark.slow
 def test_init_from_on_two_ranks_scores_the_hf_model(token_data, hf_dir, tmp_path):
     # each rank loads the weights (local rank 0 first, so a hub download happens once per node); one val batch per
     # rank is the first two windows, as two batches are on one rank
-    proc = run_torchrun(["train.py", *tiny_args(token_data, tmp_path, "--init-from", str(hf_dir), "--seq-len=32",
-                                                "--batch-size=2", "--eval-batches=1", "--eval-only")], nproc=2)
+    proc = run_torchrun(["train.py", *ft_args(token_data, hf_dir, tmp_path, "--eval-batches=1", "--eval-only")],
+                        nproc=2)
     val = float(re.search(r"step +0 \| val loss (\d+\.\d+)", proc.stdout).group(1))
     assert val == pytest.approx(_hf_loss(hf_dir, token_data, "val", 2, 2, 32), abs=1e-4)  # printed to 4 decimals
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--n-layer=3"], r"fixes the architecture, but this run asks for --n-layer 3 \(it has 2\)"),
-    (["--mlp=swiglu", "--n-embd=32"], r"asks for --mlp swiglu \(it has gelu\): drop"),
-    (["--seq-len=128"], "--seq-len 128 is longer than --init-from .*'s context of 64 tokens"),
+@pytest.fixture(scope="module")
+def swiglu_ckpt(token_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("swiglu")
+    train.main(tiny_args(token_data, out, "--mlp=swiglu", "--max-steps=1", "--eval-every=0"))
+    return out / "ckpt_000001.pt"
+
+
+@pytest.mark.parametrize("source, extra, message", [
+    ("hf", ["--n-layer=3"], r"fixes the architecture, but this run asks for --n-layer 3 \(it has 2\): drop"),
+    ("hf", ["--preset=gpt2-350m"], r"--model gpt2-medium \(n_layer 24, n_head 16, n_embd 1024; it has n_layer 2, "
+                                   r"n_head 4, n_embd 32\)"),
+    ("hf", ["--seq-len=128", "--total-batch-size=256"],
+     "--seq-len 128 is longer than --init-from .*'s context of 64 tokens"),
+    # a flag given explicitly is checked even when it names GPT-2's default
+    ("swiglu", ["--mlp=gelu"], r"asks for --mlp gelu \(it has swiglu\)"),
 ])
-def test_init_from_refuses_a_different_architecture(token_data, hf_dir, tmp_path, capsys, extra, message):
+def test_init_from_refuses_a_different_architecture(token_data, hf_dir, swiglu_ckpt, tmp_path, capsys, source,
+                                                    extra, message):
+    init = hf_dir if source == "hf" else swiglu_ckpt
     with pytest.raises(SystemExit):
-        train.main(tiny_args(token_data, tmp_path, "--init-from", str(hf_dir), "--eval-only", *extra))
+        train.main(["--data", str(token_data), "--out-dir", str(tmp_path), "--init-from", str(init), "--eval-only",
+                    "--seq-len=32", "--batch-size=2", "--total-batch-size=64", *extra])
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_init_from_accepts_flags_that_match_the_source(token_data, swiglu_ckpt, tmp_path):
+    # the tiny preset names the checkpoint's own architecture, and --mlp swiglu agrees with it
+    result = train.main(tiny_args(token_data, tmp_path, "--init-from", str(swiglu_ckpt), "--mlp=swiglu",
+                                  "--eval-only"))
+    assert result["val_loss"] > 5.0
 
 
 def test_init_from_a_run_directory_names_its_latest_checkpoint(token_data, tmp_path, capsys):
