@@ -108,7 +108,8 @@ class TrainConfig:
     # checkpoints and logs
     out_dir: str = "out/gpt2-124m"  # checkpoints, log.jsonl and profiler traces go here
     ckpt_every: int = 5000  # checkpoint every N steps (and at the end, and on SIGTERM); 0 = only at the end
-    keep_last: int = 3  # keep the newest K checkpoints
+    keep_last: int = 3  # keep the newest K checkpoints (0 = all)
+    keep_every: int = 0  # never delete a checkpoint whose step is a multiple of N (0 = none; llm.c's -nm)
     resume: str = ""  # '' (fresh run), 'auto' (latest valid checkpoint in out_dir) or a checkpoint path
     log_every: int = 1  # print a step line every N steps
     # run control
@@ -131,7 +132,8 @@ class TrainConfig:
             raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
         at_least = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "max_steps": 1, "eval_batches": 1,
                     "log_every": 1, "sample_tokens": 1, "profile_steps": 1, "warmup_steps": 0, "eval_every": 0,
-                    "hellaswag_every": 0, "sample_every": 0, "ckpt_every": 0, "keep_last": 0}
+                    "hellaswag_every": 0, "sample_every": 0, "ckpt_every": 0, "keep_last": 0,
+                    "keep_every": 0}
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
@@ -456,7 +458,8 @@ def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step
         os.fsync(f.fileno())
     os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoint untouched
     for stale in checkpoints(path.parent)[:-cfg.keep_last] if cfg.keep_last > 0 else []:
-        stale.unlink()
+        if not (cfg.keep_every and int(stale.stem.removeprefix("ckpt_")) % cfg.keep_every == 0):  # a milestone
+            stale.unlink()
 
 
 def find_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:

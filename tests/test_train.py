@@ -434,6 +434,12 @@ def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_d
     assert path.name == "ckpt_000004.pt" and ckpt["step"] == 4  # not the abandoned ckpt_000009
 
 
+def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=7", "--ckpt-every=1", "--keep-last=2", "--keep-every=3",
+                         "--eval-every=0"))
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000006.pt", "ckpt_000007.pt"]
+
+
 def test_profile_writes_a_trace(token_data, tmp_path, capsys):
     train.main(tiny_args(token_data, tmp_path, "--max-steps=5", "--eval-every=0", "--profile", "--profile-steps=1"))
     trace = json.loads((tmp_path / "trace_rank0.json").read_text())
