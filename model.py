@@ -507,8 +507,10 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        # a new chunk attends causally to itself; a single decoded token sees every cached position
-        causal = T > 1
+        # a new chunk attends causally to itself; a single decoded token sees every cached position. Without a cache
+        # the answer is True whatever T is, and a plain bool: under torch.compile with T dynamic (after inputs of
+        # several lengths, e.g. HellaSwag's) `T > 1` is a SymBool, which SDPA refuses, breaking the graph
+        causal = cache is None or T > 1
         if cache is not None:
             if cache.pos > 0 and T > 1:
                 raise ValueError("KVCache supports a prefill into an empty cache, then one token at a time")

@@ -786,7 +786,10 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                 print(f"step {step:6d} | val loss {vl:.4f}")
         if hellaswag_examples and (final or step % cfg.hellaswag_every == 0):
             import hellaswag
-            hs = hellaswag.evaluate(model, hellaswag_examples, device, rank, world, limit=cfg.hellaswag_limit,
+            # the uncompiled module (the same weights; its own collectives under FSDP): HellaSwag's batches come in
+            # many lengths, and through the compiled model they would make torch.compile recompile the training
+            # forward with a dynamic sequence length. Eager costs little here: no backward, short sequences
+            hs = hellaswag.evaluate(raw, hellaswag_examples, device, rank, world, limit=cfg.hellaswag_limit,
                                     enc=enc, progress=True)
             result["hellaswag"] = hs
             write({"type": "hellaswag", "step": step, "tokens": step * tokens_per_step, **hs})

@@ -47,13 +47,14 @@ def hf_dir(tmp_path_factory) -> Path:
     return path
 
 
-def run_torchrun(args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_torchrun(args: list[str], nproc: int, timeout: int = 300,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run train.py (or another script) under torchrun; fails the test with its output on error or timeout.
 
     On a timeout the launcher gets SIGTERM, which it passes on to its workers (they run in sessions of their own, so
     killing the launcher alone would leave them alive, holding a GPU), then SIGKILL if it is still there 30 s later.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -523,9 +523,18 @@ def test_fsdp_bf16_samples_between_evaluations(token_data, tmp_path):
 @pytest.mark.slow
 def test_compiled_run_with_eval_hellaswag_and_samples(token_data, tmp_path, capsys):
     hellaswag_data = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
+    # T=128: HellaSwag's batches, padded to a multiple of 32 tokens, are shorter than the training sequences
     args = ["--max-steps=3", "--eval-every=2", "--hellaswag-every=2", f"--hellaswag={hellaswag_data}",
-            "--sample-every=2", "--sample-tokens=8"]
+            "--sample-every=2", "--sample-tokens=8", "--seq-len=128"]
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     compiled = train.main(tiny_args(token_data, tmp_path / "compiled", "--compile", *args))
+    # HellaSwag's many sequence lengths never reach the compiled model: no graph break, and the training forward is
+    # compiled once with static shapes (val in eval mode is the second graph)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     out = capsys.readouterr().out
     assert "compile True" in out
     assert out.count("sample: ") == 4  # 2 at step 2 and 2 at the end (step 3)
