@@ -309,6 +309,7 @@ class FinewebConfig:
     source: str = FINEWEB  # hub dataset, shakespeare, stdlib, or a local file/dir/glob of .txt/.jsonl/.json/.parquet
     name: str = ""  # hub dataset config ('' = sample-10BT for fineweb-edu, none otherwise)
     split: str = "train"  # hub dataset split to read
+    revision: str = ""  # hub dataset commit to read ('' = the latest): pin it to reproduce shards exactly
     text_field: str = "text"  # column that holds each document's text
     txt_unit: str = "document"  # a .txt source yields one document per: document (whole file), paragraph or line
     out_dir: str = ""  # output directory ('' = data/edu_fineweb10B for fineweb-edu, else data/<source name>)
@@ -495,8 +496,9 @@ def read_rows(cfg: FinewebConfig, files: list[Path] | None) -> Iterator[tuple[di
     with _quiet_datasets():
         try:
             if files is None:
+                pin = {"revision": cfg.revision} if cfg.revision else {}
                 ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split,
-                                           streaming=cfg.streaming)
+                                           streaming=cfg.streaming, **pin)
             else:
                 builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
                 options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
@@ -651,7 +653,10 @@ def _done_record(cfg: FinewebConfig, inputs: dict[str, Any] | None, shards: list
     not read the source again (the last shard is short, so its size alone cannot tell a finished run from an
     interrupted one)."""
     keys = ("source", "name", "split", "text_field", "txt_unit", "prefix", "shard_size", "val_tokens", "max_tokens")
-    return {"settings": {k: getattr(cfg, k) for k in keys}, "inputs": inputs,
+    settings = {k: getattr(cfg, k) for k in keys}
+    if cfg.revision:  # only when pinned, so the records of runs before this option still match
+        settings["revision"] = cfg.revision
+    return {"settings": settings, "inputs": inputs,
             "shards": {p.name: len(read_shard(p)) for p in shards}}
 
 

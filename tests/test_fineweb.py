@@ -292,6 +292,10 @@ def test_default_job_is_fineweb_edu_sample_10bt_through_datasets(tmp_path, monke
     assert [f.name for f in shard_files(tmp_path)][:2] == ["edufineweb_val_000000.bin", "edufineweb_train_000001.bin"]
     assert len(read_shard(tmp_path / "edufineweb_val_000000.bin")) == 1000  # first shard is val
     assert np.array_equal(concat(tmp_path), expected_tokens(docs))
+    # a pinned hub revision reaches load_dataset, and a finished run of the latest revision is not taken for it
+    main(["--out-dir", str(tmp_path), "--shard-size", "1000", "--workers", "1", "--revision", "abc123"])
+    assert calls[-1] == ("HuggingFaceFW/fineweb-edu", {"name": "sample-10BT", "split": "train", "streaming": True,
+                                                        "revision": "abc123"})
 
 
 def test_config_defaults_per_source():
