@@ -213,9 +213,14 @@ def exit_now(code: int) -> None:
     a noexcept destructor: std::terminate, "terminate called without an active exception" and exit code -6 after a
     complete run (2-rank gloo train.py runs with the gloo threads starved of CPU: 5 aborts in 16, none in 10 with
     this exit; CPython gh-87135, pybind11 #2215). Callers have closed or fsynced every file they wrote; only the std
-    streams need a flush."""
+    streams need a flush, Python's and the C library's (printf from an extension)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        import ctypes
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # no C library to reach (not a POSIX system): nothing buffered there
+        pass
     os._exit(code)
 
 
@@ -233,7 +238,8 @@ def checkpoints(out_dir: Path) -> list[Path]:
             return p.stat().st_mtime_ns, p.name
         except FileNotFoundError:  # pruned by another process meanwhile
             return 0, p.name
-    return sorted(out_dir.glob("ckpt_*.pt"), key=written)
+    found = [p for p in out_dir.glob("ckpt_*.pt") if re.fullmatch(r"ckpt_\d+\.pt", p.name)]  # not a ckpt_best.pt
+    return sorted(found, key=written)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",

@@ -84,8 +84,8 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
-    skip_loss_z: float = 0.0  # skip the update when the loss is this many std devs above the last 128 (0 = off)
-    skip_norm_z: float = 0.0  # skip the update when the grad norm is this many std devs above the last 128 (0 = off)
+    skip_loss_z: float = 0.0  # skip the update when the loss's z-score in the last 128 exceeds this (0 = off)
+    skip_norm_z: float = 0.0  # skip the update when the grad norm's z-score in the last 128 exceeds this (0 = off)
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     # system
     device: str = "auto"  # auto (cuda if available, else cpu), cuda, cpu
@@ -151,6 +151,9 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip", "max_time", "skip_loss_z", "skip_norm_z"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
+        if self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every:
+            raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}, or "
+                             "no checkpoint is ever written at the steps it keeps")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"--peak-tflops must be > 0 or none; got {self.peak_tflops}")
 
@@ -269,22 +272,26 @@ OUTLIER_WINDOW = 128  # steps of history behind a z-score, as in llm.c
 
 
 class OutlierDetector:
-    """z-score of a value against the last OUTLIER_WINDOW values (llm.c's -sl/-sg update skipping): a loss or gradient
-    norm far above its recent history is a spike whose update is better dropped than applied. Until the window is
-    full every z-score is 0, so nothing is skipped early in a run. Every value enters the window, skipped or not."""
+    """z-score of a value as llm.c's -sl/-sg update skipping computes it: a loss or gradient norm far above its recent
+    history is a spike whose update is better dropped than applied. Once OUTLIER_WINDOW values have been seen, each
+    new one replaces the oldest and is scored against the window it is now part of (so z never exceeds
+    sqrt(OUTLIER_WINDOW - 1), 11.3 for 128); before that every z-score is 0, so nothing is skipped early in a run.
+    Every value enters the window, skipped or not, except a NaN or inf (the run stops on those anyway, and a resumed
+    one must not inherit them)."""
 
     def __init__(self) -> None:
         self.values: list[float] = []
 
     def __call__(self, x: float) -> float:
-        z = 0.0
-        if len(self.values) >= OUTLIER_WINDOW and math.isfinite(x):
-            mean = sum(self.values) / len(self.values)
-            std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / len(self.values))
-            z = (x - mean) / std if std > 0 else 0.0
-        if math.isfinite(x):  # a NaN stops the run anyway; it must not poison the statistics of a resumed one
-            self.values = (self.values + [x])[-OUTLIER_WINDOW:]
-        return z
+        if not math.isfinite(x):
+            return 0.0
+        full = len(self.values) >= OUTLIER_WINDOW
+        self.values = (self.values + [x])[-OUTLIER_WINDOW:]
+        if not full:
+            return 0.0
+        mean = sum(self.values) / len(self.values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / len(self.values))
+        return (x - mean) / std if std > 0 else 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -750,14 +757,17 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     skipped = ""  # why this step's update was dropped, or ""
 
     def update(loss: torch.Tensor, norm: torch.Tensor) -> bool:
-        """llm.c's spike guard: no update from a step whose loss or gradient norm is an outlier. The loss is
-        averaged over ranks first (the norm already is global), so every rank decides the same."""
+        """llm.c's spike guard: no update from a step whose loss or gradient norm is an outlier. Every rank must
+        decide the same, or DDP would drift apart and ZeRO-1 hang: both figures are averaged over the ranks in one
+        all-reduce (the norm is global already, so that changes nothing but the last bits), which hands every rank
+        the same numbers, and so the same history and verdict."""
         nonlocal skipped
-        mean = loss.detach().clone()
+        stats = torch.stack([loss.detach().float(), norm.detach().float()])
         if world > 1:
-            dist.all_reduce(mean)
-            mean /= world
-        z_loss, z_norm = detectors["loss"](mean.item()), detectors["norm"](norm.item())
+            dist.all_reduce(stats)
+            stats /= world
+        mean_loss, mean_norm = stats.tolist()
+        z_loss, z_norm = detectors["loss"](mean_loss), detectors["norm"](mean_norm)
         if cfg.skip_loss_z > 0 and z_loss > cfg.skip_loss_z:
             skipped = f"loss z-score {z_loss:.1f} > {cfg.skip_loss_z}"
         elif cfg.skip_norm_z > 0 and z_norm > cfg.skip_norm_z:

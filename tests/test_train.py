@@ -292,39 +292,42 @@ def test_outlier_detector_zscores(monkeypatch):
     monkeypatch.setattr(train, "OUTLIER_WINDOW", 4)
     detect = train.OutlierDetector()
     assert [detect(v) for v in (1.0, 2.0, 3.0, 4.0)] == [0.0] * 4  # no verdict before the window is full
-    assert detect(5.0) == pytest.approx(2.5 / 1.25 ** 0.5)  # (5 - mean 2.5) / population std of 1, 2, 3, 4
-    assert detect.values == [2.0, 3.0, 4.0, 5.0]  # the spike entered the window: the window slides over everything
+    # as llm.c: 5 replaces 1 and is scored within the window 2, 3, 4, 5 (mean 3.5, population std sqrt(1.25))
+    assert detect(5.0) == pytest.approx(1.5 / 1.25 ** 0.5)
+    assert detect.values == [2.0, 3.0, 4.0, 5.0]
     assert detect(float("nan")) == 0.0 and detect.values == [2.0, 3.0, 4.0, 5.0]  # not poisoned by a NaN
+    assert detect(1e9) == pytest.approx(3 ** 0.5, rel=1e-6)  # the most a window of 4 allows: sqrt(4 - 1)
 
 
 def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_path, monkeypatch):
-    # the loss at step 6 is tripled; with --skip-loss-z that step changes neither weights nor AdamW moments
-    monkeypatch.setattr(train, "OUTLIER_WINDOW", 4)
+    # the loss at step 20 is tripled; with --skip-loss-z that step changes neither weights nor AdamW moments
+    monkeypatch.setattr(train, "OUTLIER_WINDOW", 16)  # a lone spike among 16 scores sqrt(15) = 3.9
     current = {}
     real_lr, real_forward = train.get_lr, train.GPT.forward
     monkeypatch.setattr(train, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
 
     def spiky(self, idx, targets=None, **kw):
         logits, loss = real_forward(self, idx, targets, **kw)
-        return logits, (loss * 3 if self.training and current["step"] == 6 else loss)
+        return logits, (loss * 3 if self.training and current["step"] == 20 else loss)
 
     monkeypatch.setattr(train.GPT, "forward", spiky)
-    common = ["--max-steps=8", "--ckpt-every=1", "--keep-last=10", "--eval-every=0", "--skip-loss-z=10"]
+    common = ["--max-steps=21", "--ckpt-every=1", "--keep-last=3", "--eval-every=0", "--skip-loss-z=3",
+              "--total-batch-size=256"]
     full = train.main(tiny_args(token_data, tmp_path / "full", *common))["losses"]
     records = [r for r in train.iter_log(tmp_path / "full" / "log.jsonl") if r["type"] == "train"]
-    assert [r["step"] for r in records if "skipped" in r] == [6] and full[6] > 3 * 10
-    ckpts = {step: load_checkpoint(tmp_path / "full" / f"ckpt_{step:06d}.pt") for step in (5, 6, 7)}
-    for name, before in ckpts[6]["model"].items():
-        assert torch.equal(ckpts[7]["model"][name], before), name  # step 6 was not applied
-    assert not torch.equal(ckpts[5]["model"]["lm_head.weight"], ckpts[6]["model"]["lm_head.weight"])  # step 5 was
-    for name, state in ckpts[6]["optimizer"]["state"].items():  # keyed by parameter name
-        assert torch.equal(ckpts[7]["optimizer"]["state"][name]["exp_avg"], state["exp_avg"]), name
-    assert ckpts[6]["outliers"]["loss"] == pytest.approx([r["loss"] for r in records[2:6]])  # the last 4 losses
-    # resumed at step 5, the restored history flags step 6 again: the same losses, bitwise
+    assert [r["step"] for r in records if "skipped" in r] == [20] and full[20] > 3 * 10
+    ckpts = {step: load_checkpoint(tmp_path / "full" / f"ckpt_{step:06d}.pt") for step in (19, 20, 21)}
+    for name, before in ckpts[20]["model"].items():
+        assert torch.equal(ckpts[21]["model"][name], before), name  # step 20 was not applied
+    assert not torch.equal(ckpts[19]["model"]["lm_head.weight"], ckpts[20]["model"]["lm_head.weight"])  # 19 was
+    for name, state in ckpts[20]["optimizer"]["state"].items():  # keyed by parameter name
+        assert torch.equal(ckpts[21]["optimizer"]["state"][name]["exp_avg"], state["exp_avg"]), name
+    assert ckpts[20]["outliers"]["loss"] == pytest.approx([r["loss"] for r in records[4:20]])  # the last 16 losses
+    # resumed at step 20, the restored history flags the spike again: the same losses, bitwise
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    shutil.copy(tmp_path / "full" / "ckpt_000005.pt", resumed)
-    assert train.main(tiny_args(token_data, resumed, *common, "--resume=auto"))["losses"] == full[5:]
+    shutil.copy(tmp_path / "full" / "ckpt_000020.pt", resumed)
+    assert train.main(tiny_args(token_data, resumed, *common, "--resume=auto"))["losses"] == full[20:]
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
@@ -435,9 +438,14 @@ def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_d
 
 
 def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
+    (tmp_path / "ckpt_best.pt").write_bytes(b"a user's own file")  # not a step: neither pruned nor resumed from
     train.main(tiny_args(token_data, tmp_path, "--max-steps=7", "--ckpt-every=1", "--keep-last=2", "--keep-every=3",
                          "--eval-every=0"))
-    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000006.pt", "ckpt_000007.pt"]
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000006.pt", "ckpt_000007.pt",
+                                                                 "ckpt_best.pt"]
+    assert train.find_checkpoint(tmp_path)[0].name == "ckpt_000007.pt"
+    with pytest.raises(ValueError, match="--keep-every 5 must be a multiple of --ckpt-every 2"):
+        train.TrainConfig(ckpt_every=2, keep_every=5)
 
 
 def test_profile_writes_a_trace(token_data, tmp_path, capsys):
