@@ -481,7 +481,7 @@ def find_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig, loader: TokenLoader,
+def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig, loader: TokenLoader | None,
             scaler: torch.amp.GradScaler | None, rank: int, world_size: int) -> int:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
@@ -501,7 +501,8 @@ def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
                     state["step"] = state["step"].to(p.device, torch.float32)
     else:
         set_optimizer_state_dict(raw, optimizer, ckpt["optimizer"], options=opts)
-    loader.load_state_dict(ckpt["loader"])
+    if loader is not None:
+        loader.load_state_dict(ckpt["loader"])
     if scaler and ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     if len(ckpt["rng"]) == world_size:
@@ -649,7 +650,8 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     if device.type == "cuda" and cfg.attention in ("flash", "cudnn") and cfg.dtype == "fp32":
         raise ValueError(f"--attention {cfg.attention} has no fp32 kernel on CUDA; use --dtype bf16 or "
                          "--attention auto")
-    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    # by default on CUDA, except for a one-off evaluation, where compiling would take longer than it saves
+    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda" and not cfg.eval_only
     if use_compile and (why := cuda_graph_conflict(cfg, grad_accum, device)):
         raise ValueError(why)
 
@@ -658,7 +660,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         torch.cuda.manual_seed(cfg.seed + rank)
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (outside autocast) on tensor cores
         torch.backends.cudnn.allow_tf32 = True
-    train_loader = TokenLoader(cfg.data, "train", B, T, rank, world, cfg.seed, device, cfg.preload)
+    # an evaluation needs only the val split: a directory holding just a val shard will do
+    train_loader = TokenLoader(cfg.data, "train", B, T, rank, world, cfg.seed, device, cfg.preload) \
+        if not cfg.eval_only else None
     val_loader = TokenLoader(cfg.data, "val", B, T, rank, world, cfg.seed, device, cfg.preload) \
         if cfg.eval_every > 0 or cfg.eval_only else None
 
@@ -746,13 +750,14 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                   f"{eval_batches} batches per rank instead of --eval-batches {cfg.eval_batches}")
     hellaswag_examples = _load_hellaswag(cfg, local_rank, world, device, master)
     enc = get_tokenizer() if (cfg.sample_every > 0 or hellaswag_examples) else None
-    if cfg.overfit_batch:  # always the run's first batch, also after a resume moved the loader on
+    next_batch: Callable[[], tuple] | None = None  # None only for --eval-only, which never trains
+    if cfg.overfit_batch and train_loader is not None:  # always the run's first batch, also after a resume
         position = train_loader.state_dict()
         train_loader.reset()
         fixed = train_loader.next_batch()
         train_loader.load_state_dict(position)
-        next_batch: Callable[[], tuple] = lambda: fixed
-    else:
+        next_batch = lambda: fixed
+    elif train_loader is not None:
         next_batch = train_loader.next_batch
     skipped = ""  # why this step's update was dropped, or ""
 

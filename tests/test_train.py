@@ -228,6 +228,14 @@ def test_eval_only_beside_a_live_run_leaves_its_files_alone(token_data, hf_dir, 
         == pytest.approx(result["val_loss"], abs=1e-6)
 
 
+def test_eval_only_needs_only_the_val_split(token_data, hf_dir, tmp_path):
+    val_only = tmp_path / "val_only"
+    val_only.mkdir()
+    shutil.copy(next(token_data.glob("*_val_*.bin")), val_only)
+    scored = train.main(ft_args(val_only, hf_dir, tmp_path / "out", "--eval-only"))["val_loss"]
+    assert scored == pytest.approx(_hf_loss(hf_dir, token_data, "val", 2, 2, 32), abs=1e-5)
+
+
 def test_resumed_fine_tune_needs_no_init_source(token_data, hf_dir, tmp_path):
     full = train.main(ft_args(token_data, hf_dir, tmp_path, "--max-steps=4", "--eval-every=0", "--ckpt-every=2",
                               "--dropout=0.1"))["losses"]
