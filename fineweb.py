@@ -15,10 +15,12 @@ the source (or --max-tokens) ends before that leaves a single train token: then 
 and the rest is train shard 1, so a small corpus needs no flags. An explicit --val-tokens that leaves nothing for
 training is an error.
 
-A rerun keeps the shards already complete and continues. A finished run leaves PREFIX_done.json (its settings, a
-fingerprint of a local source's files: paths, sizes, mtimes; and the shard sizes): a rerun that matches it reads
-nothing, and one with other settings or changed input files writes every shard again. Input that cannot be read ends
-in one line naming the file or flag; --out-dir is not touched before the first shard is written.
+A rerun keeps the shards already complete and continues, reading the source from the file (part) that holds the
+first missing document, where an earlier run counted the documents of the files before it (PREFIX_parts.json). A
+finished run leaves PREFIX_done.json (its settings, a fingerprint of a local source's files: paths, sizes, mtimes;
+and the shard sizes): a rerun that matches it reads nothing, and one with other settings or changed input files
+writes every shard again. Input that cannot be read ends in one line naming the file or flag; --out-dir is not
+touched before the first shard is written.
 
 Usage:
     python fineweb.py                                         # fineweb-edu sample-10BT -> data/edu_fineweb10B
@@ -481,11 +483,15 @@ def _parquet_rows(pq: Any, file: Path) -> int | None:
         return None
 
 
-def read_rows(cfg: FinewebConfig, files: list[Path] | None) -> Iterator[tuple[dict[str, Any], str]]:
+def read_rows(cfg: FinewebConfig, files: list[Path] | None,
+              start_part: int = 0) -> Iterator[tuple[dict[str, Any], str, int]]:
     """The source's rows (dicts) in a fixed order, each with where it came from ('FILE of --source S', or
-    '--source S'), always through `datasets.load_dataset`, so every source is read the same way. Local .txt files:
-    one row per whole file by default (--txt-unit); stdlib: one row per .py file. An error `datasets` raises while
-    reading becomes one DataError line naming the file (streaming) or --source, and the root cause."""
+    '--source S') and the index of its part, always through `datasets.load_dataset`, so every source is read the same
+    way. Streamed, a source of several files (local, or a hub dataset's parquet files) comes in parts, a file each,
+    in order, and reading starts at part `start_part`: a resumed run skips whole files without downloading them.
+    Local .txt files: one row per whole file by default (--txt-unit); stdlib: one row per .py file. An error
+    `datasets` raises while reading becomes one DataError line naming the file (streaming) or --source, and the root
+    cause."""
     import datasets  # lazily: the loader above must import on machines without `datasets`
     import pyarrow
 
@@ -514,7 +520,12 @@ def read_rows(cfg: FinewebConfig, files: list[Path] | None) -> Iterator[tuple[di
         parts: list[tuple[Any, str, Path | None]] = [(ds, source, files[0] if files and len(files) == 1 else None)]
         if files and len(files) > 1 and isinstance(ds, datasets.IterableDataset) and ds.num_shards == len(files):
             parts = [(ds.shard(len(files), i, contiguous=True), f"{f} of {source}", f) for i, f in enumerate(files)]
-        for part, where, file in parts:
+        elif files is None and isinstance(ds, datasets.IterableDataset) and ds.num_shards > 1:
+            n = ds.num_shards
+            parts = [(ds.shard(n, i, contiguous=True), f"file {i + 1} of {n} of {source}", None) for i in range(n)]
+        for index, (part, where, file) in enumerate(parts):
+            if index < start_part:
+                continue
             rows = iter(part)
             while True:
                 try:
@@ -523,12 +534,13 @@ def read_rows(cfg: FinewebConfig, files: list[Path] | None) -> Iterator[tuple[di
                     break
                 except reading as e:
                     raise _read_error(cfg, where, file, e) from None
-                yield row, where
+                yield row, where, index
 
 
-def documents(rows: Iterable[tuple[dict[str, Any], str]], cfg: FinewebConfig) -> Iterator[str]:
-    """The non-empty texts of `row[cfg.text_field]`; empty documents would add a lone EOT and nothing else."""
-    for row, where in rows:
+def documents(rows: Iterable[tuple[dict[str, Any], str, int]], cfg: FinewebConfig) -> Iterator[tuple[str, int]]:
+    """The non-empty texts of `row[cfg.text_field]` with their part; empty documents would add a lone EOT and
+    nothing else."""
+    for row, where, part in rows:
         if cfg.text_field not in row:
             raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are {', '.join(row)}; "
                             "pass one of them with --text-field")
@@ -538,7 +550,54 @@ def documents(rows: Iterable[tuple[dict[str, Any], str]], cfg: FinewebConfig) ->
         if not isinstance(text, str):
             raise DataError(f"--text-field {cfg.text_field!r} of {where} holds {type(text).__name__}, not text; "
                             "pass a text column with --text-field")
-        yield text
+        yield text, part
+
+
+class PartCounts:
+    """How many documents each part of the source (a file, see read_rows) holds, learnt as parts are read whole and
+    kept beside the shards in PREFIX_parts.json, so that a resumed run can start reading at the part that holds its
+    first missing document instead of reading (downloading) the source again from its start. The record counts only
+    for the same settings and local input files; a source that changed anyway is caught by the check of the last
+    kept document's tokens (_skip_tokens)."""
+
+    def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, resume: bool):
+        self.path = Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_parts.json"
+        self.key = {"settings": _done_record(cfg, inputs, [])["settings"], "inputs": inputs}
+        self.counts: list[int] = []
+        self.read = 0  # documents this run has read from the source (skipped ones included)
+        try:
+            record = json.loads(self.path.read_text()) if resume else {}
+        except (OSError, ValueError):
+            record = {}
+        counts = record.get("documents") if record.get("key") == self.key else None
+        if isinstance(counts, list) and all(isinstance(n, int) and n >= 0 for n in counts):
+            self.counts = counts
+
+    def start(self, skip: int) -> tuple[int, int]:
+        """(the first part to read, documents to skip in it) for a run that skips `skip` documents."""
+        part = 0
+        while part < len(self.counts) and self.counts[part] <= skip:
+            skip -= self.counts[part]
+            part += 1
+        return part, skip
+
+    def count(self, docs: Iterable[tuple[str, int]], part: int) -> Iterator[str]:
+        """The texts of `docs` (which start at part `part`), counting each part's documents once it is read whole."""
+        n = 0
+        for text, p in docs:
+            while p > part:  # part (and any empty ones after it) read to its end
+                self.counts[part:] = [n]
+                part, n = part + 1, 0
+            n += 1
+            self.read += 1
+            yield text
+        self.counts[part:] = [n]  # the source's end: its last part is whole too
+
+    def save(self) -> None:
+        """Written with each shard: the directory is this run's by then."""
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps({"key": self.key, "documents": self.counts}))
+        os.replace(tmp, self.path)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -721,13 +780,14 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
         print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
               f"nothing to do (delete {_done_path(cfg).name} to write again)")
         return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
-                "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "seconds": 0.0, "tokens_per_sec": 0.0,
-                "workers": 0}
+                "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "documents_read": 0, "seconds": 0.0,
+                "tokens_per_sec": 0.0, "workers": 0}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
     # resume from the complete shards on disk, unless they are a finished run's of other settings or inputs
     kept, written, docs_started, partial = (existing_shards(cfg) if previous == "none"
                                             else (0, 0, 0, np.zeros(0, np.uint16)))
+    parts = PartCounts(cfg, inputs, resume=kept > 0)
     changed = False  # whether this run has touched --out-dir yet
     docs_written = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
     limit = cfg.max_tokens or float("inf")
@@ -738,16 +798,18 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     # the pool is forked before `datasets` starts any threads (forking a process with threads can deadlock)
     with multiprocessing.Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
         try:
-            rows = read_rows(cfg, files)
-            # a rerun regenerates the same stream without tokenizing what is on disk: skip the complete documents,
-            # then drop the part of the last one that is already written (checking it is the same)
-            docs = islice(documents(rows, cfg), max(docs_started - 1, 0), None)
+            # a rerun regenerates the same stream without tokenizing what is on disk: skip the complete documents
+            # (whole files of them unread, where an earlier run counted them), then drop the part of the last one
+            # that is already written (checking it is the same)
+            part, skip = parts.start(max(docs_started - 1, 0))
+            docs = islice(parts.count(documents(read_rows(cfg, files, part), cfg), part), skip, None)
             stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))
             for arr in stream:
                 pos = 0
                 while pos < len(arr) and total < limit:
                     if fill == len(buf):  # written once more tokens come, so a val shard is never left on its own
                         _write_next(cfg, index, buf, first=not changed)
+                        parts.save()
                         changed = True
                         bar.close()
                         bar, index, fill = None, index + 1, 0
@@ -789,9 +851,11 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     tmp = done.with_name(f".{done.name}.tmp")
     tmp.write_text(json.dumps(_done_record(cfg, inputs, [shard_path(cfg, i) for i in range(index)])))
     os.replace(tmp, done)
+    parts.path.unlink(missing_ok=True)  # a finished run needs no resume point
     seconds = time.time() - t0
     result = {"out_dir": str(out), "shards": index, "skipped_shards": kept, "val_tokens": val,
               "train_tokens": total - val, "tokenized": total - written, "documents_tokenized": docs_written,
+              "documents_read": parts.read,
               "seconds": seconds, "tokens_per_sec": (total - written) / max(seconds, 1e-9), "workers": workers}
     print(f"{out}: {index} shards ({kept} already complete), {val:,} val + {total - val:,} train tokens; tokenized "
           f"{total - written:,} tokens of {docs_written:,} documents in {seconds:.1f}s = "

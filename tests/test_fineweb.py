@@ -401,6 +401,37 @@ def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, mo
     assert f"tokenized {result['tokenized']:,} tokens of {70 - kept_docs + 1} documents in" in capsys.readouterr().out
 
 
+def test_killed_writer_resumes_at_the_file_of_its_first_missing_document(tmp_path, monkeypatch):
+    # 7 files of 10 documents, streamed a file at a time: the rerun must not read the files the kept shards hold
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = make_docs(70, seed=3)
+    for i in range(7):
+        write_jsonl(src / f"part{i}.jsonl", docs[10 * i:10 * i + 10])
+    ref = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref"))
+    assert ref["documents_read"] == 70 and not (tmp_path / "ref" / "t_parts.json").exists()  # gone once finished
+    real, written = fineweb.write_shard, []
+
+    def killed_after(path, tokens):
+        if len(written) == 5:
+            raise KeyboardInterrupt
+        written.append(path)
+        real(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", killed_after)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "out"))
+    counts = json.loads((tmp_path / "out" / "t_parts.json").read_text())["documents"]
+    assert counts[:2] == [10, 10]  # files read whole before the kill
+    monkeypatch.setattr(fineweb, "write_shard", real)
+    result = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "out"))
+    # it starts at a file boundary, past at least the two files read whole before the kill, and reads on to the end
+    assert result["skipped_shards"] == 5
+    assert result["documents_read"] in {70 - sum(counts[:k]) for k in range(2, len(counts) + 1)}
+    assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")} == \
+        {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
+
+
 def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
     src, ref = reference
     out = tmp_path / "out"
