@@ -484,11 +484,12 @@ def _parquet_rows(pq: Any, file: Path) -> int | None:
 
 
 def read_rows(cfg: FinewebConfig, files: list[Path] | None,
-              start_part: int = 0) -> Iterator[tuple[dict[str, Any], str, int]]:
+              counts: PartCounts | None = None) -> Iterator[tuple[dict[str, Any], str, int]]:
     """The source's rows (dicts) in a fixed order, each with where it came from ('FILE of --source S', or
     '--source S') and the index of its part, always through `datasets.load_dataset`, so every source is read the same
     way. Streamed, a source of several files (local, or a hub dataset's parquet files) comes in parts, a file each,
-    in order, and reading starts at part `start_part`: a resumed run skips whole files without downloading them.
+    in order, and reading starts at the part `counts` names: a resumed run skips whole files without downloading
+    them.
     Local .txt files: one row per whole file by default (--txt-unit); stdlib: one row per .py file. An error
     `datasets` raises while reading becomes one DataError line naming the file (streaming) or --source, and the root
     cause."""
@@ -523,6 +524,7 @@ def read_rows(cfg: FinewebConfig, files: list[Path] | None,
         elif files is None and isinstance(ds, datasets.IterableDataset) and ds.num_shards > 1:
             n = ds.num_shards
             parts = [(ds.shard(n, i, contiguous=True), f"file {i + 1} of {n} of {source}", None) for i in range(n)]
+        start_part = counts.begin(len(parts)) if counts is not None else 0
         for index, (part, where, file) in enumerate(parts):
             if index < start_part:
                 continue
@@ -555,48 +557,58 @@ def documents(rows: Iterable[tuple[dict[str, Any], str, int]], cfg: FinewebConfi
 
 class PartCounts:
     """How many documents each part of the source (a file, see read_rows) holds, learnt as parts are read whole and
-    kept beside the shards in PREFIX_parts.json, so that a resumed run can start reading at the part that holds its
-    first missing document instead of reading (downloading) the source again from its start. The record counts only
-    for the same settings and local input files; a source that changed anyway is caught by the check of the last
-    kept document's tokens (_skip_tokens)."""
+    kept beside the shards in PREFIX_parts.json, so that a resumed run can start reading at the part that holds the
+    documents it must see again instead of reading (downloading) the source from its start. The record counts only
+    for the same settings, local input files, way of reading (--streaming) and number of parts; a source that
+    changed anyway is caught by the check of the last kept documents' tokens (_skip_tokens)."""
 
-    def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, resume: bool):
+    def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, skip: int):
         self.path = Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_parts.json"
-        self.key = {"settings": _done_record(cfg, inputs, [])["settings"], "inputs": inputs}
+        self.key = {"settings": _done_record(cfg, inputs, [])["settings"], "inputs": inputs,
+                    "streaming": cfg.streaming}
         self.counts: list[int] = []
-        self.read = 0  # documents this run has read from the source (skipped ones included)
+        self.skip_total = skip  # documents at the start of the source that this run does not tokenize
+        self.start_part, self.skip, self.read = 0, skip, 0  # read: documents taken from the source, skipped included
         try:
-            record = json.loads(self.path.read_text()) if resume else {}
+            record = json.loads(self.path.read_text()) if skip > 0 else {}
         except (OSError, ValueError):
             record = {}
         counts = record.get("documents") if record.get("key") == self.key else None
         if isinstance(counts, list) and all(isinstance(n, int) and n >= 0 for n in counts):
-            self.counts = counts
+            self.counts, self.parts = counts, record.get("parts")
 
-    def start(self, skip: int) -> tuple[int, int]:
-        """(the first part to read, documents to skip in it) for a run that skips `skip` documents."""
-        part = 0
+    def begin(self, parts: int) -> int:
+        """read_rows calls this once it knows the source's number of parts: the part to start reading at."""
+        if parts != getattr(self, "parts", None):  # another split of the source than the counts were made for
+            self.counts = []
+        self.parts = parts
+        part, skip = 0, self.skip_total
         while part < len(self.counts) and self.counts[part] <= skip:
             skip -= self.counts[part]
             part += 1
-        return part, skip
+        self.start_part, self.skip = part, skip
+        return part
 
-    def count(self, docs: Iterable[tuple[str, int]], part: int) -> Iterator[str]:
-        """The texts of `docs` (which start at part `part`), counting each part's documents once it is read whole."""
-        n = 0
+    def count(self, docs: Iterable[tuple[str, int]]) -> Iterator[str]:
+        """The texts of `docs` after the documents to skip, counting each part's documents once it is read whole."""
+        part, n = None, 0
         for text, p in docs:
+            if part is None:  # read_rows has run begin() by the time it yields
+                part = self.start_part
             while p > part:  # part (and any empty ones after it) read to its end
                 self.counts[part:] = [n]
                 part, n = part + 1, 0
             n += 1
             self.read += 1
-            yield text
-        self.counts[part:] = [n]  # the source's end: its last part is whole too
+            if self.read > self.skip:
+                yield text
+        if part is not None:
+            self.counts[part:] = [n]  # the source's end: its last part is whole too
 
     def save(self) -> None:
         """Written with each shard: the directory is this run's by then."""
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps({"key": self.key, "documents": self.counts}))
+        tmp.write_text(json.dumps({"key": self.key, "parts": getattr(self, "parts", None), "documents": self.counts}))
         os.replace(tmp, self.path)
 
 
@@ -648,9 +660,12 @@ def shard_path(cfg: FinewebConfig, index: int) -> Path:
 def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
     """What an earlier (interrupted) run left: complete shards are those that validate and are full (val_target,
     then shard_size tokens), in order from shard 0. Every document starts with EOT, so counting EOTs tells how many
-    documents they hold. Returns (complete shards, their tokens, documents started, tokens of the last started one)."""
+    documents they hold. Returns (complete shards, their tokens, documents started, tokens of the last two started:
+    the resume compares them with what the source gives, and one alone may be a lone EOT, which any document
+    matches)."""
     kept, total, docs = 0, 0, 0
-    tail: list[np.ndarray] = []  # tokens of the last document started, possibly spread over shards
+    last: list[np.ndarray] = []  # tokens from the last EOT on, possibly spread over shards
+    tail: list[np.ndarray] = []  # tokens from the EOT before it on
     while True:
         path = shard_path(cfg, kept)
         try:
@@ -664,10 +679,13 @@ def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
         eots = np.flatnonzero(tokens == EOT)
         if kept == 0 and (len(eots) == 0 or eots[0] != 0):
             break  # not this writer's stream (it opens with EOT)
-        if len(eots):
-            tail = [np.asarray(tokens[eots[-1]:])]
+        tokens = np.asarray(tokens)
+        if len(eots) >= 2:
+            tail, last = [tokens[eots[-2]:]], [tokens[eots[-1]:]]
+        elif len(eots) == 1:
+            tail, last = [*last, tokens], [tokens[eots[0]:]]
         else:
-            tail.append(np.asarray(tokens))
+            tail, last = [*tail, tokens], [*last, tokens]
         docs += len(eots)
         total += len(tokens)
         kept += 1
@@ -787,7 +805,10 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     # resume from the complete shards on disk, unless they are a finished run's of other settings or inputs
     kept, written, docs_started, partial = (existing_shards(cfg) if previous == "none"
                                             else (0, 0, 0, np.zeros(0, np.uint16)))
-    parts = PartCounts(cfg, inputs, resume=kept > 0)
+    # a rerun regenerates the same stream without tokenizing what is on disk: it skips the documents the kept shards
+    # hold (whole files of them unread, where an earlier run counted them) but the last two, whose tokens must then
+    # equal what is on disk (a whole document and the start of the next: a check that cannot pass by chance)
+    parts = PartCounts(cfg, inputs, max(docs_started - 2, 0))
     changed = False  # whether this run has touched --out-dir yet
     docs_written = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
     limit = cfg.max_tokens or float("inf")
@@ -798,11 +819,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     # the pool is forked before `datasets` starts any threads (forking a process with threads can deadlock)
     with multiprocessing.Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
         try:
-            # a rerun regenerates the same stream without tokenizing what is on disk: skip the complete documents
-            # (whole files of them unread, where an earlier run counted them), then drop the part of the last one
-            # that is already written (checking it is the same)
-            part, skip = parts.start(max(docs_started - 1, 0))
-            docs = islice(parts.count(documents(read_rows(cfg, files, part), cfg), part), skip, None)
+            docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
             stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))
             for arr in stream:
                 pos = 0

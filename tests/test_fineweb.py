@@ -402,34 +402,51 @@ def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, mo
 
 
 def test_killed_writer_resumes_at_the_file_of_its_first_missing_document(tmp_path, monkeypatch):
-    # 7 files of 10 documents, streamed a file at a time: the rerun must not read the files the kept shards hold
+    # 8 files streamed a file at a time, one empty and one of empty texts: a rerun must not read the files whose
+    # documents the kept shards hold, and must write what an uninterrupted run writes, also with 2 workers (reading
+    # runs ahead of writing) and after switching to --streaming false (one part: the counts no longer apply)
     src = tmp_path / "src"
     src.mkdir()
-    docs = make_docs(70, seed=3)
-    for i in range(7):
-        write_jsonl(src / f"part{i}.jsonl", docs[10 * i:10 * i + 10])
+    docs, sizes = make_docs(60, seed=3), [10, 0, 10, 10, 10, 10, 10]
+    for i in range(len(sizes)):
+        write_jsonl(src / f"part{i}.jsonl", docs[sum(sizes[:i]):sum(sizes[:i + 1])])
+    write_jsonl(src / "part7.jsonl", ["", ""])  # texts, but no documents
     ref = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref"))
-    assert ref["documents_read"] == 70 and not (tmp_path / "ref" / "t_parts.json").exists()  # gone once finished
-    real, written = fineweb.write_shard, []
+    assert ref["documents_read"] == 60 and not (tmp_path / "ref" / "t_parts.json").exists()  # gone once finished
+    expected = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
+    real = fineweb.write_shard
 
-    def killed_after(path, tokens):
-        if len(written) == 5:
-            raise KeyboardInterrupt
-        written.append(path)
-        real(path, tokens)
+    def interrupted(out: Path, kill_after: int) -> list[int]:
+        written = []
 
-    monkeypatch.setattr(fineweb, "write_shard", killed_after)
-    with pytest.raises(KeyboardInterrupt):
-        write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "out"))
-    counts = json.loads((tmp_path / "out" / "t_parts.json").read_text())["documents"]
-    assert counts[:2] == [10, 10]  # files read whole before the kill
-    monkeypatch.setattr(fineweb, "write_shard", real)
-    result = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "out"))
-    # it starts at a file boundary, past at least the two files read whole before the kill, and reads on to the end
-    assert result["skipped_shards"] == 5
-    assert result["documents_read"] in {70 - sum(counts[:k]) for k in range(2, len(counts) + 1)}
-    assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")} == \
-        {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
+        def killed(path, tokens):
+            if len(written) == kill_after:
+                raise KeyboardInterrupt
+            written.append(path)
+            real(path, tokens)
+
+        monkeypatch.setattr(fineweb, "write_shard", killed)
+        with pytest.raises(KeyboardInterrupt):
+            write_dataset(cfg_for(f"{src}/*.jsonl", out))
+        monkeypatch.setattr(fineweb, "write_shard", real)
+        return json.loads((out / "t_parts.json").read_text())["documents"]
+
+    for workers, kill_after in [(1, k) for k in range(3, len(expected) - 1)] + [(2, 3)]:
+        out = tmp_path / f"out{workers}_{kill_after}"
+        counts = interrupted(out, kill_after)
+        assert counts[:3] == [10, 0, 10]  # files read whole before the kill, the empty one included
+        kept = sum(int((read_shard(out / name) == EOT).sum()) for name in list(expected)[:kill_after])
+        # the rerun re-reads the last two documents the kept shards began (their tokens must match), from the start
+        # of the file that holds the first of them
+        first = kept - 2
+        start = next((k for k in range(len(counts)) if sum(counts[:k + 1]) > first), len(counts))
+        result = write_dataset(cfg_for(f"{src}/*.jsonl", out, workers=workers))
+        assert result["skipped_shards"] == kill_after and result["documents_read"] == 60 - sum(counts[:start]) < 60
+        assert {p.name: p.read_bytes() for p in shard_files(out)} == expected
+    interrupted(tmp_path / "plain", 5)
+    result = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "plain", streaming=False))
+    assert result["documents_read"] == 60 and {p.name: p.read_bytes() for p in shard_files(tmp_path / "plain")} == \
+        expected
 
 
 def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
