@@ -567,6 +567,7 @@ class PartCounts:
         self.key = {"settings": _done_record(cfg, inputs, [])["settings"], "inputs": inputs,
                     "streaming": cfg.streaming}
         self.counts: list[int] = []
+        self.parts: int | None = None  # the number of parts the counts were made for
         self.skip_total = skip  # documents at the start of the source that this run does not tokenize
         self.start_part, self.skip, self.read = 0, skip, 0  # read: documents taken from the source, skipped included
         try:
@@ -579,7 +580,7 @@ class PartCounts:
 
     def begin(self, parts: int) -> int:
         """read_rows calls this once it knows the source's number of parts: the part to start reading at."""
-        if parts != getattr(self, "parts", None):  # another split of the source than the counts were made for
+        if parts != self.parts:  # another split of the source than the counts were made for
             self.counts = []
         self.parts = parts
         part, skip = 0, self.skip_total
@@ -608,7 +609,7 @@ class PartCounts:
     def save(self) -> None:
         """Written with each shard: the directory is this run's by then."""
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps({"key": self.key, "parts": getattr(self, "parts", None), "documents": self.counts}))
+        tmp.write_text(json.dumps({"key": self.key, "parts": self.parts, "documents": self.counts}))
         os.replace(tmp, self.path)
 
 

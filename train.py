@@ -196,13 +196,18 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp", "pos", "bias")  # None = the preset's
 
 
+def run_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The GPTConfig fields a run sets whatever its weights came from: context length, dropout, fused GELU, loss."""
+    return {"block_size": cfg.seq_len, "dropout": cfg.dropout, "fused_gelu": cfg.fused_gelu,
+            "loss_chunk": cfg.loss_chunk}
+
+
 def model_config(cfg: TrainConfig) -> GPTConfig:
     """The preset's architecture with this run's overrides (context length, shape, model options); an architecture
     field left at None keeps the preset's value (GPT-2's)."""
     base = MODEL_PRESETS[cfg.model or "gpt2"]()
     arch = {k: getattr(cfg, k) for k in ARCHITECTURE if getattr(cfg, k) is not None}
-    return dataclasses.replace(base, block_size=cfg.seq_len, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu,
-                               loss_chunk=cfg.loss_chunk, **arch)
+    return dataclasses.replace(base, **run_options(cfg), **arch)
 
 
 def load_init(cfg: TrainConfig) -> GPT:
@@ -234,8 +239,7 @@ def load_init(cfg: TrainConfig) -> GPT:
     if cfg.seq_len > src.block_size:
         raise ValueError(f"--seq-len {cfg.seq_len} is longer than --init-from {cfg.init_from}'s context of "
                          f"{src.block_size} tokens; pass --seq-len {src.block_size} or less")
-    config = dataclasses.replace(src, block_size=cfg.seq_len, dropout=cfg.dropout, fused_gelu=cfg.fused_gelu,
-                                 loss_chunk=cfg.loss_chunk)
+    config = dataclasses.replace(src, **run_options(cfg))
     weights = source.state_dict()
     del source  # its tensors live on in `weights`: at most two copies of the model at once
     if "transformer.wpe.weight" in weights:
@@ -674,8 +678,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     elif cfg.resume:
         found = (Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True))
     if cfg.init_from and found is not None:  # the fine-tune's own architecture; restore() loads its weights below
-        raw = GPT(dataclasses.replace(GPTConfig(**found[1]["model_config"]), block_size=cfg.seq_len,
-                                      dropout=cfg.dropout, fused_gelu=cfg.fused_gelu, loss_chunk=cfg.loss_chunk))
+        raw = GPT(dataclasses.replace(GPTConfig(**found[1]["model_config"]), **run_options(cfg)))
     elif cfg.init_from:
         if world > 1 and local_rank != 0:  # a hub download once per node: the other ranks read the cached copy
             dist.barrier()
