@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from model import EOT, GPT2_VOCAB, exit_now, get_tokenizer, load_model, parse_config, provenance, resolve_device
+from model import EOT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, provenance, resolve_device, run_and_exit
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SEQ_MULTIPLE = 32  # batches are padded to a multiple of this length, so a compiled model sees few distinct shapes
@@ -350,5 +350,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    exit_now(0)  # under torchrun: no interpreter finalization after the collectives (see model.exit_now)
+    run_and_exit(main)  # under torchrun: no interpreter finalization after the collectives

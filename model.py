@@ -22,6 +22,7 @@ import pickle
 import re
 import subprocess
 import sys
+import traceback
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -222,6 +223,25 @@ def exit_now(code: int) -> None:
     except (OSError, AttributeError, TypeError):  # no C library to reach (not a POSIX system): nothing buffered there
         pass
     os._exit(code)
+
+
+def run_and_exit(main: Callable[[], Any], exit_code: Callable[[Any], int] = lambda result: 0) -> typing.NoReturn:
+    """A script's `__main__`: run main and end the process through exit_now whether it returns or raises, since an
+    error after collectives meets the same finalization abort as a success (exit code 134 instead of 1). The exit
+    code is exit_code(main's result), or what Python's own handler would give: SystemExit's code, or its message on
+    stderr and 1; an uncaught exception's traceback on stderr and 1 (130 for Ctrl-C)."""
+    try:
+        code = exit_code(main())
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException as e:  # printed as the interpreter would, then the same exit path
+        traceback.print_exc()
+        code = 130 if isinstance(e, KeyboardInterrupt) else 1
+    exit_now(code)
 
 
 def device_name(device: torch.device | str | None = None) -> str:

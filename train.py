@@ -33,13 +33,13 @@ from model import (
     MODEL_PRESETS,
     GPTConfig,
     checkpoints,
-    exit_now,
     get_tokenizer,
     load_checkpoint,
     load_model,
     mfu,
     parse_config,
     provenance,
+    run_and_exit,
 )
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
@@ -964,4 +964,5 @@ def iter_log(path: str | os.PathLike) -> Iterator[dict]:
 
 
 if __name__ == "__main__":
-    exit_now(1 if main().get("stopped") == "nan" else 0)  # a diverged run must not look like success to a scheduler
+    # a diverged run must not look like success to a scheduler
+    run_and_exit(main, lambda result: 1 if result.get("stopped") == "nan" else 0)

@@ -47,9 +47,10 @@ def hf_dir(tmp_path_factory) -> Path:
     return path
 
 
-def run_torchrun(args: list[str], nproc: int, timeout: int = 300,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run train.py (or another script) under torchrun; fails the test with its output on error or timeout.
+def run_torchrun(args: list[str], nproc: int, timeout: int = 300, env: dict[str, str] | None = None,
+                 check: bool = True) -> subprocess.CompletedProcess:
+    """Run train.py (or another script) under torchrun; fails the test with its output on a timeout, and on an error
+    unless check is False.
 
     On a timeout the launcher gets SIGTERM, which it passes on to its workers (they run in sessions of their own, so
     killing the launcher alone would leave them alive, holding a GPU), then SIGKILL if it is still there 30 s later.
@@ -68,5 +69,5 @@ def run_torchrun(args: list[str], nproc: int, timeout: int = 300,
             out, err = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    assert done.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    assert done.returncode == 0 or not check, f"{' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     return done

@@ -1,12 +1,15 @@
 """model.py: shapes, init, parameter counts, HF equivalence, variants, KV cache, sampling, config errors."""
 
 import math
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import ROOT
 from model import (
     EOT,
     GPT,
@@ -490,3 +493,31 @@ def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
         torch.testing.assert_close(hf(idx).logits, gpt(idx)[0], atol=1e-5, rtol=1e-5)
     with pytest.raises(SystemExit, match="--export-hf needs --ckpt"):
         model_module.main(["--export-hf", str(tmp_path / "x")])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# process exit (train.py's and hellaswag.py's __main__)
+
+
+@pytest.mark.parametrize("body, code, stderr", [
+    ("return {}", 0, ""),
+    ("return {'stopped': 'nan'}", 1, ""),  # exit_code's verdict on main's result
+    ("raise SystemExit(3)", 3, ""),
+    ("raise SystemExit('error: no train shards')", 1, "error: no train shards"),
+    ("raise ValueError('bad batch')", 1, "ValueError: bad batch"),  # the traceback, as Python prints it
+    ("raise KeyboardInterrupt", 130, "KeyboardInterrupt"),
+])
+def test_run_and_exit_gives_pythons_exit_codes_and_loses_no_output(body, code, stderr):
+    # stdout is a pipe here, so block-buffered: os._exit would drop both writes unless exit_now flushes them
+    script = f"""
+import sys
+from model import run_and_exit
+def main():
+    print("a line")
+    sys.stdout.write("no newline")
+    {body}
+run_and_exit(main, lambda result: 1 if result.get("stopped") == "nan" else 0)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (code, "a line\nno newline")
+    assert stderr in proc.stderr and (stderr or proc.stderr == "")

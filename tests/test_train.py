@@ -419,6 +419,18 @@ def test_diverged_run_exits_nonzero(token_data, tmp_path):
     assert "stopping without writing a checkpoint" in proc.stderr and not list(tmp_path.glob("ckpt_*.pt"))
 
 
+def test_an_error_on_two_ranks_exits_1_on_each_with_its_message(tmp_path):
+    # the process group is up when the data check fails; each rank must print the reason and exit 1 (torchrun
+    # names every failed rank's exit code), neither hanging in a barrier nor aborting (-6) at finalization
+    empty = tmp_path / "no_shards"
+    empty.mkdir()
+    proc = run_torchrun(["train.py", *tiny_args(empty, tmp_path / "out", "--max-steps=2")], nproc=2, check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: ") == 2, proc.stderr[-3000:]
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+    assert codes and set(codes) == {"1"}, proc.stderr[-3000:]
+
+
 def test_overfit_resume_is_exact_and_the_log_has_each_step_once(token_data, tmp_path):
     args = tiny_args(token_data, tmp_path, "--overfit-batch", "--max-steps=6", "--ckpt-every=3", "--keep-last=5",
                      "--eval-every=3")
