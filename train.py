@@ -312,10 +312,11 @@ def apply_recompute(model: GPT, mode: str) -> None:
         target.forward = lambda *args, _f=inner: activation_checkpoint(_f, *args, use_reentrant=False)
 
 
-def parallelize(model: GPT, cfg: TrainConfig, device: torch.device,
+def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device,
                 dtype: torch.dtype = torch.float32) -> nn.Module:
     """Wrap (DDP) or shard (FSDP2) the model under torchrun, at any world size (one rank included, as nanoGPT does:
-    the same code path on 1 GPU as on 64); returns the module that train steps call."""
+    the same code path on 1 GPU as on 64); returns the module that train steps call. For FSDP2, model is the GPT
+    itself; DDP may wrap its compiled form (see wrap_model)."""
     if cfg.parallel == "fsdp":
         try:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -378,6 +379,17 @@ def compile_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     """torch.compile with the configured mode; 'reduce-overhead' adds CUDA graphs, the max-autotune modes search
     Triton matmul configs (minutes of compilation for GPT-2)."""
     return torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+
+
+def wrap_model(raw: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, use_compile: bool) -> nn.Module:
+    """parallelize and compile_model in the order each needs. DDP wraps the compiled model (nanoGPT's order):
+    compiling the DDP wrapper instead makes Dynamo break the graph in DDP's own forward, 3 breaks a step, each a
+    return to Python. Dynamo still splits the compiled graph at DDP's gradient buckets, so the all-reduce overlaps
+    backward either way. FSDP2 is compiled after fully_shard, which must see the plain blocks."""
+    if cfg.parallel == "fsdp":
+        model = parallelize(raw, cfg, device, dtype)
+        return compile_model(model, cfg) if use_compile else model
+    return parallelize(compile_model(raw, cfg) if use_compile else raw, cfg, device, dtype)
 
 
 def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -700,7 +712,8 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                          "cudnn or auto")
     apply_recompute(raw, cfg.recompute)
     dtype, autocast = precision(cfg, device)
-    model = parallelize(raw, cfg, device, dtype)
+    select_attention(cfg.attention)
+    model = wrap_model(raw, cfg, device, dtype, use_compile)
     # after parallelize: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
     optimizer = build_optimizer(raw, cfg, device, master)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
@@ -721,9 +734,6 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             raise ValueError(f"ranks resumed different steps {steps}: every node must see the same checkpoints in "
                              f"--out-dir {out_dir} (put it on a shared filesystem, or copy the checkpoint to each node "
                              "and pass --resume PATH)")
-    select_attention(cfg.attention)
-    if use_compile:
-        model = compile_model(model, cfg)
 
     tokens_per_step = grad_accum * B * T * world
     flops_per_token = raw.flops_per_token(T)
