@@ -351,7 +351,8 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         sync(device)
         warmup_s = time.perf_counter() - t0
         ms = time_ms(step, device, cfg.steps)
-        attention = sdpa_kernels(step, device)  # one more, untimed step
+        # one more, untimed step; a CUDA graph's replay launches kernels without the aten ops the profiler names
+        attention = "n/a (graph)" if train.uses_cuda_graphs(tcfg, device) else sdpa_kernels(step, device)
     loss = losses[-1].item()
     if not math.isfinite(loss):  # a step that diverged is not a training step worth timing
         raise FloatingPointError(f"loss is {loss} after {len(losses)} steps")

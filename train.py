@@ -356,12 +356,17 @@ def optimizer_kind(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> str:
     return cfg.parallel if dist.is_initialized() else "single"
 
 
+def uses_cuda_graphs(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether compile mode replays CUDA graphs here (only on CUDA, and only these two modes)."""
+    return device.type == "cuda" and bool(cfg.compile) and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+
+
 def cuda_graph_conflict(cfg: TrainConfig, grad_accum: int, device: torch.device) -> str | None:
     """Why this compile mode cannot run with this gradient accumulation, or None. The CUDA-graph modes keep a
     compiled backward's outputs in the graph's memory pool, so a parameter's .grad, which autograd takes from the
     first micro-step's output, is overwritten by the next replay before the accumulation adds into it
     (pytorch/pytorch#169545: an error, or silently wrong gradients)."""
-    if device.type == "cuda" and cfg.compile_mode in ("reduce-overhead", "max-autotune") and grad_accum > 1:
+    if uses_cuda_graphs(dataclasses.replace(cfg, compile=True), device) and grad_accum > 1:
         return (f"--compile-mode {cfg.compile_mode} uses CUDA graphs, which break gradient accumulation "
                 f"({grad_accum} micro-steps here); use --compile-mode max-autotune-no-cudagraphs, or raise "
                 "--batch-size or the number of GPUs until one micro-step makes the whole batch")

@@ -535,6 +535,11 @@ def test_cuda_graph_modes_refuse_gradient_accumulation():
         assert train.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cpu) is None  # no CUDA graphs on CPU
     for mode in ("default", "max-autotune-no-cudagraphs"):
         assert train.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cuda) is None
+    # bench.py's attention column reads "n/a" exactly where a step is a graph replay: compiled, on CUDA, these modes
+    graphs = {(mode, compiled, dev.type): train.uses_cuda_graphs(train.TrainConfig(compile_mode=mode, compile=compiled),
+                                                                 dev)
+              for mode in train.COMPILE_MODES for compiled in (True, False, None) for dev in (cuda, cpu)}
+    assert {k for k, v in graphs.items() if v} == {("reduce-overhead", True, "cuda"), ("max-autotune", True, "cuda")}
 
 
 @pytest.mark.slow
