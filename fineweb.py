@@ -48,6 +48,7 @@ import logging
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import sysconfig
 import time
@@ -617,6 +618,12 @@ class PartCounts:
 # Writer: tokenization and shards
 
 
+def _pool_worker_init() -> None:
+    """A forked worker inherits its parent's signal handlers; Pool.terminate() stops workers with SIGTERM, so one
+    that caught it (a handler like train.py's, set by an in-process caller) would keep the pool from closing."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def tokenize(texts: list[str]) -> np.ndarray:
     """`<|endoftext|>` + GPT-2 tokens for each text, concatenated, as uint16 (each document starts with EOT)."""
     enc = get_tokenizer()  # cached per process: each pool worker builds its own once
@@ -818,7 +825,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     bar = None
     t0 = time.time()
     # the pool is forked before `datasets` starts any threads (forking a process with threads can deadlock)
-    with multiprocessing.Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
+    with multiprocessing.Pool(workers, _pool_worker_init) if workers > 1 else contextlib.nullcontext() as pool:
         try:
             docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
             stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))

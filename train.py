@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -603,7 +604,8 @@ class StopFlags:
     def __init__(self, max_minutes: float):
         self.term = False
         self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
-        signal.signal(signal.SIGTERM, self._on_term)
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            signal.signal(signal.SIGTERM, self._on_term)  # main() puts the caller's back when it returns
 
     def _on_term(self, *_: Any) -> None:
         self.term = True
@@ -640,6 +642,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS, __doc__)
     rank, local_rank, world, device = setup_distributed(cfg)
     master = rank == 0
+    on_term = signal.getsignal(signal.SIGTERM)
     try:
         result = _train(cfg, rank, local_rank, world, device, master)
         if dist.is_initialized():
@@ -652,6 +655,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:
+        # StopFlags' handler must not outlive the run in a process that goes on (tests, a notebook): it would swallow
+        # SIGTERM there and in every process forked later, e.g. a multiprocessing.Pool, whose terminate() then
+        # waits forever for workers that ignore it
+        if on_term is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_term)
         if dist.is_initialized():
             dist.destroy_process_group()
 

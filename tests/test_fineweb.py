@@ -254,6 +254,21 @@ def test_shakespeare_download_failure_names_the_local_flag(tmp_path, monkeypatch
     assert list((tmp_path / "cache").iterdir()) == [] and not (tmp_path / "out").exists()
 
 
+def test_pool_closes_under_a_parent_that_catches_sigterm(tmp_path):
+    # reaching --max-tokens closes the pool with tokenization in flight: Pool.terminate() stops those workers with
+    # SIGTERM, which they must not inherit a handler for (train.py's, when both run in one process, hung for good)
+    script = f"""
+import signal
+import fineweb
+signal.signal(signal.SIGTERM, lambda *args: None)
+fineweb.main(["--source", "stdlib", "--out-dir", {str(tmp_path)!r}, "--val-tokens", "1000", "--shard-size", "2000",
+              "--max-tokens", "5000", "--workers", "2"])
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [len(read_shard(f)) for f in shard_files(tmp_path)] == [1000, 2000, 2000]
+
+
 def test_stdlib_source_is_sorted_python_files_one_document_each(tmp_path):
     files = stdlib_files()
     root = Path(fineweb.sysconfig.get_paths()["stdlib"])

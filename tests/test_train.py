@@ -410,6 +410,19 @@ def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(token_data, tmp_
     assert message in capsys.readouterr().err
 
 
+def test_main_gives_the_callers_sigterm_handler_back(token_data, tmp_path):
+    # the run's preemption handler must not outlive it in a process that goes on (and in the processes it forks)
+    def mine(*args):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        train.main(tiny_args(token_data, tmp_path, "--max-steps=1", "--eval-every=0"))
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_diverged_run_exits_nonzero(token_data, tmp_path):
     proc = subprocess.run([sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-lr=1e4",
                                                                   "--warmup-steps=0", "--grad-clip=0", "--max-steps=20",
