@@ -904,7 +904,8 @@ def test_cli_errors_exit_1_with_one_line(tmp_path, capsys):
         main(["--shard-sise", "10"])
     write_jsonl(tmp_path / "docs.jsonl", make_docs(5), field="body")
     proc = subprocess.run([sys.executable, "fineweb.py", "--source", str(tmp_path / "docs.jsonl"), "--out-dir",
-                           str(tmp_path / "out"), "--workers", "1"], cwd=ROOT, capture_output=True, text=True)
+                           str(tmp_path / "out"), "--workers", "1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"error: --text-field 'text' is not in --source {tmp_path / 'docs.jsonl'}; its columns are body, id; pass "

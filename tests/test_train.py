@@ -87,10 +87,12 @@ def test_cli_rejects_bad_overrides(argv, message):
 
 
 def test_cli_subprocess_one_line_error_and_help():
-    bad = subprocess.run([sys.executable, "train.py", "--grad-clp=2"], cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "train.py", "--grad-clp=2"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
     assert bad.returncode != 0
     assert bad.stderr.strip() == "error: unknown option --grad-clp; did you mean --grad-clip?"
-    ok = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
     assert ok.returncode == 0
     assert "--total-batch-size" in ok.stdout and "tokens per optimizer step" in ok.stdout and "gpt2-124m" in ok.stdout
 
