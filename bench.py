@@ -16,6 +16,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -26,13 +27,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import train
@@ -62,6 +64,7 @@ from model import (
     parse_config,
     peak_flops,
     provenance,
+    run_and_exit,
 )
 
 SUITES = ("kernel", "decode", "hellaswag", "train")  # the order of --suite all: the short suites first, so a time
@@ -244,6 +247,9 @@ class Variant:
     # pinned, non_blocking copy; or device-resident with preload=True), and loss and grad norm read with .item()
     # after every step as train.py's logging does, so the GPU idles while the host prepares the next step
     loop: bool = False
+    # train.py under torchrun on one GPU: a one-rank process group, and the model wrapped as train.wrap_model does
+    # (DDP around the compiled model), so the row shows what DDP's gradient buckets and all-reduce hook cost
+    ddp: bool = False
 
 
 def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
@@ -266,6 +272,7 @@ def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
         # what the loop around the step costs: compile+loop - compile is data loading plus the per-step host sync
         Variant("compile+loop", {"compile": True}, loop=True),
         Variant("compile+loop-preload", {"compile": True, "preload": True}, loop=True),
+        Variant("compile+ddp", {"compile": True}, ddp=True),  # what `torchrun --nproc_per_node=1 train.py` runs
         # CUDA graphs for forward and backward: removes kernel-launch gaps, at the cost of static memory
         Variant("compile-reduce-overhead", {"compile": True, "compile_mode": "reduce-overhead"}),
         # the kernel's gain where nothing else fuses bias+GELU (Inductor fuses them itself under compile)
@@ -298,9 +305,29 @@ def train_config(cfg: BenchConfig, variant: Variant) -> train.TrainConfig:
     return dataclasses.replace(tcfg, total_batch_size=tcfg.batch_size * tcfg.seq_len * cfg.grad_accum)
 
 
+@contextlib.contextmanager
+def one_rank_process_group(device: torch.device) -> Iterator[None]:
+    """A process group of this process alone (NCCL on CUDA, gloo on CPU), as torchrun with one process makes."""
+    if dist.is_initialized():
+        raise Skipped("a process group exists already")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     """Time train.train_step (forward, backward, clip, AdamW step, with gradient accumulation) on random tokens that
     are already on the device: the model's step, without data loading. Raises Skipped where the variant cannot run."""
+    if variant.ddp:
+        with one_rank_process_group(torch.device(resolve(cfg).device)):
+            return _bench_train(cfg, variant)
+    return _bench_train(cfg, variant)
+
+
+def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     cfg = resolve(cfg)
     device = torch.device(cfg.device)
     tcfg = train_config(cfg, variant)
@@ -322,7 +349,8 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     dtype, autocast = train.precision(tcfg, device)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     train.select_attention(tcfg.attention)  # every row sets it: a row's choice must not leak into the next
-    model = train.compile_model(raw, tcfg) if tcfg.compile else raw
+    # as train.py: compiled, and inside DDP when a process group exists (only in the ddp rows)
+    model = train.wrap_model(raw, tcfg, device, dtype, bool(tcfg.compile))
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     losses: list[torch.Tensor] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -369,7 +397,7 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         "tokens_per_step": tokens_per_step, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
         "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak_flops),
         "peak_mem_bytes": peak, "mem_metric": mem_metric, "warmup_s": warmup_s, "loss": loss, "attention": attention,
-        "params": raw.num_params(),
+        "params": raw.num_params(), "module": type(model).__name__,  # GPT, OptimizedModule (compiled) or DDP's
     }
 
 
@@ -826,4 +854,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)  # the ddp rows ran gloo/NCCL collectives: no interpreter finalization after them

@@ -203,6 +203,17 @@ def test_bad_flags_exit_with_a_message(argv, message):
         main(["--device", "cpu", *argv])
 
 
+def test_ddp_variant_wraps_the_model_as_torchrun_would_and_leaves_no_process_group():
+    cfg = BenchConfig(**TINY, grad_accum=2)
+    plain = bench_train(cfg, Variant("eager"))
+    wrapped = bench_train(cfg, Variant("eager+ddp", ddp=True))  # gloo, one rank
+    assert (plain["module"], wrapped["module"]) == ("GPT", "DistributedDataParallel")
+    assert wrapped["loss"] == pytest.approx(plain["loss"], abs=1e-6)  # one rank's all-reduce changes no gradient
+    assert not torch.distributed.is_initialized()
+    variant = {v.name: v for v in bench.default_variants((4,))}["compile+ddp"]
+    assert variant.ddp and variant.train == {"compile": True}
+
+
 @pytest.mark.parametrize("preload", [False, True])
 def test_loop_variant_feeds_the_real_loader_and_syncs(preload, tmp_path):
     cfg = BenchConfig(**TINY, grad_accum=2)
