@@ -211,6 +211,23 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     return dataclasses.replace(base, **run_options(cfg), **arch)
 
 
+def check_architecture(cfg: TrainConfig, src: GPTConfig, source: str) -> None:
+    """Refuse a run whose architecture flags (set on the command line or by its preset; None means unset) say
+    otherwise than the weights it starts from, which fix the architecture: they would be ignored without a word."""
+    has = {k: getattr(src, "kv_heads" if k == "n_kv_head" else k) for k in ARCHITECTURE}
+    wrong = [f"--{k.replace('_', '-')} {v} (it has {has[k]})" for k in ARCHITECTURE
+             if (v := getattr(cfg, k)) is not None and v != has[k]]
+    if cfg.model is not None:  # a named preset's shape, where no explicit --n-layer/--n-head/--n-embd replaces it
+        preset = MODEL_PRESETS[cfg.model]()
+        shape = [k for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k) is None and getattr(preset, k) != has[k]]
+        if shape:
+            wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(preset, k)}' for k in shape)}; it has "
+                         f"{', '.join(f'{k} {has[k]}' for k in shape)})")
+    if wrong:
+        raise ValueError(f"{source} fixes the architecture, but this run asks for {', '.join(wrong)}: drop those "
+                         "flags (or use a preset that does not set them)")
+
+
 def load_init(cfg: TrainConfig) -> GPT:
     """The --init-from weights as a GPT on the CPU, rebuilt with this run's context length (a learned position
     table is cut to its first seq_len rows, as nanoGPT's crop_block_size does) and run options (dropout, fused GELU,
@@ -225,18 +242,7 @@ def load_init(cfg: TrainConfig) -> GPT:
     source = GPT.from_checkpoint(load_checkpoint(path, mmap=True)) if path.is_file() else \
         load_model(None, cfg.init_from)
     src = source.config
-    has = {k: getattr(src, "kv_heads" if k == "n_kv_head" else k) for k in ARCHITECTURE}
-    wrong = [f"--{k.replace('_', '-')} {v} (it has {has[k]})" for k in ARCHITECTURE
-             if (v := getattr(cfg, k)) is not None and v != has[k]]
-    if cfg.model is not None:  # a named preset's shape, where no explicit --n-layer/--n-head/--n-embd replaces it
-        preset = MODEL_PRESETS[cfg.model]()
-        shape = [k for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k) is None and getattr(preset, k) != has[k]]
-        if shape:
-            wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(preset, k)}' for k in shape)}; it has "
-                         f"{', '.join(f'{k} {has[k]}' for k in shape)})")
-    if wrong:
-        raise ValueError(f"--init-from {cfg.init_from} fixes the architecture, but this run asks for "
-                         f"{', '.join(wrong)}: drop those flags (or use a preset that does not set them)")
+    check_architecture(cfg, src, f"--init-from {cfg.init_from}")
     if cfg.seq_len > src.block_size:
         raise ValueError(f"--seq-len {cfg.seq_len} is longer than --init-from {cfg.init_from}'s context of "
                          f"{src.block_size} tokens; pass --seq-len {src.block_size} or less")
@@ -702,8 +708,13 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             print(f"resume: no valid checkpoint in {out_dir}; starting from scratch")
     elif cfg.resume:
         found = (Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True))
-    if cfg.init_from and found is not None:  # the fine-tune's own architecture; restore() loads its weights below
-        raw = GPT(dataclasses.replace(GPTConfig(**found[1]["model_config"]), **run_options(cfg)))
+    if found is not None:  # the checkpoint's architecture, as nanoGPT's resume takes it; restore() loads the weights
+        src = GPTConfig(**found[1]["model_config"])
+        check_architecture(cfg, src, f"--resume {found[0]}")
+        if cfg.seq_len != src.block_size:
+            raise ValueError(f"--seq-len {cfg.seq_len} is not the context of --resume {found[0]}, "
+                             f"{src.block_size} tokens; pass --seq-len {src.block_size}")
+        raw = GPT(dataclasses.replace(src, **run_options(cfg)))
     elif cfg.init_from:
         if world > 1 and local_rank != 0:  # a hub download once per node: the other ranks read the cached copy
             dist.barrier()

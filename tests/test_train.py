@@ -230,6 +230,29 @@ def test_eval_only_beside_a_live_run_leaves_its_files_alone(token_data, hf_dir, 
         == pytest.approx(result["val_loss"], abs=1e-6)
 
 
+def test_resume_takes_the_architecture_from_the_checkpoint(token_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    trained = train.main(tiny_args(token_data, run, "--max-steps=2", "--eval-every=2"))
+    tiny = train.PRESETS["tiny"]()
+
+    def eval_only(*extra: str) -> dict:  # no preset: every flag the tiny run's evaluation needs, but no shape
+        return train.main(["--data", str(token_data), "--out-dir", str(tmp_path / "eval"), "--eval-only",
+                           f"--resume={run / 'ckpt_000002.pt'}", f"--batch-size={tiny.batch_size}", "--device=cpu",
+                           f"--eval-batches={tiny.eval_batches}", "--hellaswag=off", *extra])
+
+    # the tiny shape comes from the checkpoint, as nanoGPT's resume takes it, and scores what the run scored
+    assert eval_only(f"--seq-len={tiny.seq_len}")["val_loss"] == pytest.approx(trained["val_loss"], abs=1e-6)
+    # a flag or preset that says otherwise is one line naming the conflict, not a traceback of size mismatches
+    for extra, message in (([f"--seq-len={tiny.seq_len}", "--model=gpt2"],
+                            r"fixes the architecture, but this run asks for --model gpt2 \(n_layer 12"),
+                           ([f"--seq-len={tiny.seq_len}", "--n-head=2"], r"asks for --n-head 2 \(it has"),
+                           (["--seq-len=32"], rf"--seq-len 32 is not the context of --resume .*, {tiny.seq_len} ")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            eval_only(*extra)
+        assert re.search(message, capsys.readouterr().err), extra
+
+
 def test_eval_only_needs_only_the_val_split(token_data, hf_dir, tmp_path):
     val_only = tmp_path / "val_only"
     val_only.mkdir()
