@@ -393,7 +393,7 @@ MODEL_PRESETS: dict[str, Callable[[], GPTConfig]] = {
     "gpt2-large": _gpt2(36, 20, 1280),  # 774M
     "gpt2-xl": _gpt2(48, 25, 1600),  # 1558M
     # a depth-N family with aspect ratio 64 (width 64*N, head size 64, so N heads): d12 is GPT-2 124M, the others
-    # are wider than the GPT-2 size of the same depth (d24: 680M, d48: 5.6B). llm.c's own -e d24/d36/d48 flags mean
+    # are wider than the GPT-2 size of the same depth (d24: 757M, d48: 5.6B). llm.c's own -e d24/d36/d48 flags mean
     # the GPT-2 sizes instead: use gpt2-medium/-large/-xl for those.
     "d12": _gpt2(12, 12, 768),
     "d24": _gpt2(24, 24, 1536),
