@@ -708,6 +708,14 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             print(f"resume: no valid checkpoint in {out_dir}; starting from scratch")
     elif cfg.resume:
         found = (Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True))
+    if world > 1:  # every rank must resume the same step, before anything collective: FSDP's restore, the barriers
+        # around --init-from and the loop would otherwise pair up wrong across ranks and hang instead of failing
+        steps = [None] * world
+        dist.all_gather_object(steps, int(found[1]["step"]) if found is not None else None)
+        if len(set(steps)) > 1:
+            raise ValueError(f"ranks resumed different steps {steps} (None: no checkpoint found): every node must see "
+                             f"the same checkpoints in --out-dir {out_dir} (put it on a shared filesystem, or copy "
+                             "the checkpoint to each node and pass --resume PATH)")
     if found is not None:  # the checkpoint's architecture, as nanoGPT's resume takes it; restore() loads the weights
         src = GPTConfig(**found[1]["model_config"])
         check_architecture(cfg, src, f"--resume {found[0]}")
@@ -751,13 +759,6 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         if master:
             print(f"resumed from {found[0]} at step {start_step}")
         del found[1]["model"], found[1]["optimizer"]  # copied into the model and optimizer: free the CPU copy
-    if world > 1:  # every rank must resume the same step, or the collectives below would pair up wrong and hang
-        steps = [0] * world
-        dist.all_gather_object(steps, start_step)
-        if len(set(steps)) > 1:
-            raise ValueError(f"ranks resumed different steps {steps}: every node must see the same checkpoints in "
-                             f"--out-dir {out_dir} (put it on a shared filesystem, or copy the checkpoint to each node "
-                             "and pass --resume PATH)")
 
     tokens_per_step = grad_accum * B * T * world
     flops_per_token = raw.flops_per_token(T)

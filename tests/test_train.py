@@ -469,6 +469,26 @@ def test_an_error_on_two_ranks_exits_1_on_each_with_its_message(tmp_path):
     assert codes and set(codes) == {"1"}, proc.stderr[-3000:]
 
 
+def test_ranks_that_find_different_checkpoints_fail_before_fsdp_restore_can_hang(token_data, tmp_path):
+    # a node that cannot see --out-dir finds no checkpoint; FSDP's restore is a collective the other rank would wait
+    # in forever, so the ranks must compare steps before it and stop with the reason
+    out = tmp_path / "run"
+    train.main(tiny_args(token_data, out, "--max-steps=2", "--eval-every=0"))
+    script = tmp_path / "rank1_sees_no_checkpoint.py"
+    script.write_text(f"""import os, sys
+sys.path.insert(0, {str(ROOT)!r})
+import train
+if os.environ["RANK"] == "1":
+    train.find_checkpoint = lambda out_dir: None
+train.run_and_exit(train.main)
+""")
+    proc = run_torchrun([str(script), *tiny_args(token_data, out, "--max-steps=4", "--eval-every=0",
+                                                 "--parallel=fsdp", "--resume=auto")],
+                        nproc=2, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "ranks resumed different steps [2, None]" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_overfit_resume_is_exact_and_the_log_has_each_step_once(token_data, tmp_path):
     args = tiny_args(token_data, tmp_path, "--overfit-batch", "--max-steps=6", "--ckpt-every=3", "--keep-last=5",
                      "--eval-every=3")
