@@ -45,7 +45,6 @@ import glob
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import re
 import signal
@@ -56,6 +55,8 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from itertools import islice, takewhile
 from pathlib import Path
@@ -619,8 +620,8 @@ class PartCounts:
 
 
 def _pool_worker_init() -> None:
-    """A forked worker inherits its parent's signal handlers; Pool.terminate() stops workers with SIGTERM, so one
-    that caught it (a handler like train.py's, set by an in-process caller) would keep the pool from closing."""
+    """A forked worker inherits its parent's signal handlers; a pool stops its workers with SIGTERM, so one that
+    caught it (a handler like train.py's, set by an in-process caller) could keep the pool from closing."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
@@ -643,22 +644,44 @@ def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-def token_stream(docs: Iterable[str], pool: Any, workers: int, chunk: int = 16) -> Iterator[np.ndarray]:
+@contextlib.contextmanager
+def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    """Processes that tokenize (None for one worker: the caller's own process does). A ProcessPoolExecutor rather
+    than a multiprocessing.Pool: when a worker dies (the OOM killer), a Pool quietly replaces it and the chunk it held
+    never comes back, so the writer would wait forever; the executor fails every pending chunk instead."""
+    if workers <= 1:
+        yield None
+        return
+    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init)
+    try:
+        pool.submit(int).result()  # fork every worker now, before `datasets` starts threads (fork + threads deadlock)
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # chunks still queued are dropped, running ones finish
+
+
+def token_stream(docs: Iterable[str], pool: ProcessPoolExecutor | None, workers: int,
+                 chunk: int = 16) -> Iterator[np.ndarray]:
     """Tokens of `docs` in order, tokenized in chunks of `chunk` documents by the pool's processes (or here if None).
 
-    Pool.imap would pull the whole (streamed, 10B-token) source into its task queue as fast as it can be read; a
+    Executor.map would pull the whole (streamed, 10B-token) source into its task queue as fast as it can be read; a
     window of 4 chunks per worker in flight keeps every core busy with bounded memory.
     """
     if pool is None:
         yield from map(tokenize, _batched(docs, chunk))
         return
-    pending: deque = deque()
-    for batch in _batched(docs, chunk):
-        pending.append(pool.apply_async(tokenize, (batch,)))
-        if len(pending) >= 4 * workers:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+
+    pending: deque[Future] = deque()
+    try:
+        for batch in _batched(docs, chunk):
+            pending.append(pool.submit(tokenize, batch))
+            if len(pending) >= 4 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool as e:  # raised by result(), and by submit() once the pool knows
+        raise DataError("a tokenizer process died (out of memory, or killed); the shards written so far are "
+                        "complete: run the same command again to continue after them") from e
 
 
 def shard_path(cfg: FinewebConfig, index: int) -> Path:
@@ -824,8 +847,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     buf = np.empty(cfg.val_target if index == 0 else cfg.shard_size, dtype=np.uint16)
     bar = None
     t0 = time.time()
-    # the pool is forked before `datasets` starts any threads (forking a process with threads can deadlock)
-    with multiprocessing.Pool(workers, _pool_worker_init) if workers > 1 else contextlib.nullcontext() as pool:
+    with tokenizer_pool(workers) as pool:
         try:
             docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
             stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))

@@ -269,6 +269,31 @@ fineweb.main(["--source", "stdlib", "--out-dir", {str(tmp_path)!r}, "--val-token
     assert [len(read_shard(f)) for f in shard_files(tmp_path)] == [1000, 2000, 2000]
 
 
+def test_a_dead_tokenizer_process_is_an_error_not_a_hang(tmp_path):
+    # the OOM killer takes a worker mid-chunk: the writer must stop with the reason (a multiprocessing.Pool would
+    # replace the worker and wait forever for its chunk), and a rerun must finish the shards
+    write_jsonl(tmp_path / "docs.jsonl", [f"doc {i} {text}" for i, text in enumerate(make_docs(400))])
+    args = ["--source", str(tmp_path / "docs.jsonl"), "--out-dir", str(tmp_path / "out"), "--val-tokens", "500",
+            "--shard-size", "1000", "--workers", "2"]
+    script = f"""
+import os, signal
+import fineweb
+real = fineweb.tokenize
+def dies_at_document_200(texts):
+    if any(t.startswith("doc 200 ") for t in texts):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(texts)
+fineweb.tokenize = dies_at_document_200
+fineweb.main({args!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "error: a tokenizer process died" in proc.stderr, proc.stderr[-2000:]
+    written = len(shard_files(tmp_path / "out"))
+    assert written >= 1
+    result = main(args)
+    assert result["skipped_shards"] >= 1 and len(shard_files(tmp_path / "out")) > written
+
+
 def test_stdlib_source_is_sorted_python_files_one_document_each(tmp_path):
     files = stdlib_files()
     root = Path(fineweb.sysconfig.get_paths()["stdlib"])
