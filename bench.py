@@ -832,6 +832,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               flush=True)
         write_json(result, cfg.out)
 
+    attention = train.sdpa_switches()  # the train rows each pick a kernel; the caller gets its own choice back
     for suite in SUITES if cfg.suite == "all" else (cfg.suite,):
         if deadline is not None and time.monotonic() > deadline:
             result.setdefault("errors", {})[suite] = f"skipped: time budget (--budget-s {cfg.budget_s:g}) spent"
@@ -847,6 +848,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except Exception as e:  # a suite that breaks (e.g. a missing optional package) must not lose the others
             result.setdefault("errors", {})[suite] = reason(e)
         free_memory(device)
+    train.set_sdpa_switches(attention)
     result["table"] = format_table(result)
     write_json(result, cfg.out)
     print("\n" + result["table"], flush=True)

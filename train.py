@@ -380,6 +380,17 @@ def cuda_graph_conflict(cfg: TrainConfig, grad_accum: int, device: torch.device)
     return None
 
 
+def sdpa_switches() -> dict[str, bool]:
+    """The process-wide SDPA switches as they are now, for set_sdpa_switches to put back."""
+    return {switch: getattr(torch.backends.cuda, switch.removeprefix("enable_") + "_enabled")()
+            for switch in SDPA_SWITCHES.values()}
+
+
+def set_sdpa_switches(state: dict[str, bool]) -> None:
+    for switch, on in state.items():
+        getattr(torch.backends.cuda, switch)(on)
+
+
 def select_attention(name: str) -> None:
     """Allow only the named SDPA kernel, or every kernel for 'auto' (torch's default). These are process-wide
     switches, and a compiled graph keeps the kernel chosen when it was traced: set them before compiling."""
@@ -648,7 +659,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS, __doc__)
     rank, local_rank, world, device = setup_distributed(cfg)
     master = rank == 0
-    on_term = signal.getsignal(signal.SIGTERM)
+    on_term, attention = signal.getsignal(signal.SIGTERM), sdpa_switches()
     try:
         result = _train(cfg, rank, local_rank, world, device, master)
         if dist.is_initialized():
@@ -666,6 +677,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # waits forever for workers that ignore it
         if on_term is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, on_term)
+        set_sdpa_switches(attention)  # likewise --attention's choice, or a later SDPA call could find no kernel
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -682,6 +694,8 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     grad_accum = cfg.total_batch_size // (B * T * world)
     if cfg.dtype == "fp16" and cfg.parallel == "fsdp":
         raise ValueError("--dtype fp16 is not supported with --parallel fsdp; use bf16")
+    if device.type == "cpu" and cfg.attention in ("efficient", "cudnn"):
+        raise ValueError(f"--attention {cfg.attention} has no CPU kernel; use --attention flash, math or auto")
     if device.type == "cuda" and cfg.attention in ("flash", "cudnn") and cfg.dtype == "fp32":
         raise ValueError(f"--attention {cfg.attention} has no fp32 kernel on CUDA; use --dtype bf16 or "
                          "--attention auto")

@@ -123,7 +123,7 @@ def test_recompute_and_chunked_loss_give_the_same_losses(token_data, tmp_path):
         assert again["val_loss"] == pytest.approx(base["val_loss"], abs=1e-5), flag
 
 
-def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path):
+def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
     q = torch.randn(1, 2, 8, 4)
     kernels = {"math": "aten::_scaled_dot_product_attention_math",
                "flash": "aten::_scaled_dot_product_flash_attention_for_cpu"}
@@ -133,13 +133,19 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path):
             with torch.profiler.profile() as prof:
                 torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
             assert op in {e.name for e in prof.events()}, name
+        before = train.sdpa_switches()  # flash alone, from the loop above
         math_run = train.main(tiny_args(token_data, tmp_path / "math", "--max-steps=3", "--eval-every=0",
                                         "--attention=math"))["losses"]
-        assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+        assert train.sdpa_switches() == before  # the run's choice does not outlive it in the caller's process
     finally:
         train.select_attention("auto")
     auto_run = train.main(tiny_args(token_data, tmp_path / "auto", "--max-steps=3", "--eval-every=0"))["losses"]
     assert math_run == pytest.approx(auto_run, abs=1e-5)  # another kernel, the same attention
+    for name in ("efficient", "cudnn"):  # CUDA-only kernels: one line up front, not "no viable backend" mid-run
+        with pytest.raises(SystemExit):
+            train.main(tiny_args(token_data, tmp_path / name, "--max-steps=1", f"--attention={name}"))
+        assert f"--attention {name} has no CPU kernel" in capsys.readouterr().err
+        assert all(train.sdpa_switches().values())
 
 
 def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
