@@ -1,5 +1,6 @@
 """Shared fixtures: small token shards on disk, and a runner for train.py under torchrun (gloo, CPU)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,6 +48,16 @@ def hf_dir(tmp_path_factory) -> Path:
     return path
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is pid, from /proc (Linux)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
 def run_torchrun(args: list[str], nproc: int, timeout: int = 300, env: dict[str, str] | None = None,
                  check: bool = True) -> subprocess.CompletedProcess:
     """Run train.py (or another script) under torchrun; fails the test with its output on a timeout, and on an error
@@ -61,12 +72,15 @@ def run_torchrun(args: list[str], nproc: int, timeout: int = 300, env: dict[str,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        workers = children(proc.pid)  # before the launcher goes: its workers live in sessions of their own
         proc.send_signal(signal.SIGTERM)
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
+            for pid in [proc.pid, *workers]:  # a worker that catches SIGTERM (train.py does) would hold the pipes
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            out, err = proc.communicate(timeout=30)
         pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert done.returncode == 0 or not check, f"{' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"

@@ -372,12 +372,16 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
 def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
     cmd = [sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "log.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log.exists() and '"type": "train"' in log.read_text()):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    try:
+        log = tmp_path / "log.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and not (log.exists() and
+                                                                       '"type": "train"' in log.read_text()):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:  # a run of 100,000 steps must not outlive a failed test
+        proc.kill()
     assert proc.returncode == 0, err
     assert "stopping after step" in out and "(SIGTERM)" in out
     ckpts = sorted(tmp_path.glob("ckpt_*.pt"))
