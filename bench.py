@@ -833,22 +833,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_json(result, cfg.out)
 
     attention = train.sdpa_switches()  # the train rows each pick a kernel; the caller gets its own choice back
-    for suite in SUITES if cfg.suite == "all" else (cfg.suite,):
-        if deadline is not None and time.monotonic() > deadline:
-            result.setdefault("errors", {})[suite] = f"skipped: time budget (--budget-s {cfg.budget_s:g}) spent"
-            continue
-        result[suite] = []
-        try:
-            if suite == "train":
-                run_train(cfg, deadline, lambda row: (result["train"].append(row), report(row)))
-            else:
-                for row in {"kernel": bench_kernel, "decode": bench_decode, "hellaswag": bench_hellaswag}[suite](cfg):
-                    result[suite].append(row)
-                    report(row)
-        except Exception as e:  # a suite that breaks (e.g. a missing optional package) must not lose the others
-            result.setdefault("errors", {})[suite] = reason(e)
-        free_memory(device)
-    train.set_sdpa_switches(attention)
+    try:
+        for suite in SUITES if cfg.suite == "all" else (cfg.suite,):
+            if deadline is not None and time.monotonic() > deadline:
+                result.setdefault("errors", {})[suite] = f"skipped: time budget (--budget-s {cfg.budget_s:g}) spent"
+                continue
+            result[suite] = []
+            try:
+                if suite == "train":
+                    run_train(cfg, deadline, lambda row: (result["train"].append(row), report(row)))
+                else:
+                    bench_suite = {"kernel": bench_kernel, "decode": bench_decode, "hellaswag": bench_hellaswag}[suite]
+                    for row in bench_suite(cfg):
+                        result[suite].append(row)
+                        report(row)
+            except Exception as e:  # a suite that breaks (e.g. a missing optional package) must not lose the others
+                result.setdefault("errors", {})[suite] = reason(e)
+            free_memory(device)
+    finally:
+        train.set_sdpa_switches(attention)
     result["table"] = format_table(result)
     write_json(result, cfg.out)
     print("\n" + result["table"], flush=True)

@@ -680,8 +680,9 @@ def token_stream(docs: Iterable[str], pool: ProcessPoolExecutor | None, workers:
         while pending:
             yield pending.popleft().result()
     except BrokenProcessPool as e:  # raised by result(), and by submit() once the pool knows
-        raise DataError("a tokenizer process died (out of memory, or killed); the shards written so far are "
-                        "complete: run the same command again to continue after them") from e
+        raise DataError("a tokenizer process exited unexpectedly (killed, e.g. out of memory, or it could not "
+                        "start); the shards written so far are complete: run the same command again to continue "
+                        "after them") from e
 
 
 def shard_path(cfg: FinewebConfig, index: int) -> Path:

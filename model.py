@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import traceback
@@ -215,6 +216,11 @@ def exit_now(code: int) -> None:
     complete run (2-rank gloo train.py runs with the gloo threads starved of CPU: 5 aborts in 16, none in 10 with
     this exit; CPython gh-87135, pybind11 #2215). Callers have closed or fsynced every file they wrote; only the std
     streams need a flush, Python's and the C library's (printf from an extension)."""
+    _flush_std_streams()
+    os._exit(code)
+
+
+def _flush_std_streams() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -222,14 +228,14 @@ def exit_now(code: int) -> None:
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError, TypeError):  # no C library to reach (not a POSIX system): nothing buffered there
         pass
-    os._exit(code)
 
 
 def run_and_exit(main: Callable[[], Any], exit_code: Callable[[Any], int] = lambda result: 0) -> typing.NoReturn:
     """A script's `__main__`: run main and end the process through exit_now whether it returns or raises, since an
     error after collectives meets the same finalization abort as a success (exit code 134 instead of 1). The exit
     code is exit_code(main's result), or what Python's own handler would give: SystemExit's code, or its message on
-    stderr and 1; an uncaught exception's traceback on stderr and 1 (130 for Ctrl-C)."""
+    stderr and 1; an uncaught exception's traceback on stderr and 1. Ctrl-C ends the process by SIGINT itself, as
+    Python does, so a shell loop around the script stops too. Unlike a normal exit, atexit handlers do not run."""
     try:
         code = exit_code(main())
     except SystemExit as e:
@@ -238,9 +244,15 @@ def run_and_exit(main: Callable[[], Any], exit_code: Callable[[Any], int] = lamb
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException as e:  # printed as the interpreter would, then the same exit path
+    except KeyboardInterrupt:
         traceback.print_exc()
-        code = 130 if isinstance(e, KeyboardInterrupt) else 1
+        _flush_std_streams()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # dies here, without interpreter finalization
+        code = 130  # where SIGINT could not end the process
+    except BaseException:  # printed as the interpreter would, then the same exit path
+        traceback.print_exc()
+        code = 1
     exit_now(code)
 
 
@@ -589,6 +601,18 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def checkpoint_config(ckpt: dict[str, Any], source: str = "checkpoint", **overrides: Any) -> GPTConfig:
+    """The GPTConfig a loaded train.py checkpoint was written with (plus overrides), or a one-line ValueError."""
+    if not isinstance(ckpt.get("model_config"), dict) or not isinstance(ckpt.get("model"), dict):
+        raise ValueError(f"{source} is not a checkpoint of this project: 'model_config' and 'model' must be dicts, "
+                         f"got {type(ckpt.get('model_config')).__name__} and {type(ckpt.get('model')).__name__}")
+    try:
+        return GPTConfig(**{**ckpt["model_config"], **overrides})
+    except TypeError as e:
+        raise ValueError(f"{source}: its model_config does not match this GPTConfig ({e}); it was written by "
+                         "another architecture or version") from e
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -759,14 +783,7 @@ class GPT(nn.Module):
         source = "checkpoint" if isinstance(ckpt, dict) else f"checkpoint {ckpt}"
         if not isinstance(ckpt, dict):
             ckpt = load_checkpoint(ckpt, map_location)
-        if not isinstance(ckpt["model_config"], dict) or not isinstance(ckpt["model"], dict):
-            raise ValueError(f"{source} is not a checkpoint of this project: 'model_config' and 'model' must be "
-                             f"dicts, got {type(ckpt['model_config']).__name__} and {type(ckpt['model']).__name__}")
-        try:
-            config = GPTConfig(**{**ckpt["model_config"], **overrides})
-        except TypeError as e:
-            raise ValueError(f"checkpoint model_config does not match this GPTConfig ({e}); it was written by "
-                             "another architecture or version") from e
+        config = checkpoint_config(ckpt, source, **overrides)
         model = cls(config)
         expected, weights = model.state_dict(), ckpt["model"]
         wrong = [f"{k} is a {type(v).__name__}, not a tensor" if not isinstance(v, torch.Tensor) else

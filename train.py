@@ -33,6 +33,7 @@ from model import (
     GPT,
     MODEL_PRESETS,
     GPTConfig,
+    checkpoint_config,
     checkpoints,
     get_tokenizer,
     load_checkpoint,
@@ -225,7 +226,8 @@ def check_architecture(cfg: TrainConfig, src: GPTConfig, source: str) -> None:
                          f"{', '.join(f'{k} {has[k]}' for k in shape)})")
     if wrong:
         raise ValueError(f"{source} fixes the architecture, but this run asks for {', '.join(wrong)}: drop those "
-                         "flags (or use a preset that does not set them)")
+                         "flags (or use a preset that does not set them), or pass the shape flags the weights were "
+                         "trained with")
 
 
 def load_init(cfg: TrainConfig) -> GPT:
@@ -364,8 +366,10 @@ def optimizer_kind(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> str:
 
 
 def uses_cuda_graphs(cfg: TrainConfig, device: torch.device) -> bool:
-    """Whether compile mode replays CUDA graphs here (only on CUDA, and only these two modes)."""
-    return device.type == "cuda" and bool(cfg.compile) and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+    """Whether the compile mode replays CUDA graphs here: only on CUDA, where compile=None means on, and only in
+    these two modes."""
+    return device.type == "cuda" and cfg.compile is not False and cfg.compile_mode in ("reduce-overhead",
+                                                                                        "max-autotune")
 
 
 def cuda_graph_conflict(cfg: TrainConfig, grad_accum: int, device: torch.device) -> str | None:
@@ -731,7 +735,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                              f"the same checkpoints in --out-dir {out_dir} (put it on a shared filesystem, or copy "
                              "the checkpoint to each node and pass --resume PATH)")
     if found is not None:  # the checkpoint's architecture, as nanoGPT's resume takes it; restore() loads the weights
-        src = GPTConfig(**found[1]["model_config"])
+        src = checkpoint_config(found[1], f"--resume {found[0]}")
         check_architecture(cfg, src, f"--resume {found[0]}")
         if cfg.seq_len != src.block_size:
             raise ValueError(f"--seq-len {cfg.seq_len} is not the context of --resume {found[0]}, "
