@@ -422,6 +422,20 @@ def shard_loader(folder: Path, tcfg: train.TrainConfig, device: torch.device, ac
     return TokenLoader(str(folder), "train", tcfg.batch_size, tcfg.seq_len, device=device, preload=tcfg.preload)
 
 
+def loss_delta(row: dict[str, Any], earlier: list[dict[str, Any]]) -> float | None:
+    """Speed must not cost correctness: this row's final loss minus that of the first earlier row that trained the
+    same weights on the same tokens for as many steps (same micro-batch and accumulation; every row starts from one
+    seed, and the loop rows read other tokens, from a shard); 0.0 for that reference row itself, None without one.
+    Within bf16 noise is a pass; a variant off by more computes something else."""
+    if row["loop"]:
+        return None
+    for ref in earlier:
+        if ref.get("status") == "ok" and not ref["loop"] and (ref["batch_size"], ref["grad_accum"]) == \
+                (row["batch_size"], row["grad_accum"]):
+            return row["loss"] - ref["loss"]
+    return 0.0
+
+
 def run_train(cfg: BenchConfig, deadline: float | None = None,
               report: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """bench_train for each selected variant; failures and skips become rows, and no variant starts after deadline
@@ -436,6 +450,8 @@ def run_train(cfg: BenchConfig, deadline: float | None = None,
             row = {**row, "status": "skipped", "reason": f"time budget (--budget-s {cfg.budget_s:g}) spent"}
         else:
             row = guarded(row, lambda v=variant: bench_train(cfg, v))
+        if row.get("status") == "ok":
+            row["loss_delta"] = loss_delta(row, rows)
         free_memory(device)
         rows.append(row)
         if report:
@@ -795,6 +811,7 @@ def format_table(result: dict[str, Any]) -> str:
                  ("MFU", 6, lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"),
                  ("peak mem", 9, lambda r: f"{r['peak_mem_bytes'] / 2**30:.2f}G"),
                  ("warmup", 7, lambda r: f"{r['warmup_s']:.0f}s"), ("loss", 6, lambda r: f"{r['loss']:.3f}"),
+                 ("dloss", 8, lambda r: "n/a" if r.get("loss_delta") is None else f"{r['loss_delta']:+.4f}"),
                  ("attn", 9, lambda r: r["attention"])])
         if any(r.get("status") == "ok" and r["peak_mem_bytes"] is not None for r in result["train"]):
             out.append(f"peak mem: {next(r['mem_metric'] for r in result['train'] if r.get('status') == 'ok')}")

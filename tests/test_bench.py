@@ -44,6 +44,21 @@ def test_rows_name_the_attention_kernel_that_ran():
     assert bench_train(cfg, Variant("math", {"attention": "math"}))["attention"] == "math"
 
 
+def test_loss_delta_compares_rows_that_trained_the_same_tokens():
+    cfg = BenchConfig(**TINY, grad_accum=2)
+    rows = []
+    for variant in (Variant("eager"), Variant("math", {"attention": "math"}), Variant("b1", {"batch_size": 1}),
+                    Variant("recompute-b1", {"batch_size": 1, "recompute": "mlp"})):
+        row = {"suite": "train", "name": variant.name, "loop": False, "status": "ok", **bench_train(cfg, variant)}
+        row["loss_delta"] = bench.loss_delta(row, rows)
+        rows.append(row)
+    deltas = [r["loss_delta"] for r in rows]
+    assert deltas[0] == 0.0 and deltas[2] == 0.0  # each micro-batch size is its own reference
+    assert abs(deltas[1]) < 1e-5 and abs(deltas[3]) < 1e-5  # another kernel, recomputation: the same training
+    assert rows[2]["loss"] != rows[0]["loss"]  # while other tokens give another loss
+    assert bench.loss_delta({**rows[1], "loop": True}, rows) is None  # the loop rows read a shard's tokens
+
+
 def test_mfu_uses_the_peak_override():
     row = bench_train(BenchConfig(**TINY, peak_tflops=1.0), Variant("eager"))
     flops = GPT(MODEL_PRESETS["tiny"]()).flops_per_token(32)  # block_size does not change the parameter count
@@ -187,6 +202,7 @@ def test_main_writes_json_with_provenance_config_and_table(tmp_path, capsys):
     assert {"git_sha", "torch", "python", "device", "torch_threads"} <= set(saved["provenance"])
     assert saved["config"]["model"] == "tiny" and saved["config"]["batch_sizes"] == [2]  # resolved, as run
     assert [(r["name"], r["status"]) for r in saved["train"]] == [("eager", "ok"), ("eager+fused", "skipped")]
+    assert saved["train"][0]["loss_delta"] == 0.0 and "dloss" in result["table"]  # the first row is the reference
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith(result["table"].rstrip())  # the table comes last
     assert "eager+fused" in result["table"] and "skipped: the fused bias+GELU kernel needs CUDA" in result["table"]
