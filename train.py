@@ -377,7 +377,7 @@ def cuda_graph_conflict(cfg: TrainConfig, grad_accum: int, device: torch.device)
     compiled backward's outputs in the graph's memory pool, so a parameter's .grad, which autograd takes from the
     first micro-step's output, is overwritten by the next replay before the accumulation adds into it
     (pytorch/pytorch#169545: an error, or silently wrong gradients)."""
-    if uses_cuda_graphs(dataclasses.replace(cfg, compile=True), device) and grad_accum > 1:
+    if uses_cuda_graphs(cfg, device) and grad_accum > 1:
         return (f"--compile-mode {cfg.compile_mode} uses CUDA graphs, which break gradient accumulation "
                 f"({grad_accum} micro-steps here); use --compile-mode max-autotune-no-cudagraphs, or raise "
                 "--batch-size or the number of GPUs until one micro-step makes the whole batch")
