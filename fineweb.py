@@ -223,6 +223,7 @@ class TokenLoader:
             self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
             self._preloaded = torch.from_numpy(np.concatenate(self._shards).astype(np.int64)).to(self.device)
         self._order_cache: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative windows)
+        self.vocab_size: int | None = None  # set by check_vocab: token ids must be below it
         self.reset()
 
     @property
@@ -256,6 +257,22 @@ class TokenLoader:
         first = int(cum[i - 1]) if i else 0
         return int(order[i]), (w - first) * self.B * self.T
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Make every batch from now on check that its ids are below vocab_size, the model's embedding rows: a
+        larger id (a shard from another tokenizer, or corrupt) would otherwise fail inside the embedding, on CUDA as
+        a device-side assert that names nothing. A memory-mapped batch is checked on the host as it is read (a max
+        over B*T+1 uint16s); a preloaded split is checked once, here."""
+        self.vocab_size = vocab_size
+        if self._preloaded is not None and self._preloaded.numel():
+            top = int(self._preloaded.max())
+            if top >= vocab_size:
+                at = int(np.searchsorted(self._starts, int(torch.argmax(self._preloaded)), side="right")) - 1
+                self._bad_token(self.files[at], top)
+
+    def _bad_token(self, path: Path, token: int) -> None:
+        raise DataError(f"{path} holds token id {token}, but the model has only {self.vocab_size} embedding rows: "
+                        "the shard was written with another tokenizer, or is corrupt; rewrite it with fineweb.py")
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each int64 (B, T) on the loader's device."""
         shard, start = self._locate(self.step * self.world_size + self.rank)
@@ -265,7 +282,10 @@ class TokenLoader:
             first = int(self._starts[shard]) + start
             buf = self._preloaded[first:first + n].clone()  # a copy: an in-place edit of x must not alter the data
         else:
-            buf = torch.from_numpy(self._shards[shard][start:start + n].astype(np.int64))  # (B*T+1,)
+            window = self._shards[shard][start:start + n]
+            if self.vocab_size is not None and (top := int(window.max())) >= self.vocab_size:
+                self._bad_token(self.files[shard], top)
+            buf = torch.from_numpy(window.astype(np.int64))  # (B*T+1,)
             if self.device.type == "cuda":  # pinned, so the copy is asynchronous and overlaps the previous step
                 buf = buf.pin_memory().to(self.device, non_blocking=True)
             elif self.device.type != "cpu":
@@ -285,8 +305,8 @@ class TokenLoader:
                             f"step={state.get('step')!r}) was written by an older loader that dropped windows at each "
                             "epoch's end, and has no equivalent position here; start a fresh run")
         mine = self.state_dict()
-        for key, what in (("split", "split"), ("B", "--batch-size"), ("T", "--seq-len"), ("world_size", "world size"),
-                          ("seed", "--seed"), ("shards", "shard files"), ("shard_tokens", "shard sizes")):
+        for key, what in (("split", "split"), ("B", "--batch-size"), ("T", "--seq-len"), ("seed", "--seed"),
+                          ("shards", "shard files"), ("shard_tokens", "shard sizes")):
             theirs = state.get(key)
             if theirs != mine[key]:
                 if key in ("shards", "shard_tokens"):
@@ -295,11 +315,18 @@ class TokenLoader:
                     detail = f"{key}={theirs!r} in the checkpoint but {mine[key]!r} here"
                 raise DataError(f"cannot resume the {self.split} loader: {detail}; resume with the same {what} "
                                 "or start a fresh run")
-        step = state.get("step")
+        step, world = state.get("step"), state.get("world_size")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise DataError(f"cannot resume the {self.split} loader: its position step={step!r} is not a count of "
                             "batches >= 0; the checkpoint is corrupt, start a fresh run")
-        self.step = step
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            raise DataError(f"cannot resume the {self.split} loader: its world_size={world!r} is not a count of "
+                            "ranks >= 1; the checkpoint is corrupt, start a fresh run")
+        # The stream of global windows does not depend on the world size (only on the shards, B, T and the seed), so
+        # a run preempted on 8 GPUs can go on with 4: the old ranks served the first step * world windows, and the
+        # new ones start at the first multiple of the new world size at or after that, skipping fewer windows than
+        # one step has ranks and serving none twice.
+        self.step = -(-step * world // self.world_size)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -693,8 +693,6 @@ def test_resume_state_that_does_not_match_is_refused(tmp_path):
     state = TokenLoader(str(data), "train", B, T, 0, 2, seed=3).state_dict()
     with pytest.raises(DataError, match=r"B=2 in the checkpoint but 4 here; resume with the same --batch-size"):
         TokenLoader(str(data), "train", 4, T, 0, 2, seed=3).load_state_dict(state)
-    with pytest.raises(DataError, match="world_size=2 in the checkpoint but 1 here"):
-        TokenLoader(str(data), "train", B, T, 0, 1, seed=3).load_state_dict(state)
     with pytest.raises(DataError, match="seed=3 in the checkpoint but 4 here"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=4).load_state_dict(state)
     with pytest.raises(DataError, match="step=-1 is not a count of batches"):
@@ -702,6 +700,49 @@ def test_resume_state_that_does_not_match_is_refused(tmp_path):
     (tmp_path / "n_train_000004.bin").unlink()
     with pytest.raises(DataError, match=r"other shard files \(5 in the checkpoint, 4 here\)"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict(state)
+
+
+@pytest.mark.parametrize(("old_world", "new_world", "split_at", "skipped"), [
+    (3, 2, 40, 0),  # 120 windows served, a multiple of 2: the new ranks start at window 120
+    (2, 3, 41, 2),  # 82 served: the new ranks start at 84 (the first multiple of 3), so windows 82, 83 are skipped
+    (4, 1, 50, 0),  # 200 served: past the end of epoch 0 (167 windows), so into epoch 1
+])
+def test_resume_on_another_world_size_goes_on_with_the_same_stream(tmp_path, old_world, new_world, split_at,
+                                                                   skipped):
+    # the stream of global windows depends on the shards, B, T and the seed, not on the ranks: after a resume on a
+    # different number of ranks, those windows not yet served are served, minus fewer than one step's worth
+    data = numbered_shards(tmp_path, LENGTHS)
+    stream = epoch_windows(3, 0) + epoch_windows(3, 1) + epoch_windows(3, 2)
+    old = [TokenLoader(str(data), "train", B, T, r, old_world, seed=3) for r in range(old_world)]
+    served = [int(x[0, 0]) for _ in range(split_at) for loader in old for x, _ in [loader.next_batch()]]
+    assert served == stream[:split_at * old_world]
+    new = [TokenLoader(str(data), "train", B, T, r, new_world, seed=3) for r in range(new_world)]
+    for loader in new:
+        loader.load_state_dict(old[0].state_dict())
+    start = split_at * old_world + skipped
+    assert new[0].step * new_world == start
+    after = [int(x[0, 0]) for _ in range(30) for loader in new for x, _ in [loader.next_batch()]]
+    assert after == stream[start:start + 30 * new_world]
+
+
+def test_ids_beyond_the_vocabulary_are_a_data_error_that_names_the_shard(tmp_path):
+    data = numbered_shards(tmp_path, LENGTHS)  # ids up to 4 * 5000 + 69 = 20069, all in shard 4
+    stream = epoch_windows(3, 0) + epoch_windows(3, 1) + epoch_windows(3, 2)
+    for preload in (False, True):
+        loader = TokenLoader(str(data), "train", B, T, 0, 1, seed=3, preload=preload)
+        loader.check_vocab(50304)
+        batches(loader, 200)  # more than an epoch: every id is below 50304
+        if preload:  # the whole split is checked at once: its largest id
+            with pytest.raises(DataError, match=r"n_train_000004.bin holds token id 20069, but the model has only "
+                                                r"20000 embedding rows: the shard was written with another tokenizer"):
+                loader.check_vocab(20000)
+        else:  # each batch as it is read: the first window of shard 4 after step 200 ends with id 20000 + 32
+            loader.check_vocab(20000)
+            with pytest.raises(DataError, match=r"n_train_000004.bin holds token id 20032, but the model has only "
+                                                r"20000 embedding rows"):
+                batches(loader, 200)
+            bad = next(g for g in range(200, len(stream)) if stream[g] // 5000 == 4)
+            assert loader.step == bad + 1
 
 
 def test_state_of_the_older_per_epoch_loader_is_refused_in_one_line(tmp_path):
