@@ -419,7 +419,9 @@ def shard_loader(folder: Path, tcfg: train.TrainConfig, device: torch.device, ac
     n = 4 * accum * tcfg.batch_size * tcfg.seq_len + 1
     write_shard(folder / "bench_train_000000.bin",
                 torch.randint(0, GPT2_VOCAB, (n,), generator=gen, device=gen.device).cpu().numpy().astype(np.uint16))
-    return TokenLoader(str(folder), "train", tcfg.batch_size, tcfg.seq_len, device=device, preload=tcfg.preload)
+    loader = TokenLoader(str(folder), "train", tcfg.batch_size, tcfg.seq_len, device=device, preload=tcfg.preload)
+    loader.check_vocab(train.model_config(tcfg).vocab_size)  # train.py's per-batch id check, so it is timed too
+    return loader
 
 
 def loss_delta(row: dict[str, Any], earlier: list[dict[str, Any]]) -> float | None:

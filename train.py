@@ -476,6 +476,10 @@ def _state_dicts(raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(raw, options=opts)
+    if "lm_head.weight" in model_sd and raw.lm_head.weight is raw.transformer.wte.weight:
+        # the offload copies each name to the CPU on its own, so the tied matrix would be saved twice (+154 MB for
+        # GPT-2 124M under FSDP, or from a GPU); one tensor under both names is stored once
+        model_sd["transformer.wte.weight"] = model_sd["lm_head.weight"]
     if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: gather every rank's shard on rank 0
         optimizer.consolidate_state_dict(to=0)
         optim_sd = optimizer.state_dict() if dist.get_rank() == 0 else None
@@ -526,14 +530,20 @@ def find_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
 
 def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig, loader: TokenLoader | None,
             scaler: torch.amp.GradScaler | None, rank: int, world_size: int) -> int:
+    """Load a checkpoint into the run: the weights, and unless --eval-only (which needs no more, so it scores any
+    checkpoint) the optimizer, the loader's position, the GradScaler and the RNG. Returns its step."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    kind = optimizer_kind(optimizer, cfg)
-    if (ckpt["optimizer_kind"] == "zero1") != (kind == "zero1"):
-        raise ValueError(f"checkpoint optimizer state was saved with parallel={ckpt['optimizer_kind']}; resume with "
-                         "--parallel zero1 on both sides, or neither")
     opts = StateDictOptions(full_state_dict=True)
     set_model_state_dict(raw, ckpt["model"], options=opts)
+    if cfg.eval_only:
+        return int(ckpt["step"])
+    kind = optimizer_kind(optimizer, cfg)
+    if (ckpt["optimizer_kind"] == "zero1") != (kind == "zero1"):
+        saved = ckpt["optimizer_kind"]
+        how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
+        raise ValueError(f"the checkpoint's optimizer state was saved by parallel={saved} and this "
+                         f"run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume it {how}")
     if kind == "zero1":
         optimizer.load_state_dict(ckpt["optimizer"])
         if optimizer.optim.defaults.get("fused"):
@@ -554,7 +564,9 @@ def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     elif rank == 0:
-        print(f"note: checkpoint came from world size {len(ckpt['rng'])}; RNG streams restart (dropout differs)")
+        print(f"note: the checkpoint came from world size {len(ckpt['rng'])}, this run has {world_size}: the data "
+              "stream goes on where it was (less than one step's windows skipped, none repeated) and the RNG streams "
+              "restart, so this is not the run an unchanged world size would give")
     return int(ckpt["step"])
 
 
@@ -631,13 +643,14 @@ class StopFlags:
     def _on_term(self, *_: Any) -> None:
         self.term = True
 
-    def should_stop(self, device: torch.device, world_size: int) -> bool:
-        local = self.term or (self.deadline is not None and time.time() > self.deadline)
-        if world_size == 1:
-            return local
-        flag = torch.tensor([float(local)], device=device)
-        dist.all_reduce(flag)  # one rank's signal stops every rank at the same step
-        return bool(flag.item() > 0)
+    def should_stop(self, device: torch.device, world_size: int) -> str | None:
+        """"signal", "max_time" or None, the same on every rank: one rank's signal stops them all at this step."""
+        flags = [self.term, self.deadline is not None and time.time() > self.deadline]
+        if world_size > 1:
+            agreed = torch.tensor(flags, dtype=torch.float32, device=device)
+            dist.all_reduce(agreed)
+            flags = (agreed > 0).tolist()
+        return "signal" if flags[0] else "max_time" if flags[1] else None
 
 
 def open_log(path: Path, resume_step: int | None) -> Any:
@@ -647,8 +660,7 @@ def open_log(path: Path, resume_step: int | None) -> Any:
     path.parent.mkdir(parents=True, exist_ok=True)
     if resume_step is None or not path.is_file():
         return open(path, "w", buffering=1)
-    lines = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
-    kept = [line for line, record in zip(lines, map(json.loads, lines), strict=True)
+    kept = [json.dumps(record) + "\n" for record in iter_log(path)
             if record["type"] == "config" or record["step"] < resume_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
@@ -689,6 +701,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torch.device,
            master: bool) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():  # on every rank: found later, only rank 0 (the writer) would stop
+        raise ValueError(f"--out-dir {out_dir} is a file, not a directory")
     prov = provenance(device, world)
     B, T = cfg.batch_size, cfg.seq_len
     if cfg.total_batch_size % (B * T * world):
@@ -752,6 +766,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         raw = GPT(model_config(cfg))
     raw = raw.to(device)
     mcfg = raw.config
+    for loader in (train_loader, val_loader):
+        if loader is not None:
+            loader.check_vocab(mcfg.vocab_size)
     torch.manual_seed(cfg.seed + rank)
     if master:
         print(json.dumps({"provenance": prov, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg)},
@@ -931,9 +948,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             result["checkpoint"] = str(path)
         if stopping:
             if master:
-                why = "SIGTERM" if stop.term else f"--max-time {cfg.max_time} min"
+                why = "SIGTERM" if stopping == "signal" else f"--max-time {cfg.max_time} min"
                 print(f"stopping after step {step} ({why}); resume with --resume auto")
-            result["stopped"] = "signal" if stop.term else "max_time"
+            result["stopped"] = stopping
             break
     if profiler is not None:  # the run ended inside the profiled window: keep what was recorded
         _stop_profiler(profiler, out_dir, rank, master)
@@ -1009,11 +1026,20 @@ def _stop_profiler(prof: torch.profiler.profile, out_dir: Path, rank: int, maste
 
 
 def iter_log(path: str | os.PathLike) -> Iterator[dict]:
-    """Records of a train.py log.jsonl (plot.py and the tests read it through this)."""
+    """Records of a train.py log.jsonl (plot.py, a resumed run and the tests read it through this). A last line
+    without its newline is a record cut short, by a crash (the log is not fsynced) or because the run is writing it
+    right now: it is left out. Any other line that is not JSON is an error that names the file and line."""
     with open(path) as f:
-        for line in f:
-            if line.strip():
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
                 yield json.loads(line)
+            except json.JSONDecodeError as e:
+                if not line.endswith("\n"):  # only the last line can lack one
+                    return
+                raise ValueError(f"{path}, line {number}: not a JSON record ({e}); the log is corrupt: delete that "
+                                 "line, or the file (a resumed run then starts a new one)") from None
 
 
 if __name__ == "__main__":

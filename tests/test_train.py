@@ -1,18 +1,21 @@
 """train.py: schedule, CLI, overfitting, exact resume, SIGTERM, atomic checkpoints, NaN stop, DDP/ZeRO-1/FSDP2."""
 
+import contextlib
 import json
+import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import train
-from conftest import ROOT, run_torchrun
+from conftest import ROOT, children, run_torchrun
 from model import load_checkpoint, parse_config
 
 
@@ -399,6 +402,38 @@ def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
     assert len(more["losses"]) == 2
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
+    # a preempted node may signal only its own workers: rank 1's SIGTERM must stop rank 0 at the same step, with a
+    # checkpoint, and rank 0 (which prints) must name the signal, not a --max-time that is not set
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0", "--parallel=zero1")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        log = tmp_path / "log.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and not (log.exists() and
+                                                                       '"type": "train"' in log.read_text()):
+            time.sleep(0.2)
+        workers = children(proc.pid)
+        environ = {pid: dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                             if b"=" in kv) for pid in workers}
+        rank1 = [pid for pid in workers if environ[pid].get(b"RANK") == b"1"]
+        assert len(rank1) == 1, workers
+        os.kill(rank1[0], signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:  # a run of 100,000 steps must not outlive a failed test
+        for pid in [proc.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert re.search(r"stopping after step \d+ \(SIGTERM\)", out), out[-3000:]
+    step = load_checkpoint(next(tmp_path.glob("ckpt_*.pt")))["step"]
+    assert [r["step"] for r in train.iter_log(log) if r["type"] == "train"][-1] == step - 1
+
+
 def test_max_time_budget_checkpoints_and_stops(token_data, tmp_path, capsys):
     # a budget of 60 us: the first step exceeds it, so the run stops after one step, with a checkpoint
     result = train.main(tiny_args(token_data, tmp_path, "--max-steps=50", "--eval-every=0", "--max-time=0.000001"))
@@ -519,6 +554,32 @@ def test_overfit_resume_is_exact_and_the_log_has_each_step_once(token_data, tmp_
     assert [r["type"] for r in records].count("config") == 2
 
 
+def test_a_log_line_cut_short_by_a_crash_does_not_block_the_resume(token_data, tmp_path):
+    args = tiny_args(token_data, tmp_path, "--max-steps=4", "--ckpt-every=2", "--eval-every=0")
+    train.main(args)
+    (tmp_path / "ckpt_000004.pt").unlink()
+    log = tmp_path / "log.jsonl"
+    with open(log, "a") as f:  # the VM died mid-write: the log is not fsynced, so its tail can be half a record
+        f.write('{"type": "train", "step": 4, "lo')
+    assert [r["step"] for r in train.iter_log(log) if r["type"] == "train"] == [0, 1, 2, 3]  # plot.py's view
+    train.main([*args, "--resume=auto"])
+    records = list(train.iter_log(log))
+    assert [r["step"] for r in records if r["type"] == "train"] == [0, 1, 2, 3]
+    assert log.read_text().endswith("}\n")
+    # a damaged line anywhere else is not a crash's trace: an error that says where
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join([lines[0], "{not json\n", *lines[1:]]))
+    with pytest.raises(ValueError, match=r"log.jsonl, line 2: not a JSON record"):
+        list(train.iter_log(log))
+
+
+def test_out_dir_that_is_a_file_is_refused_before_anything_runs(token_data, tmp_path, capsys):
+    (tmp_path / "out").write_text("")
+    with pytest.raises(SystemExit):
+        train.main(tiny_args(token_data, tmp_path / "out", "--max-steps=1"))
+    assert f"--out-dir {tmp_path / 'out'} is a file, not a directory" in capsys.readouterr().err
+
+
 def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_data, tmp_path):
     common = ["--max-steps=9", "--ckpt-every=3", "--eval-every=0"]
     train.main(tiny_args(token_data, tmp_path, *common, "--keep-last=5"))
@@ -567,10 +628,21 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
         assert "2 ranks x 1 accum" in proc.stdout
         ckpt = load_checkpoint(out / "ckpt_000004.pt")
         assert ckpt["world_size"] == 2
+        tied = ckpt["model"]["lm_head.weight"], ckpt["model"]["transformer.wte.weight"]
+        assert tied[0].data_ptr() == tied[1].data_ptr(), parallel  # stored once, also when FSDP gathers it
         for name, ref_tensor in ref.items():
             torch.testing.assert_close(ckpt["model"][name], ref_tensor, atol=1e-5, rtol=0, msg=f"{parallel} {name}")
         losses = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert losses == pytest.approx(single["losses"], abs=1e-5), parallel
+        if parallel != "fsdp":  # preempted on 2 ranks, resumed on 1: accumulation 2 then sees the same windows
+            (out / "ckpt_000005.pt").unlink()
+            argv = ["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}", "--resume=auto")]
+            if parallel == "zero1":  # ZeRO-1 splits its consolidated state anew for the one rank
+                run_torchrun(argv, nproc=1)
+            else:
+                train.main(argv[1:])
+            again = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
+            assert again == pytest.approx(losses, abs=1e-5), parallel
         if parallel == "fsdp":  # resume a sharded run from its (full) checkpoint at step 4, on 2 ranks
             (out / "ckpt_000005.pt").unlink()
             run_torchrun(["train.py", *tiny_args(token_data, out, *common, "--parallel=fsdp", "--resume=auto")],
@@ -581,7 +653,7 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path):
+def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path, capsys):
     # as in nanoGPT, torchrun means DDP/ZeRO-1/FSDP2 even on one rank: a one-GPU machine then runs the real wrappers
     common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=0"]
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))["losses"]
@@ -599,6 +671,13 @@ def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path
     assert again == pytest.approx(single, abs=1e-5)
     with pytest.raises(SystemExit):  # ZeRO-1 state cannot seed a plain AdamW: the refusal names the fix
         train.main(tiny_args(token_data, tmp_path / "zero1", *common, "--max-steps=6", "--resume=auto"))
+    assert "resume it under torchrun with --parallel zero1" in capsys.readouterr().err
+    # an evaluation needs only the weights, so it scores a ZeRO-1 checkpoint without torchrun
+    scored = train.main(tiny_args(token_data, tmp_path / "eval", "--eval-only", "--eval-every=1", "--hellaswag=off",
+                                  f"--resume={tmp_path / 'zero1' / 'ckpt_000004.pt'}"))
+    ddp_scored = train.main(tiny_args(token_data, tmp_path / "eval", "--eval-only", "--eval-every=1",
+                                      "--hellaswag=off", f"--resume={tmp_path / 'ddp' / 'ckpt_000004.pt'}"))
+    assert scored["step"] == 4 and scored["val_loss"] == pytest.approx(ddp_scored["val_loss"], abs=1e-5)
 
 
 def test_cuda_graph_modes_refuse_gradient_accumulation():
