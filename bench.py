@@ -335,6 +335,8 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         raise Skipped("the fused bias+GELU kernel needs CUDA and triton (elsewhere the MLP uses the reference)")
     if tcfg.compile and (why := train.cuda_graph_conflict(tcfg, cfg.grad_accum, device)):
         raise Skipped(why)  # train.py refuses it too
+    if why := train.attention_conflict(tcfg, device):
+        raise Skipped(why)  # likewise
     B, T, accum = tcfg.batch_size, tcfg.seq_len, cfg.grad_accum
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as train.py: fp32 matmuls outside autocast use tensor cores

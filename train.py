@@ -384,6 +384,15 @@ def cuda_graph_conflict(cfg: TrainConfig, grad_accum: int, device: torch.device)
     return None
 
 
+def attention_conflict(cfg: TrainConfig, device: torch.device) -> str | None:
+    """Why the SDPA kernel --attention allows alone has no kernel for this device and dtype, or None."""
+    if device.type == "cpu" and cfg.attention in ("efficient", "cudnn"):
+        return f"--attention {cfg.attention} has no CPU kernel; use --attention flash, math or auto"
+    if device.type == "cuda" and cfg.attention in ("flash", "cudnn") and cfg.dtype == "fp32":
+        return f"--attention {cfg.attention} has no fp32 kernel on CUDA; use --dtype bf16 or --attention auto"
+    return None
+
+
 def sdpa_switches() -> dict[str, bool]:
     """The process-wide SDPA switches as they are now, for set_sdpa_switches to put back."""
     return {switch: getattr(torch.backends.cuda, switch.removeprefix("enable_") + "_enabled")()
@@ -712,11 +721,8 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     grad_accum = cfg.total_batch_size // (B * T * world)
     if cfg.dtype == "fp16" and cfg.parallel == "fsdp":
         raise ValueError("--dtype fp16 is not supported with --parallel fsdp; use bf16")
-    if device.type == "cpu" and cfg.attention in ("efficient", "cudnn"):
-        raise ValueError(f"--attention {cfg.attention} has no CPU kernel; use --attention flash, math or auto")
-    if device.type == "cuda" and cfg.attention in ("flash", "cudnn") and cfg.dtype == "fp32":
-        raise ValueError(f"--attention {cfg.attention} has no fp32 kernel on CUDA; use --dtype bf16 or "
-                         "--attention auto")
+    if why := attention_conflict(cfg, device):
+        raise ValueError(why)
     # by default on CUDA, except for a one-off evaluation, where compiling would take longer than it saves
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda" and not cfg.eval_only
     if use_compile and (why := cuda_graph_conflict(cfg, grad_accum, device)):

@@ -79,6 +79,9 @@ def test_variants_are_selected_by_name_and_skips_carry_reasons():
     rows = bench.run_train(BenchConfig(**TINY, variants="eager+fused"))
     assert [(r["name"], r["status"]) for r in rows] == [("eager+fused", "skipped")]
     assert "CUDA" in rows[0]["reason"]
+    rows = bench.run_train(BenchConfig(**TINY, variants="compile+cudnn-attn"))  # what train.py refuses is a skip
+    assert [(r["name"], r["status"], r["reason"]) for r in rows] == [
+        ("compile+cudnn-attn", "skipped", "--attention cudnn has no CPU kernel; use --attention flash, math or auto")]
     rows = bench.run_train(BenchConfig(**TINY, variants="eager"), deadline=0.0)  # already past: nothing starts
     assert rows[0]["status"] == "skipped" and "time budget" in rows[0]["reason"]
 
