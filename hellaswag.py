@@ -324,11 +324,19 @@ def main(argv: list[str] | None = None) -> dict:
             if cfg.data is not None:
                 path = Path(cfg.data)
             else:
-                # rank 0 downloads while the others wait, then they all find it in the cache
+                # rank 0 downloads while the others wait, then they all find it in the cache. Its failure (an
+                # offline machine) is handed to every rank, which stops with its message: a rank that merely lost
+                # its peer would print a gloo or NCCL error first, which hides the cause
+                failed = [None]
                 if rank == 0:
-                    download(cfg.cache_dir)
+                    try:
+                        download(cfg.cache_dir)
+                    except OSError as e:  # ConnectionError included
+                        failed = [str(e)]
                 if world_size > 1:
-                    dist.barrier()
+                    dist.broadcast_object_list(failed, src=0)
+                if failed[0] is not None:
+                    raise ConnectionError(failed[0])
                 path = download(cfg.cache_dir)
             examples = load_examples(path, cfg.limit)
             model = load_model(cfg.ckpt, cfg.init_from).to(device)

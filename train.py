@@ -991,7 +991,7 @@ def _load_hellaswag(cfg: TrainConfig, local_rank: int, world: int, device: torch
     if cfg.hellaswag == "auto" and local_rank == 0:  # one download per node, the other ranks wait
         try:
             hellaswag.download()
-        except ConnectionError as e:
+        except OSError as e:  # offline (ConnectionError), or the cache cannot be written: skip it on every rank
             reason = f"could not download it: {e.__cause__ or e}"
     if world > 1:
         dist.barrier()

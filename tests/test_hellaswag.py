@@ -410,6 +410,20 @@ def test_cli_two_ranks_equal_one_rank(enc, tmp_path):
     assert (acc, acc_norm, int(n)) == ("0.5714", "0.4286", 7)
 
 
+def test_cli_two_ranks_a_failed_download_stops_both_with_its_reason(hf_dir, tmp_path):
+    # rank 0 downloads while rank 1 waits; its failure must reach rank 1 as the reason, not as a lost-peer gloo error.
+    # A cache "directory" that is a file makes the download fail without touching the network
+    (tmp_path / "cache").write_text("")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "hellaswag.py",
+           "--init-from", str(hf_dir), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu"]
+    two = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=120)
+    assert two.returncode != 0
+    # each rank prints the reason (their lines may interleave: two processes, one pipe)
+    assert two.stderr.count(f"error: [Errno 17] File exists: '{tmp_path / 'cache'}'") == 2, two.stderr[-3000:]
+    assert "gloo" not in two.stderr.lower(), two.stderr[-3000:]
+
+
 def test_describe_provenance():
     prov = {"git_sha": "0123456789abcdef0123456789abcdef01234567", "git_dirty": True, "python": "3.11.9",
             "torch": "2.6.0+cu124", "triton": "3.2.0", "cuda": "12.4", "device": "NVIDIA H100 80GB HBM3",
