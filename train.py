@@ -928,6 +928,10 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             result["stopped"] = "nan"
             break
         losses.append(loss_value)
+        if guard is None:  # the guard is off, but its history is kept (from values read anyway, so no extra sync)
+            # and checkpointed, so a run resumed with --skip-loss-z/--skip-norm-z has it from its first step
+            detectors["loss"](loss_value)
+            detectors["norm"](norm_value)
         if step > start_step:  # the first step includes compilation and warmup
             recent_ms = (recent_ms + [dt * 1000])[-20:]
         tok_s = tokens_per_step / dt

@@ -377,6 +377,16 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     resumed.mkdir()
     shutil.copy(tmp_path / "full" / "ckpt_000020.pt", resumed)
     assert train.main(tiny_args(token_data, resumed, *common, "--resume=auto"))["losses"] == full[20:]
+    # with the guard off the history is kept all the same, so turning it on at a resume (after a spike, say) works
+    # from the first step instead of after 16 more
+    unguarded = [arg for arg in common if not arg.startswith("--skip")]
+    train.main(tiny_args(token_data, tmp_path / "off", *unguarded))
+    off = load_checkpoint(tmp_path / "off" / "ckpt_000020.pt")
+    assert off["outliers"] == ckpts[20]["outliers"]
+    switched_on = tmp_path / "switched_on"
+    switched_on.mkdir()
+    shutil.copy(tmp_path / "off" / "ckpt_000020.pt", switched_on)
+    assert train.main(tiny_args(token_data, switched_on, *common, "--resume=auto"))["losses"] == full[20:]
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
