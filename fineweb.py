@@ -161,8 +161,12 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     elif base.is_file():
         files = [base]
     else:
+        # the presets' own corpora have a source of their own: fineweb.py's default source is fineweb-edu
+        source = {"stdlib": "--source stdlib ", "shakespeare": "--source shakespeare "}.get(base.name, "")
         raise DataError(f"data directory {pattern} does not exist; write shards there with "
-                        f"`python fineweb.py --out-dir {pattern}` or point --data at a directory or glob of shards")
+                        f"`python fineweb.py {source}--out-dir {pattern}`"
+                        f"{'' if source else ' (fineweb-edu; --source picks another corpus)'} or point --data at a "
+                        "directory or glob of shards")
     files = sorted(f for f in files if marker.fullmatch(f.name) and f.is_file())
     if not files:
         raise DataError(f"no {split} shards in {pattern} (looked for names ending in _{split}.bin or "

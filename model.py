@@ -1040,6 +1040,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: {e}") from None
         print(f"exported {cfg.ckpt} to {out} (load with transformers.GPT2LMHeadModel.from_pretrained)")
         return
+    if cfg.ckpt:  # the smoke run below is an untrained model: sampling a checkpoint is sample.py's job
+        raise SystemExit(f"error: --ckpt is only read with --export-hf DIR; to sample from it: python sample.py "
+                         f"--ckpt {cfg.ckpt}")
     if cfg.model not in MODEL_PRESETS:
         raise SystemExit(f"error: --model must be one of {', '.join(MODEL_PRESETS)}; got {cfg.model!r}")
     torch.manual_seed(cfg.seed)

@@ -241,8 +241,11 @@ def load_init(cfg: TrainConfig) -> GPT:
         raise ValueError(f"--init-from {cfg.init_from} is a run directory; pass one of its checkpoints, e.g. "
                          f"--init-from {found[-1]} (the latest)")
     # a checkpoint's tensors are mapped, not read: its AdamW moments (twice the weights) never enter memory
-    source = GPT.from_checkpoint(load_checkpoint(path, mmap=True)) if path.is_file() else \
-        load_model(None, cfg.init_from)
+    try:
+        source = GPT.from_checkpoint(load_checkpoint(path, mmap=True)) if path.is_file() else \
+            load_model(None, cfg.init_from)
+    except OSError as e:  # the hub is unreachable, or has no such model: one line, not an HTTP client's traceback
+        raise ValueError(str(e).replace("\n", " ")) from None
     src = source.config
     check_architecture(cfg, src, f"--init-from {cfg.init_from}")
     if cfg.seq_len > src.block_size:
@@ -499,7 +502,7 @@ def _state_dicts(raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -
 
 def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig,
                     loader: TokenLoader, scaler: torch.amp.GradScaler | None, rank: int, world_size: int,
-                    prov: dict, outliers: dict[str, list[float]] | None = None) -> None:
+                    prov: dict, outliers: dict[str, list[float]] | None = None, tokens: int | None = None) -> None:
     model_sd, optim_sd = _state_dicts(raw, optimizer, cfg)
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     rngs = [None] * world_size
@@ -514,6 +517,7 @@ def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step
         "step": step, "loader": loader.state_dict(), "rng": rngs, "scaler": scaler.state_dict() if scaler else None,
         "model_config": dataclasses.asdict(raw.config), "train_config": dataclasses.asdict(cfg),
         "provenance": prov, "world_size": world_size, "outliers": outliers or {},
+        "tokens": tokens if tokens is not None else step * cfg.total_batch_size,  # trained on, all ranks together
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -714,6 +718,8 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         raise ValueError(f"--out-dir {out_dir} is a file, not a directory")
     prov = provenance(device, world)
     B, T = cfg.batch_size, cfg.seq_len
+    if cfg.eval_only:  # nothing trains, so no total batch to fill
+        cfg = dataclasses.replace(cfg, total_batch_size=B * T * world)
     if cfg.total_batch_size % (B * T * world):
         raise ValueError(f"--total-batch-size {cfg.total_batch_size} is not divisible by batch_size * seq_len * "
                          f"world_size = {B} * {T} * {world} = {B * T * world}; change --batch-size or "
@@ -739,27 +745,36 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     val_loader = TokenLoader(cfg.data, "val", B, T, rank, world, cfg.seed, device, cfg.preload) \
         if cfg.eval_every > 0 or cfg.eval_only else None
 
-    found = None  # the checkpoint to resume: looked for first, since a resumed fine-tune needs no --init-from source
-    if cfg.resume == "auto":
-        found = find_checkpoint(out_dir)
-        if found is None and master:
-            print(f"resume: no valid checkpoint in {out_dir}; starting from scratch")
-    elif cfg.resume:
-        found = (Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True))
-    if world > 1:  # every rank must resume the same step, before anything collective: FSDP's restore, the barriers
-        # around --init-from and the loop would otherwise pair up wrong across ranks and hang instead of failing
-        steps = [None] * world
-        dist.all_gather_object(steps, int(found[1]["step"]) if found is not None else None)
-        if len(set(steps)) > 1:
-            raise ValueError(f"ranks resumed different steps {steps} (None: no checkpoint found): every node must see "
-                             f"the same checkpoints in --out-dir {out_dir} (put it on a shared filesystem, or copy "
-                             "the checkpoint to each node and pass --resume PATH)")
+    # the checkpoint to resume: looked for first, since a resumed fine-tune needs no --init-from source. Every rank
+    # must resume the same step, or stop, before anything collective: FSDP's restore, the barriers around --init-from
+    # and the loop would otherwise pair up wrong across ranks and hang instead of failing. So each rank's finding
+    # (or its reason to refuse) is shared first, and all stop together with a reason.
+    found, problem = None, None
+    try:
+        found = find_resume(cfg, out_dir, master)
+    except (ValueError, OSError) as e:  # OSError: a --resume PATH this node cannot read
+        problem = str(e)
+    if world > 1:
+        views: list[Any] = [None] * world
+        dist.all_gather_object(views, (int(found[1]["step"]) if found is not None else None, problem))
+        if not problem and (theirs := [(r, p) for r, (_, p) in enumerate(views) if p]):
+            problem = f"rank {theirs[0][0]}: {theirs[0][1]}"
+        steps = [step for step, _ in views]
+        if not problem and len(set(steps)) > 1:
+            problem = (f"ranks resumed different steps {steps} (None: no checkpoint found): every node must see the "
+                       f"same checkpoints in --out-dir {out_dir} (put it on a shared filesystem, or copy the "
+                       "checkpoint to each node and pass --resume PATH)")
+    if problem:
+        raise ValueError(problem)
     if found is not None:  # the checkpoint's architecture, as nanoGPT's resume takes it; restore() loads the weights
         src = checkpoint_config(found[1], f"--resume {found[0]}")
         check_architecture(cfg, src, f"--resume {found[0]}")
         if cfg.seq_len != src.block_size:
             raise ValueError(f"--seq-len {cfg.seq_len} is not the context of --resume {found[0]}, "
                              f"{src.block_size} tokens; pass --seq-len {src.block_size}")
+        if int(found[1]["step"]) > cfg.max_steps and not cfg.eval_only:
+            raise ValueError(f"--resume {found[0]} is at step {found[1]['step']}, past --max-steps {cfg.max_steps}; "
+                             "raise --max-steps to train further, or score it with --eval-only")
         raw = GPT(dataclasses.replace(src, **run_options(cfg)))
     elif cfg.init_from:
         if world > 1 and local_rank != 0:  # a hub download once per node: the other ranks read the cached copy
@@ -802,9 +817,16 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         del found[1]["model"], found[1]["optimizer"]  # copied into the model and optimizer: free the CPU copy
 
     tokens_per_step = grad_accum * B * T * world
+    # tokens trained on before step s: the checkpoint's count carries over, so the log's token axis stays right when
+    # a resume changes --total-batch-size (an older checkpoint without the count assumes this run's batch)
+    tokens_offset = int(found[1].get("tokens", start_step * tokens_per_step)) - start_step * tokens_per_step \
+        if found is not None else 0
+    tokens_at = lambda s: tokens_offset + s * tokens_per_step
     flops_per_token = raw.flops_per_token(T)
     device_name = prov["device"]
-    if master:
+    if master and cfg.eval_only:
+        print(f"{raw.num_params():,} params | evaluating at step {start_step} | {B} x {T} x {world} ranks | {dtype}")
+    elif master:
         print(f"{raw.num_params():,} params | {tokens_per_step:,} tokens/step = {B} x {T} x {world} ranks x "
               f"{grad_accum} accum | {cfg.max_steps} steps | compile {use_compile} | {cfg.parallel} | {dtype}")
     if master and not cfg.eval_only:  # an evaluation may sit beside a live run, whose .tmp is a checkpoint in flight
@@ -875,7 +897,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         if val_loader is not None and (final or step % cfg.eval_every == 0):
             vl = val_loss(model, val_loader, eval_batches, autocast, world)
             result["val_loss"] = vl
-            write({"type": "val", "step": step, "tokens": step * tokens_per_step, "val_loss": vl})
+            write({"type": "val", "step": step, "tokens": tokens_at(step), "val_loss": vl})
             if master:
                 print(f"step {step:6d} | val loss {vl:.4f}")
         if hellaswag_examples and (final or step % cfg.hellaswag_every == 0):
@@ -886,7 +908,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             hs = hellaswag.evaluate(raw, hellaswag_examples, device, rank, world, limit=cfg.hellaswag_limit,
                                     enc=enc, progress=True)
             result["hellaswag"] = hs
-            write({"type": "hellaswag", "step": step, "tokens": step * tokens_per_step, **hs})
+            write({"type": "hellaswag", "step": step, "tokens": tokens_at(step), **hs})
             if master:
                 print(f"step {step:6d} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
         if cfg.sample_every > 0 and (final or step % cfg.sample_every == 0) and (step > 0 or cfg.eval_only):
@@ -936,7 +958,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             recent_ms = (recent_ms + [dt * 1000])[-20:]
         tok_s = tokens_per_step / dt
         util = mfu(flops_per_token, tok_s / world, device_name, cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
-        write({"type": "train", "step": step, "tokens": (step + 1) * tokens_per_step, "loss": loss_value, "lr": lr,
+        write({"type": "train", "step": step, "tokens": tokens_at(step + 1), "loss": loss_value, "lr": lr,
                "grad_norm": norm_value, "ms": dt * 1000, "tok_s": tok_s, "mfu": util,
                **({"skipped": skipped} if skipped else {})})
         if master and skipped:
@@ -952,7 +974,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         if (cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0) or step + 1 == cfg.max_steps or stopping:
             path = out_dir / f"ckpt_{step + 1:06d}.pt"
             save_checkpoint(path, raw, optimizer, step + 1, cfg, train_loader, scaler, rank, world, prov,
-                            {name: d.values for name, d in detectors.items()})
+                            {name: d.values for name, d in detectors.items()}, tokens_at(step + 1))
             if master:
                 print(f"saved {path}")
             result["checkpoint"] = str(path)
@@ -974,6 +996,36 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         log.close()
     result["step"] = step
     return result
+
+
+def find_resume(cfg: TrainConfig, out_dir: Path, master: bool) -> tuple[Path, dict] | None:
+    """The checkpoint this run continues (path, loaded dict), None for a fresh start, or a ValueError where starting
+    would bury another run: a fresh run in a directory with checkpoints would truncate its log and prune them, and
+    --resume auto that can read none of them would do the same."""
+    existing = checkpoints(out_dir) if out_dir.is_dir() and not cfg.eval_only else []
+    if not cfg.resume:
+        if existing:
+            raise ValueError(f"--out-dir {out_dir} holds another run's checkpoints ({existing[-1].name} the last "
+                             "written): continue that run with --resume auto, or start this one in a new --out-dir "
+                             "(or delete them first)")
+        return None
+    if cfg.resume != "auto":
+        return Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True)
+    found = find_checkpoint(out_dir)
+    if found is None and existing:
+        raise ValueError(f"none of the {len(existing)} checkpoints in {out_dir} can be read (see the warnings above): "
+                         "resume one with --resume PATH, or move them away to start afresh")
+    if found is None:
+        if master:
+            print(f"resume: no checkpoint in {out_dir}; starting "
+                  + (f"from --init-from {cfg.init_from}" if cfg.init_from else "from scratch"))
+        return None
+    later = [p for p in existing if int(p.stem.removeprefix("ckpt_")) > int(found[1]["step"])]
+    if later and master:
+        print(f"note: resuming {found[0].name}, the checkpoint written last; {later[-1].name} has a later step but "
+              "was written earlier (a rewind leaves such files; files copied without their times lose the order: "
+              "then pass --resume PATH)")
+    return found
 
 
 def _fmt_time(seconds: float) -> str:

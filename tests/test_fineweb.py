@@ -786,8 +786,13 @@ def test_loader_reads_what_the_writer_wrote(tmp_path):
 
 
 def test_missing_directory_and_pattern_without_shards(tmp_path):
-    with pytest.raises(DataError, match=r"data directory .*nope does not exist; .*fineweb.py --out-dir"):
+    with pytest.raises(DataError, match=r"data directory .*nope does not exist; write shards there with `python "
+                                        r"fineweb.py --out-dir .*nope` \(fineweb-edu; --source picks another"):
         TokenLoader(str(tmp_path / "nope"), "train", 2, 8)
+    # the demo and tiny presets' data/stdlib: the hint names the corpus, not fineweb.py's default (fineweb-edu)
+    with pytest.raises(DataError, match=r"write shards there with `python fineweb.py --source stdlib --out-dir "
+                                        r".*stdlib` or point"):
+        TokenLoader(str(tmp_path / "data" / "stdlib"), "train", 2, 8)
     numbered_shards(tmp_path, [100], split="val")
     with pytest.raises(DataError, match=r"no train shards in .* \(looked for names ending in _train.bin or "
                                         r"_train_NNNNNN.bin, or .npy\)"):

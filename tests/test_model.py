@@ -500,6 +500,9 @@ def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
         torch.testing.assert_close(hf(idx).logits, gpt(idx)[0], atol=1e-5, rtol=1e-5)
     with pytest.raises(SystemExit, match="--export-hf needs --ckpt"):
         model_module.main(["--export-hf", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match=f"--ckpt is only read with --export-hf DIR; to sample from it: python "
+                                         f"sample.py --ckpt {ckpt}"):  # not an untrained sample that ignores it
+        model_module.main(["--ckpt", str(ckpt)])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

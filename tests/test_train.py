@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -540,15 +541,22 @@ def test_ranks_that_find_different_checkpoints_fail_before_fsdp_restore_can_hang
     script.write_text(f"""import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 import train
-if os.environ["RANK"] == "1":
+if os.environ["RANK"] == "1":  # this node cannot see --out-dir
     train.find_checkpoint = lambda out_dir: None
+    train.checkpoints = lambda out_dir: []
 train.run_and_exit(train.main)
 """)
     proc = run_torchrun([str(script), *tiny_args(token_data, out, "--max-steps=4", "--eval-every=0",
                                                  "--parallel=fsdp", "--resume=auto")],
                         nproc=2, timeout=120, check=False)
     assert proc.returncode != 0
-    assert "ranks resumed different steps [2, None]" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("error: ranks resumed different steps [2, None]") == 2, proc.stderr[-3000:]
+    # a refusal on one rank (here rank 0's: a fresh run over checkpoints) reaches the other as its reason
+    proc = run_torchrun([str(script), *tiny_args(token_data, out, "--max-steps=4", "--eval-every=0",
+                                                 "--parallel=fsdp")], nproc=2, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "error: --out-dir" in proc.stderr and "error: rank 0: --out-dir" in proc.stderr, proc.stderr[-3000:]
+    assert "gloo" not in proc.stderr.lower(), proc.stderr[-3000:]
 
 
 def test_overfit_resume_is_exact_and_the_log_has_each_step_once(token_data, tmp_path):
@@ -581,6 +589,61 @@ def test_a_log_line_cut_short_by_a_crash_does_not_block_the_resume(token_data, t
     log.write_text("".join([lines[0], "{not json\n", *lines[1:]]))
     with pytest.raises(ValueError, match=r"log.jsonl, line 2: not a JSON record"):
         list(train.iter_log(log))
+
+
+def test_a_fresh_run_does_not_overwrite_another_runs_directory(token_data, tmp_path, capsys):
+    args = tiny_args(token_data, tmp_path, "--max-steps=3", "--ckpt-every=1", "--keep-last=2", "--eval-every=0")
+    train.main(args)
+    log = (tmp_path / "log.jsonl").read_text()
+    with pytest.raises(SystemExit):  # forgot --resume auto: the log and the checkpoints must survive
+        train.main(args)
+    assert ("holds another run's checkpoints (ckpt_000003.pt the last written): continue that run with --resume "
+            "auto") in capsys.readouterr().err
+    assert (tmp_path / "log.jsonl").read_text() == log
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000003.pt"]
+    with pytest.raises(SystemExit):  # resuming past the end would train nothing and say nothing
+        train.main([*args, "--max-steps=2", "--resume=auto"])  # the later flag wins
+    assert "is at step 3, past --max-steps 2; raise --max-steps" in capsys.readouterr().err
+    for ckpt in tmp_path.glob("ckpt_*.pt"):  # none loads: starting from scratch would bury them
+        ckpt.write_bytes(b"torn")
+    with pytest.raises(SystemExit):
+        train.main([*args, "--resume=auto"])
+    assert "none of the 2 checkpoints in" in capsys.readouterr().err
+    assert (tmp_path / "log.jsonl").read_text() == log
+
+
+def test_resume_auto_names_a_later_step_it_passes_over(token_data, tmp_path, capsys):
+    # "newest" is the last written (so a rewind continues); files copied without their times may lose that order
+    args = tiny_args(token_data, tmp_path, "--max-steps=3", "--ckpt-every=1", "--keep-last=5", "--eval-every=0")
+    train.main(args)
+    os.utime(tmp_path / "ckpt_000001.pt")  # as if copied last
+    capsys.readouterr()
+    result = train.main([*args, "--resume=auto"])
+    out = capsys.readouterr().out
+    assert "note: resuming ckpt_000001.pt, the checkpoint written last; ckpt_000003.pt has a later step" in out
+    assert len(result["losses"]) == 2
+
+
+def test_tokens_axis_survives_a_resume_with_another_total_batch(token_data, tmp_path):
+    common = ["--max-steps=4", "--ckpt-every=2", "--eval-every=0", "--batch-size=4"]
+    train.main(tiny_args(token_data, tmp_path, *common, "--total-batch-size=256", "--max-steps=2"))
+    assert load_checkpoint(tmp_path / "ckpt_000002.pt")["tokens"] == 2 * 256
+    train.main(tiny_args(token_data, tmp_path, *common, "--total-batch-size=512", "--resume=auto"))
+    tokens = [r["tokens"] for r in train.iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
+    assert tokens == [256, 512, 1024, 1536]  # steps 2 and 3 trained on 512 tokens each
+    assert load_checkpoint(tmp_path / "ckpt_000004.pt")["tokens"] == 1536
+
+
+def test_eval_only_needs_no_total_batch_and_hub_failures_are_one_line(token_data, tmp_path, capsys):
+    # nothing trains, so a total batch the micro-batch does not divide is no reason to refuse
+    result = train.main(tiny_args(token_data, tmp_path, "--eval-only", "--batch-size=3", "--eval-batches=1"))
+    assert result["step"] == 0 and math.isfinite(result["val_loss"])
+    assert "evaluating at step 0 | 3 x 64 x 1 ranks" in capsys.readouterr().out
+    # a hub name that cannot be fetched (no network here; a missing repo elsewhere): a line, not a traceback
+    with pytest.raises(SystemExit):
+        train.main(tiny_args(token_data, tmp_path, "--eval-only", "--init-from=no-such-org-xyz/gpt2-nope"))
+    err = capsys.readouterr().err
+    assert err.startswith("error: could not get 'no-such-org-xyz/gpt2-nope' from the HF hub") and err.count("\n") == 1
 
 
 def test_out_dir_that_is_a_file_is_refused_before_anything_runs(token_data, tmp_path, capsys):
