@@ -313,8 +313,14 @@ class TokenLoader:
                           ("shards", "shard files"), ("shard_tokens", "shard sizes")):
             theirs = state.get(key)
             if theirs != mine[key]:
-                if key in ("shards", "shard_tokens"):
-                    detail = f"other {what} ({len(theirs or [])} in the checkpoint, {len(mine[key])} here)"
+                if key == "shards":  # the first name that differs says more than the counts, which may agree
+                    n = max(len(theirs or []), len(mine[key]))
+                    there, here = ([*names, *["none"] * (n - len(names))] for names in (theirs or [], mine[key]))
+                    i = next(i for i in range(n) if there[i] != here[i])
+                    detail = (f"other shard files ({len(theirs or [])} in the checkpoint, {len(mine[key])} here; "
+                              f"file {i + 1} is {there[i]} there, {here[i]} here)")
+                elif key == "shard_tokens":
+                    detail = "shards of other sizes (the same names, rewritten since)"
                 else:
                     detail = f"{key}={theirs!r} in the checkpoint but {mine[key]!r} here"
                 raise DataError(f"cannot resume the {self.split} loader: {detail}; resume with the same {what} "

@@ -302,9 +302,9 @@ class HellaSwagConfig:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
-            raise ValueError(f"HellaSwagConfig.batch_size must be >= 1, got {self.batch_size}")
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.limit is not None and self.limit < 1:
-            raise ValueError(f"HellaSwagConfig.limit must be >= 1 or None, got {self.limit}")
+            raise ValueError(f"--limit must be >= 1 or none, got {self.limit}")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -156,6 +156,8 @@ def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any
         if key == "preset":
             if base is not None:
                 raise SystemExit("error: --preset given twice; pass one preset and override its fields with flags")
+            if val is None:  # `--preset` last, or before another flag
+                raise SystemExit(f"error: --preset needs a name; choose from {', '.join(presets)}")
             if val not in presets:
                 hint = difflib.get_close_matches(str(val), list(presets), n=1)
                 raise SystemExit(f"error: unknown --preset {val!r}; choose from {', '.join(presets)}"

@@ -60,6 +60,8 @@ def plot(cfg: PlotConfig) -> Path:
     import matplotlib.pyplot as plt
 
     log = Path(cfg.log)
+    if log.is_dir():  # a run's directory: its log is inside
+        raise FileNotFoundError(f"--log {log} is a directory; pass the log itself: --log {log / 'log.jsonl'}")
     if not log.is_file():
         raise FileNotFoundError(f"--log {log} does not exist; train.py writes it as <out_dir>/log.jsonl")
     config, curves = load_curves(log)

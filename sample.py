@@ -42,15 +42,15 @@ class SampleConfig:
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
-            raise ValueError(f"SampleConfig.num_samples must be >= 1, got {self.num_samples}")
+            raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"SampleConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"SampleConfig.temperature must be >= 0 (0 is greedy), got {self.temperature}")
+            raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"SampleConfig.top_k must be >= 1 or none, got {self.top_k}")
+            raise ValueError(f"--top-k must be >= 1 or none, got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SampleConfig.top_p must be in (0, 1] or none, got {self.top_p}")
+            raise ValueError(f"--top-p must be in (0, 1] or none, got {self.top_p}")
 
 
 def read_prompt(prompt: str, stdin: TextIO | None = None) -> str:

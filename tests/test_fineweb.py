@@ -698,8 +698,19 @@ def test_resume_state_that_does_not_match_is_refused(tmp_path):
     with pytest.raises(DataError, match="step=-1 is not a count of batches"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict({**state, "step": -1})
     (tmp_path / "n_train_000004.bin").unlink()
-    with pytest.raises(DataError, match=r"other shard files \(5 in the checkpoint, 4 here\)"):
+    with pytest.raises(DataError, match=r"other shard files \(5 in the checkpoint, 4 here; file 5 is "
+                                        r"n_train_000004.bin there, none here\)"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict(state)
+    (tmp_path / "n_train_000003.bin").rename(tmp_path / "m_train_000003.bin")  # as many files, another name
+    with pytest.raises(DataError, match=r"\(5 in the checkpoint, 4 here; file 1 is n_train_000000.bin there, "
+                                        r"m_train_000003.bin here\)"):
+        TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict(state)
+    numbered_shards(tmp_path / "again", LENGTHS)  # the same names, one rewritten after the checkpoint
+    rewritten = TokenLoader(str(tmp_path / "again"), "train", B, T, 0, 2, seed=3)
+    write_shard(tmp_path / "again" / "n_train_000004.bin", np.arange(500))
+    with pytest.raises(DataError, match=r"cannot resume the train loader: shards of other sizes \(the same names, "
+                                        r"rewritten since\); resume with the same shard sizes"):
+        TokenLoader(str(tmp_path / "again"), "train", B, T, 0, 2, seed=3).load_state_dict(rewritten.state_dict())
 
 
 @pytest.mark.parametrize(("old_world", "new_world", "split_at", "skipped"), [

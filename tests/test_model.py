@@ -440,6 +440,8 @@ def test_parse_config_forms_and_errors():
         parse_config(_Cfg, ["--steps=many"])
     with pytest.raises(SystemExit, match="unknown --preset"):
         parse_config(_Cfg, ["--preset", "huge"], presets={"small": _Cfg})
+    with pytest.raises(SystemExit, match="^error: --preset needs a name; choose from small$"):
+        parse_config(_Cfg, ["--preset"], presets={"small": _Cfg})
 
 
 def test_parse_config_help_lists_field_comments(capsys):

@@ -39,6 +39,8 @@ def test_plot_png_comes_from_the_log(token_data, tmp_path, capsys):
 def test_plot_errors(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         plot.main(["--log", str(tmp_path / "nope.jsonl")])
+    with pytest.raises(SystemExit, match=f"is a directory; pass the log itself: --log {tmp_path / 'log.jsonl'}"):
+        plot.main(["--log", str(tmp_path)])
     empty = tmp_path / "log.jsonl"
     empty.write_text(json.dumps({"type": "config", "step": 0}) + "\n")
     with pytest.raises(SystemExit, match="no train records"):

@@ -228,7 +228,7 @@ def test_model_errors_are_one_line(model, ckpt, tmp_path):
         main(["--ckpt", str(ckpt), "--init-from", "gpt2"])
     with pytest.raises(SystemExit, match=r"^error: no model given: pass --ckpt PATH .* or --init-from gpt2"):
         main([])
-    with pytest.raises(SystemExit, match=r"^error: SampleConfig.top_p must be in \(0, 1\] or none, got 1.5"):
+    with pytest.raises(SystemExit, match=r"^error: --top-p must be in \(0, 1\] or none, got 1.5"):
         main(["--ckpt", str(ckpt), "--top-p", "1.5"])
 
 
