@@ -73,6 +73,7 @@ HEADER_INTS = 256  # header = 256 int32 = 1024 bytes
 HEADER_BYTES = HEADER_INTS * 4
 FINEWEB = "HuggingFaceFW/fineweb-edu"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # that file, 1,115,394 bytes
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # suffix -> datasets
 # stdlib directories left out of --source stdlib: tests, third-party packages, and generated tables (codec maps,
 # pydoc's topic dump) that are Python only in syntax
@@ -441,14 +442,26 @@ def stdlib_files() -> list[Path]:
 
 
 def shakespeare_file(cfg: FinewebConfig) -> Path:
-    """Tiny Shakespeare: --shakespeare-path if given, else the cached download (fetched once)."""
+    """Tiny Shakespeare: --shakespeare-path if given, else the cached download (fetched once). A local copy that is
+    the very file (its sha256) also fills an empty cache, so a later run without the flag (the README's command, say)
+    finds it there on an offline machine instead of trying to download it."""
+    path = Path(cfg.cache_dir).expanduser() / "tinyshakespeare.txt"
     if cfg.shakespeare_path:
-        path = Path(cfg.shakespeare_path).expanduser()
-        if not path.is_file():
+        local = Path(cfg.shakespeare_path).expanduser()
+        if not local.is_file():
             raise DataError(f"--shakespeare-path {cfg.shakespeare_path} does not exist; pass the path of a local "
                             "copy of tinyshakespeare.txt, or leave it empty to download it")
-        return path
-    path = Path(cfg.cache_dir).expanduser() / "tinyshakespeare.txt"
+        if not path.is_file() and hashlib.sha256(data := local.read_bytes()).hexdigest() == SHAKESPEARE_SHA256:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+            except OSError:
+                pass  # a cache that cannot be written is no reason to stop
+            finally:
+                tmp.unlink(missing_ok=True)
+        return local
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

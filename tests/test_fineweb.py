@@ -215,7 +215,7 @@ def test_shakespeare_local_copy_whole_file_is_one_document(tmp_path):
     text = SHAKESPEARE.read_text()
     want = expected_tokens([text])
     result = main(["--source", "shakespeare", "--shakespeare-path", str(SHAKESPEARE), "--out-dir",
-                   str(tmp_path), "--workers", "1"])
+                   str(tmp_path), "--workers", "1", "--cache-dir", str(tmp_path / "cache")])
     files = shard_files(tmp_path)
     assert [f.name for f in files] == ["shakespeare_val_000000.bin", "shakespeare_train_000001.bin"]
     assert [len(read_shard(f)) for f in files] == [32768, len(want) - 32768]
@@ -224,6 +224,18 @@ def test_shakespeare_local_copy_whole_file_is_one_document(tmp_path):
     assert result["documents_tokenized"] == 1
     loader = TokenLoader(str(tmp_path), "val", 8, 256)
     assert loader.num_windows == 32767 // 2048 == 15
+    # the very file fills the empty cache, so the README's `fineweb.py --source shakespeare` later works offline
+    assert (tmp_path / "cache" / "tinyshakespeare.txt").read_bytes() == SHAKESPEARE.read_bytes()
+    shards = {f.name: f.read_bytes() for f in files}
+    main(["--source", "shakespeare", "--out-dir", str(tmp_path), "--workers", "1", "--cache-dir",
+          str(tmp_path / "cache")])
+    assert {f.name: f.read_bytes() for f in shard_files(tmp_path)} == shards
+    # another file passed as Tiny Shakespeare is used, but not cached as the download
+    other = tmp_path / "other.txt"
+    other.write_text("not Shakespeare\n")
+    main(["--source", "shakespeare", "--shakespeare-path", str(other), "--out-dir", str(tmp_path / "o"),
+          "--workers", "1", "--cache-dir", str(tmp_path / "cache2"), "--val-tokens", "2"])
+    assert not (tmp_path / "cache2").exists()
 
 
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
