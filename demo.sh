@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole pipeline on a small default: token shards, a small GPT trained on them, a checkpoint, samples from it and
 # a loss plot. Offline by default (the Python standard library's own source is the corpus). Safe to run twice:
-# finished stages are skipped and a finished run is resumed, not redone.
+# finished stages are skipped and a finished run is resumed, not redone (a DEMO_STEPS below the finished run's is
+# refused by train.py: delete out/demo, or pick another DEMO_DIR).
 #
 # Usage: bash demo.sh                                    # stdlib source, offline
 #        bash demo.sh --source shakespeare               # Tiny Shakespeare (downloaded once)
@@ -16,7 +17,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --source) source="${2:?--source needs a value}"; shift 2 ;;
         --source=*) source="${1#*=}"; shift ;;
-        -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "error: unknown argument $1 (demo.sh takes --source NAME_OR_PATH; see bash demo.sh --help)" >&2; exit 2 ;;
     esac
 done

@@ -73,7 +73,8 @@ HEADER_INTS = 256  # header = 256 int32 = 1024 bytes
 HEADER_BYTES = HEADER_INTS * 4
 FINEWEB = "HuggingFaceFW/fineweb-edu"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # that file, 1,115,394 bytes
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # that file's
+SHAKESPEARE_BYTES = 1_115_394
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # suffix -> datasets
 # stdlib directories left out of --source stdlib: tests, third-party packages, and generated tables (codec maps,
 # pydoc's topic dump) that are Python only in syntax
@@ -266,7 +267,8 @@ class TokenLoader:
         """Make every batch from now on check that its ids are below vocab_size, the model's embedding rows: a
         larger id (a shard from another tokenizer, or corrupt) would otherwise fail inside the embedding, on CUDA as
         a device-side assert that names nothing. A memory-mapped batch is checked on the host as it is read (a max
-        over B*T+1 uint16s); a preloaded split is checked once, here."""
+        over B*T+1 uint16s); a preloaded split is checked once, here, all of it (a shard's tail that no window
+        serves included)."""
         self.vocab_size = vocab_size
         if self._preloaded is not None and self._preloaded.numel():
             top = int(self._preloaded.max())
@@ -304,7 +306,8 @@ class TokenLoader:
                 "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`; it must come from a loader over the same shards, B, T, world size and seed."""
+        """Continue from `state`; it must come from a loader over the same shards, B, T and seed (the world size may
+        differ: the position is mapped onto the new ranks)."""
         if "epoch" in state:  # (epoch, step within it) from the loader that dropped each epoch's last windows
             raise DataError(f"cannot resume the {self.split} loader: its state (epoch={state['epoch']!r}, "
                             f"step={state.get('step')!r}) was written by an older loader that dropped windows at each "
@@ -451,7 +454,8 @@ def shakespeare_file(cfg: FinewebConfig) -> Path:
         if not local.is_file():
             raise DataError(f"--shakespeare-path {cfg.shakespeare_path} does not exist; pass the path of a local "
                             "copy of tinyshakespeare.txt, or leave it empty to download it")
-        if not path.is_file() and hashlib.sha256(data := local.read_bytes()).hexdigest() == SHAKESPEARE_SHA256:
+        if not path.is_file() and local.stat().st_size == SHAKESPEARE_BYTES \
+                and hashlib.sha256(data := local.read_bytes()).hexdigest() == SHAKESPEARE_SHA256:
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)

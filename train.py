@@ -777,11 +777,21 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                              "raise --max-steps to train further, or score it with --eval-only")
         raw = GPT(dataclasses.replace(src, **run_options(cfg)))
     elif cfg.init_from:
-        if world > 1 and local_rank != 0:  # a hub download once per node: the other ranks read the cached copy
-            dist.barrier()
-        raw = load_init(cfg)
-        if world > 1 and local_rank == 0:
-            dist.barrier()
+        # a hub download once per node: local rank 0 first, then the others read the cached copy. Its failure
+        # reaches every rank as the reason (a rank that merely lost its peer would report a gloo or NCCL error)
+        raw, problem = None, None
+        if world == 1 or local_rank == 0:
+            try:
+                raw = load_init(cfg)
+            except (ValueError, OSError) as e:
+                problem = str(e)
+        if world > 1:
+            problems: list[str | None] = [None] * world
+            dist.all_gather_object(problems, problem)
+            problem = problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
+        if problem:
+            raise ValueError(problem)
+        raw = raw if raw is not None else load_init(cfg)
     else:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         raw = GPT(model_config(cfg))
@@ -1002,9 +1012,9 @@ def find_resume(cfg: TrainConfig, out_dir: Path, master: bool) -> tuple[Path, di
     """The checkpoint this run continues (path, loaded dict), None for a fresh start, or a ValueError where starting
     would bury another run: a fresh run in a directory with checkpoints would truncate its log and prune them, and
     --resume auto that can read none of them would do the same."""
-    existing = checkpoints(out_dir) if out_dir.is_dir() and not cfg.eval_only else []
+    existing = checkpoints(out_dir) if out_dir.is_dir() else []
     if not cfg.resume:
-        if existing:
+        if existing and not cfg.eval_only:  # an evaluation writes nothing there
             raise ValueError(f"--out-dir {out_dir} holds another run's checkpoints ({existing[-1].name} the last "
                              "written): continue that run with --resume auto, or start this one in a new --out-dir "
                              "(or delete them first)")
@@ -1015,6 +1025,8 @@ def find_resume(cfg: TrainConfig, out_dir: Path, master: bool) -> tuple[Path, di
     if found is None and existing:
         raise ValueError(f"none of the {len(existing)} checkpoints in {out_dir} can be read (see the warnings above): "
                          "resume one with --resume PATH, or move them away to start afresh")
+    if found is None and cfg.eval_only:  # it would score a random model as if it were the run's
+        raise ValueError(f"--eval-only --resume auto: no checkpoint in {out_dir} to evaluate")
     if found is None:
         if master:
             print(f"resume: no checkpoint in {out_dir}; starting "

@@ -296,6 +296,12 @@ def test_init_from_on_two_ranks_scores_the_hf_model(token_data, hf_dir, tmp_path
                         nproc=2)
     val = float(re.search(r"step +0 \| val loss (\d+\.\d+)", proc.stdout).group(1))
     assert val == pytest.approx(_hf_loss(hf_dir, token_data, "val", 2, 2, 32), abs=1e-4)  # printed to 4 decimals
+    # local rank 0 loads first; its failure (no network here, a missing repo elsewhere) is every rank's reason
+    proc = run_torchrun(["train.py", *tiny_args(token_data, tmp_path / "nope", "--eval-only", "--hellaswag=off",
+                                                "--init-from=no-such-org-xyz/gpt2-nope")], nproc=2, check=False)
+    assert proc.returncode != 0
+    assert "error: could not get 'no-such-org-xyz/gpt2-nope' from the HF hub" in proc.stderr, proc.stderr[-3000:]
+    assert "error: rank 0: could not get" in proc.stderr and "gloo" not in proc.stderr.lower(), proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -610,6 +616,12 @@ def test_a_fresh_run_does_not_overwrite_another_runs_directory(token_data, tmp_p
         train.main([*args, "--resume=auto"])
     assert "none of the 2 checkpoints in" in capsys.readouterr().err
     assert (tmp_path / "log.jsonl").read_text() == log
+    with pytest.raises(SystemExit):  # nor may an evaluation score a random model as if it were the run's
+        train.main([*args, "--resume=auto", "--eval-only"])
+    assert "none of the 2 checkpoints in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.main(tiny_args(token_data, tmp_path / "empty", "--resume=auto", "--eval-only"))
+    assert "--eval-only --resume auto: no checkpoint in" in capsys.readouterr().err
 
 
 def test_resume_auto_names_a_later_step_it_passes_over(token_data, tmp_path, capsys):
@@ -691,7 +703,7 @@ def test_profile_writes_a_trace(token_data, tmp_path, capsys):
 @pytest.mark.slow
 def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
     # --skip-loss-z: the spike guard's collective (the loss averaged over ranks before the update) runs every step
-    common = ["--max-steps=5", "--ckpt-every=4", "--keep-last=5", "--eval-every=2", "--eval-batches=1",
+    common = ["--max-steps=8", "--ckpt-every=4", "--keep-last=5", "--eval-every=2", "--eval-batches=1",
               "--total-batch-size=512", "--batch-size=4", "--dropout=0.0", "--skip-loss-z=6"]
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))  # 2 micro-steps of accumulation
     ref = load_checkpoint(tmp_path / "single" / "ckpt_000004.pt")["model"]
@@ -707,22 +719,24 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
             torch.testing.assert_close(ckpt["model"][name], ref_tensor, atol=1e-5, rtol=0, msg=f"{parallel} {name}")
         losses = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert losses == pytest.approx(single["losses"], abs=1e-5), parallel
-        if parallel != "fsdp":  # preempted on 2 ranks, resumed on 1: accumulation 2 then sees the same windows
-            (out / "ckpt_000005.pt").unlink()
-            argv = ["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}", "--resume=auto")]
-            if parallel == "zero1":  # ZeRO-1 splits its consolidated state anew for the one rank
-                run_torchrun(argv, nproc=1)
-            else:
-                train.main(argv[1:])
-            again = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
-            assert again == pytest.approx(losses, abs=1e-5), parallel
         if parallel == "fsdp":  # resume a sharded run from its (full) checkpoint at step 4, on 2 ranks
-            (out / "ckpt_000005.pt").unlink()
+            (out / "ckpt_000008.pt").unlink()
             run_torchrun(["train.py", *tiny_args(token_data, out, *common, "--parallel=fsdp", "--resume=auto")],
                          nproc=2)
-            assert load_checkpoint(out / "ckpt_000005.pt")["step"] == 5
+            assert load_checkpoint(out / "ckpt_000008.pt")["step"] == 8
             again = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
-            assert again == losses  # the resumed step 4 repeats the uninterrupted one exactly, logged once
+            assert again == losses  # the resumed steps 4-7 repeat the uninterrupted ones exactly, logged once
+        # preempted on 2 ranks, resumed on 1: accumulation 2 then sees the same windows, so steps 4-7 (which use
+        # the restored AdamW moments) follow the 2-rank run. ZeRO-1 splits its consolidated state anew for its one
+        # rank; DDP's and FSDP's state seeds a plain single-process AdamW
+        (out / "ckpt_000008.pt").unlink()
+        argv = ["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}", "--resume=auto")]
+        if parallel == "zero1":
+            run_torchrun(argv, nproc=1)
+        else:
+            train.main(argv[1:])
+        again = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
+        assert len(again) == 8 and again == pytest.approx(losses, abs=1e-5), parallel
 
 
 @pytest.mark.slow
