@@ -615,8 +615,9 @@ class PartCounts:
     """How many documents each part of the source (a file, see read_rows) holds, learnt as parts are read whole and
     kept beside the shards in PREFIX_parts.json, so that a resumed run can start reading at the part that holds the
     documents it must see again instead of reading (downloading) the source from its start. The record counts only
-    for the same settings, local input files, way of reading (--streaming) and number of parts; a source that
-    changed anyway is caught by the check of the last kept documents' tokens (_skip_tokens)."""
+    for the same settings, local input files, way of reading (--streaming) and number of parts. Local files edited
+    since are caught by their fingerprint in the record (_interrupted_run_changed: every shard is written again), a
+    hub source that changed by the check of the last kept documents' tokens (_skip_tokens)."""
 
     def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, skip: int):
         self.path = Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_parts.json"
@@ -841,6 +842,18 @@ def _previous_run(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> tuple[st
     return "none", None
 
 
+def _interrupted_run_changed(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> bool:
+    """Whether the interrupted run whose shards are on disk read other local files (an edit, say) or settings, by its
+    PREFIX_parts.json, written with each of its shards. The resume's own check compares only the last two documents
+    the kept shards hold, so an edit before them would otherwise mix old shards with new ones unnoticed."""
+    try:
+        key = json.loads(PartCounts(cfg, inputs, 0).path.read_text())["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # no record (no shard written yet, or an older run): the tail check is all there is
+    return not isinstance(key, dict) or (key.get("settings"), key.get("inputs")) != (
+        _done_record(cfg, inputs, [])["settings"], inputs)
+
+
 def _write_next(cfg: FinewebConfig, index: int, tokens: np.ndarray, first: bool) -> None:
     """Write shard `index`. The run's first write first removes the completion record (the directory is about to
     change), the temporaries of killed runs and the train shards after `index` (an earlier run's: if this one is
@@ -888,6 +901,9 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
                 "tokens_per_sec": 0.0, "workers": 0}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
+    if previous == "none" and _interrupted_run_changed(cfg, inputs):
+        print(f"{out}: the interrupted run there read other input files or settings; writing every shard again")
+        previous = "other"
     # resume from the complete shards on disk, unless they are a finished run's of other settings or inputs
     kept, written, docs_started, partial = (existing_shards(cfg) if previous == "none"
                                             else (0, 0, 0, np.zeros(0, np.uint16)))

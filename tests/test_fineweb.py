@@ -581,6 +581,33 @@ def test_interrupted_rewrite_of_a_changed_source_keeps_no_shard_of_the_old_one(t
     assert np.array_equal(concat(out), expected_tokens(edited))
 
 
+def test_input_edited_between_an_interrupted_run_and_its_rerun_is_written_anew(tmp_path, monkeypatch, capsys):
+    # the resume compares only the last two documents the kept shards hold; an edit before them (here in the val
+    # shard) must be caught by the input files' fingerprint, or the old val shard would stay beside new train shards
+    docs = make_docs(70, seed=9)
+    src = write_jsonl(tmp_path / "docs.jsonl", docs)
+    real = fineweb.write_shard
+    written = []
+
+    def killed_after_three(path, tokens):
+        if len(written) == 3:
+            raise KeyboardInterrupt
+        written.append(path)
+        real(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(cfg_for(src, tmp_path / "out"))
+    monkeypatch.setattr(fineweb, "write_shard", real)
+    edited = ["EDITED " + docs[0], *docs[1:]]
+    write_jsonl(src, edited)
+    capsys.readouterr()
+    result = write_dataset(cfg_for(src, tmp_path / "out"))
+    assert result["skipped_shards"] == 0
+    assert "the interrupted run there read other input files or settings" in capsys.readouterr().out
+    assert np.array_equal(concat(tmp_path / "out"), expected_tokens(edited))
+
+
 def test_failed_rerun_leaves_a_finished_directory_as_it_was(tmp_path, reference, capsys):
     src, ref = reference
     out = tmp_path / "out"
