@@ -778,8 +778,9 @@ def format_table(result: dict[str, Any]) -> str:
                  ("% peak", 7, lambda r: "n/a" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}%")])
         step = next((r for r in matmuls if r["pass"] == "step"), None)
         if step:
-            out.append(f"matmuls alone bound a micro-step to {step['ms']:.1f} ms: at most "
-                       f"{step['tok_per_s_bound']:,.0f} tokens/s at these rates, before attention and everything else")
+            out.append(f"GPT-2 124M's matmuls alone bound its micro-step to {step['ms']:.1f} ms: at most "
+                       f"{step['tok_per_s_bound']:,.0f} tokens/s for GPT-2 124M at these rates, before attention and "
+                       "everything else")
     kernels = [r for r in result.get("kernel", []) if r["name"] != "matmul"]
     if kernels:
         k = kernels[0]
@@ -828,8 +829,11 @@ def write_json(result: dict[str, Any], path: str) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    os.replace(tmp, out)  # rewritten after every row: a run killed by a timeout keeps what it measured
+    try:
+        tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        os.replace(tmp, out)  # rewritten after every row: a run killed by a timeout keeps what it measured
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -845,6 +849,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"provenance": {**provenance(device), "torch_threads": torch.get_num_threads()},
                               "config": dataclasses.asdict(cfg)}
     print(json.dumps(result), flush=True)
+    try:  # now, so a path that cannot be written fails before anything is measured, not after every row
+        write_json(result, cfg.out)
+    except OSError as e:
+        raise SystemExit(f"error: --out {cfg.out} cannot be written ({e}); pass a file path") from None
     deadline = time.monotonic() + cfg.budget_s if cfg.budget_s > 0 else None
 
     def report(row: dict[str, Any]) -> None:

@@ -108,7 +108,10 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
         raise ValueError(f"{flag} expects true/false, got {text!r}")
     if origin is tuple:
         parts = [p for p in text.replace("(", "").replace(")", "").split(",") if p.strip()]
-        return tuple(args[0](p) for p in parts)
+        try:
+            return tuple(args[0](p) for p in parts)
+        except ValueError:
+            raise ValueError(f"{flag} expects a comma list of {args[0].__name__}, got {text!r}") from None
     try:
         return typ(text)
     except ValueError:

@@ -138,7 +138,7 @@ def test_matmul_rows_count_flops_and_add_up_a_micro_step():
     assert step["tok_per_s_bound"] == pytest.approx(32 / (step["ms"] / 1000), rel=1e-9)
     table = bench.format_table({"provenance": bench.provenance(torch.device("cpu")), "config": {"steps": 1},
                                 "kernel": rows})
-    assert "matmuls alone bound a micro-step to" in table
+    assert "GPT-2 124M's matmuls alone bound its micro-step to" in table
 
 
 @pytest.mark.skipif(not bench.triton_available(), reason="triton is not installed")
@@ -220,6 +220,13 @@ def test_main_writes_json_with_provenance_config_and_table(tmp_path, capsys):
 def test_bad_flags_exit_with_a_message(argv, message):
     with pytest.raises(SystemExit, match=message):
         main(["--device", "cpu", *argv])
+
+
+def test_an_out_path_that_cannot_be_written_fails_before_any_row(tmp_path, capsys):
+    with pytest.raises(SystemExit, match=rf"^error: --out {tmp_path} cannot be written \(.*\); pass a file path$"):
+        main(["--device", "cpu", "--suite", "hellaswag", "--out", str(tmp_path)])  # a directory
+    assert "hellaswag" not in capsys.readouterr().out.split("\n", 1)[1]  # no row ran
+    assert not tmp_path.with_suffix(".tmp").exists()  # and no temporary file is left beside it
 
 
 def test_ddp_variant_wraps_the_model_as_torchrun_would_and_leaves_no_process_group():

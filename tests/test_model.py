@@ -428,6 +428,7 @@ class _Cfg:
     name: str = "x"  # a name
     compile: bool = False  # compile
     limit: int | None = None  # optional
+    sizes: tuple[int, ...] = (1, 2)  # a comma list
 
 
 def test_parse_config_forms_and_errors():
@@ -442,6 +443,9 @@ def test_parse_config_forms_and_errors():
         parse_config(_Cfg, ["--preset", "huge"], presets={"small": _Cfg})
     with pytest.raises(SystemExit, match="^error: --preset needs a name; choose from small$"):
         parse_config(_Cfg, ["--preset"], presets={"small": _Cfg})
+    assert parse_config(_Cfg, ["--sizes=4,8"]).sizes == (4, 8)
+    with pytest.raises(SystemExit, match=r"^error: --sizes expects a comma list of int, got '1.5,2'$"):
+        parse_config(_Cfg, ["--sizes=1.5,2"])
 
 
 def test_parse_config_help_lists_field_comments(capsys):
