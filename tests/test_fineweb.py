@@ -6,8 +6,10 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -305,6 +307,41 @@ fineweb.main({args!r})
     assert written >= 1
     result = main(args)
     assert result["skipped_shards"] >= 1 and len(shard_files(tmp_path / "out")) > written
+
+
+def test_tokenizer_processes_end_with_a_writer_killed_outright(tmp_path):
+    # SIGKILL (the OOM killer) runs no shutdown in the writer; its pool workers must not sleep on forever
+    write_jsonl(tmp_path / "docs.jsonl", make_docs(50))
+    args = ["--source", str(tmp_path / "docs.jsonl"), "--out-dir", str(tmp_path / "out"), "--workers", "2"]
+    script = f"""
+import os, signal
+import fineweb
+def killed(docs, pool, workers, chunk=16):  # once the workers exist, before any token
+    print(*pool._processes, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+fineweb.token_stream = killed
+fineweb.main({args!r})
+"""
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:  # not pipes: workers that
+        # outlive the writer would hold them open, and the test would wait on them instead of checking
+        proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, stdout=out, stderr=err, timeout=120)
+    assert proc.returncode == -9, (tmp_path / "stderr").read_text()[-2000:]
+    workers = [int(pid) for pid in (tmp_path / "stdout").read_text().split()]
+    assert len(workers) == 2
+
+    def alive(pid: int) -> bool:
+        try:  # a zombie has ended; only its exit status waits for a reaper
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.time() + 30
+    while any(map(alive, workers)) and time.time() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in workers if alive(pid)]
+    for pid in left:  # a failed test must not leave them behind either
+        os.kill(pid, signal.SIGKILL)
+    assert not left
 
 
 def test_stdlib_source_is_sorted_python_files_one_document_each(tmp_path):
