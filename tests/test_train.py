@@ -396,15 +396,20 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     assert train.main(tiny_args(token_data, switched_on, *common, "--resume=auto"))["losses"] == full[20:]
 
 
+def wait_for_first_step(proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    """Until the run has logged a train step (so it is in its loop), it exits, or the timeout passes."""
+    deadline = time.time() + timeout
+    logged = lambda: log.exists() and '"type": "train"' in log.read_text()
+    while time.time() < deadline and proc.poll() is None and not logged():
+        time.sleep(0.2)
+
+
 def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
     cmd = [sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log = tmp_path / "log.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None and not (log.exists() and
-                                                                       '"type": "train"' in log.read_text()):
-            time.sleep(0.2)
+        wait_for_first_step(proc, log)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:  # a run of 100,000 steps must not outlive a failed test
@@ -430,10 +435,7 @@ def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
     workers: list[int] = []
     try:
         log = tmp_path / "log.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None and not (log.exists() and
-                                                                       '"type": "train"' in log.read_text()):
-            time.sleep(0.2)
+        wait_for_first_step(proc, log)
         workers = children(proc.pid)
         environ = {pid: dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                              if b"=" in kv) for pid in workers}
