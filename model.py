@@ -984,6 +984,7 @@ PEAK_FLOPS: dict[str, float] = {
     "gh200": 989e12,
     "h800": 989e12,
     "b200": 2250e12,
+    "gb200": 2500e12,  # per GPU; "b200" is a substring of its name, so it needs its own key
     "a100": 312e12,
     "a800": 312e12,
     "a10g": 70e12,

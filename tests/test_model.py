@@ -412,6 +412,7 @@ def test_peak_flops_table():
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops("NVIDIA L40") == 181e12 and peak_flops("NVIDIA L4") == 121e12  # L4 is a substring of L40
     assert peak_flops("NVIDIA H200 NVL") == 835e12 and peak_flops("NVIDIA GH200 480GB") == 989e12
+    assert peak_flops("NVIDIA B200") == 2250e12 and peak_flops("NVIDIA GB200") == 2500e12  # B200 is a substring
     assert peak_flops("cpu (2 cores)") is None
     assert peak_flops("cpu", override=1e12) == 1e12
     assert mfu(1e9, 494_500, "NVIDIA H100 80GB HBM3") == pytest.approx(0.5, rel=1e-3)
