@@ -411,8 +411,10 @@ def source_kind(source: str) -> str:
     return "hub"
 
 
-def local_files(source: str) -> list[Path]:
-    """The files of a local source, sorted, all of one type (one `datasets` builder: text, json or parquet)."""
+def local_files(source: str, out_dir: str | os.PathLike | None = None) -> list[Path]:
+    """The files of a local source, sorted, all of one type (one `datasets` builder: text, json or parquet). The
+    writer's own records in out_dir (PREFIX_done.json, PREFIX_parts.json) are never input: with a source directory
+    that holds out_dir (`--source data/corpus` writes to data/corpus by default), a rerun would read them."""
     path = Path(source).expanduser()
     if any(c in source for c in "*?["):
         files = [Path(f) for f in glob.glob(str(path), recursive=True)]
@@ -423,7 +425,9 @@ def local_files(source: str) -> list[Path]:
     else:
         raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
                         ".txt/.jsonl/.json/.parquet, or a hub dataset name")
-    files = sorted(f for f in files if f.is_file())
+    out = Path(out_dir).expanduser().resolve() if out_dir is not None else None
+    records = re.compile(r".+_(?:done|parts)\.json")
+    files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and records.fullmatch(f.name)))
     suffixes = {f.suffix for f in files}
     if not files or not suffixes <= set(LOCAL_BUILDERS):
         found = f" (found {', '.join(sorted(suffixes))})" if suffixes else ""
@@ -490,7 +494,7 @@ def source_files(cfg: FinewebConfig) -> list[Path] | None:
         return stdlib_files()
     if kind == "shakespeare":
         return [shakespeare_file(cfg)]
-    return local_files(cfg.source)
+    return local_files(cfg.source, cfg.out_dir)
 
 
 @contextlib.contextmanager
@@ -840,12 +844,13 @@ def _previous_run(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> tuple[st
     done = _done_path(cfg)
     try:
         record = json.loads(done.read_text())
+        mine = _done_record(cfg, inputs, [])
+        # first, before any shard is read: a shard deleted since must not hide that the inputs changed too
+        if (record["settings"], record["inputs"]) != (mine["settings"], mine["inputs"]):
+            return "other", record
         shards = [done.parent / name for name in record["shards"]]
         if record == _done_record(cfg, inputs, shards):
             return "done", record
-        mine = _done_record(cfg, inputs, [])
-        if (record["settings"], record["inputs"]) != (mine["settings"], mine["inputs"]):
-            return "other", record
     except (OSError, ValueError, KeyError, TypeError, DataError):
         pass  # absent or unreadable, or a shard changed since: resume from what is on disk
     return "none", None
@@ -865,14 +870,16 @@ def _interrupted_run_changed(cfg: FinewebConfig, inputs: dict[str, Any] | None) 
 
 def _write_next(cfg: FinewebConfig, index: int, tokens: np.ndarray, first: bool) -> None:
     """Write shard `index`. The run's first write first removes the completion record (the directory is about to
-    change), the temporaries of killed runs and the train shards after `index` (an earlier run's: if this one is
-    interrupted, its resume must not take them for its own). A run that fails before that leaves --out-dir as it was."""
+    change), the temporaries of killed runs, and shard `index` and every train shard after it (an earlier run's: if
+    this one is killed, even mid-write, its resume must not take them for its own; the shards before `index` are
+    this run's, checked by the resume). A run that fails before that leaves --out-dir as it was."""
     out = Path(cfg.out_dir).expanduser()
     if first:
         out.mkdir(parents=True, exist_ok=True)
         _done_path(cfg).unlink(missing_ok=True)
         for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # never a valid shard
             stale.unlink()
+        shard_path(cfg, index).unlink(missing_ok=True)
         _remove_train_shards(cfg, index + 1)
     write_shard(shard_path(cfg, index), tokens)
 
@@ -904,7 +911,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
         sizes = list(record["shards"].values())
         val, train = sizes[0], sum(sizes[1:])
         print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
-              f"nothing to do (delete {_done_path(cfg).name} to write again)")
+              "nothing to do (to write them again, delete them or pass another --out-dir)")
         return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
                 "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "documents_read": 0, "seconds": 0.0,
                 "tokens_per_sec": 0.0, "workers": 0}
@@ -994,7 +1001,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(FinewebConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     try:
         return write_dataset(cfg)
-    except DataError as e:
+    except (DataError, OSError) as e:  # OSError: the output cannot be written (permissions, a full disk)
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
 

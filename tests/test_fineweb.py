@@ -447,8 +447,8 @@ def test_shakespeare_as_a_local_file_needs_no_val_tokens(tmp_path, capsys):
     assert [len(read_shard(f)) for f in files] == [33802, 338026 - 33802]
     assert main(argv)["tokenized"] == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        f"{tmp_path}: 2 shards (2 already complete), 33,802 val + 304,224 train tokens; nothing to do (delete "
-        "tinyshakespeare_done.json to write again)")
+        f"{tmp_path}: 2 shards (2 already complete), 33,802 val + 304,224 train tokens; nothing to do (to write "
+        "them again, delete them or pass another --out-dir)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -643,6 +643,56 @@ def test_input_edited_between_an_interrupted_run_and_its_rerun_is_written_anew(t
     assert result["skipped_shards"] == 0
     assert "the interrupted run there read other input files or settings" in capsys.readouterr().out
     assert np.array_equal(concat(tmp_path / "out"), expected_tokens(edited))
+
+
+def test_changed_input_is_written_anew_even_when_a_shard_went_missing(tmp_path, reference):
+    # the done record is stale once a shard is gone; it must still tell that the inputs changed, or the rerun
+    # would keep the old shards before the missing one and a new done record would vouch for them
+    src, _ = reference
+    out = tmp_path / "out"
+    write_dataset(cfg_for(src, out))
+    docs = [json.loads(line)["text"] for line in src.read_text().splitlines()]
+    edited = ["EDITED " + docs[0], *docs[1:]]  # in the val shard
+    write_jsonl(src, edited)
+    shard_files(out)[-1].unlink()
+    assert write_dataset(cfg_for(src, out))["skipped_shards"] == 0
+    assert np.array_equal(concat(out), expected_tokens(edited))
+
+
+def test_a_rewrite_killed_in_its_first_shard_leaves_no_shard_of_the_old_input(tmp_path, reference, monkeypatch):
+    # a finished run, its input edited, and the rewrite killed while it writes shard 0: the old shard 0 must not
+    # survive beside no record, where the rerun's resume would take it for its own
+    src, _ = reference
+    out = tmp_path / "out"
+    write_dataset(cfg_for(src, out))
+    docs = [json.loads(line)["text"] for line in src.read_text().splitlines()]
+    edited = ["EDITED " + docs[0], *docs[1:]]
+    write_jsonl(src, edited)
+
+    def killed(path, tokens):
+        raise KeyboardInterrupt  # mid-write: the temporary file is all it made
+
+    monkeypatch.setattr(fineweb, "write_shard", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(cfg_for(src, out))
+    assert shard_files(out) == []
+    monkeypatch.undo()
+    assert write_dataset(cfg_for(src, out))["skipped_shards"] == 0
+    assert np.array_equal(concat(out), expected_tokens(edited))
+
+
+@pytest.mark.parametrize("inside", ["", "tok"])
+def test_out_dir_inside_a_source_directory_is_not_read_as_input(tmp_path, inside):
+    # `--source data/corpus` writes to data/corpus by default: its records there must not become input on a rerun
+    src = tmp_path / "corpus"
+    src.mkdir()
+    docs = make_docs(40)
+    write_jsonl(src / "a.jsonl", docs)
+    out = src / inside
+    first = write_dataset(cfg_for(src, out))
+    again = write_dataset(cfg_for(src, out))
+    assert again["tokenized"] == 0 and again["shards"] == first["shards"]  # nothing to do: the same inputs
+    assert np.array_equal(concat(out), expected_tokens(docs))
 
 
 def test_failed_rerun_leaves_a_finished_directory_as_it_was(tmp_path, reference, capsys):
