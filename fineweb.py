@@ -927,74 +927,106 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     # hold (whole files of them unread, where an earlier run counted them) but the last two, whose tokens must then
     # equal what is on disk (a whole document and the start of the next: a check that cannot pass by chance)
     parts = PartCounts(cfg, inputs, max(docs_started - 2, 0))
-    changed = False  # whether this run has touched --out-dir yet
-    docs_written = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
-    limit = cfg.max_tokens or float("inf")
-    index, total, fill = kept, written, 0
-    buf = np.empty(cfg.val_target if index == 0 else cfg.shard_size, dtype=np.uint16)
-    bar = None
-    t0 = time.time()
-    with tokenizer_pool(workers) as pool:
-        try:
-            docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
-            stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))
-            for arr in stream:
-                pos = 0
-                while pos < len(arr) and total < limit:
-                    if fill == len(buf):  # written once more tokens come, so a val shard is never left on its own
-                        _write_next(cfg, index, buf, first=not changed)
-                        parts.save()
-                        changed = True
-                        bar.close()
-                        bar, index, fill = None, index + 1, 0
-                        buf = np.empty(cfg.shard_size, dtype=np.uint16)
-                    if bar is None:
-                        bar = tqdm(total=len(buf), unit="tok", unit_scale=True, desc=shard_path(cfg, index).name)
-                    take = int(min(len(arr) - pos, len(buf) - fill, limit - total))
-                    if total == written:  # this run's first token: the rest of a document the kept shards began?
-                        docs_written += int(arr[pos] != EOT)
-                    docs_written += int(np.count_nonzero(arr[pos:pos + take] == EOT))  # each document opens with EOT
-                    buf[fill:fill + take] = arr[pos:pos + take]
-                    pos, fill, total = pos + take, fill + take, total + take
-                    bar.update(take)
-                if total >= limit:
-                    break
-        finally:
-            if bar is not None:
-                bar.close()
-    if total == 0:
-        raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
-                        f"{cfg.text_field!r}")
-    val = cfg.val_target
-    if index == 0:  # the source (or --max-tokens) ended before a single train token
-        if cfg.val_tokens != -1:  # asked for: --max-tokens > --val-tokens is checked, so the source is short
-            raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
-                            f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training, e.g. "
-                            f"--val-tokens {max(total // 10, 1)}, or leave it out to use the first 10%")
-        # the default was not: the first 10% is val, the rest train shard 1. Both are written only now, from memory,
-        # and existing_shards never keeps such a val shard (it is not full), so an interrupted write starts over
-        # and a finished one is recognized by its completion record (val_tokens -1, these sizes)
-        val = max(total // 10, 1)  # a document is EOT + at least one token: total >= 2
-        _write_next(cfg, 0, buf[:val], first=not changed)
-        changed, index, buf, fill = True, 1, buf[val:total], total - val
-    if fill:
-        _write_next(cfg, index, buf[:fill], first=not changed)
-        index += 1
-    _remove_train_shards(cfg, index)  # beyond the end, when this run wrote nothing: left by an earlier, longer run
-    done = _done_path(cfg)
-    tmp = done.with_name(f".{done.name}.tmp")
-    tmp.write_text(json.dumps(_done_record(cfg, inputs, [shard_path(cfg, i) for i in range(index)])))
-    os.replace(tmp, done)
-    parts.path.unlink(missing_ok=True)  # a finished run needs no resume point
-    seconds = time.time() - t0
-    result = {"out_dir": str(out), "shards": index, "skipped_shards": kept, "val_tokens": val,
-              "train_tokens": total - val, "tokenized": total - written, "documents_tokenized": docs_written,
-              "documents_read": parts.read,
-              "seconds": seconds, "tokens_per_sec": (total - written) / max(seconds, 1e-9), "workers": workers}
-    print(f"{out}: {index} shards ({kept} already complete), {val:,} val + {total - val:,} train tokens; tokenized "
-          f"{total - written:,} tokens of {docs_written:,} documents in {seconds:.1f}s = "
-          f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
-    return result
+    with contextlib.ExitStack() as held:
+        changed = False  # whether this run has touched --out-dir yet
+
+        def write(index: int, tokens: np.ndarray) -> None:
+            nonlocal changed
+            if not changed:  # held from this run's first write to its end, an error's included
+                held.enter_context(_lock_out_dir(cfg))
+            _write_next(cfg, index, tokens, first=not changed)
+            changed = True
+
+        docs_written = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
+        limit = cfg.max_tokens or float("inf")
+        index, total, fill = kept, written, 0
+        buf = np.empty(cfg.val_target if index == 0 else cfg.shard_size, dtype=np.uint16)
+        bar = None
+        t0 = time.time()
+        with tokenizer_pool(workers) as pool:
+            try:
+                docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
+                stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))
+                for arr in stream:
+                    pos = 0
+                    while pos < len(arr) and total < limit:
+                        if fill == len(buf):  # written once more tokens come, so a val shard is never left on its own
+                            write(index, buf)
+                            parts.save()
+                            bar.close()
+                            bar, index, fill = None, index + 1, 0
+                            buf = np.empty(cfg.shard_size, dtype=np.uint16)
+                        if bar is None:
+                            bar = tqdm(total=len(buf), unit="tok", unit_scale=True, desc=shard_path(cfg, index).name)
+                        take = int(min(len(arr) - pos, len(buf) - fill, limit - total))
+                        if total == written:  # this run's first token: the rest of a document the kept shards began?
+                            docs_written += int(arr[pos] != EOT)
+                        # each document opens with EOT
+                        docs_written += int(np.count_nonzero(arr[pos:pos + take] == EOT))
+                        buf[fill:fill + take] = arr[pos:pos + take]
+                        pos, fill, total = pos + take, fill + take, total + take
+                        bar.update(take)
+                    if total >= limit:
+                        break
+            finally:
+                if bar is not None:
+                    bar.close()
+        if total == 0:
+            raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
+                            f"{cfg.text_field!r}")
+        val = cfg.val_target
+        if index == 0:  # the source (or --max-tokens) ended before a single train token
+            if cfg.val_tokens != -1:  # asked for: --max-tokens > --val-tokens is checked, so the source is short
+                raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
+                                f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training, e.g. "
+                                f"--val-tokens {max(total // 10, 1)}, or leave it out to use the first 10%")
+            # the default was not: the first 10% is val, the rest train shard 1. Both are written only now, from memory,
+            # and existing_shards never keeps such a val shard (it is not full), so an interrupted write starts over
+            # and a finished one is recognized by its completion record (val_tokens -1, these sizes)
+            val = max(total // 10, 1)  # a document is EOT + at least one token: total >= 2
+            write(0, buf[:val])
+            index, buf, fill = 1, buf[val:total], total - val
+        if fill:
+            write(index, buf[:fill])
+            index += 1
+        _remove_train_shards(cfg, index)  # beyond the end, when this run wrote nothing: left by an earlier, longer run
+        done = _done_path(cfg)
+        tmp = done.with_name(f".{done.name}.tmp")
+        tmp.write_text(json.dumps(_done_record(cfg, inputs, [shard_path(cfg, i) for i in range(index)])))
+        os.replace(tmp, done)
+        parts.path.unlink(missing_ok=True)  # a finished run needs no resume point
+        seconds = time.time() - t0
+        result = {"out_dir": str(out), "shards": index, "skipped_shards": kept, "val_tokens": val,
+                  "train_tokens": total - val, "tokenized": total - written, "documents_tokenized": docs_written,
+                  "documents_read": parts.read,
+                  "seconds": seconds, "tokens_per_sec": (total - written) / max(seconds, 1e-9), "workers": workers}
+        print(f"{out}: {index} shards ({kept} already complete), {val:,} val + {total - val:,} train tokens; tokenized "
+              f"{total - written:,} tokens of {docs_written:,} documents in {seconds:.1f}s = "
+              f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
+        others = sorted({f.name.split("_train_")[0] for f in out.glob("*_train_*") if f.suffix in (".bin", ".npy")}
+                        - {cfg.prefix})
+        if others:  # find_shards takes every split shard in a directory: train.py --data OUT would read both corpora
+            print(f"note: {out} also holds train shards of {', '.join(others)}; train on these alone with --data "
+                  f"'{out}/{cfg.prefix}_*.bin'")
+        return result
+
+
+def _lock_out_dir(cfg: FinewebConfig) -> Any:
+    """An exclusive lock on this prefix's shards in --out-dir, taken at a run's first write (the directory is left
+    alone before that) and held to its end, so a second writer into the same place stops with a line instead of
+    deleting the first one's files mid-write. The lock file stays; the lock goes with the process."""
+    import fcntl
+
+    out = Path(cfg.out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / f".{cfg.prefix}.lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise DataError(f"another fineweb.py is writing {cfg.prefix} shards to {out}; let it finish (then rerun this "
+                        "to check it), or pass another --out-dir") from None
+    return f
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -552,7 +552,7 @@ def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
     (out / "t_train_000099.bin").write_bytes(ref["t_train_000001.bin"])  # from a longer earlier run
     result = write_dataset(cfg_for(src, out))
     assert result["skipped_shards"] == 4
-    assert sorted(p.name for p in out.iterdir()) == sorted([*ref, "t_done.json"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*ref, "t_done.json", ".t.lock"])
     assert {p.name: p.read_bytes() for p in shard_files(out)} == ref
     again = write_dataset(cfg_for(src, out))  # finished with these settings: the source is not read again
     assert again["skipped_shards"] == len(ref) and again["tokenized"] == 0
@@ -681,6 +681,32 @@ def test_a_rewrite_killed_in_its_first_shard_leaves_no_shard_of_the_old_input(tm
     assert np.array_equal(concat(out), expected_tokens(edited))
 
 
+def test_a_second_writer_into_the_same_place_stops_with_a_line(tmp_path, reference, monkeypatch):
+    # two writers into one --out-dir would delete each other's files mid-write; the second stops at its first write
+    src, ref = reference
+    out = tmp_path / "out"
+    first = fineweb._lock_out_dir(cfg_for(src, out))  # as another process's run, between its first write and its end
+    try:
+        with pytest.raises(DataError, match=f"another fineweb.py is writing t shards to {out}; let it finish"):
+            write_dataset(cfg_for(src, out))
+        assert shard_files(out) == []
+        write_dataset(cfg_for(src, tmp_path / "other"))  # another place is free
+    finally:
+        first.close()
+    write_dataset(cfg_for(src, out))  # and this one once the other run has ended
+    assert {p.name: p.read_bytes() for p in shard_files(out)} == ref
+
+
+def test_another_corpus_in_the_same_directory_is_pointed_out(tmp_path, reference, capsys):
+    src, _ = reference
+    write_dataset(cfg_for(src, tmp_path))
+    assert "also holds" not in capsys.readouterr().out
+    write_dataset(cfg_for(src, tmp_path, prefix="u"))  # the loader would read t_ and u_ shards together
+    assert f"note: {tmp_path} also holds train shards of t; train on these alone with --data '{tmp_path}/u_*.bin'" \
+        in capsys.readouterr().out
+    assert len(TokenLoader(f"{tmp_path}/u_*.bin", "train", 2, 8).files) == len(shard_files(tmp_path)) // 2 - 1
+
+
 @pytest.mark.parametrize("inside", ["", "tok"])
 def test_out_dir_inside_a_source_directory_is_not_read_as_input(tmp_path, inside):
     # `--source data/corpus` writes to data/corpus by default: its records there must not become input on a rerun
@@ -701,7 +727,7 @@ def test_failed_rerun_leaves_a_finished_directory_as_it_was(tmp_path, reference,
     write_dataset(cfg_for(src, out))
     (out / ".t_train_000009.bin.1.tmp").write_bytes(b"a killed run's")  # only a run that writes removes it
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert "t_done.json" in before and len(before) == len(ref) + 2
+    assert {"t_done.json", ".t.lock"} <= set(before) and len(before) == len(ref) + 3
     with pytest.raises(SystemExit):
         main(["--source", str(src), "--out-dir", str(out), "--prefix", "t", "--shard-size", "1000", "--val-tokens",
               "700", "--workers", "1", "--text-field", "body"])  # a wrong flag: fails while reading the source
