@@ -678,18 +678,20 @@ class PartCounts:
 # Writer: tokenization and shards
 
 
-def _pool_worker_init(parent: int) -> None:
+def _pool_worker_init(parent: int | None) -> None:
     """A forked worker inherits its parent's signal handlers; a pool stops its workers with SIGTERM, so one that
     caught it (a handler like train.py's, set by an in-process caller) could keep the pool from closing. On Linux the
     worker also asks for SIGTERM when its parent dies: a writer killed outright (the OOM killer, kill -9) runs no
-    shutdown, and its workers would otherwise sleep forever on a queue nobody feeds."""
+    shutdown, and its workers would otherwise sleep forever on a queue nobody feeds. `parent` is the writer's pid
+    when it forked the worker itself (the 'fork' start method), else None: a forkserver's worker is the server's
+    child, and ends with it, which ends with the writer."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         import ctypes
 
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the request was in place
+        if parent is not None and os.getppid() != parent:  # the writer died before the request was in place
             os._exit(1)
 
 
@@ -720,7 +722,10 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
     if workers <= 1:
         yield None
         return
-    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init, initargs=(os.getpid(),))
+    import multiprocessing
+
+    forked = multiprocessing.get_start_method() == "fork"
+    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init, initargs=(os.getpid() if forked else None,))
     try:
         pool.submit(int).result()  # fork every worker now, before `datasets` starts threads (fork + threads deadlock)
         yield pool

@@ -344,6 +344,22 @@ fineweb.main({args!r})
     assert not left
 
 
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_tokenizer_pool_works_under_other_start_methods(method):
+    # Python 3.14 makes forkserver Linux's default (macOS uses spawn): a worker is then not the writer's child, and the
+    # parent-death check must not take that for a dead writer
+    script = f"""
+import multiprocessing
+import fineweb
+if __name__ == "__main__":
+    multiprocessing.set_start_method({method!r})
+    with fineweb.tokenizer_pool(2) as pool:
+        print(len(pool.submit(fineweb.tokenize, ["hello world"] * 3).result()))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["9"], proc.stderr[-2000:]  # 3 x (EOT + 2 tokens)
+
+
 def test_stdlib_source_is_sorted_python_files_one_document_each(tmp_path):
     files = stdlib_files()
     root = Path(fineweb.sysconfig.get_paths()["stdlib"])
