@@ -849,8 +849,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"provenance": {**provenance(device), "torch_threads": torch.get_num_threads()},
                               "config": dataclasses.asdict(cfg)}
     print(json.dumps(result), flush=True)
-    try:  # now, so a path that cannot be written fails before anything is measured, not after every row
-        write_json(result, cfg.out)
+    try:  # now, so a path that cannot be written fails before anything is measured, not after every row; through
+        # the temporary file alone, so an earlier run's results stay until this run has a row to put in their place
+        out = Path(cfg.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.is_dir():
+            raise IsADirectoryError(f"{out} is a directory")
+        probe = out.with_suffix(out.suffix + ".tmp")
+        probe.write_text("")
+        probe.unlink()
     except OSError as e:
         raise SystemExit(f"error: --out {cfg.out} cannot be written ({e}); pass a file path") from None
     deadline = time.monotonic() + cfg.budget_s if cfg.budget_s > 0 else None

@@ -911,6 +911,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
             break
     files = source_files(cfg)
     inputs = input_fingerprint(files)  # before reading: a file edited during the run makes the next run write again
+    _lock_out_dir(cfg, create=False)  # a writer at work there: stop now, not after tokenizing a whole shard
     previous, record = _previous_run(cfg, inputs)
     if previous == "done":
         sizes = list(record["shards"].values())
@@ -994,6 +995,8 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
         if fill:
             write(index, buf[:fill])
             index += 1
+        if not changed:  # the kept shards were the whole stream, but what follows changes the directory too
+            held.enter_context(_lock_out_dir(cfg))
         _remove_train_shards(cfg, index)  # beyond the end, when this run wrote nothing: left by an earlier, longer run
         done = _done_path(cfg)
         tmp = done.with_name(f".{done.name}.tmp")
@@ -1008,29 +1011,43 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
         print(f"{out}: {index} shards ({kept} already complete), {val:,} val + {total - val:,} train tokens; tokenized "
               f"{total - written:,} tokens of {docs_written:,} documents in {seconds:.1f}s = "
               f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
-        others = sorted({f.name.split("_train_")[0] for f in out.glob("*_train_*") if f.suffix in (".bin", ".npy")}
-                        - {cfg.prefix})
-        if others:  # find_shards takes every split shard in a directory: train.py --data OUT would read both corpora
-            print(f"note: {out} also holds train shards of {', '.join(others)}; train on these alone with --data "
-                  f"'{out}/{cfg.prefix}_*.bin'")
+        mine = re.compile(rf"{re.escape(cfg.prefix)}_train_\d+\.(?:bin|npy)")
+        others = [f.name for f in find_shards(str(out), "train") if not mine.fullmatch(f.name)]
+        if others:  # find_shards takes every train shard in a directory: train.py --data OUT would read both corpora
+            print(f"note: {out} also holds {len(others)} train shard(s) of another corpus ({others[0]}, ...), and "
+                  f"train.py --data {out} would read them too: give each corpus its own --out-dir")
         return result
 
 
-def _lock_out_dir(cfg: FinewebConfig) -> Any:
-    """An exclusive lock on this prefix's shards in --out-dir, taken at a run's first write (the directory is left
-    alone before that) and held to its end, so a second writer into the same place stops with a line instead of
-    deleting the first one's files mid-write. The lock file stays; the lock goes with the process."""
+def _lock_out_dir(cfg: FinewebConfig, create: bool = True) -> Any:
+    """An exclusive lock on this prefix's shards in --out-dir, taken at a run's first change to the directory (it is
+    left alone before that) and held to its end, so a second writer of the same shards stops with a line instead of
+    deleting the first one's files mid-write. create=False only tries an existing lock file (the check at start,
+    which creates nothing) and returns None. The lock file stays; the lock goes with the process. A filesystem
+    without flock (Lustre mounted without it, say) gets a warning and no lock."""
+    import errno
     import fcntl
 
-    out = Path(cfg.out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    f = open(out / f".{cfg.prefix}.lock", "w")
+    path = Path(cfg.out_dir).expanduser() / f".{cfg.prefix}.lock"
+    if not create and not path.is_file():
+        return None
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        raise DataError(f"another fineweb.py is writing {cfg.prefix} shards to {out}; let it finish (then rerun this "
-                        "to check it), or pass another --out-dir") from None
+        raise DataError(f"another fineweb.py is writing {cfg.prefix} shards to {path.parent}; let it finish (then "
+                        "rerun this to check it), or pass another --out-dir") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+            raise
+        print(f"warning: {path.parent} cannot be locked ({e.strerror}); make sure no other fineweb.py writes "
+              f"{cfg.prefix} shards there", file=sys.stderr)
+    if not create:
+        f.close()
+        return None
     return f
 
 

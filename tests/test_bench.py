@@ -222,11 +222,22 @@ def test_bad_flags_exit_with_a_message(argv, message):
         main(["--device", "cpu", *argv])
 
 
-def test_an_out_path_that_cannot_be_written_fails_before_any_row(tmp_path, capsys):
+def test_an_out_path_that_cannot_be_written_fails_before_any_row(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit, match=rf"^error: --out {tmp_path} cannot be written \(.*\); pass a file path$"):
         main(["--device", "cpu", "--suite", "hellaswag", "--out", str(tmp_path)])  # a directory
     assert "hellaswag" not in capsys.readouterr().out.split("\n", 1)[1]  # no row ran
     assert not tmp_path.with_suffix(".tmp").exists()  # and no temporary file is left beside it
+    earlier = tmp_path / "bench.json"
+    earlier.write_text('{"train": ["an earlier run\'s rows"]}')
+
+    def interrupted(cfg):  # Ctrl-C before the suite's first row
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(bench, "bench_hellaswag", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # a run stopped before its first row leaves the earlier results alone
+        main(["--device", "cpu", "--suite", "hellaswag", "--out", str(earlier)])
+    assert json.loads(earlier.read_text()) == {"train": ["an earlier run's rows"]}
 
 
 def test_ddp_variant_wraps_the_model_as_torchrun_would_and_leaves_no_process_group():
