@@ -502,7 +502,7 @@ def _state_dicts(raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -
 
 def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig,
                     loader: TokenLoader, scaler: torch.amp.GradScaler | None, rank: int, world_size: int,
-                    prov: dict, outliers: dict[str, list[float]] | None = None, tokens: int | None = None) -> None:
+                    prov: dict, outliers: dict[str, list[float]], tokens: int) -> None:
     model_sd, optim_sd = _state_dicts(raw, optimizer, cfg)
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     rngs = [None] * world_size
@@ -516,8 +516,8 @@ def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step
         "model": model_sd, "optimizer": optim_sd, "optimizer_kind": optimizer_kind(optimizer, cfg),
         "step": step, "loader": loader.state_dict(), "rng": rngs, "scaler": scaler.state_dict() if scaler else None,
         "model_config": dataclasses.asdict(raw.config), "train_config": dataclasses.asdict(cfg),
-        "provenance": prov, "world_size": world_size, "outliers": outliers or {},
-        "tokens": tokens if tokens is not None else step * cfg.total_batch_size,  # trained on, all ranks together
+        "provenance": prov, "world_size": world_size, "outliers": outliers,
+        "tokens": tokens,  # trained on, all ranks together
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -754,13 +754,11 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         found = find_resume(cfg, out_dir, master)
     except (ValueError, OSError) as e:  # OSError: a --resume PATH this node cannot read
         problem = str(e)
-    if world > 1:
-        views: list[Any] = [None] * world
-        dist.all_gather_object(views, (int(found[1]["step"]) if found is not None else None, problem))
-        if not problem and (theirs := [(r, p) for r, (_, p) in enumerate(views) if p]):
-            problem = f"rank {theirs[0][0]}: {theirs[0][1]}"
-        steps = [step for step, _ in views]
-        if not problem and len(set(steps)) > 1:
+    problem = shared_problem(problem, world)
+    if not problem and world > 1:
+        steps: list[int | None] = [None] * world
+        dist.all_gather_object(steps, int(found[1]["step"]) if found is not None else None)
+        if len(set(steps)) > 1:
             problem = (f"ranks resumed different steps {steps} (None: no checkpoint found): every node must see the "
                        f"same checkpoints in --out-dir {out_dir} (put it on a shared filesystem, or copy the "
                        "checkpoint to each node and pass --resume PATH)")
@@ -785,11 +783,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                 raw = load_init(cfg)
             except (ValueError, OSError) as e:
                 problem = str(e)
-        if world > 1:
-            problems: list[str | None] = [None] * world
-            dist.all_gather_object(problems, problem)
-            problem = problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
-        if problem:
+        if problem := shared_problem(problem, world):
             raise ValueError(problem)
         raw = raw if raw is not None else load_init(cfg)
     else:
@@ -1006,6 +1000,17 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         log.close()
     result["step"] = step
     return result
+
+
+def shared_problem(problem: str | None, world: int) -> str | None:
+    """This rank's reason to stop, else the first other rank's (named by its rank), else None: the same verdict on
+    every rank, so all stop together and each says why, rather than one exiting while the others wait for it in a
+    collective and then report only a lost peer. Collective when world > 1: every rank must call it."""
+    if world == 1:
+        return problem
+    problems: list[str | None] = [None] * world
+    dist.all_gather_object(problems, problem)
+    return problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
 
 
 def find_resume(cfg: TrainConfig, out_dir: Path, master: bool) -> tuple[Path, dict] | None:
