@@ -448,6 +448,17 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
+def _cache(path: Path, data: bytes) -> None:
+    """Write path atomically (a temporary file, then a rename), so a kill mid-write never leaves a partial copy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def shakespeare_file(cfg: FinewebConfig) -> Path:
     """Tiny Shakespeare: --shakespeare-path if given, else the cached download (fetched once). A local copy that is
     the very file (its sha256) also fills an empty cache, so a later run without the flag (the README's command, say)
@@ -460,28 +471,17 @@ def shakespeare_file(cfg: FinewebConfig) -> Path:
                             "copy of tinyshakespeare.txt, or leave it empty to download it")
         if not path.is_file() and local.stat().st_size == SHAKESPEARE_BYTES \
                 and hashlib.sha256(data := local.read_bytes()).hexdigest() == SHAKESPEARE_SHA256:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_bytes(data)
-                os.replace(tmp, path)
-            except OSError:
-                pass  # a cache that cannot be written is no reason to stop
-            finally:
-                tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a cache that cannot be written is no reason to stop
+                _cache(path, data)
         return local
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as r:
-                tmp.write_bytes(r.read())
-            os.replace(tmp, path)
+                _cache(path, r.read())
         except (urllib.error.URLError, OSError) as e:
             raise DataError(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}); pass "
                             "--shakespeare-path with a local copy") from None
-        finally:
-            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -620,7 +620,7 @@ class PartCounts:
     kept beside the shards in PREFIX_parts.json, so that a resumed run can start reading at the part that holds the
     documents it must see again instead of reading (downloading) the source from its start. The record counts only
     for the same settings, local input files, way of reading (--streaming) and number of parts. Local files edited
-    since are caught by their fingerprint in the record (_interrupted_run_changed: every shard is written again), a
+    since are caught by their fingerprint in the record (other_input: every shard is written again), a
     hub source that changed by the check of the last kept documents' tokens (_skip_tokens)."""
 
     def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, skip: int):
@@ -638,6 +638,16 @@ class PartCounts:
         counts = record.get("documents") if record.get("key") == self.key else None
         if isinstance(counts, list) and all(isinstance(n, int) and n >= 0 for n in counts):
             self.counts, self.parts = counts, record.get("parts")
+
+    def other_input(self) -> bool:
+        """Whether the interrupted run whose shards are on disk read other local files (an edit, say) or settings,
+        by its record, written with each of its shards. The resume's own check compares only the last two documents
+        the kept shards hold, so an edit before them would otherwise mix old shards with new ones unnoticed."""
+        try:
+            key = json.loads(self.path.read_text())["key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False  # no record (no shard written yet, or an older run): the tail check is all there is
+        return not isinstance(key, dict) or any(key.get(k) != self.key[k] for k in ("settings", "inputs"))
 
     def begin(self, parts: int) -> int:
         """read_rows calls this once it knows the source's number of parts: the part to start reading at."""
@@ -861,18 +871,6 @@ def _previous_run(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> tuple[st
     return "none", None
 
 
-def _interrupted_run_changed(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> bool:
-    """Whether the interrupted run whose shards are on disk read other local files (an edit, say) or settings, by its
-    PREFIX_parts.json, written with each of its shards. The resume's own check compares only the last two documents
-    the kept shards hold, so an edit before them would otherwise mix old shards with new ones unnoticed."""
-    try:
-        key = json.loads(PartCounts(cfg, inputs, 0).path.read_text())["key"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False  # no record (no shard written yet, or an older run): the tail check is all there is
-    return not isinstance(key, dict) or (key.get("settings"), key.get("inputs")) != (
-        _done_record(cfg, inputs, [])["settings"], inputs)
-
-
 def _write_next(cfg: FinewebConfig, index: int, tokens: np.ndarray, first: bool) -> None:
     """Write shard `index`. The run's first write first removes the completion record (the directory is about to
     change), the temporaries of killed runs, and shard `index` and every train shard after it (an earlier run's: if
@@ -911,7 +909,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
             break
     files = source_files(cfg)
     inputs = input_fingerprint(files)  # before reading: a file edited during the run makes the next run write again
-    _lock_out_dir(cfg, create=False)  # a writer at work there: stop now, not after tokenizing a whole shard
+    _check_out_dir_unlocked(cfg)
     previous, record = _previous_run(cfg, inputs)
     if previous == "done":
         sizes = list(record["shards"].values())
@@ -923,7 +921,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
                 "tokens_per_sec": 0.0, "workers": 0}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
-    if previous == "none" and _interrupted_run_changed(cfg, inputs):
+    if previous == "none" and PartCounts(cfg, inputs, 0).other_input():
         print(f"{out}: the interrupted run there read other input files or settings; writing every shard again")
         previous = "other"
     # resume from the complete shards on disk, unless they are a finished run's of other settings or inputs
@@ -1019,36 +1017,48 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
         return result
 
 
-def _lock_out_dir(cfg: FinewebConfig, create: bool = True) -> Any:
-    """An exclusive lock on this prefix's shards in --out-dir, taken at a run's first change to the directory (it is
-    left alone before that) and held to its end, so a second writer of the same shards stops with a line instead of
-    deleting the first one's files mid-write. create=False only tries an existing lock file (the check at start,
-    which creates nothing) and returns None. The lock file stays; the lock goes with the process. A filesystem
+def _lock_path(cfg: FinewebConfig) -> Path:
+    return Path(cfg.out_dir).expanduser() / f".{cfg.prefix}.lock"
+
+
+def _flock(f: Any, cfg: FinewebConfig) -> None:
+    """Take an exclusive lock on the open lock file f, or stop with a line when another writer holds it. A filesystem
     without flock (Lustre mounted without it, say) gets a warning and no lock."""
     import errno
     import fcntl
 
-    path = Path(cfg.out_dir).expanduser() / f".{cfg.prefix}.lock"
-    if not create and not path.is_file():
-        return None
-    if create:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.close()
-        raise DataError(f"another fineweb.py is writing {cfg.prefix} shards to {path.parent}; let it finish (then "
-                        "rerun this to check it), or pass another --out-dir") from None
+        raise DataError(f"another fineweb.py is writing {cfg.prefix} shards to {Path(f.name).parent}; let it finish "
+                        "(then rerun this to check it), or pass another --out-dir") from None
     except OSError as e:
         if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
             raise
-        print(f"warning: {path.parent} cannot be locked ({e.strerror}); make sure no other fineweb.py writes "
+        print(f"warning: {Path(f.name).parent} cannot be locked ({e.strerror}); make sure no other fineweb.py writes "
               f"{cfg.prefix} shards there", file=sys.stderr)
-    if not create:
+
+
+def _lock_out_dir(cfg: FinewebConfig) -> Any:
+    """An exclusive lock on this prefix's shards in --out-dir, taken at a run's first change to the directory (it is
+    left alone before that) and held to its end, so a second writer of the same shards stops with a line instead of
+    deleting the first one's files mid-write. The lock file stays; the lock goes with the process."""
+    path = _lock_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a")
+    try:
+        _flock(f, cfg)
+    except BaseException:
         f.close()
-        return None
+        raise
     return f
+
+
+def _check_out_dir_unlocked(cfg: FinewebConfig) -> None:
+    """Stop now if another writer holds the lock, rather than after tokenizing a whole shard; creates nothing."""
+    if _lock_path(cfg).is_file():
+        with open(_lock_path(cfg), "a") as f:
+            _flock(f, cfg)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
