@@ -876,7 +876,10 @@ def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:
 def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
     """Write an HF `GPT2LMHeadModel` directory (config.json, model.safetensors, tokenizer files) for lm-eval etc.
 
-    The full (possibly padded) vocabulary is kept so that exported logits equal ours exactly.
+    A vocabulary padded past GPT-2's 50,257 ids is cropped to them, as llm.c's export does: the padded rows are never
+    tokens, and an HF model whose vocab_size matches the GPT-2 tokenizer cannot sample an id the tokenizer lacks
+    (HF's generate knows nothing of our padding). Its logits are ours for the real ids; the softmax differs only by
+    the padded ids' probability, which training drives towards 0.
     """
     cfg = model.config
     if cfg.mlp != "gelu" or cfg.pos != "learned" or cfg.kv_heads != cfg.n_head or not cfg.bias:
@@ -887,15 +890,18 @@ def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    vocab = GPT2_VOCAB if cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size  # tiny test vocabularies stay as they are
     sd = {}
     for key, p in model.state_dict().items():
         if key == "lm_head.weight":
             continue  # tied: HF re-ties lm_head to wte on load
         p = p.detach().float().cpu()
+        if key == "transformer.wte.weight":
+            p = p[:vocab]
         sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
         "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
         "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5,

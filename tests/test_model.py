@@ -280,13 +280,28 @@ def test_export_hf_round_trip(tmp_path):
     export_hf(model, tmp_path)
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     back = GPT.from_pretrained(str(tmp_path)).eval()
+    # the padding is cropped: HF's vocabulary is the tokenizer's, and its logits are ours for the real ids
+    assert (hf.config.vocab_size, back.config.vocab_size, len(tok := transformers.AutoTokenizer.from_pretrained(
+        tmp_path))) == (GPT2_VOCAB, GPT2_VOCAB, GPT2_VOCAB)
     idx = torch.randint(0, GPT2_VOCAB, (2, 32))
     with torch.no_grad():
         ours, _ = model(idx)
-        torch.testing.assert_close(hf(idx).logits, ours, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(back(idx)[0], ours, atol=0, rtol=0)
-    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+        assert ours.shape[-1] == 50304
+        torch.testing.assert_close(hf(idx).logits, ours[..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(back(idx)[0], ours[..., :GPT2_VOCAB], atol=0, rtol=0)
     assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+
+
+def test_export_hf_keeps_a_vocabulary_smaller_than_gpt2s(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    export_hf(model, tmp_path)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert hf.config.vocab_size == model.config.vocab_size < GPT2_VOCAB
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_export_hf_refuses_other_architectures(tmp_path):
@@ -504,7 +519,7 @@ def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     idx = torch.randint(0, GPT2_VOCAB, (1, 16))
     with torch.no_grad():
-        torch.testing.assert_close(hf(idx).logits, gpt(idx)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hf(idx).logits, gpt(idx)[0][..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
     with pytest.raises(SystemExit, match="--export-hf needs --ckpt"):
         model_module.main(["--export-hf", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match=f"--ckpt is only read with --export-hf DIR; to sample from it: python "
