@@ -716,26 +716,38 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------------------------------------------------
     # Generation
 
-    def _next_token(self, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                    generator: torch.Generator | None) -> torch.Tensor:
+    @staticmethod
+    def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None,
+                      top_p: float | None) -> torch.Tensor:
+        """(B, V) fp32 logits to sample from: scaled by 1/temperature, then every token outside the top_k and outside
+        the nucleus (the smallest set of most likely tokens whose probability reaches top_p) set to -inf, in HF's
+        order (temperature, top-k, top-p). Padded vocabulary entries are never kept. A new tensor."""
         logits = logits.float().clone()  # a copy: float() of fp32 logits is the caller's tensor, edited below
         if logits.size(-1) > GPT2_VOCAB:
             logits[:, GPT2_VOCAB:] = -float("inf")  # padded vocabulary entries are not tokens
-        if temperature == 0.0:
-            return logits.argmax(dim=-1, keepdim=True)
-        logits = logits / temperature
+        if temperature > 0.0:
+            logits = logits / temperature
         if top_k is not None and top_k < logits.size(-1):
             kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, -float("inf"))
         if top_p is not None and top_p < 1.0:
             sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            # drop a token when the mass before it already reaches top_p; the most likely token always stays
-            drop = (cum - sorted_logits.softmax(dim=-1)) >= top_p
-            drop[:, 0] = False
+            probs = sorted_logits.softmax(dim=-1)
+            # a token is dropped when the mass before it already reaches top_p, i.e. when it and every less likely
+            # token together hold at most 1 - top_p. That tail mass is summed from the smallest probability up: a
+            # running sum from the largest down loses ~1e-5 over 50K fp32 terms and keeps too few tokens
+            tail = probs.flip(-1).cumsum(dim=-1).flip(-1)
+            drop = tail <= 1.0 - top_p
+            drop[:, 0] = False  # the most likely token always stays
             logits = logits.masked_fill(drop.scatter(1, order, drop), -float("inf"))
-        probs = logits.softmax(dim=-1)
-        return torch.multinomial(probs, num_samples=1, generator=generator)
+        return logits
+
+    def _next_token(self, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                    generator: torch.Generator | None) -> torch.Tensor:
+        logits = self.filter_logits(logits, temperature, top_k, top_p)
+        if temperature == 0.0:
+            return logits.argmax(dim=-1, keepdim=True)
+        return torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator)
 
     @torch.inference_mode()
     def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -826,19 +838,14 @@ class GPT(nn.Module):
             except ImportError as e:
                 raise RuntimeError(f"{name_or_dir!r} is not a local directory, and downloading it needs "
                                    "`pip install huggingface_hub`") from e
-            path = Path(snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors"]))
+            path = Path(snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors",
+                                                                       "model.safetensors.index.json"]))
         hf = json.loads((path / "config.json").read_text())
         _check_plain_gpt2(hf, path)
         shape = dict(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
                      n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True)
         config = GPTConfig(**{**shape, **overrides})  # an override (e.g. dropout, fused_gelu) wins
-        if (path / "model.safetensors").exists():
-            from safetensors.torch import load_file
-            sd_hf = load_file(str(path / "model.safetensors"))
-        elif (path / "pytorch_model.bin").exists():
-            sd_hf = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        else:
-            raise FileNotFoundError(f"{path} has neither model.safetensors nor pytorch_model.bin")
+        sd_hf = _load_hf_weights(path)
         sd_hf = {k.removeprefix("transformer."): v for k, v in sd_hf.items()
                  if not k.endswith((".attn.bias", ".attn.masked_bias"))}
         model = cls(config)
@@ -871,6 +878,30 @@ def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:
         found = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
         raise ValueError(f"{path} is a GPT-2 variant this model does not implement ({found}); only plain GPT-2 "
                          "checkpoints load")
+
+
+def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """An HF directory's tensors: model.safetensors or pytorch_model.bin, or the shards an index.json lists (what
+    save_pretrained writes above its max_shard_size, e.g. a gpt2-xl in fp32 from transformers 4.x)."""
+    def load(f: Path) -> dict[str, torch.Tensor]:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(str(f))
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (path / name).exists():
+            return load(path / name)
+        index = path / f"{name}.index.json"
+        if index.exists():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            missing = [f for f in shards if not (path / f).exists()]
+            if missing:
+                raise FileNotFoundError(f"{index} lists {len(shards)} shards, but {len(missing)} are missing from "
+                                        f"{path} (the first: {missing[0]})")
+            return {k: v for f in shards for k, v in load(path / f).items()}
+    raise FileNotFoundError(f"{path} has neither model.safetensors nor pytorch_model.bin (nor a sharded index of "
+                            "either)")
 
 
 def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:

@@ -1,5 +1,6 @@
 """model.py: shapes, init, parameter counts, HF equivalence, variants, KV cache, sampling, config errors."""
 
+import json
 import math
 import signal
 import subprocess
@@ -238,16 +239,48 @@ def _hf_model(tmp_path, **config):
     return transformers, hf
 
 
-@pytest.mark.parametrize("safe", [True, False])
-def test_from_pretrained_matches_hf_logits(tmp_path, safe):
+def _save_bin(hf, path, shards: int) -> None:
+    """The pytorch_model.bin layout of transformers 4.x (5.x writes only safetensors): one file, or `shards` files
+    and the index.json that maps each tensor to its file."""
+    hf.config.save_pretrained(path)
+    sd = hf.state_dict()
+    if shards == 1:
+        torch.save(sd, path / "pytorch_model.bin")
+        return
+    weight_map = {}
+    for i in range(shards):
+        name = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {k: v for j, (k, v) in enumerate(sd.items()) if j % shards == i}
+        torch.save(part, path / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "safetensors-sharded", "bin", "bin-sharded"])
+def test_from_pretrained_matches_hf_logits(tmp_path, layout):
     _, hf = _hf_model(tmp_path)
-    hf.save_pretrained(tmp_path, safe_serialization=safe)
+    if layout == "safetensors":
+        hf.save_pretrained(tmp_path)
+    elif layout == "safetensors-sharded":  # what save_pretrained writes above max_shard_size
+        hf.save_pretrained(tmp_path, max_shard_size="20KB")
+        assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 2
+    else:
+        _save_bin(hf, tmp_path, shards=1 if layout == "bin" else 3)
+    assert (tmp_path / "model.safetensors").exists() == (layout == "safetensors")
     model = GPT.from_pretrained(str(tmp_path)).eval()
     idx = torch.randint(0, 101, (2, 48))
     with torch.no_grad():
         ours, _ = model(idx)
         theirs = hf(idx).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_from_pretrained_names_a_missing_shard(tmp_path):
+    _, hf = _hf_model(tmp_path)
+    _save_bin(hf, tmp_path, shards=3)
+    (tmp_path / "pytorch_model-00002-of-00003.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="lists 3 shards, but 1 are missing .*pytorch_model-00002-of-00003"):
+        GPT.from_pretrained(str(tmp_path))
 
 
 @pytest.mark.parametrize("variant", [dict(tie_word_embeddings=False), dict(layer_norm_epsilon=1e-2),
@@ -405,6 +438,22 @@ def test_top_k_top_p_never_sample_outside_allowed_set():
     tok = model._next_token(logits.clone(), 0.0, None, None, gen)
     assert (tok < GPT2_VOCAB).all()
 
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.999999])
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p(top_p):
+    # the kept count from an exact float64 sum; a running fp32 sum from the most likely token down drifts by ~1e-5
+    # over 50K tokens and kept 4686 tokens of mass 0.9499984 instead of 4687 for seed 7 at p=0.95
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(8, 50304, generator=gen) * 3
+    kept = GPT.filter_logits(logits, 1.0, None, top_p) > -float("inf")
+    exact = logits[:, :GPT2_VOCAB].double().softmax(-1).sort(dim=-1, descending=True).values
+    n_exact = ((exact.cumsum(-1) - exact) < top_p).sum(-1)
+    assert kept.sum(-1).tolist() == n_exact.tolist()
+    assert not kept[:, GPT2_VOCAB:].any()
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.generation.logits_process.TopPLogitsWarper(top_p)(None, logits[:, :GPT2_VOCAB].clone())
+    assert (hf > -float("inf")).sum(-1).tolist() == n_exact.tolist()
 
 # ----------------------------------------------------------------------------------------------------------------------
 # optimizer, MFU
