@@ -383,7 +383,9 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         ms = time_ms(step, device, cfg.steps)
         # one more, untimed step; a CUDA graph's replay launches kernels without the aten ops the profiler names
         attention = "n/a (graph)" if train.uses_cuda_graphs(tcfg, device) else sdpa_kernels(step, device)
-    loss = losses[-1].item()
+    # the last timed step's loss: the attention probe above adds a step to some rows but not to CUDA-graph rows,
+    # and dloss compares rows after the same number of steps
+    loss = losses[cfg.warmup + cfg.steps - 1].item()
     if not math.isfinite(loss):  # a step that diverged is not a training step worth timing
         raise FloatingPointError(f"loss is {loss} after {len(losses)} steps")
     median = statistics.median(ms)

