@@ -747,11 +747,19 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         torch.cuda.manual_seed(cfg.seed + rank)
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (outside autocast) on tensor cores
         torch.backends.cudnn.allow_tf32 = True
-    # an evaluation needs only the val split: a directory holding just a val shard will do
-    train_loader = TokenLoader(cfg.data, "train", B, T, rank, world, cfg.seed, device, cfg.preload) \
-        if not cfg.eval_only else None
-    val_loader = TokenLoader(cfg.data, "val", B, T, rank, world, cfg.seed, device, cfg.preload) \
-        if cfg.eval_every > 0 or cfg.eval_only else None
+    # an evaluation needs only the val split: a directory holding just a val shard will do. A node without the data
+    # stops every rank with its reason; nodes with different data (or commands) would train on, silently wrong
+    train_loader = val_loader = problem = None
+    try:
+        train_loader = TokenLoader(cfg.data, "train", B, T, rank, world, cfg.seed, device, cfg.preload) \
+            if not cfg.eval_only else None
+        val_loader = TokenLoader(cfg.data, "val", B, T, rank, world, cfg.seed, device, cfg.preload) \
+            if cfg.eval_every > 0 or cfg.eval_only else None
+    except (DataError, OSError) as e:
+        problem = str(e)
+    if (problem := shared_problem(problem, world)) or (problem := ranks_disagree(cfg, (train_loader, val_loader),
+                                                                                  world)):
+        raise DataError(problem)
 
     # the checkpoint to resume: looked for first, since a resumed fine-tune needs no --init-from source. Every rank
     # must resume the same step, or stop, before anything collective: FSDP's restore, the barriers around --init-from
@@ -764,12 +772,17 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         problem = str(e)
     problem = shared_problem(problem, world)
     if not problem and world > 1:
-        steps: list[int | None] = [None] * world
-        dist.all_gather_object(steps, int(found[1]["step"]) if found is not None else None)
-        if len(set(steps)) > 1:
-            problem = (f"ranks resumed different steps {steps} (None: no checkpoint found): every node must see the "
-                       f"same checkpoints in --out-dir {out_dir} (put it on a shared filesystem, or copy the "
-                       "checkpoint to each node and pass --resume PATH)")
+        # the step, and the loss history the checkpoint keeps for the z-scores, which tells two runs' checkpoints of
+        # the same step apart (each node's own out-dir, say): restored on their own ranks after DDP's initial
+        # broadcast, they would leave the replicas different for the rest of the run
+        mine = None if found is None else (int(found[1]["step"]), found[1].get("outliers", {}).get("loss"))
+        seen: list[tuple | None] = [None] * world
+        dist.all_gather_object(seen, mine)
+        if any(other != seen[0] for other in seen):
+            steps = [other[0] if other else None for other in seen]
+            which = "different checkpoints" if len(set(steps)) == 1 else f"different steps {steps} (None: none found)"
+            problem = (f"ranks resumed {which}: every node must see the same checkpoints in --out-dir {out_dir} "
+                       "(put it on a shared filesystem, or copy the checkpoint to each node and pass --resume PATH)")
     if problem:
         raise ValueError(problem)
     if found is not None:  # the checkpoint's architecture, as nanoGPT's resume takes it; restore() loads the weights
@@ -821,7 +834,13 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     detectors = {"loss": OutlierDetector(), "norm": OutlierDetector()}
     start_step = 0
     if found is not None:
-        start_step = restore(found[1], raw, optimizer, cfg, train_loader, scaler, rank, world)
+        problem = None
+        try:
+            start_step = restore(found[1], raw, optimizer, cfg, train_loader, scaler, rank, world)
+        except (DataError, ValueError) as e:
+            problem = str(e)
+        if problem := shared_problem(problem, world):
+            raise ValueError(problem)
         for name, detector in detectors.items():  # the z-scores' history, so a resumed run skips the same steps
             detector.values = [float(v) for v in found[1].get("outliers", {}).get(name, [])]
         if master:
@@ -1021,6 +1040,39 @@ def shared_problem(problem: str | None, world: int) -> str | None:
     return problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
 
 
+# paths may differ from node to node (each mounts the data and out-dir where it will); what they hold is checked
+PER_NODE_FIELDS = ("data", "out_dir", "hellaswag", "init_from", "resume")
+
+
+def ranks_disagree(cfg: TrainConfig, loaders: tuple[TokenLoader | None, ...], world: int) -> str | None:
+    """Why the ranks cannot train together, or None: each node parses its own command line and reads its own copy of
+    the data, and a different flag or shard on one node would hang a collective or train the replicas apart without
+    an error (a shard missing on one node: its ranks index other windows, and some are served twice). Collective."""
+    if world == 1:
+        return None
+    mine = {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_NODE_FIELDS},
+            "data": [(loader.split, loader.state_dict()["shards"], loader.state_dict()["shard_tokens"])
+                     for loader in loaders if loader is not None]}
+    everyone: list[dict | None] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    for r, theirs in enumerate(everyone):
+        if theirs["config"] != first["config"]:
+            diff = ", ".join(f"--{k.replace('_', '-')} {theirs['config'][k]!r} (rank 0: {v!r})"
+                             for k, v in first["config"].items() if theirs["config"][k] != v)
+            return f"rank {r} was started with {diff}: every node must run the same command"
+        for (split, names, sizes), (_, names0, sizes0) in zip(theirs["data"], first["data"], strict=True):
+            if (names, sizes) != (names0, sizes0):
+                files, files0 = list(zip(names, sizes, strict=True)), list(zip(names0, sizes0, strict=True))
+                i = next(i for i in range(max(len(files), len(files0)))
+                         if i >= min(len(files), len(files0)) or files[i] != files0[i])
+                there = f"{names[i]} ({sizes[i]:,} tokens)" if i < len(names) else "nothing"
+                here = f"{names0[i]} ({sizes0[i]:,} tokens)" if i < len(names0) else "nothing"
+                return (f"rank {r}'s {split} shards differ from rank 0's ({len(names)} files against {len(names0)}; "
+                        f"file {i + 1} is {there} there, {here} on rank 0): every node must hold the same --data")
+    return None
+
+
 def find_resume(cfg: TrainConfig, out_dir: Path, master: bool) -> tuple[Path, dict] | None:
     """The checkpoint this run continues (path, loaded dict), None for a fresh start, or a ValueError where starting
     would bury another run: a fresh run in a directory with checkpoints would truncate its log and prune them, and
@@ -1079,15 +1131,15 @@ def _load_hellaswag(cfg: TrainConfig, local_rank: int, world: int, device: torch
     examples = None
     try:
         examples = hellaswag.load_examples(path)
-    except (OSError, ValueError) as e:
-        reason = reason or str(e).splitlines()[0][:200]
-    have = torch.tensor([1.0 if examples else 0.0], device=device)
-    if world > 1:
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)
-    if have.item() == 0.0:
+    except (OSError, ValueError) as e:  # load_examples' own hint names hellaswag.py's flags, not train.py's
+        reason = reason or (f"{path} is not a file" if not path.is_file() else str(e).splitlines()[0][:200])
+    if not examples:
+        reason = reason or f"{path} holds no examples"
+    # all or none, and the reason of the rank that lacks them, which is not always rank 0
+    if reason := shared_problem(reason if not examples else None, world):
         if master:
-            print(f"hellaswag: skipped ({reason or 'not available on every rank'}); pass --hellaswag PATH to a local "
-                  "hellaswag_val.jsonl to enable it, or --hellaswag off to silence this")
+            print(f"hellaswag: skipped ({reason}); pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it, "
+                  "or --hellaswag off to silence this")
         return None
     return examples
 

@@ -3,8 +3,10 @@
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -85,3 +87,33 @@ def run_torchrun(args: list[str], nproc: int, timeout: int = 300, env: dict[str,
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert done.returncode == 0 or not check, f"{' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     return done
+
+
+def run_nodes(args_per_node: list[list[str]], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """Run one torchrun per "node" at once on this machine, one rank each: `torchrun --nnodes=N --node_rank=i
+    --master_addr=127.0.0.1 --master_port=P`, node i running args_per_node[i] (a script and its flags), as a
+    multi-node job is launched, each node with its own command line. Returns each launcher's result; a timeout
+    fails the test with every node's output."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(args_per_node)}",
+                               f"--node_rank={i}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                               f"--master_port={port}", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for i, args in enumerate(args_per_node)]
+    results, deadline = [], time.monotonic() + timeout
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for proc in procs:  # each launcher and its workers: a session of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        outputs = [proc.communicate() for proc in procs]
+        pytest.fail(f"nodes timed out after {timeout} s:\n" + "\n".join(
+            f"node {i} stdout:\n{out[-2000:]}\nnode {i} stderr:\n{err[-2000:]}"
+            for i, (out, err) in enumerate(outputs)))
+    return results

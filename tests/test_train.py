@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import train
-from conftest import ROOT, children, run_torchrun
+from conftest import ROOT, children, run_nodes, run_torchrun
 from model import load_checkpoint, parse_config
 
 
@@ -739,6 +739,51 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
             train.main(argv[1:])
         again = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert len(again) == 8 and again == pytest.approx(losses, abs=1e-5), parallel
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints_differ(token_data, tmp_path):
+    # two torchruns, one rank each, as two nodes: each parses its own command line and reads its own files
+    common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=2", "--eval-batches=1",
+              "--total-batch-size=512", "--batch-size=4", "--hellaswag=off"]
+    single = train.main(tiny_args(token_data, tmp_path / "single", *common))
+    # HellaSwag only where every node has it, and the skip names the node that lacks it
+    hellaswag = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
+    same = run_nodes([["train.py", *tiny_args(token_data, tmp_path / "shared", *common, f"--hellaswag={path}",
+                                              "--hellaswag-every=2")] for path in (hellaswag, tmp_path / "no.jsonl")])
+    assert [r.returncode for r in same] == [0, 0], same[1].stderr[-2000:]
+    assert f"hellaswag: skipped (rank 1: {tmp_path / 'no.jsonl'} is not a file); pass --hellaswag PATH" \
+        in same[0].stdout
+    losses = [r["loss"] for r in train.iter_log(tmp_path / "shared" / "log.jsonl") if r["type"] == "train"]
+    assert losses == pytest.approx(single["losses"], abs=1e-5)
+
+    def refused(node1: list[str], node0: list[str] | None = None) -> list[str]:
+        """Both nodes stop, each with the reason (not a lost peer, a hang, or replicas that drift apart)."""
+        done = run_nodes([["train.py", *(node0 or tiny_args(token_data, tmp_path / "a", *common))],
+                          ["train.py", *node1]])
+        assert [r.returncode for r in done] == [1, 1]
+        return [next(line for line in r.stderr.splitlines() if line.startswith("error: ")) for r in done]
+
+    # a flag that differs: a collective would hang (another --max-steps) or the replicas drift apart (another lr)
+    assert refused(tiny_args(token_data, tmp_path / "a", *common, "--max-lr=3e-3")) == [
+        "error: rank 1 was started with --max-lr 0.003 (rank 0: 0.001): every node must run the same command"] * 2
+    # a node whose copy lacks a shard indexes other windows: some would be served twice, silently
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for f in ("rand_val_000000.bin", "rand_train_000001.bin"):
+        shutil.copy(token_data / f, partial)
+    assert refused(tiny_args(partial, tmp_path / "a", *common)) == [
+        "error: rank 1's train shards differ from rank 0's (1 files against 2; file 2 is nothing there, "
+        "rand_train_000002.bin (20,000 tokens) on rank 0): every node must hold the same --data"] * 2
+    # out-dirs that are not shared, each with another run's checkpoint of the same step: restored each on its own
+    # rank, after DDP's initial broadcast, they would train two different models for the rest of the run
+    train.main(tiny_args(token_data, tmp_path / "other", *common, "--max-lr=3e-3"))
+    resume = [*common, "--max-steps=6", "--resume=auto"]
+    reasons = refused(tiny_args(token_data, tmp_path / "other", *resume), tiny_args(token_data, tmp_path / "shared",
+                                                                                    *resume))
+    assert reasons == [f"error: ranks resumed different checkpoints: every node must see the same checkpoints in "
+                       f"--out-dir {tmp_path / out} (put it on a shared filesystem, or copy the checkpoint to each "
+                       "node and pass --resume PATH)" for out in ("shared", "other")]
 
 
 @pytest.mark.slow
