@@ -197,6 +197,47 @@ def test_chunked_cross_entropy_equals_the_plain_loss_and_gradients(label_smoothi
         torch.testing.assert_close(chunked_cross_entropy(x, w, t, 8, label_smoothing), ref, atol=1e-5, rtol=1e-6)
 
 
+def test_label_smoothing_spreads_over_the_real_ids_only():
+    from model import chunked_cross_entropy, cross_entropy
+
+    # the target distribution, built by hand: 1 - s on the target, s spread evenly over GPT-2's 50257 ids and none on
+    # the 47 padded ones, which would otherwise be trained towards probability that is never used
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=gen).requires_grad_()
+    w = 0.1 * torch.randn(50304, 8, generator=gen)
+    w[GPT2_VOCAB:] = 0.0
+    w[GPT2_VOCAB:, 0] = -50.0
+    with torch.no_grad():
+        x[:, 0] = 1.0  # so every padded logit is -50: softmax gives them ~0
+    w.requires_grad_()
+    t = torch.randint(0, GPT2_VOCAB, (32,), generator=gen)
+    s = 0.1
+    logits = (x @ w.T).detach().double()
+    q = torch.zeros_like(logits)
+    q[:, :GPT2_VOCAB] = s / GPT2_VOCAB
+    q[torch.arange(32), t] += 1 - s
+    expected = -(q * F.log_softmax(logits, -1)).sum(-1).mean()
+    spread_over_all = F.cross_entropy(logits, t, label_smoothing=s)  # what the padding must not get
+    assert abs(spread_over_all.item() - expected.item()) > 4e-3
+    plain_logits = (x @ w.T).detach().requires_grad_()
+    plain = cross_entropy(plain_logits, t, s)
+    plain.backward()
+    assert plain.item() == pytest.approx(expected.item(), abs=1e-5)
+    assert (plain_logits.grad[:, GPT2_VOCAB:] >= 0).all()  # softmax only: never trained up
+    chunked = chunked_cross_entropy(x, w, t, 7, s)
+    (dw,) = torch.autograd.grad(chunked, (w,))
+    assert chunked.item() == pytest.approx(expected.item(), abs=1e-5)
+    assert (dw[GPT2_VOCAB:, 0] >= 0).all()  # the padded rows' gradient through x[:, 0] = 1 is their logits'
+
+
+def test_all_targets_ignored_is_nan_with_or_without_chunks():
+    torch.manual_seed(0)
+    idx = torch.randint(0, 96, (2, 8))
+    for chunk in (0, 5):
+        _, loss = GPT(tiny(loss_chunk=chunk))(idx, torch.full((2, 8), -1))
+        assert math.isnan(loss.item()), chunk
+
+
 def test_loss_chunk_trains_like_the_full_logits():
     torch.manual_seed(0)
     plain, chunked = GPT(tiny()), GPT(tiny(loss_chunk=24))
