@@ -658,6 +658,16 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
+    def _apply(self, fn: Callable, recurse: bool = True) -> GPT:
+        """Every cast and move of the module (.to, .half, .cuda) goes through here. RoPE's cos/sin tables are angles,
+        not weights: a cast of the model to bf16 (sample.py's decoding, or a user's model.half()) must not round them
+        (autocast leaves buffers alone, so training used fp32 ones), so they are rebuilt in fp32 where they now are."""
+        super()._apply(fn, recurse)
+        if self.config.pos == "rope" and self.rope_cos.dtype != torch.float32:
+            cos, sin = rope_tables(self.config)  # computed as __init__ did, on the CPU: the very same values
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        return self
+
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)

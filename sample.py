@@ -122,16 +122,6 @@ def generate_text(model: GPT, enc: Any, cfg: SampleConfig, device: torch.device 
     return texts
 
 
-def cast_weights(model: GPT, dtype: torch.dtype) -> GPT:
-    """Cast parameters to dtype; RoPE's cos/sin tables stay the fp32 ones training used (autocast never touches
-    buffers), since bf16 tables would rotate every query and key by slightly wrong angles."""
-    tables = (model.rope_cos, model.rope_sin) if model.config.pos == "rope" else None
-    model.to(dtype)
-    if tables:
-        model.rope_cos, model.rope_sin = tables  # the tensors from before the cast, not a round trip through dtype
-    return model
-
-
 def decode_speed(model: GPT, prompt_len: int, new_tokens: int, use_cache: bool, device: torch.device | str,
                  batch_size: int = 1) -> float:
     """Greedy decoding speed in generated tokens/s (all sequences of the batch), prefill included.
@@ -167,7 +157,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         raise SystemExit(f"error: {e}".replace("\n", " ")) from None
     model.to(device)
     if device.type == "cuda":
-        cast_weights(model, torch.bfloat16)  # decoding is bound by reading the weights: half the bytes, ~2x the speed
+        model.to(torch.bfloat16)  # decoding is bound by reading the weights: half the bytes, ~2x the speed
     torch.manual_seed(cfg.seed)
     return generate_text(model, get_tokenizer(), dataclasses.replace(cfg, prompt=prompt), device)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model import GPT, MODEL_PRESETS, get_tokenizer
-from sample import SampleConfig, cast_weights, decode_speed, generate_text, main
+from sample import SampleConfig, decode_speed, generate_text, main
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEED = re.compile(r"^(\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\)$", re.M)
@@ -348,16 +348,18 @@ def test_sample_and_hellaswag_from_a_checkpoint_train_py_wrote(token_data, tmp_p
     assert "acc_norm" in capsys.readouterr().out
 
 
-def test_cast_weights_keeps_the_fp32_rope_tables():
+@pytest.mark.parametrize("cast, dtype", [(lambda m: m.to(torch.bfloat16), torch.bfloat16),
+                                         (lambda m: m.half().float(), torch.float32)])
+def test_casting_the_model_keeps_the_fp32_rope_tables(cast, dtype):
     # sample.py casts to bf16 on CUDA; the RoPE tables must stay the fp32 ones training used (autocast leaves buffers
-    # alone), bit for bit, not a round trip through bf16
+    # alone), bit for bit, not a round trip through bf16 or fp16
     torch.manual_seed(0)
     cfg = dataclasses.replace(MODEL_PRESETS["tiny"](), pos="rope", block_size=64, vocab_size=96)
     model = GPT(cfg).eval()
     cos, sin = model.rope_cos.clone(), model.rope_sin.clone()
     assert not torch.equal(cos.bfloat16().float(), cos)  # so a round trip would show
-    cast_weights(model, torch.bfloat16)
-    assert model.lm_head.weight.dtype == model.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16
+    cast(model)
+    assert model.lm_head.weight.dtype == model.transformer.h[0].attn.c_attn.weight.dtype == dtype
     assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
     assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
     out = model.generate(torch.randint(0, 96, (1, 5)), 8, temperature=0.0)  # bf16 queries rotated by fp32 tables
