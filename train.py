@@ -174,7 +174,8 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "shakespeare": _preset(model="gpt2", n_layer=6, n_head=6, n_embd=384, seq_len=256, data="data/shakespeare",
                            preload=True,
                            total_batch_size=16384, batch_size=64, max_lr=1e-3, warmup_steps=100, max_steps=2000,
-                           dropout=0.2, eval_every=250, eval_batches=8, hellaswag="off", sample_every=500,
+                           # the val shard's 32K tokens hold one window of B*T+1 = 16,385 (windows do not overlap)
+                           dropout=0.2, eval_every=250, eval_batches=1, hellaswag="off", sample_every=500,
                            sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
     # fine-tune OpenAI's GPT-2 124M on Tiny Shakespeare (as nanoGPT's finetune_shakespeare): 20 steps of 32K tokens,
     # about two epochs of its ~300K train tokens, at a small constant learning rate; minutes on one GPU
@@ -859,7 +860,10 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         print(f"{raw.num_params():,} params | evaluating at step {start_step} | {B} x {T} x {world} ranks | {dtype}")
     elif master:
         print(f"{raw.num_params():,} params | {tokens_per_step:,} tokens/step = {B} x {T} x {world} ranks x "
-              f"{grad_accum} accum | {cfg.max_steps} steps | compile {use_compile} | {cfg.parallel} | {dtype}")
+              f"{grad_accum} accum | {cfg.max_steps} steps | compile {use_compile} | "
+              f"{optimizer_kind(optimizer, cfg)} | {dtype}")  # single: no torchrun, so no DDP, ZeRO-1 or FSDP
+        if mcfg.fused_gelu and device.type != "cuda":
+            print(f"note: --fused-gelu runs the PyTorch reference on {device.type}: the Triton kernel is CUDA only")
     if master and not cfg.eval_only:  # an evaluation may sit beside a live run, whose .tmp is a checkpoint in flight
         for stale in out_dir.glob("ckpt_*.pt.tmp"):  # left by a run killed mid-write: never a valid checkpoint
             stale.unlink()

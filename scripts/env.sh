@@ -1,9 +1,10 @@
 # Sourced by demo.sh and test.sh: create (once) and activate the project's virtualenv, then install what the given
 # requirements files list (once per file content: a stamp file in the venv remembers it).
 # VENV picks its location (default .venv); TORCH_SPEC picks the torch build, pinned by default to torch==2.13.0 (the
-# CPU wheel on the CI machines). On a GPU machine, TORCH_SPEC="torch>=2.5" keeps or installs your CUDA build.
+# CPU wheel on the CI machines; on PyPI for Linux it is a CUDA build). TORCH_SPEC="torch>=2.5" takes pip's newest.
 set -euo pipefail
 VENV="${VENV:-.venv}"
+torch_spec_given="${TORCH_SPEC:-}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 if [ ! -x "$VENV/bin/python" ]; then
     echo ">> creating virtualenv $VENV"
@@ -12,7 +13,12 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 # torch first and pinned: left to the requirements' range, pip would pull the newest (multi-GB CUDA) build
-python -c "import torch" 2>/dev/null || python -m pip install -q "$TORCH_SPEC"
+if installed="$(python -c "import torch; print(torch.__version__)" 2>/dev/null)"; then
+    [ -z "$torch_spec_given" ] || echo ">> note: $VENV already has torch $installed, kept; TORCH_SPEC=$TORCH_SPEC only" \
+        "applies to a new venv (VENV=path makes one)"
+else
+    python -m pip install -q "$TORCH_SPEC"
+fi
 for req in requirements.txt "$@"; do
     stamp="$VENV/.installed-$(basename "$req")-$(cksum < "$req" | cut -d' ' -f1)"
     if [ ! -f "$stamp" ]; then

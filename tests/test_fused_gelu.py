@@ -259,3 +259,20 @@ class TestCUDA:
 
         ref = run(lambda x, b: 0.5 * bias_gelu_reference(2 * x, b), x.float(), b.float(), dy.float())
         assert_matches(run(compiled, x, b, dy), ref, x, b)
+
+
+@pytest.mark.skipif(not triton_available() or torch.cuda.is_available(), reason="the CLI's CPU paths: triton, no GPU")
+def test_self_check_cli_on_cpu() -> None:
+    # without the interpreter: a one-line usage error that says how to run it, not a CUDA traceback
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(Path(fused_gelu.__file__)), "--rows", "33", "--cols", "40"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
+        "fused_gelu.py: error: this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
+        "TRITON_INTERPRET=1 python fused_gelu.py --device cpu")
+    proc = subprocess.run([*cmd, "--device", "cpu"], env={**env, "TRITON_INTERPRET": "1"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    # fp32 kernels against the fp32 reference: errors at rounding level, relative to the largest |ref|
+    rel = {m[0]: float(m[1]) for m in re.findall(r"(y|dx|db): max abs err \S+ = (\S+) of", proc.stdout)}
+    assert set(rel) == {"y", "dx", "db"} and max(rel.values()) < 1e-5, proc.stdout

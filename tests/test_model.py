@@ -364,6 +364,8 @@ def test_export_hf_round_trip(tmp_path):
         torch.testing.assert_close(hf(idx).logits, ours[..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(back(idx)[0], ours[..., :GPT2_VOCAB], atol=0, rtol=0)
     assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # readable by whoever may read the config
 
 
 def test_export_hf_keeps_a_vocabulary_smaller_than_gpt2s(tmp_path):

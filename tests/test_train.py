@@ -153,9 +153,13 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
 
 
 def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=4", "--eval-every=2", "--label-smoothing=0.1"))
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=4", "--eval-every=2", "--label-smoothing=0.1",
+                         "--parallel=zero1", "--fused-gelu"))
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith('{"provenance"')
+    # without torchrun nothing is wrapped or sharded, whatever --parallel says; and the kernel needs CUDA
+    assert "| compile False | single | torch.float32" in out
+    assert "note: --fused-gelu runs the PyTorch reference on cpu: the Triton kernel is CUDA only" in out
     records = list(train.iter_log(tmp_path / "log.jsonl"))
     assert records[0]["type"] == "config" and records[0]["provenance"]["torch"] == torch.__version__
     assert records[0]["config"]["label_smoothing"] == 0.1
