@@ -97,9 +97,24 @@ def _validate(ex: Any) -> str | None:
     if "label" not in ex:
         return "missing key 'label' (the test split has no labels; use the validation file)"
     label = ex["label"]
+    if isinstance(label, str) and label in ("0", "1", "2", "3"):  # the HF dataset (Rowan/hellaswag) stores strings
+        return None
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label <= 3:
         return f"'label' must be an integer 0..3, got {label!r}"
     return None
+
+
+def prepare_example(ex: Any) -> dict:
+    """A parsed example, checked (HellaSwagError says what is wrong) and completed: `ctx` from `ctx_a + " " + ctx_b`
+    when it is missing, as HellaSwag builds it, and the label an int."""
+    problem = _validate(ex)
+    if problem:
+        raise HellaSwagError(problem)
+    if "ctx" not in ex:
+        ex = {**ex, "ctx": " ".join(s for s in (ex["ctx_a"], ex["ctx_b"]) if s)}
+    if not ex["ctx"].strip():  # an ending is scored as the continuation of the context: it needs one
+        raise HellaSwagError("empty context ('ctx', or 'ctx_a' and 'ctx_b', hold no text)")
+    return {**ex, "label": int(ex["label"])}
 
 
 def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
@@ -130,14 +145,10 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
                 ex = json.loads(line)
             except json.JSONDecodeError as e:
                 raise HellaSwagError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            problem = _validate(ex)
-            if problem:
-                raise HellaSwagError(f"{path}:{lineno}: {problem}")
-            if "ctx" not in ex:
-                ex = {**ex, "ctx": " ".join(s for s in (ex["ctx_a"], ex["ctx_b"]) if s)}
-            if not ex["ctx"].strip():  # an ending is scored as the continuation of the context: it needs one
-                raise HellaSwagError(f"{path}:{lineno}: empty context ('ctx', or 'ctx_a' and 'ctx_b', hold no text)")
-            examples.append(ex)
+            try:
+                examples.append(prepare_example(ex))
+            except HellaSwagError as e:
+                raise HellaSwagError(f"{path}:{lineno}: {e}") from None
     if not examples:
         raise HellaSwagError(f"{path}: no examples")
     return examples
@@ -237,7 +248,18 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
     examples = examples[:limit] if limit is not None else examples
     if not examples:
         raise ValueError("evaluate() got no HellaSwag examples")
+    prepared = []
+    for i, ex in enumerate(examples):  # examples made in Python, not by load_examples, are checked here
+        try:
+            prepared.append(prepare_example(ex))
+        except HellaSwagError as e:
+            raise HellaSwagError(f"example {i}: {e}") from None
+    examples = prepared
     enc = enc if enc is not None else get_tokenizer()
+    vocab = getattr(_config(model), "vocab_size", None)
+    if vocab is not None and vocab < enc.n_vocab:
+        raise ValueError(f"the model has {vocab} embedding rows, fewer than the GPT-2 tokenizer's {enc.n_vocab} ids "
+                         "that HellaSwag's text is encoded with")
     block_size = getattr(_config(model), "block_size", None)  # None (no GPTConfig): candidates are not cropped
     t0 = time.perf_counter()
     rendered = [render_example(ex, enc) for ex in examples[rank::world_size]]

@@ -173,7 +173,7 @@ def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any
     for key, val in rest:
         flag = "--" + key.replace("_", "-")
         if key not in fields:
-            hint = difflib.get_close_matches(key, list(fields), n=1)
+            hint = difflib.get_close_matches(key, [*fields, *(["preset"] if presets else [])], n=1)
             raise SystemExit(f"error: unknown option {flag}" + (f"; did you mean --{hint[0].replace('_', '-')}?"
                                                                 if hint else "; see --help"))
         if val is None:
@@ -678,8 +678,10 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
-                cache: KVCache | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean loss over targets != -1."""
+                cache: KVCache | None = None, last_only: bool = False) -> tuple[torch.Tensor | None,
+                                                                                torch.Tensor | None]:
+        """idx (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean loss over targets != -1 (None
+        without targets). With config.loss_chunk and targets the logits are never made whole, and come back None."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
@@ -779,6 +781,11 @@ class GPT(nn.Module):
                         top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
                         generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time. The context is cropped to the last block_size tokens."""
+        if idx.dim() != 2 or idx.size(1) == 0:
+            raise ValueError(f"idx must be (batch, prompt length) token ids with at least one token, got shape "
+                             f"{tuple(idx.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
         if top_k is not None and top_k < 1:

@@ -54,10 +54,9 @@ def is_gpt2_124m(config: dict) -> bool:
 
 
 def plot(cfg: PlotConfig) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
+    # a Figure of its own on the Agg canvas: no display needed, and no pyplot state or backend switch left behind
+    # in a notebook that calls plot()
+    from matplotlib.figure import Figure
 
     log = Path(cfg.log)
     if log.is_dir():  # a run's directory: its log is inside
@@ -69,7 +68,8 @@ def plot(cfg: PlotConfig) -> Path:
     if not train:
         raise ValueError(f"{log} has no train records yet; run train.py first")
     hellaswag = curves.get("hellaswag", [])
-    fig, axes = plt.subplots(1, 2 if hellaswag else 1, figsize=(13 if hellaswag else 7, 4.5), squeeze=False)
+    fig = Figure(figsize=(13 if hellaswag else 7, 4.5))
+    axes = fig.subplots(1, 2 if hellaswag else 1, squeeze=False)
     ax = axes[0][0]
     xs = [r[cfg.x] for r in train]
     ema, smoothed = None, []
@@ -101,7 +101,6 @@ def plot(cfg: PlotConfig) -> Path:
     out = Path(cfg.out) if cfg.out else log.with_name("loss.png")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 

@@ -630,15 +630,17 @@ def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step
 
 
 def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
-    """rank, local_rank, world_size and device from torchrun's environment (or a single process)."""
+    """rank, local_rank, world_size and device from torchrun's environment (or a single process). The default
+    process group is created here, unless the caller (a script that launched us under torchrun) already has one."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but CUDA is not available; use --device cpu")
+        raise ValueError("--device cuda but CUDA is not available; use --device cpu")
     if "RANK" in os.environ:
         rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
         if use_cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     else:
         rank, local_rank, world = 0, 0, 1
     device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
@@ -694,7 +696,23 @@ def open_log(path: Path, resume_step: int | None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """The command line: parse argv (sys.argv[1:] by default) into a TrainConfig and run() it. A user error (bad
+    flag, data, checkpoint) is one line on stderr and SystemExit(1)."""
     cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS, __doc__)
+    try:
+        return run(cfg)
+    except (DataError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Train (or, with eval_only, evaluate) as cfg says; the entry point from Python, where errors stay exceptions
+    (DataError, ValueError, FileNotFoundError for the user's). Under torchrun it joins the default process group (or
+    creates it, and then destroys it at the end). Returns {"losses": [per step], "step": the last, and when they
+    happened "val_loss", "hellaswag" (its metrics), "checkpoint" (the last path written), "stopped" ("signal",
+    "max_time" or "nan")}: the same on every rank but for "checkpoint", which rank 0 writes."""
+    owns_group = not dist.is_initialized()
     rank, local_rank, world, device = setup_distributed(cfg)
     master = rank == 0
     on_term, attention = signal.getsignal(signal.SIGTERM), sdpa_switches()
@@ -706,9 +724,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # see model.exit_now
             dist.barrier()
         return result
-    except (DataError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
     finally:
         # StopFlags' handler must not outlive the run in a process that goes on (tests, a notebook): it would swallow
         # SIGTERM there and in every process forked later, e.g. a multiprocessing.Pool, whose terminate() then
@@ -716,7 +731,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if on_term is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, on_term)
         set_sdpa_switches(attention)  # likewise --attention's choice, or a later SDPA call could find no kernel
-        if dist.is_initialized():
+        if owns_group and dist.is_initialized():  # a group the caller made is the caller's to destroy
             dist.destroy_process_group()
 
 

@@ -165,7 +165,7 @@ def test_load_examples_reads_the_fixture(examples, tmp_path):
     ('{"ctx": "a", "endings": ["a", "b", "c", 4], "label": 0}', "'endings' must be a list of 4 strings"),
     ('{"ctx": "a", "endings": ["a", "b", "c", "d"]}', "missing key 'label'"),
     ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 4}', "'label' must be an integer 0..3, got 4"),
-    ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": "1"}', "'label' must be an integer 0..3, got '1'"),
+    ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": "one"}', "'label' must be an integer 0..3, got 'one'"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
@@ -305,6 +305,22 @@ def test_evaluate_equals_per_example_reference(examples, enc, block_size):
         one = evaluate(model, [ex], "cpu", batch_size=1, enc=enc)
         assert (one["acc"], one["acc_norm"]) == (float(ok), float(ok_norm))
     assert evaluate(model, examples, "cpu", limit=2, batch_size=2, enc=enc)["n"] == 2
+
+
+def test_evaluate_checks_examples_made_in_python(examples, enc):
+    # examples that never went through load_examples: the same checks, named by their index, not a silently shifted
+    # group of 4 rows or a KeyError; the HF dataset's string labels and ctx_a/ctx_b-only examples are fine
+    model = tiny_gpt()
+    hf_style = [{"ctx_a": ex["ctx"], "ctx_b": "", "endings": ex["endings"], "label": str(ex["label"])}
+                for ex in examples]
+    got, want = (evaluate(model, exs, "cpu", batch_size=4, enc=enc) for exs in (hf_style, examples))
+    assert [got[k] for k in ("acc", "acc_norm", "n")] == [want[k] for k in ("acc", "acc_norm", "n")]
+    three = [*examples[:2], {**examples[2], "endings": examples[2]["endings"][:3]}]
+    with pytest.raises(HellaSwagError, match=r"^example 2: 'endings' must be a list of 4 strings, got 3 items$"):
+        evaluate(model, three, "cpu", enc=enc)
+    small = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=1, n_head=1, n_embd=8))
+    with pytest.raises(ValueError, match="the model has 256 embedding rows, fewer than the GPT-2 tokenizer's 50257"):
+        evaluate(small, examples, "cpu", enc=enc)
 
 
 def test_evaluate_acc_and_acc_norm_differ_and_equal_reference(enc):

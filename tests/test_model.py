@@ -453,6 +453,15 @@ def test_generate_rejects_bad_sampling_arguments(kw, message):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 3, **kw)
 
 
+@pytest.mark.parametrize("idx, new, message", [
+    (torch.zeros(1, 0, dtype=torch.long), 3, r"at least one token, got shape \(1, 0\)"),
+    (torch.zeros(4, dtype=torch.long), 3, r"idx must be \(batch, prompt length\) token ids .* got shape \(4,\)"),
+    (torch.zeros(1, 2, dtype=torch.long), -3, "max_new_tokens must be >= 0, got -3")])
+def test_generate_rejects_bad_prompts(idx, new, message):
+    with pytest.raises(ValueError, match=message):
+        GPT(tiny()).generate(idx, new)
+
+
 def test_next_token_leaves_the_callers_logits_alone():
     model = GPT(tiny(vocab_size=50304))
     logits = torch.randn(2, 50304)

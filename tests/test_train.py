@@ -69,6 +69,7 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
 
 @pytest.mark.parametrize("argv, message", [
     (["--max-lrr=1"], "unknown option --max-lrr; did you mean --max-lr"),
+    (["--presett", "tiny"], "unknown option --presett; did you mean --preset?"),
     (["--parallel", "zero3"], "--parallel must be one of ddp, zero1, fsdp"),
     (["--batch-size=big"], "--batch-size expects int"),
     (["--preset", "gpt5"], "unknown --preset 'gpt5'"),
@@ -109,6 +110,25 @@ def test_indivisible_batch_is_a_clear_error(token_data, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # training behaviour
+
+
+def test_run_from_python_raises_and_leaves_the_callers_process_group(token_data, tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    cfg = parse_config(train.TrainConfig, tiny_args(token_data, tmp_path / "a", "--max-steps=2", "--eval-every=0"),
+                       train.PRESETS)
+    with pytest.raises(train.DataError, match="no train shards"):  # an exception, not the CLI's SystemExit
+        train.run(parse_config(train.TrainConfig, tiny_args(tmp_path, tmp_path / "b"), train.PRESETS))
+    # a script that made its own process group and then trains under torchrun's variables keeps its group
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        result = train.run(cfg)
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+    assert result["step"] == 2 and len(result["losses"]) == 2 and result["losses"][0] > 10.0
 
 
 def test_overfit_batch_drives_loss_near_zero(token_data, tmp_path):
