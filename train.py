@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -495,7 +496,7 @@ def _state_dicts(raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -
         model_sd["transformer.wte.weight"] = model_sd["lm_head.weight"]
     if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: gather every rank's shard on rank 0
         optimizer.consolidate_state_dict(to=0)
-        if torch.cuda.is_available():
+        if torch.cuda.is_initialized():  # (not is_available: a --device cpu run on a GPU host has no CUDA context)
             # the gathered state reaches the CPU by non_blocking copies that nothing waits for: torch.save could
             # otherwise write Adam moments the GPU has not finished copying
             torch.cuda.synchronize()
@@ -738,8 +739,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torch.device,
            master: bool) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():  # on every rank: found later, only rank 0 (the writer) would stop
-        raise ValueError(f"--out-dir {out_dir} is a file, not a directory")
+    # before anything a rank could refuse on its own: a node whose command differs (or whose out-dir is a file) stops
+    # every rank with the reason, where its exit would leave the others a lost peer, or a hang under NCCL
+    problem = f"--out-dir {out_dir} is a file, not a directory" if out_dir.exists() and not out_dir.is_dir() else None
+    if (problem := shared_problem(problem, world)) or (problem := commands_disagree(cfg, rank, world)):
+        raise ValueError(problem)
     prov = provenance(device, world)
     B, T = cfg.batch_size, cfg.seq_len
     if cfg.eval_only:  # nothing trains, so no total batch to fill
@@ -773,8 +777,8 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             if cfg.eval_every > 0 or cfg.eval_only else None
     except (DataError, OSError) as e:
         problem = str(e)
-    if (problem := shared_problem(problem, world)) or (problem := ranks_disagree(cfg, (train_loader, val_loader),
-                                                                                  world)):
+    if (problem := shared_problem(problem, world)) or (problem := data_disagree((train_loader, val_loader), rank,
+                                                                                world)):
         raise DataError(problem)
 
     # the checkpoint to resume: looked for first, since a resumed fine-tune needs no --init-from source. Every rank
@@ -823,6 +827,12 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         if problem := shared_problem(problem, world):
             raise ValueError(problem)
         raw = raw if raw is not None else load_init(cfg)
+        # each node loads its own copy; FSDP shards what each rank loaded, and nothing broadcasts rank 0's weights
+        fingerprint = [round(float(sum(p.double().sum() for p in raw.parameters())), 6), raw.num_params()]
+        if problem := agree(fingerprint, rank, world, lambda mine, first: None if mine == first else (
+                f"rank {rank} loaded other weights from --init-from {cfg.init_from} than rank 0 (parameter sum "
+                f"{mine[0]}, rank 0: {first[0]}): every node must start from the same model")):
+            raise ValueError(problem)
     else:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         raw = GPT(model_config(cfg))
@@ -899,7 +909,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         if master:
             print(f"val: the val split has {val_loader.num_windows} windows of B*T+1 tokens, so each evaluation uses "
                   f"{eval_batches} batches per rank instead of --eval-batches {cfg.eval_batches}")
-    hellaswag_examples = _load_hellaswag(cfg, local_rank, world, device, master)
+    hellaswag_examples = _load_hellaswag(cfg, rank, local_rank, world, master)
     enc = get_tokenizer() if (cfg.sample_every > 0 or hellaswag_examples) else None
     next_batch: Callable[[], tuple] | None = None  # None only for --eval-only, which never trains
     if cfg.overfit_batch and train_loader is not None:  # always the run's first batch, also after a resume
@@ -1059,37 +1069,61 @@ def shared_problem(problem: str | None, world: int) -> str | None:
     return problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
 
 
-# paths may differ from node to node (each mounts the data and out-dir where it will); what they hold is checked
-PER_NODE_FIELDS = ("data", "out_dir", "hellaswag", "init_from", "resume")
-
-
-def ranks_disagree(cfg: TrainConfig, loaders: tuple[TokenLoader | None, ...], world: int) -> str | None:
-    """Why the ranks cannot train together, or None: each node parses its own command line and reads its own copy of
-    the data, and a different flag or shard on one node would hang a collective or train the replicas apart without
-    an error (a shard missing on one node: its ranks index other windows, and some are served twice). Collective."""
+def agree(mine: Any, rank: int, world: int, describe: Callable[[Any, Any], str | None]) -> str | None:
+    """Rank 0's `mine` is sent to every rank, where describe(mine, rank 0's) says how this rank's differs (None: it
+    does not); the first rank's difference comes back, the same on every rank, or None. Collective: one broadcast of
+    rank 0's object (not world copies of everyone's) and a gather of the short answers."""
     if world == 1:
         return None
-    mine = {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_NODE_FIELDS},
-            "data": [(loader.split, loader.state_dict()["shards"], loader.state_dict()["shard_tokens"])
-                     for loader in loaders if loader is not None]}
-    everyone: list[dict | None] = [None] * world
-    dist.all_gather_object(everyone, mine)
-    first = everyone[0]
-    for r, theirs in enumerate(everyone):
-        if theirs["config"] != first["config"]:
-            diff = ", ".join(f"--{k.replace('_', '-')} {theirs['config'][k]!r} (rank 0: {v!r})"
-                             for k, v in first["config"].items() if theirs["config"][k] != v)
-            return f"rank {r} was started with {diff}: every node must run the same command"
-        for (split, names, sizes), (_, names0, sizes0) in zip(theirs["data"], first["data"], strict=True):
+    box = [mine if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    answers: list[str | None] = [None] * world
+    dist.all_gather_object(answers, describe(mine, box[0]))
+    return next((a for a in answers if a), None)
+
+
+# paths may differ from node to node (each mounts the data and out-dir where it will), so only whether they are set
+# is compared (what the data hold is compared on its own); these others only change a rank's own files or figures
+PER_NODE_FIELDS = ("data", "out_dir", "hellaswag", "init_from", "resume")
+RANK_LOCAL_FIELDS = ("max_time", "peak_tflops", "keep_last", "keep_every", "preload")
+
+
+def commands_disagree(cfg: TrainConfig, rank: int, world: int) -> str | None:
+    """Why the ranks were started with commands that cannot train together, or None. Each node parses its own
+    command line, and a flag that differs on one node would hang a collective (another --max-steps, --hellaswag off
+    on one node only) or train the replicas apart (another --max-lr) without an error. Collective."""
+    mine = {k: repr(v) for k, v in dataclasses.asdict(cfg).items()  # repr: a NaN equals itself
+            if k not in PER_NODE_FIELDS + RANK_LOCAL_FIELDS}
+    mine["hellaswag"] = repr(cfg.hellaswag if cfg.hellaswag in ("off", "auto") else "PATH")
+    mine["init_from"] = repr("NAME" if cfg.init_from else "")
+
+    def describe(mine: dict, first: dict) -> str | None:
+        diff = ", ".join(f"--{k.replace('_', '-')} {mine[k]} (rank 0: {v})" for k, v in first.items() if mine[k] != v)
+        return f"rank {rank} was started with {diff}: every node must run the same command" if diff else None
+
+    return agree(mine, rank, world, describe)
+
+
+def data_disagree(loaders: tuple[TokenLoader | None, ...], rank: int, world: int) -> str | None:
+    """Why the ranks' shards differ, or None: each node reads its own copy of the data, and with a shard missing on
+    one node its ranks index other windows, some served twice, silently. Names and token counts are compared."""
+    mine = [(loader.split, loader.state_dict()["shards"], loader.state_dict()["shard_tokens"])
+            for loader in loaders if loader is not None]
+
+    def describe(mine: list, first: list) -> str | None:
+        for (split, names, sizes), (_, names0, sizes0) in zip(mine, first, strict=True):
             if (names, sizes) != (names0, sizes0):
                 files, files0 = list(zip(names, sizes, strict=True)), list(zip(names0, sizes0, strict=True))
                 i = next(i for i in range(max(len(files), len(files0)))
                          if i >= min(len(files), len(files0)) or files[i] != files0[i])
                 there = f"{names[i]} ({sizes[i]:,} tokens)" if i < len(names) else "nothing"
                 here = f"{names0[i]} ({sizes0[i]:,} tokens)" if i < len(names0) else "nothing"
-                return (f"rank {r}'s {split} shards differ from rank 0's ({len(names)} files against {len(names0)}; "
-                        f"file {i + 1} is {there} there, {here} on rank 0): every node must hold the same --data")
-    return None
+                return (f"rank {rank}'s {split} shards differ from rank 0's ({len(names)} files against "
+                        f"{len(names0)}; file {i + 1} is {there} there, {here} on rank 0): every node must hold the "
+                        "same --data")
+        return None
+
+    return agree(mine, rank, world, describe)
 
 
 def find_resume(cfg: TrainConfig, out_dir: Path, master: bool) -> tuple[Path, dict] | None:
@@ -1131,8 +1165,7 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def _load_hellaswag(cfg: TrainConfig, local_rank: int, world: int, device: torch.device,
-                    master: bool) -> list[dict] | None:
+def _load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int, master: bool) -> list[dict] | None:
     """HellaSwag examples on every rank, or None on every rank (evaluate is collective, so all or none)."""
     if cfg.hellaswag == "off" or (cfg.hellaswag_every <= 0 and not cfg.eval_only):
         return None
@@ -1155,7 +1188,13 @@ def _load_hellaswag(cfg: TrainConfig, local_rank: int, world: int, device: torch
     if not examples:
         reason = reason or f"{path} holds no examples"
     # all or none, and the reason of the rank that lacks them, which is not always rank 0
-    if reason := shared_problem(reason if not examples else None, world):
+    reason = shared_problem(reason if not examples else None, world)
+    if not reason:  # the same examples everywhere: evaluate's batch count (FSDP forwards are collectives) and score
+        digest = hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()
+        reason = agree([len(examples), digest], rank, world, lambda mine, first: None if mine == first else (
+            f"rank {rank} has {mine[0]} examples in {path}, rank 0 {first[0]}"
+            + (", other ones" if mine[0] == first[0] else "")))
+    if reason:
         if master:
             print(f"hellaswag: skipped ({reason}); pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it, "
                   "or --hellaswag off to silence this")

@@ -14,8 +14,13 @@ fi
 . "$VENV/bin/activate"
 # torch first and pinned: left to the requirements' range, pip would pull the newest (multi-GB CUDA) build
 if installed="$(python -c "import torch; print(torch.__version__)" 2>/dev/null)"; then
-    [ -z "$torch_spec_given" ] || echo ">> note: $VENV already has torch $installed, kept; TORCH_SPEC=$TORCH_SPEC only" \
-        "applies to a new venv (VENV=path makes one)"
+    # a TORCH_SPEC the installed torch does not meet is not acted on: say so (pip's own packaging judges the spec)
+    if [ -n "$torch_spec_given" ] && ! python -c 'import sys; from pip._vendor.packaging.requirements import \
+Requirement; sys.exit(not Requirement(sys.argv[1]).specifier.contains(sys.argv[2].split("+")[0], prereleases=True))' \
+            "$TORCH_SPEC" "$installed" 2>/dev/null; then
+        echo ">> note: $VENV already has torch $installed, kept; TORCH_SPEC=$TORCH_SPEC only applies to a new venv" \
+            "(VENV=path makes one)"
+    fi
 else
     python -m pip install -q "$TORCH_SPEC"
 fi

