@@ -256,10 +256,10 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
             raise HellaSwagError(f"example {i}: {e}") from None
     examples = prepared
     enc = enc if enc is not None else get_tokenizer()
-    vocab = getattr(_config(model), "vocab_size", None)
-    if vocab is not None and vocab < enc.n_vocab:
-        raise ValueError(f"the model has {vocab} embedding rows, fewer than the GPT-2 tokenizer's {enc.n_vocab} ids "
-                         "that HellaSwag's text is encoded with")
+    vocab, n_vocab = getattr(_config(model), "vocab_size", None), getattr(enc, "n_vocab", None)  # None: unknown
+    if vocab is not None and n_vocab is not None and vocab < n_vocab:
+        raise ValueError(f"the model has {vocab} embedding rows, fewer than the tokenizer's {n_vocab} ids that "
+                         "HellaSwag's text is encoded with")
     block_size = getattr(_config(model), "block_size", None)  # None (no GPTConfig): candidates are not cropped
     t0 = time.perf_counter()
     rendered = [render_example(ex, enc) for ex in examples[rank::world_size]]
