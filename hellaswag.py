@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import sys
 import tempfile
@@ -99,7 +100,7 @@ def _validate(ex: Any) -> str | None:
     label = ex["label"]
     if isinstance(label, str) and label in ("0", "1", "2", "3"):  # the HF dataset (Rowan/hellaswag) stores strings
         return None
-    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label <= 3:
+    if isinstance(label, bool) or not isinstance(label, numbers.Integral) or not 0 <= label <= 3:  # numpy ints too
         return f"'label' must be an integer 0..3, got {label!r}"
     return None
 

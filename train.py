@@ -636,12 +636,16 @@ def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but CUDA is not available; use --device cpu")
-    if "RANK" in os.environ:
+    if dist.is_initialized():  # the caller's group (mp.spawn, a notebook, a launcher of its own): its ranks
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+    elif "RANK" in os.environ:
         rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
         if use_cuda:
             torch.cuda.set_device(local_rank)
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     else:
         rank, local_rank, world = 0, 0, 1
     device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
@@ -699,12 +703,32 @@ def open_log(path: Path, resume_step: int | None) -> Any:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """The command line: parse argv (sys.argv[1:] by default) into a TrainConfig and run() it. A user error (bad
     flag, data, checkpoint) is one line on stderr and SystemExit(1)."""
-    cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS, __doc__)
+    try:
+        cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS, __doc__)
+    except SystemExit as e:
+        if e.code and not isinstance(e.code, int) and "RANK" in os.environ and not dist.is_initialized():
+            _stop_the_other_ranks(str(e.code).removeprefix("error: "))
+        raise
     try:
         return run(cfg)
     except (DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _stop_the_other_ranks(problem: str) -> None:
+    """Under torchrun, a rank whose command line does not parse (a flag mistyped on one node) would exit before the
+    rendezvous, and the other ranks would wait for it there until the timeout (10-30 minutes). It joins the process
+    group anyway, only to hand its reason to their first collective (_train's shared_problem), so that every rank
+    stops at once with it."""
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    try:
+        shared_problem(problem, dist.get_world_size())
+    finally:
+        dist.destroy_process_group()
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
@@ -826,11 +850,21 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                 problem = str(e)
         if problem := shared_problem(problem, world):
             raise ValueError(problem)
-        raw = raw if raw is not None else load_init(cfg)
-        # each node loads its own copy; FSDP shards what each rank loaded, and nothing broadcasts rank 0's weights
-        fingerprint = [round(float(sum(p.double().sum() for p in raw.parameters())), 6), raw.num_params()]
+        if raw is None:  # the other ranks of the node, from the cache; their failure is shared the same way
+            try:
+                raw = load_init(cfg)
+            except (ValueError, OSError) as e:
+                problem = str(e)
+        if problem := shared_problem(problem, world):  # on every rank: it is a collective
+            raise ValueError(problem)
+        # each node loads its own copy; FSDP shards what each rank loaded, and nothing broadcasts rank 0's weights.
+        # A digest of the bytes is exact, where a float sum's last digits depend on the order it adds in
+        digest = hashlib.sha1()
+        for p in raw.parameters():
+            digest.update(p.detach().contiguous().view(torch.uint8).numpy())
+        fingerprint = [digest.hexdigest()[:16], raw.num_params()]
         if problem := agree(fingerprint, rank, world, lambda mine, first: None if mine == first else (
-                f"rank {rank} loaded other weights from --init-from {cfg.init_from} than rank 0 (parameter sum "
+                f"rank {rank} loaded other weights from --init-from {cfg.init_from} than rank 0 (digest "
                 f"{mine[0]}, rank 0: {first[0]}): every node must start from the same model")):
             raise ValueError(problem)
     else:
@@ -1094,7 +1128,8 @@ def commands_disagree(cfg: TrainConfig, rank: int, world: int) -> str | None:
     on one node only) or train the replicas apart (another --max-lr) without an error. Collective."""
     mine = {k: repr(v) for k, v in dataclasses.asdict(cfg).items()  # repr: a NaN equals itself
             if k not in PER_NODE_FIELDS + RANK_LOCAL_FIELDS}
-    mine["hellaswag"] = repr(cfg.hellaswag if cfg.hellaswag in ("off", "auto") else "PATH")
+    hellaswag = "off" if cfg.hellaswag_every <= 0 and not cfg.eval_only else cfg.hellaswag  # never run: off
+    mine["hellaswag"] = repr(hellaswag if hellaswag in ("off", "auto") else "PATH")
     mine["init_from"] = repr("NAME" if cfg.init_from else "")
 
     def describe(mine: dict, first: dict) -> str | None:
@@ -1176,7 +1211,8 @@ def _load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int, ma
     if cfg.hellaswag == "auto" and local_rank == 0:  # one download per node, the other ranks wait
         try:
             hellaswag.download()
-        except OSError as e:  # offline (ConnectionError), or the cache cannot be written: skip it on every rank
+        except Exception as e:  # offline, a truncated response, an unwritable cache...: skipped on every rank, as
+            # long as this rank reaches the barrier below with its reason (any exception here would leave it hanging)
             reason = f"could not download it: {e.__cause__ or e}"
     if world > 1:
         dist.barrier()

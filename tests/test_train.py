@@ -799,6 +799,12 @@ def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints
 
     # a flag that differs: a collective would hang (another --max-steps, HellaSwag off on one node) or the replicas
     # drift apart (another lr); one that a rank refuses alone (the batch does not divide) left the others a lost peer
+    # a flag one node cannot parse: it still reaches the others, which would wait for it at the rendezvous
+    done = run_nodes([["train.py", *tiny_args(token_data, tmp_path / "a", *common)],
+                      ["train.py", *tiny_args(token_data, tmp_path / "a", *common, "--max-lrr=3e-3")]])
+    assert [r.returncode for r in done] == [1, 1]
+    assert "error: rank 1: unknown option --max-lrr; did you mean --max-lr?" in done[0].stderr.splitlines()
+    assert "error: unknown option --max-lrr; did you mean --max-lr?" in done[1].stderr.splitlines()
     assert refused(tiny_args(token_data, tmp_path / "a", *common, "--max-lr=3e-3")) == [
         "error: rank 1 was started with --max-lr 0.003 (rank 0: 0.001): every node must run the same command"] * 2
     assert refused(tiny_args(token_data, tmp_path / "a", *common, "--batch-size=3", "--hellaswag=auto")) == [
