@@ -720,13 +720,10 @@ def _stop_the_other_ranks(problem: str) -> None:
     """Under torchrun, a rank whose command line does not parse (a flag mistyped on one node) would exit before the
     rendezvous, and the other ranks would wait for it there until the timeout (10-30 minutes). It joins the process
     group anyway, only to hand its reason to their first collective (_train's shared_problem), so that every rank
-    stops at once with it."""
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    stops at once with it. Its own flags unread, it joins as the default config's device would."""
+    _, _, world, _ = setup_distributed(TrainConfig())
     try:
-        shared_problem(problem, dist.get_world_size())
+        shared_problem(problem, world)
     finally:
         dist.destroy_process_group()
 
@@ -857,16 +854,17 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                 problem = str(e)
         if problem := shared_problem(problem, world):  # on every rank: it is a collective
             raise ValueError(problem)
-        # each node loads its own copy; FSDP shards what each rank loaded, and nothing broadcasts rank 0's weights.
-        # A digest of the bytes is exact, where a float sum's last digits depend on the order it adds in
-        digest = hashlib.sha1()
-        for p in raw.parameters():
-            digest.update(p.detach().contiguous().view(torch.uint8).numpy())
-        fingerprint = [digest.hexdigest()[:16], raw.num_params()]
-        if problem := agree(fingerprint, rank, world, lambda mine, first: None if mine == first else (
-                f"rank {rank} loaded other weights from --init-from {cfg.init_from} than rank 0 (digest "
-                f"{mine[0]}, rank 0: {first[0]}): every node must start from the same model")):
-            raise ValueError(problem)
+        if world > 1:  # (a digest of a 1.5B model's bytes takes seconds: only where there is something to compare)
+            # each node loads its own copy; FSDP shards what each rank loaded, and nothing broadcasts rank 0's
+            # weights. A digest of the bytes is exact, where a float sum's last digits depend on the order it adds in
+            digest = hashlib.sha1()
+            for p in raw.parameters():
+                digest.update(p.detach().contiguous().view(torch.uint8).numpy())
+            fingerprint = [digest.hexdigest()[:16], raw.num_params()]
+            if problem := agree(fingerprint, rank, world, lambda mine, first: None if mine == first else (
+                    f"rank {rank} loaded other weights from --init-from {cfg.init_from} than rank 0 (digest "
+                    f"{mine[0]}, rank 0: {first[0]}): every node must start from the same model")):
+                raise ValueError(problem)
     else:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         raw = GPT(model_config(cfg))
@@ -1142,8 +1140,8 @@ def commands_disagree(cfg: TrainConfig, rank: int, world: int) -> str | None:
 def data_disagree(loaders: tuple[TokenLoader | None, ...], rank: int, world: int) -> str | None:
     """Why the ranks' shards differ, or None: each node reads its own copy of the data, and with a shard missing on
     one node its ranks index other windows, some served twice, silently. Names and token counts are compared."""
-    mine = [(loader.split, loader.state_dict()["shards"], loader.state_dict()["shard_tokens"])
-            for loader in loaders if loader is not None]
+    mine = [(state["split"], state["shards"], state["shard_tokens"])
+            for state in (loader.state_dict() for loader in loaders if loader is not None)]
 
     def describe(mine: list, first: list) -> str | None:
         for (split, names, sizes), (_, names0, sizes0) in zip(mine, first, strict=True):
@@ -1225,7 +1223,8 @@ def _load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int, ma
         reason = reason or f"{path} holds no examples"
     # all or none, and the reason of the rank that lacks them, which is not always rank 0
     reason = shared_problem(reason if not examples else None, world)
-    if not reason:  # the same examples everywhere: evaluate's batch count (FSDP forwards are collectives) and score
+    if not reason and world > 1:  # the same examples everywhere: evaluate's batch count (FSDP forwards are
+        # collectives) and its score
         digest = hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()
         reason = agree([len(examples), digest], rank, world, lambda mine, first: None if mine == first else (
             f"rank {rank} has {mine[0]} examples in {path}, rank 0 {first[0]}"
