@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -381,8 +382,14 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         sync(device)
         warmup_s = time.perf_counter() - t0
         ms = time_ms(step, device, cfg.steps)
-        # one more, untimed step; a CUDA graph's replay launches kernels without the aten ops the profiler names
-        attention = "n/a (graph)" if train.uses_cuda_graphs(tcfg, device) else sdpa_kernels(step, device)
+        # one more, untimed step under the profiler; a CUDA graph's replay launches kernels without the aten ops the
+        # profiler names, so the graph modes get neither the attention kernel nor the breakdown
+        attention, breakdown = "n/a (graph)", None
+        if not train.uses_cuda_graphs(tcfg, device):
+            try:
+                attention, breakdown = profile_step(step, device)
+            except Exception as e:  # a diagnostic: a profiler that fails (CUPTI) must not cost the row its timing
+                attention = f"n/a (profiler: {reason(e)[:60]})"
     # the last timed step's loss: the attention probe above adds a step to some rows but not to CUDA-graph rows,
     # and dloss compares rows after the same number of steps
     loss = losses[cfg.warmup + cfg.steps - 1].item()
@@ -401,19 +408,98 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         "tokens_per_step": tokens_per_step, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
         "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak_flops),
         "peak_mem_bytes": peak, "mem_metric": mem_metric, "warmup_s": warmup_s, "loss": loss, "attention": attention,
+        "breakdown": breakdown,
         "params": raw.num_params(), "module": type(model).__name__,  # GPT, OptimizedModule (compiled) or DDP's
     }
 
 
-def sdpa_kernels(step: Callable[[], Any], device: torch.device) -> str:
-    """The SDPA kernels one call of step ran, from the aten ops the profiler records (eager and compiled alike):
-    flash, cudnn, efficient, or math when none of those ran (a compiled math path is plain matmuls and softmax)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+# Where a profiled step's time goes, by the names of its CUDA kernels (or, on CPU, of its aten ops): the first bucket
+# whose pattern matches a lowercased name takes it, and a name no pattern matches is "other". Inductor names its
+# Triton kernels after the ops it fused into them (triton_per_fused_add_native_layer_norm_3), so a fused kernel lands
+# in the bucket of the first op this order lists; its matmul templates start with triton_tem.
+STEP_PARTS = (
+    ("comm", r"nccl|allreduce|all_reduce|reduce_scatter|allgather|all_gather"),
+    ("copy", r"^memcpy|^memset|copy_kernel|^aten::(copy_|_to_copy|clone|contiguous)$"),
+    ("attention", r"flash|fmha|sdpa|attention|_scaled_dot_product"),
+    ("matmul", r"^triton_tem|^(?!triton).*(gemm|nvjet|cutlass|xmma|wgmma|s16816|cublas|splitk)"
+               r"|^aten::(b|add|baddb)?mm$"),
+    ("optimizer", r"adam|multi_tensor|foreach|vector_norm"),  # AdamW and the gradient clipping's norm and scaling
+    ("loss", r"softmax|nll_loss|cross_entropy"),
+    ("norm", r"layer_?norm"),
+    ("gelu", r"gelu"),
+    ("embedding", r"embedding|index_select|index_put|indexing_backward|scatter|gather"),
+)
+
+
+def step_part(name: str) -> str:
+    """The STEP_PARTS bucket of a kernel or op name; "other" when no pattern matches."""
+    low = name.lower()
+    return next((part for part, pattern in STEP_PARTS if re.search(pattern, low)), "other")
+
+
+def covered_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: time when at least one of them ran."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def profile_step(step: Callable[[], Any], device: torch.device) -> tuple[str, dict[str, Any] | None]:
+    """Run step once under the profiler: the SDPA kernels it ran, and where its time went.
+
+    The SDPA kernels come from the aten ops' names (eager and compiled alike): flash, cudnn, efficient, or math when
+    none of those ran (a compiled math path is plain matmuls and softmax). The time: on CUDA each kernel's duration
+    (memory copies and sets included) in its STEP_PARTS bucket, and busy_ms = the time at least one kernel ran, so
+    kernels that overlap on two streams count once there (the buckets may then add up to more than busy_ms); on CPU
+    each recorded op's self time (aten ops, autograd nodes, record_function ranges; its children's time excluded) in
+    the bucket of its name, or in "optimizer" when it ran inside optimizer.step(), and busy_ms = their sum. Also the
+    ten names that took the most time. None for the breakdown when the profiler recorded nothing to time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
         step()
         sync(device)
-    names = {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")}
+    events = prof.events()
+    names = {e.name for e in events if e.name.startswith("aten::_scaled_dot_product")}
     found = [k for k in ("flash", "cudnn", "efficient") if any(f"_{k}_" in n or n.endswith(f"_{k}") for n in names)]
-    return ",".join(found) or "math"
+
+    def in_optimizer_step(e: Any) -> bool:  # torch.optim wraps step() in a record_function named Optimizer.step#...
+        while e is not None:
+            if e.name.startswith("Optimizer.step"):
+                return True
+            e = e.cpu_parent
+        return False
+
+    timed: list[tuple[str, str, float]] = []  # (name, bucket, microseconds)
+    if device.type == "cuda":
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False)]  # annotations span kernels: counted already
+        timed = [(e.name, step_part(e.name), e.time_range.elapsed_us()) for e in kernels]
+        busy = covered_us([(e.time_range.start, e.time_range.end) for e in kernels])
+    else:
+        ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
+        timed = [(e.name, "optimizer" if in_optimizer_step(e) else step_part(e.name), e.self_cpu_time_total)
+                 for e in ops]
+        busy = sum(us for _, _, us in timed)
+    if not timed:  # a profiler that recorded no kernel (no CUPTI) has no breakdown to give, not an idle device
+        return ",".join(found) or "math", None
+    parts = dict.fromkeys([*(p for p, _ in STEP_PARTS), "other"], 0.0)
+    by_name: dict[tuple[str, str], list[float]] = {}  # (name, bucket) -> [ms, calls]: a CPU op may be in two buckets
+    for name, part, us in timed:
+        parts[part] += us / 1000
+        total = by_name.setdefault((name, part), [0.0, 0])
+        total[0] += us / 1000
+        total[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:10]
+    return ",".join(found) or "math", {
+        "source": "cuda kernels" if device.type == "cuda" else "cpu aten ops (self time)",
+        "busy_ms": busy / 1000, "parts_ms": parts,
+        "top": [{"name": name[:160], "part": part, "ms": ms, "calls": int(calls)}
+                for (name, part), (ms, calls) in top]}
 
 
 def shard_loader(folder: Path, tcfg: train.TrainConfig, device: torch.device, accum: int,
@@ -822,6 +908,30 @@ def format_table(result: dict[str, Any]) -> str:
                  ("attn", 9, lambda r: r["attention"])])
         if any(r.get("status") == "ok" and r["peak_mem_bytes"] is not None for r in result["train"]):
             out.append(f"peak mem: {next(r['mem_metric'] for r in result['train'] if r.get('status') == 'ok')}")
+        profiled = [r for r in result["train"] if r.get("status") == "ok" and r.get("breakdown")]
+        if profiled:
+            parts = list(profiled[0]["breakdown"]["parts_ms"])
+
+            def pct(r: dict[str, Any], ms: float) -> str:
+                return f"{100 * ms / r['ms_per_step']:.0f}%"
+
+            cuda = profiled[0]["breakdown"]["source"] == "cuda kernels"
+            rest = "idle" if cuda else "rest"
+            section(f"where the step's time goes: one profiled step per row, {profiled[0]['breakdown']['source']} "
+                    "by name (bench.STEP_PARTS), as % of the row's ms/step; " + (
+                        "busy = time with a kernel running (the buckets may add up to more where two streams "
+                        "overlap), idle = ms/step - busy: the GPU waiting for the host" if cuda else
+                        "busy = the ops' self time, rest = ms/step - busy: Python, Inductor's C++ kernels (not aten "
+                        "ops) and the profiler's own cost"), profiled,
+                    [("variant", 23, lambda r: r["name"]), ("ms/step", 8, lambda r: f"{r['ms_per_step']:.1f}"),
+                     ("busy", 5, lambda r: pct(r, r["breakdown"]["busy_ms"])),
+                     *[(p[:9], max(len(p[:9]), 5), lambda r, p=p: pct(r, r["breakdown"]["parts_ms"][p]))
+                       for p in parts],
+                     (rest, 5, lambda r: pct(r, max(r["ms_per_step"] - r["breakdown"]["busy_ms"], 0.0)))])
+            first = next((r for r in profiled if r["name"] == "compile"), profiled[0])
+            out.append(f"\nthe costliest kernels of {first['name']}'s step (ms in one step, calls, bucket, name):")
+            out.extend(f"{k['ms']:9.3f} {k['calls']:5d}  {k['part']:<9}  {k['name'][:90]}"
+                       for k in first["breakdown"]["top"])
     for name, err in result.get("errors", {}).items():
         out.append(f"\n{name}: failed: {err}")
     return "\n".join(out)

@@ -35,6 +35,9 @@ def test_train_step_rates_agree_with_times():
     # 3 AdamW steps from GPT-2's init barely move the loss from uniform over the vocabulary
     assert abs(row["loss"] - math.log(50304)) < 1.0
     assert row["peak_mem_bytes"] >= 0 and "RSS" in row["mem_metric"]
+    parts = row["breakdown"]["parts_ms"]  # one profiled step of the model: its matmuls, loss, norms and AdamW
+    assert all(parts[p] > 0 for p in ("matmul", "attention", "loss", "norm", "gelu", "optimizer", "embedding"))
+    assert sum(parts.values()) == pytest.approx(row["breakdown"]["busy_ms"], rel=1e-9)
 
 
 def test_rows_name_the_attention_kernel_that_ran():
@@ -42,6 +45,81 @@ def test_rows_name_the_attention_kernel_that_ran():
     cfg = BenchConfig(**{**TINY, "steps": 1, "warmup": 0})
     assert bench_train(cfg, Variant("auto"))["attention"] == "flash"  # torch's CPU pick for fp32
     assert bench_train(cfg, Variant("math", {"attention": "math"}))["attention"] == "math"
+
+
+def test_step_parts_sort_kernel_and_op_names():
+    # CUDA kernels as cuBLAS, FlashAttention, cuDNN, xformers-style cutlass attention, NCCL, Inductor and torch name
+    # them (the order of STEP_PARTS decides the ones that match two patterns), and the CPU's aten ops
+    cases = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_kernel__5x_cublas":
+            "matmul",
+        "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNN": "matmul",
+        "triton_tem_fused_addmm_0": "matmul",  # max-autotune's Triton matmul template
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0": "attention",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel::Params)": "attention",
+        "triton_red_fused__log_softmax__to_copy_nll_loss_forward_0": "loss",  # not copy: only aten's own copies are
+        "triton_per_fused_add_native_layer_norm_1": "norm",
+        "triton_poi_fused_gelu_view_3": "gelu",
+        "_bias_gelu_bwd_kernel": "gelu",  # fused_gelu.py's
+        "void at::native::multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor<float>>": "optimizer",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "comm",
+        "Memcpy HtoD (Pinned -> Device)": "copy",
+        "Memset (Device)": "copy",
+        "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda(TensorIteratorBase&)>": "copy",
+        "triton_poi_fused_add_mul_0": "other",
+        "aten::mm": "matmul", "aten::addmm": "matmul", "aten::bmm": "matmul",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention", "aten::_log_softmax": "loss",
+        "aten::native_layer_norm_backward": "norm", "aten::gelu_backward": "gelu", "aten::_fused_adamw_": "optimizer",
+        "aten::linalg_vector_norm": "optimizer", "aten::embedding_dense_backward": "embedding",
+        "aten::copy_": "copy", "aten::fill_": "other",
+    }
+    assert {name: bench.step_part(name) for name in cases} == cases
+
+
+def test_covered_us_counts_overlapping_intervals_once():
+    assert bench.covered_us([]) == 0.0
+    assert bench.covered_us([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0)]) == 4.0  # [0, 3] and [5, 6]
+    assert bench.covered_us([(0.0, 10.0), (2.0, 3.0), (10.0, 11.0)]) == 11.0  # nested, then touching
+
+
+def test_profile_step_buckets_ops_and_counts_the_optimizer_step_as_one():
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x, target = torch.randn(32, 64), torch.randint(0, 64, (32,))
+    # neither SGD's ops with foreach=False (aten::add_, aten::mul_) nor its step's name match a pattern: only their
+    # place inside optimizer.step() puts them in the optimizer bucket
+    optimizer = torch.optim.SGD([w], lr=0.1, momentum=0.9, foreach=False)
+
+    def step() -> None:
+        h = torch.nn.functional.layer_norm(torch.nn.functional.gelu(x @ w), (64,))
+        torch.nn.functional.cross_entropy(h, target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    attention, breakdown = bench.profile_step(step, torch.device("cpu"))
+    parts = breakdown["parts_ms"]
+    assert attention == "math"  # no SDPA ran
+    assert list(parts) == [p for p, _ in bench.STEP_PARTS] + ["other"]
+    assert sum(parts.values()) == pytest.approx(breakdown["busy_ms"], rel=1e-9)  # every op's self time, once
+    assert all(parts[p] > 0 for p in ("matmul", "gelu", "norm", "loss", "optimizer"))
+    assert parts["attention"] == parts["comm"] == parts["embedding"] == 0.0
+    top = breakdown["top"]
+    assert 0 < len(top) <= 10 and [t["ms"] for t in top] == sorted((t["ms"] for t in top), reverse=True)
+    matmul = next(t for t in top if t["name"] == "aten::mm")  # forward x @ w, backward dW = x.T @ dy (x needs none)
+    assert (matmul["part"], matmul["calls"]) == ("matmul", 2)
+
+
+def test_a_profiler_with_nothing_to_time_or_that_fails_costs_the_row_nothing(monkeypatch):
+    assert bench.profile_step(lambda: None, torch.device("cpu")) == ("math", None)  # no op ran: no breakdown
+
+    def broken(step, device):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(bench, "profile_step", broken)
+    row = bench_train(BenchConfig(**TINY), Variant("eager"))
+    assert row["tok_per_s"] > 0 and row["breakdown"] is None
+    assert row["attention"] == "n/a (profiler: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED)"
 
 
 def test_loss_delta_compares_rows_that_trained_the_same_tokens():
@@ -209,6 +287,10 @@ def test_main_writes_json_with_provenance_config_and_table(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith(result["table"].rstrip())  # the table comes last
     assert "eager+fused" in result["table"] and "skipped: the fused bias+GELU kernel needs CUDA" in result["table"]
+    breakdown = result["table"].split("where the step's time goes")[1]  # the ok row, as % of its ms/step
+    row = saved["train"][0]
+    assert f"{100 * row['breakdown']['parts_ms']['matmul'] / row['ms_per_step']:.0f}%" in breakdown.splitlines()[2]
+    assert "costliest kernels of eager's step" in breakdown and "aten::mm" in breakdown
 
 
 @pytest.mark.parametrize("argv, message", [
