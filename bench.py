@@ -92,6 +92,8 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = ()  # micro-batch sweep; the largest is the others' B; () = 16,32,64 CUDA, 4 CPU
     grad_accum: int = 1  # micro-steps per timed optimizer step (train.train_step's gradient accumulation)
     variants: str = "all"  # train variants (comma list) or all; names in default_variants(), e.g. eager,compile
+    trace_variant: str = ""  # also write this variant's profiled step as a Chrome/Perfetto trace, trace_NAME.json.gz
+    # beside --out ('' = none)
     # kernel suite
     kernel_rows: int | None = None  # M of the (M, N) MLP activation; None = 65536 (B=64 x T=1024) on CUDA, 1024 on CPU
     kernel_cols: int = 3072  # N: GPT-2 124M's MLP width, 4 x 768
@@ -387,7 +389,10 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         attention, breakdown = "n/a (graph)", None
         if not train.uses_cuda_graphs(tcfg, device):
             try:
-                attention, breakdown = profile_step(step, device)
+                trace = None
+                if variant.name == cfg.trace_variant:  # a name the device runner returns: letters, digits, . _ -
+                    trace = Path(cfg.out).parent / f"trace_{re.sub(r'[^A-Za-z0-9._-]', '_', variant.name)}.json.gz"
+                attention, breakdown = profile_step(step, device, trace)
             except Exception as e:  # a diagnostic: a profiler that fails (CUPTI) must not cost the row its timing
                 attention = f"n/a (profiler: {reason(e)[:60]})"
     # the last timed step's loss: the attention probe above adds a step to some rows but not to CUDA-graph rows,
@@ -447,7 +452,8 @@ def covered_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_step(step: Callable[[], Any], device: torch.device) -> tuple[str, dict[str, Any] | None]:
+def profile_step(step: Callable[[], Any], device: torch.device,
+                 trace: Path | None = None) -> tuple[str, dict[str, Any] | None]:
     """Run step once under the profiler: the SDPA kernels it ran, and where its time went.
 
     The SDPA kernels come from the aten ops' names (eager and compiled alike): flash, cudnn, efficient, or math when
@@ -456,13 +462,17 @@ def profile_step(step: Callable[[], Any], device: torch.device) -> tuple[str, di
     kernels that overlap on two streams count once there (the buckets may then add up to more than busy_ms); on CPU
     each recorded op's self time (aten ops, autograd nodes, record_function ranges; its children's time excluded) in
     the bucket of its name, or in "optimizer" when it ran inside optimizer.step(), and busy_ms = their sum. Also the
-    ten names that took the most time. None for the breakdown when the profiler recorded nothing to time."""
+    ten names that took the most time. None for the breakdown when the profiler recorded nothing to time. `trace`, when
+    given, gets the profile as a Chrome/Perfetto trace (gzipped when it ends in .gz)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         step()
         sync(device)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
     events = prof.events()
     names = {e.name for e in events if e.name.startswith("aten::_scaled_dot_product")}
     found = [k for k in ("flash", "cudnn", "efficient") if any(f"_{k}_" in n or n.endswith(f"_{k}") for n in names)]

@@ -100,8 +100,10 @@ if want bench; then
     BENCH_TIMEOUT=$(left "$BENCH_TIMEOUT_MAX")
     BENCH_BUDGET="${BENCH_BUDGET_SET:-$(( BENCH_TIMEOUT > 180 ? BENCH_TIMEOUT - 120 : 60 ))}"
     stage "bench.py (budget ${BENCH_BUDGET}s, hard timeout ${BENCH_TIMEOUT}s)"
+    # --trace-variant: the compile row's profiled step as a Perfetto trace (trace_compile.json.gz), for the gaps and
+    # kernels behind the breakdown table
     env -u TRITON_INTERPRET timeout "$BENCH_TIMEOUT" "$PY" bench.py --suite all --budget-s "$BENCH_BUDGET" \
-        --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+        --out "$OUT/bench.json" --trace-variant compile "$@" 2>&1 | tee "$OUT/bench.log"
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || { echo "bench.py: exit $rc (124 = timeout; $OUT/bench.json keeps the rows finished before it)"
                          status=1; }

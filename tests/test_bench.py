@@ -110,10 +110,24 @@ def test_profile_step_buckets_ops_and_counts_the_optimizer_step_as_one():
     assert (matmul["part"], matmul["calls"]) == ("matmul", 2)
 
 
+def test_trace_variant_writes_that_rows_profiled_step(tmp_path):
+    import gzip
+
+    cfg = BenchConfig(**{**TINY, "steps": 1, "warmup": 0}, out=str(tmp_path / "b" / "bench.json"),
+                      trace_variant="eager+x")
+    bench_train(cfg, Variant("eager"))  # not the traced variant
+    assert not (tmp_path / "b").exists()
+    row = bench_train(cfg, Variant("eager+x"))
+    events = json.loads(gzip.open(tmp_path / "b" / "trace_eager_x.json.gz").read())["traceEvents"]
+    mm = [e for e in events if e.get("name") == "aten::mm"]  # the same step the breakdown counted
+    top_mm = next(t for t in row["breakdown"]["top"] if t["name"] == "aten::mm")
+    assert len(mm) == top_mm["calls"] > 0
+
+
 def test_a_profiler_with_nothing_to_time_or_that_fails_costs_the_row_nothing(monkeypatch):
     assert bench.profile_step(lambda: None, torch.device("cpu")) == ("math", None)  # no op ran: no breakdown
 
-    def broken(step, device):
+    def broken(step, device, trace=None):
         raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
 
     monkeypatch.setattr(bench, "profile_step", broken)
