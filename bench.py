@@ -386,7 +386,7 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         ms = time_ms(step, device, cfg.steps)
         # one more, untimed step under the profiler; a CUDA graph's replay launches kernels without the aten ops the
         # profiler names, so the graph modes get neither the attention kernel nor the breakdown
-        attention, breakdown = "n/a (graph)", None
+        attention, breakdown, ms_after = "n/a (graph)", None, None
         if not train.uses_cuda_graphs(tcfg, device):
             try:
                 trace = None
@@ -395,6 +395,9 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
                 attention, breakdown = profile_step(step, device, trace)
             except Exception as e:  # a diagnostic: a profiler that fails (CUPTI) must not cost the row its timing
                 attention = f"n/a (profiler: {reason(e)[:60]})"
+            # CUPTI left active after a CUDA profile has slowed later work by 10-20% (pytorch issue 144455): time a
+            # few steps again, so a row slower after its profile says so instead of skewing the rows after it
+            ms_after = statistics.median(time_ms(step, device, min(cfg.steps, 5)))
     # the last timed step's loss: the attention probe above adds a step to some rows but not to CUDA-graph rows,
     # and dloss compares rows after the same number of steps
     loss = losses[cfg.warmup + cfg.steps - 1].item()
@@ -413,7 +416,8 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         "tokens_per_step": tokens_per_step, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
         "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak_flops),
         "peak_mem_bytes": peak, "mem_metric": mem_metric, "warmup_s": warmup_s, "loss": loss, "attention": attention,
-        "breakdown": breakdown,
+        "breakdown": breakdown, "ms_after_profile": ms_after,
+        **({"note": note} if (note := profiler_note(median, ms_after, device)) else {}),
         "params": raw.num_params(), "module": type(model).__name__,  # GPT, OptimizedModule (compiled) or DDP's
     }
 
@@ -442,6 +446,16 @@ def step_part(name: str) -> str:
     return next((part for part, pattern in STEP_PARTS if re.search(pattern, low)), "other")
 
 
+def profiler_note(ms: float, ms_after: float | None, device: torch.device) -> str:
+    """A warning when the steps timed after the row's CUDA profile ran more than 5% slower than those before it: the
+    profiler's CUPTI hooks may then still be slowing the GPU, and every later row with them ('' otherwise; on CPU the
+    profiler leaves nothing behind, and a busy machine's noise would only raise false alarms)."""
+    if device.type != "cuda" or ms_after is None or ms_after <= 1.05 * ms:
+        return ""
+    return (f"{ms_after / ms - 1:.0%} slower after the profiler ran: later rows may be slowed too; compare them with "
+            "--variants NAME alone")
+
+
 def covered_us(intervals: list[tuple[float, float]]) -> float:
     """The length of the union of (start, end) intervals: time when at least one of them ran."""
     total, end = 0.0, -math.inf
@@ -467,6 +481,9 @@ def profile_step(step: Callable[[], Any], device: torch.device,
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+        # tear CUPTI down when the profile ends: older Kineto left it hooked into every later kernel launch, which
+        # slowed the rows timed after this one (torch's profiler itself turns this off where CUDA graphs need it)
+        os.environ.setdefault("TEARDOWN_CUPTI", "1")
     with torch.profiler.profile(activities=activities) as prof:
         step()
         sync(device)

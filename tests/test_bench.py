@@ -38,6 +38,7 @@ def test_train_step_rates_agree_with_times():
     parts = row["breakdown"]["parts_ms"]  # one profiled step of the model: its matmuls, loss, norms and AdamW
     assert all(parts[p] > 0 for p in ("matmul", "attention", "loss", "norm", "gelu", "optimizer", "embedding"))
     assert sum(parts.values()) == pytest.approx(row["breakdown"]["busy_ms"], rel=1e-9)
+    assert row["ms_after_profile"] > 0 and "note" not in row  # timed again after the profile; no alarm on a CPU
 
 
 def test_rows_name_the_attention_kernel_that_ran():
@@ -122,6 +123,13 @@ def test_trace_variant_writes_that_rows_profiled_step(tmp_path):
     mm = [e for e in events if e.get("name") == "aten::mm"]  # the same step the breakdown counted
     top_mm = next(t for t in row["breakdown"]["top"] if t["name"] == "aten::mm")
     assert len(mm) == top_mm["calls"] > 0
+
+
+def test_rows_slower_after_a_cuda_profile_say_so():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert bench.profiler_note(100.0, 105.0, cuda) == ""  # within 5%: noise
+    assert bench.profiler_note(100.0, 112.0, cuda).startswith("12% slower after the profiler ran")
+    assert bench.profiler_note(100.0, 112.0, cpu) == "" and bench.profiler_note(100.0, None, cuda) == ""
 
 
 def test_a_profiler_with_nothing_to_time_or_that_fails_costs_the_row_nothing(monkeypatch):
