@@ -503,8 +503,11 @@ def profile_step(step: Callable[[], Any], device: torch.device,
 
     timed: list[tuple[str, str, float]] = []  # (name, bucket, microseconds)
     if device.type == "cuda":
+        # record_function ranges also appear on the GPU's timeline (gpu_user_annotation), spanning kernels that are
+        # counted already
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not getattr(e, "is_user_annotation", False)]  # annotations span kernels: counted already
+                   and not getattr(e, "is_user_annotation", False)
+                   and "annotation" not in str(getattr(e, "activity_type", ""))]
         timed = [(e.name, step_part(e.name), e.time_range.elapsed_us()) for e in kernels]
         busy = covered_us([(e.time_range.start, e.time_range.end) for e in kernels])
     else:
