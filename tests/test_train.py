@@ -1,6 +1,7 @@
 """train.py: schedule, CLI, overfitting, exact resume, SIGTERM, atomic checkpoints, NaN stop, DDP/ZeRO-1/FSDP2."""
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -12,12 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import train
 from conftest import ROOT, children, run_nodes, run_torchrun
-from model import load_checkpoint, parse_config
+from fineweb import TokenLoader, write_shard
+from model import GPT, GPTConfig, load_checkpoint, parse_config
 
 
 def tiny_args(data, out, *extra: str) -> list[str]:
@@ -38,6 +41,9 @@ def test_lr_schedule_values():
     assert train.get_lr(109, cfg) == pytest.approx(0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * 0.99))).item())
     zero_min = train.TrainConfig(max_lr=1.0, min_lr_frac=0.0, warmup_steps=0, max_steps=100)
     assert train.get_lr(0, zero_min) == pytest.approx(1.0) and train.get_lr(100, zero_min) == 0.0
+    # at max_lr 1 a min_lr of min_lr_frac (not min_lr_frac * max_lr) would pass the checks above
+    real = train.TrainConfig(max_lr=6e-4, min_lr_frac=0.1, warmup_steps=10, max_steps=110)
+    assert [train.get_lr(s, real) for s in (0, 60, 110, 200)] == pytest.approx([6e-5, 3.3e-4, 6e-5, 6e-5], rel=1e-9)
 
 
 def test_lr_schedule_shapes():
@@ -84,6 +90,9 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     (["--hellaswag-limit=0"], "--hellaswag-limit must be >= 1"),
     (["--skip-loss-z=-1"], "--skip-loss-z must be >= 0"),
     (["--ckpt-every=-1"], "--ckpt-every must be >= 0"),
+    (["--max-steps=0"], "--max-steps must be >= 1"),
+    (["--min-lr-frac=1.5"], r"--min-lr-frac must be in \[0, 1\]"),
+    (["--grad-clip=-1"], "--grad-clip must be >= 0"),
     (["--preset", "tiny", "--preset", "gpt2-124m"], "--preset given twice"),
 ])
 def test_cli_rejects_bad_overrides(argv, message):
@@ -147,6 +156,92 @@ def test_recompute_and_chunked_loss_give_the_same_losses(token_data, tmp_path):
         assert again["val_loss"] == pytest.approx(base["val_loss"], abs=1e-5), flag
 
 
+def _small_gpt_and_batches(micro_steps: int) -> tuple[GPT, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A GPT small enough for unit tests of one optimizer step (vocab 128, 2 layers of width 32), and its batches."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=32))
+    batches = [(torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))) for _ in range(micro_steps)]
+    return model, batches
+
+
+def test_train_step_accumulates_the_mean_gradient_clips_and_skips():
+    # against one backward of the mean loss over all 3 micro-batches: the loss and the (pre-clip) norm train_step
+    # returns, and the update, which plain SGD at lr 1 makes the clipped gradient itself
+    model, batches = _small_gpt_and_batches(3)
+    ref = copy.deepcopy(model)
+    loss = sum(ref(x, y, label_smoothing=0.1)[1] for x, y in batches) / len(batches)
+    loss.backward()
+    grads = [p.grad for p in ref.parameters()]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    for clip in (0.0, norm / 4):  # 0: no clipping
+        run = copy.deepcopy(model)
+        got_loss, got_norm = train.train_step(run, torch.optim.SGD(run.parameters(), lr=1.0), iter(batches).__next__, 3,
+                                              contextlib.nullcontext(), clip, label_smoothing=0.1)
+        assert got_loss.item() == pytest.approx(loss.item(), abs=1e-6) and got_norm.item() == pytest.approx(norm,
+                                                                                                         rel=1e-5)
+        scale = clip / norm if clip else 1.0
+        for before, after, grad in zip(model.parameters(), run.parameters(), grads, strict=True):
+            torch.testing.assert_close(before.detach() - after.detach(), scale * grad, rtol=1e-4, atol=1e-7)
+        assert all(p.grad is None for p in run.parameters())
+    # an update the guard refuses: it saw the mean loss and the norm, nothing moved, and no gradient is left over
+    run, seen = copy.deepcopy(model), []
+    train.train_step(run, torch.optim.SGD(run.parameters(), lr=1.0), iter(batches).__next__, 3,
+                     contextlib.nullcontext(), 1.0, label_smoothing=0.1,
+                     update=lambda loss, norm: seen.append((loss.item(), norm.item())) or False)
+    assert seen == [(pytest.approx(loss.item(), abs=1e-6), pytest.approx(norm, rel=1e-5))]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), run.state_dict().values(), strict=True))
+    assert all(p.grad is None for p in run.parameters())
+
+
+def test_train_step_in_fp16_clips_the_unscaled_gradient():
+    # the GradScaler multiplies the loss by 2**12: the norm train_step clips and returns must be the true one
+    model, batches = _small_gpt_and_batches(2)
+    ref = copy.deepcopy(model)
+    (sum(ref(x, y)[1] for x, y in batches) / len(batches)).backward()
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ref.parameters()])).item()
+    run = copy.deepcopy(model)
+    dtype, autocast = train.precision(train.TrainConfig(dtype="fp16"), torch.device("cpu"))
+    assert dtype == torch.float16  # which is what makes train.py create a GradScaler
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    _, got = train.train_step(run, torch.optim.SGD(run.parameters(), lr=1.0), iter(batches).__next__, 2, autocast,
+                              norm / 2, scaler=scaler)
+    assert got.item() == pytest.approx(norm, rel=1e-2)  # fp16 forward and backward: 1% for the rounding
+    moved = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(a.detach() - b.detach())
+                                                  for a, b in zip(model.parameters(), run.parameters(), strict=True)]))
+    assert moved.item() == pytest.approx(norm / 2, rel=1e-2)  # clipped to half the true norm, then applied
+
+
+def test_ddp_reduces_gradients_only_on_the_last_micro_step():
+    # no_sync on every micro-step but the last: one all-reduce per optimizer step, after all micro-batches are in
+    # (a one-rank group: DDP still runs its reducer, whose calls a comm hook records)
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    raw, batches = _small_gpt_and_batches(3)
+    served, reduced = [], []
+
+    def next_batch():
+        served.append(batches[len(served) % 3])
+        return served[-1]
+
+    def hook(state, bucket):
+        reduced.append(len(served))  # micro-batches served when this bucket is reduced
+        return allreduce_hook(None, bucket)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = DDP(raw)
+        model.register_comm_hook(None, hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            train.train_step(model, optimizer, next_batch, 3, contextlib.nullcontext(), 1.0)
+    finally:
+        dist.destroy_process_group()
+    buckets = len(reduced) // 2  # each all-reduce of a step's gradient buckets, after its 3rd micro-batch
+    assert buckets >= 1 and reduced == [3] * buckets + [6] * buckets
+
+
 def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
     q = torch.randn(1, 2, 8, 4)
     kernels = {"math": "aten::_scaled_dot_product_attention_math",
@@ -173,8 +268,9 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
 
 
 def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
+    hellaswag = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
     train.main(tiny_args(token_data, tmp_path, "--max-steps=4", "--eval-every=2", "--label-smoothing=0.1",
-                         "--parallel=zero1", "--fused-gelu"))
+                         "--parallel=zero1", "--fused-gelu", f"--hellaswag={hellaswag}", "--hellaswag-every=3"))
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith('{"provenance"')
     # without torchrun nothing is wrapped or sharded, whatever --parallel says; and the kernel needs CUDA
@@ -185,10 +281,24 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
     assert records[0]["config"]["label_smoothing"] == 0.1
     assert [r["step"] for r in records if r["type"] == "train"] == [0, 1, 2, 3]
     assert [r["step"] for r in records if r["type"] == "val"] == [0, 2, 4]  # 4: the final weights
+    assert [(r["step"], r["n"]) for r in records if r["type"] == "hellaswag"] == [(0, 6), (3, 6), (4, 6)]
     first = next(r for r in records if r["type"] == "train")
     assert set(first) >= {"loss", "lr", "grad_norm", "ms", "tok_s", "mfu", "tokens"}
     assert first["tokens"] == 512
+    # the first loss is the seeded initial model's own on the loader's first 2 micro-batches (the accumulation),
+    # label smoothing included: without it the loss is 1e-3 higher, 100 times the tolerance
+    cfg = parse_config(train.TrainConfig, tiny_args(token_data, tmp_path, "--max-steps=4", "--label-smoothing=0.1"),
+                       train.PRESETS)
+    torch.manual_seed(cfg.seed)
+    init = GPT(train.model_config(cfg))
+    loader = TokenLoader(str(token_data), "train", cfg.batch_size, cfg.seq_len, 0, 1, cfg.seed, torch.device("cpu"))
+    with torch.no_grad():
+        ref = sum(init(*loader.next_batch(), label_smoothing=0.1)[1].item() for _ in range(2)) / 2
+    assert first["loss"] == pytest.approx(ref, abs=1e-5)
+    # each step's lr is the schedule's, and it reached every param group (the no-decay one too)
+    assert [r["lr"] for r in records if r["type"] == "train"] == [train.get_lr(step, cfg) for step in range(4)]
     ckpt = load_checkpoint(tmp_path / "ckpt_000004.pt")
+    assert [group["lr"] for group in ckpt["optimizer"]["param_groups"]] == [train.get_lr(3, cfg)] * 2
     assert ckpt["provenance"]["world_size"] == 1 and ckpt["train_config"]["max_steps"] == 4
     assert not any(k.startswith("_orig_mod") for k in ckpt["model"])
 
@@ -208,8 +318,6 @@ def test_resume_is_bitwise_exact(token_data, tmp_path):
 def _hf_loss(hf_dir, data, split: str, batches: int, B: int, T: int) -> float:
     """transformers' GPT-2 loss on the first batches a one-rank TokenLoader serves (what train.py evaluates)."""
     from transformers import GPT2LMHeadModel
-
-    from fineweb import TokenLoader
 
     hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     loader = TokenLoader(str(data), split, B, T, 0, 1, 1337, torch.device("cpu"))
@@ -420,6 +528,30 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     assert train.main(tiny_args(token_data, switched_on, *common, "--resume=auto"))["losses"] == full[20:]
 
 
+def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
+    # --skip-norm-z alone: step 9's gradient is 100 times larger at an unchanged loss, and only its update is dropped
+    monkeypatch.setattr(train, "OUTLIER_WINDOW", 8)  # a lone spike among 8 scores up to sqrt(7) = 2.65
+    current = {}
+    real_lr, real_forward = train.get_lr, train.GPT.forward
+    monkeypatch.setattr(train, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
+
+    def steep(self, idx, targets=None, **kw):
+        logits, loss = real_forward(self, idx, targets, **kw)
+        if self.training and current["step"] == 9:
+            loss = loss + 99 * (loss - loss.detach())  # the same value, 100 times the gradient
+        return logits, loss
+
+    monkeypatch.setattr(train.GPT, "forward", steep)
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=10", "--ckpt-every=1", "--keep-last=3", "--eval-every=0",
+                         "--skip-norm-z=2.4", "--total-batch-size=256"))
+    records = [r for r in train.iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
+    assert [r.get("skipped") for r in records] == [None] * 9 + ["grad norm z-score 2.6 > 2.4"]
+    assert records[9]["grad_norm"] > 50 * records[8]["grad_norm"]
+    ckpts = {step: load_checkpoint(tmp_path / f"ckpt_{step:06d}.pt")["model"] for step in (8, 9, 10)}
+    assert all(torch.equal(ckpts[10][name], before) for name, before in ckpts[9].items())  # step 9 not applied
+    assert not torch.equal(ckpts[8]["lm_head.weight"], ckpts[9]["lm_head.weight"])  # step 8 was
+
+
 def wait_for_first_step(proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
     """Until the run has logged a train step (so it is in its loop), it exits, or the timeout passes."""
     deadline = time.time() + timeout
@@ -475,6 +607,23 @@ def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
     assert re.search(r"stopping after step \d+ \(SIGTERM\)", out), out[-3000:]
     step = load_checkpoint(next(tmp_path.glob("ckpt_*.pt")))["step"]
     assert [r["step"] for r in train.iter_log(log) if r["type"] == "train"][-1] == step - 1
+
+
+def test_stop_flags_budget_is_in_minutes_and_a_signal_is_named_first():
+    # a no-op underneath: were StopFlags to install no handler, the SIGTERM below must not end the test session
+    previous = signal.signal(signal.SIGTERM, lambda *args: None)
+    try:
+        assert train.StopFlags(0).deadline is None  # no budget
+        flags = train.StopFlags(2.0)
+        assert flags.deadline - time.time() == pytest.approx(120, abs=10)  # 2 minutes, not 2 seconds (nor hours)
+        cpu = torch.device("cpu")
+        assert flags.should_stop(cpu, 1) is None
+        flags.deadline = time.time() - 1
+        assert flags.should_stop(cpu, 1) == "max_time"
+        signal.raise_signal(signal.SIGTERM)  # the handler StopFlags installed
+        assert flags.term and flags.should_stop(cpu, 1) == "signal"  # both reasons at once: the signal is named
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_max_time_budget_checkpoints_and_stops(token_data, tmp_path, capsys):
@@ -636,6 +785,12 @@ def test_a_fresh_run_does_not_overwrite_another_runs_directory(token_data, tmp_p
     with pytest.raises(SystemExit):  # resuming past the end would train nothing and say nothing
         train.main([*args, "--max-steps=2", "--resume=auto"])  # the later flag wins
     assert "is at step 3, past --max-steps 2; raise --max-steps" in capsys.readouterr().err
+    # a finished run resumed (a scheduler's relaunch, say) is not past its end: it trains and writes nothing more
+    again = train.main([*args, "--resume=auto"])
+    assert again["step"] == 3 and again["losses"] == []
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000003.pt"]
+    assert [r["step"] for r in train.iter_log(tmp_path / "log.jsonl") if r["type"] == "train"] == [0, 1, 2]
+    log = (tmp_path / "log.jsonl").read_text()
     for ckpt in tmp_path.glob("ckpt_*.pt"):  # none loads: starting from scratch would bury them
         ckpt.write_bytes(b"torn")
     with pytest.raises(SystemExit):
@@ -682,6 +837,23 @@ def test_eval_only_needs_no_total_batch_and_hub_failures_are_one_line(token_data
         train.main(tiny_args(token_data, tmp_path, "--eval-only", "--init-from=no-such-org-xyz/gpt2-nope"))
     err = capsys.readouterr().err
     assert err.startswith("error: could not get 'no-such-org-xyz/gpt2-nope' from the HF hub") and err.count("\n") == 1
+
+
+def test_eval_batches_are_capped_at_the_val_windows(tmp_path, capsys):
+    # a val shard of 3 windows of B*T+1 = 257 tokens: 5 batches would score 2 of them twice, weighting them double
+    val = tmp_path / "val"
+    val.mkdir()
+    write_shard(val / "rand_val_000000.bin", np.random.default_rng(1).integers(0, 50257, 1000, dtype=np.uint16))
+    args = tiny_args(val, tmp_path / "out", "--eval-only", "--eval-batches=5")
+    capped = train.main(args)["val_loss"]
+    assert "the val split has 3 windows of B*T+1 tokens, so each evaluation uses 3 batches per rank instead of " \
+           "--eval-batches 5" in capsys.readouterr().out
+    cfg = parse_config(train.TrainConfig, args, train.PRESETS)
+    torch.manual_seed(cfg.seed)  # the run's initial weights, scored on the 3 windows once each
+    init = GPT(train.model_config(cfg))
+    loader = TokenLoader(str(val), "val", cfg.batch_size, cfg.seq_len, 0, 1, cfg.seed, torch.device("cpu"))
+    with torch.no_grad():
+        assert capped == pytest.approx(sum(init(*loader.next_batch())[1].item() for _ in range(3)) / 3, abs=1e-6)
 
 
 def test_out_dir_that_is_a_file_is_refused_before_anything_runs(token_data, tmp_path, capsys):
