@@ -183,6 +183,14 @@ class TestInterpreted:
         assert not x.is_contiguous()
         assert_matches(run(fused_bias_gelu, x, b, dy), reference_fp32(x, b, dy), x, b)
 
+    def test_non_contiguous_upstream_gradient(self) -> None:
+        # backward's dy comes from whatever op follows (a transpose, a slice): the kernel indexes it as row * N + col,
+        # so it must be made contiguous first, or dx is read from the wrong elements
+        x, b, _ = make_inputs((5, 40))
+        dy = make_inputs((40, 5), seed=1)[2].t()  # (5, 40) with strides (1, 5)
+        assert not dy.is_contiguous()
+        assert_matches(run(fused_bias_gelu, x, b, dy), reference_fp32(x, b, dy), x, b)
+
     def test_zero_rows(self) -> None:
         x, b, dy = make_inputs((0, 12))
         y, dx, db = run(fused_bias_gelu, x, b, dy)

@@ -94,6 +94,8 @@ def test_gpt2_parameter_counts():
     assert padded.num_params() == 124_475_904 - 1024 * 768
     # 6N + 12*L*H*Q*T
     assert padded.flops_per_token() == 6 * 123_689_472 + 12 * 12 * 12 * 64 * 1024 == 855_383_040
+    # attention FLOPs follow the sequence actually trained on (bench.py, HellaSwag), not block_size
+    assert padded.flops_per_token(256) == 6 * 123_689_472 + 12 * 12 * 12 * 64 * 256
 
 
 def test_preset_sizes():
@@ -118,6 +120,7 @@ def test_residual_init_std():
     assert abs(proj.std().item() - 0.02 / math.sqrt(2 * 8)) < 0.0002
     assert abs(fc.std().item() - 0.02) < 0.0005
     assert abs(model.transformer.wte.weight.std().item() - 0.02) < 0.0005
+    assert abs(model.transformer.wpe.weight.std().item() - 0.02) < 0.001  # the position table too (GPT-2's init)
     assert all((b.mlp.c_fc.bias == 0).all() and (b.attn.c_attn.bias == 0).all() for b in model.transformer.h)
 
 
@@ -155,6 +158,125 @@ def test_gqa_kv_projection_size():
     assert model.transformer.h[0].attn.c_attn.weight.shape == (32 + 2 * 8, 32)
 
 
+def _perturbed(config: GPTConfig, scale: float = 0.1) -> GPT:
+    """An eval-mode GPT whose every parameter is moved off its init (biases and LayerNorms included)."""
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model
+
+
+def _linear64(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    out = x @ layer.weight.double().T
+    return out + layer.bias.double() if layer.bias is not None else out
+
+
+def _reference_attention(attn, x: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention written out in float64: q, k, v in that order from one matmul; query head h reads
+    key/value head h // (n_head / n_kv_head), as HF's repeat_kv does; with RoPE, channel pair (i, i + hs/2) of q
+    and k at position t is the complex number x_i + j x_{i+hs/2} multiplied by exp(j t theta^(-2i/hs)) (HF Llama's
+    rotate_half convention); then softmax(q k^T / sqrt(hs)) over the positions <= t."""
+    cfg = attn.config
+    B, T, C = x.shape
+    nh, nkv, hs = cfg.n_head, cfg.kv_heads, cfg.head_dim
+    qkv = _linear64(attn.c_attn, x.double())
+    q = qkv[..., :C].reshape(B, T, nh, hs)
+    k = qkv[..., C:C + nkv * hs].reshape(B, T, nkv, hs)
+    v = qkv[..., C + nkv * hs:].reshape(B, T, nkv, hs)
+    if cfg.pos == "rope":
+        half = hs // 2
+        freq = cfg.rope_theta ** (-2 * torch.arange(half, dtype=torch.float64) / hs)
+        angle = torch.arange(T, dtype=torch.float64)[:, None] * freq  # (T, hs/2)
+        turn = torch.polar(torch.ones_like(angle), angle)[:, None, :]  # (T, 1, hs/2)
+
+        def rotate(z: torch.Tensor) -> torch.Tensor:
+            c = torch.complex(z[..., :half], z[..., half:]) * turn
+            return torch.cat((c.real, c.imag), dim=-1)
+
+        q, k = rotate(q), rotate(k)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    heads = []
+    for h in range(nh):
+        kv = h // (nh // nkv)
+        scores = torch.einsum("bid,bjd->bij", q[:, :, h], k[:, :, kv]) / math.sqrt(hs)
+        heads.append(scores.masked_fill(future, -math.inf).softmax(-1) @ v[:, :, kv])  # (B, T, hs)
+    return _linear64(attn.c_proj, torch.cat(heads, dim=-1))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=1), dict(pos="rope"),
+                                dict(pos="rope", n_kv_head=2, rope_theta=500.0)])
+def test_attention_matches_a_written_out_reference(kw):
+    # the KV-cache tests only compare the model with itself: a RoPE with the wrong frequencies, theta ignored, k left
+    # unrotated, or query heads mapped to the wrong GQA key/value heads passes them all. Each layer's attention is
+    # checked on the input the model gave it, so the tables and positions GPT.forward passes are checked too.
+    model = _perturbed(tiny(**kw))
+    seen = []
+    hooks = [b.attn.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out)))
+             for b in model.transformer.h]
+    with torch.no_grad():
+        model(torch.randint(0, 96, (2, 20)))
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 2
+    for attn, x, out in seen:
+        torch.testing.assert_close(out.double(), _reference_attention(attn, x), atol=1e-5, rtol=1e-5)
+
+
+def _gelu_tanh(u: torch.Tensor) -> torch.Tensor:
+    return 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))  # GPT-2's gelu_new
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(bias=False), dict(mlp="swiglu"), dict(mlp="swiglu", bias=False)])
+def test_mlp_matches_a_written_out_reference(kw):
+    # GELU(tanh) with and without biases; SwiGLU as silu(gate) * up with the gate the first half of c_fc's output
+    # (the layout checkpoints are written in) and hidden 2/3 * 4C rounded up to 64: 170.7 -> 192 at C = 64
+    model = _perturbed(tiny(n_embd=64, **kw))
+    mlp = model.transformer.h[0].mlp
+    x = torch.randn(2, 7, 64)
+    with torch.no_grad():
+        h = _linear64(mlp.c_fc, x.double())
+        if mlp.config.mlp == "swiglu":
+            assert mlp.c_fc.weight.shape == (2 * 192, 64) and mlp.c_proj.weight.shape == (64, 192)
+            gate, up = h[..., :192], h[..., 192:]
+            h = gate * torch.sigmoid(gate) * up
+        else:
+            assert mlp.c_fc.weight.shape == (4 * 64, 64)
+            h = _gelu_tanh(h)
+        torch.testing.assert_close(mlp(x).double(), _linear64(mlp.c_proj, h), atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_at_every_site_in_training_and_none_in_eval():
+    # config.dropout drops the embeddings and each residual branch (attention and MLP outputs): about half the
+    # elements of each are exact zeros at p = 0.5, none in eval mode. Attention-probability dropout leaves no zeros
+    # in the output, so it is seen as a change in c_proj's input from the eval one on the same x.
+    torch.manual_seed(0)
+    model = GPT(tiny(dropout=0.5))
+    block = model.transformer.h[0]
+    got = {}
+    hooks = [block.register_forward_pre_hook(lambda m, args: got.__setitem__("embeddings", args[0])),
+             block.attn.register_forward_hook(lambda m, args, out: got.__setitem__("attn", out)),
+             block.mlp.register_forward_hook(lambda m, args, out: got.__setitem__("mlp", out)),
+             block.attn.c_proj.register_forward_pre_hook(lambda m, args: got.__setitem__("probs", args[0]))]
+    idx = torch.randint(0, 96, (4, 32))
+    zeros = {}
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        with torch.no_grad():
+            model(idx)
+        zeros[mode] = {k: (got[k] == 0).float().mean().item() for k in ("embeddings", "attn", "mlp")}
+        if mode == "train":
+            attn_in, train_y = block.ln_1(got["embeddings"]), got["probs"]
+    with torch.no_grad():  # the eval-mode c_proj input for the train-mode attention input
+        block.attn(attn_in, None, None)
+    for h in hooks:
+        h.remove()
+    assert all(0.45 < z < 0.55 for z in zeros["train"].values()), zeros
+    assert all(z == 0 for z in zeros["eval"].values()), zeros
+    assert (train_y - got["probs"]).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(n_embd=30), "divisible by n_head"),
     (dict(n_kv_head=3), "divisible by n_kv_head"),
@@ -170,6 +292,10 @@ def test_gqa_kv_projection_size():
     (dict(fused_gelu=True, mlp="swiglu"), "fused_gelu .* needs mlp='gelu' and bias=True"),
     (dict(fused_gelu=True, bias=False), "fused_gelu .* needs mlp='gelu' and bias=True"),
     (dict(loss_chunk=-1), "loss_chunk must be an integer >= 0"),
+    (dict(loss_chunk=True), "loss_chunk must be an integer >= 0"),  # a bool is an int to isinstance
+    (dict(vocab_size=0), "vocab_size must be an integer >= 1"),
+    (dict(dropout=1.0), "dropout must be in"),  # p = 1 zeroes every activation
+    (dict(pos="rope", n_embd=36), "needs an even head size, got 9"),  # channel pairs (i, i + hs/2)
 ])
 def test_bad_config_raises(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -211,13 +337,15 @@ def test_label_smoothing_spreads_over_the_real_ids_only():
         x[:, 0] = 1.0  # so every padded logit is -50: softmax gives them ~0
     w.requires_grad_()
     t = torch.randint(0, GPT2_VOCAB, (32,), generator=gen)
+    t[::3] = -1  # ignored rows: outside the mean, in this path too
+    valid = t != -1
     s = 0.1
     logits = (x @ w.T).detach().double()
     q = torch.zeros_like(logits)
     q[:, :GPT2_VOCAB] = s / GPT2_VOCAB
-    q[torch.arange(32), t] += 1 - s
-    expected = -(q * F.log_softmax(logits, -1)).sum(-1).mean()
-    spread_over_all = F.cross_entropy(logits, t, label_smoothing=s)  # what the padding must not get
+    q[valid.nonzero()[:, 0], t[valid]] += 1 - s
+    expected = -(q * F.log_softmax(logits, -1)).sum(-1)[valid].mean()
+    spread_over_all = F.cross_entropy(logits, t, ignore_index=-1, label_smoothing=s)  # what the padding must not get
     assert abs(spread_over_all.item() - expected.item()) > 4e-3
     plain_logits = (x @ w.T).detach().requires_grad_()
     plain = cross_entropy(plain_logits, t, s)
@@ -228,6 +356,27 @@ def test_label_smoothing_spreads_over_the_real_ids_only():
     (dw,) = torch.autograd.grad(chunked, (w,))
     assert chunked.item() == pytest.approx(expected.item(), abs=1e-5)
     assert (dw[GPT2_VOCAB:, 0] >= 0).all()  # the padded rows' gradient through x[:, 0] = 1 is their logits'
+
+
+@pytest.mark.parametrize("vocab, label_smoothing", [(96, 0.0), (96, 0.1), (50304, 0.1)])
+def test_cross_entropy_of_bf16_logits_is_computed_in_fp32(vocab, label_smoothing):
+    # under autocast the lm_head's logits are bf16: the loss must be the fp32 one of those logits (a bf16 softmax and
+    # mean would be off by ~1e-2), on both paths (F.cross_entropy, and the padded-vocabulary smoothing one)
+    from model import cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(64, vocab, generator=gen)).bfloat16()
+    t = torch.randint(0, min(vocab, GPT2_VOCAB), (64,), generator=gen)
+    t[::4] = -1
+    ref = F.cross_entropy(logits.double()[:, :GPT2_VOCAB], t, ignore_index=-1, label_smoothing=label_smoothing)
+    if vocab > GPT2_VOCAB:  # padded ids take part in the softmax but not in the smoothing: ref by hand
+        logp = logits.double().log_softmax(-1)
+        valid = t != -1
+        rows = -(1 - label_smoothing) * logp[valid, t[valid]] - label_smoothing * logp[valid, :GPT2_VOCAB].mean(-1)
+        ref = rows.mean()
+    got = cross_entropy(logits, t, label_smoothing)
+    assert got.dtype == torch.float32
+    assert abs(got.item() - ref.item()) < 1e-5, (got.item(), ref.item())
 
 
 def test_all_targets_ignored_is_nan_with_or_without_chunks():
@@ -252,6 +401,9 @@ def test_loss_chunk_trains_like_the_full_logits():
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-6)
     for (name, p), q in zip(chunked.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+    # label smoothing reaches the chunked loss from forward's argument, as it does the plain one
+    torch.testing.assert_close(chunked(idx, targets, label_smoothing=0.1)[1],
+                               plain(idx, targets, label_smoothing=0.1)[1], atol=1e-5, rtol=1e-6)
     chunked.zero_grad(), plain.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 matmuls in both: equal to bf16 accuracy
         loss, ref_loss = chunked(idx, targets)[1], plain(idx, targets)[1]
@@ -334,6 +486,15 @@ def test_from_pretrained_refuses_gpt2_variants_it_cannot_reproduce(tmp_path, var
         GPT.from_pretrained(str(tmp_path))
 
 
+def test_from_pretrained_refuses_another_model_type(tmp_path):
+    _, hf = _hf_model(tmp_path)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neo"}))
+    with pytest.raises(ValueError, match=r"is not a GPT-2 checkpoint \(model_type='gpt_neo'\)"):
+        GPT.from_pretrained(str(tmp_path))
+
+
 def test_from_pretrained_overrides_win_and_pytorch_tanh_gelu_loads(tmp_path):
     _, hf = _hf_model(tmp_path, activation_function="gelu_pytorch_tanh")
     hf.save_pretrained(tmp_path)
@@ -364,6 +525,8 @@ def test_export_hf_round_trip(tmp_path):
         torch.testing.assert_close(hf(idx).logits, ours[..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(back(idx)[0], ours[..., :GPT2_VOCAB], atol=0, rtol=0)
     assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    # the model's dropout (0 for pretraining), not HF's default 0.1, for whoever fine-tunes the export
+    assert (hf.config.resid_pdrop, hf.config.embd_pdrop, hf.config.attn_pdrop) == (0.0, 0.0, 0.0)
     modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
     assert modes["model.safetensors"] == modes["config.json"], modes  # readable by whoever may read the config
 
@@ -380,9 +543,12 @@ def test_export_hf_keeps_a_vocabulary_smaller_than_gpt2s(tmp_path):
         torch.testing.assert_close(hf(idx).logits, model(idx)[0], atol=1e-5, rtol=1e-5)
 
 
-def test_export_hf_refuses_other_architectures(tmp_path):
+@pytest.mark.parametrize("kw", [dict(mlp="swiglu"), dict(pos="rope"), dict(n_kv_head=2), dict(bias=False)])
+def test_export_hf_refuses_other_architectures(tmp_path, kw):
+    # each of these would write a model HF loads with missing or misread weights, or computes differently
     with pytest.raises(ValueError, match="only the plain GPT-2"):
-        export_hf(GPT(tiny(mlp="swiglu")), tmp_path)
+        export_hf(GPT(tiny(**kw)), tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -402,6 +568,18 @@ def test_cached_logits_equal_uncached(kw):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_kv_cache_refuses_a_second_multi_token_chunk():
+    # SDPA's is_causal aligns its mask top-left, so a 2-token chunk after a filled cache would attend to the first
+    # positions instead of all cached ones: wrong logits, not an error, if the guard were gone
+    model = GPT(tiny()).eval()
+    idx = torch.randint(0, 96, (1, 10))
+    cache = KVCache(model.config, 1)
+    with torch.no_grad():
+        model(idx[:, :8], cache=cache)
+        with pytest.raises(ValueError, match="a prefill into an empty cache, then one token at a time"):
+            model(idx[:, 8:], cache=cache)
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(pos="rope", n_kv_head=1, mlp="swiglu", bias=False)])
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=10, top_p=0.9)])
 def test_generate_cache_and_no_cache_give_same_tokens(sampling, kw):
@@ -414,6 +592,36 @@ def test_generate_cache_and_no_cache_give_same_tokens(sampling, kw):
     assert a.shape == (2, 50)
     assert torch.equal(a, b)
     assert model.training  # generate restores the mode it found
+
+
+def test_greedy_generation_past_the_block_is_the_argmax_of_the_last_block_size_tokens():
+    # cached and uncached generation share the crop: both could drop one token too many (or keep the prompt's first
+    # tokens) and still agree. Here every new token is checked against the model run on the last block_size tokens.
+    # Weights far from init (scale 0.3) make the oldest token in the window matter: at init, and at 0.1, the argmax
+    # is the same whether the context holds 31 or 32 tokens.
+    model = _perturbed(tiny(), scale=0.3)
+    idx = torch.randint(0, 96, (2, 28))
+    for use_cache in (True, False):
+        out = model.generate(idx, 14, temperature=0.0, use_cache=use_cache)  # 10 steps with a cropped context
+        with torch.no_grad():
+            for t in range(28, 42):
+                expected = model(out[:, max(0, t - 32):t])[0][:, -1].argmax(-1)
+                assert torch.equal(out[:, t], expected), (use_cache, t)
+
+
+def test_generate_runs_in_eval_mode_and_restores_the_mode():
+    # with dropout, a model left in train mode must still decode deterministically (dropout off), and the mode it had
+    # must come back: eval stays eval (HellaSwag and sample.py pass eval models), train stays train
+    torch.manual_seed(0)
+    model = GPT(tiny(dropout=0.5))
+    idx = torch.randint(0, 96, (2, 6))
+    model.eval()
+    ref = model.generate(idx, 10, temperature=0.0)
+    assert not model.training
+    model.train()
+    assert torch.equal(model.generate(idx, 10, temperature=0.0), ref)
+    assert torch.equal(model.generate(idx, 10, temperature=0.0, use_cache=False), ref)
+    assert model.training
 
 
 def test_generate_under_autocast_cached_equals_uncached():
@@ -507,6 +715,41 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p(top_p):
     hf = transformers.generation.logits_process.TopPLogitsWarper(top_p)(None, logits[:, :GPT2_VOCAB].clone())
     assert (hf > -float("inf")).sum(-1).tolist() == n_exact.tolist()
 
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.5, None, None), (0.7, 40, None), (1.0, 1, None),
+                                                       (0.5, None, 0.9), (2.0, 1000, 0.8), (1.5, 3, 0.999)])
+def test_filter_logits_equals_hfs_warpers(temperature, top_k, top_p):
+    # HF's TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper in that order, on the real ids: the kept set
+    # and the scaled values. A top-k that keeps k - 1 or only the best, a temperature that multiplies, or a nucleus
+    # taken before the temperature all still sample inside the plain top-k / nucleus that the other tests check.
+    warpers = pytest.importorskip("transformers").generation.logits_process
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50304, generator=gen) * 3
+    ours = GPT.filter_logits(logits, temperature, top_k, top_p)
+    hf = warpers.TemperatureLogitsWarper(temperature)(None, logits[:, :GPT2_VOCAB].clone())
+    if top_k is not None:
+        hf = warpers.TopKLogitsWarper(top_k)(None, hf)
+    if top_p is not None:
+        hf = warpers.TopPLogitsWarper(top_p)(None, hf)
+    kept = hf > -float("inf")
+    assert torch.equal(ours[:, :GPT2_VOCAB] > -float("inf"), kept)
+    assert (ours[:, GPT2_VOCAB:] == -float("inf")).all()
+    torch.testing.assert_close(ours[:, :GPT2_VOCAB][kept], hf[kept], atol=0, rtol=1e-6)
+    if top_k is not None and top_p is None:
+        assert kept.sum(-1).tolist() == [top_k] * 4  # no ties in random logits: exactly k
+
+
+def test_top_p_below_the_largest_probability_keeps_the_most_likely_token():
+    # the tail mass of the most likely token is the whole distribution: exactly 1.0 in fp32 when that token holds all
+    # but ~1e-9 of it (a confident model). With top_p = 1e-9, 1 - top_p is 1.0 in fp32 as well, and only the "always
+    # keep the first" rule stops every token being dropped (and a NaN distribution being sampled)
+    logits = torch.randn(8, 50304, generator=torch.Generator().manual_seed(0)) * 3
+    logits[:4, 7] = 40.0  # confident rows
+    kept = GPT.filter_logits(logits, 1.0, None, 1e-9) > -float("inf")
+    assert kept.sum(-1).tolist() == [1] * 8
+    assert torch.equal(kept.float().argmax(-1), logits[:, :GPT2_VOCAB].argmax(-1))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # optimizer, MFU
 
@@ -519,6 +762,11 @@ def test_configure_optimizers_decays_2d_only(capsys):
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
     assert "decayed tensors" in capsys.readouterr().out
+    # the hyperparameters train.py passes reach AdamW
+    opt = model.configure_optimizers(weight_decay=0.05, lr=3e-4, betas=(0.8, 0.99), eps=1e-6, verbose=False)
+    assert [(g["lr"], g["betas"], g["eps"]) for g in opt.param_groups] == [(3e-4, (0.8, 0.99), 1e-6)] * 2
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    assert model.configure_optimizers(0.1, 1e-3, verbose=False).param_groups[0]["betas"] == (0.9, 0.95)  # GPT-3's
 
 
 def test_peak_flops_table():
@@ -531,6 +779,7 @@ def test_peak_flops_table():
     assert peak_flops("NVIDIA B200") == 2250e12 and peak_flops("NVIDIA GB200") == 2500e12  # B200 is a substring
     assert peak_flops("cpu (2 cores)") is None
     assert peak_flops("cpu", override=1e12) == 1e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", override=0.0) == 989e12  # only a positive override wins
     assert mfu(1e9, 494_500, "NVIDIA H100 80GB HBM3") == pytest.approx(0.5, rel=1e-3)
 
 
@@ -589,6 +838,25 @@ def test_load_checkpoint_refuses_pickles(tmp_path):
         load_checkpoint(bad)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_from_checkpoint_overrides_unexpected_weights_and_mmap(tmp_path):
+    model = GPT(tiny())
+    path = tmp_path / "c.pt"
+    torch.save({"model": model.state_dict(), "model_config": model.config.__dict__}, path)
+    assert GPT.from_checkpoint(path, dropout=0.2).config == tiny(dropout=0.2)  # an override wins
+    extra = tmp_path / "extra.pt"
+    torch.save({"model": {**model.state_dict(), "head2.weight": torch.zeros(3)}, "model_config": model.config.__dict__},
+               extra)
+    with pytest.raises(ValueError, match=r"do not fit .*: 1 unexpected weights \(head2.weight\)"):
+        GPT.from_checkpoint(extra)
+    # mmap (train.py's resume) falls back to a plain load for the legacy format, which cannot be mapped
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"model": model.state_dict(), "model_config": model.config.__dict__}, legacy,
+               _use_new_zipfile_serialization=False)
+    for f in (path, legacy):
+        back = load_checkpoint(f, mmap=True)["model"]
+        assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
 
 
 def test_from_checkpoint_other_architecture_is_clear(tmp_path):

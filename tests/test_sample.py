@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GPT, MODEL_PRESETS, get_tokenizer
+from model import EOT, GPT, MODEL_PRESETS, get_tokenizer
 from sample import SampleConfig, decode_speed, generate_text, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +111,31 @@ def test_cache_and_no_cache_give_identical_text(model, enc, capsys, temperature,
     uncached = generate_text(model, enc, dataclasses.replace(cfg, no_cache=True), "cpu")
     assert cached == uncached
     assert SPEED.findall(capsys.readouterr().err)[0][0] == "80"
+
+
+def test_sampling_options_reach_the_model(model, enc, monkeypatch, capsys):
+    # top_k = 1, or a nucleus smaller than the top token's probability, at temperature 1 is greedy decoding: if either
+    # option were dropped on its way to generate_stream the text would be a random sample instead
+    base = SampleConfig(prompt="Once upon a time", num_samples=1, max_new_tokens=12, temperature=0.0, top_k=None)
+    (greedy,) = generate_text(model, enc, base, "cpu")
+    for opts in (dict(top_k=1), dict(top_p=1e-9)):
+        assert generate_text(model, enc, dataclasses.replace(base, temperature=1.0, **opts), "cpu") == [greedy], opts
+    # --no-cache reaches generate_stream (a spy that runs the real method: the text cannot tell the two apart)
+    seen = []
+    stream = model.generate_stream
+    monkeypatch.setattr(model, "generate_stream", lambda *a, **kw: seen.append(kw["use_cache"]) or stream(*a, **kw))
+    for no_cache in (False, True):
+        assert generate_text(model, enc, dataclasses.replace(base, no_cache=no_cache), "cpu") == [greedy]
+    assert seen == [True, False]
+
+
+def test_empty_prompt_starts_a_document_and_special_tokens_are_tokens(model, enc, capsys):
+    # "" continues <|endoftext|> (a new document), and "<|endoftext|>" in a prompt is that token, not its 13 characters
+    for prompt, tokens in (("", [EOT]), ("Hi.<|endoftext|>The", [*enc.encode("Hi."), EOT, *enc.encode("The")])):
+        cfg = SampleConfig(prompt=prompt, num_samples=1, max_new_tokens=6, temperature=0.0)
+        (text,) = generate_text(model, enc, cfg, "cpu")
+        expected = model.generate(torch.tensor([tokens]), 6, temperature=0.0)[0, len(tokens):].tolist()
+        assert text == enc.decode(expected), prompt
 
 
 class ScriptedModel:
@@ -213,6 +238,22 @@ def test_cropped_prompt_starts_at_a_whole_character(model, enc, capsys):
     assert text == enc.decode(expected)
 
 
+def test_cropped_prompt_drops_every_leading_continuation_token(model, enc, capsys):
+    # " ab." shifts the cut so that the last 63 tokens start with two tokens of continuation bytes (94, ab: the tail
+    # of a 4-byte character split f09d | 94 | ab): both must go, not just the first
+    prompt = " 𝔘𝔫𝔦𝔠𝔬𝔡𝔢" * 12 + " ab."
+    tokens = enc.encode(prompt)
+    assert [enc.decode_single_token_bytes(t).hex() for t in tokens[-63:-60]] == ["94", "ab", "f09d"]
+    cfg = SampleConfig(prompt=prompt, num_samples=1, max_new_tokens=3, temperature=0.0)
+    (text,) = generate_text(model, enc, cfg, "cpu")
+    out, err = capsys.readouterr()
+    assert "keeping the last 61 (from the first whole character)" in err
+    kept = tokens[-61:]
+    assert out.startswith(enc.decode(kept)) and "\ufffd" not in enc.decode(kept)
+    expected = model.generate(torch.tensor([kept]), 3, temperature=0.0)[0, 61:].tolist()
+    assert text == enc.decode(expected)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # errors and the bench helper
 
@@ -230,6 +271,20 @@ def test_model_errors_are_one_line(model, ckpt, tmp_path):
         main([])
     with pytest.raises(SystemExit, match=r"^error: --top-p must be in \(0, 1\] or none, got 1.5"):
         main(["--ckpt", str(ckpt), "--top-p", "1.5"])
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--num-samples", "0", "--num-samples must be >= 1, got 0"),
+    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1, got 0"),
+    ("--temperature", "-0.5", "--temperature must be >= 0 (0 is greedy), got -0.5"),
+    ("--top-k", "0", "--top-k must be >= 1 or none, got 0"),
+    ("--top-p", "0", "--top-p must be in (0, 1] or none, got 0.0"),
+])
+def test_sampling_settings_are_checked_before_loading(flag, value, message):
+    # one line naming the flag, before any model is loaded (none is given here)
+    with pytest.raises(SystemExit) as e:
+        main([flag, value])
+    assert str(e.value) == "error: " + message
 
 
 @pytest.fixture
@@ -327,6 +382,9 @@ def test_decode_speed(model):
         assert decode_speed(model, prompt_len=16, new_tokens=8, use_cache=use_cache, device="cpu") > 0
     with pytest.raises(ValueError, match=r"prompt_len \+ new_tokens <= block_size \(64\), got 60 \+ 8"):
         decode_speed(model, prompt_len=60, new_tokens=8, use_cache=True, device="cpu")
+    for prompt_len, new_tokens in ((0, 8), (8, 0)):
+        with pytest.raises(ValueError, match=rf"1 <= prompt_len, 1 <= new_tokens .* got {prompt_len} \+ {new_tokens}"):
+            decode_speed(model, prompt_len=prompt_len, new_tokens=new_tokens, use_cache=True, device="cpu")
 
 
 def test_sample_and_hellaswag_from_a_checkpoint_train_py_wrote(token_data, tmp_path, capsys):
