@@ -15,12 +15,33 @@ import pytest
 import torch
 
 import bench
+import train
 from bench import BenchConfig, Variant, bench_decode, bench_hellaswag, bench_kernel, bench_train, main
 from hellaswag import _validate
-from model import GPT, MODEL_PRESETS
+from model import GPT, GPT2_VOCAB, MODEL_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(device="cpu", model="tiny", seq_len=32, batch_sizes=(2,), steps=2, warmup=1)
+
+
+def plain_training_losses(cfg: BenchConfig, steps: int) -> list[float]:
+    """The losses of `steps` optimizer steps of a plain training loop on what an eager train row trains: its weights
+    (seeded), its tokens (its own seeded generator), and every step over all cfg.grad_accum micro-batches."""
+    tcfg = bench.train_config(cfg, Variant("eager"))
+    accum, B, T = cfg.grad_accum, tcfg.batch_size, tcfg.seq_len
+    torch.manual_seed(cfg.seed)
+    model = GPT(train.model_config(tcfg))
+    optimizer = train.build_optimizer(model, tcfg, torch.device("cpu"), verbose=False)
+    tokens = torch.randint(0, GPT2_VOCAB, (accum, B, T + 1), generator=torch.Generator().manual_seed(cfg.seed))
+    losses = []
+    for _ in range(steps):
+        loss = sum(model(tokens[m, :, :-1], tokens[m, :, 1:])[1] / accum for m in range(accum))  # the mean
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
 
 
 def test_train_step_rates_agree_with_times():
@@ -39,6 +60,11 @@ def test_train_step_rates_agree_with_times():
     assert all(parts[p] > 0 for p in ("matmul", "attention", "loss", "norm", "gelu", "optimizer", "embedding"))
     assert sum(parts.values()) == pytest.approx(row["breakdown"]["busy_ms"], rel=1e-9)
     assert row["ms_after_profile"] > 0 and "note" not in row  # timed again after the profile; no alarm on a CPU
+    # the loss of the last timed step (warmup + steps = 3), not of the steps run after the timing (the profiled one
+    # and those timed again after it, which CUDA-graph rows skip, so dloss would compare other steps), and of both
+    # micro-batches of each step
+    losses = plain_training_losses(cfg, 4)
+    assert row["loss"] == pytest.approx(losses[2], abs=1e-5) and abs(losses[3] - losses[2]) > 1e-3
 
 
 def test_rows_name_the_attention_kernel_that_ran():
@@ -159,8 +185,33 @@ def test_loss_delta_compares_rows_that_trained_the_same_tokens():
     assert bench.loss_delta({**rows[1], "loop": True}, rows) is None  # the loop rows read a shard's tokens
 
 
-def test_mfu_uses_the_peak_override():
-    row = bench_train(BenchConfig(**TINY, peak_tflops=1.0), Variant("eager"))
+def test_loss_delta_takes_the_first_ok_row_of_the_same_batch_and_accumulation():
+    """dloss's reference is the first earlier row that ran (a failed row has no measurements), is not a loop row
+    (other tokens), and has the same micro-batch and accumulation; the delta is this row's loss minus its."""
+    def row(loss=None, b=4, accum=1, loop=False):
+        return {"loop": loop, "status": "ok", "batch_size": b, "grad_accum": accum, "loss": loss}
+
+    earlier = [{"loop": False, "status": "failed", "reason": "out of memory"},  # as run_train records a failure
+               row(1.0, loop=True), row(2.0, accum=2), row(3.0, b=2), row(5.0), row(6.0)]
+    assert bench.loss_delta(row(5.25), earlier) == 0.25  # the row with 5.0: the first of b=4, accum=1 that counts
+    assert bench.loss_delta(row(1.5, accum=2), earlier) == -0.5
+    assert bench.loss_delta(row(3.0, b=2), earlier) == 0.0
+    assert bench.loss_delta(row(7.0, b=8), earlier) == 0.0  # no reference: this row is the first of its kind
+    assert bench.loss_delta(row(5.25, loop=True), earlier) is None
+
+
+def test_step_time_is_the_median_and_mfu_uses_the_peak_override(monkeypatch):
+    # the steps run as usual, but the clock reads 30, 10 and 80 ms: the row's numbers follow from those exactly
+    real = bench.time_ms
+
+    def clock(fn, device, steps, warmup=0):
+        real(fn, device, steps, warmup)
+        return [30.0, 10.0, 80.0]
+
+    monkeypatch.setattr(bench, "time_ms", clock)
+    row = bench_train(BenchConfig(**{**TINY, "steps": 3}, peak_tflops=1.0), Variant("eager"))
+    assert (row["ms_per_step"], row["ms_min"], row["ms_max"]) == (30.0, 10.0, 80.0)  # the median, not the mean (40)
+    assert row["tok_per_s"] == pytest.approx(2 * 32 / 0.030, rel=1e-12)
     flops = GPT(MODEL_PRESETS["tiny"]()).flops_per_token(32)  # block_size does not change the parameter count
     assert row["mfu"] == pytest.approx(flops * row["tok_per_s"] / 1e12, rel=1e-6)
 
@@ -214,6 +265,17 @@ def test_kernel_rows_count_bytes_and_skip_triton_without_cuda(monkeypatch):
         assert r["pct_copy"] == pytest.approx(100 * r["gb_per_s"] / copy, rel=1e-9)
     for p in ("fwd", "bwd", "fwd+bwd"):
         assert by["triton", p]["status"] == "skipped" and by["triton", p]["reason"].startswith("no CUDA")
+
+
+def test_kernel_bytes_count_the_element_size_of_the_dtype():
+    """bf16 moves 2 bytes an element: the byte counts (and so GB/s) are half those of fp32, not fp32's."""
+    M, N = 16, 64
+    rows = bench_kernel(BenchConfig(device="cpu", dtype="bf16", kernel_rows=M, kernel_cols=N, kernel_impls="eager",
+                                    steps=1, warmup=0, matmul_size=0))
+    by = {r["pass"]: r for r in rows}
+    assert by["fwd"]["dtype"] == "bfloat16" and by["fwd"]["status"] == "ok"
+    assert (by["d2d copy"]["bytes"], by["fwd"]["bytes"], by["bwd"]["bytes"], by["fwd+bwd"]["bytes"]) == \
+        (2 * 2 * M * N, 2 * (2 * M * N + N), 2 * (3 * M * N + 2 * N), 2 * (5 * M * N + 3 * N))
 
 
 def test_matmul_rows_count_flops_and_add_up_a_micro_step():
@@ -315,6 +377,14 @@ def test_main_writes_json_with_provenance_config_and_table(tmp_path, capsys):
     assert "costliest kernels of eager's step" in breakdown and "aten::mm" in breakdown
 
 
+def test_cpu_defaults_are_the_small_ones_and_resolving_twice_changes_nothing():
+    """Left to auto, a CPU run gets the tiny shapes: GPT-2 124M at T=1024 or 64K-row kernels would take hours there."""
+    cfg = bench.resolve(BenchConfig(device="cpu"))
+    assert (cfg.model, cfg.seq_len, cfg.batch_sizes, cfg.kernel_rows, cfg.matmul_size, cfg.hellaswag_model,
+            cfg.hellaswag_batch_sizes) == ("tiny", 64, (4,), 1024, 256, "tiny", (1, 16))
+    assert bench.resolve(cfg) == cfg
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--suite", "bogus"], "--suite must be one of all, kernel"),
     (["--variants", "eagr"], "--variants: unknown eagr"),
@@ -365,6 +435,7 @@ def test_loop_variant_feeds_the_real_loader_and_syncs(preload, tmp_path):
     x, y = loader.next_batch()
     assert x.shape == y.shape == (2, 32) and torch.equal(x[0, 1:], y[0, :-1])
     assert (loader._preloaded is not None) == preload
+    assert loader.vocab_size == 50304  # train.py's per-batch id check runs, and is timed, as in a real run
     row = bench_train(cfg, Variant("eager+loop", {"preload": preload}, loop=True))
     assert row["tokens_per_step"] == 2 * 32 * 2 and row["ms_per_step"] > 0
     assert abs(row["loss"] - math.log(50304)) < 1.0  # random tokens: the loss stays near uniform

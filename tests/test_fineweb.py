@@ -180,6 +180,16 @@ def test_two_workers_write_the_same_bytes_as_one(tmp_path):
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True))
 
 
+def test_chunks_come_back_in_document_order_when_more_are_in_flight_than_the_window():
+    """token_stream keeps 4 chunks per worker in flight and must hand back the oldest first. The writer tests read
+    too few chunks of 16 documents to fill that window; chunks of one document over 2 workers fill it many times."""
+    docs = make_docs(30, seed=8)
+    want = [expected_tokens([d]).tolist() for d in docs]  # first: forked workers inherit the tokenizer's tables
+    with fineweb.tokenizer_pool(2) as pool:
+        chunks = list(fineweb.token_stream(docs, pool, 2, chunk=1))
+    assert [c.tolist() for c in chunks] == want
+
+
 def test_max_tokens_stops_exactly_and_default_val_is_the_first_shard(tmp_path):
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(60))
     result = write_dataset(cfg_for(src, tmp_path / "out", val_tokens=-1, max_tokens=2500))
@@ -555,6 +565,36 @@ def test_killed_writer_resumes_at_the_file_of_its_first_missing_document(tmp_pat
         expected
 
 
+def test_resume_skips_every_file_its_kept_documents_fill_exactly(tmp_path, monkeypatch):
+    """One document per file: the documents the rerun skips always end at a file boundary, so it must start reading
+    at the very next file (not re-read the last skipped one), and still write what an uninterrupted run writes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = make_docs(20, seed=12)
+    for i, d in enumerate(docs):
+        write_jsonl(src / f"doc{i:02d}.jsonl", [d])
+    settings = {"shard_size": 300, "val_tokens": 200}
+    write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref", **settings))
+    expected = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
+    real = fineweb.write_shard
+    written = []
+
+    def killed_after_three(path, tokens):
+        if len(written) == 3:
+            raise KeyboardInterrupt
+        written.append(path)
+        real(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "out", **settings))
+    monkeypatch.setattr(fineweb, "write_shard", real)
+    kept = sum(int((read_shard(p) == EOT).sum()) for p in written)  # documents the kept shards began
+    result = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "out", **settings))
+    assert result["skipped_shards"] == 3 and result["documents_read"] == 20 - (kept - 2) < 20
+    assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")} == expected
+
+
 def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
     src, ref = reference
     out = tmp_path / "out"
@@ -575,6 +615,19 @@ def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
     assert {p.name: p.read_bytes() for p in shard_files(out)} == ref
     other = write_dataset(cfg_for(src, out, val_tokens=600))  # other settings: the finished record does not apply
     assert other["skipped_shards"] == 0 and other["tokenized"] == sum(len(v) - 1024 for v in ref.values()) // 2
+
+
+def test_a_finished_directory_that_lost_or_damaged_a_shard_is_repaired(tmp_path, reference):
+    """The completion record vouches for the shards' sizes, checked on every rerun: a finished directory whose shard
+    was deleted or truncated since is written again where needed, not reported as having nothing to do."""
+    src, ref = reference
+    out = tmp_path / "out"
+    write_dataset(cfg_for(src, out))
+    (out / "t_train_000003.bin").unlink()
+    (out / "t_train_000005.bin").write_bytes(ref["t_train_000005.bin"][:1500])
+    result = write_dataset(cfg_for(src, out))
+    assert result["skipped_shards"] == 3 and result["tokenized"] > 0
+    assert {p.name: p.read_bytes() for p in shard_files(out)} == ref
 
 
 def test_a_changed_local_source_is_written_again(tmp_path):
@@ -771,6 +824,70 @@ def test_failed_rerun_leaves_a_finished_directory_as_it_was(tmp_path, reference,
     assert again["skipped_shards"] == len(ref) and again["tokenized"] == 0
 
 
+def test_resume_where_documents_are_longer_than_a_shard(tmp_path, monkeypatch):
+    """Shards of 60 tokens and documents of up to ~200: a kept shard may begin one document or none, so the tokens
+    the resume checks (from the second-to-last document start on) span several shards. A kill after every shard."""
+    docs = make_docs(8, seed=11)
+    src = write_jsonl(tmp_path / "docs.jsonl", docs)
+    settings = {"shard_size": 60, "val_tokens": 50}
+    write_dataset(cfg_for(src, tmp_path / "ref", **settings))
+    ref = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
+    starts = [int((read_shard(tmp_path / "ref" / name) == EOT).sum()) for name in ref]
+    assert {0, 1} <= set(starts[1:-1])  # both kinds of shard, not only shards that begin two documents or more
+    real = fineweb.write_shard
+    for kill_after in range(2, len(ref)):
+        out = tmp_path / f"out{kill_after}"
+        written = []
+
+        def killed(path, tokens, written=written, kill_after=kill_after):
+            if len(written) == kill_after:
+                raise KeyboardInterrupt
+            written.append(path)
+            real(path, tokens)
+
+        monkeypatch.setattr(fineweb, "write_shard", killed)
+        with pytest.raises(KeyboardInterrupt):
+            write_dataset(cfg_for(src, out, **settings))
+        monkeypatch.setattr(fineweb, "write_shard", real)
+        result = write_dataset(cfg_for(src, out, **settings))
+        assert result["skipped_shards"] == kill_after, kill_after
+        assert {p.name: p.read_bytes() for p in shard_files(out)} == ref, kill_after
+
+
+@pytest.mark.parametrize("change", [{"shard_size": 500}, {"max_tokens": 2500}, {"txt_unit": "paragraph"},
+                                    {"max_tokens": 1700}])
+def test_a_finished_run_is_written_again_when_a_setting_changes(tmp_path, change):
+    """The completion record holds every setting that shapes the shards: a rerun with another one must write what a
+    fresh run with it writes, not take the finished run for its own and keep the old shards."""
+    docs = make_docs(40, seed=6)
+    src = tmp_path / "a.txt"
+    src.write_text("\n\n".join(docs))  # paragraphs; one document by default (--txt-unit document)
+    out = tmp_path / "out"
+    write_dataset(cfg_for(src, out))
+    before = {p.name: p.read_bytes() for p in shard_files(out)}
+    again = write_dataset(cfg_for(src, out, **change))
+    fresh = write_dataset(cfg_for(src, tmp_path / "fresh", **change))
+    after = {p.name: p.read_bytes() for p in shard_files(out)}
+    assert after == {p.name: p.read_bytes() for p in shard_files(tmp_path / "fresh")} != before
+    assert again["tokenized"] == fresh["tokenized"] > 0
+
+
+@pytest.mark.parametrize("change", [{"max_tokens": 1700}, {"shard_size": 500}])
+def test_shards_without_records_are_kept_only_as_far_as_they_fit_this_run(tmp_path, reference, change):
+    """A directory whose records are gone (or were never written, by an older writer): the resume keeps only the
+    full shards of this run's sizes, and a run that ends at a kept shard's end (val + one train shard = 1700 tokens,
+    so it writes nothing) still deletes the longer run's train shards after it."""
+    src, ref = reference
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, data in ref.items():
+        (out / name).write_bytes(data)  # the shards alone: no t_done.json, no t_parts.json
+    write_dataset(cfg_for(src, out, **change))
+    write_dataset(cfg_for(src, tmp_path / "fresh", **change))
+    assert {p.name: p.read_bytes() for p in shard_files(out)} == \
+        {p.name: p.read_bytes() for p in shard_files(tmp_path / "fresh")}
+
+
 def test_rerun_over_shards_of_other_data_is_refused(tmp_path, reference):
     src, ref = reference
     out = tmp_path / "out"
@@ -846,6 +963,16 @@ def test_val_is_in_file_order_and_identical_after_reset(tmp_path):
     assert val[1].step == 0 and val[1].epoch == 0
     again = batches(val[1], 12)
     assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(first, again, strict=True))
+
+
+def test_val_ignores_the_seed_and_reads_its_shards_in_file_order_every_epoch(tmp_path):
+    """Five val shards (seed 0 would shuffle train shards to 2, 4, 3, 0, 1): val is the same fixed stream for every
+    seed and epoch, so val losses of runs with different seeds compare."""
+    data = numbered_shards(tmp_path, LENGTHS, split="val")
+    file_order = [s * 5000 + B * T * j for s in range(5) for j in range((LENGTHS[s] - 1) // (B * T))]
+    for seed in (0, 1, 7):
+        loader = TokenLoader(str(data), "val", B, T, seed=seed)
+        assert [int(x[0, 0]) for x, _ in batches(loader, 2 * 167)] == file_order * 2, seed
 
 
 @pytest.mark.parametrize(("world", "split_at", "epochs"), [
@@ -940,6 +1067,22 @@ def test_ids_beyond_the_vocabulary_are_a_data_error_that_names_the_shard(tmp_pat
                 batches(loader, 200)
             bad = next(g for g in range(200, len(stream)) if stream[g] // 5000 == 4)
             assert loader.step == bad + 1
+
+
+def test_an_id_equal_to_the_vocab_size_is_out_of_range_and_named_in_its_shard(tmp_path):
+    """Ids must be below vocab_size: the id vocab_size itself is the first that has no embedding row. It is the first
+    token of shard 1 here, where the preloaded split's shard offsets meet, so the error must name shard 1."""
+    write_shard(tmp_path / "v_train_000000.bin", np.arange(200) % 50)
+    write_shard(tmp_path / "v_train_000001.bin", np.r_[1000, np.arange(199) % 50])
+    for preload in (False, True):
+        fits = TokenLoader(str(tmp_path), "train", B, T, preload=preload)
+        fits.check_vocab(1001)
+        batches(fits, 2 * fits.num_windows)  # two epochs: every window, the id 1000 among them
+        loader = TokenLoader(str(tmp_path), "train", B, T, preload=preload)
+        with pytest.raises(DataError, match=r"v_train_000001.bin holds token id 1000, but the model has only 1000 "
+                                            r"embedding rows"):
+            loader.check_vocab(1000)
+            batches(loader, loader.num_windows)
 
 
 def test_state_of_the_older_per_epoch_loader_is_refused_in_one_line(tmp_path):

@@ -243,6 +243,10 @@ def test_render_and_batch_shapes_and_masks(examples, enc):
             assert (tokens[row, n:] == EOT).all()
             assert mask[row].tolist() == [0] * len(r.ctx) + [1] * len(end) + [0] * (64 - n)
     assert (mask[8:] == 0).all()
+    # a longest candidate that is a multiple of 32 is already a padded length: T is 32, not 64
+    r = render_example({"ctx": " ".join(["word"] * 31), "endings": ["a", "b", "c", "d"], "label": 0}, enc)
+    assert max(len(r.ctx) + len(e) for e in r.endings) == 32
+    assert make_batch([r], rows=4, block_size=None)[0].shape == (4, 32)
 
 
 def test_endoftext_in_the_text_is_ordinary_text(examples, enc):
@@ -305,6 +309,7 @@ def test_evaluate_equals_per_example_reference(examples, enc, block_size):
         one = evaluate(model, [ex], "cpu", batch_size=1, enc=enc)
         assert (one["acc"], one["acc_norm"]) == (float(ok), float(ok_norm))
     assert evaluate(model, examples, "cpu", limit=2, batch_size=2, enc=enc)["n"] == 2
+    assert not model.training  # a model given in eval mode is left in eval mode, not switched to training
 
 
 def test_evaluate_checks_examples_made_in_python(examples, enc):
@@ -339,15 +344,17 @@ def test_evaluate_acc_and_acc_norm_differ_and_equal_reference(enc):
 
 
 class CountingModel(torch.nn.Module):
-    """A GPT that counts its forward passes."""
+    """A GPT that counts its forward passes and records the dtypes of the logits they return."""
 
     def __init__(self, model: GPT):
         super().__init__()
-        self.model, self.config, self.calls = model, model.config, 0
+        self.model, self.config, self.calls, self.dtypes = model, model.config, 0, set()
 
     def forward(self, idx):
         self.calls += 1
-        return self.model(idx)
+        out = self.model(idx)
+        self.dtypes.add(out[0].dtype)
+        return out
 
 
 def test_evaluate_compiled_ddp_model_in_training_mode(examples, enc, tmp_path):
@@ -376,6 +383,7 @@ def test_evaluate_compiled_ddp_model_in_training_mode(examples, enc, tmp_path):
             counting = CountingModel(model)
             evaluate(counting, examples, "cpu", rank=rank, world_size=4, batch_size=1, enc=enc)
             calls.append(counting.calls)
+            assert counting.dtypes == {torch.float32}  # bf16 autocast is for CUDA: on the CPU, scores are fp32
     finally:
         dist.destroy_process_group()
     assert result["n"] == 6
