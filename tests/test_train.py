@@ -303,9 +303,12 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
     assert not any(k.startswith("_orig_mod") for k in ckpt["model"])
 
 
-def test_resume_is_bitwise_exact(token_data, tmp_path):
-    # dropout on, so the restored RNG matters as well as weights, optimizer moments and the data position
-    common = ["--max-steps=8", "--ckpt-every=3", "--keep-last=5", "--dropout=0.1", "--eval-every=4"]
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_resume_is_bitwise_exact(token_data, tmp_path, dtype):
+    # dropout on, so the restored RNG matters as well as weights, optimizer moments and the data position; fp16 adds
+    # the GradScaler, whose state (its scale, and the count of finite steps toward the next growth of the scale) must
+    # be restored, not restarted
+    common = ["--max-steps=8", "--ckpt-every=3", "--keep-last=5", "--dropout=0.1", "--eval-every=4", f"--dtype={dtype}"]
     full = train.main(tiny_args(token_data, tmp_path / "full", *common))["losses"]
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
@@ -313,6 +316,10 @@ def test_resume_is_bitwise_exact(token_data, tmp_path):
     rest = train.main(tiny_args(token_data, resumed_dir, *common, "--resume", "auto"))["losses"]
     assert len(full) == 8 and len(rest) == 5
     assert rest == full[3:]  # bitwise: float equality, no tolerance
+    scalers = [load_checkpoint(d / "ckpt_000008.pt")["scaler"] for d in (tmp_path / "full", resumed_dir)]
+    assert scalers[0] == scalers[1] and (scalers[0] is None) == (dtype == "fp32")
+    if dtype == "fp16":
+        assert scalers[0]["_growth_tracker"] == 8  # every step finite, counted across the resume
 
 
 def _hf_loss(hf_dir, data, split: str, batches: int, B: int, T: int) -> float:
