@@ -951,8 +951,9 @@ def format_table(result: dict[str, Any]) -> str:
                     "by name (bench.STEP_PARTS), as % of the row's ms/step; " + (
                         "busy = time with a kernel running (the buckets may add up to more where two streams "
                         "overlap), idle = ms/step - busy: the GPU waiting for the host" if cuda else
-                        "busy = the ops' self time, rest = ms/step - busy: Python, Inductor's C++ kernels (not aten "
-                        "ops) and the profiler's own cost"), profiled,
+                        "busy = the recorded ops' self time (a compiled graph's own C++ kernels count as its "
+                        "'Call CompiledFxGraph' range, in other), rest = ms/step - busy: Python and the profiler"),
+                    profiled,
                     [("variant", 23, lambda r: r["name"]), ("ms/step", 8, lambda r: f"{r['ms_per_step']:.1f}"),
                      ("busy", 5, lambda r: pct(r, r["breakdown"]["busy_ms"])),
                      *[(p[:9], max(len(p[:9]), 5), lambda r, p=p: pct(r, r["breakdown"]["parts_ms"][p]))
