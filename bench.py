@@ -475,7 +475,8 @@ def profile_step(step: Callable[[], Any], device: torch.device,
     (memory copies and sets included) in its STEP_PARTS bucket, and busy_ms = the time at least one kernel ran, so
     kernels that overlap on two streams count once there (the buckets may then add up to more than busy_ms); on CPU
     each recorded op's self time (aten ops, autograd nodes, record_function ranges; its children's time excluded) in
-    the bucket of its name, or in "optimizer" when it ran inside optimizer.step(), and busy_ms = their sum. Also the
+    the bucket of its name, or in "optimizer" when it ran inside optimizer.step(), and busy_ms = their sum. wall_ms is
+    the profiled step's own time, the profiler's overhead included. Also the
     ten names that took the most time. None for the breakdown when the profiler recorded nothing to time. `trace`, when
     given, gets the profile as a Chrome/Perfetto trace (gzipped when it ends in .gz)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -485,8 +486,10 @@ def profile_step(step: Callable[[], Any], device: torch.device,
         # slowed the rows timed after this one (torch's profiler itself turns this off where CUDA graphs need it)
         os.environ.setdefault("TEARDOWN_CUPTI", "1")
     with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         step()
         sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1000
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
@@ -527,7 +530,7 @@ def profile_step(step: Callable[[], Any], device: torch.device,
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:10]
     return ",".join(found) or "math", {
         "source": "cuda kernels" if device.type == "cuda" else "cpu aten ops (self time)",
-        "busy_ms": busy / 1000, "parts_ms": parts,
+        "busy_ms": busy / 1000, "parts_ms": parts, "wall_ms": wall_ms,
         "top": [{"name": name[:160], "part": part, "ms": ms, "calls": int(calls)}
                 for (name, part), (ms, calls) in top]}
 
@@ -942,23 +945,28 @@ def format_table(result: dict[str, Any]) -> str:
         if profiled:
             parts = list(profiled[0]["breakdown"]["parts_ms"])
 
-            def pct(r: dict[str, Any], ms: float) -> str:
-                return f"{100 * ms / r['ms_per_step']:.0f}%"
-
             cuda = profiled[0]["breakdown"]["source"] == "cuda kernels"
-            rest = "idle" if cuda else "rest"
+
+            def step_ms(r: dict[str, Any]) -> float:  # kernel times hardly change under the profiler, op times do
+                return r["ms_per_step"] if cuda else r["breakdown"]["wall_ms"]
+
+            def pct(r: dict[str, Any], ms: float) -> str:
+                return f"{100 * ms / step_ms(r):.0f}%"
+
             section(f"where the step's time goes: one profiled step per row, {profiled[0]['breakdown']['source']} "
-                    "by name (bench.STEP_PARTS), as % of the row's ms/step; " + (
-                        "busy = time with a kernel running (the buckets may add up to more where two streams "
-                        "overlap), idle = ms/step - busy: the GPU waiting for the host" if cuda else
-                        "busy = the recorded ops' self time (a compiled graph's own C++ kernels count as its "
-                        "'Call CompiledFxGraph' range, in other), rest = ms/step - busy: Python and the profiler"),
+                    "by name (bench.STEP_PARTS); " + (
+                        "% of the row's ms/step; busy = time with a kernel running (the buckets may add up to more "
+                        "where two streams overlap), idle = ms/step - busy: the GPU waiting for the host" if cuda else
+                        "% of the profiled step's wall time (the profiler slows CPU ops); busy = the recorded ops' "
+                        "self time (a compiled graph's own C++ kernels count as its 'Call CompiledFxGraph' range, in "
+                        "other), rest = wall - busy: Python and the profiler"),
                     profiled,
-                    [("variant", 23, lambda r: r["name"]), ("ms/step", 8, lambda r: f"{r['ms_per_step']:.1f}"),
+                    [("variant", 23, lambda r: r["name"]), ("step ms", 8, lambda r: f"{step_ms(r):.1f}"),
                      ("busy", 5, lambda r: pct(r, r["breakdown"]["busy_ms"])),
                      *[(p[:9], max(len(p[:9]), 5), lambda r, p=p: pct(r, r["breakdown"]["parts_ms"][p]))
                        for p in parts],
-                     (rest, 5, lambda r: pct(r, max(r["ms_per_step"] - r["breakdown"]["busy_ms"], 0.0)))])
+                     ("idle" if cuda else "rest", 5,
+                      lambda r: pct(r, max(step_ms(r) - r["breakdown"]["busy_ms"], 0.0)))])
             first = next((r for r in profiled if r["name"] == "compile"), profiled[0])
             out.append(f"\nthe costliest kernels of {first['name']}'s step (ms in one step, calls, bucket, name):")
             out.extend(f"{k['ms']:9.3f} {k['calls']:5d}  {k['part']:<9}  {k['name'][:90]}"
