@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import torch
 
 import train
 from conftest import ROOT, children, run_nodes, run_torchrun
-from fineweb import TokenLoader, write_shard
+from fineweb import TokenLoader, read_shard, write_shard
 from model import GPT, GPTConfig, load_checkpoint, parse_config
 
 
@@ -69,8 +70,18 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     assert 700 <= cfg.warmup_steps <= 750
     mcfg = train.model_config(cfg)
     assert (mcfg.n_layer, mcfg.n_embd, mcfg.vocab_size, mcfg.block_size) == (12, 768, 50304, 1024)
+    # build-nanogpt's AdamW(betas=(0.9, 0.95), eps=1e-8) and cosine decay to min_lr = max_lr * 0.1; no dropout
+    assert (cfg.beta1, cfg.beta2, cfg.eps, cfg.min_lr_frac, cfg.lr_schedule, cfg.dropout, cfg.label_smoothing) == \
+        (0.9, 0.95, 1e-8, 0.1, "cosine", 0.0, 0.0)
+    assert (mcfg.n_head, mcfg.kv_heads, mcfg.mlp, mcfg.pos, mcfg.bias) == (12, 12, "gelu", "learned", True)
     shakespeare = train.model_config(train.PRESETS["shakespeare"]())
     assert (shakespeare.n_layer, shakespeare.n_head, shakespeare.n_embd) == (6, 6, 384)
+    # the larger presets train GPT-2's larger shapes (OpenAI's table), on the same 2**19-token batches
+    for preset, shape in (("gpt2-350m", (24, 16, 1024)), ("gpt2-774m", (36, 20, 1280)), ("gpt2-1558m", (48, 25, 1600))):
+        big = train.PRESETS[preset]()
+        mbig = train.model_config(big)
+        assert (mbig.n_layer, mbig.n_head, mbig.n_embd, mbig.block_size) == (*shape, 1024), preset
+        assert big.total_batch_size == 524288 and big.out_dir == f"out/{preset}", preset
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -154,6 +165,30 @@ def test_recompute_and_chunked_loss_give_the_same_losses(token_data, tmp_path):
         again = train.main(tiny_args(token_data, tmp_path / flag[2:], "--max-steps=3", "--eval-every=2", flag))
         assert again["losses"] == pytest.approx(base["losses"], abs=1e-5), flag
         assert again["val_loss"] == pytest.approx(base["val_loss"], abs=1e-5), flag
+
+
+def test_recompute_keeps_fewer_activations_per_block_than_per_mlp_with_the_same_gradients():
+    # the losses above cannot tell the modes apart (recompute changes no value): what they trade is the activations
+    # autograd keeps for backward, counted here in bytes through the saved-tensor hooks
+    def saved(mode: str) -> tuple[int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=32))
+        train.apply_recompute(model, mode)
+        x = torch.randint(0, 128, (2, 16))
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = model(x, x)[1]
+        loss.backward()
+        return sum(kept), [p.grad for p in model.parameters()]
+
+    (none, ref), (mlp, mlp_grads), (block, block_grads) = (saved(mode) for mode in ("none", "mlp", "block"))
+    # per MLP, at least its hidden layer before and after the GELU (B*T*4C fp32 each) is no longer kept
+    assert none - mlp >= 2 * 2 * (2 * 16 * 4 * 32 * 4)
+    assert mlp > block  # a whole block recomputed keeps less than its MLP alone
+    for grads in (mlp_grads, block_grads):
+        for g, g_ref in zip(grads, ref, strict=True):
+            torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=0)
 
 
 def _small_gpt_and_batches(micro_steps: int) -> tuple[GPT, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -381,6 +416,10 @@ def test_eval_only_beside_a_live_run_leaves_its_files_alone(token_data, hf_dir, 
     # past --max-steps, eval-only still scores the checkpoint instead of silently doing nothing
     assert train.main(ft_args(token_data, hf_dir, run, "--eval-only", "--resume=auto", "--max-steps=1"))["val_loss"] \
         == pytest.approx(result["val_loss"], abs=1e-6)
+    # without --resume, the run's own out-dir is no fresh run's to refuse: an evaluation writes nothing there
+    scored = train.main(ft_args(token_data, hf_dir, run, "--eval-only", "--init-from", str(run / "ckpt_000002.pt")))
+    assert scored["val_loss"] == pytest.approx(result["val_loss"], abs=1e-6)
+    assert {f.name: f.read_bytes() for f in run.iterdir()} == before
 
 
 def test_resume_takes_the_architecture_from_the_checkpoint(token_data, tmp_path, capsys):
@@ -404,6 +443,11 @@ def test_resume_takes_the_architecture_from_the_checkpoint(token_data, tmp_path,
         with pytest.raises(SystemExit):
             eval_only(*extra)
         assert re.search(message, capsys.readouterr().err), extra
+    # the run options are this run's, not the checkpoint's: dropout turned on for the rest of the run, say
+    train.main(tiny_args(token_data, run, "--max-steps=3", "--eval-every=0", "--dropout=0.2", "--loss-chunk=32",
+                         "--resume=auto"))
+    resumed = load_checkpoint(run / "ckpt_000003.pt")["model_config"]
+    assert (resumed["dropout"], resumed["loss_chunk"], resumed["n_layer"]) == (0.2, 32, 2)
     # a checkpoint of another version of the model is one line too
     ckpt = torch.load(run / "ckpt_000002.pt", weights_only=True)
     ckpt["model_config"]["qk_norm"] = True
@@ -462,6 +506,8 @@ def swiglu_ckpt(token_data, tmp_path_factory):
      "--seq-len 128 is longer than --init-from .*'s context of 64 tokens"),
     # a flag given explicitly is checked even when it names GPT-2's default
     ("swiglu", ["--mlp=gelu"], r"asks for --mlp gelu \(it has swiglu\)"),
+    # a source without n_kv_head has as many key/value heads as query heads: 4 here, not None
+    ("hf", ["--n-kv-head=2"], r"asks for --n-kv-head 2 \(it has 4\): drop"),
 ])
 def test_init_from_refuses_a_different_architecture(token_data, hf_dir, swiglu_ckpt, tmp_path, capsys, source,
                                                     extra, message):
@@ -477,6 +523,15 @@ def test_init_from_accepts_flags_that_match_the_source(token_data, swiglu_ckpt, 
     result = train.main(tiny_args(token_data, tmp_path, "--init-from", str(swiglu_ckpt), "--mlp=swiglu",
                                   "--eval-only"))
     assert result["val_loss"] > 5.0
+
+
+def test_init_from_accepts_a_preset_whose_shape_flags_match_the_source(token_data, hf_dir, tmp_path):
+    # as --preset shakespeare does (--model gpt2 with 6 layers of 384): explicit shape flags replace the named
+    # preset's, so only they are checked; and --n-kv-head equal to --n-head is what a source without GQA has
+    args = ["--data", str(token_data), "--out-dir", str(tmp_path), "--init-from", str(hf_dir), "--eval-only",
+            "--seq-len=32", "--batch-size=2", "--eval-batches=2", "--hellaswag=off", "--model=gpt2", "--n-layer=2",
+            "--n-head=4", "--n-embd=32", "--n-kv-head=4"]
+    assert train.main(args)["val_loss"] == pytest.approx(_hf_loss(hf_dir, token_data, "val", 2, 2, 32), abs=1e-5)
 
 
 def test_init_from_a_run_directory_names_its_latest_checkpoint(token_data, tmp_path, capsys):
@@ -643,6 +698,46 @@ def test_max_time_budget_checkpoints_and_stops(token_data, tmp_path, capsys):
     assert result["stopped"] == "max_time" and len(result["losses"]) == 1
     assert load_checkpoint(tmp_path / "ckpt_000001.pt")["step"] == 1
     assert "(--max-time 1e-06 min)" in capsys.readouterr().out
+
+
+def test_restore_gives_each_rank_its_own_rng_and_restarts_them_when_the_world_size_changed(capsys):
+    # dropout masks differ per rank: rank r resumes rank r's stream (not rank 0's, which would make every rank's
+    # masks alike); at another world size there is no rank r's to resume, so the run's own seeding stays
+    cfg = train.TrainConfig(model="tiny", seq_len=16, device="cpu", dropout=0.1)
+    torch.manual_seed(0)
+    saved = GPT(train.model_config(cfg))
+    optimizer = train.build_optimizer(saved, cfg, torch.device("cpu"), verbose=False)
+    model_sd, optim_sd = train._state_dicts(saved, optimizer, cfg)
+    rngs = [{"cpu": torch.manual_seed(seed).get_state(), "cuda": None} for seed in (10, 11)]
+    ckpt = {"model": model_sd, "optimizer": optim_sd, "optimizer_kind": "single", "step": 7, "rng": rngs,
+            "scaler": None}
+
+    def restored(rank: int, world: int, **kw) -> tuple[int, torch.Tensor]:
+        raw = GPT(train.model_config(cfg))
+        run_cfg = dataclasses.replace(cfg, **kw)
+        optimizer = train.build_optimizer(raw, run_cfg, torch.device("cpu"), verbose=False)
+        torch.manual_seed(99)  # the run's own seeding, before the restore
+        step = train.restore(ckpt, raw, optimizer, run_cfg, None, None, rank, world)
+        for name, tensor in raw.state_dict().items():
+            assert torch.equal(tensor, model_sd[name]), name
+        return step, torch.rand(4)
+
+    draws = {}
+    for seed in (10, 11, 99):
+        torch.manual_seed(seed)
+        draws[seed] = torch.rand(4)
+    for rank in (0, 1):
+        step, draw = restored(rank, 2)
+        assert step == 7 and torch.equal(draw, draws[10 + rank]), rank
+    capsys.readouterr()
+    for rank, world in ((0, 1), (3, 4)):
+        assert torch.equal(restored(rank, world)[1], draws[99]), (rank, world)
+    assert capsys.readouterr().out.count("note: the checkpoint came from world size 2, this run has 1") == 1
+    # an evaluation loads the weights alone: neither the optimizer state (here ZeRO-1's, which a plain AdamW cannot
+    # take) nor the RNG
+    ckpt["optimizer_kind"] = "zero1"
+    step, draw = restored(1, 2, eval_only=True)
+    assert step == 7 and torch.equal(draw, draws[99])
 
 
 def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_path, monkeypatch):
@@ -840,7 +935,9 @@ def test_tokens_axis_survives_a_resume_with_another_total_batch(token_data, tmp_
 
 def test_eval_only_needs_no_total_batch_and_hub_failures_are_one_line(token_data, tmp_path, capsys):
     # nothing trains, so a total batch the micro-batch does not divide is no reason to refuse
-    result = train.main(tiny_args(token_data, tmp_path, "--eval-only", "--batch-size=3", "--eval-batches=1"))
+    # and it evaluates once, whatever --eval-every says
+    result = train.main(tiny_args(token_data, tmp_path, "--eval-only", "--batch-size=3", "--eval-batches=1",
+                                  "--eval-every=0"))
     assert result["step"] == 0 and math.isfinite(result["val_loss"])
     assert "evaluating at step 0 | 3 x 64 x 1 ranks" in capsys.readouterr().out
     # a hub name that cannot be fetched (no network here; a missing repo elsewhere): a line, not a traceback
@@ -887,6 +984,24 @@ def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_d
     assert path.name == "ckpt_000004.pt" and ckpt["step"] == 4  # not the abandoned ckpt_000009
 
 
+def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tmp_path, capsys):
+    # written last but unreadable: a checkpoint cut short (a copy interrupted, a full disk), and a path that cannot
+    # be opened as a file (OSError rather than ValueError); the one before them is resumed, and each skip is named
+    good = tmp_path / "ckpt_000002.pt"
+    torch.save({"model": {}, "model_config": {}, "step": 2}, good)
+    torn = tmp_path / "ckpt_000004.pt"
+    torn.write_bytes(good.read_bytes()[:len(good.read_bytes()) // 2])
+    (tmp_path / "ckpt_000003.pt").mkdir()
+    for path, written in ((good, 1), (tmp_path / "ckpt_000003.pt", 2), (torn, 3)):
+        os.utime(path, ns=(written * 10**9, written * 10**9))
+    path, ckpt = train.find_checkpoint(tmp_path)
+    assert path == good and ckpt["step"] == 2
+    err = capsys.readouterr().err
+    assert err.count("warning: skipping unreadable checkpoint") == 2
+    assert f"checkpoint {torn} is corrupt or truncated" in err and f"checkpoint {tmp_path / 'ckpt_000003.pt'} is a " \
+        "directory" in err
+
+
 def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
     (tmp_path / "ckpt_best.pt").write_bytes(b"a user's own file")  # not a step: neither pruned nor resumed from
     train.main(tiny_args(token_data, tmp_path, "--max-steps=7", "--ckpt-every=1", "--keep-last=2", "--keep-every=3",
@@ -903,6 +1018,114 @@ def test_profile_writes_a_trace(token_data, tmp_path, capsys):
     trace = json.loads((tmp_path / "trace_rank0.json").read_text())
     assert len(trace["traceEvents"]) > 10
     assert "Self CPU" in capsys.readouterr().out
+
+
+# every TrainConfig field with another valid value. The nodes of a run may differ in their paths (each mounts the data
+# and out-dir where it will) and in what changes only their own files or figures; any other flag must be the same on
+# every node. A field added to TrainConfig must be classified here
+OTHER_VALUE = {
+    "model": "gpt2-medium", "seq_len": 512, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "mlp": "swiglu",
+    "pos": "rope", "bias": False, "dropout": 0.1, "fused_gelu": True, "loss_chunk": 128, "data": "/other/data",
+    "preload": True, "total_batch_size": 262144, "batch_size": 32, "max_lr": 3e-4, "min_lr_frac": 0.0,
+    "lr_schedule": "wsd", "decay_frac": 0.5, "warmup_steps": 700, "max_steps": 100, "weight_decay": 0.0, "beta1": 0.8,
+    "beta2": 0.99, "eps": 1e-6, "grad_clip": 0.5, "skip_loss_z": 6.0, "skip_norm_z": 6.0, "label_smoothing": 0.1,
+    "device": "cpu", "dtype": "fp32", "compile": False, "compile_mode": "max-autotune", "attention": "math",
+    "parallel": "fsdp", "recompute": "block", "seed": 1338, "peak_tflops": 312.0, "eval_every": 100,
+    "eval_batches": 5, "hellaswag_every": 100, "hellaswag_limit": 10, "sample_every": 0, "sample_tokens": 8,
+    "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
+    "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
+    "profile_steps": 5,
+    # compared as what they are, not where: off, auto, or a path (any path); no --init-from, or one
+    "hellaswag": "off", "init_from": "gpt2",
+}
+MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload"}
+
+AGREEMENT_WORKER = """import json, sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import train
+from fineweb import TokenLoader
+rank, spec = int(sys.argv[2]), json.loads(open(sys.argv[3]).read())
+dist.init_process_group("gloo", init_method="file://" + spec["store"], rank=rank, world_size=2)
+out = {"commands": [train.commands_disagree(train.TrainConfig(**case[rank]), rank, 2) for case in spec["commands"]],
+       "shared": train.shared_problem(spec["problems"][rank], 2), "data": [], "hellaswag": []}
+for dirs in spec["data"]:
+    loaders = tuple(TokenLoader(dirs[rank], split, 4, 64, rank, 2, 1337, "cpu") for split in ("train", "val"))
+    out["data"].append(train.data_disagree(loaders, rank, 2))
+for paths in spec["hellaswag"]:
+    cfg = train.TrainConfig(hellaswag=paths[rank], hellaswag_every=1)
+    examples = train._load_hellaswag(cfg, rank, 0, 2, rank == 0)
+    out["hellaswag"].append(None if examples is None else len(examples))
+dist.destroy_process_group()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(token_data, tmp_path):
+    # two processes in a gloo group (no torchrun: ~10 s), each passing its own config, data and HellaSwag file to
+    # commands_disagree, data_disagree and _load_hellaswag, as two nodes would; the slow two-node test covers the
+    # same checks inside whole runs, for a few flags
+    assert set(OTHER_VALUE) == {f.name for f in dataclasses.fields(train.TrainConfig)}
+    base = dataclasses.asdict(train.TrainConfig())
+    commands, expected = [], []
+    for name, other in OTHER_VALUE.items():
+        if name in ("hellaswag", "init_from"):
+            continue
+        commands.append([{}, {name: other}])
+        expected.append(None if name in MAY_DIFFER else f"rank 1 was started with --{name.replace('_', '-')} "
+                        f"{other!r} (rank 0: {base[name]!r}): every node must run the same command")
+    differ = "rank 1 was started with --{} {} (rank 0: {}): every node must run the same command"
+    for kw0, kw1, want in (
+            ({"hellaswag": "/a/hellaswag_val.jsonl"}, {"hellaswag": "/b/hs.jsonl"}, None),
+            ({"hellaswag": "off"}, {"hellaswag": "auto"}, differ.format("hellaswag", "'auto'", "'off'")),
+            ({}, {"hellaswag": "/b/hs.jsonl"}, differ.format("hellaswag", "'PATH'", "'auto'")),
+            # never run, so off whatever it names; but --eval-only runs it once, whatever --hellaswag-every says
+            ({"hellaswag": "off", "hellaswag_every": 0}, {"hellaswag_every": 0}, None),
+            ({"hellaswag": "off", "hellaswag_every": 0, "eval_only": True}, {"hellaswag_every": 0, "eval_only": True},
+             differ.format("hellaswag", "'auto'", "'off'")),
+            ({"init_from": "/a/ckpt_000100.pt"}, {"init_from": "gpt2"}, None),  # the weights are compared later
+            ({}, {"init_from": "gpt2"}, differ.format("init-from", "'NAME'", "''"))):
+        commands.append([kw0, kw1])
+        expected.append(want)
+    # data: an identical copy, and copies whose train (then val) split has one token less in one shard
+    copies = {}
+    for name, short in (("same", None), ("short_train", "rand_train_000002.bin"), ("short_val", "rand_val_000000.bin")):
+        copies[name] = tmp_path / name
+        shutil.copytree(token_data, copies[name])
+        if short:
+            write_shard(copies[name] / short, read_shard(token_data / short)[:-1])
+    hs = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
+    (tmp_path / "hs_copy.jsonl").write_text(hs.read_text())
+    lines = hs.read_text().splitlines(keepends=True)
+    lines[0] = lines[0].replace("paints the sink bright blue.", "paints the sink bright red.")
+    (tmp_path / "hs_other.jsonl").write_text("".join(lines))
+    spec = {"store": str(tmp_path / "store"), "commands": commands, "problems": [None, "no data on this node"],
+            "data": [[str(token_data), str(copies[name])] for name in ("same", "short_train", "short_val")],
+            "hellaswag": [[str(hs), str(tmp_path / name)] for name in ("hs_copy.jsonl", "hs_other.jsonl")]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "worker.py").write_text(AGREEMENT_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(ROOT), str(rank),
+                               str(tmp_path / "spec.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    results = [json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+               for out, _ in outputs]
+    for rank, result in enumerate(results):  # every rank gets the same verdict
+        for case, got, want in zip(commands, result["commands"], expected, strict=True):
+            assert got == want, (rank, case)
+        assert result["shared"] == ("rank 1: no data on this node" if rank == 0 else "no data on this node")
+        assert result["data"] == [
+            None,
+            "rank 1's train shards differ from rank 0's (2 files against 2; file 2 is rand_train_000002.bin (19,999 "
+            "tokens) there, rand_train_000002.bin (20,000 tokens) on rank 0): every node must hold the same --data",
+            "rank 1's val shards differ from rank 0's (1 files against 1; file 1 is rand_val_000000.bin (7,999 "
+            "tokens) there, rand_val_000000.bin (8,000 tokens) on rank 0): every node must hold the same --data"]
+        # the same examples in another path are HellaSwag on both; as many other ones, on neither
+        assert result["hellaswag"] == [6, None]
+    assert (f"hellaswag: skipped (rank 1 has 6 examples in {tmp_path / 'hs_other.jsonl'}, rank 0 6, other ones)"
+            in outputs[0][0])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1044,6 +1267,16 @@ def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path
     ddp_scored = train.main(tiny_args(token_data, tmp_path / "eval", "--eval-only", "--eval-every=1",
                                       "--hellaswag=off", f"--resume={tmp_path / 'ddp' / 'ckpt_000004.pt'}"))
     assert scored["step"] == 4 and scored["val_loss"] == pytest.approx(ddp_scored["val_loss"], abs=1e-5)
+
+
+def test_attention_conflicts_are_the_kernels_missing_for_the_device_and_dtype():
+    # CPU has the flash and math kernels only; CUDA's flash and cuDNN kernels take no fp32 (efficient and math do)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU
+    conflicts = {(name, dtype, dev.type) for name in ("auto", *train.SDPA_SWITCHES) for dtype in ("fp32", "bf16")
+                 for dev in (cuda, cpu)
+                 if train.attention_conflict(train.TrainConfig(attention=name, dtype=dtype), dev)}
+    assert conflicts == {("efficient", "fp32", "cpu"), ("efficient", "bf16", "cpu"), ("cudnn", "fp32", "cpu"),
+                         ("cudnn", "bf16", "cpu"), ("flash", "fp32", "cuda"), ("cudnn", "fp32", "cuda")}
 
 
 def test_cuda_graph_modes_refuse_gradient_accumulation():
