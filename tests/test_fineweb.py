@@ -370,6 +370,17 @@ if __name__ == "__main__":
     assert proc.returncode == 0 and proc.stdout.split() == ["9"], proc.stderr[-2000:]  # 3 x (EOT + 2 tokens)
 
 
+def test_a_same_size_file_that_is_not_tiny_shakespeare_is_not_cached_as_it(tmp_path):
+    """Only the very file (its sha256) fills the download cache: another file of exactly its size passed with
+    --shakespeare-path is used for this run, but a later run without the flag must not find it as the download."""
+    impostor = tmp_path / "impostor.txt"
+    impostor.write_bytes(b"x" * fineweb.SHAKESPEARE_BYTES)
+    cfg = cfg_for("shakespeare", tmp_path / "out", cache_dir=str(tmp_path / "cache"),
+                  shakespeare_path=str(impostor))
+    assert fineweb.shakespeare_file(cfg) == impostor
+    assert not (tmp_path / "cache" / "tinyshakespeare.txt").exists()
+
+
 def test_stdlib_source_is_sorted_python_files_one_document_each(tmp_path):
     files = stdlib_files()
     root = Path(fineweb.sysconfig.get_paths()["stdlib"])
@@ -423,6 +434,47 @@ def test_config_defaults_per_source():
     assert FinewebConfig(source="shakespeare").val_target == 32768
     assert FinewebConfig(source="shakespeare", val_tokens=5).val_target == 5
     assert FinewebConfig(source="a.txt", shard_size=1000).val_target == 1000
+
+
+def test_source_kind_tells_local_paths_from_hub_names(tmp_path):
+    """A source that does not exist yet is still local when it looks like a path (./, /, ~, a data file's suffix, a
+    glob): sent to the hub instead, a typo would end in a confusing download error. A bare org/name is the hub."""
+    (tmp_path / "corpus").mkdir()
+    kinds = {"shakespeare": "shakespeare", "stdlib": "stdlib", "HuggingFaceFW/fineweb-edu": "fineweb",
+             "someone/my-data": "hub", "wikitext": "hub", str(tmp_path / "corpus"): "local", "./missing": "local",
+             "../corpus": "local", "/no/such/dir": "local", "~/no-such-corpus": "local", "books.txt": "local",
+             "data/part.parquet": "local", "a.json": "local", "missing/*.jsonl": "local", "shards/[ab]": "local"}
+    assert {source: fineweb.source_kind(source) for source in kinds} == kinds
+
+
+def test_flags_the_user_set_are_kept_and_reach_load_dataset(tmp_path, monkeypatch):
+    """--name and --prefix given by the user are not replaced by the per-source defaults; a hub dataset's --split is
+    passed on, and its empty --name is no config (None, not '')."""
+    import datasets
+
+    assert FinewebConfig(name="sample-100BT").name == "sample-100BT"
+    assert FinewebConfig(source="a.jsonl", prefix="mine").prefix == "mine"
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, **kw: calls.append((path, kw)) or [{"text": "a b"}])
+    main(["--source", "someone/my-data", "--split", "validation", "--out-dir", str(tmp_path), "--workers", "1",
+          "--val-tokens", "1"])
+    assert calls == [("someone/my-data", {"name": None, "split": "validation", "streaming": True})]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(txt_unit="lines"), "--txt-unit must be document, paragraph or line, got 'lines'"),
+    (dict(shard_size=2**31), r"--shard-size must be in \[1, 2\*\*31\), got 2147483648"),
+    (dict(val_tokens=0), r"--val-tokens must be -1 \(a default per source\) or in \[1, 2\*\*31\), got 0"),
+    (dict(val_tokens=2**31), r"--val-tokens must be -1 .*got 2147483648"),
+    (dict(workers=-1), "--workers and --max-tokens must be >= 0"),
+    (dict(max_tokens=-1), "--workers and --max-tokens must be >= 0"),
+], ids=["txt_unit", "shard_size", "val_tokens_0", "val_tokens_2**31", "workers", "max_tokens"])
+def test_config_refuses_values_out_of_range(kw, message):
+    """Each bound of the config, checked before anything is read (an int32 header count, a known --txt-unit)."""
+    with pytest.raises(ValueError, match=f"^{message}"):
+        FinewebConfig(source="a.txt", **kw)
+    FinewebConfig(source="a.txt", **{k: {"txt_unit": "line", "shard_size": 2**31 - 1, "val_tokens": 2**31 - 1,
+                                          "workers": 0, "max_tokens": 0}[k] for k in kw})  # the edge is accepted
 
 
 def test_max_tokens_below_val_tokens_names_max_tokens():

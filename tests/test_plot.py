@@ -47,3 +47,48 @@ def test_plot_errors(tmp_path):
         plot.main(["--log", str(empty)])
     with pytest.raises(SystemExit, match="--x must be 'step' or 'tokens'"):
         plot.main(["--log", str(empty), "--x", "time"])
+
+
+def test_plot_draws_the_series_of_the_log(tmp_path, monkeypatch):
+    """What is drawn, read back from the figure (a spy on savefig that runs the real one): the raw train loss and
+    its EMA (an independent recurrence), the val loss at its own x, acc_norm on a second panel with OpenAI's two
+    reference lines for a 124M config, all against tokens with --x tokens. The last config record counts, a re-logged
+    step's later record wins, and a torn last line (a run writing it right now) is left out."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: figures.append(self) or savefig(self, *a, **kw))
+    small = {"n_layer": 2, "n_embd": 32, "n_head": 4}
+    records = [{"type": "config", "step": 0, "model_config": small},
+               {"type": "config", "step": 0, "model_config": {"n_layer": 12, "n_embd": 768, "n_head": 12}}]
+    losses = [5.0, 4.0, 9.0, 3.0]
+    records += [{"type": "train", "step": s, "tokens": 100 * (s + 1), "loss": x} for s, x in enumerate(losses)]
+    records += [{"type": "train", "step": 2, "tokens": 300, "loss": 4.5}]  # a resumed run re-logs step 2
+    records += [{"type": "val", "step": s, "tokens": 100 * s, "val_loss": v} for s, v in ((0, 6.0), (2, 4.25))]
+    records += [{"type": "hellaswag", "step": s, "tokens": 100 * s, "acc": a, "acc_norm": n}
+                for s, a, n in ((0, 0.25, 0.26), (2, 0.24, 0.28))]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"type": "train", "step": 4, "tok')
+    plot.main(["--log", str(log), "--x", "tokens", "--smooth", "0.75"])
+    (fig,) = figures
+    loss_ax, hs_ax = fig.axes
+    raw, smoothed, val = loss_ax.get_lines()
+    losses[2] = 4.5
+    ema = [losses[0]]
+    for x in losses[1:]:
+        ema.append(0.75 * ema[-1] + 0.25 * x)
+    assert list(raw.get_xdata()) == list(smoothed.get_xdata()) == [100, 200, 300, 400]
+    assert list(raw.get_ydata()) == losses
+    assert list(smoothed.get_ydata()) == pytest.approx(ema, rel=1e-12)
+    assert (list(val.get_xdata()), list(val.get_ydata())) == ([0, 200], [6.0, 4.25])
+    acc_norm, gpt2, gpt3 = hs_ax.get_lines()
+    assert (list(acc_norm.get_xdata()), list(acc_norm.get_ydata())) == ([0, 200], [0.26, 0.28])
+    assert (list(gpt2.get_ydata()), list(gpt3.get_ydata())) == ([0.2955] * 2, [0.337] * 2)
+    assert loss_ax.get_xlabel() == hs_ax.get_xlabel() == "tokens"
+    figures.clear()
+    log.write_text("".join(json.dumps(r) + "\n" for r in [*records[1:], records[0]]))  # the small model's config last
+    plot.main(["--log", str(log), "--out", str(tmp_path / "small.png")])
+    (fig,) = figures
+    assert len(fig.axes[1].get_lines()) == 1  # no reference lines for another model
+    assert list(fig.axes[0].get_lines()[0].get_xdata()) == [0, 1, 2, 3]  # steps

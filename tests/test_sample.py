@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model import EOT, GPT, MODEL_PRESETS, get_tokenizer
-from sample import SampleConfig, decode_speed, generate_text, main
+from sample import SampleConfig, decode_speed, generate_text, main, read_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEED = re.compile(r"^(\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\)$", re.M)
@@ -165,6 +165,20 @@ def test_streaming_joins_utf8_split_across_tokens(enc):
     assert "\ufffd" not in out.getvalue()
 
 
+def test_a_sample_that_ends_inside_a_character_ends_in_a_replacement_character(enc):
+    """The bytes of a character that the last token leaves unfinished are not dropped: the decoder's final flush
+    turns them into U+FFFD, as tiktoken's decode of the same tokens does."""
+    text = " 日本語"
+    tokens = enc.encode(text)
+    cut = next(i for i in range(1, len(tokens) + 1) if not _is_utf8(b"".join(map(enc.decode_single_token_bytes,
+                                                                                   tokens[:i]))))
+    out = io.StringIO()
+    cfg = SampleConfig(prompt="A", num_samples=1, max_new_tokens=cut)
+    (result,) = generate_text(ScriptedModel(tokens), enc, cfg, "cpu", out=out)
+    assert result == enc.decode(tokens[:cut]) and result.endswith("\ufffd")
+    assert out.getvalue() == "A" + result + SEP
+
+
 def _is_utf8(b: bytes) -> bool:
     try:
         b.decode("utf-8")
@@ -190,6 +204,9 @@ def test_prompt_from_file_and_stdin_equal_literal(ckpt, tmp_path, monkeypatch, c
     assert capsys.readouterr().out.count(prompt) == 3
     with pytest.raises(SystemExit, match=r"^error: prompt file .*nope.txt does not exist"):
         main([*common, "--prompt", f"@{tmp_path / 'nope.txt'}"])
+    # only a leading @ names a file, and only a lone - is stdin: other prompts are the text itself
+    for text in ("mail me at a@b.c", " @notes.txt", "-", "--", "- a list", ""):
+        assert read_prompt(text, stdin=io.StringIO("from stdin")) == ("from stdin" if text == "-" else text)
 
 
 def test_prompt_file_errors_say_what_is_wrong(ckpt, tmp_path):
