@@ -70,6 +70,24 @@ def concat(out: Path) -> np.ndarray:
     return np.concatenate([read_shard(p) for p in shard_files(out)])
 
 
+def write_killed(cfg: FinewebConfig, monkeypatch, after: int) -> list[Path]:
+    """write_dataset(cfg) as if the process were killed (KeyboardInterrupt) while it made shard `after` + 1: the
+    paths of the `after` shards it wrote before that."""
+    real, written = fineweb.write_shard, []
+
+    def killed(path, tokens):
+        if len(written) == after:
+            raise KeyboardInterrupt
+        written.append(path)
+        real(path, tokens)
+
+    monkeypatch.setattr(fineweb, "write_shard", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(cfg)
+    monkeypatch.setattr(fineweb, "write_shard", real)
+    return written
+
+
 def numbered_shards(d: Path, lengths: list[int], split: str = "train") -> Path:
     """Shards whose tokens name their place: shard s holds s*5000 + 0, 1, 2, ..."""
     d.mkdir(parents=True, exist_ok=True)
@@ -543,21 +561,9 @@ def reference(tmp_path):
 
 def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, monkeypatch, reference, capsys):
     src, ref = reference
-    real = fineweb.write_shard
-    written = []
-
-    def killed_after_three(path, tokens):
-        if len(written) == 3:
-            raise KeyboardInterrupt  # as if killed while tokenizing the fourth shard
-        written.append(path)
-        real(path, tokens)
-
-    monkeypatch.setattr(fineweb, "write_shard", killed_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        write_dataset(cfg_for(src, tmp_path / "out", workers=2))
+    write_killed(cfg_for(src, tmp_path / "out", workers=2), monkeypatch, after=3)  # while tokenizing the fourth
     assert len(list((tmp_path / "out").glob("*.bin"))) == 3
     assert read_shard(tmp_path / "out" / "t_train_000002.bin")[-1] != EOT  # cut inside a document
-    monkeypatch.setattr(fineweb, "write_shard", real)
     capsys.readouterr()
     result = write_dataset(cfg_for(src, tmp_path / "out"))
     assert result["skipped_shards"] == 3 and len(ref) > 6
@@ -582,21 +588,8 @@ def test_killed_writer_resumes_at_the_file_of_its_first_missing_document(tmp_pat
     ref = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref"))
     assert ref["documents_read"] == 60 and not (tmp_path / "ref" / "t_parts.json").exists()  # gone once finished
     expected = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
-    real = fineweb.write_shard
-
     def interrupted(out: Path, kill_after: int) -> list[int]:
-        written = []
-
-        def killed(path, tokens):
-            if len(written) == kill_after:
-                raise KeyboardInterrupt
-            written.append(path)
-            real(path, tokens)
-
-        monkeypatch.setattr(fineweb, "write_shard", killed)
-        with pytest.raises(KeyboardInterrupt):
-            write_dataset(cfg_for(f"{src}/*.jsonl", out))
-        monkeypatch.setattr(fineweb, "write_shard", real)
+        write_killed(cfg_for(f"{src}/*.jsonl", out), monkeypatch, after=kill_after)
         return json.loads((out / "t_parts.json").read_text())["documents"]
 
     for workers, kill_after in [(1, k) for k in range(3, len(expected) - 1)] + [(2, 3)]:
@@ -628,19 +621,7 @@ def test_resume_skips_every_file_its_kept_documents_fill_exactly(tmp_path, monke
     settings = {"shard_size": 300, "val_tokens": 200}
     write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref", **settings))
     expected = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
-    real = fineweb.write_shard
-    written = []
-
-    def killed_after_three(path, tokens):
-        if len(written) == 3:
-            raise KeyboardInterrupt
-        written.append(path)
-        real(path, tokens)
-
-    monkeypatch.setattr(fineweb, "write_shard", killed_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "out", **settings))
-    monkeypatch.setattr(fineweb, "write_shard", real)
+    written = write_killed(cfg_for(f"{src}/*.jsonl", tmp_path / "out", **settings), monkeypatch, after=3)
     kept = sum(int((read_shard(p) == EOT).sum()) for p in written)  # documents the kept shards began
     result = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "out", **settings))
     assert result["skipped_shards"] == 3 and result["documents_read"] == 20 - (kept - 2) < 20
@@ -720,21 +701,9 @@ def test_interrupted_rewrite_of_a_changed_source_keeps_no_shard_of_the_old_one(t
     assert len(shard_files(out)) > 6
     edited = ["A" + docs[0][1:], *docs[1:]]  # the old shards after the first stay full-size and valid
     write_jsonl(src, edited)
-    real = fineweb.write_shard
-    written = []
-
-    def killed_after_two(path, tokens):
-        if len(written) == 2:
-            raise KeyboardInterrupt
-        written.append(path.name)
-        real(path, tokens)
-
-    monkeypatch.setattr(fineweb, "write_shard", killed_after_two)
-    with pytest.raises(KeyboardInterrupt):
-        write_dataset(cfg_for(src, out))
+    written = [p.name for p in write_killed(cfg_for(src, out), monkeypatch, after=2)]
     assert written == ["t_val_000000.bin", "t_train_000001.bin"]
     assert [p.name for p in shard_files(out)] == written  # the old run's train shards 2, 3, ... are gone
-    monkeypatch.setattr(fineweb, "write_shard", real)
     assert write_dataset(cfg_for(src, out))["skipped_shards"] == 2
     assert np.array_equal(concat(out), expected_tokens(edited))
 
@@ -744,19 +713,7 @@ def test_input_edited_between_an_interrupted_run_and_its_rerun_is_written_anew(t
     # shard) must be caught by the input files' fingerprint, or the old val shard would stay beside new train shards
     docs = make_docs(70, seed=9)
     src = write_jsonl(tmp_path / "docs.jsonl", docs)
-    real = fineweb.write_shard
-    written = []
-
-    def killed_after_three(path, tokens):
-        if len(written) == 3:
-            raise KeyboardInterrupt
-        written.append(path)
-        real(path, tokens)
-
-    monkeypatch.setattr(fineweb, "write_shard", killed_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        write_dataset(cfg_for(src, tmp_path / "out"))
-    monkeypatch.setattr(fineweb, "write_shard", real)
+    write_killed(cfg_for(src, tmp_path / "out"), monkeypatch, after=3)
     edited = ["EDITED " + docs[0], *docs[1:]]
     write_jsonl(src, edited)
     capsys.readouterr()
@@ -886,21 +843,9 @@ def test_resume_where_documents_are_longer_than_a_shard(tmp_path, monkeypatch):
     ref = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
     starts = [int((read_shard(tmp_path / "ref" / name) == EOT).sum()) for name in ref]
     assert {0, 1} <= set(starts[1:-1])  # both kinds of shard, not only shards that begin two documents or more
-    real = fineweb.write_shard
     for kill_after in range(2, len(ref)):
         out = tmp_path / f"out{kill_after}"
-        written = []
-
-        def killed(path, tokens, written=written, kill_after=kill_after):
-            if len(written) == kill_after:
-                raise KeyboardInterrupt
-            written.append(path)
-            real(path, tokens)
-
-        monkeypatch.setattr(fineweb, "write_shard", killed)
-        with pytest.raises(KeyboardInterrupt):
-            write_dataset(cfg_for(src, out, **settings))
-        monkeypatch.setattr(fineweb, "write_shard", real)
+        write_killed(cfg_for(src, out, **settings), monkeypatch, after=kill_after)
         result = write_dataset(cfg_for(src, out, **settings))
         assert result["skipped_shards"] == kill_after, kill_after
         assert {p.name: p.read_bytes() for p in shard_files(out)} == ref, kill_after
