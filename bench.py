@@ -92,6 +92,7 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = ()  # micro-batch sweep; the largest is the others' B; () = 16,32,64 CUDA, 4 CPU
     grad_accum: int = 1  # micro-steps per timed optimizer step (train.train_step's gradient accumulation)
     variants: str = "all"  # train variants (comma list) or all; names in default_variants(), e.g. eager,compile
+    profile: bool = True  # profile one extra step per train row: the attention kernel and where the time goes
     trace_variant: str = ""  # also write this variant's profiled step as a Chrome/Perfetto trace, trace_NAME.json.gz
     # beside --out ('' = none)
     # kernel suite
@@ -386,8 +387,11 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         ms = time_ms(step, device, cfg.steps)
         # one more, untimed step under the profiler; a CUDA graph's replay launches kernels without the aten ops the
         # profiler names, so the graph modes get neither the attention kernel nor the breakdown
-        attention, breakdown, ms_after = "n/a (graph)", None, None
-        if not train.uses_cuda_graphs(tcfg, device):
+        attention, breakdown, ms_after, launch = "n/a (graph)", None, None, None
+        if not cfg.profile:
+            attention = "n/a (--profile false)"
+        elif not train.uses_cuda_graphs(tcfg, device):
+            launch_before = launch_us(device)
             try:
                 trace = None
                 if variant.name == cfg.trace_variant:  # a name the device runner returns: letters, digits, . _ -
@@ -396,8 +400,11 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
             except Exception as e:  # a diagnostic: a profiler that fails (CUPTI) must not cost the row its timing
                 attention = f"n/a (profiler: {reason(e)[:60]})"
             # CUPTI left active after a CUDA profile has slowed later work by 10-20% (pytorch issue 144455): time a
-            # few steps again, so a row slower after its profile says so instead of skewing the rows after it
-            ms_after = statistics.median(time_ms(step, device, min(cfg.steps, 5)))
+            # few steps again (the first, untimed, takes any teardown cost), and the host's cost of a kernel launch,
+            # which a GPU-bound step would hide; a row slower after its profile says so instead of skewing the rows
+            # after it
+            ms_after = statistics.median(time_ms(step, device, max(3, min(cfg.steps, 5)), warmup=1))
+            launch = (launch_before, launch_us(device))
     # the last timed step's loss: the attention probe above adds a step to some rows but not to CUDA-graph rows,
     # and dloss compares rows after the same number of steps
     loss = losses[cfg.warmup + cfg.steps - 1].item()
@@ -416,8 +423,8 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         "tokens_per_step": tokens_per_step, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
         "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak_flops),
         "peak_mem_bytes": peak, "mem_metric": mem_metric, "warmup_s": warmup_s, "loss": loss, "attention": attention,
-        "breakdown": breakdown, "ms_after_profile": ms_after,
-        **({"note": note} if (note := profiler_note(median, ms_after, device)) else {}),
+        "breakdown": breakdown, "ms_after_profile": ms_after, "launch_us_before_after_profile": launch,
+        **({"note": note} if (note := profiler_note(median, ms_after, device, launch)) else {}),
         "params": raw.num_params(), "module": type(model).__name__,  # GPT, OptimizedModule (compiled) or DDP's
     }
 
@@ -428,15 +435,17 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
 # in the bucket of the first op this order lists; its matmul templates start with triton_tem.
 STEP_PARTS = (
     ("comm", r"nccl|allreduce|all_reduce|reduce_scatter|allgather|all_gather"),
-    ("copy", r"^memcpy|^memset|copy_kernel|^aten::(copy_|_to_copy|clone|contiguous)$"),
-    ("attention", r"flash|fmha|sdpa|attention|_scaled_dot_product"),
+    ("copy", r"^memcpy|^memset|copy_kernel|^triton_[a-z]+_fused__to_copy_\d+$"  # casts alone, eager or compiled
+             r"|^aten::(copy_|_to_copy|clone|contiguous)$"),
+    # not Inductor's kernels named after the SDPA op they feed (layouts, c_attn's bias gradient): the kernels proper
+    ("attention", r"^(?!triton_).*(flash|fmha|sdpa|attention)|^aten::_scaled_dot_product"),
     ("matmul", r"^triton_tem|^(?!triton).*(gemm|nvjet|cutlass|xmma|wgmma|s16816|cublas|splitk)"
                r"|^aten::(b|add|baddb)?mm$"),
     ("optimizer", r"adam|multi_tensor|foreach|vector_norm"),  # AdamW and the gradient clipping's norm and scaling
     ("loss", r"softmax|nll_loss|cross_entropy"),
-    ("norm", r"layer_?norm"),
+    ("norm", r"layer_?norm|gammabetabackward"),  # eager LayerNorm's weight/bias gradient kernel
     ("gelu", r"gelu"),
-    ("embedding", r"embedding|index_select|index_put|indexing_backward|scatter|gather"),
+    ("embedding", r"embedding|index_?select|index_put|indexing_backward|scatter|gather"),
 )
 
 
@@ -446,14 +455,35 @@ def step_part(name: str) -> str:
     return next((part for part, pattern in STEP_PARTS if re.search(pattern, low)), "other")
 
 
-def profiler_note(ms: float, ms_after: float | None, device: torch.device) -> str:
-    """A warning when the steps timed after the row's CUDA profile ran more than 5% slower than those before it: the
-    profiler's CUPTI hooks may then still be slowing the GPU, and every later row with them ('' otherwise; on CPU the
-    profiler leaves nothing behind, and a busy machine's noise would only raise false alarms)."""
-    if device.type != "cuda" or ms_after is None or ms_after <= 1.05 * ms:
+def launch_us(device: torch.device, n: int = 2000) -> float:
+    """The host's microseconds per launch of a tiny kernel (n in a row): what CUPTI hooks left behind slow first."""
+    x = torch.zeros(1, device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1)
+    us = (time.perf_counter() - t0) / n * 1e6
+    sync(device)
+    return us
+
+
+def profiler_note(ms: float, ms_after: float | None, device: torch.device,
+                  launch: tuple[float, float] | None = None) -> str:
+    """A warning when, after the row's CUDA profile, its steps ran more than 5% slower than before it or a kernel
+    launch cost the host more than 1.2x as much: the profiler's CUPTI hooks may then still be active, slowing every
+    later row ('' otherwise; on CPU the profiler leaves nothing behind, and a busy machine's noise would only raise
+    false alarms)."""
+    if device.type != "cuda":
         return ""
-    return (f"{ms_after / ms - 1:.0%} slower after the profiler ran: later rows may be slowed too; compare them with "
-            "--variants NAME alone")
+    slower = []
+    if ms_after is not None and ms_after > 1.05 * ms:
+        slower.append(f"steps {ms_after / ms - 1:.0%}")
+    if launch is not None and launch[1] > 1.2 * launch[0]:
+        slower.append(f"kernel launches {launch[1] / launch[0] - 1:.0%}")
+    if not slower:
+        return ""
+    return (f"{' and '.join(slower)} slower after the profiler ran: later rows may be slowed too; compare them with "
+            "--variants NAME alone, or run with --profile false")
 
 
 def covered_us(intervals: list[tuple[float, float]]) -> float:
@@ -530,6 +560,9 @@ def profile_step(step: Callable[[], Any], device: torch.device,
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:10]
     return ",".join(found) or "math", {
         "source": "cuda kernels" if device.type == "cuda" else "cpu aten ops (self time)",
+        # the table's denominator: the timed ms/step on CUDA (kernel times hardly change under the profiler), the
+        # profiled step's own wall time on CPU (the profiler slows CPU ops)
+        "basis": "ms_per_step" if device.type == "cuda" else "wall_ms",
         "busy_ms": busy / 1000, "parts_ms": parts, "wall_ms": wall_ms,
         "top": [{"name": name[:160], "part": part, "ms": ms, "calls": int(calls)}
                 for (name, part), (ms, calls) in top]}
@@ -991,9 +1024,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(BenchConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     try:
         cfg = resolve(cfg)
-        select_variants(cfg)  # a misspelt --variants fails now, not after the other suites ran
+        names = [v.name for v in select_variants(cfg)]  # a misspelt --variants fails now, not after the other suites
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    if cfg.trace_variant and cfg.trace_variant not in names and cfg.suite in ("all", "train"):
+        # a note, not an error: scripts/gpu_suite.sh asks for the compile row's trace in calls that run other rows
+        print(f"note: --trace-variant {cfg.trace_variant} is not among the train variants to run "
+              f"({', '.join(names)}): no trace is written", file=sys.stderr)
     device = torch.device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
