@@ -405,8 +405,8 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
             # after it
             ms_after = statistics.median(time_ms(step, device, max(3, min(cfg.steps, 5)), warmup=1))
             launch = (launch_before, launch_us(device))
-    # the last timed step's loss: the attention probe above adds a step to some rows but not to CUDA-graph rows,
-    # and dloss compares rows after the same number of steps
+    # the last timed step's loss: the profile and the steps timed after it run in some rows but not in CUDA-graph
+    # rows, and dloss compares rows after the same number of steps
     loss = losses[cfg.warmup + cfg.steps - 1].item()
     if not math.isfinite(loss):  # a step that diverged is not a training step worth timing
         raise FloatingPointError(f"loss is {loss} after {len(losses)} steps")
@@ -506,9 +506,9 @@ def profile_step(step: Callable[[], Any], device: torch.device,
     kernels that overlap on two streams count once there (the buckets may then add up to more than busy_ms); on CPU
     each recorded op's self time (aten ops, autograd nodes, record_function ranges; its children's time excluded) in
     the bucket of its name, or in "optimizer" when it ran inside optimizer.step(), and busy_ms = their sum. wall_ms is
-    the profiled step's own time, the profiler's overhead included. Also the
-    ten names that took the most time. None for the breakdown when the profiler recorded nothing to time. `trace`, when
-    given, gets the profile as a Chrome/Perfetto trace (gzipped when it ends in .gz)."""
+    the profiled step's own time, the profiler's overhead included. Also the ten names that took the most time. None
+    for the breakdown when the profiler recorded nothing to time. `trace`, when given, gets the profile as a
+    Chrome/Perfetto trace (gzipped when it ends in .gz)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -526,6 +526,7 @@ def profile_step(step: Callable[[], Any], device: torch.device,
     events = prof.events()
     names = {e.name for e in events if e.name.startswith("aten::_scaled_dot_product")}
     found = [k for k in ("flash", "cudnn", "efficient") if any(f"_{k}_" in n or n.endswith(f"_{k}") for n in names)]
+    attention = ",".join(found) or "math"
 
     def in_optimizer_step(e: Any) -> bool:  # torch.optim wraps step() in a record_function named Optimizer.step#...
         while e is not None:
@@ -534,7 +535,7 @@ def profile_step(step: Callable[[], Any], device: torch.device,
             e = e.cpu_parent
         return False
 
-    timed: list[tuple[str, str, float]] = []  # (name, bucket, microseconds)
+    timed: list[tuple[str, str, float]]  # (name, bucket, microseconds)
     if device.type == "cuda":
         # record_function ranges also appear on the GPU's timeline (gpu_user_annotation), spanning kernels that are
         # counted already
@@ -549,7 +550,7 @@ def profile_step(step: Callable[[], Any], device: torch.device,
                  for e in ops]
         busy = sum(us for _, _, us in timed)
     if not timed:  # a profiler that recorded no kernel (no CUPTI) has no breakdown to give, not an idle device
-        return ",".join(found) or "math", None
+        return attention, None
     parts = dict.fromkeys([*(p for p, _ in STEP_PARTS), "other"], 0.0)
     by_name: dict[tuple[str, str], list[float]] = {}  # (name, bucket) -> [ms, calls]: a CPU op may be in two buckets
     for name, part, us in timed:
@@ -558,7 +559,7 @@ def profile_step(step: Callable[[], Any], device: torch.device,
         total[0] += us / 1000
         total[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:10]
-    return ",".join(found) or "math", {
+    return attention, {
         "source": "cuda kernels" if device.type == "cuda" else "cpu aten ops (self time)",
         # the table's denominator: the timed ms/step on CUDA (kernel times hardly change under the profiler), the
         # profiled step's own wall time on CPU (the profiler slows CPU ops)
@@ -977,7 +978,6 @@ def format_table(result: dict[str, Any]) -> str:
         profiled = [r for r in result["train"] if r.get("status") == "ok" and r.get("breakdown")]
         if profiled:
             parts = list(profiled[0]["breakdown"]["parts_ms"])
-
             cuda = profiled[0]["breakdown"]["source"] == "cuda kernels"
 
             def step_ms(r: dict[str, Any]) -> float:  # kernel times hardly change under the profiler, op times do
