@@ -306,14 +306,14 @@ class TokenLoader:
                 "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`; it must come from a loader over the same shards, B, T and seed (the world size may
-        differ: the position is mapped onto the new ranks)."""
+        """Continue from `state`; it must come from a loader over the same shards, T and seed. The world size and B
+        may differ: the position is mapped onto the new ranks and, for another B, onto the new grid of windows."""
         if "epoch" in state:  # (epoch, step within it) from the loader that dropped each epoch's last windows
             raise DataError(f"cannot resume the {self.split} loader: its state (epoch={state['epoch']!r}, "
                             f"step={state.get('step')!r}) was written by an older loader that dropped windows at each "
                             "epoch's end, and has no equivalent position here; start a fresh run")
         mine = self.state_dict()
-        for key, what in (("split", "split"), ("B", "--batch-size"), ("T", "--seq-len"), ("seed", "--seed"),
+        for key, what in (("split", "split"), ("T", "--seq-len"), ("seed", "--seed"),
                           ("shards", "shard files"), ("shard_tokens", "shard sizes")):
             theirs = state.get(key)
             if theirs != mine[key]:
@@ -329,7 +329,10 @@ class TokenLoader:
                     detail = f"{key}={theirs!r} in the checkpoint but {mine[key]!r} here"
                 raise DataError(f"cannot resume the {self.split} loader: {detail}; resume with the same {what} "
                                 "or start a fresh run")
-        step, world = state.get("step"), state.get("world_size")
+        step, world, old_b = state.get("step"), state.get("world_size"), state.get("B")
+        if not isinstance(old_b, int) or isinstance(old_b, bool) or old_b < 1:
+            raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b!r} is not a count of "
+                            "sequences >= 1; the checkpoint is corrupt, start a fresh run")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise DataError(f"cannot resume the {self.split} loader: its position step={step!r} is not a count of "
                             "batches >= 0; the checkpoint is corrupt, start a fresh run")
@@ -340,7 +343,31 @@ class TokenLoader:
         # a run preempted on 8 GPUs can go on with 4: the old ranks served the first step * world windows, and the
         # new ones start at the first multiple of the new world size at or after that, skipping fewer windows than
         # one step has ranks and serving none twice.
-        self.step = -(-step * world // self.world_size)
+        served = step * world if old_b == self.B else self._regrid(step * world, old_b)
+        self.step = -(-served // self.world_size)
+
+    def _regrid(self, served: int, old_b: int) -> int:
+        """The global window of this loader's grid at which to go on after `served` windows of old_b * T tokens.
+
+        The old windows served are a prefix of the old stream: epoch e's shards in its order, the first ones read
+        whole and the last, shard i, up to some token. Another B cuts the same shards into other windows, in the
+        same shard order, so the new position is shard i's first new window that starts at or after that token:
+        nothing is served twice. Skipped: less than one new window at the cut, and the new windows in the tails of
+        the shards already read, which the old windows never reached either (a resume on a larger B skips fewer).
+        A run moved from an 80 GB to a 40 GB GPU halves --batch-size and keeps its place in the data."""
+        lengths = np.array([len(s) for s in self._shards], dtype=np.int64)
+        old = np.maximum(lengths - 1, 0) // (old_b * self.T)  # windows per shard on the old grid
+        if not old.sum():
+            raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b} leaves no window of "
+                            f"B*T+1 tokens in any shard, so it served none; the checkpoint is corrupt, start a fresh "
+                            "run")
+        epoch, w = divmod(served, int(old.sum()))
+        order = self.shard_order(epoch)
+        cum_old, cum_new = np.cumsum(old[order]), np.cumsum(self._windows[order])
+        i = int(np.searchsorted(cum_old, w, side="left"))  # the shard holding the last window served (0 if none)
+        done = w - (int(cum_old[i - 1]) if i else 0)  # old windows served from shard order[i]
+        within = min(-(-done * old_b // self.B), int(self._windows[order[i]]))
+        return epoch * self.num_windows + (int(cum_new[i - 1]) if i else 0) + within
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -579,6 +579,10 @@ def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
         set_optimizer_state_dict(raw, optimizer, ckpt["optimizer"], options=opts)
     if loader is not None:
         loader.load_state_dict(ckpt["loader"])
+        if ckpt["loader"]["B"] != loader.B and rank == 0:
+            print(f"note: the checkpoint's micro-batch was {ckpt['loader']['B']} sequences, this run's is {loader.B}: "
+                  "the data goes on where it was, cut into windows of the new size (none served twice), and the "
+                  "optimizer step keeps --total-batch-size tokens")
     if scaler and ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     if len(ckpt["rng"]) == world_size:

@@ -1001,8 +1001,13 @@ def test_resume_gives_the_batches_an_uninterrupted_run_would(tmp_path, world, sp
 def test_resume_state_that_does_not_match_is_refused(tmp_path):
     data = numbered_shards(tmp_path, LENGTHS)
     state = TokenLoader(str(data), "train", B, T, 0, 2, seed=3).state_dict()
-    with pytest.raises(DataError, match=r"B=2 in the checkpoint but 4 here; resume with the same --batch-size"):
-        TokenLoader(str(data), "train", 4, T, 0, 2, seed=3).load_state_dict(state)
+    with pytest.raises(DataError, match=r"T=16 in the checkpoint but 8 here; resume with the same --seq-len"):
+        TokenLoader(str(data), "train", B, 8, 0, 2, seed=3).load_state_dict(state)
+    for bad in (0, None, True):
+        with pytest.raises(DataError, match=rf"its batch size B={bad} is not a count of sequences >= 1"):
+            TokenLoader(str(data), "train", 4, T, 0, 2, seed=3).load_state_dict({**state, "B": bad})
+    with pytest.raises(DataError, match=r"B=1000 leaves no window of B\*T\+1 tokens in any shard"):
+        TokenLoader(str(data), "train", 4, T, 0, 2, seed=3).load_state_dict({**state, "B": 1000})
     with pytest.raises(DataError, match="seed=3 in the checkpoint but 4 here"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=4).load_state_dict(state)
     with pytest.raises(DataError, match="step=-1 is not a count of batches"):
@@ -1044,6 +1049,52 @@ def test_resume_on_another_world_size_goes_on_with_the_same_stream(tmp_path, old
     assert new[0].step * new_world == start
     after = [int(x[0, 0]) for _ in range(30) for loader in new for x, _ in [loader.next_batch()]]
     assert after == stream[start:start + 30 * new_world]
+
+
+@pytest.mark.parametrize(("old_b", "new_b", "old_world", "new_world", "split_at"), [
+    # epoch 0 reads shards 4, 2, 1, 3, 0, which hold 2, 24, 48, 62, 31 windows at B=2; 1, 16, 32, 41, 20 at B=3;
+    # and 4, 48, 96, 125, 62 at B=1
+    (2, 3, 2, 3, 40),  # larger windows on more ranks: 80 of 167 windows served, 110 per epoch on the new grid
+    (2, 3, 1, 1, 40),  # 14 of shard 1's windows of 32 tokens served: its 10th of 48 tokens (448 = 14 * 32 / 48 up)
+    (2, 3, 1, 1, 136),  # shard 3 read to its end (1984 tokens), past its last window of 48: on to shard 0
+    (3, 1, 2, 1, 45),  # shard 3 read to its end at B=3 (1968 tokens): its 2 windows of 16 beyond are still served
+    (2, 4, 1, 2, 150),  # 150 of 167 windows served; the new grid has 83 per epoch
+    (4, 2, 3, 2, 60),  # 180 windows served of the 83 per epoch at B=4: the cut is in epoch 2
+    (3, 2, 2, 1, 55),  # 110 served, exactly one epoch at B=3: the new ranks start epoch 1's first window
+])
+def test_resume_with_another_batch_size_goes_on_where_the_old_windows_stopped(tmp_path, old_b, new_b, old_world,
+                                                                              new_world, split_at):
+    # a run moved to a GPU with less memory resumes with a smaller --batch-size: the shards are cut into other
+    # windows, and the new ranks must start at the first new window after which no window holds a token the old
+    # ranks served in that epoch (so none is served twice and as few as possible are skipped), rounded up to a
+    # whole step of the new ranks
+    data = numbered_shards(tmp_path, LENGTHS)
+    old = [TokenLoader(str(data), "train", old_b, T, r, old_world, seed=3) for r in range(old_world)]
+    served: dict[int, set[int]] = {}  # epoch -> the x tokens the old ranks served in it
+    for _ in range(split_at):
+        for loader in old:
+            epoch = loader.epoch
+            served.setdefault(epoch, set()).update(loader.next_batch()[0].flatten().tolist())
+    cut = split_at * old_world // old[0].num_windows  # the epoch the next old window would be in
+    new = [TokenLoader(str(data), "train", new_b, T, r, new_world, seed=3) for r in range(new_world)]
+    for loader in new:
+        loader.load_state_dict(old[0].state_dict())
+
+    def windows(epoch: int) -> list[range]:  # the new grid's windows' x tokens, in serving order (brute force)
+        order = np.random.default_rng((3, epoch)).permutation(len(LENGTHS))
+        return [range(s * 5000 + new_b * T * j, s * 5000 + new_b * T * (j + 1))
+                for s in order for j in range((LENGTHS[s] - 1) // (new_b * T))]
+
+    grid = windows(cut)
+    first = next(k for k in range(len(grid) + 1) if not any(served.get(cut, set()).intersection(w) for w in grid[k:]))
+    start = -(-(cut * len(grid) + first) // new_world) * new_world
+    assert new[0].step * new_world == start and new[0].num_windows == len(grid)
+    stream = grid + windows(cut + 1)
+    after = [int(x[0, 0]) for _ in range(20) for loader in new for x, _ in [loader.next_batch()]]
+    assert after == [w.start for w in stream[start - cut * len(grid):][:20 * new_world]]
+    if cut == split_at * old_world / old[0].num_windows:  # the old ranks stopped at an epoch's end: nothing skipped
+        assert start == cut * len(grid)
+    assert not served.get(cut, set()).intersection(t for w in stream[start - cut * len(grid):len(grid)] for t in w)
 
 
 def test_ids_beyond_the_vocabulary_are_a_data_error_that_names_the_shard(tmp_path):

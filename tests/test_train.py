@@ -938,6 +938,25 @@ def test_tokens_axis_survives_a_resume_with_another_total_batch(token_data, tmp_
     assert load_checkpoint(tmp_path / "ckpt_000004.pt")["tokens"] == 1536
 
 
+def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_batch(token_data, tmp_path, capsys):
+    # moved to a GPU with other memory, a run resumes with another --batch-size: grad accumulation changes so the
+    # step keeps its 512 tokens, and the loader goes on after the 4 windows of 4 x 64 tokens served, which are 2
+    # windows of 8 x 64 (both runs read the same first shard of the seeded order)
+    common = ["--eval-every=0", "--ckpt-every=2", "--max-steps=4"]
+    train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=2"))  # the tiny preset: B=4, 2 micro-steps
+    loader = load_checkpoint(tmp_path / "ckpt_000002.pt")["loader"]
+    assert (loader["B"], loader["step"]) == (4, 4)
+    capsys.readouterr()
+    result = train.main(tiny_args(token_data, tmp_path, *common, "--batch-size=8", "--resume=auto"))
+    out = capsys.readouterr().out
+    assert "note: the checkpoint's micro-batch was 4 sequences, this run's is 8: the data goes on where it was" in out
+    assert "512 tokens/step = 8 x 64 x 1 ranks x 1 accum" in out and all(map(math.isfinite, result["losses"]))
+    loader = load_checkpoint(tmp_path / "ckpt_000004.pt")["loader"]
+    assert (loader["B"], loader["step"]) == (8, 4)
+    tokens = [r["tokens"] for r in train.iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
+    assert tokens == [512, 1024, 1536, 2048]
+
+
 def test_eval_only_needs_no_total_batch_and_hub_failures_are_one_line(token_data, tmp_path, capsys):
     # nothing trains, so a total batch the micro-batch does not divide is no reason to refuse
     # and it evaluates once, whatever --eval-every says
