@@ -111,7 +111,7 @@ class TrainConfig:
     sample_prompt: str = "Hello, I'm a language model,"  # prompt for the in-training samples
     # checkpoints and logs
     out_dir: str = "out/gpt2-124m"  # checkpoints, log.jsonl and profiler traces go here
-    ckpt_every: int = 5000  # checkpoint every N steps (and at the end, and on SIGTERM); 0 = only at the end
+    ckpt_every: int = 5000  # checkpoint every N steps (and at the end, on SIGTERM and Ctrl-C); 0 = only at the end
     keep_last: int = 3  # keep the newest K checkpoints (0 = all)
     keep_every: int = 0  # never delete a checkpoint whose step is a multiple of N (0 = none; llm.c's -nm)
     resume: str = ""  # '' (fresh run), 'auto' (latest valid checkpoint in out_dir) or a checkpoint path
@@ -665,25 +665,39 @@ def precision(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtype, cont
 
 
 class StopFlags:
-    """SIGTERM (cloud preemption) and the wall-clock budget: checked once per step, agreed across ranks."""
+    """SIGTERM (cloud preemption), Ctrl-C and the wall-clock budget: checked once per step, agreed across ranks.
 
-    def __init__(self, max_minutes: float):
-        self.term = False
+    The first Ctrl-C (SIGINT) stops the run as SIGTERM does, after the step with a checkpoint, so that stopping a
+    run by hand does not lose the steps since its last one; a second quits at once, as Python's own handler would.
+    Under torchrun the agent takes the terminal's Ctrl-C and sends the workers SIGINT, then SIGKILL 30 s later."""
+
+    def __init__(self, max_minutes: float, interrupt: bool = True, master: bool = True):
+        self.term: str | None = None  # the first signal this rank received: "SIGTERM" or "SIGINT"
+        self.signal = "SIGTERM"  # after should_stop said "signal": SIGTERM if any rank had it, else SIGINT
+        self.master = master
         self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-            signal.signal(signal.SIGTERM, self._on_term)  # main() puts the caller's back when it returns
+            signal.signal(signal.SIGTERM, self._on_signal)  # main() puts the caller's handlers back when it returns
+            if interrupt:  # not for --eval-only, which has no step to stop after: Ctrl-C quits it at once
+                signal.signal(signal.SIGINT, self._on_signal)
 
-    def _on_term(self, *_: Any) -> None:
-        self.term = True
+    def _on_signal(self, signum: int, *_: Any) -> None:
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C raises KeyboardInterrupt
+            if self.master:  # os.write, not print: a handler that prints can land inside the loop's own print
+                os.write(2, b"\nCtrl-C: stopping after this step, with a checkpoint; Ctrl-C again quits now\n")
+        self.term = self.term or signal.Signals(signum).name
 
     def should_stop(self, device: torch.device, world_size: int) -> str | None:
         """"signal", "max_time" or None, the same on every rank: one rank's signal stops them all at this step."""
-        flags = [self.term, self.deadline is not None and time.time() > self.deadline]
+        flags = [self.term == "SIGTERM", self.term == "SIGINT",
+                 self.deadline is not None and time.time() > self.deadline]
         if world_size > 1:
             agreed = torch.tensor(flags, dtype=torch.float32, device=device)
             dist.all_reduce(agreed)
             flags = (agreed > 0).tolist()
-        return "signal" if flags[0] else "max_time" if flags[1] else None
+        self.signal = "SIGTERM" if flags[0] else "SIGINT"
+        return "signal" if flags[0] or flags[1] else "max_time" if flags[2] else None
 
 
 def open_log(path: Path, resume_step: int | None) -> Any:
@@ -741,7 +755,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     owns_group = not dist.is_initialized()
     rank, local_rank, world, device = setup_distributed(cfg)
     master = rank == 0
-    on_term, attention = signal.getsignal(signal.SIGTERM), sdpa_switches()
+    handlers, attention = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}, sdpa_switches()
     try:
         result = _train(cfg, rank, local_rank, world, device, master)
         if dist.is_initialized():
@@ -751,11 +765,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             dist.barrier()
         return result
     finally:
-        # StopFlags' handler must not outlive the run in a process that goes on (tests, a notebook): it would swallow
-        # SIGTERM there and in every process forked later, e.g. a multiprocessing.Pool, whose terminate() then
-        # waits forever for workers that ignore it
-        if on_term is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, on_term)
+        # StopFlags' handlers must not outlive the run in a process that goes on (tests, a notebook): they would
+        # swallow SIGTERM there and in every process forked later, e.g. a multiprocessing.Pool, whose terminate()
+        # then waits forever for workers that ignore it, and a notebook's Ctrl-C
+        for sig, handler in handlers.items():
+            if handler is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(sig, handler)
         set_sdpa_switches(attention)  # likewise --attention's choice, or a later SDPA call could find no kernel
         if owns_group and dist.is_initialized():  # a group the caller made is the caller's to destroy
             dist.destroy_process_group()
@@ -978,7 +993,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
 
     # the guard reads the loss and norm on the host before the optimizer step: one sync more, so only when asked
     guard = update if cfg.skip_loss_z > 0 or cfg.skip_norm_z > 0 else None
-    stop = StopFlags(cfg.max_time)
+    stop = StopFlags(cfg.max_time, interrupt=not cfg.eval_only, master=master)
     profiler = None
     profile_at = start_step + 2  # after the first steps' compilation and allocator warmup
     recent_ms: list[float] = []
@@ -1076,7 +1091,8 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             result["checkpoint"] = str(path)
         if stopping:
             if master:
-                why = "SIGTERM" if stopping == "signal" else f"--max-time {cfg.max_time} min"
+                why = {"SIGTERM": "SIGTERM", "SIGINT": "Ctrl-C"}[stop.signal] if stopping == "signal" \
+                    else f"--max-time {cfg.max_time} min"
                 print(f"stopping after step {step} ({why}); resume with --resume auto")
             result["stopped"] = stopping
             break

@@ -651,6 +651,21 @@ def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
     assert len(more["losses"]) == 2
 
 
+def test_ctrl_c_checkpoints_and_exits_cleanly(token_data, tmp_path):
+    cmd = [sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_first_step(proc, tmp_path / "log.jsonl")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:  # a run of 100,000 steps must not outlive a failed test
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "Ctrl-C: stopping after this step, with a checkpoint" in err and "KeyboardInterrupt" not in err
+    step = int(re.search(r"stopping after step (\d+) \(Ctrl-C\); resume with --resume auto", out)[1])
+    assert [load_checkpoint(path)["step"] for path in tmp_path.glob("ckpt_*.pt")] == [step + 1]
+
+
 @pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
     # a preempted node may signal only its own workers: rank 1's SIGTERM must stop rank 0 at the same step, with a
@@ -695,6 +710,30 @@ def test_stop_flags_budget_is_in_minutes_and_a_signal_is_named_first():
         assert flags.term and flags.should_stop(cpu, 1) == "signal"  # both reasons at once: the signal is named
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_first_ctrl_c_asks_for_a_stop_and_the_second_quits_at_once(capfd):
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        flags = train.StopFlags(0)
+        cpu = torch.device("cpu")
+        signal.raise_signal(signal.SIGINT)
+        assert flags.term == "SIGINT" and flags.should_stop(cpu, 1) == "signal" and flags.signal == "SIGINT"
+        assert "Ctrl-C: stopping after this step, with a checkpoint; Ctrl-C again quits now" in capfd.readouterr().err
+        signal.raise_signal(signal.SIGTERM)  # the first signal is the one this rank names
+        assert flags.term == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        quiet = train.StopFlags(0, master=False)  # only rank 0 says it
+        signal.raise_signal(signal.SIGINT)
+        assert quiet.term == "SIGINT" and capfd.readouterr().err == ""
+        train.StopFlags(0, interrupt=False)  # --eval-only: Ctrl-C is Python's
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
 
 
 def test_max_time_budget_checkpoints_and_stops(token_data, tmp_path, capsys):
@@ -790,17 +829,22 @@ def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(token_data, tmp_
     assert message in capsys.readouterr().err
 
 
-def test_main_gives_the_callers_sigterm_handler_back(token_data, tmp_path):
-    # the run's preemption handler must not outlive it in a process that goes on (and in the processes it forks)
+def test_main_gives_the_callers_signal_handlers_back(token_data, tmp_path):
+    # the run's preemption and Ctrl-C handlers must not outlive it in a process that goes on (and in the processes
+    # it forks)
     def mine(*args):
         pass
 
-    previous = signal.signal(signal.SIGTERM, mine)
+    def also_mine(*args):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine), signal.signal(signal.SIGINT, also_mine)
     try:
         train.main(tiny_args(token_data, tmp_path, "--max-steps=1", "--eval-every=0"))
-        assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is also_mine
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
 
 
 def test_diverged_run_exits_nonzero(token_data, tmp_path):
@@ -1065,6 +1109,7 @@ OTHER_VALUE = {
 MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload"}
 
 AGREEMENT_WORKER = """import json, sys
+import torch
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import train
@@ -1080,6 +1125,12 @@ for paths in spec["hellaswag"]:
     cfg = train.TrainConfig(hellaswag=paths[rank], hellaswag_every=1)
     examples = train._load_hellaswag(cfg, rank, 0, 2, rank == 0)
     out["hellaswag"].append(None if examples is None else len(examples))
+out["stops"] = []
+for signals in spec["signals"]:  # the signal each rank received (None: none): all stop together, naming one
+    flags = train.StopFlags(0)
+    flags.term = signals[rank]
+    stopping = flags.should_stop(torch.device("cpu"), 2)
+    out["stops"].append([stopping, flags.signal if stopping else None])
 dist.destroy_process_group()
 print("RESULT " + json.dumps(out))
 """
@@ -1125,7 +1176,8 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
     (tmp_path / "hs_other.jsonl").write_text("".join(lines))
     spec = {"store": str(tmp_path / "store"), "commands": commands, "problems": [None, "no data on this node"],
             "data": [[str(token_data), str(copies[name])] for name in ("same", "short_train", "short_val")],
-            "hellaswag": [[str(hs), str(tmp_path / name)] for name in ("hs_copy.jsonl", "hs_other.jsonl")]}
+            "hellaswag": [[str(hs), str(tmp_path / name)] for name in ("hs_copy.jsonl", "hs_other.jsonl")],
+            "signals": [[None, None], [None, "SIGINT"], ["SIGINT", "SIGTERM"], ["SIGTERM", None]]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "worker.py").write_text(AGREEMENT_WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -1148,6 +1200,8 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
             "tokens) there, rand_val_000000.bin (8,000 tokens) on rank 0): every node must hold the same --data"]
         # the same examples in another path are HellaSwag on both; as many other ones, on neither
         assert result["hellaswag"] == [6, None]
+        # one rank's Ctrl-C stops both; SIGTERM (a preemption) is named before Ctrl-C
+        assert result["stops"] == [[None, None], ["signal", "SIGINT"], ["signal", "SIGTERM"], ["signal", "SIGTERM"]]
     assert (f"hellaswag: skipped (rank 1 has 6 examples in {tmp_path / 'hs_other.jsonl'}, rank 0 6, other ones)"
             in outputs[0][0])
 
