@@ -353,7 +353,8 @@ class TokenLoader:
         whole and the last, shard i, up to some token. Another B cuts the same shards into other windows, in the
         same shard order, so the new position is shard i's first new window that starts at or after that token:
         nothing is served twice. Skipped: less than one new window at the cut, and the new windows in the tails of
-        the shards already read, which the old windows never reached either (a resume on a larger B skips fewer).
+        the shards already read, which the old windows never reached either (fewer tokens than one old window per
+        shard).
         A run moved from an 80 GB to a 40 GB GPU halves --batch-size and keeps its place in the data."""
         lengths = np.array([len(s) for s in self._shards], dtype=np.int64)
         old = np.maximum(lengths - 1, 0) // (old_b * self.T)  # windows per shard on the old grid

@@ -667,9 +667,11 @@ def precision(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtype, cont
 class StopFlags:
     """SIGTERM (cloud preemption), Ctrl-C and the wall-clock budget: checked once per step, agreed across ranks.
 
-    The first Ctrl-C (SIGINT) stops the run as SIGTERM does, after the step with a checkpoint, so that stopping a
-    run by hand does not lose the steps since its last one; a second quits at once, as Python's own handler would.
-    Under torchrun the agent takes the terminal's Ctrl-C and sends the workers SIGINT, then SIGKILL 30 s later."""
+    The first Ctrl-C (SIGINT) stops the run as SIGTERM does, with a checkpoint, so that stopping a run by hand does
+    not lose the steps since its last one; a Ctrl-C after any stop signal quits at once, as Python's own handler
+    would. Under torchrun the agent takes the terminal's Ctrl-C and sends the workers SIGINT, then SIGKILL 30 s
+    later; a second Ctrl-C makes it send them SIGTERM, which after a SIGINT quits at once too. A SIGTERM after a
+    SIGTERM does not: a preempted node's workers may get one from the scheduler and one from torchrun."""
 
     def __init__(self, max_minutes: float, interrupt: bool = True, master: bool = True):
         self.term: str | None = None  # the first signal this rank received: "SIGTERM" or "SIGINT"
@@ -678,15 +680,23 @@ class StopFlags:
         self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
             signal.signal(signal.SIGTERM, self._on_signal)  # main() puts the caller's handlers back when it returns
-            if interrupt:  # not for --eval-only, which has no step to stop after: Ctrl-C quits it at once
+            # not for --eval-only, which has no step to stop after, nor where SIGINT is ignored (a job started with
+            # & by a script, or under nohup): it must stay ignored
+            if interrupt and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
                 signal.signal(signal.SIGINT, self._on_signal)
 
     def _on_signal(self, signum: int, *_: Any) -> None:
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C raises KeyboardInterrupt
-            if self.master:  # os.write, not print: a handler that prints can land inside the loop's own print
+        name = signal.Signals(signum).name
+        if self.term is not None and "SIGINT" in (name, self.term):
+            raise KeyboardInterrupt  # a second Ctrl-C, here or (as SIGTERM) through torchrun
+        if self.term is None:
+            # the same Ctrl-C kills a `| tee` reading this run's output: a print to the dead pipe would end the run
+            # before its checkpoint, so from here on output that has no reader is dropped
+            sys.stdout, sys.stderr = _PipeGuard(sys.stdout), _PipeGuard(sys.stderr)
+        if name == "SIGINT" and self.master:  # os.write, not print: a handler that prints can land inside a print
+            with contextlib.suppress(OSError):
                 os.write(2, b"\nCtrl-C: stopping after this step, with a checkpoint; Ctrl-C again quits now\n")
-        self.term = self.term or signal.Signals(signum).name
+        self.term = self.term or name
 
     def should_stop(self, device: torch.device, world_size: int) -> str | None:
         """"signal", "max_time" or None, the same on every rank: one rank's signal stops them all at this step."""
@@ -698,6 +708,32 @@ class StopFlags:
             flags = (agreed > 0).tolist()
         self.signal = "SIGTERM" if flags[0] else "SIGINT"
         return "signal" if flags[0] or flags[1] else "max_time" if flags[2] else None
+
+
+class _PipeGuard:
+    """A text stream that, once its reader is gone (EPIPE), points its file descriptor at /dev/null and goes on,
+    so that neither a later print nor the interpreter's flush at exit fails."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def _guarded(self, call: Callable[[], Any], default: Any = None) -> Any:
+        try:
+            return call()
+        except BrokenPipeError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+            return default
+
+    def write(self, text: str) -> int:
+        return self._guarded(lambda: self.stream.write(text), len(text))
+
+    def flush(self) -> None:
+        self._guarded(self.stream.flush)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def open_log(path: Path, resume_step: int | None) -> Any:
@@ -756,6 +792,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     rank, local_rank, world, device = setup_distributed(cfg)
     master = rank == 0
     handlers, attention = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}, sdpa_switches()
+    streams = sys.stdout, sys.stderr  # StopFlags guards them after a signal
     try:
         result = _train(cfg, rank, local_rank, world, device, master)
         if dist.is_initialized():
@@ -772,6 +809,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             if handler is not None and threading.current_thread() is threading.main_thread():
                 signal.signal(sig, handler)
         set_sdpa_switches(attention)  # likewise --attention's choice, or a later SDPA call could find no kernel
+        sys.stdout, sys.stderr = streams
         if owns_group and dist.is_initialized():  # a group the caller made is the caller's to destroy
             dist.destroy_process_group()
 
@@ -994,24 +1032,43 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     # the guard reads the loss and norm on the host before the optimizer step: one sync more, so only when asked
     guard = update if cfg.skip_loss_z > 0 or cfg.skip_norm_z > 0 else None
     stop = StopFlags(cfg.max_time, interrupt=not cfg.eval_only, master=master)
-    profiler = None
-    profile_at = start_step + 2  # after the first steps' compilation and allocator warmup
     recent_ms: list[float] = []
     losses: list[float] = []
     result: dict[str, Any] = {"losses": losses}
+
+    def checkpoint(at: int) -> None:
+        path = out_dir / f"ckpt_{at:06d}.pt"
+        save_checkpoint(path, raw, optimizer, at, cfg, train_loader, scaler, rank, world, prov,
+                        {name: d.values for name, d in detectors.items()}, tokens_at(at))
+        if master:
+            print(f"saved {path}")
+        result["checkpoint"] = str(path)
+
+    def halt(stopping: str, when: str, resumable: bool = True) -> None:
+        if master:
+            why = {"SIGTERM": "SIGTERM", "SIGINT": "Ctrl-C"}[stop.signal] if stopping == "signal" \
+                else f"--max-time {cfg.max_time} min"
+            print(f"stopping {when} ({why}); " + ("resume with --resume auto" if resumable else "nothing trained yet"))
+        result["stopped"] = stopping
+
+    profiler = None
+    profile_at = start_step + 2  # after the first steps' compilation and allocator warmup
     t_start = time.time()
     step = start_step
     # step counts optimizer steps done; the evaluations at `step` see the weights after `step` steps, so the one at
     # max_steps (after the loop's last update) scores the final model
     for step in range(start_step, cfg.max_steps + 1 if not cfg.eval_only else start_step + 1):
         final = step == cfg.max_steps or cfg.eval_only
+        evaluated = False  # whether this step ran an evaluation, after which a signal is checked for at once
         if val_loader is not None and (final or step % cfg.eval_every == 0):
+            evaluated = True
             vl = val_loss(model, val_loader, eval_batches, autocast, world)
             result["val_loss"] = vl
             write({"type": "val", "step": step, "tokens": tokens_at(step), "val_loss": vl})
             if master:
                 print(f"step {step:6d} | val loss {vl:.4f}")
         if hellaswag_examples and (final or step % cfg.hellaswag_every == 0):
+            evaluated = True
             import hellaswag
             # the uncompiled module (the same weights; its own collectives under FSDP): HellaSwag's batches come in
             # many lengths, and through the compiled model they would make torch.compile recompile the training
@@ -1023,6 +1080,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
             if master:
                 print(f"step {step:6d} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
         if cfg.sample_every > 0 and (final or step % cfg.sample_every == 0) and (step > 0 or cfg.eval_only):
+            evaluated = True
             if master or cfg.parallel == "fsdp":  # FSDP forwards are collective: every rank must run them
                 texts = sample_text(raw, enc, cfg, device, step, autocast)
                 if master:
@@ -1030,6 +1088,14 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
                         print(f"sample: {text!r}")
                     write({"type": "sample", "step": step, "texts": texts})
         if final:
+            break
+        if evaluated and (stopping := stop.should_stop(device, world)):
+            # a signal (or the budget) that came during the evaluations stops the run here, not a step later:
+            # torchrun SIGKILLs its workers 30 s after passing a signal on. The weights and the loader are where
+            # the last step left them, so this is the checkpoint its end would have written, unless it did
+            if step > start_step and not (cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0):
+                checkpoint(step)
+            halt(stopping, f"at step {step}, before training it", resumable=step > start_step or found is not None)
             break
 
         if cfg.profile and step == profile_at:
@@ -1083,18 +1149,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
 
         stopping = stop.should_stop(device, world)
         if (cfg.ckpt_every > 0 and (step + 1) % cfg.ckpt_every == 0) or step + 1 == cfg.max_steps or stopping:
-            path = out_dir / f"ckpt_{step + 1:06d}.pt"
-            save_checkpoint(path, raw, optimizer, step + 1, cfg, train_loader, scaler, rank, world, prov,
-                            {name: d.values for name, d in detectors.items()}, tokens_at(step + 1))
-            if master:
-                print(f"saved {path}")
-            result["checkpoint"] = str(path)
+            checkpoint(step + 1)
         if stopping:
-            if master:
-                why = {"SIGTERM": "SIGTERM", "SIGINT": "Ctrl-C"}[stop.signal] if stopping == "signal" \
-                    else f"--max-time {cfg.max_time} min"
-                print(f"stopping after step {step} ({why}); resume with --resume auto")
-            result["stopped"] = stopping
+            halt(stopping, f"after step {step}")
             break
     if profiler is not None:  # the run ended inside the profiled window: keep what was recorded
         _stop_profiler(profiler, out_dir, rank, master)

@@ -651,6 +651,53 @@ def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
     assert len(more["losses"]) == 2
 
 
+def test_ctrl_c_checkpoints_even_when_its_output_pipes_died_with_it(token_data, tmp_path):
+    # `python train.py ... 2>&1 | tee log`: the terminal's Ctrl-C kills tee too, and the run's next print to the
+    # dead pipe must not end it before its checkpoint
+    cmd = [sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_first_step(proc, tmp_path / "log.jsonl")
+        proc.send_signal(signal.SIGINT)
+        assert "Ctrl-C: stopping after this step" in proc.stderr.readline() + proc.stderr.readline()
+        proc.stdout.close()
+        proc.stderr.close()
+        assert proc.wait(timeout=120) == 0
+    finally:  # a run of 100,000 steps must not outlive a failed test
+        proc.kill()
+    steps = [load_checkpoint(path)["step"] for path in tmp_path.glob("ckpt_*.pt")]
+    assert len(steps) == 1 and steps[0] >= 1
+
+
+def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tmp_path, monkeypatch, capsys):
+    # torchrun SIGKILLs its workers 30 s after it passes a signal on, so a Ctrl-C (or preemption) during an
+    # evaluation stops the run right after it, with the checkpoint the last step's end would have written
+    straight = train.main(tiny_args(token_data, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
+    real, calls = train.val_loss, []
+
+    def interrupted(*args, **kw):  # Ctrl-C during the run's `at`-th evaluation: at step 2 * (at - 1)
+        calls.append(None)
+        if len(calls) == at:
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(train, "val_loss", interrupted)
+    at = 1
+    fresh = train.main(tiny_args(token_data, tmp_path / "fresh", "--max-steps=10", "--eval-every=2"))
+    assert fresh["stopped"] == "signal" and fresh["losses"] == [] and not list((tmp_path / "fresh").glob("ckpt_*"))
+    assert "stopping at step 0, before training it (Ctrl-C); nothing trained yet" in capsys.readouterr().out
+    run, at = tmp_path / "run", 2
+    calls.clear()
+    result = train.main(tiny_args(token_data, run, "--max-steps=10", "--eval-every=2", "--ckpt-every=0",
+                                  "--hellaswag=off"))
+    assert result["stopped"] == "signal" and result["losses"] == straight["losses"]  # steps 0 and 1, no more
+    assert "stopping at step 2, before training it (Ctrl-C); resume with --resume auto" in capsys.readouterr().out
+    mine, theirs = load_checkpoint(run / "ckpt_000002.pt"), load_checkpoint(tmp_path / "straight" / "ckpt_000002.pt")
+    assert mine["loader"] == theirs["loader"] and mine["step"] == theirs["step"] == 2
+    for name, tensor in theirs["model"].items():
+        assert torch.equal(mine["model"][name], tensor), name
+
+
 def test_ctrl_c_checkpoints_and_exits_cleanly(token_data, tmp_path):
     cmd = [sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -712,28 +759,59 @@ def test_stop_flags_budget_is_in_minutes_and_a_signal_is_named_first():
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_first_ctrl_c_asks_for_a_stop_and_the_second_quits_at_once(capfd):
+def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_once(capfd):
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    streams = sys.stdout, sys.stderr
+    cpu = torch.device("cpu")
     try:
         flags = train.StopFlags(0)
-        cpu = torch.device("cpu")
         signal.raise_signal(signal.SIGINT)
         assert flags.term == "SIGINT" and flags.should_stop(cpu, 1) == "signal" and flags.signal == "SIGINT"
         assert "Ctrl-C: stopping after this step, with a checkpoint; Ctrl-C again quits now" in capfd.readouterr().err
-        signal.raise_signal(signal.SIGTERM)  # the first signal is the one this rank names
-        assert flags.term == "SIGINT"
+        assert isinstance(sys.stdout, train._PipeGuard) and isinstance(sys.stderr, train._PipeGuard)
+        with pytest.raises(KeyboardInterrupt):  # torchrun's answer to a second Ctrl-C: SIGTERM to its workers
+            signal.raise_signal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
+        sys.stdout, sys.stderr = streams
+        flags = train.StopFlags(0)
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # one from the scheduler, one from torchrun: still a clean stop
+        assert flags.term == "SIGTERM" and flags.should_stop(cpu, 1) == "signal" and flags.signal == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C while a preempted run saves: quit
+            signal.raise_signal(signal.SIGINT)
+        sys.stdout, sys.stderr = streams
+        capfd.readouterr()
         quiet = train.StopFlags(0, master=False)  # only rank 0 says it
         signal.raise_signal(signal.SIGINT)
         assert quiet.term == "SIGINT" and capfd.readouterr().err == ""
+        sys.stdout, sys.stderr = streams
         train.StopFlags(0, interrupt=False)  # --eval-only: Ctrl-C is Python's
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # started by a script with &, or under nohup: stays ignored
+        train.StopFlags(0)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
+        sys.stdout, sys.stderr = streams
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
+
+def test_pipe_guard_sends_output_whose_reader_is_gone_to_dev_null():
+    read, write = os.pipe()
+    stream = os.fdopen(write, "w")
+    guard = train._PipeGuard(stream)
+    guard.write("read\n")
+    guard.flush()
+    assert os.read(read, 100) == b"read\n"
+    os.close(read)  # the reader is gone: `| tee` killed by the same Ctrl-C
+    assert guard.write("x" * 100) == 100
+    guard.flush()  # EPIPE, caught: the descriptor is /dev/null's from here on
+    assert os.fstat(write).st_rdev == os.stat(os.devnull).st_rdev
+    guard.write("more")
+    guard.flush()
+    stream.close()  # the buffer's flush at close (at exit, for sys.stdout) cannot fail either
 
 
 def test_max_time_budget_checkpoints_and_stops(token_data, tmp_path, capsys):
