@@ -978,6 +978,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
               f"{optimizer_kind(optimizer, cfg)} | {dtype}")  # single: no torchrun, so no DDP, ZeRO-1 or FSDP
         if mcfg.fused_gelu and device.type != "cuda":
             print(f"note: --fused-gelu runs the PyTorch reference on {device.type}: the Triton kernel is CUDA only")
+        if cfg.compile_mode != "default" and not use_compile:
+            print(f"note: --compile-mode {cfg.compile_mode} does nothing: the model is not compiled (compile is off "
+                  f"on {device.type} unless --compile true)")
     if master and not cfg.eval_only:  # an evaluation may sit beside a live run, whose .tmp is a checkpoint in flight
         for stale in out_dir.glob("ckpt_*.pt.tmp"):  # left by a run killed mid-write: never a valid checkpoint
             stale.unlink()
@@ -1260,7 +1263,9 @@ def find_resume(cfg: TrainConfig, out_dir: Path, master: bool) -> tuple[Path, di
             print(f"resume: no checkpoint in {out_dir}; starting "
                   + (f"from --init-from {cfg.init_from}" if cfg.init_from else "from scratch"))
         return None
-    later = [p for p in existing if int(p.stem.removeprefix("ckpt_")) > int(found[1]["step"])]
+    # passed over for an older write with a later step; not those written after it, which could not be read
+    written_before = existing[:existing.index(found[0])]
+    later = [p for p in written_before if int(p.stem.removeprefix("ckpt_")) > int(found[1]["step"])]
     if later and master:
         print(f"note: resuming {found[0].name}, the checkpoint written last; {later[-1].name} has a later step but "
               "was written earlier (a rewind leaves such files; files copied without their times lose the order: "
@@ -1338,17 +1343,21 @@ def iter_log(path: str | os.PathLike) -> Iterator[dict]:
     """Records of a train.py log.jsonl (plot.py, a resumed run and the tests read it through this). A last line
     without its newline is a record cut short, by a crash (the log is not fsynced) or because the run is writing it
     right now: it is left out. Any other line that is not JSON is an error that names the file and line."""
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                if not line.endswith("\n"):  # only the last line can lack one
-                    return
-                raise ValueError(f"{path}, line {number}: not a JSON record ({e}); the log is corrupt: delete that "
-                                 "line, or the file (a resumed run then starts a new one)") from None
+    with open(path, encoding="utf-8") as f:
+        try:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    if not line.endswith("\n"):  # only the last line can lack one
+                        return
+                    raise ValueError(f"{path}, line {number}: not a JSON record ({e}); the log is corrupt: delete "
+                                     "that line, or the file (a resumed run then starts a new one)") from None
+        except UnicodeDecodeError as e:  # the log is ASCII (json.dumps escapes the rest): this is another file
+            raise ValueError(f"{path} is not a train.py log.jsonl: it is not text ({e.reason} at byte {e.start}); "
+                             "pass the log.jsonl in the run's --out-dir") from None
 
 
 if __name__ == "__main__":

@@ -47,6 +47,11 @@ def test_plot_errors(tmp_path):
         plot.main(["--log", str(empty)])
     with pytest.raises(SystemExit, match="--x must be 'step' or 'tokens'"):
         plot.main(["--log", str(empty), "--x", "time"])
+    ckpt = tmp_path / "ckpt_000250.pt"  # a checkpoint passed for the log: a zip, whose byte 64 here is 0x80
+    ckpt.write_bytes(b"PK\x03\x04" + bytes(60) + b"\x80 binary")
+    with pytest.raises(SystemExit, match=rf"error: {ckpt} is not a train.py log.jsonl: it is not text \(invalid "
+                                         r"start byte at byte 64\); pass the log.jsonl in the run's --out-dir"):
+        plot.main(["--log", str(ckpt)])
 
 
 def test_plot_draws_the_series_of_the_log(tmp_path, monkeypatch):

@@ -310,12 +310,15 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
 def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
     hellaswag = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
     train.main(tiny_args(token_data, tmp_path, "--max-steps=4", "--eval-every=2", "--label-smoothing=0.1",
-                         "--parallel=zero1", "--fused-gelu", f"--hellaswag={hellaswag}", "--hellaswag-every=3"))
+                         "--parallel=zero1", "--fused-gelu", f"--hellaswag={hellaswag}", "--hellaswag-every=3",
+                         "--compile-mode=reduce-overhead"))
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith('{"provenance"')
     # without torchrun nothing is wrapped or sharded, whatever --parallel says; and the kernel needs CUDA
     assert "| compile False | single | torch.float32" in out
     assert "note: --fused-gelu runs the PyTorch reference on cpu: the Triton kernel is CUDA only" in out
+    assert "note: --compile-mode reduce-overhead does nothing: the model is not compiled (compile is off on cpu " \
+        "unless --compile true)" in out
     records = list(train.iter_log(tmp_path / "log.jsonl"))
     assert records[0]["type"] == "config" and records[0]["provenance"]["torch"] == torch.__version__
     assert records[0]["config"]["label_smoothing"] == 0.1
@@ -1146,6 +1149,15 @@ def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tm
     assert err.count("warning: skipping unreadable checkpoint") == 2
     assert f"checkpoint {torn} is corrupt or truncated" in err and f"checkpoint {tmp_path / 'ckpt_000003.pt'} is a " \
         "directory" in err
+    # --resume auto says why it passed over a later step only for a file written before the one it resumes: the
+    # unreadable ones were written after it, and the warnings above already name them
+    auto = train.TrainConfig(resume="auto")
+    assert train.find_resume(auto, tmp_path, True)[0] == good and "note: resuming" not in capsys.readouterr().out
+    rewound = tmp_path / "ckpt_000005.pt"
+    torch.save({"model": {}, "model_config": {}, "step": 5}, rewound)
+    os.utime(rewound, ns=(0, 0))  # written before ckpt_000002: the run was rewound to step 2 after it
+    assert train.find_resume(auto, tmp_path, True)[0] == good
+    assert "ckpt_000005.pt has a later step but was written earlier" in capsys.readouterr().out
 
 
 def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
