@@ -393,7 +393,7 @@ class FinewebConfig:
     max_tokens: int = 0  # stop after this many tokens in all, val included (0 = the whole source)
     streaming: bool = True  # stream the source rather than download all of it into the HF cache first
     cache_dir: str = "~/.cache/gpt2-project"  # where --source shakespeare is downloaded to
-    shakespeare_path: str = ""  # a local copy of Tiny Shakespeare to use instead of downloading it
+    shakespeare_path: str = ""  # a local Tiny Shakespeare instead of the download (the very file fills --cache-dir too)
 
     def __post_init__(self) -> None:
         if self.txt_unit not in ("document", "paragraph", "line"):
