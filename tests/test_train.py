@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -634,16 +635,23 @@ def wait_for_first_step(proc: subprocess.Popen, log: Path, timeout: float = 120)
         time.sleep(0.2)
 
 
-def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
-    cmd = [sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0")]
+@contextlib.contextmanager
+def long_run(token_data: Path, out: Path) -> Iterator[subprocess.Popen]:
+    """A tiny run of 100,000 steps in a child process (text pipes), from its first logged step on; killed at the end
+    whatever happens, so that it cannot outlive a failed test."""
+    cmd = [sys.executable, "train.py", *tiny_args(token_data, out, "--max-steps=100000", "--eval-every=0")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        log = tmp_path / "log.jsonl"
-        wait_for_first_step(proc, log)
+        wait_for_first_step(proc, out / "log.jsonl")
+        yield proc
+    finally:
+        proc.kill()
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
+    with long_run(token_data, tmp_path) as proc:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
-    finally:  # a run of 100,000 steps must not outlive a failed test
-        proc.kill()
     assert proc.returncode == 0, err
     assert "stopping after step" in out and "(SIGTERM)" in out
     ckpts = sorted(tmp_path.glob("ckpt_*.pt"))
@@ -657,17 +665,12 @@ def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
 def test_ctrl_c_checkpoints_even_when_its_output_pipes_died_with_it(token_data, tmp_path):
     # `python train.py ... 2>&1 | tee log`: the terminal's Ctrl-C kills tee too, and the run's next print to the
     # dead pipe must not end it before its checkpoint
-    cmd = [sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_first_step(proc, tmp_path / "log.jsonl")
+    with long_run(token_data, tmp_path) as proc:
         proc.send_signal(signal.SIGINT)
         assert "Ctrl-C: stopping after this step" in proc.stderr.readline() + proc.stderr.readline()
         proc.stdout.close()
         proc.stderr.close()
         assert proc.wait(timeout=120) == 0
-    finally:  # a run of 100,000 steps must not outlive a failed test
-        proc.kill()
     steps = [load_checkpoint(path)["step"] for path in tmp_path.glob("ckpt_*.pt")]
     assert len(steps) == 1 and steps[0] >= 1
 
@@ -702,14 +705,9 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
 
 
 def test_ctrl_c_checkpoints_and_exits_cleanly(token_data, tmp_path):
-    cmd = [sys.executable, "train.py", *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_first_step(proc, tmp_path / "log.jsonl")
+    with long_run(token_data, tmp_path) as proc:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
-    finally:  # a run of 100,000 steps must not outlive a failed test
-        proc.kill()
     assert proc.returncode == 0, err
     assert "Ctrl-C: stopping after this step, with a checkpoint" in err and "KeyboardInterrupt" not in err
     step = int(re.search(r"stopping after step (\d+) \(Ctrl-C\); resume with --resume auto", out)[1])
