@@ -677,6 +677,7 @@ class StopFlags:
         self.term: str | None = None  # the first signal this rank received: "SIGTERM" or "SIGINT"
         self.signal = "SIGTERM"  # after should_stop said "signal": SIGTERM if any rank had it, else SIGINT
         self.master = master
+        self.last = False  # set when no step is left to stop after: Ctrl-C then quits at once
         self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
             signal.signal(signal.SIGTERM, self._on_signal)  # main() puts the caller's handlers back when it returns
@@ -687,8 +688,8 @@ class StopFlags:
 
     def _on_signal(self, signum: int, *_: Any) -> None:
         name = signal.Signals(signum).name
-        if self.term is not None and "SIGINT" in (name, self.term):
-            raise KeyboardInterrupt  # a second Ctrl-C, here or (as SIGTERM) through torchrun
+        if (self.term is not None and "SIGINT" in (name, self.term)) or (self.last and name == "SIGINT"):
+            raise KeyboardInterrupt  # a second Ctrl-C, here or (as SIGTERM) through torchrun, or nothing to stop
         if self.term is None:
             # the same Ctrl-C kills a `| tee` reading this run's output: a print to the dead pipe would end the run
             # before its checkpoint, so from here on output that has no reader is dropped
@@ -1062,6 +1063,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     # max_steps (after the loop's last update) scores the final model
     for step in range(start_step, cfg.max_steps + 1 if not cfg.eval_only else start_step + 1):
         final = step == cfg.max_steps or cfg.eval_only
+        stop.last = final  # no step is left to stop after: a Ctrl-C during the final evaluations quits at once
         evaluated = False  # whether this step ran an evaluation, after which a signal is checked for at once
         if val_loader is not None and (final or step % cfg.eval_every == 0):
             evaluated = True

@@ -702,6 +702,12 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
     assert mine["loader"] == theirs["loader"] and mine["step"] == theirs["step"] == 2
     for name, tensor in theirs["model"].items():
         assert torch.equal(mine["model"][name], tensor), name
+    # the final evaluation, after the last step's checkpoint: no step is left to stop after, so Ctrl-C quits
+    last, at = tmp_path / "last", 2  # the evaluations at steps 0 and 2 (the last)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        train.main(tiny_args(token_data, last, "--max-steps=2", "--eval-every=1000"))
+    assert [p.name for p in last.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]
 
 
 def test_ctrl_c_checkpoints_and_exits_cleanly(token_data, tmp_path):
@@ -789,6 +795,16 @@ def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_onc
         sys.stdout, sys.stderr = streams
         train.StopFlags(0, interrupt=False)  # --eval-only: Ctrl-C is Python's
         with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        last = train.StopFlags(0)
+        last.last = True  # the final evaluations: no step left to stop after
+        signal.raise_signal(signal.SIGTERM)  # a preemption lets them finish
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        sys.stdout, sys.stderr = streams
+        last = train.StopFlags(0)
+        last.last = True
+        with pytest.raises(KeyboardInterrupt):  # a first Ctrl-C there quits too
             signal.raise_signal(signal.SIGINT)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # started by a script with &, or under nohup: stays ignored
         train.StopFlags(0)
