@@ -693,7 +693,7 @@ class StopFlags:
         if self.term is None:
             # the same Ctrl-C kills a `| tee` reading this run's output: a print to the dead pipe would end the run
             # before its checkpoint, so from here on output that has no reader is dropped
-            sys.stdout, sys.stderr = _PipeGuard(sys.stdout), _PipeGuard(sys.stderr)
+            sys.stdout, sys.stderr = (_PipeGuard(s) if s is not None else None for s in (sys.stdout, sys.stderr))
         if name == "SIGINT" and self.master:  # os.write, not print: a handler that prints can land inside a print
             with contextlib.suppress(OSError):
                 os.write(2, b"\nCtrl-C: stopping after this step, with a checkpoint; Ctrl-C again quits now\n")
