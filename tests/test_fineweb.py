@@ -1097,6 +1097,25 @@ def test_resume_with_another_batch_size_goes_on_where_the_old_windows_stopped(tm
     assert not served.get(cut, set()).intersection(t for w in stream[start - cut * len(grid):len(grid)] for t in w)
 
 
+def test_resume_with_another_batch_size_counts_old_windows_of_b_t_plus_one_tokens_in_the_epochs_order(tmp_path):
+    # shard 0's 1024 tokens hold 31 windows of 2 x 16 + 1 tokens, not 32 (the 32nd would need token 1024 as its last
+    # target): counted as 32, the old loader's full epoch 0 would look one window short of its end, and the new one
+    # would serve shard 0's tail again. Epoch 0 reads shards 1, 0 and epoch 1 reads 0, 1: a cut in epoch 1 must be
+    # found in epoch 1's order. At B=1 the shards hold 63 and 62 windows of 16 + 1 tokens, 125 an epoch
+    data = numbered_shards(tmp_path, [1024, 1000])
+    old = TokenLoader(str(data), "train", 2, T, 0, 1, seed=3)
+    assert old.num_windows == 62
+    for served, step, first in ((62, 125, 0),  # all of epoch 0: epoch 1 from its first window, shard 0's token 0
+                                # epoch 1: shard 0 whole, then shard 1's 9 windows, to its x token 287: window 18 of
+                                # 16 tokens is the first not served, after epoch 0's 125 and shard 0's 63
+                                (62 + 40, 125 + 63 + 18, 5000 + 18 * 16)):
+        old.step = served
+        new = TokenLoader(str(data), "train", 1, T, 0, 1, seed=3)
+        new.load_state_dict(old.state_dict())
+        assert new.num_windows == 125 and new.step == step
+        assert int(new.next_batch()[0][0, 0]) == first
+
+
 def test_ids_beyond_the_vocabulary_are_a_data_error_that_names_the_shard(tmp_path):
     data = numbered_shards(tmp_path, LENGTHS)  # ids up to 4 * 5000 + 69 = 20069, all in shard 4
     stream = epoch_windows(3, 0) + epoch_windows(3, 1) + epoch_windows(3, 2)

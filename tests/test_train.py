@@ -283,6 +283,13 @@ def test_ddp_reduces_gradients_only_on_the_last_micro_step():
     assert buckets >= 1 and reduced == [3] * buckets + [6] * buckets
 
 
+def test_no_compile_mode_note_when_the_mode_was_left_at_its_default(token_data, tmp_path, capsys):
+    # on the CPU nothing compiles, and the default mode is no choice of the user's to warn about
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=1", "--eval-every=0"))
+    out = capsys.readouterr().out
+    assert "| compile False |" in out and "--compile-mode" not in out
+
+
 def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
     q = torch.randn(1, 2, 8, 4)
     kernels = {"math": "aten::_scaled_dot_product_attention_math",
@@ -710,6 +717,63 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
     assert [p.name for p in last.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]
 
 
+@pytest.mark.parametrize("evaluation", ["hellaswag", "sample"])
+def test_a_signal_during_hellaswag_or_the_samples_stops_too_and_a_resumed_run_can_resume(token_data, tmp_path,
+                                                                                          monkeypatch, capsys,
+                                                                                          evaluation):
+    # torchrun's 30 s run out during any evaluation, not only the val loss: a Ctrl-C during HellaSwag or the samples
+    # (no val split here: --eval-every 0) stops the run right after it
+    import hellaswag
+    where = {"hellaswag": (hellaswag, "evaluate", [f"--hellaswag={ROOT / 'tests' / 'data' / 'hellaswag_tiny.jsonl'}",
+                                                   "--hellaswag-every=2"]),
+             "sample": (train, "sample_text", ["--sample-every=2"])}
+    module, name, extra = where[evaluation]
+    real, calls = getattr(module, name), []
+
+    def interrupted(*args, **kw):  # Ctrl-C during the `at`-th call
+        calls.append(None)
+        if len(calls) == at:
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, interrupted)
+    args = tiny_args(token_data, tmp_path, "--max-steps=10", "--eval-every=0", "--ckpt-every=2", *extra)
+    at = {"hellaswag": 2, "sample": 1}[evaluation]  # HellaSwag also runs at step 0, the samples from step 2 on
+    streams = sys.stdout, sys.stderr
+    result = train.main(args)
+    # the handler put guards on the streams against a dead `| tee`: the caller gets its own back
+    assert (sys.stdout, sys.stderr) == streams
+    out = capsys.readouterr().out
+    assert result["stopped"] == "signal" and len(result["losses"]) == 2
+    assert "stopping at step 2, before training it (Ctrl-C); resume with --resume auto" in out
+    # step 1's end wrote ckpt_000002 (--ckpt-every 2): the stop does not write it again, but names it
+    assert out.count("saved ") == 1 and result["checkpoint"] == str(tmp_path / "ckpt_000002.pt")
+    # resumed, the same evaluations run again at step 2 and are interrupted again: nothing trained in this run, but
+    # its checkpoint is there to resume from, and the micro-batch did not change
+    calls.clear()
+    at = 1
+    resumed = train.main([*args, "--resume=auto"])
+    out = capsys.readouterr().out
+    assert resumed["stopped"] == "signal" and resumed["losses"] == []
+    assert "stopping at step 2, before training it (Ctrl-C); resume with --resume auto" in out
+    assert "micro-batch" not in out and "saved " not in out
+    assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]
+
+
+def test_the_stop_check_runs_once_a_step_and_once_after_each_evaluation(token_data, tmp_path, monkeypatch):
+    # under torchrun each check is an all-reduce, a sync of every rank: one per step, and one more only after the
+    # evaluations, where a signal that came during them must not wait for the next step's end
+    real, calls = train.StopFlags.should_stop, []
+
+    def counted(self, *args):
+        calls.append(None)
+        return real(self, *args)
+
+    monkeypatch.setattr(train.StopFlags, "should_stop", counted)
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=4", "--eval-every=3"))
+    assert len(calls) == 4 + 2  # steps 0-3, and the evaluations at steps 0 and 3 (the one at 4 ends the run)
+
+
 def test_ctrl_c_checkpoints_and_exits_cleanly(token_data, tmp_path):
     with long_run(token_data, tmp_path) as proc:
         proc.send_signal(signal.SIGINT)
@@ -747,6 +811,32 @@ def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
     assert re.search(r"stopping after step \d+ \(SIGTERM\)", out), out[-3000:]
     step = load_checkpoint(next(tmp_path.glob("ckpt_*.pt")))["step"]
     assert [r["step"] for r in train.iter_log(log) if r["type"] == "train"][-1] == step - 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_is_announced_once_and_named(token_data, tmp_path):
+    # torchrun passes the terminal's Ctrl-C on to every worker as SIGINT: each stops at the same step with a
+    # checkpoint, but only rank 0 (which prints) says so, once, and names Ctrl-C
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0", "--parallel=zero1")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    try:
+        wait_for_first_step(proc, tmp_path / "log.jsonl")
+        workers = children(proc.pid)
+        assert len(workers) == 2, workers
+        for pid in workers:
+            os.kill(pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:  # a run of 100,000 steps must not outlive a failed test
+        for pid in [proc.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count("Ctrl-C: stopping after this step") == 1, err[-3000:]
+    step = int(re.search(r"stopping after step (\d+) \(Ctrl-C\); resume with --resume auto", out)[1])
+    assert [load_checkpoint(path)["step"] for path in tmp_path.glob("ckpt_*.pt")] == [step + 1]
 
 
 def test_stop_flags_budget_is_in_minutes_and_a_signal_is_named_first():
@@ -829,6 +919,43 @@ def test_pipe_guard_sends_output_whose_reader_is_gone_to_dev_null():
     guard.write("more")
     guard.flush()
     stream.close()  # the buffer's flush at close (at exit, for sys.stdout) cannot fail either
+
+
+def test_sigterm_is_not_announced_as_a_ctrl_c(capfd):
+    # the handler's line answers a person who pressed Ctrl-C; a preemption is named by the "stopping after step"
+    # line, and one saying Ctrl-C would send its reader looking for who pressed it
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    streams = sys.stdout, sys.stderr
+    try:
+        flags = train.StopFlags(0)
+        capfd.readouterr()
+        signal.raise_signal(signal.SIGTERM)
+        assert flags.term == "SIGTERM" and capfd.readouterr().err == ""
+    finally:
+        sys.stdout, sys.stderr = streams
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_pipe_guard_counts_a_write_the_dead_pipe_refused_and_passes_other_errors_on():
+    read, write = os.pipe()
+    stream = os.fdopen(write, "w")
+    guard = train._PipeGuard(stream)
+    os.close(read)
+    text = "x" * 100_000  # more than the buffer holds: the write itself meets EPIPE, not a later flush
+    assert guard.write(text) == len(text)  # as written: nobody is left to read it
+    stream.close()
+    # a full disk is no reader that left: its error must reach the run, not send all later output to /dev/null
+    full = open("/dev/full", "w")
+    try:
+        guard = train._PipeGuard(full)
+        guard.write("x")
+        with pytest.raises(OSError, match="No space left on device"):
+            guard.flush()
+        assert not os.path.samestat(os.fstat(full.fileno()), os.stat(os.devnull))
+    finally:
+        with contextlib.suppress(OSError):
+            full.close()
 
 
 def test_max_time_budget_checkpoints_and_stops(token_data, tmp_path, capsys):
