@@ -643,16 +643,26 @@ def wait_for_first_step(proc: subprocess.Popen, log: Path, timeout: float = 120)
 
 
 @contextlib.contextmanager
-def long_run(token_data: Path, out: Path) -> Iterator[subprocess.Popen]:
-    """A tiny run of 100,000 steps in a child process (text pipes), from its first logged step on; killed at the end
-    whatever happens, so that it cannot outlive a failed test."""
-    cmd = [sys.executable, "train.py", *tiny_args(token_data, out, "--max-steps=100000", "--eval-every=0")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def long_run(token_data: Path, out: Path, ranks: int = 1) -> Iterator[subprocess.Popen]:
+    """A tiny run of 100,000 steps in a child process with text pipes (ranks > 1: under torchrun, with ZeRO-1), from
+    its first logged step on. It and its workers are killed at the end whatever happens, so that none can outlive a
+    failed test."""
+    args = tiny_args(token_data, out, "--max-steps=100000", "--eval-every=0")
+    cmd, env = [sys.executable, "train.py", *args], None
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py",
+               *args, "--parallel=zero1"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
     try:
         wait_for_first_step(proc, out / "log.jsonl")
+        workers = children(proc.pid) if ranks > 1 else []
         yield proc
     finally:
-        proc.kill()
+        for pid in [proc.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
@@ -788,14 +798,7 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(token_data, tmp_path):
 def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
     # a preempted node may signal only its own workers: rank 1's SIGTERM must stop rank 0 at the same step, with a
     # checkpoint, and rank 0 (which prints) must name the signal, not a --max-time that is not set
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0", "--parallel=zero1")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    workers: list[int] = []
-    try:
-        log = tmp_path / "log.jsonl"
-        wait_for_first_step(proc, log)
+    with long_run(token_data, tmp_path, ranks=2) as proc:
         workers = children(proc.pid)
         environ = {pid: dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                              if b"=" in kv) for pid in workers}
@@ -803,10 +806,7 @@ def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
         assert len(rank1) == 1, workers
         os.kill(rank1[0], signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
-    finally:  # a run of 100,000 steps must not outlive a failed test
-        for pid in [proc.pid, *workers]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    log = tmp_path / "log.jsonl"
     assert proc.returncode == 0, err[-3000:]
     assert re.search(r"stopping after step \d+ \(SIGTERM\)", out), out[-3000:]
     step = load_checkpoint(next(tmp_path.glob("ckpt_*.pt")))["step"]
@@ -817,22 +817,12 @@ def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
 def test_ctrl_c_under_torchrun_is_announced_once_and_named(token_data, tmp_path):
     # torchrun passes the terminal's Ctrl-C on to every worker as SIGINT: each stops at the same step with a
     # checkpoint, but only rank 0 (which prints) says so, once, and names Ctrl-C
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           *tiny_args(token_data, tmp_path, "--max-steps=100000", "--eval-every=0", "--parallel=zero1")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    workers: list[int] = []
-    try:
-        wait_for_first_step(proc, tmp_path / "log.jsonl")
+    with long_run(token_data, tmp_path, ranks=2) as proc:
         workers = children(proc.pid)
         assert len(workers) == 2, workers
         for pid in workers:
             os.kill(pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
-    finally:  # a run of 100,000 steps must not outlive a failed test
-        for pid in [proc.pid, *workers]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     assert err.count("Ctrl-C: stopping after this step") == 1, err[-3000:]
     step = int(re.search(r"stopping after step (\d+) \(Ctrl-C\); resume with --resume auto", out)[1])
@@ -872,8 +862,12 @@ def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_onc
             signal.raise_signal(signal.SIGINT)
         sys.stdout, sys.stderr = streams
         flags = train.StopFlags(0)
+        capfd.readouterr()
         signal.raise_signal(signal.SIGTERM)
         signal.raise_signal(signal.SIGTERM)  # one from the scheduler, one from torchrun: still a clean stop
+        # not announced as a Ctrl-C, which would send the log's reader looking for who pressed it: the "stopping
+        # after step" line names the preemption
+        assert capfd.readouterr().err == ""
         assert flags.term == "SIGTERM" and flags.should_stop(cpu, 1) == "signal" and flags.signal == "SIGTERM"
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C while a preempted run saves: quit
             signal.raise_signal(signal.SIGINT)
@@ -919,22 +913,6 @@ def test_pipe_guard_sends_output_whose_reader_is_gone_to_dev_null():
     guard.write("more")
     guard.flush()
     stream.close()  # the buffer's flush at close (at exit, for sys.stdout) cannot fail either
-
-
-def test_sigterm_is_not_announced_as_a_ctrl_c(capfd):
-    # the handler's line answers a person who pressed Ctrl-C; a preemption is named by the "stopping after step"
-    # line, and one saying Ctrl-C would send its reader looking for who pressed it
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    streams = sys.stdout, sys.stderr
-    try:
-        flags = train.StopFlags(0)
-        capfd.readouterr()
-        signal.raise_signal(signal.SIGTERM)
-        assert flags.term == "SIGTERM" and capfd.readouterr().err == ""
-    finally:
-        sys.stdout, sys.stderr = streams
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def test_pipe_guard_counts_a_write_the_dead_pipe_refused_and_passes_other_errors_on():
