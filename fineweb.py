@@ -213,8 +213,8 @@ class TokenLoader:
         self.device = torch.device(device)
         self.files = find_shards(pattern, split)
         self._shards = [read_shard(f) for f in self.files]  # memory maps, not loaded
-        lengths = np.array([len(s) for s in self._shards], dtype=np.int64)
-        self._windows = np.maximum(lengths - 1, 0) // (B * T)  # per shard
+        self._lengths = lengths = np.array([len(s) for s in self._shards], dtype=np.int64)
+        self._windows = self._windows_per_shard(B)
         self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks
         if self.num_windows == 0:
             big = int(lengths.argmax())
@@ -231,6 +231,10 @@ class TokenLoader:
         self._order_cache: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative windows)
         self.vocab_size: int | None = None  # set by check_vocab: token ids must be below it
         self.reset()
+
+    def _windows_per_shard(self, B: int) -> np.ndarray:
+        """Windows of B*T+1 tokens at stride B*T in each shard (the last token of one is the first of the next)."""
+        return np.maximum(self._lengths - 1, 0) // (B * self.T)
 
     @property
     def tokens_per_epoch(self) -> int:
@@ -302,7 +306,7 @@ class TokenLoader:
     def state_dict(self) -> dict[str, Any]:
         """The exact position plus what it is relative to; plain ints, strs and lists (safe for weights_only)."""
         return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
-                "shards": [f.name for f in self.files], "shard_tokens": [len(s) for s in self._shards],
+                "shards": [f.name for f in self.files], "shard_tokens": self._lengths.tolist(),
                 "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -356,8 +360,7 @@ class TokenLoader:
         the shards already read, which the old windows never reached either (fewer tokens than one old window per
         shard).
         A run moved from an 80 GB to a 40 GB GPU halves --batch-size and keeps its place in the data."""
-        lengths = np.array([len(s) for s in self._shards], dtype=np.int64)
-        old = np.maximum(lengths - 1, 0) // (old_b * self.T)  # windows per shard on the old grid
+        old = self._windows_per_shard(old_b)
         if not old.sum():
             raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b} leaves no window of "
                             f"B*T+1 tokens in any shard, so it served none; the checkpoint is corrupt, start a fresh "
