@@ -220,7 +220,9 @@ class TokenLoader:
             big = int(lengths.argmax())
             raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
                             f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write more data")
-        if self.num_windows < world_size:  # every step would hand some rank a window of the next epoch or later
+        # every step would hand some rank a window of the next epoch or later (train.val_loss copes: it scores each
+        # val window once, on whichever rank it falls to, and leaves out the extra ones)
+        if split == "train" and self.num_windows < world_size:
             raise DataError(f"world size {world_size} is too large for the {split} data: it has only "
                             f"{self.num_windows} windows of B*T+1 = {B * T + 1:,} tokens, fewer than one per rank; "
                             "use fewer ranks, a smaller --batch-size/--seq-len, or more data")

@@ -102,7 +102,9 @@ class TrainConfig:
     peak_tflops: float | None = None  # override the per-GPU peak bf16 TFLOP/s used for MFU
     # evaluation
     eval_every: int = 250  # val loss every N steps (and at the last step); 0 = never
-    eval_batches: int = 20  # val micro-batches per rank per evaluation
+    # (the default is build-nanogpt's 20 val batches of 64 x 1024 on each of 8 GPUs; here they are the same tokens on
+    # any number of ranks)
+    eval_tokens: int = 10_485_760  # val tokens per evaluation, all ranks together (rounded up to whole B*T windows)
     hellaswag_every: int = 250  # HellaSwag every N steps (and at the last step); 0 = never
     hellaswag: str = "auto"  # HellaSwag val jsonl: a path, 'auto' (cached download) or 'off'
     hellaswag_limit: int | None = None  # evaluate only the first N HellaSwag examples
@@ -134,7 +136,7 @@ class TrainConfig:
                                  f"got {getattr(self, name)!r}")
         if self.model is not None and self.model not in MODEL_PRESETS:
             raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
-        at_least = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "max_steps": 1, "eval_batches": 1,
+        at_least = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "max_steps": 1, "eval_tokens": 1,
                     "log_every": 1, "sample_tokens": 1, "profile_steps": 1, "warmup_steps": 0, "eval_every": 0,
                     "hellaswag_every": 0, "sample_every": 0, "ckpt_every": 0, "keep_last": 0,
                     "keep_every": 0}
@@ -176,23 +178,23 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                            preload=True,
                            total_batch_size=16384, batch_size=64, max_lr=1e-3, warmup_steps=100, max_steps=2000,
                            # the val shard's 32K tokens hold one window of B*T+1 = 16,385 (windows do not overlap)
-                           dropout=0.2, eval_every=250, eval_batches=1, hellaswag="off", sample_every=500,
+                           dropout=0.2, eval_every=250, eval_tokens=16384, hellaswag="off", sample_every=500,
                            sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
     # fine-tune OpenAI's GPT-2 124M on Tiny Shakespeare (as nanoGPT's finetune_shakespeare): 20 steps of 32K tokens,
     # about two epochs of its ~300K train tokens, at a small constant learning rate; minutes on one GPU
     "shakespeare-ft": _preset(init_from="gpt2", data="data/shakespeare", total_batch_size=32768, batch_size=8,
                               max_lr=3e-5, lr_schedule="constant", warmup_steps=0, max_steps=20, eval_every=5,
-                              eval_batches=3, hellaswag="off", sample_every=10, sample_tokens=128, ckpt_every=0,
+                              eval_tokens=24576, hellaswag="off", sample_every=10, sample_tokens=128, ckpt_every=0,
                               out_dir="out/shakespeare-ft", sample_prompt="ROMEO:"),
     # the offline demo: a small model on the Python standard library's source, minutes on 2 CPU cores. The loss in
     # chunks of 128 rows: 26 MB of logits at a time stay in malloc's heap, where 2048 rows' 412 MB were mapped and
     # unmapped every step (656 instead of 835 ms/step on 2 cores, docs/benchmarks.md)
     "demo": _preset(model="tiny", seq_len=128, data="data/stdlib", total_batch_size=2048, batch_size=16, loss_chunk=128,
-                    max_lr=3e-3, warmup_steps=20, max_steps=250, eval_every=50, eval_batches=4, hellaswag="off",
+                    max_lr=3e-3, warmup_steps=20, max_steps=250, eval_every=50, eval_tokens=8192, hellaswag="off",
                     sample_every=0, sample_tokens=64, ckpt_every=0, out_dir="out/demo", sample_prompt="def "),
     # seconds on CPU, for tests
     "tiny": _preset(model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,
-                    max_lr=1e-3, warmup_steps=2, max_steps=10, eval_every=5, eval_batches=2, hellaswag="off",
+                    max_lr=1e-3, warmup_steps=2, max_steps=10, eval_every=5, eval_tokens=512, hellaswag="off",
                     sample_every=0, ckpt_every=0, out_dir="out/tiny", sample_prompt="def "),
 }
 
@@ -602,21 +604,25 @@ def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
 
 
 @torch.no_grad()
-def val_loss(model: nn.Module, loader: TokenLoader, batches: int, autocast: contextlib.AbstractContextManager,
+def val_loss(model: nn.Module, loader: TokenLoader, windows: int, autocast: contextlib.AbstractContextManager,
              world_size: int) -> float:
-    """Mean loss over a fixed set of val batches (identical every call), averaged over all ranks."""
+    """Mean loss over the split's first `windows` windows (identical every call), all ranks together. Rank r scores
+    windows r, r + world_size, ...: the same windows, so the same number, for any number of ranks. Every rank runs
+    the same number of forwards (they are collective under FSDP); one whose last turn falls past `windows` scores a
+    window it then leaves out."""
     model.eval()
     loader.reset()
     total = torch.zeros((), device=loader.device)
-    for _ in range(batches):
+    for turn in range(-(-windows // world_size)):
         x, y = loader.next_batch()
         with autocast:
             _, loss = model(x, y)
-        total += loss.float()
+        if turn * world_size + loader.rank < windows:
+            total += loss.float()
     if world_size > 1:
         dist.all_reduce(total)  # SUM: gloo has no AVG
     model.train()
-    return total.item() / (batches * world_size)
+    return total.item() / windows
 
 
 def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step: int,
@@ -996,12 +1002,17 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
            "model_config": dataclasses.asdict(mcfg), "provenance": prov})
 
-    eval_batches = cfg.eval_batches
-    if val_loader is not None and eval_batches * world > val_loader.num_windows:
-        eval_batches = val_loader.num_windows // world  # more would score the same val windows twice
-        if master:
-            print(f"val: the val split has {val_loader.num_windows} windows of B*T+1 tokens, so each evaluation uses "
-                  f"{eval_batches} batches per rank instead of --eval-batches {cfg.eval_batches}")
+    eval_windows = 0  # val windows of B*T tokens per evaluation, all ranks together
+    if val_loader is not None:
+        eval_windows = -(-cfg.eval_tokens // (B * T))  # rounded up: at least --eval-tokens are scored
+        if eval_windows > val_loader.num_windows:  # more would score some windows twice, weighting them double
+            eval_windows = val_loader.num_windows
+            if master:
+                print(f"val: the val split holds {eval_windows * B * T:,} tokens in windows of B*T = {B * T:,}, so "
+                      f"each evaluation scores those instead of --eval-tokens {cfg.eval_tokens:,}")
+        elif eval_windows * B * T != cfg.eval_tokens and master:
+            print(f"val: each evaluation scores {eval_windows * B * T:,} tokens ({eval_windows} x B*T = {B * T:,}): "
+                  f"--eval-tokens {cfg.eval_tokens:,} rounded up to whole windows")
     hellaswag_examples = _load_hellaswag(cfg, rank, local_rank, world, master)
     enc = get_tokenizer() if (cfg.sample_every > 0 or hellaswag_examples) else None
     next_batch: Callable[[], tuple] | None = None  # None only for --eval-only, which never trains
@@ -1067,7 +1078,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         evaluated = False  # whether this step ran an evaluation, after which a signal is checked for at once
         if val_loader is not None and (final or step % cfg.eval_every == 0):
             evaluated = True
-            vl = val_loss(model, val_loader, eval_batches, autocast, world)
+            vl = val_loss(model, val_loader, eval_windows, autocast, world)
             result["val_loss"] = vl
             write({"type": "val", "step": step, "tokens": tokens_at(step), "val_loss": vl})
             if master:

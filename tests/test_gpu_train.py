@@ -36,11 +36,11 @@ RUN_TIMEOUT = 200  # s per torchrun: compiling a 2-layer model takes well under 
 # a GPT-2-wide model (the kernels' real shapes: C = 768, MLP 3072, vocab 50304) at 2 layers, so compiling is quick
 if GPU:
     SHAPE = ["--model=gpt2", "--n-layer=2", "--seq-len=256", "--batch-size=8", "--total-batch-size=4096",
-             "--fused-gelu", "--loss-chunk=1024", "--max-lr=1e-3"]
+             "--fused-gelu", "--loss-chunk=1024", "--max-lr=1e-3", "--eval-tokens=8192"]
     RESUME_TOL, ZERO1_TOL, FSDP_TOL = 0.05, 0.05, 0.15  # loss, nats: bf16 and nondeterministic backward kernels
 else:
     SHAPE = ["--model=tiny", "--seq-len=32", "--batch-size=4", "--total-batch-size=256", "--compile=false",
-             "--loss-chunk=64", "--max-lr=3e-3"]
+             "--loss-chunk=64", "--max-lr=3e-3", "--eval-tokens=512"]
     RESUME_TOL, ZERO1_TOL, FSDP_TOL = 0.0, 1e-5, 1e-4  # fp32 on CPU: resume is bitwise
 
 
@@ -70,7 +70,7 @@ def args(data: Path, out: Path, *extra: str) -> list[str]:
     # HellaSwag off unless extra names a file: 'auto' would try a download, and the GPU machine has no network
     hellaswag = [] if any(a.startswith("--hellaswag=") for a in extra) else ["--hellaswag=off"]
     return ["train.py", *SHAPE, f"--data={data}", f"--out-dir={out}", f"--max-steps={STEPS}", "--warmup-steps=5",
-            "--eval-every=20", "--eval-batches=4", "--ckpt-every=20", "--keep-last=5", "--seed=7", *hellaswag, *extra]
+            "--eval-every=20", "--ckpt-every=20", "--keep-last=5", "--seed=7", *hellaswag, *extra]
 
 
 def records(out: Path, kind: str) -> list[dict]:

@@ -69,7 +69,7 @@ def test_quickstart_is_what_ci_runs():
 
 @pytest.mark.slow
 def test_readme_presets_take_steps(token_data, tmp_path):
-    small = ["--eval-every=1", "--eval-batches=1", "--hellaswag=off", "--sample-every=0", "--compile=false"]
+    small = ["--eval-every=1", "--eval-tokens=64", "--hellaswag=off", "--sample-every=0", "--compile=false"]
     gpt2 = train.main(["--preset", "gpt2-124m", "--data", str(token_data), "--out-dir", str(tmp_path / "gpt2"),
                        "--batch-size=1", "--seq-len=64", "--total-batch-size=64", "--max-steps=1", *small])
     assert abs(gpt2["losses"][0] - 10.82) < 0.5  # about ln(50257) = 10.82: GPT-2 124M at init, random tokens

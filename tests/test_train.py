@@ -97,7 +97,7 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     (["--attention=sdpa"], "--attention must be one of auto, flash, cudnn, efficient, math"),
     (["--compile-mode=fast"], "--compile-mode must be one of default, max-autotune"),
     (["--log-every=0"], "--log-every must be >= 1"),
-    (["--eval-batches", "0"], "--eval-batches must be >= 1"),
+    (["--eval-tokens", "0"], "--eval-tokens must be >= 1"),
     (["--label-smoothing=2"], r"--label-smoothing must be in \[0, 1\)"),
     (["--max-lr=-1"], "--max-lr must be a positive number"),
     (["--hellaswag-limit=0"], "--hellaswag-limit must be >= 1"),
@@ -392,7 +392,8 @@ def _hf_loss(hf_dir, data, split: str, batches: int, B: int, T: int) -> float:
 def ft_args(data, hf_dir, out, *extra: str) -> list[str]:
     """The fine-tuning preset, shrunk to the tiny HF model (context 64, cut to 32) and CPU sizes."""
     return ["--preset", "shakespeare-ft", "--data", str(data), "--init-from", str(hf_dir), "--out-dir", str(out),
-            "--seq-len=32", "--batch-size=2", "--total-batch-size=128", "--eval-batches=2", "--sample-tokens=4", *extra]
+            "--seq-len=32", "--batch-size=2", "--total-batch-size=128", "--eval-tokens=128", "--sample-tokens=4",
+            *extra]
 
 
 def test_init_from_hf_fine_tunes_and_its_checkpoint_evaluates(token_data, hf_dir, tmp_path, capsys):
@@ -446,7 +447,7 @@ def test_resume_takes_the_architecture_from_the_checkpoint(token_data, tmp_path,
     def eval_only(*extra: str) -> dict:  # no preset: every flag the tiny run's evaluation needs, but no shape
         return train.main(["--data", str(token_data), "--out-dir", str(tmp_path / "eval"), "--eval-only",
                            f"--resume={run / 'ckpt_000002.pt'}", f"--batch-size={tiny.batch_size}", "--device=cpu",
-                           f"--eval-batches={tiny.eval_batches}", "--hellaswag=off", *extra])
+                           f"--eval-tokens={tiny.eval_tokens}", "--hellaswag=off", *extra])
 
     # the tiny shape comes from the checkpoint, as nanoGPT's resume takes it, and scores what the run scored
     assert eval_only(f"--seq-len={tiny.seq_len}")["val_loss"] == pytest.approx(trained["val_loss"], abs=1e-6)
@@ -493,9 +494,9 @@ def test_resumed_fine_tune_needs_no_init_source(token_data, hf_dir, tmp_path):
 
 @pytest.mark.slow
 def test_init_from_on_two_ranks_scores_the_hf_model(token_data, hf_dir, tmp_path):
-    # each rank loads the weights (local rank 0 first, so a hub download happens once per node); one val batch per
-    # rank is the first two windows, as two batches are on one rank
-    proc = run_torchrun(["train.py", *ft_args(token_data, hf_dir, tmp_path, "--eval-batches=1", "--eval-only")],
+    # each rank loads the weights (local rank 0 first, so a hub download happens once per node); the two val windows
+    # are scored one on each rank, and give what the two give on one rank
+    proc = run_torchrun(["train.py", *ft_args(token_data, hf_dir, tmp_path, "--eval-tokens=128", "--eval-only")],
                         nproc=2)
     val = float(re.search(r"step +0 \| val loss (\d+\.\d+)", proc.stdout).group(1))
     assert val == pytest.approx(_hf_loss(hf_dir, token_data, "val", 2, 2, 32), abs=1e-4)  # printed to 4 decimals
@@ -545,7 +546,7 @@ def test_init_from_accepts_a_preset_whose_shape_flags_match_the_source(token_dat
     # as --preset shakespeare does (--model gpt2 with 6 layers of 384): explicit shape flags replace the named
     # preset's, so only they are checked; and --n-kv-head equal to --n-head is what a source without GQA has
     args = ["--data", str(token_data), "--out-dir", str(tmp_path), "--init-from", str(hf_dir), "--eval-only",
-            "--seq-len=32", "--batch-size=2", "--eval-batches=2", "--hellaswag=off", "--model=gpt2", "--n-layer=2",
+            "--seq-len=32", "--batch-size=2", "--eval-tokens=128", "--hellaswag=off", "--model=gpt2", "--n-layer=2",
             "--n-head=4", "--n-embd=32", "--n-kv-head=4"]
     assert train.main(args)["val_loss"] == pytest.approx(_hf_loss(hf_dir, token_data, "val", 2, 2, 32), abs=1e-5)
 
@@ -1204,7 +1205,7 @@ def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_b
 def test_eval_only_needs_no_total_batch_and_hub_failures_are_one_line(token_data, tmp_path, capsys):
     # nothing trains, so a total batch the micro-batch does not divide is no reason to refuse
     # and it evaluates once, whatever --eval-every says
-    result = train.main(tiny_args(token_data, tmp_path, "--eval-only", "--batch-size=3", "--eval-batches=1",
+    result = train.main(tiny_args(token_data, tmp_path, "--eval-only", "--batch-size=3", "--eval-tokens=192",
                                   "--eval-every=0"))
     assert result["step"] == 0 and math.isfinite(result["val_loss"])
     assert "evaluating at step 0 | 3 x 64 x 1 ranks" in capsys.readouterr().out
@@ -1215,21 +1216,35 @@ def test_eval_only_needs_no_total_batch_and_hub_failures_are_one_line(token_data
     assert err.startswith("error: could not get 'no-such-org-xyz/gpt2-nope' from the HF hub") and err.count("\n") == 1
 
 
-def test_eval_batches_are_capped_at_the_val_windows(tmp_path, capsys):
-    # a val shard of 3 windows of B*T+1 = 257 tokens: 5 batches would score 2 of them twice, weighting them double
+def test_eval_tokens_are_capped_at_the_val_windows(tmp_path, capsys):
+    # a val shard of 3 windows of B*T+1 = 257 tokens: 5 windows would score 2 of them twice, weighting them double
     val = tmp_path / "val"
     val.mkdir()
     write_shard(val / "rand_val_000000.bin", np.random.default_rng(1).integers(0, 50257, 1000, dtype=np.uint16))
-    args = tiny_args(val, tmp_path / "out", "--eval-only", "--eval-batches=5")
+    args = tiny_args(val, tmp_path / "out", "--eval-only", "--eval-tokens=1280")
     capped = train.main(args)["val_loss"]
-    assert "the val split has 3 windows of B*T+1 tokens, so each evaluation uses 3 batches per rank instead of " \
-           "--eval-batches 5" in capsys.readouterr().out
+    assert "val: the val split holds 768 tokens in windows of B*T = 256, so each evaluation scores those instead " \
+           "of --eval-tokens 1,280" in capsys.readouterr().out
     cfg = parse_config(train.TrainConfig, args, train.PRESETS)
     torch.manual_seed(cfg.seed)  # the run's initial weights, scored on the 3 windows once each
     init = GPT(train.model_config(cfg))
     loader = TokenLoader(str(val), "val", cfg.batch_size, cfg.seq_len, 0, 1, cfg.seed, torch.device("cpu"))
     with torch.no_grad():
         assert capped == pytest.approx(sum(init(*loader.next_batch())[1].item() for _ in range(3)) / 3, abs=1e-6)
+
+
+def test_val_loss_scores_the_same_tokens_at_any_micro_batch(token_data, tmp_path, capsys):
+    # --eval-tokens counts tokens, so B = 2, 4 and 8 (8, 4 and 2 windows of B*64) score the val shard's first 1,024
+    # tokens: the same number up to float rounding. A B*T that does not divide it rounds up to whole windows
+    scores = [train.main(tiny_args(token_data, tmp_path / str(b), "--eval-only", f"--batch-size={b}",
+                                   "--eval-tokens=1024"))["val_loss"] for b in (2, 4, 8)]
+    assert scores[0] > 10 and scores == pytest.approx([scores[0]] * 3, abs=1e-6)
+    out = capsys.readouterr().out
+    assert "val:" not in out
+    rounded = train.main(tiny_args(token_data, tmp_path / "3", "--eval-only", "--batch-size=3", "--eval-tokens=1024"))
+    assert "val: each evaluation scores 1,152 tokens (6 x B*T = 192): --eval-tokens 1,024 rounded up to whole " \
+           "windows" in capsys.readouterr().out
+    assert abs(rounded["val_loss"] - scores[0]) > 1e-4  # 128 more tokens
 
 
 def test_out_dir_that_is_a_file_is_refused_before_anything_runs(token_data, tmp_path, capsys):
@@ -1308,7 +1323,7 @@ OTHER_VALUE = {
     "beta2": 0.99, "eps": 1e-6, "grad_clip": 0.5, "skip_loss_z": 6.0, "skip_norm_z": 6.0, "label_smoothing": 0.1,
     "device": "cpu", "dtype": "fp32", "compile": False, "compile_mode": "max-autotune", "attention": "math",
     "parallel": "fsdp", "recompute": "block", "seed": 1338, "peak_tflops": 312.0, "eval_every": 100,
-    "eval_batches": 5, "hellaswag_every": 100, "hellaswag_limit": 10, "sample_every": 0, "sample_tokens": 8,
+    "eval_tokens": 4096, "hellaswag_every": 100, "hellaswag_limit": 10, "sample_every": 0, "sample_tokens": 8,
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
     "profile_steps": 5,
@@ -1422,7 +1437,7 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
 @pytest.mark.slow
 def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
     # --skip-loss-z: the spike guard's collective (the loss averaged over ranks before the update) runs every step
-    common = ["--max-steps=8", "--ckpt-every=4", "--keep-last=5", "--eval-every=2", "--eval-batches=1",
+    common = ["--max-steps=8", "--ckpt-every=4", "--keep-last=5", "--eval-every=2", "--eval-tokens=768",
               "--total-batch-size=512", "--batch-size=4", "--dropout=0.0", "--skip-loss-z=6"]
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))  # 2 micro-steps of accumulation
     ref = load_checkpoint(tmp_path / "single" / "ckpt_000004.pt")["model"]
@@ -1438,6 +1453,11 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
             torch.testing.assert_close(ckpt["model"][name], ref_tensor, atol=1e-5, rtol=0, msg=f"{parallel} {name}")
         losses = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert losses == pytest.approx(single["losses"], abs=1e-5), parallel
+        # the val loss scores --eval-tokens 768 = 3 windows, whatever the ranks: 2 on rank 0, 1 on rank 1 (whose
+        # second forward, collective under FSDP, is left out), as on one rank
+        vals = [[r["val_loss"] for r in train.iter_log(run / "log.jsonl") if r["type"] == "val"] for run in
+                (out, tmp_path / "single")]
+        assert len(vals[0]) == 5 and vals[0] == pytest.approx(vals[1], abs=1e-5), parallel
         if parallel == "fsdp":  # resume a sharded run from its (full) checkpoint at step 4, on 2 ranks
             (out / "ckpt_000008.pt").unlink()
             run_torchrun(["train.py", *tiny_args(token_data, out, *common, "--parallel=fsdp", "--resume=auto")],
@@ -1461,7 +1481,7 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
 @pytest.mark.slow
 def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints_differ(token_data, tmp_path):
     # two torchruns, one rank each, as two nodes: each parses its own command line and reads its own files
-    common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=2", "--eval-batches=1",
+    common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=2", "--eval-tokens=512",
               "--total-batch-size=512", "--batch-size=4", "--hellaswag=off"]
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))
     # HellaSwag only where every node has it, and the skip names the node that lacks it
