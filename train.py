@@ -775,6 +775,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    except torch.cuda.OutOfMemoryError as e:  # the usual first failure on a new GPU: say what to change
+        print(f"error: out of GPU memory at --batch-size {cfg.batch_size}: lower it (gradient accumulation keeps "
+              "--total-batch-size), or add --loss-chunk 4096 or --recompute mlp; the README's 'Micro-batch by GPU "
+              f"memory' has starting points\n(torch: {str(e).splitlines()[0] if str(e) else 'no message'})",
+              file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _stop_the_other_ranks(problem: str) -> None:
@@ -1129,6 +1135,13 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         loss_value = loss.item()  # also waits for the GPU, so the timing below is the real step time
         norm_value = norm.item()
         dt = time.time() - t0
+        if master and device.type == "cuda" and step == start_step:
+            # how much room --batch-size leaves: the first step has made everything a step holds (AdamW creates its
+            # moments at its first update), and the peak includes the evaluations before it
+            total = torch.cuda.get_device_properties(device).total_memory
+            print(f"memory: peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated, "
+                  f"{torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB reserved by PyTorch, of "
+                  f"{total / 2**30:.1f} GiB on {device_name} (rank 0, after the first step)")
         if profiler is not None and step == profile_at + cfg.profile_steps - 1:
             _stop_profiler(profiler, out_dir, rank, master)
             profiler = None

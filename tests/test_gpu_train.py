@@ -14,6 +14,7 @@ attention backward); each test prints the largest difference it saw.
 """
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -84,6 +85,7 @@ def ddp_run(learnable_data, tmp_path_factory) -> Path:
     proc = run_torchrun(args(learnable_data, out, *tokenizer_args()), nproc=1, timeout=RUN_TIMEOUT,
                         env={"TORCH_LOGS": "graph_breaks"})
     print(proc.stdout[-3000:])
+    (out / "stdout.txt").write_text(proc.stdout)
     (out / "stderr.txt").write_text(proc.stderr)
     return out
 
@@ -109,7 +111,15 @@ def test_compiled_bf16_run_learns_evaluates_samples_and_scores_hellaswag(ddp_run
     # evaluations and HellaSwag: a graph break leaves the rest of the step to eager PyTorch
     breaks = [line for line in (ddp_run / "stderr.txt").read_text().splitlines() if "Graph break" in line]
     assert not breaks, "\n".join(breaks[:10])
+    # on CUDA, the first step's memory, once: what --batch-size leaves free
+    memory = re.findall(r"^memory: peak (\d+\.\d) GiB allocated, (\d+\.\d) GiB reserved by PyTorch, of "
+                        r"(\d+\.\d) GiB on .+ \(rank 0, after the first step\)$",
+                        (ddp_run / "stdout.txt").read_text(), re.M)
+    assert len(memory) == GPU
     if GPU:
+        peak, reserved, total = map(float, memory[0])
+        print(f"memory line: {memory[0]}")
+        assert 0.1 < peak <= reserved < total  # a 2-layer GPT-2-wide model at B=8, T=256: a few GiB
         assert all(r["mfu"] is not None and r["mfu"] > 0 for r in steps[1:])
         print(f"median tok/s {np.median([r['tok_s'] for r in steps[5:]]):,.0f} (2 layers, T=256: not a benchmark)")
 

@@ -1216,6 +1216,23 @@ def test_eval_only_needs_no_total_batch_and_hub_failures_are_one_line(token_data
     assert err.startswith("error: could not get 'no-such-org-xyz/gpt2-nope' from the HF hub") and err.count("\n") == 1
 
 
+def test_out_of_gpu_memory_says_what_to_change(token_data, tmp_path, monkeypatch, capsys):
+    # what a first run on a smaller GPU meets: torch's allocation failure (CUDA's; raised here by the step itself)
+    # becomes the flags to change, with torch's own first line kept
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB. GPU 0 has a total "
+                                          "capacity of 79.19 GiB\nOf the allocated memory 70.1 GiB is allocated")
+
+    monkeypatch.setattr(train, "train_step", oom)
+    with pytest.raises(SystemExit) as e:
+        train.main(tiny_args(token_data, tmp_path, "--max-steps=1", "--eval-every=0"))
+    assert e.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: out of GPU memory at --batch-size 4: lower it (gradient accumulation keeps --total-batch-size), or "
+        "add --loss-chunk 4096 or --recompute mlp; the README's 'Micro-batch by GPU memory' has starting points",
+        "(torch: CUDA out of memory. Tried to allocate 6.14 GiB. GPU 0 has a total capacity of 79.19 GiB)"]
+
+
 def test_eval_tokens_are_capped_at_the_val_windows(tmp_path, capsys):
     # a val shard of 3 windows of B*T+1 = 257 tokens: 5 windows would score 2 of them twice, weighting them double
     val = tmp_path / "val"
