@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import json
 import math
@@ -97,6 +98,8 @@ class TrainConfig:
     compile_mode: str = "default"  # torch.compile mode: default, reduce-overhead, max-autotune(-no-cudagraphs)
     attention: str = "auto"  # SDPA kernel: auto (torch picks), flash, cudnn, efficient or math (only that one allowed)
     parallel: str = "ddp"  # ddp, zero1 (ZeroRedundancyOptimizer) or fsdp (FSDP2 fully_shard per block + root)
+    # (NCCL's own default is 10: less than a gpt2-xl download on a slow link, or a 1.5B checkpoint on slow storage)
+    dist_timeout: float = 30.0  # minutes a collective waits for a slow rank before the run fails (torchrun only)
     recompute: str = "none"  # activation recompute: none, mlp or block (trade compute for memory)
     seed: int = 1337  # seeds weights, dropout and the data shuffle
     peak_tflops: float | None = None  # override the per-GPU peak bf16 TFLOP/s used for MFU
@@ -153,6 +156,8 @@ class TrainConfig:
             raise ValueError(f"--decay-frac must be in (0, 1]; got {self.decay_frac}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
+        if not (math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
+            raise ValueError(f"--dist-timeout must be a positive number of minutes; got {self.dist_timeout}")
         for name in ("weight_decay", "grad_clip", "max_time", "skip_loss_z", "skip_norm_z"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
@@ -512,7 +517,8 @@ def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step
                     loader: TokenLoader, scaler: torch.amp.GradScaler | None, rank: int, world_size: int,
                     prov: dict, outliers: dict[str, list[float]], tokens: int) -> None:
     model_sd, optim_sd = _state_dicts(raw, optimizer, cfg)
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    # is_initialized, not is_available: get_rng_state would create a CUDA context for a --device cpu run on a GPU host
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
     rngs = [None] * world_size
     if world_size > 1:
         dist.all_gather_object(rngs, rng)  # dropout masks differ per rank, so every rank's RNG is saved
@@ -590,7 +596,7 @@ def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
     if len(ckpt["rng"]) == world_size:
         rng = ckpt["rng"][rank]
         torch.set_rng_state(rng["cpu"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
+        if rng["cuda"] is not None and torch.cuda.is_initialized():  # a CUDA run (see save_checkpoint)
             torch.cuda.set_rng_state(rng["cuda"])
     elif rank == 0:
         print(f"note: the checkpoint came from world size {len(ckpt['rng'])}, this run has {world_size}: the data "
@@ -655,7 +661,10 @@ def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
         rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
         if use_cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        # one rank works alone while the others wait in a collective: local rank 0's --init-from download, rank 0's
+        # checkpoint write
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(minutes=cfg.dist_timeout))
     else:
         rank, local_rank, world = 0, 0, 1
     device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
@@ -1223,7 +1232,7 @@ def agree(mine: Any, rank: int, world: int, describe: Callable[[Any, Any], str |
 # paths may differ from node to node (each mounts the data and out-dir where it will), so only whether they are set
 # is compared (what the data hold is compared on its own); these others only change a rank's own files or figures
 PER_NODE_FIELDS = ("data", "out_dir", "hellaswag", "init_from", "resume")
-RANK_LOCAL_FIELDS = ("max_time", "peak_tflops", "keep_last", "keep_every", "preload")
+RANK_LOCAL_FIELDS = ("max_time", "peak_tflops", "keep_last", "keep_every", "preload", "dist_timeout")
 
 
 def commands_disagree(cfg: TrainConfig, rank: int, world: int) -> str | None:

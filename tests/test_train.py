@@ -98,6 +98,7 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     (["--compile-mode=fast"], "--compile-mode must be one of default, max-autotune"),
     (["--log-every=0"], "--log-every must be >= 1"),
     (["--eval-tokens", "0"], "--eval-tokens must be >= 1"),
+    (["--dist-timeout=0"], "--dist-timeout must be a positive number of minutes"),
     (["--label-smoothing=2"], r"--label-smoothing must be in \[0, 1\)"),
     (["--max-lr=-1"], "--max-lr must be a positive number"),
     (["--hellaswag-limit=0"], "--hellaswag-limit must be >= 1"),
@@ -490,6 +491,28 @@ def test_resumed_fine_tune_needs_no_init_source(token_data, hf_dir, tmp_path):
     rest = train.main(ft_args(token_data, gone, tmp_path, "--max-steps=4", "--eval-every=0", "--ckpt-every=2",
                               "--dropout=0.1", "--resume=auto"))["losses"]
     assert rest == full[2:]  # bitwise
+
+
+SLOW_RANK_WORKER = """import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import train
+found = train.find_resume
+def slow(*args, **kwargs):  # rank 0 works alone (as in a download) while rank 1 waits for it in a collective
+    if os.environ["RANK"] == "0":
+        time.sleep(6)
+    return found(*args, **kwargs)
+train.find_resume = slow
+train.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+def test_dist_timeout_is_how_long_ranks_wait_for_a_slow_one(token_data, tmp_path):
+    (tmp_path / "worker.py").write_text(SLOW_RANK_WORKER)
+    argv = [str(tmp_path / "worker.py"), str(ROOT), *tiny_args(token_data, tmp_path / "out", "--eval-only")]
+    proc = run_torchrun([*argv, "--dist-timeout=0.05"], nproc=2, check=False)  # 3 s
+    assert proc.returncode != 0 and "timed out" in proc.stderr.lower(), proc.stderr[-2000:]
+    assert "val loss" in run_torchrun([*argv, "--dist-timeout=0.5"], nproc=2).stdout  # 30 s: the 6 s are waited
 
 
 @pytest.mark.slow
@@ -1339,15 +1362,17 @@ OTHER_VALUE = {
     "lr_schedule": "wsd", "decay_frac": 0.5, "warmup_steps": 700, "max_steps": 100, "weight_decay": 0.0, "beta1": 0.8,
     "beta2": 0.99, "eps": 1e-6, "grad_clip": 0.5, "skip_loss_z": 6.0, "skip_norm_z": 6.0, "label_smoothing": 0.1,
     "device": "cpu", "dtype": "fp32", "compile": False, "compile_mode": "max-autotune", "attention": "math",
-    "parallel": "fsdp", "recompute": "block", "seed": 1338, "peak_tflops": 312.0, "eval_every": 100,
-    "eval_tokens": 4096, "hellaswag_every": 100, "hellaswag_limit": 10, "sample_every": 0, "sample_tokens": 8,
+    "parallel": "fsdp", "dist_timeout": 60.0, "recompute": "block", "seed": 1338, "peak_tflops": 312.0,
+    "eval_every": 100, "eval_tokens": 4096, "hellaswag_every": 100, "hellaswag_limit": 10, "sample_every": 0,
+    "sample_tokens": 8,
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
     "profile_steps": 5,
     # compared as what they are, not where: off, auto, or a path (any path); no --init-from, or one
     "hellaswag": "off", "init_from": "gpt2",
 }
-MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload"}
+MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload",
+              "dist_timeout"}
 
 AGREEMENT_WORKER = """import json, sys
 import torch
