@@ -1032,6 +1032,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"note: --trace-variant {cfg.trace_variant} is not among the train variants to run "
               f"({', '.join(names)}): no trace is written", file=sys.stderr)
     device = torch.device(cfg.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # the Triton rows launch on the current device, not on their tensors'
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     result: dict[str, Any] = {"provenance": {**provenance(device), "torch_threads": torch.get_num_threads()},

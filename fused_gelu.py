@@ -229,6 +229,8 @@ def main() -> None:
                      "TRITON_INTERPRET=1 python fused_gelu.py --device cpu")
     if not args.device.startswith("cuda") and compiled:
         parser.error(f"--device {args.device} needs Triton's interpreter: set TRITON_INTERPRET=1 (before the run)")
+    if args.device.startswith("cuda:"):
+        torch.cuda.set_device(args.device)  # Triton launches on the current device, not on the tensors' own
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=args.device).manual_seed(0)
     x = (3 * torch.randn(args.rows, args.cols, generator=gen, device=args.device)).to(dtype).requires_grad_()

@@ -1004,6 +1004,10 @@ def resolve_device(name: str) -> torch.device:
         raise SystemExit(f"error: --device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda, but this machine has no CUDA GPU (use --device cpu)")
+    if device.type == "cuda" and device.index is not None:
+        # Triton launches its kernels (the fused bias+GELU) on the current device, not on their tensors' own: with
+        # cuda:1 while the current device is 0, it refuses the pointers
+        torch.cuda.set_device(device)
     return device
 
 
@@ -1060,7 +1064,8 @@ PEAK_FLOPS: dict[str, float] = {
     "h200": 989e12,
     "h200 nvl": 835e12,
     "gh200": 989e12,
-    "h800": 989e12,
+    "h800": 989e12,  # SXM
+    "h800 pcie": 756e12,
     "b200": 2250e12,
     "gb200": 2500e12,  # per GPU; "b200" is a substring of its name, so it needs its own key
     "a100": 312e12,

@@ -794,7 +794,8 @@ def test_configure_optimizers_decays_2d_only(capsys):
 
 def test_peak_flops_table():
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12 and peak_flops("NVIDIA H800 PCIe") == 756e12
+    assert peak_flops("NVIDIA H800") == 989e12
     assert peak_flops("NVIDIA H200") == 989e12
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops("NVIDIA L40") == 181e12 and peak_flops("NVIDIA L4") == 121e12  # L4 is a substring of L40
