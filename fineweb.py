@@ -186,23 +186,27 @@ class TokenLoader:
 
     Windows: shard s holds (len_s - 1) // (B*T) windows of B*T+1 tokens at stride B*T, so adjacent windows share one
     token (the last y of one is the first x of the next) and every x token is read once; a shard's tail shorter
-    than a window is skipped. An epoch is the `num_windows` windows of all shards: shards in the order of a
-    permutation drawn from np.random.default_rng((seed, epoch)) (train) or in file order (val), each shard's windows
-    in order. The epochs form one continuous stream of global windows g = 0, 1, 2, ...: g is window g % num_windows
-    of epoch g // num_windows. Rank r's s-th batch is g = s * world_size + r, so every rank serves one batch per step
-    (ranks stay in lockstep, as DDP needs) and every window of every epoch is served exactly once over all ranks,
-    none dropped or repeated. When world_size does not divide num_windows, a step straddles two epochs: the low
-    ranks finish epoch e while the others start epoch e + 1.
+    than a window is skipped. An epoch is the `num_windows` windows of all shards: for train, shards in the order of
+    a permutation drawn from np.random.default_rng((seed, epoch)), and each shard's windows in the order of one drawn
+    from default_rng((seed, epoch, shard + 1)) (shuffle="windows", llm.c's order) or in order (shuffle="shards",
+    build-nanogpt's, but with the shards shuffled); for val, shards in file order and windows in order. The epochs
+    form one continuous stream of global windows g = 0, 1, 2, ...: g is window g % num_windows of epoch g //
+    num_windows. Rank r's s-th batch is g = s * world_size + r, so every rank serves one batch per step (ranks stay
+    in lockstep, as DDP needs) and every window of every epoch is served exactly once over all ranks, none dropped
+    or repeated. When world_size does not divide num_windows, a step straddles two epochs: the low ranks finish
+    epoch e while the others start epoch e + 1.
 
     The position is just `step`, the batches each rank has served since reset(), identical on every rank, so
     `state_dict()` from any rank resumes all of them. Attributes: files, num_windows (windows per epoch, all ranks
-    together), tokens_per_epoch, step, epoch (the epoch of this rank's next window), device.
+    together), tokens_per_epoch, step, epoch (the epoch of this rank's next window), shuffle, device.
     """
 
     def __init__(self, pattern: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, device: str | torch.device = "cpu", preload: bool = False):
+                 seed: int = 0, device: str | torch.device = "cpu", preload: bool = False, shuffle: str = "windows"):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if shuffle not in ("windows", "shards"):
+            raise ValueError(f"shuffle must be 'windows' or 'shards', got {shuffle!r}")
         if B < 1 or T < 1:
             raise ValueError(f"batch size B and sequence length T must be >= 1, got B={B}, T={T}")
         if not 0 <= rank < world_size:
@@ -210,6 +214,7 @@ class TokenLoader:
         if seed < 0:
             raise ValueError(f"seed must be >= 0 (it seeds the shard shuffle), got {seed}")
         self.split, self.B, self.T, self.rank, self.world_size, self.seed = split, B, T, rank, world_size, seed
+        self.shuffle = shuffle if split == "train" else "none"  # val: file order, windows in order
         self.device = torch.device(device)
         self.files = find_shards(pattern, split)
         self._shards = [read_shard(f) for f in self.files]  # memory maps, not loaded
@@ -231,6 +236,7 @@ class TokenLoader:
             self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
             self._preloaded = torch.from_numpy(np.concatenate(self._shards).astype(np.int64)).to(self.device)
         self._order_cache: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative windows)
+        self._perm_cache: tuple[int, int, np.ndarray] | None = None  # (epoch, shard, its windows' serving order)
         self.vocab_size: int | None = None  # set by check_vocab: token ids must be below it
         self.reset()
 
@@ -266,8 +272,14 @@ class TokenLoader:
             self._order_cache = (epoch, order, np.cumsum(self._windows[order]))
         _, order, cum = self._order_cache
         i = int(np.searchsorted(cum, w, side="right"))
-        first = int(cum[i - 1]) if i else 0
-        return int(order[i]), (w - first) * self.B * self.T
+        shard, k = int(order[i]), w - (int(cum[i - 1]) if i else 0)  # the shard's k-th window served this epoch
+        if self.shuffle == "windows":
+            if self._perm_cache is None or self._perm_cache[:2] != (epoch, shard):
+                # a stream of its own per (epoch, shard), apart from the shard order's (seed, epoch)
+                rng = np.random.default_rng((self.seed, epoch, shard + 1))
+                self._perm_cache = (epoch, shard, rng.permutation(int(self._windows[shard])))
+            k = int(self._perm_cache[2][k])
+        return shard, k * self.B * self.T
 
     def check_vocab(self, vocab_size: int) -> None:
         """Make every batch from now on check that its ids are below vocab_size, the model's embedding rows: a
@@ -308,8 +320,8 @@ class TokenLoader:
     def state_dict(self) -> dict[str, Any]:
         """The exact position plus what it is relative to; plain ints, strs and lists (safe for weights_only)."""
         return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
-                "shards": [f.name for f in self.files], "shard_tokens": self._lengths.tolist(),
-                "step": self.step}
+                "shuffle": self.shuffle, "shards": [f.name for f in self.files],
+                "shard_tokens": self._lengths.tolist(), "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; it must come from a loader over the same shards, T and seed. The world size and B
@@ -349,10 +361,16 @@ class TokenLoader:
         # a run preempted on 8 GPUs can go on with 4: the old ranks served the first step * world windows, and the
         # new ones start at the first multiple of the new world size at or after that, skipping fewer windows than
         # one step has ranks and serving none twice.
-        served = step * world if old_b == self.B else self._regrid(step * world, old_b)
+        # the order within each shard: states from before the windows were shuffled read them in order
+        old_shuffle = state.get("shuffle", "shards")
+        if old_shuffle not in ("windows", "shards", "none"):
+            raise DataError(f"cannot resume the {self.split} loader: its shuffle={old_shuffle!r} is not one this "
+                            "loader knows; the checkpoint is corrupt, start a fresh run")
+        same = old_b == self.B and old_shuffle == self.shuffle
+        served = step * world if same else self._regrid(step * world, old_b, old_shuffle)
         self.step = -(-served // self.world_size)
 
-    def _regrid(self, served: int, old_b: int) -> int:
+    def _regrid(self, served: int, old_b: int, old_shuffle: str = "shards") -> int:
         """The global window of this loader's grid at which to go on after `served` windows of old_b * T tokens.
 
         The old windows served are a prefix of the old stream: epoch e's shards in its order, the first ones read
@@ -361,7 +379,10 @@ class TokenLoader:
         nothing is served twice. Skipped: less than one new window at the cut, and the new windows in the tails of
         the shards already read, which the old windows never reached either (fewer tokens than one old window per
         shard).
-        A run moved from an 80 GB to a 40 GB GPU halves --batch-size and keeps its place in the data."""
+        A run moved from an 80 GB to a 40 GB GPU halves --batch-size and keeps its place in the data.
+        That holds where both read each shard's windows in order. Where either shuffles them, the old windows served
+        from the shard being read are scattered over it, and none of it can be served without risking a token
+        twice: the new position is the next shard's first window (skipped: the rest of that one shard)."""
         old = self._windows_per_shard(old_b)
         if not old.sum():
             raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b} leaves no window of "
@@ -372,7 +393,10 @@ class TokenLoader:
         cum_old, cum_new = np.cumsum(old[order]), np.cumsum(self._windows[order])
         i = int(np.searchsorted(cum_old, w, side="left"))  # the shard holding the last window served (0 if none)
         done = w - (int(cum_old[i - 1]) if i else 0)  # old windows served from shard order[i]
-        within = min(-(-done * old_b // self.B), int(self._windows[order[i]]))
+        if "windows" in (old_shuffle, self.shuffle):
+            within = int(self._windows[order[i]]) if done else 0
+        else:
+            within = min(-(-done * old_b // self.B), int(self._windows[order[i]]))
         return epoch * self.num_windows + (int(cum_new[i - 1]) if i else 0) + within
 
 

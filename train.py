@@ -73,6 +73,7 @@ class TrainConfig:
     # data
     data: str = "data/edu_fineweb10B"  # directory or glob of token shards written by fineweb.py (or llm.c)
     preload: bool = False  # load the whole dataset onto the device once (small datasets only)
+    shuffle: str = "windows"  # each epoch: windows (shard order and each shard's windows, llm.c) or shards (order only)
     # batch
     total_batch_size: int = 524288  # tokens per optimizer step, over all ranks and micro-steps
     batch_size: int = 64  # B: sequences per micro-step per rank (lower it to fit memory; see README table)
@@ -132,7 +133,7 @@ class TrainConfig:
         choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
                    "dtype": ("auto", "bf16", "fp16", "fp32"), "device": ("auto", "cuda", "cpu"),
                    "compile_mode": COMPILE_MODES, "attention": ("auto", *SDPA_SWITCHES),
-                   "lr_schedule": ("cosine", "linear", "constant", "wsd")}
+                   "lr_schedule": ("cosine", "linear", "constant", "wsd"), "shuffle": ("windows", "shards")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; "
@@ -587,10 +588,14 @@ def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
         set_optimizer_state_dict(raw, optimizer, ckpt["optimizer"], options=opts)
     if loader is not None:
         loader.load_state_dict(ckpt["loader"])
-        if ckpt["loader"]["B"] != loader.B and rank == 0:
-            print(f"note: the checkpoint's micro-batch was {ckpt['loader']['B']} sequences, this run's is {loader.B}: "
-                  "the data goes on where it was, cut into windows of the new size (none served twice), and the "
-                  "optimizer step keeps --total-batch-size tokens")
+        old_b, old_shuffle = ckpt["loader"]["B"], ckpt["loader"].get("shuffle", "shards")
+        if rank == 0 and (old_b != loader.B or old_shuffle != loader.shuffle):
+            where = ("where it was, cut into windows of the new size" if "windows" not in (old_shuffle, loader.shuffle)
+                     else "at the next shard (the one being read had its windows served in another order)")
+            print(f"note: the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads "
+                  f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes on {where}, none "
+                  "served twice" + (", and the optimizer step keeps --total-batch-size tokens"
+                                    if old_b != loader.B else ""))
     if scaler and ckpt["scaler"]:
         scaler.load_state_dict(ckpt["scaler"])
     if len(ckpt["rng"]) == world_size:
@@ -871,7 +876,7 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     # stops every rank with its reason; nodes with different data (or commands) would train on, silently wrong
     train_loader = val_loader = problem = None
     try:
-        train_loader = TokenLoader(cfg.data, "train", B, T, rank, world, cfg.seed, device, cfg.preload) \
+        train_loader = TokenLoader(cfg.data, "train", B, T, rank, world, cfg.seed, device, cfg.preload, cfg.shuffle) \
             if not cfg.eval_only else None
         val_loader = TokenLoader(cfg.data, "val", B, T, rank, world, cfg.seed, device, cfg.preload) \
             if cfg.eval_every > 0 or cfg.eval_only else None

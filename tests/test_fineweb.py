@@ -903,16 +903,24 @@ LENGTHS = [1000, 1537, 777, 2001, 70]  # windows of 33 tokens at stride 32: 31 +
 B, T = 2, 16
 
 
-def epoch_windows(seed: int, epoch: int, lengths: list[int] = LENGTHS) -> list[int]:
-    """First tokens of one train epoch's windows in serving order: shards permuted, each shard's windows in order."""
+def epoch_windows(seed: int, epoch: int, lengths: list[int] = LENGTHS, shuffle: str = "windows") -> list[int]:
+    """First tokens of one train epoch's windows in serving order: shards permuted, and each shard's windows
+    permuted (shuffle="windows") or in order ("shards")."""
     order = np.random.default_rng((seed, epoch)).permutation(len(lengths))
-    return [s * 5000 + B * T * j for s in order for j in range((lengths[s] - 1) // (B * T))]
+
+    def within(s: int) -> list[int]:
+        n = (lengths[s] - 1) // (B * T)
+        return np.random.default_rng((seed, epoch, s + 1)).permutation(n).tolist() if shuffle == "windows" \
+            else list(range(n))
+
+    return [s * 5000 + B * T * j for s in order for j in within(s)]
 
 
+@pytest.mark.parametrize("shuffle", ["windows", "shards"])
 @pytest.mark.parametrize(("world", "straddles"), [(1, 0), (2, 2), (3, 3)])
-def test_every_window_is_served_exactly_once_per_epoch_over_ranks(tmp_path, world, straddles):
+def test_every_window_is_served_exactly_once_per_epoch_over_ranks(tmp_path, world, straddles, shuffle):
     data = numbered_shards(tmp_path, LENGTHS)
-    loaders = [TokenLoader(str(data), "train", B, T, r, world, seed=7) for r in range(world)]
+    loaders = [TokenLoader(str(data), "train", B, T, r, world, seed=7, shuffle=shuffle) for r in range(world)]
     assert loaders[0].num_windows == 167 and loaders[0].tokens_per_epoch == 167 * B * T
     steps = -(-4 * 167 // world)  # lockstep steps until four whole epochs are served over all ranks
     served: dict[int, list[int]] = {}  # epoch -> first token of each window served in it, in global order
@@ -928,8 +936,9 @@ def test_every_window_is_served_exactly_once_per_epoch_over_ranks(tmp_path, worl
             assert torch.equal(y.flatten(), x.flatten() + 1)  # y is x shifted by one token
             served.setdefault(epoch, []).append(int(x[0, 0]))
     for epoch in range(4):  # every window once, in the epoch's order: no overlap, no gap, nothing dropped
-        assert served[epoch] == epoch_windows(7, epoch), epoch
-    assert served.get(4, []) == epoch_windows(7, 4)[:steps * world - 4 * 167]  # 0, 0, 1: the fifth has begun
+        assert served[epoch] == epoch_windows(7, epoch, shuffle=shuffle), epoch
+        assert sorted(served[epoch]) == sorted(epoch_windows(7, 0, shuffle="shards"))
+    assert served.get(4, []) == epoch_windows(7, 4, shuffle=shuffle)[:steps * world - 4 * 167]  # the fifth has begun
     # a step straddles epochs wherever world does not divide the boundary g = 167 e: e = 1, 3 for 2 ranks; 1, 2, 4 for 3
     assert mixed == straddles
 
@@ -945,6 +954,23 @@ def test_shuffle_is_reproducible_per_seed_and_new_each_epoch(tmp_path):
     assert runs(a[:167]) == np.random.default_rng((0, 0)).permutation(5).tolist() == [2, 4, 3, 0, 1]
     assert runs(a[167:]) == np.random.default_rng((0, 1)).permutation(5).tolist() != runs(a[:167])
     assert runs(c[:167]) == np.random.default_rng((1, 0)).permutation(5).tolist() != runs(a[:167])
+
+
+def test_windows_of_one_shard_come_in_a_new_order_every_epoch(tmp_path):
+    # the case the window shuffle is for: a small corpus in one train shard, read for many epochs. Its 31 windows
+    # (of 33 tokens at stride 32) come in a new order every epoch, each once; with shuffle="shards" (one shard to
+    # shuffle) they came in the same order every time
+    data = numbered_shards(tmp_path, [1000])
+    firsts = lambda loader: [int(x[0, 0]) for x, _ in batches(loader, 3 * 31)]
+    served = firsts(TokenLoader(str(data), "train", B, T, seed=5))
+    epochs = [served[e * 31:(e + 1) * 31] for e in range(3)]
+    assert all(sorted(e) == list(range(0, 31 * 32, 32)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3 and epochs[0] != sorted(epochs[0])
+    assert epochs[1] == [32 * j for j in np.random.default_rng((5, 1, 1)).permutation(31)]
+    assert served == firsts(TokenLoader(str(data), "train", B, T, seed=5))  # reproducible from the seed
+    assert firsts(TokenLoader(str(data), "train", B, T, seed=5, shuffle="shards")) == list(range(0, 31 * 32, 32)) * 3
+    with pytest.raises(ValueError, match="shuffle must be 'windows' or 'shards', got 'rows'"):
+        TokenLoader(str(data), "train", B, T, shuffle="rows")
 
 
 def test_val_is_in_file_order_and_identical_after_reset(tmp_path):
@@ -1062,31 +1088,41 @@ def test_resume_on_another_world_size_goes_on_with_the_same_stream(tmp_path, old
     (4, 2, 3, 2, 60),  # 180 windows served of the 83 per epoch at B=4: the cut is in epoch 2
     (3, 2, 2, 1, 55),  # 110 served, exactly one epoch at B=3: the new ranks start epoch 1's first window
 ])
+@pytest.mark.parametrize("shuffle", ["shards", "windows"])
 def test_resume_with_another_batch_size_goes_on_where_the_old_windows_stopped(tmp_path, old_b, new_b, old_world,
-                                                                              new_world, split_at):
+                                                                              new_world, split_at, shuffle):
     # a run moved to a GPU with less memory resumes with a smaller --batch-size: the shards are cut into other
-    # windows, and the new ranks must start at the first new window after which no window holds a token the old
-    # ranks served in that epoch (so none is served twice and as few as possible are skipped), rounded up to a
-    # whole step of the new ranks
+    # windows. With each shard's windows in order, the new ranks must start at the first new window after which no
+    # window holds a token the old ranks served in that epoch (so none is served twice and as few as possible are
+    # skipped); with them shuffled, the old windows served from the shard being read are scattered over it, and the
+    # new ranks start at the next shard. Either is rounded up to a whole step of the new ranks
     data = numbered_shards(tmp_path, LENGTHS)
-    old = [TokenLoader(str(data), "train", old_b, T, r, old_world, seed=3) for r in range(old_world)]
+    old = [TokenLoader(str(data), "train", old_b, T, r, old_world, seed=3, shuffle=shuffle) for r in range(old_world)]
     served: dict[int, set[int]] = {}  # epoch -> the x tokens the old ranks served in it
     for _ in range(split_at):
         for loader in old:
             epoch = loader.epoch
             served.setdefault(epoch, set()).update(loader.next_batch()[0].flatten().tolist())
     cut = split_at * old_world // old[0].num_windows  # the epoch the next old window would be in
-    new = [TokenLoader(str(data), "train", new_b, T, r, new_world, seed=3) for r in range(new_world)]
+    new = [TokenLoader(str(data), "train", new_b, T, r, new_world, seed=3, shuffle=shuffle) for r in range(new_world)]
     for loader in new:
         loader.load_state_dict(old[0].state_dict())
 
     def windows(epoch: int) -> list[range]:  # the new grid's windows' x tokens, in serving order (brute force)
         order = np.random.default_rng((3, epoch)).permutation(len(LENGTHS))
-        return [range(s * 5000 + new_b * T * j, s * 5000 + new_b * T * (j + 1))
-                for s in order for j in range((LENGTHS[s] - 1) // (new_b * T))]
+        count = [(n - 1) // (new_b * T) for n in LENGTHS]
+        within = [np.random.default_rng((3, epoch, s + 1)).permutation(count[s]).tolist() if shuffle == "windows"
+                  else range(count[s]) for s in range(len(LENGTHS))]
+        return [range(s * 5000 + new_b * T * j, s * 5000 + new_b * T * (j + 1)) for s in order for j in within[s]]
 
     grid = windows(cut)
-    first = next(k for k in range(len(grid) + 1) if not any(served.get(cut, set()).intersection(w) for w in grid[k:]))
+    if shuffle == "shards":
+        first = next(k for k in range(len(grid) + 1)
+                     if not any(served.get(cut, set()).intersection(w) for w in grid[k:]))
+    else:  # the first new window of the shard after the last one the old ranks read from
+        order = np.random.default_rng((3, cut)).permutation(len(LENGTHS)).tolist()
+        read = max((order.index(t // 5000) for t in served.get(cut, set())), default=-1)
+        first = sum((LENGTHS[s] - 1) // (new_b * T) for s in order[:read + 1])
     start = -(-(cut * len(grid) + first) // new_world) * new_world
     assert new[0].step * new_world == start and new[0].num_windows == len(grid)
     stream = grid + windows(cut + 1)
@@ -1097,20 +1133,36 @@ def test_resume_with_another_batch_size_goes_on_where_the_old_windows_stopped(tm
     assert not served.get(cut, set()).intersection(t for w in stream[start - cut * len(grid):len(grid)] for t in w)
 
 
+def test_resume_across_a_change_of_shuffle_goes_on_at_the_next_shard(tmp_path):
+    # a checkpoint from before the windows were shuffled (its state has no "shuffle": they were read in order), or
+    # one resumed with another --shuffle: the windows served from the shard being read cannot be told from those
+    # not, in the new order, so the run goes on at the next shard's first window and serves none twice
+    data = numbered_shards(tmp_path, LENGTHS)
+    old = TokenLoader(str(data), "train", B, T, seed=3, shuffle="shards")
+    served = {int(t) for x, _ in batches(old, 40) for t in x.flatten()}  # epoch 0 reads shards 4, 2, 1, 3, 0
+    state = old.state_dict()
+    del state["shuffle"]
+    new = TokenLoader(str(data), "train", B, T, seed=3)
+    new.load_state_dict(state)
+    assert new.step == 2 + 24 + 48  # shards 4 and 2 whole, shard 1 begun: on at shard 3
+    rest = {int(t) for x, _ in batches(new, 62 + 31) for t in x.flatten()}
+    assert not served & rest and {t // 5000 for t in rest} == {3, 0}
+
+
 def test_resume_with_another_batch_size_counts_old_windows_of_b_t_plus_one_tokens_in_the_epochs_order(tmp_path):
     # shard 0's 1024 tokens hold 31 windows of 2 x 16 + 1 tokens, not 32 (the 32nd would need token 1024 as its last
     # target): counted as 32, the old loader's full epoch 0 would look one window short of its end, and the new one
     # would serve shard 0's tail again. Epoch 0 reads shards 1, 0 and epoch 1 reads 0, 1: a cut in epoch 1 must be
     # found in epoch 1's order. At B=1 the shards hold 63 and 62 windows of 16 + 1 tokens, 125 an epoch
     data = numbered_shards(tmp_path, [1024, 1000])
-    old = TokenLoader(str(data), "train", 2, T, 0, 1, seed=3)
+    old = TokenLoader(str(data), "train", 2, T, 0, 1, seed=3, shuffle="shards")
     assert old.num_windows == 62
     for served, step, first in ((62, 125, 0),  # all of epoch 0: epoch 1 from its first window, shard 0's token 0
                                 # epoch 1: shard 0 whole, then shard 1's 9 windows, to its x token 287: window 18 of
                                 # 16 tokens is the first not served, after epoch 0's 125 and shard 0's 63
                                 (62 + 40, 125 + 63 + 18, 5000 + 18 * 16)):
         old.step = served
-        new = TokenLoader(str(data), "train", 1, T, 0, 1, seed=3)
+        new = TokenLoader(str(data), "train", 1, T, 0, 1, seed=3, shuffle="shards")
         new.load_state_dict(old.state_dict())
         assert new.num_windows == 125 and new.step == step
         assert int(new.next_batch()[0][0, 0]) == first

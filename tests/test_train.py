@@ -94,6 +94,7 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     (["--preset", "gpt5"], "unknown --preset 'gpt5'"),
     (["--recompute=all"], "--recompute must be one of none, mlp, block"),
     (["--lr-schedule=step"], "--lr-schedule must be one of cosine, linear, constant, wsd"),
+    (["--shuffle=rows"], "--shuffle must be one of windows, shards"),
     (["--attention=sdpa"], "--attention must be one of auto, flash, cudnn, efficient, math"),
     (["--compile-mode=fast"], "--compile-mode must be one of default, max-autotune"),
     (["--log-every=0"], "--log-every must be >= 1"),
@@ -1206,21 +1207,31 @@ def test_tokens_axis_survives_a_resume_with_another_total_batch(token_data, tmp_
     assert load_checkpoint(tmp_path / "ckpt_000004.pt")["tokens"] == 1536
 
 
-def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_batch(token_data, tmp_path, capsys):
+@pytest.mark.parametrize(("shuffle", "where", "step"), [
+    # each shard's windows in order: on after the 4 windows of 4 x 64 tokens served, which are 2 windows of 8 x 64
+    # (both runs read the same first shard of the seeded order), then 2 steps
+    ("shards", "where it was, cut into windows of the new size, none served twice", 4),
+    # shuffled: the 4 windows served are scattered over the shard, so on at the next one: its 39 windows of 8 x 64
+    ("windows", "at the next shard (the one being read had its windows served in another order), none served twice",
+     39 + 2),
+])
+def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_batch(token_data, tmp_path, capsys,
+                                                                                     shuffle, where, step):
     # moved to a GPU with other memory, a run resumes with another --batch-size: grad accumulation changes so the
-    # step keeps its 512 tokens, and the loader goes on after the 4 windows of 4 x 64 tokens served, which are 2
-    # windows of 8 x 64 (both runs read the same first shard of the seeded order)
-    common = ["--eval-every=0", "--ckpt-every=2", "--max-steps=4"]
+    # step keeps its 512 tokens, and the loader goes on without serving a window twice
+    common = ["--eval-every=0", "--ckpt-every=2", "--max-steps=4", f"--shuffle={shuffle}"]
     train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=2"))  # the tiny preset: B=4, 2 micro-steps
     loader = load_checkpoint(tmp_path / "ckpt_000002.pt")["loader"]
-    assert (loader["B"], loader["step"]) == (4, 4)
+    assert (loader["B"], loader["step"], loader["shuffle"]) == (4, 4, shuffle)
     capsys.readouterr()
     result = train.main(tiny_args(token_data, tmp_path, *common, "--batch-size=8", "--resume=auto"))
     out = capsys.readouterr().out
-    assert "note: the checkpoint's micro-batch was 4 sequences, this run's is 8: the data goes on where it was" in out
+    assert (f"note: the checkpoint read 4-sequence windows with --shuffle {shuffle}, this run reads 8-sequence windows "
+            f"with --shuffle {shuffle}: the data goes on {where}, and the optimizer step keeps --total-batch-size "
+            "tokens") in out
     assert "512 tokens/step = 8 x 64 x 1 ranks x 1 accum" in out and all(map(math.isfinite, result["losses"]))
     loader = load_checkpoint(tmp_path / "ckpt_000004.pt")["loader"]
-    assert (loader["B"], loader["step"]) == (8, 4)
+    assert (loader["B"], loader["step"]) == (8, step)
     tokens = [r["tokens"] for r in train.iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
     assert tokens == [512, 1024, 1536, 2048]
 
@@ -1358,7 +1369,8 @@ def test_profile_writes_a_trace(token_data, tmp_path, capsys):
 OTHER_VALUE = {
     "model": "gpt2-medium", "seq_len": 512, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "mlp": "swiglu",
     "pos": "rope", "bias": False, "dropout": 0.1, "fused_gelu": True, "loss_chunk": 128, "data": "/other/data",
-    "preload": True, "total_batch_size": 262144, "batch_size": 32, "max_lr": 3e-4, "min_lr_frac": 0.0,
+    "preload": True, "shuffle": "shards", "total_batch_size": 262144, "batch_size": 32, "max_lr": 3e-4,
+    "min_lr_frac": 0.0,
     "lr_schedule": "wsd", "decay_frac": 0.5, "warmup_steps": 700, "max_steps": 100, "weight_decay": 0.0, "beta1": 0.8,
     "beta2": 0.99, "eps": 1e-6, "grad_clip": 0.5, "skip_loss_z": 6.0, "skip_norm_z": 6.0, "label_smoothing": 0.1,
     "device": "cpu", "dtype": "fp32", "compile": False, "compile_mode": "max-autotune", "attention": "math",
