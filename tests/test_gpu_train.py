@@ -149,7 +149,9 @@ def test_zero1_and_fsdp_follow_ddp_and_resume(parallel, tol, ddp_run, learnable_
     diff = max(abs(a - b) for a, b in zip(ddp[:5], other[:5], strict=True))
     print(f"{parallel}: max |loss difference| from DDP over steps 0-4 = {diff:.2e}")
     assert len(other) == 10 and diff <= tol
-    assert other[-1] < other[0] - 1.0  # it trains
+    # it trains: without updates the loss would stay near 10.8. (On CPU, 10 steps of 256 tokens in shuffled windows
+    # see each of the motif's bigrams about 2.5 times at random: 10.81 to 10.15 at git f123cdb)
+    assert other[-1] < other[0] - 0.5
     # resume from step 5: ZeRO-1's load_state_dict moves AdamW's step counters to the CPU, which the fused CUDA
     # kernel rejects unless train.py moves them back
     (tmp_path / "ckpt_000010.pt").unlink()
