@@ -86,6 +86,7 @@ class BenchConfig:
     peak_tflops: float | None = None  # override the device's peak bf16 TFLOP/s for MFU (model.py's table otherwise)
     seed: int = 1337  # seeds the weights and the synthetic data
     threads: int = 0  # CPU threads for torch (0 = torch's default); pin it to make CPU numbers comparable
+    table_from: str = ""  # print the table of an earlier run's JSON and exit (a run cut short keeps its finished rows)
     # train suite
     model: str = "auto"  # model preset (model.py MODEL_PRESETS); auto = gpt2 (124M) on CUDA, tiny on CPU
     seq_len: int | None = None  # T; None = 1024 on CUDA, 64 on CPU
@@ -1022,6 +1023,14 @@ def write_json(result: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(BenchConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    if cfg.table_from:  # a GPU call killed at its time limit printed no table, but its JSON holds every finished row
+        try:
+            result = json.loads(Path(cfg.table_from).read_text())
+            table = format_table(result)
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"error: --table-from {cfg.table_from} is not a bench.py JSON file ({e!r})") from None
+        print(table)
+        return {**result, "table": table}
     try:
         cfg = resolve(cfg)
         names = [v.name for v in select_variants(cfg)]  # a misspelt --variants fails now, not after the other suites

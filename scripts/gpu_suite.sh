@@ -105,7 +105,8 @@ if want bench; then
     env -u TRITON_INTERPRET timeout "$BENCH_TIMEOUT" "$PY" bench.py --suite all --budget-s "$BENCH_BUDGET" \
         --out "$OUT/bench.json" --trace-variant compile "$@" 2>&1 | tee "$OUT/bench.log"
     rc=${PIPESTATUS[0]}
-    [ "$rc" -eq 0 ] || { echo "bench.py: exit $rc (124 = timeout; $OUT/bench.json keeps the rows finished before it)"
+    [ "$rc" -eq 0 ] || { echo "bench.py: exit $rc (124 = timeout; $OUT/bench.json keeps the rows finished before it:"
+                         echo "  python bench.py --table-from $OUT/bench.json prints their table)"
                          status=1; }
 fi
 

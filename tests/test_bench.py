@@ -462,6 +462,24 @@ def test_main_writes_json_with_provenance_config_and_table(tmp_path, capsys):
     assert "costliest kernels of eager's step" in breakdown and "aten::mm" in breakdown
 
 
+def test_table_from_prints_the_rows_of_a_run_cut_short(tmp_path, capsys):
+    # a GPU call killed at its time limit prints no table; its JSON, rewritten after every row, has the rows so far
+    out = tmp_path / "bench.json"
+    main(["--suite", "train", "--device", "cpu", "--model", "tiny", "--seq-len", "32", "--batch-sizes", "2",
+          "--steps", "1", "--warmup", "0", "--variants", "eager,eager+fused", "--profile", "false", "--out", str(out)])
+    cut = json.loads(out.read_text())
+    del cut["table"], cut["train"][1]  # as the JSON stood after the first row
+    out.write_text(json.dumps(cut))
+    capsys.readouterr()
+    result = main(["--table-from", str(out)])
+    printed = capsys.readouterr().out
+    assert printed == result["table"] + "\n" and "eager" in printed and "eager+fused" not in printed
+    assert f"{cut['train'][0]['tok_per_s']:,.0f}" in printed
+    (tmp_path / "log.txt").write_text("not json")
+    with pytest.raises(SystemExit, match=r"--table-from .*log.txt is not a bench.py JSON file"):
+        main(["--table-from", str(tmp_path / "log.txt")])
+
+
 def test_cpu_defaults_are_the_small_ones_and_resolving_twice_changes_nothing():
     """Left to auto, a CPU run gets the tiny shapes: GPT-2 124M at T=1024 or 64K-row kernels would take hours there."""
     cfg = bench.resolve(BenchConfig(device="cpu"))
