@@ -4,9 +4,10 @@
   cache and scores HellaSwag, and a run resumed from its step-20 checkpoint repeats its last 20 steps;
 - ZeRO-1 and FSDP2 (real on one rank: torchrun takes the distributed path) follow the DDP run's losses and resume.
 
-Skipped without CUDA; scripts/gpu_suite.sh runs them (`STAGES=train-tests`). `GPU_TESTS_DEVICE=cpu` runs the same
-harness on CPU with the tiny model, eager and fp32 (about a minute), to check the tests themselves where there is
-no GPU; CI does not, since tests/test_train.py covers those CPU paths.
+On CUDA, scripts/gpu_suite.sh runs them (`STAGES=train-tests`). Without CUDA (CI), the same harness runs on CPU
+with the tiny model, eager and fp32 (about a minute): tests/test_train.py covers those CPU paths, but this checks
+the tests themselves, so that the first GPU session does not spend its device minutes on a broken assertion (one
+was found this way). `GPU_TESTS_DEVICE=cuda` or `cpu` forces the device; cuda without a GPU skips.
 
 The data are learnable: one random 997-token sequence repeated, so the loss must fall far below log(50257) ~ 10.8.
 The GPU comparisons allow for bf16 and for kernels that are not bitwise deterministic (atomics in the embedding and
@@ -25,7 +26,7 @@ import torch
 import train
 from conftest import ROOT, run_torchrun
 
-DEVICE = os.environ.get("GPU_TESTS_DEVICE", "cuda")
+DEVICE = os.environ.get("GPU_TESTS_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
