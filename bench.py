@@ -65,6 +65,7 @@ from model import (
     parse_config,
     peak_flops,
     provenance,
+    resolve_device,
     run_and_exit,
 )
 
@@ -1040,9 +1041,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # a note, not an error: scripts/gpu_suite.sh asks for the compile row's trace in calls that run other rows
         print(f"note: --trace-variant {cfg.trace_variant} is not among the train variants to run "
               f"({', '.join(names)}): no trace is written", file=sys.stderr)
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # the Triton rows launch on the current device, not on their tensors'
+    device = resolve_device(cfg.device)  # cuda:N becomes the current device, where the Triton rows launch
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     result: dict[str, Any] = {"provenance": {**provenance(device), "torch_threads": torch.get_num_threads()},

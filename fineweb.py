@@ -181,6 +181,9 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
 # Loader
 
 
+SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
+
+
 class TokenLoader:
     """Shuffled, exactly-once, resumable batches of (x, y) from one split's shards, for one rank.
 
@@ -205,7 +208,7 @@ class TokenLoader:
                  seed: int = 0, device: str | torch.device = "cpu", preload: bool = False, shuffle: str = "windows"):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        if shuffle not in ("windows", "shards"):
+        if shuffle not in SHUFFLES:
             raise ValueError(f"shuffle must be 'windows' or 'shards', got {shuffle!r}")
         if B < 1 or T < 1:
             raise ValueError(f"batch size B and sequence length T must be >= 1, got B={B}, T={T}")
@@ -361,14 +364,24 @@ class TokenLoader:
         # a run preempted on 8 GPUs can go on with 4: the old ranks served the first step * world windows, and the
         # new ones start at the first multiple of the new world size at or after that, skipping fewer windows than
         # one step has ranks and serving none twice.
-        # the order within each shard: states from before the windows were shuffled read them in order
-        old_shuffle = state.get("shuffle", "shards")
-        if old_shuffle not in ("windows", "shards", "none"):
+        old_shuffle = self.state_shuffle(state)
+        if old_shuffle not in (*SHUFFLES, "none"):
             raise DataError(f"cannot resume the {self.split} loader: its shuffle={old_shuffle!r} is not one this "
                             "loader knows; the checkpoint is corrupt, start a fresh run")
         same = old_b == self.B and old_shuffle == self.shuffle
         served = step * world if same else self._regrid(step * world, old_b, old_shuffle)
         self.step = -(-served // self.world_size)
+
+    @staticmethod
+    def state_shuffle(state: dict[str, Any]) -> str:
+        """The order in which `state`'s loader read each shard's windows; states from before they were shuffled
+        have no "shuffle" and read them in order."""
+        return state.get("shuffle", "shards")
+
+    def continues_in_shard(self, old_shuffle: str) -> bool:
+        """Whether a resume from another B or shuffle mode goes on inside the shard being read (see _regrid): only
+        where neither side shuffles the windows within a shard."""
+        return "windows" not in (old_shuffle, self.shuffle)
 
     def _regrid(self, served: int, old_b: int, old_shuffle: str = "shards") -> int:
         """The global window of this loader's grid at which to go on after `served` windows of old_b * T tokens.
@@ -393,10 +406,10 @@ class TokenLoader:
         cum_old, cum_new = np.cumsum(old[order]), np.cumsum(self._windows[order])
         i = int(np.searchsorted(cum_old, w, side="left"))  # the shard holding the last window served (0 if none)
         done = w - (int(cum_old[i - 1]) if i else 0)  # old windows served from shard order[i]
-        if "windows" in (old_shuffle, self.shuffle):
-            within = int(self._windows[order[i]]) if done else 0
-        else:
+        if self.continues_in_shard(old_shuffle):
             within = min(-(-done * old_b // self.B), int(self._windows[order[i]]))
+        else:
+            within = int(self._windows[order[i]]) if done else 0
         return epoch * self.num_windows + (int(cum_new[i - 1]) if i else 0) + within
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from fineweb import DataError, TokenLoader
+from fineweb import SHUFFLES, DataError, TokenLoader
 from model import (
     GPT,
     MODEL_PRESETS,
@@ -133,7 +133,7 @@ class TrainConfig:
         choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
                    "dtype": ("auto", "bf16", "fp16", "fp32"), "device": ("auto", "cuda", "cpu"),
                    "compile_mode": COMPILE_MODES, "attention": ("auto", *SDPA_SWITCHES),
-                   "lr_schedule": ("cosine", "linear", "constant", "wsd"), "shuffle": ("windows", "shards")}
+                   "lr_schedule": ("cosine", "linear", "constant", "wsd"), "shuffle": SHUFFLES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; "
@@ -588,9 +588,9 @@ def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
         set_optimizer_state_dict(raw, optimizer, ckpt["optimizer"], options=opts)
     if loader is not None:
         loader.load_state_dict(ckpt["loader"])
-        old_b, old_shuffle = ckpt["loader"]["B"], ckpt["loader"].get("shuffle", "shards")
+        old_b, old_shuffle = ckpt["loader"]["B"], TokenLoader.state_shuffle(ckpt["loader"])
         if rank == 0 and (old_b != loader.B or old_shuffle != loader.shuffle):
-            where = ("where it was, cut into windows of the new size" if "windows" not in (old_shuffle, loader.shuffle)
+            where = ("where it was, cut into windows of the new size" if loader.continues_in_shard(old_shuffle)
                      else "at the next shard (the one being read had its windows served in another order)")
             print(f"note: the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads "
                   f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes on {where}, none "
