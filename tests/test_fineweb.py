@@ -903,17 +903,18 @@ LENGTHS = [1000, 1537, 777, 2001, 70]  # windows of 33 tokens at stride 32: 31 +
 B, T = 2, 16
 
 
-def epoch_windows(seed: int, epoch: int, lengths: list[int] = LENGTHS, shuffle: str = "windows") -> list[int]:
-    """First tokens of one train epoch's windows in serving order: shards permuted, and each shard's windows
-    permuted (shuffle="windows") or in order ("shards")."""
+def epoch_windows(seed: int, epoch: int, lengths: list[int] = LENGTHS, shuffle: str = "windows",
+                  b: int = B) -> list[int]:
+    """First tokens of one train epoch's windows of b*T+1 tokens in serving order: shards permuted, and each shard's
+    windows permuted (shuffle="windows") or in order ("shards")."""
     order = np.random.default_rng((seed, epoch)).permutation(len(lengths))
 
     def within(s: int) -> list[int]:
-        n = (lengths[s] - 1) // (B * T)
+        n = (lengths[s] - 1) // (b * T)
         return np.random.default_rng((seed, epoch, s + 1)).permutation(n).tolist() if shuffle == "windows" \
             else list(range(n))
 
-    return [s * 5000 + B * T * j for s in order for j in within(s)]
+    return [s * 5000 + b * T * j for s in order for j in within(s)]
 
 
 @pytest.mark.parametrize("shuffle", ["windows", "shards"])
@@ -1109,11 +1110,7 @@ def test_resume_with_another_batch_size_goes_on_where_the_old_windows_stopped(tm
         loader.load_state_dict(old[0].state_dict())
 
     def windows(epoch: int) -> list[range]:  # the new grid's windows' x tokens, in serving order (brute force)
-        order = np.random.default_rng((3, epoch)).permutation(len(LENGTHS))
-        count = [(n - 1) // (new_b * T) for n in LENGTHS]
-        within = [np.random.default_rng((3, epoch, s + 1)).permutation(count[s]).tolist() if shuffle == "windows"
-                  else range(count[s]) for s in range(len(LENGTHS))]
-        return [range(s * 5000 + new_b * T * j, s * 5000 + new_b * T * (j + 1)) for s in order for j in within[s]]
+        return [range(first, first + new_b * T) for first in epoch_windows(3, epoch, shuffle=shuffle, b=new_b)]
 
     grid = windows(cut)
     if shuffle == "shards":
