@@ -241,6 +241,7 @@ class TokenLoader:
         self._order_cache: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative windows)
         self._perm_cache: tuple[int, int, np.ndarray] | None = None  # (epoch, shard, its windows' serving order)
         self.vocab_size: int | None = None  # set by check_vocab: token ids must be below it
+        self.resume_skipped = 0  # tokens the last load_state_dict skipped in the shard being read (see _regrid)
         self.reset()
 
     def _windows_per_shard(self, B: int) -> np.ndarray:
@@ -369,6 +370,7 @@ class TokenLoader:
             raise DataError(f"cannot resume the {self.split} loader: its shuffle={old_shuffle!r} is not one this "
                             "loader knows; the checkpoint is corrupt, start a fresh run")
         same = old_b == self.B and old_shuffle == self.shuffle
+        self.resume_skipped = 0
         served = step * world if same else self._regrid(step * world, old_b, old_shuffle)
         self.step = -(-served // self.world_size)
 
@@ -395,7 +397,8 @@ class TokenLoader:
         A run moved from an 80 GB to a 40 GB GPU halves --batch-size and keeps its place in the data.
         That holds where both read each shard's windows in order. Where either shuffles them, the old windows served
         from the shard being read are scattered over it, and none of it can be served without risking a token
-        twice: the new position is the next shard's first window (skipped: the rest of that one shard)."""
+        twice: the new position is the next shard's first window (skipped: the rest of that one shard, whose old
+        windows not yet served are counted in resume_skipped, in tokens; none where the cut fell between shards)."""
         old = self._windows_per_shard(old_b)
         if not old.sum():
             raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b} leaves no window of "
@@ -410,6 +413,7 @@ class TokenLoader:
             within = min(-(-done * old_b // self.B), int(self._windows[order[i]]))
         else:
             within = int(self._windows[order[i]]) if done else 0
+            self.resume_skipped = (int(old[order[i]]) - done) * old_b * self.T if done else 0
         return epoch * self.num_windows + (int(cum_new[i - 1]) if i else 0) + within
 
 

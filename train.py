@@ -590,8 +590,13 @@ def restore(ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainCo
         loader.load_state_dict(ckpt["loader"])
         old_b, old_shuffle = ckpt["loader"]["B"], TokenLoader.state_shuffle(ckpt["loader"])
         if rank == 0 and (old_b != loader.B or old_shuffle != loader.shuffle):
-            where = ("where it was, cut into windows of the new size" if loader.continues_in_shard(old_shuffle)
-                     else "at the next shard (the one being read had its windows served in another order)")
+            if loader.continues_in_shard(old_shuffle):
+                where = "where it was, cut into windows of the new size"
+            elif loader.resume_skipped:
+                where = (f"at the next shard, skipping the {loader.resume_skipped:,} tokens the checkpoint's run had "
+                         "not yet served from the shard being read (it read that shard's windows in another order)")
+            else:
+                where = "where it was, at a shard's start (the checkpoint fell between shards: nothing skipped)"
             print(f"note: the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads "
                   f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes on {where}, none "
                   "served twice" + (", and the optimizer step keeps --total-batch-size tokens"

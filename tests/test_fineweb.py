@@ -1142,8 +1142,14 @@ def test_resume_across_a_change_of_shuffle_goes_on_at_the_next_shard(tmp_path):
     new = TokenLoader(str(data), "train", B, T, seed=3)
     new.load_state_dict(state)
     assert new.step == 2 + 24 + 48  # shards 4 and 2 whole, shard 1 begun: on at shard 3
+    assert new.resume_skipped == (48 - 14) * B * T  # shard 1's windows the old loader had not served, in tokens
     rest = {int(t) for x, _ in batches(new, 62 + 31) for t in x.flatten()}
     assert not served & rest and {t // 5000 for t in rest} == {3, 0}
+    # a cut between shards (4 and 2 read whole, shard 1 not begun) skips nothing: on at shard 1's first window
+    state["step"] = 2 + 24
+    new.load_state_dict(state)
+    assert (new.step, new.resume_skipped) == (2 + 24, 0)
+    assert {t // 5000 for x, _ in batches(new, 48) for t in x.flatten().tolist()} == {1}
 
 
 def test_resume_with_another_batch_size_counts_old_windows_of_b_t_plus_one_tokens_in_the_epochs_order(tmp_path):

@@ -1211,9 +1211,10 @@ def test_tokens_axis_survives_a_resume_with_another_total_batch(token_data, tmp_
     # each shard's windows in order: on after the 4 windows of 4 x 64 tokens served, which are 2 windows of 8 x 64
     # (both runs read the same first shard of the seeded order), then 2 steps
     ("shards", "where it was, cut into windows of the new size, none served twice", 4),
-    # shuffled: the 4 windows served are scattered over the shard, so on at the next one: its 39 windows of 8 x 64
-    ("windows", "at the next shard (the one being read had its windows served in another order), none served twice",
-     39 + 2),
+    # shuffled: the 4 windows served are scattered over the shard, so on at the next one (after its 39 windows of
+    # 8 x 64), skipping the 78 - 4 windows of 4 x 64 of the 20,000-token shard that were not served
+    ("windows", "at the next shard, skipping the 18,944 tokens the checkpoint's run had not yet served from the shard "
+     "being read (it read that shard's windows in another order), none served twice", 39 + 2),
 ])
 def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_batch(token_data, tmp_path, capsys,
                                                                                      shuffle, where, step):
