@@ -5,18 +5,22 @@
 - ZeRO-1 and FSDP2 (real on one rank: torchrun takes the distributed path) follow the DDP run's losses and resume.
 
 On CUDA, scripts/gpu_suite.sh runs them (`STAGES=train-tests`). Without CUDA (CI), the same harness runs on CPU
-with the tiny model, eager and fp32 (about a minute): tests/test_train.py covers those CPU paths, but this checks
-the tests themselves, so that the first GPU session does not spend its device minutes on a broken assertion (one
-was found this way). `GPU_TESTS_DEVICE=cuda` or `cpu` forces the device; cuda without a GPU skips.
+with the tiny model, eager and fp32, in this process (about 30 s): tests/test_train.py covers those CPU paths, and
+real torchrun launches, but this checks the tests themselves, so that the first GPU session does not spend its
+device minutes on a broken assertion (one was found this way). `GPU_TESTS_DEVICE=cuda` or `cpu` forces the device;
+cuda without a GPU skips.
 
 The data are learnable: one random 997-token sequence repeated, so the loss must fall far below log(50257) ~ 10.8.
 The GPU comparisons allow for bf16 and for kernels that are not bitwise deterministic (atomics in the embedding and
 attention backward); each test prints the largest difference it saw.
 """
 
+import contextlib
+import io
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +79,30 @@ def args(data: Path, out: Path, *extra: str) -> list[str]:
             "--eval-every=20", "--ckpt-every=20", "--keep-last=5", "--seed=7", *hellaswag, *extra]
 
 
+def launch(argv: list[str], env: dict[str, str] | None = None) -> tuple[str, str]:
+    """Run train.py as one torchrun rank and return its stdout and stderr. On CUDA, a real torchrun. On CPU, the
+    same distributed path in this process: train.py builds its gloo group from torchrun's variables and destroys it
+    at the end, and the ~5 s a launcher and two interpreters take to start are saved on each of the six runs."""
+    if GPU:
+        proc = run_torchrun(argv, nproc=1, timeout=RUN_TIMEOUT, env=env)
+        return proc.stdout, proc.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})}
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        for key, value in torchrun_env.items():
+            mp.setenv(key, value)
+        torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1: tiny ops on 2 threads took twice as long here
+        try:
+            train.main(argv[1:])
+        finally:
+            torch.set_num_threads(threads)
+    return out.getvalue(), err.getvalue()
+
+
 def records(out: Path, kind: str) -> list[dict]:
     return [r for r in train.iter_log(out / "log.jsonl") if r["type"] == kind]
 
@@ -83,11 +111,10 @@ def records(out: Path, kind: str) -> list[dict]:
 def ddp_run(learnable_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ddp")
     # torch.compile logs each graph break: the test below wants none in the training step
-    proc = run_torchrun(args(learnable_data, out, *tokenizer_args()), nproc=1, timeout=RUN_TIMEOUT,
-                        env={"TORCH_LOGS": "graph_breaks"})
-    print(proc.stdout[-3000:])
-    (out / "stdout.txt").write_text(proc.stdout)
-    (out / "stderr.txt").write_text(proc.stderr)
+    stdout, stderr = launch(args(learnable_data, out, *tokenizer_args()), env={"TORCH_LOGS": "graph_breaks"})
+    print(stdout[-3000:])
+    (out / "stdout.txt").write_text(stdout)
+    (out / "stderr.txt").write_text(stderr)
     return out
 
 
@@ -127,7 +154,7 @@ def test_compiled_bf16_run_learns_evaluates_samples_and_scores_hellaswag(ddp_run
 
 def test_resume_from_checkpoint_repeats_the_last_steps(ddp_run, learnable_data, tmp_path):
     shutil.copy(ddp_run / "ckpt_000020.pt", tmp_path)
-    run_torchrun(args(learnable_data, tmp_path, "--resume=auto"), nproc=1, timeout=RUN_TIMEOUT)
+    launch(args(learnable_data, tmp_path, "--resume=auto"))
     full = [r["loss"] for r in records(ddp_run, "train")][20:]
     resumed = records(tmp_path, "train")  # a fresh log: the copied folder had only the checkpoint
     assert [r["step"] for r in resumed] == list(range(20, STEPS))
@@ -142,7 +169,7 @@ def test_zero1_and_fsdp_follow_ddp_and_resume(parallel, tol, ddp_run, learnable_
     # one rank under torchrun still builds ZeroRedundancyOptimizer (with fused AdamW) or FSDP2's fully_shard (with
     # bf16 parameters for compute), so this is their real code on the GPU, short of multi-GPU communication
     common = [f"--parallel={parallel}", "--max-steps=10", "--eval-every=0", "--ckpt-every=5"]
-    run_torchrun(args(learnable_data, tmp_path, *common), nproc=1, timeout=RUN_TIMEOUT)
+    launch(args(learnable_data, tmp_path, *common))
     assert train.load_checkpoint(tmp_path / "ckpt_000010.pt")["optimizer_kind"] == parallel
     ddp = [r["loss"] for r in records(ddp_run, "train")][:10]
     other = [r["loss"] for r in records(tmp_path, "train")]
@@ -156,7 +183,7 @@ def test_zero1_and_fsdp_follow_ddp_and_resume(parallel, tol, ddp_run, learnable_
     # resume from step 5: ZeRO-1's load_state_dict moves AdamW's step counters to the CPU, which the fused CUDA
     # kernel rejects unless train.py moves them back
     (tmp_path / "ckpt_000010.pt").unlink()
-    run_torchrun(args(learnable_data, tmp_path, *common, "--resume=auto"), nproc=1, timeout=RUN_TIMEOUT)
+    launch(args(learnable_data, tmp_path, *common, "--resume=auto"))
     again = [r["loss"] for r in records(tmp_path, "train")]
     diff = max(abs(a - b) for a, b in zip(other[5:], again[5:], strict=True))
     print(f"{parallel}: resume at step 5, max |loss difference| over steps 5-9 = {diff:.2e}")
