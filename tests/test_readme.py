@@ -67,19 +67,27 @@ def test_quickstart_is_what_ci_runs():
 # the README's training commands, run for real at a size this machine takes: its presets, and torchrun's rendezvous
 
 
+SMALL = ["--eval-every=1", "--eval-tokens=64", "--hellaswag=off", "--sample-every=0", "--compile=false"]
+
+
 @pytest.mark.slow
-def test_readme_presets_take_steps(token_data, tmp_path):
-    small = ["--eval-every=1", "--eval-tokens=64", "--hellaswag=off", "--sample-every=0", "--compile=false"]
+def test_readme_gpt2_preset_takes_a_step(token_data, tmp_path):
     gpt2 = train.main(["--preset", "gpt2-124m", "--data", str(token_data), "--out-dir", str(tmp_path / "gpt2"),
-                       "--batch-size=1", "--seq-len=64", "--total-batch-size=64", "--max-steps=1", *small])
+                       "--batch-size=1", "--seq-len=64", "--total-batch-size=64", "--max-steps=1", *SMALL])
     assert abs(gpt2["losses"][0] - 10.82) < 0.5  # about ln(50257) = 10.82: GPT-2 124M at init, random tokens
     assert train.model_config(train.PRESETS["gpt2-124m"]()).n_embd == 768
-    if SHAKESPEARE.is_file():  # the shakespeare preset (its model, context, preloaded data) on the local copy's
-        data = tmp_path / "shakespeare"  # shards, with 512-token steps instead of 16K: a CPU takes ~30 s for those
-        fineweb.main(["--source", str(SHAKESPEARE), "--out-dir", str(data)])
-        run = train.main(["--preset", "shakespeare", "--data", str(data), "--out-dir", str(tmp_path / "out"),
-                          "--max-steps=2", "--batch-size=2", "--total-batch-size=512", *small])
-        assert len(run["losses"]) == 2 and run["val_loss"] > 5.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=f"needs the local Tiny Shakespeare at {SHAKESPEARE}")
+def test_readme_shakespeare_preset_takes_steps(tmp_path):
+    # the shakespeare preset (its model, context, preloaded data) on the local copy's shards, with 512-token steps
+    # instead of 16K: a CPU takes ~30 s for those
+    data = tmp_path / "shakespeare"
+    fineweb.main(["--source", str(SHAKESPEARE), "--out-dir", str(data)])
+    run = train.main(["--preset", "shakespeare", "--data", str(data), "--out-dir", str(tmp_path / "out"),
+                      "--max-steps=2", "--batch-size=2", "--total-batch-size=512", *SMALL])
+    assert len(run["losses"]) == 2 and run["val_loss"] > 5.0
 
 
 @pytest.mark.slow
