@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -516,7 +516,11 @@ def _state_dicts(raw: GPT, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -
 
 def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig,
                     loader: TokenLoader, scaler: torch.amp.GradScaler | None, rank: int, world_size: int,
-                    prov: dict, outliers: dict[str, list[float]], tokens: int) -> None:
+                    prov: dict, outliers: dict[str, list[float]], tokens: int,
+                    unreadable: Collection[Path] = ()) -> None:
+    """Write the checkpoint (rank 0; every rank takes part in gathering it), then prune to the newest --keep-last.
+    Checkpoints in `unreadable` (found so by this run's resume) are neither counted nor deleted: a corrupt file must
+    not take the place of a good one."""
     model_sd, optim_sd = _state_dicts(raw, optimizer, cfg)
     # is_initialized, not is_available: get_rng_state would create a CUDA context for a --device cpu run on a GPU host
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
@@ -541,18 +545,23 @@ def save_checkpoint(path: Path, raw: GPT, optimizer: torch.optim.Optimizer, step
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoint untouched
-    for stale in checkpoints(path.parent)[:-cfg.keep_last] if cfg.keep_last > 0 else []:
+    readable = [p for p in checkpoints(path.parent) if p not in unreadable]
+    for stale in readable[:-cfg.keep_last] if cfg.keep_last > 0 else []:
         if not (cfg.keep_every and int(stale.stem.removeprefix("ckpt_")) % cfg.keep_every == 0):  # a milestone
             stale.unlink()
 
 
-def find_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint in out_dir that loads; corrupt or partial ones are reported and skipped."""
+def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tuple[Path, dict] | None:
+    """The newest checkpoint in out_dir that loads; corrupt or partial ones are reported, skipped and appended to
+    `unreadable`."""
     for path in reversed(checkpoints(out_dir)):
         try:
             return path, load_checkpoint(path, mmap=True)
         except (ValueError, OSError) as e:
-            print(f"warning: skipping unreadable checkpoint {path}: {e}", file=sys.stderr)
+            print(f"warning: skipping unreadable checkpoint {path}: {e} (left in place; --keep-last does not count "
+                  "it)", file=sys.stderr)
+            if unreadable is not None:
+                unreadable.append(path)
     return None
 
 
@@ -895,9 +904,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     # must resume the same step, or stop, before anything collective: FSDP's restore, the barriers around --init-from
     # and the loop would otherwise pair up wrong across ranks and hang instead of failing. So each rank's finding
     # (or its reason to refuse) is shared first, and all stop together with a reason.
-    found, problem = None, None
+    found, problem, unreadable = None, None, []
     try:
-        found = find_resume(cfg, out_dir, master)
+        found = find_resume(cfg, out_dir, master, unreadable)
     except (ValueError, OSError) as e:  # OSError: a --resume PATH this node cannot read
         problem = str(e)
     problem = shared_problem(problem, world)
@@ -1078,8 +1087,10 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
 
     def checkpoint(at: int) -> None:
         path = out_dir / f"ckpt_{at:06d}.pt"
+        if path in unreadable:  # written anew, and readable now
+            unreadable.remove(path)
         save_checkpoint(path, raw, optimizer, at, cfg, train_loader, scaler, rank, world, prov,
-                        {name: d.values for name, d in detectors.items()}, tokens_at(at))
+                        {name: d.values for name, d in detectors.items()}, tokens_at(at), unreadable)
         if master:
             print(f"saved {path}")
         result["checkpoint"] = str(path)
@@ -1284,7 +1295,8 @@ def data_disagree(loaders: tuple[TokenLoader | None, ...], rank: int, world: int
     return agree(mine, rank, world, describe)
 
 
-def find_resume(cfg: TrainConfig, out_dir: Path, master: bool) -> tuple[Path, dict] | None:
+def find_resume(cfg: TrainConfig, out_dir: Path, master: bool,
+                unreadable: list[Path] | None = None) -> tuple[Path, dict] | None:
     """The checkpoint this run continues (path, loaded dict), None for a fresh start, or a ValueError where starting
     would bury another run: a fresh run in a directory with checkpoints would truncate its log and prune them, and
     --resume auto that can read none of them would do the same."""
@@ -1297,7 +1309,7 @@ def find_resume(cfg: TrainConfig, out_dir: Path, master: bool) -> tuple[Path, di
         return None
     if cfg.resume != "auto":
         return Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True)
-    found = find_checkpoint(out_dir)
+    found = find_checkpoint(out_dir, unreadable)
     if found is None and existing:
         raise ValueError(f"none of the {len(existing)} checkpoints in {out_dir} can be read (see the warnings above): "
                          "resume one with --resume PATH, or move them away to start afresh")

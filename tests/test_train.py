@@ -1346,6 +1346,28 @@ def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tm
     assert "ckpt_000005.pt has a later step but was written earlier" in capsys.readouterr().out
 
 
+def test_keep_last_counts_only_the_checkpoints_that_load(token_data, tmp_path, capsys):
+    # the newest checkpoint is corrupt (a disk error, a copy cut short): the run resumes the one before it, and the
+    # corrupt file must not take a good one's place among the --keep-last 3, nor be deleted behind the user's back
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--ckpt-every=2", "--keep-last=5", "--eval-every=0"))
+    torn = tmp_path / "ckpt_000006.pt"
+    torn.write_bytes(torn.read_bytes()[:1000])
+    capsys.readouterr()
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=7", "--ckpt-every=0", "--keep-last=3", "--eval-every=0",
+                         "--resume=auto"))
+    assert "(left in place; --keep-last does not count it)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt",
+                                                                 "ckpt_000007.pt"]
+    assert load_checkpoint(tmp_path / "ckpt_000007.pt")["step"] == 7
+    # without ckpt_000007, resumed from step 4 again and past step 6 with checkpoints every 2 steps: ckpt_000006 is
+    # written anew, readable, and counted again, so the oldest good one goes
+    (tmp_path / "ckpt_000007.pt").unlink()
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=8", "--ckpt-every=2", "--keep-last=3", "--eval-every=0",
+                         "--resume=auto"))
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000004.pt", "ckpt_000006.pt", "ckpt_000008.pt"]
+    assert load_checkpoint(tmp_path / "ckpt_000006.pt")["step"] == 6
+
+
 def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
     (tmp_path / "ckpt_best.pt").write_bytes(b"a user's own file")  # not a step: neither pruned nor resumed from
     train.main(tiny_args(token_data, tmp_path, "--max-steps=7", "--ckpt-every=1", "--keep-last=2", "--keep-every=3",
