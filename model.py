@@ -1024,6 +1024,9 @@ def load_model(ckpt: str | None, init_from: str | None) -> GPT:
             raise ValueError(f"--init-from {init_from} is a file; --init-from takes a hub name (gpt2, gpt2-medium, "
                              f"gpt2-large, gpt2-xl) or {hf_dir}. For a checkpoint train.py wrote, use --ckpt "
                              f"{init_from}")
+        if path.suffix in (".pt", ".pth") and not path.exists():  # else a hub id (org/name.pt) that fails online
+            raise FileNotFoundError(f"--init-from {init_from}: no such file (a .pt is a checkpoint's path, not a hub "
+                                    "name); check the path")
         if path.is_dir():  # local files: from_pretrained's errors name what is wrong with them, except these
             config_json = path / "config.json"
             if not config_json.is_file():

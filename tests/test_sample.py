@@ -337,6 +337,8 @@ def bad_inputs(model, ckpt, hf_dir, tmp_path) -> Path:
                                             "(gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local HF GPT-2 directory "
                                             "(config.json + model.safetensors). For a checkpoint train.py wrote, use "
                                             "--ckpt run/ckpt_000002.pt"),
+    (["--init-from", "run/nope.pt"], "--init-from run/nope.pt: no such file (a .pt is a checkpoint's path, not a hub "
+                                     "name); check the path"),
     (["--init-from", "./nope_dir"], "--init-from ./nope_dir: the directory does not exist; pass a local HF GPT-2 "
                                     "directory (config.json + model.safetensors), or a hub name such as gpt2"),
     (["--init-from", "empty_dir"], "--init-from empty_dir has no config.json, so it is not a local HF GPT-2 "

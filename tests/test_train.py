@@ -1249,6 +1249,11 @@ def test_eval_only_needs_no_total_batch_and_hub_failures_are_one_line(token_data
         train.main(tiny_args(token_data, tmp_path, "--eval-only", "--init-from=no-such-org-xyz/gpt2-nope"))
     err = capsys.readouterr().err
     assert err.startswith("error: could not get 'no-such-org-xyz/gpt2-nope' from the HF hub") and err.count("\n") == 1
+    # a checkpoint path with a typo also has a hub id's form (org/name.pt): it is named as a missing file instead
+    with pytest.raises(SystemExit):
+        train.main(tiny_args(token_data, tmp_path, "--eval-only", "--init-from=out/ckpt_nope.pt"))
+    assert capsys.readouterr().err == ("error: --init-from out/ckpt_nope.pt: no such file (a .pt is a checkpoint's "
+                                       "path, not a hub name); check the path\n")
 
 
 def test_out_of_gpu_memory_says_what_to_change(token_data, tmp_path, monkeypatch, capsys):
