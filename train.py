@@ -868,8 +868,11 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     if cfg.eval_only:  # nothing trains, so no total batch to fill
         cfg = dataclasses.replace(cfg, total_batch_size=B * T * world)
     if cfg.total_batch_size % (B * T * world):
+        # e.g. more ranks than a preset was sized for (the demo's on 2 CPU ranks): name a micro-batch that fits
+        fits = next((b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world) == 0), None)
+        fix = f"--batch-size {fits}" if fits else "another --batch-size"
         raise ValueError(f"--total-batch-size {cfg.total_batch_size} is not divisible by batch_size * seq_len * "
-                         f"world_size = {B} * {T} * {world} = {B * T * world}; change --batch-size or "
+                         f"world_size = {B} * {T} * {world} = {B * T * world}; pass {fix} or another "
                          "--total-batch-size")
     grad_accum = cfg.total_batch_size // (B * T * world)
     if cfg.dtype == "fp16" and cfg.parallel == "fsdp":

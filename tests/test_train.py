@@ -129,7 +129,13 @@ def test_cli_subprocess_one_line_error_and_help():
 def test_indivisible_batch_is_a_clear_error(token_data, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(tiny_args(token_data, tmp_path, "--total-batch-size", "1000"))
-    assert "not divisible by batch_size * seq_len * world_size = 4 * 64 * 1 = 256" in capsys.readouterr().err
+    assert capsys.readouterr().err == ("error: --total-batch-size 1000 is not divisible by batch_size * seq_len * "
+                                       "world_size = 4 * 64 * 1 = 256; pass another --batch-size or another "
+                                       "--total-batch-size\n")
+    # the largest micro-batch below the one asked for that fills the step is named: 2048 = 16 * 32 * 4
+    with pytest.raises(SystemExit):
+        train.main(tiny_args(token_data, tmp_path, "--total-batch-size=2048", "--batch-size=24", "--seq-len=32"))
+    assert "= 24 * 32 * 1 = 768; pass --batch-size 16 or another --total-batch-size" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------------------------
