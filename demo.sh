@@ -6,19 +6,24 @@
 #
 # Usage: bash demo.sh                                    # stdlib source, offline
 #        bash demo.sh --source shakespeare               # Tiny Shakespeare (downloaded once)
-#        bash demo.sh --source path/to/tinyshakespeare.txt   # any local .txt/.jsonl/.parquet file, dir or glob
+#        bash demo.sh --shakespeare-path FILE            # the same, from a local copy (offline)
+#        bash demo.sh --source path/to/corpus.txt        # any local .txt/.jsonl/.parquet file, dir or glob
 #        bash demo.sh --source fineweb                   # the first 20M tokens of fineweb-edu sample-10BT (network)
 # Environment: DEMO_STEPS=N trains longer or shorter (default 250); DEMO_DIR=path puts data/ and out/ elsewhere;
 # DEMO_PROMPT sets the sample prompt.
 set -euo pipefail
 cd "$(dirname "$0")"
 source="stdlib"
+local_copy=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --source) source="${2:?--source needs a value}"; shift 2 ;;
         --source=*) source="${1#*=}"; shift ;;
-        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "error: unknown argument $1 (demo.sh takes --source NAME_OR_PATH; see bash demo.sh --help)" >&2; exit 2 ;;
+        # fineweb.py's Tiny Shakespeare (its val split, its names), not a generic local text file
+        --shakespeare-path) source=shakespeare; local_copy=(--shakespeare-path "${2:?--shakespeare-path needs a file}"); shift 2 ;;
+        --shakespeare-path=*) source=shakespeare; local_copy=(--shakespeare-path "${1#*=}"); shift ;;
+        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "error: unknown argument $1 (demo.sh takes --source NAME_OR_PATH or --shakespeare-path FILE; see bash demo.sh --help)" >&2; exit 2 ;;
     esac
 done
 . scripts/env.sh
@@ -27,7 +32,7 @@ root="${DEMO_DIR:-.}"
 prepare=(--source "$source")
 case "$source" in
     stdlib) name=stdlib ;;
-    shakespeare) name=shakespeare ;;
+    shakespeare) name=shakespeare; prepare+=(${local_copy[@]+"${local_copy[@]}"}) ;;
     fineweb) name=fineweb_demo  # fineweb.py's default source is fineweb-edu sample-10BT; a demo needs 20M tokens
              prepare=(--max-tokens 20000000 --shard-size 10000000 --val-tokens 1000000) ;;
     *) name=$(basename "${source%%[*?]*}"); name="${name%%.*}"; name="${name:-local}" ;;

@@ -34,9 +34,11 @@ def test_demo_runs_end_to_end_twice(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
 def test_demo_takes_another_corpus_with_one_flag(tmp_path):
-    out = run_demo(tmp_path, "--source", str(SHAKESPEARE))
-    demo = tmp_path / "out" / "demo_tinyshakespeare"
-    assert f"shards in {tmp_path}/data/tinyshakespeare/" in out
+    # the local copy goes through fineweb.py's Tiny Shakespeare source: its val split (32,768 tokens) and names,
+    # the same shards --source shakespeare downloads
+    out = run_demo(tmp_path, "--shakespeare-path", str(SHAKESPEARE))
+    demo = tmp_path / "out" / "demo_shakespeare"
+    assert f"shards in {tmp_path}/data/shakespeare/" in out and "32,768 val + 305,258 train tokens" in out
     assert (demo / "ckpt_000003.pt").is_file() and (demo / "loss.png").is_file()
     assert (demo / "samples.txt").read_text().startswith("ROMEO:")
 
