@@ -1109,7 +1109,7 @@ def test_ranks_that_find_different_checkpoints_fail_before_fsdp_restore_can_hang
 sys.path.insert(0, {str(ROOT)!r})
 import train
 if os.environ["RANK"] == "1":  # this node cannot see --out-dir
-    train.find_checkpoint = lambda out_dir: None
+    train.find_checkpoint = lambda out_dir, unreadable=None: None
     train.checkpoints = lambda out_dir: []
 train.run_and_exit(train.main)
 """)
