@@ -1615,11 +1615,10 @@ def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints
     assert [r.returncode for r in done] == [1, 1]
     assert "error: rank 1: unknown option --max-lrr; did you mean --max-lr?" in done[0].stderr.splitlines()
     assert "error: unknown option --max-lrr; did you mean --max-lr?" in done[1].stderr.splitlines()
-    assert refused(tiny_args(token_data, tmp_path / "a", *common, "--max-lr=3e-3")) == [
-        "error: rank 1 was started with --max-lr 0.003 (rank 0: 0.001): every node must run the same command"] * 2
-    assert refused(tiny_args(token_data, tmp_path / "a", *common, "--batch-size=3", "--hellaswag=auto")) == [
-        "error: rank 1 was started with --batch-size 3 (rank 0: 4), --hellaswag 'auto' (rank 0: 'off'): every node "
-        "must run the same command"] * 2
+    assert refused(tiny_args(token_data, tmp_path / "a", *common, "--max-lr=3e-3", "--batch-size=3",
+                             "--hellaswag=auto")) == [
+        "error: rank 1 was started with --batch-size 3 (rank 0: 4), --max-lr 0.003 (rank 0: 0.001), --hellaswag 'auto' "
+        "(rank 0: 'off'): every node must run the same command"] * 2
     # a node whose copy lacks a shard indexes other windows: some would be served twice, silently
     partial = tmp_path / "partial"
     partial.mkdir()
