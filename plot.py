@@ -3,6 +3,7 @@
 Usage:
     python plot.py --log out/gpt2-124m/log.jsonl            # writes out/gpt2-124m/loss.png
     python plot.py --log out/demo/log.jsonl --x tokens --out demo.png
+    python plot.py --log out/lr6e-4/log.jsonl,out/lr1e-3/log.jsonl --x tokens   # runs overlaid -> compare.png
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ GPT3_SMALL_HELLASWAG = 0.337
 
 @dataclass
 class PlotConfig:
-    """Plot the curves of a train.py log.jsonl into a PNG."""
+    """Plot the curves of a train.py log.jsonl (or of several runs, overlaid) into a PNG."""
 
-    log: str = "out/gpt2-124m/log.jsonl"  # the run's JSONL log
-    out: str = ""  # PNG path ('' = loss.png next to the log)
+    log: str = "out/gpt2-124m/log.jsonl"  # the run's JSONL log; several, comma-separated, are overlaid (a colour each)
+    out: str = ""  # PNG path ('' = loss.png next to the log; compare.png here for several)
     x: str = "step"  # x axis: step or tokens
     smooth: float = 0.9  # EMA factor for the train loss (0 = raw)
 
@@ -53,52 +54,68 @@ def is_gpt2_124m(config: dict) -> bool:
     return (m.get("n_layer"), m.get("n_embd"), m.get("n_head")) == (12, 768, 12)
 
 
+def run_names(logs: list[Path]) -> list[str]:
+    """A label per run: its directory's name, or more of its path where two runs' directories share a name."""
+    names = [log.parent.name or str(log) for log in logs]
+    return [str(log.parent) if names.count(name) > 1 else name for log, name in zip(logs, names, strict=True)]
+
+
 def plot(cfg: PlotConfig) -> Path:
     # a Figure of its own on the Agg canvas: no display needed, and no pyplot state or backend switch left behind
     # in a notebook that calls plot()
     from matplotlib.figure import Figure
 
-    log = Path(cfg.log)
-    if log.is_dir():  # a run's directory: its log is inside
-        raise FileNotFoundError(f"--log {log} is a directory; pass the log itself: --log {log / 'log.jsonl'}")
-    if not log.is_file():
-        raise FileNotFoundError(f"--log {log} does not exist; train.py writes it as <out_dir>/log.jsonl")
-    config, curves = load_curves(log)
-    train = curves.get("train", [])
-    if not train:
-        raise ValueError(f"{log} has no train records yet; run train.py first")
-    hellaswag = curves.get("hellaswag", [])
+    logs = [Path(part) for part in cfg.log.split(",") if part]
+    if not logs:
+        raise ValueError("--log is empty; pass a run's log.jsonl (or several, comma-separated)")
+    runs = []  # (log, config, curves) per run
+    for log in logs:
+        if log.is_dir():  # a run's directory: its log is inside
+            raise FileNotFoundError(f"--log {log} is a directory; pass the log itself: --log {log / 'log.jsonl'}")
+        if not log.is_file():
+            raise FileNotFoundError(f"--log {log} does not exist; train.py writes it as <out_dir>/log.jsonl")
+        config, curves = load_curves(log)
+        if not curves.get("train"):
+            raise ValueError(f"{log} has no train records yet; run train.py first")
+        runs.append((log, config, curves))
+    single = len(runs) == 1
+    hellaswag = any(curves.get("hellaswag") for _, _, curves in runs)
     fig = Figure(figsize=(13 if hellaswag else 7, 4.5))
     axes = fig.subplots(1, 2 if hellaswag else 1, squeeze=False)
-    ax = axes[0][0]
-    xs = [r[cfg.x] for r in train]
-    ema, smoothed = None, []
-    for r in train:
-        ema = r["loss"] if ema is None else cfg.smooth * ema + (1 - cfg.smooth) * r["loss"]
-        smoothed.append(ema)
-    ax.plot(xs, [r["loss"] for r in train], color="tab:blue", alpha=0.25, linewidth=0.8)
-    ax.plot(xs, smoothed, color="tab:blue", label=f"train loss (EMA {cfg.smooth})")
-    val = curves.get("val", [])
-    if val:
-        ax.plot([r[cfg.x] for r in val], [r["val_loss"] for r in val], "o-", color="tab:orange", markersize=3,
-                label=f"val loss (last {val[-1]['val_loss']:.3f})")
-    ax.set_xlabel(cfg.x)
-    ax.set_ylabel("loss")
-    ax.set_title(f"{log.parent.name}: {len(train)} steps")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    if hellaswag:
-        ax = axes[0][1]
-        ax.plot([r[cfg.x] for r in hellaswag], [r["acc_norm"] for r in hellaswag], "o-", color="tab:green",
-                markersize=3, label=f"acc_norm (last {hellaswag[-1]['acc_norm']:.4f})")
-        if is_gpt2_124m(config):
-            ax.axhline(GPT2_124M_HELLASWAG, color="red", linestyle="--", label="OpenAI GPT-2 124M (0.2955)")
-            ax.axhline(GPT3_SMALL_HELLASWAG, color="gray", linestyle="--", label="OpenAI GPT-3 Small (0.337)")
-        ax.set_xlabel(cfg.x)
-        ax.set_ylabel("HellaSwag acc_norm")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    out = Path(cfg.out) if cfg.out else log.with_name("loss.png")
+    loss_ax = axes[0][0]
+    hs_ax = axes[0][1] if hellaswag else None
+    for i, ((_, _, curves), name) in enumerate(zip(runs, run_names(logs), strict=True)):
+        # one run: a colour per curve; several: a colour per run, val dashed, and each label names its run
+        colors = ("tab:blue", "tab:orange", "tab:green") if single else (f"C{i}",) * 3
+        prefix = "" if single else f"{name}: "
+        train = curves["train"]
+        xs = [r[cfg.x] for r in train]
+        ema, smoothed = None, []
+        for r in train:
+            ema = r["loss"] if ema is None else cfg.smooth * ema + (1 - cfg.smooth) * r["loss"]
+            smoothed.append(ema)
+        loss_ax.plot(xs, [r["loss"] for r in train], color=colors[0], alpha=0.25 if single else 0.12, linewidth=0.8)
+        loss_ax.plot(xs, smoothed, color=colors[0], label=f"{prefix}train loss (EMA {cfg.smooth})")
+        if val := curves.get("val", []):
+            loss_ax.plot([r[cfg.x] for r in val], [r["val_loss"] for r in val], "o-" if single else "o--",
+                         color=colors[1], markersize=3, label=f"{prefix}val loss (last {val[-1]['val_loss']:.3f})")
+        if hs_ax is not None and (hs := curves.get("hellaswag", [])):
+            hs_ax.plot([r[cfg.x] for r in hs], [r["acc_norm"] for r in hs], "o-", color=colors[2], markersize=3,
+                       label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")
+    loss_ax.set_xlabel(cfg.x)
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_title(f"{logs[0].parent.name}: {len(runs[0][2]['train'])} steps" if single else f"{len(runs)} runs")
+    loss_ax.grid(alpha=0.3)
+    loss_ax.legend()
+    if hs_ax is not None:
+        if all(is_gpt2_124m(config) for _, config, _ in runs):  # OpenAI's figures are for the 124M model only
+            hs_ax.axhline(GPT2_124M_HELLASWAG, color="red", linestyle="--", label="OpenAI GPT-2 124M (0.2955)")
+            hs_ax.axhline(GPT3_SMALL_HELLASWAG, color="gray", linestyle="--", label="OpenAI GPT-3 Small (0.337)")
+        hs_ax.set_xlabel(cfg.x)
+        hs_ax.set_ylabel("HellaSwag acc_norm")
+        hs_ax.grid(alpha=0.3)
+        hs_ax.legend()
+    out = Path(cfg.out) if cfg.out else logs[0].with_name("loss.png") if single else Path("compare.png")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return out

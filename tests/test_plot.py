@@ -1,6 +1,7 @@
 """plot.py: the PNG exists, is a real image, and is drawn from the log's records."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,52 @@ def test_plot_draws_the_series_of_the_log(tmp_path, monkeypatch):
     (fig,) = figures
     assert len(fig.axes[1].get_lines()) == 1  # no reference lines for another model
     assert list(fig.axes[0].get_lines()[0].get_xdata()) == [0, 1, 2, 3]  # steps
+
+
+def test_plot_overlays_several_runs(tmp_path, monkeypatch):
+    """Comma-separated logs: each run's curves in a colour of its own, labelled with its run, on shared axes; the
+    OpenAI reference lines only where every run is GPT-2 124M; the PNG goes to compare.png in the working directory."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: figures.append(self) or savefig(self, *a, **kw))
+    gpt2 = {"n_layer": 12, "n_embd": 768, "n_head": 12}
+
+    def write_run(path, losses, val, hellaswag, model):
+        path.parent.mkdir(parents=True)
+        records = [{"type": "config", "step": 0, "model_config": model}]
+        records += [{"type": "train", "step": s, "tokens": 10 * s, "loss": x} for s, x in enumerate(losses)]
+        records += [{"type": "val", "step": s, "tokens": 10 * s, "val_loss": v} for s, v in val]
+        records += [{"type": "hellaswag", "step": s, "tokens": 10 * s, "acc": n, "acc_norm": n} for s, n in hellaswag]
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return path
+
+    a = write_run(tmp_path / "lr6e-4" / "log.jsonl", [5.0, 4.0, 3.0], [(0, 6.0), (2, 3.5)], [(2, 0.27)], gpt2)
+    b = write_run(tmp_path / "lr1e-3" / "log.jsonl", [5.0, 3.0], [(1, 3.25)], [], gpt2)
+    monkeypatch.chdir(tmp_path)
+    assert plot.main(["--log", f"{a},{b}", "--smooth", "0"]) == Path("compare.png")
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+    (fig,) = figures
+    loss_ax, hs_ax = fig.axes
+    assert loss_ax.get_title() == "2 runs"
+    lines = loss_ax.get_lines()  # per run: raw, EMA, val
+    assert [line.get_label() for line in lines[1::3] + lines[2::3]] == [
+        "lr6e-4: train loss (EMA 0.0)", "lr1e-3: train loss (EMA 0.0)", "lr6e-4: val loss (last 3.500)",
+        "lr1e-3: val loss (last 3.250)"]
+    assert [list(line.get_ydata()) for line in lines] == [[5.0, 4.0, 3.0]] * 2 + [[6.0, 3.5]] + [[5.0, 3.0]] * 2 + \
+        [[3.25]]
+    assert [line.get_color() for line in lines] == ["C0"] * 3 + ["C1"] * 3
+    acc_norm, *references = hs_ax.get_lines()  # the run without HellaSwag records draws none
+    assert acc_norm.get_label() == "lr6e-4: acc_norm (last 0.2700)" and len(references) == 2
+    # a run of another model: no reference lines; runs in directories of the same name are told apart by their path
+    figures.clear()
+    c = write_run(tmp_path / "other" / "lr6e-4" / "log.jsonl", [4.0], [], [(0, 0.25)], {"n_layer": 2})
+    plot.main(["--log", f"{a},{c}", "--out", str(tmp_path / "two.png")])
+    (fig,) = figures
+    assert [line.get_label() for line in fig.axes[1].get_lines()] == [
+        f"{a.parent}: acc_norm (last 0.2700)", f"{c.parent}: acc_norm (last 0.2500)"]
+    with pytest.raises(SystemExit, match=f"--log {tmp_path / 'nope.jsonl'} does not exist"):
+        plot.main(["--log", f"{a},{tmp_path / 'nope.jsonl'}"])
+    with pytest.raises(SystemExit, match="--log is empty"):
+        plot.main(["--log", ","])
