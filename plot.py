@@ -65,7 +65,8 @@ def plot(cfg: PlotConfig) -> Path:
     # in a notebook that calls plot()
     from matplotlib.figure import Figure
 
-    logs = [Path(part) for part in cfg.log.split(",") if part]
+    # a path that exists as given is one log, commas and all (run names such as lr=6e-4,bs=8)
+    logs = [Path(cfg.log)] if Path(cfg.log).is_file() else [Path(part) for part in cfg.log.split(",") if part]
     if not logs:
         raise ValueError("--log is empty; pass a run's log.jsonl (or several, comma-separated)")
     runs = []  # (log, config, curves) per run
