@@ -69,7 +69,7 @@ def plot(cfg: PlotConfig) -> Path:
     logs = [Path(cfg.log)] if Path(cfg.log).is_file() else [Path(part) for part in cfg.log.split(",") if part]
     if not logs:
         raise ValueError("--log is empty; pass a run's log.jsonl (or several, comma-separated)")
-    runs = []  # (log, config, curves) per run
+    runs = []  # (config, curves) per run, in the order of logs
     for log in logs:
         if log.is_dir():  # a run's directory: its log is inside
             raise FileNotFoundError(f"--log {log} is a directory; pass the log itself: --log {log / 'log.jsonl'}")
@@ -78,14 +78,14 @@ def plot(cfg: PlotConfig) -> Path:
         config, curves = load_curves(log)
         if not curves.get("train"):
             raise ValueError(f"{log} has no train records yet; run train.py first")
-        runs.append((log, config, curves))
+        runs.append((config, curves))
     single = len(runs) == 1
-    hellaswag = any(curves.get("hellaswag") for _, _, curves in runs)
+    hellaswag = any(curves.get("hellaswag") for _, curves in runs)
     fig = Figure(figsize=(13 if hellaswag else 7, 4.5))
     axes = fig.subplots(1, 2 if hellaswag else 1, squeeze=False)
     loss_ax = axes[0][0]
     hs_ax = axes[0][1] if hellaswag else None
-    for i, ((_, _, curves), name) in enumerate(zip(runs, run_names(logs), strict=True)):
+    for i, ((_, curves), name) in enumerate(zip(runs, run_names(logs), strict=True)):
         # one run: a colour per curve; several: a colour per run, val dashed, and each label names its run
         colors = ("tab:blue", "tab:orange", "tab:green") if single else (f"C{i}",) * 3
         prefix = "" if single else f"{name}: "
@@ -105,11 +105,11 @@ def plot(cfg: PlotConfig) -> Path:
                        label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")
     loss_ax.set_xlabel(cfg.x)
     loss_ax.set_ylabel("loss")
-    loss_ax.set_title(f"{logs[0].parent.name}: {len(runs[0][2]['train'])} steps" if single else f"{len(runs)} runs")
+    loss_ax.set_title(f"{logs[0].parent.name}: {len(runs[0][1]['train'])} steps" if single else f"{len(runs)} runs")
     loss_ax.grid(alpha=0.3)
     loss_ax.legend()
     if hs_ax is not None:
-        if all(is_gpt2_124m(config) for _, config, _ in runs):  # OpenAI's figures are for the 124M model only
+        if all(is_gpt2_124m(config) for config, _ in runs):  # OpenAI's figures are for the 124M model only
             hs_ax.axhline(GPT2_124M_HELLASWAG, color="red", linestyle="--", label="OpenAI GPT-2 124M (0.2955)")
             hs_ax.axhline(GPT3_SMALL_HELLASWAG, color="gray", linestyle="--", label="OpenAI GPT-3 Small (0.337)")
         hs_ax.set_xlabel(cfg.x)
