@@ -693,10 +693,13 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
-                cache: KVCache | None = None, last_only: bool = False) -> tuple[torch.Tensor | None,
-                                                                                torch.Tensor | None]:
+                cache: KVCache | None = None, last_only: bool = False,
+                return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean loss over targets != -1 (None
-        without targets). With config.loss_chunk and targets the logits are never made whole, and come back None."""
+        without targets). With config.loss_chunk and targets the logits are never made whole, and come back None.
+        return_logits=False (with targets) returns (None, loss): the training step's call. A compiled forward whose
+        logits are an output gets a gradient for them in backward even when nothing uses them: autograd makes a
+        zero (B, T, V) tensor (6.6 GB in bf16 for GPT-2 at B=64, T=1024) and the loss's backward adds it in."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
@@ -724,6 +727,8 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), label_smoothing)
+            if not return_logits:
+                return None, loss
         return logits, loss
 
     # ------------------------------------------------------------------------------------------------------------------

@@ -466,8 +466,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     for micro in range(grad_accum):
         x, y = next_batch()
         with sync_gradients(model, micro == grad_accum - 1), autocast:
-            # the logits go at once instead of living through backward: B*T*V, 6.6 GB in bf16 at B=64, T=1024
-            loss = model(x, y, label_smoothing=label_smoothing)[1]
+            # no logits out of the model: B*T*V, 6.6 GB in bf16 at B=64, T=1024, would live through backward, and a
+            # compiled model would also get a zero gradient of that size for them (GPT.forward's docstring)
+            loss = model(x, y, label_smoothing=label_smoothing, return_logits=False)[1]
         loss = loss / grad_accum  # gradients of the mean over all micro-batches, not the sum
         loss_accum += loss.detach()
         (scaler.scale(loss) if scaler else loss).backward()
