@@ -37,14 +37,15 @@ except ImportError:  # CPU-only or macOS installs: bias_gelu falls back to the r
 FWD_BLOCK_M = 4
 FWD_BLOCK_N = 1024
 FWD_NUM_WARPS = 4
-# backward: a 16 x 256 tile per loop step (16 elements per thread at 8 warps) keeps the fp32 db accumulator at 16
-# registers per thread (80 in all on sm_90 by ptxas -v with Triton 3.6, no spills). Each program walks 256 rows, so
-# M = 65536, N = 3072 gives 256 x 12 = 3072 programs (~8 waves at 3 resident programs per SM on 132 SMs, so a small
-# tail) and a 3 MB partial-db buffer, small next to the ~1.2 GB dy/x/dx stream.
-BWD_BLOCK_M = 16
+# backward: an 8 x 256 tile per loop step at 4 warps (16 elements per thread, so the fp32 db accumulator stays at 16
+# registers per thread). Each program walks 256 rows, so M = 65536, N = 3072 gives 256 x 12 = 3072 programs and a
+# 3 MB partial-db buffer, small next to the ~1.2 GB dy/x/dx stream. Measured on an H200 (bench.py's sweep, bf16,
+# M = 65536): 0.369 ms (78% of copy bandwidth) against 0.401 ms for the 16 x 256 tile at 8 warps used before, and
+# 0.372 ms for 16 x 128 at 4 warps (docs/benchmarks.md).
+BWD_BLOCK_M = 8
 BWD_BLOCK_N = 256
 BWD_ROWS_PER_PROGRAM = 256
-BWD_NUM_WARPS = 8
+BWD_NUM_WARPS = 4
 
 
 def triton_available() -> bool:

@@ -4,6 +4,7 @@ These check what the bench computes (token counts, byte counts, rates that agree
 never how fast anything is: speed is what bench.py reports, not what a test asserts.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -66,6 +67,11 @@ def test_train_step_rates_agree_with_times():
     # micro-batches of each step
     losses = plain_training_losses(cfg, 4)
     assert row["loss"] == pytest.approx(losses[2], abs=1e-5) and abs(losses[3] - losses[2]) > 1e-3
+    assert row["loss_early"] == row["loss"]  # DLOSS_STEP = 3 is the last timed step here
+    # with more steps, dloss's loss stays that of step 3 while the final one moves on
+    longer = bench_train(dataclasses.replace(cfg, steps=3, profile=False), Variant("eager"))
+    assert longer["loss_early"] == pytest.approx(losses[2], abs=1e-5)
+    assert longer["loss"] == pytest.approx(losses[3], abs=1e-5)
 
 
 def test_rows_name_the_attention_kernel_that_ran():
@@ -280,6 +286,10 @@ def test_loss_delta_takes_the_first_ok_row_of_the_same_batch_and_accumulation():
     assert bench.loss_delta(row(3.0, b=2), earlier) == 0.0
     assert bench.loss_delta(row(7.0, b=8), earlier) == 0.0  # no reference: this row is the first of its kind
     assert bench.loss_delta(row(5.25, loop=True), earlier) is None
+    # with both early losses known, the delta is theirs (the final losses drift apart over many bf16 steps)
+    early = [{**row(5.0), "loss_early": 9.0}]
+    assert bench.loss_delta({**row(5.75), "loss_early": 9.0001}, early) == pytest.approx(1e-4)
+    assert bench.loss_delta(row(5.75), early) == 0.75  # a row without one: the final losses
 
 
 def test_step_time_is_the_median_and_mfu_uses_the_peak_override(monkeypatch):
@@ -558,3 +568,33 @@ def test_suite_list_runs_in_the_order_given(tmp_path):
     assert [k for k in saved if k in bench.SUITES] == ["hellaswag", "kernel"]
     assert [r["status"] for r in result["hellaswag"]] == ["ok"]
     assert {r["name"] for r in result["kernel"]} == {"copy", "eager"}
+
+
+def test_a_device_that_fails_ends_the_run_with_the_table_of_the_rows_before(monkeypatch, tmp_path):
+    # an illegal memory access (max-autotune's autotuning on an H200) is sticky: from then on every CUDA call fails,
+    # the first of them in the cleanup after the row. Here the cleanup fails from the second row on, as it would.
+    calls = []
+
+    def free_memory(device):
+        calls.append(device)
+        if len(calls) >= 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(bench, "free_memory", free_memory)
+    cfg = BenchConfig(**{**TINY, "steps": 1, "warmup": 0, "profile": False, "variants": "eager,eager+fused,compile"})
+    rows = bench.run_train(cfg)
+    assert [r["status"] for r in rows] == ["ok", "failed", "skipped"]
+    assert rows[1]["reason"].startswith("the fused bias+GELU kernel needs CUDA")  # its own reason, then the failure
+    assert rows[1]["reason"].endswith("; then RuntimeError: CUDA error: an illegal memory access was encountered")
+    assert rows[2]["reason"].startswith("not run: the device failed during eager+fused (RuntimeError: CUDA error")
+    assert len(calls) == 2  # nothing touches the device after it failed
+    # main: the suite after it is not run, and the table and the JSON still come out
+    calls.clear()
+    calls.append("already failed once")
+    result = main(["--suite", "train,kernel", "--variants", "eager", "--device", "cpu", "--model", "tiny",
+                   "--seq-len", "32", "--batch-sizes", "2", "--steps", "1", "--warmup", "0", "--profile", "false",
+                   "--out", str(tmp_path / "b.json")])
+    assert result["train"][0]["status"] == "failed" and "kernel" not in result
+    assert result["errors"]["train"].startswith("the device failed: RuntimeError: CUDA error")
+    assert "eager" in result["table"]
+    assert json.loads((tmp_path / "b.json").read_text())["errors"] == result["errors"]
