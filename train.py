@@ -419,9 +419,21 @@ def set_sdpa_switches(state: dict[str, bool]) -> None:
 
 def select_attention(name: str) -> None:
     """Allow only the named SDPA kernel, or every kernel for 'auto' (torch's default). These are process-wide
-    switches, and a compiled graph keeps the kernel chosen when it was traced: set them before compiling."""
+    switches, and a compiled graph keeps the kernel chosen when it was traced: set them before compiling.
+
+    torch.compile's on-disk caches do not key on these switches, so a graph cached under one choice came back under
+    another: on an H200, `--attention flash` ran cuDNN's kernel from the graph an `auto` run had cached (bench.py's
+    attn column), and on a CPU a `math` run gets the `auto` run's flash kernel. The choice therefore goes into the
+    caches' key tag (after any TORCH_COMPILE_CACHE_KEY_TAG of the user's); 'auto' leaves the tag as it was."""
     for kernel, switch in SDPA_SWITCHES.items():
         getattr(torch.backends.cuda, switch)(name in ("auto", kernel))
+    user_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "")
+    if hasattr(torch.compiler.config, "cache_key_tag"):
+        torch.compiler.config.cache_key_tag = user_tag if name == "auto" else f"{user_tag}sdpa={name}"
+    else:  # torch without the tag (before 2.7): no graph cache for a forced kernel, so nothing stale comes back
+        from torch._inductor import config as inductor_config
+
+        inductor_config.fx_graph_cache = name == "auto"
 
 
 def compile_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:

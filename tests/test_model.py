@@ -1062,5 +1062,5 @@ def test_training_forward_without_logits_gives_no_zero_logits_gradient():
     loss_without, grads_without, fills_without = step(False)
     assert fills_with == 1 and fills_without == 0  # the probe sees the fill where it exists
     assert loss_without == pytest.approx(loss_with, abs=1e-6)
-    for a, b in zip(grads_with, grads_without):
+    for a, b in zip(grads_with, grads_without, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

@@ -1740,3 +1740,38 @@ def test_compiled_run_with_eval_hellaswag_and_samples(token_data, tmp_path):
     assert compiled["hellaswag"]["n"] == eager["hellaswag"]["n"] == 6
     assert (compiled["hellaswag"]["acc"], compiled["hellaswag"]["acc_norm"]) == \
         (eager["hellaswag"]["acc"], eager["hellaswag"]["acc_norm"])
+
+
+@pytest.mark.slow
+def test_attention_choice_is_not_undone_by_compile_caches(monkeypatch):
+    """torch.compile's on-disk caches do not key on the SDPA switches: without select_attention's cache key tag, a
+    `math` run compiled after an `auto` one got the cached graph with the flash kernel (on an H200, a `flash` run got
+    cuDNN's). Compiled twice each way, the kernel that runs is the one chosen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.delenv("TORCH_COMPILE_CACHE_KEY_TAG", raising=False)
+    cfg = GPTConfig(block_size=32, vocab_size=96, n_layer=1, n_head=2, n_embd=32)
+    x = torch.randint(0, 96, (2, 32))
+
+    def sdpa_ops(name: str) -> list[str]:
+        torch.compiler.reset()
+        train.select_attention(name)
+        model = torch.compile(GPT(cfg))
+        model(x, x)[1].backward()  # compiles (or loads the cached graph)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(x, x)[1].backward()
+        return sorted({e.key for e in prof.key_averages() if "scaled_dot_product" in e.key})
+
+    flash = ["aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::_scaled_dot_product_flash_attention_for_cpu_backward"]
+    try:
+        assert [sdpa_ops(n) for n in ("auto", "math", "auto", "math")] == [flash, [], flash, []]  # math: plain ops
+        monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "mine-")  # a user's own tag is kept
+        train.select_attention("cudnn")
+        assert torch.compiler.config.cache_key_tag == "mine-sdpa=cudnn"
+        train.select_attention("auto")
+        assert torch.compiler.config.cache_key_tag == "mine-"
+    finally:
+        monkeypatch.delenv("TORCH_COMPILE_CACHE_KEY_TAG", raising=False)
+        torch.compiler.reset()
+        train.select_attention("auto")
