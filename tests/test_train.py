@@ -684,7 +684,10 @@ def long_run(token_data: Path, out: Path, ranks: int = 1) -> Iterator[subprocess
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py",
                *args, "--parallel=zero1"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default, as in a terminal's job: a suite started in the background by a non-interactive shell
+    # (`bash .ci/run &`) inherits it ignored, and train.py then leaves it ignored, as nohup means it to
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     workers: list[int] = []
     try:
         wait_for_first_step(proc, out / "log.jsonl")
