@@ -3,11 +3,11 @@
 # takes a minute or two to start and stays warm 30 s after a call. STAGES (comma list) picks what runs after the
 # environment report; the default is the first call:
 #   kernel-tests  tests/test_fused_gelu.py's TestCUDA on the GPU (compiled kernels against the reference in
-#                 bf16/fp16/fp32, also under torch.compile)                                          ~1 min (estimate)
+#                 bf16/fp16/fp32, also under torch.compile)                                       19 s on an H200
 #   bench         bench.py --suite kernel,train: the kernel's GB/s and the matmul ceilings, then GPT-2 124M, T=1024,
-#                 bf16, the train variants in BENCH_VARIANTS' order until the budget is spent         ~6 min
+#                 bf16, the train variants in BENCH_VARIANTS' order until the budget is spent   ~6 min (~25 s a row)
 #   train-tests   tests/test_gpu_train.py: train.py under torchrun/NCCL, compiled bf16 with the fused kernel and the
-#                 chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2      ~5 min (estimate)
+#                 chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2   156 s on an H200
 # Logs and JSON go to $OUT (the device runner's result folder) or out/gpu_suite.
 #
 # Usage:
@@ -35,8 +35,9 @@ if [ -z "${GPU_SUITE_LOGGING:-}" ]; then
 fi
 PY="${PYTHON:-$(command -v python3 || command -v python)}"  # python3 first: the GPU machine's torch is there
 LIMIT="${LIMIT:-585}"  # seconds this call may take in all: the device runner kills a command at 600
-# bench.py's hard stop and its budget (no new suite or variant starts after it, leaving ~2 min for one last
-# torch.compile: an estimate, not yet timed on a GPU). Unset, they shrink to what is left of LIMIT when bench starts,
+# bench.py's hard stop and its budget (no new suite or variant starts after it, leaving ~2 min for the last row: a
+# GPT-2 124M row took about 25 s on an H200, max-autotune's autotuning longer). Unset, they shrink to what is left of
+# LIMIT when bench starts,
 # so that a slow earlier stage cannot push bench.py past the runner's kill and lose its table.
 BENCH_TIMEOUT_MAX="${BENCH_TIMEOUT:-420}"
 BENCH_BUDGET_SET="${BENCH_BUDGET:-}"
