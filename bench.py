@@ -151,7 +151,6 @@ class BenchConfig:
             raise ValueError(f"--kernel-impls must be a comma list of eager, compile, triton; got "
                              f"{self.kernel_impls!r}")
 
-
     def suites(self) -> tuple[str, ...]:
         """The suites to run, in order: --suite all is SUITES' order; a list puts e.g. train before kernel."""
         return SUITES if self.suite == "all" else tuple(s.strip() for s in self.suite.split(",") if s.strip())

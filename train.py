@@ -415,25 +415,29 @@ def sdpa_switches() -> dict[str, bool]:
 def set_sdpa_switches(state: dict[str, bool]) -> None:
     for switch, on in state.items():
         getattr(torch.backends.cuda, switch)(on)
+    tag_compile_caches([kernel for kernel, switch in SDPA_SWITCHES.items() if state.get(switch)])
 
 
 def select_attention(name: str) -> None:
     """Allow only the named SDPA kernel, or every kernel for 'auto' (torch's default). These are process-wide
-    switches, and a compiled graph keeps the kernel chosen when it was traced: set them before compiling.
-
-    torch.compile's on-disk caches do not key on these switches, so a graph cached under one choice came back under
-    another: on an H200, `--attention flash` ran cuDNN's kernel from the graph an `auto` run had cached (bench.py's
-    attn column), and on a CPU a `math` run gets the `auto` run's flash kernel. The choice therefore goes into the
-    caches' key tag (after any TORCH_COMPILE_CACHE_KEY_TAG of the user's); 'auto' leaves the tag as it was."""
+    switches, and a compiled graph keeps the kernel chosen when it was traced: set them before compiling."""
     for kernel, switch in SDPA_SWITCHES.items():
         getattr(torch.backends.cuda, switch)(name in ("auto", kernel))
-    user_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "")
+    tag_compile_caches(list(SDPA_SWITCHES) if name == "auto" else [name])
+
+
+def tag_compile_caches(kernels: list[str]) -> None:
+    """Put the SDPA kernels allowed into torch.compile's cache key. Its on-disk caches do not key on the switches, so
+    a graph cached under one choice came back under another: on an H200, `--attention flash` ran cuDNN's kernel from
+    the graph an `auto` run had cached (bench.py's attn column), and on a CPU a `math` run got the `auto` run's flash
+    kernel. The tag follows any TORCH_COMPILE_CACHE_KEY_TAG of the user's; all kernels allowed adds nothing."""
+    choice = "" if set(kernels) == set(SDPA_SWITCHES) else "sdpa=" + "+".join(kernels)
     if hasattr(torch.compiler.config, "cache_key_tag"):
-        torch.compiler.config.cache_key_tag = user_tag if name == "auto" else f"{user_tag}sdpa={name}"
+        torch.compiler.config.cache_key_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "") + choice
     else:  # torch without the tag (before 2.7): no graph cache for a forced kernel, so nothing stale comes back
         from torch._inductor import config as inductor_config
 
-        inductor_config.fx_graph_cache = name == "auto"
+        inductor_config.fx_graph_cache = not choice
 
 
 def compile_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:

@@ -1772,8 +1772,11 @@ def test_attention_choice_is_not_undone_by_compile_caches(monkeypatch):
         monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "mine-")  # a user's own tag is kept
         train.select_attention("cudnn")
         assert torch.compiler.config.cache_key_tag == "mine-sdpa=cudnn"
+        forced = train.sdpa_switches()
         train.select_attention("auto")
         assert torch.compiler.config.cache_key_tag == "mine-"
+        train.set_sdpa_switches(forced)  # switches put back (train.main's exit, bench's) put their tag back too
+        assert torch.compiler.config.cache_key_tag == "mine-sdpa=cudnn"
     finally:
         monkeypatch.delenv("TORCH_COMPILE_CACHE_KEY_TAG", raising=False)
         torch.compiler.reset()
