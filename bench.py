@@ -418,8 +418,8 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
             launch = (launch_before, launch_us(device))
     # the last timed step's loss: the profile and the steps timed after it run in some rows but not in CUDA-graph
     # rows. dloss compares an early step's loss instead: every row overfits one batch of random tokens at the full
-    # learning rate, where AdamW's normalized updates amplify bf16 rounding, so after 30 steps two runs of the same
-    # row can differ by 0.1 nats (H200), while after DLOSS_STEP they agree to 1e-4 (docs/benchmarks.md)
+    # learning rate, where AdamW's normalized updates amplify bf16 rounding: after 30 steps on an H200 the rows were
+    # 0.2 nats apart, two that ran the same graph 0.04, while after DLOSS_STEP they agree to 1e-4 (docs/benchmarks.md)
     loss = losses[cfg.warmup + cfg.steps - 1].item()
     loss_early = losses[min(DLOSS_STEP, cfg.warmup + cfg.steps) - 1].item()
     if not (math.isfinite(loss) and math.isfinite(loss_early)):  # a step that diverged is not worth timing

@@ -421,9 +421,7 @@ def set_sdpa_switches(state: dict[str, bool]) -> None:
 def select_attention(name: str) -> None:
     """Allow only the named SDPA kernel, or every kernel for 'auto' (torch's default). These are process-wide
     switches, and a compiled graph keeps the kernel chosen when it was traced: set them before compiling."""
-    for kernel, switch in SDPA_SWITCHES.items():
-        getattr(torch.backends.cuda, switch)(name in ("auto", kernel))
-    tag_compile_caches(list(SDPA_SWITCHES) if name == "auto" else [name])
+    set_sdpa_switches({switch: name in ("auto", kernel) for kernel, switch in SDPA_SWITCHES.items()})
 
 
 def tag_compile_caches(kernels: list[str]) -> None:
@@ -434,7 +432,7 @@ def tag_compile_caches(kernels: list[str]) -> None:
     choice = "" if set(kernels) == set(SDPA_SWITCHES) else "sdpa=" + "+".join(kernels)
     if hasattr(torch.compiler.config, "cache_key_tag"):
         torch.compiler.config.cache_key_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "") + choice
-    else:  # torch without the tag (before 2.7): no graph cache for a forced kernel, so nothing stale comes back
+    else:  # a torch without the tag: no graph cache for a forced kernel, so nothing stale comes back
         from torch._inductor import config as inductor_config
 
         inductor_config.fx_graph_cache = not choice

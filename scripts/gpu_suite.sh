@@ -37,8 +37,7 @@ PY="${PYTHON:-$(command -v python3 || command -v python)}"  # python3 first: the
 LIMIT="${LIMIT:-585}"  # seconds this call may take in all: the device runner kills a command at 600
 # bench.py's hard stop and its budget (no new suite or variant starts after it, leaving ~2 min for the last row: a
 # GPT-2 124M row took about 25 s on an H200, max-autotune's autotuning longer). Unset, they shrink to what is left of
-# LIMIT when bench starts,
-# so that a slow earlier stage cannot push bench.py past the runner's kill and lose its table.
+# LIMIT when bench starts, so that a slow earlier stage cannot push bench.py past the runner's kill and lose its table.
 BENCH_TIMEOUT_MAX="${BENCH_TIMEOUT:-420}"
 BENCH_BUDGET_SET="${BENCH_BUDGET:-}"
 STAGES="${STAGES:-kernel-tests,bench}"

@@ -1747,7 +1747,7 @@ def test_compiled_run_with_eval_hellaswag_and_samples(token_data, tmp_path):
 
 @pytest.mark.slow
 def test_attention_choice_is_not_undone_by_compile_caches(monkeypatch):
-    """torch.compile's on-disk caches do not key on the SDPA switches: without select_attention's cache key tag, a
+    """torch.compile's on-disk caches do not key on the SDPA switches: without train.tag_compile_caches's tag, a
     `math` run compiled after an `auto` one got the cached graph with the flash kernel (on an H200, a `flash` run got
     cuDNN's). Compiled twice each way, the kernel that runs is the one chosen."""
     from torch.profiler import ProfilerActivity, profile
