@@ -120,3 +120,26 @@ def run_nodes(args_per_node: list[list[str]], timeout: int = 300) -> list[subpro
             f"node {i} stdout:\n{out[-2000:]}\nnode {i} stderr:\n{err[-2000:]}"
             for i, (out, err) in enumerate(outputs)))
     return results
+
+
+def compile_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, object], num_warps: int):
+    """Compile a @triton.jit kernel ahead of time to an sm_90 (H100/H200) cubin, here, with no GPU: Triton's own
+    front end, its LLVM passes and the ptxas it ships. The interpreter runs a kernel's Python, not its compilation,
+    so a kernel can pass every interpreted test and still fail to compile on the GPU (a loop-carried value that
+    changes type, an op the backend lacks); this finds those here. Skips when triton is missing, was imported with
+    TRITON_INTERPRET=1 (the kernel is then no JITFunction), or has no CUDA backend or ptxas."""
+    triton = pytest.importorskip("triton")
+    if not isinstance(kernel, triton.runtime.JITFunction):
+        pytest.skip("the kernel was built by Triton's interpreter (TRITON_INTERPRET=1)")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"triton {triton.__version__} has no ahead-of-time compile API: {e}")
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    except RuntimeError as e:
+        if "ptxas" in str(e).lower() and "not found" in str(e).lower():
+            pytest.skip(f"triton's CUDA backend has no ptxas here: {e}")
+        raise

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fused_gelu
+from conftest import compile_for_hopper
 from fused_gelu import bias_gelu, bias_gelu_reference, fused_bias_gelu, triton_available
 
 
@@ -123,6 +124,28 @@ def test_compiled_kernels_reject_cpu_tensors() -> None:
     x, b, _ = make_inputs((2, 8))
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         fused_bias_gelu(x, b)
+
+
+@pytest.mark.parametrize("which", ["fwd", "bwd"])
+def test_kernels_compile_for_hopper(which: str) -> None:
+    # what the MLP launches under bf16 autocast: bf16 activations, the fp32 bias, the default tiles
+    if not triton_available():
+        pytest.skip("needs triton")
+    if which == "fwd":
+        kernel, warps = fused_gelu._bias_gelu_fwd_kernel, fused_gelu.FWD_NUM_WARPS
+        signature = {"x_ptr": "*bf16", "b_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "N": "i32",
+                     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+        constexprs = {"BLOCK_M": fused_gelu.FWD_BLOCK_M, "BLOCK_N": fused_gelu.FWD_BLOCK_N}
+    else:
+        kernel, warps = fused_gelu._bias_gelu_bwd_kernel, fused_gelu.BWD_NUM_WARPS
+        signature = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "b_ptr": "*fp32", "dx_ptr": "*bf16",
+                     "db_partial_ptr": "*fp32", "M": "i32", "N": "i32", "ROWS_PER_PROGRAM": "constexpr",
+                     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+        constexprs = {"ROWS_PER_PROGRAM": fused_gelu.BWD_ROWS_PER_PROGRAM, "BLOCK_M": fused_gelu.BWD_BLOCK_M,
+                      "BLOCK_N": fused_gelu.BWD_BLOCK_N}
+    compiled = compile_for_hopper(kernel, signature, constexprs, warps)
+    assert compiled.metadata.num_warps == warps
+    assert len(compiled.asm["cubin"]) > 0 and ".target sm_90" in compiled.asm["ptx"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
