@@ -1,10 +1,10 @@
-"""Benchmarks: the training step (tokens/s, ms/step, MFU, peak memory) across variants, the fused bias+GELU kernel
-(GB/s against the device's copy bandwidth), KV-cache decoding against no cache and HF `generate`, and HellaSwag
-examples/s. A train or kernel row is the median of --steps timed repetitions after --warmup untimed ones (torch.compile
-happens in the warmup); a decode or HellaSwag row is one long timed run after a short untimed one. CUDA events time
-GPU work, time.perf_counter the CPU. A row that cannot run here (no CUDA, no triton, out of memory) is reported with
-its reason instead of ending the run. The table is printed last; --out gets the same rows as JSON with provenance()
-and the resolved config.
+"""Benchmarks: the training step (tokens/s, ms/step, MFU, peak memory) across variants, the fused bias+GELU and
+cross-entropy kernels (GB/s against the device's copy bandwidth), KV-cache decoding against no cache and HF
+`generate`, and HellaSwag examples/s. A train or kernel row is the median of --steps timed repetitions after --warmup
+untimed ones (torch.compile happens in the warmup); a decode or HellaSwag row is one long timed run after a short
+untimed one. CUDA events time GPU work, time.perf_counter the CPU. A row that cannot run here (no CUDA, no triton, out
+of memory) is reported with its reason instead of ending the run. The table is printed last; --out gets the same rows
+as JSON with provenance() and the resolved config.
 
 Usage:
     python bench.py                                   # every suite; GPT-2 124M, T=1024, bf16 on CUDA; tiny on CPU
@@ -38,8 +38,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fused_ce
 import train
 from fineweb import TokenLoader, write_shard
+from fused_ce import cross_entropy_rows
 from fused_gelu import (
     BWD_BLOCK_M,
     BWD_BLOCK_N,
@@ -276,12 +278,16 @@ def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
         Variant("eager"),
         Variant("compile", {"compile": True}),
         Variant("compile+fused", {"compile": True, "fused_gelu": True}),
+        # lm_head + loss fused around fused_ce.py's kernel: all B*T rows at once, and in 4 chunks (less memory)
+        Variant("compile+fused-ce", {"compile": True, "fused_ce": True}),
+        Variant("compile+fused+fused-ce", {"compile": True, "fused_gelu": True, "fused_ce": True}),
         *[Variant(f"compile-b{b}", {"compile": True, "batch_size": b}) for b in batch_sizes if b != largest],
         # the attention kernel: FlashAttention-2 is torch's usual pick on Hopper; cuDNN's may be faster there
         Variant("compile+flash-attn", {"compile": True, "attention": "flash"}),
         Variant("compile+cudnn-attn", {"compile": True, "attention": "cudnn"}),
         # the loss 4096 rows at a time (GPT-2: 0.8 GB of fp32 logits per chunk instead of 13 GB at B=64)
         Variant("compile+chunked-ce", {"compile": True, "loss_chunk": 4096}),
+        Variant("compile+fused-ce-chunked", {"compile": True, "fused_ce": True, "loss_chunk": 16384}),
         # Triton matmul autotuning, without CUDA graphs (the optimizer step runs outside the compiled graph)
         Variant("compile-max-autotune", {"compile": True, "compile_mode": "max-autotune-no-cudagraphs"}),
         # what the loop around the step costs: compile+loop - compile is data loading plus the per-step host sync
@@ -348,6 +354,8 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     tcfg = train_config(cfg, variant)
     if tcfg.fused_gelu and not (device.type == "cuda" and triton_available()):
         raise Skipped("the fused bias+GELU kernel needs CUDA and triton (elsewhere the MLP uses the reference)")
+    if tcfg.fused_ce and not (device.type == "cuda" and fused_ce.triton_available()):
+        raise Skipped("the fused cross-entropy kernel needs CUDA and triton (elsewhere the loss uses the reference)")
     if tcfg.compile and (why := train.cuda_graph_conflict(tcfg, cfg.grad_accum, device)):
         raise Skipped(why)  # train.py refuses it too
     if why := train.attention_conflict(tcfg, device):
@@ -457,7 +465,7 @@ STEP_PARTS = (
     ("matmul", r"^triton_tem|^(?!triton).*(gemm|nvjet|cutlass|xmma|wgmma|s16816|cublas|splitk)"
                r"|^aten::(b|add|baddb)?mm$"),
     ("optimizer", r"adam|multi_tensor|foreach|vector_norm"),  # AdamW and the gradient clipping's norm and scaling
-    ("loss", r"softmax|nll_loss|cross_entropy"),
+    ("loss", r"softmax|nll_loss|cross_entropy|logsumexp"),
     ("norm", r"layer_?norm|gammabetabackward"),  # eager LayerNorm's weight/bias gradient kernel
     ("gelu", r"gelu"),
     ("embedding", r"embedding|index_?select|index_put|indexing_backward|scatter|gather"),
@@ -722,6 +730,57 @@ def bench_kernel(cfg: BenchConfig) -> list[dict[str, Any]]:
             rows.append(guarded({**common, "name": name, "pass": which, **note}, measure))
     if cfg.kernel_sweep and "triton" in cfg.kernel_impls and device.type == "cuda" and triton_available():
         rows += sweep_launchers(cfg, x, b, dy, copy["gb_per_s"], common)
+    return rows + cross_entropy_rows_bench(cfg, dtype, gen, copy["gb_per_s"], interpreted)
+
+
+def cross_entropy_rows_bench(cfg: BenchConfig, dtype: torch.dtype, gen: torch.Generator, copy_gbps: float,
+                             interpreted: bool) -> list[dict[str, Any]]:
+    """The loss and its gradient with respect to GPT-2's (N, 50304) logits, N = --kernel-rows / 4 (16384 on CUDA:
+    1.6 GB of bf16 logits): the model's plain path (F.cross_entropy of the fp32 logits, its gradient cast back to the
+    logits' dtype by autograd), eager and compiled, against fused_ce.py's kernel. GB/s counts the bytes a fused kernel
+    must move: the logits read once and their gradient written once (2NV elements)."""
+    device = torch.device(cfg.device)
+    V = MODEL_PRESETS["gpt2"]().vocab_size
+    N = max(1, cfg.kernel_rows // 4)
+    logits = (3 * torch.randn(N, V, generator=gen, device=device)).to(dtype)  # a trained model's scale
+    targets = torch.randint(0, GPT2_VOCAB, (N,), generator=gen, device=device)
+    nbytes = 2 * N * V * logits.element_size()
+    common = {"suite": "kernel", "op": "cross-entropy", "rows": N, "cols": V,
+              "dtype": str(dtype).removeprefix("torch.")}
+
+    def plain(z: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(z.float(), targets, ignore_index=-1)
+
+    def through_autograd(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], Any]:
+        z = logits.clone().requires_grad_()
+        return lambda: torch.autograd.grad(fn(z), z)
+
+    def triton_call() -> Callable[[], Any]:
+        if not triton_available():
+            raise Skipped("triton is not installed")
+        if device.type != "cuda" and not interpreted:
+            raise Skipped("no CUDA (TRITON_INTERPRET=1 runs it in Triton's interpreter: a correctness aid, not speed)")
+        return lambda: cross_entropy_rows(logits, targets, real_vocab=GPT2_VOCAB)
+
+    impls: dict[str, Callable[[], Callable[[], Any]]] = {
+        "eager": lambda: through_autograd(plain),
+        "compile": lambda: through_autograd(torch.compile(plain)),
+        "triton": triton_call,
+    }
+    rows = []
+    for name in [s for s in cfg.kernel_impls.split(",") if s]:
+        note = {"note": "Triton interpreter: not kernel speed"} if name == "triton" and interpreted else {}
+        rows.append(guarded({**common, "name": f"ce {name}", "pass": "fwd+bwd", **note},
+                            lambda make=impls[name]: bandwidth(make(), device, cfg, nbytes, copy_gbps)))
+    if cfg.kernel_sweep and "triton" in cfg.kernel_impls and device.type == "cuda" and triton_available():
+        # the launch around fused_ce.py's default (first): columns per loop step and warps
+        for block_v, warps in ((fused_ce.BLOCK_V, fused_ce.NUM_WARPS), (2048, 4), (4096, 4), (8192, 8), (8192, 16),
+                               (16384, 16)):
+            call = lambda bv=block_v, w=warps: cross_entropy_rows(logits, targets, real_vocab=GPT2_VOCAB, block_v=bv,
+                                                                  num_warps=w)
+            rows.append(guarded({**common, "name": "ce triton launch", "pass": "fwd+bwd",
+                                 "tile": f"bv{block_v} w{warps}"},
+                                lambda call=call: bandwidth(call, device, cfg, nbytes, copy_gbps)))
     return rows
 
 
@@ -969,11 +1028,20 @@ def format_table(result: dict[str, Any]) -> str:
             out.append(f"GPT-2 124M's matmuls alone bound its micro-step to {step['ms']:.1f} ms: at most "
                        f"{step['tok_per_s_bound']:,.0f} tokens/s for GPT-2 124M at these rates, before attention and "
                        "everything else")
-    kernels = [r for r in result.get("kernel", []) if r["name"] != "matmul"]
+    kernels = [r for r in result.get("kernel", []) if r["name"] != "matmul" and r.get("op") != "cross-entropy"]
     if kernels:
         k = kernels[0]
         section(f"kernel: bias+GELU on ({k['rows']}, {k['cols']}) {k['dtype']}; GB/s counts the bytes a fused kernel "
                 f"must move (fwd 2MN+N, bwd 3MN+2N elements); median of {cfg['steps']}", kernels,
+                [("impl", 18, lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
+                 ("pass", 8, lambda r: r["pass"]), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
+                 ("GB/s", 8, lambda r: f"{r['gb_per_s']:.1f}"), ("% copy", 7, lambda r: f"{r['pct_copy']:.0f}%")])
+    losses = [r for r in result.get("kernel", []) if r.get("op") == "cross-entropy"]
+    if losses:
+        k = losses[0]
+        section(f"kernel: cross-entropy loss and logits' gradient on ({k['rows']}, {k['cols']}) {k['dtype']} logits; "
+                f"GB/s counts the bytes a fused kernel must move (read the logits, write the gradient: 2NV elements); "
+                f"median of {cfg['steps']}", losses,
                 [("impl", 18, lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
                  ("pass", 8, lambda r: r["pass"]), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
                  ("GB/s", 8, lambda r: f"{r['gb_per_s']:.1f}"), ("% copy", 7, lambda r: f"{r['pct_copy']:.0f}%")])

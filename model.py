@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fused_ce import cross_entropy_rows
+from fused_ce import triton_available as fused_ce_available
 from fused_gelu import bias_gelu
 
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must never be sampled
@@ -366,6 +368,9 @@ class GPTConfig:
     rope_theta: float = 10000.0  # RoPE base frequency
     fused_gelu: bool = False  # Triton bias+GELU kernel in the MLP (CUDA only; CPU always uses the reference)
     loss_chunk: int = 0  # >0: the loss with targets is computed this many rows at a time, logits not returned
+    # lm_head + loss fused: the logits' gradient made in forward by a Triton kernel (CUDA only; elsewhere the PyTorch
+    # reference), in loss_chunk rows at a time (0: all at once); with targets the logits are not returned
+    fused_ce: bool = False
 
     def __post_init__(self) -> None:
         # types first: a string or float that slipped past a caller would otherwise fail deep inside nn.Linear
@@ -376,7 +381,7 @@ class GPTConfig:
         if self.n_kv_head is not None and (isinstance(self.n_kv_head, bool) or not isinstance(self.n_kv_head, int)
                                            or self.n_kv_head < 1):
             raise ValueError(f"GPTConfig.n_kv_head must be an integer >= 1 or None (= n_head), got {self.n_kv_head!r}")
-        for name in ("bias", "fused_gelu"):
+        for name in ("bias", "fused_gelu", "fused_ce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
@@ -517,46 +522,69 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of x @ weight.T against targets, a chunk of rows at a time. Each chunk's gradients with
     respect to x and weight are computed in forward, from its logits, which are then freed; backward only scales
-    them. Peak memory is one chunk's fp32 logits instead of all B*T of them (6.6 GB for GPT-2 at B=64 in bf16)."""
+    them. Peak memory is one chunk's logits and their gradient instead of all B*T of them (6.6 GB for GPT-2 at B=64
+    in bf16). With fused, fused_ce.py's kernel makes each chunk's loss and gradient in two passes over its logits in
+    their own dtype; without, _chunk_loss does it in PyTorch on an fp32 copy."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                label_smoothing: float) -> torch.Tensor:
+                label_smoothing: float, fused: bool) -> torch.Tensor:
         count = (targets != -1).sum()  # the mean over the targets that count (none: a NaN loss, as F.cross_entropy)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
-        grad_x = torch.empty_like(x)
-        grad_w = torch.zeros_like(weight, dtype=torch.float32)
         device = x.device.type
         # the backward matmuls run in the forward matmul's precision: bf16 under autocast, as in the plain path
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
         w = weight.to(dtype)  # cast once, not once per chunk (GPT-2's lm_head: 77 MB in bf16 each time)
+        real = min(weight.size(0), GPT2_VOCAB)
+        grad_x, grad_w = [], None
         for i in range(0, x.size(0), chunk):
             xc = x[i:i + chunk].to(dtype)
-            logits = F.linear(xc, w).float()  # (n, V)
-            part, grad = _chunk_loss(logits, targets[i:i + chunk], label_smoothing, with_grad=True)
-            loss += part
-            grad = grad.to(dtype)
-            grad_x[i:i + chunk] = grad @ w  # (n, C)
-            grad_w += (grad.t() @ xc).float()  # (V, C)
-        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype), count)
+            logits = F.linear(xc, w)  # (n, V)
+            if fused:
+                rows, grad = cross_entropy_rows(logits, targets[i:i + chunk], label_smoothing, real)
+                loss += rows.sum()
+            else:
+                part, grad = _chunk_loss(logits.float(), targets[i:i + chunk], label_smoothing, with_grad=True)
+                loss += part
+                grad = grad.to(dtype)
+            grad_x.append(grad @ w)  # (n, C)
+            part_w = (grad.t() @ xc).float()  # (V, C)
+            grad_w = part_w if grad_w is None else grad_w + part_w
+        # one chunk (fused_ce's default) needs no copy; several are concatenated once
+        grad_x = grad_x[0] if len(grad_x) == 1 else torch.cat(grad_x)
+        if grad_w is None:  # no rows at all
+            grad_w = torch.zeros_like(weight, dtype=torch.float32)
+        ctx.save_for_backward(grad_x, grad_w, count)
+        ctx.dtypes = (x.dtype, weight.dtype)
         return loss / count
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_x, grad_w, count = ctx.saved_tensors
-        scale = grad_out / count
-        return grad_x * scale.to(grad_x.dtype), grad_w * scale.to(grad_w.dtype), None, None, None
+        x_dtype, w_dtype = ctx.dtypes
+        scale = grad_out.float() / count
+        return (grad_x.float() * scale).to(x_dtype), (grad_w * scale).to(w_dtype), None, None, None, None
 
 
 def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                          label_smoothing: float = 0.0) -> torch.Tensor:
+                          label_smoothing: float = 0.0, fused: bool = False) -> torch.Tensor:
     """F.cross_entropy(x @ weight.T, targets, ignore_index=-1, label_smoothing=...) without the full logits.
-    x (N, C), weight (V, C), targets (N,). Without autograd (eval) the chunks' gradients are not computed."""
+    x (N, C), weight (V, C), targets (N,); chunk 0 is all N rows at once. fused uses fused_ce.py's Triton kernel for
+    CUDA tensors when triton is installed, the PyTorch reference otherwise. Without autograd (eval) the chunks'
+    gradients are not computed."""
+    chunk = chunk or max(x.size(0), 1)
+    fused = fused and x.is_cuda and fused_ce_available()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _ChunkedCrossEntropy.apply(x, weight, targets, chunk, label_smoothing)
+        return _ChunkedCrossEntropy.apply(x, weight, targets, chunk, label_smoothing, fused)
     count = (targets != -1).sum()
-    total = sum(_chunk_loss(F.linear(x[i:i + chunk], weight).float(), targets[i:i + chunk], label_smoothing,
-                            with_grad=False)[0] for i in range(0, x.size(0), chunk))
+    real = min(weight.size(0), GPT2_VOCAB)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for i in range(0, x.size(0), chunk):
+        logits = F.linear(x[i:i + chunk], weight)
+        if fused:
+            total += cross_entropy_rows(logits, targets[i:i + chunk], label_smoothing, real, with_grad=False)[0].sum()
+        else:
+            total += _chunk_loss(logits.float(), targets[i:i + chunk], label_smoothing, with_grad=False)[0]
     return total / count
 
 
@@ -718,10 +746,10 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if last_only:
             x = x[:, -1:]
-        if targets is not None and self.config.loss_chunk:
-            # the (B*T, V) logits never exist at once; the caller gets the loss only
+        if targets is not None and (self.config.loss_chunk or self.config.fused_ce):
+            # the (B*T, V) logits never exist at once, or only inside the loss; the caller gets the loss only
             loss = chunked_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
-                                         self.config.loss_chunk, label_smoothing)
+                                         self.config.loss_chunk, label_smoothing, self.config.fused_ce)
             return None, loss
         logits = self.lm_head(x)  # (B, T, V)
         loss = None

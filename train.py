@@ -69,6 +69,7 @@ class TrainConfig:
     dropout: float = 0.0  # dropout probability (0 for pretraining)
     fused_gelu: bool = False  # Triton fused bias+GELU kernel in the MLP (CUDA only)
     loss_chunk: int = 0  # >0: cross-entropy this many rows at a time, never all B*T fp32 logits at once (0 = off)
+    fused_ce: bool = False  # lm_head + loss fused, a Triton kernel for the loss and its gradient (CUDA only)
     init_from: str = ""  # '' (random init), a train.py checkpoint, or HF GPT-2 (gpt2..gpt2-xl, a local dir)
     # data
     data: str = "data/edu_fineweb10B"  # directory or glob of token shards written by fineweb.py (or llm.c)
@@ -209,9 +210,9 @@ ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp", "pos", "bias"
 
 
 def run_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The GPTConfig fields a run sets whatever its weights came from: context length, dropout, fused GELU, loss."""
+    """The GPTConfig fields a run sets whatever its weights came from: context length, dropout, fused kernels, loss."""
     return {"block_size": cfg.seq_len, "dropout": cfg.dropout, "fused_gelu": cfg.fused_gelu,
-            "loss_chunk": cfg.loss_chunk}
+            "loss_chunk": cfg.loss_chunk, "fused_ce": cfg.fused_ce}
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
@@ -1035,8 +1036,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         print(f"{raw.num_params():,} params | {tokens_per_step:,} tokens/step = {B} x {T} x {world} ranks x "
               f"{grad_accum} accum | {cfg.max_steps} steps | compile {use_compile} | "
               f"{optimizer_kind(optimizer, cfg)} | {dtype}")  # single: no torchrun, so no DDP, ZeRO-1 or FSDP
-        if mcfg.fused_gelu and device.type != "cuda":
-            print(f"note: --fused-gelu runs the PyTorch reference on {device.type}: the Triton kernel is CUDA only")
+        for flag, on in (("--fused-gelu", mcfg.fused_gelu), ("--fused-ce", mcfg.fused_ce)):
+            if on and device.type != "cuda":
+                print(f"note: {flag} runs the PyTorch reference on {device.type}: the Triton kernel is CUDA only")
         if cfg.compile_mode != "default" and not use_compile:
             print(f"note: --compile-mode {cfg.compile_mode} does nothing: the model is not compiled (compile is off "
                   f"on {device.type} unless --compile true)")

@@ -2,12 +2,12 @@
 # The GPU checks, in calls that each fit a 10-minute limit; a session has about 15 minutes of device time, a machine
 # takes a minute or two to start and stays warm 30 s after a call. STAGES (comma list) picks what runs after the
 # environment report; the default is the first call:
-#   kernel-tests  tests/test_fused_gelu.py's TestCUDA on the GPU (compiled kernels against the reference in
-#                 bf16/fp16/fp32, also under torch.compile)                                       19 s on an H200
+#   kernel-tests  TestCUDA of tests/test_fused_gelu.py and tests/test_fused_ce.py on the GPU (compiled kernels
+#                 against the reference in bf16/fp16/fp32, also under torch.compile)     fused_gelu: 19 s on an H200
 #   bench         bench.py --suite kernel,train: the kernel's GB/s and the matmul ceilings, then GPT-2 124M, T=1024,
 #                 bf16, the train variants in BENCH_VARIANTS' order until the budget is spent   ~6 min (~25 s a row)
-#   train-tests   tests/test_gpu_train.py: train.py under torchrun/NCCL, compiled bf16 with the fused kernel and the
-#                 chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2   156 s on an H200
+#   train-tests   tests/test_gpu_train.py: train.py under torchrun/NCCL, compiled bf16 with the fused kernels and
+#                 the chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2   156 s on an H200
 # Logs and JSON go to $OUT (the device runner's result folder) or out/gpu_suite.
 #
 # Usage:
@@ -41,11 +41,12 @@ LIMIT="${LIMIT:-585}"  # seconds this call may take in all: the device runner ki
 BENCH_TIMEOUT_MAX="${BENCH_TIMEOUT:-420}"
 BENCH_BUDGET_SET="${BENCH_BUDGET:-}"
 STAGES="${STAGES:-kernel-tests,bench}"
-# the train rows that answer the 600K question first (eager, compile, the kernel), then the candidates for the largest
-# costs; the budget drops the tail. decode and hellaswag speed are for a later call (--suite decode,hellaswag)
-BENCH_VARIANTS="${BENCH_VARIANTS:-eager,compile,compile+fused,compile+cudnn-attn,compile+chunked-ce,compile+loop,\
-compile-b32,compile-reduce-overhead,compile+flash-attn,compile+ddp,compile-b16,compile+loop-preload,eager+fused,\
-compile+recompute,compile-fp32,compile-max-autotune}"
+# the train rows that answer the 600K question first (eager, compile, the kernels), then the candidates for the
+# largest costs; the budget drops the tail. decode and hellaswag speed are for a later call (--suite decode,hellaswag)
+BENCH_VARIANTS="${BENCH_VARIANTS:-eager,compile,compile+fused,compile+fused-ce,compile+fused+fused-ce,\
+compile+flash-attn,compile+cudnn-attn,compile+fused-ce-chunked,compile+chunked-ce,compile+loop,compile-b32,\
+compile-reduce-overhead,compile+ddp,compile-b16,compile+loop-preload,eager+fused,compile+recompute,compile-fp32,\
+compile-max-autotune}"
 for s in ${STAGES//,/ }; do
     case "$s" in kernel-tests|train-tests|bench) ;; *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
 done
@@ -97,6 +98,8 @@ run_pytest() {  # run_pytest NAME FILE TIMEOUT
 if want kernel-tests; then
     stage "fused_gelu tests on the GPU (TestCUDA: bf16/fp16/fp32 against the reference, under torch.compile too)"
     TESTS_K="${TESTS_K:-TestCUDA}" run_pytest fused_gelu tests/test_fused_gelu.py "$(left 150)"
+    stage "fused_ce tests on the GPU (TestCUDA: GPT-2's vocabulary against the reference, a compiled model's loss)"
+    TESTS_K="${TESTS_K:-TestCUDA}" run_pytest fused_ce tests/test_fused_ce.py "$(left 150)"
 fi
 
 if want train-tests; then

@@ -43,11 +43,11 @@ RUN_TIMEOUT = 200  # s per torchrun: compiling a 2-layer model takes well under 
 # a GPT-2-wide model (the kernels' real shapes: C = 768, MLP 3072, vocab 50304) at 2 layers, so compiling is quick
 if GPU:
     SHAPE = ["--model=gpt2", "--n-layer=2", "--seq-len=256", "--batch-size=8", "--total-batch-size=4096",
-             "--fused-gelu", "--loss-chunk=1024", "--max-lr=1e-3", "--eval-tokens=8192"]
+             "--fused-gelu", "--fused-ce", "--loss-chunk=1024", "--max-lr=1e-3", "--eval-tokens=8192"]
     RESUME_TOL, ZERO1_TOL, FSDP_TOL = 0.05, 0.05, 0.15  # loss, nats: bf16 and nondeterministic backward kernels
 else:
     SHAPE = ["--model=tiny", "--seq-len=32", "--batch-size=4", "--total-batch-size=256", "--compile=false",
-             "--loss-chunk=64", "--max-lr=3e-3", "--eval-tokens=512"]
+             "--fused-ce", "--loss-chunk=64", "--max-lr=3e-3", "--eval-tokens=512"]
     RESUME_TOL, ZERO1_TOL, FSDP_TOL = 0.0, 1e-5, 1e-4  # fp32 on CPU: resume is bitwise
 
 
