@@ -281,6 +281,9 @@ def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
         # lm_head + loss fused around fused_ce.py's kernel: all B*T rows at once, and in 4 chunks (less memory)
         Variant("compile+fused-ce", {"compile": True, "fused_ce": True}),
         Variant("compile+fused+fused-ce", {"compile": True, "fused_gelu": True, "fused_ce": True}),
+        # the residual stream in bf16 (llm.c's): half the bytes through LayerNorm and the residual adds
+        Variant("compile+half-residual", {"compile": True, "half_residual": True}),
+        Variant("compile+all", {"compile": True, "fused_gelu": True, "fused_ce": True, "half_residual": True}),
         *[Variant(f"compile-b{b}", {"compile": True, "batch_size": b}) for b in batch_sizes if b != largest],
         # the attention kernel: FlashAttention-2 is torch's usual pick on Hopper; cuDNN's may be faster there
         Variant("compile+flash-attn", {"compile": True, "attention": "flash"}),

@@ -29,6 +29,8 @@ import math
 import torch
 from torch import Tensor
 
+from fused_gelu import check_cli_device
+
 try:
     import triton
     import triton.language as tl
@@ -170,16 +172,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1")
     args = parser.parse_args()
-    if not _HAS_TRITON:
-        parser.error("triton is not installed (pip install triton)")
-    compiled = isinstance(_cross_entropy_kernel, triton.runtime.JITFunction)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("this machine has no CUDA GPU; on CPU run the kernel in Triton's interpreter: "
-                     "TRITON_INTERPRET=1 python fused_ce.py --device cpu")
-    if not args.device.startswith("cuda") and compiled:
-        parser.error(f"--device {args.device} needs Triton's interpreter: set TRITON_INTERPRET=1 (before the run)")
-    if args.device.startswith("cuda:"):
-        torch.cuda.set_device(args.device)  # Triton launches on the current device, not on the tensors' own
+    check_cli_device(parser, args.device, _cross_entropy_kernel if _HAS_TRITON else None, "fused_ce.py")
     real = min(args.real_vocab, args.vocab)
     gen = torch.Generator(device=args.device).manual_seed(0)
     # logits at GPT-2's scale after training (std ~3), one target in ten ignored

@@ -215,6 +215,21 @@ def bias_gelu(x: Tensor, b: Tensor, fused: bool) -> Tensor:
     return bias_gelu_reference(x, b.to(x.dtype))
 
 
+def check_cli_device(parser: argparse.ArgumentParser, device: str, kernel: object, script: str) -> None:
+    """The self-check CLIs' (this file's and fused_ce.py's) device rules: a usage error, not a traceback, when triton
+    is missing, when --device cuda has no GPU, or when a CPU device meets kernels compiled for the GPU; on cuda:N
+    that GPU becomes the current one (Triton launches on the current device, not on the tensors' own)."""
+    if not _HAS_TRITON:
+        parser.error("triton is not installed (pip install triton)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
+                     f"TRITON_INTERPRET=1 python {script} --device cpu")
+    if not device.startswith("cuda") and isinstance(kernel, triton.runtime.JITFunction):
+        parser.error(f"--device {device} needs Triton's interpreter: set TRITON_INTERPRET=1 (before the run)")
+    if device.startswith("cuda:"):
+        torch.cuda.set_device(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Check the fused bias+GELU kernels against the PyTorch reference.")
     parser.add_argument("--rows", type=int, default=8192, help="M, rows of x")
@@ -222,16 +237,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1")
     args = parser.parse_args()
-    if not _HAS_TRITON:
-        parser.error("triton is not installed (pip install triton)")
-    compiled = isinstance(_bias_gelu_fwd_kernel, triton.runtime.JITFunction)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
-                     "TRITON_INTERPRET=1 python fused_gelu.py --device cpu")
-    if not args.device.startswith("cuda") and compiled:
-        parser.error(f"--device {args.device} needs Triton's interpreter: set TRITON_INTERPRET=1 (before the run)")
-    if args.device.startswith("cuda:"):
-        torch.cuda.set_device(args.device)  # Triton launches on the current device, not on the tensors' own
+    check_cli_device(parser, args.device, _bias_gelu_fwd_kernel if _HAS_TRITON else None, "fused_gelu.py")
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=args.device).manual_seed(0)
     x = (3 * torch.randn(args.rows, args.cols, generator=gen, device=args.device)).to(dtype).requires_grad_()

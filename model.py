@@ -371,6 +371,10 @@ class GPTConfig:
     # lm_head + loss fused: the logits' gradient made in forward by a Triton kernel (CUDA only; elsewhere the PyTorch
     # reference), in loss_chunk rows at a time (0: all at once); with targets the logits are not returned
     fused_ce: bool = False
+    # under autocast, the residual stream between blocks in autocast's 16-bit dtype (bf16) instead of fp32: half the
+    # bytes through every LayerNorm and residual add, forward and backward (llm.c keeps it in bf16), at the cost of
+    # rounding each residual add to 8 mantissa bits. LayerNorm still computes in fp32. No effect without autocast
+    half_residual: bool = False
 
     def __post_init__(self) -> None:
         # types first: a string or float that slipped past a caller would otherwise fail deep inside nn.Linear
@@ -381,7 +385,7 @@ class GPTConfig:
         if self.n_kv_head is not None and (isinstance(self.n_kv_head, bool) or not isinstance(self.n_kv_head, int)
                                            or self.n_kv_head < 1):
             raise ValueError(f"GPTConfig.n_kv_head must be an integer >= 1 or None (= n_head), got {self.n_kv_head!r}")
-        for name in ("bias", "fused_gelu", "fused_ce"):
+        for name in ("bias", "fused_gelu", "fused_ce", "half_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
@@ -739,6 +743,10 @@ class GPT(nn.Module):
         else:
             rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
         x = self.transformer.drop(x)
+        device = idx.device.type
+        if self.config.half_residual and torch.is_autocast_enabled(device):
+            # the blocks' outputs are then 16-bit too (their last ops are autocast matmuls), so the stream stays so
+            x = x.to(torch.get_autocast_dtype(device))
         for block in self.transformer.h:
             x = block(x, rope, cache)
         if cache is not None:

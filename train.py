@@ -70,6 +70,7 @@ class TrainConfig:
     fused_gelu: bool = False  # Triton fused bias+GELU kernel in the MLP (CUDA only)
     loss_chunk: int = 0  # >0: cross-entropy this many rows at a time, never all B*T fp32 logits at once (0 = off)
     fused_ce: bool = False  # lm_head + loss fused, a Triton kernel for the loss and its gradient (CUDA only)
+    half_residual: bool = False  # the residual stream in bf16 under autocast, not fp32 (half the bytes; llm.c's)
     init_from: str = ""  # '' (random init), a train.py checkpoint, or HF GPT-2 (gpt2..gpt2-xl, a local dir)
     # data
     data: str = "data/edu_fineweb10B"  # directory or glob of token shards written by fineweb.py (or llm.c)
@@ -212,7 +213,7 @@ ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp", "pos", "bias"
 def run_options(cfg: TrainConfig) -> dict[str, Any]:
     """The GPTConfig fields a run sets whatever its weights came from: context length, dropout, fused kernels, loss."""
     return {"block_size": cfg.seq_len, "dropout": cfg.dropout, "fused_gelu": cfg.fused_gelu,
-            "loss_chunk": cfg.loss_chunk, "fused_ce": cfg.fused_ce}
+            "loss_chunk": cfg.loss_chunk, "fused_ce": cfg.fused_ce, "half_residual": cfg.half_residual}
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
@@ -1039,6 +1040,9 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         for flag, on in (("--fused-gelu", mcfg.fused_gelu), ("--fused-ce", mcfg.fused_ce)):
             if on and device.type != "cuda":
                 print(f"note: {flag} runs the PyTorch reference on {device.type}: the Triton kernel is CUDA only")
+        if mcfg.half_residual and dtype == torch.float32:
+            print("note: --half-residual does nothing in fp32: the residual stream is 16-bit only under autocast "
+                  "(--dtype bf16)")
         if cfg.compile_mode != "default" and not use_compile:
             print(f"note: --compile-mode {cfg.compile_mode} does nothing: the model is not compiled (compile is off "
                   f"on {device.type} unless --compile true)")

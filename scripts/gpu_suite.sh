@@ -43,8 +43,8 @@ BENCH_BUDGET_SET="${BENCH_BUDGET:-}"
 STAGES="${STAGES:-kernel-tests,bench}"
 # the train rows that answer the 600K question first (eager, compile, the kernels), then the candidates for the
 # largest costs; the budget drops the tail. decode and hellaswag speed are for a later call (--suite decode,hellaswag)
-BENCH_VARIANTS="${BENCH_VARIANTS:-eager,compile,compile+fused,compile+fused-ce,compile+fused+fused-ce,\
-compile+flash-attn,compile+cudnn-attn,compile+fused-ce-chunked,compile+chunked-ce,compile+loop,compile-b32,\
+BENCH_VARIANTS="${BENCH_VARIANTS:-eager,compile,compile+fused,compile+fused-ce,compile+half-residual,compile+all,\
+compile+fused+fused-ce,compile+flash-attn,compile+cudnn-attn,compile+fused-ce-chunked,compile+chunked-ce,compile+loop,compile-b32,\
 compile-reduce-overhead,compile+ddp,compile-b16,compile+loop-preload,eager+fused,compile+recompute,compile-fp32,\
 compile-max-autotune}"
 for s in ${STAGES//,/ }; do

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -143,3 +144,20 @@ def compile_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, 
         if "ptxas" in str(e).lower() and "not found" in str(e).lower():
             pytest.skip(f"triton's CUDA backend has no ptxas here: {e}")
         raise
+
+
+def run_interpreted(test_file: str, timeout: int = 600) -> None:
+    """Run test_file's TestInterpreted class in a fresh interpreter with TRITON_INTERPRET=1, and fail unless some of
+    its tests ran and all passed.
+
+    Triton reads the variable when each `@triton.jit` runs, its own library (tl.zeros, tl.sum) included, and those
+    run when triton is imported: by model.py or the test file, before any test could set it. Setting it for the whole
+    suite instead would turn the CUDA tests, inductor's kernels and torchrun children into interpreted code too.
+    """
+    cmd = [sys.executable, "-m", "pytest", f"{test_file}::TestInterpreted", "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=timeout)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) > 0 and "skipped" not in summary, summary

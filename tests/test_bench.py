@@ -314,8 +314,8 @@ def test_step_time_is_the_median_and_mfu_uses_the_peak_override(monkeypatch):
 
 def test_variants_are_selected_by_name_and_skips_carry_reasons():
     names = [v.name for v in bench.default_variants((16, 32, 64))]
-    assert names[:7] == ["eager", "compile", "compile+fused", "compile+fused-ce", "compile+fused+fused-ce",
-                         "compile-b16", "compile-b32"]
+    assert names[:9] == ["eager", "compile", "compile+fused", "compile+fused-ce", "compile+fused+fused-ce",
+                         "compile+half-residual", "compile+all", "compile-b16", "compile-b32"]
     assert "compile-b64" not in names  # 64 is the largest: the other rows already run at B=64
     assert {"compile+flash-attn", "compile+cudnn-attn", "compile-max-autotune"} <= set(names)
     cudnn = bench.train_config(BenchConfig(**TINY), next(v for v in bench.default_variants((4,))

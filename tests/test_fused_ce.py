@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fused_ce
 import model
-from conftest import compile_for_hopper
+from conftest import compile_for_hopper, run_interpreted
 from fused_ce import cross_entropy_reference, cross_entropy_rows, triton_available
 from model import GPT, GPT2_VOCAB, MODEL_PRESETS
 
@@ -168,15 +168,8 @@ def test_kernel_compiles_for_hopper(smooth: bool, with_grad: bool) -> None:
 
 @pytest.mark.skipif(not triton_available() or INTERPRETED, reason="needs triton; TestInterpreted runs in-process")
 def test_interpreter_in_child_process() -> None:
-    """Run TestInterpreted in a fresh interpreter with TRITON_INTERPRET=1 (see test_fused_gelu.py for why a child)."""
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", f"{__file__}::TestInterpreted", "-q", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
-                          text=True, timeout=600)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) > 0 and "skipped" not in summary, summary
+    """TestInterpreted, in a child process with TRITON_INTERPRET=1 (conftest.run_interpreted says why)."""
+    run_interpreted(__file__)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run by test_interpreter_in_child_process (TRITON_INTERPRET=1)")
@@ -335,7 +328,7 @@ def test_self_check_cli_on_cpu() -> None:
     cmd = [sys.executable, str(Path(fused_ce.__file__)), "--rows", "6", "--vocab", "300", "--real-vocab", "257"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
-        "fused_ce.py: error: this machine has no CUDA GPU; on CPU run the kernel in Triton's interpreter: "
+        "fused_ce.py: error: this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
         "TRITON_INTERPRET=1 python fused_ce.py --device cpu")
     proc = subprocess.run([*cmd, "--device", "cpu"], env={**env, "TRITON_INTERPRET": "1"}, capture_output=True,
                           text=True, timeout=300)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fused_gelu
-from conftest import compile_for_hopper
+from conftest import compile_for_hopper, run_interpreted
 from fused_gelu import bias_gelu, bias_gelu_reference, fused_bias_gelu, triton_available
 
 
@@ -154,20 +154,8 @@ def test_kernels_compile_for_hopper(which: str) -> None:
 
 @pytest.mark.skipif(not triton_available() or INTERPRETED, reason="needs triton; TestInterpreted runs in-process")
 def test_interpreter_in_child_process() -> None:
-    """Run TestInterpreted in a fresh interpreter with TRITON_INTERPRET=1.
-
-    Triton reads the variable when each `@triton.jit` runs, its own library (tl.zeros, tl.sum) included, and those
-    run when triton is imported: by model.py or this file, before any test could set it. Setting it for this whole
-    process instead would turn the CUDA tests, inductor's kernels and torchrun children into interpreted code too.
-    """
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", f"{__file__}::TestInterpreted", "-q", "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
-                          text=True, timeout=300)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, f"{' '.join(cmd)}\nstdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) > 0 and "skipped" not in summary, summary
+    """TestInterpreted, in a child process with TRITON_INTERPRET=1 (conftest.run_interpreted says why)."""
+    run_interpreted(__file__, timeout=300)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run by test_interpreter_in_child_process (TRITON_INTERPRET=1)")

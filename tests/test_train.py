@@ -326,14 +326,16 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
 def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
     hellaswag = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
     train.main(tiny_args(token_data, tmp_path, "--max-steps=4", "--eval-every=2", "--label-smoothing=0.1",
-                         "--parallel=zero1", "--fused-gelu", "--fused-ce", f"--hellaswag={hellaswag}",
-                         "--hellaswag-every=3", "--compile-mode=reduce-overhead"))
+                         "--parallel=zero1", "--fused-gelu", "--fused-ce", "--half-residual",
+                         f"--hellaswag={hellaswag}", "--hellaswag-every=3", "--compile-mode=reduce-overhead"))
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith('{"provenance"')
     # without torchrun nothing is wrapped or sharded, whatever --parallel says; and the kernel needs CUDA
     assert "| compile False | single | torch.float32" in out
     assert "note: --fused-gelu runs the PyTorch reference on cpu: the Triton kernel is CUDA only" in out
     assert "note: --fused-ce runs the PyTorch reference on cpu: the Triton kernel is CUDA only" in out
+    assert "note: --half-residual does nothing in fp32: the residual stream is 16-bit only under autocast " \
+        "(--dtype bf16)" in out
     assert "note: --compile-mode reduce-overhead does nothing: the model is not compiled (compile is off on cpu " \
         "unless --compile true)" in out
     records = list(train.iter_log(tmp_path / "log.jsonl"))
@@ -1407,7 +1409,7 @@ def test_profile_writes_a_trace(token_data, tmp_path, capsys):
 OTHER_VALUE = {
     "model": "gpt2-medium", "seq_len": 512, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "mlp": "swiglu",
     "pos": "rope", "bias": False, "dropout": 0.1, "fused_gelu": True, "loss_chunk": 128, "fused_ce": True,
-    "data": "/other/data",
+    "half_residual": True, "data": "/other/data",
     "preload": True, "shuffle": "shards", "total_batch_size": 262144, "batch_size": 32, "max_lr": 3e-4,
     "min_lr_frac": 0.0,
     "lr_schedule": "wsd", "decay_frac": 0.5, "warmup_steps": 700, "max_steps": 100, "weight_decay": 0.0, "beta1": 0.8,
