@@ -536,11 +536,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         count = (targets != -1).sum()  # the mean over the targets that count (none: a NaN loss, as F.cross_entropy)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         device = x.device.type
-        # the backward matmuls run in the forward matmul's precision: bf16 under autocast, as in the plain path
+        # the gradient matmuls run in the forward matmul's precision: bf16 under autocast, as in the plain path. Not
+        # fp16: these gradients are the summed loss's (the mean's 1/count and GradScaler's scale only come in
+        # backward), and a sum over thousands of rows can pass fp16's 65504, an inf no loss scale undoes
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+        mm = torch.float32 if dtype == torch.float16 else dtype
         w = weight.to(dtype)  # cast once, not once per chunk (GPT-2's lm_head: 77 MB in bf16 each time)
+        w_mm = w if mm == dtype else weight.to(mm)
         real = min(weight.size(0), GPT2_VOCAB)
-        grad_x, grad_w = [], None
+        grad_x, grad_w = [], torch.zeros_like(weight, dtype=torch.float32) if x.size(0) == 0 else None
         for i in range(0, x.size(0), chunk):
             xc = x[i:i + chunk].to(dtype)
             logits = F.linear(xc, w)  # (n, V)
@@ -550,14 +554,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             else:
                 part, grad = _chunk_loss(logits.float(), targets[i:i + chunk], label_smoothing, with_grad=True)
                 loss += part
-                grad = grad.to(dtype)
-            grad_x.append(grad @ w)  # (n, C)
-            part_w = (grad.t() @ xc).float()  # (V, C)
+            grad = grad.to(mm)
+            with torch.autocast(device, enabled=False):  # else fp16 autocast would cast the fp32 operands back
+                grad_x.append(grad @ w_mm)  # (n, C)
+                part_w = (grad.t() @ xc.to(mm)).float()  # (V, C)
             grad_w = part_w if grad_w is None else grad_w + part_w
         # one chunk (fused_ce's default) needs no copy; several are concatenated once
-        grad_x = grad_x[0] if len(grad_x) == 1 else torch.cat(grad_x)
-        if grad_w is None:  # no rows at all
-            grad_w = torch.zeros_like(weight, dtype=torch.float32)
+        grad_x = (grad_x[0] if len(grad_x) == 1 else torch.cat(grad_x)) if grad_x else torch.zeros_like(x)
         ctx.save_for_backward(grad_x, grad_w, count)
         ctx.dtypes = (x.dtype, weight.dtype)
         return loss / count
@@ -566,7 +569,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_x, grad_w, count = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        scale = grad_out.float() / count
+        # no target that counts (count 0): the loss is NaN, and the gradients 0 as F.cross_entropy's (they are 0 here)
+        scale = grad_out.float() / count.clamp(min=1)
         return (grad_x.float() * scale).to(x_dtype), (grad_w * scale).to(w_dtype), None, None, None, None
 
 

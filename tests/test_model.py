@@ -355,6 +355,40 @@ def test_chunked_cross_entropy_equals_the_plain_loss_and_gradients(label_smoothi
         torch.testing.assert_close(chunked_cross_entropy(x, w, t, 8, label_smoothing), ref, atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [0, 3])
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_chunked_cross_entropy_without_a_target_is_nan_with_zero_gradients(rows, chunk):
+    # as F.cross_entropy: no rows, or every target ignored, is a NaN loss whose gradients are 0, not NaN
+    from model import chunked_cross_entropy
+
+    x, w = torch.randn(rows, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    loss = chunked_cross_entropy(x, w, torch.full((rows,), -1), chunk, fused=True)
+    loss.backward()
+    assert math.isnan(loss.item())
+    assert torch.equal(x.grad, torch.zeros(rows, 8)) and torch.equal(w.grad, torch.zeros(16, 8))
+
+
+def test_chunked_cross_entropy_under_fp16_autocast_does_not_overflow():
+    # its gradient matmuls run in forward, on the summed loss's gradients, before the mean's 1/count and GradScaler's
+    # scale: 4096 rows of |gradient x| ~ 40 summed in fp16 pass 65504 (an inf no loss scale undoes), so under fp16
+    # they run in fp32. One chunk of all rows (fused_ce's default) is the worst case
+    from model import chunked_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.zeros(4096, 8)
+    x[:, 0] = 40.0
+    x.requires_grad_()
+    w = (0.01 * torch.randn(64, 8, generator=gen)).requires_grad_()
+    t = torch.full((4096,), 3)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = chunked_cross_entropy(x, w, t, 0, fused=True)
+    loss.backward()
+    ref_w = w.detach().clone().requires_grad_()
+    F.cross_entropy(F.linear(x.detach(), ref_w.half().float()), t).backward()  # fp32 math on fp16-rounded weights
+    assert torch.isfinite(w.grad).all()
+    torch.testing.assert_close(w.grad, ref_w.grad, atol=1e-2, rtol=1e-2)
+
+
 def test_label_smoothing_spreads_over_the_real_ids_only():
     from model import chunked_cross_entropy, cross_entropy
 
