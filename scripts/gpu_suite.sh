@@ -3,11 +3,13 @@
 # takes a minute or two to start and stays warm 30 s after a call. STAGES (comma list) picks what runs after the
 # environment report; the default is the first call:
 #   kernel-tests  TestCUDA of tests/test_fused_gelu.py and tests/test_fused_ce.py on the GPU (compiled kernels
-#                 against the reference in bf16/fp16/fp32, also under torch.compile)     fused_gelu: 19 s on an H200
+#                 against the reference: bias+GELU in bf16/fp16/fp32, cross-entropy in bf16/fp32; under torch.compile
+#                 too)                                                     fused_gelu: 19 s on an H200; fused_ce: not run
 #   bench         bench.py --suite kernel,train: the kernel's GB/s and the matmul ceilings, then GPT-2 124M, T=1024,
 #                 bf16, the train variants in BENCH_VARIANTS' order until the budget is spent   ~6 min (~25 s a row)
 #   train-tests   tests/test_gpu_train.py: train.py under torchrun/NCCL, compiled bf16 with the fused kernels and
-#                 the chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2   156 s on an H200
+#                 the fused chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2
+#                                                                   156 s on an H200 (before --fused-ce was added)
 # Logs and JSON go to $OUT (the device runner's result folder) or out/gpu_suite.
 #
 # Usage:
