@@ -709,10 +709,7 @@ def bench_kernel(cfg: BenchConfig) -> list[dict[str, Any]]:
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
 
     def triton_fn(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if not triton_available():
-            raise Skipped("triton is not installed")
-        if device.type != "cuda" and not interpreted:
-            raise Skipped("no CUDA (TRITON_INTERPRET=1 runs it in Triton's interpreter: a correctness aid, not speed)")
+        require_triton(device, interpreted)
         return fused_bias_gelu(x, b)
 
     impls: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -736,13 +733,23 @@ def bench_kernel(cfg: BenchConfig) -> list[dict[str, Any]]:
                     return bandwidth(calls[which], device, cfg, nbytes, copy["gb_per_s"])
 
             rows.append(guarded({**common, "name": name, "pass": which, **note}, measure))
-    if cfg.kernel_sweep and "triton" in cfg.kernel_impls and device.type == "cuda" and triton_available():
+    # the Triton launchers at a few tile sizes around each kernel's defaults, to check those defaults on this GPU
+    sweep = cfg.kernel_sweep and "triton" in cfg.kernel_impls and device.type == "cuda" and triton_available()
+    if sweep:
         rows += sweep_launchers(cfg, x, b, dy, copy["gb_per_s"], common)
-    return rows + cross_entropy_rows_bench(cfg, dtype, gen, copy["gb_per_s"], interpreted)
+    return rows + cross_entropy_rows_bench(cfg, dtype, gen, copy["gb_per_s"], interpreted, sweep)
+
+
+def require_triton(device: torch.device, interpreted: bool) -> None:
+    """Raise Skipped where a Triton row cannot run: no triton, or no CUDA outside the interpreter."""
+    if not triton_available():
+        raise Skipped("triton is not installed")
+    if device.type != "cuda" and not interpreted:
+        raise Skipped("no CUDA (TRITON_INTERPRET=1 runs it in Triton's interpreter: a correctness aid, not speed)")
 
 
 def cross_entropy_rows_bench(cfg: BenchConfig, dtype: torch.dtype, gen: torch.Generator, copy_gbps: float,
-                             interpreted: bool) -> list[dict[str, Any]]:
+                             interpreted: bool, sweep: bool) -> list[dict[str, Any]]:
     """The loss and its gradient with respect to GPT-2's (N, 50304) logits, N = --kernel-rows / 4 (16384 on CUDA:
     1.6 GB of bf16 logits): the model's plain path (F.cross_entropy of the fp32 logits, its gradient cast back to the
     logits' dtype by autograd), eager and compiled, against fused_ce.py's kernel. GB/s counts the bytes a fused kernel
@@ -764,10 +771,7 @@ def cross_entropy_rows_bench(cfg: BenchConfig, dtype: torch.dtype, gen: torch.Ge
         return lambda: torch.autograd.grad(fn(z), z)
 
     def triton_call() -> Callable[[], Any]:
-        if not triton_available():
-            raise Skipped("triton is not installed")
-        if device.type != "cuda" and not interpreted:
-            raise Skipped("no CUDA (TRITON_INTERPRET=1 runs it in Triton's interpreter: a correctness aid, not speed)")
+        require_triton(device, interpreted)
         return lambda: cross_entropy_rows(logits, targets, real_vocab=GPT2_VOCAB)
 
     impls: dict[str, Callable[[], Callable[[], Any]]] = {
@@ -780,7 +784,7 @@ def cross_entropy_rows_bench(cfg: BenchConfig, dtype: torch.dtype, gen: torch.Ge
         note = {"note": "Triton interpreter: not kernel speed"} if name == "triton" and interpreted else {}
         rows.append(guarded({**common, "name": f"ce {name}", "pass": "fwd+bwd", **note},
                             lambda make=impls[name]: bandwidth(make(), device, cfg, nbytes, copy_gbps)))
-    if cfg.kernel_sweep and "triton" in cfg.kernel_impls and device.type == "cuda" and triton_available():
+    if sweep:
         # the launch around fused_ce.py's default (first): columns per loop step and warps
         for block_v, warps in ((fused_ce.BLOCK_V, fused_ce.NUM_WARPS), (2048, 4), (4096, 4), (8192, 8), (8192, 16),
                                (16384, 16)):
@@ -1036,23 +1040,21 @@ def format_table(result: dict[str, Any]) -> str:
             out.append(f"GPT-2 124M's matmuls alone bound its micro-step to {step['ms']:.1f} ms: at most "
                        f"{step['tok_per_s_bound']:,.0f} tokens/s for GPT-2 124M at these rates, before attention and "
                        "everything else")
+    bandwidth_cols = [("impl", 18, lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
+                      ("pass", 8, lambda r: r["pass"]), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
+                      ("GB/s", 8, lambda r: f"{r['gb_per_s']:.1f}"),
+                      ("% copy", 7, lambda r: f"{r['pct_copy']:.0f}%")]
     kernels = [r for r in result.get("kernel", []) if r["name"] != "matmul" and r.get("op") != "cross-entropy"]
     if kernels:
         k = kernels[0]
         section(f"kernel: bias+GELU on ({k['rows']}, {k['cols']}) {k['dtype']}; GB/s counts the bytes a fused kernel "
-                f"must move (fwd 2MN+N, bwd 3MN+2N elements); median of {cfg['steps']}", kernels,
-                [("impl", 18, lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
-                 ("pass", 8, lambda r: r["pass"]), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
-                 ("GB/s", 8, lambda r: f"{r['gb_per_s']:.1f}"), ("% copy", 7, lambda r: f"{r['pct_copy']:.0f}%")])
+                f"must move (fwd 2MN+N, bwd 3MN+2N elements); median of {cfg['steps']}", kernels, bandwidth_cols)
     losses = [r for r in result.get("kernel", []) if r.get("op") == "cross-entropy"]
     if losses:
         k = losses[0]
         section(f"kernel: cross-entropy loss and logits' gradient on ({k['rows']}, {k['cols']}) {k['dtype']} logits; "
                 f"GB/s counts the bytes a fused kernel must move (read the logits, write the gradient: 2NV elements); "
-                f"median of {cfg['steps']}", losses,
-                [("impl", 18, lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
-                 ("pass", 8, lambda r: r["pass"]), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
-                 ("GB/s", 8, lambda r: f"{r['gb_per_s']:.1f}"), ("% copy", 7, lambda r: f"{r['pct_copy']:.0f}%")])
+                f"median of {cfg['steps']}", losses, bandwidth_cols)
     if result.get("decode"):
         d = result["decode"][0]
         section(f"decode: random {d['model']} ({d.get('params', 0) / 1e6:.1f}M) fp32, greedy, batch 1, prompt "

@@ -523,6 +523,16 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: 
     return F.cross_entropy(logits, targets, ignore_index=-1, label_smoothing=label_smoothing)
 
 
+def _rows_loss(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float, fused: bool,
+               with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's summed loss and, with with_grad, its gradient with respect to the logits (N, V): fused_ce.py's
+    kernel on the logits in their own dtype, or _chunk_loss on an fp32 copy."""
+    if fused:
+        rows, grad = cross_entropy_rows(logits, targets, label_smoothing, min(logits.size(1), GPT2_VOCAB), with_grad)
+        return rows.sum(), grad
+    return _chunk_loss(logits.float(), targets, label_smoothing, with_grad)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of x @ weight.T against targets, a chunk of rows at a time. Each chunk's gradients with
     respect to x and weight are computed in forward, from its logits, which are then freed; backward only scales
@@ -543,18 +553,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         mm = torch.float32 if dtype == torch.float16 else dtype
         w = weight.to(dtype)  # cast once, not once per chunk (GPT-2's lm_head: 77 MB in bf16 each time)
         w_mm = w if mm == dtype else weight.to(mm)
-        real = min(weight.size(0), GPT2_VOCAB)
         grad_x, grad_w = [], torch.zeros_like(weight, dtype=torch.float32) if x.size(0) == 0 else None
         for i in range(0, x.size(0), chunk):
             xc = x[i:i + chunk].to(dtype)
-            logits = F.linear(xc, w)  # (n, V)
-            if fused:
-                rows, grad = cross_entropy_rows(logits, targets[i:i + chunk], label_smoothing, real)
-                loss += rows.sum()
-            else:
-                part, grad = _chunk_loss(logits.float(), targets[i:i + chunk], label_smoothing, with_grad=True)
-                loss += part
-            grad = grad.to(mm)
+            part, grad = _rows_loss(F.linear(xc, w), targets[i:i + chunk], label_smoothing, fused, with_grad=True)
+            loss += part
+            grad = grad.to(mm)  # (n, V)
             with torch.autocast(device, enabled=False):  # else fp16 autocast would cast the fp32 operands back
                 grad_x.append(grad @ w_mm)  # (n, C)
                 part_w = (grad.t() @ xc.to(mm)).float()  # (V, C)
@@ -585,14 +589,10 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _ChunkedCrossEntropy.apply(x, weight, targets, chunk, label_smoothing, fused)
     count = (targets != -1).sum()
-    real = min(weight.size(0), GPT2_VOCAB)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for i in range(0, x.size(0), chunk):
-        logits = F.linear(x[i:i + chunk], weight)
-        if fused:
-            total += cross_entropy_rows(logits, targets[i:i + chunk], label_smoothing, real, with_grad=False)[0].sum()
-        else:
-            total += _chunk_loss(logits.float(), targets[i:i + chunk], label_smoothing, with_grad=False)[0]
+        total += _rows_loss(F.linear(x[i:i + chunk], weight), targets[i:i + chunk], label_smoothing, fused,
+                            with_grad=False)[0]
     return total / count
 
 

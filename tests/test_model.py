@@ -445,10 +445,16 @@ def test_cross_entropy_of_bf16_logits_is_computed_in_fp32(vocab, label_smoothing
     assert abs(got.item() - ref.item()) < 1e-5, (got.item(), ref.item())
 
 
-def test_half_residual_changes_nothing_without_autocast():
+def plain_and_half_residual() -> tuple[GPT, GPT]:
+    """The tiny model with the fp32 residual stream and with half_residual, holding the same weights."""
     torch.manual_seed(0)
     plain, half = GPT(tiny()), GPT(tiny(half_residual=True))
     half.load_state_dict(plain.state_dict())
+    return plain, half
+
+
+def test_half_residual_changes_nothing_without_autocast():
+    plain, half = plain_and_half_residual()
     idx = torch.randint(0, 96, (2, 16))
     losses = []
     for m in (plain, half):
@@ -463,9 +469,7 @@ def test_half_residual_changes_nothing_without_autocast():
 def test_half_residual_keeps_the_stream_16_bit_under_autocast():
     # what the flag is for: every block gets and returns a bf16 stream (the fp32 default: fp32 in, fp32 out), and the
     # loss and gradients stay within bf16 noise of the fp32 stream's
-    torch.manual_seed(0)
-    plain, half = GPT(tiny()), GPT(tiny(half_residual=True))
-    half.load_state_dict(plain.state_dict())
+    plain, half = plain_and_half_residual()
     idx = torch.randint(0, 96, (4, 32))
     out = []
     for m in (plain, half):
