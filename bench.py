@@ -365,20 +365,15 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         raise Skipped(why)  # likewise
     B, T, accum = tcfg.batch_size, tcfg.seq_len, cfg.grad_accum
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # as train.py: fp32 matmuls outside autocast use tensor cores
-        torch.backends.cudnn.allow_tf32 = True
         torch.cuda.reset_peak_memory_stats(device)
     rss_before = max_rss_bytes()
 
     torch.manual_seed(cfg.seed)
     raw = GPT(train.model_config(tcfg)).to(device)
-    train.apply_recompute(raw, tcfg.recompute)
-    optimizer = train.build_optimizer(raw, tcfg, device, verbose=False)
-    dtype, autocast = train.precision(tcfg, device)
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    train.select_attention(tcfg.attention)  # every row sets it: a row's choice must not leak into the next
-    # as train.py: compiled, and inside DDP when a process group exists (only in the ddp rows)
-    model = train.wrap_model(raw, tcfg, device, dtype, bool(tcfg.compile))
+    # train.py's own builder: compiled, and inside DDP when a process group exists (only in the ddp rows); every row
+    # sets the attention kernel, so a row's choice does not leak into the next
+    built = train.build_trainable(raw, tcfg, device, bool(tcfg.compile), verbose=False)
+    model, optimizer, scaler, dtype, autocast = built.model, built.optimizer, built.scaler, built.dtype, built.autocast
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     losses: list[torch.Tensor] = []
     with tempfile.TemporaryDirectory() as tmp:

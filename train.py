@@ -457,6 +457,34 @@ def wrap_model(raw: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dt
     return parallelize(compile_model(raw, cfg) if use_compile else raw, cfg, device, dtype)
 
 
+@dataclass
+class Trainable:
+    """What one training step needs: the (wrapped, compiled) model, its optimizer and the precision."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    dtype: torch.dtype
+    autocast: contextlib.AbstractContextManager
+
+
+def build_trainable(raw: GPT, cfg: TrainConfig, device: torch.device, use_compile: bool,
+                    verbose: bool) -> Trainable:
+    """raw (on its device) made ready to train: recompute, precision, attention kernel, parallel wrapper and compile,
+    then the optimizer. train.py and bench.py both build through here, so bench times what a run trains."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (outside autocast) on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    apply_recompute(raw, cfg.recompute)
+    dtype, autocast = precision(cfg, device)
+    select_attention(cfg.attention)
+    model = wrap_model(raw, cfg, device, dtype, use_compile)
+    # after parallelize: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
+    optimizer = build_optimizer(raw, cfg, device, verbose)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    return Trainable(model, optimizer, scaler, dtype, autocast)
+
+
 def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Skip the gradient all-reduce on non-final micro-steps of gradient accumulation."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
@@ -904,8 +932,6 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
     torch.manual_seed(cfg.seed + rank)  # ranks see different data, so different dropout masks are right
     if device.type == "cuda":
         torch.cuda.manual_seed(cfg.seed + rank)
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (outside autocast) on tensor cores
-        torch.backends.cudnn.allow_tf32 = True
     # an evaluation needs only the val split: a directory holding just a val shard will do. A node without the data
     # stops every rank with its reason; nodes with different data (or commands) would train on, silently wrong
     train_loader = val_loader = problem = None
@@ -999,13 +1025,8 @@ def _train(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: tor
         # enable_gqa has flash and cuDNN kernels only; forcing the memory-efficient one leaves no kernel at all
         raise ValueError("--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, "
                          "cudnn or auto")
-    apply_recompute(raw, cfg.recompute)
-    dtype, autocast = precision(cfg, device)
-    select_attention(cfg.attention)
-    model = wrap_model(raw, cfg, device, dtype, use_compile)
-    # after parallelize: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
-    optimizer = build_optimizer(raw, cfg, device, master)
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    built = build_trainable(raw, cfg, device, use_compile, verbose=master)
+    model, optimizer, scaler, dtype, autocast = built.model, built.optimizer, built.scaler, built.dtype, built.autocast
 
     detectors = {"loss": OutlierDetector(), "norm": OutlierDetector()}
     start_step = 0
