@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import train
-from conftest import ROOT, run_torchrun
+from common import iter_log
+from conftest import run_torchrun
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden_losses.json"
 ARGS = ["--preset", "tiny", "--eval-every=0", "--max-steps=10", "--hellaswag=off"]
@@ -39,7 +40,7 @@ def test_golden_losses_single_process(token_data, tmp_path):
 def test_golden_losses_two_ddp_ranks(token_data, tmp_path):
     out = tmp_path / "ddp"
     run_torchrun(["train.py", *ARGS, "--data", str(token_data), "--out-dir", str(out)], nproc=2)
-    losses = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
+    losses = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
     check("ddp2", losses)
     # 2 ranks x 1 micro-step see the same 8 sequences per step as 1 rank x 2 micro-steps: the same run
     assert losses == pytest.approx([float.fromhex(h) for h in golden()["single"]], abs=1e-5)

