@@ -945,22 +945,6 @@ def _previous_run(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> tuple[st
     return "none", None
 
 
-def _write_next(cfg: FinewebConfig, index: int, tokens: np.ndarray, first: bool) -> None:
-    """Write shard `index`. The run's first write first removes the completion record (the directory is about to
-    change), the temporaries of killed runs, and shard `index` and every train shard after it (an earlier run's: if
-    this one is killed, even mid-write, its resume must not take them for its own; the shards before `index` are
-    this run's, checked by the resume). A run that fails before that leaves --out-dir as it was."""
-    out = Path(cfg.out_dir).expanduser()
-    if first:
-        out.mkdir(parents=True, exist_ok=True)
-        _done_path(cfg).unlink(missing_ok=True)
-        for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # never a valid shard
-            stale.unlink()
-        shard_path(cfg, index).unlink(missing_ok=True)
-        _remove_train_shards(cfg, index + 1)
-    write_shard(shard_path(cfg, index), tokens)
-
-
 def _remove_train_shards(cfg: FinewebConfig, start: int) -> None:
     """Delete PREFIX_train_NNNNNN.bin for every NNNNNN >= start."""
     numbered = re.compile(rf"{re.escape(cfg.prefix)}_train_(\d+)\.bin")
@@ -970,125 +954,192 @@ def _remove_train_shards(cfg: FinewebConfig, start: int) -> None:
             old.unlink()
 
 
-def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
-    """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
-    from tqdm import tqdm
+class ShardWriter:
+    """Cuts this run's tokens into shards (the val shard, then --shard-size train shards) after the `kept` complete
+    ones on disk. It owns the buffer, the progress bar, the lock on --out-dir (from the first write to the exit of
+    its `with`) and the completion record."""
 
+    def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, parts: PartCounts, kept: int = 0,
+                 written: int = 0):
+        self.cfg, self.inputs, self.parts = cfg, inputs, parts
+        self.kept, self.written = kept, written  # the complete shards this run keeps, and their tokens
+        self.index, self.total, self.fill = kept, written, 0  # shard being filled, tokens in all, tokens in buf
+        self.docs = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
+        self.val = cfg.val_target  # the val shard's tokens; finish() may give it the first 10% instead
+        self.limit = cfg.max_tokens or float("inf")
+        self.buf = np.empty(cfg.val_target if kept == 0 else cfg.shard_size, dtype=np.uint16)
+        self._bar: Any = None  # the current shard's progress bar, opened at its first token
+        self._lock: Any = None  # the open lock file, once this run has changed --out-dir
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close_bar()
+        if self._lock is not None:
+            self._lock.close()
+
+    def write_all(self, stream: Iterable[np.ndarray]) -> None:
+        """Take every array of `stream` up to --max-tokens (and read no further)."""
+        try:
+            for arr in stream:
+                self.add(arr)
+                if self.total >= self.limit:
+                    break
+        finally:
+            self._close_bar()
+
+    def add(self, arr: np.ndarray) -> None:
+        """Buffer arr's tokens, writing the full buffer as its shard first when more tokens come."""
+        pos = 0
+        while pos < len(arr) and self.total < self.limit:
+            if self.fill == len(self.buf):  # written once more tokens come, so a val shard is never left on its own
+                self._write(self.index, self.buf)
+                self.parts.save()
+                self._close_bar()
+                self.index, self.fill = self.index + 1, 0
+                self.buf = np.empty(self.cfg.shard_size, dtype=np.uint16)
+            if self._bar is None:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=len(self.buf), unit="tok", unit_scale=True,
+                                 desc=shard_path(self.cfg, self.index).name)
+            take = int(min(len(arr) - pos, len(self.buf) - self.fill, self.limit - self.total))
+            if self.total == self.written:  # this run's first token: the rest of a document the kept shards began?
+                self.docs += int(arr[pos] != EOT)
+            self.docs += int(np.count_nonzero(arr[pos:pos + take] == EOT))  # each document opens with EOT
+            self.buf[self.fill:self.fill + take] = arr[pos:pos + take]
+            pos, self.fill, self.total = pos + take, self.fill + take, self.total + take
+            self._bar.update(take)
+
+    def finish(self) -> None:
+        """Write what is buffered, drop train shards beyond the end, and record the run as finished."""
+        cfg, total = self.cfg, self.total
+        if total == 0:
+            raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
+                            f"{cfg.text_field!r}")
+        if self.index == 0:  # the source (or --max-tokens) ended before a single train token
+            if cfg.val_tokens != -1:  # asked for: --max-tokens > --val-tokens is checked, so the source is short
+                raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
+                                f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training, e.g. "
+                                f"--val-tokens {max(total // 10, 1)}, or leave it out to use the first 10%")
+            # the default: the first 10% is val, the rest train shard 1, written only now (existing_shards never
+            # keeps a val shard that is not full, so an interrupted write starts over)
+            self.val = max(total // 10, 1)  # a document is EOT + at least one token: total >= 2
+            self._write(0, self.buf[:self.val])
+            self.index, self.buf, self.fill = 1, self.buf[self.val:total], total - self.val
+        if self.fill:
+            self._write(self.index, self.buf[:self.fill])
+            self.index += 1
+        if self._lock is None:  # the kept shards were the whole stream, but what follows changes the directory too
+            self._lock = _lock_out_dir(cfg)
+        _remove_train_shards(cfg, self.index)  # beyond the end, when this run wrote nothing: left by a longer run
+        done = _done_path(cfg)
+        tmp = done.with_name(f".{done.name}.tmp")
+        tmp.write_text(json.dumps(_done_record(cfg, self.inputs, [shard_path(cfg, i) for i in range(self.index)])))
+        os.replace(tmp, done)
+        self.parts.path.unlink(missing_ok=True)  # a finished run needs no resume point
+
+    def report(self, seconds: float, workers: int) -> dict[str, Any]:
+        """Print the run's totals and return them."""
+        out, total, val = Path(self.cfg.out_dir).expanduser(), self.total, self.val
+        tokenized = total - self.written
+        result = {"out_dir": str(out), "shards": self.index, "skipped_shards": self.kept, "val_tokens": val,
+                  "train_tokens": total - val, "tokenized": tokenized, "documents_tokenized": self.docs,
+                  "documents_read": self.parts.read,
+                  "seconds": seconds, "tokens_per_sec": tokenized / max(seconds, 1e-9), "workers": workers}
+        print(f"{out}: {self.index} shards ({self.kept} already complete), {val:,} val + {total - val:,} train tokens; "
+              f"tokenized {tokenized:,} tokens of {self.docs:,} documents in {seconds:.1f}s = "
+              f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
+        return result
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _write(self, index: int, tokens: np.ndarray) -> None:
+        """Write shard `index`. The first write takes the lock and clears the way: the completion record, killed runs'
+        temporaries, and shard `index` and every train shard after it (an earlier run's, which a resume must not take
+        for this one's). Before that, --out-dir is left as it was."""
+        cfg, out = self.cfg, Path(self.cfg.out_dir).expanduser()
+        if self._lock is None:
+            self._lock = _lock_out_dir(cfg)
+            out.mkdir(parents=True, exist_ok=True)
+            _done_path(cfg).unlink(missing_ok=True)
+            for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # never a valid shard
+                stale.unlink()
+            shard_path(cfg, index).unlink(missing_ok=True)
+            _remove_train_shards(cfg, index + 1)
+        write_shard(shard_path(cfg, index), tokens)
+
+
+def _check_out_dir_path(cfg: FinewebConfig) -> None:
+    """Stop now, not after tokenizing a whole val shard, if a parent of --out-dir is a file."""
     out = Path(cfg.out_dir).expanduser()
-    for parent in (out, *out.parents):  # fail now, not after tokenizing a whole val shard
+    for parent in (out, *out.parents):
         if parent.exists():
             if not parent.is_dir():
                 raise DataError(f"--out-dir {cfg.out_dir}: {parent} is a file, not a directory; pass a directory "
                                 "(it is created if missing)")
             break
+
+
+def _nothing_to_do(cfg: FinewebConfig, record: dict[str, Any]) -> dict[str, Any]:
+    """Print and return the totals of the finished run that `record` describes."""
+    out, sizes = Path(cfg.out_dir).expanduser(), list(record["shards"].values())
+    val, train = sizes[0], sum(sizes[1:])
+    print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
+          "nothing to do (to write them again, delete them or pass another --out-dir)")
+    return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
+            "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "documents_read": 0, "seconds": 0.0,
+            "tokens_per_sec": 0.0, "workers": 0}
+
+
+def _resume_point(cfg: FinewebConfig, inputs: dict[str, Any] | None, previous: str) -> tuple[int, int, int, np.ndarray]:
+    """existing_shards() of the shards on disk, or nothing to keep when they are another run's: a finished one's
+    of other settings or inputs, or an interrupted one's that read other input (by its parts record)."""
+    if previous == "none" and PartCounts(cfg, inputs, 0).other_input():
+        print(f"{Path(cfg.out_dir).expanduser()}: the interrupted run there read other input files or settings; "
+              "writing every shard again")
+        previous = "other"
+    return existing_shards(cfg) if previous == "none" else (0, 0, 0, np.zeros(0, np.uint16))
+
+
+def _note_other_corpora(cfg: FinewebConfig) -> None:
+    """find_shards takes every train shard in a directory: train.py --data OUT would read another corpus's too."""
+    out = Path(cfg.out_dir).expanduser()
+    mine = re.compile(rf"{re.escape(cfg.prefix)}_train_\d+\.(?:bin|npy)")
+    others = [f.name for f in find_shards(str(out), "train") if not mine.fullmatch(f.name)]
+    if others:
+        print(f"note: {out} also holds {len(others)} train shard(s) of another corpus ({others[0]}, ...), and "
+              f"train.py --data {out} would read them too: give each corpus its own --out-dir")
+
+
+def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
+    """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
+    _check_out_dir_path(cfg)
     files = source_files(cfg)
     inputs = input_fingerprint(files)  # before reading: a file edited during the run makes the next run write again
     _check_out_dir_unlocked(cfg)
     previous, record = _previous_run(cfg, inputs)
     if previous == "done":
-        sizes = list(record["shards"].values())
-        val, train = sizes[0], sum(sizes[1:])
-        print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
-              "nothing to do (to write them again, delete them or pass another --out-dir)")
-        return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
-                "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "documents_read": 0, "seconds": 0.0,
-                "tokens_per_sec": 0.0, "workers": 0}
+        return _nothing_to_do(cfg, record)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
-    if previous == "none" and PartCounts(cfg, inputs, 0).other_input():
-        print(f"{out}: the interrupted run there read other input files or settings; writing every shard again")
-        previous = "other"
-    # resume from the complete shards on disk, unless they are a finished run's of other settings or inputs
-    kept, written, docs_started, partial = (existing_shards(cfg) if previous == "none"
-                                            else (0, 0, 0, np.zeros(0, np.uint16)))
-    # a rerun regenerates the same stream without tokenizing what is on disk: it skips the documents the kept shards
-    # hold (whole files of them unread, where an earlier run counted them) but the last two, whose tokens must then
-    # equal what is on disk (a whole document and the start of the next: a check that cannot pass by chance)
+    kept, written, docs_started, partial = _resume_point(cfg, inputs, previous)
+    # a rerun skips the documents the kept shards hold (whole files unread, where an earlier run counted them) but
+    # the last two, whose tokens must equal what is on disk: a check that cannot pass by chance
     parts = PartCounts(cfg, inputs, max(docs_started - 2, 0))
-    with contextlib.ExitStack() as held:
-        changed = False  # whether this run has touched --out-dir yet
-
-        def write(index: int, tokens: np.ndarray) -> None:
-            nonlocal changed
-            if not changed:  # held from this run's first write to its end, an error's included
-                held.enter_context(_lock_out_dir(cfg))
-            _write_next(cfg, index, tokens, first=not changed)
-            changed = True
-
-        docs_written = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
-        limit = cfg.max_tokens or float("inf")
-        index, total, fill = kept, written, 0
-        buf = np.empty(cfg.val_target if index == 0 else cfg.shard_size, dtype=np.uint16)
-        bar = None
+    with ShardWriter(cfg, inputs, parts, kept, written) as writer:
         t0 = time.time()
         with tokenizer_pool(workers) as pool:
-            try:
-                docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
-                stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))
-                for arr in stream:
-                    pos = 0
-                    while pos < len(arr) and total < limit:
-                        if fill == len(buf):  # written once more tokens come, so a val shard is never left on its own
-                            write(index, buf)
-                            parts.save()
-                            bar.close()
-                            bar, index, fill = None, index + 1, 0
-                            buf = np.empty(cfg.shard_size, dtype=np.uint16)
-                        if bar is None:
-                            bar = tqdm(total=len(buf), unit="tok", unit_scale=True, desc=shard_path(cfg, index).name)
-                        take = int(min(len(arr) - pos, len(buf) - fill, limit - total))
-                        if total == written:  # this run's first token: the rest of a document the kept shards began?
-                            docs_written += int(arr[pos] != EOT)
-                        # each document opens with EOT
-                        docs_written += int(np.count_nonzero(arr[pos:pos + take] == EOT))
-                        buf[fill:fill + take] = arr[pos:pos + take]
-                        pos, fill, total = pos + take, fill + take, total + take
-                        bar.update(take)
-                    if total >= limit:
-                        break
-            finally:
-                if bar is not None:
-                    bar.close()
-        if total == 0:
-            raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
-                            f"{cfg.text_field!r}")
-        val = cfg.val_target
-        if index == 0:  # the source (or --max-tokens) ended before a single train token
-            if cfg.val_tokens != -1:  # asked for: --max-tokens > --val-tokens is checked, so the source is short
-                raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
-                                f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training, e.g. "
-                                f"--val-tokens {max(total // 10, 1)}, or leave it out to use the first 10%")
-            # the default was not: the first 10% is val, the rest train shard 1. Both are written only now, from memory,
-            # and existing_shards never keeps such a val shard (it is not full), so an interrupted write starts over
-            # and a finished one is recognized by its completion record (val_tokens -1, these sizes)
-            val = max(total // 10, 1)  # a document is EOT + at least one token: total >= 2
-            write(0, buf[:val])
-            index, buf, fill = 1, buf[val:total], total - val
-        if fill:
-            write(index, buf[:fill])
-            index += 1
-        if not changed:  # the kept shards were the whole stream, but what follows changes the directory too
-            held.enter_context(_lock_out_dir(cfg))
-        _remove_train_shards(cfg, index)  # beyond the end, when this run wrote nothing: left by an earlier, longer run
-        done = _done_path(cfg)
-        tmp = done.with_name(f".{done.name}.tmp")
-        tmp.write_text(json.dumps(_done_record(cfg, inputs, [shard_path(cfg, i) for i in range(index)])))
-        os.replace(tmp, done)
-        parts.path.unlink(missing_ok=True)  # a finished run needs no resume point
-        seconds = time.time() - t0
-        result = {"out_dir": str(out), "shards": index, "skipped_shards": kept, "val_tokens": val,
-                  "train_tokens": total - val, "tokenized": total - written, "documents_tokenized": docs_written,
-                  "documents_read": parts.read,
-                  "seconds": seconds, "tokens_per_sec": (total - written) / max(seconds, 1e-9), "workers": workers}
-        print(f"{out}: {index} shards ({kept} already complete), {val:,} val + {total - val:,} train tokens; tokenized "
-              f"{total - written:,} tokens of {docs_written:,} documents in {seconds:.1f}s = "
-              f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
-        mine = re.compile(rf"{re.escape(cfg.prefix)}_train_\d+\.(?:bin|npy)")
-        others = [f.name for f in find_shards(str(out), "train") if not mine.fullmatch(f.name)]
-        if others:  # find_shards takes every train shard in a directory: train.py --data OUT would read both corpora
-            print(f"note: {out} also holds {len(others)} train shard(s) of another corpus ({others[0]}, ...), and "
-                  f"train.py --data {out} would read them too: give each corpus its own --out-dir")
-        return result
+            docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
+            writer.write_all(_skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept)))
+        writer.finish()
+        result = writer.report(time.time() - t0, workers)
+        _note_other_corpora(cfg)
+    return result
 
 
 def _lock_path(cfg: FinewebConfig) -> Path:
