@@ -151,9 +151,8 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
 def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     """The `split` shards (.bin or .npy) in a directory or matched by a glob, sorted by path."""
     pattern = str(pattern)
-    # the split is the last word before the index and suffix: PREFIX_val_000000.bin (ours, build-nanogpt's .npy) and
-    # PREFIX_val.bin (llm.c). Anchored at the end, so a prefix that is itself a split word (train_val_000000.bin,
-    # written from --source train.jsonl) is never taken for the other split.
+    # the split is the last word before the index and suffix (PREFIX_val_000000.bin, llm.c's PREFIX_val.bin),
+    # anchored at the end: a prefix that is a split word (train_val_000000.bin) is never taken for the other split
     marker = re.compile(rf"(?:.*_)?{split}(?:_\d+)?\.(?:bin|npy)")
     base = Path(pattern).expanduser()
     if any(c in pattern for c in "*?["):
@@ -187,21 +186,10 @@ SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (
 class TokenLoader:
     """Shuffled, exactly-once, resumable batches of (x, y) from one split's shards, for one rank.
 
-    Windows: shard s holds (len_s - 1) // (B*T) windows of B*T+1 tokens at stride B*T, so adjacent windows share one
-    token (the last y of one is the first x of the next) and every x token is read once; a shard's tail shorter
-    than a window is skipped. An epoch is the `num_windows` windows of all shards: for train, shards in the order of
-    a permutation drawn from np.random.default_rng((seed, epoch)), and each shard's windows in the order of one drawn
-    from default_rng((seed, epoch, shard + 1)) (shuffle="windows", llm.c's order) or in order (shuffle="shards",
-    build-nanogpt's, but with the shards shuffled); for val, shards in file order and windows in order. The epochs
-    form one continuous stream of global windows g = 0, 1, 2, ...: g is window g % num_windows of epoch g //
-    num_windows. Rank r's s-th batch is g = s * world_size + r, so every rank serves one batch per step (ranks stay
-    in lockstep, as DDP needs) and every window of every epoch is served exactly once over all ranks, none dropped
-    or repeated. When world_size does not divide num_windows, a step straddles two epochs: the low ranks finish
-    epoch e while the others start epoch e + 1.
-
-    The position is just `step`, the batches each rank has served since reset(), identical on every rank, so
-    `state_dict()` from any rank resumes all of them. Attributes: files, num_windows (windows per epoch, all ranks
-    together), tokens_per_epoch, step, epoch (the epoch of this rank's next window), shuffle, device.
+    Shards are cut into windows of B*T+1 tokens at stride B*T (a shorter tail is skipped). Train epochs read the
+    shards, and with shuffle="windows" each shard's windows, in seeded orders; val reads all in order. Rank r's s-th
+    batch is window s * world_size + r of one stream over all epochs, so the position is one `step`, the same on every
+    rank: `state_dict()` from any rank resumes all of them. The full rules: docs/fineweb.md.
     """
 
     def __init__(self, pattern: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
@@ -286,11 +274,8 @@ class TokenLoader:
         return shard, k * self.B * self.T
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Make every batch from now on check that its ids are below vocab_size, the model's embedding rows: a
-        larger id (a shard from another tokenizer, or corrupt) would otherwise fail inside the embedding, on CUDA as
-        a device-side assert that names nothing. A memory-mapped batch is checked on the host as it is read (a max
-        over B*T+1 uint16s); a preloaded split is checked once, here, all of it (a shard's tail that no window
-        serves included)."""
+        """Make every batch from now on check that its ids are below vocab_size, the model's embedding rows: on
+        CUDA a larger id fails as an assert that names nothing. A preloaded split is checked once, here, all of it."""
         self.vocab_size = vocab_size
         if self._preloaded is not None and self._preloaded.numel():
             top = int(self._preloaded.max())
@@ -361,10 +346,8 @@ class TokenLoader:
         if not isinstance(world, int) or isinstance(world, bool) or world < 1:
             raise DataError(f"cannot resume the {self.split} loader: its world_size={world!r} is not a count of "
                             "ranks >= 1; the checkpoint is corrupt, start a fresh run")
-        # The stream of global windows does not depend on the world size (only on the shards, B, T and the seed), so
-        # a run preempted on 8 GPUs can go on with 4: the old ranks served the first step * world windows, and the
-        # new ones start at the first multiple of the new world size at or after that, skipping fewer windows than
-        # one step has ranks and serving none twice.
+        # the stream does not depend on the world size: the new ranks start at the first multiple of theirs at or
+        # after the step * world windows served, none twice (docs/fineweb.md)
         old_shuffle = self.state_shuffle(state)
         if old_shuffle not in (*SHUFFLES, "none"):
             raise DataError(f"cannot resume the {self.split} loader: its shuffle={old_shuffle!r} is not one this "
@@ -386,19 +369,10 @@ class TokenLoader:
         return "windows" not in (old_shuffle, self.shuffle)
 
     def _regrid(self, served: int, old_b: int, old_shuffle: str = "shards") -> int:
-        """The global window of this loader's grid at which to go on after `served` windows of old_b * T tokens.
-
-        The old windows served are a prefix of the old stream: epoch e's shards in its order, the first ones read
-        whole and the last, shard i, up to some token. Another B cuts the same shards into other windows, in the
-        same shard order, so the new position is shard i's first new window that starts at or after that token:
-        nothing is served twice. Skipped: less than one new window at the cut, and the new windows in the tails of
-        the shards already read, which the old windows never reached either (fewer tokens than one old window per
-        shard).
-        A run moved from an 80 GB to a 40 GB GPU halves --batch-size and keeps its place in the data.
-        That holds where both read each shard's windows in order. Where either shuffles them, the old windows served
-        from the shard being read are scattered over it, and none of it can be served without risking a token
-        twice: the new position is the next shard's first window (skipped: the rest of that one shard, whose old
-        windows not yet served are counted in resume_skipped, in tokens; none where the cut fell between shards)."""
+        """The global window of this loader's grid at which to go on after `served` windows of old_b * T tokens: the
+        first new window at or after the old cut, in the same shard order, so none is served twice. Where either side
+        shuffles windows within a shard, it is the next shard's first; resume_skipped counts the tokens that skips.
+        Details: docs/fineweb.md."""
         old = self._windows_per_shard(old_b)
         if not old.sum():
             raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b} leaves no window of "
@@ -466,7 +440,7 @@ class FinewebConfig:
     @property
     def val_target(self) -> int:
         """The size of a full val shard: --val-tokens, or its default for the source (-1). A source that ends before
-        a default-sized val shard leaves a train token gets the 10% rule instead (see write_dataset)."""
+        a default-sized val shard leaves a train token gets the 10% rule instead (see ShardWriter.finish)."""
         if self.val_tokens != -1:
             return self.val_tokens
         return {"shakespeare": 32_768, "stdlib": 2**18}.get(source_kind(self.source), self.shard_size)  # ~10%, ~6%
@@ -619,14 +593,10 @@ def _parquet_rows(pq: Any, file: Path) -> int | None:
 
 def read_rows(cfg: FinewebConfig, files: list[Path] | None,
               counts: PartCounts | None = None) -> Iterator[tuple[dict[str, Any], str, int]]:
-    """The source's rows (dicts) in a fixed order, each with where it came from ('FILE of --source S', or
-    '--source S') and the index of its part, always through `datasets.load_dataset`, so every source is read the same
-    way. Streamed, a source of several files (local, or a hub dataset's parquet files) comes in parts, a file each,
-    in order, and reading starts at the part `counts` names: a resumed run skips whole files without downloading
-    them.
-    Local .txt files: one row per whole file by default (--txt-unit); stdlib: one row per .py file. An error
-    `datasets` raises while reading becomes one DataError line naming the file (streaming) or --source, and the root
-    cause."""
+    """The source's rows (dicts) in a fixed order, each with where it came from and its part's index, all read through
+    `datasets.load_dataset`. Streamed, a source of several files comes in parts, a file each, and reading starts at
+    the part `counts` names, so a resume skips whole files unread. A read error becomes one DataError line naming the
+    file (streaming) or --source, and the root cause."""
     import datasets  # lazily: the loader above must import on machines without `datasets`
     import pyarrow
 
@@ -690,12 +660,9 @@ def documents(rows: Iterable[tuple[dict[str, Any], str, int]], cfg: FinewebConfi
 
 
 class PartCounts:
-    """How many documents each part of the source (a file, see read_rows) holds, learnt as parts are read whole and
-    kept beside the shards in PREFIX_parts.json, so that a resumed run can start reading at the part that holds the
-    documents it must see again instead of reading (downloading) the source from its start. The record counts only
-    for the same settings, local input files, way of reading (--streaming) and number of parts. Local files edited
-    since are caught by their fingerprint in the record (other_input: every shard is written again), a
-    hub source that changed by the check of the last kept documents' tokens (_skip_tokens)."""
+    """How many documents each part of the source (a file, see read_rows) holds, kept in PREFIX_parts.json as parts
+    are read whole, so a resume starts reading at the part that holds its first missing document. It counts only for
+    the same settings, input files, --streaming and number of parts (docs/fineweb.md)."""
 
     def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, skip: int):
         self.path = Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_parts.json"
@@ -763,12 +730,9 @@ class PartCounts:
 
 
 def _pool_worker_init(parent: int | None) -> None:
-    """A forked worker inherits its parent's signal handlers; a pool stops its workers with SIGTERM, so one that
-    caught it (a handler like train.py's, set by an in-process caller) could keep the pool from closing. On Linux the
-    worker also asks for SIGTERM when its parent dies: a writer killed outright (the OOM killer, kill -9) runs no
-    shutdown, and its workers would otherwise sleep forever on a queue nobody feeds. `parent` is the writer's pid
-    when it forked the worker itself (the 'fork' start method), else None: a forkserver's worker is the server's
-    child, and ends with it, which ends with the writer."""
+    """Restore SIGTERM's default (an inherited handler could keep the pool from closing) and, on Linux, ask for
+    SIGTERM when the parent dies, so a writer killed outright leaves no worker behind (docs/fineweb.md). `parent`:
+    the writer's pid when it forked the worker itself, else None."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         import ctypes
@@ -800,9 +764,8 @@ def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
 
 @contextlib.contextmanager
 def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
-    """Processes that tokenize (None for one worker: the caller's own process does). A ProcessPoolExecutor rather
-    than a multiprocessing.Pool: when a worker dies (the OOM killer), a Pool quietly replaces it and the chunk it held
-    never comes back, so the writer would wait forever; the executor fails every pending chunk instead."""
+    """Processes that tokenize (None for one worker: the caller's own process does). An executor, not a Pool: when a
+    worker dies, a Pool replaces it and its chunk never comes back; the executor fails every pending chunk instead."""
     if workers <= 1:
         yield None
         return
@@ -819,11 +782,8 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
 
 def token_stream(docs: Iterable[str], pool: ProcessPoolExecutor | None, workers: int,
                  chunk: int = 16) -> Iterator[np.ndarray]:
-    """Tokens of `docs` in order, tokenized in chunks of `chunk` documents by the pool's processes (or here if None).
-
-    Executor.map would pull the whole (streamed, 10B-token) source into its task queue as fast as it can be read; a
-    window of 4 chunks per worker in flight keeps every core busy with bounded memory.
-    """
+    """Tokens of `docs` in order, tokenized in chunks of `chunk` documents by the pool's processes (or here if None),
+    4 chunks per worker in flight: Executor.map would queue the whole streamed source."""
     if pool is None:
         yield from map(tokenize, _batched(docs, chunk))
         return
@@ -847,11 +807,9 @@ def shard_path(cfg: FinewebConfig, index: int) -> Path:
 
 
 def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
-    """What an earlier (interrupted) run left: complete shards are those that validate and are full (val_target,
-    then shard_size tokens), in order from shard 0. Every document starts with EOT, so counting EOTs tells how many
-    documents they hold. Returns (complete shards, their tokens, documents started, tokens of the last two started:
-    the resume compares them with what the source gives, and one alone may be a lone EOT, which any document
-    matches)."""
+    """What an interrupted run left: (complete shards, their tokens, documents started, tokens of the last two
+    documents started, which the resume compares with the source). Complete shards validate and are full, in order
+    from shard 0."""
     kept, total, docs = 0, 0, 0
     last: list[np.ndarray] = []  # tokens from the last EOT on, possibly spread over shards
     tail: list[np.ndarray] = []  # tokens from the EOT before it on
@@ -875,7 +833,7 @@ def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
             tail, last = [*last, tokens], [tokens[eots[0]:]]
         else:
             tail, last = [*tail, tokens], [*last, tokens]
-        docs += len(eots)
+        docs += len(eots)  # each document opens with EOT
         total += len(tokens)
         kept += 1
     return kept, total, docs, np.concatenate(tail) if tail else np.zeros(0, np.uint16)
