@@ -996,122 +996,178 @@ def bench_hellaswag(cfg: BenchConfig) -> list[dict[str, Any]]:
 # Output
 
 
-def _num(v: Any, fmt: str) -> str:
-    return "n/a" if v is None else format(v, fmt)
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a table: its header and width, and its cell as format(row[key], spec) + suffix, or cell(row).
+    A cell that raises KeyError is left blank: a skipped or failed row has its labels but no measurements."""
+
+    header: str
+    width: int
+    key: str = ""
+    spec: str = ""
+    suffix: str = ""
+    none: str | None = None  # the text of a None value, where None is expected (MFU without a known peak)
+    cell: Callable[[Row], str] | None = None
+
+    def text(self, row: Row) -> str:
+        try:
+            if self.cell is not None:
+                return self.cell(row)
+            value = row[self.key]
+        except KeyError:
+            return ""
+        return self.none if value is None and self.none is not None else format(value, self.spec) + self.suffix
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table of the printout: the result's rows it shows, its title (from the config and its first row), its
+    columns (a tuple, or built from the first row) and the lines printed after it."""
+
+    rows: Callable[[dict[str, Any]], list[Row]]
+    title: Callable[[dict[str, Any], Row], str]
+    columns: tuple[Column, ...] | Callable[[Row], tuple[Column, ...]]
+    after: Callable[[list[Row]], list[str]] = lambda rows: []
+
+
+def _kernel_rows(keep: Callable[[Row], bool]) -> Callable[[dict[str, Any]], list[Row]]:
+    return lambda result: [r for r in result.get("kernel", []) if keep(r)]
+
+
+def _matmul_bound(rows: list[Row]) -> list[str]:
+    step = next((r for r in rows if r["pass"] == "step"), None)
+    if not step:
+        return []
+    return [f"GPT-2 124M's matmuls alone bound its micro-step to {step['ms']:.1f} ms: at most "
+            f"{step['tok_per_s_bound']:,.0f} tokens/s for GPT-2 124M at these rates, before attention and "
+            "everything else"]
+
+
+def _peak_mem(rows: list[Row]) -> list[str]:
+    ok = [r for r in rows if r.get("status") == "ok"]
+    return [f"peak mem: {ok[0]['mem_metric']}"] if any(r["peak_mem_bytes"] is not None for r in ok) else []
+
+
+def _on_cuda(first: Row) -> bool:
+    """Whether a breakdown table is in CUDA kernel time (% of ms/step) or CPU op time (% of the profiled wall)."""
+    return first["breakdown"]["source"] == "cuda kernels"
+
+
+def _breakdown_title(cfg: dict[str, Any], first: Row) -> str:
+    return (f"where the step's time goes: one profiled step per row, {first['breakdown']['source']} by name "
+            "(bench.STEP_PARTS); " + (
+                "% of the row's ms/step; busy = time with a kernel running (the buckets may add up to more where two "
+                "streams overlap), idle = ms/step - busy: the GPU waiting for the host" if _on_cuda(first) else
+                "% of the profiled step's wall time (the profiler slows CPU ops); busy = the recorded ops' self time "
+                "(a compiled graph's own C++ kernels count as its 'Call CompiledFxGraph' range, in other), rest = "
+                "wall - busy: Python and the profiler"))
+
+
+def _breakdown_columns(first: Row) -> tuple[Column, ...]:
+    cuda = _on_cuda(first)
+
+    def step_ms(r: Row) -> float:  # kernel times hardly change under the profiler, op times do
+        return r["ms_per_step"] if cuda else r["breakdown"]["wall_ms"]
+
+    def pct(ms: Callable[[Row], float]) -> Callable[[Row], str]:
+        return lambda r: f"{100 * ms(r) / step_ms(r):.0f}%"
+
+    parts = [Column(p[:9], max(len(p[:9]), 5), cell=pct(lambda r, p=p: r["breakdown"]["parts_ms"][p]))
+             for p in first["breakdown"]["parts_ms"]]
+    return (Column("variant", 23, "name"), Column("step ms", 8, cell=lambda r: f"{step_ms(r):.1f}"),
+            Column("busy", 5, cell=pct(lambda r: r["breakdown"]["busy_ms"])), *parts,
+            Column("idle" if cuda else "rest", 5, cell=pct(lambda r: max(step_ms(r) - r["breakdown"]["busy_ms"], 0.0))))
+
+
+def _costliest(rows: list[Row]) -> list[str]:
+    first = next((r for r in rows if r["name"] == "compile"), rows[0])
+    return [f"\nthe costliest kernels of {first['name']}'s step (ms in one step, calls, bucket, name):",
+            *(f"{k['ms']:9.3f} {k['calls']:5d}  {k['part']:<9}  {k['name'][:90]}"
+              for k in first["breakdown"]["top"][:10])]
+
+
+BANDWIDTH = (Column("impl", 18, cell=lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
+             Column("pass", 8, "pass"), Column("ms", 9, "ms", ".3f"), Column("GB/s", 8, "gb_per_s", ".1f"),
+             Column("% copy", 7, "pct_copy", ".0f", "%"))
+
+# The printout, table by table in this order; a table with no rows is left out.
+TABLES = (
+    Table(_kernel_rows(lambda r: r["name"] == "matmul"),
+          lambda cfg, r: f"matmul: {r['dtype']} rates, 2mkn FLOPs, % of model.py's peak; GPT-2 124M's matmuls as "
+                         f"nn.Linear runs them, x count per micro-step; step = their sum; median of {cfg['steps']}",
+          (Column("matmul", 18, "layer"), Column("pass", 7, "pass"),
+           Column("count", 5, cell=lambda r: str(r["count"] or "")), Column("ms", 9, "ms", ".3f"),
+           Column("TFLOP/s", 8, "tflops", ".1f"),
+           Column("% peak", 7, "pct_peak", ".0f", "%", none="n/a")),
+          _matmul_bound),
+    Table(_kernel_rows(lambda r: r["name"] != "matmul" and r.get("op") != "cross-entropy"),
+          lambda cfg, r: f"kernel: bias+GELU on ({r['rows']}, {r['cols']}) {r['dtype']}; GB/s counts the bytes a fused "
+                         f"kernel must move (fwd 2MN+N, bwd 3MN+2N elements); median of {cfg['steps']}",
+          BANDWIDTH),
+    Table(_kernel_rows(lambda r: r.get("op") == "cross-entropy"),
+          lambda cfg, r: f"kernel: cross-entropy loss and logits' gradient on ({r['rows']}, {r['cols']}) {r['dtype']} "
+                         "logits; GB/s counts the bytes a fused kernel must move (read the logits, write the gradient: "
+                         f"2NV elements); median of {cfg['steps']}",
+          BANDWIDTH),
+    Table(lambda result: result.get("decode") or [],
+          lambda cfg, r: f"decode: random {r['model']} ({r.get('params', 0) / 1e6:.1f}M) fp32, greedy, batch 1, prompt "
+                         f"{r['prompt']} tokens, prefill included; same = same tokens as ours kv-cache; "
+                         "distinct = different token ids among them",
+          (Column("impl", 26, "name"), Column("new", 5, "new_tokens"), Column("tok/s", 9, "tok_per_s", ".1f"),
+           Column("ms/tok", 8, "ms_per_token", ".2f"),
+           Column("same", 5, cell=lambda r: "ref" if r["same_tokens"] is None else str(r["same_tokens"]).lower()),
+           Column("distinct", 8, "distinct_tokens"))),
+    Table(lambda result: result.get("hellaswag") or [],
+          lambda cfg, r: f"hellaswag: evaluate() on {cfg['hellaswag_examples']} synthetic examples, random "
+                         f"{r['model']} ({r.get('params', 0) / 1e6:.1f}M), tokenization included",
+          (Column("batch", 6, "batch_size"), Column("examples/s", 10, "examples_per_sec", ".1f"),
+           Column("tokenizer", 10, "tokenizer"))),
+    Table(lambda result: result.get("train") or [],
+          lambda cfg, r: f"train: {cfg['model']}, T={cfg['seq_len']}, train.train_step on device-resident random "
+                         "tokens (+loop rows: TokenLoader batches and a per-step .item()); median of "
+                         f"{cfg['steps']} steps after {cfg['warmup']} warmup",
+          (Column("variant", 23, "name"), Column("B", 4, "batch_size"), Column("accum", 5, "grad_accum"),
+           Column("dtype", 8, "dtype"), Column("tok/step", 9, "tokens_per_step", ","),
+           Column("ms/step", 9, "ms_per_step", ".1f"), Column("tok/s", 10, "tok_per_s", ",.0f"),
+           Column("MFU", 6, "mfu", ".1%", none="n/a"),
+           Column("peak mem", 9, cell=lambda r: f"{r['peak_mem_bytes'] / 2**30:.2f}G"),
+           Column("warmup", 7, "warmup_s", ".0f", "s"), Column("loss", 6, "loss", ".3f"),
+           Column("dloss", 8, cell=lambda r: "n/a" if r.get("loss_delta") is None else f"{r['loss_delta']:+.4f}"),
+           Column("attn", 9, "attention")),
+          _peak_mem),
+    Table(lambda result: [r for r in result.get("train") or [] if r.get("status") == "ok" and r.get("breakdown")],
+          _breakdown_title, _breakdown_columns, _costliest),
+)
+
+
+def render(table: Table, cfg: dict[str, Any], rows: list[Row]) -> list[str]:
+    """A table's lines: a blank line, its title, the header, one line per row with its status, the lines after it."""
+    columns = table.columns(rows[0]) if callable(table.columns) else table.columns
+
+    def line(cells: list[str]) -> str:  # first column left-aligned, numbers right-aligned
+        return "  ".join(f"{c:>{col.width}}" if i else f"{c:<{col.width}}"
+                         for i, (c, col) in enumerate(zip(cells, columns, strict=True)))
+
+    out = ["", table.title(cfg, rows[0]), line([col.header for col in columns]) + "  status"]
+    for r in rows:
+        status = r.get("status", "?") + (f": {r['reason']}" if r.get("reason") else "")
+        note = f" ({r['note']})" if r.get("note") else ""
+        out.append(line([col.text(r) for col in columns]) + "  " + status + note)
+    return out + table.after(rows)
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The rows of every suite that ran as fixed-width text; skipped and failed rows carry their reason."""
+    """The rows of every suite that ran as fixed-width text (TABLES); skipped and failed rows carry their reason."""
     prov, cfg = result["provenance"], result["config"]
     out = [f"bench.py on {prov['device']} | torch {prov['torch']} | triton {prov['triton']} | cuda {prov['cuda']} | "
            f"python {prov['python']} | git {str(prov['git_sha'])[:10]}{' (dirty)' if prov['git_dirty'] else ''}"]
-
-    def line(cells: list[str], widths: list[int]) -> str:  # first column left-aligned, numbers right-aligned
-        return "  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
-
-    def section(title: str, rows: list[dict], cols: list[tuple[str, int, Callable[[dict], str]]]) -> None:
-        widths = [w for _, w, _ in cols]
-        out.extend(["", title, line([h for h, _, _ in cols], widths) + "  status"])
-        for r in rows:
-            cells = []
-            for _, _, f in cols:
-                try:
-                    cells.append(f(r))
-                except KeyError:  # a skipped or failed row has its labels but no measurements
-                    cells.append("")
-            status = r.get("status", "?") + (f": {r['reason']}" if r.get("reason") else "")
-            out.append(line(cells, widths) + "  " + status + (f" ({r['note']})" if r.get("note") else ""))
-
-    matmuls = [r for r in result.get("kernel", []) if r["name"] == "matmul"]
-    if matmuls:
-        section(f"matmul: {matmuls[0]['dtype']} rates, 2mkn FLOPs, % of model.py's peak; GPT-2 124M's matmuls as "
-                f"nn.Linear runs them, x count per micro-step; step = their sum; median of {cfg['steps']}", matmuls,
-                [("matmul", 18, lambda r: r["layer"]), ("pass", 7, lambda r: r["pass"]),
-                 ("count", 5, lambda r: str(r["count"] or "")), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
-                 ("TFLOP/s", 8, lambda r: f"{r['tflops']:.1f}"),
-                 ("% peak", 7, lambda r: "n/a" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}%")])
-        step = next((r for r in matmuls if r["pass"] == "step"), None)
-        if step:
-            out.append(f"GPT-2 124M's matmuls alone bound its micro-step to {step['ms']:.1f} ms: at most "
-                       f"{step['tok_per_s_bound']:,.0f} tokens/s for GPT-2 124M at these rates, before attention and "
-                       "everything else")
-    bandwidth_cols = [("impl", 18, lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
-                      ("pass", 8, lambda r: r["pass"]), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
-                      ("GB/s", 8, lambda r: f"{r['gb_per_s']:.1f}"),
-                      ("% copy", 7, lambda r: f"{r['pct_copy']:.0f}%")]
-    kernels = [r for r in result.get("kernel", []) if r["name"] != "matmul" and r.get("op") != "cross-entropy"]
-    if kernels:
-        k = kernels[0]
-        section(f"kernel: bias+GELU on ({k['rows']}, {k['cols']}) {k['dtype']}; GB/s counts the bytes a fused kernel "
-                f"must move (fwd 2MN+N, bwd 3MN+2N elements); median of {cfg['steps']}", kernels, bandwidth_cols)
-    losses = [r for r in result.get("kernel", []) if r.get("op") == "cross-entropy"]
-    if losses:
-        k = losses[0]
-        section(f"kernel: cross-entropy loss and logits' gradient on ({k['rows']}, {k['cols']}) {k['dtype']} logits; "
-                f"GB/s counts the bytes a fused kernel must move (read the logits, write the gradient: 2NV elements); "
-                f"median of {cfg['steps']}", losses, bandwidth_cols)
-    if result.get("decode"):
-        d = result["decode"][0]
-        section(f"decode: random {d['model']} ({d.get('params', 0) / 1e6:.1f}M) fp32, greedy, batch 1, prompt "
-                f"{d['prompt']} tokens, prefill included; same = same tokens as ours kv-cache; "
-                f"distinct = different token ids among them", result["decode"],
-                [("impl", 26, lambda r: r["name"]), ("new", 5, lambda r: str(r["new_tokens"])),
-                 ("tok/s", 9, lambda r: f"{r['tok_per_s']:.1f}"), ("ms/tok", 8, lambda r: f"{r['ms_per_token']:.2f}"),
-                 ("same", 5, lambda r: "ref" if r["same_tokens"] is None else str(r["same_tokens"]).lower()),
-                 ("distinct", 8, lambda r: str(r["distinct_tokens"]))])
-    if result.get("hellaswag"):
-        h = result["hellaswag"][0]
-        section(f"hellaswag: evaluate() on {cfg['hellaswag_examples']} synthetic examples, random {h['model']} "
-                f"({h.get('params', 0) / 1e6:.1f}M), tokenization included", result["hellaswag"],
-                [("batch", 6, lambda r: str(r["batch_size"])),
-                 ("examples/s", 10, lambda r: f"{r['examples_per_sec']:.1f}"),
-                 ("tokenizer", 10, lambda r: r["tokenizer"])])
-    if result.get("train"):
-        section(f"train: {cfg['model']}, T={cfg['seq_len']}, train.train_step on device-resident random tokens "
-                f"(+loop rows: TokenLoader batches and a per-step .item()); median of {cfg['steps']} steps after "
-                f"{cfg['warmup']} warmup", result["train"],
-                [("variant", 23, lambda r: r["name"]), ("B", 4, lambda r: str(r["batch_size"])),
-                 ("accum", 5, lambda r: str(r["grad_accum"])), ("dtype", 8, lambda r: r["dtype"]),
-                 ("tok/step", 9, lambda r: f"{r['tokens_per_step']:,}"),
-                 ("ms/step", 9, lambda r: f"{r['ms_per_step']:.1f}"), ("tok/s", 10, lambda r: f"{r['tok_per_s']:,.0f}"),
-                 ("MFU", 6, lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"),
-                 ("peak mem", 9, lambda r: f"{r['peak_mem_bytes'] / 2**30:.2f}G"),
-                 ("warmup", 7, lambda r: f"{r['warmup_s']:.0f}s"), ("loss", 6, lambda r: f"{r['loss']:.3f}"),
-                 ("dloss", 8, lambda r: "n/a" if r.get("loss_delta") is None else f"{r['loss_delta']:+.4f}"),
-                 ("attn", 9, lambda r: r["attention"])])
-        if any(r.get("status") == "ok" and r["peak_mem_bytes"] is not None for r in result["train"]):
-            out.append(f"peak mem: {next(r['mem_metric'] for r in result['train'] if r.get('status') == 'ok')}")
-        profiled = [r for r in result["train"] if r.get("status") == "ok" and r.get("breakdown")]
-        if profiled:
-            parts = list(profiled[0]["breakdown"]["parts_ms"])
-            cuda = profiled[0]["breakdown"]["source"] == "cuda kernels"
-
-            def step_ms(r: dict[str, Any]) -> float:  # kernel times hardly change under the profiler, op times do
-                return r["ms_per_step"] if cuda else r["breakdown"]["wall_ms"]
-
-            def pct(r: dict[str, Any], ms: float) -> str:
-                return f"{100 * ms / step_ms(r):.0f}%"
-
-            section(f"where the step's time goes: one profiled step per row, {profiled[0]['breakdown']['source']} "
-                    "by name (bench.STEP_PARTS); " + (
-                        "% of the row's ms/step; busy = time with a kernel running (the buckets may add up to more "
-                        "where two streams overlap), idle = ms/step - busy: the GPU waiting for the host" if cuda else
-                        "% of the profiled step's wall time (the profiler slows CPU ops); busy = the recorded ops' "
-                        "self time (a compiled graph's own C++ kernels count as its 'Call CompiledFxGraph' range, in "
-                        "other), rest = wall - busy: Python and the profiler"),
-                    profiled,
-                    [("variant", 23, lambda r: r["name"]), ("step ms", 8, lambda r: f"{step_ms(r):.1f}"),
-                     ("busy", 5, lambda r: pct(r, r["breakdown"]["busy_ms"])),
-                     *[(p[:9], max(len(p[:9]), 5), lambda r, p=p: pct(r, r["breakdown"]["parts_ms"][p]))
-                       for p in parts],
-                     ("idle" if cuda else "rest", 5,
-                      lambda r: pct(r, max(step_ms(r) - r["breakdown"]["busy_ms"], 0.0)))])
-            first = next((r for r in profiled if r["name"] == "compile"), profiled[0])
-            out.append(f"\nthe costliest kernels of {first['name']}'s step (ms in one step, calls, bucket, name):")
-            out.extend(f"{k['ms']:9.3f} {k['calls']:5d}  {k['part']:<9}  {k['name'][:90]}"
-                       for k in first["breakdown"]["top"][:10])
-    for name, err in result.get("errors", {}).items():
-        out.append(f"\n{name}: failed: {err}")
+    for table in TABLES:
+        if rows := table.rows(result):
+            out += render(table, cfg, rows)
+    out += [f"\n{name}: failed: {err}" for name, err in result.get("errors", {}).items()]
     return "\n".join(out)
 
 
