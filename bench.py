@@ -355,99 +355,128 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     cfg = resolve(cfg)
     device = torch.device(cfg.device)
     tcfg = train_config(cfg, variant)
-    if tcfg.fused_gelu and not (device.type == "cuda" and triton_available()):
-        raise Skipped("the fused bias+GELU kernel needs CUDA and triton (elsewhere the MLP uses the reference)")
-    if tcfg.fused_ce and not (device.type == "cuda" and fused_ce.triton_available()):
-        raise Skipped("the fused cross-entropy kernel needs CUDA and triton (elsewhere the loss uses the reference)")
-    if tcfg.compile and (why := train.cuda_graph_conflict(tcfg, cfg.grad_accum, device)):
-        raise Skipped(why)  # train.py refuses it too
-    if why := train.attention_conflict(tcfg, device):
-        raise Skipped(why)  # likewise
+    refuse(tcfg, cfg.grad_accum, device)
     B, T, accum = tcfg.batch_size, tcfg.seq_len, cfg.grad_accum
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rss_before = max_rss_bytes()
 
+    # build: train.py's own builder (compiled; inside DDP when a process group exists, as in the ddp rows). It sets
+    # each row's attention kernel, so one row's choice does not leak into the next
     torch.manual_seed(cfg.seed)
     raw = GPT(train.model_config(tcfg)).to(device)
-    # train.py's own builder: compiled, and inside DDP when a process group exists (only in the ddp rows); every row
-    # sets the attention kernel, so a row's choice does not leak into the next
     built = train.build_trainable(raw, tcfg, device, bool(tcfg.compile), verbose=False)
-    model, optimizer, scaler, dtype, autocast = built.model, built.optimizer, built.scaler, built.dtype, built.autocast
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     losses: list[torch.Tensor] = []
     with tempfile.TemporaryDirectory() as tmp:
-        if variant.loop:
-            next_batch = shard_loader(Path(tmp), tcfg, device, accum, gen).next_batch
-        else:
-            tokens = torch.randint(0, GPT2_VOCAB, (accum, B, T + 1), generator=gen, device=device)
-            xs, ys = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()  # (accum, B, T), like the loader's
-            micro = 0
-
-            def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-                nonlocal micro
-                micro = (micro + 1) % accum
-                return xs[micro], ys[micro]
+        next_batch = (shard_loader(Path(tmp), tcfg, device, accum, gen).next_batch if variant.loop
+                      else resident_batches(tcfg, accum, gen, device))
 
         def step() -> None:
-            loss, norm = train.train_step(model, optimizer, next_batch, accum, autocast, tcfg.grad_clip,
-                                          tcfg.label_smoothing, scaler)
+            loss, norm = train.train_step(built.model, built.optimizer, next_batch, accum, built.autocast,
+                                          tcfg.grad_clip, tcfg.label_smoothing, built.scaler)
             losses.append(loss)  # no .item() unless the variant is train.py's loop: it waits for the GPU
             if variant.loop:
                 loss.item(), norm.item()
 
-        t0 = time.perf_counter()
-        for _ in range(cfg.warmup):
-            step()
-        sync(device)
-        warmup_s = time.perf_counter() - t0
-        ms = time_ms(step, device, cfg.steps)
-        # one more, untimed step under the profiler; a CUDA graph's replay launches kernels without the aten ops the
-        # profiler names, so the graph modes get neither the attention kernel nor the breakdown
-        attention, breakdown, ms_after, launch = "n/a (graph)", None, None, None
-        if not cfg.profile:
-            attention = "n/a (--profile false)"
-        elif not train.uses_cuda_graphs(tcfg, device):
-            launch_before = launch_us(device)
-            try:
-                trace = None
-                if variant.name == cfg.trace_variant:  # a name the device runner returns: letters, digits, . _ -
-                    trace = Path(cfg.out).parent / f"trace_{re.sub(r'[^A-Za-z0-9._-]', '_', variant.name)}.json.gz"
-                attention, breakdown = profile_step(step, device, trace)
-            except Exception as e:  # a diagnostic: a profiler that fails (CUPTI) must not cost the row its timing
-                attention = f"n/a (profiler: {reason(e)[:60]})"
-            # CUPTI left active after a CUDA profile has slowed later work by 10-20% (pytorch issue 144455): time a
-            # few steps again (the first, untimed, takes any teardown cost), and the host's cost of a kernel launch,
-            # which a GPU-bound step would hide; a row slower after its profile says so instead of skewing the rows
-            # after it
-            ms_after = statistics.median(time_ms(step, device, max(3, min(cfg.steps, 5)), warmup=1))
-            launch = (launch_before, launch_us(device))
-    # the last timed step's loss: the profile and the steps timed after it run in some rows but not in CUDA-graph
-    # rows. dloss compares an early step's loss instead: every row overfits one batch of random tokens at the full
-    # learning rate, where AdamW's normalized updates amplify bf16 rounding: after 30 steps on an H200 the rows were
-    # 0.2 nats apart, two that ran the same graph 0.04, while after DLOSS_STEP they agree to 1e-4 (docs/benchmarks.md)
+        # time, then profile one more step
+        warmup_s, ms = time_steps(step, device, cfg)
+        probe = profile_row(step, cfg, tcfg, variant.name, device)
+
+    # the row
+    loss, loss_early = read_losses(losses, cfg)
+    median = statistics.median(ms)
+    tok_s = B * T * accum / (median / 1000)
+    peak_mem, mem_metric = peak_memory(device, rss_before)
+    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None  # None: model.py's table
+    note = profiler_note(median, probe["ms_after_profile"], device, probe["launch_us_before_after_profile"])
+    return {
+        "batch_size": B, "seq_len": T, "grad_accum": accum, "dtype": str(built.dtype).removeprefix("torch."),
+        "tokens_per_step": B * T * accum, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
+        "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak),
+        "peak_mem_bytes": peak_mem, "mem_metric": mem_metric, "warmup_s": warmup_s,
+        "loss": loss, "loss_early": loss_early,
+        **probe,  # attention, breakdown, ms_after_profile, launch_us_before_after_profile
+        **({"note": note} if note else {}),
+        "params": raw.num_params(), "module": type(built.model).__name__,  # GPT, OptimizedModule (compiled) or DDP's
+    }
+
+
+def refuse(tcfg: train.TrainConfig, accum: int, device: torch.device) -> None:
+    """Raise Skipped where this machine cannot run the variant, or where train.py would refuse it too."""
+    if tcfg.fused_gelu and not (device.type == "cuda" and triton_available()):
+        raise Skipped("the fused bias+GELU kernel needs CUDA and triton (elsewhere the MLP uses the reference)")
+    if tcfg.fused_ce and not (device.type == "cuda" and fused_ce.triton_available()):
+        raise Skipped("the fused cross-entropy kernel needs CUDA and triton (elsewhere the loss uses the reference)")
+    if tcfg.compile and (why := train.cuda_graph_conflict(tcfg, accum, device)):
+        raise Skipped(why)
+    if why := train.attention_conflict(tcfg, device):
+        raise Skipped(why)
+
+
+def resident_batches(tcfg: train.TrainConfig, accum: int, gen: torch.Generator,
+                     device: torch.device) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """next_batch over accum micro-batches of random tokens already on the device: the step without data loading."""
+    tokens = torch.randint(0, GPT2_VOCAB, (accum, tcfg.batch_size, tcfg.seq_len + 1), generator=gen, device=device)
+    xs, ys = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()  # (accum, B, T), like the loader's
+    micro = 0
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal micro
+        micro = (micro + 1) % accum
+        return xs[micro], ys[micro]
+
+    return next_batch
+
+
+def time_steps(step: Callable[[], None], device: torch.device, cfg: BenchConfig) -> tuple[float, list[float]]:
+    """The seconds of cfg.warmup untimed steps (compilation happens there), then the ms of each of cfg.steps."""
+    t0 = time.perf_counter()
+    for _ in range(cfg.warmup):
+        step()
+    sync(device)
+    return time.perf_counter() - t0, time_ms(step, device, cfg.steps)
+
+
+def profile_row(step: Callable[[], None], cfg: BenchConfig, tcfg: train.TrainConfig, name: str,
+                device: torch.device) -> dict[str, Any]:
+    """A row's attention kernel and breakdown from one more, untimed step under the profiler; then a few steps timed
+    again and the launch cost before and after, which show a profiler that slowed what follows (docs/benchmarks.md)."""
+    probe: dict[str, Any] = {"attention": "n/a (graph)", "breakdown": None, "ms_after_profile": None,
+                             "launch_us_before_after_profile": None}
+    if not cfg.profile:
+        return {**probe, "attention": "n/a (--profile false)"}
+    if train.uses_cuda_graphs(tcfg, device):  # a graph replay launches kernels without the aten ops the profiler names
+        return probe
+    launch_before = launch_us(device)
+    try:
+        trace = None
+        if name == cfg.trace_variant:  # a name the device runner returns: letters, digits, . _ -
+            trace = Path(cfg.out).parent / f"trace_{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.json.gz"
+        probe["attention"], probe["breakdown"] = profile_step(step, device, trace)
+    except Exception as e:  # a diagnostic: a profiler that fails (CUPTI) must not cost the row its timing
+        probe["attention"] = f"n/a (profiler: {reason(e)[:60]})"
+    # the first of these steps, untimed, takes any teardown cost
+    probe["ms_after_profile"] = statistics.median(time_ms(step, device, max(3, min(cfg.steps, 5)), warmup=1))
+    probe["launch_us_before_after_profile"] = (launch_before, launch_us(device))
+    return probe
+
+
+def read_losses(losses: list[torch.Tensor], cfg: BenchConfig) -> tuple[float, float]:
+    """The last timed step's loss (CUDA-graph rows run no steps after it), and dloss's at DLOSS_STEP, where the rows
+    still agree to bf16 noise (docs/benchmarks.md, 'Correctness on the GPU'). Raises where either is not finite."""
     loss = losses[cfg.warmup + cfg.steps - 1].item()
     loss_early = losses[min(DLOSS_STEP, cfg.warmup + cfg.steps) - 1].item()
     if not (math.isfinite(loss) and math.isfinite(loss_early)):  # a step that diverged is not worth timing
         raise FloatingPointError(f"loss is {loss} after {len(losses)} steps")
-    median = statistics.median(ms)
-    tokens_per_step = B * T * accum
-    tok_s = tokens_per_step / (median / 1000)
+    return loss, loss_early
+
+
+def peak_memory(device: torch.device, rss_before: int) -> tuple[int, str]:
+    """The row's peak memory in bytes, and what that number measures."""
     if device.type == "cuda":
-        peak, mem_metric = torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
-    else:
-        peak, mem_metric = max_rss_bytes() - rss_before, "peak RSS growth (0 if an earlier row peaked higher)"
-    peak_flops = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None
-    return {
-        "batch_size": B, "seq_len": T, "grad_accum": accum, "dtype": str(dtype).removeprefix("torch."),
-        "tokens_per_step": tokens_per_step, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
-        "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak_flops),
-        "peak_mem_bytes": peak, "mem_metric": mem_metric, "warmup_s": warmup_s, "loss": loss, "loss_early": loss_early,
-        "attention": attention,
-        "breakdown": breakdown, "ms_after_profile": ms_after, "launch_us_before_after_profile": launch,
-        **({"note": note} if (note := profiler_note(median, ms_after, device, launch)) else {}),
-        "params": raw.num_params(), "module": type(model).__name__,  # GPT, OptimizedModule (compiled) or DDP's
-    }
+        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
+    return max_rss_bytes() - rss_before, "peak RSS growth (0 if an earlier row peaked higher)"
 
 
 # Where a profiled step's time goes, by the names of its CUDA kernels (or, on CPU, of its aten ops): the first bucket
