@@ -117,6 +117,14 @@ class BenchConfig:
     hellaswag_examples: int = 256  # synthetic examples per timed evaluation
 
     def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_sizes()
+        impls = [s for s in self.kernel_impls.split(",") if s]
+        if not impls or set(impls) - {"eager", "compile", "triton"}:
+            raise ValueError(f"--kernel-impls must be a comma list of eager, compile, triton; got "
+                             f"{self.kernel_impls!r}")
+
+    def _check_choices(self) -> None:
         if self.dtype not in (allowed := ("auto", "bf16", "fp16", "fp32")):
             raise ValueError(f"--dtype must be one of {', '.join(allowed)}; got {self.dtype!r}")
         suites = self.suites()
@@ -129,6 +137,8 @@ class BenchConfig:
                                  f"got {getattr(self, name)!r}")
         if self.decode_model not in MODEL_PRESETS:
             raise ValueError(f"--decode-model must be one of {', '.join(MODEL_PRESETS)}; got {self.decode_model!r}")
+
+    def _check_sizes(self) -> None:
         for name in ("steps", "grad_accum", "kernel_cols", "decode_prompt", "hellaswag_examples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
@@ -148,10 +158,6 @@ class BenchConfig:
         if self.decode_prompt + max(self.decode_tokens) > 1024:
             raise ValueError(f"--decode-prompt + the largest --decode-tokens must fit GPT-2's 1024 positions; got "
                              f"{self.decode_prompt} + {max(self.decode_tokens)}")
-        impls = [s for s in self.kernel_impls.split(",") if s]
-        if not impls or set(impls) - {"eager", "compile", "triton"}:
-            raise ValueError(f"--kernel-impls must be a comma list of eager, compile, triton; got "
-                             f"{self.kernel_impls!r}")
 
     def suites(self) -> tuple[str, ...]:
         """The suites to run, in order: --suite all is SUITES' order; a list puts e.g. train before kernel."""
@@ -260,13 +266,8 @@ class Variant:
 
     name: str  # row label and what --variants selects
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields to override (compile, fused_gelu, ...)
-    # train.py's loop around the step: batches from fineweb.TokenLoader over a shard of random tokens (host memmap,
-    # pinned, non_blocking copy; or device-resident with preload=True), and loss and grad norm read with .item()
-    # after every step as train.py's logging does, so the GPU idles while the host prepares the next step
-    loop: bool = False
-    # train.py under torchrun on one GPU: a one-rank process group, and the model wrapped as train.wrap_model does
-    # (DDP around the compiled model), so the row shows what DDP's gradient buckets and all-reduce hook cost
-    ddp: bool = False
+    loop: bool = False  # train.py's loop around the step: TokenLoader batches from a shard, .item() after each step
+    ddp: bool = False  # in a one-rank process group, so the model is DDP-wrapped as under torchrun
 
 
 def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
@@ -479,10 +480,8 @@ def peak_memory(device: torch.device, rss_before: int) -> tuple[int, str]:
     return max_rss_bytes() - rss_before, "peak RSS growth (0 if an earlier row peaked higher)"
 
 
-# Where a profiled step's time goes, by the names of its CUDA kernels (or, on CPU, of its aten ops): the first bucket
-# whose pattern matches a lowercased name takes it, and a name no pattern matches is "other". Inductor names its
-# Triton kernels after the ops it fused into them (triton_per_fused_add_native_layer_norm_3), so a fused kernel lands
-# in the bucket of the first op this order lists; its matmul templates start with triton_tem.
+# Buckets of a profiled step's kernel (or CPU op) names: the first pattern that matches the lowercased name wins, so
+# an Inductor kernel named after the ops it fused lands in the first of them listed here; no match is "other".
 STEP_PARTS = (
     ("comm", r"nccl|allreduce|all_reduce|reduce_scatter|allgather|all_gather"),
     ("copy", r"^memcpy|^memset|copy_kernel|^triton_[a-z]+_fused__to_copy_\d+$"  # casts alone, eager or compiled
@@ -522,10 +521,8 @@ def launch_us(device: torch.device, n: int = 2000) -> float:
 
 def profiler_note(ms: float, ms_after: float | None, device: torch.device,
                   launch: tuple[float, float] | None = None) -> str:
-    """A warning when, after the row's CUDA profile, its steps ran more than 5% slower than before it or a kernel
-    launch cost the host more than 1.2x as much: the profiler's CUPTI hooks may then still be active, slowing every
-    later row ('' otherwise; on CPU the profiler leaves nothing behind, and a busy machine's noise would only raise
-    false alarms)."""
+    """A warning when, after the row's CUDA profile, its steps ran over 5% slower or a kernel launch cost the host over
+    1.2x as much: CUPTI may still be hooked in, slowing later rows. '' otherwise, and always on CPU."""
     if device.type != "cuda":
         return ""
     slower = []
@@ -551,22 +548,13 @@ def covered_us(intervals: list[tuple[float, float]]) -> float:
 
 def profile_step(step: Callable[[], Any], device: torch.device,
                  trace: Path | None = None) -> tuple[str, dict[str, Any] | None]:
-    """Run step once under the profiler: the SDPA kernels it ran, and where its time went.
-
-    The SDPA kernels come from the aten ops' names (eager and compiled alike): flash, cudnn, efficient, or math when
-    none of those ran (a compiled math path is plain matmuls and softmax). The time: on CUDA each kernel's duration
-    (memory copies and sets included) in its STEP_PARTS bucket, and busy_ms = the time at least one kernel ran, so
-    kernels that overlap on two streams count once there (the buckets may then add up to more than busy_ms); on CPU
-    each recorded op's self time (aten ops, autograd nodes, record_function ranges; its children's time excluded) in
-    the bucket of its name, or in "optimizer" when it ran inside optimizer.step(), and busy_ms = their sum. wall_ms is
-    the profiled step's own time, the profiler's overhead included. Also the ten names that took the most time. None
-    for the breakdown when the profiler recorded nothing to time. `trace`, when given, gets the profile as a
-    Chrome/Perfetto trace (gzipped when it ends in .gz)."""
+    """Run step once under the profiler: the SDPA kernels it ran, and where its time went (step_breakdown; None when
+    the profiler recorded nothing to time). `trace`, when given, gets the profile as a Chrome/Perfetto trace (gzipped
+    when it ends in .gz)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-        # tear CUPTI down when the profile ends: older Kineto left it hooked into every later kernel launch, which
-        # slowed the rows timed after this one (torch's profiler itself turns this off where CUDA graphs need it)
+        # tear CUPTI down when the profile ends, or older Kineto slows every later launch (docs/benchmarks.md)
         os.environ.setdefault("TEARDOWN_CUPTI", "1")
     with torch.profiler.profile(activities=activities) as prof:
         t0 = time.perf_counter()
@@ -577,9 +565,36 @@ def profile_step(step: Callable[[], Any], device: torch.device,
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
     events = prof.events()
+    timed, busy = kernel_times(events) if device.type == "cuda" else op_times(events)
+    # a profiler that recorded no kernel (no CUPTI) has no breakdown to give, not an idle device
+    return sdpa_kernels(events), step_breakdown(timed, busy, wall_ms, device) if timed else None
+
+
+def sdpa_kernels(events: list[Any]) -> str:
+    """The SDPA kernels that ran, from the aten ops' names (eager and compiled alike): flash, cudnn, efficient, or math
+    when none of those ran (a compiled math path is plain matmuls and softmax)."""
     names = {e.name for e in events if e.name.startswith("aten::_scaled_dot_product")}
     found = [k for k in ("flash", "cudnn", "efficient") if any(f"_{k}_" in n or n.endswith(f"_{k}") for n in names)]
-    attention = ",".join(found) or "math"
+    return ",".join(found) or "math"
+
+
+Timed = list[tuple[str, str, float]]  # (name, STEP_PARTS bucket, microseconds)
+
+
+def kernel_times(events: list[Any]) -> tuple[Timed, float]:
+    """Each CUDA kernel's duration (memory copies and sets included) in its bucket, and the time at least one kernel
+    ran: kernels that overlap on two streams count once there."""
+    # record_function ranges also appear on the GPU's timeline (gpu_user_annotation), spanning counted kernels
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)
+               and "annotation" not in str(getattr(e, "activity_type", ""))]
+    timed = [(e.name, step_part(e.name), e.time_range.elapsed_us()) for e in kernels]
+    return timed, covered_us([(e.time_range.start, e.time_range.end) for e in kernels])
+
+
+def op_times(events: list[Any]) -> tuple[Timed, float]:
+    """Each recorded CPU op's self time (aten ops, autograd nodes, record_function ranges) in the bucket of its name,
+    or in "optimizer" inside optimizer.step(); and their sum."""
 
     def in_optimizer_step(e: Any) -> bool:  # torch.optim wraps step() in a record_function named Optimizer.step#...
         while e is not None:
@@ -588,22 +603,14 @@ def profile_step(step: Callable[[], Any], device: torch.device,
             e = e.cpu_parent
         return False
 
-    timed: list[tuple[str, str, float]]  # (name, bucket, microseconds)
-    if device.type == "cuda":
-        # record_function ranges also appear on the GPU's timeline (gpu_user_annotation), spanning kernels that are
-        # counted already
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not getattr(e, "is_user_annotation", False)
-                   and "annotation" not in str(getattr(e, "activity_type", ""))]
-        timed = [(e.name, step_part(e.name), e.time_range.elapsed_us()) for e in kernels]
-        busy = covered_us([(e.time_range.start, e.time_range.end) for e in kernels])
-    else:
-        ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
-        timed = [(e.name, "optimizer" if in_optimizer_step(e) else step_part(e.name), e.self_cpu_time_total)
-                 for e in ops]
-        busy = sum(us for _, _, us in timed)
-    if not timed:  # a profiler that recorded no kernel (no CUPTI) has no breakdown to give, not an idle device
-        return attention, None
+    ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
+    timed = [(e.name, "optimizer" if in_optimizer_step(e) else step_part(e.name), e.self_cpu_time_total) for e in ops]
+    return timed, sum(us for _, _, us in timed)
+
+
+def step_breakdown(timed: Timed, busy_us: float, wall_ms: float, device: torch.device) -> dict[str, Any]:
+    """The ms per STEP_PARTS bucket, busy and wall ms, and the TOP_KERNELS names that took the most time (enough to
+    read what the buckets missed from a GPU run's JSON)."""
     parts = dict.fromkeys([*(p for p, _ in STEP_PARTS), "other"], 0.0)
     by_name: dict[tuple[str, str], list[float]] = {}  # (name, bucket) -> [ms, calls]: a CPU op may be in two buckets
     for name, part, us in timed:
@@ -611,15 +618,12 @@ def profile_step(step: Callable[[], Any], device: torch.device,
         total = by_name.setdefault((name, part), [0.0, 0])
         total[0] += us / 1000
         total[1] += 1
-    # the JSON keeps the 60 costliest (the table prints 10): enough to read what the buckets missed, e.g. "other",
-    # from a GPU run's JSON after the machine is gone
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
-    return attention, {
+    return {
         "source": "cuda kernels" if device.type == "cuda" else "cpu aten ops (self time)",
-        # the table's denominator: the timed ms/step on CUDA (kernel times hardly change under the profiler), the
-        # profiled step's own wall time on CPU (the profiler slows CPU ops)
+        # the table's denominator: kernel times hardly change under the profiler, CPU op times do
         "basis": "ms_per_step" if device.type == "cuda" else "wall_ms",
-        "busy_ms": busy / 1000, "parts_ms": parts, "wall_ms": wall_ms,
+        "busy_ms": busy_us / 1000, "parts_ms": parts, "wall_ms": wall_ms,
         "top": [{"name": name[:160], "part": part, "ms": ms, "calls": int(calls)}
                 for (name, part), (ms, calls) in top]}
 
@@ -637,11 +641,9 @@ def shard_loader(folder: Path, tcfg: train.TrainConfig, device: torch.device, ac
 
 
 def loss_delta(row: dict[str, Any], earlier: list[dict[str, Any]]) -> float | None:
-    """Speed must not cost correctness: this row's loss at step DLOSS_STEP minus that of the first earlier row that
-    trained the same weights on the same tokens (same micro-batch and accumulation; every row starts from one seed,
-    and the loop rows read other tokens, from a shard); 0.0 for that reference row itself, None without one. Within
-    bf16 noise is a pass; a variant off by more computes something else. Rows without loss_early (JSON from before
-    it) compare their final losses."""
+    """This row's loss at step DLOSS_STEP minus that of the first earlier ok row that trained the same weights on the
+    same tokens (same micro-batch and accumulation, not a loop row); 0.0 with no such row, None for a loop row. Rows
+    without loss_early (older JSON) compare their final losses."""
     if row["loop"]:
         return None
     for ref in earlier:
@@ -682,8 +684,7 @@ def run_train(cfg: BenchConfig, deadline: float | None = None,
 
 def device_lost(device: torch.device) -> str:
     """free_memory, or why it failed: '' while the device still works. A CUDA error such as an illegal memory access
-    (seen in max-autotune's matmul autotuning on an H200) is sticky: every later call in this process fails, so the
-    rows after it are reported as not run, and the table of the rows before it is still printed."""
+    is sticky (every later call fails), so the rows after it are reported as not run."""
     try:
         free_memory(device)
         return ""
@@ -1213,14 +1214,8 @@ def write_json(result: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(BenchConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    if cfg.table_from:  # a GPU call killed at its time limit printed no table, but its JSON holds every finished row
-        try:
-            result = json.loads(Path(cfg.table_from).read_text())
-            table = format_table(result)
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"error: --table-from {cfg.table_from} is not a bench.py JSON file ({e!r})") from None
-        print(table)
-        return {**result, "table": table}
+    if cfg.table_from:
+        return print_table_from(cfg.table_from)
     try:
         cfg = resolve(cfg)
         names = [v.name for v in select_variants(cfg)]  # a misspelt --variants fails now, not after the other suites
@@ -1236,9 +1231,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"provenance": {**provenance(device), "torch_threads": torch.get_num_threads()},
                               "config": dataclasses.asdict(cfg)}
     print(json.dumps(result), flush=True)
-    try:  # now, so a path that cannot be written fails before anything is measured, not after every row; through
-        # the temporary file alone, so an earlier run's results stay until this run has a row to put in their place
-        out = Path(cfg.out)
+    check_out(cfg.out)
+    run_suites(cfg, device, result)
+    result["table"] = format_table(result)
+    write_json(result, cfg.out)
+    print("\n" + result["table"], flush=True)
+    return result
+
+
+def print_table_from(path: str) -> dict[str, Any]:
+    """--table-from: the table of an earlier run's JSON, which holds every row that finished before a time limit."""
+    try:
+        result = json.loads(Path(path).read_text())
+        table = format_table(result)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: --table-from {path} is not a bench.py JSON file ({e!r})") from None
+    print(table)
+    return {**result, "table": table}
+
+
+def check_out(path: str) -> None:
+    """Fail before anything is measured where --out cannot be written. Only the temporary file is written, so an
+    earlier run's results stay until this run has a row to put in their place."""
+    try:
+        out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.is_dir():
             raise IsADirectoryError(f"{out} is a directory")
@@ -1246,10 +1262,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise SystemExit(f"error: --out {cfg.out} cannot be written ({e}); pass a file path") from None
+        raise SystemExit(f"error: --out {path} cannot be written ({e}); pass a file path") from None
+
+
+def run_suites(cfg: BenchConfig, device: torch.device, result: dict[str, Any]) -> None:
+    """Each suite's rows into result, which goes to --out after every row. A suite that fails or starts past the time
+    budget becomes an entry in result["errors"]; a device that fails ends the run."""
     deadline = time.monotonic() + cfg.budget_s if cfg.budget_s > 0 else None
 
-    def report(row: dict[str, Any]) -> None:
+    def add(suite: str, row: dict[str, Any]) -> None:
+        result[suite].append(row)
         metric = next((f"{k} {row[k]:,.1f}" for k in ("tok_per_s", "gb_per_s", "examples_per_sec") if k in row), "")
         print(f"{row['suite']} {row['name']} {row.get('pass', '')}: {row['status']} {metric} {row.get('reason', '')}",
               flush=True)
@@ -1264,12 +1286,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result[suite] = []
             try:
                 if suite == "train":
-                    run_train(cfg, deadline, lambda row: (result["train"].append(row), report(row)))
+                    run_train(cfg, deadline, lambda row: add("train", row))
                 else:
                     bench_suite = {"kernel": bench_kernel, "decode": bench_decode, "hellaswag": bench_hellaswag}[suite]
                     for row in bench_suite(cfg):
-                        result[suite].append(row)
-                        report(row)
+                        add(suite, row)
             except Exception as e:  # a suite that breaks (e.g. a missing optional package) must not lose the others
                 result.setdefault("errors", {})[suite] = reason(e)
             if why := device_lost(device):  # nothing more can run here; the table of what did is still wanted
@@ -1277,10 +1298,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 break
     finally:
         train.set_sdpa_switches(attention)
-    result["table"] = format_table(result)
-    write_json(result, cfg.out)
-    print("\n" + result["table"], flush=True)
-    return result
 
 
 if __name__ == "__main__":
