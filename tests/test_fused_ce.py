@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 import fused_ce
 import model
+from common import GPT2_VOCAB
 from conftest import compile_for_hopper, run_interpreted
 from fused_ce import cross_entropy_reference, cross_entropy_rows, triton_available
-from model import GPT, GPT2_VOCAB, MODEL_PRESETS
+from model import GPT, MODEL_PRESETS
 
 
 def _kernel_interpreted() -> bool:

@@ -14,16 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT
-from model import (
+from common import (
     EOT,
-    GPT,
     GPT2_VOCAB,
-    MODEL_PRESETS,
-    GPTConfig,
-    KVCache,
     checkpoints,
-    export_hf,
     get_tokenizer,
     gpt2_bpe_dir,
     load_checkpoint,
@@ -31,6 +25,8 @@ from model import (
     parse_config,
     peak_flops,
 )
+from conftest import ROOT
+from model import GPT, MODEL_PRESETS, GPTConfig, KVCache, export_hf
 
 
 def tiny(**kw) -> GPTConfig:
@@ -993,7 +989,7 @@ def test_provenance_names_the_commit_and_dirties_only_on_tracked_changes(tmp_pat
         monkeypatch.delenv(var)  # would point these commands at the project's own repository
     repo = tmp_path / "repo"
     repo.mkdir()
-    for name in ("model.py", "fused_gelu.py"):
+    for name in ("common.py", "fused_gelu.py"):
         (repo / name).write_bytes((ROOT / name).read_bytes())
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "-c",
            "core.hooksPath=/dev/null"]
@@ -1001,10 +997,10 @@ def test_provenance_names_the_commit_and_dirties_only_on_tracked_changes(tmp_pat
     subprocess.run([*git, "add", "."], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-q", "-m", "x"], cwd=repo, check=True)
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
-    # this model.py loaded from the copy: provenance asks git about the directory its file is in
-    spec = importlib.util.spec_from_file_location("model_in_repo", repo / "model.py")
+    # this common.py loaded from the copy: provenance asks git about the directory its file is in
+    spec = importlib.util.spec_from_file_location("common_in_repo", repo / "common.py")
     copy = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "model_in_repo", copy)  # its dataclasses look their module up
+    monkeypatch.setitem(sys.modules, "common_in_repo", copy)  # its dataclasses look their module up
     spec.loader.exec_module(copy)
     (repo / "untracked.txt").write_text("x")
     prov = copy.provenance("cpu", world_size=3)
@@ -1097,7 +1093,7 @@ def test_run_and_exit_gives_pythons_exit_codes_and_loses_no_output(body, code, s
     # stdout is a pipe here, so block-buffered: os._exit would drop both writes unless exit_now flushes them
     script = f"""
 import sys
-from model import run_and_exit
+from common import run_and_exit
 def main():
     print("a line")
     sys.stdout.write("no newline")

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import bench
+import common
 import fineweb
 import hellaswag
 import model
@@ -53,7 +54,7 @@ def test_readme_documents_every_script():
 @pytest.mark.parametrize("script, args", readme_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v))
 def test_readme_command_flags_exist(script, args):
     cls, presets = SCRIPTS[script]
-    model.parse_config(cls, args, presets)  # raises SystemExit naming the flag if one does not exist
+    common.parse_config(cls, args, presets)  # raises SystemExit naming the flag if one does not exist
 
 
 def test_quickstart_is_what_ci_runs():
