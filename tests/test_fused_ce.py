@@ -93,7 +93,7 @@ def test_fused_ce_model_on_cpu_matches_the_plain_loss(monkeypatch: pytest.Monkey
     def no_kernel(*args, **kwargs):
         raise AssertionError("the Triton kernel ran for a CPU tensor")
 
-    monkeypatch.setattr(model, "cross_entropy_rows", no_kernel)
+    monkeypatch.setattr(fused_ce, "cross_entropy_rows", no_kernel)
     torch.manual_seed(0)
     plain = GPT(tiny())
     fused = GPT(tiny(fused_ce=True, loss_chunk=loss_chunk))
@@ -226,7 +226,7 @@ class TestInterpreted:
     @pytest.mark.parametrize("chunk", [37, 8])
     @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
     def test_fused_lm_head_and_loss_matches_f_cross_entropy(self, chunk: int, label_smoothing: float) -> None:
-        # model.py's autograd.Function with the kernel (what CUDA runs), called directly: on a CPU tensor the
+        # fused_ce.py's autograd.Function with the kernel (what CUDA runs), called directly: on a CPU tensor the
         # dispatch picks the reference. One chunk of all 37 rows, and chunks of 8 with a short last one
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(37, 16, generator=gen, requires_grad=True)
@@ -235,7 +235,7 @@ class TestInterpreted:
         t[::5] = -1
         ref = F.cross_entropy(F.linear(x, w), t, ignore_index=-1, label_smoothing=label_smoothing)
         ref_dx, ref_dw = torch.autograd.grad(3 * ref, (x, w))
-        got = model._ChunkedCrossEntropy.apply(x, w, t, chunk, label_smoothing, True)
+        got = fused_ce._ChunkedCrossEntropy.apply(x, w, t, chunk, label_smoothing, True)
         dx, dw = torch.autograd.grad(3 * got, (x, w))
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-6)
         torch.testing.assert_close(dx, ref_dx, atol=1e-6, rtol=1e-5)
@@ -252,7 +252,7 @@ class TestInterpreted:
         out = []
         for fused in (True, False):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model._ChunkedCrossEntropy.apply(x, w, t, 6, 0.1, fused)
+                loss = fused_ce._ChunkedCrossEntropy.apply(x, w, t, 6, 0.1, fused)
             out.append((loss, *torch.autograd.grad(loss, (x, w))))
         assert out[0][0].dtype == torch.float32
         torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=1e-6)

@@ -330,9 +330,28 @@ def test_bad_config_raises(kw, message):
         tiny(**kw)
 
 
+def test_lm_loss_picks_plain_chunked_or_fused_and_returns_logits_only_when_whole():
+    from fused_ce import lm_loss
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 16, generator=gen)
+    w = torch.randn(101, 16, generator=gen)
+    t = torch.randint(0, 101, (2, 5), generator=gen)
+    t[0, 0] = -1
+    logits = F.linear(x, w)
+    ref = F.cross_entropy(logits.view(-1, 101), t.view(-1), ignore_index=-1, label_smoothing=0.1)
+    got_logits, plain = lm_loss(x, w, t, 0.1)
+    assert torch.equal(got_logits, logits) and torch.equal(plain, ref)  # the plain path is F.cross_entropy itself
+    assert lm_loss(x, w, t, 0.1, return_logits=False)[0] is None
+    for chunk, fused in ((3, False), (0, True), (4, True)):  # CPU: fused runs the PyTorch reference
+        none, loss = lm_loss(x, w, t, 0.1, chunk, fused)
+        assert none is None
+        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-6)
+
+
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_chunked_cross_entropy_equals_the_plain_loss_and_gradients(label_smoothing):
-    from model import chunked_cross_entropy
+    from fused_ce import chunked_cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, 16, generator=gen, requires_grad=True)  # 37 rows: chunks of 8 leave a short last one
@@ -355,7 +374,7 @@ def test_chunked_cross_entropy_equals_the_plain_loss_and_gradients(label_smoothi
 @pytest.mark.parametrize("chunk", [0, 2])
 def test_chunked_cross_entropy_without_a_target_is_nan_with_zero_gradients(rows, chunk):
     # as F.cross_entropy: no rows, or every target ignored, is a NaN loss whose gradients are 0, not NaN
-    from model import chunked_cross_entropy
+    from fused_ce import chunked_cross_entropy
 
     x, w = torch.randn(rows, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
     loss = chunked_cross_entropy(x, w, torch.full((rows,), -1), chunk, fused=True)
@@ -368,7 +387,7 @@ def test_chunked_cross_entropy_under_fp16_autocast_does_not_overflow():
     # its gradient matmuls run in forward, on the summed loss's gradients, before the mean's 1/count and GradScaler's
     # scale: 4096 rows of |gradient x| ~ 40 summed in fp16 pass 65504 (an inf no loss scale undoes), so under fp16
     # they run in fp32. One chunk of all rows (fused_ce's default) is the worst case
-    from model import chunked_cross_entropy
+    from fused_ce import chunked_cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     x = torch.zeros(4096, 8)
@@ -386,7 +405,7 @@ def test_chunked_cross_entropy_under_fp16_autocast_does_not_overflow():
 
 
 def test_label_smoothing_spreads_over_the_real_ids_only():
-    from model import chunked_cross_entropy, cross_entropy
+    from fused_ce import chunked_cross_entropy, cross_entropy
 
     # the target distribution, built by hand: 1 - s on the target, s spread evenly over GPT-2's 50257 ids and none on
     # the 47 padded ones, which would otherwise be trained towards probability that is never used
@@ -424,7 +443,7 @@ def test_label_smoothing_spreads_over_the_real_ids_only():
 def test_cross_entropy_of_bf16_logits_is_computed_in_fp32(vocab, label_smoothing):
     # under autocast the lm_head's logits are bf16: the loss must be the fp32 one of those logits (a bf16 softmax and
     # mean would be off by ~1e-2), on both paths (F.cross_entropy, and the padded-vocabulary smoothing one)
-    from model import cross_entropy
+    from fused_ce import cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(64, vocab, generator=gen)).bfloat16()
