@@ -1,8 +1,7 @@
-"""GPT-2 in one file: config, model, KV-cache generation, HF interop, optimizer and FLOP accounting.
+"""GPT-2, the model only: GPTConfig and presets, KV cache, RoPE, attention, MLP, Block and GPT (forward, generation,
+the optimizer, FLOP accounting, loading train.py checkpoints and OpenAI/HF GPT-2 weights).
 
-Usage:
-    python model.py --model tiny --max-new-tokens 32                       # smoke run: sample an untrained model
-    python model.py --ckpt out/gpt2-124m/ckpt_019073.pt --export-hf out/hf  # export for transformers / lm-eval
+The loss lives beside its kernel in fused_ce.py, the shared helpers in common.py, HF export in export.py.
 """
 
 from __future__ import annotations
@@ -10,8 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import EOT, GPT2_VOCAB, get_tokenizer, gpt2_bpe_dir, load_checkpoint, parse_config
+from common import GPT2_VOCAB, load_checkpoint
 from fused_ce import lm_loss
 from fused_gelu import bias_gelu
 
@@ -555,99 +552,3 @@ def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
             return {k: v for f in shards for k, v in load(path / f).items()}
     raise FileNotFoundError(f"{path} has neither model.safetensors nor pytorch_model.bin (nor a sharded index of "
                             "either)")
-
-
-def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
-    """Write an HF `GPT2LMHeadModel` directory (config.json, model.safetensors, tokenizer files) for lm-eval etc.
-
-    A vocabulary padded past GPT-2's 50,257 ids is cropped to them, as llm.c's export does: the padded rows are never
-    tokens, and an HF model whose vocab_size matches the GPT-2 tokenizer cannot sample an id the tokenizer lacks
-    (HF's generate knows nothing of our padding). Its logits are ours for the real ids; the softmax differs only by
-    the padded ids' probability, which training drives towards 0.
-    """
-    cfg = model.config
-    if cfg.mlp != "gelu" or cfg.pos != "learned" or cfg.kv_heads != cfg.n_head or not cfg.bias:
-        raise ValueError("export_hf supports only the plain GPT-2 architecture (mlp='gelu', pos='learned', "
-                         f"n_kv_head=n_head, bias=True); this model has mlp={cfg.mlp!r}, pos={cfg.pos!r}, "
-                         f"n_kv_head={cfg.kv_heads}, bias={cfg.bias}")
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = GPT2_VOCAB if cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size  # tiny test vocabularies stay as they are
-    sd = {}
-    for key, p in model.state_dict().items():
-        if key == "lm_head.weight":
-            continue  # tied: HF re-ties lm_head to wte on load
-        p = p.detach().float().cpu()
-        if key == "transformer.wte.weight":
-            p = p[:vocab]
-        sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
-        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
-    # from the umask, or other users of a shared filesystem could read the config but not the weights
-    shutil.copymode(out / "config.json", out / "model.safetensors")
-    try:  # the GPT-2 tokenizer files too, so AutoTokenizer.from_pretrained(out_dir) works offline
-        data = gpt2_bpe_dir()
-        (out / "vocab.json").write_bytes((data / "encoder.json").read_bytes())
-        (out / "merges.txt").write_bytes((data / "vocab.bpe").read_bytes())
-        (out / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "GPT2Tokenizer", "model_max_length": cfg.block_size, "bos_token": "<|endoftext|>",
-             "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}))
-    except ImportError:
-        pass
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Smoke run
-
-
-@dataclass
-class ModelCLIConfig:
-    """Without --ckpt: sample from an untrained model (a check that the model builds and generates here).
-    With --ckpt and --export-hf DIR: write a train.py checkpoint as an HF GPT2LMHeadModel directory."""
-
-    model: str = "tiny"  # model preset for the smoke run (see MODEL_PRESETS)
-    prompt: str = "Hello, I'm a language model,"  # text to continue
-    max_new_tokens: int = 32  # tokens to generate
-    seed: int = 1337  # RNG seed for weights and sampling
-    ckpt: str = ""  # a train.py checkpoint to export
-    export_hf: str = ""  # output directory for the HF export (for transformers / lm-eval-harness)
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(ModelCLIConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    if cfg.export_hf:
-        if not cfg.ckpt:
-            raise SystemExit("error: --export-hf needs --ckpt PATH (a checkpoint train.py wrote)")
-        try:
-            out = export_hf(GPT.from_checkpoint(cfg.ckpt), cfg.export_hf)
-        except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"error: {e}") from None
-        print(f"exported {cfg.ckpt} to {out} (load with transformers.GPT2LMHeadModel.from_pretrained)")
-        return
-    if cfg.ckpt:  # the smoke run below is an untrained model: sampling a checkpoint is sample.py's job
-        raise SystemExit(f"error: --ckpt is only read with --export-hf DIR; to sample from it: python sample.py "
-                         f"--ckpt {cfg.ckpt}")
-    if cfg.model not in MODEL_PRESETS:
-        raise SystemExit(f"error: --model must be one of {', '.join(MODEL_PRESETS)}; got {cfg.model!r}")
-    torch.manual_seed(cfg.seed)
-    model = GPT(MODEL_PRESETS[cfg.model]())
-    enc = get_tokenizer()
-    idx = torch.tensor([enc.encode(cfg.prompt)])
-    out = model.generate(idx, cfg.max_new_tokens, top_k=50, generator=torch.Generator().manual_seed(cfg.seed))
-    print(f"{model.num_params():,} params; untrained sample:\n{enc.decode(out[0].tolist())}")
-
-
-if __name__ == "__main__":
-    main()

@@ -26,7 +26,8 @@ from common import (
     peak_flops,
 )
 from conftest import ROOT
-from model import GPT, MODEL_PRESETS, GPTConfig, KVCache, export_hf
+from export import export_hf
+from model import GPT, MODEL_PRESETS, GPTConfig, KVCache
 
 
 def tiny(**kw) -> GPTConfig:
@@ -1057,41 +1058,47 @@ def test_from_checkpoint_other_architecture_is_clear(tmp_path):
         GPT.from_checkpoint(path)
 
 
-def test_smoke_main_samples(capsys):
-    import model as model_module
-
-    model_module.main(["--max-new-tokens", "5"])
-    out = capsys.readouterr().out
-    assert "params; untrained sample" in out and "Hello, I'm a language model," in out
+def test_untrained_tiny_model_samples():
+    # what model.py's smoke run (`python model.py --model tiny`) checked before export.py replaced its CLI
+    torch.manual_seed(1337)
+    model = GPT(MODEL_PRESETS["tiny"]())
+    enc = get_tokenizer()
+    prompt = enc.encode("Hello, I'm a language model,")
+    out = model.generate(torch.tensor([prompt]), 5, top_k=50, generator=torch.Generator().manual_seed(1337))
+    assert out.shape == (1, len(prompt) + 5) and out[0, :len(prompt)].tolist() == prompt
+    assert enc.decode(out[0].tolist()).startswith("Hello, I'm a language model,")
 
 
 def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    import model as model_module
+    import export
 
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)).eval()
     ckpt = tmp_path / "ckpt.pt"
     torch.save({"model": gpt.state_dict(), "model_config": gpt.config.__dict__, "step": 1}, ckpt)
-    model_module.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / "hf")])
+    export.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / "hf")])
     assert "exported" in capsys.readouterr().out
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     idx = torch.randint(0, GPT2_VOCAB, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, gpt(idx)[0][..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
     with pytest.raises(SystemExit, match="--export-hf needs --ckpt"):
-        model_module.main(["--export-hf", str(tmp_path / "x")])
+        export.main(["--export-hf", str(tmp_path / "x")])
+    with pytest.raises(SystemExit) as e:  # no flags: nothing to do (model.py's untrained smoke run is gone)
+        export.main([])
+    assert str(e.value) == "error: pass --ckpt PATH (a checkpoint train.py wrote) and --export-hf DIR"
     with pytest.raises(SystemExit, match=f"--ckpt is only read with --export-hf DIR; to sample from it: python "
                                          f"sample.py --ckpt {ckpt}"):  # not an untrained sample that ignores it
-        model_module.main(["--ckpt", str(ckpt)])
+        export.main(["--ckpt", str(ckpt)])
     # a checkpoint that cannot be exported is one error line, and no output directory is left behind
     with pytest.raises(SystemExit) as e:
-        model_module.main(["--ckpt", str(tmp_path / "missing.pt"), "--export-hf", str(tmp_path / "x")])
+        export.main(["--ckpt", str(tmp_path / "missing.pt"), "--export-hf", str(tmp_path / "x")])
     assert str(e.value).startswith(f"error: checkpoint {tmp_path / 'missing.pt'} does not exist; pass the .pt file")
     swiglu = GPT(GPTConfig(block_size=32, vocab_size=96, n_layer=1, n_head=4, n_embd=32, mlp="swiglu"))
     torch.save({"model": swiglu.state_dict(), "model_config": swiglu.config.__dict__}, tmp_path / "swiglu.pt")
     with pytest.raises(SystemExit, match="^error: export_hf supports only the plain GPT-2 architecture"):
-        model_module.main(["--ckpt", str(tmp_path / "swiglu.pt"), "--export-hf", str(tmp_path / "x")])
+        export.main(["--ckpt", str(tmp_path / "swiglu.pt"), "--export-hf", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
 
 

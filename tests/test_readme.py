@@ -12,9 +12,9 @@ import pytest
 
 import bench
 import common
+import export
 import fineweb
 import hellaswag
-import model
 import plot
 import sample
 import train
@@ -25,7 +25,7 @@ SCRIPTS = {
     "fineweb.py": (fineweb.FinewebConfig, None),
     "hellaswag.py": (hellaswag.HellaSwagConfig, None),
     "sample.py": (sample.SampleConfig, None),
-    "model.py": (model.ModelCLIConfig, None),
+    "export.py": (export.ExportConfig, None),
     "plot.py": (plot.PlotConfig, None),
     "bench.py": (bench.BenchConfig, None),
 }
@@ -48,7 +48,7 @@ def readme_commands() -> list[tuple[str, list[str]]]:
 
 def test_readme_documents_every_script():
     documented = {script for script, _ in readme_commands()}
-    assert documented >= {"train.py", "fineweb.py", "hellaswag.py", "sample.py", "model.py"}
+    assert documented >= {"train.py", "fineweb.py", "hellaswag.py", "sample.py", "export.py"}
 
 
 @pytest.mark.parametrize("script, args", readme_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v))
