@@ -27,12 +27,8 @@ class ExportConfig:
 
 def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
     """Write an HF `GPT2LMHeadModel` directory (config.json, model.safetensors, tokenizer files) for lm-eval etc.
-
-    A vocabulary padded past GPT-2's 50,257 ids is cropped to them, as llm.c's export does: the padded rows are never
-    tokens, and an HF model whose vocab_size matches the GPT-2 tokenizer cannot sample an id the tokenizer lacks
-    (HF's generate knows nothing of our padding). Its logits are ours for the real ids; the softmax differs only by
-    the padded ids' probability, which training drives towards 0.
-    """
+    A vocabulary padded past GPT-2's 50,257 ids is cropped to them (as llm.c does): the padded rows are never tokens,
+    and HF's generate, which knows nothing of our padding, could otherwise sample them."""
     cfg = model.config
     if cfg.mlp != "gelu" or cfg.pos != "learned" or cfg.kv_heads != cfg.n_head or not cfg.bias:
         raise ValueError("export_hf supports only the plain GPT-2 architecture (mlp='gelu', pos='learned', "

@@ -50,13 +50,15 @@ class GPTConfig:
     # lm_head + loss fused: the logits' gradient made in forward by a Triton kernel (CUDA only; elsewhere the PyTorch
     # reference), in loss_chunk rows at a time (0: all at once); with targets the logits are not returned
     fused_ce: bool = False
-    # under autocast, the residual stream between blocks in autocast's 16-bit dtype (bf16) instead of fp32: half the
-    # bytes through every LayerNorm and residual add, forward and backward (llm.c keeps it in bf16), at the cost of
-    # rounding each residual add to 8 mantissa bits. LayerNorm still computes in fp32. No effect without autocast
+    # under autocast, the residual stream between blocks in autocast's 16-bit dtype instead of fp32: half the bytes
+    # through every LayerNorm and residual add, each add rounded to 8 mantissa bits (LayerNorm still computes in fp32)
     half_residual: bool = False
 
     def __post_init__(self) -> None:
-        # types first: a string or float that slipped past a caller would otherwise fail deep inside nn.Linear
+        self._check_types()  # first: a string or float that slipped past a caller would fail deep inside nn.Linear
+        self._check_values()
+
+    def _check_types(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -67,6 +69,8 @@ class GPTConfig:
         for name in ("bias", "fused_gelu", "fused_ce", "half_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_values(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.kv_heads:
@@ -107,9 +111,8 @@ MODEL_PRESETS: dict[str, Callable[[], GPTConfig]] = {
     "gpt2-medium": _gpt2(24, 16, 1024),  # 350M
     "gpt2-large": _gpt2(36, 20, 1280),  # 774M
     "gpt2-xl": _gpt2(48, 25, 1600),  # 1558M
-    # a depth-N family with aspect ratio 64 (width 64*N, head size 64, so N heads): d12 is GPT-2 124M, the others
-    # are wider than the GPT-2 size of the same depth (d24: 757M, d48: 5.6B). llm.c's own -e d24/d36/d48 flags mean
-    # the GPT-2 sizes instead: use gpt2-medium/-large/-xl for those.
+    # depth N at aspect ratio 64 (width 64*N, N heads of 64): d12 is GPT-2 124M, the others are wider than GPT-2 of
+    # that depth (llm.c's -e d24/d36/d48 mean the GPT-2 sizes: gpt2-medium/-large/-xl here)
     "d12": _gpt2(12, 12, 768),
     "d24": _gpt2(24, 24, 1536),
     "d36": _gpt2(36, 36, 2304),
@@ -124,12 +127,8 @@ MODEL_PRESETS: dict[str, Callable[[], GPTConfig]] = {
 
 
 class KVCache:
-    """Per-layer keys/values for incremental decoding; `pos` is the number of cached positions.
-
-    Each layer's (B, n_kv, block_size, hs) buffers are allocated on its first update, in the dtype and on the device
-    of the keys it is given: the weights' dtype does not tell (under autocast, or FSDP2's mixed precision, whose
-    resharded parameters are fp32 while the attention runs in bf16).
-    """
+    """Per-layer keys/values for incremental decoding; `pos` is the number of cached positions. Each layer's buffers
+    take the dtype and device of its first keys: the weights' dtype does not tell (autocast, FSDP2 mixed precision)."""
 
     def __init__(self, config: GPTConfig, batch_size: int):
         self.shape = (batch_size, config.kv_heads, config.block_size, config.head_dim)
@@ -183,9 +182,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        # a new chunk attends causally to itself; a single decoded token sees every cached position. Without a cache
-        # the answer is True whatever T is, and a plain bool: under torch.compile with T dynamic (after inputs of
-        # several lengths, e.g. HellaSwag's) `T > 1` is a SymBool, which SDPA refuses, breaking the graph
+        # a chunk attends causally to itself, one decoded token to the whole cache. Without a cache a plain True:
+        # under torch.compile with dynamic T, `T > 1` is a SymBool, which SDPA refuses
         causal = cache is None or T > 1
         if cache is not None:
             if cache.pos > 0 and T > 1:
@@ -206,8 +204,8 @@ class MLP(nn.Module):
             hidden = 4 * config.n_embd
             self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
         else:
-            # 2/3 of 4C keeps the parameter count of the GELU MLP; rounded up to 64 for matmul speed, which adds
-            # parameters at small widths (+12.5% of the MLP's at C=64, 0 at GPT-2's 768)
+            # 2/3 of 4C keeps the parameter count of the GELU MLP; rounded up to 64 for matmul speed (which adds
+            # parameters at small widths)
             hidden = 64 * math.ceil(8 * config.n_embd / 3 / 64)
             self.c_fc = nn.Linear(config.n_embd, 2 * hidden, bias=config.bias)  # gate and up, fused
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
@@ -298,10 +296,9 @@ class GPT(nn.Module):
                 cache: KVCache | None = None, last_only: bool = False,
                 return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean loss over targets != -1 (None
-        without targets). With config.loss_chunk and targets the logits are never made whole, and come back None.
-        return_logits=False (with targets) returns (None, loss): the training step's call. A compiled forward whose
-        logits are an output gets a gradient for them in backward even when nothing uses them: autograd makes a
-        zero (B, T, V) tensor (6.6 GB in bf16 for GPT-2 at B=64, T=1024) and the loss's backward adds it in."""
+        without targets). With config.loss_chunk or fused_ce and targets the logits are never made whole (None).
+        return_logits=False (with targets) returns (None, loss), the training step's call: a compiled forward that
+        outputs logits gets a zero (B, T, V) gradient for them in backward even when nothing uses them."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
@@ -378,9 +375,8 @@ class GPT(nn.Module):
         if top_p is not None and top_p < 1.0:
             sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
             probs = sorted_logits.softmax(dim=-1)
-            # a token is dropped when the mass before it already reaches top_p, i.e. when it and every less likely
-            # token together hold at most 1 - top_p. That tail mass is summed from the smallest probability up: a
-            # running sum from the largest down loses ~1e-5 over 50K fp32 terms and keeps too few tokens
+            # a token is dropped when it and every less likely token hold at most 1 - top_p; that tail mass is
+            # summed from the smallest up, as a running sum from the largest loses fp32 precision over 50K terms
             tail = probs.flip(-1).cumsum(dim=-1).flip(-1)
             drop = tail <= 1.0 - top_p
             drop[:, 0] = False  # the most likely token always stays
