@@ -1,4 +1,4 @@
-"""fused_ce.py: the Triton cross-entropy kernel against the PyTorch reference, and model.py's fused lm_head + loss.
+"""fused_ce.py: the Triton cross-entropy kernel against the PyTorch reference, and the fused lm_head + loss beside it.
 
 On CPU the kernel runs under the Triton interpreter (TestInterpreted, in a child process with TRITON_INTERPRET=1), is
 compiled ahead of time for sm_90 (no GPU needed), and the model's fused_ce path runs its PyTorch reference; on a
