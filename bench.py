@@ -40,6 +40,18 @@ import torch.nn.functional as F
 
 import fused_ce
 import train
+from common import (
+    EOT,
+    GPT2_VOCAB,
+    device_name,
+    get_tokenizer,
+    mfu,
+    parse_config,
+    peak_flops,
+    provenance,
+    resolve_device,
+    run_and_exit,
+)
 from fineweb import TokenLoader, write_shard
 from fused_ce import cross_entropy_rows
 from fused_gelu import (
@@ -56,20 +68,7 @@ from fused_gelu import (
     fused_bias_gelu,
     triton_available,
 )
-from model import (
-    EOT,
-    GPT,
-    GPT2_VOCAB,
-    MODEL_PRESETS,
-    device_name,
-    get_tokenizer,
-    mfu,
-    parse_config,
-    peak_flops,
-    provenance,
-    resolve_device,
-    run_and_exit,
-)
+from model import GPT, MODEL_PRESETS
 
 SUITES = ("kernel", "decode", "hellaswag", "train")  # the order of --suite all: the short suites first, so a time
 # budget spent by the training variants (minutes of compilation each) never loses them

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from model import EOT, get_tokenizer, parse_config
+from common import EOT, get_tokenizer, parse_config
 
 MAGIC = 20240520  # llm.c's token-shard magic (20240326 is its model-weights file)
 VERSION = 1

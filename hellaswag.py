@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from model import EOT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, provenance, resolve_device, run_and_exit
+from common import EOT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, provenance, resolve_device, run_and_exit
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SEQ_MULTIPLE = 32  # batches are padded to a multiple of this length, so a compiled model sees few distinct shapes

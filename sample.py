@@ -21,7 +21,8 @@ from typing import Any, TextIO
 
 import torch
 
-from model import EOT, GPT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, resolve_device
+from common import EOT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, resolve_device
+from model import GPT
 
 
 @dataclass

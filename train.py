@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,14 +30,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from fineweb import SHUFFLES, DataError, TokenLoader
-from model import (
-    GPT,
-    MODEL_PRESETS,
-    GPTConfig,
-    checkpoint_config,
+from common import (
     checkpoints,
     get_tokenizer,
+    iter_log,
     load_checkpoint,
     load_model,
     mfu,
@@ -45,6 +41,8 @@ from model import (
     provenance,
     run_and_exit,
 )
+from fineweb import SHUFFLES, DataError, TokenLoader
+from model import GPT, MODEL_PRESETS, GPTConfig, checkpoint_config
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 # SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
@@ -884,7 +882,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if dist.is_initialized():
             # leave together, so no rank tears its process group down while another is still in a collective
             # (only on success: after an error it could hang). The abort seen at exit on gloo is another matter:
-            # see model.exit_now
+            # see common.exit_now
             dist.barrier()
         return result
     finally:
@@ -1439,27 +1437,6 @@ def _stop_profiler(prof: torch.profiler.profile, out_dir: Path, rank: int, maste
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=15))
         print(f"profile: trace written to {trace} (open in chrome://tracing or ui.perfetto.dev)")
-
-
-def iter_log(path: str | os.PathLike) -> Iterator[dict]:
-    """Records of a train.py log.jsonl (plot.py, a resumed run and the tests read it through this). A last line
-    without its newline is a record cut short, by a crash (the log is not fsynced) or because the run is writing it
-    right now: it is left out. Any other line that is not JSON is an error that names the file and line."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as e:
-                    if not line.endswith("\n"):  # only the last line can lack one
-                        return
-                    raise ValueError(f"{path}, line {number}: not a JSON record ({e}); the log is corrupt: delete "
-                                     "that line, or the file (a resumed run then starts a new one)") from None
-        except UnicodeDecodeError as e:  # the log is ASCII (json.dumps escapes the rest): this is another file
-            raise ValueError(f"{path} is not a train.py log.jsonl: it is not text ({e.reason} at byte {e.start}); "
-                             "pass the log.jsonl in the run's --out-dir") from None
 
 
 if __name__ == "__main__":

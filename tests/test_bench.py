@@ -19,8 +19,9 @@ import torch
 import bench
 import train
 from bench import BenchConfig, Variant, bench_decode, bench_hellaswag, bench_kernel, bench_train, main
+from common import GPT2_VOCAB
 from hellaswag import _validate
-from model import GPT, GPT2_VOCAB, MODEL_PRESETS
+from model import GPT, MODEL_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(device="cpu", model="tiny", seq_len=32, batch_sizes=(2,), steps=2, warmup=1)

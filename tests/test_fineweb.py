@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fineweb
+from common import EOT, get_tokenizer
 from fineweb import (
     DataError,
     FinewebConfig,
@@ -28,7 +29,6 @@ from fineweb import (
     write_dataset,
     write_shard,
 )
-from model import EOT, get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train
-from conftest import ROOT, run_torchrun
+from conftest import run_torchrun
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden_losses.json"
 ARGS = ["--preset", "tiny", "--eval-every=0", "--max-steps=10", "--hellaswag=off"]

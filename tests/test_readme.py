@@ -11,9 +11,10 @@ import sys
 import pytest
 
 import bench
+import common
+import export
 import fineweb
 import hellaswag
-import model
 import plot
 import sample
 import train
@@ -24,7 +25,7 @@ SCRIPTS = {
     "fineweb.py": (fineweb.FinewebConfig, None),
     "hellaswag.py": (hellaswag.HellaSwagConfig, None),
     "sample.py": (sample.SampleConfig, None),
-    "model.py": (model.ModelCLIConfig, None),
+    "export.py": (export.ExportConfig, None),
     "plot.py": (plot.PlotConfig, None),
     "bench.py": (bench.BenchConfig, None),
 }
@@ -47,13 +48,13 @@ def readme_commands() -> list[tuple[str, list[str]]]:
 
 def test_readme_documents_every_script():
     documented = {script for script, _ in readme_commands()}
-    assert documented >= {"train.py", "fineweb.py", "hellaswag.py", "sample.py", "model.py"}
+    assert documented >= {"train.py", "fineweb.py", "hellaswag.py", "sample.py", "export.py"}
 
 
 @pytest.mark.parametrize("script, args", readme_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v))
 def test_readme_command_flags_exist(script, args):
     cls, presets = SCRIPTS[script]
-    model.parse_config(cls, args, presets)  # raises SystemExit naming the flag if one does not exist
+    common.parse_config(cls, args, presets)  # raises SystemExit naming the flag if one does not exist
 
 
 def test_quickstart_is_what_ci_runs():

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 import train
+from common import load_checkpoint, parse_config
 from conftest import ROOT, children, run_nodes, run_torchrun
 from fineweb import TokenLoader, read_shard, write_shard
-from model import GPT, GPTConfig, load_checkpoint, parse_config
+from model import GPT, GPTConfig
 
 
 def tiny_args(data, out, *extra: str) -> list[str]:
