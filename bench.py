@@ -40,6 +40,18 @@ import torch.nn.functional as F
 
 import fused_ce
 import train
+from common import (
+    EOT,
+    GPT2_VOCAB,
+    device_name,
+    get_tokenizer,
+    mfu,
+    parse_config,
+    peak_flops,
+    provenance,
+    resolve_device,
+    run_and_exit,
+)
 from fineweb import TokenLoader, write_shard
 from fused_ce import cross_entropy_rows
 from fused_gelu import (
@@ -56,20 +68,7 @@ from fused_gelu import (
     fused_bias_gelu,
     triton_available,
 )
-from model import (
-    EOT,
-    GPT,
-    GPT2_VOCAB,
-    MODEL_PRESETS,
-    device_name,
-    get_tokenizer,
-    mfu,
-    parse_config,
-    peak_flops,
-    provenance,
-    resolve_device,
-    run_and_exit,
-)
+from model import GPT, MODEL_PRESETS
 
 SUITES = ("kernel", "decode", "hellaswag", "train")  # the order of --suite all: the short suites first, so a time
 # budget spent by the training variants (minutes of compilation each) never loses them
@@ -117,6 +116,14 @@ class BenchConfig:
     hellaswag_examples: int = 256  # synthetic examples per timed evaluation
 
     def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_sizes()
+        impls = [s for s in self.kernel_impls.split(",") if s]
+        if not impls or set(impls) - {"eager", "compile", "triton"}:
+            raise ValueError(f"--kernel-impls must be a comma list of eager, compile, triton; got "
+                             f"{self.kernel_impls!r}")
+
+    def _check_choices(self) -> None:
         if self.dtype not in (allowed := ("auto", "bf16", "fp16", "fp32")):
             raise ValueError(f"--dtype must be one of {', '.join(allowed)}; got {self.dtype!r}")
         suites = self.suites()
@@ -129,6 +136,8 @@ class BenchConfig:
                                  f"got {getattr(self, name)!r}")
         if self.decode_model not in MODEL_PRESETS:
             raise ValueError(f"--decode-model must be one of {', '.join(MODEL_PRESETS)}; got {self.decode_model!r}")
+
+    def _check_sizes(self) -> None:
         for name in ("steps", "grad_accum", "kernel_cols", "decode_prompt", "hellaswag_examples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
@@ -148,10 +157,6 @@ class BenchConfig:
         if self.decode_prompt + max(self.decode_tokens) > 1024:
             raise ValueError(f"--decode-prompt + the largest --decode-tokens must fit GPT-2's 1024 positions; got "
                              f"{self.decode_prompt} + {max(self.decode_tokens)}")
-        impls = [s for s in self.kernel_impls.split(",") if s]
-        if not impls or set(impls) - {"eager", "compile", "triton"}:
-            raise ValueError(f"--kernel-impls must be a comma list of eager, compile, triton; got "
-                             f"{self.kernel_impls!r}")
 
     def suites(self) -> tuple[str, ...]:
         """The suites to run, in order: --suite all is SUITES' order; a list puts e.g. train before kernel."""
@@ -160,10 +165,7 @@ class BenchConfig:
 
 def resolve(cfg: BenchConfig) -> BenchConfig:
     """Fill in the device-dependent defaults ('auto', None, ()); resolving twice changes nothing."""
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if cfg.device == "auto" else cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but this machine has no CUDA GPU; use --device cpu")
+    device = resolve_device(cfg.device)
     gpu = device.type == "cuda"
     return dataclasses.replace(
         cfg, device=str(device),
@@ -260,13 +262,8 @@ class Variant:
 
     name: str  # row label and what --variants selects
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields to override (compile, fused_gelu, ...)
-    # train.py's loop around the step: batches from fineweb.TokenLoader over a shard of random tokens (host memmap,
-    # pinned, non_blocking copy; or device-resident with preload=True), and loss and grad norm read with .item()
-    # after every step as train.py's logging does, so the GPU idles while the host prepares the next step
-    loop: bool = False
-    # train.py under torchrun on one GPU: a one-rank process group, and the model wrapped as train.wrap_model does
-    # (DDP around the compiled model), so the row shows what DDP's gradient buckets and all-reduce hook cost
-    ddp: bool = False
+    loop: bool = False  # train.py's loop around the step: TokenLoader batches from a shard, .item() after each step
+    ddp: bool = False  # in a one-rank process group, so the model is DDP-wrapped as under torchrun
 
 
 def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
@@ -355,105 +352,132 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     cfg = resolve(cfg)
     device = torch.device(cfg.device)
     tcfg = train_config(cfg, variant)
-    if tcfg.fused_gelu and not (device.type == "cuda" and triton_available()):
-        raise Skipped("the fused bias+GELU kernel needs CUDA and triton (elsewhere the MLP uses the reference)")
-    if tcfg.fused_ce and not (device.type == "cuda" and fused_ce.triton_available()):
-        raise Skipped("the fused cross-entropy kernel needs CUDA and triton (elsewhere the loss uses the reference)")
-    if tcfg.compile and (why := train.cuda_graph_conflict(tcfg, cfg.grad_accum, device)):
-        raise Skipped(why)  # train.py refuses it too
-    if why := train.attention_conflict(tcfg, device):
-        raise Skipped(why)  # likewise
+    refuse(tcfg, cfg.grad_accum, device)
     B, T, accum = tcfg.batch_size, tcfg.seq_len, cfg.grad_accum
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rss_before = max_rss_bytes()
 
+    # build: train.py's own builder (compiled; inside DDP when a process group exists, as in the ddp rows). It sets
+    # each row's attention kernel, so one row's choice does not leak into the next
     torch.manual_seed(cfg.seed)
     raw = GPT(train.model_config(tcfg)).to(device)
-    # train.py's own builder: compiled, and inside DDP when a process group exists (only in the ddp rows); every row
-    # sets the attention kernel, so a row's choice does not leak into the next
     built = train.build_trainable(raw, tcfg, device, bool(tcfg.compile), verbose=False)
-    model, optimizer, scaler, dtype, autocast = built.model, built.optimizer, built.scaler, built.dtype, built.autocast
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     losses: list[torch.Tensor] = []
     with tempfile.TemporaryDirectory() as tmp:
-        if variant.loop:
-            next_batch = shard_loader(Path(tmp), tcfg, device, accum, gen).next_batch
-        else:
-            tokens = torch.randint(0, GPT2_VOCAB, (accum, B, T + 1), generator=gen, device=device)
-            xs, ys = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()  # (accum, B, T), like the loader's
-            micro = 0
-
-            def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-                nonlocal micro
-                micro = (micro + 1) % accum
-                return xs[micro], ys[micro]
+        next_batch = (shard_loader(Path(tmp), tcfg, device, accum, gen).next_batch if variant.loop
+                      else resident_batches(tcfg, accum, gen, device))
 
         def step() -> None:
-            loss, norm = train.train_step(model, optimizer, next_batch, accum, autocast, tcfg.grad_clip,
-                                          tcfg.label_smoothing, scaler)
+            loss, norm = train.train_step(built.model, built.optimizer, next_batch, accum, built.autocast,
+                                          tcfg.grad_clip, tcfg.label_smoothing, built.scaler)
             losses.append(loss)  # no .item() unless the variant is train.py's loop: it waits for the GPU
             if variant.loop:
                 loss.item(), norm.item()
 
-        t0 = time.perf_counter()
-        for _ in range(cfg.warmup):
-            step()
-        sync(device)
-        warmup_s = time.perf_counter() - t0
-        ms = time_ms(step, device, cfg.steps)
-        # one more, untimed step under the profiler; a CUDA graph's replay launches kernels without the aten ops the
-        # profiler names, so the graph modes get neither the attention kernel nor the breakdown
-        attention, breakdown, ms_after, launch = "n/a (graph)", None, None, None
-        if not cfg.profile:
-            attention = "n/a (--profile false)"
-        elif not train.uses_cuda_graphs(tcfg, device):
-            launch_before = launch_us(device)
-            try:
-                trace = None
-                if variant.name == cfg.trace_variant:  # a name the device runner returns: letters, digits, . _ -
-                    trace = Path(cfg.out).parent / f"trace_{re.sub(r'[^A-Za-z0-9._-]', '_', variant.name)}.json.gz"
-                attention, breakdown = profile_step(step, device, trace)
-            except Exception as e:  # a diagnostic: a profiler that fails (CUPTI) must not cost the row its timing
-                attention = f"n/a (profiler: {reason(e)[:60]})"
-            # CUPTI left active after a CUDA profile has slowed later work by 10-20% (pytorch issue 144455): time a
-            # few steps again (the first, untimed, takes any teardown cost), and the host's cost of a kernel launch,
-            # which a GPU-bound step would hide; a row slower after its profile says so instead of skewing the rows
-            # after it
-            ms_after = statistics.median(time_ms(step, device, max(3, min(cfg.steps, 5)), warmup=1))
-            launch = (launch_before, launch_us(device))
-    # the last timed step's loss: the profile and the steps timed after it run in some rows but not in CUDA-graph
-    # rows. dloss compares an early step's loss instead: every row overfits one batch of random tokens at the full
-    # learning rate, where AdamW's normalized updates amplify bf16 rounding: after 30 steps on an H200 the rows were
-    # 0.2 nats apart, two that ran the same graph 0.04, while after DLOSS_STEP they agree to 1e-4 (docs/benchmarks.md)
+        # time, then profile one more step
+        warmup_s, ms = time_steps(step, device, cfg)
+        probe = profile_row(step, cfg, tcfg, variant.name, device)
+
+    # the row
+    loss, loss_early = read_losses(losses, cfg)
+    median = statistics.median(ms)
+    tok_s = B * T * accum / (median / 1000)
+    peak_mem, mem_metric = peak_memory(device, rss_before)
+    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None  # None: model.py's table
+    note = profiler_note(median, probe["ms_after_profile"], device, probe["launch_us_before_after_profile"])
+    return {
+        "batch_size": B, "seq_len": T, "grad_accum": accum, "dtype": str(built.dtype).removeprefix("torch."),
+        "tokens_per_step": B * T * accum, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
+        "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak),
+        "peak_mem_bytes": peak_mem, "mem_metric": mem_metric, "warmup_s": warmup_s,
+        "loss": loss, "loss_early": loss_early,
+        **probe,  # attention, breakdown, ms_after_profile, launch_us_before_after_profile
+        **({"note": note} if note else {}),
+        "params": raw.num_params(), "module": type(built.model).__name__,  # GPT, OptimizedModule (compiled) or DDP's
+    }
+
+
+def refuse(tcfg: train.TrainConfig, accum: int, device: torch.device) -> None:
+    """Raise Skipped where this machine cannot run the variant, or where train.py would refuse it too."""
+    if tcfg.fused_gelu and not (device.type == "cuda" and triton_available()):
+        raise Skipped("the fused bias+GELU kernel needs CUDA and triton (elsewhere the MLP uses the reference)")
+    if tcfg.fused_ce and not (device.type == "cuda" and fused_ce.triton_available()):
+        raise Skipped("the fused cross-entropy kernel needs CUDA and triton (elsewhere the loss uses the reference)")
+    if tcfg.compile and (why := train.cuda_graph_conflict(tcfg, accum, device)):
+        raise Skipped(why)
+    if why := train.attention_conflict(tcfg, device):
+        raise Skipped(why)
+
+
+def resident_batches(tcfg: train.TrainConfig, accum: int, gen: torch.Generator,
+                     device: torch.device) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """next_batch over accum micro-batches of random tokens already on the device: the step without data loading."""
+    tokens = torch.randint(0, GPT2_VOCAB, (accum, tcfg.batch_size, tcfg.seq_len + 1), generator=gen, device=device)
+    xs, ys = tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous()  # (accum, B, T), like the loader's
+    micro = 0
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal micro
+        micro = (micro + 1) % accum
+        return xs[micro], ys[micro]
+
+    return next_batch
+
+
+def time_steps(step: Callable[[], None], device: torch.device, cfg: BenchConfig) -> tuple[float, list[float]]:
+    """The seconds of cfg.warmup untimed steps (compilation happens there), then the ms of each of cfg.steps."""
+    t0 = time.perf_counter()
+    for _ in range(cfg.warmup):
+        step()
+    sync(device)
+    return time.perf_counter() - t0, time_ms(step, device, cfg.steps)
+
+
+def profile_row(step: Callable[[], None], cfg: BenchConfig, tcfg: train.TrainConfig, name: str,
+                device: torch.device) -> dict[str, Any]:
+    """A row's attention kernel and breakdown from one more, untimed step under the profiler; then a few steps timed
+    again and the launch cost before and after, which show a profiler that slowed what follows (docs/benchmarks.md)."""
+    probe: dict[str, Any] = {"attention": "n/a (graph)", "breakdown": None, "ms_after_profile": None,
+                             "launch_us_before_after_profile": None}
+    if not cfg.profile:
+        return {**probe, "attention": "n/a (--profile false)"}
+    if train.uses_cuda_graphs(tcfg, device):  # a graph replay launches kernels without the aten ops the profiler names
+        return probe
+    launch_before = launch_us(device)
+    try:
+        trace = None
+        if name == cfg.trace_variant:  # a name the device runner returns: letters, digits, . _ -
+            trace = Path(cfg.out).parent / f"trace_{re.sub(r'[^A-Za-z0-9._-]', '_', name)}.json.gz"
+        probe["attention"], probe["breakdown"] = profile_step(step, device, trace)
+    except Exception as e:  # a diagnostic: a profiler that fails (CUPTI) must not cost the row its timing
+        probe["attention"] = f"n/a (profiler: {reason(e)[:60]})"
+    # the first of these steps, untimed, takes any teardown cost
+    probe["ms_after_profile"] = statistics.median(time_ms(step, device, max(3, min(cfg.steps, 5)), warmup=1))
+    probe["launch_us_before_after_profile"] = (launch_before, launch_us(device))
+    return probe
+
+
+def read_losses(losses: list[torch.Tensor], cfg: BenchConfig) -> tuple[float, float]:
+    """The last timed step's loss (CUDA-graph rows run no steps after it), and dloss's at DLOSS_STEP, where the rows
+    still agree to bf16 noise (docs/benchmarks.md, 'Correctness on the GPU'). Raises where either is not finite."""
     loss = losses[cfg.warmup + cfg.steps - 1].item()
     loss_early = losses[min(DLOSS_STEP, cfg.warmup + cfg.steps) - 1].item()
     if not (math.isfinite(loss) and math.isfinite(loss_early)):  # a step that diverged is not worth timing
         raise FloatingPointError(f"loss is {loss} after {len(losses)} steps")
-    median = statistics.median(ms)
-    tokens_per_step = B * T * accum
-    tok_s = tokens_per_step / (median / 1000)
+    return loss, loss_early
+
+
+def peak_memory(device: torch.device, rss_before: int) -> tuple[int, str]:
+    """The row's peak memory in bytes, and what that number measures."""
     if device.type == "cuda":
-        peak, mem_metric = torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
-    else:
-        peak, mem_metric = max_rss_bytes() - rss_before, "peak RSS growth (0 if an earlier row peaked higher)"
-    peak_flops = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None
-    return {
-        "batch_size": B, "seq_len": T, "grad_accum": accum, "dtype": str(dtype).removeprefix("torch."),
-        "tokens_per_step": tokens_per_step, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
-        "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak_flops),
-        "peak_mem_bytes": peak, "mem_metric": mem_metric, "warmup_s": warmup_s, "loss": loss, "loss_early": loss_early,
-        "attention": attention,
-        "breakdown": breakdown, "ms_after_profile": ms_after, "launch_us_before_after_profile": launch,
-        **({"note": note} if (note := profiler_note(median, ms_after, device, launch)) else {}),
-        "params": raw.num_params(), "module": type(model).__name__,  # GPT, OptimizedModule (compiled) or DDP's
-    }
+        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
+    return max_rss_bytes() - rss_before, "peak RSS growth (0 if an earlier row peaked higher)"
 
 
-# Where a profiled step's time goes, by the names of its CUDA kernels (or, on CPU, of its aten ops): the first bucket
-# whose pattern matches a lowercased name takes it, and a name no pattern matches is "other". Inductor names its
-# Triton kernels after the ops it fused into them (triton_per_fused_add_native_layer_norm_3), so a fused kernel lands
-# in the bucket of the first op this order lists; its matmul templates start with triton_tem.
+# Buckets of a profiled step's kernel (or CPU op) names: the first pattern that matches the lowercased name wins, so
+# an Inductor kernel named after the ops it fused lands in the first of them listed here; no match is "other".
 STEP_PARTS = (
     ("comm", r"nccl|allreduce|all_reduce|reduce_scatter|allgather|all_gather"),
     ("copy", r"^memcpy|^memset|copy_kernel|^triton_[a-z]+_fused__to_copy_\d+$"  # casts alone, eager or compiled
@@ -493,10 +517,8 @@ def launch_us(device: torch.device, n: int = 2000) -> float:
 
 def profiler_note(ms: float, ms_after: float | None, device: torch.device,
                   launch: tuple[float, float] | None = None) -> str:
-    """A warning when, after the row's CUDA profile, its steps ran more than 5% slower than before it or a kernel
-    launch cost the host more than 1.2x as much: the profiler's CUPTI hooks may then still be active, slowing every
-    later row ('' otherwise; on CPU the profiler leaves nothing behind, and a busy machine's noise would only raise
-    false alarms)."""
+    """A warning when, after the row's CUDA profile, its steps ran over 5% slower or a kernel launch cost the host over
+    1.2x as much: CUPTI may still be hooked in, slowing later rows. '' otherwise, and always on CPU."""
     if device.type != "cuda":
         return ""
     slower = []
@@ -522,22 +544,13 @@ def covered_us(intervals: list[tuple[float, float]]) -> float:
 
 def profile_step(step: Callable[[], Any], device: torch.device,
                  trace: Path | None = None) -> tuple[str, dict[str, Any] | None]:
-    """Run step once under the profiler: the SDPA kernels it ran, and where its time went.
-
-    The SDPA kernels come from the aten ops' names (eager and compiled alike): flash, cudnn, efficient, or math when
-    none of those ran (a compiled math path is plain matmuls and softmax). The time: on CUDA each kernel's duration
-    (memory copies and sets included) in its STEP_PARTS bucket, and busy_ms = the time at least one kernel ran, so
-    kernels that overlap on two streams count once there (the buckets may then add up to more than busy_ms); on CPU
-    each recorded op's self time (aten ops, autograd nodes, record_function ranges; its children's time excluded) in
-    the bucket of its name, or in "optimizer" when it ran inside optimizer.step(), and busy_ms = their sum. wall_ms is
-    the profiled step's own time, the profiler's overhead included. Also the ten names that took the most time. None
-    for the breakdown when the profiler recorded nothing to time. `trace`, when given, gets the profile as a
-    Chrome/Perfetto trace (gzipped when it ends in .gz)."""
+    """Run step once under the profiler: the SDPA kernels it ran, and where its time went (step_breakdown; None when
+    the profiler recorded nothing to time). `trace`, when given, gets the profile as a Chrome/Perfetto trace (gzipped
+    when it ends in .gz)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-        # tear CUPTI down when the profile ends: older Kineto left it hooked into every later kernel launch, which
-        # slowed the rows timed after this one (torch's profiler itself turns this off where CUDA graphs need it)
+        # tear CUPTI down when the profile ends, or older Kineto slows every later launch (docs/benchmarks.md)
         os.environ.setdefault("TEARDOWN_CUPTI", "1")
     with torch.profiler.profile(activities=activities) as prof:
         t0 = time.perf_counter()
@@ -548,9 +561,36 @@ def profile_step(step: Callable[[], Any], device: torch.device,
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
     events = prof.events()
+    timed, busy = kernel_times(events) if device.type == "cuda" else op_times(events)
+    # a profiler that recorded no kernel (no CUPTI) has no breakdown to give, not an idle device
+    return sdpa_kernels(events), step_breakdown(timed, busy, wall_ms, device) if timed else None
+
+
+def sdpa_kernels(events: list[Any]) -> str:
+    """The SDPA kernels that ran, from the aten ops' names (eager and compiled alike): flash, cudnn, efficient, or math
+    when none of those ran (a compiled math path is plain matmuls and softmax)."""
     names = {e.name for e in events if e.name.startswith("aten::_scaled_dot_product")}
     found = [k for k in ("flash", "cudnn", "efficient") if any(f"_{k}_" in n or n.endswith(f"_{k}") for n in names)]
-    attention = ",".join(found) or "math"
+    return ",".join(found) or "math"
+
+
+Timed = list[tuple[str, str, float]]  # (name, STEP_PARTS bucket, microseconds)
+
+
+def kernel_times(events: list[Any]) -> tuple[Timed, float]:
+    """Each CUDA kernel's duration (memory copies and sets included) in its bucket, and the time at least one kernel
+    ran: kernels that overlap on two streams count once there."""
+    # record_function ranges also appear on the GPU's timeline (gpu_user_annotation), spanning counted kernels
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)
+               and "annotation" not in str(getattr(e, "activity_type", ""))]
+    timed = [(e.name, step_part(e.name), e.time_range.elapsed_us()) for e in kernels]
+    return timed, covered_us([(e.time_range.start, e.time_range.end) for e in kernels])
+
+
+def op_times(events: list[Any]) -> tuple[Timed, float]:
+    """Each recorded CPU op's self time (aten ops, autograd nodes, record_function ranges) in the bucket of its name,
+    or in "optimizer" inside optimizer.step(); and their sum."""
 
     def in_optimizer_step(e: Any) -> bool:  # torch.optim wraps step() in a record_function named Optimizer.step#...
         while e is not None:
@@ -559,22 +599,14 @@ def profile_step(step: Callable[[], Any], device: torch.device,
             e = e.cpu_parent
         return False
 
-    timed: list[tuple[str, str, float]]  # (name, bucket, microseconds)
-    if device.type == "cuda":
-        # record_function ranges also appear on the GPU's timeline (gpu_user_annotation), spanning kernels that are
-        # counted already
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not getattr(e, "is_user_annotation", False)
-                   and "annotation" not in str(getattr(e, "activity_type", ""))]
-        timed = [(e.name, step_part(e.name), e.time_range.elapsed_us()) for e in kernels]
-        busy = covered_us([(e.time_range.start, e.time_range.end) for e in kernels])
-    else:
-        ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
-        timed = [(e.name, "optimizer" if in_optimizer_step(e) else step_part(e.name), e.self_cpu_time_total)
-                 for e in ops]
-        busy = sum(us for _, _, us in timed)
-    if not timed:  # a profiler that recorded no kernel (no CUPTI) has no breakdown to give, not an idle device
-        return attention, None
+    ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
+    timed = [(e.name, "optimizer" if in_optimizer_step(e) else step_part(e.name), e.self_cpu_time_total) for e in ops]
+    return timed, sum(us for _, _, us in timed)
+
+
+def step_breakdown(timed: Timed, busy_us: float, wall_ms: float, device: torch.device) -> dict[str, Any]:
+    """The ms per STEP_PARTS bucket, busy and wall ms, and the TOP_KERNELS names that took the most time (enough to
+    read what the buckets missed from a GPU run's JSON)."""
     parts = dict.fromkeys([*(p for p, _ in STEP_PARTS), "other"], 0.0)
     by_name: dict[tuple[str, str], list[float]] = {}  # (name, bucket) -> [ms, calls]: a CPU op may be in two buckets
     for name, part, us in timed:
@@ -582,15 +614,12 @@ def profile_step(step: Callable[[], Any], device: torch.device,
         total = by_name.setdefault((name, part), [0.0, 0])
         total[0] += us / 1000
         total[1] += 1
-    # the JSON keeps the 60 costliest (the table prints 10): enough to read what the buckets missed, e.g. "other",
-    # from a GPU run's JSON after the machine is gone
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
-    return attention, {
+    return {
         "source": "cuda kernels" if device.type == "cuda" else "cpu aten ops (self time)",
-        # the table's denominator: the timed ms/step on CUDA (kernel times hardly change under the profiler), the
-        # profiled step's own wall time on CPU (the profiler slows CPU ops)
+        # the table's denominator: kernel times hardly change under the profiler, CPU op times do
         "basis": "ms_per_step" if device.type == "cuda" else "wall_ms",
-        "busy_ms": busy / 1000, "parts_ms": parts, "wall_ms": wall_ms,
+        "busy_ms": busy_us / 1000, "parts_ms": parts, "wall_ms": wall_ms,
         "top": [{"name": name[:160], "part": part, "ms": ms, "calls": int(calls)}
                 for (name, part), (ms, calls) in top]}
 
@@ -608,11 +637,9 @@ def shard_loader(folder: Path, tcfg: train.TrainConfig, device: torch.device, ac
 
 
 def loss_delta(row: dict[str, Any], earlier: list[dict[str, Any]]) -> float | None:
-    """Speed must not cost correctness: this row's loss at step DLOSS_STEP minus that of the first earlier row that
-    trained the same weights on the same tokens (same micro-batch and accumulation; every row starts from one seed,
-    and the loop rows read other tokens, from a shard); 0.0 for that reference row itself, None without one. Within
-    bf16 noise is a pass; a variant off by more computes something else. Rows without loss_early (JSON from before
-    it) compare their final losses."""
+    """This row's loss at step DLOSS_STEP minus that of the first earlier ok row that trained the same weights on the
+    same tokens (same micro-batch and accumulation, not a loop row); 0.0 with no such row, None for a loop row. Rows
+    without loss_early (older JSON) compare their final losses."""
     if row["loop"]:
         return None
     for ref in earlier:
@@ -653,8 +680,7 @@ def run_train(cfg: BenchConfig, deadline: float | None = None,
 
 def device_lost(device: torch.device) -> str:
     """free_memory, or why it failed: '' while the device still works. A CUDA error such as an illegal memory access
-    (seen in max-autotune's matmul autotuning on an H200) is sticky: every later call in this process fails, so the
-    rows after it are reported as not run, and the table of the rows before it is still printed."""
+    is sticky (every later call fails), so the rows after it are reported as not run."""
     try:
         free_memory(device)
         return ""
@@ -996,122 +1022,178 @@ def bench_hellaswag(cfg: BenchConfig) -> list[dict[str, Any]]:
 # Output
 
 
-def _num(v: Any, fmt: str) -> str:
-    return "n/a" if v is None else format(v, fmt)
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a table: its header and width, and its cell as format(row[key], spec) + suffix, or cell(row).
+    A cell that raises KeyError is left blank: a skipped or failed row has its labels but no measurements."""
+
+    header: str
+    width: int
+    key: str = ""
+    spec: str = ""
+    suffix: str = ""
+    none: str | None = None  # the text of a None value, where None is expected (MFU without a known peak)
+    cell: Callable[[Row], str] | None = None
+
+    def text(self, row: Row) -> str:
+        try:
+            if self.cell is not None:
+                return self.cell(row)
+            value = row[self.key]
+        except KeyError:
+            return ""
+        return self.none if value is None and self.none is not None else format(value, self.spec) + self.suffix
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table of the printout: the result's rows it shows, its title (from the config and its first row), its
+    columns (a tuple, or built from the first row) and the lines printed after it."""
+
+    rows: Callable[[dict[str, Any]], list[Row]]
+    title: Callable[[dict[str, Any], Row], str]
+    columns: tuple[Column, ...] | Callable[[Row], tuple[Column, ...]]
+    after: Callable[[list[Row]], list[str]] = lambda rows: []
+
+
+def _kernel_rows(keep: Callable[[Row], bool]) -> Callable[[dict[str, Any]], list[Row]]:
+    return lambda result: [r for r in result.get("kernel", []) if keep(r)]
+
+
+def _matmul_bound(rows: list[Row]) -> list[str]:
+    step = next((r for r in rows if r["pass"] == "step"), None)
+    if not step:
+        return []
+    return [f"GPT-2 124M's matmuls alone bound its micro-step to {step['ms']:.1f} ms: at most "
+            f"{step['tok_per_s_bound']:,.0f} tokens/s for GPT-2 124M at these rates, before attention and "
+            "everything else"]
+
+
+def _peak_mem(rows: list[Row]) -> list[str]:
+    ok = [r for r in rows if r.get("status") == "ok"]
+    return [f"peak mem: {ok[0]['mem_metric']}"] if any(r["peak_mem_bytes"] is not None for r in ok) else []
+
+
+def _on_cuda(first: Row) -> bool:
+    """Whether a breakdown table is in CUDA kernel time (% of ms/step) or CPU op time (% of the profiled wall)."""
+    return first["breakdown"]["source"] == "cuda kernels"
+
+
+def _breakdown_title(cfg: dict[str, Any], first: Row) -> str:
+    return (f"where the step's time goes: one profiled step per row, {first['breakdown']['source']} by name "
+            "(bench.STEP_PARTS); " + (
+                "% of the row's ms/step; busy = time with a kernel running (the buckets may add up to more where two "
+                "streams overlap), idle = ms/step - busy: the GPU waiting for the host" if _on_cuda(first) else
+                "% of the profiled step's wall time (the profiler slows CPU ops); busy = the recorded ops' self time "
+                "(a compiled graph's own C++ kernels count as its 'Call CompiledFxGraph' range, in other), rest = "
+                "wall - busy: Python and the profiler"))
+
+
+def _breakdown_columns(first: Row) -> tuple[Column, ...]:
+    cuda = _on_cuda(first)
+
+    def step_ms(r: Row) -> float:  # kernel times hardly change under the profiler, op times do
+        return r["ms_per_step"] if cuda else r["breakdown"]["wall_ms"]
+
+    def pct(ms: Callable[[Row], float]) -> Callable[[Row], str]:
+        return lambda r: f"{100 * ms(r) / step_ms(r):.0f}%"
+
+    parts = [Column(p[:9], max(len(p[:9]), 5), cell=pct(lambda r, p=p: r["breakdown"]["parts_ms"][p]))
+             for p in first["breakdown"]["parts_ms"]]
+    return (Column("variant", 23, "name"), Column("step ms", 8, cell=lambda r: f"{step_ms(r):.1f}"),
+            Column("busy", 5, cell=pct(lambda r: r["breakdown"]["busy_ms"])), *parts,
+            Column("idle" if cuda else "rest", 5, cell=pct(lambda r: max(step_ms(r) - r["breakdown"]["busy_ms"], 0.0))))
+
+
+def _costliest(rows: list[Row]) -> list[str]:
+    first = next((r for r in rows if r["name"] == "compile"), rows[0])
+    return [f"\nthe costliest kernels of {first['name']}'s step (ms in one step, calls, bucket, name):",
+            *(f"{k['ms']:9.3f} {k['calls']:5d}  {k['part']:<9}  {k['name'][:90]}"
+              for k in first["breakdown"]["top"][:10])]
+
+
+BANDWIDTH = (Column("impl", 18, cell=lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
+             Column("pass", 8, "pass"), Column("ms", 9, "ms", ".3f"), Column("GB/s", 8, "gb_per_s", ".1f"),
+             Column("% copy", 7, "pct_copy", ".0f", "%"))
+
+# The printout, table by table in this order; a table with no rows is left out.
+TABLES = (
+    Table(_kernel_rows(lambda r: r["name"] == "matmul"),
+          lambda cfg, r: f"matmul: {r['dtype']} rates, 2mkn FLOPs, % of model.py's peak; GPT-2 124M's matmuls as "
+                         f"nn.Linear runs them, x count per micro-step; step = their sum; median of {cfg['steps']}",
+          (Column("matmul", 18, "layer"), Column("pass", 7, "pass"),
+           Column("count", 5, cell=lambda r: str(r["count"] or "")), Column("ms", 9, "ms", ".3f"),
+           Column("TFLOP/s", 8, "tflops", ".1f"),
+           Column("% peak", 7, "pct_peak", ".0f", "%", none="n/a")),
+          _matmul_bound),
+    Table(_kernel_rows(lambda r: r["name"] != "matmul" and r.get("op") != "cross-entropy"),
+          lambda cfg, r: f"kernel: bias+GELU on ({r['rows']}, {r['cols']}) {r['dtype']}; GB/s counts the bytes a fused "
+                         f"kernel must move (fwd 2MN+N, bwd 3MN+2N elements); median of {cfg['steps']}",
+          BANDWIDTH),
+    Table(_kernel_rows(lambda r: r.get("op") == "cross-entropy"),
+          lambda cfg, r: f"kernel: cross-entropy loss and logits' gradient on ({r['rows']}, {r['cols']}) {r['dtype']} "
+                         "logits; GB/s counts the bytes a fused kernel must move (read the logits, write the gradient: "
+                         f"2NV elements); median of {cfg['steps']}",
+          BANDWIDTH),
+    Table(lambda result: result.get("decode") or [],
+          lambda cfg, r: f"decode: random {r['model']} ({r.get('params', 0) / 1e6:.1f}M) fp32, greedy, batch 1, prompt "
+                         f"{r['prompt']} tokens, prefill included; same = same tokens as ours kv-cache; "
+                         "distinct = different token ids among them",
+          (Column("impl", 26, "name"), Column("new", 5, "new_tokens"), Column("tok/s", 9, "tok_per_s", ".1f"),
+           Column("ms/tok", 8, "ms_per_token", ".2f"),
+           Column("same", 5, cell=lambda r: "ref" if r["same_tokens"] is None else str(r["same_tokens"]).lower()),
+           Column("distinct", 8, "distinct_tokens"))),
+    Table(lambda result: result.get("hellaswag") or [],
+          lambda cfg, r: f"hellaswag: evaluate() on {cfg['hellaswag_examples']} synthetic examples, random "
+                         f"{r['model']} ({r.get('params', 0) / 1e6:.1f}M), tokenization included",
+          (Column("batch", 6, "batch_size"), Column("examples/s", 10, "examples_per_sec", ".1f"),
+           Column("tokenizer", 10, "tokenizer"))),
+    Table(lambda result: result.get("train") or [],
+          lambda cfg, r: f"train: {cfg['model']}, T={cfg['seq_len']}, train.train_step on device-resident random "
+                         "tokens (+loop rows: TokenLoader batches and a per-step .item()); median of "
+                         f"{cfg['steps']} steps after {cfg['warmup']} warmup",
+          (Column("variant", 23, "name"), Column("B", 4, "batch_size"), Column("accum", 5, "grad_accum"),
+           Column("dtype", 8, "dtype"), Column("tok/step", 9, "tokens_per_step", ","),
+           Column("ms/step", 9, "ms_per_step", ".1f"), Column("tok/s", 10, "tok_per_s", ",.0f"),
+           Column("MFU", 6, "mfu", ".1%", none="n/a"),
+           Column("peak mem", 9, cell=lambda r: f"{r['peak_mem_bytes'] / 2**30:.2f}G"),
+           Column("warmup", 7, "warmup_s", ".0f", "s"), Column("loss", 6, "loss", ".3f"),
+           Column("dloss", 8, cell=lambda r: "n/a" if r.get("loss_delta") is None else f"{r['loss_delta']:+.4f}"),
+           Column("attn", 9, "attention")),
+          _peak_mem),
+    Table(lambda result: [r for r in result.get("train") or [] if r.get("status") == "ok" and r.get("breakdown")],
+          _breakdown_title, _breakdown_columns, _costliest),
+)
+
+
+def render(table: Table, cfg: dict[str, Any], rows: list[Row]) -> list[str]:
+    """A table's lines: a blank line, its title, the header, one line per row with its status, the lines after it."""
+    columns = table.columns(rows[0]) if callable(table.columns) else table.columns
+
+    def line(cells: list[str]) -> str:  # first column left-aligned, numbers right-aligned
+        return "  ".join(f"{c:>{col.width}}" if i else f"{c:<{col.width}}"
+                         for i, (c, col) in enumerate(zip(cells, columns, strict=True)))
+
+    out = ["", table.title(cfg, rows[0]), line([col.header for col in columns]) + "  status"]
+    for r in rows:
+        status = r.get("status", "?") + (f": {r['reason']}" if r.get("reason") else "")
+        note = f" ({r['note']})" if r.get("note") else ""
+        out.append(line([col.text(r) for col in columns]) + "  " + status + note)
+    return out + table.after(rows)
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The rows of every suite that ran as fixed-width text; skipped and failed rows carry their reason."""
+    """The rows of every suite that ran as fixed-width text (TABLES); skipped and failed rows carry their reason."""
     prov, cfg = result["provenance"], result["config"]
     out = [f"bench.py on {prov['device']} | torch {prov['torch']} | triton {prov['triton']} | cuda {prov['cuda']} | "
            f"python {prov['python']} | git {str(prov['git_sha'])[:10]}{' (dirty)' if prov['git_dirty'] else ''}"]
-
-    def line(cells: list[str], widths: list[int]) -> str:  # first column left-aligned, numbers right-aligned
-        return "  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
-
-    def section(title: str, rows: list[dict], cols: list[tuple[str, int, Callable[[dict], str]]]) -> None:
-        widths = [w for _, w, _ in cols]
-        out.extend(["", title, line([h for h, _, _ in cols], widths) + "  status"])
-        for r in rows:
-            cells = []
-            for _, _, f in cols:
-                try:
-                    cells.append(f(r))
-                except KeyError:  # a skipped or failed row has its labels but no measurements
-                    cells.append("")
-            status = r.get("status", "?") + (f": {r['reason']}" if r.get("reason") else "")
-            out.append(line(cells, widths) + "  " + status + (f" ({r['note']})" if r.get("note") else ""))
-
-    matmuls = [r for r in result.get("kernel", []) if r["name"] == "matmul"]
-    if matmuls:
-        section(f"matmul: {matmuls[0]['dtype']} rates, 2mkn FLOPs, % of model.py's peak; GPT-2 124M's matmuls as "
-                f"nn.Linear runs them, x count per micro-step; step = their sum; median of {cfg['steps']}", matmuls,
-                [("matmul", 18, lambda r: r["layer"]), ("pass", 7, lambda r: r["pass"]),
-                 ("count", 5, lambda r: str(r["count"] or "")), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
-                 ("TFLOP/s", 8, lambda r: f"{r['tflops']:.1f}"),
-                 ("% peak", 7, lambda r: "n/a" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}%")])
-        step = next((r for r in matmuls if r["pass"] == "step"), None)
-        if step:
-            out.append(f"GPT-2 124M's matmuls alone bound its micro-step to {step['ms']:.1f} ms: at most "
-                       f"{step['tok_per_s_bound']:,.0f} tokens/s for GPT-2 124M at these rates, before attention and "
-                       "everything else")
-    bandwidth_cols = [("impl", 18, lambda r: r["name"] + (f" {r['tile']}" if r.get("tile") else "")),
-                      ("pass", 8, lambda r: r["pass"]), ("ms", 9, lambda r: f"{r['ms']:.3f}"),
-                      ("GB/s", 8, lambda r: f"{r['gb_per_s']:.1f}"),
-                      ("% copy", 7, lambda r: f"{r['pct_copy']:.0f}%")]
-    kernels = [r for r in result.get("kernel", []) if r["name"] != "matmul" and r.get("op") != "cross-entropy"]
-    if kernels:
-        k = kernels[0]
-        section(f"kernel: bias+GELU on ({k['rows']}, {k['cols']}) {k['dtype']}; GB/s counts the bytes a fused kernel "
-                f"must move (fwd 2MN+N, bwd 3MN+2N elements); median of {cfg['steps']}", kernels, bandwidth_cols)
-    losses = [r for r in result.get("kernel", []) if r.get("op") == "cross-entropy"]
-    if losses:
-        k = losses[0]
-        section(f"kernel: cross-entropy loss and logits' gradient on ({k['rows']}, {k['cols']}) {k['dtype']} logits; "
-                f"GB/s counts the bytes a fused kernel must move (read the logits, write the gradient: 2NV elements); "
-                f"median of {cfg['steps']}", losses, bandwidth_cols)
-    if result.get("decode"):
-        d = result["decode"][0]
-        section(f"decode: random {d['model']} ({d.get('params', 0) / 1e6:.1f}M) fp32, greedy, batch 1, prompt "
-                f"{d['prompt']} tokens, prefill included; same = same tokens as ours kv-cache; "
-                f"distinct = different token ids among them", result["decode"],
-                [("impl", 26, lambda r: r["name"]), ("new", 5, lambda r: str(r["new_tokens"])),
-                 ("tok/s", 9, lambda r: f"{r['tok_per_s']:.1f}"), ("ms/tok", 8, lambda r: f"{r['ms_per_token']:.2f}"),
-                 ("same", 5, lambda r: "ref" if r["same_tokens"] is None else str(r["same_tokens"]).lower()),
-                 ("distinct", 8, lambda r: str(r["distinct_tokens"]))])
-    if result.get("hellaswag"):
-        h = result["hellaswag"][0]
-        section(f"hellaswag: evaluate() on {cfg['hellaswag_examples']} synthetic examples, random {h['model']} "
-                f"({h.get('params', 0) / 1e6:.1f}M), tokenization included", result["hellaswag"],
-                [("batch", 6, lambda r: str(r["batch_size"])),
-                 ("examples/s", 10, lambda r: f"{r['examples_per_sec']:.1f}"),
-                 ("tokenizer", 10, lambda r: r["tokenizer"])])
-    if result.get("train"):
-        section(f"train: {cfg['model']}, T={cfg['seq_len']}, train.train_step on device-resident random tokens "
-                f"(+loop rows: TokenLoader batches and a per-step .item()); median of {cfg['steps']} steps after "
-                f"{cfg['warmup']} warmup", result["train"],
-                [("variant", 23, lambda r: r["name"]), ("B", 4, lambda r: str(r["batch_size"])),
-                 ("accum", 5, lambda r: str(r["grad_accum"])), ("dtype", 8, lambda r: r["dtype"]),
-                 ("tok/step", 9, lambda r: f"{r['tokens_per_step']:,}"),
-                 ("ms/step", 9, lambda r: f"{r['ms_per_step']:.1f}"), ("tok/s", 10, lambda r: f"{r['tok_per_s']:,.0f}"),
-                 ("MFU", 6, lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"),
-                 ("peak mem", 9, lambda r: f"{r['peak_mem_bytes'] / 2**30:.2f}G"),
-                 ("warmup", 7, lambda r: f"{r['warmup_s']:.0f}s"), ("loss", 6, lambda r: f"{r['loss']:.3f}"),
-                 ("dloss", 8, lambda r: "n/a" if r.get("loss_delta") is None else f"{r['loss_delta']:+.4f}"),
-                 ("attn", 9, lambda r: r["attention"])])
-        if any(r.get("status") == "ok" and r["peak_mem_bytes"] is not None for r in result["train"]):
-            out.append(f"peak mem: {next(r['mem_metric'] for r in result['train'] if r.get('status') == 'ok')}")
-        profiled = [r for r in result["train"] if r.get("status") == "ok" and r.get("breakdown")]
-        if profiled:
-            parts = list(profiled[0]["breakdown"]["parts_ms"])
-            cuda = profiled[0]["breakdown"]["source"] == "cuda kernels"
-
-            def step_ms(r: dict[str, Any]) -> float:  # kernel times hardly change under the profiler, op times do
-                return r["ms_per_step"] if cuda else r["breakdown"]["wall_ms"]
-
-            def pct(r: dict[str, Any], ms: float) -> str:
-                return f"{100 * ms / step_ms(r):.0f}%"
-
-            section(f"where the step's time goes: one profiled step per row, {profiled[0]['breakdown']['source']} "
-                    "by name (bench.STEP_PARTS); " + (
-                        "% of the row's ms/step; busy = time with a kernel running (the buckets may add up to more "
-                        "where two streams overlap), idle = ms/step - busy: the GPU waiting for the host" if cuda else
-                        "% of the profiled step's wall time (the profiler slows CPU ops); busy = the recorded ops' "
-                        "self time (a compiled graph's own C++ kernels count as its 'Call CompiledFxGraph' range, in "
-                        "other), rest = wall - busy: Python and the profiler"),
-                    profiled,
-                    [("variant", 23, lambda r: r["name"]), ("step ms", 8, lambda r: f"{step_ms(r):.1f}"),
-                     ("busy", 5, lambda r: pct(r, r["breakdown"]["busy_ms"])),
-                     *[(p[:9], max(len(p[:9]), 5), lambda r, p=p: pct(r, r["breakdown"]["parts_ms"][p]))
-                       for p in parts],
-                     ("idle" if cuda else "rest", 5,
-                      lambda r: pct(r, max(step_ms(r) - r["breakdown"]["busy_ms"], 0.0)))])
-            first = next((r for r in profiled if r["name"] == "compile"), profiled[0])
-            out.append(f"\nthe costliest kernels of {first['name']}'s step (ms in one step, calls, bucket, name):")
-            out.extend(f"{k['ms']:9.3f} {k['calls']:5d}  {k['part']:<9}  {k['name'][:90]}"
-                       for k in first["breakdown"]["top"][:10])
-    for name, err in result.get("errors", {}).items():
-        out.append(f"\n{name}: failed: {err}")
+    for table in TABLES:
+        if rows := table.rows(result):
+            out += render(table, cfg, rows)
+    out += [f"\n{name}: failed: {err}" for name, err in result.get("errors", {}).items()]
     return "\n".join(out)
 
 
@@ -1128,14 +1210,8 @@ def write_json(result: dict[str, Any], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(BenchConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    if cfg.table_from:  # a GPU call killed at its time limit printed no table, but its JSON holds every finished row
-        try:
-            result = json.loads(Path(cfg.table_from).read_text())
-            table = format_table(result)
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"error: --table-from {cfg.table_from} is not a bench.py JSON file ({e!r})") from None
-        print(table)
-        return {**result, "table": table}
+    if cfg.table_from:
+        return print_table_from(cfg.table_from)
     try:
         cfg = resolve(cfg)
         names = [v.name for v in select_variants(cfg)]  # a misspelt --variants fails now, not after the other suites
@@ -1151,9 +1227,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"provenance": {**provenance(device), "torch_threads": torch.get_num_threads()},
                               "config": dataclasses.asdict(cfg)}
     print(json.dumps(result), flush=True)
-    try:  # now, so a path that cannot be written fails before anything is measured, not after every row; through
-        # the temporary file alone, so an earlier run's results stay until this run has a row to put in their place
-        out = Path(cfg.out)
+    check_out(cfg.out)
+    run_suites(cfg, device, result)
+    result["table"] = format_table(result)
+    write_json(result, cfg.out)
+    print("\n" + result["table"], flush=True)
+    return result
+
+
+def print_table_from(path: str) -> dict[str, Any]:
+    """--table-from: the table of an earlier run's JSON, which holds every row that finished before a time limit."""
+    try:
+        result = json.loads(Path(path).read_text())
+        table = format_table(result)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: --table-from {path} is not a bench.py JSON file ({e!r})") from None
+    print(table)
+    return {**result, "table": table}
+
+
+def check_out(path: str) -> None:
+    """Fail before anything is measured where --out cannot be written. Only the temporary file is written, so an
+    earlier run's results stay until this run has a row to put in their place."""
+    try:
+        out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.is_dir():
             raise IsADirectoryError(f"{out} is a directory")
@@ -1161,10 +1258,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise SystemExit(f"error: --out {cfg.out} cannot be written ({e}); pass a file path") from None
+        raise SystemExit(f"error: --out {path} cannot be written ({e}); pass a file path") from None
+
+
+def run_suites(cfg: BenchConfig, device: torch.device, result: dict[str, Any]) -> None:
+    """Each suite's rows into result, which goes to --out after every row. A suite that fails or starts past the time
+    budget becomes an entry in result["errors"]; a device that fails ends the run."""
     deadline = time.monotonic() + cfg.budget_s if cfg.budget_s > 0 else None
 
-    def report(row: dict[str, Any]) -> None:
+    def add(suite: str, row: dict[str, Any]) -> None:
+        result[suite].append(row)
         metric = next((f"{k} {row[k]:,.1f}" for k in ("tok_per_s", "gb_per_s", "examples_per_sec") if k in row), "")
         print(f"{row['suite']} {row['name']} {row.get('pass', '')}: {row['status']} {metric} {row.get('reason', '')}",
               flush=True)
@@ -1179,12 +1282,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result[suite] = []
             try:
                 if suite == "train":
-                    run_train(cfg, deadline, lambda row: (result["train"].append(row), report(row)))
+                    run_train(cfg, deadline, lambda row: add("train", row))
                 else:
                     bench_suite = {"kernel": bench_kernel, "decode": bench_decode, "hellaswag": bench_hellaswag}[suite]
                     for row in bench_suite(cfg):
-                        result[suite].append(row)
-                        report(row)
+                        add(suite, row)
             except Exception as e:  # a suite that breaks (e.g. a missing optional package) must not lose the others
                 result.setdefault("errors", {})[suite] = reason(e)
             if why := device_lost(device):  # nothing more can run here; the table of what did is still wanted
@@ -1192,10 +1294,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 break
     finally:
         train.set_sdpa_switches(attention)
-    result["table"] = format_table(result)
-    write_json(result, cfg.out)
-    print("\n" + result["table"], flush=True)
-    return result
 
 
 if __name__ == "__main__":

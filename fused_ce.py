@@ -4,7 +4,7 @@ loss's gradient with respect to that row, with no fp32 copy of the logits and no
     loss[r] = logsumexp(z[r]) - z[r, t[r]]        grad[r] = softmax(z[r]) - onehot(t[r])        z: (N, V), t: (N,)
 
 A row whose target is -1 is ignored: loss 0, gradient 0. With label smoothing s, spread over the R real token ids
-(R = 50257 for GPT-2's vocabulary padded to 50304, as model._chunk_loss does):
+(R = 50257 for GPT-2's vocabulary padded to 50304, as _chunk_loss below does):
 
     loss[r] = (1 - s) (lse - z_t) + s (lse - mean_{j < R} z_j)        grad[r] = softmax - (1 - s) onehot - s/R [j < R]
 
@@ -14,7 +14,7 @@ Here each program owns one row and makes two passes over it: an online max and s
 the gradient (a second read and a write), the second pass walking the row backwards so that its first blocks are the
 ones the first pass read last, still in L2. The math is fp32; the gradient comes out in the logits' dtype.
 
-The kernel is the inner step of model.py's fused lm_head + loss (GPTConfig.fused_ce): the lm_head matmul, this
+The kernel is the inner step of the fused lm_head + loss below (lm_loss, GPTConfig.fused_ce): the lm_head matmul, this
 kernel, and the two gradient matmuls all run in forward, so backward only scales two small gradients, and neither
 the logits nor their gradient outlive the forward pass.
 
@@ -25,10 +25,13 @@ Usage (self-check against the reference, not a benchmark; speed lives in bench.p
 
 import argparse
 import math
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from common import GPT2_VOCAB
 from fused_gelu import check_cli_device
 
 try:
@@ -36,7 +39,7 @@ try:
     import triton.language as tl
 
     _HAS_TRITON = True
-except ImportError:  # CPU-only or macOS installs: model.py uses the PyTorch reference
+except ImportError:  # CPU-only or macOS installs: the loss below uses the PyTorch reference
     _HAS_TRITON = False
 
 # Launch defaults for GPT-2's V = 50304 in bf16: 4096 columns per loop step at 8 warps is 16 elements per thread,
@@ -136,8 +139,8 @@ def cross_entropy_rows(logits: Tensor, targets: Tensor, label_smoothing: float =
                        num_warps: int = NUM_WARPS) -> tuple[Tensor, Tensor | None]:
     """Launch the kernel: (loss per row (N,) fp32, gradient of the summed loss (N, V) in logits' dtype, or None
     without with_grad). Targets must be in [0, V) or -1 (ignored), as for F.cross_entropy; the kernel does not
-    check (a check would sync the GPU every step). A plain function, not autograd: model.py's fused loss calls it
-    inside its own autograd.Function."""
+    check (a check would sync the GPU every step). A plain function, not autograd: _ChunkedCrossEntropy below calls
+    it inside its own autograd.Function."""
     if not _HAS_TRITON:
         raise RuntimeError("cross_entropy_rows needs triton, which is not installed: `pip install triton` on a CUDA "
                            "machine, or use model.py's PyTorch loss (GPTConfig.fused_ce=False)")
@@ -161,6 +164,135 @@ def cross_entropy_rows(logits: Tensor, targets: Tensor, label_smoothing: float =
                                 real_vocab, V=V, BLOCK_V=block_v, SMOOTH=bool(label_smoothing), WITH_GRAD=with_grad,
                                 num_warps=num_warps)
     return loss, grad
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The loss behind GPT.forward: plain, chunked (the logits a chunk of rows at a time) or fused (this kernel per chunk)
+
+
+def _chunk_loss(logits: Tensor, targets: Tensor, label_smoothing: float,
+                with_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """Summed cross-entropy of fp32 logits (n, V) over the rows whose target is not -1, and optionally its gradient
+    with respect to the logits: softmax - (1 - s) * onehot - s / R on those rows, 0 on the others.
+
+    Label smoothing spreads its mass s over the R = min(V, 50257) real token ids, as F.cross_entropy does over all V
+    when nothing is padded: a smoothing target on the padded ids would train their logits up, towards probability
+    the model can never use (they are never targets, and never sampled or exported)."""
+    valid = targets != -1
+    safe = targets.masked_fill(~valid, 0)  # (n,)
+    real = min(logits.size(-1), GPT2_VOCAB)
+    lse = logits.logsumexp(dim=-1)  # (n,)
+    rows = lse - logits.gather(1, safe[:, None]).squeeze(1)  # -log p(target)
+    if label_smoothing:  # the mean over the real ids of -log p(id)
+        rows = (1 - label_smoothing) * rows + label_smoothing * (lse - logits[:, :real].mean(dim=-1))
+    loss = (rows * valid).sum()
+    if not with_grad:
+        return loss, None
+    grad = (logits - lse[:, None]).exp_()  # softmax, in place of a second (n, V) buffer
+    grad.scatter_add_(1, safe[:, None], torch.full_like(grad[:, :1], label_smoothing - 1.0))
+    if label_smoothing:
+        grad[:, :real] -= label_smoothing / real
+    return loss, grad.mul_(valid[:, None])
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Mean cross-entropy of (N, V) logits, in fp32, over the targets that are not -1; label smoothing over the real
+    ids only (see _chunk_loss), where F.cross_entropy would spread it over the padded ones too."""
+    logits = logits.float()
+    if label_smoothing and logits.size(-1) > GPT2_VOCAB:
+        # through log_softmax, whose backward keeps one (N, V) buffer: _chunk_loss's logsumexp and mean would keep
+        # two more, 26 GB more at GPT-2's B=64 uncompiled
+        valid = targets != -1
+        logp = logits.log_softmax(dim=-1)
+        rows = -(1 - label_smoothing) * logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1) \
+            - label_smoothing * logp[:, :GPT2_VOCAB].mean(dim=-1)
+        return (rows * valid).sum() / valid.sum()
+    return F.cross_entropy(logits, targets, ignore_index=-1, label_smoothing=label_smoothing)
+
+
+def _rows_loss(logits: Tensor, targets: Tensor, label_smoothing: float, fused: bool,
+               with_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """One chunk's summed loss and, with with_grad, its gradient with respect to the logits (N, V): fused_ce.py's
+    kernel on the logits in their own dtype, or _chunk_loss on an fp32 copy."""
+    if fused:
+        rows, grad = cross_entropy_rows(logits, targets, label_smoothing, min(logits.size(1), GPT2_VOCAB), with_grad)
+        return rows.sum(), grad
+    return _chunk_loss(logits.float(), targets, label_smoothing, with_grad)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of x @ weight.T against targets, a chunk of rows at a time. Each chunk's gradients with
+    respect to x and weight are computed in forward, from its logits, which are then freed; backward only scales
+    them. Peak memory is one chunk's logits and their gradient instead of all B*T of them (6.6 GB for GPT-2 at B=64
+    in bf16). With fused, fused_ce.py's kernel makes each chunk's loss and gradient in two passes over its logits in
+    their own dtype; without, _chunk_loss does it in PyTorch on an fp32 copy."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, targets: Tensor, chunk: int,
+                label_smoothing: float, fused: bool) -> Tensor:
+        count = (targets != -1).sum()  # the mean over the targets that count (none: a NaN loss, as F.cross_entropy)
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        device = x.device.type
+        # the gradient matmuls run in the forward matmul's precision: bf16 under autocast, as in the plain path. Not
+        # fp16: these gradients are the summed loss's (the mean's 1/count and GradScaler's scale only come in
+        # backward), and a sum over thousands of rows can pass fp16's 65504, an inf no loss scale undoes
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+        mm = torch.float32 if dtype == torch.float16 else dtype
+        w = weight.to(dtype)  # cast once, not once per chunk (GPT-2's lm_head: 77 MB in bf16 each time)
+        w_mm = w if mm == dtype else weight.to(mm)
+        grad_x, grad_w = [], torch.zeros_like(weight, dtype=torch.float32) if x.size(0) == 0 else None
+        for i in range(0, x.size(0), chunk):
+            xc = x[i:i + chunk].to(dtype)
+            part, grad = _rows_loss(F.linear(xc, w), targets[i:i + chunk], label_smoothing, fused, with_grad=True)
+            loss += part
+            grad = grad.to(mm)  # (n, V)
+            with torch.autocast(device, enabled=False):  # else fp16 autocast would cast the fp32 operands back
+                grad_x.append(grad @ w_mm)  # (n, C)
+                part_w = (grad.t() @ xc.to(mm)).float()  # (V, C)
+            grad_w = part_w if grad_w is None else grad_w + part_w
+        # one chunk (fused_ce's default) needs no copy; several are concatenated once
+        grad_x = (grad_x[0] if len(grad_x) == 1 else torch.cat(grad_x)) if grad_x else torch.zeros_like(x)
+        ctx.save_for_backward(grad_x, grad_w, count)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        grad_x, grad_w, count = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        # no target that counts (count 0): the loss is NaN, and the gradients 0 as F.cross_entropy's (they are 0 here)
+        scale = grad_out.float() / count.clamp(min=1)
+        return (grad_x.float() * scale).to(x_dtype), (grad_w * scale).to(w_dtype), None, None, None, None
+
+
+def chunked_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, chunk: int,
+                          label_smoothing: float = 0.0, fused: bool = False) -> Tensor:
+    """F.cross_entropy(x @ weight.T, targets, ignore_index=-1, label_smoothing=...) without the full logits.
+    x (N, C), weight (V, C), targets (N,); chunk 0 is all N rows at once. fused uses fused_ce.py's Triton kernel for
+    CUDA tensors when triton is installed, the PyTorch reference otherwise. Without autograd (eval) the chunks'
+    gradients are not computed."""
+    chunk = chunk or max(x.size(0), 1)
+    fused = fused and x.is_cuda and triton_available()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _ChunkedCrossEntropy.apply(x, weight, targets, chunk, label_smoothing, fused)
+    count = (targets != -1).sum()
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for i in range(0, x.size(0), chunk):
+        total += _rows_loss(F.linear(x[i:i + chunk], weight), targets[i:i + chunk], label_smoothing, fused,
+                            with_grad=False)[0]
+    return total / count
+
+
+def lm_loss(x: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float = 0.0, chunk: int = 0,
+            fused: bool = False, return_logits: bool = True) -> tuple[Tensor | None, Tensor]:
+    """The language-model loss of hidden states x (B, T, C) through the lm_head weight (V, C) against targets (B, T):
+    (logits (B, T, V) or None, mean loss over targets != -1). With chunk or fused the logits never exist whole (or
+    only inside the loss) and come back None; otherwise they come back unless return_logits is False."""
+    if chunk or fused:
+        return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), chunk,
+                                           label_smoothing, fused)
+    logits = F.linear(x, weight)
+    loss = cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), label_smoothing)
+    return (logits if return_logits else None), loss
 
 
 def main() -> None:

@@ -35,7 +35,17 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from model import EOT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, provenance, resolve_device, run_and_exit
+from common import (
+    EOT,
+    GPT2_VOCAB,
+    first_on_each_node,
+    get_tokenizer,
+    load_model,
+    parse_config,
+    provenance,
+    run_and_exit,
+    setup_distributed,
+)
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SEQ_MULTIPLE = 32  # batches are padded to a multiple of this length, so a compiled model sees few distinct shapes
@@ -331,36 +341,16 @@ class HellaSwagConfig:
 
 
 def main(argv: list[str] | None = None) -> dict:
-
     cfg = parse_config(HellaSwagConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    # torchrun sets these; a plain `python hellaswag.py` is one rank
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = resolve_device(cfg.device)
-    if world_size > 1:
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    try:  # under torchrun every rank scores its share; a plain `python hellaswag.py` is one rank
+        rank, local_rank, world_size, device = setup_distributed(cfg.device)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     try:
         try:
-            if cfg.data is not None:
-                path = Path(cfg.data)
-            else:
-                # rank 0 downloads while the others wait, then they all find it in the cache. Its failure (an
-                # offline machine) is handed to every rank, which stops with its message: a rank that merely lost
-                # its peer would print a gloo or NCCL error first, which hides the cause
-                failed = [None]
-                if rank == 0:
-                    try:
-                        download(cfg.cache_dir)
-                    except OSError as e:  # ConnectionError included
-                        failed = [str(e)]
-                if world_size > 1:
-                    dist.broadcast_object_list(failed, src=0)
-                if failed[0] is not None:
-                    raise ConnectionError(failed[0])
-                path = download(cfg.cache_dir)
+            # one download per node; its failure (an offline machine) stops every rank with its message
+            path = Path(cfg.data) if cfg.data is not None else \
+                first_on_each_node(lambda: download(cfg.cache_dir), local_rank, world_size)
             examples = load_examples(path, cfg.limit)
             model = load_model(cfg.ckpt, cfg.init_from).to(device)
         except (OSError, ValueError, RuntimeError) as e:
@@ -376,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"({result['examples_per_sec']:.1f} examples/s)", flush=True)
         return result
     finally:
-        if world_size > 1:
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 

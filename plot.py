@@ -12,8 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from model import parse_config
-from train import iter_log
+from common import iter_log, parse_config
 
 # OpenAI's published completion-style HellaSwag acc_norm (10,042 val examples), as build-nanogpt plots them
 GPT2_124M_HELLASWAG = 0.2955

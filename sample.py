@@ -21,7 +21,8 @@ from typing import Any, TextIO
 
 import torch
 
-from model import EOT, GPT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, resolve_device
+from common import EOT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, resolve_device
+from model import GPT
 
 
 @dataclass
@@ -149,8 +150,8 @@ def decode_speed(model: GPT, prompt_len: int, new_tokens: int, use_cache: bool, 
 
 def main(argv: list[str] | None = None) -> list[str]:
     cfg = parse_config(SampleConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    device = resolve_device(cfg.device)
     try:
+        device = resolve_device(cfg.device)
         prompt = read_prompt(cfg.prompt)
         model = load_model(cfg.ckpt, cfg.init_from)
     except (OSError, ValueError, RuntimeError) as e:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -41,6 +40,7 @@ from common import (
     provenance,
     run_and_exit,
     same_verdict,
+    setup_distributed,
     shared_problem,
 )
 from components import (
@@ -674,7 +674,7 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Parallelism, applied from outside the model
+# Parallelism, precision and compile, applied from outside the model
 
 
 def apply_recompute(model: GPT, mode: str) -> None:
@@ -829,6 +829,14 @@ def build_trainable(raw: GPT, cfg: TrainConfig, device: torch.device, use_compil
     return Trainable(model, optimizer, scaler, dtype, autocast)
 
 
+def precision(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
+    name = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    if dtype == torch.float32:
+        return dtype, contextlib.nullcontext()
+    return dtype, torch.autocast(device_type=device.type, dtype=dtype)
+
+
 def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Skip the gradient all-reduce on non-final micro-steps of gradient accumulation."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
@@ -840,43 +848,7 @@ def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContex
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Setup helpers
-
-
-def setup_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
-    """rank, local_rank, world_size and device from torchrun's environment (or a single process). The default
-    process group is created here, unless the caller (a script that launched us under torchrun) already has one."""
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but CUDA is not available; use --device cpu")
-    if dist.is_initialized():  # the caller's group (mp.spawn, a notebook, a launcher of its own): its ranks
-        rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
-        if use_cuda:
-            torch.cuda.set_device(local_rank)
-    elif "RANK" in os.environ:
-        rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-        if use_cuda:
-            torch.cuda.set_device(local_rank)
-        # one rank works alone while the others wait in a collective: local rank 0's --init-from download, rank 0's
-        # checkpoint write
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(minutes=cfg.dist_timeout))
-    else:
-        rank, local_rank, world = 0, 0, 1
-    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
-    return rank, local_rank, world, device
-
-
-def precision(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
-    name = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-    if dtype == torch.float32:
-        return dtype, contextlib.nullcontext()
-    return dtype, torch.autocast(device_type=device.type, dtype=dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
+# Entry points
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -906,7 +878,7 @@ def _stop_the_other_ranks(problem: str) -> None:
     rendezvous, and the other ranks would wait for it there until the timeout (10-30 minutes). It joins the process
     group anyway, only to hand its reason to their first collective (_train's shared_problem), so that every rank
     stops at once with it. Its own flags unread, it joins as the default config's device would."""
-    _, _, world, _ = setup_distributed(TrainConfig())
+    _, _, world, _ = setup_distributed(TrainConfig().device, TrainConfig().dist_timeout)
     try:
         shared_problem(problem, world)
     finally:
@@ -918,7 +890,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     (DataError, ValueError, FileNotFoundError for the user's). Under torchrun it joins the default process group (or
     creates it, and then destroys it at the end). Returns train()'s result, the same on every rank."""
     owns_group = not dist.is_initialized()
-    rank, local_rank, world, device = setup_distributed(cfg)
+    rank, local_rank, world, device = setup_distributed(cfg.device, cfg.dist_timeout)
     attention = sdpa_switches()
     try:
         state = setup(cfg, rank, local_rank, world, device)

@@ -19,8 +19,9 @@ import torch
 import bench
 import train
 from bench import BenchConfig, Variant, bench_decode, bench_hellaswag, bench_kernel, bench_train, main
+from common import GPT2_VOCAB
 from hellaswag import _validate
-from model import GPT, GPT2_VOCAB, MODEL_PRESETS
+from model import GPT, MODEL_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(device="cpu", model="tiny", seq_len=32, batch_sizes=(2,), steps=2, warmup=1)
@@ -239,6 +240,44 @@ def test_the_cuda_breakdown_table_divides_by_the_timed_step_and_names_idle():
     by_column = dict(zip(header, cells, strict=True))
     assert [by_column[c] for c in ("step_ms", "busy", "matmul", "attention", "idle")] == \
         ["100.0", "90%", "60%", "30%", "10%"]
+
+
+def test_a_declared_table_pads_its_columns_and_blanks_a_skipped_rows_measurements():
+    # render() draws every table of the printout: first column left-aligned, the rest right-aligned, two spaces apart
+    table = bench.Table(lambda result: result["rows"], lambda cfg, r: f"t: median of {cfg['steps']}, first {r['name']}",
+                        (bench.Column("name", 6, "name"), bench.Column("ms", 7, "ms", ".2f"),
+                         bench.Column("MFU", 6, "mfu", ".1%", none="n/a"), bench.Column("mem", 5, "mem", ".1f", "G"),
+                         bench.Column("same", 5, cell=lambda r: str(r["same"]).lower())),
+                        lambda rows: [f"{len(rows)} rows"])
+    rows = [{"name": "a", "ms": 1.234, "mfu": None, "mem": 2.0, "same": True, "status": "ok"},
+            {"name": "bb", "status": "skipped", "reason": "no CUDA"},
+            {"name": "c", "ms": 10.0, "mfu": 0.5, "mem": 3.46, "same": False, "status": "ok", "note": "slow"}]
+    assert bench.render(table, {"steps": 3}, rows) == [
+        "",
+        "t: median of 3, first a",
+        "name         ms     MFU    mem   same  status",
+        "a          1.23     n/a   2.0G   true  ok",
+        "bb                                     skipped: no CUDA",
+        "c         10.00   50.0%   3.5G  false  ok (slow)",
+        "3 rows"]
+    prov = {"device": "cpu", "torch": "2", "triton": None, "cuda": None, "python": "3", "git_sha": "0123456789abc",
+            "git_dirty": True}
+    assert bench.format_table({"provenance": prov, "config": {}, "train": [], "errors": {"decode": "x"}}) == \
+        "bench.py on cpu | torch 2 | triton None | cuda None | python 3 | git 0123456789 (dirty)\n\ndecode: failed: x"
+
+
+def test_resident_batches_cycle_through_the_micro_batches_and_a_diverged_loss_fails_the_row():
+    tcfg = bench.train_config(BenchConfig(**TINY), Variant("eager"))
+    gen = torch.Generator().manual_seed(0)
+    next_batch = bench.resident_batches(tcfg, 3, gen, torch.device("cpu"))
+    batches = [next_batch() for _ in range(4)]
+    tokens = torch.randint(0, GPT2_VOCAB, (3, 2, 33), generator=torch.Generator().manual_seed(0))
+    for (x, y), m in zip(batches, (1, 2, 0, 1), strict=True):  # the first call takes micro-batch 1
+        assert torch.equal(x, tokens[m, :, :-1]) and torch.equal(y, tokens[m, :, 1:]) and x.shape == (2, 32)
+    cfg = BenchConfig(**TINY)  # warmup 1 + steps 2: the last timed step is the 3rd, dloss's DLOSS_STEP the 3rd too
+    assert bench.read_losses([torch.tensor(v) for v in (4.0, 3.0, 2.0, 1.0)], cfg) == (2.0, 2.0)
+    with pytest.raises(FloatingPointError, match="loss is nan after 4 steps"):
+        bench.read_losses([torch.tensor(v) for v in (4.0, 3.0, float("nan"), 1.0)], cfg)
 
 
 def test_profile_false_runs_no_profiler(monkeypatch):

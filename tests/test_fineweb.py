@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fineweb
+from common import EOT, get_tokenizer
 from fineweb import (
     DataError,
     FinewebConfig,
@@ -28,7 +29,6 @@ from fineweb import (
     write_dataset,
     write_shard,
 )
-from model import EOT, get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
@@ -894,6 +894,149 @@ def test_rerun_over_shards_of_other_data_is_refused(tmp_path, reference):
     other = write_jsonl(tmp_path / "other.jsonl", make_docs(70, seed=10))
     with pytest.raises(DataError, match=r"do not match --source.*another --out-dir"):
         write_dataset(cfg_for(other, out))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# shard writer (ShardWriter on its own: buffer, progress bars, lock, completion record)
+
+
+def doc_tokens(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
+    """One uint16 array per document: EOT, then length - 1 tokens that are never EOT."""
+    rng = np.random.default_rng(seed)
+    return [np.array([EOT, *rng.integers(0, EOT, n - 1)], dtype=np.uint16) for n in lengths]
+
+
+class Bars:
+    """Stands in for tqdm: records each bar's (desc, total), the sum of its updates, and whether it was closed."""
+
+    def __init__(self):
+        self.made = []
+
+    def __call__(self, total, unit, unit_scale, desc):
+        bars = self
+
+        class Bar:
+            def __init__(self):
+                self.row = [desc, total, 0, False]
+                bars.made.append(self.row)
+
+            def update(self, n):
+                self.row[2] += n
+
+            def close(self):
+                self.row[3] = True
+
+        return Bar()
+
+
+def shard_writer(cfg: FinewebConfig, kept: int = 0, written: int = 0) -> fineweb.ShardWriter:
+    return fineweb.ShardWriter(cfg, None, fineweb.PartCounts(cfg, None, 0), kept, written)
+
+
+def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path, monkeypatch):
+    import tqdm
+
+    bars = Bars()
+    monkeypatch.setattr(tqdm, "tqdm", bars)
+    out, cfg = tmp_path / "out", cfg_for(tmp_path / "src.jsonl", tmp_path / "out")  # val 700, shards of 1000
+    docs = doc_tokens([300] * 10)
+    with shard_writer(cfg) as writer:
+        writer.write_all(docs[:9])  # 2700 tokens: val and train 1 full, 1000 buffered
+        assert [p.name for p in shard_files(out)] == ["t_val_000000.bin", "t_train_000001.bin"]
+        assert (out / "t_parts.json").is_file()  # saved with each full shard
+        writer.write_all(docs[9:])
+        assert not (out / "t_done.json").exists()
+        writer.finish()
+        with pytest.raises(DataError, match="another fineweb.py is writing t shards"):
+            fineweb._lock_out_dir(cfg)  # held to the end of the `with`
+    fineweb._lock_out_dir(cfg).close()  # and free after it
+    assert [len(read_shard(p)) for p in shard_files(out)] == [700, 1000, 1000, 300]
+    assert np.array_equal(concat(out), np.concatenate(docs))
+    assert (writer.index, writer.total, writer.docs, writer.val) == (4, 3000, 10, 700)
+    assert not (out / "t_parts.json").exists()  # a finished run needs no resume point
+    record = json.loads((out / "t_done.json").read_text())
+    assert record["inputs"] is None and record["settings"]["shard_size"] == 1000
+    assert record["shards"] == {"t_val_000000.bin": 700, "t_train_000001.bin": 1000, "t_train_000002.bin": 1000,
+                                "t_train_000003.bin": 300}
+    assert [row[0] for row in bars.made] == [p.name for p in shard_files(out)]
+    assert [row[1] for row in bars.made[:3]] == [700, 1000, 1000]  # a bar per shard, sized to a full one
+    assert [row[2] for row in bars.made] == [700, 1000, 1000, 300] and all(row[3] for row in bars.made)
+    result = writer.report(2.0, 3)
+    assert {k: result[k] for k in ("shards", "skipped_shards", "val_tokens", "train_tokens", "tokenized",
+                                   "documents_tokenized", "tokens_per_sec", "workers")} == {
+        "shards": 4, "skipped_shards": 0, "val_tokens": 700, "train_tokens": 2300, "tokenized": 3000,
+        "documents_tokenized": 10, "tokens_per_sec": 1500.0, "workers": 3}
+
+
+def test_shard_writer_writes_a_full_buffer_only_when_more_tokens_come(tmp_path):
+    out, cfg = tmp_path / "out", cfg_for(tmp_path / "src.jsonl", tmp_path / "out")
+    with shard_writer(cfg) as writer:
+        writer.write_all(doc_tokens([700, 1000]))  # val and train 1 exactly full
+        assert [p.name for p in shard_files(out)] == ["t_val_000000.bin"]
+        assert (writer.index, writer.fill) == (1, 1000)
+        writer.finish()
+    assert [len(read_shard(p)) for p in shard_files(out)] == [700, 1000]
+
+
+def test_shard_writer_stops_reading_at_max_tokens(tmp_path):
+    out, cfg = tmp_path / "out", cfg_for(tmp_path / "src.jsonl", tmp_path / "out", max_tokens=1500)
+    pulled = []
+
+    def stream():
+        for arr in doc_tokens([400] * 10):
+            pulled.append(len(arr))
+            yield arr
+
+    with shard_writer(cfg) as writer:
+        writer.write_all(stream())
+        writer.finish()
+    assert len(pulled) == 4  # 1600 tokens read, and no further
+    assert [len(read_shard(p)) for p in shard_files(out)] == [700, 800]
+    assert (writer.total, writer.docs) == (1500, 4)
+
+
+def test_shard_writer_gives_a_short_stream_its_first_10_percent_as_val(tmp_path):
+    out = tmp_path / "out"
+    cfg = cfg_for(tmp_path / "src.jsonl", out, val_tokens=-1)  # a local source: a full val shard is 1000 tokens
+    docs = doc_tokens([200, 195])
+    with shard_writer(cfg) as writer:
+        writer.write_all(docs)
+        assert shard_files(out) == []  # nothing written before the stream ends
+        writer.finish()
+    assert [len(read_shard(p)) for p in shard_files(out)] == [39, 356]  # 395 // 10 val, the rest train shard 1
+    assert np.array_equal(concat(out), np.concatenate(docs))
+    assert json.loads((out / "t_done.json").read_text())["shards"] == {"t_val_000000.bin": 39,
+                                                                       "t_train_000001.bin": 356}
+    assert (writer.val, writer.report(1.0, 1)["train_tokens"]) == (39, 356)
+    asked = cfg_for(tmp_path / "src.jsonl", tmp_path / "asked")  # --val-tokens 700 asked for, 395 there
+    message = r"has only 395 tokens, all of them for the val shard \(--val-tokens 700\).*e.g. --val-tokens 39"
+    with shard_writer(asked) as writer, pytest.raises(DataError, match=message):
+        writer.write_all(docs)
+        writer.finish()
+    assert not (tmp_path / "asked").exists()  # refused before anything was written
+    with shard_writer(asked) as writer, pytest.raises(DataError, match="has no text"):
+        writer.finish()
+
+
+def test_shard_writer_goes_on_after_kept_shards_and_clears_a_longer_run(tmp_path):
+    out, cfg = tmp_path / "out", cfg_for(tmp_path / "src.jsonl", tmp_path / "out")
+    out.mkdir()
+    for i, n in ((0, 700), (1, 1000), (5, 1000)):  # shard 5: left by an earlier, longer run
+        write_shard(fineweb.shard_path(cfg, i), np.full(n, 7))
+    (out / "t_done.json").write_text("{}")
+    (out / ".t_train_000002.bin.99.tmp").write_bytes(b"x")  # a killed run's temporary
+    tail = np.array([1, 2, 3, EOT, 4, EOT, 5, 6, EOT, 7], dtype=np.uint16)  # the rest of a kept document, then 3
+    with shard_writer(cfg, kept=2, written=1700) as writer:
+        writer.write_all([tail] * 60)  # 600 tokens
+        writer.finish()
+    assert [p.name for p in shard_files(out)] == ["t_val_000000.bin", "t_train_000001.bin", "t_train_000002.bin"]
+    assert len(read_shard(out / "t_train_000002.bin")) == 600
+    assert not list(out.glob(".*.tmp"))
+    assert (writer.index, writer.total, writer.docs) == (3, 2300, 1 + 3 * 60)
+    assert json.loads((out / "t_done.json").read_text())["shards"] == {
+        "t_val_000000.bin": 700, "t_train_000001.bin": 1000, "t_train_000002.bin": 600}
+    result = writer.report(1.0, 1)
+    assert [result[k] for k in ("shards", "skipped_shards", "tokenized", "train_tokens")] == [3, 2, 600, 1600]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

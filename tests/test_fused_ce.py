@@ -1,4 +1,4 @@
-"""fused_ce.py: the Triton cross-entropy kernel against the PyTorch reference, and model.py's fused lm_head + loss.
+"""fused_ce.py: the Triton cross-entropy kernel against the PyTorch reference, and the fused lm_head + loss beside it.
 
 On CPU the kernel runs under the Triton interpreter (TestInterpreted, in a child process with TRITON_INTERPRET=1), is
 compiled ahead of time for sm_90 (no GPU needed), and the model's fused_ce path runs its PyTorch reference; on a
@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 import fused_ce
 import model
+from common import GPT2_VOCAB
 from conftest import compile_for_hopper, run_interpreted
 from fused_ce import cross_entropy_reference, cross_entropy_rows, triton_available
-from model import GPT, GPT2_VOCAB, MODEL_PRESETS
+from model import GPT, MODEL_PRESETS
 
 
 def _kernel_interpreted() -> bool:
@@ -92,7 +93,7 @@ def test_fused_ce_model_on_cpu_matches_the_plain_loss(monkeypatch: pytest.Monkey
     def no_kernel(*args, **kwargs):
         raise AssertionError("the Triton kernel ran for a CPU tensor")
 
-    monkeypatch.setattr(model, "cross_entropy_rows", no_kernel)
+    monkeypatch.setattr(fused_ce, "cross_entropy_rows", no_kernel)
     torch.manual_seed(0)
     plain = GPT(tiny())
     fused = GPT(tiny(fused_ce=True, loss_chunk=loss_chunk))
@@ -225,7 +226,7 @@ class TestInterpreted:
     @pytest.mark.parametrize("chunk", [37, 8])
     @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
     def test_fused_lm_head_and_loss_matches_f_cross_entropy(self, chunk: int, label_smoothing: float) -> None:
-        # model.py's autograd.Function with the kernel (what CUDA runs), called directly: on a CPU tensor the
+        # fused_ce.py's autograd.Function with the kernel (what CUDA runs), called directly: on a CPU tensor the
         # dispatch picks the reference. One chunk of all 37 rows, and chunks of 8 with a short last one
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(37, 16, generator=gen, requires_grad=True)
@@ -234,7 +235,7 @@ class TestInterpreted:
         t[::5] = -1
         ref = F.cross_entropy(F.linear(x, w), t, ignore_index=-1, label_smoothing=label_smoothing)
         ref_dx, ref_dw = torch.autograd.grad(3 * ref, (x, w))
-        got = model._ChunkedCrossEntropy.apply(x, w, t, chunk, label_smoothing, True)
+        got = fused_ce._ChunkedCrossEntropy.apply(x, w, t, chunk, label_smoothing, True)
         dx, dw = torch.autograd.grad(3 * got, (x, w))
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-6)
         torch.testing.assert_close(dx, ref_dx, atol=1e-6, rtol=1e-5)
@@ -251,7 +252,7 @@ class TestInterpreted:
         out = []
         for fused in (True, False):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model._ChunkedCrossEntropy.apply(x, w, t, 6, 0.1, fused)
+                loss = fused_ce._ChunkedCrossEntropy.apply(x, w, t, 6, 0.1, fused)
             out.append((loss, *torch.autograd.grad(loss, (x, w))))
         assert out[0][0].dtype == torch.float32
         torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=1e-6)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common import EOT, GPT2_VOCAB, get_tokenizer
 from hellaswag import (
     HellaSwagError,
     describe_provenance,
@@ -23,7 +24,7 @@ from hellaswag import (
     render_example,
     score_batch,
 )
-from model import EOT, GPT, GPT2_VOCAB, GPTConfig, get_tokenizer
+from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"

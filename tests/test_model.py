@@ -14,16 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT
-from model import (
+from common import (
     EOT,
-    GPT,
     GPT2_VOCAB,
-    MODEL_PRESETS,
-    GPTConfig,
-    KVCache,
     checkpoints,
-    export_hf,
     get_tokenizer,
     gpt2_bpe_dir,
     load_checkpoint,
@@ -31,6 +25,9 @@ from model import (
     parse_config,
     peak_flops,
 )
+from conftest import ROOT
+from export import export_hf
+from model import GPT, MODEL_PRESETS, GPTConfig, KVCache
 
 
 def tiny(**kw) -> GPTConfig:
@@ -334,9 +331,28 @@ def test_bad_config_raises(kw, message):
         tiny(**kw)
 
 
+def test_lm_loss_picks_plain_chunked_or_fused_and_returns_logits_only_when_whole():
+    from fused_ce import lm_loss
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 16, generator=gen)
+    w = torch.randn(101, 16, generator=gen)
+    t = torch.randint(0, 101, (2, 5), generator=gen)
+    t[0, 0] = -1
+    logits = F.linear(x, w)
+    ref = F.cross_entropy(logits.view(-1, 101), t.view(-1), ignore_index=-1, label_smoothing=0.1)
+    got_logits, plain = lm_loss(x, w, t, 0.1)
+    assert torch.equal(got_logits, logits) and torch.equal(plain, ref)  # the plain path is F.cross_entropy itself
+    assert lm_loss(x, w, t, 0.1, return_logits=False)[0] is None
+    for chunk, fused in ((3, False), (0, True), (4, True)):  # CPU: fused runs the PyTorch reference
+        none, loss = lm_loss(x, w, t, 0.1, chunk, fused)
+        assert none is None
+        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-6)
+
+
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_chunked_cross_entropy_equals_the_plain_loss_and_gradients(label_smoothing):
-    from model import chunked_cross_entropy
+    from fused_ce import chunked_cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, 16, generator=gen, requires_grad=True)  # 37 rows: chunks of 8 leave a short last one
@@ -359,7 +375,7 @@ def test_chunked_cross_entropy_equals_the_plain_loss_and_gradients(label_smoothi
 @pytest.mark.parametrize("chunk", [0, 2])
 def test_chunked_cross_entropy_without_a_target_is_nan_with_zero_gradients(rows, chunk):
     # as F.cross_entropy: no rows, or every target ignored, is a NaN loss whose gradients are 0, not NaN
-    from model import chunked_cross_entropy
+    from fused_ce import chunked_cross_entropy
 
     x, w = torch.randn(rows, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
     loss = chunked_cross_entropy(x, w, torch.full((rows,), -1), chunk, fused=True)
@@ -372,7 +388,7 @@ def test_chunked_cross_entropy_under_fp16_autocast_does_not_overflow():
     # its gradient matmuls run in forward, on the summed loss's gradients, before the mean's 1/count and GradScaler's
     # scale: 4096 rows of |gradient x| ~ 40 summed in fp16 pass 65504 (an inf no loss scale undoes), so under fp16
     # they run in fp32. One chunk of all rows (fused_ce's default) is the worst case
-    from model import chunked_cross_entropy
+    from fused_ce import chunked_cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     x = torch.zeros(4096, 8)
@@ -390,7 +406,7 @@ def test_chunked_cross_entropy_under_fp16_autocast_does_not_overflow():
 
 
 def test_label_smoothing_spreads_over_the_real_ids_only():
-    from model import chunked_cross_entropy, cross_entropy
+    from fused_ce import chunked_cross_entropy, cross_entropy
 
     # the target distribution, built by hand: 1 - s on the target, s spread evenly over GPT-2's 50257 ids and none on
     # the 47 padded ones, which would otherwise be trained towards probability that is never used
@@ -428,7 +444,7 @@ def test_label_smoothing_spreads_over_the_real_ids_only():
 def test_cross_entropy_of_bf16_logits_is_computed_in_fp32(vocab, label_smoothing):
     # under autocast the lm_head's logits are bf16: the loss must be the fp32 one of those logits (a bf16 softmax and
     # mean would be off by ~1e-2), on both paths (F.cross_entropy, and the padded-vocabulary smoothing one)
-    from model import cross_entropy
+    from fused_ce import cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(64, vocab, generator=gen)).bfloat16()
@@ -993,7 +1009,7 @@ def test_provenance_names_the_commit_and_dirties_only_on_tracked_changes(tmp_pat
         monkeypatch.delenv(var)  # would point these commands at the project's own repository
     repo = tmp_path / "repo"
     repo.mkdir()
-    for name in ("model.py", "fused_gelu.py"):
+    for name in ("common.py", "fused_gelu.py"):
         (repo / name).write_bytes((ROOT / name).read_bytes())
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "-c",
            "core.hooksPath=/dev/null"]
@@ -1001,10 +1017,10 @@ def test_provenance_names_the_commit_and_dirties_only_on_tracked_changes(tmp_pat
     subprocess.run([*git, "add", "."], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-q", "-m", "x"], cwd=repo, check=True)
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
-    # this model.py loaded from the copy: provenance asks git about the directory its file is in
-    spec = importlib.util.spec_from_file_location("model_in_repo", repo / "model.py")
+    # this common.py loaded from the copy: provenance asks git about the directory its file is in
+    spec = importlib.util.spec_from_file_location("common_in_repo", repo / "common.py")
     copy = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "model_in_repo", copy)  # its dataclasses look their module up
+    monkeypatch.setitem(sys.modules, "common_in_repo", copy)  # its dataclasses look their module up
     spec.loader.exec_module(copy)
     (repo / "untracked.txt").write_text("x")
     prov = copy.provenance("cpu", world_size=3)
@@ -1042,41 +1058,47 @@ def test_from_checkpoint_other_architecture_is_clear(tmp_path):
         GPT.from_checkpoint(path)
 
 
-def test_smoke_main_samples(capsys):
-    import model as model_module
-
-    model_module.main(["--max-new-tokens", "5"])
-    out = capsys.readouterr().out
-    assert "params; untrained sample" in out and "Hello, I'm a language model," in out
+def test_untrained_tiny_model_samples():
+    # what model.py's smoke run (`python model.py --model tiny`) checked before export.py replaced its CLI
+    torch.manual_seed(1337)
+    model = GPT(MODEL_PRESETS["tiny"]())
+    enc = get_tokenizer()
+    prompt = enc.encode("Hello, I'm a language model,")
+    out = model.generate(torch.tensor([prompt]), 5, top_k=50, generator=torch.Generator().manual_seed(1337))
+    assert out.shape == (1, len(prompt) + 5) and out[0, :len(prompt)].tolist() == prompt
+    assert enc.decode(out[0].tolist()).startswith("Hello, I'm a language model,")
 
 
 def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    import model as model_module
+    import export
 
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)).eval()
     ckpt = tmp_path / "ckpt.pt"
     torch.save({"model": gpt.state_dict(), "model_config": gpt.config.__dict__, "step": 1}, ckpt)
-    model_module.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / "hf")])
+    export.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / "hf")])
     assert "exported" in capsys.readouterr().out
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     idx = torch.randint(0, GPT2_VOCAB, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, gpt(idx)[0][..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
     with pytest.raises(SystemExit, match="--export-hf needs --ckpt"):
-        model_module.main(["--export-hf", str(tmp_path / "x")])
+        export.main(["--export-hf", str(tmp_path / "x")])
+    with pytest.raises(SystemExit) as e:  # no flags: nothing to do (model.py's untrained smoke run is gone)
+        export.main([])
+    assert str(e.value) == "error: pass --ckpt PATH (a checkpoint train.py wrote) and --export-hf DIR"
     with pytest.raises(SystemExit, match=f"--ckpt is only read with --export-hf DIR; to sample from it: python "
                                          f"sample.py --ckpt {ckpt}"):  # not an untrained sample that ignores it
-        model_module.main(["--ckpt", str(ckpt)])
+        export.main(["--ckpt", str(ckpt)])
     # a checkpoint that cannot be exported is one error line, and no output directory is left behind
     with pytest.raises(SystemExit) as e:
-        model_module.main(["--ckpt", str(tmp_path / "missing.pt"), "--export-hf", str(tmp_path / "x")])
+        export.main(["--ckpt", str(tmp_path / "missing.pt"), "--export-hf", str(tmp_path / "x")])
     assert str(e.value).startswith(f"error: checkpoint {tmp_path / 'missing.pt'} does not exist; pass the .pt file")
     swiglu = GPT(GPTConfig(block_size=32, vocab_size=96, n_layer=1, n_head=4, n_embd=32, mlp="swiglu"))
     torch.save({"model": swiglu.state_dict(), "model_config": swiglu.config.__dict__}, tmp_path / "swiglu.pt")
     with pytest.raises(SystemExit, match="^error: export_hf supports only the plain GPT-2 architecture"):
-        model_module.main(["--ckpt", str(tmp_path / "swiglu.pt"), "--export-hf", str(tmp_path / "x")])
+        export.main(["--ckpt", str(tmp_path / "swiglu.pt"), "--export-hf", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
 
 
@@ -1097,7 +1119,7 @@ def test_run_and_exit_gives_pythons_exit_codes_and_loses_no_output(body, code, s
     # stdout is a pipe here, so block-buffered: os._exit would drop both writes unless exit_now flushes them
     script = f"""
 import sys
-from model import run_and_exit
+from common import run_and_exit
 def main():
     print("a line")
     sys.stdout.write("no newline")

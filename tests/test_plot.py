@@ -1,6 +1,8 @@
 """plot.py: the PNG exists, is a real image, and is drawn from the log's records."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,12 @@ def test_plot_overlays_several_runs(tmp_path, monkeypatch):
         plot.main(["--log", f"{a},{tmp_path / 'nope.jsonl'}"])
     with pytest.raises(SystemExit, match="--log is empty"):
         plot.main(["--log", ","])
+
+
+def test_plot_imports_no_torch():
+    # plot.py reads a JSONL file: importing it must not pull in torch (nor the Triton kernels through train.py)
+    heavy = ("torch", "triton", "numpy", "train", "model")
+    script = f"import sys, plot; print(sorted(m for m in {heavy} if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "[]"), proc.stderr

@@ -1,5 +1,5 @@
-"""README: every command of ours that it documents parses, with flags that exist; the quickstart matches .ci/run;
-its training presets and its multi-node torchrun form run (briefly)."""
+"""README (and the docs/ pages it links): every command of ours that it documents parses, with flags that exist;
+the quickstart matches .ci/run; its training presets and its multi-node torchrun form run (briefly)."""
 
 import os
 import re
@@ -11,9 +11,10 @@ import sys
 import pytest
 
 import bench
+import common
+import export
 import fineweb
 import hellaswag
-import model
 import plot
 import sample
 import train
@@ -24,15 +25,15 @@ SCRIPTS = {
     "fineweb.py": (fineweb.FinewebConfig, None),
     "hellaswag.py": (hellaswag.HellaSwagConfig, None),
     "sample.py": (sample.SampleConfig, None),
-    "model.py": (model.ModelCLIConfig, None),
+    "export.py": (export.ExportConfig, None),
     "plot.py": (plot.PlotConfig, None),
     "bench.py": (bench.BenchConfig, None),
 }
 
 
-def readme_commands() -> list[tuple[str, list[str]]]:
-    """(script, args) for each `python X.py ...` / `torchrun ... X.py ...` line in the README's code blocks."""
-    text = (ROOT / "README.md").read_text()
+def readme_commands(doc: str = "README.md") -> list[tuple[str, list[str]]]:
+    """(script, args) for each `python X.py ...` / `torchrun ... X.py ...` line in the code blocks of `doc`."""
+    text = (ROOT / doc).read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -47,13 +48,18 @@ def readme_commands() -> list[tuple[str, list[str]]]:
 
 def test_readme_documents_every_script():
     documented = {script for script, _ in readme_commands()}
-    assert documented >= {"train.py", "fineweb.py", "hellaswag.py", "sample.py", "model.py"}
+    assert documented >= {"train.py", "fineweb.py", "hellaswag.py", "sample.py", "export.py"}
 
 
-@pytest.mark.parametrize("script, args", readme_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v))
+# the README's details moved to docs/ pages it links: their commands are checked the same way
+DOCS = ("README.md", "docs/guide.md", "docs/resume.md")
+
+
+@pytest.mark.parametrize("script, args", [c for doc in DOCS for c in readme_commands(doc)],
+                         ids=lambda v: v if isinstance(v, str) else " ".join(v))
 def test_readme_command_flags_exist(script, args):
     cls, presets = SCRIPTS[script]
-    model.parse_config(cls, args, presets)  # raises SystemExit naming the flag if one does not exist
+    common.parse_config(cls, args, presets)  # raises SystemExit naming the flag if one does not exist
 
 
 def test_quickstart_is_what_ci_runs():

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import EOT, GPT, MODEL_PRESETS, get_tokenizer
+from common import EOT, get_tokenizer
+from model import GPT, MODEL_PRESETS
 from sample import SampleConfig, decode_speed, generate_text, main, read_prompt
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,10 +22,10 @@ import torch
 
 import components
 import train
-from common import iter_log
+from common import iter_log, load_checkpoint, parse_config
 from conftest import ROOT, children, run_nodes, run_torchrun
 from fineweb import TokenLoader, read_shard, write_shard
-from model import GPT, GPTConfig, load_checkpoint, parse_config
+from model import GPT, GPTConfig
 
 
 def tiny_args(data, out, *extra: str) -> list[str]:
