@@ -8,15 +8,12 @@ A row whose target is -1 is ignored: loss 0, gradient 0. With label smoothing s,
 
     loss[r] = (1 - s) (lse - z_t) + s (lse - mean_{j < R} z_j)        grad[r] = softmax - (1 - s) onehot - s/R [j < R]
 
-Why: on an H200 the compiled model's loss took 9.9 ms of a 123.7 ms GPT-2 step (B=64, T=1024): Inductor's forward
-kernel read the 6.6 GB of bf16 logits at about 1.5 TB/s and its backward read them again and wrote the gradient.
-Here each program owns one row and makes two passes over it: an online max and sum of exponentials (one read), then
-the gradient (a second read and a write), the second pass walking the row backwards so that its first blocks are the
-ones the first pass read last, still in L2. The math is fp32; the gradient comes out in the logits' dtype.
+Each program owns one row and makes two passes over it: an online max and sum of exponentials, then the gradient,
+walking the row backwards so its first blocks are still in L2. The math is fp32; the gradient comes out in the
+logits' dtype. Why a kernel at all (the compiled loss's cost on an H200): docs/notes.md, "fused_ce.py".
 
 The kernel is the inner step of the fused lm_head + loss below (lm_loss, GPTConfig.fused_ce): the lm_head matmul, this
-kernel, and the two gradient matmuls all run in forward, so backward only scales two small gradients, and neither
-the logits nor their gradient outlive the forward pass.
+kernel and the two gradient matmuls all run in forward, so neither the logits nor their gradient outlive it.
 
 Usage (self-check against the reference, not a benchmark; speed lives in bench.py):
     python fused_ce.py --rows 4096 --vocab 50304 --dtype bfloat16                      # on a CUDA machine
@@ -42,9 +39,8 @@ try:
 except ImportError:  # CPU-only or macOS installs: the loss below uses the PyTorch reference
     _HAS_TRITON = False
 
-# Launch defaults for GPT-2's V = 50304 in bf16: 4096 columns per loop step at 8 warps is 16 elements per thread,
-# two 16-byte loads each; 50304 / 4096 = 12.3, so 13 steps per pass, the last 72% masked (masked lanes load nothing).
-# The kernel is memory bound: one program per row gives B*T = 65536 programs at GPT-2's B=64, enough to fill the GPU.
+# Launch defaults for GPT-2's V = 50304 in bf16: 4096 columns per loop step at 8 warps, 16 elements per thread; one
+# program per row (the reasoning: docs/notes.md, "fused_ce.py")
 BLOCK_V = 4096
 NUM_WARPS = 8
 
@@ -76,8 +72,8 @@ if _HAS_TRITON:
     def _cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, grad_ptr, label_smoothing, real_vocab,
                               V: tl.constexpr, BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr,
                               WITH_GRAD: tl.constexpr):
-        # V is a constexpr: the loops run to it, and Triton 3.6's interpreter cannot loop to a runtime int (TypeError
-        # in __index__); a model has one V, so this compiles once
+        # V is a constexpr: the interpreter cannot loop to a runtime int (docs/notes.md); a model has one V, so this
+        # compiles once
         row = tl.program_id(0).to(tl.int64)  # int64: row * V passes 2^31 at B*T = 65536 rows, V = 50304
         base = logits_ptr + row * V
         target = tl.load(targets_ptr + row)
@@ -156,9 +152,8 @@ def cross_entropy_rows(logits: Tensor, targets: Tensor, label_smoothing: float =
     grad = torch.empty_like(logits) if with_grad else None
     if N == 0:  # a zero-size grid is not a valid launch
         return loss, grad
-    # without the gradient the kernel never stores to grad_ptr, but it needs a pointer of the logits' dtype: a
-    # one-element buffer, not `loss` again (under torch.compile two arguments that alias one mutated buffer are best
-    # avoided)
+    # without the gradient grad_ptr is never stored to, but it needs the logits' dtype: a one-element buffer, not
+    # `loss` again (two arguments aliasing one mutated buffer are best avoided under torch.compile)
     out = grad if with_grad else torch.empty(1, dtype=logits.dtype, device=logits.device)
     _cross_entropy_kernel[(N,)](logits, targets, loss, out, float(label_smoothing),
                                 real_vocab, V=V, BLOCK_V=block_v, SMOOTH=bool(label_smoothing), WITH_GRAD=with_grad,
@@ -199,8 +194,8 @@ def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0)
     ids only (see _chunk_loss), where F.cross_entropy would spread it over the padded ones too."""
     logits = logits.float()
     if label_smoothing and logits.size(-1) > GPT2_VOCAB:
-        # through log_softmax, whose backward keeps one (N, V) buffer: _chunk_loss's logsumexp and mean would keep
-        # two more, 26 GB more at GPT-2's B=64 uncompiled
+        # through log_softmax, whose backward keeps one (N, V) buffer; _chunk_loss's logsumexp and mean would keep
+        # two more (docs/notes.md, "fused_ce.py")
         valid = targets != -1
         logp = logits.log_softmax(dim=-1)
         rows = -(1 - label_smoothing) * logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1) \
@@ -222,9 +217,8 @@ def _rows_loss(logits: Tensor, targets: Tensor, label_smoothing: float, fused: b
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of x @ weight.T against targets, a chunk of rows at a time. Each chunk's gradients with
     respect to x and weight are computed in forward, from its logits, which are then freed; backward only scales
-    them. Peak memory is one chunk's logits and their gradient instead of all B*T of them (6.6 GB for GPT-2 at B=64
-    in bf16). With fused, fused_ce.py's kernel makes each chunk's loss and gradient in two passes over its logits in
-    their own dtype; without, _chunk_loss does it in PyTorch on an fp32 copy."""
+    them. Peak memory is one chunk's logits and their gradient instead of all B*T of them. With fused, the kernel
+    makes each chunk's loss and gradient in the logits' own dtype; without, _chunk_loss does it on an fp32 copy."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, targets: Tensor, chunk: int,
@@ -232,12 +226,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         count = (targets != -1).sum()  # the mean over the targets that count (none: a NaN loss, as F.cross_entropy)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         device = x.device.type
-        # the gradient matmuls run in the forward matmul's precision: bf16 under autocast, as in the plain path. Not
-        # fp16: these gradients are the summed loss's (the mean's 1/count and GradScaler's scale only come in
-        # backward), and a sum over thousands of rows can pass fp16's 65504, an inf no loss scale undoes
+        # the gradient matmuls run in the forward matmul's precision (bf16 under autocast), but never fp16: these are
+        # the summed loss's gradients, which can pass fp16's 65504 before backward scales them (docs/notes.md)
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
         mm = torch.float32 if dtype == torch.float16 else dtype
-        w = weight.to(dtype)  # cast once, not once per chunk (GPT-2's lm_head: 77 MB in bf16 each time)
+        w = weight.to(dtype)  # cast once, not once per chunk
         w_mm = w if mm == dtype else weight.to(mm)
         grad_x, grad_w = [], torch.zeros_like(weight, dtype=torch.float32) if x.size(0) == 0 else None
         for i in range(0, x.size(0), chunk):

@@ -3,13 +3,11 @@
     y = gelu_tanh(x + b)        x: (..., N) (the c_fc matmul output, no bias), b: (N,)
 
 Forward reads x and b once and writes y, so x + b never exists in memory. Backward recomputes x + b from the saved
-x and b (neither x + b nor y is saved) and writes dx and db in one pass over dy and x. db is reduced without atomics:
-each program sums its rows into one row of an fp32 (row_groups, N) buffer, then torch sums that buffer, so gradients
-are bitwise reproducible. Math is fp32 inside the kernels; y and dx come out in x's dtype, db in b's dtype.
+x and b and writes dx and db in one pass over dy and x; db goes through per-program partial rows, without atomics, so
+gradients are bitwise reproducible. Math is fp32 inside; y and dx come out in x's dtype, db in b's dtype.
 
 The MLP calls `bias_gelu(x, b, fused)`: the Triton path on CUDA when triton is installed, the reference elsewhere.
-On CPU the kernels run under the Triton interpreter if TRITON_INTERPRET=1 is set before triton is first imported:
-Triton picks interpreter or compiler as each `@triton.jit` runs, its own tl.zeros and tl.sum included.
+On CPU the kernels run under the Triton interpreter when TRITON_INTERPRET=1 is set before triton is first imported.
 
 Usage (self-check against the reference, not a benchmark; speed lives in bench.py):
     python fused_gelu.py --rows 8192 --cols 3072 --dtype bfloat16          # on a CUDA machine
@@ -30,18 +28,12 @@ try:
 except ImportError:  # CPU-only or macOS installs: bias_gelu falls back to the reference
     _HAS_TRITON = False
 
-# Launch defaults, chosen for an H100/H200 at the GPT-2 MLP width N = 3072 with M ~ 65536 rows (bf16). Both kernels
-# are memory bound, so the aim is many bytes in flight per SM and no masked waste at N = 3072; bench.py sweeps them.
-# forward: a 4 x 1024 tile (4096 elements, 32 per thread at 4 warps, 16-byte vector loads in bf16); 1024 divides
-# 3072, so each row is 3 unmasked column blocks, and M / 4 row blocks give ~50k programs to hide latency.
+# Launch defaults for H100/H200, N = 3072, bf16 (why, measured: docs/notes.md, "fused_gelu.py"); bench.py sweeps them.
+# forward: 4 x 1024 tiles at 4 warps; 1024 divides 3072, so no masked column blocks
 FWD_BLOCK_M = 4
 FWD_BLOCK_N = 1024
 FWD_NUM_WARPS = 4
-# backward: an 8 x 256 tile per loop step at 4 warps (16 elements per thread, so the fp32 db accumulator stays at 16
-# registers per thread). Each program walks 256 rows, so M = 65536, N = 3072 gives 256 x 12 = 3072 programs and a
-# 3 MB partial-db buffer, small next to the ~1.2 GB dy/x/dx stream. Measured on an H200 (bench.py's sweep, bf16,
-# M = 65536): 0.369 ms (78% of copy bandwidth) against 0.401 ms for the 16 x 256 tile at 8 warps used before, and
-# 0.372 ms for 16 x 128 at 4 warps (docs/benchmarks.md).
+# backward: 8 x 256 per loop step at 4 warps (16 fp32 db registers per thread), 256 rows per program
 BWD_BLOCK_M = 8
 BWD_BLOCK_N = 256
 BWD_ROWS_PER_PROGRAM = 256
@@ -64,9 +56,8 @@ if _HAS_TRITON:
 
     @triton.jit
     def _gelu_gate(u):
-        # Returns s = 0.5 * (1 + tanh(z)) = sigmoid(2z), z = sqrt(2/pi) * (u + 0.044715 u^3), and s * (1 - s).
-        # tl.math.tanh is not in every Triton 3.x; exp(-|2z|) <= 1 cannot overflow the way exp(2z) does for
-        # |u| > ~10; and s * (1 - s) = e * r^2 avoids the cancellation in 1 - s (or in torch's 1 - tanh^2) near s = 1.
+        # Returns s = 0.5 * (1 + tanh(z)) = sigmoid(2z), z = sqrt(2/pi) * (u + 0.044715 u^3), and s * (1 - s),
+        # through exp(-|2z|): no tanh, no overflow, no cancellation in 1 - s (docs/notes.md, "fused_gelu.py")
         two_z = 1.5957691216057308 * (u + 0.044715 * u * u * u)
         e = tl.exp(-tl.abs(two_z))
         r = 1.0 / (1.0 + e)
@@ -89,9 +80,8 @@ if _HAS_TRITON:
     @triton.jit
     def _bias_gelu_bwd_kernel(dy_ptr, x_ptr, b_ptr, dx_ptr, db_partial_ptr, M, N, ROWS_PER_PROGRAM: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # program (g, j) owns rows [g * ROWS_PER_PROGRAM, (g + 1) * ROWS_PER_PROGRAM) of column block j, and writes
-        # that slice's db to row g of db_partial: a fixed summation order, hence deterministic db. The loop bound is a
-        # constexpr because Triton 3.6's interpreter cannot loop to a runtime int (TypeError in __index__).
+        # program (g, j) sums the db of its ROWS_PER_PROGRAM rows of column block j into row g of db_partial: a fixed
+        # order, so db is deterministic. The loop bound is a constexpr for the interpreter (docs/notes.md).
         group = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
@@ -153,9 +143,8 @@ def bias_gelu_bwd(dy: Tensor, x: Tensor, b: Tensor, block_m: int = BWD_BLOCK_M, 
                   num_warps: int = BWD_NUM_WARPS) -> tuple[Tensor, Tensor]:
     """Launch the backward kernel on contiguous (M, N) dy and x and an (N,) b; returns dx (x's dtype), db (b's dtype).
 
-    rows_per_program is rounded up to a multiple of block_m. It is a kernel constant that does not depend on M, so
-    the kernel compiles once for every M (under torch.compile M may be symbolic, and a constexpr cannot be); an M
-    smaller than it leaves the tail of the loop masked.
+    rows_per_program (rounded up to a multiple of block_m) does not depend on M, so the kernel compiles once for
+    every M, symbolic ones under torch.compile included; a smaller M leaves the loop's tail masked.
     """
     _check_launch({"dy": dy, "x": x, "b": b}, block_m=block_m, block_n=block_n)
     M, N = x.shape
@@ -205,10 +194,8 @@ def bias_gelu(x: Tensor, b: Tensor, fused: bool) -> Tensor:
     """The MLP's bias + GELU: the Triton kernels when fused and x is on CUDA and triton is installed, else the
     reference, so the same model code runs on CPU, on Macs and on machines without triton.
 
-    Under autocast x is the bf16 matmul output and b the fp32 parameter. Both paths return x's dtype: the kernel
-    adds in fp32 and stores bf16; the reference adds b cast to bf16, as nn.Linear's bias is under autocast, so the
-    unfused model is the standard bf16 GPT-2 MLP. Without that cast x + b would promote to fp32, and GELU would keep
-    a (B, T, 4C) fp32 input for backward: 805 MB more per layer at B=64, T=1024 in eager mode.
+    Both paths return x's dtype. The reference casts b to it, as nn.Linear's bias is under autocast, so the unfused
+    model is the standard bf16 GPT-2 MLP (docs/notes.md: the fp32 promotion this avoids).
     """
     if fused and x.is_cuda and _HAS_TRITON:
         return fused_bias_gelu(x, b)
