@@ -512,7 +512,6 @@ def load_model(ckpt: str | None, init_from: str | None) -> GPT:
 # MFU
 
 
-
 # Dense bf16 tensor-core peak FLOP/s by device-name substring; longer (more specific) keys are matched first.
 PEAK_FLOPS: dict[str, float] = {
     "h100 pcie": 756e12,

@@ -129,11 +129,8 @@ def prepare_example(ex: Any) -> dict:
 
 
 def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Read and validate HellaSwag jsonl lines (the first `limit` examples if given). Blank lines are skipped, and so
-    is a UTF-8 byte order mark at the start of the file (editors on Windows write one).
-
-    Examples without `ctx` get it from `ctx_a + " " + ctx_b`, which is how HellaSwag builds it.
-    """
+    """Read and validate HellaSwag jsonl lines (the first `limit` examples if given), completed by prepare_example.
+    Blank lines are skipped, and so is a UTF-8 byte order mark at the start (editors on Windows write one)."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"HellaSwag file {path} is a directory; pass the validation jsonl itself with --data "
@@ -246,14 +243,12 @@ def _config(model: Any) -> Any:
 
 def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank: int = 0, world_size: int = 1,
              limit: int | None = None, batch_size: int = 16, enc: Any = None, progress: bool = False) -> dict:
-    """Completion-style HellaSwag accuracy of `model` (callable as `model(idx) -> (logits, loss)`): a GPT, or the
-    module train.py steps (compiled, DDP-wrapped or FSDP-sharded), called on every rank.
+    """Completion-style HellaSwag accuracy of `model` (`model(idx) -> (logits, loss)`: a GPT, or train.py's compiled,
+    DDP or FSDP module), called on every rank. Returns {"acc", "acc_norm", "n", "examples_per_sec"}, the same on each.
 
-    Examples are split across ranks by striding; the counts are all-reduced, so the result is the same on every
-    rank (world_size > 1 needs an initialized process group). Runs under no_grad, in eval mode (restored after),
-    and in bf16 autocast on CUDA. A candidate longer than the model's block_size is cropped from the left, keeping
-    its ending (see make_batch). `progress` shows a tqdm bar on rank 0. Returns {"acc", "acc_norm", "n",
-    "examples_per_sec"}.
+    Ranks take strided shares and all-reduce the counts (world_size > 1 needs a process group). Runs under no_grad,
+    in eval mode (restored after), bf16 autocast on CUDA; long candidates are cropped as in make_batch. `progress`
+    shows a tqdm bar on rank 0.
     """
     device = torch.device(device)
     examples = examples[:limit] if limit is not None else examples

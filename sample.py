@@ -88,9 +88,8 @@ def generate_text(model: GPT, enc: Any, cfg: SampleConfig, device: torch.device 
     keep = model.config.block_size - 1  # room for at least one new token in the context window
     if len(tokens) > keep:
         n_prompt, tokens = len(tokens), tokens[-keep:]
-        # a token can hold part of a multi-byte character, so the cut can fall inside one: drop the leading tokens
-        # that start with its continuation bytes (0b10xxxxxx), so that the echoed text and the model's context both
-        # start at a whole character instead of a U+FFFD
+        # the cut can fall inside a multi-byte character: drop leading tokens that start with continuation bytes
+        # (0b10xxxxxx), so the echoed text and the model's context start at a whole character, not a U+FFFD
         while len(tokens) > 1 and 0x80 <= enc.decode_single_token_bytes(tokens[0])[0] < 0xC0:
             tokens = tokens[1:]
         whole = "" if len(tokens) == keep else " (from the first whole character)"
