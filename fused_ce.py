@@ -52,9 +52,10 @@ def triton_available() -> bool:
 
 def cross_entropy_reference(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0,
                             real_vocab: int | None = None) -> tuple[Tensor, Tensor]:
-    """The definition the kernel must match, in fp32 through autograd: (loss per row (N,), gradient (N, V) of the
-    summed loss). Ignored rows (target -1) get loss 0 and gradient 0."""
-    z = logits.detach().float().requires_grad_()
+    """The definition the kernel must match, through autograd in fp64 (fp32's own rounding over V ids is larger
+    than the kernel's), returned in fp32: (loss per row (N,), gradient (N, V) of the summed loss). Ignored rows
+    (target -1) get loss 0 and gradient 0."""
+    z = logits.detach().double().requires_grad_()
     valid = targets != -1
     logp = z.log_softmax(dim=-1)
     rows = -logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1)
@@ -63,7 +64,7 @@ def cross_entropy_reference(logits: Tensor, targets: Tensor, label_smoothing: fl
         rows = (1 - label_smoothing) * rows - label_smoothing * logp[:, :real].mean(dim=-1)
     rows = rows * valid
     (grad,) = torch.autograd.grad(rows.sum(), z)
-    return rows.detach(), grad
+    return rows.detach().float(), grad.float()
 
 
 if _HAS_TRITON:

@@ -582,11 +582,8 @@ def check_architecture(cfg: TrainConfig, src: GPTConfig, source: str) -> None:
 
 
 def load_init(cfg: TrainConfig) -> GPT:
-    """The --init-from weights as a GPT on the CPU, rebuilt with this run's context length (a learned position
-    table is cut to its first seq_len rows, as nanoGPT's crop_block_size does) and run options (dropout, fused GELU,
-    chunked loss). The architecture is the source's: an architecture flag this run sets (on the command line or
-    through its preset; None means unset) to anything else is an error, since it would otherwise be ignored without
-    a word."""
+    """The --init-from weights as a GPT on the CPU, with this run's context length (the learned position table
+    cropped, as nanoGPT's crop_block_size) and run options. The architecture is the source's (check_architecture)."""
     path = Path(cfg.init_from).expanduser()
     if path.is_dir() and not (path / "config.json").exists() and (found := checkpoints(path)):
         raise ValueError(f"--init-from {cfg.init_from} is a run directory; pass one of its checkpoints, e.g. "
@@ -732,10 +729,8 @@ def uses_cuda_graphs(cfg: TrainConfig, device: torch.device) -> bool:
 
 
 def cuda_graph_conflict(cfg: TrainConfig, grad_accum: int, device: torch.device) -> str | None:
-    """Why this compile mode cannot run with this gradient accumulation, or None. The CUDA-graph modes keep a
-    compiled backward's outputs in the graph's memory pool, so a parameter's .grad, which autograd takes from the
-    first micro-step's output, is overwritten by the next replay before the accumulation adds into it
-    (pytorch/pytorch#169545: an error, or silently wrong gradients)."""
+    """Why this compile mode cannot run with this gradient accumulation, or None: a CUDA graph's replay overwrites
+    the .grad the accumulation adds into (docs/notes.md, "CUDA graphs and accumulation")."""
     if uses_cuda_graphs(cfg, device) and grad_accum > 1:
         return (f"--compile-mode {cfg.compile_mode} uses CUDA graphs, which break gradient accumulation "
                 f"({grad_accum} micro-steps here); use --compile-mode max-autotune-no-cudagraphs, or raise "
@@ -771,10 +766,8 @@ def select_attention(name: str) -> None:
 
 
 def tag_compile_caches(kernels: list[str]) -> None:
-    """Put the SDPA kernels allowed into torch.compile's cache key. Its on-disk caches do not key on the switches, so
-    a graph cached under one choice came back under another: on an H200, `--attention flash` ran cuDNN's kernel from
-    the graph an `auto` run had cached (bench.py's attn column), and on a CPU a `math` run got the `auto` run's flash
-    kernel. The tag follows any TORCH_COMPILE_CACHE_KEY_TAG of the user's; all kernels allowed adds nothing."""
+    """Put the SDPA kernels allowed into torch.compile's cache key, which does not key on the switches (a cached
+    graph kept another run's kernel: docs/notes.md). Appended to the user's TORCH_COMPILE_CACHE_KEY_TAG."""
     choice = "" if set(kernels) == set(SDPA_SWITCHES) else "sdpa=" + "+".join(kernels)
     if hasattr(torch.compiler.config, "cache_key_tag"):
         torch.compiler.config.cache_key_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "") + choice
@@ -791,10 +784,8 @@ def compile_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
 
 
 def wrap_model(raw: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, use_compile: bool) -> nn.Module:
-    """parallelize and compile_model in the order each needs. DDP wraps the compiled model (nanoGPT's order):
-    compiling the DDP wrapper instead makes Dynamo break the graph in DDP's own forward, 3 breaks a step, each a
-    return to Python. Dynamo still splits the compiled graph at DDP's gradient buckets, so the all-reduce overlaps
-    backward either way. FSDP2 is compiled after fully_shard, which must see the plain blocks."""
+    """parallelize and compile_model in the order each needs: DDP wraps the compiled model (nanoGPT's order; the
+    other way breaks Dynamo's graph in DDP's forward), FSDP2 is compiled after fully_shard, which needs plain blocks."""
     if cfg.parallel == "fsdp":
         model = parallelize(raw, cfg, device, dtype)
         return compile_model(model, cfg) if use_compile else model

@@ -464,8 +464,10 @@ def test_cli_two_ranks_a_failed_download_stops_both_with_its_reason(hf_dir, tmp_
     two = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=120)
     assert two.returncode != 0
-    # each rank prints the reason (their lines may interleave: two processes, one pipe)
-    assert two.stderr.count(f"error: [Errno 17] File exists: '{tmp_path / 'cache'}'") == 2, two.stderr[-3000:]
+    # each rank prints the reason, rank 1 naming the rank it came from (lines may interleave: two processes, one pipe)
+    reason = f"[Errno 17] File exists: '{tmp_path / 'cache'}'"
+    assert two.stderr.count(f"error: {reason}") == 1 and two.stderr.count(f"error: rank 0: {reason}") == 1, \
+        two.stderr[-3000:]
     assert "gloo" not in two.stderr.lower(), two.stderr[-3000:]
 
 
