@@ -321,23 +321,30 @@ class Evaluator:
                   f"{cfg.eval_tokens:,} rounded up to whole windows")
         return windows
 
-    def run(self, step: int, final: bool, first: bool = False, tokens: int = 0) -> bool:
-        """The evaluations due at `step` (after `step` optimizer steps); whether any ran. `first`: the run's first
-        step, which samples nothing unless --eval-only (an untrained model's samples say nothing)."""
-        cfg, ran = self.cfg, False
-        if self.val_loader is not None and (final or step % cfg.eval_every == 0):
-            ran = True
-            vl = val_loss(self.model, self.val_loader, self.windows, self.autocast, self.world)
-            self.latest["val_loss"] = vl
-            self.log.write({"type": "val", "step": step, "tokens": tokens, "val_loss": vl})
-            self.log.say(f"step {step:6d} | val loss {vl:.4f}")
-        if self.examples and (final or step % cfg.hellaswag_every == 0):
-            ran = True
+    def due(self, step: int, final: bool) -> tuple[bool, bool, bool]:
+        """Which evaluations run at `step` (val loss, HellaSwag, samples): each every N steps and at the end. No
+        samples at a training run's step 0: an untrained model's say nothing."""
+        cfg = self.cfg
+        return (self.val_loader is not None and (final or step % cfg.eval_every == 0),
+                bool(self.examples) and (final or step % cfg.hellaswag_every == 0),
+                cfg.sample_every > 0 and (final or step % cfg.sample_every == 0) and (step > 0 or cfg.eval_only))
+
+    def run(self, step: int, final: bool, tokens: int = 0) -> bool:
+        """The evaluations due at `step`, on the weights after `step` optimizer steps; whether any ran."""
+        val, hellaswag, samples = self.due(step, final)
+        if val:
+            self._val_loss(step, tokens)
+        if hellaswag:
             self._hellaswag(step, tokens)
-        if cfg.sample_every > 0 and (final or step % cfg.sample_every == 0) and (step > 0 or cfg.eval_only):
-            ran = True
+        if samples:
             self._samples(step)
-        return ran
+        return val or hellaswag or samples
+
+    def _val_loss(self, step: int, tokens: int) -> None:
+        vl = val_loss(self.model, self.val_loader, self.windows, self.autocast, self.world)
+        self.latest["val_loss"] = vl
+        self.log.write({"type": "val", "step": step, "tokens": tokens, "val_loss": vl})
+        self.log.say(f"step {step:6d} | val loss {vl:.4f}")
 
     def _hellaswag(self, step: int, tokens: int) -> None:
         import hellaswag
