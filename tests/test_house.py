@@ -82,3 +82,13 @@ def test_why_comments_are_at_most_two_lines():
 def test_readme_is_at_most_2500_words():
     words = len(re.findall(r"\S+", (ROOT / "README.md").read_text()))
     assert words <= 2500
+
+
+def test_the_readme_layout_keeps_its_line_budgets():
+    # the layout block's "name.py ~N lines" are promises: each file stays within 10% of its budget
+    text = (ROOT / "README.md").read_text()
+    budgets = {name: int(n) for name, n in re.findall(r"^(\w+\.py)\s+~(\d+) lines", text, flags=re.M)}
+    assert set(budgets) == {p.name for p in SCRIPTS}
+    over = {name: len((ROOT / name).read_text().splitlines()) for name, n in budgets.items()
+            if len((ROOT / name).read_text().splitlines()) > 1.1 * n}
+    assert over == {}
