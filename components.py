@@ -544,6 +544,11 @@ class SpikeGuard:
         """Deciding reads the loss and norm on the host before the optimizer step: one sync more, so only when asked."""
         return self.skip_loss_z > 0 or self.skip_norm_z > 0
 
+    def for_step(self) -> Callable[[torch.Tensor, torch.Tensor], bool] | None:
+        """train_step's `update` for the next step (None when the guard is off), with no skip recorded yet."""
+        self.skipped = ""
+        return self.update if self.on else None
+
     def update(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
         """train_step's `update`: whether to apply this step. Every rank must decide the same, so both figures are
         averaged over the ranks in one all-reduce, which hands every rank the same history and verdict."""

@@ -251,10 +251,8 @@ def train(run: Run) -> dict[str, Any]:
         lr = get_lr(step, cfg)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
-        run.guard.skipped = ""
-        guard = run.guard.update if run.guard.on else None
         loss, norm = train_step(run.model, run.optimizer, run.next_batch, run.grad_accum, run.autocast,
-                                cfg.grad_clip, cfg.label_smoothing, run.scaler, guard)
+                                cfg.grad_clip, cfg.label_smoothing, run.scaler, run.guard.for_step())
         loss_value, norm_value = run.read(loss, norm)  # waits for the GPU, so dt is the step's real time
         dt = time.time() - t0
         run.after_step(step)
