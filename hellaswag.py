@@ -337,6 +337,7 @@ class HellaSwagConfig:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(HellaSwagConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
     try:  # under torchrun every rank scores its share; a plain `python hellaswag.py` is one rank
         rank, local_rank, world_size, device = setup_distributed(cfg.device)
     except ValueError as e:
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"({result['examples_per_sec']:.1f} examples/s)", flush=True)
         return result
     finally:
-        if dist.is_initialized():
+        if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -1,9 +1,5 @@
 """Train GPT-2: one process, or torchrun DDP / ZeRO-1 / FSDP2 on one or many nodes.
 
-Read top to bottom: the config and presets, the training loop (one screen), the setup that builds a Run, one
-optimizer step, then parallelism and precision. The run's machinery (checkpoints, evaluation, logging, the spike
-guard, stop signals) lives in components.py.
-
 Usage:
     python train.py --preset tiny                                   # CPU, seconds (needs data/stdlib, see README)
     torchrun --standalone --nproc_per_node=8 train.py --preset gpt2-124m
@@ -11,6 +7,8 @@ Usage:
     python train.py --help                                          # every option, with its meaning
 """
 
+# Read top to bottom: config and presets, the training loop (one screen), setup (one Run), one optimizer step, then
+# parallelism and precision. The run's machinery (checkpoints, evaluation, logging, stop signals) is components.py.
 from __future__ import annotations
 
 import contextlib
@@ -373,7 +371,7 @@ class Run:
         if self.master and self.cfg.eval_only:
             print(f"done: evaluated the weights at step {step} in {took}")
         elif self.master:
-            print(f"done: {len(self.log.losses)} steps in {took}; outputs in {self.cfg.out_dir}")
+            print(f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
         self.log.close()
         result: dict[str, Any] = {"losses": self.log.losses, **self.evaluator.latest}
         if self.checkpointer.last:
