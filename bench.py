@@ -85,7 +85,7 @@ class BenchConfig:
     warmup: int = 10  # untimed repetitions before timing (compilation and autotuning happen here)
     budget_s: float = 0.0  # start no new suite or train variant after this many seconds (0 = no limit)
     dtype: str = "auto"  # train and kernel dtype: auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32
-    peak_tflops: float | None = None  # override the device's peak bf16 TFLOP/s for MFU (model.py's table otherwise)
+    peak_tflops: float | None = None  # override the device's peak bf16 TFLOP/s for MFU (common.py's table otherwise)
     seed: int = 1337  # seeds the weights and the synthetic data
     threads: int = 0  # CPU threads for torch (0 = torch's default); pin it to make CPU numbers comparable
     table_from: str = ""  # print the table of an earlier run's JSON and exit (a run cut short keeps its finished rows)
@@ -385,7 +385,7 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     median = statistics.median(ms)
     tok_s = B * T * accum / (median / 1000)
     peak_mem, mem_metric = peak_memory(device, rss_before)
-    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None  # None: model.py's table
+    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else None  # None: common.py's table
     note = profiler_note(median, probe["ms_after_profile"], device, probe["launch_us_before_after_profile"])
     return {
         "batch_size": B, "seq_len": T, "grad_accum": accum, "dtype": str(built.dtype).removeprefix("torch."),
@@ -1122,7 +1122,7 @@ BANDWIDTH = (Column("impl", 18, cell=lambda r: r["name"] + (f" {r['tile']}" if r
 # The printout, table by table in this order; a table with no rows is left out.
 TABLES = (
     Table(_kernel_rows(lambda r: r["name"] == "matmul"),
-          lambda cfg, r: f"matmul: {r['dtype']} rates, 2mkn FLOPs, % of model.py's peak; GPT-2 124M's matmuls as "
+          lambda cfg, r: f"matmul: {r['dtype']} rates, 2mkn FLOPs, % of common.py's peak; GPT-2 124M's matmuls as "
                          f"nn.Linear runs them, x count per micro-step; step = their sum; median of {cfg['steps']}",
           (Column("matmul", 18, "layer"), Column("pass", 7, "pass"),
            Column("count", 5, cell=lambda r: str(r["count"] or "")), Column("ms", 9, "ms", ".3f"),

@@ -216,7 +216,7 @@ class TokenLoader:
             big = int(lengths.argmax())
             raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
                             f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write more data")
-        # every step would hand some rank a window of the next epoch or later (train.val_loss copes: it scores each
+        # every step would hand some rank a window of the next epoch or later (components.val_loss copes: it scores each
         # val window once, on whichever rank it falls to, and leaves out the extra ones)
         if split == "train" and self.num_windows < world_size:
             raise DataError(f"world size {world_size} is too large for the {split} data: it has only "

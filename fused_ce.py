@@ -140,7 +140,7 @@ def cross_entropy_rows(logits: Tensor, targets: Tensor, label_smoothing: float =
     it inside its own autograd.Function."""
     if not _HAS_TRITON:
         raise RuntimeError("cross_entropy_rows needs triton, which is not installed: `pip install triton` on a CUDA "
-                           "machine, or use model.py's PyTorch loss (GPTConfig.fused_ce=False)")
+                           "machine, or use the PyTorch loss (GPTConfig.fused_ce=False)")
     real_vocab = real_vocab or logits.size(-1)
     _check(logits, targets, label_smoothing, real_vocab, block_v)
     if not logits.is_cuda and isinstance(_cross_entropy_kernel, triton.runtime.JITFunction):

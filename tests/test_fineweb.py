@@ -1452,7 +1452,7 @@ def test_world_size_too_large_for_the_data(tmp_path):
     assert last.num_windows == 5 and epochs == [1, 2, 3]
     with pytest.raises(DataError, match="world size 6 is too large for the train data: it has only 5 windows"):
         TokenLoader(str(tmp_path), "train", 2, 8, 0, 6)
-    # a val split may have fewer windows than ranks: train.val_loss scores each once and leaves the extras out. The
+    # a val split may have fewer windows than ranks: components.val_loss scores each once and leaves the extras out. The
     # sixth rank's first window is the next pass's first
     numbered_shards(tmp_path, [9, 9, 50, 40], split="val")
     val = [TokenLoader(str(tmp_path), "val", 2, 8, r, 6) for r in (0, 5)]
