@@ -400,7 +400,7 @@ class GPT(nn.Module):
                              f"{tuple(idx.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
+        if not temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -46,8 +47,10 @@ class SampleConfig:
             raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too: it would sample at temperature 1 without a word
             raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if math.isinf(self.temperature):
+            raise ValueError(f"--temperature must be finite (0 is greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"--top-k must be >= 1 or none, got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

@@ -165,6 +165,13 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if self.hellaswag_limit is not None and self.hellaswag_limit < 1:
             raise ValueError(f"--hellaswag-limit must be >= 1 or none; got {self.hellaswag_limit}")
+        if self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every:
+            raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}, or "
+                             "no checkpoint is ever written at the steps it keeps")
+        self._check_floats()
+
+    def _check_floats(self) -> None:
+        """Each written so that NaN fails it too."""
         if not (math.isfinite(self.max_lr) and self.max_lr > 0):
             raise ValueError(f"--max-lr must be a positive number; got {self.max_lr}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
@@ -175,12 +182,14 @@ class TrainConfig:
             raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
         if not (math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
             raise ValueError(f"--dist-timeout must be a positive number of minutes; got {self.dist_timeout}")
-        for name in ("weight_decay", "grad_clip", "max_time", "skip_loss_z", "skip_norm_z"):
+        for name in ("weight_decay", "eps", "grad_clip", "max_time", "skip_loss_z", "skip_norm_z"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
-        if self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every:
-            raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}, or "
-                             "no checkpoint is ever written at the steps it keeps")
+        for name in ("dropout", "beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"--{name} must be in [0, 1); got {getattr(self, name)}")
+        if math.isinf(self.weight_decay) or math.isinf(self.eps):
+            raise ValueError(f"--weight-decay and --eps must be finite; got {self.weight_decay} and {self.eps}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"--peak-tflops must be > 0 or none; got {self.peak_tflops}")
 

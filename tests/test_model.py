@@ -780,6 +780,7 @@ def test_kv_cache_takes_the_keys_dtype_not_the_weights():
 
 
 @pytest.mark.parametrize("kw, message", [(dict(temperature=-1.0), "temperature must be >= 0"),
+                                         (dict(temperature=float("nan")), r"temperature must be >= 0 .*, got nan"),
                                          (dict(top_k=0), "top_k must be >= 1"), (dict(top_p=0.0), r"top_p must be in"),
                                          (dict(top_p=1.5), r"top_p must be in")])
 def test_generate_rejects_bad_sampling_arguments(kw, message):

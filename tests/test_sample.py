@@ -297,6 +297,9 @@ def test_model_errors_are_one_line(model, ckpt, tmp_path):
     ("--temperature", "-0.5", "--temperature must be >= 0 (0 is greedy), got -0.5"),
     ("--top-k", "0", "--top-k must be >= 1 or none, got 0"),
     ("--top-p", "0", "--top-p must be in (0, 1] or none, got 0.0"),
+    ("--temperature", "nan", "--temperature must be >= 0 (0 is greedy), got nan"),
+    ("--temperature", "inf", "--temperature must be finite (0 is greedy), got inf"),
+    ("--top-p", "nan", "--top-p must be in (0, 1] or none, got nan"),
 ])
 def test_sampling_settings_are_checked_before_loading(flag, value, message):
     # one line naming the flag, before any model is loaded (none is given here)

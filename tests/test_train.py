@@ -111,6 +111,16 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     (["--min-lr-frac=1.5"], r"--min-lr-frac must be in \[0, 1\]"),
     (["--grad-clip=-1"], "--grad-clip must be >= 0"),
     (["--preset", "tiny", "--preset", "gpt2-124m"], "--preset given twice"),
+    # NaN passes a plain `x < 0` check: every float field refuses it, and inf where it means nothing
+    (["--max-lr=nan"], "--max-lr must be a positive number; got nan"),
+    (["--min-lr-frac=nan"], r"--min-lr-frac must be in \[0, 1\]; got nan"),
+    (["--grad-clip=nan"], "--grad-clip must be >= 0; got nan"),
+    (["--eps=nan"], "--eps must be >= 0; got nan"),
+    (["--dropout=nan"], r"--dropout must be in \[0, 1\); got nan"),
+    (["--beta1=nan"], r"--beta1 must be in \[0, 1\); got nan"),
+    (["--beta2=1"], r"--beta2 must be in \[0, 1\); got 1.0"),
+    (["--weight-decay=inf"], "--weight-decay and --eps must be finite; got inf and 1e-08"),
+    (["--eps=inf"], "--weight-decay and --eps must be finite; got 0.1 and inf"),
 ])
 def test_cli_rejects_bad_overrides(argv, message):
     with pytest.raises(SystemExit, match=message):
