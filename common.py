@@ -196,8 +196,10 @@ def _pick_preset(pairs: list[tuple[str, str | None]],
 
 def _overrides(rest: list[tuple[str, str | None]], fields: dict[str, dataclasses.Field], hints: dict[str, Any],
                presets: dict[str, Callable[[], Any]]) -> dict[str, Any]:
-    """Each option's value, converted to its field's type."""
+    """Each option's value, converted to its field's type. A repeat wins over the first with a warning, not an error:
+    a wrapper's defaults followed by the user's "$@" repeat flags on purpose."""
     overrides: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for key, val in rest:
         flag = "--" + key.replace("_", "-")
         if key not in fields:
@@ -209,9 +211,12 @@ def _overrides(rest: list[tuple[str, str | None]], fields: dict[str, dataclasses
                 raise SystemExit(f"error: {flag} needs a value, e.g. {flag}=VALUE")
             val = "true"
         try:
-            overrides[key] = _convert(val, hints[key], flag)
+            value = _convert(val, hints[key], flag)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+        if key in given and overrides[key] != value and os.environ.get("RANK", "0") == "0":  # one rank says it
+            print(f"warning: {flag} given twice ({given[key]!r}, then {val!r}): the last one is used", file=sys.stderr)
+        overrides[key], given[key] = value, val
     return overrides
 
 

@@ -127,6 +127,20 @@ def test_cli_rejects_bad_overrides(argv, message):
         parse_config(train.TrainConfig, argv, train.PRESETS)
 
 
+def test_a_flag_given_twice_is_named_with_both_values_and_the_last_wins(capsys, monkeypatch):
+    # a warning, not an error: a wrapper's defaults then the user's "$@" (scripts/gpu_suite.sh) repeat flags by design
+    monkeypatch.delenv("RANK", raising=False)
+    argv = ["--preset", "tiny", "--max-steps", "10", "--max_steps=20", "--fused-ce", "--fused-ce=false", "--seed=3",
+            "--seed", "3", "--compile", "--compile=True"]  # the same value twice is no conflict
+    cfg = parse_config(train.TrainConfig, argv, train.PRESETS)
+    assert (cfg.max_steps, cfg.fused_ce, cfg.seed) == (20, False, 3)
+    assert capsys.readouterr().err == ("warning: --max-steps given twice ('10', then '20'): the last one is used\n"
+                                       "warning: --fused-ce given twice ('true', then 'false'): the last one is used\n")
+    monkeypatch.setenv("RANK", "1")  # under torchrun, every rank parses the same command line: rank 0 says it
+    assert parse_config(train.TrainConfig, ["--max-steps=1", "--max-steps=2"]).max_steps == 2
+    assert capsys.readouterr().err == ""
+
+
 def test_cli_subprocess_one_line_error_and_help():
     bad = subprocess.run([sys.executable, "train.py", "--grad-clp=2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
