@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -533,7 +534,11 @@ def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
         if f.suffix == ".safetensors":
             from safetensors.torch import load_file
             return load_file(str(f))
-        return torch.load(f, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:  # torch's message suggests weights_only=False, which would run the code
+            raise ValueError(f"refusing to load {f}: it carries a pickled Python object, which could run code. Only "
+                             "tensors and plain containers are accepted.") from None
 
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (path / name).exists():

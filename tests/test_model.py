@@ -603,6 +603,28 @@ def test_from_pretrained_names_a_missing_shard(tmp_path):
         GPT.from_pretrained(str(tmp_path))
 
 
+def test_from_pretrained_refuses_a_pickle_in_pytorch_model_bin_in_one_line(tmp_path, token_data, capsys):
+    import sample
+    import train
+
+    _, hf = _hf_model(tmp_path)
+    hf.config.save_pretrained(tmp_path)
+    torch.save({**hf.state_dict(), "evil": _Payload()}, tmp_path / "pytorch_model.bin")
+    message = (f"refusing to load {tmp_path / 'pytorch_model.bin'}: it carries a pickled Python object, which could "
+               "run code. Only tensors and plain containers are accepted.")
+    with pytest.raises(ValueError) as e:
+        GPT.from_pretrained(str(tmp_path))
+    assert str(e.value) == message
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--init-from", str(tmp_path)])
+    assert str(e.value) == f"error: {message}"
+    capsys.readouterr()  # transformers' notes on the tiny config
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny", "--data", str(token_data), "--out-dir", str(tmp_path / "out"), "--init-from",
+                    str(tmp_path), "--max-steps=1"])
+    assert e.value.code == 1 and capsys.readouterr().err == f"error: {message}\n"
+
+
 @pytest.mark.parametrize("variant", [dict(tie_word_embeddings=False), dict(layer_norm_epsilon=1e-2),
                                      dict(scale_attn_weights=False), dict(scale_attn_by_inverse_layer_idx=True),
                                      dict(activation_function="relu"), dict(n_inner=100)])
