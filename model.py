@@ -439,36 +439,13 @@ class GPT(nn.Module):
     @classmethod
     def from_checkpoint(cls, ckpt: str | os.PathLike | dict[str, Any], map_location: str | torch.device = "cpu",
                         **overrides: Any) -> GPT:
-        """Rebuild the model a train.py checkpoint describes (path or already-loaded dict).
-
-        Weights that do not fit the config are summarized (counts and the first two names) rather than listed:
-        PyTorch's own size-mismatch error names every tensor, kilobytes for one mistake.
-        """
+        """Rebuild the model a train.py checkpoint describes (path or already-loaded dict)."""
         source = "checkpoint" if isinstance(ckpt, dict) else f"checkpoint {ckpt}"
         if not isinstance(ckpt, dict):
             ckpt = load_checkpoint(ckpt, map_location)
-        config = checkpoint_config(ckpt, source, **overrides)
-        model = cls(config)
-        expected, weights = model.state_dict(), ckpt["model"]
-        wrong = [f"{k} is a {type(v).__name__}, not a tensor" if not isinstance(v, torch.Tensor) else
-                 f"{k} is {tuple(v.shape)}, the config makes it {tuple(expected[k].shape)}"
-                 for k, v in weights.items()
-                 if k in expected and (not isinstance(v, torch.Tensor) or v.shape != expected[k].shape)]
-        missing = [k for k in expected if k not in weights]
-        unexpected = [k for k in weights if k not in expected]
-
-        def few(items: list[str]) -> str:
-            return "; ".join(items[:2]) + (f"; and {len(items) - 2} more" if len(items) > 2 else "")
-
-        problems = [f"{len(items)} {what} ({few(items)})" for items, what in
-                    ((wrong, "tensors do not fit"), (missing, "weights missing"), (unexpected, "unexpected weights"))
-                    if items]
-        if problems:
-            shape = ", ".join(f"{f}={getattr(config, f)}" for f in ("n_layer", "n_head", "n_embd", "vocab_size",
-                                                                    "block_size"))
-            raise ValueError(f"{source}: the weights do not fit its model_config ({shape}): {', '.join(problems)}. "
-                             "Its weights and model_config describe different models; pass a checkpoint as train.py "
-                             "wrote it")
+        model = cls(checkpoint_config(ckpt, source, **overrides))
+        weights = ckpt["model"]
+        check_weights(model, weights, source)
         model.load_state_dict(weights)  # strict: every name and shape was checked above
         return model
 
@@ -509,6 +486,32 @@ class GPT(nn.Module):
                     raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {tuple(p.shape)}")
                 p.copy_(src)
         return model
+
+
+def check_weights(model: GPT, weights: dict[str, Any], source: str) -> None:
+    """Refuse weights that do not fit model's config with one line of counts and the first two names: PyTorch's own
+    size-mismatch error names every tensor, kilobytes for one mistake."""
+    expected = model.state_dict()
+    wrong = [f"{k} is a {type(v).__name__}, not a tensor" if not isinstance(v, torch.Tensor) else
+             f"{k} is {tuple(v.shape)}, the config makes it {tuple(expected[k].shape)}"
+             for k, v in weights.items()
+             if k in expected and (not isinstance(v, torch.Tensor) or v.shape != expected[k].shape)]
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+
+    def few(items: list[str]) -> str:
+        return "; ".join(items[:2]) + (f"; and {len(items) - 2} more" if len(items) > 2 else "")
+
+    problems = [f"{len(items)} {what} ({few(items)})" for items, what in
+                ((wrong, "tensors do not fit"), (missing, "weights missing"), (unexpected, "unexpected weights"))
+                if items]
+    if problems:
+        config = model.config
+        shape = ", ".join(f"{f}={getattr(config, f)}" for f in ("n_layer", "n_head", "n_embd", "vocab_size",
+                                                                "block_size"))
+        raise ValueError(f"{source}: the weights do not fit its model_config ({shape}): {', '.join(problems)}. "
+                         "Its weights and model_config describe different models; pass a checkpoint as train.py "
+                         "wrote it")
 
 
 def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:

@@ -55,7 +55,7 @@ from components import (
     weights_disagree,
 )
 from fineweb import SHUFFLES, DataError, TokenLoader
-from model import GPT, MODEL_PRESETS, GPTConfig, checkpoint_config
+from model import GPT, MODEL_PRESETS, GPTConfig, check_weights, checkpoint_config
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 # SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
@@ -496,7 +496,9 @@ def build_model(cfg: TrainConfig, found: tuple[Path, dict] | None, rank: int, lo
         if int(found[1]["step"]) > cfg.max_steps and not cfg.eval_only:
             raise ValueError(f"--resume {found[0]} is at step {found[1]['step']}, past --max-steps {cfg.max_steps}; "
                              "raise --max-steps to train further, or score it with --eval-only")
-        return GPT(dataclasses.replace(src, **run_options(cfg)))
+        model = GPT(dataclasses.replace(src, **run_options(cfg)))
+        check_weights(model, found[1]["model"], f"checkpoint {found[0]}")  # restore() would print every tensor
+        return model
     if cfg.init_from:
         raw = first_on_each_node(lambda: load_init(cfg), local_rank, world)
         if problem := weights_disagree(raw, f"--init-from {cfg.init_from}", rank, world):

@@ -1228,6 +1228,24 @@ def test_a_fresh_run_does_not_overwrite_another_runs_directory(token_data, tmp_p
     assert "--eval-only --resume auto: no checkpoint in" in capsys.readouterr().err
 
 
+def test_a_wrong_shaped_tensor_in_a_resumed_checkpoint_is_one_line(token_data, tmp_path, capsys):
+    train.main(tiny_args(token_data, tmp_path / "run", "--max-steps=1", "--eval-every=0"))
+    ckpt = load_checkpoint(tmp_path / "run" / "ckpt_000001.pt")
+    ckpt["model"]["transformer.h.1.mlp.c_fc.weight"] = torch.zeros(3, 5)
+    bad = tmp_path / "bad.pt"
+    torch.save(ckpt, bad)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(tiny_args(token_data, tmp_path / "run", "--max-steps=2", "--eval-every=0", f"--resume={bad}"))
+    shape = ", ".join(f"{k}={ckpt['model_config'][k]}" for k in ("n_layer", "n_head", "n_embd", "vocab_size",
+                                                                   "block_size"))
+    n_embd = ckpt["model_config"]["n_embd"]
+    assert e.value.code == 1 and capsys.readouterr().err == (
+        f"error: checkpoint {bad}: the weights do not fit its model_config ({shape}): 1 tensors do not fit "
+        f"(transformer.h.1.mlp.c_fc.weight is (3, 5), the config makes it ({4 * n_embd}, {n_embd})). Its weights and "
+        "model_config describe different models; pass a checkpoint as train.py wrote it\n")
+
+
 def test_resume_auto_names_a_later_step_it_passes_over(token_data, tmp_path, capsys):
     # "newest" is the last written (so a rewind continues); files copied without their times may lose that order
     args = tiny_args(token_data, tmp_path, "--max-steps=3", "--ckpt-every=1", "--keep-last=5", "--eval-every=0")
