@@ -514,6 +514,11 @@ def shakespeare_file(cfg: FinewebConfig) -> Path:
     path = Path(cfg.cache_dir).expanduser() / "tinyshakespeare.txt"
     if cfg.shakespeare_path:
         local = Path(cfg.shakespeare_path).expanduser()
+        if local.is_dir():
+            inside = local / "tinyshakespeare.txt"
+            raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is a directory; pass the file itself"
+                            + (f": --shakespeare-path {inside}" if inside.is_file() else
+                               ", a local copy of tinyshakespeare.txt"))
         if not local.is_file():
             raise DataError(f"--shakespeare-path {cfg.shakespeare_path} does not exist; pass the path of a local "
                             "copy of tinyshakespeare.txt, or leave it empty to download it")

@@ -296,6 +296,24 @@ def test_shakespeare_download_failure_names_the_local_flag(tmp_path, monkeypatch
     assert list((tmp_path / "cache").iterdir()) == [] and not (tmp_path / "out").exists()
 
 
+def test_shakespeare_path_that_is_a_directory_says_so(tmp_path, capsys):
+    folder = tmp_path / "shk"
+    folder.mkdir()
+    args = ["--source", "shakespeare", "--shakespeare-path", str(folder), "--out-dir", str(tmp_path / "out"),
+            "--cache-dir", str(tmp_path / "cache")]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 1 and capsys.readouterr().err == (
+        f"error: --shakespeare-path {folder} is a directory; pass the file itself, a local copy of "
+        "tinyshakespeare.txt\n")
+    (folder / "tinyshakespeare.txt").write_text("ROMEO:\n")
+    with pytest.raises(SystemExit):
+        main(args)
+    assert capsys.readouterr().err == (f"error: --shakespeare-path {folder} is a directory; pass the file itself: "
+                                       f"--shakespeare-path {folder / 'tinyshakespeare.txt'}\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_pool_closes_under_a_parent_that_catches_sigterm(tmp_path):
     # reaching --max-tokens closes the pool with tokenization in flight: Pool.terminate() stops those workers with
     # SIGTERM, which they must not inherit a handler for (train.py's, when both run in one process, hung for good)
