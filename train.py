@@ -517,8 +517,32 @@ def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: GPT, built
     guard.load_state_dict(ckpt.get("outliers", {}))  # the z-scores' history, so a resumed run skips the same steps
     if checkpointer.master:
         print(f"resumed from {path} at step {step}")
+        if note := schedule_change(ckpt.get("train_config", {}).get("max_steps"), checkpointer.cfg, step):
+            print(note)
     del ckpt["model"], ckpt["optimizer"]  # copied into the model and optimizer: free the CPU copy
     return step
+
+
+def schedule_change(saved_steps: int | None, cfg: TrainConfig, step: int) -> str | None:
+    """A note when the resumed run had another --max-steps: from `step` on, the lr schedule is then not that run's.
+    None where it is the same (a constant schedule, or --eval-only, which trains nothing)."""
+    if saved_steps is None or saved_steps == cfg.max_steps or cfg.eval_only:
+        return None
+    old = dataclasses.replace(cfg, max_steps=int(saved_steps))
+    differs = next((s for s in range(step, max(old.max_steps, cfg.max_steps) + 1) if get_lr(s, old) != get_lr(s, cfg)),
+                   None)
+    if differs is None:
+        return None
+    if cfg.lr_schedule == "wsd":
+        change = (f"the wsd decay now runs from step {wsd_decay_start(cfg)} to {cfg.max_steps}, not from "
+                  f"{wsd_decay_start(old)} to {old.max_steps}")
+    else:
+        change = f"the {cfg.lr_schedule} decay now ends at step {cfg.max_steps}, not {old.max_steps}"
+    same = f"is that run's before step {differs} and differs from there on" if differs > step else \
+        "differs from that run's from here on"
+    return (f"note: the checkpoint's run had --max-steps {old.max_steps}, this run has {cfg.max_steps}: {change}, so "
+            f"the learning rate {same} (at step {differs}: {get_lr(differs, cfg):.3g} here, "
+            f"{get_lr(differs, old):.3g} in that run)")
 
 
 def batches(cfg: TrainConfig, loader: TokenLoader | None) -> Callable[[], tuple] | None:
@@ -667,7 +691,7 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
     if step >= cfg.max_steps:
         return min_lr
     if cfg.lr_schedule == "wsd":
-        decay_start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
+        decay_start = wsd_decay_start(cfg)
         if step < decay_start:
             return cfg.max_lr
         return cfg.max_lr - (step - decay_start) / max(1, cfg.max_steps - decay_start) * (cfg.max_lr - min_lr)
@@ -675,6 +699,11 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
     if cfg.lr_schedule == "linear":
         return cfg.max_lr - progress * (cfg.max_lr - min_lr)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+
+
+def wsd_decay_start(cfg: TrainConfig) -> int:
+    """The step where wsd's linear decay to the min begins: decay_frac of max_steps before the end."""
+    return max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1246,6 +1246,37 @@ def test_a_wrong_shaped_tensor_in_a_resumed_checkpoint_is_one_line(token_data, t
         "model_config describe different models; pass a checkpoint as train.py wrote it\n")
 
 
+def note_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("note: the checkpoint's run had --max-steps")]
+
+
+def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_original_runs(token_data, tmp_path,
+                                                                                        capsys):
+    # cosine: a finished 4-step run extended to 6 steps decays again from halfway, well above its final lr
+    train.main(tiny_args(token_data, tmp_path / "cos", "--max-steps=4", "--eval-every=0"))
+    capsys.readouterr()
+    train.main(tiny_args(token_data, tmp_path / "cos", "--max-steps=6", "--eval-every=0", "--resume=auto"))
+    assert note_lines(capsys.readouterr().out) == [
+        "note: the checkpoint's run had --max-steps 4, this run has 6: the cosine decay now ends at step 6, not 4, so "
+        "the learning rate differs from that run's from here on (at step 4: 0.00055 here, 0.0001 in that run)"]
+    # wsd holds max_lr until its decay: extended before the decay began, the lr stays the original's until then
+    wsd = ["--lr-schedule=wsd", "--eval-every=0", "--ckpt-every=4", "--keep-last=0"]
+    train.main(tiny_args(token_data, tmp_path / "wsd", "--max-steps=10", *wsd))
+    capsys.readouterr()
+    train.main(tiny_args(token_data, tmp_path / "wsd2", "--max-steps=20", *wsd, "--max-time=1e-9",
+                         f"--resume={tmp_path / 'wsd' / 'ckpt_000004.pt'}"))
+    assert note_lines(capsys.readouterr().out) == [
+        "note: the checkpoint's run had --max-steps 10, this run has 20: the wsd decay now runs from step 16 to 20, "
+        "not from 8 to 10, so the learning rate is that run's before step 9 and differs from there on (at step 9: "
+        "0.001 here, 0.00055 in that run)"]
+    # constant: no schedule depends on --max-steps, and an evaluation trains nothing: no note
+    train.main(tiny_args(token_data, tmp_path / "const", "--max-steps=3", "--eval-every=0", "--lr-schedule=constant"))
+    train.main(tiny_args(token_data, tmp_path / "const", "--max-steps=5", "--eval-every=0", "--lr-schedule=constant",
+                         "--resume=auto"))
+    train.main(tiny_args(token_data, tmp_path / "cos", "--max-steps=9", "--eval-only", "--resume=auto"))
+    assert note_lines(capsys.readouterr().out) == []
+
+
 def test_resume_auto_names_a_later_step_it_passes_over(token_data, tmp_path, capsys):
     # "newest" is the last written (so a rewind continues); files copied without their times may lose that order
     args = tiny_args(token_data, tmp_path, "--max-steps=3", "--ckpt-every=1", "--keep-last=5", "--eval-every=0")
