@@ -1,5 +1,5 @@
-"""Helpers every stage shares: the GPT-2 tokenizer, the dataclass CLI, provenance and devices, process exit,
-checkpoint files, the model to run, the MFU peak table and log reading.
+"""Helpers every stage shares: the GPT-2 tokenizer, the dataclass CLI, provenance and devices, a directory's lock,
+process exit, checkpoint files, the model to run, the MFU peak table and log reading.
 
 Imports no torch at module level (torch is imported inside the functions that need it), so plot.py stays light.
 """
@@ -349,6 +349,32 @@ def first_on_each_node(load: Callable[[], T], local_rank: int, world: int, **ver
     first = world == 1 or local_rank == 0
     fetched = same_verdict(load if first else lambda: None, world, **verdict)
     return same_verdict((lambda: fetched) if first else load, world, **verdict)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One writer per directory
+
+
+def hold_lock(path: Path, busy: str, unlocked: str, error: type[Exception] = ValueError) -> typing.IO[str]:
+    """The lock file `path` (created, with its folder), open and exclusively flocked, for the caller to keep open while
+    it writes: the lock goes when it is closed or the process ends, SIGKILL included. Held by another process:
+    error(busy). A filesystem without flock (Lustre mounted without it, say): a warning ending in `unlocked`."""
+    import errno
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise error(busy) from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+            f.close()
+            raise
+        print(f"warning: {path.parent} cannot be locked ({e.strerror}); {unlocked}", file=sys.stderr)
+    return f
 
 
 # ----------------------------------------------------------------------------------------------------------------------

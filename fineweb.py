@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import EOT, get_tokenizer, parse_config
+from common import EOT, get_tokenizer, hold_lock, parse_config
 
 MAGIC = 20240520  # llm.c's token-shard magic (20240326 is its model-weights file)
 VERSION = 1
@@ -1109,44 +1109,20 @@ def _lock_path(cfg: FinewebConfig) -> Path:
     return Path(cfg.out_dir).expanduser() / f".{cfg.prefix}.lock"
 
 
-def _flock(f: Any, cfg: FinewebConfig) -> None:
-    """Take an exclusive lock on the open lock file f, or stop with a line when another writer holds it. A filesystem
-    without flock (Lustre mounted without it, say) gets a warning and no lock."""
-    import errno
-    import fcntl
-
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise DataError(f"another fineweb.py is writing {cfg.prefix} shards to {Path(f.name).parent}; let it finish "
-                        "(then rerun this to check it), or pass another --out-dir") from None
-    except OSError as e:
-        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-            raise
-        print(f"warning: {Path(f.name).parent} cannot be locked ({e.strerror}); make sure no other fineweb.py writes "
-              f"{cfg.prefix} shards there", file=sys.stderr)
-
-
 def _lock_out_dir(cfg: FinewebConfig) -> Any:
     """An exclusive lock on this prefix's shards in --out-dir, taken at a run's first change to the directory (it is
     left alone before that) and held to its end, so a second writer of the same shards stops with a line instead of
     deleting the first one's files mid-write. The lock file stays; the lock goes with the process."""
-    path = _lock_path(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a")
-    try:
-        _flock(f, cfg)
-    except BaseException:
-        f.close()
-        raise
-    return f
+    folder = Path(cfg.out_dir).expanduser()
+    return hold_lock(_lock_path(cfg), f"another fineweb.py is writing {cfg.prefix} shards to {folder}; let it finish "
+                     "(then rerun this to check it), or pass another --out-dir",
+                     f"make sure no other fineweb.py writes {cfg.prefix} shards there", DataError)
 
 
 def _check_out_dir_unlocked(cfg: FinewebConfig) -> None:
     """Stop now if another writer holds the lock, rather than after tokenizing a whole shard; creates nothing."""
     if _lock_path(cfg).is_file():
-        with open(_lock_path(cfg), "a") as f:
-            _flock(f, cfg)
+        _lock_out_dir(cfg).close()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from common import (
     checkpoints,
     first_on_each_node,
+    hold_lock,
     load_checkpoint,
     load_model,
     mfu,
@@ -436,12 +437,36 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
                Profiler(cfg.profile and not cfg.eval_only, start_step, cfg.profile_steps, Path(cfg.out_dir), rank))
 
 
+@contextlib.contextmanager
+def hold_out_dir(cfg: TrainConfig, rank: int, world: int) -> Iterator[None]:
+    """Hold --out-dir for the run: rank 0, its one writer, locks it, so a second run there stops at once instead of
+    pruning this one's checkpoints, and a directory it cannot write is refused before anything runs. --eval-only
+    writes nothing there and takes no lock. A problem on any rank stops every rank with it."""
+    out_dir, lock, problem = Path(cfg.out_dir), None, None
+    if out_dir.exists() and not out_dir.is_dir():
+        problem = f"--out-dir {out_dir} is a file, not a directory"
+    elif rank == 0 and not cfg.eval_only:
+        try:
+            lock = hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir {out_dir}; let it "
+                             "finish, or pass another --out-dir (an --eval-only run may share it)",
+                             "make sure no other train.py writes there")
+        except ValueError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to"
+    try:
+        if problem := shared_problem(problem, world):
+            raise ValueError(problem)
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
+
+
 def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[TrainConfig, int, bool]:
     """Refuse what cannot run: (cfg, gradient accumulation steps, whether to compile). A node whose command differs
-    (or whose out-dir is a file) stops every rank with the reason, first."""
-    out_dir = Path(cfg.out_dir)
-    problem = f"--out-dir {out_dir} is a file, not a directory" if out_dir.exists() and not out_dir.is_dir() else None
-    if (problem := shared_problem(problem, world)) or (problem := commands_disagree(cfg, rank, world)):
+    stops every rank with the reason, first."""
+    if problem := commands_disagree(cfg, rank, world):
         raise ValueError(problem)
     B, T = cfg.batch_size, cfg.seq_len
     if cfg.eval_only:  # nothing trains, so no total batch to fill
@@ -920,11 +945,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     rank, local_rank, world, device = setup_distributed(cfg.device, cfg.dist_timeout)
     attention = sdpa_switches()
     try:
-        state = setup(cfg, rank, local_rank, world, device)
-        with state.stop:  # its signal handlers live as long as the loop, and put the caller's back
-            result = train(state)
-            if dist.is_initialized():
-                dist.barrier()  # leave together: no rank tears its group down while another is in a collective
+        with hold_out_dir(cfg, rank, world):
+            state = setup(cfg, rank, local_rank, world, device)
+            with state.stop:  # its signal handlers live as long as the loop, and put the caller's back
+                result = train(state)
+                if dist.is_initialized():
+                    dist.barrier()  # leave together: no rank tears its group down while another is in a collective
         return result
     finally:
         set_sdpa_switches(attention)  # --attention's choice must not outlive the run either

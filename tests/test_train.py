@@ -1277,6 +1277,71 @@ def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_origina
     assert note_lines(capsys.readouterr().out) == []
 
 
+def test_a_second_run_into_a_live_runs_out_dir_stops_and_a_killed_runs_lock_blocks_nothing(token_data, tmp_path,
+                                                                                            capsys):
+    busy = (f"error: another train.py is writing to --out-dir {tmp_path}; let it finish, or pass another --out-dir "
+            "(an --eval-only run may share it)\n")
+    with long_run(token_data, tmp_path) as proc:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            train.main(tiny_args(token_data, tmp_path, "--max-steps=1", "--resume=auto"))
+        assert e.value.code == 1 and capsys.readouterr().err == busy
+        assert proc.poll() is None  # the live run goes on
+        # an evaluation writes nothing there, so it may run beside the live run
+        assert train.main(tiny_args(token_data, tmp_path, "--eval-only"))["val_loss"] > 5.0
+        log = (tmp_path / "log.jsonl").read_text()
+        proc.kill()  # SIGKILL: its lock goes with it
+        proc.communicate(timeout=60)
+    assert log.startswith('{"type": "config"')
+    assert train.main(tiny_args(token_data, tmp_path, "--max-steps=1", "--eval-every=0", "--resume=auto"))["step"] == 1
+
+
+def test_under_torchrun_every_rank_stops_with_the_out_dir_lock_holders_reason(token_data, tmp_path):
+    from common import hold_lock
+
+    held = hold_lock(tmp_path / ".train.lock", "held by the test", "")
+    try:
+        proc = run_torchrun(["train.py", *tiny_args(token_data, tmp_path, "--max-steps=1")], nproc=2, check=False)
+    finally:
+        held.close()
+    reason = f"another train.py is writing to --out-dir {tmp_path}; let it finish"
+    assert proc.returncode != 0 and f"error: {reason}" in proc.stderr and f"error: rank 0: {reason}" in proc.stderr
+    assert proc.stderr.count("error: ") == 2 and set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)) == {"1"}
+    assert not list(tmp_path.glob("ckpt_*")) and not (tmp_path / "log.jsonl").exists()
+
+
+def unwritable(tmp_path: Path) -> tuple[Path, str]:
+    """A directory this process cannot write in, and the reason creating a file there gives. Root writes anywhere
+    chmod allows, so for root a sysfs directory, which nobody writes files into."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    for folder in (ro, Path("/sys/kernel")):
+        try:
+            (folder / ".probe").open("a").close()
+            (folder / ".probe").unlink()
+        except OSError as e:
+            return folder, e.strerror
+    pytest.skip("no directory here refuses this process's writes")
+
+
+def test_an_out_dir_that_cannot_be_written_is_refused_before_anything_runs(token_data, tmp_path, capsys):
+    folder, reason = unwritable(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        train.main(tiny_args(token_data, folder, "--max-steps=1"))
+    assert e.value.code == 1 and capsys.readouterr() == ("", f"error: cannot write to --out-dir {folder} ({reason}); "
+                                                             "pass a directory you can write to\n")
+    try:
+        (folder / "run").mkdir()
+    except OSError as err:
+        reason = err.strerror
+    with pytest.raises(SystemExit):  # nor can it be made there
+        train.main(tiny_args(token_data, folder / "run", "--max-steps=1"))
+    assert capsys.readouterr().err == (f"error: cannot write to --out-dir {folder / 'run'} ({reason}); pass a "
+                                       "directory you can write to\n")
+    (tmp_path / "ro").chmod(0o755)
+
+
 def test_resume_auto_names_a_later_step_it_passes_over(token_data, tmp_path, capsys):
     # "newest" is the last written (so a rewind continues); files copied without their times may lose that order
     args = tiny_args(token_data, tmp_path, "--max-steps=3", "--ckpt-every=1", "--keep-last=5", "--eval-every=0")
