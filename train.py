@@ -56,6 +56,7 @@ from components import (
 )
 from fineweb import SHUFFLES, DataError, TokenLoader
 from model import GPT, MODEL_PRESETS, GPTConfig, checkpoint_config
+from trackers import missing_package, open_trackers
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 # SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
@@ -135,12 +136,15 @@ class TrainConfig:
     keep_every: int = 0  # never delete a checkpoint whose step is a multiple of N (0 = none; llm.c's -nm)
     resume: str = ""  # '' (fresh run), 'auto' (latest valid checkpoint in out_dir) or a checkpoint path
     log_every: int = 1  # print a step line every N steps
+    tensorboard: bool = False  # also log the scalars as TensorBoard event files in out_dir (pip install tensorboard)
+    wandb: str = ""  # also log them to this W&B project ('' = off; WANDB_MODE=offline works; pip install wandb)
     # run control
     overfit_batch: bool = False  # train on the first batch only (sanity check: the loss must go to ~0)
     eval_only: bool = False  # evaluate the starting weights once and exit: no training, checkpoint or log
     max_time: float = 0.0  # wall-clock budget in minutes; checkpoint and stop when reached (0 = none)
     profile: bool = False  # profile a few steps after warmup; writes a Chrome/Perfetto trace to out_dir
     profile_steps: int = 3  # steps to profile
+    print_config: bool = False  # print the resolved config (the preset, then the flags) as JSON and exit
 
     def __post_init__(self) -> None:
         choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
@@ -414,8 +418,10 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
         print_header(cfg, raw, built, start_step, grad_accum, world, use_compile, device)
     checkpointer.remove_partial_writes()
     # an evaluation-only run leaves out_dir alone: its log.jsonl may be a training run's
-    log = RunLog(Path(cfg.out_dir) / "log.jsonl" if master and not cfg.eval_only else None,
-                 start_step if found is not None else None, master, cfg.max_steps, cfg.log_every)
+    logs = master and not cfg.eval_only
+    resume_step = start_step if found is not None else None
+    log = RunLog(Path(cfg.out_dir) / "log.jsonl" if logs else None, resume_step, master, cfg.max_steps, cfg.log_every,
+                 open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step) if logs else None)
     log.write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": prov})
     evaluator = Evaluator(cfg, raw, built.model, val_loader, built.autocast, log, rank, world, local_rank)
@@ -432,6 +438,7 @@ def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
     (or whose out-dir is a file) stops every rank with the reason, first."""
     out_dir = Path(cfg.out_dir)
     problem = f"--out-dir {out_dir} is a file, not a directory" if out_dir.exists() and not out_dir.is_dir() else None
+    problem = problem or (missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None)  # only rank 0 logs
     if (problem := shared_problem(problem, world)) or (problem := commands_disagree(cfg, rank, world)):
         raise ValueError(problem)
     B, T = cfg.batch_size, cfg.seq_len
@@ -847,6 +854,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if e.code and not isinstance(e.code, int) and "RANK" in os.environ and not dist.is_initialized():
             _stop_the_other_ranks(str(e.code).removeprefix("error: "))
         raise
+    if cfg.print_config:
+        print(json.dumps(dataclasses.asdict(dataclasses.replace(cfg, print_config=False)), indent=1))
+        return {}
     try:
         return run(cfg)
     except (DataError, ValueError, FileNotFoundError) as e:

@@ -1427,12 +1427,12 @@ OTHER_VALUE = {
     "sample_tokens": 8,
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
-    "profile_steps": 5,
+    "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True,
     # compared as what they are, not where: off, auto, or a path (any path); no --init-from, or one
     "hellaswag": "off", "init_from": "gpt2",
 }
 MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload",
-              "dist_timeout"}
+              "dist_timeout", "tensorboard", "wandb"}
 
 AGREEMENT_WORKER = """import json, sys
 import torch
