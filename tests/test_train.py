@@ -128,6 +128,23 @@ def test_cli_subprocess_one_line_error_and_help():
     assert "--total-batch-size" in ok.stdout and "tokens per optimizer step" in ok.stdout and "gpt2-124m" in ok.stdout
 
 
+def test_print_config_prints_the_preset_with_the_flags_and_exits_without_touching_anything(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--preset", "shakespeare", "--max-steps", "100",
+                           "--dropout=0.1", "--print-config"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stderr == ""
+    printed = json.loads(proc.stdout)
+    assert list(printed) == [f.name for f in dataclasses.fields(train.TrainConfig)]  # every field, in --help's order
+    assert printed == {**dataclasses.asdict(train.TrainConfig()),  # the defaults, the preset's fields, then the flags
+                       "model": "gpt2", "n_layer": 6, "n_head": 6, "n_embd": 384, "seq_len": 256,
+                       "data": "data/shakespeare", "preload": True, "total_batch_size": 16384, "batch_size": 64,
+                       "max_lr": 1e-3, "warmup_steps": 100, "max_steps": 100, "dropout": 0.1, "eval_every": 250,
+                       "eval_tokens": 16384, "hellaswag": "off", "sample_every": 500, "sample_tokens": 128,
+                       "ckpt_every": 1000, "out_dir": "out/shakespeare", "sample_prompt": "ROMEO:"}
+    assert printed["print_config"] is False and printed["lr_schedule"] == "cosine"  # as the run itself would see it
+    assert list(tmp_path.iterdir()) == []  # no data read, no out dir made
+
+
 def test_indivisible_batch_is_a_clear_error(token_data, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(tiny_args(token_data, tmp_path, "--total-batch-size", "1000"))
