@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from common import (
     checkpoints,
+    describe_provenance,
     first_on_each_node,
     load_checkpoint,
     load_model,
@@ -402,9 +403,8 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
         if loader is not None:
             loader.check_vocab(raw.config.vocab_size)
     torch.manual_seed(cfg.seed + rank)
-    if master:
-        print(json.dumps({"provenance": prov, "config": dataclasses.asdict(cfg),
-                          "model": dataclasses.asdict(raw.config)}, indent=None))
+    if master:  # the full config and provenance are log.jsonl's first record
+        print(f"model: {describe_model(cfg, raw.config)}\nprovenance: {describe_provenance(prov)}")
     if device.type == "cuda" and cfg.attention == "efficient" and raw.config.kv_heads != raw.config.n_head:
         raise ValueError("--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, "
                          "cudnn or auto")
@@ -527,6 +527,15 @@ def batches(cfg: TrainConfig, loader: TokenLoader | None) -> Callable[[], tuple]
     fixed = loader.next_batch()
     loader.load_state_dict(position)
     return lambda: fixed
+
+
+def describe_model(cfg: TrainConfig, mcfg: GPTConfig) -> str:
+    """The model in one line: `tiny: 2 layers, 4 heads, width 64, context 64, gelu MLP, learned positions`."""
+    name = f"--init-from {cfg.init_from}" if cfg.init_from else cfg.model
+    heads = f"{mcfg.n_head} heads" + (f" ({mcfg.kv_heads} key-value)" if mcfg.kv_heads != mcfg.n_head else "")
+    shape = f"{mcfg.n_layer} layers, {heads}, width {mcfg.n_embd}, context {mcfg.block_size}, {mcfg.mlp} MLP, " \
+        f"{mcfg.pos} positions"
+    return f"{name}: {shape}" if name else shape
 
 
 def print_header(cfg: TrainConfig, raw: GPT, built: Trainable, start_step: int, grad_accum: int, world: int,

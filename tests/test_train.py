@@ -22,7 +22,7 @@ import torch
 
 import components
 import train
-from common import iter_log, load_checkpoint, parse_config
+from common import describe_provenance, iter_log, load_checkpoint, parse_config
 from conftest import ROOT, children, run_nodes, run_torchrun
 from fineweb import TokenLoader, read_shard, write_shard
 from model import GPT, GPTConfig
@@ -348,7 +348,12 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
                          "--parallel=zero1", "--fused-gelu", "--fused-ce", "--half-residual",
                          f"--hellaswag={hellaswag}", "--hellaswag-every=3", "--compile-mode=reduce-overhead"))
     out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith('{"provenance"')
+    # a human header; the full config and provenance are log.jsonl's first record only
+    lines = out.splitlines()
+    assert lines[0] == "model: tiny: 2 layers, 4 heads, width 64, context 64, gelu MLP, learned positions"
+    assert lines[1] == f"provenance: {describe_provenance(next(iter_log(tmp_path / 'log.jsonl'))['provenance'])}"
+    assert f", torch {torch.__version__}, " in lines[1] and lines[1].endswith(f", cpu ({os.cpu_count()} cores), 1 rank")
+    assert not any(line.startswith("{") for line in lines)
     # without torchrun nothing is wrapped or sharded, whatever --parallel says; and the kernel needs CUDA
     assert "| compile False | single | torch.float32" in out
     assert "note: --fused-gelu runs the PyTorch reference on cpu: the Triton kernel is CUDA only" in out
