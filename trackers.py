@@ -65,8 +65,13 @@ class WandB:
         run_id = id_file.read_text().strip() if resuming else secrets.token_hex(4)
         out_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id + "\n")
-        self.run = wandb.init(project=project, id=run_id, resume="allow", name=out_dir.name,
-                              dir=None if os.environ.get("WANDB_DIR") else str(out_dir))
+        try:
+            self.run = wandb.init(project=project, id=run_id, resume="allow", name=out_dir.name,
+                                  dir=None if os.environ.get("WANDB_DIR") else str(out_dir))
+        except Exception as e:  # no API key, no network...: one line, before training, on every rank (setup)
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"--wandb {project}: W&B did not start ({why}); run `wandb login`, or set "
+                             "WANDB_MODE=offline to log without an account") from None
 
     def write(self, record: dict) -> None:
         if record["type"] == "config":

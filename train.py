@@ -421,8 +421,10 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     # an evaluation-only run leaves out_dir alone: its log.jsonl may be a training run's
     logs = master and not cfg.eval_only
     resume_step = start_step if found is not None else None
+    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step)
+                            if logs else None, world)
     log = RunLog(Path(cfg.out_dir) / "log.jsonl" if logs else None, resume_step, master, cfg.max_steps, cfg.log_every,
-                 open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step) if logs else None)
+                 trackers)
     log.write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": prov})
     evaluator = Evaluator(cfg, raw, built.model, val_loader, built.autocast, log, rank, world, local_rank)

@@ -113,3 +113,19 @@ def test_a_missing_tracker_package_is_one_line_before_anything_runs(token_data, 
     name = flag.split("=")[0]
     assert capsys.readouterr().err == f"error: {name} needs the {package} package: pip install {package}\n"
     assert not (tmp_path / "run").exists()
+
+
+def test_wandb_that_cannot_start_is_one_line_before_training(token_data, tmp_path, capsys, monkeypatch):
+    import wandb
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    with pytest.raises(SystemExit) as e:
+        train.main(run_args(token_data, tmp_path / "run", "--wandb=proj"))
+    assert e.value.code == 1
+    assert capsys.readouterr().err == ("error: --wandb proj: W&B did not start (No API key configured. Use `wandb "
+                                       "login` to log in.); run `wandb login`, or set WANDB_MODE=offline to log "
+                                       "without an account\n")
+    assert not (tmp_path / "run" / "log.jsonl").exists()  # refused before the log, let alone a step
