@@ -552,7 +552,7 @@ def profile_step(step: Callable[[], Any], device: torch.device,
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         # tear CUPTI down when the profile ends, or older Kineto slows every later launch (docs/benchmarks.md)
         os.environ.setdefault("TEARDOWN_CUPTI", "1")
-    with torch.profiler.profile(activities=activities) as prof:
+    with without_usdt_lines(), torch.profiler.profile(activities=activities) as prof:
         t0 = time.perf_counter()
         step()
         sync(device)
@@ -564,6 +564,26 @@ def profile_step(step: Callable[[], Any], device: torch.device,
     timed, busy = kernel_times(events) if device.type == "cuda" else op_times(events)
     # a profiler that recorded no kernel (no CUPTI) has no breakdown to give, not an idle device
     return sdpa_kernels(events), step_breakdown(timed, busy, wall_ms, device) if timed else None
+
+
+@contextlib.contextmanager
+def without_usdt_lines() -> Iterator[None]:
+    """Hold file descriptor 2 in a file meanwhile, then pass its lines on, less the `USDT:` ones: Kineto (C++) writes
+    one at each profiler start and stop, and KINETO_LOG_LEVEL hides those only with its errors."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def sdpa_kernels(events: list[Any]) -> str:

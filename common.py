@@ -246,6 +246,18 @@ def provenance(device: torch.device | str | None = None, world_size: int = 1) ->
             "world_size": world_size}
 
 
+def describe_provenance(prov: dict) -> str:
+    """provenance() as one readable line: `git 0123456789ab+dirty, python 3.11.9, torch 2.6.0, cuda 12.4,
+    NVIDIA H100 80GB HBM3, 8 ranks` (the git sha is shortened to 12 characters; unknown parts are left out)."""
+    sha = (prov.get("git_sha") or "unknown")[:12] + ("+dirty" if prov.get("git_dirty") else "")
+    parts = [f"git {sha}"]
+    parts += [f"{name} {prov[name]}" for name in ("python", "torch", "triton", "cuda") if prov.get(name)]
+    parts.append(str(prov.get("device")))
+    world = prov.get("world_size", 1)
+    parts.append(f"{world} rank" + ("s" if world != 1 else ""))
+    return ", ".join(parts)
+
+
 def device_name(device: torch.device | str | None = None) -> str:
     """The name MFU's peak table is keyed by: the GPU's, or the CPU's core count."""
     import torch

@@ -3,7 +3,7 @@
 train.py's loop reads as the story; what each phase does in detail lives here:
     Checkpointer  find, agree across ranks, restore, due(step), save with prune
     Evaluator     val loss, HellaSwag and samples: due/run
-    RunLog        log.jsonl, the console step line and the ETA
+    RunLog        log.jsonl (and TensorBoard / W&B), the console step line and the ETA
     SpikeGuard    llm.c's loss/grad-norm z-scores that skip an outlier update
     StopFlags     SIGTERM, Ctrl-C and the wall-clock budget, agreed across ranks (a context manager)
     Profiler      a few profiled steps after warmup
@@ -440,12 +440,14 @@ def load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int) -> 
 
 
 class RunLog:
-    """The run's log.jsonl (rank 0, not for --eval-only) and its console lines: the step line every --log-every steps
-    with the ETA from the median of the last 20 step times."""
+    """The run's log.jsonl (rank 0, not for --eval-only), the trackers that get its records too (trackers.py:
+    TensorBoard, W&B), and its console lines: the step line every --log-every steps with the ETA from the median of
+    the last 20 step times."""
 
     def __init__(self, path: Path | None, resume_step: int | None, master: bool = True, max_steps: int = 0,
-                 log_every: int = 1):
+                 log_every: int = 1, trackers: list[Any] | None = None):
         self.file = open_log(path, resume_step) if path is not None else None
+        self.trackers = trackers or []
         self.master = master
         self.max_steps, self.log_every = max_steps, log_every
         self.recent_ms: list[float] = []
@@ -454,6 +456,8 @@ class RunLog:
     def write(self, record: dict) -> None:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
+        for tracker in self.trackers:
+            tracker.write(record)
 
     def say(self, text: str) -> None:
         if self.master:
@@ -481,6 +485,8 @@ class RunLog:
     def close(self) -> None:
         if self.file:
             self.file.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def open_log(path: Path, resume_step: int | None) -> Any:
@@ -720,7 +726,8 @@ class Profiler:
 
 # paths may differ from node to node, so only whether they are set is compared; the others change a rank's own files
 PER_NODE_FIELDS = ("data", "out_dir", "hellaswag", "init_from", "resume")
-RANK_LOCAL_FIELDS = ("max_time", "peak_tflops", "keep_last", "keep_every", "preload", "dist_timeout")
+RANK_LOCAL_FIELDS = ("max_time", "peak_tflops", "keep_last", "keep_every", "preload", "dist_timeout", "tensorboard",
+                     "wandb")
 
 
 def commands_disagree(cfg: TrainConfig, rank: int, world: int) -> str | None:

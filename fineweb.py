@@ -949,6 +949,9 @@ class ShardWriter:
                 self.add(arr)
                 if self.total >= self.limit:
                     break
+            if self._bar is not None:  # the stream ended: the last shard's bar ends at its size, not a full one's
+                self._bar.total = self._bar.n
+                self._bar.refresh()
         finally:
             self._close_bar()
 

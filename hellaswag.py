@@ -38,6 +38,7 @@ from tqdm import tqdm
 from common import (
     EOT,
     GPT2_VOCAB,
+    describe_provenance,
     first_on_each_node,
     get_tokenizer,
     load_model,
@@ -301,18 +302,6 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # CLI
-
-
-def describe_provenance(prov: dict) -> str:
-    """model.provenance() as one readable line: `git 0123456789ab+dirty, python 3.11.9, torch 2.6.0, cuda 12.4,
-    NVIDIA H100 80GB HBM3, 8 ranks` (the git sha is shortened to 12 characters; unknown parts are left out)."""
-    sha = (prov.get("git_sha") or "unknown")[:12] + ("+dirty" if prov.get("git_dirty") else "")
-    parts = [f"git {sha}"]
-    parts += [f"{name} {prov[name]}" for name in ("python", "torch", "triton", "cuda") if prov.get(name)]
-    parts.append(str(prov.get("device")))
-    world = prov.get("world_size", 1)
-    parts.append(f"{world} rank" + ("s" if world != 1 else ""))
-    return ", ".join(parts)
 
 
 @dataclass

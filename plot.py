@@ -1,9 +1,9 @@
-"""Plot a train.py run from its log.jsonl: smoothed train loss, val loss and HellaSwag against steps or tokens.
+"""Plot a train.py run from its log.jsonl: smoothed train loss, val loss, lr and HellaSwag against steps or tokens.
 
 Usage:
     python plot.py --log out/gpt2-124m/log.jsonl            # writes out/gpt2-124m/loss.png
     python plot.py --log out/demo/log.jsonl --x tokens --out demo.png
-    python plot.py --log out/lr6e-4/log.jsonl,out/lr1e-3/log.jsonl --x tokens   # runs overlaid -> compare.png
+    python plot.py --log out/lr6e-4/log.jsonl,out/lr1e-3/log.jsonl --x tokens   # overlaid -> out/lr6e-4/compare.png
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common import iter_log, parse_config
 
@@ -24,7 +25,7 @@ class PlotConfig:
     """Plot the curves of a train.py log.jsonl (or of several runs, overlaid) into a PNG."""
 
     log: str = "out/gpt2-124m/log.jsonl"  # the run's JSONL log; several, comma-separated, are overlaid (a colour each)
-    out: str = ""  # PNG path ('' = loss.png next to the log; compare.png here for several)
+    out: str = ""  # PNG path ('' = loss.png next to the log; compare.png next to the first log for several)
     x: str = "step"  # x axis: step or tokens
     smooth: float = 0.9  # EMA factor for the train loss (0 = raw)
 
@@ -64,61 +65,91 @@ def plot(cfg: PlotConfig) -> Path:
     # in a notebook that calls plot()
     from matplotlib.figure import Figure
 
-    # a path that exists as given is one log, commas and all (run names such as lr=6e-4,bs=8)
-    logs = [Path(cfg.log)] if Path(cfg.log).is_file() else [Path(part) for part in cfg.log.split(",") if part]
-    if not logs:
-        raise ValueError("--log is empty; pass a run's log.jsonl (or several, comma-separated)")
-    runs = []  # (config, curves) per run, in the order of logs
-    for log in logs:
-        if log.is_dir():  # a run's directory: its log is inside
-            raise FileNotFoundError(f"--log {log} is a directory; pass the log itself: --log {log / 'log.jsonl'}")
-        if not log.is_file():
-            raise FileNotFoundError(f"--log {log} does not exist; train.py writes it as <out_dir>/log.jsonl")
-        config, curves = load_curves(log)
-        if not curves.get("train"):
-            raise ValueError(f"{log} has no train records yet; run train.py first")
-        runs.append((config, curves))
+    logs = log_paths(cfg.log)
+    runs = [read_run(log) for log in logs]  # (config, curves) per run, in the order of logs
     single = len(runs) == 1
-    hellaswag = any(curves.get("hellaswag") for _, curves in runs)
-    fig = Figure(figsize=(13 if hellaswag else 7, 4.5))
-    axes = fig.subplots(1, 2 if hellaswag else 1, squeeze=False)
-    loss_ax = axes[0][0]
-    hs_ax = axes[0][1] if hellaswag else None
-    for i, ((_, curves), name) in enumerate(zip(runs, run_names(logs), strict=True)):
-        # one run: a colour per curve; several: a colour per run, val dashed, and each label names its run
-        colors = ("tab:blue", "tab:orange", "tab:green") if single else (f"C{i}",) * 3
-        prefix = "" if single else f"{name}: "
-        train = curves["train"]
-        xs = [r[cfg.x] for r in train]
-        ema, smoothed = None, []
-        for r in train:
-            ema = r["loss"] if ema is None else cfg.smooth * ema + (1 - cfg.smooth) * r["loss"]
-            smoothed.append(ema)
-        loss_ax.plot(xs, [r["loss"] for r in train], color=colors[0], alpha=0.25 if single else 0.12, linewidth=0.8)
-        loss_ax.plot(xs, smoothed, color=colors[0], label=f"{prefix}train loss (EMA {cfg.smooth})")
-        if val := curves.get("val", []):
-            loss_ax.plot([r[cfg.x] for r in val], [r["val_loss"] for r in val], "o-" if single else "o--",
-                         color=colors[1], markersize=3, label=f"{prefix}val loss (last {val[-1]['val_loss']:.3f})")
-        if hs_ax is not None and (hs := curves.get("hellaswag", [])):
-            hs_ax.plot([r[cfg.x] for r in hs], [r["acc_norm"] for r in hs], "o-", color=colors[2], markersize=3,
-                       label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")
-    loss_ax.set_xlabel(cfg.x)
+    has_lr = any("lr" in r for _, curves in runs for r in curves["train"])
+    has_hellaswag = any(curves.get("hellaswag") for _, curves in runs)
+    panels = 1 + has_lr + has_hellaswag
+    fig = Figure(figsize=(6 * panels + 1, 4.5))
+    axes = list(fig.subplots(1, panels, squeeze=False)[0])
+    loss_ax, lr_ax, hs_ax = axes[0], axes[1] if has_lr else None, axes[-1] if has_hellaswag else None
+    drawn = [draw_run(cfg, curves, f"{name}: " if not single else "", i, single, loss_ax, lr_ax, hs_ax)
+             for i, ((_, curves), name) in enumerate(zip(runs, run_names(logs), strict=True))]
+    loss_ax.set_ylim(*loss_range(drawn))
     loss_ax.set_ylabel("loss")
     loss_ax.set_title(f"{logs[0].parent.name}: {len(runs[0][1]['train'])} steps" if single else f"{len(runs)} runs")
-    loss_ax.grid(alpha=0.3)
-    loss_ax.legend()
+    if lr_ax is not None:
+        lr_ax.set_ylabel("learning rate")
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     if hs_ax is not None:
         if all(is_gpt2_124m(config) for config, _ in runs):  # OpenAI's figures are for the 124M model only
             hs_ax.axhline(GPT2_124M_HELLASWAG, color="red", linestyle="--", label="OpenAI GPT-2 124M (0.2955)")
             hs_ax.axhline(GPT3_SMALL_HELLASWAG, color="gray", linestyle="--", label="OpenAI GPT-3 Small (0.337)")
-        hs_ax.set_xlabel(cfg.x)
         hs_ax.set_ylabel("HellaSwag acc_norm")
-        hs_ax.grid(alpha=0.3)
-        hs_ax.legend()
-    out = Path(cfg.out) if cfg.out else logs[0].with_name("loss.png") if single else Path("compare.png")
+    for ax in axes:
+        ax.set_xlabel(cfg.x)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    out = Path(cfg.out) if cfg.out else logs[0].with_name("loss.png" if single else "compare.png")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return out
+
+
+def log_paths(arg: str) -> list[Path]:
+    # a path that exists as given is one log, commas and all (run names such as lr=6e-4,bs=8)
+    logs = [Path(arg)] if Path(arg).is_file() else [Path(part) for part in arg.split(",") if part]
+    if not logs:
+        raise ValueError("--log is empty; pass a run's log.jsonl (or several, comma-separated)")
+    return logs
+
+
+def read_run(log: Path) -> tuple[dict, dict[str, list[dict]]]:
+    if log.is_dir():  # a run's directory: its log is inside
+        raise FileNotFoundError(f"--log {log} is a directory; pass the log itself: --log {log / 'log.jsonl'}")
+    if not log.is_file():
+        raise FileNotFoundError(f"--log {log} does not exist; train.py writes it as <out_dir>/log.jsonl")
+    config, curves = load_curves(log)
+    if not curves.get("train"):
+        raise ValueError(f"{log} has no train records yet; run train.py first")
+    return config, curves
+
+
+def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], prefix: str, i: int, single: bool, loss_ax: Any,
+             lr_ax: Any, hs_ax: Any) -> tuple[list[float], list[float]]:
+    """One run's curves on the panels: one run, a colour per curve; several, a colour per run, val dashed, and each
+    label names its run (`prefix`). Returns its loss values, and those past its first tenth (loss_range)."""
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:purple") if single else (f"C{i}",) * 4
+    train = curves["train"]
+    xs = [r[cfg.x] for r in train]
+    ema, smoothed = None, []
+    for r in train:
+        ema = r["loss"] if ema is None else cfg.smooth * ema + (1 - cfg.smooth) * r["loss"]
+        smoothed.append(ema)
+    loss_ax.plot(xs, [r["loss"] for r in train], color=colors[0], alpha=0.25 if single else 0.12, linewidth=0.8)
+    loss_ax.plot(xs, smoothed, color=colors[0], label=f"{prefix}train loss (EMA {cfg.smooth})")
+    points = list(zip(xs, smoothed, strict=True))
+    if val := curves.get("val", []):
+        points += [(r[cfg.x], r["val_loss"]) for r in val]
+        loss_ax.plot([r[cfg.x] for r in val], [r["val_loss"] for r in val], "o-" if single else "o--",
+                     color=colors[1], markersize=3, label=f"{prefix}val loss (last {val[-1]['val_loss']:.3f})")
+    if lr_ax is not None and (lrs := [r for r in train if "lr" in r]):
+        lr_ax.plot([r[cfg.x] for r in lrs], [r["lr"] for r in lrs], color=colors[3], label=f"{prefix}lr")
+    if hs_ax is not None and (hs := curves.get("hellaswag", [])):
+        hs_ax.plot([r[cfg.x] for r in hs], [r["acc_norm"] for r in hs], "o-", color=colors[2], markersize=3,
+                   label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")
+    start = xs[len(xs) // 10] if len(xs) >= 10 else float("-inf")  # a short run keeps its start in view
+    return [y for _, y in points], [y for x, y in points if x >= start]
+
+
+def loss_range(drawn: list[tuple[list[float], list[float]]]) -> tuple[float, float]:
+    """The loss panel's y-range: down to the lowest value, up to the highest past each run's first tenth, so the
+    first drop (from ln(vocab) = 10.8) leaves the top and the rest of the curve fills the panel."""
+    low = min(y for every, _ in drawn for y in every)
+    high = max(y for every, later in drawn for y in (later or every))
+    pad = 0.05 * (high - low) or 0.5
+    return low - pad, high + pad
 
 
 def main(argv: list[str] | None = None) -> Path:

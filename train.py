@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from common import (
     checkpoints,
+    describe_provenance,
     first_on_each_node,
     hold_lock,
     load_checkpoint,
@@ -57,6 +58,7 @@ from components import (
 )
 from fineweb import SHUFFLES, DataError, TokenLoader
 from model import GPT, MODEL_PRESETS, GPTConfig, check_weights, checkpoint_config
+from trackers import missing_package, open_trackers
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 # SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
@@ -136,12 +138,15 @@ class TrainConfig:
     keep_every: int = 0  # never delete a checkpoint whose step is a multiple of N (0 = none; llm.c's -nm)
     resume: str = ""  # '' (fresh run), 'auto' (latest valid checkpoint in out_dir) or a checkpoint path
     log_every: int = 1  # print a step line every N steps
+    tensorboard: bool = False  # also log the scalars as TensorBoard event files in out_dir (pip install tensorboard)
+    wandb: str = ""  # also log them to this W&B project ('' = off; WANDB_MODE=offline works; pip install wandb)
     # run control
     overfit_batch: bool = False  # train on the first batch only (sanity check: the loss must go to ~0)
     eval_only: bool = False  # evaluate the starting weights once and exit: no training, checkpoint or log
     max_time: float = 0.0  # wall-clock budget in minutes; checkpoint and stop when reached (0 = none)
     profile: bool = False  # profile a few steps after warmup; writes a Chrome/Perfetto trace to out_dir
     profile_steps: int = 3  # steps to profile
+    print_config: bool = False  # print the resolved config (the preset, then the flags) as JSON and exit
 
     def __post_init__(self) -> None:
         choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
@@ -205,7 +210,8 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "gpt2-350m": _preset(model="gpt2-medium", batch_size=32, max_lr=3e-4, out_dir="out/gpt2-350m"),
     "gpt2-774m": _preset(model="gpt2-large", batch_size=16, max_lr=2.5e-4, out_dir="out/gpt2-774m"),
     "gpt2-1558m": _preset(model="gpt2-xl", batch_size=8, max_lr=2e-4, out_dir="out/gpt2-1558m"),
-    # a 10.7M-param model on Tiny Shakespeare (~300K tokens): minutes on one GPU
+    # a 30M-param model (nanoGPT's 10.7M leaves the token embedding out) on Tiny Shakespeare (~300K tokens): minutes
+    # on one GPU
     "shakespeare": _preset(model="gpt2", n_layer=6, n_head=6, n_embd=384, seq_len=256, data="data/shakespeare",
                            preload=True,
                            total_batch_size=16384, batch_size=64, max_lr=1e-3, warmup_steps=100, max_steps=2000,
@@ -407,9 +413,8 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
         if loader is not None:
             loader.check_vocab(raw.config.vocab_size)
     torch.manual_seed(cfg.seed + rank)
-    if master:
-        print(json.dumps({"provenance": prov, "config": dataclasses.asdict(cfg),
-                          "model": dataclasses.asdict(raw.config)}, indent=None))
+    if master:  # the full config and provenance are log.jsonl's first record
+        print(f"model: {describe_model(cfg, raw.config)}\nprovenance: {describe_provenance(prov)}")
     if device.type == "cuda" and cfg.attention == "efficient" and raw.config.kv_heads != raw.config.n_head:
         raise ValueError("--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, "
                          "cudnn or auto")
@@ -424,8 +429,12 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
         print_header(cfg, raw, built, start_step, grad_accum, world, use_compile, device)
     checkpointer.remove_partial_writes()
     # an evaluation-only run leaves out_dir alone: its log.jsonl may be a training run's
-    log = RunLog(Path(cfg.out_dir) / "log.jsonl" if master and not cfg.eval_only else None,
-                 start_step if found is not None else None, master, cfg.max_steps, cfg.log_every)
+    logs = master and not cfg.eval_only
+    resume_step = start_step if found is not None else None
+    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step)
+                            if logs else None, world)
+    log = RunLog(Path(cfg.out_dir) / "log.jsonl" if logs else None, resume_step, master, cfg.max_steps, cfg.log_every,
+                 trackers)
     log.write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": prov})
     evaluator = Evaluator(cfg, raw, built.model, val_loader, built.autocast, log, rank, world, local_rank)
@@ -465,8 +474,9 @@ def hold_out_dir(cfg: TrainConfig, rank: int, world: int) -> Iterator[None]:
 
 def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[TrainConfig, int, bool]:
     """Refuse what cannot run: (cfg, gradient accumulation steps, whether to compile). A node whose command differs
-    stops every rank with the reason, first."""
-    if problem := commands_disagree(cfg, rank, world):
+    (or who lacks a logging package asked for) stops every rank with the reason, first."""
+    problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None  # only rank 0 logs
+    if (problem := shared_problem(problem, world)) or (problem := commands_disagree(cfg, rank, world)):
         raise ValueError(problem)
     B, T = cfg.batch_size, cfg.seq_len
     if cfg.eval_only:  # nothing trains, so no total batch to fill
@@ -579,6 +589,15 @@ def batches(cfg: TrainConfig, loader: TokenLoader | None) -> Callable[[], tuple]
     fixed = loader.next_batch()
     loader.load_state_dict(position)
     return lambda: fixed
+
+
+def describe_model(cfg: TrainConfig, mcfg: GPTConfig) -> str:
+    """The model in one line: `tiny: 2 layers, 4 heads, width 64, context 64, gelu MLP, learned positions`."""
+    name = f"--init-from {cfg.init_from}" if cfg.init_from else cfg.model
+    heads = f"{mcfg.n_head} heads" + (f" ({mcfg.kv_heads} key-value)" if mcfg.kv_heads != mcfg.n_head else "")
+    shape = f"{mcfg.n_layer} layers, {heads}, width {mcfg.n_embd}, context {mcfg.block_size}, {mcfg.mlp} MLP, " \
+        f"{mcfg.pos} positions"
+    return f"{name}: {shape}" if name else shape
 
 
 def print_header(cfg: TrainConfig, raw: GPT, built: Trainable, start_step: int, grad_accum: int, world: int,
@@ -912,6 +931,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if e.code and not isinstance(e.code, int) and "RANK" in os.environ and not dist.is_initialized():
             _stop_the_other_ranks(str(e.code).removeprefix("error: "))
         raise
+    if cfg.print_config:
+        print(json.dumps(dataclasses.asdict(dataclasses.replace(cfg, print_config=False)), indent=1))
+        return {}
     try:
         return run(cfg)
     except (DataError, ValueError, FileNotFoundError) as e:

@@ -154,6 +154,21 @@ def test_profile_step_buckets_ops_and_counts_the_optimizer_step_as_one():
     assert (matmul["part"], matmul["calls"]) == ("matmul", 2)
 
 
+def test_a_cpu_profile_lets_no_usdt_line_through_and_keeps_the_others(capfd):
+    def step() -> None:
+        torch.nn.functional.linear(torch.randn(8, 64), torch.randn(64, 64)).sum()
+        os.write(2, b"a line of the step's own\n")  # C++ writes below sys.stderr, as Kineto's do
+        print("and one from Python", file=sys.stderr)
+
+    bench.profile_step(step, torch.device("cpu"))
+    err = capfd.readouterr().err
+    # Kineto's profiler_start/stop lines left out (under capfd, sys.stderr skips fd 2, so its line may come first)
+    assert sorted(err.splitlines()) == ["a line of the step's own", "and one from Python"]
+    with bench.without_usdt_lines():  # the filter on its own: only whole lines that begin with USDT: go
+        os.write(2, b"USDT:2026-01-01 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\nSTAGE: kept\nx USDT:\n")
+    assert capfd.readouterr().err == "STAGE: kept\nx USDT:\n"
+
+
 def test_trace_variant_writes_that_rows_profiled_step(tmp_path):
     import gzip
 

@@ -925,10 +925,12 @@ def doc_tokens(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
 
 
 class Bars:
-    """Stands in for tqdm: records each bar's (desc, total), the sum of its updates, and whether it was closed."""
+    """Stands in for tqdm: records each bar's (desc, total as last set), the sum of its updates, and whether it was
+    closed; `refreshed` counts the redraws asked for after a change of total."""
 
     def __init__(self):
         self.made = []
+        self.refreshed = 0
 
     def __call__(self, total, unit, unit_scale, desc):
         bars = self
@@ -938,8 +940,14 @@ class Bars:
                 self.row = [desc, total, 0, False]
                 bars.made.append(self.row)
 
+            total = property(lambda self: self.row[1], lambda self, value: self.row.__setitem__(1, value))
+            n = property(lambda self: self.row[2])
+
             def update(self, n):
                 self.row[2] += n
+
+            def refresh(self):
+                bars.refreshed += 1
 
             def close(self):
                 self.row[3] = True
@@ -978,6 +986,8 @@ def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path,
                                 "t_train_000003.bin": 300}
     assert [row[0] for row in bars.made] == [p.name for p in shard_files(out)]
     assert [row[1] for row in bars.made[:3]] == [700, 1000, 1000]  # a bar per shard, sized to a full one
+    # the stream's last shard is 300 tokens: its bar ends full at 300/300, not at 300/1000 (which looks like a crash)
+    assert bars.made[3][1] == 300 and bars.refreshed == 2  # both write_all calls ended with a buffered shard
     assert [row[2] for row in bars.made] == [700, 1000, 1000, 300] and all(row[3] for row in bars.made)
     result = writer.report(2.0, 3)
     assert {k: result[k] for k in ("shards", "skipped_shards", "val_tokens", "train_tokens", "tokenized",

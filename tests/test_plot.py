@@ -24,7 +24,7 @@ def test_plot_png_comes_from_the_log(token_data, tmp_path, capsys):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert (width, height) == (770, 495)  # 7 x 4.5 inches at 110 dpi: one panel, no HellaSwag records
+    assert (width, height) == (1430, 495)  # 13 x 4.5 inches at 110 dpi: loss and lr panels, no HellaSwag records
     # a different log gives a different picture; a resumed run's re-logged step replaces the earlier record
     with open(log, "a") as f:
         f.write(json.dumps({"type": "train", "step": 5, "tokens": 3072, "loss": 1.0, "lr": 0.0, "grad_norm": 0.0,
@@ -35,7 +35,7 @@ def test_plot_png_comes_from_the_log(token_data, tmp_path, capsys):
     assert len(curves["train"]) == 6 and curves["train"][-1]["loss"] == 1.0
     two = plot.main(["--log", str(log), "--out", str(tmp_path / "two.png"), "--x", "tokens"])
     data2 = two.read_bytes()
-    assert int.from_bytes(data2[16:20], "big") == 1430  # a second panel for HellaSwag
+    assert int.from_bytes(data2[16:20], "big") == 2090  # a third panel for HellaSwag
     assert data2 != data
 
 
@@ -71,8 +71,9 @@ def test_plot_draws_the_series_of_the_log(tmp_path, monkeypatch):
     records = [{"type": "config", "step": 0, "model_config": small},
                {"type": "config", "step": 0, "model_config": {"n_layer": 12, "n_embd": 768, "n_head": 12}}]
     losses = [5.0, 4.0, 9.0, 3.0]
-    records += [{"type": "train", "step": s, "tokens": 100 * (s + 1), "loss": x} for s, x in enumerate(losses)]
-    records += [{"type": "train", "step": 2, "tokens": 300, "loss": 4.5}]  # a resumed run re-logs step 2
+    records += [{"type": "train", "step": s, "tokens": 100 * (s + 1), "loss": x, "lr": 1e-3 * (s + 1)}
+                for s, x in enumerate(losses)]
+    records += [{"type": "train", "step": 2, "tokens": 300, "loss": 4.5, "lr": 3e-3}]  # a resumed run re-logs step 2
     records += [{"type": "val", "step": s, "tokens": 100 * s, "val_loss": v} for s, v in ((0, 6.0), (2, 4.25))]
     records += [{"type": "hellaswag", "step": s, "tokens": 100 * s, "acc": a, "acc_norm": n}
                 for s, a, n in ((0, 0.25, 0.26), (2, 0.24, 0.28))]
@@ -80,7 +81,7 @@ def test_plot_draws_the_series_of_the_log(tmp_path, monkeypatch):
     log.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"type": "train", "step": 4, "tok')
     plot.main(["--log", str(log), "--x", "tokens", "--smooth", "0.75"])
     (fig,) = figures
-    loss_ax, hs_ax = fig.axes
+    loss_ax, lr_ax, hs_ax = fig.axes
     raw, smoothed, val = loss_ax.get_lines()
     losses[2] = 4.5
     ema = [losses[0]]
@@ -90,21 +91,26 @@ def test_plot_draws_the_series_of_the_log(tmp_path, monkeypatch):
     assert list(raw.get_ydata()) == losses
     assert list(smoothed.get_ydata()) == pytest.approx(ema, rel=1e-12)
     assert (list(val.get_xdata()), list(val.get_ydata())) == ([0, 200], [6.0, 4.25])
+    # 4 steps have no first tenth to leave out: the y-range holds the EMA and val losses with 5% to spare
+    assert ema[-1] > 4.25 and loss_ax.get_ylim() == pytest.approx((4.25 - 0.05 * 1.75, 6.0 + 0.05 * 1.75))
+    (lr,) = lr_ax.get_lines()
+    assert (list(lr.get_xdata()), list(lr.get_ydata())) == ([100, 200, 300, 400], [1e-3, 2e-3, 3e-3, 4e-3])
     acc_norm, gpt2, gpt3 = hs_ax.get_lines()
     assert (list(acc_norm.get_xdata()), list(acc_norm.get_ydata())) == ([0, 200], [0.26, 0.28])
     assert (list(gpt2.get_ydata()), list(gpt3.get_ydata())) == ([0.2955] * 2, [0.337] * 2)
-    assert loss_ax.get_xlabel() == hs_ax.get_xlabel() == "tokens"
+    assert loss_ax.get_xlabel() == lr_ax.get_xlabel() == hs_ax.get_xlabel() == "tokens"
     figures.clear()
     log.write_text("".join(json.dumps(r) + "\n" for r in [*records[1:], records[0]]))  # the small model's config last
     plot.main(["--log", str(log), "--out", str(tmp_path / "small.png")])
     (fig,) = figures
-    assert len(fig.axes[1].get_lines()) == 1  # no reference lines for another model
+    assert len(fig.axes[2].get_lines()) == 1  # no reference lines for another model
     assert list(fig.axes[0].get_lines()[0].get_xdata()) == [0, 1, 2, 3]  # steps
 
 
 def test_plot_overlays_several_runs(tmp_path, monkeypatch):
     """Comma-separated logs: each run's curves in a colour of its own, labelled with its run, on shared axes; the
-    OpenAI reference lines only where every run is GPT-2 124M; the PNG goes to compare.png in the working directory."""
+    OpenAI reference lines only where every run is GPT-2 124M; the PNG goes to compare.png beside the first log, not
+    into the working directory."""
     from matplotlib.figure import Figure
 
     figures = []
@@ -124,8 +130,8 @@ def test_plot_overlays_several_runs(tmp_path, monkeypatch):
     a = write_run(tmp_path / "lr6e-4" / "log.jsonl", [5.0, 4.0, 3.0], [(0, 6.0), (2, 3.5)], [(2, 0.27)], gpt2)
     b = write_run(tmp_path / "lr1e-3" / "log.jsonl", [5.0, 3.0], [(1, 3.25)], [], gpt2)
     monkeypatch.chdir(tmp_path)
-    assert plot.main(["--log", f"{a},{b}", "--smooth", "0"]) == Path("compare.png")
-    assert (tmp_path / "compare.png").stat().st_size > 10_000
+    assert plot.main(["--log", f"{a},{b}", "--smooth", "0"]) == a.with_name("compare.png")
+    assert a.with_name("compare.png").stat().st_size > 10_000 and not (tmp_path / "compare.png").exists()
     (fig,) = figures
     loss_ax, hs_ax = fig.axes
     assert loss_ax.get_title() == "2 runs"
@@ -149,6 +155,28 @@ def test_plot_overlays_several_runs(tmp_path, monkeypatch):
         plot.main(["--log", f"{a},{tmp_path / 'nope.jsonl'}"])
     with pytest.raises(SystemExit, match="--log is empty"):
         plot.main(["--log", ","])
+
+
+def test_the_loss_panel_shows_the_curve_after_its_first_drop(tmp_path, monkeypatch):
+    """ln(vocab) at step 0 would squash 90 steps of a slow decline into a few pixels: the y-range's top is the
+    highest loss past the run's first tenth (train EMA and val), its bottom the lowest, with 5% to spare."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: figures.append(self))
+    losses = [10.0] + [4.0 - 0.01 * s for s in range(1, 100)]
+    records = [{"type": "train", "step": s, "tokens": 64 * s, "loss": x, "lr": 1e-3} for s, x in enumerate(losses)]
+    records += [{"type": "val", "step": s, "tokens": 64 * s, "val_loss": v} for s, v in ((0, 10.5), (50, 3.6),
+                                                                                        (99, 3.1))]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot.main(["--log", str(log), "--smooth", "0"])
+    (fig,) = figures
+    low, high = 4.0 - 0.01 * 99, 4.0 - 0.01 * 10  # step 99's loss; step 10's, the first after the first tenth
+    assert fig.axes[0].get_ylim() == pytest.approx((low - 0.05 * (high - low), high + 0.05 * (high - low)))
+    assert plot.loss_range([([10.0, 4.0, 3.0], [4.0, 3.0])]) == pytest.approx((2.95, 4.05))  # 10.0 leaves the top
+    assert plot.loss_range([([10.0, 4.0], [4.0]), ([9.0, 2.0], [])]) == pytest.approx((1.65, 9.35))  # no tail: all
+    assert plot.loss_range([([2.5], [2.5])]) == (2.0, 3.0)  # one value: half a nat either side
 
 
 def test_plot_imports_no_torch():

@@ -22,7 +22,7 @@ import torch
 
 import components
 import train
-from common import iter_log, load_checkpoint, parse_config
+from common import describe_provenance, iter_log, load_checkpoint, parse_config
 from conftest import ROOT, children, run_nodes, run_torchrun
 from fineweb import TokenLoader, read_shard, write_shard
 from model import GPT, GPTConfig
@@ -150,6 +150,23 @@ def test_cli_subprocess_one_line_error_and_help():
                         timeout=120)
     assert ok.returncode == 0
     assert "--total-batch-size" in ok.stdout and "tokens per optimizer step" in ok.stdout and "gpt2-124m" in ok.stdout
+
+
+def test_print_config_prints_the_preset_with_the_flags_and_exits_without_touching_anything(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--preset", "shakespeare", "--max-steps", "100",
+                           "--dropout=0.1", "--print-config"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stderr == ""
+    printed = json.loads(proc.stdout)
+    assert list(printed) == [f.name for f in dataclasses.fields(train.TrainConfig)]  # every field, in --help's order
+    assert printed == {**dataclasses.asdict(train.TrainConfig()),  # the defaults, the preset's fields, then the flags
+                       "model": "gpt2", "n_layer": 6, "n_head": 6, "n_embd": 384, "seq_len": 256,
+                       "data": "data/shakespeare", "preload": True, "total_batch_size": 16384, "batch_size": 64,
+                       "max_lr": 1e-3, "warmup_steps": 100, "max_steps": 100, "dropout": 0.1, "eval_every": 250,
+                       "eval_tokens": 16384, "hellaswag": "off", "sample_every": 500, "sample_tokens": 128,
+                       "ckpt_every": 1000, "out_dir": "out/shakespeare", "sample_prompt": "ROMEO:"}
+    assert printed["print_config"] is False and printed["lr_schedule"] == "cosine"  # as the run itself would see it
+    assert list(tmp_path.iterdir()) == []  # no data read, no out dir made
 
 
 def test_indivisible_batch_is_a_clear_error(token_data, tmp_path, capsys):
@@ -355,7 +372,12 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
                          "--parallel=zero1", "--fused-gelu", "--fused-ce", "--half-residual",
                          f"--hellaswag={hellaswag}", "--hellaswag-every=3", "--compile-mode=reduce-overhead"))
     out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith('{"provenance"')
+    # a human header; the full config and provenance are log.jsonl's first record only
+    lines = out.splitlines()
+    assert lines[0] == "model: tiny: 2 layers, 4 heads, width 64, context 64, gelu MLP, learned positions"
+    assert lines[1] == f"provenance: {describe_provenance(next(iter_log(tmp_path / 'log.jsonl'))['provenance'])}"
+    assert f", torch {torch.__version__}, " in lines[1] and lines[1].endswith(f", cpu ({os.cpu_count()} cores), 1 rank")
+    assert not any(line.startswith("{") for line in lines)
     # without torchrun nothing is wrapped or sharded, whatever --parallel says; and the kernel needs CUDA
     assert "| compile False | single | torch.float32" in out
     assert "note: --fused-gelu runs the PyTorch reference on cpu: the Triton kernel is CUDA only" in out
@@ -1565,12 +1587,12 @@ OTHER_VALUE = {
     "sample_tokens": 8,
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
-    "profile_steps": 5,
+    "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True,
     # compared as what they are, not where: off, auto, or a path (any path); no --init-from, or one
     "hellaswag": "off", "init_from": "gpt2",
 }
 MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload",
-              "dist_timeout"}
+              "dist_timeout", "tensorboard", "wandb"}
 
 AGREEMENT_WORKER = """import json, sys
 import torch

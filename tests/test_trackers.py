@@ -1,0 +1,131 @@
+"""--tensorboard and --wandb: the same scalars as log.jsonl, read back from the event files and the offline W&B run."""
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trackers
+import train
+from common import iter_log
+
+ROOT = Path(__file__).resolve().parents[1]
+HELLASWAG = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
+
+
+def run_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["--preset", "tiny", "--data", str(data), "--out-dir", str(out), "--max-steps=4", "--eval-every=2",
+            "--ckpt-every=2", f"--hellaswag={HELLASWAG}", "--hellaswag-every=2", *extra]
+
+
+def expected_scalars(log: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from log.jsonl, as trackers.scalars names them."""
+    want: dict[str, dict[int, float]] = {}
+    for record in iter_log(log):
+        for tag, value in trackers.scalars(record).items():
+            want.setdefault(tag, {})[record["step"]] = value
+    return want
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    """The history rows of an offline run's .wandb file: a LevelDB-style log of Record protos (32 KiB blocks, a
+    7-byte header per chunk), after W&B's own 7-byte file header."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    rows, pos, chunks = [], 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a FULL record, or the LAST chunk of one
+            record = pb.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_scalars_are_named_by_record_type():
+    assert trackers.scalars({"type": "train", "step": 3, "tokens": 2048, "loss": 10.5, "lr": 1e-3, "grad_norm": 0.5,
+                             "ms": 12.0, "tok_s": 1000.0, "mfu": None}) == \
+        {"train/loss": 10.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/tok_s": 1000.0}
+    assert trackers.scalars({"type": "val", "step": 4, "tokens": 0, "val_loss": 9.25}) == {"val/loss": 9.25}
+    assert trackers.scalars({"type": "hellaswag", "step": 4, "acc": 0.5, "acc_norm": 0.25, "n": 6,
+                             "examples_per_sec": 3.0}) == {"hellaswag/acc": 0.5, "hellaswag/acc_norm": 0.25}
+    assert trackers.scalars({"type": "sample", "step": 4, "texts": ["a"]}) == {}
+
+
+def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_data, tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    (tmp_path / "wandb_dir").mkdir()
+    out = tmp_path / "run"
+    train.main(run_args(token_data, out, "--tensorboard", "--wandb", "tests"))
+    # an interruption after step 3 that lost the last checkpoint: the resume re-logs steps 2-4, with other timings
+    (out / "ckpt_000004.pt").unlink()
+    train.main(run_args(token_data, out, "--tensorboard", "--wandb", "tests", "--resume", "auto"))
+    want = expected_scalars(out / "log.jsonl")
+    assert set(want) == {"train/loss", "train/lr", "train/grad_norm", "train/tok_s", "val/loss", "hellaswag/acc",
+                         "hellaswag/acc_norm"}  # no MFU on a CPU
+    assert sorted(want["train/loss"]) == [0, 1, 2, 3] and sorted(want["hellaswag/acc_norm"]) == [0, 2, 4]
+
+    # TensorBoard: one value per step (the resume purged the interrupted run's 2-4), in float32
+    events = EventAccumulator(str(out))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(want)
+    for tag, by_step in want.items():
+        got = {e.step: e.value for e in events.Scalars(tag)}
+        assert got == {step: float(np.float32(v)) for step, v in by_step.items()}, tag
+    assert len(list(out.glob("events.out.tfevents.*"))) == 2
+
+    # W&B: two offline runs with the run id kept in the out dir; the later row of a step is the resumed run's
+    run_id = (out / "wandb_run_id").read_text().strip()
+    runs = sorted((tmp_path / "wandb_dir" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(run.name.endswith("-" + run_id) for run in runs)
+    got: dict[str, dict[int, float]] = {}
+    for run in runs:
+        assert (run / f"run-{run_id}.wandb").is_file() and (run / "files").is_dir()
+        for row in wandb_history(run / f"run-{run_id}.wandb"):
+            for tag, value in row.items():
+                if not tag.startswith("_"):
+                    got.setdefault(tag, {})[row["_step"]] = value
+    assert got == want  # exact: W&B keeps the float64
+
+
+@pytest.mark.parametrize("flag, package", [("--tensorboard", "tensorboard"), ("--wandb=proj", "wandb")])
+def test_a_missing_tracker_package_is_one_line_before_anything_runs(token_data, tmp_path, capsys, monkeypatch, flag,
+                                                                    package):
+    monkeypatch.setitem(sys.modules, package, None)  # `import package` now raises ImportError
+    with pytest.raises(SystemExit) as e:
+        train.main(run_args(token_data, tmp_path / "run", flag))
+    assert e.value.code == 1
+    name = flag.split("=")[0]
+    assert capsys.readouterr().err == f"error: {name} needs the {package} package: pip install {package}\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_that_cannot_start_is_one_line_before_training(token_data, tmp_path, capsys, monkeypatch):
+    import wandb
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    with pytest.raises(SystemExit) as e:
+        train.main(run_args(token_data, tmp_path / "run", "--wandb=proj"))
+    assert e.value.code == 1
+    assert capsys.readouterr().err == ("error: --wandb proj: W&B did not start (No API key configured. Use `wandb "
+                                       "login` to log in.); run `wandb login`, or set WANDB_MODE=offline to log "
+                                       "without an account\n")
+    assert not (tmp_path / "run" / "log.jsonl").exists()  # refused before the log, let alone a step
