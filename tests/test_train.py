@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -1390,6 +1391,44 @@ def test_keep_last_counts_only_the_checkpoints_that_load(token_data, tmp_path, c
                          "--resume=auto"))
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000004.pt", "ckpt_000006.pt", "ckpt_000008.pt"]
     assert load_checkpoint(tmp_path / "ckpt_000006.pt")["step"] == 6
+
+
+def rot(path: Path, size: int = 100_000) -> None:
+    """Zero `size` bytes in the middle of a file: the zip around them stays well-formed, its CRC-32s no longer match."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2 - size // 2)
+        f.write(bytes(size))
+
+
+def test_a_checkpoint_whose_bytes_rotted_is_skipped_and_the_resume_is_exact(token_data, tmp_path, capsys):
+    import export
+    import hellaswag
+    import sample
+
+    common = ["--device=cpu", "--lr-schedule=constant", "--ckpt-every=1", "--keep-last=3", "--eval-every=0"]
+    full = train.main(tiny_args(token_data, tmp_path / "full", *common, "--max-steps=12"))["losses"]
+    out = tmp_path / "rotted"
+    train.main(tiny_args(token_data, out, *common, "--max-steps=10"))
+    newest = out / "ckpt_000010.pt"
+    rot(newest)
+    assert zipfile.ZipFile(newest).testzip() is not None  # well-formed, and torch.load alone would take it
+    why = f"checkpoint {newest} is corrupt or truncated (BadZipFile: Bad CRC-32 for file 'archive/data/"
+    capsys.readouterr()
+    rest = train.main(tiny_args(token_data, out, *common, "--max-steps=12", "--resume=auto"))["losses"]
+    assert f"warning: skipping unreadable checkpoint {newest}: {why}" in capsys.readouterr().err
+    assert rest == full[9:]  # resumed from ckpt_000009: bitwise what the uninterrupted run did
+    assert load_checkpoint(newest)["step"] == 10  # written anew by the resumed run
+    rot(newest)
+    with pytest.raises(SystemExit) as e:
+        train.main(tiny_args(token_data, out, *common, "--max-steps=12", f"--resume={newest}"))
+    assert e.value.code == 1 and capsys.readouterr().err.startswith(f"error: {why}")
+    examples = str(ROOT / "tests" / "data" / "hellaswag_tiny.jsonl")
+    for main, argv in ((sample.main, ["--ckpt", str(newest)]),
+                       (hellaswag.main, ["--ckpt", str(newest), "--data", examples]),
+                       (export.main, ["--ckpt", str(newest), "--export-hf", str(tmp_path / "hf")])):
+        with pytest.raises(SystemExit, match=rf"^error: {re.escape(why)}\d+'\); pass an intact copy, or an earlier "
+                                             "checkpoint of the run$"):
+            main(argv)
 
 
 def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
