@@ -1070,8 +1070,53 @@ def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(token_data, tmp_
     result = train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--ckpt-every=2", "--keep-last=1",
                                   "--eval-every=0"))
     assert result["stopped"] == "nan" and len(result["losses"]) == 2
-    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000002.pt"]  # ckpt_000004 never written
-    assert message in capsys.readouterr().err
+    # ckpt_000004 never written; ckpt_000002 holds the weights that gave the NaN, so --resume auto must not take it
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000002.pt.diverged"]
+    err = capsys.readouterr().err
+    assert message in err and "ckpt_000002.pt holds the weights that gave it: renamed ckpt_000002.pt.diverged" in err
+
+
+def test_after_a_nan_stop_resume_auto_takes_a_checkpoint_with_a_finite_loss(token_data, tmp_path, capsys):
+    # the loss of step s comes from the weights in ckpt_s: a NaN there condemns ckpt_s, written after step s - 1
+    common = ["--device=cpu", "--ckpt-every=1", "--keep-last=3", "--eval-every=0"]
+    train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=6"))
+    blown = train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto", "--max-lr=1e6", "--max-steps=20"))
+    assert blown["stopped"] == "nan" and blown["step"] == 8 and math.isfinite(blown["losses"][-1])
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000006.pt", "ckpt_000007.pt",
+                                                               "ckpt_000008.pt.diverged"]
+    capsys.readouterr()
+    calm = train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto", "--max-lr=1e-3", "--max-steps=20"))
+    out = capsys.readouterr().out
+    assert "note: passing over ckpt_000008.pt.diverged: the run that wrote it set it aside, as its weights gave a " \
+        "NaN/inf loss or gradient norm at step 8" in out
+    assert f"resumed from {tmp_path / 'ckpt_000007.pt'} at step 7" in out
+    assert "stopped" not in calm and calm["step"] == 20 and all(math.isfinite(loss) for loss in calm["losses"])
+    assert calm["losses"][0] == blown["losses"][-1]  # step 7's loss, computed before the update from ckpt_000007
+    # the step has been trained through, and ckpt_000008 written anew: a later resume passes over nothing
+    train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto", "--max-steps=21"))
+    assert "note: passing over" not in capsys.readouterr().out
+
+
+def test_keep_last_never_deletes_the_newest_known_good_checkpoint(token_data, tmp_path, monkeypatch, capsys):
+    # --keep-last 1 would keep only the newest, ckpt_000004, whose weights then give the NaN: ckpt_000003 stays
+    real_step = train.train_step
+    calls = {"n": 0}
+
+    def nan_on_fifth_step(*args, **kwargs):
+        loss, norm = real_step(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan"), norm) if calls["n"] == 5 else (loss, norm)
+
+    common = ["--device=cpu", "--ckpt-every=1", "--keep-last=1", "--eval-every=0", "--max-steps=6"]
+    monkeypatch.setattr(train, "train_step", nan_on_fifth_step)
+    first = train.main(tiny_args(token_data, tmp_path, *common))
+    monkeypatch.undo()
+    assert first["stopped"] == "nan" and first["step"] == 4
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000003.pt", "ckpt_000004.pt.diverged"]
+    again = train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto"))
+    assert again["losses"][0] == first["losses"][3]  # resumed at step 3, bitwise
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000004.pt.diverged", "ckpt_000005.pt",
+                                                               "ckpt_000006.pt"]  # ckpt_000005 was known good
 
 
 def test_main_gives_the_callers_signal_handlers_back(token_data, tmp_path):
