@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -257,14 +258,22 @@ class Checkpointer:
 
 
 def write_atomically(path: Path, ckpt: dict) -> None:
-    """torch.save to a .tmp, fsync, rename: a kill mid-write leaves the previous checkpoint untouched."""
+    """torch.save to a .tmp, fsync, rename: a kill mid-write leaves the previous checkpoint untouched. A write that
+    fails (a full disk) removes the .tmp and is a one-line ValueError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        code, full = errno.errorcode.get(e.errno, "error"), e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise ValueError(f"cannot write checkpoint {path}: {code} ({e.strerror or e}); the partial file is removed "
+                         "and the earlier checkpoints are intact"
+                         + ("; free space there (or lower --keep-last), then --resume auto" if full else "")) from e
 
 
 def state_dicts(raw: GPT, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:

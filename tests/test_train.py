@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import dataclasses
+import errno
 import gc
 import json
 import math
@@ -1047,6 +1048,30 @@ def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_pa
     (tmp_path / "ckpt_000009.pt").write_bytes(b"garbage")
     path, ckpt = components.find_checkpoint(tmp_path)
     assert path == good and ckpt["step"] == 3
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_file(token_data, tmp_path, monkeypatch,
+                                                                                capsys):
+    common = ["--device=cpu", "--ckpt-every=1", "--keep-last=3", "--eval-every=0"]
+    train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=3"))
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("ckpt_*.pt")}
+
+    def disk_fills_up(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 the first part of a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(components.torch, "save", disk_fills_up)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=6", "--resume=auto"))
+    monkeypatch.undo()
+    assert e.value.code == 1
+    assert capsys.readouterr().err == (f"error: cannot write checkpoint {tmp_path / 'ckpt_000004.pt'}: ENOSPC (No "
+                                       "space left on device); the partial file is removed and the earlier checkpoints "
+                                       "are intact; free space there (or lower --keep-last), then --resume auto\n")
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == sorted(before)  # no .tmp, nothing pruned
+    for name, data in before.items():
+        assert (tmp_path / name).read_bytes() == data and load_checkpoint(tmp_path / name)["step"] == int(name[5:11])
 
 
 @pytest.mark.parametrize("broken, message", [
