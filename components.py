@@ -106,6 +106,7 @@ class Checkpointer:
         cfg, out_dir = self.cfg, self.out_dir
         existing = checkpoints(out_dir) if out_dir.is_dir() else []
         if not cfg.resume:
+            existing = existing or sorted(out_dir.glob("ckpt_*.pt.diverged"))  # a NaN-stopped run's
             if existing and not cfg.eval_only:  # an evaluation writes nothing there
                 raise ValueError(f"--out-dir {out_dir} holds another run's checkpoints ({existing[-1].name} the last "
                                  "written): continue that run with --resume auto, or start this one in a new "
@@ -239,7 +240,7 @@ class Checkpointer:
         if finite:
             self.good = self.newest
             return None
-        self.newest = None
+        self.newest = self.last = None
         if not self.master:
             return None
         try:

@@ -1099,6 +1099,10 @@ def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(token_data, tmp_
     assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000002.pt.diverged"]
     err = capsys.readouterr().err
     assert message in err and "ckpt_000002.pt holds the weights that gave it: renamed ckpt_000002.pt.diverged" in err
+    assert "checkpoint" not in result  # the one it wrote is set aside
+    with pytest.raises(SystemExit):  # a fresh run there is refused, as when ckpt_000002.pt stood
+        train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--eval-every=0"))
+    assert "holds another run's checkpoints (ckpt_000002.pt.diverged the last written)" in capsys.readouterr().err
 
 
 def test_after_a_nan_stop_resume_auto_takes_a_checkpoint_with_a_finite_loss(token_data, tmp_path, capsys):
@@ -1409,7 +1413,10 @@ def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_d
     # rewind to step 3 (say, before a loss spike) and stop after one step
     train.main(tiny_args(token_data, tmp_path, *common, "--keep-last=2", f"--resume={tmp_path / 'ckpt_000003.pt'}",
                          "--max-time=0.000001"))
-    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000004.pt", "ckpt_000009.pt"]
+    # --keep-last 2 keeps ckpt_000004 and ckpt_000009, and ckpt_000003: the newest known good (its step trained to a
+    # finite loss; ckpt_000004's has not been trained yet)
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000004.pt",
+                                                                 "ckpt_000009.pt"]
     path, ckpt = components.find_checkpoint(tmp_path)
     assert path.name == "ckpt_000004.pt" and ckpt["step"] == 4  # not the abandoned ckpt_000009
 
