@@ -1,7 +1,7 @@
 """The training run's machinery, one small object per concern, each owning its state and its cadence.
 
 train.py's loop reads as the story; what each phase does in detail lives here:
-    Checkpointer  find, agree across ranks, restore, due(step), save with prune
+    Checkpointer  find, agree across ranks, restore, due(step), save with prune, judge (a NaN sets one aside)
     Evaluator     val loss, HellaSwag and samples: due/run
     RunLog        log.jsonl (and TensorBoard / W&B), the console step line and the ETA
     SpikeGuard    llm.c's loss/grad-norm z-scores that skip an outlier update
@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -54,7 +56,8 @@ def step_of(path: Path) -> int:
 
 class Checkpointer:
     """Finds the checkpoint a run continues (the same on every rank), restores it, and saves every --ckpt-every steps,
-    pruning to the newest --keep-last. A file found unreadable is never counted or deleted in place of a good one."""
+    pruning to the newest --keep-last. A file found unreadable is never counted or deleted in place of a good one, nor
+    is the newest known good; one whose weights gave a NaN is set aside (judge)."""
 
     def __init__(self, cfg: TrainConfig, rank: int = 0, world: int = 1, prov: dict | None = None):
         self.cfg, self.rank, self.world, self.prov = cfg, rank, world, prov or {}
@@ -62,6 +65,8 @@ class Checkpointer:
         self.master = rank == 0
         self.unreadable: list[Path] = []
         self.last: str | None = None  # the path written last
+        self.newest: Path | None = None  # this run's newest checkpoint (resumed or written), resolved
+        self.good: Path | None = None  # the newest whose weights trained a step to a finite loss and gradient norm
 
     def due(self, step: int) -> bool:
         """Whether the state after `step` optimizer steps is saved: every --ckpt-every, and at the end."""
@@ -92,6 +97,7 @@ class Checkpointer:
                            "pass --resume PATH)")
         if problem:
             raise ValueError(problem)
+        self.newest = found[0].resolve() if found else None
         return found
 
     def find_resume(self) -> tuple[Path, dict] | None:
@@ -100,6 +106,7 @@ class Checkpointer:
         cfg, out_dir = self.cfg, self.out_dir
         existing = checkpoints(out_dir) if out_dir.is_dir() else []
         if not cfg.resume:
+            existing = existing or sorted(out_dir.glob("ckpt_*.pt.diverged"))  # a NaN-stopped run's
             if existing and not cfg.eval_only:  # an evaluation writes nothing there
                 raise ValueError(f"--out-dir {out_dir} holds another run's checkpoints ({existing[-1].name} the last "
                                  "written): continue that run with --resume auto, or start this one in a new "
@@ -108,6 +115,8 @@ class Checkpointer:
         if cfg.resume != "auto":
             return Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True)
         found = find_checkpoint(out_dir, self.unreadable)
+        if self.master:
+            note_set_aside(out_dir, found[0] if found else None)
         if found is None and existing:
             raise ValueError(f"none of the {len(existing)} checkpoints in {out_dir} can be read (see the warnings "
                              "above): resume one with --resume PATH, or move them away to start afresh")
@@ -197,7 +206,7 @@ class Checkpointer:
         if self.world > 1:
             rngs = [None] * self.world
             dist.all_gather_object(rngs, rng)  # dropout masks differ per rank, so every rank's RNG is saved
-        self.last = str(path)
+        self.last, self.newest = str(path), path.resolve()
         if not self.master:
             return path
         kind = optimizer_kind(optimizer, self.cfg.parallel)
@@ -212,12 +221,34 @@ class Checkpointer:
         return path
 
     def prune(self) -> None:
-        """Keep the newest --keep-last readable checkpoints, and every multiple of --keep-every."""
+        """Keep the newest --keep-last readable checkpoints, every multiple of --keep-every, and the newest known good:
+        the newer ones may yet be set aside by a NaN."""
         cfg = self.cfg
         readable = [p for p in checkpoints(self.out_dir) if p not in self.unreadable]
         for stale in readable[:-cfg.keep_last] if cfg.keep_last > 0 else []:
-            if not (cfg.keep_every and step_of(stale) % cfg.keep_every == 0):  # a milestone
+            milestone = cfg.keep_every and step_of(stale) % cfg.keep_every == 0
+            if not milestone and stale.resolve() != self.good:
                 stale.unlink()
+
+    def judge(self, step: int, finite: bool) -> Path | None:
+        """The loss and gradient norm of `step` come from the weights in this run's ckpt_{step}, if it has one: finite
+        makes it the newest known good; not finite sets it aside as .diverged (rank 0), so --resume auto takes the
+        one before. Returns the path set aside."""
+        path = self.out_dir / f"ckpt_{step:06d}.pt"
+        if self.newest is None or path.resolve() != self.newest:
+            return None
+        if finite:
+            self.good = self.newest
+            return None
+        self.newest = self.last = None
+        if not self.master:
+            return None
+        try:
+            os.replace(path, diverged_path(path))
+        except OSError as e:  # the NaN is the error to report; this one only loses the mark
+            print(f"warning: could not set {path} aside: {e}", file=sys.stderr)
+            return None
+        return path
 
     def remove_partial_writes(self) -> None:
         """A .tmp left by a run killed mid-write is never a valid checkpoint. Not for --eval-only, which may sit beside
@@ -228,14 +259,22 @@ class Checkpointer:
 
 
 def write_atomically(path: Path, ckpt: dict) -> None:
-    """torch.save to a .tmp, fsync, rename: a kill mid-write leaves the previous checkpoint untouched."""
+    """torch.save to a .tmp, fsync, rename: a kill mid-write leaves the previous checkpoint untouched. A write that
+    fails (a full disk) removes the .tmp and is a one-line ValueError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        code, full = errno.errorcode.get(e.errno, "error"), e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise ValueError(f"cannot write checkpoint {path}: {code} ({e.strerror or e}); the partial file is removed "
+                         "and the earlier checkpoints are intact"
+                         + ("; free space there (or lower --keep-last), then --resume auto" if full else "")) from e
 
 
 def state_dicts(raw: GPT, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
@@ -267,6 +306,19 @@ def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tupl
             if unreadable is not None:
                 unreadable.append(path)
     return None
+
+
+def diverged_path(path: Path) -> Path:
+    return path.with_name(path.name + ".diverged")  # out of checkpoints()'s pattern: never resumed or pruned
+
+
+def note_set_aside(out_dir: Path, resumed: Path | None) -> None:
+    """Name the checkpoints set aside after this one was written: a NaN-stopped run's (Checkpointer.judge)."""
+    after = resumed.stat().st_mtime_ns if resumed else -1
+    for aside in sorted(out_dir.glob("ckpt_*.pt.diverged"), key=lambda p: p.stat().st_mtime_ns):
+        if aside.stat().st_mtime_ns > after and re.fullmatch(r"ckpt_\d+\.pt\.diverged", aside.name):
+            print(f"note: passing over {aside.name}: the run that wrote it set it aside, as its weights gave a NaN/inf "
+                  f"loss or gradient norm at step {step_of(Path(aside.stem))}")
 
 
 def note_new_windows(saved: dict, loader: TokenLoader) -> None:

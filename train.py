@@ -356,13 +356,17 @@ class Run:
         self.profiler.step_ends(step)
 
     def diverged(self, step: int, loss: float, norm: float) -> bool:
-        """A NaN/inf loss, or gradient norm (already applied by clipping), ends the run without a checkpoint. Under
-        fp16 the GradScaler skips inf-gradient steps itself."""
-        if math.isfinite(loss) and (self.scaler is not None or math.isfinite(norm)):
+        """A NaN/inf loss, or gradient norm (already applied by clipping), ends the run without a checkpoint, and sets
+        aside the one holding the weights that gave it. Under fp16 the GradScaler skips inf-gradient steps itself."""
+        finite = math.isfinite(loss) and (self.scaler is not None or math.isfinite(norm))
+        aside = self.checkpointer.judge(step, finite)
+        if finite:
             return False
         if self.master:
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
-            print(f"error: {what} at step {step}; stopping without writing a checkpoint. Lower --max-lr, raise "
+            why = (f" {aside.name} holds the weights that gave it: renamed {aside.name}.diverged, so --resume auto "
+                   "takes the checkpoint before it.") if aside else ""
+            print(f"error: {what} at step {step}; stopping without writing a checkpoint.{why} Lower --max-lr, raise "
                   "--warmup-steps, or resume from the last good checkpoint.", file=sys.stderr)
         self.stopped = "nan"
         return True

@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import dataclasses
+import errno
 import gc
 import json
 import math
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -1094,6 +1096,30 @@ def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_pa
     assert path == good and ckpt["step"] == 3
 
 
+def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_file(token_data, tmp_path, monkeypatch,
+                                                                                capsys):
+    common = ["--device=cpu", "--ckpt-every=1", "--keep-last=3", "--eval-every=0"]
+    train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=3"))
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("ckpt_*.pt")}
+
+    def disk_fills_up(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 the first part of a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(components.torch, "save", disk_fills_up)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=6", "--resume=auto"))
+    monkeypatch.undo()
+    assert e.value.code == 1
+    assert capsys.readouterr().err == (f"error: cannot write checkpoint {tmp_path / 'ckpt_000004.pt'}: ENOSPC (No "
+                                       "space left on device); the partial file is removed and the earlier checkpoints "
+                                       "are intact; free space there (or lower --keep-last), then --resume auto\n")
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == sorted(before)  # no .tmp, nothing pruned
+    for name, data in before.items():
+        assert (tmp_path / name).read_bytes() == data and load_checkpoint(tmp_path / name)["step"] == int(name[5:11])
+
+
 @pytest.mark.parametrize("broken, message", [
     ("loss", "loss is nan at step 2"),
     # the loss is computed before the update, so it is still finite on the step whose gradient wrecks the weights
@@ -1115,8 +1141,57 @@ def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(token_data, tmp_
     result = train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--ckpt-every=2", "--keep-last=1",
                                   "--eval-every=0"))
     assert result["stopped"] == "nan" and len(result["losses"]) == 2
-    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000002.pt"]  # ckpt_000004 never written
-    assert message in capsys.readouterr().err
+    # ckpt_000004 never written; ckpt_000002 holds the weights that gave the NaN, so --resume auto must not take it
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000002.pt.diverged"]
+    err = capsys.readouterr().err
+    assert message in err and "ckpt_000002.pt holds the weights that gave it: renamed ckpt_000002.pt.diverged" in err
+    assert "checkpoint" not in result  # the one it wrote is set aside
+    with pytest.raises(SystemExit):  # a fresh run there is refused, as when ckpt_000002.pt stood
+        train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--eval-every=0"))
+    assert "holds another run's checkpoints (ckpt_000002.pt.diverged the last written)" in capsys.readouterr().err
+
+
+def test_after_a_nan_stop_resume_auto_takes_a_checkpoint_with_a_finite_loss(token_data, tmp_path, capsys):
+    # the loss of step s comes from the weights in ckpt_s: a NaN there condemns ckpt_s, written after step s - 1
+    common = ["--device=cpu", "--ckpt-every=1", "--keep-last=3", "--eval-every=0"]
+    train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=6"))
+    blown = train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto", "--max-lr=1e6", "--max-steps=20"))
+    assert blown["stopped"] == "nan" and blown["step"] == 8 and math.isfinite(blown["losses"][-1])
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000006.pt", "ckpt_000007.pt",
+                                                               "ckpt_000008.pt.diverged"]
+    capsys.readouterr()
+    calm = train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto", "--max-lr=1e-3", "--max-steps=20"))
+    out = capsys.readouterr().out
+    assert "note: passing over ckpt_000008.pt.diverged: the run that wrote it set it aside, as its weights gave a " \
+        "NaN/inf loss or gradient norm at step 8" in out
+    assert f"resumed from {tmp_path / 'ckpt_000007.pt'} at step 7" in out
+    assert "stopped" not in calm and calm["step"] == 20 and all(math.isfinite(loss) for loss in calm["losses"])
+    assert calm["losses"][0] == blown["losses"][-1]  # step 7's loss, computed before the update from ckpt_000007
+    # the step has been trained through, and ckpt_000008 written anew: a later resume passes over nothing
+    train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto", "--max-steps=21"))
+    assert "note: passing over" not in capsys.readouterr().out
+
+
+def test_keep_last_never_deletes_the_newest_known_good_checkpoint(token_data, tmp_path, monkeypatch, capsys):
+    # --keep-last 1 would keep only the newest, ckpt_000004, whose weights then give the NaN: ckpt_000003 stays
+    real_step = train.train_step
+    calls = {"n": 0}
+
+    def nan_on_fifth_step(*args, **kwargs):
+        loss, norm = real_step(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan"), norm) if calls["n"] == 5 else (loss, norm)
+
+    common = ["--device=cpu", "--ckpt-every=1", "--keep-last=1", "--eval-every=0", "--max-steps=6"]
+    monkeypatch.setattr(train, "train_step", nan_on_fifth_step)
+    first = train.main(tiny_args(token_data, tmp_path, *common))
+    monkeypatch.undo()
+    assert first["stopped"] == "nan" and first["step"] == 4
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000003.pt", "ckpt_000004.pt.diverged"]
+    again = train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto"))
+    assert again["losses"][0] == first["losses"][3]  # resumed at step 3, bitwise
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000004.pt.diverged", "ckpt_000005.pt",
+                                                               "ckpt_000006.pt"]  # ckpt_000005 was known good
 
 
 def test_main_gives_the_callers_signal_handlers_back(token_data, tmp_path):
@@ -1498,7 +1573,10 @@ def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_d
     # rewind to step 3 (say, before a loss spike) and stop after one step
     train.main(tiny_args(token_data, tmp_path, *common, "--keep-last=2", f"--resume={tmp_path / 'ckpt_000003.pt'}",
                          "--max-time=0.000001"))
-    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000004.pt", "ckpt_000009.pt"]
+    # --keep-last 2 keeps ckpt_000004 and ckpt_000009, and ckpt_000003: the newest known good (its step trained to a
+    # finite loss; ckpt_000004's has not been trained yet)
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000004.pt",
+                                                                 "ckpt_000009.pt"]
     path, ckpt = components.find_checkpoint(tmp_path)
     assert path.name == "ckpt_000004.pt" and ckpt["step"] == 4  # not the abandoned ckpt_000009
 
@@ -1550,6 +1628,44 @@ def test_keep_last_counts_only_the_checkpoints_that_load(token_data, tmp_path, c
                          "--resume=auto"))
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000004.pt", "ckpt_000006.pt", "ckpt_000008.pt"]
     assert load_checkpoint(tmp_path / "ckpt_000006.pt")["step"] == 6
+
+
+def rot(path: Path, size: int = 100_000) -> None:
+    """Zero `size` bytes in the middle of a file: the zip around them stays well-formed, its CRC-32s no longer match."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2 - size // 2)
+        f.write(bytes(size))
+
+
+def test_a_checkpoint_whose_bytes_rotted_is_skipped_and_the_resume_is_exact(token_data, tmp_path, capsys):
+    import export
+    import hellaswag
+    import sample
+
+    common = ["--device=cpu", "--lr-schedule=constant", "--ckpt-every=1", "--keep-last=3", "--eval-every=0"]
+    full = train.main(tiny_args(token_data, tmp_path / "full", *common, "--max-steps=12"))["losses"]
+    out = tmp_path / "rotted"
+    train.main(tiny_args(token_data, out, *common, "--max-steps=10"))
+    newest = out / "ckpt_000010.pt"
+    rot(newest)
+    assert zipfile.ZipFile(newest).testzip() is not None  # well-formed, and torch.load alone would take it
+    why = f"checkpoint {newest} is corrupt or truncated (BadZipFile: Bad CRC-32 for file 'archive/data/"
+    capsys.readouterr()
+    rest = train.main(tiny_args(token_data, out, *common, "--max-steps=12", "--resume=auto"))["losses"]
+    assert f"warning: skipping unreadable checkpoint {newest}: {why}" in capsys.readouterr().err
+    assert rest == full[9:]  # resumed from ckpt_000009: bitwise what the uninterrupted run did
+    assert load_checkpoint(newest)["step"] == 10  # written anew by the resumed run
+    rot(newest)
+    with pytest.raises(SystemExit) as e:
+        train.main(tiny_args(token_data, out, *common, "--max-steps=12", f"--resume={newest}"))
+    assert e.value.code == 1 and capsys.readouterr().err.startswith(f"error: {why}")
+    examples = str(ROOT / "tests" / "data" / "hellaswag_tiny.jsonl")
+    for main, argv in ((sample.main, ["--ckpt", str(newest)]),
+                       (hellaswag.main, ["--ckpt", str(newest), "--data", examples]),
+                       (export.main, ["--ckpt", str(newest), "--export-hf", str(tmp_path / "hf")])):
+        with pytest.raises(SystemExit, match=rf"^error: {re.escape(why)}\d+'\); pass an intact copy, or an earlier "
+                                             "checkpoint of the run$"):
+            main(argv)
 
 
 def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
