@@ -454,11 +454,13 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
 def hold_out_dir(cfg: TrainConfig, rank: int, world: int) -> Iterator[None]:
     """Hold --out-dir for the run: rank 0, its one writer, locks it, so a second run there stops at once instead of
     pruning this one's checkpoints, and a directory it cannot write is refused before anything runs. --eval-only
-    writes nothing there and takes no lock. A problem on any rank stops every rank with it."""
-    out_dir, lock, problem = Path(cfg.out_dir), None, None
-    if out_dir.exists() and not out_dir.is_dir():
+    writes nothing there and takes no lock. A problem on any rank stops every rank with it, before anything is
+    created (a logging package asked for but missing, too: only rank 0 logs)."""
+    out_dir, lock = Path(cfg.out_dir), None
+    problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None
+    if not problem and out_dir.exists() and not out_dir.is_dir():
         problem = f"--out-dir {out_dir} is a file, not a directory"
-    elif rank == 0 and not cfg.eval_only:
+    elif not problem and rank == 0 and not cfg.eval_only:
         try:
             lock = hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir {out_dir}; let it "
                              "finish, or pass another --out-dir (an --eval-only run may share it)",
@@ -478,9 +480,8 @@ def hold_out_dir(cfg: TrainConfig, rank: int, world: int) -> Iterator[None]:
 
 def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[TrainConfig, int, bool]:
     """Refuse what cannot run: (cfg, gradient accumulation steps, whether to compile). A node whose command differs
-    (or who lacks a logging package asked for) stops every rank with the reason, first."""
-    problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None  # only rank 0 logs
-    if (problem := shared_problem(problem, world)) or (problem := commands_disagree(cfg, rank, world)):
+    stops every rank with the reason, first."""
+    if problem := commands_disagree(cfg, rank, world):
         raise ValueError(problem)
     B, T = cfg.batch_size, cfg.seq_len
     if cfg.eval_only:  # nothing trains, so no total batch to fill
