@@ -36,6 +36,15 @@ EOT = 50256  # <|endoftext|>
 T = TypeVar("T")
 
 
+def import_torchao(feature: str) -> Any:
+    """torchao, an optional extra imported only by the options that use it; missing, one line naming the pip command."""
+    try:
+        import torchao
+    except ImportError:
+        raise ImportError(f"{feature} needs torchao: pip install torchao") from None
+    return torchao
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Tokenizer (offline)
 
