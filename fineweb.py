@@ -8,12 +8,12 @@ name before the optional index (llm.c's tinyshakespeare_val.bin too), so any pre
 
 The writer reads every source through `datasets.load_dataset` (hub, or the text/json/parquet builders for local files)
 and writes each document as <|endoftext|> + its GPT-2 tokens, in source order. A .txt file is one document (the whole
-file) unless --txt-unit says paragraph or line; stdlib is one document per .py file. The val shard is exactly the
-first --val-tokens tokens of that stream (it may end inside a document, whose rest opens train shard 1). Without
---val-tokens it is a whole --shard-size shard, as in build-nanogpt (shakespeare: 32768 tokens, stdlib: 2**18), unless
-the source (or --max-tokens) ends before that leaves a single train token: then the first 10% (rounded down) is val
-and the rest is train shard 1, so a small corpus needs no flags. An explicit --val-tokens that leaves nothing for
-training is an error.
+file) unless --txt-unit says paragraph or line; stdlib is one document per .py file, stdlib-docs one per docstring.
+The val shard is exactly the first --val-tokens tokens of that stream (it may end inside a document, whose rest opens
+train shard 1). Without --val-tokens it is a whole --shard-size shard, as in build-nanogpt (shakespeare and
+stdlib-docs: 32768 tokens, stdlib: 2**18), unless the source (or --max-tokens) ends before that leaves a single
+train token: then the first 10% (rounded down) is val and the rest is train shard 1, so a small corpus needs no flags.
+An explicit --val-tokens that leaves nothing for training is an error.
 
 A rerun keeps the shards already complete and continues, reading the source from the file (part) that holds the
 first missing document, where an earlier run counted the documents of the files before it (PREFIX_parts.json). A
@@ -26,6 +26,7 @@ Usage:
     python fineweb.py                                         # fineweb-edu sample-10BT -> data/edu_fineweb10B
     python fineweb.py --source shakespeare                    # Tiny Shakespeare -> data/shakespeare
     python fineweb.py --source stdlib                         # this Python's stdlib .py files -> data/stdlib
+    python fineweb.py --source stdlib-docs                    # their docstrings (English prose) -> data/stdlib_docs
     python fineweb.py --source notes.txt                      # a small file: its first 10% val, the rest train
     python fineweb.py --source "corpus/*.jsonl" --out-dir data/mine --shard-size 10000000 --val-tokens 1000000
     python fineweb.py --help
@@ -40,6 +41,7 @@ one step counter: `loader.state_dict()` from any rank resumes every rank exactly
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import glob
 import hashlib
@@ -163,7 +165,8 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
         files = [base]
     else:
         # the presets' own corpora have a source of their own: fineweb.py's default source is fineweb-edu
-        source = {"stdlib": "--source stdlib ", "shakespeare": "--source shakespeare "}.get(base.name, "")
+        source = {"stdlib": "--source stdlib ", "stdlib_docs": "--source stdlib-docs ",
+                  "shakespeare": "--source shakespeare "}.get(base.name, "")
         raise DataError(f"data directory {pattern} does not exist; write shards there with "
                         f"`python fineweb.py {source}--out-dir {pattern}`"
                         f"{'' if source else ' (fineweb-edu; --source picks another corpus)'} or point --data at a "
@@ -399,7 +402,8 @@ class TokenLoader:
 class FinewebConfig:
     """Tokenize a corpus with GPT-2 BPE into llm.c-format token shards: the first is val, the rest train."""
 
-    source: str = FINEWEB  # hub dataset, shakespeare, stdlib, or a local file/dir/glob of .txt/.jsonl/.json/.parquet
+    # hub dataset, shakespeare, stdlib, stdlib-docs, or a local file/dir/glob of .txt/.jsonl/.json/.parquet
+    source: str = FINEWEB
     name: str = ""  # hub dataset config ('' = sample-10BT for fineweb-edu, none otherwise)
     split: str = "train"  # hub dataset split to read
     revision: str = ""  # hub dataset commit to read ('' = the latest): pin it to reproduce shards exactly
@@ -408,11 +412,11 @@ class FinewebConfig:
     out_dir: str = ""  # output directory ('' = data/edu_fineweb10B for fineweb-edu, else data/<source name>)
     prefix: str = ""  # shard names are PREFIX_val_000000.bin, PREFIX_train_000001.bin ('' = from the source)
     shard_size: int = 100_000_000  # tokens per train shard
-    val_tokens: int = -1  # val shard = first N tokens (-1: shard-size; shakespeare 32768, stdlib 2**18; 10% if short)
+    val_tokens: int = -1  # val shard = first N tokens (-1: shard-size; shakespeare, stdlib-docs 32768; stdlib 2**18)
     workers: int = 0  # tokenizer processes (0 = every available core)
     max_tokens: int = 0  # stop after this many tokens in all, val included (0 = the whole source)
     streaming: bool = True  # stream the source rather than download all of it into the HF cache first
-    cache_dir: str = "~/.cache/gpt2-project"  # where --source shakespeare is downloaded to
+    cache_dir: str = "~/.cache/gpt2-project"  # where --source shakespeare is downloaded to (and stdlib-docs written)
     shakespeare_path: str = ""  # a local Tiny Shakespeare instead of the download (the very file fills --cache-dir too)
 
     def __post_init__(self) -> None:
@@ -428,7 +432,8 @@ class FinewebConfig:
             raise ValueError(f"--max-tokens {self.max_tokens} leaves no train tokens after the val shard's "
                              f"--val-tokens {self.val_tokens}; raise --max-tokens or lower --val-tokens")
         kind = source_kind(self.source)
-        stem = {"fineweb": "edufineweb", "shakespeare": "shakespeare", "stdlib": "stdlib"}.get(kind)
+        stem = {"fineweb": "edufineweb", "shakespeare": "shakespeare", "stdlib": "stdlib",
+                "stdlib-docs": "stdlib_docs"}.get(kind)
         if stem is None:  # corpus/*.jsonl -> corpus, books.txt -> books, org/name -> name
             plain = Path(*takewhile(lambda part: not any(c in part for c in "*?["), Path(self.source).parts))
             stem = re.sub(r"[^A-Za-z0-9]+", "_", plain.name.split(".")[0]).strip("_") or "data"
@@ -443,12 +448,13 @@ class FinewebConfig:
         a default-sized val shard leaves a train token gets the 10% rule instead (see ShardWriter.finish)."""
         if self.val_tokens != -1:
             return self.val_tokens
-        return {"shakespeare": 32_768, "stdlib": 2**18}.get(source_kind(self.source), self.shard_size)  # ~10%, ~6%
+        defaults = {"shakespeare": 32_768, "stdlib": 2**18, "stdlib-docs": 32_768}  # ~10%, ~6%, ~7%
+        return defaults.get(source_kind(self.source), self.shard_size)
 
 
 def source_kind(source: str) -> str:
-    """fineweb, shakespeare, stdlib, local or hub."""
-    if source in ("shakespeare", "stdlib"):
+    """fineweb, shakespeare, stdlib, stdlib-docs, local or hub."""
+    if source in ("shakespeare", "stdlib", "stdlib-docs"):
         return source
     if source == FINEWEB:
         return "fineweb"
@@ -494,6 +500,27 @@ def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [p for p in root.rglob("*.py") if not STDLIB_SKIP & set(p.relative_to(root).parts[:-1])]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def stdlib_docstrings(cfg: FinewebConfig) -> Path:
+    """The distinct docstrings of stdlib_files() (modules, classes, functions), one JSON line each, written once into
+    --cache-dir: English prose about Python, which a small model learns to write in minutes where code's indentation
+    (GPT-2 BPE spends a token per space) holds it back."""
+    path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_py{sys.version_info[0]}.{sys.version_info[1]}.jsonl"
+    if path.is_file():
+        return path
+    docs: dict[str, None] = {}  # ordered and deduplicated
+    for file in stdlib_files():
+        try:
+            tree = ast.parse(file.read_bytes())
+        except (SyntaxError, ValueError):  # a file of another Python's syntax
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                docs.setdefault(ast.get_docstring(node) or "")
+    docs.pop("", None)
+    _cache(path, "".join(json.dumps({"text": doc}) + "\n" for doc in docs).encode())
+    return path
 
 
 def _cache(path: Path, data: bytes) -> None:
@@ -545,6 +572,8 @@ def source_files(cfg: FinewebConfig) -> list[Path] | None:
         return None
     if kind == "stdlib":
         return stdlib_files()
+    if kind == "stdlib-docs":
+        return [stdlib_docstrings(cfg)]
     if kind == "shakespeare":
         return [shakespeare_file(cfg)]
     return local_files(cfg.source, cfg.out_dir)
@@ -865,8 +894,9 @@ def _done_path(cfg: FinewebConfig) -> Path:
 
 
 def input_fingerprint(files: list[Path] | None) -> dict[str, Any] | None:
-    """What a local, shakespeare or stdlib source is made of: every file's absolute path, size and mtime_ns, hashed,
-    so a rerun after a file was added, removed or edited writes again. None for a hub dataset (no files to stat)."""
+    """What a local, shakespeare or stdlib(-docs) source is made of: every file's absolute path, size and mtime_ns,
+    hashed, so a rerun after a file was added, removed or edited writes again. None for a hub dataset (no files to
+    stat)."""
     if files is None:
         return None
     digest, size = hashlib.sha256(), 0

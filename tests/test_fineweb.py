@@ -436,6 +436,25 @@ def test_stdlib_source_is_sorted_python_files_one_document_each(tmp_path):
     assert result["train_tokens"] == 4000
 
 
+def test_stdlib_docs_source_is_the_distinct_docstrings_one_document_each(tmp_path):
+    import ast
+
+    cfg = cfg_for("stdlib-docs", tmp_path / "out", cache_dir=str(tmp_path / "cache"), val_tokens=1000,
+                  shard_size=2000, max_tokens=5000)
+    result = write_dataset(cfg)
+    cached = fineweb.stdlib_docstrings(cfg)
+    docs = [json.loads(line)["text"] for line in cached.read_text().splitlines()]
+    first = ast.get_docstring(ast.parse(stdlib_files()[0].read_bytes()))  # __future__.py's module docstring
+    assert docs[0] == first and len(docs) == len(set(docs)) > 3000 and "" not in docs
+    assert result["train_tokens"] == 4000 and [len(read_shard(f)) for f in shard_files(tmp_path / "out")] == [
+        1000, 2000, 2000]
+    assert np.array_equal(concat(tmp_path / "out"), expected_tokens(docs[:400])[:5000])
+    stamp = cached.stat().st_mtime_ns  # written once: a second run reuses it, so its fingerprint stays the same
+    assert fineweb.stdlib_docstrings(cfg) == cached and cached.stat().st_mtime_ns == stamp
+    default = FinewebConfig(source="stdlib-docs")
+    assert (default.out_dir, default.prefix, default.val_target) == ("data/stdlib_docs", "stdlib_docs", 32768)
+
+
 def test_default_job_is_fineweb_edu_sample_10bt_through_datasets(tmp_path, monkeypatch):
     import datasets
 
@@ -476,7 +495,7 @@ def test_source_kind_tells_local_paths_from_hub_names(tmp_path):
     """A source that does not exist yet is still local when it looks like a path (./, /, ~, a data file's suffix, a
     glob): sent to the hub instead, a typo would end in a confusing download error. A bare org/name is the hub."""
     (tmp_path / "corpus").mkdir()
-    kinds = {"shakespeare": "shakespeare", "stdlib": "stdlib", "HuggingFaceFW/fineweb-edu": "fineweb",
+    kinds = {"shakespeare": "shakespeare", "stdlib": "stdlib", "stdlib-docs": "stdlib-docs", "HuggingFaceFW/fineweb-edu": "fineweb",
              "someone/my-data": "hub", "wikitext": "hub", str(tmp_path / "corpus"): "local", "./missing": "local",
              "../corpus": "local", "/no/such/dir": "local", "~/no-such-corpus": "local", "books.txt": "local",
              "data/part.parquet": "local", "a.json": "local", "missing/*.jsonl": "local", "shards/[ab]": "local"}
@@ -1426,6 +1445,8 @@ def test_missing_directory_and_pattern_without_shards(tmp_path):
     with pytest.raises(DataError, match=r"write shards there with `python fineweb.py --source stdlib --out-dir "
                                         r".*stdlib` or point"):
         TokenLoader(str(tmp_path / "data" / "stdlib"), "train", 2, 8)
+    with pytest.raises(DataError, match=r"`python fineweb.py --source stdlib-docs --out-dir .*stdlib_docs` or point"):
+        TokenLoader(str(tmp_path / "data" / "stdlib_docs"), "train", 2, 8)
     numbered_shards(tmp_path, [100], split="val")
     with pytest.raises(DataError, match=r"no train shards in .* \(looked for names ending in _train.bin or "
                                         r"_train_NNNNNN.bin, or .npy\)"):
