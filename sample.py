@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ import torch
 
 from common import EOT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, resolve_device
 from model import GPT
+
+WORD = re.compile(r"\w+", re.ASCII)  # identifier-like: letters, digits and _
 
 
 @dataclass
@@ -41,6 +44,9 @@ class SampleConfig:
     seed: int = 1337  # seed of the sampling generator: the same seed gives the same text on a given device
     no_cache: bool = False  # recompute the whole context every step instead of using the KV cache (slow; a check)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    # a token-shard directory: after sampling, report the share of sampled words found in its train split and the
+    # share of whitespace-only lines (the demo's check that the samples read as its corpus)
+    corpus: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -150,19 +156,56 @@ def decode_speed(model: GPT, prompt_len: int, new_tokens: int, use_cache: bool, 
     return batch_size * new_tokens / (time.perf_counter() - t0)
 
 
+def words(text: str) -> list[str]:
+    """The identifier-like words of text (runs of letters, digits and _); <|endoftext|> is a boundary, not a word."""
+    return WORD.findall(text.replace("<|endoftext|>", "\n"))
+
+
+def corpus_words(data_dir: str, max_tokens: int = 20_000_000) -> set[str]:
+    """The identifier-like words (runs of letters, digits and _) of data_dir's train shards, from their first
+    max_tokens tokens: a fineweb-sized corpus would take minutes to decode whole."""
+    from fineweb import find_shards, read_shard
+
+    if not Path(data_dir).is_dir():
+        raise ValueError(f"--corpus {data_dir} is not a directory; give the token-shard directory the model trained on")
+    enc, seen, left = get_tokenizer(), set(), max_tokens
+    for shard in find_shards(data_dir, "train"):
+        tokens = read_shard(shard)[:left]
+        seen.update(words(enc.decode(tokens.tolist())))
+        left -= len(tokens)
+        if left <= 0:
+            break
+    return seen
+
+
+def corpus_check(texts: list[str], seen: set[str]) -> dict[str, float]:
+    """How much the samples read as the corpus: the share of their words in `seen` (corpus_words) and the share of
+    their lines that are whitespace only."""
+    sampled = [w for text in texts for w in words(text)]
+    lines = [line for text in texts for line in text.strip("\n").split("\n")]
+    return {"words": len(sampled), "known": sum(w in seen for w in sampled) / max(1, len(sampled)),
+            "lines": len(lines), "blank": sum(not line.strip() for line in lines) / max(1, len(lines))}
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     cfg = parse_config(SampleConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     try:
         device = resolve_device(cfg.device)
         prompt = read_prompt(cfg.prompt)
         model = load_model(cfg.ckpt, cfg.init_from)
+        seen = corpus_words(cfg.corpus) if cfg.corpus else None
     except (OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {e}".replace("\n", " ")) from None
     model.to(device)
     if device.type == "cuda":
         model.to(torch.bfloat16)  # decoding is bound by reading the weights: half the bytes, ~2x the speed
     torch.manual_seed(cfg.seed)
-    return generate_text(model, get_tokenizer(), dataclasses.replace(cfg, prompt=prompt), device)
+    texts = generate_text(model, get_tokenizer(), dataclasses.replace(cfg, prompt=prompt), device)
+    if seen is not None:
+        c = corpus_check(texts, seen)
+        print(f"corpus check: {c['known']:.0%} of {c['words']} sampled words occur in {cfg.corpus}'s train shards; "
+              f"{c['blank']:.0%} of {c['lines']} sampled lines are whitespace only", file=sys.stderr)
+    return texts
 
 
 if __name__ == "__main__":

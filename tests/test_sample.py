@@ -445,3 +445,23 @@ def test_casting_the_model_keeps_the_fp32_rope_tables(cast, dtype):
     assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
     out = model.generate(torch.randint(0, 96, (1, 5)), 8, temperature=0.0)  # bf16 queries rotated by fp32 tables
     assert out.shape == (1, 13)
+
+
+def test_corpus_check_counts_known_words_and_blank_lines(ckpt, enc, tmp_path, capsys):
+    from fineweb import write_shard
+    from sample import corpus_check, corpus_words
+
+    corpus = "def read_file(path):\n    return open(path).read()\n"
+    write_shard(tmp_path / "c_val_000000.bin", enc.encode_ordinary("unused words"))
+    write_shard(tmp_path / "c_train_000001.bin", [EOT] + enc.encode_ordinary(corpus))
+    seen = corpus_words(str(tmp_path))
+    assert seen == {"def", "read_file", "path", "return", "open", "read"}  # the val shard is not the corpus
+    texts = ["(path) return reed_file\n   \n", "\nopen it<|endoftext|>\n\nread"]  # 4 of 6 words known; 2 of 5 blank
+    assert corpus_check(texts, seen) == {"words": 6, "known": 4 / 6, "lines": 5, "blank": 2 / 5}
+    assert len(corpus_words(str(tmp_path), max_tokens=3)) == 2  # EOT, "def", " read": a capped prefix of the corpus
+    main(["--ckpt", str(ckpt), "--prompt", "def", "--max-new-tokens", "4", "--num-samples", "1",
+          "--corpus", str(tmp_path)])
+    assert re.search(r"^corpus check: \d+% of \d+ sampled words occur in .*'s train shards; \d+% of 1 sampled lines "
+                     r"are whitespace only$", capsys.readouterr().err, re.M)
+    with pytest.raises(SystemExit, match=r"--corpus .*nope is not a directory"):
+        main(["--ckpt", str(ckpt), "--corpus", str(tmp_path / "nope")])
