@@ -147,8 +147,6 @@ class BenchConfig:
             raise ValueError(f"--decode-model must be one of {', '.join(MODEL_PRESETS)}; got {self.decode_model!r}")
         if self.ckpt and self.init_from:
             raise ValueError("pass either --ckpt or --init-from (the int8 suite's weights), not both")
-        if self.ckpt and not Path(self.ckpt).is_file():
-            raise ValueError(f"--ckpt {self.ckpt}: no such file; pass a checkpoint that train.py wrote")
 
     def _check_sizes(self) -> None:
         for name in ("steps", "grad_accum", "kernel_cols", "decode_prompt", "hellaswag_examples", "int8_tokens"):
@@ -1007,7 +1005,12 @@ def int8_weights(cfg: BenchConfig) -> tuple[GPT, str, str]:
         return load_model(None, cfg.init_from), f"HF {cfg.init_from}", prompt
     torch.manual_seed(cfg.seed)
     model = GPT(dataclasses.replace(MODEL_PRESETS[cfg.decode_model](), block_size=1024, vocab_size=GPT2_VOCAB))
-    return model, f"random {cfg.decode_model} init (near-flat logits: the agreement means nothing)", prompt
+    with torch.no_grad():  # the decode suite's random weights: GPT-2's init at std --decode-init-std, not 0.02
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, cfg.decode_init_std / math.sqrt(2 * model.config.n_layer if "c_proj" in name else 1))
+    weights = f"random {cfg.decode_model}, std {cfg.decode_init_std} (untrained: the agreement means little)"
+    return model, weights, prompt
 
 
 def bench_int8(cfg: BenchConfig) -> list[dict[str, Any]]:
@@ -1316,6 +1319,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         cfg = resolve(cfg)
         names = [v.name for v in select_variants(cfg)]  # a misspelt --variants fails now, not after the other suites
+        if cfg.ckpt and "int8" in cfg.suites() and not Path(cfg.ckpt).is_file():
+            raise ValueError(f"--ckpt {cfg.ckpt}: no such file; pass a checkpoint that train.py wrote")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if cfg.trace_variant and cfg.trace_variant not in names and "train" in cfg.suites():

@@ -168,7 +168,7 @@ def test_a_missing_torchao_is_one_line_before_the_model_loads(monkeypatch):
 def test_bench_int8_rows_on_random_weights_and_on_a_checkpoint(ckpt, tmp_path):
     rows = bench_int8(BenchConfig(device="cpu", decode_model="tiny", int8_tokens=16))
     assert [(r["name"], r["status"]) for r in rows] == [("fp32", "ok"), ("int8 weight-only", "ok")]
-    assert "random tiny init" in rows[0]["weights"] and "means nothing" in rows[0]["weights"]
+    assert rows[0]["weights"] == "random tiny, std 0.1 (untrained: the agreement means little)"
     assert rows[0]["prompt_text"] == "Hello, I'm a language model," and rows[0]["prompt"] == 8
     fp32, int8 = rows
     assert (fp32["same_frac"], fp32["same_prefix"]) == (None, None)
