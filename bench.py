@@ -81,7 +81,7 @@ SUITES = ("kernel", "decode", "int8", "hellaswag", "train")  # the order of --su
 
 @dataclass
 class BenchConfig:
-    """Benchmark the training step, the fused kernel, decoding and HellaSwag; print a table and write JSON."""
+    """Benchmark the training step, the fused kernels, decoding, INT8 decoding and HellaSwag; print a table and JSON."""
 
     suite: str = "all"  # all, or a comma list of train, kernel, decode, int8, hellaswag, run in the order given
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
