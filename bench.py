@@ -1,16 +1,18 @@
 """Benchmarks: the training step (tokens/s, ms/step, MFU, peak memory) across variants, the fused bias+GELU and
 cross-entropy kernels (GB/s against the device's copy bandwidth), KV-cache decoding against no cache and HF
-`generate`, and HellaSwag examples/s. A train or kernel row is the median of --steps timed repetitions after --warmup
-untimed ones (torch.compile happens in the warmup); a decode or HellaSwag row is one long timed run after a short
-untimed one. CUDA events time GPU work, time.perf_counter the CPU. A row that cannot run here (no CUDA, no triton, out
-of memory) is reported with its reason instead of ending the run. The table is printed last; --out gets the same rows
-as JSON with provenance() and the resolved config.
+`generate`, INT8 weight-only decoding against fp32 on the same weights, and HellaSwag examples/s. A train or kernel
+row is the median of --steps timed repetitions after --warmup untimed ones (torch.compile happens in the warmup); a
+decode, int8 or HellaSwag row is one long timed run after a short untimed one. CUDA events time GPU work,
+time.perf_counter the CPU. A row that cannot run here (no CUDA, no triton, out of memory) is reported with its reason
+instead of ending the run. The table is printed last; --out gets the same rows as JSON with provenance() and the
+resolved config.
 
 Usage:
     python bench.py                                   # every suite; GPT-2 124M, T=1024, bf16 on CUDA; tiny on CPU
     python bench.py --suite train --variants eager,compile --steps 20 --warmup 10
     python bench.py --suite kernel                    # CPU: Triton rows skipped unless TRITON_INTERPRET=1
     python bench.py --suite decode --decode-tokens 128,512
+    python bench.py --suite int8 --ckpt out/demo/ckpt_000250.pt   # tok/s and greedy agreement (pip install torchao)
     python bench.py --suite all --budget-s 300 --out out/bench.json   # starts nothing new after 300 s
 """
 
@@ -45,6 +47,8 @@ from common import (
     GPT2_VOCAB,
     device_name,
     get_tokenizer,
+    load_checkpoint,
+    load_model,
     mfu,
     parse_config,
     peak_flops,
@@ -69,16 +73,17 @@ from fused_gelu import (
     triton_available,
 )
 from model import GPT, MODEL_PRESETS
+from sample import SampleConfig, quantize_int8, weight_bytes
 
-SUITES = ("kernel", "decode", "hellaswag", "train")  # the order of --suite all: the short suites first, so a time
-# budget spent by the training variants (minutes of compilation each) never loses them
+SUITES = ("kernel", "decode", "int8", "hellaswag", "train")  # the order of --suite all: the short suites first, so a
+# time budget spent by the training variants (minutes of compilation each) never loses them
 
 
 @dataclass
 class BenchConfig:
-    """Benchmark the training step, the fused kernel, decoding and HellaSwag; print a table and write JSON."""
+    """Benchmark the training step, the fused kernels, decoding, INT8 decoding and HellaSwag; print a table and JSON."""
 
-    suite: str = "all"  # all, or a comma list of train, kernel, decode, hellaswag, run in the order given
+    suite: str = "all"  # all, or a comma list of train, kernel, decode, int8, hellaswag, run in the order given
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     out: str = "out/bench.json"  # JSON output (out/ is git-ignored): provenance, the resolved config, rows, table
     steps: int = 20  # timed repetitions per row; the median is reported
@@ -110,6 +115,10 @@ class BenchConfig:
     decode_tokens: tuple[int, ...] = (128, 512)  # new tokens per generation (greedy, batch 1)
     decode_prompt: int = 16  # prompt length in tokens (random ids)
     decode_init_std: float = 0.1  # initializer_range of the random model (GPT-2's 0.02 greedily repeats one token)
+    # int8 suite: fp32 (and bf16 on CUDA) against sample.py --quantize int8, greedy, on the same weights
+    ckpt: str = ""  # weights: a train.py checkpoint; '' = --init-from, or else random --decode-model weights
+    init_from: str = ""  # or an HF GPT-2 (gpt2 or a local directory). Random weights make the agreement meaningless
+    int8_tokens: int = 128  # greedy tokens per row; the int8 row counts those equal to the fp32 row's
     # hellaswag suite
     hellaswag_model: str = "auto"  # model preset, built with block_size 1024; auto = gpt2 on CUDA, tiny on CPU
     hellaswag_batch_sizes: tuple[int, ...] = ()  # examples per forward pass; () = 1,16,64 on CUDA, 1,16 on CPU
@@ -136,9 +145,11 @@ class BenchConfig:
                                  f"got {getattr(self, name)!r}")
         if self.decode_model not in MODEL_PRESETS:
             raise ValueError(f"--decode-model must be one of {', '.join(MODEL_PRESETS)}; got {self.decode_model!r}")
+        if self.ckpt and self.init_from:
+            raise ValueError("pass either --ckpt or --init-from (the int8 suite's weights), not both")
 
     def _check_sizes(self) -> None:
-        for name in ("steps", "grad_accum", "kernel_cols", "decode_prompt", "hellaswag_examples"):
+        for name in ("steps", "grad_accum", "kernel_cols", "decode_prompt", "hellaswag_examples", "int8_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
         if self.warmup < 0 or self.budget_s < 0 or self.threads < 0:
@@ -979,6 +990,70 @@ def bench_decode(cfg: BenchConfig) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# INT8 weight-only decoding against fp32 on the same weights
+
+
+def int8_weights(cfg: BenchConfig) -> tuple[GPT, str, str]:
+    """The int8 suite's model (on the CPU), what its weights are, and its prompt: a checkpoint's own --sample-prompt,
+    else sample.py's default."""
+    prompt = SampleConfig.prompt
+    if cfg.ckpt:
+        ckpt = load_checkpoint(cfg.ckpt)
+        prompt = (ckpt.get("train_config") or {}).get("sample_prompt") or prompt
+        return GPT.from_checkpoint(ckpt), f"checkpoint {cfg.ckpt}, step {ckpt.get('step')}", prompt
+    if cfg.init_from:
+        return load_model(None, cfg.init_from), f"HF {cfg.init_from}", prompt
+    torch.manual_seed(cfg.seed)
+    model = GPT(dataclasses.replace(MODEL_PRESETS[cfg.decode_model](), block_size=1024, vocab_size=GPT2_VOCAB))
+    with torch.no_grad():  # the decode suite's random weights: GPT-2's init at std --decode-init-std, not 0.02
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, cfg.decode_init_std / math.sqrt(2 * model.config.n_layer if "c_proj" in name else 1))
+    weights = f"random {cfg.decode_model}, std {cfg.decode_init_std} (untrained: the agreement means little)"
+    return model, weights, prompt
+
+
+def bench_int8(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Greedy batch-1 tokens/s and weight bytes of one model in fp32, then bf16 (CUDA only: sample.py's dtype there),
+    then with sample.py's int8 weight-only quantization on top; each later row's tokens against the fp32 row's,
+    position by position (same = the fraction equal, prefix = how many before the first difference)."""
+    cfg = resolve(cfg)
+    device = torch.device(cfg.device)
+    model, weights, text = int8_weights(cfg)
+    model.to(device).eval()
+    prompt = torch.tensor([get_tokenizer().encode(text, allowed_special="all") or [EOT]], device=device)
+    n = cfg.int8_tokens
+    common = {"suite": "int8", "weights": weights, "params": model.num_params(), "prompt_text": text,
+              "prompt": prompt.size(1), "new_tokens": n, "batch_size": 1}
+    stages: list[tuple[str, Callable[[GPT], Any]]] = [("fp32", lambda m: None)]
+    if device.type == "cuda":
+        stages.append(("bf16", lambda m: m.to(torch.bfloat16)))
+    stages.append(("int8 weight-only", quantize_int8))  # applied to the model as the stage before left it
+    rows: list[dict[str, Any]] = []
+    for name, change in stages:
+        ref = rows[0]["tokens"] if rows else None
+        rows.append(guarded({**common, "name": name}, lambda change=change, ref=ref: int8_stage(
+            model, change, prompt, n, device, ref)))
+        if rows[-1]["status"] != "ok":
+            break  # the later stages build on this one
+    return rows
+
+
+def int8_stage(model: GPT, change: Callable[[GPT], Any], prompt: torch.Tensor, n: int, device: torch.device,
+               ref: list[int] | None) -> dict[str, Any]:
+    """One row of the int8 suite: change the model (in place), then time n greedy tokens and compare them with ref."""
+    try:
+        change(model)
+    except ImportError as e:  # torchao is an optional extra
+        raise Skipped(str(e)) from None
+    toks, tok_s = timed_generate(lambda k: model.generate(prompt, k, temperature=0.0), n, device)
+    same = [a == b for a, b in zip(toks, ref or toks, strict=True)]
+    return {"tok_per_s": tok_s, "ms_per_token": 1000 / tok_s, "weight_bytes": weight_bytes(model), "tokens": toks,
+            "distinct_tokens": len(set(toks)), "same_frac": sum(same) / n if ref else None,
+            "same_prefix": (same + [False]).index(False) if ref else None}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # HellaSwag throughput on synthetic examples
 
 
@@ -1166,6 +1241,15 @@ TABLES = (
            Column("ms/tok", 8, "ms_per_token", ".2f"),
            Column("same", 5, cell=lambda r: "ref" if r["same_tokens"] is None else str(r["same_tokens"]).lower()),
            Column("distinct", 8, "distinct_tokens"))),
+    Table(lambda result: result.get("int8") or [],
+          lambda cfg, r: f"int8: {r['params'] / 1e6:.1f}M params, {r['weights']}; greedy, batch 1, prompt "
+                         f"{r['prompt']} tokens, prefill included; same = fraction of the {r['new_tokens']} tokens "
+                         "equal to fp32's at their position, prefix = tokens before the first difference",
+          (Column("dtype", 16, "name"), Column("new", 5, "new_tokens"), Column("tok/s", 9, "tok_per_s", ".1f"),
+           Column("ms/tok", 8, "ms_per_token", ".2f"),
+           Column("weights", 9, cell=lambda r: f"{r['weight_bytes'] / 1e6:.1f}MB"),
+           Column("same", 5, "same_frac", ".2f", none="ref"), Column("prefix", 6, "same_prefix", none="ref"),
+           Column("distinct", 8, "distinct_tokens"))),
     Table(lambda result: result.get("hellaswag") or [],
           lambda cfg, r: f"hellaswag: evaluate() on {cfg['hellaswag_examples']} synthetic examples, random "
                          f"{r['model']} ({r.get('params', 0) / 1e6:.1f}M), tokenization included",
@@ -1235,6 +1319,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         cfg = resolve(cfg)
         names = [v.name for v in select_variants(cfg)]  # a misspelt --variants fails now, not after the other suites
+        if cfg.ckpt and "int8" in cfg.suites() and not Path(cfg.ckpt).is_file():
+            raise ValueError(f"--ckpt {cfg.ckpt}: no such file; pass a checkpoint that train.py wrote")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if cfg.trace_variant and cfg.trace_variant not in names and "train" in cfg.suites():
@@ -1304,7 +1390,8 @@ def run_suites(cfg: BenchConfig, device: torch.device, result: dict[str, Any]) -
                 if suite == "train":
                     run_train(cfg, deadline, lambda row: add("train", row))
                 else:
-                    bench_suite = {"kernel": bench_kernel, "decode": bench_decode, "hellaswag": bench_hellaswag}[suite]
+                    bench_suite = {"kernel": bench_kernel, "decode": bench_decode, "int8": bench_int8,
+                                   "hellaswag": bench_hellaswag}[suite]
                     for row in bench_suite(cfg):
                         add(suite, row)
             except Exception as e:  # a suite that breaks (e.g. a missing optional package) must not lose the others

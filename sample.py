@@ -6,24 +6,30 @@ given device. bf16 on CUDA, fp32 on CPU. The text goes to stdout; notices and th
 Usage:
     python sample.py --ckpt out/run/ckpt_019000.pt --prompt "Hello, I'm a language model,"
     python sample.py --init-from gpt2-xl --prompt @prompt.txt --num-samples 1 --max-new-tokens 200
+    python sample.py --ckpt out/demo/ckpt_000250.pt --prompt "def " --quantize int8   # pip install torchao
     echo "The meaning of life is" | python sample.py --init-from gpt2 --prompt - --temperature 0
 """
 
 from __future__ import annotations
 
 import codecs
+import collections
+import contextlib
 import dataclasses
+import logging
 import math
 import re
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from torch import nn
 
-from common import EOT, GPT2_VOCAB, get_tokenizer, load_model, parse_config, resolve_device
+from common import EOT, GPT2_VOCAB, get_tokenizer, import_torchao, load_model, parse_config, resolve_device
 from model import GPT
 
 WORD = re.compile(r"\w+", re.ASCII)  # identifier-like: letters, digits and _
@@ -44,11 +50,14 @@ class SampleConfig:
     seed: int = 1337  # seed of the sampling generator: the same seed gives the same text on a given device
     no_cache: bool = False  # recompute the whole context every step instead of using the KV cache (slow; a check)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    quantize: str = "none"  # none, or int8: torchao weight-only INT8 matmuls in the blocks (pip install torchao)
     # a token-shard directory: after sampling, report the share of sampled words found in its train split and the
     # share of whitespace-only lines (the demo's check that the samples read as its corpus)
     corpus: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantize not in ("none", "int8"):
+            raise ValueError(f"--quantize must be none or int8, got {self.quantize!r}")
         if self.num_samples < 1:
             raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
         if self.max_new_tokens < 1:
@@ -187,18 +196,87 @@ def corpus_check(texts: list[str], seen: set[str]) -> dict[str, float]:
             "lines": len(lines), "blank": sum(not line.strip() for line in lines) / max(1, len(lines))}
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# INT8 weight-only quantization (torchao, optional)
+
+# log lines that torchao's import writes on machines its prebuilt CUDA extensions do not load on, and a torch
+# deprecation notice about torchao: weight-only INT8 needs neither; any other line still shows
+TORCHAO_IMPORT_NOISE = (("torchao", r"Failed to load .*\.so"),
+                        ("torch.utils._pytree", r".* is an Enum subclass and is now natively supported"))
+
+
+@contextlib.contextmanager
+def without_log_lines(rules: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """Drop the records of each (logger, message regex) rule while the block runs."""
+    filters = [(logging.getLogger(name), lambda r, p=re.compile(pattern): not p.match(r.getMessage()))
+               for name, pattern in rules]
+    for log, keep in filters:
+        log.addFilter(keep)
+    try:
+        yield
+    finally:
+        for log, keep in filters:
+            log.removeFilter(keep)
+
+
+def torchao_int8() -> tuple[Any, Any]:
+    """(torchao's quantize_, its weight-only INT8 config); a missing or too old torchao is one ImportError line."""
+    with without_log_lines(TORCHAO_IMPORT_NOISE):
+        torchao = import_torchao("--quantize int8")
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        except ImportError:
+            raise ImportError(f"--quantize int8 needs torchao >= 0.10 (Int8WeightOnlyConfig); found "
+                              f"{torchao.__version__}: pip install -U torchao") from None
+    # no global inductor settings: bench.py compiles training variants in the same process afterwards
+    return quantize_, Int8WeightOnlyConfig(set_inductor_config=False)
+
+
+def quantize_int8(model: nn.Module) -> list[str]:
+    """Make every nn.Linear weight int8 with one scale per output row (torchao weight-only INT8, in place); return
+    their names. The matmuls dequantize to the activations' dtype, so cast the model first (bf16 on CUDA).
+
+    A weight another module shares is left as it is: the tied lm_head, whose matrix is also the token embedding.
+    quantize_ would replace that parameter, untying it and keeping a full-precision embedding beside an int8 copy."""
+    quantize_, config = torchao_int8()
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and uses[id(m.weight)] == 1]
+    quantize_(model, config, filter_fn=lambda module, fqn: fqn in names)
+    return names
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds; a tensor subclass (torchao's int8 weight) counts its inner tensors: data and scales."""
+    if hasattr(t, "__tensor_flatten__"):
+        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(tensor_bytes(p) for p in model.parameters())  # a tied matrix once
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     cfg = parse_config(SampleConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     try:
         device = resolve_device(cfg.device)
         prompt = read_prompt(cfg.prompt)
+        if cfg.quantize == "int8":
+            torchao_int8()  # a missing torchao fails before the model loads
         model = load_model(cfg.ckpt, cfg.init_from)
         seen = corpus_words(cfg.corpus) if cfg.corpus else None
-    except (OSError, ValueError, RuntimeError) as e:
+    except (ImportError, OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {e}".replace("\n", " ")) from None
     model.to(device)
     if device.type == "cuda":
         model.to(torch.bfloat16)  # decoding is bound by reading the weights: half the bytes, ~2x the speed
+    if cfg.quantize == "int8":
+        before = weight_bytes(model)
+        names = quantize_int8(model)
+        dtype = str(model.transformer.wte.weight.dtype).removeprefix("torch.")
+        kept = "" if "lm_head" in names else f" (the tied wte/lm_head stays {dtype})"
+        print(f"int8: {len(names)} nn.Linear weights quantized, weights {before / 1e6:.1f} MB -> "
+              f"{weight_bytes(model) / 1e6:.1f} MB{kept}", file=sys.stderr)
     torch.manual_seed(cfg.seed)
     texts = generate_text(model, get_tokenizer(), dataclasses.replace(cfg, prompt=prompt), device)
     if seen is not None:

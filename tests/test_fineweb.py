@@ -495,7 +495,8 @@ def test_source_kind_tells_local_paths_from_hub_names(tmp_path):
     """A source that does not exist yet is still local when it looks like a path (./, /, ~, a data file's suffix, a
     glob): sent to the hub instead, a typo would end in a confusing download error. A bare org/name is the hub."""
     (tmp_path / "corpus").mkdir()
-    kinds = {"shakespeare": "shakespeare", "stdlib": "stdlib", "stdlib-docs": "stdlib-docs", "HuggingFaceFW/fineweb-edu": "fineweb",
+    kinds = {"shakespeare": "shakespeare", "stdlib": "stdlib", "stdlib-docs": "stdlib-docs",
+             "HuggingFaceFW/fineweb-edu": "fineweb",
              "someone/my-data": "hub", "wikitext": "hub", str(tmp_path / "corpus"): "local", "./missing": "local",
              "../corpus": "local", "/no/such/dir": "local", "~/no-such-corpus": "local", "books.txt": "local",
              "data/part.parquet": "local", "a.json": "local", "missing/*.jsonl": "local", "shards/[ab]": "local"}
