@@ -1,4 +1,5 @@
-"""Export a train.py checkpoint as an HF GPT2LMHeadModel directory, for transformers and lm-eval-harness.
+"""Export a train.py checkpoint as an HF directory for transformers and lm-eval-harness: a GPT2LMHeadModel for the
+GPT-2 architecture, a LlamaForCausalLM for the LLaMA one (RoPE, SwiGLU, RMSNorm; with or without GQA and biases).
 
 Usage:
     python export.py --ckpt out/gpt2-124m/ckpt_019073.pt --export-hf out/gpt2-124m-hf
@@ -12,50 +13,55 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, parse_config
-from model import GPT, HF_CONV1D
+from model import GPT, HF_CONV1D, NORM_EPS, GPTConfig
 
 
 @dataclass
 class ExportConfig:
-    """Write a train.py checkpoint as an HF GPT2LMHeadModel directory (config.json, model.safetensors, tokenizer)."""
+    """Write a train.py checkpoint as an HF GPT2LMHeadModel or LlamaForCausalLM directory (config.json,
+    model.safetensors, tokenizer)."""
 
     ckpt: str = ""  # a train.py checkpoint to export
     export_hf: str = ""  # output directory for the HF export (for transformers / lm-eval-harness)
 
 
+def hf_class(cfg: GPTConfig) -> str:
+    """The HF class that computes exactly this model: GPT2LMHeadModel, LlamaForCausalLM, or a one-line ValueError
+    naming what each lacks."""
+    gpt2_lacks = [what for on, what in ((cfg.mlp == "swiglu", "SwiGLU MLP"), (cfg.pos == "rope", "rotary positions"),
+                                        (cfg.norm == "rmsnorm", "RMSNorm"),
+                                        (cfg.kv_heads != cfg.n_head, "grouped-query attention"),
+                                        (not cfg.bias, "bias-free layers")) if on]
+    llama_lacks = [what for on, what in ((cfg.mlp == "gelu", "GELU MLP"), (cfg.pos == "learned", "learned positions"),
+                                         (cfg.norm == "layernorm", "LayerNorm")) if on]
+    if not gpt2_lacks:
+        return "GPT2LMHeadModel"
+    if not llama_lacks:
+        return "LlamaForCausalLM"
+    raise ValueError("export_hf supports only the plain GPT-2 architecture (GPT2LMHeadModel) and the LLaMA one "
+                     f"(LlamaForCausalLM); this model has mlp={cfg.mlp!r}, pos={cfg.pos!r}, norm={cfg.norm!r}, "
+                     f"n_kv_head={cfg.kv_heads}, bias={cfg.bias}: GPT2LMHeadModel has no {', '.join(gpt2_lacks)}, "
+                     f"and LlamaForCausalLM no {', '.join(llama_lacks)}")
+
+
 def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
-    """Write an HF `GPT2LMHeadModel` directory (config.json, model.safetensors, tokenizer files) for lm-eval etc.
-    A vocabulary padded past GPT-2's 50,257 ids is cropped to them (as llm.c does): the padded rows are never tokens,
-    and HF's generate, which knows nothing of our padding, could otherwise sample them."""
+    """Write an HF `GPT2LMHeadModel` or `LlamaForCausalLM` directory (config.json, model.safetensors, tokenizer
+    files) for lm-eval etc. A vocabulary padded past GPT-2's 50,257 ids is cropped to them (as llm.c does): the padded
+    rows are never tokens, and HF's generate, which knows nothing of our padding, could otherwise sample them."""
     cfg = model.config
-    if cfg.mlp != "gelu" or cfg.pos != "learned" or cfg.kv_heads != cfg.n_head or not cfg.bias:
-        raise ValueError("export_hf supports only the plain GPT-2 architecture (mlp='gelu', pos='learned', "
-                         f"n_kv_head=n_head, bias=True); this model has mlp={cfg.mlp!r}, pos={cfg.pos!r}, "
-                         f"n_kv_head={cfg.kv_heads}, bias={cfg.bias}")
+    gpt2 = hf_class(cfg) == "GPT2LMHeadModel"  # before anything is written
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = GPT2_VOCAB if cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size  # tiny test vocabularies stay as they are
-    sd = {}
-    for key, p in model.state_dict().items():
-        if key == "lm_head.weight":
-            continue  # tied: HF re-ties lm_head to wte on load
-        p = p.detach().float().cpu()
-        if key == "transformer.wte.weight":
-            p = p[:vocab]
-        sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
+    sd, config = _gpt2_files(model, vocab) if gpt2 else _llama_files(model, vocab)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
-        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-    }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
     # from the umask, or other users of a shared filesystem could read the config but not the weights
@@ -72,6 +78,61 @@ def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
     return out
 
 
+def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config.json."""
+    cfg = model.config
+    sd = {}
+    for key, p in model.state_dict().items():
+        if key == "lm_head.weight":
+            continue  # tied: HF re-ties lm_head to wte on load
+        p = p.detach().float().cpu()
+        if key == "transformer.wte.weight":
+            p = p[:vocab]
+        sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
+    config = {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
+        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": NORM_EPS,
+        "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+    return sd, config
+
+
+def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """LlamaForCausalLM's tensors and config.json: the fused c_attn split into q/k/v_proj, c_fc into gate/up_proj.
+    Our RoPE rotates channel pairs (i, i + hs/2), HF Llama's rotate_half convention, so no q/k rows are permuted."""
+    cfg = model.config
+    sd = {k: p.detach().float().cpu() for k, p in model.state_dict().items()}
+    kv_dim, hidden = cfg.kv_heads * cfg.head_dim, model.transformer.h[0].mlp.c_proj.in_features
+    out = {"model.embed_tokens.weight": sd["transformer.wte.weight"][:vocab],
+           "model.norm.weight": sd["transformer.ln_f.weight"]}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
+        out[theirs + "input_layernorm.weight"] = sd[ours + "ln_1.weight"]
+        out[theirs + "post_attention_layernorm.weight"] = sd[ours + "ln_2.weight"]
+        for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            q, k, v = sd[f"{ours}attn.c_attn.{kind}"].split([cfg.n_embd, kv_dim, kv_dim])
+            gate, up = sd[f"{ours}mlp.c_fc.{kind}"].chunk(2)  # gate first, as MLP.forward splits it
+            parts = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
+                     "self_attn.o_proj": sd[f"{ours}attn.c_proj.{kind}"], "mlp.gate_proj": gate, "mlp.up_proj": up,
+                     "mlp.down_proj": sd[f"{ours}mlp.c_proj.{kind}"]}
+            out.update({f"{theirs}{name}.{kind}": t for name, t in parts.items()})
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+        "hidden_size": cfg.n_embd, "intermediate_size": hidden, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": NORM_EPS,
+        # rope_theta for transformers 4.x, rope_parameters for 5.x
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
+        "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+    return {k: t.contiguous() for k, t in out.items()}, config
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(ExportConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     if not cfg.export_hf:
@@ -85,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         out = export_hf(GPT.from_checkpoint(cfg.ckpt), cfg.export_hf)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    print(f"exported {cfg.ckpt} to {out} (load with transformers.GPT2LMHeadModel.from_pretrained)")
+    print(f"exported {cfg.ckpt} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
 
 
 if __name__ == "__main__":

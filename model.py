@@ -42,10 +42,11 @@ class GPTConfig:
     n_embd: int = 768  # residual stream width
     n_kv_head: int | None = None  # key/value heads for GQA (1 = MQA); None means n_head (plain GPT-2)
     dropout: float = 0.0  # dropout on attention probs, residual branches and embeddings (0 for pretraining)
-    bias: bool = True  # biases in Linear and LayerNorm layers (GPT-2 has them)
+    bias: bool = True  # biases in Linear and LayerNorm layers (GPT-2 has them); RMSNorm has none either way
     mlp: str = "gelu"  # "gelu": GPT-2's 4x GELU(tanh) MLP; "swiglu": gated SiLU MLP with ~the same params
     pos: str = "learned"  # "learned": GPT-2 position table; "rope": rotary embeddings on q and k
     rope_theta: float = 10000.0  # RoPE base frequency
+    norm: str = "layernorm"  # "layernorm": GPT-2's LayerNorm; "rmsnorm": LLaMA's RMSNorm (scale only, no bias)
     fused_gelu: bool = False  # Triton bias+GELU kernel in the MLP (CUDA only; CPU always uses the reference)
     loss_chunk: int = 0  # >0: the loss with targets is computed this many rows at a time, logits not returned
     # lm_head + loss fused: the logits' gradient made in forward by a Triton kernel (CUDA only; elsewhere the PyTorch
@@ -82,6 +83,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
         if self.pos not in ("learned", "rope"):
             raise ValueError(f"GPTConfig.pos must be 'learned' or 'rope', got {self.pos!r}")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"GPTConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
         if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"GPTConfig.pos='rope' needs an even head size, got {self.n_embd // self.n_head}")
         if not self.rope_theta > 0:
@@ -118,6 +121,10 @@ MODEL_PRESETS: dict[str, Callable[[], GPTConfig]] = {
     "d24": _gpt2(24, 24, 1536),
     "d36": _gpt2(36, 36, 2304),
     "d48": _gpt2(48, 48, 3072),
+    # GPT-2 124M's shape with LLaMA's choices: RoPE, SwiGLU, 4 key-value heads, RMSNorm, no biases (114M params:
+    # no position table, smaller k/v projections)
+    "llama-124m": lambda: GPTConfig(n_layer=12, n_head=12, n_embd=768, n_kv_head=4, mlp="swiglu", pos="rope",
+                                    norm="rmsnorm", bias=False),
     # for tests and CPU demos
     "tiny": lambda: GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64),
 }
@@ -125,6 +132,16 @@ MODEL_PRESETS: dict[str, Callable[[], GPTConfig]] = {
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Model
+
+# both norms' epsilon: GPT-2's LayerNorm and LLaMA 2's rms_norm_eps (export.py writes it into the HF configs)
+NORM_EPS = 1e-5
+
+
+def make_norm(config: GPTConfig) -> nn.LayerNorm | nn.RMSNorm:
+    """GPT-2's LayerNorm, or LLaMA's RMSNorm: x / rms(x) * weight, with no mean subtracted and no bias."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=NORM_EPS)
+    return nn.LayerNorm(config.n_embd, eps=NORM_EPS, bias=config.bias)
 
 
 class KVCache:
@@ -227,9 +244,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config, layer)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -258,7 +275,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=make_norm(config),
         ))
         if config.pos == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)

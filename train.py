@@ -71,7 +71,7 @@ class TrainConfig:
     """Train a GPT-2 with this project's training loop. Flags override the chosen --preset."""
 
     # model
-    model: str | None = None  # architecture preset: gpt2 (None), gpt2-medium, gpt2-large, gpt2-xl, d12..d48, tiny
+    model: str | None = None  # architecture preset: gpt2 (None), gpt2-medium/-large/-xl, d12..d48, llama-124m, tiny
     seq_len: int = 1024  # T: tokens per sequence; also the model's block_size
     n_layer: int | None = None  # override the preset's depth
     n_head: int | None = None  # override the preset's query heads
@@ -79,7 +79,8 @@ class TrainConfig:
     n_kv_head: int | None = None  # GQA/MQA key-value heads (None = n_head)
     mlp: str | None = None  # gelu (GPT-2; None) or swiglu
     pos: str | None = None  # learned (GPT-2; None) or rope
-    bias: bool | None = None  # biases in Linear/LayerNorm (GPT-2; None = true)
+    norm: str | None = None  # layernorm (GPT-2; None) or rmsnorm (LLaMA's; it has no bias, even with --bias true)
+    bias: bool | None = None  # biases in Linear/LayerNorm layers (None = the preset's: true for GPT-2)
     dropout: float = 0.0  # dropout probability (0 for pretraining)
     fused_gelu: bool = False  # Triton fused bias+GELU kernel in the MLP (CUDA only)
     loss_chunk: int = 0  # >0: cross-entropy this many rows at a time, never all B*T fp32 logits at once (0 = off)
@@ -159,6 +160,8 @@ class TrainConfig:
                                  f"got {getattr(self, name)!r}")
         if self.model is not None and self.model not in MODEL_PRESETS:
             raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
+        if self.norm not in (None, "layernorm", "rmsnorm"):
+            raise ValueError(f"--norm must be one of layernorm, rmsnorm; got {self.norm!r}")
         self._check_numbers()
 
     def _check_numbers(self) -> None:
@@ -210,6 +213,8 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "gpt2-350m": _preset(model="gpt2-medium", batch_size=32, max_lr=3e-4, out_dir="out/gpt2-350m"),
     "gpt2-774m": _preset(model="gpt2-large", batch_size=16, max_lr=2.5e-4, out_dir="out/gpt2-774m"),
     "gpt2-1558m": _preset(model="gpt2-xl", batch_size=8, max_lr=2e-4, out_dir="out/gpt2-1558m"),
+    # gpt2-124m's recipe for its LLaMA-style twin: RoPE, SwiGLU, GQA, RMSNorm, no biases
+    "llama-124m": _preset(model="llama-124m", out_dir="out/llama-124m"),
     # a 30M-param model (nanoGPT's 10.7M leaves the token embedding out) on Tiny Shakespeare (~300K tokens): minutes
     # on one GPU
     "shakespeare": _preset(model="gpt2", n_layer=6, n_head=6, n_embd=384, seq_len=256, data="data/shakespeare",
@@ -601,7 +606,7 @@ def describe_model(cfg: TrainConfig, mcfg: GPTConfig) -> str:
     name = f"--init-from {cfg.init_from}" if cfg.init_from else cfg.model
     heads = f"{mcfg.n_head} heads" + (f" ({mcfg.kv_heads} key-value)" if mcfg.kv_heads != mcfg.n_head else "")
     shape = f"{mcfg.n_layer} layers, {heads}, width {mcfg.n_embd}, context {mcfg.block_size}, {mcfg.mlp} MLP, " \
-        f"{mcfg.pos} positions"
+        f"{mcfg.pos} positions" + (", RMSNorm" if mcfg.norm == "rmsnorm" else "")
     return f"{name}: {shape}" if name else shape
 
 
@@ -626,7 +631,7 @@ def print_header(cfg: TrainConfig, raw: GPT, built: Trainable, start_step: int, 
               f"on {device.type} unless --compile true)")
 
 
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp", "pos", "bias")  # None = the preset's
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp", "pos", "norm", "bias")  # None = the preset's
 
 
 def run_options(cfg: TrainConfig) -> dict[str, Any]:
@@ -649,12 +654,13 @@ def check_architecture(cfg: TrainConfig, src: GPTConfig, source: str) -> None:
     has = {k: getattr(src, "kv_heads" if k == "n_kv_head" else k) for k in ARCHITECTURE}
     wrong = [f"--{k.replace('_', '-')} {v} (it has {has[k]})" for k in ARCHITECTURE
              if (v := getattr(cfg, k)) is not None and v != has[k]]
-    if cfg.model is not None:  # a named preset's shape, where no explicit --n-layer/--n-head/--n-embd replaces it
-        preset = MODEL_PRESETS[cfg.model]()
-        shape = [k for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k) is None and getattr(preset, k) != has[k]]
-        if shape:
-            wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(preset, k)}' for k in shape)}; it has "
-                         f"{', '.join(f'{k} {has[k]}' for k in shape)})")
+    if cfg.model is not None:  # a named preset's shape and the options it sets (llama-124m's), where no flag does
+        preset, plain = MODEL_PRESETS[cfg.model](), GPTConfig()
+        named = [k for k in ARCHITECTURE if getattr(cfg, k) is None and getattr(preset, k) != has[k]
+                 and (k in ("n_layer", "n_head", "n_embd") or getattr(preset, k) != getattr(plain, k))]
+        if named:
+            wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(preset, k)}' for k in named)}; it has "
+                         f"{', '.join(f'{k} {has[k]}' for k in named)})")
     if wrong:
         raise ValueError(f"{source} fixes the architecture, but this run asks for {', '.join(wrong)}: drop those "
                          "flags (or use a preset that does not set them), or pass the shape flags the weights were "

@@ -138,6 +138,19 @@ def test_preset_sizes():
         assert (cfg.n_layer, cfg.n_embd, cfg.head_dim) == (depth, 64 * depth, 64)
 
 
+def test_llama_124m_preset_is_gpt2_124ms_shape_with_llamas_choices():
+    cfg = MODEL_PRESETS["llama-124m"]()
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.kv_heads, cfg.block_size, cfg.vocab_size) == \
+        (12, 12, 768, 4, 1024, 50304)
+    assert (cfg.mlp, cfg.pos, cfg.norm, cfg.bias, cfg.rope_theta) == ("swiglu", "rope", "rmsnorm", False, 10000.0)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    # per layer: q 768x768, k and v 768x256 each, o 768x768, SwiGLU 3 x 768x2048, two RMSNorm scales of 768
+    layer = 768 * 768 + 2 * 768 * 256 + 768 * 768 + 3 * 768 * 2048 + 2 * 768
+    assert model.num_params(non_embedding=False) == 50304 * 768 + 12 * layer + 768 == 114_150_144
+    assert not any(name.endswith(".bias") for name, _ in model.named_parameters())
+
+
 def test_residual_init_std():
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=32, vocab_size=512, n_layer=8, n_head=4, n_embd=256)
@@ -158,7 +171,8 @@ def test_residual_init_std():
 
 @pytest.mark.parametrize("kw", [
     dict(n_kv_head=2), dict(n_kv_head=1), dict(pos="rope"), dict(mlp="swiglu"), dict(bias=False),
-    dict(dropout=0.1), dict(pos="rope", n_kv_head=2, mlp="swiglu", bias=False),
+    dict(dropout=0.1), dict(pos="rope", n_kv_head=2, mlp="swiglu", bias=False), dict(norm="rmsnorm"),
+    dict(pos="rope", n_kv_head=2, mlp="swiglu", norm="rmsnorm", bias=False),
 ])
 def test_variants_forward_backward(kw):
     torch.manual_seed(0)
@@ -169,6 +183,39 @@ def test_variants_forward_backward(kw):
     assert abs(loss.item() - math.log(96)) < 0.2
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_rmsnorm_replaces_every_layernorm_and_matches_a_written_out_reference(bias):
+    # x / sqrt(mean(x^2) + 1e-5) * weight: no mean subtracted, no bias even with bias=True (which keeps the Linear
+    # biases), eps 1e-5 as export.py writes it. Weights off their init of 1, so a dropped scale would show.
+    model = _perturbed(tiny(norm="rmsnorm", bias=bias))
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm | torch.nn.LayerNorm)]
+    assert len(norms) == 2 * 2 + 1 and all(isinstance(m, torch.nn.RMSNorm) for m in norms)
+    assert [n for n, _ in model.named_parameters() if "ln_" in n and not n.endswith("weight")] == []
+    assert (model.transformer.h[0].attn.c_attn.bias is not None) == bias
+    x = 3.0 + torch.randn(2, 5, 32)  # a large mean: LayerNorm would subtract it, RMSNorm must not
+    for norm in (model.transformer.h[0].ln_1, model.transformer.ln_f):
+        x64 = x.double()
+        expected = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * norm.weight.double()
+        with torch.no_grad():
+            torch.testing.assert_close(norm(x).double(), expected, atol=1e-6, rtol=1e-6)
+    plain = GPT(tiny())
+    assert all(isinstance(m, torch.nn.LayerNorm) and m.eps == 1e-5 and m.bias is not None
+               for m in (plain.transformer.h[1].ln_2, plain.transformer.ln_f))
+
+
+def test_a_checkpoint_written_before_the_norm_option_loads_as_layernorm(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    config = dict(model.config.__dict__)
+    del config["norm"]  # what older checkpoints carry
+    torch.save({"model": model.state_dict(), "model_config": config, "step": 1}, tmp_path / "old.pt")
+    old = GPT.from_checkpoint(tmp_path / "old.pt").eval()
+    assert old.config.norm == "layernorm" and isinstance(old.transformer.ln_f, torch.nn.LayerNorm)
+    idx = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(old(idx)[0], model(idx)[0])
 
 
 def test_n_kv_head_default_follows_n_head_through_replace():
@@ -310,6 +357,7 @@ def test_dropout_at_every_site_in_training_and_none_in_eval():
     (dict(n_kv_head=3), "divisible by n_kv_head"),
     (dict(mlp="relu"), "'gelu' or 'swiglu'"),
     (dict(pos="alibi"), "'learned' or 'rope'"),
+    (dict(norm="batchnorm"), "norm must be 'layernorm' or 'rmsnorm', got 'batchnorm'"),
     (dict(dropout=1.5), "dropout"),
     (dict(n_layer=0), "n_layer"),
     (dict(n_layer="12"), "n_layer must be an integer"),
@@ -690,6 +738,68 @@ def test_export_hf_keeps_a_vocabulary_smaller_than_gpt2s(tmp_path):
     idx = torch.randint(0, model.config.vocab_size, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, model(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+def _llama_tiny(**kw) -> GPTConfig:
+    return GPTConfig(**{**dict(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32, n_kv_head=2,
+                               mlp="swiglu", pos="rope", norm="rmsnorm", bias=False, rope_theta=500.0), **kw})
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(bias=True), dict(n_kv_head=None, rope_theta=10000.0)])
+def test_export_hf_llama_round_trip(tmp_path, kw):
+    # the LLaMA layout (GQA, a theta other than HF's default, biases or none) as LlamaForCausalLM; every weight
+    # perturbed, norms and biases included, so each tensor has to land in its place
+    transformers = pytest.importorskip("transformers")
+    model = _perturbed(_llama_tiny(**kw), scale=0.05)
+    export_hf(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    cfg = model.config
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert (hf.config.vocab_size, hf.config.num_key_value_heads, hf.config.intermediate_size, hf.config.head_dim,
+            hf.config.rms_norm_eps, hf.config.rope_parameters["rope_theta"], hf.config.tie_word_embeddings,
+            hf.config.attention_bias, hf.config.mlp_bias, hf.config.max_position_embeddings) == \
+        (GPT2_VOCAB, cfg.kv_heads, 128, 8, 1e-5, cfg.rope_theta, True, cfg.bias, cfg.bias, 32)
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # tied, as ours
+    idx = torch.randint(0, GPT2_VOCAB, (2, 32))
+    with torch.no_grad():
+        ours, _ = model(idx)
+        torch.testing.assert_close(hf(idx).logits, ours[..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
+        # HF's own KV-cache decoding of the export agrees with ours, token for token
+        theirs = hf.generate(idx[:1, :8], max_new_tokens=12, do_sample=False, pad_token_id=EOT)
+    assert torch.equal(theirs, model.generate(idx[:1, :8], 12, temperature=0.0))
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+
+
+def test_export_cli_writes_a_llama_checkpoint_as_llama(tmp_path, capsys):
+    import export
+
+    model = GPT(_llama_tiny())
+    torch.save({"model": model.state_dict(), "model_config": model.config.__dict__, "step": 1}, tmp_path / "c.pt")
+    export.main(["--ckpt", str(tmp_path / "c.pt"), "--export-hf", str(tmp_path / "hf")])
+    assert capsys.readouterr().out == f"exported {tmp_path / 'c.pt'} to {tmp_path / 'hf'} (load with " \
+        "transformers.AutoModelForCausalLM.from_pretrained)\n"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["architectures"], config["rms_norm_eps"], config["intermediate_size"]) == \
+        (["LlamaForCausalLM"], 1e-5, 128)
+
+
+@pytest.mark.parametrize("kw, gpt2_lacks, llama_lacks", [
+    (dict(norm="rmsnorm"), "RMSNorm", "GELU MLP, learned positions"),
+    (dict(mlp="swiglu", pos="rope"), "SwiGLU MLP, rotary positions", "LayerNorm"),
+    (dict(pos="rope", norm="rmsnorm", n_kv_head=2, bias=False),
+     "rotary positions, RMSNorm, grouped-query attention, bias-free layers", "GELU MLP"),
+    (dict(mlp="swiglu", norm="rmsnorm"), "SwiGLU MLP, RMSNorm", "learned positions"),
+])
+def test_export_hf_refuses_a_mix_of_gpt2_and_llama_in_one_line(tmp_path, kw, gpt2_lacks, llama_lacks):
+    with pytest.raises(ValueError) as e:
+        export_hf(GPT(tiny(**kw)), tmp_path / "x")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("export_hf supports only the plain GPT-2 architecture")
+    assert message.endswith(f": GPT2LMHeadModel has no {gpt2_lacks}, and LlamaForCausalLM no {llama_lacks}")
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("kw", [dict(mlp="swiglu"), dict(pos="rope"), dict(n_kv_head=2), dict(bias=False)])

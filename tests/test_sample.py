@@ -410,13 +410,18 @@ def test_decode_speed(model):
             decode_speed(model, prompt_len=prompt_len, new_tokens=new_tokens, use_cache=True, device="cpu")
 
 
-def test_sample_and_hellaswag_from_a_checkpoint_train_py_wrote(token_data, tmp_path, capsys):
+LLAMA_FLAGS = ["--pos=rope", "--mlp=swiglu", "--n-kv-head=2", "--norm=rmsnorm", "--bias=false"]  # llama-124m's choices
+
+
+@pytest.mark.parametrize("arch", [[], LLAMA_FLAGS])
+def test_sample_and_hellaswag_from_a_checkpoint_train_py_wrote(token_data, tmp_path, capsys, arch):
     import hellaswag
     import train
 
     train.main(["--preset", "tiny", "--data", str(token_data), "--out-dir", str(tmp_path), "--max-steps=2",
-                "--eval-every=0"])
+                "--eval-every=0", *arch])
     ckpt = tmp_path / "ckpt_000002.pt"
+    assert GPT.from_checkpoint(ckpt).config.norm == ("rmsnorm" if arch else "layernorm")
     capsys.readouterr()
     texts = main(["--ckpt", str(ckpt), "--temperature", "0", "--num-samples", "1", "--max-new-tokens", "6"])
     trained = GPT.from_checkpoint(ckpt)

@@ -90,6 +90,46 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
         assert big.total_batch_size == 524288 and big.out_dir == f"out/{preset}", preset
 
 
+def test_llama_124m_preset_is_gpt2_124ms_recipe_with_the_llama_model():
+    llama, gpt2 = train.PRESETS["llama-124m"](), train.PRESETS["gpt2-124m"]()
+    assert dataclasses.replace(llama, model=None, out_dir=gpt2.out_dir) == gpt2 and llama.out_dir == "out/llama-124m"
+    mcfg = train.model_config(llama)
+    assert (mcfg.n_layer, mcfg.n_head, mcfg.n_embd, mcfg.kv_heads, mcfg.block_size) == (12, 12, 768, 4, 1024)
+    assert (mcfg.mlp, mcfg.pos, mcfg.norm, mcfg.bias) == ("swiglu", "rope", "rmsnorm", False)
+    # a flag still overrides the preset's choice, and --norm rmsnorm alone changes only the norm of GPT-2
+    assert train.model_config(dataclasses.replace(llama, norm="layernorm", bias=True)).norm == "layernorm"
+    rms = train.model_config(dataclasses.replace(gpt2, norm="rmsnorm"))
+    assert (rms.norm, rms.mlp, rms.pos, rms.kv_heads, rms.bias) == ("rmsnorm", "gelu", "learned", 12, True)
+
+
+def llama_args(data, out, *extra: str) -> list[str]:
+    """The llama-124m preset at tiny CPU sizes: its RoPE, SwiGLU, RMSNorm and bias-free layers, GQA of 4 heads on 2."""
+    return ["--preset", "llama-124m", "--data", str(data), "--out-dir", str(out), "--n-layer=2", "--n-head=4",
+            "--n-embd=64", "--n-kv-head=2", "--seq-len=64", "--batch-size=4", "--total-batch-size=256",
+            "--warmup-steps=2", "--max-lr=1e-2", "--eval-tokens=512", "--hellaswag=off", "--sample-every=0", *extra]
+
+
+def test_llama_trains_and_resumes_bitwise(token_data, tmp_path, capsys):
+    # the tokens are uniformly random, so the loss can fall below ln(50257) only on one batch learned by heart
+    common = ["--overfit-batch", "--max-steps=16", "--ckpt-every=8", "--eval-every=8", "--dropout=0.1"]
+    full = train.main(llama_args(token_data, tmp_path / "full", *common))
+    assert "model: llama-124m: 2 layers, 4 heads (2 key-value), width 64, context 64, swiglu MLP, rope positions, " \
+        "RMSNorm\n" in capsys.readouterr().out
+    losses = full["losses"]
+    assert len(losses) == 16 and losses[0] > 10.0 and losses[-1] < 5.0, losses
+    ckpt = load_checkpoint(tmp_path / "full" / "ckpt_000008.pt")
+    assert {k: ckpt["model_config"][k] for k in ("mlp", "pos", "norm", "n_kv_head", "bias")} == \
+        {"mlp": "swiglu", "pos": "rope", "norm": "rmsnorm", "n_kv_head": 2, "bias": False}
+    assert [k for k in ckpt["model"] if k.endswith(".bias") or "wpe" in k] == []
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copy(tmp_path / "full" / "ckpt_000008.pt", resumed_dir)
+    rest = train.main(llama_args(token_data, resumed_dir, *common, "--resume", "auto"))["losses"]
+    assert rest == losses[8:]  # bitwise: float equality, no tolerance
+    assert train.main(llama_args(token_data, resumed_dir, *common, "--resume", "auto", "--eval-only"))["val_loss"] \
+        == full["val_loss"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max-lrr=1"], "unknown option --max-lrr; did you mean --max-lr"),
     (["--presett", "tiny"], "unknown option --presett; did you mean --preset?"),
@@ -97,6 +137,7 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     (["--batch-size=big"], "--batch-size expects int"),
     (["--preset", "gpt5"], "unknown --preset 'gpt5'"),
     (["--recompute=all"], "--recompute must be one of none, mlp, block"),
+    (["--norm=batchnorm"], "--norm must be one of layernorm, rmsnorm; got 'batchnorm'"),
     (["--lr-schedule=step"], "--lr-schedule must be one of cosine, linear, constant, wsd"),
     (["--shuffle=rows"], "--shuffle must be one of windows, shards"),
     (["--attention=sdpa"], "--attention must be one of auto, flash, cudnn, efficient, math"),
@@ -609,6 +650,11 @@ def swiglu_ckpt(token_data, tmp_path_factory):
     ("swiglu", ["--mlp=gelu"], r"asks for --mlp gelu \(it has swiglu\)"),
     # a source without n_kv_head has as many key/value heads as query heads: 4 here, not None
     ("hf", ["--n-kv-head=2"], r"asks for --n-kv-head 2 \(it has 4\): drop"),
+    ("swiglu", ["--norm=rmsnorm"], r"asks for --norm rmsnorm \(it has layernorm\): drop"),
+    # a named preset's own options are checked too, where no flag replaces them: its shape flags match here
+    ("swiglu", ["--model=llama-124m", "--n-layer=2", "--n-head=4", "--n-embd=64"],
+     r"asks for --model llama-124m \(pos rope, norm rmsnorm, bias False; it has pos learned, norm layernorm, "
+     r"bias True\): drop"),
 ])
 def test_init_from_refuses_a_different_architecture(token_data, hf_dir, swiglu_ckpt, tmp_path, capsys, source,
                                                     extra, message):
@@ -1691,8 +1737,8 @@ def test_profile_writes_a_trace(token_data, tmp_path, capsys):
 # every node. A field added to TrainConfig must be classified here
 OTHER_VALUE = {
     "model": "gpt2-medium", "seq_len": 512, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "mlp": "swiglu",
-    "pos": "rope", "bias": False, "dropout": 0.1, "fused_gelu": True, "loss_chunk": 128, "fused_ce": True,
-    "half_residual": True, "data": "/other/data",
+    "pos": "rope", "norm": "rmsnorm", "bias": False, "dropout": 0.1, "fused_gelu": True, "loss_chunk": 128,
+    "fused_ce": True, "half_residual": True, "data": "/other/data",
     "preload": True, "shuffle": "shards", "total_batch_size": 262144, "batch_size": 32, "max_lr": 3e-4,
     "min_lr_frac": 0.0,
     "lr_schedule": "wsd", "decay_frac": 0.5, "warmup_steps": 700, "max_steps": 100, "weight_decay": 0.0, "beta1": 0.8,
