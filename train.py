@@ -229,11 +229,12 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                               max_lr=3e-5, lr_schedule="constant", warmup_steps=0, max_steps=20, eval_every=5,
                               eval_tokens=24576, hellaswag="off", sample_every=10, sample_tokens=128, ckpt_every=0,
                               out_dir="out/shakespeare-ft", sample_prompt="ROMEO:"),
-    # the offline demo: a small model on the Python standard library's source, minutes on 2 CPU cores; the chunked
+    # the offline demo: a small model on the Python standard library's docstrings, minutes on 2 CPU cores; the chunked
     # loss keeps the logits in malloc's heap (faster on CPU, docs/benchmarks.md)
-    "demo": _preset(model="tiny", seq_len=128, data="data/stdlib", total_batch_size=2048, batch_size=16, loss_chunk=128,
-                    max_lr=3e-3, warmup_steps=20, max_steps=250, eval_every=50, eval_tokens=8192, hellaswag="off",
-                    sample_every=0, sample_tokens=64, ckpt_every=0, out_dir="out/demo", sample_prompt="def "),
+    "demo": _preset(model="tiny", seq_len=128, data="data/stdlib_docs", total_batch_size=2048, batch_size=16,
+                    loss_chunk=128, max_lr=3e-3, warmup_steps=20, max_steps=250, eval_every=50, eval_tokens=8192,
+                    hellaswag="off", sample_every=0, sample_tokens=64, ckpt_every=0, out_dir="out/demo",
+                    sample_prompt="Return the"),
     # seconds on CPU, for tests
     "tiny": _preset(model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,
                     max_lr=1e-3, warmup_steps=2, max_steps=10, eval_every=5, eval_tokens=512, hellaswag="off",

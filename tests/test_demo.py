@@ -2,6 +2,7 @@
 and the same pipeline on another corpus through --source."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ def run_demo(tmp_path, *args: str) -> str:
     env = {**os.environ, "VENV": sys.prefix, "DEMO_STEPS": "3", "DEMO_DIR": str(tmp_path), "OMP_NUM_THREADS": "2"}
     proc = subprocess.run(["bash", "demo.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -22,11 +23,13 @@ def test_demo_runs_end_to_end_twice(tmp_path):
     for run in range(2):
         out = run_demo(tmp_path)
         demo = tmp_path / "out" / "demo"
-        assert (f"demo outputs: shards in {tmp_path}/data/stdlib/, checkpoint {demo}/ckpt_000003.pt, log "
+        assert (f"demo outputs: shards in {tmp_path}/data/stdlib_docs/, checkpoint {demo}/ckpt_000003.pt, log "
                 f"{demo}/log.jsonl, samples {demo}/samples.txt, plot {demo}/loss.png") in out
         assert "plot: wrote" in out and (demo / "loss.png").stat().st_size > 10_000
         assert out.count("---------------") == 2  # two streamed samples, also kept in samples.txt
-        assert (demo / "samples.txt").read_text().count("def ") >= 2
+        assert (demo / "samples.txt").read_text().count("Return") >= 2
+        assert re.search(r"corpus check: \d+% of \d+ sampled words occur in .*/data/stdlib_docs's train shards; "
+                         r"\d+% of \d+ sampled lines are whitespace only", out)
         if run == 1:  # the second run reuses the shards and the finished checkpoint
             assert "(2 already complete)" in out and "nothing to do" in out and "resumed from" in out
 
