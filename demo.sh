@@ -10,7 +10,7 @@
 #        bash demo.sh --shakespeare-path FILE            # the same, from a local copy (offline)
 #        bash demo.sh --source path/to/corpus.txt        # any local .txt/.jsonl/.parquet file, dir or glob
 #        bash demo.sh --source fineweb                   # the first 20M tokens of fineweb-edu sample-10BT (network)
-# Environment: DEMO_STEPS=N trains longer or shorter (default 250); DEMO_DIR=path puts data/ and out/ elsewhere;
+# Environment: DEMO_STEPS=N trains longer or shorter (default 900); DEMO_DIR=path puts data/ and out/ elsewhere;
 # DEMO_PROMPT sets the sample prompt.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -28,7 +28,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 . scripts/env.sh
-steps="${DEMO_STEPS:-250}"
+steps="${DEMO_STEPS:-900}"
 root="${DEMO_DIR:-.}"
 prepare=(--source "$source")
 case "$source" in
