@@ -554,6 +554,28 @@ def test_optimizer_refusals_are_one_line_before_anything_runs(token_data, tmp_pa
         "--optimizer adamw8bit needs torchao: pip install torchao")
 
 
+def test_the_optimizer_comparison_reads_equal_steps_and_equal_time_from_the_logs(tmp_path, capsys, monkeypatch):
+    # scripts/compare_optimizers.py on finished runs' logs (it trains nothing then): AdamW at 1 s a step, Muon at 2 s
+    # with a better curve; at AdamW's 4 s of training Muon is at step 2, its val loss read there
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import compare_optimizers as compare
+    prov = {"device": "cpu (2 cores)", "torch": torch.__version__, "git_sha": "abc"}
+    for opt, ms, vals in (("adamw", 1000.0, (10.0, 8.0, 6.0)), ("muon", 2000.0, (10.0, 7.0, 5.0))):
+        for seed, shift in ((1, 0.0), (2, 0.1)):
+            (tmp_path / f"{opt}_s{seed}").mkdir()
+            records = [{"type": "config", "step": 0, "provenance": prov}]
+            records += [{"type": "val", "step": 2 * i, "val_loss": v + shift} for i, v in enumerate(vals)]
+            records += [{"type": "train", "step": step, "loss": 9.0, "ms": ms} for step in range(4)]
+            (tmp_path / f"{opt}_s{seed}" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = compare.main(["--out", str(tmp_path), "--seeds", "1,2", "--steps", "4", "--eval-every", "2"])
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[1] == "| adamw | 1000 | 4 | 6.0000 | 6.1000 | 6.0500 | 6.0000 | 6.1000 | 6.0500 |"
+    assert rows[2] == "| muon | 2000 | 8 | 5.0000 | 5.1000 | 5.0500 | 7.0000 | 7.1000 | 7.0500 |"
+    assert rows[4:] == ["| 0 | 10.0500 | 10.0500 | +0.0000 |", "| 2 | 8.0500 | 7.0500 | -1.0000 |",
+                        "| 4 | 6.0500 | 5.0500 | -1.0000 |"]
+    assert compare.at_time([(0, 0.0, 10.0), (2, 4.0, 7.0)], 1.0) == 9.25 and "running" not in capsys.readouterr().out
+
+
 def _hf_loss(hf_dir, data, split: str, batches: int, B: int, T: int) -> float:
     """transformers' GPT-2 loss on the first batches a one-rank TokenLoader serves (what train.py evaluates)."""
     from transformers import GPT2LMHeadModel
