@@ -165,11 +165,11 @@ class Checkpointer:
             how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
             raise ValueError(f"the checkpoint's optimizer state was saved by parallel={saved} and this "
                              f"run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume it {how}")
-        state = packed_8bit_state(ckpt["optimizer"])
+        optim_sd = packed_8bit_state(ckpt["optimizer"])
         if kind != "zero1":
-            set_optimizer_state_dict(raw, optimizer, state, options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(raw, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
             return
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(optim_sd)
         if any(group.get("fused") for group in optimizer.optim.param_groups):
             # ZeRO's load moves Adam's 0-d `step` tensors to the CPU, where the fused CUDA kernel refuses them
             # (docs/notes.md): put them back beside their parameters
