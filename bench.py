@@ -311,6 +311,9 @@ def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
         Variant("eager+fused", {"fused_gelu": True}),
         Variant("compile-fp32", {"compile": True, "dtype": "fp32"}),  # what bf16 autocast buys (fp32 matmuls on TF32)
         Variant("compile+recompute", {"compile": True, "recompute": "mlp"}),  # memory for time: MLP recomputed
+        # the other optimizers: Muon's Newton-Schulz steps, and 8-bit moments (the opt state column)
+        Variant("compile+muon", {"compile": True, "optimizer": "muon"}),
+        Variant("compile+adamw8bit", {"compile": True, "optimizer": "adamw8bit"}),
     ]
 
 
@@ -403,6 +406,7 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         "tokens_per_step": B * T * accum, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
         "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak),
         "peak_mem_bytes": peak_mem, "mem_metric": mem_metric, "warmup_s": warmup_s,
+        "optim_state_bytes": train.optimizer_state_bytes(built.optimizer),
         "loss": loss, "loss_early": loss_early,
         **probe,  # attention, breakdown, ms_after_profile, launch_us_before_after_profile
         **({"note": note} if note else {}),
@@ -419,6 +423,8 @@ def refuse(tcfg: train.TrainConfig, accum: int, device: torch.device) -> None:
     if tcfg.compile and (why := train.cuda_graph_conflict(tcfg, accum, device)):
         raise Skipped(why)
     if why := train.attention_conflict(tcfg, device):
+        raise Skipped(why)
+    if why := train.optimizer_conflict(tcfg):
         raise Skipped(why)
 
 
@@ -1264,6 +1270,7 @@ TABLES = (
            Column("ms/step", 9, "ms_per_step", ".1f"), Column("tok/s", 10, "tok_per_s", ",.0f"),
            Column("MFU", 6, "mfu", ".1%", none="n/a"),
            Column("peak mem", 9, cell=lambda r: f"{r['peak_mem_bytes'] / 2**30:.2f}G"),
+           Column("opt state", 9, cell=lambda r: f"{r['optim_state_bytes'] / 2**20:.0f}M"),
            Column("warmup", 7, "warmup_s", ".0f", "s"), Column("loss", 6, "loss", ".3f"),
            Column("dloss", 8, cell=lambda r: "n/a" if r.get("loss_delta") is None else f"{r['loss_delta']:+.4f}"),
            Column("attn", 9, "attention")),

@@ -165,12 +165,12 @@ class Checkpointer:
             how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
             raise ValueError(f"the checkpoint's optimizer state was saved by parallel={saved} and this "
                              f"run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume it {how}")
+        optim_sd = packed_8bit_state(ckpt["optimizer"])
         if kind != "zero1":
-            set_optimizer_state_dict(raw, optimizer, ckpt["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(raw, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
             return
-        optimizer.load_state_dict(ckpt["optimizer"])
-        if optimizer.optim.defaults.get("fused"):
+        optimizer.load_state_dict(optim_sd)
+        if any(group.get("fused") for group in optimizer.optim.param_groups):
             # ZeRO's load moves Adam's 0-d `step` tensors to the CPU, where the fused CUDA kernel refuses them
             # (docs/notes.md): put them back beside their parameters
             for p, state in optimizer.optim.state.items():
@@ -210,7 +210,7 @@ class Checkpointer:
         if not self.master:
             return path
         kind = optimizer_kind(optimizer, self.cfg.parallel)
-        ckpt = {"model": model_sd, "optimizer": optim_sd, "optimizer_kind": kind, "step": step,
+        ckpt = {"model": model_sd, "optimizer": plain_8bit_state(optim_sd), "optimizer_kind": kind, "step": step,
                 "loader": parts["loader"], "rng": rngs, "scaler": parts["scaler"],
                 "model_config": dataclasses.asdict(raw.config), "train_config": dataclasses.asdict(self.cfg),
                 "provenance": self.prov, "world_size": self.world, "outliers": parts["outliers"],
@@ -292,6 +292,32 @@ def state_dicts(raw: GPT, optimizer: torch.optim.Optimizer) -> tuple[dict | None
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the gathered state arrives by non_blocking copies that nothing else waits for
     return model_sd, optimizer.state_dict() if dist.get_rank() == 0 else None
+
+
+def plain_8bit_state(optim_sd: dict) -> dict:
+    """torchao's 8-bit optimizer states (OptimState8bit tensors) as their plain tensors, so that any tool loads the
+    checkpoint with weights_only=True and without torchao; packed_8bit_state undoes it. A new dict: the one given
+    may hold the optimizer's live state."""
+    def plain(value: Any) -> Any:
+        if type(value).__name__ != "OptimState8bit":
+            return value
+        return {"codes": value.codes, "scale": value.scale, "qmap": value.qmap, "signed": value.signed}
+
+    return {**optim_sd, "state": {k: {name: plain(v) for name, v in state.items()}
+                                  for k, state in optim_sd["state"].items()}}
+
+
+def packed_8bit_state(optim_sd: dict) -> dict:
+    """The checkpoint's optimizer state with plain_8bit_state's dicts made OptimState8bit tensors again."""
+    def packed(value: Any) -> Any:
+        if not (isinstance(value, dict) and "codes" in value):
+            return value
+        from torchao.optim.subclass_8bit import OptimState8bit
+
+        return OptimState8bit(value["codes"], value["scale"], value["qmap"], value["signed"])
+
+    return {**optim_sd, "state": {k: {name: packed(v) for name, v in state.items()}
+                                  for k, state in optim_sd["state"].items()}}
 
 
 def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tuple[Path, dict] | None:

@@ -33,6 +33,7 @@ from common import (
     describe_provenance,
     first_on_each_node,
     hold_lock,
+    import_torchao,
     load_checkpoint,
     load_model,
     mfu,
@@ -60,6 +61,7 @@ from fineweb import SHUFFLES, DataError, TokenLoader
 from model import GPT, MODEL_PRESETS, GPTConfig, check_weights, checkpoint_config
 from trackers import missing_package, open_trackers
 
+OPTIMIZERS = ("adamw", "muon", "adamw8bit")
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 # SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
 SDPA_SWITCHES = {"flash": "enable_flash_sdp", "cudnn": "enable_cudnn_sdp", "efficient": "enable_mem_efficient_sdp",
@@ -95,13 +97,14 @@ class TrainConfig:
     total_batch_size: int = 524288  # tokens per optimizer step, over all ranks and micro-steps
     batch_size: int = 64  # B: sequences per micro-step per rank (lower it to fit memory; see README table)
     # optimizer and schedule
-    max_lr: float = 6e-4  # peak learning rate, reached after warmup
+    optimizer: str = "adamw"  # adamw, muon (Muon for the blocks' matrices, AdamW for the rest) or adamw8bit (torchao)
+    max_lr: float = 6e-4  # peak learning rate, reached after warmup (Muon's too: its update is scaled to AdamW's RMS)
     min_lr_frac: float = 0.1  # the schedule decays to min_lr_frac * max_lr
     lr_schedule: str = "cosine"  # after warmup: cosine or linear decay, constant, wsd (stable, then decay)
     decay_frac: float = 0.2  # wsd: the fraction of max_steps spent decaying to the min
     warmup_steps: int = 715  # linear warmup steps
     max_steps: int = 19073  # optimizer steps (19073 * 524288 tokens ~ 10B)
-    weight_decay: float = 0.1  # AdamW decoupled weight decay, 2-D tensors only
+    weight_decay: float = 0.1  # decoupled weight decay, 2-D tensors only (AdamW's and Muon's)
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
@@ -153,7 +156,8 @@ class TrainConfig:
         choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
                    "dtype": ("auto", "bf16", "fp16", "fp32"), "device": ("auto", "cuda", "cpu"),
                    "compile_mode": COMPILE_MODES, "attention": ("auto", *SDPA_SWITCHES),
-                   "lr_schedule": ("cosine", "linear", "constant", "wsd"), "shuffle": SHUFFLES}
+                   "lr_schedule": ("cosine", "linear", "constant", "wsd"), "shuffle": SHUFFLES,
+                   "optimizer": OPTIMIZERS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; "
@@ -504,6 +508,8 @@ def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
         raise ValueError("--dtype fp16 is not supported with --parallel fsdp; use bf16")
     if why := attention_conflict(cfg, device):
         raise ValueError(why)
+    if cfg.optimizer != "adamw" and (why := shared_problem(optimizer_conflict(cfg), world)):  # a node may lack torchao
+        raise ValueError(why)
     # by default on CUDA, except for a one-off evaluation, where compiling would take longer than it saves
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda" and not cfg.eval_only
     if use_compile and (why := cuda_graph_conflict(cfg, grad_accum, device)):
@@ -542,6 +548,11 @@ def build_model(cfg: TrainConfig, found: tuple[Path, dict] | None, rank: int, lo
         if int(found[1]["step"]) > cfg.max_steps and not cfg.eval_only:
             raise ValueError(f"--resume {found[0]} is at step {found[1]['step']}, past --max-steps {cfg.max_steps}; "
                              "raise --max-steps to train further, or score it with --eval-only")
+        saved = found[1].get("train_config", {}).get("optimizer", "adamw")
+        if saved != cfg.optimizer and not cfg.eval_only:
+            raise ValueError(f"--resume {found[0]} holds --optimizer {saved}'s state, and this run asks for "
+                             f"--optimizer {cfg.optimizer}: pass --optimizer {saved}, or start a new run (in a new "
+                             f"--out-dir) from its weights with --init-from {found[0]}")
         model = GPT(dataclasses.replace(src, **run_options(cfg)))
         check_weights(model, found[1]["model"], f"checkpoint {found[0]}")  # restore() would print every tensor
         return model
@@ -763,6 +774,143 @@ def wsd_decay_start(cfg: TrainConfig) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Optimizers: AdamW (the default), Muon for the blocks' matrices with AdamW for the rest, torchao's 8-bit AdamW
+
+
+def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, verbose: bool) -> torch.optim.Optimizer:
+    """--optimizer over the model's parameters, inside ZeroRedundancyOptimizer for --parallel zero1 under torchrun.
+    Every group's lr is --max-lr's schedule (the loop sets it), Muon's included (see MuonAdamW)."""
+    adamw = model.configure_optimizers(cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps, device.type,
+                                       verbose=verbose and cfg.optimizer != "muon")
+    zero1 = cfg.parallel == "zero1" and dist.is_initialized()
+    if cfg.optimizer == "adamw" and not zero1:
+        return adamw  # fused AdamW on CUDA: every parameter updated in one launch
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups]
+    options = {"lr": cfg.max_lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "fused": device.type == "cuda"}
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW
+    if cfg.optimizer == "muon":
+        groups, optimizer_class = muon_groups(model, cfg.weight_decay, verbose), MuonAdamW
+    elif cfg.optimizer == "adamw8bit":
+        import_torchao("--optimizer adamw8bit")
+        from torchao.optim import AdamW8bit
+
+        optimizer_class = AdamW8bit
+        del options["fused"]  # it compiles its own step
+        if verbose:
+            print("optimizer: torchao's AdamW8bit: 8-bit moments (blocks of 256) for tensors of 4096+ elements")
+    if zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        # the same optimizer and groups, with each rank keeping the state of only its share of the parameters
+        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, **options)
+    else:
+        optimizer = optimizer_class(groups, **options)
+    if cfg.optimizer == "adamw8bit":
+        (optimizer.optim if zero1 else optimizer).register_step_pre_hook(lr_as_tensor)
+    return optimizer
+
+
+def muon_groups(model: GPT, weight_decay: float, verbose: bool) -> list[dict[str, Any]]:
+    """Muon's group, the blocks' 2-D matrices (attention and MLP weights), then AdamW's two: the other 2-D tensors
+    (token and position embeddings, the tied lm_head) with weight decay, biases and norms without."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # the tied lm_head once, as wte
+    matrices = {name for name, p in named if p.dim() == 2 and name.startswith("transformer.h.")}
+    hidden = [p for name, p in named if name in matrices]
+    decay = [p for name, p in named if name not in matrices and p.dim() >= 2]
+    rest = [p for _, p in named if p.dim() < 2]
+    if verbose:
+        def count(ps: list[nn.Parameter], what: str) -> str:
+            return f"{len(ps)} {what} ({sum(p.numel() for p in ps):,} params)"
+        print(f"optimizer: Muon for {count(hidden, 'block matrices')}; AdamW for {count(decay, 'embedding tensors')} "
+              f"with weight decay, {count(rest, 'bias and norm tensors')} without")
+    return [{"params": hidden, "weight_decay": weight_decay, "muon": True},
+            {"params": decay, "weight_decay": weight_decay, "muon": False},
+            {"params": rest, "weight_decay": 0.0, "muon": False}]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon for the groups marked "muon", AdamW for the others, as one optimizer. The two inner ones hold
+    the very group dicts and the state dict of this one, so the loop's lr, GradScaler, ZeRO-1 and the checkpoint see
+    one ordinary optimizer, and state_dict() is Optimizer's own.
+
+    Muon's lr is scaled by 0.2 * sqrt(max(rows, cols)) per matrix (torch's adjust_lr_fn="match_rms_adamw", from
+    Moonshot's "Muon is Scalable for LLM Training", 2025): its update RMS is then about 0.2 x lr, as AdamW's
+    typically is, so both parts share --max-lr, its schedule and --weight-decay. Momentum 0.95 with Nesterov and 5
+    Newton-Schulz steps are torch's defaults, Keller Jordan's. Fused matrices (qkv, SwiGLU's gate and up) are
+    orthogonalized whole."""
+
+    def __init__(self, params: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, fused: bool = False, momentum: float = 0.95):
+        groups = list(params)
+        for group in groups:  # ZeRO-1 gives every group AdamW's defaults: Muon's take its own (its eps is another one)
+            if group["muon"]:
+                for key in set(group) - {"params", "weight_decay", "muon", "lr"}:
+                    del group[key]
+        self.muon = torch.optim.Muon([g for g in groups if g["muon"]], lr=lr, momentum=momentum, nesterov=True,
+                                     adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW([g for g in groups if not g["muon"]], lr=lr, betas=betas, eps=eps, fused=fused)
+        super().__init__(groups, {})
+        self._share()
+
+    def _share(self) -> None:
+        """Point the inner optimizers at this one's groups (in order) and state."""
+        self.muon.param_groups = [g for g in self.param_groups if g["muon"]]
+        self.adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
+        self.muon.state = self.adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # new group dicts and a new state: share them again
+        self._share()
+
+
+def lr_as_tensor(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step pre-hook for torchao's 8-bit AdamW, which compiles its step for lr as a tensor (a float would be baked
+    into the graph, and each new value recompile it); the loop sets a float."""
+    for group in optimizer.param_groups:
+        if not torch.is_tensor(group["lr"]):
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+
+
+def optimizer_conflict(cfg: TrainConfig) -> str | None:
+    """Why --optimizer cannot run with this torch, these packages or --parallel, or None."""
+    if cfg.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+        return f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}"
+    if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
+        return ("--optimizer muon orthogonalizes whole matrices, which --parallel fsdp shards across ranks; use "
+                "--parallel zero1 (each matrix whole on one rank) or ddp")
+    if cfg.optimizer == "adamw8bit" and cfg.parallel == "fsdp":
+        return ("--optimizer adamw8bit does not support --parallel fsdp here (8-bit states of sharded tensors do not "
+                "go through the full-state checkpoint); use --parallel zero1, which shards the 8-bit state too, or ddp")
+    if cfg.optimizer == "adamw8bit":
+        try:
+            import_torchao("--optimizer adamw8bit")
+        except ImportError as e:
+            return str(e)
+    return None
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of every tensor in the optimizer's state (this rank's), an 8-bit state's codes, scales and code
+    table (tensor subclasses' inner tensors) included."""
+    def nbytes(t: torch.Tensor) -> int:
+        if hasattr(t, "__tensor_flatten__"):
+            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        return t.untyped_storage().nbytes()
+
+    local = getattr(optimizer, "optim", optimizer)  # ZeRO-1's own share
+    return sum(nbytes(v) for state in local.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Parallelism, precision and compile, applied from outside the model
 
 
@@ -797,20 +945,6 @@ def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device,
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
-
-
-def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, verbose: bool) -> torch.optim.Optimizer:
-    """Fused AdamW (on CUDA), inside ZeroRedundancyOptimizer for --parallel zero1 under torchrun."""
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
-                                           device.type, verbose=verbose)
-    if cfg.parallel == "zero1" and dist.is_initialized():
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        # the same AdamW and groups, with each rank keeping the optimizer state of only its shard of parameters
-        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
-        d = optimizer.defaults
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=d["lr"], betas=d["betas"],
-                                       eps=d["eps"], fused=d["fused"])
-    return optimizer
 
 
 def uses_cuda_graphs(cfg: TrainConfig, device: torch.device) -> bool:

@@ -48,7 +48,7 @@ STAGES="${STAGES:-kernel-tests,bench}"
 BENCH_VARIANTS="${BENCH_VARIANTS:-eager,compile,compile+fused,compile+fused-ce,compile+half-residual,compile+all,\
 compile+fused+fused-ce,compile+flash-attn,compile+cudnn-attn,compile+fused-ce-chunked,compile+chunked-ce,compile+loop,compile-b32,\
 compile-reduce-overhead,compile+ddp,compile-b16,compile+loop-preload,eager+fused,compile+recompute,compile-fp32,\
-compile-max-autotune}"
+compile-max-autotune,compile+muon,compile+adamw8bit}"
 for s in ${STAGES//,/ }; do
     case "$s" in kernel-tests|train-tests|bench) ;; *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
 done

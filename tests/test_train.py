@@ -140,6 +140,7 @@ def test_llama_trains_and_resumes_bitwise(token_data, tmp_path, capsys):
     (["--norm=batchnorm"], "--norm must be one of layernorm, rmsnorm; got 'batchnorm'"),
     (["--lr-schedule=step"], "--lr-schedule must be one of cosine, linear, constant, wsd"),
     (["--shuffle=rows"], "--shuffle must be one of windows, shards"),
+    (["--optimizer=sgd"], "--optimizer must be one of adamw, muon, adamw8bit"),
     (["--attention=sdpa"], "--attention must be one of auto, flash, cudnn, efficient, math"),
     (["--compile-mode=fast"], "--compile-mode must be one of default, max-autotune"),
     (["--log-every=0"], "--log-every must be >= 1"),
@@ -477,6 +478,143 @@ def test_resume_is_bitwise_exact(token_data, tmp_path, dtype):
     assert scalers[0] == scalers[1] and (scalers[0] is None) == (dtype == "fp32")
     if dtype == "fp16":
         assert scalers[0]["_growth_tracker"] == steps  # every step finite, counted across the resume
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# optimizers: Muon (with AdamW) and torchao's 8-bit AdamW
+
+needs_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is new in torch 2.9")
+BLOCK_MATRICES = {f"transformer.h.{i}.{name}.weight" for i in range(2)
+                  for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+
+
+@needs_muon
+@pytest.mark.parametrize("arch", [{}, {"mlp": "swiglu", "pos": "rope", "bias": False, "n_kv_head": 2}])
+def test_muon_takes_the_block_matrices_and_adamw_the_rest(arch, capsys):
+    cfg = train.TrainConfig(model="tiny", seq_len=32, optimizer="muon", weight_decay=0.0, max_lr=1e-2, **arch)
+    torch.manual_seed(0)
+    raw = GPT(train.model_config(cfg))
+    optimizer = train.build_optimizer(raw, cfg, torch.device("cpu"), verbose=True)
+    names = {id(p): name for name, p in raw.named_parameters()}
+    groups = [(g["muon"], g["weight_decay"], {names[id(p)] for p in g["params"]}) for g in optimizer.param_groups]
+    embeddings = {"transformer.wte.weight"} | ({"transformer.wpe.weight"} if not arch else set())
+    assert [(muon, wd) for muon, wd, _ in groups] == [(True, 0.0), (False, 0.0), (False, 0.0)]
+    assert groups[0][2] == BLOCK_MATRICES and groups[1][2] == embeddings  # the tied lm_head is wte: once, in AdamW
+    assert groups[2][2] == {n for n, p in raw.named_parameters() if p.dim() == 1}  # biases and norms
+    assert len(groups[2][2]) == (18 if not arch else 5)
+    assert raw.lm_head.weight is raw.transformer.wte.weight
+    out = capsys.readouterr().out
+    assert "optimizer: Muon for 8 block matrices (" in out and f"AdamW for {len(embeddings)} embedding tensors" in out
+    # one step at the loop's lr moves every parameter: Muon's matrices by about 0.2 x lr RMS (match_rms_adamw's
+    # scale; torch's "original" one would give ~0.04-0.08 here), AdamW's first step by about lr
+    before = {name: p.detach().clone() for name, p in raw.named_parameters()}
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-2
+    x, y = torch.randint(0, 50257, (2, 2, 32))
+    train.train_step(raw, optimizer, lambda: (x, y), 1, contextlib.nullcontext(), 1.0)
+    rms = {name: (p.detach() - before[name]).pow(2).mean().sqrt().item() / 1e-2 for name, p in raw.named_parameters()}
+    assert all(0.1 < rms[name] < 0.3 for name in BLOCK_MATRICES), rms
+    assert all(0.5 < r <= 1.01 for name, r in rms.items() if name not in BLOCK_MATRICES), rms
+    # Muon's momentum for the matrices, Adam's moments for the rest: one state, shared with the inner optimizers
+    params = dict(raw.named_parameters())
+    assert {name for name in params if "momentum_buffer" in optimizer.state[params[name]]} == BLOCK_MATRICES
+    assert {name for name in params if "exp_avg" in optimizer.state[params[name]]} == set(params) - BLOCK_MATRICES
+    assert optimizer.muon.state is optimizer.adamw.state is optimizer.state
+    assert train.optimizer_state_bytes(optimizer) == sum(
+        (1 if name in BLOCK_MATRICES else 2) * p.numel() * 4 + (0 if name in BLOCK_MATRICES else 4)
+        for name, p in params.items())  # fp32 momentum; fp32 moments and a 0-d fp32 step
+
+
+@pytest.mark.parametrize("optimizer, dtype", [pytest.param("muon", "fp16", marks=needs_muon), ("adamw8bit", "fp32")])
+def test_muon_and_8bit_adamw_resume_bitwise_exact(token_data, tmp_path, optimizer, dtype):
+    if optimizer == "adamw8bit":
+        pytest.importorskip("torchao", reason="--optimizer adamw8bit needs torchao")
+    # as test_resume_is_bitwise_exact: Muon's momentum and AdamW's moments (8-bit ones: their codes and scales)
+    # come back exactly; Muon's under fp16, the GradScaler's in front of MuonAdamW (fp32 is the same path without)
+    steps, at = (6, 3) if dtype == "fp32" else (4, 2)  # CPU fp16 matmuls are slow
+    small = ["--seq-len=32", "--batch-size=2", "--total-batch-size=128"]
+    common = [f"--max-steps={steps}", f"--ckpt-every={at}", "--keep-last=5", "--dropout=0.1", "--eval-every=0",
+              f"--optimizer={optimizer}", f"--dtype={dtype}", *small]
+    full = train.main(tiny_args(token_data, tmp_path / "full", *common))["losses"]
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copy(tmp_path / "full" / f"ckpt_{at:06d}.pt", resumed_dir)
+    rest = train.main(tiny_args(token_data, resumed_dir, *common, "--resume", "auto"))["losses"]
+    assert len(full) == steps and rest == full[at:]  # bitwise
+    ckpt = load_checkpoint(tmp_path / "full" / f"ckpt_{steps:06d}.pt")
+    assert ckpt["train_config"]["optimizer"] == optimizer
+    state = ckpt["optimizer"]["state"]["transformer.h.0.mlp.c_fc.weight"]
+    if optimizer == "muon":
+        assert set(state) == {"momentum_buffer"} and set(ckpt["optimizer"]["state"]["transformer.wte.weight"]) == \
+            {"step", "exp_avg", "exp_avg_sq"}
+        return
+    # the 8-bit moments are stored as their plain tensors: 1 byte per element, one fp32 scale per 256, the code table
+    codes, scale, qmap = (state["exp_avg"][k] for k in ("codes", "scale", "qmap"))
+    assert (codes.dtype, codes.shape, scale.numel(), qmap.numel()) == (torch.uint8, (256, 64), 64, 256)
+    assert state["exp_avg"]["signed"] and not state["exp_avg_sq"]["signed"]
+    assert all(type(t) is torch.Tensor for s in ckpt["optimizer"]["state"].values() for v in s.values()
+               for t in (v.values() if isinstance(v, dict) else [v]) if torch.is_tensor(t))
+    # so a run without the 8-bit optimizer starts from its weights, and an evaluation scores it
+    final = tmp_path / "full" / f"ckpt_{steps:06d}.pt"
+    tuned = train.main(tiny_args(token_data, tmp_path / "ft", "--max-steps=1", "--eval-every=0", *small,
+                                 f"--init-from={final}"))
+    assert len(tuned["losses"]) == 1 and math.isfinite(tuned["losses"][0])
+    scored = train.main(tiny_args(token_data, tmp_path / "eval", "--eval-only", "--seq-len=32", "--eval-tokens=128",
+                                  f"--resume={final}"))
+    assert scored["step"] == 6 and math.isfinite(scored["val_loss"])
+
+
+@needs_muon
+def test_optimizer_refusals_are_one_line_before_anything_runs(token_data, tmp_path, capsys, monkeypatch):
+    def refused(*extra: str, out: Path = tmp_path / "r") -> str:
+        log = out / "log.jsonl"
+        before = log.read_text() if log.exists() else None
+        with pytest.raises(SystemExit):
+            train.main(tiny_args(token_data, out, "--eval-every=0", *extra))
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and (log.read_text() if log.exists() else None) == before  # nothing ran
+        return err.removeprefix("error: ").strip()
+
+    assert refused("--optimizer=muon", "--parallel=fsdp") == (
+        "--optimizer muon orthogonalizes whole matrices, which --parallel fsdp shards across ranks; use --parallel "
+        "zero1 (each matrix whole on one rank) or ddp")
+    assert refused("--optimizer=adamw8bit", "--parallel=fsdp").startswith(
+        "--optimizer adamw8bit does not support --parallel fsdp here")
+    # a checkpoint's optimizer state is its optimizer's: another --optimizer cannot take it over
+    train.main(tiny_args(token_data, tmp_path / "r", "--max-steps=2", "--eval-every=0", "--optimizer=muon"))
+    ckpt = tmp_path / "r" / "ckpt_000002.pt"
+    assert refused("--max-steps=4", "--resume=auto") == (
+        f"--resume {ckpt} holds --optimizer muon's state, and this run asks for --optimizer adamw: pass --optimizer "
+        f"muon, or start a new run (in a new --out-dir) from its weights with --init-from {ckpt}")
+    # a torch before 2.9, and no torchao
+    monkeypatch.delattr(torch.optim, "Muon")
+    assert refused("--optimizer=muon", out=tmp_path / "old") == (
+        f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
+    monkeypatch.setitem(sys.modules, "torchao", None)  # what `import torchao` meets when it is not installed
+    assert refused("--optimizer=adamw8bit", out=tmp_path / "old") == (
+        "--optimizer adamw8bit needs torchao: pip install torchao")
+
+
+def test_the_optimizer_comparison_reads_equal_steps_and_equal_time_from_the_logs(tmp_path, capsys, monkeypatch):
+    # scripts/compare_optimizers.py on finished runs' logs (it trains nothing then): AdamW at 1 s a step, Muon at 2 s
+    # with a better curve; at AdamW's 4 s of training Muon is at step 2, its val loss read there
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import compare_optimizers as compare
+    prov = {"device": "cpu (2 cores)", "torch": torch.__version__, "git_sha": "abc"}
+    for opt, ms, vals in (("adamw", 1000.0, (10.0, 8.0, 6.0)), ("muon", 2000.0, (10.0, 7.0, 5.0))):
+        for seed, shift in ((1, 0.0), (2, 0.1)):
+            (tmp_path / f"{opt}_s{seed}").mkdir()
+            records = [{"type": "config", "step": 0, "provenance": prov}]
+            records += [{"type": "val", "step": 2 * i, "val_loss": v + shift} for i, v in enumerate(vals)]
+            records += [{"type": "train", "step": step, "loss": 9.0, "ms": ms} for step in range(4)]
+            (tmp_path / f"{opt}_s{seed}" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = compare.main(["--out", str(tmp_path), "--seeds", "1,2", "--steps", "4", "--eval-every", "2"])
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[1] == "| adamw | 1000 | 4 | 6.0000 | 6.1000 | 6.0500 | 6.0000 | 6.1000 | 6.0500 |"
+    assert rows[2] == "| muon | 2000 | 8 | 5.0000 | 5.1000 | 5.0500 | 7.0000 | 7.1000 | 7.0500 |"
+    assert rows[4:] == ["| 0 | 10.0500 | 10.0500 | +0.0000 |", "| 2 | 8.0500 | 7.0500 | -1.0000 |",
+                        "| 4 | 6.0500 | 5.0500 | -1.0000 |"]
+    assert compare.at_time([(0, 0.0, 10.0), (2, 4.0, 7.0)], 1.0) == 9.25 and "running" not in capsys.readouterr().out
 
 
 def _hf_loss(hf_dir, data, split: str, batches: int, B: int, T: int) -> float:
@@ -1738,7 +1876,7 @@ def test_profile_writes_a_trace(token_data, tmp_path, capsys):
 OTHER_VALUE = {
     "model": "gpt2-medium", "seq_len": 512, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "mlp": "swiglu",
     "pos": "rope", "norm": "rmsnorm", "bias": False, "dropout": 0.1, "fused_gelu": True, "loss_chunk": 128,
-    "fused_ce": True, "half_residual": True, "data": "/other/data",
+    "fused_ce": True, "half_residual": True, "data": "/other/data", "optimizer": "muon",
     "preload": True, "shuffle": "shards", "total_batch_size": 262144, "batch_size": 32, "max_lr": 3e-4,
     "min_lr_frac": 0.0,
     "lr_schedule": "wsd", "decay_frac": 0.5, "warmup_steps": 700, "max_steps": 100, "weight_decay": 0.0, "beta1": 0.8,
@@ -1910,6 +2048,55 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
             train.main(argv[1:])
         again = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert len(again) == 8 and again == pytest.approx(losses, abs=1e-5), parallel
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", [pytest.param("muon", marks=needs_muon), "adamw8bit"])
+def test_muon_and_8bit_adamw_under_ddp_and_zero1_match_single_process(token_data, tmp_path, optimizer):
+    if optimizer == "adamw8bit":
+        pytest.importorskip("torchao", reason="--optimizer adamw8bit needs torchao")
+    # ZeRO-1 gives each rank whole tensors: Muon orthogonalizes each matrix on the rank that owns it, and the 8-bit
+    # state of a tensor lives on one rank; both then match one process with the same total batch
+    common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=0", "--total-batch-size=512",
+              "--batch-size=4", "--weight-decay=0.05", f"--optimizer={optimizer}"]
+    # one thread here as in run_torchrun's ranks: sums in another order would round Muon's bf16 Newton-Schulz and
+    # the 8-bit codes otherwise, and Adam's tiny gradients of unseen tokens' embeddings magnify that past 1e-5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = train.main(tiny_args(token_data, tmp_path / "single", *common))["losses"]
+    finally:
+        torch.set_num_threads(threads)
+    ref = load_checkpoint(tmp_path / "single" / "ckpt_000004.pt")
+    for parallel in ("ddp", "zero1"):
+        out = tmp_path / parallel
+        run_torchrun(["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}")], nproc=2)
+        ckpt = load_checkpoint(out / "ckpt_000004.pt")
+        assert (ckpt["optimizer_kind"], ckpt["train_config"]["optimizer"]) == (parallel, optimizer)
+        for name, ref_tensor in ref["model"].items():
+            torch.testing.assert_close(ckpt["model"][name], ref_tensor, atol=1e-5, rtol=0, msg=f"{parallel} {name}")
+        losses = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
+        assert losses == pytest.approx(single, abs=1e-5), parallel
+    # ZeRO-1's consolidated state: every tensor's, with Muon's own hyperparameters (not the AdamW defaults ZeRO-1
+    # hands every group), the 8-bit moments as plain tensors
+    groups = [(g.get("muon"), g["eps"], g["weight_decay"]) for g in ckpt["optimizer"]["param_groups"]]
+    assert groups == ([(True, 1e-7, 0.05), (False, 1e-8, 0.05), (False, 1e-8, 0.0)] if optimizer == "muon" else
+                      [(None, 1e-8, 0.05), (None, 1e-8, 0.0)])
+    assert len(ckpt["optimizer"]["state"]) == len(ref["optimizer"]["state"]) == 28
+    if optimizer == "adamw8bit":
+        assert ckpt["optimizer"]["state"][1]["exp_avg"]["codes"].dtype == torch.uint8  # c_attn.weight, (192, 64)
+    # preempted at step 2, resumed on 1 rank (a group of this process alone: no torchrun to start): ZeRO-1 loads
+    # the consolidated state, both ranks' shares, into its one rank, and steps 2-3 follow the 2-rank run
+    (tmp_path / "zero1" / "ckpt_000004.pt").unlink()
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    torch.set_num_threads(1)
+    try:
+        train.main(tiny_args(token_data, tmp_path / "zero1", *common, "--parallel=zero1", "--resume=auto"))
+    finally:
+        torch.set_num_threads(threads)
+        torch.distributed.destroy_process_group()
+    again = [r["loss"] for r in iter_log(tmp_path / "zero1" / "log.jsonl") if r["type"] == "train"]
+    assert len(again) == 4 and again == pytest.approx(losses, abs=1e-5)
 
 
 @pytest.mark.slow
