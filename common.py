@@ -7,12 +7,14 @@ Imports no torch at module level (torch is imported inside the functions that ne
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import difflib
 import functools
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import pickle
 import re
@@ -36,13 +38,41 @@ EOT = 50256  # <|endoftext|>
 T = TypeVar("T")
 
 
+# log lines that torchao's import writes on machines its prebuilt CUDA extensions do not load on, and a torch
+# deprecation notice about torchao: neither INT8 nor 8-bit AdamW needs them; any other line still shows
+TORCHAO_IMPORT_NOISE = (("torchao", r"Failed to load .*\.so"),
+                        ("torch.utils._pytree", r".* is an Enum subclass and is now natively supported"))
+
+
 def import_torchao(feature: str) -> Any:
     """torchao, an optional extra imported only by the options that use it; missing, one line naming the pip command."""
     try:
-        import torchao
+        with without_log_lines(TORCHAO_IMPORT_NOISE):
+            import torchao
     except ImportError:
         raise ImportError(f"{feature} needs torchao: pip install torchao") from None
     return torchao
+
+
+@contextlib.contextmanager
+def without_log_lines(rules: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """Drop the records of each (logger, message regex) rule while the block runs."""
+    filters = [(logging.getLogger(name), lambda r, p=re.compile(pattern): not p.match(r.getMessage()))
+               for name, pattern in rules]
+    for log, keep in filters:
+        log.addFilter(keep)
+    try:
+        yield
+    finally:
+        for log, keep in filters:
+            log.removeFilter(keep)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds; a tensor subclass (torchao's int8 weight) counts its inner tensors: data and scales."""
+    if hasattr(t, "__tensor_flatten__"):
+        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import codecs
 import collections
-import contextlib
 import dataclasses
-import logging
 import math
 import re
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,7 +26,16 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from common import EOT, GPT2_VOCAB, get_tokenizer, import_torchao, load_model, parse_config, resolve_device
+from common import (
+    EOT,
+    GPT2_VOCAB,
+    get_tokenizer,
+    import_torchao,
+    load_model,
+    parse_config,
+    resolve_device,
+    tensor_bytes,
+)
 from model import GPT
 
 WORD = re.compile(r"\w+", re.ASCII)  # identifier-like: letters, digits and _
@@ -199,35 +205,14 @@ def corpus_check(texts: list[str], seen: set[str]) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------------------
 # INT8 weight-only quantization (torchao, optional)
 
-# log lines that torchao's import writes on machines its prebuilt CUDA extensions do not load on, and a torch
-# deprecation notice about torchao: weight-only INT8 needs neither; any other line still shows
-TORCHAO_IMPORT_NOISE = (("torchao", r"Failed to load .*\.so"),
-                        ("torch.utils._pytree", r".* is an Enum subclass and is now natively supported"))
-
-
-@contextlib.contextmanager
-def without_log_lines(rules: tuple[tuple[str, str], ...]) -> Iterator[None]:
-    """Drop the records of each (logger, message regex) rule while the block runs."""
-    filters = [(logging.getLogger(name), lambda r, p=re.compile(pattern): not p.match(r.getMessage()))
-               for name, pattern in rules]
-    for log, keep in filters:
-        log.addFilter(keep)
-    try:
-        yield
-    finally:
-        for log, keep in filters:
-            log.removeFilter(keep)
-
-
 def torchao_int8() -> tuple[Any, Any]:
     """(torchao's quantize_, its weight-only INT8 config); a missing or too old torchao is one ImportError line."""
-    with without_log_lines(TORCHAO_IMPORT_NOISE):
-        torchao = import_torchao("--quantize int8")
-        try:
-            from torchao.quantization import Int8WeightOnlyConfig, quantize_
-        except ImportError:
-            raise ImportError(f"--quantize int8 needs torchao >= 0.10 (Int8WeightOnlyConfig); found "
-                              f"{torchao.__version__}: pip install -U torchao") from None
+    torchao = import_torchao("--quantize int8")
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise ImportError(f"--quantize int8 needs torchao >= 0.10 (Int8WeightOnlyConfig); found "
+                          f"{torchao.__version__}: pip install -U torchao") from None
     # no global inductor settings: bench.py compiles training variants in the same process afterwards
     return quantize_, Int8WeightOnlyConfig(set_inductor_config=False)
 
@@ -243,13 +228,6 @@ def quantize_int8(model: nn.Module) -> list[str]:
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and uses[id(m.weight)] == 1]
     quantize_(model, config, filter_fn=lambda module, fqn: fqn in names)
     return names
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor holds; a tensor subclass (torchao's int8 weight) counts its inner tensors: data and scales."""
-    if hasattr(t, "__tensor_flatten__"):
-        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-    return t.numel() * t.element_size()
 
 
 def weight_bytes(model: nn.Module) -> int:

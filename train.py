@@ -43,6 +43,7 @@ from common import (
     same_verdict,
     setup_distributed,
     shared_problem,
+    tensor_bytes,
 )
 from components import (
     Checkpointer,
@@ -901,13 +902,8 @@ def optimizer_conflict(cfg: TrainConfig) -> str | None:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The bytes of every tensor in the optimizer's state (this rank's), an 8-bit state's codes, scales and code
     table (tensor subclasses' inner tensors) included."""
-    def nbytes(t: torch.Tensor) -> int:
-        if hasattr(t, "__tensor_flatten__"):
-            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-        return t.untyped_storage().nbytes()
-
     local = getattr(optimizer, "optim", optimizer)  # ZeRO-1's own share
-    return sum(nbytes(v) for state in local.state.values() for v in state.values() if torch.is_tensor(v))
+    return sum(tensor_bytes(v) for state in local.state.values() for v in state.values() if torch.is_tensor(v))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
