@@ -19,10 +19,14 @@ SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 @pytest.fixture(scope="session")
 def token_data(tmp_path_factory) -> Path:
+    return make_token_data(tmp_path_factory.mktemp("tokens"))
+
+
+def make_token_data(out: Path) -> Path:
     """A val shard and two train shards of random GPT-2 ids: enough windows for tiny runs on 1-3 ranks."""
     from fineweb import write_shard
 
-    out = tmp_path_factory.mktemp("tokens")
+    out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     write_shard(out / "rand_val_000000.bin", rng.integers(0, 50257, 8_000, dtype=np.uint16))
     for i in (1, 2):
