@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fused_ce
+import parallel
 import train
 from common import (
     EOT,
@@ -48,7 +49,6 @@ from common import (
     device_name,
     get_tokenizer,
     load_checkpoint,
-    load_model,
     mfu,
     parse_config,
     peak_flops,
@@ -72,7 +72,7 @@ from fused_gelu import (
     fused_bias_gelu,
     triton_available,
 )
-from model import GPT, MODEL_PRESETS
+from model import GPT, MODEL_PRESETS, GPTConfig
 from sample import SampleConfig, quantize_int8, weight_bytes
 
 SUITES = ("kernel", "decode", "int8", "hellaswag", "train")  # the order of --suite all: the short suites first, so a
@@ -98,7 +98,7 @@ class BenchConfig:
     model: str = "auto"  # model preset (model.py MODEL_PRESETS); auto = gpt2 (124M) on CUDA, tiny on CPU
     seq_len: int | None = None  # T; None = 1024 on CUDA, 64 on CPU
     batch_sizes: tuple[int, ...] = ()  # micro-batch sweep; the largest is the others' B; () = 16,32,64 CUDA, 4 CPU
-    grad_accum: int = 1  # micro-steps per timed optimizer step (train.train_step's gradient accumulation)
+    grad_accum: int = 1  # micro-steps per timed optimizer step (parallel.train_step's gradient accumulation)
     variants: str = "all"  # train variants (comma list) or all; names in default_variants(), e.g. eager,compile
     profile: bool = True  # profile one extra step per train row: the attention kernel and where the time goes
     trace_variant: str = ""  # also write this variant's profiled step as a Chrome/Perfetto trace, trace_NAME.json.gz
@@ -336,7 +336,9 @@ def train_config(cfg: BenchConfig, variant: Variant) -> train.TrainConfig:
     cfg = resolve(cfg)
     base = train.TrainConfig(model=cfg.model, seq_len=cfg.seq_len, batch_size=max(cfg.batch_sizes), dtype=cfg.dtype,
                              compile=False, device=torch.device(cfg.device).type)
-    tcfg = dataclasses.replace(base, **variant.train)
+    model_fields = {f.name for f in dataclasses.fields(GPTConfig)}  # the model's options go to TrainConfig.arch
+    arch = {k: v for k, v in variant.train.items() if k in model_fields}
+    tcfg = dataclasses.replace(base, **{k: v for k, v in variant.train.items() if k not in model_fields}, arch=arch)
     return dataclasses.replace(tcfg, total_batch_size=tcfg.batch_size * tcfg.seq_len * cfg.grad_accum)
 
 
@@ -354,7 +356,7 @@ def one_rank_process_group(device: torch.device) -> Iterator[None]:
 
 
 def bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
-    """Time train.train_step (forward, backward, clip, AdamW step, with gradient accumulation) on random tokens that
+    """Time parallel.train_step (forward, backward, clip, AdamW step, with gradient accumulation) on random tokens that
     are already on the device: the model's step, without data loading. Raises Skipped where the variant cannot run."""
     if variant.ddp:
         with one_rank_process_group(torch.device(resolve(cfg).device)):
@@ -376,7 +378,7 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
     # each row's attention kernel, so one row's choice does not leak into the next
     torch.manual_seed(cfg.seed)
     raw = GPT(train.model_config(tcfg)).to(device)
-    built = train.build_trainable(raw, tcfg, device, bool(tcfg.compile), verbose=False)
+    built = parallel.build_trainable(raw, tcfg, device, bool(tcfg.compile), verbose=False)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     losses: list[torch.Tensor] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -384,7 +386,7 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
                       else resident_batches(tcfg, accum, gen, device))
 
         def step() -> None:
-            loss, norm = train.train_step(built.model, built.optimizer, next_batch, accum, built.autocast,
+            loss, norm = parallel.train_step(built.model, built.optimizer, next_batch, accum, built.autocast,
                                           tcfg.grad_clip, tcfg.label_smoothing, built.scaler)
             losses.append(loss)  # no .item() unless the variant is train.py's loop: it waits for the GPU
             if variant.loop:
@@ -406,7 +408,7 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
         "tokens_per_step": B * T * accum, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
         "tok_per_s": tok_s, "mfu": mfu(raw.flops_per_token(T), tok_s, device_name(device), peak),
         "peak_mem_bytes": peak_mem, "mem_metric": mem_metric, "warmup_s": warmup_s,
-        "optim_state_bytes": train.optimizer_state_bytes(built.optimizer),
+        "optim_state_bytes": parallel.optimizer_state_bytes(built.optimizer),
         "loss": loss, "loss_early": loss_early,
         **probe,  # attention, breakdown, ms_after_profile, launch_us_before_after_profile
         **({"note": note} if note else {}),
@@ -416,15 +418,15 @@ def _bench_train(cfg: BenchConfig, variant: Variant) -> dict[str, Any]:
 
 def refuse(tcfg: train.TrainConfig, accum: int, device: torch.device) -> None:
     """Raise Skipped where this machine cannot run the variant, or where train.py would refuse it too."""
-    if tcfg.fused_gelu and not (device.type == "cuda" and triton_available()):
+    if tcfg.arch.get("fused_gelu") and not (device.type == "cuda" and triton_available()):
         raise Skipped("the fused bias+GELU kernel needs CUDA and triton (elsewhere the MLP uses the reference)")
-    if tcfg.fused_ce and not (device.type == "cuda" and fused_ce.triton_available()):
+    if tcfg.arch.get("fused_ce") and not (device.type == "cuda" and fused_ce.triton_available()):
         raise Skipped("the fused cross-entropy kernel needs CUDA and triton (elsewhere the loss uses the reference)")
-    if tcfg.compile and (why := train.cuda_graph_conflict(tcfg, accum, device)):
+    if tcfg.compile and (why := parallel.cuda_graph_conflict(tcfg, accum, device)):
         raise Skipped(why)
-    if why := train.attention_conflict(tcfg, device):
+    if why := parallel.attention_conflict(tcfg, device):
         raise Skipped(why)
-    if why := train.optimizer_conflict(tcfg):
+    if why := parallel.optimizer_conflict(tcfg):
         raise Skipped(why)
 
 
@@ -460,7 +462,7 @@ def profile_row(step: Callable[[], None], cfg: BenchConfig, tcfg: train.TrainCon
                              "launch_us_before_after_profile": None}
     if not cfg.profile:
         return {**probe, "attention": "n/a (--profile false)"}
-    if train.uses_cuda_graphs(tcfg, device):  # a graph replay launches kernels without the aten ops the profiler names
+    if parallel.uses_cuda_graphs(tcfg, device):  # a graph replay runs kernels without the aten ops the profiler names
         return probe
     launch_before = launch_us(device)
     try:
@@ -749,7 +751,7 @@ def bench_kernel(cfg: BenchConfig) -> list[dict[str, Any]]:
     """GB/s of bias+GELU forward, backward and both per implementation, and as a % of device-to-device copy."""
     cfg = resolve(cfg)
     device = torch.device(cfg.device)
-    dtype = train.precision(train.TrainConfig(dtype=cfg.dtype), device)[0]
+    dtype = parallel.precision(cfg.dtype, device)[0]
     M, N, elem = cfg.kernel_rows, cfg.kernel_cols, torch.finfo(dtype).bits // 8
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     x = (3 * torch.randn(M, N, generator=gen, device=device)).to(dtype)  # pre-activations at a realistic scale
@@ -1008,7 +1010,7 @@ def int8_weights(cfg: BenchConfig) -> tuple[GPT, str, str]:
         prompt = (ckpt.get("train_config") or {}).get("sample_prompt") or prompt
         return GPT.from_checkpoint(ckpt), f"checkpoint {cfg.ckpt}, step {ckpt.get('step')}", prompt
     if cfg.init_from:
-        return load_model(None, cfg.init_from), f"HF {cfg.init_from}", prompt
+        return GPT.load(None, cfg.init_from), f"HF {cfg.init_from}", prompt
     torch.manual_seed(cfg.seed)
     model = GPT(dataclasses.replace(MODEL_PRESETS[cfg.decode_model](), block_size=1024, vocab_size=GPT2_VOCAB))
     with torch.no_grad():  # the decode suite's random weights: GPT-2's init at std --decode-init-std, not 0.02
@@ -1262,7 +1264,7 @@ TABLES = (
           (Column("batch", 6, "batch_size"), Column("examples/s", 10, "examples_per_sec", ".1f"),
            Column("tokenizer", 10, "tokenizer"))),
     Table(lambda result: result.get("train") or [],
-          lambda cfg, r: f"train: {cfg['model']}, T={cfg['seq_len']}, train.train_step on device-resident random "
+          lambda cfg, r: f"train: {cfg['model']}, T={cfg['seq_len']}, train_step on device-resident random "
                          "tokens (+loop rows: TokenLoader batches and a per-step .item()); median of "
                          f"{cfg['steps']} steps after {cfg['warmup']} warmup",
           (Column("variant", 23, "name"), Column("B", 4, "batch_size"), Column("accum", 5, "grad_accum"),
@@ -1386,7 +1388,7 @@ def run_suites(cfg: BenchConfig, device: torch.device, result: dict[str, Any]) -
               flush=True)
         write_json(result, cfg.out)
 
-    attention = train.sdpa_switches()  # the train rows each pick a kernel; the caller gets its own choice back
+    attention = parallel.sdpa_switches()  # the train rows each pick a kernel; the caller gets its own choice back
     try:
         for suite in cfg.suites():
             if deadline is not None and time.monotonic() > deadline:
@@ -1407,7 +1409,7 @@ def run_suites(cfg: BenchConfig, device: torch.device, result: dict[str, Any]) -
                 result.setdefault("errors", {})[suite] = f"the device failed: {why}; later suites not run"
                 break
     finally:
-        train.set_sdpa_switches(attention)
+        parallel.set_sdpa_switches(attention)
 
 
 if __name__ == "__main__":

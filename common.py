@@ -1,5 +1,5 @@
 """Helpers every stage shares: the GPT-2 tokenizer, the dataclass CLI, provenance and devices, a directory's lock,
-process exit, checkpoint files, the model to run, the MFU peak table and log reading.
+process exit, checkpoint files, the MFU peak table and log reading.
 
 Imports no torch at module level (torch is imported inside the functions that need it), so plot.py stays light.
 """
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     import torch
 
-    from model import GPT
-
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must never be sampled
+# marks a config field (typing.Annotated[type, LOCAL]) that may differ between nodes: a path, or a rank's own setting
+LOCAL = "local"
 EOT = 50256  # <|endoftext|>
 T = TypeVar("T")
 
@@ -164,33 +164,64 @@ def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any
                  doc: str | None = None) -> Any:
     """Build a `cls` dataclass from `--preset NAME` then `--key=value` / `--key value` overrides.
 
-    Dashes and underscores are interchangeable in keys; a bare `--flag` sets a bool field to True. Errors exit
-    with one line that names the flag and, for unknown keys, the closest valid one.
+    Dashes and underscores are interchangeable in keys; a bare `--flag` sets a bool field to True. A dict field whose
+    metadata names `flags_of` (another dataclass) takes that class's fields as flags too, over the preset's dict.
+    Errors exit with one line that names the flag and, for unknown keys, the closest valid one.
     """
     presets = presets or {}
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    nested = _nested_flags(cls)
     if "-h" in argv or "--help" in argv:
-        _print_help(cls, fields, hints, presets, doc)
+        _print_help(cls, hints, nested, presets, doc)
         raise SystemExit(0)
     base, rest = _pick_preset(_split_argv(argv), presets)
-    overrides = _overrides(rest, fields, hints, presets)
+    flags = {k: t for k, t in hints.items() if k not in {field for field, _ in nested.values()}}
+    overrides = _overrides(rest, {**flags, **{k: t for k, (_, t) in nested.items()}}, presets)
+    for key in [k for k in overrides if k in nested]:
+        field = nested[key][0]
+        overrides.setdefault(field, dict(getattr(base, field) if base is not None else {}))[key] = overrides.pop(key)
     try:
         return dataclasses.replace(base, **overrides) if base is not None else cls(**overrides)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
 
-def _print_help(cls: type, fields: dict[str, dataclasses.Field], hints: dict[str, Any],
+def _nested_flags(cls: type) -> dict[str, tuple[str, Any]]:
+    """flag -> (the dict field that holds it, its type), for each field whose metadata names `flags_of`."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    nested = {}
+    for f in dataclasses.fields(cls):
+        if "flags_of" in f.metadata:
+            inner = typing.get_type_hints(f.metadata["flags_of"])
+            for g in dataclasses.fields(f.metadata["flags_of"]):
+                if g.name not in own and g.name not in f.metadata.get("except", ()):
+                    nested[g.name] = (f.name, inner[g.name])
+    return nested
+
+
+def _print_help(cls: type, hints: dict[str, Any], nested: dict[str, tuple[str, Any]],
                 presets: dict[str, Callable[[], Any]], doc: str | None) -> None:
     helps = _field_help(cls)
     print((doc or cls.__doc__ or "").strip() + "\n")
     if presets:
         print(f"--preset NAME     one of: {', '.join(presets)}\n")
-    for name, f in fields.items():
+    for f in dataclasses.fields(cls):
+        if "flags_of" in f.metadata:
+            inner = f.metadata["flags_of"]
+            print(f"  ({f.name}: {inner.__name__} fields, over the preset's; default: the preset's)")
+            inner_help, defaults = _field_help(inner), inner()
+            for name, (_, typ) in nested.items():
+                default = getattr(defaults, name)
+                print(f"--{name.replace('_', '-'):<24} {_type_name(typ):<12} default {default!r:<14} "
+                      f"{inner_help.get(name, '')}")
+            continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
-        typ = getattr(hints[name], "__name__", str(hints[name]))
-        print(f"--{name.replace('_', '-'):<24} {typ:<12} default {default!r:<14} {helps.get(name, '')}")
+        print(f"--{f.name.replace('_', '-'):<24} {_type_name(hints[f.name]):<12} default {default!r:<14} "
+              f"{helps.get(f.name, '')}")
+
+
+def _type_name(typ: Any) -> str:
+    return getattr(typ, "__name__", str(typ))
 
 
 def _split_argv(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -234,7 +265,7 @@ def _pick_preset(pairs: list[tuple[str, str | None]],
     return base, rest
 
 
-def _overrides(rest: list[tuple[str, str | None]], fields: dict[str, dataclasses.Field], hints: dict[str, Any],
+def _overrides(rest: list[tuple[str, str | None]], hints: dict[str, Any],
                presets: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     """Each option's value, converted to its field's type. A repeat wins over the first with a warning, not an error:
     a wrapper's defaults followed by the user's "$@" repeat flags on purpose."""
@@ -242,8 +273,8 @@ def _overrides(rest: list[tuple[str, str | None]], fields: dict[str, dataclasses
     given: dict[str, str] = {}
     for key, val in rest:
         flag = "--" + key.replace("_", "-")
-        if key not in fields:
-            hint = difflib.get_close_matches(key, [*fields, *(["preset"] if presets else [])], n=1)
+        if key not in hints:
+            hint = difflib.get_close_matches(key, [*hints, *(["preset"] if presets else [])], n=1)
             raise SystemExit(f"error: unknown option {flag}" + (f"; did you mean --{hint[0].replace('_', '-')}?"
                                                                 if hint else "; see --help"))
         if val is None:
@@ -555,56 +586,6 @@ def check_crcs(path: Path) -> None:
             with archive.open(info) as member:
                 while member.read(1 << 24):
                     pass
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The model to run: a checkpoint or an HF GPT-2
-
-
-def load_model(ckpt: str | None, init_from: str | None) -> GPT:
-    """The model to run, on the CPU: this project's checkpoint or an HF GPT-2 (exactly one of the two)."""
-    from model import GPT
-
-    if ckpt and init_from:
-        raise ValueError("pass either --ckpt or --init-from, not both")
-    if ckpt:
-        return GPT.from_checkpoint(ckpt, map_location="cpu")
-    if init_from:
-        hf_dir = "a local HF GPT-2 directory (config.json + model.safetensors)"
-        path = Path(init_from).expanduser()
-        if path.is_file():
-            raise ValueError(f"--init-from {init_from} is a file; --init-from takes a hub name (gpt2, gpt2-medium, "
-                             f"gpt2-large, gpt2-xl) or {hf_dir}. For a checkpoint train.py wrote, use --ckpt "
-                             f"{init_from}")
-        if path.suffix in (".pt", ".pth") and not path.exists():  # else a hub id (org/name.pt) that fails online
-            raise FileNotFoundError(f"--init-from {init_from}: no such file (a .pt is a checkpoint's path, not a hub "
-                                    "name); check the path")
-        if path.is_dir():  # local files: from_pretrained's errors name what is wrong with them, except these
-            config_json = path / "config.json"
-            if not config_json.is_file():
-                found = checkpoints(path)
-                hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
-                raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {hf_dir}{hint}")
-            try:
-                return GPT.from_pretrained(str(path))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{config_json} is not valid JSON ({e}); --init-from needs {hf_dir}") from e
-            except KeyError as e:
-                raise ValueError(f"{config_json} lacks the key {e}, so it is not a GPT-2 config.json") from e
-        # a hub id is `name` or `org/name` of word characters, '-' and '.', neither first nor last: anything else
-        # (./x, ../x, /abs/x, a/b/c) was meant as a local path
-        part = r"\w(?:[\w.-]*\w)?"
-        if not re.fullmatch(rf"(?:{part}/)?{part}", init_from) or ".." in init_from or "--" in init_from:
-            raise FileNotFoundError(f"--init-from {init_from}: the directory does not exist; pass {hf_dir}, or a "
-                                    "hub name such as gpt2")
-        try:
-            return GPT.from_pretrained(init_from)
-        except OSError as e:
-            reason = str(e).splitlines()[0] if str(e) else e.__class__.__name__
-            raise OSError(f"could not get {init_from!r} from the HF hub ({reason}), and there is no local directory "
-                          f"of that name; offline, pass --init-from {hf_dir}") from e
-    raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
-                     "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

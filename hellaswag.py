@@ -41,12 +41,12 @@ from common import (
     describe_provenance,
     first_on_each_node,
     get_tokenizer,
-    load_model,
     parse_config,
     provenance,
     run_and_exit,
     setup_distributed,
 )
+from model import GPT
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SEQ_MULTIPLE = 32  # batches are padded to a multiple of this length, so a compiled model sees few distinct shapes
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
             path = Path(cfg.data) if cfg.data is not None else \
                 first_on_each_node(lambda: download(cfg.cache_dir), local_rank, world_size)
             examples = load_examples(path, cfg.limit)
-            model = load_model(cfg.ckpt, cfg.init_from).to(device)
+            model = GPT.load(cfg.ckpt, cfg.init_from).to(device)
         except (OSError, ValueError, RuntimeError) as e:
             raise SystemExit(f"error: {e}".replace("\n", " ")) from None
         if rank == 0:

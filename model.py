@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pickle
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +20,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import GPT2_VOCAB, load_checkpoint
+from common import GPT2_VOCAB, checkpoints, load_checkpoint
 from fused_ce import lm_loss
 from fused_gelu import bias_gelu
 
 # HF's GPT-2 keeps these matmuls as Conv1D, weight (in, out); ours are nn.Linear, (out, in): transposed both ways
+HF_DIR = "a local HF GPT-2 directory (config.json + model.safetensors)"
 HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -104,6 +106,10 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+
+# the fields a run may set whatever its weights came from: they change no weight's shape or meaning
+RUN_OPTIONS = ("block_size", "dropout", "fused_gelu", "loss_chunk", "fused_ce", "half_residual")
 
 
 def _gpt2(n_layer: int, n_head: int, n_embd: int) -> Callable[[], GPTConfig]:
@@ -503,6 +509,55 @@ class GPT(nn.Module):
                     raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {tuple(p.shape)}")
                 p.copy_(src)
         return model
+
+
+    @classmethod
+    def load(cls, ckpt: str | None, init_from: str | None) -> GPT:
+        """The model to run, on the CPU: this project's checkpoint or an HF GPT-2 (exactly one of the two)."""
+        if ckpt and init_from:
+            raise ValueError("pass either --ckpt or --init-from, not both")
+        if ckpt:
+            return cls.from_checkpoint(ckpt, map_location="cpu")
+        if not init_from:
+            raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
+                             "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")
+        path = Path(init_from).expanduser()
+        if path.is_file():
+            raise ValueError(f"--init-from {init_from} is a file; --init-from takes a hub name (gpt2, gpt2-medium, "
+                             f"gpt2-large, gpt2-xl) or {HF_DIR}. For a checkpoint train.py wrote, use --ckpt "
+                             f"{init_from}")
+        if path.suffix in (".pt", ".pth") and not path.exists():  # else a hub id (org/name.pt) that fails online
+            raise FileNotFoundError(f"--init-from {init_from}: no such file (a .pt is a checkpoint's path, not a "
+                                    "hub name); check the path")
+        if path.is_dir():
+            return cls._from_hf_dir(path, init_from)
+        # a hub id is `name` or `org/name` of word characters, '-' and '.', neither first nor last: anything else
+        # (./x, ../x, /abs/x, a/b/c) was meant as a local path
+        part = r"\w(?:[\w.-]*\w)?"
+        if not re.fullmatch(rf"(?:{part}/)?{part}", init_from) or ".." in init_from or "--" in init_from:
+            raise FileNotFoundError(f"--init-from {init_from}: the directory does not exist; pass {HF_DIR}, or a "
+                                    "hub name such as gpt2")
+        try:
+            return cls.from_pretrained(init_from)
+        except OSError as e:
+            reason = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+            raise OSError(f"could not get {init_from!r} from the HF hub ({reason}), and there is no local "
+                          f"directory of that name; offline, pass --init-from {HF_DIR}") from e
+
+    @classmethod
+    def _from_hf_dir(cls, path: Path, init_from: str) -> GPT:
+        """A local HF directory: from_pretrained's errors name what is wrong with its files, except these."""
+        config_json = path / "config.json"
+        if not config_json.is_file():
+            found = checkpoints(path)
+            hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
+            raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {HF_DIR}{hint}")
+        try:
+            return cls.from_pretrained(str(path))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_json} is not valid JSON ({e}); --init-from needs {HF_DIR}") from e
+        except KeyError as e:
+            raise ValueError(f"{config_json} lacks the key {e}, so it is not a GPT-2 config.json") from e
 
 
 def check_weights(model: GPT, weights: dict[str, Any], source: str) -> None:

@@ -31,7 +31,6 @@ from common import (
     GPT2_VOCAB,
     get_tokenizer,
     import_torchao,
-    load_model,
     parse_config,
     resolve_device,
     tensor_bytes,
@@ -241,7 +240,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         prompt = read_prompt(cfg.prompt)
         if cfg.quantize == "int8":
             torchao_int8()  # a missing torchao fails before the model loads
-        model = load_model(cfg.ckpt, cfg.init_from)
+        model = GPT.load(cfg.ckpt, cfg.init_from)
         seen = corpus_words(cfg.corpus) if cfg.corpus else None
     except (ImportError, OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {e}".replace("\n", " ")) from None

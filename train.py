@@ -7,205 +7,142 @@ Usage:
     python train.py --help                                          # every option, with its meaning
 """
 
-# Read top to bottom: config and presets, the training loop (one screen), setup (one Run), one optimizer step, then
-# parallelism and precision. The run's machinery (checkpoints, evaluation, logging, stop signals) is components.py.
+# Read top to bottom: config and presets, one optimizer step of the language model, its evaluations, then setup (one
+# engine.Run) and the entry points. The loop and the run's machinery are engine.py; the step's is parallel.py.
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import re
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from common import (
+    LOCAL,
     checkpoints,
     describe_provenance,
     first_on_each_node,
+    get_tokenizer,
     hold_lock,
-    import_torchao,
     load_checkpoint,
-    load_model,
-    mfu,
     parse_config,
     provenance,
     run_and_exit,
     same_verdict,
     setup_distributed,
     shared_problem,
-    tensor_bytes,
 )
-from components import (
+from engine import (
     Checkpointer,
+    Eval,
     Evaluator,
     Profiler,
+    Run,
+    RunArgs,
     RunLog,
     SpikeGuard,
     StopFlags,
-    commands_disagree,
-    data_disagree,
-    fmt_time,
+    TokenCount,
+    agree_fingerprint,
+    command_of,
     optimizer_kind,
-    weights_disagree,
+    shards_of,
+    val_loss,
+    weights_digest,
 )
 from fineweb import SHUFFLES, DataError, TokenLoader
-from model import GPT, MODEL_PRESETS, GPTConfig, check_weights, checkpoint_config
+from model import GPT, MODEL_PRESETS, RUN_OPTIONS, GPTConfig, check_weights, checkpoint_config
+from parallel import (
+    Trainable,
+    attention_conflict,
+    build_trainable,
+    cuda_graph_conflict,
+    optimizer_conflict,
+    sdpa_switches,
+    set_hyperparameters,
+    set_sdpa_switches,
+    train_step,
+)
 from trackers import missing_package, open_trackers
-
-OPTIMIZERS = ("adamw", "muon", "adamw8bit")
-COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
-# SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
-SDPA_SWITCHES = {"flash": "enable_flash_sdp", "cudnn": "enable_cudnn_sdp", "efficient": "enable_mem_efficient_sdp",
-                 "math": "enable_math_sdp"}
 
 
 @dataclass
-class TrainConfig:
-    """Train a GPT-2 with this project's training loop. Flags override the chosen --preset."""
+class TrainConfig(RunArgs):
+    """Train a GPT-2 with this project's training loop. Flags override the chosen --preset; every GPTConfig field
+    (--n-layer, --mlp, --dropout...) is a flag too."""
 
     # model
     model: str | None = None  # architecture preset: gpt2 (None), gpt2-medium/-large/-xl, d12..d48, llama-124m, tiny
     seq_len: int = 1024  # T: tokens per sequence; also the model's block_size
-    n_layer: int | None = None  # override the preset's depth
-    n_head: int | None = None  # override the preset's query heads
-    n_embd: int | None = None  # override the preset's width
-    n_kv_head: int | None = None  # GQA/MQA key-value heads (None = n_head)
-    mlp: str | None = None  # gelu (GPT-2; None) or swiglu
-    pos: str | None = None  # learned (GPT-2; None) or rope
-    norm: str | None = None  # layernorm (GPT-2; None) or rmsnorm (LLaMA's; it has no bias, even with --bias true)
-    bias: bool | None = None  # biases in Linear/LayerNorm layers (None = the preset's: true for GPT-2)
-    dropout: float = 0.0  # dropout probability (0 for pretraining)
-    fused_gelu: bool = False  # Triton fused bias+GELU kernel in the MLP (CUDA only)
-    loss_chunk: int = 0  # >0: cross-entropy this many rows at a time, never all B*T fp32 logits at once (0 = off)
-    fused_ce: bool = False  # lm_head + loss fused, a Triton kernel for the loss and its gradient (CUDA only)
-    half_residual: bool = False  # the residual stream in bf16 under autocast, not fp32 (half the bytes; llm.c's)
-    init_from: str = ""  # '' (random init), a train.py checkpoint, or HF GPT-2 (gpt2..gpt2-xl, a local dir)
+    # the GPTConfig fields given as flags, over the preset's: the architecture, dropout and the model's speed options
+    arch: dict[str, Any] = dataclasses.field(default_factory=dict, metadata={"flags_of": GPTConfig,
+                                                                            "except": ("block_size",)})
+    init_from: Annotated[str, LOCAL] = ""  # '' (random init), a train.py checkpoint, or HF GPT-2 (gpt2..gpt2-xl, a dir)
     # data
-    data: str = "data/edu_fineweb10B"  # directory or glob of token shards written by fineweb.py (or llm.c)
-    preload: bool = False  # load the whole dataset onto the device once (small datasets only)
+    data: Annotated[str, LOCAL] = "data/edu_fineweb10B"  # directory or glob of token shards (fineweb.py or llm.c)
+    preload: Annotated[bool, LOCAL] = False  # load the whole dataset onto the device once (small datasets only)
     shuffle: str = "windows"  # each epoch: windows (shard order and each shard's windows, llm.c) or shards (order only)
     # batch
     total_batch_size: int = 524288  # tokens per optimizer step, over all ranks and micro-steps
     batch_size: int = 64  # B: sequences per micro-step per rank (lower it to fit memory; see README table)
-    # optimizer and schedule
-    optimizer: str = "adamw"  # adamw, muon (Muon for the blocks' matrices, AdamW for the rest) or adamw8bit (torchao)
-    max_lr: float = 6e-4  # peak learning rate, reached after warmup (Muon's too: its update is scaled to AdamW's RMS)
+    # schedule and loss
     min_lr_frac: float = 0.1  # the schedule decays to min_lr_frac * max_lr
     lr_schedule: str = "cosine"  # after warmup: cosine or linear decay, constant, wsd (stable, then decay)
     decay_frac: float = 0.2  # wsd: the fraction of max_steps spent decaying to the min
     warmup_steps: int = 715  # linear warmup steps
-    max_steps: int = 19073  # optimizer steps (19073 * 524288 tokens ~ 10B)
-    weight_decay: float = 0.1  # decoupled weight decay, 2-D tensors only (AdamW's and Muon's)
-    beta1: float = 0.9  # AdamW beta1
-    beta2: float = 0.95  # AdamW beta2
-    eps: float = 1e-8  # AdamW epsilon
-    grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
     skip_loss_z: float = 0.0  # skip the update when the loss's z-score in the last 128 exceeds this (0 = off)
     skip_norm_z: float = 0.0  # skip the update when the grad norm's z-score in the last 128 exceeds this (0 = off)
     label_smoothing: float = 0.0  # cross-entropy label smoothing
-    # system
-    device: str = "auto"  # auto (cuda if available, else cpu), cuda, cpu
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 (with GradScaler), fp32
-    compile: bool | None = None  # torch.compile the model (None = on for CUDA, off for CPU)
-    compile_mode: str = "default"  # torch.compile mode: default, reduce-overhead, max-autotune(-no-cudagraphs)
-    attention: str = "auto"  # SDPA kernel: auto (torch picks), flash, cudnn, efficient or math (only that one allowed)
-    parallel: str = "ddp"  # ddp, zero1 (ZeroRedundancyOptimizer) or fsdp (FSDP2 fully_shard per block + root)
-    # (NCCL's own default is 10: less than a gpt2-xl download on a slow link, or a 1.5B checkpoint on slow storage)
-    dist_timeout: float = 30.0  # minutes a collective waits for a slow rank before the run fails (torchrun only)
-    recompute: str = "none"  # activation recompute: none, mlp or block (trade compute for memory)
-    seed: int = 1337  # seeds weights, dropout and the data shuffle
-    peak_tflops: float | None = None  # override the per-GPU peak bf16 TFLOP/s used for MFU
     # evaluation
     eval_every: int = 250  # val loss every N steps (and at the last step); 0 = never
     # (the default is build-nanogpt's 20 val batches of 64 x 1024 on each of 8 GPUs; here they are the same tokens on
     # any number of ranks)
     eval_tokens: int = 10_485_760  # val tokens per evaluation, all ranks together (rounded up to whole B*T windows)
     hellaswag_every: int = 250  # HellaSwag every N steps (and at the last step); 0 = never
-    hellaswag: str = "auto"  # HellaSwag val jsonl: a path, 'auto' (cached download) or 'off'
+    hellaswag: Annotated[str, LOCAL] = "auto"  # HellaSwag val jsonl: a path, 'auto' (cached download) or 'off'
     hellaswag_limit: int | None = None  # evaluate only the first N HellaSwag examples
     sample_every: int = 250  # print samples every N steps; 0 = never
     sample_tokens: int = 32  # new tokens per sample
     sample_prompt: str = "Hello, I'm a language model,"  # prompt for the in-training samples
-    # checkpoints and logs
-    out_dir: str = "out/gpt2-124m"  # checkpoints, log.jsonl and profiler traces go here
-    ckpt_every: int = 5000  # checkpoint every N steps (and at the end, on SIGTERM and Ctrl-C); 0 = only at the end
-    keep_last: int = 3  # keep the newest K checkpoints (0 = all)
-    keep_every: int = 0  # never delete a checkpoint whose step is a multiple of N (0 = none; llm.c's -nm)
-    resume: str = ""  # '' (fresh run), 'auto' (latest valid checkpoint in out_dir) or a checkpoint path
-    log_every: int = 1  # print a step line every N steps
-    tensorboard: bool = False  # also log the scalars as TensorBoard event files in out_dir (pip install tensorboard)
-    wandb: str = ""  # also log them to this W&B project ('' = off; WANDB_MODE=offline works; pip install wandb)
     # run control
     overfit_batch: bool = False  # train on the first batch only (sanity check: the loss must go to ~0)
-    eval_only: bool = False  # evaluate the starting weights once and exit: no training, checkpoint or log
-    max_time: float = 0.0  # wall-clock budget in minutes; checkpoint and stop when reached (0 = none)
-    profile: bool = False  # profile a few steps after warmup; writes a Chrome/Perfetto trace to out_dir
-    profile_steps: int = 3  # steps to profile
     print_config: bool = False  # print the resolved config (the preset, then the flags) as JSON and exit
 
     def __post_init__(self) -> None:
-        choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
-                   "dtype": ("auto", "bf16", "fp16", "fp32"), "device": ("auto", "cuda", "cpu"),
-                   "compile_mode": COMPILE_MODES, "attention": ("auto", *SDPA_SWITCHES),
-                   "lr_schedule": ("cosine", "linear", "constant", "wsd"), "shuffle": SHUFFLES,
-                   "optimizer": OPTIMIZERS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; "
-                                 f"got {getattr(self, name)!r}")
+        super().__post_init__()
+        if self.shuffle not in SHUFFLES:
+            raise ValueError(f"--shuffle must be one of {', '.join(SHUFFLES)}; got {self.shuffle!r}")
+        if self.lr_schedule not in ("cosine", "linear", "constant", "wsd"):
+            raise ValueError(f"--lr-schedule must be one of cosine, linear, constant, wsd; got {self.lr_schedule!r}")
         if self.model is not None and self.model not in MODEL_PRESETS:
             raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
-        if self.norm not in (None, "layernorm", "rmsnorm"):
-            raise ValueError(f"--norm must be one of layernorm, rmsnorm; got {self.norm!r}")
-        self._check_numbers()
-
-    def _check_numbers(self) -> None:
-        at_least = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "max_steps": 1, "eval_tokens": 1,
-                    "log_every": 1, "sample_tokens": 1, "profile_steps": 1, "warmup_steps": 0, "eval_every": 0,
-                    "hellaswag_every": 0, "sample_every": 0, "ckpt_every": 0, "keep_last": 0,
-                    "keep_every": 0}
-        for name, low in at_least.items():
+        model_config(self)  # the architecture flags make a valid GPTConfig
+        for name, low in {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "sample_tokens": 1,
+                          "warmup_steps": 0, "eval_every": 0, "hellaswag_every": 0, "sample_every": 0}.items():
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if self.hellaswag_limit is not None and self.hellaswag_limit < 1:
             raise ValueError(f"--hellaswag-limit must be >= 1 or none; got {self.hellaswag_limit}")
-        if self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every:
-            raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}, or "
-                             "no checkpoint is ever written at the steps it keeps")
-        self._check_floats()
-
-    def _check_floats(self) -> None:
-        """Each written so that NaN fails it too."""
-        if not (math.isfinite(self.max_lr) and self.max_lr > 0):
-            raise ValueError(f"--max-lr must be a positive number; got {self.max_lr}")
+        # each written so that NaN fails it too
         if not 0.0 <= self.min_lr_frac <= 1.0:
             raise ValueError(f"--min-lr-frac must be in [0, 1]; got {self.min_lr_frac}")
         if not 0.0 < self.decay_frac <= 1.0:
             raise ValueError(f"--decay-frac must be in (0, 1]; got {self.decay_frac}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
-        if not (math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
-            raise ValueError(f"--dist-timeout must be a positive number of minutes; got {self.dist_timeout}")
-        for name in ("weight_decay", "eps", "grad_clip", "max_time", "skip_loss_z", "skip_norm_z"):
+        for name in ("skip_loss_z", "skip_norm_z"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
-        for name in ("dropout", "beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"--{name} must be in [0, 1); got {getattr(self, name)}")
-        if math.isinf(self.weight_decay) or math.isinf(self.eps):
-            raise ValueError(f"--weight-decay and --eps must be finite; got {self.weight_decay} and {self.eps}")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ValueError(f"--peak-tflops must be > 0 or none; got {self.peak_tflops}")
 
 
 def _preset(**kw: Any) -> Callable[[], TrainConfig]:
@@ -222,11 +159,11 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "llama-124m": _preset(model="llama-124m", out_dir="out/llama-124m"),
     # a 30M-param model (nanoGPT's 10.7M leaves the token embedding out) on Tiny Shakespeare (~300K tokens): minutes
     # on one GPU
-    "shakespeare": _preset(model="gpt2", n_layer=6, n_head=6, n_embd=384, seq_len=256, data="data/shakespeare",
-                           preload=True,
+    "shakespeare": _preset(model="gpt2", arch={"n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2}, seq_len=256,
+                           data="data/shakespeare", preload=True,
                            total_batch_size=16384, batch_size=64, max_lr=1e-3, warmup_steps=100, max_steps=2000,
                            # the val shard's 32K tokens hold one window of B*T+1 = 16,385 (windows do not overlap)
-                           dropout=0.2, eval_every=250, eval_tokens=16384, hellaswag="off", sample_every=500,
+                           eval_every=250, eval_tokens=16384, hellaswag="off", sample_every=500,
                            sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
     # fine-tune OpenAI's GPT-2 124M on Tiny Shakespeare (as nanoGPT's finetune_shakespeare): 20 steps of 32K tokens,
     # about two epochs of its ~300K train tokens, at a small constant learning rate; minutes on one GPU
@@ -236,10 +173,10 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                               out_dir="out/shakespeare-ft", sample_prompt="ROMEO:"),
     # the offline demo: a small model on the Python standard library's docstrings, minutes on 2 CPU cores; small
     # batches learn more per token here, and the chunked loss keeps the logits in malloc's heap (docs/benchmarks.md)
-    "demo": _preset(model="tiny", seq_len=128, data="data/stdlib_docs", total_batch_size=512, batch_size=4,
-                    loss_chunk=128, max_lr=3e-3, warmup_steps=40, max_steps=900, eval_every=150, eval_tokens=8192,
-                    hellaswag="off", sample_every=0, sample_tokens=64, ckpt_every=0, out_dir="out/demo",
-                    sample_prompt="Return the"),
+    "demo": _preset(model="tiny", arch={"loss_chunk": 128}, seq_len=128, data="data/stdlib_docs",
+                    total_batch_size=512, batch_size=4, max_lr=3e-3, warmup_steps=40, max_steps=900, eval_every=150,
+                    eval_tokens=8192, hellaswag="off", sample_every=0, sample_tokens=64, ckpt_every=0,
+                    out_dir="out/demo", sample_prompt="Return the"),
     # seconds on CPU, for tests
     "tiny": _preset(model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,
                     max_lr=1e-3, warmup_steps=2, max_steps=10, eval_every=5, eval_tokens=512, hellaswag="off",
@@ -248,173 +185,162 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The training loop
+# One optimizer step of the language model, and its learning rate
 
 
-def train(run: Run) -> dict[str, Any]:
-    """Evaluate once in a while, take one optimizer step, log, checkpoint or stop. `step` counts the optimizer steps
-    done: the evaluations at max_steps score the final weights. Returns run.result(step)."""
-    cfg, stop = run.cfg, run.stop
-    step = run.start_step
-    for step in range(run.start_step, run.last_step + 1):
-        final = step == run.last_step
-        stop.last = final  # no step left to stop after: a Ctrl-C during the final evaluations quits at once
+def lm_step(cfg: TrainConfig, built: Trainable, next_batch: Callable[[], tuple], grad_accum: int, guard: SpikeGuard,
+            world: int) -> Callable[[int], dict[str, Any]]:
+    """engine.Run's step_fn: set the lr, forward/backward every micro-batch, clip, step; the record the log gets."""
+    tokens = grad_accum * cfg.batch_size * cfg.seq_len * world
 
-        # evaluate once in a while; a signal that came meanwhile stops the run here, not a step later
-        evaluated = run.evaluator.run(step, final, tokens=run.tokens_at(step))
-        if final:
-            break
-        if evaluated and (stopping := stop.should_stop()):
-            if step > run.start_step and not run.checkpointer.due(step):
-                run.checkpoint(step)
-            run.halt(stopping, f"at step {step}, before training it", resumable=step > run.start_step or run.resumed)
-            break
-
-        # one optimizer step
-        run.profiler.step_begins(step, run.device)
-        t0 = time.time()
+    def step_fn(step: int) -> dict[str, Any]:
         lr = get_lr(step, cfg)
-        for group in run.optimizer.param_groups:
+        for group in built.optimizer.param_groups:
             group["lr"] = lr
-        loss, norm = train_step(run.model, run.optimizer, run.next_batch, run.grad_accum, run.autocast,
-                                cfg.grad_clip, cfg.label_smoothing, run.scaler, run.guard.for_step())
-        loss_value, norm_value = run.read(loss, norm)  # waits for the GPU, so dt is the step's real time
-        dt = time.time() - t0
-        run.after_step(step)
+        loss, norm = train_step(built.model, built.optimizer, next_batch, grad_accum, built.autocast, cfg.grad_clip,
+                                cfg.label_smoothing, built.scaler, guard.for_step())
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        loss_value, norm_value = loss.item(), norm.item()  # waits for the GPU, so the step's time is real
+        guard.observe(loss_value, norm_value)
+        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens": tokens,
+                **({"skipped": guard.skipped} if guard.skipped else {})}
 
-        # log
-        if run.diverged(step, loss_value, norm_value):
-            break
-        run.guard.observe(loss_value, norm_value)
-        run.log.step(step, run.record(step, loss_value, lr, norm_value, dt), timed=step > run.start_step)
+    return step_fn
 
-        # checkpoint or stop
-        stopping = stop.should_stop()
-        if run.checkpointer.due(step + 1) or stopping:
-            run.checkpoint(step + 1)
-        if stopping:
-            run.halt(stopping, f"after step {step}")
-            break
-    return run.result(step)
+
+def get_lr(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup from max_lr/warmup to max_lr, then the schedule down to min_lr_frac * max_lr at max_steps:
+    cosine (GPT-2 / nanoGPT / llm.c's default) or linear over all the steps after warmup; constant stays at max_lr;
+    wsd (warmup-stable-decay) holds max_lr, then decays linearly over the last decay_frac of the steps, so a run
+    can be extended from a checkpoint taken before its decay."""
+    min_lr = cfg.min_lr_frac * cfg.max_lr
+    if step < cfg.warmup_steps:
+        return cfg.max_lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.max_lr
+    if step >= cfg.max_steps:
+        return min_lr
+    if cfg.lr_schedule == "wsd":
+        decay_start = wsd_decay_start(cfg)
+        if step < decay_start:
+            return cfg.max_lr
+        return cfg.max_lr - (step - decay_start) / max(1, cfg.max_steps - decay_start) * (cfg.max_lr - min_lr)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    if cfg.lr_schedule == "linear":
+        return cfg.max_lr - progress * (cfg.max_lr - min_lr)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+
+
+def wsd_decay_start(cfg: TrainConfig) -> int:
+    """The step where wsd's linear decay to the min begins: decay_frac of max_steps before the end."""
+    return max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Setup: everything the loop needs, in one Run
+# Evaluations: val loss, HellaSwag, samples (engine.Eval entries; a new one is an entry here and its flag)
 
 
-@dataclass
-class Run:
-    """One training (or evaluation) run as the loop sees it: the model and optimizer, the batches, and the components
-    that own checkpoints, evaluation, the log, the spike guard, stop signals and profiling."""
+def evaluations(cfg: TrainConfig, raw: GPT, built: Trainable, val_loader: TokenLoader | None,
+                examples: list[dict] | None, log: RunLog, rank: int, world: int) -> list[Eval]:
+    master, device = rank == 0, next(raw.parameters()).device
+    enc = get_tokenizer() if (cfg.sample_every > 0 or examples) else None
+    evals = []
+    if val_loader is not None:
+        windows = val_windows(cfg, val_loader, master)
 
-    cfg: TrainConfig
-    rank: int
-    world: int
-    device: torch.device
-    raw: GPT  # the unwrapped, uncompiled model: state dicts, evaluation, samples
-    model: nn.Module  # what train steps call: compiled and/or wrapped
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    autocast: contextlib.AbstractContextManager
-    next_batch: Callable[[], tuple] | None  # None only for --eval-only, which never trains
-    train_loader: TokenLoader | None
-    grad_accum: int
-    start_step: int
-    last_step: int  # max_steps, or start_step for --eval-only
-    resumed: bool
-    tokens_offset: int  # tokens before step 0 as this run counts them (a resume may change the batch)
-    tokens_per_step: int
-    flops_per_token: float
-    device_name: str
-    checkpointer: Checkpointer
-    evaluator: Evaluator
-    log: RunLog
-    guard: SpikeGuard
-    stop: StopFlags
-    profiler: Profiler
-    stopped: str | None = None  # "signal", "max_time" or "nan"
-    t_start: float = dataclasses.field(default_factory=time.time)
+        def val(step: int) -> dict[str, Any]:
+            vl = val_loss(built.model, val_loader, windows, built.autocast, world)
+            log.say(f"step {step:6d} | val loss {vl:.4f}")
+            return {"val_loss": vl}
 
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
+        evals.append(Eval("val", cfg.eval_every, val))
+    if examples:
+        def hellaswag_eval(step: int) -> dict[str, Any]:
+            import hellaswag
 
-    def tokens_at(self, step: int) -> int:
-        """Tokens trained on before `step`, all ranks together."""
-        return self.tokens_offset + step * self.tokens_per_step
+            # the uncompiled module: HellaSwag's many sequence lengths would recompile the training forward
+            hs = hellaswag.evaluate(raw, examples, device, rank, world, limit=cfg.hellaswag_limit, enc=enc,
+                                    progress=True)
+            log.say(f"step {step:6d} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
+            return hs
 
-    def read(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
-        """The step's loss averaged over the ranks, and the (global) gradient norm, on the host."""
-        if self.world > 1:
-            dist.all_reduce(loss)
-            loss /= self.world
-        return loss.item(), norm.item()
+        evals.append(Eval("hellaswag", cfg.hellaswag_every, hellaswag_eval))
+    if cfg.sample_every > 0:
+        def samples(step: int) -> dict[str, Any] | None:
+            if not (master or cfg.parallel == "fsdp"):  # FSDP forwards are collective: every rank runs them
+                return None
+            texts = sample_text(raw, enc, cfg, device, step, built.autocast)
+            for text in texts:
+                log.say(f"sample: {text!r}")
+            return {"texts": texts} if master else None
 
-    def record(self, step: int, loss: float, lr: float, norm: float, dt: float) -> dict[str, Any]:
-        tok_s = self.tokens_per_step / dt
-        peak = self.cfg.peak_tflops * 1e12 if self.cfg.peak_tflops else None
-        util = mfu(self.flops_per_token, tok_s / self.world, self.device_name, peak)
-        return {"tokens": self.tokens_at(step + 1), "loss": loss, "lr": lr, "grad_norm": norm, "ms": dt * 1000,
-                "tok_s": tok_s, "mfu": util, **({"skipped": self.guard.skipped} if self.guard.skipped else {})}
+        evals.append(Eval("sample", cfg.sample_every, samples, at_start=False))
+    return evals
 
-    def after_step(self, step: int) -> None:
-        if self.master and self.device.type == "cuda" and step == self.start_step:
-            # the room --batch-size leaves: the first step has made everything a step holds (AdamW's moments too)
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            print(f"memory: peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB allocated, "
-                  f"{torch.cuda.max_memory_reserved(self.device) / 2**30:.1f} GiB reserved by PyTorch, of "
-                  f"{total / 2**30:.1f} GiB on {self.device_name} (rank 0, after the first step)")
-        self.profiler.step_ends(step)
 
-    def diverged(self, step: int, loss: float, norm: float) -> bool:
-        """A NaN/inf loss, or gradient norm (already applied by clipping), ends the run without a checkpoint, and sets
-        aside the one holding the weights that gave it. Under fp16 the GradScaler skips inf-gradient steps itself."""
-        finite = math.isfinite(loss) and (self.scaler is not None or math.isfinite(norm))
-        aside = self.checkpointer.judge(step, finite)
-        if finite:
-            return False
-        if self.master:
-            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
-            why = (f" {aside.name} holds the weights that gave it: renamed {aside.name}.diverged, so --resume auto "
-                   "takes the checkpoint before it.") if aside else ""
-            print(f"error: {what} at step {step}; stopping without writing a checkpoint.{why} Lower --max-lr, raise "
-                  "--warmup-steps, or resume from the last good checkpoint.", file=sys.stderr)
-        self.stopped = "nan"
-        return True
+def val_windows(cfg: TrainConfig, loader: TokenLoader, master: bool) -> int:
+    """Val windows of B*T tokens per evaluation, all ranks together: --eval-tokens rounded up, at most the split."""
+    BT = loader.B * loader.T
+    windows = -(-cfg.eval_tokens // BT)
+    if windows > loader.num_windows:  # more would score some windows twice, weighting them double
+        windows = loader.num_windows
+        if master:
+            print(f"val: the val split holds {windows * BT:,} tokens in windows of B*T = {BT:,}, so each "
+                  f"evaluation scores those instead of --eval-tokens {cfg.eval_tokens:,}")
+    elif windows * BT != cfg.eval_tokens and master:
+        print(f"val: each evaluation scores {windows * BT:,} tokens ({windows} x B*T = {BT:,}): --eval-tokens "
+              f"{cfg.eval_tokens:,} rounded up to whole windows")
+    return windows
 
-    def checkpoint(self, step: int) -> None:
-        """Save the state after `step` steps, assembled from the components' state_dicts."""
-        loader = self.train_loader.state_dict() if self.train_loader is not None else None
-        parts = {"loader": loader, "scaler": self.scaler.state_dict() if self.scaler else None,
-                 "outliers": self.guard.state_dict(), "tokens": self.tokens_at(step)}
-        self.checkpointer.save(step, self.raw, self.optimizer, parts)
 
-    def halt(self, stopping: str, when: str, resumable: bool = True) -> None:
-        if self.master:
-            print(f"stopping {when} ({self.stop.reason(stopping, self.cfg.max_time)}); "
-                  + ("resume with --resume auto" if resumable else "nothing trained yet"))
-        self.stopped = stopping
+def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step: int,
+                autocast: contextlib.AbstractContextManager) -> list[str]:
+    """A few samples from the uncompiled module, in the training precision; its own generator, so the training RNG
+    (and exact resume) is untouched."""
+    idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=device)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
+    with autocast:
+        out = raw.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+    return [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
 
-    def result(self, step: int) -> dict[str, Any]:
-        """{"losses", "step", and when they happened "val_loss", "hellaswag", "checkpoint", "stopped"}."""
-        self.profiler.finish(step, trained=not self.cfg.eval_only)
-        took = fmt_time(time.time() - self.t_start)
-        if self.master and self.cfg.eval_only:
-            print(f"done: evaluated the weights at step {step} in {took}")
-        elif self.master:
-            print(f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
-        self.log.close()
-        result: dict[str, Any] = {"losses": self.log.losses, **self.evaluator.latest}
-        if self.checkpointer.last:
-            result["checkpoint"] = self.checkpointer.last
-        if self.stopped:
-            result["stopped"] = self.stopped
-        return {**result, "step": step}
+
+def load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int) -> list[dict] | None:
+    """HellaSwag examples on every rank, or None on every rank (evaluate is collective, so all or none). The same
+    collectives on every rank, whatever its flags say: the fingerprint then compares what each rank loaded."""
+    import hellaswag
+
+    wanted = cfg.hellaswag != "off" and (cfg.hellaswag_every > 0 or cfg.eval_only)
+    path = Path(cfg.hellaswag) if cfg.hellaswag != "auto" else hellaswag.default_cache_dir() / "hellaswag_val.jsonl"
+    reason = None
+    try:  # whatever fails (offline, a truncated response...), every rank skips it
+        first_on_each_node(hellaswag.download if wanted and cfg.hellaswag == "auto" else lambda: None, local_rank,
+                           world, catch=(Exception,), reason=lambda e: f"could not download it: {e.__cause__ or e}")
+    except ValueError as e:
+        reason = str(e)
+    examples, problem = None, None
+    if wanted and reason is None:
+        try:
+            examples = hellaswag.load_examples(path)
+        except (OSError, ValueError) as e:  # load_examples' own hint names hellaswag.py's flags, not train.py's
+            problem = f"{path} is not a file" if not path.is_file() else str(e).splitlines()[0][:200]
+        if problem is None and not examples:
+            problem = f"{path} holds no examples"
+    reason = shared_problem(problem, world) or reason  # the reason of the rank that lacks them
+    if reason and wanted and rank == 0:
+        print(f"hellaswag: skipped ({reason}); pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it, "
+              "or --hellaswag off to silence this")
+    return None if reason else examples
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Setup: everything the loop needs, in one engine.Run
 
 
 def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torch.device) -> Run:
     """Build the Run. Each check that one rank could fail alone is shared first, so every rank stops with the
-    reason instead of leaving the others waiting in a collective."""
+    reason instead of leaving the others waiting in a collective; what every rank must share is one fingerprint."""
     cfg, grad_accum, use_compile = check_run(cfg, rank, world, device)
     master, prov = rank == 0, provenance(device, world)
     torch.manual_seed(cfg.seed + rank)  # ranks see different data, so different dropout masks are right
@@ -423,7 +349,10 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     train_loader, val_loader = open_loaders(cfg, rank, world, device)
     checkpointer = Checkpointer(cfg, rank, world, prov)
     found = checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
-    raw = build_model(cfg, found, rank, local_rank, world).to(device)
+    raw = build_model(cfg, found, local_rank, world)
+    examples = load_hellaswag(cfg, rank, local_rank, world)
+    fingerprint(cfg, (train_loader, val_loader), raw, examples, found, rank, world)
+    raw = raw.to(device)
     for loader in (train_loader, val_loader):
         if loader is not None:
             loader.check_vocab(raw.config.vocab_size)
@@ -434,31 +363,70 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
         raise ValueError("--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, "
                          "cudnn or auto")
     built = build_trainable(raw, cfg, device, use_compile, verbose=master)
-    guard = SpikeGuard(cfg.skip_loss_z, cfg.skip_norm_z, world)
-    start_step = resume(found, checkpointer, raw, built, train_loader, guard, world) if found is not None else 0
+    guard, tokens = SpikeGuard(cfg.skip_loss_z, cfg.skip_norm_z, world), TokenCount()
+    parts = {"loader": train_loader, "scaler": built.scaler, "outliers": guard, "tokens": tokens}
     tokens_per_step = grad_accum * cfg.batch_size * cfg.seq_len * world
-    # the checkpoint's token count carries over, so the log's token axis stays right when the batch changes
-    tokens_offset = int(found[1].get("tokens", start_step * tokens_per_step)) - start_step * tokens_per_step \
-        if found is not None else 0
+    start_step = resume(found, checkpointer, raw, built, parts, cfg, tokens_per_step) if found else 0
     if master:
         print_header(cfg, raw, built, start_step, grad_accum, world, use_compile, device)
     checkpointer.remove_partial_writes()
-    # an evaluation-only run leaves out_dir alone: its log.jsonl may be a training run's
-    logs = master and not cfg.eval_only
-    resume_step = start_step if found is not None else None
-    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step)
-                            if logs else None, world)
-    log = RunLog(Path(cfg.out_dir) / "log.jsonl" if logs else None, resume_step, master, cfg.max_steps, cfg.log_every,
-                 trackers)
+    log = open_run_log(cfg, start_step if found else None, rank, world)
     log.write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": prov})
-    evaluator = Evaluator(cfg, raw, built.model, val_loader, built.autocast, log, rank, world, local_rank)
-    return Run(cfg, rank, world, device, raw, built.model, built.optimizer, built.scaler, built.autocast,
-               batches(cfg, train_loader), train_loader, grad_accum, start_step,
-               start_step if cfg.eval_only else cfg.max_steps, found is not None, tokens_offset, tokens_per_step,
-               raw.flops_per_token(cfg.seq_len), prov["device"], checkpointer, evaluator, log, guard,
-               StopFlags(cfg.max_time, interrupt=not cfg.eval_only, master=master, device=device, world=world),
-               Profiler(cfg.profile and not cfg.eval_only, start_step, cfg.profile_steps, Path(cfg.out_dir), rank))
+    return Run(step_fn=lm_step(cfg, built, batches(cfg, train_loader), grad_accum, guard, world), raw=raw,
+               trainable=built, checkpointer=checkpointer, log=log,
+               evaluator=Evaluator(evaluations(cfg, raw, built, val_loader, examples, log, rank, world), log, tokens,
+                                   cfg.eval_only),
+               stop=StopFlags(cfg.max_time, interrupt=not cfg.eval_only, master=master, device=device, world=world),
+               profiler=Profiler(cfg.profile and not cfg.eval_only, start_step, cfg.profile_steps, Path(cfg.out_dir),
+                                 rank),
+               parts=parts, tokens=tokens, start_step=start_step,
+               last_step=start_step if cfg.eval_only else cfg.max_steps, resumed=found is not None,
+               eval_only=cfg.eval_only, rank=rank, world=world, device=device,
+               flops_per_token=raw.flops_per_token(cfg.seq_len), device_name=prov["device"],
+               peak_flops=cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
+
+
+def fingerprint(cfg: TrainConfig, loaders: tuple, raw: GPT, examples: list[dict] | None,
+                found: tuple[Path, dict] | None, rank: int, world: int) -> None:
+    """What every rank must share, compared once: the command, the data, the HellaSwag examples, the weights."""
+    if world == 1:  # a digest of a 1.5B model takes seconds: only where there is something to compare
+        return
+    source = f"--resume {found[0]}" if found else f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"
+    agree_fingerprint({"command": command(cfg), "data": shards_of(list(loaders)),
+                       "hellaswag": examples_digest(examples), "weights": weights_digest(raw)}, rank, world, source,
+                      DESCRIBE)
+
+
+def command(cfg: TrainConfig) -> dict[str, str]:
+    """The command every node must run: the config, with the model as its flags resolve it."""
+    resolved = dataclasses.asdict(model_config(cfg))
+    return {**command_of(cfg), **{k: repr(v) for k, v in resolved.items() if k != "block_size"}}
+
+
+def examples_digest(examples: list[dict] | None) -> list | None:
+    if examples is None:
+        return None
+    return [len(examples), hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()]
+
+
+def describe_examples(key: str, mine: list | None, first: list | None, rank: int, _: str) -> str:
+    count = [f"{x[0]} HellaSwag examples" if x else "no HellaSwag" for x in (mine, first)]
+    other = ", other ones" if mine and first and mine[0] == first[0] else ""
+    return f"rank {rank} has {count[0]}, rank 0 {count[1].split(' HellaSwag')[0]}{other}: every node must hold the " \
+        "same --hellaswag file"
+
+
+DESCRIBE = {"hellaswag": describe_examples}
+
+
+def open_run_log(cfg: TrainConfig, resume_step: int | None, rank: int, world: int) -> RunLog:
+    """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's)."""
+    logs = rank == 0 and not cfg.eval_only
+    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step)
+                            if logs else None, world)
+    return RunLog(Path(cfg.out_dir) / "log.jsonl" if logs else None, resume_step, rank == 0, cfg.max_steps,
+                  cfg.log_every, trackers)
 
 
 @contextlib.contextmanager
@@ -490,10 +458,7 @@ def hold_out_dir(cfg: TrainConfig, rank: int, world: int) -> Iterator[None]:
 
 
 def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[TrainConfig, int, bool]:
-    """Refuse what cannot run: (cfg, gradient accumulation steps, whether to compile). A node whose command differs
-    stops every rank with the reason, first."""
-    if problem := commands_disagree(cfg, rank, world):
-        raise ValueError(problem)
+    """Refuse what cannot run: (cfg, gradient accumulation steps, whether to compile)."""
     B, T = cfg.batch_size, cfg.seq_len
     if cfg.eval_only:  # nothing trains, so no total batch to fill
         cfg = dataclasses.replace(cfg, total_batch_size=B * T * world)
@@ -505,8 +470,6 @@ def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
                          f"world_size = {B} * {T} * {world} = {B * T * world}; pass {fix} or another "
                          "--total-batch-size")
     grad_accum = cfg.total_batch_size // (B * T * world)
-    if cfg.dtype == "fp16" and cfg.parallel == "fsdp":
-        raise ValueError("--dtype fp16 is not supported with --parallel fsdp; use bf16")
     if why := attention_conflict(cfg, device):
         raise ValueError(why)
     if cfg.optimizer != "adamw" and (why := shared_problem(optimizer_conflict(cfg), world)):  # a node may lack torchao
@@ -520,8 +483,7 @@ def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
 
 def open_loaders(cfg: TrainConfig, rank: int, world: int,
                  device: torch.device) -> tuple[TokenLoader | None, TokenLoader | None]:
-    """The train and val loaders (an evaluation needs only val). A node without the data, or with other data, stops
-    every rank with its reason: nodes with different data would train on, silently wrong."""
+    """The train and val loaders (an evaluation needs only val); a node without the data stops every rank."""
     B, T = cfg.batch_size, cfg.seq_len
 
     def load() -> tuple[TokenLoader | None, TokenLoader | None]:
@@ -531,54 +493,72 @@ def open_loaders(cfg: TrainConfig, rank: int, world: int,
             if cfg.eval_every > 0 or cfg.eval_only else None
         return train_loader, val_loader
 
-    loaders = same_verdict(load, world, DataError, (DataError, OSError))
-    if problem := data_disagree(loaders, rank, world):
-        raise DataError(problem)
-    return loaders
+    return same_verdict(load, world, DataError, (DataError, OSError))
 
 
-def build_model(cfg: TrainConfig, found: tuple[Path, dict] | None, rank: int, local_rank: int, world: int) -> GPT:
+def build_model(cfg: TrainConfig, found: tuple[Path, dict] | None, local_rank: int, world: int) -> GPT:
     """The model on the CPU: the resumed checkpoint's architecture (restore() loads its weights), --init-from's
-    weights, or a fresh init, identical on every rank."""
-    if found is not None:
-        src = checkpoint_config(found[1], f"--resume {found[0]}")
-        check_architecture(cfg, src, f"--resume {found[0]}")
-        if cfg.seq_len != src.block_size:
-            raise ValueError(f"--seq-len {cfg.seq_len} is not the context of --resume {found[0]}, "
-                             f"{src.block_size} tokens; pass --seq-len {src.block_size}")
-        if int(found[1]["step"]) > cfg.max_steps and not cfg.eval_only:
-            raise ValueError(f"--resume {found[0]} is at step {found[1]['step']}, past --max-steps {cfg.max_steps}; "
-                             "raise --max-steps to train further, or score it with --eval-only")
-        saved = found[1].get("train_config", {}).get("optimizer", "adamw")
-        if saved != cfg.optimizer and not cfg.eval_only:
-            raise ValueError(f"--resume {found[0]} holds --optimizer {saved}'s state, and this run asks for "
-                             f"--optimizer {cfg.optimizer}: pass --optimizer {saved}, or start a new run (in a new "
-                             f"--out-dir) from its weights with --init-from {found[0]}")
-        model = GPT(dataclasses.replace(src, **run_options(cfg)))
-        check_weights(model, found[1]["model"], f"checkpoint {found[0]}")  # restore() would print every tensor
-        return model
-    if cfg.init_from:
-        raw = first_on_each_node(lambda: load_init(cfg), local_rank, world)
-        if problem := weights_disagree(raw, f"--init-from {cfg.init_from}", rank, world):
-            raise ValueError(problem)
-        return raw
+    weights, or a fresh init, identical on every rank (the fingerprint checks)."""
+    if found is None:  # the same collectives on every rank, with --init-from or without
+        return first_on_each_node(lambda: load_init(cfg) if cfg.init_from else fresh_model(cfg), local_rank, world)
+    src = checkpoint_config(found[1], f"--resume {found[0]}")
+    check_architecture(cfg, src, f"--resume {found[0]}")
+    if cfg.seq_len != src.block_size:
+        raise ValueError(f"--seq-len {cfg.seq_len} is not the context of --resume {found[0]}, "
+                         f"{src.block_size} tokens; pass --seq-len {src.block_size}")
+    if int(found[1]["step"]) > cfg.max_steps and not cfg.eval_only:
+        raise ValueError(f"--resume {found[0]} is at step {found[1]['step']}, past --max-steps {cfg.max_steps}; "
+                         "raise --max-steps to train further, or score it with --eval-only")
+    saved = found[1].get("train_config", {}).get("optimizer", "adamw")
+    if saved != cfg.optimizer and not cfg.eval_only:
+        raise ValueError(f"--resume {found[0]} holds --optimizer {saved}'s state, and this run asks for "
+                         f"--optimizer {cfg.optimizer}: pass --optimizer {saved}, or start a new run (in a new "
+                         f"--out-dir) from its weights with --init-from {found[0]}")
+    model = GPT(dataclasses.replace(src, **run_options(cfg)))
+    check_weights(model, found[1]["model"], f"checkpoint {found[0]}")  # restore() would print every tensor
+    return model
+
+
+def fresh_model(cfg: TrainConfig) -> GPT:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     return GPT(model_config(cfg))
 
 
-def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: GPT, built: Trainable,
-           loader: TokenLoader | None, guard: SpikeGuard, world: int) -> int:
+def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: GPT, built: Trainable, parts: dict[str, Any],
+           cfg: TrainConfig, tokens_per_step: int) -> int:
     """Restore the checkpoint found into the built run on every rank (or stop all of them); returns its step."""
     path, ckpt = found
-    step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, loader, built.scaler), world,
+    step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, parts), checkpointer.world,
                         ValueError, (DataError, ValueError))
-    guard.load_state_dict(ckpt.get("outliers", {}))  # the z-scores' history, so a resumed run skips the same steps
+    if "tokens" not in ckpt:  # written before the count was kept
+        parts["tokens"].value = step * tokens_per_step
     if checkpointer.master:
         print(f"resumed from {path} at step {step}")
-        if note := schedule_change(ckpt.get("train_config", {}).get("max_steps"), checkpointer.cfg, step):
+        if parts["loader"] is not None and not cfg.eval_only:
+            note_new_windows(ckpt["loader"], parts["loader"])
+        if note := schedule_change(ckpt.get("train_config", {}).get("max_steps"), cfg, step):
             print(note)
+    if not cfg.eval_only and (changed := set_hyperparameters(built.optimizer, cfg)) and checkpointer.master:
+        print(f"note: {', '.join(changed)} differ from the checkpoint's run: this run's values apply from step {step}")
     del ckpt["model"], ckpt["optimizer"]  # copied into the model and optimizer: free the CPU copy
     return step
+
+
+def note_new_windows(saved: dict, loader: TokenLoader) -> None:
+    """Say where the data goes on when the checkpoint read other windows (--batch-size or --shuffle changed)."""
+    old_b, old_shuffle = saved["B"], TokenLoader.state_shuffle(saved)
+    if old_b == loader.B and old_shuffle == loader.shuffle:
+        return
+    if loader.continues_in_shard(old_shuffle):
+        where = "where it was, cut into windows of the new size"
+    elif loader.resume_skipped:
+        where = (f"at the next shard, skipping the {loader.resume_skipped:,} tokens the checkpoint's run had "
+                 "not yet served from the shard being read (it read that shard's windows in another order)")
+    else:
+        where = "where it was, at a shard's start (the checkpoint fell between shards: nothing skipped)"
+    print(f"note: the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads "
+          f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes on {where}, none "
+          "served twice" + (", and the optimizer step keeps --total-batch-size tokens" if old_b != loader.B else ""))
 
 
 def schedule_change(saved_steps: int | None, cfg: TrainConfig, step: int) -> str | None:
@@ -644,36 +624,39 @@ def print_header(cfg: TrainConfig, raw: GPT, built: Trainable, start_step: int, 
               f"on {device.type} unless --compile true)")
 
 
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp", "pos", "norm", "bias")  # None = the preset's
+# ----------------------------------------------------------------------------------------------------------------------
+# The model's config: the preset, then the GPTConfig fields given as flags
 
 
 def run_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The GPTConfig fields a run sets whatever its weights came from: context length, dropout, fused kernels, loss."""
-    return {"block_size": cfg.seq_len, "dropout": cfg.dropout, "fused_gelu": cfg.fused_gelu,
-            "loss_chunk": cfg.loss_chunk, "fused_ce": cfg.fused_ce, "half_residual": cfg.half_residual}
+    """The GPTConfig fields a run sets whatever its weights came from (model.RUN_OPTIONS): context length, dropout,
+    the speed options."""
+    return {"block_size": cfg.seq_len, **{k: v for k, v in cfg.arch.items() if k in RUN_OPTIONS}}
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
-    """The preset's architecture with this run's overrides (context length, shape, model options); an architecture
-    field left at None keeps the preset's value (GPT-2's)."""
-    base = MODEL_PRESETS[cfg.model or "gpt2"]()
-    arch = {k: getattr(cfg, k) for k in ARCHITECTURE if getattr(cfg, k) is not None}
-    return dataclasses.replace(base, **run_options(cfg), **arch)
+    """The preset's architecture with this run's GPTConfig flags (and --seq-len as block_size)."""
+    try:
+        return dataclasses.replace(MODEL_PRESETS[cfg.model or "gpt2"](), **cfg.arch, block_size=cfg.seq_len)
+    except ValueError as e:  # GPTConfig.n_head -> --n-head
+        raise ValueError(re.sub(r"GPTConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
 
 
 def check_architecture(cfg: TrainConfig, src: GPTConfig, source: str) -> None:
-    """Refuse a run whose architecture flags (set on the command line or by its preset; None means unset) say
-    otherwise than the weights it starts from, which fix the architecture: they would be ignored without a word."""
-    has = {k: getattr(src, "kv_heads" if k == "n_kv_head" else k) for k in ARCHITECTURE}
-    wrong = [f"--{k.replace('_', '-')} {v} (it has {has[k]})" for k in ARCHITECTURE
-             if (v := getattr(cfg, k)) is not None and v != has[k]]
-    if cfg.model is not None:  # a named preset's shape and the options it sets (llama-124m's), where no flag does
-        preset, plain = MODEL_PRESETS[cfg.model](), GPTConfig()
-        named = [k for k in ARCHITECTURE if getattr(cfg, k) is None and getattr(preset, k) != has[k]
-                 and (k in ("n_layer", "n_head", "n_embd") or getattr(preset, k) != getattr(plain, k))]
+    """Refuse a run whose architecture flags or --model preset say otherwise than the weights it starts from, which
+    fix the architecture: they would be ignored without a word."""
+    has = dataclasses.replace(src, n_kv_head=src.kv_heads)
+    fixed = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_OPTIONS, "vocab_size")]
+    wrong = [f"--{k.replace('_', '-')} {v} (it has {getattr(has, k)})" for k, v in cfg.arch.items()
+             if k in fixed and v != getattr(has, k)]
+    if cfg.model is not None:  # the preset's shape and options (llama-124m's), where no flag says otherwise
+        preset = dataclasses.replace(MODEL_PRESETS[cfg.model](), **{k: v for k, v in cfg.arch.items() if k in fixed})
+        preset = dataclasses.replace(preset, n_kv_head=preset.kv_heads)
+        follows = () if MODEL_PRESETS[cfg.model]().n_kv_head else ("n_kv_head",)  # it follows n_head
+        named = [k for k in fixed if k not in (*cfg.arch, *follows) and getattr(preset, k) != getattr(has, k)]
         if named:
             wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(preset, k)}' for k in named)}; it has "
-                         f"{', '.join(f'{k} {has[k]}' for k in named)})")
+                         f"{', '.join(f'{k} {getattr(has, k)}' for k in named)})")
     if wrong:
         raise ValueError(f"{source} fixes the architecture, but this run asks for {', '.join(wrong)}: drop those "
                          "flags (or use a preset that does not set them), or pass the shape flags the weights were "
@@ -690,7 +673,7 @@ def load_init(cfg: TrainConfig) -> GPT:
     # a checkpoint's tensors are mapped, not read: its AdamW moments (twice the weights) never enter memory
     try:
         source = GPT.from_checkpoint(load_checkpoint(path, mmap=True)) if path.is_file() else \
-            load_model(None, cfg.init_from)
+            GPT.load(None, cfg.init_from)
     except OSError as e:  # the hub is unreachable, or has no such model: one line, not an HTTP client's traceback
         raise ValueError(str(e).replace("\n", " ")) from None
     src = source.config
@@ -709,358 +692,6 @@ def load_init(cfg: TrainConfig) -> GPT:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# One optimizer step (bench.py times this same function) and its learning rate
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], tuple], grad_accum: int,
-               autocast: contextlib.AbstractContextManager, grad_clip: float, label_smoothing: float = 0.0,
-               scaler: torch.amp.GradScaler | None = None,
-               update: Callable[[torch.Tensor, torch.Tensor], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward grad_accum micro-batches, clip, step. Returns (mean loss, grad norm) as 0-d tensors.
-    `update(loss, norm)`, when given, decides before the optimizer step whether to take it (False drops this
-    step's gradients); it must return the same answer on every rank."""
-    loss_accum = torch.zeros((), device=next(model.parameters()).device)
-    for micro in range(grad_accum):
-        x, y = next_batch()
-        with sync_gradients(model, micro == grad_accum - 1), autocast:
-            # no logits out of the model: B*T*V, 6.6 GB in bf16 at B=64, T=1024, would live through backward, and a
-            # compiled model would also get a zero gradient of that size for them (GPT.forward's docstring)
-            loss = model(x, y, label_smoothing=label_smoothing, return_logits=False)[1]
-        loss = loss / grad_accum  # gradients of the mean over all micro-batches, not the sum
-        loss_accum += loss.detach()
-        (scaler.scale(loss) if scaler else loss).backward()
-    if scaler:
-        scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
-        norm = norm.full_tensor()
-    if update is not None and not update(loss_accum, norm):
-        if scaler:
-            scaler.update()  # the scale still reacts to this step's inf checks
-    elif scaler:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_accum, norm
-
-
-def get_lr(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup from max_lr/warmup to max_lr, then the schedule down to min_lr_frac * max_lr at max_steps:
-    cosine (GPT-2 / nanoGPT / llm.c's default) or linear over all the steps after warmup; constant stays at max_lr;
-    wsd (warmup-stable-decay) holds max_lr, then decays linearly over the last decay_frac of the steps, so a run
-    can be extended from a checkpoint taken before its decay."""
-    min_lr = cfg.min_lr_frac * cfg.max_lr
-    if step < cfg.warmup_steps:
-        return cfg.max_lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.max_lr
-    if step >= cfg.max_steps:
-        return min_lr
-    if cfg.lr_schedule == "wsd":
-        decay_start = wsd_decay_start(cfg)
-        if step < decay_start:
-            return cfg.max_lr
-        return cfg.max_lr - (step - decay_start) / max(1, cfg.max_steps - decay_start) * (cfg.max_lr - min_lr)
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    if cfg.lr_schedule == "linear":
-        return cfg.max_lr - progress * (cfg.max_lr - min_lr)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
-
-
-def wsd_decay_start(cfg: TrainConfig) -> int:
-    """The step where wsd's linear decay to the min begins: decay_frac of max_steps before the end."""
-    return max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Optimizers: AdamW (the default), Muon for the blocks' matrices with AdamW for the rest, torchao's 8-bit AdamW
-
-
-def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device, verbose: bool) -> torch.optim.Optimizer:
-    """--optimizer over the model's parameters, inside ZeroRedundancyOptimizer for --parallel zero1 under torchrun.
-    Every group's lr is --max-lr's schedule (the loop sets it), Muon's included (see MuonAdamW)."""
-    adamw = model.configure_optimizers(cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps, device.type,
-                                       verbose=verbose and cfg.optimizer != "muon")
-    zero1 = cfg.parallel == "zero1" and dist.is_initialized()
-    if cfg.optimizer == "adamw" and not zero1:
-        return adamw  # fused AdamW on CUDA: every parameter updated in one launch
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups]
-    options = {"lr": cfg.max_lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "fused": device.type == "cuda"}
-    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW
-    if cfg.optimizer == "muon":
-        groups, optimizer_class = muon_groups(model, cfg.weight_decay, verbose), MuonAdamW
-    elif cfg.optimizer == "adamw8bit":
-        import_torchao("--optimizer adamw8bit")
-        from torchao.optim import AdamW8bit
-
-        optimizer_class = AdamW8bit
-        del options["fused"]  # it compiles its own step
-        if verbose:
-            print("optimizer: torchao's AdamW8bit: 8-bit moments (blocks of 256) for tensors of 4096+ elements")
-    if zero1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        # the same optimizer and groups, with each rank keeping the state of only its share of the parameters
-        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, **options)
-    else:
-        optimizer = optimizer_class(groups, **options)
-    if cfg.optimizer == "adamw8bit":
-        (optimizer.optim if zero1 else optimizer).register_step_pre_hook(lr_as_tensor)
-    return optimizer
-
-
-def muon_groups(model: GPT, weight_decay: float, verbose: bool) -> list[dict[str, Any]]:
-    """Muon's group, the blocks' 2-D matrices (attention and MLP weights), then AdamW's two: the other 2-D tensors
-    (token and position embeddings, the tied lm_head) with weight decay, biases and norms without."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # the tied lm_head once, as wte
-    matrices = {name for name, p in named if p.dim() == 2 and name.startswith("transformer.h.")}
-    hidden = [p for name, p in named if name in matrices]
-    decay = [p for name, p in named if name not in matrices and p.dim() >= 2]
-    rest = [p for _, p in named if p.dim() < 2]
-    if verbose:
-        def count(ps: list[nn.Parameter], what: str) -> str:
-            return f"{len(ps)} {what} ({sum(p.numel() for p in ps):,} params)"
-        print(f"optimizer: Muon for {count(hidden, 'block matrices')}; AdamW for {count(decay, 'embedding tensors')} "
-              f"with weight decay, {count(rest, 'bias and norm tensors')} without")
-    return [{"params": hidden, "weight_decay": weight_decay, "muon": True},
-            {"params": decay, "weight_decay": weight_decay, "muon": False},
-            {"params": rest, "weight_decay": 0.0, "muon": False}]
-
-
-class MuonAdamW(torch.optim.Optimizer):
-    """torch.optim.Muon for the groups marked "muon", AdamW for the others, as one optimizer. The two inner ones hold
-    the very group dicts and the state dict of this one, so the loop's lr, GradScaler, ZeRO-1 and the checkpoint see
-    one ordinary optimizer, and state_dict() is Optimizer's own.
-
-    Muon's lr is scaled by 0.2 * sqrt(max(rows, cols)) per matrix (torch's adjust_lr_fn="match_rms_adamw", from
-    Moonshot's "Muon is Scalable for LLM Training", 2025): its update RMS is then about 0.2 x lr, as AdamW's
-    typically is, so both parts share --max-lr, its schedule and --weight-decay. Momentum 0.95 with Nesterov and 5
-    Newton-Schulz steps are torch's defaults, Keller Jordan's. Fused matrices (qkv, SwiGLU's gate and up) are
-    orthogonalized whole."""
-
-    def __init__(self, params: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, fused: bool = False, momentum: float = 0.95):
-        groups = list(params)
-        for group in groups:  # ZeRO-1 gives every group AdamW's defaults: Muon's take its own (its eps is another one)
-            if group["muon"]:
-                for key in set(group) - {"params", "weight_decay", "muon", "lr"}:
-                    del group[key]
-        self.muon = torch.optim.Muon([g for g in groups if g["muon"]], lr=lr, momentum=momentum, nesterov=True,
-                                     adjust_lr_fn="match_rms_adamw")
-        self.adamw = torch.optim.AdamW([g for g in groups if not g["muon"]], lr=lr, betas=betas, eps=eps, fused=fused)
-        super().__init__(groups, {})
-        self._share()
-
-    def _share(self) -> None:
-        """Point the inner optimizers at this one's groups (in order) and state."""
-        self.muon.param_groups = [g for g in self.param_groups if g["muon"]]
-        self.adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
-        self.muon.state = self.adamw.state = self.state
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.muon.step()
-        self.adamw.step()
-        return loss
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)  # new group dicts and a new state: share them again
-        self._share()
-
-
-def lr_as_tensor(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A step pre-hook for torchao's 8-bit AdamW, which compiles its step for lr as a tensor (a float would be baked
-    into the graph, and each new value recompile it); the loop sets a float."""
-    for group in optimizer.param_groups:
-        if not torch.is_tensor(group["lr"]):
-            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
-
-
-def optimizer_conflict(cfg: TrainConfig) -> str | None:
-    """Why --optimizer cannot run with this torch, these packages or --parallel, or None."""
-    if cfg.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
-        return f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}"
-    if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
-        return ("--optimizer muon orthogonalizes whole matrices, which --parallel fsdp shards across ranks; use "
-                "--parallel zero1 (each matrix whole on one rank) or ddp")
-    if cfg.optimizer == "adamw8bit" and cfg.parallel == "fsdp":
-        return ("--optimizer adamw8bit does not support --parallel fsdp here (8-bit states of sharded tensors do not "
-                "go through the full-state checkpoint); use --parallel zero1, which shards the 8-bit state too, or ddp")
-    if cfg.optimizer == "adamw8bit":
-        try:
-            import_torchao("--optimizer adamw8bit")
-        except ImportError as e:
-            return str(e)
-    return None
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """The bytes of every tensor in the optimizer's state (this rank's), an 8-bit state's codes, scales and code
-    table (tensor subclasses' inner tensors) included."""
-    local = getattr(optimizer, "optim", optimizer)  # ZeRO-1's own share
-    return sum(tensor_bytes(v) for state in local.state.values() for v in state.values() if torch.is_tensor(v))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Parallelism, precision and compile, applied from outside the model
-
-
-def apply_recompute(model: GPT, mode: str) -> None:
-    """Recompute activations in backward instead of storing them, per block or per MLP (names stay unchanged)."""
-    if mode == "none":
-        return
-    for block in model.transformer.h:
-        target = block if mode == "block" else block.mlp
-        inner = target.forward
-        target.forward = lambda *args, _f=inner: activation_checkpoint(_f, *args, use_reentrant=False)
-
-
-def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Wrap (DDP) or shard (FSDP2) the model under torchrun, at any world size (one rank included, as nanoGPT does:
-    the same code path on 1 GPU as on 64); returns the module that train steps call. For FSDP2, model is the GPT
-    itself; DDP may wrap its compiled form (see wrap_model)."""
-    if cfg.parallel == "fsdp":
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        except ImportError:  # torch 2.5 keeps FSDP2 under _composable
-            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-        # gather parameters in the compute dtype (half the all-gather traffic in bf16), reduce gradients in fp32
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        if dist.is_initialized():
-            for block in model.transformer.h:
-                fully_shard(block, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
-        return model
-    if dist.is_initialized():
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return model
-
-
-def uses_cuda_graphs(cfg: TrainConfig, device: torch.device) -> bool:
-    """Whether the compile mode replays CUDA graphs here: only on CUDA, where compile=None means on, and only in
-    these two modes."""
-    return device.type == "cuda" and cfg.compile is not False and cfg.compile_mode in ("reduce-overhead",
-                                                                                        "max-autotune")
-
-
-def cuda_graph_conflict(cfg: TrainConfig, grad_accum: int, device: torch.device) -> str | None:
-    """Why this compile mode cannot run with this gradient accumulation, or None: a CUDA graph's replay overwrites
-    the .grad the accumulation adds into (docs/notes.md, "CUDA graphs and accumulation")."""
-    if uses_cuda_graphs(cfg, device) and grad_accum > 1:
-        return (f"--compile-mode {cfg.compile_mode} uses CUDA graphs, which break gradient accumulation "
-                f"({grad_accum} micro-steps here); use --compile-mode max-autotune-no-cudagraphs, or raise "
-                "--batch-size or the number of GPUs until one micro-step makes the whole batch")
-    return None
-
-
-def attention_conflict(cfg: TrainConfig, device: torch.device) -> str | None:
-    """Why the SDPA kernel --attention allows alone has no kernel for this device and dtype, or None."""
-    if device.type == "cpu" and cfg.attention in ("efficient", "cudnn"):
-        return f"--attention {cfg.attention} has no CPU kernel; use --attention flash, math or auto"
-    if device.type == "cuda" and cfg.attention in ("flash", "cudnn") and cfg.dtype == "fp32":
-        return f"--attention {cfg.attention} has no fp32 kernel on CUDA; use --dtype bf16 or --attention auto"
-    return None
-
-
-def sdpa_switches() -> dict[str, bool]:
-    """The process-wide SDPA switches as they are now, for set_sdpa_switches to put back."""
-    return {switch: getattr(torch.backends.cuda, switch.removeprefix("enable_") + "_enabled")()
-            for switch in SDPA_SWITCHES.values()}
-
-
-def set_sdpa_switches(state: dict[str, bool]) -> None:
-    for switch, on in state.items():
-        getattr(torch.backends.cuda, switch)(on)
-    tag_compile_caches([kernel for kernel, switch in SDPA_SWITCHES.items() if state.get(switch)])
-
-
-def select_attention(name: str) -> None:
-    """Allow only the named SDPA kernel, or every kernel for 'auto' (torch's default). These are process-wide
-    switches, and a compiled graph keeps the kernel chosen when it was traced: set them before compiling."""
-    set_sdpa_switches({switch: name in ("auto", kernel) for kernel, switch in SDPA_SWITCHES.items()})
-
-
-def tag_compile_caches(kernels: list[str]) -> None:
-    """Put the SDPA kernels allowed into torch.compile's cache key, which does not key on the switches (a cached
-    graph kept another run's kernel: docs/notes.md). Appended to the user's TORCH_COMPILE_CACHE_KEY_TAG."""
-    choice = "" if set(kernels) == set(SDPA_SWITCHES) else "sdpa=" + "+".join(kernels)
-    if hasattr(torch.compiler.config, "cache_key_tag"):
-        torch.compiler.config.cache_key_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "") + choice
-    else:  # a torch without the tag: no graph cache for a forced kernel, so nothing stale comes back
-        from torch._inductor import config as inductor_config
-
-        inductor_config.fx_graph_cache = not choice
-
-
-def compile_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """torch.compile with the configured mode; 'reduce-overhead' adds CUDA graphs, the max-autotune modes search
-    Triton matmul configs (minutes of compilation for GPT-2)."""
-    return torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
-
-
-def wrap_model(raw: GPT, cfg: TrainConfig, device: torch.device, dtype: torch.dtype, use_compile: bool) -> nn.Module:
-    """parallelize and compile_model in the order each needs: DDP wraps the compiled model (nanoGPT's order; the
-    other way breaks Dynamo's graph in DDP's forward), FSDP2 is compiled after fully_shard, which needs plain blocks."""
-    if cfg.parallel == "fsdp":
-        model = parallelize(raw, cfg, device, dtype)
-        return compile_model(model, cfg) if use_compile else model
-    return parallelize(compile_model(raw, cfg) if use_compile else raw, cfg, device, dtype)
-
-
-@dataclass
-class Trainable:
-    """What one training step needs: the (wrapped, compiled) model, its optimizer and the precision."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    dtype: torch.dtype
-    autocast: contextlib.AbstractContextManager
-
-
-def build_trainable(raw: GPT, cfg: TrainConfig, device: torch.device, use_compile: bool,
-                    verbose: bool) -> Trainable:
-    """raw (on its device) made ready to train: recompute, precision, attention kernel, parallel wrapper and compile,
-    then the optimizer. train.py and bench.py both build through here, so bench times what a run trains."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (outside autocast) on tensor cores
-        torch.backends.cudnn.allow_tf32 = True
-    apply_recompute(raw, cfg.recompute)
-    dtype, autocast = precision(cfg, device)
-    select_attention(cfg.attention)
-    model = wrap_model(raw, cfg, device, dtype, use_compile)
-    # after parallelize: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
-    optimizer = build_optimizer(raw, cfg, device, verbose)
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    return Trainable(model, optimizer, scaler, dtype, autocast)
-
-
-def precision(cfg: TrainConfig, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
-    name = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-    if dtype == torch.float32:
-        return dtype, contextlib.nullcontext()
-    return dtype, torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-    """Skip the gradient all-reduce on non-final micro-steps of gradient accumulation."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(enabled)
-        return contextlib.nullcontext()
-    if hasattr(model, "no_sync") and not enabled:  # DDP
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # Entry points
 
 
@@ -1074,7 +705,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             _stop_the_other_ranks(str(e.code).removeprefix("error: "))
         raise
     if cfg.print_config:
-        print(json.dumps(dataclasses.asdict(dataclasses.replace(cfg, print_config=False)), indent=1))
+        resolved = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "print_config"}
+        print(json.dumps({**resolved, "model_config": dataclasses.asdict(model_config(cfg))}, indent=1))
         return {}
     try:
         return run(cfg)
@@ -1092,7 +724,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _stop_the_other_ranks(problem: str) -> None:
     """Under torchrun, a rank whose command line does not parse (a flag mistyped on one node) would exit before the
     rendezvous, and the other ranks would wait for it there until the timeout (10-30 minutes). It joins the process
-    group anyway, only to hand its reason to their first collective (_train's shared_problem), so that every rank
+    group anyway, only to hand its reason to their first collective (hold_out_dir's shared_problem), so that every rank
     stops at once with it. Its own flags unread, it joins as the default config's device would."""
     _, _, world, _ = setup_distributed(TrainConfig().device, TrainConfig().dist_timeout)
     try:
@@ -1104,7 +736,9 @@ def _stop_the_other_ranks(problem: str) -> None:
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or, with eval_only, evaluate) as cfg says; the entry point from Python, where errors stay exceptions
     (DataError, ValueError, FileNotFoundError for the user's). Under torchrun it joins the default process group (or
-    creates it, and then destroys it at the end). Returns train()'s result, the same on every rank."""
+    creates it, and then destroys it at the end). Returns engine.train()'s result, the same on every rank."""
+    import engine
+
     owns_group = not dist.is_initialized()
     rank, local_rank, world, device = setup_distributed(cfg.device, cfg.dist_timeout)
     attention = sdpa_switches()
@@ -1112,7 +746,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         with hold_out_dir(cfg, rank, world):
             state = setup(cfg, rank, local_rank, world, device)
             with state.stop:  # its signal handlers live as long as the loop, and put the caller's back
-                result = train(state)
+                result = engine.train(state)
                 if dist.is_initialized():
                     dist.barrier()  # leave together: no rank tears its group down while another is in a collective
         return result

@@ -1,5 +1,5 @@
 """The optimizer state each --optimizer keeps for a model, measured: train.py builds the model and the optimizer, takes
-one step (which creates the state) on a small random batch on the CPU, and train.optimizer_state_bytes sums the real
+one step (which creates the state) on a small random batch on the CPU, and parallel.optimizer_state_bytes sums the real
 storage of every state tensor (an 8-bit moment's codes, scales and code table). Prints a markdown table.
 
 Usage (from the repo root):
@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import parallel  # noqa: E402
 import train  # noqa: E402
 from common import parse_config  # noqa: E402
 from model import GPT, MODEL_PRESETS  # noqa: E402
@@ -40,11 +41,11 @@ def measure(cfg: StateConfig, optimizer: str) -> tuple[int, int]:
     tcfg = dataclasses.replace(tcfg, seq_len=MODEL_PRESETS[cfg.model]().block_size)  # all of GPT-2's 1024 positions
     torch.manual_seed(0)
     raw = GPT(train.model_config(tcfg))
-    built = train.build_trainable(raw, tcfg, torch.device("cpu"), use_compile=False, verbose=False)
+    built = parallel.build_trainable(raw, tcfg, torch.device("cpu"), use_compile=False, verbose=False)
     tokens = torch.randint(0, 50257, (1, 1, cfg.tokens + 1))
-    train.train_step(built.model, built.optimizer, lambda: (tokens[0, :, :-1], tokens[0, :, 1:]), 1,
+    parallel.train_step(built.model, built.optimizer, lambda: (tokens[0, :, :-1], tokens[0, :, 1:]), 1,
                      contextlib.nullcontext(), 1.0)
-    return train.optimizer_state_bytes(built.optimizer), sum(p.numel() for p in raw.parameters())
+    return parallel.optimizer_state_bytes(built.optimizer), sum(p.numel() for p in raw.parameters())
 
 
 def main(argv: list[str] | None = None) -> str:

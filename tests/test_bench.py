@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import bench
+import parallel
 import train
 from bench import BenchConfig, Variant, bench_decode, bench_hellaswag, bench_kernel, bench_train, main
 from common import GPT2_VOCAB
@@ -34,7 +35,7 @@ def plain_training_losses(cfg: BenchConfig, steps: int) -> list[float]:
     accum, B, T = cfg.grad_accum, tcfg.batch_size, tcfg.seq_len
     torch.manual_seed(cfg.seed)
     model = GPT(train.model_config(tcfg))
-    optimizer = train.build_optimizer(model, tcfg, torch.device("cpu"), verbose=False)
+    optimizer = parallel.build_optimizer(model, tcfg, torch.device("cpu"), verbose=False)
     tokens = torch.randint(0, GPT2_VOCAB, (accum, B, T + 1), generator=torch.Generator().manual_seed(cfg.seed))
     losses = []
     for _ in range(steps):

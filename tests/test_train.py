@@ -3,7 +3,6 @@
 import contextlib
 import copy
 import dataclasses
-import errno
 import gc
 import json
 import math
@@ -22,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-import components
+import engine
+import parallel as par
 import train
 from common import describe_provenance, iter_log, load_checkpoint, parse_config
 from conftest import ROOT, children, run_nodes, run_torchrun
@@ -77,7 +77,7 @@ def test_gpt2_124m_preset_is_the_reference_recipe():
     mcfg = train.model_config(cfg)
     assert (mcfg.n_layer, mcfg.n_embd, mcfg.vocab_size, mcfg.block_size) == (12, 768, 50304, 1024)
     # build-nanogpt's AdamW(betas=(0.9, 0.95), eps=1e-8) and cosine decay to min_lr = max_lr * 0.1; no dropout
-    assert (cfg.beta1, cfg.beta2, cfg.eps, cfg.min_lr_frac, cfg.lr_schedule, cfg.dropout, cfg.label_smoothing) == \
+    assert (cfg.beta1, cfg.beta2, cfg.eps, cfg.min_lr_frac, cfg.lr_schedule, mcfg.dropout, cfg.label_smoothing) == \
         (0.9, 0.95, 1e-8, 0.1, "cosine", 0.0, 0.0)
     assert (mcfg.n_head, mcfg.kv_heads, mcfg.mlp, mcfg.pos, mcfg.bias) == (12, 12, "gelu", "learned", True)
     shakespeare = train.model_config(train.PRESETS["shakespeare"]())
@@ -97,8 +97,8 @@ def test_llama_124m_preset_is_gpt2_124ms_recipe_with_the_llama_model():
     assert (mcfg.n_layer, mcfg.n_head, mcfg.n_embd, mcfg.kv_heads, mcfg.block_size) == (12, 12, 768, 4, 1024)
     assert (mcfg.mlp, mcfg.pos, mcfg.norm, mcfg.bias) == ("swiglu", "rope", "rmsnorm", False)
     # a flag still overrides the preset's choice, and --norm rmsnorm alone changes only the norm of GPT-2
-    assert train.model_config(dataclasses.replace(llama, norm="layernorm", bias=True)).norm == "layernorm"
-    rms = train.model_config(dataclasses.replace(gpt2, norm="rmsnorm"))
+    assert train.model_config(dataclasses.replace(llama, arch={"norm": "layernorm", "bias": True})).norm == "layernorm"
+    rms = train.model_config(dataclasses.replace(gpt2, arch={"norm": "rmsnorm"}))
     assert (rms.norm, rms.mlp, rms.pos, rms.kv_heads, rms.bias) == ("rmsnorm", "gelu", "learned", 12, True)
 
 
@@ -137,7 +137,7 @@ def test_llama_trains_and_resumes_bitwise(token_data, tmp_path, capsys):
     (["--batch-size=big"], "--batch-size expects int"),
     (["--preset", "gpt5"], "unknown --preset 'gpt5'"),
     (["--recompute=all"], "--recompute must be one of none, mlp, block"),
-    (["--norm=batchnorm"], "--norm must be one of layernorm, rmsnorm; got 'batchnorm'"),
+    (["--norm=batchnorm"], "--norm must be 'layernorm' or 'rmsnorm', got 'batchnorm'"),
     (["--lr-schedule=step"], "--lr-schedule must be one of cosine, linear, constant, wsd"),
     (["--shuffle=rows"], "--shuffle must be one of windows, shards"),
     (["--optimizer=sgd"], "--optimizer must be one of adamw, muon, adamw8bit"),
@@ -160,7 +160,7 @@ def test_llama_trains_and_resumes_bitwise(token_data, tmp_path, capsys):
     (["--min-lr-frac=nan"], r"--min-lr-frac must be in \[0, 1\]; got nan"),
     (["--grad-clip=nan"], "--grad-clip must be >= 0; got nan"),
     (["--eps=nan"], "--eps must be >= 0; got nan"),
-    (["--dropout=nan"], r"--dropout must be in \[0, 1\); got nan"),
+    (["--dropout=nan"], r"--dropout must be in \[0, 1\), got nan"),
     (["--beta1=nan"], r"--beta1 must be in \[0, 1\); got nan"),
     (["--beta2=1"], r"--beta2 must be in \[0, 1\); got 1.0"),
     (["--weight-decay=inf"], "--weight-decay and --eps must be finite; got inf and 1e-08"),
@@ -177,7 +177,7 @@ def test_a_flag_given_twice_is_named_with_both_values_and_the_last_wins(capsys, 
     argv = ["--preset", "tiny", "--max-steps", "10", "--max_steps=20", "--fused-ce", "--fused-ce=false", "--seed=3",
             "--seed", "3", "--compile", "--compile=True"]  # the same value twice is no conflict
     cfg = parse_config(train.TrainConfig, argv, train.PRESETS)
-    assert (cfg.max_steps, cfg.fused_ce, cfg.seed) == (20, False, 3)
+    assert (cfg.max_steps, cfg.arch["fused_ce"], cfg.seed) == (20, False, 3)
     assert capsys.readouterr().err == ("warning: --max-steps given twice ('10', then '20'): the last one is used\n"
                                        "warning: --fused-ce given twice ('true', then 'false'): the last one is used\n")
     monkeypatch.setenv("RANK", "1")  # under torchrun, every rank parses the same command line: rank 0 says it
@@ -202,14 +202,21 @@ def test_print_config_prints_the_preset_with_the_flags_and_exits_without_touchin
                           timeout=120)
     assert proc.returncode == 0 and proc.stderr == ""
     printed = json.loads(proc.stdout)
-    assert list(printed) == [f.name for f in dataclasses.fields(train.TrainConfig)]  # every field, in --help's order
-    assert printed == {**dataclasses.asdict(train.TrainConfig()),  # the defaults, the preset's fields, then the flags
-                       "model": "gpt2", "n_layer": 6, "n_head": 6, "n_embd": 384, "seq_len": 256,
-                       "data": "data/shakespeare", "preload": True, "total_batch_size": 16384, "batch_size": 64,
-                       "max_lr": 1e-3, "warmup_steps": 100, "max_steps": 100, "dropout": 0.1, "eval_every": 250,
+    # every field but print_config, in --help's order, then the model's resolved shape
+    assert list(printed) == [f.name for f in dataclasses.fields(train.TrainConfig) if f.name != "print_config"] + \
+        ["model_config"]
+    model = printed.pop("model_config")
+    defaults = {k: v for k, v in dataclasses.asdict(train.TrainConfig()).items() if k != "print_config"}
+    assert printed == {**defaults,  # the defaults, the preset's fields, then the flags
+                       "model": "gpt2", "arch": {"n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.1},
+                       "seq_len": 256, "data": "data/shakespeare", "preload": True, "total_batch_size": 16384,
+                       "batch_size": 64, "max_lr": 1e-3, "warmup_steps": 100, "max_steps": 100, "eval_every": 250,
                        "eval_tokens": 16384, "hellaswag": "off", "sample_every": 500, "sample_tokens": 128,
                        "ckpt_every": 1000, "out_dir": "out/shakespeare", "sample_prompt": "ROMEO:"}
-    assert printed["print_config"] is False and printed["lr_schedule"] == "cosine"  # as the run itself would see it
+    assert "print_config" not in printed and printed["lr_schedule"] == "cosine"  # as the run itself would see it
+    # the 30M model, not GPT-2 124M: the shape the preset and the flags resolve to
+    assert (model["n_layer"], model["n_head"], model["n_embd"], model["block_size"], model["dropout"]) == \
+        (6, 6, 384, 256, 0.1)
     assert list(tmp_path.iterdir()) == []  # no data read, no out dir made
 
 
@@ -270,7 +277,7 @@ def test_recompute_keeps_fewer_activations_per_block_than_per_mlp_with_the_same_
     def saved(mode: str) -> tuple[int, list[torch.Tensor]]:
         torch.manual_seed(0)
         model = GPT(GPTConfig(block_size=16, vocab_size=128, n_layer=2, n_head=2, n_embd=32))
-        train.apply_recompute(model, mode)
+        par.apply_recompute(model, mode)
         x = torch.randint(0, 128, (2, 16))
         kept = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
@@ -307,7 +314,7 @@ def test_train_step_accumulates_the_mean_gradient_clips_and_skips():
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
     for clip in (0.0, norm / 4):  # 0: no clipping
         run = copy.deepcopy(model)
-        got_loss, got_norm = train.train_step(run, torch.optim.SGD(run.parameters(), lr=1.0), iter(batches).__next__, 3,
+        got_loss, got_norm = par.train_step(run, torch.optim.SGD(run.parameters(), lr=1.0), iter(batches).__next__, 3,
                                               contextlib.nullcontext(), clip, label_smoothing=0.1)
         assert got_loss.item() == pytest.approx(loss.item(), abs=1e-6) and got_norm.item() == pytest.approx(norm,
                                                                                                          rel=1e-5)
@@ -317,7 +324,7 @@ def test_train_step_accumulates_the_mean_gradient_clips_and_skips():
         assert all(p.grad is None for p in run.parameters())
     # an update the guard refuses: it saw the mean loss and the norm, nothing moved, and no gradient is left over
     run, seen = copy.deepcopy(model), []
-    train.train_step(run, torch.optim.SGD(run.parameters(), lr=1.0), iter(batches).__next__, 3,
+    par.train_step(run, torch.optim.SGD(run.parameters(), lr=1.0), iter(batches).__next__, 3,
                      contextlib.nullcontext(), 1.0, label_smoothing=0.1,
                      update=lambda loss, norm: seen.append((loss.item(), norm.item())) or False)
     assert seen == [(pytest.approx(loss.item(), abs=1e-6), pytest.approx(norm, rel=1e-5))]
@@ -332,10 +339,10 @@ def test_train_step_in_fp16_clips_the_unscaled_gradient():
     (sum(ref(x, y)[1] for x, y in batches) / len(batches)).backward()
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ref.parameters()])).item()
     run = copy.deepcopy(model)
-    dtype, autocast = train.precision(train.TrainConfig(dtype="fp16"), torch.device("cpu"))
+    dtype, autocast = par.precision("fp16", torch.device("cpu"))
     assert dtype == torch.float16  # which is what makes train.py create a GradScaler
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
-    _, got = train.train_step(run, torch.optim.SGD(run.parameters(), lr=1.0), iter(batches).__next__, 2, autocast,
+    _, got = par.train_step(run, torch.optim.SGD(run.parameters(), lr=1.0), iter(batches).__next__, 2, autocast,
                               norm / 2, scaler=scaler)
     assert got.item() == pytest.approx(norm, rel=1e-2)  # fp16 forward and backward: 1% for the rounding
     moved = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(a.detach() - b.detach())
@@ -367,7 +374,7 @@ def test_ddp_reduces_gradients_only_on_the_last_micro_step():
         model.register_comm_hook(None, hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(2):
-            train.train_step(model, optimizer, next_batch, 3, contextlib.nullcontext(), 1.0)
+            par.train_step(model, optimizer, next_batch, 3, contextlib.nullcontext(), 1.0)
         # DDP's reducer holds the group: freed only after destroy_process_group, its gloo group's destructor once
         # hung the suite joining its worker thread, so it goes while the group is alive (as bench's ddp rows do)
         del model, optimizer
@@ -391,23 +398,23 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
                "flash": "aten::_scaled_dot_product_flash_attention_for_cpu"}
     try:
         for name, op in kernels.items():
-            train.select_attention(name)
+            par.select_attention(name)
             with torch.profiler.profile() as prof:
                 torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
             assert op in {e.name for e in prof.events()}, name
-        before = train.sdpa_switches()  # flash alone, from the loop above
+        before = par.sdpa_switches()  # flash alone, from the loop above
         math_run = train.main(tiny_args(token_data, tmp_path / "math", "--max-steps=3", "--eval-every=0",
                                         "--attention=math"))["losses"]
-        assert train.sdpa_switches() == before  # the run's choice does not outlive it in the caller's process
+        assert par.sdpa_switches() == before  # the run's choice does not outlive it in the caller's process
     finally:
-        train.select_attention("auto")
+        par.select_attention("auto")
     auto_run = train.main(tiny_args(token_data, tmp_path / "auto", "--max-steps=3", "--eval-every=0"))["losses"]
     assert math_run == pytest.approx(auto_run, abs=1e-5)  # another kernel, the same attention
     for name in ("efficient", "cudnn"):  # CUDA-only kernels: one line up front, not "no viable backend" mid-run
         with pytest.raises(SystemExit):
             train.main(tiny_args(token_data, tmp_path / name, "--max-steps=1", f"--attention={name}"))
         assert f"--attention {name} has no CPU kernel" in capsys.readouterr().err
-        assert all(train.sdpa_switches().values())
+        assert all(par.sdpa_switches().values())
 
 
 def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
@@ -491,10 +498,10 @@ BLOCK_MATRICES = {f"transformer.h.{i}.{name}.weight" for i in range(2)
 @needs_muon
 @pytest.mark.parametrize("arch", [{}, {"mlp": "swiglu", "pos": "rope", "bias": False, "n_kv_head": 2}])
 def test_muon_takes_the_block_matrices_and_adamw_the_rest(arch, capsys):
-    cfg = train.TrainConfig(model="tiny", seq_len=32, optimizer="muon", weight_decay=0.0, max_lr=1e-2, **arch)
+    cfg = train.TrainConfig(model="tiny", seq_len=32, optimizer="muon", weight_decay=0.0, max_lr=1e-2, arch=arch)
     torch.manual_seed(0)
     raw = GPT(train.model_config(cfg))
-    optimizer = train.build_optimizer(raw, cfg, torch.device("cpu"), verbose=True)
+    optimizer = par.build_optimizer(raw, cfg, torch.device("cpu"), verbose=True)
     names = {id(p): name for name, p in raw.named_parameters()}
     groups = [(g["muon"], g["weight_decay"], {names[id(p)] for p in g["params"]}) for g in optimizer.param_groups]
     embeddings = {"transformer.wte.weight"} | ({"transformer.wpe.weight"} if not arch else set())
@@ -511,7 +518,7 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(arch, capsys):
     for group in optimizer.param_groups:
         group["lr"] = 1e-2
     x, y = torch.randint(0, 50257, (2, 2, 32))
-    train.train_step(raw, optimizer, lambda: (x, y), 1, contextlib.nullcontext(), 1.0)
+    par.train_step(raw, optimizer, lambda: (x, y), 1, contextlib.nullcontext(), 1.0)
     rms = {name: (p.detach() - before[name]).pow(2).mean().sqrt().item() / 1e-2 for name, p in raw.named_parameters()}
     assert all(0.1 < rms[name] < 0.3 for name in BLOCK_MATRICES), rms
     assert all(0.5 < r <= 1.01 for name, r in rms.items() if name not in BLOCK_MATRICES), rms
@@ -520,7 +527,7 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(arch, capsys):
     assert {name for name in params if "momentum_buffer" in optimizer.state[params[name]]} == BLOCK_MATRICES
     assert {name for name in params if "exp_avg" in optimizer.state[params[name]]} == set(params) - BLOCK_MATRICES
     assert optimizer.muon.state is optimizer.adamw.state is optimizer.state
-    assert train.optimizer_state_bytes(optimizer) == sum(
+    assert par.optimizer_state_bytes(optimizer) == sum(
         (1 if name in BLOCK_MATRICES else 2) * p.numel() * 4 + (0 if name in BLOCK_MATRICES else 4)
         for name, p in params.items())  # fp32 momentum; fp32 moments and a 0-d fp32 step
 
@@ -735,13 +742,13 @@ def test_resumed_fine_tune_needs_no_init_source(token_data, hf_dir, tmp_path):
 SLOW_RANK_WORKER = """import os, sys, time
 sys.path.insert(0, sys.argv[1])
 import train
-import components
-found = components.Checkpointer.find_resume
+import engine
+found = engine.Checkpointer.find_resume
 def slow(*args, **kwargs):  # rank 0 works alone (as in a download) while rank 1 waits for it in a collective
     if os.environ["RANK"] == "0":
         time.sleep(6)
     return found(*args, **kwargs)
-components.Checkpointer.find_resume = slow
+engine.Checkpointer.find_resume = slow
 train.main(sys.argv[2:])
 """
 
@@ -791,8 +798,8 @@ def swiglu_ckpt(token_data, tmp_path_factory):
     ("swiglu", ["--norm=rmsnorm"], r"asks for --norm rmsnorm \(it has layernorm\): drop"),
     # a named preset's own options are checked too, where no flag replaces them: its shape flags match here
     ("swiglu", ["--model=llama-124m", "--n-layer=2", "--n-head=4", "--n-embd=64"],
-     r"asks for --model llama-124m \(pos rope, norm rmsnorm, bias False; it has pos learned, norm layernorm, "
-     r"bias True\): drop"),
+     r"asks for --model llama-124m \(bias False, pos rope, norm rmsnorm; it has bias True, pos learned, "
+     r"norm layernorm\): drop"),
 ])
 def test_init_from_refuses_a_different_architecture(token_data, hf_dir, swiglu_ckpt, tmp_path, capsys, source,
                                                     extra, message):
@@ -828,8 +835,8 @@ def test_init_from_a_run_directory_names_its_latest_checkpoint(token_data, tmp_p
 
 
 def test_outlier_detector_zscores(monkeypatch):
-    monkeypatch.setattr(components, "OUTLIER_WINDOW", 4)
-    detect = components.OutlierDetector()
+    monkeypatch.setattr(engine, "OUTLIER_WINDOW", 4)
+    detect = engine.OutlierDetector()
     assert [detect(v) for v in (1.0, 2.0, 3.0, 4.0)] == [0.0] * 4  # no verdict before the window is full
     # as llm.c: 5 replaces 1 and is scored within the window 2, 3, 4, 5 (mean 3.5, population std sqrt(1.25))
     assert detect(5.0) == pytest.approx(1.5 / 1.25 ** 0.5)
@@ -840,7 +847,7 @@ def test_outlier_detector_zscores(monkeypatch):
 
 def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_path, monkeypatch):
     # the loss at step 20 is tripled; with --skip-loss-z that step changes neither weights nor AdamW moments
-    monkeypatch.setattr(components, "OUTLIER_WINDOW", 16)  # a lone spike among 16 scores sqrt(15) = 3.9
+    monkeypatch.setattr(engine, "OUTLIER_WINDOW", 16)  # a lone spike among 16 scores sqrt(15) = 3.9
     current = {}
     real_lr, real_forward = train.get_lr, train.GPT.forward
     monkeypatch.setattr(train, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
@@ -881,7 +888,7 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
 
 def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
     # --skip-norm-z alone: step 9's gradient is 100 times larger at an unchanged loss, and only its update is dropped
-    monkeypatch.setattr(components, "OUTLIER_WINDOW", 8)  # a lone spike among 8 scores up to sqrt(7) = 2.65
+    monkeypatch.setattr(engine, "OUTLIER_WINDOW", 8)  # a lone spike among 8 scores up to sqrt(7) = 2.65
     current = {}
     real_lr, real_forward = train.get_lr, train.GPT.forward
     monkeypatch.setattr(train, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
@@ -968,7 +975,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
     # torchrun SIGKILLs its workers 30 s after it passes a signal on, so a Ctrl-C (or preemption) during an
     # evaluation stops the run right after it, with the checkpoint the last step's end would have written
     straight = train.main(tiny_args(token_data, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
-    real, calls = components.val_loss, []
+    real, calls = train.val_loss, []
 
     def interrupted(*args, **kw):  # Ctrl-C during the run's `at`-th evaluation: at step 2 * (at - 1)
         calls.append(None)
@@ -976,7 +983,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
             signal.raise_signal(signal.SIGINT)
         return real(*args, **kw)
 
-    monkeypatch.setattr(components, "val_loss", interrupted)
+    monkeypatch.setattr(train, "val_loss", interrupted)
     at = 1
     fresh = train.main(tiny_args(token_data, tmp_path / "fresh", "--max-steps=10", "--eval-every=2"))
     assert fresh["stopped"] == "signal" and fresh["losses"] == [] and not list((tmp_path / "fresh").glob("ckpt_*"))
@@ -1008,7 +1015,7 @@ def test_a_signal_during_hellaswag_or_the_samples_stops_too_and_a_resumed_run_ca
     import hellaswag
     where = {"hellaswag": (hellaswag, "evaluate", [f"--hellaswag={ROOT / 'tests' / 'data' / 'hellaswag_tiny.jsonl'}",
                                                    "--hellaswag-every=2"]),
-             "sample": (components, "sample_text", ["--sample-every=2"])}
+             "sample": (train, "sample_text", ["--sample-every=2"])}
     module, name, extra = where[evaluation]
     real, calls = getattr(module, name), []
 
@@ -1131,7 +1138,7 @@ def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_onc
         signal.raise_signal(signal.SIGINT)
         assert flags.term == "SIGINT" and flags.should_stop() == "signal" and flags.signal == "SIGINT"
         assert "Ctrl-C: stopping after this step, with a checkpoint; Ctrl-C again quits now" in capfd.readouterr().err
-        assert isinstance(sys.stdout, components._PipeGuard) and isinstance(sys.stderr, components._PipeGuard)
+        assert isinstance(sys.stdout, engine._PipeGuard) and isinstance(sys.stderr, engine._PipeGuard)
         with pytest.raises(KeyboardInterrupt):  # torchrun's answer to a second Ctrl-C: SIGTERM to its workers
             signal.raise_signal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
@@ -1178,7 +1185,7 @@ def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_onc
 def test_pipe_guard_sends_output_whose_reader_is_gone_to_dev_null():
     read, write = os.pipe()
     stream = os.fdopen(write, "w")
-    guard = components._PipeGuard(stream)
+    guard = engine._PipeGuard(stream)
     guard.write("read\n")
     guard.flush()
     assert os.read(read, 100) == b"read\n"
@@ -1194,7 +1201,7 @@ def test_pipe_guard_sends_output_whose_reader_is_gone_to_dev_null():
 def test_pipe_guard_counts_a_write_the_dead_pipe_refused_and_passes_other_errors_on():
     read, write = os.pipe()
     stream = os.fdopen(write, "w")
-    guard = components._PipeGuard(stream)
+    guard = engine._PipeGuard(stream)
     os.close(read)
     text = "x" * 100_000  # more than the buffer holds: the write itself meets EPIPE, not a later flush
     assert guard.write(text) == len(text)  # as written: nobody is left to read it
@@ -1202,7 +1209,7 @@ def test_pipe_guard_counts_a_write_the_dead_pipe_refused_and_passes_other_errors
     # a full disk is no reader that left: its error must reach the run, not send all later output to /dev/null
     full = open("/dev/full", "w")
     try:
-        guard = components._PipeGuard(full)
+        guard = engine._PipeGuard(full)
         guard.write("x")
         with pytest.raises(OSError, match="No space left on device"):
             guard.flush()
@@ -1223,11 +1230,11 @@ def test_max_time_budget_checkpoints_and_stops(token_data, tmp_path, capsys):
 def test_restore_gives_each_rank_its_own_rng_and_restarts_them_when_the_world_size_changed(capsys):
     # dropout masks differ per rank: rank r resumes rank r's stream (not rank 0's, which would make every rank's
     # masks alike); at another world size there is no rank r's to resume, so the run's own seeding stays
-    cfg = train.TrainConfig(model="tiny", seq_len=16, device="cpu", dropout=0.1)
+    cfg = train.TrainConfig(model="tiny", seq_len=16, device="cpu", arch={"dropout": 0.1})
     torch.manual_seed(0)
     saved = GPT(train.model_config(cfg))
-    optimizer = train.build_optimizer(saved, cfg, torch.device("cpu"), verbose=False)
-    model_sd, optim_sd = components.state_dicts(saved, optimizer)
+    optimizer = par.build_optimizer(saved, cfg, torch.device("cpu"), verbose=False)
+    model_sd, optim_sd = engine.state_dicts(saved, optimizer)
     rngs = [{"cpu": torch.manual_seed(seed).get_state(), "cuda": None} for seed in (10, 11)]
     ckpt = {"model": model_sd, "optimizer": optim_sd, "optimizer_kind": "single", "step": 7, "rng": rngs,
             "scaler": None}
@@ -1235,9 +1242,9 @@ def test_restore_gives_each_rank_its_own_rng_and_restarts_them_when_the_world_si
     def restored(rank: int, world: int, **kw) -> tuple[int, torch.Tensor]:
         raw = GPT(train.model_config(cfg))
         run_cfg = dataclasses.replace(cfg, **kw)
-        optimizer = train.build_optimizer(raw, run_cfg, torch.device("cpu"), verbose=False)
+        optimizer = par.build_optimizer(raw, run_cfg, torch.device("cpu"), verbose=False)
         torch.manual_seed(99)  # the run's own seeding, before the restore
-        step = components.Checkpointer(run_cfg, rank, world).restore(ckpt, raw, optimizer, None, None)
+        step = engine.Checkpointer(run_cfg, rank, world).restore(ckpt, raw, optimizer, {})
         for name, tensor in raw.state_dict().items():
             assert torch.equal(tensor, model_sd[name]), name
         return step, torch.rand(4)
@@ -1269,39 +1276,15 @@ def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_pa
         f.write(b"PK\x03\x04 half a checkpoint")
         raise KeyboardInterrupt("killed mid-write")
 
-    monkeypatch.setattr(train.torch, "save", dies_halfway)
+    monkeypatch.setattr(engine.torch, "save", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
         train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--eval-every=0", "--resume=auto"))
     monkeypatch.undo()
     assert good.read_bytes() == before and not (tmp_path / "ckpt_000006.pt").exists()
     # a torn file under the final name (e.g. copied by hand) is skipped with a warning, not loaded
     (tmp_path / "ckpt_000009.pt").write_bytes(b"garbage")
-    path, ckpt = components.find_checkpoint(tmp_path)
+    path, ckpt = engine.find_checkpoint(tmp_path)
     assert path == good and ckpt["step"] == 3
-
-
-def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_file(token_data, tmp_path, monkeypatch,
-                                                                                capsys):
-    common = ["--device=cpu", "--ckpt-every=1", "--keep-last=3", "--eval-every=0"]
-    train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=3"))
-    before = {p.name: p.read_bytes() for p in tmp_path.glob("ckpt_*.pt")}
-
-    def disk_fills_up(obj, f, *args, **kwargs):
-        f.write(b"PK\x03\x04 the first part of a checkpoint")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(components.torch, "save", disk_fills_up)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=6", "--resume=auto"))
-    monkeypatch.undo()
-    assert e.value.code == 1
-    assert capsys.readouterr().err == (f"error: cannot write checkpoint {tmp_path / 'ckpt_000004.pt'}: ENOSPC (No "
-                                       "space left on device); the partial file is removed and the earlier checkpoints "
-                                       "are intact; free space there (or lower --keep-last), then --resume auto\n")
-    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == sorted(before)  # no .tmp, nothing pruned
-    for name, data in before.items():
-        assert (tmp_path / name).read_bytes() == data and load_checkpoint(tmp_path / name)["step"] == int(name[5:11])
 
 
 @pytest.mark.parametrize("broken, message", [
@@ -1311,7 +1294,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_file(
 ])
 def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(token_data, tmp_path, monkeypatch, capsys, broken,
                                                                message):
-    real_step = train.train_step
+    real_step = par.train_step
     calls = {"n": 0}
 
     def breaks_on_third_step(*args, **kwargs):
@@ -1358,7 +1341,7 @@ def test_after_a_nan_stop_resume_auto_takes_a_checkpoint_with_a_finite_loss(toke
 
 def test_keep_last_never_deletes_the_newest_known_good_checkpoint(token_data, tmp_path, monkeypatch, capsys):
     # --keep-last 1 would keep only the newest, ckpt_000004, whose weights then give the NaN: ckpt_000003 stays
-    real_step = train.train_step
+    real_step = par.train_step
     calls = {"n": 0}
 
     def nan_on_fifth_step(*args, **kwargs):
@@ -1425,10 +1408,10 @@ def test_ranks_that_find_different_checkpoints_fail_before_fsdp_restore_can_hang
     script = tmp_path / "rank1_sees_no_checkpoint.py"
     script.write_text(f"""import os, sys
 sys.path.insert(0, {str(ROOT)!r})
-import components, train
+import engine, train
 if os.environ["RANK"] == "1":  # this node cannot see --out-dir
-    components.find_checkpoint = lambda out_dir, unreadable=None: None
-    components.checkpoints = lambda out_dir: []
+    engine.find_checkpoint = lambda out_dir, unreadable=None: None
+    engine.checkpoints = lambda out_dir: []
 train.run_and_exit(train.main)
 """)
     proc = run_torchrun([str(script), *tiny_args(token_data, out, "--max-steps=4", "--eval-every=0",
@@ -1761,7 +1744,7 @@ def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_d
     # finite loss; ckpt_000004's has not been trained yet)
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000004.pt",
                                                                  "ckpt_000009.pt"]
-    path, ckpt = components.find_checkpoint(tmp_path)
+    path, ckpt = engine.find_checkpoint(tmp_path)
     assert path.name == "ckpt_000004.pt" and ckpt["step"] == 4  # not the abandoned ckpt_000009
 
 
@@ -1775,7 +1758,7 @@ def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tm
     (tmp_path / "ckpt_000003.pt").mkdir()
     for path, written in ((good, 1), (tmp_path / "ckpt_000003.pt", 2), (torn, 3)):
         os.utime(path, ns=(written * 10**9, written * 10**9))
-    path, ckpt = components.find_checkpoint(tmp_path)
+    path, ckpt = engine.find_checkpoint(tmp_path)
     assert path == good and ckpt["step"] == 2
     err = capsys.readouterr().err
     assert err.count("warning: skipping unreadable checkpoint") == 2
@@ -1784,11 +1767,11 @@ def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tm
     # --resume auto says why it passed over a later step only for a file written before the one it resumes: the
     # unreadable ones were written after it, and the warnings above already name them
     auto = train.TrainConfig(resume="auto", out_dir=str(tmp_path))
-    assert components.Checkpointer(auto).find_resume()[0] == good and "note: resuming" not in capsys.readouterr().out
+    assert engine.Checkpointer(auto).find_resume()[0] == good and "note: resuming" not in capsys.readouterr().out
     rewound = tmp_path / "ckpt_000005.pt"
     torch.save({"model": {}, "model_config": {}, "step": 5}, rewound)
     os.utime(rewound, ns=(0, 0))  # written before ckpt_000002: the run was rewound to step 2 after it
-    assert components.Checkpointer(auto).find_resume()[0] == good
+    assert engine.Checkpointer(auto).find_resume()[0] == good
     assert "ckpt_000005.pt has a later step but was written earlier" in capsys.readouterr().out
 
 
@@ -1858,7 +1841,7 @@ def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
                          "--eval-every=0"))
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000006.pt", "ckpt_000007.pt",
                                                                  "ckpt_best.pt"]
-    assert components.find_checkpoint(tmp_path)[0].name == "ckpt_000007.pt"
+    assert engine.find_checkpoint(tmp_path)[0].name == "ckpt_000007.pt"
     with pytest.raises(ValueError, match="--keep-every 5 must be a multiple of --ckpt-every 2"):
         train.TrainConfig(ckpt_every=2, keep_every=5)
 
@@ -1874,9 +1857,7 @@ def test_profile_writes_a_trace(token_data, tmp_path, capsys):
 # and out-dir where it will) and in what changes only their own files or figures; any other flag must be the same on
 # every node. A field added to TrainConfig must be classified here
 OTHER_VALUE = {
-    "model": "gpt2-medium", "seq_len": 512, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "mlp": "swiglu",
-    "pos": "rope", "norm": "rmsnorm", "bias": False, "dropout": 0.1, "fused_gelu": True, "loss_chunk": 128,
-    "fused_ce": True, "half_residual": True, "data": "/other/data", "optimizer": "muon",
+    "model": "gpt2-medium", "seq_len": 512, "data": "/other/data", "optimizer": "muon",
     "preload": True, "shuffle": "shards", "total_batch_size": 262144, "batch_size": 32, "max_lr": 3e-4,
     "min_lr_frac": 0.0,
     "lr_schedule": "wsd", "decay_frac": 0.5, "warmup_steps": 700, "max_steps": 100, "weight_decay": 0.0, "beta1": 0.8,
@@ -1887,31 +1868,38 @@ OTHER_VALUE = {
     "sample_tokens": 8,
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
-    "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True,
-    # compared as what they are, not where: off, auto, or a path (any path); no --init-from, or one
-    "hellaswag": "off", "init_from": "gpt2",
+    "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True, "hellaswag": "off",
+    "init_from": "gpt2",
 }
+# the GPTConfig fields, each a flag through TrainConfig.arch
+OTHER_ARCH = {"vocab_size": 50257, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "dropout": 0.1,
+              "bias": False, "mlp": "swiglu", "pos": "rope", "rope_theta": 5e5, "norm": "rmsnorm", "fused_gelu": True,
+              "loss_chunk": 128, "fused_ce": True, "half_residual": True}
+# paths and a rank's own settings (what a path names is compared as data, weights or examples instead)
 MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload",
-              "dist_timeout", "tensorboard", "wandb"}
+              "dist_timeout", "tensorboard", "wandb", "hellaswag", "init_from"}
 
 AGREEMENT_WORKER = """import json, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import common, components, train
+import common, engine, train
 from fineweb import TokenLoader
 rank, spec = int(sys.argv[2]), json.loads(open(sys.argv[3]).read())
 dist.init_process_group("gloo", init_method="file://" + spec["store"], rank=rank, world_size=2)
-out = {"commands": [components.commands_disagree(train.TrainConfig(**case[rank]), rank, 2)
-                    for case in spec["commands"]],
+def verdict(fingerprint):
+    try:
+        engine.agree_fingerprint(fingerprint, rank, 2, describe=train.DESCRIBE)
+    except ValueError as e:
+        return str(e)
+out = {"commands": [verdict({"command": train.command(train.TrainConfig(**case[rank]))}) for case in spec["commands"]],
        "shared": common.shared_problem(spec["problems"][rank], 2), "data": [], "hellaswag": []}
 for dirs in spec["data"]:
-    loaders = tuple(TokenLoader(dirs[rank], split, 4, 64, rank, 2, 1337, "cpu") for split in ("train", "val"))
-    out["data"].append(components.data_disagree(loaders, rank, 2))
+    loaders = [TokenLoader(dirs[rank], split, 4, 64, rank, 2, 1337, "cpu") for split in ("train", "val")]
+    out["data"].append(verdict({"data": engine.shards_of(loaders)}))
 for paths in spec["hellaswag"]:
-    cfg = train.TrainConfig(hellaswag=paths[rank], hellaswag_every=1)
-    examples = components.load_hellaswag(cfg, rank, 0, 2)
-    out["hellaswag"].append(None if examples is None else len(examples))
+    examples = train.load_hellaswag(train.TrainConfig(hellaswag=paths[rank], hellaswag_every=1), rank, 0, 2)
+    out["hellaswag"].append(verdict({"hellaswag": train.examples_digest(examples)}))
 out["stops"] = []
 for signals in spec["signals"]:  # the signal each rank received (None: none): all stop together, naming one
     flags = train.StopFlags(0, device=torch.device("cpu"), world=2)
@@ -1925,30 +1913,22 @@ print("RESULT " + json.dumps(out))
 
 def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(token_data, tmp_path):
     # two processes in a gloo group (no torchrun: ~10 s), each passing its own config, data and HellaSwag file to
-    # commands_disagree, data_disagree and _load_hellaswag, as two nodes would; the slow two-node test covers the
-    # same checks inside whole runs, for a few flags
-    assert set(OTHER_VALUE) == {f.name for f in dataclasses.fields(train.TrainConfig)}
-    base = dataclasses.asdict(train.TrainConfig())
+    # one fingerprint comparison, as two nodes would; the slow two-node test covers the same inside whole runs
+    assert set(OTHER_VALUE) | {"arch"} == {f.name for f in dataclasses.fields(train.TrainConfig)}
+    assert set(OTHER_ARCH) == {f.name for f in dataclasses.fields(GPTConfig)} - {"block_size"}
+    base, arch = dataclasses.asdict(train.TrainConfig()), dataclasses.asdict(train.model_config(train.TrainConfig()))
     commands, expected = [], []
+    differ = "rank 1 was started with --{} {!r} (rank 0: {!r}): every node must run the same command"
     for name, other in OTHER_VALUE.items():
-        if name in ("hellaswag", "init_from"):
-            continue
         commands.append([{}, {name: other}])
-        expected.append(None if name in MAY_DIFFER else f"rank 1 was started with --{name.replace('_', '-')} "
-                        f"{other!r} (rank 0: {base[name]!r}): every node must run the same command")
-    differ = "rank 1 was started with --{} {} (rank 0: {}): every node must run the same command"
-    for kw0, kw1, want in (
-            ({"hellaswag": "/a/hellaswag_val.jsonl"}, {"hellaswag": "/b/hs.jsonl"}, None),
-            ({"hellaswag": "off"}, {"hellaswag": "auto"}, differ.format("hellaswag", "'auto'", "'off'")),
-            ({}, {"hellaswag": "/b/hs.jsonl"}, differ.format("hellaswag", "'PATH'", "'auto'")),
-            # never run, so off whatever it names; but --eval-only runs it once, whatever --hellaswag-every says
-            ({"hellaswag": "off", "hellaswag_every": 0}, {"hellaswag_every": 0}, None),
-            ({"hellaswag": "off", "hellaswag_every": 0, "eval_only": True}, {"hellaswag_every": 0, "eval_only": True},
-             differ.format("hellaswag", "'auto'", "'off'")),
-            ({"init_from": "/a/ckpt_000100.pt"}, {"init_from": "gpt2"}, None),  # the weights are compared later
-            ({}, {"init_from": "gpt2"}, differ.format("init-from", "'NAME'", "''"))):
-        commands.append([kw0, kw1])
-        expected.append(want)
+        expected.append(None if name in MAY_DIFFER else differ.format(name.replace("_", "-"), other, base[name]))
+    # a preset names its shape: the resolved shape is compared too
+    expected[list(OTHER_VALUE).index("model")] = (
+        "rank 1 was started with --model 'gpt2-medium' (rank 0: None), --n-layer 24 (rank 0: 12), --n-head 16 (rank 0: "
+        "12), --n-embd 1024 (rank 0: 768): every node must run the same command")
+    for name, other in OTHER_ARCH.items():
+        commands.append([{}, {"arch": {name: other}}])
+        expected.append(differ.format(name.replace("_", "-"), other, arch[name]))
     # data: an identical copy, and copies whose train (then val) split has one token less in one shard
     copies = {}
     for name, short in (("same", None), ("short_train", "rand_train_000002.bin"), ("short_val", "rand_val_000000.bin")):
@@ -1985,12 +1965,11 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
             "tokens) there, rand_train_000002.bin (20,000 tokens) on rank 0): every node must hold the same --data",
             "rank 1's val shards differ from rank 0's (1 files against 1; file 1 is rand_val_000000.bin (7,999 "
             "tokens) there, rand_val_000000.bin (8,000 tokens) on rank 0): every node must hold the same --data"]
-        # the same examples in another path are HellaSwag on both; as many other ones, on neither
-        assert result["hellaswag"] == [6, None]
+        # the same examples in another path are the same HellaSwag; as many other ones stop every rank
+        assert result["hellaswag"] == [None, "rank 1 has 6 HellaSwag examples, rank 0 6, other ones: every node "
+                                             "must hold the same --hellaswag file"]
         # one rank's Ctrl-C stops both; SIGTERM (a preemption) is named before Ctrl-C
         assert result["stops"] == [[None, None], ["signal", "SIGINT"], ["signal", "SIGTERM"], ["signal", "SIGTERM"]]
-    assert (f"hellaswag: skipped (rank 1 has 6 examples in {tmp_path / 'hs_other.jsonl'}, rank 0 6, other ones)"
-            in outputs[0][0])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -2199,9 +2178,9 @@ def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path
 def test_attention_conflicts_are_the_kernels_missing_for_the_device_and_dtype():
     # CPU has the flash and math kernels only; CUDA's flash and cuDNN kernels take no fp32 (efficient and math do)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU
-    conflicts = {(name, dtype, dev.type) for name in ("auto", *train.SDPA_SWITCHES) for dtype in ("fp32", "bf16")
+    conflicts = {(name, dtype, dev.type) for name in ("auto", *par.SDPA_SWITCHES) for dtype in ("fp32", "bf16")
                  for dev in (cuda, cpu)
-                 if train.attention_conflict(train.TrainConfig(attention=name, dtype=dtype), dev)}
+                 if par.attention_conflict(train.TrainConfig(attention=name, dtype=dtype), dev)}
     assert conflicts == {("efficient", "fp32", "cpu"), ("efficient", "bf16", "cpu"), ("cudnn", "fp32", "cpu"),
                          ("cudnn", "bf16", "cpu"), ("flash", "fp32", "cuda"), ("cudnn", "fp32", "cuda")}
 
@@ -2209,16 +2188,16 @@ def test_attention_conflicts_are_the_kernels_missing_for_the_device_and_dtype():
 def test_cuda_graph_modes_refuse_gradient_accumulation():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU
     for mode in ("reduce-overhead", "max-autotune"):
-        why = train.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cuda)
+        why = par.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cuda)
         assert why and "max-autotune-no-cudagraphs" in why and "8 micro-steps" in why
-        assert train.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 1, cuda) is None  # nothing accumulates
-        assert train.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cpu) is None  # no CUDA graphs on CPU
+        assert par.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 1, cuda) is None  # nothing accumulates
+        assert par.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cpu) is None  # no CUDA graphs on CPU
     for mode in ("default", "max-autotune-no-cudagraphs"):
-        assert train.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cuda) is None
+        assert par.cuda_graph_conflict(train.TrainConfig(compile_mode=mode), 8, cuda) is None
     # bench.py's attention column reads "n/a" exactly where a step is a graph replay: compiled, on CUDA, these modes
-    graphs = {(mode, compiled, dev.type): train.uses_cuda_graphs(train.TrainConfig(compile_mode=mode, compile=compiled),
+    graphs = {(mode, compiled, dev.type): par.uses_cuda_graphs(train.TrainConfig(compile_mode=mode, compile=compiled),
                                                                  dev)
-              for mode in train.COMPILE_MODES for compiled in (True, False, None) for dev in (cuda, cpu)}
+              for mode in par.COMPILE_MODES for compiled in (True, False, None) for dev in (cuda, cpu)}
     on = {(mode, compiled, "cuda") for mode in ("reduce-overhead", "max-autotune") for compiled in (True, None)}
     assert {k for k, v in graphs.items() if v} == on  # compile=None means compiled on CUDA
 
@@ -2268,7 +2247,7 @@ def test_compiled_run_with_eval_hellaswag_and_samples(token_data, tmp_path):
 
 @pytest.mark.slow
 def test_attention_choice_is_not_undone_by_compile_caches(monkeypatch):
-    """torch.compile's on-disk caches do not key on the SDPA switches: without train.tag_compile_caches's tag, a
+    """torch.compile's on-disk caches do not key on the SDPA switches: without par.tag_compile_caches's tag, a
     `math` run compiled after an `auto` one got the cached graph with the flash kernel (on an H200, a `flash` run got
     cuDNN's). Compiled twice each way, the kernel that runs is the one chosen."""
     from torch.profiler import ProfilerActivity, profile
@@ -2279,7 +2258,7 @@ def test_attention_choice_is_not_undone_by_compile_caches(monkeypatch):
 
     def sdpa_ops(name: str) -> list[str]:
         torch.compiler.reset()
-        train.select_attention(name)
+        par.select_attention(name)
         model = torch.compile(GPT(cfg))
         model(x, x)[1].backward()  # compiles (or loads the cached graph)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -2291,14 +2270,14 @@ def test_attention_choice_is_not_undone_by_compile_caches(monkeypatch):
     try:
         assert [sdpa_ops(n) for n in ("auto", "math", "auto", "math")] == [flash, [], flash, []]  # math: plain ops
         monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "mine-")  # a user's own tag is kept
-        train.select_attention("cudnn")
+        par.select_attention("cudnn")
         assert torch.compiler.config.cache_key_tag == "mine-sdpa=cudnn"
-        forced = train.sdpa_switches()
-        train.select_attention("auto")
+        forced = par.sdpa_switches()
+        par.select_attention("auto")
         assert torch.compiler.config.cache_key_tag == "mine-"
-        train.set_sdpa_switches(forced)  # switches put back (train.main's exit, bench's) put their tag back too
+        par.set_sdpa_switches(forced)  # switches put back (train.main's exit, bench's) put their tag back too
         assert torch.compiler.config.cache_key_tag == "mine-sdpa=cudnn"
     finally:
         monkeypatch.delenv("TORCH_COMPILE_CACHE_KEY_TAG", raising=False)
         torch.compiler.reset()
-        train.select_attention("auto")
+        par.select_attention("auto")

@@ -1,13 +1,19 @@
-"""The training run's machinery, one small object per concern, each owning its state and its cadence.
+"""The training engine every stage runs on (train.py's pretraining and fine-tuning, rl.py): the loop, and one small
+object per concern, each owning its state and its cadence.
 
-train.py's loop reads as the story; what each phase does in detail lives here:
+    train(run)    the loop: evaluate once in a while, one optimizer step, log, checkpoint or stop
+    Run           what the loop drives, built with keywords by a stage: its step function and the parts below
     Checkpointer  find, agree across ranks, restore, due(step), save with prune, judge (a NaN sets one aside)
-    Evaluator     val loss, HellaSwag and samples: due/run
+    Evaluator     a list of Eval(name, every, fn): each due every N steps and at the end
     RunLog        log.jsonl (and TensorBoard / W&B), the console step line and the ETA
     SpikeGuard    llm.c's loss/grad-norm z-scores that skip an outlier update
     StopFlags     SIGTERM, Ctrl-C and the wall-clock budget, agreed across ranks (a context manager)
     Profiler      a few profiled steps after warmup
-Every object that holds state has state_dict()/load_state_dict(); the checkpoint is assembled from them.
+    agree_fingerprint  one comparison of what every rank must share: the command, the data, the starting weights
+
+A checkpoint is the model, the optimizer, every rank's RNG and the state_dict() of each part a stage registers in
+Run.parts (the loader, the GradScaler, the spike guard's history, the token count...). RunArgs holds the flags every
+stage shares; parallel.py builds the model and optimizer a Run steps.
 """
 
 from __future__ import annotations
@@ -24,20 +30,212 @@ import signal
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import agree, checkpoints, first_on_each_node, get_tokenizer, iter_log, load_checkpoint, shared_problem
-from fineweb import TokenLoader
+from common import LOCAL, agree, checkpoints, load_checkpoint, mfu, shared_problem
+from parallel import StepArgs, Trainable
 
-if TYPE_CHECKING:
-    from model import GPT
-    from train import TrainConfig
+
+@dataclass
+class RunArgs(StepArgs):
+    """Where a run writes, how it checkpoints, resumes, logs and stops."""
+
+    max_steps: int = 19073  # optimizer steps (19073 * 524288 tokens ~ 10B)
+    seed: int = 1337  # seeds weights, dropout and the data shuffle
+    out_dir: Annotated[str, LOCAL] = "out/gpt2-124m"  # checkpoints, log.jsonl and profiler traces go here
+    ckpt_every: int = 5000  # checkpoint every N steps (and at the end, on SIGTERM and Ctrl-C); 0 = only at the end
+    keep_last: Annotated[int, LOCAL] = 3  # keep the newest K checkpoints (0 = all)
+    keep_every: Annotated[int, LOCAL] = 0  # never delete a checkpoint whose step is a multiple of N (0 = none)
+    resume: Annotated[str, LOCAL] = ""  # '' (fresh run), 'auto' (latest valid checkpoint in out_dir) or a path
+    eval_only: bool = False  # evaluate the starting weights once and exit: no training, checkpoint or log
+    log_every: int = 1  # print a step line every N steps
+    tensorboard: Annotated[bool, LOCAL] = False  # also log the scalars as TensorBoard event files in out_dir
+    wandb: Annotated[str, LOCAL] = ""  # also log them to this W&B project ('' = off; WANDB_MODE=offline works)
+    max_time: Annotated[float, LOCAL] = 0.0  # wall-clock budget in minutes; checkpoint and stop when reached (0 = none)
+    profile: bool = False  # profile a few steps after warmup; writes a Chrome/Perfetto trace to out_dir
+    profile_steps: int = 3  # steps to profile
+    peak_tflops: Annotated[float | None, LOCAL] = None  # override the per-GPU peak bf16 TFLOP/s used for MFU
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, low in {"max_steps": 1, "log_every": 1, "profile_steps": 1, "ckpt_every": 0, "keep_last": 0,
+                          "keep_every": 0}.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**63 - 2**16:  # torch and numpy take 64-bit seeds; each rank adds its rank
+            raise ValueError(f"--seed must be in [0, 2**63 - 2**16); got {self.seed}")
+        if self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every:
+            raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}, or "
+                             "no checkpoint is ever written at the steps it keeps")
+        if not self.max_time >= 0:
+            raise ValueError(f"--max-time must be >= 0; got {self.max_time}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"--peak-tflops must be > 0 or none; got {self.peak_tflops}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The training loop
+
+
+def train(run: Run) -> dict[str, Any]:
+    """Evaluate once in a while, take one optimizer step, log, checkpoint or stop. `step` counts the optimizer steps
+    done: the evaluations at last_step score the final weights. Returns run.result(step)."""
+    stop = run.stop
+    step = run.start_step
+    for step in range(run.start_step, run.last_step + 1):
+        final = step == run.last_step
+        stop.last = final  # no step left to stop after: a Ctrl-C during the final evaluations quits at once
+
+        # evaluate once in a while; a signal that came meanwhile stops the run here, not a step later
+        evaluated = run.evaluator.run(step, final)
+        if final:
+            break
+        if evaluated and (stopping := stop.should_stop()):
+            if step > run.start_step and not run.checkpointer.due(step):
+                run.checkpoint(step)
+            run.halt(stopping, f"at step {step}, before training it", resumable=step > run.start_step or run.resumed)
+            break
+
+        # one optimizer step
+        run.profiler.step_begins(step, run.device)
+        t0 = time.time()
+        record = run.step_fn(step)  # read on the host: it waited for the device, so dt is the step's real time
+        dt = time.time() - t0
+        run.after_step(step)
+
+        # log
+        if run.diverged(step, record):
+            break
+        run.log.step(step, run.record(record, dt), timed=step > run.start_step)
+
+        # checkpoint or stop
+        stopping = stop.should_stop()
+        if run.checkpointer.due(step + 1) or stopping:
+            run.checkpoint(step + 1)
+        if stopping:
+            run.halt(stopping, f"after step {step}")
+            break
+    return run.result(step)
+
+
+@dataclass(kw_only=True)
+class Run:
+    """One training (or evaluation) run as the loop sees it. A stage builds it with keywords."""
+
+    step_fn: Callable[[int], dict[str, Any]]  # one optimizer step -> its record: loss, grad_norm, lr, tokens...
+    raw: nn.Module  # the unwrapped, uncompiled model: state dicts, evaluation, samples
+    trainable: Trainable  # what steps call: the wrapped model, the optimizer, the precision
+    checkpointer: Checkpointer
+    evaluator: Evaluator
+    log: RunLog
+    stop: StopFlags
+    profiler: Profiler
+    parts: dict[str, Any]  # the other checkpointed components, by checkpoint key: each has state_dict()
+    tokens: TokenCount  # trained on, all ranks together (one of parts)
+    start_step: int
+    last_step: int  # max_steps, or start_step for --eval-only
+    resumed: bool = False
+    eval_only: bool = False
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    flops_per_token: float = 0.0  # for MFU (0: not reported)
+    peak_flops: float | None = None  # per device, None: common.py's table
+    device_name: str = "cpu"
+    stopped: str | None = None  # "signal", "max_time" or "nan"
+    t_start: float = dataclasses.field(default_factory=time.time)
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def record(self, record: dict[str, Any], dt: float) -> dict[str, Any]:
+        """The step's record for the log: its own fields, the running token count and the speed."""
+        record = dict(record)
+        tokens = record.pop("tokens", 0)
+        self.tokens.value += tokens
+        tok_s = tokens / dt
+        util = mfu(self.flops_per_token, tok_s / self.world, self.device_name, self.peak_flops) \
+            if self.flops_per_token else None
+        return {"tokens": self.tokens.value, **record, "ms": dt * 1000, "tok_s": tok_s, "mfu": util}
+
+    def after_step(self, step: int) -> None:
+        if self.master and self.device.type == "cuda" and step == self.start_step:
+            # the room --batch-size leaves: the first step has made everything a step holds (AdamW's moments too)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            print(f"memory: peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB allocated, "
+                  f"{torch.cuda.max_memory_reserved(self.device) / 2**30:.1f} GiB reserved by PyTorch, of "
+                  f"{total / 2**30:.1f} GiB on {self.device_name} (rank 0, after the first step)")
+        self.profiler.step_ends(step)
+
+    def diverged(self, step: int, record: dict[str, Any]) -> bool:
+        """A NaN/inf loss, or gradient norm (already applied by clipping), ends the run without a checkpoint, and sets
+        aside the one holding the weights that gave it. Under fp16 the GradScaler skips inf-gradient steps itself."""
+        loss, norm = record["loss"], record.get("grad_norm", 0.0)
+        finite = math.isfinite(loss) and (self.trainable.scaler is not None or math.isfinite(norm))
+        aside = self.checkpointer.judge(step, finite)
+        if finite:
+            return False
+        if self.master:
+            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
+            why = (f" {aside.name} holds the weights that gave it: renamed {aside.name}.diverged, so --resume auto "
+                   "takes the checkpoint before it.") if aside else ""
+            print(f"error: {what} at step {step}; stopping without writing a checkpoint.{why} Lower --max-lr, raise "
+                  "--warmup-steps, or resume from the last good checkpoint.", file=sys.stderr)
+        self.stopped = "nan"
+        return True
+
+    def checkpoint(self, step: int) -> None:
+        """Save the state after `step` steps, assembled from the parts' state_dicts."""
+        self.checkpointer.save(step, self.raw, self.trainable.optimizer, self.parts)
+        self.log.checkpointed()
+
+    def halt(self, stopping: str, when: str, resumable: bool = True) -> None:
+        if self.master:
+            print(f"stopping {when} ({self.stop.reason(stopping)}); "
+                  + ("resume with --resume auto" if resumable else "nothing trained yet"))
+        self.stopped = stopping
+
+    def result(self, step: int) -> dict[str, Any]:
+        """{"losses", "step", each evaluation's latest record (a one-field record as that field: "val_loss"), and
+        when they happened "checkpoint", "stopped"}."""
+        self.profiler.finish(step, trained=not self.eval_only)
+        took = fmt_time(time.time() - self.t_start)
+        if self.master and self.eval_only:
+            print(f"done: evaluated the weights at step {step} in {took}")
+        elif self.master:
+            print(f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
+        self.log.close()
+        result: dict[str, Any] = {"losses": self.log.losses}
+        for name, record in self.evaluator.latest.items():
+            result.update(record if len(record) == 1 else {name: record})
+        if self.checkpointer.last:
+            result["checkpoint"] = self.checkpointer.last
+        if self.stopped:
+            result["stopped"] = self.stopped
+        return {**result, "step": step}
+
+
+class TokenCount:
+    """Tokens trained on, all ranks together: a checkpointed part, so the log's token axis survives a batch change."""
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def state_dict(self) -> int:
+        return self.value
+
+    def load_state_dict(self, value: int) -> None:
+        self.value = int(value)
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Checkpointer
@@ -57,11 +255,14 @@ def step_of(path: Path) -> int:
 class Checkpointer:
     """Finds the checkpoint a run continues (the same on every rank), restores it, and saves every --ckpt-every steps,
     pruning to the newest --keep-last. A file found unreadable is never counted or deleted in place of a good one, nor
-    is the newest known good; one whose weights gave a NaN is set aside (judge)."""
+    is the newest known good; one whose weights gave a NaN is set aside (judge). `config` is the run's full config,
+    recorded in each checkpoint as train_config."""
 
-    def __init__(self, cfg: TrainConfig, rank: int = 0, world: int = 1, prov: dict | None = None):
-        self.cfg, self.rank, self.world, self.prov = cfg, rank, world, prov or {}
-        self.out_dir = Path(cfg.out_dir)
+    def __init__(self, args: RunArgs, rank: int = 0, world: int = 1, prov: dict | None = None,
+                 config: dict | None = None):
+        self.args, self.rank, self.world, self.prov = args, rank, world, prov or {}
+        self.config = config if config is not None else dataclasses.asdict(args)
+        self.out_dir = Path(args.out_dir)
         self.master = rank == 0
         self.unreadable: list[Path] = []
         self.last: str | None = None  # the path written last
@@ -70,7 +271,7 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         """Whether the state after `step` optimizer steps is saved: every --ckpt-every, and at the end."""
-        return (self.cfg.ckpt_every > 0 and step % self.cfg.ckpt_every == 0) or step == self.cfg.max_steps
+        return (self.args.ckpt_every > 0 and step % self.args.ckpt_every == 0) or step == self.args.max_steps
 
     # finding the checkpoint to resume
 
@@ -103,29 +304,30 @@ class Checkpointer:
     def find_resume(self) -> tuple[Path, dict] | None:
         """The checkpoint this run continues (path, loaded dict), None for a fresh start, or a ValueError where
         starting would bury another run (truncate its log, prune its checkpoints)."""
-        cfg, out_dir = self.cfg, self.out_dir
+        args, out_dir = self.args, self.out_dir
         existing = checkpoints(out_dir) if out_dir.is_dir() else []
-        if not cfg.resume:
+        if not args.resume:
             existing = existing or sorted(out_dir.glob("ckpt_*.pt.diverged"))  # a NaN-stopped run's
-            if existing and not cfg.eval_only:  # an evaluation writes nothing there
+            if existing and not args.eval_only:  # an evaluation writes nothing there
                 raise ValueError(f"--out-dir {out_dir} holds another run's checkpoints ({existing[-1].name} the last "
                                  "written): continue that run with --resume auto, or start this one in a new "
                                  "--out-dir (or delete them first)")
             return None
-        if cfg.resume != "auto":
-            return Path(cfg.resume), load_checkpoint(cfg.resume, mmap=True)
+        if args.resume != "auto":
+            return Path(args.resume), load_checkpoint(args.resume, mmap=True)
         found = find_checkpoint(out_dir, self.unreadable)
         if self.master:
             note_set_aside(out_dir, found[0] if found else None)
         if found is None and existing:
             raise ValueError(f"none of the {len(existing)} checkpoints in {out_dir} can be read (see the warnings "
                              "above): resume one with --resume PATH, or move them away to start afresh")
-        if found is None and cfg.eval_only:  # it would score a random model as if it were the run's
+        if found is None and args.eval_only:  # it would score a random model as if it were the run's
             raise ValueError(f"--eval-only --resume auto: no checkpoint in {out_dir} to evaluate")
         if found is None:
             if self.master:
+                init_from = self.config.get("init_from")
                 print(f"resume: no checkpoint in {out_dir}; starting "
-                      + (f"from --init-from {cfg.init_from}" if cfg.init_from else "from scratch"))
+                      + (f"from --init-from {init_from}" if init_from else "from scratch"))
             return None
         # passed over for an older write with a later step; not those written after it, which could not be read
         later = [p for p in existing[:existing.index(found[0])] if step_of(p) > int(found[1]["step"])]
@@ -137,29 +339,25 @@ class Checkpointer:
 
     # restoring
 
-    def restore(self, ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer, loader: TokenLoader | None,
-                scaler: torch.amp.GradScaler | None) -> int:
-        """Load a checkpoint into the run: the weights, and unless --eval-only the optimizer, the loader's position,
-        the GradScaler and the RNG. Returns its step."""
+    def restore(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> int:
+        """Load a checkpoint into the run: the weights, and unless --eval-only the optimizer, each part's state and
+        the RNG. Returns its step."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(raw, ckpt["model"], options=StateDictOptions(full_state_dict=True))
-        if self.cfg.eval_only:  # it needs no more, so it scores any checkpoint
+        if self.args.eval_only:  # it needs no more, so it scores any checkpoint
             return int(ckpt["step"])
         self._restore_optimizer(ckpt, raw, optimizer)
-        if loader is not None:
-            loader.load_state_dict(ckpt["loader"])
-            if self.master:
-                note_new_windows(ckpt["loader"], loader)
-        if scaler and ckpt["scaler"]:
-            scaler.load_state_dict(ckpt["scaler"])
+        for key, part in parts.items():
+            if part is not None and ckpt.get(key) is not None:
+                part.load_state_dict(ckpt[key])
         self._restore_rng(ckpt["rng"])
         return int(ckpt["step"])
 
-    def _restore_optimizer(self, ckpt: dict, raw: GPT, optimizer: torch.optim.Optimizer) -> None:
+    def _restore_optimizer(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        kind = optimizer_kind(optimizer, self.cfg.parallel)
+        kind = optimizer_kind(optimizer, self.args.parallel)
         if (ckpt["optimizer_kind"] == "zero1") != (kind == "zero1"):
             saved = ckpt["optimizer_kind"]
             how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
@@ -192,9 +390,9 @@ class Checkpointer:
 
     # saving
 
-    def save(self, step: int, raw: GPT, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> Path:
-        """Write ckpt_{step}.pt on rank 0 (every rank takes part in gathering it), then prune. `parts` are the other
-        components' state_dicts (loader, scaler, outliers, tokens)."""
+    def save(self, step: int, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> Path:
+        """Write ckpt_{step}.pt on rank 0 (every rank takes part in gathering it), then prune. A failed write stops
+        every rank with its one-line reason."""
         path = self.out_dir / f"ckpt_{step:06d}.pt"
         if path in self.unreadable:  # written anew, and readable now
             self.unreadable.remove(path)
@@ -206,27 +404,32 @@ class Checkpointer:
         if self.world > 1:
             rngs = [None] * self.world
             dist.all_gather_object(rngs, rng)  # dropout masks differ per rank, so every rank's RNG is saved
+        problem = None
+        if self.master:
+            ckpt = {"model": model_sd, "optimizer": plain_8bit_state(optim_sd),
+                    "optimizer_kind": optimizer_kind(optimizer, self.args.parallel), "step": step, "rng": rngs,
+                    "model_config": dataclasses.asdict(raw.config), "train_config": self.config,
+                    "provenance": self.prov, "world_size": self.world,
+                    **{key: part.state_dict() if part is not None else None for key, part in parts.items()}}
+            try:
+                write_atomically(path, ckpt)
+            except ValueError as e:
+                problem = str(e)
+        if problem := shared_problem(problem, self.world):
+            raise ValueError(problem)
         self.last, self.newest = str(path), path.resolve()
-        if not self.master:
-            return path
-        kind = optimizer_kind(optimizer, self.cfg.parallel)
-        ckpt = {"model": model_sd, "optimizer": plain_8bit_state(optim_sd), "optimizer_kind": kind, "step": step,
-                "loader": parts["loader"], "rng": rngs, "scaler": parts["scaler"],
-                "model_config": dataclasses.asdict(raw.config), "train_config": dataclasses.asdict(self.cfg),
-                "provenance": self.prov, "world_size": self.world, "outliers": parts["outliers"],
-                "tokens": parts["tokens"]}  # trained on, all ranks together
-        write_atomically(path, ckpt)
-        self.prune()
-        print(f"saved {path}")
+        if self.master:
+            self.prune()
+            print(f"saved {path}")
         return path
 
     def prune(self) -> None:
         """Keep the newest --keep-last readable checkpoints, every multiple of --keep-every, and the newest known good:
         the newer ones may yet be set aside by a NaN."""
-        cfg = self.cfg
+        args = self.args
         readable = [p for p in checkpoints(self.out_dir) if p not in self.unreadable]
-        for stale in readable[:-cfg.keep_last] if cfg.keep_last > 0 else []:
-            milestone = cfg.keep_every and step_of(stale) % cfg.keep_every == 0
+        for stale in readable[:-args.keep_last] if args.keep_last > 0 else []:
+            milestone = args.keep_every and step_of(stale) % args.keep_every == 0
             if not milestone and stale.resolve() != self.good:
                 stale.unlink()
 
@@ -253,14 +456,14 @@ class Checkpointer:
     def remove_partial_writes(self) -> None:
         """A .tmp left by a run killed mid-write is never a valid checkpoint. Not for --eval-only, which may sit beside
         a live run whose .tmp is a checkpoint in flight."""
-        if self.master and not self.cfg.eval_only:
+        if self.master and not self.args.eval_only:
             for stale in self.out_dir.glob("ckpt_*.pt.tmp"):
                 stale.unlink()
 
 
 def write_atomically(path: Path, ckpt: dict) -> None:
     """torch.save to a .tmp, fsync, rename: a kill mid-write leaves the previous checkpoint untouched. A write that
-    fails (a full disk) removes the .tmp and is a one-line ValueError."""
+    fails (a full disk, a file-size limit) removes the .tmp and is a one-line ValueError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -269,15 +472,43 @@ def write_atomically(path: Path, ckpt: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save's zip writer turns the OSError into a RuntimeError
+        if isinstance(e, RuntimeError) and not re.search(r"unexpected pos|file write failed", str(e)):
+            raise
+        what, fix = write_error(e, tmp)
         tmp.unlink(missing_ok=True)
-        code, full = errno.errorcode.get(e.errno, "error"), e.errno in (errno.ENOSPC, errno.EDQUOT)
-        raise ValueError(f"cannot write checkpoint {path}: {code} ({e.strerror or e}); the partial file is removed "
-                         "and the earlier checkpoints are intact"
-                         + ("; free space there (or lower --keep-last), then --resume auto" if full else "")) from e
+        raise ValueError(f"cannot write checkpoint {path}: {what}; the partial file is removed and the earlier "
+                         f"checkpoints are intact; {fix}") from e
 
 
-def state_dicts(raw: GPT, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
+def write_error(e: Exception, path: Path) -> tuple[str, str]:
+    """(what failed, the fix) for a write to `path` that raised e: a full disk, a file-size limit, or another OS
+    error. torch.save's RuntimeError carries no errno: the disk's free space and the size limit tell."""
+    import resource
+
+    code = getattr(e, "errno", None)
+    if code is None:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        size = path.stat().st_size if path.exists() else 0
+        code = errno.EFBIG if limit != resource.RLIM_INFINITY and size >= limit else errno.ENOSPC \
+            if disk_full(path) else errno.EIO
+    what = f"{errno.errorcode.get(code, 'error')} ({os.strerror(code)})"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return what, "free space there (or lower --keep-last), then --resume auto"
+    if code == errno.EFBIG:
+        return what, "raise the file-size limit (ulimit -f) or write elsewhere, then --resume auto"
+    return what, "check the disk, then --resume auto"
+
+
+def disk_full(path: Path) -> bool:
+    try:
+        stats = os.statvfs(path.parent)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < 1 << 20
+
+
+def state_dicts(raw: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
     """Full (unsharded, unwrapped) model and optimizer state; collective under ZeRO-1/FSDP, so every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -347,105 +578,44 @@ def note_set_aside(out_dir: Path, resumed: Path | None) -> None:
                   f"loss or gradient norm at step {step_of(Path(aside.stem))}")
 
 
-def note_new_windows(saved: dict, loader: TokenLoader) -> None:
-    """Say where the data goes on when the checkpoint read other windows (--batch-size or --shuffle changed)."""
-    old_b, old_shuffle = saved["B"], TokenLoader.state_shuffle(saved)
-    if old_b == loader.B and old_shuffle == loader.shuffle:
-        return
-    if loader.continues_in_shard(old_shuffle):
-        where = "where it was, cut into windows of the new size"
-    elif loader.resume_skipped:
-        where = (f"at the next shard, skipping the {loader.resume_skipped:,} tokens the checkpoint's run had "
-                 "not yet served from the shard being read (it read that shard's windows in another order)")
-    else:
-        where = "where it was, at a shard's start (the checkpoint fell between shards: nothing skipped)"
-    print(f"note: the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads "
-          f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes on {where}, none "
-          "served twice" + (", and the optimizer step keeps --total-batch-size tokens" if old_b != loader.B else ""))
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Evaluator
 
 
+@dataclass
+class Eval:
+    """One evaluation: `fn(step)` scores the weights after `step` optimizer steps and returns the fields of its
+    log.jsonl record (type `name`), or None for nothing to log."""
+
+    name: str
+    every: int  # every N steps, and at the last step in any case (0: the last step only)
+    fn: Callable[[int], dict[str, Any] | None]
+    at_start: bool = True  # also at a training run's first step 0 (samples of untrained weights say nothing)
+
+
 class Evaluator:
-    """Val loss every --eval-every steps, HellaSwag every --hellaswag-every and samples every --sample-every, each also
-    at the final step. `latest` holds the last val loss and HellaSwag metrics."""
+    """The run's evaluations, each when due; `latest` holds each one's last record by name."""
 
-    def __init__(self, cfg: TrainConfig, raw: GPT, model: nn.Module, val_loader: TokenLoader | None,
-                 autocast: contextlib.AbstractContextManager, log: RunLog, rank: int = 0, world: int = 1,
-                 local_rank: int = 0):
-        self.cfg, self.raw, self.model, self.val_loader, self.autocast, self.log = cfg, raw, model, val_loader, \
-            autocast, log
-        self.rank, self.world, self.master = rank, world, rank == 0
-        self.device = next(raw.parameters()).device
-        self.windows = self._windows() if val_loader is not None else 0
-        self.examples = load_hellaswag(cfg, rank, local_rank, world)
-        self.enc = get_tokenizer() if (cfg.sample_every > 0 or self.examples) else None
-        self.latest: dict[str, Any] = {}
+    def __init__(self, evals: list[Eval], log: RunLog, tokens: TokenCount | None = None, eval_only: bool = False):
+        self.evals, self.log, self.tokens, self.eval_only = evals, log, tokens, eval_only
+        self.latest: dict[str, dict[str, Any]] = {}
 
-    def _windows(self) -> int:
-        """Val windows of B*T tokens per evaluation, all ranks together: --eval-tokens rounded up, at most the split."""
-        cfg, loader = self.cfg, self.val_loader
-        BT = loader.B * loader.T
-        windows = -(-cfg.eval_tokens // BT)
-        if windows > loader.num_windows:  # more would score some windows twice, weighting them double
-            windows = loader.num_windows
-            if self.master:
-                print(f"val: the val split holds {windows * BT:,} tokens in windows of B*T = {BT:,}, so each "
-                      f"evaluation scores those instead of --eval-tokens {cfg.eval_tokens:,}")
-        elif windows * BT != cfg.eval_tokens and self.master:
-            print(f"val: each evaluation scores {windows * BT:,} tokens ({windows} x B*T = {BT:,}): --eval-tokens "
-                  f"{cfg.eval_tokens:,} rounded up to whole windows")
-        return windows
-
-    def due(self, step: int, final: bool) -> tuple[bool, bool, bool]:
-        """Which evaluations run at `step` (val loss, HellaSwag, samples): each every N steps and at the end. No
-        samples at a training run's step 0: an untrained model's say nothing."""
-        cfg = self.cfg
-        return (self.val_loader is not None and (final or step % cfg.eval_every == 0),
-                bool(self.examples) and (final or step % cfg.hellaswag_every == 0),
-                cfg.sample_every > 0 and (final or step % cfg.sample_every == 0) and (step > 0 or cfg.eval_only))
-
-    def run(self, step: int, final: bool, tokens: int = 0) -> bool:
-        """The evaluations due at `step`, on the weights after `step` optimizer steps; whether any ran."""
-        val, hellaswag, samples = self.due(step, final)
-        if val:
-            self._val_loss(step, tokens)
-        if hellaswag:
-            self._hellaswag(step, tokens)
-        if samples:
-            self._samples(step)
-        return val or hellaswag or samples
-
-    def _val_loss(self, step: int, tokens: int) -> None:
-        vl = val_loss(self.model, self.val_loader, self.windows, self.autocast, self.world)
-        self.latest["val_loss"] = vl
-        self.log.write({"type": "val", "step": step, "tokens": tokens, "val_loss": vl})
-        self.log.say(f"step {step:6d} | val loss {vl:.4f}")
-
-    def _hellaswag(self, step: int, tokens: int) -> None:
-        import hellaswag
-
-        # the uncompiled module: HellaSwag's many sequence lengths would recompile the training forward
-        hs = hellaswag.evaluate(self.raw, self.examples, self.device, self.rank, self.world,
-                                limit=self.cfg.hellaswag_limit, enc=self.enc, progress=True)
-        self.latest["hellaswag"] = hs
-        self.log.write({"type": "hellaswag", "step": step, "tokens": tokens, **hs})
-        self.log.say(f"step {step:6d} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
-
-    def _samples(self, step: int) -> None:
-        if not (self.master or self.cfg.parallel == "fsdp"):  # FSDP forwards are collective: every rank runs them
-            return
-        texts = sample_text(self.raw, self.enc, self.cfg, self.device, step, self.autocast)
-        if self.master:
-            for text in texts:
-                print(f"sample: {text!r}")
-            self.log.write({"type": "sample", "step": step, "texts": texts})
+    def run(self, step: int, final: bool) -> bool:
+        """The evaluations due at `step`; whether any ran."""
+        ran = False
+        for e in self.evals:
+            if not (final or (e.every > 0 and step % e.every == 0)) or not (e.at_start or step > 0 or self.eval_only):
+                continue
+            record, ran = e.fn(step), True
+            if record is not None:
+                self.latest[e.name] = record
+                tokens = {"tokens": self.tokens.value} if self.tokens is not None else {}
+                self.log.write({"type": e.name, "step": step, **tokens, **record})
+        return ran
 
 
 @torch.no_grad()
-def val_loss(model: nn.Module, loader: TokenLoader, windows: int, autocast: contextlib.AbstractContextManager,
+def val_loss(model: nn.Module, loader: Any, windows: int, autocast: contextlib.AbstractContextManager,
              world_size: int) -> float:
     """Mean loss over the split's first `windows` windows (identical every call), all ranks together. Rank r scores
     windows r, r + world_size, ...: the same number for any number of ranks. Every rank runs the same number of
@@ -465,54 +635,6 @@ def val_loss(model: nn.Module, loader: TokenLoader, windows: int, autocast: cont
     return total.item() / windows
 
 
-def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step: int,
-                autocast: contextlib.AbstractContextManager) -> list[str]:
-    """A few samples from the uncompiled module, in the training precision; its own generator, so the training RNG
-    (and exact resume) is untouched."""
-    idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=device)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
-    with autocast:
-        out = raw.generate(idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
-    return [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
-
-
-def load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int) -> list[dict] | None:
-    """HellaSwag examples on every rank, or None on every rank (evaluate is collective, so all or none)."""
-    if cfg.hellaswag == "off" or (cfg.hellaswag_every <= 0 and not cfg.eval_only):
-        return None
-    import hellaswag
-
-    path = Path(cfg.hellaswag) if cfg.hellaswag != "auto" else hellaswag.default_cache_dir() / "hellaswag_val.jsonl"
-    reason = None
-    if cfg.hellaswag == "auto":  # whatever fails (offline, a truncated response...), every rank skips it
-        try:
-            first_on_each_node(hellaswag.download, local_rank, world, catch=(Exception,),
-                               reason=lambda e: f"could not download it: {e.__cause__ or e}")
-        except ValueError as e:
-            reason = str(e)
-    examples = None
-    if reason is None:
-        problem = None
-        try:
-            examples = hellaswag.load_examples(path)
-        except (OSError, ValueError) as e:  # load_examples' own hint names hellaswag.py's flags, not train.py's
-            problem = f"{path} is not a file" if not path.is_file() else str(e).splitlines()[0][:200]
-        if problem is None and not examples:
-            problem = f"{path} holds no examples"
-        reason = shared_problem(problem, world)  # the reason of the rank that lacks them
-    if not reason and world > 1:  # the same examples everywhere: the batch count (FSDP collectives) and the score
-        digest = hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()
-        reason = agree([len(examples), digest], rank, world, lambda mine, first: None if mine == first else (
-            f"rank {rank} has {mine[0]} examples in {path}, rank 0 {first[0]}"
-            + (", other ones" if mine[0] == first[0] else "")))
-    if reason:
-        if rank == 0:
-            print(f"hellaswag: skipped ({reason}); pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it, "
-                  "or --hellaswag off to silence this")
-        return None
-    return examples
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # RunLog
 
@@ -524,6 +646,7 @@ class RunLog:
 
     def __init__(self, path: Path | None, resume_step: int | None, master: bool = True, max_steps: int = 0,
                  log_every: int = 1, trackers: list[Any] | None = None):
+        self.path = path
         self.file = open_log(path, resume_step) if path is not None else None
         self.trackers = trackers or []
         self.master = master
@@ -533,13 +656,19 @@ class RunLog:
 
     def write(self, record: dict) -> None:
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
+            try:
+                self.file.write(json.dumps(record) + "\n")
+            except OSError as e:
+                raise ValueError(f"cannot append to {self.path}: {'; '.join(write_error(e, self.path))}") from None
         for tracker in self.trackers:
             tracker.write(record)
 
     def say(self, text: str) -> None:
         if self.master:
             print(text)
+
+    def checkpointed(self) -> None:
+        """A checkpoint was written: nothing to do yet (the log is line-buffered)."""
 
     def step(self, step: int, record: dict, timed: bool) -> None:
         """Log one optimizer step's record (loss, lr, grad_norm, ms, tok_s, mfu...); `timed`: its time counts
@@ -570,6 +699,8 @@ class RunLog:
 def open_log(path: Path, resume_step: int | None) -> Any:
     """The run's JSONL log, line-buffered. A resumed run keeps the records before the step it resumes at and drops
     those an interrupted run logged past its last checkpoint, which it is about to log again."""
+    from common import iter_log
+
     path.parent.mkdir(parents=True, exist_ok=True)
     if resume_step is None or not path.is_file():
         return open(path, "w", buffering=1)
@@ -679,6 +810,7 @@ class StopFlags:
         self.term: str | None = None  # the first signal this rank received: "SIGTERM" or "SIGINT"
         self.signal = "SIGTERM"  # after should_stop said "signal": SIGTERM if any rank had it, else SIGINT
         self.master, self.interrupt, self.device, self.world = master, interrupt, device, world
+        self.max_minutes = max_minutes
         self.last = False  # set when no step is left to stop after: Ctrl-C then quits at once
         self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
         self._saved: dict[int, Any] = {}
@@ -724,9 +856,9 @@ class StopFlags:
         self.signal = "SIGTERM" if flags[0] else "SIGINT"
         return "signal" if flags[0] or flags[1] else "max_time" if flags[2] else None
 
-    def reason(self, stopping: str, max_time: float) -> str:
+    def reason(self, stopping: str) -> str:
         return {"SIGTERM": "SIGTERM", "SIGINT": "Ctrl-C"}[self.signal] if stopping == "signal" else \
-            f"--max-time {max_time} min"
+            f"--max-time {self.max_minutes} min"
 
 
 class _PipeGuard:
@@ -799,63 +931,76 @@ class Profiler:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Agreement across ranks: a node whose command or data differs stops every rank with the reason
+# Agreement across ranks: one fingerprint of what every rank must share, compared once
 
 
-# paths may differ from node to node, so only whether they are set is compared; the others change a rank's own files
-PER_NODE_FIELDS = ("data", "out_dir", "hellaswag", "init_from", "resume")
-RANK_LOCAL_FIELDS = ("max_time", "peak_tflops", "keep_last", "keep_every", "preload", "dist_timeout", "tensorboard",
-                     "wandb")
+def command_of(args: Any) -> dict[str, str]:
+    """The config as every node must share it: the fields not marked LOCAL (a path, or a rank's own setting: what
+    a path names is compared as data, weights or examples instead), nor holding another class's flags."""
+    hints = typing.get_type_hints(type(args), include_extras=True)
+    nested = {f.name for f in dataclasses.fields(args) if "flags_of" in f.metadata}
+    return {key: repr(value) for key, value in dataclasses.asdict(args).items()  # repr: a NaN equals itself
+            if LOCAL not in getattr(hints.get(key), "__metadata__", ()) and key not in nested}
 
 
-def commands_disagree(cfg: TrainConfig, rank: int, world: int) -> str | None:
-    """Why the ranks were started with commands that cannot train together, or None: a flag that differs on one
-    node would hang a collective or train the replicas apart without an error. Collective."""
-    mine = {k: repr(v) for k, v in dataclasses.asdict(cfg).items()  # repr: a NaN equals itself
-            if k not in PER_NODE_FIELDS + RANK_LOCAL_FIELDS}
-    hellaswag = "off" if cfg.hellaswag_every <= 0 and not cfg.eval_only else cfg.hellaswag  # never run: off
-    mine["hellaswag"] = repr(hellaswag if hellaswag in ("off", "auto") else "PATH")
-    mine["init_from"] = repr("NAME" if cfg.init_from else "")
-
-    def describe(mine: dict, first: dict) -> str | None:
-        diff = ", ".join(f"--{k.replace('_', '-')} {mine[k]} (rank 0: {v})" for k, v in first.items() if mine[k] != v)
-        return f"rank {rank} was started with {diff}: every node must run the same command" if diff else None
-
-    return agree(mine, rank, world, describe)
-
-
-def data_disagree(loaders: tuple[TokenLoader | None, ...], rank: int, world: int) -> str | None:
-    """Why the ranks' shards differ, or None: with a shard missing on one node its ranks would index other windows,
-    some served twice, silently. Names and token counts are compared. Collective."""
-    mine = [(state["split"], state["shards"], state["shard_tokens"])
+def shards_of(loaders: list[Any]) -> list[tuple]:
+    """(split, shard names, token counts) of each TokenLoader: a shard missing on one node would index other windows."""
+    return [(state["split"], state["shards"], state["shard_tokens"])
             for state in (loader.state_dict() for loader in loaders if loader is not None)]
 
-    def describe(mine: list, first: list) -> str | None:
-        for (split, names, sizes), (_, names0, sizes0) in zip(mine, first, strict=True):
-            if (names, sizes) != (names0, sizes0):
-                files, files0 = list(zip(names, sizes, strict=True)), list(zip(names0, sizes0, strict=True))
-                i = next(i for i in range(max(len(files), len(files0)))
-                         if i >= min(len(files), len(files0)) or files[i] != files0[i])
-                there = f"{names[i]} ({sizes[i]:,} tokens)" if i < len(names) else "nothing"
-                here = f"{names0[i]} ({sizes0[i]:,} tokens)" if i < len(names0) else "nothing"
-                return (f"rank {rank}'s {split} shards differ from rank 0's ({len(names)} files against "
-                        f"{len(names0)}; file {i + 1} is {there} there, {here} on rank 0): every node must hold the "
-                        "same --data")
-        return None
 
-    return agree(mine, rank, world, describe)
-
-
-def weights_disagree(raw: GPT, source: str, rank: int, world: int) -> str | None:
-    """Why the ranks loaded other weights from `source`, or None: each node loads its own copy and nothing
-    broadcasts rank 0's. A digest of the bytes is exact where a float sum is not. Collective."""
-    if world == 1:  # a digest of a 1.5B model takes seconds: only where there is something to compare
-        return None
+def weights_digest(model: nn.Module) -> str:
+    """A digest of the parameters' bytes: exact where a float sum is not."""
     digest = hashlib.sha1()
-    for p in raw.parameters():
-        digest.update(p.detach().contiguous().view(torch.uint8).numpy())
-    fingerprint = [digest.hexdigest()[:16], raw.num_params()]
-    return agree(fingerprint, rank, world, lambda mine, first: None if mine == first else (
-        f"rank {rank} loaded other weights from {source} than rank 0 (digest {mine[0]}, rank 0: {first[0]}): every "
-        "node must start from the same model"))
+    for p in model.parameters():
+        digest.update(p.detach().contiguous().view(torch.uint8).cpu().numpy())
+    return digest.hexdigest()[:16]
 
+
+def agree_fingerprint(fingerprint: dict[str, Any], rank: int, world: int, weights_source: str = "",
+                      describe: dict[str, Callable[..., str]] | None = None) -> None:
+    """Compare this rank's {"command", "data", "weights", ...} with rank 0's, once: the first difference on any rank
+    stops every rank with one line. A node whose command, data or starting weights differ would otherwise hang a
+    collective or train the replicas apart without an error. `describe` adds a stage's own keys. Collective."""
+    says = {**DESCRIBE, **(describe or {})}
+
+    def differs(mine: dict, first: dict) -> str | None:
+        for key in mine:
+            if mine[key] != first.get(key):
+                return says.get(key, describe_other)(key, mine[key], first.get(key), rank, weights_source)
+        return None
+
+    if problem := agree(fingerprint, rank, world, differs):
+        raise ValueError(problem)
+
+
+def describe_command(key: str, mine: dict, first: dict, rank: int, _: str) -> str:
+    diff = ", ".join(f"--{k.replace('_', '-')} {mine.get(k)} (rank 0: {first.get(k)})" for k in {**first, **mine}
+                     if mine.get(k) != first.get(k))
+    return f"rank {rank} was started with {diff}: every node must run the same command"
+
+
+def describe_data(key: str, mine: list, first: list, rank: int, _: str) -> str:
+    for (split, names, sizes), (_, names0, sizes0) in zip(mine, first, strict=True):
+        if (names, sizes) != (names0, sizes0):
+            files, files0 = list(zip(names, sizes, strict=True)), list(zip(names0, sizes0, strict=True))
+            i = next(i for i in range(max(len(files), len(files0)))
+                     if i >= min(len(files), len(files0)) or files[i] != files0[i])
+            there = f"{names[i]} ({sizes[i]:,} tokens)" if i < len(names) else "nothing"
+            here = f"{names0[i]} ({sizes0[i]:,} tokens)" if i < len(names0) else "nothing"
+            return (f"rank {rank}'s {split} shards differ from rank 0's ({len(names)} files against {len(names0)}; "
+                    f"file {i + 1} is {there} there, {here} on rank 0): every node must hold the same --data")
+    return f"rank {rank}'s data differs from rank 0's: every node must hold the same --data"
+
+
+def describe_weights(key: str, mine: str, first: str, rank: int, source: str) -> str:
+    return (f"rank {rank} loaded other weights from {source} than rank 0 (digest {mine}, rank 0: {first}): every node "
+            "must start from the same model")
+
+
+def describe_other(key: str, mine: Any, first: Any, rank: int, _: str) -> str:
+    return f"rank {rank}'s {key} differs from rank 0's: every node must hold the same {key}"
+
+
+DESCRIBE: dict[str, Callable[..., str]] = {"command": describe_command, "data": describe_data,
+                                           "weights": describe_weights}

