@@ -434,6 +434,36 @@ def test_sample_and_hellaswag_from_a_checkpoint_train_py_wrote(token_data, tmp_p
     assert "acc_norm" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("script, args", [
+    ("sample", ["--device", "cpu"]),  # failed in torch.multinomial
+    ("sample", ["--device", "cpu", "--temperature", "0"]),  # printed "!!!!": the argmax of NaN logits is token 0
+    ("hellaswag", ["--device", "cpu", "--data", str(ROOT / "tests/data/hellaswag_tiny.jsonl")]),  # scored as chance
+    ("export", ["--export-hf", "{tmp}/hf"]),  # wrote the NaNs
+])
+def test_nonfinite_weights_and_a_checkpoint_set_aside_as_diverged_are_refused(model, tmp_path, script, args):
+    import export
+    import hellaswag
+
+    config = dataclasses.asdict(model.config)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    weights["transformer.h.1.attn.c_proj.weight"][3, 5] = float("nan")
+    weights["transformer.ln_f.bias"][0] = float("-inf")
+    torch.save({"model": weights, "model_config": config}, bad := tmp_path / "bad.pt")
+    # a NaN stop's checkpoint can hold finite weights (huge ones, whose loss was not): its name is what tells
+    torch.save({"model": model.state_dict(), "model_config": config}, aside := tmp_path / "ckpt_000008.pt.diverged")
+    run = {"sample": main, "hellaswag": hellaswag.main, "export": export.main}[script]
+    for path, message in (
+            (bad, f"checkpoint {bad} holds non-finite weights (NaN or inf in 2 of 29 tensors, the first "
+                  "transformer.h.1.attn.c_proj.weight), as a run that diverged leaves them; use an earlier checkpoint "
+                  "of the run"),
+            (aside, f"checkpoint {aside} is the one a NaN stop set aside: its weights gave a NaN or inf loss or "
+                    "gradient norm in training; use the checkpoint before it (--resume auto takes that one)")):
+        with pytest.raises(SystemExit) as e:
+            run(["--ckpt", str(path), *(a.format(tmp=tmp_path) for a in args)])
+        assert str(e.value) == "error: " + message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "ckpt_000008.pt.diverged"]
+
+
 @pytest.mark.parametrize("cast, dtype", [(lambda m: m.to(torch.bfloat16), torch.bfloat16),
                                          (lambda m: m.half().float(), torch.float32)])
 def test_casting_the_model_keeps_the_fp32_rope_tables(cast, dtype):
