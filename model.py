@@ -519,6 +519,7 @@ def check_finite(source: str, weights: dict[str, torch.Tensor] | None = None) ->
         raise ValueError(f"{source} holds non-finite weights (NaN or inf in {len(bad)} of {len(weights)} tensors, the "
                          f"first {bad[0]}), as a run that diverged leaves them; use an earlier checkpoint of the run")
 
+
 def check_weights(model: GPT, weights: dict[str, Any], source: str) -> None:
     """Refuse weights that do not fit model's config with one line of counts and the first two names: PyTorch's own
     size-mismatch error names every tensor, kilobytes for one mistake."""
