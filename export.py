@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, parse_config
 from model import GPT, HF_CONV1D, NORM_EPS, GPTConfig
@@ -49,18 +52,55 @@ def hf_class(cfg: GPTConfig) -> str:
                      f"and LlamaForCausalLM no {', '.join(llama_lacks)}")
 
 
+HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json")
+STAGING = ".export-partial"  # written here first, then moved into place: a failed export leaves nothing behind
+
+
 def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
     """Write an HF `GPT2LMHeadModel` or `LlamaForCausalLM` directory (config.json, model.safetensors, tokenizer
     files) for lm-eval etc. A vocabulary padded past GPT-2's 50,257 ids is cropped to them (as llm.c does): the padded
-    rows are never tokens, and HF's generate, which knows nothing of our padding, could otherwise sample them."""
+    rows are never tokens, and HF's generate, which knows nothing of our padding, could otherwise sample them.
+
+    An earlier export there is replaced; a write that fails (a full disk, no permission) is one OSError line and
+    leaves the directory as it was."""
     cfg = model.config
     gpt2 = hf_class(cfg) == "GPT2LMHeadModel"  # before anything is written
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_target(Path(out_dir))
     vocab = GPT2_VOCAB if cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size  # tiny test vocabularies stay as they are
     sd, config = _gpt2_files(model, vocab) if gpt2 else _llama_files(model, vocab)
+    made = [p for p in (out, *out.parents) if not p.exists()]  # the directories this export creates
+    staging = out / STAGING
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        _write(staging, sd, config, cfg.block_size)
+        for f in staging.iterdir():
+            os.replace(f, out / f.name)
+        staging.rmdir()
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(made[-1] if made else staging, ignore_errors=True)
+        code = re.search(r"(?:os error|code:) (\d+)", str(e))  # a SafetensorError holds the errno in its text
+        reason = e.strerror if isinstance(e, OSError) else os.strerror(int(code[1])) if code else str(e)
+        raise OSError(f"cannot write the HF export to {out} ({reason}); nothing of it is left there: free some "
+                      "space, or pass a directory you can write to") from None
+    return out
+
+
+def check_target(out: Path) -> Path:
+    """Refuse an --export-hf that is a file or lies under one, or a directory holding files export.py does not write:
+    transformers would read them with the export (AutoTokenizer takes a stray tokenizer.json over our GPT-2 files)."""
+    above = next(p for p in (out, *out.parents) if p.exists())
+    if not above.is_dir():
+        raise ValueError(f"--export-hf {out}: {above} is a file, not a directory; pass a new directory, or an earlier "
+                         "export to replace")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in (*HF_FILES, STAGING)) if above == out else []
+    if foreign:
+        raise ValueError(f"--export-hf {out} holds files export.py does not write ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}), which transformers would read with the export; "
+                         "pass a new or empty directory, or an earlier export to replace")
+    return out
+
+
+def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block_size: int) -> None:
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
@@ -71,11 +111,10 @@ def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
         (out / "vocab.json").write_bytes((data / "encoder.json").read_bytes())
         (out / "merges.txt").write_bytes((data / "vocab.bpe").read_bytes())
         (out / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "GPT2Tokenizer", "model_max_length": cfg.block_size, "bos_token": "<|endoftext|>",
+            {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "bos_token": "<|endoftext|>",
              "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}))
     except ImportError:
         pass
-    return out
 
 
 def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -143,8 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     if not cfg.ckpt:
         raise SystemExit("error: --export-hf needs --ckpt PATH (a checkpoint train.py wrote)")
     try:
+        check_target(Path(cfg.export_hf))  # before a large checkpoint takes its time to load
         out = export_hf(GPT.from_checkpoint(cfg.ckpt), cfg.export_hf)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"exported {cfg.ckpt} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
 

@@ -462,13 +462,16 @@ class GPT(nn.Module):
     @classmethod
     def from_checkpoint(cls, ckpt: str | os.PathLike | dict[str, Any], map_location: str | torch.device = "cpu",
                         **overrides: Any) -> GPT:
-        """Rebuild the model a train.py checkpoint describes (path or already-loaded dict)."""
+        """Rebuild the model a train.py checkpoint describes (path or already-loaded dict). Weights holding a NaN or
+        inf, or a file a NaN stop set aside (.diverged), are refused: they would sample and score garbage silently."""
         source = "checkpoint" if isinstance(ckpt, dict) else f"checkpoint {ckpt}"
+        check_finite(source)  # a .diverged file is refused before it is read
         if not isinstance(ckpt, dict):
             ckpt = load_checkpoint(ckpt, map_location)
         model = cls(checkpoint_config(ckpt, source, **overrides))
         weights = ckpt["model"]
         check_weights(model, weights, source)
+        check_finite(source, weights)
         model.load_state_dict(weights)  # strict: every name and shape was checked above
         return model
 
@@ -509,7 +512,6 @@ class GPT(nn.Module):
                     raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {tuple(p.shape)}")
                 p.copy_(src)
         return model
-
 
     @classmethod
     def load(cls, ckpt: str | None, init_from: str | None) -> GPT:
@@ -558,6 +560,18 @@ class GPT(nn.Module):
             raise ValueError(f"{config_json} is not valid JSON ({e}); --init-from needs {HF_DIR}") from e
         except KeyError as e:
             raise ValueError(f"{config_json} lacks the key {e}, so it is not a GPT-2 config.json") from e
+
+
+def check_finite(source: str, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Refuse a checkpoint a NaN stop set aside, by its name, or weights holding a NaN or inf: aminmax reads each
+    tensor once and allocates nothing, where isfinite(t).all() writes a mask as large as the tensor."""
+    if source.endswith(".diverged"):
+        raise ValueError(f"{source} is the one a NaN stop set aside: its weights gave a NaN or inf loss or gradient "
+                         "norm in training; use the checkpoint before it (--resume auto takes that one)")
+    bad = [k for k, t in (weights or {}).items() if not all(v.isfinite() for v in torch.aminmax(t))]
+    if bad:
+        raise ValueError(f"{source} holds non-finite weights (NaN or inf in {len(bad)} of {len(weights)} tensors, the "
+                         f"first {bad[0]}), as a run that diverged leaves them; use an earlier checkpoint of the run")
 
 
 def check_weights(model: GPT, weights: dict[str, Any], source: str) -> None:

@@ -1,6 +1,7 @@
 """Plot a train.py run from its log.jsonl: smoothed train loss, val loss, lr and HellaSwag against steps or tokens.
 
 Usage:
+    python plot.py                                          # the newest out/*/log.jsonl -> out/<run>/loss.png
     python plot.py --log out/gpt2-124m/log.jsonl            # writes out/gpt2-124m/loss.png
     python plot.py --log out/demo/log.jsonl --x tokens --out demo.png
     python plot.py --log out/lr6e-4/log.jsonl,out/lr1e-3/log.jsonl --x tokens   # overlaid -> out/lr6e-4/compare.png
@@ -24,7 +25,7 @@ GPT3_SMALL_HELLASWAG = 0.337
 class PlotConfig:
     """Plot the curves of a train.py log.jsonl (or of several runs, overlaid) into a PNG."""
 
-    log: str = "out/gpt2-124m/log.jsonl"  # the run's JSONL log; several, comma-separated, are overlaid (a colour each)
+    log: str = ""  # the run's JSONL log ('' = the newest out/*/log.jsonl); several, comma-separated, are overlaid
     out: str = ""  # PNG path ('' = loss.png next to the log; compare.png next to the first log for several)
     x: str = "step"  # x axis: step or tokens
     smooth: float = 0.9  # EMA factor for the train loss (0 = raw)
@@ -98,6 +99,11 @@ def plot(cfg: PlotConfig) -> Path:
 
 
 def log_paths(arg: str) -> list[Path]:
+    if not arg:  # the run written to last
+        newest = max(Path("out").glob("*/log.jsonl"), key=lambda p: p.stat().st_mtime, default=None)
+        if newest is None:
+            raise FileNotFoundError("no out/*/log.jsonl here; pass --log PATH (the log.jsonl in a run's --out-dir)")
+        return [newest]
     # a path that exists as given is one log, commas and all (run names such as lr=6e-4,bs=8)
     logs = [Path(arg)] if Path(arg).is_file() else [Path(part) for part in arg.split(",") if part]
     if not logs:

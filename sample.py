@@ -6,7 +6,7 @@ given device. bf16 on CUDA, fp32 on CPU. The text goes to stdout; notices and th
 Usage:
     python sample.py --ckpt out/run/ckpt_019000.pt --prompt "Hello, I'm a language model,"
     python sample.py --init-from gpt2-xl --prompt @prompt.txt --num-samples 1 --max-new-tokens 200
-    python sample.py --ckpt out/demo/ckpt_000250.pt --prompt "def " --quantize int8   # pip install torchao
+    python sample.py --ckpt out/demo/ckpt_000900.pt --prompt "Return the" --quantize int8   # pip install torchao
     echo "The meaning of life is" | python sample.py --init-from gpt2 --prompt - --temperature 0
 """
 
@@ -38,6 +38,7 @@ from common import (
 from model import GPT
 
 WORD = re.compile(r"\w+", re.ASCII)  # identifier-like: letters, digits and _
+DOC_BREAK = "\n--- end of document ---\n"  # printed for <|endoftext|>, where the model ends a document
 
 
 @dataclass
@@ -56,9 +57,8 @@ class SampleConfig:
     no_cache: bool = False  # recompute the whole context every step instead of using the KV cache (slow; a check)
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     quantize: str = "none"  # none, or int8: torchao weight-only INT8 matmuls in the blocks (pip install torchao)
-    # a token-shard directory: after sampling, report the share of sampled words found in its train split and the
-    # share of whitespace-only lines (the demo's check that the samples read as its corpus)
-    corpus: str | None = None
+    stop_at_eot: bool = False  # end a sample where the model ends its document (<|endoftext|>)
+    corpus: str | None = None  # token-shard dir: report the share of sampled words in its train split, and blank lines
 
     def __post_init__(self) -> None:
         if self.quantize not in ("none", "int8"):
@@ -131,11 +131,14 @@ def generate_text(model: GPT, enc: Any, cfg: SampleConfig, device: torch.device 
         pieces = []
         for nxt in model.generate_stream(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                                          top_p=cfg.top_p, use_cache=not cfg.no_cache, generator=generator):
-            piece = decoder.decode(enc.decode_single_token_bytes(int(nxt[0, 0])))
-            pieces.append(piece)
-            out.write(piece)
+            eot = int(nxt[0, 0]) == EOT  # shown as a break; the returned text keeps the token, a word boundary
+            piece = decoder.decode(b"" if eot else enc.decode_single_token_bytes(int(nxt[0, 0])), final=eot)
+            pieces.append(piece + "<|endoftext|>" * eot)
+            out.write(piece + DOC_BREAK * eot)
             out.flush()
             n_tokens += 1
+            if eot and cfg.stop_at_eot:
+                break
         pieces.append(decoder.decode(b"", final=True))
         out.write(pieces[-1] + "\n---------------\n")
         out.flush()

@@ -1,6 +1,7 @@
 """plot.py: the PNG exists, is a real image, and is drawn from the log's records."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,20 @@ def test_plot_errors(tmp_path):
     with pytest.raises(SystemExit, match=rf"error: {ckpt} is not a train.py log.jsonl: it is not text \(invalid "
                                          r"start byte at byte 64\); pass the log.jsonl in the run's --out-dir"):
         plot.main(["--log", str(ckpt)])
+
+
+def test_without_log_the_newest_run_is_plotted(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        plot.main([])
+    assert str(e.value) == "error: no out/*/log.jsonl here; pass --log PATH (the log.jsonl in a run's --out-dir)"
+    for i, run in enumerate(("b", "c", "a")):  # written in this order: the newest is not the last name
+        log = tmp_path / "out" / run / "log.jsonl"
+        log.parent.mkdir(parents=True)
+        log.write_text(json.dumps({"type": "train", "step": 0, "tokens": 1, "loss": 5.0 + i}) + "\n")
+        os.utime(log, (1e9 + i, 1e9 + i))
+    assert plot.main([]) == Path("out/a/loss.png") and (tmp_path / "out/a/loss.png").is_file()
+    assert capsys.readouterr().out == "plot: wrote out/a/loss.png\n"
 
 
 def test_plot_draws_the_series_of_the_log(tmp_path, monkeypatch):

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import EOT, get_tokenizer
+from common import EOT, _field_help, get_tokenizer
 from model import GPT, MODEL_PRESETS
 from sample import SampleConfig, decode_speed, generate_text, main, read_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEED = re.compile(r"^(\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\)$", re.M)
 SEP = "\n---------------\n"
+BREAK = "\n--- end of document ---\n"
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +179,33 @@ def test_a_sample_that_ends_inside_a_character_ends_in_a_replacement_character(e
     (result,) = generate_text(ScriptedModel(tokens), enc, cfg, "cpu", out=out)
     assert result == enc.decode(tokens[:cut]) and result.endswith("\ufffd")
     assert out.getvalue() == "A" + result + SEP
+
+
+def test_a_document_end_is_a_visible_break_and_stop_at_eot_ends_the_sample_there(enc, capsys):
+    first, second = enc.encode("return x\n"), enc.encode("def f")
+    model = ScriptedModel([*first, EOT, *second, EOT, *first])
+    cfg = SampleConfig(prompt="A", num_samples=1, max_new_tokens=40)
+    out = io.StringIO()
+    texts = generate_text(model, enc, cfg, "cpu", out=out)
+    assert out.getvalue() == "A" + "return x\n" + BREAK + "def f" + BREAK + "return x\n" + SEP
+    assert texts == ["return x\n<|endoftext|>def f<|endoftext|>return x\n"]  # the text itself, for --corpus
+    out = io.StringIO()
+    texts = generate_text(model, enc, dataclasses.replace(cfg, num_samples=2, stop_at_eot=True), "cpu", out=out)
+    assert out.getvalue() == ("A" + "return x\n" + BREAK + SEP) * 2
+    assert texts == ["return x\n<|endoftext|>"] * 2
+    assert SPEED.findall(capsys.readouterr().err)[-1][0] == str(2 * (len(first) + 1))
+
+
+def test_help_describes_every_option_and_names_the_demo_checkpoint(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    helps = _field_help(SampleConfig)
+    assert [f.name for f in dataclasses.fields(SampleConfig) if helps.get(f.name)] == \
+        [f.name for f in dataclasses.fields(SampleConfig)]
+    assert all(f"--{name.replace('_', '-')}" in out and text in out for name, text in helps.items())
+    steps = re.search(r'steps="\$\{DEMO_STEPS:-(\d+)\}"', (ROOT / "demo.sh").read_text())[1]
+    assert re.findall(r"out/demo/ckpt_\d+\.pt", out) == [f"out/demo/ckpt_{int(steps):06d}.pt"]
 
 
 def _is_utf8(b: bytes) -> bool:
@@ -432,6 +460,36 @@ def test_sample_and_hellaswag_from_a_checkpoint_train_py_wrote(token_data, tmp_p
     result = hellaswag.main(["--ckpt", str(ckpt), "--data", str(ROOT / "tests/data/hellaswag_tiny.jsonl")])
     assert result["n"] == len(hellaswag.load_examples(ROOT / "tests/data/hellaswag_tiny.jsonl"))
     assert "acc_norm" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script, args", [
+    ("sample", ["--device", "cpu"]),  # failed in torch.multinomial
+    ("sample", ["--device", "cpu", "--temperature", "0"]),  # printed "!!!!": the argmax of NaN logits is token 0
+    ("hellaswag", ["--device", "cpu", "--data", str(ROOT / "tests/data/hellaswag_tiny.jsonl")]),  # scored as chance
+    ("export", ["--export-hf", "{tmp}/hf"]),  # wrote the NaNs
+])
+def test_nonfinite_weights_and_a_checkpoint_set_aside_as_diverged_are_refused(model, tmp_path, script, args):
+    import export
+    import hellaswag
+
+    config = dataclasses.asdict(model.config)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    weights["transformer.h.1.attn.c_proj.weight"][3, 5] = float("nan")
+    weights["transformer.ln_f.bias"][0] = float("-inf")
+    torch.save({"model": weights, "model_config": config}, bad := tmp_path / "bad.pt")
+    # a NaN stop's checkpoint can hold finite weights (huge ones, whose loss was not): its name is what tells
+    torch.save({"model": model.state_dict(), "model_config": config}, aside := tmp_path / "ckpt_000008.pt.diverged")
+    run = {"sample": main, "hellaswag": hellaswag.main, "export": export.main}[script]
+    for path, message in (
+            (bad, f"checkpoint {bad} holds non-finite weights (NaN or inf in 2 of 29 tensors, the first "
+                  "transformer.h.1.attn.c_proj.weight), as a run that diverged leaves them; use an earlier checkpoint "
+                  "of the run"),
+            (aside, f"checkpoint {aside} is the one a NaN stop set aside: its weights gave a NaN or inf loss or "
+                    "gradient norm in training; use the checkpoint before it (--resume auto takes that one)")):
+        with pytest.raises(SystemExit) as e:
+            run(["--ckpt", str(path), *(a.format(tmp=tmp_path) for a in args)])
+        assert str(e.value) == "error: " + message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "ckpt_000008.pt.diverged"]
 
 
 @pytest.mark.parametrize("cast, dtype", [(lambda m: m.to(torch.bfloat16), torch.bfloat16),

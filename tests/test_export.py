@@ -1,0 +1,267 @@
+"""export.py: HF round trips (GPT-2 and LLaMA layouts), refused architectures, and a failed export that leaves
+nothing behind (a file as target, a foreign directory, no permission, a full disk)."""
+
+import contextlib
+import json
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_model import _perturbed, tiny
+
+import export
+from common import EOT, GPT2_VOCAB
+from conftest import ROOT
+from export import export_hf
+from model import GPT, GPTConfig
+
+
+def test_export_hf_round_trip(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)).eval()
+    with torch.no_grad():  # biases and LayerNorms away from their init, so their export is checked too
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    export_hf(model, tmp_path)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    back = GPT.from_pretrained(str(tmp_path)).eval()
+    # the padding is cropped: HF's vocabulary is the tokenizer's, and its logits are ours for the real ids
+    assert (hf.config.vocab_size, back.config.vocab_size, len(tok := transformers.AutoTokenizer.from_pretrained(
+        tmp_path))) == (GPT2_VOCAB, GPT2_VOCAB, GPT2_VOCAB)
+    idx = torch.randint(0, GPT2_VOCAB, (2, 32))
+    with torch.no_grad():
+        ours, _ = model(idx)
+        assert ours.shape[-1] == 50304
+        torch.testing.assert_close(hf(idx).logits, ours[..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(back(idx)[0], ours[..., :GPT2_VOCAB], atol=0, rtol=0)
+    assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    # the model's dropout (0 for pretraining), not HF's default 0.1, for whoever fine-tunes the export
+    assert (hf.config.resid_pdrop, hf.config.embd_pdrop, hf.config.attn_pdrop) == (0.0, 0.0, 0.0)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # readable by whoever may read the config
+
+
+def test_export_hf_keeps_a_vocabulary_smaller_than_gpt2s(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    export_hf(model, tmp_path)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert hf.config.vocab_size == model.config.vocab_size < GPT2_VOCAB
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+def _llama_tiny(**kw) -> GPTConfig:
+    return GPTConfig(**{**dict(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32, n_kv_head=2,
+                               mlp="swiglu", pos="rope", norm="rmsnorm", bias=False, rope_theta=500.0), **kw})
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(bias=True), dict(n_kv_head=None, rope_theta=10000.0)])
+def test_export_hf_llama_round_trip(tmp_path, kw):
+    # the LLaMA layout (GQA, a theta other than HF's default, biases or none) as LlamaForCausalLM; every weight
+    # perturbed, norms and biases included, so each tensor has to land in its place
+    transformers = pytest.importorskip("transformers")
+    model = _perturbed(_llama_tiny(**kw), scale=0.05)
+    export_hf(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    cfg = model.config
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert (hf.config.vocab_size, hf.config.num_key_value_heads, hf.config.intermediate_size, hf.config.head_dim,
+            hf.config.rms_norm_eps, hf.config.rope_parameters["rope_theta"], hf.config.tie_word_embeddings,
+            hf.config.attention_bias, hf.config.mlp_bias, hf.config.max_position_embeddings) == \
+        (GPT2_VOCAB, cfg.kv_heads, 128, 8, 1e-5, cfg.rope_theta, True, cfg.bias, cfg.bias, 32)
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # tied, as ours
+    idx = torch.randint(0, GPT2_VOCAB, (2, 32))
+    with torch.no_grad():
+        ours, _ = model(idx)
+        torch.testing.assert_close(hf(idx).logits, ours[..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
+        # HF's own KV-cache decoding of the export agrees with ours, token for token
+        theirs = hf.generate(idx[:1, :8], max_new_tokens=12, do_sample=False, pad_token_id=EOT)
+    assert torch.equal(theirs, model.generate(idx[:1, :8], 12, temperature=0.0))
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+
+
+def test_export_cli_writes_a_llama_checkpoint_as_llama(tmp_path, capsys):
+    model = GPT(_llama_tiny())
+    torch.save({"model": model.state_dict(), "model_config": model.config.__dict__, "step": 1}, tmp_path / "c.pt")
+    export.main(["--ckpt", str(tmp_path / "c.pt"), "--export-hf", str(tmp_path / "hf")])
+    assert capsys.readouterr().out == f"exported {tmp_path / 'c.pt'} to {tmp_path / 'hf'} (load with " \
+        "transformers.AutoModelForCausalLM.from_pretrained)\n"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["architectures"], config["rms_norm_eps"], config["intermediate_size"]) == \
+        (["LlamaForCausalLM"], 1e-5, 128)
+
+
+@pytest.mark.parametrize("kw, gpt2_lacks, llama_lacks", [
+    (dict(norm="rmsnorm"), "RMSNorm", "GELU MLP, learned positions"),
+    (dict(mlp="swiglu", pos="rope"), "SwiGLU MLP, rotary positions", "LayerNorm"),
+    (dict(pos="rope", norm="rmsnorm", n_kv_head=2, bias=False),
+     "rotary positions, RMSNorm, grouped-query attention, bias-free layers", "GELU MLP"),
+    (dict(mlp="swiglu", norm="rmsnorm"), "SwiGLU MLP, RMSNorm", "learned positions"),
+])
+def test_export_hf_refuses_a_mix_of_gpt2_and_llama_in_one_line(tmp_path, kw, gpt2_lacks, llama_lacks):
+    with pytest.raises(ValueError) as e:
+        export_hf(GPT(tiny(**kw)), tmp_path / "x")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("export_hf supports only the plain GPT-2 architecture")
+    assert message.endswith(f": GPT2LMHeadModel has no {gpt2_lacks}, and LlamaForCausalLM no {llama_lacks}")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("kw", [dict(mlp="swiglu"), dict(pos="rope"), dict(n_kv_head=2), dict(bias=False)])
+def test_export_hf_refuses_other_architectures(tmp_path, kw):
+    # each of these would write a model HF loads with missing or misread weights, or computes differently
+    with pytest.raises(ValueError, match="only the plain GPT-2"):
+        export_hf(GPT(tiny(**kw)), tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32)).eval()
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"model": gpt.state_dict(), "model_config": gpt.config.__dict__, "step": 1}, ckpt)
+    export.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / "hf")])
+    assert "exported" in capsys.readouterr().out
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, GPT2_VOCAB, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, gpt(idx)[0][..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
+    with pytest.raises(SystemExit, match="--export-hf needs --ckpt"):
+        export.main(["--export-hf", str(tmp_path / "x")])
+    with pytest.raises(SystemExit) as e:  # no flags: nothing to do (model.py's untrained smoke run is gone)
+        export.main([])
+    assert str(e.value) == "error: pass --ckpt PATH (a checkpoint train.py wrote) and --export-hf DIR"
+    with pytest.raises(SystemExit, match=f"--ckpt is only read with --export-hf DIR; to sample from it: python "
+                                         f"sample.py --ckpt {ckpt}"):  # not an untrained sample that ignores it
+        export.main(["--ckpt", str(ckpt)])
+    # a checkpoint that cannot be exported is one error line, and no output directory is left behind
+    with pytest.raises(SystemExit) as e:
+        export.main(["--ckpt", str(tmp_path / "missing.pt"), "--export-hf", str(tmp_path / "x")])
+    assert str(e.value).startswith(f"error: checkpoint {tmp_path / 'missing.pt'} does not exist; pass the .pt file")
+    swiglu = GPT(GPTConfig(block_size=32, vocab_size=96, n_layer=1, n_head=4, n_embd=32, mlp="swiglu"))
+    torch.save({"model": swiglu.state_dict(), "model_config": swiglu.config.__dict__}, tmp_path / "swiglu.pt")
+    with pytest.raises(SystemExit, match="^error: export_hf supports only the plain GPT-2 architecture"):
+        export.main(["--ckpt", str(tmp_path / "swiglu.pt"), "--export-hf", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# where the export goes, and a write that fails
+
+
+def save_ckpt(path: Path, config: GPTConfig, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    model = GPT(config)
+    torch.save({"model": model.state_dict(), "model_config": model.config.__dict__, "step": 1}, path)
+    return path
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_file_a_path_under_one_or_a_directory_as_ckpt_is_one_line(tmp_path):
+    ckpt = save_ckpt(tmp_path / "c.pt", tiny())
+    (tmp_path / "notes.txt").write_text("x")
+    for target in ("notes.txt", "notes.txt/hf", "notes.txt/a/hf"):
+        with pytest.raises(SystemExit) as e:
+            export.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / target)])
+        assert str(e.value) == (f"error: --export-hf {tmp_path / target}: {tmp_path / 'notes.txt'} is a file, not a "
+                                "directory; pass a new directory, or an earlier export to replace")
+    with pytest.raises(SystemExit) as e:
+        export.main(["--ckpt", str(tmp_path), "--export-hf", str(tmp_path / "hf")])
+    assert str(e.value) == (f"error: checkpoint {tmp_path} is a directory, not a file; pass the .pt file that train.py "
+                            "wrote (e.g. out/<run>/ckpt_000100.pt); an HF GPT-2 directory (config.json + "
+                            "model.safetensors) loads with --init-from instead")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "notes.txt"]
+
+
+def test_an_earlier_export_is_replaced_and_a_foreign_directory_refused(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    export.main(["--ckpt", str(save_ckpt(tmp_path / "a.pt", tiny(n_layer=1))), "--export-hf", str(hf)])
+    # a tokenizer.json left by another model is what AutoTokenizer would load, not the export's GPT-2 files
+    (hf / "tokenizer.json").write_text("{}")
+    before = contents(hf)
+    b = save_ckpt(tmp_path / "b.pt", tiny(n_layer=3))
+    with pytest.raises(SystemExit) as e:
+        export.main(["--ckpt", str(b), "--export-hf", str(hf)])
+    assert str(e.value) == (f"error: --export-hf {hf} holds files export.py does not write (tokenizer.json), which "
+                            "transformers would read with the export; pass a new or empty directory, or an earlier "
+                            "export to replace")
+    assert contents(hf) == before
+    (hf / "tokenizer.json").unlink()
+    capsys.readouterr()
+    export.main(["--ckpt", str(b), "--export-hf", str(hf)])
+    assert capsys.readouterr().out == f"exported {b} to {hf} (load with " \
+        "transformers.AutoModelForCausalLM.from_pretrained)\n"
+    assert sorted(contents(hf)) == sorted(export.HF_FILES)  # no staging folder left
+    assert json.loads((hf / "config.json").read_text())["n_layer"] == 3
+    assert transformers.GPT2LMHeadModel.from_pretrained(hf).config.n_layer == 3
+
+
+def unwritable(tmp_path: Path) -> tuple[Path, str]:
+    """An empty directory this process cannot write in, and the reason mkdir there gives: chmod 555, or for root,
+    whom chmod does not stop, an empty sysfs directory."""
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    for folder in (ro, *sorted(Path("/sys/kernel").glob("*"))):
+        with contextlib.suppress(OSError):
+            if not folder.is_dir() or any(folder.iterdir()):
+                continue
+        try:
+            (folder / "probe").mkdir()
+        except OSError as e:
+            return folder, e.strerror
+        (folder / "probe").rmdir()
+    pytest.skip("no empty directory here refuses this process's writes")
+
+
+def test_an_unwritable_target_is_one_line_and_gets_nothing(tmp_path):
+    ckpt = save_ckpt(tmp_path / "c.pt", tiny())
+    folder, reason = unwritable(tmp_path)
+    for target in (folder, folder / "hf"):  # an existing directory, and a new one
+        with pytest.raises(SystemExit) as e:
+            export.main(["--ckpt", str(ckpt), "--export-hf", str(target)])
+        assert str(e.value) == (f"error: cannot write the HF export to {target} ({reason}); nothing of it is left "
+                                "there: free some space, or pass a directory you can write to")
+        assert not any(folder.iterdir())
+
+
+@pytest.mark.parametrize("limit, target", [
+    (50_000, "new/hf"),  # model.safetensors (113 kB) fails in safetensors' writer
+    (600_000, "earlier"),  # model.safetensors fits, vocab.json (1.04 MB) fails in Python's
+])
+def test_a_full_disk_leaves_nothing_behind(tmp_path, limit, target):
+    # a real limit: files this process writes stop at `limit` bytes (RLIMIT_FSIZE; the write fails with EFBIG)
+    ckpt = save_ckpt(tmp_path / "c.pt", tiny())
+    out = tmp_path / target
+    if target == "earlier":
+        export.main(["--ckpt", str(save_ckpt(tmp_path / "old.pt", tiny(), seed=1)), "--export-hf", str(out)])
+    before = contents(out) if out.exists() else None
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process being killed
+
+    proc = subprocess.run([sys.executable, "export.py", "--ckpt", str(ckpt), "--export-hf", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"error: cannot write the HF export to {out} (File too large); nothing of it is left "
+                           "there: free some space, or pass a directory you can write to\n")
+    if before is None:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]  # new/ and new/hf are gone too
+    else:
+        assert contents(out) == before  # the earlier export, untouched
