@@ -152,13 +152,15 @@ def make_norm(config: GPTConfig) -> nn.LayerNorm | nn.RMSNorm:
 
 class KVCache:
     """Per-layer keys/values for incremental decoding; `pos` is the number of cached positions. Each layer's buffers
-    take the dtype and device of its first keys: the weights' dtype does not tell (autocast, FSDP2 mixed precision)."""
+    take the dtype and device of its first keys: the weights' dtype does not tell (autocast, FSDP2 mixed precision).
+    `pad` (B,) left-pads a ragged batch: row b's positions count from pad[b] and no query sees its pad slots."""
 
-    def __init__(self, config: GPTConfig, batch_size: int):
+    def __init__(self, config: GPTConfig, batch_size: int, pad: torch.Tensor | None = None):
         self.shape = (batch_size, config.kv_heads, config.block_size, config.head_dim)
         self.k: list[torch.Tensor | None] = [None] * config.n_layer
         self.v: list[torch.Tensor | None] = [None] * config.n_layer
         self.pos = 0
+        self.pad = pad
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k[layer] is None:
@@ -169,6 +171,18 @@ class KVCache:
         ck[:, :, t0:t1] = k  # type: ignore[index]
         cv[:, :, t0:t1] = v  # type: ignore[index]
         return ck[:, :, :t1], cv[:, :, :t1]  # type: ignore[index]
+
+    def visible(self, T: int) -> torch.Tensor:
+        """(B, 1, T, pos + T) mask of the keys each of the next T queries sees: causal, pad keys hidden. A query
+        always sees itself: some SDPA kernels give NaN for an all-hidden row, which zero weights would still spread."""
+        q = torch.arange(self.pos, self.pos + T, device=self.pad.device)[:, None]
+        k = torch.arange(self.pos + T, device=self.pad.device)
+        return (((k >= self.pad[:, None, None]) & (k <= q)) | (k == q)).unsqueeze(1)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished generations leave the batch and stop costing compute)."""
+        self.k, self.v = ([None if t is None else t[rows] for t in ts] for ts in (self.k, self.v))
+        self.pad = None if self.pad is None else self.pad[rows]
 
 
 def rope_tables(config: GPTConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,7 +228,8 @@ class CausalSelfAttention(nn.Module):
                 raise ValueError("KVCache supports a prefill into an empty cache, then one token at a time")
             k, v = cache.update(self.layer, k, v)
         gqa = {"enable_gqa": True} if cfg.kv_heads != cfg.n_head else {}
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa,
+        mask = cache.visible(T) if cache is not None and cache.pad is not None else None  # a ragged batch
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, **gqa,
                                            dropout_p=cfg.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -328,11 +343,16 @@ class GPT(nn.Module):
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of length {start + T} exceeds block_size {self.config.block_size}")
         x = self.transformer.wte(idx)  # (B, T, C)
-        rope = None
+        rope, pad = None, cache.pad if cache is not None else None
+        pos = torch.arange(start, start + T, device=idx.device)
+        if pad is not None:  # a ragged batch: (B, T) positions, each row's counted from its first token
+            pos = (pos - pad[:, None]).clamp(min=0)
         if self.config.pos == "learned":
-            x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
-        else:
+            x = x + self.transformer.wpe(pos)
+        elif pad is None:
             rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
+        else:  # (B, 1, T, hs/2): each row's angles, shared by its heads
+            rope = (self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1))
         x = self.transformer.drop(x)
         device = idx.device.type
         if self.config.half_residual and torch.is_autocast_enabled(device):
@@ -383,14 +403,23 @@ class GPT(nn.Module):
     # Generation
 
     @staticmethod
-    def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None,
-                      top_p: float | None) -> torch.Tensor:
+    def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+        if not temperature >= 0:  # NaN too
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+
+    @staticmethod
+    def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                      vocab: int = GPT2_VOCAB) -> torch.Tensor:
         """(B, V) fp32 logits to sample from: scaled by 1/temperature, then every token outside the top_k and outside
         the nucleus (the smallest set of most likely tokens whose probability reaches top_p) set to -inf, in HF's
-        order (temperature, top-k, top-p). Padded vocabulary entries are never kept. A new tensor."""
+        order (temperature, top-k, top-p). Ids >= vocab (GPT-2's padded rows by default) are never kept. New tensor."""
         logits = logits.float().clone()  # a copy: float() of fp32 logits is the caller's tensor, edited below
-        if logits.size(-1) > GPT2_VOCAB:
-            logits[:, GPT2_VOCAB:] = -float("inf")  # padded vocabulary entries are not tokens
+        if logits.size(-1) > vocab:
+            logits[:, vocab:] = -float("inf")  # ids the caller does not sample (padding, or specials)
         if temperature > 0.0:
             logits = logits / temperature
         if top_k is not None and top_k < logits.size(-1):
@@ -424,12 +453,7 @@ class GPT(nn.Module):
                              f"{tuple(idx.shape)}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not temperature >= 0:  # NaN too
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+        self.check_sampling(temperature, top_k, top_p)
         was_training = self.training
         self.eval()
         try:

@@ -1,0 +1,243 @@
+"""Batched generation for chat, task evals and RL: prompts of different lengths decoded at once over one KV cache,
+each row until a stop token or max_new_tokens, with an optional calculator tool whose results are forced in.
+
+Prompts are left-padded (model.KVCache's pad), so every row's next token is in the last column; a finished row
+leaves the batch. generate_stream yields each step's new tokens (chat.py streams them); generate collects, per
+prompt, the token ids, a mask of sampled (1) vs forced (0) tokens and each sampled token's log-prob.
+
+Usage (the speed of 64 ragged prompts at once against one at a time, the tiny model on CPU):
+    python generate.py --rows 64 --new-tokens 48
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+import torch
+
+from common import GPT2_VOCAB, parse_config
+from model import GPT, MODEL_PRESETS, KVCache
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The calculator: arithmetic on an AST walked here, never Python's eval on model output
+
+MAX_EXPR_CHARS = 100  # a longer expression is refused unparsed (deep nesting would exhaust the parser)
+MAX_BITS = 256  # no value beyond 2**256, so every operation stays microseconds
+MAX_EXPONENT = 64
+OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+       ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+def calculate(expr: str, seconds: float = 0.1) -> str | None:
+    """The value of an arithmetic expression (numbers, + - * / // % **, parentheses) as text; None for anything
+    else, or too long, too large, too slow (past `seconds`), or undefined (1/0)."""
+    expr = expr.replace(",", "").strip()  # 1,000 is a thousand, not a tuple
+    if len(expr) > MAX_EXPR_CHARS:
+        return None
+    try:
+        value = _evaluate(ast.parse(expr, mode="eval").body, time.perf_counter() + seconds)
+    except (SyntaxError, ValueError, ArithmeticError, RecursionError, MemoryError):
+        return None
+    return str(value) if isinstance(value, int) else f"{value:.10g}"
+
+
+def _evaluate(node: ast.AST, deadline: float) -> int | float:
+    if time.perf_counter() > deadline:
+        raise ValueError("out of time")
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return _bounded(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        value = _evaluate(node.operand, deadline)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in OPS:
+        a, b = _evaluate(node.left, deadline), _evaluate(node.right, deadline)
+        if isinstance(node.op, ast.Pow) and abs(b) > MAX_EXPONENT:
+            raise ValueError(f"exponent {b} is over {MAX_EXPONENT}")
+        return _bounded(OPS[type(node.op)](a, b))
+    raise ValueError(f"not arithmetic: {type(node).__name__}")
+
+
+def _bounded(value: Any) -> int | float:
+    # type() rather than isinstance: bool and complex ((-8) ** 0.5) are not results
+    if type(value) is int and value.bit_length() <= MAX_BITS:
+        return value
+    if type(value) is float and math.isfinite(value) and abs(value) < 2.0 ** MAX_BITS:
+        return value
+    raise ValueError(f"{type(value).__name__} out of range")
+
+
+@dataclass(frozen=True)
+class Calculator:
+    """The calculator tool: a row that emits start, an expression, end gets output_start, the value's tokens and
+    output_end forced in next (nothing if calculate refuses the expression)."""
+
+    start: int  # <|tool_start|> id
+    end: int  # <|tool_end|> id
+    output_start: int  # <|output_start|> id
+    output_end: int  # <|output_end|> id
+    enc: Any  # common.get_tokenizer(): decode reads the expression, encode_ordinary writes the value
+
+
+@dataclass
+class Rollout:
+    """One prompt's generation: its stop token, if it met one, is the last token (the policy chose it)."""
+
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1: sampled, 0: forced by the calculator
+    logprobs: list[float] = field(default_factory=list)  # see Step.logprobs
+
+
+class Step(NamedTuple):
+    """One decoding step of the rows still running."""
+
+    rows: list[int]  # indices into the prompts
+    tokens: list[int]  # each row's new token
+    mask: list[int]  # 1: sampled, 0: forced by the calculator
+    # each token's log-prob under the distribution it was drawn from (after temperature, top-k and top-p; PPO's
+    # ratio wants temperature 1 and neither filter); 0.0 for a sure one: greedy, or forced
+    logprobs: list[float]
+
+
+@dataclass
+class _Row:
+    forced: deque[int] = field(default_factory=deque)  # calculator output waiting to be fed in
+    expr: list[int] | None = None  # the ids since an unclosed tool start
+
+    def next(self, sampled: int, calc: Calculator | None) -> tuple[int, int]:
+        """This row's token (a forced one first, else the sampled one) and its mask; runs the tool calls."""
+        token, mask = (self.forced.popleft(), 0) if self.forced else (sampled, 1)
+        if calc is None:
+            return token, mask
+        if token == calc.start:
+            self.expr = []
+        elif token == calc.end and self.expr is not None:
+            text = calc.enc.decode([t for t in self.expr if t < calc.enc.n_vocab])  # a special id is not text
+            value = calculate(text)
+            if value is not None:
+                self.forced.extend([calc.output_start, *calc.enc.encode_ordinary(value), calc.output_end])
+            self.expr = None
+        elif self.expr is not None:
+            self.expr.append(token)
+        return token, mask
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+def _prefill(model: GPT, prompts: Sequence[Sequence[int]]) -> tuple[KVCache, torch.Tensor]:
+    """Left-pad the prompts into one batch and run it into a fresh cache; return the cache and the last logits."""
+    device = model.lm_head.weight.device
+    T = max(len(p) for p in prompts)
+    pad = torch.tensor([T - len(p) for p in prompts], device=device)
+    idx = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], device=device)
+    # equal lengths take the plain causal path: GPT.generate's kernels and numbers
+    cache = KVCache(model.config, len(prompts), pad if bool(pad.any()) else None)
+    logits, _ = model(idx, cache=cache, last_only=True)
+    return cache, logits[:, -1]
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, vocab: int,
+            generator: torch.Generator | None) -> tuple[list[int], list[float]]:
+    """Each row's next token, drawn as GPT.generate draws it, and its log-prob (see Step.logprobs)."""
+    logits = GPT.filter_logits(logits, temperature, top_k, top_p, vocab)
+    if temperature == 0.0:
+        return logits.argmax(dim=-1).tolist(), [0.0] * len(logits)
+    probs = logits.softmax(dim=-1)
+    tokens = torch.multinomial(probs, num_samples=1, generator=generator)
+    return tokens[:, 0].tolist(), probs.gather(1, tokens)[:, 0].log().tolist()
+
+
+@torch.inference_mode()
+def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
+                    top_k: int | None = None, top_p: float | None = None, stop_ids: Sequence[int] = (),
+                    vocab: int = GPT2_VOCAB, calculator: Calculator | None = None,
+                    generator: torch.Generator | None = None) -> Iterator[Step]:
+    """Decode all prompts at once; yield a Step per token position until every row has met a stop id or made
+    max_new_tokens tokens (forced ones count), or the context (block_size) is full. Ids >= vocab are never sampled."""
+    GPT.check_sampling(temperature, top_k, top_p)
+    bs = model.config.block_size
+    if not prompts or min(map(len, prompts)) == 0 or max(map(len, prompts)) > bs:
+        raise ValueError(f"prompts must be 1 or more lists of 1 to block_size ({bs}) token ids; crop long prompts")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    was_training = model.training
+    model.eval()
+    try:
+        cache, logits = _prefill(model, prompts)
+        alive, rows = list(range(len(prompts))), [_Row() for _ in prompts]
+        for step in range(max_new_tokens):
+            sampled, logprobs = _sample(logits, temperature, top_k, top_p, vocab, generator)
+            chosen = [rows[r].next(t, calculator) for r, t in zip(alive, sampled, strict=True)]
+            tokens, mask = [t for t, _ in chosen], [m for _, m in chosen]
+            yield Step(alive, tokens, mask, [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)])
+            keep = [i for i, t in enumerate(tokens) if t not in stop_ids]
+            if not keep or step + 1 == max_new_tokens or cache.pos == bs:
+                return
+            if len(keep) < len(alive):
+                cache.keep(torch.tensor(keep, device=logits.device))
+                alive = [alive[i] for i in keep]
+            idx = torch.tensor([[tokens[i]] for i in keep], device=logits.device)
+            logits = model(idx, cache=cache, last_only=True)[0][:, -1]
+    finally:
+        model.train(was_training)
+
+
+def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kwargs: Any) -> list[Rollout]:
+    """generate_stream run to the end: one Rollout per prompt."""
+    out = [Rollout() for _ in prompts]
+    for step in generate_stream(model, prompts, max_new_tokens, **kwargs):
+        for r, token, mask, logprob in zip(*step, strict=True):
+            out[r].tokens.append(token)
+            out[r].mask.append(mask)
+            out[r].logprobs.append(logprob)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Speed: a batch against one prompt at a time
+
+
+@dataclass
+class BenchConfig:
+    """Rows x new tokens per second, greedy, random weights: all prompts at once against one at a time."""
+
+    rows: int = 64  # prompts
+    new_tokens: int = 48  # tokens generated per prompt
+    min_prompt: int = 8  # prompt lengths are uniform in [min_prompt, max_prompt]
+    max_prompt: int = 24  # longest prompt
+    block_size: int = 128  # context of the model (model preset tiny: 2 layers, width 64, 4 heads)
+    seed: int = 0  # weights and prompts
+    repeats: int = 3  # timed runs of each way, interleaved; the fastest counts (a shared CPU's load comes and goes)
+
+
+def bench(cfg: BenchConfig) -> tuple[float, float]:
+    """(batched, one at a time) generated tokens per second on the CPU."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(replace(MODEL_PRESETS["tiny"](), block_size=cfg.block_size))
+    lengths = torch.randint(cfg.min_prompt, cfg.max_prompt + 1, (cfg.rows,)).tolist()
+    prompts = [torch.randint(0, GPT2_VOCAB, (n,)).tolist() for n in lengths]
+    generate(model, prompts[:2], 4, temperature=0.0)  # untimed: first-call allocation and kernel selection
+    rates = [0.0, 0.0]
+    for _ in range(cfg.repeats):
+        for i, batches in enumerate(([prompts], [[p] for p in prompts])):
+            t0 = time.perf_counter()
+            n = sum(len(r.tokens) for b in batches for r in generate(model, b, cfg.new_tokens, temperature=0.0))
+            rates[i] = max(rates[i], n / (time.perf_counter() - t0))
+    return rates[0], rates[1]
+
+
+if __name__ == "__main__":
+    config = parse_config(BenchConfig, sys.argv[1:], doc=__doc__)
+    batched, single = bench(config)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads: {config.rows} "
+          f"prompts x {config.new_tokens} tokens: batched {batched:,.0f} tok/s, one at a time {single:,.0f} tok/s, "
+          f"{batched / single:.1f}x")

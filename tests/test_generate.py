@@ -1,0 +1,168 @@
+"""generate.py: ragged batches against one prompt at a time, stops, seeds, log-probs, the calculator tool."""
+
+import pytest
+import torch
+from torch import nn
+
+from common import GPT2_VOCAB, get_tokenizer
+from generate import Calculator, calculate, generate, generate_stream
+from model import GPT, GPTConfig, KVCache
+
+# the chat format's special ids (chat_format.py): GPT-2's unused padded-vocabulary rows
+ASSISTANT_END, TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END = 50262, 50263, 50264, 50265, 50266
+CHAT_VOCAB = 50267
+PROMPTS = [[5, 9], [1, 2, 3, 4, 5, 6, 7], [40, 2, 33, 17, 8, 8, 60, 12, 3, 1, 50, 21], [7] + list(range(30, 50))]
+
+
+@pytest.fixture(scope="module", params=[{}, {"pos": "rope", "n_kv_head": 2}], ids=["learned", "rope-gqa"])
+def model(request):
+    """A small model trained 40 steps on x[t] = (x[t-1] + x[t-2]) % 64: its greedy output depends on more than the
+    last token and differs between prompts."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=64, n_layer=2, n_head=4, n_embd=64, **request.param))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(40):
+        seq = torch.randint(0, 64, (16, 2))
+        for _ in range(30):
+            seq = torch.cat((seq, (seq[:, -1:] + seq[:, -2:-1]) % 64), dim=1)
+        _, loss = model(seq[:, :-1], seq[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+def alone(model, prompt, n, **kw):
+    """sample.py's path: GPT.generate on this one prompt."""
+    return model.generate(torch.tensor([prompt]), n, **kw)[0, len(prompt):].tolist()
+
+
+def test_padded_rows_get_the_logits_of_each_prompt_alone(model):
+    T = max(map(len, PROMPTS))
+    pad = torch.tensor([T - len(p) for p in PROMPTS])
+    cache = KVCache(model.config, len(PROMPTS), pad)
+    with torch.no_grad():
+        batched = [model(torch.tensor([[0] * (T - len(p)) + p for p in PROMPTS]), cache=cache)[0][:, -1]]
+        batched += [model(torch.full((len(PROMPTS), 1), t), cache=cache)[0][:, -1] for t in (3, 14, 59)]
+        for row, prompt in enumerate(PROMPTS):
+            single = KVCache(model.config, 1)
+            expected = [model(torch.tensor([prompt]), cache=single)[0][:, -1]]
+            expected += [model(torch.tensor([[t]]), cache=single)[0][:, -1] for t in (3, 14, 59)]
+            for step, (b, e) in enumerate(zip(batched, expected, strict=True)):
+                torch.testing.assert_close(b[row:row + 1], e, atol=1e-5, rtol=1e-5, msg=f"row {row} step {step}")
+
+
+def test_greedy_rows_equal_each_prompt_alone_and_stop_at_a_stop_id(model):
+    expected = [alone(model, p, 16, temperature=0.0) for p in PROMPTS]
+    assert len({t for e in expected for t in e}) > 8  # the model does not emit one token everywhere
+    out = generate(model, PROMPTS, 16, temperature=0.0)
+    assert [r.tokens for r in out] == expected
+    assert all(r.mask == [1] * 16 and r.logprobs == [0.0] * 16 for r in out)  # greedy: sure choices
+    # a stop id ends a row with it; the others, which keep decoding without it, are unchanged
+    stop = expected[0][0]
+    steps = list(generate_stream(model, PROMPTS, 16, temperature=0.0, stop_ids=[stop]))
+    cut = [e[:e.index(stop) + 1] if stop in e else e for e in expected]
+    assert len(cut[0]) == 1 and max(map(len, cut)) == 16
+    assert [[s.tokens[s.rows.index(r)] for s in steps if r in s.rows] for r in range(len(PROMPTS))] == cut
+    assert [len(s.rows) for s in steps] == [sum(len(c) > i for c in cut) for i in range(16)]
+
+
+def test_rows_end_when_the_context_is_full(model):
+    prompts = [list(range(60)), [1, 2, 3]]  # padded to 60 of block_size 64: room for 5 new tokens each
+    out = generate(model, prompts, 10, temperature=0.0)
+    assert [r.tokens for r in out] == [alone(model, p, 5, temperature=0.0) for p in prompts]
+
+
+def test_seeded_sampling_repeats_and_a_lone_row_samples_as_generate_does(model):
+    kw = dict(temperature=0.8, top_k=20, top_p=0.9)
+    out = generate(model, PROMPTS[1:2], 20, generator=torch.Generator().manual_seed(3), **kw)
+    assert out[0].tokens == alone(model, PROMPTS[1], 20, generator=torch.Generator().manual_seed(3), **kw)
+    runs = [[r.tokens for r in generate(model, PROMPTS, 20, generator=torch.Generator().manual_seed(s), **kw)]
+            for s in (5, 5, 6)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_logprobs_are_the_models_log_likelihood_of_the_sampled_tokens(model):
+    out = generate(model, PROMPTS, 12, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    for prompt, r in zip(PROMPTS, out, strict=True):
+        seq = torch.tensor([prompt + r.tokens])
+        with torch.no_grad():
+            logp = model(seq[:, :-1])[0].log_softmax(-1)[0, len(prompt) - 1:]
+        expected = logp.gather(1, torch.tensor(r.tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), expected, atol=1e-4, rtol=1e-4)
+        assert r.mask == [1] * 12
+
+
+def test_bad_calls_fail_with_one_line(model):
+    for prompts, new, message in (([[1], []], 4, "1 to block_size \\(64\\) token ids"),
+                                  ([list(range(65))], 4, "crop long prompts"), ([[1]], 0, "max_new_tokens must be")):
+        with pytest.raises(ValueError, match=message):
+            generate(model, prompts, new)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        generate(model, [[1]], 4, top_p=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# special tokens and the calculator, on a GPT whose weights make it a bigram table
+
+
+def bigram_model(successor: dict[int, int]) -> GPT:
+    """A GPT that greedily follows each token in `successor` with its successor (others with id 0): every block's
+    output is zero, so the last stream is its token's embedding, one axis per token, read by the untied lm_head."""
+    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=1, n_embd=64))  # vocab 50304: the chat ids fit
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.lm_head.weight = nn.Parameter(torch.zeros_like(model.lm_head.weight))
+        model.transformer.ln_f.weight.fill_(1.0)
+        for axis, (token, nxt) in enumerate(successor.items()):
+            model.transformer.wte.weight[token, axis] = 1.0
+            model.lm_head.weight[nxt, axis] = 10.0
+    return model
+
+
+def test_special_ids_are_sampled_only_below_the_given_vocab():
+    model = bigram_model({100: ASSISTANT_END})
+    (chat,) = generate(model, [[100]], 8, temperature=0.0, vocab=CHAT_VOCAB, stop_ids=[ASSISTANT_END])
+    assert chat.tokens == [ASSISTANT_END]
+    (plain,) = generate(model, [[100]], 8, temperature=0.0, stop_ids=[ASSISTANT_END])
+    assert len(plain.tokens) == 8 and max(plain.tokens) < GPT2_VOCAB
+
+
+@pytest.mark.parametrize("expr, value", [("2+3", "5"), ("12*(3+4)", "84"), ("7**123456789", None)])
+def test_the_calculator_forces_its_result_into_the_row(expr, value):
+    enc = get_tokenizer()
+    ids = enc.encode_ordinary(expr)
+    chain = [TOOL_START, *ids, TOOL_END, ASSISTANT_END]
+    assert len(set(ids)) == len(ids)  # a bigram table cannot repeat a token with another successor
+    model = bigram_model({100: TOOL_START, **dict(zip(chain[:-1], chain[1:], strict=True)), OUTPUT_END: ASSISTANT_END,
+                          200: ASSISTANT_END})
+    calc = Calculator(TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END, enc)
+    # row 1 ends at once, so row 0 finishes its tool call in a batch that shrank
+    row, short = generate(model, [[7, 100], [200]], 30, temperature=0.0, vocab=CHAT_VOCAB,
+                          stop_ids=[ASSISTANT_END], calculator=calc)
+    forced = [] if value is None else [OUTPUT_START, *enc.encode_ordinary(value), OUTPUT_END]
+    assert row.tokens == chain[:-1] + forced + [ASSISTANT_END]
+    assert row.mask == [1] * (len(chain) - 1) + [0] * len(forced) + [1]
+    assert row.logprobs == [0.0] * len(row.tokens)
+    assert short.tokens == [ASSISTANT_END]
+
+
+@pytest.mark.parametrize("expr, value", [("2+3*4", "14"), ("(1+2)**3", "27"), ("7/2", "3.5"), ("7//2", "3"),
+                                         ("-7%3", "2"), ("1,000*3", "3000"), ("2**-1", "0.5"), ("10/3", "3.333333333"),
+                                         ("0.1+0.2", "0.3"), ("2**64", "18446744073709551616")])
+def test_calculate_evaluates_arithmetic(expr, value):
+    assert calculate(expr) == value
+
+
+@pytest.mark.parametrize("expr", ["__import__('os')", "9**9**9", "2**10000", "10**70*10**70", "'a'*10**9",
+                                  "(" * 50 + "1" + ")" * 50, "1" * 101, "1/0", "x", "[1, 2]", "(lambda: 1)()",
+                                  "1e308*10", "True+1", "(-8)**0.5", "().__class__", "open('/etc/passwd').read()",
+                                  "1 if 1 else 2", "print(1)", ""])
+def test_calculate_refuses_anything_else(expr):
+    assert calculate(expr) is None
+
+
+def test_calculate_stops_at_its_time_limit():
+    assert calculate("1+1", seconds=1.0) == "2"
+    assert calculate("1+1", seconds=-1.0) is None
