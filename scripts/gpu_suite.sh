@@ -5,8 +5,8 @@
 #   kernel-tests  TestCUDA of tests/test_fused_gelu.py and tests/test_fused_ce.py on the GPU (compiled kernels
 #                 against the reference: bias+GELU in bf16/fp16/fp32, cross-entropy in bf16/fp32; under torch.compile
 #                 too)                                                     fused_gelu: 19 s on an H200; fused_ce: not run
-#   bench         bench.py --suite kernel,train: the kernel's GB/s and the matmul ceilings, then GPT-2 124M, T=1024,
-#                 bf16, the train variants in BENCH_VARIANTS' order until the budget is spent   ~6 min (~25 s a row)
+#   bench         bench.py --suite kernel,train: the kernels' GB/s, then GPT-2 124M, T=1024, bf16, the train variants
+#                 in BENCH_VARIANTS' order until BENCH_TIMEOUT; the table of the rows done   ~6 min (~25 s a row)
 #   train-tests   tests/test_gpu_train.py: train.py under torchrun/NCCL, compiled bf16 with the fused kernels and
 #                 the fused chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2
 #                                                                   156 s on an H200 (before --fused-ce was added)
@@ -37,18 +37,17 @@ if [ -z "${GPU_SUITE_LOGGING:-}" ]; then
 fi
 PY="${PYTHON:-$(command -v python3 || command -v python)}"  # python3 first: the GPU machine's torch is there
 LIMIT="${LIMIT:-585}"  # seconds this call may take in all: the device runner kills a command at 600
-# bench.py's hard stop and its budget (no new suite or variant starts after it, leaving ~2 min for the last row: a
-# GPT-2 124M row took about 25 s on an H200, max-autotune's autotuning longer). Unset, they shrink to what is left of
-# LIMIT when bench starts, so that a slow earlier stage cannot push bench.py past the runner's kill and lose its table.
+# bench.py's hard stop (a GPT-2 124M row took about 25 s on an H200, max-autotune's autotuning longer). Unset, it
+# shrinks to what is left of LIMIT when bench starts, so that a slow earlier stage cannot push bench.py past the
+# runner's kill: the JSON holds every finished row, and the table of them is printed after the stop.
 BENCH_TIMEOUT_MAX="${BENCH_TIMEOUT:-420}"
-BENCH_BUDGET_SET="${BENCH_BUDGET:-}"
 STAGES="${STAGES:-kernel-tests,bench}"
 # the train rows that answer the 600K question first (eager, compile, the kernels), then the candidates for the
-# largest costs; the budget drops the tail. decode and hellaswag speed are for a later call (--suite decode,hellaswag)
+# largest costs; the time limit drops the tail. decode, int8 and hellaswag are for a later call (--suite decode,...)
 BENCH_VARIANTS="${BENCH_VARIANTS:-eager,compile,compile+fused,compile+fused-ce,compile+half-residual,compile+all,\
-compile+fused+fused-ce,compile+flash-attn,compile+cudnn-attn,compile+fused-ce-chunked,compile+chunked-ce,compile+loop,compile-b32,\
-compile-reduce-overhead,compile+ddp,compile-b16,compile+loop-preload,eager+fused,compile+recompute,compile-fp32,\
-compile-max-autotune,compile+muon,compile+adamw8bit}"
+compile+fused+fused-ce,compile+flash-attn,compile+cudnn-attn,compile+fused-ce-chunked,compile+chunked-ce,compile-b32,\
+compile-reduce-overhead,compile+ddp,compile-b16,eager+fused,compile+recompute,compile-fp32,compile-max-autotune,\
+compile+muon,compile+adamw8bit}"
 for s in ${STAGES//,/ }; do
     case "$s" in kernel-tests|train-tests|bench) ;; *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
 done
@@ -111,17 +110,15 @@ fi
 
 if want bench; then
     BENCH_TIMEOUT=$(left "$BENCH_TIMEOUT_MAX")
-    BENCH_BUDGET="${BENCH_BUDGET_SET:-$(( BENCH_TIMEOUT > 180 ? BENCH_TIMEOUT - 120 : 60 ))}"
-    stage "bench.py (budget ${BENCH_BUDGET}s, hard timeout ${BENCH_TIMEOUT}s)"
-    # --trace-variant: the compile row's profiled step as a Perfetto trace (trace_compile.json.gz), for the gaps and
-    # kernels behind the breakdown table
+    stage "bench.py (hard timeout ${BENCH_TIMEOUT}s)"
     [ $# -gt 0 ] || set -- --suite kernel,train --variants "$BENCH_VARIANTS"
-    env -u TRITON_INTERPRET timeout "$BENCH_TIMEOUT" "$PY" bench.py --budget-s "$BENCH_BUDGET" \
-        --out "$OUT/bench.json" --trace-variant compile "$@" 2>&1
+    env -u TRITON_INTERPRET timeout "$BENCH_TIMEOUT" "$PY" bench.py --out "$OUT/bench.json" "$@" 2>&1
     rc=${PIPESTATUS[0]}
-    [ "$rc" -eq 0 ] || { echo "bench.py: exit $rc (124 = timeout; $OUT/bench.json keeps the rows finished before it:"
-                         echo "  python bench.py --table-from $OUT/bench.json prints their table)"
-                         status=1; }
+    if [ "$rc" -ne 0 ]; then  # 124 = timeout: bench.json keeps the rows finished before it
+        echo "bench.py: exit $rc; the table of the rows in $OUT/bench.json:"
+        "$PY" bench.py --table-from "$OUT/bench.json" 2>&1
+        status=1
+    fi
 fi
 
 stage "done: exit $status; files in $OUT"
