@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import LOCAL, agree, checkpoints, load_checkpoint, mfu, shared_problem
+from common import LOCAL, agree, checkpoints, iter_log, load_checkpoint, mfu, shared_problem
 from parallel import StepArgs, Trainable
 
 
@@ -268,6 +268,7 @@ class Checkpointer:
         self.last: str | None = None  # the path written last
         self.newest: Path | None = None  # this run's newest checkpoint (resumed or written), resolved
         self.good: Path | None = None  # the newest whose weights trained a step to a finite loss and gradient norm
+        self.rewinding = False  # resuming a checkpoint older than the newest in out_dir
 
     def due(self, step: int) -> bool:
         """Whether the state after `step` optimizer steps is saved: every --ckpt-every, and at the end."""
@@ -299,6 +300,8 @@ class Checkpointer:
         if problem:
             raise ValueError(problem)
         self.newest = found[0].resolve() if found else None
+        newest = checkpoints(self.out_dir)[-1:] if self.out_dir.is_dir() else []
+        self.rewinding = bool(found and newest and newest[0].resolve() != self.newest)  # older than the newest
         return found
 
     def find_resume(self) -> tuple[Path, dict] | None:
@@ -640,14 +643,14 @@ def val_loss(model: nn.Module, loader: Any, windows: int, autocast: contextlib.A
 
 
 class RunLog:
-    """The run's log.jsonl (rank 0, not for --eval-only), the trackers that get its records too (trackers.py:
-    TensorBoard, W&B), and its console lines: the step line every --log-every steps with the ETA from the median of
-    the last 20 step times."""
+    """The run's log.jsonl (rank 0, not for --eval-only; prepare_log has made it hold the run's past), the trackers
+    that get its records too (trackers.py: TensorBoard, W&B), and its console lines: the step line every --log-every
+    steps with the ETA from the median of the last 20 step times."""
 
-    def __init__(self, path: Path | None, resume_step: int | None, master: bool = True, max_steps: int = 0,
-                 log_every: int = 1, trackers: list[Any] | None = None):
+    def __init__(self, path: Path | None, master: bool = True, max_steps: int = 0, log_every: int = 1,
+                 trackers: list[Any] | None = None):
         self.path = path
-        self.file = open_log(path, resume_step) if path is not None else None
+        self.file = open(path, "a", buffering=1) if path is not None else None
         self.trackers = trackers or []
         self.master = master
         self.max_steps, self.log_every = max_steps, log_every
@@ -668,7 +671,9 @@ class RunLog:
             print(text)
 
     def checkpointed(self) -> None:
-        """A checkpoint was written: nothing to do yet (the log is line-buffered)."""
+        """The run owns the newest checkpoint now: a rewind's set-aside records (prepare_log) are no one's."""
+        if self.path is not None:
+            rewound(self.path).unlink(missing_ok=True)
 
     def step(self, step: int, record: dict, timed: bool) -> None:
         """Log one optimizer step's record (loss, lr, grad_norm, ms, tok_s, mfu...); `timed`: its time counts
@@ -696,20 +701,41 @@ class RunLog:
             tracker.close()
 
 
-def open_log(path: Path, resume_step: int | None) -> Any:
-    """The run's JSONL log, line-buffered. A resumed run keeps the records before the step it resumes at and drops
-    those an interrupted run logged past its last checkpoint, which it is about to log again."""
-    from common import iter_log
+def rewound(path: Path) -> Path:
+    return path.with_name(path.name + ".rewound")
 
+
+def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[int | None, list[dict]]:
+    """Make log.jsonl hold the past of the run about to start: empty for a fresh run; a resumed run's records before
+    its step. A rewind (a resume of a checkpoint older than the newest) keeps the records it drops in log.jsonl.rewound
+    until its first checkpoint; a run that finds them there (the rewind died before) puts them back first. Returns
+    the step from which trackers must forget what they had (None: keep all), and the records to give them again."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if resume_step is None or not path.is_file():
-        return open(path, "w", buffering=1)
-    kept = [json.dumps(record) + "\n" for record in iter_log(path)
-            if record["type"] == "config" or record["step"] < resume_step]
+    records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
+    side, first = rewound(path), resume_step
+    if records and side.is_file() and side.stat().st_mtime_ns > newest_checkpoint_time(path.parent):
+        moved = list(iter_log(side))
+        first = min([resume_step, *(r["step"] for r in moved)])
+        records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
+    kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
+    cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]
+    if rewinding and cut:  # written before the log is cut, so a crash between the two loses nothing
+        write_records(side, cut)
+    else:
+        side.unlink(missing_ok=True)
+    write_records(path, kept)
+    return (0 if resume_step is None else first), [r for r in kept if r["type"] != "config" and r["step"] >= first]
+
+
+def newest_checkpoint_time(out_dir: Path) -> int:
+    found = checkpoints(out_dir)
+    return found[-1].stat().st_mtime_ns if found else -1
+
+
+def write_records(path: Path, records: list[dict]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
+    tmp.write_text("".join(json.dumps(record) + "\n" for record in records))
     os.replace(tmp, path)
-    return open(path, "a", buffering=1)
 
 
 def fmt_time(seconds: float) -> str:

@@ -35,13 +35,13 @@ def missing_package(tensorboard: bool, wandb_project: str) -> str | None:
 
 
 class TensorBoard:
-    """Event files in the run's out dir. A resumed run purges the steps from its checkpoint on, which an interrupted
-    run may have logged, as log.jsonl drops them."""
+    """Event files in the run's out dir. A run hides the steps from `forget` on that earlier event files hold, as
+    log.jsonl drops them: an interrupted run's past its checkpoint, or all of a dead attempt's (a fresh start)."""
 
-    def __init__(self, out_dir: Path, resume_step: int | None):
+    def __init__(self, out_dir: Path, forget: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(out_dir), purge_step=resume_step)
+        self.writer = SummaryWriter(str(out_dir), purge_step=forget)
 
     def write(self, record: dict) -> None:
         if record["type"] == "config":
@@ -85,11 +85,12 @@ class WandB:
         self.run.finish()
 
 
-def open_trackers(tensorboard: bool, wandb_project: str, out_dir: Path, resume_step: int | None) -> list[Any]:
-    """The trackers asked for, each with write(record) and close()."""
+def open_trackers(tensorboard: bool, wandb_project: str, out_dir: Path, resume_step: int | None,
+                  forget: int | None = None) -> list[Any]:
+    """The trackers asked for, each with write(record) and close(); `forget` as prepare_log returns it."""
     trackers: list[Any] = []
     if tensorboard:
-        trackers.append(TensorBoard(out_dir, resume_step))
+        trackers.append(TensorBoard(out_dir, forget))
     if wandb_project:
         trackers.append(WandB(wandb_project, out_dir, resume_step))
     return trackers

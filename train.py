@@ -56,6 +56,7 @@ from engine import (
     agree_fingerprint,
     command_of,
     optimizer_kind,
+    prepare_log,
     shards_of,
     val_loss,
     weights_digest,
@@ -370,7 +371,7 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     if master:
         print_header(cfg, raw, built, start_step, grad_accum, world, use_compile, device)
     checkpointer.remove_partial_writes()
-    log = open_run_log(cfg, start_step if found else None, rank, world)
+    log = open_run_log(cfg, start_step if found else None, checkpointer.rewinding, rank, world)
     log.write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": prov})
     return Run(step_fn=lm_step(cfg, built, batches(cfg, train_loader), grad_accum, guard, world), raw=raw,
@@ -420,13 +421,16 @@ def describe_examples(key: str, mine: list | None, first: list | None, rank: int
 DESCRIBE = {"hellaswag": describe_examples}
 
 
-def open_run_log(cfg: TrainConfig, resume_step: int | None, rank: int, world: int) -> RunLog:
+def open_run_log(cfg: TrainConfig, resume_step: int | None, rewinding: bool, rank: int, world: int) -> RunLog:
     """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's)."""
-    logs = rank == 0 and not cfg.eval_only
-    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step)
+    logs, path = rank == 0 and not cfg.eval_only, Path(cfg.out_dir) / "log.jsonl"
+    forget, replay = prepare_log(path, resume_step, rewinding) if logs else (None, [])
+    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step, forget)
                             if logs else None, world)
-    return RunLog(Path(cfg.out_dir) / "log.jsonl" if logs else None, resume_step, rank == 0, cfg.max_steps,
-                  cfg.log_every, trackers)
+    for tracker in trackers or []:
+        for record in replay:
+            tracker.write(record)
+    return RunLog(path if logs else None, rank == 0, cfg.max_steps, cfg.log_every, trackers)
 
 
 @contextlib.contextmanager
@@ -712,6 +716,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return run(cfg)
     except (DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except RuntimeError as e:  # gloo's raw traceback for a rank that never came; NCCL's watchdog aborts by itself
+        if not (dist.is_initialized() or "RANK" in os.environ) or "timed out" not in str(e).lower():
+            raise
+        print(f"error: rank {os.environ.get('RANK', 0)} waited --dist-timeout {cfg.dist_timeout:g} min in a collective "
+              "for a rank that never came: check that every rank is alive and running (not killed, stopped or stuck "
+              "in I/O) and that the nodes reach each other, then --resume auto", file=sys.stderr)
         raise SystemExit(1) from None
     except torch.cuda.OutOfMemoryError as e:  # the usual first failure on a new GPU: say what to change
         print(f"error: out of GPU memory at --batch-size {cfg.batch_size}: lower it (gradient accumulation keeps "

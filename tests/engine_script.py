@@ -41,8 +41,10 @@ def main(argv: list[str]) -> dict:
     built = build_trainable(raw, cfg, device, use_compile=False, verbose=False)
     parts = {"loader": loader, "tokens": engine.TokenCount()}
     start = checkpointer.restore(found[1], raw, built.optimizer, parts) if found else 0
-    log = engine.RunLog(Path(cfg.out_dir) / "log.jsonl" if rank == 0 else None, start if found else None, rank == 0,
-                        cfg.max_steps)
+    path = Path(cfg.out_dir) / "log.jsonl" if rank == 0 else None
+    if path:  # the log holds the steps before `start`: a rewind's dropped ones kept aside until its first checkpoint
+        engine.prepare_log(path, start if found else None, checkpointer.rewinding)
+    log = engine.RunLog(path, rank == 0, cfg.max_steps)
 
     def step_fn(step: int) -> dict:
         loss, norm = train_step(built.model, built.optimizer, loader.next_batch, 1, built.autocast, cfg.grad_clip)

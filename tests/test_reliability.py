@@ -22,6 +22,15 @@ def logged(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
 
 
+def dies_at(step: int, get_lr):
+    """get_lr, but the process dies (as by SIGKILL, without a checkpoint) when it reaches `step`."""
+    def lr(at: int, cfg):
+        if at == step:
+            raise KeyboardInterrupt
+        return get_lr(at, cfg)
+    return lr
+
+
 @contextlib.contextmanager
 def file_size_limit(nbytes: int) -> Iterator[None]:
     """RLIMIT_FSIZE for this process (Python ignores SIGXFSZ, so a write past it fails with EFBIG)."""
@@ -106,3 +115,47 @@ def test_optimizer_settings_given_on_resume_apply_and_the_record_says_so(token_d
     losses = [loss for _, loss in logged(out)]
     # steps 0-2 trained on the checkpoint's settings; step 2's update used the new ones, so step 3's loss moved
     assert losses[:3] == straight[:3] and losses[3] != straight[3]
+
+
+def test_a_rewind_that_dies_before_its_first_checkpoint_loses_no_logged_step(token_data, tmp_path):
+    out, args = tmp_path / "out", ["--ckpt-every=4", "--keep-last=0"]
+    train.main(tiny(token_data, out, "--max-steps=8", *args))
+    whole = logged(out)
+    assert [step for step, _ in whole] == list(range(8))
+    # a rewind to step 4 (ckpt_000008 is newer) that dies at step 5, before its first checkpoint (at step 8)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "get_lr", dies_at(5, train.get_lr))
+        with pytest.raises(KeyboardInterrupt):
+            train.main(tiny(token_data, out, "--max-steps=8", *args, f"--resume={out / 'ckpt_000004.pt'}"))
+    assert [step for step, _ in logged(out)] == [0, 1, 2, 3, 4]  # the rewind's view, its dropped steps kept aside
+    assert (out / "log.jsonl.rewound").is_file()
+    # resume auto continues the untouched ckpt_000008: steps 5-7 are back, once each, with their values
+    train.main(tiny(token_data, out, "--max-steps=10", *args, "--resume=auto"))
+    assert logged(out)[:8] == whole and [step for step, _ in logged(out)] == list(range(10))
+    assert not (out / "log.jsonl.rewound").exists()
+
+
+def test_a_rewind_that_checkpoints_owns_the_log(token_data, tmp_path):
+    out, args = tmp_path / "out", ["--ckpt-every=2", "--keep-last=0"]
+    train.main(tiny(token_data, out, "--max-steps=6", *args))
+    train.main(tiny(token_data, out, "--max-steps=6", *args, f"--resume={out / 'ckpt_000002.pt'}", "--max-lr=2e-3"))
+    steps = [step for step, _ in logged(out)]
+    assert steps == list(range(6)) and not (out / "log.jsonl.rewound").exists()
+    again = train.main(tiny(token_data, out, "--max-steps=6", *args, "--resume=auto", "--max-lr=2e-3",
+                            "--eval-only"))
+    assert again["step"] == 6  # resume auto takes the rewind's own ckpt_000006
+
+
+def test_tensorboard_forgets_a_dead_attempt_and_a_dead_rewind(token_data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as patch:  # a first attempt killed before its first checkpoint
+        patch.setattr(train, "get_lr", dies_at(3, train.get_lr))
+        with pytest.raises(KeyboardInterrupt):
+            train.main(tiny(token_data, out, "--max-steps=4", "--tensorboard", "--max-lr=5e-3"))
+    train.main(tiny(token_data, out, "--max-steps=4", "--tensorboard"))  # started afresh, with another lr
+    events = EventAccumulator(str(out))
+    events.Reload()
+    got = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert got == [(step, pytest.approx(loss, abs=1e-6)) for step, loss in logged(out)]  # one value a step
