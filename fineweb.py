@@ -9,18 +9,16 @@ name before the optional index (llm.c's tinyshakespeare_val.bin too), so any pre
 The writer reads every source through `datasets.load_dataset` (hub, or the text/json/parquet builders for local files)
 and writes each document as <|endoftext|> + its GPT-2 tokens, in source order. A .txt file is one document (the whole
 file) unless --txt-unit says paragraph or line; stdlib is one document per .py file, stdlib-docs one per docstring.
-The val shard is exactly the first --val-tokens tokens of that stream (it may end inside a document, whose rest opens
-train shard 1). Without --val-tokens it is a whole --shard-size shard, as in build-nanogpt (shakespeare and
-stdlib-docs: 32768 tokens, stdlib: 2**18), unless the source (or --max-tokens) ends before that leaves a single
-train token: then the first 10% (rounded down) is val and the rest is train shard 1, so a small corpus needs no flags.
-An explicit --val-tokens that leaves nothing for training is an error.
+The val shard is exactly the first --val-tokens tokens of that stream (it may end inside a document). Without
+--val-tokens it is a whole --shard-size shard (shakespeare and stdlib-docs: 32768 tokens, stdlib: 2**18), unless the
+source (or --max-tokens) ends before that leaves a train token: then the first 10% is val and the rest train shard 1.
 
-A rerun keeps the shards already complete and continues, reading the source from the file (part) that holds the
-first missing document, where an earlier run counted the documents of the files before it (PREFIX_parts.json). A
-finished run leaves PREFIX_done.json (its settings, a fingerprint of a local source's files: paths, sizes, mtimes;
-and the shard sizes): a rerun that matches it reads nothing, and one with other settings or changed input files
-writes every shard again. Input that cannot be read ends in one line naming the file or flag; --out-dir is not
-touched before the first shard is written.
+Resume: after each shard, PREFIX_done.json records the settings, a fingerprint of a local source's files (paths,
+sizes, mtimes), every shard's size and where the source stands after it (its file, row, and the tokens of that row's
+document already written). A rerun with the same settings and inputs keeps the recorded shards that are intact and
+reads on from there, skipping the source's earlier files unread: the shards come out byte-identical to an
+uninterrupted run's. A finished run is not read again; other settings or changed input files write every shard
+again. Input that cannot be read ends in one line naming the file or flag, with --out-dir left as it was.
 
 Usage:
     python fineweb.py                                         # fineweb-edu sample-10BT -> data/edu_fineweb10B
@@ -29,7 +27,6 @@ Usage:
     python fineweb.py --source stdlib-docs                    # their docstrings (English prose) -> data/stdlib_docs
     python fineweb.py --source notes.txt                      # a small file: its first 10% val, the rest train
     python fineweb.py --source "corpus/*.jsonl" --out-dir data/mine --shard-size 10000000 --val-tokens 1000000
-    python fineweb.py --help
 
 Loader (used by train.py, one per split and rank):
     loader = TokenLoader("data/edu_fineweb10B", "train", B, T, rank, world_size, seed, device)
@@ -57,9 +54,10 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice, takewhile
 from pathlib import Path
 from typing import Any
@@ -69,9 +67,7 @@ import torch
 
 from common import EOT, get_tokenizer, hold_lock, parse_config
 
-MAGIC = 20240520  # llm.c's token-shard magic (20240326 is its model-weights file)
-VERSION = 1
-HEADER_INTS = 256  # header = 256 int32 = 1024 bytes
+MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256  # llm.c's token shard (20240326 is its model-weights file)
 HEADER_BYTES = HEADER_INTS * 4
 FINEWEB = "HuggingFaceFW/fineweb-edu"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -81,6 +77,8 @@ LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet":
 # stdlib directories left out of --source stdlib: tests, third-party packages, and generated tables (codec maps,
 # pydoc's topic dump) that are Python only in syntax
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
+SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
+START = (0, 0, 0, 0, 0)  # a source position: (part, row in it, row in the source, parts, tokens written of its doc)
 
 
 class DataError(ValueError):
@@ -93,14 +91,9 @@ class DataError(ValueError):
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
     """Write tokens as an llm.c `.bin` shard, atomically: a temporary file in the same directory, then rename."""
-    path = Path(path)
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise DataError(f"{path}: tokens must be a 1-D integer array, got {tokens.dtype} with shape {tokens.shape}")
-    if tokens.dtype != np.uint16 and len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
+    path, tokens = Path(path), np.asarray(tokens)
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise DataError(f"{path}: token ids must fit in uint16 (0..65535), got {tokens.min()}..{tokens.max()}")
-    if len(tokens) >= 2**31:
-        raise DataError(f"{path}: {len(tokens):,} tokens do not fit the int32 header count; lower --shard-size")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = MAGIC, VERSION, len(tokens)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # dot-prefixed and .tmp: no glob of shards matches it
@@ -134,8 +127,7 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     if size < HEADER_BYTES:
         raise DataError(f"{path} is truncated: {size} bytes, less than the {HEADER_BYTES}-byte header; "
                         "delete it and rerun fineweb.py")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    magic, version, count = (int(v) for v in header[:3])
+    magic, version, count = (int(v) for v in np.fromfile(path, dtype="<i4", count=3))
     if magic != MAGIC:
         hint = " (that is an llm.c model file, not tokens)" if magic == 20240326 else ""
         raise DataError(f"{path}: bad magic number {magic}{hint}, expected {MAGIC} (llm.c token shard); "
@@ -159,10 +151,8 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     base = Path(pattern).expanduser()
     if any(c in pattern for c in "*?["):
         files = [Path(f) for f in glob.glob(str(base), recursive=True)]
-    elif base.is_dir():
-        files = list(base.iterdir())
-    elif base.is_file():
-        files = [base]
+    elif base.is_dir() or base.is_file():
+        files = list(base.iterdir()) if base.is_dir() else [base]
     else:
         # the presets' own corpora have a source of their own: fineweb.py's default source is fineweb-edu
         source = {"stdlib": "--source stdlib ", "stdlib_docs": "--source stdlib-docs ",
@@ -183,9 +173,6 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
 # Loader
 
 
-SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
-
-
 class TokenLoader:
     """Shuffled, exactly-once, resumable batches of (x, y) from one split's shards, for one rank.
 
@@ -197,16 +184,10 @@ class TokenLoader:
 
     def __init__(self, pattern: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, device: str | torch.device = "cpu", preload: bool = False, shuffle: str = "windows"):
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if shuffle not in SHUFFLES:
             raise ValueError(f"shuffle must be 'windows' or 'shards', got {shuffle!r}")
         if B < 1 or T < 1:
             raise ValueError(f"batch size B and sequence length T must be >= 1, got B={B}, T={T}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0 (it seeds the shard shuffle), got {seed}")
         self.split, self.B, self.T, self.rank, self.world_size, self.seed = split, B, T, rank, world_size, seed
         self.shuffle = shuffle if split == "train" else "none"  # val: file order, windows in order
         self.device = torch.device(device)
@@ -227,7 +208,7 @@ class TokenLoader:
                             "use fewer ranks, a smaller --batch-size/--seq-len, or more data")
         self._preloaded: torch.Tensor | None = None
         if preload:  # one device tensor of the whole split; offsets let it serve the very same windows
-            self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            self._starts = np.cumsum(lengths) - lengths
             self._preloaded = torch.from_numpy(np.concatenate(self._shards).astype(np.int64)).to(self.device)
         self._order_cache: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative windows)
         self._perm_cache: tuple[int, int, np.ndarray] | None = None  # (epoch, shard, its windows' serving order)
@@ -325,40 +306,34 @@ class TokenLoader:
         mine = self.state_dict()
         for key, what in (("split", "split"), ("T", "--seq-len"), ("seed", "--seed"),
                           ("shards", "shard files"), ("shard_tokens", "shard sizes")):
-            theirs = state.get(key)
-            if theirs != mine[key]:
-                if key == "shards":  # the first name that differs says more than the counts, which may agree
-                    n = max(len(theirs or []), len(mine[key]))
-                    there, here = ([*names, *["none"] * (n - len(names))] for names in (theirs or [], mine[key]))
-                    i = next(i for i in range(n) if there[i] != here[i])
-                    detail = (f"other shard files ({len(theirs or [])} in the checkpoint, {len(mine[key])} here; "
-                              f"file {i + 1} is {there[i]} there, {here[i]} here)")
-                elif key == "shard_tokens":
-                    detail = "shards of other sizes (the same names, rewritten since)"
-                else:
-                    detail = f"{key}={theirs!r} in the checkpoint but {mine[key]!r} here"
-                raise DataError(f"cannot resume the {self.split} loader: {detail}; resume with the same {what} "
-                                "or start a fresh run")
-        step, world, old_b = state.get("step"), state.get("world_size"), state.get("B")
-        if not isinstance(old_b, int) or isinstance(old_b, bool) or old_b < 1:
-            raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b!r} is not a count of "
-                            "sequences >= 1; the checkpoint is corrupt, start a fresh run")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise DataError(f"cannot resume the {self.split} loader: its position step={step!r} is not a count of "
-                            "batches >= 0; the checkpoint is corrupt, start a fresh run")
-        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-            raise DataError(f"cannot resume the {self.split} loader: its world_size={world!r} is not a count of "
-                            "ranks >= 1; the checkpoint is corrupt, start a fresh run")
+            if state.get(key) != mine[key]:
+                raise DataError(f"cannot resume the {self.split} loader: {self._mismatch(key, state.get(key))}; "
+                                f"resume with the same {what} or start a fresh run")
+        for key, name, unit, low in (("B", "batch size B", "sequences", 1), ("step", "position step", "batches", 0),
+                                     ("world_size", "world_size", "ranks", 1)):
+            value = state.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise DataError(f"cannot resume the {self.split} loader: its {name}={value!r} is not a count of "
+                                f"{unit} >= {low}; the checkpoint is corrupt, start a fresh run")
         # the stream does not depend on the world size: the new ranks start at the first multiple of theirs at or
         # after the step * world windows served, none twice (docs/fineweb.md)
-        old_shuffle = self.state_shuffle(state)
-        if old_shuffle not in (*SHUFFLES, "none"):
-            raise DataError(f"cannot resume the {self.split} loader: its shuffle={old_shuffle!r} is not one this "
-                            "loader knows; the checkpoint is corrupt, start a fresh run")
-        same = old_b == self.B and old_shuffle == self.shuffle
+        old_b, old_shuffle, served = state["B"], self.state_shuffle(state), state["step"] * state["world_size"]
         self.resume_skipped = 0
-        served = step * world if same else self._regrid(step * world, old_b, old_shuffle)
+        if (old_b, old_shuffle) != (self.B, self.shuffle):
+            served = self._regrid(served, old_b, old_shuffle)
         self.step = -(-served // self.world_size)
+
+    def _mismatch(self, key: str, theirs: Any) -> str:
+        mine = self.state_dict()[key]
+        if key == "shards":  # the first name that differs says more than the counts, which may agree
+            n = max(len(theirs or []), len(mine))
+            there, here = ([*names, *["none"] * (n - len(names))] for names in (theirs or [], mine))
+            i = next(i for i in range(n) if there[i] != here[i])
+            return (f"other shard files ({len(theirs or [])} in the checkpoint, {len(mine)} here; file {i + 1} is "
+                    f"{there[i]} there, {here[i]} here)")
+        if key == "shard_tokens":
+            return "shards of other sizes (the same names, rewritten since)"
+        return f"{key}={theirs!r} in the checkpoint but {mine!r} here"
 
     @staticmethod
     def state_shuffle(state: dict[str, Any]) -> str:
@@ -467,8 +442,7 @@ def source_kind(source: str) -> str:
 
 def local_files(source: str, out_dir: str | os.PathLike | None = None) -> list[Path]:
     """The files of a local source, sorted, all of one type (one `datasets` builder: text, json or parquet). The
-    writer's own records in out_dir (PREFIX_done.json, PREFIX_parts.json) are never input: with a source directory
-    that holds out_dir (`--source data/corpus` writes to data/corpus by default), a rerun would read them."""
+    writer's own records in out_dir are never input: `--source data/corpus` writes to data/corpus by default."""
     path = Path(source).expanduser()
     if any(c in source for c in "*?["):
         files = [Path(f) for f in glob.glob(str(path), recursive=True)]
@@ -480,14 +454,13 @@ def local_files(source: str, out_dir: str | os.PathLike | None = None) -> list[P
         raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
                         ".txt/.jsonl/.json/.parquet, or a hub dataset name")
     out = Path(out_dir).expanduser().resolve() if out_dir is not None else None
-    records = re.compile(r".+_(?:done|parts)\.json")
+    records = re.compile(r".+_(?:done|parts)\.json")  # parts: an older writer's
     files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and records.fullmatch(f.name)))
     suffixes = {f.suffix for f in files}
     if not files or not suffixes <= set(LOCAL_BUILDERS):
         found = f" (found {', '.join(sorted(suffixes))})" if suffixes else ""
         raise DataError(f"--source {source} matches no .txt/.jsonl/.json/.parquet files{found}")
-    builders = {LOCAL_BUILDERS[s] for s in suffixes}
-    if len(builders) > 1:
+    if len({LOCAL_BUILDERS[s] for s in suffixes}) > 1:
         raise DataError(f"--source {source} mixes file types ({', '.join(sorted(suffixes))}); pass a glob that "
                         "matches one type, e.g. 'dir/*.jsonl'")
     if all(f.stat().st_size == 0 for f in files):
@@ -508,7 +481,12 @@ def stdlib_docstrings(cfg: FinewebConfig) -> Path:
     (GPT-2 BPE spends a token per space) holds it back."""
     path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_py{sys.version_info[0]}.{sys.version_info[1]}.jsonl"
     if path.is_file():
-        return path
+        try:
+            for line in path.read_text().splitlines():
+                json.loads(line)
+            return path
+        except ValueError:  # cut short or damaged (an older writer's partial copy, a full disk)
+            print(f"note: {path} is damaged; writing it again")
     docs: dict[str, None] = {}  # ordered and deduplicated
     for file in stdlib_files():
         try:
@@ -574,9 +552,11 @@ def source_files(cfg: FinewebConfig) -> list[Path] | None:
         return stdlib_files()
     if kind == "stdlib-docs":
         return [stdlib_docstrings(cfg)]
-    if kind == "shakespeare":
-        return [shakespeare_file(cfg)]
-    return local_files(cfg.source, cfg.out_dir)
+    return [shakespeare_file(cfg)] if kind == "shakespeare" else local_files(cfg.source, cfg.out_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Writer: reading and tokenizing
 
 
 @contextlib.contextmanager
@@ -604,83 +584,83 @@ def _read_error(cfg: FinewebConfig, where: str, file: Path | None, err: Exceptio
         cause = inner
     message = " ".join(f"{type(cause).__name__}: {cause}".split())  # its messages can span several lines
     message = message if len(message) <= 300 else message[:297] + "..."
+    fix = "fix that file or leave it out of --source"
     if isinstance(cause, UnicodeDecodeError):
         fix = "convert it to UTF-8 (e.g. iconv -t UTF-8) or leave it out of --source"
     elif isinstance(cause, datasets.table.CastError):
         fix = (f"its columns differ from the first file's; give every file the same columns, --text-field "
                f"{cfg.text_field!r} among them, or pass a glob that leaves the odd ones out")
-    elif file is not None and file.suffix == ".parquet" and _parquet_rows(pq, file) == 0:
-        fix = "the file has no rows; delete it or leave it out of --source"
+    elif file is not None and file.suffix == ".parquet":
+        with contextlib.suppress(OSError, ValueError):  # corrupt: no row count to tell
+            if pq.read_metadata(file).num_rows == 0:
+                fix = "the file has no rows; delete it or leave it out of --source"
     elif source_kind(cfg.source) in ("fineweb", "hub"):
         fix = "check the network and rerun (complete shards are kept)"
-    else:
-        fix = "fix that file or leave it out of --source"
     return DataError(f"could not read {where}: {message}; {fix}")
 
 
-def _parquet_rows(pq: Any, file: Path) -> int | None:
-    try:
-        return pq.read_metadata(file).num_rows
-    except (OSError, ValueError):  # corrupt: no row count to tell
-        return None
+def _open_source(cfg: FinewebConfig, files: list[Path] | None) -> list[tuple[Any, str, Path | None]]:
+    """The source as parts, each (rows, where it is, its file if known), in order. Streamed, a source of several
+    files (local, or a hub dataset's) comes a file a part, so a resume can skip whole files unread."""
+    import datasets
+
+    source, kind = f"--source {cfg.source}", source_kind(cfg.source)
+    if files is None:
+        pin = {"revision": cfg.revision} if cfg.revision else {}
+        try:
+            ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming,
+                                       **pin)
+        except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+            raise DataError(f"could not load hub dataset {source} (--name {cfg.name or 'none'}, --split "
+                            f"{cfg.split}): {type(e).__name__}: {e}; check the names and the network, or pass a "
+                            "local file, directory or glob") from None
+        n = ds.num_shards if isinstance(ds, datasets.IterableDataset) else 1
+        return [(ds.shard(n, i, contiguous=True), f"file {i + 1} of {n} of {source}", None) for i in range(n)] \
+            if n > 1 else [(ds, source, None)]
+    builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
+    options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
+    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=cfg.streaming,
+                               **options)
+    if len(files) > 1 and isinstance(ds, datasets.IterableDataset) and ds.num_shards == len(files):
+        return [(ds.shard(len(files), i, contiguous=True), f"{f} of {source}", f) for i, f in enumerate(files)]
+    return [(ds, source, files[0] if len(files) == 1 else None)]
 
 
 def read_rows(cfg: FinewebConfig, files: list[Path] | None,
-              counts: PartCounts | None = None) -> Iterator[tuple[dict[str, Any], str, int]]:
-    """The source's rows (dicts) in a fixed order, each with where it came from and its part's index, all read through
-    `datasets.load_dataset`. Streamed, a source of several files comes in parts, a file each, and reading starts at
-    the part `counts` names, so a resume skips whole files unread. A read error becomes one DataError line naming the
-    file (streaming) or --source, and the root cause."""
+              start: Iterable[int] = START) -> Iterator[tuple[dict[str, Any], str, tuple[int, int, int, int]]]:
+    """The source's rows from position `start` on, each with where it came from and its position (part, row in the
+    part, row in the source, parts). The reading starts at start's part where the source has as many parts as when
+    that position was taken, else at the first. A read error becomes one DataError line naming the file (streaming)
+    or --source, and the root cause."""
     import datasets  # lazily: the loader above must import on machines without `datasets`
     import pyarrow
 
-    kind = source_kind(cfg.source)
     # what reading data raises (bad bytes, bad JSON, a schema mismatch, a network drop); anything else is a bug
     reading = (OSError, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
-    source = f"--source {cfg.source}"
+    part, row, first, parts = list(start)[:4]
     with _quiet_datasets():
         try:
-            if files is None:
-                pin = {"revision": cfg.revision} if cfg.revision else {}
-                ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split,
-                                           streaming=cfg.streaming, **pin)
-            else:
-                builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
-                options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
-                ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                           streaming=cfg.streaming, **options)
+            sources = _open_source(cfg, files)
         except reading as e:
-            if files is None:
-                raise DataError(f"could not load hub dataset {source} (--name {cfg.name or 'none'}, --split "
-                                f"{cfg.split}): {type(e).__name__}: {e}; check the names and the network, or pass a "
-                                "local file, directory or glob") from None
-            raise _read_error(cfg, source, None, e) from None
-        # streamed, each file is one shard, in order: reading shard by shard names the file a bad row comes from
-        parts: list[tuple[Any, str, Path | None]] = [(ds, source, files[0] if files and len(files) == 1 else None)]
-        if files and len(files) > 1 and isinstance(ds, datasets.IterableDataset) and ds.num_shards == len(files):
-            parts = [(ds.shard(len(files), i, contiguous=True), f"{f} of {source}", f) for i, f in enumerate(files)]
-        elif files is None and isinstance(ds, datasets.IterableDataset) and ds.num_shards > 1:
-            n = ds.num_shards
-            parts = [(ds.shard(n, i, contiguous=True), f"file {i + 1} of {n} of {source}", None) for i in range(n)]
-        start_part = counts.begin(len(parts)) if counts is not None else 0
-        for index, (part, where, file) in enumerate(parts):
-            if index < start_part:
-                continue
-            rows = iter(part)
-            while True:
+            raise _read_error(cfg, f"--source {cfg.source}", None, e) from None
+        part, g = (part, first - row) if parts == len(sources) else (0, 0)
+        for p, (data, where, file) in enumerate(sources[part:], part):
+            rows = iter(data)
+            for r in range(sys.maxsize):
                 try:
-                    row = next(rows)
+                    item = next(rows)
                 except StopIteration:
                     break
                 except reading as e:
                     raise _read_error(cfg, where, file, e) from None
-                yield row, where, index
+                if g >= first:
+                    yield item, where, (p, r, g, len(sources))
+                g += 1
 
 
-def documents(rows: Iterable[tuple[dict[str, Any], str, int]], cfg: FinewebConfig) -> Iterator[tuple[str, int]]:
-    """The non-empty texts of `row[cfg.text_field]` with their part; empty documents would add a lone EOT and
-    nothing else."""
-    for row, where, part in rows:
+def documents(rows: Iterable[tuple[dict[str, Any], str, Any]], cfg: FinewebConfig) -> Iterator[tuple[str, Any]]:
+    """The non-empty texts of `row[cfg.text_field]` with their position; an empty one would be a lone EOT."""
+    for row, where, position in rows:
         if cfg.text_field not in row:
             raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are {', '.join(row)}; "
                             "pass one of them with --text-field")
@@ -690,77 +670,7 @@ def documents(rows: Iterable[tuple[dict[str, Any], str, int]], cfg: FinewebConfi
         if not isinstance(text, str):
             raise DataError(f"--text-field {cfg.text_field!r} of {where} holds {type(text).__name__}, not text; "
                             "pass a text column with --text-field")
-        yield text, part
-
-
-class PartCounts:
-    """How many documents each part of the source (a file, see read_rows) holds, kept in PREFIX_parts.json as parts
-    are read whole, so a resume starts reading at the part that holds its first missing document. It counts only for
-    the same settings, input files, --streaming and number of parts (docs/fineweb.md)."""
-
-    def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, skip: int):
-        self.path = Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_parts.json"
-        self.key = {"settings": _done_record(cfg, inputs, [])["settings"], "inputs": inputs,
-                    "streaming": cfg.streaming}
-        self.counts: list[int] = []
-        self.parts: int | None = None  # the number of parts the counts were made for
-        self.skip_total = skip  # documents at the start of the source that this run does not tokenize
-        self.start_part, self.skip, self.read = 0, skip, 0  # read: documents taken from the source, skipped included
-        try:
-            record = json.loads(self.path.read_text()) if skip > 0 else {}
-        except (OSError, ValueError):
-            record = {}
-        counts = record.get("documents") if record.get("key") == self.key else None
-        if isinstance(counts, list) and all(isinstance(n, int) and n >= 0 for n in counts):
-            self.counts, self.parts = counts, record.get("parts")
-
-    def other_input(self) -> bool:
-        """Whether the interrupted run whose shards are on disk read other local files (an edit, say) or settings,
-        by its record, written with each of its shards. The resume's own check compares only the last two documents
-        the kept shards hold, so an edit before them would otherwise mix old shards with new ones unnoticed."""
-        try:
-            key = json.loads(self.path.read_text())["key"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return False  # no record (no shard written yet, or an older run): the tail check is all there is
-        return not isinstance(key, dict) or any(key.get(k) != self.key[k] for k in ("settings", "inputs"))
-
-    def begin(self, parts: int) -> int:
-        """read_rows calls this once it knows the source's number of parts: the part to start reading at."""
-        if parts != self.parts:  # another split of the source than the counts were made for
-            self.counts = []
-        self.parts = parts
-        part, skip = 0, self.skip_total
-        while part < len(self.counts) and self.counts[part] <= skip:
-            skip -= self.counts[part]
-            part += 1
-        self.start_part, self.skip = part, skip
-        return part
-
-    def count(self, docs: Iterable[tuple[str, int]]) -> Iterator[str]:
-        """The texts of `docs` after the documents to skip, counting each part's documents once it is read whole."""
-        part, n = None, 0
-        for text, p in docs:
-            if part is None:  # read_rows has run begin() by the time it yields
-                part = self.start_part
-            while p > part:  # part (and any empty ones after it) read to its end
-                self.counts[part:] = [n]
-                part, n = part + 1, 0
-            n += 1
-            self.read += 1
-            if self.read > self.skip:
-                yield text
-        if part is not None:
-            self.counts[part:] = [n]  # the source's end: its last part is whole too
-
-    def save(self) -> None:
-        """Written with each shard: the directory is this run's by then."""
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps({"key": self.key, "parts": self.parts, "documents": self.counts}))
-        os.replace(tmp, self.path)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Writer: tokenization and shards
+        yield text, position
 
 
 def _pool_worker_init(parent: int | None) -> None:
@@ -783,17 +693,8 @@ def tokenize(texts: list[str]) -> np.ndarray:
     ids = []
     for text in texts:
         ids.append(EOT)
-        ids.extend(enc.encode_ordinary(text))  # special-token text in the data is just text
-    arr = np.array(ids, dtype=np.int64)
-    if len(arr) and (arr.min() < 0 or arr.max() >= 2**16):
-        raise DataError(f"token id {arr.max()} does not fit in uint16; the shard format needs a vocabulary < 65536")
-    return arr.astype(np.uint16)
-
-
-def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
-    it = iter(items)
-    while batch := list(islice(it, n)):
-        yield batch
+        ids.extend(enc.encode_ordinary(text))  # special-token text in the data is just text, never EOT
+    return np.array(ids, dtype=np.uint16)  # GPT-2's 50257 ids fit
 
 
 @contextlib.contextmanager
@@ -814,202 +715,138 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
         pool.shutdown(wait=True, cancel_futures=True)  # chunks still queued are dropped, running ones finish
 
 
-def token_stream(docs: Iterable[str], pool: ProcessPoolExecutor | None, workers: int,
-                 chunk: int = 16) -> Iterator[np.ndarray]:
-    """Tokens of `docs` in order, tokenized in chunks of `chunk` documents by the pool's processes (or here if None),
-    4 chunks per worker in flight: Executor.map would queue the whole streamed source."""
-    if pool is None:
-        yield from map(tokenize, _batched(docs, chunk))
-        return
-
-    pending: deque[Future] = deque()
+def token_stream(docs: Iterable[tuple[str, Any]], pool: ProcessPoolExecutor | None, workers: int,
+                 chunk: int = 16) -> Iterator[tuple[np.ndarray, list[Any]]]:
+    """(tokens, positions) of `docs` (text, position) in order, a chunk of `chunk` documents at a time, tokenized by
+    the pool's processes (or here if None), 4 chunks per worker in flight: Executor.map would queue the whole source."""
+    pending: deque[tuple[Any, list[Any]]] = deque()
+    it = iter(docs)
     try:
-        for batch in _batched(docs, chunk):
-            pending.append(pool.submit(tokenize, batch))
-            if len(pending) >= 4 * workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        while batch := list(islice(it, chunk)):
+            texts = [text for text, _ in batch]
+            job = pool.submit(tokenize, texts).result if pool else partial(tokenize, texts)
+            pending.append((job, [position for _, position in batch]))
+            while len(pending) >= (4 * workers if pool else 1):
+                job, positions = pending.popleft()
+                yield job(), positions
+        for job, positions in pending:
+            yield job(), positions
     except BrokenProcessPool as e:  # raised by result(), and by submit() once the pool knows
         raise DataError("a tokenizer process exited unexpectedly (killed, e.g. out of memory, or it could not "
                         "start); the shards written so far are complete: run the same command again to continue "
                         "after them") from e
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Writer: shards and their record
+
+
 def shard_path(cfg: FinewebConfig, index: int) -> Path:
     return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
 
 
-def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
-    """What an interrupted run left: (complete shards, their tokens, documents started, tokens of the last two
-    documents started, which the resume compares with the source). Complete shards validate and are full, in order
-    from shard 0."""
-    kept, total, docs = 0, 0, 0
-    last: list[np.ndarray] = []  # tokens from the last EOT on, possibly spread over shards
-    tail: list[np.ndarray] = []  # tokens from the EOT before it on
-    while True:
-        path = shard_path(cfg, kept)
-        try:
-            tokens = read_shard(path)
-        except DataError:
-            break
-        if len(tokens) != (cfg.val_target if kept == 0 else cfg.shard_size):
-            break  # a short last shard, or one written with other settings: rewritten from here
-        if cfg.max_tokens and total + len(tokens) > cfg.max_tokens:
-            break  # this run stops earlier
-        eots = np.flatnonzero(tokens == EOT)
-        if kept == 0 and (len(eots) == 0 or eots[0] != 0):
-            break  # not this writer's stream (it opens with EOT)
-        tokens = np.asarray(tokens)
-        if len(eots) >= 2:
-            tail, last = [tokens[eots[-2]:]], [tokens[eots[-1]:]]
-        elif len(eots) == 1:
-            tail, last = [*last, tokens], [tokens[eots[0]:]]
-        else:
-            tail, last = [*tail, tokens], [*last, tokens]
-        docs += len(eots)  # each document opens with EOT
-        total += len(tokens)
-        kept += 1
-    return kept, total, docs, np.concatenate(tail) if tail else np.zeros(0, np.uint16)
-
-
-def _skip_tokens(stream: Iterator[np.ndarray], expected: np.ndarray, path: Path) -> Iterator[np.ndarray]:
-    """Drop the first len(expected) tokens of `stream` (already on disk), checking they are the same."""
-    done = 0
-    for arr in stream:
-        take = min(len(arr), len(expected) - done)
-        if not np.array_equal(arr[:take], expected[done:done + take]):
-            raise DataError(f"the shards in {path.parent} do not match --source: they were written from other data "
-                            "or settings; delete them or choose another --out-dir")
-        done += take
-        if take < len(arr):
-            yield arr[take:]
-    if done < len(expected):
-        raise DataError(f"the shards in {path.parent} hold more than --source does; delete them or choose another "
-                        "--out-dir")
-
-
-def _done_path(cfg: FinewebConfig) -> Path:
+def _record_path(cfg: FinewebConfig) -> Path:
     return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_done.json"
 
 
-def input_fingerprint(files: list[Path] | None) -> dict[str, Any] | None:
-    """What a local, shakespeare or stdlib(-docs) source is made of: every file's absolute path, size and mtime_ns,
-    hashed, so a rerun after a file was added, removed or edited writes again. None for a hub dataset (no files to
-    stat)."""
-    if files is None:
-        return None
-    digest, size = hashlib.sha256(), 0
-    for f in files:
-        st = f.stat()
-        digest.update(os.fsencode(f.resolve()) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        size += st.st_size
-    return {"files": len(files), "bytes": size, "sha256": digest.hexdigest()}
-
-
-def _done_record(cfg: FinewebConfig, inputs: dict[str, Any] | None, shards: list[Path]) -> dict[str, Any]:
-    """What a finished run read and wrote, and with which settings: a rerun with the same settings and inputs need
-    not read the source again (the last shard is short, so its size alone cannot tell a finished run from an
-    interrupted one)."""
+def record_key(cfg: FinewebConfig, files: list[Path] | None) -> dict[str, Any]:
+    """What the shards are made from: the settings that shape them, and a local source's files by absolute path, size
+    and mtime (hashed), so a rerun after a file was added, removed or edited writes again."""
     keys = ("source", "name", "split", "text_field", "txt_unit", "prefix", "shard_size", "val_tokens", "max_tokens")
-    settings = {k: getattr(cfg, k) for k in keys}
-    if cfg.revision:  # only when pinned, so the records of runs before this option still match
-        settings["revision"] = cfg.revision
-    return {"settings": settings, "inputs": inputs,
-            "shards": {p.name: len(read_shard(p)) for p in shards}}
+    settings = {k: getattr(cfg, k) for k in keys} | ({"revision": cfg.revision} if cfg.revision else {})
+    if files is None:  # a hub dataset: --revision pins it
+        return {"settings": settings, "inputs": None}
+    digest, stats = hashlib.sha256(), [f.stat() for f in files]
+    for f, st in zip(files, stats, strict=True):
+        digest.update(os.fsencode(f.resolve()) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    inputs = {"files": len(files), "bytes": sum(st.st_size for st in stats), "sha256": digest.hexdigest()}
+    return {"settings": settings, "inputs": inputs}
 
 
-def _previous_run(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
-    """What the completion record says: ('done', record) when this very run finished (same settings and inputs, its
-    shards unchanged); ('other', record) when a run with other settings or inputs finished here, so the shards on
-    disk are not this run's prefix (an edited document would go unnoticed by the resume check); else ('none', None)."""
-    done = _done_path(cfg)
+def _tokens_in(path: Path) -> int:
     try:
-        record = json.loads(done.read_text())
-        mine = _done_record(cfg, inputs, [])
-        # first, before any shard is read: a shard deleted since must not hide that the inputs changed too
-        if (record["settings"], record["inputs"]) != (mine["settings"], mine["inputs"]):
-            return "other", record
-        shards = [done.parent / name for name in record["shards"]]
-        if record == _done_record(cfg, inputs, shards):
-            return "done", record
-    except (OSError, ValueError, KeyError, TypeError, DataError):
-        pass  # absent or unreadable, or a shard changed since: resume from what is on disk
-    return "none", None
+        return len(read_shard(path))
+    except DataError:
+        return -1
 
 
-def _remove_train_shards(cfg: FinewebConfig, start: int) -> None:
-    """Delete PREFIX_train_NNNNNN.bin for every NNNNNN >= start."""
-    numbered = re.compile(rf"{re.escape(cfg.prefix)}_train_(\d+)\.bin")
-    for old in Path(cfg.out_dir).expanduser().glob(f"{cfg.prefix}_train_*.bin"):
-        match = numbered.fullmatch(old.name)
-        if match and int(match[1]) >= start:
-            old.unlink()
+def resume_point(cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any]) -> tuple[int, Any]:
+    """How many recorded shards a run keeps (those intact, from shard 0 on) and the source position after them, or
+    None where they are a finished run's. Shards of other settings or inputs, or without a record, are not kept."""
+    if {k: record.get(k) for k in key} != key:
+        if record:
+            print(f"{Path(cfg.out_dir).expanduser()}: its shards were written from other input files or settings; "
+                  "writing every shard again")
+        return 0, START
+    sizes = list(record["shards"].values())
+    kept = next((i for i, n in enumerate(sizes) if _tokens_in(shard_path(cfg, i)) != n), len(sizes))
+    if kept == len(sizes) and record.get("done", True):  # records before resume points were written when done
+        return kept, None
+    point = record.get("resume", {}).get(shard_path(cfg, kept - 1).name) if kept else START
+    return (kept, point) if point else (0, START)
 
 
 class ShardWriter:
-    """Cuts this run's tokens into shards (the val shard, then --shard-size train shards) after the `kept` complete
-    ones on disk. It owns the buffer, the progress bar, the lock on --out-dir (from the first write to the exit of
-    its `with`) and the completion record."""
+    """Cuts the token stream into shards after the `kept` ones on disk: the val shard, then --shard-size train shards.
+    Each goes into the record (PREFIX_done.json) with the source position after it. It holds the lock on --out-dir
+    from its first change there to the exit of its `with`."""
 
-    def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, parts: PartCounts, kept: int = 0,
-                 written: int = 0):
-        self.cfg, self.inputs, self.parts = cfg, inputs, parts
-        self.kept, self.written = kept, written  # the complete shards this run keeps, and their tokens
-        self.index, self.total, self.fill = kept, written, 0  # shard being filled, tokens in all, tokens in buf
-        self.docs = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
-        self.val = cfg.val_target  # the val shard's tokens; finish() may give it the first 10% instead
-        self.limit = cfg.max_tokens or float("inf")
+    def __init__(self, cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any] | None = None, kept: int = 0,
+                 point: Iterable[int] = START):
+        names = [shard_path(cfg, i).name for i in range(kept)]
+        self.cfg, self.kept, self._lock, self.bar = cfg, kept, None, None
+        self.record = {**key, "done": False, **{k: {n: record.get(k, {}).get(n) for n in names}  # type: ignore[union-attr]
+                                                for k in ("shards", "resume")}}
+        self.written = self.total = sum(self.record["shards"].values())  # tokens in the kept shards, in all
+        self.index, self.fill, self.docs = kept, 0, 0  # shard being filled, its tokens, documents this run writes
+        self.val, self.limit = cfg.val_target, cfg.max_tokens or float("inf")
+        # the position of the last buffered token's document (with its tokens written), and those to drop: on disk
+        self.point = list(point)
+        self.drop = self.point[4]
         self.buf = np.empty(cfg.val_target if kept == 0 else cfg.shard_size, dtype=np.uint16)
-        self._bar: Any = None  # the current shard's progress bar, opened at its first token
-        self._lock: Any = None  # the open lock file, once this run has changed --out-dir
 
     def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._close_bar()
         if self._lock is not None:
             self._lock.close()
 
-    def write_all(self, stream: Iterable[np.ndarray]) -> None:
-        """Take every array of `stream` up to --max-tokens (and read no further)."""
+    def write_all(self, stream: Iterable[tuple[np.ndarray, list[Any]]]) -> None:
+        """Take every (tokens, positions of their documents) of `stream` up to --max-tokens, and read no further."""
+        from tqdm import tqdm
+
         try:
-            for arr in stream:
-                self.add(arr)
+            for arr, positions in stream:
+                if self.bar is None:  # opened at the first tokens: a source that cannot be read prints one line
+                    self.bar = tqdm(total=self.cfg.max_tokens or None, initial=self.total, unit="tok", unit_scale=True)
+                self.add(arr, positions)
                 if self.total >= self.limit:
                     break
-            if self._bar is not None:  # the stream ended: the last shard's bar ends at its size, not a full one's
-                self._bar.total = self._bar.n
-                self._bar.refresh()
         finally:
-            self._close_bar()
+            if self.bar is not None:
+                self.bar.close()
 
-    def add(self, arr: np.ndarray) -> None:
+    def add(self, arr: np.ndarray, positions: list[Any]) -> None:
         """Buffer arr's tokens, writing the full buffer as its shard first when more tokens come."""
-        pos = 0
+        eots = np.flatnonzero(arr == EOT)  # where the documents of `positions` start
+        pos = min(self.drop, len(arr))
+        self.drop -= pos
         while pos < len(arr) and self.total < self.limit:
             if self.fill == len(self.buf):  # written once more tokens come, so a val shard is never left on its own
-                self._write(self.index, self.buf)
-                self.parts.save()
-                self._close_bar()
-                self.index, self.fill = self.index + 1, 0
-                self.buf = np.empty(self.cfg.shard_size, dtype=np.uint16)
-            if self._bar is None:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=len(self.buf), unit="tok", unit_scale=True,
-                                 desc=shard_path(self.cfg, self.index).name)
+                self._write(self.buf, self.point)
+                self.buf, self.fill = np.empty(self.cfg.shard_size, dtype=np.uint16), 0
             take = int(min(len(arr) - pos, len(self.buf) - self.fill, self.limit - self.total))
-            if self.total == self.written:  # this run's first token: the rest of a document the kept shards began?
-                self.docs += int(arr[pos] != EOT)
-            self.docs += int(np.count_nonzero(arr[pos:pos + take] == EOT))  # each document opens with EOT
+            i, j = np.searchsorted(eots, (pos, pos + take))
+            self.docs += int(j - i) + int(self.total == self.written and arr[pos] != EOT)  # + the rest of a kept one
+            start, had = (positions[j - 1], int(eots[j - 1]) - pos) if j > i else (self.point[:4], -self.point[4])
+            self.point = [*start, take - had]  # a new list: the record keeps the old one
             self.buf[self.fill:self.fill + take] = arr[pos:pos + take]
             pos, self.fill, self.total = pos + take, self.fill + take, self.total + take
-            self._bar.update(take)
+            self.bar.update(take)
 
     def finish(self) -> None:
-        """Write what is buffered, drop train shards beyond the end, and record the run as finished."""
+        """Write what is buffered and record the run as finished."""
         cfg, total = self.cfg, self.total
         if total == 0:
             raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
@@ -1019,143 +856,93 @@ class ShardWriter:
                 raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
                                 f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training, e.g. "
                                 f"--val-tokens {max(total // 10, 1)}, or leave it out to use the first 10%")
-            # the default: the first 10% is val, the rest train shard 1, written only now (existing_shards never
-            # keeps a val shard that is not full, so an interrupted write starts over)
             self.val = max(total // 10, 1)  # a document is EOT + at least one token: total >= 2
-            self._write(0, self.buf[:self.val])
-            self.index, self.buf, self.fill = 1, self.buf[self.val:total], total - self.val
+            self._write(self.buf[:self.val], None)  # no resume point: a rerun writes a short val shard again
+            self.buf, self.fill = self.buf[self.val:total], total - self.val
         if self.fill:
-            self._write(self.index, self.buf[:self.fill])
-            self.index += 1
-        if self._lock is None:  # the kept shards were the whole stream, but what follows changes the directory too
-            self._lock = _lock_out_dir(cfg)
-        _remove_train_shards(cfg, self.index)  # beyond the end, when this run wrote nothing: left by a longer run
-        done = _done_path(cfg)
-        tmp = done.with_name(f".{done.name}.tmp")
-        tmp.write_text(json.dumps(_done_record(cfg, self.inputs, [shard_path(cfg, i) for i in range(self.index)])))
-        os.replace(tmp, done)
-        self.parts.path.unlink(missing_ok=True)  # a finished run needs no resume point
+            self._write(self.buf[:self.fill], self.point)
+        self._own()  # where the kept shards were the whole stream, a longer run's after them go too
+        self.record["done"] = True
+        self._save()
 
     def report(self, seconds: float, workers: int) -> dict[str, Any]:
-        """Print the run's totals and return them."""
-        out, total, val = Path(self.cfg.out_dir).expanduser(), self.total, self.val
-        tokenized = total - self.written
+        """Print the run's totals and return them (workers 0: a finished run, nothing done)."""
+        out, sizes = Path(self.cfg.out_dir).expanduser(), list(self.record["shards"].values())
+        tokenized, val = self.total - self.written, sizes[0]
         result = {"out_dir": str(out), "shards": self.index, "skipped_shards": self.kept, "val_tokens": val,
-                  "train_tokens": total - val, "tokenized": tokenized, "documents_tokenized": self.docs,
-                  "documents_read": self.parts.read,
+                  "train_tokens": self.total - val, "tokenized": tokenized, "documents_tokenized": self.docs,
                   "seconds": seconds, "tokens_per_sec": tokenized / max(seconds, 1e-9), "workers": workers}
-        print(f"{out}: {self.index} shards ({self.kept} already complete), {val:,} val + {total - val:,} train tokens; "
-              f"tokenized {tokenized:,} tokens of {self.docs:,} documents in {seconds:.1f}s = "
-              f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
+        done = (f"tokenized {tokenized:,} tokens of {self.docs:,} documents in {seconds:.1f}s = "
+                f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers" if workers else
+                "nothing to do (to write them again, delete them or pass another --out-dir)")
+        print(f"{out}: {self.index} shards ({self.kept} already complete), {val:,} val + {self.total - val:,} train "
+              f"tokens; {done}")
         return result
 
-    def _close_bar(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+    def _write(self, tokens: np.ndarray, point: list[int] | None) -> None:
+        self._own()
+        path = shard_path(self.cfg, self.index)
+        write_shard(path, tokens)
+        self.record["shards"][path.name], self.record["resume"][path.name] = len(tokens), point
+        self._save()
+        self.index += 1
 
-    def _write(self, index: int, tokens: np.ndarray) -> None:
-        """Write shard `index`. The first write takes the lock and clears the way: the completion record, killed runs'
-        temporaries, and shard `index` and every train shard after it (an earlier run's, which a resume must not take
-        for this one's). Before that, --out-dir is left as it was."""
-        cfg, out = self.cfg, Path(self.cfg.out_dir).expanduser()
+    def _own(self) -> None:
+        """At this run's first change to --out-dir: take the lock and clear the way, deleting killed runs' temporaries
+        and the shards from this one on (an earlier run's, which a resume must not take for this run's)."""
         if self._lock is None:
+            cfg, out = self.cfg, Path(self.cfg.out_dir).expanduser()
             self._lock = _lock_out_dir(cfg)
-            out.mkdir(parents=True, exist_ok=True)
-            _done_path(cfg).unlink(missing_ok=True)
-            for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # never a valid shard
-                stale.unlink()
-            shard_path(cfg, index).unlink(missing_ok=True)
-            _remove_train_shards(cfg, index + 1)
-        write_shard(shard_path(cfg, index), tokens)
+            for old in [*out.glob(f".{cfg.prefix}_*.tmp"), *out.glob(f"{cfg.prefix}_*.bin")]:
+                index = re.fullmatch(rf"{re.escape(cfg.prefix)}_(?:val|train)_(\d+)\.bin", old.name)
+                if old.suffix == ".tmp" or (index and int(index[1]) >= self.index):
+                    old.unlink()
+
+    def _save(self) -> None:
+        path = _record_path(self.cfg)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.record))
+        os.replace(tmp, path)
 
 
-def _check_out_dir_path(cfg: FinewebConfig) -> None:
-    """Stop now, not after tokenizing a whole val shard, if a parent of --out-dir is a file."""
-    out = Path(cfg.out_dir).expanduser()
-    for parent in (out, *out.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise DataError(f"--out-dir {cfg.out_dir}: {parent} is a file, not a directory; pass a directory "
-                                "(it is created if missing)")
-            break
-
-
-def _nothing_to_do(cfg: FinewebConfig, record: dict[str, Any]) -> dict[str, Any]:
-    """Print and return the totals of the finished run that `record` describes."""
-    out, sizes = Path(cfg.out_dir).expanduser(), list(record["shards"].values())
-    val, train = sizes[0], sum(sizes[1:])
-    print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
-          "nothing to do (to write them again, delete them or pass another --out-dir)")
-    return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
-            "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "documents_read": 0, "seconds": 0.0,
-            "tokens_per_sec": 0.0, "workers": 0}
-
-
-def _resume_point(cfg: FinewebConfig, inputs: dict[str, Any] | None, previous: str) -> tuple[int, int, int, np.ndarray]:
-    """existing_shards() of the shards on disk, or nothing to keep when they are another run's: a finished one's
-    of other settings or inputs, or an interrupted one's that read other input (by its parts record)."""
-    if previous == "none" and PartCounts(cfg, inputs, 0).other_input():
-        print(f"{Path(cfg.out_dir).expanduser()}: the interrupted run there read other input files or settings; "
-              "writing every shard again")
-        previous = "other"
-    return existing_shards(cfg) if previous == "none" else (0, 0, 0, np.zeros(0, np.uint16))
-
-
-def _note_other_corpora(cfg: FinewebConfig) -> None:
-    """find_shards takes every train shard in a directory: train.py --data OUT would read another corpus's too."""
-    out = Path(cfg.out_dir).expanduser()
-    mine = re.compile(rf"{re.escape(cfg.prefix)}_train_\d+\.(?:bin|npy)")
-    others = [f.name for f in find_shards(str(out), "train") if not mine.fullmatch(f.name)]
-    if others:
-        print(f"note: {out} also holds {len(others)} train shard(s) of another corpus ({others[0]}, ...), and "
-              f"train.py --data {out} would read them too: give each corpus its own --out-dir")
+def _lock_out_dir(cfg: FinewebConfig) -> Any:
+    """An exclusive lock on this prefix's shards in --out-dir, held from a run's first change there to its end, so a
+    second writer of the same shards stops with a line instead of deleting the first one's files mid-write."""
+    folder = Path(cfg.out_dir).expanduser()
+    return hold_lock(folder / f".{cfg.prefix}.lock", f"another fineweb.py is writing {cfg.prefix} shards to {folder}; "
+                     "let it finish (then rerun this to check it), or pass another --out-dir",
+                     f"make sure no other fineweb.py writes {cfg.prefix} shards there", DataError)
 
 
 def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
-    _check_out_dir_path(cfg)
+    out = Path(cfg.out_dir).expanduser()
+    if not (there := next(p for p in (out, *out.parents) if p.exists())).is_dir():  # before reading the source
+        raise DataError(f"--out-dir {cfg.out_dir}: {there} is a file, not a directory; pass a directory (it is "
+                        "created if missing)")
     files = source_files(cfg)
-    inputs = input_fingerprint(files)  # before reading: a file edited during the run makes the next run write again
-    _check_out_dir_unlocked(cfg)
-    previous, record = _previous_run(cfg, inputs)
-    if previous == "done":
-        return _nothing_to_do(cfg, record)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = cfg.workers or cores
-    kept, written, docs_started, partial = _resume_point(cfg, inputs, previous)
-    # a rerun skips the documents the kept shards hold (whole files unread, where an earlier run counted them) but
-    # the last two, whose tokens must equal what is on disk: a check that cannot pass by chance
-    parts = PartCounts(cfg, inputs, max(docs_started - 2, 0))
-    with ShardWriter(cfg, inputs, parts, kept, written) as writer:
+    key = record_key(cfg, files)  # before reading: a file edited during the run makes the next run write again
+    if (out / f".{cfg.prefix}.lock").is_file():  # held by another writer: stop now, not after a whole shard
+        _lock_out_dir(cfg).close()
+    try:
+        record = json.loads(_record_path(cfg).read_text())
+    except (OSError, ValueError):
+        record = {}
+    kept, point = resume_point(cfg, key, record)
+    if point is None:
+        return ShardWriter(cfg, key, record, kept).report(0.0, 0)
+    workers = cfg.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    with ShardWriter(cfg, key, record, kept, point) as writer:
         t0 = time.time()
         with tokenizer_pool(workers) as pool:
-            docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
-            writer.write_all(_skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept)))
+            writer.write_all(token_stream(documents(read_rows(cfg, files, point), cfg), pool, workers))
         writer.finish()
         result = writer.report(time.time() - t0, workers)
-        _note_other_corpora(cfg)
+    mine = re.compile(rf"{re.escape(cfg.prefix)}_train_\d+\.bin")  # train.py --data OUT reads every train shard
+    if others := [f.name for f in find_shards(out, "train") if not mine.fullmatch(f.name)]:
+        print(f"note: {out} also holds {len(others)} train shard(s) of another corpus ({others[0]}, ...), and "
+              f"train.py --data {out} would read them too: give each corpus its own --out-dir")
     return result
-
-
-def _lock_path(cfg: FinewebConfig) -> Path:
-    return Path(cfg.out_dir).expanduser() / f".{cfg.prefix}.lock"
-
-
-def _lock_out_dir(cfg: FinewebConfig) -> Any:
-    """An exclusive lock on this prefix's shards in --out-dir, taken at a run's first change to the directory (it is
-    left alone before that) and held to its end, so a second writer of the same shards stops with a line instead of
-    deleting the first one's files mid-write. The lock file stays; the lock goes with the process."""
-    folder = Path(cfg.out_dir).expanduser()
-    return hold_lock(_lock_path(cfg), f"another fineweb.py is writing {cfg.prefix} shards to {folder}; let it finish "
-                     "(then rerun this to check it), or pass another --out-dir",
-                     f"make sure no other fineweb.py writes {cfg.prefix} shards there", DataError)
-
-
-def _check_out_dir_unlocked(cfg: FinewebConfig) -> None:
-    """Stop now if another writer holds the lock, rather than after tokenizing a whole shard; creates nothing."""
-    if _lock_path(cfg).is_file():
-        _lock_out_dir(cfg).close()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -204,8 +204,8 @@ def test_chunks_come_back_in_document_order_when_more_are_in_flight_than_the_win
     docs = make_docs(30, seed=8)
     want = [expected_tokens([d]).tolist() for d in docs]  # first: forked workers inherit the tokenizer's tables
     with fineweb.tokenizer_pool(2) as pool:
-        chunks = list(fineweb.token_stream(docs, pool, 2, chunk=1))
-    assert [c.tolist() for c in chunks] == want
+        out = list(fineweb.token_stream([(d, i) for i, d in enumerate(docs)], pool, 2, chunk=1))
+    assert [c.tolist() for c, _ in out] == want and [where for _, where in out] == [[i] for i in range(30)]
 
 
 def test_max_tokens_stops_exactly_and_default_val_is_the_first_shard(tmp_path):
@@ -613,57 +613,72 @@ def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, mo
     assert f"tokenized {result['tokenized']:,} tokens of {70 - kept_docs + 1} documents in" in capsys.readouterr().out
 
 
+def rerun_with_earlier_files_garbled(cfg: FinewebConfig, files: list[Path], docs_per_file: list[int],
+                                     written: list[Path]) -> tuple[dict, int]:
+    """write_dataset(cfg) after a run killed once it wrote `written`, with every source file before the one holding
+    the document its last shard ends in overwritten by garbage of the same size and mtime (which the inputs'
+    fingerprint cannot tell): a rerun that read one would fail or write other tokens. The files are restored after.
+    Returns the rerun's result and the number of files garbled."""
+    cut = sum(int((read_shard(p) == EOT).sum()) for p in written) - 1  # that document's index
+    first = next(i for i in range(len(files)) if sum(docs_per_file[:i + 1]) > cut)
+    saved = [(f, f.read_bytes(), f.stat()) for f in files[:first]]
+    for f, data, st in saved:
+        f.write_bytes(b"x" * len(data))
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    try:
+        return write_dataset(cfg), first
+    finally:
+        for f, data, st in saved:
+            f.write_bytes(data)
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def test_killed_writer_resumes_at_the_file_of_its_first_missing_document(tmp_path, monkeypatch):
-    # 8 files streamed a file at a time, one empty and one of empty texts: a rerun must not read the files whose
-    # documents the kept shards hold, and must write what an uninterrupted run writes, also with 2 workers (reading
-    # runs ahead of writing) and after switching to --streaming false (one part: the counts no longer apply)
+    # 8 files streamed a file at a time, one empty and one of empty texts: a rerun must not read the files before the
+    # one its first missing token's document is in, and must write what an uninterrupted run writes, also with 2
+    # workers (reading runs ahead of writing) and after switching to --streaming false (one part: the recorded row in
+    # the source tells where to go on)
     src = tmp_path / "src"
     src.mkdir()
-    docs, sizes = make_docs(60, seed=3), [10, 0, 10, 10, 10, 10, 10]
-    for i in range(len(sizes)):
-        write_jsonl(src / f"part{i}.jsonl", docs[sum(sizes[:i]):sum(sizes[:i + 1])])
-    write_jsonl(src / "part7.jsonl", ["", ""])  # texts, but no documents
-    ref = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref"))
-    assert ref["documents_read"] == 60 and not (tmp_path / "ref" / "t_parts.json").exists()  # gone once finished
+    docs, sizes = make_docs(60, seed=3), [10, 0, 10, 10, 10, 10, 10, 0]
+    files = [src / f"part{i}.jsonl" for i in range(len(sizes))]
+    for i, f in enumerate(files[:-1]):
+        write_jsonl(f, docs[sum(sizes[:i]):sum(sizes[:i + 1])])
+    write_jsonl(files[-1], ["", ""])  # texts, but no documents
+    write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref"))
     expected = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
-    def interrupted(out: Path, kill_after: int) -> list[int]:
-        write_killed(cfg_for(f"{src}/*.jsonl", out), monkeypatch, after=kill_after)
-        return json.loads((out / "t_parts.json").read_text())["documents"]
-
+    garbled = []
     for workers, kill_after in [(1, k) for k in range(3, len(expected) - 1)] + [(2, 3)]:
         out = tmp_path / f"out{workers}_{kill_after}"
-        counts = interrupted(out, kill_after)
-        assert counts[:3] == [10, 0, 10]  # files read whole before the kill, the empty one included
-        kept = sum(int((read_shard(out / name) == EOT).sum()) for name in list(expected)[:kill_after])
-        # the rerun re-reads the last two documents the kept shards began (their tokens must match), from the start
-        # of the file that holds the first of them
-        first = kept - 2
-        start = next((k for k in range(len(counts)) if sum(counts[:k + 1]) > first), len(counts))
-        result = write_dataset(cfg_for(f"{src}/*.jsonl", out, workers=workers))
-        assert result["skipped_shards"] == kill_after and result["documents_read"] == 60 - sum(counts[:start]) < 60
+        written = write_killed(cfg_for(f"{src}/*.jsonl", out), monkeypatch, after=kill_after)
+        result, skipped = rerun_with_earlier_files_garbled(cfg_for(f"{src}/*.jsonl", out, workers=workers), files,
+                                                          sizes, written)
+        garbled.append(skipped)
+        assert result["skipped_shards"] == kill_after
         assert {p.name: p.read_bytes() for p in shard_files(out)} == expected
-    interrupted(tmp_path / "plain", 5)
+    assert max(garbled) >= 5  # the later kills skip five files or more, the empty one among them
+    write_killed(cfg_for(f"{src}/*.jsonl", tmp_path / "plain"), monkeypatch, after=5)
     result = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "plain", streaming=False))
-    assert result["documents_read"] == 60 and {p.name: p.read_bytes() for p in shard_files(tmp_path / "plain")} == \
-        expected
+    assert result["skipped_shards"] == 5
+    assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "plain")} == expected
 
 
-def test_resume_skips_every_file_its_kept_documents_fill_exactly(tmp_path, monkeypatch):
-    """One document per file: the documents the rerun skips always end at a file boundary, so it must start reading
-    at the very next file (not re-read the last skipped one), and still write what an uninterrupted run writes."""
+def test_resume_skips_every_file_before_the_document_it_goes_on_in(tmp_path, monkeypatch):
+    """One document per file, and shards of a few documents each: whatever the cut, the rerun starts reading at the
+    file of the document the kept shards end in, and writes what an uninterrupted run writes."""
     src = tmp_path / "src"
     src.mkdir()
-    docs = make_docs(20, seed=12)
-    for i, d in enumerate(docs):
-        write_jsonl(src / f"doc{i:02d}.jsonl", [d])
+    files = [write_jsonl(src / f"doc{i:02d}.jsonl", [d]) for i, d in enumerate(make_docs(20, seed=12))]
     settings = {"shard_size": 300, "val_tokens": 200}
     write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref", **settings))
     expected = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
-    written = write_killed(cfg_for(f"{src}/*.jsonl", tmp_path / "out", **settings), monkeypatch, after=3)
-    kept = sum(int((read_shard(p) == EOT).sum()) for p in written)  # documents the kept shards began
-    result = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "out", **settings))
-    assert result["skipped_shards"] == 3 and result["documents_read"] == 20 - (kept - 2) < 20
-    assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")} == expected
+    for kill_after in (3, len(expected) - 2):
+        out = tmp_path / f"out{kill_after}"
+        written = write_killed(cfg_for(f"{src}/*.jsonl", out, **settings), monkeypatch, after=kill_after)
+        result, skipped = rerun_with_earlier_files_garbled(cfg_for(f"{src}/*.jsonl", out, **settings), files,
+                                                          [1] * 20, written)
+        assert result["skipped_shards"] == kill_after and skipped >= 3
+        assert {p.name: p.read_bytes() for p in shard_files(out)} == expected
 
 
 def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
@@ -672,6 +687,7 @@ def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
     out.mkdir()
     for name, data in ref.items():
         (out / name).write_bytes(data)
+    (out / "t_done.json").write_bytes((tmp_path / "ref" / "t_done.json").read_bytes())  # its record, as the run left
     last = list(ref)[-1]  # shard_files order: by index
     (out / last).unlink()  # the final shard never got written
     (out / "t_train_000004.bin").write_bytes(ref["t_train_000004.bin"][:1500])  # truncated by a crash
@@ -757,7 +773,8 @@ def test_input_edited_between_an_interrupted_run_and_its_rerun_is_written_anew(t
     capsys.readouterr()
     result = write_dataset(cfg_for(src, tmp_path / "out"))
     assert result["skipped_shards"] == 0
-    assert "the interrupted run there read other input files or settings" in capsys.readouterr().out
+    assert "its shards were written from other input files or settings; writing every shard again" in \
+        capsys.readouterr().out
     assert np.array_equal(concat(tmp_path / "out"), expected_tokens(edited))
 
 
@@ -907,35 +924,25 @@ def test_a_finished_run_is_written_again_when_a_setting_changes(tmp_path, change
     assert again["tokenized"] == fresh["tokenized"] > 0
 
 
-@pytest.mark.parametrize("change", [{"max_tokens": 1700}, {"shard_size": 500}])
-def test_shards_without_records_are_kept_only_as_far_as_they_fit_this_run(tmp_path, reference, change):
-    """A directory whose records are gone (or were never written, by an older writer): the resume keeps only the
-    full shards of this run's sizes, and a run that ends at a kept shard's end (val + one train shard = 1700 tokens,
-    so it writes nothing) still deletes the longer run's train shards after it."""
-    src, ref = reference
-    out = tmp_path / "out"
-    out.mkdir()
-    for name, data in ref.items():
-        (out / name).write_bytes(data)  # the shards alone: no t_done.json, no t_parts.json
-    write_dataset(cfg_for(src, out, **change))
-    write_dataset(cfg_for(src, tmp_path / "fresh", **change))
-    assert {p.name: p.read_bytes() for p in shard_files(out)} == \
-        {p.name: p.read_bytes() for p in shard_files(tmp_path / "fresh")}
-
-
-def test_rerun_over_shards_of_other_data_is_refused(tmp_path, reference):
+def test_shards_without_a_record_are_written_again(tmp_path, reference):
+    """Shards whose record is gone (or an older writer's interrupted run's): nothing vouches for what they were made
+    from, so a rerun writes every shard again, whether they hold this source (same bytes) or other data (replaced, not
+    mixed with the new)."""
     src, ref = reference
     out = tmp_path / "out"
     out.mkdir()
     for name in list(ref)[:3]:  # val and the first two train shards
         (out / name).write_bytes(ref[name])
+    result = write_dataset(cfg_for(src, out))
+    assert result["skipped_shards"] == 0 and {p.name: p.read_bytes() for p in shard_files(out)} == ref
+    (out / "t_done.json").unlink()
     other = write_jsonl(tmp_path / "other.jsonl", make_docs(70, seed=10))
-    with pytest.raises(DataError, match=r"do not match --source.*another --out-dir"):
-        write_dataset(cfg_for(other, out))
+    assert write_dataset(cfg_for(other, out))["skipped_shards"] == 0
+    assert np.array_equal(concat(out), expected_tokens(make_docs(70, seed=10)))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# shard writer (ShardWriter on its own: buffer, progress bars, lock, completion record)
+# shard writer (ShardWriter on its own: buffer, resume points, lock, record)
 
 
 def doc_tokens(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
@@ -944,54 +951,25 @@ def doc_tokens(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
     return [np.array([EOT, *rng.integers(0, EOT, n - 1)], dtype=np.uint16) for n in lengths]
 
 
-class Bars:
-    """Stands in for tqdm: records each bar's (desc, total as last set), the sum of its updates, and whether it was
-    closed; `refreshed` counts the redraws asked for after a change of total."""
-
-    def __init__(self):
-        self.made = []
-        self.refreshed = 0
-
-    def __call__(self, total, unit, unit_scale, desc):
-        bars = self
-
-        class Bar:
-            def __init__(self):
-                self.row = [desc, total, 0, False]
-                bars.made.append(self.row)
-
-            total = property(lambda self: self.row[1], lambda self, value: self.row.__setitem__(1, value))
-            n = property(lambda self: self.row[2])
-
-            def update(self, n):
-                self.row[2] += n
-
-            def refresh(self):
-                bars.refreshed += 1
-
-            def close(self):
-                self.row[3] = True
-
-        return Bar()
+def chunks(docs: list[np.ndarray], first_row: int = 0) -> list[tuple[np.ndarray, list[tuple[int, ...]]]]:
+    """token_stream's items for one document a chunk: its tokens, and its position (part 0 of 1, row = its index)."""
+    return [(d, [(0, first_row + i, first_row + i, 1)]) for i, d in enumerate(docs)]
 
 
-def shard_writer(cfg: FinewebConfig, kept: int = 0, written: int = 0) -> fineweb.ShardWriter:
-    return fineweb.ShardWriter(cfg, None, fineweb.PartCounts(cfg, None, 0), kept, written)
+def shard_writer(cfg: FinewebConfig, record: dict | None = None, kept: int = 0,
+                 point: tuple = fineweb.START) -> fineweb.ShardWriter:
+    return fineweb.ShardWriter(cfg, fineweb.record_key(cfg, None), record, kept, point)
 
 
-def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path, monkeypatch):
-    import tqdm
-
-    bars = Bars()
-    monkeypatch.setattr(tqdm, "tqdm", bars)
+def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path):
     out, cfg = tmp_path / "out", cfg_for(tmp_path / "src.jsonl", tmp_path / "out")  # val 700, shards of 1000
     docs = doc_tokens([300] * 10)
     with shard_writer(cfg) as writer:
-        writer.write_all(docs[:9])  # 2700 tokens: val and train 1 full, 1000 buffered
+        writer.write_all(chunks(docs[:9]))  # 2700 tokens: val and train 1 full, 1000 buffered
         assert [p.name for p in shard_files(out)] == ["t_val_000000.bin", "t_train_000001.bin"]
-        assert (out / "t_parts.json").is_file()  # saved with each full shard
-        writer.write_all(docs[9:])
-        assert not (out / "t_done.json").exists()
+        record = json.loads((out / "t_done.json").read_text())  # saved with each full shard
+        assert record["shards"] == {"t_val_000000.bin": 700, "t_train_000001.bin": 1000} and not record["done"]
+        writer.write_all(chunks(docs[9:], first_row=9))
         writer.finish()
         with pytest.raises(DataError, match="another fineweb.py is writing t shards"):
             fineweb._lock_out_dir(cfg)  # held to the end of the `with`
@@ -999,16 +977,13 @@ def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path,
     assert [len(read_shard(p)) for p in shard_files(out)] == [700, 1000, 1000, 300]
     assert np.array_equal(concat(out), np.concatenate(docs))
     assert (writer.index, writer.total, writer.docs, writer.val) == (4, 3000, 10, 700)
-    assert not (out / "t_parts.json").exists()  # a finished run needs no resume point
     record = json.loads((out / "t_done.json").read_text())
-    assert record["inputs"] is None and record["settings"]["shard_size"] == 1000
+    assert record["done"] and record["inputs"] is None and record["settings"]["shard_size"] == 1000
     assert record["shards"] == {"t_val_000000.bin": 700, "t_train_000001.bin": 1000, "t_train_000002.bin": 1000,
                                 "t_train_000003.bin": 300}
-    assert [row[0] for row in bars.made] == [p.name for p in shard_files(out)]
-    assert [row[1] for row in bars.made[:3]] == [700, 1000, 1000]  # a bar per shard, sized to a full one
-    # the stream's last shard is 300 tokens: its bar ends full at 300/300, not at 300/1000 (which looks like a crash)
-    assert bars.made[3][1] == 300 and bars.refreshed == 2  # both write_all calls ended with a buffered shard
-    assert [row[2] for row in bars.made] == [700, 1000, 1000, 300] and all(row[3] for row in bars.made)
+    # after each shard: the row of the document its last token is in, and that document's tokens written so far
+    assert record["resume"] == {"t_val_000000.bin": [0, 2, 2, 1, 100], "t_train_000001.bin": [0, 5, 5, 1, 200],
+                                "t_train_000002.bin": [0, 8, 8, 1, 300], "t_train_000003.bin": [0, 9, 9, 1, 300]}
     result = writer.report(2.0, 3)
     assert {k: result[k] for k in ("shards", "skipped_shards", "val_tokens", "train_tokens", "tokenized",
                                    "documents_tokenized", "tokens_per_sec", "workers")} == {
@@ -1019,7 +994,7 @@ def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path,
 def test_shard_writer_writes_a_full_buffer_only_when_more_tokens_come(tmp_path):
     out, cfg = tmp_path / "out", cfg_for(tmp_path / "src.jsonl", tmp_path / "out")
     with shard_writer(cfg) as writer:
-        writer.write_all(doc_tokens([700, 1000]))  # val and train 1 exactly full
+        writer.write_all(chunks(doc_tokens([700, 1000])))  # val and train 1 exactly full
         assert [p.name for p in shard_files(out)] == ["t_val_000000.bin"]
         assert (writer.index, writer.fill) == (1, 1000)
         writer.finish()
@@ -1031,9 +1006,9 @@ def test_shard_writer_stops_reading_at_max_tokens(tmp_path):
     pulled = []
 
     def stream():
-        for arr in doc_tokens([400] * 10):
-            pulled.append(len(arr))
-            yield arr
+        for item in chunks(doc_tokens([400] * 10)):
+            pulled.append(len(item[0]))
+            yield item
 
     with shard_writer(cfg) as writer:
         writer.write_all(stream())
@@ -1048,18 +1023,19 @@ def test_shard_writer_gives_a_short_stream_its_first_10_percent_as_val(tmp_path)
     cfg = cfg_for(tmp_path / "src.jsonl", out, val_tokens=-1)  # a local source: a full val shard is 1000 tokens
     docs = doc_tokens([200, 195])
     with shard_writer(cfg) as writer:
-        writer.write_all(docs)
+        writer.write_all(chunks(docs))
         assert shard_files(out) == []  # nothing written before the stream ends
         writer.finish()
     assert [len(read_shard(p)) for p in shard_files(out)] == [39, 356]  # 395 // 10 val, the rest train shard 1
     assert np.array_equal(concat(out), np.concatenate(docs))
-    assert json.loads((out / "t_done.json").read_text())["shards"] == {"t_val_000000.bin": 39,
-                                                                       "t_train_000001.bin": 356}
+    record = json.loads((out / "t_done.json").read_text())
+    assert record["shards"] == {"t_val_000000.bin": 39, "t_train_000001.bin": 356}
+    assert record["resume"]["t_val_000000.bin"] is None  # a rerun never resumes after a val shard that is not full
     assert (writer.val, writer.report(1.0, 1)["train_tokens"]) == (39, 356)
     asked = cfg_for(tmp_path / "src.jsonl", tmp_path / "asked")  # --val-tokens 700 asked for, 395 there
     message = r"has only 395 tokens, all of them for the val shard \(--val-tokens 700\).*e.g. --val-tokens 39"
     with shard_writer(asked) as writer, pytest.raises(DataError, match=message):
-        writer.write_all(docs)
+        writer.write_all(chunks(docs))
         writer.finish()
     assert not (tmp_path / "asked").exists()  # refused before anything was written
     with shard_writer(asked) as writer, pytest.raises(DataError, match="has no text"):
@@ -1071,18 +1047,24 @@ def test_shard_writer_goes_on_after_kept_shards_and_clears_a_longer_run(tmp_path
     out.mkdir()
     for i, n in ((0, 700), (1, 1000), (5, 1000)):  # shard 5: left by an earlier, longer run
         write_shard(fineweb.shard_path(cfg, i), np.full(n, 7))
-    (out / "t_done.json").write_text("{}")
     (out / ".t_train_000002.bin.99.tmp").write_bytes(b"x")  # a killed run's temporary
-    tail = np.array([1, 2, 3, EOT, 4, EOT, 5, 6, EOT, 7], dtype=np.uint16)  # the rest of a kept document, then 3
-    with shard_writer(cfg, kept=2, written=1700) as writer:
-        writer.write_all([tail] * 60)  # 600 tokens
+    record = {"shards": {"t_val_000000.bin": 700, "t_train_000001.bin": 1000, "t_train_000005.bin": 1000},
+              "resume": {"t_val_000000.bin": [0, 2, 2, 1, 5], "t_train_000001.bin": [0, 7, 7, 1, 3]}}
+    # row 7's document has 3 tokens on disk: the stream goes on with it, whole, then 3 documents a chunk
+    first = (np.array([EOT, 9, 9, 1, 2, 3, EOT, 4, EOT, 5, 6, EOT, 7], np.uint16), [(0, r, r, 1) for r in range(7, 11)])
+    tail = np.array([EOT, 4, EOT, 5, 6, EOT, 7, 8, 8, 8], dtype=np.uint16)
+    rest = [(tail, [(0, r, r, 1) for r in range(11 + 3 * k, 14 + 3 * k)]) for k in range(59)]
+    with shard_writer(cfg, record, kept=2, point=(0, 7, 7, 1, 3)) as writer:
+        writer.write_all([first, *rest])  # 10 + 590 tokens after the 3 dropped
         writer.finish()
     assert [p.name for p in shard_files(out)] == ["t_val_000000.bin", "t_train_000001.bin", "t_train_000002.bin"]
+    assert read_shard(out / "t_train_000002.bin")[:10].tolist() == [1, 2, 3, EOT, 4, EOT, 5, 6, EOT, 7]
     assert len(read_shard(out / "t_train_000002.bin")) == 600
     assert not list(out.glob(".*.tmp"))
     assert (writer.index, writer.total, writer.docs) == (3, 2300, 1 + 3 * 60)
-    assert json.loads((out / "t_done.json").read_text())["shards"] == {
-        "t_val_000000.bin": 700, "t_train_000001.bin": 1000, "t_train_000002.bin": 600}
+    saved = json.loads((out / "t_done.json").read_text())
+    assert saved["shards"] == {"t_val_000000.bin": 700, "t_train_000001.bin": 1000, "t_train_000002.bin": 600}
+    assert saved["resume"] == {**record["resume"], "t_train_000002.bin": [0, 11 + 3 * 58 + 2, 11 + 3 * 58 + 2, 1, 5]}
     result = writer.report(1.0, 1)
     assert [result[k] for k in ("shards", "skipped_shards", "tokenized", "train_tokens")] == [3, 2, 600, 1600]
 
