@@ -1,39 +1,26 @@
-"""Token shards: the writer that turns a text corpus into llm.c-format GPT-2 shards, and the loader that streams them.
+"""Token shards: the writer that turns a corpus into llm.c-format GPT-2 shards, and the loader that streams them.
 
-This file is the one owner of the shard format. A shard is llm.c's / modded-nanogpt's `.bin`: a 256 x int32
-little-endian header (magic 20240520, version 1, token count, then zeros) followed by the tokens as uint16.
-build-nanogpt's `.npy` uint16 shards are read too. Shards are named PREFIX_val_000000.bin, PREFIX_train_000001.bin,
-...; the first is validation, the rest training. The loader tells them apart by the `_val`/`_train` that ends the
-name before the optional index (llm.c's tinyshakespeare_val.bin too), so any prefix is safe, even `train` or `val`.
+A shard is llm.c's `.bin`: a 256 x int32 little-endian header (magic 20240520, version 1, token count, zeros), then
+the tokens as uint16; build-nanogpt's uint16 `.npy` shards are read too. PREFIX_val_000000.bin is validation,
+PREFIX_train_000001.bin, ... training: the loader tells them apart by the `_val`/`_train` before the index.
 
-The writer reads every source through `datasets.load_dataset` (hub, or the text/json/parquet builders for local files)
-and writes each document as <|endoftext|> + its GPT-2 tokens, in source order. A .txt file is one document (the whole
-file) unless --txt-unit says paragraph or line; stdlib is one document per .py file, stdlib-docs one per docstring.
-The val shard is exactly the first --val-tokens tokens of that stream (it may end inside a document). Without
---val-tokens it is a whole --shard-size shard (shakespeare and stdlib-docs: 32768 tokens, stdlib: 2**18), unless the
-source (or --max-tokens) ends before that leaves a train token: then the first 10% is val and the rest train shard 1.
+The writer reads the source through `datasets` and writes each document as <|endoftext|> + its GPT-2 tokens, in
+order: a .txt file is one document (or one per --txt-unit paragraph or line), stdlib one per .py file, stdlib-docs
+one per docstring. The val shard is the stream's first --val-tokens tokens: by default one --shard-size shard
+(shakespeare, stdlib-docs: 32768; stdlib: 2**18), or the first 10% of a source too short to leave a train token.
 
-Resume: after each shard, PREFIX_done.json records the settings, a fingerprint of a local source's files (paths,
-sizes, mtimes), every shard's size and where the source stands after it (its file, row, and the tokens of that row's
-document already written). A rerun with the same settings and inputs keeps the recorded shards that are intact and
-reads on from there, skipping the source's earlier files unread: the shards come out byte-identical to an
-uninterrupted run's. A finished run is not read again; other settings or changed input files write every shard
-again. Input that cannot be read ends in one line naming the file or flag, with --out-dir left as it was.
+After each shard, PREFIX_done.json records the settings, a local source's files (paths, sizes, mtimes), the shard's
+size and where the source stands after it (file, row, tokens of that row's document written). A rerun with the same
+settings and files keeps the intact shards and reads on from there, earlier files unread: the shards come out
+byte-identical to an uninterrupted run's. A finished run is not read again; other settings or files write every shard
+again. Bad input ends in one line naming the file or flag, with --out-dir left as it was.
 
 Usage:
-    python fineweb.py                                         # fineweb-edu sample-10BT -> data/edu_fineweb10B
-    python fineweb.py --source shakespeare                    # Tiny Shakespeare -> data/shakespeare
-    python fineweb.py --source stdlib                         # this Python's stdlib .py files -> data/stdlib
-    python fineweb.py --source stdlib-docs                    # their docstrings (English prose) -> data/stdlib_docs
-    python fineweb.py --source notes.txt                      # a small file: its first 10% val, the rest train
+    python fineweb.py                                  # fineweb-edu sample-10BT -> data/edu_fineweb10B
+    python fineweb.py --source shakespeare             # Tiny Shakespeare -> data/shakespeare
+    python fineweb.py --source stdlib-docs             # this Python's stdlib docstrings -> data/stdlib_docs
+    python fineweb.py --source notes.txt               # a small file: its first 10% val, the rest train
     python fineweb.py --source "corpus/*.jsonl" --out-dir data/mine --shard-size 10000000 --val-tokens 1000000
-
-Loader (used by train.py, one per split and rank):
-    loader = TokenLoader("data/edu_fineweb10B", "train", B, T, rank, world_size, seed, device)
-    x, y = loader.next_batch()  # int64 (B, T); y is x shifted by one token
-It serves every window of B*T+1 tokens of every shard exactly once per epoch over all ranks (a shard's tail shorter
-than a window is skipped), train shards in a new seeded order each epoch, as one continuous stream whose position is
-one step counter: `loader.state_dict()` from any rank resumes every rank exactly.
 """
 
 from __future__ import annotations
@@ -50,7 +37,6 @@ import signal
 import sys
 import sysconfig
 import time
-import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -58,7 +44,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import partial
-from itertools import islice, takewhile
+from itertools import count, islice, takewhile
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +53,7 @@ import torch
 
 from common import EOT, get_tokenizer, hold_lock, parse_config
 
-MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256  # llm.c's token shard (20240326 is its model-weights file)
-HEADER_BYTES = HEADER_INTS * 4
+MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's token shard (20240326 is its model-weights file)
 FINEWEB = "HuggingFaceFW/fineweb-edu"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # that file's
@@ -78,7 +63,7 @@ LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet":
 # pydoc's topic dump) that are Python only in syntax
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
-START = (0, 0, 0, 0, 0)  # a source position: (part, row in it, row in the source, parts, tokens written of its doc)
+START = (0, 0, 0, 0, 0)  # a source position: part, row in it, row in the source, parts, tokens of its document written
 
 
 class DataError(ValueError):
@@ -94,7 +79,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
     path, tokens = Path(path), np.asarray(tokens)
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise DataError(f"{path}: token ids must fit in uint16 (0..65535), got {tokens.min()}..{tokens.max()}")
-    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header = np.zeros(HEADER_BYTES // 4, dtype="<i4")
     header[:3] = MAGIC, VERSION, len(tokens)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # dot-prefixed and .tmp: no glob of shards matches it
     try:
@@ -127,19 +112,18 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     if size < HEADER_BYTES:
         raise DataError(f"{path} is truncated: {size} bytes, less than the {HEADER_BYTES}-byte header; "
                         "delete it and rerun fineweb.py")
-    magic, version, count = (int(v) for v in np.fromfile(path, dtype="<i4", count=3))
+    magic, version, n = (int(v) for v in np.fromfile(path, dtype="<i4", count=3))
     if magic != MAGIC:
         hint = " (that is an llm.c model file, not tokens)" if magic == 20240326 else ""
         raise DataError(f"{path}: bad magic number {magic}{hint}, expected {MAGIC} (llm.c token shard); "
                         "write shards with fineweb.py")
     if version != VERSION:
         raise DataError(f"{path}: unsupported shard version {version}, expected {VERSION}; rewrite it with fineweb.py")
-    if size != HEADER_BYTES + 2 * count:
-        raise DataError(f"{path}: header says {count:,} tokens ({HEADER_BYTES + 2 * count:,} bytes) but the file has "
+    if size != HEADER_BYTES + 2 * n:
+        raise DataError(f"{path}: header says {n:,} tokens ({HEADER_BYTES + 2 * n:,} bytes) but the file has "
                         f"{size:,} bytes: truncated or corrupt; delete it and rerun fineweb.py")
-    if count == 0:
-        return np.zeros(0, dtype=np.uint16)  # mmap cannot map zero bytes
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+    # mmap cannot map zero bytes
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else np.zeros(0, np.uint16)
 
 
 def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
@@ -151,7 +135,7 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     base = Path(pattern).expanduser()
     if any(c in pattern for c in "*?["):
         files = [Path(f) for f in glob.glob(str(base), recursive=True)]
-    elif base.is_dir() or base.is_file():
+    elif base.exists():
         files = list(base.iterdir()) if base.is_dir() else [base]
     else:
         # the presets' own corpora have a source of their own: fineweb.py's default source is fineweb-edu
@@ -186,8 +170,6 @@ class TokenLoader:
                  seed: int = 0, device: str | torch.device = "cpu", preload: bool = False, shuffle: str = "windows"):
         if shuffle not in SHUFFLES:
             raise ValueError(f"shuffle must be 'windows' or 'shards', got {shuffle!r}")
-        if B < 1 or T < 1:
-            raise ValueError(f"batch size B and sequence length T must be >= 1, got B={B}, T={T}")
         self.split, self.B, self.T, self.rank, self.world_size, self.seed = split, B, T, rank, world_size, seed
         self.shuffle = shuffle if split == "train" else "none"  # val: file order, windows in order
         self.device = torch.device(device)
@@ -200,8 +182,7 @@ class TokenLoader:
             big = int(lengths.argmax())
             raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
                             f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write more data")
-        # every step would hand some rank a window of the next epoch or later (components.val_loss copes: it scores each
-        # val window once, on whichever rank it falls to, and leaves out the extra ones)
+        # (a val split may have fewer: components.val_loss scores each window once, on whichever rank it falls to)
         if split == "train" and self.num_windows < world_size:
             raise DataError(f"world size {world_size} is too large for the {split} data: it has only "
                             f"{self.num_windows} windows of B*T+1 = {B * T + 1:,} tokens, fewer than one per rank; "
@@ -210,8 +191,6 @@ class TokenLoader:
         if preload:  # one device tensor of the whole split; offsets let it serve the very same windows
             self._starts = np.cumsum(lengths) - lengths
             self._preloaded = torch.from_numpy(np.concatenate(self._shards).astype(np.int64)).to(self.device)
-        self._order_cache: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative windows)
-        self._perm_cache: tuple[int, int, np.ndarray] | None = None  # (epoch, shard, its windows' serving order)
         self.vocab_size: int | None = None  # set by check_vocab: token ids must be below it
         self.resume_skipped = 0  # tokens the last load_state_dict skipped in the shard being read (see _regrid)
         self.reset()
@@ -243,18 +222,12 @@ class TokenLoader:
     def _locate(self, g: int) -> tuple[int, int]:
         """(shard index, first token) of global window g of the stream."""
         epoch, w = divmod(g, self.num_windows)
-        if self._order_cache is None or self._order_cache[0] != epoch:  # a rank's epochs only grow: one entry is enough
-            order = self.shard_order(epoch)
-            self._order_cache = (epoch, order, np.cumsum(self._windows[order]))
-        _, order, cum = self._order_cache
+        order = self.shard_order(epoch)
+        cum = np.cumsum(self._windows[order])
         i = int(np.searchsorted(cum, w, side="right"))
         shard, k = int(order[i]), w - (int(cum[i - 1]) if i else 0)  # the shard's k-th window served this epoch
-        if self.shuffle == "windows":
-            if self._perm_cache is None or self._perm_cache[:2] != (epoch, shard):
-                # a stream of its own per (epoch, shard), apart from the shard order's (seed, epoch)
-                rng = np.random.default_rng((self.seed, epoch, shard + 1))
-                self._perm_cache = (epoch, shard, rng.permutation(int(self._windows[shard])))
-            k = int(self._perm_cache[2][k])
+        if self.shuffle == "windows":  # a stream of its own per (epoch, shard), apart from the shard order's
+            k = int(np.random.default_rng((self.seed, epoch, shard + 1)).permutation(int(self._windows[shard]))[k])
         return shard, k * self.B * self.T
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -307,12 +280,11 @@ class TokenLoader:
         for key, what in (("split", "split"), ("T", "--seq-len"), ("seed", "--seed"),
                           ("shards", "shard files"), ("shard_tokens", "shard sizes")):
             if state.get(key) != mine[key]:
-                raise DataError(f"cannot resume the {self.split} loader: {self._mismatch(key, state.get(key))}; "
+                raise DataError(f"cannot resume the {self.split} loader: {_mismatch(key, state.get(key), mine[key])}; "
                                 f"resume with the same {what} or start a fresh run")
         for key, name, unit, low in (("B", "batch size B", "sequences", 1), ("step", "position step", "batches", 0),
                                      ("world_size", "world_size", "ranks", 1)):
-            value = state.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            if not isinstance(value := state.get(key), int) or isinstance(value, bool) or value < low:
                 raise DataError(f"cannot resume the {self.split} loader: its {name}={value!r} is not a count of "
                                 f"{unit} >= {low}; the checkpoint is corrupt, start a fresh run")
         # the stream does not depend on the world size: the new ranks start at the first multiple of theirs at or
@@ -322,18 +294,6 @@ class TokenLoader:
         if (old_b, old_shuffle) != (self.B, self.shuffle):
             served = self._regrid(served, old_b, old_shuffle)
         self.step = -(-served // self.world_size)
-
-    def _mismatch(self, key: str, theirs: Any) -> str:
-        mine = self.state_dict()[key]
-        if key == "shards":  # the first name that differs says more than the counts, which may agree
-            n = max(len(theirs or []), len(mine))
-            there, here = ([*names, *["none"] * (n - len(names))] for names in (theirs or [], mine))
-            i = next(i for i in range(n) if there[i] != here[i])
-            return (f"other shard files ({len(theirs or [])} in the checkpoint, {len(mine)} here; file {i + 1} is "
-                    f"{there[i]} there, {here[i]} here)")
-        if key == "shard_tokens":
-            return "shards of other sizes (the same names, rewritten since)"
-        return f"{key}={theirs!r} in the checkpoint but {mine!r} here"
 
     @staticmethod
     def state_shuffle(state: dict[str, Any]) -> str:
@@ -367,6 +327,19 @@ class TokenLoader:
             within = int(self._windows[order[i]]) if done else 0
             self.resume_skipped = (int(old[order[i]]) - done) * old_b * self.T if done else 0
         return epoch * self.num_windows + (int(cum_new[i - 1]) if i else 0) + within
+
+
+def _mismatch(key: str, theirs: Any, mine: Any) -> str:
+    """How a checkpoint's loader state differs from this loader's in `key`."""
+    if key == "shards":  # the first name that differs says more than the counts, which may agree
+        n = max(len(theirs or []), len(mine))
+        there, here = ([*names, *["none"] * (n - len(names))] for names in (theirs or [], mine))
+        i = next(i for i in range(n) if there[i] != here[i])
+        return (f"other shard files ({len(theirs or [])} in the checkpoint, {len(mine)} here; file {i + 1} is "
+                f"{there[i]} there, {here[i]} here)")
+    if key == "shard_tokens":
+        return "shards of other sizes (the same names, rewritten since)"
+    return f"{key}={theirs!r} in the checkpoint but {mine!r} here"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -407,11 +380,10 @@ class FinewebConfig:
             raise ValueError(f"--max-tokens {self.max_tokens} leaves no train tokens after the val shard's "
                              f"--val-tokens {self.val_tokens}; raise --max-tokens or lower --val-tokens")
         kind = source_kind(self.source)
-        stem = {"fineweb": "edufineweb", "shakespeare": "shakespeare", "stdlib": "stdlib",
-                "stdlib-docs": "stdlib_docs"}.get(kind)
-        if stem is None:  # corpus/*.jsonl -> corpus, books.txt -> books, org/name -> name
-            plain = Path(*takewhile(lambda part: not any(c in part for c in "*?["), Path(self.source).parts))
-            stem = re.sub(r"[^A-Za-z0-9]+", "_", plain.name.split(".")[0]).strip("_") or "data"
+        plain = Path(*takewhile(lambda part: not any(c in part for c in "*?["), Path(self.source).parts))
+        # corpus/*.jsonl -> corpus, books.txt -> books, org/name -> name, stdlib-docs -> stdlib_docs
+        stem = "edufineweb" if kind == "fineweb" else re.sub(r"[^A-Za-z0-9]+", "_", plain.name.split(".")[0]).strip("_")
+        stem = stem or "data"
         self.prefix = self.prefix or stem
         self.out_dir = self.out_dir or ("data/edu_fineweb10B" if kind == "fineweb" else f"data/{stem}")
         if kind == "fineweb" and not self.name:
@@ -421,41 +393,35 @@ class FinewebConfig:
     def val_target(self) -> int:
         """The size of a full val shard: --val-tokens, or its default for the source (-1). A source that ends before
         a default-sized val shard leaves a train token gets the 10% rule instead (see ShardWriter.finish)."""
-        if self.val_tokens != -1:
-            return self.val_tokens
         defaults = {"shakespeare": 32_768, "stdlib": 2**18, "stdlib-docs": 32_768}  # ~10%, ~6%, ~7%
-        return defaults.get(source_kind(self.source), self.shard_size)
+        return self.val_tokens if self.val_tokens != -1 else defaults.get(source_kind(self.source), self.shard_size)
 
 
 def source_kind(source: str) -> str:
     """fineweb, shakespeare, stdlib, stdlib-docs, local or hub."""
     if source in ("shakespeare", "stdlib", "stdlib-docs"):
         return source
+    path = Path(source).expanduser()
     if source == FINEWEB:
         return "fineweb"
-    path = Path(source).expanduser()
-    if any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS \
-            or source.startswith((".", "/", "~")):
+    if any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS or source[:1] in "./~":
         return "local"
     return "hub"
 
 
-def local_files(source: str, out_dir: str | os.PathLike | None = None) -> list[Path]:
+def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     """The files of a local source, sorted, all of one type (one `datasets` builder: text, json or parquet). The
-    writer's own records in out_dir are never input: `--source data/corpus` writes to data/corpus by default."""
-    path = Path(source).expanduser()
+    writer's records in out_dir are never input: `--source data/corpus` writes to data/corpus by default."""
+    path, out = Path(source).expanduser(), Path(out_dir).expanduser().resolve()
     if any(c in source for c in "*?["):
         files = [Path(f) for f in glob.glob(str(path), recursive=True)]
-    elif path.is_dir():
-        files = [f for f in path.rglob("*") if f.suffix in LOCAL_BUILDERS]
-    elif path.is_file():
-        files = [path]
+    elif path.exists():
+        files = [f for f in path.rglob("*") if f.suffix in LOCAL_BUILDERS] if path.is_dir() else [path]
     else:
         raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
                         ".txt/.jsonl/.json/.parquet, or a hub dataset name")
-    out = Path(out_dir).expanduser().resolve() if out_dir is not None else None
-    records = re.compile(r".+_(?:done|parts)\.json")  # parts: an older writer's
-    files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and records.fullmatch(f.name)))
+    files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and f.name.endswith("_done.json")
+                                                             or f.name.endswith("_parts.json")))
     suffixes = {f.suffix for f in files}
     if not files or not suffixes <= set(LOCAL_BUILDERS):
         found = f" (found {', '.join(sorted(suffixes))})" if suffixes else ""
@@ -476,26 +442,21 @@ def stdlib_files() -> list[Path]:
 
 
 def stdlib_docstrings(cfg: FinewebConfig) -> Path:
-    """The distinct docstrings of stdlib_files() (modules, classes, functions), one JSON line each, written once into
-    --cache-dir: English prose about Python, which a small model learns to write in minutes where code's indentation
-    (GPT-2 BPE spends a token per space) holds it back."""
+    """The distinct docstrings of stdlib_files(), one JSON line each, written once into --cache-dir: English prose
+    about Python, which a small model learns to write in minutes (code's indentation costs a token per space)."""
     path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_py{sys.version_info[0]}.{sys.version_info[1]}.jsonl"
-    if path.is_file():
+    with contextlib.suppress(OSError):
         try:
-            for line in path.read_text().splitlines():
-                json.loads(line)
+            [json.loads(line) for line in path.read_text().splitlines()]
             return path
-        except ValueError:  # cut short or damaged (an older writer's partial copy, a full disk)
+        except ValueError:  # cut short (a full disk, an older writer's partial copy), or damaged
             print(f"note: {path} is damaged; writing it again")
     docs: dict[str, None] = {}  # ordered and deduplicated
     for file in stdlib_files():
-        try:
-            tree = ast.parse(file.read_bytes())
-        except (SyntaxError, ValueError):  # a file of another Python's syntax
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                docs.setdefault(ast.get_docstring(node) or "")
+        with contextlib.suppress(SyntaxError, ValueError):  # a file of another Python's syntax
+            for node in ast.walk(ast.parse(file.read_bytes())):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    docs.setdefault(ast.get_docstring(node) or "")
     docs.pop("", None)
     _cache(path, "".join(json.dumps({"text": doc}) + "\n" for doc in docs).encode())
     return path
@@ -514,11 +475,9 @@ def _cache(path: Path, data: bytes) -> None:
 
 def shakespeare_file(cfg: FinewebConfig) -> Path:
     """Tiny Shakespeare: --shakespeare-path if given, else the cached download (fetched once). A local copy that is
-    the very file (its sha256) also fills an empty cache, so a later run without the flag (the README's command, say)
-    finds it there on an offline machine instead of trying to download it."""
+    the very file (its sha256) also fills an empty cache, so a later run without the flag works offline."""
     path = Path(cfg.cache_dir).expanduser() / "tinyshakespeare.txt"
-    if cfg.shakespeare_path:
-        local = Path(cfg.shakespeare_path).expanduser()
+    if local := cfg.shakespeare_path and Path(cfg.shakespeare_path).expanduser():
         if local.is_dir():
             inside = local / "tinyshakespeare.txt"
             raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is a directory; pass the file itself"
@@ -533,11 +492,10 @@ def shakespeare_file(cfg: FinewebConfig) -> Path:
                 _cache(path, data)
         return local
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as r:
                 _cache(path, r.read())
-        except (urllib.error.URLError, OSError) as e:
+        except OSError as e:  # urllib's URLError among them
             raise DataError(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}); pass "
                             "--shakespeare-path with a local copy") from None
     return path
@@ -546,29 +504,34 @@ def shakespeare_file(cfg: FinewebConfig) -> Path:
 def source_files(cfg: FinewebConfig) -> list[Path] | None:
     """The files a non-hub source reads, in order (None for a hub dataset); fetches Tiny Shakespeare once."""
     kind = source_kind(cfg.source)
-    if kind in ("fineweb", "hub"):
-        return None
-    if kind == "stdlib":
-        return stdlib_files()
-    if kind == "stdlib-docs":
-        return [stdlib_docstrings(cfg)]
-    return [shakespeare_file(cfg)] if kind == "shakespeare" else local_files(cfg.source, cfg.out_dir)
+    files = {"stdlib": stdlib_files, "stdlib-docs": lambda: [stdlib_docstrings(cfg)],
+             "shakespeare": lambda: [shakespeare_file(cfg)], "local": lambda: local_files(cfg.source, cfg.out_dir)}
+    return files[kind]() if kind in files else None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Writer: reading and tokenizing
 
 
-@contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """datasets' builders log a read error to stderr before raising it; we report it ourselves, in one line."""
-    log = logging.getLogger("datasets")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
+def _open_source(cfg: FinewebConfig, files: list[Path] | None) -> list[tuple[Any, str, Path | None]]:
+    """The source as parts (rows, where they are, their file if known), in order. Streamed, a source of several
+    files (local, or a hub dataset's) comes a file a part: a resume skips whole files unread."""
+    import datasets
+
+    source, kind = f"--source {cfg.source}", source_kind(cfg.source)
+    if files is None:
+        pin = {"revision": cfg.revision} if cfg.revision else {}
+        ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming, **pin)
+        n = ds.num_shards if isinstance(ds, datasets.IterableDataset) else 1
+        return [(ds.shard(n, i, contiguous=True), f"file {i + 1} of {n} of {source}", None) for i in range(n)] \
+            if n > 1 else [(ds, source, None)]
+    builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
+    options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
+    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=cfg.streaming,
+                               **options)
+    if len(files) > 1 and isinstance(ds, datasets.IterableDataset) and ds.num_shards == len(files):
+        return [(ds.shard(len(files), i, contiguous=True), f"{f} of {source}", f) for i, f in enumerate(files)]
+    return [(ds, source, files[0] if len(files) == 1 else None)]
 
 
 def _read_error(cfg: FinewebConfig, where: str, file: Path | None, err: Exception) -> DataError:
@@ -592,85 +555,52 @@ def _read_error(cfg: FinewebConfig, where: str, file: Path | None, err: Exceptio
                f"{cfg.text_field!r} among them, or pass a glob that leaves the odd ones out")
     elif file is not None and file.suffix == ".parquet":
         with contextlib.suppress(OSError, ValueError):  # corrupt: no row count to tell
-            if pq.read_metadata(file).num_rows == 0:
-                fix = "the file has no rows; delete it or leave it out of --source"
+            fix = "the file has no rows; delete it or leave it out of --source" \
+                if pq.read_metadata(file).num_rows == 0 else fix
     elif source_kind(cfg.source) in ("fineweb", "hub"):
         fix = "check the network and rerun (complete shards are kept)"
     return DataError(f"could not read {where}: {message}; {fix}")
 
 
-def _open_source(cfg: FinewebConfig, files: list[Path] | None) -> list[tuple[Any, str, Path | None]]:
-    """The source as parts, each (rows, where it is, its file if known), in order. Streamed, a source of several
-    files (local, or a hub dataset's) comes a file a part, so a resume can skip whole files unread."""
-    import datasets
-
-    source, kind = f"--source {cfg.source}", source_kind(cfg.source)
-    if files is None:
-        pin = {"revision": cfg.revision} if cfg.revision else {}
-        try:
-            ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming,
-                                       **pin)
-        except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
-            raise DataError(f"could not load hub dataset {source} (--name {cfg.name or 'none'}, --split "
-                            f"{cfg.split}): {type(e).__name__}: {e}; check the names and the network, or pass a "
-                            "local file, directory or glob") from None
-        n = ds.num_shards if isinstance(ds, datasets.IterableDataset) else 1
-        return [(ds.shard(n, i, contiguous=True), f"file {i + 1} of {n} of {source}", None) for i in range(n)] \
-            if n > 1 else [(ds, source, None)]
-    builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
-    options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
-    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=cfg.streaming,
-                               **options)
-    if len(files) > 1 and isinstance(ds, datasets.IterableDataset) and ds.num_shards == len(files):
-        return [(ds.shard(len(files), i, contiguous=True), f"{f} of {source}", f) for i, f in enumerate(files)]
-    return [(ds, source, files[0] if len(files) == 1 else None)]
-
-
-def read_rows(cfg: FinewebConfig, files: list[Path] | None,
-              start: Iterable[int] = START) -> Iterator[tuple[dict[str, Any], str, tuple[int, int, int, int]]]:
-    """The source's rows from position `start` on, each with where it came from and its position (part, row in the
-    part, row in the source, parts). The reading starts at start's part where the source has as many parts as when
-    that position was taken, else at the first. A read error becomes one DataError line naming the file (streaming)
-    or --source, and the root cause."""
+def read_documents(cfg: FinewebConfig, files: list[Path] | None,
+                   start: Iterable[int] = START) -> Iterator[tuple[str, tuple[int, int, int, int]]]:
+    """The source's non-empty texts from position `start` on, each with its position (part, row in it, row in the
+    source, parts). Reading opens start's part where the source has as many parts as when it was taken, else the
+    first. A read error becomes one DataError line naming the file (streaming) or --source, and the root cause."""
     import datasets  # lazily: the loader above must import on machines without `datasets`
     import pyarrow
 
     # what reading data raises (bad bytes, bad JSON, a schema mismatch, a network drop); anything else is a bug
     reading = (OSError, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
-    part, row, first, parts = list(start)[:4]
-    with _quiet_datasets():
-        try:
-            sources = _open_source(cfg, files)
-        except reading as e:
-            raise _read_error(cfg, f"--source {cfg.source}", None, e) from None
-        part, g = (part, first - row) if parts == len(sources) else (0, 0)
-        for p, (data, where, file) in enumerate(sources[part:], part):
-            rows = iter(data)
-            for r in range(sys.maxsize):
-                try:
-                    item = next(rows)
-                except StopIteration:
-                    break
-                except reading as e:
-                    raise _read_error(cfg, where, file, e) from None
-                if g >= first:
-                    yield item, where, (p, r, g, len(sources))
-                g += 1
-
-
-def documents(rows: Iterable[tuple[dict[str, Any], str, Any]], cfg: FinewebConfig) -> Iterator[tuple[str, Any]]:
-    """The non-empty texts of `row[cfg.text_field]` with their position; an empty one would be a lone EOT."""
-    for row, where, position in rows:
-        if cfg.text_field not in row:
-            raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are {', '.join(row)}; "
-                            "pass one of them with --text-field")
-        text = row[cfg.text_field]
-        if text is None or text == "":
-            continue
-        if not isinstance(text, str):
-            raise DataError(f"--text-field {cfg.text_field!r} of {where} holds {type(text).__name__}, not text; "
-                            "pass a text column with --text-field")
-        yield text, position
+    logging.getLogger("datasets").setLevel(logging.CRITICAL)  # it logs a read error before raising it: one line here
+    try:
+        parts = _open_source(cfg, files)
+    except reading as e:
+        if files is None:
+            raise DataError(f"could not load hub dataset --source {cfg.source} (--name {cfg.name or 'none'}, --split "
+                            f"{cfg.split}): {type(e).__name__}: {e}; check the names and the network, or pass a "
+                            "local file, directory or glob") from None
+        raise _read_error(cfg, f"--source {cfg.source}", None, e) from None
+    part, row, first, n = list(start)[:4]
+    part, g = (part, first - row) if n == len(parts) else (0, 0)
+    for p, (data, where, file) in enumerate(parts[part:], part):
+        rows = iter(data)
+        for r in count():
+            try:
+                item = next(rows)
+            except StopIteration:
+                break
+            except reading as e:
+                raise _read_error(cfg, where, file, e) from None
+            if cfg.text_field not in item:
+                raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are "
+                                f"{', '.join(item)}; pass one of them with --text-field")
+            if (text := item[cfg.text_field]) and not isinstance(text, str):
+                raise DataError(f"--text-field {cfg.text_field!r} of {where} holds {type(text).__name__}, not text; "
+                                "pass a text column with --text-field")
+            if text and g >= first:  # an empty text would be a lone EOT
+                yield text, (p, r, g, len(parts))
+            g += 1
 
 
 def _pool_worker_init(parent: int | None) -> None:
@@ -690,11 +620,8 @@ def _pool_worker_init(parent: int | None) -> None:
 def tokenize(texts: list[str]) -> np.ndarray:
     """`<|endoftext|>` + GPT-2 tokens for each text, concatenated, as uint16 (each document starts with EOT)."""
     enc = get_tokenizer()  # cached per process: each pool worker builds its own once
-    ids = []
-    for text in texts:
-        ids.append(EOT)
-        ids.extend(enc.encode_ordinary(text))  # special-token text in the data is just text, never EOT
-    return np.array(ids, dtype=np.uint16)  # GPT-2's 50257 ids fit
+    # special-token text in the data is just text: EOT only ever opens a document
+    return np.array([t for text in texts for t in (EOT, *enc.encode_ordinary(text))], dtype=np.uint16)
 
 
 @contextlib.contextmanager
@@ -717,15 +644,15 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
 
 def token_stream(docs: Iterable[tuple[str, Any]], pool: ProcessPoolExecutor | None, workers: int,
                  chunk: int = 16) -> Iterator[tuple[np.ndarray, list[Any]]]:
-    """(tokens, positions) of `docs` (text, position) in order, a chunk of `chunk` documents at a time, tokenized by
-    the pool's processes (or here if None), 4 chunks per worker in flight: Executor.map would queue the whole source."""
+    """(tokens, positions) of `docs` (text, position), `chunk` documents at a time, tokenized in order by the pool's
+    processes (or here), 4 chunks per worker in flight: Executor.map would queue the whole streamed source."""
     pending: deque[tuple[Any, list[Any]]] = deque()
     it = iter(docs)
     try:
         while batch := list(islice(it, chunk)):
             texts = [text for text, _ in batch]
-            job = pool.submit(tokenize, texts).result if pool else partial(tokenize, texts)
-            pending.append((job, [position for _, position in batch]))
+            pending.append((pool.submit(tokenize, texts).result if pool else partial(tokenize, texts),
+                            [position for _, position in batch]))
             while len(pending) >= (4 * workers if pool else 1):
                 job, positions = pending.popleft()
                 yield job(), positions
@@ -745,65 +672,53 @@ def shard_path(cfg: FinewebConfig, index: int) -> Path:
     return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
 
 
-def _record_path(cfg: FinewebConfig) -> Path:
-    return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_done.json"
-
-
 def record_key(cfg: FinewebConfig, files: list[Path] | None) -> dict[str, Any]:
-    """What the shards are made from: the settings that shape them, and a local source's files by absolute path, size
+    """What the shards are made of: the settings that shape them, and a local source's files by absolute path, size
     and mtime (hashed), so a rerun after a file was added, removed or edited writes again."""
     keys = ("source", "name", "split", "text_field", "txt_unit", "prefix", "shard_size", "val_tokens", "max_tokens")
     settings = {k: getattr(cfg, k) for k in keys} | ({"revision": cfg.revision} if cfg.revision else {})
     if files is None:  # a hub dataset: --revision pins it
         return {"settings": settings, "inputs": None}
-    digest, stats = hashlib.sha256(), [f.stat() for f in files]
-    for f, st in zip(files, stats, strict=True):
-        digest.update(os.fsencode(f.resolve()) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    inputs = {"files": len(files), "bytes": sum(st.st_size for st in stats), "sha256": digest.hexdigest()}
-    return {"settings": settings, "inputs": inputs}
-
-
-def _tokens_in(path: Path) -> int:
-    try:
-        return len(read_shard(path))
-    except DataError:
-        return -1
+    stats = [(os.fsencode(f.resolve()), f.stat()) for f in files]
+    digest = hashlib.sha256(b"".join(p + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode() for p, st in stats))
+    return {"settings": settings,
+            "inputs": {"files": len(files), "bytes": sum(st.st_size for _, st in stats), "sha256": digest.hexdigest()}}
 
 
 def resume_point(cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any]) -> tuple[int, Any]:
     """How many recorded shards a run keeps (those intact, from shard 0 on) and the source position after them, or
-    None where they are a finished run's. Shards of other settings or inputs, or without a record, are not kept."""
+    None where they are a whole finished run. Shards of other settings or inputs, or with no record, are not kept."""
     if {k: record.get(k) for k in key} != key:
         if record:
-            print(f"{Path(cfg.out_dir).expanduser()}: its shards were written from other input files or settings; "
-                  "writing every shard again")
+            print(f"{cfg.out_dir}: its shards were written from other input files or settings; writing them again")
         return 0, START
-    sizes = list(record["shards"].values())
-    kept = next((i for i, n in enumerate(sizes) if _tokens_in(shard_path(cfg, i)) != n), len(sizes))
-    if kept == len(sizes) and record.get("done", True):  # records before resume points were written when done
+    sizes, kept = list(record["shards"].values()), 0
+    with contextlib.suppress(DataError):  # a shard missing, cut short or damaged ends the kept ones
+        while kept < len(sizes) and len(read_shard(shard_path(cfg, kept))) == sizes[kept]:
+            kept += 1
+    if kept == len(sizes) and record.get("done", True):  # (records without resume points were written when done)
         return kept, None
     point = record.get("resume", {}).get(shard_path(cfg, kept - 1).name) if kept else START
     return (kept, point) if point else (0, START)
 
 
 class ShardWriter:
-    """Cuts the token stream into shards after the `kept` ones on disk: the val shard, then --shard-size train shards.
-    Each goes into the record (PREFIX_done.json) with the source position after it. It holds the lock on --out-dir
-    from its first change there to the exit of its `with`."""
+    """Cuts the token stream into shards after the `kept` ones on disk (the val shard, then --shard-size train shards)
+    and records each with the source position after it. It holds the lock on --out-dir from its first change there
+    to the end of its `with`."""
 
     def __init__(self, cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any] | None = None, kept: int = 0,
                  point: Iterable[int] = START):
         names = [shard_path(cfg, i).name for i in range(kept)]
-        self.cfg, self.kept, self._lock, self.bar = cfg, kept, None, None
-        self.record = {**key, "done": False, **{k: {n: record.get(k, {}).get(n) for n in names}  # type: ignore[union-attr]
+        self.record = {**key, "done": False, **{k: {n: (record or {}).get(k, {}).get(n) for n in names}
                                                 for k in ("shards", "resume")}}
+        self.cfg, self.kept, self._lock, self.bar = cfg, kept, None, None
         self.written = self.total = sum(self.record["shards"].values())  # tokens in the kept shards, in all
         self.index, self.fill, self.docs = kept, 0, 0  # shard being filled, its tokens, documents this run writes
         self.val, self.limit = cfg.val_target, cfg.max_tokens or float("inf")
-        # the position of the last buffered token's document (with its tokens written), and those to drop: on disk
-        self.point = list(point)
-        self.drop = self.point[4]
-        self.buf = np.empty(cfg.val_target if kept == 0 else cfg.shard_size, dtype=np.uint16)
+        self.point = list(point)  # the last buffered token's document, and its tokens buffered or written
+        self.drop = self.point[4]  # the first document's tokens that are on disk already
+        self.buf = np.empty(self.val if kept == 0 else cfg.shard_size, dtype=np.uint16)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -840,7 +755,7 @@ class ShardWriter:
             i, j = np.searchsorted(eots, (pos, pos + take))
             self.docs += int(j - i) + int(self.total == self.written and arr[pos] != EOT)  # + the rest of a kept one
             start, had = (positions[j - 1], int(eots[j - 1]) - pos) if j > i else (self.point[:4], -self.point[4])
-            self.point = [*start, take - had]  # a new list: the record keeps the old one
+            self.point = [*start, take - had]  # a new list: the record holds the old one
             self.buf[self.fill:self.fill + take] = arr[pos:pos + take]
             pos, self.fill, self.total = pos + take, self.fill + take, self.total + take
             self.bar.update(take)
@@ -867,16 +782,15 @@ class ShardWriter:
 
     def report(self, seconds: float, workers: int) -> dict[str, Any]:
         """Print the run's totals and return them (workers 0: a finished run, nothing done)."""
-        out, sizes = Path(self.cfg.out_dir).expanduser(), list(self.record["shards"].values())
-        tokenized, val = self.total - self.written, sizes[0]
-        result = {"out_dir": str(out), "shards": self.index, "skipped_shards": self.kept, "val_tokens": val,
+        val, tokenized = next(iter(self.record["shards"].values())), self.total - self.written
+        result = {"shards": self.index, "skipped_shards": self.kept, "val_tokens": val,
                   "train_tokens": self.total - val, "tokenized": tokenized, "documents_tokenized": self.docs,
                   "seconds": seconds, "tokens_per_sec": tokenized / max(seconds, 1e-9), "workers": workers}
         done = (f"tokenized {tokenized:,} tokens of {self.docs:,} documents in {seconds:.1f}s = "
                 f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers" if workers else
                 "nothing to do (to write them again, delete them or pass another --out-dir)")
-        print(f"{out}: {self.index} shards ({self.kept} already complete), {val:,} val + {self.total - val:,} train "
-              f"tokens; {done}")
+        print(f"{Path(self.cfg.out_dir).expanduser()}: {self.index} shards ({self.kept} already complete), {val:,} val "
+              f"+ {self.total - val:,} train tokens; {done}")
         return result
 
     def _write(self, tokens: np.ndarray, point: list[int] | None) -> None:
@@ -899,10 +813,9 @@ class ShardWriter:
                     old.unlink()
 
     def _save(self) -> None:
-        path = _record_path(self.cfg)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.record))
-        os.replace(tmp, path)
+        path = Path(self.cfg.out_dir).expanduser() / f"{self.cfg.prefix}_done.json"
+        path.with_name(f".{path.name}.tmp").write_text(json.dumps(self.record))
+        os.replace(path.with_name(f".{path.name}.tmp"), path)
 
 
 def _lock_out_dir(cfg: FinewebConfig) -> Any:
@@ -925,7 +838,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     if (out / f".{cfg.prefix}.lock").is_file():  # held by another writer: stop now, not after a whole shard
         _lock_out_dir(cfg).close()
     try:
-        record = json.loads(_record_path(cfg).read_text())
+        record = json.loads((out / f"{cfg.prefix}_done.json").read_text())
     except (OSError, ValueError):
         record = {}
     kept, point = resume_point(cfg, key, record)
@@ -935,7 +848,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     with ShardWriter(cfg, key, record, kept, point) as writer:
         t0 = time.time()
         with tokenizer_pool(workers) as pool:
-            writer.write_all(token_stream(documents(read_rows(cfg, files, point), cfg), pool, workers))
+            writer.write_all(token_stream(read_documents(cfg, files, point), pool, workers))
         writer.finish()
         result = writer.report(time.time() - t0, workers)
     mine = re.compile(rf"{re.escape(cfg.prefix)}_train_\d+\.bin")  # train.py --data OUT reads every train shard

@@ -293,7 +293,7 @@ def test_shakespeare_download_failure_names_the_local_flag(tmp_path, monkeypatch
     monkeypatch.setattr(fineweb.urllib.request, "urlopen", offline)
     with pytest.raises(DataError, match="could not download Tiny Shakespeare.*--shakespeare-path"):
         write_dataset(cfg_for("shakespeare", tmp_path / "out", cache_dir=str(tmp_path / "cache")))
-    assert list((tmp_path / "cache").iterdir()) == [] and not (tmp_path / "out").exists()
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
 
 
 def test_shakespeare_path_that_is_a_directory_says_so(tmp_path, capsys):
@@ -773,8 +773,7 @@ def test_input_edited_between_an_interrupted_run_and_its_rerun_is_written_anew(t
     capsys.readouterr()
     result = write_dataset(cfg_for(src, tmp_path / "out"))
     assert result["skipped_shards"] == 0
-    assert "its shards were written from other input files or settings; writing every shard again" in \
-        capsys.readouterr().out
+    assert "its shards were written from other input files or settings; writing them again" in capsys.readouterr().out
     assert np.array_equal(concat(tmp_path / "out"), expected_tokens(edited))
 
 
