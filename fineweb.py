@@ -1,8 +1,8 @@
 """Token shards: the writer that turns a corpus into llm.c-format GPT-2 shards, and the loader that streams them.
 
 A shard is llm.c's `.bin`: a 256 x int32 little-endian header (magic 20240520, version 1, token count, zeros), then
-the tokens as uint16; build-nanogpt's uint16 `.npy` shards are read too. PREFIX_val_000000.bin is validation,
-PREFIX_train_000001.bin, ... training: the loader tells them apart by the `_val`/`_train` before the index.
+the tokens as uint16. PREFIX_val_000000.bin is validation, PREFIX_train_000001.bin, ... training: the loader tells
+them apart by the `_val`/`_train` before the index.
 
 The writer reads the source through `datasets` and writes each document as <|endoftext|> + its GPT-2 tokens, in
 order: a .txt file is one document (or one per --txt-unit paragraph or line), stdlib one per .py file, stdlib-docs
@@ -12,39 +12,31 @@ one per docstring. The val shard is the stream's first --val-tokens tokens: by d
 After each shard, PREFIX_done.json records the settings, a local source's files (paths, sizes, mtimes), the shard's
 size and where the source stands after it (file, row, tokens of that row's document written). A rerun with the same
 settings and files keeps the intact shards and reads on from there, earlier files unread: the shards come out
-byte-identical to an uninterrupted run's. A finished run is not read again; other settings or files write every shard
-again. Bad input ends in one line naming the file or flag, with --out-dir left as it was.
-
-Usage:
-    python fineweb.py                                  # fineweb-edu sample-10BT -> data/edu_fineweb10B
-    python fineweb.py --source shakespeare             # Tiny Shakespeare -> data/shakespeare
-    python fineweb.py --source stdlib-docs             # this Python's stdlib docstrings -> data/stdlib_docs
-    python fineweb.py --source notes.txt               # a small file: its first 10% val, the rest train
-    python fineweb.py --source "corpus/*.jsonl" --out-dir data/mine --shard-size 10000000 --val-tokens 1000000
+byte-identical to an uninterrupted run's. A finished run is not read again; other settings or files write all again.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import ctypes
+import functools
 import glob
 import hashlib
 import json
-import logging
 import os
 import re
 import signal
 import sys
 import sysconfig
+import textwrap
 import time
 import urllib.request
-from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from functools import partial
-from itertools import count, islice, takewhile
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +48,8 @@ from common import EOT, get_tokenizer, hold_lock, parse_config
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's token shard (20240326 is its model-weights file)
 FINEWEB = "HuggingFaceFW/fineweb-edu"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # that file's
-SHAKESPEARE_BYTES = 1_115_394
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # suffix -> datasets
-# stdlib directories left out of --source stdlib: tests, third-party packages, and generated tables (codec maps,
-# pydoc's topic dump) that are Python only in syntax
+# left out of --source stdlib: tests, third-party packages, generated tables (codec maps, pydoc's topics)
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
 START = (0, 0, 0, 0, 0)  # a source position: part, row in it, row in the source, parts, tokens of its document written
@@ -75,19 +64,25 @@ class DataError(ValueError):
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
-    """Write tokens as an llm.c `.bin` shard, atomically: a temporary file in the same directory, then rename."""
-    path, tokens = Path(path), np.asarray(tokens)
+    """Write tokens as an llm.c `.bin` shard, atomically."""
+    tokens = np.asarray(tokens)
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise DataError(f"{path}: token ids must fit in uint16 (0..65535), got {tokens.min()}..{tokens.max()}")
     header = np.zeros(HEADER_BYTES // 4, dtype="<i4")
     header[:3] = MAGIC, VERSION, len(tokens)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # dot-prefixed and .tmp: no glob of shards matches it
+    atomic_write(Path(path), header.tobytes(), np.ascontiguousarray(tokens, dtype="<u2"))
+
+
+def atomic_write(path: Path, *chunks: bytes | np.ndarray) -> None:
+    """Write a file via a synced .NAME.PID.tmp beside it and a rename: a crash never leaves a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(np.ascontiguousarray(tokens, dtype="<u2").data)
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
-            os.fsync(f.fileno())  # the rename must never expose a file whose bytes are not on disk yet
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -95,61 +90,41 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
 
 def read_shard(path: str | os.PathLike) -> np.ndarray:
     """Memory-map a shard's tokens (uint16, never loaded whole) after checking its header against its size."""
-    path = Path(path)
-    if not path.is_file():
+    if not (path := Path(path)).is_file():
         raise DataError(f"shard {path} does not exist")
-    if path.suffix == ".npy":
-        try:
-            arr = np.load(path, mmap_mode="r")
-        except (ValueError, EOFError, OSError) as e:  # EOFError: an empty (0-byte) file
-            raise DataError(f"{path} is not a readable .npy file ({type(e).__name__}: {e}); delete or rewrite it "
-                            "with fineweb.py") from None
-        if arr.dtype != np.uint16 or arr.ndim != 1:
-            raise DataError(f"{path}: expected a 1-D uint16 token array (build-nanogpt format), got {arr.dtype} "
-                            f"with shape {arr.shape}; rewrite it with fineweb.py")
-        return arr
     size = path.stat().st_size
-    if size < HEADER_BYTES:
-        raise DataError(f"{path} is truncated: {size} bytes, less than the {HEADER_BYTES}-byte header; "
-                        "delete it and rerun fineweb.py")
-    magic, version, n = (int(v) for v in np.fromfile(path, dtype="<i4", count=3))
-    if magic != MAGIC:
-        hint = " (that is an llm.c model file, not tokens)" if magic == 20240326 else ""
-        raise DataError(f"{path}: bad magic number {magic}{hint}, expected {MAGIC} (llm.c token shard); "
-                        "write shards with fineweb.py")
-    if version != VERSION:
-        raise DataError(f"{path}: unsupported shard version {version}, expected {VERSION}; rewrite it with fineweb.py")
+    magic, version, n = [*np.fromfile(path, dtype="<i4", count=3).tolist(), 0, 0, 0][:3]  # < 12 bytes: zeros
+    if (magic, version) != (MAGIC, VERSION):
+        hint = " (an llm.c model file, not tokens)" if magic == 20240326 else ""
+        raise DataError(f"{path}: not an llm.c token shard: magic number {magic}{hint} and version {version}, "
+                        f"expected {MAGIC} and {VERSION}; write shards with fineweb.py")
     if size != HEADER_BYTES + 2 * n:
         raise DataError(f"{path}: header says {n:,} tokens ({HEADER_BYTES + 2 * n:,} bytes) but the file has "
                         f"{size:,} bytes: truncated or corrupt; delete it and rerun fineweb.py")
-    # mmap cannot map zero bytes
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else np.zeros(0, np.uint16)
 
 
 def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
-    """The `split` shards (.bin or .npy) in a directory or matched by a glob, sorted by path."""
+    """The `split` shards in a directory or matched by a glob, sorted by path."""
     pattern = str(pattern)
-    # the split is the last word before the index and suffix (PREFIX_val_000000.bin, llm.c's PREFIX_val.bin),
-    # anchored at the end: a prefix that is a split word (train_val_000000.bin) is never taken for the other split
-    marker = re.compile(rf"(?:.*_)?{split}(?:_\d+)?\.(?:bin|npy)")
+    # the split is the word before the index and suffix, anchored at the end: train_val_000000.bin is val only
+    marker = re.compile(rf"(?:.*_)?{split}(?:_\d+)?\.bin")
     base = Path(pattern).expanduser()
     if any(c in pattern for c in "*?["):
         files = [Path(f) for f in glob.glob(str(base), recursive=True)]
     elif base.exists():
         files = list(base.iterdir()) if base.is_dir() else [base]
-    else:
-        # the presets' own corpora have a source of their own: fineweb.py's default source is fineweb-edu
-        source = {"stdlib": "--source stdlib ", "stdlib_docs": "--source stdlib-docs ",
-                  "shakespeare": "--source shakespeare "}.get(base.name, "")
-        raise DataError(f"data directory {pattern} does not exist; write shards there with "
-                        f"`python fineweb.py {source}--out-dir {pattern}`"
-                        f"{'' if source else ' (fineweb-edu; --source picks another corpus)'} or point --data at a "
-                        "directory or glob of shards")
+    else:  # the presets' own corpora have sources of their own (fineweb.py's default is fineweb-edu)
+        source = {"stdlib": "stdlib", "stdlib_docs": "stdlib-docs", "shakespeare": "shakespeare"}.get(base.name)
+        raise DataError(f"data directory {pattern} does not exist; write shards there with `python fineweb.py "
+                        + (f"--source {source} --out-dir {pattern}`" if source else
+                           f"--out-dir {pattern}` (fineweb-edu; --source picks another corpus)")
+                        + " or point --data at a directory or glob of shards")
     files = sorted(f for f in files if marker.fullmatch(f.name) and f.is_file())
     if not files:
         raise DataError(f"no {split} shards in {pattern} (looked for names ending in _{split}.bin or "
-                        f"_{split}_NNNNNN.bin, or .npy); write them with `python fineweb.py` or point --data at the "
-                        "right directory or glob")
+                        f"_{split}_NNNNNN.bin); write them with `python fineweb.py` or point --data at the right "
+                        "directory or glob")
     return files
 
 
@@ -158,13 +133,9 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
 
 
 class TokenLoader:
-    """Shuffled, exactly-once, resumable batches of (x, y) from one split's shards, for one rank.
-
-    Shards are cut into windows of B*T+1 tokens at stride B*T (a shorter tail is skipped). Train epochs read the
-    shards, and with shuffle="windows" each shard's windows, in seeded orders; val reads all in order. Rank r's s-th
-    batch is window s * world_size + r of one stream over all epochs, so the position is one `step`, the same on every
-    rank: `state_dict()` from any rank resumes all of them. The full rules: docs/fineweb.md.
-    """
+    """Shuffled, exactly-once, resumable (x, y) batches of one split for one rank: windows of B*T+1 tokens at stride
+    B*T, train shards (and with shuffle="windows" their windows) in a seeded order per epoch, val in order. Rank r's
+    s-th batch is window s * world_size + r of one stream: any rank's `step` resumes all (docs/fineweb.md)."""
 
     def __init__(self, pattern: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, device: str | torch.device = "cpu", preload: bool = False, shuffle: str = "windows"):
@@ -187,58 +158,47 @@ class TokenLoader:
             raise DataError(f"world size {world_size} is too large for the {split} data: it has only "
                             f"{self.num_windows} windows of B*T+1 = {B * T + 1:,} tokens, fewer than one per rank; "
                             "use fewer ranks, a smaller --batch-size/--seq-len, or more data")
-        self._preloaded: torch.Tensor | None = None
-        if preload:  # one device tensor of the whole split; offsets let it serve the very same windows
-            self._starts = np.cumsum(lengths) - lengths
-            self._preloaded = torch.from_numpy(np.concatenate(self._shards).astype(np.int64)).to(self.device)
+        self._starts = np.cumsum(lengths) - lengths  # where each shard begins in the preloaded split
+        self._preloaded = torch.from_numpy(np.concatenate(self._shards).astype(np.int64)).to(self.device) \
+            if preload else None  # one device tensor of the whole split: the very same windows
         self.vocab_size: int | None = None  # set by check_vocab: token ids must be below it
         self.resume_skipped = 0  # tokens the last load_state_dict skipped in the shard being read (see _regrid)
         self.reset()
 
-    def _windows_per_shard(self, B: int) -> np.ndarray:
-        """Windows of B*T+1 tokens at stride B*T in each shard (the last token of one is the first of the next)."""
+    def _windows_per_shard(self, B: int) -> np.ndarray:  # of B*T+1 tokens at stride B*T: neighbours share one
         return np.maximum(self._lengths - 1, 0) // (B * self.T)
 
     @property
-    def tokens_per_epoch(self) -> int:
-        """x tokens in one epoch, all ranks together: every window once."""
+    def tokens_per_epoch(self) -> int:  # x tokens, all ranks together: every window once
         return self.num_windows * self.B * self.T
 
     @property
-    def epoch(self) -> int:
-        """The epoch of this rank's next window (ranks may differ by one during the step that straddles epochs)."""
+    def epoch(self) -> int:  # of this rank's next window (ranks differ by one in a step that straddles epochs)
         return (self.step * self.world_size + self.rank) // self.num_windows
 
-    def reset(self) -> None:
-        """Back to the first batch of epoch 0 (for val: the same batches on every call)."""
+    def reset(self) -> None:  # back to epoch 0's first batch (for val: the same batches on every call)
         self.step = 0  # batches each rank has served since reset: the whole position
 
     def shard_order(self, epoch: int) -> np.ndarray:
         """Indices into self.files in the order epoch `epoch` reads them."""
-        if self.split == "val":
-            return np.arange(len(self.files))
-        return np.random.default_rng((self.seed, epoch)).permutation(len(self.files))
+        return np.arange(len(self.files)) if self.split == "val" else _permutation((self.seed, epoch), len(self.files))
 
-    def _locate(self, g: int) -> tuple[int, int]:
-        """(shard index, first token) of global window g of the stream."""
+    def _locate(self, g: int) -> tuple[int, int]:  # (shard index, first token) of global window g of the stream
         epoch, w = divmod(g, self.num_windows)
         order = self.shard_order(epoch)
         cum = np.cumsum(self._windows[order])
         i = int(np.searchsorted(cum, w, side="right"))
         shard, k = int(order[i]), w - (int(cum[i - 1]) if i else 0)  # the shard's k-th window served this epoch
         if self.shuffle == "windows":  # a stream of its own per (epoch, shard), apart from the shard order's
-            k = int(np.random.default_rng((self.seed, epoch, shard + 1)).permutation(int(self._windows[shard]))[k])
+            k = int(_permutation((self.seed, epoch, shard + 1), int(self._windows[shard]))[k])
         return shard, k * self.B * self.T
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Make every batch from now on check that its ids are below vocab_size, the model's embedding rows: on
-        CUDA a larger id fails as an assert that names nothing. A preloaded split is checked once, here, all of it."""
+        """Refuse ids >= vocab_size in every batch from now on (a preloaded split: all of it, now), naming the shard."""
         self.vocab_size = vocab_size
-        if self._preloaded is not None and self._preloaded.numel():
-            top = int(self._preloaded.max())
-            if top >= vocab_size:
-                at = int(np.searchsorted(self._starts, int(torch.argmax(self._preloaded)), side="right")) - 1
-                self._bad_token(self.files[at], top)
+        if self._preloaded is not None and len(self._preloaded) and (top := int(self._preloaded.max())) >= vocab_size:
+            at = int(np.searchsorted(self._starts, int(torch.argmax(self._preloaded)), side="right")) - 1
+            self._bad_token(self.files[at], top)
 
     def _bad_token(self, path: Path, token: int) -> None:
         raise DataError(f"{path} holds token id {token}, but the model has only {self.vocab_size} embedding rows: "
@@ -257,10 +217,8 @@ class TokenLoader:
             if self.vocab_size is not None and (top := int(window.max())) >= self.vocab_size:
                 self._bad_token(self.files[shard], top)
             buf = torch.from_numpy(window.astype(np.int64))  # (B*T+1,)
-            if self.device.type == "cuda":  # pinned, so the copy is asynchronous and overlaps the previous step
-                buf = buf.pin_memory().to(self.device, non_blocking=True)
-            elif self.device.type != "cpu":
-                buf = buf.to(self.device)
+            cuda = self.device.type == "cuda"  # pinned there, so the copy is asynchronous and overlaps the last step
+            buf = (buf.pin_memory() if cuda else buf).to(self.device, non_blocking=cuda)
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
 
     def state_dict(self) -> dict[str, Any]:
@@ -270,23 +228,17 @@ class TokenLoader:
                 "shard_tokens": self._lengths.tolist(), "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`; it must come from a loader over the same shards, T and seed. The world size and B
-        may differ: the position is mapped onto the new ranks and, for another B, onto the new grid of windows."""
-        if "epoch" in state:  # (epoch, step within it) from the loader that dropped each epoch's last windows
-            raise DataError(f"cannot resume the {self.split} loader: its state (epoch={state['epoch']!r}, "
-                            f"step={state.get('step')!r}) was written by an older loader that dropped windows at each "
-                            "epoch's end, and has no equivalent position here; start a fresh run")
+        """Continue from `state` (same shards, T and seed), mapped onto another world size, B or shuffle if need be."""
         mine = self.state_dict()
         for key, what in (("split", "split"), ("T", "--seq-len"), ("seed", "--seed"),
                           ("shards", "shard files"), ("shard_tokens", "shard sizes")):
-            if state.get(key) != mine[key]:
-                raise DataError(f"cannot resume the {self.split} loader: {_mismatch(key, state.get(key), mine[key])}; "
-                                f"resume with the same {what} or start a fresh run")
-        for key, name, unit, low in (("B", "batch size B", "sequences", 1), ("step", "position step", "batches", 0),
-                                     ("world_size", "world_size", "ranks", 1)):
-            if not isinstance(value := state.get(key), int) or isinstance(value, bool) or value < low:
-                raise DataError(f"cannot resume the {self.split} loader: its {name}={value!r} is not a count of "
-                                f"{unit} >= {low}; the checkpoint is corrupt, start a fresh run")
+            if (theirs := state.get(key)) != mine[key]:
+                why = f"{key}={theirs!r} in the checkpoint but {mine[key]!r} here" if key in ("split", "T", "seed") \
+                    else f"other shard files ({len(theirs or [])} in the checkpoint, {len(mine[key])} here; " \
+                    f"{min(set(theirs or []) ^ set(mine[key]))} is in one only)" if key == "shards" \
+                    else "shards of other sizes (the same names, rewritten since)"
+                raise DataError(f"cannot resume the {self.split} loader: {why}; resume with the same {what} or start a "
+                                "fresh run")
         # the stream does not depend on the world size: the new ranks start at the first multiple of theirs at or
         # after the step * world windows served, none twice (docs/fineweb.md)
         old_b, old_shuffle, served = state["B"], self.state_shuffle(state), state["step"] * state["world_size"]
@@ -297,25 +249,16 @@ class TokenLoader:
 
     @staticmethod
     def state_shuffle(state: dict[str, Any]) -> str:
-        """The order in which `state`'s loader read each shard's windows; states from before they were shuffled
-        have no "shuffle" and read them in order."""
+        """The order `state`'s loader read each shard's windows in (states from before the shuffle: in order)."""
         return state.get("shuffle", "shards")
 
     def continues_in_shard(self, old_shuffle: str) -> bool:
-        """Whether a resume from another B or shuffle mode goes on inside the shard being read (see _regrid): only
-        where neither side shuffles the windows within a shard."""
+        """Whether a resume from another B or shuffle goes on inside the shard being read: not if either shuffles."""
         return "windows" not in (old_shuffle, self.shuffle)
 
     def _regrid(self, served: int, old_b: int, old_shuffle: str = "shards") -> int:
-        """The global window of this loader's grid at which to go on after `served` windows of old_b * T tokens: the
-        first new window at or after the old cut, in the same shard order, so none is served twice. Where either side
-        shuffles windows within a shard, it is the next shard's first; resume_skipped counts the tokens that skips.
-        Details: docs/fineweb.md."""
+        """The first new window after `served` old ones of old_b * T tokens, none twice (docs/fineweb.md)."""
         old = self._windows_per_shard(old_b)
-        if not old.sum():
-            raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b} leaves no window of "
-                            f"B*T+1 tokens in any shard, so it served none; the checkpoint is corrupt, start a fresh "
-                            "run")
         epoch, w = divmod(served, int(old.sum()))
         order = self.shard_order(epoch)
         cum_old, cum_new = np.cumsum(old[order]), np.cumsum(self._windows[order])
@@ -329,21 +272,13 @@ class TokenLoader:
         return epoch * self.num_windows + (int(cum_new[i - 1]) if i else 0) + within
 
 
-def _mismatch(key: str, theirs: Any, mine: Any) -> str:
-    """How a checkpoint's loader state differs from this loader's in `key`."""
-    if key == "shards":  # the first name that differs says more than the counts, which may agree
-        n = max(len(theirs or []), len(mine))
-        there, here = ([*names, *["none"] * (n - len(names))] for names in (theirs or [], mine))
-        i = next(i for i in range(n) if there[i] != here[i])
-        return (f"other shard files ({len(theirs or [])} in the checkpoint, {len(mine)} here; file {i + 1} is "
-                f"{there[i]} there, {here[i]} here)")
-    if key == "shard_tokens":
-        return "shards of other sizes (the same names, rewritten since)"
-    return f"{key}={theirs!r} in the checkpoint but {mine!r} here"
+@functools.lru_cache(maxsize=8)  # a shard's windows are drawn once, not at each of its batches
+def _permutation(seed: tuple[int, ...], n: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(n)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Writer: config and sources
+# Writer
 
 
 @dataclass
@@ -365,7 +300,7 @@ class FinewebConfig:
     max_tokens: int = 0  # stop after this many tokens in all, val included (0 = the whole source)
     streaming: bool = True  # stream the source rather than download all of it into the HF cache first
     cache_dir: str = "~/.cache/gpt2-project"  # where --source shakespeare is downloaded to (and stdlib-docs written)
-    shakespeare_path: str = ""  # a local Tiny Shakespeare instead of the download (the very file fills --cache-dir too)
+    shakespeare_path: str = ""  # a local copy of Tiny Shakespeare to read instead of the download
 
     def __post_init__(self) -> None:
         if self.txt_unit not in ("document", "paragraph", "line"):
@@ -379,20 +314,15 @@ class FinewebConfig:
         if self.max_tokens and self.val_tokens != -1 and self.max_tokens <= self.val_tokens:
             raise ValueError(f"--max-tokens {self.max_tokens} leaves no train tokens after the val shard's "
                              f"--val-tokens {self.val_tokens}; raise --max-tokens or lower --val-tokens")
-        kind = source_kind(self.source)
-        plain = Path(*takewhile(lambda part: not any(c in part for c in "*?["), Path(self.source).parts))
-        # corpus/*.jsonl -> corpus, books.txt -> books, org/name -> name, stdlib-docs -> stdlib_docs
-        stem = "edufineweb" if kind == "fineweb" else re.sub(r"[^A-Za-z0-9]+", "_", plain.name.split(".")[0]).strip("_")
-        stem = stem or "data"
+        fineweb = source_kind(self.source) == "fineweb"  # else corpus/*.jsonl -> corpus, books.txt -> books, org/x -> x
+        plain = Path(re.split(r"/[^/]*[*?\[]", self.source)[0]).name.split(".")[0]  # the path before any glob
+        stem = "edufineweb" if fineweb else re.sub(r"[^A-Za-z0-9]+", "_", plain).strip("_") or "data"
         self.prefix = self.prefix or stem
-        self.out_dir = self.out_dir or ("data/edu_fineweb10B" if kind == "fineweb" else f"data/{stem}")
-        if kind == "fineweb" and not self.name:
-            self.name = "sample-10BT"
+        self.out_dir = self.out_dir or ("data/edu_fineweb10B" if fineweb else f"data/{stem}")
+        self.name = self.name or ("sample-10BT" if fineweb else "")
 
     @property
-    def val_target(self) -> int:
-        """The size of a full val shard: --val-tokens, or its default for the source (-1). A source that ends before
-        a default-sized val shard leaves a train token gets the 10% rule instead (see ShardWriter.finish)."""
+    def val_target(self) -> int:  # a full val shard's tokens (a shorter source's: see ShardWriter.finish)
         defaults = {"shakespeare": 32_768, "stdlib": 2**18, "stdlib-docs": 32_768}  # ~10%, ~6%, ~7%
         return self.val_tokens if self.val_tokens != -1 else defaults.get(source_kind(self.source), self.shard_size)
 
@@ -401,17 +331,16 @@ def source_kind(source: str) -> str:
     """fineweb, shakespeare, stdlib, stdlib-docs, local or hub."""
     if source in ("shakespeare", "stdlib", "stdlib-docs"):
         return source
-    path = Path(source).expanduser()
     if source == FINEWEB:
         return "fineweb"
+    path = Path(source).expanduser()
     if any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS or source[:1] in "./~":
         return "local"
     return "hub"
 
 
 def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
-    """The files of a local source, sorted, all of one type (one `datasets` builder: text, json or parquet). The
-    writer's records in out_dir are never input: `--source data/corpus` writes to data/corpus by default."""
+    """A local source's files, sorted, of one `datasets` builder, without the records in out_dir (its default)."""
     path, out = Path(source).expanduser(), Path(out_dir).expanduser().resolve()
     if any(c in source for c in "*?["):
         files = [Path(f) for f in glob.glob(str(path), recursive=True)]
@@ -420,8 +349,8 @@ def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     else:
         raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
                         ".txt/.jsonl/.json/.parquet, or a hub dataset name")
-    files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and f.name.endswith("_done.json")
-                                                             or f.name.endswith("_parts.json")))
+    records = ("_done.json", "_parts.json")  # parts: an older writer's
+    files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and f.name.endswith(records)))
     suffixes = {f.suffix for f in files}
     if not files or not suffixes <= set(LOCAL_BUILDERS):
         found = f" (found {', '.join(sorted(suffixes))})" if suffixes else ""
@@ -429,7 +358,7 @@ def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     if len({LOCAL_BUILDERS[s] for s in suffixes}) > 1:
         raise DataError(f"--source {source} mixes file types ({', '.join(sorted(suffixes))}); pass a glob that "
                         "matches one type, e.g. 'dir/*.jsonl'")
-    if all(f.stat().st_size == 0 for f in files):
+    if all(f.stat().st_size == 0 for f in files):  # datasets' json builder fails on these with a bare StopIteration
         raise DataError(f"--source {source} is empty: its {len(files)} file(s) hold no bytes")
     return files
 
@@ -442,14 +371,13 @@ def stdlib_files() -> list[Path]:
 
 
 def stdlib_docstrings(cfg: FinewebConfig) -> Path:
-    """The distinct docstrings of stdlib_files(), one JSON line each, written once into --cache-dir: English prose
-    about Python, which a small model learns to write in minutes (code's indentation costs a token per space)."""
+    """stdlib_files()' distinct docstrings as JSON lines, cached: prose a small model learns in minutes, unlike code."""
     path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_py{sys.version_info[0]}.{sys.version_info[1]}.jsonl"
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # not there yet
         try:
             [json.loads(line) for line in path.read_text().splitlines()]
             return path
-        except ValueError:  # cut short (a full disk, an older writer's partial copy), or damaged
+        except ValueError:  # cut short (a full disk, an older writer's partial copy) or damaged
             print(f"note: {path} is damaged; writing it again")
     docs: dict[str, None] = {}  # ordered and deduplicated
     for file in stdlib_files():
@@ -457,184 +385,108 @@ def stdlib_docstrings(cfg: FinewebConfig) -> Path:
             for node in ast.walk(ast.parse(file.read_bytes())):
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                     docs.setdefault(ast.get_docstring(node) or "")
-    docs.pop("", None)
-    _cache(path, "".join(json.dumps({"text": doc}) + "\n" for doc in docs).encode())
-    return path
-
-
-def _cache(path: Path, data: bytes) -> None:
-    """Write path atomically (a temporary file, then a rename), so a kill mid-write never leaves a partial copy."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def shakespeare_file(cfg: FinewebConfig) -> Path:
-    """Tiny Shakespeare: --shakespeare-path if given, else the cached download (fetched once). A local copy that is
-    the very file (its sha256) also fills an empty cache, so a later run without the flag works offline."""
-    path = Path(cfg.cache_dir).expanduser() / "tinyshakespeare.txt"
-    if local := cfg.shakespeare_path and Path(cfg.shakespeare_path).expanduser():
-        if local.is_dir():
-            inside = local / "tinyshakespeare.txt"
-            raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is a directory; pass the file itself"
-                            + (f": --shakespeare-path {inside}" if inside.is_file() else
-                               ", a local copy of tinyshakespeare.txt"))
-        if not local.is_file():
-            raise DataError(f"--shakespeare-path {cfg.shakespeare_path} does not exist; pass the path of a local "
-                            "copy of tinyshakespeare.txt, or leave it empty to download it")
-        if not path.is_file() and local.stat().st_size == SHAKESPEARE_BYTES \
-                and hashlib.sha256(data := local.read_bytes()).hexdigest() == SHAKESPEARE_SHA256:
-            with contextlib.suppress(OSError):  # a cache that cannot be written is no reason to stop
-                _cache(path, data)
-        return local
-    if not path.is_file():
-        try:
-            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as r:
-                _cache(path, r.read())
-        except OSError as e:  # urllib's URLError among them
-            raise DataError(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}); pass "
-                            "--shakespeare-path with a local copy") from None
+    atomic_write(path, "".join(json.dumps({"text": doc}) + "\n" for doc in docs if doc).encode())
     return path
 
 
 def source_files(cfg: FinewebConfig) -> list[Path] | None:
-    """The files a non-hub source reads, in order (None for a hub dataset); fetches Tiny Shakespeare once."""
+    """The files a non-hub source reads, in order (None for a hub dataset); downloads Tiny Shakespeare once."""
     kind = source_kind(cfg.source)
+    shakespeare = Path(cfg.shakespeare_path or Path(cfg.cache_dir, "tinyshakespeare.txt")).expanduser()
+    if kind == "shakespeare" and cfg.shakespeare_path and not shakespeare.is_file():
+        raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is not a file; pass the path of a local copy of "
+                        "tinyshakespeare.txt, or leave it out to download it")
+    if kind == "shakespeare" and not shakespeare.is_file():
+        try:
+            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as r:
+                atomic_write(shakespeare, r.read())
+        except OSError as e:  # urllib's URLError among them
+            raise DataError(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}); pass "
+                            "--shakespeare-path with a local copy") from None
     files = {"stdlib": stdlib_files, "stdlib-docs": lambda: [stdlib_docstrings(cfg)],
-             "shakespeare": lambda: [shakespeare_file(cfg)], "local": lambda: local_files(cfg.source, cfg.out_dir)}
+             "shakespeare": lambda: [shakespeare], "local": lambda: local_files(cfg.source, cfg.out_dir)}
     return files[kind]() if kind in files else None
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Writer: reading and tokenizing
-
-
-def _open_source(cfg: FinewebConfig, files: list[Path] | None) -> list[tuple[Any, str, Path | None]]:
-    """The source as parts (rows, where they are, their file if known), in order. Streamed, a source of several
-    files (local, or a hub dataset's) comes a file a part: a resume skips whole files unread."""
-    import datasets
-
-    source, kind = f"--source {cfg.source}", source_kind(cfg.source)
-    if files is None:
-        pin = {"revision": cfg.revision} if cfg.revision else {}
-        ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming, **pin)
-        n = ds.num_shards if isinstance(ds, datasets.IterableDataset) else 1
-        return [(ds.shard(n, i, contiguous=True), f"file {i + 1} of {n} of {source}", None) for i in range(n)] \
-            if n > 1 else [(ds, source, None)]
-    builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
-    options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
-    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=cfg.streaming,
-                               **options)
-    if len(files) > 1 and isinstance(ds, datasets.IterableDataset) and ds.num_shards == len(files):
-        return [(ds.shard(len(files), i, contiguous=True), f"{f} of {source}", f) for i, f in enumerate(files)]
-    return [(ds, source, files[0] if len(files) == 1 else None)]
 
 
 def _read_error(cfg: FinewebConfig, where: str, file: Path | None, err: Exception) -> DataError:
     """One line for an error raised while `datasets` read the source: where, the root cause, and what to do."""
     import datasets
-    import pyarrow.parquet as pq
 
     cause: BaseException = err
-    # datasets wraps a builder's error (raise DatasetGenerationError from e) and may re-raise inside an except, so
-    # the useful message is at the end of __cause__, or in the __context__ of a wrapper that has none
+    # the root cause: datasets wraps a builder's error (raise ... from e), or re-raises it inside an except
     while (inner := cause.__cause__ or (cause.__context__ if isinstance(cause, datasets.exceptions.DatasetsError)
                                         else None)) is not None:
         cause = inner
-    message = " ".join(f"{type(cause).__name__}: {cause}".split())  # its messages can span several lines
-    message = message if len(message) <= 300 else message[:297] + "..."
-    fix = "fix that file or leave it out of --source"
-    if isinstance(cause, UnicodeDecodeError):
-        fix = "convert it to UTF-8 (e.g. iconv -t UTF-8) or leave it out of --source"
-    elif isinstance(cause, datasets.table.CastError):
-        fix = (f"its columns differ from the first file's; give every file the same columns, --text-field "
-               f"{cfg.text_field!r} among them, or pass a glob that leaves the odd ones out")
-    elif file is not None and file.suffix == ".parquet":
-        with contextlib.suppress(OSError, ValueError):  # corrupt: no row count to tell
-            fix = "the file has no rows; delete it or leave it out of --source" \
-                if pq.read_metadata(file).num_rows == 0 else fix
-    elif source_kind(cfg.source) in ("fineweb", "hub"):
-        fix = "check the network and rerun (complete shards are kept)"
+    message = textwrap.shorten(f"{type(cause).__name__}: {cause}", 300)  # one line (its messages can span several)
+    fix = "check the names and the network, and rerun (complete shards are kept)" if file is None and \
+        source_kind(cfg.source) in ("fineweb", "hub") else "fix that file or leave it out of --source"
     return DataError(f"could not read {where}: {message}; {fix}")
 
 
 def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                    start: Iterable[int] = START) -> Iterator[tuple[str, tuple[int, int, int, int]]]:
     """The source's non-empty texts from position `start` on, each with its position (part, row in it, row in the
-    source, parts). Reading opens start's part where the source has as many parts as when it was taken, else the
-    first. A read error becomes one DataError line naming the file (streaming) or --source, and the root cause."""
+    source, parts). Streamed, each file is a part: a resume opens start's part (if the parts are as many) and skips
+    the earlier files unread. A read error becomes one line naming the file (streaming) or --source, and its cause."""
     import datasets  # lazily: the loader above must import on machines without `datasets`
     import pyarrow
 
     # what reading data raises (bad bytes, bad JSON, a schema mismatch, a network drop); anything else is a bug
     reading = (OSError, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
-    logging.getLogger("datasets").setLevel(logging.CRITICAL)  # it logs a read error before raising it: one line here
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs a read error before raising it: one line here
+    where = f"--source {cfg.source}" + ("" if files else f" (--name {cfg.name or 'none'}, --split {cfg.split})")
+    file, (part, row, first, n), kind = None, list(start)[:4], source_kind(cfg.source)
     try:
-        parts = _open_source(cfg, files)
-    except reading as e:
         if files is None:
-            raise DataError(f"could not load hub dataset --source {cfg.source} (--name {cfg.name or 'none'}, --split "
-                            f"{cfg.split}): {type(e).__name__}: {e}; check the names and the network, or pass a "
-                            "local file, directory or glob") from None
-        raise _read_error(cfg, f"--source {cfg.source}", None, e) from None
-    part, row, first, n = list(start)[:4]
-    part, g = (part, first - row) if n == len(parts) else (0, 0)
-    for p, (data, where, file) in enumerate(parts[part:], part):
-        rows = iter(data)
-        for r in count():
-            try:
-                item = next(rows)
-            except StopIteration:
-                break
-            except reading as e:
-                raise _read_error(cfg, where, file, e) from None
-            if cfg.text_field not in item:
-                raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are "
-                                f"{', '.join(item)}; pass one of them with --text-field")
-            if (text := item[cfg.text_field]) and not isinstance(text, str):
-                raise DataError(f"--text-field {cfg.text_field!r} of {where} holds {type(text).__name__}, not text; "
-                                "pass a text column with --text-field")
-            if text and g >= first:  # an empty text would be a lone EOT
-                yield text, (p, r, g, len(parts))
-            g += 1
+            pin = {"revision": cfg.revision} if cfg.revision else {}
+            ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming,
+                                       **pin)
+        else:
+            builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
+            options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                       streaming=cfg.streaming, **options)
+        shards = ds.num_shards if isinstance(ds, datasets.IterableDataset) else 1
+        names = files if files and len(files) == shards else [None] * shards
+        parts = [(ds, where, names[0])] if shards == 1 else [
+            (ds.shard(shards, i, contiguous=True), f"{f or f'file {i + 1} of {shards}'} of {where}", f)
+            for i, f in enumerate(names)]
+        part, g = (part, first - row) if n == len(parts) else (0, 0)
+        for p, (data, where, file) in enumerate(parts[part:], part):  # noqa: B007 (file: for the error below)
+            for r, item in enumerate(data):
+                if cfg.text_field not in item:
+                    raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are "
+                                    f"{', '.join(item)}; pass one of them with --text-field")
+                if item[cfg.text_field] and g >= first:  # an empty text would be a lone EOT
+                    yield item[cfg.text_field], (p, r, g, len(parts))
+                g += 1
+    except reading as e:
+        if isinstance(e, DataError):
+            raise
+        raise _read_error(cfg, where, file, e) from None
 
 
-def _pool_worker_init(parent: int | None) -> None:
-    """Restore SIGTERM's default (an inherited handler could keep the pool from closing) and, on Linux, ask for
-    SIGTERM when the parent dies, so a writer killed outright leaves no worker behind (docs/fineweb.md). `parent`:
-    the writer's pid when it forked the worker itself, else None."""
+def _pool_worker_init() -> None:
+    """SIGTERM's default back (a handler could keep the pool open); on Linux, SIGTERM when the writer dies outright."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
-        import ctypes
-
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-        if parent is not None and os.getppid() != parent:  # the writer died before the request was in place
-            os._exit(1)
 
 
 def tokenize(texts: list[str]) -> np.ndarray:
-    """`<|endoftext|>` + GPT-2 tokens for each text, concatenated, as uint16 (each document starts with EOT)."""
+    """EOT + GPT-2 tokens of each text, as uint16: EOT opens each document and nothing else (text is just text)."""
     enc = get_tokenizer()  # cached per process: each pool worker builds its own once
-    # special-token text in the data is just text: EOT only ever opens a document
     return np.array([t for text in texts for t in (EOT, *enc.encode_ordinary(text))], dtype=np.uint16)
 
 
 @contextlib.contextmanager
 def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
-    """Processes that tokenize (None for one worker: the caller's own process does). An executor, not a Pool: when a
-    worker dies, a Pool replaces it and its chunk never comes back; the executor fails every pending chunk instead."""
+    """Tokenizer processes (None for one: the caller's); an executor fails where a Pool would wait for a dead worker."""
     if workers <= 1:
         yield None
         return
-    import multiprocessing
-
-    forked = multiprocessing.get_start_method() == "fork"
-    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init, initargs=(os.getpid() if forked else None,))
+    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init)
     try:
         pool.submit(int).result()  # fork every worker now, before `datasets` starts threads (fork + threads deadlock)
         yield pool
@@ -644,17 +496,16 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
 
 def token_stream(docs: Iterable[tuple[str, Any]], pool: ProcessPoolExecutor | None, workers: int,
                  chunk: int = 16) -> Iterator[tuple[np.ndarray, list[Any]]]:
-    """(tokens, positions) of `docs` (text, position), `chunk` documents at a time, tokenized in order by the pool's
-    processes (or here), 4 chunks per worker in flight: Executor.map would queue the whole streamed source."""
-    pending: deque[tuple[Any, list[Any]]] = deque()
-    it = iter(docs)
+    """(tokens, positions) of `docs` (text, position) in order, 4 chunks per worker in flight (Executor.map would
+    queue the whole streamed source)."""
+    pending, it = [], iter(docs)
     try:
         while batch := list(islice(it, chunk)):
             texts = [text for text, _ in batch]
-            pending.append((pool.submit(tokenize, texts).result if pool else partial(tokenize, texts),
+            pending.append((pool.submit(tokenize, texts).result if pool else functools.partial(tokenize, texts),
                             [position for _, position in batch]))
             while len(pending) >= (4 * workers if pool else 1):
-                job, positions = pending.popleft()
+                job, positions = pending.pop(0)
                 yield job(), positions
         for job, positions in pending:
             yield job(), positions
@@ -664,30 +515,26 @@ def token_stream(docs: Iterable[tuple[str, Any]], pool: ProcessPoolExecutor | No
                         "after them") from e
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Writer: shards and their record
-
-
 def shard_path(cfg: FinewebConfig, index: int) -> Path:
     return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
 
 
+def record_path(cfg: FinewebConfig) -> Path:
+    return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_done.json"
+
+
 def record_key(cfg: FinewebConfig, files: list[Path] | None) -> dict[str, Any]:
-    """What the shards are made of: the settings that shape them, and a local source's files by absolute path, size
-    and mtime (hashed), so a rerun after a file was added, removed or edited writes again."""
+    """What the shards are made of: the settings that shape them and a local source's files (path, size, mtime)."""
     keys = ("source", "name", "split", "text_field", "txt_unit", "prefix", "shard_size", "val_tokens", "max_tokens")
     settings = {k: getattr(cfg, k) for k in keys} | ({"revision": cfg.revision} if cfg.revision else {})
-    if files is None:  # a hub dataset: --revision pins it
-        return {"settings": settings, "inputs": None}
-    stats = [(os.fsencode(f.resolve()), f.stat()) for f in files]
+    stats = [(os.fsencode(f.resolve()), f.stat()) for f in files or []]  # none for a hub dataset: --revision pins it
     digest = hashlib.sha256(b"".join(p + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode() for p, st in stats))
-    return {"settings": settings,
-            "inputs": {"files": len(files), "bytes": sum(st.st_size for _, st in stats), "sha256": digest.hexdigest()}}
+    inputs = {"files": len(stats), "bytes": sum(st.st_size for _, st in stats), "sha256": digest.hexdigest()}
+    return {"settings": settings, "inputs": inputs if files else None}
 
 
 def resume_point(cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any]) -> tuple[int, Any]:
-    """How many recorded shards a run keeps (those intact, from shard 0 on) and the source position after them, or
-    None where they are a whole finished run. Shards of other settings or inputs, or with no record, are not kept."""
+    """How many recorded shards to keep (intact, from shard 0) and the source position after them (None: finished)."""
     if {k: record.get(k) for k in key} != key:
         if record:
             print(f"{cfg.out_dir}: its shards were written from other input files or settings; writing them again")
@@ -703,16 +550,15 @@ def resume_point(cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any]
 
 
 class ShardWriter:
-    """Cuts the token stream into shards after the `kept` ones on disk (the val shard, then --shard-size train shards)
-    and records each with the source position after it. It holds the lock on --out-dir from its first change there
-    to the end of its `with`."""
+    """Cuts the token stream into shards after `kept` ones (val, then --shard-size train shards), each recorded with the
+    source position after it; holds the lock on --out-dir from its first change there until close()."""
 
     def __init__(self, cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any] | None = None, kept: int = 0,
                  point: Iterable[int] = START):
         names = [shard_path(cfg, i).name for i in range(kept)]
         self.record = {**key, "done": False, **{k: {n: (record or {}).get(k, {}).get(n) for n in names}
                                                 for k in ("shards", "resume")}}
-        self.cfg, self.kept, self._lock, self.bar = cfg, kept, None, None
+        self.cfg, self.kept, self._lock = cfg, kept, None
         self.written = self.total = sum(self.record["shards"].values())  # tokens in the kept shards, in all
         self.index, self.fill, self.docs = kept, 0, 0  # shard being filled, its tokens, documents this run writes
         self.val, self.limit = cfg.val_target, cfg.max_tokens or float("inf")
@@ -720,27 +566,21 @@ class ShardWriter:
         self.drop = self.point[4]  # the first document's tokens that are on disk already
         self.buf = np.empty(self.val if kept == 0 else cfg.shard_size, dtype=np.uint16)
 
-    def __enter__(self) -> ShardWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         if self._lock is not None:
             self._lock.close()
 
     def write_all(self, stream: Iterable[tuple[np.ndarray, list[Any]]]) -> None:
-        """Take every (tokens, positions of their documents) of `stream` up to --max-tokens, and read no further."""
+        """Take every (tokens, positions of their documents) of `stream` up to --max-tokens, and read no further (the
+        bar is delayed: a source that cannot be read ends in its one line of error alone)."""
         from tqdm import tqdm
 
-        try:
+        with tqdm(total=self.cfg.max_tokens or None, initial=self.total, unit="tok", unit_scale=True, delay=1) as bar:
             for arr, positions in stream:
-                if self.bar is None:  # opened at the first tokens: a source that cannot be read prints one line
-                    self.bar = tqdm(total=self.cfg.max_tokens or None, initial=self.total, unit="tok", unit_scale=True)
                 self.add(arr, positions)
+                bar.update(self.total - bar.n)
                 if self.total >= self.limit:
                     break
-        finally:
-            if self.bar is not None:
-                self.bar.close()
 
     def add(self, arr: np.ndarray, positions: list[Any]) -> None:
         """Buffer arr's tokens, writing the full buffer as its shard first when more tokens come."""
@@ -758,7 +598,6 @@ class ShardWriter:
             self.point = [*start, take - had]  # a new list: the record holds the old one
             self.buf[self.fill:self.fill + take] = arr[pos:pos + take]
             pos, self.fill, self.total = pos + take, self.fill + take, self.total + take
-            self.bar.update(take)
 
     def finish(self) -> None:
         """Write what is buffered and record the run as finished."""
@@ -802,8 +641,7 @@ class ShardWriter:
         self.index += 1
 
     def _own(self) -> None:
-        """At this run's first change to --out-dir: take the lock and clear the way, deleting killed runs' temporaries
-        and the shards from this one on (an earlier run's, which a resume must not take for this run's)."""
+        """At the first change to --out-dir: take the lock, delete killed runs' temporaries and shards from here on."""
         if self._lock is None:
             cfg, out = self.cfg, Path(self.cfg.out_dir).expanduser()
             self._lock = _lock_out_dir(cfg)
@@ -813,39 +651,30 @@ class ShardWriter:
                     old.unlink()
 
     def _save(self) -> None:
-        path = Path(self.cfg.out_dir).expanduser() / f"{self.cfg.prefix}_done.json"
-        path.with_name(f".{path.name}.tmp").write_text(json.dumps(self.record))
-        os.replace(path.with_name(f".{path.name}.tmp"), path)
+        atomic_write(record_path(self.cfg), json.dumps(self.record).encode())
 
 
 def _lock_out_dir(cfg: FinewebConfig) -> Any:
-    """An exclusive lock on this prefix's shards in --out-dir, held from a run's first change there to its end, so a
-    second writer of the same shards stops with a line instead of deleting the first one's files mid-write."""
-    folder = Path(cfg.out_dir).expanduser()
-    return hold_lock(folder / f".{cfg.prefix}.lock", f"another fineweb.py is writing {cfg.prefix} shards to {folder}; "
-                     "let it finish (then rerun this to check it), or pass another --out-dir",
+    """This prefix's lock in --out-dir: a second writer stops with a line, not deleting the first one's files."""
+    return hold_lock(Path(cfg.out_dir).expanduser() / f".{cfg.prefix}.lock", f"another fineweb.py is writing "
+                     f"{cfg.prefix} shards to {cfg.out_dir}; let it finish (then rerun this to check it), or pass "
+                     "another --out-dir",
                      f"make sure no other fineweb.py writes {cfg.prefix} shards there", DataError)
 
 
 def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
     out = Path(cfg.out_dir).expanduser()
-    if not (there := next(p for p in (out, *out.parents) if p.exists())).is_dir():  # before reading the source
-        raise DataError(f"--out-dir {cfg.out_dir}: {there} is a file, not a directory; pass a directory (it is "
-                        "created if missing)")
     files = source_files(cfg)
     key = record_key(cfg, files)  # before reading: a file edited during the run makes the next run write again
     if (out / f".{cfg.prefix}.lock").is_file():  # held by another writer: stop now, not after a whole shard
         _lock_out_dir(cfg).close()
-    try:
-        record = json.loads((out / f"{cfg.prefix}_done.json").read_text())
-    except (OSError, ValueError):
-        record = {}
+    record = json.loads(record_path(cfg).read_text()) if record_path(cfg).is_file() else {}  # written atomically
     kept, point = resume_point(cfg, key, record)
     if point is None:
         return ShardWriter(cfg, key, record, kept).report(0.0, 0)
     workers = cfg.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    with ShardWriter(cfg, key, record, kept, point) as writer:
+    with contextlib.closing(ShardWriter(cfg, key, record, kept, point)) as writer:
         t0 = time.time()
         with tokenizer_pool(workers) as pool:
             writer.write_all(token_stream(read_documents(cfg, files, point), pool, workers))
