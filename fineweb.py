@@ -1,66 +1,42 @@
-"""Token shards: the writer that turns a text corpus into llm.c-format GPT-2 shards, and the loader that streams them.
+"""Token shards: the writer that turns a corpus into llm.c-format GPT-2 shards, and the loader that streams them.
 
-This file is the one owner of the shard format. A shard is llm.c's / modded-nanogpt's `.bin`: a 256 x int32
-little-endian header (magic 20240520, version 1, token count, then zeros) followed by the tokens as uint16.
-build-nanogpt's `.npy` uint16 shards are read too. Shards are named PREFIX_val_000000.bin, PREFIX_train_000001.bin,
-...; the first is validation, the rest training. The loader tells them apart by the `_val`/`_train` that ends the
-name before the optional index (llm.c's tinyshakespeare_val.bin too), so any prefix is safe, even `train` or `val`.
+A shard is llm.c's `.bin`: a 256 x int32 little-endian header (magic 20240520, version 1, token count, zeros), then
+the tokens as uint16. PREFIX_val_000000.bin is validation, PREFIX_train_000001.bin, ... training: the loader tells
+them apart by the `_val`/`_train` before the index.
 
-The writer reads every source through `datasets.load_dataset` (hub, or the text/json/parquet builders for local files)
-and writes each document as <|endoftext|> + its GPT-2 tokens, in source order. A .txt file is one document (the whole
-file) unless --txt-unit says paragraph or line; stdlib is one document per .py file, stdlib-docs one per docstring.
-The val shard is exactly the first --val-tokens tokens of that stream (it may end inside a document, whose rest opens
-train shard 1). Without --val-tokens it is a whole --shard-size shard, as in build-nanogpt (shakespeare and
-stdlib-docs: 32768 tokens, stdlib: 2**18), unless the source (or --max-tokens) ends before that leaves a single
-train token: then the first 10% (rounded down) is val and the rest is train shard 1, so a small corpus needs no flags.
-An explicit --val-tokens that leaves nothing for training is an error.
+The writer reads the source through `datasets` and writes each document as <|endoftext|> + its GPT-2 tokens, in
+order: a .txt file is one document (or one per --txt-unit paragraph or line), stdlib one per .py file, stdlib-docs
+one per docstring. The val shard is the stream's first --val-tokens tokens: by default one --shard-size shard
+(shakespeare, stdlib-docs: 32768; stdlib: 2**18), or the first 10% of a source too short to leave a train token.
 
-A rerun keeps the shards already complete and continues, reading the source from the file (part) that holds the
-first missing document, where an earlier run counted the documents of the files before it (PREFIX_parts.json). A
-finished run leaves PREFIX_done.json (its settings, a fingerprint of a local source's files: paths, sizes, mtimes;
-and the shard sizes): a rerun that matches it reads nothing, and one with other settings or changed input files
-writes every shard again. Input that cannot be read ends in one line naming the file or flag; --out-dir is not
-touched before the first shard is written.
-
-Usage:
-    python fineweb.py                                         # fineweb-edu sample-10BT -> data/edu_fineweb10B
-    python fineweb.py --source shakespeare                    # Tiny Shakespeare -> data/shakespeare
-    python fineweb.py --source stdlib                         # this Python's stdlib .py files -> data/stdlib
-    python fineweb.py --source stdlib-docs                    # their docstrings (English prose) -> data/stdlib_docs
-    python fineweb.py --source notes.txt                      # a small file: its first 10% val, the rest train
-    python fineweb.py --source "corpus/*.jsonl" --out-dir data/mine --shard-size 10000000 --val-tokens 1000000
-    python fineweb.py --help
-
-Loader (used by train.py, one per split and rank):
-    loader = TokenLoader("data/edu_fineweb10B", "train", B, T, rank, world_size, seed, device)
-    x, y = loader.next_batch()  # int64 (B, T); y is x shifted by one token
-It serves every window of B*T+1 tokens of every shard exactly once per epoch over all ranks (a shard's tail shorter
-than a window is skipped), train shards in a new seeded order each epoch, as one continuous stream whose position is
-one step counter: `loader.state_dict()` from any rank resumes every rank exactly.
+After each shard, PREFIX_done.json records the settings, a local source's files (paths, sizes, mtimes), the shard's
+size and where the source stands after it (file, row, tokens of that row's document written). A rerun with the same
+settings and files keeps the intact shards and reads on from there, earlier files unread: the shards come out
+byte-identical to an uninterrupted run's. A finished run is not read again; other settings or files write all again.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import ctypes
+import functools
 import glob
 import hashlib
 import json
-import logging
 import os
 import re
 import signal
 import sys
 import sysconfig
+import textwrap
 import time
-import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from itertools import islice, takewhile
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +45,14 @@ import torch
 
 from common import EOT, get_tokenizer, hold_lock, parse_config
 
-MAGIC = 20240520  # llm.c's token-shard magic (20240326 is its model-weights file)
-VERSION = 1
-HEADER_INTS = 256  # header = 256 int32 = 1024 bytes
-HEADER_BYTES = HEADER_INTS * 4
+MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's token shard (20240326 is its model-weights file)
 FINEWEB = "HuggingFaceFW/fineweb-edu"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # that file's
-SHAKESPEARE_BYTES = 1_115_394
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # suffix -> datasets
-# stdlib directories left out of --source stdlib: tests, third-party packages, and generated tables (codec maps,
-# pydoc's topic dump) that are Python only in syntax
+# left out of --source stdlib: tests, third-party packages, generated tables (codec maps, pydoc's topics)
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
+SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
+START = (0, 0, 0, 0, 0)  # a source position: part, row in it, row in the source, parts, tokens of its document written
 
 
 class DataError(ValueError):
@@ -92,24 +64,25 @@ class DataError(ValueError):
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
-    """Write tokens as an llm.c `.bin` shard, atomically: a temporary file in the same directory, then rename."""
-    path = Path(path)
+    """Write tokens as an llm.c `.bin` shard, atomically."""
     tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise DataError(f"{path}: tokens must be a 1-D integer array, got {tokens.dtype} with shape {tokens.shape}")
-    if tokens.dtype != np.uint16 and len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise DataError(f"{path}: token ids must fit in uint16 (0..65535), got {tokens.min()}..{tokens.max()}")
-    if len(tokens) >= 2**31:
-        raise DataError(f"{path}: {len(tokens):,} tokens do not fit the int32 header count; lower --shard-size")
-    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header = np.zeros(HEADER_BYTES // 4, dtype="<i4")
     header[:3] = MAGIC, VERSION, len(tokens)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # dot-prefixed and .tmp: no glob of shards matches it
+    atomic_write(Path(path), header.tobytes(), np.ascontiguousarray(tokens, dtype="<u2"))
+
+
+def atomic_write(path: Path, *chunks: bytes | np.ndarray) -> None:
+    """Write a file via a synced .NAME.PID.tmp beside it and a rename: a crash never leaves a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(np.ascontiguousarray(tokens, dtype="<u2").data)
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
-            os.fsync(f.fileno())  # the rename must never expose a file whose bytes are not on disk yet
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -117,65 +90,41 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
 
 def read_shard(path: str | os.PathLike) -> np.ndarray:
     """Memory-map a shard's tokens (uint16, never loaded whole) after checking its header against its size."""
-    path = Path(path)
-    if not path.is_file():
+    if not (path := Path(path)).is_file():
         raise DataError(f"shard {path} does not exist")
-    if path.suffix == ".npy":
-        try:
-            arr = np.load(path, mmap_mode="r")
-        except (ValueError, EOFError, OSError) as e:  # EOFError: an empty (0-byte) file
-            raise DataError(f"{path} is not a readable .npy file ({type(e).__name__}: {e}); delete or rewrite it "
-                            "with fineweb.py") from None
-        if arr.dtype != np.uint16 or arr.ndim != 1:
-            raise DataError(f"{path}: expected a 1-D uint16 token array (build-nanogpt format), got {arr.dtype} "
-                            f"with shape {arr.shape}; rewrite it with fineweb.py")
-        return arr
     size = path.stat().st_size
-    if size < HEADER_BYTES:
-        raise DataError(f"{path} is truncated: {size} bytes, less than the {HEADER_BYTES}-byte header; "
-                        "delete it and rerun fineweb.py")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    magic, version, count = (int(v) for v in header[:3])
-    if magic != MAGIC:
-        hint = " (that is an llm.c model file, not tokens)" if magic == 20240326 else ""
-        raise DataError(f"{path}: bad magic number {magic}{hint}, expected {MAGIC} (llm.c token shard); "
-                        "write shards with fineweb.py")
-    if version != VERSION:
-        raise DataError(f"{path}: unsupported shard version {version}, expected {VERSION}; rewrite it with fineweb.py")
-    if size != HEADER_BYTES + 2 * count:
-        raise DataError(f"{path}: header says {count:,} tokens ({HEADER_BYTES + 2 * count:,} bytes) but the file has "
+    magic, version, n = [*np.fromfile(path, dtype="<i4", count=3).tolist(), 0, 0, 0][:3]  # < 12 bytes: zeros
+    if (magic, version) != (MAGIC, VERSION):
+        hint = " (an llm.c model file, not tokens)" if magic == 20240326 else ""
+        raise DataError(f"{path}: not an llm.c token shard: magic number {magic}{hint} and version {version}, "
+                        f"expected {MAGIC} and {VERSION}; write shards with fineweb.py")
+    if size != HEADER_BYTES + 2 * n:
+        raise DataError(f"{path}: header says {n:,} tokens ({HEADER_BYTES + 2 * n:,} bytes) but the file has "
                         f"{size:,} bytes: truncated or corrupt; delete it and rerun fineweb.py")
-    if count == 0:
-        return np.zeros(0, dtype=np.uint16)  # mmap cannot map zero bytes
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else np.zeros(0, np.uint16)
 
 
 def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
-    """The `split` shards (.bin or .npy) in a directory or matched by a glob, sorted by path."""
+    """The `split` shards in a directory or matched by a glob, sorted by path."""
     pattern = str(pattern)
-    # the split is the last word before the index and suffix (PREFIX_val_000000.bin, llm.c's PREFIX_val.bin),
-    # anchored at the end: a prefix that is a split word (train_val_000000.bin) is never taken for the other split
-    marker = re.compile(rf"(?:.*_)?{split}(?:_\d+)?\.(?:bin|npy)")
+    # the split is the word before the index and suffix, anchored at the end: train_val_000000.bin is val only
+    marker = re.compile(rf"(?:.*_)?{split}(?:_\d+)?\.bin")
     base = Path(pattern).expanduser()
     if any(c in pattern for c in "*?["):
         files = [Path(f) for f in glob.glob(str(base), recursive=True)]
-    elif base.is_dir():
-        files = list(base.iterdir())
-    elif base.is_file():
-        files = [base]
-    else:
-        # the presets' own corpora have a source of their own: fineweb.py's default source is fineweb-edu
-        source = {"stdlib": "--source stdlib ", "stdlib_docs": "--source stdlib-docs ",
-                  "shakespeare": "--source shakespeare "}.get(base.name, "")
-        raise DataError(f"data directory {pattern} does not exist; write shards there with "
-                        f"`python fineweb.py {source}--out-dir {pattern}`"
-                        f"{'' if source else ' (fineweb-edu; --source picks another corpus)'} or point --data at a "
-                        "directory or glob of shards")
+    elif base.exists():
+        files = list(base.iterdir()) if base.is_dir() else [base]
+    else:  # the presets' own corpora have sources of their own (fineweb.py's default is fineweb-edu)
+        source = {"stdlib": "stdlib", "stdlib_docs": "stdlib-docs", "shakespeare": "shakespeare"}.get(base.name)
+        raise DataError(f"data directory {pattern} does not exist; write shards there with `python fineweb.py "
+                        + (f"--source {source} --out-dir {pattern}`" if source else
+                           f"--out-dir {pattern}` (fineweb-edu; --source picks another corpus)")
+                        + " or point --data at a directory or glob of shards")
     files = sorted(f for f in files if marker.fullmatch(f.name) and f.is_file())
     if not files:
         raise DataError(f"no {split} shards in {pattern} (looked for names ending in _{split}.bin or "
-                        f"_{split}_NNNNNN.bin, or .npy); write them with `python fineweb.py` or point --data at the "
-                        "right directory or glob")
+                        f"_{split}_NNNNNN.bin); write them with `python fineweb.py` or point --data at the right "
+                        "directory or glob")
     return files
 
 
@@ -183,30 +132,15 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
 # Loader
 
 
-SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
-
-
 class TokenLoader:
-    """Shuffled, exactly-once, resumable batches of (x, y) from one split's shards, for one rank.
-
-    Shards are cut into windows of B*T+1 tokens at stride B*T (a shorter tail is skipped). Train epochs read the
-    shards, and with shuffle="windows" each shard's windows, in seeded orders; val reads all in order. Rank r's s-th
-    batch is window s * world_size + r of one stream over all epochs, so the position is one `step`, the same on every
-    rank: `state_dict()` from any rank resumes all of them. The full rules: docs/fineweb.md.
-    """
+    """Shuffled, exactly-once, resumable (x, y) batches of one split for one rank: windows of B*T+1 tokens at stride
+    B*T, train shards (and with shuffle="windows" their windows) in a seeded order per epoch, val in order. Rank r's
+    s-th batch is window s * world_size + r of one stream: any rank's `step` resumes all (docs/fineweb.md)."""
 
     def __init__(self, pattern: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, device: str | torch.device = "cpu", preload: bool = False, shuffle: str = "windows"):
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if shuffle not in SHUFFLES:
             raise ValueError(f"shuffle must be 'windows' or 'shards', got {shuffle!r}")
-        if B < 1 or T < 1:
-            raise ValueError(f"batch size B and sequence length T must be >= 1, got B={B}, T={T}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0 (it seeds the shard shuffle), got {seed}")
         self.split, self.B, self.T, self.rank, self.world_size, self.seed = split, B, T, rank, world_size, seed
         self.shuffle = shuffle if split == "train" else "none"  # val: file order, windows in order
         self.device = torch.device(device)
@@ -219,72 +153,52 @@ class TokenLoader:
             big = int(lengths.argmax())
             raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
                             f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write more data")
-        # every step would hand some rank a window of the next epoch or later (components.val_loss copes: it scores each
-        # val window once, on whichever rank it falls to, and leaves out the extra ones)
+        # (a val split may have fewer: components.val_loss scores each window once, on whichever rank it falls to)
         if split == "train" and self.num_windows < world_size:
             raise DataError(f"world size {world_size} is too large for the {split} data: it has only "
                             f"{self.num_windows} windows of B*T+1 = {B * T + 1:,} tokens, fewer than one per rank; "
                             "use fewer ranks, a smaller --batch-size/--seq-len, or more data")
-        self._preloaded: torch.Tensor | None = None
-        if preload:  # one device tensor of the whole split; offsets let it serve the very same windows
-            self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-            self._preloaded = torch.from_numpy(np.concatenate(self._shards).astype(np.int64)).to(self.device)
-        self._order_cache: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, shard order, cumulative windows)
-        self._perm_cache: tuple[int, int, np.ndarray] | None = None  # (epoch, shard, its windows' serving order)
+        self._starts = np.cumsum(lengths) - lengths  # where each shard begins in the preloaded split
+        self._preloaded = torch.from_numpy(np.concatenate(self._shards).astype(np.int64)).to(self.device) \
+            if preload else None  # one device tensor of the whole split: the very same windows
         self.vocab_size: int | None = None  # set by check_vocab: token ids must be below it
         self.resume_skipped = 0  # tokens the last load_state_dict skipped in the shard being read (see _regrid)
         self.reset()
 
-    def _windows_per_shard(self, B: int) -> np.ndarray:
-        """Windows of B*T+1 tokens at stride B*T in each shard (the last token of one is the first of the next)."""
+    def _windows_per_shard(self, B: int) -> np.ndarray:  # of B*T+1 tokens at stride B*T: neighbours share one
         return np.maximum(self._lengths - 1, 0) // (B * self.T)
 
     @property
-    def tokens_per_epoch(self) -> int:
-        """x tokens in one epoch, all ranks together: every window once."""
+    def tokens_per_epoch(self) -> int:  # x tokens, all ranks together: every window once
         return self.num_windows * self.B * self.T
 
     @property
-    def epoch(self) -> int:
-        """The epoch of this rank's next window (ranks may differ by one during the step that straddles epochs)."""
+    def epoch(self) -> int:  # of this rank's next window (ranks differ by one in a step that straddles epochs)
         return (self.step * self.world_size + self.rank) // self.num_windows
 
-    def reset(self) -> None:
-        """Back to the first batch of epoch 0 (for val: the same batches on every call)."""
+    def reset(self) -> None:  # back to epoch 0's first batch (for val: the same batches on every call)
         self.step = 0  # batches each rank has served since reset: the whole position
 
     def shard_order(self, epoch: int) -> np.ndarray:
         """Indices into self.files in the order epoch `epoch` reads them."""
-        if self.split == "val":
-            return np.arange(len(self.files))
-        return np.random.default_rng((self.seed, epoch)).permutation(len(self.files))
+        return np.arange(len(self.files)) if self.split == "val" else _permutation((self.seed, epoch), len(self.files))
 
-    def _locate(self, g: int) -> tuple[int, int]:
-        """(shard index, first token) of global window g of the stream."""
+    def _locate(self, g: int) -> tuple[int, int]:  # (shard index, first token) of global window g of the stream
         epoch, w = divmod(g, self.num_windows)
-        if self._order_cache is None or self._order_cache[0] != epoch:  # a rank's epochs only grow: one entry is enough
-            order = self.shard_order(epoch)
-            self._order_cache = (epoch, order, np.cumsum(self._windows[order]))
-        _, order, cum = self._order_cache
+        order = self.shard_order(epoch)
+        cum = np.cumsum(self._windows[order])
         i = int(np.searchsorted(cum, w, side="right"))
         shard, k = int(order[i]), w - (int(cum[i - 1]) if i else 0)  # the shard's k-th window served this epoch
-        if self.shuffle == "windows":
-            if self._perm_cache is None or self._perm_cache[:2] != (epoch, shard):
-                # a stream of its own per (epoch, shard), apart from the shard order's (seed, epoch)
-                rng = np.random.default_rng((self.seed, epoch, shard + 1))
-                self._perm_cache = (epoch, shard, rng.permutation(int(self._windows[shard])))
-            k = int(self._perm_cache[2][k])
+        if self.shuffle == "windows":  # a stream of its own per (epoch, shard), apart from the shard order's
+            k = int(_permutation((self.seed, epoch, shard + 1), int(self._windows[shard]))[k])
         return shard, k * self.B * self.T
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Make every batch from now on check that its ids are below vocab_size, the model's embedding rows: on
-        CUDA a larger id fails as an assert that names nothing. A preloaded split is checked once, here, all of it."""
+        """Refuse ids >= vocab_size in every batch from now on (a preloaded split: all of it, now), naming the shard."""
         self.vocab_size = vocab_size
-        if self._preloaded is not None and self._preloaded.numel():
-            top = int(self._preloaded.max())
-            if top >= vocab_size:
-                at = int(np.searchsorted(self._starts, int(torch.argmax(self._preloaded)), side="right")) - 1
-                self._bad_token(self.files[at], top)
+        if self._preloaded is not None and len(self._preloaded) and (top := int(self._preloaded.max())) >= vocab_size:
+            at = int(np.searchsorted(self._starts, int(torch.argmax(self._preloaded)), side="right")) - 1
+            self._bad_token(self.files[at], top)
 
     def _bad_token(self, path: Path, token: int) -> None:
         raise DataError(f"{path} holds token id {token}, but the model has only {self.vocab_size} embedding rows: "
@@ -303,10 +217,8 @@ class TokenLoader:
             if self.vocab_size is not None and (top := int(window.max())) >= self.vocab_size:
                 self._bad_token(self.files[shard], top)
             buf = torch.from_numpy(window.astype(np.int64))  # (B*T+1,)
-            if self.device.type == "cuda":  # pinned, so the copy is asynchronous and overlaps the previous step
-                buf = buf.pin_memory().to(self.device, non_blocking=True)
-            elif self.device.type != "cpu":
-                buf = buf.to(self.device)
+            cuda = self.device.type == "cuda"  # pinned there, so the copy is asynchronous and overlaps the last step
+            buf = (buf.pin_memory() if cuda else buf).to(self.device, non_blocking=cuda)
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
 
     def state_dict(self) -> dict[str, Any]:
@@ -316,71 +228,37 @@ class TokenLoader:
                 "shard_tokens": self._lengths.tolist(), "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`; it must come from a loader over the same shards, T and seed. The world size and B
-        may differ: the position is mapped onto the new ranks and, for another B, onto the new grid of windows."""
-        if "epoch" in state:  # (epoch, step within it) from the loader that dropped each epoch's last windows
-            raise DataError(f"cannot resume the {self.split} loader: its state (epoch={state['epoch']!r}, "
-                            f"step={state.get('step')!r}) was written by an older loader that dropped windows at each "
-                            "epoch's end, and has no equivalent position here; start a fresh run")
+        """Continue from `state` (same shards, T and seed), mapped onto another world size, B or shuffle if need be."""
         mine = self.state_dict()
         for key, what in (("split", "split"), ("T", "--seq-len"), ("seed", "--seed"),
                           ("shards", "shard files"), ("shard_tokens", "shard sizes")):
-            theirs = state.get(key)
-            if theirs != mine[key]:
-                if key == "shards":  # the first name that differs says more than the counts, which may agree
-                    n = max(len(theirs or []), len(mine[key]))
-                    there, here = ([*names, *["none"] * (n - len(names))] for names in (theirs or [], mine[key]))
-                    i = next(i for i in range(n) if there[i] != here[i])
-                    detail = (f"other shard files ({len(theirs or [])} in the checkpoint, {len(mine[key])} here; "
-                              f"file {i + 1} is {there[i]} there, {here[i]} here)")
-                elif key == "shard_tokens":
-                    detail = "shards of other sizes (the same names, rewritten since)"
-                else:
-                    detail = f"{key}={theirs!r} in the checkpoint but {mine[key]!r} here"
-                raise DataError(f"cannot resume the {self.split} loader: {detail}; resume with the same {what} "
-                                "or start a fresh run")
-        step, world, old_b = state.get("step"), state.get("world_size"), state.get("B")
-        if not isinstance(old_b, int) or isinstance(old_b, bool) or old_b < 1:
-            raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b!r} is not a count of "
-                            "sequences >= 1; the checkpoint is corrupt, start a fresh run")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise DataError(f"cannot resume the {self.split} loader: its position step={step!r} is not a count of "
-                            "batches >= 0; the checkpoint is corrupt, start a fresh run")
-        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-            raise DataError(f"cannot resume the {self.split} loader: its world_size={world!r} is not a count of "
-                            "ranks >= 1; the checkpoint is corrupt, start a fresh run")
+            if (theirs := state.get(key)) != mine[key]:
+                why = f"{key}={theirs!r} in the checkpoint but {mine[key]!r} here" if key in ("split", "T", "seed") \
+                    else f"other shard files ({len(theirs or [])} in the checkpoint, {len(mine[key])} here; " \
+                    f"{min(set(theirs or []) ^ set(mine[key]))} is in one only)" if key == "shards" \
+                    else "shards of other sizes (the same names, rewritten since)"
+                raise DataError(f"cannot resume the {self.split} loader: {why}; resume with the same {what} or start a "
+                                "fresh run")
         # the stream does not depend on the world size: the new ranks start at the first multiple of theirs at or
         # after the step * world windows served, none twice (docs/fineweb.md)
-        old_shuffle = self.state_shuffle(state)
-        if old_shuffle not in (*SHUFFLES, "none"):
-            raise DataError(f"cannot resume the {self.split} loader: its shuffle={old_shuffle!r} is not one this "
-                            "loader knows; the checkpoint is corrupt, start a fresh run")
-        same = old_b == self.B and old_shuffle == self.shuffle
+        old_b, old_shuffle, served = state["B"], self.state_shuffle(state), state["step"] * state["world_size"]
         self.resume_skipped = 0
-        served = step * world if same else self._regrid(step * world, old_b, old_shuffle)
+        if (old_b, old_shuffle) != (self.B, self.shuffle):
+            served = self._regrid(served, old_b, old_shuffle)
         self.step = -(-served // self.world_size)
 
     @staticmethod
     def state_shuffle(state: dict[str, Any]) -> str:
-        """The order in which `state`'s loader read each shard's windows; states from before they were shuffled
-        have no "shuffle" and read them in order."""
+        """The order `state`'s loader read each shard's windows in (states from before the shuffle: in order)."""
         return state.get("shuffle", "shards")
 
     def continues_in_shard(self, old_shuffle: str) -> bool:
-        """Whether a resume from another B or shuffle mode goes on inside the shard being read (see _regrid): only
-        where neither side shuffles the windows within a shard."""
+        """Whether a resume from another B or shuffle goes on inside the shard being read: not if either shuffles."""
         return "windows" not in (old_shuffle, self.shuffle)
 
     def _regrid(self, served: int, old_b: int, old_shuffle: str = "shards") -> int:
-        """The global window of this loader's grid at which to go on after `served` windows of old_b * T tokens: the
-        first new window at or after the old cut, in the same shard order, so none is served twice. Where either side
-        shuffles windows within a shard, it is the next shard's first; resume_skipped counts the tokens that skips.
-        Details: docs/fineweb.md."""
+        """The first new window after `served` old ones of old_b * T tokens, none twice (docs/fineweb.md)."""
         old = self._windows_per_shard(old_b)
-        if not old.sum():
-            raise DataError(f"cannot resume the {self.split} loader: its batch size B={old_b} leaves no window of "
-                            f"B*T+1 tokens in any shard, so it served none; the checkpoint is corrupt, start a fresh "
-                            "run")
         epoch, w = divmod(served, int(old.sum()))
         order = self.shard_order(epoch)
         cum_old, cum_new = np.cumsum(old[order]), np.cumsum(self._windows[order])
@@ -394,8 +272,13 @@ class TokenLoader:
         return epoch * self.num_windows + (int(cum_new[i - 1]) if i else 0) + within
 
 
+@functools.lru_cache(maxsize=8)  # a shard's windows are drawn once, not at each of its batches
+def _permutation(seed: tuple[int, ...], n: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(n)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# Writer: config and sources
+# Writer
 
 
 @dataclass
@@ -417,7 +300,7 @@ class FinewebConfig:
     max_tokens: int = 0  # stop after this many tokens in all, val included (0 = the whole source)
     streaming: bool = True  # stream the source rather than download all of it into the HF cache first
     cache_dir: str = "~/.cache/gpt2-project"  # where --source shakespeare is downloaded to (and stdlib-docs written)
-    shakespeare_path: str = ""  # a local Tiny Shakespeare instead of the download (the very file fills --cache-dir too)
+    shakespeare_path: str = ""  # a local copy of Tiny Shakespeare to read instead of the download
 
     def __post_init__(self) -> None:
         if self.txt_unit not in ("document", "paragraph", "line"):
@@ -431,25 +314,17 @@ class FinewebConfig:
         if self.max_tokens and self.val_tokens != -1 and self.max_tokens <= self.val_tokens:
             raise ValueError(f"--max-tokens {self.max_tokens} leaves no train tokens after the val shard's "
                              f"--val-tokens {self.val_tokens}; raise --max-tokens or lower --val-tokens")
-        kind = source_kind(self.source)
-        stem = {"fineweb": "edufineweb", "shakespeare": "shakespeare", "stdlib": "stdlib",
-                "stdlib-docs": "stdlib_docs"}.get(kind)
-        if stem is None:  # corpus/*.jsonl -> corpus, books.txt -> books, org/name -> name
-            plain = Path(*takewhile(lambda part: not any(c in part for c in "*?["), Path(self.source).parts))
-            stem = re.sub(r"[^A-Za-z0-9]+", "_", plain.name.split(".")[0]).strip("_") or "data"
+        fineweb = source_kind(self.source) == "fineweb"  # else corpus/*.jsonl -> corpus, books.txt -> books, org/x -> x
+        plain = Path(re.split(r"/[^/]*[*?\[]", self.source)[0]).name.split(".")[0]  # the path before any glob
+        stem = "edufineweb" if fineweb else re.sub(r"[^A-Za-z0-9]+", "_", plain).strip("_") or "data"
         self.prefix = self.prefix or stem
-        self.out_dir = self.out_dir or ("data/edu_fineweb10B" if kind == "fineweb" else f"data/{stem}")
-        if kind == "fineweb" and not self.name:
-            self.name = "sample-10BT"
+        self.out_dir = self.out_dir or ("data/edu_fineweb10B" if fineweb else f"data/{stem}")
+        self.name = self.name or ("sample-10BT" if fineweb else "")
 
     @property
-    def val_target(self) -> int:
-        """The size of a full val shard: --val-tokens, or its default for the source (-1). A source that ends before
-        a default-sized val shard leaves a train token gets the 10% rule instead (see ShardWriter.finish)."""
-        if self.val_tokens != -1:
-            return self.val_tokens
+    def val_target(self) -> int:  # a full val shard's tokens (a shorter source's: see ShardWriter.finish)
         defaults = {"shakespeare": 32_768, "stdlib": 2**18, "stdlib-docs": 32_768}  # ~10%, ~6%, ~7%
-        return defaults.get(source_kind(self.source), self.shard_size)
+        return self.val_tokens if self.val_tokens != -1 else defaults.get(source_kind(self.source), self.shard_size)
 
 
 def source_kind(source: str) -> str:
@@ -459,38 +334,31 @@ def source_kind(source: str) -> str:
     if source == FINEWEB:
         return "fineweb"
     path = Path(source).expanduser()
-    if any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS \
-            or source.startswith((".", "/", "~")):
+    if any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS or source[:1] in "./~":
         return "local"
     return "hub"
 
 
-def local_files(source: str, out_dir: str | os.PathLike | None = None) -> list[Path]:
-    """The files of a local source, sorted, all of one type (one `datasets` builder: text, json or parquet). The
-    writer's own records in out_dir (PREFIX_done.json, PREFIX_parts.json) are never input: with a source directory
-    that holds out_dir (`--source data/corpus` writes to data/corpus by default), a rerun would read them."""
-    path = Path(source).expanduser()
+def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
+    """A local source's files, sorted, of one `datasets` builder, without the records in out_dir (its default)."""
+    path, out = Path(source).expanduser(), Path(out_dir).expanduser().resolve()
     if any(c in source for c in "*?["):
         files = [Path(f) for f in glob.glob(str(path), recursive=True)]
-    elif path.is_dir():
-        files = [f for f in path.rglob("*") if f.suffix in LOCAL_BUILDERS]
-    elif path.is_file():
-        files = [path]
+    elif path.exists():
+        files = [f for f in path.rglob("*") if f.suffix in LOCAL_BUILDERS] if path.is_dir() else [path]
     else:
         raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
                         ".txt/.jsonl/.json/.parquet, or a hub dataset name")
-    out = Path(out_dir).expanduser().resolve() if out_dir is not None else None
-    records = re.compile(r".+_(?:done|parts)\.json")
-    files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and records.fullmatch(f.name)))
+    records = ("_done.json", "_parts.json")  # parts: an older writer's
+    files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and f.name.endswith(records)))
     suffixes = {f.suffix for f in files}
     if not files or not suffixes <= set(LOCAL_BUILDERS):
         found = f" (found {', '.join(sorted(suffixes))})" if suffixes else ""
         raise DataError(f"--source {source} matches no .txt/.jsonl/.json/.parquet files{found}")
-    builders = {LOCAL_BUILDERS[s] for s in suffixes}
-    if len(builders) > 1:
+    if len({LOCAL_BUILDERS[s] for s in suffixes}) > 1:
         raise DataError(f"--source {source} mixes file types ({', '.join(sorted(suffixes))}); pass a glob that "
                         "matches one type, e.g. 'dir/*.jsonl'")
-    if all(f.stat().st_size == 0 for f in files):
+    if all(f.stat().st_size == 0 for f in files):  # datasets' json builder fails on these with a bare StopIteration
         raise DataError(f"--source {source} is empty: its {len(files)} file(s) hold no bytes")
     return files
 
@@ -503,310 +371,122 @@ def stdlib_files() -> list[Path]:
 
 
 def stdlib_docstrings(cfg: FinewebConfig) -> Path:
-    """The distinct docstrings of stdlib_files() (modules, classes, functions), one JSON line each, written once into
-    --cache-dir: English prose about Python, which a small model learns to write in minutes where code's indentation
-    (GPT-2 BPE spends a token per space) holds it back."""
+    """stdlib_files()' distinct docstrings as JSON lines, cached: prose a small model learns in minutes, unlike code."""
     path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_py{sys.version_info[0]}.{sys.version_info[1]}.jsonl"
-    if path.is_file():
-        return path
+    with contextlib.suppress(OSError):  # not there yet
+        try:
+            [json.loads(line) for line in path.read_text().splitlines()]
+            return path
+        except ValueError:  # cut short (a full disk, an older writer's partial copy) or damaged
+            print(f"note: {path} is damaged; writing it again")
     docs: dict[str, None] = {}  # ordered and deduplicated
     for file in stdlib_files():
-        try:
-            tree = ast.parse(file.read_bytes())
-        except (SyntaxError, ValueError):  # a file of another Python's syntax
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                docs.setdefault(ast.get_docstring(node) or "")
-    docs.pop("", None)
-    _cache(path, "".join(json.dumps({"text": doc}) + "\n" for doc in docs).encode())
-    return path
-
-
-def _cache(path: Path, data: bytes) -> None:
-    """Write path atomically (a temporary file, then a rename), so a kill mid-write never leaves a partial copy."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def shakespeare_file(cfg: FinewebConfig) -> Path:
-    """Tiny Shakespeare: --shakespeare-path if given, else the cached download (fetched once). A local copy that is
-    the very file (its sha256) also fills an empty cache, so a later run without the flag (the README's command, say)
-    finds it there on an offline machine instead of trying to download it."""
-    path = Path(cfg.cache_dir).expanduser() / "tinyshakespeare.txt"
-    if cfg.shakespeare_path:
-        local = Path(cfg.shakespeare_path).expanduser()
-        if local.is_dir():
-            inside = local / "tinyshakespeare.txt"
-            raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is a directory; pass the file itself"
-                            + (f": --shakespeare-path {inside}" if inside.is_file() else
-                               ", a local copy of tinyshakespeare.txt"))
-        if not local.is_file():
-            raise DataError(f"--shakespeare-path {cfg.shakespeare_path} does not exist; pass the path of a local "
-                            "copy of tinyshakespeare.txt, or leave it empty to download it")
-        if not path.is_file() and local.stat().st_size == SHAKESPEARE_BYTES \
-                and hashlib.sha256(data := local.read_bytes()).hexdigest() == SHAKESPEARE_SHA256:
-            with contextlib.suppress(OSError):  # a cache that cannot be written is no reason to stop
-                _cache(path, data)
-        return local
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as r:
-                _cache(path, r.read())
-        except (urllib.error.URLError, OSError) as e:
-            raise DataError(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}); pass "
-                            "--shakespeare-path with a local copy") from None
+        with contextlib.suppress(SyntaxError, ValueError):  # a file of another Python's syntax
+            for node in ast.walk(ast.parse(file.read_bytes())):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    docs.setdefault(ast.get_docstring(node) or "")
+    atomic_write(path, "".join(json.dumps({"text": doc}) + "\n" for doc in docs if doc).encode())
     return path
 
 
 def source_files(cfg: FinewebConfig) -> list[Path] | None:
-    """The files a non-hub source reads, in order (None for a hub dataset); fetches Tiny Shakespeare once."""
+    """The files a non-hub source reads, in order (None for a hub dataset); downloads Tiny Shakespeare once."""
     kind = source_kind(cfg.source)
-    if kind in ("fineweb", "hub"):
-        return None
-    if kind == "stdlib":
-        return stdlib_files()
-    if kind == "stdlib-docs":
-        return [stdlib_docstrings(cfg)]
-    if kind == "shakespeare":
-        return [shakespeare_file(cfg)]
-    return local_files(cfg.source, cfg.out_dir)
-
-
-@contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """datasets' builders log a read error to stderr before raising it; we report it ourselves, in one line."""
-    log = logging.getLogger("datasets")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
+    shakespeare = Path(cfg.shakespeare_path or Path(cfg.cache_dir, "tinyshakespeare.txt")).expanduser()
+    if kind == "shakespeare" and cfg.shakespeare_path and not shakespeare.is_file():
+        raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is not a file; pass the path of a local copy of "
+                        "tinyshakespeare.txt, or leave it out to download it")
+    if kind == "shakespeare" and not shakespeare.is_file():
+        try:
+            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as r:
+                atomic_write(shakespeare, r.read())
+        except OSError as e:  # urllib's URLError among them
+            raise DataError(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}); pass "
+                            "--shakespeare-path with a local copy") from None
+    files = {"stdlib": stdlib_files, "stdlib-docs": lambda: [stdlib_docstrings(cfg)],
+             "shakespeare": lambda: [shakespeare], "local": lambda: local_files(cfg.source, cfg.out_dir)}
+    return files[kind]() if kind in files else None
 
 
 def _read_error(cfg: FinewebConfig, where: str, file: Path | None, err: Exception) -> DataError:
     """One line for an error raised while `datasets` read the source: where, the root cause, and what to do."""
     import datasets
-    import pyarrow.parquet as pq
 
     cause: BaseException = err
-    # datasets wraps a builder's error (raise DatasetGenerationError from e) and may re-raise inside an except, so
-    # the useful message is at the end of __cause__, or in the __context__ of a wrapper that has none
+    # the root cause: datasets wraps a builder's error (raise ... from e), or re-raises it inside an except
     while (inner := cause.__cause__ or (cause.__context__ if isinstance(cause, datasets.exceptions.DatasetsError)
                                         else None)) is not None:
         cause = inner
-    message = " ".join(f"{type(cause).__name__}: {cause}".split())  # its messages can span several lines
-    message = message if len(message) <= 300 else message[:297] + "..."
-    if isinstance(cause, UnicodeDecodeError):
-        fix = "convert it to UTF-8 (e.g. iconv -t UTF-8) or leave it out of --source"
-    elif isinstance(cause, datasets.table.CastError):
-        fix = (f"its columns differ from the first file's; give every file the same columns, --text-field "
-               f"{cfg.text_field!r} among them, or pass a glob that leaves the odd ones out")
-    elif file is not None and file.suffix == ".parquet" and _parquet_rows(pq, file) == 0:
-        fix = "the file has no rows; delete it or leave it out of --source"
-    elif source_kind(cfg.source) in ("fineweb", "hub"):
-        fix = "check the network and rerun (complete shards are kept)"
-    else:
-        fix = "fix that file or leave it out of --source"
+    message = textwrap.shorten(f"{type(cause).__name__}: {cause}", 300)  # one line (its messages can span several)
+    fix = "check the names and the network, and rerun (complete shards are kept)" if file is None and \
+        source_kind(cfg.source) in ("fineweb", "hub") else "fix that file or leave it out of --source"
     return DataError(f"could not read {where}: {message}; {fix}")
 
 
-def _parquet_rows(pq: Any, file: Path) -> int | None:
-    try:
-        return pq.read_metadata(file).num_rows
-    except (OSError, ValueError):  # corrupt: no row count to tell
-        return None
-
-
-def read_rows(cfg: FinewebConfig, files: list[Path] | None,
-              counts: PartCounts | None = None) -> Iterator[tuple[dict[str, Any], str, int]]:
-    """The source's rows (dicts) in a fixed order, each with where it came from and its part's index, all read through
-    `datasets.load_dataset`. Streamed, a source of several files comes in parts, a file each, and reading starts at
-    the part `counts` names, so a resume skips whole files unread. A read error becomes one DataError line naming the
-    file (streaming) or --source, and the root cause."""
+def read_documents(cfg: FinewebConfig, files: list[Path] | None,
+                   start: Iterable[int] = START) -> Iterator[tuple[str, tuple[int, int, int, int]]]:
+    """The source's non-empty texts from position `start` on, each with its position (part, row in it, row in the
+    source, parts). Streamed, each file is a part: a resume opens start's part (if the parts are as many) and skips
+    the earlier files unread. A read error becomes one line naming the file (streaming) or --source, and its cause."""
     import datasets  # lazily: the loader above must import on machines without `datasets`
     import pyarrow
 
-    kind = source_kind(cfg.source)
     # what reading data raises (bad bytes, bad JSON, a schema mismatch, a network drop); anything else is a bug
     reading = (OSError, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
-    source = f"--source {cfg.source}"
-    with _quiet_datasets():
-        try:
-            if files is None:
-                pin = {"revision": cfg.revision} if cfg.revision else {}
-                ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split,
-                                           streaming=cfg.streaming, **pin)
-            else:
-                builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
-                options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
-                ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                           streaming=cfg.streaming, **options)
-        except reading as e:
-            if files is None:
-                raise DataError(f"could not load hub dataset {source} (--name {cfg.name or 'none'}, --split "
-                                f"{cfg.split}): {type(e).__name__}: {e}; check the names and the network, or pass a "
-                                "local file, directory or glob") from None
-            raise _read_error(cfg, source, None, e) from None
-        # streamed, each file is one shard, in order: reading shard by shard names the file a bad row comes from
-        parts: list[tuple[Any, str, Path | None]] = [(ds, source, files[0] if files and len(files) == 1 else None)]
-        if files and len(files) > 1 and isinstance(ds, datasets.IterableDataset) and ds.num_shards == len(files):
-            parts = [(ds.shard(len(files), i, contiguous=True), f"{f} of {source}", f) for i, f in enumerate(files)]
-        elif files is None and isinstance(ds, datasets.IterableDataset) and ds.num_shards > 1:
-            n = ds.num_shards
-            parts = [(ds.shard(n, i, contiguous=True), f"file {i + 1} of {n} of {source}", None) for i in range(n)]
-        start_part = counts.begin(len(parts)) if counts is not None else 0
-        for index, (part, where, file) in enumerate(parts):
-            if index < start_part:
-                continue
-            rows = iter(part)
-            while True:
-                try:
-                    row = next(rows)
-                except StopIteration:
-                    break
-                except reading as e:
-                    raise _read_error(cfg, where, file, e) from None
-                yield row, where, index
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs a read error before raising it: one line here
+    where = f"--source {cfg.source}" + ("" if files else f" (--name {cfg.name or 'none'}, --split {cfg.split})")
+    file, (part, row, first, n), kind = None, list(start)[:4], source_kind(cfg.source)
+    try:
+        if files is None:
+            pin = {"revision": cfg.revision} if cfg.revision else {}
+            ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming,
+                                       **pin)
+        else:
+            builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
+            options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                       streaming=cfg.streaming, **options)
+        shards = ds.num_shards if isinstance(ds, datasets.IterableDataset) else 1
+        names = files if files and len(files) == shards else [None] * shards
+        parts = [(ds, where, names[0])] if shards == 1 else [
+            (ds.shard(shards, i, contiguous=True), f"{f or f'file {i + 1} of {shards}'} of {where}", f)
+            for i, f in enumerate(names)]
+        part, g = (part, first - row) if n == len(parts) else (0, 0)
+        for p, (data, where, file) in enumerate(parts[part:], part):  # noqa: B007 (file: for the error below)
+            for r, item in enumerate(data):
+                if cfg.text_field not in item:
+                    raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are "
+                                    f"{', '.join(item)}; pass one of them with --text-field")
+                if item[cfg.text_field] and g >= first:  # an empty text would be a lone EOT
+                    yield item[cfg.text_field], (p, r, g, len(parts))
+                g += 1
+    except reading as e:
+        if isinstance(e, DataError):
+            raise
+        raise _read_error(cfg, where, file, e) from None
 
 
-def documents(rows: Iterable[tuple[dict[str, Any], str, int]], cfg: FinewebConfig) -> Iterator[tuple[str, int]]:
-    """The non-empty texts of `row[cfg.text_field]` with their part; empty documents would add a lone EOT and
-    nothing else."""
-    for row, where, part in rows:
-        if cfg.text_field not in row:
-            raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are {', '.join(row)}; "
-                            "pass one of them with --text-field")
-        text = row[cfg.text_field]
-        if text is None or text == "":
-            continue
-        if not isinstance(text, str):
-            raise DataError(f"--text-field {cfg.text_field!r} of {where} holds {type(text).__name__}, not text; "
-                            "pass a text column with --text-field")
-        yield text, part
-
-
-class PartCounts:
-    """How many documents each part of the source (a file, see read_rows) holds, kept in PREFIX_parts.json as parts
-    are read whole, so a resume starts reading at the part that holds its first missing document. It counts only for
-    the same settings, input files, --streaming and number of parts (docs/fineweb.md)."""
-
-    def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, skip: int):
-        self.path = Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_parts.json"
-        self.key = {"settings": _done_record(cfg, inputs, [])["settings"], "inputs": inputs,
-                    "streaming": cfg.streaming}
-        self.counts: list[int] = []
-        self.parts: int | None = None  # the number of parts the counts were made for
-        self.skip_total = skip  # documents at the start of the source that this run does not tokenize
-        self.start_part, self.skip, self.read = 0, skip, 0  # read: documents taken from the source, skipped included
-        try:
-            record = json.loads(self.path.read_text()) if skip > 0 else {}
-        except (OSError, ValueError):
-            record = {}
-        counts = record.get("documents") if record.get("key") == self.key else None
-        if isinstance(counts, list) and all(isinstance(n, int) and n >= 0 for n in counts):
-            self.counts, self.parts = counts, record.get("parts")
-
-    def other_input(self) -> bool:
-        """Whether the interrupted run whose shards are on disk read other local files (an edit, say) or settings,
-        by its record, written with each of its shards. The resume's own check compares only the last two documents
-        the kept shards hold, so an edit before them would otherwise mix old shards with new ones unnoticed."""
-        try:
-            key = json.loads(self.path.read_text())["key"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return False  # no record (no shard written yet, or an older run): the tail check is all there is
-        return not isinstance(key, dict) or any(key.get(k) != self.key[k] for k in ("settings", "inputs"))
-
-    def begin(self, parts: int) -> int:
-        """read_rows calls this once it knows the source's number of parts: the part to start reading at."""
-        if parts != self.parts:  # another split of the source than the counts were made for
-            self.counts = []
-        self.parts = parts
-        part, skip = 0, self.skip_total
-        while part < len(self.counts) and self.counts[part] <= skip:
-            skip -= self.counts[part]
-            part += 1
-        self.start_part, self.skip = part, skip
-        return part
-
-    def count(self, docs: Iterable[tuple[str, int]]) -> Iterator[str]:
-        """The texts of `docs` after the documents to skip, counting each part's documents once it is read whole."""
-        part, n = None, 0
-        for text, p in docs:
-            if part is None:  # read_rows has run begin() by the time it yields
-                part = self.start_part
-            while p > part:  # part (and any empty ones after it) read to its end
-                self.counts[part:] = [n]
-                part, n = part + 1, 0
-            n += 1
-            self.read += 1
-            if self.read > self.skip:
-                yield text
-        if part is not None:
-            self.counts[part:] = [n]  # the source's end: its last part is whole too
-
-    def save(self) -> None:
-        """Written with each shard: the directory is this run's by then."""
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps({"key": self.key, "parts": self.parts, "documents": self.counts}))
-        os.replace(tmp, self.path)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Writer: tokenization and shards
-
-
-def _pool_worker_init(parent: int | None) -> None:
-    """Restore SIGTERM's default (an inherited handler could keep the pool from closing) and, on Linux, ask for
-    SIGTERM when the parent dies, so a writer killed outright leaves no worker behind (docs/fineweb.md). `parent`:
-    the writer's pid when it forked the worker itself, else None."""
+def _pool_worker_init() -> None:
+    """SIGTERM's default back (a handler could keep the pool open); on Linux, SIGTERM when the writer dies outright."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
-        import ctypes
-
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-        if parent is not None and os.getppid() != parent:  # the writer died before the request was in place
-            os._exit(1)
 
 
 def tokenize(texts: list[str]) -> np.ndarray:
-    """`<|endoftext|>` + GPT-2 tokens for each text, concatenated, as uint16 (each document starts with EOT)."""
+    """EOT + GPT-2 tokens of each text, as uint16: EOT opens each document and nothing else (text is just text)."""
     enc = get_tokenizer()  # cached per process: each pool worker builds its own once
-    ids = []
-    for text in texts:
-        ids.append(EOT)
-        ids.extend(enc.encode_ordinary(text))  # special-token text in the data is just text
-    arr = np.array(ids, dtype=np.int64)
-    if len(arr) and (arr.min() < 0 or arr.max() >= 2**16):
-        raise DataError(f"token id {arr.max()} does not fit in uint16; the shard format needs a vocabulary < 65536")
-    return arr.astype(np.uint16)
-
-
-def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
-    it = iter(items)
-    while batch := list(islice(it, n)):
-        yield batch
+    return np.array([t for text in texts for t in (EOT, *enc.encode_ordinary(text))], dtype=np.uint16)
 
 
 @contextlib.contextmanager
 def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
-    """Processes that tokenize (None for one worker: the caller's own process does). An executor, not a Pool: when a
-    worker dies, a Pool replaces it and its chunk never comes back; the executor fails every pending chunk instead."""
+    """Tokenizer processes (None for one: the caller's); an executor fails where a Pool would wait for a dead worker."""
     if workers <= 1:
         yield None
         return
-    import multiprocessing
-
-    forked = multiprocessing.get_start_method() == "fork"
-    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init, initargs=(os.getpid() if forked else None,))
+    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init)
     try:
         pool.submit(int).result()  # fork every worker now, before `datasets` starts threads (fork + threads deadlock)
         yield pool
@@ -814,22 +494,21 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
         pool.shutdown(wait=True, cancel_futures=True)  # chunks still queued are dropped, running ones finish
 
 
-def token_stream(docs: Iterable[str], pool: ProcessPoolExecutor | None, workers: int,
-                 chunk: int = 16) -> Iterator[np.ndarray]:
-    """Tokens of `docs` in order, tokenized in chunks of `chunk` documents by the pool's processes (or here if None),
-    4 chunks per worker in flight: Executor.map would queue the whole streamed source."""
-    if pool is None:
-        yield from map(tokenize, _batched(docs, chunk))
-        return
-
-    pending: deque[Future] = deque()
+def token_stream(docs: Iterable[tuple[str, Any]], pool: ProcessPoolExecutor | None, workers: int,
+                 chunk: int = 16) -> Iterator[tuple[np.ndarray, list[Any]]]:
+    """(tokens, positions) of `docs` (text, position) in order, 4 chunks per worker in flight (Executor.map would
+    queue the whole streamed source)."""
+    pending, it = [], iter(docs)
     try:
-        for batch in _batched(docs, chunk):
-            pending.append(pool.submit(tokenize, batch))
-            if len(pending) >= 4 * workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        while batch := list(islice(it, chunk)):
+            texts = [text for text, _ in batch]
+            pending.append((pool.submit(tokenize, texts).result if pool else functools.partial(tokenize, texts),
+                            [position for _, position in batch]))
+            while len(pending) >= (4 * workers if pool else 1):
+                job, positions = pending.pop(0)
+                yield job(), positions
+        for job, positions in pending:
+            yield job(), positions
     except BrokenProcessPool as e:  # raised by result(), and by submit() once the pool knows
         raise DataError("a tokenizer process exited unexpectedly (killed, e.g. out of memory, or it could not "
                         "start); the shards written so far are complete: run the same command again to continue "
@@ -840,176 +519,88 @@ def shard_path(cfg: FinewebConfig, index: int) -> Path:
     return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_{'val' if index == 0 else 'train'}_{index:06d}.bin"
 
 
-def existing_shards(cfg: FinewebConfig) -> tuple[int, int, int, np.ndarray]:
-    """What an interrupted run left: (complete shards, their tokens, documents started, tokens of the last two
-    documents started, which the resume compares with the source). Complete shards validate and are full, in order
-    from shard 0."""
-    kept, total, docs = 0, 0, 0
-    last: list[np.ndarray] = []  # tokens from the last EOT on, possibly spread over shards
-    tail: list[np.ndarray] = []  # tokens from the EOT before it on
-    while True:
-        path = shard_path(cfg, kept)
-        try:
-            tokens = read_shard(path)
-        except DataError:
-            break
-        if len(tokens) != (cfg.val_target if kept == 0 else cfg.shard_size):
-            break  # a short last shard, or one written with other settings: rewritten from here
-        if cfg.max_tokens and total + len(tokens) > cfg.max_tokens:
-            break  # this run stops earlier
-        eots = np.flatnonzero(tokens == EOT)
-        if kept == 0 and (len(eots) == 0 or eots[0] != 0):
-            break  # not this writer's stream (it opens with EOT)
-        tokens = np.asarray(tokens)
-        if len(eots) >= 2:
-            tail, last = [tokens[eots[-2]:]], [tokens[eots[-1]:]]
-        elif len(eots) == 1:
-            tail, last = [*last, tokens], [tokens[eots[0]:]]
-        else:
-            tail, last = [*tail, tokens], [*last, tokens]
-        docs += len(eots)  # each document opens with EOT
-        total += len(tokens)
-        kept += 1
-    return kept, total, docs, np.concatenate(tail) if tail else np.zeros(0, np.uint16)
-
-
-def _skip_tokens(stream: Iterator[np.ndarray], expected: np.ndarray, path: Path) -> Iterator[np.ndarray]:
-    """Drop the first len(expected) tokens of `stream` (already on disk), checking they are the same."""
-    done = 0
-    for arr in stream:
-        take = min(len(arr), len(expected) - done)
-        if not np.array_equal(arr[:take], expected[done:done + take]):
-            raise DataError(f"the shards in {path.parent} do not match --source: they were written from other data "
-                            "or settings; delete them or choose another --out-dir")
-        done += take
-        if take < len(arr):
-            yield arr[take:]
-    if done < len(expected):
-        raise DataError(f"the shards in {path.parent} hold more than --source does; delete them or choose another "
-                        "--out-dir")
-
-
-def _done_path(cfg: FinewebConfig) -> Path:
+def record_path(cfg: FinewebConfig) -> Path:
     return Path(cfg.out_dir).expanduser() / f"{cfg.prefix}_done.json"
 
 
-def input_fingerprint(files: list[Path] | None) -> dict[str, Any] | None:
-    """What a local, shakespeare or stdlib(-docs) source is made of: every file's absolute path, size and mtime_ns,
-    hashed, so a rerun after a file was added, removed or edited writes again. None for a hub dataset (no files to
-    stat)."""
-    if files is None:
-        return None
-    digest, size = hashlib.sha256(), 0
-    for f in files:
-        st = f.stat()
-        digest.update(os.fsencode(f.resolve()) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        size += st.st_size
-    return {"files": len(files), "bytes": size, "sha256": digest.hexdigest()}
-
-
-def _done_record(cfg: FinewebConfig, inputs: dict[str, Any] | None, shards: list[Path]) -> dict[str, Any]:
-    """What a finished run read and wrote, and with which settings: a rerun with the same settings and inputs need
-    not read the source again (the last shard is short, so its size alone cannot tell a finished run from an
-    interrupted one)."""
+def record_key(cfg: FinewebConfig, files: list[Path] | None) -> dict[str, Any]:
+    """What the shards are made of: the settings that shape them and a local source's files (path, size, mtime)."""
     keys = ("source", "name", "split", "text_field", "txt_unit", "prefix", "shard_size", "val_tokens", "max_tokens")
-    settings = {k: getattr(cfg, k) for k in keys}
-    if cfg.revision:  # only when pinned, so the records of runs before this option still match
-        settings["revision"] = cfg.revision
-    return {"settings": settings, "inputs": inputs,
-            "shards": {p.name: len(read_shard(p)) for p in shards}}
+    settings = {k: getattr(cfg, k) for k in keys} | ({"revision": cfg.revision} if cfg.revision else {})
+    stats = [(os.fsencode(f.resolve()), f.stat()) for f in files or []]  # none for a hub dataset: --revision pins it
+    digest = hashlib.sha256(b"".join(p + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode() for p, st in stats))
+    inputs = {"files": len(stats), "bytes": sum(st.st_size for _, st in stats), "sha256": digest.hexdigest()}
+    return {"settings": settings, "inputs": inputs if files else None}
 
 
-def _previous_run(cfg: FinewebConfig, inputs: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
-    """What the completion record says: ('done', record) when this very run finished (same settings and inputs, its
-    shards unchanged); ('other', record) when a run with other settings or inputs finished here, so the shards on
-    disk are not this run's prefix (an edited document would go unnoticed by the resume check); else ('none', None)."""
-    done = _done_path(cfg)
-    try:
-        record = json.loads(done.read_text())
-        mine = _done_record(cfg, inputs, [])
-        # first, before any shard is read: a shard deleted since must not hide that the inputs changed too
-        if (record["settings"], record["inputs"]) != (mine["settings"], mine["inputs"]):
-            return "other", record
-        shards = [done.parent / name for name in record["shards"]]
-        if record == _done_record(cfg, inputs, shards):
-            return "done", record
-    except (OSError, ValueError, KeyError, TypeError, DataError):
-        pass  # absent or unreadable, or a shard changed since: resume from what is on disk
-    return "none", None
-
-
-def _remove_train_shards(cfg: FinewebConfig, start: int) -> None:
-    """Delete PREFIX_train_NNNNNN.bin for every NNNNNN >= start."""
-    numbered = re.compile(rf"{re.escape(cfg.prefix)}_train_(\d+)\.bin")
-    for old in Path(cfg.out_dir).expanduser().glob(f"{cfg.prefix}_train_*.bin"):
-        match = numbered.fullmatch(old.name)
-        if match and int(match[1]) >= start:
-            old.unlink()
+def resume_point(cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any]) -> tuple[int, Any]:
+    """How many recorded shards to keep (intact, from shard 0) and the source position after them (None: finished)."""
+    if {k: record.get(k) for k in key} != key:
+        if record:
+            print(f"{cfg.out_dir}: its shards were written from other input files or settings; writing them again")
+        return 0, START
+    sizes, kept = list(record["shards"].values()), 0
+    with contextlib.suppress(DataError):  # a shard missing, cut short or damaged ends the kept ones
+        while kept < len(sizes) and len(read_shard(shard_path(cfg, kept))) == sizes[kept]:
+            kept += 1
+    if kept == len(sizes) and record.get("done", True):  # (records without resume points were written when done)
+        return kept, None
+    point = record.get("resume", {}).get(shard_path(cfg, kept - 1).name) if kept else START
+    return (kept, point) if point else (0, START)
 
 
 class ShardWriter:
-    """Cuts this run's tokens into shards (the val shard, then --shard-size train shards) after the `kept` complete
-    ones on disk. It owns the buffer, the progress bar, the lock on --out-dir (from the first write to the exit of
-    its `with`) and the completion record."""
+    """Cuts the token stream into shards after `kept` ones (val, then --shard-size train shards), each recorded with the
+    source position after it; holds the lock on --out-dir from its first change there until close()."""
 
-    def __init__(self, cfg: FinewebConfig, inputs: dict[str, Any] | None, parts: PartCounts, kept: int = 0,
-                 written: int = 0):
-        self.cfg, self.inputs, self.parts = cfg, inputs, parts
-        self.kept, self.written = kept, written  # the complete shards this run keeps, and their tokens
-        self.index, self.total, self.fill = kept, written, 0  # shard being filled, tokens in all, tokens in buf
-        self.docs = 0  # documents this run writes tokens of (a resume skips those in the shards it keeps)
-        self.val = cfg.val_target  # the val shard's tokens; finish() may give it the first 10% instead
-        self.limit = cfg.max_tokens or float("inf")
-        self.buf = np.empty(cfg.val_target if kept == 0 else cfg.shard_size, dtype=np.uint16)
-        self._bar: Any = None  # the current shard's progress bar, opened at its first token
-        self._lock: Any = None  # the open lock file, once this run has changed --out-dir
+    def __init__(self, cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any] | None = None, kept: int = 0,
+                 point: Iterable[int] = START):
+        names = [shard_path(cfg, i).name for i in range(kept)]
+        self.record = {**key, "done": False, **{k: {n: (record or {}).get(k, {}).get(n) for n in names}
+                                                for k in ("shards", "resume")}}
+        self.cfg, self.kept, self._lock = cfg, kept, None
+        self.written = self.total = sum(self.record["shards"].values())  # tokens in the kept shards, in all
+        self.index, self.fill, self.docs = kept, 0, 0  # shard being filled, its tokens, documents this run writes
+        self.val, self.limit = cfg.val_target, cfg.max_tokens or float("inf")
+        self.point = list(point)  # the last buffered token's document, and its tokens buffered or written
+        self.drop = self.point[4]  # the first document's tokens that are on disk already
+        self.buf = np.empty(self.val if kept == 0 else cfg.shard_size, dtype=np.uint16)
 
-    def __enter__(self) -> ShardWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._close_bar()
+    def close(self) -> None:
         if self._lock is not None:
             self._lock.close()
 
-    def write_all(self, stream: Iterable[np.ndarray]) -> None:
-        """Take every array of `stream` up to --max-tokens (and read no further)."""
-        try:
-            for arr in stream:
-                self.add(arr)
+    def write_all(self, stream: Iterable[tuple[np.ndarray, list[Any]]]) -> None:
+        """Take every (tokens, positions of their documents) of `stream` up to --max-tokens, and read no further (the
+        bar is delayed: a source that cannot be read ends in its one line of error alone)."""
+        from tqdm import tqdm
+
+        with tqdm(total=self.cfg.max_tokens or None, initial=self.total, unit="tok", unit_scale=True, delay=1) as bar:
+            for arr, positions in stream:
+                self.add(arr, positions)
+                bar.update(self.total - bar.n)
                 if self.total >= self.limit:
                     break
-            if self._bar is not None:  # the stream ended: the last shard's bar ends at its size, not a full one's
-                self._bar.total = self._bar.n
-                self._bar.refresh()
-        finally:
-            self._close_bar()
 
-    def add(self, arr: np.ndarray) -> None:
+    def add(self, arr: np.ndarray, positions: list[Any]) -> None:
         """Buffer arr's tokens, writing the full buffer as its shard first when more tokens come."""
-        pos = 0
+        eots = np.flatnonzero(arr == EOT)  # where the documents of `positions` start
+        pos = min(self.drop, len(arr))
+        self.drop -= pos
         while pos < len(arr) and self.total < self.limit:
             if self.fill == len(self.buf):  # written once more tokens come, so a val shard is never left on its own
-                self._write(self.index, self.buf)
-                self.parts.save()
-                self._close_bar()
-                self.index, self.fill = self.index + 1, 0
-                self.buf = np.empty(self.cfg.shard_size, dtype=np.uint16)
-            if self._bar is None:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=len(self.buf), unit="tok", unit_scale=True,
-                                 desc=shard_path(self.cfg, self.index).name)
+                self._write(self.buf, self.point)
+                self.buf, self.fill = np.empty(self.cfg.shard_size, dtype=np.uint16), 0
             take = int(min(len(arr) - pos, len(self.buf) - self.fill, self.limit - self.total))
-            if self.total == self.written:  # this run's first token: the rest of a document the kept shards began?
-                self.docs += int(arr[pos] != EOT)
-            self.docs += int(np.count_nonzero(arr[pos:pos + take] == EOT))  # each document opens with EOT
+            i, j = np.searchsorted(eots, (pos, pos + take))
+            self.docs += int(j - i) + int(self.total == self.written and arr[pos] != EOT)  # + the rest of a kept one
+            start, had = (positions[j - 1], int(eots[j - 1]) - pos) if j > i else (self.point[:4], -self.point[4])
+            self.point = [*start, take - had]  # a new list: the record holds the old one
             self.buf[self.fill:self.fill + take] = arr[pos:pos + take]
             pos, self.fill, self.total = pos + take, self.fill + take, self.total + take
-            self._bar.update(take)
 
     def finish(self) -> None:
-        """Write what is buffered, drop train shards beyond the end, and record the run as finished."""
+        """Write what is buffered and record the run as finished."""
         cfg, total = self.cfg, self.total
         if total == 0:
             raise DataError(f"--source {cfg.source} has no text: no non-empty documents in --text-field "
@@ -1019,143 +610,81 @@ class ShardWriter:
                 raise DataError(f"--source {cfg.source} has only {total:,} tokens, all of them for the val shard "
                                 f"(--val-tokens {cfg.val_tokens}); lower --val-tokens to leave some for training, e.g. "
                                 f"--val-tokens {max(total // 10, 1)}, or leave it out to use the first 10%")
-            # the default: the first 10% is val, the rest train shard 1, written only now (existing_shards never
-            # keeps a val shard that is not full, so an interrupted write starts over)
             self.val = max(total // 10, 1)  # a document is EOT + at least one token: total >= 2
-            self._write(0, self.buf[:self.val])
-            self.index, self.buf, self.fill = 1, self.buf[self.val:total], total - self.val
+            self._write(self.buf[:self.val], None)  # no resume point: a rerun writes a short val shard again
+            self.buf, self.fill = self.buf[self.val:total], total - self.val
         if self.fill:
-            self._write(self.index, self.buf[:self.fill])
-            self.index += 1
-        if self._lock is None:  # the kept shards were the whole stream, but what follows changes the directory too
-            self._lock = _lock_out_dir(cfg)
-        _remove_train_shards(cfg, self.index)  # beyond the end, when this run wrote nothing: left by a longer run
-        done = _done_path(cfg)
-        tmp = done.with_name(f".{done.name}.tmp")
-        tmp.write_text(json.dumps(_done_record(cfg, self.inputs, [shard_path(cfg, i) for i in range(self.index)])))
-        os.replace(tmp, done)
-        self.parts.path.unlink(missing_ok=True)  # a finished run needs no resume point
+            self._write(self.buf[:self.fill], self.point)
+        self._own()  # where the kept shards were the whole stream, a longer run's after them go too
+        self.record["done"] = True
+        self._save()
 
     def report(self, seconds: float, workers: int) -> dict[str, Any]:
-        """Print the run's totals and return them."""
-        out, total, val = Path(self.cfg.out_dir).expanduser(), self.total, self.val
-        tokenized = total - self.written
-        result = {"out_dir": str(out), "shards": self.index, "skipped_shards": self.kept, "val_tokens": val,
-                  "train_tokens": total - val, "tokenized": tokenized, "documents_tokenized": self.docs,
-                  "documents_read": self.parts.read,
+        """Print the run's totals and return them (workers 0: a finished run, nothing done)."""
+        val, tokenized = next(iter(self.record["shards"].values())), self.total - self.written
+        result = {"shards": self.index, "skipped_shards": self.kept, "val_tokens": val,
+                  "train_tokens": self.total - val, "tokenized": tokenized, "documents_tokenized": self.docs,
                   "seconds": seconds, "tokens_per_sec": tokenized / max(seconds, 1e-9), "workers": workers}
-        print(f"{out}: {self.index} shards ({self.kept} already complete), {val:,} val + {total - val:,} train tokens; "
-              f"tokenized {tokenized:,} tokens of {self.docs:,} documents in {seconds:.1f}s = "
-              f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers")
+        done = (f"tokenized {tokenized:,} tokens of {self.docs:,} documents in {seconds:.1f}s = "
+                f"{result['tokens_per_sec']:,.0f} tokens/s on {workers} workers" if workers else
+                "nothing to do (to write them again, delete them or pass another --out-dir)")
+        print(f"{Path(self.cfg.out_dir).expanduser()}: {self.index} shards ({self.kept} already complete), {val:,} val "
+              f"+ {self.total - val:,} train tokens; {done}")
         return result
 
-    def _close_bar(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+    def _write(self, tokens: np.ndarray, point: list[int] | None) -> None:
+        self._own()
+        path = shard_path(self.cfg, self.index)
+        write_shard(path, tokens)
+        self.record["shards"][path.name], self.record["resume"][path.name] = len(tokens), point
+        self._save()
+        self.index += 1
 
-    def _write(self, index: int, tokens: np.ndarray) -> None:
-        """Write shard `index`. The first write takes the lock and clears the way: the completion record, killed runs'
-        temporaries, and shard `index` and every train shard after it (an earlier run's, which a resume must not take
-        for this one's). Before that, --out-dir is left as it was."""
-        cfg, out = self.cfg, Path(self.cfg.out_dir).expanduser()
+    def _own(self) -> None:
+        """At the first change to --out-dir: take the lock, delete killed runs' temporaries and shards from here on."""
         if self._lock is None:
+            cfg, out = self.cfg, Path(self.cfg.out_dir).expanduser()
             self._lock = _lock_out_dir(cfg)
-            out.mkdir(parents=True, exist_ok=True)
-            _done_path(cfg).unlink(missing_ok=True)
-            for stale in out.glob(f".{cfg.prefix}_*.tmp"):  # never a valid shard
-                stale.unlink()
-            shard_path(cfg, index).unlink(missing_ok=True)
-            _remove_train_shards(cfg, index + 1)
-        write_shard(shard_path(cfg, index), tokens)
+            for old in [*out.glob(f".{cfg.prefix}_*.tmp"), *out.glob(f"{cfg.prefix}_*.bin")]:
+                index = re.fullmatch(rf"{re.escape(cfg.prefix)}_(?:val|train)_(\d+)\.bin", old.name)
+                if old.suffix == ".tmp" or (index and int(index[1]) >= self.index):
+                    old.unlink()
+
+    def _save(self) -> None:
+        atomic_write(record_path(self.cfg), json.dumps(self.record).encode())
 
 
-def _check_out_dir_path(cfg: FinewebConfig) -> None:
-    """Stop now, not after tokenizing a whole val shard, if a parent of --out-dir is a file."""
-    out = Path(cfg.out_dir).expanduser()
-    for parent in (out, *out.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise DataError(f"--out-dir {cfg.out_dir}: {parent} is a file, not a directory; pass a directory "
-                                "(it is created if missing)")
-            break
-
-
-def _nothing_to_do(cfg: FinewebConfig, record: dict[str, Any]) -> dict[str, Any]:
-    """Print and return the totals of the finished run that `record` describes."""
-    out, sizes = Path(cfg.out_dir).expanduser(), list(record["shards"].values())
-    val, train = sizes[0], sum(sizes[1:])
-    print(f"{out}: {len(sizes)} shards ({len(sizes)} already complete), {val:,} val + {train:,} train tokens; "
-          "nothing to do (to write them again, delete them or pass another --out-dir)")
-    return {"out_dir": str(out), "shards": len(sizes), "skipped_shards": len(sizes), "val_tokens": val,
-            "train_tokens": train, "tokenized": 0, "documents_tokenized": 0, "documents_read": 0, "seconds": 0.0,
-            "tokens_per_sec": 0.0, "workers": 0}
-
-
-def _resume_point(cfg: FinewebConfig, inputs: dict[str, Any] | None, previous: str) -> tuple[int, int, int, np.ndarray]:
-    """existing_shards() of the shards on disk, or nothing to keep when they are another run's: a finished one's
-    of other settings or inputs, or an interrupted one's that read other input (by its parts record)."""
-    if previous == "none" and PartCounts(cfg, inputs, 0).other_input():
-        print(f"{Path(cfg.out_dir).expanduser()}: the interrupted run there read other input files or settings; "
-              "writing every shard again")
-        previous = "other"
-    return existing_shards(cfg) if previous == "none" else (0, 0, 0, np.zeros(0, np.uint16))
-
-
-def _note_other_corpora(cfg: FinewebConfig) -> None:
-    """find_shards takes every train shard in a directory: train.py --data OUT would read another corpus's too."""
-    out = Path(cfg.out_dir).expanduser()
-    mine = re.compile(rf"{re.escape(cfg.prefix)}_train_\d+\.(?:bin|npy)")
-    others = [f.name for f in find_shards(str(out), "train") if not mine.fullmatch(f.name)]
-    if others:
-        print(f"note: {out} also holds {len(others)} train shard(s) of another corpus ({others[0]}, ...), and "
-              f"train.py --data {out} would read them too: give each corpus its own --out-dir")
+def _lock_out_dir(cfg: FinewebConfig) -> Any:
+    """This prefix's lock in --out-dir: a second writer stops with a line, not deleting the first one's files."""
+    return hold_lock(Path(cfg.out_dir).expanduser() / f".{cfg.prefix}.lock", f"another fineweb.py is writing "
+                     f"{cfg.prefix} shards to {cfg.out_dir}; let it finish (then rerun this to check it), or pass "
+                     "another --out-dir",
+                     f"make sure no other fineweb.py writes {cfg.prefix} shards there", DataError)
 
 
 def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     """Tokenize cfg.source into shards in cfg.out_dir, resuming after an interruption; prints and returns totals."""
-    _check_out_dir_path(cfg)
+    out = Path(cfg.out_dir).expanduser()
     files = source_files(cfg)
-    inputs = input_fingerprint(files)  # before reading: a file edited during the run makes the next run write again
-    _check_out_dir_unlocked(cfg)
-    previous, record = _previous_run(cfg, inputs)
-    if previous == "done":
-        return _nothing_to_do(cfg, record)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = cfg.workers or cores
-    kept, written, docs_started, partial = _resume_point(cfg, inputs, previous)
-    # a rerun skips the documents the kept shards hold (whole files unread, where an earlier run counted them) but
-    # the last two, whose tokens must equal what is on disk: a check that cannot pass by chance
-    parts = PartCounts(cfg, inputs, max(docs_started - 2, 0))
-    with ShardWriter(cfg, inputs, parts, kept, written) as writer:
+    key = record_key(cfg, files)  # before reading: a file edited during the run makes the next run write again
+    if (out / f".{cfg.prefix}.lock").is_file():  # held by another writer: stop now, not after a whole shard
+        _lock_out_dir(cfg).close()
+    record = json.loads(record_path(cfg).read_text()) if record_path(cfg).is_file() else {}  # written atomically
+    kept, point = resume_point(cfg, key, record)
+    if point is None:
+        return ShardWriter(cfg, key, record, kept).report(0.0, 0)
+    workers = cfg.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    with contextlib.closing(ShardWriter(cfg, key, record, kept, point)) as writer:
         t0 = time.time()
         with tokenizer_pool(workers) as pool:
-            docs = parts.count(documents(read_rows(cfg, files, parts), cfg))
-            writer.write_all(_skip_tokens(token_stream(docs, pool, workers), partial, shard_path(cfg, kept)))
+            writer.write_all(token_stream(read_documents(cfg, files, point), pool, workers))
         writer.finish()
         result = writer.report(time.time() - t0, workers)
-        _note_other_corpora(cfg)
+    mine = re.compile(rf"{re.escape(cfg.prefix)}_train_\d+\.bin")  # train.py --data OUT reads every train shard
+    if others := [f.name for f in find_shards(out, "train") if not mine.fullmatch(f.name)]:
+        print(f"note: {out} also holds {len(others)} train shard(s) of another corpus ({others[0]}, ...), and "
+              f"train.py --data {out} would read them too: give each corpus its own --out-dir")
     return result
-
-
-def _lock_path(cfg: FinewebConfig) -> Path:
-    return Path(cfg.out_dir).expanduser() / f".{cfg.prefix}.lock"
-
-
-def _lock_out_dir(cfg: FinewebConfig) -> Any:
-    """An exclusive lock on this prefix's shards in --out-dir, taken at a run's first change to the directory (it is
-    left alone before that) and held to its end, so a second writer of the same shards stops with a line instead of
-    deleting the first one's files mid-write. The lock file stays; the lock goes with the process."""
-    folder = Path(cfg.out_dir).expanduser()
-    return hold_lock(_lock_path(cfg), f"another fineweb.py is writing {cfg.prefix} shards to {folder}; let it finish "
-                     "(then rerun this to check it), or pass another --out-dir",
-                     f"make sure no other fineweb.py writes {cfg.prefix} shards there", DataError)
-
-
-def _check_out_dir_unlocked(cfg: FinewebConfig) -> None:
-    """Stop now if another writer holds the lock, rather than after tokenizing a whole shard; creates nothing."""
-    if _lock_path(cfg).is_file():
-        _lock_out_dir(cfg).close()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

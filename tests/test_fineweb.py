@@ -1,6 +1,7 @@
 """fineweb.py: the llm.c shard format, the writer (sources, val rule, resume) and the loader (exactly-once windows
 over ranks, reproducible shuffle, exact resume, preload), and a one-line error for every kind of bad input."""
 
+import contextlib
 import functools
 import io
 import json
@@ -128,32 +129,17 @@ def test_write_shard_rejects_ids_beyond_uint16(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_npy_shards_from_build_nanogpt_serve_the_same_batches_as_bin(tmp_path):
-    rng = np.random.default_rng(1)
-    shards = [rng.integers(0, 50257, n).astype(np.uint16) for n in (3000, 2500, 4100)]
-    (tmp_path / "npy").mkdir()
-    (tmp_path / "bin").mkdir()
-    for i, s in enumerate(shards):
-        np.save(tmp_path / "npy" / f"edufineweb_train_{i:06d}.npy", s)
-        write_shard(tmp_path / "bin" / f"edufineweb_train_{i:06d}.bin", s)
-    a = TokenLoader(str(tmp_path / "npy"), "train", 4, 32, seed=3)
-    b = TokenLoader(str(tmp_path / "bin"), "train", 4, 32, seed=3)
-    assert a.num_windows == b.num_windows == 2999 // 128 + 2499 // 128 + 4099 // 128 == 74
-    for (xa, ya), (xb, yb) in zip(batches(a, 80), batches(b, 80), strict=True):
-        assert torch.equal(xa, xb) and torch.equal(ya, yb)
-
-
 def test_find_shards_by_split_name_in_directory_or_glob(tmp_path):
-    for name in ("fw_val_000000.bin", "fw_train_000001.bin", "fw_train_000002.npy", "tiny_shakespeare_val.bin",
-                 "tiny_shakespeare_train.bin", "edufineweb_val_000000.npy", "interval_x.bin", "val_notes.bin",
-                 "fw_train_000003.bin.7.tmp", "notes.txt"):
+    for name in ("fw_val_000000.bin", "fw_train_000001.bin", "fw_train_000002.bin", "tiny_shakespeare_val.bin",
+                 "tiny_shakespeare_train.bin", "edufineweb_val_000000.bin", "interval_x.bin", "val_notes.bin",
+                 "fw_train_000003.bin.7.tmp", ".fw_train_000004.bin.7.tmp", "fw_train_000005.npy", "notes.txt"):
         (tmp_path / name).touch()
     names = lambda files: [f.name for f in files]
-    assert names(find_shards(tmp_path, "val")) == ["edufineweb_val_000000.npy", "fw_val_000000.bin",
+    assert names(find_shards(tmp_path, "val")) == ["edufineweb_val_000000.bin", "fw_val_000000.bin",
                                                    "tiny_shakespeare_val.bin"]
-    assert names(find_shards(tmp_path, "train")) == ["fw_train_000001.bin", "fw_train_000002.npy",
+    assert names(find_shards(tmp_path, "train")) == ["fw_train_000001.bin", "fw_train_000002.bin",
                                                      "tiny_shakespeare_train.bin"]
-    assert names(find_shards(str(tmp_path / "fw_*"), "train")) == ["fw_train_000001.bin", "fw_train_000002.npy"]
+    assert names(find_shards(str(tmp_path / "fw_*"), "train")) == ["fw_train_000001.bin", "fw_train_000002.bin"]
 
 
 @pytest.mark.parametrize("word", ["train", "val"])
@@ -204,8 +190,8 @@ def test_chunks_come_back_in_document_order_when_more_are_in_flight_than_the_win
     docs = make_docs(30, seed=8)
     want = [expected_tokens([d]).tolist() for d in docs]  # first: forked workers inherit the tokenizer's tables
     with fineweb.tokenizer_pool(2) as pool:
-        chunks = list(fineweb.token_stream(docs, pool, 2, chunk=1))
-    assert [c.tolist() for c in chunks] == want
+        out = list(fineweb.token_stream([(d, i) for i, d in enumerate(docs)], pool, 2, chunk=1))
+    assert [c.tolist() for c, _ in out] == want and [where for _, where in out] == [[i] for i in range(30)]
 
 
 def test_max_tokens_stops_exactly_and_default_val_is_the_first_shard(tmp_path):
@@ -254,18 +240,7 @@ def test_shakespeare_local_copy_whole_file_is_one_document(tmp_path):
     assert result["documents_tokenized"] == 1
     loader = TokenLoader(str(tmp_path), "val", 8, 256)
     assert loader.num_windows == 32767 // 2048 == 15
-    # the very file fills the empty cache, so the README's `fineweb.py --source shakespeare` later works offline
-    assert (tmp_path / "cache" / "tinyshakespeare.txt").read_bytes() == SHAKESPEARE.read_bytes()
-    shards = {f.name: f.read_bytes() for f in files}
-    main(["--source", "shakespeare", "--out-dir", str(tmp_path), "--workers", "1", "--cache-dir",
-          str(tmp_path / "cache")])
-    assert {f.name: f.read_bytes() for f in shard_files(tmp_path)} == shards
-    # another file passed as Tiny Shakespeare is used, but not cached as the download
-    other = tmp_path / "other.txt"
-    other.write_text("not Shakespeare\n")
-    main(["--source", "shakespeare", "--shakespeare-path", str(other), "--out-dir", str(tmp_path / "o"),
-          "--workers", "1", "--cache-dir", str(tmp_path / "cache2"), "--val-tokens", "2"])
-    assert not (tmp_path / "cache2").exists()
+    assert not (tmp_path / "cache").exists()  # nothing downloaded
 
 
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
@@ -293,25 +268,21 @@ def test_shakespeare_download_failure_names_the_local_flag(tmp_path, monkeypatch
     monkeypatch.setattr(fineweb.urllib.request, "urlopen", offline)
     with pytest.raises(DataError, match="could not download Tiny Shakespeare.*--shakespeare-path"):
         write_dataset(cfg_for("shakespeare", tmp_path / "out", cache_dir=str(tmp_path / "cache")))
-    assert list((tmp_path / "cache").iterdir()) == [] and not (tmp_path / "out").exists()
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
 
 
-def test_shakespeare_path_that_is_a_directory_says_so(tmp_path, capsys):
+def test_shakespeare_path_that_is_not_a_file_says_so(tmp_path, capsys):
     folder = tmp_path / "shk"
     folder.mkdir()
     args = ["--source", "shakespeare", "--shakespeare-path", str(folder), "--out-dir", str(tmp_path / "out"),
             "--cache-dir", str(tmp_path / "cache")]
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    assert e.value.code == 1 and capsys.readouterr().err == (
-        f"error: --shakespeare-path {folder} is a directory; pass the file itself, a local copy of "
-        "tinyshakespeare.txt\n")
-    (folder / "tinyshakespeare.txt").write_text("ROMEO:\n")
-    with pytest.raises(SystemExit):
-        main(args)
-    assert capsys.readouterr().err == (f"error: --shakespeare-path {folder} is a directory; pass the file itself: "
-                                       f"--shakespeare-path {folder / 'tinyshakespeare.txt'}\n")
-    assert not (tmp_path / "out").exists()
+    for path in (folder, tmp_path / "missing.txt"):
+        with pytest.raises(SystemExit) as e:
+            main([*args[:2], "--shakespeare-path", str(path), *args[4:]])
+        assert e.value.code == 1 and capsys.readouterr().err == (
+            f"error: --shakespeare-path {path} is not a file; pass the path of a local copy of tinyshakespeare.txt, "
+            "or leave it out to download it\n")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 
 def test_pool_closes_under_a_parent_that_catches_sigterm(tmp_path):
@@ -404,17 +375,6 @@ if __name__ == "__main__":
 """
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split() == ["9"], proc.stderr[-2000:]  # 3 x (EOT + 2 tokens)
-
-
-def test_a_same_size_file_that_is_not_tiny_shakespeare_is_not_cached_as_it(tmp_path):
-    """Only the very file (its sha256) fills the download cache: another file of exactly its size passed with
-    --shakespeare-path is used for this run, but a later run without the flag must not find it as the download."""
-    impostor = tmp_path / "impostor.txt"
-    impostor.write_bytes(b"x" * fineweb.SHAKESPEARE_BYTES)
-    cfg = cfg_for("shakespeare", tmp_path / "out", cache_dir=str(tmp_path / "cache"),
-                  shakespeare_path=str(impostor))
-    assert fineweb.shakespeare_file(cfg) == impostor
-    assert not (tmp_path / "cache" / "tinyshakespeare.txt").exists()
 
 
 def test_stdlib_source_is_sorted_python_files_one_document_each(tmp_path):
@@ -613,57 +573,72 @@ def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, mo
     assert f"tokenized {result['tokenized']:,} tokens of {70 - kept_docs + 1} documents in" in capsys.readouterr().out
 
 
+def rerun_with_earlier_files_garbled(cfg: FinewebConfig, files: list[Path], docs_per_file: list[int],
+                                     written: list[Path]) -> tuple[dict, int]:
+    """write_dataset(cfg) after a run killed once it wrote `written`, with every source file before the one holding
+    the document its last shard ends in overwritten by garbage of the same size and mtime (which the inputs'
+    fingerprint cannot tell): a rerun that read one would fail or write other tokens. The files are restored after.
+    Returns the rerun's result and the number of files garbled."""
+    cut = sum(int((read_shard(p) == EOT).sum()) for p in written) - 1  # that document's index
+    first = next(i for i in range(len(files)) if sum(docs_per_file[:i + 1]) > cut)
+    saved = [(f, f.read_bytes(), f.stat()) for f in files[:first]]
+    for f, data, st in saved:
+        f.write_bytes(b"x" * len(data))
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    try:
+        return write_dataset(cfg), first
+    finally:
+        for f, data, st in saved:
+            f.write_bytes(data)
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def test_killed_writer_resumes_at_the_file_of_its_first_missing_document(tmp_path, monkeypatch):
-    # 8 files streamed a file at a time, one empty and one of empty texts: a rerun must not read the files whose
-    # documents the kept shards hold, and must write what an uninterrupted run writes, also with 2 workers (reading
-    # runs ahead of writing) and after switching to --streaming false (one part: the counts no longer apply)
+    # 8 files streamed a file at a time, one empty and one of empty texts: a rerun must not read the files before the
+    # one its first missing token's document is in, and must write what an uninterrupted run writes, also with 2
+    # workers (reading runs ahead of writing) and after switching to --streaming false (one part: the recorded row in
+    # the source tells where to go on)
     src = tmp_path / "src"
     src.mkdir()
-    docs, sizes = make_docs(60, seed=3), [10, 0, 10, 10, 10, 10, 10]
-    for i in range(len(sizes)):
-        write_jsonl(src / f"part{i}.jsonl", docs[sum(sizes[:i]):sum(sizes[:i + 1])])
-    write_jsonl(src / "part7.jsonl", ["", ""])  # texts, but no documents
-    ref = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref"))
-    assert ref["documents_read"] == 60 and not (tmp_path / "ref" / "t_parts.json").exists()  # gone once finished
+    docs, sizes = make_docs(60, seed=3), [10, 0, 10, 10, 10, 10, 10, 0]
+    files = [src / f"part{i}.jsonl" for i in range(len(sizes))]
+    for i, f in enumerate(files[:-1]):
+        write_jsonl(f, docs[sum(sizes[:i]):sum(sizes[:i + 1])])
+    write_jsonl(files[-1], ["", ""])  # texts, but no documents
+    write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref"))
     expected = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
-    def interrupted(out: Path, kill_after: int) -> list[int]:
-        write_killed(cfg_for(f"{src}/*.jsonl", out), monkeypatch, after=kill_after)
-        return json.loads((out / "t_parts.json").read_text())["documents"]
-
+    garbled = []
     for workers, kill_after in [(1, k) for k in range(3, len(expected) - 1)] + [(2, 3)]:
         out = tmp_path / f"out{workers}_{kill_after}"
-        counts = interrupted(out, kill_after)
-        assert counts[:3] == [10, 0, 10]  # files read whole before the kill, the empty one included
-        kept = sum(int((read_shard(out / name) == EOT).sum()) for name in list(expected)[:kill_after])
-        # the rerun re-reads the last two documents the kept shards began (their tokens must match), from the start
-        # of the file that holds the first of them
-        first = kept - 2
-        start = next((k for k in range(len(counts)) if sum(counts[:k + 1]) > first), len(counts))
-        result = write_dataset(cfg_for(f"{src}/*.jsonl", out, workers=workers))
-        assert result["skipped_shards"] == kill_after and result["documents_read"] == 60 - sum(counts[:start]) < 60
+        written = write_killed(cfg_for(f"{src}/*.jsonl", out), monkeypatch, after=kill_after)
+        result, skipped = rerun_with_earlier_files_garbled(cfg_for(f"{src}/*.jsonl", out, workers=workers), files,
+                                                          sizes, written)
+        garbled.append(skipped)
+        assert result["skipped_shards"] == kill_after
         assert {p.name: p.read_bytes() for p in shard_files(out)} == expected
-    interrupted(tmp_path / "plain", 5)
+    assert max(garbled) >= 5  # the later kills skip five files or more, the empty one among them
+    write_killed(cfg_for(f"{src}/*.jsonl", tmp_path / "plain"), monkeypatch, after=5)
     result = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "plain", streaming=False))
-    assert result["documents_read"] == 60 and {p.name: p.read_bytes() for p in shard_files(tmp_path / "plain")} == \
-        expected
+    assert result["skipped_shards"] == 5
+    assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "plain")} == expected
 
 
-def test_resume_skips_every_file_its_kept_documents_fill_exactly(tmp_path, monkeypatch):
-    """One document per file: the documents the rerun skips always end at a file boundary, so it must start reading
-    at the very next file (not re-read the last skipped one), and still write what an uninterrupted run writes."""
+def test_resume_skips_every_file_before_the_document_it_goes_on_in(tmp_path, monkeypatch):
+    """One document per file, and shards of a few documents each: whatever the cut, the rerun starts reading at the
+    file of the document the kept shards end in, and writes what an uninterrupted run writes."""
     src = tmp_path / "src"
     src.mkdir()
-    docs = make_docs(20, seed=12)
-    for i, d in enumerate(docs):
-        write_jsonl(src / f"doc{i:02d}.jsonl", [d])
+    files = [write_jsonl(src / f"doc{i:02d}.jsonl", [d]) for i, d in enumerate(make_docs(20, seed=12))]
     settings = {"shard_size": 300, "val_tokens": 200}
     write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref", **settings))
     expected = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
-    written = write_killed(cfg_for(f"{src}/*.jsonl", tmp_path / "out", **settings), monkeypatch, after=3)
-    kept = sum(int((read_shard(p) == EOT).sum()) for p in written)  # documents the kept shards began
-    result = write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "out", **settings))
-    assert result["skipped_shards"] == 3 and result["documents_read"] == 20 - (kept - 2) < 20
-    assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "out")} == expected
+    for kill_after in (3, len(expected) - 2):
+        out = tmp_path / f"out{kill_after}"
+        written = write_killed(cfg_for(f"{src}/*.jsonl", out, **settings), monkeypatch, after=kill_after)
+        result, skipped = rerun_with_earlier_files_garbled(cfg_for(f"{src}/*.jsonl", out, **settings), files,
+                                                          [1] * 20, written)
+        assert result["skipped_shards"] == kill_after and skipped >= 3
+        assert {p.name: p.read_bytes() for p in shard_files(out)} == expected
 
 
 def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
@@ -672,6 +647,7 @@ def test_rerun_rewrites_missing_corrupt_and_stale_files(tmp_path, reference):
     out.mkdir()
     for name, data in ref.items():
         (out / name).write_bytes(data)
+    (out / "t_done.json").write_bytes((tmp_path / "ref" / "t_done.json").read_bytes())  # its record, as the run left
     last = list(ref)[-1]  # shard_files order: by index
     (out / last).unlink()  # the final shard never got written
     (out / "t_train_000004.bin").write_bytes(ref["t_train_000004.bin"][:1500])  # truncated by a crash
@@ -757,7 +733,7 @@ def test_input_edited_between_an_interrupted_run_and_its_rerun_is_written_anew(t
     capsys.readouterr()
     result = write_dataset(cfg_for(src, tmp_path / "out"))
     assert result["skipped_shards"] == 0
-    assert "the interrupted run there read other input files or settings" in capsys.readouterr().out
+    assert "its shards were written from other input files or settings; writing them again" in capsys.readouterr().out
     assert np.array_equal(concat(tmp_path / "out"), expected_tokens(edited))
 
 
@@ -907,35 +883,25 @@ def test_a_finished_run_is_written_again_when_a_setting_changes(tmp_path, change
     assert again["tokenized"] == fresh["tokenized"] > 0
 
 
-@pytest.mark.parametrize("change", [{"max_tokens": 1700}, {"shard_size": 500}])
-def test_shards_without_records_are_kept_only_as_far_as_they_fit_this_run(tmp_path, reference, change):
-    """A directory whose records are gone (or were never written, by an older writer): the resume keeps only the
-    full shards of this run's sizes, and a run that ends at a kept shard's end (val + one train shard = 1700 tokens,
-    so it writes nothing) still deletes the longer run's train shards after it."""
-    src, ref = reference
-    out = tmp_path / "out"
-    out.mkdir()
-    for name, data in ref.items():
-        (out / name).write_bytes(data)  # the shards alone: no t_done.json, no t_parts.json
-    write_dataset(cfg_for(src, out, **change))
-    write_dataset(cfg_for(src, tmp_path / "fresh", **change))
-    assert {p.name: p.read_bytes() for p in shard_files(out)} == \
-        {p.name: p.read_bytes() for p in shard_files(tmp_path / "fresh")}
-
-
-def test_rerun_over_shards_of_other_data_is_refused(tmp_path, reference):
+def test_shards_without_a_record_are_written_again(tmp_path, reference):
+    """Shards whose record is gone (or an older writer's interrupted run's): nothing vouches for what they were made
+    from, so a rerun writes every shard again, whether they hold this source (same bytes) or other data (replaced, not
+    mixed with the new)."""
     src, ref = reference
     out = tmp_path / "out"
     out.mkdir()
     for name in list(ref)[:3]:  # val and the first two train shards
         (out / name).write_bytes(ref[name])
+    result = write_dataset(cfg_for(src, out))
+    assert result["skipped_shards"] == 0 and {p.name: p.read_bytes() for p in shard_files(out)} == ref
+    (out / "t_done.json").unlink()
     other = write_jsonl(tmp_path / "other.jsonl", make_docs(70, seed=10))
-    with pytest.raises(DataError, match=r"do not match --source.*another --out-dir"):
-        write_dataset(cfg_for(other, out))
+    assert write_dataset(cfg_for(other, out))["skipped_shards"] == 0
+    assert np.array_equal(concat(out), expected_tokens(make_docs(70, seed=10)))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# shard writer (ShardWriter on its own: buffer, progress bars, lock, completion record)
+# shard writer (ShardWriter on its own: buffer, resume points, lock, record)
 
 
 def doc_tokens(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
@@ -944,54 +910,25 @@ def doc_tokens(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
     return [np.array([EOT, *rng.integers(0, EOT, n - 1)], dtype=np.uint16) for n in lengths]
 
 
-class Bars:
-    """Stands in for tqdm: records each bar's (desc, total as last set), the sum of its updates, and whether it was
-    closed; `refreshed` counts the redraws asked for after a change of total."""
-
-    def __init__(self):
-        self.made = []
-        self.refreshed = 0
-
-    def __call__(self, total, unit, unit_scale, desc):
-        bars = self
-
-        class Bar:
-            def __init__(self):
-                self.row = [desc, total, 0, False]
-                bars.made.append(self.row)
-
-            total = property(lambda self: self.row[1], lambda self, value: self.row.__setitem__(1, value))
-            n = property(lambda self: self.row[2])
-
-            def update(self, n):
-                self.row[2] += n
-
-            def refresh(self):
-                bars.refreshed += 1
-
-            def close(self):
-                self.row[3] = True
-
-        return Bar()
+def chunks(docs: list[np.ndarray], first_row: int = 0) -> list[tuple[np.ndarray, list[tuple[int, ...]]]]:
+    """token_stream's items for one document a chunk: its tokens, and its position (part 0 of 1, row = its index)."""
+    return [(d, [(0, first_row + i, first_row + i, 1)]) for i, d in enumerate(docs)]
 
 
-def shard_writer(cfg: FinewebConfig, kept: int = 0, written: int = 0) -> fineweb.ShardWriter:
-    return fineweb.ShardWriter(cfg, None, fineweb.PartCounts(cfg, None, 0), kept, written)
+def shard_writer(cfg: FinewebConfig, record: dict | None = None, kept: int = 0,
+                 point: tuple = fineweb.START) -> contextlib.closing[fineweb.ShardWriter]:
+    return contextlib.closing(fineweb.ShardWriter(cfg, fineweb.record_key(cfg, None), record, kept, point))
 
 
-def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path, monkeypatch):
-    import tqdm
-
-    bars = Bars()
-    monkeypatch.setattr(tqdm, "tqdm", bars)
+def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path):
     out, cfg = tmp_path / "out", cfg_for(tmp_path / "src.jsonl", tmp_path / "out")  # val 700, shards of 1000
     docs = doc_tokens([300] * 10)
     with shard_writer(cfg) as writer:
-        writer.write_all(docs[:9])  # 2700 tokens: val and train 1 full, 1000 buffered
+        writer.write_all(chunks(docs[:9]))  # 2700 tokens: val and train 1 full, 1000 buffered
         assert [p.name for p in shard_files(out)] == ["t_val_000000.bin", "t_train_000001.bin"]
-        assert (out / "t_parts.json").is_file()  # saved with each full shard
-        writer.write_all(docs[9:])
-        assert not (out / "t_done.json").exists()
+        record = json.loads((out / "t_done.json").read_text())  # saved with each full shard
+        assert record["shards"] == {"t_val_000000.bin": 700, "t_train_000001.bin": 1000} and not record["done"]
+        writer.write_all(chunks(docs[9:], first_row=9))
         writer.finish()
         with pytest.raises(DataError, match="another fineweb.py is writing t shards"):
             fineweb._lock_out_dir(cfg)  # held to the end of the `with`
@@ -999,16 +936,13 @@ def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path,
     assert [len(read_shard(p)) for p in shard_files(out)] == [700, 1000, 1000, 300]
     assert np.array_equal(concat(out), np.concatenate(docs))
     assert (writer.index, writer.total, writer.docs, writer.val) == (4, 3000, 10, 700)
-    assert not (out / "t_parts.json").exists()  # a finished run needs no resume point
     record = json.loads((out / "t_done.json").read_text())
-    assert record["inputs"] is None and record["settings"]["shard_size"] == 1000
+    assert record["done"] and record["inputs"] is None and record["settings"]["shard_size"] == 1000
     assert record["shards"] == {"t_val_000000.bin": 700, "t_train_000001.bin": 1000, "t_train_000002.bin": 1000,
                                 "t_train_000003.bin": 300}
-    assert [row[0] for row in bars.made] == [p.name for p in shard_files(out)]
-    assert [row[1] for row in bars.made[:3]] == [700, 1000, 1000]  # a bar per shard, sized to a full one
-    # the stream's last shard is 300 tokens: its bar ends full at 300/300, not at 300/1000 (which looks like a crash)
-    assert bars.made[3][1] == 300 and bars.refreshed == 2  # both write_all calls ended with a buffered shard
-    assert [row[2] for row in bars.made] == [700, 1000, 1000, 300] and all(row[3] for row in bars.made)
+    # after each shard: the row of the document its last token is in, and that document's tokens written so far
+    assert record["resume"] == {"t_val_000000.bin": [0, 2, 2, 1, 100], "t_train_000001.bin": [0, 5, 5, 1, 200],
+                                "t_train_000002.bin": [0, 8, 8, 1, 300], "t_train_000003.bin": [0, 9, 9, 1, 300]}
     result = writer.report(2.0, 3)
     assert {k: result[k] for k in ("shards", "skipped_shards", "val_tokens", "train_tokens", "tokenized",
                                    "documents_tokenized", "tokens_per_sec", "workers")} == {
@@ -1019,7 +953,7 @@ def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path,
 def test_shard_writer_writes_a_full_buffer_only_when_more_tokens_come(tmp_path):
     out, cfg = tmp_path / "out", cfg_for(tmp_path / "src.jsonl", tmp_path / "out")
     with shard_writer(cfg) as writer:
-        writer.write_all(doc_tokens([700, 1000]))  # val and train 1 exactly full
+        writer.write_all(chunks(doc_tokens([700, 1000])))  # val and train 1 exactly full
         assert [p.name for p in shard_files(out)] == ["t_val_000000.bin"]
         assert (writer.index, writer.fill) == (1, 1000)
         writer.finish()
@@ -1031,9 +965,9 @@ def test_shard_writer_stops_reading_at_max_tokens(tmp_path):
     pulled = []
 
     def stream():
-        for arr in doc_tokens([400] * 10):
-            pulled.append(len(arr))
-            yield arr
+        for item in chunks(doc_tokens([400] * 10)):
+            pulled.append(len(item[0]))
+            yield item
 
     with shard_writer(cfg) as writer:
         writer.write_all(stream())
@@ -1048,18 +982,19 @@ def test_shard_writer_gives_a_short_stream_its_first_10_percent_as_val(tmp_path)
     cfg = cfg_for(tmp_path / "src.jsonl", out, val_tokens=-1)  # a local source: a full val shard is 1000 tokens
     docs = doc_tokens([200, 195])
     with shard_writer(cfg) as writer:
-        writer.write_all(docs)
+        writer.write_all(chunks(docs))
         assert shard_files(out) == []  # nothing written before the stream ends
         writer.finish()
     assert [len(read_shard(p)) for p in shard_files(out)] == [39, 356]  # 395 // 10 val, the rest train shard 1
     assert np.array_equal(concat(out), np.concatenate(docs))
-    assert json.loads((out / "t_done.json").read_text())["shards"] == {"t_val_000000.bin": 39,
-                                                                       "t_train_000001.bin": 356}
+    record = json.loads((out / "t_done.json").read_text())
+    assert record["shards"] == {"t_val_000000.bin": 39, "t_train_000001.bin": 356}
+    assert record["resume"]["t_val_000000.bin"] is None  # a rerun never resumes after a val shard that is not full
     assert (writer.val, writer.report(1.0, 1)["train_tokens"]) == (39, 356)
     asked = cfg_for(tmp_path / "src.jsonl", tmp_path / "asked")  # --val-tokens 700 asked for, 395 there
     message = r"has only 395 tokens, all of them for the val shard \(--val-tokens 700\).*e.g. --val-tokens 39"
     with shard_writer(asked) as writer, pytest.raises(DataError, match=message):
-        writer.write_all(docs)
+        writer.write_all(chunks(docs))
         writer.finish()
     assert not (tmp_path / "asked").exists()  # refused before anything was written
     with shard_writer(asked) as writer, pytest.raises(DataError, match="has no text"):
@@ -1071,18 +1006,24 @@ def test_shard_writer_goes_on_after_kept_shards_and_clears_a_longer_run(tmp_path
     out.mkdir()
     for i, n in ((0, 700), (1, 1000), (5, 1000)):  # shard 5: left by an earlier, longer run
         write_shard(fineweb.shard_path(cfg, i), np.full(n, 7))
-    (out / "t_done.json").write_text("{}")
     (out / ".t_train_000002.bin.99.tmp").write_bytes(b"x")  # a killed run's temporary
-    tail = np.array([1, 2, 3, EOT, 4, EOT, 5, 6, EOT, 7], dtype=np.uint16)  # the rest of a kept document, then 3
-    with shard_writer(cfg, kept=2, written=1700) as writer:
-        writer.write_all([tail] * 60)  # 600 tokens
+    record = {"shards": {"t_val_000000.bin": 700, "t_train_000001.bin": 1000, "t_train_000005.bin": 1000},
+              "resume": {"t_val_000000.bin": [0, 2, 2, 1, 5], "t_train_000001.bin": [0, 7, 7, 1, 3]}}
+    # row 7's document has 3 tokens on disk: the stream goes on with it, whole, then 3 documents a chunk
+    first = (np.array([EOT, 9, 9, 1, 2, 3, EOT, 4, EOT, 5, 6, EOT, 7], np.uint16), [(0, r, r, 1) for r in range(7, 11)])
+    tail = np.array([EOT, 4, EOT, 5, 6, EOT, 7, 8, 8, 8], dtype=np.uint16)
+    rest = [(tail, [(0, r, r, 1) for r in range(11 + 3 * k, 14 + 3 * k)]) for k in range(59)]
+    with shard_writer(cfg, record, kept=2, point=(0, 7, 7, 1, 3)) as writer:
+        writer.write_all([first, *rest])  # 10 + 590 tokens after the 3 dropped
         writer.finish()
     assert [p.name for p in shard_files(out)] == ["t_val_000000.bin", "t_train_000001.bin", "t_train_000002.bin"]
+    assert read_shard(out / "t_train_000002.bin")[:10].tolist() == [1, 2, 3, EOT, 4, EOT, 5, 6, EOT, 7]
     assert len(read_shard(out / "t_train_000002.bin")) == 600
     assert not list(out.glob(".*.tmp"))
     assert (writer.index, writer.total, writer.docs) == (3, 2300, 1 + 3 * 60)
-    assert json.loads((out / "t_done.json").read_text())["shards"] == {
-        "t_val_000000.bin": 700, "t_train_000001.bin": 1000, "t_train_000002.bin": 600}
+    saved = json.loads((out / "t_done.json").read_text())
+    assert saved["shards"] == {"t_val_000000.bin": 700, "t_train_000001.bin": 1000, "t_train_000002.bin": 600}
+    assert saved["resume"] == {**record["resume"], "t_train_000002.bin": [0, 11 + 3 * 58 + 2, 11 + 3 * 58 + 2, 1, 5]}
     result = writer.report(1.0, 1)
     assert [result[k] for k in ("shards", "skipped_shards", "tokenized", "train_tokens")] == [3, 2, 600, 1600]
 
@@ -1221,23 +1162,17 @@ def test_resume_state_that_does_not_match_is_refused(tmp_path):
     state = TokenLoader(str(data), "train", B, T, 0, 2, seed=3).state_dict()
     with pytest.raises(DataError, match=r"T=16 in the checkpoint but 8 here; resume with the same --seq-len"):
         TokenLoader(str(data), "train", B, 8, 0, 2, seed=3).load_state_dict(state)
-    for bad in (0, None, True):
-        with pytest.raises(DataError, match=rf"its batch size B={bad} is not a count of sequences >= 1"):
-            TokenLoader(str(data), "train", 4, T, 0, 2, seed=3).load_state_dict({**state, "B": bad})
-    with pytest.raises(DataError, match=r"B=1000 leaves no window of B\*T\+1 tokens in any shard"):
-        TokenLoader(str(data), "train", 4, T, 0, 2, seed=3).load_state_dict({**state, "B": 1000})
     with pytest.raises(DataError, match="seed=3 in the checkpoint but 4 here"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=4).load_state_dict(state)
-    with pytest.raises(DataError, match="step=-1 is not a count of batches"):
-        TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict({**state, "step": -1})
     (tmp_path / "n_train_000004.bin").unlink()
-    with pytest.raises(DataError, match=r"other shard files \(5 in the checkpoint, 4 here; file 5 is "
-                                        r"n_train_000004.bin there, none here\)"):
+    with pytest.raises(DataError, match=r"cannot resume the train loader: other shard files \(5 in the checkpoint, 4 "
+                                        r"here; n_train_000004.bin is in one only\); resume with the same shard files "
+                                        "or start a fresh run"):
         TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict(state)
     (tmp_path / "n_train_000003.bin").rename(tmp_path / "m_train_000003.bin")  # as many files, another name
-    with pytest.raises(DataError, match=r"\(5 in the checkpoint, 4 here; file 1 is n_train_000000.bin there, "
-                                        r"m_train_000003.bin here\)"):
-        TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict(state)
+    with pytest.raises(DataError, match=r"other shard files \(4 in the checkpoint, 4 here; m_train_000003.bin is in "
+                                        r"one only\)"):
+        TokenLoader(str(data), "train", B, T, 0, 2, seed=3).load_state_dict({**state, "shards": state["shards"][:4]})
     numbered_shards(tmp_path / "again", LENGTHS)  # the same names, one rewritten after the checkpoint
     rewritten = TokenLoader(str(tmp_path / "again"), "train", B, T, 0, 2, seed=3)
     write_shard(tmp_path / "again" / "n_train_000004.bin", np.arange(500))
@@ -1398,18 +1333,6 @@ def test_an_id_equal_to_the_vocab_size_is_out_of_range_and_named_in_its_shard(tm
             batches(loader, loader.num_windows)
 
 
-def test_state_of_the_older_per_epoch_loader_is_refused_in_one_line(tmp_path):
-    data = numbered_shards(tmp_path, LENGTHS)
-    loader = TokenLoader(str(data), "train", B, T, 0, 2, seed=3)
-    old = {**loader.state_dict(), "epoch": 1, "step": 4}  # (epoch, batches within it): the format before
-    with pytest.raises(DataError) as err:
-        loader.load_state_dict(old)
-    assert str(err.value) == ("cannot resume the train loader: its state (epoch=1, step=4) was written by an older "
-                              "loader that dropped windows at each epoch's end, and has no equivalent position here; "
-                              "start a fresh run")
-    assert loader.step == 0
-
-
 def test_preload_serves_exactly_the_same_batches(tmp_path):
     data = numbered_shards(tmp_path, LENGTHS)
     for rank in (0, 1):
@@ -1450,7 +1373,7 @@ def test_missing_directory_and_pattern_without_shards(tmp_path):
         TokenLoader(str(tmp_path / "data" / "stdlib_docs"), "train", 2, 8)
     numbered_shards(tmp_path, [100], split="val")
     with pytest.raises(DataError, match=r"no train shards in .* \(looked for names ending in _train.bin or "
-                                        r"_train_NNNNNN.bin, or .npy\)"):
+                                        r"_train_NNNNNN.bin\)"):
         TokenLoader(str(tmp_path), "train", 2, 8)
     with pytest.raises(DataError, match="no val shards in .*other_"):
         TokenLoader(str(tmp_path / "other_*.bin"), "val", 2, 8)
@@ -1461,11 +1384,14 @@ def test_bad_magic_version_and_size_are_named(tmp_path):
     write_shard(good, np.arange(100))
     raw = bytearray(good.read_bytes())
     cases = {
-        "magic": (np.array([20240326], "<i4").tobytes() + raw[4:], r"bad magic number 20240326 \(that is an llm.c"),
-        "version": (raw[:4] + np.array([2], "<i4").tobytes() + raw[8:], "unsupported shard version 2"),
+        "magic": (np.array([20240326], "<i4").tobytes() + raw[4:], r"not an llm.c token shard: magic number 20240326 "
+                  r"\(an llm.c model file, not tokens\) and version 1, expected 20240520 and 1"),
+        "version": (raw[:4] + np.array([2], "<i4").tobytes() + raw[8:], "number 20240520 and version 2, expected"),
         "truncated": (raw[:-10], r"header says 100 tokens \(1,224 bytes\) but the file has 1,214 bytes"),
         "longer": (raw + b"\0\0", "header says 100 tokens .* but the file has 1,226 bytes: truncated or corrupt"),
-        "no header": (raw[:600], "is truncated: 600 bytes, less than the 1024-byte header"),
+        "no tokens": (raw[:600], "header says 100 tokens .* but the file has 600 bytes: truncated or corrupt"),
+        "no header": (raw[:5], "not an llm.c token shard: magic number 20240520 and version 0"),
+        "empty": (b"", "not an llm.c token shard: magic number 0 and version 0"),
     }
     for name, (data, msg) in cases.items():
         bad = tmp_path / name / "b_train_000001.bin"
@@ -1474,15 +1400,6 @@ def test_bad_magic_version_and_size_are_named(tmp_path):
         with pytest.raises(DataError, match=msg) as err:
             TokenLoader(str(bad.parent), "train", 2, 8)
         assert str(bad) in str(err.value) and "\n" not in str(err.value)
-    np.save(tmp_path / "x_train_000001.npy", np.arange(100, dtype=np.int32))
-    with pytest.raises(DataError, match="expected a 1-D uint16 token array .* got int32"):
-        read_shard(tmp_path / "x_train_000001.npy")
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "e_train_000001.npy").touch()  # 0 bytes: np.load raises EOFError
-    with pytest.raises(DataError) as err:
-        TokenLoader(str(tmp_path / "empty"), "train", 2, 8)
-    assert str(err.value) == (f"{tmp_path / 'empty' / 'e_train_000001.npy'} is not a readable .npy file (EOFError: "
-                              "No data left in file); delete or rewrite it with fineweb.py")
 
 
 def test_only_shard_shorter_than_one_window(tmp_path):
@@ -1541,8 +1458,11 @@ def test_hub_failure_is_one_clear_line(tmp_path, monkeypatch):
         raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", unreachable)
-    with pytest.raises(DataError, match=r"could not load hub dataset --source org/x \(--name none, --split train\)"):
+    with pytest.raises(DataError) as err:
         write_dataset(FinewebConfig(source="org/x", out_dir=str(tmp_path / "out")))
+    assert str(err.value) == ("could not read --source org/x (--name none, --split train): ConnectionError: Couldn't "
+                              "reach 'org/x' on the Hub (LocalEntryNotFoundError); check the names and the network, "
+                              "and rerun (complete shards are kept)")
     assert not (tmp_path / "out").exists()
 
 
@@ -1564,16 +1484,15 @@ def bad_sources(d: Path) -> dict[str, tuple[Path, str]]:
     e = re.escape(str(d))
     return {
         "text field in one file only": (d / "mixed", rf"could not read {e}/mixed/b\.jsonl of --source {e}/mixed: "
-                                        r"CastError: Couldn't cast .* because column names don't match; its columns "
-                                        r"differ from the first file's; give every file the same columns, "
-                                        r"--text-field 'text' among them, or pass a glob that leaves the odd ones out"),
+                                        r"CastError: Couldn't cast .* because column names don't match; fix that "
+                                        r"file or leave it out of --source"),
         "malformed jsonl line": (d / "broken.jsonl", rf"could not read --source {e}/broken\.jsonl: ArrowInvalid: JSON "
                                  r"parse error: .* in row 1; fix that file or leave it out of --source"),
         "non-UTF-8 txt": (d / "latin1", rf"could not read {e}/latin1/b\.txt of --source {e}/latin1: "
-                          r"UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9 in position 3: .*; convert it "
-                          r"to UTF-8 \(e\.g\. iconv -t UTF-8\) or leave it out of --source"),
+                          r"UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9 in position 3: .*; fix that file "
+                          r"or leave it out of --source"),
         "0-row parquet": (d / "empty.parquet", rf"could not read --source {e}/empty\.parquet: ArrowInvalid: .*; "
-                          "the file has no rows; delete it or leave it out of --source"),
+                          "fix that file or leave it out of --source"),
         "corrupt parquet": (d / "corrupt.parquet", rf"could not read --source {e}/corrupt\.parquet: ArrowInvalid: "
                             r"Parquet magic bytes not found in footer.*; fix that file or leave it out of --source"),
     }
@@ -1610,16 +1529,15 @@ def test_programming_errors_outside_reading_are_not_turned_into_data_errors(tmp_
         write_dataset(cfg_for(write_jsonl(tmp_path / "docs.jsonl", make_docs(5)), tmp_path / "out"))
 
 
-def test_out_dir_that_is_a_file_is_refused_before_reading(tmp_path, capsys):
+def test_out_dir_that_is_a_file_is_one_line_naming_it(tmp_path, capsys):
     (tmp_path / "taken").write_text("not a directory")
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(5))
-    for out in (tmp_path / "taken", tmp_path / "taken" / "sub"):
+    for out, why in ((tmp_path / "taken", "[Errno 17] File exists"), (tmp_path / "taken" / "sub", "[Errno 20] Not a "
+                                                                      "directory")):
         with pytest.raises(SystemExit) as err:
             main(["--source", str(src), "--out-dir", str(out), "--workers", "1"])
         assert err.value.code == 1
-        assert capsys.readouterr().err.strip().splitlines() == [
-            f"error: --out-dir {out}: {tmp_path / 'taken'} is a file, not a directory; pass a directory (it is "
-            "created if missing)"]
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: {why}: '{out}'"]
     assert (tmp_path / "taken").read_text() == "not a directory"
 
 
@@ -1643,3 +1561,34 @@ def test_cli_errors_exit_1_with_one_line(tmp_path, capsys):
         f"error: --text-field 'text' is not in --source {tmp_path / 'docs.jsonl'}; its columns are body, id; pass "
         "one of them with --text-field"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_stdlib_docs_cache_is_written_again(tmp_path, capsys):
+    """A stdlib-docs cache cut short (a full disk, an older writer killed mid-write) ended the run in `ArrowInvalid:
+    JSON parse error ...; fix that file`, naming neither the file nor the fix: it is written again, with a note."""
+    cfg = cfg_for("stdlib-docs", tmp_path / "out", cache_dir=str(tmp_path / "cache"), val_tokens=1000,
+                  shard_size=2000, max_tokens=5000)
+    cached = fineweb.stdlib_docstrings(cfg)
+    whole = cached.read_bytes()
+    cached.write_bytes(whole[:whole.index(b"\n", len(whole) // 2) - 5])  # cut inside a line
+    write_dataset(cfg)
+    assert f"note: {cached} is damaged; writing it again" in capsys.readouterr().out
+    assert cached.read_bytes() == whole
+    docs = [json.loads(line)["text"] for line in whole.decode().splitlines()]
+    assert np.array_equal(concat(tmp_path / "out"), expected_tokens(docs[:400])[:5000])
+
+
+def test_a_finished_run_of_the_previous_writer_is_not_written_again(tmp_path, reference):
+    """Its PREFIX_done.json held the settings, the inputs and the shard sizes but no resume points: still a finished
+    run (a 10B-token directory is not written again), and one whose shard went missing is written anew."""
+    src, ref = reference
+    out = tmp_path / "out"
+    write_dataset(cfg_for(src, out))
+    record = json.loads((out / "t_done.json").read_text())
+    (out / "t_done.json").write_text(json.dumps({k: record[k] for k in ("settings", "inputs", "shards")}))
+    again = write_dataset(cfg_for(src, out))
+    assert (again["tokenized"], again["skipped_shards"]) == (0, len(ref))
+    (out / "t_done.json").write_text(json.dumps({k: record[k] for k in ("settings", "inputs", "shards")}))
+    (out / "t_train_000003.bin").unlink()
+    assert write_dataset(cfg_for(src, out))["skipped_shards"] == 0
+    assert {p.name: p.read_bytes() for p in shard_files(out)} == ref
