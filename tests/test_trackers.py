@@ -65,6 +65,8 @@ def test_scalars_are_named_by_record_type():
 
 
 def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_data, tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="--wandb is an optional extra (pip install wandb)")
+    pytest.importorskip("tensorboard", reason="--tensorboard is an optional extra (pip install tensorboard)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -116,7 +118,7 @@ def test_a_missing_tracker_package_is_one_line_before_anything_runs(token_data, 
 
 
 def test_wandb_that_cannot_start_is_one_line_before_training(token_data, tmp_path, capsys, monkeypatch):
-    import wandb
+    wandb = pytest.importorskip("wandb", reason="--wandb is an optional extra (pip install wandb)")
 
     def no_key(**kwargs):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
