@@ -161,6 +161,7 @@ def test_llama_trains_and_resumes_bitwise(token_data, tmp_path, capsys):
     (["--grad-clip=nan"], "--grad-clip must be >= 0; got nan"),
     (["--eps=nan"], "--eps must be >= 0; got nan"),
     (["--dropout=nan"], r"--dropout must be in \[0, 1\), got nan"),
+    (["--seed=99999999999999999999999"], r"--seed must be in \[0, 2\*\*63 - 2\*\*16\); got 99999999999999999999999"),
     (["--beta1=nan"], r"--beta1 must be in \[0, 1\); got nan"),
     (["--beta2=1"], r"--beta2 must be in \[0, 1\); got 1.0"),
     (["--weight-decay=inf"], "--weight-decay and --eps must be finite; got inf and 1e-08"),
@@ -799,6 +800,8 @@ def swiglu_ckpt(token_data, tmp_path_factory):
     # a source without n_kv_head has as many key/value heads as query heads: 4 here, not None
     ("hf", ["--n-kv-head=2"], r"asks for --n-kv-head 2 \(it has 4\): drop"),
     ("swiglu", ["--norm=rmsnorm"], r"asks for --norm rmsnorm \(it has layernorm\): drop"),
+    # a preset naming GPT-2's own choices is checked too: the tiny preset is gelu, the checkpoint swiglu
+    ("swiglu", ["--model=tiny"], r"asks for --model tiny \(mlp gelu; it has mlp swiglu\): drop"),
     # a named preset's own options are checked too, where no flag replaces them: its shape flags match here
     ("swiglu", ["--model=llama-124m", "--n-layer=2", "--n-head=4", "--n-embd=64"],
      r"asks for --model llama-124m \(bias False, pos rope, norm rmsnorm; it has bias True, pos learned, "
