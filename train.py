@@ -342,7 +342,6 @@ def load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int) -> 
 def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torch.device) -> Run:
     """Build the Run. Each check that one rank could fail alone is shared first, so every rank stops with the
     reason instead of leaving the others waiting in a collective; what every rank must share is one fingerprint."""
-    cfg, grad_accum, use_compile = check_run(cfg, rank, world, device)
     master, prov = rank == 0, provenance(device, world)
     torch.manual_seed(cfg.seed + rank)  # ranks see different data, so different dropout masks are right
     if device.type == "cuda":
@@ -352,7 +351,9 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     found = checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
     raw = build_model(cfg, found, local_rank, world)
     examples = load_hellaswag(cfg, rank, local_rank, world)
+    # before any check one rank could fail alone: a node with another command stops every node with the reason
     fingerprint(cfg, (train_loader, val_loader), raw, examples, found, rank, world)
+    cfg, grad_accum, use_compile = check_run(cfg, rank, world, device)
     raw = raw.to(device)
     for loader in (train_loader, val_loader):
         if loader is not None:
@@ -393,10 +394,10 @@ def fingerprint(cfg: TrainConfig, loaders: tuple, raw: GPT, examples: list[dict]
     """What every rank must share, compared once: the command, the data, the HellaSwag examples, the weights."""
     if world == 1:  # a digest of a 1.5B model takes seconds: only where there is something to compare
         return
-    source = f"--resume {found[0]}" if found else f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"
+    source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"
     agree_fingerprint({"command": command(cfg), "data": shards_of(list(loaders)),
-                       "hellaswag": examples_digest(examples), "weights": weights_digest(raw)}, rank, world, source,
-                      DESCRIBE)
+                       "hellaswag": examples_digest(examples),  # a resume's weights: Checkpointer.find agreed
+                       "weights": weights_digest(raw) if found is None else None}, rank, world, source, DESCRIBE)
 
 
 def command(cfg: TrainConfig) -> dict[str, str]:
