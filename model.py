@@ -57,6 +57,7 @@ class GPTConfig:
     # under autocast, the residual stream between blocks in autocast's 16-bit dtype instead of fp32: half the bytes
     # through every LayerNorm and residual add, each add rounded to 8 mantissa bits (LayerNorm still computes in fp32)
     half_residual: bool = False
+    value_head: bool = False  # a scalar head on every position (forward(values=True)): reward models, PPO's critic
 
     def __post_init__(self) -> None:
         self._check_types()  # first: a string or float that slipped past a caller would fail deep inside nn.Linear
@@ -70,7 +71,7 @@ class GPTConfig:
         if self.n_kv_head is not None and (isinstance(self.n_kv_head, bool) or not isinstance(self.n_kv_head, int)
                                            or self.n_kv_head < 1):
             raise ValueError(f"GPTConfig.n_kv_head must be an integer >= 1 or None (= n_head), got {self.n_kv_head!r}")
-        for name in ("bias", "fused_gelu", "fused_ce", "half_residual"):
+        for name in ("bias", "fused_gelu", "fused_ce", "half_residual", "value_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -306,7 +307,11 @@ class GPT(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying: one matrix embeds and un-embeds
+        if config.value_head:
+            self.value_head = nn.Linear(config.n_embd, 1)
         self.apply(self._init_weights)
+        if config.value_head:  # zero: every value starts at 0, a reward model's loss at ln 2
+            nn.init.zeros_(self.value_head.weight)
         # residual projections add into the stream once per attn and once per MLP: scale so the stream's
         # variance does not grow with depth (GPT-2 paper, section 2.3)
         for name, p in self.named_parameters():
@@ -332,12 +337,14 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
-                cache: KVCache | None = None, last_only: bool = False,
-                return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                cache: KVCache | None = None, last_only: bool = False, return_logits: bool = True,
+                values: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean loss over targets != -1 (None
         without targets). With config.loss_chunk or fused_ce and targets the logits are never made whole (None).
         return_logits=False (with targets) returns (None, loss), the training step's call: a compiled forward that
-        outputs logits gets a zero (B, T, V) gradient for them in backward even when nothing uses them."""
+        outputs logits gets a zero (B, T, V) gradient for them in backward even when nothing uses them.
+        values=True (no targets; needs config.value_head) returns (logits or None without return_logits, the head's
+        fp32 values (B, T))."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
@@ -365,6 +372,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if last_only:
             x = x[:, -1:]
+        if values:
+            return self.lm_head(x) if return_logits else None, self.value_head(x).squeeze(-1).float()
         if targets is None:
             return self.lm_head(x), None  # (B, T, V)
         return lm_loss(x, self.lm_head.weight, targets, label_smoothing, self.config.loss_chunk,
@@ -493,7 +502,7 @@ class GPT(nn.Module):
         if not isinstance(ckpt, dict):
             ckpt = load_checkpoint(ckpt, map_location)
         model = cls(checkpoint_config(ckpt, source, **overrides))
-        weights = ckpt["model"]
+        weights = with_new_head(model, ckpt["model"])
         check_weights(model, weights, source)
         check_finite(source, weights)
         model.load_state_dict(weights)  # strict: every name and shape was checked above
@@ -526,8 +535,8 @@ class GPT(nn.Module):
         sd = model.state_dict()
         with torch.no_grad():
             for key, p in sd.items():
-                if key == "lm_head.weight":
-                    continue  # tied to wte
+                if key == "lm_head.weight" or key.startswith("value_head."):
+                    continue  # tied to wte; a new head keeps its init
                 src = sd_hf.get(key.removeprefix("transformer."))
                 if src is None:
                     raise ValueError(f"{path} lacks weight {key}")
@@ -584,6 +593,13 @@ class GPT(nn.Module):
             raise ValueError(f"{config_json} is not valid JSON ({e}); --init-from needs {HF_DIR}") from e
         except KeyError as e:
             raise ValueError(f"{config_json} lacks the key {e}, so it is not a GPT-2 config.json") from e
+
+
+def with_new_head(model: GPT, weights: dict[str, Any]) -> dict[str, Any]:
+    """`weights` plus `model`'s freshly initialized value head where they have none: a reward model or a critic
+    starts from a language model's checkpoint (GPT.from_checkpoint(path, value_head=True))."""
+    new = {k: v for k, v in model.state_dict().items() if k.startswith("value_head.") and k not in weights}
+    return {**weights, **new}
 
 
 def check_finite(source: str, weights: dict[str, torch.Tensor] | None = None) -> None:

@@ -1,0 +1,271 @@
+"""prefs.py: the three pair schemas from local files (the hub's layouts through the same datasets call), one-line
+errors naming bad rows, the PairLoader's masks, resume and rank shares, the Bradley–Terry and DPO losses against
+closed forms and falling on one batch through parallel.train_step; and model.py's value head."""
+
+import dataclasses
+import gzip
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import EOT, get_tokenizer
+from fineweb import DataError
+from model import GPT, GPTConfig
+from parallel import StepArgs, build_trainable, train_step
+from prefs import (
+    PairLoader,
+    PairObjective,
+    bradley_terry,
+    dpo,
+    dpo_metrics,
+    evaluate_pairs,
+    frozen_copy,
+    parse_pair,
+    reward_model_metrics,
+    rewards,
+    sequence_logprobs,
+    synthetic_pairs,
+)
+
+LN2 = math.log(2)
+
+
+def tiny(value_head: bool = False) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=48, n_layer=2, n_head=4, n_embd=64, value_head=value_head))
+
+
+def text_rows(n: int) -> list[dict]:
+    return [{"prompt": f"What is {i} + {i}?", "chosen": f"It is {2 * i}.", "rejected": f"It is {2 * i + 1}."}
+            for i in range(n)]
+
+
+def conversation(prompt: str, reply: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+
+
+def transcript(*turns: str) -> str:
+    return "".join(f"\n\n{'Human' if i % 2 == 0 else 'Assistant'}: {t}" for i, t in enumerate(turns))
+
+
+def replies(loader: PairLoader, batch: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
+    """Each row's masked tokens, decoded."""
+    ids, mask = batch
+    return [get_tokenizer().decode(row[m].tolist()) for row, m in zip(ids, mask, strict=True)]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# rows
+
+
+def test_each_schema_parses_to_prompt_messages_and_two_replies():
+    assert parse_pair(text_rows(1)[0]) == ([{"role": "user", "content": "What is 0 + 0?"}], "It is 0.", "It is 1.")
+    uf = {"prompt": "Hi?", "chosen": conversation("Hi?", "Hello!"), "rejected": conversation("Hi?", "Go away.")}
+    assert parse_pair(uf) == ([{"role": "user", "content": "Hi?"}], "Hello!", "Go away.")
+    # hh-rlhf: two turns shared, the last replies differ; a pair that diverges one turn earlier keeps the rest in its
+    # replies (their shared prefix ends at the first assistant turn)
+    hh = {"chosen": transcript("Hi", "Hello.", "Name a color", "Blue."),
+          "rejected": transcript("Hi", "Hello.", "Name a color", "No.")}
+    prompt = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+              {"role": "user", "content": "Name a color"}]
+    assert parse_pair(hh) == (prompt, "Blue.", "No.")
+    early = {"chosen": transcript("Hi", "Hello.", "Bye"), "rejected": transcript("Hi", "Go.", "Bye")}
+    assert parse_pair(early) == ([{"role": "user", "content": "Hi"}], "Hello.\n\nHuman: Bye", "Go.\n\nHuman: Bye")
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "p", "chosen": "a"}, "row 1: missing field 'rejected'"),
+    ({"prompt": "p", "chosen": "a", "rejected": "  "}, "row 1: the rejected reply is empty"),
+    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "row 1: chosen == rejected: the pair prefers nothing"),
+    ({"chosen": "one reply", "rejected": "another"}, "row 1: no 'prompt' field, and chosen and rejected are not"),
+    ({"prompt": "p", "chosen": conversation("a", "x"), "rejected": conversation("b", "y")},
+     "row 1: chosen and rejected continue different conversations"),
+    ({"prompt": "p", "chosen": 3, "rejected": "y"}, "row 1: expected the prompt as text or messages"),
+])
+def test_a_bad_row_is_one_line_naming_it(tmp_path, row, message):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [text_rows(1)[0], row]))
+    with pytest.raises(DataError) as e:
+        PairLoader(str(path), "train", 1, 48)
+    assert str(e.value).startswith(f"{path} {message}") and "\n" not in str(e.value)
+
+
+def test_each_schema_loads_from_local_files_and_hub_layouts(tmp_path):
+    pd = pytest.importorskip("pandas")
+    # text: a local JSONL file, read whole
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in text_rows(5)))
+    loader = PairLoader(str(path), "train", 5, 48, shuffle=False)
+    assert loader.num_pairs == 5 and replies(loader, loader.next_batch())[:2] == ["It is 0.<|endoftext|>",
+                                                                                  "It is 2.<|endoftext|>"]
+    # ultrafeedback_binarized: parquet files under data/ named by its splits, extra columns as on the hub
+    uf = tmp_path / "uf" / "data"
+    uf.mkdir(parents=True)
+    for split, n in (("train_prefs", 6), ("test_prefs", 3)):
+        rows = [{"prompt": f"Q{i}", "chosen": conversation(f"Q{i}", f"good {i}"),
+                 "rejected": conversation(f"Q{i}", f"bad {i}"), "score_chosen": 9.0, "score_rejected": 2.0}
+                for i in range(n)]
+        pd.DataFrame(rows).to_parquet(uf / f"{split}-00000-of-00001.parquet")
+    loader = PairLoader(str(uf.parent), "test_prefs", 3, 48, shuffle=False)
+    assert loader.num_pairs == 3
+    assert replies(loader, loader.next_batch()) == [f"{w} {i}<|endoftext|>" for w in ("good", "bad") for i in range(3)]
+    # hh-rlhf: one gzipped JSONL per subset and split
+    for subset, n in (("harmless-base", 2), ("helpful-base", 3)):
+        (tmp_path / "hh" / subset).mkdir(parents=True)
+        with gzip.open(tmp_path / "hh" / subset / "train.jsonl.gz", "wt") as f:
+            for i in range(n):
+                f.write(json.dumps({"chosen": transcript(f"{subset} {i}", "Sure."),
+                                    "rejected": transcript(f"{subset} {i}", "No.")}) + "\n")
+    loader = PairLoader(str(tmp_path / "hh"), "train", 5, 48, shuffle=False)
+    assert loader.num_pairs == 5
+    assert sorted(replies(loader, loader.next_batch())) == ["No.<|endoftext|>"] * 5 + ["Sure.<|endoftext|>"] * 5
+
+
+def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_dropped():
+    rows = text_rows(4) + [{"prompt": "long " * 60, "chosen": "a", "rejected": "b"}]
+    loader = PairLoader(rows, "train", 2, 24, shuffle=False)
+    assert loader.num_pairs == 4 and loader.num_windows == 2  # the long pair is dropped
+    ids, mask = loader.next_batch()
+    assert ids.shape == mask.shape == (4, 24) and ids.dtype == torch.int64 and mask.dtype == torch.bool
+    enc, starts = get_tokenizer(), []
+    for row, reply in enumerate(["It is 0.", "It is 2.", "It is 1.", "It is 3."]):  # chosen rows, then rejected
+        first, last = int(mask[row].nonzero()[0]), int(mask[row].nonzero()[-1])
+        assert ids[row, first:last + 1].tolist() == enc.encode_ordinary(reply) + [EOT]
+        assert mask[row, first:last + 1].all() and (ids[row, last + 1:] == EOT).all()
+        starts.append(first)
+    for c in (0, 1):  # a pair's two rows share the prompt up to the reply
+        assert starts[c] == starts[c + 2] and torch.equal(ids[c, :starts[c]], ids[c + 2, :starts[c]])
+    loader.check_vocab(50304)
+    with pytest.raises(DataError, match="renders token ids up to 50256, but the model has only 50000"):
+        loader.check_vocab(50000)
+
+
+def test_resume_is_bitwise_ranks_take_disjoint_shares_and_epochs_reshuffle():
+    rows = text_rows(12)
+    loader = PairLoader(rows, "train", 3, 40, seed=1)
+    served = [loader.next_batch() for _ in range(9)]  # 27 pairs: into the third epoch
+    resumed = PairLoader(rows, "train", 3, 40, seed=1)
+    again = PairLoader(rows, "train", 3, 40, seed=1)
+    for _ in range(4):
+        again.next_batch()
+    resumed.load_state_dict(again.state_dict())
+    for want in served[4:]:
+        got = resumed.next_batch()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    chosen = [[r for r in replies(loader, b)[:3]] for b in served]
+    epoch0, epoch1 = sum(chosen[:4], []), sum(chosen[4:8], [])
+    assert sorted(epoch0) == sorted(epoch1) and len(set(epoch0)) == 12 and epoch0 != epoch1
+    # two ranks: one epoch between them, none twice; rank r's s-th batch is the stream's batch 2s + r
+    shares = [PairLoader(rows, "train", 3, 40, rank, 2, seed=1) for rank in (0, 1)]
+    seen = [sum((replies(s, s.next_batch())[:3] for _ in range(2)), []) for s in shares]
+    assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == sorted(epoch0)
+    assert seen[1][:3] == chosen[1] and seen[0][3:] == chosen[2]
+    state = dict(again.state_dict(), seed=2)
+    with pytest.raises(DataError, match="cannot resume the train pair loader: seed=2 in the checkpoint but 1 here"):
+        resumed.load_state_dict(state)
+
+
+def test_synthetic_pairs_from_a_task_prefer_the_right_answer():
+    class Doubling:  # tasks.py's interface: examples(split, n=, seed=) and wrong(answer, rng)
+        def examples(self, split: str, n: int = 0, seed: int = 0) -> list[dict]:
+            numbers = list(range(10, 40))
+            random.Random(seed).shuffle(numbers)
+            return [{"messages": conversation(f"Double {k}?", str(2 * k)), "answer": str(2 * k)} for k in numbers[:n]]
+
+        def wrong(self, answer: str, rng: random.Random) -> str:
+            return str(int(answer) + rng.choice([-1, 1]))
+
+    pairs = synthetic_pairs(Doubling(), "train", 8, seed=3)
+    assert pairs == synthetic_pairs(Doubling(), "train", 8, seed=3) != synthetic_pairs(Doubling(), "train", 8, seed=4)
+    for pair in pairs:
+        k = int(pair["prompt"][0]["content"].split()[1].rstrip("?"))
+        assert pair["chosen"] == str(2 * k) and abs(int(pair["rejected"]) - 2 * k) == 1
+    assert PairLoader(pairs, "train", 4, 32).num_pairs == 8
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# objectives
+
+
+def test_bradley_terry_and_dpo_against_closed_forms():
+    out = bradley_terry(torch.tensor([0.0, 2.0, -1.0]), torch.tensor([0.0, 1.0, 1.0]))  # margins 0, 1, -2
+    want = (LN2 + math.log1p(math.exp(-1)) + math.log1p(math.exp(2))) / 3
+    assert abs(out["loss"].item() - want) < 1e-6 and abs(out["accuracy"].item() - 1 / 3) < 1e-6
+    assert abs(out["margin"].item() + 1 / 3) < 1e-6
+    # implicit rewards beta * (policy - ref): chosen 0.5 * (-1 + 2) = 0.5, rejected 0.5 * (-3 + 2) = -0.5
+    out = dpo(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.5)
+    assert abs(out["loss"].item() - math.log1p(math.exp(-1))) < 1e-6 and out["accuracy"].item() == 1.0
+    assert abs(out["chosen_reward"].item() - 0.5) < 1e-6 and abs(out["rejected_reward"].item() + 0.5) < 1e-6
+    assert abs(dpo(*torch.tensor([[-1.0], [-3.0], [-2.0], [-2.0]]))["margin"].item() - 0.2) < 1e-6  # beta 0.1
+
+
+def test_reward_is_the_value_at_the_last_reply_token_and_sequence_logprobs_sum_the_reply():
+    model = tiny(value_head=True)
+    torch.nn.init.normal_(model.value_head.weight, std=0.1)
+    ids, mask = PairLoader(text_rows(2), "train", 2, 40, shuffle=False).next_batch()
+    values = model(ids, values=True, return_logits=False)[1]
+    assert values.shape == (4, 40) and values.dtype == torch.float32
+    last = [int(m.nonzero()[-1]) for m in mask]
+    torch.testing.assert_close(rewards(model, ids, mask), values[torch.arange(4), last])
+    logp = F.log_softmax(model(ids)[0].float(), -1)
+    want = [sum(logp[r, t - 1, ids[r, t]].item() for t in range(1, 40) if mask[r, t]) for r in range(4)]
+    torch.testing.assert_close(sequence_logprobs(model, ids, mask), torch.tensor(want), rtol=1e-5, atol=1e-4)
+
+
+def train_pairs(raw: GPT, objective: PairObjective, batch: tuple, steps: int) -> list[dict]:
+    """`steps` AdamW steps on one batch through parallel.train_step; the metrics of each."""
+    args = StepArgs(device="cpu", max_lr=3e-3, weight_decay=0.0)
+    built = build_trainable(raw, args, torch.device("cpu"), use_compile=False, verbose=False)
+    out = []
+    for _ in range(steps):
+        train_step(built.model, built.optimizer, lambda: batch, 1, built.autocast, 1.0, objective=objective)
+        out.append({k: v.item() for k, v in objective.last.items()})
+    return out
+
+
+def test_reward_model_starts_at_ln2_and_learns_one_batch():
+    loader = PairLoader(text_rows(4), "train", 4, 40)
+    batch = loader.next_batch()
+    model = tiny(value_head=True)
+    start = reward_model_metrics(model, batch)
+    assert start["loss"].item() == pytest.approx(LN2, abs=1e-7) and start["accuracy"].item() == 0.0  # zero head
+    log = train_pairs(model, PairObjective(reward_model_metrics), batch, 15)
+    assert log[0]["loss"] == pytest.approx(LN2, abs=1e-6) and log[-1]["loss"] < 0.1 and log[-1]["accuracy"] == 1.0
+    held = evaluate_pairs(model, loader, 1, reward_model_metrics, torch.autocast("cpu", enabled=False), 1)
+    assert held == pytest.approx({k: v.item() for k, v in reward_model_metrics(model, batch).items()})
+
+
+def test_dpo_starts_at_ln2_against_its_reference_and_learns_one_batch():
+    batch = PairLoader(text_rows(4), "train", 4, 40).next_batch()
+    model = tiny()
+    ref = frozen_copy(model)
+    assert not any(p.requires_grad for p in ref.parameters()) and not ref.training
+    objective = PairObjective(lambda m, b: dpo_metrics(m, b, ref, beta=0.1))
+    log = train_pairs(model, objective, batch, 10)
+    assert log[0]["loss"] == pytest.approx(LN2, abs=1e-6) and log[0]["margin"] == 0.0
+    end = log[-1]
+    assert end["loss"] < 0.4 and end["accuracy"] == 1.0 and end["chosen_reward"] > end["rejected_reward"]
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), tiny().parameters(), strict=True))  # frozen
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# model.py's value head
+
+
+def test_value_head_loads_from_weights_without_it(hf_dir):
+    plain = tiny()
+    ckpt = {"model_config": dataclasses.asdict(plain.config), "model": plain.state_dict()}
+    assert "value_head" not in str(list(ckpt["model"])) and not plain.config.value_head
+    model = GPT.from_checkpoint(ckpt, value_head=True)
+    assert model.value_head.weight.abs().sum() == 0 and model.value_head.bias.abs().sum() == 0
+    ids = torch.randint(0, 50257, (2, 9))
+    torch.testing.assert_close(model(ids)[0], plain(ids)[0])  # the same language model underneath
+    assert torch.equal(model(ids, values=True)[0], model(ids)[0]) and model(ids, values=True)[1].abs().sum() == 0
+    again = GPT.from_checkpoint({"model_config": dataclasses.asdict(model.config), "model": model.state_dict()})
+    assert again.config.value_head and set(again.state_dict()) == set(model.state_dict())
+    hf = GPT.from_pretrained(str(hf_dir), value_head=True)
+    assert hf.value_head.weight.shape == (1, hf.config.n_embd)

@@ -1,0 +1,100 @@
+"""rl.py's math against hand computations: GRPO advantages, the clipped policy and value losses, k3 KL, GAE, the KL
+penalty folded into rewards."""
+
+import math
+
+import torch
+
+from rl import gae, group_advantages, kl_k3, kl_rewards, masked_mean, policy_loss, value_loss, whiten
+
+
+def test_group_advantages_with_and_without_the_std():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 0.0, 0.0, 1.0])
+    plain = group_advantages(rewards, 4, scale=False)  # Dr. GRPO
+    torch.testing.assert_close(plain, torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, 2, -1, -1, 0]))
+    scaled = group_advantages(rewards, 4)
+    std1, std3 = math.sqrt(4 * 0.25 / 3), math.sqrt((4 + 1 + 1 + 0) / 3)  # unbiased: n - 1 = 3
+    expected = [x / (std1 + 1e-4) for x in (0.5, -0.5, -0.5, 0.5)]
+    expected += [0.0] * 4 + [x / (std3 + 1e-4) for x in (2.0, -1.0, -1.0, 0.0)]
+    torch.testing.assert_close(scaled, torch.tensor(expected))  # a group of equal rewards: 0, not NaN
+
+
+def test_clipped_policy_loss_at_known_ratios():
+    # one token per case: (ratio, advantage) -> the surrogate -min(r A, clip(r) A) with eps = 0.2
+    cases = [(1.1, 1.0, -1.1), (1.5, 1.0, -1.2), (1.5, -1.0, 1.5), (0.5, -1.0, 0.8), (0.5, 1.0, -0.5), (0.9, -2.0, 1.8)]
+    ratio = torch.tensor([[r for r, _, _ in cases]])
+    old = torch.zeros_like(ratio)
+    adv = torch.tensor([[a for _, a, _ in cases]])
+    mask = torch.ones_like(ratio)
+    for i, (_, _, want) in enumerate(cases):
+        one = torch.zeros_like(mask)
+        one[0, i] = 1
+        loss, clipped = policy_loss(ratio.log(), old, adv, one)
+        assert abs(loss.item() - want) < 1e-6, (i, loss.item(), want)
+        assert clipped.item() == (i in (1, 3))  # r A was above the clipped term only there
+    loss, clipped = policy_loss(ratio.log(), old, adv, mask)
+    assert abs(loss.item() - sum(w for _, _, w in cases) / 6) < 1e-6 and abs(clipped.item() - 2 / 6) < 1e-6
+
+
+def test_policy_loss_is_a_token_mean_over_the_batch_and_clipped_tokens_get_no_gradient():
+    logp = torch.log(torch.tensor([[1.5, 1.0, 1.0], [1.0, 0.0, 0.0]]).clamp(min=1e-9)).requires_grad_()
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    adv = torch.tensor([1.0, -1.0])  # per sequence
+    loss, _ = policy_loss(logp, torch.zeros(2, 3), adv, mask)
+    # tokens: -1.2 (clipped), -1, -1, then +1: 4 tokens, not a mean of the two rows' means
+    assert abs(loss.item() - (-1.2 - 1 - 1 + 1) / 4) < 1e-6
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.25, -0.25], [0.25, 0.0, 0.0]]))
+    fixed, _ = policy_loss(logp.detach(), torch.zeros(2, 3), adv, mask, denom=8.0)  # Dr. GRPO's constant
+    assert abs(fixed.item() - (-1.2 - 1 - 1 + 1) / 8) < 1e-6
+
+
+def test_k3_kl_closed_form_and_unbiased_on_samples():
+    logp, ref = torch.tensor([0.0, math.log(0.5), math.log(0.25)]), torch.tensor([0.0, 0.0, math.log(0.5)])
+    torch.testing.assert_close(kl_k3(logp, ref), torch.tensor([0.0, 1 - math.log(2), 1 - math.log(2)]))
+    # on tokens drawn from the policy its mean is KL(p || q)
+    p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.4, 0.4, 0.2])
+    draws = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    estimate = kl_k3(p.log()[draws], q.log()[draws]).mean().item()
+    exact = (p * (p / q).log()).sum().item()
+    assert abs(estimate - exact) < 3e-3 and exact > 0.1
+
+
+def test_gae_against_a_hand_computation_with_a_forced_token_and_padding():
+    gamma, lam = 0.9, 0.8
+    rewards = torch.tensor([[0.1, 5.0, 0.2, 1.0, 7.0]])  # 5.0 and 7.0 sit on masked tokens: ignored
+    values = torch.tensor([[0.5, 9.0, 0.4, 0.3, 9.0]])
+    mask = torch.tensor([[1, 0, 1, 1, 0]])  # a forced token at 1, padding at 4
+    adv, ret = gae(rewards, values, mask, gamma, lam)
+    d3 = 1.0 - 0.3  # last sampled token: no next value
+    d2 = 0.2 + gamma * 0.3 - 0.4
+    d0 = 0.1 + gamma * 0.4 - 0.5  # its next sampled token is 2, past the forced one
+    a3, a2 = d3, d2 + gamma * lam * d3
+    a0 = d0 + gamma * lam * a2
+    torch.testing.assert_close(adv, torch.tensor([[a0, 0.0, a2, a3, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[a0 + 0.5, 0.0, a2 + 0.4, a3 + 0.3, 0.0]]))
+    # gamma = lam = 1: the advantage is the reward-to-go minus the value
+    adv1, _ = gae(rewards, values, mask, 1.0, 1.0)
+    torch.testing.assert_close(adv1, torch.tensor([[1.3 - 0.5, 0.0, 1.2 - 0.4, 1.0 - 0.3, 0.0]]))
+
+
+def test_clipped_value_loss():
+    old = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    values = torch.tensor([[1.1, 2.0, 0.0, 1.5]])
+    returns = torch.tensor([[0.0, 3.0, 0.0, 1.5]])
+    loss, clipped = value_loss(values, old, returns, torch.tensor([[1, 1, 1, 0]]))
+    # v_clipped = [1.1, 1.2, 0.8]: max((v-R)^2, (vc-R)^2) = [1.21, max(1, 3.24), max(0, 0.64)]
+    assert abs(loss.item() - 0.5 * (1.21 + 3.24 + 0.64) / 3) < 1e-6
+    assert abs(clipped.item() - 2 / 3) < 1e-6
+
+
+def test_kl_penalty_folded_into_rewards_and_whiten():
+    logp = torch.tensor([[-1.0, -2.0, -1.0, 0.0], [-1.0, -1.0, 0.0, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, -1.0, 0.0], [-0.5, -1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    out = kl_rewards(torch.tensor([2.0, -1.0]), logp, ref, mask, coef=0.1)
+    torch.testing.assert_close(out, torch.tensor([[-0.05, 0.1, 2.0, 0.0], [0.05, -1.0, 0.0, 0.0]]))
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    w = whiten(x, torch.tensor([[1, 1, 1, 0]]))
+    m = torch.tensor([[1, 1, 1, 0]])
+    assert abs(masked_mean(w, m).item()) < 1e-6 and abs(masked_mean(w**2, m).item() - 1) < 1e-5 and w[0, 3] == 0
