@@ -352,12 +352,12 @@ def bad_inputs(model, ckpt, hf_dir, tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--ckpt", "notes.txt"], "notes.txt is not a PyTorch checkpoint (it is a text file, not the zip archive "
-                              "torch.save writes); pass the .pt file that train.py wrote (e.g. "
+    (["--ckpt", "notes.txt"], "notes.txt is not a PyTorch checkpoint (it starts with b'step 100', not the zip "
+                              "archive torch.save writes); pass the .pt file that train.py wrote (e.g. "
                               "out/<run>/ckpt_000100.pt)"),
-    (["--ckpt", "random.bin"], "random.bin is not a PyTorch checkpoint (it starts with bytes 07 08 09 0a 0b 0c 0d 0e, "
-                               "not the zip archive torch.save writes); pass the .pt file that train.py wrote (e.g. "
-                               "out/<run>/ckpt_000100.pt)"),
+    (["--ckpt", "random.bin"], "random.bin is not a PyTorch checkpoint (it starts with b'\\x07\\x08\\t\\n\\x0b\\x0c\\r"
+                               "\\x0e', not the zip archive torch.save writes); pass the .pt file that train.py wrote "
+                               "(e.g. out/<run>/ckpt_000100.pt)"),
     (["--ckpt", "run"], "checkpoint run is a directory, not a file; pass a checkpoint file in it (the latest is "
                         "run/ckpt_000010.pt)"),
     (["--ckpt", "empty_dir"], "checkpoint empty_dir is a directory, not a file; pass the .pt file that train.py wrote "
