@@ -159,37 +159,24 @@ class Rendered:
 
 
 def render_example(example: dict, enc: Any) -> Rendered:
-    """Tokenize an example (as returned by load_examples): candidate i is `ctx + endings[i]`.
-
-    Text is encoded as ordinary text: an `<|endoftext|>` written in a context or ending is those 13 characters,
-    not the document separator (and tiktoken's `encode` would refuse it).
-    """
+    """Tokenize an example (from load_examples): candidate i is `ctx + endings[i]`, encoded as ordinary text (an
+    `<|endoftext|>` in the text is those 13 characters, not the document separator, which `encode` would refuse)."""
     return Rendered(ctx=enc.encode_ordinary(example["ctx"]),
                     endings=[enc.encode_ordinary(" " + e) for e in example["endings"]], label=example["label"])
 
 
 def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and ending masks, (rows, T) each: 4 rows per example, then dummy rows (mask 0) up to `rows`.
-
-    T is the longest candidate rounded up to a multiple of 32 and capped at block_size, and `rows` is fixed, so a
-    compiled model sees few distinct shapes. Padding goes on the right, where causal attention cannot see it from
-    the real tokens. A candidate longer than block_size is cropped from the left, keeping its ending: the context
-    loses its first tokens (and if the ending alone is longer, its first tokens are not scored either).
-    """
-    seqs, masks = [], []
-    for r in batch:
-        for end in r.endings:
-            seq, mask = r.ctx + end, [0] * len(r.ctx) + [1] * len(end)
-            if block_size is not None and len(seq) > block_size:
-                seq, mask = seq[-block_size:], mask[-block_size:]
-            seqs.append(seq)
-            masks.append(mask)
-    longest = max((len(s) for s in seqs), default=1)  # an empty batch still makes one (all-dummy) forward
-    T = SEQ_MULTIPLE * math.ceil(longest / SEQ_MULTIPLE)
-    T = min(T, block_size) if block_size is not None else T
+    """Tokens and ending masks, (rows, T) each: 4 rows per example, then dummy rows (mask 0) up to `rows`. T is the
+    longest candidate rounded up to a multiple of 32, capped at block_size, and `rows` is fixed: a compiled model sees
+    few distinct shapes. Padding goes on the right, out of the real tokens' causal view. A candidate longer than
+    block_size keeps its last block_size tokens: the context loses its first (and the ending, if longer alone)."""
+    keep = -block_size if block_size else 0
+    seqs = [((r.ctx + end)[keep:], ([0] * len(r.ctx) + [1] * len(end))[keep:]) for r in batch for end in r.endings]
+    longest = max((len(s) for s, _ in seqs), default=1)  # an empty batch still makes one (all-dummy) forward
+    T = min(SEQ_MULTIPLE * math.ceil(longest / SEQ_MULTIPLE), block_size or math.inf)
     tokens = torch.full((rows, T), EOT, dtype=torch.long)
     mask = torch.zeros((rows, T), dtype=torch.long)
-    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+    for i, (s, m) in enumerate(seqs):
         tokens[i, :len(s)] = torch.tensor(s)
         mask[i, :len(m)] = torch.tensor(m)
     return tokens, mask
@@ -198,10 +185,8 @@ def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tupl
 def score_batch(model: Any, tokens: torch.Tensor, mask: torch.Tensor,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed and mean cross-entropy of the masked tokens of each row, (rows,) each, in fp32 (0 for dummy rows).
-
     Logit t predicts token t + 1, so a masked token at t + 1 is scored by row position t. Only those positions
-    are gathered and upcast to fp32: the full (rows, T, V) logits in fp32 would be several GB for GPT-2.
-    """
+    are gathered and upcast to fp32: the full (rows, T, V) logits in fp32 would be several GB for GPT-2."""
     rows, T = tokens.shape
     scored = mask[:, 1:].bool()  # (rows, T-1): target t+1 is an ending token
     r, t = scored.nonzero(as_tuple=True)  # computed on the CPU tensors: no device sync
@@ -227,11 +212,8 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
              limit: int | None = None, batch_size: int = 16, enc: Any = None, progress: bool = False) -> dict:
     """Completion-style HellaSwag accuracy of `model` (`model(idx) -> (logits, loss)`: a GPT, or train.py's compiled,
     DDP or FSDP module), called on every rank. Returns {"acc", "acc_norm", "n", "examples_per_sec"}, the same on each.
-
     Ranks take strided shares and all-reduce the counts (world_size > 1 needs a process group). Runs under no_grad,
-    in eval mode (restored after), bf16 autocast on CUDA; long candidates are cropped as in make_batch. `progress`
-    shows a tqdm bar on rank 0.
-    """
+    in eval mode (restored after), bf16 autocast on CUDA. `progress` shows a tqdm bar on rank 0."""
     device = torch.device(device)
     examples = examples[:limit] if limit is not None else examples
     # examples made in Python, not by load_examples, are checked here
