@@ -1,8 +1,6 @@
 """Helpers every stage shares: the GPT-2 tokenizer, the dataclass CLI, provenance and devices, a directory's lock,
-process exit, checkpoint files, the MFU peak table and log reading.
-
-Imports no torch at module level (torch is imported inside the functions that need it), so plot.py stays light.
-"""
+process exit, checkpoint files, the MFU peak table and log reading. No torch import at module level (the functions
+that need torch import it), so plot.py stays light."""
 
 from __future__ import annotations
 
@@ -551,29 +549,14 @@ def check_crcs(path: Path) -> None:
 # MFU
 
 
-# Dense bf16 tensor-core peak FLOP/s by device-name substring; longer (more specific) keys are matched first.
+# Dense bf16 tensor-core peak FLOP/s by device-name substring; longer (more specific) keys are matched first. A bare
+# "h100" or "h800" is the SXM part ("NVIDIA H100 80GB HBM3"); "gb200" is per GPU and needs its own key ("b200" is in it)
 PEAK_FLOPS: dict[str, float] = {
-    "h100 pcie": 756e12,
-    "h100 nvl": 835e12,
-    "h100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
-    "h200": 989e12,
-    "h200 nvl": 835e12,
-    "gh200": 989e12,
-    "h800": 989e12,  # SXM
-    "h800 pcie": 756e12,
-    "b200": 2250e12,
-    "gb200": 2500e12,  # per GPU; "b200" is a substring of its name, so it needs its own key
-    "a100": 312e12,
-    "a800": 312e12,
-    "a10g": 70e12,
-    "a10": 125e12,
-    "l40s": 362e12,
-    "l40": 181e12,
-    "l4": 121e12,
-    "a6000": 155e12,
-    "rtx 4090": 165e12,
-    "rtx 3090": 71e12,
-    "v100": 125e12,  # fp16; V100 has no bf16
+    "h100": 989e12, "h100 pcie": 756e12, "h100 nvl": 835e12, "h800": 989e12, "h800 pcie": 756e12,
+    "h200": 989e12, "h200 nvl": 835e12, "gh200": 989e12, "b200": 2250e12, "gb200": 2500e12,
+    "a100": 312e12, "a800": 312e12, "a10g": 70e12, "a10": 125e12, "a6000": 155e12,
+    "l40s": 362e12, "l40": 181e12, "l4": 121e12, "rtx 4090": 165e12, "rtx 3090": 71e12,
+    "v100": 125e12,  # fp16: V100 has no bf16
 }
 
 
