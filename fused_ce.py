@@ -139,11 +139,9 @@ def cross_entropy_rows(logits: Tensor, targets: Tensor, label_smoothing: float =
 def _chunk_loss(logits: Tensor, targets: Tensor, label_smoothing: float,
                 with_grad: bool) -> tuple[Tensor, Tensor | None]:
     """Summed cross-entropy of fp32 logits (n, V) over the rows whose target is not -1, and optionally its gradient
-    with respect to the logits: softmax - (1 - s) * onehot - s / R on those rows, 0 on the others.
-
-    Label smoothing spreads its mass s over the R = min(V, 50257) real token ids, as F.cross_entropy does over all V
-    when nothing is padded: a smoothing target on the padded ids would train their logits up, towards probability
-    the model can never use (they are never targets, and never sampled or exported)."""
+    with respect to the logits: softmax - (1 - s) * onehot - s / R on those rows, 0 on the others. Label smoothing
+    spreads s over the R = min(V, 50257) real ids only: a smoothing target on the padded ids would train their logits
+    up, towards probability the model can never use (they are never targets, and never sampled or exported)."""
     valid = targets != -1
     safe = targets.masked_fill(~valid, 0)  # (n,)
     real = min(logits.size(-1), GPT2_VOCAB)

@@ -6,8 +6,8 @@ Forward reads x and b once and writes y, so x + b never exists in memory. Backwa
 x and b and writes dx and db in one pass over dy and x; db goes through per-program partial rows, without atomics, so
 gradients are bitwise reproducible. Math is fp32 inside; y and dx come out in x's dtype, db in b's dtype.
 
-The MLP calls `bias_gelu(x, b, fused)`: the Triton path on CUDA when triton is installed, the reference elsewhere.
-On CPU the kernels run under the Triton interpreter when TRITON_INTERPRET=1 is set before triton is first imported.
+The MLP calls `bias_gelu(x, b, fused)`. On CPU the kernels run under the Triton interpreter when TRITON_INTERPRET=1
+is set before triton is first imported.
 
 Usage (self-check against the reference, not a benchmark; speed lives in bench.py):
     python fused_gelu.py --rows 8192 --cols 3072 --dtype bfloat16          # on a CUDA machine
@@ -101,10 +101,6 @@ if _HAS_TRITON:
         tl.store(db_partial_ptr + group * N + cols, tl.sum(acc, axis=0), mask=col_mask)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
 def bias_gelu_fwd(x: Tensor, b: Tensor, block_m: int = FWD_BLOCK_M, block_n: int = FWD_BLOCK_N,
                   num_warps: int = FWD_NUM_WARPS) -> Tensor:
     """Launch the forward kernel on a contiguous (M, N) x and an (N,) b; returns y (M, N) in x's dtype."""
@@ -112,7 +108,7 @@ def bias_gelu_fwd(x: Tensor, b: Tensor, block_m: int = FWD_BLOCK_M, block_n: int
     y = torch.empty_like(x)
     if x.numel() == 0:  # a zero-size grid is not a valid launch
         return y
-    grid = (_cdiv(M, block_m), _cdiv(N, block_n))
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _bias_gelu_fwd_kernel[grid](x, b, y, M, N, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     return y
 
@@ -127,10 +123,10 @@ def bias_gelu_bwd(dy: Tensor, x: Tensor, b: Tensor, block_m: int = BWD_BLOCK_M, 
     dx = torch.empty_like(x)
     if x.numel() == 0:
         return dx, torch.zeros_like(b)
-    rows = block_m * _cdiv(rows_per_program, block_m)
-    groups = _cdiv(M, rows)
+    rows = block_m * triton.cdiv(rows_per_program, block_m)
+    groups = triton.cdiv(M, rows)
     db_partial = torch.empty((groups, N), dtype=torch.float32, device=x.device)  # (row_groups, N), fp32
-    grid = (groups, _cdiv(N, block_n))
+    grid = (groups, triton.cdiv(N, block_n))
     _bias_gelu_bwd_kernel[grid](dy, x, b, dx, db_partial, M, N, ROWS_PER_PROGRAM=rows, BLOCK_M=block_m,
                                 BLOCK_N=block_n, num_warps=num_warps)
     return dx, db_partial.sum(0).to(b.dtype)
