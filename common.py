@@ -88,17 +88,13 @@ def get_tokenizer() -> Any:
     except ImportError as e:
         raise RuntimeError(str(e)) from e
     ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(data / "vocab.bpe"),
-        encoder_json_file=str(data / "encoder.json"),
+        vocab_bpe_file=str(data / "vocab.bpe"), encoder_json_file=str(data / "encoder.json"),
         vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-    )
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
     # GPT-2's pre-tokenization regex (tiktoken's r50k pattern)
     pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-    return tiktoken.Encoding(
-        name="gpt2", pat_str=pat, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT},
-        explicit_n_vocab=GPT2_VOCAB,
-    )
+    return tiktoken.Encoding(name="gpt2", pat_str=pat, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT},
+                             explicit_n_vocab=GPT2_VOCAB)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -34,8 +34,7 @@ _HAS_TRITON = triton_available()  # without triton (CPU-only or macOS installs) 
 
 # Launch defaults for GPT-2's V = 50304 in bf16: 4096 columns per loop step at 8 warps, 16 elements per thread; one
 # program per row (the reasoning: docs/notes.md, "fused_ce.py")
-BLOCK_V = 4096
-NUM_WARPS = 8
+BLOCK_V, NUM_WARPS = 4096, 8
 
 
 def cross_entropy_reference(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0,

@@ -30,14 +30,9 @@ except ImportError:  # CPU-only or macOS installs: bias_gelu falls back to the r
 
 # Launch defaults for H100/H200, N = 3072, bf16 (why, measured: docs/notes.md, "fused_gelu.py"); bench.py sweeps them.
 # forward: 4 x 1024 tiles at 4 warps; 1024 divides 3072, so no masked column blocks
-FWD_BLOCK_M = 4
-FWD_BLOCK_N = 1024
-FWD_NUM_WARPS = 4
+FWD_BLOCK_M, FWD_BLOCK_N, FWD_NUM_WARPS = 4, 1024, 4
 # backward: 8 x 256 per loop step at 4 warps (16 fp32 db registers per thread), 256 rows per program
-BWD_BLOCK_M = 8
-BWD_BLOCK_N = 256
-BWD_ROWS_PER_PROGRAM = 256
-BWD_NUM_WARPS = 4
+BWD_BLOCK_M, BWD_BLOCK_N, BWD_NUM_WARPS, BWD_ROWS_PER_PROGRAM = 8, 256, 4, 256
 
 
 def triton_available() -> bool:

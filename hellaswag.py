@@ -294,8 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         except (OSError, ValueError, RuntimeError) as e:
             raise SystemExit(f"error: {e}".replace("\n", " ")) from None
         if rank == 0:
-            source = cfg.ckpt or cfg.init_from
-            print(f"hellaswag: {source}, {model.num_params():,} params, {len(examples)} examples; "
+            print(f"hellaswag: {cfg.ckpt or cfg.init_from}, {model.num_params():,} params, {len(examples)} examples; "
                   f"{describe_provenance(provenance(device, world_size))}", file=sys.stderr)
         net = torch.compile(model) if cfg.compile else model
         result = evaluate(net, examples, device, rank, world_size, batch_size=cfg.batch_size, progress=True)
