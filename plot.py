@@ -50,11 +50,6 @@ def load_curves(path: Path) -> tuple[dict, dict[str, list[dict]]]:
     return config, {kind: [steps[s] for s in sorted(steps)] for kind, steps in by_type.items()}
 
 
-def is_gpt2_124m(config: dict) -> bool:
-    m = config.get("model_config", {})
-    return (m.get("n_layer"), m.get("n_embd"), m.get("n_head")) == (12, 768, 12)
-
-
 def run_names(logs: list[Path]) -> list[str]:
     """A label per run: its directory's name, or more of its path where two runs' directories share a name."""
     names = [log.parent.name or str(log) for log in logs]
@@ -84,7 +79,8 @@ def plot(cfg: PlotConfig) -> Path:
         lr_ax.set_ylabel("learning rate")
         lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     if hs_ax is not None:
-        if all(is_gpt2_124m(config) for config, _ in runs):  # OpenAI's figures are for the 124M model only
+        shapes = [[c.get("model_config", {}).get(k) for k in ("n_layer", "n_embd", "n_head")] for c, _ in runs]
+        if all(shape == [12, 768, 12] for shape in shapes):  # OpenAI's figures are for GPT-2 124M's shape only
             hs_ax.axhline(GPT2_124M_HELLASWAG, color="red", linestyle="--", label="OpenAI GPT-2 124M (0.2955)")
             hs_ax.axhline(GPT3_SMALL_HELLASWAG, color="gray", linestyle="--", label="OpenAI GPT-3 Small (0.337)")
         hs_ax.set_ylabel("HellaSwag acc_norm")
@@ -105,10 +101,7 @@ def log_paths(arg: str) -> list[Path]:
             raise FileNotFoundError("no out/*/log.jsonl here; pass --log PATH (the log.jsonl in a run's --out-dir)")
         return [newest]
     # a path that exists as given is one log, commas and all (run names such as lr=6e-4,bs=8)
-    logs = [Path(arg)] if Path(arg).is_file() else [Path(part) for part in arg.split(",") if part]
-    if not logs:
-        raise ValueError("--log is empty; pass a run's log.jsonl (or several, comma-separated)")
-    return logs
+    return [Path(arg)] if Path(arg).is_file() else [Path(part) for part in arg.split(",") if part]
 
 
 def read_run(log: Path) -> tuple[dict, dict[str, list[dict]]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import codecs
 import collections
 import dataclasses
-import math
 import re
 import sys
 import time
@@ -26,15 +25,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from common import (
-    EOT,
-    GPT2_VOCAB,
-    get_tokenizer,
-    import_torchao,
-    parse_config,
-    resolve_device,
-    tensor_bytes,
-)
+from common import EOT, get_tokenizer, import_torchao, parse_config, resolve_device, tensor_bytes
 from model import GPT
 
 WORD = re.compile(r"\w+", re.ASCII)  # identifier-like: letters, digits and _
@@ -63,18 +54,7 @@ class SampleConfig:
     def __post_init__(self) -> None:
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"--quantize must be none or int8, got {self.quantize!r}")
-        if self.num_samples < 1:
-            raise ValueError(f"--num-samples must be >= 1, got {self.num_samples}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:  # NaN too: it would sample at temperature 1 without a word
-            raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if math.isinf(self.temperature):
-            raise ValueError(f"--temperature must be finite (0 is greedy), got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"--top-k must be >= 1 or none, got {self.top_k}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"--top-p must be in (0, 1] or none, got {self.top_p}")
+        GPT.check_sampling(self.temperature, self.top_k, self.top_p)  # before a model loads
 
 
 def read_prompt(prompt: str, stdin: TextIO | None = None) -> str:
@@ -82,15 +62,8 @@ def read_prompt(prompt: str, stdin: TextIO | None = None) -> str:
     if prompt == "-":
         return (stdin or sys.stdin).read()
     if prompt.startswith("@"):
-        if prompt == "@":
-            raise ValueError("--prompt @ names no file; write --prompt @FILE to read the prompt from FILE, or --prompt "
-                             "- to read it from stdin")
         path = Path(prompt[1:])
-        if path.is_dir():
-            raise IsADirectoryError(f"prompt file {path} is a directory; --prompt @FILE reads a text file")
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} does not exist (--prompt @FILE reads a file)")
-        try:
+        try:  # a missing file or a directory: the OSError's one line names it
             return path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as "
@@ -101,10 +74,7 @@ def read_prompt(prompt: str, stdin: TextIO | None = None) -> str:
 def generate_text(model: GPT, enc: Any, cfg: SampleConfig, device: torch.device | str,
                   out: TextIO | None = None) -> list[str]:
     """Stream cfg.num_samples continuations of cfg.prompt (the text itself) to `out`; return the continuations.
-
-    The model is used as it is (main casts it to bf16 on CUDA). Speed goes to stderr as `N tokens in S s (R tok/s)`.
-    """
-    out = out or sys.stdout
+    The model is used as it is (main casts it to bf16 on CUDA). Speed goes to stderr: `N tokens in S s (R tok/s)`."""
     device = torch.device(device)
     tokens = enc.encode(cfg.prompt, allowed_special="all") or [EOT]  # an empty prompt starts a new document
     shown = cfg.prompt
@@ -124,8 +94,7 @@ def generate_text(model: GPT, enc: Any, cfg: SampleConfig, device: torch.device 
     texts, n_tokens = [], 0
     t0 = time.perf_counter()
     for _ in range(cfg.num_samples):
-        out.write(shown)
-        out.flush()
+        print(shown, end="", file=out, flush=True)
         # a token can end in the middle of a multi-byte UTF-8 character: the decoder holds it back until complete
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         pieces = []
@@ -134,43 +103,16 @@ def generate_text(model: GPT, enc: Any, cfg: SampleConfig, device: torch.device 
             eot = int(nxt[0, 0]) == EOT  # shown as a break; the returned text keeps the token, a word boundary
             piece = decoder.decode(b"" if eot else enc.decode_single_token_bytes(int(nxt[0, 0])), final=eot)
             pieces.append(piece + "<|endoftext|>" * eot)
-            out.write(piece + DOC_BREAK * eot)
-            out.flush()
+            print(piece + DOC_BREAK * eot, end="", file=out, flush=True)
             n_tokens += 1
             if eot and cfg.stop_at_eot:
                 break
         pieces.append(decoder.decode(b"", final=True))
-        out.write(pieces[-1] + "\n---------------\n")
-        out.flush()
+        print(pieces[-1] + "\n---------------", file=out, flush=True)
         texts.append("".join(pieces))
     elapsed = time.perf_counter() - t0
     print(f"{n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tok/s)", file=sys.stderr)
     return texts
-
-
-def decode_speed(model: GPT, prompt_len: int, new_tokens: int, use_cache: bool, device: torch.device | str,
-                 batch_size: int = 1) -> float:
-    """Greedy decoding speed in generated tokens/s (all sequences of the batch), prefill included.
-
-    For bench.py. The model is used as it is: cast it to bf16 first to measure bf16 on CUDA, as sample.py does.
-    A short untimed run first takes allocation and kernel selection out of the measurement.
-    """
-    device = torch.device(device)
-    if prompt_len < 1 or new_tokens < 1 or prompt_len + new_tokens > model.config.block_size:
-        raise ValueError(f"decode_speed needs 1 <= prompt_len, 1 <= new_tokens and prompt_len + new_tokens <= "
-                         f"block_size ({model.config.block_size}), got {prompt_len} + {new_tokens}")
-    gen = torch.Generator(device=device).manual_seed(0)
-    idx = torch.randint(0, GPT2_VOCAB, (batch_size, prompt_len), generator=gen, device=device)
-    for _ in model.generate_stream(idx, min(new_tokens, 4), temperature=0.0, use_cache=use_cache):
-        pass
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in model.generate_stream(idx, new_tokens, temperature=0.0, use_cache=use_cache):
-        pass  # no .item(): the device runs ahead; the synchronize below waits for it
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return batch_size * new_tokens / (time.perf_counter() - t0)
 
 
 def words(text: str) -> list[str]:
@@ -208,23 +150,19 @@ def corpus_check(texts: list[str], seen: set[str]) -> dict[str, float]:
 # INT8 weight-only quantization (torchao, optional)
 
 def torchao_int8() -> tuple[Any, Any]:
-    """(torchao's quantize_, its weight-only INT8 config); a missing or too old torchao is one ImportError line."""
-    torchao = import_torchao("--quantize int8")
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    except ImportError:
-        raise ImportError(f"--quantize int8 needs torchao >= 0.10 (Int8WeightOnlyConfig); found "
-                          f"{torchao.__version__}: pip install -U torchao") from None
+    """(torchao's quantize_, its weight-only INT8 config); a missing torchao is one ImportError line."""
+    import_torchao("--quantize int8")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
     # no global inductor settings: bench.py compiles training variants in the same process afterwards
     return quantize_, Int8WeightOnlyConfig(set_inductor_config=False)
 
 
 def quantize_int8(model: nn.Module) -> list[str]:
     """Make every nn.Linear weight int8 with one scale per output row (torchao weight-only INT8, in place); return
-    their names. The matmuls dequantize to the activations' dtype, so cast the model first (bf16 on CUDA).
-
-    A weight another module shares is left as it is: the tied lm_head, whose matrix is also the token embedding.
-    quantize_ would replace that parameter, untying it and keeping a full-precision embedding beside an int8 copy."""
+    their names. The matmuls dequantize to the activations' dtype, so cast the model first (bf16 on CUDA). A shared
+    weight (the tied lm_head, also the token embedding) stays as it is: quantize_ would untie it, keeping a
+    full-precision embedding beside an int8 copy."""
     quantize_, config = torchao_int8()
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and uses[id(m.weight)] == 1]
@@ -247,9 +185,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         seen = corpus_words(cfg.corpus) if cfg.corpus else None
     except (ImportError, OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {e}".replace("\n", " ")) from None
-    model.to(device)
-    if device.type == "cuda":
-        model.to(torch.bfloat16)  # decoding is bound by reading the weights: half the bytes, ~2x the speed
+    # decoding is bound by reading the weights: bf16 on CUDA halves their bytes, about doubling the speed
+    model.to(device, torch.bfloat16 if device.type == "cuda" else None)
     if cfg.quantize == "int8":
         before = weight_bytes(model)
         names = quantize_int8(model)
@@ -257,7 +194,6 @@ def main(argv: list[str] | None = None) -> list[str]:
         kept = "" if "lm_head" in names else f" (the tied wte/lm_head stays {dtype})"
         print(f"int8: {len(names)} nn.Linear weights quantized, weights {before / 1e6:.1f} MB -> "
               f"{weight_bytes(model) / 1e6:.1f} MB{kept}", file=sys.stderr)
-    torch.manual_seed(cfg.seed)
     texts = generate_text(model, get_tokenizer(), dataclasses.replace(cfg, prompt=prompt), device)
     if seen is not None:
         c = corpus_check(texts, seen)

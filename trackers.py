@@ -88,9 +88,5 @@ class WandB:
 def open_trackers(tensorboard: bool, wandb_project: str, out_dir: Path, resume_step: int | None,
                   forget: int | None = None) -> list[Any]:
     """The trackers asked for, each with write(record) and close(); `forget` as prepare_log returns it."""
-    trackers: list[Any] = []
-    if tensorboard:
-        trackers.append(TensorBoard(out_dir, forget))
-    if wandb_project:
-        trackers.append(WandB(wandb_project, out_dir, resume_step))
-    return trackers
+    return [*([TensorBoard(out_dir, forget)] if tensorboard else []),
+            *([WandB(wandb_project, out_dir, resume_step)] if wandb_project else [])]

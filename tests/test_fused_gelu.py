@@ -119,13 +119,6 @@ def test_unfused_path_under_autocast_is_the_bf16_linear_bias_gelu() -> None:
     assert fc.bias.grad.dtype == torch.float32
 
 
-@pytest.mark.skipif(not triton_available() or INTERPRETED, reason="needs triton with compiled kernels")
-def test_compiled_kernels_reject_cpu_tensors() -> None:
-    x, b, _ = make_inputs((2, 8))
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        fused_bias_gelu(x, b)
-
-
 @pytest.mark.parametrize("which", ["fwd", "bwd"])
 def test_kernels_compile_for_hopper(which: str) -> None:
     # what the MLP launches under bf16 autocast: bf16 activations, the fp32 bias, the default tiles
@@ -228,10 +221,6 @@ class TestInterpreted:
         x, b, _ = make_inputs((4, 24))
         with pytest.raises(ValueError, match=r"b of shape \(N,\)"):
             fused_bias_gelu(x, b[:-1])
-        with pytest.raises(ValueError, match="block_n must be a power of two"):
-            fused_gelu.bias_gelu_fwd(x, b, block_n=48)
-        with pytest.raises(ValueError, match="x must be contiguous"):
-            fused_gelu.bias_gelu_fwd(x.t().contiguous().t(), b)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
