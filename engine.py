@@ -705,12 +705,11 @@ def rewound(path: Path) -> Path:
     return path.with_name(path.name + ".rewound")
 
 
-def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[int | None, list[dict]]:
-    """Make log.jsonl hold the past of the run about to start: empty for a fresh run; a resumed run's records before
+def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[int, list[dict], Callable[[], None]]:
+    """What log.jsonl must hold for the run about to start: nothing for a fresh run; a resumed run's records before
     its step. A rewind (a resume of a checkpoint older than the newest) keeps the records it drops in log.jsonl.rewound
     until its first checkpoint; a run that finds them there (the rewind died before) puts them back first. Returns
-    the step from which trackers must forget what they had (None: keep all), and the records to give them again."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    the step from which trackers must forget what they had, the records to give them again, and the write to do."""
     records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
     side, first = rewound(path), resume_step
     if records and side.is_file() and side.stat().st_mtime_ns > newest_checkpoint_time(path.parent):
@@ -719,12 +718,17 @@ def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[i
         records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
     kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
     cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]
-    if rewinding and cut:  # written before the log is cut, so a crash between the two loses nothing
-        write_records(side, cut)
-    else:
-        side.unlink(missing_ok=True)
-    write_records(path, kept)
-    return (0 if resume_step is None else first), [r for r in kept if r["type"] != "config" and r["step"] >= first]
+
+    def write() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if rewinding and cut:  # written before the log is cut, so a crash between the two loses nothing
+            write_records(side, cut)
+        else:
+            side.unlink(missing_ok=True)
+        write_records(path, kept)
+
+    replay = [r for r in kept if r["type"] != "config" and r["step"] >= first]
+    return (0 if resume_step is None else first), replay, write
 
 
 def newest_checkpoint_time(out_dir: Path) -> int:

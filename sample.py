@@ -55,6 +55,9 @@ class SampleConfig:
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"--quantize must be none or int8, got {self.quantize!r}")
         GPT.check_sampling(self.temperature, self.top_k, self.top_p)  # before a model loads
+        for name in ("num_samples", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 
 
 def read_prompt(prompt: str, stdin: TextIO | None = None) -> str:

@@ -425,9 +425,10 @@ DESCRIBE = {"hellaswag": describe_examples}
 def open_run_log(cfg: TrainConfig, resume_step: int | None, rewinding: bool, rank: int, world: int) -> RunLog:
     """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's)."""
     logs, path = rank == 0 and not cfg.eval_only, Path(cfg.out_dir) / "log.jsonl"
-    forget, replay = prepare_log(path, resume_step, rewinding) if logs else (None, [])
+    forget, replay, write = prepare_log(path, resume_step, rewinding) if logs else (None, [], lambda: None)
     trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step, forget)
                             if logs else None, world)
+    write()  # after the trackers start: one that cannot leaves the log as it was
     for tracker in trackers or []:
         for record in replay:
             tracker.write(record)

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> dict:
     start = checkpointer.restore(found[1], raw, built.optimizer, parts) if found else 0
     path = Path(cfg.out_dir) / "log.jsonl" if rank == 0 else None
     if path:  # the log holds the steps before `start`: a rewind's dropped ones kept aside until its first checkpoint
-        engine.prepare_log(path, start if found else None, checkpointer.rewinding)
+        engine.prepare_log(path, start if found else None, checkpointer.rewinding)[2]()
     log = engine.RunLog(path, rank == 0, cfg.max_steps)
 
     def step_fn(step: int) -> dict:
