@@ -147,15 +147,15 @@ def load_rows(source: str, split: str, config: str | None = None) -> Any:
     return load_dataset(str(path) if path.is_dir() else source, config, split=split)
 
 
-def read_conversations(source: str, split: str) -> list[tuple[int, list[dict]]]:
-    """(row index, messages) of the train or val split: a file's every VAL_EVERY-th row is val, a directory's or hub
-    dataset's val is its test split."""
+def read_conversations(source: str, split: str) -> Iterable[tuple[int, Any]]:
+    """(row index, messages) of the train or val split, one at a time: a file's every VAL_EVERY-th row is val, a
+    directory's or hub dataset's val is its test split."""
     if split not in ("train", "val"):
         raise DataError(f"split must be 'train' or 'val', got {split!r}")
     single = Path(source).expanduser().is_file()
     rows = load_rows(source, "train" if single or split == "train" else "test")
-    return [(i, row.get("messages")) for i, row in enumerate(rows)
-            if not single or (i % VAL_EVERY == 0) == (split == "val")]
+    return ((i, row.get("messages")) for i, row in enumerate(rows)
+            if not single or (i % VAL_EVERY == 0) == (split == "val"))
 
 
 def pack(lengths: Sequence[int], cap: int) -> list[list[int]]:
@@ -186,7 +186,7 @@ def padding_share(lengths: Sequence[int], rows: list[list[int]], cap: int) -> fl
     return 1 - sum(lengths[i] for row in rows for i in row) / (len(rows) * cap)
 
 
-def render_rows(source: str, rows: list[tuple[int, Any]], cap: int) -> tuple[list[tuple[Any, Any]], int, int]:
+def render_rows(source: str, rows: Iterable[tuple[int, Any]], cap: int) -> tuple[list[tuple[Any, Any]], int, int]:
     """(ids, mask) of each row, cut to cap tokens, the truncated count and the dropped count: a cut conversation with
     nothing left to learn is dropped (a batch of only such rows would have a loss of 0/0)."""
     out, truncated, dropped = [], 0, 0

@@ -96,13 +96,13 @@ class ARC(Task):
         return conversation(prompt, answer, answer)
 
     def check(self, reply: str, answer: str) -> bool:
-        """The reply's first standalone letter A-H is the answer."""
+        """The reply's first standalone letter A-H is the answer (a reply opening with the article "A" reads as A)."""
         found = re.search(r"\b([A-H])\b", reply)
         return found is not None and found.group(1) == answer
 
 
 class Addition(Task):
-    """a + b for numbers of `digits` digits (10-99 by default). A 2-layer model of width 64 learns it on a CPU."""
+    """a + b for numbers of `digits` digits (10-99 by default); the sum is spaced too, most significant first."""
 
     hub = "addition"
 
