@@ -1,0 +1,292 @@
+"""The chat format, defined once: conversations to token ids and a loss mask, for SFT, chat.py, the evals and RL.
+
+A conversation is a list of messages {"role", "content"} (the HF chat schema): an optional system message, then user
+and assistant in turns, ending with the assistant's. It renders as
+
+    <|endoftext|> [<|system_start|> text <|system_end|>] <|user_start|> text <|user_end|>
+    <|assistant_start|> reply <|assistant_end|> <|user_start|> ...
+
+An assistant's content is a string, or a list of parts {"type": "text" | "tool" | "output", "text"}: a calculator call
+renders as <|tool_start|> expression <|tool_end|>, its result as <|output_start|> text <|output_end|>. The mask is 1 on
+what the model learns to write (the assistant's text and tool calls, and <|assistant_end|>) and 0 on what it is given
+(BOS, system, user, <|assistant_start|>, tool outputs, which the engine inserts). The special tokens take the unused
+rows 50257-50266 of GPT-2's padded 50,304-row embedding; text goes through encode_ordinary, so no text makes them.
+
+ConversationLoader packs whole conversations into rows of T+1 tokens (best-fit decreasing) and serves (x, y) batches
+as fineweb.TokenLoader does, with y = -1 wherever nothing is learned. A packed row's conversations see each other in
+attention, as in pretraining's documents; each starts with BOS.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common import EOT, get_tokenizer
+from fineweb import DataError
+
+BOS = EOT
+SYSTEM_START, SYSTEM_END, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = range(50257, 50263)
+TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END = range(50263, 50267)
+CHAT_VOCAB = 50267  # ids below this may be sampled by a chat model
+ROLES = {"system": (SYSTEM_START, SYSTEM_END), "user": (USER_START, USER_END),
+         "assistant": (ASSISTANT_START, ASSISTANT_END)}
+PARTS = {"text": (), "tool": (TOOL_START, TOOL_END), "output": (OUTPUT_START, OUTPUT_END)}
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # a local file's suffix -> datasets builder
+VAL_EVERY = 20  # a single local file holds out every 20th conversation (rows 0, 20, ...) as its val split
+
+tokenizer = functools.cache(get_tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Render and parse
+
+
+def _check_content(i: int, role: str, content: Any) -> None:
+    if role == "assistant" and isinstance(content, list) and content:
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in PARTS or not isinstance(part.get("text"), str) or not part["text"]:
+                raise ValueError(f"message {i} (assistant) has a bad part {part!r}: expected "
+                                 "{'type': 'text' | 'tool' | 'output', 'text': a non-empty string}")
+    elif not isinstance(content, str):
+        raise ValueError(f"message {i} ({role}) has content of type {type(content).__name__}, expected a string"
+                         + (" or a list of parts" if role == "assistant" else ""))
+    elif not content:
+        raise ValueError(f"message {i} ({role}) is empty")
+
+
+def check_messages(messages: Any, last: str) -> None:
+    """A ValueError naming what is wrong unless `messages` is [system?], user, assistant, ... ending with `last`."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"expected a non-empty list of messages, got {messages!r:.60}")
+    first = 1 if isinstance(messages[0], dict) and messages[0].get("role") == "system" else 0
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        expected = "system" if i < first else ("user", "assistant")[(i - first) % 2]
+        if role not in ROLES:
+            raise ValueError(f"message {i} has role {role!r}, expected one of system, user, assistant")
+        if role != expected:
+            raise ValueError(f"message {i} is from {role}, expected {expected} (an optional first system message, "
+                             "then user and assistant in turns)")
+        _check_content(i, role, message.get("content"))
+    if messages[-1]["role"] != last:
+        raise ValueError(f"the conversation ends with a {messages[-1]['role']} message, expected {last}")
+
+
+def _render(messages: list[dict]) -> tuple[list[int], list[int]]:
+    enc, ids, mask = tokenizer(), [BOS], [0]
+
+    def add(tokens: list[int], learn: int) -> None:
+        ids.extend(tokens)
+        mask.extend([learn] * len(tokens))
+
+    for message in messages:
+        (start, end), content = ROLES[message["role"]], message["content"]
+        if message["role"] != "assistant":
+            add([start, *enc.encode_ordinary(content), end], 0)
+            continue
+        add([start], 0)
+        for part in [{"type": "text", "text": content}] if isinstance(content, str) else content:
+            text = enc.encode_ordinary(part["text"])
+            add([*PARTS[part["type"]][:1], *text, *PARTS[part["type"]][1:]], int(part["type"] != "output"))
+        add([end], 1)
+    return ids, mask
+
+
+def render(messages: list[dict]) -> tuple[list[int], list[int]]:
+    """A whole conversation -> (ids, mask), mask 1 on the tokens the assistant learns to write."""
+    check_messages(messages, "assistant")
+    return _render(messages)
+
+
+def render_prompt(messages: list[dict]) -> list[int]:
+    """A conversation ending with a user message -> its ids and <|assistant_start|>: the prompt for the reply."""
+    check_messages(messages, "user")
+    return _render(messages)[0] + [ASSISTANT_START]
+
+
+def parse(ids: Iterable[int]) -> list[dict]:
+    """Sampled reply ids (after <|assistant_start|>) -> its parts as render takes them, up to <|assistant_end|> or any
+    other special token that is not a tool marker."""
+    enc, parts, kind, run = tokenizer(), [], "text", []
+    for t in [*ids, ASSISTANT_END]:
+        if t < EOT:
+            run.append(t)
+            continue
+        if run:
+            parts.append({"type": kind, "text": enc.decode(run)})
+        if t not in (TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END):
+            break
+        run, kind = [], {TOOL_START: "tool", OUTPUT_START: "output"}.get(t, "text")
+    return parts
+
+
+def reply_text(ids: Iterable[int]) -> str:
+    """A reply's text parts, without its tool calls and outputs: what a checker reads."""
+    return "".join(part["text"] for part in parse(ids) if part["type"] == "text")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Conversation data: read, pack, load
+
+
+def load_rows(source: str, split: str, config: str | None = None) -> Any:
+    """A datasets.Dataset: a local .jsonl/.json/.parquet file (all of it), or `split` of a local directory in the hub's
+    layout (train/test files, e.g. data/train-00000-of-00001.parquet) or of a hub dataset (downloaded once)."""
+    from datasets import load_dataset
+
+    path = Path(source).expanduser()
+    if path.is_file():
+        return load_dataset(BUILDERS.get(path.suffix, "json"), data_files=str(path), split="train")
+    return load_dataset(str(path) if path.is_dir() else source, config, split=split)
+
+
+def read_conversations(source: str, split: str) -> Iterable[tuple[int, Any]]:
+    """(row index, messages) of the train or val split, one at a time: a file's every VAL_EVERY-th row is val, a
+    directory's or hub dataset's val is its test split."""
+    if split not in ("train", "val"):
+        raise DataError(f"split must be 'train' or 'val', got {split!r}")
+    single = Path(source).expanduser().is_file()
+    rows = load_rows(source, "train" if single or split == "train" else "test")
+    return ((i, row.get("messages")) for i, row in enumerate(rows)
+            if not single or (i % VAL_EVERY == 0) == (split == "val"))
+
+
+def pack(lengths: Sequence[int], cap: int) -> list[list[int]]:
+    """Best-fit decreasing: the conversations' indices (each at most cap tokens long) in rows of cap tokens, longest
+    first, each into the open row it fills most tightly, else into a new row."""
+    free: list[list[int]] = [[] for _ in range(cap + 1)]  # free[r]: the open rows with r tokens to spare
+    count = np.zeros(cap + 1, dtype=np.int64)
+    rows: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        fits = np.flatnonzero(count[n:])
+        if len(fits):
+            spare = n + int(fits[0])
+            row = free[spare].pop()
+            count[spare] -= 1
+        else:
+            spare, row = cap, len(rows)
+            rows.append([])
+        rows[row].append(i)
+        if spare > n:
+            free[spare - n].append(row)
+            count[spare - n] += 1
+    return rows
+
+
+def padding_share(lengths: Sequence[int], rows: list[list[int]], cap: int) -> float:
+    """The share of the packed rows' tokens that is padding."""
+    return 1 - sum(lengths[i] for row in rows for i in row) / (len(rows) * cap)
+
+
+def render_rows(source: str, rows: Iterable[tuple[int, Any]], cap: int) -> tuple[list[tuple[Any, Any]], int, int]:
+    """(ids, mask) of each row, cut to cap tokens, the truncated count and the dropped count: a cut conversation with
+    nothing left to learn is dropped (a batch of only such rows would have a loss of 0/0)."""
+    out, truncated, dropped = [], 0, 0
+    for index, messages in rows:
+        try:
+            ids, mask = render(messages)
+        except ValueError as e:
+            raise DataError(f"{source} row {index}: {e}") from None
+        truncated += len(ids) > cap
+        if not any(mask[1:cap]):
+            dropped += 1
+            continue
+        out.append((np.array(ids[:cap], dtype=np.uint16), np.array(mask[:cap], dtype=bool)))
+    return out, truncated, dropped
+
+
+class ConversationLoader:
+    """Batches (x, y) of packed conversations, for one rank, with fineweb.TokenLoader's interface.
+
+    The packed rows form one stream over epochs (train: a seeded shuffle per epoch; val: in order). Rank r's s-th batch
+    is window s * world_size + r of B rows, so `step` is the whole position, the same on every rank."""
+
+    def __init__(self, source: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 device: str | torch.device = "cpu"):
+        if B < 1 or T < 1 or not 0 <= rank < world_size:
+            raise DataError(f"need B >= 1, T >= 1 and 0 <= rank < world_size, got B={B}, T={T}, rank={rank}, "
+                            f"world_size={world_size}")
+        self.source, self.split, self.B, self.T, self.rank, self.world_size, self.seed = \
+            str(source), split, B, T, rank, world_size, seed
+        self.device, self.shuffle = torch.device(device), "rows"
+        convs, truncated, dropped = render_rows(self.source, read_conversations(self.source, split), T + 1)
+        lengths = [len(ids) for ids, _ in convs]
+        rows = pack(lengths, T + 1)
+        self.ids = np.full((len(rows), T + 1), BOS, dtype=np.uint16)  # padding: BOS, with targets -1
+        self.mask = np.zeros((len(rows), T + 1), dtype=bool)
+        for r, row in enumerate(rows):
+            at = 0
+            for i in row:
+                ids, mask = convs[i]
+                self.ids[r, at:at + len(ids)], self.mask[r, at:at + len(ids)] = ids, mask
+                at += len(ids)
+        self.num_rows, self.tokens = len(rows), sum(lengths)
+        self.num_windows = self.num_rows // B  # windows of B rows per epoch, all ranks together
+        self.padding = padding_share(lengths, rows, T + 1)
+        if self.num_windows == 0:
+            raise DataError(f"{source} {split}: {len(convs)} conversations pack into {self.num_rows} rows of "
+                            f"T+1 = {T + 1} tokens, fewer than B = {B}; lower --batch-size or add conversations")
+        if rank == 0:
+            print(f"{source} {split}: {len(convs):,} conversations in {self.num_rows:,} rows of {T + 1} tokens, "
+                  f"{self.padding:.1%} padding; {truncated:,} truncated to {T + 1} tokens ({dropped:,} of them "
+                  "dropped: no assistant token left)")
+        self._perm: tuple[int, np.ndarray] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the first batch of epoch 0 (for val: the same batches on every call)."""
+        self.step = 0
+
+    def _rows(self, first: int) -> np.ndarray:
+        """Indices of packed rows first .. first+B-1 of the stream."""
+        out = np.empty(self.B, dtype=np.int64)
+        for j, q in enumerate(range(first, first + self.B)):
+            epoch, k = divmod(q, self.num_rows)
+            if self.split == "val":
+                out[j] = k
+                continue
+            if self._perm is None or self._perm[0] != epoch:
+                self._perm = (epoch, np.random.default_rng((self.seed, epoch)).permutation(self.num_rows))
+            out[j] = self._perm[1][k]
+        return out
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (x, y), each int64 (B, T) on the loader's device; y is -1 where nothing is learned."""
+        rows = self._rows((self.step * self.world_size + self.rank) * self.B)
+        self.step += 1
+        ids = torch.from_numpy(self.ids[rows].astype(np.int64))
+        x, y = ids[:, :-1], ids[:, 1:].masked_fill(~torch.from_numpy(self.mask[rows, 1:]), -1)
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Stop now if the model has too few embedding rows for the chat tokens: on CUDA an id past them asserts."""
+        if (top := int(self.ids.max())) >= vocab_size:
+            raise DataError(f"the chat format uses token ids up to {top}, but the model has only {vocab_size} "
+                            f"embedding rows; start from a model with at least {CHAT_VOCAB} (GPT-2's padded 50304)")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position and what it is relative to ("shards"/"shard_tokens": the keys the ranks' data check reads)."""
+        return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
+                "shuffle": self.shuffle, "shards": [self.source], "shard_tokens": [self.tokens],
+                "rows": self.num_rows, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` of a loader over the same data, T and seed; another B or world size goes on at the
+        first window after the rows already served."""
+        mine = self.state_dict()
+        for key in ("split", "T", "seed", "shards", "shard_tokens", "rows"):
+            if state.get(key) != mine[key]:
+                raise DataError(f"cannot resume the {self.split} conversation loader: {key}={state.get(key)!r} in the "
+                                f"checkpoint but {mine[key]!r} here; resume with the same data, --seq-len and --seed")
+        served = state["step"] * state["world_size"] * state["B"]  # rows
+        self.step = -(-served // (self.world_size * self.B))

@@ -1,0 +1,168 @@
+"""Tasks: problems as conversations plus a checker of the model's reply, for the evals, SFT data and RL rewards.
+
+A task's examples(split) are {"messages": [user, assistant], "answer": str}: the assistant's message is the reference
+reply (an SFT row), check(reply_text, answer) says whether a reply is right, and reward() is that as 1.0 or 0.0.
+
+    gsm8k          openai/gsm8k "main" (train/test): word problems; the reference's <<expr=result>> calculator notes
+                   become tool calls and outputs; the answer is the number after ####
+    arc-easy       allenai/ai2_arc ARC-Easy (train/validation/test): multiple choice, answered with a letter
+    arc-challenge  the same for ARC-Challenge
+    addition       made here, offline: "What is 4 7 + 3 8?" -> "8 5", digits spaced so that each is one token; train
+                   and test are disjoint by a hash of the pair
+
+Usage (a task's train and test splits as JSONL conversations, for chat_format.ConversationLoader):
+    python tasks.py --task addition            # -> data/addition/train.jsonl, test.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chat_format import load_rows
+from common import parse_config
+
+
+def conversation(prompt: str, reply: Any, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}],
+            "answer": answer}
+
+
+class Task:
+    """A hub dataset of problems: examples from the hub or from a local file in the hub's schema, and a checker."""
+
+    hub, config, splits = "", None, ("train", "test")
+
+    def examples(self, split: str, source: str = "") -> list[dict]:
+        """The split's problems, or all of `source`'s: a local .jsonl/.json/.parquet of rows in the hub's schema."""
+        if not source and split not in self.splits:
+            raise ValueError(f"{self.hub} has splits {', '.join(self.splits)}, not {split!r}")
+        return [self.example(row) for row in load_rows(source or self.hub, split, None if source else self.config)]
+
+    def example(self, row: dict) -> dict:
+        raise NotImplementedError
+
+    def check(self, reply: str, answer: str) -> bool:
+        raise NotImplementedError
+
+    def reward(self, reply: str, answer: str) -> float:
+        return float(self.check(reply, answer))
+
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # a trailing period is not part of it
+
+
+class GSM8K(Task):
+    hub, config = "openai/gsm8k", "main"
+
+    def example(self, row: dict) -> dict:
+        parts = []
+        for k, piece in enumerate(re.split(r"<<([^>]*)>>", row["answer"])):  # odd pieces: the calculator notes
+            expr, _, result = piece.rpartition("=")
+            if k % 2 and expr and result:
+                parts += [{"type": "tool", "text": expr}, {"type": "output", "text": result}]
+            elif piece and not k % 2:
+                parts.append({"type": "text", "text": piece})
+        return conversation(row["question"], parts, row["answer"].rsplit("####", 1)[-1].strip().replace(",", ""))
+
+    def check(self, reply: str, answer: str) -> bool:
+        """The number after the reply's last ####, else its last number, equals the answer (commas aside)."""
+        marked = "####" in reply
+        numbers = NUMBER.findall(reply.rsplit("####", 1)[-1])
+        if not numbers:
+            return False
+        return float((numbers[0] if marked else numbers[-1]).replace(",", "")) == float(answer)
+
+
+class ARC(Task):
+    hub, splits = "allenai/ai2_arc", ("train", "validation", "test")
+
+    def __init__(self, config: str = "ARC-Easy"):
+        self.config = config
+
+    def example(self, row: dict) -> dict:
+        """Choices relabelled A, B, C, ... (a few questions are labelled 1, 2, 3, 4); the reply is the letter."""
+        labels, texts = row["choices"]["label"], row["choices"]["text"]
+        letters = "ABCDEFGH"[:len(labels)]
+        choices = "".join(f"{letter}. {text}\n" for letter, text in zip(letters, texts, strict=True))
+        answer = letters[labels.index(row["answerKey"])]
+        prompt = f"{row['question']}\n{choices}Answer with the letter of the correct choice."
+        return conversation(prompt, answer, answer)
+
+    def check(self, reply: str, answer: str) -> bool:
+        """The reply's first standalone letter A-H is the answer (a reply opening with the article "A" reads as A)."""
+        found = re.search(r"\b([A-H])\b", reply)
+        return found is not None and found.group(1) == answer
+
+
+class Addition(Task):
+    """a + b for numbers of `digits` digits (10-99 by default); the sum is spaced too, most significant first."""
+
+    hub = "addition"
+
+    def __init__(self, digits: int = 2):
+        self.digits = digits
+
+    @staticmethod
+    def split_of(a: int, b: int) -> str:
+        """test for a tenth of the pairs, by a hash of the unordered pair: a + b and b + a share a split."""
+        return "test" if zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0 else "train"
+
+    def examples(self, split: str, source: str = "", n: int = 0, seed: int = 0) -> list[dict]:
+        """Up to n (0: all) distinct problems of the split, in a seeded order."""
+        if split not in self.splits or source:
+            raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}")
+        numbers = range(10 ** (self.digits - 1), 10 ** self.digits)
+        pairs = [(a, b) for a in numbers for b in numbers if self.split_of(a, b) == split]
+        random.Random(seed).shuffle(pairs)
+        spaced = lambda k: " ".join(str(k))
+        return [conversation(f"What is {spaced(a)} + {spaced(b)}?", spaced(a + b), str(a + b))
+                for a, b in pairs[:n or None]]
+
+    def check(self, reply: str, answer: str) -> bool:
+        """The reply's first number, spaced or not ("8 5", "85."), is the answer."""
+        found = re.search(r"\d(?: ?\d)*", reply)
+        return found is not None and found.group().replace(" ", "") == answer
+
+    def wrong(self, answer: str, rng: random.Random) -> str:
+        """A wrong reply for a preference pair: one digit off by one."""
+        value = int(answer) + rng.choice([d for d in (-10, -1, 1, 10) if int(answer) + d >= 0])
+        return " ".join(str(value))
+
+
+TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": lambda: ARC("ARC-Challenge"),
+         "addition": Addition}
+
+
+@dataclass
+class TasksConfig:
+    """Write a task's train and test examples as JSONL conversations (train.jsonl, test.jsonl) for SFT."""
+
+    task: str = "addition"  # gsm8k, arc-easy, arc-challenge or addition
+    out_dir: str = ""  # where to write them ('' = data/<task>)
+    limit: int = 0  # at most this many examples per split (0 = all)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(TasksConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    out, task = Path(cfg.out_dir or f"data/{cfg.task}"), TASKS[cfg.task]()
+    out.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        examples = task.examples(split)[:cfg.limit or None]
+        with open(out / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps(example) + "\n" for example in examples)
+        print(f"{out / f'{split}.jsonl'}: {len(examples):,} {cfg.task} conversations")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""chat_format.py: exact ids and masks, prompts, parsing, bad conversations, packing, and the loader's batches, resume
+and rank interleaving on local files read through datasets (a JSONL file, and a directory in the hub's layout)."""
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import chat_format as cf
+from fineweb import DataError
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+TOOL_REPLY = [{"type": "text", "text": "2+2 is "}, {"type": "tool", "text": "2+2"}, {"type": "output", "text": "4"},
+              {"type": "text", "text": "4."}]
+CONVERSATION = [SYSTEM, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": TOOL_REPLY}]
+# GPT-2 ids: Be brief. = 3856 4506 13; Hi = 17250; Hello = 15496; 2+2? = 17 10 17 30; 2+2 is = 17 10 17 318 220;
+# 4 = 19; 4. = 19 13
+IDS = [50256, 50257, 3856, 4506, 13, 50258, 50259, 17250, 50260, 50261, 15496, 50262, 50259, 17, 10, 17, 30, 50260,
+       50261, 17, 10, 17, 318, 220, 50263, 17, 10, 17, 50264, 50265, 19, 50266, 19, 13, 50262]
+MASK = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0,
+        0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+
+
+def chat(i: int) -> list[dict]:
+    """Conversation i: 5 + (i % 7 + 1) + (i % 5 + 1) tokens (each word one token), one in nine with two turns."""
+    turn = [{"role": "user", "content": " ".join(["hello"] * (i % 7 + 1))},
+            {"role": "assistant", "content": " ".join(["yes"] * (i % 5 + 1))}]
+    return turn * 2 if i % 9 == 0 else turn
+
+
+def write_jsonl(path, conversations) -> str:
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    return str(path)
+
+
+def test_render_gives_exact_ids_and_mask():
+    ids, mask = cf.render(CONVERSATION)
+    assert ids == IDS and mask == MASK
+    assert cf.CHAT_VOCAB == cf.OUTPUT_END + 1 == 50267 and cf.BOS == 50256 and cf.TOOL_START == 50263
+
+
+def test_render_prompt_is_the_conversation_up_to_assistant_start():
+    assert cf.render_prompt(CONVERSATION[:4]) == IDS[:19]
+    assert cf.render_prompt(CONVERSATION[:4])[-1] == cf.ASSISTANT_START
+
+
+def test_user_text_never_makes_special_ids():
+    ids, _ = cf.render([{"role": "user", "content": "<|user_end|><|endoftext|><|assistant_start|>"},
+                        {"role": "assistant", "content": "<|assistant_end|>"}])
+    assert [t for t in ids if t >= cf.BOS] == [cf.BOS, cf.USER_START, cf.USER_END, cf.ASSISTANT_START,
+                                               cf.ASSISTANT_END]
+
+
+def test_parse_inverts_the_reply_and_stops_at_its_end():
+    reply = IDS[19:]  # after the last <|assistant_start|>
+    assert cf.parse(reply) == TOOL_REPLY
+    assert cf.reply_text(reply) == "2+2 is 4."
+    assert cf.parse(reply + [cf.USER_START, 17250]) == TOOL_REPLY  # nothing after <|assistant_end|>
+    assert cf.parse([17250, cf.USER_START, 15496]) == [{"type": "text", "text": "Hi"}]  # another special ends it
+    assert cf.parse([17250]) == [{"type": "text", "text": "Hi"}]  # cut off: what there is
+
+
+@pytest.mark.parametrize("messages, why", [
+    ([], "expected a non-empty list of messages"),
+    ([{"role": "assistant", "content": "a"}], "message 0 is from assistant, expected user"),
+    ([{"role": "user", "content": "q"}] * 2, "message 1 is from user, expected assistant"),
+    ([{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}], "message 1 has role 'bot'"),
+    ([{"role": "user", "content": "q"}, SYSTEM, {"role": "assistant", "content": "a"}],
+     "message 1 is from system, expected assistant"),
+    ([{"role": "user", "content": ""}, {"role": "assistant", "content": "a"}], "message 0 (user) is empty"),
+    ([{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}], "content of type int"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "code", "text": "x"}]}],
+     "bad part"),
+    ([{"role": "user", "content": "q"}], "ends with a user message, expected assistant"),
+])
+def test_bad_conversations_are_one_line_errors(messages, why):
+    with pytest.raises(ValueError, match=re.escape(why)) as info:
+        cf.render(messages)
+    assert "\n" not in str(info.value)
+
+
+def test_a_bad_row_names_its_index_in_the_file(tmp_path):
+    rows = [chat(i) for i in range(5)]
+    rows[3] = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]
+    with pytest.raises(DataError, match=r"chats.jsonl row 3: message 1 \(assistant\) is empty"):
+        cf.ConversationLoader(write_jsonl(tmp_path / "chats.jsonl", rows), "train", 1, 32)
+
+
+def test_pack_is_best_fit_decreasing_and_keeps_every_conversation_whole():
+    lengths = [5, 3, 7, 2, 4, 1]
+    rows = cf.pack(lengths, 8)
+    assert rows == [[2, 5], [0, 1], [4, 3]]  # 7+1, 5+3, 4+2
+    assert cf.padding_share(lengths, rows, 8) == pytest.approx(2 / 24)
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 100) for _ in range(500)]
+    rows = cf.pack(lengths, 100)
+    assert sorted(i for row in rows for i in row) == list(range(500))
+    assert max(sum(lengths[i] for i in row) for row in rows) <= 100
+    assert len(rows) < 1.1 * sum(lengths) / 100 + 1  # best-fit decreasing is within 11/9 of optimal; here far closer
+
+
+def test_loader_batches_whole_conversations_with_targets_only_on_the_assistant(tmp_path, capsys):
+    convs = [chat(i) for i in range(200)]
+    loader = cf.ConversationLoader(write_jsonl(tmp_path / "c.jsonl", convs), "train", 4, 31)
+    rendered = sorted(cf.render(m)[0] for i, m in enumerate(convs) if i % cf.VAL_EVERY)  # every 20th is val
+    pieces = []
+    for row in loader.ids.tolist():  # split at BOS: each piece is one conversation, or padding (BOS alone)
+        cuts = [k for k, t in enumerate(row) if t == cf.BOS] + [len(row)]
+        pieces += [row[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if b - a > 1]
+    assert sorted(pieces) == rendered
+    # 190 train conversations of 2525 tokens: at least 79 rows of 32; best-fit decreasing takes 84
+    assert loader.tokens == 2525 and loader.num_rows == 84 and loader.num_windows == 21
+    assert loader.padding == pytest.approx(1 - 2525 / (84 * 32))
+    assert "190 conversations in 84 rows of 32 tokens, 6.1% padding; 0 truncated" in capsys.readouterr().out
+    x, y = loader.next_batch()
+    assert x.shape == y.shape == (4, 31) and x.dtype == y.dtype == torch.int64
+    rows = loader._rows(0)
+    ids, mask = torch.from_numpy(loader.ids[rows].astype(np.int64)), torch.from_numpy(loader.mask[rows])
+    assert torch.equal(x, ids[:, :-1])
+    assert torch.equal(y, torch.where(mask[:, 1:], ids[:, 1:], -1))
+    assert int((y != -1).sum()) == int(mask[:, 1:].sum()) > 0
+
+
+def test_long_conversations_are_truncated_and_counted(tmp_path, capsys):
+    long_user = [{"role": "user", "content": "hello " * 40}, {"role": "assistant", "content": "yes"}]
+    long_reply = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes " * 40}]
+    path = write_jsonl(tmp_path / "c.jsonl", [chat(0), long_user, long_reply, chat(1)] * 2)
+    loader = cf.ConversationLoader(path, "train", 1, 15)
+    # train: rows 1-7 (row 0 is val); the long ones are cut to 16 tokens, and long_user's have nothing left to learn
+    assert "4 truncated to 16 tokens (2 of them dropped: no assistant token left)" in capsys.readouterr().out
+    assert loader.tokens == 16 + 16 + 9 + 9 + 13 and loader.num_rows == 5  # long_reply x2, chat(1) x2, chat(0)
+
+
+def test_resume_is_bitwise_across_epochs(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(60)])
+    a = cf.ConversationLoader(path, "train", 3, 31, seed=5)
+    for _ in range(4):
+        a.next_batch()
+    state = a.state_dict()
+    expected = [a.next_batch() for _ in range(20)]  # 60 rows: through epochs 0-2 (25 rows each)
+    b = cf.ConversationLoader(path, "train", 3, 31, seed=5)
+    b.load_state_dict(state)
+    for (x, y), (bx, by) in zip(expected, (b.next_batch() for _ in range(20)), strict=True):
+        assert torch.equal(x, bx) and torch.equal(y, by)
+    other = cf.ConversationLoader(path, "train", 3, 31, seed=6)
+    assert not torch.equal(other.next_batch()[0], cf.ConversationLoader(path, "train", 3, 31, seed=5).next_batch()[0])
+    with pytest.raises(DataError, match="seed=5 in the checkpoint but 6 here"):
+        other.load_state_dict(state)
+
+
+def test_two_ranks_see_one_ranks_two_micro_batches(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(60)])
+    one = cf.ConversationLoader(path, "train", 2, 31, seed=1)
+    ranks = [cf.ConversationLoader(path, "train", 2, 31, rank=r, world_size=2, seed=1) for r in (0, 1)]
+    for _ in range(15):  # past an epoch
+        for r in (0, 1):
+            x, y = one.next_batch()
+            rx, ry = ranks[r].next_batch()
+            assert torch.equal(x, rx) and torch.equal(y, ry)
+    one.load_state_dict(ranks[1].state_dict())  # 2 ranks x 15 steps -> 1 rank at step 30
+    assert one.step == 30 and torch.equal(one.next_batch()[0], ranks[0].next_batch()[0])
+
+
+def test_hub_layout_directory_gives_train_and_held_out_test(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    for split, convs in (("train", [chat(i) for i in range(40)]), ("test", [chat(i) for i in range(40, 46)])):
+        table = pa.Table.from_pylist([{"messages": m, "source": "x"} for m in convs])
+        pq.write_table(table, tmp_path / "data" / f"{split}-00000-of-00001.parquet")
+    val = cf.ConversationLoader(str(tmp_path), "val", 1, 63)
+    assert val.tokens == sum(len(cf.render(chat(i))[0]) for i in range(40, 46))
+    first = val.next_batch()[0]
+    val.reset()
+    assert torch.equal(val.next_batch()[0], first)  # val: the same batches after reset
+    train = cf.ConversationLoader(str(tmp_path), "train", 1, 63)
+    assert train.tokens == sum(len(cf.render(chat(i))[0]) for i in range(40))
+
+
+def test_check_vocab_needs_the_chat_rows():
+    loader = object.__new__(cf.ConversationLoader)
+    loader.ids = np.array([[cf.BOS, cf.USER_START, cf.OUTPUT_END]], dtype=np.uint16)
+    loader.check_vocab(50304)
+    with pytest.raises(DataError, match="ids up to 50266, but the model has only 50257 embedding rows"):
+        loader.check_vocab(50257)

@@ -1,0 +1,133 @@
+"""tasks.py: each checker on right, wrong and reformatted replies; conversions from rows in the hub's schema (read from
+local files through the same datasets call); the synthetic task's disjoint splits and wrong answers; the CLI's files."""
+
+import json
+import random
+
+import pytest
+
+import chat_format as cf
+import tasks
+
+WENG = {"question": "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+                    "How much did she earn?",
+        "answer": "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = "
+                  "$<<0.2*50=10>>10.\n#### 10"}  # openai/gsm8k main, train row 1
+ARC_ROW = {"id": "x", "question": "Which gas do plants take in?", "answerKey": "3",
+           "choices": {"text": ["oxygen", "helium", "carbon dioxide", "neon"], "label": ["1", "2", "3", "4"]}}
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("reply, right", [
+    ("#### 1,000", True), ("The answer is 1000.", True), ("1,000.", True), ("$1,000", True), ("1000.0", True),
+    ("first 999, then 1000", True),  # the last number counts
+    ("#### 1000 since 3 + 4 = 7", True),  # the number after #### counts
+    ("#### 999", False), ("1000 or maybe 999", False), ("#### 10000", False), ("no number", False), ("", False),
+])
+def test_gsm8k_checker(reply, right):
+    assert tasks.GSM8K().check(reply, "1000") is right
+    assert tasks.GSM8K().reward(reply, "1000") == float(right)
+
+
+def test_gsm8k_checker_reads_negatives_and_decimals():
+    assert tasks.GSM8K().check("She owes -5 dollars.", "-5") and not tasks.GSM8K().check("She owes 5.", "-5")
+    assert tasks.GSM8K().check("#### 2.50", "2.5")
+
+
+def test_gsm8k_reference_becomes_calculator_parts_its_reply_text_passes():
+    example = tasks.GSM8K().example(WENG)
+    assert example["answer"] == "10"
+    assert example["messages"][1]["content"] == [
+        {"type": "text", "text": "Weng earns 12/60 = $"}, {"type": "tool", "text": "12/60"},
+        {"type": "output", "text": "0.2"},
+        {"type": "text", "text": "0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $"},
+        {"type": "tool", "text": "0.2*50"}, {"type": "output", "text": "10"}, {"type": "text", "text": "10.\n#### 10"}]
+    ids, mask = cf.render(example["messages"])
+    reply = ids[ids.index(cf.ASSISTANT_START) + 1:]
+    assert cf.reply_text(reply) == "Weng earns 12/60 = $0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = " \
+                                   "$10.\n#### 10"
+    assert tasks.GSM8K().check(cf.reply_text(reply), example["answer"])
+    assert sum(mask) == len(reply) - 2 - 2 * 3  # all learned but the two outputs: their markers and one token each
+
+
+def test_gsm8k_reads_a_local_jsonl_in_the_hub_schema(tmp_path):
+    path = tmp_path / "gsm8k_test.jsonl"
+    path.write_text(json.dumps(WENG) + "\n" + json.dumps({"question": "2 + 3?", "answer": "2 + 3 = 5\n#### 5"}) + "\n")
+    examples = tasks.GSM8K().examples("test", source=str(path))
+    assert [e["answer"] for e in examples] == ["10", "5"]
+    assert examples[1]["messages"][1]["content"] == [{"type": "text", "text": "2 + 3 = 5\n#### 5"}]
+
+
+@pytest.mark.parametrize("reply, right", [
+    ("C", True), ("C.", True), ("(C)", True), ("The answer is C", True), ("C, not B", True),
+    ("B", False), ("B, not C", False), ("c", False), ("carbon dioxide", False), ("", False),
+])
+def test_arc_checker_reads_the_first_letter(reply, right):
+    assert tasks.ARC().check(reply, "C") is right
+
+
+def test_arc_relabels_numbered_choices_as_letters():
+    example = tasks.ARC().example(ARC_ROW)
+    assert example["answer"] == "C" and example["messages"][1]["content"] == "C"
+    assert example["messages"][0]["content"] == ("Which gas do plants take in?\nA. oxygen\nB. helium\n"
+                                                 "C. carbon dioxide\nD. neon\nAnswer with the letter of the correct "
+                                                 "choice.")
+
+
+def test_arc_reads_a_local_parquet_in_the_hub_schema(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = {**ARC_ROW, "answerKey": "B", "choices": {"text": ["a", "b", "c"], "label": ["A", "B", "C"]}}
+    pq.write_table(pa.Table.from_pylist([ARC_ROW, row]), tmp_path / "arc.parquet")
+    examples = tasks.ARC("ARC-Challenge").examples("test", str(tmp_path / "arc.parquet"))
+    assert [e["answer"] for e in examples] == ["C", "B"]
+    with pytest.raises(ValueError, match="allenai/ai2_arc has splits train, validation, test, not 'val'"):
+        tasks.ARC().examples("val")
+
+
+def test_addition_splits_are_disjoint_seeded_and_cover_every_pair():
+    add = tasks.Addition()
+    train, test = add.examples("train"), add.examples("test")
+    assert len(train) + len(test) == 90 * 90 and 0.08 < len(test) / 8100 < 0.12
+    pair = lambda e: frozenset(e["messages"][0]["content"].removeprefix("What is ").rstrip("?").split(" + "))
+    assert not {pair(e) for e in train} & {pair(e) for e in test}  # a + b and b + a too
+    assert add.examples("train", n=5, seed=1) == add.examples("train", n=5, seed=1) != add.examples("train", n=5)
+    first = add.examples("train")[0]
+    assert first["messages"] == [{"role": "user", "content": "What is 4 1 + 3 4?"},
+                                 {"role": "assistant", "content": "7 5"}] and first["answer"] == "75"
+
+
+@pytest.mark.parametrize("reply, right", [
+    ("1 2 3", True), ("123", True), ("1 2 3.", True), ("The sum is 1 2 3", True),
+    ("1 2 4", False), ("1 2", False), ("1 2 3 4", False), ("12 3 and 4", True), ("x", False), ("", False),
+])
+def test_addition_checker(reply, right):
+    assert tasks.Addition().check(reply, "123") is right
+
+
+def test_addition_wrong_answers_fail_the_checker():
+    add, rng = tasks.Addition(), random.Random(0)
+    for example in add.examples("test", n=200):
+        wrong = add.wrong(example["answer"], rng)
+        assert add.reward(wrong, example["answer"]) == 0.0
+        assert add.reward(example["messages"][1]["content"], example["answer"]) == 1.0
+        assert abs(int(wrong.replace(" ", "")) - int(example["answer"])) in (1, 10)
+
+
+def test_cli_writes_splits_the_conversation_loader_reads(tmp_path, capsys):
+    tasks.main(["--task", "addition", "--out-dir", str(tmp_path), "--limit", "100"])
+    assert [len((tmp_path / f"{s}.jsonl").read_text().splitlines()) for s in ("train", "test")] == [100, 100]
+    val = cf.ConversationLoader(str(tmp_path), "val", 2, 127)  # the directory's test.jsonl
+    answers = [json.loads(line)["answer"] for line in (tmp_path / "test.jsonl").read_text().splitlines()]
+    assert sum(len(a) == 3 for a in answers) == 64
+    # 13 tokens (BOS, user_start, 8 of prompt, user_end, assistant_start, assistant_end) and 1 per digit of the sum
+    assert val.tokens == 100 * 13 + 64 * 3 + 36 * 2
+    # 64 three-digit sums of 16 tokens fill 8 rows of 128 exactly; 36 of 15 tokens fit 8 per row: 5 rows more
+    assert "100 conversations in 13 rows of 128 tokens, 6.0% padding" in capsys.readouterr().out
