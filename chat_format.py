@@ -127,6 +127,13 @@ def parse(ids: Iterable[int]) -> list[dict]:
     return parts
 
 
+def calculator() -> Any:
+    """generate.py's calculator tool on this format's tool tokens."""
+    from generate import Calculator
+
+    return Calculator(TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END, tokenizer())
+
+
 def reply_text(ids: Iterable[int]) -> str:
     """A reply's text parts, without its tool calls and outputs: what a checker reads."""
     return "".join(part["text"] for part in parse(ids) if part["type"] == "text")

@@ -12,7 +12,7 @@ import os
 import pickle
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -545,6 +545,17 @@ class GPT(nn.Module):
                     raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model shape {tuple(p.shape)}")
                 p.copy_(src)
         return model
+
+    def pad_vocab(self, rows: int) -> GPT:
+        """Grow the tied embedding to `rows` rows, each new one the mean of the old (a neutral start): HF's GPT-2 has
+        50,257, and the chat tokens take rows above them in this project's padded 50,304."""
+        old = self.transformer.wte.weight.data
+        new = nn.Embedding(rows, old.size(1)).to(old)
+        new.weight.data[:len(old)] = old
+        new.weight.data[len(old):] = old.mean(dim=0)
+        self.transformer.wte, self.lm_head.weight = new, new.weight
+        self.config = replace(self.config, vocab_size=rows)
+        return self
 
     @classmethod
     def load(cls, ckpt: str | None, init_from: str | None) -> GPT:

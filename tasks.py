@@ -16,6 +16,7 @@ Usage (a task's train and test splits as JSONL conversations, for chat_format.Co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -25,8 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chat_format import load_rows
+import torch
+import torch.distributed as dist
+
+from chat_format import ASSISTANT_END, CHAT_VOCAB, calculator, load_rows, render_prompt, reply_text
 from common import parse_config
+from generate import generate
 
 
 def conversation(prompt: str, reply: Any, answer: str) -> dict:
@@ -134,6 +139,23 @@ class Addition(Task):
         """A wrong reply for a preference pair: one digit off by one."""
         value = int(answer) + rng.choice([d for d in (-10, -1, 1, 10) if int(answer) + d >= 0])
         return " ".join(str(value))
+
+
+def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world: int = 1, max_new_tokens: int = 32,
+             batch: int = 64, autocast: contextlib.AbstractContextManager | None = None) -> dict:
+    """Greedy accuracy of the model's replies to `problems` (examples: messages and answer), the calculator on: rank
+    r answers every world-th problem, the counts summed over ranks. {"acc", "n"}."""
+    mine, right = problems[rank::world], 0
+    for i in range(0, len(mine), batch):
+        chunk = mine[i:i + batch]
+        with autocast or contextlib.nullcontext():
+            replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
+                               temperature=0.0, stop_ids=[ASSISTANT_END], vocab=CHAT_VOCAB, calculator=calculator())
+        right += sum(task.check(reply_text(r.tokens), p["answer"]) for r, p in zip(replies, chunk, strict=True))
+    counts = torch.tensor([right, len(mine)], dtype=torch.float64, device=model.lm_head.weight.device)
+    if world > 1:
+        dist.all_reduce(counts)
+    return {"acc": counts[0].item() / max(1, counts[1].item()), "n": int(counts[1].item())}
 
 
 TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": lambda: ARC("ARC-Challenge"),

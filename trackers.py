@@ -13,7 +13,7 @@ from typing import Any
 
 # the log.jsonl fields each record type sends; a field named after its type drops the prefix (val_loss -> val/loss)
 SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu"), "val": ("val_loss",),
-           "hellaswag": ("acc", "acc_norm")}
+           "hellaswag": ("acc", "acc_norm"), "task": ("acc",)}
 
 
 def scalars(record: dict) -> dict[str, float]:

@@ -27,6 +27,7 @@ from typing import Annotated, Any
 import torch
 import torch.distributed as dist
 
+from chat_format import CHAT_VOCAB, ConversationLoader
 from common import (
     LOCAL,
     checkpoints,
@@ -74,6 +75,7 @@ from parallel import (
     set_sdpa_switches,
     train_step,
 )
+from tasks import TASKS
 from trackers import missing_package, open_trackers
 
 
@@ -90,7 +92,10 @@ class TrainConfig(RunArgs):
                                                                             "except": ("block_size",)})
     init_from: Annotated[str, LOCAL] = ""  # '' (random init), a train.py checkpoint, or HF GPT-2 (gpt2..gpt2-xl, a dir)
     # data
-    data: Annotated[str, LOCAL] = "data/edu_fineweb10B"  # directory or glob of token shards (fineweb.py or llm.c)
+    data: Annotated[str, LOCAL] = "data/edu_fineweb10B"  # token shards (fineweb.py, llm.c), or conversations for chat
+    # tokens (fineweb.py's shards) or chat (conversations: a JSONL/parquet file or directory, or a hub dataset, in
+    # chat_format.py's format; the loss covers the assistant's tokens only: supervised fine-tuning)
+    data_kind: str = "tokens"
     preload: Annotated[bool, LOCAL] = False  # load the whole dataset onto the device once (small datasets only)
     shuffle: str = "windows"  # each epoch: windows (shard order and each shard's windows, llm.c) or shards (order only)
     # batch
@@ -115,12 +120,22 @@ class TrainConfig(RunArgs):
     sample_every: int = 250  # print samples every N steps; 0 = never
     sample_tokens: int = 32  # new tokens per sample
     sample_prompt: str = "Hello, I'm a language model,"  # prompt for the in-training samples
+    task: str = ""  # a tasks.py task whose held-out greedy accuracy is an eval (a chat model's): addition, gsm8k...
+    task_every: int = 0  # score --task every N steps (and at the last step); 0 = at the last step only
+    task_limit: int = 256  # held-out problems scored each time
     # run control
     overfit_batch: bool = False  # train on the first batch only (sanity check: the loss must go to ~0)
     print_config: bool = False  # print the resolved config (the preset, then the flags) as JSON and exit
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.data_kind not in ("tokens", "chat"):
+            raise ValueError(f"--data-kind must be tokens or chat; got {self.data_kind!r}")
+        if self.task and self.task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)} (or empty); got {self.task!r}")
+        if self.task and self.parallel == "fsdp":  # each rank's replies end at their own lengths: FSDP's forwards hang
+            raise ValueError("--task runs generation, which --parallel fsdp cannot (its forwards are collectives); "
+                             "use ddp or zero1")
         if self.shuffle not in SHUFFLES:
             raise ValueError(f"--shuffle must be one of {', '.join(SHUFFLES)}; got {self.shuffle!r}")
         if self.lr_schedule not in ("cosine", "linear", "constant", "wsd"):
@@ -129,7 +144,8 @@ class TrainConfig(RunArgs):
             raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
         model_config(self)  # the architecture flags make a valid GPTConfig
         for name, low in {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "sample_tokens": 1,
-                          "warmup_steps": 0, "eval_every": 0, "hellaswag_every": 0, "sample_every": 0}.items():
+                          "warmup_steps": 0, "eval_every": 0, "hellaswag_every": 0, "sample_every": 0,
+                          "task_every": 0, "task_limit": 1}.items():
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if self.hellaswag_limit is not None and self.hellaswag_limit < 1:
@@ -178,6 +194,19 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                     total_batch_size=512, batch_size=4, max_lr=3e-3, warmup_steps=40, max_steps=900, eval_every=150,
                     eval_tokens=8192, hellaswag="off", sample_every=0, sample_tokens=64, ckpt_every=0,
                     out_dir="out/demo", sample_prompt="Return the"),
+    # supervised fine-tuning into a chat model (chat_format.py): OpenAI's GPT-2 124M on smol-smoltalk's conversations,
+    # the loss on the assistant's tokens; about 65M tokens, a third of an epoch
+    "sft": _preset(init_from="gpt2", data="HuggingFaceTB/smol-smoltalk", data_kind="chat", total_batch_size=32768,
+                   batch_size=8, max_lr=3e-5, lr_schedule="linear", min_lr_frac=0.0, warmup_steps=20, max_steps=2000,
+                   eval_every=200, eval_tokens=327680, hellaswag="off", sample_every=0, ckpt_every=500,
+                   out_dir="out/sft"),
+    # the offline chat demo: the demo's model fine-tuned on tasks.py's addition problems (python tasks.py), scored on
+    # the held-out ones before, during and after; minutes on 2 CPU cores
+    "sft-demo": _preset(init_from="out/demo/ckpt_000900.pt", data="data/addition", data_kind="chat", seq_len=128,
+                        total_batch_size=1024, batch_size=8, max_lr=3e-3, lr_schedule="linear", min_lr_frac=0.0,
+                        warmup_steps=20, max_steps=600, eval_every=100, eval_tokens=4096, hellaswag="off",
+                        sample_every=0, ckpt_every=0, task="addition", task_every=100, task_limit=256,
+                        out_dir="out/sft-demo"),
     # seconds on CPU, for tests
     "tiny": _preset(model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,
                     max_lr=1e-3, warmup_steps=2, max_steps=10, eval_every=5, eval_tokens=512, hellaswag="off",
@@ -268,6 +297,8 @@ def evaluations(cfg: TrainConfig, raw: GPT, built: Trainable, val_loader: TokenL
             return hs
 
         evals.append(Eval("hellaswag", cfg.hellaswag_every, hellaswag_eval))
+    if cfg.task:
+        evals.append(task_eval(cfg, raw, built, log, rank, world))
     if cfg.sample_every > 0:
         def samples(step: int) -> dict[str, Any] | None:
             if not (master or cfg.parallel == "fsdp"):  # FSDP forwards are collective: every rank runs them
@@ -279,6 +310,21 @@ def evaluations(cfg: TrainConfig, raw: GPT, built: Trainable, val_loader: TokenL
 
         evals.append(Eval("sample", cfg.sample_every, samples, at_start=False))
     return evals
+
+
+def task_eval(cfg: TrainConfig, raw: GPT, built: Trainable, log: RunLog, rank: int, world: int) -> Eval:
+    """--task's held-out greedy accuracy, the replies generated by generate.py from the uncompiled module."""
+    import tasks
+
+    task = TASKS[cfg.task]()
+    problems = task.examples("test")[:cfg.task_limit]
+
+    def score(step: int) -> dict[str, Any]:
+        result = tasks.evaluate(raw, task, problems, rank, world, autocast=built.autocast)
+        log.say(f"step {step:6d} | {cfg.task} accuracy {result['acc']:.4f} ({result['n']} held-out problems)")
+        return result
+
+    return Eval("task", cfg.task_every, score)
 
 
 def val_windows(cfg: TrainConfig, loader: TokenLoader, master: bool) -> int:
@@ -493,11 +539,13 @@ def open_loaders(cfg: TrainConfig, rank: int, world: int,
     B, T = cfg.batch_size, cfg.seq_len
 
     def load() -> tuple[TokenLoader | None, TokenLoader | None]:
-        train_loader = TokenLoader(cfg.data, "train", B, T, rank, world, cfg.seed, device, cfg.preload, cfg.shuffle) \
-            if not cfg.eval_only else None
-        val_loader = TokenLoader(cfg.data, "val", B, T, rank, world, cfg.seed, device, cfg.preload) \
-            if cfg.eval_every > 0 or cfg.eval_only else None
-        return train_loader, val_loader
+        def loader(split: str) -> TokenLoader | ConversationLoader:
+            if cfg.data_kind == "chat":
+                return ConversationLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)
+            return TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, cfg.preload, cfg.shuffle)
+
+        return (loader("train") if not cfg.eval_only else None,
+                loader("val") if cfg.eval_every > 0 or cfg.eval_only else None)
 
     return same_verdict(load, world, DataError, (DataError, OSError))
 
@@ -687,6 +735,9 @@ def load_init(cfg: TrainConfig) -> GPT:
     if cfg.seq_len > src.block_size:
         raise ValueError(f"--seq-len {cfg.seq_len} is longer than --init-from {cfg.init_from}'s context of "
                          f"{src.block_size} tokens; pass --seq-len {src.block_size} or less")
+    if cfg.data_kind == "chat" and src.vocab_size < CHAT_VOCAB:  # HF GPT-2's 50,257 rows: the chat tokens need more
+        source.pad_vocab(GPTConfig().vocab_size)
+        src = source.config
     config = dataclasses.replace(src, **run_options(cfg))
     weights = source.state_dict()
     del source  # its tensors live on in `weights`: at most two copies of the model at once
