@@ -8,7 +8,8 @@ reply (an SFT row), check(reply_text, answer) says whether a reply is right, and
     arc-easy       allenai/ai2_arc ARC-Easy (train/validation/test): multiple choice, answered with a letter
     arc-challenge  the same for ARC-Challenge
     addition       made here, offline: "What is 4 7 + 3 8?" -> "8 5", digits spaced so that each is one token; train
-                   and test are disjoint by a hash of the pair
+                   and test are disjoint by a hash of the pair. Train a small model on it one problem per row
+                   (seq_len 16): packed with others, a problem attends to the ones before it, and it learns far slower
 
 Usage (a task's train and test splits as JSONL conversations, for chat_format.ConversationLoader):
     python tasks.py --task addition            # -> data/addition/train.jsonl, test.jsonl
