@@ -202,9 +202,10 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                    out_dir="out/sft"),
     # the offline chat demo: the demo's model fine-tuned on tasks.py's addition problems (python tasks.py), scored on
     # the held-out ones before, during and after; minutes on 2 CPU cores
-    "sft-demo": _preset(init_from="out/demo/ckpt_000900.pt", data="data/addition", data_kind="chat", seq_len=128,
-                        total_batch_size=1024, batch_size=8, max_lr=3e-3, lr_schedule="linear", min_lr_frac=0.0,
-                        warmup_steps=20, max_steps=600, eval_every=100, eval_tokens=4096, hellaswag="off",
+    # (24 tokens a row hold one problem: packed several to a row, the small model learned addition far slower)
+    "sft-demo": _preset(init_from="out/demo/ckpt_000900.pt", data="data/addition", data_kind="chat", seq_len=24,
+                        total_batch_size=768, batch_size=32, max_lr=3e-3, lr_schedule="linear", min_lr_frac=0.0,
+                        warmup_steps=20, max_steps=400, eval_every=100, eval_tokens=3072, hellaswag="off",
                         sample_every=0, ckpt_every=0, task="addition", task_every=100, task_limit=256,
                         out_dir="out/sft-demo"),
     # seconds on CPU, for tests
@@ -588,7 +589,7 @@ def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: GPT, built
         parts["tokens"].value = step * tokens_per_step
     if checkpointer.master:
         print(f"resumed from {path} at step {step}")
-        if parts["loader"] is not None and not cfg.eval_only:
+        if isinstance(parts["loader"], TokenLoader) and not cfg.eval_only:
             note_new_windows(ckpt["loader"], parts["loader"])
         if note := schedule_change(ckpt.get("train_config", {}).get("max_steps"), cfg, step):
             print(note)
