@@ -149,9 +149,14 @@ def load_rows(source: str, split: str, config: str | None = None) -> Any:
     from datasets import load_dataset
 
     path = Path(source).expanduser()
-    if path.is_file():
-        return load_dataset(BUILDERS.get(path.suffix, "json"), data_files=str(path), split="train")
-    return load_dataset(str(path) if path.is_dir() else source, config, split=split)
+    try:
+        if path.is_file():
+            return load_dataset(BUILDERS.get(path.suffix, "json"), data_files=str(path), split="train")
+        return load_dataset(str(path) if path.is_dir() else source, config, split=split)
+    except Exception as e:  # datasets' own errors (a bad file, no such split, offline) as one line naming the source
+        why = f"{e.__cause__ or e}".strip().splitlines()[0][:200]
+        raise DataError(f"cannot read {source} (split {split}): {why}; check the path, the files' schema and the "
+                        "split names") from None
 
 
 def read_conversations(source: str, split: str) -> Iterable[tuple[int, Any]]:

@@ -110,7 +110,7 @@ class GPTConfig:
 
 
 # the fields a run may set whatever its weights came from: they change no weight's shape or meaning
-RUN_OPTIONS = ("block_size", "dropout", "fused_gelu", "loss_chunk", "fused_ce", "half_residual")
+RUN_OPTIONS = ("block_size", "dropout", "fused_gelu", "loss_chunk", "fused_ce", "half_residual", "value_head")
 
 
 def _gpt2(n_layer: int, n_head: int, n_embd: int) -> Callable[[], GPTConfig]:

@@ -27,13 +27,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import EOT, get_tokenizer
+from chat_format import VAL_EVERY, load_rows, render
+from common import EOT
 from fineweb import DataError
 
 ASSISTANT = "\n\nAssistant:"
 TURN = re.compile(r"\n\n(Human|Assistant):")
 ROLES = {"Human": "user", "Assistant": "assistant"}
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # a local file's suffix -> datasets builder
+HELD_OUT = {"HuggingFaceH4/ultrafeedback_binarized": ("train_prefs", "test_prefs")}  # a hub dataset's split names
 Metrics = dict[str, torch.Tensor]
 
 
@@ -41,27 +42,15 @@ Metrics = dict[str, torch.Tensor]
 # Rows: read, parse, render
 
 
-def load_rows(source: str, split: str, config: str | None = None) -> Any:
-    """A datasets.Dataset: a local .jsonl/.json/.parquet file (all of it), or `split` of a local directory in the hub's
-    layout or of a hub dataset (downloaded once)."""
-    from datasets import load_dataset
-
-    path = Path(source).expanduser()
-    if path.is_file():
-        return load_dataset(BUILDERS.get(path.suffix, "json"), data_files=str(path), split="train")
-    return load_dataset(str(path) if path.is_dir() else source, config, split=split)
-
-
-def render(messages: list[dict]) -> tuple[list[int], list[int]]:
-    """A conversation -> (ids, mask), the mask 1 on the assistant's tokens: a stand-in for chat_format.render."""
-    enc, ids, mask = get_tokenizer(), [EOT], [0]
-    for message in messages:
-        role = message["role"]
-        head = enc.encode_ordinary(f"\n\n{'Assistant' if role == 'assistant' else 'Human'}: ")
-        body = enc.encode_ordinary(message["content"]) + [EOT] * (role == "assistant")
-        ids += head + body
-        mask += [0] * len(head) + [int(role == "assistant")] * len(body)
-    return ids, mask
+def read_rows(source: str, split: str) -> Any:
+    """(index, row) of `split`'s rows; "val" is held out as chat_format's conversations are: a single file's every
+    VAL_EVERY-th row ("train" the others), a directory's or hub dataset's test split (UltraFeedback's test_prefs)."""
+    single = Path(source).expanduser().is_file()
+    names = HELD_OUT.get(source, ("train", "test"))
+    if split not in ("train", "val"):
+        return list(enumerate(load_rows(source, split)))
+    rows = load_rows(source, names[0] if single or split == "train" else names[1])
+    return [(i, row) for i, row in enumerate(rows) if not single or (i % VAL_EVERY == 0) == (split == "val")]
 
 
 def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]:
@@ -104,7 +93,7 @@ def render_pairs(rows: Any, name: str, T: int) -> tuple[list[list[np.ndarray]], 
     """Each pair's [chosen ids, rejected ids], their replies' first positions (n, 2), and the count of pairs dropped
     because a side is longer than T tokens (cut, it would score another reply or none)."""
     ids, starts, dropped = [], [], 0
-    for i, row in enumerate(rows):
+    for i, row in rows:
         try:
             prompt, *replies = parse_pair(row)
             sides = [render([*prompt, {"role": "assistant", "content": reply}]) for reply in replies]
@@ -140,7 +129,7 @@ class PairLoader:
         self.name = f"<{len(source)} rows>" if isinstance(source, list) else str(source)
         self.split, self.B, self.T, self.rank, self.world_size, self.seed = split, B, T, rank, world_size, seed
         self.device, self.shuffle = torch.device(device), shuffle
-        rows = source if isinstance(source, list) else load_rows(source, split)
+        rows = list(enumerate(source)) if isinstance(source, list) else read_rows(source, split)
         self.ids, self.starts, dropped = render_pairs(rows, self.name, T)
         self.num_pairs, self.num_windows = len(self.ids), len(self.ids) // B  # batches per epoch, all ranks
         self.tokens = sum(len(side) for pair in self.ids for side in pair)

@@ -170,21 +170,34 @@ class TasksConfig:
     task: str = "addition"  # gsm8k, arc-easy, arc-challenge or addition
     out_dir: str = ""  # where to write them ('' = data/<task>)
     limit: int = 0  # at most this many examples per split (0 = all)
+    # also write preference pairs, the reference reply chosen over a wrong one, to <out_dir>_pairs/{train,test}.jsonl
+    # (for train.py --data-kind pairs); a task that can make wrong replies (addition)
+    pairs: bool = False
+    seed: int = 0  # seeds the order of the problems and the wrong replies
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.pairs and not hasattr(TASKS[self.task](), "wrong"):
+            raise ValueError(f"--pairs needs a task that makes wrong replies (addition), not {self.task}")
 
 
 def main(argv: list[str] | None = None) -> None:
+    from prefs import synthetic_pairs
+
     cfg = parse_config(TasksConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     out, task = Path(cfg.out_dir or f"data/{cfg.task}"), TASKS[cfg.task]()
-    out.mkdir(parents=True, exist_ok=True)
+    pairs = out.with_name(out.name + "_pairs")  # beside, not inside: a directory is one dataset of one schema
     for split in ("train", "test"):
-        examples = task.examples(split)[:cfg.limit or None]
-        with open(out / f"{split}.jsonl", "w") as f:
-            f.writelines(json.dumps(example) + "\n" for example in examples)
-        print(f"{out / f'{split}.jsonl'}: {len(examples):,} {cfg.task} conversations")
+        rows = {out: task.examples(split)[:cfg.limit or None]}
+        if cfg.pairs:
+            rows[pairs] = synthetic_pairs(task, split, cfg.limit, cfg.seed)
+        for where, examples in rows.items():
+            where.mkdir(parents=True, exist_ok=True)
+            with open(where / f"{split}.jsonl", "w") as f:
+                f.writelines(json.dumps(example) + "\n" for example in examples)
+            print(f"{where / f'{split}.jsonl'}: {len(examples):,} {cfg.task} "
+                  f"{'preference pairs' if where == pairs else 'conversations'}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 # the log.jsonl fields each record type sends; a field named after its type drops the prefix (val_loss -> val/loss)
-SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu"), "val": ("val_loss",),
+SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu"), "val": ("val_loss", "val_accuracy"),
            "hellaswag": ("acc", "acc_norm"), "task": ("acc",)}
 
 

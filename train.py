@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -63,7 +64,7 @@ from engine import (
     weights_digest,
 )
 from fineweb import SHUFFLES, DataError, TokenLoader
-from model import GPT, MODEL_PRESETS, RUN_OPTIONS, GPTConfig, check_weights, checkpoint_config
+from model import GPT, MODEL_PRESETS, RUN_OPTIONS, GPTConfig, check_weights, checkpoint_config, with_new_head
 from parallel import (
     Trainable,
     attention_conflict,
@@ -75,6 +76,7 @@ from parallel import (
     set_sdpa_switches,
     train_step,
 )
+from prefs import PairLoader, PairObjective, dpo_metrics, evaluate_pairs, reward_model_metrics
 from tasks import TASKS
 from trackers import missing_package, open_trackers
 
@@ -93,9 +95,14 @@ class TrainConfig(RunArgs):
     init_from: Annotated[str, LOCAL] = ""  # '' (random init), a train.py checkpoint, or HF GPT-2 (gpt2..gpt2-xl, a dir)
     # data
     data: Annotated[str, LOCAL] = "data/edu_fineweb10B"  # token shards (fineweb.py, llm.c), or conversations for chat
-    # tokens (fineweb.py's shards) or chat (conversations: a JSONL/parquet file or directory, or a hub dataset, in
-    # chat_format.py's format; the loss covers the assistant's tokens only: supervised fine-tuning)
+    # tokens (fineweb.py's shards), chat (conversations: a JSONL/parquet file or directory, or a hub dataset, in
+    # chat_format.py's format; the loss covers the assistant's tokens only: supervised fine-tuning) or pairs
+    # (preference pairs, prefs.py: for --objective reward or dpo)
     data_kind: str = "tokens"
+    # lm (the next-token loss), reward (a Bradley-Terry reward model: a value head on pairs) or dpo (DPO on pairs
+    # against the frozen starting weights)
+    objective: str = "lm"
+    dpo_beta: float = 0.1  # DPO's beta: how far the implicit reward may pull the policy from its reference
     preload: Annotated[bool, LOCAL] = False  # load the whole dataset onto the device once (small datasets only)
     shuffle: str = "windows"  # each epoch: windows (shard order and each shard's windows, llm.c) or shards (order only)
     # batch
@@ -129,13 +136,7 @@ class TrainConfig(RunArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.data_kind not in ("tokens", "chat"):
-            raise ValueError(f"--data-kind must be tokens or chat; got {self.data_kind!r}")
-        if self.task and self.task not in TASKS:
-            raise ValueError(f"--task must be one of {', '.join(TASKS)} (or empty); got {self.task!r}")
-        if self.task and self.parallel == "fsdp":  # each rank's replies end at their own lengths: FSDP's forwards hang
-            raise ValueError("--task runs generation, which --parallel fsdp cannot (its forwards are collectives); "
-                             "use ddp or zero1")
+        self._check_stage()
         if self.shuffle not in SHUFFLES:
             raise ValueError(f"--shuffle must be one of {', '.join(SHUFFLES)}; got {self.shuffle!r}")
         if self.lr_schedule not in ("cosine", "linear", "constant", "wsd"):
@@ -160,6 +161,26 @@ class TrainConfig(RunArgs):
         for name in ("skip_loss_z", "skip_norm_z"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
+
+    def _check_stage(self) -> None:
+        """The data, objective and task fit together."""
+        if self.data_kind not in ("tokens", "chat", "pairs"):
+            raise ValueError(f"--data-kind must be tokens, chat or pairs; got {self.data_kind!r}")
+        if self.objective not in ("lm", "reward", "dpo"):
+            raise ValueError(f"--objective must be lm, reward or dpo; got {self.objective!r}")
+        if self.objective != "lm" and self.data_kind != "pairs":
+            raise ValueError(f"--objective {self.objective} trains on preference pairs: pass --data-kind pairs")
+        if self.objective == "lm" and self.data_kind == "pairs":
+            raise ValueError("--data-kind pairs trains a preference objective: pass --objective reward or dpo")
+        if self.objective == "reward" and self.arch.setdefault("value_head", True) is not True:
+            raise ValueError("--objective reward trains a value head: drop --value-head false")
+        if self.objective == "dpo" and self.parallel == "fsdp":
+            raise ValueError("--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")
+        if self.task and self.task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)} (or empty); got {self.task!r}")
+        if self.task and self.parallel == "fsdp":  # each rank's replies end at their own lengths: FSDP's forwards hang
+            raise ValueError("--task runs generation, which --parallel fsdp cannot (its forwards are collectives); "
+                             "use ddp or zero1")
 
 
 def _preset(**kw: Any) -> Callable[[], TrainConfig]:
@@ -208,6 +229,17 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                         warmup_steps=20, max_steps=400, eval_every=100, eval_tokens=3072, hellaswag="off",
                         sample_every=0, ckpt_every=0, task="addition", task_every=100, task_limit=256,
                         out_dir="out/sft-demo"),
+    # preference stages on the chat demo's pairs (python tasks.py --task addition --pairs): a reward model from the
+    # SFT model, scored by its held-out pairwise accuracy, and DPO from it, scored on the held-out problems too
+    "rm-demo": _preset(init_from="out/sft-demo/ckpt_000400.pt", data="data/addition_pairs", data_kind="pairs",
+                       objective="reward", seq_len=24, total_batch_size=384, batch_size=16, max_lr=1e-3,
+                       lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=300, eval_every=50,
+                       eval_tokens=6144, hellaswag="off", sample_every=0, ckpt_every=0, out_dir="out/rm-demo"),
+    "dpo-demo": _preset(init_from="out/sft-demo/ckpt_000400.pt", data="data/addition_pairs", data_kind="pairs",
+                        objective="dpo", seq_len=24, total_batch_size=384, batch_size=16, max_lr=3e-4,
+                        lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=200, eval_every=50,
+                        eval_tokens=6144, hellaswag="off", sample_every=0, ckpt_every=0, task="addition",
+                        task_every=50, task_limit=256, out_dir="out/dpo-demo"),
     # seconds on CPU, for tests
     "tiny": _preset(model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,
                     max_lr=1e-3, warmup_steps=2, max_steps=10, eval_every=5, eval_tokens=512, hellaswag="off",
@@ -220,22 +252,24 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 
 
 def lm_step(cfg: TrainConfig, built: Trainable, next_batch: Callable[[], tuple], grad_accum: int, guard: SpikeGuard,
-            world: int) -> Callable[[int], dict[str, Any]]:
-    """engine.Run's step_fn: set the lr, forward/backward every micro-batch, clip, step; the record the log gets."""
-    tokens = grad_accum * cfg.batch_size * cfg.seq_len * world
+            world: int, objective: PairObjective | None = None) -> Callable[[int], dict[str, Any]]:
+    """engine.Run's step_fn: set the lr, forward/backward every micro-batch, clip, step; the record the log gets.
+    `objective` replaces the next-token loss (a reward model's or DPO's, on pairs: two sequences each)."""
+    tokens = grad_accum * cfg.batch_size * cfg.seq_len * world * (2 if objective else 1)
 
     def step_fn(step: int) -> dict[str, Any]:
         lr = get_lr(step, cfg)
         for group in built.optimizer.param_groups:
             group["lr"] = lr
         loss, norm = train_step(built.model, built.optimizer, next_batch, grad_accum, built.autocast, cfg.grad_clip,
-                                cfg.label_smoothing, built.scaler, guard.for_step())
+                                cfg.label_smoothing, built.scaler, guard.for_step(), objective)
         if world > 1:
             dist.all_reduce(loss)
             loss /= world
         loss_value, norm_value = loss.item(), norm.item()  # waits for the GPU, so the step's time is real
         guard.observe(loss_value, norm_value)
-        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens": tokens,
+        pairs = {k: objective.last[k].item() for k in ("accuracy", "margin")} if objective else {}  # rank 0's last
+        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens": tokens, **pairs,
                 **({"skipped": guard.skipped} if guard.skipped else {})}
 
     return step_fn
@@ -274,7 +308,8 @@ def wsd_decay_start(cfg: TrainConfig) -> int:
 
 
 def evaluations(cfg: TrainConfig, raw: GPT, built: Trainable, val_loader: TokenLoader | None,
-                examples: list[dict] | None, log: RunLog, rank: int, world: int) -> list[Eval]:
+                examples: list[dict] | None, log: RunLog, rank: int, world: int,
+                objective: PairObjective | None = None) -> list[Eval]:
     master, device = rank == 0, next(raw.parameters()).device
     enc = get_tokenizer() if (cfg.sample_every > 0 or examples) else None
     evals = []
@@ -282,9 +317,13 @@ def evaluations(cfg: TrainConfig, raw: GPT, built: Trainable, val_loader: TokenL
         windows = val_windows(cfg, val_loader, master)
 
         def val(step: int) -> dict[str, Any]:
-            vl = val_loss(built.model, val_loader, windows, built.autocast, world)
-            log.say(f"step {step:6d} | val loss {vl:.4f}")
-            return {"val_loss": vl}
+            if objective is None:
+                vl = val_loss(built.model, val_loader, windows, built.autocast, world)
+                log.say(f"step {step:6d} | val loss {vl:.4f}")
+                return {"val_loss": vl}
+            pairs = evaluate_pairs(built.model, val_loader, windows, objective.metrics_fn, built.autocast, world)
+            log.say(f"step {step:6d} | val loss {pairs['loss']:.4f} | pairs ranked right {pairs['accuracy']:.4f}")
+            return {"val_loss": pairs["loss"], "val_accuracy": pairs["accuracy"], "val_margin": pairs["margin"]}
 
         evals.append(Eval("val", cfg.eval_every, val))
     if examples:
@@ -397,6 +436,7 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     checkpointer = Checkpointer(cfg, rank, world, prov)
     found = checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
     raw = build_model(cfg, found, local_rank, world)
+    objective = pair_objective(cfg, device)  # before the RNG is seeded for the run: DPO's reference may be a fresh init
     examples = load_hellaswag(cfg, rank, local_rank, world)
     # before any check one rank could fail alone: a node with another command stops every node with the reason
     fingerprint(cfg, (train_loader, val_loader), raw, examples, found, rank, world)
@@ -422,10 +462,10 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     log = open_run_log(cfg, start_step if found else None, checkpointer.rewinding, rank, world)
     log.write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": prov})
-    return Run(step_fn=lm_step(cfg, built, batches(cfg, train_loader), grad_accum, guard, world), raw=raw,
+    return Run(step_fn=lm_step(cfg, built, batches(cfg, train_loader), grad_accum, guard, world, objective), raw=raw,
                trainable=built, checkpointer=checkpointer, log=log,
-               evaluator=Evaluator(evaluations(cfg, raw, built, val_loader, examples, log, rank, world), log, tokens,
-                                   cfg.eval_only),
+               evaluator=Evaluator(evaluations(cfg, raw, built, val_loader, examples, log, rank, world, objective), log,
+                                   tokens, cfg.eval_only),
                stop=StopFlags(cfg.max_time, interrupt=not cfg.eval_only, master=master, device=device, world=world),
                profiler=Profiler(cfg.profile and not cfg.eval_only, start_step, cfg.profile_steps, Path(cfg.out_dir),
                                  rank),
@@ -434,6 +474,17 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
                eval_only=cfg.eval_only, rank=rank, world=world, device=device,
                flops_per_token=raw.flops_per_token(cfg.seq_len), device_name=prov["device"],
                peak_flops=cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
+
+
+def pair_objective(cfg: TrainConfig, device: torch.device) -> PairObjective | None:
+    """--objective reward or dpo as train_step's objective (None: the next-token loss). DPO's reference is the
+    starting weights, loaded again: a resumed run's model has moved on from them."""
+    if cfg.objective == "reward":
+        return PairObjective(reward_model_metrics)
+    if cfg.objective == "dpo":
+        ref = (load_init(cfg) if cfg.init_from else fresh_model(cfg)).to(device).eval().requires_grad_(False)
+        return PairObjective(functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta))
+    return None
 
 
 def fingerprint(cfg: TrainConfig, loaders: tuple, raw: GPT, examples: list[dict] | None,
@@ -540,9 +591,11 @@ def open_loaders(cfg: TrainConfig, rank: int, world: int,
     B, T = cfg.batch_size, cfg.seq_len
 
     def load() -> tuple[TokenLoader | None, TokenLoader | None]:
-        def loader(split: str) -> TokenLoader | ConversationLoader:
+        def loader(split: str) -> TokenLoader | ConversationLoader | PairLoader:
             if cfg.data_kind == "chat":
                 return ConversationLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)
+            if cfg.data_kind == "pairs":
+                return PairLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, shuffle=split == "train")
             return TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, cfg.preload, cfg.shuffle)
 
         return (loader("train") if not cfg.eval_only else None,
@@ -569,6 +622,9 @@ def build_model(cfg: TrainConfig, found: tuple[Path, dict] | None, local_rank: i
         raise ValueError(f"--resume {found[0]} holds --optimizer {saved}'s state, and this run asks for "
                          f"--optimizer {cfg.optimizer}: pass --optimizer {saved}, or start a new run (in a new "
                          f"--out-dir) from its weights with --init-from {found[0]}")
+    if cfg.arch.get("value_head", src.value_head) != src.value_head:
+        raise ValueError(f"--resume {found[0]} has {'a' if src.value_head else 'no'} value head; a resume cannot "
+                         "change that: start a new run from its weights with --init-from")
     model = GPT(dataclasses.replace(src, **run_options(cfg)))
     check_weights(model, found[1]["model"], f"checkpoint {found[0]}")  # restore() would print every tensor
     return model
@@ -745,7 +801,8 @@ def load_init(cfg: TrainConfig) -> GPT:
     if "transformer.wpe.weight" in weights:
         weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.seq_len]
     model = GPT(config)
-    model.load_state_dict(weights)
+    model.load_state_dict(with_new_head(model, {k: v for k, v in weights.items()  # a value head added or dropped
+                                                 if config.value_head or not k.startswith("value_head.")}))
     return model
 
 

@@ -7,12 +7,14 @@ import gzip
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from common import EOT, get_tokenizer
+from chat_format import ASSISTANT_END
+from common import EOT, get_tokenizer, iter_log, load_checkpoint
 from fineweb import DataError
 from model import GPT, GPTConfig
 from parallel import StepArgs, build_trainable, train_step
@@ -55,7 +57,8 @@ def transcript(*turns: str) -> str:
 def replies(loader: PairLoader, batch: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
     """Each row's masked tokens, decoded."""
     ids, mask = batch
-    return [get_tokenizer().decode(row[m].tolist()) for row, m in zip(ids, mask, strict=True)]
+    return [get_tokenizer().decode([t for t in row[m].tolist() if t != ASSISTANT_END]) + "<|assistant_end|>"
+            * int(ASSISTANT_END in row[m].tolist()) for row, m in zip(ids, mask, strict=True)]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -96,12 +99,13 @@ def test_a_bad_row_is_one_line_naming_it(tmp_path, row, message):
 
 def test_each_schema_loads_from_local_files_and_hub_layouts(tmp_path):
     pd = pytest.importorskip("pandas")
-    # text: a local JSONL file, read whole
+    # text: a local JSONL file, its every 20th row (row 0 here) held out as val, as chat_format's conversations
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in text_rows(5)))
-    loader = PairLoader(str(path), "train", 5, 48, shuffle=False)
-    assert loader.num_pairs == 5 and replies(loader, loader.next_batch())[:2] == ["It is 0.<|endoftext|>",
-                                                                                  "It is 2.<|endoftext|>"]
+    loader = PairLoader(str(path), "train", 4, 48, shuffle=False)
+    assert loader.num_pairs == 4 and replies(loader, loader.next_batch())[:2] == ["It is 2.<|assistant_end|>",
+                                                                                  "It is 4.<|assistant_end|>"]
+    assert PairLoader(str(path), "val", 1, 48).num_pairs == 1
     # ultrafeedback_binarized: parquet files under data/ named by its splits, extra columns as on the hub
     uf = tmp_path / "uf" / "data"
     uf.mkdir(parents=True)
@@ -112,7 +116,8 @@ def test_each_schema_loads_from_local_files_and_hub_layouts(tmp_path):
         pd.DataFrame(rows).to_parquet(uf / f"{split}-00000-of-00001.parquet")
     loader = PairLoader(str(uf.parent), "test_prefs", 3, 48, shuffle=False)
     assert loader.num_pairs == 3
-    assert replies(loader, loader.next_batch()) == [f"{w} {i}<|endoftext|>" for w in ("good", "bad") for i in range(3)]
+    assert replies(loader, loader.next_batch()) == [f"{w} {i}<|assistant_end|>" for w in ("good", "bad")
+                                                    for i in range(3)]
     # hh-rlhf: one gzipped JSONL per subset and split
     for subset, n in (("harmless-base", 2), ("helpful-base", 3)):
         (tmp_path / "hh" / subset).mkdir(parents=True)
@@ -122,7 +127,7 @@ def test_each_schema_loads_from_local_files_and_hub_layouts(tmp_path):
                                     "rejected": transcript(f"{subset} {i}", "No.")}) + "\n")
     loader = PairLoader(str(tmp_path / "hh"), "train", 5, 48, shuffle=False)
     assert loader.num_pairs == 5
-    assert sorted(replies(loader, loader.next_batch())) == ["No.<|endoftext|>"] * 5 + ["Sure.<|endoftext|>"] * 5
+    assert sorted(replies(loader, loader.next_batch())) == ["No.<|assistant_end|>"] * 5 + ["Sure.<|assistant_end|>"] * 5
 
 
 def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_dropped():
@@ -134,13 +139,13 @@ def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_droppe
     enc, starts = get_tokenizer(), []
     for row, reply in enumerate(["It is 0.", "It is 2.", "It is 1.", "It is 3."]):  # chosen rows, then rejected
         first, last = int(mask[row].nonzero()[0]), int(mask[row].nonzero()[-1])
-        assert ids[row, first:last + 1].tolist() == enc.encode_ordinary(reply) + [EOT]
+        assert ids[row, first:last + 1].tolist() == enc.encode_ordinary(reply) + [ASSISTANT_END]
         assert mask[row, first:last + 1].all() and (ids[row, last + 1:] == EOT).all()
         starts.append(first)
     for c in (0, 1):  # a pair's two rows share the prompt up to the reply
         assert starts[c] == starts[c + 2] and torch.equal(ids[c, :starts[c]], ids[c + 2, :starts[c]])
     loader.check_vocab(50304)
-    with pytest.raises(DataError, match="renders token ids up to 50256, but the model has only 50000"):
+    with pytest.raises(DataError, match="renders token ids up to 50262, but the model has only 50000"):
         loader.check_vocab(50000)
 
 
@@ -269,3 +274,55 @@ def test_value_head_loads_from_weights_without_it(hf_dir):
     assert again.config.value_head and set(again.state_dict()) == set(model.state_dict())
     hf = GPT.from_pretrained(str(hf_dir), value_head=True)
     assert hf.value_head.weight.shape == (1, hf.config.n_embd)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# on the engine: train.py --objective reward / dpo
+
+
+@pytest.fixture(scope="module")
+def addition_pairs(tmp_path_factory) -> Path:
+    from tasks import main as tasks_main
+
+    out = tmp_path_factory.mktemp("tasks") / "addition"
+    tasks_main(["--task=addition", f"--out-dir={out}", "--pairs", "--limit=256"])
+    return out.with_name("addition_pairs")
+
+
+def pairs_run(data: Path, out: Path, preset: str, *extra: str) -> list[str]:
+    return ["--preset", preset, "--init-from=", "--model=tiny", "--data", str(data), "--out-dir", str(out),
+            "--total-batch-size=384", "--batch-size=8", "--eval-tokens=384", "--task=", "--warmup-steps=2", *extra]
+
+
+@pytest.mark.parametrize("preset", ["rm-demo", "dpo-demo"])
+def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pairs, tmp_path, preset):
+    import train
+
+    extra = ["--max-steps=4", "--ckpt-every=2", "--eval-every=2"]
+    full = train.main(pairs_run(addition_pairs, tmp_path / "full", preset, *extra))
+    train.main(pairs_run(addition_pairs, tmp_path / "split", preset, *extra, "--max-steps=2"))
+    rest = train.main(pairs_run(addition_pairs, tmp_path / "split", preset, *extra, "--resume=auto"))
+    losses = [r["loss"] for r in iter_log(tmp_path / "split" / "log.jsonl") if r["type"] == "train"]
+    # bitwise: for DPO this also shows the resumed run's reference is the starting weights, not the resumed ones
+    assert losses == full["losses"] and rest["val"] == full["val"]
+    # both start from a tie: a zero value head, or a policy equal to its reference
+    assert full["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    records = [r for r in iter_log(tmp_path / "full" / "log.jsonl") if r["type"] in ("train", "val")]
+    assert all(0 <= r["accuracy"] <= 1 for r in records if r["type"] == "train")
+    assert [r["step"] for r in records if r["type"] == "val"] == [0, 2, 4]
+    assert all(0 <= r["val_accuracy"] <= 1 for r in records if r["type"] == "val")
+    ckpt = load_checkpoint(tmp_path / "full" / "ckpt_000004.pt")
+    assert ("value_head.weight" in ckpt["model"]) == (preset == "rm-demo")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--objective=dpo", "--data-kind=chat"], "--objective dpo trains on preference pairs: pass --data-kind pairs"),
+    (["--data-kind=pairs"], "--data-kind pairs trains a preference objective: pass --objective reward or dpo"),
+    (["--objective=reward", "--data-kind=pairs", "--value-head=false"], "--objective reward trains a value head"),
+])
+def test_a_stage_that_cannot_work_is_one_line(flags, message):
+    import train
+
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny", *flags])
+    assert str(e.value.code).startswith(f"error: {message}")
