@@ -1,5 +1,7 @@
 """Export a train.py checkpoint as an HF directory for transformers and lm-eval-harness: a GPT2LMHeadModel for the
 GPT-2 architecture, a LlamaForCausalLM for the LLaMA one (RoPE, SwiGLU, RMSNorm; with or without GQA and biases).
+A chat model (train.py --data-kind chat) keeps its padded rows and carries chat_format.py's special tokens, a
+chat_template (apply_chat_template gives render_prompt's ids) and <|assistant_end|> as generate's eos_token_id.
 
 Usage:
     python export.py --ckpt out/gpt2-124m/ckpt_019073.pt --export-hf out/gpt2-124m-hf
@@ -20,7 +22,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, parse_config
+from chat_format import ASSISTANT_END, CHAT_VOCAB, SYSTEM_START
+from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, load_checkpoint, parse_config
 from model import GPT, HF_CONV1D, NORM_EPS, GPTConfig
 
 
@@ -52,29 +55,36 @@ def hf_class(cfg: GPTConfig) -> str:
                      f"and LlamaForCausalLM no {', '.join(llama_lacks)}")
 
 
-HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json")
+HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
+            "generation_config.json")
 STAGING = ".export-partial"  # written here first, then moved into place: a failed export leaves nothing behind
 
 
-def export_hf(model: GPT, out_dir: str | os.PathLike) -> Path:
+def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Path:
     """Write an HF `GPT2LMHeadModel` or `LlamaForCausalLM` directory (config.json, model.safetensors, tokenizer
     files) for lm-eval etc. A vocabulary padded past GPT-2's 50,257 ids is cropped to them (as llm.c does): the padded
-    rows are never tokens, and HF's generate, which knows nothing of our padding, could otherwise sample them.
+    rows are never tokens, and HF's generate, which knows nothing of our padding, could otherwise sample them. A chat
+    model keeps its rows (the chat tokens live there) and gets the chat tokenizer and generation_config.json.
 
     An earlier export there is replaced; a write that fails (a full disk, no permission) is one OSError line and
     leaves the directory as it was."""
     cfg = model.config
     gpt2 = hf_class(cfg) == "GPT2LMHeadModel"  # before anything is written
     out = check_target(Path(out_dir))
-    vocab = GPT2_VOCAB if cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size  # tiny test vocabularies stay as they are
+    vocab = cfg.vocab_size if chat or cfg.vocab_size <= GPT2_VOCAB else GPT2_VOCAB  # a tiny test vocabulary stays
     sd, config = _gpt2_files(model, vocab) if gpt2 else _llama_files(model, vocab)
+    if chat:
+        config["eos_token_id"] = ASSISTANT_END
     made = [p for p in (out, *out.parents) if not p.exists()]  # the directories this export creates
     staging = out / STAGING
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        _write(staging, sd, config, cfg.block_size)
-        for f in staging.iterdir():
-            os.replace(f, out / f.name)
+        _write(staging, sd, config, cfg.block_size, chat)
+        for name in HF_FILES:  # what this export lacks goes too (a chat export's generation_config.json)
+            if (staging / name).exists():
+                os.replace(staging / name, out / name)
+            else:
+                (out / name).unlink(missing_ok=True)
         staging.rmdir()
     except (OSError, SafetensorError) as e:
         shutil.rmtree(made[-1] if made else staging, ignore_errors=True)
@@ -100,9 +110,11 @@ def check_target(out: Path) -> Path:
     return out
 
 
-def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block_size: int) -> None:
+def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block_size: int, chat: bool) -> None:
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    if chat:  # HF's generate stops at the end of the reply
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ASSISTANT_END, "pad_token_id": EOT}))
     # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
     # from the umask, or other users of a shared filesystem could read the config but not the weights
     shutil.copymode(out / "config.json", out / "model.safetensors")
@@ -110,11 +122,28 @@ def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block
         data = gpt2_bpe_dir()
         (out / "vocab.json").write_bytes((data / "encoder.json").read_bytes())
         (out / "merges.txt").write_bytes((data / "vocab.bpe").read_bytes())
-        (out / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "bos_token": "<|endoftext|>",
-             "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}))
+        tokenizer = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "bos_token": "<|endoftext|>",
+                     "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+        (out / "tokenizer_config.json").write_text(json.dumps({**tokenizer, **CHAT_TOKENIZER} if chat else tokenizer))
     except ImportError:
         pass
+
+
+# chat_format.py's special tokens by name, in id order from SYSTEM_START; lstrip/rstrip off, so text keeps the
+# spaces and newlines that touch them
+CHAT_TOKENS = [f"<|{role}_{edge}|>" for role in ("system", "user", "assistant", "tool", "output")
+               for edge in ("start", "end")]
+# render(): BOS, then each message as <|role_start|> content <|role_end|>, an assistant's tool parts in their markers
+CHAT_TEMPLATE = (
+    "<|endoftext|>{% for m in messages %}<|{{ m.role }}_start|>{% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for p in m.content %}{% if p.type != 'text' %}<|{{ p.type }}_start|>{% endif %}{{ p.text }}"
+    "{% if p.type != 'text' %}<|{{ p.type }}_end|>{% endif %}{% endfor %}{% endif %}<|{{ m.role }}_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant_start|>{% endif %}")
+CHAT_TOKENIZER = {
+    "eos_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE,
+    "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
+                                      "normalized": False, "single_word": False}
+                             for i, name in zip(range(SYSTEM_START, CHAT_VOCAB), CHAT_TOKENS, strict=True)}}
 
 
 def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -183,10 +212,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("error: --export-hf needs --ckpt PATH (a checkpoint train.py wrote)")
     try:
         check_target(Path(cfg.export_hf))  # before a large checkpoint takes its time to load
-        out = export_hf(GPT.from_checkpoint(cfg.ckpt), cfg.export_hf)
+        model = GPT.from_checkpoint(cfg.ckpt)
+        chat = load_checkpoint(cfg.ckpt, mmap=True).get("train_config", {}).get("data_kind") == "chat"
+        out = export_hf(model, cfg.export_hf, chat)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    print(f"exported {cfg.ckpt} to {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    print(f"exported {cfg.ckpt} to {out}{' as a chat model' * chat} (load with "
+          "transformers.AutoModelForCausalLM.from_pretrained)")
 
 
 if __name__ == "__main__":

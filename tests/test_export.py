@@ -1,7 +1,9 @@
-"""export.py: HF round trips (GPT-2 and LLaMA layouts), refused architectures, and a failed export that leaves
-nothing behind (a file as target, a foreign directory, no permission, a full disk)."""
+"""export.py: HF round trips (GPT-2 and LLaMA layouts), a plain export's exact bytes, a chat model's tokenizer, template
+and stop token, refused architectures, and a failed export that leaves nothing behind (a file as target, a foreign
+directory, no permission, a full disk)."""
 
 import contextlib
+import hashlib
 import json
 import resource
 import signal
@@ -11,12 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_chat import sft_checkpoint
 from test_model import _perturbed, tiny
 
+import chat_format as cf
 import export
 from common import EOT, GPT2_VOCAB
 from conftest import ROOT
 from export import export_hf
+from generate import generate
 from model import GPT, GPTConfig
 
 
@@ -56,6 +61,74 @@ def test_export_hf_keeps_a_vocabulary_smaller_than_gpt2s(tmp_path):
     idx = torch.randint(0, model.config.vocab_size, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, model(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+PLAIN_SHA256 = {  # a plain export's files, byte for byte, as they were before chat exports came
+    "config.json": "fac1ec4f8baf073d4c8306b7a97c56569ea4adead991c43e518c26a25ff0f0e6",
+    "merges.txt": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "model.safetensors": "a5d49a951f49eae4cee1b9f782a05adefb7a0e010cb642429d6c8e05be685a6c",
+    "tokenizer_config.json": "ee259bec389b020dff4c56f1978821b7072a4becc8063247659f8498f0a2dac4",
+    "vocab.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+
+
+def test_a_plain_export_keeps_its_bytes(tmp_path):
+    model = GPT(tiny(vocab_size=50304, n_layer=1))
+    with torch.no_grad():  # weights from no RNG, so the bytes are the same on every machine
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.arange(p.numel()).reshape(p.shape) % (7 + i) / 10)
+    export_hf(model, tmp_path)
+    assert {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in tmp_path.iterdir()} == PLAIN_SHA256
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory) -> Path:
+    return sft_checkpoint(tmp_path_factory.mktemp("sft"))
+
+
+# spaces and newlines at the edges of each piece: joined wrongly (stripped, or tokenized across a special token), the
+# ids differ
+CONVERSATION = [
+    {"role": "system", "content": " You are terse.\n"},
+    {"role": "user", "content": "  hi\nthere  "},
+    {"role": "assistant", "content": "\n Hello!  "},
+    {"role": "user", "content": "what's 6*7?\n\n"},
+    {"role": "assistant", "content": [{"type": "text", "text": " Let me see"}, {"type": "tool", "text": " 6*7"},
+                                      {"type": "output", "text": "42"}, {"type": "text", "text": " It's 42.\n"}]},
+    {"role": "user", "content": " thanks"},
+    {"role": "assistant", "content": "  you're welcome"},
+]
+
+
+def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    export.main(["--ckpt", str(sft), "--export-hf", str(out)])
+    assert capsys.readouterr().out.startswith(f"exported {sft} to {out} as a chat model (")
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    for end in (2, 4, 6):  # a prompt for each reply, and each conversation up to and with it
+        messages = CONVERSATION[:end]
+        assert tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == \
+            cf.render_prompt(messages)
+        whole = CONVERSATION[:end + 1]
+        assert tok.apply_chat_template(whole, return_dict=False) == cf.render(whole)[0]
+    assert (len(tok), tok.eos_token_id, tok.decode([cf.TOOL_START, cf.OUTPUT_END])) == \
+        (cf.CHAT_VOCAB, cf.ASSISTANT_END, "<|tool_start|><|output_end|>")
+    # all 50,304 rows, the chat tokens' logits ours; generate stops at <|assistant_end|>, as generate.py does
+    hf, model = transformers.AutoModelForCausalLM.from_pretrained(out).eval(), GPT.from_checkpoint(sft).eval()
+    enc = cf.tokenizer()
+    ids = torch.tensor([cf.render_prompt([{"role": "user", "content": "3+4?"}]) + [
+        cf.TOOL_START, *enc.encode("6*7"), cf.TOOL_END, cf.OUTPUT_START, *enc.encode("42"), cf.OUTPUT_END]])
+    with torch.no_grad():
+        assert hf.config.vocab_size == 50304
+        torch.testing.assert_close(hf(ids).logits, model(ids)[0], atol=1e-5, rtol=1e-5)
+        theirs = hf.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1]:].tolist()
+    ours = generate(model, ids.tolist(), 10, temperature=0.0, stop_ids=[cf.ASSISTANT_END], vocab=cf.CHAT_VOCAB)
+    assert theirs == ours[0].tokens == [*enc.encode(" Hi!"), cf.ASSISTANT_END]
+    assert hf.generation_config.eos_token_id == cf.ASSISTANT_END
+    # a plain export over it leaves no chat generation_config.json behind
+    export_hf(GPT(tiny()), out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(PLAIN_SHA256)
 
 
 def _llama_tiny(**kw) -> GPTConfig:
@@ -207,7 +280,7 @@ def test_an_earlier_export_is_replaced_and_a_foreign_directory_refused(tmp_path,
     export.main(["--ckpt", str(b), "--export-hf", str(hf)])
     assert capsys.readouterr().out == f"exported {b} to {hf} (load with " \
         "transformers.AutoModelForCausalLM.from_pretrained)\n"
-    assert sorted(contents(hf)) == sorted(export.HF_FILES)  # no staging folder left
+    assert sorted(contents(hf)) == sorted(PLAIN_SHA256)  # no staging folder left
     assert json.loads((hf / "config.json").read_text())["n_layer"] == 3
     assert transformers.GPT2LMHeadModel.from_pretrained(hf).config.n_layer == 3
 

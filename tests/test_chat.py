@@ -1,0 +1,140 @@
+"""chat.py on a chat model that train.py fine-tunes here (a tiny GPT, 40 steps on one fixed reply): the reply is
+generate.py's greedy decode of chat_format.render_prompt, streamed with the calculator's call and forced result in
+brackets; /clear, EOF, Ctrl-C, the context crop, the base-model warning and one-line errors."""
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import chat
+import chat_format as cf
+import train
+from conftest import ROOT
+from generate import generate
+from model import GPT, MODEL_PRESETS
+
+# every conversation: a question, then this reply (a calculator call, its result, text)
+REPLY = [{"type": "tool", "text": "6*7"}, {"type": "output", "text": "42"}, {"type": "text", "text": " Hi!"}]
+SHOWN = "[calc 6*7][= 42] Hi!\n"  # how chat.py streams it
+GREEDY = ["--temperature", "0", "--max-new-tokens", "12"]
+
+
+def sft_checkpoint(out: Path) -> Path:
+    """train.py --data-kind chat on 60 conversations: a chat checkpoint whose greedy reply to a question is REPLY."""
+    with open(out / "chat.jsonl", "w") as f:
+        for i in range(60):
+            messages = [{"role": "user", "content": f"{i % 10}+{i // 10}?"}, {"role": "assistant", "content": REPLY}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    train.main(["--preset", "tiny", "--data", str(out / "chat.jsonl"), "--data-kind", "chat", "--batch-size", "2",
+                "--total-batch-size", "128", "--max-steps", "40", "--eval-every", "0", "--max-lr", "1e-2",
+                "--out-dir", str(out / "run")])
+    return out / "run" / "ckpt_000040.pt"
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory) -> Path:
+    return sft_checkpoint(tmp_path_factory.mktemp("sft"))
+
+
+def run(argv: list[str], stdin: str | io.StringIO, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin) if isinstance(stdin, str) else stdin)
+    return chat.main(argv)
+
+
+def greedy(model: GPT, messages: list[dict], max_new_tokens: int = 12) -> list[int]:
+    return generate(model, [cf.render_prompt(messages)], max_new_tokens, temperature=0.0, stop_ids=chat.STOP_IDS,
+                    vocab=cf.CHAT_VOCAB, calculator=chat.calculator())[0].tokens
+
+
+def test_a_prompt_gets_generate_pys_greedy_reply_streamed(sft, capsys, monkeypatch):
+    system = {"role": "system", "content": "Be brief."}
+    messages = run(["--ckpt", str(sft), "--prompt", "3+4?", "--system", "Be brief.", *GREEDY], "", monkeypatch)
+    out, err = capsys.readouterr()
+    expected = greedy(GPT.from_checkpoint(sft), [system, {"role": "user", "content": "3+4?"}])
+    enc = cf.tokenizer()
+    assert expected == [cf.TOOL_START, *enc.encode("6*7"), cf.TOOL_END, cf.OUTPUT_START, *enc.encode("42"),
+                        cf.OUTPUT_END, *enc.encode(" Hi!"), cf.ASSISTANT_END]
+    assert (out, err) == (SHOWN, "")  # a chat checkpoint: no warning
+    assert messages == [system, {"role": "user", "content": "3+4?"}, {"role": "assistant", "content": REPLY}]
+    assert cf.parse(expected) == REPLY
+
+
+def test_turns_clear_and_eof(sft, capsys, monkeypatch):
+    model = GPT.from_checkpoint(sft)
+    messages = run(["--ckpt", str(sft), *GREEDY], "1+2?\n\n8+9?\n", monkeypatch)
+    out, err = capsys.readouterr()  # EOF after the second turn: a clean exit (main returns)
+    first = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": cf.parse(greedy(model, [
+        {"role": "user", "content": "1+2?"}]))}]
+    second = cf.parse(greedy(model, [*first, {"role": "user", "content": "8+9?"}]))
+    assert messages == [*first, {"role": "user", "content": "8+9?"}, {"role": "assistant", "content": second}]
+    assert first[1]["content"] == REPLY and out.startswith("> " + SHOWN + "> > ") and out.endswith("> \n")
+    assert out.count("> ") == 4 and err == "/clear starts a new conversation; Ctrl-D or Ctrl-C quits\n"
+    messages = run(["--ckpt", str(sft), *GREEDY], "1+2?\n8+9?\n/clear\n5+5?\n", monkeypatch)
+    assert messages == [{"role": "user", "content": "5+5?"}, {"role": "assistant", "content": REPLY}]
+    assert capsys.readouterr().err.endswith("(a new conversation)\n")
+
+
+def test_the_command_line_reads_stdin_and_exits_0_at_its_end(sft):
+    proc = subprocess.run([sys.executable, "chat.py", "--ckpt", str(sft), *GREEDY], cwd=ROOT, input="1+2?\n",
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "> " + SHOWN + "> \n")
+
+
+class CtrlC(io.StringIO):
+    def readline(self, *args) -> str:
+        line = super().readline(*args)
+        if not line:
+            raise KeyboardInterrupt
+        return line
+
+
+def test_ctrl_c_exits_in_one_line(sft, capsys, monkeypatch):
+    messages = run(["--ckpt", str(sft), *GREEDY], CtrlC("1+2?\n"), monkeypatch)
+    assert len(messages) == 2 and capsys.readouterr().out == "> " + SHOWN + "> \n"
+
+
+def test_the_oldest_turns_are_cropped_to_the_context(sft, capsys, monkeypatch):
+    # block_size 64 and a reply's room of min(--max-new-tokens, 32) = 12: a prompt keeps at most 52 tokens
+    messages = run(["--ckpt", str(sft), "--system", "Be brief.", *GREEDY], "1+2?\n3+4?\n5+6?\n7+8?\n", monkeypatch)
+    system, first = messages[0], [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": REPLY}]
+    assert [m["content"] for m in messages if m["role"] != "assistant"] == ["Be brief.", "3+4?", "5+6?", "7+8?"]
+    assert capsys.readouterr().err.splitlines()[1:] == [
+        "(the conversation outgrew the model's context of 64 tokens: its oldest 1 turn(s) dropped)"]
+    assert len(cf.render_prompt(messages[:-1])) <= 52 < len(cf.render_prompt([system, *first, *messages[1:-1]]))
+    with pytest.raises(SystemExit) as e:
+        run(["--ckpt", str(sft), "--prompt", "one two three " * 20, *GREEDY], "", monkeypatch)
+    assert str(e.value) == "error: the message takes 65 tokens, the model's context only 64; say less"
+
+
+def test_a_base_model_is_warned_about_and_an_hf_gpt2_padded(sft, hf_dir, tmp_path, capsys, monkeypatch):
+    torch.manual_seed(0)
+    base = GPT(MODEL_PRESETS["tiny"]())
+    torch.save({"model": base.state_dict(), "model_config": base.config.__dict__,
+                "train_config": {"data_kind": "tokens"}}, ckpt := tmp_path / "base.pt")
+    for flag, source in (("--ckpt", ckpt), ("--init-from", hf_dir)):
+        messages = run([flag, str(source), "--prompt", "hello", "--max-new-tokens", "3", "--seed", "1"], "",
+                       monkeypatch)
+        assert capsys.readouterr().err == (
+            f"warning: {source} was never fine-tuned on conversations (train.py --data-kind chat), so it does not "
+            "know the chat format: its replies may be gibberish\n")
+        assert messages[0] == {"role": "user", "content": "hello"}
+    model, fine_tuned = chat.load_model(chat.ChatConfig(init_from=str(hf_dir)))
+    assert (model.config.vocab_size, fine_tuned) == (50304, False)
+    assert chat.load_model(chat.ChatConfig(ckpt=str(sft)))[1]
+
+
+def test_a_bad_flag_or_model_is_one_line():
+    for args, message in (
+            (["--temprature", "0"], "error: unknown option --temprature; did you mean --temperature?"),
+            (["--temperature", "-1"], "error: temperature must be >= 0 (0 is greedy), got -1.0"),
+            (["--max-new-tokens", "0"], "error: --max-new-tokens must be >= 1, got 0"),
+            (["--ckpt", "missing.pt"], "error: checkpoint missing.pt does not exist; pass the .pt file that train.py "
+                                       "wrote (e.g. out/<run>/ckpt_000100.pt)")):
+        proc = subprocess.run([sys.executable, "chat.py", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", message + "\n")
