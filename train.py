@@ -94,14 +94,10 @@ class TrainConfig(RunArgs):
                                                                             "except": ("block_size",)})
     init_from: Annotated[str, LOCAL] = ""  # '' (random init), a train.py checkpoint, or HF GPT-2 (gpt2..gpt2-xl, a dir)
     # data
-    data: Annotated[str, LOCAL] = "data/edu_fineweb10B"  # token shards (fineweb.py, llm.c), or conversations for chat
-    # tokens (fineweb.py's shards), chat (conversations: a JSONL/parquet file or directory, or a hub dataset, in
-    # chat_format.py's format; the loss covers the assistant's tokens only: supervised fine-tuning) or pairs
-    # (preference pairs, prefs.py: for --objective reward or dpo)
-    data_kind: str = "tokens"
-    # lm (the next-token loss), reward (a Bradley-Terry reward model: a value head on pairs) or dpo (DPO on pairs
-    # against the frozen starting weights)
-    objective: str = "lm"
+    data: Annotated[str, LOCAL] = "data/edu_fineweb10B"  # token shards (fineweb.py, llm.c), or a dataset of that kind
+    # chat: a file, directory or hub dataset of conversations (chat_format.py), the loss on the assistant's tokens
+    data_kind: str = "tokens"  # tokens (fineweb.py's shards), chat (conversations: SFT) or pairs (prefs.py's)
+    objective: str = "lm"  # lm (next token), reward (Bradley-Terry reward model) or dpo, both on pairs
     dpo_beta: float = 0.1  # DPO's beta: how far the implicit reward may pull the policy from its reference
     preload: Annotated[bool, LOCAL] = False  # load the whole dataset onto the device once (small datasets only)
     shuffle: str = "windows"  # each epoch: windows (shard order and each shard's windows, llm.c) or shards (order only)
@@ -221,9 +217,8 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                    batch_size=8, max_lr=3e-5, lr_schedule="linear", min_lr_frac=0.0, warmup_steps=20, max_steps=2000,
                    eval_every=200, eval_tokens=327680, hellaswag="off", sample_every=0, ckpt_every=500,
                    out_dir="out/sft"),
-    # the offline chat demo: the demo's model fine-tuned on tasks.py's addition problems (python tasks.py), scored on
-    # the held-out ones before, during and after; minutes on 2 CPU cores
-    # (24 tokens a row hold one problem: packed several to a row, the small model learned addition far slower)
+    # the offline chat demo: the demo's model fine-tuned on tasks.py's addition problems, one to a 24-token row (packed
+    # several to a row, the small model learned far slower), scored on held-out ones; minutes on 2 CPU cores
     "sft-demo": _preset(init_from="out/demo/ckpt_000900.pt", data="data/addition", data_kind="chat", seq_len=24,
                         total_batch_size=768, batch_size=32, max_lr=3e-3, lr_schedule="linear", min_lr_frac=0.0,
                         warmup_steps=20, max_steps=400, eval_every=100, eval_tokens=3072, hellaswag="off",
