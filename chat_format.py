@@ -215,7 +215,55 @@ def render_rows(source: str, rows: Iterable[tuple[int, Any]], cap: int) -> tuple
     return out, truncated, dropped
 
 
-class ConversationLoader:
+class RowStream:
+    """The position of a loader over `count` items (packed rows, preference pairs) for one rank: the items form one
+    stream over epochs, shuffled per epoch with the seed or in order; rank r's s-th batch is window s * world_size + r
+    of B items, so `step` is the whole position, and a state resumes under another B or world size."""
+
+    def _stream(self, name: str, split: str, B: int, T: int, rank: int, world_size: int, seed: int,
+                device: str | torch.device, shuffle: bool, count: int, tokens: int) -> None:
+        self.name, self.split, self.B, self.T, self.rank, self.world_size, self.seed = \
+            name, split, B, T, rank, world_size, seed
+        self.device, self.shuffle, self.count, self.tokens = torch.device(device), shuffle, count, tokens
+        self.num_windows = count // B  # windows of B items per epoch, all ranks together
+        self._perm: tuple[int, np.ndarray] | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the first batch of epoch 0 (for val: the same batches on every call)."""
+        self.step = 0
+
+    def next_items(self) -> np.ndarray:
+        """The indices of this rank's next B items."""
+        first = (self.step * self.world_size + self.rank) * self.B
+        self.step += 1
+        epochs, k = np.divmod(np.arange(first, first + self.B), self.count)
+        for epoch in np.unique(epochs) if self.shuffle else ():
+            if self._perm is None or self._perm[0] != epoch:
+                self._perm = (int(epoch), np.random.default_rng((self.seed, int(epoch))).permutation(self.count))
+            k[epochs == epoch] = self._perm[1][k[epochs == epoch]]
+        return k
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position and what it is relative to ("shards"/"shard_tokens": the keys the ranks' data check reads)."""
+        return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
+                "shuffle": self.shuffle, "shards": [self.name], "shard_tokens": [self.tokens], "items": self.count,
+                "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` of a loader over the same data, T and seed; another B or world size goes on at the
+        first window after the items already served."""
+        mine = self.state_dict()
+        for key in ("split", "T", "seed", "shuffle", "shards", "shard_tokens", "items"):
+            if state.get(key) != mine[key]:
+                raise DataError(f"cannot resume the {self.split} loader of {self.name}: {key}={state.get(key)!r} in "
+                                f"the checkpoint but {mine[key]!r} here; resume with the same data, --seq-len and "
+                                "--seed")
+        served = state["step"] * state["world_size"] * state["B"]
+        self.step = -(-served // (self.world_size * self.B))
+
+
+class ConversationLoader(RowStream):
     """Batches (x, y) of packed conversations, for one rank, with fineweb.TokenLoader's interface.
 
     The packed rows form one stream over epochs (train: a seeded shuffle per epoch; val: in order). Rank r's s-th batch
@@ -226,10 +274,7 @@ class ConversationLoader:
         if B < 1 or T < 1 or not 0 <= rank < world_size:
             raise DataError(f"need B >= 1, T >= 1 and 0 <= rank < world_size, got B={B}, T={T}, rank={rank}, "
                             f"world_size={world_size}")
-        self.source, self.split, self.B, self.T, self.rank, self.world_size, self.seed = \
-            str(source), split, B, T, rank, world_size, seed
-        self.device, self.shuffle = torch.device(device), "rows"
-        convs, truncated, dropped = render_rows(self.source, read_conversations(self.source, split), T + 1)
+        convs, truncated, dropped = render_rows(str(source), read_conversations(str(source), split), T + 1)
         lengths = [len(ids) for ids, _ in convs]
         rows = pack(lengths, T + 1)
         self.ids = np.full((len(rows), T + 1), BOS, dtype=np.uint16)  # padding: BOS, with targets -1
@@ -240,9 +285,9 @@ class ConversationLoader:
                 ids, mask = convs[i]
                 self.ids[r, at:at + len(ids)], self.mask[r, at:at + len(ids)] = ids, mask
                 at += len(ids)
-        self.num_rows, self.tokens = len(rows), sum(lengths)
-        self.num_windows = self.num_rows // B  # windows of B rows per epoch, all ranks together
-        self.padding = padding_share(lengths, rows, T + 1)
+        self._stream(str(source), split, B, T, rank, world_size, seed, device, split == "train", len(rows),
+                     sum(lengths))
+        self.num_rows, self.padding = len(rows), padding_share(lengths, rows, T + 1)
         if self.num_windows == 0:
             raise DataError(f"{source} {split}: {len(convs)} conversations pack into {self.num_rows} rows of "
                             f"T+1 = {T + 1} tokens, fewer than B = {B}; lower --batch-size or add conversations")
@@ -250,30 +295,10 @@ class ConversationLoader:
             print(f"{source} {split}: {len(convs):,} conversations in {self.num_rows:,} rows of {T + 1} tokens, "
                   f"{self.padding:.1%} padding; {truncated:,} truncated to {T + 1} tokens ({dropped:,} of them "
                   "dropped: no assistant token left)")
-        self._perm: tuple[int, np.ndarray] | None = None
-        self.reset()
-
-    def reset(self) -> None:
-        """Back to the first batch of epoch 0 (for val: the same batches on every call)."""
-        self.step = 0
-
-    def _rows(self, first: int) -> np.ndarray:
-        """Indices of packed rows first .. first+B-1 of the stream."""
-        out = np.empty(self.B, dtype=np.int64)
-        for j, q in enumerate(range(first, first + self.B)):
-            epoch, k = divmod(q, self.num_rows)
-            if self.split == "val":
-                out[j] = k
-                continue
-            if self._perm is None or self._perm[0] != epoch:
-                self._perm = (epoch, np.random.default_rng((self.seed, epoch)).permutation(self.num_rows))
-            out[j] = self._perm[1][k]
-        return out
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each int64 (B, T) on the loader's device; y is -1 where nothing is learned."""
-        rows = self._rows((self.step * self.world_size + self.rank) * self.B)
-        self.step += 1
+        rows = self.next_items()
         ids = torch.from_numpy(self.ids[rows].astype(np.int64))
         x, y = ids[:, :-1], ids[:, 1:].masked_fill(~torch.from_numpy(self.mask[rows, 1:]), -1)
         if self.device.type == "cuda":
@@ -286,19 +311,3 @@ class ConversationLoader:
             raise DataError(f"the chat format uses token ids up to {top}, but the model has only {vocab_size} "
                             f"embedding rows; start from a model with at least {CHAT_VOCAB} (GPT-2's padded 50304)")
 
-    def state_dict(self) -> dict[str, Any]:
-        """The position and what it is relative to ("shards"/"shard_tokens": the keys the ranks' data check reads)."""
-        return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
-                "shuffle": self.shuffle, "shards": [self.source], "shard_tokens": [self.tokens],
-                "rows": self.num_rows, "step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state` of a loader over the same data, T and seed; another B or world size goes on at the
-        first window after the rows already served."""
-        mine = self.state_dict()
-        for key in ("split", "T", "seed", "shards", "shard_tokens", "rows"):
-            if state.get(key) != mine[key]:
-                raise DataError(f"cannot resume the {self.split} conversation loader: {key}={state.get(key)!r} in the "
-                                f"checkpoint but {mine[key]!r} here; resume with the same data, --seq-len and --seed")
-        served = state["step"] * state["world_size"] * state["B"]  # rows
-        self.step = -(-served // (self.world_size * self.B))

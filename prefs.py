@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from chat_format import VAL_EVERY, load_rows, render
+from chat_format import VAL_EVERY, RowStream, load_rows, render
 from common import EOT
 from fineweb import DataError
 
@@ -119,48 +119,28 @@ def synthetic_pairs(task: Any, split: str, n: int, seed: int = 0) -> list[dict]:
 # Loader
 
 
-class PairLoader:
-    """Batches of B pairs for one rank, with fineweb.TokenLoader's interface. The pairs form one stream over epochs
-    (a seeded shuffle per epoch, or in order); rank r's s-th batch is batch s * world_size + r of the stream, so `step`
-    is the whole position. `source` is a path or hub name (see load_rows), or a list of rows."""
+class PairLoader(RowStream):
+    """Batches of B pairs for one rank, with fineweb.TokenLoader's interface (chat_format.RowStream's position).
+    `source` is a path or hub name (see read_rows), or a list of rows."""
 
     def __init__(self, source: str | list[dict], split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, device: str | torch.device = "cpu", shuffle: bool = True):
-        self.name = f"<{len(source)} rows>" if isinstance(source, list) else str(source)
-        self.split, self.B, self.T, self.rank, self.world_size, self.seed = split, B, T, rank, world_size, seed
-        self.device, self.shuffle = torch.device(device), shuffle
+        name = f"<{len(source)} rows>" if isinstance(source, list) else str(source)
         rows = list(enumerate(source)) if isinstance(source, list) else read_rows(source, split)
-        self.ids, self.starts, dropped = render_pairs(rows, self.name, T)
-        self.num_pairs, self.num_windows = len(self.ids), len(self.ids) // B  # batches per epoch, all ranks
-        self.tokens = sum(len(side) for pair in self.ids for side in pair)
+        self.ids, self.starts, dropped = render_pairs(rows, name, T)
+        self._stream(name, split, B, T, rank, world_size, seed, device, shuffle, len(self.ids),
+                     sum(len(side) for pair in self.ids for side in pair))
+        self.num_pairs = len(self.ids)
         if self.num_windows == 0:
-            raise DataError(f"{self.name} {split}: {self.num_pairs} pairs of at most T = {T} tokens ({dropped} longer "
+            raise DataError(f"{name} {split}: {self.num_pairs} pairs of at most T = {T} tokens ({dropped} longer "
                             f"dropped), fewer than B = {B}; lower --batch-size, raise --seq-len or add pairs")
         if rank == 0:
-            print(f"{self.name} {split}: {self.num_pairs:,} pairs; {dropped:,} with a side over {T} tokens dropped")
-        self._order: tuple[int, np.ndarray] | None = None
-        self.reset()
-
-    def reset(self) -> None:
-        """Back to the first batch of epoch 0 (for val: the same batches on every call)."""
-        self.step = 0
-
-    def _pairs(self, first: int) -> np.ndarray:
-        """Indices of pairs first .. first+B-1 of the stream."""
-        epochs, k = np.divmod(np.arange(first, first + self.B), self.num_pairs)
-        if not self.shuffle:
-            return k
-        for epoch in np.unique(epochs):
-            if self._order is None or self._order[0] != epoch:
-                self._order = (int(epoch), np.random.default_rng((self.seed, int(epoch))).permutation(self.num_pairs))
-            k[epochs == epoch] = self._order[1][k[epochs == epoch]]
-        return k
+            print(f"{name} {split}: {self.num_pairs:,} pairs; {dropped:,} with a side over {T} tokens dropped")
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int64, mask bool), each (2B, T) on the loader's device: B chosen rows, then the same pairs' B rejected
         rows, padded with EOT on the right; the mask is True on each reply's tokens."""
-        pairs = self._pairs((self.step * self.world_size + self.rank) * self.B)
-        self.step += 1
+        pairs = self.next_items()
         ids, mask = np.full((2 * self.B, self.T), EOT, dtype=np.int64), np.zeros((2 * self.B, self.T), dtype=bool)
         for side in (0, 1):
             for j, p in enumerate(pairs):
@@ -174,22 +154,6 @@ class PairLoader:
             raise DataError(f"{self.name} renders token ids up to {top}, but the model has only {vocab_size} "
                             "embedding rows; start from a model with more")
 
-    def state_dict(self) -> dict[str, Any]:
-        """The position and what it is relative to ("shards"/"shard_tokens": the keys the ranks' data check reads)."""
-        return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
-                "shuffle": self.shuffle, "shards": [self.name], "shard_tokens": [self.tokens],
-                "pairs": self.num_pairs, "step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state` of a loader over the same pairs, T and seed; another B or world size goes on at the
-        first batch after the pairs already served."""
-        mine = self.state_dict()
-        for key in ("split", "T", "seed", "shuffle", "shards", "shard_tokens", "pairs"):
-            if state.get(key) != mine[key]:
-                raise DataError(f"cannot resume the {self.split} pair loader: {key}={state.get(key)!r} in the "
-                                f"checkpoint but {mine[key]!r} here; resume with the same data, --seq-len and --seed")
-        served = state["step"] * state["world_size"] * state["B"]
-        self.step = -(-served // (self.world_size * self.B))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -123,9 +123,10 @@ def test_loader_batches_whole_conversations_with_targets_only_on_the_assistant(t
     assert loader.tokens == 2525 and loader.num_rows == 84 and loader.num_windows == 21
     assert loader.padding == pytest.approx(1 - 2525 / (84 * 32))
     assert "190 conversations in 84 rows of 32 tokens, 6.1% padding; 0 truncated" in capsys.readouterr().out
+    rows = loader.next_items()  # the first batch's rows
+    loader.reset()
     x, y = loader.next_batch()
     assert x.shape == y.shape == (4, 31) and x.dtype == y.dtype == torch.int64
-    rows = loader._rows(0)
     ids, mask = torch.from_numpy(loader.ids[rows].astype(np.int64)), torch.from_numpy(loader.mask[rows])
     assert torch.equal(x, ids[:, :-1])
     assert torch.equal(y, torch.where(mask[:, 1:], ids[:, 1:], -1))
