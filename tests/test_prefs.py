@@ -170,7 +170,7 @@ def test_resume_is_bitwise_ranks_take_disjoint_shares_and_epochs_reshuffle():
     assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == sorted(epoch0)
     assert seen[1][:3] == chosen[1] and seen[0][3:] == chosen[2]
     state = dict(again.state_dict(), seed=2)
-    with pytest.raises(DataError, match="cannot resume the train loader of <12 rows>: seed=2 in the checkpoint but 1 here"):
+    with pytest.raises(DataError, match="cannot resume the train loader of <12 rows>: seed=2 in the checkpoint but 1"):
         resumed.load_state_dict(state)
 
 
