@@ -11,12 +11,14 @@ import sys
 import pytest
 
 import bench
+import chat
 import common
 import export
 import fineweb
 import hellaswag
 import plot
 import sample
+import tasks
 import train
 from conftest import ROOT, SHAKESPEARE
 
@@ -28,6 +30,8 @@ SCRIPTS = {
     "export.py": (export.ExportConfig, None),
     "plot.py": (plot.PlotConfig, None),
     "bench.py": (bench.BenchConfig, None),
+    "chat.py": (chat.ChatConfig, None),
+    "tasks.py": (tasks.TasksConfig, None),
 }
 
 
