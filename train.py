@@ -823,18 +823,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except (DataError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    except RuntimeError as e:  # gloo's raw traceback for a rank that never came; NCCL's watchdog aborts by itself
-        if not (dist.is_initialized() or "RANK" in os.environ) or "timed out" not in str(e).lower():
-            raise
-        print(f"error: rank {os.environ.get('RANK', 0)} waited --dist-timeout {cfg.dist_timeout:g} min in a collective "
-              "for a rank that never came: check that every rank is alive and running (not killed, stopped or stuck "
-              "in I/O) and that the nodes reach each other, then --resume auto", file=sys.stderr)
-        raise SystemExit(1) from None
     except torch.cuda.OutOfMemoryError as e:  # the usual first failure on a new GPU: say what to change
         print(f"error: out of GPU memory at --batch-size {cfg.batch_size}: lower it (gradient accumulation keeps "
               "--total-batch-size), or add --loss-chunk 4096 or --recompute mlp; the README's 'Micro-batch by GPU "
               f"memory' has starting points\n(torch: {str(e).splitlines()[0] if str(e) else 'no message'})",
               file=sys.stderr)
+        raise SystemExit(1) from None
+    except RuntimeError as e:  # gloo's raw traceback for a rank that never came (NCCL's watchdog aborts by itself)
+        if not (dist.is_initialized() or "RANK" in os.environ) or "timed out" not in str(e).lower():
+            raise
+        print(f"error: rank {os.environ.get('RANK', 0)} waited --dist-timeout {cfg.dist_timeout:g} min in a collective "
+              "for a rank that never came: check that every rank is alive and running (not killed, stopped or stuck "
+              "in I/O) and that the nodes reach each other, then --resume auto", file=sys.stderr)
         raise SystemExit(1) from None
 
 

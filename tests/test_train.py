@@ -1875,12 +1875,12 @@ OTHER_VALUE = {
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
     "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True, "hellaswag": "off",
-    "init_from": "gpt2",
+    "init_from": "gpt2", "data_kind": "chat", "dpo_beta": 0.5, "task": "addition", "task_every": 10, "task_limit": 10,
 }
 # the GPTConfig fields, each a flag through TrainConfig.arch
 OTHER_ARCH = {"vocab_size": 50257, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "dropout": 0.1,
               "bias": False, "mlp": "swiglu", "pos": "rope", "rope_theta": 5e5, "norm": "rmsnorm", "fused_gelu": True,
-              "loss_chunk": 128, "fused_ce": True, "half_residual": True}
+              "loss_chunk": 128, "fused_ce": True, "half_residual": True, "value_head": True}
 # paths and a rank's own settings (what a path names is compared as data, weights or examples instead)
 MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload",
               "dist_timeout", "tensorboard", "wandb", "hellaswag", "init_from"}
@@ -1920,7 +1920,7 @@ print("RESULT " + json.dumps(out))
 def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(token_data, tmp_path):
     # two processes in a gloo group (no torchrun: ~10 s), each passing its own config, data and HellaSwag file to
     # one fingerprint comparison, as two nodes would; the slow two-node test covers the same inside whole runs
-    assert set(OTHER_VALUE) | {"arch"} == {f.name for f in dataclasses.fields(train.TrainConfig)}
+    assert set(OTHER_VALUE) | {"arch", "objective"} == {f.name for f in dataclasses.fields(train.TrainConfig)}
     assert set(OTHER_ARCH) == {f.name for f in dataclasses.fields(GPTConfig)} - {"block_size"}
     base, arch = dataclasses.asdict(train.TrainConfig()), dataclasses.asdict(train.model_config(train.TrainConfig()))
     commands, expected = [], []
@@ -1928,6 +1928,10 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
     for name, other in OTHER_VALUE.items():
         commands.append([{}, {name: other}])
         expected.append(None if name in MAY_DIFFER else differ.format(name.replace("_", "-"), other, base[name]))
+    # an objective needs pairs, and a reward model its value head: the resolved model says so too
+    commands.append([{"data_kind": "pairs", "objective": "reward"}, {"data_kind": "pairs", "objective": "dpo"}])
+    expected.append("rank 1 was started with --objective 'dpo' (rank 0: 'reward'), --value-head False (rank 0: True): "
+                    "every node must run the same command")
     # a preset names its shape: the resolved shape is compared too
     expected[list(OTHER_VALUE).index("model")] = (
         "rank 1 was started with --model 'gpt2-medium' (rank 0: None), --n-layer 24 (rank 0: 12), --n-head 16 (rank 0: "
