@@ -1,10 +1,12 @@
-"""Plot a train.py run from its log.jsonl: smoothed train loss, val loss, lr and HellaSwag against steps or tokens.
+"""Plot a run from its log.jsonl: smoothed train loss, val loss, lr and HellaSwag against steps or tokens; an RL run's
+reward (rl.py) and a task's held-out accuracy and pass@k (rl.py, train.py --task) where the log has them.
 
 Usage:
     python plot.py                                          # the newest out/*/log.jsonl -> out/<run>/loss.png
     python plot.py --log out/gpt2-124m/log.jsonl            # writes out/gpt2-124m/loss.png
     python plot.py --log out/demo/log.jsonl --x tokens --out demo.png
     python plot.py --log out/lr6e-4/log.jsonl,out/lr1e-3/log.jsonl --x tokens   # overlaid -> out/lr6e-4/compare.png
+    python plot.py --log out/rl/log.jsonl,out/rl-ppo/log.jsonl   # reward and accuracy curves of two RL runs
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ GPT3_SMALL_HELLASWAG = 0.337
 
 @dataclass
 class PlotConfig:
-    """Plot the curves of a train.py log.jsonl (or of several runs, overlaid) into a PNG."""
+    """Plot the curves of a train.py or rl.py log.jsonl (or of several runs, overlaid) into a PNG."""
 
     log: str = ""  # the run's JSONL log ('' = the newest out/*/log.jsonl); several, comma-separated, are overlaid
     out: str = ""  # PNG path ('' = loss.png next to the log; compare.png next to the first log for several)
@@ -64,26 +66,31 @@ def plot(cfg: PlotConfig) -> Path:
     logs = log_paths(cfg.log)
     runs = [read_run(log) for log in logs]  # (config, curves) per run, in the order of logs
     single = len(runs) == 1
-    has_lr = any("lr" in r for _, curves in runs for r in curves["train"])
-    has_hellaswag = any(curves.get("hellaswag") for _, curves in runs)
-    panels = 1 + has_lr + has_hellaswag
-    fig = Figure(figsize=(6 * panels + 1, 4.5))
-    axes = list(fig.subplots(1, panels, squeeze=False)[0])
-    loss_ax, lr_ax, hs_ax = axes[0], axes[1] if has_lr else None, axes[-1] if has_hellaswag else None
-    drawn = [draw_run(cfg, curves, f"{name}: " if not single else "", i, single, loss_ax, lr_ax, hs_ax)
+    wanted = {"lr": lambda c: any("lr" in r for r in c["train"]), "reward": lambda c: any("reward" in r for r in
+              c["train"]), "hellaswag": lambda c: c.get("hellaswag"), "task": lambda c: c.get("task")}
+    names = ["loss", *(name for name, has in wanted.items() if any(has(curves) for _, curves in runs))]
+    fig = Figure(figsize=(6 * len(names) + 1, 4.5))
+    axes = list(fig.subplots(1, len(names), squeeze=False)[0])
+    panel = dict(zip(names, axes, strict=True))
+    drawn = [draw_run(cfg, curves, f"{name}: " if not single else "", i, single, panel)
              for i, ((_, curves), name) in enumerate(zip(runs, run_names(logs), strict=True))]
+    loss_ax = panel["loss"]
     loss_ax.set_ylim(*loss_range(drawn))
     loss_ax.set_ylabel("loss")
     loss_ax.set_title(f"{logs[0].parent.name}: {len(runs[0][1]['train'])} steps" if single else f"{len(runs)} runs")
-    if lr_ax is not None:
-        lr_ax.set_ylabel("learning rate")
-        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-    if hs_ax is not None:
+    if "lr" in panel:
+        panel["lr"].set_ylabel("learning rate")
+        panel["lr"].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    if "hellaswag" in panel:
+        hs_ax = panel["hellaswag"]
         shapes = [[c.get("model_config", {}).get(k) for k in ("n_layer", "n_embd", "n_head")] for c, _ in runs]
         if all(shape == [12, 768, 12] for shape in shapes):  # OpenAI's figures are for GPT-2 124M's shape only
             hs_ax.axhline(GPT2_124M_HELLASWAG, color="red", linestyle="--", label="OpenAI GPT-2 124M (0.2955)")
             hs_ax.axhline(GPT3_SMALL_HELLASWAG, color="gray", linestyle="--", label="OpenAI GPT-3 Small (0.337)")
         hs_ax.set_ylabel("HellaSwag acc_norm")
+    for name, label in (("reward", "reward (mean, +-1 std shaded)"), ("task", "held-out accuracy")):
+        if name in panel:
+            panel[name].set_ylabel(label)
     for ax in axes:
         ax.set_xlabel(cfg.x)
         ax.grid(alpha=0.3)
@@ -115,17 +122,21 @@ def read_run(log: Path) -> tuple[dict, dict[str, list[dict]]]:
     return config, curves
 
 
-def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], prefix: str, i: int, single: bool, loss_ax: Any,
-             lr_ax: Any, hs_ax: Any) -> tuple[list[float], list[float]]:
+def ema(values: list[float], smooth: float) -> list[float]:
+    out: list[float] = []
+    for v in values:
+        out.append(v if not out else smooth * out[-1] + (1 - smooth) * v)
+    return out
+
+
+def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], prefix: str, i: int, single: bool,
+             panel: dict[str, Any]) -> tuple[list[float], list[float]]:
     """One run's curves on the panels: one run, a colour per curve; several, a colour per run, val dashed, and each
     label names its run (`prefix`). Returns its loss values, and those past its first tenth (loss_range)."""
     colors = ("tab:blue", "tab:orange", "tab:green", "tab:purple") if single else (f"C{i}",) * 4
-    train = curves["train"]
+    train, loss_ax = curves["train"], panel["loss"]
     xs = [r[cfg.x] for r in train]
-    ema, smoothed = None, []
-    for r in train:
-        ema = r["loss"] if ema is None else cfg.smooth * ema + (1 - cfg.smooth) * r["loss"]
-        smoothed.append(ema)
+    smoothed = ema([r["loss"] for r in train], cfg.smooth)
     loss_ax.plot(xs, [r["loss"] for r in train], color=colors[0], alpha=0.25 if single else 0.12, linewidth=0.8)
     loss_ax.plot(xs, smoothed, color=colors[0], label=f"{prefix}train loss (EMA {cfg.smooth})")
     points = list(zip(xs, smoothed, strict=True))
@@ -133,13 +144,32 @@ def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], prefix: str, i: int
         points += [(r[cfg.x], r["val_loss"]) for r in val]
         loss_ax.plot([r[cfg.x] for r in val], [r["val_loss"] for r in val], "o-" if single else "o--",
                      color=colors[1], markersize=3, label=f"{prefix}val loss (last {val[-1]['val_loss']:.3f})")
-    if lr_ax is not None and (lrs := [r for r in train if "lr" in r]):
-        lr_ax.plot([r[cfg.x] for r in lrs], [r["lr"] for r in lrs], color=colors[3], label=f"{prefix}lr")
-    if hs_ax is not None and (hs := curves.get("hellaswag", [])):
-        hs_ax.plot([r[cfg.x] for r in hs], [r["acc_norm"] for r in hs], "o-", color=colors[2], markersize=3,
-                   label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")
+    if "lr" in panel and (lrs := [r for r in train if "lr" in r]):
+        panel["lr"].plot([r[cfg.x] for r in lrs], [r["lr"] for r in lrs], color=colors[3], label=f"{prefix}lr")
+    if "hellaswag" in panel and (hs := curves.get("hellaswag", [])):
+        panel["hellaswag"].plot([r[cfg.x] for r in hs], [r["acc_norm"] for r in hs], "o-", color=colors[2],
+                                markersize=3, label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")
+    draw_rl(cfg, curves, prefix, colors, panel)
     start = xs[len(xs) // 10] if len(xs) >= 10 else float("-inf")  # a short run keeps its start in view
     return [y for _, y in points], [y for x, y in points if x >= start]
+
+
+def draw_rl(cfg: PlotConfig, curves: dict[str, list[dict]], prefix: str, colors: tuple, panel: dict[str, Any]) -> None:
+    """The reward per step (its EMA, the raw mean's +-1 std across replies shaded) and the held-out task accuracy,
+    greedy (solid) and pass@k (dashed)."""
+    if "reward" in panel and (steps := [r for r in curves["train"] if "reward" in r]):
+        xs, mean = [r[cfg.x] for r in steps], [r["reward"] for r in steps]
+        std = [r.get("reward_std", 0.0) for r in steps]
+        panel["reward"].fill_between(xs, [m - s for m, s in zip(mean, std, strict=True)],
+                                     [m + s for m, s in zip(mean, std, strict=True)], color=colors[0], alpha=0.12)
+        panel["reward"].plot(xs, ema(mean, cfg.smooth), color=colors[0],
+                             label=f"{prefix}reward (EMA {cfg.smooth}; last {mean[-1]:.3f})")
+    if "task" in panel and (scored := curves.get("task", [])):
+        xs = [r[cfg.x] for r in scored]
+        for key in ["acc", *sorted({k for r in scored for k in r if k.startswith("pass@")})]:
+            ys = [(x, r[key]) for x, r in zip(xs, scored, strict=True) if key in r]
+            panel["task"].plot(*zip(*ys, strict=True), "o-" if key == "acc" else "o--", color=colors[2], markersize=3,
+                               label=f"{prefix}{'greedy accuracy' if key == 'acc' else key} (last {ys[-1][1]:.3f})")
 
 
 def loss_range(drawn: list[tuple[list[float], list[float]]]) -> tuple[float, float]:

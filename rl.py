@@ -1,12 +1,39 @@
-"""Online RL on the engine: GRPO by default, PPO with a value head and GAE.
+"""Online RL of a chat model on a task's prompts, on the engine: GRPO by default, PPO with a value head and GAE.
 
-The math comes first, pure functions on tensors. Every per-token tensor is (B, T) and aligned with the tokens the
-policy chose; `mask` is 1 on the tokens it sampled and 0 on the prompt, the tool outputs forced in and the padding.
+Each step samples --samples replies to each of --prompts prompts, scores them (the task's checker, or a reward model),
+and updates the policy in --ppo-epochs passes of --minibatches optimizer steps. The held-out greedy accuracy and pass@k
+are its evaluations. The math comes first, pure functions on tensors: every per-token tensor is (B, T) and aligned
+with the tokens the policy chose; `mask` is 1 on the tokens it sampled and 0 on the prompt, the tool outputs forced in
+and the padding.
+
+    python rl.py                                   # GRPO from out/sft-demo/ckpt_000400.pt on addition, CPU minutes
+    python rl.py --algo ppo --out-dir out/rl-ppo
+    torchrun --standalone --nproc_per_node=2 rl.py --init-from CKPT --task gsm8k --reward-model RM_CKPT
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
 import torch
+import torch.distributed as dist
+
+import engine
+import prefs
+import tasks
+import train
+from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, calculator, render_prompt, reply_text
+from common import LOCAL, get_tokenizer, load_checkpoint, parse_config, provenance, run_and_exit, setup_distributed
+from generate import Rollout, generate
+from model import GPT
+from parallel import build_trainable, train_step
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The math
@@ -70,10 +97,13 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, (advantages + values) * mask
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """x shifted and scaled to mean 0 and std 1 over the masked entries (PPO's advantages)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
+           total: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> torch.Tensor:
+    """x shifted and scaled to mean 0 and std 1 over the masked entries (PPO's advantages); `total` sums a statistic
+    over the ranks, so that they are the whole batch's."""
+    count = total(mask.sum()).clamp(min=1)
+    mean = total((x * mask).sum()) / count
+    var = total(((x - mean) ** 2 * mask).sum()) / count
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
@@ -84,3 +114,350 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     plain, far = (values - returns) ** 2, (clipped - returns) ** 2
     return 0.5 * masked_mean(torch.maximum(plain, far), mask, denom), masked_mean((far > plain).float(), mask).detach()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The stage: config, rollouts, one RL step, evaluations, setup
+
+
+@dataclass
+class RLConfig(engine.RunArgs):
+    """Online RL of a chat model (a train.py SFT checkpoint) on a tasks.py task: GRPO or PPO, on the engine."""
+
+    init_from: Annotated[str, LOCAL] = "out/sft-demo/ckpt_000400.pt"  # the policy's start: a chat model checkpoint
+    task: str = "addition"  # the tasks.py task: train prompts, the checker's rewards, held-out evaluations
+    reward_model: Annotated[str, LOCAL] = ""  # score replies with this reward model (train.py --objective reward)
+    algo: str = "grpo"  # grpo (group-normalised advantages) or ppo (a value head on the policy's trunk, GAE)
+    prompts: int = 16  # prompts per step, all ranks together
+    samples: int = 8  # replies sampled per prompt (GRPO's group)
+    rollout_batch: int = 8  # prompts per generate() call, each call with its own seed: ranks take whole calls
+    max_new_tokens: int = 16  # reply length cap
+    temperature: float = 1.0  # sampling temperature of the rollouts and pass@k; the policy's log-probs use it too
+    ppo_epochs: int = 1  # passes over each step's rollouts
+    minibatches: int = 2  # optimizer steps per pass (the rows of a generate() call are split evenly among them)
+    clip: float = 0.2  # the ratio's clip range (PPO's value clip too)
+    scale_rewards: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO's plain difference)
+    beta: float | None = None  # KL to the start: GRPO's k3 loss term (None: 0, off), PPO's reward penalty (None: 0.05)
+    gamma: float = 1.0  # PPO: discount
+    lam: float = 0.95  # PPO: GAE lambda
+    vf_coef: float = 0.5  # PPO: the value loss's weight
+    eval_every: int = 20  # held-out greedy accuracy and pass@k every N steps (and at the end); 0 = at the end only
+    eval_limit: int = 256  # held-out problems per evaluation
+    pass_k: int = 8  # pass@k: replies sampled per held-out problem (0 = no pass@k)
+    # RunArgs's flags with RL's defaults
+    max_steps: int = 200  # RL steps
+    max_lr: float = 3e-4  # the learning rate after warmup
+    # Adam's first steps move every weight by about the lr whatever its gradient: a start that RL's noisy gradients
+    # would otherwise spend wrecking the policy
+    warmup_steps: int = 10  # linear warmup of the learning rate
+    weight_decay: float = 0.0  # decoupled weight decay
+    ckpt_every: int = 50  # checkpoint every N steps (and at the end); 0 = only at the end
+    out_dir: Annotated[str, LOCAL] = "out/rl"  # checkpoints, log.jsonl and profiler traces go here
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.algo not in ("grpo", "ppo") or self.task not in tasks.TASKS:
+            raise ValueError(f"--algo must be grpo or ppo and --task one of {', '.join(tasks.TASKS)}; got "
+                             f"{self.algo!r} and {self.task!r}")
+        for name in ("prompts", "samples", "rollout_batch", "max_new_tokens", "ppo_epochs", "minibatches",
+                     "warmup_steps"):
+            if getattr(self, name) < (low := int(name != "warmup_steps")):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
+        if self.algo == "grpo" and self.samples < 2:
+            raise ValueError("GRPO scores each reply against its group's: --samples must be >= 2 (or --algo ppo)")
+        if self.prompts % self.rollout_batch or self.rollout_batch * self.samples % self.minibatches:
+            raise ValueError(f"--prompts ({self.prompts}) must be a multiple of --rollout-batch "
+                             f"({self.rollout_batch}), and --minibatches ({self.minibatches}) must divide a call's "
+                             f"--rollout-batch x --samples = {self.rollout_batch * self.samples} replies")
+        if not self.temperature > 0 or self.parallel == "fsdp":  # FSDP's forwards are collectives: generation hangs
+            raise ValueError(f"RL samples its replies: --temperature must be > 0 (got {self.temperature}) and "
+                             "--parallel ddp or zero1 (FSDP cannot generate)")
+        self.beta = self.beta if self.beta is not None else 0.05 if self.algo == "ppo" else 0.0
+        if not (self.beta >= 0 and self.clip > 0 and self.pass_k >= 0 and 0 < self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError("--beta and --pass-k must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]")
+
+
+class PromptSampler:
+    """The task's train problems, each epoch in a seeded order; `served` is the position (a checkpointed part)."""
+
+    def __init__(self, problems: list[dict], seed: int):
+        self.problems, self.seed, self.served, self.order = problems, seed, 0, (-1, [])
+
+    def next(self, n: int) -> list[dict]:
+        """The next n problems of the stream, the same on every rank."""
+        out = []
+        for i in range(self.served, self.served + n):
+            epoch, k = divmod(i, len(self.problems))
+            if self.order[0] != epoch:
+                self.order = epoch, random.Random(f"{self.seed}:{epoch}").sample(self.problems, len(self.problems))
+            out.append(self.order[1][k])
+        self.served += n
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"served": self.served, "problems": len(self.problems)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.served = int(state["served"])
+
+
+def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def rollouts(model: GPT, problems: list[dict], samples: int, seed: int, cfg: RLConfig, rank: int,
+             world: int) -> list[tuple[dict, list[int], Rollout]]:
+    """This rank's share of `samples` replies to each problem: generate() calls of --rollout-batch problems, call c
+    on rank c % world with a generator seeded seed + c, so the replies are the same on any number of ranks.
+    Returns (problem, prompt ids, reply) per reply, each problem's `samples` in a row."""
+    device, out = model.lm_head.weight.device, []
+    for c in range(rank, -(-len(problems) // cfg.rollout_batch), world):
+        chunk = problems[c * cfg.rollout_batch:(c + 1) * cfg.rollout_batch]
+        prompts = [render_prompt(p["messages"][:-1]) for p in chunk for _ in range(samples)]
+        replies = generate(model, prompts, cfg.max_new_tokens, temperature=cfg.temperature, stop_ids=[ASSISTANT_END],
+                           vocab=CHAT_VOCAB, calculator=calculator(),
+                           generator=torch.Generator(device).manual_seed(seed + c))
+        out += zip([p for p in chunk for _ in range(samples)], prompts, replies, strict=True)
+    return out
+
+
+def pack(rows: list[tuple[list[int], list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) rows right-padded into (N, T) tensors."""
+    T = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([ids + [BOS] * (T - len(ids)) for ids, _ in rows], device=device)
+    return ids, torch.tensor([mask + [0] * (T - len(mask)) for _, mask in rows], device=device, dtype=torch.float32)
+
+
+def score(share: list[tuple[dict, list[int], Rollout]], task: tasks.Task, rm: GPT | None,
+          device: torch.device) -> dict[str, torch.Tensor]:
+    """The rollouts as ids (N, T), the mask of their sampled tokens among the targets ids[:, 1:] (N, T-1), and each
+    reply's score: the task's checker, or the reward model's value at its last token as prefs.py renders the
+    conversation (the reply's text: tool calls aside), cut to the model's last block_size tokens."""
+    ids, mask = pack([(prompt + r.tokens, [0] * (len(prompt) - 1) + r.mask) for _, prompt, r in share], device)
+    texts = [reply_text(r.tokens) for _, _, r in share]
+    if rm is None:
+        scores = [task.reward(text, p["answer"]) for (p, _, _), text in zip(share, texts, strict=True)]
+        return {"ids": ids, "mask": mask[:, :-1], "scores": torch.tensor(scores, device=device)}
+    bs = rm.config.block_size
+    rendered = [prefs.render([*p["messages"][:-1], {"role": "assistant", "content": text}])
+                for (p, _, _), text in zip(share, texts, strict=True)]
+    with torch.no_grad():
+        scores = prefs.rewards(rm, *pack([(i[-bs:], m[-bs:]) for i, m in rendered], device))
+    return {"ids": ids, "mask": mask[:, :-1], "scores": scores.float()}
+
+
+def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The policy is the model at the sampling temperature (as TRL's): the rollouts are then its own samples."""
+    return (logits.float() / temperature).log_softmax(-1)
+
+
+@torch.no_grad()
+def token_stats(model: GPT, ids: torch.Tensor, temperature: float = 1.0, values: bool = False,
+                rows: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(log-probs, entropies, values or None) at each target ids[:, 1:], the model in eval mode over the whole
+    vocabulary (generate()'s leave the ids past CHAT_VOCAB out, and greedy ones are 0), `rows` rows at a time."""
+    training, out = model.training, []
+    model.eval()
+    for chunk in ids.split(rows):
+        logits, value = model(chunk[:, :-1], values=True) if values else (model(chunk[:, :-1])[0], None)
+        logp = log_softmax(logits, temperature)
+        out.append((logp.gather(-1, chunk[:, 1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1), value))
+    model.train(training)
+    logp, entropy, value = zip(*out, strict=True)
+    return torch.cat(logp), torch.cat(entropy), torch.cat(value) if values else None
+
+
+def prepare(batch: dict[str, torch.Tensor], raw: GPT, ref: GPT | None, cfg: RLConfig, autocast: Any,
+            world: int) -> dict[str, torch.Tensor]:
+    """Add what the update needs: the policy's old log-probs (and values), the reference's, the advantages."""
+    with autocast:
+        batch["old_logp"], batch["entropy"], values = token_stats(raw, batch["ids"], cfg.temperature, cfg.algo == "ppo")
+        if ref is not None:
+            batch["ref_logp"] = token_stats(ref, batch["ids"], cfg.temperature)[0]
+    if cfg.algo == "grpo":
+        batch["adv"] = group_advantages(batch["scores"], cfg.samples, cfg.scale_rewards)
+        return batch
+    mask = batch["mask"]
+    rewards = kl_rewards(batch["scores"], batch["old_logp"], batch.get("ref_logp", batch["old_logp"]), mask, cfg.beta)
+    adv, batch["returns"] = gae(rewards, values, mask, cfg.gamma, cfg.lam)
+    batch["adv"], batch["old_values"] = whiten(adv, mask, total=lambda t: all_sum(t, world)), values
+    return batch
+
+
+def rl_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor], cfg: RLConfig, world: int) -> dict[str, torch.Tensor]:
+    """A minibatch's loss on this rank, times world: DDP's mean over the ranks is then the mean over every rank's
+    sampled tokens (mb["denom"] counts them), whatever each rank holds. The value loss is scaled alike."""
+    x, mask, denom = mb["ids"][:, :-1], mb["mask"], mb["denom"]
+    logits, values = model(x, values=True) if cfg.algo == "ppo" else (model(x)[0], None)
+    logp = log_softmax(logits, cfg.temperature).gather(-1, mb["ids"][:, 1:, None]).squeeze(-1)
+    loss, clipped = policy_loss(logp, mb["old_logp"], mb["adv"], mask, cfg.clip, denom)
+    out = {"clip_frac": clipped}  # a mean over this rank's tokens: all_sum / world is the ranks' mean
+    if values is not None:
+        vloss, _ = value_loss(values, mb["old_values"], mb["returns"], mask, cfg.clip, denom)
+        loss, out["value_loss"] = loss + cfg.vf_coef * vloss, vloss.detach() * world
+    elif "ref_logp" in mb:
+        loss = loss + cfg.beta * masked_mean(kl_k3(logp, mb["ref_logp"]), mask, denom)
+    return {"loss": loss * world, **out}
+
+
+def update(built: Any, objective: prefs.PairObjective, batch: dict[str, torch.Tensor], cfg: RLConfig,
+           world: int) -> dict[str, torch.Tensor]:
+    """--ppo-epochs passes over the rollouts, each in --minibatches optimizer steps (minibatch k: rows k, k + M, ...);
+    the mean of the steps' loss, gradient norm and metrics, each made so that all_sum / world is the whole batch's."""
+    M, steps, totals = cfg.minibatches, cfg.ppo_epochs * cfg.minibatches, {}
+    counts = all_sum(torch.stack([batch["mask"][k::M].sum() for k in range(M)]), world)
+    for _ in range(cfg.ppo_epochs):
+        for k in range(M):
+            mb = {key: value[k::M] for key, value in batch.items()} | {"denom": counts[k]}
+            loss, norm = train_step(built.model, built.optimizer, lambda mb=mb: mb, 1, built.autocast, cfg.grad_clip,
+                                    scaler=built.scaler, objective=objective)
+            for name, value in {"loss": loss, "grad_norm": norm, **objective.last}.items():
+                totals[name] = totals.get(name, 0.0) + value.float() / steps
+    return totals
+
+
+def summary(batch: dict[str, torch.Tensor], totals: dict[str, torch.Tensor], has_ref: bool, rollout_s: float,
+            update_s: float, cfg: RLConfig, world: int) -> dict[str, Any]:
+    """The step's record, over every rank's rollouts (one all-reduce): the update's means, the reward's mean and std,
+    the KL to the reference (k3), the entropy and reply length over the sampled tokens, both phases' tokens/s."""
+    mask, r = batch["mask"], batch["scores"]
+    kl = (kl_k3(batch["old_logp"], batch["ref_logp"]) * mask).sum() if has_ref else r.new_zeros(())
+    sums = torch.stack([r.new_tensor(len(r)), r.sum(), (r * r).sum(), mask.sum(), (batch["entropy"] * mask).sum(),
+                        kl, r.new_tensor(batch["ids"].numel()), *totals.values()]).double()
+    n, r1, r2, sampled, entropy, kl, tokens, *means = all_sum(sums, world).tolist()
+    mean = r1 / n
+    return {**{name: value / world for name, value in zip(totals, means, strict=True)}, "tokens": int(tokens),
+            "reward": mean, "reward_std": max(0.0, r2 / n - mean**2) ** 0.5,
+            **({"kl": kl / sampled} if has_ref else {}), "entropy": entropy / sampled, "length": sampled / n,
+            "rollout_tok_s": sampled / rollout_s, "update_tok_s": tokens * cfg.ppo_epochs / update_s}
+
+
+def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, rm: GPT | None, task: tasks.Task,
+            sampler: PromptSampler, log: engine.RunLog, rank: int, world: int) -> Callable[[int], dict[str, Any]]:
+    """engine.Run's step_fn: roll out, score, update; the record holds the whole batch's figures."""
+    objective = prefs.PairObjective(lambda model, mb: rl_loss(model, mb, cfg, world))
+    device = raw.lm_head.weight.device
+
+    def step_fn(step: int) -> dict[str, Any]:
+        t0, lr = time.time(), cfg.max_lr * min(1.0, (step + 1) / (cfg.warmup_steps + 1))
+        for group in built.optimizer.param_groups:
+            group["lr"] = lr
+        seed = int(torch.randint(2**62, ()))  # from the global RNG, the same on every rank: an exact resume
+        with built.autocast:
+            share = rollouts(raw, sampler.next(cfg.prompts), cfg.samples, seed, cfg, rank, world)
+            batch = score(share, task, rm, device)
+        t1 = time.time()
+        batch = prepare(batch, raw, ref, cfg, built.autocast, world)
+        totals = update(built, objective, batch, cfg, world)
+        record = {**summary(batch, totals, ref is not None, t1 - t0, time.time() - t1, cfg, world), "lr": lr}
+        if step % cfg.log_every == 0:
+            log.say(f"step {step:6d} | reward {record['reward']:.3f} +- {record['reward_std']:.3f} | entropy "
+                    f"{record['entropy']:.3f} | clip {record['clip_frac']:.3f} | length {record['length']:.1f} | "
+                    f"rollouts {record['rollout_tok_s']:,.0f} tok/s | updates {record['update_tok_s']:,.0f} tok/s")
+        return record
+
+    return step_fn
+
+
+def task_eval(cfg: RLConfig, raw: GPT, task: tasks.Task, autocast: Any, log: engine.RunLog, rank: int,
+              world: int) -> engine.Eval:
+    """Held-out greedy accuracy (tasks.evaluate) and pass@k: the share of problems with a right reply among k sampled
+    ones, by a generator of its own (the training's RNG untouched)."""
+    problems = task.examples("test")[:cfg.eval_limit]
+
+    def evaluate(step: int) -> dict[str, Any]:
+        with autocast:
+            result = tasks.evaluate(raw, task, problems, rank, world, cfg.max_new_tokens)
+            if cfg.pass_k:
+                share = rollouts(raw, problems, cfg.pass_k, cfg.seed + 1_000_003 * step, cfg, rank, world)
+                right = [task.check(reply_text(r.tokens), p["answer"]) for p, _, r in share]
+                solved = sum(any(right[i:i + cfg.pass_k]) for i in range(0, len(right), cfg.pass_k))
+                result[f"pass@{cfg.pass_k}"] = all_sum(torch.tensor(float(solved)), world).item() / len(problems)
+        passed = f", pass@{cfg.pass_k} {result[f'pass@{cfg.pass_k}']:.4f}" if cfg.pass_k else ""
+        log.say(f"step {step:6d} | {cfg.task} accuracy {result['acc']:.4f}{passed} ({result['n']} held out)")
+        return result
+
+    return engine.Eval("task", cfg.eval_every, evaluate)
+
+
+def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
+    """The frozen reward model, or a one-line refusal of one that cannot score these replies."""
+    path, ckpt = cfg.reward_model, load_checkpoint(cfg.reward_model, mmap=True)
+    mc = ckpt["model_config"]
+    empty = {"role": "assistant", "content": ""}  # the reply's header and end
+    longest = max(len(prefs.render([*p["messages"][:-1], empty])[0]) for p in problems) + cfg.max_new_tokens
+    if not mc.get("value_head"):
+        raise ValueError(f"--reward-model {path} has no value head: it is a language model; train a reward model "
+                         "with train.py --objective reward")
+    if mc.get("vocab_size", 0) < get_tokenizer().n_vocab:
+        raise ValueError(f"--reward-model {path} has {mc.get('vocab_size')} embedding rows, fewer than the GPT-2 "
+                         f"tokenizer's {get_tokenizer().n_vocab} ids the replies are scored in: it reads another "
+                         "tokenizer's ids; train it on this project's GPT-2 tokens")
+    if mc.get("block_size", 0) < longest:
+        raise ValueError(f"--reward-model {path} reads {mc.get('block_size')} tokens, and a prompt with a reply of "
+                         f"--max-new-tokens {cfg.max_new_tokens} takes {longest}: lower --max-new-tokens or train the "
+                         "reward model with a longer --seq-len")
+    return prefs.frozen_copy(GPT.from_checkpoint(ckpt, dropout=0.0))
+
+
+def setup(cfg: RLConfig, rank: int, world: int, device: torch.device) -> engine.Run:
+    """The Run: the policy from --init-from, its frozen reference (--beta) and reward model, the prompt stream,
+    the checkpoint it resumes and the log; what every rank must share is compared once."""
+    torch.manual_seed(cfg.seed)  # the same on every rank: each step's rollout seed is drawn from it
+    task, checkpointer = tasks.TASKS[cfg.task](), engine.Checkpointer(cfg, rank, world, provenance(device, world))
+    found = checkpointer.find()
+    raw = GPT.from_checkpoint(cfg.init_from, value_head=cfg.algo == "ppo", dropout=0.0)
+    train_problems = task.examples("train")
+    rm = load_reward_model(cfg, train_problems) if cfg.reward_model else None
+    engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw),
+                              "reward_model": rm and engine.weights_digest(rm)}, rank, world,
+                             f"--init-from {cfg.init_from}")
+    rows = cfg.prompts // world * cfg.samples
+    if (cfg.prompts // cfg.rollout_batch) % world:
+        raise ValueError(f"--prompts {cfg.prompts} make {cfg.prompts // cfg.rollout_batch} generate() calls of "
+                         f"--rollout-batch {cfg.rollout_batch}, not a multiple of the {world} ranks: each must get "
+                         f"as many; pass --prompts {cfg.rollout_batch * world} or a multiple")
+    raw, rm = raw.to(device), rm.to(device) if rm else None
+    ref = prefs.frozen_copy(raw) if cfg.beta > 0 else None
+    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda" and not cfg.eval_only
+    built = build_trainable(raw, cfg, device, use_compile, verbose=rank == 0)
+    sampler, tokens = PromptSampler(train_problems, cfg.seed), engine.TokenCount()
+    parts = {"sampler": sampler, "scaler": built.scaler, "tokens": tokens}
+    start = checkpointer.restore(found[1], raw, built.optimizer, parts) if found else 0
+    log = train.open_run_log(cfg, start if found else None, checkpointer.rewinding, rank, world)
+    log.write({"type": "config", "step": start, "config": dataclasses.asdict(cfg),
+               "model_config": dataclasses.asdict(raw.config), "provenance": checkpointer.prov})
+    if rank == 0:
+        print(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {world} "
+              f"ranks) from --init-from {cfg.init_from}" + (f", resumed at step {start}" if found else ""))
+    return engine.Run(step_fn=rl_step(cfg, raw, built, ref, rm, task, sampler, log, rank, world), raw=raw,
+                      trainable=built, checkpointer=checkpointer, log=log,
+                      evaluator=engine.Evaluator([task_eval(cfg, raw, task, built.autocast, log, rank, world)], log,
+                                                 tokens, cfg.eval_only),
+                      stop=engine.StopFlags(cfg.max_time, not cfg.eval_only, rank == 0, device, world),
+                      profiler=engine.Profiler(cfg.profile, start, cfg.profile_steps, Path(cfg.out_dir), rank),
+                      parts=parts, tokens=tokens, start_step=start,
+                      last_step=start if cfg.eval_only else cfg.max_steps, resumed=found is not None,
+                      eval_only=cfg.eval_only, rank=rank, world=world, device=device)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """The command line (or a list of flags): parse, set up, train. A user error is one line and SystemExit(1)."""
+    cfg = parse_config(RLConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    rank, _, world, device = setup_distributed(cfg.device, cfg.dist_timeout)
+    try:
+        with train.hold_out_dir(cfg, rank, world):
+            run = setup(cfg, rank, world, device)
+            with run.stop:
+                return engine.train(run)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_and_exit(main, lambda result: 1 if result.get("stopped") == "nan" else 0)

@@ -199,3 +199,38 @@ def test_plot_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                           text=True, timeout=120)
     assert (proc.returncode, proc.stdout.strip()) == (0, "[]"), proc.stderr
+
+
+def test_plot_draws_an_rl_runs_reward_and_the_task_accuracy(tmp_path, monkeypatch):
+    """rl.py's log: a reward panel (the EMA of the per-step mean, the raw mean +-1 std shaded) and an accuracy panel
+    (greedy solid, pass@k dashed, each at its own steps); an SFT log with --task gets the accuracy panel alone."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: figures.append(self))
+    rewards, stds = [0.25, 0.5, 0.75], [0.1, 0.2, 0.0]
+    records = [{"type": "train", "step": s, "tokens": 10 * s, "loss": 0.1, "lr": 3e-4, "reward": r, "reward_std": d}
+               for s, (r, d) in enumerate(zip(rewards, stds, strict=True))]
+    records += [{"type": "task", "step": 0, "acc": 0.5, "n": 8, "pass@8": 0.75}, {"type": "task", "step": 2,
+                                                                                  "acc": 0.625, "n": 8}]
+    log = tmp_path / "rl" / "log.jsonl"
+    log.parent.mkdir()
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot.main(["--log", str(log), "--smooth", "0.5"])
+    (fig,) = figures
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "learning rate", "reward (mean, +-1 std shaded)",
+                                                    "held-out accuracy"]
+    reward_ax, task_ax = fig.axes[2:]
+    (line,) = reward_ax.get_lines()
+    assert list(line.get_ydata()) == [0.25, 0.375, 0.5625] and line.get_label() == "reward (EMA 0.5; last 0.750)"
+    band = reward_ax.collections[0].get_paths()[0].vertices
+    assert {tuple(v) for v in band} >= {(0, 0.15), (0, 0.35), (1, 0.3), (1, 0.7), (2, 0.75)}
+    greedy, passed = task_ax.get_lines()
+    assert (list(greedy.get_xdata()), list(greedy.get_ydata())) == ([0, 2], [0.5, 0.625])
+    assert (list(passed.get_xdata()), list(passed.get_ydata()), passed.get_linestyle()) == ([0], [0.75], "--")
+    assert passed.get_label() == "pass@8 (last 0.750)"
+    figures.clear()
+    sft = [{"type": "train", "step": s, "tokens": s, "loss": 1.0, "lr": 1e-3} for s in range(3)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in [*sft, records[3]]))
+    plot.main(["--log", str(log)])
+    assert [ax.get_ylabel() for ax in figures[0].axes] == ["loss", "learning rate", "held-out accuracy"]

@@ -1,0 +1,157 @@
+"""rl.py's stage on the engine: a GRPO step moves the policy toward the rewarded reply, a run resumes bitwise (GRPO
+and PPO), 2 gloo ranks equal one process, and what cannot work is refused in one line."""
+
+import contextlib
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import prefs
+import rl
+import tasks
+from chat_format import ASSISTANT_END, render_prompt
+from common import get_tokenizer, iter_log, load_checkpoint
+from conftest import run_torchrun
+from generate import Rollout
+from model import GPT, GPTConfig
+from parallel import build_trainable
+
+
+def save_model(path: Path, seed: int, **shape) -> Path:
+    """A random tiny GPT as a checkpoint; a value head gets random weights (a reward model that tells replies apart)."""
+    torch.manual_seed(seed)
+    config = GPTConfig(**{"block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 64, **shape})
+    model = GPT(config)
+    if config.value_head:
+        torch.nn.init.normal_(model.value_head.weight)
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(config)}, path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Decoding is many small ops: on a loaded shared CPU, threads that wait for each other make it 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    """(a random tiny chat policy, a random reward model): its continuous rewards give every group an advantage."""
+    out = tmp_path_factory.mktemp("rl_models")
+    return save_model(out / "policy.pt", 0), save_model(out / "rm.pt", 1, block_size=64, value_head=True)
+
+
+def flags(models: tuple[Path, Path], out: Path, *extra: str) -> list[str]:
+    return ["--init-from", str(models[0]), "--reward-model", str(models[1]), "--out-dir", str(out), "--device=cpu",
+            "--prompts=2", "--samples=4", "--rollout-batch=1", "--max-new-tokens=6", "--eval-limit=4", "--pass-k=2",
+            "--eval-every=2", "--ckpt-every=2", "--max-lr=1e-3", "--warmup-steps=0", *extra]
+
+
+def train_records(out: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("ms", "tok_s", "rollout_tok_s", "update_tok_s")}
+            for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
+
+
+def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64))
+    cfg = rl.RLConfig(samples=4, rollout_batch=1, minibatches=1, max_lr=1e-3, device="cpu")
+    problem = tasks.Addition().examples("test", n=1)[0]  # its answer is right, that + 1 is wrong
+    enc, prompt = get_tokenizer(), render_prompt(problem["messages"][:-1])
+    right, wrong = (enc.encode_ordinary(" ".join(str(v))) + [ASSISTANT_END] for v in (int(problem["answer"]),
+                                                                                      int(problem["answer"]) + 1))
+    share = [(problem, prompt, Rollout(reply, [1] * len(reply), [0.0] * len(reply))) for reply in
+             (right, wrong, right, wrong)]
+    batch = rl.score(share, tasks.Addition(), None, torch.device("cpu"))
+    assert batch["scores"].tolist() == [1.0, 0.0, 1.0, 0.0]  # the task's checker
+    assert batch["mask"].sum(1).tolist() == [len(right)] * 4 and batch["mask"][:, :len(prompt) - 1].sum() == 0
+    batch = rl.prepare(batch, raw, None, cfg, contextlib.nullcontext(), 1)
+    # the old log-probs are the policy's over the whole vocabulary, in eval mode: prefs.token_logprobs' numbers
+    torch.testing.assert_close(batch["old_logp"], prefs.token_logprobs(raw, batch["ids"]))
+    # mean 0.5, unbiased std sqrt(1/3): +-0.5 / (0.5774 + 1e-4)
+    torch.testing.assert_close(batch["adv"], torch.tensor([1, -1, 1, -1]) * 0.5 / (3 ** -0.5 + 1e-4))
+    built = build_trainable(raw, cfg, torch.device("cpu"), use_compile=False, verbose=False)
+    before = (batch["old_logp"] * batch["mask"]).sum(1)
+    objective = prefs.PairObjective(lambda model, mb: rl.rl_loss(model, mb, cfg, 1))
+    totals = rl.update(built, objective, batch, cfg, 1)
+    after = (rl.token_stats(raw, batch["ids"])[0] * batch["mask"]).sum(1)
+    # at ratio 1 the per-token loss is -mean(A): 0 for two rewarded and two unrewarded replies of one length
+    assert abs(totals["loss"].item()) < 1e-6 and totals["clip_frac"].item() == 0 and totals["grad_norm"] > 0
+    assert after[0] > before[0] + 0.01 and after[1] < before[1] - 0.01
+    assert after[0] == after[2] and after[1] == after[3]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_an_rl_run_resumes_bitwise(models, tmp_path, algo):
+    extra = [f"--algo={algo}", "--beta=0.05", "--ppo-epochs=2", "--minibatches=2"]
+    full = rl.main(flags(models, tmp_path / "full", *extra, "--max-steps=4"))
+    rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=2"))
+    rest = rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=4", "--resume=auto"))
+    records = train_records(tmp_path / "full")
+    assert train_records(tmp_path / "split") == records and len(records) == 4  # rewards, losses, KL...: bitwise
+    assert rest["step"] == 4 and rest["task"] == full["task"] and set(full["task"]) == {"acc", "n", "pass@2"}
+    assert records[0]["kl"] == 0 and records[-1]["kl"] > 0  # the reference is the start
+    assert len({r["reward"] for r in records}) == 4 and all(r["length"] == 6 for r in records)
+    assert max(r["clip_frac"] for r in records) > 0 and ("value_loss" in records[-1]) == (algo == "ppo")
+    weights = load_checkpoint(tmp_path / "full" / "ckpt_000004.pt")["model"]
+    start = load_checkpoint(models[0])["model"]
+    assert not torch.equal(weights["lm_head.weight"], start["lm_head.weight"])
+    assert ("value_head.weight" in weights) == (algo == "ppo")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_rl_on_two_ranks_equals_one_process(models, tmp_path, algo):
+    extra = [f"--algo={algo}", "--beta=0.05", "--minibatches=2", "--max-steps=3", "--eval-every=0"]
+    single = rl.main(flags(models, tmp_path / "single", *extra))  # one thread, as each gloo rank (run_torchrun)
+    run_torchrun(["rl.py", *flags(models, tmp_path / "ddp", *extra)], nproc=2)
+    one, two = train_records(tmp_path / "single"), train_records(tmp_path / "ddp")
+    for name in ("reward", "reward_std", "loss", "grad_norm", "clip_frac", "kl", "entropy", "length",
+                 *(["value_loss"] if algo == "ppo" else [])):
+        assert [r[name] for r in two] == pytest.approx([r[name] for r in one], rel=1e-4, abs=1e-6), name
+    ddp = [r for r in iter_log(tmp_path / "ddp" / "log.jsonl") if r["type"] == "task"][-1]
+    assert {k: ddp[k] for k in single["task"]} == single["task"]
+
+
+def test_what_cannot_work_is_refused_in_one_line(models, tmp_path):
+    def error(*extra: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            rl.main(flags(models, tmp_path / "out", *extra))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "--samples must be >= 2 (or --algo ppo)" in error("--samples=1")
+    assert rl.RLConfig(algo="ppo", samples=1).beta == 0.05 and rl.RLConfig().beta == 0.0
+    assert "--temperature must be > 0 (got 0.0)" in error("--temperature=0")
+    assert "FSDP cannot generate" in error("--parallel=fsdp")
+    assert "--minibatches (3) must divide a call's --rollout-batch x --samples = 4 replies" in error("--minibatches=3")
+    assert "--prompts (2) must be a multiple of --rollout-batch (3)" in error("--rollout-batch=3")
+    policy, rm = models
+    assert error("--reward-model", str(policy)) == (f"error: --reward-model {policy} has no value head: it is a "
+                                                     "language model; train a reward model with train.py --objective "
+                                                     "reward")
+    small = save_model(tmp_path / "small_vocab.pt", 2, vocab_size=1000, value_head=True)
+    assert error("--reward-model", str(small)).startswith(f"error: --reward-model {small} has 1000 embedding rows, "
+                                                          "fewer than the GPT-2 tokenizer's 50257 ids")
+    short = save_model(tmp_path / "short.pt", 2, block_size=16, value_head=True)
+    assert error("--reward-model", str(short)).startswith(f"error: --reward-model {short} reads 16 tokens, and a "
+                                                          "prompt with a reply of --max-new-tokens 6 takes 26")
+    assert error("--init-from", str(tmp_path / "none.pt")).startswith(f"error: checkpoint {tmp_path / 'none.pt'} "
+                                                                      "does not exist")
+
+
+def test_the_prompt_stream_is_a_seeded_order_per_epoch():
+    problems = [{"answer": str(i)} for i in range(5)]
+    sampler = rl.PromptSampler(problems, seed=3)
+    served = [p["answer"] for p in sampler.next(4) + sampler.next(6)]
+    assert sorted(served[:5]) == sorted(served[5:]) == list("01234") and served[:5] != served[5:]  # two epochs
+    assert sampler.state_dict() == {"served": 10, "problems": 5}
+    again = rl.PromptSampler(problems, seed=3)
+    again.load_state_dict({"served": 4, "problems": 5})
+    assert [p["answer"] for p in again.next(6)] == served[4:]
+    assert [p["answer"] for p in rl.PromptSampler(problems, seed=4).next(5)] != served[:5]
