@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import LOCAL, agree, checkpoints, iter_log, load_checkpoint, mfu, shared_problem
+from common import LOCAL, agree, checkpoints, hold_lock, iter_log, load_checkpoint, mfu, same_verdict, shared_problem
 from parallel import StepArgs, Trainable
+from trackers import missing_package, open_trackers
 
 
 @dataclass
@@ -747,6 +748,47 @@ def fmt_time(seconds: float) -> str:
     if seconds >= 3600:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def open_run_log(cfg: RunArgs, resume_step: int | None, rewinding: bool, rank: int, world: int) -> RunLog:
+    """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's)."""
+    logs, path = rank == 0 and not cfg.eval_only, Path(cfg.out_dir) / "log.jsonl"
+    forget, replay, write = prepare_log(path, resume_step, rewinding) if logs else (None, [], lambda: None)
+    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step, forget)
+                            if logs else None, world)
+    write()  # after the trackers start: one that cannot leaves the log as it was
+    for tracker in trackers or []:
+        for record in replay:
+            tracker.write(record)
+    return RunLog(path if logs else None, rank == 0, cfg.max_steps, cfg.log_every, trackers)
+
+
+@contextlib.contextmanager
+def hold_out_dir(cfg: RunArgs, rank: int, world: int) -> Iterator[None]:
+    """Hold --out-dir for the run: rank 0, its one writer, locks it, so a second run there stops at once instead of
+    pruning this one's checkpoints, and a directory it cannot write is refused before anything runs. --eval-only
+    writes nothing there and takes no lock. A problem on any rank stops every rank with it, before anything is
+    created (a logging package asked for but missing, too: only rank 0 logs)."""
+    out_dir, lock = Path(cfg.out_dir), None
+    problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None
+    if not problem and out_dir.exists() and not out_dir.is_dir():
+        problem = f"--out-dir {out_dir} is a file, not a directory"
+    elif not problem and rank == 0 and not cfg.eval_only:
+        try:
+            lock = hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir {out_dir}; let it "
+                             "finish, or pass another --out-dir (an --eval-only run may share it)",
+                             "make sure no other train.py writes there")
+        except ValueError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to"
+    try:
+        if problem := shared_problem(problem, world):
+            raise ValueError(problem)
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ import torch.distributed as dist
 import engine
 import prefs
 import tasks
-import train
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, calculator, render_prompt, reply_text
 from common import LOCAL, get_tokenizer, load_checkpoint, parse_config, provenance, run_and_exit, setup_distributed
 from generate import Rollout, generate
@@ -240,9 +239,11 @@ def score(share: list[tuple[dict, list[int], Rollout]], task: tasks.Task, rm: GP
     if rm is None:
         scores = [task.reward(text, p["answer"]) for (p, _, _), text in zip(share, texts, strict=True)]
         return {"ids": ids, "mask": mask[:, :-1], "scores": torch.tensor(scores, device=device)}
-    bs = rm.config.block_size
-    rendered = [prefs.render([*p["messages"][:-1], {"role": "assistant", "content": text}])
-                for (p, _, _), text in zip(share, texts, strict=True)]
+    bs, enc = rm.config.block_size, get_tokenizer()
+    rendered = []
+    for (p, _, _), text in zip(share, texts, strict=True):  # as chat_format.render does, an empty reply too
+        prompt, reply = render_prompt(p["messages"][:-1]), enc.encode_ordinary(text) + [ASSISTANT_END]
+        rendered.append((prompt + reply, [0] * len(prompt) + [1] * len(reply)))
     with torch.no_grad():
         scores = prefs.rewards(rm, *pack([(i[-bs:], m[-bs:]) for i, m in rendered], device))
     return {"ids": ids, "mask": mask[:, :-1], "scores": scores.float()}
@@ -386,8 +387,7 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
     """The frozen reward model, or a one-line refusal of one that cannot score these replies."""
     path, ckpt = cfg.reward_model, load_checkpoint(cfg.reward_model, mmap=True)
     mc = ckpt["model_config"]
-    empty = {"role": "assistant", "content": ""}  # the reply's header and end
-    longest = max(len(prefs.render([*p["messages"][:-1], empty])[0]) for p in problems) + cfg.max_new_tokens
+    longest = max(len(render_prompt(p["messages"][:-1])) for p in problems) + cfg.max_new_tokens + 1  # and its end
     if not mc.get("value_head"):
         raise ValueError(f"--reward-model {path} has no value head: it is a language model; train a reward model "
                          "with train.py --objective reward")
@@ -426,7 +426,7 @@ def setup(cfg: RLConfig, rank: int, world: int, device: torch.device) -> engine.
     sampler, tokens = PromptSampler(train_problems, cfg.seed), engine.TokenCount()
     parts = {"sampler": sampler, "scaler": built.scaler, "tokens": tokens}
     start = checkpointer.restore(found[1], raw, built.optimizer, parts) if found else 0
-    log = train.open_run_log(cfg, start if found else None, checkpointer.rewinding, rank, world)
+    log = engine.open_run_log(cfg, start if found else None, checkpointer.rewinding, rank, world)
     log.write({"type": "config", "step": start, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": checkpointer.prov})
     if rank == 0:
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(RLConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     rank, _, world, device = setup_distributed(cfg.device, cfg.dist_timeout)
     try:
-        with train.hold_out_dir(cfg, rank, world):
+        with engine.hold_out_dir(cfg, rank, world):
             run = setup(cfg, rank, world, device)
             with run.stop:
                 return engine.train(run)

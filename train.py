@@ -20,7 +20,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,6 +28,7 @@ from typing import Annotated, Any
 import torch
 import torch.distributed as dist
 
+import engine
 from chat_format import CHAT_VOCAB, ConversationLoader
 from common import (
     LOCAL,
@@ -35,7 +36,6 @@ from common import (
     describe_provenance,
     first_on_each_node,
     get_tokenizer,
-    hold_lock,
     load_checkpoint,
     parse_config,
     provenance,
@@ -58,7 +58,6 @@ from engine import (
     agree_fingerprint,
     command_of,
     optimizer_kind,
-    prepare_log,
     shards_of,
     val_loss,
     weights_digest,
@@ -78,7 +77,6 @@ from parallel import (
 )
 from prefs import PairLoader, PairObjective, dpo_metrics, evaluate_pairs, reward_model_metrics
 from tasks import TASKS
-from trackers import missing_package, open_trackers
 
 
 @dataclass
@@ -454,7 +452,7 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     if master:
         print_header(cfg, raw, built, start_step, grad_accum, world, use_compile, device)
     checkpointer.remove_partial_writes()
-    log = open_run_log(cfg, start_step if found else None, checkpointer.rewinding, rank, world)
+    log = engine.open_run_log(cfg, start_step if found else None, checkpointer.rewinding, rank, world)
     log.write({"type": "config", "step": start_step, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": prov})
     return Run(step_fn=lm_step(cfg, built, batches(cfg, train_loader), grad_accum, guard, world, objective), raw=raw,
@@ -513,47 +511,6 @@ def describe_examples(key: str, mine: list | None, first: list | None, rank: int
 
 
 DESCRIBE = {"hellaswag": describe_examples}
-
-
-def open_run_log(cfg: TrainConfig, resume_step: int | None, rewinding: bool, rank: int, world: int) -> RunLog:
-    """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's)."""
-    logs, path = rank == 0 and not cfg.eval_only, Path(cfg.out_dir) / "log.jsonl"
-    forget, replay, write = prepare_log(path, resume_step, rewinding) if logs else (None, [], lambda: None)
-    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step, forget)
-                            if logs else None, world)
-    write()  # after the trackers start: one that cannot leaves the log as it was
-    for tracker in trackers or []:
-        for record in replay:
-            tracker.write(record)
-    return RunLog(path if logs else None, rank == 0, cfg.max_steps, cfg.log_every, trackers)
-
-
-@contextlib.contextmanager
-def hold_out_dir(cfg: TrainConfig, rank: int, world: int) -> Iterator[None]:
-    """Hold --out-dir for the run: rank 0, its one writer, locks it, so a second run there stops at once instead of
-    pruning this one's checkpoints, and a directory it cannot write is refused before anything runs. --eval-only
-    writes nothing there and takes no lock. A problem on any rank stops every rank with it, before anything is
-    created (a logging package asked for but missing, too: only rank 0 logs)."""
-    out_dir, lock = Path(cfg.out_dir), None
-    problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None
-    if not problem and out_dir.exists() and not out_dir.is_dir():
-        problem = f"--out-dir {out_dir} is a file, not a directory"
-    elif not problem and rank == 0 and not cfg.eval_only:
-        try:
-            lock = hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir {out_dir}; let it "
-                             "finish, or pass another --out-dir (an --eval-only run may share it)",
-                             "make sure no other train.py writes there")
-        except ValueError as e:
-            problem = str(e)
-        except OSError as e:
-            problem = f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to"
-    try:
-        if problem := shared_problem(problem, world):
-            raise ValueError(problem)
-        yield
-    finally:
-        if lock is not None:
-            lock.close()
 
 
 def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[TrainConfig, int, bool]:
@@ -854,13 +811,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or, with eval_only, evaluate) as cfg says; the entry point from Python, where errors stay exceptions
     (DataError, ValueError, FileNotFoundError for the user's). Under torchrun it joins the default process group (or
     creates it, and then destroys it at the end). Returns engine.train()'s result, the same on every rank."""
-    import engine
-
     owns_group = not dist.is_initialized()
     rank, local_rank, world, device = setup_distributed(cfg.device, cfg.dist_timeout)
     attention = sdpa_switches()
     try:
-        with hold_out_dir(cfg, rank, world):
+        with engine.hold_out_dir(cfg, rank, world):
             state = setup(cfg, rank, local_rank, world, device)
             with state.stop:  # its signal handlers live as long as the loop, and put the caller's back
                 result = engine.train(state)

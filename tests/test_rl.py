@@ -140,7 +140,7 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path):
                                                           "fewer than the GPT-2 tokenizer's 50257 ids")
     short = save_model(tmp_path / "short.pt", 2, block_size=16, value_head=True)
     assert error("--reward-model", str(short)).startswith(f"error: --reward-model {short} reads 16 tokens, and a "
-                                                          "prompt with a reply of --max-new-tokens 6 takes 26")
+                                                          "prompt with a reply of --max-new-tokens 6 takes 19")
     assert error("--init-from", str(tmp_path / "none.pt")).startswith(f"error: checkpoint {tmp_path / 'none.pt'} "
                                                                       "does not exist")
 
