@@ -149,6 +149,7 @@ class RLConfig(engine.RunArgs):
     # Adam's first steps move every weight by about the lr whatever its gradient: a start that RL's noisy gradients
     # would otherwise spend wrecking the policy
     warmup_steps: int = 10  # linear warmup of the learning rate
+    lr_decay: bool = True  # then linear decay to 0 at --max-steps (False: constant)
     weight_decay: float = 0.0  # decoupled weight decay
     ckpt_every: int = 50  # checkpoint every N steps (and at the end); 0 = only at the end
     out_dir: Annotated[str, LOCAL] = "out/rl"  # checkpoints, log.jsonl and profiler traces go here
@@ -335,6 +336,13 @@ def summary(batch: dict[str, torch.Tensor], totals: dict[str, torch.Tensor], has
             "rollout_tok_s": sampled / rollout_s, "update_tok_s": tokens * cfg.ppo_epochs / update_s}
 
 
+def lr_factor(step: int, cfg: RLConfig) -> float:
+    """Linear warmup, then (--lr-decay) linear decay to 0 at --max-steps: without the decay a small model's greedy
+    accuracy stays low, held down by the noise of its last updates (docs/benchmarks.md)."""
+    decay = (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps) if cfg.lr_decay else 1.0
+    return min(1.0, (step + 1) / (cfg.warmup_steps + 1), decay)
+
+
 def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, rm: GPT | None, task: tasks.Task,
             sampler: PromptSampler, log: engine.RunLog, rank: int, world: int) -> Callable[[int], dict[str, Any]]:
     """engine.Run's step_fn: roll out, score, update; the record holds the whole batch's figures."""
@@ -342,7 +350,7 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, rm: GPT | None
     device = raw.lm_head.weight.device
 
     def step_fn(step: int) -> dict[str, Any]:
-        t0, lr = time.time(), cfg.max_lr * min(1.0, (step + 1) / (cfg.warmup_steps + 1))
+        t0, lr = time.time(), cfg.max_lr * lr_factor(step, cfg)
         for group in built.optimizer.param_groups:
             group["lr"] = lr
         seed = int(torch.randint(2**62, ()))  # from the global RNG, the same on every rank: an exact resume

@@ -88,7 +88,8 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_an_rl_run_resumes_bitwise(models, tmp_path, algo):
-    extra = [f"--algo={algo}", "--beta=0.05", "--ppo-epochs=2", "--minibatches=2"]
+    # a constant lr after warmup: the decay's schedule ends at --max-steps, which the split run changes
+    extra = [f"--algo={algo}", "--beta=0.05", "--ppo-epochs=2", "--minibatches=2", "--lr-decay=false"]
     full = rl.main(flags(models, tmp_path / "full", *extra, "--max-steps=4"))
     rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=2"))
     rest = rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=4", "--resume=auto"))
@@ -143,6 +144,14 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path):
                                                           "prompt with a reply of --max-new-tokens 6 takes 19")
     assert error("--init-from", str(tmp_path / "none.pt")).startswith(f"error: checkpoint {tmp_path / 'none.pt'} "
                                                                       "does not exist")
+
+
+def test_the_lr_warms_up_then_decays_linearly_to_zero_at_max_steps():
+    cfg = rl.RLConfig(max_steps=10, warmup_steps=2)
+    assert [rl.lr_factor(s, cfg) for s in range(10)] == pytest.approx([1 / 3, 2 / 3, 1, 7 / 8, 6 / 8, 5 / 8, 4 / 8,
+                                                                        3 / 8, 2 / 8, 1 / 8])
+    assert [rl.lr_factor(s, rl.RLConfig(max_steps=10, warmup_steps=2, lr_decay=False)) for s in (0, 2, 9)] == \
+        pytest.approx([1 / 3, 1, 1])
 
 
 def test_the_prompt_stream_is_a_seeded_order_per_epoch():
