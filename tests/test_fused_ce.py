@@ -115,6 +115,27 @@ def test_fused_ce_model_on_cpu_matches_the_plain_loss(monkeypatch: pytest.Monkey
             torch.testing.assert_close(grads[1][name], g, **tol, msg=lambda m, n=f"{name} autocast={autocast}": n + m)
 
 
+@pytest.mark.parametrize("loss_chunk", [0, 40])
+def test_a_mostly_masked_loss_runs_the_head_on_the_scored_rows_only(monkeypatch: pytest.MonkeyPatch,
+                                                                      loss_chunk: int) -> None:
+    # SFT's targets are -1 but on the assistant's tokens: the lm_head then sees those rows alone, and the loss and
+    # gradients are F.cross_entropy's over the whole logits
+    torch.manual_seed(0)
+    m = GPT(tiny(loss_chunk=loss_chunk))
+    idx, y = torch.randint(0, 96, (3, 32)), torch.randint(0, 96, (3, 32))
+    y[:, :28] = -1
+    seen, scored_rows = [], fused_ce.scored_rows
+    monkeypatch.setattr(fused_ce, "scored_rows", lambda x, t: seen.append(scored_rows(x, t)[0].shape) or
+                        scored_rows(x, t))
+    _, loss = m(idx, y, return_logits=False)
+    grads = torch.autograd.grad(loss, list(m.parameters()))
+    assert seen == [(12, 64)]  # 4 of each row's 32 targets
+    ref = F.cross_entropy(m(idx)[0].view(-1, 96), y.view(-1), ignore_index=-1)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
+    for g, r in zip(grads, torch.autograd.grad(ref, list(m.parameters())), strict=True):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
+
+
 def test_fused_ce_eval_returns_the_loss_only() -> None:
     torch.manual_seed(0)
     plain = GPT(tiny())
