@@ -242,7 +242,8 @@ def chunked_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, chunk: int
 
 def scored_rows(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Only the rows of x (.., C) whose target is not -1, when some are: SFT's loss covers the assistant's tokens
-    alone, and the lm_head then runs on those (a sixth of sft-demo's rows). Eager only: the shape depends on data."""
+    alone, and the lm_head then runs on those (a sixth of sft-demo's rows). Eager CPU only: the shape depends on
+    data, and on a GPU each check would wait for it."""
     keep = targets != -1
     if bool(keep.all()) or not bool(keep.any()):
         return x, targets
@@ -254,7 +255,7 @@ def lm_loss(x: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float =
     """The language-model loss of hidden states x (B, T, C) through the lm_head weight (V, C) against targets (B, T):
     (logits (B, T, V) or None, mean loss over targets != -1). With chunk or fused the logits never exist whole (or
     only inside the loss) and come back None; otherwise they come back unless return_logits is False."""
-    if (chunk or fused or not return_logits) and not torch.compiler.is_compiling():
+    if x.device.type == "cpu" and (chunk or fused or not return_logits) and not torch.compiler.is_compiling():
         x, targets = scored_rows(x, targets)
     if chunk or fused:
         return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), chunk,

@@ -338,7 +338,7 @@ def summary(batch: dict[str, torch.Tensor], totals: dict[str, torch.Tensor], has
 
 def lr_factor(step: int, cfg: RLConfig) -> float:
     """Linear warmup, then (--lr-decay) linear decay to 0 at --max-steps: without the decay a small model's greedy
-    accuracy stays low, held down by the noise of its last updates (docs/benchmarks.md)."""
+    accuracy stays low, held down by the noise of its last updates. No decay when --max-steps <= --warmup-steps."""
     decay = (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps) if cfg.lr_decay else 1.0
     return min(1.0, (step + 1) / (cfg.warmup_steps + 1), decay)
 
@@ -410,6 +410,19 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
     return prefs.frozen_copy(GPT.from_checkpoint(ckpt, dropout=0.0))
 
 
+def resume_checks(saved: dict, cfg: RLConfig, start: int, rank: int) -> None:
+    """Refuse a checkpoint past --max-steps (nothing would train); note a schedule the new --max-steps changes."""
+    if start > cfg.max_steps:
+        raise ValueError(f"the checkpoint is at step {start}, past --max-steps {cfg.max_steps}: raise --max-steps "
+                         "to train on, or pass --eval-only to score it")
+    old = dataclasses.replace(cfg, max_steps=int(saved.get("max_steps", cfg.max_steps)),
+                              lr_decay=bool(saved.get("lr_decay", cfg.lr_decay)))
+    if rank == 0 and lr_factor(start, old) != lr_factor(start, cfg):
+        print(f"note: the checkpoint's run had --max-steps {old.max_steps} (--lr-decay {old.lr_decay}), this one "
+              f"{cfg.max_steps} (--lr-decay {cfg.lr_decay}): from step {start} the lr is "
+              f"{cfg.max_lr * lr_factor(start, cfg):.3g}, not that run's {cfg.max_lr * lr_factor(start, old):.3g}")
+
+
 def setup(cfg: RLConfig, rank: int, world: int, device: torch.device) -> engine.Run:
     """The Run: the policy from --init-from, its frozen reference (--beta) and reward model, the prompt stream,
     the checkpoint it resumes and the log; what every rank must share is compared once."""
@@ -434,6 +447,8 @@ def setup(cfg: RLConfig, rank: int, world: int, device: torch.device) -> engine.
     sampler, tokens = PromptSampler(train_problems, cfg.seed), engine.TokenCount()
     parts = {"sampler": sampler, "scaler": built.scaler, "tokens": tokens}
     start = checkpointer.restore(found[1], raw, built.optimizer, parts) if found else 0
+    if found and not cfg.eval_only:
+        resume_checks(found[1].get("train_config", {}), cfg, start, rank)
     log = engine.open_run_log(cfg, start if found else None, checkpointer.rewinding, rank, world)
     log.write({"type": "config", "step": start, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": checkpointer.prov})

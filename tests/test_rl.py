@@ -154,6 +154,17 @@ def test_the_lr_warms_up_then_decays_linearly_to_zero_at_max_steps():
         pytest.approx([1 / 3, 1, 1])
 
 
+def test_a_resume_notes_another_schedule_and_refuses_a_checkpoint_past_max_steps(capsys):
+    cfg = rl.RLConfig(max_steps=20, warmup_steps=2, max_lr=1e-3)
+    rl.resume_checks({"max_steps": 20, "lr_decay": True}, cfg, 10, rank=0)
+    assert capsys.readouterr().out == ""  # the same schedule
+    rl.resume_checks({"max_steps": 10, "lr_decay": True}, cfg, 5, rank=0)
+    assert capsys.readouterr().out == ("note: the checkpoint's run had --max-steps 10 (--lr-decay True), this one 20 "
+                                       "(--lr-decay True): from step 5 the lr is 0.000833, not that run's 0.000625\n")
+    with pytest.raises(ValueError, match="the checkpoint is at step 21, past --max-steps 20: raise --max-steps"):
+        rl.resume_checks({"max_steps": 30}, cfg, 21, rank=0)
+
+
 def test_the_prompt_stream_is_a_seeded_order_per_epoch():
     problems = [{"answer": str(i)} for i in range(5)]
     sampler = rl.PromptSampler(problems, seed=3)
