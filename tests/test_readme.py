@@ -17,6 +17,7 @@ import export
 import fineweb
 import hellaswag
 import plot
+import rl
 import sample
 import tasks
 import train
@@ -32,6 +33,7 @@ SCRIPTS = {
     "bench.py": (bench.BenchConfig, None),
     "chat.py": (chat.ChatConfig, None),
     "tasks.py": (tasks.TasksConfig, None),
+    "rl.py": (rl.RLConfig, None),
 }
 
 
