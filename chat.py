@@ -4,7 +4,7 @@ conversation is kept as messages and rendered by chat_format.py each turn, its o
 the model's context.
 
 Usage:
-    python chat.py --ckpt out/sft-demo/ckpt_001200.pt      # interactive: /clear starts over, Ctrl-D or Ctrl-C quits
+    python chat.py --ckpt out/sft-demo/ckpt_002400.pt      # interactive: /clear starts over, Ctrl-D or Ctrl-C quits
     python chat.py --ckpt out/sft/ckpt_001000.pt --prompt "Why is the sky blue?" --temperature 0
 """
 

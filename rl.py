@@ -6,7 +6,7 @@ are its evaluations. The math comes first, pure functions on tensors: every per-
 with the tokens the policy chose; `mask` is 1 on the tokens it sampled and 0 on the prompt, the tool outputs forced in
 and the padding.
 
-    python rl.py                                   # GRPO from out/sft-demo/ckpt_001200.pt on addition, CPU minutes
+    python rl.py                                   # GRPO from out/sft-demo/ckpt_002400.pt on addition, CPU minutes
     python rl.py --algo ppo --out-dir out/rl-ppo
     torchrun --standalone --nproc_per_node=2 rl.py --init-from CKPT --task gsm8k --reward-model RM_CKPT
 """
@@ -123,7 +123,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 class RLConfig(engine.RunArgs):
     """Online RL of a chat model (a train.py SFT checkpoint) on a tasks.py task: GRPO or PPO, on the engine."""
 
-    init_from: Annotated[str, LOCAL] = "out/sft-demo/ckpt_001200.pt"  # the policy's start: a chat model checkpoint
+    init_from: Annotated[str, LOCAL] = "out/sft-demo/ckpt_002400.pt"  # the policy's start: a chat model checkpoint
     task: str = "addition"  # the tasks.py task: train prompts, the checker's rewards, held-out evaluations
     reward_model: Annotated[str, LOCAL] = ""  # score replies with this reward model (train.py --objective reward)
     algo: str = "grpo"  # grpo (group-normalised advantages) or ppo (a value head on the policy's trunk, GAE)

@@ -219,16 +219,16 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     # several to a row, the small model learned far slower), scored on held-out ones; minutes on 2 CPU cores
     "sft-demo": _preset(init_from="out/demo/ckpt_000900.pt", data="data/addition", data_kind="chat", seq_len=24,
                         total_batch_size=768, batch_size=32, max_lr=3e-3, lr_schedule="linear", min_lr_frac=0.0,
-                        warmup_steps=20, max_steps=1200, eval_every=200, eval_tokens=3072, hellaswag="off",
-                        sample_every=0, ckpt_every=0, task="addition", task_every=200, task_limit=256,
+                        warmup_steps=20, max_steps=2400, eval_every=400, eval_tokens=3072, hellaswag="off",
+                        sample_every=0, ckpt_every=0, task="addition", task_every=400, task_limit=256,
                         out_dir="out/sft-demo"),
     # preference stages on the chat demo's pairs (python tasks.py --task addition --pairs): a reward model from the
     # SFT model, scored by its held-out pairwise accuracy, and DPO from it, scored on the held-out problems too
-    "rm-demo": _preset(init_from="out/sft-demo/ckpt_001200.pt", data="data/addition_pairs", data_kind="pairs",
+    "rm-demo": _preset(init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs", data_kind="pairs",
                        objective="reward", seq_len=24, total_batch_size=384, batch_size=16, max_lr=1e-3,
                        lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=300, eval_every=50,
                        eval_tokens=6144, hellaswag="off", sample_every=0, ckpt_every=0, out_dir="out/rm-demo"),
-    "dpo-demo": _preset(init_from="out/sft-demo/ckpt_001200.pt", data="data/addition_pairs", data_kind="pairs",
+    "dpo-demo": _preset(init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs", data_kind="pairs",
                         objective="dpo", seq_len=24, total_batch_size=384, batch_size=16, max_lr=3e-4,
                         lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=200, eval_every=50,
                         eval_tokens=6144, hellaswag="off", sample_every=0, ckpt_every=0, task="addition",
