@@ -159,15 +159,19 @@ def load_rows(source: str, split: str, config: str | None = None) -> Any:
                         "split names") from None
 
 
+def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test")) -> Iterable[tuple[int, Any]]:
+    """(row index, row) of the train or val split, one at a time: a file's every VAL_EVERY-th row is val, a
+    directory's or hub dataset's val is its names[1] split (train its names[0])."""
+    single = Path(source).expanduser().is_file()
+    rows = load_rows(source, names[0] if single or split == "train" else names[1])
+    return ((i, row) for i, row in enumerate(rows) if not single or (i % VAL_EVERY == 0) == (split == "val"))
+
+
 def read_conversations(source: str, split: str) -> Iterable[tuple[int, Any]]:
-    """(row index, messages) of the train or val split, one at a time: a file's every VAL_EVERY-th row is val, a
-    directory's or hub dataset's val is its test split."""
+    """(row index, messages) of the train or val split (split_rows)."""
     if split not in ("train", "val"):
         raise DataError(f"split must be 'train' or 'val', got {split!r}")
-    single = Path(source).expanduser().is_file()
-    rows = load_rows(source, "train" if single or split == "train" else "test")
-    return ((i, row.get("messages")) for i, row in enumerate(rows)
-            if not single or (i % VAL_EVERY == 0) == (split == "val"))
+    return ((i, row.get("messages")) for i, row in split_rows(source, split))
 
 
 def pack(lengths: Sequence[int], cap: int) -> list[list[int]]:

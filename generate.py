@@ -148,7 +148,7 @@ def _prefill(model: GPT, prompts: Sequence[Sequence[int]]) -> tuple[KVCache, tor
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, vocab: int,
             generator: torch.Generator | None) -> tuple[list[int], list[float]]:
     """Each row's next token, drawn as GPT.generate draws it, and its log-prob (see Step.logprobs)."""
-    if temperature == 0.0:  # filter_logits's copy of every row's logits would cost a batch more than the argmax
+    if temperature == 0.0:  # as GPT._next_token: no copy of every row's logits for the argmax
         return logits[:, :vocab].argmax(dim=-1).tolist(), [0.0] * len(logits)
     logits = GPT.filter_logits(logits, temperature, top_k, top_p, vocab)
     probs = logits.softmax(dim=-1)

@@ -447,9 +447,9 @@ class GPT(nn.Module):
 
     def _next_token(self, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                     generator: torch.Generator | None) -> torch.Tensor:
+        if temperature == 0.0:  # filter_logits's copy would only feed the argmax (top-k/top-p keep the top token)
+            return logits[:, :GPT2_VOCAB].argmax(dim=-1, keepdim=True)
         logits = self.filter_logits(logits, temperature, top_k, top_p)
-        if temperature == 0.0:
-            return logits.argmax(dim=-1, keepdim=True)
         return torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator)
 
     @torch.inference_mode()

@@ -18,7 +18,6 @@ import os
 import random
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from chat_format import VAL_EVERY, RowStream, load_rows, render
+from chat_format import RowStream, load_rows, render, split_rows
 from common import EOT
 from fineweb import DataError
 
@@ -45,12 +44,9 @@ Metrics = dict[str, torch.Tensor]
 def read_rows(source: str, split: str) -> Any:
     """(index, row) of `split`'s rows; "val" is held out as chat_format's conversations are: a single file's every
     VAL_EVERY-th row ("train" the others), a directory's or hub dataset's test split (UltraFeedback's test_prefs)."""
-    single = Path(source).expanduser().is_file()
-    names = HELD_OUT.get(source, ("train", "test"))
     if split not in ("train", "val"):
         return list(enumerate(load_rows(source, split)))
-    rows = load_rows(source, names[0] if single or split == "train" else names[1])
-    return [(i, row) for i, row in enumerate(rows) if not single or (i % VAL_EVERY == 0) == (split == "val")]
+    return list(split_rows(source, split, HELD_OUT.get(source, ("train", "test"))))
 
 
 def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]:

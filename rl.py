@@ -76,8 +76,7 @@ def kl_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor,
     """PPO's per-token rewards (B, T): -coef * (logp - ref_logp) on each sampled token, plus the sequence's score
     (B,) on its last one."""
     rewards = -coef * (logp - ref_logp) * mask
-    last = mask.size(1) - 1 - mask.flip(1).int().argmax(1)
-    return rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
+    return rewards.scatter_add(1, prefs.last_index(mask)[:, None], scores[:, None].to(rewards.dtype))
 
 
 @torch.no_grad()
