@@ -11,16 +11,18 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-# the log.jsonl fields each record type sends; a field named after its type drops the prefix (val_loss -> val/loss)
-SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu"), "val": ("val_loss", "val_accuracy"),
-           "hellaswag": ("acc", "acc_norm"), "task": ("acc",)}
+# the log.jsonl fields each record type sends; a field named after its type drops the prefix (val_loss -> val/loss).
+# train: pretraining's, then the preference objectives' (accuracy, margin) and rl.py's; a task's pass@k as well
+SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu", "accuracy", "margin", "reward", "reward_std", "kl",
+                     "clip_frac", "entropy", "length", "value_loss", "rollout_tok_s", "update_tok_s"),
+           "val": ("val_loss", "val_accuracy", "val_margin"), "hellaswag": ("acc", "acc_norm"), "task": ("acc",)}
 
 
 def scalars(record: dict) -> dict[str, float]:
     """The record's scalars by tag: {"train/loss": 10.9, "train/lr": 6e-05, ...}; a None (no MFU on CPU) is left out."""
     kind = record["type"]
-    return {f"{kind}/{key.removeprefix(kind + '_')}": float(record[key]) for key in SCALARS.get(kind, ())
-            if record.get(key) is not None}
+    keys = [*SCALARS.get(kind, ()), *(key for key in record if kind == "task" and key.startswith("pass@"))]
+    return {f"{kind}/{key.removeprefix(kind + '_')}": float(record[key]) for key in keys if record.get(key) is not None}
 
 
 def missing_package(tensorboard: bool, wandb_project: str) -> str | None:

@@ -62,6 +62,16 @@ def test_scalars_are_named_by_record_type():
     assert trackers.scalars({"type": "hellaswag", "step": 4, "acc": 0.5, "acc_norm": 0.25, "n": 6,
                              "examples_per_sec": 3.0}) == {"hellaswag/acc": 0.5, "hellaswag/acc_norm": 0.25}
     assert trackers.scalars({"type": "sample", "step": 4, "texts": ["a"]}) == {}
+    # rl.py's step and its held-out evaluation: what the issue asks TensorBoard and W&B to show
+    rl_step = {"type": "train", "step": 5, "tokens": 512, "loss": 0.01, "grad_norm": 0.9, "clip_frac": 0.02,
+               "reward": 0.25, "reward_std": 0.4, "kl": 0.03, "entropy": 0.5, "length": 3.5, "rollout_tok_s": 700.0,
+               "update_tok_s": 1000.0, "lr": 3e-4, "ms": 9.0, "tok_s": 500.0, "mfu": None}
+    assert trackers.scalars(rl_step) == {f"train/{k}": float(v) for k, v in rl_step.items()
+                                         if k not in ("type", "step", "tokens", "ms", "mfu")}
+    assert trackers.scalars({"type": "task", "step": 5, "tokens": 512, "acc": 0.5, "n": 256, "pass@8": 0.75}) == \
+        {"task/acc": 0.5, "task/pass@8": 0.75}
+    assert trackers.scalars({"type": "val", "step": 4, "val_loss": 0.6, "val_accuracy": 0.7, "val_margin": 0.2}) == \
+        {"val/loss": 0.6, "val/accuracy": 0.7, "val/margin": 0.2}
 
 
 def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_data, tmp_path, monkeypatch):
