@@ -1,7 +1,6 @@
 """Benchmarks: the training step across variants (tokens/s, MFU, peak memory, optimizer state, where the time goes),
-the Triton kernels of fused_gelu.py and fused_ce.py in GB/s, batch-1 decoding against HF `generate`, INT8 decoding
-against fp32, and HellaSwag examples/s. A train or kernel row is the median of --steps timed repetitions after
---warmup untimed ones; a decode or int8 row one timed generation. --out gets the rows as JSON after every row.
+the Triton kernels in GB/s, batch-1 decoding against HF `generate`, INT8 decoding against fp32, HellaSwag examples/s.
+Train and kernel rows: the median of --steps timed runs after --warmup untimed ones; decode and int8: one generation.
 
 Usage:
     python bench.py                                   # every suite; GPT-2 124M, T=1024, bf16 on CUDA; tiny on CPU
@@ -38,11 +37,11 @@ import common
 import fused_ce
 import parallel
 import train
+from fineweb import atomic_write
 from fused_gelu import bias_gelu_reference, fused_bias_gelu, triton_available
 from model import GPT, MODEL_PRESETS, GPTConfig
 from sample import SampleConfig, quantize_int8, weight_bytes
 
-SUITES = ("kernel", "decode", "int8", "hellaswag", "train")  # --suite all's order: the short suites first
 DECODE_INIT_STD = 0.1  # random decode/int8 weights: at GPT-2's 0.02 greedy decoding repeats one token
 DLOSS_STEP = 3  # dloss compares the train rows' losses at this step (two AdamW updates in), or at the last if sooner
 Row = dict[str, Any]
@@ -97,11 +96,11 @@ class BenchConfig:
             train_config(self, variant)
 
     def suites(self) -> tuple[str, ...]:
-        return SUITES if self.suite == "all" else tuple(s.strip() for s in self.suite.split(",") if s.strip())
+        return tuple(SUITES) if self.suite == "all" else tuple(s.strip() for s in self.suite.split(",") if s.strip())
 
 
 class Skipped(Exception):
-    """A row that cannot run on this machine (no CUDA, no triton, no torchao); reported with its reason."""
+    """A row that cannot run on this machine (no CUDA, no triton); reported with its reason, as an ImportError is."""
 
 
 def sync(device: torch.device) -> None:
@@ -139,7 +138,7 @@ def guarded(row: Row, fn: Callable[[], Row]) -> Row:
     """row + fn()'s metrics with status ok, or row with status skipped/failed and the reason."""
     try:
         return {**row, **fn(), "status": "ok"}
-    except Skipped as e:
+    except (Skipped, ImportError) as e:  # ImportError: an optional package (torchao) is not installed
         return {**row, "status": "skipped", "reason": str(e)}
     except Exception as e:  # one failing row (OOM, a compiler error) must not end the run
         return {**row, "status": "failed", "reason": reason(e)}
@@ -317,12 +316,11 @@ def profile_step(step: Callable[[], Any], device: torch.device) -> tuple[str, Ro
     else:
         timed = [(e.name, e.self_cpu_time_total) for e in events if e.device_type == kind.CPU and not e.is_async]
         busy_us = sum(us for _, us in timed)
-    ms, calls = collections.Counter(), collections.Counter()
-    for name, us in timed:
-        ms[name], calls[name] = ms[name] + us / 1000, calls[name] + 1
+    ms, calls = collections.Counter(), collections.Counter(name for name, _ in timed)
     parts = dict.fromkeys([*(p for p, _ in STEP_PARTS), "other"], 0.0)
-    for name, t in ms.items():
-        parts[step_part(name)] += t
+    for name, us in timed:
+        ms[name] += us / 1000
+        parts[step_part(name)] += us / 1000
     top = [{"name": n[:160], "part": step_part(n), "ms": t, "calls": calls[n]} for n, t in ms.most_common(TOP_KERNELS)]
     return attention, {
         "source": "cuda kernels" if cuda else "cpu aten ops (self time)", "busy_ms": busy_us / 1000, "top": top,
@@ -395,18 +393,15 @@ def bench_decode(cfg: BenchConfig) -> list[Row]:
     """Greedy batch-1 fp32 tokens/s of ours with the KV cache, ours without, and HF `generate` on the same weights."""
     device, ours, hf, hf_name = torch.device(cfg.device), random_gpt(cfg.decode_model, cfg.seed), None, "hf generate"
     with contextlib.suppress(ImportError), tempfile.TemporaryDirectory() as tmp:
-        import transformers  # an HF model of ours' shape, whose weights ours takes by GPT.from_pretrained's path
+        import transformers
+
+        import export  # ours' weights as an HF GPT-2, by export.py's path
 
         transformers.logging.set_verbosity_error()  # generation-flag notices would bury the table
         transformers.utils.logging.disable_progress_bar()
-        c, hf_name = ours.config, f"hf generate ({transformers.__version__})"
-        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
-            initializer_range=DECODE_INIT_STD))
-        hf.save_pretrained(tmp)
-        ours.load_state_dict(GPT.from_pretrained(tmp).state_dict())
+        hf_name = f"hf generate ({transformers.__version__})"
+        hf = transformers.GPT2LMHeadModel.from_pretrained(export.export_hf(ours, tmp)).eval().to(device)
         hf.generation_config.eos_token_id = None  # never stop early, and min_new_tokens then masks no token
-        hf.eval().to(device)
     ours.to(device)
     prompt = torch.randint(0, common.GPT2_VOCAB, (1, 16), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
 
@@ -448,10 +443,7 @@ def bench_int8(cfg: BenchConfig) -> list[Row]:
     for name, change in stages if device.type == "cuda" else stages[::2]:  # bf16 is sample.py's dtype on CUDA
 
         def measure(change: Callable[[GPT], Any] = change) -> Row:
-            try:
-                change(model)
-            except ImportError as e:  # torchao is an optional extra
-                raise Skipped(str(e)) from None
+            change(model)
             ref = rows[0].get("tokens") if rows else None
             return {**generation(lambda k: model.generate(prompt, k, temperature=0.0), cfg.int8_tokens, device, ref),
                     "weight_bytes": weight_bytes(model)}
@@ -483,6 +475,9 @@ def bench_hellaswag(cfg: BenchConfig) -> list[Row]:
     return [guarded({"suite": "hellaswag", "name": "evaluate", "model": cfg.model, "params": model.num_params(),
                      "batch_size": bs}, lambda bs=bs: measure(bs)) for bs in cfg.hellaswag_batch_sizes]
 
+
+SUITES = {"kernel": bench_kernel, "decode": bench_decode, "int8": bench_int8, "hellaswag": bench_hellaswag,
+          "train": run_train}  # --suite all's order: the short suites first
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Output: one printer for every table; main
@@ -571,22 +566,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     result = {"provenance": {**common.provenance(cfg.device), "torch_threads": torch.get_num_threads()},
               "config": dataclasses.asdict(cfg), "errors": {}}
-    benches = {"kernel": bench_kernel, "decode": bench_decode, "int8": bench_int8, "hellaswag": bench_hellaswag,
-               "train": run_train}
-    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
 
     def save(row: Row | None = None) -> None:
         if row:
             result.setdefault(row["suite"], []).append(row)
             print(f"{row['suite']} {row['name']} {row.get('pass', '')}: {row['status']} {row.get('reason', '')}")
-        Path(cfg.out + ".tmp").write_text(json.dumps(result, indent=1, default=str) + "\n")
-        os.replace(cfg.out + ".tmp", cfg.out)
+        atomic_write(Path(cfg.out), (json.dumps(result, indent=1, default=str) + "\n").encode())
 
     save()
     attention = parallel.sdpa_switches()  # the train rows each pick a kernel; the caller gets its own choice back
     for suite in cfg.suites():
         try:
-            for row in benches[suite](cfg):
+            for row in SUITES[suite](cfg):
                 save(row)
         except Exception as e:  # a suite that breaks (e.g. a missing optional package) must not lose the others
             result["errors"][suite] = reason(e)
