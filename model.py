@@ -1,8 +1,6 @@
 """GPT-2, the model only: GPTConfig and presets, KV cache, RoPE, attention, MLP, Block and GPT (forward, generation,
-the optimizer, FLOP accounting, loading train.py checkpoints and OpenAI/HF GPT-2 weights).
-
-The loss lives beside its kernel in fused_ce.py, the shared helpers in common.py, HF export in export.py.
-"""
+the optimizer, FLOP accounting, loading train.py checkpoints and OpenAI/HF GPT-2 weights). The loss lives beside its
+kernel in fused_ce.py, HF export in export.py."""
 
 from __future__ import annotations
 
@@ -64,13 +62,12 @@ class GPTConfig:
         self._check_values()
 
     def _check_types(self) -> None:
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.n_kv_head is not None and (isinstance(self.n_kv_head, bool) or not isinstance(self.n_kv_head, int)
-                                           or self.n_kv_head < 1):
-            raise ValueError(f"GPTConfig.n_kv_head must be an integer >= 1 or None (= n_head), got {self.n_kv_head!r}")
+        ints = {"block_size": 1, "vocab_size": 1, "n_layer": 1, "n_head": 1, "n_embd": 1, "n_kv_head": 1,
+                "loss_chunk": 0}  # the lowest value each takes
+        for name, low in ints.items():
+            value, none = getattr(self, name), " or None (= n_head)" if name == "n_kv_head" else ""
+            if not (none and value is None) and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"GPTConfig.{name} must be an integer >= {low}{none}, got {value!r}")
         for name in ("bias", "fused_gelu", "fused_ce", "half_residual", "value_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
@@ -92,16 +89,13 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.pos='rope' needs an even head size, got {self.n_embd // self.n_head}")
         if not self.rope_theta > 0:
             raise ValueError(f"GPTConfig.rope_theta must be > 0, got {self.rope_theta}")
-        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
-            raise ValueError(f"GPTConfig.loss_chunk must be an integer >= 0 (0 = off), got {self.loss_chunk!r}")
         if self.fused_gelu and (self.mlp != "gelu" or not self.bias):
             raise ValueError("GPTConfig.fused_gelu fuses the c_fc bias into GELU, so it needs mlp='gelu' and "
                              f"bias=True; got mlp={self.mlp!r}, bias={self.bias}")
 
     @property
     def kv_heads(self) -> int:
-        """Key/value heads: n_kv_head, or n_head when it is None. Resolved here rather than stored, so that
-        dataclasses.replace(config, n_head=...) on a plain config stays plain instead of silently becoming GQA."""
+        """n_kv_head, or n_head when None: not stored, so replace(config, n_head=...) keeps a plain config plain."""
         return self.n_kv_head if self.n_kv_head is not None else self.n_head
 
     @property
@@ -152,9 +146,8 @@ def make_norm(config: GPTConfig) -> nn.LayerNorm | nn.RMSNorm:
 
 
 class KVCache:
-    """Per-layer keys/values for incremental decoding; `pos` is the number of cached positions. Each layer's buffers
-    take the dtype and device of its first keys: the weights' dtype does not tell (autocast, FSDP2 mixed precision).
-    `pad` (B,) left-pads a ragged batch: row b's positions count from pad[b] and no query sees its pad slots."""
+    """Per-layer keys/values for decoding, `pos` of them cached, in the dtype of the first keys (autocast and FSDP2
+    mixed precision hide it). `pad` (B,) left-pads a ragged batch: row b's positions count from pad[b]."""
 
     def __init__(self, config: GPTConfig, batch_size: int, pad: torch.Tensor | None = None):
         self.shape = (batch_size, config.kv_heads, config.block_size, config.head_dim)
@@ -244,8 +237,7 @@ class MLP(nn.Module):
             hidden = 4 * config.n_embd
             self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
         else:
-            # 2/3 of 4C keeps the parameter count of the GELU MLP; rounded up to 64 for matmul speed (which adds
-            # parameters at small widths)
+            # 2/3 of 4C keeps the GELU MLP's parameter count; rounded up to 64 for matmul speed
             hidden = 64 * math.ceil(8 * config.n_embd / 3 / 64)
             self.c_fc = nn.Linear(config.n_embd, 2 * hidden, bias=config.bias)  # gate and up, fused
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
@@ -319,9 +311,8 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _apply(self, fn: Callable, recurse: bool = True) -> GPT:
-        """Every cast and move of the module (.to, .half, .cuda) goes through here. RoPE's cos/sin tables are angles,
-        not weights: a cast of the model to bf16 (sample.py's decoding, or a user's model.half()) must not round them
-        (autocast leaves buffers alone, so training used fp32 ones), so they are rebuilt in fp32 where they now are."""
+        """Every cast and move (.to, .half) goes through here. RoPE's tables are angles, not weights: a bf16 cast of the
+        model (sample.py) must not round them (training's autocast used fp32 ones), so they are rebuilt in fp32."""
         super()._apply(fn, recurse)
         if self.config.pos == "rope" and self.rope_cos.dtype != torch.float32:
             cos, sin = rope_tables(self.config)  # computed as __init__ did, on the CPU: the very same values
@@ -339,12 +330,10 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
                 cache: KVCache | None = None, last_only: bool = False, return_logits: bool = True,
                 values: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """idx (B, T) -> logits (B, T, V) (or (B, 1, V) with last_only) and the mean loss over targets != -1 (None
-        without targets). With config.loss_chunk or fused_ce and targets the logits are never made whole (None).
-        return_logits=False (with targets) returns (None, loss), the training step's call: a compiled forward that
-        outputs logits gets a zero (B, T, V) gradient for them in backward even when nothing uses them.
-        values=True (no targets; needs config.value_head) returns (logits or None without return_logits, the head's
-        fp32 values (B, T))."""
+        """idx (B, T) -> logits (B, T, V) ((B, 1, V) with last_only; None with loss_chunk or fused_ce and targets) and
+        the mean loss over targets != -1 (None without targets). return_logits=False is the training step's call: a
+        compiled forward that outputs logits gets a zero (B, T, V) gradient for them. values=True (config.value_head)
+        returns (logits or None, the head's fp32 values (B, T))."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
@@ -423,9 +412,8 @@ class GPT(nn.Module):
     @staticmethod
     def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                       vocab: int = GPT2_VOCAB) -> torch.Tensor:
-        """(B, V) fp32 logits to sample from: scaled by 1/temperature, then every token outside the top_k and outside
-        the nucleus (the smallest set of most likely tokens whose probability reaches top_p) set to -inf, in HF's
-        order (temperature, top-k, top-p). Ids >= vocab (GPT-2's padded rows by default) are never kept. New tensor."""
+        """A new (B, V) fp32 tensor to sample from: logits / temperature, -inf outside the top_k and outside the top_p
+        nucleus (HF's order), and at ids >= vocab (GPT-2's padded rows by default)."""
         logits = logits.float().clone()  # a copy: float() of fp32 logits is the caller's tensor, edited below
         if logits.size(-1) > vocab:
             logits[:, vocab:] = -float("inf")  # ids the caller does not sample (padding, or specials)
@@ -472,8 +460,7 @@ class GPT(nn.Module):
                 if use_cache and cache is not None and cache.pos < bs:
                     logits, _ = self(idx[:, -1:], cache=cache, last_only=True)
                 else:
-                    # first step, or the context overflowed: (re)fill the cache from the cropped context, which
-                    # is exactly what the uncached path computes
+                    # first step, or the context overflowed: (re)fill the cache from the cropped context
                     cache = KVCache(self.config, idx.size(0)) if use_cache else None
                     logits, _ = self(idx[:, -bs:], cache=cache, last_only=True)
                 nxt = self._next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
@@ -510,17 +497,11 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str, **overrides: Any) -> GPT:
-        """OpenAI GPT-2 weights from an HF checkpoint: a local dir (config.json + safetensors or .bin) or a hub name.
-
-        HF's GPT-2 stores its matmuls as Conv1D (in, out); ours are nn.Linear (out, in), so those are transposed.
-        """
+        """OpenAI GPT-2 weights from an HF checkpoint: a local dir (config.json + safetensors or .bin) or a hub name."""
         path = Path(name_or_dir)
         if not path.is_dir():
-            try:
-                from huggingface_hub import snapshot_download
-            except ImportError as e:
-                raise RuntimeError(f"{name_or_dir!r} is not a local directory, and downloading it needs "
-                                   "`pip install huggingface_hub`") from e
+            from huggingface_hub import snapshot_download  # installed with datasets
+
             path = Path(snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors",
                                                                        "model.safetensors.index.json"]))
         hf = json.loads((path / "config.json").read_text())
@@ -569,20 +550,16 @@ class GPT(nn.Module):
                              "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")
         path = Path(init_from).expanduser()
         if path.is_file():
-            raise ValueError(f"--init-from {init_from} is a file; --init-from takes a hub name (gpt2, gpt2-medium, "
-                             f"gpt2-large, gpt2-xl) or {HF_DIR}. For a checkpoint train.py wrote, use --ckpt "
+            raise ValueError(f"--init-from {init_from} is a file; for a checkpoint train.py wrote, use --ckpt "
                              f"{init_from}")
-        if path.suffix in (".pt", ".pth") and not path.exists():  # else a hub id (org/name.pt) that fails online
-            raise FileNotFoundError(f"--init-from {init_from}: no such file (a .pt is a checkpoint's path, not a "
-                                    "hub name); check the path")
         if path.is_dir():
             return cls._from_hf_dir(path, init_from)
-        # a hub id is `name` or `org/name` of word characters, '-' and '.', neither first nor last: anything else
-        # (./x, ../x, /abs/x, a/b/c) was meant as a local path
+        # a hub id is `name` or `org/name` of word characters, '-' and '.', neither first nor last, and no .pt: anything
+        # else (./x, ../x, /abs/x, a/b/c, run/ckpt.pt) was meant as a local path
         part = r"\w(?:[\w.-]*\w)?"
-        if not re.fullmatch(rf"(?:{part}/)?{part}", init_from) or ".." in init_from or "--" in init_from:
-            raise FileNotFoundError(f"--init-from {init_from}: the directory does not exist; pass {HF_DIR}, or a "
-                                    "hub name such as gpt2")
+        if not re.fullmatch(rf"(?:{part}/)?{part}", init_from) or ".." in init_from or "--" in init_from or \
+                path.suffix in (".pt", ".pth"):
+            raise FileNotFoundError(f"--init-from {init_from}: no such file or directory (nor a hub name)")
         try:
             return cls.from_pretrained(init_from)
         except OSError as e:
@@ -614,8 +591,8 @@ def with_new_head(model: GPT, weights: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_finite(source: str, weights: dict[str, torch.Tensor] | None = None) -> None:
-    """Refuse a checkpoint a NaN stop set aside, by its name, or weights holding a NaN or inf: aminmax reads each
-    tensor once and allocates nothing, where isfinite(t).all() writes a mask as large as the tensor."""
+    """Refuse a checkpoint a NaN stop set aside, by its name, or weights holding a NaN or inf (aminmax allocates
+    nothing, where isfinite(t).all() writes a mask as large as the tensor)."""
     if source.endswith(".diverged"):
         raise ValueError(f"{source} is the one a NaN stop set aside: its weights gave a NaN or inf loss or gradient "
                          "norm in training; use the checkpoint before it (--resume auto takes that one)")
@@ -635,20 +612,13 @@ def check_weights(model: GPT, weights: dict[str, Any], source: str) -> None:
              if k in expected and (not isinstance(v, torch.Tensor) or v.shape != expected[k].shape)]
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
-
-    def few(items: list[str]) -> str:
-        return "; ".join(items[:2]) + (f"; and {len(items) - 2} more" if len(items) > 2 else "")
-
-    problems = [f"{len(items)} {what} ({few(items)})" for items, what in
+    problems = [f"{len(items)} {what} ({'; '.join(items[:2])}{f'; and {len(items) - 2} more' * (len(items) > 2)})"
+                for items, what in
                 ((wrong, "tensors do not fit"), (missing, "weights missing"), (unexpected, "unexpected weights"))
                 if items]
     if problems:
-        config = model.config
-        shape = ", ".join(f"{f}={getattr(config, f)}" for f in ("n_layer", "n_head", "n_embd", "vocab_size",
-                                                                "block_size"))
-        raise ValueError(f"{source}: the weights do not fit its model_config ({shape}): {', '.join(problems)}. "
-                         "Its weights and model_config describe different models; pass a checkpoint as train.py "
-                         "wrote it")
+        raise ValueError(f"{source}: the weights do not fit its model_config: {', '.join(problems)}; pass a checkpoint "
+                         "as train.py wrote it")
 
 
 def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:
@@ -668,8 +638,7 @@ def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:
 
 
 def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    """An HF directory's tensors: model.safetensors or pytorch_model.bin, or the shards an index.json lists (what
-    save_pretrained writes above its max_shard_size, e.g. a gpt2-xl in fp32 from transformers 4.x)."""
+    """An HF directory's tensors: model.safetensors or pytorch_model.bin, or the shards an index.json lists."""
     def load(f: Path) -> dict[str, torch.Tensor]:
         if f.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -497,7 +497,7 @@ def test_cli_errors_are_one_line(tmp_path, hf_dir):
         main(["--data", str(FIXTURE), "--ckpt", str(not_ckpt)])
     with pytest.raises(SystemExit, match=r"^error: no model given: pass --ckpt PATH"):
         main(["--data", str(FIXTURE)])
-    with pytest.raises(SystemExit, match=rf"^error: --init-from {re.escape(str(not_ckpt))} is a file; .* For a "
+    with pytest.raises(SystemExit, match=rf"^error: --init-from {re.escape(str(not_ckpt))} is a file; for a "
                                          rf"checkpoint train.py wrote, use --ckpt {re.escape(str(not_ckpt))}$"):
         main(["--data", str(FIXTURE), "--init-from", str(not_ckpt)])
     with pytest.raises(SystemExit, match=rf"^error: checkpoint {re.escape(str(hf_dir))} is a directory, not a file; "
