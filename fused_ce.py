@@ -3,16 +3,14 @@ loss's gradient with respect to that row, with no fp32 copy of the logits and no
 
     loss[r] = logsumexp(z[r]) - z[r, t[r]]        grad[r] = softmax(z[r]) - onehot(t[r])        z: (N, V), t: (N,)
 
-A row whose target is -1 is ignored: loss 0, gradient 0. With label smoothing s, spread over the R real token ids
-(R = 50257 for GPT-2's vocabulary padded to 50304, as _chunk_loss below does):
+A row whose target is -1 is ignored (loss 0, gradient 0). Label smoothing s spreads over the R real token ids
+(R = 50257 of GPT-2's padded 50304, as _chunk_loss below does):
 
     loss[r] = (1 - s) (lse - z_t) + s (lse - mean_{j < R} z_j)        grad[r] = softmax - (1 - s) onehot - s/R [j < R]
 
-Each program owns one row and makes two passes over it: an online max and sum of exponentials, then the gradient,
-walking the row backwards so its first blocks are still in L2. The math is fp32; the gradient comes out in the
-logits' dtype. Why a kernel at all (the compiled loss's cost on an H200): docs/notes.md, "fused_ce.py".
-
-The kernel is the inner step of the fused lm_head + loss below (lm_loss, GPTConfig.fused_ce).
+Each program owns one row: an online max and sum of exponentials, then the gradient, walking the row backwards so
+its first blocks are still in L2. Math in fp32, the gradient in the logits' dtype. Why a kernel (the compiled loss's
+cost on an H200): docs/notes.md, "fused_ce.py". It is the inner step of lm_loss below (GPTConfig.fused_ce).
 
 Usage (self-check against the reference, not a benchmark; speed lives in bench.py):
     python fused_ce.py --rows 4096 --vocab 50304 --dtype bfloat16                      # on a CUDA machine
@@ -39,9 +37,8 @@ BLOCK_V, NUM_WARPS = 4096, 8
 
 def cross_entropy_reference(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0,
                             real_vocab: int | None = None) -> tuple[Tensor, Tensor]:
-    """The definition the kernel must match, through autograd in fp64 (fp32's own rounding over V ids is larger
-    than the kernel's), returned in fp32: (loss per row (N,), gradient (N, V) of the summed loss). Ignored rows
-    (target -1) get loss 0 and gradient 0."""
+    """The definition the kernel must match, through autograd in fp64 (fp32's rounding over V ids exceeds the kernel's):
+    (loss per row (N,), gradient (N, V) of the summed loss) in fp32; 0 for ignored rows (target -1)."""
     z = logits.detach().double().requires_grad_()
     rows = _log_softmax_rows(z, targets, label_smoothing, real_vocab or z.size(1))
     (grad,) = torch.autograd.grad(rows.sum(), z)
@@ -66,8 +63,7 @@ if _HAS_TRITON:
     def _cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, grad_ptr, label_smoothing, real_vocab,
                               V: tl.constexpr, BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr,
                               WITH_GRAD: tl.constexpr):
-        # V is a constexpr: the interpreter cannot loop to a runtime int (docs/notes.md); a model has one V, so this
-        # compiles once
+        # V is a constexpr: the interpreter cannot loop to a runtime int; a model has one V, so this compiles once
         row = tl.program_id(0).to(tl.int64)  # int64: row * V passes 2^31 at B*T = 65536 rows, V = 50304
         base = logits_ptr + row * V
         target = tl.load(targets_ptr + row)
@@ -111,8 +107,7 @@ def cross_entropy_rows(logits: Tensor, targets: Tensor, label_smoothing: float =
                        with_grad: bool = True, block_v: int = BLOCK_V,
                        num_warps: int = NUM_WARPS) -> tuple[Tensor, Tensor | None]:
     """Launch the kernel on logits (N, V) and targets (N,): (loss per row (N,) fp32, gradient of the summed loss (N, V)
-    in logits' dtype, or None without with_grad). Targets must be in [0, V) or -1 (ignored), as for F.cross_entropy;
-    the kernel does not check (a check would sync the GPU every step). Not autograd: _ChunkedCrossEntropy calls it."""
+    in logits' dtype, or None). Targets in [0, V) or -1, unchecked (a check would sync the GPU). Not autograd."""
     if not _HAS_TRITON:
         raise RuntimeError("cross_entropy_rows needs triton, which is not installed: `pip install triton` on a CUDA "
                            "machine, or use the PyTorch loss (GPTConfig.fused_ce=False)")
@@ -137,10 +132,8 @@ def cross_entropy_rows(logits: Tensor, targets: Tensor, label_smoothing: float =
 
 def _chunk_loss(logits: Tensor, targets: Tensor, label_smoothing: float,
                 with_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """Summed cross-entropy of fp32 logits (n, V) over the rows whose target is not -1, and optionally its gradient
-    with respect to the logits: softmax - (1 - s) * onehot - s / R on those rows, 0 on the others. Label smoothing
-    spreads s over the R = min(V, 50257) real ids only: a smoothing target on the padded ids would train their logits
-    up, towards probability the model can never use (they are never targets, and never sampled or exported)."""
+    """Summed cross-entropy of fp32 logits (n, V) over targets != -1, and optionally its gradient. Label smoothing
+    spreads s over the R = min(V, 50257) real ids only: on the padded ids it would train up logits never used."""
     valid = targets != -1
     safe = targets.masked_fill(~valid, 0)  # (n,)
     real = min(logits.size(-1), GPT2_VOCAB)
@@ -171,8 +164,8 @@ def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0)
 
 def _rows_loss(logits: Tensor, targets: Tensor, label_smoothing: float, fused: bool,
                with_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """One chunk's summed loss and, with with_grad, its gradient with respect to the logits (N, V): fused_ce.py's
-    kernel on the logits in their own dtype, or _chunk_loss on an fp32 copy."""
+    """One chunk's summed loss and, with with_grad, its gradient (N, V): the kernel in the logits' own dtype, or
+    _chunk_loss on an fp32 copy."""
     if fused:
         rows, grad = cross_entropy_rows(logits, targets, label_smoothing, min(logits.size(1), GPT2_VOCAB), with_grad)
         return rows.sum(), grad
@@ -180,10 +173,8 @@ def _rows_loss(logits: Tensor, targets: Tensor, label_smoothing: float, fused: b
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of x @ weight.T against targets, a chunk of rows at a time. Each chunk's gradients with
-    respect to x and weight are computed in forward, from its logits, which are then freed; backward only scales
-    them. Peak memory is one chunk's logits and their gradient instead of all B*T of them. With fused, the kernel
-    makes each chunk's loss and gradient in the logits' own dtype; without, _chunk_loss does it on an fp32 copy."""
+    """Mean cross-entropy of x @ weight.T, a chunk of rows at a time. Each chunk's gradients for x and weight are made
+    in forward from its logits, then freed; backward only scales them: peak memory is one chunk's logits, not B*T's."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, targets: Tensor, chunk: int,
@@ -224,10 +215,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def chunked_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, chunk: int,
                           label_smoothing: float = 0.0, fused: bool = False) -> Tensor:
-    """F.cross_entropy(x @ weight.T, targets, ignore_index=-1, label_smoothing=...) without the full logits.
-    x (N, C), weight (V, C), targets (N,); chunk 0 is all N rows at once. fused uses fused_ce.py's Triton kernel for
-    CUDA tensors when triton is installed, the PyTorch reference otherwise. Without autograd (eval) the chunks'
-    gradients are not computed."""
+    """F.cross_entropy(x @ weight.T, targets, ignore_index=-1, label_smoothing=...) of x (N, C), weight (V, C) without
+    the full logits (chunk 0: all rows at once); fused uses the kernel on CUDA with triton, the reference elsewhere."""
     chunk = chunk or max(x.size(0), 1)
     fused = fused and x.is_cuda and triton_available()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -241,9 +230,8 @@ def chunked_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, chunk: int
 
 
 def scored_rows(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """Only the rows of x (.., C) whose target is not -1, when some are: SFT's loss covers the assistant's tokens
-    alone, and the lm_head then runs on those (a sixth of sft-demo's rows). Eager CPU only: the shape depends on
-    data, and on a GPU each check would wait for it."""
+    """Only the rows of x (.., C) whose target is not -1 (SFT scores the assistant's tokens alone: a sixth of
+    sft-demo's rows). Eager CPU only: the shape depends on data, and on a GPU each check would wait for it."""
     keep = targets != -1
     if bool(keep.all()) or not bool(keep.any()):
         return x, targets
@@ -252,9 +240,8 @@ def scored_rows(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
 
 def lm_loss(x: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float = 0.0, chunk: int = 0,
             fused: bool = False, return_logits: bool = True) -> tuple[Tensor | None, Tensor]:
-    """The language-model loss of hidden states x (B, T, C) through the lm_head weight (V, C) against targets (B, T):
-    (logits (B, T, V) or None, mean loss over targets != -1). With chunk or fused the logits never exist whole (or
-    only inside the loss) and come back None; otherwise they come back unless return_logits is False."""
+    """(logits (B, T, V) or None, mean loss over targets != -1) of hidden states x (B, T, C) through the lm_head weight
+    (V, C). With chunk or fused the logits never exist whole and come back None, as without return_logits."""
     if x.device.type == "cpu" and (chunk or fused or not return_logits) and not torch.compiler.is_compiling():
         x, targets = scored_rows(x, targets)
     if chunk or fused:

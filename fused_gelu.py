@@ -2,12 +2,10 @@
 
     y = gelu_tanh(x + b)        x: (..., N) (the c_fc matmul output, no bias), b: (N,)
 
-Forward reads x and b once and writes y, so x + b never exists in memory. Backward recomputes x + b from the saved
-x and b and writes dx and db in one pass over dy and x; db goes through per-program partial rows, without atomics, so
-gradients are bitwise reproducible. Math is fp32 inside; y and dx come out in x's dtype, db in b's dtype.
-
-The MLP calls `bias_gelu(x, b, fused)`. On CPU the kernels run under the Triton interpreter when TRITON_INTERPRET=1
-is set before triton is first imported.
+Forward reads x and b once and writes y: x + b never exists in memory. Backward recomputes x + b and writes dx and db
+in one pass over dy and x; db goes through per-program partial rows, not atomics, so it is bitwise reproducible. Math
+in fp32; y and dx in x's dtype, db in b's. The MLP calls `bias_gelu(x, b, fused)`; on CPU the kernels run under the
+Triton interpreter when TRITON_INTERPRET=1 is set before triton is first imported.
 
 Usage (self-check against the reference, not a benchmark; speed lives in bench.py):
     python fused_gelu.py --rows 8192 --cols 3072 --dtype bfloat16          # on a CUDA machine
@@ -112,8 +110,7 @@ def bias_gelu_bwd(dy: Tensor, x: Tensor, b: Tensor, block_m: int = BWD_BLOCK_M, 
                   rows_per_program: int = BWD_ROWS_PER_PROGRAM,
                   num_warps: int = BWD_NUM_WARPS) -> tuple[Tensor, Tensor]:
     """Launch the backward kernel on contiguous (M, N) dy and x and an (N,) b; returns dx (x's dtype), db (b's dtype).
-    rows_per_program (rounded up to a multiple of block_m) does not depend on M, so the kernel compiles once for
-    every M, symbolic ones under torch.compile included; a smaller M leaves the loop's tail masked."""
+    rows_per_program does not depend on M, so the kernel compiles once for every M (symbolic ones included)."""
     M, N = x.shape
     dx = torch.empty_like(x)
     if x.numel() == 0:
@@ -157,18 +154,16 @@ def fused_bias_gelu(x: Tensor, b: Tensor) -> Tensor:
 
 
 def bias_gelu(x: Tensor, b: Tensor, fused: bool) -> Tensor:
-    """The MLP's bias + GELU: the Triton kernels when fused and x is on CUDA and triton is installed, else the
-    reference. Both return x's dtype: the reference casts b to it, as nn.Linear's bias is under autocast, so the
-    unfused model is the standard bf16 GPT-2 MLP (docs/notes.md: the fp32 promotion this avoids)."""
+    """The MLP's bias + GELU: the Triton kernels when fused, on CUDA, with triton; else the reference, with b cast to
+    x's dtype as nn.Linear's bias is under autocast (docs/notes.md: the fp32 promotion this avoids)."""
     if fused and x.is_cuda and _HAS_TRITON:
         return fused_bias_gelu(x, b)
     return bias_gelu_reference(x, b.to(x.dtype))
 
 
 def check_cli_device(parser: argparse.ArgumentParser, device: str, kernel: object, script: str) -> None:
-    """The self-check CLIs' (this file's and fused_ce.py's) device rules: a usage error, not a traceback, when triton
-    is missing, when --device cuda has no GPU, or when a CPU device meets kernels compiled for the GPU; on cuda:N
-    that GPU becomes the current one (Triton launches on the current device, not on the tensors' own)."""
+    """The self-check CLIs' device rules: a usage error, not a traceback, for a missing triton, no GPU, or a CPU device
+    without the interpreter; cuda:N becomes the current device (where Triton launches, whatever the tensors')."""
     if not _HAS_TRITON:
         parser.error("triton is not installed (pip install triton)")
     if device.startswith("cuda") and not torch.cuda.is_available():
