@@ -29,16 +29,14 @@ from model import GPT, HF_CONV1D, NORM_EPS, GPTConfig
 
 @dataclass
 class ExportConfig:
-    """Write a train.py checkpoint as an HF GPT2LMHeadModel or LlamaForCausalLM directory (config.json,
-    model.safetensors, tokenizer)."""
+    """Write a train.py checkpoint as an HF GPT2LMHeadModel or LlamaForCausalLM directory."""
 
     ckpt: str = ""  # a train.py checkpoint to export
     export_hf: str = ""  # output directory for the HF export (for transformers / lm-eval-harness)
 
 
 def hf_class(cfg: GPTConfig) -> str:
-    """The HF class that computes exactly this model: GPT2LMHeadModel, LlamaForCausalLM, or a one-line ValueError
-    naming what each lacks."""
+    """The HF class that computes exactly this model, or a one-line ValueError naming what each lacks."""
     gpt2_lacks = [what for on, what in ((cfg.mlp == "swiglu", "SwiGLU MLP"), (cfg.pos == "rope", "rotary positions"),
                                         (cfg.norm == "rmsnorm", "RMSNorm"),
                                         (cfg.kv_heads != cfg.n_head, "grouped-query attention"),
@@ -49,10 +47,8 @@ def hf_class(cfg: GPTConfig) -> str:
         return "GPT2LMHeadModel"
     if not llama_lacks:
         return "LlamaForCausalLM"
-    raise ValueError("export_hf supports only the plain GPT-2 architecture (GPT2LMHeadModel) and the LLaMA one "
-                     f"(LlamaForCausalLM); this model has mlp={cfg.mlp!r}, pos={cfg.pos!r}, norm={cfg.norm!r}, "
-                     f"n_kv_head={cfg.kv_heads}, bias={cfg.bias}: GPT2LMHeadModel has no {', '.join(gpt2_lacks)}, "
-                     f"and LlamaForCausalLM no {', '.join(llama_lacks)}")
+    raise ValueError("export_hf supports only the plain GPT-2 architecture and the LLaMA one: GPT2LMHeadModel has no "
+                     f"{', '.join(gpt2_lacks)}, and LlamaForCausalLM no {', '.join(llama_lacks)}")
 
 
 HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
@@ -61,13 +57,9 @@ STAGING = ".export-partial"  # written here first, then moved into place: a fail
 
 
 def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Path:
-    """Write an HF `GPT2LMHeadModel` or `LlamaForCausalLM` directory (config.json, model.safetensors, tokenizer
-    files) for lm-eval etc. A vocabulary padded past GPT-2's 50,257 ids is cropped to them (as llm.c does): the padded
-    rows are never tokens, and HF's generate, which knows nothing of our padding, could otherwise sample them. A chat
-    model keeps its rows (the chat tokens live there) and gets the chat tokenizer and generation_config.json.
-
-    An earlier export there is replaced; a write that fails (a full disk, no permission) is one OSError line and
-    leaves the directory as it was."""
+    """Write an HF GPT2LMHeadModel or LlamaForCausalLM directory. A vocabulary padded past GPT-2's 50,257 ids is cropped
+    to them (as llm.c does: HF's generate could sample the padded rows); a chat model keeps them (the chat tokens) and
+    gets the chat tokenizer. An earlier export is replaced; a failed write is one OSError line and changes nothing."""
     cfg = model.config
     gpt2 = hf_class(cfg) == "GPT2LMHeadModel"  # before anything is written
     out = check_target(Path(out_dir))
@@ -203,13 +195,8 @@ def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(ExportConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    if not cfg.export_hf:
-        if cfg.ckpt:  # sampling a checkpoint is sample.py's job
-            raise SystemExit(f"error: --ckpt is only read with --export-hf DIR; to sample from it: python sample.py "
-                             f"--ckpt {cfg.ckpt}")
+    if not (cfg.ckpt and cfg.export_hf):
         raise SystemExit("error: pass --ckpt PATH (a checkpoint train.py wrote) and --export-hf DIR")
-    if not cfg.ckpt:
-        raise SystemExit("error: --export-hf needs --ckpt PATH (a checkpoint train.py wrote)")
     try:
         check_target(Path(cfg.export_hf))  # before a large checkpoint takes its time to load
         model = GPT.from_checkpoint(cfg.ckpt)
