@@ -5,8 +5,6 @@ tokens given the context; `acc` picks the lowest summed loss, `acc_norm` the low
 the "completion style" of build-nanogpt / llm.c (GPT-2 124M: acc 0.2859, acc_norm 0.2955 on the 10,042
 validation examples), not the Eleuther harness's multiple-choice style, whose numbers are higher.
 
-train.py and the CLI both call `evaluate`; the scoring exists only there.
-
 Usage:
     python hellaswag.py --init-from gpt2                      # OpenAI GPT-2 124M via HF
     python hellaswag.py --ckpt out/run/ckpt_019000.pt --limit 1000
@@ -166,10 +164,9 @@ def render_example(example: dict, enc: Any) -> Rendered:
 
 
 def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and ending masks, (rows, T) each: 4 rows per example, then dummy rows (mask 0) up to `rows`. T is the
-    longest candidate rounded up to a multiple of 32, capped at block_size, and `rows` is fixed: a compiled model sees
-    few distinct shapes. Padding goes on the right, out of the real tokens' causal view. A candidate longer than
-    block_size keeps its last block_size tokens: the context loses its first (and the ending, if longer alone)."""
+    """Tokens and ending masks, (rows, T) each: 4 rows per example, then dummy rows (mask 0) up to a fixed `rows`, T the
+    longest candidate rounded up to 32 (few shapes for a compiled model), right-padded out of the causal view. A
+    candidate longer than block_size keeps its last block_size tokens."""
     keep = -block_size if block_size else 0
     seqs = [((r.ctx + end)[keep:], ([0] * len(r.ctx) + [1] * len(end))[keep:]) for r in batch for end in r.endings]
     longest = max((len(s) for s, _ in seqs), default=1)  # an empty batch still makes one (all-dummy) forward
@@ -184,9 +181,8 @@ def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tupl
 
 def score_batch(model: Any, tokens: torch.Tensor, mask: torch.Tensor,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed and mean cross-entropy of the masked tokens of each row, (rows,) each, in fp32 (0 for dummy rows).
-    Logit t predicts token t + 1, so a masked token at t + 1 is scored by row position t. Only those positions
-    are gathered and upcast to fp32: the full (rows, T, V) logits in fp32 would be several GB for GPT-2."""
+    """Summed and mean cross-entropy of each row's masked tokens, (rows,) each, in fp32 (0 for dummy rows). Only the
+    scored positions are upcast to fp32: the full (rows, T, V) logits in fp32 would be several GB for GPT-2."""
     rows, T = tokens.shape
     scored = mask[:, 1:].bool()  # (rows, T-1): target t+1 is an ending token
     r, t = scored.nonzero(as_tuple=True)  # computed on the CPU tensors: no device sync
@@ -210,10 +206,9 @@ def _config(model: Any) -> Any:
 
 def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank: int = 0, world_size: int = 1,
              limit: int | None = None, batch_size: int = 16, enc: Any = None, progress: bool = False) -> dict:
-    """Completion-style HellaSwag accuracy of `model` (`model(idx) -> (logits, loss)`: a GPT, or train.py's compiled,
-    DDP or FSDP module), called on every rank. Returns {"acc", "acc_norm", "n", "examples_per_sec"}, the same on each.
-    Ranks take strided shares and all-reduce the counts (world_size > 1 needs a process group). Runs under no_grad,
-    in eval mode (restored after), bf16 autocast on CUDA. `progress` shows a tqdm bar on rank 0."""
+    """Completion-style HellaSwag {"acc", "acc_norm", "n", "examples_per_sec"} of `model` (a GPT, or train.py's
+    compiled, DDP or FSDP module), called on every rank: ranks take strided shares and all-reduce the counts. Runs
+    under no_grad in eval mode (restored after), bf16 autocast on CUDA; `progress` shows a tqdm bar on rank 0."""
     device = torch.device(device)
     examples = examples[:limit] if limit is not None else examples
     # examples made in Python, not by load_examples, are checked here

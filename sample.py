@@ -124,8 +124,7 @@ def words(text: str) -> list[str]:
 
 
 def corpus_words(data_dir: str, max_tokens: int = 20_000_000) -> set[str]:
-    """The identifier-like words (runs of letters, digits and _) of data_dir's train shards, from their first
-    max_tokens tokens: a fineweb-sized corpus would take minutes to decode whole."""
+    """The words of data_dir's train shards' first max_tokens tokens (a fineweb-sized corpus takes minutes whole)."""
     from fineweb import find_shards, read_shard
 
     if not Path(data_dir).is_dir():
@@ -141,8 +140,7 @@ def corpus_words(data_dir: str, max_tokens: int = 20_000_000) -> set[str]:
 
 
 def corpus_check(texts: list[str], seen: set[str]) -> dict[str, float]:
-    """How much the samples read as the corpus: the share of their words in `seen` (corpus_words) and the share of
-    their lines that are whitespace only."""
+    """How much the samples read as the corpus: the share of their words in `seen` and of their blank lines."""
     sampled = [w for text in texts for w in words(text)]
     lines = [line for text in texts for line in text.strip("\n").split("\n")]
     return {"words": len(sampled), "known": sum(w in seen for w in sampled) / max(1, len(sampled)),
@@ -162,10 +160,8 @@ def torchao_int8() -> tuple[Any, Any]:
 
 
 def quantize_int8(model: nn.Module) -> list[str]:
-    """Make every nn.Linear weight int8 with one scale per output row (torchao weight-only INT8, in place); return
-    their names. The matmuls dequantize to the activations' dtype, so cast the model first (bf16 on CUDA). A shared
-    weight (the tied lm_head, also the token embedding) stays as it is: quantize_ would untie it, keeping a
-    full-precision embedding beside an int8 copy."""
+    """Make every nn.Linear weight int8 in place (torchao weight-only, a scale per output row; cast the model first);
+    return their names. The tied lm_head stays: quantize_ would untie it, keeping the embedding beside an int8 copy."""
     quantize_, config = torchao_int8()
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and uses[id(m.weight)] == 1]
