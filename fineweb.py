@@ -5,9 +5,8 @@ the tokens as uint16. PREFIX_val_000000.bin is validation, PREFIX_train_000001.b
 them apart by the `_val`/`_train` before the index.
 
 The writer reads the source through `datasets` and writes each document as <|endoftext|> + its GPT-2 tokens, in
-order: a .txt file is one document (or one per --txt-unit paragraph or line), stdlib one per .py file, stdlib-docs
-one per docstring. The val shard is the stream's first --val-tokens tokens: by default one --shard-size shard
-(shakespeare, stdlib-docs: 32768; stdlib: 2**18), or the first 10% of a source too short to leave a train token.
+order: a .txt file is one document (or one per --txt-unit paragraph or line), stdlib one per .py file, stdlib-docs one
+per docstring. The val shard is the stream's first --val-tokens tokens, or 10% of a source too short for a train token.
 
 After each shard, PREFIX_done.json records the settings, a local source's files (paths, sizes, mtimes), the shard's
 size and where the source stands after it (file, row, tokens of that row's document written). A rerun with the same
@@ -425,9 +424,8 @@ def _read_error(cfg: FinewebConfig, where: str, file: Path | None, err: Exceptio
 
 def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                    start: Iterable[int] = START) -> Iterator[tuple[str, tuple[int, int, int, int]]]:
-    """The source's non-empty texts from position `start` on, each with its position (part, row in it, row in the
-    source, parts). Streamed, each file is a part: a resume opens start's part (if the parts are as many) and skips
-    the earlier files unread. A read error becomes one line naming the file (streaming) or --source, and its cause."""
+    """The source's non-empty texts from `start` on, each with its position (part, row in it, row in the source, parts).
+    Streamed, each file is a part: a resume skips the earlier files unread. A read error is one line with its cause."""
     import datasets  # lazily: the loader above must import on machines without `datasets`
     import pyarrow
 
@@ -510,9 +508,8 @@ def token_stream(docs: Iterable[tuple[str, Any]], pool: ProcessPoolExecutor | No
         for job, positions in pending:
             yield job(), positions
     except BrokenProcessPool as e:  # raised by result(), and by submit() once the pool knows
-        raise DataError("a tokenizer process exited unexpectedly (killed, e.g. out of memory, or it could not "
-                        "start); the shards written so far are complete: run the same command again to continue "
-                        "after them") from e
+        raise DataError("a tokenizer process exited unexpectedly (killed, e.g. out of memory); the shards written "
+                        "so far are complete: run the same command again to continue after them") from e
 
 
 def shard_path(cfg: FinewebConfig, index: int) -> Path:
