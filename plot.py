@@ -40,8 +40,7 @@ class PlotConfig:
 
 
 def load_curves(path: Path) -> tuple[dict, dict[str, list[dict]]]:
-    """The last config record and, per record type, one record per step (a resumed run re-logs some steps:
-    the later record wins)."""
+    """The last config record and, per record type, one record per step (a resumed run's later one wins)."""
     config: dict = {}
     by_type: dict[str, dict[int, dict]] = {}
     for record in iter_log(path):
@@ -59,8 +58,7 @@ def run_names(logs: list[Path]) -> list[str]:
 
 
 def plot(cfg: PlotConfig) -> Path:
-    # a Figure of its own on the Agg canvas: no display needed, and no pyplot state or backend switch left behind
-    # in a notebook that calls plot()
+    # a Figure of its own on the Agg canvas: no display needed, and no pyplot state left in a notebook that calls plot()
     from matplotlib.figure import Figure
 
     logs = log_paths(cfg.log)
