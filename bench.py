@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import common
 import fused_ce
+import hellaswag
 import parallel
 import train
 from fineweb import atomic_write
@@ -459,8 +460,6 @@ WORDS = ("the a man woman dog he she they is was then slowly again takes puts ho
 
 def bench_hellaswag(cfg: BenchConfig) -> list[Row]:
     """hellaswag.evaluate's examples/s, tokenization included, on a random model and synthetic examples."""
-    import hellaswag  # here: the other suites must run where hellaswag's imports (tqdm) are missing
-
     rng, enc = random.Random(cfg.seed), common.get_tokenizer()
     sentence = lambda lo, hi: " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) + "."
     examples = [{"ctx": sentence(10, 60).capitalize(), "endings": [sentence(5, 25) for _ in range(4)],

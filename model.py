@@ -232,14 +232,10 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.config = config
-        if config.mlp == "gelu":
-            hidden = 4 * config.n_embd
-            self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
-        else:
-            # 2/3 of 4C keeps the GELU MLP's parameter count; rounded up to 64 for matmul speed
-            hidden = 64 * math.ceil(8 * config.n_embd / 3 / 64)
-            self.c_fc = nn.Linear(config.n_embd, 2 * hidden, bias=config.bias)  # gate and up, fused
+        self.config, gelu = config, config.mlp == "gelu"
+        # SwiGLU: 2/3 of 4C keeps the GELU MLP's parameter count; rounded up to 64 for matmul speed
+        hidden = 4 * config.n_embd if gelu else 64 * math.ceil(8 * config.n_embd / 3 / 64)
+        self.c_fc = nn.Linear(config.n_embd, hidden if gelu else 2 * hidden, bias=config.bias)  # SwiGLU: gate and up
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
