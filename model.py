@@ -266,10 +266,7 @@ class Block(nn.Module):
 
 
 def checkpoint_config(ckpt: dict[str, Any], source: str = "checkpoint", **overrides: Any) -> GPTConfig:
-    """The GPTConfig a loaded train.py checkpoint was written with (plus overrides), or a one-line ValueError."""
-    if not isinstance(ckpt.get("model_config"), dict) or not isinstance(ckpt.get("model"), dict):
-        raise ValueError(f"{source} is not a checkpoint of this project: 'model_config' and 'model' must be dicts, "
-                         f"got {type(ckpt.get('model_config')).__name__} and {type(ckpt.get('model')).__name__}")
+    """The GPTConfig a checkpoint load_checkpoint read was written with (plus overrides), or a one-line ValueError."""
     try:
         return GPTConfig(**{**ckpt["model_config"], **overrides})
     except TypeError as e:
