@@ -145,13 +145,12 @@ def guarded(row: Row, fn: Callable[[], Row]) -> Row:
         return {**row, "status": "failed", "reason": reason(e)}
 
 
-def device_lost(device: torch.device) -> str:
+def device_lost() -> str:
     """Free what a row left, or say why that failed: a CUDA error (an illegal memory access) is sticky; '' if none."""
     try:
         torch.compiler.reset()
         gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA never started
         return ""
     except Exception as e:
         return reason(e)
@@ -208,8 +207,7 @@ def train_config(cfg: BenchConfig, variant: Variant) -> train.TrainConfig:
 def bench_train(cfg: BenchConfig, variant: Variant) -> Row:
     """Time parallel.train_step on random tokens on the device, built as train.py builds its run; profile one more."""
     device, tcfg, accum = torch.device(cfg.device), train_config(cfg, variant), cfg.grad_accum
-    fused = tcfg.arch.get("fused_gelu") or tcfg.arch.get("fused_ce")
-    if fused and not (device.type == "cuda" and triton_available()):
+    if any(map(tcfg.arch.get, ("fused_gelu", "fused_ce"))) and not (device.type == "cuda" and triton_available()):
         raise Skipped("the fused kernels need CUDA and triton (elsewhere train.py runs the PyTorch reference)")
     if why := ((tcfg.compile and parallel.cuda_graph_conflict(tcfg, accum, device))
                or parallel.attention_conflict(tcfg, device) or parallel.optimizer_conflict(tcfg)):
@@ -268,7 +266,7 @@ def run_train(cfg: BenchConfig) -> Iterator[Row]:
             row["loss_delta"] = loss_delta(row, rows)
         rows.append(row)
         yield row
-        if device_lost(torch.device(cfg.device)):
+        if device_lost():
             return  # a sticky CUDA error: nothing more can run here (main says why)
 
 
@@ -580,7 +578,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 save(row)
         except Exception as e:  # a suite that breaks (e.g. a missing optional package) must not lose the others
             result["errors"][suite] = reason(e)
-        if why := device_lost(torch.device(cfg.device)):  # nothing more can run; the tables of what did are wanted
+        if why := device_lost():  # nothing more can run; the tables of what did are wanted
             result["errors"][suite] = f"the device failed: {why}; later suites not run"
             break
     parallel.set_sdpa_switches(attention)
