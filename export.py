@@ -110,15 +110,12 @@ def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block
     # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
     # from the umask, or other users of a shared filesystem could read the config but not the weights
     shutil.copymode(out / "config.json", out / "model.safetensors")
-    try:  # the GPT-2 tokenizer files too, so AutoTokenizer.from_pretrained(out_dir) works offline
-        data = gpt2_bpe_dir()
-        (out / "vocab.json").write_bytes((data / "encoder.json").read_bytes())
-        (out / "merges.txt").write_bytes((data / "vocab.bpe").read_bytes())
-        tokenizer = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "bos_token": "<|endoftext|>",
-                     "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
-        (out / "tokenizer_config.json").write_text(json.dumps({**tokenizer, **CHAT_TOKENIZER} if chat else tokenizer))
-    except ImportError:
-        pass
+    data = gpt2_bpe_dir()  # the GPT-2 tokenizer files too, so AutoTokenizer.from_pretrained(out_dir) works offline
+    (out / "vocab.json").write_bytes((data / "encoder.json").read_bytes())
+    (out / "merges.txt").write_bytes((data / "vocab.bpe").read_bytes())
+    tokenizer = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "bos_token": "<|endoftext|>",
+                 "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    (out / "tokenizer_config.json").write_text(json.dumps({**tokenizer, **CHAT_TOKENIZER} if chat else tokenizer))
 
 
 # chat_format.py's special tokens by name, in id order from SYSTEM_START; lstrip/rstrip off, so text keeps the

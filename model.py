@@ -313,12 +313,10 @@ class GPT(nn.Module):
         return self
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
                 cache: KVCache | None = None, last_only: bool = False, return_logits: bool = True,
@@ -447,8 +445,7 @@ class GPT(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            bs = self.config.block_size
-            cache = None
+            bs, cache = self.config.block_size, None
             for _ in range(max_new_tokens):
                 if use_cache and cache is not None and cache.pos < bs:
                     logits, _ = self(idx[:, -1:], cache=cache, last_only=True)
