@@ -1971,10 +1971,10 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
         assert result["shared"] == ("rank 1: no data on this node" if rank == 0 else "no data on this node")
         assert result["data"] == [
             None,
-            "rank 1's train shards differ from rank 0's (2 files against 2; file 2 is rand_train_000002.bin (19,999 "
-            "tokens) there, rand_train_000002.bin (20,000 tokens) on rank 0): every node must hold the same --data",
-            "rank 1's val shards differ from rank 0's (1 files against 1; file 1 is rand_val_000000.bin (7,999 "
-            "tokens) there, rand_val_000000.bin (8,000 tokens) on rank 0): every node must hold the same --data"]
+            "rank 1's train shard rand_train_000002.bin holds 19,999 tokens, rank 0's 20,000: every node must hold "
+            "the same --data",
+            "rank 1's val shard rand_val_000000.bin holds 7,999 tokens, rank 0's 8,000: every node must hold the same "
+            "--data"]
         # the same examples in another path are the same HellaSwag; as many other ones stop every rank
         assert result["hellaswag"] == [None, "rank 1 has 6 HellaSwag examples, rank 0 6, other ones: every node "
                                              "must hold the same --hellaswag file"]
@@ -2136,8 +2136,8 @@ def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints
     for f in ("rand_val_000000.bin", "rand_train_000001.bin"):
         shutil.copy(token_data / f, partial)
     assert refused(tiny_args(partial, tmp_path / "a", *common)) == [
-        "error: rank 1's train shards differ from rank 0's (1 files against 2; file 2 is nothing there, "
-        "rand_train_000002.bin (20,000 tokens) on rank 0): every node must hold the same --data"] * 2
+        "error: rank 1's train shard rand_train_000002.bin holds 0 tokens, rank 0's 20,000: every node must hold the "
+        "same --data"] * 2
     # out-dirs that are not shared, each with another run's checkpoint of the same step: restored each on its own
     # rank, after DDP's initial broadcast, they would train two different models for the rest of the run
     train.main(tiny_args(token_data, tmp_path / "other", *common, "--max-lr=3e-3"))
