@@ -102,7 +102,7 @@ def train(run: Run) -> dict[str, Any]:
             break
 
         # one optimizer step
-        run.profiler.step_begins(step, run.device)
+        run.profiler.step_begins(step)
         t0 = time.time()
         record = run.step_fn(step)  # read on the host: it waited for the device, so dt is the step's real time
         dt = time.time() - t0
@@ -183,8 +183,7 @@ class Run:
             return False
         if self.master:
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
-            why = (f" {aside.name} holds the weights that gave it: renamed {aside.name}.diverged, so --resume auto "
-                   "takes the checkpoint before it.") if aside else ""
+            why = f" {aside.name} holds the weights that gave it: renamed {aside.name}.diverged." if aside else ""
             print(f"error: {what} at step {step}; stopping without writing a checkpoint.{why} Lower --max-lr, raise "
                   "--warmup-steps, or resume from the last good checkpoint.", file=sys.stderr)
         self.stopped = "nan"
@@ -221,11 +220,11 @@ class Run:
         return {**result, "step": step}
 
 
+@dataclass
 class TokenCount:
     """Tokens trained on, all ranks together: a checkpointed part, so the log's token axis survives a batch change."""
 
-    def __init__(self, value: int = 0):
-        self.value = value
+    value: int = 0
 
     def state_dict(self) -> int:
         return self.value
@@ -645,8 +644,8 @@ def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[i
     those it drops in log.jsonl.rewound until its first checkpoint; a run that finds them there puts them back first.
     Returns the step from which trackers forget what they had, the records to give them again, and the write to do."""
     records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
-    side, first = rewound(path), resume_step
-    if records and side.is_file() and side.stat().st_mtime_ns > newest_checkpoint_time(path.parent):
+    side, first, newest = rewound(path), resume_step, checkpoints(path.parent)
+    if records and side.is_file() and (not newest or side.stat().st_mtime_ns > newest[-1].stat().st_mtime_ns):
         moved = list(iter_log(side))
         first = min([resume_step, *(r["step"] for r in moved)])
         records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
@@ -663,11 +662,6 @@ def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[i
 
     replay = [r for r in kept if r["type"] != "config" and r["step"] >= first]
     return (0 if resume_step is None else first), replay, write
-
-
-def newest_checkpoint_time(out_dir: Path) -> int:
-    found = checkpoints(out_dir)
-    return found[-1].stat().st_mtime_ns if found else -1
 
 
 def write_records(path: Path, records: list[dict]) -> None:
@@ -813,7 +807,6 @@ class StopFlags:
         self.last = False  # set when no step is left to stop after: Ctrl-C then quits at once
         self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
         self._saved: dict[int, Any] = {}
-        self._streams = sys.stdout, sys.stderr
 
     def __enter__(self) -> StopFlags:
         self._streams = sys.stdout, sys.stderr
@@ -891,19 +884,15 @@ class _PipeGuard:
 
 
 class Profiler:
-    """--profile: a Chrome/Perfetto trace of --profile-steps steps, starting two steps into the run (after the first
-    steps' compilation and allocator warmup)."""
+    """--profile: a Chrome/Perfetto trace of --profile-steps steps from two steps in (after compile and warmup)."""
 
     def __init__(self, enabled: bool, start_step: int, steps: int, out_dir: Path, rank: int = 0):
         self.enabled, self.at, self.steps, self.out_dir, self.rank = enabled, start_step + 2, steps, out_dir, rank
         self.prof: torch.profiler.profile | None = None
 
-    def step_begins(self, step: int, device: torch.device) -> None:
+    def step_begins(self, step: int) -> None:
         if self.enabled and step == self.at:
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if device.type == "cuda":
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=acts, record_shapes=True)
+            self.prof = torch.profiler.profile(record_shapes=True)  # the CPU, and CUDA where there is one
             self.prof.start()
 
     def step_ends(self, step: int) -> None:
