@@ -11,8 +11,7 @@ owning its state and its cadence.
     Profiler      a few profiled steps after warmup
     agree_fingerprint  one comparison of what every rank must share: the command, the data, the starting weights
 
-A checkpoint is the model, the optimizer, every rank's RNG and the state_dict() of each part a stage registers in
-Run.parts (the loader, the GradScaler, the spike guard's history, the token count...).
+A checkpoint is the model, the optimizer, every rank's RNG and the state_dict() of each part in Run.parts.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import sys
@@ -74,8 +74,7 @@ class RunArgs(StepArgs):
         if not 0 <= self.seed < 2**63 - 2**16:  # torch and numpy take 64-bit seeds; each rank adds its rank
             raise ValueError(f"--seed must be in [0, 2**63 - 2**16); got {self.seed}")
         if self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every:
-            raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}, or "
-                             "no checkpoint is ever written at the steps it keeps")
+            raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -190,7 +189,6 @@ class Run:
         return True
 
     def checkpoint(self, step: int) -> None:
-        """Save the state after `step` steps, assembled from the parts' state_dicts."""
         self.checkpointer.save(step, self.raw, self.trainable.optimizer, self.parts)
         self.log.checkpointed()
 
@@ -205,10 +203,9 @@ class Run:
         when they happened "checkpoint", "stopped"}."""
         self.profiler.finish(step, trained=not self.eval_only)
         took = fmt_time(time.time() - self.t_start)
-        if self.master and self.eval_only:
-            print(f"done: evaluated the weights at step {step} in {took}")
-        elif self.master:
-            print(f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
+        if self.master:
+            print(f"done: evaluated the weights at step {step} in {took}" if self.eval_only else
+                  f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
         self.log.close()
         result: dict[str, Any] = {"losses": self.log.losses}
         for name, record in self.evaluator.latest.items():
@@ -267,8 +264,7 @@ class Checkpointer:
         return (self.args.ckpt_every > 0 and step % self.args.ckpt_every == 0) or step == self.args.max_steps
 
     def find(self) -> tuple[Path, dict] | None:
-        """find_resume on every rank, then agreed: every rank resumes the same checkpoint, or all stop with a reason
-        before anything collective could pair up wrong and hang."""
+        """find_resume, agreed: every rank resumes the same checkpoint, or all stop before a collective could hang."""
         found = same_verdict(self.find_resume, self.world)  # OSError too: a --resume PATH this node cannot read
         if self.world > 1:
             # the loss history tells two runs' checkpoints of the same step apart (each node's own out-dir, say)
@@ -340,11 +336,10 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         kind = optimizer_kind(optimizer, self.args.parallel)
-        if (ckpt["optimizer_kind"] == "zero1") != (kind == "zero1"):
-            saved = ckpt["optimizer_kind"]
+        if (saved := ckpt["optimizer_kind"]) != kind and "zero1" in (saved, kind):
             how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
-            raise ValueError(f"the checkpoint's optimizer state was saved by parallel={saved} and this "
-                             f"run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume it {how}")
+            raise ValueError(f"the checkpoint's optimizer state was saved by parallel={saved} and this run's optimizer "
+                             f"is {kind}: ZeRO-1 keeps its own format, so resume it {how}")
         optim_sd = swap_8bit_state(ckpt["optimizer"], pack=True)
         if kind != "zero1":
             set_optimizer_state_dict(raw, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
@@ -371,15 +366,13 @@ class Checkpointer:
     def save(self, step: int, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> Path:
         """Write ckpt_{step}.pt on rank 0 (every rank helps gather it), then prune; a failed write stops every rank."""
         path = self.out_dir / f"ckpt_{step:06d}.pt"
-        if path in self.unreadable:  # written anew, and readable now
-            self.unreadable.remove(path)
+        self.unreadable = [p for p in self.unreadable if p != path]  # written anew, and readable now
         model_sd, optim_sd = state_dicts(raw, optimizer)
         # is_initialized, not is_available: a --device cpu run on a GPU host has no CUDA context to read
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
         rng = {"cpu": torch.get_rng_state(), "cuda": cuda}
-        rngs = [rng]
+        rngs = [rng] if self.world == 1 else [None] * self.world
         if self.world > 1:
-            rngs = [None] * self.world
             dist.all_gather_object(rngs, rng)  # dropout masks differ per rank, so every rank's RNG is saved
         ckpt = {"model": model_sd, "optimizer": swap_8bit_state(optim_sd, pack=False),
                 "optimizer_kind": optimizer_kind(optimizer, self.args.parallel), "step": step, "rng": rngs,
@@ -448,10 +441,7 @@ def write_atomically(path: Path, ckpt: dict) -> None:
 
 
 def write_error(e: Exception, path: Path) -> tuple[str, str]:
-    """(what failed, the fix) for a write to `path` that raised e. torch.save's RuntimeError carries no errno: the
-    file-size limit and the disk's free space tell."""
-    import resource
-
+    """(what failed, the fix) for a write to `path` that raised e (torch.save's RuntimeError carries no errno)."""
     code = getattr(e, "errno", None)
     if code is None:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
@@ -524,8 +514,7 @@ def note_set_aside(out_dir: Path, resumed: Path | None) -> None:
 
 @dataclass
 class Eval:
-    """One evaluation: `fn(step)` scores the weights after `step` optimizer steps and returns the fields of its
-    log.jsonl record (type `name`), or None for nothing to log."""
+    """One evaluation: fn(step) scores the weights after `step` steps: its log.jsonl record's fields, or None."""
 
     name: str
     every: int  # every N steps, and at the last step in any case (0: the last step only)
@@ -584,10 +573,8 @@ class RunLog:
 
     def __init__(self, path: Path | None, master: bool = True, max_steps: int = 0, log_every: int = 1,
                  trackers: list[Any] | None = None):
-        self.path = path
+        self.path, self.master, self.trackers = path, master, trackers or []
         self.file = open(path, "a", buffering=1) if path is not None else None
-        self.trackers = trackers or []
-        self.master = master
         self.max_steps, self.log_every = max_steps, log_every
         self.recent_ms: list[float] = []
         self.losses: list[float] = []  # every step's loss, all ranks together
@@ -671,10 +658,8 @@ def write_records(path: Path, records: list[dict]) -> None:
 
 
 def fmt_time(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def open_run_log(cfg: RunArgs, resume_step: int | None, rewinding: bool, rank: int, world: int) -> RunLog:
@@ -864,9 +849,8 @@ class _PipeGuard:
         try:
             return call()
         except BrokenPipeError:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self.stream.fileno())
-            os.close(null)
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), self.stream.fileno())
             return default
 
     def write(self, text: str) -> int:

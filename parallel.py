@@ -1,8 +1,7 @@
 """One optimizer step and what it runs on: precision, the attention kernel, activation recompute, DDP / ZeRO-1 /
 FSDP2 and torch.compile, applied from outside the model, and the optimizers (AdamW, Muon + AdamW, 8-bit AdamW).
 
-Every training stage builds its model through build_trainable and steps it with train_step; bench.py times the same
-two, so it measures what a run trains. StepArgs holds their flags, shared by every stage's config.
+Every stage builds through build_trainable and steps with train_step, which bench.py times; StepArgs holds the flags.
 """
 
 from __future__ import annotations
@@ -100,14 +99,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
         norm = norm.full_tensor()
-    if update is not None and not update(loss_accum, norm):
-        if scaler:
-            scaler.update()  # the scale still reacts to this step's inf checks
-    elif scaler:
+    take = update is None or update(loss_accum, norm)
+    if take and scaler:
         scaler.step(optimizer)
-        scaler.update()
-    else:
+    elif take:
         optimizer.step()
+    if scaler:
+        scaler.update()  # after a skipped step too: the scale still reacts to its inf checks
     optimizer.zero_grad(set_to_none=True)
     return loss_accum, norm
 
@@ -197,8 +195,7 @@ def parallelize(model: nn.Module, parallel: str, device: torch.device,
 def wrap_model(raw: nn.Module, args: StepArgs, device: torch.device, dtype: torch.dtype,
                use_compile: bool) -> nn.Module:
     """parallelize and compile in the order each needs: DDP wraps the compiled model (nanoGPT's order; the other way
-    breaks Dynamo's graph in DDP's forward), FSDP2 is compiled after fully_shard, which needs plain blocks.
-    'reduce-overhead' adds CUDA graphs, the max-autotune modes search Triton matmul configs (minutes for GPT-2)."""
+    breaks Dynamo's graph in DDP's forward), FSDP2 is compiled after fully_shard, which needs plain blocks."""
     def compiled(model: nn.Module) -> nn.Module:
         return torch.compile(model, mode=None if args.compile_mode == "default" else args.compile_mode) \
             if use_compile else model
