@@ -1,5 +1,5 @@
-"""The training engine every stage runs on (train.py's pretraining and fine-tuning, rl.py): the loop, and one small
-object per concern, each owning its state and its cadence.
+"""The training engine every stage runs on (train.py, rl.py): the loop, and one small object per concern, each
+owning its state and its cadence.
 
     train(run)    the loop: evaluate once in a while, one optimizer step, log, checkpoint or stop
     Run           what the loop drives, built with keywords by a stage: its step function and the parts below
@@ -11,9 +11,7 @@ object per concern, each owning its state and its cadence.
     Profiler      a few profiled steps after warmup
     agree_fingerprint  one comparison of what every rank must share: the command, the data, the starting weights
 
-A checkpoint is the model, the optimizer, every rank's RNG and the state_dict() of each part a stage registers in
-Run.parts (the loader, the GradScaler, the spike guard's history, the token count...). RunArgs holds the flags every
-stage shares; parallel.py builds the model and optimizer a Run steps.
+A checkpoint is the model, the optimizer, every rank's RNG and the state_dict() of each part in Run.parts.
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ import json
 import math
 import os
 import re
+import resource
+import shutil
 import signal
 import sys
 import threading
@@ -68,18 +68,13 @@ class RunArgs(StepArgs):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name, low in {"max_steps": 1, "log_every": 1, "profile_steps": 1, "ckpt_every": 0, "keep_last": 0,
-                          "keep_every": 0}.items():
+                          "keep_every": 0, "max_time": 0}.items():
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if not 0 <= self.seed < 2**63 - 2**16:  # torch and numpy take 64-bit seeds; each rank adds its rank
             raise ValueError(f"--seed must be in [0, 2**63 - 2**16); got {self.seed}")
         if self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every:
-            raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}, or "
-                             "no checkpoint is ever written at the steps it keeps")
-        if not self.max_time >= 0:
-            raise ValueError(f"--max-time must be >= 0; got {self.max_time}")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ValueError(f"--peak-tflops must be > 0 or none; got {self.peak_tflops}")
+            raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -106,7 +101,7 @@ def train(run: Run) -> dict[str, Any]:
             break
 
         # one optimizer step
-        run.profiler.step_begins(step, run.device)
+        run.profiler.step_begins(step)
         t0 = time.time()
         record = run.step_fn(step)  # read on the host: it waited for the device, so dt is the step's real time
         dt = time.time() - t0
@@ -187,15 +182,13 @@ class Run:
             return False
         if self.master:
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
-            why = (f" {aside.name} holds the weights that gave it: renamed {aside.name}.diverged, so --resume auto "
-                   "takes the checkpoint before it.") if aside else ""
+            why = f" {aside.name} holds the weights that gave it: renamed {aside.name}.diverged." if aside else ""
             print(f"error: {what} at step {step}; stopping without writing a checkpoint.{why} Lower --max-lr, raise "
                   "--warmup-steps, or resume from the last good checkpoint.", file=sys.stderr)
         self.stopped = "nan"
         return True
 
     def checkpoint(self, step: int) -> None:
-        """Save the state after `step` steps, assembled from the parts' state_dicts."""
         self.checkpointer.save(step, self.raw, self.trainable.optimizer, self.parts)
         self.log.checkpointed()
 
@@ -210,10 +203,9 @@ class Run:
         when they happened "checkpoint", "stopped"}."""
         self.profiler.finish(step, trained=not self.eval_only)
         took = fmt_time(time.time() - self.t_start)
-        if self.master and self.eval_only:
-            print(f"done: evaluated the weights at step {step} in {took}")
-        elif self.master:
-            print(f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
+        if self.master:
+            print(f"done: evaluated the weights at step {step} in {took}" if self.eval_only else
+                  f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
         self.log.close()
         result: dict[str, Any] = {"losses": self.log.losses}
         for name, record in self.evaluator.latest.items():
@@ -225,11 +217,11 @@ class Run:
         return {**result, "step": step}
 
 
+@dataclass
 class TokenCount:
     """Tokens trained on, all ranks together: a checkpointed part, so the log's token axis survives a batch change."""
 
-    def __init__(self, value: int = 0):
-        self.value = value
+    value: int = 0
 
     def state_dict(self) -> int:
         return self.value
@@ -244,9 +236,7 @@ class TokenCount:
 
 def optimizer_kind(optimizer: torch.optim.Optimizer, parallel: str) -> str:
     """What a checkpoint's optimizer state is: ZeRO-1's own format, or the parameter-keyed one of everything else."""
-    if hasattr(optimizer, "consolidate_state_dict"):
-        return "zero1"
-    return parallel if dist.is_initialized() else "single"
+    return "zero1" if hasattr(optimizer, "consolidate_state_dict") else parallel if dist.is_initialized() else "single"
 
 
 def step_of(path: Path) -> int:
@@ -254,10 +244,8 @@ def step_of(path: Path) -> int:
 
 
 class Checkpointer:
-    """Finds the checkpoint a run continues (the same on every rank), restores it, and saves every --ckpt-every steps,
-    pruning to the newest --keep-last. A file found unreadable is never counted or deleted in place of a good one, nor
-    is the newest known good; one whose weights gave a NaN is set aside (judge). `config` is the run's full config,
-    recorded in each checkpoint as train_config."""
+    """Finds the checkpoint a run continues (the same on every rank), restores it, saves every --ckpt-every steps and
+    prunes (prune, judge). `config` is the run's full config, recorded in each checkpoint as train_config."""
 
     def __init__(self, args: RunArgs, rank: int = 0, world: int = 1, prov: dict | None = None,
                  config: dict | None = None):
@@ -275,18 +263,10 @@ class Checkpointer:
         """Whether the state after `step` optimizer steps is saved: every --ckpt-every, and at the end."""
         return (self.args.ckpt_every > 0 and step % self.args.ckpt_every == 0) or step == self.args.max_steps
 
-    # finding the checkpoint to resume
-
     def find(self) -> tuple[Path, dict] | None:
-        """find_resume on every rank, then agreed: every rank resumes the same checkpoint, or all stop with a reason
-        before anything collective could pair up wrong and hang."""
-        found, problem = None, None
-        try:
-            found = self.find_resume()
-        except (ValueError, OSError) as e:  # OSError: a --resume PATH this node cannot read
-            problem = str(e)
-        problem = shared_problem(problem, self.world)
-        if not problem and self.world > 1:
+        """find_resume, agreed: every rank resumes the same checkpoint, or all stop before a collective could hang."""
+        found = same_verdict(self.find_resume, self.world)  # OSError too: a --resume PATH this node cannot read
+        if self.world > 1:
             # the loss history tells two runs' checkpoints of the same step apart (each node's own out-dir, say)
             mine = None if found is None else (int(found[1]["step"]), found[1].get("outliers", {}).get("loss"))
             seen: list[tuple | None] = [None] * self.world
@@ -295,11 +275,9 @@ class Checkpointer:
                 steps = [other[0] if other else None for other in seen]
                 which = "different checkpoints" if len(set(steps)) == 1 else \
                     f"different steps {steps} (None: none found)"
-                problem = (f"ranks resumed {which}: every node must see the same checkpoints in --out-dir "
-                           f"{self.out_dir} (put it on a shared filesystem, or copy the checkpoint to each node and "
-                           "pass --resume PATH)")
-        if problem:
-            raise ValueError(problem)
+                raise ValueError(f"ranks resumed {which}: every node must see the same checkpoints in --out-dir "
+                                 f"{self.out_dir} (put it on a shared filesystem, or copy the checkpoint to each node "
+                                 "and pass --resume PATH)")
         self.newest = found[0].resolve() if found else None
         newest = checkpoints(self.out_dir)[-1:] if self.out_dir.is_dir() else []
         self.rewinding = bool(found and newest and newest[0].resolve() != self.newest)  # older than the newest
@@ -337,15 +315,11 @@ class Checkpointer:
         later = [p for p in existing[:existing.index(found[0])] if step_of(p) > int(found[1]["step"])]
         if later and self.master:
             print(f"note: resuming {found[0].name}, the checkpoint written last; {later[-1].name} has a later step "
-                  "but was written earlier (a rewind leaves such files; files copied without their times lose the "
-                  "order: then pass --resume PATH)")
+                  "but was written earlier, as a rewind leaves it (--resume PATH takes another)")
         return found
 
-    # restoring
-
     def restore(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> int:
-        """Load a checkpoint into the run: the weights, and unless --eval-only the optimizer, each part's state and
-        the RNG. Returns its step."""
+        """Load the weights, and unless --eval-only the optimizer, each part's state and the RNG; returns the step."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(raw, ckpt["model"], options=StateDictOptions(full_state_dict=True))
@@ -362,19 +336,17 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         kind = optimizer_kind(optimizer, self.args.parallel)
-        if (ckpt["optimizer_kind"] == "zero1") != (kind == "zero1"):
-            saved = ckpt["optimizer_kind"]
+        if (saved := ckpt["optimizer_kind"]) != kind and "zero1" in (saved, kind):
             how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
-            raise ValueError(f"the checkpoint's optimizer state was saved by parallel={saved} and this "
-                             f"run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume it {how}")
-        optim_sd = packed_8bit_state(ckpt["optimizer"])
+            raise ValueError(f"the checkpoint's optimizer state was saved by parallel={saved} and this run's optimizer "
+                             f"is {kind}: ZeRO-1 keeps its own format, so resume it {how}")
+        optim_sd = swap_8bit_state(ckpt["optimizer"], pack=True)
         if kind != "zero1":
             set_optimizer_state_dict(raw, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
             return
         optimizer.load_state_dict(optim_sd)
         if any(group.get("fused") for group in optimizer.optim.param_groups):
-            # ZeRO's load moves Adam's 0-d `step` tensors to the CPU, where the fused CUDA kernel refuses them
-            # (docs/notes.md): put them back beside their parameters
+            # ZeRO's load moves Adam's `step` tensors to the CPU, where the fused CUDA kernel refuses them
             for p, state in optimizer.optim.state.items():
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].to(p.device, torch.float32)
@@ -389,38 +361,26 @@ class Checkpointer:
                 torch.cuda.set_rng_state(rng["cuda"])
         elif self.master:
             print(f"note: the checkpoint came from world size {len(rngs)}, this run has {self.world}: the data "
-                  "stream goes on where it was (less than one step's windows skipped, none repeated) and the RNG "
-                  "streams restart, so this is not the run an unchanged world size would give")
-
-    # saving
+                  "stream goes on where it was, the RNG streams restart (not the run an unchanged world would give)")
 
     def save(self, step: int, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> Path:
-        """Write ckpt_{step}.pt on rank 0 (every rank takes part in gathering it), then prune. A failed write stops
-        every rank with its one-line reason."""
+        """Write ckpt_{step}.pt on rank 0 (every rank helps gather it), then prune; a failed write stops every rank."""
         path = self.out_dir / f"ckpt_{step:06d}.pt"
-        if path in self.unreadable:  # written anew, and readable now
-            self.unreadable.remove(path)
+        self.unreadable = [p for p in self.unreadable if p != path]  # written anew, and readable now
         model_sd, optim_sd = state_dicts(raw, optimizer)
         # is_initialized, not is_available: a --device cpu run on a GPU host has no CUDA context to read
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
         rng = {"cpu": torch.get_rng_state(), "cuda": cuda}
-        rngs = [rng]
+        rngs = [rng] if self.world == 1 else [None] * self.world
         if self.world > 1:
-            rngs = [None] * self.world
             dist.all_gather_object(rngs, rng)  # dropout masks differ per rank, so every rank's RNG is saved
-        problem = None
-        if self.master:
-            ckpt = {"model": model_sd, "optimizer": plain_8bit_state(optim_sd),
-                    "optimizer_kind": optimizer_kind(optimizer, self.args.parallel), "step": step, "rng": rngs,
-                    "model_config": dataclasses.asdict(raw.config), "train_config": self.config,
-                    "provenance": self.prov, "world_size": self.world,
-                    **{key: part.state_dict() if part is not None else None for key, part in parts.items()}}
-            try:
-                write_atomically(path, ckpt)
-            except ValueError as e:
-                problem = str(e)
-        if problem := shared_problem(problem, self.world):
-            raise ValueError(problem)
+        ckpt = {"model": model_sd, "optimizer": swap_8bit_state(optim_sd, pack=False),
+                "optimizer_kind": optimizer_kind(optimizer, self.args.parallel), "step": step, "rng": rngs,
+                "model_config": dataclasses.asdict(raw.config), "train_config": self.config,
+                "provenance": self.prov, "world_size": self.world,
+                **{key: part.state_dict() if part is not None else None for key, part in parts.items()}} \
+            if self.master else None
+        same_verdict(lambda: write_atomically(path, ckpt) if self.master else None, self.world)
         self.last, self.newest = str(path), path.resolve()
         if self.master:
             self.prune()
@@ -438,9 +398,8 @@ class Checkpointer:
                 stale.unlink()
 
     def judge(self, step: int, finite: bool) -> Path | None:
-        """The loss and gradient norm of `step` come from the weights in this run's ckpt_{step}, if it has one: finite
-        makes it the newest known good; not finite sets it aside as .diverged (rank 0), so --resume auto takes the
-        one before. Returns the path set aside."""
+        """Step `step` trained from this run's ckpt_{step}, if any: a finite loss makes it the newest known good, a NaN
+        sets it aside as .diverged (rank 0) so that --resume auto takes the one before. Returns the path set aside."""
         path = self.out_dir / f"ckpt_{step:06d}.pt"
         if self.newest is None or path.resolve() != self.newest:
             return None
@@ -450,11 +409,7 @@ class Checkpointer:
         self.newest = self.last = None
         if not self.master:
             return None
-        try:
-            os.replace(path, diverged_path(path))
-        except OSError as e:  # the NaN is the error to report; this one only loses the mark
-            print(f"warning: could not set {path} aside: {e}", file=sys.stderr)
-            return None
+        os.replace(path, path.with_name(path.name + ".diverged"))  # out of checkpoints()'s pattern: never resumed
         return path
 
     def remove_partial_writes(self) -> None:
@@ -486,30 +441,16 @@ def write_atomically(path: Path, ckpt: dict) -> None:
 
 
 def write_error(e: Exception, path: Path) -> tuple[str, str]:
-    """(what failed, the fix) for a write to `path` that raised e: a full disk, a file-size limit, or another OS
-    error. torch.save's RuntimeError carries no errno: the disk's free space and the size limit tell."""
-    import resource
-
+    """(what failed, the fix) for a write to `path` that raised e (torch.save's RuntimeError carries no errno)."""
     code = getattr(e, "errno", None)
     if code is None:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         size = path.stat().st_size if path.exists() else 0
         code = errno.EFBIG if limit != resource.RLIM_INFINITY and size >= limit else errno.ENOSPC \
-            if disk_full(path) else errno.EIO
-    what = f"{errno.errorcode.get(code, 'error')} ({os.strerror(code)})"
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        return what, "free space there (or lower --keep-last), then --resume auto"
-    if code == errno.EFBIG:
-        return what, "raise the file-size limit (ulimit -f) or write elsewhere, then --resume auto"
-    return what, "check the disk, then --resume auto"
-
-
-def disk_full(path: Path) -> bool:
-    try:
-        stats = os.statvfs(path.parent)
-    except OSError:
-        return False
-    return stats.f_bavail * stats.f_frsize < 1 << 20
+            if shutil.disk_usage(path.parent).free < 1 << 20 else errno.EIO
+    fix = "free space there (or lower --keep-last)" if code in (errno.ENOSPC, errno.EDQUOT) else \
+        "raise the file-size limit (ulimit -f) or write elsewhere" if code == errno.EFBIG else "check the disk"
+    return f"{errno.errorcode.get(code, 'error')} ({os.strerror(code)})", fix + ", then --resume auto"
 
 
 def state_dicts(raw: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
@@ -529,35 +470,24 @@ def state_dicts(raw: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict 
     return model_sd, optimizer.state_dict() if dist.get_rank() == 0 else None
 
 
-def plain_8bit_state(optim_sd: dict) -> dict:
-    """torchao's 8-bit optimizer states (OptimState8bit tensors) as their plain tensors, so that any tool loads the
-    checkpoint with weights_only=True and without torchao; packed_8bit_state undoes it. A new dict: the one given
-    may hold the optimizer's live state."""
-    def plain(value: Any) -> Any:
-        if type(value).__name__ != "OptimState8bit":
-            return value
-        return {"codes": value.codes, "scale": value.scale, "qmap": value.qmap, "signed": value.signed}
+def swap_8bit_state(optim_sd: dict, pack: bool) -> dict:
+    """torchao's 8-bit states (OptimState8bit) as dicts of plain tensors, so that any tool loads the checkpoint with
+    weights_only=True and without torchao, or (pack) back. A new dict: the one given may be the live state."""
+    def swap(v: Any) -> Any:
+        if pack and isinstance(v, dict) and "codes" in v:
+            from torchao.optim.subclass_8bit import OptimState8bit
 
-    return {**optim_sd, "state": {k: {name: plain(v) for name, v in state.items()}
-                                  for k, state in optim_sd["state"].items()}}
+            return OptimState8bit(v["codes"], v["scale"], v["qmap"], v["signed"])
+        if not pack and type(v).__name__ == "OptimState8bit":
+            return {"codes": v.codes, "scale": v.scale, "qmap": v.qmap, "signed": v.signed}
+        return v
 
-
-def packed_8bit_state(optim_sd: dict) -> dict:
-    """The checkpoint's optimizer state with plain_8bit_state's dicts made OptimState8bit tensors again."""
-    def packed(value: Any) -> Any:
-        if not (isinstance(value, dict) and "codes" in value):
-            return value
-        from torchao.optim.subclass_8bit import OptimState8bit
-
-        return OptimState8bit(value["codes"], value["scale"], value["qmap"], value["signed"])
-
-    return {**optim_sd, "state": {k: {name: packed(v) for name, v in state.items()}
+    return {**optim_sd, "state": {k: {name: swap(v) for name, v in state.items()}
                                   for k, state in optim_sd["state"].items()}}
 
 
 def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tuple[Path, dict] | None:
-    """The newest checkpoint in out_dir that loads; corrupt or partial ones are reported, skipped and appended to
-    `unreadable`."""
+    """The newest checkpoint in out_dir that loads; unreadable ones are reported, skipped and added to `unreadable`."""
     for path in reversed(checkpoints(out_dir)):
         try:
             return path, load_checkpoint(path, mmap=True)
@@ -567,10 +497,6 @@ def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tupl
             if unreadable is not None:
                 unreadable.append(path)
     return None
-
-
-def diverged_path(path: Path) -> Path:
-    return path.with_name(path.name + ".diverged")  # out of checkpoints()'s pattern: never resumed or pruned
 
 
 def note_set_aside(out_dir: Path, resumed: Path | None) -> None:
@@ -588,8 +514,7 @@ def note_set_aside(out_dir: Path, resumed: Path | None) -> None:
 
 @dataclass
 class Eval:
-    """One evaluation: `fn(step)` scores the weights after `step` optimizer steps and returns the fields of its
-    log.jsonl record (type `name`), or None for nothing to log."""
+    """One evaluation: fn(step) scores the weights after `step` steps: its log.jsonl record's fields, or None."""
 
     name: str
     every: int  # every N steps, and at the last step in any case (0: the last step only)
@@ -621,9 +546,8 @@ class Evaluator:
 @torch.no_grad()
 def val_loss(model: nn.Module, loader: Any, windows: int, autocast: contextlib.AbstractContextManager,
              world_size: int) -> float:
-    """Mean loss over the split's first `windows` windows (identical every call), all ranks together. Rank r scores
-    windows r, r + world_size, ...: the same number for any number of ranks. Every rank runs the same number of
-    forwards (collective under FSDP); a turn past `windows` is scored and left out."""
+    """Mean loss over the split's first `windows` windows, all ranks together: rank r scores windows r, r + world_size,
+    ... Every rank runs as many forwards (collective under FSDP); a turn past `windows` is scored and left out."""
     model.eval()
     loader.reset()
     total = torch.zeros((), device=loader.device)
@@ -644,16 +568,13 @@ def val_loss(model: nn.Module, loader: Any, windows: int, autocast: contextlib.A
 
 
 class RunLog:
-    """The run's log.jsonl (rank 0, not for --eval-only; prepare_log has made it hold the run's past), the trackers
-    that get its records too (trackers.py: TensorBoard, W&B), and its console lines: the step line every --log-every
-    steps with the ETA from the median of the last 20 step times."""
+    """The run's log.jsonl (rank 0, not for --eval-only), the trackers that get its records too (TensorBoard, W&B),
+    and the console's step line every --log-every steps, with the ETA from the median of the last 20 step times."""
 
     def __init__(self, path: Path | None, master: bool = True, max_steps: int = 0, log_every: int = 1,
                  trackers: list[Any] | None = None):
-        self.path = path
+        self.path, self.master, self.trackers = path, master, trackers or []
         self.file = open(path, "a", buffering=1) if path is not None else None
-        self.trackers = trackers or []
-        self.master = master
         self.max_steps, self.log_every = max_steps, log_every
         self.recent_ms: list[float] = []
         self.losses: list[float] = []  # every step's loss, all ranks together
@@ -677,8 +598,7 @@ class RunLog:
             rewound(self.path).unlink(missing_ok=True)
 
     def step(self, step: int, record: dict, timed: bool) -> None:
-        """Log one optimizer step's record (loss, lr, grad_norm, ms, tok_s, mfu...); `timed`: its time counts
-        towards the ETA (not the first step, which includes compilation and warmup)."""
+        """Log one optimizer step's record; `timed`: its time counts towards the ETA (not the first step's compile)."""
         self.losses.append(record["loss"])
         if timed:
             self.recent_ms = (self.recent_ms + [record["ms"]])[-20:]
@@ -707,13 +627,12 @@ def rewound(path: Path) -> Path:
 
 
 def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[int, list[dict], Callable[[], None]]:
-    """What log.jsonl must hold for the run about to start: nothing for a fresh run; a resumed run's records before
-    its step. A rewind (a resume of a checkpoint older than the newest) keeps the records it drops in log.jsonl.rewound
-    until its first checkpoint; a run that finds them there (the rewind died before) puts them back first. Returns
-    the step from which trackers must forget what they had, the records to give them again, and the write to do."""
+    """What log.jsonl must hold for the run about to start: a resumed run's records before its step. A rewind keeps
+    those it drops in log.jsonl.rewound until its first checkpoint; a run that finds them there puts them back first.
+    Returns the step from which trackers forget what they had, the records to give them again, and the write to do."""
     records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
-    side, first = rewound(path), resume_step
-    if records and side.is_file() and side.stat().st_mtime_ns > newest_checkpoint_time(path.parent):
+    side, first, newest = rewound(path), resume_step, checkpoints(path.parent)
+    if records and side.is_file() and (not newest or side.stat().st_mtime_ns > newest[-1].stat().st_mtime_ns):
         moved = list(iter_log(side))
         first = min([resume_step, *(r["step"] for r in moved)])
         records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
@@ -732,11 +651,6 @@ def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[i
     return (0 if resume_step is None else first), replay, write
 
 
-def newest_checkpoint_time(out_dir: Path) -> int:
-    found = checkpoints(out_dir)
-    return found[-1].stat().st_mtime_ns if found else -1
-
-
 def write_records(path: Path, records: list[dict]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(record) + "\n" for record in records))
@@ -744,10 +658,8 @@ def write_records(path: Path, records: list[dict]) -> None:
 
 
 def fmt_time(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def open_run_log(cfg: RunArgs, resume_step: int | None, rewinding: bool, rank: int, world: int) -> RunLog:
@@ -765,10 +677,8 @@ def open_run_log(cfg: RunArgs, resume_step: int | None, rewinding: bool, rank: i
 
 @contextlib.contextmanager
 def hold_out_dir(cfg: RunArgs, rank: int, world: int) -> Iterator[None]:
-    """Hold --out-dir for the run: rank 0, its one writer, locks it, so a second run there stops at once instead of
-    pruning this one's checkpoints, and a directory it cannot write is refused before anything runs. --eval-only
-    writes nothing there and takes no lock. A problem on any rank stops every rank with it, before anything is
-    created (a logging package asked for but missing, too: only rank 0 logs)."""
+    """Rank 0 locks --out-dir (not for --eval-only, which writes nothing there), so a second run there stops at once
+    instead of pruning this one's checkpoints. A problem on any rank (a missing logging package too) stops them all."""
     out_dir, lock = Path(cfg.out_dir), None
     problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None
     if not problem and out_dir.exists() and not out_dir.is_dir():
@@ -870,12 +780,8 @@ class SpikeGuard:
 
 
 class StopFlags:
-    """SIGTERM (cloud preemption), Ctrl-C and the wall-clock budget: checked once per step, agreed across ranks. A
-    context manager: it installs its handlers on entry and puts the caller's handlers and std streams back on exit.
-
-    The first Ctrl-C stops the run as SIGTERM does, with a checkpoint; a Ctrl-C after any stop signal quits at once.
-    A SIGTERM after a SIGTERM does not: a preempted node's workers may get one from the scheduler and one from
-    torchrun (docs/resume.md has the rules)."""
+    """SIGTERM, Ctrl-C and the wall-clock budget, checked once per step and agreed across ranks; a context manager
+    that installs its handlers. A Ctrl-C after any stop signal quits at once (the rules: docs/resume.md)."""
 
     def __init__(self, max_minutes: float, interrupt: bool = True, master: bool = True,
                  device: torch.device | None = None, world: int = 1):
@@ -886,7 +792,6 @@ class StopFlags:
         self.last = False  # set when no step is left to stop after: Ctrl-C then quits at once
         self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
         self._saved: dict[int, Any] = {}
-        self._streams = sys.stdout, sys.stderr
 
     def __enter__(self) -> StopFlags:
         self._streams = sys.stdout, sys.stderr
@@ -944,9 +849,8 @@ class _PipeGuard:
         try:
             return call()
         except BrokenPipeError:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self.stream.fileno())
-            os.close(null)
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), self.stream.fileno())
             return default
 
     def write(self, text: str) -> int:
@@ -964,19 +868,15 @@ class _PipeGuard:
 
 
 class Profiler:
-    """--profile: a Chrome/Perfetto trace of --profile-steps steps, starting two steps into the run (after the first
-    steps' compilation and allocator warmup)."""
+    """--profile: a Chrome/Perfetto trace of --profile-steps steps from two steps in (after compile and warmup)."""
 
     def __init__(self, enabled: bool, start_step: int, steps: int, out_dir: Path, rank: int = 0):
         self.enabled, self.at, self.steps, self.out_dir, self.rank = enabled, start_step + 2, steps, out_dir, rank
         self.prof: torch.profiler.profile | None = None
 
-    def step_begins(self, step: int, device: torch.device) -> None:
+    def step_begins(self, step: int) -> None:
         if self.enabled and step == self.at:
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if device.type == "cuda":
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=acts, record_shapes=True)
+            self.prof = torch.profiler.profile(record_shapes=True)  # the CPU, and CUDA where there is one
             self.prof.start()
 
     def step_ends(self, step: int) -> None:
@@ -1032,14 +932,14 @@ def weights_digest(model: nn.Module) -> str:
 def agree_fingerprint(fingerprint: dict[str, Any], rank: int, world: int, weights_source: str = "",
                       describe: dict[str, Callable[..., str]] | None = None) -> None:
     """Compare this rank's {"command", "data", "weights", ...} with rank 0's, once: the first difference on any rank
-    stops every rank with one line. A node whose command, data or starting weights differ would otherwise hang a
-    collective or train the replicas apart without an error. `describe` adds a stage's own keys. Collective."""
-    says = {**DESCRIBE, **(describe or {})}
+    (a collective would hang, or replicas drift apart) stops every rank with one line. `describe`: a stage's keys."""
+    says = {"command": describe_command, "data": describe_data, "weights": describe_weights, **(describe or {})}
 
     def differs(mine: dict, first: dict) -> str | None:
         for key in mine:
             if mine[key] != first.get(key):
-                return says.get(key, describe_other)(key, mine[key], first.get(key), rank, weights_source)
+                other = f"rank {rank}'s {key} differs from rank 0's: every node must hold the same {key}"
+                return says[key](key, mine[key], first.get(key), rank, weights_source) if key in says else other
         return None
 
     if problem := agree(fingerprint, rank, world, differs):
@@ -1054,25 +954,14 @@ def describe_command(key: str, mine: dict, first: dict, rank: int, _: str) -> st
 
 def describe_data(key: str, mine: list, first: list, rank: int, _: str) -> str:
     for (split, names, sizes), (_, names0, sizes0) in zip(mine, first, strict=True):
-        if (names, sizes) != (names0, sizes0):
-            files, files0 = list(zip(names, sizes, strict=True)), list(zip(names0, sizes0, strict=True))
-            i = next(i for i in range(max(len(files), len(files0)))
-                     if i >= min(len(files), len(files0)) or files[i] != files0[i])
-            there = f"{names[i]} ({sizes[i]:,} tokens)" if i < len(names) else "nothing"
-            here = f"{names0[i]} ({sizes0[i]:,} tokens)" if i < len(names0) else "nothing"
-            return (f"rank {rank}'s {split} shards differ from rank 0's ({len(names)} files against {len(names0)}; "
-                    f"file {i + 1} is {there} there, {here} on rank 0): every node must hold the same --data")
+        here, there = dict(zip(names, sizes, strict=True)), dict(zip(names0, sizes0, strict=True))
+        if here != there:
+            name = min(n for n in {**here, **there} if here.get(n) != there.get(n))
+            return (f"rank {rank}'s {split} shard {name} holds {here.get(name, 0):,} tokens, rank 0's "
+                    f"{there.get(name, 0):,}: every node must hold the same --data")
     return f"rank {rank}'s data differs from rank 0's: every node must hold the same --data"
 
 
 def describe_weights(key: str, mine: str, first: str, rank: int, source: str) -> str:
     return (f"rank {rank} loaded other weights from {source} than rank 0 (digest {mine}, rank 0: {first}): every node "
             "must start from the same model")
-
-
-def describe_other(key: str, mine: Any, first: Any, rank: int, _: str) -> str:
-    return f"rank {rank}'s {key} differs from rank 0's: every node must hold the same {key}"
-
-
-DESCRIBE: dict[str, Callable[..., str]] = {"command": describe_command, "data": describe_data,
-                                           "weights": describe_weights}

@@ -1,8 +1,7 @@
 """One optimizer step and what it runs on: precision, the attention kernel, activation recompute, DDP / ZeRO-1 /
 FSDP2 and torch.compile, applied from outside the model, and the optimizers (AdamW, Muon + AdamW, 8-bit AdamW).
 
-Every training stage builds its model through build_trainable and steps it with train_step; bench.py times the same
-two, so it measures what a run trains. StepArgs holds their flags, shared by every stage's config.
+Every stage builds through build_trainable and steps with train_step, which bench.py times; StepArgs holds the flags.
 """
 
 from __future__ import annotations
@@ -57,18 +56,12 @@ class StepArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; "
                                  f"got {getattr(self, name)!r}")
         # each written so that NaN fails it too
-        if not (math.isfinite(self.max_lr) and self.max_lr > 0):
-            raise ValueError(f"--max-lr must be a positive number; got {self.max_lr}")
-        if not (math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
-            raise ValueError(f"--dist-timeout must be a positive number of minutes; got {self.dist_timeout}")
-        for name in ("weight_decay", "eps", "grad_clip"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"--{name} must be in [0, 1); got {getattr(self, name)}")
-        if math.isinf(self.weight_decay) or math.isinf(self.eps):
-            raise ValueError(f"--weight-decay and --eps must be finite; got {self.weight_decay} and {self.eps}")
+        for names, ok, rule in ((("max_lr", "dist_timeout"), lambda v: 0 < v < math.inf, "a positive number"),
+                                (("weight_decay", "eps", "grad_clip"), lambda v: 0 <= v < math.inf, "finite and >= 0"),
+                                (("beta1", "beta2"), lambda v: 0 <= v < 1, "in [0, 1)")):
+            for name in names:
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"--{name.replace('_', '-')} must be {rule}; got {getattr(self, name)}")
         if self.dtype == "fp16" and self.parallel == "fsdp":
             raise ValueError("--dtype fp16 is not supported with --parallel fsdp; use bf16")
 
@@ -80,8 +73,7 @@ class StepArgs:
 def lm_loss(model: nn.Module, batch: tuple, label_smoothing: float = 0.0) -> torch.Tensor:
     """The language-model objective: mean cross-entropy over the targets that are not -1."""
     x, y = batch
-    # no logits out of the model: B*T*V, 6.6 GB in bf16 at B=64, T=1024, would live through backward, and a compiled
-    # model would also get a zero gradient of that size for them (GPT.forward's docstring)
+    # no logits out of the model: B*T*V floats would live through backward (GPT.forward's docstring)
     return model(x, y, label_smoothing=label_smoothing, return_logits=False)[1]
 
 
@@ -107,14 +99,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
         norm = norm.full_tensor()
-    if update is not None and not update(loss_accum, norm):
-        if scaler:
-            scaler.update()  # the scale still reacts to this step's inf checks
-    elif scaler:
+    take = update is None or update(loss_accum, norm)
+    if take and scaler:
         scaler.step(optimizer)
-        scaler.update()
-    else:
+    elif take:
         optimizer.step()
+    if scaler:
+        scaler.update()  # after a skipped step too: the scale still reacts to its inf checks
     optimizer.zero_grad(set_to_none=True)
     return loss_accum, norm
 
@@ -181,9 +172,8 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
 
 def parallelize(model: nn.Module, parallel: str, device: torch.device,
                 dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Wrap (DDP) or shard (FSDP2) the model under torchrun, at any world size (one rank included, as nanoGPT does:
-    the same code path on 1 GPU as on 64); returns the module that train steps call. For FSDP2, model is the GPT
-    itself; DDP may wrap its compiled form (see wrap_model)."""
+    """Wrap (DDP) or shard (FSDP2) the model under torchrun, at any world size (one rank included, as nanoGPT does);
+    returns the module that train steps call. For FSDP2, model is the GPT itself; DDP may wrap its compiled form."""
     if parallel == "fsdp":
         try:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -205,8 +195,7 @@ def parallelize(model: nn.Module, parallel: str, device: torch.device,
 def wrap_model(raw: nn.Module, args: StepArgs, device: torch.device, dtype: torch.dtype,
                use_compile: bool) -> nn.Module:
     """parallelize and compile in the order each needs: DDP wraps the compiled model (nanoGPT's order; the other way
-    breaks Dynamo's graph in DDP's forward), FSDP2 is compiled after fully_shard, which needs plain blocks.
-    'reduce-overhead' adds CUDA graphs, the max-autotune modes search Triton matmul configs (minutes for GPT-2)."""
+    breaks Dynamo's graph in DDP's forward), FSDP2 is compiled after fully_shard, which needs plain blocks."""
     def compiled(model: nn.Module) -> nn.Module:
         return torch.compile(model, mode=None if args.compile_mode == "default" else args.compile_mode) \
             if use_compile else model
@@ -217,8 +206,7 @@ def wrap_model(raw: nn.Module, args: StepArgs, device: torch.device, dtype: torc
 
 
 def uses_cuda_graphs(args: StepArgs, device: torch.device) -> bool:
-    """Whether the compile mode replays CUDA graphs here: only on CUDA, where compile=None means on, and only in
-    these two modes."""
+    """Whether the compile mode replays CUDA graphs here: on CUDA (compile=None means on), in these two modes."""
     return device.type == "cuda" and args.compile is not False and args.compile_mode in ("reduce-overhead",
                                                                                           "max-autotune")
 
@@ -249,27 +237,24 @@ def sdpa_switches() -> dict[str, bool]:
 
 
 def set_sdpa_switches(state: dict[str, bool]) -> None:
+    """Set the SDPA switches, and put the kernels allowed into torch.compile's cache key, which does not key on the
+    switches (a cached graph kept another run's kernel: docs/notes.md)."""
     for switch, on in state.items():
         getattr(torch.backends.cuda, switch)(on)
-    tag_compile_caches([kernel for kernel, switch in SDPA_SWITCHES.items() if state.get(switch)])
+    kernels = [kernel for kernel, switch in SDPA_SWITCHES.items() if state.get(switch)]
+    choice = "" if set(kernels) == set(SDPA_SWITCHES) else "sdpa=" + "+".join(kernels)
+    if hasattr(torch.compiler.config, "cache_key_tag"):  # appended to the user's own tag
+        torch.compiler.config.cache_key_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "") + choice
+    else:  # a torch without the tag: no graph cache for a forced kernel, so nothing stale comes back
+        from torch._inductor import config as inductor_config
+
+        inductor_config.fx_graph_cache = not choice
 
 
 def select_attention(name: str) -> None:
     """Allow only the named SDPA kernel, or every kernel for 'auto' (torch's default). These are process-wide
     switches, and a compiled graph keeps the kernel chosen when it was traced: set them before compiling."""
     set_sdpa_switches({switch: name in ("auto", kernel) for kernel, switch in SDPA_SWITCHES.items()})
-
-
-def tag_compile_caches(kernels: list[str]) -> None:
-    """Put the SDPA kernels allowed into torch.compile's cache key, which does not key on the switches (a cached
-    graph kept another run's kernel: docs/notes.md). Appended to the user's TORCH_COMPILE_CACHE_KEY_TAG."""
-    choice = "" if set(kernels) == set(SDPA_SWITCHES) else "sdpa=" + "+".join(kernels)
-    if hasattr(torch.compiler.config, "cache_key_tag"):
-        torch.compiler.config.cache_key_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "") + choice
-    else:  # a torch without the tag: no graph cache for a forced kernel, so nothing stale comes back
-        from torch._inductor import config as inductor_config
-
-        inductor_config.fx_graph_cache = not choice
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -381,14 +366,9 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, args: StepArgs) -> lis
 
 class MuonAdamW(torch.optim.Optimizer):
     """torch.optim.Muon for the groups marked "muon", AdamW for the others, as one optimizer. The two inner ones hold
-    the very group dicts and the state dict of this one, so the loop's lr, GradScaler, ZeRO-1 and the checkpoint see
-    one ordinary optimizer, and state_dict() is Optimizer's own.
-
-    Muon's lr is scaled by 0.2 * sqrt(max(rows, cols)) per matrix (torch's adjust_lr_fn="match_rms_adamw", from
-    Moonshot's "Muon is Scalable for LLM Training", 2025): its update RMS is then about 0.2 x lr, as AdamW's
-    typically is, so both parts share --max-lr, its schedule and --weight-decay. Momentum 0.95 with Nesterov and 5
-    Newton-Schulz steps are torch's defaults, Keller Jordan's. Fused matrices (qkv, SwiGLU's gate and up) are
-    orthogonalized whole."""
+    this one's group dicts and state, so the loop's lr, GradScaler, ZeRO-1 and the checkpoint see one ordinary
+    optimizer. Muon's lr is scaled by 0.2 * sqrt(max(rows, cols)) per matrix (torch's "match_rms_adamw"): its update
+    RMS is then about AdamW's, so both parts share --max-lr, its schedule and --weight-decay."""
 
     def __init__(self, params: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, fused: bool = False, momentum: float = 0.95):
@@ -433,7 +413,6 @@ def lr_as_tensor(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """The bytes of every tensor in the optimizer's state (this rank's), an 8-bit state's codes, scales and code
-    table (tensor subclasses' inner tensors) included."""
+    """The bytes of this rank's optimizer state, an 8-bit state's codes, scales and code table included."""
     local = getattr(optimizer, "optim", optimizer)  # ZeRO-1's own share
     return sum(tensor_bytes(v) for state in local.state.values() for v in state.values() if torch.is_tensor(v))
