@@ -93,7 +93,6 @@ class TrainConfig(RunArgs):
     init_from: Annotated[str, LOCAL] = ""  # '' (random init), a train.py checkpoint, or HF GPT-2 (gpt2..gpt2-xl, a dir)
     # data
     data: Annotated[str, LOCAL] = "data/edu_fineweb10B"  # token shards (fineweb.py, llm.c), or a dataset of that kind
-    # chat: a file, directory or hub dataset of conversations (chat_format.py), the loss on the assistant's tokens
     data_kind: str = "tokens"  # tokens (fineweb.py's shards), chat (conversations: SFT) or pairs (prefs.py's)
     objective: str = "lm"  # lm (next token), reward (Bradley-Terry reward model) or dpo, both on pairs
     dpo_beta: float = 0.1  # DPO's beta: how far the implicit reward may pull the policy from its reference
@@ -112,8 +111,7 @@ class TrainConfig(RunArgs):
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     # evaluation
     eval_every: int = 250  # val loss every N steps (and at the last step); 0 = never
-    # (the default is build-nanogpt's 20 val batches of 64 x 1024 on each of 8 GPUs; here they are the same tokens on
-    # any number of ranks)
+    # (the default: build-nanogpt's 20 val batches of 64 x 1024 on each of 8 GPUs, the same tokens on any world size)
     eval_tokens: int = 10_485_760  # val tokens per evaluation, all ranks together (rounded up to whole B*T windows)
     hellaswag_every: int = 250  # HellaSwag every N steps (and at the last step); 0 = never
     hellaswag: Annotated[str, LOCAL] = "auto"  # HellaSwag val jsonl: a path, 'auto' (cached download) or 'off'
@@ -130,38 +128,30 @@ class TrainConfig(RunArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        choices = {"data_kind": ("tokens", "chat", "pairs"), "objective": ("lm", "reward", "dpo"), "shuffle": SHUFFLES,
+                   "lr_schedule": ("cosine", "linear", "constant", "wsd"), "model": (None, *MODEL_PRESETS),
+                   "task": ("", *tasks.TASKS)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(filter(None, allowed))}; "
+                                 f"got {getattr(self, name)!r}")
         self._check_stage()
-        if self.shuffle not in SHUFFLES:
-            raise ValueError(f"--shuffle must be one of {', '.join(SHUFFLES)}; got {self.shuffle!r}")
-        if self.lr_schedule not in ("cosine", "linear", "constant", "wsd"):
-            raise ValueError(f"--lr-schedule must be one of cosine, linear, constant, wsd; got {self.lr_schedule!r}")
-        if self.model is not None and self.model not in MODEL_PRESETS:
-            raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
         model_config(self)  # the architecture flags make a valid GPTConfig
-        for name, low in {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "sample_tokens": 1,
-                          "warmup_steps": 0, "eval_every": 0, "hellaswag_every": 0, "sample_every": 0,
-                          "task_every": 0, "task_limit": 1}.items():
-            if getattr(self, name) < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
-        if self.hellaswag_limit is not None and self.hellaswag_limit < 1:
-            raise ValueError(f"--hellaswag-limit must be >= 1 or none; got {self.hellaswag_limit}")
         # each written so that NaN fails it too
+        for name, low in {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "sample_tokens": 1,
+                          "warmup_steps": 0, "eval_every": 0, "hellaswag_every": 0, "sample_every": 0, "task_every": 0,
+                          "task_limit": 1, "hellaswag_limit": 1, "skip_loss_z": 0, "skip_norm_z": 0}.items():
+            if getattr(self, name) is not None and not getattr(self, name) >= low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
             raise ValueError(f"--min-lr-frac must be in [0, 1]; got {self.min_lr_frac}")
         if not 0.0 < self.decay_frac <= 1.0:
             raise ValueError(f"--decay-frac must be in (0, 1]; got {self.decay_frac}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
-        for name in ("skip_loss_z", "skip_norm_z"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
 
     def _check_stage(self) -> None:
         """The data, objective and task fit together."""
-        if self.data_kind not in ("tokens", "chat", "pairs"):
-            raise ValueError(f"--data-kind must be tokens, chat or pairs; got {self.data_kind!r}")
-        if self.objective not in ("lm", "reward", "dpo"):
-            raise ValueError(f"--objective must be lm, reward or dpo; got {self.objective!r}")
         if self.objective != "lm" and self.data_kind != "pairs":
             raise ValueError(f"--objective {self.objective} trains on preference pairs: pass --data-kind pairs")
         if self.objective == "lm" and self.data_kind == "pairs":
@@ -170,11 +160,8 @@ class TrainConfig(RunArgs):
             raise ValueError("--objective reward trains a value head: drop --value-head false")
         if self.objective == "dpo" and self.parallel == "fsdp":
             raise ValueError("--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")
-        if self.task and self.task not in tasks.TASKS:
-            raise ValueError(f"--task must be one of {', '.join(tasks.TASKS)} (or empty); got {self.task!r}")
         if self.task and self.parallel == "fsdp":  # each rank's replies end at their own lengths: FSDP's forwards hang
-            raise ValueError("--task runs generation, which --parallel fsdp cannot (its forwards are collectives); "
-                             "use ddp or zero1")
+            raise ValueError("--task generates replies, which --parallel fsdp cannot: use ddp or zero1")
 
 
 def _preset(**kw: Any) -> Callable[[], TrainConfig]:
@@ -189,8 +176,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "gpt2-1558m": _preset(model="gpt2-xl", batch_size=8, max_lr=2e-4, out_dir="out/gpt2-1558m"),
     # gpt2-124m's recipe for its LLaMA-style twin: RoPE, SwiGLU, GQA, RMSNorm, no biases
     "llama-124m": _preset(model="llama-124m", out_dir="out/llama-124m"),
-    # a 30M-param model (nanoGPT's 10.7M leaves the token embedding out) on Tiny Shakespeare (~300K tokens): minutes
-    # on one GPU
+    # a 30M-param model (nanoGPT's 10.7M without the embedding) on Tiny Shakespeare (~300K tokens): minutes on a GPU
     "shakespeare": _preset(model="gpt2", arch={"n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2}, seq_len=256,
                            data="data/shakespeare", preload=True,
                            total_batch_size=16384, batch_size=64, max_lr=1e-3, warmup_steps=100, max_steps=2000,
@@ -269,10 +255,8 @@ def lm_step(cfg: TrainConfig, built: Trainable, next_batch: Callable[[], tuple],
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup from max_lr/warmup to max_lr, then the schedule down to min_lr_frac * max_lr at max_steps:
-    cosine (GPT-2 / nanoGPT / llm.c's default) or linear over all the steps after warmup; constant stays at max_lr;
-    wsd (warmup-stable-decay) holds max_lr, then decays linearly over the last decay_frac of the steps, so a run
-    can be extended from a checkpoint taken before its decay."""
+    """Linear warmup, then cosine or linear decay to min_lr_frac * max_lr at max_steps, or constant; wsd holds max_lr,
+    then decays linearly over the last decay_frac of the steps, so a run can be extended from before its decay."""
     min_lr = cfg.min_lr_frac * cfg.max_lr
     if step < cfg.warmup_steps:
         return cfg.max_lr * (step + 1) / cfg.warmup_steps
@@ -281,7 +265,7 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
     if step >= cfg.max_steps:
         return min_lr
     if cfg.lr_schedule == "wsd":
-        decay_start = wsd_decay_start(cfg)
+        decay_start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
         if step < decay_start:
             return cfg.max_lr
         return cfg.max_lr - (step - decay_start) / max(1, cfg.max_steps - decay_start) * (cfg.max_lr - min_lr)
@@ -289,11 +273,6 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
     if cfg.lr_schedule == "linear":
         return cfg.max_lr - progress * (cfg.max_lr - min_lr)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
-
-
-def wsd_decay_start(cfg: TrainConfig) -> int:
-    """The step where wsd's linear decay to the min begins: decay_frac of max_steps before the end."""
-    return max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -330,8 +309,16 @@ def evaluations(cfg: TrainConfig, raw: GPT, built: Trainable, val_loader: TokenL
             return hs
 
         evals.append(Eval("hellaswag", cfg.hellaswag_every, hellaswag_eval))
-    if cfg.task:
-        evals.append(task_eval(cfg, raw, built, log, rank, world))
+    if cfg.task:  # held-out greedy accuracy, the replies generated by generate.py from the uncompiled module
+        task = tasks.TASKS[cfg.task]()
+        problems = task.examples("test")[:cfg.task_limit]
+
+        def score(step: int) -> dict[str, Any]:
+            result = tasks.evaluate(raw, task, problems, rank, world, autocast=built.autocast)
+            log.say(f"step {step:6d} | {cfg.task} accuracy {result['acc']:.4f} ({result['n']} held-out problems)")
+            return result
+
+        evals.append(Eval("task", cfg.task_every, score))
     if cfg.sample_every > 0:
         def samples(step: int) -> dict[str, Any] | None:
             if not (master or cfg.parallel == "fsdp"):  # FSDP forwards are collective: every rank runs them
@@ -343,19 +330,6 @@ def evaluations(cfg: TrainConfig, raw: GPT, built: Trainable, val_loader: TokenL
 
         evals.append(Eval("sample", cfg.sample_every, samples, at_start=False))
     return evals
-
-
-def task_eval(cfg: TrainConfig, raw: GPT, built: Trainable, log: RunLog, rank: int, world: int) -> Eval:
-    """--task's held-out greedy accuracy, the replies generated by generate.py from the uncompiled module."""
-    task = tasks.TASKS[cfg.task]()
-    problems = task.examples("test")[:cfg.task_limit]
-
-    def score(step: int) -> dict[str, Any]:
-        result = tasks.evaluate(raw, task, problems, rank, world, autocast=built.autocast)
-        log.say(f"step {step:6d} | {cfg.task} accuracy {result['acc']:.4f} ({result['n']} held-out problems)")
-        return result
-
-    return Eval("task", cfg.task_every, score)
 
 
 def val_windows(cfg: TrainConfig, loader: TokenLoader, master: bool) -> int:
@@ -403,8 +377,6 @@ def load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int) -> 
             examples = hellaswag.load_examples(path)
         except (OSError, ValueError) as e:  # load_examples' own hint names hellaswag.py's flags, not train.py's
             problem = f"{path} is not a file" if not path.is_file() else str(e).splitlines()[0][:200]
-        if problem is None and not examples:
-            problem = f"{path} holds no examples"
     reason = shared_problem(problem, world) or reason  # the reason of the rank that lacks them
     if reason and wanted and rank == 0:
         print(f"hellaswag: skipped ({reason}); pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it, "
@@ -420,9 +392,7 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     """Build the Run. Each check that one rank could fail alone is shared first, so every rank stops with the
     reason instead of leaving the others waiting in a collective; what every rank must share is one fingerprint."""
     master, prov = rank == 0, provenance(device, world)
-    torch.manual_seed(cfg.seed + rank)  # ranks see different data, so different dropout masks are right
-    if device.type == "cuda":
-        torch.cuda.manual_seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)  # every device's generator; ranks see other data, so other dropout masks
     train_loader, val_loader = open_loaders(cfg, rank, world, device)
     checkpointer = Checkpointer(cfg, rank, world, prov)
     found = checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
@@ -445,8 +415,7 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     built = build_trainable(raw, cfg, device, use_compile, verbose=master)
     guard, tokens = SpikeGuard(cfg.skip_loss_z, cfg.skip_norm_z, world), TokenCount()
     parts = {"loader": train_loader, "scaler": built.scaler, "outliers": guard, "tokens": tokens}
-    tokens_per_step = grad_accum * cfg.batch_size * cfg.seq_len * world
-    start_step = resume(found, checkpointer, raw, built, parts, cfg, tokens_per_step) if found else 0
+    start_step = resume(found, checkpointer, raw, built, parts, cfg) if found else 0
     if master:
         print_header(cfg, raw, built, start_step, grad_accum, world, use_compile, device)
     checkpointer.remove_partial_writes()
@@ -484,31 +453,16 @@ def fingerprint(cfg: TrainConfig, loaders: tuple, raw: GPT, examples: list[dict]
     if world == 1:  # a digest of a 1.5B model takes seconds: only where there is something to compare
         return
     source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"
-    agree_fingerprint({"command": command(cfg), "data": shards_of(list(loaders)),
-                       "hellaswag": examples_digest(examples),  # a resume's weights: Checkpointer.find agreed
-                       "weights": weights_digest(raw) if found is None else None}, rank, world, source, DESCRIBE)
+    hellaswag = examples and hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()
+    agree_fingerprint({"command": command(cfg), "data": shards_of(list(loaders)), "--hellaswag file": hellaswag,
+                       "weights": weights_digest(raw) if found is None else None},  # a resume's: Checkpointer.find's
+                      rank, world, source)
 
 
 def command(cfg: TrainConfig) -> dict[str, str]:
     """The command every node must run: the config, with the model as its flags resolve it."""
     resolved = dataclasses.asdict(model_config(cfg))
     return {**command_of(cfg), **{k: repr(v) for k, v in resolved.items() if k != "block_size"}}
-
-
-def examples_digest(examples: list[dict] | None) -> list | None:
-    if examples is None:
-        return None
-    return [len(examples), hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()]
-
-
-def describe_examples(key: str, mine: list | None, first: list | None, rank: int, _: str) -> str:
-    count = [f"{x[0]} HellaSwag examples" if x else "no HellaSwag" for x in (mine, first)]
-    other = ", other ones" if mine and first and mine[0] == first[0] else ""
-    return f"rank {rank} has {count[0]}, rank 0 {count[1].split(' HellaSwag')[0]}{other}: every node must hold the " \
-        "same --hellaswag file"
-
-
-DESCRIBE = {"hellaswag": describe_examples}
 
 
 def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[TrainConfig, int, bool]:
@@ -586,13 +540,11 @@ def fresh_model(cfg: TrainConfig) -> GPT:
 
 
 def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: GPT, built: Trainable, parts: dict[str, Any],
-           cfg: TrainConfig, tokens_per_step: int) -> int:
+           cfg: TrainConfig) -> int:
     """Restore the checkpoint found into the built run on every rank (or stop all of them); returns its step."""
     path, ckpt = found
     step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, parts), checkpointer.world,
                         ValueError, (DataError, ValueError))
-    if "tokens" not in ckpt:  # written before the count was kept
-        parts["tokens"].value = step * tokens_per_step
     if checkpointer.master:
         print(f"resumed from {path} at step {step}")
         if isinstance(parts["loader"], TokenLoader) and not cfg.eval_only:
@@ -623,8 +575,7 @@ def note_new_windows(saved: dict, loader: TokenLoader) -> None:
 
 
 def schedule_change(saved_steps: int | None, cfg: TrainConfig, step: int) -> str | None:
-    """A note when the resumed run had another --max-steps: from `step` on, the lr schedule is then not that run's.
-    None where it is the same (a constant schedule, or --eval-only, which trains nothing)."""
+    """A note when the resumed run had another --max-steps that changes the lr from `step` on (None where not)."""
     if saved_steps is None or saved_steps == cfg.max_steps or cfg.eval_only:
         return None
     old = dataclasses.replace(cfg, max_steps=int(saved_steps))
@@ -632,16 +583,8 @@ def schedule_change(saved_steps: int | None, cfg: TrainConfig, step: int) -> str
                    None)
     if differs is None:
         return None
-    if cfg.lr_schedule == "wsd":
-        change = (f"the wsd decay now runs from step {wsd_decay_start(cfg)} to {cfg.max_steps}, not from "
-                  f"{wsd_decay_start(old)} to {old.max_steps}")
-    else:
-        change = f"the {cfg.lr_schedule} decay now ends at step {cfg.max_steps}, not {old.max_steps}"
-    same = f"is that run's before step {differs} and differs from there on" if differs > step else \
-        "differs from that run's from here on"
-    return (f"note: the checkpoint's run had --max-steps {old.max_steps}, this run has {cfg.max_steps}: {change}, so "
-            f"the learning rate {same} (at step {differs}: {get_lr(differs, cfg):.3g} here, "
-            f"{get_lr(differs, old):.3g} in that run)")
+    return (f"note: the checkpoint's run had --max-steps {old.max_steps}, this run has {cfg.max_steps}: from step "
+            f"{differs} the lr is {get_lr(differs, cfg):.3g}, not that run's {get_lr(differs, old):.3g}")
 
 
 def batches(cfg: TrainConfig, loader: TokenLoader | None) -> Callable[[], tuple] | None:
@@ -690,8 +633,7 @@ def print_header(cfg: TrainConfig, raw: GPT, built: Trainable, start_step: int, 
 
 
 def run_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The GPTConfig fields a run sets whatever its weights came from (model.RUN_OPTIONS): context length, dropout,
-    the speed options."""
+    """The GPTConfig fields a run sets whatever its weights came from (model.RUN_OPTIONS) and the context length."""
     return {"block_size": cfg.seq_len, **{k: v for k, v in cfg.arch.items() if k in RUN_OPTIONS}}
 
 
@@ -794,10 +736,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _stop_the_other_ranks(problem: str) -> None:
-    """Under torchrun, a rank whose command line does not parse (a flag mistyped on one node) would exit before the
-    rendezvous, and the other ranks would wait for it there until the timeout (10-30 minutes). It joins the process
-    group anyway, only to hand its reason to their first collective (hold_out_dir's shared_problem), so that every rank
-    stops at once with it. Its own flags unread, it joins as the default config's device would."""
+    """A rank whose command line does not parse (a flag mistyped on one node) joins the group anyway, as the default
+    config would, to hand its reason to the others' first collective: they would wait for it until the timeout."""
     _, _, world, _ = setup_distributed(TrainConfig().device, TrainConfig().dist_timeout)
     try:
         shared_problem(problem, world)
@@ -806,9 +746,8 @@ def _stop_the_other_ranks(problem: str) -> None:
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
-    """Train (or, with eval_only, evaluate) as cfg says; the entry point from Python, where errors stay exceptions
-    (DataError, ValueError, FileNotFoundError for the user's). Under torchrun it joins the default process group (or
-    creates it, and then destroys it at the end). Returns engine.train()'s result, the same on every rank."""
+    """Train (or evaluate) as cfg says, from Python: errors stay exceptions. It joins the default process group, or
+    creates it and destroys it at the end. Returns engine.train()'s result, the same on every rank."""
     owns_group = not dist.is_initialized()
     rank, local_rank, world, device = setup_distributed(cfg.device, cfg.dist_timeout)
     attention = sdpa_switches()

@@ -1527,8 +1527,8 @@ def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_origina
     capsys.readouterr()
     train.main(tiny_args(token_data, tmp_path / "cos", "--max-steps=6", "--eval-every=0", "--resume=auto"))
     assert note_lines(capsys.readouterr().out) == [
-        "note: the checkpoint's run had --max-steps 4, this run has 6: the cosine decay now ends at step 6, not 4, so "
-        "the learning rate differs from that run's from here on (at step 4: 0.00055 here, 0.0001 in that run)"]
+        "note: the checkpoint's run had --max-steps 4, this run has 6: from step 4 the lr is 0.00055, not that run's "
+        "0.0001"]
     # wsd holds max_lr until its decay: extended before the decay began, the lr stays the original's until then
     wsd = ["--lr-schedule=wsd", "--eval-every=0", "--ckpt-every=4", "--keep-last=0"]
     train.main(tiny_args(token_data, tmp_path / "wsd", "--max-steps=10", *wsd))
@@ -1536,9 +1536,8 @@ def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_origina
     train.main(tiny_args(token_data, tmp_path / "wsd2", "--max-steps=20", *wsd, "--max-time=1e-9",
                          f"--resume={tmp_path / 'wsd' / 'ckpt_000004.pt'}"))
     assert note_lines(capsys.readouterr().out) == [
-        "note: the checkpoint's run had --max-steps 10, this run has 20: the wsd decay now runs from step 16 to 20, "
-        "not from 8 to 10, so the learning rate is that run's before step 9 and differs from there on (at step 9: "
-        "0.001 here, 0.00055 in that run)"]
+        "note: the checkpoint's run had --max-steps 10, this run has 20: from step 9 the lr is 0.001, not that run's "
+        "0.00055"]
     # constant: no schedule depends on --max-steps, and an evaluation trains nothing: no note
     train.main(tiny_args(token_data, tmp_path / "const", "--max-steps=3", "--eval-every=0", "--lr-schedule=constant"))
     train.main(tiny_args(token_data, tmp_path / "const", "--max-steps=5", "--eval-every=0", "--lr-schedule=constant",
@@ -2117,7 +2116,7 @@ def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints
     short = [*common, "--max-steps=1", "--eval-every=0", "--hellaswag-every=1"]
     assert refused(tiny_args(token_data, tmp_path / "hs", *short, f"--hellaswag={few}"),
                    tiny_args(token_data, tmp_path / "hs", *short, f"--hellaswag={hellaswag}")) == [
-        "error: rank 1 has 2 HellaSwag examples, rank 0 6: every node must hold the same --hellaswag file"] * 2
+        "error: rank 1's --hellaswag file differs from rank 0's: every node must hold the same --hellaswag file"] * 2
 
     # a flag that differs: a collective would hang (another --max-steps, HellaSwag off on one node) or the replicas
     # drift apart (another lr); one that a rank refuses alone (the batch does not divide) left the others a lost peer
