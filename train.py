@@ -365,23 +365,19 @@ def load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int) -> 
 
     wanted = cfg.hellaswag != "off" and (cfg.hellaswag_every > 0 or cfg.eval_only)
     path = Path(cfg.hellaswag) if cfg.hellaswag != "auto" else hellaswag.default_cache_dir() / "hellaswag_val.jsonl"
-    reason = None
+
+    def why(e: Exception) -> str:  # load_examples' own hint names hellaswag.py's flags, not train.py's
+        return f"{path} is not a file" if not path.is_file() else str(e).splitlines()[0][:200]
+
     try:  # whatever fails (offline, a truncated response...), every rank skips it
         first_on_each_node(hellaswag.download if wanted and cfg.hellaswag == "auto" else lambda: None, local_rank,
                            world, catch=(Exception,), reason=lambda e: f"could not download it: {e.__cause__ or e}")
-    except ValueError as e:
-        reason = str(e)
-    examples, problem = None, None
-    if wanted and reason is None:
-        try:
-            examples = hellaswag.load_examples(path)
-        except (OSError, ValueError) as e:  # load_examples' own hint names hellaswag.py's flags, not train.py's
-            problem = f"{path} is not a file" if not path.is_file() else str(e).splitlines()[0][:200]
-    reason = shared_problem(problem, world) or reason  # the reason of the rank that lacks them
-    if reason and wanted and rank == 0:
-        print(f"hellaswag: skipped ({reason}); pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it, "
-              "or --hellaswag off to silence this")
-    return None if reason else examples
+        return same_verdict(lambda: hellaswag.load_examples(path) if wanted else None, world, reason=why)
+    except ValueError as e:  # the reason of the rank that lacks them
+        if wanted and rank == 0:
+            print(f"hellaswag: skipped ({e}); pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it, "
+                  "or --hellaswag off to silence this")
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -453,8 +449,8 @@ def fingerprint(cfg: TrainConfig, loaders: tuple, raw: GPT, examples: list[dict]
     if world == 1:  # a digest of a 1.5B model takes seconds: only where there is something to compare
         return
     source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"
-    hellaswag = examples and hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()
-    agree_fingerprint({"command": command(cfg), "data": shards_of(list(loaders)), "--hellaswag file": hellaswag,
+    agree_fingerprint({"command": command(cfg), "data": shards_of(list(loaders)),
+                       "--hellaswag file": examples_digest(examples),
                        "weights": weights_digest(raw) if found is None else None},  # a resume's: Checkpointer.find's
                       rank, world, source)
 
@@ -463,6 +459,10 @@ def command(cfg: TrainConfig) -> dict[str, str]:
     """The command every node must run: the config, with the model as its flags resolve it."""
     resolved = dataclasses.asdict(model_config(cfg))
     return {**command_of(cfg), **{k: repr(v) for k, v in resolved.items() if k != "block_size"}}
+
+
+def examples_digest(examples: list[dict] | None) -> str | None:
+    return None if examples is None else hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()
 
 
 def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[TrainConfig, int, bool]:

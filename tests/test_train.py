@@ -1894,7 +1894,7 @@ rank, spec = int(sys.argv[2]), json.loads(open(sys.argv[3]).read())
 dist.init_process_group("gloo", init_method="file://" + spec["store"], rank=rank, world_size=2)
 def verdict(fingerprint):
     try:
-        engine.agree_fingerprint(fingerprint, rank, 2, describe=train.DESCRIBE)
+        engine.agree_fingerprint(fingerprint, rank, 2)
     except ValueError as e:
         return str(e)
 out = {"commands": [verdict({"command": train.command(train.TrainConfig(**case[rank]))}) for case in spec["commands"]],
@@ -1904,7 +1904,7 @@ for dirs in spec["data"]:
     out["data"].append(verdict({"data": engine.shards_of(loaders)}))
 for paths in spec["hellaswag"]:
     examples = train.load_hellaswag(train.TrainConfig(hellaswag=paths[rank], hellaswag_every=1), rank, 0, 2)
-    out["hellaswag"].append(verdict({"hellaswag": train.examples_digest(examples)}))
+    out["hellaswag"].append(verdict({"--hellaswag file": train.examples_digest(examples)}))
 out["stops"] = []
 for signals in spec["signals"]:  # the signal each rank received (None: none): all stop together, naming one
     flags = train.StopFlags(0, device=torch.device("cpu"), world=2)
@@ -1975,8 +1975,8 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
             "rank 1's val shards differ from rank 0's (1 files against 1; file 1 is rand_val_000000.bin (7,999 "
             "tokens) there, rand_val_000000.bin (8,000 tokens) on rank 0): every node must hold the same --data"]
         # the same examples in another path are the same HellaSwag; as many other ones stop every rank
-        assert result["hellaswag"] == [None, "rank 1 has 6 HellaSwag examples, rank 0 6, other ones: every node "
-                                             "must hold the same --hellaswag file"]
+        assert result["hellaswag"] == [None, "rank 1's --hellaswag file differs from rank 0's: every node must hold "
+                                             "the same --hellaswag file"]
         # one rank's Ctrl-C stops both; SIGTERM (a preemption) is named before Ctrl-C
         assert result["stops"] == [[None, None], ["signal", "SIGINT"], ["signal", "SIGTERM"], ["signal", "SIGTERM"]]
 
