@@ -183,8 +183,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                            # the val shard's 32K tokens hold one window of B*T+1 = 16,385 (windows do not overlap)
                            eval_every=250, eval_tokens=16384, hellaswag="off", sample_every=500,
                            sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
-    # fine-tune OpenAI's GPT-2 124M on Tiny Shakespeare (as nanoGPT's finetune_shakespeare): 20 steps of 32K tokens,
-    # about two epochs of its ~300K train tokens, at a small constant learning rate; minutes on one GPU
+    # nanoGPT's finetune_shakespeare: OpenAI's GPT-2 124M, about two epochs at a small constant lr; minutes on a GPU
     "shakespeare-ft": _preset(init_from="gpt2", data="data/shakespeare", total_batch_size=32768, batch_size=8,
                               max_lr=3e-5, lr_schedule="constant", warmup_steps=0, max_steps=20, eval_every=5,
                               eval_tokens=24576, hellaswag="off", sample_every=10, sample_tokens=128, ckpt_every=0,
@@ -195,8 +194,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                     total_batch_size=512, batch_size=4, max_lr=3e-3, warmup_steps=40, max_steps=900, eval_every=150,
                     eval_tokens=8192, hellaswag="off", sample_every=0, sample_tokens=64, ckpt_every=0,
                     out_dir="out/demo", sample_prompt="Return the"),
-    # supervised fine-tuning into a chat model (chat_format.py): OpenAI's GPT-2 124M on smol-smoltalk's conversations,
-    # the loss on the assistant's tokens; about 65M tokens, a third of an epoch
+    # SFT into a chat model (chat_format.py): OpenAI's GPT-2 124M on smol-smoltalk, about a third of an epoch
     "sft": _preset(init_from="gpt2", data="HuggingFaceTB/smol-smoltalk", data_kind="chat", total_batch_size=32768,
                    batch_size=8, max_lr=3e-5, lr_schedule="linear", min_lr_frac=0.0, warmup_steps=20, max_steps=2000,
                    eval_every=200, eval_tokens=327680, hellaswag="off", sample_every=0, ckpt_every=500,
@@ -232,8 +230,8 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 
 def lm_step(cfg: TrainConfig, built: Trainable, next_batch: Callable[[], tuple], grad_accum: int, guard: SpikeGuard,
             world: int, objective: PairObjective | None = None) -> Callable[[int], dict[str, Any]]:
-    """engine.Run's step_fn: set the lr, forward/backward every micro-batch, clip, step; the record the log gets.
-    `objective` replaces the next-token loss (a reward model's or DPO's, on pairs: two sequences each)."""
+    """engine.Run's step_fn, which returns the step's log record; `objective` (a reward model's or DPO's, on pairs: two
+    sequences each) replaces the next-token loss."""
     tokens = grad_accum * cfg.batch_size * cfg.seq_len * world * (2 if objective else 1)
 
     def step_fn(step: int) -> dict[str, Any]:
@@ -264,15 +262,13 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
         return cfg.max_lr
     if step >= cfg.max_steps:
         return min_lr
+    start = cfg.warmup_steps  # of the decay; wsd's: decay_frac of max_steps before the end
     if cfg.lr_schedule == "wsd":
-        decay_start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
-        if step < decay_start:
-            return cfg.max_lr
-        return cfg.max_lr - (step - decay_start) / max(1, cfg.max_steps - decay_start) * (cfg.max_lr - min_lr)
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    if cfg.lr_schedule == "linear":
-        return cfg.max_lr - progress * (cfg.max_lr - min_lr)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+        start = max(start, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
+    progress = max(0, step - start) / max(1, cfg.max_steps - start)
+    if cfg.lr_schedule == "cosine":
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+    return cfg.max_lr - progress * (cfg.max_lr - min_lr)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -349,8 +345,7 @@ def val_windows(cfg: TrainConfig, loader: TokenLoader, master: bool) -> int:
 
 def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step: int,
                 autocast: contextlib.AbstractContextManager) -> list[str]:
-    """A few samples from the uncompiled module, in the training precision; its own generator, so the training RNG
-    (and exact resume) is untouched."""
+    """Two samples from the uncompiled module; their own generator leaves the training RNG (and exact resume) alone."""
     idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
     with autocast:
@@ -494,18 +489,17 @@ def open_loaders(cfg: TrainConfig, rank: int, world: int,
     """The train and val loaders (an evaluation needs only val); a node without the data stops every rank."""
     B, T = cfg.batch_size, cfg.seq_len
 
-    def load() -> tuple[TokenLoader | None, TokenLoader | None]:
-        def loader(split: str) -> TokenLoader | ConversationLoader | PairLoader:
-            if cfg.data_kind == "chat":
-                return ConversationLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)
-            if cfg.data_kind == "pairs":
-                return PairLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, shuffle=split == "train")
-            return TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, cfg.preload, cfg.shuffle)
+    def loader(split: str, wanted: int) -> TokenLoader | ConversationLoader | PairLoader | None:
+        if not wanted:
+            return None
+        if cfg.data_kind == "chat":
+            return ConversationLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)
+        if cfg.data_kind == "pairs":
+            return PairLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, shuffle=split == "train")
+        return TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, cfg.preload, cfg.shuffle)
 
-        return (loader("train") if not cfg.eval_only else None,
-                loader("val") if cfg.eval_every > 0 or cfg.eval_only else None)
-
-    return same_verdict(load, world, DataError, (DataError, OSError))
+    return same_verdict(lambda: (loader("train", not cfg.eval_only), loader("val", cfg.eval_every or cfg.eval_only)),
+                        world, DataError, (DataError, OSError))
 
 
 def build_model(cfg: TrainConfig, found: tuple[Path, dict] | None, local_rank: int, world: int) -> GPT:
@@ -523,9 +517,8 @@ def build_model(cfg: TrainConfig, found: tuple[Path, dict] | None, local_rank: i
                          "raise --max-steps to train further, or score it with --eval-only")
     saved = found[1].get("train_config", {}).get("optimizer", "adamw")
     if saved != cfg.optimizer and not cfg.eval_only:
-        raise ValueError(f"--resume {found[0]} holds --optimizer {saved}'s state, and this run asks for "
-                         f"--optimizer {cfg.optimizer}: pass --optimizer {saved}, or start a new run (in a new "
-                         f"--out-dir) from its weights with --init-from {found[0]}")
+        raise ValueError(f"--resume {found[0]} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass "
+                         f"--optimizer {saved}, or start a new run from its weights with --init-from {found[0]}")
     if cfg.arch.get("value_head", src.value_head) != src.value_head:
         raise ValueError(f"--resume {found[0]} has {'a' if src.value_head else 'no'} value head; a resume cannot "
                          "change that: start a new run from its weights with --init-from")
@@ -560,18 +553,10 @@ def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: GPT, built
 def note_new_windows(saved: dict, loader: TokenLoader) -> None:
     """Say where the data goes on when the checkpoint read other windows (--batch-size or --shuffle changed)."""
     old_b, old_shuffle = saved["B"], TokenLoader.state_shuffle(saved)
-    if old_b == loader.B and old_shuffle == loader.shuffle:
-        return
-    if loader.continues_in_shard(old_shuffle):
-        where = "where it was, cut into windows of the new size"
-    elif loader.resume_skipped:
-        where = (f"at the next shard, skipping the {loader.resume_skipped:,} tokens the checkpoint's run had "
-                 "not yet served from the shard being read (it read that shard's windows in another order)")
-    else:
-        where = "where it was, at a shard's start (the checkpoint fell between shards: nothing skipped)"
-    print(f"note: the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads "
-          f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes on {where}, none "
-          "served twice" + (", and the optimizer step keeps --total-batch-size tokens" if old_b != loader.B else ""))
+    if (old_b, old_shuffle) != (loader.B, loader.shuffle):
+        where = f"at the next shard, skipping {loader.resume_skipped:,} tokens" if loader.resume_skipped else "on"
+        print(f"note: the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads "
+              f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes {where}, none served twice")
 
 
 def schedule_change(saved_steps: int | None, cfg: TrainConfig, step: int) -> str | None:
@@ -648,27 +633,23 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
 def check_architecture(cfg: TrainConfig, src: GPTConfig, source: str) -> None:
     """Refuse a run whose architecture flags or --model preset say otherwise than the weights it starts from, which
     fix the architecture: they would be ignored without a word."""
-    has = dataclasses.replace(src, n_kv_head=src.kv_heads)
-    fixed = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_OPTIONS, "vocab_size")]
-    wrong = [f"--{k.replace('_', '-')} {v} (it has {getattr(has, k)})" for k, v in cfg.arch.items()
-             if k in fixed and v != getattr(has, k)]
-    if cfg.model is not None:  # the preset's shape and options (llama-124m's), where no flag says otherwise
-        preset = dataclasses.replace(MODEL_PRESETS[cfg.model](), **{k: v for k, v in cfg.arch.items() if k in fixed})
-        preset = dataclasses.replace(preset, n_kv_head=preset.kv_heads)
-        follows = () if MODEL_PRESETS[cfg.model]().n_kv_head else ("n_kv_head",)  # it follows n_head
-        named = [k for k in fixed if k not in (*cfg.arch, *follows) and getattr(preset, k) != getattr(has, k)]
-        if named:
-            wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(preset, k)}' for k in named)}; it has "
-                         f"{', '.join(f'{k} {getattr(has, k)}' for k in named)})")
+    has, asked = (dataclasses.replace(c, n_kv_head=c.kv_heads) for c in (src, model_config(cfg)))
+    # the flags given, and the --model preset's shape and options (llama-124m's) where no flag replaces them; a preset's
+    # n_kv_head of None follows n_head
+    follows = () if "n_kv_head" in cfg.arch or MODEL_PRESETS[cfg.model or "gpt2"]().n_kv_head else ("n_kv_head",)
+    fixed = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_OPTIONS, "vocab_size", *follows)]
+    differ = [k for k in fixed if (k in cfg.arch or cfg.model) and getattr(asked, k) != getattr(has, k)]
+    wrong = [f"--{k.replace('_', '-')} {getattr(asked, k)} (it has {getattr(has, k)})" for k in differ if k in cfg.arch]
+    if by_preset := [k for k in differ if k not in cfg.arch]:
+        wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(asked, k)}' for k in by_preset)}; it has "
+                     f"{', '.join(f'{k} {getattr(has, k)}' for k in by_preset)})")
     if wrong:
         raise ValueError(f"{source} fixes the architecture, but this run asks for {', '.join(wrong)}: drop those "
-                         "flags (or use a preset that does not set them), or pass the shape flags the weights were "
-                         "trained with")
+                         "flags, or use a preset that does not set them")
 
 
 def load_init(cfg: TrainConfig) -> GPT:
-    """The --init-from weights as a GPT on the CPU, with this run's context length (the learned position table
-    cropped, as nanoGPT's crop_block_size) and run options. The architecture is the source's (check_architecture)."""
+    """--init-from's weights as a GPT on the CPU, the position table cropped to --seq-len (as nanoGPT's crop)."""
     path = Path(cfg.init_from).expanduser()
     if path.is_dir() and not (path / "config.json").exists() and (found := checkpoints(path)):
         raise ValueError(f"--init-from {cfg.init_from} is a run directory; pass one of its checkpoints, e.g. "
@@ -703,8 +684,7 @@ def load_init(cfg: TrainConfig) -> GPT:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """The command line: parse argv (sys.argv[1:] by default) into a TrainConfig and run() it. A user error (bad
-    flag, data, checkpoint) is one line on stderr and SystemExit(1)."""
+    """The command line (sys.argv[1:] by default) into run(); a user error is one line on stderr and exit code 1."""
     try:
         cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS, __doc__)
     except SystemExit as e:
