@@ -1065,13 +1065,8 @@ def test_from_checkpoint_overrides_unexpected_weights_and_mmap(tmp_path):
                extra)
     with pytest.raises(ValueError, match=r"do not fit .*: 1 unexpected weights \(head2.weight\)"):
         GPT.from_checkpoint(extra)
-    # mmap (train.py's resume) falls back to a plain load for the legacy format, which cannot be mapped
-    legacy = tmp_path / "legacy.pt"
-    torch.save({"model": model.state_dict(), "model_config": model.config.__dict__}, legacy,
-               _use_new_zipfile_serialization=False)
-    for f in (path, legacy):
-        back = load_checkpoint(f, mmap=True)["model"]
-        assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    back = load_checkpoint(path, mmap=True)["model"]  # mapped from the file, as --init-from loads it
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
 
 
 def test_from_checkpoint_other_architecture_is_clear(tmp_path):
