@@ -548,9 +548,10 @@ def note_new_windows(saved: dict, loader: TokenLoader) -> None:
     """Say where the data goes on when the checkpoint read other windows (--batch-size or --shuffle changed)."""
     old_b, old_shuffle = saved["B"], TokenLoader.state_shuffle(saved)
     if (old_b, old_shuffle) != (loader.B, loader.shuffle):
-        where = f"at the next shard, skipping {loader.resume_skipped:,} tokens" if loader.resume_skipped else "on"
+        n = loader.resume_skipped  # tokens of the shard being read that the checkpoint's run had not served
+        skip = f" at the next shard, skipping this one's {n:,} unserved tokens" if n else ""
         print(f"note: the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads "
-              f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes {where}, none served twice")
+              f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes on{skip}, none served twice")
 
 
 def note_new_schedule(saved_steps: int | None, cfg: TrainConfig, step: int) -> None:

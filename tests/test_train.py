@@ -1637,7 +1637,7 @@ def test_tokens_axis_survives_a_resume_with_another_total_batch(token_data, tmp_
     ("shards", "on, none served twice", 4),
     # shuffled: the 4 windows served are scattered over the shard, so on at the next one (after its 39 windows of
     # 8 x 64), skipping the 78 - 4 windows of 4 x 64 of the 20,000-token shard that were not served
-    ("windows", "at the next shard, skipping 18,944 tokens, none served twice", 39 + 2),
+    ("windows", "on at the next shard, skipping this one's 18,944 unserved tokens, none served twice", 39 + 2),
 ])
 def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_batch(token_data, tmp_path, capsys,
                                                                                      shuffle, where, step):
