@@ -1,9 +1,9 @@
-"""Helpers every stage shares: the GPT-2 tokenizer, the dataclass CLI, provenance and devices, a directory's lock,
-process exit, checkpoint files, the MFU peak table and log reading. No torch import at module level (the functions
-that need torch import it), so plot.py stays light."""
+"""Helpers every stage shares: tokenizer, dataclass CLI, provenance, devices and ranks, a directory's lock, process
+exit, checkpoint files, MFU and log reading. No torch import at module level, so plot.py stays light."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import difflib
 import functools
@@ -83,10 +83,7 @@ def get_tokenizer() -> Any:
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-    try:
-        data = gpt2_bpe_dir()
-    except ImportError as e:
-        raise RuntimeError(str(e)) from e
+    data = gpt2_bpe_dir()
     ranks = data_gym_to_mergeable_bpe_ranks(
         vocab_bpe_file=str(data / "vocab.bpe"), encoder_json_file=str(data / "encoder.json"),
         vocab_bpe_hash="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
@@ -124,11 +121,9 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
             return None
         typ = next(a for a in args if a is not type(None))
     if typ is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{flag} expects true/false, got {text!r}")
+        if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError(f"{flag} expects true/false, got {text!r}")
+        return text.lower() in ("1", "true", "yes", "on")
     if origin is tuple:
         parts = [p for p in text.replace("(", "").replace(")", "").split(",") if p.strip()]
         try:
@@ -143,9 +138,8 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
 
 def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any]] | None = None,
                  doc: str | None = None) -> Any:
-    """A `cls` dataclass from `--preset NAME` then `--key=value` / `--key value` overrides (dashes or underscores;
-    a bare `--flag` sets a bool). A dict field whose metadata names `flags_of` (another dataclass) takes that class's
-    fields as flags too, over the preset's dict. An error exits with one line naming the flag (and the closest one)."""
+    """A `cls` from `--preset NAME`, then `--key=value` / `--key value` overrides (a bare `--flag` sets a bool); a dict
+    field whose metadata names `flags_of` (a dataclass) takes its fields as flags too. An error exits with one line."""
     presets = presets or {}
     hints = typing.get_type_hints(cls)
     nested = _nested_flags(cls)
@@ -220,22 +214,16 @@ def _split_argv(argv: list[str]) -> list[tuple[str, str | None]]:
 def _pick_preset(pairs: list[tuple[str, str | None]],
                  presets: dict[str, Callable[[], Any]]) -> tuple[Any, list[tuple[str, str | None]]]:
     """The config of the one --preset given (None without one), and the other options."""
-    base = None
-    rest = []
-    for key, val in pairs:
-        if key == "preset":
-            if base is not None:
-                raise SystemExit("error: --preset given twice; pass one preset and override its fields with flags")
-            if val is None:  # `--preset` last, or before another flag
-                raise SystemExit(f"error: --preset needs a name; choose from {', '.join(presets)}")
-            if val not in presets:
-                hint = difflib.get_close_matches(str(val), list(presets), n=1)
-                raise SystemExit(f"error: unknown --preset {val!r}; choose from {', '.join(presets)}"
-                                 + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-            base = presets[val]()
-        else:
-            rest.append((key, val))
-    return base, rest
+    names = [val for key, val in pairs if key == "preset"]
+    if len(names) > 1:
+        raise SystemExit("error: --preset given twice; pass one preset and override its fields with flags")
+    if names and names[0] is None:  # `--preset` last, or before another flag
+        raise SystemExit(f"error: --preset needs a name; choose from {', '.join(presets)}")
+    if names and names[0] not in presets:
+        hint = difflib.get_close_matches(names[0], list(presets), n=1)
+        raise SystemExit(f"error: unknown --preset {names[0]!r}; choose from {', '.join(presets)}"
+                         + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    return presets[names[0]]() if names else None, [(key, val) for key, val in pairs if key != "preset"]
 
 
 def _overrides(rest: list[tuple[str, str | None]], hints: dict[str, Any],
@@ -289,8 +277,7 @@ def provenance(device: torch.device | str | None = None, world_size: int = 1) ->
 
 
 def describe_provenance(prov: dict) -> str:
-    """provenance() as one readable line: `git 0123456789ab+dirty, python 3.11.9, torch 2.6.0, cuda 12.4,
-    NVIDIA H100 80GB HBM3, 8 ranks` (the git sha is shortened to 12 characters; unknown parts are left out)."""
+    """provenance() as one line: `git 0123456789ab+dirty, torch 2.6.0, cuda 12.4, NVIDIA H100, 8 ranks`."""
     sha = (prov.get("git_sha") or "unknown")[:12] + ("+dirty" if prov.get("git_dirty") else "")
     world = prov.get("world_size", 1)
     versions = [f"{name} {prov[name]}" for name in ("python", "torch", "triton", "cuda") if prov.get(name)]
@@ -342,8 +329,6 @@ def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> tu
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
     elif "RANK" in os.environ:
         rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-        if use_cuda:
-            torch.cuda.set_device(local_rank)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     else:
@@ -407,9 +392,8 @@ def first_on_each_node(load: Callable[[], T], local_rank: int, world: int, **ver
 
 
 def hold_lock(path: Path, busy: str, unlocked: str, error: type[Exception] = ValueError) -> typing.IO[str]:
-    """The lock file `path` (created, with its folder), open and exclusively flocked, for the caller to keep open while
-    it writes: the lock goes when it is closed or the process ends, SIGKILL included. Held by another process:
-    error(busy). A filesystem without flock (Lustre mounted without it, say): a warning ending in `unlocked`."""
+    """The lock file `path`, open and flocked for the caller to keep open while it writes (the lock dies with the
+    process, SIGKILL included). Held elsewhere: error(busy). No flock (Lustre, say): a warning ending in `unlocked`."""
     import errno
     import fcntl
 
@@ -442,11 +426,7 @@ def exit_now(code: int) -> None:
 def _flush_std_streams() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    try:
-        import ctypes
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError, TypeError):  # no C library to reach (not a POSIX system): nothing buffered there
-        pass
+    ctypes.CDLL(None).fflush(None)  # the C library's buffers too (Linux and macOS, which this project runs on)
 
 
 def run_and_exit(main: Callable[[], Any], exit_code: Callable[[Any], int] = lambda result: 0) -> typing.NoReturn:
@@ -492,10 +472,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     path = Path(path)
     usage = "pass the .pt file that train.py wrote (e.g. out/<run>/ckpt_000100.pt)"
     if path.is_dir():
-        found = checkpoints(path)  # the last is the latest, the one train.py --resume auto would take
         if (path / "config.json").is_file():
             fix = f"it has a config.json, so it looks like an HF GPT-2 directory: load it with --init-from {path}"
-        elif found:
+        elif found := checkpoints(path):  # the last is the latest, the one train.py --resume auto would take
             fix = f"pass a checkpoint file in it (the latest is {found[-1]})"
         else:
             fix = f"{usage}; an HF GPT-2 directory (config.json + model.safetensors) loads with --init-from instead"
@@ -504,15 +483,13 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         raise FileNotFoundError(f"checkpoint {path} does not exist; {usage}")
     with open(path, "rb") as f:
         head = f.read(512)
-    zipped = head.startswith(b"PK\x03\x04")
-    if not zipped and not head.startswith(b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"):  # legacy
+    if not head.startswith(b"PK\x03\x04"):
         what = f"it starts with {head[:8]!r}" if head else "it is empty"
         raise ValueError(f"{path} is not a PyTorch checkpoint ({what}, not the zip archive torch.save writes); "
                          f"{usage}")
     try:
-        if zipped:  # the legacy format has no checksums, and cannot be mapped
-            check_crcs(path)
-        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and zipped)
+        check_crcs(path)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise ValueError(f"refusing to load {path}: it carries a pickled Python object, which could run code. "
                          "Only checkpoints of tensors and plain containers are accepted.") from e
@@ -528,8 +505,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
 
 def check_crcs(path: Path) -> None:
-    """Read every member of the checkpoint's zip against the CRC-32 torch.save stored for it (BadZipFile names the
-    member that fails): torch.load does not, so rotted bytes would load as weights. Streams 16 MiB at a time."""
+    """Read every member of the checkpoint's zip against its stored CRC-32 (BadZipFile names the one that fails):
+    torch.load does not, so rotted bytes would load as weights."""
     try:
         archive = zipfile.ZipFile(path)
     except zipfile.BadZipFile:
@@ -557,8 +534,7 @@ PEAK_FLOPS: dict[str, float] = {
 
 
 def peak_flops(device_name: str, override: float | None = None) -> float | None:
-    """Peak FLOP/s for MFU. A positive `override` wins; unknown devices (and CPUs) give None rather than a wrong
-    guess. Keys are matched as substrings of the lower-cased name, longest first ("h100 pcie" before "h100")."""
+    """Peak FLOP/s for MFU: a positive `override`, else the table's; None for an unknown device (a CPU), not a guess."""
     if override:
         return override
     name = device_name.lower()
@@ -580,9 +556,8 @@ def mfu(flops_per_token: float, tokens_per_sec_per_device: float, device_name: s
 
 
 def iter_log(path: str | os.PathLike) -> Iterator[dict]:
-    """Records of a train.py log.jsonl (plot.py, a resumed run and the tests read it through this). A last line
-    without its newline is a record cut short, by a crash (the log is not fsynced) or because the run is writing it
-    right now: it is left out. Any other line that is not JSON is an error that names the file and line."""
+    """Records of a train.py log.jsonl. A last line without its newline is a record cut short (a crash, or a write
+    under way) and is left out; any other line that is not JSON is an error naming the file and line."""
     with open(path, encoding="utf-8") as f:
         try:
             for number, line in enumerate(f, 1):

@@ -93,7 +93,6 @@ class TrainConfig(RunArgs):
     init_from: Annotated[str, LOCAL] = ""  # '' (random init), a train.py checkpoint, or HF GPT-2 (gpt2..gpt2-xl, a dir)
     # data
     data: Annotated[str, LOCAL] = "data/edu_fineweb10B"  # token shards (fineweb.py, llm.c), or a dataset of that kind
-    # chat: a file, directory or hub dataset of conversations (chat_format.py), the loss on the assistant's tokens
     data_kind: str = "tokens"  # tokens (fineweb.py's shards), chat (conversations: SFT) or pairs (prefs.py's)
     objective: str = "lm"  # lm (next token), reward (Bradley-Terry reward model) or dpo, both on pairs
     dpo_beta: float = 0.1  # DPO's beta: how far the implicit reward may pull the policy from its reference
@@ -112,8 +111,7 @@ class TrainConfig(RunArgs):
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     # evaluation
     eval_every: int = 250  # val loss every N steps (and at the last step); 0 = never
-    # (the default is build-nanogpt's 20 val batches of 64 x 1024 on each of 8 GPUs; here they are the same tokens on
-    # any number of ranks)
+    # (the default: build-nanogpt's 20 val batches of 64 x 1024 on each of 8 GPUs, the same tokens on any world size)
     eval_tokens: int = 10_485_760  # val tokens per evaluation, all ranks together (rounded up to whole B*T windows)
     hellaswag_every: int = 250  # HellaSwag every N steps (and at the last step); 0 = never
     hellaswag: Annotated[str, LOCAL] = "auto"  # HellaSwag val jsonl: a path, 'auto' (cached download) or 'off'
@@ -130,38 +128,30 @@ class TrainConfig(RunArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        choices = {"data_kind": ("tokens", "chat", "pairs"), "objective": ("lm", "reward", "dpo"), "shuffle": SHUFFLES,
+                   "lr_schedule": ("cosine", "linear", "constant", "wsd"), "model": (None, *MODEL_PRESETS),
+                   "task": ("", *tasks.TASKS)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(filter(None, allowed))}; "
+                                 f"got {getattr(self, name)!r}")
         self._check_stage()
-        if self.shuffle not in SHUFFLES:
-            raise ValueError(f"--shuffle must be one of {', '.join(SHUFFLES)}; got {self.shuffle!r}")
-        if self.lr_schedule not in ("cosine", "linear", "constant", "wsd"):
-            raise ValueError(f"--lr-schedule must be one of cosine, linear, constant, wsd; got {self.lr_schedule!r}")
-        if self.model is not None and self.model not in MODEL_PRESETS:
-            raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
         model_config(self)  # the architecture flags make a valid GPTConfig
-        for name, low in {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "sample_tokens": 1,
-                          "warmup_steps": 0, "eval_every": 0, "hellaswag_every": 0, "sample_every": 0,
-                          "task_every": 0, "task_limit": 1}.items():
-            if getattr(self, name) < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
-        if self.hellaswag_limit is not None and self.hellaswag_limit < 1:
-            raise ValueError(f"--hellaswag-limit must be >= 1 or none; got {self.hellaswag_limit}")
         # each written so that NaN fails it too
+        for name, low in {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "sample_tokens": 1,
+                          "warmup_steps": 0, "eval_every": 0, "hellaswag_every": 0, "sample_every": 0, "task_every": 0,
+                          "task_limit": 1, "hellaswag_limit": 1, "skip_loss_z": 0, "skip_norm_z": 0}.items():
+            if getattr(self, name) is not None and not getattr(self, name) >= low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
             raise ValueError(f"--min-lr-frac must be in [0, 1]; got {self.min_lr_frac}")
         if not 0.0 < self.decay_frac <= 1.0:
             raise ValueError(f"--decay-frac must be in (0, 1]; got {self.decay_frac}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
-        for name in ("skip_loss_z", "skip_norm_z"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
 
     def _check_stage(self) -> None:
         """The data, objective and task fit together."""
-        if self.data_kind not in ("tokens", "chat", "pairs"):
-            raise ValueError(f"--data-kind must be tokens, chat or pairs; got {self.data_kind!r}")
-        if self.objective not in ("lm", "reward", "dpo"):
-            raise ValueError(f"--objective must be lm, reward or dpo; got {self.objective!r}")
         if self.objective != "lm" and self.data_kind != "pairs":
             raise ValueError(f"--objective {self.objective} trains on preference pairs: pass --data-kind pairs")
         if self.objective == "lm" and self.data_kind == "pairs":
@@ -170,11 +160,8 @@ class TrainConfig(RunArgs):
             raise ValueError("--objective reward trains a value head: drop --value-head false")
         if self.objective == "dpo" and self.parallel == "fsdp":
             raise ValueError("--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")
-        if self.task and self.task not in tasks.TASKS:
-            raise ValueError(f"--task must be one of {', '.join(tasks.TASKS)} (or empty); got {self.task!r}")
         if self.task and self.parallel == "fsdp":  # each rank's replies end at their own lengths: FSDP's forwards hang
-            raise ValueError("--task runs generation, which --parallel fsdp cannot (its forwards are collectives); "
-                             "use ddp or zero1")
+            raise ValueError("--task generates replies, which --parallel fsdp cannot: use ddp or zero1")
 
 
 def _preset(**kw: Any) -> Callable[[], TrainConfig]:
@@ -189,16 +176,14 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "gpt2-1558m": _preset(model="gpt2-xl", batch_size=8, max_lr=2e-4, out_dir="out/gpt2-1558m"),
     # gpt2-124m's recipe for its LLaMA-style twin: RoPE, SwiGLU, GQA, RMSNorm, no biases
     "llama-124m": _preset(model="llama-124m", out_dir="out/llama-124m"),
-    # a 30M-param model (nanoGPT's 10.7M leaves the token embedding out) on Tiny Shakespeare (~300K tokens): minutes
-    # on one GPU
+    # a 30M-param model (nanoGPT's 10.7M without the embedding) on Tiny Shakespeare (~300K tokens): minutes on a GPU
     "shakespeare": _preset(model="gpt2", arch={"n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2}, seq_len=256,
                            data="data/shakespeare", preload=True,
                            total_batch_size=16384, batch_size=64, max_lr=1e-3, warmup_steps=100, max_steps=2000,
                            # the val shard's 32K tokens hold one window of B*T+1 = 16,385 (windows do not overlap)
                            eval_every=250, eval_tokens=16384, hellaswag="off", sample_every=500,
                            sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
-    # fine-tune OpenAI's GPT-2 124M on Tiny Shakespeare (as nanoGPT's finetune_shakespeare): 20 steps of 32K tokens,
-    # about two epochs of its ~300K train tokens, at a small constant learning rate; minutes on one GPU
+    # nanoGPT's finetune_shakespeare: OpenAI's GPT-2 124M, about two epochs at a small constant lr; minutes on a GPU
     "shakespeare-ft": _preset(init_from="gpt2", data="data/shakespeare", total_batch_size=32768, batch_size=8,
                               max_lr=3e-5, lr_schedule="constant", warmup_steps=0, max_steps=20, eval_every=5,
                               eval_tokens=24576, hellaswag="off", sample_every=10, sample_tokens=128, ckpt_every=0,
@@ -209,8 +194,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                     total_batch_size=512, batch_size=4, max_lr=3e-3, warmup_steps=40, max_steps=900, eval_every=150,
                     eval_tokens=8192, hellaswag="off", sample_every=0, sample_tokens=64, ckpt_every=0,
                     out_dir="out/demo", sample_prompt="Return the"),
-    # supervised fine-tuning into a chat model (chat_format.py): OpenAI's GPT-2 124M on smol-smoltalk's conversations,
-    # the loss on the assistant's tokens; about 65M tokens, a third of an epoch
+    # SFT into a chat model (chat_format.py): OpenAI's GPT-2 124M on smol-smoltalk, about a third of an epoch
     "sft": _preset(init_from="gpt2", data="HuggingFaceTB/smol-smoltalk", data_kind="chat", total_batch_size=32768,
                    batch_size=8, max_lr=3e-5, lr_schedule="linear", min_lr_frac=0.0, warmup_steps=20, max_steps=2000,
                    eval_every=200, eval_tokens=327680, hellaswag="off", sample_every=0, ckpt_every=500,
@@ -246,8 +230,8 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 
 def lm_step(cfg: TrainConfig, built: Trainable, next_batch: Callable[[], tuple], grad_accum: int, guard: SpikeGuard,
             world: int, objective: PairObjective | None = None) -> Callable[[int], dict[str, Any]]:
-    """engine.Run's step_fn: set the lr, forward/backward every micro-batch, clip, step; the record the log gets.
-    `objective` replaces the next-token loss (a reward model's or DPO's, on pairs: two sequences each)."""
+    """engine.Run's step_fn, which returns the step's log record; `objective` (a reward model's or DPO's, on pairs: two
+    sequences each) replaces the next-token loss."""
     tokens = grad_accum * cfg.batch_size * cfg.seq_len * world * (2 if objective else 1)
 
     def step_fn(step: int) -> dict[str, Any]:
@@ -269,10 +253,8 @@ def lm_step(cfg: TrainConfig, built: Trainable, next_batch: Callable[[], tuple],
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup from max_lr/warmup to max_lr, then the schedule down to min_lr_frac * max_lr at max_steps:
-    cosine (GPT-2 / nanoGPT / llm.c's default) or linear over all the steps after warmup; constant stays at max_lr;
-    wsd (warmup-stable-decay) holds max_lr, then decays linearly over the last decay_frac of the steps, so a run
-    can be extended from a checkpoint taken before its decay."""
+    """Linear warmup, then cosine or linear decay to min_lr_frac * max_lr at max_steps, or constant; wsd holds max_lr,
+    then decays linearly over the last decay_frac of the steps, so a run can be extended from before its decay."""
     min_lr = cfg.min_lr_frac * cfg.max_lr
     if step < cfg.warmup_steps:
         return cfg.max_lr * (step + 1) / cfg.warmup_steps
@@ -280,20 +262,13 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
         return cfg.max_lr
     if step >= cfg.max_steps:
         return min_lr
+    start = cfg.warmup_steps  # of the decay; wsd's: decay_frac of max_steps before the end
     if cfg.lr_schedule == "wsd":
-        decay_start = wsd_decay_start(cfg)
-        if step < decay_start:
-            return cfg.max_lr
-        return cfg.max_lr - (step - decay_start) / max(1, cfg.max_steps - decay_start) * (cfg.max_lr - min_lr)
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    if cfg.lr_schedule == "linear":
-        return cfg.max_lr - progress * (cfg.max_lr - min_lr)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
-
-
-def wsd_decay_start(cfg: TrainConfig) -> int:
-    """The step where wsd's linear decay to the min begins: decay_frac of max_steps before the end."""
-    return max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
+        start = max(start, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
+    progress = max(0, step - start) / max(1, cfg.max_steps - start)
+    if cfg.lr_schedule == "cosine":
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+    return cfg.max_lr - progress * (cfg.max_lr - min_lr)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -330,8 +305,16 @@ def evaluations(cfg: TrainConfig, raw: GPT, built: Trainable, val_loader: TokenL
             return hs
 
         evals.append(Eval("hellaswag", cfg.hellaswag_every, hellaswag_eval))
-    if cfg.task:
-        evals.append(task_eval(cfg, raw, built, log, rank, world))
+    if cfg.task:  # held-out greedy accuracy, the replies generated by generate.py from the uncompiled module
+        task = tasks.TASKS[cfg.task]()
+        problems = task.examples("test")[:cfg.task_limit]
+
+        def score(step: int) -> dict[str, Any]:
+            result = tasks.evaluate(raw, task, problems, rank, world, autocast=built.autocast)
+            log.say(f"step {step:6d} | {cfg.task} accuracy {result['acc']:.4f} ({result['n']} held-out problems)")
+            return result
+
+        evals.append(Eval("task", cfg.task_every, score))
     if cfg.sample_every > 0:
         def samples(step: int) -> dict[str, Any] | None:
             if not (master or cfg.parallel == "fsdp"):  # FSDP forwards are collective: every rank runs them
@@ -345,38 +328,19 @@ def evaluations(cfg: TrainConfig, raw: GPT, built: Trainable, val_loader: TokenL
     return evals
 
 
-def task_eval(cfg: TrainConfig, raw: GPT, built: Trainable, log: RunLog, rank: int, world: int) -> Eval:
-    """--task's held-out greedy accuracy, the replies generated by generate.py from the uncompiled module."""
-    task = tasks.TASKS[cfg.task]()
-    problems = task.examples("test")[:cfg.task_limit]
-
-    def score(step: int) -> dict[str, Any]:
-        result = tasks.evaluate(raw, task, problems, rank, world, autocast=built.autocast)
-        log.say(f"step {step:6d} | {cfg.task} accuracy {result['acc']:.4f} ({result['n']} held-out problems)")
-        return result
-
-    return Eval("task", cfg.task_every, score)
-
-
 def val_windows(cfg: TrainConfig, loader: TokenLoader, master: bool) -> int:
     """Val windows of B*T tokens per evaluation, all ranks together: --eval-tokens rounded up, at most the split."""
     BT = loader.B * loader.T
-    windows = -(-cfg.eval_tokens // BT)
-    if windows > loader.num_windows:  # more would score some windows twice, weighting them double
-        windows = loader.num_windows
-        if master:
-            print(f"val: the val split holds {windows * BT:,} tokens in windows of B*T = {BT:,}, so each "
-                  f"evaluation scores those instead of --eval-tokens {cfg.eval_tokens:,}")
-    elif windows * BT != cfg.eval_tokens and master:
-        print(f"val: each evaluation scores {windows * BT:,} tokens ({windows} x B*T = {BT:,}): --eval-tokens "
-              f"{cfg.eval_tokens:,} rounded up to whole windows")
+    windows = min(-(-cfg.eval_tokens // BT), loader.num_windows)  # more would score some windows twice
+    if windows * BT != cfg.eval_tokens and master:
+        print(f"val: each evaluation scores {windows * BT:,} tokens ({windows} x B*T = {BT:,}), not --eval-tokens "
+              f"{cfg.eval_tokens:,}: whole windows, at most the val split's")
     return windows
 
 
 def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step: int,
                 autocast: contextlib.AbstractContextManager) -> list[str]:
-    """A few samples from the uncompiled module, in the training precision; its own generator, so the training RNG
-    (and exact resume) is untouched."""
+    """Two samples from the uncompiled module; their own generator leaves the training RNG (and exact resume) alone."""
     idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=device)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
     with autocast:
@@ -391,25 +355,19 @@ def load_hellaswag(cfg: TrainConfig, rank: int, local_rank: int, world: int) -> 
 
     wanted = cfg.hellaswag != "off" and (cfg.hellaswag_every > 0 or cfg.eval_only)
     path = Path(cfg.hellaswag) if cfg.hellaswag != "auto" else hellaswag.default_cache_dir() / "hellaswag_val.jsonl"
-    reason = None
+
+    def why(e: Exception) -> str:  # load_examples' own hint names hellaswag.py's flags, not train.py's
+        return f"{path} is not a file" if not path.is_file() else str(e).splitlines()[0][:200]
+
     try:  # whatever fails (offline, a truncated response...), every rank skips it
         first_on_each_node(hellaswag.download if wanted and cfg.hellaswag == "auto" else lambda: None, local_rank,
                            world, catch=(Exception,), reason=lambda e: f"could not download it: {e.__cause__ or e}")
-    except ValueError as e:
-        reason = str(e)
-    examples, problem = None, None
-    if wanted and reason is None:
-        try:
-            examples = hellaswag.load_examples(path)
-        except (OSError, ValueError) as e:  # load_examples' own hint names hellaswag.py's flags, not train.py's
-            problem = f"{path} is not a file" if not path.is_file() else str(e).splitlines()[0][:200]
-        if problem is None and not examples:
-            problem = f"{path} holds no examples"
-    reason = shared_problem(problem, world) or reason  # the reason of the rank that lacks them
-    if reason and wanted and rank == 0:
-        print(f"hellaswag: skipped ({reason}); pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it, "
-              "or --hellaswag off to silence this")
-    return None if reason else examples
+        return same_verdict(lambda: hellaswag.load_examples(path) if wanted else None, world, reason=why)
+    except ValueError as e:  # the reason of the rank that lacks them
+        if wanted and rank == 0:
+            print(f"hellaswag: skipped ({e}); pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it, "
+                  "or --hellaswag off to silence this")
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -420,9 +378,7 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     """Build the Run. Each check that one rank could fail alone is shared first, so every rank stops with the
     reason instead of leaving the others waiting in a collective; what every rank must share is one fingerprint."""
     master, prov = rank == 0, provenance(device, world)
-    torch.manual_seed(cfg.seed + rank)  # ranks see different data, so different dropout masks are right
-    if device.type == "cuda":
-        torch.cuda.manual_seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)  # every device's generator; ranks see other data, so other dropout masks
     train_loader, val_loader = open_loaders(cfg, rank, world, device)
     checkpointer = Checkpointer(cfg, rank, world, prov)
     found = checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
@@ -445,8 +401,7 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     built = build_trainable(raw, cfg, device, use_compile, verbose=master)
     guard, tokens = SpikeGuard(cfg.skip_loss_z, cfg.skip_norm_z, world), TokenCount()
     parts = {"loader": train_loader, "scaler": built.scaler, "outliers": guard, "tokens": tokens}
-    tokens_per_step = grad_accum * cfg.batch_size * cfg.seq_len * world
-    start_step = resume(found, checkpointer, raw, built, parts, cfg, tokens_per_step) if found else 0
+    start_step = resume(found, checkpointer, raw, built, parts, cfg) if found else 0
     if master:
         print_header(cfg, raw, built, start_step, grad_accum, world, use_compile, device)
     checkpointer.remove_partial_writes()
@@ -485,8 +440,9 @@ def fingerprint(cfg: TrainConfig, loaders: tuple, raw: GPT, examples: list[dict]
         return
     source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"
     agree_fingerprint({"command": command(cfg), "data": shards_of(list(loaders)),
-                       "hellaswag": examples_digest(examples),  # a resume's weights: Checkpointer.find agreed
-                       "weights": weights_digest(raw) if found is None else None}, rank, world, source, DESCRIBE)
+                       "--hellaswag file": examples_digest(examples),
+                       "weights": weights_digest(raw) if found is None else None},  # a resume's: Checkpointer.find's
+                      rank, world, source)
 
 
 def command(cfg: TrainConfig) -> dict[str, str]:
@@ -495,20 +451,8 @@ def command(cfg: TrainConfig) -> dict[str, str]:
     return {**command_of(cfg), **{k: repr(v) for k, v in resolved.items() if k != "block_size"}}
 
 
-def examples_digest(examples: list[dict] | None) -> list | None:
-    if examples is None:
-        return None
-    return [len(examples), hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()]
-
-
-def describe_examples(key: str, mine: list | None, first: list | None, rank: int, _: str) -> str:
-    count = [f"{x[0]} HellaSwag examples" if x else "no HellaSwag" for x in (mine, first)]
-    other = ", other ones" if mine and first and mine[0] == first[0] else ""
-    return f"rank {rank} has {count[0]}, rank 0 {count[1].split(' HellaSwag')[0]}{other}: every node must hold the " \
-        "same --hellaswag file"
-
-
-DESCRIBE = {"hellaswag": describe_examples}
+def examples_digest(examples: list[dict] | None) -> str | None:
+    return None if examples is None else hashlib.sha1(json.dumps(examples, sort_keys=True).encode()).hexdigest()
 
 
 def check_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[TrainConfig, int, bool]:
@@ -540,18 +484,17 @@ def open_loaders(cfg: TrainConfig, rank: int, world: int,
     """The train and val loaders (an evaluation needs only val); a node without the data stops every rank."""
     B, T = cfg.batch_size, cfg.seq_len
 
-    def load() -> tuple[TokenLoader | None, TokenLoader | None]:
-        def loader(split: str) -> TokenLoader | ConversationLoader | PairLoader:
-            if cfg.data_kind == "chat":
-                return ConversationLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)
-            if cfg.data_kind == "pairs":
-                return PairLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, shuffle=split == "train")
-            return TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, cfg.preload, cfg.shuffle)
+    def loader(split: str, wanted: int) -> TokenLoader | ConversationLoader | PairLoader | None:
+        if not wanted:
+            return None
+        if cfg.data_kind == "chat":
+            return ConversationLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)
+        if cfg.data_kind == "pairs":
+            return PairLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, shuffle=split == "train")
+        return TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device, cfg.preload, cfg.shuffle)
 
-        return (loader("train") if not cfg.eval_only else None,
-                loader("val") if cfg.eval_every > 0 or cfg.eval_only else None)
-
-    return same_verdict(load, world, DataError, (DataError, OSError))
+    return same_verdict(lambda: (loader("train", not cfg.eval_only), loader("val", cfg.eval_every or cfg.eval_only)),
+                        world, DataError, (DataError, OSError))
 
 
 def build_model(cfg: TrainConfig, found: tuple[Path, dict] | None, local_rank: int, world: int) -> GPT:
@@ -569,9 +512,8 @@ def build_model(cfg: TrainConfig, found: tuple[Path, dict] | None, local_rank: i
                          "raise --max-steps to train further, or score it with --eval-only")
     saved = found[1].get("train_config", {}).get("optimizer", "adamw")
     if saved != cfg.optimizer and not cfg.eval_only:
-        raise ValueError(f"--resume {found[0]} holds --optimizer {saved}'s state, and this run asks for "
-                         f"--optimizer {cfg.optimizer}: pass --optimizer {saved}, or start a new run (in a new "
-                         f"--out-dir) from its weights with --init-from {found[0]}")
+        raise ValueError(f"--resume {found[0]} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass "
+                         f"--optimizer {saved}, or start a new run from its weights with --init-from {found[0]}")
     if cfg.arch.get("value_head", src.value_head) != src.value_head:
         raise ValueError(f"--resume {found[0]} has {'a' if src.value_head else 'no'} value head; a resume cannot "
                          "change that: start a new run from its weights with --init-from")
@@ -586,19 +528,16 @@ def fresh_model(cfg: TrainConfig) -> GPT:
 
 
 def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: GPT, built: Trainable, parts: dict[str, Any],
-           cfg: TrainConfig, tokens_per_step: int) -> int:
+           cfg: TrainConfig) -> int:
     """Restore the checkpoint found into the built run on every rank (or stop all of them); returns its step."""
     path, ckpt = found
     step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, parts), checkpointer.world,
                         ValueError, (DataError, ValueError))
-    if "tokens" not in ckpt:  # written before the count was kept
-        parts["tokens"].value = step * tokens_per_step
     if checkpointer.master:
         print(f"resumed from {path} at step {step}")
         if isinstance(parts["loader"], TokenLoader) and not cfg.eval_only:
             note_new_windows(ckpt["loader"], parts["loader"])
-        if note := schedule_change(ckpt.get("train_config", {}).get("max_steps"), cfg, step):
-            print(note)
+        note_new_schedule(ckpt.get("train_config", {}).get("max_steps"), cfg, step)
     if not cfg.eval_only and (changed := set_hyperparameters(built.optimizer, cfg)) and checkpointer.master:
         print(f"note: {', '.join(changed)} differ from the checkpoint's run: this run's values apply from step {step}")
     del ckpt["model"], ckpt["optimizer"]  # copied into the model and optimizer: free the CPU copy
@@ -608,40 +547,23 @@ def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: GPT, built
 def note_new_windows(saved: dict, loader: TokenLoader) -> None:
     """Say where the data goes on when the checkpoint read other windows (--batch-size or --shuffle changed)."""
     old_b, old_shuffle = saved["B"], TokenLoader.state_shuffle(saved)
-    if old_b == loader.B and old_shuffle == loader.shuffle:
-        return
-    if loader.continues_in_shard(old_shuffle):
-        where = "where it was, cut into windows of the new size"
-    elif loader.resume_skipped:
-        where = (f"at the next shard, skipping the {loader.resume_skipped:,} tokens the checkpoint's run had "
-                 "not yet served from the shard being read (it read that shard's windows in another order)")
-    else:
-        where = "where it was, at a shard's start (the checkpoint fell between shards: nothing skipped)"
-    print(f"note: the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads "
-          f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes on {where}, none "
-          "served twice" + (", and the optimizer step keeps --total-batch-size tokens" if old_b != loader.B else ""))
+    if (old_b, old_shuffle) != (loader.B, loader.shuffle):
+        n = loader.resume_skipped  # tokens of the shard being read that the checkpoint's run had not served
+        skip = f" at the next shard, skipping this one's {n:,} unserved tokens" if n else ""
+        print(f"note: the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads "
+              f"{loader.B}-sequence windows with --shuffle {loader.shuffle}: the data goes on{skip}, none served twice")
 
 
-def schedule_change(saved_steps: int | None, cfg: TrainConfig, step: int) -> str | None:
-    """A note when the resumed run had another --max-steps: from `step` on, the lr schedule is then not that run's.
-    None where it is the same (a constant schedule, or --eval-only, which trains nothing)."""
+def note_new_schedule(saved_steps: int | None, cfg: TrainConfig, step: int) -> None:
+    """Say so when the resumed run had another --max-steps that changes the lr from `step` on."""
     if saved_steps is None or saved_steps == cfg.max_steps or cfg.eval_only:
-        return None
+        return
     old = dataclasses.replace(cfg, max_steps=int(saved_steps))
     differs = next((s for s in range(step, max(old.max_steps, cfg.max_steps) + 1) if get_lr(s, old) != get_lr(s, cfg)),
                    None)
-    if differs is None:
-        return None
-    if cfg.lr_schedule == "wsd":
-        change = (f"the wsd decay now runs from step {wsd_decay_start(cfg)} to {cfg.max_steps}, not from "
-                  f"{wsd_decay_start(old)} to {old.max_steps}")
-    else:
-        change = f"the {cfg.lr_schedule} decay now ends at step {cfg.max_steps}, not {old.max_steps}"
-    same = f"is that run's before step {differs} and differs from there on" if differs > step else \
-        "differs from that run's from here on"
-    return (f"note: the checkpoint's run had --max-steps {old.max_steps}, this run has {cfg.max_steps}: {change}, so "
-            f"the learning rate {same} (at step {differs}: {get_lr(differs, cfg):.3g} here, "
-            f"{get_lr(differs, old):.3g} in that run)")
+    if differs is not None:
+        print(f"note: the checkpoint's run had --max-steps {old.max_steps}, this run has {cfg.max_steps}: from step "
+              f"{differs} the lr is {get_lr(differs, cfg):.3g}, not that run's {get_lr(differs, old):.3g}")
 
 
 def batches(cfg: TrainConfig, loader: TokenLoader | None) -> Callable[[], tuple] | None:
@@ -678,11 +600,9 @@ def print_header(cfg: TrainConfig, raw: GPT, built: Trainable, start_step: int, 
         if on and device.type != "cuda":
             print(f"note: {flag} runs the PyTorch reference on {device.type}: the Triton kernel is CUDA only")
     if mcfg.half_residual and built.dtype == torch.float32:
-        print("note: --half-residual does nothing in fp32: the residual stream is 16-bit only under autocast "
-              "(--dtype bf16)")
+        print("note: --half-residual does nothing in fp32: the residual stream is 16-bit only under --dtype bf16")
     if cfg.compile_mode != "default" and not use_compile:
-        print(f"note: --compile-mode {cfg.compile_mode} does nothing: the model is not compiled (compile is off "
-              f"on {device.type} unless --compile true)")
+        print(f"note: --compile-mode {cfg.compile_mode} does nothing: the model is not compiled (--compile true)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -690,8 +610,7 @@ def print_header(cfg: TrainConfig, raw: GPT, built: Trainable, start_step: int, 
 
 
 def run_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The GPTConfig fields a run sets whatever its weights came from (model.RUN_OPTIONS): context length, dropout,
-    the speed options."""
+    """The GPTConfig fields a run sets whatever its weights came from (model.RUN_OPTIONS) and the context length."""
     return {"block_size": cfg.seq_len, **{k: v for k, v in cfg.arch.items() if k in RUN_OPTIONS}}
 
 
@@ -706,27 +625,23 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
 def check_architecture(cfg: TrainConfig, src: GPTConfig, source: str) -> None:
     """Refuse a run whose architecture flags or --model preset say otherwise than the weights it starts from, which
     fix the architecture: they would be ignored without a word."""
-    has = dataclasses.replace(src, n_kv_head=src.kv_heads)
-    fixed = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_OPTIONS, "vocab_size")]
-    wrong = [f"--{k.replace('_', '-')} {v} (it has {getattr(has, k)})" for k, v in cfg.arch.items()
-             if k in fixed and v != getattr(has, k)]
-    if cfg.model is not None:  # the preset's shape and options (llama-124m's), where no flag says otherwise
-        preset = dataclasses.replace(MODEL_PRESETS[cfg.model](), **{k: v for k, v in cfg.arch.items() if k in fixed})
-        preset = dataclasses.replace(preset, n_kv_head=preset.kv_heads)
-        follows = () if MODEL_PRESETS[cfg.model]().n_kv_head else ("n_kv_head",)  # it follows n_head
-        named = [k for k in fixed if k not in (*cfg.arch, *follows) and getattr(preset, k) != getattr(has, k)]
-        if named:
-            wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(preset, k)}' for k in named)}; it has "
-                         f"{', '.join(f'{k} {getattr(has, k)}' for k in named)})")
+    has, asked = (dataclasses.replace(c, n_kv_head=c.kv_heads) for c in (src, model_config(cfg)))
+    # the flags given, and the --model preset's shape and options (llama-124m's) where no flag replaces them; a preset's
+    # n_kv_head of None follows n_head
+    follows = () if "n_kv_head" in cfg.arch or MODEL_PRESETS[cfg.model or "gpt2"]().n_kv_head else ("n_kv_head",)
+    fixed = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_OPTIONS, "vocab_size", *follows)]
+    differ = [k for k in fixed if (k in cfg.arch or cfg.model) and getattr(asked, k) != getattr(has, k)]
+    wrong = [f"--{k.replace('_', '-')} {getattr(asked, k)} (it has {getattr(has, k)})" for k in differ if k in cfg.arch]
+    if by_preset := [k for k in differ if k not in cfg.arch]:
+        wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(asked, k)}' for k in by_preset)}; it has "
+                     f"{', '.join(f'{k} {getattr(has, k)}' for k in by_preset)})")
     if wrong:
         raise ValueError(f"{source} fixes the architecture, but this run asks for {', '.join(wrong)}: drop those "
-                         "flags (or use a preset that does not set them), or pass the shape flags the weights were "
-                         "trained with")
+                         "flags, or use a preset that does not set them")
 
 
 def load_init(cfg: TrainConfig) -> GPT:
-    """The --init-from weights as a GPT on the CPU, with this run's context length (the learned position table
-    cropped, as nanoGPT's crop_block_size) and run options. The architecture is the source's (check_architecture)."""
+    """--init-from's weights as a GPT on the CPU, the position table cropped to --seq-len (as nanoGPT's crop)."""
     path = Path(cfg.init_from).expanduser()
     if path.is_dir() and not (path / "config.json").exists() and (found := checkpoints(path)):
         raise ValueError(f"--init-from {cfg.init_from} is a run directory; pass one of its checkpoints, e.g. "
@@ -761,13 +676,16 @@ def load_init(cfg: TrainConfig) -> GPT:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """The command line: parse argv (sys.argv[1:] by default) into a TrainConfig and run() it. A user error (bad
-    flag, data, checkpoint) is one line on stderr and SystemExit(1)."""
+    """The command line (sys.argv[1:] by default) into run(); a user error is one line on stderr and exit code 1."""
     try:
         cfg = parse_config(TrainConfig, sys.argv[1:] if argv is None else argv, PRESETS, __doc__)
     except SystemExit as e:
+        # under torchrun, a rank whose flags do not parse (one node's typo) joins the group as the default config would,
+        # to hand its reason to the other ranks' first collective: they would wait for it until the timeout
         if e.code and not isinstance(e.code, int) and "RANK" in os.environ and not dist.is_initialized():
-            _stop_the_other_ranks(str(e.code).removeprefix("error: "))
+            world = setup_distributed(TrainConfig().device, TrainConfig().dist_timeout)[2]
+            shared_problem(str(e.code).removeprefix("error: "), world)
+            dist.destroy_process_group()
         raise
     if cfg.print_config:
         resolved = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "print_config"}
@@ -793,22 +711,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(1) from None
 
 
-def _stop_the_other_ranks(problem: str) -> None:
-    """Under torchrun, a rank whose command line does not parse (a flag mistyped on one node) would exit before the
-    rendezvous, and the other ranks would wait for it there until the timeout (10-30 minutes). It joins the process
-    group anyway, only to hand its reason to their first collective (hold_out_dir's shared_problem), so that every rank
-    stops at once with it. Its own flags unread, it joins as the default config's device would."""
-    _, _, world, _ = setup_distributed(TrainConfig().device, TrainConfig().dist_timeout)
-    try:
-        shared_problem(problem, world)
-    finally:
-        dist.destroy_process_group()
-
-
 def run(cfg: TrainConfig) -> dict[str, Any]:
-    """Train (or, with eval_only, evaluate) as cfg says; the entry point from Python, where errors stay exceptions
-    (DataError, ValueError, FileNotFoundError for the user's). Under torchrun it joins the default process group (or
-    creates it, and then destroys it at the end). Returns engine.train()'s result, the same on every rank."""
+    """Train (or evaluate) as cfg says, from Python: errors stay exceptions. It joins the default process group, or
+    creates it and destroys it at the end. Returns engine.train()'s result, the same on every rank."""
     owns_group = not dist.is_initialized()
     rank, local_rank, world, device = setup_distributed(cfg.device, cfg.dist_timeout)
     attention = sdpa_switches()
