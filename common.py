@@ -329,6 +329,8 @@ def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> tu
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
     elif "RANK" in os.environ:
         rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        if use_cuda:  # before the group: NCCL binds each rank to its GPU (the GPU runs proved this order)
+            torch.cuda.set_device(local_rank)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     else:
