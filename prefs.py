@@ -172,10 +172,17 @@ def last_index(mask: torch.Tensor) -> torch.Tensor:
     return mask.size(1) - 1 - mask.flip(1).int().argmax(1)
 
 
-def rewards(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(N,) the value head's output at each row's last reply token (a GPT with config.value_head)."""
-    values = model(ids, values=True, return_logits=False)[1]
-    return values.gather(1, last_index(mask)[:, None]).squeeze(1)
+def rewards(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, logprob: bool = False) -> torch.Tensor:
+    """(N,) the value head's output at each row's last reply token (a GPT with config.value_head); with `logprob`
+    plus the model's mean log-probability of the reply's tokens, so that the zero-initialised head starts from what
+    the language model knows and corrects it: a head alone must first learn to check the reply from one position."""
+    logits, values = model(ids, values=True, return_logits=logprob)
+    out = values.gather(1, last_index(mask)[:, None]).squeeze(1)
+    if logprob:
+        scored = mask[:, 1:].float()
+        logp = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        out = out + (logp * scored).sum(-1) / scored.sum(-1).clamp(min=1)
+    return out
 
 
 def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> Metrics:
@@ -191,9 +198,9 @@ def dpo(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: 
     return {**bradley_terry(chosen, rejected), "chosen_reward": chosen.mean(), "rejected_reward": rejected.mean()}
 
 
-def reward_model_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Metrics:
-    """A PairLoader batch's Bradley–Terry metrics for a reward model."""
-    return bradley_terry(*rewards(model, *batch).chunk(2))
+def reward_model_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], logprob: bool = False) -> Metrics:
+    """A PairLoader batch's Bradley–Terry metrics for a reward model (`logprob`: see rewards)."""
+    return bradley_terry(*rewards(model, *batch, logprob).chunk(2))
 
 
 def dpo_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], ref: nn.Module,

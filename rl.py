@@ -245,7 +245,7 @@ def score(share: list[tuple[dict, list[int], Rollout]], task: tasks.Task, rm: GP
         prompt, reply = render_prompt(p["messages"][:-1]), enc.encode_ordinary(text) + [ASSISTANT_END]
         rendered.append((prompt + reply, [0] * len(prompt) + [1] * len(reply)))
     with torch.no_grad():
-        scores = prefs.rewards(rm, *pack([(i[-bs:], m[-bs:]) for i, m in rendered], device))
+        scores = prefs.rewards(rm, *pack([(i[-bs:], m[-bs:]) for i, m in rendered], device), rm.reward_logprob)
     return {"ids": ids, "mask": mask[:, :-1], "scores": scores.float()}
 
 
@@ -406,7 +406,9 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
         raise ValueError(f"--reward-model {path} reads {mc.get('block_size')} tokens, and a prompt with a reply of "
                          f"--max-new-tokens {cfg.max_new_tokens} takes {longest}: lower --max-new-tokens or train the "
                          "reward model with a longer --seq-len")
-    return prefs.frozen_copy(GPT.from_checkpoint(ckpt, dropout=0.0))
+    rm = prefs.frozen_copy(GPT.from_checkpoint(ckpt, dropout=0.0))
+    rm.reward_logprob = bool(ckpt.get("train_config", {}).get("reward_logprob"))  # scored as it was trained
+    return rm
 
 
 def resume_checks(saved: dict, cfg: RLConfig, start: int, rank: int) -> None:

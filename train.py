@@ -95,6 +95,7 @@ class TrainConfig(RunArgs):
     data: Annotated[str, LOCAL] = "data/edu_fineweb10B"  # token shards (fineweb.py, llm.c), or a dataset of that kind
     data_kind: str = "tokens"  # tokens (fineweb.py's shards), chat (conversations: SFT) or pairs (prefs.py's)
     objective: str = "lm"  # lm (next token), reward (Bradley-Terry reward model) or dpo, both on pairs
+    reward_logprob: bool = False  # --objective reward: the score adds the mean log-prob of the reply (prefs.rewards)
     dpo_beta: float = 0.1  # DPO's beta: how far the implicit reward may pull the policy from its reference
     preload: Annotated[bool, LOCAL] = False  # load the whole dataset onto the device once (small datasets only)
     shuffle: str = "windows"  # each epoch: windows (shard order and each shard's windows, llm.c) or shards (order only)
@@ -207,11 +208,14 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                         sample_every=0, ckpt_every=0, task="addition", task_every=400, task_limit=256,
                         out_dir="out/sft-demo"),
     # preference stages on the chat demo's pairs (python tasks.py --task addition --pairs): a reward model from the
-    # SFT model, scored by its held-out pairwise accuracy, and DPO from it, scored on the held-out problems too
+    # SFT model, scored by its held-out pairwise accuracy, and DPO from it, scored on the held-out problems too. The
+    # reward model's score adds the reply's mean log-prob (a head alone cannot learn to check a sum), and a small lr
+    # keeps the Bradley-Terry loss from wrecking it as DPO's does on these pairs
     "rm-demo": _preset(init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs", data_kind="pairs",
-                       objective="reward", seq_len=24, total_batch_size=384, batch_size=16, max_lr=1e-3,
-                       lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=300, eval_every=50,
-                       eval_tokens=6144, hellaswag="off", sample_every=0, ckpt_every=0, out_dir="out/rm-demo"),
+                       objective="reward", reward_logprob=True, seq_len=24, total_batch_size=384, batch_size=16,
+                       max_lr=1e-4, lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=300,
+                       eval_every=50, eval_tokens=6144, hellaswag="off", sample_every=0, ckpt_every=0,
+                       out_dir="out/rm-demo"),
     "dpo-demo": _preset(init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs", data_kind="pairs",
                         objective="dpo", seq_len=24, total_batch_size=384, batch_size=16, max_lr=3e-4,
                         lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=200, eval_every=50,
@@ -426,7 +430,7 @@ def pair_objective(cfg: TrainConfig, device: torch.device) -> PairObjective | No
     """--objective reward or dpo as train_step's objective (None: the next-token loss). DPO's reference is the
     starting weights, loaded again: a resumed run's model has moved on from them."""
     if cfg.objective == "reward":
-        return PairObjective(reward_model_metrics)
+        return PairObjective(functools.partial(reward_model_metrics, logprob=cfg.reward_logprob))
     if cfg.objective == "dpo":
         ref = (load_init(cfg) if cfg.init_from else fresh_model(cfg)).to(device).eval().requires_grad_(False)
         return PairObjective(functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta))

@@ -86,6 +86,22 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
     assert after[0] == after[2] and after[1] == after[3]
 
 
+def test_a_reward_model_trained_with_reward_logprob_scores_with_it(models, tmp_path):
+    ckpt = load_checkpoint(models[1])
+    torch.save({**ckpt, "train_config": {"reward_logprob": True}}, tmp_path / "rm_logprob.pt")
+    problem = tasks.Addition().examples("test", n=1)[0]
+    prompt = render_prompt(problem["messages"][:-1])
+    reply = get_tokenizer().encode_ordinary("6 9") + [ASSISTANT_END]
+    share = [(problem, prompt, Rollout(reply, [1] * len(reply), [0.0] * len(reply)))]
+    scores = []
+    for path in (models[1], tmp_path / "rm_logprob.pt"):
+        rm = rl.load_reward_model(rl.RLConfig(reward_model=str(path), max_new_tokens=6), [problem])
+        scores.append(rl.score(share, tasks.Addition(), rm, torch.device("cpu"))["scores"])
+    ids, mask = rl.pack([(prompt + reply, [0] * len(prompt) + [1] * len(reply))], torch.device("cpu"))
+    mean = prefs.sequence_logprobs(rm, ids, mask) / len(reply)  # the same weights, read without the head
+    torch.testing.assert_close(scores[1] - scores[0], mean, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_an_rl_run_resumes_bitwise(models, tmp_path, algo):
     # a constant lr after warmup: the decay's schedule ends at --max-steps, which the split run changes
