@@ -207,10 +207,8 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                         warmup_steps=20, max_steps=2400, eval_every=400, eval_tokens=3072, hellaswag="off",
                         sample_every=0, ckpt_every=0, task="addition", task_every=400, task_limit=256,
                         out_dir="out/sft-demo"),
-    # preference stages on the chat demo's pairs (python tasks.py --task addition --pairs): a reward model from the
-    # SFT model, scored by its held-out pairwise accuracy, and DPO from it, scored on the held-out problems too. The
-    # reward model's score adds the reply's mean log-prob (a head alone cannot learn to check a sum), and a small lr
-    # keeps the Bradley-Terry loss from wrecking it as DPO's does on these pairs
+    # preference stages on the chat demo's pairs (tasks.py --pairs), from the SFT model; the reward model's score adds
+    # the reply's mean log-prob (a head alone learns no sums), and a small lr keeps Bradley-Terry from wrecking it
     "rm-demo": _preset(init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs", data_kind="pairs",
                        objective="reward", reward_logprob=True, seq_len=24, total_batch_size=384, batch_size=16,
                        max_lr=1e-4, lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=300,
