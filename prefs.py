@@ -158,8 +158,12 @@ class PairLoader(RowStream):
 
 def token_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """(N, T-1) fp32 log-probabilities of ids[:, 1:], each given the ids before it."""
-    logits = model(ids[:, :-1])[0].float()
-    return -F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    return logprobs_of(model(ids[:, :-1])[0], ids[:, 1:])
+
+
+def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(N, T) fp32 log-probabilities of targets under logits (N, T, V)."""
+    return -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
 
 
 def sequence_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -180,7 +184,7 @@ def rewards(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, logprob: bo
     out = values.gather(1, last_index(mask)[:, None]).squeeze(1)
     if logprob:
         scored = mask[:, 1:].float()
-        logp = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        logp = logprobs_of(logits[:, :-1], ids[:, 1:])
         out = out + (logp * scored).sum(-1) / scored.sum(-1).clamp(min=1)
     return out
 
