@@ -152,7 +152,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: 
         return logits[:, :vocab].argmax(dim=-1).tolist(), [0.0] * len(logits)
     logits = GPT.filter_logits(logits, temperature, top_k, top_p, vocab)
     probs = logits.softmax(dim=-1)
-    tokens = torch.multinomial(probs, num_samples=1, generator=generator)
+    tokens = GPT.draw(probs, generator)
     return tokens[:, 0].tolist(), probs.gather(1, tokens)[:, 0].log().tolist()
 
 

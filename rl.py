@@ -254,17 +254,32 @@ def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (logits.float() / temperature).log_softmax(-1)
 
 
+def spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N,) values at the N True positions of a (B, T) bool mask, in order -> (B, T), 0 elsewhere."""
+    return x.new_zeros(mask.shape).masked_scatter(mask, x)
+
+
+def policy_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, temperature: float,
+                   values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The model at the sampled tokens only (the head skips the prompt): (log-probs (B, T) of the targets ids[:, 1:],
+    the log-softmax (N, V) at the N sampled positions, values (B, T) or None), 0 off the mask."""
+    m = mask.bool()
+    logits, value = model(ids[:, :-1], values=True, at=m) if values else (model(ids[:, :-1], at=m)[0], None)
+    logp = log_softmax(logits, temperature)
+    chosen = logp.gather(-1, ids[:, 1:][m][:, None]).squeeze(-1)
+    return spread(chosen, m), logp, None if value is None else spread(value, m)
+
+
 @torch.no_grad()
-def token_stats(model: GPT, ids: torch.Tensor, temperature: float = 1.0, values: bool = False,
+def token_stats(model: GPT, ids: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0, values: bool = False,
                 rows: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(log-probs, entropies, values or None) at each target ids[:, 1:], the model in eval mode over the whole
-    vocabulary (generate()'s leave the ids past CHAT_VOCAB out, and greedy ones are 0), `rows` rows at a time."""
+    """(log-probs, entropies, values or None) at each sampled target of ids[:, 1:] (0 elsewhere), the model in eval
+    mode over the whole vocabulary (generate()'s leave the ids past CHAT_VOCAB out), `rows` rows at a time."""
     training, out = model.training, []
     model.eval()
-    for chunk in ids.split(rows):
-        logits, value = model(chunk[:, :-1], values=True) if values else (model(chunk[:, :-1])[0], None)
-        logp = log_softmax(logits, temperature)
-        out.append((logp.gather(-1, chunk[:, 1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1), value))
+    for chunk, m in zip(ids.split(rows), mask.split(rows), strict=True):
+        logp, full, value = policy_forward(model, chunk, m, temperature, values)
+        out.append((logp, spread(-(full.exp() * full).sum(-1), m.bool()), value))
     model.train(training)
     logp, entropy, value = zip(*out, strict=True)
     return torch.cat(logp), torch.cat(entropy), torch.cat(value) if values else None
@@ -274,9 +289,10 @@ def prepare(batch: dict[str, torch.Tensor], raw: GPT, ref: GPT | None, cfg: RLCo
             world: int) -> dict[str, torch.Tensor]:
     """Add what the update needs: the policy's old log-probs (and values), the reference's, the advantages."""
     with autocast:
-        batch["old_logp"], batch["entropy"], values = token_stats(raw, batch["ids"], cfg.temperature, cfg.algo == "ppo")
+        batch["old_logp"], batch["entropy"], values = token_stats(raw, batch["ids"], batch["mask"], cfg.temperature,
+                                                                  cfg.algo == "ppo")
         if ref is not None:
-            batch["ref_logp"] = token_stats(ref, batch["ids"], cfg.temperature)[0]
+            batch["ref_logp"] = token_stats(ref, batch["ids"], batch["mask"], cfg.temperature)[0]
     if cfg.algo == "grpo":
         batch["adv"] = group_advantages(batch["scores"], cfg.samples, cfg.scale_rewards)
         return batch
@@ -290,9 +306,8 @@ def prepare(batch: dict[str, torch.Tensor], raw: GPT, ref: GPT | None, cfg: RLCo
 def rl_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor], cfg: RLConfig, world: int) -> dict[str, torch.Tensor]:
     """A minibatch's loss on this rank, times world: DDP's mean over the ranks is then the mean over every rank's
     sampled tokens (mb["denom"] counts them), whatever each rank holds. The value loss is scaled alike."""
-    x, mask, denom = mb["ids"][:, :-1], mb["mask"], mb["denom"]
-    logits, values = model(x, values=True) if cfg.algo == "ppo" else (model(x)[0], None)
-    logp = log_softmax(logits, cfg.temperature).gather(-1, mb["ids"][:, 1:, None]).squeeze(-1)
+    mask, denom = mb["mask"], mb["denom"]
+    logp, _, values = policy_forward(model, mb["ids"], mask, cfg.temperature, cfg.algo == "ppo")
     loss, clipped = policy_loss(logp, mb["old_logp"], mb["adv"], mask, cfg.clip, denom)
     out = {"clip_frac": clipped}  # a mean over this rank's tokens: all_sum / world is the ranks' mean
     if values is not None:

@@ -850,6 +850,19 @@ def test_top_k_top_p_never_sample_outside_allowed_set():
     assert (tok < GPT2_VOCAB).all()
 
 
+def test_draw_samples_each_id_at_its_probability_and_never_a_zero_one():
+    # zeros first, between and last: a running sum that stays flat across them must never stop there
+    probs = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.2, 0.3, 0.0]).expand(400_000, 7)
+    ids = GPT.draw(probs, torch.Generator().manual_seed(0))
+    assert ids.shape == (400_000, 1) and ids.dtype == torch.int64
+    freq = torch.bincount(ids[:, 0], minlength=7).double() / len(ids)
+    assert freq[[0, 1, 3, 6]].sum() == 0
+    # binomial std at p = 0.5 and n = 400,000 is 0.0008: 0.003 is ~4 sigma
+    torch.testing.assert_close(freq[[2, 4, 5]], torch.tensor([0.5, 0.2, 0.3], dtype=torch.float64), atol=0.003, rtol=0)
+    # unnormalised rows (filter_logits' softmax sums to 1 only within rounding) draw the same way
+    assert torch.equal(GPT.draw(probs * 3, torch.Generator().manual_seed(0)), ids)
+
+
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.999999])
 def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p(top_p):

@@ -71,15 +71,17 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
     assert batch["scores"].tolist() == [1.0, 0.0, 1.0, 0.0]  # the task's checker
     assert batch["mask"].sum(1).tolist() == [len(right)] * 4 and batch["mask"][:, :len(prompt) - 1].sum() == 0
     batch = rl.prepare(batch, raw, None, cfg, contextlib.nullcontext(), 1)
-    # the old log-probs are the policy's over the whole vocabulary, in eval mode: prefs.token_logprobs' numbers
-    torch.testing.assert_close(batch["old_logp"], prefs.token_logprobs(raw, batch["ids"]))
+    # the old log-probs are the policy's over the whole vocabulary, in eval mode: prefs.token_logprobs' numbers on the
+    # sampled tokens (the head ran on those positions only), 0 on the prompt
+    torch.testing.assert_close(batch["old_logp"], prefs.token_logprobs(raw, batch["ids"]) * batch["mask"])
+    assert (batch["old_logp"][batch["mask"] == 0] == 0).all() and (batch["old_logp"][batch["mask"] == 1] < 0).all()
     # mean 0.5, unbiased std sqrt(1/3): +-0.5 / (0.5774 + 1e-4)
     torch.testing.assert_close(batch["adv"], torch.tensor([1, -1, 1, -1]) * 0.5 / (3 ** -0.5 + 1e-4))
     built = build_trainable(raw, cfg, torch.device("cpu"), use_compile=False, verbose=False)
     before = (batch["old_logp"] * batch["mask"]).sum(1)
     objective = prefs.PairObjective(lambda model, mb: rl.rl_loss(model, mb, cfg, 1))
     totals = rl.update(built, objective, batch, cfg, 1)
-    after = (rl.token_stats(raw, batch["ids"])[0] * batch["mask"]).sum(1)
+    after = (rl.token_stats(raw, batch["ids"], batch["mask"])[0]).sum(1)
     # at ratio 1 the per-token loss is -mean(A): 0 for two rewarded and two unrewarded replies of one length
     assert abs(totals["loss"].item()) < 1e-6 and totals["clip_frac"].item() == 0 and totals["grad_norm"] > 0
     assert after[0] > before[0] + 0.01 and after[1] < before[1] - 0.01
