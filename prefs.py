@@ -166,9 +166,16 @@ def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
 
 
+def spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(M,) values at the M True positions of a (N, T) bool mask, in order -> (N, T), 0 elsewhere."""
+    return x.new_zeros(mask.shape).masked_scatter(mask, x)
+
+
 def sequence_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(N,) log-probability of each row's masked tokens (its reply), summed."""
-    return (token_logprobs(model, ids) * mask[:, 1:]).sum(-1)
+    """(N,) log-probability of each row's masked tokens (its reply), summed; the head runs on those positions only."""
+    scored = mask[:, 1:].bool()
+    return spread(-F.cross_entropy(model(ids[:, :-1], at=scored)[0].float(), ids[:, 1:][scored], reduction="none"),
+                  scored).sum(-1)
 
 
 def last_index(mask: torch.Tensor) -> torch.Tensor:
@@ -207,12 +214,18 @@ def reward_model_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
     return bradley_terry(*rewards(model, *batch, logprob).chunk(2))
 
 
-def dpo_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], ref: nn.Module,
-                beta: float = 0.1) -> Metrics:
-    """A PairLoader batch's DPO metrics against the frozen reference `ref`."""
+def dpo_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], ref: nn.Module, beta: float = 0.1,
+                sft: float = 0.0) -> Metrics:
+    """A PairLoader batch's DPO metrics against the frozen reference `ref`; with `sft` the loss adds that times the
+    chosen replies' mean token NLL (RPO, TRL's rpo_alpha): on pairs one token apart DPO alone lowers both sides."""
     with torch.no_grad():
         reference = sequence_logprobs(ref, *batch)
-    return dpo(*sequence_logprobs(model, *batch).chunk(2), *reference.chunk(2), beta)
+    chosen, rejected = sequence_logprobs(model, *batch).chunk(2)
+    out = dpo(chosen, rejected, *reference.chunk(2), beta)
+    if sft:
+        out["nll"] = -chosen.sum() / batch[1][:len(chosen), 1:].sum()
+        out["loss"] = out["loss"] + sft * out["nll"]
+    return out
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

@@ -254,11 +254,6 @@ def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (logits.float() / temperature).log_softmax(-1)
 
 
-def spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(N,) values at the N True positions of a (B, T) bool mask, in order -> (B, T), 0 elsewhere."""
-    return x.new_zeros(mask.shape).masked_scatter(mask, x)
-
-
 def policy_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, temperature: float,
                    values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The model at the sampled tokens only (the head skips the prompt): (log-probs (B, T) of the targets ids[:, 1:],
@@ -267,7 +262,7 @@ def policy_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     logits, value = model(ids[:, :-1], values=True, at=m) if values else (model(ids[:, :-1], at=m)[0], None)
     logp = log_softmax(logits, temperature)
     chosen = logp.gather(-1, ids[:, 1:][m][:, None]).squeeze(-1)
-    return spread(chosen, m), logp, None if value is None else spread(value, m)
+    return prefs.spread(chosen, m), logp, None if value is None else prefs.spread(value, m)
 
 
 @torch.no_grad()
@@ -279,7 +274,7 @@ def token_stats(model: GPT, ids: torch.Tensor, mask: torch.Tensor, temperature: 
     model.eval()
     for chunk, m in zip(ids.split(rows), mask.split(rows), strict=True):
         logp, full, value = policy_forward(model, chunk, m, temperature, values)
-        out.append((logp, spread(-(full.exp() * full).sum(-1), m.bool()), value))
+        out.append((logp, prefs.spread(-(full.exp() * full).sum(-1), m.bool()), value))
     model.train(training)
     logp, entropy, value = zip(*out, strict=True)
     return torch.cat(logp), torch.cat(entropy), torch.cat(value) if values else None

@@ -97,6 +97,7 @@ class TrainConfig(RunArgs):
     objective: str = "lm"  # lm (next token), reward (Bradley-Terry reward model) or dpo, both on pairs
     reward_logprob: bool = False  # --objective reward: the score adds the mean log-prob of the reply (prefs.rewards)
     dpo_beta: float = 0.1  # DPO's beta: how far the implicit reward may pull the policy from its reference
+    dpo_sft: float = 0.0  # DPO's loss adds this times the chosen replies' token NLL (RPO; TRL's rpo_alpha)
     preload: Annotated[bool, LOCAL] = False  # load the whole dataset onto the device once (small datasets only)
     shuffle: str = "windows"  # each epoch: windows (shard order and each shard's windows, llm.c) or shards (order only)
     # batch
@@ -141,7 +142,8 @@ class TrainConfig(RunArgs):
         # each written so that NaN fails it too
         for name, low in {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "sample_tokens": 1,
                           "warmup_steps": 0, "eval_every": 0, "hellaswag_every": 0, "sample_every": 0, "task_every": 0,
-                          "task_limit": 1, "hellaswag_limit": 1, "skip_loss_z": 0, "skip_norm_z": 0}.items():
+                          "task_limit": 1, "hellaswag_limit": 1, "skip_loss_z": 0, "skip_norm_z": 0,
+                          "dpo_sft": 0}.items():
             if getattr(self, name) is not None and not getattr(self, name) >= low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
@@ -431,7 +433,7 @@ def pair_objective(cfg: TrainConfig, device: torch.device) -> PairObjective | No
         return PairObjective(functools.partial(reward_model_metrics, logprob=cfg.reward_logprob))
     if cfg.objective == "dpo":
         ref = (load_init(cfg) if cfg.init_from else fresh_model(cfg)).to(device).eval().requires_grad_(False)
-        return PairObjective(functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta))
+        return PairObjective(functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft))
     return None
 
 

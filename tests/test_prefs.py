@@ -261,6 +261,18 @@ def test_dpo_starts_at_ln2_against_its_reference_and_learns_one_batch():
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), tiny().parameters(), strict=True))  # frozen
 
 
+def test_dpo_sft_adds_the_chosen_replies_mean_token_nll():
+    ids, mask = PairLoader(text_rows(2), "train", 2, 40, shuffle=False).next_batch()
+    model, ref = tiny(), frozen_copy(tiny())
+    logp = F.log_softmax(model(ids)[0].float(), -1)
+    # the chosen rows are the batch's first half; a reply's tokens are the masked targets after position 0
+    nll = -sum(logp[r, t - 1, ids[r, t]].item() for r in range(2) for t in range(1, 40) if mask[r, t])
+    count = int(mask[:2, 1:].sum())
+    plain, rpo = dpo_metrics(model, (ids, mask), ref), dpo_metrics(model, (ids, mask), ref, sft=0.5)
+    assert count > 4 and rpo["nll"].item() == pytest.approx(nll / count, rel=1e-5)
+    assert rpo["loss"].item() == pytest.approx(plain["loss"].item() + 0.5 * nll / count, rel=1e-5)
+    assert "nll" not in plain and rpo["margin"] == plain["margin"]
+
 # ----------------------------------------------------------------------------------------------------------------------
 # model.py's value head
 

@@ -1868,8 +1868,8 @@ OTHER_VALUE = {
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
     "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True, "hellaswag": "off",
-    "init_from": "gpt2", "data_kind": "chat", "dpo_beta": 0.5, "reward_logprob": True, "task": "addition",
-    "task_every": 10, "task_limit": 10,
+    "init_from": "gpt2", "data_kind": "chat", "dpo_beta": 0.5, "dpo_sft": 1.0, "reward_logprob": True,
+    "task": "addition", "task_every": 10, "task_limit": 10,
 }
 # the GPTConfig fields, each a flag through TrainConfig.arch
 OTHER_ARCH = {"vocab_size": 50257, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "dropout": 0.1,
