@@ -6,7 +6,7 @@ are its evaluations. The math comes first, pure functions on tensors: every per-
 with the tokens the policy chose; `mask` is 1 on the tokens it sampled and 0 on the prompt, the tool outputs forced in
 and the padding.
 
-    python rl.py                                   # GRPO from out/sft-demo/ckpt_002400.pt on addition, CPU minutes
+    python rl.py                                   # GRPO from out/sft-demo-1200/ckpt_001200.pt on addition, CPU minutes
     python rl.py --algo ppo --out-dir out/rl-ppo
     torchrun --standalone --nproc_per_node=2 rl.py --init-from CKPT --task gsm8k --reward-model RM_CKPT
 """
@@ -122,15 +122,16 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 class RLConfig(engine.RunArgs):
     """Online RL of a chat model (a train.py SFT checkpoint) on a tasks.py task: GRPO or PPO, on the engine."""
 
-    init_from: Annotated[str, LOCAL] = "out/sft-demo/ckpt_002400.pt"  # the policy's start: a chat model checkpoint
+    # the policy's start, a chat model checkpoint: the demo's is sft-demo stopped half-trained (--max-steps 1200)
+    init_from: Annotated[str, LOCAL] = "out/sft-demo-1200/ckpt_001200.pt"
     task: str = "addition"  # the tasks.py task: train prompts, the checker's rewards, held-out evaluations
     reward_model: Annotated[str, LOCAL] = ""  # score replies with this reward model (train.py --objective reward)
     algo: str = "grpo"  # grpo (group-normalised advantages) or ppo (a value head on the policy's trunk, GAE)
-    prompts: int = 16  # prompts per step, all ranks together
-    samples: int = 8  # replies sampled per prompt (GRPO's group)
+    prompts: int = 32  # prompts per step, all ranks together
+    samples: int = 4  # replies sampled per prompt (GRPO's group)
     rollout_batch: int = 8  # prompts per generate() call, each call with its own seed: ranks take whole calls
     max_new_tokens: int = 16  # reply length cap
-    temperature: float = 1.0  # sampling temperature of the rollouts and pass@k; the policy's log-probs use it too
+    temperature: float = 0.7  # sampling temperature of the rollouts and pass@k; the policy's log-probs use it too
     ppo_epochs: int = 1  # passes over each step's rollouts
     minibatches: int = 2  # optimizer steps per pass (the rows of a generate() call are split evenly among them)
     clip: float = 0.2  # the ratio's clip range (PPO's value clip too)
@@ -139,12 +140,12 @@ class RLConfig(engine.RunArgs):
     gamma: float = 1.0  # PPO: discount
     lam: float = 0.95  # PPO: GAE lambda
     vf_coef: float = 0.5  # PPO: the value loss's weight
-    eval_every: int = 20  # held-out greedy accuracy and pass@k every N steps (and at the end); 0 = at the end only
+    eval_every: int = 100  # held-out greedy accuracy and pass@k every N steps (and at the end); 0 = at the end only
     eval_limit: int = 256  # held-out problems per evaluation
     pass_k: int = 8  # pass@k: replies sampled per held-out problem (0 = no pass@k)
     # RunArgs's flags with RL's defaults
-    max_steps: int = 200  # RL steps
-    max_lr: float = 3e-4  # the learning rate after warmup
+    max_steps: int = 600  # RL steps
+    max_lr: float = 2.5e-4  # the learning rate after warmup
     # Adam's first steps move every weight by about the lr whatever its gradient: a start that RL's noisy gradients
     # would otherwise spend wrecking the policy
     warmup_steps: int = 10  # linear warmup of the learning rate

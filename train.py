@@ -216,8 +216,9 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
                        max_lr=1e-4, lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=300,
                        eval_every=50, eval_tokens=6144, hellaswag="off", sample_every=0, ckpt_every=0,
                        out_dir="out/rm-demo"),
-    "dpo-demo": _preset(init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs", data_kind="pairs",
-                        objective="dpo", seq_len=24, total_batch_size=384, batch_size=16, max_lr=3e-4,
+    # DPO starts where RL does, from the half-trained SFT model; the SFT term keeps it from lowering both replies
+    "dpo-demo": _preset(init_from="out/sft-demo-1200/ckpt_001200.pt", data="data/addition_pairs", data_kind="pairs",
+                        objective="dpo", dpo_sft=1.0, seq_len=24, total_batch_size=384, batch_size=16, max_lr=3e-4,
                         lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=200, eval_every=50,
                         eval_tokens=6144, hellaswag="off", sample_every=0, ckpt_every=0, task="addition",
                         task_every=50, task_limit=256, out_dir="out/dpo-demo"),
