@@ -187,13 +187,15 @@ def rewards(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, logprob: bo
     """(N,) the value head's output at each row's last reply token (a GPT with config.value_head); with `logprob`
     plus the model's mean log-probability of the reply's tokens, so that the zero-initialised head starts from what
     the language model knows and corrects it: a head alone must first learn to check the reply from one position."""
-    logits, values = model(ids, values=True, return_logits=logprob)
-    out = values.gather(1, last_index(mask)[:, None]).squeeze(1)
-    if logprob:
-        scored = mask[:, 1:].float()
-        logp = logprobs_of(logits[:, :-1], ids[:, 1:])
-        out = out + (logp * scored).sum(-1) / scored.sum(-1).clamp(min=1)
-    return out
+    last = last_index(mask)[:, None]
+    if not logprob:
+        return model(ids, values=True, return_logits=False)[1].gather(1, last).squeeze(1)
+    scored = mask[:, 1:].bool()
+    before = F.pad(scored, (0, 1))  # the positions whose logits score a reply token
+    at = before.scatter(1, last, True)  # and the last one, whose value is read: the head runs on these only
+    logits, values = model(ids, values=True, at=at)
+    logp = -F.cross_entropy(logits[before[at]].float(), ids[:, 1:][scored], reduction="none")
+    return spread(values, at).gather(1, last).squeeze(1) + spread(logp, scored).sum(-1) / scored.sum(-1).clamp(min=1)
 
 
 def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> Metrics:

@@ -144,8 +144,8 @@ class RLConfig(engine.RunArgs):
     eval_limit: int = 256  # held-out problems per evaluation
     pass_k: int = 8  # pass@k: replies sampled per held-out problem (0 = no pass@k)
     # RunArgs's flags with RL's defaults
-    max_steps: int = 600  # RL steps
-    max_lr: float = 2.5e-4  # the learning rate after warmup
+    max_steps: int = 800  # RL steps
+    max_lr: float = 3e-4  # the learning rate after warmup
     # Adam's first steps move every weight by about the lr whatever its gradient: a start that RL's noisy gradients
     # would otherwise spend wrecking the policy
     warmup_steps: int = 10  # linear warmup of the learning rate

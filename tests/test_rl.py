@@ -60,7 +60,7 @@ def train_records(out: Path) -> list[dict]:
 def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
     torch.manual_seed(0)
     raw = GPT(GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64))
-    cfg = rl.RLConfig(samples=4, rollout_batch=1, minibatches=1, max_lr=1e-3, device="cpu")
+    cfg = rl.RLConfig(samples=4, rollout_batch=1, minibatches=1, max_lr=1e-3, temperature=1.0, device="cpu")
     problem = tasks.Addition().examples("test", n=1)[0]  # its answer is right, that + 1 is wrong
     enc, prompt = get_tokenizer(), render_prompt(problem["messages"][:-1])
     right, wrong = (enc.encode_ordinary(" ".join(str(v))) + [ASSISTANT_END] for v in (int(problem["answer"]),
