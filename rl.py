@@ -1,10 +1,8 @@
 """Online RL of a chat model on a task's prompts, on the engine: GRPO by default, PPO with a value head and GAE.
 
-Each step samples --samples replies to each of --prompts prompts, scores them (the task's checker, or a reward model),
-and updates the policy in --ppo-epochs passes of --minibatches optimizer steps. The held-out greedy accuracy and pass@k
-are its evaluations. The math comes first, pure functions on tensors: every per-token tensor is (B, T) and aligned
-with the tokens the policy chose; `mask` is 1 on the tokens it sampled and 0 on the prompt, the tool outputs forced in
-and the padding.
+Each step samples --samples replies to each of --prompts prompts, scores them (the task's checker or a reward model)
+and updates the policy in --ppo-epochs passes of --minibatches optimizer steps. The math comes first: per-token tensors
+are (B, T) over the chosen tokens; `mask` is 1 on those the policy sampled, 0 on the prompt, tool outputs and padding.
 
     python rl.py                                   # GRPO from out/sft-demo-1200/ckpt_001200.pt on addition, CPU minutes
     python rl.py --algo ppo --out-dir out/rl-ppo
@@ -18,12 +16,12 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 import engine
 import prefs
@@ -38,52 +36,41 @@ from parallel import build_trainable, train_step
 # The math
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, denom: float | None = None) -> torch.Tensor:
+def masked_mean(x: Tensor, mask: Tensor, denom: float | None = None) -> Tensor:
     """Sum of x over the mask / the mask's count (or `denom`, e.g. the token count of all micro-batches)."""
     return (x * mask).sum() / (denom if denom is not None else mask.sum().clamp(min=1))
 
 
-def group_advantages(rewards: torch.Tensor, group: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO: each reward minus its group's mean, over the group's std (unbiased, + eps) with `scale`; without it,
-    Dr. GRPO's plain difference. rewards (B,) holds B / group groups of `group` consecutive samples of one prompt."""
+def group_advantages(rewards: Tensor, group: int, scale: bool = True, eps: float = 1e-4) -> Tensor:
+    """GRPO: rewards (B,) minus their group's mean (groups of `group` rows), over its std + eps with `scale`."""
     grouped = rewards.view(-1, group)
     advantages = grouped - grouped.mean(1, keepdim=True)
-    if scale:
-        advantages = advantages / (grouped.std(1, keepdim=True) + eps)
-    return advantages.view(-1)
+    return (advantages / (grouped.std(1, keepdim=True) + eps) if scale else advantages).view(-1)
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                eps: float = 0.2, denom: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate -min(r A, clip(r, 1 - eps, 1 + eps) A), r = exp(logp - old_logp), averaged per token
-    over the batch's masked tokens; advantages (B,) per sequence or (B, T) per token. Returns (loss, clipped share)."""
-    ratio = torch.exp(logp - old_logp)
-    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                eps: float = 0.2, denom: float | None = None) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate over the masked tokens, advantages (B,) or (B, T). Returns (loss, clipped share)."""
+    ratio, adv = torch.exp(logp - old_logp), advantages[:, None] if advantages.dim() == 1 else advantages
     unclipped, clipped = ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv
     loss = masked_mean(-torch.minimum(unclipped, clipped), mask, denom)
     return loss, masked_mean((clipped < unclipped).float(), mask).detach()
 
 
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token KL(policy || reference) by the k3 estimator, exp(d) - d - 1 with d = ref_logp - logp: unbiased on
-    tokens the policy sampled, never negative."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Per-token KL(policy || reference), k3: exp(d) - d - 1, d = ref_logp - logp; unbiased on sampled tokens, >= 0."""
+    return torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
 
 
-def kl_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,
-               coef: float) -> torch.Tensor:
-    """PPO's per-token rewards (B, T): -coef * (logp - ref_logp) on each sampled token, plus the sequence's score
-    (B,) on its last one."""
+def kl_rewards(scores: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """PPO's per-token rewards (B, T): -coef * (logp - ref_logp) per sampled token, plus the score (B,) on the last."""
     rewards = -coef * (logp - ref_logp) * mask
     return rewards.scatter_add(1, prefs.last_index(mask)[:, None], scores[:, None].to(rewards.dtype))
 
 
 @torch.no_grad()
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over the masked tokens: a forced or padded token is skipped, so each sampled
-    token bootstraps from the value of the next sampled one (0 after the last). Returns (advantages, returns)."""
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, Tensor]:
+    """GAE on the masked tokens, each bootstrapping from the next masked one's value: (advantages, returns)."""
     advantages = torch.zeros_like(values)
     running, next_value = torch.zeros_like(values[:, 0]), torch.zeros_like(values[:, 0])
     for t in reversed(range(values.size(1))):
@@ -95,20 +82,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, (advantages + values) * mask
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
-           total: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> torch.Tensor:
-    """x shifted and scaled to mean 0 and std 1 over the masked entries (PPO's advantages); `total` sums a statistic
-    over the ranks, so that they are the whole batch's."""
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, total: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+    """x at mean 0 and std 1 over the masked entries (PPO's advantages); `total` sums each statistic over the ranks."""
     count = total(mask.sum()).clamp(min=1)
     mean = total((x * mask).sum()) / count
     var = total(((x - mean) ** 2 * mask).sum()) / count
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float = 0.2, denom: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped value loss 0.5 * max((v - R)^2, (v_clipped - R)^2), v_clipped within old_values +- clip, per
-    token over the masked ones. Returns (loss, clipped share)."""
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: float = 0.2, denom: float | None = None) -> tuple[Tensor, Tensor]:
+    """Clipped value loss 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip in old_values +- clip: (loss, clipped share)."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     plain, far = (values - returns) ** 2, (clipped - returns) ** 2
     return 0.5 * masked_mean(torch.maximum(plain, far), mask, denom), masked_mean((far > plain).float(), mask).detach()
@@ -118,7 +102,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 # The stage: config, rollouts, one RL step, evaluations, setup
 
 
-@dataclass
+@dataclasses.dataclass
 class RLConfig(engine.RunArgs):
     """Online RL of a chat model (a train.py SFT checkpoint) on a tasks.py task: GRPO or PPO, on the engine."""
 
@@ -146,8 +130,7 @@ class RLConfig(engine.RunArgs):
     # RunArgs's flags with RL's defaults
     max_steps: int = 800  # RL steps
     max_lr: float = 3e-4  # the learning rate after warmup
-    # Adam's first steps move every weight by about the lr whatever its gradient: a start that RL's noisy gradients
-    # would otherwise spend wrecking the policy
+    # Adam's first steps move every weight by about the lr whatever its gradient: RL's noisy ones would wreck the policy
     warmup_steps: int = 10  # linear warmup of the learning rate
     lr_decay: bool = True  # then linear decay to 0 at --max-steps (False: constant)
     weight_decay: float = 0.0  # decoupled weight decay
@@ -159,8 +142,7 @@ class RLConfig(engine.RunArgs):
         if self.algo not in ("grpo", "ppo") or self.task not in tasks.TASKS:
             raise ValueError(f"--algo must be grpo or ppo and --task one of {', '.join(tasks.TASKS)}; got "
                              f"{self.algo!r} and {self.task!r}")
-        for name in ("prompts", "samples", "rollout_batch", "max_new_tokens", "ppo_epochs", "minibatches",
-                     "warmup_steps"):
+        for name in "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches warmup_steps".split():
             if getattr(self, name) < (low := int(name != "warmup_steps")):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if self.algo == "grpo" and self.samples < 2:
@@ -201,7 +183,7 @@ class PromptSampler:
         self.served = int(state["served"])
 
 
-def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+def all_sum(t: Tensor, world: int) -> Tensor:
     if world > 1:
         dist.all_reduce(t)
     return t
@@ -209,9 +191,8 @@ def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
 
 def rollouts(model: GPT, problems: list[dict], samples: int, seed: int, cfg: RLConfig, rank: int,
              world: int) -> list[tuple[dict, list[int], Rollout]]:
-    """This rank's share of `samples` replies to each problem: generate() calls of --rollout-batch problems, call c
-    on rank c % world with a generator seeded seed + c, so the replies are the same on any number of ranks.
-    Returns (problem, prompt ids, reply) per reply, each problem's `samples` in a row."""
+    """This rank's (problem, prompt ids, reply) for `samples` replies to each problem, in a row: generate() call c of
+    --rollout-batch problems runs on rank c % world, seeded seed + c: any number of ranks samples the same replies."""
     device, out = model.lm_head.weight.device, []
     for c in range(rank, -(-len(problems) // cfg.rollout_batch), world):
         chunk = problems[c * cfg.rollout_batch:(c + 1) * cfg.rollout_batch]
@@ -223,7 +204,7 @@ def rollouts(model: GPT, problems: list[dict], samples: int, seed: int, cfg: RLC
     return out
 
 
-def pack(rows: list[tuple[list[int], list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(rows: list[tuple[list[int], list[int]]], device: torch.device) -> tuple[Tensor, Tensor]:
     """(ids, mask) rows right-padded into (N, T) tensors."""
     T = max(len(ids) for ids, _ in rows)
     ids = torch.tensor([ids + [BOS] * (T - len(ids)) for ids, _ in rows], device=device)
@@ -231,46 +212,35 @@ def pack(rows: list[tuple[list[int], list[int]]], device: torch.device) -> tuple
 
 
 def score(share: list[tuple[dict, list[int], Rollout]], task: tasks.Task, rm: GPT | None,
-          device: torch.device) -> dict[str, torch.Tensor]:
-    """The rollouts as ids (N, T), the mask of their sampled tokens among the targets ids[:, 1:] (N, T-1), and each
-    reply's score: the task's checker, or the reward model's value at its last token as prefs.py renders the
-    conversation (the reply's text: tool calls aside), cut to the model's last block_size tokens."""
+          device: torch.device) -> dict[str, Tensor]:
+    """ids (N, T), the mask of sampled targets ids[:, 1:] (N, T-1), and scores: the checker's or the reward model's."""
     ids, mask = pack([(prompt + r.tokens, [0] * (len(prompt) - 1) + r.mask) for _, prompt, r in share], device)
-    texts = [reply_text(r.tokens) for _, _, r in share]
     if rm is None:
-        scores = [task.reward(text, p["answer"]) for (p, _, _), text in zip(share, texts, strict=True)]
+        scores = [task.reward(reply_text(r.tokens), p["answer"]) for p, _, r in share]
         return {"ids": ids, "mask": mask[:, :-1], "scores": torch.tensor(scores, device=device)}
-    bs, enc = rm.config.block_size, get_tokenizer()
-    rendered = []
-    for (p, _, _), text in zip(share, texts, strict=True):  # as chat_format.render does, an empty reply too
-        prompt, reply = render_prompt(p["messages"][:-1]), enc.encode_ordinary(text) + [ASSISTANT_END]
-        rendered.append((prompt + reply, [0] * len(prompt) + [1] * len(reply)))
+    bs, enc = rm.config.block_size, get_tokenizer()  # rendered as chat_format.render does, an empty reply too
+    replies = [enc.encode_ordinary(reply_text(r.tokens)) + [ASSISTANT_END] for _, _, r in share]
+    rows = [((p + o)[-bs:], ([0] * len(p) + [1] * len(o))[-bs:]) for (_, p, _), o in zip(share, replies, strict=True)]
     with torch.no_grad():
-        scores = prefs.rewards(rm, *pack([(i[-bs:], m[-bs:]) for i, m in rendered], device), rm.reward_logprob)
+        scores = prefs.rewards(rm, *pack(rows, device), rm.reward_logprob)
     return {"ids": ids, "mask": mask[:, :-1], "scores": scores.float()}
 
 
-def log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The policy is the model at the sampling temperature (as TRL's): the rollouts are then its own samples."""
-    return (logits.float() / temperature).log_softmax(-1)
-
-
-def policy_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, temperature: float,
-                   values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The model at the sampled tokens only (the head skips the prompt): (log-probs (B, T) of the targets ids[:, 1:],
-    the log-softmax (N, V) at the N sampled positions, values (B, T) or None), 0 off the mask."""
+def policy_forward(model: torch.nn.Module, ids: Tensor, mask: Tensor, temperature: float,
+                   values: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The policy, the model at the sampling temperature (as TRL's: the rollouts are its own samples), its head on the N
+    sampled tokens only: (log-probs (B, T) of ids[:, 1:], the (N, V) log-softmax, values (B, T) or None), 0 off mask."""
     m = mask.bool()
     logits, value = model(ids[:, :-1], values=True, at=m) if values else (model(ids[:, :-1], at=m)[0], None)
-    logp = log_softmax(logits, temperature)
+    logp = (logits.float() / temperature).log_softmax(-1)
     chosen = logp.gather(-1, ids[:, 1:][m][:, None]).squeeze(-1)
     return prefs.spread(chosen, m), logp, None if value is None else prefs.spread(value, m)
 
 
 @torch.no_grad()
-def token_stats(model: GPT, ids: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0, values: bool = False,
-                rows: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(log-probs, entropies, values or None) at each sampled target of ids[:, 1:] (0 elsewhere), the model in eval
-    mode over the whole vocabulary (generate()'s leave the ids past CHAT_VOCAB out), `rows` rows at a time."""
+def token_stats(model: GPT, ids: Tensor, mask: Tensor, temperature: float = 1.0, values: bool = False,
+                rows: int = 32) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(log-probs, entropies, values or None) at sampled targets, eval mode, whole vocabulary (unlike generate()'s)."""
     training, out = model.training, []
     model.eval()
     for chunk, m in zip(ids.split(rows), mask.split(rows), strict=True):
@@ -281,27 +251,25 @@ def token_stats(model: GPT, ids: torch.Tensor, mask: torch.Tensor, temperature: 
     return torch.cat(logp), torch.cat(entropy), torch.cat(value) if values else None
 
 
-def prepare(batch: dict[str, torch.Tensor], raw: GPT, ref: GPT | None, cfg: RLConfig, autocast: Any,
-            world: int) -> dict[str, torch.Tensor]:
+def prepare(batch: dict[str, Tensor], raw: GPT, ref: GPT | None, cfg: RLConfig, autocast: Any,
+            world: int) -> dict[str, Tensor]:
     """Add what the update needs: the policy's old log-probs (and values), the reference's, the advantages."""
+    ids, mask = batch["ids"], batch["mask"]
     with autocast:
-        batch["old_logp"], batch["entropy"], values = token_stats(raw, batch["ids"], batch["mask"], cfg.temperature,
-                                                                  cfg.algo == "ppo")
+        batch["old_logp"], batch["entropy"], values = token_stats(raw, ids, mask, cfg.temperature, cfg.algo == "ppo")
         if ref is not None:
-            batch["ref_logp"] = token_stats(ref, batch["ids"], batch["mask"], cfg.temperature)[0]
+            batch["ref_logp"] = token_stats(ref, ids, mask, cfg.temperature)[0]
     if cfg.algo == "grpo":
         batch["adv"] = group_advantages(batch["scores"], cfg.samples, cfg.scale_rewards)
         return batch
-    mask = batch["mask"]
     rewards = kl_rewards(batch["scores"], batch["old_logp"], batch.get("ref_logp", batch["old_logp"]), mask, cfg.beta)
     adv, batch["returns"] = gae(rewards, values, mask, cfg.gamma, cfg.lam)
     batch["adv"], batch["old_values"] = whiten(adv, mask, total=lambda t: all_sum(t, world)), values
     return batch
 
 
-def rl_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor], cfg: RLConfig, world: int) -> dict[str, torch.Tensor]:
-    """A minibatch's loss on this rank, times world: DDP's mean over the ranks is then the mean over every rank's
-    sampled tokens (mb["denom"] counts them), whatever each rank holds. The value loss is scaled alike."""
+def rl_loss(model: torch.nn.Module, mb: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
+    """A minibatch's loss times world: DDP's mean over the ranks is then the mean over every rank's sampled tokens."""
     mask, denom = mb["mask"], mb["denom"]
     logp, _, values = policy_forward(model, mb["ids"], mask, cfg.temperature, cfg.algo == "ppo")
     loss, clipped = policy_loss(logp, mb["old_logp"], mb["adv"], mask, cfg.clip, denom)
@@ -314,10 +282,9 @@ def rl_loss(model: torch.nn.Module, mb: dict[str, torch.Tensor], cfg: RLConfig, 
     return {"loss": loss * world, **out}
 
 
-def update(built: Any, objective: prefs.PairObjective, batch: dict[str, torch.Tensor], cfg: RLConfig,
-           world: int) -> dict[str, torch.Tensor]:
-    """--ppo-epochs passes over the rollouts, each in --minibatches optimizer steps (minibatch k: rows k, k + M, ...);
-    the mean of the steps' loss, gradient norm and metrics, each made so that all_sum / world is the whole batch's."""
+def update(built: Any, objective: prefs.PairObjective, batch: dict[str, Tensor], cfg: RLConfig,
+           world: int) -> dict[str, Tensor]:
+    """--ppo-epochs passes of --minibatches optimizer steps (minibatch k: rows k, k + M, ...): the mean metrics."""
     M, steps, totals = cfg.minibatches, cfg.ppo_epochs * cfg.minibatches, {}
     counts = all_sum(torch.stack([batch["mask"][k::M].sum() for k in range(M)]), world)
     for _ in range(cfg.ppo_epochs):
@@ -330,25 +297,22 @@ def update(built: Any, objective: prefs.PairObjective, batch: dict[str, torch.Te
     return totals
 
 
-def summary(batch: dict[str, torch.Tensor], totals: dict[str, torch.Tensor], has_ref: bool, rollout_s: float,
+def summary(batch: dict[str, Tensor], totals: dict[str, Tensor], has_ref: bool, rollout_s: float,
             update_s: float, cfg: RLConfig, world: int) -> dict[str, Any]:
-    """The step's record, over every rank's rollouts (one all-reduce): the update's means, the reward's mean and std,
-    the KL to the reference (k3), the entropy and reply length over the sampled tokens, both phases' tokens/s."""
+    """The step's record over every rank's rollouts (one all-reduce): the update's means, reward, KL, entropy, tok/s."""
     mask, r = batch["mask"], batch["scores"]
     kl = (kl_k3(batch["old_logp"], batch["ref_logp"]) * mask).sum() if has_ref else r.new_zeros(())
     sums = torch.stack([r.new_tensor(len(r)), r.sum(), (r * r).sum(), mask.sum(), (batch["entropy"] * mask).sum(),
                         kl, r.new_tensor(batch["ids"].numel()), *totals.values()]).double()
     n, r1, r2, sampled, entropy, kl, tokens, *means = all_sum(sums, world).tolist()
-    mean = r1 / n
     return {**{name: value / world for name, value in zip(totals, means, strict=True)}, "tokens": int(tokens),
-            "reward": mean, "reward_std": max(0.0, r2 / n - mean**2) ** 0.5,
+            "reward": (mean := r1 / n), "reward_std": max(0.0, r2 / n - mean**2) ** 0.5,
             **({"kl": kl / sampled} if has_ref else {}), "entropy": entropy / sampled, "length": sampled / n,
             "rollout_tok_s": sampled / rollout_s, "update_tok_s": tokens * cfg.ppo_epochs / update_s}
 
 
 def lr_factor(step: int, cfg: RLConfig) -> float:
-    """Linear warmup, then (--lr-decay) linear decay to 0 at --max-steps: without the decay a small model's greedy
-    accuracy stays low, held down by the noise of its last updates. No decay when --max-steps <= --warmup-steps."""
+    """Linear warmup, then (--lr-decay) linear decay to 0 at --max-steps (undecayed, late noise holds accuracy down)."""
     decay = (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps) if cfg.lr_decay else 1.0
     return min(1.0, (step + 1) / (cfg.warmup_steps + 1), decay)
 
@@ -357,7 +321,6 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, rm: GPT | None
             sampler: PromptSampler, log: engine.RunLog, rank: int, world: int) -> Callable[[int], dict[str, Any]]:
     """engine.Run's step_fn: roll out, score, update; the record holds the whole batch's figures."""
     objective = prefs.PairObjective(lambda model, mb: rl_loss(model, mb, cfg, world))
-    device = raw.lm_head.weight.device
 
     def step_fn(step: int) -> dict[str, Any]:
         t0, lr = time.time(), cfg.max_lr * lr_factor(step, cfg)
@@ -366,7 +329,7 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, rm: GPT | None
         seed = int(torch.randint(2**62, ()))  # from the global RNG, the same on every rank: an exact resume
         with built.autocast:
             share = rollouts(raw, sampler.next(cfg.prompts), cfg.samples, seed, cfg, rank, world)
-            batch = score(share, task, rm, device)
+            batch = score(share, task, rm, raw.lm_head.weight.device)
         t1 = time.time()
         batch = prepare(batch, raw, ref, cfg, built.autocast, world)
         totals = update(built, objective, batch, cfg, world)
@@ -382,8 +345,7 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, rm: GPT | None
 
 def task_eval(cfg: RLConfig, raw: GPT, task: tasks.Task, autocast: Any, log: engine.RunLog, rank: int,
               world: int) -> engine.Eval:
-    """Held-out greedy accuracy (tasks.evaluate) and pass@k: the share of problems with a right reply among k sampled
-    ones, by a generator of its own (the training's RNG untouched)."""
+    """Held-out greedy accuracy (tasks.evaluate) and pass@k by a generator of its own (the training's RNG untouched)."""
     problems = task.examples("test")[:cfg.eval_limit]
 
     def evaluate(step: int) -> dict[str, Any]:
@@ -436,8 +398,7 @@ def resume_checks(saved: dict, cfg: RLConfig, start: int, rank: int) -> None:
 
 
 def setup(cfg: RLConfig, rank: int, world: int, device: torch.device) -> engine.Run:
-    """The Run: the policy from --init-from, its frozen reference (--beta) and reward model, the prompt stream,
-    the checkpoint it resumes and the log; what every rank must share is compared once."""
+    """The Run: the policy, its frozen reference and reward model, the prompt stream, the resumed checkpoint and log."""
     torch.manual_seed(cfg.seed)  # the same on every rank: each step's rollout seed is drawn from it
     task, checkpointer = tasks.TASKS[cfg.task](), engine.Checkpointer(cfg, rank, world, provenance(device, world))
     found = checkpointer.find()
@@ -456,8 +417,7 @@ def setup(cfg: RLConfig, rank: int, world: int, device: torch.device) -> engine.
     ref = prefs.frozen_copy(raw) if cfg.beta > 0 else None
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda" and not cfg.eval_only
     built = build_trainable(raw, cfg, device, use_compile, verbose=rank == 0)
-    sampler, tokens = PromptSampler(train_problems, cfg.seed), engine.TokenCount()
-    parts = {"sampler": sampler, "scaler": built.scaler, "tokens": tokens}
+    parts = {"sampler": PromptSampler(train_problems, cfg.seed), "scaler": built.scaler, "tokens": engine.TokenCount()}
     start = checkpointer.restore(found[1], raw, built.optimizer, parts) if found else 0
     if found and not cfg.eval_only:
         resume_checks(found[1].get("train_config", {}), cfg, start, rank)
@@ -467,14 +427,13 @@ def setup(cfg: RLConfig, rank: int, world: int, device: torch.device) -> engine.
     if rank == 0:
         print(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {world} "
               f"ranks) from --init-from {cfg.init_from}" + (f", resumed at step {start}" if found else ""))
-    return engine.Run(step_fn=rl_step(cfg, raw, built, ref, rm, task, sampler, log, rank, world), raw=raw,
-                      trainable=built, checkpointer=checkpointer, log=log,
-                      evaluator=engine.Evaluator([task_eval(cfg, raw, task, built.autocast, log, rank, world)], log,
-                                                 tokens, cfg.eval_only),
+    evals = [task_eval(cfg, raw, task, built.autocast, log, rank, world)]
+    return engine.Run(step_fn=rl_step(cfg, raw, built, ref, rm, task, parts["sampler"], log, rank, world), raw=raw,
+                      trainable=built, checkpointer=checkpointer, log=log, parts=parts, tokens=parts["tokens"],
+                      evaluator=engine.Evaluator(evals, log, parts["tokens"], cfg.eval_only),
                       stop=engine.StopFlags(cfg.max_time, not cfg.eval_only, rank == 0, device, world),
                       profiler=engine.Profiler(cfg.profile, start, cfg.profile_steps, Path(cfg.out_dir), rank),
-                      parts=parts, tokens=tokens, start_step=start,
-                      last_step=start if cfg.eval_only else cfg.max_steps, resumed=found is not None,
+                      start_step=start, last_step=start if cfg.eval_only else cfg.max_steps, resumed=found is not None,
                       eval_only=cfg.eval_only, rank=rank, world=world, device=device)
 
 
@@ -483,10 +442,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(RLConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     rank, _, world, device = setup_distributed(cfg.device, cfg.dist_timeout)
     try:
-        with engine.hold_out_dir(cfg, rank, world):
-            run = setup(cfg, rank, world, device)
-            with run.stop:
-                return engine.train(run)
+        with engine.hold_out_dir(cfg, rank, world), (run := setup(cfg, rank, world, device)).stop:
+            return engine.train(run)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     finally:
