@@ -162,8 +162,8 @@ def token_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(N, T) fp32 log-probabilities of targets under logits (N, T, V)."""
-    return -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+    """fp32 log-probabilities of targets (...) under logits (..., V)."""
+    return -F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
 
 
 def spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -174,8 +174,7 @@ def spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def sequence_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(N,) log-probability of each row's masked tokens (its reply), summed; the head runs on those positions only."""
     scored = mask[:, 1:].bool()
-    return spread(-F.cross_entropy(model(ids[:, :-1], at=scored)[0].float(), ids[:, 1:][scored], reduction="none"),
-                  scored).sum(-1)
+    return spread(logprobs_of(model(ids[:, :-1], at=scored)[0], ids[:, 1:][scored]), scored).sum(-1)
 
 
 def last_index(mask: torch.Tensor) -> torch.Tensor:
@@ -194,7 +193,7 @@ def rewards(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, logprob: bo
     before = F.pad(scored, (0, 1))  # the positions whose logits score a reply token
     at = before.scatter(1, last, True)  # and the last one, whose value is read: the head runs on these only
     logits, values = model(ids, values=True, at=at)
-    logp = -F.cross_entropy(logits[before[at]].float(), ids[:, 1:][scored], reduction="none")
+    logp = logprobs_of(logits[before[at]], ids[:, 1:][scored])
     return spread(values, at).gather(1, last).squeeze(1) + spread(logp, scored).sum(-1) / scored.sum(-1).clamp(min=1)
 
 

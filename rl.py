@@ -59,7 +59,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
 
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Per-token KL(policy || reference), k3: exp(d) - d - 1, d = ref_logp - logp; unbiased on sampled tokens, >= 0."""
-    return torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
 
 
 def kl_rewards(scores: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, coef: float) -> Tensor:

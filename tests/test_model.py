@@ -863,7 +863,6 @@ def test_draw_samples_each_id_at_its_probability_and_never_a_zero_one():
     assert torch.equal(GPT.draw(probs * 3, torch.Generator().manual_seed(0)), ids)
 
 
-
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.999999])
 def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p(top_p):
     # the kept count from an exact float64 sum; a running fp32 sum from the most likely token down drifts by ~1e-5

@@ -273,6 +273,7 @@ def test_dpo_sft_adds_the_chosen_replies_mean_token_nll():
     assert rpo["loss"].item() == pytest.approx(plain["loss"].item() + 0.5 * nll / count, rel=1e-5)
     assert "nll" not in plain and rpo["margin"] == plain["margin"]
 
+
 # ----------------------------------------------------------------------------------------------------------------------
 # model.py's value head
 
