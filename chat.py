@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chat_format import CHAT_VOCAB, SYSTEM_START, TOOL_START, calculator, parse, render_prompt, tokenizer
+from chat_format import CHAT_VOCAB, REPLY_STOPS, TOOL_START, calculator, is_chat, parse, render_prompt, tokenizer
 from common import EOT, load_checkpoint, parse_config, resolve_device
 from generate import generate_stream
 from model import GPT, GPTConfig
@@ -25,7 +25,6 @@ from model import GPT, GPTConfig
 with contextlib.suppress(ImportError):  # line editing and history in input()
     import readline  # noqa: F401
 
-STOP_IDS = [EOT, *range(SYSTEM_START, TOOL_START)]  # any special token but the tool's ends the reply, as in parse
 MARKS = dict(zip(range(TOOL_START, CHAT_VOCAB), ("[calc ", "]", "[= ", "]"), strict=True))  # tool start/end, output's
 
 
@@ -45,6 +44,8 @@ class ChatConfig:
 
     def __post_init__(self) -> None:
         GPT.check_sampling(self.temperature, self.top_k, None)  # before a model loads
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("--prompt is empty: pass a message, or leave --prompt out to chat interactively")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -52,7 +53,7 @@ class ChatConfig:
 def load_model(cfg: ChatConfig) -> tuple[GPT, bool]:
     """The model on the CPU, its vocabulary holding the chat tokens, and whether it was fine-tuned for chat."""
     model = GPT.load(cfg.ckpt, cfg.init_from)
-    chat = bool(cfg.ckpt) and load_checkpoint(cfg.ckpt, mmap=True).get("train_config", {}).get("data_kind") == "chat"
+    chat = bool(cfg.ckpt) and is_chat(load_checkpoint(cfg.ckpt, mmap=True))
     if model.config.vocab_size < CHAT_VOCAB:  # HF GPT-2's 50,257 rows: the chat tokens need rows of their own
         model.pad_vocab(GPTConfig().vocab_size)
     return model, chat
@@ -89,7 +90,7 @@ class Chat:
         cfg, enc, reply = self.cfg, tokenizer(), []
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a token can end mid-character
         for step in generate_stream(self.model, [ids], cfg.max_new_tokens, cfg.temperature, cfg.top_k,
-                                    stop_ids=STOP_IDS, vocab=CHAT_VOCAB, calculator=self.tool,
+                                    stop_ids=REPLY_STOPS, vocab=CHAT_VOCAB, calculator=self.tool,
                                     generator=self.generator):
             token = step.tokens[0]
             reply.append(token)

@@ -20,6 +20,8 @@ attention, as in pretraining's documents; each starts with BOS.
 from __future__ import annotations
 
 import functools
+import gzip
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,16 +30,16 @@ import numpy as np
 import torch
 
 from common import EOT, get_tokenizer
-from fineweb import DataError
+from fineweb import DataError, source_kind
 
 BOS = EOT
 SYSTEM_START, SYSTEM_END, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = range(50257, 50263)
 TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END = range(50263, 50267)
 CHAT_VOCAB = 50267  # ids below this may be sampled by a chat model
+REPLY_STOPS = [BOS, *range(SYSTEM_START, TOOL_START)]  # any special token but the tool's ends a reply, as in parse
 ROLES = {"system": (SYSTEM_START, SYSTEM_END), "user": (USER_START, USER_END),
          "assistant": (ASSISTANT_START, ASSISTANT_END)}
 PARTS = {"text": (), "tool": (TOOL_START, TOOL_END), "output": (OUTPUT_START, OUTPUT_END)}
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # a local file's suffix -> datasets builder
 VAL_EVERY = 20  # a single local file holds out every 20th conversation (rows 0, 20, ...) as its val split
 
 tokenizer = functools.cache(get_tokenizer)
@@ -57,8 +59,8 @@ def _check_content(i: int, role: str, content: Any) -> None:
     elif not isinstance(content, str):
         raise ValueError(f"message {i} ({role}) has content of type {type(content).__name__}, expected a string"
                          + (" or a list of parts" if role == "assistant" else ""))
-    elif not content:
-        raise ValueError(f"message {i} ({role}) is empty")
+    elif not content.strip():  # a blank reply teaches only whitespace; chat.py never sends a blank message
+        raise ValueError(f"message {i} ({role}) is empty or only whitespace")
 
 
 def check_messages(messages: Any, last: str) -> None:
@@ -127,6 +129,13 @@ def parse(ids: Iterable[int]) -> list[dict]:
     return parts
 
 
+def is_chat(ckpt: dict) -> bool:
+    """Whether a checkpoint's weights were fine-tuned on this format: SFT, and every stage after it (a reward model,
+    DPO, RL). Its "chat" entry, or for older checkpoints the stage its config names."""
+    config = ckpt.get("train_config", {})
+    return bool(ckpt.get("chat", config.get("data_kind") in ("chat", "pairs") or "algo" in config))
+
+
 def calculator() -> Any:
     """generate.py's calculator tool on this format's tool tokens."""
     from generate import Calculator
@@ -144,19 +153,74 @@ def reply_text(ids: Iterable[int]) -> str:
 
 
 def load_rows(source: str, split: str, config: str | None = None) -> Any:
-    """A datasets.Dataset: a local .jsonl/.json/.parquet file (all of it), or `split` of a local directory in the hub's
-    layout (train/test files, e.g. data/train-00000-of-00001.parquet) or of a hub dataset (downloaded once)."""
+    """The rows of a local .jsonl/.json/.parquet file (all of it), of `split` in a local directory in the hub's layout
+    (train/test files, e.g. data/train-00000-of-00001.parquet), or of a hub dataset (downloaded once). Local JSON is
+    read as written: `datasets` would infer one type per column and rewrite contents ("42" as 42, "\\"x\\"" as x)."""
+    path = Path(source).expanduser()
+    if path.exists():
+        rows = [row for f in local_split(path, split) for row in read_local(f)]
+    elif source_kind(source) == "local":
+        raise DataError(f"no such file or directory: {source} (taken as a local path); check the path, or run the "
+                        "command that writes it first (e.g. tasks.py)")
+    else:
+        rows = load_hub(source, split, config)
+    if len(rows) == 0:
+        raise DataError(f"{source} (split {split}) holds no rows")
+    return rows
+
+
+def local_split(path: Path, split: str) -> list[Path]:
+    """A file itself, or `split`'s files in a directory, found by the patterns `datasets` uses (train*, *-test-*...)."""
+    if path.is_file():
+        return [path]
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        files = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).get(split, [])
+    except FileNotFoundError:  # no file of any split
+        files = []
+    if not files:
+        raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
+                        f"data/{split}-00000-of-00001.parquet")
+    return [Path(f) for f in files]
+
+
+def read_local(path: Path) -> list[dict]:
+    """A .jsonl/.json file's rows exactly as written (a JSON array, or one object per line; gzipped too), or a
+    .parquet's."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise DataError(f"{path} line {line}: not UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
+    lines = [text] if text.lstrip().startswith("[") else text.splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            parsed = json.loads(line) if line.strip() else []
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {number + e.lineno - 1}: not valid JSON ({e.msg})") from None
+        rows += parsed if isinstance(parsed, list) else [parsed]
+    if (bad := next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)) is not None:
+        raise DataError(f"{path} row {bad}: expected a JSON object, got {type(rows[bad]).__name__}")
+    return rows
+
+
+def load_hub(source: str, split: str, config: str | None) -> Any:
+    """A hub dataset's split (a name with no local path of that name), or one DataError line saying so."""
     from datasets import load_dataset
 
-    path = Path(source).expanduser()
     try:
-        if path.is_file():
-            return load_dataset(BUILDERS.get(path.suffix, "json"), data_files=str(path), split="train")
-        return load_dataset(str(path) if path.is_dir() else source, config, split=split)
-    except Exception as e:  # datasets' own errors (a bad file, no such split, offline) as one line naming the source
+        return load_dataset(source, config, split=split)
+    except Exception as e:  # datasets' own errors (no such split, offline) as one line naming the source
         why = f"{e.__cause__ or e}".strip().splitlines()[0][:200]
-        raise DataError(f"cannot read {source} (split {split}): {why}; check the path, the files' schema and the "
-                        "split names") from None
+        raise DataError(f"cannot read {source} (split {split}), taken as a hub dataset as no local path of that name "
+                        f"exists: {why}") from None
 
 
 def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test")) -> Iterable[tuple[int, Any]]:
@@ -279,6 +343,9 @@ class ConversationLoader(RowStream):
             raise DataError(f"need B >= 1, T >= 1 and 0 <= rank < world_size, got B={B}, T={T}, rank={rank}, "
                             f"world_size={world_size}")
         convs, truncated, dropped = render_rows(str(source), read_conversations(str(source), split), T + 1)
+        if not convs:  # each was cut before its first assistant token
+            raise DataError(f"{source} {split}: none of its {dropped:,} conversations has an assistant token within "
+                            f"T+1 = {T + 1} tokens; raise --seq-len")
         lengths = [len(ids) for ids, _ in convs]
         rows = pack(lengths, T + 1)
         self.ids = np.full((len(rows), T + 1), BOS, dtype=np.uint16)  # padding: BOS, with targets -1

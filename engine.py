@@ -245,11 +245,12 @@ def step_of(path: Path) -> int:
 
 class Checkpointer:
     """Finds the checkpoint a run continues (the same on every rank), restores it, saves every --ckpt-every steps and
-    prunes (prune, judge). `config` is the run's full config, recorded in each checkpoint as train_config."""
+    prunes (prune, judge). `config` is the run's full config, recorded in each checkpoint as train_config; `chat`
+    whether the weights speak chat_format's conversations (chat_format.is_chat)."""
 
     def __init__(self, args: RunArgs, rank: int = 0, world: int = 1, prov: dict | None = None,
-                 config: dict | None = None):
-        self.args, self.rank, self.world, self.prov = args, rank, world, prov or {}
+                 config: dict | None = None, chat: bool = False):
+        self.args, self.rank, self.world, self.prov, self.chat = args, rank, world, prov or {}, chat
         self.config = config if config is not None else dataclasses.asdict(args)
         self.out_dir = Path(args.out_dir)
         self.master = rank == 0
@@ -377,7 +378,7 @@ class Checkpointer:
         ckpt = {"model": model_sd, "optimizer": swap_8bit_state(optim_sd, pack=False),
                 "optimizer_kind": optimizer_kind(optimizer, self.args.parallel), "step": step, "rng": rngs,
                 "model_config": dataclasses.asdict(raw.config), "train_config": self.config,
-                "provenance": self.prov, "world_size": self.world,
+                "provenance": self.prov, "world_size": self.world, "chat": self.chat,
                 **{key: part.state_dict() if part is not None else None for key, part in parts.items()}} \
             if self.master else None
         same_verdict(lambda: write_atomically(path, ckpt) if self.master else None, self.world)

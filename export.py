@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from chat_format import ASSISTANT_END, CHAT_VOCAB, SYSTEM_START
+from chat_format import ASSISTANT_END, CHAT_VOCAB, REPLY_STOPS, SYSTEM_START, is_chat
 from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, load_checkpoint, parse_config
 from model import GPT, HF_CONV1D, NORM_EPS, GPTConfig
 
@@ -105,8 +105,8 @@ def check_target(out: Path) -> Path:
 def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block_size: int, chat: bool) -> None:
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    if chat:  # HF's generate stops at the end of the reply
-        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ASSISTANT_END, "pad_token_id": EOT}))
+    if chat:  # HF's generate then answers as chat.py does
+        (out / "generation_config.json").write_text(json.dumps(chat_generation(config["vocab_size"])))
     # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
     # from the umask, or other users of a shared filesystem could read the config but not the weights
     shutil.copymode(out / "config.json", out / "model.safetensors")
@@ -129,10 +129,17 @@ CHAT_TEMPLATE = (
     "{% if p.type != 'text' %}<|{{ p.type }}_end|>{% endif %}{% endfor %}{% endif %}<|{{ m.role }}_end|>"
     "{% endfor %}{% if add_generation_prompt %}<|assistant_start|>{% endif %}")
 CHAT_TOKENIZER = {
-    "eos_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE,
+    "eos_token": "<|assistant_end|>", "pad_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE,
     "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
                                       "normalized": False, "single_word": False}
                              for i, name in zip(range(SYSTEM_START, CHAT_VOCAB), CHAT_TOKENS, strict=True)}}
+
+
+def chat_generation(vocab: int) -> dict[str, Any]:
+    """HF generate's settings for a chat model: chat.py's stop tokens, and never a padded row. The pad is an eos, not
+    the BOS every prompt starts with: generate would mask that BOS out when given no attention mask."""
+    return {"bos_token_id": EOT, "eos_token_id": REPLY_STOPS, "pad_token_id": ASSISTANT_END,
+            "suppress_tokens": list(range(CHAT_VOCAB, vocab))}
 
 
 def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -197,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_target(Path(cfg.export_hf))  # before a large checkpoint takes its time to load
         model = GPT.from_checkpoint(cfg.ckpt)
-        chat = load_checkpoint(cfg.ckpt, mmap=True).get("train_config", {}).get("data_kind") == "chat"
+        chat = is_chat(load_checkpoint(cfg.ckpt, mmap=True))
         out = export_hf(model, cfg.export_hf, chat)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None

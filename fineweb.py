@@ -333,7 +333,9 @@ def source_kind(source: str) -> str:
     if source == FINEWEB:
         return "fineweb"
     path = Path(source).expanduser()
-    if any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS or source[:1] in "./~":
+    # data/x when ./data exists is a path, not the hub's owner/name
+    if any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS or source[:1] in "./~" or \
+            len(path.parts) > 1 and path.parents[-2].is_dir():
         return "local"
     return "hub"
 

@@ -367,11 +367,12 @@ def task_eval(cfg: RLConfig, raw: GPT, task: tasks.Task, autocast: Any, log: eng
 def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
     """The frozen reward model, or a one-line refusal of one that cannot score these replies."""
     path, ckpt = cfg.reward_model, load_checkpoint(cfg.reward_model, mmap=True)
-    mc = ckpt["model_config"]
+    mc, trained = ckpt["model_config"], ckpt.get("train_config", {})
     longest = max(len(render_prompt(p["messages"][:-1])) for p in problems) + cfg.max_new_tokens + 1  # and its end
-    if not mc.get("value_head"):
-        raise ValueError(f"--reward-model {path} has no value head: it is a language model; train a reward model "
-                         "with train.py --objective reward")
+    if trained.get("objective") != "reward":
+        what = "a PPO policy, whose value head is a critic" if "algo" in trained else "a language model"
+        raise ValueError(f"--reward-model {path} is {what}, not a reward model: train one with train.py "
+                         "--objective reward")
     if mc.get("vocab_size", 0) < get_tokenizer().n_vocab:
         raise ValueError(f"--reward-model {path} has {mc.get('vocab_size')} embedding rows, fewer than the GPT-2 "
                          f"tokenizer's {get_tokenizer().n_vocab} ids the replies are scored in: it reads another "
@@ -401,8 +402,13 @@ def resume_checks(saved: dict, cfg: RLConfig, start: int, rank: int) -> None:
 def setup(cfg: RLConfig, rank: int, world: int, device: torch.device) -> engine.Run:
     """The Run: the policy, its frozen reference and reward model, the prompt stream, the resumed checkpoint and log."""
     torch.manual_seed(cfg.seed)  # the same on every rank: each step's rollout seed is drawn from it
-    task, checkpointer = tasks.TASKS[cfg.task](), engine.Checkpointer(cfg, rank, world, provenance(device, world))
+    task = tasks.TASKS[cfg.task]()
+    checkpointer = engine.Checkpointer(cfg, rank, world, provenance(device, world), chat=True)
     found = checkpointer.find()
+    if found and (saved := found[1].get("train_config", {}).get("algo", cfg.algo)) != cfg.algo:
+        raise ValueError(f"--resume {found[0]} was trained with --algo {saved}, whose optimizer state this run's "
+                         f"--algo {cfg.algo} cannot take: pass --algo {saved}, or start a new run from its weights "
+                         f"with --init-from {found[0]}")
     raw = GPT.from_checkpoint(cfg.init_from, value_head=cfg.algo == "ppo", dropout=0.0)
     train_problems = task.examples("train")
     rm = load_reward_model(cfg, train_problems) if cfg.reward_model else None

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from chat_format import ASSISTANT_END, CHAT_VOCAB, calculator, load_rows, render_prompt, reply_text
 from common import parse_config
+from fineweb import DataError
 from generate import generate
 
 
@@ -178,6 +179,8 @@ class TasksConfig:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if not self.limit >= 0:
+            raise ValueError(f"--limit must be >= 0 (0: all); got {self.limit}")
         if self.pairs and not hasattr(TASKS[self.task](), "wrong"):
             raise ValueError(f"--pairs needs a task that makes wrong replies (addition), not {self.task}")
 
@@ -188,16 +191,20 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(TasksConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     out, task = Path(cfg.out_dir or f"data/{cfg.task}"), TASKS[cfg.task]()
     pairs = out.with_name(out.name + "_pairs")  # beside, not inside: a directory is one dataset of one schema
-    for split in ("train", "test"):
-        rows = {out: task.examples(split)[:cfg.limit or None]}
-        if cfg.pairs:
-            rows[pairs] = synthetic_pairs(task, split, cfg.limit, cfg.seed)
-        for where, examples in rows.items():
-            where.mkdir(parents=True, exist_ok=True)
-            with open(where / f"{split}.jsonl", "w") as f:
-                f.writelines(json.dumps(example) + "\n" for example in examples)
-            print(f"{where / f'{split}.jsonl'}: {len(examples):,} {cfg.task} "
-                  f"{'preference pairs' if where == pairs else 'conversations'}")
+    try:  # every row first: a split that cannot be made leaves nothing written
+        files = {}
+        for split in ("train", "test"):
+            files[out / f"{split}.jsonl"] = task.examples(split)[:cfg.limit or None]
+            if cfg.pairs:
+                files[pairs / f"{split}.jsonl"] = synthetic_pairs(task, split, cfg.limit, cfg.seed)
+        for path, rows in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            print(f"{path}: {len(rows):,} {cfg.task} {'preference pairs' if path.parent == pairs else 'conversations'}")
+    except (DataError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"error: cannot write {e.filename} ({e.strerror}); pass another --out-dir") from None
 
 
 if __name__ == "__main__":

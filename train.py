@@ -161,6 +161,9 @@ class TrainConfig(RunArgs):
             raise ValueError("--data-kind pairs trains a preference objective: pass --objective reward or dpo")
         if self.objective == "reward" and self.arch.setdefault("value_head", True) is not True:
             raise ValueError("--objective reward trains a value head: drop --value-head false")
+        if self.objective == "dpo" and not self.init_from:  # its reference is the starting weights
+            raise ValueError("--objective dpo moves a model away from its starting weights, its reference: pass "
+                             "--init-from a fine-tuned model (a random one prefers nothing)")
         if self.objective == "dpo" and self.parallel == "fsdp":
             raise ValueError("--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")
         if self.task and self.parallel == "fsdp":  # each rank's replies end at their own lengths: FSDP's forwards hang
@@ -385,7 +388,7 @@ def setup(cfg: TrainConfig, rank: int, local_rank: int, world: int, device: torc
     master, prov = rank == 0, provenance(device, world)
     torch.manual_seed(cfg.seed + rank)  # every device's generator; ranks see other data, so other dropout masks
     train_loader, val_loader = open_loaders(cfg, rank, world, device)
-    checkpointer = Checkpointer(cfg, rank, world, prov)
+    checkpointer = Checkpointer(cfg, rank, world, prov, chat=cfg.data_kind != "tokens")
     found = checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
     raw = build_model(cfg, found, local_rank, world)
     objective = pair_objective(cfg, device)  # before the RNG is seeded for the run: DPO's reference may be a fresh init

@@ -26,6 +26,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+@pytest.fixture
+def sigint_handled():
+    """Python's own Ctrl-C handler for the test: a suite started in the background (nohup, `bash test.sh &`) inherits
+    SIGINT ignored, and a test that raises SIGINT must not depend on how the suite was started."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="session")
 def token_data(tmp_path_factory) -> Path:
     return make_token_data(tmp_path_factory.mktemp("tokens"))

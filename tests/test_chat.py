@@ -47,7 +47,7 @@ def run(argv: list[str], stdin: str | io.StringIO, monkeypatch: pytest.MonkeyPat
 
 
 def greedy(model: GPT, messages: list[dict], max_new_tokens: int = 12) -> list[int]:
-    return generate(model, [cf.render_prompt(messages)], max_new_tokens, temperature=0.0, stop_ids=chat.STOP_IDS,
+    return generate(model, [cf.render_prompt(messages)], max_new_tokens, temperature=0.0, stop_ids=cf.REPLY_STOPS,
                     vocab=cf.CHAT_VOCAB, calculator=chat.calculator())[0].tokens
 
 

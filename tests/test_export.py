@@ -125,7 +125,7 @@ def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tm
         theirs = hf.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1]:].tolist()
     ours = generate(model, ids.tolist(), 10, temperature=0.0, stop_ids=[cf.ASSISTANT_END], vocab=cf.CHAT_VOCAB)
     assert theirs == ours[0].tokens == [*enc.encode(" Hi!"), cf.ASSISTANT_END]
-    assert hf.generation_config.eos_token_id == cf.ASSISTANT_END
+    assert hf.generation_config.eos_token_id == cf.REPLY_STOPS
     # a plain export over it leaves no chat generation_config.json behind
     export_hf(GPT(tiny()), out)
     assert sorted(p.name for p in out.iterdir()) == sorted(PLAIN_SHA256)

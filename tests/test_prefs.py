@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from chat_format import ASSISTANT_END
 from common import EOT, get_tokenizer, iter_log, load_checkpoint
 from fineweb import DataError
-from model import GPT, GPTConfig
+from model import GPT, MODEL_PRESETS, GPTConfig
 from parallel import StepArgs, build_trainable, train_step
 from prefs import (
     PairLoader,
@@ -311,11 +311,22 @@ def pairs_run(data: Path, out: Path, preset: str, *extra: str) -> list[str]:
             "--total-batch-size=384", "--batch-size=8", "--eval-tokens=384", "--task=", "--warmup-steps=2", *extra]
 
 
+@pytest.fixture(scope="module")
+def random_start(tmp_path_factory) -> Path:
+    """A random tiny model saved as a checkpoint: DPO needs --init-from, its reference."""
+    path = tmp_path_factory.mktemp("start") / "tiny.pt"
+    torch.manual_seed(0)
+    model = GPT(MODEL_PRESETS["tiny"]())
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)}, path)
+    return path
+
+
 @pytest.mark.parametrize("preset", ["rm-demo", "dpo-demo"])
-def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pairs, tmp_path, preset):
+def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pairs, random_start, tmp_path, preset):
     import train
 
     extra = ["--max-steps=4", "--ckpt-every=2", "--eval-every=2", "--dpo-sft=0"]  # DPO's tie below: no SFT term
+    extra += [f"--init-from={random_start}"] if preset == "dpo-demo" else []
     full = train.main(pairs_run(addition_pairs, tmp_path / "full", preset, *extra))
     train.main(pairs_run(addition_pairs, tmp_path / "split", preset, *extra, "--max-steps=2"))
     rest = train.main(pairs_run(addition_pairs, tmp_path / "split", preset, *extra, "--resume=auto"))

@@ -26,7 +26,8 @@ def save_model(path: Path, seed: int, **shape) -> Path:
     model = GPT(config)
     if config.value_head:
         torch.nn.init.normal_(model.value_head.weight)
-    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(config)}, path)
+    trained = {"objective": "reward"} if config.value_head else {}  # as train.py --objective reward records it
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(config), "train_config": trained}, path)
     return path
 
 
@@ -90,7 +91,7 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
 
 def test_a_reward_model_trained_with_reward_logprob_scores_with_it(models, tmp_path):
     ckpt = load_checkpoint(models[1])
-    torch.save({**ckpt, "train_config": {"reward_logprob": True}}, tmp_path / "rm_logprob.pt")
+    torch.save({**ckpt, "train_config": {"objective": "reward", "reward_logprob": True}}, tmp_path / "rm_logprob.pt")
     problem = tasks.Addition().examples("test", n=1)[0]
     prompt = render_prompt(problem["messages"][:-1])
     reply = get_tokenizer().encode_ordinary("6 9") + [ASSISTANT_END]
@@ -151,9 +152,8 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path):
     assert "--minibatches (3) must divide a call's --rollout-batch x --samples = 4 replies" in error("--minibatches=3")
     assert "--prompts (2) must be a multiple of --rollout-batch (3)" in error("--rollout-batch=3")
     policy, rm = models
-    assert error("--reward-model", str(policy)) == (f"error: --reward-model {policy} has no value head: it is a "
-                                                     "language model; train a reward model with train.py --objective "
-                                                     "reward")
+    assert error("--reward-model", str(policy)) == (f"error: --reward-model {policy} is a language model, not a "
+                                                     "reward model: train one with train.py --objective reward")
     small = save_model(tmp_path / "small_vocab.pt", 2, vocab_size=1000, value_head=True)
     assert error("--reward-model", str(small)).startswith(f"error: --reward-model {small} has 1000 embedding rows, "
                                                           "fewer than the GPT-2 tokenizer's 50257 ids")

@@ -975,7 +975,8 @@ def test_ctrl_c_checkpoints_even_when_its_output_pipes_died_with_it(token_data, 
     assert len(steps) == 1 and steps[0] >= 1
 
 
-def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tmp_path, monkeypatch, capsys):
+def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tmp_path, monkeypatch, capsys,
+                                                                  sigint_handled):
     # torchrun SIGKILLs its workers 30 s after it passes a signal on, so a Ctrl-C (or preemption) during an
     # evaluation stops the run right after it, with the checkpoint the last step's end would have written
     straight = train.main(tiny_args(token_data, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
@@ -1013,7 +1014,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
 @pytest.mark.parametrize("evaluation", ["hellaswag", "sample"])
 def test_a_signal_during_hellaswag_or_the_samples_stops_too_and_a_resumed_run_can_resume(token_data, tmp_path,
                                                                                           monkeypatch, capsys,
-                                                                                          evaluation):
+                                                                                          evaluation, sigint_handled):
     # torchrun's 30 s run out during any evaluation, not only the val loss: a Ctrl-C during HellaSwag or the samples
     # (no val split here: --eval-every 0) stops the run right after it
     import hellaswag
@@ -1134,7 +1135,7 @@ def test_stop_flags_budget_is_in_minutes_and_a_signal_is_named_first():
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_once(capfd):
+def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_once(capfd, sigint_handled):
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     streams = sys.stdout, sys.stderr
     try:

@@ -1,0 +1,225 @@
+"""The post-training stages as a new user meets them: chat and pair data read exactly as written, an exported chat model
+that answers in transformers as in chat.py, the chat format kept through SFT -> DPO -> RL -> export, and one line (with
+nothing written) for what cannot work."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_chat import sft
+
+import chat
+import chat_format as cf
+import export
+import rl
+import tasks
+import train
+from common import iter_log, load_checkpoint
+from conftest import ROOT
+from fineweb import DataError, source_kind
+from generate import generate
+from model import GPT
+from prefs import PairLoader
+
+__all__ = ["sft"]  # the module-scoped SFT checkpoint fixture of test_chat
+
+QUOTED, NUMBER, BOOLEAN = '"To be"', "42", "true"  # valid replies that JSON type inference rewrites
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def chat_rows() -> list[dict]:
+    """String contents and part lists mixed in one file, as both are valid."""
+    parts = [{"type": "text", "text": "It is "}, {"type": "tool", "text": "6*7"}, {"type": "output", "text": "42"}]
+    replies = [QUOTED, NUMBER, BOOLEAN, parts]
+    return [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": reply}]}
+            for i, reply in enumerate(replies * 6)]
+
+
+def test_chat_rows_reach_the_tokenizer_byte_for_byte(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    read = [messages for _, messages in cf.read_conversations(str(path), "train")]
+    assert read == [row["messages"] for i, row in enumerate(chat_rows()) if i % cf.VAL_EVERY]
+    loader = cf.ConversationLoader(str(path), "train", 1, 64)
+    # each packed row holds whole conversations, each starting with BOS: the rows' tokens are exactly the renders
+    rendered = sorted(tuple(cf.render(m)[0]) for m in read)
+    conversations = sorted(tuple(seq) for seq in split_packed(loader))
+    assert conversations == rendered
+    enc = cf.tokenizer()
+    replies = {enc.decode([t for t in seq if t < cf.BOS]) for seq in conversations}
+    assert {f"q1{NUMBER}", f"q4{QUOTED}", f"q2{BOOLEAN}"} <= replies  # row 0 is val
+
+
+def split_packed(loader: cf.ConversationLoader) -> list[list[int]]:
+    """The conversations in a loader's packed rows: each starts at a BOS, the row's padding (BOS, masked) dropped."""
+    out = []
+    for ids, mask in zip(loader.ids.tolist(), loader.mask.tolist(), strict=True):
+        starts = [i for i, t in enumerate(ids) if t == cf.BOS] + [len(ids)]
+        for a, b in zip(starts, starts[1:], strict=False):
+            if any(mask[a:b]):
+                out.append(ids[a:b])
+    return out
+
+
+def test_pair_replies_reach_the_tokenizer_as_written(tmp_path):
+    rows = [{"prompt": f"p{i}", "chosen": QUOTED, "rejected": NUMBER if i % 2 else BOOLEAN} for i in range(8)]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    loader = PairLoader(str(path), "train", 2, 32, shuffle=False)
+    enc = cf.tokenizer()
+    texts = {enc.decode([t for t in side[start:] if t < cf.BOS]) for pair, starts in zip(loader.ids, loader.starts,
+                                                                                          strict=True)
+             for side, start in zip(pair, starts, strict=True)}
+    assert texts == {QUOTED, NUMBER, BOOLEAN}
+
+
+@pytest.mark.parametrize("content, message", [
+    (42, "message 1 (assistant) has content of type int, expected a string or a list of parts"),
+    ("  \n ", "message 1 (assistant) is empty or only whitespace"),
+])
+def test_a_bad_content_is_refused_naming_its_row(tmp_path, content, message):
+    rows = chat_rows()
+    rows[5]["messages"][1]["content"] = content
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        cf.ConversationLoader(str(path), "train", 1, 64)
+    assert str(e.value) == f"{path} row 5: {message}"
+
+
+def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match=f"^{empty} \\(split train\\) holds no rows$"):
+        cf.ConversationLoader(str(empty), "train", 1, 64)
+    with pytest.raises(DataError, match=f"^{empty} \\(split train\\) holds no rows$"):
+        PairLoader(str(empty), "train", 1, 64)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"messages": []}\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    with pytest.raises(DataError, match=f"^{latin} line 2: not UTF-8 \\(byte 0xe9\\); save the file as UTF-8$"):
+        cf.load_rows(str(latin), "train")
+    with pytest.raises(DataError, match="no such file or directory: .*missing.jsonl \\(taken as a local path\\)"):
+        cf.load_rows(str(tmp_path / "missing.jsonl"), "train")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    assert source_kind("data/addition") == "local" and source_kind("someone/dataset") == "hub"
+
+
+def test_a_hub_name_says_it_was_taken_for_one():
+    code = ("import chat_format\ntry:\n    chat_format.load_rows('someone/no-such-dataset', 'train')\n"
+            "except Exception as e:\n    print(type(e).__name__, e)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout
+    assert out.startswith("DataError cannot read someone/no-such-dataset (split train), taken as a hub dataset as no "
+                          "local path of that name exists: "), out
+
+
+def test_conversations_all_longer_than_seq_len_are_one_line(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "ok"}]}] * 4
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    with pytest.raises(DataError, match="none of its 3 conversations has an assistant token within T\\+1 = 17 tokens"):
+        cf.ConversationLoader(str(path), "train", 1, 16)
+
+
+def test_an_exported_chat_model_answers_as_chat_py(sft, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    export.main(["--ckpt", str(sft), "--export-hf", str(out)])
+    hf, model = transformers.AutoModelForCausalLM.from_pretrained(out).eval(), GPT.from_checkpoint(sft).eval()
+    differed_before = 0  # the old export's pad (the BOS every prompt starts with) masked it out
+    for i, question in enumerate(["3+4?", "What is 2+2?", "hello", "9+1?", "Why is the sky blue?"]):
+        ids = cf.render_prompt([{"role": "user", "content": question}])
+        ours = generate(model, [ids], 12, temperature=0.0, stop_ids=cf.REPLY_STOPS, vocab=cf.CHAT_VOCAB)[0].tokens
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            plain = hf.generate(x, max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+            masked = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12,
+                                 do_sample=False)[0, len(ids):].tolist()
+            old = hf.generate(x, attention_mask=(x != cf.BOS).long(), max_new_tokens=12,
+                              do_sample=False)[0, len(ids):].tolist()
+        assert plain == masked == ours, (i, question)
+        differed_before += old != ours
+    assert differed_before >= 1
+
+
+@pytest.mark.slow
+def test_the_chat_format_follows_the_weights_through_dpo_and_rl_to_export(sft, tmp_path, capsys):
+    rows = [{"prompt": f"{i}+1?", "chosen": "yes", "rejected": "no"} for i in range(40)]
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    train.main(["--preset", "tiny", "--init-from", str(sft), "--data", str(pairs), "--data-kind", "pairs",
+                "--objective", "dpo", "--batch-size", "2", "--total-batch-size", "128", "--max-steps", "2",
+                "--eval-every", "0", "--out-dir", str(tmp_path / "dpo")])
+    dpo = tmp_path / "dpo" / "ckpt_000002.pt"
+    policy = ["--init-from", str(dpo), "--algo", "ppo", "--prompts=2", "--samples=2", "--rollout-batch=1",
+              "--max-new-tokens=4", "--eval-limit=2", "--pass-k=0", "--max-steps=1", "--device=cpu"]
+    rl.main([*policy, "--out-dir", str(tmp_path / "rl")])
+    ppo = tmp_path / "rl" / "ckpt_000001.pt"
+    transformers = pytest.importorskip("transformers")
+    for ckpt in (dpo, ppo):
+        assert cf.is_chat(load_checkpoint(ckpt))
+        export.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / f"hf_{ckpt.parent.name}")])
+        tok = transformers.AutoTokenizer.from_pretrained(tmp_path / f"hf_{ckpt.parent.name}")
+        config = json.loads((tmp_path / f"hf_{ckpt.parent.name}" / "config.json").read_text())
+        assert (config["vocab_size"], len(tok), tok.chat_template is not None) == (50304, cf.CHAT_VOCAB, True)
+    capsys.readouterr()
+    chat.main(["--ckpt", str(ppo), "--prompt", "hi", "--max-new-tokens", "2"])
+    assert "never fine-tuned" not in capsys.readouterr().err
+    # a PPO policy's value head is a critic, not a reward model; and a resume cannot change --algo
+    log = (tmp_path / "rl" / "log.jsonl").read_text()
+    with pytest.raises(SystemExit) as e:
+        rl.main([*policy, "--algo", "grpo", "--reward-model", str(ppo), "--out-dir", str(tmp_path / "rl2")])
+    assert str(e.value) == (f"error: --reward-model {ppo} is a PPO policy, whose value head is a critic, not a reward "
+                            "model: train one with train.py --objective reward")
+    with pytest.raises(SystemExit) as e:
+        rl.main([*policy, "--algo", "grpo", "--max-steps=2", "--resume=auto", "--out-dir", str(tmp_path / "rl")])
+    assert str(e.value).startswith(f"error: --resume {ppo} was trained with --algo ppo, whose optimizer state this "
+                                   "run's --algo grpo cannot take: pass --algo ppo")
+    assert (tmp_path / "rl" / "log.jsonl").read_text() == log and len(list((tmp_path / "rl").glob("ckpt_*"))) == 1
+    assert [r["type"] for r in iter_log(tmp_path / "rl" / "log.jsonl")][0] == "config"
+
+
+def one_line_exit(main, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert "\n" not in str(e.value.code)
+    return str(e.value.code)
+
+
+def test_tasks_py_refuses_bad_numbers_and_unwritable_targets_in_one_line(tmp_path):
+    assert one_line_exit(tasks.main, ["--limit=-5"]) == "error: --limit must be >= 0 (0: all); got -5"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    message = one_line_exit(tasks.main, ["--task=addition", "--pairs", f"--out-dir={blocker}/addition"])
+    assert message.startswith(f"error: cannot write {blocker}/addition") and message.endswith("pass another --out-dir")
+    assert blocker.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_tasks_py_offline_is_one_line_and_writes_nothing(tmp_path):
+    proc = subprocess.run([sys.executable, "tasks.py", "--task=arc-easy", f"--out-dir={tmp_path}/arc"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 1 and proc.stderr.startswith("error: cannot read allenai/ai2_arc (split train), taken "
+                                                           "as a hub dataset") and proc.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_prompt_and_dpo_without_a_start_are_refused():
+    assert one_line_exit(chat.main, ["--init-from", "gpt2", "--prompt", " "]) == \
+        "error: --prompt is empty: pass a message, or leave --prompt out to chat interactively"
+    assert one_line_exit(train.main, ["--preset", "tiny", "--data-kind=pairs", "--objective=dpo"]) == \
+        ("error: --objective dpo moves a model away from its starting weights, its reference: pass --init-from a "
+         "fine-tuned model (a random one prefers nothing)")
+
+
+def test_the_ctrl_c_tests_pass_when_the_suite_ignores_sigint():
+    # `nohup bash test.sh &` starts the suite with SIGINT ignored; each Ctrl-C test sets the handler it needs
+    test = "tests/test_train.py::test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_once"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", test], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:]
