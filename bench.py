@@ -40,6 +40,7 @@ import parallel
 import train
 from fineweb import atomic_write
 from fused_gelu import bias_gelu_reference, fused_bias_gelu, triton_available
+from generate import sample
 from model import GPT, MODEL_PRESETS, GPTConfig
 from sample import SampleConfig, quantize_int8, weight_bytes
 
@@ -410,8 +411,8 @@ def bench_decode(cfg: BenchConfig) -> list[Row]:
         return hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=k,
                            min_new_tokens=k, pad_token_id=common.EOT)
 
-    impls = {"ours kv-cache": lambda k: ours.generate(prompt, k, temperature=0.0, use_cache=True),
-             "ours no-cache": lambda k: ours.generate(prompt, k, temperature=0.0, use_cache=False),
+    impls = {"ours kv-cache": lambda k: sample(ours, prompt, k, temperature=0.0, use_cache=True),
+             "ours no-cache": lambda k: sample(ours, prompt, k, temperature=0.0, use_cache=False),
              hf_name: hf_generate}
     base, rows = {"suite": "decode", "model": cfg.decode_model, "params": ours.num_params(), "prompt": 16}, []
     for n, name in itertools.product(cfg.decode_tokens, impls):
@@ -444,7 +445,7 @@ def bench_int8(cfg: BenchConfig) -> list[Row]:
         def measure(change: Callable[[GPT], Any] = change) -> Row:
             change(model)
             ref = rows[0].get("tokens") if rows else None
-            return {**generation(lambda k: model.generate(prompt, k, temperature=0.0), cfg.int8_tokens, device, ref),
+            return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, ref),
                     "weight_bytes": weight_bytes(model)}
 
         rows.append(guarded({**base, "name": name, "new_tokens": cfg.int8_tokens}, measure))

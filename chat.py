@@ -1,5 +1,5 @@
-"""Chat in the terminal with a model fine-tuned on conversations (train.py --data-kind chat). The reply streams as it
-is generated; the calculator tool runs, its call and forced result shown in brackets ([calc 6*7][= 42]). The
+"""Chat in the terminal with a model fine-tuned on conversations (sft.py, then prefs.py or rl.py). The reply streams as
+it is generated; the calculator tool runs, its call and forced result shown in brackets ([calc 6*7][= 42]). The
 conversation is kept as messages and rendered by chat_format.py each turn, its oldest turns dropped once it outgrows
 the model's context.
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from chat_format import CHAT_VOCAB, REPLY_STOPS, TOOL_START, calculator, is_chat, parse, render_prompt, tokenizer
+from chat_format import CHAT_VOCAB, REPLY_STOPS, TOOL_START, is_chat, parse, render_prompt, tokenizer
 from common import EOT, load_checkpoint, parse_config, resolve_device
-from generate import generate_stream
+from generate import calculator, check_sampling, generate_stream
 from model import GPT, GPTConfig
 
 with contextlib.suppress(ImportError):  # line editing and history in input()
@@ -32,7 +32,7 @@ MARKS = dict(zip(range(TOOL_START, CHAT_VOCAB), ("[calc ", "]", "[= ", "]"), str
 class ChatConfig:
     """Chat with a checkpoint of this project fine-tuned for chat (--ckpt), or an HF GPT-2 (--init-from)."""
 
-    ckpt: str | None = None  # checkpoint of this project (.pt written by train.py; a chat one: --data-kind chat)
+    ckpt: str | None = None  # checkpoint of this project (.pt; a chat one: written by sft.py, prefs.py or rl.py)
     init_from: str | None = None  # or HF GPT-2: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a local HF directory
     prompt: str | None = None  # one message: print the reply and exit; none: an interactive conversation
     system: str | None = None  # a system message that opens every conversation
@@ -43,7 +43,7 @@ class ChatConfig:
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
 
     def __post_init__(self) -> None:
-        GPT.check_sampling(self.temperature, self.top_k, None)  # before a model loads
+        check_sampling(self.temperature, self.top_k, None)  # before a model loads
         if self.prompt is not None and not self.prompt.strip():
             raise ValueError("--prompt is empty: pass a message, or leave --prompt out to chat interactively")
         if self.max_new_tokens < 1:
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except (ImportError, OSError, ValueError, RuntimeError) as e:
         raise SystemExit(f"error: {e}".replace("\n", " ")) from None
     if not fine_tuned:
-        print(f"warning: {cfg.ckpt or cfg.init_from} was never fine-tuned on conversations (train.py --data-kind "
-              "chat), so it does not know the chat format: its replies may be gibberish", file=sys.stderr)
+        print(f"warning: {cfg.ckpt or cfg.init_from} was never fine-tuned on conversations (sft.py), so it does not "
+              "know the chat format: its replies may be gibberish", file=sys.stderr)
     model.to(device, torch.bfloat16 if device.type == "cuda" else None)
     chat = Chat(model, cfg, device)
     try:

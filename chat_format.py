@@ -136,13 +136,6 @@ def is_chat(ckpt: dict) -> bool:
     return bool(ckpt.get("chat", config.get("data_kind") in ("chat", "pairs") or "algo" in config))
 
 
-def calculator() -> Any:
-    """generate.py's calculator tool on this format's tool tokens."""
-    from generate import Calculator
-
-    return Calculator(TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END, tokenizer())
-
-
 def reply_text(ids: Iterable[int]) -> str:
     """A reply's text parts, without its tool calls and outputs: what a checker reads."""
     return "".join(part["text"] for part in parse(ids) if part["type"] == "text")
@@ -317,6 +310,10 @@ class RowStream:
         return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
                 "shuffle": self.shuffle, "shards": [self.name], "shard_tokens": [self.tokens], "items": self.count,
                 "step": self.step}
+
+    def resume_note(self, saved: dict[str, Any]) -> None:
+        """Nothing to say: another B or world size goes on at the next item (load_state_dict)."""
+        return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` of a loader over the same data, T and seed; another B or world size goes on at the

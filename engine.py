@@ -1,8 +1,9 @@
-"""The training engine every stage runs on (train.py, rl.py): the loop, and one small object per concern, each
-owning its state and its cadence.
+"""The training engine every stage runs on (train.py, sft.py, prefs.py, rl.py): the loop, the lr schedule, and one
+small object per concern, each owning its state and its cadence.
 
     train(run)    the loop: evaluate once in a while, one optimizer step, log, checkpoint or stop
-    Run           what the loop drives, built with keywords by a stage: its step function and the parts below
+    Run           what the loop drives: a stage's step, model, evaluations and checkpointed parts
+    get_lr        every stage's schedule: warmup, then cosine, linear, constant or wsd
     Checkpointer  find, agree across ranks, restore, due(step), save with prune, judge (a NaN sets one aside)
     Evaluator     a list of Eval(name, every, fn): each due every N steps and at the end
     RunLog        log.jsonl (and TensorBoard / W&B), the console step line and the ETA
@@ -40,7 +41,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import LOCAL, agree, checkpoints, hold_lock, iter_log, load_checkpoint, mfu, same_verdict, shared_problem
+from common import (
+    LOCAL,
+    agree,
+    checkpoints,
+    device_name,
+    hold_lock,
+    iter_log,
+    load_checkpoint,
+    mfu,
+    same_verdict,
+    shared_problem,
+)
 from parallel import StepArgs, Trainable
 from trackers import missing_package, open_trackers
 
@@ -63,18 +75,74 @@ class RunArgs(StepArgs):
     max_time: Annotated[float, LOCAL] = 0.0  # wall-clock budget in minutes; checkpoint and stop when reached (0 = none)
     profile: bool = False  # profile a few steps after warmup; writes a Chrome/Perfetto trace to out_dir
     profile_steps: int = 3  # steps to profile
-    peak_tflops: Annotated[float | None, LOCAL] = None  # override the per-GPU peak bf16 TFLOP/s used for MFU
+    eval_every: int = 250  # evaluate every N steps (and at the last step); 0 = at the last step only
+    # the learning rate: --max-lr after a linear warmup, then the schedule (get_lr)
+    warmup_steps: int = 715  # linear warmup steps
+    lr_schedule: str = "cosine"  # after warmup: cosine or linear decay, constant, wsd (stable, then decay)
+    min_lr_frac: float = 0.1  # the schedule decays to min_lr_frac * max_lr
+    decay_frac: float = 0.2  # wsd: the fraction of max_steps spent decaying to the min
+    print_config: bool = False  # print the resolved config (the preset, then the flags) as JSON and exit
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name, low in {"max_steps": 1, "log_every": 1, "profile_steps": 1, "ckpt_every": 0, "keep_last": 0,
-                          "keep_every": 0, "max_time": 0}.items():
-            if getattr(self, name) < low:
+                          "keep_every": 0, "max_time": 0, "eval_every": 0, "warmup_steps": 0}.items():
+            if not getattr(self, name) >= low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}; got {self.lr_schedule!r}")
+        if not 0.0 <= self.min_lr_frac <= 1.0:
+            raise ValueError(f"--min-lr-frac must be in [0, 1]; got {self.min_lr_frac}")
+        if not 0.0 < self.decay_frac <= 1.0:
+            raise ValueError(f"--decay-frac must be in (0, 1]; got {self.decay_frac}")
         if not 0 <= self.seed < 2**63 - 2**16:  # torch and numpy take 64-bit seeds; each rank adds its rank
             raise ValueError(f"--seed must be in [0, 2**63 - 2**16); got {self.seed}")
         if self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every:
             raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}")
+
+
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where this process runs: its rank, its rank on the node, the world size and its device."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def get_lr(step: int, cfg: RunArgs) -> float:
+    """Linear warmup, then cosine or linear decay to min_lr_frac * max_lr at max_steps, or constant; wsd holds max_lr,
+    then decays linearly over the last decay_frac of the steps, so a run can be extended from before its decay."""
+    min_lr = cfg.min_lr_frac * cfg.max_lr
+    if step < cfg.warmup_steps:
+        return cfg.max_lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.max_lr
+    if step >= cfg.max_steps:
+        return min_lr
+    start = cfg.warmup_steps  # of the decay; wsd's: decay_frac of max_steps before the end
+    if cfg.lr_schedule == "wsd":
+        start = max(start, cfg.max_steps - round(cfg.decay_frac * cfg.max_steps))
+    progress = max(0, step - start) / max(1, cfg.max_steps - start)
+    if cfg.lr_schedule == "cosine":
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+    return cfg.max_lr - progress * (cfg.max_lr - min_lr)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: RunArgs) -> float:
+    """Give every param group the schedule's lr for `step`; returns it."""
+    lr = get_lr(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -124,34 +192,35 @@ def train(run: Run) -> dict[str, Any]:
 
 @dataclass(kw_only=True)
 class Run:
-    """One training (or evaluation) run as the loop sees it. A stage builds it with keywords."""
+    """One training (or evaluation) run as the loop sees it: a stage gives its step, model, evaluations and the parts it
+    checkpoints; the stop flags, the profiler and the evaluator follow from the flags."""
 
+    cfg: RunArgs
+    ctx: Context
     step_fn: Callable[[int], dict[str, Any]]  # one optimizer step -> its record: loss, grad_norm, lr, tokens...
     raw: nn.Module  # the unwrapped, uncompiled model: state dicts, evaluation, samples
     trainable: Trainable  # what steps call: the wrapped model, the optimizer, the precision
     checkpointer: Checkpointer
-    evaluator: Evaluator
     log: RunLog
-    stop: StopFlags
-    profiler: Profiler
+    evals: list[Eval]
     parts: dict[str, Any]  # the other checkpointed components, by checkpoint key: each has state_dict()
-    tokens: TokenCount  # trained on, all ranks together (one of parts)
-    start_step: int
-    last_step: int  # max_steps, or start_step for --eval-only
+    start_step: int = 0
     resumed: bool = False
-    eval_only: bool = False
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
     flops_per_token: float = 0.0  # for MFU (0: not reported)
     peak_flops: float | None = None  # per device, None: common.py's table
-    device_name: str = "cpu"
-    stopped: str | None = None  # "signal", "max_time" or "nan"
-    t_start: float = dataclasses.field(default_factory=time.time)
 
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
+    def __post_init__(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.rank, self.world, self.device, self.master = ctx.rank, ctx.world, ctx.device, ctx.master
+        self.tokens: TokenCount = self.parts["tokens"]  # trained on, all ranks together
+        self.last_step = self.start_step if cfg.eval_only else cfg.max_steps
+        self.evaluator = Evaluator(self.evals, self.log, self.tokens, cfg.eval_only)
+        self.stop = StopFlags(cfg.max_time, not cfg.eval_only, ctx.master, ctx.device, ctx.world)
+        self.profiler = Profiler(cfg.profile and not cfg.eval_only, self.start_step, cfg.profile_steps,
+                                 Path(cfg.out_dir), ctx.rank)
+        self.device_name, self.eval_only = device_name(ctx.device), cfg.eval_only
+        self.stopped: str | None = None  # "signal", "max_time" or "nan"
+        self.t_start = time.time()
 
     def record(self, record: dict[str, Any], dt: float) -> dict[str, Any]:
         """The step's record for the log: its own fields, the running token count and the speed."""

@@ -1,6 +1,6 @@
-"""Export a train.py checkpoint as an HF directory for transformers and lm-eval-harness: a GPT2LMHeadModel for the
-GPT-2 architecture, a LlamaForCausalLM for the LLaMA one (RoPE, SwiGLU, RMSNorm; with or without GQA and biases).
-A chat model (train.py --data-kind chat) keeps its padded rows and carries chat_format.py's special tokens, a
+"""Export a checkpoint of this project as an HF directory for transformers and lm-eval-harness: a GPT2LMHeadModel for
+the GPT-2 architecture, a LlamaForCausalLM for the LLaMA one (RoPE, SwiGLU, RMSNorm; with or without GQA and biases).
+A chat model (sft.py, prefs.py, rl.py) keeps its padded rows and carries chat_format.py's special tokens, a
 chat_template (apply_chat_template gives render_prompt's ids) and <|assistant_end|> as generate's eos_token_id.
 
 Usage:
@@ -29,9 +29,9 @@ from model import GPT, HF_CONV1D, NORM_EPS, GPTConfig
 
 @dataclass
 class ExportConfig:
-    """Write a train.py checkpoint as an HF GPT2LMHeadModel or LlamaForCausalLM directory."""
+    """Write a checkpoint of this project as an HF GPT2LMHeadModel or LlamaForCausalLM directory."""
 
-    ckpt: str = ""  # a train.py checkpoint to export
+    ckpt: str = ""  # a checkpoint of this project to export (train.py, sft.py, prefs.py, rl.py)
     export_hf: str = ""  # output directory for the HF export (for transformers / lm-eval-harness)
 
 
@@ -200,7 +200,7 @@ def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(ExportConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     if not (cfg.ckpt and cfg.export_hf):
-        raise SystemExit("error: pass --ckpt PATH (a checkpoint train.py wrote) and --export-hf DIR")
+        raise SystemExit("error: pass --ckpt PATH (a checkpoint of this project) and --export-hf DIR")
     try:
         check_target(Path(cfg.export_hf))  # before a large checkpoint takes its time to load
         model = GPT.from_checkpoint(cfg.ckpt)

@@ -246,6 +246,16 @@ class TokenLoader:
             served = self._regrid(served, old_b, old_shuffle)
         self.step = -(-served // self.world_size)
 
+    def resume_note(self, saved: dict[str, Any]) -> str | None:
+        """Where the data goes on when the checkpoint read other windows (--batch-size or --shuffle changed)."""
+        old_b, old_shuffle = saved["B"], self.state_shuffle(saved)
+        if (old_b, old_shuffle) == (self.B, self.shuffle):
+            return None
+        n = self.resume_skipped  # tokens of the shard being read that the checkpoint's run had not served
+        skip = f" at the next shard, skipping this one's {n:,} unserved tokens" if n else ""
+        return (f"the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads {self.B}-"
+                f"sequence windows with --shuffle {self.shuffle}: the data goes on{skip}, none served twice")
+
     @staticmethod
     def state_shuffle(state: dict[str, Any]) -> str:
         """The order `state`'s loader read each shard's windows in (states from before the shuffle: in order)."""

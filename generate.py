@@ -1,9 +1,11 @@
-"""Batched generation for chat, task evals and RL: prompts of different lengths decoded at once over one KV cache,
-each row until a stop token or max_new_tokens, with an optional calculator tool whose results are forced in.
+"""Every decoding loop and the sampling helpers: one prompt batch continued (sample, sample_stream: sample.py, the
+in-training samples, bench.py), and prompts of different lengths decoded at once over one KV cache (generate,
+generate_stream: chat, task evals, RL), each row until a stop token or max_new_tokens, with an optional calculator tool
+whose results are forced in.
 
-Prompts are left-padded (model.KVCache's pad), so every row's next token is in the last column; a finished row
-leaves the batch. generate_stream yields each step's new tokens (chat.py streams them); generate collects, per
-prompt, the token ids, a mask of sampled (1) vs forced (0) tokens and each sampled token's log-prob.
+The batched loop left-pads its prompts (model.KVCache's pad), so every row's next token is in the last column; a
+finished row leaves the batch. generate_stream yields each step's new tokens (chat.py streams them); generate collects,
+per prompt, the token ids, a mask of sampled (1) vs forced (0) tokens and each sampled token's log-prob.
 
 Usage (the speed of 64 ragged prompts at once against one at a time, the tiny model on CPU):
     python generate.py --rows 64 --new-tokens 48
@@ -23,8 +25,99 @@ from typing import Any, NamedTuple
 
 import torch
 
+from chat_format import OUTPUT_END, OUTPUT_START, TOOL_END, TOOL_START, tokenizer
 from common import GPT2_VOCAB, parse_config
 from model import GPT, MODEL_PRESETS, KVCache
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sampling: filter the logits, draw a token
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not temperature >= 0:  # NaN too
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                  vocab: int = GPT2_VOCAB) -> torch.Tensor:
+    """A new (B, V) fp32 tensor to sample from: logits / temperature, -inf outside the top_k and outside the top_p
+    nucleus (HF's order), and at ids >= vocab (GPT-2's padded rows by default)."""
+    logits = logits.float().clone()  # a copy: float() of fp32 logits is the caller's tensor, edited below
+    if logits.size(-1) > vocab:
+        logits[:, vocab:] = -float("inf")  # ids the caller does not sample (padding, or specials)
+    if temperature > 0.0:
+        logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # a token is dropped when it and every less likely token hold at most 1 - top_p; that tail mass is
+        # summed from the smallest up, as a running sum from the largest loses fp32 precision over 50K terms
+        tail = probs.flip(-1).cumsum(dim=-1).flip(-1)
+        drop = tail <= 1.0 - top_p
+        drop[:, 0] = False  # the most likely token always stays
+        logits = logits.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+    return logits
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One id per row of probs (B, V) as (B, 1): the first whose running sum (fp64) passes a uniform draw. Exact (a
+    zero-probability id never passes), and ~30x faster than torch.multinomial over 50K ids on a CPU."""
+    sums = probs.double().cumsum(dim=-1)
+    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=torch.float64) * sums[:, -1:]
+    return torch.searchsorted(sums, u, right=True)
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+               generator: torch.Generator | None, vocab: int = GPT2_VOCAB) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's next id (B, 1), and the probabilities it was drawn from (None for greedy: no copy of every row's
+    logits for the argmax; top-k and top-p keep the top token)."""
+    if temperature == 0.0:
+        return logits[:, :vocab].argmax(dim=-1, keepdim=True), None
+    probs = filter_logits(logits, temperature, top_k, top_p, vocab).softmax(dim=-1)
+    return draw(probs, generator), probs
+
+
+@torch.inference_mode()
+def sample_stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
+                  generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+    """Continue idx (B, T): yield (B, 1) new tokens one at a time. The context is cropped to the last block_size."""
+    if idx.dim() != 2 or idx.size(1) == 0:
+        raise ValueError(f"idx must be (batch, prompt length) token ids with at least one token, got shape "
+                         f"{tuple(idx.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_sampling(temperature, top_k, top_p)
+    was_training = model.training
+    model.eval()
+    try:
+        bs, cache = model.config.block_size, None
+        for _ in range(max_new_tokens):
+            if use_cache and cache is not None and cache.pos < bs:
+                logits, _ = model(idx[:, -1:], cache=cache, last_only=True)
+            else:
+                # first step, or the context overflowed: (re)fill the cache from the cropped context
+                cache = KVCache(model.config, idx.size(0)) if use_cache else None
+                logits, _ = model(idx[:, -bs:], cache=cache, last_only=True)
+            nxt = next_token(logits[:, -1, :], temperature, top_k, top_p, generator)[0]
+            idx = torch.cat((idx, nxt), dim=1)
+            yield nxt
+    finally:
+        model.train(was_training)
+
+
+def sample(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+    """sample_stream run to the end: (B, T + max_new_tokens). temperature=0 is greedy."""
+    new = list(sample_stream(model, idx, max_new_tokens, **kwargs))
+    return torch.cat([idx, *new], dim=1) if new else idx
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The calculator: arithmetic on an AST walked here, never Python's eval on model output
@@ -84,6 +177,11 @@ class Calculator:
     output_start: int  # <|output_start|> id
     output_end: int  # <|output_end|> id
     enc: Any  # common.get_tokenizer(): decode reads the expression, encode_ordinary writes the value
+
+
+def calculator() -> Calculator:
+    """The calculator tool on chat_format.py's tool tokens."""
+    return Calculator(TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END, tokenizer())
 
 
 @dataclass
@@ -147,13 +245,10 @@ def _prefill(model: GPT, prompts: Sequence[Sequence[int]]) -> tuple[KVCache, tor
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, vocab: int,
             generator: torch.Generator | None) -> tuple[list[int], list[float]]:
-    """Each row's next token, drawn as GPT.generate draws it, and its log-prob (see Step.logprobs)."""
-    if temperature == 0.0:  # as GPT._next_token: no copy of every row's logits for the argmax
-        return logits[:, :vocab].argmax(dim=-1).tolist(), [0.0] * len(logits)
-    logits = GPT.filter_logits(logits, temperature, top_k, top_p, vocab)
-    probs = logits.softmax(dim=-1)
-    tokens = GPT.draw(probs, generator)
-    return tokens[:, 0].tolist(), probs.gather(1, tokens)[:, 0].log().tolist()
+    """Each row's next token, drawn as sample() draws it, and its log-prob (see Step.logprobs)."""
+    tokens, probs = next_token(logits, temperature, top_k, top_p, generator, vocab)
+    logprobs = probs.gather(1, tokens)[:, 0].log().tolist() if probs is not None else [0.0] * len(logits)
+    return tokens[:, 0].tolist(), logprobs
 
 
 @torch.inference_mode()
@@ -163,7 +258,7 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
                     generator: torch.Generator | None = None) -> Iterator[Step]:
     """Decode all prompts at once; yield a Step per token position until every row has met a stop id or made
     max_new_tokens tokens (forced ones count), or the context (block_size) is full. Ids >= vocab are never sampled."""
-    GPT.check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p)
     bs = model.config.block_size
     if not prompts or min(map(len, prompts)) == 0 or max(map(len, prompts)) > bs:
         raise ValueError(f"prompts must be 1 or more lists of 1 to block_size ({bs}) token ids; crop long prompts")

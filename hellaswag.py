@@ -259,7 +259,7 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
 class HellaSwagConfig:
     """Completion-style HellaSwag accuracy of this project's checkpoint or an HF GPT-2 (runs under torchrun too)."""
 
-    ckpt: str | None = None  # checkpoint of this project (.pt written by train.py)
+    ckpt: str | None = None  # checkpoint of this project (.pt written by any stage)
     init_from: str | None = None  # or HF GPT-2: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a local HF directory
     data: str | None = None  # local hellaswag_val.jsonl (offline machines); None downloads it into cache_dir
     cache_dir: str | None = None  # where the download goes; None is data/hellaswag next to this script

@@ -1,6 +1,6 @@
-"""GPT-2, the model only: GPTConfig and presets, KV cache, RoPE, attention, MLP, Block and GPT (forward, generation,
-the optimizer, FLOP accounting, loading train.py checkpoints and OpenAI/HF GPT-2 weights). The loss lives beside its
-kernel in fused_ce.py, HF export in export.py."""
+"""GPT-2, the model only: GPTConfig and presets, KV cache, RoPE, attention, MLP, Block and GPT (forward, the optimizer,
+FLOP accounting, loading this project's checkpoints and OpenAI/HF GPT-2 weights). The loss lives beside its kernel in
+fused_ce.py, decoding in generate.py, HF export in export.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import os
 import pickle
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import GPT2_VOCAB, checkpoints, load_checkpoint
+from common import checkpoints, load_checkpoint
 from fused_ce import lm_loss
 from fused_gelu import bias_gelu
 
@@ -391,91 +391,6 @@ class GPT(nn.Module):
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         # the fused CUDA kernel updates every parameter in one launch instead of a loop of small ones
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device_type == "cuda")
-
-    # ------------------------------------------------------------------------------------------------------------------
-    # Generation
-
-    @staticmethod
-    def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-        if not temperature >= 0:  # NaN too
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
-
-    @staticmethod
-    def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                      vocab: int = GPT2_VOCAB) -> torch.Tensor:
-        """A new (B, V) fp32 tensor to sample from: logits / temperature, -inf outside the top_k and outside the top_p
-        nucleus (HF's order), and at ids >= vocab (GPT-2's padded rows by default)."""
-        logits = logits.float().clone()  # a copy: float() of fp32 logits is the caller's tensor, edited below
-        if logits.size(-1) > vocab:
-            logits[:, vocab:] = -float("inf")  # ids the caller does not sample (padding, or specials)
-        if temperature > 0.0:
-            logits = logits / temperature
-        if top_k is not None and top_k < logits.size(-1):
-            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, -float("inf"))
-        if top_p is not None and top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-            probs = sorted_logits.softmax(dim=-1)
-            # a token is dropped when it and every less likely token hold at most 1 - top_p; that tail mass is
-            # summed from the smallest up, as a running sum from the largest loses fp32 precision over 50K terms
-            tail = probs.flip(-1).cumsum(dim=-1).flip(-1)
-            drop = tail <= 1.0 - top_p
-            drop[:, 0] = False  # the most likely token always stays
-            logits = logits.masked_fill(drop.scatter(1, order, drop), -float("inf"))
-        return logits
-
-    def _next_token(self, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                    generator: torch.Generator | None) -> torch.Tensor:
-        if temperature == 0.0:  # filter_logits's copy would only feed the argmax (top-k/top-p keep the top token)
-            return logits[:, :GPT2_VOCAB].argmax(dim=-1, keepdim=True)
-        return self.draw(self.filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1), generator)
-
-    @staticmethod
-    def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """One id per row of probs (B, V) as (B, 1): the first whose running sum (fp64) passes a uniform draw. Exact (a
-        zero-probability id never passes), and ~30x faster than torch.multinomial over 50K ids on a CPU."""
-        sums = probs.double().cumsum(dim=-1)
-        u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=torch.float64) * sums[:, -1:]
-        return torch.searchsorted(sums, u, right=True)
-
-    @torch.inference_mode()
-    def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                        top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-                        generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
-        """Yield (B, 1) new tokens one at a time. The context is cropped to the last block_size tokens."""
-        if idx.dim() != 2 or idx.size(1) == 0:
-            raise ValueError(f"idx must be (batch, prompt length) token ids with at least one token, got shape "
-                             f"{tuple(idx.shape)}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        self.check_sampling(temperature, top_k, top_p)
-        was_training = self.training
-        self.eval()
-        try:
-            bs, cache = self.config.block_size, None
-            for _ in range(max_new_tokens):
-                if use_cache and cache is not None and cache.pos < bs:
-                    logits, _ = self(idx[:, -1:], cache=cache, last_only=True)
-                else:
-                    # first step, or the context overflowed: (re)fill the cache from the cropped context
-                    cache = KVCache(self.config, idx.size(0)) if use_cache else None
-                    logits, _ = self(idx[:, -bs:], cache=cache, last_only=True)
-                nxt = self._next_token(logits[:, -1, :], temperature, top_k, top_p, generator)
-                idx = torch.cat((idx, nxt), dim=1)
-                yield nxt
-        finally:
-            self.train(was_training)
-
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, use_cache: bool = True,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample max_new_tokens after idx (B, T); returns (B, T + max_new_tokens). temperature=0 is greedy."""
-        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator))
-        return torch.cat([idx, *new], dim=1) if new else idx
 
     # ------------------------------------------------------------------------------------------------------------------
     # Interop: this project's checkpoints, OpenAI/HF GPT-2

@@ -1,5 +1,6 @@
 """One optimizer step and what it runs on: precision, the attention kernel, activation recompute, DDP / ZeRO-1 /
-FSDP2 and torch.compile, applied from outside the model, and the optimizers (AdamW, Muon + AdamW, 8-bit AdamW).
+FSDP2 and torch.compile, applied from outside the model, and the optimizers (AdamW, Muon + AdamW, 8-bit AdamW); the
+step's objectives and the log-probabilities and rewards the preference and RL objectives share.
 
 Every stage builds through build_trainable and steps with train_step, which bench.py times; StepArgs holds the flags.
 """
@@ -7,6 +8,7 @@ Every stage builds through build_trainable and steps with train_step, which benc
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 from collections.abc import Callable
@@ -16,6 +18,7 @@ from typing import Annotated, Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from common import LOCAL, import_torchao, tensor_bytes
@@ -110,6 +113,22 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     return loss_accum, norm
 
 
+class Objective:
+    """train_step's objective(model, batch) -> loss, from metrics_fn(model, batch) -> {"loss", ...}; `last` keeps the
+    last micro-batch's metrics, detached, and summary() the ones named in `summarised` as floats for the log record."""
+
+    def __init__(self, metrics_fn: Callable[[nn.Module, Any], dict[str, torch.Tensor]], summarised: tuple = ()):
+        self.metrics_fn, self.summarised, self.last = metrics_fn, summarised, {}
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        out = self.metrics_fn(model, batch)
+        self.last = {k: v.detach() for k, v in out.items()}
+        return out["loss"]
+
+    def summary(self) -> dict[str, float]:
+        return {k: self.last[k].item() for k in self.summarised}
+
+
 def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Skip the gradient all-reduce on non-final micro-steps of gradient accumulation."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
@@ -118,6 +137,51 @@ def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContex
     if hasattr(model, "no_sync") and not enabled:  # DDP
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What the preference and RL objectives share: log-probabilities of chosen tokens, a reward model's score
+
+
+def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """fp32 log-probabilities of targets (...) under logits (..., V)."""
+    return -F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
+
+
+def spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(M,) values at the M True positions of a (N, T) bool mask, in order -> (N, T), 0 elsewhere."""
+    return x.new_zeros(mask.shape).masked_scatter(mask, x)
+
+
+def sequence_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N,) log-probability of each row's masked tokens (its reply), summed; the head runs on those positions only."""
+    scored = mask[:, 1:].bool()
+    return spread(logprobs_of(model(ids[:, :-1], at=scored)[0], ids[:, 1:][scored]), scored).sum(-1)
+
+
+def last_index(mask: torch.Tensor) -> torch.Tensor:
+    """(N,) each row's last True position."""
+    return mask.size(1) - 1 - mask.flip(1).int().argmax(1)
+
+
+def rewards(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, logprob: bool = False) -> torch.Tensor:
+    """(N,) a reward model's score of each row's reply (mask): its value head at the reply's last token; with `logprob`
+    plus the model's mean log-probability of the reply's tokens, so that the zero-initialised head starts from what
+    the language model knows and corrects it: a head alone must first learn to check the reply from one position."""
+    last = last_index(mask)[:, None]
+    if not logprob:
+        return model(ids, values=True, return_logits=False)[1].gather(1, last).squeeze(1)
+    scored = mask[:, 1:].bool()
+    before = F.pad(scored, (0, 1))  # the positions whose logits score a reply token
+    at = before.scatter(1, last, True)  # and the last one, whose value is read: the head runs on these only
+    logits, values = model(ids, values=True, at=at)
+    logp = logprobs_of(logits[before[at]], ids[:, 1:][scored])
+    return spread(values, at).gather(1, last).squeeze(1) + spread(logp, scored).sum(-1) / scored.sum(-1).clamp(min=1)
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A copy of the starting weights without gradients, in eval mode: DPO's reference, RL's KL anchor."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,9 @@
-"""Preference pairs and the two objectives trained on them, a Bradley–Terry reward model and DPO: each is an
-objective for parallel.train_step on the engine (no loop of its own), plus held-out pairwise accuracy.
+"""The preference stage: a Bradley–Terry reward model or DPO, trained on preference pairs, each an objective for
+parallel.train_step on the engine (no loop of its own), with held-out pairwise accuracy and a task's.
+
+    python tasks.py --task addition --pairs && python prefs.py --preset rm-demo    # a reward model, CPU seconds
+    python prefs.py --preset dpo-demo                                          # DPO from the half-trained SFT model
+    python prefs.py --objective dpo --init-from out/sft/ckpt_002000.pt --data HuggingFaceH4/ultrafeedback_binarized
 
 A row is a pair in one of three schemas:
     text           {"prompt", "chosen", "rejected"}: the replies as text; the prompt as text or a list of messages
@@ -13,12 +17,12 @@ Each side renders as the prompt's conversation plus its reply; the mask covers t
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
 import os
-import random
 import re
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -26,9 +30,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from chat_format import RowStream, load_rows, render, split_rows
-from common import EOT
+import stage
+from chat_format import CHAT_VOCAB, RowStream, load_rows, render, split_rows
+from common import EOT, LOCAL, run_and_exit
+from engine import Context, Eval, Run
 from fineweb import DataError
+from parallel import Objective, rewards, sequence_logprobs
+from stage import StageArgs, TaskEvalArgs
 
 ASSISTANT = "\n\nAssistant:"
 TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -103,14 +111,6 @@ def render_pairs(rows: Any, name: str, T: int) -> tuple[list[list[np.ndarray]], 
     return ids, np.array(starts, dtype=np.int64).reshape(-1, 2), dropped
 
 
-def synthetic_pairs(task: Any, split: str, n: int, seed: int = 0) -> list[dict]:
-    """n rows from a task's problems, its reference reply chosen over a wrong one, seeded. The task gives
-    examples(split, n=, seed=) -> [{"messages": [..., assistant], "answer"}] and wrong(answer, rng) -> a wrong reply."""
-    rng = random.Random(seed)
-    return [{"prompt": ex["messages"][:-1], "chosen": ex["messages"][-1]["content"],
-             "rejected": task.wrong(ex["answer"], rng)} for ex in task.examples(split, n=n, seed=seed)]
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Loader
 
@@ -151,50 +151,8 @@ class PairLoader(RowStream):
                             "embedding rows; start from a model with more")
 
 
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Objectives: Bradley–Terry reward model and DPO
-
-
-def token_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """(N, T-1) fp32 log-probabilities of ids[:, 1:], each given the ids before it."""
-    return logprobs_of(model(ids[:, :-1])[0], ids[:, 1:])
-
-
-def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """fp32 log-probabilities of targets (...) under logits (..., V)."""
-    return -F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
-
-
-def spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(M,) values at the M True positions of a (N, T) bool mask, in order -> (N, T), 0 elsewhere."""
-    return x.new_zeros(mask.shape).masked_scatter(mask, x)
-
-
-def sequence_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(N,) log-probability of each row's masked tokens (its reply), summed; the head runs on those positions only."""
-    scored = mask[:, 1:].bool()
-    return spread(logprobs_of(model(ids[:, :-1], at=scored)[0], ids[:, 1:][scored]), scored).sum(-1)
-
-
-def last_index(mask: torch.Tensor) -> torch.Tensor:
-    """(N,) each row's last True position."""
-    return mask.size(1) - 1 - mask.flip(1).int().argmax(1)
-
-
-def rewards(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, logprob: bool = False) -> torch.Tensor:
-    """(N,) the value head's output at each row's last reply token (a GPT with config.value_head); with `logprob`
-    plus the model's mean log-probability of the reply's tokens, so that the zero-initialised head starts from what
-    the language model knows and corrects it: a head alone must first learn to check the reply from one position."""
-    last = last_index(mask)[:, None]
-    if not logprob:
-        return model(ids, values=True, return_logits=False)[1].gather(1, last).squeeze(1)
-    scored = mask[:, 1:].bool()
-    before = F.pad(scored, (0, 1))  # the positions whose logits score a reply token
-    at = before.scatter(1, last, True)  # and the last one, whose value is read: the head runs on these only
-    logits, values = model(ids, values=True, at=at)
-    logp = logprobs_of(logits[before[at]], ids[:, 1:][scored])
-    return spread(values, at).gather(1, last).squeeze(1) + spread(logp, scored).sum(-1) / scored.sum(-1).clamp(min=1)
 
 
 def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> Metrics:
@@ -229,24 +187,6 @@ def dpo_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], ref:
     return out
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
-    """A copy of the starting weights without gradients, in eval mode: DPO's reference, RL's KL anchor."""
-    return copy.deepcopy(model).eval().requires_grad_(False)
-
-
-class PairObjective:
-    """train_step's objective(model, batch) -> loss from metrics_fn (reward_model_metrics, or dpo_metrics with its
-    ref and beta bound); `last` keeps the last micro-batch's metrics, detached, for the step's log record."""
-
-    def __init__(self, metrics_fn: Callable[[nn.Module, Any], Metrics]):
-        self.metrics_fn, self.last = metrics_fn, {}
-
-    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        out = self.metrics_fn(model, batch)
-        self.last = {k: v.detach() for k, v in out.items()}
-        return out["loss"]
-
-
 @torch.no_grad()
 def evaluate_pairs(model: nn.Module, loader: PairLoader, batches: int, metrics_fn: Callable[[nn.Module, Any], Metrics],
                    autocast: contextlib.AbstractContextManager, world_size: int) -> dict[str, float]:
@@ -266,3 +206,98 @@ def evaluate_pairs(model: nn.Module, loader: PairLoader, batches: int, metrics_f
         dist.all_reduce(total)
     model.train()
     return {name: value / batches for name, value in zip(names, total.tolist(), strict=True)}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The stage: config and presets, the objective, evaluations, setup
+
+
+@dataclass
+class PrefsConfig(TaskEvalArgs, StageArgs):
+    """Train a reward model (--objective reward) or a policy by DPO (--objective dpo) on preference pairs, from a
+    chat model. Flags override the chosen --preset; every GPTConfig field is a flag too."""
+
+    data: Annotated[str, LOCAL] = "HuggingFaceH4/ultrafeedback_binarized"  # pairs: a file, a directory or a hub name
+    objective: str = "dpo"  # reward (a Bradley-Terry reward model: a value head on the model) or dpo
+    reward_logprob: bool = False  # reward: the score adds the mean log-prob of the reply (parallel.rewards)
+    dpo_beta: float = 0.1  # DPO's beta: how far the implicit reward may pull the policy from its reference
+    dpo_sft: float = 0.0  # DPO's loss adds this times the chosen replies' token NLL (RPO; TRL's rpo_alpha)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.objective not in ("reward", "dpo") or not self.dpo_sft >= 0:
+            raise ValueError(f"--objective must be reward or dpo and --dpo-sft >= 0; got {self.objective!r} and "
+                             f"{self.dpo_sft}")
+        if self.objective == "reward" and self.arch.setdefault("value_head", True) is not True:
+            raise ValueError("--objective reward trains a value head: drop --value-head false")
+        if self.objective == "dpo" and not self.init_from:  # its reference is the starting weights
+            raise ValueError("--objective dpo moves a model away from its starting weights, its reference: pass "
+                             "--init-from a fine-tuned model (a random one prefers nothing)")
+        if self.objective == "dpo" and self.parallel == "fsdp":
+            raise ValueError("--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")
+
+
+def _preset(**kw: Any) -> Callable[[], PrefsConfig]:
+    return lambda: PrefsConfig(**kw)
+
+
+PRESETS: dict[str, Callable[[], PrefsConfig]] = {
+    # on the chat demo's pairs (tasks.py --pairs), from the SFT model; the reward model's score adds the reply's mean
+    # log-prob (a head alone learns no sums), and a small lr keeps Bradley-Terry from wrecking it
+    "rm-demo": _preset(init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs", objective="reward",
+                       reward_logprob=True, seq_len=24, total_batch_size=384, batch_size=16, max_lr=1e-4,
+                       lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=300, eval_every=50,
+                       eval_tokens=6144, ckpt_every=0, out_dir="out/rm-demo"),
+    # DPO starts where RL does, from the half-trained SFT model; the SFT term keeps it from lowering both replies
+    "dpo-demo": _preset(init_from="out/sft-demo-1200/ckpt_001200.pt", data="data/addition_pairs", objective="dpo",
+                        dpo_sft=1.0, seq_len=24, total_batch_size=384, batch_size=16, max_lr=3e-4,
+                        lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=200, eval_every=50,
+                        eval_tokens=6144, ckpt_every=0, task="addition", task_every=50, task_limit=256,
+                        out_dir="out/dpo-demo"),
+}
+
+
+def loader(cfg: PrefsConfig, ctx: Context) -> Callable[[str], PairLoader]:
+    return lambda split: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, ctx.rank, ctx.world, cfg.seed,
+                                    ctx.device, shuffle=split == "train")
+
+
+def objective(cfg: PrefsConfig, ref: nn.Module | None) -> Objective:
+    """train_step's objective: the reward model's Bradley-Terry metrics, or DPO's against the frozen reference."""
+    metrics = functools.partial(reward_model_metrics, logprob=cfg.reward_logprob) if cfg.objective == "reward" else \
+        functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft)
+    return Objective(metrics, summarised=("accuracy", "margin"))
+
+
+def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list[Eval]:
+    """The held-out pairs' loss, the share ranked right and the mean margin."""
+    if setup.val_loader is None:
+        return []
+    built, ctx = setup.built, setup.ctx
+    windows = stage.val_windows(cfg, setup.val_loader, ctx.master)
+
+    def val(step: int) -> dict[str, Any]:
+        pairs = evaluate_pairs(built.model, setup.val_loader, windows, metrics.metrics_fn, built.autocast, ctx.world)
+        setup.log.say(f"step {step:6d} | val loss {pairs['loss']:.4f} | pairs ranked right {pairs['accuracy']:.4f}")
+        return {"val_loss": pairs["loss"], "val_accuracy": pairs["accuracy"], "val_margin": pairs["margin"]}
+
+    return [Eval("val", cfg.eval_every, val)]
+
+
+def setup(cfg: PrefsConfig, ctx: Context) -> Run:
+    """The Run: the pairs, the model (a value head added for a reward model), DPO's reference (the starting weights,
+    loaded again: a resumed run's model has moved on from them), held-out pairs and the task."""
+    setup = stage.Setup(cfg, ctx, loader(cfg, ctx), chat=True, vocab=CHAT_VOCAB)
+    ref = stage.load_init(cfg, CHAT_VOCAB).eval().requires_grad_(False) if cfg.objective == "dpo" else None
+    setup.build()
+    pairs = objective(cfg, ref.to(ctx.device) if ref is not None else None)
+    step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx, pairs)
+    return setup.run(step_fn, pair_evals(cfg, setup, pairs) + stage.task_evals(cfg, setup))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return stage.main(PrefsConfig, argv, PRESETS, setup, __doc__)
+
+
+if __name__ == "__main__":
+    run_and_exit(main, stage.exit_code)

@@ -1,11 +1,13 @@
-"""Online RL of a chat model on a task's prompts, on the engine: GRPO by default, PPO with a value head and GAE.
+"""Online RL of a chat model on a task's prompts, on the engine: GRPO by default, RLOO, nanochat-style REINFORCE, or PPO
+with a value head and GAE, each an entry of ALGOS; rewards from the task's checker, your functions or a reward model.
 
-Each step samples --samples replies to each of --prompts prompts, scores them (the task's checker or a reward model)
-and updates the policy in --ppo-epochs passes of --minibatches optimizer steps. The math comes first: per-token tensors
-are (B, T) over the chosen tokens; `mask` is 1 on those the policy sampled, 0 on the prompt, tool outputs and padding.
+Each step samples --samples replies to each of --prompts prompts, scores them and updates the policy in --ppo-epochs
+passes of --minibatches optimizer steps. The math comes first: per-token tensors are (B, T) over the chosen tokens;
+`mask` is 1 on those the policy sampled, 0 on the prompt, tool outputs and padding.
 
     python rl.py                                   # GRPO from out/sft-demo-1200/ckpt_001200.pt on addition, CPU minutes
     python rl.py --algo ppo --out-dir out/rl-ppo
+    python rl.py --task examples/subtraction.py:Subtraction --reward examples/subtraction.py:exact --init-from CKPT
     torchrun --standalone --nproc_per_node=2 rl.py --init-from CKPT --task gsm8k --reward-model RM_CKPT
 """
 
@@ -13,10 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Annotated, Any
 
 import torch
@@ -24,13 +24,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 import engine
-import prefs
+import stage
 import tasks
-from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, calculator, render_prompt, reply_text
-from common import LOCAL, get_tokenizer, load_checkpoint, parse_config, provenance, run_and_exit, setup_distributed
-from generate import Rollout, generate
+from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, render_prompt, reply_text
+from common import LOCAL, get_tokenizer, load_checkpoint, provenance, run_and_exit
+from engine import Context, Run
+from generate import Rollout, calculator, generate
 from model import GPT
-from parallel import build_trainable, train_step
+from parallel import Objective, build_trainable, frozen_copy, last_index, rewards, spread, train_step
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The math
@@ -41,6 +42,14 @@ def masked_mean(x: Tensor, mask: Tensor, denom: float | None = None) -> Tensor:
     return (x * mask).sum() / (denom if denom is not None else mask.sum().clamp(min=1))
 
 
+def aggregate(x: Tensor, mask: Tensor, how: str = "token", denom: float | Tensor | None = None) -> Tensor:
+    """x over the masked tokens, as TRL's loss types: every token alike (token: its dapo; dr_grpo with a constant
+    denom), or each row's mean alike (sequence: its grpo). denom: tokens, or rows for sequence, of all micro-batches."""
+    if how == "sequence":
+        return (x * mask).sum(-1).div(mask.sum(-1).clamp(min=1)).sum() / (denom if denom is not None else len(x))
+    return masked_mean(x, mask, denom)
+
+
 def group_advantages(rewards: Tensor, group: int, scale: bool = True, eps: float = 1e-4) -> Tensor:
     """GRPO: rewards (B,) minus their group's mean (groups of `group` rows), over its std + eps with `scale`."""
     grouped = rewards.view(-1, group)
@@ -48,13 +57,26 @@ def group_advantages(rewards: Tensor, group: int, scale: bool = True, eps: float
     return (advantages / (grouped.std(1, keepdim=True) + eps) if scale else advantages).view(-1)
 
 
+def leave_one_out(rewards: Tensor, group: int) -> Tensor:
+    """RLOO: each reward (B,) minus the mean of the other rewards in its group of `group` rows."""
+    grouped = rewards.view(-1, group)
+    return (grouped - (grouped.sum(1, keepdim=True) - grouped) / (group - 1)).view(-1)
+
+
+def surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps: float | None = 0.2) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate per token, -min(r A, clip(r, 1 +- eps) A), advantages (B,) or (B, T), and where the
+    clip bound; eps None is the plain -r A, whose gradient on-policy (r = 1) is REINFORCE's -A grad log p."""
+    ratio, adv = torch.exp(logp - old_logp), advantages[:, None] if advantages.dim() == 1 else advantages
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - eps, 1 + eps) * adv if eps is not None else unclipped
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                 eps: float = 0.2, denom: float | None = None) -> tuple[Tensor, Tensor]:
-    """PPO's clipped surrogate over the masked tokens, advantages (B,) or (B, T). Returns (loss, clipped share)."""
-    ratio, adv = torch.exp(logp - old_logp), advantages[:, None] if advantages.dim() == 1 else advantages
-    unclipped, clipped = ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv
-    loss = masked_mean(-torch.minimum(unclipped, clipped), mask, denom)
-    return loss, masked_mean((clipped < unclipped).float(), mask).detach()
+    """The clipped surrogate's token mean over the masked tokens (or over `denom`): (loss, clipped share)."""
+    loss, clipped = surrogate(logp, old_logp, advantages, eps)
+    return masked_mean(loss, mask, denom), masked_mean(clipped.float(), mask).detach()
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -66,7 +88,7 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 def kl_rewards(scores: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, coef: float) -> Tensor:
     """PPO's per-token rewards (B, T): -coef * (logp - ref_logp) per sampled token, plus the score (B,) on the last."""
     rewards = -coef * (logp - ref_logp) * mask
-    return rewards.scatter_add(1, prefs.last_index(mask)[:, None], scores[:, None].to(rewards.dtype))
+    return rewards.scatter_add(1, last_index(mask)[:, None], scores[:, None].to(rewards.dtype))
 
 
 @torch.no_grad()
@@ -100,32 +122,72 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The stage: config, rollouts, one RL step, evaluations, setup
+# The algorithms: how each turns a batch's scores into advantages, and what its update keeps
+
+
+def grpo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
+    return {"adv": group_advantages(batch["scores"], cfg.samples, cfg.scale_rewards)}
+
+
+def rloo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
+    return {"adv": leave_one_out(batch["scores"], cfg.samples)}
+
+
+def reinforce(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
+    return {"adv": group_advantages(batch["scores"], cfg.samples, scale=False)}  # the group's mean as baseline
+
+
+def ppo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
+    """Per-token rewards (the score, less the KL to the start), GAE on the value head's values, whitened."""
+    mask, old = batch["mask"], batch["old_logp"]
+    adv, returns = gae(kl_rewards(batch["scores"], old, batch.get("ref_logp", old), mask, cfg.beta),
+                       batch["old_values"], mask, cfg.gamma, cfg.lam)
+    return {"adv": whiten(adv, mask, total=lambda t: all_sum(t, world)), "returns": returns}
+
+
+@dataclasses.dataclass(frozen=True)
+class Algo:
+    advantages: Callable[[dict[str, Tensor], Any, int], dict[str, Tensor]]
+    group: bool = True  # compares the replies to one prompt: --samples >= 2
+    clip: bool = True  # the ratio's clip (REINFORCE: none, on-policy)
+    critic: bool = False  # a value head on the policy's trunk; --beta is a KL penalty in the rewards, not a loss term
+    minibatches: int = 2  # optimizer steps per pass, by default
+
+
+ALGOS = {"grpo": Algo(grpo), "rloo": Algo(rloo), "reinforce": Algo(reinforce, clip=False, minibatches=1),
+         "ppo": Algo(ppo, group=False, critic=True)}
+LOSS_AGG = ("token", "sequence", "dr_grpo")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The stage: config, prompts and rewards, one RL step, evaluations, setup
 
 
 @dataclasses.dataclass
 class RLConfig(engine.RunArgs):
-    """Online RL of a chat model (a train.py SFT checkpoint) on a tasks.py task: GRPO or PPO, on the engine."""
+    """Online RL of a chat model (an sft.py checkpoint) on a task: GRPO, RLOO, REINFORCE or PPO, on the engine."""
 
     # the policy's start, a chat model checkpoint: the demo's is sft-demo stopped half-trained (--max-steps 1200)
     init_from: Annotated[str, LOCAL] = "out/sft-demo-1200/ckpt_001200.pt"
-    task: str = "addition"  # the tasks.py task: train prompts, the checker's rewards, held-out evaluations
-    reward_model: Annotated[str, LOCAL] = ""  # score replies with this reward model (train.py --objective reward)
-    algo: str = "grpo"  # grpo (group-normalised advantages) or ppo (a value head on the policy's trunk, GAE)
+    task: str = "addition"  # the prompts, the checker and held-out evaluations: a built-in task or FILE.py:NAME
+    reward: str = ""  # reward functions FILE.py:FN[,FILE.py:FN2] (fn(prompt, reply, answer) -> float), not the task's
+    reward_weights: tuple[float, ...] = ()  # --reward's weights, comma separated (default: 1 each)
+    reward_model: Annotated[str, LOCAL] = ""  # score replies with this reward model (prefs.py --objective reward)
+    algo: str = "grpo"  # grpo, rloo (leave-one-out baseline), reinforce (mean baseline, no clip) or ppo (value head)
+    loss_agg: str = "token"  # the policy loss over tokens, as TRL's: token (its dapo), sequence (its grpo) or dr_grpo
     prompts: int = 32  # prompts per step, all ranks together
-    samples: int = 4  # replies sampled per prompt (GRPO's group)
+    samples: int = 4  # replies sampled per prompt (the group of GRPO, RLOO and REINFORCE)
     rollout_batch: int = 8  # prompts per generate() call, each call with its own seed: ranks take whole calls
     max_new_tokens: int = 16  # reply length cap
     temperature: float = 0.7  # sampling temperature of the rollouts and pass@k; the policy's log-probs use it too
     ppo_epochs: int = 1  # passes over each step's rollouts
-    minibatches: int = 2  # optimizer steps per pass (the rows of a generate() call are split evenly among them)
+    minibatches: int | None = None  # optimizer steps per pass, rows split evenly (None: 1 for reinforce, else 2)
     clip: float = 0.2  # the ratio's clip range (PPO's value clip too)
-    scale_rewards: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO's plain difference)
-    beta: float | None = None  # KL to the start: GRPO's k3 loss term (None: 0, off), PPO's reward penalty (None: 0.05)
+    scale_rewards: bool = True  # GRPO: divide by the group's std (False: the plain difference)
+    beta: float | None = None  # KL to the start: a k3 loss term (None: 0, off), PPO's reward penalty (None: 0.05)
     gamma: float = 1.0  # PPO: discount
     lam: float = 0.95  # PPO: GAE lambda
     vf_coef: float = 0.5  # PPO: the value loss's weight
-    eval_every: int = 100  # held-out greedy accuracy and pass@k every N steps (and at the end); 0 = at the end only
     eval_limit: int = 256  # held-out problems per evaluation
     pass_k: int = 8  # pass@k: replies sampled per held-out problem (0 = no pass@k)
     # RunArgs's flags with RL's defaults
@@ -133,21 +195,34 @@ class RLConfig(engine.RunArgs):
     max_lr: float = 3e-4  # the learning rate after warmup
     # Adam's first steps move every weight by about the lr whatever its gradient: RL's noisy ones would wreck the policy
     warmup_steps: int = 10  # linear warmup of the learning rate
-    lr_decay: bool = True  # then linear decay to 0 at --max-steps (False: constant)
+    lr_schedule: str = "linear"  # then linear decay to min_lr_frac * max_lr at --max-steps (or constant...)
+    min_lr_frac: float = 0.0  # the schedule decays to this times --max-lr
     weight_decay: float = 0.0  # decoupled weight decay
+    eval_every: int = 100  # held-out greedy accuracy and pass@k every N steps (and at the end); 0 = at the end only
     ckpt_every: int = 50  # checkpoint every N steps (and at the end); 0 = only at the end
     out_dir: Annotated[str, LOCAL] = "out/rl"  # checkpoints, log.jsonl and profiler traces go here
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.algo not in ("grpo", "ppo") or self.task not in tasks.TASKS:
-            raise ValueError(f"--algo must be grpo or ppo and --task one of {', '.join(tasks.TASKS)}; got "
-                             f"{self.algo!r} and {self.task!r}")
-        for name in "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches warmup_steps".split():
-            if getattr(self, name) < (low := int(name != "warmup_steps")):
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
-        if self.algo == "grpo" and self.samples < 2:
-            raise ValueError("GRPO scores each reply against its group's: --samples must be >= 2 (or --algo ppo)")
+        if self.algo not in ALGOS or self.loss_agg not in LOSS_AGG:
+            raise ValueError(f"--algo must be one of {', '.join(ALGOS)} and --loss-agg one of {', '.join(LOSS_AGG)}; "
+                             f"got {self.algo!r} and {self.loss_agg!r}")
+        tasks.check_spec(self.task)
+        algo = ALGOS[self.algo]
+        self.minibatches = self.minibatches or algo.minibatches
+        self.beta = self.beta if self.beta is not None else 0.05 if algo.critic else 0.0
+        self._check_numbers(algo)
+
+    def _check_numbers(self, algo: Algo) -> None:
+        for name in "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches".split():
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+        if algo.group and self.samples < 2:
+            raise ValueError(f"--algo {self.algo} scores each reply against its group's: --samples must be >= 2 (or "
+                             "--algo ppo)")
+        if not algo.clip and self.ppo_epochs * self.minibatches > 1:
+            raise ValueError(f"--algo {self.algo} is on-policy: one optimizer step per batch of rollouts "
+                             "(--ppo-epochs 1 --minibatches 1)")
         if self.prompts % self.rollout_batch or self.rollout_batch * self.samples % self.minibatches:
             raise ValueError(f"--prompts ({self.prompts}) must be a multiple of --rollout-batch "
                              f"({self.rollout_batch}), and --minibatches ({self.minibatches}) must divide a call's "
@@ -155,7 +230,6 @@ class RLConfig(engine.RunArgs):
         if not self.temperature > 0 or self.parallel == "fsdp":  # FSDP's forwards are collectives: generation hangs
             raise ValueError(f"RL samples its replies: --temperature must be > 0 (got {self.temperature}) and "
                              "--parallel ddp or zero1 (FSDP cannot generate)")
-        self.beta = self.beta if self.beta is not None else 0.05 if self.algo == "ppo" else 0.0
         if not (self.beta >= 0 and self.clip > 0 and self.pass_k >= 0 and 0 < self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ValueError("--beta and --pass-k must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]")
 
@@ -212,18 +286,19 @@ def pack(rows: list[tuple[list[int], list[int]]], device: torch.device) -> tuple
     return ids, torch.tensor([mask + [0] * (T - len(mask)) for _, mask in rows], device=device, dtype=torch.float32)
 
 
-def score(share: list[tuple[dict, list[int], Rollout]], task: tasks.Task, rm: GPT | None,
+def score(share: list[tuple[dict, list[int], Rollout]], reward: tasks.Reward | None, rm: GPT | None,
           device: torch.device) -> dict[str, Tensor]:
-    """ids (N, T), the mask of sampled targets ids[:, 1:] (N, T-1), and scores: the checker's or the reward model's."""
+    """ids (N, T), the mask of sampled targets ids[:, 1:] (N, T-1), and scores: the reward functions' (they see the
+    prompt's messages, the reply's text and the answer) or the reward model's."""
     ids, mask = pack([(prompt + r.tokens, [0] * (len(prompt) - 1) + r.mask) for _, prompt, r in share], device)
     if rm is None:
-        scores = [task.reward(reply_text(r.tokens), p["answer"]) for p, _, r in share]
+        scores = [reward(p["messages"][:-1], reply_text(r.tokens), p["answer"]) for p, _, r in share]
         return {"ids": ids, "mask": mask[:, :-1], "scores": torch.tensor(scores, device=device)}
     bs, enc = rm.config.block_size, get_tokenizer()  # rendered as chat_format.render does, an empty reply too
     replies = [enc.encode_ordinary(reply_text(r.tokens)) + [ASSISTANT_END] for _, _, r in share]
     rows = [((p + o)[-bs:], ([0] * len(p) + [1] * len(o))[-bs:]) for (_, p, _), o in zip(share, replies, strict=True)]
     with torch.no_grad():
-        scores = prefs.rewards(rm, *pack(rows, device), rm.reward_logprob)
+        scores = rewards(rm, *pack(rows, device), rm.reward_logprob)
     return {"ids": ids, "mask": mask[:, :-1], "scores": scores.float()}
 
 
@@ -235,7 +310,7 @@ def policy_forward(model: torch.nn.Module, ids: Tensor, mask: Tensor, temperatur
     logits, value = model(ids[:, :-1], values=True, at=m) if values else (model(ids[:, :-1], at=m)[0], None)
     logp = (logits.float() / temperature).log_softmax(-1)
     chosen = logp.gather(-1, ids[:, 1:][m][:, None]).squeeze(-1)
-    return prefs.spread(chosen, m), logp, None if value is None else prefs.spread(value, m)
+    return spread(chosen, m), logp, None if value is None else spread(value, m)
 
 
 @torch.no_grad()
@@ -246,7 +321,7 @@ def token_stats(model: GPT, ids: Tensor, mask: Tensor, temperature: float = 1.0,
     model.eval()
     for chunk, m in zip(ids.split(rows), mask.split(rows), strict=True):
         logp, full, value = policy_forward(model, chunk, m, temperature, values)
-        out.append((logp, prefs.spread(-(full.exp() * full).sum(-1), m.bool()), value))
+        out.append((logp, spread(-(full.exp() * full).sum(-1), m.bool()), value))
     model.train(training)
     logp, entropy, value = zip(*out, strict=True)
     return torch.cat(logp), torch.cat(entropy), torch.cat(value) if values else None
@@ -255,42 +330,42 @@ def token_stats(model: GPT, ids: Tensor, mask: Tensor, temperature: float = 1.0,
 def prepare(batch: dict[str, Tensor], raw: GPT, ref: GPT | None, cfg: RLConfig, autocast: Any,
             world: int) -> dict[str, Tensor]:
     """Add what the update needs: the policy's old log-probs (and values), the reference's, the advantages."""
-    ids, mask = batch["ids"], batch["mask"]
+    ids, mask, algo = batch["ids"], batch["mask"], ALGOS[cfg.algo]
     with autocast:
-        batch["old_logp"], batch["entropy"], values = token_stats(raw, ids, mask, cfg.temperature, cfg.algo == "ppo")
+        batch["old_logp"], batch["entropy"], values = token_stats(raw, ids, mask, cfg.temperature, algo.critic)
         if ref is not None:
             batch["ref_logp"] = token_stats(ref, ids, mask, cfg.temperature)[0]
-    if cfg.algo == "grpo":
-        batch["adv"] = group_advantages(batch["scores"], cfg.samples, cfg.scale_rewards)
-        return batch
-    rewards = kl_rewards(batch["scores"], batch["old_logp"], batch.get("ref_logp", batch["old_logp"]), mask, cfg.beta)
-    adv, batch["returns"] = gae(rewards, values, mask, cfg.gamma, cfg.lam)
-    batch["adv"], batch["old_values"] = whiten(adv, mask, total=lambda t: all_sum(t, world)), values
-    return batch
+    if values is not None:
+        batch["old_values"] = values
+    return batch | algo.advantages(batch, cfg, world)
 
 
 def rl_loss(model: torch.nn.Module, mb: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
-    """A minibatch's loss times world: DDP's mean over the ranks is then the mean over every rank's sampled tokens."""
-    mask, denom = mb["mask"], mb["denom"]
-    logp, _, values = policy_forward(model, mb["ids"], mask, cfg.temperature, cfg.algo == "ppo")
-    loss, clipped = policy_loss(logp, mb["old_logp"], mb["adv"], mask, cfg.clip, denom)
-    out = {"clip_frac": clipped}  # a mean over this rank's tokens: all_sum / world is the ranks' mean
+    """A minibatch's loss times world: DDP's mean over the ranks is then the loss over every rank's rows (mb["denom"]
+    counts their tokens, or their rows for --loss-agg sequence)."""
+    mask, denom, algo = mb["mask"], mb["denom"], ALGOS[cfg.algo]
+    logp, _, values = policy_forward(model, mb["ids"], mask, cfg.temperature, algo.critic)
+    per_token, clipped = surrogate(logp, mb["old_logp"], mb["adv"], cfg.clip if algo.clip else None)
+    if "ref_logp" in mb and not algo.critic:  # PPO's KL is in its rewards
+        per_token = per_token + cfg.beta * kl_k3(logp, mb["ref_logp"])
+    loss = aggregate(per_token, mask, cfg.loss_agg, denom)
+    out = {"clip_frac": masked_mean(clipped.float(), mask).detach()}  # this rank's: all_sum / world is the mean
     if values is not None:
-        vloss, _ = value_loss(values, mb["old_values"], mb["returns"], mask, cfg.clip, denom)
+        vloss, _ = value_loss(values, mb["old_values"], mb["returns"], mask, cfg.clip, mb["tokens"])
         loss, out["value_loss"] = loss + cfg.vf_coef * vloss, vloss.detach() * world
-    elif "ref_logp" in mb:
-        loss = loss + cfg.beta * masked_mean(kl_k3(logp, mb["ref_logp"]), mask, denom)
     return {"loss": loss * world, **out}
 
 
-def update(built: Any, objective: prefs.PairObjective, batch: dict[str, Tensor], cfg: RLConfig,
+def update(built: Any, objective: Objective, batch: dict[str, Tensor], cfg: RLConfig,
            world: int) -> dict[str, Tensor]:
     """--ppo-epochs passes of --minibatches optimizer steps (minibatch k: rows k, k + M, ...): the mean metrics."""
     M, steps, totals = cfg.minibatches, cfg.ppo_epochs * cfg.minibatches, {}
-    counts = all_sum(torch.stack([batch["mask"][k::M].sum() for k in range(M)]), world)
+    tokens = all_sum(torch.stack([batch["mask"][k::M].sum() for k in range(M)]), world)
+    rows = len(batch["mask"]) // M * world
+    denom = {"token": tokens, "sequence": [rows] * M, "dr_grpo": [rows * cfg.max_new_tokens] * M}[cfg.loss_agg]
     for _ in range(cfg.ppo_epochs):
         for k in range(M):
-            mb = {key: value[k::M] for key, value in batch.items()} | {"denom": counts[k]}
+            mb = {key: value[k::M] for key, value in batch.items()} | {"denom": denom[k], "tokens": tokens[k]}
             loss, norm = train_step(built.model, built.optimizer, lambda mb=mb: mb, 1, built.autocast, cfg.grad_clip,
                                     scaler=built.scaler, objective=objective)
             for name, value in {"loss": loss, "grad_norm": norm, **objective.last}.items():
@@ -312,29 +387,22 @@ def summary(batch: dict[str, Tensor], totals: dict[str, Tensor], has_ref: bool, 
             "rollout_tok_s": sampled / rollout_s, "update_tok_s": tokens * cfg.ppo_epochs / update_s}
 
 
-def lr_factor(step: int, cfg: RLConfig) -> float:
-    """Linear warmup, then (--lr-decay) linear decay to 0 at --max-steps (undecayed, late noise holds accuracy down)."""
-    decay = (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps) if cfg.lr_decay else 1.0
-    return min(1.0, (step + 1) / (cfg.warmup_steps + 1), decay)
-
-
-def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, rm: GPT | None, task: tasks.Task,
-            sampler: PromptSampler, log: engine.RunLog, rank: int, world: int) -> Callable[[int], dict[str, Any]]:
-    """engine.Run's step_fn: roll out, score, update; the record holds the whole batch's figures."""
-    objective = prefs.PairObjective(lambda model, mb: rl_loss(model, mb, cfg, world))
+def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, scorer: tuple, sampler: PromptSampler,
+            log: engine.RunLog, ctx: Context) -> Callable[[int], dict[str, Any]]:
+    """engine.Run's step_fn: roll out, score, update; the record holds the whole batch's figures. `scorer`: (the reward
+    functions, the reward model), one of them None."""
+    objective = Objective(lambda model, mb: rl_loss(model, mb, cfg, ctx.world))
 
     def step_fn(step: int) -> dict[str, Any]:
-        t0, lr = time.time(), cfg.max_lr * lr_factor(step, cfg)
-        for group in built.optimizer.param_groups:
-            group["lr"] = lr
+        t0, lr = time.time(), engine.set_lr(built.optimizer, step, cfg)
         seed = int(torch.randint(2**62, ()))  # from the global RNG, the same on every rank: an exact resume
         with built.autocast:
-            share = rollouts(raw, sampler.next(cfg.prompts), cfg.samples, seed, cfg, rank, world)
-            batch = score(share, task, rm, raw.lm_head.weight.device)
+            share = rollouts(raw, sampler.next(cfg.prompts), cfg.samples, seed, cfg, ctx.rank, ctx.world)
+            batch = score(share, *scorer, ctx.device)
         t1 = time.time()
-        batch = prepare(batch, raw, ref, cfg, built.autocast, world)
-        totals = update(built, objective, batch, cfg, world)
-        record = {**summary(batch, totals, ref is not None, t1 - t0, time.time() - t1, cfg, world), "lr": lr}
+        batch = prepare(batch, raw, ref, cfg, built.autocast, ctx.world)
+        totals = update(built, objective, batch, cfg, ctx.world)
+        record = {**summary(batch, totals, ref is not None, t1 - t0, time.time() - t1, cfg, ctx.world), "lr": lr}
         if step % cfg.log_every == 0:
             log.say(f"step {step:6d} | reward {record['reward']:.3f} +- {record['reward_std']:.3f} | entropy "
                     f"{record['entropy']:.3f} | clip {record['clip_frac']:.3f} | length {record['length']:.1f} | "
@@ -344,19 +412,18 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, rm: GPT | None
     return step_fn
 
 
-def task_eval(cfg: RLConfig, raw: GPT, task: tasks.Task, autocast: Any, log: engine.RunLog, rank: int,
-              world: int) -> engine.Eval:
+def task_eval(cfg: RLConfig, raw: GPT, task: Any, autocast: Any, log: engine.RunLog, ctx: Context) -> engine.Eval:
     """Held-out greedy accuracy (tasks.evaluate) and pass@k by a generator of its own (the training's RNG untouched)."""
     problems = task.examples("test")[:cfg.eval_limit]
 
     def evaluate(step: int) -> dict[str, Any]:
         with autocast:
-            result = tasks.evaluate(raw, task, problems, rank, world, cfg.max_new_tokens)
+            result = tasks.evaluate(raw, task, problems, ctx.rank, ctx.world, cfg.max_new_tokens)
             if cfg.pass_k:
-                share = rollouts(raw, problems, cfg.pass_k, cfg.seed + 1_000_003 * step, cfg, rank, world)
+                share = rollouts(raw, problems, cfg.pass_k, cfg.seed + 1_000_003 * step, cfg, ctx.rank, ctx.world)
                 right = [task.check(reply_text(r.tokens), p["answer"]) for p, _, r in share]
                 solved = sum(any(right[i:i + cfg.pass_k]) for i in range(0, len(right), cfg.pass_k))
-                result[f"pass@{cfg.pass_k}"] = all_sum(torch.tensor(float(solved)), world).item() / len(problems)
+                result[f"pass@{cfg.pass_k}"] = all_sum(torch.tensor(float(solved)), ctx.world).item() / len(problems)
         passed = f", pass@{cfg.pass_k} {result[f'pass@{cfg.pass_k}']:.4f}" if cfg.pass_k else ""
         log.say(f"step {step:6d} | {cfg.task} accuracy {result['acc']:.4f}{passed} ({result['n']} held out)")
         return result
@@ -371,7 +438,7 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
     longest = max(len(render_prompt(p["messages"][:-1])) for p in problems) + cfg.max_new_tokens + 1  # and its end
     if trained.get("objective") != "reward":
         what = "a PPO policy, whose value head is a critic" if "algo" in trained else "a language model"
-        raise ValueError(f"--reward-model {path} is {what}, not a reward model: train one with train.py "
+        raise ValueError(f"--reward-model {path} is {what}, not a reward model: train one with prefs.py "
                          "--objective reward")
     if mc.get("vocab_size", 0) < get_tokenizer().n_vocab:
         raise ValueError(f"--reward-model {path} has {mc.get('vocab_size')} embedding rows, fewer than the GPT-2 "
@@ -381,82 +448,54 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
         raise ValueError(f"--reward-model {path} reads {mc.get('block_size')} tokens, and a prompt with a reply of "
                          f"--max-new-tokens {cfg.max_new_tokens} takes {longest}: lower --max-new-tokens or train the "
                          "reward model with a longer --seq-len")
-    rm = prefs.frozen_copy(GPT.from_checkpoint(ckpt, dropout=0.0))
+    rm = frozen_copy(GPT.from_checkpoint(ckpt, dropout=0.0))
     rm.reward_logprob = bool(ckpt.get("train_config", {}).get("reward_logprob"))  # scored as it was trained
     return rm
 
 
-def resume_checks(saved: dict, cfg: RLConfig, start: int, rank: int) -> None:
-    """Refuse a checkpoint past --max-steps (nothing would train); note a schedule the new --max-steps changes."""
-    if start > cfg.max_steps:
-        raise ValueError(f"the checkpoint is at step {start}, past --max-steps {cfg.max_steps}: raise --max-steps "
-                         "to train on, or pass --eval-only to score it")
-    old = dataclasses.replace(cfg, max_steps=int(saved.get("max_steps", cfg.max_steps)),
-                              lr_decay=bool(saved.get("lr_decay", cfg.lr_decay)))
-    if rank == 0 and lr_factor(start, old) != lr_factor(start, cfg):
-        print(f"note: the checkpoint's run had --max-steps {old.max_steps} (--lr-decay {old.lr_decay}), this one "
-              f"{cfg.max_steps} (--lr-decay {cfg.lr_decay}): from step {start} the lr is "
-              f"{cfg.max_lr * lr_factor(start, cfg):.3g}, not that run's {cfg.max_lr * lr_factor(start, old):.3g}")
-
-
-def setup(cfg: RLConfig, rank: int, world: int, device: torch.device) -> engine.Run:
-    """The Run: the policy, its frozen reference and reward model, the prompt stream, the resumed checkpoint and log."""
+def setup(cfg: RLConfig, ctx: Context) -> Run:
+    """The Run: the policy, its frozen reference and its rewards, the prompt stream, the resumed checkpoint and log."""
     torch.manual_seed(cfg.seed)  # the same on every rank: each step's rollout seed is drawn from it
-    task = tasks.TASKS[cfg.task]()
-    checkpointer = engine.Checkpointer(cfg, rank, world, provenance(device, world), chat=True)
+    task, critic = tasks.load_task(cfg.task), ALGOS[cfg.algo].critic
+    reward = tasks.load_rewards(cfg.reward, cfg.reward_weights) if cfg.reward else tasks.task_reward(task, cfg.task)
+    checkpointer = engine.Checkpointer(cfg, ctx.rank, ctx.world, provenance(ctx.device, ctx.world), chat=True)
     found = checkpointer.find()
     if found and (saved := found[1].get("train_config", {}).get("algo", cfg.algo)) != cfg.algo:
         raise ValueError(f"--resume {found[0]} was trained with --algo {saved}, whose optimizer state this run's "
                          f"--algo {cfg.algo} cannot take: pass --algo {saved}, or start a new run from its weights "
                          f"with --init-from {found[0]}")
-    raw = GPT.from_checkpoint(cfg.init_from, value_head=cfg.algo == "ppo", dropout=0.0)
+    if found:
+        stage.check_resume(found, cfg)
+    raw = GPT.from_checkpoint(cfg.init_from, value_head=critic, dropout=0.0)
     train_problems = task.examples("train")
     rm = load_reward_model(cfg, train_problems) if cfg.reward_model else None
     engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw),
-                              "reward_model": rm and engine.weights_digest(rm)}, rank, world,
+                              "reward_model": rm and engine.weights_digest(rm)}, ctx.rank, ctx.world,
                              f"--init-from {cfg.init_from}")
-    rows = cfg.prompts // world * cfg.samples
-    if (cfg.prompts // cfg.rollout_batch) % world:
+    if (cfg.prompts // cfg.rollout_batch) % ctx.world:
         raise ValueError(f"--prompts {cfg.prompts} make {cfg.prompts // cfg.rollout_batch} generate() calls of "
-                         f"--rollout-batch {cfg.rollout_batch}, not a multiple of the {world} ranks: each must get "
-                         f"as many; pass --prompts {cfg.rollout_batch * world} or a multiple")
-    raw, rm = raw.to(device), rm.to(device) if rm else None
-    ref = prefs.frozen_copy(raw) if cfg.beta > 0 else None
-    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda" and not cfg.eval_only
-    built = build_trainable(raw, cfg, device, use_compile, verbose=rank == 0)
+                         f"--rollout-batch {cfg.rollout_batch}, not a multiple of the {ctx.world} ranks: each must get "
+                         f"as many; pass --prompts {cfg.rollout_batch * ctx.world} or a multiple")
+    raw, rm = raw.to(ctx.device), rm.to(ctx.device) if rm else None
+    ref = frozen_copy(raw) if cfg.beta > 0 else None
+    built = build_trainable(raw, cfg, ctx.device, stage.use_compile(cfg, ctx.device), verbose=ctx.master)
     parts = {"sampler": PromptSampler(train_problems, cfg.seed), "scaler": built.scaler, "tokens": engine.TokenCount()}
-    start = checkpointer.restore(found[1], raw, built.optimizer, parts) if found else 0
-    if found and not cfg.eval_only:
-        resume_checks(found[1].get("train_config", {}), cfg, start, rank)
-    log = engine.open_run_log(cfg, start if found else None, checkpointer.rewinding, rank, world)
-    log.write({"type": "config", "step": start, "config": dataclasses.asdict(cfg),
-               "model_config": dataclasses.asdict(raw.config), "provenance": checkpointer.prov})
-    if rank == 0:
-        print(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {world} "
-              f"ranks) from --init-from {cfg.init_from}" + (f", resumed at step {start}" if found else ""))
-    evals = [task_eval(cfg, raw, task, built.autocast, log, rank, world)]
-    return engine.Run(step_fn=rl_step(cfg, raw, built, ref, rm, task, parts["sampler"], log, rank, world), raw=raw,
-                      trainable=built, checkpointer=checkpointer, log=log, parts=parts, tokens=parts["tokens"],
-                      evaluator=engine.Evaluator(evals, log, parts["tokens"], cfg.eval_only),
-                      stop=engine.StopFlags(cfg.max_time, not cfg.eval_only, rank == 0, device, world),
-                      profiler=engine.Profiler(cfg.profile, start, cfg.profile_steps, Path(cfg.out_dir), rank),
-                      start_step=start, last_step=start if cfg.eval_only else cfg.max_steps, resumed=found is not None,
-                      eval_only=cfg.eval_only, rank=rank, world=world, device=device)
+    start = stage.resume(found, checkpointer, raw, built, parts, cfg, ctx) if found else 0
+    log = stage.open_log(cfg, raw, checkpointer, found, start, ctx)
+    if ctx.master:
+        rows = cfg.prompts // ctx.world * cfg.samples
+        print(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {ctx.world} "
+              f"ranks) from --init-from {cfg.init_from}")
+    step_fn = rl_step(cfg, raw, built, ref, (None, rm) if rm else (reward, None), parts["sampler"], log, ctx)
+    return Run(cfg=cfg, ctx=ctx, step_fn=step_fn, raw=raw, trainable=built, checkpointer=checkpointer, log=log,
+               evals=[task_eval(cfg, raw, task, built.autocast, log, ctx)], parts=parts, start_step=start,
+               resumed=found is not None)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """The command line (or a list of flags): parse, set up, train. A user error is one line and SystemExit(1)."""
-    cfg = parse_config(RLConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    rank, _, world, device = setup_distributed(cfg.device, cfg.dist_timeout)
-    try:
-        with engine.hold_out_dir(cfg, rank, world), (run := setup(cfg, rank, world, device)).stop:
-            return engine.train(run)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return stage.main(RLConfig, argv, {}, setup, __doc__)
 
 
 if __name__ == "__main__":
-    run_and_exit(main, lambda result: 1 if result.get("stopped") == "nan" else 0)
+    run_and_exit(main, stage.exit_code)

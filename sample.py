@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from common import EOT, get_tokenizer, import_torchao, parse_config, resolve_device, tensor_bytes
+from generate import check_sampling, sample_stream
 from model import GPT
 
 WORD = re.compile(r"\w+", re.ASCII)  # identifier-like: letters, digits and _
@@ -36,7 +37,7 @@ DOC_BREAK = "\n--- end of document ---\n"  # printed for <|endoftext|>, where th
 class SampleConfig:
     """Sample text from a checkpoint of this project (--ckpt) or an HF GPT-2 (--init-from)."""
 
-    ckpt: str | None = None  # checkpoint of this project (.pt written by train.py)
+    ckpt: str | None = None  # checkpoint of this project (.pt written by any stage)
     init_from: str | None = None  # or HF GPT-2: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a local HF directory
     prompt: str = "Hello, I'm a language model,"  # text to continue; @FILE reads a file, - reads stdin
     num_samples: int = 3  # samples, generated one after another
@@ -54,7 +55,7 @@ class SampleConfig:
     def __post_init__(self) -> None:
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"--quantize must be none or int8, got {self.quantize!r}")
-        GPT.check_sampling(self.temperature, self.top_k, self.top_p)  # before a model loads
+        check_sampling(self.temperature, self.top_k, self.top_p)  # before a model loads
         for name in ("num_samples", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -101,8 +102,8 @@ def generate_text(model: GPT, enc: Any, cfg: SampleConfig, device: torch.device 
         # a token can end in the middle of a multi-byte UTF-8 character: the decoder holds it back until complete
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         pieces = []
-        for nxt in model.generate_stream(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                                         top_p=cfg.top_p, use_cache=not cfg.no_cache, generator=generator):
+        for nxt in sample_stream(model, idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                                 top_p=cfg.top_p, use_cache=not cfg.no_cache, generator=generator):
             eot = int(nxt[0, 0]) == EOT  # shown as a break; the returned text keeps the token, a word boundary
             piece = decoder.decode(b"" if eot else enc.decode_single_token_bytes(int(nxt[0, 0])), final=eot)
             pieces.append(piece + "<|endoftext|>" * eot)

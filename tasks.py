@@ -1,7 +1,14 @@
-"""Tasks: problems as conversations plus a checker of the model's reply, for the evals, SFT data and RL rewards.
+"""Tasks: problems as conversations plus a checker of the model's reply, for SFT data and evals, preference pairs and
+RL rewards: the built-in ones, and a user's own, loaded from FILE.py:NAME (or module:NAME) wherever a task is taken.
 
-A task's examples(split) are {"messages": [user, assistant], "answer": str}: the assistant's message is the reference
-reply (an SFT row), check(reply_text, answer) says whether a reply is right, and reward() is that as 1.0 or 0.0.
+A task is any object with (duck-typed: a user's file need not import this project)
+    examples(split) -> [{"messages": [..., user, assistant], "answer": str}]   split "train" or "test"; the last
+                       message is the reference reply (an SFT row), the ones before it the prompt
+    check(reply, answer) -> bool                  whether a reply's text is right
+and optionally
+    reward(prompt, reply, answer) -> float        RL's reward (default: 1.0 if check, else 0.0); prompt is the messages
+    wrong(answer, rng) -> str                     a wrong reply, for preference pairs (tasks.py --pairs)
+rl.py's --reward FILE.py:FN[,FILE.py:FN2] takes functions fn(prompt, reply, answer) -> float in the task's place.
 
     gsm8k          openai/gsm8k "main" (train/test): word problems; the reference's <<expr=result>> calculator notes
                    become tool calls and outputs; the answer is the number after ####
@@ -11,18 +18,25 @@ reply (an SFT row), check(reply_text, answer) says whether a reply is right, and
                    and test are disjoint by a hash of the pair. Train a small model on it one problem per row
                    (seq_len 16): packed with others, a problem attends to the ones before it, and it learns far slower
 
-Usage (a task's train and test splits as JSONL conversations, for chat_format.ConversationLoader):
-    python tasks.py --task addition            # -> data/addition/train.jsonl, test.jsonl
+Usage (a task's train and test splits as JSONL conversations, for sft.py; with --pairs, preference pairs for prefs.py):
+    python tasks.py --task addition --pairs                # -> data/addition/, data/addition_pairs/
+    python tasks.py --task examples/subtraction.py:Subtraction --out-dir data/subtraction
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import importlib.util
 import json
+import math
+import numbers
 import random
 import re
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from chat_format import ASSISTANT_END, CHAT_VOCAB, calculator, load_rows, render_prompt, reply_text
+from chat_format import ASSISTANT_END, CHAT_VOCAB, load_rows, render_prompt, reply_text
 from common import parse_config
 from fineweb import DataError
-from generate import generate
+from generate import calculator, generate
 
 
 def conversation(prompt: str, reply: Any, answer: str) -> dict:
@@ -58,7 +72,7 @@ class Task:
     def check(self, reply: str, answer: str) -> bool:
         raise NotImplementedError
 
-    def reward(self, reply: str, answer: str) -> float:
+    def reward(self, prompt: list[dict], reply: str, answer: str) -> float:
         return float(self.check(reply, answer))
 
 
@@ -121,13 +135,13 @@ class Addition(Task):
         """test for a tenth of the pairs, by a hash of the unordered pair: a + b and b + a share a split."""
         return "test" if zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0 else "train"
 
-    def examples(self, split: str, source: str = "", n: int = 0, seed: int = 0) -> list[dict]:
+    def examples(self, split: str, source: str = "", n: int = 0) -> list[dict]:
         """Up to n (0: all) distinct problems of the split, in a seeded order."""
         if split not in self.splits or source:
             raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}")
         numbers = range(10 ** (self.digits - 1), 10 ** self.digits)
         pairs = [(a, b) for a in numbers for b in numbers if self.split_of(a, b) == split]
-        random.Random(seed).shuffle(pairs)
+        random.Random(0).shuffle(pairs)
         spaced = lambda k: " ".join(str(k))
         return [conversation(f"What is {spaced(a)} + {spaced(b)}?", spaced(a + b), str(a + b))
                 for a, b in pairs[:n or None]]
@@ -164,32 +178,128 @@ TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": l
          "addition": Addition}
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# A user's own task and rewards: FILE.py:NAME or module:NAME
+
+
+def check_spec(spec: str) -> None:
+    """A ValueError unless spec is '' (none), a built-in task's name, or FILE.py:NAME / module:NAME (loaded later)."""
+    if spec and spec not in TASKS and ":" not in spec:
+        raise ValueError(f"--task must be one of {', '.join(TASKS)}, or FILE.py:NAME or module:NAME for your own; "
+                         f"got {spec!r}")
+
+
+@functools.cache
+def _module(where: str) -> Any:
+    """A user's FILE.py (run once per process, as an import would be) or an importable module."""
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    path = Path(where).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file {where}")
+    spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # a dataclass in it looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_object(spec: str, flag: str) -> Any:
+    """NAME of FILE.py:NAME or module:NAME, or a one-line ValueError naming the file and the name."""
+    where, _, name = spec.rpartition(":")
+    try:
+        found = getattr(_module(where), name)
+    except AttributeError:
+        raise ValueError(f"{flag} {spec}: {where} has no {name!r}") from None
+    except Exception as e:  # the user's file: a missing file, a syntax error, an import that fails
+        raise ValueError(f"{flag} {spec}: cannot load {where} ({type(e).__name__}: {e})".replace("\n", " ")) from None
+    return found
+
+
+def load_task(spec: str) -> Any:
+    """A built-in task by name, or an instance of the class FILE.py:NAME that follows the protocol above."""
+    if spec in TASKS:
+        return TASKS[spec]()
+    check_spec(spec)
+    made = load_object(spec, "--task")
+    try:
+        task = made() if isinstance(made, type) else made
+    except Exception as e:
+        raise ValueError(f"--task {spec}: {spec.rpartition(':')[2]}() raised {type(e).__name__}: {e}") from None
+    if missing := [m for m in ("examples", "check") if not callable(getattr(task, m, None))]:
+        raise ValueError(f"--task {spec}: {type(task).__name__} has no {' or '.join(missing)} method; a task gives "
+                         "examples(split) and check(reply, answer) (tasks.py's docstring)")
+    return task
+
+
+Reward = Callable[[list[dict], str, str], float]
+
+
+def checked(fn: Callable[..., Any], name: str) -> Reward:
+    """fn(prompt, reply, answer) as a float, or a one-line ValueError naming it: it raised, or gave a non-number."""
+    def reward(prompt: list[dict], reply: str, answer: str) -> float:
+        try:
+            value = fn(prompt, reply, answer)
+        except Exception as e:
+            raise ValueError(f"{name} raised {type(e).__name__}: {e}".replace("\n", " ")) from None
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{name} returned {value!r:.60}, not a finite number")
+        return float(value)
+
+    return reward
+
+
+def task_reward(task: Any, spec: str) -> Reward:
+    """The task's own reward(prompt, reply, answer), or 1.0 for a reply check() passes and 0.0 otherwise."""
+    fn = getattr(task, "reward", None) or (lambda prompt, reply, answer: float(task.check(reply, answer)))
+    return checked(fn, f"--task {spec}'s reward")
+
+
+def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
+    """--reward FILE.py:FN[,FILE.py:FN2]: the functions' sum, weighted by --reward-weights (1 each by default)."""
+    names = [s for s in specs.split(",") if s]
+    weights = weights or (1.0,) * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"--reward-weights gives {len(weights)} weights for {len(names)} --reward functions")
+    found = [(name, load_object(name, "--reward"), w) for name, w in zip(names, weights, strict=True)]
+    if bad := next((name for name, fn, _ in found if not callable(fn)), None):
+        raise ValueError(f"--reward {bad} is not a function; a reward is fn(prompt, reply, answer) -> float")
+    fns = [(checked(fn, f"--reward {name}"), w) for name, fn, w in found]
+    return lambda prompt, reply, answer: sum(w * fn(prompt, reply, answer) for fn, w in fns)
+
+
+def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[dict]:
+    """Up to n (0: all) rows of a task's problems, its reference reply chosen over a wrong one (task.wrong, seeded)."""
+    rng = random.Random(seed)
+    return [{"prompt": ex["messages"][:-1], "chosen": ex["messages"][-1]["content"],
+             "rejected": task.wrong(ex["answer"], rng)} for ex in task.examples(split)[:n or None]]
+
+
 @dataclass
 class TasksConfig:
-    """Write a task's train and test examples as JSONL conversations (train.jsonl, test.jsonl) for SFT."""
+    """Write a task's train and test examples as JSONL conversations (train.jsonl, test.jsonl) for sft.py."""
 
-    task: str = "addition"  # gsm8k, arc-easy, arc-challenge or addition
+    task: str = "addition"  # gsm8k, arc-easy, arc-challenge, addition, or your own: FILE.py:NAME or module:NAME
     out_dir: str = ""  # where to write them ('' = data/<task>)
     limit: int = 0  # at most this many examples per split (0 = all)
     # also write preference pairs, the reference reply chosen over a wrong one, to <out_dir>_pairs/{train,test}.jsonl
-    # (for train.py --data-kind pairs); a task that can make wrong replies (addition)
+    # (for prefs.py); a task that can make wrong replies (addition, or one with wrong(answer, rng))
     pairs: bool = False
-    seed: int = 0  # seeds the order of the problems and the wrong replies
+    seed: int = 0  # seeds the wrong replies
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not self.limit >= 0:
             raise ValueError(f"--limit must be >= 0 (0: all); got {self.limit}")
-        if self.pairs and not hasattr(TASKS[self.task](), "wrong"):
-            raise ValueError(f"--pairs needs a task that makes wrong replies (addition), not {self.task}")
+        if self.pairs and not callable(getattr(load_task(self.task), "wrong", None)):
+            raise ValueError(f"--pairs needs a task that makes wrong replies (wrong(answer, rng)), not {self.task}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from prefs import synthetic_pairs
-
     cfg = parse_config(TasksConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    out, task = Path(cfg.out_dir or f"data/{cfg.task}"), TASKS[cfg.task]()
+    try:
+        task = load_task(cfg.task)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    out = Path(cfg.out_dir or f"data/{cfg.task.rpartition(':')[2].lower()}")
     pairs = out.with_name(out.name + "_pairs")  # beside, not inside: a directory is one dataset of one schema
     try:  # every row first: a split that cannot be made leaves nothing written
         files = {}

@@ -10,11 +10,13 @@
 #   train-tests   tests/test_gpu_train.py: train.py under torchrun/NCCL, compiled bf16 with the fused kernels and
 #                 the fused chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2
 #                                                                   156 s on an H200 (before --fused-ce was added)
+#   post-tests    tests/test_gpu_post.py: sft.py, prefs.py (reward model, DPO) and rl.py (GRPO, PPO) on CUDA, compiled
+#                 and bf16, each against an eager run, and RL's masked head compiled against eager        not yet run
 # Logs and JSON go to $OUT (the device runner's result folder) or out/gpu_suite.
 #
 # Usage:
 #   bash scripts/gpu_suite.sh                                       # kernel-tests,bench
-#   STAGES=train-tests bash scripts/gpu_suite.sh                    # the second call
+#   STAGES=train-tests,post-tests bash scripts/gpu_suite.sh         # the second call
 #   STAGES=bench bash scripts/gpu_suite.sh --suite train --variants compile-b16,compile-b32,eager+fused
 #                                                                   # a further call: arguments replace the default
 #                                                                   # --suite and --variants
@@ -49,7 +51,7 @@ compile+fused+fused-ce,compile+flash-attn,compile+cudnn-attn,compile+fused-ce-ch
 compile-reduce-overhead,compile+ddp,compile-b16,eager+fused,compile+recompute,compile-fp32,compile-max-autotune,\
 compile+muon,compile+adamw8bit}"
 for s in ${STAGES//,/ }; do
-    case "$s" in kernel-tests|train-tests|bench) ;; *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
+    case "$s" in kernel-tests|train-tests|post-tests|bench) ;; *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
 done
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
 stage() { echo; echo "=== $1 ($(date -u +%H:%M:%S) UTC, ${SECONDS}s in)"; }
@@ -106,6 +108,11 @@ fi
 if want train-tests; then
     stage "train.py end to end on the GPU (torchrun/NCCL, compile, bf16, fused kernel, resume, ZeRO-1, FSDP2)"
     run_pytest gpu_train tests/test_gpu_train.py "$(left 540)"
+fi
+
+if want post-tests; then
+    stage "sft.py, prefs.py and rl.py on the GPU (torchrun/NCCL, compile, bf16, each against eager)"
+    run_pytest gpu_post tests/test_gpu_post.py "$(left 540)"
 fi
 
 if want bench; then

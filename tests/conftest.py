@@ -26,6 +26,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+# train.py's tiny preset as flags, for the stages without it (sft.py, prefs.py)
+TINY = ["--model=tiny", "--seq-len=64", "--total-batch-size=512", "--batch-size=4", "--max-lr=1e-3", "--warmup-steps=2",
+        "--max-steps=10", "--eval-every=5", "--eval-tokens=512", "--ckpt-every=0"]
+
+
+def one_line_error(capsys: pytest.CaptureFixture, main, argv: list[str]) -> str:
+    """A stage's one-line error, whichever way it came: a flag's (SystemExit's text) or the run's (stderr, exit 1)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err.strip()
+    assert e.value.code not in (0, None) and "\n" not in message, message
+    return message
+
+
 @pytest.fixture
 def sigint_handled():
     """Python's own Ctrl-C handler for the test: a suite started in the background (nohup, `bash test.sh &`) inherits

@@ -1,5 +1,5 @@
-"""A second training script on the engine, as a new stage would write one: its own config (not train.py's), a
-model, an objective, and the engine's parts built in a few lines, with resume, NaN recovery and DDP from the engine.
+"""A second training script on the engine alone (not stage.py's scaffolding): its own config (not train.py's), a
+model, an objective, and an engine.Run built in a few lines, with resume, NaN recovery and DDP from the engine.
 
     python tests/engine_script.py --data DIR --out-dir OUT --max-steps 6 [--resume auto]
     torchrun --nproc_per_node=2 tests/engine_script.py ...
@@ -31,40 +31,34 @@ class TinyConfig(engine.RunArgs):
 
 def main(argv: list[str]) -> dict:
     cfg = parse_config(TinyConfig, argv)
-    rank, _, world, device = setup_distributed(cfg.device)
+    ctx = engine.Context(*setup_distributed(cfg.device))
     torch.manual_seed(cfg.seed)
     raw = GPT(dataclasses.replace(MODEL_PRESETS["tiny"](), block_size=cfg.seq_len))
-    loader = TokenLoader(cfg.data, "train", cfg.batch_size, cfg.seq_len, rank, world, cfg.seed, device)
-    val = TokenLoader(cfg.data, "val", cfg.batch_size, cfg.seq_len, rank, world, cfg.seed, device)
-    checkpointer = engine.Checkpointer(cfg, rank, world, provenance(device, world))
+    loader, val = (TokenLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, ctx.rank, ctx.world, cfg.seed, ctx.device)
+                   for split in ("train", "val"))
+    checkpointer = engine.Checkpointer(cfg, ctx.rank, ctx.world, provenance(ctx.device, ctx.world))
     found = checkpointer.find()
-    built = build_trainable(raw, cfg, device, use_compile=False, verbose=False)
+    built = build_trainable(raw, cfg, ctx.device, use_compile=False, verbose=False)
     parts = {"loader": loader, "tokens": engine.TokenCount()}
     start = checkpointer.restore(found[1], raw, built.optimizer, parts) if found else 0
-    path = Path(cfg.out_dir) / "log.jsonl" if rank == 0 else None
-    if path:  # the log holds the steps before `start`: a rewind's dropped ones kept aside until its first checkpoint
-        engine.prepare_log(path, start if found else None, checkpointer.rewinding)[2]()
-    log = engine.RunLog(path, rank == 0, cfg.max_steps)
+    log = engine.open_run_log(cfg, start if found else None, checkpointer.rewinding, ctx.rank, ctx.world)
 
     def step_fn(step: int) -> dict:
         loss, norm = train_step(built.model, built.optimizer, loader.next_batch, 1, built.autocast, cfg.grad_clip)
-        if world > 1:
+        if ctx.world > 1:
             torch.distributed.all_reduce(loss)
-        return {"loss": loss.item() / world, "lr": cfg.max_lr, "grad_norm": norm.item(),
-                "tokens": cfg.batch_size * cfg.seq_len * world}
+        return {"loss": loss.item() / ctx.world, "lr": cfg.max_lr, "grad_norm": norm.item(),
+                "tokens": cfg.batch_size * cfg.seq_len * ctx.world}
 
     def val_eval(step: int) -> dict:
-        return {"val_loss": engine.val_loss(built.model, val, 2, built.autocast, world)}
+        return {"val_loss": engine.val_loss(built.model, val, 2, built.autocast, ctx.world)}
 
-    run = engine.Run(step_fn=step_fn, raw=raw, trainable=built, checkpointer=checkpointer, log=log,
-                     evaluator=engine.Evaluator([engine.Eval("val", 3, val_eval)], log, parts["tokens"]),
-                     stop=engine.StopFlags(cfg.max_time, master=rank == 0, device=device, world=world),
-                     profiler=engine.Profiler(False, start, 1, Path(cfg.out_dir)), parts=parts,
-                     tokens=parts["tokens"], start_step=start, last_step=cfg.max_steps, resumed=found is not None,
-                     rank=rank, world=world, device=device)
+    run = engine.Run(cfg=cfg, ctx=ctx, step_fn=step_fn, raw=raw, trainable=built, checkpointer=checkpointer,
+                     log=log, evals=[engine.Eval("val", 3, val_eval)], parts=parts, start_step=start,
+                     resumed=found is not None)
     with run.stop:
         result = engine.train(run)
-    if world > 1:
+    if ctx.world > 1:
         torch.distributed.destroy_process_group()
     return result
 

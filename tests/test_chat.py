@@ -13,10 +13,10 @@ import torch
 
 import chat
 import chat_format as cf
-import train
-from conftest import ROOT
+from conftest import ROOT, TINY
 from generate import generate
 from model import GPT, MODEL_PRESETS
+from sft import main as sft_main
 
 # every conversation: a question, then this reply (a calculator call, its result, text)
 REPLY = [{"type": "tool", "text": "6*7"}, {"type": "output", "text": "42"}, {"type": "text", "text": " Hi!"}]
@@ -25,14 +25,13 @@ GREEDY = ["--temperature", "0", "--max-new-tokens", "12"]
 
 
 def sft_checkpoint(out: Path) -> Path:
-    """train.py --data-kind chat on 60 conversations: a chat checkpoint whose greedy reply to a question is REPLY."""
+    """sft.py on 60 conversations: a chat checkpoint whose greedy reply to a question is REPLY."""
     with open(out / "chat.jsonl", "w") as f:
         for i in range(60):
             messages = [{"role": "user", "content": f"{i % 10}+{i // 10}?"}, {"role": "assistant", "content": REPLY}]
             f.write(json.dumps({"messages": messages}) + "\n")
-    train.main(["--preset", "tiny", "--data", str(out / "chat.jsonl"), "--data-kind", "chat", "--batch-size", "2",
-                "--total-batch-size", "128", "--max-steps", "40", "--eval-every", "0", "--max-lr", "1e-2",
-                "--out-dir", str(out / "run")])
+    sft_main([*TINY, "--data", str(out / "chat.jsonl"), "--batch-size", "2", "--total-batch-size", "128",
+              "--max-steps", "40", "--eval-every", "0", "--max-lr", "1e-2", "--out-dir", str(out / "run")])
     return out / "run" / "ckpt_000040.pt"
 
 
@@ -120,7 +119,7 @@ def test_a_base_model_is_warned_about_and_an_hf_gpt2_padded(sft, hf_dir, tmp_pat
         messages = run([flag, str(source), "--prompt", "hello", "--max-new-tokens", "3", "--seed", "1"], "",
                        monkeypatch)
         assert capsys.readouterr().err == (
-            f"warning: {source} was never fine-tuned on conversations (train.py --data-kind chat), so it does not "
+            f"warning: {source} was never fine-tuned on conversations (sft.py), so it does not "
             "know the chat format: its replies may be gibberish\n")
         assert messages[0] == {"role": "user", "content": "hello"}
     model, fine_tuned = chat.load_model(chat.ChatConfig(init_from=str(hf_dir)))

@@ -16,11 +16,11 @@ from test_chat import sft
 import chat
 import chat_format as cf
 import export
+import prefs
 import rl
 import tasks
-import train
 from common import iter_log, load_checkpoint
-from conftest import ROOT
+from conftest import ROOT, TINY, one_line_error
 from fineweb import DataError, source_kind
 from generate import generate
 from model import GPT
@@ -152,9 +152,9 @@ def test_an_exported_chat_model_answers_as_chat_py(sft, tmp_path):
 def test_the_chat_format_follows_the_weights_through_dpo_and_rl_to_export(sft, tmp_path, capsys):
     rows = [{"prompt": f"{i}+1?", "chosen": "yes", "rejected": "no"} for i in range(40)]
     pairs = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    train.main(["--preset", "tiny", "--init-from", str(sft), "--data", str(pairs), "--data-kind", "pairs",
-                "--objective", "dpo", "--batch-size", "2", "--total-batch-size", "128", "--max-steps", "2",
-                "--eval-every", "0", "--out-dir", str(tmp_path / "dpo")])
+    prefs.main([*TINY, "--init-from", str(sft), "--data", str(pairs), "--objective", "dpo", "--batch-size", "2",
+                "--total-batch-size", "128", "--max-steps", "2", "--eval-every", "0", "--out-dir",
+                str(tmp_path / "dpo")])
     dpo = tmp_path / "dpo" / "ckpt_000002.pt"
     policy = ["--init-from", str(dpo), "--algo", "ppo", "--prompts=2", "--samples=2", "--rollout-batch=1",
               "--max-new-tokens=4", "--eval-limit=2", "--pass-k=0", "--max-steps=1", "--device=cpu"]
@@ -172,30 +172,25 @@ def test_the_chat_format_follows_the_weights_through_dpo_and_rl_to_export(sft, t
     assert "never fine-tuned" not in capsys.readouterr().err
     # a PPO policy's value head is a critic, not a reward model; and a resume cannot change --algo
     log = (tmp_path / "rl" / "log.jsonl").read_text()
-    with pytest.raises(SystemExit) as e:
-        rl.main([*policy, "--algo", "grpo", "--reward-model", str(ppo), "--out-dir", str(tmp_path / "rl2")])
-    assert str(e.value) == (f"error: --reward-model {ppo} is a PPO policy, whose value head is a critic, not a reward "
-                            "model: train one with train.py --objective reward")
-    with pytest.raises(SystemExit) as e:
-        rl.main([*policy, "--algo", "grpo", "--max-steps=2", "--resume=auto", "--out-dir", str(tmp_path / "rl")])
-    assert str(e.value).startswith(f"error: --resume {ppo} was trained with --algo ppo, whose optimizer state this "
-                                   "run's --algo grpo cannot take: pass --algo ppo")
+    assert one_line_error(capsys, rl.main, [*policy, "--algo", "grpo", "--reward-model", str(ppo), "--out-dir",
+                                            str(tmp_path / "rl2")]) == \
+        (f"error: --reward-model {ppo} is a PPO policy, whose value head is a critic, not a reward model: train one "
+         "with prefs.py --objective reward")
+    assert one_line_error(capsys, rl.main, [*policy, "--algo", "grpo", "--max-steps=2", "--resume=auto", "--out-dir",
+                                            str(tmp_path / "rl")]).startswith(
+        f"error: --resume {ppo} was trained with --algo ppo, whose optimizer state this run's --algo grpo cannot "
+        "take: pass --algo ppo")
     assert (tmp_path / "rl" / "log.jsonl").read_text() == log and len(list((tmp_path / "rl").glob("ckpt_*"))) == 1
     assert [r["type"] for r in iter_log(tmp_path / "rl" / "log.jsonl")][0] == "config"
 
 
-def one_line_exit(main, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert "\n" not in str(e.value.code)
-    return str(e.value.code)
 
 
-def test_tasks_py_refuses_bad_numbers_and_unwritable_targets_in_one_line(tmp_path):
-    assert one_line_exit(tasks.main, ["--limit=-5"]) == "error: --limit must be >= 0 (0: all); got -5"
+def test_tasks_py_refuses_bad_numbers_and_unwritable_targets_in_one_line(tmp_path, capsys):
+    assert one_line_error(capsys, tasks.main, ["--limit=-5"]) == "error: --limit must be >= 0 (0: all); got -5"
     blocker = tmp_path / "file"
     blocker.write_text("")
-    message = one_line_exit(tasks.main, ["--task=addition", "--pairs", f"--out-dir={blocker}/addition"])
+    message = one_line_error(capsys, tasks.main, ["--task=addition", "--pairs", f"--out-dir={blocker}/addition"])
     assert message.startswith(f"error: cannot write {blocker}/addition") and message.endswith("pass another --out-dir")
     assert blocker.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
@@ -208,10 +203,10 @@ def test_tasks_py_offline_is_one_line_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_empty_prompt_and_dpo_without_a_start_are_refused():
-    assert one_line_exit(chat.main, ["--init-from", "gpt2", "--prompt", " "]) == \
+def test_an_empty_prompt_and_dpo_without_a_start_are_refused(capsys):
+    assert one_line_error(capsys, chat.main, ["--init-from", "gpt2", "--prompt", " "]) == \
         "error: --prompt is empty: pass a message, or leave --prompt out to chat interactively"
-    assert one_line_exit(train.main, ["--preset", "tiny", "--data-kind=pairs", "--objective=dpo"]) == \
+    assert one_line_error(capsys, prefs.main, [*TINY, "--objective=dpo"]) == \
         ("error: --objective dpo moves a model away from its starting weights, its reference: pass --init-from a "
          "fine-tuned model (a random one prefers nothing)")
 

@@ -21,7 +21,7 @@ import export
 from common import EOT, GPT2_VOCAB
 from conftest import ROOT
 from export import export_hf
-from generate import generate
+from generate import generate, sample
 from model import GPT, GPTConfig
 
 
@@ -157,7 +157,7 @@ def test_export_hf_llama_round_trip(tmp_path, kw):
         torch.testing.assert_close(hf(idx).logits, ours[..., :GPT2_VOCAB], atol=1e-5, rtol=1e-5)
         # HF's own KV-cache decoding of the export agrees with ours, token for token
         theirs = hf.generate(idx[:1, :8], max_new_tokens=12, do_sample=False, pad_token_id=EOT)
-    assert torch.equal(theirs, model.generate(idx[:1, :8], 12, temperature=0.0))
+    assert torch.equal(theirs, sample(model, idx[:1, :8], 12, temperature=0.0))
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
     modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}

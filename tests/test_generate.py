@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from common import GPT2_VOCAB, get_tokenizer
-from generate import Calculator, calculate, generate, generate_stream
+from generate import Calculator, calculate, generate, generate_stream, sample
 from model import GPT, GPTConfig, KVCache
 
 # the chat format's special ids (chat_format.py): GPT-2's unused padded-vocabulary rows
@@ -39,7 +39,7 @@ def model(request):
 
 def alone(model, prompt, n, **kw):
     """sample.py's path: GPT.generate on this one prompt."""
-    return model.generate(torch.tensor([prompt]), n, **kw)[0, len(prompt):].tolist()
+    return sample(model, torch.tensor([prompt]), n, **kw)[0, len(prompt):].tolist()
 
 
 def test_padded_rows_get_the_logits_of_each_prompt_alone(model):

@@ -16,6 +16,7 @@ attention backward); each test prints the largest difference it saw.
 """
 
 import contextlib
+import importlib
 import io
 import os
 import re
@@ -27,7 +28,6 @@ import numpy as np
 import pytest
 import torch
 
-import train
 from common import get_tokenizer, iter_log, load_checkpoint
 from conftest import ROOT, run_torchrun
 
@@ -81,9 +81,9 @@ def args(data: Path, out: Path, *extra: str) -> list[str]:
 
 
 def launch(argv: list[str], env: dict[str, str] | None = None) -> tuple[str, str]:
-    """Run train.py as one torchrun rank and return its stdout and stderr. On CUDA, a real torchrun. On CPU, the
-    same distributed path in this process: train.py builds its gloo group from torchrun's variables and destroys it
-    at the end, and the ~5 s a launcher and two interpreters take to start are saved on each of the six runs."""
+    """Run a stage script (argv[0]: train.py, sft.py...) as one torchrun rank and return its stdout and stderr. On
+    CUDA, a real torchrun. On CPU, the same distributed path in this process: the stage builds its gloo group from
+    torchrun's variables and destroys it at the end, and the ~5 s a launcher and two interpreters take are saved."""
     if GPU:
         proc = run_torchrun(argv, nproc=1, timeout=RUN_TIMEOUT, env=env)
         return proc.stdout, proc.stderr
@@ -98,7 +98,7 @@ def launch(argv: list[str], env: dict[str, str] | None = None) -> tuple[str, str
             mp.setenv(key, value)
         torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1: tiny ops on 2 threads took twice as long here
         try:
-            train.main(argv[1:])
+            importlib.import_module(argv[0].removesuffix(".py")).main(argv[1:])
         finally:
             torch.set_num_threads(threads)
     return out.getvalue(), err.getvalue()

@@ -15,6 +15,7 @@ import torch
 import bench
 from bench import BenchConfig, bench_int8
 from common import get_tokenizer
+from generate import sample
 from model import GPT, MODEL_PRESETS
 from sample import main, quantize_int8, weight_bytes
 
@@ -110,13 +111,13 @@ def test_int8_logits_are_the_dequantized_weights_logits_and_close_to_fp32(traine
 def test_greedy_int8_tokens_equal_fp32_on_a_trained_model(trained):
     model, seq = trained
     prompt = seq[None, :5]
-    fp32 = model.generate(prompt, 128, temperature=0.0)[0, 5:]
+    fp32 = sample(model, prompt, 128, temperature=0.0)[0, 5:]
     assert (fp32 == seq[5:133]).float().mean() >= 0.9  # it learned the sequence: its greedy choices have margins
     assert len(set(fp32.tolist())) >= 20
     quantized = copy.deepcopy(model)
     quantize_int8(quantized)
     for use_cache in (True, False):  # the KV-cache path and the full recompute
-        int8 = quantized.generate(prompt, 128, temperature=0.0, use_cache=use_cache)[0, 5:]
+        int8 = sample(quantized, prompt, 128, temperature=0.0, use_cache=use_cache)[0, 5:]
         assert (int8 == fp32).float().mean() >= 0.95
 
 
@@ -137,7 +138,7 @@ def test_sample_quantize_int8_generates_the_quantized_models_tokens(ckpt, capsys
     idx = torch.tensor([enc.encode("The cat")])
     quantized = copy.deepcopy(model)
     quantize_int8(quantized)
-    assert text == enc.decode(quantized.generate(idx, 12, temperature=0.0)[0, idx.size(1):].tolist())
+    assert text == enc.decode(sample(quantized, idx, 12, temperature=0.0)[0, idx.size(1):].tolist())
     err = capsys.readouterr().err
     assert "int8: 8 nn.Linear weights quantized, weights 13.3 MB -> 13.0 MB (the tied wte/lm_head stays float32)" in err
 
@@ -186,7 +187,7 @@ def test_bench_int8_rows_on_random_weights_and_on_a_checkpoint(ckpt, tmp_path):
     assert fp32["weights"] == f"checkpoint {path}, step 7" and fp32["prompt_text"] == "def "
     enc = get_tokenizer()
     idx = torch.tensor([enc.encode("def ")])
-    assert fp32["tokens"] == model.generate(idx, 8, temperature=0.0)[0, idx.size(1):].tolist()
+    assert fp32["tokens"] == sample(model, idx, 8, temperature=0.0)[0, idx.size(1):].tolist()
     assert int8["status"] == "ok" and f"int8: 3.3M params, checkpoint {path}, step 7" in result["table"]
     assert "int8 weight-only      8" in result["table"]
 

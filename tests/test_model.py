@@ -26,6 +26,7 @@ from common import (
     peak_flops,
 )
 from conftest import ROOT
+from generate import draw, filter_logits, next_token, sample
 from model import GPT, MODEL_PRESETS, GPTConfig, KVCache
 
 
@@ -737,8 +738,8 @@ def test_generate_cache_and_no_cache_give_same_tokens(sampling, kw):
     model = GPT(tiny(**kw))
     idx = torch.randint(0, 96, (2, 10))
     # 40 new tokens past a 32-token block: the context crop path is exercised as well
-    a = model.generate(idx, 40, use_cache=True, generator=torch.Generator().manual_seed(7), **sampling)
-    b = model.generate(idx, 40, use_cache=False, generator=torch.Generator().manual_seed(7), **sampling)
+    a = sample(model, idx, 40, use_cache=True, generator=torch.Generator().manual_seed(7), **sampling)
+    b = sample(model, idx, 40, use_cache=False, generator=torch.Generator().manual_seed(7), **sampling)
     assert a.shape == (2, 50)
     assert torch.equal(a, b)
     assert model.training  # generate restores the mode it found
@@ -752,7 +753,7 @@ def test_greedy_generation_past_the_block_is_the_argmax_of_the_last_block_size_t
     model = _perturbed(tiny(), scale=0.3)
     idx = torch.randint(0, 96, (2, 28))
     for use_cache in (True, False):
-        out = model.generate(idx, 14, temperature=0.0, use_cache=use_cache)  # 10 steps with a cropped context
+        out = sample(model, idx, 14, temperature=0.0, use_cache=use_cache)  # 10 steps with a cropped context
         with torch.no_grad():
             for t in range(28, 42):
                 expected = model(out[:, max(0, t - 32):t])[0][:, -1].argmax(-1)
@@ -766,11 +767,11 @@ def test_generate_runs_in_eval_mode_and_restores_the_mode():
     model = GPT(tiny(dropout=0.5))
     idx = torch.randint(0, 96, (2, 6))
     model.eval()
-    ref = model.generate(idx, 10, temperature=0.0)
+    ref = sample(model, idx, 10, temperature=0.0)
     assert not model.training
     model.train()
-    assert torch.equal(model.generate(idx, 10, temperature=0.0), ref)
-    assert torch.equal(model.generate(idx, 10, temperature=0.0, use_cache=False), ref)
+    assert torch.equal(sample(model, idx, 10, temperature=0.0), ref)
+    assert torch.equal(sample(model, idx, 10, temperature=0.0, use_cache=False), ref)
     assert model.training
 
 
@@ -780,8 +781,8 @@ def test_generate_under_autocast_cached_equals_uncached():
     model = GPT(tiny())
     idx = torch.randint(0, 96, (2, 5))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        a = model.generate(idx, 12, temperature=0.0, use_cache=True)
-        b = model.generate(idx, 12, temperature=0.0, use_cache=False)
+        a = sample(model, idx, 12, temperature=0.0, use_cache=True)
+        b = sample(model, idx, 12, temperature=0.0, use_cache=False)
     assert a.shape == (2, 17) and torch.equal(a, b)
 
 
@@ -809,7 +810,7 @@ def test_kv_cache_takes_the_keys_dtype_not_the_weights():
 def test_generate_rejects_bad_sampling_arguments(kw, message):
     model = GPT(tiny())
     with pytest.raises(ValueError, match=message):
-        model.generate(torch.zeros(1, 2, dtype=torch.long), 3, **kw)
+        sample(model, torch.zeros(1, 2, dtype=torch.long), 3, **kw)
 
 
 @pytest.mark.parametrize("idx, new, message", [
@@ -818,49 +819,47 @@ def test_generate_rejects_bad_sampling_arguments(kw, message):
     (torch.zeros(1, 2, dtype=torch.long), -3, "max_new_tokens must be >= 0, got -3")])
 def test_generate_rejects_bad_prompts(idx, new, message):
     with pytest.raises(ValueError, match=message):
-        GPT(tiny()).generate(idx, new)
+        sample(GPT(tiny()), idx, new)
 
 
 def test_next_token_leaves_the_callers_logits_alone():
-    model = GPT(tiny(vocab_size=50304))
     logits = torch.randn(2, 50304)
     before = logits.clone()
-    model._next_token(logits, 1.0, 5, 0.9, torch.Generator().manual_seed(0))
+    next_token(logits, 1.0, 5, 0.9, torch.Generator().manual_seed(0))
     assert torch.equal(logits, before)
 
 
 def test_top_k_top_p_never_sample_outside_allowed_set():
-    model = GPT(tiny(vocab_size=50304))
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50304, generator=gen) * 3
     logits[:, GPT2_VOCAB:] = 100.0  # padded entries would win everything if they were not masked
     topk = set(torch.topk(logits[:, :GPT2_VOCAB], 5, dim=-1).indices.flatten().tolist())
     probs = logits[:, :GPT2_VOCAB].softmax(-1)
     for _ in range(200):
-        tok = model._next_token(logits.clone(), 1.0, 5, None, gen)
+        tok = next_token(logits.clone(), 1.0, 5, None, gen)[0]
         assert set(tok.flatten().tolist()) <= topk
     # nucleus: per row, the smallest prefix of the sorted distribution whose mass reaches p
     sorted_p, order = probs.sort(dim=-1, descending=True)
     for _ in range(200):
-        tok = model._next_token(logits.clone(), 1.0, None, 0.5, gen)
+        tok = next_token(logits.clone(), 1.0, None, 0.5, gen)[0]
         for row in range(4):
             n_keep = int((sorted_p[row].cumsum(0) < 0.5).sum()) + 1
             assert tok[row].item() in set(order[row, :n_keep].tolist())
-    tok = model._next_token(logits.clone(), 0.0, None, None, gen)
+    tok = next_token(logits.clone(), 0.0, None, None, gen)[0]
     assert (tok < GPT2_VOCAB).all()
 
 
 def test_draw_samples_each_id_at_its_probability_and_never_a_zero_one():
     # zeros first, between and last: a running sum that stays flat across them must never stop there
     probs = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.2, 0.3, 0.0]).expand(400_000, 7)
-    ids = GPT.draw(probs, torch.Generator().manual_seed(0))
+    ids = draw(probs, torch.Generator().manual_seed(0))
     assert ids.shape == (400_000, 1) and ids.dtype == torch.int64
     freq = torch.bincount(ids[:, 0], minlength=7).double() / len(ids)
     assert freq[[0, 1, 3, 6]].sum() == 0
     # binomial std at p = 0.5 and n = 400,000 is 0.0008: 0.003 is ~4 sigma
     torch.testing.assert_close(freq[[2, 4, 5]], torch.tensor([0.5, 0.2, 0.3], dtype=torch.float64), atol=0.003, rtol=0)
     # unnormalised rows (filter_logits' softmax sums to 1 only within rounding) draw the same way
-    assert torch.equal(GPT.draw(probs * 3, torch.Generator().manual_seed(0)), ids)
+    assert torch.equal(draw(probs * 3, torch.Generator().manual_seed(0)), ids)
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.999999])
@@ -869,7 +868,7 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p(top_p):
     # over 50K tokens and kept 4686 tokens of mass 0.9499984 instead of 4687 for seed 7 at p=0.95
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(8, 50304, generator=gen) * 3
-    kept = GPT.filter_logits(logits, 1.0, None, top_p) > -float("inf")
+    kept = filter_logits(logits, 1.0, None, top_p) > -float("inf")
     exact = logits[:, :GPT2_VOCAB].double().softmax(-1).sort(dim=-1, descending=True).values
     n_exact = ((exact.cumsum(-1) - exact) < top_p).sum(-1)
     assert kept.sum(-1).tolist() == n_exact.tolist()
@@ -888,7 +887,7 @@ def test_filter_logits_equals_hfs_warpers(temperature, top_k, top_p):
     warpers = pytest.importorskip("transformers").generation.logits_process
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 50304, generator=gen) * 3
-    ours = GPT.filter_logits(logits, temperature, top_k, top_p)
+    ours = filter_logits(logits, temperature, top_k, top_p)
     hf = warpers.TemperatureLogitsWarper(temperature)(None, logits[:, :GPT2_VOCAB].clone())
     if top_k is not None:
         hf = warpers.TopKLogitsWarper(top_k)(None, hf)
@@ -908,7 +907,7 @@ def test_top_p_below_the_largest_probability_keeps_the_most_likely_token():
     # keep the first" rule stops every token being dropped (and a NaN distribution being sampled)
     logits = torch.randn(8, 50304, generator=torch.Generator().manual_seed(0)) * 3
     logits[:4, 7] = 40.0  # confident rows
-    kept = GPT.filter_logits(logits, 1.0, None, 1e-9) > -float("inf")
+    kept = filter_logits(logits, 1.0, None, 1e-9) > -float("inf")
     assert kept.sum(-1).tolist() == [1] * 8
     assert torch.equal(kept.float().argmax(-1), logits[:, :GPT2_VOCAB].argmax(-1))
 
@@ -1095,7 +1094,7 @@ def test_untrained_tiny_model_samples():
     model = GPT(MODEL_PRESETS["tiny"]())
     enc = get_tokenizer()
     prompt = enc.encode("Hello, I'm a language model,")
-    out = model.generate(torch.tensor([prompt]), 5, top_k=50, generator=torch.Generator().manual_seed(1337))
+    out = sample(model, torch.tensor([prompt]), 5, top_k=50, generator=torch.Generator().manual_seed(1337))
     assert out.shape == (1, len(prompt) + 5) and out[0, :len(prompt)].tolist() == prompt
     assert enc.decode(out[0].tolist()).startswith("Hello, I'm a language model,")
 

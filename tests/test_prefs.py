@@ -17,21 +17,9 @@ from chat_format import ASSISTANT_END
 from common import EOT, get_tokenizer, iter_log, load_checkpoint
 from fineweb import DataError
 from model import GPT, MODEL_PRESETS, GPTConfig
-from parallel import StepArgs, build_trainable, train_step
-from prefs import (
-    PairLoader,
-    PairObjective,
-    bradley_terry,
-    dpo,
-    dpo_metrics,
-    evaluate_pairs,
-    frozen_copy,
-    parse_pair,
-    reward_model_metrics,
-    rewards,
-    sequence_logprobs,
-    synthetic_pairs,
-)
+from parallel import Objective, StepArgs, build_trainable, frozen_copy, rewards, sequence_logprobs, train_step
+from prefs import PairLoader, bradley_terry, dpo, dpo_metrics, evaluate_pairs, parse_pair, reward_model_metrics
+from tasks import synthetic_pairs
 
 LN2 = math.log(2)
 
@@ -175,17 +163,16 @@ def test_resume_is_bitwise_ranks_take_disjoint_shares_and_epochs_reshuffle():
 
 
 def test_synthetic_pairs_from_a_task_prefer_the_right_answer():
-    class Doubling:  # tasks.py's interface: examples(split, n=, seed=) and wrong(answer, rng)
-        def examples(self, split: str, n: int = 0, seed: int = 0) -> list[dict]:
-            numbers = list(range(10, 40))
-            random.Random(seed).shuffle(numbers)
-            return [{"messages": conversation(f"Double {k}?", str(2 * k)), "answer": str(2 * k)} for k in numbers[:n]]
+    class Doubling:  # tasks.py's protocol: examples(split) and wrong(answer, rng)
+        def examples(self, split: str) -> list[dict]:
+            return [{"messages": conversation(f"Double {k}?", str(2 * k)), "answer": str(2 * k)} for k in range(10, 40)]
 
         def wrong(self, answer: str, rng: random.Random) -> str:
             return str(int(answer) + rng.choice([-1, 1]))
 
-    pairs = synthetic_pairs(Doubling(), "train", 8, seed=3)
+    pairs = synthetic_pairs(Doubling(), "train", 8, seed=3)  # the first 8 problems, the wrong replies seeded
     assert pairs == synthetic_pairs(Doubling(), "train", 8, seed=3) != synthetic_pairs(Doubling(), "train", 8, seed=4)
+    assert len(synthetic_pairs(Doubling(), "train")) == 30
     for pair in pairs:
         k = int(pair["prompt"][0]["content"].split()[1].rstrip("?"))
         assert pair["chosen"] == str(2 * k) and abs(int(pair["rejected"]) - 2 * k) == 1
@@ -225,7 +212,7 @@ def test_reward_is_the_value_at_the_last_reply_token_and_sequence_logprobs_sum_t
                                rtol=1e-5, atol=1e-4)
 
 
-def train_pairs(raw: GPT, objective: PairObjective, batch: tuple, steps: int) -> list[dict]:
+def train_pairs(raw: GPT, objective: Objective, batch: tuple, steps: int) -> list[dict]:
     """`steps` AdamW steps on one batch through parallel.train_step; the metrics of each."""
     args = StepArgs(device="cpu", max_lr=3e-3, weight_decay=0.0)
     built = build_trainable(raw, args, torch.device("cpu"), use_compile=False, verbose=False)
@@ -242,7 +229,7 @@ def test_reward_model_starts_at_ln2_and_learns_one_batch():
     model = tiny(value_head=True)
     start = reward_model_metrics(model, batch)
     assert start["loss"].item() == pytest.approx(LN2, abs=1e-7) and start["accuracy"].item() == 0.0  # zero head
-    log = train_pairs(model, PairObjective(reward_model_metrics), batch, 15)
+    log = train_pairs(model, Objective(reward_model_metrics), batch, 15)
     assert log[0]["loss"] == pytest.approx(LN2, abs=1e-6) and log[-1]["loss"] < 0.1 and log[-1]["accuracy"] == 1.0
     held = evaluate_pairs(model, loader, 1, reward_model_metrics, torch.autocast("cpu", enabled=False), 1)
     assert held == pytest.approx({k: v.item() for k, v in reward_model_metrics(model, batch).items()})
@@ -253,7 +240,7 @@ def test_dpo_starts_at_ln2_against_its_reference_and_learns_one_batch():
     model = tiny()
     ref = frozen_copy(model)
     assert not any(p.requires_grad for p in ref.parameters()) and not ref.training
-    objective = PairObjective(lambda m, b: dpo_metrics(m, b, ref, beta=0.1))
+    objective = Objective(lambda m, b: dpo_metrics(m, b, ref, beta=0.1))
     log = train_pairs(model, objective, batch, 10)
     assert log[0]["loss"] == pytest.approx(LN2, abs=1e-6) and log[0]["margin"] == 0.0
     end = log[-1]
@@ -294,7 +281,7 @@ def test_value_head_loads_from_weights_without_it(hf_dir):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# on the engine: train.py --objective reward / dpo
+# on the engine: prefs.py --objective reward / dpo
 
 
 @pytest.fixture(scope="module")
@@ -323,13 +310,13 @@ def random_start(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("preset", ["rm-demo", "dpo-demo"])
 def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pairs, random_start, tmp_path, preset):
-    import train
+    import prefs
 
     extra = ["--max-steps=4", "--ckpt-every=2", "--eval-every=2", "--dpo-sft=0"]  # DPO's tie below: no SFT term
     extra += [f"--init-from={random_start}"] if preset == "dpo-demo" else []
-    full = train.main(pairs_run(addition_pairs, tmp_path / "full", preset, *extra))
-    train.main(pairs_run(addition_pairs, tmp_path / "split", preset, *extra, "--max-steps=2"))
-    rest = train.main(pairs_run(addition_pairs, tmp_path / "split", preset, *extra, "--resume=auto"))
+    full = prefs.main(pairs_run(addition_pairs, tmp_path / "full", preset, *extra))
+    prefs.main(pairs_run(addition_pairs, tmp_path / "split", preset, *extra, "--max-steps=2"))
+    rest = prefs.main(pairs_run(addition_pairs, tmp_path / "split", preset, *extra, "--resume=auto"))
     losses = [r["loss"] for r in iter_log(tmp_path / "split" / "log.jsonl") if r["type"] == "train"]
     # bitwise: for DPO this also shows the resumed run's reference is the starting weights, not the resumed ones
     assert losses == full["losses"] and rest["val"] == full["val"]
@@ -341,17 +328,23 @@ def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pa
     assert [r["step"] for r in records if r["type"] == "val"] == [0, 2, 4]
     assert all(0 <= r["val_accuracy"] <= 1 for r in records if r["type"] == "val")
     ckpt = load_checkpoint(tmp_path / "full" / "ckpt_000004.pt")
-    assert ("value_head.weight" in ckpt["model"]) == (preset == "rm-demo")
+    assert ("value_head.weight" in ckpt["model"]) == (preset == "rm-demo") and ckpt["chat"] is True
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--objective=dpo", "--data-kind=chat"], "--objective dpo trains on preference pairs: pass --data-kind pairs"),
-    (["--data-kind=pairs"], "--data-kind pairs trains a preference objective: pass --objective reward or dpo"),
-    (["--objective=reward", "--data-kind=pairs", "--value-head=false"], "--objective reward trains a value head"),
+@pytest.mark.parametrize("main, flags, message", [
+    ("prefs", ["--objective=lm"], "--objective must be reward or dpo and --dpo-sft >= 0; got 'lm' and 0.0"),
+    ("prefs", ["--objective=reward", "--value-head=false"], "--objective reward trains a value head"),
+    ("prefs", ["--objective=dpo", "--init-from=x.pt", "--parallel=fsdp"], "--objective dpo keeps a whole frozen"),
+    # pretraining takes no flag of the post-training stages: refused, not silently ignored
+    ("train", ["--preset=tiny", "--objective=dpo"], "unknown option --objective"),
+    ("train", ["--preset=tiny", "--task=addition"], "unknown option --task"),
+    ("prefs", ["--preload"], "unknown option --preload"),
+    ("prefs", ["--label-smoothing=0.1"], "unknown option --label-smoothing"),
+    ("sft", ["--shuffle=shards"], "unknown option --shuffle"),
 ])
-def test_a_stage_that_cannot_work_is_one_line(flags, message):
-    import train
+def test_a_flag_a_stage_cannot_honour_is_one_line(main, flags, message):
+    import importlib
 
     with pytest.raises(SystemExit) as e:
-        train.main(["--preset", "tiny", *flags])
+        importlib.import_module(main).main(flags)
     assert str(e.value.code).startswith(f"error: {message}")

@@ -17,8 +17,10 @@ import export
 import fineweb
 import hellaswag
 import plot
+import prefs
 import rl
 import sample
+import sft
 import tasks
 import train
 from conftest import ROOT, SHAKESPEARE
@@ -34,6 +36,8 @@ SCRIPTS = {
     "chat.py": (chat.ChatConfig, None),
     "tasks.py": (tasks.TasksConfig, None),
     "rl.py": (rl.RLConfig, None),
+    "sft.py": (sft.SFTConfig, sft.PRESETS),
+    "prefs.py": (prefs.PrefsConfig, prefs.PRESETS),
 }
 
 

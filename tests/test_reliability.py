@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import engine
 import train
 from common import iter_log, load_checkpoint
 
@@ -124,7 +125,7 @@ def test_a_rewind_that_dies_before_its_first_checkpoint_loses_no_logged_step(tok
     assert [step for step, _ in whole] == list(range(8))
     # a rewind to step 4 (ckpt_000008 is newer) that dies at step 5, before its first checkpoint (at step 8)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train, "get_lr", dies_at(5, train.get_lr))
+        patch.setattr(engine, "get_lr", dies_at(5, engine.get_lr))
         with pytest.raises(KeyboardInterrupt):
             train.main(tiny(token_data, out, "--max-steps=8", *args, f"--resume={out / 'ckpt_000004.pt'}"))
     assert [step for step, _ in logged(out)] == [0, 1, 2, 3, 4]  # the rewind's view, its dropped steps kept aside
@@ -152,7 +153,7 @@ def test_tensorboard_forgets_a_dead_attempt(token_data, tmp_path):
 
     out = tmp_path / "out"
     with pytest.MonkeyPatch.context() as patch:  # a first attempt killed before its first checkpoint
-        patch.setattr(train, "get_lr", dies_at(3, train.get_lr))
+        patch.setattr(engine, "get_lr", dies_at(3, engine.get_lr))
         with pytest.raises(KeyboardInterrupt):
             train.main(tiny(token_data, out, "--max-steps=4", "--tensorboard", "--max-lr=5e-3"))
     train.main(tiny(token_data, out, "--max-steps=4", "--tensorboard"))  # started afresh, with another lr

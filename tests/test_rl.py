@@ -3,20 +3,23 @@ and PPO), 2 gloo ranks equal one process, and what cannot work is refused in one
 
 import contextlib
 import dataclasses
+import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-import prefs
+import engine
 import rl
+import stage
 import tasks
 from chat_format import ASSISTANT_END, render_prompt
 from common import get_tokenizer, iter_log, load_checkpoint
-from conftest import run_torchrun
+from conftest import one_line_error, run_torchrun
 from generate import Rollout
 from model import GPT, GPTConfig
-from parallel import build_trainable
+from parallel import Objective, build_trainable, logprobs_of, sequence_logprobs
 
 
 def save_model(path: Path, seed: int, **shape) -> Path:
@@ -68,19 +71,20 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
                                                                                       int(problem["answer"]) + 1))
     share = [(problem, prompt, Rollout(reply, [1] * len(reply), [0.0] * len(reply))) for reply in
              (right, wrong, right, wrong)]
-    batch = rl.score(share, tasks.Addition(), None, torch.device("cpu"))
+    batch = rl.score(share, tasks.task_reward(tasks.Addition(), "addition"), None, torch.device("cpu"))
     assert batch["scores"].tolist() == [1.0, 0.0, 1.0, 0.0]  # the task's checker
     assert batch["mask"].sum(1).tolist() == [len(right)] * 4 and batch["mask"][:, :len(prompt) - 1].sum() == 0
     batch = rl.prepare(batch, raw, None, cfg, contextlib.nullcontext(), 1)
-    # the old log-probs are the policy's over the whole vocabulary, in eval mode: prefs.token_logprobs' numbers on the
+    # the old log-probs are the policy's over the whole vocabulary, in eval mode: every position's log-prob on the
     # sampled tokens (the head ran on those positions only), 0 on the prompt
-    torch.testing.assert_close(batch["old_logp"], prefs.token_logprobs(raw, batch["ids"]) * batch["mask"])
+    every = logprobs_of(raw(batch["ids"][:, :-1])[0], batch["ids"][:, 1:])
+    torch.testing.assert_close(batch["old_logp"], every * batch["mask"])
     assert (batch["old_logp"][batch["mask"] == 0] == 0).all() and (batch["old_logp"][batch["mask"] == 1] < 0).all()
     # mean 0.5, unbiased std sqrt(1/3): +-0.5 / (0.5774 + 1e-4)
     torch.testing.assert_close(batch["adv"], torch.tensor([1, -1, 1, -1]) * 0.5 / (3 ** -0.5 + 1e-4))
     built = build_trainable(raw, cfg, torch.device("cpu"), use_compile=False, verbose=False)
     before = batch["old_logp"].sum(1)  # 0 off the sampled tokens, as asserted above
-    objective = prefs.PairObjective(lambda model, mb: rl.rl_loss(model, mb, cfg, 1))
+    objective = Objective(lambda model, mb: rl.rl_loss(model, mb, cfg, 1))
     totals = rl.update(built, objective, batch, cfg, 1)
     after = rl.token_stats(raw, batch["ids"], batch["mask"])[0].sum(1)
     # at ratio 1 the per-token loss is -mean(A): 0 for two rewarded and two unrewarded replies of one length
@@ -99,16 +103,16 @@ def test_a_reward_model_trained_with_reward_logprob_scores_with_it(models, tmp_p
     scores = []
     for path in (models[1], tmp_path / "rm_logprob.pt"):
         rm = rl.load_reward_model(rl.RLConfig(reward_model=str(path), max_new_tokens=6), [problem])
-        scores.append(rl.score(share, tasks.Addition(), rm, torch.device("cpu"))["scores"])
+        scores.append(rl.score(share, None, rm, torch.device("cpu"))["scores"])
     ids, mask = rl.pack([(prompt + reply, [0] * len(prompt) + [1] * len(reply))], torch.device("cpu"))
-    mean = prefs.sequence_logprobs(rm, ids, mask) / len(reply)  # the same weights, read without the head
+    mean = sequence_logprobs(rm, ids, mask) / len(reply)  # the same weights, read without the head
     torch.testing.assert_close(scores[1] - scores[0], mean, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_an_rl_run_resumes_bitwise(models, tmp_path, algo):
     # a constant lr after warmup: the decay's schedule ends at --max-steps, which the split run changes
-    extra = [f"--algo={algo}", "--beta=0.05", "--ppo-epochs=2", "--minibatches=2", "--lr-decay=false"]
+    extra = [f"--algo={algo}", "--beta=0.05", "--ppo-epochs=2", "--minibatches=2", "--lr-schedule=constant"]
     full = rl.main(flags(models, tmp_path / "full", *extra, "--max-steps=4"))
     rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=2"))
     rest = rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=4", "--resume=auto"))
@@ -138,12 +142,9 @@ def test_rl_on_two_ranks_equals_one_process(models, tmp_path, algo):
     assert {k: ddp[k] for k in single["task"]} == single["task"]
 
 
-def test_what_cannot_work_is_refused_in_one_line(models, tmp_path):
+def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys):
     def error(*extra: str) -> str:
-        with pytest.raises(SystemExit) as e:
-            rl.main(flags(models, tmp_path / "out", *extra))
-        assert "\n" not in str(e.value)
-        return str(e.value)
+        return one_line_error(capsys, rl.main, flags(models, tmp_path / "out", *extra))
 
     assert "--samples must be >= 2 (or --algo ppo)" in error("--samples=1")
     assert rl.RLConfig(algo="ppo", samples=1).beta == 0.05 and rl.RLConfig().beta == 0.0
@@ -153,7 +154,7 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path):
     assert "--prompts (2) must be a multiple of --rollout-batch (3)" in error("--rollout-batch=3")
     policy, rm = models
     assert error("--reward-model", str(policy)) == (f"error: --reward-model {policy} is a language model, not a "
-                                                     "reward model: train one with train.py --objective reward")
+                                                     "reward model: train one with prefs.py --objective reward")
     small = save_model(tmp_path / "small_vocab.pt", 2, vocab_size=1000, value_head=True)
     assert error("--reward-model", str(small)).startswith(f"error: --reward-model {small} has 1000 embedding rows, "
                                                           "fewer than the GPT-2 tokenizer's 50257 ids")
@@ -165,22 +166,22 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path):
 
 
 def test_the_lr_warms_up_then_decays_linearly_to_zero_at_max_steps():
-    cfg = rl.RLConfig(max_steps=10, warmup_steps=2)
-    assert [rl.lr_factor(s, cfg) for s in range(10)] == pytest.approx([1 / 3, 2 / 3, 1, 7 / 8, 6 / 8, 5 / 8, 4 / 8,
-                                                                        3 / 8, 2 / 8, 1 / 8])
-    assert [rl.lr_factor(s, rl.RLConfig(max_steps=10, warmup_steps=2, lr_decay=False)) for s in (0, 2, 9)] == \
-        pytest.approx([1 / 3, 1, 1])
+    cfg = rl.RLConfig(max_steps=10, warmup_steps=2, max_lr=1.0)  # engine.get_lr, every stage's schedule
+    assert [engine.get_lr(s, cfg) for s in range(11)] == pytest.approx([1 / 2, 1, 1, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8,
+                                                                        2 / 8, 1 / 8, 0])
+    constant = rl.RLConfig(max_steps=10, warmup_steps=2, max_lr=1.0, lr_schedule="constant")
+    assert [engine.get_lr(s, constant) for s in (0, 2, 9)] == pytest.approx([1 / 2, 1, 1])
 
 
-def test_a_resume_notes_another_schedule_and_refuses_a_checkpoint_past_max_steps(capsys):
+def test_a_resume_notes_another_schedule_and_refuses_a_checkpoint_past_max_steps(capsys, tmp_path):
     cfg = rl.RLConfig(max_steps=20, warmup_steps=2, max_lr=1e-3)
-    rl.resume_checks({"max_steps": 20, "lr_decay": True}, cfg, 10, rank=0)
+    stage.note_new_schedule(dataclasses.asdict(cfg), cfg, 10)
     assert capsys.readouterr().out == ""  # the same schedule
-    rl.resume_checks({"max_steps": 10, "lr_decay": True}, cfg, 5, rank=0)
-    assert capsys.readouterr().out == ("note: the checkpoint's run had --max-steps 10 (--lr-decay True), this one 20 "
-                                       "(--lr-decay True): from step 5 the lr is 0.000833, not that run's 0.000625\n")
-    with pytest.raises(ValueError, match="the checkpoint is at step 21, past --max-steps 20: raise --max-steps"):
-        rl.resume_checks({"max_steps": 30}, cfg, 21, rank=0)
+    stage.note_new_schedule({**dataclasses.asdict(cfg), "max_steps": 10}, cfg, 5)
+    assert capsys.readouterr().out == ("note: the checkpoint's run had --max-steps 10, this run has 20: from step 5 "
+                                       "the lr is 0.000833, not that run's 0.000625\n")
+    with pytest.raises(ValueError, match=f"--resume {tmp_path} is at step 21, past --max-steps 20; raise --max-steps"):
+        stage.check_resume((tmp_path, {"step": 21, "train_config": {}}), cfg)
 
 
 def test_the_prompt_stream_is_a_seeded_order_per_epoch():
@@ -193,3 +194,43 @@ def test_the_prompt_stream_is_a_seeded_order_per_epoch():
     again.load_state_dict({"served": 4, "problems": 5})
     assert [p["answer"] for p in again.next(6)] == served[4:]
     assert [p["answer"] for p in rl.PromptSampler(problems, seed=4).next(5)] != served[:5]
+
+
+@pytest.mark.parametrize("algo", ["rloo", "reinforce"])
+def test_rloo_and_reinforce_train_on_the_engine(models, tmp_path, algo):
+    result = rl.main(flags(models, tmp_path / algo, f"--algo={algo}", "--max-steps=2", "--eval-every=0", "--pass-k=0",
+                           "--ckpt-every=0"))
+    records = train_records(tmp_path / algo)
+    assert len(result["losses"]) == 2 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records)
+    assert all(r["clip_frac"] == 0 for r in records) if algo == "reinforce" else True  # no clip, on-policy
+
+
+RECORDING_REWARD = '''import json, os
+
+
+def length(prompt, reply, answer):
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write(json.dumps([prompt, reply, answer]) + "\\n")
+    return float(len(reply))
+'''
+
+
+def test_rl_on_a_users_task_with_its_own_reward_that_sees_the_prompt(models, tmp_path, monkeypatch, capsys):
+    from test_tasks import USER_TASK
+
+    (tmp_path / "doubling.py").write_text(USER_TASK)
+    (tmp_path / "rewards.py").write_text(RECORDING_REWARD)
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "calls.jsonl"))
+    task = f"{tmp_path / 'doubling.py'}:Doubling"
+    common = ["--init-from", str(models[0]), "--task", task, "--device=cpu", "--prompts=2", "--samples=2",
+              "--rollout-batch=1", "--max-new-tokens=4", "--eval-limit=2", "--pass-k=0", "--max-steps=1"]
+    result = rl.main([*common, "--reward", f"{tmp_path / 'rewards.py'}:length", "--out-dir", str(tmp_path / "run")])
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 4 and result["task"]["n"] == 2  # 2 prompts x 2 samples; the task's 2 held-out problems
+    for prompt, _, answer in calls:  # the prompt's messages and the task's answer (the reply's text: below)
+        k = int(prompt[-1]["content"].removeprefix("Double ").rstrip("?"))
+        assert prompt == [{"role": "user", "content": f"Double {k}?"}] and answer == str(2 * k) and 10 <= k < 30
+    assert train_records(tmp_path / "run")[0]["reward"] == pytest.approx(sum(len(r) for _, r, _ in calls) / 4)
+    assert one_line_error(capsys, rl.main, [*common, "--reward", f"{tmp_path / 'doubling.py'}:raises", "--out-dir",
+                                            str(tmp_path / "bad")]) == \
+        f"error: --reward {tmp_path / 'doubling.py'}:raises raised KeyError: 'no such field'"

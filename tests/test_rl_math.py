@@ -1,11 +1,26 @@
-"""rl.py's math against hand computations: GRPO advantages, the clipped policy and value losses, k3 KL, GAE, the KL
-penalty folded into rewards."""
+"""rl.py's math against hand computations: GRPO, RLOO and REINFORCE advantages, the clipped policy and value losses,
+the loss aggregations, k3 KL, GAE, the KL penalty folded into rewards."""
 
 import math
 
+import pytest
 import torch
 
-from rl import gae, group_advantages, kl_k3, kl_rewards, masked_mean, policy_loss, value_loss, whiten
+from rl import (
+    ALGOS,
+    RLConfig,
+    aggregate,
+    gae,
+    group_advantages,
+    kl_k3,
+    kl_rewards,
+    leave_one_out,
+    masked_mean,
+    policy_loss,
+    surrogate,
+    value_loss,
+    whiten,
+)
 
 
 def test_group_advantages_with_and_without_the_std():
@@ -98,3 +113,34 @@ def test_kl_penalty_folded_into_rewards_and_whiten():
     w = whiten(x, torch.tensor([[1, 1, 1, 0]]))
     m = torch.tensor([[1, 1, 1, 0]])
     assert abs(masked_mean(w, m).item()) < 1e-6 and abs(masked_mean(w**2, m).item() - 1) < 1e-5 and w[0, 3] == 0
+
+
+def test_rloo_and_reinforce_baselines_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 0.0, 0.0, 1.0])
+    # each reward minus the mean of the other three in its group of 4
+    want = torch.tensor([1 - 1 / 3, 0 - 2 / 3, 0 - 2 / 3, 1 - 1 / 3, 3 - 1 / 3, 0 - 4 / 3, 0 - 4 / 3, 1 - 1])
+    torch.testing.assert_close(leave_one_out(rewards, 4), want)
+    torch.testing.assert_close(leave_one_out(rewards, 4), group_advantages(rewards, 4, scale=False) * 4 / 3)
+    batch, cfg = {"scores": rewards}, RLConfig(samples=4, algo="reinforce")
+    torch.testing.assert_close(ALGOS["reinforce"].advantages(batch, cfg, 1)["adv"],
+                               torch.tensor([0.5, -0.5, -0.5, 0.5, 2, -1, -1, 0]))  # the group's mean, no std
+    assert cfg.minibatches == 1 and not ALGOS["reinforce"].clip and RLConfig(algo="rloo").minibatches == 2
+
+
+def test_without_a_clip_the_gradient_is_reinforces():
+    logp = torch.log(torch.tensor([[0.5, 0.2], [0.3, 0.9]])).requires_grad_()
+    adv, mask = torch.tensor([2.0, -1.0]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, clipped = surrogate(logp, logp.detach(), adv, eps=None)  # on-policy: the ratio is 1
+    aggregate(loss, mask).backward()
+    torch.testing.assert_close(logp.grad, -adv[:, None] * mask / 3)  # -A d log p, over the 3 tokens
+    assert not clipped.any()
+
+
+def test_loss_aggregations_as_trl_names_them():
+    x = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    assert aggregate(x, mask, "token").item() == pytest.approx((1 + 2 + 3 + 4) / 4)  # TRL's dapo: every token alike
+    assert aggregate(x, mask, "sequence").item() == pytest.approx((2 + 4) / 2)  # TRL's grpo: every row's mean alike
+    assert aggregate(x, mask, "dr_grpo", denom=2 * 4).item() == pytest.approx(10 / 8)  # rows x the longest reply
+    # the denominators of all micro-batches and ranks: this one's share of the whole
+    assert aggregate(x, mask, "sequence", denom=4).item() == pytest.approx(6 / 4)

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import sample as sample_py
 from common import EOT, _field_help, get_tokenizer
+from generate import sample
 from model import GPT, MODEL_PRESETS
 from sample import SampleConfig, generate_text, main, read_prompt
 
@@ -70,7 +72,7 @@ def test_checkpoint_and_hf_dir_agree_with_generate(model, ckpt, hf_dir, enc, cap
                                             ("--init-from", hf_dir, hf_model, ["--no-cache"])):
         (text,) = main([flag, str(weights), "--prompt", prompt, "--num-samples", "1", "--max-new-tokens", "12",
                         "--temperature", "0", "--device", "cpu", *extra])
-        expected = ref_model.generate(idx, 12, temperature=0.0)[0, idx.size(1):].tolist()
+        expected = sample(ref_model, idx, 12, temperature=0.0)[0, idx.size(1):].tolist()
         assert text == enc.decode(expected)
     assert SPEED.search(capsys.readouterr().err).group(1) == "12"
 
@@ -117,15 +119,15 @@ def test_cache_and_no_cache_give_identical_text(model, enc, capsys, temperature,
 
 def test_sampling_options_reach_the_model(model, enc, monkeypatch, capsys):
     # top_k = 1, or a nucleus smaller than the top token's probability, at temperature 1 is greedy decoding: if either
-    # option were dropped on its way to generate_stream the text would be a random sample instead
+    # option were dropped on its way to sample_stream the text would be a random sample instead
     base = SampleConfig(prompt="Once upon a time", num_samples=1, max_new_tokens=12, temperature=0.0, top_k=None)
     (greedy,) = generate_text(model, enc, base, "cpu")
     for opts in (dict(top_k=1), dict(top_p=1e-9)):
         assert generate_text(model, enc, dataclasses.replace(base, temperature=1.0, **opts), "cpu") == [greedy], opts
-    # --no-cache reaches generate_stream (a spy that runs the real method: the text cannot tell the two apart)
+    # --no-cache reaches sample_stream (a spy that runs the real one: the text cannot tell the two apart)
     seen = []
-    stream = model.generate_stream
-    monkeypatch.setattr(model, "generate_stream", lambda *a, **kw: seen.append(kw["use_cache"]) or stream(*a, **kw))
+    stream = sample_py.sample_stream
+    monkeypatch.setattr(sample_py, "sample_stream", lambda *a, **kw: seen.append(kw["use_cache"]) or stream(*a, **kw))
     for no_cache in (False, True):
         assert generate_text(model, enc, dataclasses.replace(base, no_cache=no_cache), "cpu") == [greedy]
     assert seen == [True, False]
@@ -136,7 +138,7 @@ def test_empty_prompt_starts_a_document_and_special_tokens_are_tokens(model, enc
     for prompt, tokens in (("", [EOT]), ("Hi.<|endoftext|>The", [*enc.encode("Hi."), EOT, *enc.encode("The")])):
         cfg = SampleConfig(prompt=prompt, num_samples=1, max_new_tokens=6, temperature=0.0)
         (text,) = generate_text(model, enc, cfg, "cpu")
-        expected = model.generate(torch.tensor([tokens]), 6, temperature=0.0)[0, len(tokens):].tolist()
+        expected = sample(model, torch.tensor([tokens]), 6, temperature=0.0)[0, len(tokens):].tolist()
         assert text == enc.decode(expected), prompt
 
 
@@ -148,12 +150,21 @@ class ScriptedModel:
         self.config = MODEL_PRESETS["tiny"]()
         assert self.config.block_size == block_size
 
-    def generate_stream(self, idx, max_new_tokens, **kw):
-        for t in self.tokens[:max_new_tokens]:
-            yield torch.tensor([[t]])
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """sample.py's decoding loop, for a ScriptedModel, yields its tokens instead."""
+    real = sample_py.sample_stream
+
+    def stream(model, idx, max_new_tokens, **kw):
+        if not isinstance(model, ScriptedModel):
+            return real(model, idx, max_new_tokens, **kw)
+        return (torch.tensor([[t]]) for t in model.tokens[:max_new_tokens])
+
+    monkeypatch.setattr(sample_py, "sample_stream", stream)
 
 
-def test_streaming_joins_utf8_split_across_tokens(enc):
+def test_streaming_joins_utf8_split_across_tokens(enc, scripted):
     text = " naïve 日本語 über 🙂"
     tokens = enc.encode(text)
     pieces = [enc.decode_single_token_bytes(t) for t in tokens]
@@ -167,7 +178,7 @@ def test_streaming_joins_utf8_split_across_tokens(enc):
     assert "\ufffd" not in out.getvalue()
 
 
-def test_a_sample_that_ends_inside_a_character_ends_in_a_replacement_character(enc):
+def test_a_sample_that_ends_inside_a_character_ends_in_a_replacement_character(enc, scripted):
     """The bytes of a character that the last token leaves unfinished are not dropped: the decoder's final flush
     turns them into U+FFFD, as tiktoken's decode of the same tokens does."""
     text = " 日本語"
@@ -181,7 +192,7 @@ def test_a_sample_that_ends_inside_a_character_ends_in_a_replacement_character(e
     assert out.getvalue() == "A" + result + SEP
 
 
-def test_a_document_end_is_a_visible_break_and_stop_at_eot_ends_the_sample_there(enc, capsys):
+def test_a_document_end_is_a_visible_break_and_stop_at_eot_ends_the_sample_there(enc, capsys, scripted):
     first, second = enc.encode("return x\n"), enc.encode("def f")
     model = ScriptedModel([*first, EOT, *second, EOT, *first])
     cfg = SampleConfig(prompt="A", num_samples=1, max_new_tokens=40)
@@ -262,7 +273,7 @@ def test_long_prompt_is_cropped_with_notice(model, enc, capsys):
     assert "notice: the prompt has 100 tokens, more than block_size - 1 = 63; keeping the last 63" in err
     kept = enc.encode(prompt)[-63:]
     assert out.startswith(enc.decode(kept)) and not out.startswith(prompt)
-    expected = model.generate(torch.tensor([kept]), 3, temperature=0.0)[0, 63:].tolist()
+    expected = sample(model, torch.tensor([kept]), 3, temperature=0.0)[0, 63:].tolist()
     assert text == enc.decode(expected)
 
 
@@ -279,7 +290,7 @@ def test_cropped_prompt_starts_at_a_whole_character(model, enc, capsys):
     shown = enc.decode(kept)
     assert shown == "𝔫𝔦𝔠𝔬𝔡𝔢" + " 𝔘𝔫𝔦𝔠𝔬𝔡𝔢" * 2 and out.startswith(shown)
     # the model continues exactly the text shown
-    expected = model.generate(torch.tensor([kept]), 3, temperature=0.0)[0, 62:].tolist()
+    expected = sample(model, torch.tensor([kept]), 3, temperature=0.0)[0, 62:].tolist()
     assert text == enc.decode(expected)
 
 
@@ -295,7 +306,7 @@ def test_cropped_prompt_drops_every_leading_continuation_token(model, enc, capsy
     assert "keeping the last 61 (from the first whole character)" in err
     kept = tokens[-61:]
     assert out.startswith(enc.decode(kept)) and "\ufffd" not in enc.decode(kept)
-    expected = model.generate(torch.tensor([kept]), 3, temperature=0.0)[0, 61:].tolist()
+    expected = sample(model, torch.tensor([kept]), 3, temperature=0.0)[0, 61:].tolist()
     assert text == enc.decode(expected)
 
 
@@ -435,7 +446,7 @@ def test_sample_and_hellaswag_from_a_checkpoint_train_py_wrote(token_data, tmp_p
     trained = GPT.from_checkpoint(ckpt)
     enc = get_tokenizer()
     prompt = enc.encode(SampleConfig().prompt)
-    expected = trained.generate(torch.tensor([prompt]), 6, temperature=0.0)[0, len(prompt):].tolist()
+    expected = sample(trained, torch.tensor([prompt]), 6, temperature=0.0)[0, len(prompt):].tolist()
     assert texts == [enc.decode(expected)]
     result = hellaswag.main(["--ckpt", str(ckpt), "--data", str(ROOT / "tests/data/hellaswag_tiny.jsonl")])
     assert result["n"] == len(hellaswag.load_examples(ROOT / "tests/data/hellaswag_tiny.jsonl"))
@@ -486,7 +497,7 @@ def test_casting_the_model_keeps_the_fp32_rope_tables(cast, dtype):
     assert model.lm_head.weight.dtype == model.transformer.h[0].attn.c_attn.weight.dtype == dtype
     assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
     assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
-    out = model.generate(torch.randint(0, 96, (1, 5)), 8, temperature=0.0)  # bf16 queries rotated by fp32 tables
+    out = sample(model, torch.randint(0, 96, (1, 5)), 8, temperature=0.0)  # bf16 queries rotated by fp32 tables
     assert out.shape == (1, 13)
 
 

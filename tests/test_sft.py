@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on the engine (train.py --data-kind chat): the loss covers the assistant's tokens only, a
+"""Supervised fine-tuning on the engine (sft.py): the loss covers the assistant's tokens only, a
 resume is bitwise, 2 gloo ranks equal 1 process, an HF GPT-2 is padded for the chat tokens, --task scores replies."""
 
 import json
@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sft
+import stage
 import tasks
-import train
 from chat_format import ConversationLoader, render
 from common import iter_log, load_checkpoint
 from conftest import run_torchrun
@@ -27,7 +28,7 @@ def conversations(tmp_path_factory) -> Path:
     return out
 
 
-def sft(data: Path, out: Path, *extra: str) -> list[str]:
+def flags(data: Path, out: Path, *extra: str) -> list[str]:
     return ["--preset", "sft-demo", "--init-from=", "--model=tiny", "--data", str(data), "--out-dir", str(out),
             "--seq-len=64", "--batch-size=4", "--total-batch-size=512", "--warmup-steps=2", "--eval-tokens=512",
             "--task=", *extra]
@@ -37,7 +38,7 @@ def test_the_loss_is_the_mean_over_the_assistants_tokens(conversations):
     loader = ConversationLoader(str(conversations), "train", 4, 64)
     x, y = loader.next_batch()
     torch.manual_seed(0)
-    model = GPT(train.model_config(train.TrainConfig(model="tiny", seq_len=64)))
+    model = GPT(stage.model_config(sft.SFTConfig(model="tiny", seq_len=64)))
     _, loss = model(x, y)
     logits, _ = model(x)
     learned = y != -1
@@ -51,30 +52,30 @@ def test_the_loss_is_the_mean_over_the_assistants_tokens(conversations):
 def test_sft_resumes_bitwise_and_logs_the_task_accuracy(conversations, tmp_path):
     extra = ["--max-steps=6", "--ckpt-every=3", "--eval-every=3", "--task=addition", "--task-every=3",
              "--task-limit=8"]
-    full = train.main(sft(conversations, tmp_path / "full", *extra))
-    train.main(sft(conversations, tmp_path / "split", *extra, "--max-steps=3"))
-    rest = train.main(sft(conversations, tmp_path / "split", *extra, "--resume=auto"))
+    full = sft.main(flags(conversations, tmp_path / "full", *extra))
+    sft.main(flags(conversations, tmp_path / "split", *extra, "--max-steps=3"))
+    rest = sft.main(flags(conversations, tmp_path / "split", *extra, "--resume=auto"))
     losses = [r["loss"] for r in iter_log(tmp_path / "split" / "log.jsonl") if r["type"] == "train"]
     assert losses == full["losses"] and len(losses) == 6 and losses[-1] < losses[0]  # bitwise
     assert rest["val_loss"] == full["val_loss"]
     scored = [r for r in iter_log(tmp_path / "full" / "log.jsonl") if r["type"] == "task"]
     assert [r["step"] for r in scored] == [0, 3, 6] and all(r["n"] == 8 and 0 <= r["acc"] <= 1 for r in scored)
     ckpt = load_checkpoint(tmp_path / "full" / "ckpt_000006.pt")
-    assert ckpt["train_config"]["data_kind"] == "chat"  # chat.py tells an SFT checkpoint from a base one by this
+    assert ckpt["chat"] is True  # chat.py and export.py tell a chat checkpoint from a base one by this
 
 
 @pytest.mark.slow
 def test_sft_on_two_ranks_equals_one_process(conversations, tmp_path):
     common = ["--max-steps=4", "--eval-every=0", "--ckpt-every=4"]
-    single = train.main(sft(conversations, tmp_path / "single", *common))["losses"]
-    run_torchrun(["train.py", *sft(conversations, tmp_path / "ddp", *common)], nproc=2)
+    single = sft.main(flags(conversations, tmp_path / "single", *common))["losses"]
+    run_torchrun(["sft.py", *flags(conversations, tmp_path / "ddp", *common)], nproc=2)
     losses = [r["loss"] for r in iter_log(tmp_path / "ddp" / "log.jsonl") if r["type"] == "train"]
     assert losses == pytest.approx(single, abs=1e-5)
 
 
 def test_an_hf_gpt2_is_padded_for_the_chat_tokens(conversations, hf_dir, tmp_path):
-    result = train.main(sft(conversations, tmp_path / "out", f"--init-from={hf_dir}", "--model=", "--max-steps=2",
-                            "--eval-every=0", "--seq-len=32", "--total-batch-size=256", "--batch-size=8"))
+    result = sft.main(flags(conversations, tmp_path / "out", f"--init-from={hf_dir}", "--model=", "--max-steps=2",
+                          "--eval-every=0", "--seq-len=32", "--total-batch-size=256", "--batch-size=8"))
     assert len(result["losses"]) == 2 and all(math.isfinite(loss) for loss in result["losses"])
     ckpt = load_checkpoint(tmp_path / "out" / "ckpt_000002.pt")
     wte = ckpt["model"]["transformer.wte.weight"]

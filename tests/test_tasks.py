@@ -32,7 +32,7 @@ def datasets_cache(tmp_path, monkeypatch):
 ])
 def test_gsm8k_checker(reply, right):
     assert tasks.GSM8K().check(reply, "1000") is right
-    assert tasks.GSM8K().reward(reply, "1000") == float(right)
+    assert tasks.GSM8K().reward([], reply, "1000") == float(right)
 
 
 def test_gsm8k_checker_reads_negatives_and_decimals():
@@ -98,7 +98,7 @@ def test_addition_splits_are_disjoint_seeded_and_cover_every_pair():
     assert len(train) + len(test) == 90 * 90 and 0.08 < len(test) / 8100 < 0.12
     pair = lambda e: frozenset(e["messages"][0]["content"].removeprefix("What is ").rstrip("?").split(" + "))
     assert not {pair(e) for e in train} & {pair(e) for e in test}  # a + b and b + a too
-    assert add.examples("train", n=5, seed=1) == add.examples("train", n=5, seed=1) != add.examples("train", n=5)
+    assert add.examples("train", n=5) == add.examples("train")[:5]  # one seeded order
     first = add.examples("train")[0]
     assert first["messages"] == [{"role": "user", "content": "What is 4 1 + 3 4?"},
                                  {"role": "assistant", "content": "7 5"}] and first["answer"] == "75"
@@ -116,8 +116,8 @@ def test_addition_wrong_answers_fail_the_checker():
     add, rng = tasks.Addition(), random.Random(0)
     for example in add.examples("test", n=200):
         wrong = add.wrong(example["answer"], rng)
-        assert add.reward(wrong, example["answer"]) == 0.0
-        assert add.reward(example["messages"][1]["content"], example["answer"]) == 1.0
+        assert add.reward(example["messages"][:1], wrong, example["answer"]) == 0.0
+        assert add.reward(example["messages"][:1], example["messages"][1]["content"], example["answer"]) == 1.0
         assert abs(int(wrong.replace(" ", "")) - int(example["answer"])) in (1, 10)
 
 
@@ -131,3 +131,115 @@ def test_cli_writes_splits_the_conversation_loader_reads(tmp_path, capsys):
     assert val.tokens == 100 * 13 + 64 * 3 + 36 * 2
     # 64 three-digit sums of 16 tokens fill 8 rows of 128 exactly; 36 of 15 tokens fit 8 per row: 5 rows more
     assert "100 conversations in 13 rows of 128 tokens, 6.0% padding" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# your own task and rewards, from FILE.py:NAME
+
+USER_TASK = '''import random
+
+
+class Doubling:
+    """a user's task: it imports nothing from the project"""
+
+    def examples(self, split):
+        numbers = range(10, 30) if split == "train" else range(30, 34)
+        return [{"messages": [{"role": "user", "content": f"Double {k}?"},
+                              {"role": "assistant", "content": str(2 * k)}], "answer": str(2 * k)} for k in numbers]
+
+    def check(self, reply, answer):
+        return reply.strip() == answer
+
+    def wrong(self, answer, rng):
+        return str(int(answer) + rng.choice([-1, 1]))
+
+
+class NoChecker:
+    def examples(self, split):
+        return []
+
+
+def near(prompt, reply, answer):  # reads the prompt, not the answer
+    k = int(prompt[-1]["content"].split()[1].rstrip("?"))
+    return 1.0 if reply.strip() == str(2 * k) else 0.5 if reply.strip().isdigit() else 0.0
+
+
+def raises(prompt, reply, answer):
+    raise KeyError("no such field")
+
+
+def text(prompt, reply, answer):
+    return "1"
+
+
+def nan(prompt, reply, answer):
+    return float("nan")
+
+
+ANSWER = 42
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "doubling.py"
+    path.write_text(USER_TASK)
+    return path
+
+
+def test_a_users_task_loads_from_its_file_and_makes_data_and_pairs(user_file, tmp_path, capsys):
+    task = tasks.load_task(f"{user_file}:Doubling")
+    assert [e["answer"] for e in task.examples("test")] == ["60", "62", "64", "66"]
+    reward = tasks.task_reward(task, "x")  # no reward(): check() as 1.0 or 0.0
+    assert reward([], "60", "60") == 1.0 and reward([], "61", "60") == 0.0
+    out = tmp_path / "data" / "doubling"
+    tasks.main(["--task", f"{user_file}:Doubling", "--out-dir", str(out), "--pairs", "--seed=1"])
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    pairs = [json.loads(row) for row in (tmp_path / "data" / "doubling_pairs" / "test.jsonl").read_text().splitlines()]
+    assert len(rows) == 20 and rows[0]["messages"][1]["content"] == "20" and rows[0]["answer"] == "20"
+    assert [(p["chosen"], abs(int(p["rejected"]) - int(p["chosen"]))) for p in pairs] == \
+        [("60", 1), ("62", 1), ("64", 1), ("66", 1)]
+    assert cf.ConversationLoader(str(out), "val", 1, 16).tokens == sum(len(cf.render(
+        json.loads(line)["messages"])[0]) for line in (out / "test.jsonl").read_text().splitlines())
+
+
+def test_rewards_see_the_prompt_and_sum_by_weight(user_file):
+    prompt = [{"role": "user", "content": "Double 21?"}]
+    one = tasks.load_rewards(f"{user_file}:near")
+    assert (one(prompt, "42", "ignored"), one(prompt, "40", "ignored"), one(prompt, "no", "")) == (1.0, 0.5, 0.0)
+    both = tasks.load_rewards(f"{user_file}:near,{user_file}:near", (2.0, -0.5))
+    assert both(prompt, "40", "") == 2.0 * 0.5 - 0.5 * 0.5
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("{dir}/missing.py:Doubling", "--task {dir}/missing.py:Doubling: cannot load {dir}/missing.py (FileNotFoundError: "
+                                  "no such file {dir}/missing.py)"),
+    ("{file}:Tripling", "--task {file}:Tripling: {file} has no 'Tripling'"),
+    ("{file}:NoChecker", "--task {file}:NoChecker: NoChecker has no check method; a task gives examples(split) and "
+                         "check(reply, answer) (tasks.py's docstring)"),
+    ("no_such_module_here:Task", "--task no_such_module_here:Task: cannot load no_such_module_here "
+                                 "(ModuleNotFoundError: No module named 'no_such_module_here')"),
+    ("subtraction", "--task must be one of gsm8k, arc-easy, arc-challenge, addition, or FILE.py:NAME or module:NAME "
+                    "for your own; got 'subtraction'"),
+])
+def test_a_task_that_cannot_load_is_one_line_naming_the_file_and_the_name(user_file, spec, message):
+    where = {"dir": user_file.parent, "file": user_file}
+    with pytest.raises(ValueError) as e:
+        tasks.load_task(spec.format(**where))
+    assert str(e.value) == message.format(**where)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("raises", "--reward {file}:raises raised KeyError: 'no such field'"),
+    ("text", "--reward {file}:text returned '1', not a finite number"),
+    ("nan", "--reward {file}:nan returned nan, not a finite number"),
+])
+def test_a_reward_that_fails_is_one_line_naming_it(user_file, name, message):
+    reward = tasks.load_rewards(f"{user_file}:{name}")
+    with pytest.raises(ValueError) as e:
+        reward([{"role": "user", "content": "Double 3?"}], "6", "6")
+    assert str(e.value) == message.format(file=user_file)
+    with pytest.raises(ValueError, match=f"--reward {user_file}:ANSWER is not a function"):
+        tasks.load_rewards(f"{user_file}:ANSWER")
+    with pytest.raises(ValueError, match="--reward-weights gives 1 weights for 2 --reward functions"):
+        tasks.load_rewards(f"{user_file}:near,{user_file}:nan", (1.0,))

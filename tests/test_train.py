@@ -23,10 +23,11 @@ import torch
 
 import engine
 import parallel as par
+import stage
 import train
 from common import describe_provenance, iter_log, load_checkpoint, parse_config
 from conftest import ROOT, children, run_nodes, run_torchrun
-from fineweb import TokenLoader, read_shard, write_shard
+from fineweb import DataError, TokenLoader, read_shard, write_shard
 from model import GPT, GPTConfig
 
 
@@ -40,24 +41,24 @@ def tiny_args(data, out, *extra: str) -> list[str]:
 
 def test_lr_schedule_values():
     cfg = train.TrainConfig(max_lr=1.0, min_lr_frac=0.1, warmup_steps=10, max_steps=110)
-    assert train.get_lr(0, cfg) == pytest.approx(0.1)  # warmup start: max_lr / warmup
-    assert train.get_lr(9, cfg) == pytest.approx(1.0)  # warmup end
-    assert train.get_lr(10, cfg) == pytest.approx(1.0)  # decay start
-    assert train.get_lr(60, cfg) == pytest.approx(0.55)  # middle of the cosine: halfway between max and min
-    assert train.get_lr(110, cfg) == pytest.approx(0.1)  # end
-    assert train.get_lr(109, cfg) == pytest.approx(0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * 0.99))).item())
+    assert engine.get_lr(0, cfg) == pytest.approx(0.1)  # warmup start: max_lr / warmup
+    assert engine.get_lr(9, cfg) == pytest.approx(1.0)  # warmup end
+    assert engine.get_lr(10, cfg) == pytest.approx(1.0)  # decay start
+    assert engine.get_lr(60, cfg) == pytest.approx(0.55)  # middle of the cosine: halfway between max and min
+    assert engine.get_lr(110, cfg) == pytest.approx(0.1)  # end
+    assert engine.get_lr(109, cfg) == pytest.approx(0.1 + 0.45 * (1 + torch.cos(torch.tensor(torch.pi * 0.99))).item())
     zero_min = train.TrainConfig(max_lr=1.0, min_lr_frac=0.0, warmup_steps=0, max_steps=100)
-    assert train.get_lr(0, zero_min) == pytest.approx(1.0) and train.get_lr(100, zero_min) == 0.0
+    assert engine.get_lr(0, zero_min) == pytest.approx(1.0) and engine.get_lr(100, zero_min) == 0.0
     # at max_lr 1 a min_lr of min_lr_frac (not min_lr_frac * max_lr) would pass the checks above
     real = train.TrainConfig(max_lr=6e-4, min_lr_frac=0.1, warmup_steps=10, max_steps=110)
-    assert [train.get_lr(s, real) for s in (0, 60, 110, 200)] == pytest.approx([6e-5, 3.3e-4, 6e-5, 6e-5], rel=1e-9)
+    assert [engine.get_lr(s, real) for s in (0, 60, 110, 200)] == pytest.approx([6e-5, 3.3e-4, 6e-5, 6e-5], rel=1e-9)
 
 
 def test_lr_schedule_shapes():
     def lrs(schedule: str, **kw) -> list[float]:
         cfg = train.TrainConfig(max_lr=1.0, min_lr_frac=0.1, warmup_steps=10, max_steps=110, lr_schedule=schedule,
                                 **kw)
-        return [train.get_lr(step, cfg) for step in (0, 9, 10, 60, 100, 109, 110)]
+        return [engine.get_lr(step, cfg) for step in (0, 9, 10, 60, 100, 109, 110)]
 
     assert lrs("linear") == pytest.approx([0.1, 1.0, 1.0, 0.55, 0.19, 0.109, 0.1])
     assert lrs("constant") == pytest.approx([0.1, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
@@ -242,7 +243,7 @@ def test_run_from_python_raises_and_leaves_the_callers_process_group(token_data,
 
     cfg = parse_config(train.TrainConfig, tiny_args(token_data, tmp_path / "a", "--max-steps=2", "--eval-every=0"),
                        train.PRESETS)
-    with pytest.raises(train.DataError, match="no train shards"):  # an exception, not the CLI's SystemExit
+    with pytest.raises(DataError, match="no train shards"):  # an exception, not the CLI's SystemExit
         train.run(parse_config(train.TrainConfig, tiny_args(tmp_path, tmp_path / "b"), train.PRESETS))
     # a script that made its own process group and then trains under torchrun's variables keeps its group
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
@@ -456,9 +457,9 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys):
         ref = sum(init(*loader.next_batch(), label_smoothing=0.1)[1].item() for _ in range(2)) / 2
     assert first["loss"] == pytest.approx(ref, abs=1e-5)
     # each step's lr is the schedule's, and it reached every param group (the no-decay one too)
-    assert [r["lr"] for r in records if r["type"] == "train"] == [train.get_lr(step, cfg) for step in range(4)]
+    assert [r["lr"] for r in records if r["type"] == "train"] == [engine.get_lr(step, cfg) for step in range(4)]
     ckpt = load_checkpoint(tmp_path / "ckpt_000004.pt")
-    assert [group["lr"] for group in ckpt["optimizer"]["param_groups"]] == [train.get_lr(3, cfg)] * 2
+    assert [group["lr"] for group in ckpt["optimizer"]["param_groups"]] == [engine.get_lr(3, cfg)] * 2
     assert ckpt["provenance"]["world_size"] == 1 and ckpt["train_config"]["max_steps"] == 4
     assert not any(k.startswith("_orig_mod") for k in ckpt["model"])
 
@@ -853,8 +854,8 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     # the loss at step 20 is tripled; with --skip-loss-z that step changes neither weights nor AdamW moments
     monkeypatch.setattr(engine, "OUTLIER_WINDOW", 16)  # a lone spike among 16 scores sqrt(15) = 3.9
     current = {}
-    real_lr, real_forward = train.get_lr, train.GPT.forward
-    monkeypatch.setattr(train, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
+    real_lr, real_forward = engine.get_lr, train.GPT.forward
+    monkeypatch.setattr(engine, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
 
     def spiky(self, idx, targets=None, **kw):
         logits, loss = real_forward(self, idx, targets, **kw)
@@ -894,8 +895,8 @@ def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
     # --skip-norm-z alone: step 9's gradient is 100 times larger at an unchanged loss, and only its update is dropped
     monkeypatch.setattr(engine, "OUTLIER_WINDOW", 8)  # a lone spike among 8 scores up to sqrt(7) = 2.65
     current = {}
-    real_lr, real_forward = train.get_lr, train.GPT.forward
-    monkeypatch.setattr(train, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
+    real_lr, real_forward = engine.get_lr, train.GPT.forward
+    monkeypatch.setattr(engine, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
 
     def steep(self, idx, targets=None, **kw):
         logits, loss = real_forward(self, idx, targets, **kw)
@@ -980,7 +981,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
     # torchrun SIGKILLs its workers 30 s after it passes a signal on, so a Ctrl-C (or preemption) during an
     # evaluation stops the run right after it, with the checkpoint the last step's end would have written
     straight = train.main(tiny_args(token_data, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
-    real, calls = train.val_loss, []
+    real, calls = engine.val_loss, []
 
     def interrupted(*args, **kw):  # Ctrl-C during the run's `at`-th evaluation: at step 2 * (at - 1)
         calls.append(None)
@@ -988,7 +989,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
             signal.raise_signal(signal.SIGINT)
         return real(*args, **kw)
 
-    monkeypatch.setattr(train, "val_loss", interrupted)
+    monkeypatch.setattr(engine, "val_loss", interrupted)
     at = 1
     fresh = train.main(tiny_args(token_data, tmp_path / "fresh", "--max-steps=10", "--eval-every=2"))
     assert fresh["stopped"] == "signal" and fresh["losses"] == [] and not list((tmp_path / "fresh").glob("ckpt_*"))
@@ -1057,13 +1058,13 @@ def test_a_signal_during_hellaswag_or_the_samples_stops_too_and_a_resumed_run_ca
 def test_the_stop_check_runs_once_a_step_and_once_after_each_evaluation(token_data, tmp_path, monkeypatch):
     # under torchrun each check is an all-reduce, a sync of every rank: one per step, and one more only after the
     # evaluations, where a signal that came during them must not wait for the next step's end
-    real, calls = train.StopFlags.should_stop, []
+    real, calls = engine.StopFlags.should_stop, []
 
     def counted(self, *args):
         calls.append(None)
         return real(self, *args)
 
-    monkeypatch.setattr(train.StopFlags, "should_stop", counted)
+    monkeypatch.setattr(engine.StopFlags, "should_stop", counted)
     train.main(tiny_args(token_data, tmp_path, "--max-steps=4", "--eval-every=3"))
     assert len(calls) == 4 + 2  # steps 0-3, and the evaluations at steps 0 and 3 (the one at 4 ends the run)
 
@@ -1113,17 +1114,17 @@ def test_ctrl_c_under_torchrun_is_announced_once_and_named(token_data, tmp_path)
     assert [load_checkpoint(path)["step"] for path in tmp_path.glob("ckpt_*.pt")] == [step + 1]
 
 
-def armed(*args, **kw) -> train.StopFlags:
+def armed(*args, **kw) -> engine.StopFlags:
     """StopFlags with its handlers installed, as `with StopFlags(...)` in train.run does; the tests put the previous
     handlers and streams back themselves."""
-    return train.StopFlags(*args, **kw).__enter__()
+    return engine.StopFlags(*args, **kw).__enter__()
 
 
 def test_stop_flags_budget_is_in_minutes_and_a_signal_is_named_first():
     # a no-op underneath: were StopFlags to install no handler, the SIGTERM below must not end the test session
     previous = signal.signal(signal.SIGTERM, lambda *args: None)
     try:
-        assert train.StopFlags(0).deadline is None  # no budget
+        assert engine.StopFlags(0).deadline is None  # no budget
         flags = armed(2.0)
         assert flags.deadline - time.time() == pytest.approx(120, abs=10)  # 2 minutes, not 2 seconds (nor hours)
         assert flags.should_stop() is None
@@ -1309,7 +1310,7 @@ def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(token_data, tmp_
             loss, norm = (loss * float("nan"), norm) if broken == "loss" else (loss, norm * float("inf"))
         return loss, norm
 
-    monkeypatch.setattr(train, "train_step", breaks_on_third_step)
+    monkeypatch.setattr(stage, "train_step", breaks_on_third_step)
     result = train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--ckpt-every=2", "--keep-last=1",
                                   "--eval-every=0"))
     assert result["stopped"] == "nan" and len(result["losses"]) == 2
@@ -1355,7 +1356,7 @@ def test_keep_last_never_deletes_the_newest_known_good_checkpoint(token_data, tm
         return (loss * float("nan"), norm) if calls["n"] == 5 else (loss, norm)
 
     common = ["--device=cpu", "--ckpt-every=1", "--keep-last=1", "--eval-every=0", "--max-steps=6"]
-    monkeypatch.setattr(train, "train_step", nan_on_fifth_step)
+    monkeypatch.setattr(stage, "train_step", nan_on_fifth_step)
     first = train.main(tiny_args(token_data, tmp_path, *common))
     monkeypatch.undo()
     assert first["stopped"] == "nan" and first["step"] == 4
@@ -1684,7 +1685,7 @@ def test_out_of_gpu_memory_says_what_to_change(token_data, tmp_path, monkeypatch
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB. GPU 0 has a total "
                                           "capacity of 79.19 GiB\nOf the allocated memory 70.1 GiB is allocated")
 
-    monkeypatch.setattr(train, "train_step", oom)
+    monkeypatch.setattr(stage, "train_step", oom)
     with pytest.raises(SystemExit) as e:
         train.main(tiny_args(token_data, tmp_path, "--max-steps=1", "--eval-every=0"))
     assert e.value.code == 1
@@ -1869,8 +1870,7 @@ OTHER_VALUE = {
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
     "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True, "hellaswag": "off",
-    "init_from": "gpt2", "data_kind": "chat", "dpo_beta": 0.5, "dpo_sft": 1.0, "reward_logprob": True,
-    "task": "addition", "task_every": 10, "task_limit": 10,
+    "init_from": "gpt2",
 }
 # the GPTConfig fields, each a flag through TrainConfig.arch
 OTHER_ARCH = {"vocab_size": 50257, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "dropout": 0.1,
@@ -1884,7 +1884,7 @@ AGREEMENT_WORKER = """import json, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import common, engine, train
+import common, engine, stage, train
 from fineweb import TokenLoader
 rank, spec = int(sys.argv[2]), json.loads(open(sys.argv[3]).read())
 dist.init_process_group("gloo", init_method="file://" + spec["store"], rank=rank, world_size=2)
@@ -1893,17 +1893,18 @@ def verdict(fingerprint):
         engine.agree_fingerprint(fingerprint, rank, 2)
     except ValueError as e:
         return str(e)
-out = {"commands": [verdict({"command": train.command(train.TrainConfig(**case[rank]))}) for case in spec["commands"]],
+out = {"commands": [verdict({"command": stage.command(train.TrainConfig(**case[rank]))}) for case in spec["commands"]],
        "shared": common.shared_problem(spec["problems"][rank], 2), "data": [], "hellaswag": []}
 for dirs in spec["data"]:
     loaders = [TokenLoader(dirs[rank], split, 4, 64, rank, 2, 1337, "cpu") for split in ("train", "val")]
     out["data"].append(verdict({"data": engine.shards_of(loaders)}))
 for paths in spec["hellaswag"]:
-    examples = train.load_hellaswag(train.TrainConfig(hellaswag=paths[rank], hellaswag_every=1), rank, 0, 2)
-    out["hellaswag"].append(verdict({"--hellaswag file": train.examples_digest(examples)}))
+    ctx = engine.Context(rank, 0, 2)
+    examples = train.load_hellaswag(train.TrainConfig(hellaswag=paths[rank], hellaswag_every=1), ctx)
+    out["hellaswag"].append(verdict({"--hellaswag file": stage.digest(examples)}))
 out["stops"] = []
 for signals in spec["signals"]:  # the signal each rank received (None: none): all stop together, naming one
-    flags = train.StopFlags(0, device=torch.device("cpu"), world=2)
+    flags = engine.StopFlags(0, device=torch.device("cpu"), world=2)
     flags.term = signals[rank]
     stopping = flags.should_stop()
     out["stops"].append([stopping, flags.signal if stopping else None])
@@ -1915,7 +1916,7 @@ print("RESULT " + json.dumps(out))
 def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(token_data, tmp_path):
     # two processes in a gloo group (no torchrun: ~10 s), each passing its own config, data and HellaSwag file to
     # one fingerprint comparison, as two nodes would; the slow two-node test covers the same inside whole runs
-    assert set(OTHER_VALUE) | {"arch", "objective"} == {f.name for f in dataclasses.fields(train.TrainConfig)}
+    assert set(OTHER_VALUE) | {"arch"} == {f.name for f in dataclasses.fields(train.TrainConfig)}
     assert set(OTHER_ARCH) == {f.name for f in dataclasses.fields(GPTConfig)} - {"block_size"}
     base, arch = dataclasses.asdict(train.TrainConfig()), dataclasses.asdict(train.model_config(train.TrainConfig()))
     commands, expected = [], []
@@ -1923,10 +1924,6 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
     for name, other in OTHER_VALUE.items():
         commands.append([{}, {name: other}])
         expected.append(None if name in MAY_DIFFER else differ.format(name.replace("_", "-"), other, base[name]))
-    # an objective needs pairs, and a reward model its value head: the resolved model says so too
-    commands.append([{"data_kind": "pairs", "objective": "reward"}, {"data_kind": "pairs", "objective": "dpo"}])
-    expected.append("rank 1 was started with --objective 'dpo' (rank 0: 'reward'), --value-head False (rank 0: True): "
-                    "every node must run the same command")
     # a preset names its shape: the resolved shape is compared too
     expected[list(OTHER_VALUE).index("model")] = (
         "rank 1 was started with --model 'gpt2-medium' (rank 0: None), --n-layer 24 (rank 0: 12), --n-head 16 (rank 0: "

@@ -1,0 +1,515 @@
+"""What every stage script shares (train.py, sft.py, prefs.py, rl.py), written once: the flags of a stage that trains a
+model from a start on a dataset, the model it starts from, the step of a next-token or pair objective, the checks and
+notes of a resume, the Run's assembly, and main's exits.
+
+A stage script reads top to bottom: its config and presets, its data, its objective and step, its evaluations, then
+setup(cfg, ctx) -> engine.Run, built here in three calls (Setup, build, run), and main = stage.main(...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import torch.distributed as dist
+
+import engine
+import tasks
+from common import (
+    LOCAL,
+    checkpoints,
+    describe_provenance,
+    first_on_each_node,
+    load_checkpoint,
+    parse_config,
+    provenance,
+    same_verdict,
+    setup_distributed,
+    shared_problem,
+)
+from engine import Checkpointer, Context, Eval, Run, RunArgs, SpikeGuard, TokenCount, get_lr, optimizer_kind, set_lr
+from fineweb import DataError
+from model import GPT, MODEL_PRESETS, RUN_OPTIONS, GPTConfig, check_weights, checkpoint_config, with_new_head
+from parallel import (
+    Trainable,
+    attention_conflict,
+    build_trainable,
+    cuda_graph_conflict,
+    optimizer_conflict,
+    sdpa_switches,
+    set_hyperparameters,
+    set_sdpa_switches,
+    train_step,
+)
+
+
+@dataclass
+class StageArgs(RunArgs):
+    """A stage that trains a model from a start on a dataset (train.py, sft.py, prefs.py). Every GPTConfig field
+    (--n-layer, --mlp, --dropout...) is a flag too."""
+
+    # model
+    model: str | None = None  # architecture preset: gpt2 (None), gpt2-medium/-large/-xl, d12..d48, llama-124m, tiny
+    seq_len: int = 1024  # T: tokens per sequence; also the model's block_size
+    # the GPTConfig fields given as flags, over the preset's: the architecture, dropout and the model's speed options
+    arch: dict[str, Any] = dataclasses.field(default_factory=dict, metadata={"flags_of": GPTConfig,
+                                                                            "except": ("block_size",)})
+    init_from: Annotated[str, LOCAL] = ""  # '' (random init), a checkpoint of this project, or HF GPT-2 (a name, a dir)
+    # data and batch
+    data: Annotated[str, LOCAL] = "data/edu_fineweb10B"  # the stage's dataset: a path, or a hub name
+    total_batch_size: int = 524288  # tokens per optimizer step, over all ranks and micro-steps
+    batch_size: int = 64  # B: sequences per micro-step per rank (lower it to fit memory; see README table)
+    # (the default: build-nanogpt's 20 val batches of 64 x 1024 on each of 8 GPUs, the same tokens on any world size)
+    eval_tokens: int = 10_485_760  # val tokens per evaluation, all ranks together (rounded up to whole B*T windows)
+    skip_loss_z: float = 0.0  # skip the update when the loss's z-score in the last 128 exceeds this (0 = off)
+    skip_norm_z: float = 0.0  # skip the update when the grad norm's z-score in the last 128 exceeds this (0 = off)
+    peak_tflops: Annotated[float | None, LOCAL] = None  # override the per-GPU peak bf16 TFLOP/s used for MFU
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model not in (None, *MODEL_PRESETS):
+            raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
+        model_config(self)  # the architecture flags make a valid GPTConfig
+        for name in ("seq_len", "batch_size", "total_batch_size", "eval_tokens", "skip_loss_z", "skip_norm_z"):
+            if not getattr(self, name) >= (low := int("skip" not in name)):  # NaN fails it too
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
+
+
+@dataclass
+class TaskEvalArgs:
+    """A chat model's held-out task accuracy as an evaluation (sft.py, prefs.py): mixed in before StageArgs."""
+
+    task: str = ""  # a task whose held-out greedy accuracy is an eval: addition, gsm8k, arc-easy... or FILE.py:NAME
+    task_every: int = 0  # score --task every N steps (and at the last step); 0 = at the last step only
+    task_limit: int = 256  # held-out problems scored each time
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]
+        tasks.check_spec(self.task)
+        if not (self.task_every >= 0 and self.task_limit >= 1):
+            raise ValueError(f"--task-every must be >= 0 and --task-limit >= 1; got {self.task_every} and "
+                             f"{self.task_limit}")
+        if self.task and self.parallel == "fsdp":  # type: ignore[attr-defined]  # FSDP's forwards would hang
+            raise ValueError("--task generates replies, which --parallel fsdp cannot: use ddp or zero1")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The model a stage starts from: a checkpoint it resumes, --init-from's weights, or a fresh init
+
+
+def run_options(cfg: StageArgs) -> dict[str, Any]:
+    """The GPTConfig fields a run sets whatever its weights came from (model.RUN_OPTIONS) and the context length."""
+    return {"block_size": cfg.seq_len, **{k: v for k, v in cfg.arch.items() if k in RUN_OPTIONS}}
+
+
+def model_config(cfg: StageArgs) -> GPTConfig:
+    """The preset's architecture with this run's GPTConfig flags (and --seq-len as block_size)."""
+    try:
+        return dataclasses.replace(MODEL_PRESETS[cfg.model or "gpt2"](), **cfg.arch, block_size=cfg.seq_len)
+    except ValueError as e:  # GPTConfig.n_head -> --n-head
+        raise ValueError(re.sub(r"GPTConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
+
+
+def check_architecture(cfg: StageArgs, src: GPTConfig, source: str) -> None:
+    """Refuse a run whose architecture flags or --model preset say otherwise than the weights it starts from, which
+    fix the architecture: they would be ignored without a word."""
+    has, asked = (dataclasses.replace(c, n_kv_head=c.kv_heads) for c in (src, model_config(cfg)))
+    # the flags given, and the --model preset's shape and options (llama-124m's) where no flag replaces them; a preset's
+    # n_kv_head of None follows n_head
+    follows = () if "n_kv_head" in cfg.arch or MODEL_PRESETS[cfg.model or "gpt2"]().n_kv_head else ("n_kv_head",)
+    fixed = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_OPTIONS, "vocab_size", *follows)]
+    differ = [k for k in fixed if (k in cfg.arch or cfg.model) and getattr(asked, k) != getattr(has, k)]
+    wrong = [f"--{k.replace('_', '-')} {getattr(asked, k)} (it has {getattr(has, k)})" for k in differ if k in cfg.arch]
+    if by_preset := [k for k in differ if k not in cfg.arch]:
+        wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(asked, k)}' for k in by_preset)}; it has "
+                     f"{', '.join(f'{k} {getattr(has, k)}' for k in by_preset)})")
+    if wrong:
+        raise ValueError(f"{source} fixes the architecture, but this run asks for {', '.join(wrong)}: drop those "
+                         "flags, or use a preset that does not set them")
+
+
+def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
+    """--init-from's weights as a GPT on the CPU, the position table cropped to --seq-len (as nanoGPT's crop), the
+    embedding padded to at least `vocab` rows (the chat tokens need more than HF GPT-2's 50,257)."""
+    path = Path(cfg.init_from).expanduser()
+    if path.is_dir() and not (path / "config.json").exists() and (found := checkpoints(path)):
+        raise ValueError(f"--init-from {cfg.init_from} is a run directory; pass one of its checkpoints, e.g. "
+                         f"--init-from {found[-1]} (the latest)")
+    # a checkpoint's tensors are mapped, not read: its AdamW moments (twice the weights) never enter memory
+    try:
+        source = GPT.from_checkpoint(load_checkpoint(path, mmap=True)) if path.is_file() else \
+            GPT.load(None, cfg.init_from)
+    except OSError as e:  # the hub is unreachable, or has no such model: one line, not an HTTP client's traceback
+        raise ValueError(str(e).replace("\n", " ")) from None
+    check_architecture(cfg, source.config, f"--init-from {cfg.init_from}")
+    if cfg.seq_len > source.config.block_size:
+        raise ValueError(f"--seq-len {cfg.seq_len} is longer than --init-from {cfg.init_from}'s context of "
+                         f"{source.config.block_size} tokens; pass --seq-len {source.config.block_size} or less")
+    if source.config.vocab_size < vocab:
+        source.pad_vocab(GPTConfig().vocab_size)
+    config = dataclasses.replace(source.config, **run_options(cfg))
+    weights = source.state_dict()
+    del source  # its tensors live on in `weights`: at most two copies of the model at once
+    if "transformer.wpe.weight" in weights:
+        weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.seq_len]
+    model = GPT(config)
+    model.load_state_dict(with_new_head(model, {k: v for k, v in weights.items()  # a value head added or dropped
+                                                 if config.value_head or not k.startswith("value_head.")}))
+    return model
+
+
+def fresh_model(cfg: StageArgs) -> GPT:
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    return GPT(model_config(cfg))
+
+
+def build_model(cfg: StageArgs, found: tuple[Path, dict] | None, ctx: Context, vocab: int = 0) -> GPT:
+    """The model on the CPU: the resumed checkpoint's architecture (restore() loads its weights), --init-from's
+    weights, or a fresh init, identical on every rank (the fingerprint checks)."""
+    if found is None:  # the same collectives on every rank, with --init-from or without
+        return first_on_each_node(lambda: load_init(cfg, vocab) if cfg.init_from else fresh_model(cfg),
+                                  ctx.local_rank, ctx.world)
+    src = checkpoint_config(found[1], f"--resume {found[0]}")
+    check_architecture(cfg, src, f"--resume {found[0]}")
+    if cfg.seq_len != src.block_size:
+        raise ValueError(f"--seq-len {cfg.seq_len} is not the context of --resume {found[0]}, "
+                         f"{src.block_size} tokens; pass --seq-len {src.block_size}")
+    if cfg.arch.get("value_head", src.value_head) != src.value_head:
+        raise ValueError(f"--resume {found[0]} has {'a' if src.value_head else 'no'} value head; a resume cannot "
+                         "change that: start a new run from its weights with --init-from")
+    model = GPT(dataclasses.replace(src, **run_options(cfg)))
+    check_weights(model, found[1]["model"], f"checkpoint {found[0]}")  # restore() would print every tensor
+    return model
+
+
+def describe_model(cfg: StageArgs, mcfg: GPTConfig) -> str:
+    """The model in one line: `tiny: 2 layers, 4 heads, width 64, context 64, gelu MLP, learned positions`."""
+    name = f"--init-from {cfg.init_from}" if cfg.init_from else cfg.model
+    heads = f"{mcfg.n_head} heads" + (f" ({mcfg.kv_heads} key-value)" if mcfg.kv_heads != mcfg.n_head else "")
+    shape = f"{mcfg.n_layer} layers, {heads}, width {mcfg.n_embd}, context {mcfg.block_size}, {mcfg.mlp} MLP, " \
+        f"{mcfg.pos} positions" + (", RMSNorm" if mcfg.norm == "rmsnorm" else "")
+    return f"{name}: {shape}" if name else shape
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One optimizer step of a next-token or pair objective
+
+
+def lm_step(cfg: StageArgs, built: Trainable, next_batch: Callable[[], tuple], grad_accum: int, guard: SpikeGuard,
+            ctx: Context, objective: Any = None, label_smoothing: float = 0.0) -> Callable[[int], dict[str, Any]]:
+    """engine.Run's step_fn, which returns the step's log record; `objective` (prefs.py's, on pairs: two sequences
+    each, with a summary() of its last micro-batch) replaces the next-token loss."""
+    tokens = grad_accum * cfg.batch_size * cfg.seq_len * ctx.world * (2 if objective else 1)
+
+    def step_fn(step: int) -> dict[str, Any]:
+        lr = set_lr(built.optimizer, step, cfg)
+        loss, norm = train_step(built.model, built.optimizer, next_batch, grad_accum, built.autocast, cfg.grad_clip,
+                                label_smoothing, built.scaler, guard.for_step(), objective)
+        if ctx.world > 1:
+            dist.all_reduce(loss)
+            loss /= ctx.world
+        loss_value, norm_value = loss.item(), norm.item()  # waits for the GPU, so the step's time is real
+        guard.observe(loss_value, norm_value)
+        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens": tokens,
+                **(objective.summary() if objective else {}), **({"skipped": guard.skipped} if guard.skipped else {})}
+
+    return step_fn
+
+
+def val_evals(cfg: StageArgs, setup: Setup) -> list[Eval]:
+    """The val split's mean loss (the next-token loss where targets are not -1), when there is a val split."""
+    if setup.val_loader is None:
+        return []
+    built, ctx = setup.built, setup.ctx
+    windows = val_windows(cfg, setup.val_loader, ctx.master)
+
+    def val(step: int) -> dict[str, Any]:
+        vl = engine.val_loss(built.model, setup.val_loader, windows, built.autocast, ctx.world)
+        setup.log.say(f"step {step:6d} | val loss {vl:.4f}")
+        return {"val_loss": vl}
+
+    return [Eval("val", cfg.eval_every, val)]
+
+
+def task_evals(cfg: TaskEvalArgs, setup: Setup) -> list[Eval]:
+    """--task's held-out greedy accuracy, the replies generated by generate.py from the uncompiled module."""
+    if not cfg.task:
+        return []
+    task, ctx = tasks.load_task(cfg.task), setup.ctx
+    problems = task.examples("test")[:cfg.task_limit]
+
+    def score(step: int) -> dict[str, Any]:
+        result = tasks.evaluate(setup.raw, task, problems, ctx.rank, ctx.world, autocast=setup.built.autocast)
+        setup.log.say(f"step {step:6d} | {cfg.task} accuracy {result['acc']:.4f} ({result['n']} held-out problems)")
+        return result
+
+    return [Eval("task", cfg.task_every, score)]
+
+
+def val_windows(cfg: StageArgs, loader: Any, master: bool) -> int:
+    """Val windows of B*T tokens per evaluation, all ranks together: --eval-tokens rounded up, at most the split."""
+    BT = loader.B * loader.T
+    windows = min(-(-cfg.eval_tokens // BT), loader.num_windows)  # more would score some windows twice
+    if windows * BT != cfg.eval_tokens and master:
+        print(f"val: each evaluation scores {windows * BT:,} tokens ({windows} x B*T = {BT:,}), not --eval-tokens "
+              f"{cfg.eval_tokens:,}: whole windows, at most the val split's")
+    return windows
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Setup: everything the loop needs, in one engine.Run
+
+
+class Setup:
+    """A stage's run under construction, in the order every stage needs. Each check one rank could fail alone is
+    shared first, so every rank stops with the reason instead of leaving the others waiting in a collective.
+
+        setup = Setup(cfg, ctx, loader)  # the RNG, the data, the checkpoint to resume, the model on the CPU
+        setup.build()                    # the shared checks, the model on its device, the optimizer, resume, log
+        return setup.run(step_fn, evals) # the engine.Run
+    """
+
+    def __init__(self, cfg: StageArgs, ctx: Context, loader: Callable[[str], Any], chat: bool = False,
+                 vocab: int = 0):
+        self.cfg, self.ctx, self.prov = cfg, ctx, provenance(ctx.device, ctx.world)
+        torch.manual_seed(cfg.seed + ctx.rank)  # every device's generator; ranks see other data, so other dropout
+        self.train_loader, self.val_loader = same_verdict(
+            lambda: (loader("train") if not cfg.eval_only else None, loader("val") if cfg.eval_every or cfg.eval_only
+                     else None), ctx.world, DataError, (DataError, OSError))  # a node without the data stops all
+        self.next_batch = self.train_loader.next_batch if self.train_loader is not None else None
+        self.checkpointer = Checkpointer(cfg, ctx.rank, ctx.world, self.prov, chat=chat)
+        self.found = self.checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
+        if self.found is not None:
+            check_resume(self.found, cfg)
+        self.raw = build_model(cfg, self.found, ctx, vocab)
+
+    def build(self, fingerprint: dict[str, Any] | None = None) -> None:
+        """`fingerprint`: what else every rank must share (train.py's HellaSwag examples)."""
+        cfg, ctx = self.cfg, self.ctx
+        loaders = [loader for loader in (self.train_loader, self.val_loader) if loader is not None]
+        if ctx.world > 1:  # a digest of a 1.5B model takes seconds: only where there is something to compare
+            agree(cfg, loaders, self.raw, self.found, ctx, fingerprint or {})
+        self.cfg, self.grad_accum, use_compile = check_run(cfg, ctx, self.raw.config)
+        self.raw = self.raw.to(ctx.device)
+        for loader in loaders:
+            loader.check_vocab(self.raw.config.vocab_size)
+        torch.manual_seed(cfg.seed + ctx.rank)
+        if ctx.master:  # the full config and provenance are log.jsonl's first record
+            print(f"model: {describe_model(cfg, self.raw.config)}\nprovenance: {describe_provenance(self.prov)}")
+        self.built = build_trainable(self.raw, self.cfg, ctx.device, use_compile, verbose=ctx.master)
+        self.guard = SpikeGuard(cfg.skip_loss_z, cfg.skip_norm_z, ctx.world)
+        self.parts = {"loader": self.train_loader, "scaler": self.built.scaler, "outliers": self.guard,
+                      "tokens": TokenCount()}
+        self.start = resume(self.found, self.checkpointer, self.raw, self.built, self.parts, cfg, ctx) \
+            if self.found else 0
+        if ctx.master:
+            print_header(self.cfg, self.raw, self.built, self.start, self.grad_accum, ctx, use_compile)
+        self.log = open_log(self.cfg, self.raw, self.checkpointer, self.found, self.start, ctx)
+
+    def run(self, step_fn: Callable[[int], dict[str, Any]], evals: list[Eval]) -> Run:
+        cfg = self.cfg
+        return Run(cfg=cfg, ctx=self.ctx, step_fn=step_fn, raw=self.raw, trainable=self.built,
+                   checkpointer=self.checkpointer, log=self.log, evals=evals, parts=self.parts,
+                   start_step=self.start, resumed=self.found is not None,
+                   flops_per_token=self.raw.flops_per_token(cfg.seq_len),
+                   peak_flops=cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
+
+
+def agree(cfg: StageArgs, loaders: list[Any], raw: GPT, found: tuple[Path, dict] | None, ctx: Context,
+          extra: dict[str, Any]) -> None:
+    """What every rank must share, compared once: the command, the data, the weights, and the stage's `extra`."""
+    source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"
+    engine.agree_fingerprint({"command": command(cfg), "data": engine.shards_of(loaders), **extra,
+                              "weights": engine.weights_digest(raw) if found is None else None},
+                             ctx.rank, ctx.world, source)  # a resume's weights: Checkpointer.find's
+
+
+def command(cfg: StageArgs) -> dict[str, str]:
+    """The command every node must run: the config, with the model as its flags resolve it."""
+    resolved = dataclasses.asdict(model_config(cfg))
+    return {**engine.command_of(cfg), **{k: repr(v) for k, v in resolved.items() if k != "block_size"}}
+
+
+def digest(obj: Any) -> str | None:
+    """A digest of JSON-able data (HellaSwag's examples) for the fingerprint."""
+    return None if obj is None else hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def use_compile(cfg: RunArgs, device: torch.device) -> bool:
+    """--compile; by default on CUDA but for a one-off evaluation, where compiling would take longer than it saves."""
+    return cfg.compile if cfg.compile is not None else device.type == "cuda" and not cfg.eval_only
+
+
+def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig) -> tuple[StageArgs, int, bool]:
+    """Refuse what cannot run: (cfg, gradient accumulation steps, whether to compile)."""
+    B, T, world, device = cfg.batch_size, cfg.seq_len, ctx.world, ctx.device
+    if cfg.eval_only:  # nothing trains, so no total batch to fill
+        cfg = dataclasses.replace(cfg, total_batch_size=B * T * world)
+    if cfg.total_batch_size % (B * T * world):
+        # e.g. more ranks than a preset was sized for (the demo's on 2 CPU ranks): name a micro-batch that fits
+        fits = next((b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world) == 0), None)
+        raise ValueError(f"--total-batch-size {cfg.total_batch_size} is not divisible by batch_size * seq_len * "
+                         f"world_size = {B} * {T} * {world} = {B * T * world}; pass "
+                         f"{f'--batch-size {fits}' if fits else 'another --batch-size'} or another --total-batch-size")
+    grad_accum, compiled = cfg.total_batch_size // (B * T * world), use_compile(cfg, device)
+    problems = [attention_conflict(cfg, device), cfg.optimizer != "adamw" and optimizer_conflict(cfg),
+                compiled and cuda_graph_conflict(cfg, grad_accum, device),
+                device.type == "cuda" and cfg.attention == "efficient" and model.kv_heads != model.n_head and
+                "--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, cudnn or auto"]
+    if why := shared_problem(next((p for p in problems if p), None), world):  # a node may lack torchao
+        raise ValueError(why)
+    return cfg, grad_accum, compiled
+
+
+def print_header(cfg: StageArgs, raw: GPT, built: Trainable, start: int, grad_accum: int, ctx: Context,
+                 compiled: bool) -> None:
+    B, T, mcfg, world = cfg.batch_size, cfg.seq_len, raw.config, ctx.world
+    if cfg.eval_only:
+        print(f"{raw.num_params():,} params | evaluating at step {start} | {B} x {T} x {world} ranks | {built.dtype}")
+        return
+    print(f"{raw.num_params():,} params | {grad_accum * B * T * world:,} tokens/step = {B} x {T} x {world} ranks x "
+          f"{grad_accum} accum | {cfg.max_steps} steps | compile {compiled} | "
+          f"{optimizer_kind(built.optimizer, cfg.parallel)} | {built.dtype}")  # single: no torchrun
+    notes = {f"{flag} runs the PyTorch reference on {ctx.device.type}: the Triton kernel is CUDA only":
+             on and ctx.device.type != "cuda" for flag, on in (("--fused-gelu", mcfg.fused_gelu),
+                                                              ("--fused-ce", mcfg.fused_ce))}
+    notes["--half-residual does nothing in fp32: the residual stream is 16-bit only under --dtype bf16"] = \
+        mcfg.half_residual and built.dtype == torch.float32
+    notes[f"--compile-mode {cfg.compile_mode} does nothing: the model is not compiled (--compile true)"] = \
+        cfg.compile_mode != "default" and not compiled
+    for note in (note for note, due in notes.items() if due):
+        print(f"note: {note}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Resume: the refusals before anything is built, the restore and its notes
+
+
+def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
+    """Refuse a checkpoint past --max-steps (nothing would train), or one holding another optimizer's state."""
+    path, ckpt = found
+    if int(ckpt["step"]) > cfg.max_steps and not cfg.eval_only:
+        raise ValueError(f"--resume {path} is at step {ckpt['step']}, past --max-steps {cfg.max_steps}; raise "
+                         "--max-steps to train further, or score it with --eval-only")
+    saved = ckpt.get("train_config", {}).get("optimizer", "adamw")
+    if saved != cfg.optimizer and not cfg.eval_only:
+        raise ValueError(f"--resume {path} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass "
+                         f"--optimizer {saved}, or start a new run from its weights with --init-from {path}")
+
+
+def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.Module, built: Trainable,
+           parts: dict[str, Any], cfg: RunArgs, ctx: Context) -> int:
+    """Restore the checkpoint found into the built run on every rank (or stop all of them); returns its step."""
+    path, ckpt = found
+    step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, parts), ctx.world, ValueError,
+                        (DataError, ValueError))
+    if ctx.master:
+        print(f"resumed from {path} at step {step}")
+        if (loader := parts.get("loader")) is not None and (note := loader.resume_note(ckpt["loader"])):
+            print(f"note: {note}")
+        note_new_schedule(ckpt.get("train_config", {}), cfg, step)
+    if not cfg.eval_only and (changed := set_hyperparameters(built.optimizer, cfg)) and ctx.master:
+        print(f"note: {', '.join(changed)} differ from the checkpoint's run: this run's values apply from step {step}")
+    del ckpt["model"], ckpt["optimizer"]  # copied into the model and optimizer: free the CPU copy
+    return step
+
+
+def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
+    """Say so when the resumed run had another schedule (--max-steps, --lr-schedule...) that changes the lr."""
+    keys = ("max_steps", "warmup_steps", "lr_schedule", "min_lr_frac", "decay_frac")
+    old = dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved})
+    if cfg.eval_only or all(getattr(old, k) == getattr(cfg, k) for k in keys):
+        return
+    differs = next((s for s in range(step, max(old.max_steps, cfg.max_steps) + 1) if get_lr(s, old) != get_lr(s, cfg)),
+                   None)
+    if differs is not None:
+        changed = [k for k in keys if getattr(old, k) != getattr(cfg, k)]
+        had = " and ".join(f"--{k.replace('_', '-')} {getattr(old, k)}" for k in changed)
+        has = " and ".join(str(getattr(cfg, k)) for k in changed)
+        print(f"note: the checkpoint's run had {had}, this run has {has}: from step {differs} the lr is "
+              f"{get_lr(differs, cfg):.3g}, not that run's {get_lr(differs, old):.3g}")
+
+
+def open_log(cfg: RunArgs, raw: GPT, checkpointer: Checkpointer, found: tuple[Path, dict] | None, start: int,
+             ctx: Context) -> engine.RunLog:
+    """log.jsonl and the trackers, its first record the full config, the model's and the provenance."""
+    checkpointer.remove_partial_writes()
+    log = engine.open_run_log(cfg, start if found else None, checkpointer.rewinding, ctx.rank, ctx.world)
+    log.write({"type": "config", "step": start, "config": dataclasses.asdict(cfg),
+               "model_config": dataclasses.asdict(raw.config), "provenance": checkpointer.prov})
+    return log
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Entry points: main's exits, once for every stage
+
+
+def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], Any]], setup: Callable[..., Run],
+         doc: str | None) -> dict[str, Any]:
+    """The command line (sys.argv[1:] by default) into run(); a user error is one line on stderr and exit code 1."""
+    try:
+        cfg = parse_config(config, sys.argv[1:] if argv is None else argv, presets, doc)
+    except SystemExit as e:
+        # under torchrun, a rank whose flags do not parse (one node's typo) joins the group as the default config would,
+        # to hand its reason to the other ranks' first collective: they would wait for it until the timeout
+        if e.code and not isinstance(e.code, int) and "RANK" in os.environ and not dist.is_initialized():
+            world = setup_distributed(config().device, config().dist_timeout)[2]
+            shared_problem(str(e.code).removeprefix("error: "), world)
+            dist.destroy_process_group()
+        raise
+    if cfg.print_config:
+        resolved = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "print_config"}
+        model = {"model_config": dataclasses.asdict(model_config(cfg))} if isinstance(cfg, StageArgs) else {}
+        print(json.dumps({**resolved, **model}, indent=1))
+        return {}
+    try:
+        return run(cfg, setup)
+    except (DataError, ValueError, FileNotFoundError) as e:
+        message = f"error: {e}"
+    except torch.cuda.OutOfMemoryError as e:  # the usual first failure on a new GPU: say what to change
+        at = f"--batch-size {cfg.batch_size}: lower it (gradient accumulation keeps --total-batch-size)" \
+            if isinstance(cfg, StageArgs) else f"--rollout-batch {cfg.rollout_batch}: lower it or raise --minibatches"
+        message = (f"error: out of GPU memory at {at}, or add --loss-chunk 4096 or --recompute mlp; the README's "
+                   f"'Micro-batch by GPU memory' has starting points\n(torch: {(str(e) or ' ').splitlines()[0]})")
+    except RuntimeError as e:  # gloo's raw traceback for a rank that never came (NCCL's watchdog aborts by itself)
+        if not (dist.is_initialized() or "RANK" in os.environ) or "timed out" not in str(e).lower():
+            raise
+        message = (f"error: rank {os.environ.get('RANK', 0)} waited --dist-timeout {cfg.dist_timeout:g} min in a "
+                   "collective for a rank that never came: check that every rank is alive and running (not killed, "
+                   "stopped or stuck in I/O) and that the nodes reach each other, then --resume auto")
+    print(message, file=sys.stderr)
+    raise SystemExit(1)
+
+
+def run(cfg: RunArgs, setup: Callable[[Any, Context], Run]) -> dict[str, Any]:
+    """Train (or evaluate) as cfg says, from Python: errors stay exceptions. It joins the default process group, or
+    creates it and destroys it at the end. Returns engine.train()'s result, the same on every rank."""
+    owns_group = not dist.is_initialized()
+    ctx = Context(*setup_distributed(cfg.device, cfg.dist_timeout))
+    attention = sdpa_switches()
+    try:
+        with engine.hold_out_dir(cfg, ctx.rank, ctx.world):
+            r = setup(cfg, ctx)
+            with r.stop:  # its signal handlers live as long as the loop, and put the caller's back
+                result = engine.train(r)
+                if dist.is_initialized():
+                    dist.barrier()  # leave together: no rank tears its group down while another is in a collective
+        return result
+    finally:
+        set_sdpa_switches(attention)  # --attention's choice must not outlive the run either
+        if owns_group and dist.is_initialized():  # a group the caller made is the caller's to destroy
+            dist.destroy_process_group()
+
+
+def exit_code(result: dict[str, Any]) -> int:
+    """A diverged run must not look like success to a scheduler."""
+    return 1 if result.get("stopped") == "nan" else 0
