@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import difflib
+import errno
 import functools
 import importlib.util
 import inspect
@@ -14,6 +15,8 @@ import logging
 import os
 import pickle
 import re
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -456,6 +459,19 @@ def run_and_exit(main: Callable[[], Any], exit_code: Callable[[Any], int] = lamb
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Checkpoint files
+
+
+def write_error(e: Exception, path: Path) -> tuple[str, str]:
+    """(what failed, the fix) for a write to `path` that raised e (torch.save's RuntimeError carries no errno)."""
+    code = getattr(e, "errno", None)
+    if code is None:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        size = path.stat().st_size if path.exists() else 0
+        code = errno.EFBIG if limit != resource.RLIM_INFINITY and size >= limit else errno.ENOSPC \
+            if shutil.disk_usage(path.parent).free < 1 << 20 else errno.EIO
+    fix = "free space there (or lower --keep-last)" if code in (errno.ENOSPC, errno.EDQUOT) else \
+        "raise the file-size limit (ulimit -f) or write elsewhere" if code == errno.EFBIG else "check the disk"
+    return f"{errno.errorcode.get(code, 'error')} ({os.strerror(code)})", fix + ", then --resume auto"
 
 
 def checkpoints(out_dir: Path) -> list[Path]:

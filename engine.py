@@ -19,20 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
-import json
 import math
 import os
 import re
-import resource
-import shutil
 import signal
 import sys
 import threading
 import time
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,15 +42,13 @@ from common import (
     agree,
     checkpoints,
     device_name,
-    hold_lock,
-    iter_log,
     load_checkpoint,
     mfu,
     same_verdict,
-    shared_problem,
+    write_error,
 )
 from parallel import StepArgs, Trainable
-from trackers import missing_package, open_trackers
+from trackers import RunLog, fmt_time
 
 
 @dataclass
@@ -510,19 +504,6 @@ def write_atomically(path: Path, ckpt: dict) -> None:
                          f"checkpoints are intact; {fix}") from e
 
 
-def write_error(e: Exception, path: Path) -> tuple[str, str]:
-    """(what failed, the fix) for a write to `path` that raised e (torch.save's RuntimeError carries no errno)."""
-    code = getattr(e, "errno", None)
-    if code is None:
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        size = path.stat().st_size if path.exists() else 0
-        code = errno.EFBIG if limit != resource.RLIM_INFINITY and size >= limit else errno.ENOSPC \
-            if shutil.disk_usage(path.parent).free < 1 << 20 else errno.EIO
-    fix = "free space there (or lower --keep-last)" if code in (errno.ENOSPC, errno.EDQUOT) else \
-        "raise the file-size limit (ulimit -f) or write elsewhere" if code == errno.EFBIG else "check the disk"
-    return f"{errno.errorcode.get(code, 'error')} ({os.strerror(code)})", fix + ", then --resume auto"
-
-
 def state_dicts(raw: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
     """Full (unsharded, unwrapped) model and optimizer state; collective under ZeRO-1/FSDP, so every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -631,144 +612,6 @@ def val_loss(model: nn.Module, loader: Any, windows: int, autocast: contextlib.A
         dist.all_reduce(total)  # SUM: gloo has no AVG
     model.train()
     return total.item() / windows
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# RunLog
-
-
-class RunLog:
-    """The run's log.jsonl (rank 0, not for --eval-only), the trackers that get its records too (TensorBoard, W&B),
-    and the console's step line every --log-every steps, with the ETA from the median of the last 20 step times."""
-
-    def __init__(self, path: Path | None, master: bool = True, max_steps: int = 0, log_every: int = 1,
-                 trackers: list[Any] | None = None):
-        self.path, self.master, self.trackers = path, master, trackers or []
-        self.file = open(path, "a", buffering=1) if path is not None else None
-        self.max_steps, self.log_every = max_steps, log_every
-        self.recent_ms: list[float] = []
-        self.losses: list[float] = []  # every step's loss, all ranks together
-
-    def write(self, record: dict) -> None:
-        if self.file:
-            try:
-                self.file.write(json.dumps(record) + "\n")
-            except OSError as e:
-                raise ValueError(f"cannot append to {self.path}: {'; '.join(write_error(e, self.path))}") from None
-        for tracker in self.trackers:
-            tracker.write(record)
-
-    def say(self, text: str) -> None:
-        if self.master:
-            print(text)
-
-    def checkpointed(self) -> None:
-        """The run owns the newest checkpoint now: a rewind's set-aside records (prepare_log) are no one's."""
-        if self.path is not None:
-            rewound(self.path).unlink(missing_ok=True)
-
-    def step(self, step: int, record: dict, timed: bool) -> None:
-        """Log one optimizer step's record; `timed`: its time counts towards the ETA (not the first step's compile)."""
-        self.losses.append(record["loss"])
-        if timed:
-            self.recent_ms = (self.recent_ms + [record["ms"]])[-20:]
-        self.write({"type": "train", "step": step, **record})
-        if not self.master:
-            return
-        if record.get("skipped"):
-            print(f"step {step:6d} | update skipped: {record['skipped']}")
-        if step % self.log_every == 0 or step == self.max_steps - 1:
-            ms = sorted(self.recent_ms)[len(self.recent_ms) // 2] if self.recent_ms else record["ms"]
-            eta = ms * (self.max_steps - step - 1) / 1000
-            util = record["mfu"]
-            print(f"step {step:6d}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | norm "
-                  f"{record['grad_norm']:.3f} | {record['ms']:7.1f} ms | {record['tok_s']:,.0f} tok/s | mfu "
-                  f"{f'{util:.1%}' if util else 'n/a'} | eta {fmt_time(eta)}", flush=True)
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
-        for tracker in self.trackers:
-            tracker.close()
-
-
-def rewound(path: Path) -> Path:
-    return path.with_name(path.name + ".rewound")
-
-
-def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[int, list[dict], Callable[[], None]]:
-    """What log.jsonl must hold for the run about to start: a resumed run's records before its step. A rewind keeps
-    those it drops in log.jsonl.rewound until its first checkpoint; a run that finds them there puts them back first.
-    Returns the step from which trackers forget what they had, the records to give them again, and the write to do."""
-    records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
-    side, first, newest = rewound(path), resume_step, checkpoints(path.parent)
-    if records and side.is_file() and (not newest or side.stat().st_mtime_ns > newest[-1].stat().st_mtime_ns):
-        moved = list(iter_log(side))
-        first = min([resume_step, *(r["step"] for r in moved)])
-        records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
-    kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
-    cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]
-
-    def write() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if rewinding and cut:  # written before the log is cut, so a crash between the two loses nothing
-            write_records(side, cut)
-        else:
-            side.unlink(missing_ok=True)
-        write_records(path, kept)
-
-    replay = [r for r in kept if r["type"] != "config" and r["step"] >= first]
-    return (0 if resume_step is None else first), replay, write
-
-
-def write_records(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(record) + "\n" for record in records))
-    os.replace(tmp, path)
-
-
-def fmt_time(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def open_run_log(cfg: RunArgs, resume_step: int | None, rewinding: bool, rank: int, world: int) -> RunLog:
-    """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's)."""
-    logs, path = rank == 0 and not cfg.eval_only, Path(cfg.out_dir) / "log.jsonl"
-    forget, replay, write = prepare_log(path, resume_step, rewinding) if logs else (None, [], lambda: None)
-    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step, forget)
-                            if logs else None, world)
-    write()  # after the trackers start: one that cannot leaves the log as it was
-    for tracker in trackers or []:
-        for record in replay:
-            tracker.write(record)
-    return RunLog(path if logs else None, rank == 0, cfg.max_steps, cfg.log_every, trackers)
-
-
-@contextlib.contextmanager
-def hold_out_dir(cfg: RunArgs, rank: int, world: int) -> Iterator[None]:
-    """Rank 0 locks --out-dir (not for --eval-only, which writes nothing there), so a second run there stops at once
-    instead of pruning this one's checkpoints. A problem on any rank (a missing logging package too) stops them all."""
-    out_dir, lock = Path(cfg.out_dir), None
-    problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None
-    if not problem and out_dir.exists() and not out_dir.is_dir():
-        problem = f"--out-dir {out_dir} is a file, not a directory"
-    elif not problem and rank == 0 and not cfg.eval_only:
-        try:
-            lock = hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir {out_dir}; let it "
-                             "finish, or pass another --out-dir (an --eval-only run may share it)",
-                             "make sure no other train.py writes there")
-        except ValueError as e:
-            problem = str(e)
-        except OSError as e:
-            problem = f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to"
-    try:
-        if problem := shared_problem(problem, world):
-            raise ValueError(problem)
-        yield
-    finally:
-        if lock is not None:
-            lock.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from engine import Context, Run
 from generate import Rollout, calculator, generate
 from model import GPT
 from parallel import Objective, build_trainable, frozen_copy, last_index, rewards, spread, train_step
+from trackers import RunLog
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The math
@@ -388,7 +389,7 @@ def summary(batch: dict[str, Tensor], totals: dict[str, Tensor], has_ref: bool, 
 
 
 def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, scorer: tuple, sampler: PromptSampler,
-            log: engine.RunLog, ctx: Context) -> Callable[[int], dict[str, Any]]:
+            log: RunLog, ctx: Context) -> Callable[[int], dict[str, Any]]:
     """engine.Run's step_fn: roll out, score, update; the record holds the whole batch's figures. `scorer`: (the reward
     functions, the reward model), one of them None."""
     objective = Objective(lambda model, mb: rl_loss(model, mb, cfg, ctx.world))
@@ -412,7 +413,7 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, scorer: tuple,
     return step_fn
 
 
-def task_eval(cfg: RLConfig, raw: GPT, task: Any, autocast: Any, log: engine.RunLog, ctx: Context) -> engine.Eval:
+def task_eval(cfg: RLConfig, raw: GPT, task: Any, autocast: Any, log: RunLog, ctx: Context) -> engine.Eval:
     """Held-out greedy accuracy (tasks.evaluate) and pass@k by a generator of its own (the training's RNG untouched)."""
     problems = task.examples("test")[:cfg.eval_limit]
 

@@ -8,13 +8,14 @@ setup(cfg, ctx) -> engine.Run, built here in three calls (Setup, build, run), an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -29,6 +30,7 @@ from common import (
     checkpoints,
     describe_provenance,
     first_on_each_node,
+    hold_lock,
     load_checkpoint,
     parse_config,
     provenance,
@@ -50,6 +52,7 @@ from parallel import (
     set_sdpa_switches,
     train_step,
 )
+from trackers import RunLog, missing_package, open_run_log
 
 
 @dataclass
@@ -440,10 +443,10 @@ def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
 
 
 def open_log(cfg: RunArgs, raw: GPT, checkpointer: Checkpointer, found: tuple[Path, dict] | None, start: int,
-             ctx: Context) -> engine.RunLog:
+             ctx: Context) -> RunLog:
     """log.jsonl and the trackers, its first record the full config, the model's and the provenance."""
     checkpointer.remove_partial_writes()
-    log = engine.open_run_log(cfg, start if found else None, checkpointer.rewinding, ctx.rank, ctx.world)
+    log = open_run_log(cfg, start if found else None, checkpointer.rewinding, ctx.rank, ctx.world)
     log.write({"type": "config", "step": start, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": checkpointer.prov})
     return log
@@ -451,6 +454,32 @@ def open_log(cfg: RunArgs, raw: GPT, checkpointer: Checkpointer, found: tuple[Pa
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Entry points: main's exits, once for every stage
+
+
+@contextlib.contextmanager
+def hold_out_dir(cfg: RunArgs, rank: int, world: int) -> Iterator[None]:
+    """Rank 0 locks --out-dir (not for --eval-only, which writes nothing there), so a second run there stops at once
+    instead of pruning this one's checkpoints. A problem on any rank (a missing logging package too) stops them all."""
+    out_dir, lock = Path(cfg.out_dir), None
+    problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None
+    if not problem and out_dir.exists() and not out_dir.is_dir():
+        problem = f"--out-dir {out_dir} is a file, not a directory"
+    elif not problem and rank == 0 and not cfg.eval_only:
+        try:
+            lock = hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir {out_dir}; let it "
+                             "finish, or pass another --out-dir (an --eval-only run may share it)",
+                             "make sure no other train.py writes there")
+        except ValueError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to"
+    try:
+        if problem := shared_problem(problem, world):
+            raise ValueError(problem)
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], Any]], setup: Callable[..., Run],
@@ -497,7 +526,7 @@ def run(cfg: RunArgs, setup: Callable[[Any, Context], Run]) -> dict[str, Any]:
     ctx = Context(*setup_distributed(cfg.device, cfg.dist_timeout))
     attention = sdpa_switches()
     try:
-        with engine.hold_out_dir(cfg, ctx.rank, ctx.world):
+        with hold_out_dir(cfg, ctx.rank, ctx.world):
             r = setup(cfg, ctx)
             with r.stop:  # its signal handlers live as long as the loop, and put the caller's back
                 result = engine.train(r)

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine  # noqa: E402
+import trackers  # noqa: E402
 from common import parse_config, provenance, run_and_exit, setup_distributed  # noqa: E402
 from fineweb import TokenLoader  # noqa: E402
 from model import GPT, MODEL_PRESETS  # noqa: E402
@@ -41,7 +42,7 @@ def main(argv: list[str]) -> dict:
     built = build_trainable(raw, cfg, ctx.device, use_compile=False, verbose=False)
     parts = {"loader": loader, "tokens": engine.TokenCount()}
     start = checkpointer.restore(found[1], raw, built.optimizer, parts) if found else 0
-    log = engine.open_run_log(cfg, start if found else None, checkpointer.rewinding, ctx.rank, ctx.world)
+    log = trackers.open_run_log(cfg, start if found else None, checkpointer.rewinding, ctx.rank, ctx.world)
 
     def step_fn(step: int) -> dict:
         loss, norm = train_step(built.model, built.optimizer, loader.next_batch, 1, built.autocast, cfg.grad_clip)

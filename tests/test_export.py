@@ -214,7 +214,7 @@ def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
     for argv in (["--export-hf", str(tmp_path / "x")], [], ["--ckpt", str(ckpt)]):  # not an untrained sample
         with pytest.raises(SystemExit) as e:
             export.main(argv)
-        assert str(e.value) == "error: pass --ckpt PATH (a checkpoint train.py wrote) and --export-hf DIR"
+        assert str(e.value) == "error: pass --ckpt PATH (a checkpoint of this project) and --export-hf DIR"
     # a checkpoint that cannot be exported is one error line, and no output directory is left behind
     with pytest.raises(SystemExit) as e:
         export.main(["--ckpt", str(tmp_path / "missing.pt"), "--export-hf", str(tmp_path / "x")])

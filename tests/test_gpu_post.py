@@ -81,7 +81,8 @@ def test_rl_takes_steps_and_its_masked_head_compiles_as_eager(algo, sft_run, tmp
             f"--out-dir={tmp_path}", "--prompts=8", "--samples=4", "--rollout-batch=8", "--max-new-tokens=8",
             "--max-steps=2", "--eval-every=0", "--eval-limit=16", "--pass-k=0", *COMPILE])
     steps = records(tmp_path, "train")
-    assert len(steps) == 2 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in steps)
+    # (a group whose replies all score alike has no advantage: GRPO's gradient may be 0)
+    assert len(steps) == 2 and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
     assert all(0 <= r["reward"] <= 1 for r in steps) and records(tmp_path, "task")[-1]["n"] == 16
     # the policy's log-probs on a mask of sampled tokens (a data-dependent shape), compiled against eager
     model = GPT.from_checkpoint(sft_run / "ckpt_000060.pt", value_head=algo == "ppo").to(DEVICE)
