@@ -230,6 +230,12 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
                              f"{self.dpo_sft}")
         if self.objective == "reward" and self.arch.setdefault("value_head", True) is not True:
             raise ValueError("--objective reward trains a value head: drop --value-head false")
+        # the other objective's flags, and the next-token loss's speed options, which neither objective computes
+        other, default = {"reward": ("dpo_beta", "dpo_sft"), "dpo": ("reward_logprob",)}[self.objective], \
+            PrefsConfig.__dataclass_fields__
+        unused = [f for f in other if getattr(self, f) != default[f].default]
+        if unused := unused + [f for f in ("loss_chunk", "fused_ce") if self.arch.get(f)]:
+            raise ValueError(f"--objective {self.objective} does not use --{unused[0].replace('_', '-')}: drop it")
         if self.objective == "dpo" and not self.init_from:  # its reference is the starting weights
             raise ValueError("--objective dpo moves a model away from its starting weights, its reference: pass "
                              "--init-from a fine-tuned model (a random one prefers nothing)")

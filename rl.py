@@ -73,13 +73,6 @@ def surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps: float | N
     return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-                eps: float = 0.2, denom: float | None = None) -> tuple[Tensor, Tensor]:
-    """The clipped surrogate's token mean over the masked tokens (or over `denom`): (loss, clipped share)."""
-    loss, clipped = surrogate(logp, old_logp, advantages, eps)
-    return masked_mean(loss, mask, denom), masked_mean(clipped.float(), mask).detach()
-
-
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Per-token KL(policy || reference), k3: exp(d) - d - 1, d = ref_logp - logp; unbiased on sampled tokens, >= 0."""
     d = ref_logp - logp
@@ -149,14 +142,16 @@ def ppo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor
 @dataclasses.dataclass(frozen=True)
 class Algo:
     advantages: Callable[[dict[str, Tensor], Any, int], dict[str, Tensor]]
+    flags: tuple[str, ...] = ("clip",)  # the flags of its own it reads: another's, changed, is refused
     group: bool = True  # compares the replies to one prompt: --samples >= 2
     clip: bool = True  # the ratio's clip (REINFORCE: none, on-policy)
     critic: bool = False  # a value head on the policy's trunk; --beta is a KL penalty in the rewards, not a loss term
     minibatches: int = 2  # optimizer steps per pass, by default
 
 
-ALGOS = {"grpo": Algo(grpo), "rloo": Algo(rloo), "reinforce": Algo(reinforce, clip=False, minibatches=1),
-         "ppo": Algo(ppo, group=False, critic=True)}
+ALGOS = {"grpo": Algo(grpo, ("clip", "scale_rewards")), "rloo": Algo(rloo),
+         "reinforce": Algo(reinforce, (), clip=False, minibatches=1),
+         "ppo": Algo(ppo, ("clip", "gamma", "lam", "vf_coef"), group=False, critic=True)}
 LOSS_AGG = ("token", "sequence", "dr_grpo")
 
 
@@ -215,6 +210,9 @@ class RLConfig(engine.RunArgs):
         self._check_numbers(algo)
 
     def _check_numbers(self, algo: Algo) -> None:
+        others, default = {f for a in ALGOS.values() for f in a.flags} - set(algo.flags), RLConfig.__dataclass_fields__
+        if unused := sorted(f for f in others if getattr(self, f) != default[f].default):
+            raise ValueError(f"--algo {self.algo} does not use --{unused[0].replace('_', '-')}: drop it")
         for name in "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches".split():
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")

@@ -335,6 +335,9 @@ def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pa
     ("prefs", ["--objective=lm"], "--objective must be reward or dpo and --dpo-sft >= 0; got 'lm' and 0.0"),
     ("prefs", ["--objective=reward", "--value-head=false"], "--objective reward trains a value head"),
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--parallel=fsdp"], "--objective dpo keeps a whole frozen"),
+    ("prefs", ["--objective=reward", "--dpo-sft=1"], "--objective reward does not use --dpo-sft: drop it"),
+    ("prefs", ["--objective=dpo", "--init-from=x.pt", "--reward-logprob"], "--objective dpo does not use --reward-log"),
+    ("prefs", ["--objective=dpo", "--init-from=x.pt", "--loss-chunk=64"], "--objective dpo does not use --loss-chunk"),
     # pretraining takes no flag of the post-training stages: refused, not silently ignored
     ("train", ["--preset=tiny", "--objective=dpo"], "unknown option --objective"),
     ("train", ["--preset=tiny", "--task=addition"], "unknown option --task"),

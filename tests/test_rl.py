@@ -234,3 +234,12 @@ def test_rl_on_a_users_task_with_its_own_reward_that_sees_the_prompt(models, tmp
     assert one_line_error(capsys, rl.main, [*common, "--reward", f"{tmp_path / 'doubling.py'}:raises", "--out-dir",
                                             str(tmp_path / "bad")]) == \
         f"error: --reward {tmp_path / 'doubling.py'}:raises raised KeyError: 'no such field'"
+
+
+@pytest.mark.parametrize("flags, unused", [(dict(algo="grpo", gamma=0.9), "gamma"), (dict(algo="rloo", lam=0.5), "lam"),
+                                           (dict(algo="reinforce", clip=0.3), "clip"),
+                                           (dict(algo="ppo", scale_rewards=False), "scale-rewards")])
+def test_a_flag_the_algorithm_does_not_use_is_refused(flags, unused):
+    with pytest.raises(ValueError, match=f"^--algo {flags['algo']} does not use --{unused}: drop it$"):
+        rl.RLConfig(**flags)
+    rl.RLConfig(algo="ppo", gamma=0.9, lam=0.5, vf_coef=1.0)  # its own

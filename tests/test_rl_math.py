@@ -16,7 +16,6 @@ from rl import (
     kl_rewards,
     leave_one_out,
     masked_mean,
-    policy_loss,
     surrogate,
     value_loss,
     whiten,
@@ -32,6 +31,12 @@ def test_group_advantages_with_and_without_the_std():
     expected = [x / (std1 + 1e-4) for x in (0.5, -0.5, -0.5, 0.5)]
     expected += [0.0] * 4 + [x / (std3 + 1e-4) for x in (2.0, -1.0, -1.0, 0.0)]
     torch.testing.assert_close(scaled, torch.tensor(expected))  # a group of equal rewards: 0, not NaN
+
+
+def policy_loss(logp, old, adv, mask, denom=None):
+    """rl_loss's policy term for --loss-agg token, and the clipped share."""
+    loss, clipped = surrogate(logp, old, adv)
+    return aggregate(loss, mask, "token", denom), masked_mean(clipped.float(), mask)
 
 
 def test_clipped_policy_loss_at_known_ratios():
