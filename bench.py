@@ -22,7 +22,6 @@ import os
 import random
 import re
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -551,7 +550,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Each suite's rows, written to --out after every row (a run killed by a time limit keeps what it measured)."""
-    cfg = common.parse_config(BenchConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    cfg = common.parse_config(BenchConfig, argv, doc=__doc__)
     if cfg.table_from:
         try:
             result = json.loads(Path(cfg.table_from).read_text())

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from chat_format import ASSISTANT_END, CHAT_VOCAB, REPLY_STOPS, SYSTEM_START, is_chat
-from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, load_checkpoint, parse_config
+from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, load_checkpoint, parse_config, user_errors
 from model import GPT, HF_CONV1D, NORM_EPS, GPTConfig
 
 
@@ -198,16 +197,14 @@ def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(ExportConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    cfg = parse_config(ExportConfig, argv, doc=__doc__)
     if not (cfg.ckpt and cfg.export_hf):
         raise SystemExit("error: pass --ckpt PATH (a checkpoint of this project) and --export-hf DIR")
-    try:
+    with user_errors(OSError, ValueError):
         check_target(Path(cfg.export_hf))  # before a large checkpoint takes its time to load
         model = GPT.from_checkpoint(cfg.ckpt)
         chat = is_chat(load_checkpoint(cfg.ckpt, mmap=True))
         out = export_hf(model, cfg.export_hf, chat)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
     print(f"exported {cfg.ckpt} to {out}{' as a chat model' * chat} (load with "
           "transformers.AutoModelForCausalLM.from_pretrained)")
 

@@ -42,6 +42,7 @@ from common import (
     provenance,
     run_and_exit,
     setup_distributed,
+    user_errors,
 )
 from model import GPT
 
@@ -276,18 +277,16 @@ class HellaSwagConfig:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(HellaSwagConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    cfg = parse_config(HellaSwagConfig, argv, doc=__doc__)
     owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
     try:
-        try:  # under torchrun every rank scores its share; a plain `python hellaswag.py` is one rank
+        with user_errors(OSError, ValueError, RuntimeError):  # torchrun: every rank scores its share; python: one
             rank, local_rank, world_size, device = setup_distributed(cfg.device)
             # one download per node; its failure (an offline machine) stops every rank with its message
             path = Path(cfg.data) if cfg.data is not None else \
                 first_on_each_node(lambda: download(cfg.cache_dir), local_rank, world_size)
             examples = load_examples(path, cfg.limit)
             model = GPT.load(cfg.ckpt, cfg.init_from).to(device)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise SystemExit(f"error: {e}".replace("\n", " ")) from None
         if rank == 0:
             print(f"hellaswag: {cfg.ckpt or cfg.init_from}, {model.num_params():,} params, {len(examples)} examples; "
                   f"{describe_provenance(provenance(device, world_size))}", file=sys.stderr)

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from common import EOT, get_tokenizer, import_torchao, parse_config, resolve_device, tensor_bytes
+from common import EOT, get_tokenizer, import_torchao, parse_config, resolve_device, tensor_bytes, user_errors
 from generate import check_sampling, sample_stream
 from model import GPT
 
@@ -175,16 +175,14 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    cfg = parse_config(SampleConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    try:
+    cfg = parse_config(SampleConfig, argv, doc=__doc__)
+    with user_errors(ImportError, OSError, ValueError, RuntimeError):
         device = resolve_device(cfg.device)
         prompt = read_prompt(cfg.prompt)
         if cfg.quantize == "int8":
             torchao_int8()  # a missing torchao fails before the model loads
         model = GPT.load(cfg.ckpt, cfg.init_from)
         seen = corpus_words(cfg.corpus) if cfg.corpus else None
-    except (ImportError, OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"error: {e}".replace("\n", " ")) from None
     # decoding is bound by reading the weights: bf16 on CUDA halves their bytes, about doubling the speed
     model.to(device, torch.bfloat16 if device.type == "cuda" else None)
     if cfg.quantize == "int8":
