@@ -127,15 +127,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "know the chat format: its replies may be gibberish", file=sys.stderr)
     model.to(device, torch.bfloat16 if device.type == "cuda" else None)
     chat = Chat(model, cfg, device)
-    try:
+    with user_errors(ValueError), contextlib.suppress(EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C: the end
         if cfg.prompt is None:
             repl(chat)
         else:
             chat.reply(cfg.prompt)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    except (EOFError, KeyboardInterrupt):  # the end of a conversation, not an error
-        print()
+        return chat.messages
+    print()  # ended by Ctrl-D or Ctrl-C: the shell's prompt on a line of its own
     return chat.messages
 
 
