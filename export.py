@@ -60,10 +60,10 @@ def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Pat
     to them (as llm.c does: HF's generate could sample the padded rows); a chat model keeps them (the chat tokens) and
     gets the chat tokenizer. An earlier export is replaced; a failed write is one OSError line and changes nothing."""
     cfg = model.config
-    gpt2 = hf_class(cfg) == "GPT2LMHeadModel"  # before anything is written
+    files = {"GPT2LMHeadModel": _gpt2_files, "LlamaForCausalLM": _llama_files}[hf_class(cfg)]  # before any write
     out = check_target(Path(out_dir))
-    vocab = cfg.vocab_size if chat or cfg.vocab_size <= GPT2_VOCAB else GPT2_VOCAB  # a tiny test vocabulary stays
-    sd, config = _gpt2_files(model, vocab) if gpt2 else _llama_files(model, vocab)
+    vocab = cfg.vocab_size if chat else min(cfg.vocab_size, GPT2_VOCAB)  # a tiny test vocabulary stays
+    sd, config = files(model, vocab)
     if chat:
         config["eos_token_id"] = ASSISTANT_END
     made = [p for p in (out, *out.parents) if not p.exists()]  # the directories this export creates
