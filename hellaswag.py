@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +41,7 @@ from common import (
     setup_distributed,
     user_errors,
 )
+from fineweb import atomic_write
 from model import GPT
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -63,24 +61,22 @@ def default_cache_dir() -> Path:
 
 
 def download(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL) -> Path:
-    """Return the cached validation jsonl, downloading it first if needed (into a temp file, then renamed, so
-    an interrupted download never leaves a truncated file that looks complete)."""
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    """Return the cached validation jsonl, downloading it first if needed (written atomically, so an interrupted
+    download never leaves a truncated file that looks complete)."""
+    cache = Path(cache_dir or default_cache_dir())
     dest = cache / "hellaswag_val.jsonl"
     if dest.is_file():
         return dest
     cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".hellaswag_val.", suffix=".tmp")
     try:
-        with urllib.request.urlopen(url, timeout=60) as resp, os.fdopen(fd, "wb") as f:
-            total = int(resp.headers.get("Content-Length") or 0) or None
+        with urllib.request.urlopen(url, timeout=60) as resp:
+            total, chunks = int(resp.headers.get("Content-Length") or 0) or None, []
             with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {dest.name}") as bar:
                 while chunk := resp.read(1 << 20):
-                    f.write(chunk)
+                    chunks.append(chunk)
                     bar.update(len(chunk))
-        os.replace(tmp, dest)
-    except (urllib.error.URLError, OSError) as e:
-        Path(tmp).unlink(missing_ok=True)
+        atomic_write(dest, *chunks)
+    except OSError as e:  # urllib's URLError among them
         raise ConnectionError(f"could not download HellaSwag from {url} ({e}); on an offline machine copy "
                               f"hellaswag_val.jsonl over and pass --data PATH (or place it at {dest})") from e
     return dest
@@ -211,10 +207,9 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
     compiled, DDP or FSDP module), called on every rank: ranks take strided shares and all-reduce the counts. Runs
     under no_grad in eval mode (restored after), bf16 autocast on CUDA; `progress` shows a tqdm bar on rank 0."""
     device = torch.device(device)
-    examples = examples[:limit] if limit is not None else examples
     # examples made in Python, not by load_examples, are checked here
-    examples = [prepare_example(ex, f"example {i}: ") for i, ex in enumerate(examples)]
-    enc = enc if enc is not None else get_tokenizer()
+    examples = [prepare_example(ex, f"example {i}: ") for i, ex in enumerate(examples[:limit])]
+    enc = enc or get_tokenizer()
     config = _config(model)  # None (not a GPT): no vocabulary check, candidates not cropped
     block_size = getattr(config, "block_size", None)
     if getattr(config, "vocab_size", enc.n_vocab) < enc.n_vocab:
