@@ -188,10 +188,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     if cfg.quantize == "int8":
         before = weight_bytes(model)
         names = quantize_int8(model)
-        dtype = str(model.transformer.wte.weight.dtype).removeprefix("torch.")
-        kept = "" if "lm_head" in names else f" (the tied wte/lm_head stays {dtype})"
+        dtype = str(model.transformer.wte.weight.dtype).removeprefix("torch.")  # GPT always ties it to lm_head
         print(f"int8: {len(names)} nn.Linear weights quantized, weights {before / 1e6:.1f} MB -> "
-              f"{weight_bytes(model) / 1e6:.1f} MB{kept}", file=sys.stderr)
+              f"{weight_bytes(model) / 1e6:.1f} MB (the tied wte/lm_head stays {dtype})", file=sys.stderr)
     texts = generate_text(model, get_tokenizer(), dataclasses.replace(cfg, prompt=prompt), device)
     if seen is not None:
         c = corpus_check(texts, seen)
