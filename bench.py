@@ -22,10 +22,9 @@ import os
 import random
 import re
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -83,11 +82,13 @@ class BenchConfig:
     def __post_init__(self) -> None:
         """Resolve the device's defaults (twice changes nothing); a bad flag fails here, before any row runs."""
         device = common.resolve_device(self.device)  # cuda:N becomes the current device, where Triton launches
-        gpu, self.device = device.type == "cuda", str(device)
-        self.model = self.model.replace("auto", "gpt2" if gpu else "tiny")
-        self.seq_len = self.seq_len or (1024 if gpu else 64)
-        self.kernel_rows = self.kernel_rows or (65536 if gpu else 1024)
-        self.batch_sizes = self.batch_sizes or ((16, 32, 64) if gpu else (4,))
+        self.device = str(device)
+        if device.type == "cuda":  # what --model auto, and --seq-len, --kernel-rows, --batch-sizes unset, mean
+            model, seq_len, rows, sizes = "gpt2", 1024, 65536, (16, 32, 64)
+        else:
+            model, seq_len, rows, sizes = "tiny", 64, 1024, (4,)
+        self.model, self.seq_len = self.model.replace("auto", model), self.seq_len or seq_len
+        self.kernel_rows, self.batch_sizes = self.kernel_rows or rows, self.batch_sizes or sizes
         if not self.suites() or set(self.suites()) - set(SUITES):
             raise ValueError(f"--suite must be all or a comma list of {', '.join(SUITES)}; got {self.suite!r}")
         if min(self.steps, self.grad_accum, self.int8_tokens) < 1:
@@ -98,7 +99,12 @@ class BenchConfig:
             train_config(self, variant)
 
     def suites(self) -> tuple[str, ...]:
-        return tuple(SUITES) if self.suite == "all" else tuple(s.strip() for s in self.suite.split(",") if s.strip())
+        return tuple(picked(self.suite, SUITES))
+
+
+def picked(text: str, every: Iterable[str]) -> list[str]:
+    """`all` (every name, in order) or the names of a comma list, as given: the caller checks them."""
+    return list(every) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
 
 
 class Skipped(Exception):
@@ -188,7 +194,7 @@ def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
 
 def select_variants(cfg: BenchConfig) -> list[Variant]:
     known = {v.name: v for v in default_variants(cfg.batch_sizes)}
-    names = list(known) if cfg.variants == "all" else [s.strip() for s in cfg.variants.split(",") if s.strip()]
+    names = picked(cfg.variants, known)
     if not names or set(names) - set(known):
         raise ValueError(f"--variants: unknown {', '.join(sorted(set(names) - set(known))) or '(empty)'}; choose from "
                          f"all or {', '.join(known)}")
@@ -313,19 +319,18 @@ def profile_step(step: Callable[[], Any], device: torch.device) -> tuple[str, Ro
         timed, busy_us, end = [(e.name, e.time_range.elapsed_us()) for e in kernels], 0.0, -math.inf
         for a, b in sorted((e.time_range.start, e.time_range.end) for e in kernels):  # busy: when any kernel ran
             busy_us, end = busy_us + max(b - max(a, end), 0.0), max(b, end)
-    else:
+        source, basis = "cuda kernels", "ms_per_step"
+    else:  # CPU ops slow down under the profiler, kernels hardly: the basis is the profiled step's wall time
         timed = [(e.name, e.self_cpu_time_total) for e in events if e.device_type == kind.CPU and not e.is_async]
-        busy_us = sum(us for _, us in timed)
+        busy_us, source, basis = sum(us for _, us in timed), "cpu aten ops (self time)", "wall_ms"
     ms, calls = collections.Counter(), collections.Counter(name for name, _ in timed)
     parts = dict.fromkeys([*(p for p, _ in STEP_PARTS), "other"], 0.0)
     for name, us in timed:
         ms[name] += us / 1000
         parts[step_part(name)] += us / 1000
     top = [{"name": n[:160], "part": step_part(n), "ms": t, "calls": calls[n]} for n, t in ms.most_common(TOP_KERNELS)]
-    return attention, {
-        "source": "cuda kernels" if cuda else "cpu aten ops (self time)", "busy_ms": busy_us / 1000, "top": top,
-        "basis": "ms_per_step" if cuda else "wall_ms",  # CPU ops slow down under the profiler, kernels hardly
-        "parts_ms": parts, "wall_ms": wall_ms} if timed else None
+    return attention, {"source": source, "busy_ms": busy_us / 1000, "top": top, "basis": basis, "parts_ms": parts,
+                       "wall_ms": wall_ms} if timed else None
 
 
 def bench_kernel(cfg: BenchConfig) -> list[Row]:
@@ -374,8 +379,8 @@ def random_gpt(preset: str, seed: int) -> GPT:
     torch.manual_seed(seed)
     model = GPT(dataclasses.replace(MODEL_PRESETS[preset](), block_size=1024, vocab_size=common.GPT2_VOCAB))
     with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(DECODE_INIT_STD / 0.02 if p.dim() == 2 else 1.0)  # GPT-2's init (std 0.02), at DECODE_INIT_STD
+        for p in [p for p in model.parameters() if p.dim() == 2]:
+            p.mul_(DECODE_INIT_STD / 0.02)  # GPT-2's init (std 0.02), at DECODE_INIT_STD
     return model.eval()
 
 
@@ -513,8 +518,10 @@ def render(title: str, columns: list[tuple[str, Any]], rows: list[Row]) -> list[
 
     def cell(row: Row, how: Any) -> str:
         with contextlib.suppress(KeyError):
-            key, _, spec = ("", "", "") if callable(how) else how.partition(":")
-            return how(row) if callable(how) else "n/a" if row[key] is None else format(row[key], spec)
+            if callable(how):
+                return how(row)
+            key, _, spec = how.partition(":")
+            return "n/a" if row[key] is None else format(row[key], spec)
         return ""
 
     table = [[h for h, _ in columns]] + [[cell(r, how) for _, how in columns] for r in rows]
@@ -528,15 +535,17 @@ def breakdown(rows: list[Row]) -> list[str]:
     """Where each train row's step went: % of ms/step on CUDA, of the profiled wall time on CPU (slower ops)."""
     if not (rows := [r for r in rows if r.get("status") == "ok" and r.get("breakdown")]):
         return []
-    first, cuda = rows[0]["breakdown"], rows[0]["breakdown"]["basis"] == "ms_per_step"
-    step_ms = lambda r: r["ms_per_step"] if cuda else r["breakdown"]["wall_ms"]
+    first = rows[0]["breakdown"]
+    if first["basis"] == "ms_per_step":  # CUDA: kernel time against the timed step; the rest is the GPU idle
+        step_ms, of, gap = lambda r: r["ms_per_step"], "ms/step", "idle"
+    else:
+        step_ms, of, gap = lambda r: r["breakdown"]["wall_ms"], "the profiled step's wall time", "rest"
     pct = lambda ms: lambda r: f"{100 * ms(r) / step_ms(r):.0f}%"
-    return render(f"where the step's time goes: {first['source']} by name (bench.STEP_PARTS) as % of "
-                  + ("ms/step" if cuda else "the profiled step's wall time"),
+    return render(f"where the step's time goes: {first['source']} by name (bench.STEP_PARTS) as % of {of}",
                   [("variant", "name"), ("step ms", lambda r: f"{step_ms(r):.1f}"),
                    ("busy", pct(lambda r: r["breakdown"]["busy_ms"])),
                    *[(p, pct(lambda r, p=p: r["breakdown"]["parts_ms"][p])) for p in first["parts_ms"]],
-                   ("idle" if cuda else "rest", pct(lambda r: max(step_ms(r) - r["breakdown"]["busy_ms"], 0.0)))], rows)
+                   (gap, pct(lambda r: max(step_ms(r) - r["breakdown"]["busy_ms"], 0.0)))], rows)
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -551,7 +560,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Each suite's rows, written to --out after every row (a run killed by a time limit keeps what it measured)."""
-    cfg = common.parse_config(BenchConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    cfg = common.parse_config(BenchConfig, argv, doc=__doc__)
     if cfg.table_from:
         try:
             result = json.loads(Path(cfg.table_from).read_text())

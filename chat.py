@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from chat_format import CHAT_VOCAB, REPLY_STOPS, TOOL_START, is_chat, parse, render_prompt, tokenizer
-from common import EOT, load_checkpoint, parse_config, resolve_device
+from common import EOT, load_checkpoint, parse_config, resolve_device, user_errors
 from generate import calculator, check_sampling, generate_stream
 from model import GPT, GPTConfig
 
@@ -118,26 +118,22 @@ def repl(chat: Chat) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the chat; return the conversation as it stands at the end."""
-    cfg = parse_config(ChatConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    try:
+    cfg = parse_config(ChatConfig, argv, doc=__doc__)
+    with user_errors(ImportError, OSError, ValueError, RuntimeError):
         device = resolve_device(cfg.device)
         model, fine_tuned = load_model(cfg)
-    except (ImportError, OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"error: {e}".replace("\n", " ")) from None
     if not fine_tuned:
         print(f"warning: {cfg.ckpt or cfg.init_from} was never fine-tuned on conversations (sft.py), so it does not "
               "know the chat format: its replies may be gibberish", file=sys.stderr)
     model.to(device, torch.bfloat16 if device.type == "cuda" else None)
     chat = Chat(model, cfg, device)
-    try:
+    with user_errors(ValueError), contextlib.suppress(EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C: the end
         if cfg.prompt is None:
             repl(chat)
         else:
             chat.reply(cfg.prompt)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    except (EOFError, KeyboardInterrupt):  # the end of a conversation, not an error
-        print()
+        return chat.messages
+    print()  # ended by Ctrl-D or Ctrl-C: the shell's prompt on a line of its own
     return chat.messages
 
 

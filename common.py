@@ -3,6 +3,7 @@ exit, checkpoint files, MFU and log reading. No torch import at module level, so
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import difflib
@@ -105,45 +106,43 @@ def _field_help(cls: type) -> dict[str, str]:
     """The trailing `# comment` of each field line in the class source becomes its --help text."""
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        try:
-            lines = inspect.getsource(klass).splitlines()
-        except (OSError, TypeError):
-            continue
-        for line in lines:
-            head, sep, comment = line.partition("  # ")
-            name = head.strip().split(":")[0]
-            if sep and ":" in head and name.isidentifier():
-                out[name] = comment.strip()
+        with contextlib.suppress(OSError, TypeError):  # no source: object, or a class typed into a REPL
+            for line in inspect.getsource(klass).splitlines():
+                head, sep, comment = line.partition("  # ")
+                name = head.strip().split(":")[0]
+                if sep and ":" in head and name.isidentifier():
+                    out[name] = comment.strip()
     return out
 
 
+BOOLS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
+
+
 def _convert(text: str, typ: Any, flag: str) -> Any:
-    origin, args = typing.get_origin(typ), typing.get_args(typ)
-    if args and type(None) in args:  # Optional[X] / X | None
+    args = typing.get_args(typ)
+    if type(None) in args:  # Optional[X] / X | None
         if text.lower() in ("none", "null", ""):
             return None
         typ = next(a for a in args if a is not type(None))
+    convert, want = typ, getattr(typ, "__name__", typ)
     if typ is bool:
-        if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            raise ValueError(f"{flag} expects true/false, got {text!r}")
-        return text.lower() in ("1", "true", "yes", "on")
-    if origin is tuple:
-        parts = [p for p in text.replace("(", "").replace(")", "").split(",") if p.strip()]
-        try:
-            return tuple(args[0](p) for p in parts)
-        except ValueError:
-            raise ValueError(f"{flag} expects a comma list of {args[0].__name__}, got {text!r}") from None
+        convert, want = lambda s: BOOLS[s.lower()], "true/false"
+    elif typing.get_origin(typ) is tuple:
+        item = typing.get_args(typ)[0]
+        want = f"a comma list of {item.__name__}"
+        convert = lambda s: tuple(item(p) for p in s.replace("(", "").replace(")", "").split(",") if p.strip())
     try:
-        return typ(text)
-    except ValueError:
-        raise ValueError(f"{flag} expects {getattr(typ, '__name__', typ)}, got {text!r}") from None
+        return convert(text)
+    except (ValueError, KeyError):
+        raise ValueError(f"{flag} expects {want}, got {text!r}") from None
 
 
-def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any]] | None = None,
+def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Callable[[], Any]] | None = None,
                  doc: str | None = None) -> Any:
     """A `cls` from `--preset NAME`, then `--key=value` / `--key value` overrides (a bare `--flag` sets a bool); a dict
-    field whose metadata names `flags_of` (a dataclass) takes its fields as flags too. An error exits with one line."""
-    presets = presets or {}
+    field whose metadata names `flags_of` (a dataclass) takes its fields as flags too. argv defaults to sys.argv[1:].
+    An error exits with one line."""
+    argv, presets = sys.argv[1:] if argv is None else argv, presets or {}
     hints = typing.get_type_hints(cls)
     nested = _nested_flags(cls)
     if "-h" in argv or "--help" in argv:
@@ -151,14 +150,12 @@ def parse_config(cls: type, argv: list[str], presets: dict[str, Callable[[], Any
         raise SystemExit(0)
     base, rest = _pick_preset(_split_argv(argv), presets)
     flags = {k: t for k, t in hints.items() if k not in {field for field, _ in nested.values()}}
-    overrides = _overrides(rest, {**flags, **{k: t for k, (_, t) in nested.items()}}, presets)
-    for key in [k for k in overrides if k in nested]:
-        field = nested[key][0]
-        overrides.setdefault(field, dict(getattr(base, field) if base is not None else {}))[key] = overrides.pop(key)
-    try:
+    with user_errors(ValueError):  # a value of the wrong type, or one __post_init__ refuses
+        overrides = _overrides(rest, {**flags, **{k: t for k, (_, t) in nested.items()}}, presets)
+        for key in [k for k in overrides if k in nested]:
+            field = nested[key][0]  # a preset's dict, or {} (base None has no such attribute)
+            overrides.setdefault(field, dict(getattr(base, field, {})))[key] = overrides.pop(key)
         return dataclasses.replace(base, **overrides) if base is not None else cls(**overrides)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
 
 
 def _nested_flags(cls: type) -> dict[str, tuple[str, Any]]:
@@ -197,20 +194,15 @@ def _print_help(cls: type, hints: dict[str, Any], nested: dict[str, tuple[str, A
 def _split_argv(argv: list[str]) -> list[tuple[str, str | None]]:
     """(key with underscores, value or None for a bare flag) per option, in order."""
     pairs: list[tuple[str, str | None]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
+    rest = list(argv)
+    while rest:
+        arg = rest.pop(0)
         if not arg.startswith("--"):
             raise SystemExit(f"error: unexpected argument {arg!r}; options look like --key=value (see --help)")
         key, eq, val = arg[2:].partition("=")
-        if not eq:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is not None and not (nxt.startswith("--") and len(nxt) > 2):
-                val, i = nxt, i + 1
-            else:
-                val = None  # type: ignore[assignment]
+        if not eq:  # `--key value`, or a bare `--flag` (None) before another option or at the end
+            val = rest.pop(0) if rest and not (rest[0].startswith("--") and len(rest[0]) > 2) else None
         pairs.append((key.replace("-", "_"), val))
-        i += 1
     return pairs
 
 
@@ -245,10 +237,7 @@ def _overrides(rest: list[tuple[str, str | None]], hints: dict[str, Any],
             if bool not in (hints[key], *typing.get_args(hints[key])):
                 raise SystemExit(f"error: {flag} needs a value, e.g. {flag}=VALUE")
             val = "true"
-        try:
-            value = _convert(val, hints[key], flag)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+        value = _convert(val, hints[key], flag)
         if key in given and overrides[key] != value and os.environ.get("RANK", "0") == "0":  # one rank says it
             print(f"warning: {flag} given twice ({given[key]!r}, then {val!r}): the last one is used", file=sys.stderr)
         overrides[key], given[key] = value, val
@@ -266,14 +255,11 @@ def provenance(device: torch.device | str | None = None, world_size: int = 1) ->
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
                               timeout=5).stdout.strip()
-    try:
+    sha, dirty, triton_version = None, None, None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # no git here, or it hangs
         sha, dirty = git("rev-parse", "HEAD") or None, bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        sha, dirty = None, None
-    try:
+    with contextlib.suppress(ImportError):
         from triton import __version__ as triton_version
-    except ImportError:
-        triton_version = None
     return {"git_sha": sha, "git_dirty": dirty, "python": sys.version.split()[0], "torch": str(torch.__version__),
             "triton": triton_version, "cuda": torch.version.cuda, "device": device_name(device),
             "world_size": world_size}
@@ -291,7 +277,7 @@ def device_name(device: torch.device | str | None = None) -> str:
     """The name MFU's peak table is keyed by: the GPU's, or the CPU's core count."""
     import torch
 
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dev = torch.device(device or "cpu")
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
 
 
@@ -387,9 +373,11 @@ def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = Val
 def first_on_each_node(load: Callable[[], T], local_rank: int, world: int, **verdict: Any) -> T:
     """load() on each node's first rank, then on its other ranks, which find what it fetched in the cache (a download
     once per node). A failure anywhere stops every rank with its reason (same_verdict's options). Collective."""
-    first = world == 1 or local_rank == 0
-    fetched = same_verdict(load if first else lambda: None, world, **verdict)
-    return same_verdict((lambda: fetched) if first else load, world, **verdict)
+    if world == 1 or local_rank == 0:  # the node's first rank
+        fetched = same_verdict(load, world, **verdict)
+        return same_verdict(lambda: fetched, world, **verdict)
+    same_verdict(lambda: None, world, **verdict)  # while the first rank fetches
+    return same_verdict(load, world, **verdict)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -432,6 +420,15 @@ def _flush_std_streams() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     ctypes.CDLL(None).fflush(None)  # the C library's buffers too (Linux and macOS, which this project runs on)
+
+
+@contextlib.contextmanager
+def user_errors(*kinds: type[BaseException]) -> Iterator[None]:
+    """A script's boundary: an error of these kinds ends it with its one line, `error: ...`, not a traceback."""
+    try:
+        yield
+    except kinds as e:
+        raise SystemExit(f"error: {e}".replace("\n", " ")) from None
 
 
 def run_and_exit(main: Callable[[], Any], exit_code: Callable[[Any], int] = lambda result: 0) -> typing.NoReturn:
@@ -553,13 +550,8 @@ PEAK_FLOPS: dict[str, float] = {
 
 def peak_flops(device_name: str, override: float | None = None) -> float | None:
     """Peak FLOP/s for MFU: a positive `override`, else the table's; None for an unknown device (a CPU), not a guess."""
-    if override:
-        return override
     name = device_name.lower()
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_FLOPS[key]
-    return None
+    return override or next((PEAK_FLOPS[key] for key in sorted(PEAK_FLOPS, key=len, reverse=True) if key in name), None)
 
 
 def mfu(flops_per_token: float, tokens_per_sec_per_device: float, device_name: str,
@@ -578,16 +570,13 @@ def iter_log(path: str | os.PathLike) -> Iterator[dict]:
     under way) and is left out; any other line that is not JSON is an error naming the file and line."""
     with open(path, encoding="utf-8") as f:
         try:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
+            for number, line in enumerate(f, 1):  # noqa: B007 (number: for the error below)
+                if line.strip():
                     yield json.loads(line)
-                except json.JSONDecodeError as e:
-                    if not line.endswith("\n"):  # only the last line can lack one
-                        return
-                    raise ValueError(f"{path}, line {number}: not a JSON record ({e}); the log is corrupt: delete "
-                                     "that line, or the file (a resumed run then starts a new one)") from None
+        except json.JSONDecodeError as e:
+            if line.endswith("\n"):  # else the last line, cut short: left out
+                raise ValueError(f"{path}, line {number}: not a JSON record ({e}); the log is corrupt: delete "
+                                 "that line, or the file (a resumed run then starts a new one)") from None
         except UnicodeDecodeError as e:  # the log is ASCII (json.dumps escapes the rest): this is another file
             raise ValueError(f"{path} is not a train.py log.jsonl: it is not text ({e.reason} at byte {e.start}); "
                              "pass the log.jsonl in the run's --out-dir") from None

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from chat_format import ASSISTANT_END, CHAT_VOCAB, REPLY_STOPS, SYSTEM_START, is_chat
-from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, load_checkpoint, parse_config
+from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, load_checkpoint, parse_config, user_errors
 from model import GPT, HF_CONV1D, NORM_EPS, GPTConfig
 
 
@@ -61,10 +60,10 @@ def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Pat
     to them (as llm.c does: HF's generate could sample the padded rows); a chat model keeps them (the chat tokens) and
     gets the chat tokenizer. An earlier export is replaced; a failed write is one OSError line and changes nothing."""
     cfg = model.config
-    gpt2 = hf_class(cfg) == "GPT2LMHeadModel"  # before anything is written
+    files = {"GPT2LMHeadModel": _gpt2_files, "LlamaForCausalLM": _llama_files}[hf_class(cfg)]  # before any write
     out = check_target(Path(out_dir))
-    vocab = cfg.vocab_size if chat or cfg.vocab_size <= GPT2_VOCAB else GPT2_VOCAB  # a tiny test vocabulary stays
-    sd, config = _gpt2_files(model, vocab) if gpt2 else _llama_files(model, vocab)
+    vocab = cfg.vocab_size if chat else min(cfg.vocab_size, GPT2_VOCAB)  # a tiny test vocabulary stays
+    sd, config = files(model, vocab)
     if chat:
         config["eos_token_id"] = ASSISTANT_END
     made = [p for p in (out, *out.parents) if not p.exists()]  # the directories this export creates
@@ -198,16 +197,14 @@ def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(ExportConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    cfg = parse_config(ExportConfig, argv, doc=__doc__)
     if not (cfg.ckpt and cfg.export_hf):
         raise SystemExit("error: pass --ckpt PATH (a checkpoint of this project) and --export-hf DIR")
-    try:
+    with user_errors(OSError, ValueError):
         check_target(Path(cfg.export_hf))  # before a large checkpoint takes its time to load
         model = GPT.from_checkpoint(cfg.ckpt)
         chat = is_chat(load_checkpoint(cfg.ckpt, mmap=True))
         out = export_hf(model, cfg.export_hf, chat)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
     print(f"exported {cfg.ckpt} to {out}{' as a chat model' * chat} (load with "
           "transformers.AutoModelForCausalLM.from_pretrained)")
 

@@ -31,7 +31,7 @@ import sysconfig
 import textwrap
 import time
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -51,6 +51,7 @@ LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet":
 # left out of --source stdlib: tests, third-party packages, generated tables (codec maps, pydoc's topics)
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
+NAMED_SOURCES = {FINEWEB: "fineweb", "shakespeare": "shakespeare", "stdlib": "stdlib", "stdlib-docs": "stdlib-docs"}
 START = (0, 0, 0, 0, 0)  # a source position: part, row in it, row in the source, parts, tokens of its document written
 
 
@@ -103,18 +104,25 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else np.zeros(0, np.uint16)
 
 
+def expand(pattern: str, in_dir: Callable[[Path], Iterable[Path]]) -> list[Path] | None:
+    """The paths a glob matches, a directory's (in_dir), or the file itself; None where nothing is."""
+    path = Path(pattern).expanduser()
+    if any(c in pattern for c in "*?["):
+        return [Path(f) for f in glob.glob(str(path), recursive=True)]
+    if path.exists():
+        return list(in_dir(path)) if path.is_dir() else [path]
+    return None
+
+
 def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     """The `split` shards in a directory or matched by a glob, sorted by path."""
     pattern = str(pattern)
     # the split is the word before the index and suffix, anchored at the end: train_val_000000.bin is val only
     marker = re.compile(rf"(?:.*_)?{split}(?:_\d+)?\.bin")
-    base = Path(pattern).expanduser()
-    if any(c in pattern for c in "*?["):
-        files = [Path(f) for f in glob.glob(str(base), recursive=True)]
-    elif base.exists():
-        files = list(base.iterdir()) if base.is_dir() else [base]
-    else:  # the presets' own corpora have sources of their own (fineweb.py's default is fineweb-edu)
-        source = {"stdlib": "stdlib", "stdlib_docs": "stdlib-docs", "shakespeare": "shakespeare"}.get(base.name)
+    if (files := expand(pattern, Path.iterdir)) is None:
+        # the presets' own corpora have sources of their own (fineweb.py's default is fineweb-edu)
+        name = Path(pattern).expanduser().name
+        source = {"stdlib": "stdlib", "stdlib_docs": "stdlib-docs", "shakespeare": "shakespeare"}.get(name)
         raise DataError(f"data directory {pattern} does not exist; write shards there with `python fineweb.py "
                         + (f"--source {source} --out-dir {pattern}`" if source else
                            f"--out-dir {pattern}` (fineweb-edu; --source picks another corpus)")
@@ -185,9 +193,10 @@ class TokenLoader:
     def _locate(self, g: int) -> tuple[int, int]:  # (shard index, first token) of global window g of the stream
         epoch, w = divmod(g, self.num_windows)
         order = self.shard_order(epoch)
-        cum = np.cumsum(self._windows[order])
+        counts = self._windows[order]
+        cum = np.cumsum(counts)
         i = int(np.searchsorted(cum, w, side="right"))
-        shard, k = int(order[i]), w - (int(cum[i - 1]) if i else 0)  # the shard's k-th window served this epoch
+        shard, k = int(order[i]), w - int(cum[i] - counts[i])  # the shard's k-th window served this epoch
         if self.shuffle == "windows":  # a stream of its own per (epoch, shard), apart from the shard order's
             k = int(_permutation((self.seed, epoch, shard + 1), int(self._windows[shard]))[k])
         return shard, k * self.B * self.T
@@ -240,7 +249,7 @@ class TokenLoader:
                                 "fresh run")
         # the stream does not depend on the world size: the new ranks start at the first multiple of theirs at or
         # after the step * world windows served, none twice (docs/fineweb.md)
-        old_b, old_shuffle, served = state["B"], self.state_shuffle(state), state["step"] * state["world_size"]
+        old_b, old_shuffle, served = state["B"], state.get("shuffle", "shards"), state["step"] * state["world_size"]
         self.resume_skipped = 0
         if (old_b, old_shuffle) != (self.B, self.shuffle):
             served = self._regrid(served, old_b, old_shuffle)
@@ -248,7 +257,7 @@ class TokenLoader:
 
     def resume_note(self, saved: dict[str, Any]) -> str | None:
         """Where the data goes on when the checkpoint read other windows (--batch-size or --shuffle changed)."""
-        old_b, old_shuffle = saved["B"], self.state_shuffle(saved)
+        old_b, old_shuffle = saved["B"], saved.get("shuffle", "shards")  # states from before --shuffle: in order
         if (old_b, old_shuffle) == (self.B, self.shuffle):
             return None
         n = self.resume_skipped  # tokens of the shard being read that the checkpoint's run had not served
@@ -256,29 +265,23 @@ class TokenLoader:
         return (f"the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads {self.B}-"
                 f"sequence windows with --shuffle {self.shuffle}: the data goes on{skip}, none served twice")
 
-    @staticmethod
-    def state_shuffle(state: dict[str, Any]) -> str:
-        """The order `state`'s loader read each shard's windows in (states from before the shuffle: in order)."""
-        return state.get("shuffle", "shards")
-
-    def continues_in_shard(self, old_shuffle: str) -> bool:
-        """Whether a resume from another B or shuffle goes on inside the shard being read: not if either shuffles."""
-        return "windows" not in (old_shuffle, self.shuffle)
-
     def _regrid(self, served: int, old_b: int, old_shuffle: str = "shards") -> int:
         """The first new window after `served` old ones of old_b * T tokens, none twice (docs/fineweb.md)."""
         old = self._windows_per_shard(old_b)
         epoch, w = divmod(served, int(old.sum()))
         order = self.shard_order(epoch)
-        cum_old, cum_new = np.cumsum(old[order]), np.cumsum(self._windows[order])
+        cum_old = np.cumsum(old[order])
         i = int(np.searchsorted(cum_old, w, side="left"))  # the shard holding the last window served (0 if none)
-        done = w - (int(cum_old[i - 1]) if i else 0)  # old windows served from shard order[i]
-        if self.continues_in_shard(old_shuffle):
-            within = min(-(-done * old_b // self.B), int(self._windows[order[i]]))
+        shard = order[i]
+        done = w - int(cum_old[i] - old[shard])  # old windows served from it
+        new_before = int(np.sum(self._windows[order[:i]]))  # new windows in the shards before it
+        if "windows" not in (old_shuffle, self.shuffle):  # neither shuffles: on inside the shard being read
+            within = min(-(-done * old_b // self.B), int(self._windows[shard]))
+        elif done:  # on at the next shard: the rest of this one is skipped
+            within, self.resume_skipped = int(self._windows[shard]), (int(old[shard]) - done) * old_b * self.T
         else:
-            within = int(self._windows[order[i]]) if done else 0
-            self.resume_skipped = (int(old[order[i]]) - done) * old_b * self.T if done else 0
-        return epoch * self.num_windows + (int(cum_new[i - 1]) if i else 0) + within
+            within = self.resume_skipped = 0
+        return epoch * self.num_windows + new_before + within
 
 
 @functools.lru_cache(maxsize=8)  # a shard's windows are drawn once, not at each of its batches
@@ -323,12 +326,13 @@ class FinewebConfig:
         if self.max_tokens and self.val_tokens != -1 and self.max_tokens <= self.val_tokens:
             raise ValueError(f"--max-tokens {self.max_tokens} leaves no train tokens after the val shard's "
                              f"--val-tokens {self.val_tokens}; raise --max-tokens or lower --val-tokens")
-        fineweb = source_kind(self.source) == "fineweb"  # else corpus/*.jsonl -> corpus, books.txt -> books, org/x -> x
-        plain = Path(re.split(r"/[^/]*[*?\[]", self.source)[0]).name.split(".")[0]  # the path before any glob
-        stem = "edufineweb" if fineweb else re.sub(r"[^A-Za-z0-9]+", "_", plain).strip("_") or "data"
-        self.prefix = self.prefix or stem
-        self.out_dir = self.out_dir or ("data/edu_fineweb10B" if fineweb else f"data/{stem}")
-        self.name = self.name or ("sample-10BT" if fineweb else "")
+        if source_kind(self.source) == "fineweb":
+            prefix, out_dir, name = "edufineweb", "data/edu_fineweb10B", "sample-10BT"
+        else:  # corpus/*.jsonl -> corpus, books.txt -> books, org/x -> x
+            plain = Path(re.split(r"/[^/]*[*?\[]", self.source)[0]).name.split(".")[0]  # the path before any glob
+            prefix = re.sub(r"[^A-Za-z0-9]+", "_", plain).strip("_") or "data"
+            out_dir, name = f"data/{prefix}", ""
+        self.prefix, self.out_dir, self.name = self.prefix or prefix, self.out_dir or out_dir, self.name or name
 
     @property
     def val_target(self) -> int:  # a full val shard's tokens (a shorter source's: see ShardWriter.finish)
@@ -338,26 +342,19 @@ class FinewebConfig:
 
 def source_kind(source: str) -> str:
     """fineweb, shakespeare, stdlib, stdlib-docs, local or hub."""
-    if source in ("shakespeare", "stdlib", "stdlib-docs"):
-        return source
-    if source == FINEWEB:
-        return "fineweb"
+    if source in NAMED_SOURCES:
+        return NAMED_SOURCES[source]
     path = Path(source).expanduser()
     # data/x when ./data exists is a path, not the hub's owner/name
-    if any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS or source[:1] in "./~" or \
-            len(path.parts) > 1 and path.parents[-2].is_dir():
-        return "local"
-    return "hub"
+    local = any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS or \
+        source[:1] in "./~" or len(path.parts) > 1 and path.parents[-2].is_dir()
+    return "local" if local else "hub"
 
 
 def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     """A local source's files, sorted, of one `datasets` builder, without the records in out_dir (its default)."""
-    path, out = Path(source).expanduser(), Path(out_dir).expanduser().resolve()
-    if any(c in source for c in "*?["):
-        files = [Path(f) for f in glob.glob(str(path), recursive=True)]
-    elif path.exists():
-        files = [f for f in path.rglob("*") if f.suffix in LOCAL_BUILDERS] if path.is_dir() else [path]
-    else:
+    out = Path(out_dir).expanduser().resolve()
+    if (files := expand(source, lambda d: (f for f in d.rglob("*") if f.suffix in LOCAL_BUILDERS))) is None:
         raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
                         ".txt/.jsonl/.json/.parquet, or a hub dataset name")
     records = ("_done.json", "_parts.json")  # parts: an older writer's
@@ -416,7 +413,7 @@ def source_files(cfg: FinewebConfig) -> list[Path] | None:
                             "--shakespeare-path with a local copy") from None
     files = {"stdlib": stdlib_files, "stdlib-docs": lambda: [stdlib_docstrings(cfg)],
              "shakespeare": lambda: [shakespeare], "local": lambda: local_files(cfg.source, cfg.out_dir)}
-    return files[kind]() if kind in files else None
+    return files.get(kind, lambda: None)()  # a hub dataset: None
 
 
 def _read_error(cfg: FinewebConfig, where: str, file: Path | None, err: Exception) -> DataError:
@@ -456,7 +453,7 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
             options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
                                        streaming=cfg.streaming, **options)
-        shards = ds.num_shards if isinstance(ds, datasets.IterableDataset) else 1
+        shards = getattr(ds, "num_shards", 1)  # streamed: a part per file; else one
         names = files if files and len(files) == shards else [None] * shards
         parts = [(ds, where, names[0])] if shards == 1 else [
             (ds.shard(shards, i, contiguous=True), f"{f or f'file {i + 1} of {shards}'} of {where}", f)
@@ -470,18 +467,17 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                 if item[cfg.text_field] and g >= first:  # an empty text would be a lone EOT
                     yield item[cfg.text_field], (p, r, g, len(parts))
                 g += 1
+    except DataError:
+        raise
     except reading as e:
-        if isinstance(e, DataError):
-            raise
         raise _read_error(cfg, where, file, e) from None
 
 
 def _pool_worker_init() -> None:
     """SIGTERM's default back (a handler could keep the pool open); on Linux, SIGTERM when the writer dies outright."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no prctl, not Linux
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def tokenize(texts: list[str]) -> np.ndarray:
@@ -492,7 +488,7 @@ def tokenize(texts: list[str]) -> np.ndarray:
 
 @contextlib.contextmanager
 def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
-    """Tokenizer processes (None for one: the caller's); an executor fails where a Pool would wait for a dead worker."""
+    """Tokenizer processes (None for one: the caller's). A dead one is a DataError, where a Pool would wait for it."""
     if workers <= 1:
         yield None
         return
@@ -500,6 +496,9 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
     try:
         pool.submit(int).result()  # fork every worker now, before `datasets` starts threads (fork + threads deadlock)
         yield pool
+    except BrokenProcessPool as e:  # raised by a chunk's result(), and by submit() once the pool knows
+        raise DataError("a tokenizer process exited unexpectedly (killed, e.g. out of memory); the shards written "
+                        "so far are complete: run the same command again to continue after them") from e
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # chunks still queued are dropped, running ones finish
 
@@ -509,19 +508,15 @@ def token_stream(docs: Iterable[tuple[str, Any]], pool: ProcessPoolExecutor | No
     """(tokens, positions) of `docs` (text, position) in order, 4 chunks per worker in flight (Executor.map would
     queue the whole streamed source)."""
     pending, it = [], iter(docs)
-    try:
-        while batch := list(islice(it, chunk)):
-            texts = [text for text, _ in batch]
-            pending.append((pool.submit(tokenize, texts).result if pool else functools.partial(tokenize, texts),
-                            [position for _, position in batch]))
-            while len(pending) >= (4 * workers if pool else 1):
-                job, positions = pending.pop(0)
-                yield job(), positions
-        for job, positions in pending:
+    while batch := list(islice(it, chunk)):
+        texts = [text for text, _ in batch]
+        pending.append((pool.submit(tokenize, texts).result if pool else functools.partial(tokenize, texts),
+                        [position for _, position in batch]))
+        while len(pending) >= (4 * workers if pool else 1):
+            job, positions = pending.pop(0)
             yield job(), positions
-    except BrokenProcessPool as e:  # raised by result(), and by submit() once the pool knows
-        raise DataError("a tokenizer process exited unexpectedly (killed, e.g. out of memory); the shards written "
-                        "so far are complete: run the same command again to continue after them") from e
+    for job, positions in pending:
+        yield job(), positions
 
 
 def shard_path(cfg: FinewebConfig, index: int) -> Path:
@@ -697,7 +692,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    cfg = parse_config(FinewebConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    cfg = parse_config(FinewebConfig, argv, doc=__doc__)
     try:
         return write_dataset(cfg)
     except (DataError, OSError) as e:  # OSError: the output cannot be written (permissions, a full disk)

@@ -261,7 +261,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1")
     args = parser.parse_args()
-    check_cli_device(parser, args.device, _cross_entropy_kernel if _HAS_TRITON else None, "fused_ce.py")
+    check_cli_device(parser, args.device, "fused_ce.py")
     real = min(args.real_vocab, args.vocab)
     gen = torch.Generator(device=args.device).manual_seed(0)
     # logits at GPT-2's scale after training (std ~3), one target in ten ignored

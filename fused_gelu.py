@@ -161,7 +161,7 @@ def bias_gelu(x: Tensor, b: Tensor, fused: bool) -> Tensor:
     return bias_gelu_reference(x, b.to(x.dtype))
 
 
-def check_cli_device(parser: argparse.ArgumentParser, device: str, kernel: object, script: str) -> None:
+def check_cli_device(parser: argparse.ArgumentParser, device: str, script: str) -> None:
     """The self-check CLIs' device rules: a usage error, not a traceback, for a missing triton, no GPU, or a CPU device
     without the interpreter; cuda:N becomes the current device (where Triton launches, whatever the tensors')."""
     if not _HAS_TRITON:
@@ -169,7 +169,8 @@ def check_cli_device(parser: argparse.ArgumentParser, device: str, kernel: objec
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
                      f"TRITON_INTERPRET=1 python {script} --device cpu")
-    if not device.startswith("cuda") and isinstance(kernel, triton.runtime.JITFunction):
+    # a JITFunction: the kernels compile for a GPU (under TRITON_INTERPRET=1 every kernel is an interpreted one)
+    if not device.startswith("cuda") and isinstance(_bias_gelu_fwd_kernel, triton.runtime.JITFunction):
         parser.error(f"--device {device} needs Triton's interpreter: set TRITON_INTERPRET=1 (before the run)")
     if device.startswith("cuda:"):
         torch.cuda.set_device(device)
@@ -182,7 +183,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1")
     args = parser.parse_args()
-    check_cli_device(parser, args.device, _bias_gelu_fwd_kernel if _HAS_TRITON else None, "fused_gelu.py")
+    check_cli_device(parser, args.device, "fused_gelu.py")
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=args.device).manual_seed(0)
     x = (3 * torch.randn(args.rows, args.cols, generator=gen, device=args.device)).to(dtype).requires_grad_()

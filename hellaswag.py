@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +39,9 @@ from common import (
     provenance,
     run_and_exit,
     setup_distributed,
+    user_errors,
 )
+from fineweb import atomic_write
 from model import GPT
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -62,24 +61,22 @@ def default_cache_dir() -> Path:
 
 
 def download(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL) -> Path:
-    """Return the cached validation jsonl, downloading it first if needed (into a temp file, then renamed, so
-    an interrupted download never leaves a truncated file that looks complete)."""
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    """Return the cached validation jsonl, downloading it first if needed (written atomically, so an interrupted
+    download never leaves a truncated file that looks complete)."""
+    cache = Path(cache_dir or default_cache_dir())
     dest = cache / "hellaswag_val.jsonl"
     if dest.is_file():
         return dest
     cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".hellaswag_val.", suffix=".tmp")
     try:
-        with urllib.request.urlopen(url, timeout=60) as resp, os.fdopen(fd, "wb") as f:
-            total = int(resp.headers.get("Content-Length") or 0) or None
+        with urllib.request.urlopen(url, timeout=60) as resp:
+            total, chunks = int(resp.headers.get("Content-Length") or 0) or None, []
             with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {dest.name}") as bar:
                 while chunk := resp.read(1 << 20):
-                    f.write(chunk)
+                    chunks.append(chunk)
                     bar.update(len(chunk))
-        os.replace(tmp, dest)
-    except (urllib.error.URLError, OSError) as e:
-        Path(tmp).unlink(missing_ok=True)
+        atomic_write(dest, *chunks)
+    except OSError as e:  # urllib's URLError among them
         raise ConnectionError(f"could not download HellaSwag from {url} ({e}); on an offline machine copy "
                               f"hellaswag_val.jsonl over and pass --data PATH (or place it at {dest})") from e
     return dest
@@ -210,10 +207,9 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
     compiled, DDP or FSDP module), called on every rank: ranks take strided shares and all-reduce the counts. Runs
     under no_grad in eval mode (restored after), bf16 autocast on CUDA; `progress` shows a tqdm bar on rank 0."""
     device = torch.device(device)
-    examples = examples[:limit] if limit is not None else examples
     # examples made in Python, not by load_examples, are checked here
-    examples = [prepare_example(ex, f"example {i}: ") for i, ex in enumerate(examples)]
-    enc = enc if enc is not None else get_tokenizer()
+    examples = [prepare_example(ex, f"example {i}: ") for i, ex in enumerate(examples[:limit])]
+    enc = enc or get_tokenizer()
     config = _config(model)  # None (not a GPT): no vocabulary check, candidates not cropped
     block_size = getattr(config, "block_size", None)
     if getattr(config, "vocab_size", enc.n_vocab) < enc.n_vocab:
@@ -276,18 +272,16 @@ class HellaSwagConfig:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(HellaSwagConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    cfg = parse_config(HellaSwagConfig, argv, doc=__doc__)
     owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
     try:
-        try:  # under torchrun every rank scores its share; a plain `python hellaswag.py` is one rank
+        with user_errors(OSError, ValueError, RuntimeError):  # torchrun: every rank scores its share; python: one
             rank, local_rank, world_size, device = setup_distributed(cfg.device)
             # one download per node; its failure (an offline machine) stops every rank with its message
             path = Path(cfg.data) if cfg.data is not None else \
                 first_on_each_node(lambda: download(cfg.cache_dir), local_rank, world_size)
             examples = load_examples(path, cfg.limit)
             model = GPT.load(cfg.ckpt, cfg.init_from).to(device)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise SystemExit(f"error: {e}".replace("\n", " ")) from None
         if rank == 0:
             print(f"hellaswag: {cfg.ckpt or cfg.init_from}, {model.num_params():,} params, {len(examples)} examples; "
                   f"{describe_provenance(provenance(device, world_size))}", file=sys.stderr)

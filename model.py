@@ -79,12 +79,10 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
-        if self.mlp not in ("gelu", "swiglu"):
-            raise ValueError(f"GPTConfig.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
-        if self.pos not in ("learned", "rope"):
-            raise ValueError(f"GPTConfig.pos must be 'learned' or 'rope', got {self.pos!r}")
-        if self.norm not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"GPTConfig.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+        choices = {"mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"), "norm": ("layernorm", "rmsnorm")}
+        for name, allowed in choices.items():
+            if (value := getattr(self, name)) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be {' or '.join(map(repr, allowed))}, got {value!r}")
         if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"GPTConfig.pos='rope' needs an even head size, got {self.n_embd // self.n_head}")
         if not self.rope_theta > 0:
@@ -175,7 +173,7 @@ class KVCache:
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished generations leave the batch and stop costing compute)."""
-        self.k, self.v = ([None if t is None else t[rows] for t in ts] for ts in (self.k, self.v))
+        self.k, self.v = ([t[rows] for t in ts] for ts in (self.k, self.v))  # filled: called after the prefill
         self.pad = None if self.pad is None else self.pad[rows]
 
 
@@ -328,11 +326,11 @@ class GPT(nn.Module):
         returns (logits or None, the head's fp32 values (B, T)). `at`, a (B, T) bool mask, keeps only its positions:
         logits (N, V) and values (N,), for RL's and DPO's N scored tokens (the head is most of a small model's work)."""
         B, T = idx.size()
-        start = cache.pos if cache is not None else 0
+        start, pad = (cache.pos, cache.pad) if cache is not None else (0, None)
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of length {start + T} exceeds block_size {self.config.block_size}")
         x = self.transformer.wte(idx)  # (B, T, C)
-        rope, pad = None, cache.pad if cache is not None else None
+        rope = None
         pos = torch.arange(start, start + T, device=idx.device)
         if pad is not None:  # a ragged batch: (B, T) positions, each row's counted from its first token
             pos = (pos - pad[:, None]).clamp(min=0)
@@ -400,9 +398,10 @@ class GPT(nn.Module):
                         **overrides: Any) -> GPT:
         """Rebuild the model a train.py checkpoint describes (path or already-loaded dict). Weights holding a NaN or
         inf, or a file a NaN stop set aside (.diverged), are refused: they would sample and score garbage silently."""
-        source = "checkpoint" if isinstance(ckpt, dict) else f"checkpoint {ckpt}"
-        check_finite(source)  # a .diverged file is refused before it is read
+        source = "checkpoint"
         if not isinstance(ckpt, dict):
+            source = f"checkpoint {ckpt}"
+            check_finite(source)  # a .diverged file is refused before it is read
             ckpt = load_checkpoint(ckpt, map_location)
         model = cls(checkpoint_config(ckpt, source, **overrides))
         weights = with_new_head(model, ckpt["model"])
@@ -479,7 +478,7 @@ class GPT(nn.Module):
         try:
             return cls.from_pretrained(init_from)
         except OSError as e:
-            reason = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+            reason = (str(e).splitlines() or [e.__class__.__name__])[0]
             raise OSError(f"could not get {init_from!r} from the HF hub ({reason}), and there is no local "
                           f"directory of that name; offline, pass --init-from {HF_DIR}") from e
 

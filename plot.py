@@ -11,16 +11,17 @@ Usage:
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import iter_log, parse_config
+from common import iter_log, parse_config, user_errors
 
 # OpenAI's published completion-style HellaSwag acc_norm (10,042 val examples), as build-nanogpt plots them
 GPT2_124M_HELLASWAG = 0.2955
 GPT3_SMALL_HELLASWAG = 0.337
+Y_LABELS = {"loss": "loss", "lr": "learning rate", "hellaswag": "HellaSwag acc_norm",
+            "reward": "reward (mean, +-1 std shaded)", "task": "held-out accuracy"}
 
 
 @dataclass
@@ -70,30 +71,24 @@ def plot(cfg: PlotConfig) -> Path:
     fig = Figure(figsize=(6 * len(names) + 1, 4.5))
     axes = list(fig.subplots(1, len(names), squeeze=False)[0])
     panel = dict(zip(names, axes, strict=True))
-    drawn = [draw_run(cfg, curves, f"{name}: " if not single else "", i, single, panel)
+    drawn = [draw_run(cfg, curves, name, i, single, panel)
              for i, ((_, curves), name) in enumerate(zip(runs, run_names(logs), strict=True))]
     loss_ax = panel["loss"]
     loss_ax.set_ylim(*loss_range(drawn))
-    loss_ax.set_ylabel("loss")
     loss_ax.set_title(f"{logs[0].parent.name}: {len(runs[0][1]['train'])} steps" if single else f"{len(runs)} runs")
     if "lr" in panel:
-        panel["lr"].set_ylabel("learning rate")
         panel["lr"].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-    if "hellaswag" in panel:
+    shapes = [[c.get("model_config", {}).get(k) for k in ("n_layer", "n_embd", "n_head")] for c, _ in runs]
+    if "hellaswag" in panel and all(shape == [12, 768, 12] for shape in shapes):  # OpenAI's are for GPT-2 124M's only
         hs_ax = panel["hellaswag"]
-        shapes = [[c.get("model_config", {}).get(k) for k in ("n_layer", "n_embd", "n_head")] for c, _ in runs]
-        if all(shape == [12, 768, 12] for shape in shapes):  # OpenAI's figures are for GPT-2 124M's shape only
-            hs_ax.axhline(GPT2_124M_HELLASWAG, color="red", linestyle="--", label="OpenAI GPT-2 124M (0.2955)")
-            hs_ax.axhline(GPT3_SMALL_HELLASWAG, color="gray", linestyle="--", label="OpenAI GPT-3 Small (0.337)")
-        hs_ax.set_ylabel("HellaSwag acc_norm")
-    for name, label in (("reward", "reward (mean, +-1 std shaded)"), ("task", "held-out accuracy")):
-        if name in panel:
-            panel[name].set_ylabel(label)
-    for ax in axes:
+        hs_ax.axhline(GPT2_124M_HELLASWAG, color="red", linestyle="--", label="OpenAI GPT-2 124M (0.2955)")
+        hs_ax.axhline(GPT3_SMALL_HELLASWAG, color="gray", linestyle="--", label="OpenAI GPT-3 Small (0.337)")
+    for name, ax in panel.items():
+        ax.set_ylabel(Y_LABELS[name])
         ax.set_xlabel(cfg.x)
         ax.grid(alpha=0.3)
         ax.legend()
-    out = Path(cfg.out) if cfg.out else logs[0].with_name("loss.png" if single else "compare.png")
+    out = Path(cfg.out or logs[0].with_name("loss.png" if single else "compare.png"))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return out
@@ -121,30 +116,34 @@ def read_run(log: Path) -> tuple[dict, dict[str, list[dict]]]:
 
 
 def ema(values: list[float], smooth: float) -> list[float]:
-    out: list[float] = []
-    for v in values:
-        out.append(v if not out else smooth * out[-1] + (1 - smooth) * v)
+    out = values[:1]
+    for v in values[1:]:
+        out.append(smooth * out[-1] + (1 - smooth) * v)
     return out
 
 
-def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], prefix: str, i: int, single: bool,
+def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], name: str, i: int, single: bool,
              panel: dict[str, Any]) -> tuple[list[float], list[float]]:
-    """One run's curves on the panels: one run, a colour per curve; several, a colour per run, val dashed, and each
-    label names its run (`prefix`). Returns its loss values, and those past its first tenth (loss_range)."""
-    colors = ("tab:blue", "tab:orange", "tab:green", "tab:purple") if single else (f"C{i}",) * 4
+    """One run's curves on the panels (each has a panel when any run has its records): one run, a colour per curve;
+    several, a colour per run, raw loss fainter, val dashed, and each label names its run. Returns its loss values,
+    and those past its first tenth (loss_range)."""
+    if single:
+        colors, alpha, val_style, prefix = ("tab:blue", "tab:orange", "tab:green", "tab:purple"), 0.25, "o-", ""
+    else:
+        colors, alpha, val_style, prefix = (f"C{i}",) * 4, 0.12, "o--", f"{name}: "
     train, loss_ax = curves["train"], panel["loss"]
     xs = [r[cfg.x] for r in train]
     smoothed = ema([r["loss"] for r in train], cfg.smooth)
-    loss_ax.plot(xs, [r["loss"] for r in train], color=colors[0], alpha=0.25 if single else 0.12, linewidth=0.8)
+    loss_ax.plot(xs, [r["loss"] for r in train], color=colors[0], alpha=alpha, linewidth=0.8)
     loss_ax.plot(xs, smoothed, color=colors[0], label=f"{prefix}train loss (EMA {cfg.smooth})")
     points = list(zip(xs, smoothed, strict=True))
     if val := curves.get("val", []):
         points += [(r[cfg.x], r["val_loss"]) for r in val]
-        loss_ax.plot([r[cfg.x] for r in val], [r["val_loss"] for r in val], "o-" if single else "o--",
+        loss_ax.plot([r[cfg.x] for r in val], [r["val_loss"] for r in val], val_style,
                      color=colors[1], markersize=3, label=f"{prefix}val loss (last {val[-1]['val_loss']:.3f})")
-    if "lr" in panel and (lrs := [r for r in train if "lr" in r]):
+    if lrs := [r for r in train if "lr" in r]:
         panel["lr"].plot([r[cfg.x] for r in lrs], [r["lr"] for r in lrs], color=colors[3], label=f"{prefix}lr")
-    if "hellaswag" in panel and (hs := curves.get("hellaswag", [])):
+    if hs := curves.get("hellaswag", []):
         panel["hellaswag"].plot([r[cfg.x] for r in hs], [r["acc_norm"] for r in hs], "o-", color=colors[2],
                                 markersize=3, label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")
     draw_rl(cfg, curves, prefix, colors, panel)
@@ -155,19 +154,20 @@ def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], prefix: str, i: int
 def draw_rl(cfg: PlotConfig, curves: dict[str, list[dict]], prefix: str, colors: tuple, panel: dict[str, Any]) -> None:
     """The reward per step (its EMA, the raw mean's +-1 std across replies shaded) and the held-out task accuracy,
     greedy (solid) and pass@k (dashed)."""
-    if "reward" in panel and (steps := [r for r in curves["train"] if "reward" in r]):
+    if steps := [r for r in curves["train"] if "reward" in r]:
         xs, mean = [r[cfg.x] for r in steps], [r["reward"] for r in steps]
         std = [r.get("reward_std", 0.0) for r in steps]
         panel["reward"].fill_between(xs, [m - s for m, s in zip(mean, std, strict=True)],
                                      [m + s for m, s in zip(mean, std, strict=True)], color=colors[0], alpha=0.12)
         panel["reward"].plot(xs, ema(mean, cfg.smooth), color=colors[0],
                              label=f"{prefix}reward (EMA {cfg.smooth}; last {mean[-1]:.3f})")
-    if "task" in panel and (scored := curves.get("task", [])):
+    if scored := curves.get("task", []):
         xs = [r[cfg.x] for r in scored]
         for key in ["acc", *sorted({k for r in scored for k in r if k.startswith("pass@")})]:
             ys = [(x, r[key]) for x, r in zip(xs, scored, strict=True) if key in r]
-            panel["task"].plot(*zip(*ys, strict=True), "o-" if key == "acc" else "o--", color=colors[2], markersize=3,
-                               label=f"{prefix}{'greedy accuracy' if key == 'acc' else key} (last {ys[-1][1]:.3f})")
+            style, label = {"acc": ("o-", "greedy accuracy")}.get(key, ("o--", key))
+            panel["task"].plot(*zip(*ys, strict=True), style, color=colors[2], markersize=3,
+                               label=f"{prefix}{label} (last {ys[-1][1]:.3f})")
 
 
 def loss_range(drawn: list[tuple[list[float], list[float]]]) -> tuple[float, float]:
@@ -180,11 +180,9 @@ def loss_range(drawn: list[tuple[list[float], list[float]]]) -> tuple[float, flo
 
 
 def main(argv: list[str] | None = None) -> Path:
-    cfg = parse_config(PlotConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    try:
+    cfg = parse_config(PlotConfig, argv, doc=__doc__)
+    with user_errors(FileNotFoundError, ValueError):
         out = plot(cfg)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
     print(f"plot: wrote {out}")
     return out
 

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from common import EOT, get_tokenizer, import_torchao, parse_config, resolve_device, tensor_bytes
+from common import EOT, get_tokenizer, import_torchao, parse_config, resolve_device, tensor_bytes, user_errors
 from generate import check_sampling, sample_stream
 from model import GPT
 
@@ -175,25 +175,22 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    cfg = parse_config(SampleConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    try:
+    cfg = parse_config(SampleConfig, argv, doc=__doc__)
+    with user_errors(ImportError, OSError, ValueError, RuntimeError):
         device = resolve_device(cfg.device)
         prompt = read_prompt(cfg.prompt)
         if cfg.quantize == "int8":
             torchao_int8()  # a missing torchao fails before the model loads
         model = GPT.load(cfg.ckpt, cfg.init_from)
         seen = corpus_words(cfg.corpus) if cfg.corpus else None
-    except (ImportError, OSError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"error: {e}".replace("\n", " ")) from None
     # decoding is bound by reading the weights: bf16 on CUDA halves their bytes, about doubling the speed
     model.to(device, torch.bfloat16 if device.type == "cuda" else None)
     if cfg.quantize == "int8":
         before = weight_bytes(model)
         names = quantize_int8(model)
-        dtype = str(model.transformer.wte.weight.dtype).removeprefix("torch.")
-        kept = "" if "lm_head" in names else f" (the tied wte/lm_head stays {dtype})"
+        dtype = str(model.transformer.wte.weight.dtype).removeprefix("torch.")  # GPT always ties it to lm_head
         print(f"int8: {len(names)} nn.Linear weights quantized, weights {before / 1e6:.1f} MB -> "
-              f"{weight_bytes(model) / 1e6:.1f} MB{kept}", file=sys.stderr)
+              f"{weight_bytes(model) / 1e6:.1f} MB (the tied wte/lm_head stays {dtype})", file=sys.stderr)
     texts = generate_text(model, get_tokenizer(), dataclasses.replace(cfg, prompt=prompt), device)
     if seen is not None:
         c = corpus_check(texts, seen)
