@@ -1,11 +1,13 @@
 """Benchmarks: the training step across variants (tokens/s, MFU, peak memory, optimizer state, where the time goes),
-the Triton kernels in GB/s, batch-1 decoding against HF `generate`, INT8 decoding against fp32, HellaSwag examples/s.
-Train and kernel rows: the median of --steps timed runs after --warmup untimed ones; decode and int8: one generation.
+the Triton kernels in GB/s, batch-1 decoding against HF `generate`, INT8 decoding against fp32, HellaSwag examples/s,
+pruned models' forward and decoding. Train, kernel and forward rows: the median of --steps timed runs after --warmup
+untimed ones; decode, int8 and prune's decoding: one generation.
 
 Usage:
     python bench.py                                   # every suite; GPT-2 124M, T=1024, bf16 on CUDA; tiny on CPU
     python bench.py --suite train --variants eager,compile --steps 20 --warmup 10
     python bench.py --suite int8 --ckpt out/demo/ckpt_000250.pt   # tok/s and greedy agreement (pip install torchao)
+    python bench.py --suite prune --ckpt out/demo/ckpt_000900.pt  # dense against each pruning method
     python bench.py --table-from out/bench.json       # the tables of an earlier run, or of one killed midway
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import gc
 import itertools
@@ -52,7 +55,7 @@ Row = dict[str, Any]
 class BenchConfig:
     """Benchmark the training step, the Triton kernels, decoding, INT8 decoding and HellaSwag; print tables and JSON."""
 
-    suite: str = "all"  # all, or a comma list of kernel, decode, int8, hellaswag, train, run in the order given
+    suite: str = "all"  # all, or a comma list of kernel, decode, int8, prune, hellaswag, train, run in the order given
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     out: str = "out/bench.json"  # JSON output, rewritten after every row: provenance, the resolved config, rows
     steps: int = 20  # timed repetitions per train or kernel row; the median is reported
@@ -73,9 +76,10 @@ class BenchConfig:
     kernel_impls: str = "eager,compile,triton"  # which kernel implementations to time (comma list)
     decode_model: str = "gpt2"  # preset of the random decode and int8 weights: gpt2 (124M) or tiny
     decode_tokens: tuple[int, ...] = (128, 512)  # new tokens per decode row (greedy, batch 1, a 16-token prompt)
-    ckpt: str = ""  # int8 weights: a train.py checkpoint; '' = --init-from, or else random --decode-model weights
+    ckpt: str = ""  # int8 and prune weights: a checkpoint; '' = --init-from (int8), or random --decode-model weights
     init_from: str = ""  # or an HF GPT-2 (gpt2 or a local directory). Random weights make the agreement meaningless
-    int8_tokens: int = 128  # greedy tokens per int8 row; the later rows count those equal to the fp32 row's
+    int8_tokens: int = 128  # greedy tokens per int8 and prune row; the later rows count those equal to the first's
+    prune_sparsity: float = 0.5  # prune rows: magnitude and structured prune this share (2:4 always 0.5)
     hellaswag_batch_sizes: tuple[int, ...] = (1, 16, 64)  # examples per forward pass (hellaswag.py's default is 16)
     hellaswag_examples: int = 256  # synthetic examples per timed evaluation
 
@@ -457,6 +461,50 @@ def bench_int8(cfg: BenchConfig) -> list[Row]:
     return rows
 
 
+def bench_prune(cfg: BenchConfig) -> list[Row]:
+    """Forward ms (B x T) and greedy batch-1 decoding of one model, dense (pruned at 0%) and pruned by prune.py's
+    methods: magnitude's zeros run dense kernels, structured's smaller tensors run directly, and 2:4 runs dense
+    kernels or torch's semi-structured sparse tensors (cuSPARSELt/CUTLASS: CUDA only, bf16)."""
+    import prune
+
+    device = torch.device(cfg.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    source = GPT.from_checkpoint(cfg.ckpt) if cfg.ckpt else random_gpt(cfg.decode_model, cfg.seed)
+    T = min(cfg.seq_len, source.config.block_size)
+    x = torch.randint(0, common.GPT2_VOCAB, (max(cfg.batch_sizes), T), generator=torch.Generator().manual_seed(0))
+    prompt = x[:1, :16].to(device)
+
+    def semi_structured(model: GPT) -> None:
+        if device.type != "cuda":
+            raise Skipped("to_sparse_semi_structured is CUDA only (scripts/gpu_suite.sh runs this row)")
+        from torch.sparse import to_sparse_semi_structured
+
+        for name, p in prune.matrices(model).items():
+            model.get_submodule(name.removesuffix(".weight")).weight = torch.nn.Parameter(
+                to_sparse_semi_structured(p.detach()), requires_grad=False)
+
+    def measure(method: str, sparsity: float, convert: Callable[[GPT], None]) -> Row:
+        model = prune.prune(copy.deepcopy(source), None, prune.PruneConfig(method=method, sparsity=sparsity), None)[0]
+        params = [(p.numel(), int(p.count_nonzero())) for p in model.parameters()]
+        model = model.to(device, dtype).eval()
+        convert(model)
+        with torch.no_grad():
+            ms = statistics.median(time_ms(lambda: model(x.to(device)), device, cfg.steps, cfg.warmup)[1])
+        ref = rows[0].get("tokens") if rows else None
+        return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, ref),
+                "forward_ms": ms, "params": sum(n for n, _ in params), "nonzero": sum(z for _, z in params)}
+
+    base = {"suite": "prune", "weights": cfg.ckpt or f"random {cfg.decode_model}", "dtype": str(dtype),
+            "B": x.size(0), "T": T, "new_tokens": cfg.int8_tokens}
+    dense, rows = (lambda model: None), []
+    for name, method, sparsity, convert in (
+            ("dense", "magnitude", 0.0, dense), ("magnitude", "magnitude", cfg.prune_sparsity, dense),
+            ("structured", "structured", cfg.prune_sparsity, dense), ("2:4 dense kernels", "2:4", 0.5, dense),
+            ("2:4 semi-structured", "2:4", 0.5, semi_structured)):
+        rows.append(guarded({**base, "name": name}, lambda m=method, s=sparsity, c=convert: measure(m, s, c)))
+    return rows
+
+
 WORDS = ("the a man woman dog he she they is was then slowly again takes puts holds walks runs jumps turns looks uses "
          "cuts pours paints rides plays ball water rope bike horse table knife car road door hair red small old new "
          "next into from with over under after while and but").split()
@@ -479,8 +527,8 @@ def bench_hellaswag(cfg: BenchConfig) -> list[Row]:
                      "batch_size": bs}, lambda bs=bs: measure(bs)) for bs in cfg.hellaswag_batch_sizes]
 
 
-SUITES = {"kernel": bench_kernel, "decode": bench_decode, "int8": bench_int8, "hellaswag": bench_hellaswag,
-          "train": run_train}  # --suite all's order: the short suites first
+SUITES = {"kernel": bench_kernel, "decode": bench_decode, "int8": bench_int8, "prune": bench_prune,
+          "hellaswag": bench_hellaswag, "train": run_train}  # --suite all's order: the short suites first
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Output: one printer for every table; main
@@ -501,6 +549,9 @@ TABLES: list[tuple[str, Callable[[dict], list[Row]], list[tuple[str, Any]]]] = [
     ("int8: {mparams:.1f}M params, {weights}; greedy, batch 1, prompt {prompt} tokens; same as fp32",
      lambda res: res.get("int8") or [],
      [("dtype", "name"), *TOKENS, ("weight MB", lambda r: f"{r['weight_bytes'] / 1e6:.1f}")]),
+    ("prune: {weights}, {dtype}; forward on {B} x {T} tokens, median of {steps}; greedy decoding, batch 1",
+     lambda res: res.get("prune") or [],
+     [("model", "name"), ("params", "params:,"), ("nonzero", "nonzero:,"), ("fwd ms", "forward_ms:.2f"), *TOKENS]),
     ("hellaswag: evaluate() on {hellaswag_examples} synthetic examples, random {model} ({mparams:.1f}M)",
      lambda res: res.get("hellaswag") or [], [("batch", "batch_size"), ("examples/s", "examples_per_sec:.1f")]),
     ("train: {model}, T={seq_len}, median of {steps} steps after {warmup}; peak mem: CUDA's max allocated (GiB)",

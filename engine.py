@@ -76,11 +76,12 @@ class RunArgs(StepArgs):
     min_lr_frac: float = 0.1  # the schedule decays to min_lr_frac * max_lr
     decay_frac: float = 0.2  # wsd: the fraction of max_steps spent decaying to the min
     print_config: bool = False  # print the resolved config (the preset, then the flags) as JSON and exit
+    MIN_STEPS = 1  # not a flag: the least --max-steps a stage takes (prune.py's 0: prune, evaluate, save)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name, low in {"max_steps": 1, "log_every": 1, "profile_steps": 1, "ckpt_every": 0, "keep_last": 0,
-                          "keep_every": 0, "max_time": 0, "eval_every": 0, "warmup_steps": 0}.items():
+        for name, low in {"max_steps": self.MIN_STEPS, "log_every": 1, "profile_steps": 1, "ckpt_every": 0,
+                          "keep_last": 0, "keep_every": 0, "max_time": 0, "eval_every": 0, "warmup_steps": 0}.items():
             if not getattr(self, name) >= low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if self.lr_schedule not in SCHEDULES:

@@ -39,7 +39,8 @@ def hf_class(cfg: GPTConfig) -> str:
     gpt2_lacks = [what for on, what in ((cfg.mlp == "swiglu", "SwiGLU MLP"), (cfg.pos == "rope", "rotary positions"),
                                         (cfg.norm == "rmsnorm", "RMSNorm"),
                                         (cfg.kv_heads != cfg.n_head, "grouped-query attention"),
-                                        (not cfg.bias, "bias-free layers")) if on]
+                                        (not cfg.bias, "bias-free layers"),
+                                        (cfg.n_embd % cfg.head_dim, "head width that does not divide n_embd")) if on]
     llama_lacks = [what for on, what in ((cfg.mlp == "gelu", "GELU MLP"), (cfg.pos == "learned", "learned positions"),
                                          (cfg.norm == "layernorm", "LayerNorm")) if on]
     if not gpt2_lacks:
@@ -144,23 +145,35 @@ def chat_generation(vocab: int) -> dict[str, Any]:
 def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config.json."""
     cfg = model.config
-    sd = {}
+    sd, n_head = {}, cfg.n_embd // cfg.head_dim
     for key, p in model.state_dict().items():
         if key == "lm_head.weight":
             continue  # tied: HF re-ties lm_head to wte on load
         p = p.detach().float().cpu()
         if key == "transformer.wte.weight":
             p = p[:vocab]
+        if n_head != cfg.n_head and key.endswith(("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight")):
+            p = _pad_heads(p, key, n_head * cfg.head_dim - cfg.n_head * cfg.head_dim)
         sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
+    hidden = model.transformer.h[0].mlp.c_proj.in_features
     config = {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
         "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
+        "n_head": n_head, "n_inner": None if hidden == 4 * cfg.n_embd else hidden, "activation_function": "gelu_new",
+        "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": NORM_EPS,
         "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
         "torch_dtype": "float32",
     }
     return sd, config
+
+
+def _pad_heads(p: torch.Tensor, key: str, missing: int) -> torch.Tensor:
+    """A pruned model's attention as GPT-2's, whose head width is n_embd // n_head: the heads pruning cut out come back
+    as zeros (q, k, v and their output columns), which add nothing to the logits."""
+    if key.endswith("c_proj.weight"):
+        return torch.cat([p, p.new_zeros(p.size(0), missing)], dim=1)
+    return torch.cat([t for part in p.chunk(3) for t in (part, part.new_zeros(missing, *part.shape[1:]))])
 
 
 def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -176,7 +189,7 @@ def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[
         out[theirs + "input_layernorm.weight"] = sd[ours + "ln_1.weight"]
         out[theirs + "post_attention_layernorm.weight"] = sd[ours + "ln_2.weight"]
         for kind in ("weight", "bias") if cfg.bias else ("weight",):
-            q, k, v = sd[f"{ours}attn.c_attn.{kind}"].split([cfg.n_embd, kv_dim, kv_dim])
+            q, k, v = sd[f"{ours}attn.c_attn.{kind}"].split([cfg.n_head * cfg.head_dim, kv_dim, kv_dim])
             gate, up = sd[f"{ours}mlp.c_fc.{kind}"].chunk(2)  # gate first, as MLP.forward splits it
             parts = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
                      "self_attn.o_proj": sd[f"{ours}attn.c_proj.{kind}"], "mlp.gate_proj": gate, "mlp.up_proj": up,

@@ -56,6 +56,9 @@ class GPTConfig:
     # through every LayerNorm and residual add, each add rounded to 8 mantissa bits (LayerNorm still computes in fp32)
     half_residual: bool = False
     value_head: bool = False  # a scalar head on every position (forward(values=True)): reward models, PPO's critic
+    # widths of their own, as structured pruning leaves them (prune.py): None is GPT-2's n_embd // n_head and 4 * n_embd
+    head_size: int | None = None  # channels per attention head
+    mlp_hidden: int | None = None  # the MLP's hidden width (SwiGLU: of each of its two halves)
 
     def __post_init__(self) -> None:
         self._check_types()  # first: a string or float that slipped past a caller would fail deep inside nn.Linear
@@ -63,9 +66,11 @@ class GPTConfig:
 
     def _check_types(self) -> None:
         ints = {"block_size": 1, "vocab_size": 1, "n_layer": 1, "n_head": 1, "n_embd": 1, "n_kv_head": 1,
-                "loss_chunk": 0}  # the lowest value each takes
+                "loss_chunk": 0, "head_size": 1, "mlp_hidden": 1}  # the lowest value each takes
         for name, low in ints.items():
-            value, none = getattr(self, name), " or None (= n_head)" if name == "n_kv_head" else ""
+            value = getattr(self, name)
+            none = "" if name not in ("n_kv_head", "head_size", "mlp_hidden") else \
+                " or None (= n_head)" if name == "n_kv_head" else " or None"
             if not (none and value is None) and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"GPTConfig.{name} must be an integer >= {low}{none}, got {value!r}")
         for name in ("bias", "fused_gelu", "fused_ce", "half_residual", "value_head"):
@@ -73,7 +78,7 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
 
     def _check_values(self) -> None:
-        if self.n_embd % self.n_head:
+        if self.n_embd % self.n_head and self.head_size is None:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.kv_heads:
             raise ValueError(f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
@@ -83,8 +88,8 @@ class GPTConfig:
         for name, allowed in choices.items():
             if (value := getattr(self, name)) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be {' or '.join(map(repr, allowed))}, got {value!r}")
-        if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"GPTConfig.pos='rope' needs an even head size, got {self.n_embd // self.n_head}")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ValueError(f"GPTConfig.pos='rope' needs an even head size, got {self.head_dim}")
         if not self.rope_theta > 0:
             raise ValueError(f"GPTConfig.rope_theta must be > 0, got {self.rope_theta}")
         if self.fused_gelu and (self.mlp != "gelu" or not self.bias):
@@ -98,7 +103,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
 
 
 # the fields a run may set whatever its weights came from: they change no weight's shape or meaning
@@ -195,18 +200,18 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer = config, layer
-        kv_dim = config.kv_heads * config.head_dim
-        # one matmul for q, k and v: (C) -> (C + 2 * kv_dim)
-        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        kv_dim, q_dim = config.kv_heads * config.head_dim, config.n_head * config.head_dim  # q_dim: C unless pruned
+        # one matmul for q, k and v: (C) -> (q_dim + 2 * kv_dim)
+        self.c_attn = nn.Linear(config.n_embd, q_dim + 2 * kv_dim, bias=config.bias)
+        self.c_proj = nn.Linear(q_dim, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: KVCache | None) -> torch.Tensor:
-        B, T, C = x.size()
+        B, T, _ = x.size()
         cfg = self.config
-        kv_dim = cfg.kv_heads * cfg.head_dim
-        q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
+        kv_dim, q_dim = cfg.kv_heads * cfg.head_dim, cfg.n_head * cfg.head_dim
+        q, k, v = self.c_attn(x).split([q_dim, kv_dim, kv_dim], dim=2)
         q = q.view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
@@ -223,7 +228,7 @@ class CausalSelfAttention(nn.Module):
         mask = cache.visible(T) if cache is not None and cache.pad is not None else None  # a ragged batch
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, **gqa,
                                            dropout_p=cfg.dropout if self.training else 0.0)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, q_dim)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -232,7 +237,7 @@ class MLP(nn.Module):
         super().__init__()
         self.config, gelu = config, config.mlp == "gelu"
         # SwiGLU: 2/3 of 4C keeps the GELU MLP's parameter count; rounded up to 64 for matmul speed
-        hidden = 4 * config.n_embd if gelu else 64 * math.ceil(8 * config.n_embd / 3 / 64)
+        hidden = config.mlp_hidden or (4 * config.n_embd if gelu else 64 * math.ceil(8 * config.n_embd / 3 / 64))
         self.c_fc = nn.Linear(config.n_embd, hidden if gelu else 2 * hidden, bias=config.bias)  # SwiGLU: gate and up
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
@@ -421,8 +426,9 @@ class GPT(nn.Module):
                                                                        "model.safetensors.index.json"]))
         hf = json.loads((path / "config.json").read_text())
         _check_plain_gpt2(hf, path)
+        inner = hf.get("n_inner") if hf.get("n_inner") != 4 * hf["n_embd"] else None  # a pruned MLP's (prune.py)
         shape = dict(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
-                     n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True)
+                     n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True, mlp_hidden=inner)
         config = GPTConfig(**{**shape, **overrides})  # an override (e.g. dropout, fused_gelu) wins
         sd_hf = _load_hf_weights(path)
         sd_hf = {k.removeprefix("transformer."): v for k, v in sd_hf.items()
@@ -543,8 +549,7 @@ def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:
     # HF's defaults for each key, and the value this model computes with
     expected = {"activation_function": ("gelu_new", {"gelu_new", "gelu_pytorch_tanh"}),  # both are tanh GELU
                 "layer_norm_epsilon": (1e-5, {1e-5}), "tie_word_embeddings": (True, {True}),
-                "scale_attn_weights": (True, {True}), "scale_attn_by_inverse_layer_idx": (False, {False}),
-                "n_inner": (None, {None, 4 * hf.get("n_embd", 0)})}
+                "scale_attn_weights": (True, {True}), "scale_attn_by_inverse_layer_idx": (False, {False})}
     wrong = {k: hf.get(k, default) for k, (default, ok) in expected.items() if hf.get(k, default) not in ok}
     if wrong:
         found = ", ".join(f"{k}={v!r}" for k, v in wrong.items())

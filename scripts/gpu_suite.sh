@@ -20,6 +20,10 @@
 #   STAGES=bench bash scripts/gpu_suite.sh --suite train --variants compile-b16,compile-b32,eager+fused
 #                                                                   # a further call: arguments replace the default
 #                                                                   # --suite and --variants
+#   STAGES=bench bash scripts/gpu_suite.sh --suite prune --seq-len 1024 --batch-sizes 8
+#                                                                   # pruning (not yet run): random GPT-2 124M in bf16,
+#                                                                   # dense, magnitude, structured, 2:4 with dense kernels
+#                                                                   # and 2:4 as semi-structured sparse tensors
 # TESTS_K, when set, is pytest's -k for the test stages (e.g. TESTS_K="zero1 or fsdp" for a second train-tests
 # call if the first ran out of time; kernel-tests default to TestCUDA: the interpreter's tests are CPU work). Needs
 # python with torch (CUDA), triton and numpy (train.py imports fineweb.py);
@@ -45,7 +49,7 @@ LIMIT="${LIMIT:-585}"  # seconds this call may take in all: the device runner ki
 BENCH_TIMEOUT_MAX="${BENCH_TIMEOUT:-420}"
 STAGES="${STAGES:-kernel-tests,bench}"
 # the train rows that answer the 600K question first (eager, compile, the kernels), then the candidates for the
-# largest costs; the time limit drops the tail. decode, int8 and hellaswag are for a later call (--suite decode,...)
+# largest costs; the time limit drops the tail. decode, int8, prune and hellaswag are for a later call (--suite ...)
 BENCH_VARIANTS="${BENCH_VARIANTS:-eager,compile,compile+fused,compile+fused-ce,compile+half-residual,compile+all,\
 compile+fused+fused-ce,compile+flash-attn,compile+cudnn-attn,compile+fused-ce-chunked,compile+chunked-ce,compile-b32,\
 compile-reduce-overhead,compile+ddp,compile-b16,eager+fused,compile+recompute,compile-fp32,compile-max-autotune,\

@@ -675,7 +675,7 @@ def test_from_pretrained_refuses_a_pickle_in_pytorch_model_bin_in_one_line(tmp_p
 
 @pytest.mark.parametrize("variant", [dict(tie_word_embeddings=False), dict(layer_norm_epsilon=1e-2),
                                      dict(scale_attn_weights=False), dict(scale_attn_by_inverse_layer_idx=True),
-                                     dict(activation_function="relu"), dict(n_inner=100)])
+                                     dict(activation_function="relu")])
 def test_from_pretrained_refuses_gpt2_variants_it_cannot_reproduce(tmp_path, variant):
     _, hf = _hf_model(tmp_path, **variant)
     hf.save_pretrained(tmp_path)

@@ -18,6 +18,7 @@ import fineweb
 import hellaswag
 import plot
 import prefs
+import prune
 import rl
 import sample
 import sft
@@ -38,6 +39,7 @@ SCRIPTS = {
     "rl.py": (rl.RLConfig, None),
     "sft.py": (sft.SFTConfig, sft.PRESETS),
     "prefs.py": (prefs.PrefsConfig, prefs.PRESETS),
+    "prune.py": (prune.PruneConfig, None),
 }
 
 

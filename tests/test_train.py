@@ -1875,7 +1875,8 @@ OTHER_VALUE = {
 # the GPTConfig fields, each a flag through TrainConfig.arch
 OTHER_ARCH = {"vocab_size": 50257, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "dropout": 0.1,
               "bias": False, "mlp": "swiglu", "pos": "rope", "rope_theta": 5e5, "norm": "rmsnorm", "fused_gelu": True,
-              "loss_chunk": 128, "fused_ce": True, "half_residual": True, "value_head": True}
+              "loss_chunk": 128, "fused_ce": True, "half_residual": True, "value_head": True, "head_size": 32,
+              "mlp_hidden": 1024}
 # paths and a rank's own settings (what a path names is compared as data, weights or examples instead)
 MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload",
               "dist_timeout", "tensorboard", "wandb", "hellaswag", "init_from"}
