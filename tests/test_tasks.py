@@ -3,11 +3,14 @@ local files through the same datasets call); the synthetic task's disjoint split
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
 import chat_format as cf
 import tasks
+
+ROOT = Path(__file__).resolve().parent.parent
 
 WENG = {"question": "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
                     "How much did she earn?",
@@ -209,6 +212,26 @@ def test_rewards_see_the_prompt_and_sum_by_weight(user_file):
     assert (one(prompt, "42", "ignored"), one(prompt, "40", "ignored"), one(prompt, "no", "")) == (1.0, 0.5, 0.0)
     both = tasks.load_rewards(f"{user_file}:near,{user_file}:near", (2.0, -0.5))
     assert both(prompt, "40", "") == 2.0 * 0.5 - 0.5 * 0.5
+
+
+def test_the_shipped_subtraction_example_is_disjoint_checks_and_scores_from_the_question():
+    # README's "Your own task" runs examples/subtraction.py; its reward reads the question, not the answer column
+    task = tasks.load_task(f"{ROOT / 'examples' / 'subtraction.py'}:Subtraction")
+    train, test = task.examples("train"), task.examples("test")
+    problems = {row["messages"][0]["content"] for row in train}
+    assert (len(train), len(test), len(train) + len(test)) == (3687, 408, 90 * 91 // 2)
+    assert not problems & {row["messages"][0]["content"] for row in test}
+    row = test[0]
+    a, b = (int(x.replace(" ", "")) for x in row["messages"][0]["content"][len("What is "):-1].split(" - "))
+    assert row["answer"] == str(a - b) and row["messages"][1]["content"] == " ".join(str(a - b))
+    assert task.check(" ".join(row["answer"]) + " done", row["answer"]) and not task.check("1 0 0", row["answer"])
+    example = ROOT / "examples" / "subtraction.py"
+    exact, digits = (tasks.load_rewards(f"{example}:{fn}") for fn in ("exact", "digits"))
+    prompt = [{"role": "user", "content": "What is 8 4 - 2 7?"}]
+    assert [exact(prompt, reply, "lie") for reply in ("5 7", "57", "5 8")] == [1.0, 1.0, 0.0]
+    assert [digits(prompt, reply, "lie") for reply in ("5 7", "4 7", "7", "1 5 7", "")] == [1.0, 0.5, 0.5, 2 / 3, 0.0]
+    rng = random.Random(0)
+    assert all(abs(int(task.wrong("57", rng).replace(" ", "")) - 57) in (1, 10) for _ in range(20))
 
 
 @pytest.mark.parametrize("spec, message", [
