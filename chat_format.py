@@ -52,8 +52,8 @@ tokenizer = functools.cache(get_tokenizer)
 def _check_content(i: int, role: str, content: Any) -> None:
     if role == "assistant" and isinstance(content, list) and content:
         for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in PARTS or not isinstance(part.get("text"), str) or not part["text"]:
+            if not (isinstance(part, dict) and part.get("type") in PARTS and isinstance(part.get("text"), str)
+                    and part["text"]):
                 raise ValueError(f"message {i} (assistant) has a bad part {part!r}: expected "
                                  "{'type': 'text' | 'tool' | 'output', 'text': a non-empty string}")
     elif not isinstance(content, str):
@@ -67,10 +67,10 @@ def check_messages(messages: Any, last: str) -> None:
     """A ValueError naming what is wrong unless `messages` is [system?], user, assistant, ... ending with `last`."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"expected a non-empty list of messages, got {messages!r:.60}")
-    first = 1 if isinstance(messages[0], dict) and messages[0].get("role") == "system" else 0
-    for i, message in enumerate(messages):
+    system = isinstance(messages[0], dict) and messages[0].get("role") == "system"
+    turns = ["system"] * system + ["user", "assistant"] * len(messages)  # the role each message must have
+    for i, (message, expected) in enumerate(zip(messages, turns, strict=False)):
         role = message.get("role") if isinstance(message, dict) else None
-        expected = "system" if i < first else ("user", "assistant")[(i - first) % 2]
         if role not in ROLES:
             raise ValueError(f"message {i} has role {role!r}, expected one of system, user, assistant")
         if role != expected:
@@ -90,14 +90,12 @@ def _render(messages: list[dict]) -> tuple[list[int], list[int]]:
 
     for message in messages:
         (start, end), content = ROLES[message["role"]], message["content"]
-        if message["role"] != "assistant":
-            add([start, *enc.encode_ordinary(content), end], 0)
-            continue
+        learn = int(message["role"] == "assistant")  # only the assistant's messages, and not its tool outputs
         add([start], 0)
         for part in [{"type": "text", "text": content}] if isinstance(content, str) else content:
             text = enc.encode_ordinary(part["text"])
-            add([*PARTS[part["type"]][:1], *text, *PARTS[part["type"]][1:]], int(part["type"] != "output"))
-        add([end], 1)
+            add([*PARTS[part["type"]][:1], *text, *PARTS[part["type"]][1:]], learn * (part["type"] != "output"))
+        add([end], learn)
     return ids, mask
 
 
@@ -179,8 +177,7 @@ def local_split(path: Path, split: str) -> list[Path]:
 
 
 def read_local(path: Path) -> list[dict]:
-    """A .jsonl/.json file's rows exactly as written (a JSON array, or one object per line; gzipped too), or a
-    .parquet's."""
+    """A .jsonl/.json file's rows as written (a JSON array, or one object per line; gzipped too), or a .parquet's."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -226,8 +223,6 @@ def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test
 
 def read_conversations(source: str, split: str) -> Iterable[tuple[int, Any]]:
     """(row index, messages) of the train or val split (split_rows)."""
-    if split not in ("train", "val"):
-        raise DataError(f"split must be 'train' or 'val', got {split!r}")
     return ((i, row.get("messages")) for i, row in split_rows(source, split))
 
 
@@ -329,16 +324,11 @@ class RowStream:
 
 
 class ConversationLoader(RowStream):
-    """Batches (x, y) of packed conversations, for one rank, with fineweb.TokenLoader's interface.
-
-    The packed rows form one stream over epochs (train: a seeded shuffle per epoch; val: in order). Rank r's s-th batch
-    is window s * world_size + r of B rows, so `step` is the whole position, the same on every rank."""
+    """Batches (x, y) of packed conversations, for one rank, with fineweb.TokenLoader's interface: a RowStream of the
+    packed rows (train: a seeded shuffle per epoch; val: in order)."""
 
     def __init__(self, source: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  device: str | torch.device = "cpu"):
-        if B < 1 or T < 1 or not 0 <= rank < world_size:
-            raise DataError(f"need B >= 1, T >= 1 and 0 <= rank < world_size, got B={B}, T={T}, rank={rank}, "
-                            f"world_size={world_size}")
         convs, truncated, dropped = render_rows(str(source), read_conversations(str(source), split), T + 1)
         if not convs:  # each was cut before its first assistant token
             raise DataError(f"{source} {split}: none of its {dropped:,} conversations has an assistant token within "

@@ -6,7 +6,6 @@ small object per concern, each owning its state and its cadence.
     get_lr        every stage's schedule: warmup, then cosine, linear, constant or wsd
     Checkpointer  find, agree across ranks, restore, due(step), save with prune, judge (a NaN sets one aside)
     Evaluator     a list of Eval(name, every, fn): each due every N steps and at the end
-    RunLog        log.jsonl (and TensorBoard / W&B), the console step line and the ETA
     SpikeGuard    llm.c's loss/grad-norm z-scores that skip an outlier update
     StopFlags     SIGTERM, Ctrl-C and the wall-clock budget, agreed across ranks (a context manager)
     Profiler      a few profiled steps after warmup
@@ -37,17 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import (
-    LOCAL,
-    agree,
-    checkpoints,
-    device_name,
-    load_checkpoint,
-    mfu,
-    same_verdict,
-    write_error,
-)
-from parallel import StepArgs, Trainable
+from common import LOCAL, agree, checkpoints, device_name, load_checkpoint, mfu, same_verdict, write_error
+from parallel import StepArgs, Trainable, check_flags, flag
 from trackers import RunLog, fmt_time
 
 
@@ -80,20 +70,18 @@ class RunArgs(StepArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name, low in {"max_steps": self.MIN_STEPS, "log_every": 1, "profile_steps": 1, "ckpt_every": 0,
-                          "keep_last": 0, "keep_every": 0, "max_time": 0, "eval_every": 0, "warmup_steps": 0}.items():
-            if not getattr(self, name) >= low:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
-        if self.lr_schedule not in SCHEDULES:
-            raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}; got {self.lr_schedule!r}")
-        if not 0.0 <= self.min_lr_frac <= 1.0:
-            raise ValueError(f"--min-lr-frac must be in [0, 1]; got {self.min_lr_frac}")
-        if not 0.0 < self.decay_frac <= 1.0:
-            raise ValueError(f"--decay-frac must be in (0, 1]; got {self.decay_frac}")
-        if not 0 <= self.seed < 2**63 - 2**16:  # torch and numpy take 64-bit seeds; each rank adds its rank
-            raise ValueError(f"--seed must be in [0, 2**63 - 2**16); got {self.seed}")
-        if self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every:
-            raise ValueError(f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}")
+        lows = {"max_steps": self.MIN_STEPS, "log_every": 1, "profile_steps": 1, "ckpt_every": 0, "keep_last": 0,
+                "keep_every": 0, "max_time": 0, "eval_every": 0, "warmup_steps": 0}
+        check_flags([*((getattr(self, name) >= low, f"--{flag(name)} must be >= {low}; got {getattr(self, name)}")
+                       for name, low in lows.items()),
+                     (self.lr_schedule in SCHEDULES,
+                      f"--lr-schedule must be one of {', '.join(SCHEDULES)}; got {self.lr_schedule!r}"),
+                     (0.0 <= self.min_lr_frac <= 1.0, f"--min-lr-frac must be in [0, 1]; got {self.min_lr_frac}"),
+                     (0.0 < self.decay_frac <= 1.0, f"--decay-frac must be in (0, 1]; got {self.decay_frac}"),
+                     # torch and numpy take 64-bit seeds; each rank adds its rank
+                     (0 <= self.seed < 2**63 - 2**16, f"--seed must be in [0, 2**63 - 2**16); got {self.seed}"),
+                     (not (self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every),
+                      f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}")])
 
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
@@ -244,11 +232,10 @@ class Run:
         aside = self.checkpointer.judge(step, finite)
         if finite:
             return False
-        if self.master:
-            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
-            why = f" {aside.name} holds the weights that gave it: renamed {aside.name}.diverged." if aside else ""
-            print(f"error: {what} at step {step}; stopping without writing a checkpoint.{why} Lower --max-lr, raise "
-                  "--warmup-steps, or resume from the last good checkpoint.", file=sys.stderr)
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
+        why = f" {aside.name} holds the weights that gave it: renamed {aside.name}.diverged." if aside else ""
+        self.log.say(f"error: {what} at step {step}; stopping without writing a checkpoint.{why} Lower --max-lr, raise "
+                     "--warmup-steps, or resume from the last good checkpoint.", file=sys.stderr)
         self.stopped = "nan"
         return True
 
@@ -257,28 +244,23 @@ class Run:
         self.log.checkpointed()
 
     def halt(self, stopping: str, when: str, resumable: bool = True) -> None:
-        if self.master:
-            print(f"stopping {when} ({self.stop.reason(stopping)}); "
-                  + ("resume with --resume auto" if resumable else "nothing trained yet"))
+        self.log.say(f"stopping {when} ({self.stop.reason(stopping)}); "
+                     + ("resume with --resume auto" if resumable else "nothing trained yet"))
         self.stopped = stopping
 
     def result(self, step: int) -> dict[str, Any]:
         """{"losses", "step", each evaluation's latest record (a one-field record as that field: "val_loss"), and
         when they happened "checkpoint", "stopped"}."""
-        self.profiler.finish(step, trained=not self.eval_only)
+        self.profiler.finish(step)
         took = fmt_time(time.time() - self.t_start)
-        if self.master:
-            print(f"done: evaluated the weights at step {step} in {took}" if self.eval_only else
-                  f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
+        self.log.say(f"done: evaluated the weights at step {step} in {took}" if self.eval_only else
+                     f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
         self.log.close()
         result: dict[str, Any] = {"losses": self.log.losses}
         for name, record in self.evaluator.latest.items():
             result.update(record if len(record) == 1 else {name: record})
-        if self.checkpointer.last:
-            result["checkpoint"] = self.checkpointer.last
-        if self.stopped:
-            result["stopped"] = self.stopped
-        return {**result, "step": step}
+        when = {"checkpoint": self.checkpointer.last, "stopped": self.stopped}
+        return {**result, **{key: value for key, value in when.items() if value}, "step": step}
 
 
 @dataclass
@@ -309,13 +291,12 @@ def step_of(path: Path) -> int:
 
 class Checkpointer:
     """Finds the checkpoint a run continues (the same on every rank), restores it, saves every --ckpt-every steps and
-    prunes (prune, judge). `config` is the run's full config, recorded in each checkpoint as train_config; `chat`
+    prunes (prune, judge). `args` is the run's full config, recorded in each checkpoint as train_config; `chat`
     whether the weights speak chat_format's conversations (chat_format.is_chat)."""
 
-    def __init__(self, args: RunArgs, rank: int = 0, world: int = 1, prov: dict | None = None,
-                 config: dict | None = None, chat: bool = False):
+    def __init__(self, args: RunArgs, rank: int = 0, world: int = 1, prov: dict | None = None, chat: bool = False):
         self.args, self.rank, self.world, self.prov, self.chat = args, rank, world, prov or {}, chat
-        self.config = config if config is not None else dataclasses.asdict(args)
+        self.config = dataclasses.asdict(args)
         self.out_dir = Path(args.out_dir)
         self.master = rank == 0
         self.unreadable: list[Path] = []
@@ -323,6 +304,10 @@ class Checkpointer:
         self.newest: Path | None = None  # this run's newest checkpoint (resumed or written), resolved
         self.good: Path | None = None  # the newest whose weights trained a step to a finite loss and gradient norm
         self.rewinding = False  # resuming a checkpoint older than the newest in out_dir
+
+    def say(self, text: str) -> None:
+        if self.master:
+            print(text)
 
     def due(self, step: int) -> bool:
         """Whether the state after `step` optimizer steps is saved: every --ckpt-every, and at the end."""
@@ -333,18 +318,18 @@ class Checkpointer:
         found = same_verdict(self.find_resume, self.world)  # OSError too: a --resume PATH this node cannot read
         if self.world > 1:
             # the loss history tells two runs' checkpoints of the same step apart (each node's own out-dir, say)
-            mine = None if found is None else (int(found[1]["step"]), found[1].get("outliers", {}).get("loss"))
-            seen: list[tuple | None] = [None] * self.world
+            mine = (int(found[1]["step"]), found[1].get("outliers", {}).get("loss")) if found else (None, None)
+            seen: list[tuple] = [mine] * self.world
             dist.all_gather_object(seen, mine)
             if any(other != seen[0] for other in seen):
-                steps = [other[0] if other else None for other in seen]
+                steps = [step for step, _ in seen]
                 which = "different checkpoints" if len(set(steps)) == 1 else \
                     f"different steps {steps} (None: none found)"
                 raise ValueError(f"ranks resumed {which}: every node must see the same checkpoints in --out-dir "
                                  f"{self.out_dir} (put it on a shared filesystem, or copy the checkpoint to each node "
                                  "and pass --resume PATH)")
         self.newest = found[0].resolve() if found else None
-        newest = checkpoints(self.out_dir)[-1:] if self.out_dir.is_dir() else []
+        newest = checkpoints(self.out_dir)[-1:]
         self.rewinding = bool(found and newest and newest[0].resolve() != self.newest)  # older than the newest
         return found
 
@@ -352,7 +337,7 @@ class Checkpointer:
         """The checkpoint this run continues (path, loaded dict), None for a fresh start, or a ValueError where
         starting would bury another run (truncate its log, prune its checkpoints)."""
         args, out_dir = self.args, self.out_dir
-        existing = checkpoints(out_dir) if out_dir.is_dir() else []
+        existing = checkpoints(out_dir)  # none where out_dir does not exist
         if not args.resume:
             existing = existing or sorted(out_dir.glob("ckpt_*.pt.diverged"))  # a NaN-stopped run's
             if existing and not args.eval_only:  # an evaluation writes nothing there
@@ -363,24 +348,22 @@ class Checkpointer:
         if args.resume != "auto":
             return Path(args.resume), load_checkpoint(args.resume, mmap=True)
         found = find_checkpoint(out_dir, self.unreadable)
-        if self.master:
-            note_set_aside(out_dir, found[0] if found else None)
+        note_set_aside(out_dir, found, self.say)
         if found is None and existing:
             raise ValueError(f"none of the {len(existing)} checkpoints in {out_dir} can be read (see the warnings "
                              "above): resume one with --resume PATH, or move them away to start afresh")
         if found is None and args.eval_only:  # it would score a random model as if it were the run's
             raise ValueError(f"--eval-only --resume auto: no checkpoint in {out_dir} to evaluate")
         if found is None:
-            if self.master:
-                init_from = self.config.get("init_from")
-                print(f"resume: no checkpoint in {out_dir}; starting "
-                      + (f"from --init-from {init_from}" if init_from else "from scratch"))
+            init_from = self.config.get("init_from")
+            self.say(f"resume: no checkpoint in {out_dir}; starting "
+                     + (f"from --init-from {init_from}" if init_from else "from scratch"))
             return None
         # passed over for an older write with a later step; not those written after it, which could not be read
         later = [p for p in existing[:existing.index(found[0])] if step_of(p) > int(found[1]["step"])]
-        if later and self.master:
-            print(f"note: resuming {found[0].name}, the checkpoint written last; {later[-1].name} has a later step "
-                  "but was written earlier, as a rewind leaves it (--resume PATH takes another)")
+        if later:
+            self.say(f"note: resuming {found[0].name}, the checkpoint written last; {later[-1].name} has a later step "
+                     "but was written earlier, as a rewind leaves it (--resume PATH takes another)")
         return found
 
     def restore(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> int:
@@ -410,11 +393,11 @@ class Checkpointer:
             set_optimizer_state_dict(raw, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
             return
         optimizer.load_state_dict(optim_sd)
-        if any(group.get("fused") for group in optimizer.optim.param_groups):
-            # ZeRO's load moves Adam's `step` tensors to the CPU, where the fused CUDA kernel refuses them
-            for p, state in optimizer.optim.state.items():
-                if torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].to(p.device, torch.float32)
+        # ZeRO's load moves Adam's `step` tensors to the CPU, where the fused CUDA kernel refuses them
+        fused = any(group.get("fused") for group in optimizer.optim.param_groups)
+        for p, state in optimizer.optim.state.items():
+            if fused and torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(p.device, torch.float32)
         # ZeRO's own load also kept a second device copy of this rank's moments that it never reads again
         optimizer.state.clear()
 
@@ -424,9 +407,9 @@ class Checkpointer:
             torch.set_rng_state(rng["cpu"])
             if rng["cuda"] is not None and torch.cuda.is_initialized():  # a CUDA run (see save)
                 torch.cuda.set_rng_state(rng["cuda"])
-        elif self.master:
-            print(f"note: the checkpoint came from world size {len(rngs)}, this run has {self.world}: the data "
-                  "stream goes on where it was, the RNG streams restart (not the run an unchanged world would give)")
+        else:
+            self.say(f"note: the checkpoint came from world size {len(rngs)}, this run has {self.world}: the data "
+                     "stream goes on where it was, the RNG streams restart (not the run an unchanged world would give)")
 
     def save(self, step: int, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> Path:
         """Write ckpt_{step}.pt on rank 0 (every rank helps gather it), then prune; a failed write stops every rank."""
@@ -436,16 +419,19 @@ class Checkpointer:
         # is_initialized, not is_available: a --device cpu run on a GPU host has no CUDA context to read
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
         rng = {"cpu": torch.get_rng_state(), "cuda": cuda}
-        rngs = [rng] if self.world == 1 else [None] * self.world
+        rngs = [rng] * self.world
         if self.world > 1:
             dist.all_gather_object(rngs, rng)  # dropout masks differ per rank, so every rank's RNG is saved
-        ckpt = {"model": model_sd, "optimizer": swap_8bit_state(optim_sd, pack=False),
+
+        def write() -> None:  # rank 0's
+            write_atomically(path, {
+                "model": model_sd, "optimizer": swap_8bit_state(optim_sd, pack=False),
                 "optimizer_kind": optimizer_kind(optimizer, self.args.parallel), "step": step, "rng": rngs,
-                "model_config": dataclasses.asdict(raw.config), "train_config": self.config,
-                "provenance": self.prov, "world_size": self.world, "chat": self.chat,
-                **{key: part.state_dict() if part is not None else None for key, part in parts.items()}} \
-            if self.master else None
-        same_verdict(lambda: write_atomically(path, ckpt) if self.master else None, self.world)
+                "model_config": dataclasses.asdict(raw.config), "train_config": self.config, "provenance": self.prov,
+                "world_size": self.world, "chat": self.chat,
+                **{key: part.state_dict() if part is not None else None for key, part in parts.items()}})
+
+        same_verdict(write if self.master else lambda: None, self.world)
         self.last, self.newest = str(path), path.resolve()
         if self.master:
             self.prune()
@@ -457,7 +443,7 @@ class Checkpointer:
         the newer ones may yet be set aside by a NaN."""
         args = self.args
         readable = [p for p in checkpoints(self.out_dir) if p not in self.unreadable]
-        for stale in readable[:-args.keep_last] if args.keep_last > 0 else []:
+        for stale in readable[:-args.keep_last]:  # --keep-last 0: [:-0] is empty, all are kept
             milestone = args.keep_every and step_of(stale) % args.keep_every == 0
             if not milestone and stale.resolve() != self.good:
                 stale.unlink()
@@ -466,7 +452,7 @@ class Checkpointer:
         """Step `step` trained from this run's ckpt_{step}, if any: a finite loss makes it the newest known good, a NaN
         sets it aside as .diverged (rank 0) so that --resume auto takes the one before. Returns the path set aside."""
         path = self.out_dir / f"ckpt_{step:06d}.pt"
-        if self.newest is None or path.resolve() != self.newest:
+        if path.resolve() != self.newest:  # not this run's, or none
             return None
         if finite:
             self.good = self.newest
@@ -551,13 +537,13 @@ def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tupl
     return None
 
 
-def note_set_aside(out_dir: Path, resumed: Path | None) -> None:
-    """Name the checkpoints set aside after this one was written: a NaN-stopped run's (Checkpointer.judge)."""
-    after = resumed.stat().st_mtime_ns if resumed else -1
+def note_set_aside(out_dir: Path, resumed: tuple[Path, dict] | None, say: Callable[[str], None] = print) -> None:
+    """Name the checkpoints set aside after the one resumed was written: a NaN-stopped run's (Checkpointer.judge)."""
+    after = resumed[0].stat().st_mtime_ns if resumed else -1
     for aside in sorted(out_dir.glob("ckpt_*.pt.diverged"), key=lambda p: p.stat().st_mtime_ns):
         if aside.stat().st_mtime_ns > after and re.fullmatch(r"ckpt_\d+\.pt\.diverged", aside.name):
-            print(f"note: passing over {aside.name}: the run that wrote it set it aside, as its weights gave a NaN/inf "
-                  f"loss or gradient norm at step {step_of(Path(aside.stem))}")
+            say(f"note: passing over {aside.name}: the run that wrote it set it aside, as its weights gave a NaN/inf "
+                f"loss or gradient norm at step {step_of(Path(aside.stem))}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -577,22 +563,19 @@ class Eval:
 class Evaluator:
     """The run's evaluations, each when due; `latest` holds each one's last record by name."""
 
-    def __init__(self, evals: list[Eval], log: RunLog, tokens: TokenCount | None = None, eval_only: bool = False):
+    def __init__(self, evals: list[Eval], log: RunLog, tokens: TokenCount, eval_only: bool = False):
         self.evals, self.log, self.tokens, self.eval_only = evals, log, tokens, eval_only
         self.latest: dict[str, dict[str, Any]] = {}
 
     def run(self, step: int, final: bool) -> bool:
         """The evaluations due at `step`; whether any ran."""
-        ran = False
-        for e in self.evals:
-            if not (final or (e.every > 0 and step % e.every == 0)) or not (e.at_start or step > 0 or self.eval_only):
-                continue
-            record, ran = e.fn(step), True
-            if record is not None:
+        due = [e for e in self.evals if (final or (e.every > 0 and step % e.every == 0))
+               and (e.at_start or step > 0 or self.eval_only)]
+        for e in due:
+            if (record := e.fn(step)) is not None:
                 self.latest[e.name] = record
-                tokens = {"tokens": self.tokens.value} if self.tokens is not None else {}
-                self.log.write({"type": e.name, "step": step, **tokens, **record})
-        return ran
+                self.log.write({"type": e.name, "step": step, "tokens": self.tokens.value, **record})
+        return bool(due)
 
 
 @torch.no_grad()
@@ -634,11 +617,9 @@ class OutlierDetector:
             return 0.0
         full = len(self.values) >= OUTLIER_WINDOW
         self.values = (self.values + [x])[-OUTLIER_WINDOW:]
-        if not full:
-            return 0.0
         mean = sum(self.values) / len(self.values)
         std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / len(self.values))
-        return (x - mean) / std if std > 0 else 0.0
+        return (x - mean) / std if full and std > 0 else 0.0
 
 
 class SpikeGuard:
@@ -669,10 +650,9 @@ class SpikeGuard:
             stats /= self.world
         mean_loss, mean_norm = stats.tolist()
         z_loss, z_norm = self.detectors["loss"](mean_loss), self.detectors["norm"](mean_norm)
-        if self.skip_loss_z > 0 and z_loss > self.skip_loss_z:
-            self.skipped = f"loss z-score {z_loss:.1f} > {self.skip_loss_z}"
-        elif self.skip_norm_z > 0 and z_norm > self.skip_norm_z:
-            self.skipped = f"grad norm z-score {z_norm:.1f} > {self.skip_norm_z}"
+        self.skipped = next((f"{what} z-score {z:.1f} > {limit}" for what, z, limit in
+                             (("loss", z_loss, self.skip_loss_z), ("grad norm", z_norm, self.skip_norm_z))
+                             if 0 < limit < z), "")
         return not self.skipped
 
     def observe(self, loss: float, norm: float) -> None:
@@ -797,11 +777,11 @@ class Profiler:
         if self.prof is not None and step == self.at + self.steps - 1:
             self._stop()
 
-    def finish(self, step: int, trained: bool) -> None:
+    def finish(self, step: int) -> None:
         """The run ended: keep what was recorded, or say that nothing was."""
         if self.prof is not None:
             self._stop()
-        elif self.enabled and self.rank == 0 and step <= self.at and trained:
+        elif self.enabled and self.rank == 0 and step <= self.at:  # enabled: a training run
             print(f"profile: nothing recorded; the run ended before step {self.at}, where profiling starts")
 
     def _stop(self) -> None:
@@ -852,12 +832,15 @@ def agree_fingerprint(fingerprint: dict[str, Any], rank: int, world: int, weight
     def differs(mine: dict, first: dict) -> str | None:
         for key in mine:
             if mine[key] != first.get(key):
-                other = f"rank {rank}'s {key} differs from rank 0's: every node must hold the same {key}"
-                return says[key](key, mine[key], first.get(key), rank, weights_source) if key in says else other
+                return says.get(key, describe_other)(key, mine[key], first.get(key), rank, weights_source)
         return None
 
     if problem := agree(fingerprint, rank, world, differs):
         raise ValueError(problem)
+
+
+def describe_other(key: str, mine: Any, first: Any, rank: int, _: str) -> str:
+    return f"rank {rank}'s {key} differs from rank 0's: every node must hold the same {key}"
 
 
 def describe_command(key: str, mine: dict, first: dict, rank: int, _: str) -> str:

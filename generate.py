@@ -14,6 +14,7 @@ Usage (the speed of 64 ragged prompts at once against one at a time, the tiny mo
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import operator
 import sys
@@ -24,22 +25,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn as nn
 
 from chat_format import OUTPUT_END, OUTPUT_START, TOOL_END, TOOL_START, tokenizer
 from common import GPT2_VOCAB, parse_config
 from model import GPT, MODEL_PRESETS, KVCache
+from parallel import check_flags
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Sampling: filter the logits, draw a token
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not temperature >= 0:  # NaN too
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    check_flags([(temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {temperature}"),  # NaN fails too
+                 (top_k is None or top_k >= 1, f"top_k must be >= 1 or None, got {top_k}"),
+                 (top_p is None or 0.0 < top_p <= 1.0, f"top_p must be in (0, 1] or None, got {top_p}")])
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
@@ -47,8 +47,7 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, t
     """A new (B, V) fp32 tensor to sample from: logits / temperature, -inf outside the top_k and outside the top_p
     nucleus (HF's order), and at ids >= vocab (GPT-2's padded rows by default)."""
     logits = logits.float().clone()  # a copy: float() of fp32 logits is the caller's tensor, edited below
-    if logits.size(-1) > vocab:
-        logits[:, vocab:] = -float("inf")  # ids the caller does not sample (padding, or specials)
+    logits[:, vocab:] = -float("inf")  # ids the caller does not sample (padding, or specials; none past the end)
     if temperature > 0.0:
         logits = logits / temperature
     if top_k is not None and top_k < logits.size(-1):
@@ -84,6 +83,17 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_
     return draw(probs, generator), probs
 
 
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """model.eval() inside, and back to the mode it was in after, a generator's close included."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 @torch.inference_mode()
 def sample_stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                   top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
@@ -95,10 +105,8 @@ def sample_stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     check_sampling(temperature, top_k, top_p)
-    was_training = model.training
-    model.eval()
-    try:
-        bs, cache = model.config.block_size, None
+    bs, cache = model.config.block_size, None
+    with evaluating(model):
         for _ in range(max_new_tokens):
             if use_cache and cache is not None and cache.pos < bs:
                 logits, _ = model(idx[:, -1:], cache=cache, last_only=True)
@@ -109,14 +117,11 @@ def sample_stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
             nxt = next_token(logits[:, -1, :], temperature, top_k, top_p, generator)[0]
             idx = torch.cat((idx, nxt), dim=1)
             yield nxt
-    finally:
-        model.train(was_training)
 
 
 def sample(model: GPT, idx: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
     """sample_stream run to the end: (B, T + max_new_tokens). temperature=0 is greedy."""
-    new = list(sample_stream(model, idx, max_new_tokens, **kwargs))
-    return torch.cat([idx, *new], dim=1) if new else idx
+    return torch.cat([idx, *sample_stream(model, idx, max_new_tokens, **kwargs)], dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -127,6 +132,7 @@ MAX_BITS = 256  # no value beyond 2**256, so every operation stays microseconds
 MAX_EXPONENT = 64
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+SIGNS = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def calculate(expr: str, seconds: float = 0.1) -> str | None:
@@ -147,9 +153,8 @@ def _evaluate(node: ast.AST, deadline: float) -> int | float:
         raise ValueError("out of time")
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return _bounded(node.value)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-        value = _evaluate(node.operand, deadline)
-        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in SIGNS:
+        return SIGNS[type(node.op)](_evaluate(node.operand, deadline))
     if isinstance(node, ast.BinOp) and type(node.op) in OPS:
         a, b = _evaluate(node.left, deadline), _evaluate(node.right, deadline)
         if isinstance(node.op, ast.Pow) and abs(b) > MAX_EXPONENT:
@@ -160,11 +165,10 @@ def _evaluate(node: ast.AST, deadline: float) -> int | float:
 
 def _bounded(value: Any) -> int | float:
     # type() rather than isinstance: bool and complex ((-8) ** 0.5) are not results
-    if type(value) is int and value.bit_length() <= MAX_BITS:
-        return value
-    if type(value) is float and math.isfinite(value) and abs(value) < 2.0 ** MAX_BITS:
-        return value
-    raise ValueError(f"{type(value).__name__} out of range")
+    if not ((type(value) is int and value.bit_length() <= MAX_BITS)
+            or (type(value) is float and math.isfinite(value) and abs(value) < 2.0 ** MAX_BITS)):
+        raise ValueError(f"{type(value).__name__} out of range")
+    return value
 
 
 @dataclass(frozen=True)
@@ -264,9 +268,7 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
         raise ValueError(f"prompts must be 1 or more lists of 1 to block_size ({bs}) token ids; crop long prompts")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         cache, logits = _prefill(model, prompts)
         alive, rows = list(range(len(prompts))), [_Row() for _ in prompts]
         for step in range(max_new_tokens):
@@ -282,8 +284,6 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
                 alive = [alive[i] for i in keep]
             idx = torch.tensor([[tokens[i]] for i in keep], device=logits.device)
             logits = model(idx, cache=cache, last_only=True)[0][:, -1]
-    finally:
-        model.train(was_training)
 
 
 def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kwargs: Any) -> list[Rollout]:

@@ -11,7 +11,7 @@ import contextlib
 import copy
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -54,19 +54,27 @@ class StepArgs:
         choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
                    "dtype": ("auto", "bf16", "fp16", "fp32"), "device": ("auto", "cuda", "cpu"),
                    "compile_mode": COMPILE_MODES, "attention": ("auto", *SDPA_SWITCHES), "optimizer": tuple(OPTIMIZERS)}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}; "
-                                 f"got {getattr(self, name)!r}")
-        # each written so that NaN fails it too
-        for names, ok, rule in ((("max_lr", "dist_timeout"), lambda v: 0 < v < math.inf, "a positive number"),
-                                (("weight_decay", "eps", "grad_clip"), lambda v: 0 <= v < math.inf, "finite and >= 0"),
-                                (("beta1", "beta2"), lambda v: 0 <= v < 1, "in [0, 1)")):
-            for name in names:
-                if not ok(getattr(self, name)):
-                    raise ValueError(f"--{name.replace('_', '-')} must be {rule}; got {getattr(self, name)}")
-        if self.dtype == "fp16" and self.parallel == "fsdp":
-            raise ValueError("--dtype fp16 is not supported with --parallel fsdp; use bf16")
+        positive = (lambda v: 0 < v < math.inf, "a positive number")  # each rule written so that NaN fails it too
+        finite, beta = (lambda v: 0 <= v < math.inf, "finite and >= 0"), (lambda v: 0 <= v < 1, "in [0, 1)")
+        rules = {"max_lr": positive, "dist_timeout": positive, "weight_decay": finite, "eps": finite,
+                 "grad_clip": finite, "beta1": beta, "beta2": beta}
+        check_flags([*((getattr(self, name) in allowed, f"--{flag(name)} must be one of {', '.join(allowed)}; "
+                        f"got {getattr(self, name)!r}") for name, allowed in choices.items()),
+                     *((ok(getattr(self, name)), f"--{flag(name)} must be {rule}; got {getattr(self, name)}")
+                       for name, (ok, rule) in rules.items()),
+                     (not (self.dtype == "fp16" and self.parallel == "fsdp"),
+                      "--dtype fp16 is not supported with --parallel fsdp; use bf16")])
+
+
+def flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def check_flags(checks: Iterable[tuple[bool, str]]) -> None:
+    """The message of the first check that fails (ok, message), as a ValueError: a config's __post_init__."""
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -80,6 +88,9 @@ def lm_loss(model: nn.Module, batch: tuple, label_smoothing: float = 0.0) -> tor
     return model(x, y, label_smoothing=label_smoothing, return_logits=False)[1]
 
 
+NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # without fp16: each method passes through (optimizer.step)
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], tuple], grad_accum: int,
                autocast: contextlib.AbstractContextManager, grad_clip: float, label_smoothing: float = 0.0,
                scaler: torch.amp.GradScaler | None = None,
@@ -89,6 +100,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     """Forward/backward grad_accum micro-batches, clip, step. Returns (mean loss, grad norm) as 0-d tensors.
     `objective(model, batch)` is the loss (lm_loss by default). `update(loss, norm)`, when given, decides before the
     optimizer step whether to take it (False drops this step's gradients); the same answer on every rank."""
+    scaler = scaler or NO_SCALER
     loss_accum = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(grad_accum):
         batch = next_batch()
@@ -96,19 +108,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
             loss = objective(model, batch) if objective else lm_loss(model, batch, label_smoothing)
         loss = loss / grad_accum  # gradients of the mean over all micro-batches, not the sum
         loss_accum += loss.detach()
-        (scaler.scale(loss) if scaler else loss).backward()
-    if scaler:
-        scaler.unscale_(optimizer)
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
         norm = norm.full_tensor()
-    take = update is None or update(loss_accum, norm)
-    if take and scaler:
+    if update is None or update(loss_accum, norm):
         scaler.step(optimizer)
-    elif take:
-        optimizer.step()
-    if scaler:
-        scaler.update()  # after a skipped step too: the scale still reacts to its inf checks
+    scaler.update()  # after a skipped step too: the scale still reacts to its inf checks
     optimizer.zero_grad(set_to_none=True)
     return loss_accum, norm
 
@@ -201,8 +208,7 @@ class Trainable:
 
 def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_compile: bool,
                     verbose: bool) -> Trainable:
-    """raw (on its device) made ready to train: recompute, precision, attention kernel, parallel wrapper and compile,
-    then args.optimizer over its parameters."""
+    """raw (on its device) made ready: recompute, precision, attention kernel, parallel wrapper, compile, optimizer."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (outside autocast) on tensor cores
         torch.backends.cudnn.allow_tf32 = True
@@ -234,8 +240,7 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
         target.forward = lambda *args, _f=inner: activation_checkpoint(_f, *args, use_reentrant=False)
 
 
-def parallelize(model: nn.Module, parallel: str, device: torch.device,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
+def parallelize(model: nn.Module, parallel: str, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Wrap (DDP) or shard (FSDP2) the model under torchrun, at any world size (one rank included, as nanoGPT does);
     returns the module that train steps call. For FSDP2, model is the GPT itself; DDP may wrap its compiled form."""
     if parallel == "fsdp":
@@ -334,8 +339,7 @@ def adamw_groups(model: nn.Module, weight_decay: float, options: dict, verbose: 
         torch.optim.AdamW, options
 
 
-def adamw8bit_groups(model: nn.Module, weight_decay: float, options: dict,
-                     verbose: bool) -> tuple[list, type, dict]:
+def adamw8bit_groups(model: nn.Module, weight_decay: float, options: dict, verbose: bool) -> tuple[list, type, dict]:
     import_torchao("--optimizer adamw8bit")
     from torchao.optim import AdamW8bit
 

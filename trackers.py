@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import secrets
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ class WandB:
             self.run = wandb.init(project=project, id=run_id, resume="allow", name=out_dir.name,
                                   dir=None if os.environ.get("WANDB_DIR") else str(out_dir))
         except Exception as e:  # no API key, no network...: one line, before training, on every rank (setup)
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = (str(e) or type(e).__name__).splitlines()[0]
             raise ValueError(f"--wandb {project}: W&B did not start ({why}); run `wandb login`, or set "
                              "WANDB_MODE=offline to log without an account") from None
 
@@ -109,23 +110,23 @@ class RunLog:
     def __init__(self, path: Path | None, master: bool = True, max_steps: int = 0, log_every: int = 1,
                  trackers: list[Any] | None = None):
         self.path, self.master, self.trackers = path, master, trackers or []
-        self.file = open(path, "a", buffering=1) if path is not None else None
+        self.file = open(path or os.devnull, "a", buffering=1)  # no log.jsonl (another rank, --eval-only): nowhere
         self.max_steps, self.log_every = max_steps, log_every
         self.recent_ms: list[float] = []
         self.losses: list[float] = []  # every step's loss, all ranks together
 
     def write(self, record: dict) -> None:
-        if self.file:
-            try:
-                self.file.write(json.dumps(record) + "\n")
-            except OSError as e:
-                raise ValueError(f"cannot append to {self.path}: {'; '.join(write_error(e, self.path))}") from None
+        try:
+            self.file.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise ValueError(f"cannot append to {self.path}: {'; '.join(write_error(e, self.path))}") from None
         for tracker in self.trackers:
             tracker.write(record)
 
-    def say(self, text: str) -> None:
+    def say(self, text: str, **kwargs: Any) -> None:
+        """print on rank 0."""
         if self.master:
-            print(text)
+            print(text, **kwargs)
 
     def checkpointed(self) -> None:
         """The run owns the newest checkpoint now: a rewind's set-aside records (prepare_log) are no one's."""
@@ -138,21 +139,17 @@ class RunLog:
         if timed:
             self.recent_ms = (self.recent_ms + [record["ms"]])[-20:]
         self.write({"type": "train", "step": step, **record})
-        if not self.master:
-            return
         if record.get("skipped"):
-            print(f"step {step:6d} | update skipped: {record['skipped']}")
+            self.say(f"step {step:6d} | update skipped: {record['skipped']}")
         if step % self.log_every == 0 or step == self.max_steps - 1:
-            ms = sorted(self.recent_ms)[len(self.recent_ms) // 2] if self.recent_ms else record["ms"]
-            eta = ms * (self.max_steps - step - 1) / 1000
+            eta = statistics.median_high(self.recent_ms or [record["ms"]]) * (self.max_steps - step - 1) / 1000
             util = record["mfu"]
-            print(f"step {step:6d}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | norm "
-                  f"{record['grad_norm']:.3f} | {record['ms']:7.1f} ms | {record['tok_s']:,.0f} tok/s | mfu "
-                  f"{f'{util:.1%}' if util else 'n/a'} | eta {fmt_time(eta)}", flush=True)
+            self.say(f"step {step:6d}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | norm "
+                     f"{record['grad_norm']:.3f} | {record['ms']:7.1f} ms | {record['tok_s']:,.0f} tok/s | mfu "
+                     f"{f'{util:.1%}' if util else 'n/a'} | eta {fmt_time(eta)}", flush=True)
 
     def close(self) -> None:
-        if self.file:
-            self.file.close()
+        self.file.close()
         for tracker in self.trackers:
             tracker.close()
 
@@ -199,12 +196,15 @@ def fmt_time(seconds: float) -> str:
 
 def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, world: int) -> RunLog:
     """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's)."""
-    logs, path = rank == 0 and not cfg.eval_only, Path(cfg.out_dir) / "log.jsonl"
-    forget, replay, write = prepare_log(path, resume_step, rewinding) if logs else (None, [], lambda: None)
-    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step, forget)
-                            if logs else None, world)
+    if rank != 0 or cfg.eval_only:
+        same_verdict(lambda: None, world)  # rank 0's trackers starting, below
+        return RunLog(None, rank == 0, cfg.max_steps, cfg.log_every)
+    path = Path(cfg.out_dir) / "log.jsonl"
+    forget, replay, write = prepare_log(path, resume_step, rewinding)
+    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step, forget),
+                            world)
     write()  # after the trackers start: one that cannot leaves the log as it was
-    for tracker in trackers or []:
+    for tracker in trackers:
         for record in replay:
             tracker.write(record)
-    return RunLog(path if logs else None, rank == 0, cfg.max_steps, cfg.log_every, trackers)
+    return RunLog(path, True, cfg.max_steps, cfg.log_every, trackers)
