@@ -124,6 +124,9 @@ def test_fused_rows_give_each_rank_whole_heads_and_come_back():
     swiglu = dataclasses.replace(config, mlp="swiglu")  # c_fc stacks gate and up
     assert reorder("h.1.mlp.c_fc.weight", torch.arange(8), swiglu, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
     assert reorder("h.1.mlp.c_fc.weight", torch.arange(8), config, 2).tolist() == list(range(8))  # GELU: no fusion
+    pruned = dataclasses.replace(config, head_size=4)  # prune.py's narrower heads: q is 4 x 4 rows, not n_embd's 32
+    shares = reorder("h.0.attn.c_attn.weight", torch.arange(16 + 2 * 8), pruned, 2).view(2, -1)
+    assert shares[0].tolist() == [*range(0, 8), *range(16, 20), *range(24, 28)]  # q heads 0-1, kv head 0
 
 
 def test_tensor_and_pipeline_groups_share_their_data_rank():
