@@ -192,7 +192,11 @@ def default_variants(batch_sizes: tuple[int, ...]) -> list[Variant]:
         "compile-max-autotune": {**c, "compile_mode": "max-autotune-no-cudagraphs"}, "compile+ddp": c,
         "compile-reduce-overhead": {**c, "compile_mode": "reduce-overhead"}, "eager+fused": {"fused_gelu": True},
         "compile-fp32": {**c, "dtype": "fp32"}, "compile+recompute": {**c, "recompute": "mlp"},
-        "compile+muon": {**c, "optimizer": "muon"}, "compile+adamw8bit": {**c, "optimizer": "adamw8bit"}}
+        "compile+muon": {**c, "optimizer": "muon"}, "compile+adamw8bit": {**c, "optimizer": "adamw8bit"},
+        # tensor / pipeline parallel: tp1 and pp1 run that code on one rank; the others under torchrun
+        # --nproc_per_node=2, where the one-rank variants are skipped
+        "tp1": {"tp": 1}, "pp1": {"pp": 1}, "tp2": {"tp": 2}, "tp2+sp": {"tp": 2, "sequence_parallel": True},
+        "pp2": {"pp": 2}, "pp2-gpipe": {"pp": 2, "pp_schedule": "gpipe"}}
     return [Variant(name, fields, ddp=name.endswith("+ddp")) for name, fields in overrides.items()]
 
 
@@ -209,7 +213,8 @@ def train_config(cfg: BenchConfig, variant: Variant) -> train.TrainConfig:
     """The TrainConfig a real run of this variant would use (one rank, total batch = B * T * grad_accum)."""
     model = {f.name for f in dataclasses.fields(GPTConfig)}  # the model's options go through TrainConfig.arch
     tcfg = dataclasses.replace(train.TrainConfig(model=cfg.model, seq_len=cfg.seq_len, batch_size=max(cfg.batch_sizes),
-                                                 dtype=cfg.dtype, compile=False, device=cfg.device.split(":")[0]),
+                                                 dtype=cfg.dtype, compile=False, device=cfg.device.split(":")[0],
+                                                 hellaswag="off", sample_every=0),
                                **{k: v for k, v in variant.train.items() if k not in model},
                                arch={k: v for k, v in variant.train.items() if k in model})
     return dataclasses.replace(tcfg, total_batch_size=tcfg.batch_size * tcfg.seq_len * cfg.grad_accum)
@@ -220,6 +225,9 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> Row:
     device, tcfg, accum = torch.device(cfg.device), train_config(cfg, variant), cfg.grad_accum
     if any(map(tcfg.arch.get, ("fused_gelu", "fused_ce"))) and not (device.type == "cuda" and triton_available()):
         raise Skipped("the fused kernels need CUDA and triton (elsewhere train.py runs the PyTorch reference)")
+    if (ranks := max(tcfg.tp, 1) * max(tcfg.pp, 1)) != (world := dist.get_world_size() if dist.is_initialized() else 1):
+        raise Skipped(f"runs on {ranks} ranks, this run has {world}: " + (
+            f"torchrun --nproc_per_node={ranks} bench.py --variants {variant.name}" if ranks > 1 else "no torchrun"))
     if why := ((tcfg.compile and parallel.cuda_graph_conflict(tcfg, accum, device))
                or parallel.attention_conflict(tcfg, device) or parallel.optimizer_conflict(tcfg)):
         raise Skipped(why)
@@ -229,7 +237,7 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> Row:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with contextlib.ExitStack() as stack:
-        if variant.ddp:  # a process group of this process alone, as `torchrun --nproc_per_node=1` makes
+        if (variant.ddp or tcfg.tp or tcfg.pp) and not dist.is_initialized():  # as torchrun --nproc_per_node=1
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                     world_size=1)
             stack.callback(dist.destroy_process_group)
@@ -251,7 +259,7 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> Row:
     return {"batch_size": B, "seq_len": T, "grad_accum": accum, "dtype": str(built.dtype).removeprefix("torch."),
             "tokens_per_step": B * T * accum, "ms_per_step": median, "ms_min": min(ms), "ms_max": max(ms),
             "tok_per_s": tok_s, "warmup_s": warmup_s,
-            "mfu": common.mfu(raw.flops_per_token(T), tok_s, common.device_name(device), peak),
+            "mfu": common.mfu(raw.flops_per_token(T), tok_s / ranks, common.device_name(device), peak), "ranks": ranks,
             "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "optim_state_bytes": parallel.optimizer_state_bytes(built.optimizer),
             # the last timed step's loss (CUDA-graph rows run no steps after it), and dloss's
@@ -284,7 +292,7 @@ def run_train(cfg: BenchConfig) -> Iterator[Row]:
 # Where a step's time goes, by kernel (or CPU op) name: the first pattern that matches wins, so an Inductor kernel
 # named after the ops it fused lands in the first of them listed here; no match is "other".
 STEP_PARTS = (
-    ("comm", r"nccl|allreduce|all_reduce|reduce_scatter|allgather|all_gather"),
+    ("comm", r"nccl|gloo|c10d|allreduce|all_reduce|reduce_scatter|allgather|all_gather|wait_tensor"),
     ("copy", r"^memcpy|^memset|copy_kernel|^triton_[a-z]+_fused__to_copy_\d+$"  # casts alone, eager or compiled
              r"|^aten::(copy_|_to_copy|clone|contiguous)$"),
     # not Inductor's kernels named after the SDPA op they feed (layouts, c_attn's bias gradient): the kernels proper
@@ -622,10 +630,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if cfg.ckpt and "int8" in cfg.suites() and not Path(cfg.ckpt).is_file():  # before the other suites' minutes
         raise SystemExit(f"error: --ckpt {cfg.ckpt}: no such file; pass a checkpoint that train.py wrote")
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
-    result = {"provenance": {**common.provenance(cfg.device), "torch_threads": torch.get_num_threads()},
+    rank, _, world, _ = common.setup_distributed(cfg.device)  # under torchrun: the tp/pp rows; rank 0 reports
+    master = rank == 0
+    result = {"provenance": {**common.provenance(cfg.device, world), "torch_threads": torch.get_num_threads()},
               "config": dataclasses.asdict(cfg), "errors": {}}
 
     def save(row: Row | None = None) -> None:
+        if not master:
+            return
         if row:
             result.setdefault(row["suite"], []).append(row)
             print(f"{row['suite']} {row['name']} {row.get('pass', '')}: {row['status']} {row.get('reason', '')}")
@@ -645,7 +657,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parallel.set_sdpa_switches(attention)
     result["table"] = format_table(result)
     save()
-    print("\n" + result["table"], flush=True)
+    if master:
+        print("\n" + result["table"], flush=True)
     return result
 
 

@@ -61,9 +61,11 @@ def import_torchao(feature: str) -> Any:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor holds; a tensor subclass (torchao's int8 weight) counts its inner tensors: data and scales."""
+    """Bytes a tensor holds; a tensor subclass (torchao's int8 weight) counts its inner tensors: data and scales (a
+    DTensor its local part; its device mesh is no tensor)."""
     if hasattr(t, "__tensor_flatten__"):
-        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+        return sum(tensor_bytes(x) for x in inner if hasattr(x, "element_size"))
     return t.numel() * t.element_size()
 
 

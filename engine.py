@@ -67,6 +67,7 @@ class RunArgs(StepArgs):
     decay_frac: float = 0.2  # wsd: the fraction of max_steps spent decaying to the min
     print_config: bool = False  # print the resolved config (the preset, then the flags) as JSON and exit
     MIN_STEPS = 1  # not a flag: the least --max-steps a stage takes (prune.py's 0: prune, evaluate, save)
+    SHARDS = False  # not a flag: whether the stage trains under --tp/--pp (train.py's language model does)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,6 +81,8 @@ class RunArgs(StepArgs):
                      (0.0 < self.decay_frac <= 1.0, f"--decay-frac must be in (0, 1]; got {self.decay_frac}"),
                      # torch and numpy take 64-bit seeds; each rank adds its rank
                      (0 <= self.seed < 2**63 - 2**16, f"--seed must be in [0, 2**63 - 2**16); got {self.seed}"),
+                     (not ((self.tp or self.pp) and not self.SHARDS),
+                      "--tp/--pp shard pretraining's language model only (train.py): drop them here"),
                      (not (self.keep_every and self.ckpt_every and self.keep_every % self.ckpt_every),
                       f"--keep-every {self.keep_every} must be a multiple of --ckpt-every {self.ckpt_every}")])
 
@@ -370,6 +373,8 @@ class Checkpointer:
         """Load the weights, and unless --eval-only the optimizer, each part's state and the RNG; returns the step."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        if hasattr(raw, "local_state"):  # --tp/--pp shards (parallelize.Sharded) take their part of the full state
+            ckpt = raw.local_state(ckpt)
         set_model_state_dict(raw, ckpt["model"], options=StateDictOptions(full_state_dict=True))
         if self.args.eval_only:  # it needs no more, so it scores any checkpoint
             return int(ckpt["step"])
@@ -495,6 +500,8 @@ def state_dicts(raw: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict 
     """Full (unsharded, unwrapped) model and optimizer state; collective under ZeRO-1/FSDP, so every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+    if hasattr(raw, "full_state"):  # --tp/--pp shards (parallelize.Sharded) gather the GPT's full state
+        return raw.full_state(optimizer)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(raw, options=opts)
     if "lm_head.weight" in model_sd and raw.lm_head.weight is raw.transformer.wte.weight:
@@ -582,7 +589,8 @@ class Evaluator:
 def val_loss(model: nn.Module, loader: Any, windows: int, autocast: contextlib.AbstractContextManager,
              world_size: int) -> float:
     """Mean loss over the split's first `windows` windows, all ranks together: rank r scores windows r, r + world_size,
-    ... Every rank runs as many forwards (collective under FSDP); a turn past `windows` is scored and left out."""
+    ... Every rank runs as many forwards (collective under FSDP); a turn past `windows` is scored and left out.
+    world_size counts data-parallel ranks: under --tp/--pp each of them is several ranks that score the same windows."""
     model.eval()
     loader.reset()
     total = torch.zeros((), device=loader.device)
@@ -592,8 +600,9 @@ def val_loss(model: nn.Module, loader: Any, windows: int, autocast: contextlib.A
             _, loss = model(x, y)
         if turn * world_size + loader.rank < windows:
             total += loss.float()
-    if world_size > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)  # SUM: gloo has no AVG
+        total /= dist.get_world_size() // world_size
     model.train()
     return total.item() / windows
 

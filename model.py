@@ -211,10 +211,13 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.size()
         cfg = self.config
         kv_dim, q_dim = cfg.kv_heads * cfg.head_dim, cfg.n_head * cfg.head_dim
-        q, k, v = self.c_attn(x).split([q_dim, kv_dim, kv_dim], dim=2)
-        q = q.view(B, T, cfg.n_head, cfg.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = v.view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        qkv = self.c_attn(x)
+        # the heads this module holds: all of them, or a tensor-parallel rank's share (parallelize.py)
+        kv = qkv.size(2) * kv_dim // (q_dim + 2 * kv_dim)
+        q, k, v = qkv.split([qkv.size(2) - 2 * kv, kv, kv], dim=2)
+        q = q.view(B, T, -1, cfg.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, -1, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # a chunk attends causally to itself, one decoded token to the whole cache. Without a cache a plain True:
@@ -228,7 +231,7 @@ class CausalSelfAttention(nn.Module):
         mask = cache.visible(T) if cache is not None and cache.pad is not None else None  # a ragged batch
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, **gqa,
                                            dropout_p=cfg.dropout if self.training else 0.0)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, q_dim)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
 

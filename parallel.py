@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from common import LOCAL, import_torchao, tensor_bytes
+from parallelize import flag_problem, shard
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 # SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
@@ -49,6 +50,10 @@ class StepArgs:
     beta2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
+    tp: int = 0  # tensor-parallel ranks: heads, MLP and vocabulary split over them (0 = off; 1 = that code, one rank)
+    sequence_parallel: bool = False  # with --tp: the norms and residual stream split by sequence over the tp ranks
+    pp: int = 0  # pipeline stages of contiguous blocks, micro-batches from gradient accumulation (0 = off)
+    pp_schedule: str = "1f1b"  # pipeline schedule: 1f1b, gpipe or interleaved-1f1b (two stages per rank)
 
     def __post_init__(self) -> None:
         choices = {"parallel": ("ddp", "zero1", "fsdp"), "recompute": ("none", "mlp", "block"),
@@ -64,6 +69,8 @@ class StepArgs:
                        for name, (ok, rule) in rules.items()),
                      (not (self.dtype == "fp16" and self.parallel == "fsdp"),
                       "--dtype fp16 is not supported with --parallel fsdp; use bf16")])
+        if why := flag_problem(self):
+            raise ValueError(why)
 
 
 def flag(name: str) -> str:
@@ -101,6 +108,23 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     `objective(model, batch)` is the loss (lm_loss by default). `update(loss, norm)`, when given, decides before the
     optimizer step whether to take it (False drops this step's gradients); the same answer on every rank."""
     scaler = scaler or NO_SCALER
+    if hasattr(model, "forward_backward"):  # --tp/--pp shards (parallelize.Sharded) run their own micro-steps
+        loss_accum, norm = model.forward_backward(next_batch, grad_accum, autocast, grad_clip)
+    else:
+        loss_accum, norm = accumulate(model, optimizer, next_batch, grad_accum, autocast, grad_clip, label_smoothing,
+                                      scaler, objective)
+    if update is None or update(loss_accum, norm):
+        scaler.step(optimizer)
+    scaler.update()  # after a skipped step too: the scale still reacts to its inf checks
+    optimizer.zero_grad(set_to_none=True)
+    return loss_accum, norm
+
+
+def accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], tuple], grad_accum: int,
+               autocast: contextlib.AbstractContextManager, grad_clip: float, label_smoothing: float,
+               scaler: torch.amp.GradScaler,
+               objective: Callable[[nn.Module, tuple], torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """train_step's micro-steps forward and backward, then the clip: (mean loss, gradient norm)."""
     loss_accum = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(grad_accum):
         batch = next_batch()
@@ -113,10 +137,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
         norm = norm.full_tensor()
-    if update is None or update(loss_accum, norm):
-        scaler.step(optimizer)
-    scaler.update()  # after a skipped step too: the scale still reacts to its inf checks
-    optimizer.zero_grad(set_to_none=True)
     return loss_accum, norm
 
 
@@ -204,6 +224,7 @@ class Trainable:
     scaler: torch.amp.GradScaler | None
     dtype: torch.dtype
     autocast: contextlib.AbstractContextManager
+    shards: nn.Module | None = None  # --tp/--pp: this rank's part (parallelize.Sharded), for state dicts and evals
 
 
 def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_compile: bool,
@@ -215,11 +236,12 @@ def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_co
     apply_recompute(raw, args.recompute)
     dtype, autocast = precision(args.dtype, device)
     select_attention(args.attention)
-    model = wrap_model(raw, args, device, dtype, use_compile)
+    shards = shard(raw, args, device, dtype) if args.tp or args.pp else None
+    model = shards if shards is not None else wrap_model(raw, args, device, dtype, use_compile)
     # after parallelize: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
-    optimizer = build_optimizer(raw, args, device, verbose)
+    optimizer = build_optimizer(shards if shards is not None else raw, args, device, verbose)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    return Trainable(model, optimizer, scaler, dtype, autocast)
+    return Trainable(model, optimizer, scaler, dtype, autocast, shards)
 
 
 def precision(dtype: str, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
@@ -426,7 +448,8 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, args: StepArgs) -> lis
         if not group.get("muon"):  # Muon keeps its own momentum and eps
             want |= {"betas": (args.beta1, args.beta2), "eps": args.eps}
         for key, value in want.items():
-            if key in group and group[key] != value:
+            have = tuple(group[key]) if isinstance(group.get(key), list) else group.get(key)  # a DTensor load's list
+            if key in group and have != value:
                 changed.add({"weight_decay": "--weight-decay", "betas": "--beta1/--beta2", "eps": "--eps"}[key])
                 group[key] = value
     return sorted(changed)

@@ -263,9 +263,10 @@ PRESETS: dict[str, Callable[[], PrefsConfig]] = {
 }
 
 
-def loader(cfg: PrefsConfig, ctx: Context) -> Callable[[str], PairLoader]:
-    return lambda split: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, ctx.rank, ctx.world, cfg.seed,
-                                    ctx.device, shuffle=split == "train")
+def loader(cfg: PrefsConfig) -> Callable[[str, Context], PairLoader]:
+    """A split's preference pairs for `data`'s rank among its data-parallel world (stage.Setup's)."""
+    return lambda split, data: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
+                                          cfg.seed, data.device, shuffle=split == "train")
 
 
 def objective(cfg: PrefsConfig, ref: nn.Module | None) -> Objective:
@@ -293,7 +294,7 @@ def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list
 def setup(cfg: PrefsConfig, ctx: Context) -> Run:
     """The Run: the pairs, the model (a value head added for a reward model), DPO's reference (the starting weights,
     loaded again: a resumed run's model has moved on from them), held-out pairs and the task."""
-    setup = stage.Setup(cfg, ctx, loader(cfg, ctx), chat=True, vocab=CHAT_VOCAB)
+    setup = stage.Setup(cfg, ctx, loader(cfg), chat=True, vocab=CHAT_VOCAB)
     ref = stage.load_init(cfg, CHAT_VOCAB).eval().requires_grad_(False) if cfg.objective == "dpo" else None
     setup.build()
     pairs = objective(cfg, ref.to(ctx.device) if ref is not None else None)

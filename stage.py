@@ -52,6 +52,7 @@ from parallel import (
     set_sdpa_switches,
     train_step,
 )
+from parallelize import data_rank
 from trackers import RunLog, missing_package, open_run_log
 
 
@@ -211,7 +212,8 @@ def lm_step(cfg: StageArgs, built: Trainable, next_batch: Callable[[], tuple], g
             ctx: Context, objective: Any = None, label_smoothing: float = 0.0) -> Callable[[int], dict[str, Any]]:
     """engine.Run's step_fn, which returns the step's log record; `objective` (prefs.py's, on pairs: two sequences
     each, with a summary() of its last micro-batch) replaces the next-token loss."""
-    tokens = grad_accum * cfg.batch_size * cfg.seq_len * ctx.world * (2 if objective else 1)
+    dp = data_rank(cfg, ctx.rank, ctx.world)[1]  # the ranks that read other data
+    tokens = grad_accum * cfg.batch_size * cfg.seq_len * dp * (2 if objective else 1)
 
     def step_fn(step: int) -> dict[str, Any]:
         lr = set_lr(built.optimizer, step, cfg)
@@ -236,7 +238,7 @@ def val_evals(cfg: StageArgs, setup: Setup) -> list[Eval]:
     windows = val_windows(cfg, setup.val_loader, ctx.master)
 
     def val(step: int) -> dict[str, Any]:
-        vl = engine.val_loss(built.model, setup.val_loader, windows, built.autocast, ctx.world)
+        vl = engine.val_loss(built.model, setup.val_loader, windows, built.autocast, setup.data.world)
         setup.log.say(f"step {step:6d} | val loss {vl:.4f}")
         return {"val_loss": vl}
 
@@ -281,13 +283,17 @@ class Setup:
         return setup.run(step_fn, evals) # the engine.Run
     """
 
-    def __init__(self, cfg: StageArgs, ctx: Context, loader: Callable[[str], Any], chat: bool = False,
+    def __init__(self, cfg: StageArgs, ctx: Context, loader: Callable[[str, Context], Any], chat: bool = False,
                  vocab: int = 0):
         self.cfg, self.ctx, self.prov = cfg, ctx, provenance(ctx.device, ctx.world)
+        # loader(split, data): data's rank and world are the data-parallel ones (a --tp/--pp group reads one batch)
+        dp_rank, dp = data_rank(cfg, ctx.rank, ctx.world)
+        self.data = dataclasses.replace(ctx, rank=dp_rank, world=dp)
         torch.manual_seed(cfg.seed + ctx.rank)  # every device's generator; ranks see other data, so other dropout
         self.train_loader, self.val_loader = same_verdict(
-            lambda: (loader("train") if not cfg.eval_only else None, loader("val") if cfg.eval_every or cfg.eval_only
-                     else None), ctx.world, DataError, (DataError, OSError))  # a node without the data stops all
+            lambda: (loader("train", self.data) if not cfg.eval_only else None,
+                     loader("val", self.data) if cfg.eval_every or cfg.eval_only else None),
+            ctx.world, DataError, (DataError, OSError))  # a node without the data stops all
         self.next_batch = self.train_loader.next_batch if self.train_loader is not None else None
         self.checkpointer = Checkpointer(cfg, ctx.rank, ctx.world, self.prov, chat=chat)
         self.found = self.checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
@@ -309,6 +315,7 @@ class Setup:
         if ctx.master:  # the full config and provenance are log.jsonl's first record
             print(f"model: {describe_model(cfg, self.raw.config)}\nprovenance: {describe_provenance(self.prov)}")
         self.built = build_trainable(self.raw, self.cfg, ctx.device, use_compile, verbose=ctx.master)
+        self.raw = self.built.shards or self.raw  # under --tp/--pp: this rank's part, which checkpoints and evaluates
         self.guard = SpikeGuard(cfg.skip_loss_z, cfg.skip_norm_z, ctx.world)
         self.parts = {"loader": self.train_loader, "scaler": self.built.scaler, "outliers": self.guard,
                       "tokens": TokenCount()}
@@ -348,22 +355,24 @@ def digest(obj: Any) -> str | None:
 
 
 def use_compile(cfg: RunArgs, device: torch.device) -> bool:
-    """--compile; by default on CUDA but for a one-off evaluation, where compiling would take longer than it saves."""
-    return cfg.compile if cfg.compile is not None else device.type == "cuda" and not cfg.eval_only
+    """--compile; by default on CUDA but for a one-off evaluation, where compiling would take longer than it saves,
+    and for --tp/--pp shards, which run eager."""
+    return cfg.compile if cfg.compile is not None else device.type == "cuda" and not (cfg.eval_only or cfg.tp or cfg.pp)
 
 
 def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig) -> tuple[StageArgs, int, bool]:
     """Refuse what cannot run: (cfg, gradient accumulation steps, whether to compile)."""
     B, T, world, device = cfg.batch_size, cfg.seq_len, ctx.world, ctx.device
+    dp = data_rank(cfg, ctx.rank, world)[1]  # the ranks that read other data
     if cfg.eval_only:  # nothing trains, so no total batch to fill
-        cfg = dataclasses.replace(cfg, total_batch_size=B * T * world)
-    if cfg.total_batch_size % (B * T * world):
+        cfg = dataclasses.replace(cfg, total_batch_size=B * T * dp)
+    if cfg.total_batch_size % (B * T * dp):
         # e.g. more ranks than a preset was sized for (the demo's on 2 CPU ranks): name a micro-batch that fits
-        fits = next((b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world) == 0), None)
+        fits = next((b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * dp) == 0), None)
         raise ValueError(f"--total-batch-size {cfg.total_batch_size} is not divisible by batch_size * seq_len * "
-                         f"world_size = {B} * {T} * {world} = {B * T * world}; pass "
+                         f"world_size = {B} * {T} * {dp} = {B * T * dp}; pass "
                          f"{f'--batch-size {fits}' if fits else 'another --batch-size'} or another --total-batch-size")
-    grad_accum, compiled = cfg.total_batch_size // (B * T * world), use_compile(cfg, device)
+    grad_accum, compiled = cfg.total_batch_size // (B * T * dp), use_compile(cfg, device)
     problems = [attention_conflict(cfg, device), cfg.optimizer != "adamw" and optimizer_conflict(cfg),
                 compiled and cuda_graph_conflict(cfg, grad_accum, device),
                 device.type == "cuda" and cfg.attention == "efficient" and model.kv_heads != model.n_head and
@@ -375,11 +384,11 @@ def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig) -> tuple[StageArgs
 
 def print_header(cfg: StageArgs, raw: GPT, built: Trainable, start: int, grad_accum: int, ctx: Context,
                  compiled: bool) -> None:
-    B, T, mcfg, world = cfg.batch_size, cfg.seq_len, raw.config, ctx.world
+    B, T, mcfg, dp = cfg.batch_size, cfg.seq_len, raw.config, data_rank(cfg, ctx.rank, ctx.world)[1]
     if cfg.eval_only:
-        print(f"{raw.num_params():,} params | evaluating at step {start} | {B} x {T} x {world} ranks | {built.dtype}")
+        print(f"{raw.num_params():,} params | evaluating at step {start} | {B} x {T} x {dp} ranks | {built.dtype}")
         return
-    print(f"{raw.num_params():,} params | {grad_accum * B * T * world:,} tokens/step = {B} x {T} x {world} ranks x "
+    print(f"{raw.num_params():,} params | {grad_accum * B * T * dp:,} tokens/step = {B} x {T} x {dp} ranks x "
           f"{grad_accum} accum | {cfg.max_steps} steps | compile {compiled} | "
           f"{optimizer_kind(built.optimizer, cfg.parallel)} | {built.dtype}")  # single: no torchrun
     notes = {f"{flag} runs the PyTorch reference on {ctx.device.type}: the Triton kernel is CUDA only":

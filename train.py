@@ -44,6 +44,7 @@ class TrainConfig(StageArgs):
     sample_tokens: int = 32  # new tokens per sample
     sample_prompt: str = "Hello, I'm a language model,"  # prompt for the in-training samples
     overfit_batch: bool = False  # train on the first batch only (sanity check: the loss must go to ~0)
+    SHARDS = True  # not a flag: --tp/--pp train this stage's language model
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -54,6 +55,12 @@ class TrainConfig(StageArgs):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
+        whole = {"--label-smoothing": self.label_smoothing, "--sample-every": self.sample_every,
+                 "--hellaswag-every": self.hellaswag != "off" and self.hellaswag_every}
+        if (self.tp or self.pp) and (flags := [flag for flag, on in whole.items() if on]):
+            raise ValueError(f"{', '.join(flags)}: not under --tp/--pp, which train and score the language model's "
+                             "loss only; drop them (--hellaswag off, --sample-every 0), or score a checkpoint on one "
+                             "process")
 
 
 def _preset(**kw: Any) -> Callable[[], TrainConfig]:
@@ -97,9 +104,11 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 # Data: token shards, and HellaSwag's examples
 
 
-def loader(cfg: TrainConfig, ctx: Context) -> Callable[[str], TokenLoader]:
-    return lambda split: TokenLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, ctx.rank, ctx.world, cfg.seed,
-                                     ctx.device, cfg.preload, cfg.shuffle)
+def loader(cfg: TrainConfig) -> Callable[[str, Context], TokenLoader]:
+    """A split's token shards for `data`'s rank among its data-parallel world (stage.Setup's: --tp/--pp groups share
+    a batch)."""
+    return lambda split, data: TokenLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
+                                           cfg.seed, data.device, cfg.preload, cfg.shuffle)
 
 
 def batches(cfg: TrainConfig, loader: TokenLoader | None) -> Callable[[], tuple] | None:
@@ -184,7 +193,7 @@ def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step
 
 def setup(cfg: TrainConfig, ctx: Context) -> Run:
     """The Run: token shards, the model (fresh, --init-from's or resumed), val loss, HellaSwag and samples."""
-    setup = stage.Setup(cfg, ctx, loader(cfg, ctx))
+    setup = stage.Setup(cfg, ctx, loader(cfg))
     examples = load_hellaswag(cfg, ctx)
     setup.build({"--hellaswag file": stage.digest(examples)})
     step_fn = stage.lm_step(setup.cfg, setup.built, batches(cfg, setup.train_loader), setup.grad_accum, setup.guard,

@@ -12,11 +12,14 @@
 #                                                                   156 s on an H200 (before --fused-ce was added)
 #   post-tests    tests/test_gpu_post.py: sft.py, prefs.py (reward model, DPO) and rl.py (GRPO, PPO) on CUDA, compiled
 #                 and bf16, each against an eager run, and RL's masked head compiled against eager        not yet run
+#   scale-tests   tests/test_scale.py's CUDA case: --tp 1 --pp 1 (DTensor on a one-rank mesh, a one-stage pipeline
+#                 schedule, the full-state checkpoint) against the plain model in fp32. One GPU runs no real split:
+#                 the multi-rank layouts are proved on CPU/gloo only                          not yet run on a GPU
 # Logs and JSON go to $OUT (the device runner's result folder) or out/gpu_suite.
 #
 # Usage:
 #   bash scripts/gpu_suite.sh                                       # kernel-tests,bench
-#   STAGES=train-tests,post-tests bash scripts/gpu_suite.sh         # the second call
+#   STAGES=train-tests,post-tests,scale-tests bash scripts/gpu_suite.sh   # the second call
 #   STAGES=bench bash scripts/gpu_suite.sh --suite train --variants compile-b16,compile-b32,eager+fused
 #                                                                   # a further call: arguments replace the default
 #                                                                   # --suite and --variants
@@ -53,9 +56,10 @@ STAGES="${STAGES:-kernel-tests,bench}"
 BENCH_VARIANTS="${BENCH_VARIANTS:-eager,compile,compile+fused,compile+fused-ce,compile+half-residual,compile+all,\
 compile+fused+fused-ce,compile+flash-attn,compile+cudnn-attn,compile+fused-ce-chunked,compile+chunked-ce,compile-b32,\
 compile-reduce-overhead,compile+ddp,compile-b16,eager+fused,compile+recompute,compile-fp32,compile-max-autotune,\
-compile+muon,compile+adamw8bit}"
+compile+muon,compile+adamw8bit,tp1,pp1,tp2,tp2+sp,pp2,pp2-gpipe}"
 for s in ${STAGES//,/ }; do
-    case "$s" in kernel-tests|train-tests|post-tests|bench) ;; *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
+    case "$s" in kernel-tests|train-tests|post-tests|scale-tests|bench) ;;
+        *) echo "error: unknown stage $s in STAGES=$STAGES"; exit 2;; esac
 done
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
 stage() { echo; echo "=== $1 ($(date -u +%H:%M:%S) UTC, ${SECONDS}s in)"; }
@@ -117,6 +121,11 @@ fi
 if want post-tests; then
     stage "sft.py, prefs.py and rl.py on the GPU (torchrun/NCCL, compile, bf16, each against eager)"
     run_pytest gpu_post tests/test_gpu_post.py "$(left 540)"
+fi
+
+if want scale-tests; then
+    stage "tensor / pipeline parallel code on one GPU (--tp 1 --pp 1 against the plain model; no multi-GPU layout)"
+    TESTS_K="${TESTS_K:-cuda}" run_pytest scale tests/test_scale.py "$(left 240)"
 fi
 
 if want bench; then

@@ -526,3 +526,16 @@ def test_gpu_suite_variants_are_bench_variants():
     assert set(names) <= set(known), set(names) - set(known)
     assert len(names) == len(set(names)) and names[:3] == ["eager", "compile", "compile+fused"]
     assert set(known) - set(names) == set(), "a bench variant the GPU suite never runs"
+
+
+def test_tensor_and_pipeline_rows_train_the_eager_rows_model_and_name_torchrun_for_two_ranks():
+    cfg = BenchConfig(**TINY, grad_accum=2)
+    plain, known = bench_train(cfg, Variant("eager")), {v.name: v for v in bench.default_variants((2,))}
+    for name in ("tp1", "pp1"):  # the DTensor / pipeline code on a one-rank mesh: the same fp32 steps
+        row = bench_train(cfg, known[name])
+        assert (row["module"], row["ranks"]) == ("Sharded", 1)
+        assert row["loss"] == pytest.approx(plain["loss"], abs=1e-5)
+    with pytest.raises(bench.Skipped, match="runs on 2 ranks, this run has 1: torchrun --nproc_per_node=2 bench.py "
+                                           "--variants tp2"):
+        bench_train(cfg, known["tp2"])
+    assert not torch.distributed.is_initialized()

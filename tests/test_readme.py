@@ -64,7 +64,7 @@ def test_readme_documents_every_script():
 
 
 # the README's details moved to docs/ pages it links: their commands are checked the same way
-DOCS = ("README.md", "docs/guide.md", "docs/resume.md")
+DOCS = ("README.md", "docs/guide.md", "docs/resume.md", "docs/scale.md")
 
 
 @pytest.mark.parametrize("script, args", [c for doc in DOCS for c in readme_commands(doc)],

@@ -1870,8 +1870,10 @@ OTHER_VALUE = {
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
     "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True, "hellaswag": "off",
-    "init_from": "gpt2",
+    "init_from": "gpt2", "pp_schedule": "gpipe",
 }
+# --tp/--pp refuse the generating evaluations: both ranks drop them (and run --tp 2 where --sequence-parallel needs it)
+SHARDED_VALUE = {"tp": 2, "pp": 2, "sequence_parallel": True}
 # the GPTConfig fields, each a flag through TrainConfig.arch
 OTHER_ARCH = {"vocab_size": 50257, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "dropout": 0.1,
               "bias": False, "mlp": "swiglu", "pos": "rope", "rope_theta": 5e5, "norm": "rmsnorm", "fused_gelu": True,
@@ -1917,7 +1919,7 @@ print("RESULT " + json.dumps(out))
 def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(token_data, tmp_path):
     # two processes in a gloo group (no torchrun: ~10 s), each passing its own config, data and HellaSwag file to
     # one fingerprint comparison, as two nodes would; the slow two-node test covers the same inside whole runs
-    assert set(OTHER_VALUE) | {"arch"} == {f.name for f in dataclasses.fields(train.TrainConfig)}
+    assert set(OTHER_VALUE) | set(SHARDED_VALUE) | {"arch"} == {f.name for f in dataclasses.fields(train.TrainConfig)}
     assert set(OTHER_ARCH) == {f.name for f in dataclasses.fields(GPTConfig)} - {"block_size"}
     base, arch = dataclasses.asdict(train.TrainConfig()), dataclasses.asdict(train.model_config(train.TrainConfig()))
     commands, expected = [], []
@@ -1932,6 +1934,10 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
     for name, other in OTHER_ARCH.items():
         commands.append([{}, {"arch": {name: other}}])
         expected.append(differ.format(name.replace("_", "-"), other, arch[name]))
+    for name, other in SHARDED_VALUE.items():
+        both = {"sample_every": 0, "hellaswag": "off", **({"tp": 2} if name == "sequence_parallel" else {})}
+        commands.append([both, {**both, name: other}])
+        expected.append(differ.format(name.replace("_", "-"), other, base[name]))
     # data: an identical copy, and copies whose train (then val) split has one token less in one shard
     copies = {}
     for name, short in (("same", None), ("short_train", "rand_train_000002.bin"), ("short_val", "rand_val_000000.bin")):
