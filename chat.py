@@ -19,8 +19,9 @@ import torch
 
 from chat_format import CHAT_VOCAB, REPLY_STOPS, TOOL_START, is_chat, parse, render_prompt, tokenizer
 from common import EOT, load_checkpoint, parse_config, resolve_device, user_errors
-from generate import calculator, check_sampling, generate_stream
+from generate import calculator, check_sampling, for_decoding, generate_stream
 from model import GPT, GPTConfig
+from parallel import check_flags
 
 with contextlib.suppress(ImportError):  # line editing and history in input()
     import readline  # noqa: F401
@@ -44,10 +45,9 @@ class ChatConfig:
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, None)  # before a model loads
-        if self.prompt is not None and not self.prompt.strip():
-            raise ValueError("--prompt is empty: pass a message, or leave --prompt out to chat interactively")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        check_flags([(self.prompt is None or bool(self.prompt.strip()),
+                      "--prompt is empty: pass a message, or leave --prompt out to chat interactively"),
+                     (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")])
 
 
 def load_model(cfg: ChatConfig) -> tuple[GPT, bool]:
@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not fine_tuned:
         print(f"warning: {cfg.ckpt or cfg.init_from} was never fine-tuned on conversations (sft.py), so it does not "
               "know the chat format: its replies may be gibberish", file=sys.stderr)
-    model.to(device, torch.bfloat16 if device.type == "cuda" else None)
-    chat = Chat(model, cfg, device)
+    chat = Chat(for_decoding(model, device), cfg, device)
     with user_errors(ValueError), contextlib.suppress(EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C: the end
         if cfg.prompt is None:
             repl(chat)

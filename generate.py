@@ -44,12 +44,11 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                   vocab: int = GPT2_VOCAB) -> torch.Tensor:
-    """A new (B, V) fp32 tensor to sample from: logits / temperature, -inf outside the top_k and outside the top_p
-    nucleus (HF's order), and at ids >= vocab (GPT-2's padded rows by default)."""
+    """A new (B, V) fp32 tensor to sample from: logits / temperature (> 0: greedy never filters), -inf outside the
+    top_k and outside the top_p nucleus (HF's order), and at ids >= vocab (GPT-2's padded rows by default)."""
     logits = logits.float().clone()  # a copy: float() of fp32 logits is the caller's tensor, edited below
     logits[:, vocab:] = -float("inf")  # ids the caller does not sample (padding, or specials; none past the end)
-    if temperature > 0.0:
-        logits = logits / temperature
+    logits = logits / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -float("inf"))
@@ -83,6 +82,11 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_
     return draw(probs, generator), probs
 
 
+def for_decoding(model: GPT, device: torch.device) -> GPT:
+    """The model on device, in bf16 on CUDA: decoding is bound by reading the weights, and bf16 halves their bytes."""
+    return model.to(device, torch.bfloat16 if device.type == "cuda" else None)
+
+
 @contextlib.contextmanager
 def evaluating(model: nn.Module) -> Iterator[None]:
     """model.eval() inside, and back to the mode it was in after, a generator's close included."""
@@ -99,11 +103,9 @@ def sample_stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
                   top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
                   generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
     """Continue idx (B, T): yield (B, 1) new tokens one at a time. The context is cropped to the last block_size."""
-    if idx.dim() != 2 or idx.size(1) == 0:
-        raise ValueError(f"idx must be (batch, prompt length) token ids with at least one token, got shape "
-                         f"{tuple(idx.shape)}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    shape = "idx must be (batch, prompt length) token ids with at least one token, got shape"
+    check_flags([(idx.dim() == 2 and idx.size(1) > 0, f"{shape} {tuple(idx.shape)}"),
+                 (max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {max_new_tokens}")])
     check_sampling(temperature, top_k, top_p)
     bs, cache = model.config.block_size, None
     with evaluating(model):
@@ -264,10 +266,9 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
     max_new_tokens tokens (forced ones count), or the context (block_size) is full. Ids >= vocab are never sampled."""
     check_sampling(temperature, top_k, top_p)
     bs = model.config.block_size
-    if not prompts or min(map(len, prompts)) == 0 or max(map(len, prompts)) > bs:
-        raise ValueError(f"prompts must be 1 or more lists of 1 to block_size ({bs}) token ids; crop long prompts")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_flags([(bool(prompts) and 0 < min(map(len, prompts)) and max(map(len, prompts)) <= bs,
+                  f"prompts must be 1 or more lists of 1 to block_size ({bs}) token ids; crop long prompts"),
+                 (max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}")])
     with evaluating(model):
         cache, logits = _prefill(model, prompts)
         alive, rows = list(range(len(prompts))), [_Row() for _ in prompts]

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from common import EOT, get_tokenizer, import_torchao, parse_config, resolve_device, tensor_bytes, user_errors
-from generate import check_sampling, sample_stream
+from generate import check_sampling, for_decoding, sample_stream
 from model import GPT
+from parallel import check_flags, flag
 
 WORD = re.compile(r"\w+", re.ASCII)  # identifier-like: letters, digits and _
 DOC_BREAK = "\n--- end of document ---\n"  # printed for <|endoftext|>, where the model ends a document
@@ -53,12 +54,10 @@ class SampleConfig:
     corpus: str | None = None  # token-shard dir: report the share of sampled words in its train split, and blank lines
 
     def __post_init__(self) -> None:
-        if self.quantize not in ("none", "int8"):
-            raise ValueError(f"--quantize must be none or int8, got {self.quantize!r}")
+        check_flags([(self.quantize in ("none", "int8"), f"--quantize must be none or int8, got {self.quantize!r}")])
         check_sampling(self.temperature, self.top_k, self.top_p)  # before a model loads
-        for name in ("num_samples", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        check_flags((getattr(self, name) >= 1, f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
+                    for name in ("num_samples", "max_new_tokens"))
 
 
 def read_prompt(prompt: str, stdin: TextIO | None = None) -> str:
@@ -183,8 +182,7 @@ def main(argv: list[str] | None = None) -> list[str]:
             torchao_int8()  # a missing torchao fails before the model loads
         model = GPT.load(cfg.ckpt, cfg.init_from)
         seen = corpus_words(cfg.corpus) if cfg.corpus else None
-    # decoding is bound by reading the weights: bf16 on CUDA halves their bytes, about doubling the speed
-    model.to(device, torch.bfloat16 if device.type == "cuda" else None)
+    model = for_decoding(model, device)  # bf16 on CUDA: about twice the speed
     if cfg.quantize == "int8":
         before = weight_bytes(model)
         names = quantize_int8(model)
