@@ -14,6 +14,7 @@ Usage:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -42,7 +43,9 @@ from common import (
     user_errors,
 )
 from fineweb import atomic_write
+from generate import evaluating
 from model import GPT
+from parallel import check_flags
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SEQ_MULTIPLE = 32  # batches are padded to a multiple of this length, so a compiled model sees few distinct shapes
@@ -125,11 +128,8 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
                                 "or leave --data out to download it")
     examples: list[dict] = []
     with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark at the start is not JSON's
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and len(examples) >= limit:
-                break
-            if not line.strip():
-                continue
+        numbered = ((lineno, line) for lineno, line in enumerate(f, start=1) if line.strip())  # blank lines skipped
+        for lineno, line in itertools.islice(numbered, limit):
             try:
                 ex = json.loads(line)
             except json.JSONDecodeError as e:
@@ -223,21 +223,17 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
     # batches): forwards of FSDP and of DDP with buffers are collectives, which hang if one rank skips them
     n_batches = math.ceil(math.ceil(len(examples) / world_size) / batch_size)
     correct = torch.zeros(2, dtype=torch.long, device=device)  # (acc, acc_norm) counts on this rank
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            bar = tqdm(range(n_batches), desc="hellaswag", unit="batch", disable=not progress or rank != 0)
-            for b in bar:
-                batch = rendered[b * batch_size:(b + 1) * batch_size]  # short or empty at the end
-                tokens, mask = make_batch(batch, 4 * batch_size, block_size)
-                sums, means = score_batch(model, tokens, mask, device)
-                n = len(batch)
-                labels = torch.tensor([r.label for r in batch], dtype=torch.long, device=device)
-                correct[0] += (sums[:4 * n].view(n, 4).argmin(1) == labels).sum()
-                correct[1] += (means[:4 * n].view(n, 4).argmin(1) == labels).sum()
-    finally:
-        model.train(was_training)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    with evaluating(model), torch.no_grad(), autocast:
+        bar = tqdm(range(n_batches), desc="hellaswag", unit="batch", disable=not progress or rank != 0)
+        for b in bar:
+            batch = rendered[b * batch_size:(b + 1) * batch_size]  # short or empty at the end
+            tokens, mask = make_batch(batch, 4 * batch_size, block_size)
+            sums, means = score_batch(model, tokens, mask, device)
+            n = len(batch)
+            labels = torch.tensor([r.label for r in batch], dtype=torch.long, device=device)
+            correct[0] += (sums[:4 * n].view(n, 4).argmin(1) == labels).sum()
+            correct[1] += (means[:4 * n].view(n, 4).argmin(1) == labels).sum()
     counts = torch.cat([correct, torch.tensor([len(rendered)], device=device)])
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     if world_size > 1:
@@ -265,10 +261,8 @@ class HellaSwagConfig:
     compile: bool = False  # torch.compile the model first (pays off on the full set on a GPU)
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"--limit must be >= 1 or none, got {self.limit}")
+        check_flags([(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
+                     (self.limit is None or self.limit >= 1, f"--limit must be >= 1 or none, got {self.limit}")])
 
 
 def main(argv: list[str] | None = None) -> dict:
