@@ -19,10 +19,11 @@ attention, as in pretraining's documents; each starts with BOS.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,10 +167,9 @@ def local_split(path: Path, split: str) -> list[Path]:
         return [path]
     from datasets.data_files import DataFilesDict, get_data_patterns
 
-    try:
+    files = []
+    with contextlib.suppress(FileNotFoundError):  # no file of any split
         files = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).get(split, [])
-    except FileNotFoundError:  # no file of any split
-        files = []
     if not files:
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
                         f"data/{split}-00000-of-00001.parquet")
@@ -254,15 +254,22 @@ def padding_share(lengths: Sequence[int], rows: list[list[int]], cap: int) -> fl
     return 1 - sum(lengths[i] for row in rows for i in row) / (len(rows) * cap)
 
 
+@contextlib.contextmanager
+def row_errors(source: str, index: int) -> Iterator[None]:
+    """A ValueError about one row (a bad conversation or pair) as a DataError that names the row."""
+    try:
+        yield
+    except ValueError as e:
+        raise DataError(f"{source} row {index}: {e}") from None
+
+
 def render_rows(source: str, rows: Iterable[tuple[int, Any]], cap: int) -> tuple[list[tuple[Any, Any]], int, int]:
     """(ids, mask) of each row, cut to cap tokens, the truncated count and the dropped count: a cut conversation with
     nothing left to learn is dropped (a batch of only such rows would have a loss of 0/0)."""
     out, truncated, dropped = [], 0, 0
     for index, messages in rows:
-        try:
+        with row_errors(source, index):
             ids, mask = render(messages)
-        except ValueError as e:
-            raise DataError(f"{source} row {index}: {e}") from None
         truncated += len(ids) > cap
         if not any(mask[1:cap]):
             dropped += 1

@@ -31,11 +31,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stage
-from chat_format import CHAT_VOCAB, RowStream, load_rows, render, split_rows
+from chat_format import CHAT_VOCAB, RowStream, load_rows, render, row_errors, split_rows
 from common import EOT, LOCAL, run_and_exit
 from engine import Context, Eval, Run
 from fineweb import DataError
-from parallel import Objective, rewards, sequence_logprobs
+from parallel import Objective, check_flags, rewards, sequence_logprobs
 from stage import StageArgs, TaskEvalArgs
 
 ASSISTANT = "\n\nAssistant:"
@@ -98,11 +98,9 @@ def render_pairs(rows: Any, name: str, T: int) -> tuple[list[list[np.ndarray]], 
     because a side is longer than T tokens (cut, it would score another reply or none)."""
     ids, starts, dropped = [], [], 0
     for i, row in rows:
-        try:
+        with row_errors(name, i):
             prompt, *replies = parse_pair(row)
             sides = [render([*prompt, {"role": "assistant", "content": reply}]) for reply in replies]
-        except ValueError as e:
-            raise DataError(f"{name} row {i}: {e}") from None
         if max(len(side) for side, _ in sides) > T:
             dropped += 1
             continue
@@ -121,8 +119,10 @@ class PairLoader(RowStream):
 
     def __init__(self, source: str | list[dict], split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, device: str | torch.device = "cpu", shuffle: bool = True):
-        name = f"<{len(source)} rows>" if isinstance(source, list) else str(source)
-        rows = list(enumerate(source)) if isinstance(source, list) else read_rows(source, split)
+        if isinstance(source, list):
+            name, rows = f"<{len(source)} rows>", list(enumerate(source))
+        else:
+            name, rows = str(source), read_rows(source, split)
         self.ids, self.starts, dropped = render_pairs(rows, name, T)
         self._stream(name, split, B, T, rank, world_size, seed, device, shuffle, len(self.ids),
                      sum(len(side) for pair in self.ids for side in pair))
@@ -194,14 +194,14 @@ def evaluate_pairs(model: nn.Module, loader: PairLoader, batches: int, metrics_f
     engine.val_loss: every rank runs as many forwards, a turn past `batches` is left out)."""
     model.eval()
     loader.reset()
-    total, names = None, []
+    total, names = 0.0, []
     for turn in range(-(-batches // world_size)):
         batch = loader.next_batch()
         with autocast:
             out = metrics_fn(model, batch)
         keep = float(turn * world_size + loader.rank < batches)
         names, values = list(out), torch.stack([v.float() for v in out.values()]) * keep
-        total = values if total is None else total + values
+        total = total + values
     if world_size > 1:
         dist.all_reduce(total)
     model.train()
@@ -225,22 +225,21 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.objective not in ("reward", "dpo") or not self.dpo_sft >= 0:
-            raise ValueError(f"--objective must be reward or dpo and --dpo-sft >= 0; got {self.objective!r} and "
-                             f"{self.dpo_sft}")
-        if self.objective == "reward" and self.arch.setdefault("value_head", True) is not True:
-            raise ValueError("--objective reward trains a value head: drop --value-head false")
+        check_flags([(self.objective in ("reward", "dpo") and self.dpo_sft >= 0, "--objective must be reward or dpo "
+                      f"and --dpo-sft >= 0; got {self.objective!r} and {self.dpo_sft}"),
+                     (self.objective != "reward" or self.arch.setdefault("value_head", True) is True,
+                      "--objective reward trains a value head: drop --value-head false")])
         # the other objective's flags, and the next-token loss's speed options, which neither objective computes
         other, default = {"reward": ("dpo_beta", "dpo_sft"), "dpo": ("reward_logprob",)}[self.objective], \
             PrefsConfig.__dataclass_fields__
         unused = [f for f in other if getattr(self, f) != default[f].default]
         if unused := unused + [f for f in ("loss_chunk", "fused_ce") if self.arch.get(f)]:
             raise ValueError(f"--objective {self.objective} does not use --{unused[0].replace('_', '-')}: drop it")
-        if self.objective == "dpo" and not self.init_from:  # its reference is the starting weights
-            raise ValueError("--objective dpo moves a model away from its starting weights, its reference: pass "
-                             "--init-from a fine-tuned model (a random one prefers nothing)")
-        if self.objective == "dpo" and self.parallel == "fsdp":
-            raise ValueError("--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")
+        dpo = self.objective == "dpo"
+        check_flags([(not dpo or bool(self.init_from), "--objective dpo moves a model away from its starting weights, "
+                      "its reference: pass --init-from a fine-tuned model (a random one prefers nothing)"),
+                     (not dpo or self.parallel != "fsdp",
+                      "--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")])
 
 
 def _preset(**kw: Any) -> Callable[[], PrefsConfig]:
@@ -295,9 +294,11 @@ def setup(cfg: PrefsConfig, ctx: Context) -> Run:
     """The Run: the pairs, the model (a value head added for a reward model), DPO's reference (the starting weights,
     loaded again: a resumed run's model has moved on from them), held-out pairs and the task."""
     setup = stage.Setup(cfg, ctx, loader(cfg), chat=True, vocab=CHAT_VOCAB)
-    ref = stage.load_init(cfg, CHAT_VOCAB).eval().requires_grad_(False) if cfg.objective == "dpo" else None
+    ref = None
+    if cfg.objective == "dpo":
+        ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)
     setup.build()
-    pairs = objective(cfg, ref.to(ctx.device) if ref is not None else None)
+    pairs = objective(cfg, ref)
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx, pairs)
     return setup.run(step_fn, pair_evals(cfg, setup, pairs) + stage.task_evals(cfg, setup))
 
