@@ -30,7 +30,7 @@ from common import LOCAL, load_checkpoint, provenance, run_and_exit
 from engine import Context, Run
 from fineweb import TokenLoader
 from model import GPT, checkpoint_config
-from parallel import build_trainable
+from parallel import build_trainable, check_flags
 
 
 @dataclasses.dataclass
@@ -60,17 +60,16 @@ class PruneConfig(engine.RunArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.method not in METHODS or self.scope not in ("global", "layer") or \
-                self.importance not in ("norm", "taylor"):
-            raise ValueError(f"--method must be one of {', '.join(METHODS)}, --scope global or layer, --importance "
-                             f"norm or taylor; got {self.method!r}, {self.scope!r}, {self.importance!r}")
-        if not 0 <= self.sparsity < 1 or (self.method == "2:4" and self.sparsity != 0.5):
-            raise ValueError(f"--sparsity must be in [0, 1), and 0.5 for --method 2:4 (2 of every 4 weights); got "
-                             f"{self.sparsity}")
-        if min(self.batch_size, self.grad_accum, self.calib_batches, self.eval_tokens, self.seq_len + 1) < 1 or \
-                self.parallel == "fsdp":
-            raise ValueError("--batch-size, --grad-accum, --calib-batches and --eval-tokens must be >= 1, --seq-len "
-                             ">= 0, and --parallel ddp or zero1 (the masks cover whole tensors, which FSDP shards)")
+        sizes = (self.batch_size, self.grad_accum, self.calib_batches, self.eval_tokens, self.seq_len + 1)
+        check_flags([
+            (self.method in METHODS and self.scope in ("global", "layer") and self.importance in ("norm", "taylor"),
+             f"--method must be one of {', '.join(METHODS)}, --scope global or layer, --importance norm or taylor; "
+             f"got {self.method!r}, {self.scope!r}, {self.importance!r}"),
+            (0 <= self.sparsity < 1 and (self.method != "2:4" or self.sparsity == 0.5),
+             f"--sparsity must be in [0, 1), and 0.5 for --method 2:4 (2 of every 4 weights); got {self.sparsity}"),
+            (min(sizes) >= 1 and self.parallel != "fsdp",
+             "--batch-size, --grad-accum, --calib-batches and --eval-tokens must be >= 1, --seq-len >= 0, and "
+             "--parallel ddp or zero1 (the masks cover whole tensors, which FSDP shards)")])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -238,14 +237,18 @@ def check_record(record: dict | None, cfg: PruneConfig, source: str, resumed: bo
 # Recovery on the engine (its step is pretraining's, stage.lm_step): setup
 
 
-def start_model(cfg: PruneConfig, found: tuple[Path, dict] | None) -> tuple[GPT, dict | None]:
-    """The model and its pruning record (None: unpruned): the resumed checkpoint's shape, or --init-from's weights."""
+def start_model(cfg: PruneConfig, found: tuple[Path, dict] | None) -> tuple[GPT, dict | None, str]:
+    """The model, its pruning record (None: unpruned) and where it came from: the resumed checkpoint's shape (checked
+    against the run's flags), or --init-from's weights."""
     if found:
-        return GPT(checkpoint_config(found[1], f"--resume {found[0]}")), found[1].get("pruning")
+        stage.check_resume(found, cfg)
+        source = f"--resume {found[0]}"
+        return GPT(checkpoint_config(found[1], source)), found[1].get("pruning"), source
+    source = f"--init-from {cfg.init_from}"
     if not Path(cfg.init_from).is_file():
-        return GPT.load(None, cfg.init_from), None
+        return GPT.load(None, cfg.init_from), None, source
     ckpt = load_checkpoint(cfg.init_from, mmap=True)
-    return GPT.from_checkpoint(ckpt), ckpt.get("pruning")
+    return GPT.from_checkpoint(ckpt), ckpt.get("pruning"), source
 
 
 def setup(cfg: PruneConfig, ctx: Context) -> Run:
@@ -253,10 +256,7 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     rank, world, device = ctx.rank, ctx.world, ctx.device
     checkpointer = engine.Checkpointer(cfg, rank, world, provenance(device, world))
     found = checkpointer.find()
-    if found:
-        stage.check_resume(found, cfg)
-    raw, record = start_model(cfg, found)
-    source = f"--resume {found[0]}" if found else f"--init-from {cfg.init_from}"
+    raw, record, source = start_model(cfg, found)
     check_record(record, cfg, source, resumed=found is not None)
     cfg = dataclasses.replace(cfg, seq_len=cfg.seq_len or raw.config.block_size)
     B, T = cfg.batch_size, cfg.seq_len
