@@ -65,8 +65,6 @@ def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Pat
     out = check_target(Path(out_dir))
     vocab = cfg.vocab_size if chat else min(cfg.vocab_size, GPT2_VOCAB)  # a tiny test vocabulary stays
     sd, config = files(model, vocab)
-    if chat:
-        config["eos_token_id"] = ASSISTANT_END
     made = [p for p in (out, *out.parents) if not p.exists()]  # the directories this export creates
     staging = out / STAGING
     try:
@@ -94,8 +92,7 @@ def check_target(out: Path) -> Path:
     if not above.is_dir():
         raise ValueError(f"--export-hf {out}: {above} is a file, not a directory; pass a new directory, or an earlier "
                          "export to replace")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in (*HF_FILES, STAGING)) if above == out else []
-    if foreign:
+    if above == out and (foreign := sorted(p.name for p in out.iterdir() if p.name not in (*HF_FILES, STAGING))):
         raise ValueError(f"--export-hf {out} holds files export.py does not write ({', '.join(foreign[:3])}"
                          f"{', ...' if len(foreign) > 3 else ''}), which transformers would read with the export; "
                          "pass a new or empty directory, or an earlier export to replace")
@@ -103,19 +100,20 @@ def check_target(out: Path) -> Path:
 
 
 def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block_size: int, chat: bool) -> None:
+    tokenizer = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "bos_token": "<|endoftext|>",
+                 "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    if chat:  # HF's generate then answers as chat.py does, and the tokenizer knows the chat tokens
+        config, tokenizer = {**config, "eos_token_id": ASSISTANT_END}, {**tokenizer, **CHAT_TOKENIZER}
+        (out / "generation_config.json").write_text(json.dumps(chat_generation(config["vocab_size"])))
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    if chat:  # HF's generate then answers as chat.py does
-        (out / "generation_config.json").write_text(json.dumps(chat_generation(config["vocab_size"])))
     # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
     # from the umask, or other users of a shared filesystem could read the config but not the weights
     shutil.copymode(out / "config.json", out / "model.safetensors")
     data = gpt2_bpe_dir()  # the GPT-2 tokenizer files too, so AutoTokenizer.from_pretrained(out_dir) works offline
     (out / "vocab.json").write_bytes((data / "encoder.json").read_bytes())
     (out / "merges.txt").write_bytes((data / "vocab.bpe").read_bytes())
-    tokenizer = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": block_size, "bos_token": "<|endoftext|>",
-                 "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
-    (out / "tokenizer_config.json").write_text(json.dumps({**tokenizer, **CHAT_TOKENIZER} if chat else tokenizer))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer))
 
 
 # chat_format.py's special tokens by name, in id order from SYSTEM_START; lstrip/rstrip off, so text keeps the
@@ -145,13 +143,11 @@ def chat_generation(vocab: int) -> dict[str, Any]:
 def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config.json."""
     cfg = model.config
-    sd, n_head = {}, cfg.n_embd // cfg.head_dim
-    for key, p in model.state_dict().items():
-        if key == "lm_head.weight":
-            continue  # tied: HF re-ties lm_head to wte on load
-        p = p.detach().float().cpu()
-        if key == "transformer.wte.weight":
-            p = p[:vocab]
+    n_head = cfg.n_embd // cfg.head_dim
+    # no lm_head: it is tied, and HF re-ties it to wte on load
+    sd = {k: p.detach().float().cpu() for k, p in model.state_dict().items() if k != "lm_head.weight"}
+    sd["transformer.wte.weight"] = sd["transformer.wte.weight"][:vocab]
+    for key, p in sd.items():
         if n_head != cfg.n_head and key.endswith(("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight")):
             p = _pad_heads(p, key, n_head * cfg.head_dim - cfg.n_head * cfg.head_dim)
         sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
