@@ -76,8 +76,6 @@ def plot(cfg: PlotConfig) -> Path:
     loss_ax = panel["loss"]
     loss_ax.set_ylim(*loss_range(drawn))
     loss_ax.set_title(f"{logs[0].parent.name}: {len(runs[0][1]['train'])} steps" if single else f"{len(runs)} runs")
-    if "lr" in panel:
-        panel["lr"].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     shapes = [[c.get("model_config", {}).get(k) for k in ("n_layer", "n_embd", "n_head")] for c, _ in runs]
     if "hellaswag" in panel and all(shape == [12, 768, 12] for shape in shapes):  # OpenAI's are for GPT-2 124M's only
         hs_ax = panel["hellaswag"]
@@ -143,6 +141,7 @@ def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], name: str, i: int, 
                      color=colors[1], markersize=3, label=f"{prefix}val loss (last {val[-1]['val_loss']:.3f})")
     if lrs := [r for r in train if "lr" in r]:
         panel["lr"].plot([r[cfg.x] for r in lrs], [r["lr"] for r in lrs], color=colors[3], label=f"{prefix}lr")
+        panel["lr"].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     if hs := curves.get("hellaswag", []):
         panel["hellaswag"].plot([r[cfg.x] for r in hs], [r["acc_norm"] for r in hs], "o-", color=colors[2],
                                 markersize=3, label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")

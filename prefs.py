@@ -268,10 +268,14 @@ def loader(cfg: PrefsConfig) -> Callable[[str, Context], PairLoader]:
                                           cfg.seed, data.device, shuffle=split == "train")
 
 
-def objective(cfg: PrefsConfig, ref: nn.Module | None) -> Objective:
-    """train_step's objective: the reward model's Bradley-Terry metrics, or DPO's against the frozen reference."""
-    metrics = functools.partial(reward_model_metrics, logprob=cfg.reward_logprob) if cfg.objective == "reward" else \
-        functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft)
+def objective(cfg: PrefsConfig, ctx: Context) -> Objective:
+    """train_step's objective: the reward model's Bradley-Terry metrics, or DPO's against the frozen reference (the
+    starting weights, loaded again: a resumed run's model has moved on from them)."""
+    if cfg.objective == "reward":
+        metrics = functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
+    else:
+        ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)
+        metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft)
     return Objective(metrics, summarised=("accuracy", "margin"))
 
 
@@ -291,14 +295,11 @@ def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list
 
 
 def setup(cfg: PrefsConfig, ctx: Context) -> Run:
-    """The Run: the pairs, the model (a value head added for a reward model), DPO's reference (the starting weights,
-    loaded again: a resumed run's model has moved on from them), held-out pairs and the task."""
+    """The Run: the pairs, the objective (DPO's loads its reference), the model (a value head added for a reward
+    model), held-out pairs and the task."""
     setup = stage.Setup(cfg, ctx, loader(cfg), chat=True, vocab=CHAT_VOCAB)
-    ref = None
-    if cfg.objective == "dpo":
-        ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)
+    pairs = objective(cfg, ctx)
     setup.build()
-    pairs = objective(cfg, ref)
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx, pairs)
     return setup.run(step_fn, pair_evals(cfg, setup, pairs) + stage.task_evals(cfg, setup))
 

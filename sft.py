@@ -19,6 +19,7 @@ import stage
 from chat_format import CHAT_VOCAB, ConversationLoader
 from common import LOCAL, run_and_exit
 from engine import Context, Run
+from parallel import check_flags
 from stage import StageArgs, TaskEvalArgs
 
 
@@ -32,8 +33,8 @@ class SFTConfig(TaskEvalArgs, StageArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
+        check_flags([(0.0 <= self.label_smoothing < 1.0,
+                      f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")])
 
 
 def _preset(**kw: Any) -> Callable[[], SFTConfig]:
