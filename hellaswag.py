@@ -85,31 +85,29 @@ def download(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL) -> P
     return dest
 
 
-def _validate(ex: Any) -> str | None:
-    """What is wrong with one parsed line, or None if it is a usable example."""
+def _check(ex: Any, where: str) -> None:
+    """Raise a HellaSwagError, starting with `where`, that says what is wrong with one parsed line, if anything."""
     if not isinstance(ex, dict):
-        return f"expected a JSON object, got {type(ex).__name__}"
+        raise HellaSwagError(f"{where}expected a JSON object, got {type(ex).__name__}")
     if "ctx" not in ex and not ("ctx_a" in ex and "ctx_b" in ex):
-        return "missing key 'ctx' (or 'ctx_a' and 'ctx_b')"
+        raise HellaSwagError(f"{where}missing key 'ctx' (or 'ctx_a' and 'ctx_b')")
     if "endings" not in ex:
-        return "missing key 'endings'"
+        raise HellaSwagError(f"{where}missing key 'endings'")
     endings = ex["endings"]
     if not isinstance(endings, list) or len(endings) != 4 or not all(isinstance(e, str) for e in endings):
         got = f"{len(endings)} items" if isinstance(endings, list) else type(endings).__name__
-        return f"'endings' must be a list of 4 strings, got {got}"
+        raise HellaSwagError(f"{where}'endings' must be a list of 4 strings, got {got}")
     if "label" not in ex:
-        return "missing key 'label' (the test split has no labels; use the validation file)"
+        raise HellaSwagError(f"{where}missing key 'label' (the test split has no labels; use the validation file)")
     # the HF dataset (Rowan/hellaswag) stores the label as a string; str() also takes numpy ints, and refuses True
     if str(ex["label"]) not in ("0", "1", "2", "3"):
-        return f"'label' must be an integer 0..3, got {ex['label']!r}"
-    return None
+        raise HellaSwagError(f"{where}'label' must be an integer 0..3, got {ex['label']!r}")
 
 
 def prepare_example(ex: Any, where: str = "") -> dict:
     """A parsed example, checked (a HellaSwagError, starting with `where`, says what is wrong) and completed: `ctx`
     from `ctx_a + " " + ctx_b` when it is missing, as HellaSwag builds it, and the label an int."""
-    if problem := _validate(ex):
-        raise HellaSwagError(where + problem)
+    _check(ex, where)
     ctx = ex["ctx"] if "ctx" in ex else " ".join(s for s in (ex["ctx_a"], ex["ctx_b"]) if s)
     if not ctx.strip():  # an ending is scored as the continuation of the context: it needs one
         raise HellaSwagError(where + "empty context ('ctx', or 'ctx_a' and 'ctx_b', hold no text)")
