@@ -98,6 +98,16 @@ def get_tokenizer() -> Any:
                              explicit_n_vocab=GPT2_VOCAB)
 
 
+def token_bytes(vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(vocab_size,) int64: each id's UTF-8 byte length under GPT-2's BPE, bits per byte's denominator; 0 for
+    <|endoftext|>, the chat tokens and the padded rows, as nanochat counts special tokens."""
+    import torch
+
+    enc = get_tokenizer()
+    lengths = [len(enc.decode_single_token_bytes(i)) if i < EOT else 0 for i in range(vocab_size)]
+    return torch.tensor(lengths, dtype=torch.int64, device=device)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Dataclass CLI: `--key=value` / `--key value`, types from the field annotations, `--preset NAME`, `--help`
 

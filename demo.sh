@@ -60,4 +60,10 @@ python sample.py --ckpt "$ckpt" --prompt "$prompt" --max-new-tokens 100 --num-sa
 echo ">> 4/4 plot: python plot.py --log $out/log.jsonl"
 python plot.py --log "$out/log.jsonl"
 echo
+python - "$out/log.jsonl" <<'PY'
+import sys
+from common import iter_log
+last = [r for r in iter_log(sys.argv[1]) if r["type"] == "val"][-1]
+print(f"val loss {last['val_loss']:.4f} nats a token, {last['val_bpb']:.4f} bits per byte (step {last['step']})")
+PY
 echo "demo outputs: shards in $data/, checkpoint $ckpt, log $out/log.jsonl, samples $out/samples.txt, plot $out/loss.png"

@@ -21,7 +21,7 @@ import torch
 
 import stage
 from common import LOCAL, first_on_each_node, get_tokenizer, run_and_exit, same_verdict
-from engine import Context, Eval, Run, val_loss  # noqa: F401  (val_loss: tests patch train.val_loss)
+from engine import Context, Eval, Run
 from fineweb import SHUFFLES, TokenLoader
 from generate import sample
 from model import GPT

@@ -28,6 +28,7 @@ def test_demo_runs_end_to_end_twice(tmp_path):
         assert "plot: wrote" in out and (demo / "loss.png").stat().st_size > 10_000
         assert out.count("---------------") == 2  # two streamed samples, also kept in samples.txt
         assert (demo / "samples.txt").read_text().count("Return") >= 2
+        assert re.search(r"val loss \d+\.\d{4} nats a token, \d+\.\d{4} bits per byte \(step 3\)", out)
         assert re.search(r"corpus check: \d+% of \d+ sampled words occur in .*/data/stdlib_docs's train shards; "
                          r"\d+% of \d+ sampled lines are whitespace only", out)
         if run == 1:  # the second run reuses the shards and the finished checkpoint

@@ -981,7 +981,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
     # torchrun SIGKILLs its workers 30 s after it passes a signal on, so a Ctrl-C (or preemption) during an
     # evaluation stops the run right after it, with the checkpoint the last step's end would have written
     straight = train.main(tiny_args(token_data, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
-    real, calls = engine.val_loss, []
+    real, calls = engine.val_metrics, []
 
     def interrupted(*args, **kw):  # Ctrl-C during the run's `at`-th evaluation: at step 2 * (at - 1)
         calls.append(None)
@@ -989,7 +989,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
             signal.raise_signal(signal.SIGINT)
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine, "val_loss", interrupted)
+    monkeypatch.setattr(engine, "val_metrics", interrupted)
     at = 1
     fresh = train.main(tiny_args(token_data, tmp_path / "fresh", "--max-steps=10", "--eval-every=2"))
     assert fresh["stopped"] == "signal" and fresh["losses"] == [] and not list((tmp_path / "fresh").glob("ckpt_*"))
