@@ -174,6 +174,12 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
     return {"acc": counts[0].item() / max(1, counts[1].item()), "n": int(counts[1].item())}
 
 
+def centered(accuracy: float, baseline: float) -> float:
+    """Accuracy rescaled so that chance (`baseline`, a fraction) scores 0 and a perfect score 1: CORE's and ChatCORE's
+    centering."""
+    return (accuracy - baseline) / (1.0 - baseline)
+
+
 TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": lambda: ARC("ARC-Challenge"),
          "addition": Addition}
 
