@@ -103,9 +103,8 @@ def token_bytes(vocab_size: int, device: torch.device | str = "cpu") -> torch.Te
     <|endoftext|>, the chat tokens and the padded rows, as nanochat counts special tokens."""
     import torch
 
-    enc = get_tokenizer()
-    lengths = [len(enc.decode_single_token_bytes(i)) if i < EOT else 0 for i in range(vocab_size)]
-    return torch.tensor(lengths, dtype=torch.int64, device=device)
+    real = get_tokenizer().decode_tokens_bytes(list(range(min(vocab_size, EOT))))
+    return torch.tensor([len(b) for b in real] + [0] * max(0, vocab_size - EOT), dtype=torch.int64, device=device)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
