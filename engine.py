@@ -610,7 +610,7 @@ def val_metrics(model: nn.Module, loader: Any, windows: int, autocast: contextli
         x, y = loader.next_batch()
         with autocast:
             _, loss = model(x, y)
-            part = target_bits(model, x, y, loss, token_bytes) if token_bytes is not None else torch.zeros_like(bits)
+            part = target_bits(model, x, y, token_bytes) if token_bytes is not None else torch.zeros_like(bits)
         if turn * world_size + loader.rank < windows:
             total += loss.float()
             bits += part
@@ -622,13 +622,12 @@ def val_metrics(model: nn.Module, loader: Any, windows: int, autocast: contextli
                                                token_bytes is not None else {})}
 
 
-def target_bits(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: torch.Tensor,
-                token_bytes: torch.Tensor) -> torch.Tensor:
+def target_bits(model: nn.Module, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor) -> torch.Tensor:
     """(summed nats, summed bytes) of the targets with bytes: a special token (0 bytes) and an ignored target count in
-    neither. A second forward where some target has none, as per-token losses would cost the whole logits' memory."""
+    neither. A second forward on every rank (collective under FSDP), as per-token losses would need the whole logits."""
     nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
     counted = torch.where(nbytes > 0, y, -1)
-    mean = loss if torch.equal(counted, y) else model(x, counted)[1]
+    mean = model(x, counted)[1]
     n = (counted >= 0).sum()
     return torch.stack([torch.where(n > 0, mean.double() * n, 0.0), nbytes.sum().double()])
 

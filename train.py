@@ -210,7 +210,7 @@ def setup(cfg: TrainConfig, ctx: Context) -> Run:
     setup = stage.Setup(cfg, ctx, loader(cfg, ctx))
     examples, core_tasks = load_hellaswag(cfg, ctx), load_core(cfg, ctx)
     setup.build({"--hellaswag file": stage.digest(examples),
-                 "--core-bundle": stage.digest([dataclasses.asdict(t) for t in core_tasks or []])})
+                 "--core-bundle": stage.digest(core_tasks and [dataclasses.asdict(t) for t in core_tasks])})
     step_fn = stage.lm_step(setup.cfg, setup.built, batches(cfg, setup.train_loader), setup.grad_accum, setup.guard,
                             ctx, label_smoothing=cfg.label_smoothing)
     return setup.run(step_fn, evaluations(cfg, setup, examples, core_tasks))
