@@ -1870,7 +1870,7 @@ OTHER_VALUE = {
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
     "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True, "hellaswag": "off",
-    "init_from": "gpt2",
+    "init_from": "gpt2", "core_every": 2000, "core_bundle": "/other/bundle",
 }
 # the GPTConfig fields, each a flag through TrainConfig.arch
 OTHER_ARCH = {"vocab_size": 50257, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "dropout": 0.1,
@@ -1879,7 +1879,7 @@ OTHER_ARCH = {"vocab_size": 50257, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_
               "mlp_hidden": 1024}
 # paths and a rank's own settings (what a path names is compared as data, weights or examples instead)
 MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload",
-              "dist_timeout", "tensorboard", "wandb", "hellaswag", "init_from"}
+              "dist_timeout", "tensorboard", "wandb", "hellaswag", "init_from", "core_bundle"}
 
 AGREEMENT_WORKER = """import json, sys
 import torch
