@@ -100,6 +100,15 @@ def get_tokenizer() -> Any:
                              explicit_n_vocab=GPT2_VOCAB)
 
 
+def token_bytes(vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(vocab_size,) int64: each id's UTF-8 byte length under GPT-2's BPE, bits per byte's denominator; 0 for
+    <|endoftext|>, the chat tokens and the padded rows, as nanochat counts special tokens."""
+    import torch
+
+    real = get_tokenizer().decode_tokens_bytes(list(range(min(vocab_size, EOT))))
+    return torch.tensor([len(b) for b in real] + [0] * max(0, vocab_size - EOT), dtype=torch.int64, device=device)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Dataclass CLI: `--key=value` / `--key value`, types from the field annotations, `--preset NAME`, `--help`
 

@@ -55,9 +55,15 @@ python train.py --preset demo --data "$data" --out-dir "$out" --max-steps "$step
     --sample-prompt "$prompt"
 ckpt=$(ls -t "$out"/ckpt_*.pt | head -n 1)
 echo ">> 3/4 sample: python sample.py --ckpt $ckpt --prompt '$prompt' --temperature 1 --corpus $data"
-python sample.py --ckpt "$ckpt" --prompt "$prompt" --max-new-tokens 100 --num-samples 2 --temperature 1 --top-k 50 \
+python sample.py --ckpt "$ckpt" --prompt "$prompt" --max-new-tokens 100 --num-samples 4 --temperature 1 --top-k 50 \
     --seed 1 --corpus "$data" | tee "$out/samples.txt"
 echo ">> 4/4 plot: python plot.py --log $out/log.jsonl"
 python plot.py --log "$out/log.jsonl"
 echo
+python - "$out/log.jsonl" <<'PY'
+import sys
+from common import iter_log
+last = [r for r in iter_log(sys.argv[1]) if r["type"] == "val"][-1]
+print(f"val loss {last['val_loss']:.4f} nats a token, {last['val_bpb']:.4f} bits per byte (step {last['step']})")
+PY
 echo "demo outputs: shards in $data/, checkpoint $ckpt, log $out/log.jsonl, samples $out/samples.txt, plot $out/loss.png"

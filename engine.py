@@ -252,8 +252,8 @@ class Run:
         self.stopped = stopping
 
     def result(self, step: int) -> dict[str, Any]:
-        """{"losses", "step", each evaluation's latest record (a one-field record as that field: "val_loss"), and
-        when they happened "checkpoint", "stopped"}."""
+        """{"losses", "step", each evaluation's latest record (a one-field record as that field), its fields named
+        after it as themselves too ("val_loss", "val_bpb"), and when they happened "checkpoint", "stopped"}."""
         self.profiler.finish(step)
         took = fmt_time(time.time() - self.t_start)
         self.log.say(f"done: evaluated the weights at step {step} in {took}" if self.eval_only else
@@ -262,6 +262,7 @@ class Run:
         result: dict[str, Any] = {"losses": self.log.losses}
         for name, record in self.evaluator.latest.items():
             result.update(record if len(record) == 1 else {name: record})
+            result.update({k: v for k, v in record.items() if k.startswith(name + "_")})  # val_loss, val_bpb
         when = {"checkpoint": self.checkpointer.last, "stopped": self.stopped}
         return {**result, **{key: value for key, value in when.items() if value}, "step": step}
 
@@ -586,25 +587,41 @@ class Evaluator:
 
 
 @torch.no_grad()
-def val_loss(model: nn.Module, loader: Any, windows: int, autocast: contextlib.AbstractContextManager,
-             world_size: int) -> float:
-    """Mean loss over the split's first `windows` windows, all ranks together: rank r scores windows r, r + world_size,
-    ... Every rank runs as many forwards (collective under FSDP); a turn past `windows` is scored and left out.
+def val_metrics(model: nn.Module, loader: Any, windows: int, autocast: contextlib.AbstractContextManager,
+                world_size: int, token_bytes: torch.Tensor | None = None) -> dict[str, float]:
+    """{"loss": the mean loss over the split's first `windows` windows, all ranks together; with token_bytes (each id's
+    UTF-8 bytes, common.token_bytes) "bpb": nanochat's bits per byte, the nats of the targets with bytes over their
+    bytes}. Rank r scores windows r, r + world_size, ...: every rank runs as many forwards (collective under FSDP), and
+    a turn past `windows` is scored and left out.
     world_size counts data-parallel ranks: under --tp/--pp each of them is several ranks that score the same windows."""
     model.eval()
     loader.reset()
-    total = torch.zeros((), device=loader.device)
+    total, bits = torch.zeros((), device=loader.device), torch.zeros(2, dtype=torch.float64, device=loader.device)
     for turn in range(-(-windows // world_size)):
         x, y = loader.next_batch()
         with autocast:
             _, loss = model(x, y)
+            part = target_bits(model, x, y, token_bytes) if token_bytes is not None else torch.zeros_like(bits)
         if turn * world_size + loader.rank < windows:
             total += loss.float()
+            bits += part
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)  # SUM: gloo has no AVG
+        dist.all_reduce(bits)  # a ratio: a window's --tp/--pp copies count alike in its nats and its bytes
         total /= dist.get_world_size() // world_size
     model.train()
-    return total.item() / windows
+    return {"loss": total.item() / windows, **({"bpb": (bits[0] / bits[1]).item() / math.log(2)} if
+                                               token_bytes is not None else {})}
+
+
+def target_bits(model: nn.Module, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor) -> torch.Tensor:
+    """(summed nats, summed bytes) of the targets with bytes: a special token (0 bytes) and an ignored target count in
+    neither. A second forward on every rank (collective under FSDP), as per-token losses would need the whole logits."""
+    nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
+    counted = torch.where(nbytes > 0, y, -1)
+    mean = model(x, counted)[1]
+    n = (counted >= 0).sum()
+    return torch.stack([torch.where(n > 0, mean.double() * n, 0.0), nbytes.sum().double()])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

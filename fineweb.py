@@ -6,7 +6,8 @@ them apart by the `_val`/`_train` before the index.
 
 The writer reads the source through `datasets` and writes each document as <|endoftext|> + its GPT-2 tokens, in
 order: a .txt file is one document (or one per --txt-unit paragraph or line), stdlib one per .py file, stdlib-docs one
-per docstring. The val shard is the stream's first --val-tokens tokens, or 10% of a source too short for a train token.
+per docstring (each line's indentation and runs of spaces cut to single spaces). The val shard is the stream's first
+--val-tokens tokens, or 10% of a source too short for a train token.
 
 After each shard, PREFIX_done.json records the settings, a local source's files (paths, sizes, mtimes), the shard's
 size and where the source stands after it (file, row, tokens of that row's document written). A rerun with the same
@@ -379,8 +380,10 @@ def stdlib_files() -> list[Path]:
 
 
 def stdlib_docstrings(cfg: FinewebConfig) -> Path:
-    """stdlib_files()' distinct docstrings as JSON lines, cached: prose a small model learns in minutes, unlike code."""
-    path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_py{sys.version_info[0]}.{sys.version_info[1]}.jsonl"
+    """stdlib_files()' distinct docstrings as JSON lines, cached: prose a small model learns in minutes, unlike code.
+    Each line's runs of whitespace are one space, its indentation gone."""
+    version = f"py{sys.version_info[0]}.{sys.version_info[1]}"
+    path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_flat_{version}.jsonl"
     with contextlib.suppress(OSError):  # not there yet
         try:
             [json.loads(line) for line in path.read_text().splitlines()]
@@ -392,7 +395,10 @@ def stdlib_docstrings(cfg: FinewebConfig) -> Path:
         with contextlib.suppress(SyntaxError, ValueError):  # a file of another Python's syntax
             for node in ast.walk(ast.parse(file.read_bytes())):
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    docs.setdefault(ast.get_docstring(node) or "")
+                    # indentation is runs of bare-space tokens, which a small model's top-k samples string into
+                    # lines of spaces
+                    lines = (ast.get_docstring(node) or "").splitlines()
+                    docs.setdefault("\n".join(" ".join(line.split()) for line in lines))
     atomic_write(path, "".join(json.dumps({"text": doc}) + "\n" for doc in docs if doc).encode())
     return path
 

@@ -1,5 +1,6 @@
-"""Plot a run from its log.jsonl: smoothed train loss, val loss, lr and HellaSwag against steps or tokens; an RL run's
-reward (rl.py) and a task's held-out accuracy and pass@k (rl.py, train.py --task) where the log has them.
+"""Plot a run from its log.jsonl: smoothed train loss, val loss and bits per byte, lr, HellaSwag and CORE against steps
+or tokens; an RL run's reward (rl.py) and a task's held-out accuracy and pass@k (rl.py, sft.py --task) where the log has
+them.
 
 Usage:
     python plot.py                                          # the newest out/*/log.jsonl -> out/<run>/loss.png
@@ -20,8 +21,8 @@ from common import iter_log, parse_config, user_errors
 # OpenAI's published completion-style HellaSwag acc_norm (10,042 val examples), as build-nanogpt plots them
 GPT2_124M_HELLASWAG = 0.2955
 GPT3_SMALL_HELLASWAG = 0.337
-Y_LABELS = {"loss": "loss", "lr": "learning rate", "hellaswag": "HellaSwag acc_norm",
-            "reward": "reward (mean, +-1 std shaded)", "task": "held-out accuracy"}
+Y_LABELS = {"loss": "loss", "bpb": "val bits per byte", "lr": "learning rate", "hellaswag": "HellaSwag acc_norm",
+            "reward": "reward (mean, +-1 std shaded)", "task": "held-out accuracy", "core": "CORE"}
 
 
 @dataclass
@@ -65,8 +66,10 @@ def plot(cfg: PlotConfig) -> Path:
     logs = log_paths(cfg.log)
     runs = [read_run(log) for log in logs]  # (config, curves) per run, in the order of logs
     single = len(runs) == 1
-    wanted = {"lr": lambda c: any("lr" in r for r in c["train"]), "reward": lambda c: any("reward" in r for r in
-              c["train"]), "hellaswag": lambda c: c.get("hellaswag"), "task": lambda c: c.get("task")}
+    wanted = {"bpb": lambda c: any("val_bpb" in r for r in c.get("val", [])),
+              "lr": lambda c: any("lr" in r for r in c["train"]), "reward": lambda c: any("reward" in r for r in
+              c["train"]), "hellaswag": lambda c: c.get("hellaswag"), "task": lambda c: c.get("task"),
+              "core": lambda c: c.get("core")}
     names = ["loss", *(name for name, has in wanted.items() if any(has(curves) for _, curves in runs))]
     fig = Figure(figsize=(6 * len(names) + 1, 4.5))
     axes = list(fig.subplots(1, len(names), squeeze=False)[0])
@@ -139,12 +142,18 @@ def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], name: str, i: int, 
         points += [(r[cfg.x], r["val_loss"]) for r in val]
         loss_ax.plot([r[cfg.x] for r in val], [r["val_loss"] for r in val], val_style,
                      color=colors[1], markersize=3, label=f"{prefix}val loss (last {val[-1]['val_loss']:.3f})")
+    if bpb := [r for r in curves.get("val", []) if "val_bpb" in r]:
+        panel["bpb"].plot([r[cfg.x] for r in bpb], [r["val_bpb"] for r in bpb], val_style, color=colors[1],
+                          markersize=3, label=f"{prefix}val bpb (last {bpb[-1]['val_bpb']:.3f})")
     if lrs := [r for r in train if "lr" in r]:
         panel["lr"].plot([r[cfg.x] for r in lrs], [r["lr"] for r in lrs], color=colors[3], label=f"{prefix}lr")
         panel["lr"].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     if hs := curves.get("hellaswag", []):
         panel["hellaswag"].plot([r[cfg.x] for r in hs], [r["acc_norm"] for r in hs], "o-", color=colors[2],
                                 markersize=3, label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")
+    if scored := curves.get("core", []):
+        panel["core"].plot([r[cfg.x] for r in scored], [r["core_metric"] for r in scored], "o-", color=colors[2],
+                           markersize=3, label=f"{prefix}CORE (last {scored[-1]['core_metric']:.4f})")
     draw_rl(cfg, curves, prefix, colors, panel)
     start = xs[len(xs) // 10] if len(xs) >= 10 else float("-inf")  # a short run keeps its start in view
     return [y for _, y in points], [y for x, y in points if x >= start]

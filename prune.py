@@ -26,7 +26,7 @@ from torch import Tensor
 
 import engine
 import stage
-from common import LOCAL, load_checkpoint, provenance, run_and_exit
+from common import LOCAL, load_checkpoint, provenance, run_and_exit, token_bytes
 from engine import Context, Run
 from fineweb import TokenLoader
 from model import GPT, checkpoint_config
@@ -284,11 +284,12 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     log.say(f"{cfg.method}: {pruning.sparsity():.1%} of the blocks' {record['dense']['weights']:,} matrix weights "
             f"pruned, {source}; {params:,} parameters, {nonzero:,} nonzero")
     windows = min(-(-cfg.eval_tokens // (B * T)), val_loader.num_windows)
+    nbytes = token_bytes(raw.config.vocab_size, device)
 
     def val(step: int) -> dict[str, Any]:
-        loss, sparsity = engine.val_loss(built.model, val_loader, windows, built.autocast, world), pruning.sparsity()
-        log.say(f"step {step:6d} | val loss {loss:.4f} | sparsity {sparsity:.4f}")
-        return {"val_loss": loss, "sparsity": sparsity}
+        vl = engine.val_metrics(built.model, val_loader, windows, built.autocast, world, nbytes)
+        log.say(f"step {step:6d} | val loss {vl['loss']:.4f} | bpb {vl['bpb']:.4f} | sparsity {pruning.sparsity():.4f}")
+        return {"val_loss": vl["loss"], "val_bpb": vl["bpb"], "sparsity": pruning.sparsity()}
 
     return Run(cfg=cfg, ctx=ctx, step_fn=stage.lm_step(cfg, built, train_loader.next_batch, cfg.grad_accum, guard, ctx),
                raw=raw, trainable=built, checkpointer=checkpointer, log=log,

@@ -37,6 +37,7 @@ from common import (
     same_verdict,
     setup_distributed,
     shared_problem,
+    token_bytes,
 )
 from engine import Checkpointer, Context, Eval, Run, RunArgs, SpikeGuard, TokenCount, get_lr, optimizer_kind, set_lr
 from fineweb import DataError
@@ -231,16 +232,18 @@ def lm_step(cfg: StageArgs, built: Trainable, next_batch: Callable[[], tuple], g
 
 
 def val_evals(cfg: StageArgs, setup: Setup) -> list[Eval]:
-    """The val split's mean loss (the next-token loss where targets are not -1), when there is a val split."""
+    """The val split's mean loss (the next-token loss where targets are not -1) and bits per byte, when there is a val
+    split."""
     if setup.val_loader is None:
         return []
     built, ctx = setup.built, setup.ctx
     windows = val_windows(cfg, setup.val_loader, ctx.master)
+    nbytes = token_bytes(setup.raw.config.vocab_size, ctx.device)
 
     def val(step: int) -> dict[str, Any]:
-        vl = engine.val_loss(built.model, setup.val_loader, windows, built.autocast, setup.data.world)
-        setup.log.say(f"step {step:6d} | val loss {vl:.4f}")
-        return {"val_loss": vl}
+        vl = engine.val_metrics(built.model, setup.val_loader, windows, built.autocast, setup.data.world, nbytes)
+        setup.log.say(f"step {step:6d} | val loss {vl['loss']:.4f} | bpb {vl['bpb']:.4f}")
+        return {"val_loss": vl["loss"], "val_bpb": vl["bpb"]}
 
     return [Eval("val", cfg.eval_every, val)]
 

@@ -14,13 +14,22 @@ rl.py's --reward FILE.py:FN[,FILE.py:FN2] takes functions fn(prompt, reply, answ
                    become tool calls and outputs; the answer is the number after ####
     arc-easy       allenai/ai2_arc ARC-Easy (train/validation/test): multiple choice, answered with a letter
     arc-challenge  the same for ARC-Challenge
+    mmlu           cais/mmlu "all" (auxiliary_train/validation/dev/test): 57 subjects, 4 choices, the same way
     addition       made here, offline: "What is 4 7 + 3 8?" -> "8 5", digits spaced so that each is one token; train
                    and test are disjoint by a hash of the pair. Train a small model on it one problem per row
                    (seq_len 16): packed with others, a problem attends to the ones before it, and it learns far slower
 
-Usage (a task's train and test splits as JSONL conversations, for sft.py; with --pairs, preference pairs for prefs.py):
+ChatCORE (chat_core) is nanochat's score of a chat model: each task's accuracy centered by its chance (1/4 for a
+multiple-choice task, 0 otherwise), averaged over the tasks given; multiple-choice tasks are scored by the logits of
+their letters (choose), the others by greedy replies (evaluate). nanochat's also has HumanEval, left out here: it
+runs the model's code, which needs a sandbox.
+
+Usage (a task's train and test splits as JSONL conversations, for sft.py; with --pairs, preference pairs for prefs.py;
+with --eval, a checkpoint's accuracies and ChatCORE):
     python tasks.py --task addition --pairs                # -> data/addition/, data/addition_pairs/
     python tasks.py --task examples/subtraction.py:Subtraction --out-dir data/subtraction
+    python tasks.py --eval out/sft/ckpt_002000.pt --tasks arc-easy,arc-challenge,mmlu,gsm8k --limit 500
+    python tasks.py --eval out/sft/ckpt_002000.pt --tasks mmlu=mmlu_test.parquet   # a local file in the hub's schema
 """
 
 from __future__ import annotations
@@ -41,13 +50,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from chat_format import ASSISTANT_END, CHAT_VOCAB, load_rows, render_prompt, reply_text
-from common import parse_config
+from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, load_rows, render_prompt, reply_text
+from common import get_tokenizer, parse_config, run_and_exit, setup_distributed, user_errors
 from fineweb import DataError
 from generate import calculator, generate
+from model import GPT
 
 
 def conversation(prompt: str, reply: Any, answer: str) -> dict:
@@ -56,9 +67,10 @@ def conversation(prompt: str, reply: Any, answer: str) -> dict:
 
 
 class Task:
-    """A hub dataset of problems: examples from the hub or from a local file in the hub's schema, and a checker."""
+    """A hub dataset of problems: examples from the hub or from a local file in the hub's schema, and a checker.
+    `baseline` is the accuracy of chance, which ChatCORE centers by."""
 
-    hub, config, splits = "", None, ("train", "test")
+    hub, config, splits, baseline = "", None, ("train", "test"), 0.0
 
     def examples(self, split: str, source: str = "") -> list[dict]:
         """The split's problems, or all of `source`'s: a local .jsonl/.json/.parquet of rows in the hub's schema."""
@@ -101,25 +113,41 @@ class GSM8K(Task):
         return float((numbers[0] if marked else numbers[-1]).replace(",", "")) == float(answer)
 
 
-class ARC(Task):
+class MultipleChoice(Task):
+    """Questions with lettered choices; the reply is the letter. Examples carry their "letters" for choose()."""
+
+    baseline = 0.25  # nanochat's chance for ARC and MMLU alike (a few ARC questions have 3 or 5 choices)
+
+    @staticmethod
+    def render(question: str, texts: list[str], answer: int) -> dict:
+        letters = "ABCDEFGH"[:len(texts)]
+        choices = "".join(f"{letter}. {text}\n" for letter, text in zip(letters, texts, strict=True))
+        prompt = f"{question}\n{choices}Answer with the letter of the correct choice."
+        return {**conversation(prompt, letters[answer], letters[answer]), "letters": list(letters)}
+
+    def check(self, reply: str, answer: str) -> bool:
+        """The reply's first standalone letter A-H is the answer (a reply opening with the article "A" reads as A)."""
+        found = re.search(r"\b([A-H])\b", reply)
+        return found is not None and found.group(1) == answer
+
+
+class ARC(MultipleChoice):
     hub, splits = "allenai/ai2_arc", ("train", "validation", "test")
 
     def __init__(self, config: str = "ARC-Easy"):
         self.config = config
 
     def example(self, row: dict) -> dict:
-        """Choices relabelled A, B, C, ... (a few questions are labelled 1, 2, 3, 4); the reply is the letter."""
-        labels, texts = row["choices"]["label"], row["choices"]["text"]
-        letters = "ABCDEFGH"[:len(labels)]
-        choices = "".join(f"{letter}. {text}\n" for letter, text in zip(letters, texts, strict=True))
-        answer = letters[labels.index(row["answerKey"])]
-        prompt = f"{row['question']}\n{choices}Answer with the letter of the correct choice."
-        return conversation(prompt, answer, answer)
+        """Choices relabelled A, B, C, ... (a few questions are labelled 1, 2, 3, 4)."""
+        labels = row["choices"]["label"]
+        return self.render(row["question"], row["choices"]["text"], labels.index(row["answerKey"]))
 
-    def check(self, reply: str, answer: str) -> bool:
-        """The reply's first standalone letter A-H is the answer (a reply opening with the article "A" reads as A)."""
-        found = re.search(r"\b([A-H])\b", reply)
-        return found is not None and found.group(1) == answer
+
+class MMLU(MultipleChoice):
+    hub, config, splits = "cais/mmlu", "all", ("auxiliary_train", "validation", "dev", "test")
+
+    def example(self, row: dict) -> dict:
+        return self.render(row["question"], row["choices"], int(row["answer"]))
 
 
 class Addition(Task):
@@ -168,14 +196,69 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
             replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
                                temperature=0.0, stop_ids=[ASSISTANT_END], vocab=CHAT_VOCAB, calculator=calculator())
         right += sum(task.check(reply_text(r.tokens), p["answer"]) for r, p in zip(replies, chunk, strict=True))
-    counts = torch.tensor([right, len(mine)], dtype=torch.float64, device=model.lm_head.weight.device)
+    return summed(right, len(mine), model.lm_head.weight.device, world)
+
+
+@torch.no_grad()
+def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batch: int = 32,
+           autocast: contextlib.AbstractContextManager | None = None) -> dict:
+    """Multiple-choice accuracy as nanochat's categorical eval: right when, after the prompt's <|assistant_start|>,
+    the answer's letter has the highest logit of the problem's letters (prompts keep their last block_size tokens).
+    Ranks share the problems as evaluate's do. {"acc", "n"}."""
+    mine, right, device, block = problems[rank::world], 0, model.lm_head.weight.device, model.config.block_size
+    for i in range(0, len(mine), batch):
+        chunk = mine[i:i + batch]
+        prompts = [render_prompt(p["messages"][:-1])[-block:] for p in chunk]
+        width = max(len(p) for p in prompts)
+        tokens = torch.tensor([p + [BOS] * (width - len(p)) for p in prompts], device=device)
+        last = torch.zeros_like(tokens, dtype=torch.bool)
+        last[range(len(prompts)), [len(p) - 1 for p in prompts]] = True
+        with autocast or contextlib.nullcontext():
+            logits, _ = model(tokens, at=last)  # (rows, V): each row's answer position
+        for row, p in zip(logits, chunk, strict=True):
+            ids = [get_tokenizer().encode_ordinary(letter)[0] for letter in p["letters"]]
+            right += p["letters"][row[ids].argmax().item()] == p["answer"]
+    return summed(right, len(mine), device, world)
+
+
+def summed(right: int, n: int, device: torch.device, world: int) -> dict:
+    counts = torch.tensor([right, n], dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(counts)
     return {"acc": counts[0].item() / max(1, counts[1].item()), "n": int(counts[1].item())}
 
 
+def centered(accuracy: float, baseline: float) -> float:
+    """Accuracy rescaled so that chance (`baseline`, a fraction) scores 0 and a perfect score 1: CORE's and ChatCORE's
+    centering."""
+    return (accuracy - baseline) / (1.0 - baseline)
+
+
+def chat_core(model: Any, named: dict[str, tuple[Any, list[dict]]], rank: int = 0, world: int = 1,
+              autocast: contextlib.AbstractContextManager | None = None, max_new_tokens: int = 512) -> dict:
+    """{"results": {name: accuracy}, "centered_results": {name: centered by the task's chance}, "chatcore": their
+    mean} over the tasks given, each (task, problems): nanochat's ChatCORE over those tasks. Every rank calls it."""
+    was_training = model.training
+    model.eval()
+    try:
+        results = {name: (choose(model, problems, rank, world, autocast=autocast)
+                          if isinstance(task, MultipleChoice) else
+                          evaluate(model, task, problems, rank, world, max_new_tokens, autocast=autocast))["acc"]
+                   for name, (task, problems) in named.items()}
+    finally:
+        model.train(was_training)
+    centered_results = {name: centered(acc, getattr(named[name][0], "baseline", 0.0)) for name, acc in results.items()}
+    return {"results": results, "centered_results": centered_results,
+            "chatcore": sum(centered_results.values()) / len(centered_results)}
+
+
+def nanochat_order(problems: list[dict], limit: int = 0) -> list[dict]:
+    """The first `limit` problems (0: all) in nanochat's order: its datasets shuffle with seed 42."""
+    return [problems[i] for i in np.random.default_rng(42).permutation(len(problems))[:limit or None]]
+
+
 TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": lambda: ARC("ARC-Challenge"),
-         "addition": Addition}
+         "mmlu": MMLU, "addition": Addition}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -276,25 +359,58 @@ def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[di
 
 @dataclass
 class TasksConfig:
-    """Write a task's train and test examples as JSONL conversations (train.jsonl, test.jsonl) for sft.py."""
+    """Write a task's train and test examples as JSONL conversations (train.jsonl, test.jsonl) for sft.py; or, with
+    --eval, score a checkpoint on --tasks and print each accuracy and their ChatCORE (runs under torchrun too)."""
 
-    task: str = "addition"  # gsm8k, arc-easy, arc-challenge, addition, or your own: FILE.py:NAME or module:NAME
+    task: str = "addition"  # gsm8k, arc-easy, arc-challenge, mmlu, addition, or your own: FILE.py:NAME or module:NAME
     out_dir: str = ""  # where to write them ('' = data/<task>)
-    limit: int = 0  # at most this many examples per split (0 = all)
+    limit: int = 0  # at most this many examples per split (0 = all); with --eval, per task, in nanochat's order
     # also write preference pairs, the reference reply chosen over a wrong one, to <out_dir>_pairs/{train,test}.jsonl
     # (for prefs.py); a task that can make wrong replies (addition, or one with wrong(answer, rng))
     pairs: bool = False
     seed: int = 0  # seeds the wrong replies
+    eval: str = ""  # a checkpoint (a .pt of this project) to score on --tasks, instead of writing files
+    tasks: str = "arc-easy,arc-challenge,mmlu,gsm8k"  # with --eval: NAME or NAME=FILE (a local file, the hub schema)
+    split: str = "test"  # with --eval: the split scored
+    max_new_tokens: int = 512  # with --eval: the longest reply of a task scored by its replies (gsm8k)
+    device: str = "auto"  # with --eval: auto (cuda if available, else cpu), cpu, cuda, cuda:N
 
     def __post_init__(self) -> None:
         if not self.limit >= 0:
             raise ValueError(f"--limit must be >= 0 (0: all); got {self.limit}")
+        for spec in self.tasks.split(",") if self.eval else ():
+            check_spec(spec.partition("=")[0])
         if self.pairs and not callable(getattr(load_task(self.task), "wrong", None)):
             raise ValueError(f"--pairs needs a task that makes wrong replies (wrong(answer, rng)), not {self.task}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def score_tasks(cfg: TasksConfig) -> dict:
+    """--eval: the checkpoint's accuracy on each task and their ChatCORE, printed by rank 0."""
+    owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
+    try:
+        with user_errors(OSError, ValueError, DataError, RuntimeError):
+            rank, _, world, device = setup_distributed(cfg.device)
+            model, named = GPT.load(cfg.eval, None).to(device), {}
+            for name, _, source in (spec.partition("=") for spec in cfg.tasks.split(",")):
+                task = load_task(name)
+                named[name] = (task, nanochat_order(task.examples(cfg.split, source), cfg.limit))
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+        result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)
+        for name, acc in result["results"].items() if rank == 0 else ():
+            print(f"{name}: accuracy {acc:.4f}, centered {result['centered_results'][name]:.4f} "
+                  f"({len(named[name][1])} problems)")
+        if rank == 0:
+            print(f"ChatCORE {result['chatcore']:.4f} over {', '.join(named)} (nanochat's also has HumanEval)")
+        return result
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict | None:
     cfg = parse_config(TasksConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    if cfg.eval:
+        return score_tasks(cfg)
     try:
         task = load_task(cfg.task)
     except ValueError as e:
@@ -315,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {e}") from None
     except OSError as e:
         raise SystemExit(f"error: cannot write {e.filename} ({e.strerror}); pass another --out-dir") from None
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)  # under torchrun: no interpreter finalization after the collectives

@@ -20,7 +20,8 @@ from common import checkpoints, iter_log, same_verdict, write_error
 # train: pretraining's, then the preference objectives' (accuracy, margin) and rl.py's; a task's pass@k as well
 SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu", "accuracy", "margin", "reward", "reward_std", "kl",
                      "clip_frac", "entropy", "length", "value_loss", "rollout_tok_s", "update_tok_s"),
-           "val": ("val_loss", "val_accuracy", "val_margin"), "hellaswag": ("acc", "acc_norm"), "task": ("acc",)}
+           "val": ("val_loss", "val_bpb", "val_accuracy", "val_margin"), "hellaswag": ("acc", "acc_norm"),
+           "task": ("acc",), "core": ("core_metric",)}
 
 
 def scalars(record: dict) -> dict[str, float]:

@@ -12,6 +12,7 @@ Usage:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 
 import stage
 from common import LOCAL, first_on_each_node, get_tokenizer, run_and_exit, same_verdict
-from engine import Context, Eval, Run, val_loss  # noqa: F401  (val_loss: tests patch train.val_loss)
+from engine import Context, Eval, Run
 from fineweb import SHUFFLES, TokenLoader
 from generate import sample
 from model import GPT
@@ -43,6 +44,8 @@ class TrainConfig(StageArgs):
     sample_every: int = 250  # print samples every N steps; 0 = never
     sample_tokens: int = 32  # new tokens per sample
     sample_prompt: str = "Hello, I'm a language model,"  # prompt for the in-training samples
+    core_every: int = 0  # DCLM's CORE every N steps (and at the last step) with --core-bundle; 0 = the last step only
+    core_bundle: Annotated[str, LOCAL] = ""  # CORE's eval bundle: a directory or a zip's URL (core.py); '' = no CORE
     overfit_batch: bool = False  # train on the first batch only (sanity check: the loss must go to ~0)
     SHARDS = True  # not a flag: --tp/--pp train this stage's language model
 
@@ -50,13 +53,15 @@ class TrainConfig(StageArgs):
         super().__post_init__()
         if self.shuffle not in SHUFFLES:
             raise ValueError(f"--shuffle must be one of {', '.join(SHUFFLES)}; got {self.shuffle!r}")
-        for name, low in {"sample_tokens": 1, "hellaswag_every": 0, "sample_every": 0, "hellaswag_limit": 1}.items():
+        for name, low in {"sample_tokens": 1, "hellaswag_every": 0, "sample_every": 0, "hellaswag_limit": 1,
+                          "core_every": 0}.items():
             if getattr(self, name) is not None and not getattr(self, name) >= low:  # NaN fails it too
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
         whole = {"--label-smoothing": self.label_smoothing, "--sample-every": self.sample_every,
-                 "--hellaswag-every": self.hellaswag != "off" and self.hellaswag_every}
+                 "--hellaswag-every": self.hellaswag != "off" and self.hellaswag_every,
+                 "--core-bundle": self.core_bundle}
         if (self.tp or self.pp) and (flags := [flag for flag, on in whole.items() if on]):
             raise ValueError(f"{', '.join(flags)}: not under --tp/--pp, which train and score the language model's "
                              "loss only; drop them (--hellaswag off, --sample-every 0), or score a checkpoint on one "
@@ -101,7 +106,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Data: token shards, and HellaSwag's examples
+# Data: token shards, HellaSwag's examples and CORE's tasks
 
 
 def loader(cfg: TrainConfig) -> Callable[[str, Context], TokenLoader]:
@@ -145,11 +150,20 @@ def load_hellaswag(cfg: TrainConfig, ctx: Context) -> list[dict] | None:
         return None
 
 
+def load_core(cfg: TrainConfig, ctx: Context) -> list | None:
+    """CORE's tasks, nanochat's base_train subsample of each, on every rank (the bundle fetched once per node)."""
+    import core
+
+    load = lambda: core.load_tasks(core.fetch_bundle(cfg.core_bundle), core.TRAIN_ROWS)
+    return first_on_each_node(load, ctx.local_rank, ctx.world) if cfg.core_bundle else None
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# Evaluations: val loss, HellaSwag, samples (engine.Eval entries; a new one is an entry here and its flag)
+# Evaluations: val loss and bpb, HellaSwag, CORE, samples (engine.Eval entries; a new one is an entry here and its flag)
 
 
-def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | None) -> list[Eval]:
+def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | None,
+                core_tasks: list | None) -> list[Eval]:
     raw, built, log, ctx = setup.raw, setup.built, setup.log, setup.ctx
     enc = get_tokenizer() if (cfg.sample_every > 0 or examples) else None
     evals = stage.val_evals(cfg, setup)
@@ -164,6 +178,16 @@ def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | Non
             return hs
 
         evals.append(Eval("hellaswag", cfg.hellaswag_every, hellaswag_eval))
+    if core_tasks:
+        def core_eval(step: int) -> dict[str, Any]:
+            import core
+
+            scores = core.evaluate(raw, core_tasks, ctx.rank, ctx.world, built.autocast, say=lambda line: None)
+            log.say(f"step {step:6d} | CORE {scores['core_metric']:.4f} ({len(core_tasks)} tasks, at most "
+                    f"{core.TRAIN_ROWS} rows each)")
+            return scores
+
+        evals.append(Eval("core", cfg.core_every, core_eval, at_start=False))  # untrained weights: nanochat's too
     if cfg.sample_every > 0:
         def samples(step: int) -> dict[str, Any] | None:
             if not (ctx.master or cfg.parallel == "fsdp"):  # FSDP forwards are collective: every rank runs them
@@ -192,13 +216,14 @@ def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step
 
 
 def setup(cfg: TrainConfig, ctx: Context) -> Run:
-    """The Run: token shards, the model (fresh, --init-from's or resumed), val loss, HellaSwag and samples."""
+    """The Run: token shards, the model (fresh, --init-from's or resumed), and its evaluations."""
     setup = stage.Setup(cfg, ctx, loader(cfg))
-    examples = load_hellaswag(cfg, ctx)
-    setup.build({"--hellaswag file": stage.digest(examples)})
+    examples, core_tasks = load_hellaswag(cfg, ctx), load_core(cfg, ctx)
+    setup.build({"--hellaswag file": stage.digest(examples),
+                 "--core-bundle": stage.digest(core_tasks and [dataclasses.asdict(t) for t in core_tasks])})
     step_fn = stage.lm_step(setup.cfg, setup.built, batches(cfg, setup.train_loader), setup.grad_accum, setup.guard,
                             ctx, label_smoothing=cfg.label_smoothing)
-    return setup.run(step_fn, evaluations(cfg, setup, examples))
+    return setup.run(step_fn, evaluations(cfg, setup, examples, core_tasks))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -89,6 +89,31 @@ def hf_dir(tmp_path_factory) -> Path:
     return path
 
 
+def bigram_model(successor: dict[int, int], block_size: int = 64):
+    """A 1-layer GPT whose weights make it a bigram table: after a token of `successor` it predicts that token's
+    successor with a logit of ~113, against at most 0 for any other; a token without a row of its own gives uniform
+    logits, and a successor without one predicts itself. The MLP moves each one-hot embedding to its successor's, for
+    the tied lm_head to read; attention and positions are zero."""
+    from model import GPT, GPTConfig
+
+    axis = {token: k for k, token in enumerate(dict.fromkeys([*successor, *successor.values()]))}
+    model = GPT(GPTConfig(block_size=block_size, n_layer=1, n_head=1, n_embd=128))
+    lit = 5.0 * 127 ** 0.5 - 20.0  # a unit's input for its own token (ln_2 puts one-hots of 128 at sqrt(127))
+    out = torch.nn.functional.gelu(torch.tensor(lit), approximate="tanh").item()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.transformer.ln_f.weight.fill_(10.0)
+        model.transformer.h[0].ln_2.weight.fill_(1.0)
+        for token, k in axis.items():
+            model.transformer.wte.weight[token, k] = 1.0
+        mlp = model.transformer.h[0].mlp
+        for unit, (token, nxt) in enumerate(successor.items()):
+            mlp.c_fc.weight[unit, axis[token]], mlp.c_fc.bias[unit] = 5.0, -20.0  # exactly 0 for any other token
+            mlp.c_proj.weight[axis[nxt], unit], mlp.c_proj.weight[axis[token], unit] = 1 / out, -1 / out
+    return model
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is pid, from /proc (Linux)."""
     found = []

@@ -52,7 +52,7 @@ def main(argv: list[str]) -> dict:
                 "tokens": cfg.batch_size * cfg.seq_len * ctx.world}
 
     def val_eval(step: int) -> dict:
-        return {"val_loss": engine.val_loss(built.model, val, 2, built.autocast, ctx.world)}
+        return {"val_loss": engine.val_metrics(built.model, val, 2, built.autocast, ctx.world)["loss"]}
 
     run = engine.Run(cfg=cfg, ctx=ctx, step_fn=step_fn, raw=raw, trainable=built, checkpointer=checkpointer,
                      log=log, evals=[engine.Eval("val", 3, val_eval)], parts=parts, start_step=start,

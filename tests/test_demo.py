@@ -1,5 +1,5 @@
-"""demo.sh end to end with a few steps: shards, training, a checkpoint, samples and the plot, twice (idempotent),
-and the same pipeline on another corpus through --source."""
+"""demo.sh end to end with a few steps: shards, training, a checkpoint, samples, the plot and the last val loss and
+bits per byte, twice (idempotent), and the same pipeline on another corpus through --source."""
 
 import os
 import re
@@ -26,8 +26,9 @@ def test_demo_runs_end_to_end_twice(tmp_path):
         assert (f"demo outputs: shards in {tmp_path}/data/stdlib_docs/, checkpoint {demo}/ckpt_000003.pt, log "
                 f"{demo}/log.jsonl, samples {demo}/samples.txt, plot {demo}/loss.png") in out
         assert "plot: wrote" in out and (demo / "loss.png").stat().st_size > 10_000
-        assert out.count("---------------") == 2  # two streamed samples, also kept in samples.txt
-        assert (demo / "samples.txt").read_text().count("Return") >= 2
+        assert out.count("---------------") == 4  # four streamed samples, also kept in samples.txt
+        assert (demo / "samples.txt").read_text().count("Return") >= 4
+        assert re.search(r"val loss \d+\.\d{4} nats a token, \d+\.\d{4} bits per byte \(step 3\)", out)
         assert re.search(r"corpus check: \d+% of \d+ sampled words occur in .*/data/stdlib_docs's train shards; "
                          r"\d+% of \d+ sampled lines are whitespace only", out)
         if run == 1:  # the second run reuses the shards and the finished checkpoint

@@ -405,7 +405,9 @@ def test_stdlib_docs_source_is_the_distinct_docstrings_one_document_each(tmp_pat
     cached = fineweb.stdlib_docstrings(cfg)
     docs = [json.loads(line)["text"] for line in cached.read_text().splitlines()]
     first = ast.get_docstring(ast.parse(stdlib_files()[0].read_bytes()))  # __future__.py's module docstring
-    assert docs[0] == first and len(docs) == len(set(docs)) > 3000 and "" not in docs
+    assert docs[0] == "\n".join(" ".join(line.split()) for line in first.splitlines()) != first  # it has indentation
+    assert len(docs) == len(set(docs)) > 3000 and "" not in docs
+    assert not [line for doc in docs for line in doc.splitlines() if line != line.strip() or "  " in line]
     assert result["train_tokens"] == 4000 and [len(read_shard(f)) for f in shard_files(tmp_path / "out")] == [
         1000, 2000, 2000]
     assert np.array_equal(concat(tmp_path / "out"), expected_tokens(docs[:400])[:5000])

@@ -25,7 +25,8 @@ def test_plot_png_comes_from_the_log(token_data, tmp_path, capsys):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert (width, height) == (1430, 495)  # 13 x 4.5 inches at 110 dpi: loss and lr panels, no HellaSwag records
+    assert (width, height) == (2090, 495)  # 19 x 4.5 inches at 110 dpi: loss, bpb and lr panels, no HellaSwag
+    assert all(r["val_bpb"] > 0 for r in curves["val"])
     # a different log gives a different picture; a resumed run's re-logged step replaces the earlier record
     with open(log, "a") as f:
         f.write(json.dumps({"type": "train", "step": 5, "tokens": 3072, "loss": 1.0, "lr": 0.0, "grad_norm": 0.0,
@@ -36,7 +37,7 @@ def test_plot_png_comes_from_the_log(token_data, tmp_path, capsys):
     assert len(curves["train"]) == 6 and curves["train"][-1]["loss"] == 1.0
     two = plot.main(["--log", str(log), "--out", str(tmp_path / "two.png"), "--x", "tokens"])
     data2 = two.read_bytes()
-    assert int.from_bytes(data2[16:20], "big") == 2090  # a third panel for HellaSwag
+    assert int.from_bytes(data2[16:20], "big") == 2750  # a fourth panel for HellaSwag
     assert data2 != data
 
 

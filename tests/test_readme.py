@@ -13,6 +13,7 @@ import pytest
 import bench
 import chat
 import common
+import core
 import export
 import fineweb
 import hellaswag
@@ -40,6 +41,7 @@ SCRIPTS = {
     "sft.py": (sft.SFTConfig, sft.PRESETS),
     "prefs.py": (prefs.PrefsConfig, prefs.PRESETS),
     "prune.py": (prune.PruneConfig, None),
+    "core.py": (core.CoreConfig, None),
 }
 
 

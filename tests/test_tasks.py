@@ -5,10 +5,12 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import chat_format as cf
 import tasks
+from common import get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -242,8 +244,8 @@ def test_the_shipped_subtraction_example_is_disjoint_checks_and_scores_from_the_
                          "check(reply, answer) (tasks.py's docstring)"),
     ("no_such_module_here:Task", "--task no_such_module_here:Task: cannot load no_such_module_here "
                                  "(ModuleNotFoundError: No module named 'no_such_module_here')"),
-    ("subtraction", "--task must be one of gsm8k, arc-easy, arc-challenge, addition, or FILE.py:NAME or module:NAME "
-                    "for your own; got 'subtraction'"),
+    ("subtraction", "--task must be one of gsm8k, arc-easy, arc-challenge, mmlu, addition, or FILE.py:NAME or "
+                    "module:NAME for your own; got 'subtraction'"),
 ])
 def test_a_task_that_cannot_load_is_one_line_naming_the_file_and_the_name(user_file, spec, message):
     where = {"dir": user_file.parent, "file": user_file}
@@ -266,3 +268,65 @@ def test_a_reward_that_fails_is_one_line_naming_it(user_file, name, message):
         tasks.load_rewards(f"{user_file}:ANSWER")
     with pytest.raises(ValueError, match="--reward-weights gives 1 weights for 2 --reward functions"):
         tasks.load_rewards(f"{user_file}:near,{user_file}:nan", (1.0,))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# MMLU and ChatCORE
+
+MMLU_ROWS = [{"question": f"Question {k}?", "subject": "anatomy", "choices": ["w", "x", "y", "z"], "answer": answer}
+             for k, answer in enumerate([1, 1, 0, 2])]  # B, B, A, C
+ARC_ROWS = [{**ARC_ROW, "answerKey": "B", "choices": {"text": ["a", "b", "c"], "label": ["A", "B", "C"]}},
+            {**ARC_ROW, "answerKey": "4"}]  # B of three, D of four
+GSM8K_ROWS = [{"question": f"{a} + 2?", "answer": f"{a} + 2 = {a + 2}\n#### {a + 2}"} for a in (2, 3, 2)]  # 4, 5, 4
+
+
+def chat_bigram():
+    """Replies "B 4" to anything: "B" right after <|assistant_start|>, then " 4", then <|assistant_end|>."""
+    from conftest import bigram_model
+
+    enc = get_tokenizer()
+    (b,), (four,) = enc.encode_ordinary("B"), enc.encode_ordinary(" 4")
+    return bigram_model({cf.ASSISTANT_START: b, b: four, four: cf.ASSISTANT_END})
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_mmlu_reads_a_local_file_in_the_hub_schema(tmp_path):
+    examples = tasks.MMLU().examples("test", write_rows(tmp_path / "mmlu.jsonl", MMLU_ROWS))
+    assert [e["answer"] for e in examples] == ["B", "B", "A", "C"] and examples[0]["letters"] == ["A", "B", "C", "D"]
+    assert examples[0]["messages"][0]["content"] == "Question 0?\nA. w\nB. x\nC. y\nD. z\nAnswer with the letter of " \
+                                                    "the correct choice."
+    assert tasks.MMLU.baseline == tasks.ARC.baseline == 0.25 and tasks.GSM8K.baseline == 0.0
+
+
+def test_chat_core_is_the_mean_centered_accuracy_over_the_tasks_given(tmp_path):
+    named = {"mmlu": (tasks.MMLU(), tasks.MMLU().examples("test", write_rows(tmp_path / "m.jsonl", MMLU_ROWS))),
+             "arc-easy": (tasks.ARC(), tasks.ARC().examples("test", write_rows(tmp_path / "a.jsonl", ARC_ROWS))),
+             "gsm8k": (tasks.GSM8K(), tasks.GSM8K().examples("test", write_rows(tmp_path / "g.jsonl", GSM8K_ROWS)))}
+    result = tasks.chat_core(chat_bigram(), named, max_new_tokens=6)
+    # the letters' logits say B: 2 of 4 MMLU answers, 1 of 2 ARC answers; the reply "B 4" holds 2 of 3 GSM8K answers
+    assert result["results"] == {"mmlu": 0.5, "arc-easy": 0.5, "gsm8k": pytest.approx(2 / 3)}
+    # centered by chance, 1/4 for the multiple-choice tasks, 0 for GSM8K: 1/3, 1/3, 2/3
+    assert result["centered_results"] == pytest.approx({"mmlu": 1 / 3, "arc-easy": 1 / 3, "gsm8k": 2 / 3})
+    assert result["chatcore"] == pytest.approx(4 / 9)
+
+
+def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
+    from dataclasses import asdict
+
+    import torch
+
+    model, ckpt = chat_bigram(), tmp_path / "chat.pt"
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "step": 0}, ckpt)
+    files = {"mmlu": MMLU_ROWS, "arc-challenge": ARC_ROWS, "gsm8k": GSM8K_ROWS}
+    spec = ",".join(f"{name}={write_rows(tmp_path / f'{name}.jsonl', rows)}" for name, rows in files.items())
+    result = tasks.main(["--eval", str(ckpt), "--tasks", spec, "--max-new-tokens", "6", "--limit", "3"])
+    # the first 3 problems in nanochat's order (its shuffle with seed 42)
+    assert [int(i) for i in np.random.default_rng(42).permutation(4)[:3]] == [3, 2, 1]  # MMLU's: C, A, B
+    assert result["results"] == pytest.approx({"mmlu": 1 / 3, "arc-challenge": 0.5, "gsm8k": 2 / 3})
+    out = capsys.readouterr().out
+    assert "mmlu: accuracy 0.3333, centered 0.1111 (3 problems)" in out
+    assert f"ChatCORE {result['chatcore']:.4f} over mmlu, arc-challenge, gsm8k (nanochat's also has HumanEval)" in out

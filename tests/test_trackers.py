@@ -58,7 +58,8 @@ def test_scalars_are_named_by_record_type():
     assert trackers.scalars({"type": "train", "step": 3, "tokens": 2048, "loss": 10.5, "lr": 1e-3, "grad_norm": 0.5,
                              "ms": 12.0, "tok_s": 1000.0, "mfu": None}) == \
         {"train/loss": 10.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/tok_s": 1000.0}
-    assert trackers.scalars({"type": "val", "step": 4, "tokens": 0, "val_loss": 9.25}) == {"val/loss": 9.25}
+    assert trackers.scalars({"type": "val", "step": 4, "tokens": 0, "val_loss": 9.25, "val_bpb": 3.5}) == \
+        {"val/loss": 9.25, "val/bpb": 3.5}
     assert trackers.scalars({"type": "hellaswag", "step": 4, "acc": 0.5, "acc_norm": 0.25, "n": 6,
                              "examples_per_sec": 3.0}) == {"hellaswag/acc": 0.5, "hellaswag/acc_norm": 0.25}
     assert trackers.scalars({"type": "sample", "step": 4, "texts": ["a"]}) == {}
@@ -88,8 +89,8 @@ def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_dat
     (out / "ckpt_000004.pt").unlink()
     train.main(run_args(token_data, out, "--tensorboard", "--wandb", "tests", "--resume", "auto"))
     want = expected_scalars(out / "log.jsonl")
-    assert set(want) == {"train/loss", "train/lr", "train/grad_norm", "train/tok_s", "val/loss", "hellaswag/acc",
-                         "hellaswag/acc_norm"}  # no MFU on a CPU
+    assert set(want) == {"train/loss", "train/lr", "train/grad_norm", "train/tok_s", "val/loss", "val/bpb",
+                         "hellaswag/acc", "hellaswag/acc_norm"}  # no MFU on a CPU
     assert sorted(want["train/loss"]) == [0, 1, 2, 3] and sorted(want["hellaswag/acc_norm"]) == [0, 2, 4]
 
     # TensorBoard: one value per step (the resume purged the interrupted run's 2-4), in float32

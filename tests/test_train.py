@@ -981,7 +981,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
     # torchrun SIGKILLs its workers 30 s after it passes a signal on, so a Ctrl-C (or preemption) during an
     # evaluation stops the run right after it, with the checkpoint the last step's end would have written
     straight = train.main(tiny_args(token_data, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
-    real, calls = engine.val_loss, []
+    real, calls = engine.val_metrics, []
 
     def interrupted(*args, **kw):  # Ctrl-C during the run's `at`-th evaluation: at step 2 * (at - 1)
         calls.append(None)
@@ -989,7 +989,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
             signal.raise_signal(signal.SIGINT)
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine, "val_loss", interrupted)
+    monkeypatch.setattr(engine, "val_metrics", interrupted)
     at = 1
     fresh = train.main(tiny_args(token_data, tmp_path / "fresh", "--max-steps=10", "--eval-every=2"))
     assert fresh["stopped"] == "signal" and fresh["losses"] == [] and not list((tmp_path / "fresh").glob("ckpt_*"))
@@ -1870,7 +1870,7 @@ OTHER_VALUE = {
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
     "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True, "hellaswag": "off",
-    "init_from": "gpt2", "pp_schedule": "gpipe",
+    "init_from": "gpt2", "pp_schedule": "gpipe", "core_every": 2000, "core_bundle": "/other/bundle",
 }
 # --tp/--pp refuse the generating evaluations: both ranks drop them (and run --tp 2 where --sequence-parallel needs it)
 SHARDED_VALUE = {"tp": 2, "pp": 2, "sequence_parallel": True}
@@ -1881,7 +1881,7 @@ OTHER_ARCH = {"vocab_size": 50257, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_
               "mlp_hidden": 1024}
 # paths and a rank's own settings (what a path names is compared as data, weights or examples instead)
 MAY_DIFFER = {"data", "out_dir", "resume", "max_time", "peak_tflops", "keep_last", "keep_every", "preload",
-              "dist_timeout", "tensorboard", "wandb", "hellaswag", "init_from"}
+              "dist_timeout", "tensorboard", "wandb", "hellaswag", "init_from", "core_bundle"}
 
 AGREEMENT_WORKER = """import json, sys
 import torch
