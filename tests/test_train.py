@@ -258,7 +258,7 @@ def test_run_from_python_raises_and_leaves_the_callers_process_group(token_data,
 
 
 def test_overfit_batch_drives_loss_near_zero(token_data, tmp_path):
-    result = train.main(tiny_args(token_data, tmp_path, "--overfit-batch", "--max-steps=80", "--max-lr=1e-2",
+    result = train.main(tiny_args(token_data, tmp_path, "--overfit-batch", "--max-steps=50", "--max-lr=1e-2",
                                   "--warmup-steps=5", "--eval-every=0", "--total-batch-size=256"))
     losses = result["losses"]
     assert losses[0] > 10.0  # ~ln(50257) at init
