@@ -434,6 +434,20 @@ def _flush_std_streams() -> None:
 
 
 @contextlib.contextmanager
+def own_process_group() -> Iterator[None]:
+    """On the way out, destroy the default process group if it was made inside (setup_distributed's), never one the
+    caller made: theirs is theirs to destroy."""
+    import torch.distributed as dist
+
+    owns = not dist.is_initialized()
+    try:
+        yield
+    finally:
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def user_errors(*kinds: type[BaseException]) -> Iterator[None]:
     """A script's boundary: an error of these kinds ends it with its one line, `error: ...`, not a traceback."""
     try:

@@ -41,6 +41,7 @@ from common import (
     GPT2_VOCAB,
     first_on_each_node,
     get_tokenizer,
+    own_process_group,
     parse_config,
     run_and_exit,
     setup_distributed,
@@ -266,8 +267,7 @@ class CoreConfig:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(CoreConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
-    owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
-    try:
+    with own_process_group():
         with user_errors(OSError, ValueError, KeyError, RuntimeError):
             rank, local_rank, world, device = setup_distributed(cfg.device)
             # one download per node; a failure anywhere stops every rank with its message
@@ -280,9 +280,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if cfg.json:
                 Path(cfg.json).write_text(json.dumps(result, indent=1) + "\n")
         return result
-    finally:
-        if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

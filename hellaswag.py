@@ -36,6 +36,7 @@ from common import (
     describe_provenance,
     first_on_each_node,
     get_tokenizer,
+    own_process_group,
     parse_config,
     provenance,
     run_and_exit,
@@ -265,8 +266,7 @@ class HellaSwagConfig:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(HellaSwagConfig, argv, doc=__doc__)
-    owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
-    try:
+    with own_process_group():
         with user_errors(OSError, ValueError, RuntimeError):  # torchrun: every rank scores its share; python: one
             rank, local_rank, world_size, device = setup_distributed(cfg.device)
             # one download per node; its failure (an offline machine) stops every rank with its message
@@ -283,9 +283,6 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"hellaswag: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} n {result['n']} "
                   f"({result['examples_per_sec']:.1f} examples/s)", flush=True)
         return result
-    finally:
-        if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from common import (
     first_on_each_node,
     hold_lock,
     load_checkpoint,
+    own_process_group,
     parse_config,
     provenance,
     same_verdict,
@@ -534,21 +535,19 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
 def run(cfg: RunArgs, setup: Callable[[Any, Context], Run]) -> dict[str, Any]:
     """Train (or evaluate) as cfg says, from Python: errors stay exceptions. It joins the default process group, or
     creates it and destroys it at the end. Returns engine.train()'s result, the same on every rank."""
-    owns_group = not dist.is_initialized()
-    ctx = Context(*setup_distributed(cfg.device, cfg.dist_timeout))
-    attention = sdpa_switches()
-    try:
-        with hold_out_dir(cfg, ctx.rank, ctx.world):
-            r = setup(cfg, ctx)
-            with r.stop:  # its signal handlers live as long as the loop, and put the caller's back
-                result = engine.train(r)
-                if dist.is_initialized():
-                    dist.barrier()  # leave together: no rank tears its group down while another is in a collective
-        return result
-    finally:
-        set_sdpa_switches(attention)  # --attention's choice must not outlive the run either
-        if owns_group and dist.is_initialized():  # a group the caller made is the caller's to destroy
-            dist.destroy_process_group()
+    with own_process_group():
+        ctx = Context(*setup_distributed(cfg.device, cfg.dist_timeout))
+        attention = sdpa_switches()
+        try:
+            with hold_out_dir(cfg, ctx.rank, ctx.world):
+                r = setup(cfg, ctx)
+                with r.stop:  # its signal handlers live as long as the loop, and put the caller's back
+                    result = engine.train(r)
+                    if dist.is_initialized():
+                        dist.barrier()  # leave together: no rank tears its group down while another is in a collective
+            return result
+        finally:
+            set_sdpa_switches(attention)  # --attention's choice must not outlive the run either
 
 
 def exit_code(result: dict[str, Any]) -> int:

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, load_rows, render_prompt, reply_text
-from common import get_tokenizer, parse_config, run_and_exit, setup_distributed, user_errors
+from common import get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
 from fineweb import DataError
 from generate import calculator, generate
 from model import GPT
@@ -386,8 +386,7 @@ class TasksConfig:
 
 def score_tasks(cfg: TasksConfig) -> dict:
     """--eval: the checkpoint's accuracy on each task and their ChatCORE, printed by rank 0."""
-    owns_group = not dist.is_initialized()  # a caller's group is the caller's to destroy
-    try:
+    with own_process_group():
         with user_errors(OSError, ValueError, DataError, RuntimeError):
             rank, _, world, device = setup_distributed(cfg.device)
             model, named = GPT.load(cfg.eval, None).to(device), {}
@@ -402,9 +401,6 @@ def score_tasks(cfg: TasksConfig) -> dict:
         if rank == 0:
             print(f"ChatCORE {result['chatcore']:.4f} over {', '.join(named)} (nanochat's also has HumanEval)")
         return result
-    finally:
-        if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> dict | None:

@@ -56,15 +56,16 @@ def token_data(tmp_path_factory) -> Path:
     return make_token_data(tmp_path_factory.mktemp("tokens"))
 
 
-def make_token_data(out: Path) -> Path:
-    """A val shard and two train shards of random GPT-2 ids: enough windows for tiny runs on 1-3 ranks."""
+def make_token_data(out: Path, vocab: int = 50257) -> Path:
+    """A val shard and two train shards of random ids below `vocab` (GPT-2's by default): enough windows for tiny
+    runs on 1-3 ranks."""
     from fineweb import write_shard
 
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    write_shard(out / "rand_val_000000.bin", rng.integers(0, 50257, 8_000, dtype=np.uint16))
+    write_shard(out / "rand_val_000000.bin", rng.integers(0, vocab, 8_000, dtype=np.uint16))
     for i in (1, 2):
-        write_shard(out / f"rand_train_{i:06d}.bin", rng.integers(0, 50257, 20_000, dtype=np.uint16))
+        write_shard(out / f"rand_train_{i:06d}.bin", rng.integers(0, vocab, 20_000, dtype=np.uint16))
     return out
 
 

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from scale_script import BASE, LLAMA
@@ -16,8 +15,7 @@ import prune
 import rl
 import sft
 import train
-from conftest import run_torchrun
-from fineweb import write_shard
+from conftest import make_token_data, run_torchrun
 from model import GPT, MODEL_PRESETS
 from parallel import StepArgs
 from parallelize import data_rank, reorder, shard_problem
@@ -26,12 +24,7 @@ from parallelize import data_rank, reorder, shard_problem
 @pytest.fixture(scope="module")
 def tokens512(tmp_path_factory) -> Path:
     """Random ids below 512 (the tests' vocabulary): a val shard and two train shards."""
-    out = tmp_path_factory.mktemp("tokens512")
-    rng = np.random.default_rng(0)
-    write_shard(out / "rand_val_000000.bin", rng.integers(0, 512, 8_000, dtype=np.uint16))
-    for i in (1, 2):
-        write_shard(out / f"rand_train_{i:06d}.bin", rng.integers(0, 512, 20_000, dtype=np.uint16))
-    return out
+    return make_token_data(tmp_path_factory.mktemp("tokens512"), vocab=512)
 
 
 @pytest.fixture(scope="module")
