@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gzip
+import importlib.util
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -165,11 +166,14 @@ def local_split(path: Path, split: str) -> list[Path]:
     """A file itself, or `split`'s files in a directory, found by the patterns `datasets` uses (train*, *-test-*...)."""
     if path.is_file():
         return [path]
-    from datasets.data_files import DataFilesDict, get_data_patterns
-
     files = []
-    with contextlib.suppress(FileNotFoundError):  # no file of any split
-        files = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).get(split, [])
+    if importlib.util.find_spec("datasets") is None:  # a machine without it (the GPU image): the usual two layouts
+        files = sorted(f for p in (f"{split}.*", f"data/{split}-*") for f in path.glob(p) if f.is_file())
+    else:
+        from datasets.data_files import DataFilesDict, get_data_patterns
+
+        with contextlib.suppress(FileNotFoundError):  # no file of any split
+            files = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).get(split, [])
     if not files:
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
                         f"data/{split}-00000-of-00001.parquet")

@@ -111,6 +111,24 @@ def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
     assert source_kind("data/addition") == "local" and source_kind("someone/dataset") == "hub"
 
 
+@pytest.mark.parametrize("datasets_installed", [True, False])
+def test_a_directory_s_splits_are_found_with_or_without_datasets(tmp_path, monkeypatch, datasets_installed):
+    """The GPU image has no `datasets`: sft.py there found no split (2026-11-28). Its two usual layouts are globbed."""
+    if not datasets_installed:
+        for name in ["datasets", *(m for m in sys.modules if m.startswith("datasets."))]:
+            monkeypatch.setitem(sys.modules, name, None)  # an import of it raises; find_spec says None
+    flat, hub = tmp_path / "flat", tmp_path / "hub"
+    for f in (flat / "train.jsonl", flat / "test.jsonl", hub / "data" / "train-00000-of-00002.parquet",
+              hub / "data" / "train-00001-of-00002.parquet", hub / "data" / "test-00000-of-00001.parquet"):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"")
+    assert [f.name for f in cf.local_split(flat, "test")] == ["test.jsonl"]
+    names = ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
+    assert [f.name for f in cf.local_split(hub, "train")] == names
+    with pytest.raises(DataError, match=f"^{flat} has no validation split: expected files named like validation.jsonl"):
+        cf.local_split(flat, "validation")
+
+
 def test_a_hub_name_says_it_was_taken_for_one():
     code = ("import chat_format\ntry:\n    chat_format.load_rows('someone/no-such-dataset', 'train')\n"
             "except Exception as e:\n    print(type(e).__name__, e)")
