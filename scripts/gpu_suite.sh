@@ -4,17 +4,18 @@
 # environment report; the default is the first call:
 #   kernel-tests  TestCUDA of tests/test_fused_gelu.py and tests/test_fused_ce.py on the GPU (compiled kernels
 #                 against the reference: bias+GELU in bf16/fp16/fp32, cross-entropy in bf16/fp32; under torch.compile
-#                 too)                                                     fused_gelu: 19 s on an H200; fused_ce: not run
+#                 too)                                                     fused_gelu 19 s, fused_ce 26 s on an H200
 #   bench         bench.py --suite kernel,train: the kernels' GB/s, then GPT-2 124M, T=1024, bf16, the train variants
 #                 in BENCH_VARIANTS' order until BENCH_TIMEOUT; the table of the rows done   ~6 min (~25 s a row)
 #   train-tests   tests/test_gpu_train.py: train.py under torchrun/NCCL, compiled bf16 with the fused kernels and
 #                 the fused chunked loss, eval, samples, HellaSwag, checkpoint resume, ZeRO-1 and FSDP2
-#                                                                   156 s on an H200 (before --fused-ce was added)
+#                                                                   181 s on an H200 (2026-11-28)
 #   post-tests    tests/test_gpu_post.py: sft.py, prefs.py (reward model, DPO) and rl.py (GRPO, PPO) on CUDA, compiled
-#                 and bf16, each against an eager run, and RL's masked head compiled against eager        not yet run
+#                 and bf16, each against an eager run, and RL's masked head compiled against eager
+#                                                          114 s on an H200 as pytest -n 5 (2026-11-28)
 #   scale-tests   tests/test_scale.py's CUDA case: --tp 1 --pp 1 (DTensor on a one-rank mesh, a one-stage pipeline
 #                 schedule, the full-state checkpoint) against the plain model in fp32. One GPU runs no real split:
-#                 the multi-rank layouts are proved on CPU/gloo only                          not yet run on a GPU
+#                 the multi-rank layouts are proved on CPU/gloo only                    8.5 s on an H200
 # Logs and JSON go to $OUT (the device runner's result folder) or out/gpu_suite.
 #
 # Usage:
