@@ -95,4 +95,5 @@ def test_rl_takes_steps_and_its_masked_head_compiles_as_eager(algo, sft_run, tmp
     for a, b in ((want[0], got[0]), (want[2], got[2])):
         if a is not None:
             print(f"rl {algo}: compiled against eager, max |difference| {(a - b).abs().max().item():.2e}")
-            torch.testing.assert_close(b, a, atol=TOL, rtol=0)
+            # log-probs near -10 are 0.0625 apart in bf16: 4.5e-2 was seen on an H200, so allow a rounding in scale
+            torch.testing.assert_close(b, a, atol=TOL, rtol=2**-7 if GPU else 0)
