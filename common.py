@@ -44,19 +44,21 @@ TORCHAO_IMPORT_NOISE = (("torchao", r"Failed to load .*\.so"),
                         ("torch.utils._pytree", r".* is an Enum subclass and is now natively supported"))
 
 
+def torchao_missing(feature: str) -> str | None:
+    """Why `feature` cannot run here (torchao, an optional extra, is not installed), or None."""
+    return None if importlib.util.find_spec("torchao") else f"{feature} needs torchao: pip install torchao"
+
+
 def import_torchao(feature: str) -> Any:
-    """torchao, an optional extra imported only by the options that use it; missing, one line naming the pip command."""
-    filters = [(logging.getLogger(name), lambda r, p=re.compile(pattern): not p.match(r.getMessage()))
-               for name, pattern in TORCHAO_IMPORT_NOISE]
-    for log, keep in filters:
-        log.addFilter(keep)
-    try:
+    """torchao, imported only by the options that use it; missing, one line naming the pip command."""
+    if problem := torchao_missing(feature):
+        raise ImportError(problem)
+    with contextlib.ExitStack() as restore:
+        for name, pattern in TORCHAO_IMPORT_NOISE:
+            log, keep = logging.getLogger(name), lambda r, p=re.compile(pattern): not p.match(r.getMessage())
+            log.addFilter(keep)
+            restore.callback(log.removeFilter, keep)
         import torchao
-    except ImportError:
-        raise ImportError(f"{feature} needs torchao: pip install torchao") from None
-    finally:
-        for log, keep in filters:
-            log.removeFilter(keep)
     return torchao
 
 
@@ -547,11 +549,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 def check_crcs(path: Path) -> None:
     """Read every member of the checkpoint's zip against its stored CRC-32 (BadZipFile names the one that fails):
     torch.load does not, so rotted bytes would load as weights."""
-    try:
-        archive = zipfile.ZipFile(path)
-    except zipfile.BadZipFile:
+    if not zipfile.is_zipfile(path):
         return  # no archive to check (cut short, say): torch.load says what is wrong with it
-    with archive:
+    with zipfile.ZipFile(path) as archive:
         for info in archive.infolist():
             with archive.open(info) as member:
                 while member.read(1 << 24):

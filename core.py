@@ -25,7 +25,6 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +46,8 @@ from common import (
     setup_distributed,
     user_errors,
 )
+from fineweb import download
+from generate import evaluating
 from model import GPT
 from tasks import centered
 
@@ -93,20 +94,17 @@ def fetch_bundle(source: str, cache_dir: Path | None = None) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=f".{name}.") as tmp:
         zipped = Path(tmp) / "bundle.zip"
-        try:
-            with urllib.request.urlopen(source, timeout=60) as response, open(zipped, "wb") as f:
-                while chunk := response.read(1 << 20):
-                    f.write(chunk)
-            with zipfile.ZipFile(zipped) as z:
-                z.extractall(Path(tmp) / "unzipped")
-            found = next((Path(tmp) / "unzipped").rglob("core.yaml"), None)
-            if found is None:
-                raise ValueError(f"the zip at {source} holds no core.yaml")
-            with contextlib.suppress(OSError):  # another rank placed it first: theirs is kept
-                os.replace(found.parent, dest)
-        except (OSError, zipfile.BadZipFile) as e:
-            raise ConnectionError(f"could not fetch the eval bundle from {source} ({e}); offline, copy an unzipped "
-                                  "eval_bundle over and pass --bundle DIR") from None
+        offline = "offline, copy an unzipped eval_bundle over and pass --bundle DIR"
+        download(source, zipped, "the eval bundle", offline, ConnectionError)
+        if not zipfile.is_zipfile(zipped):
+            raise ConnectionError(f"could not download the eval bundle from {source} (not a zip file); {offline}")
+        with zipfile.ZipFile(zipped) as z:
+            z.extractall(Path(tmp) / "unzipped")
+        found = next((Path(tmp) / "unzipped").rglob("core.yaml"), None)
+        if found is None:
+            raise ValueError(f"the zip at {source} holds no core.yaml")
+        with contextlib.suppress(OSError):  # another rank placed it first: theirs is kept
+            os.replace(found.parent, dest)
     return fetch_bundle(str(dest))
 
 
@@ -227,9 +225,7 @@ def evaluate(model: GPT, tasks: list[CoreTask], rank: int = 0, world: int = 1,
     device, enc = next(model.parameters()).device, get_tokenizer()
     autocast = autocast or torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     results, centered_results = {}, {}
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         for task in tasks:
             t0 = time.perf_counter()
             results[task.label] = accuracy(model, enc, task, rank, world, device, autocast)
@@ -238,8 +234,6 @@ def evaluate(model: GPT, tasks: list[CoreTask], rank: int = 0, world: int = 1,
                 say(f"core: {task.label} ({task.shots}-shot {task.kind}, {len(task.rows)} rows): accuracy "
                     f"{results[task.label]:.4f} | centered {centered_results[task.label]:.4f} | "
                     f"{time.perf_counter() - t0:.1f} s")
-    finally:
-        model.train(was_training)
     core = sum(centered_results.values()) / len(centered_results)
     return {"results": results, "centered_results": centered_results, "core_metric": core}
 

@@ -89,6 +89,24 @@ def atomic_write(path: Path, *chunks: bytes | np.ndarray) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def download(url: str, dest: Path, what: str, offline: str, error: type[Exception] = DataError) -> Path:
+    """url's bytes into dest through atomic_write, so a cut download never leaves a file that looks complete. A failure
+    is one line: what could not be downloaded, why, and `offline`: what to do without a network."""
+    from tqdm import tqdm
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, \
+                tqdm(unit="B", unit_scale=True, desc=f"downloading {dest.name}", delay=1) as bar:
+            chunks = []
+            while chunk := response.read(1 << 20):
+                chunks.append(chunk)
+                bar.update(len(chunk))
+        atomic_write(dest, *chunks)
+    except OSError as e:  # urllib's URLError among them
+        raise error(f"could not download {what} from {url} ({e}); {offline}") from None
+    return dest
+
+
 def read_shard(path: str | os.PathLike) -> np.ndarray:
     """Memory-map a shard's tokens (uint16, never loaded whole) after checking its header against its size."""
     if not (path := Path(path)).is_file():
@@ -411,12 +429,7 @@ def source_files(cfg: FinewebConfig) -> list[Path] | None:
         raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is not a file; pass the path of a local copy of "
                         "tinyshakespeare.txt, or leave it out to download it")
     if kind == "shakespeare" and not shakespeare.is_file():
-        try:
-            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=60) as r:
-                atomic_write(shakespeare, r.read())
-        except OSError as e:  # urllib's URLError among them
-            raise DataError(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({e}); pass "
-                            "--shakespeare-path with a local copy") from None
+        download(SHAKESPEARE_URL, shakespeare, "Tiny Shakespeare", "pass --shakespeare-path with a local copy")
     files = {"stdlib": stdlib_files, "stdlib-docs": lambda: [stdlib_docstrings(cfg)],
              "shakespeare": lambda: [shakespeare], "local": lambda: local_files(cfg.source, cfg.out_dir)}
     return files.get(kind, lambda: None)()  # a hub dataset: None

@@ -19,7 +19,6 @@ import json
 import math
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from common import (
     setup_distributed,
     user_errors,
 )
-from fineweb import atomic_write
+from fineweb import download as fetch
 from generate import evaluating
 from model import GPT
 from parallel import check_flags
@@ -72,18 +71,8 @@ def download(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL) -> P
     if dest.is_file():
         return dest
     cache.mkdir(parents=True, exist_ok=True)
-    try:
-        with urllib.request.urlopen(url, timeout=60) as resp:
-            total, chunks = int(resp.headers.get("Content-Length") or 0) or None, []
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {dest.name}") as bar:
-                while chunk := resp.read(1 << 20):
-                    chunks.append(chunk)
-                    bar.update(len(chunk))
-        atomic_write(dest, *chunks)
-    except OSError as e:  # urllib's URLError among them
-        raise ConnectionError(f"could not download HellaSwag from {url} ({e}); on an offline machine copy "
-                              f"hellaswag_val.jsonl over and pass --data PATH (or place it at {dest})") from e
-    return dest
+    return fetch(url, dest, "HellaSwag", f"on an offline machine copy hellaswag_val.jsonl over and pass --data PATH "
+                 f"(or place it at {dest})", ConnectionError)
 
 
 def _check(ex: Any, where: str) -> None:

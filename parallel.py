@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from common import LOCAL, import_torchao, tensor_bytes
+from common import LOCAL, import_torchao, tensor_bytes, torchao_missing
 from parallelize import flag_problem, shard
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
@@ -402,11 +402,7 @@ def adamw8bit_problem(parallel: str) -> str | None:
     if parallel == "fsdp":
         return ("--optimizer adamw8bit does not support --parallel fsdp here (8-bit states of sharded tensors do not "
                 "go through the full-state checkpoint); use --parallel zero1, which shards the 8-bit state too, or ddp")
-    try:
-        import_torchao("--optimizer adamw8bit")
-    except ImportError as e:
-        return str(e)
-    return None
+    return torchao_missing("--optimizer adamw8bit")
 
 
 # name -> (builder of (param groups, optimizer class, its options), why it cannot run with --parallel X or None)

@@ -486,13 +486,10 @@ def hold_out_dir(cfg: RunArgs, rank: int, world: int) -> Iterator[None]:
             problem = str(e)
         except OSError as e:
             problem = f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to"
-    try:
+    with lock or contextlib.nullcontext():  # the lock file closes, and the lock goes, when the run ends
         if problem := shared_problem(problem, world):
             raise ValueError(problem)
         yield
-    finally:
-        if lock is not None:
-            lock.close()
 
 
 def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], Any]], setup: Callable[..., Run],
@@ -536,19 +533,16 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
 def run(cfg: RunArgs, setup: Callable[[Any, Context], Run]) -> dict[str, Any]:
     """Train (or evaluate) as cfg says, from Python: errors stay exceptions. It joins the default process group, or
     creates it and destroys it at the end. Returns engine.train()'s result, the same on every rank."""
-    with own_process_group():
+    with own_process_group(), contextlib.ExitStack() as restore:
         ctx = Context(*setup_distributed(cfg.device, cfg.dist_timeout))
-        attention = sdpa_switches()
-        try:
-            with hold_out_dir(cfg, ctx.rank, ctx.world):
-                r = setup(cfg, ctx)
-                with r.stop:  # its signal handlers live as long as the loop, and put the caller's back
-                    result = engine.train(r)
-                    if dist.is_initialized():
-                        dist.barrier()  # leave together: no rank tears its group down while another is in a collective
-            return result
-        finally:
-            set_sdpa_switches(attention)  # --attention's choice must not outlive the run either
+        restore.callback(set_sdpa_switches, sdpa_switches())  # --attention's choice must not outlive the run either
+        with hold_out_dir(cfg, ctx.rank, ctx.world):
+            r = setup(cfg, ctx)
+            with r.stop:  # its signal handlers live as long as the loop, and put the caller's back
+                result = engine.train(r)
+                if dist.is_initialized():
+                    dist.barrier()  # leave together: no rank tears its group down while another is in a collective
+        return result
 
 
 def exit_code(result: dict[str, Any]) -> int:

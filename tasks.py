@@ -57,7 +57,7 @@ import torch.distributed as dist
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, load_rows, render_prompt, reply_text
 from common import get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
 from fineweb import DataError
-from generate import calculator, generate
+from generate import calculator, evaluating, generate
 from model import GPT
 
 
@@ -238,15 +238,11 @@ def chat_core(model: Any, named: dict[str, tuple[Any, list[dict]]], rank: int = 
               autocast: contextlib.AbstractContextManager | None = None, max_new_tokens: int = 512) -> dict:
     """{"results": {name: accuracy}, "centered_results": {name: centered by the task's chance}, "chatcore": their
     mean} over the tasks given, each (task, problems): nanochat's ChatCORE over those tasks. Every rank calls it."""
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         results = {name: (choose(model, problems, rank, world, autocast=autocast)
                           if isinstance(task, MultipleChoice) else
                           evaluate(model, task, problems, rank, world, max_new_tokens, autocast=autocast))["acc"]
                    for name, (task, problems) in named.items()}
-    finally:
-        model.train(was_training)
     centered_results = {name: centered(acc, getattr(named[name][0], "baseline", 0.0)) for name, acc in results.items()}
     return {"results": results, "centered_results": centered_results,
             "chatcore": sum(centered_results.values()) / len(centered_results)}
@@ -407,14 +403,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     cfg = parse_config(TasksConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
     if cfg.eval:
         return score_tasks(cfg)
-    try:
-        task = load_task(cfg.task)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
     out = Path(cfg.out_dir or f"data/{cfg.task.rpartition(':')[2].lower()}")
     pairs = out.with_name(out.name + "_pairs")  # beside, not inside: a directory is one dataset of one schema
     try:  # every row first: a split that cannot be made leaves nothing written
-        files = {}
+        task, files = load_task(cfg.task), {}
         for split in ("train", "test"):
             files[out / f"{split}.jsonl"] = task.examples(split)[:cfg.limit or None]
             if cfg.pairs:

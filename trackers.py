@@ -5,7 +5,7 @@ record's step. Both packages are optional and imported only when asked for. open
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import os
 import secrets
@@ -34,11 +34,8 @@ def scalars(record: dict) -> dict[str, float]:
 def missing_package(tensorboard: bool, wandb_project: str) -> str | None:
     """Why --tensorboard or --wandb cannot run here (its package is not installed), or None."""
     for flag, package, wanted in (("--tensorboard", "tensorboard", tensorboard), ("--wandb", "wandb", wandb_project)):
-        if wanted:
-            try:
-                importlib.import_module(package)
-            except ImportError:
-                return f"{flag} needs the {package} package: pip install {package}"
+        if wanted and importlib.util.find_spec(package) is None:
+            return f"{flag} needs the {package} package: pip install {package}"
     return None
 
 

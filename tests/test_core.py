@@ -135,7 +135,7 @@ def test_the_bundle_downloads_once_from_a_zip_url(bundle, ckpt, tmp_path):
         (bundle / "core.yaml").read_text()
     archive.unlink()
     assert core.fetch_bundle(url, cache) == kept
-    with pytest.raises(SystemExit, match="could not fetch the eval bundle from file://.*; offline, copy an unzipped"):
+    with pytest.raises(SystemExit, match="could not download the eval bundle from file://.*; offline, copy an "):
         core.main(["--ckpt", str(ckpt), "--bundle", url + ".gone", "--cache-dir", str(cache)])
     with pytest.raises(SystemExit, match="has no core.yaml"):
         core.main(["--ckpt", str(ckpt), "--bundle", str(tmp_path)])
