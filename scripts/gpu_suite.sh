@@ -28,6 +28,9 @@
 #                                                                   # pruning (not yet run): random GPT-2 124M in bf16,
 #                                                                   # dense, magnitude, structured, 2:4 with dense kernels
 #                                                                   # and 2:4 as semi-structured sparse tensors
+# TESTS_AT_ONCE=1 runs the chosen test stages side by side (about 210 s for all four on an H200, 2026-11-28, against
+# about 450 s one after another), then bench alone: STAGES=kernel-tests,train-tests,post-tests,scale-tests,bench
+# TESTS_AT_ONCE=1 bash scripts/gpu_suite.sh fits one call, with about 350 s left for bench's rows.
 # TESTS_K, when set, is pytest's -k for the test stages (e.g. TESTS_K="zero1 or fsdp" for a second train-tests
 # call if the first ran out of time; kernel-tests default to TestCUDA: the interpreter's tests are CPU work). Needs
 # python with torch (CUDA), triton and numpy (train.py imports fineweb.py);
@@ -106,6 +109,26 @@ run_pytest() {  # run_pytest NAME FILE TIMEOUT
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || { echo "$1: pytest exit $rc (124 = timeout, 5 = no tests ran)"; status=1; }
 }
+
+if [ -n "${TESTS_AT_ONCE:-}" ]; then
+    # the test stages compile small models and barely load the GPU: each runs as its own copy of this script, all at
+    # once (own OUT and TMPDIR), then bench alone. Their folders go into one tests.tgz: the runner returns 8 files
+    names=() pids=()
+    for s in kernel-tests train-tests post-tests scale-tests; do
+        want "$s" || continue
+        mkdir -p "$OUT/$s" "${TMPDIR:-/tmp}/gpu_suite_$s"
+        TESTS_AT_ONCE='' GPU_SUITE_LOGGING=1 TMPDIR="${TMPDIR:-/tmp}/gpu_suite_$s" OUT="$OUT/$s" STAGES="$s" \
+            LIMIT=$(( LIMIT - SECONDS )) bash "$SELF" > "$OUT/$s/gpu_suite.log" 2>&1 &
+        names+=("$s"); pids+=($!)
+    done
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}" || status=1
+        stage "${names[$i]} (ran beside the others; its log: tests.tgz)"
+        grep -E "passed|failed|skipped|errors? in|difference|exit [0-9]" "$OUT/${names[$i]}/gpu_suite.log" | tail -15
+    done
+    [ ${#names[@]} -eq 0 ] || { tar czf "$OUT/tests.tgz" -C "$OUT" "${names[@]}" && (cd "$OUT" && rm -rf "${names[@]}"); }
+    if want bench; then STAGES=bench; else STAGES=none; fi
+fi
 
 if want kernel-tests; then
     stage "fused_gelu tests on the GPU (TestCUDA: bf16/fp16/fp32 against the reference, under torch.compile too)"
