@@ -22,7 +22,8 @@ from common import iter_log, parse_config, user_errors
 GPT2_124M_HELLASWAG = 0.2955
 GPT3_SMALL_HELLASWAG = 0.337
 Y_LABELS = {"loss": "loss", "bpb": "val bits per byte", "lr": "learning rate", "hellaswag": "HellaSwag acc_norm",
-            "reward": "reward (mean, +-1 std shaded)", "task": "held-out accuracy", "core": "CORE"}
+            "reward": "reward (mean, +-1 std shaded)", "task": "held-out accuracy", "core": "CORE",
+            "chatcore": "ChatCORE"}
 
 
 @dataclass
@@ -69,7 +70,7 @@ def plot(cfg: PlotConfig) -> Path:
     wanted = {"bpb": lambda c: any("val_bpb" in r for r in c.get("val", [])),
               "lr": lambda c: any("lr" in r for r in c["train"]), "reward": lambda c: any("reward" in r for r in
               c["train"]), "hellaswag": lambda c: c.get("hellaswag"), "task": lambda c: c.get("task"),
-              "core": lambda c: c.get("core")}
+              "core": lambda c: c.get("core"), "chatcore": lambda c: c.get("chatcore")}
     names = ["loss", *(name for name, has in wanted.items() if any(has(curves) for _, curves in runs))]
     fig = Figure(figsize=(6 * len(names) + 1, 4.5))
     axes = list(fig.subplots(1, len(names), squeeze=False)[0])
@@ -151,9 +152,10 @@ def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], name: str, i: int, 
     if hs := curves.get("hellaswag", []):
         panel["hellaswag"].plot([r[cfg.x] for r in hs], [r["acc_norm"] for r in hs], "o-", color=colors[2],
                                 markersize=3, label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")
-    if scored := curves.get("core", []):
-        panel["core"].plot([r[cfg.x] for r in scored], [r["core_metric"] for r in scored], "o-", color=colors[2],
-                           markersize=3, label=f"{prefix}CORE (last {scored[-1]['core_metric']:.4f})")
+    for kind, key in (("core", "core_metric"), ("chatcore", "chatcore")):
+        if scored := curves.get(kind, []):
+            panel[kind].plot([r[cfg.x] for r in scored], [r[key] for r in scored], "o-", color=colors[2], markersize=3,
+                             label=f"{prefix}{Y_LABELS[kind]} (last {scored[-1][key]:.4f})")
     draw_rl(cfg, curves, prefix, colors, panel)
     start = xs[len(xs) // 10] if len(xs) >= 10 else float("-inf")  # a short run keeps its start in view
     return [y for _, y in points], [y for x, y in points if x >= start]

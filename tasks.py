@@ -380,15 +380,22 @@ class TasksConfig:
             raise ValueError(f"--pairs needs a task that makes wrong replies (wrong(answer, rng)), not {self.task}")
 
 
+def named_tasks(specs: str, split: str, limit: int = 0) -> dict[str, tuple[Any, list[dict]]]:
+    """NAME or NAME=FILE (a local copy in the hub's schema), comma-separated: each task and the first `limit` problems
+    of its `split` in nanochat's order (0: all)."""
+    named = {}
+    for name, _, source in (spec.partition("=") for spec in specs.split(",")):
+        task = load_task(name)
+        named[name] = (task, nanochat_order(task.examples(split, source) if source else task.examples(split), limit))
+    return named
+
+
 def score_tasks(cfg: TasksConfig) -> dict:
     """--eval: the checkpoint's accuracy on each task and their ChatCORE, printed by rank 0."""
     with own_process_group():
         with user_errors(OSError, ValueError, DataError, RuntimeError):
             rank, _, world, device = setup_distributed(cfg.device)
-            model, named = GPT.load(cfg.eval, None).to(device), {}
-            for name, _, source in (spec.partition("=") for spec in cfg.tasks.split(",")):
-                task = load_task(name)
-                named[name] = (task, nanochat_order(task.examples(cfg.split, source), cfg.limit))
+            model, named = GPT.load(cfg.eval, None).to(device), named_tasks(cfg.tasks, cfg.split, cfg.limit)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
         result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)
         for name, acc in result["results"].items() if rank == 0 else ():

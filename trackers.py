@@ -21,14 +21,16 @@ from common import checkpoints, iter_log, same_verdict, write_error
 SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu", "accuracy", "margin", "reward", "reward_std", "kl",
                      "clip_frac", "entropy", "length", "value_loss", "rollout_tok_s", "update_tok_s"),
            "val": ("val_loss", "val_bpb", "val_accuracy", "val_margin"), "hellaswag": ("acc", "acc_norm"),
-           "task": ("acc",), "core": ("core_metric",)}
+           "task": ("acc",), "core": ("core_metric",), "chatcore": ("chatcore",)}
 
 
 def scalars(record: dict) -> dict[str, float]:
     """The record's scalars by tag: {"train/loss": 10.9, "train/lr": 6e-05, ...}; a None (no MFU on CPU) is left out."""
     kind = record["type"]
     keys = [*SCALARS.get(kind, ()), *(key for key in record if kind == "task" and key.startswith("pass@"))]
-    return {f"{kind}/{key.removeprefix(kind + '_')}": float(record[key]) for key in keys if record.get(key) is not None}
+    each_task = {f"{kind}/{name}": float(acc) for name, acc in record.get("results", {}).items()}  # CORE's, ChatCORE's
+    return {**{f"{kind}/{key.removeprefix(kind + '_')}": float(record[key]) for key in keys
+               if record.get(key) is not None}, **each_task}
 
 
 def missing_package(tensorboard: bool, wandb_project: str) -> str | None:

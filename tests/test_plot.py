@@ -235,3 +235,22 @@ def test_plot_draws_an_rl_runs_reward_and_the_task_accuracy(tmp_path, monkeypatc
     log.write_text("".join(json.dumps(r) + "\n" for r in [*sft, records[3]]))
     plot.main(["--log", str(log)])
     assert [ax.get_ylabel() for ax in figures[0].axes] == ["loss", "learning rate", "held-out accuracy"]
+
+
+def test_plot_draws_chatcore_and_core_on_panels_of_their_own(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: figures.append(self))
+    records = [{"type": "train", "step": s, "tokens": s, "loss": 1.0} for s in range(3)]
+    records += [{"type": "chatcore", "step": s, "chatcore": c, "results": {"mmlu": 0.5}}
+                for s, c in ((0, 0.1), (2, 0.3))]
+    records += [{"type": "core", "step": 2, "core_metric": 0.05, "results": {"arc_easy": 0.4}}]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot.main(["--log", str(log)])
+    (fig,) = figures
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "CORE", "ChatCORE"]
+    (core,), (chatcore,) = fig.axes[1].get_lines(), fig.axes[2].get_lines()
+    assert (list(chatcore.get_xdata()), list(chatcore.get_ydata())) == ([0, 2], [0.1, 0.3])
+    assert chatcore.get_label() == "ChatCORE (last 0.3000)" and core.get_label() == "CORE (last 0.0500)"

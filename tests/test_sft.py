@@ -73,6 +73,26 @@ def test_sft_on_two_ranks_equals_one_process(conversations, tmp_path):
     assert losses == pytest.approx(single, abs=1e-5)
 
 
+def test_several_tasks_are_scored_as_chatcore(conversations, tmp_path, capsys):
+    from dataclasses import asdict
+
+    from test_tasks import ARC_ROWS, GSM8K_ROWS, MMLU_ROWS, chat_bigram, write_rows
+
+    model, ckpt = chat_bigram(), tmp_path / "chat.pt"  # replies "B 4" to anything
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "step": 0}, ckpt)
+    files = (("mmlu", MMLU_ROWS), ("arc-easy", ARC_ROWS), ("gsm8k", GSM8K_ROWS))
+    spec = ",".join(f"{name}={write_rows(tmp_path / f'{name}.jsonl', rows)}" for name, rows in files)
+    record = sft.main(flags(conversations, tmp_path / "out", f"--init-from={ckpt}", "--model=", f"--task={spec}",
+                            "--task-limit=4", "--eval-only"))["chatcore"]
+    # the letters' logits say B: 2 of 4 MMLU answers, 1 of 2 ARC's; "B 4" holds 2 of 3 GSM8K answers; centered by
+    # chance (1/4, 1/4, 0): 1/3, 1/3, 2/3, whose mean is ChatCORE
+    assert record["results"] == pytest.approx({"mmlu": 0.5, "arc-easy": 0.5, "gsm8k": 2 / 3})
+    assert record["chatcore"] == pytest.approx(4 / 9)
+    assert "| ChatCORE 0.4444 | mmlu 0.5000 | arc-easy 0.5000 | gsm8k 0.6667" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--task must be one of .*got 'nope'"):
+        sft.SFTConfig(task="mmlu,nope")
+
+
 def test_an_hf_gpt2_is_padded_for_the_chat_tokens(conversations, hf_dir, tmp_path):
     result = sft.main(flags(conversations, tmp_path / "out", f"--init-from={hf_dir}", "--model=", "--max-steps=2",
                           "--eval-every=0", "--seq-len=32", "--total-batch-size=256", "--batch-size=8"))

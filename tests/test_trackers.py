@@ -73,6 +73,12 @@ def test_scalars_are_named_by_record_type():
         {"task/acc": 0.5, "task/pass@8": 0.75}
     assert trackers.scalars({"type": "val", "step": 4, "val_loss": 0.6, "val_accuracy": 0.7, "val_margin": 0.2}) == \
         {"val/loss": 0.6, "val/accuracy": 0.7, "val/margin": 0.2}
+    # ChatCORE (sft.py/prefs.py --task A,B) and CORE: the mean and each task's accuracy
+    assert trackers.scalars({"type": "chatcore", "step": 5, "results": {"mmlu": 0.5, "gsm8k": 0.25},
+                             "centered_results": {"mmlu": 1 / 3, "gsm8k": 0.25}, "chatcore": 0.29}) == \
+        {"chatcore/chatcore": 0.29, "chatcore/mmlu": 0.5, "chatcore/gsm8k": 0.25}
+    assert trackers.scalars({"type": "core", "step": 5, "results": {"arc_easy": 0.4}, "core_metric": 0.2}) == \
+        {"core/metric": 0.2, "core/arc_easy": 0.4}
 
 
 def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_data, tmp_path, monkeypatch):
