@@ -162,21 +162,28 @@ def load_rows(source: str, split: str, config: str | None = None) -> Any:
     return rows
 
 
+# where a directory keeps a split's files, for machines without `datasets` (the GPU image): the first layout that
+# matches wins (train.jsonl, train-0.parquet, data/..., train/0.jsonl, HH-RLHF's helpful-base/train.jsonl.gz, ...)
+SPLIT_LAYOUTS = ("{s}.*", "{s}[-_]*", "data/{s}.*", "data/{s}[-_]*", "{s}/*", "*/{s}.*", "*/{s}/*")
+
+
 def local_split(path: Path, split: str) -> list[Path]:
     """A file itself, or `split`'s files in a directory, found by the patterns `datasets` uses (train*, *-test-*...)."""
     if path.is_file():
         return [path]
-    files = []
-    if importlib.util.find_spec("datasets") is None:  # a machine without it (the GPU image): the usual two layouts
-        files = sorted(f for p in (f"{split}.*", f"data/{split}-*") for f in path.glob(p) if f.is_file())
-    else:
+    files, without = [], importlib.util.find_spec("datasets") is None
+    for pattern in SPLIT_LAYOUTS if without else ():
+        files = files or sorted(f for f in path.glob(pattern.format(s=split)) if f.is_file() and f.name[0] != "."
+                                and f.name.endswith((".jsonl", ".json", ".parquet", ".gz")))  # what read_local reads
+    if not without:
         from datasets.data_files import DataFilesDict, get_data_patterns
 
         with contextlib.suppress(FileNotFoundError):  # no file of any split
             files = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).get(split, [])
     if not files:
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
-                        f"data/{split}-00000-of-00001.parquet")
+                        f"data/{split}-00000-of-00001.parquet" + (" (`datasets` is not installed: pip install "
+                                                                  "datasets for its other layouts)" if without else ""))
     return [Path(f) for f in files]
 
 

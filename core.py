@@ -96,10 +96,11 @@ def fetch_bundle(source: str, cache_dir: Path | None = None) -> Path:
         zipped = Path(tmp) / "bundle.zip"
         offline = "offline, copy an unzipped eval_bundle over and pass --bundle DIR"
         download(source, zipped, "the eval bundle", offline, ConnectionError)
-        if not zipfile.is_zipfile(zipped):
-            raise ConnectionError(f"could not download the eval bundle from {source} (not a zip file); {offline}")
-        with zipfile.ZipFile(zipped) as z:
-            z.extractall(Path(tmp) / "unzipped")
+        try:  # a damaged member passes is_zipfile and fails here; a full disk too
+            with zipfile.ZipFile(zipped) as z:
+                z.extractall(Path(tmp) / "unzipped")
+        except (zipfile.BadZipFile, OSError) as e:
+            raise ConnectionError(f"could not unzip the eval bundle from {source} ({e}); {offline}") from None
         found = next((Path(tmp) / "unzipped").rglob("core.yaml"), None)
         if found is None:
             raise ValueError(f"the zip at {source} holds no core.yaml")

@@ -103,7 +103,7 @@ def download(url: str, dest: Path, what: str, offline: str, error: type[Exceptio
                 bar.update(len(chunk))
         atomic_write(dest, *chunks)
     except OSError as e:  # urllib's URLError among them
-        raise error(f"could not download {what} from {url} ({e}); {offline}") from None
+        raise error(f"could not download {what} from {url} ({e}); {offline}") from e  # train.py reports the cause
     return dest
 
 

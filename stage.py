@@ -536,8 +536,8 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
     except torch.cuda.OutOfMemoryError as e:  # the usual first failure on a new GPU: say what to change
         at = f"--batch-size {cfg.batch_size}: lower it (gradient accumulation keeps --total-batch-size)" \
             if isinstance(cfg, StageArgs) else f"--rollout-batch {cfg.rollout_batch}: lower it or raise --minibatches"
-        message = (f"error: out of GPU memory at {at}, or add --recompute mlp or --fused-ce --loss-chunk 16384; the "
-                   "README's 'Micro-batch by GPU memory' has starting points"
+        message = (f"error: out of GPU memory at {at}, or add --recompute mlp (every stage takes it); the README's "
+                   "'Micro-batch by GPU memory' has starting points"
                    f"\n(torch: {(str(e) or ' ').splitlines()[0]})")
     except RuntimeError as e:  # gloo's raw traceback for a rank that never came (NCCL's watchdog aborts by itself)
         if not (dist.is_initialized() or "RANK" in os.environ) or "timed out" not in str(e).lower():

@@ -110,21 +110,21 @@ run_pytest() {  # run_pytest NAME FILE TIMEOUT
     [ "$rc" -eq 0 ] || { echo "$1: pytest exit $rc (124 = timeout, 5 = no tests ran)"; status=1; }
 }
 
-if [ -n "${TESTS_AT_ONCE:-}" ]; then
+if [ "${TESTS_AT_ONCE:-0}" = 1 ]; then
     # the test stages compile small models and barely load the GPU: each runs as its own copy of this script, all at
     # once (own OUT and TMPDIR), then bench alone. Their folders go into one tests.tgz: the runner returns 8 files
     names=() pids=()
     for s in kernel-tests train-tests post-tests scale-tests; do
         want "$s" || continue
         mkdir -p "$OUT/$s" "${TMPDIR:-/tmp}/gpu_suite_$s"
-        TESTS_AT_ONCE='' GPU_SUITE_LOGGING=1 TMPDIR="${TMPDIR:-/tmp}/gpu_suite_$s" OUT="$OUT/$s" STAGES="$s" \
+        TESTS_AT_ONCE=0 GPU_SUITE_LOGGING=1 TMPDIR="${TMPDIR:-/tmp}/gpu_suite_$s" OUT="$OUT/$s" STAGES="$s" \
             LIMIT=$(( LIMIT - SECONDS )) bash "$SELF" > "$OUT/$s/gpu_suite.log" 2>&1 &
         names+=("$s"); pids+=($!)
     done
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}" || status=1
         stage "${names[$i]} (ran beside the others; its log: tests.tgz)"
-        grep -E "passed|failed|skipped|errors? in|difference|exit [0-9]" "$OUT/${names[$i]}/gpu_suite.log" | tail -15
+        grep -E "passed|failed|FAILED|ERROR|skipped|errors? in|difference|exit [0-9]" "$OUT/${names[$i]}/gpu_suite.log" | tail -15
     done
     [ ${#names[@]} -eq 0 ] || { tar czf "$OUT/tests.tgz" -C "$OUT" "${names[@]}" && (cd "$OUT" && rm -rf "${names[@]}"); }
     if want bench; then STAGES=bench; else STAGES=none; fi

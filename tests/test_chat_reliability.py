@@ -117,12 +117,15 @@ def test_a_directory_s_splits_are_found_with_or_without_datasets(tmp_path, monke
     if not datasets_installed:
         for name in ["datasets", *(m for m in sys.modules if m.startswith("datasets."))]:
             monkeypatch.setitem(sys.modules, name, None)  # an import of it raises; find_spec says None
-    flat, hub = tmp_path / "flat", tmp_path / "hub"
-    for f in (flat / "train.jsonl", flat / "test.jsonl", hub / "data" / "train-00000-of-00002.parquet",
-              hub / "data" / "train-00001-of-00002.parquet", hub / "data" / "test-00000-of-00001.parquet"):
+    flat, hub, hh = tmp_path / "flat", tmp_path / "hub", tmp_path / "hh"
+    for f in (flat / "train.jsonl", flat / "test.jsonl", flat / ".test.jsonl.swp",
+              hub / "data" / "train-00000-of-00002.parquet", hub / "data" / "train-00001-of-00002.parquet",
+              hub / "data" / "test-00000-of-00001.parquet", hh / "helpful-base" / "train.jsonl.gz",
+              hh / "harmless-base" / "train.jsonl.gz", hh / "harmless-base" / "test.jsonl.gz"):
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_bytes(b"")
     assert [f.name for f in cf.local_split(flat, "test")] == ["test.jsonl"]
+    assert [f.parent.name for f in cf.local_split(hh, "train")] == ["harmless-base", "helpful-base"]  # HH-RLHF's
     names = ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
     assert [f.name for f in cf.local_split(hub, "train")] == names
     with pytest.raises(DataError, match=f"^{flat} has no validation split: expected files named like validation.jsonl"):

@@ -139,6 +139,15 @@ def test_the_bundle_downloads_once_from_a_zip_url(bundle, ckpt, tmp_path):
         core.main(["--ckpt", str(ckpt), "--bundle", url + ".gone", "--cache-dir", str(cache)])
     with pytest.raises(SystemExit, match="has no core.yaml"):
         core.main(["--ckpt", str(ckpt), "--bundle", str(tmp_path)])
+    # a zip whose member rotted in transit passes zipfile.is_zipfile; unzipping it is the same one line
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("eval_bundle/core.yaml", "x" * 100)
+    data = bytearray(archive.read_bytes())
+    data[data.find(b"xxxx")] = ord("y")
+    archive.write_bytes(bytes(data))
+    with pytest.raises(ConnectionError, match=r"could not unzip the eval bundle from file://.* \(Bad CRC-32"):
+        core.fetch_bundle(url, tmp_path / "other")
+    assert list((tmp_path / "other").iterdir()) == []  # the temporary folder is gone
 
 
 @pytest.mark.slow

@@ -1691,8 +1691,7 @@ def test_out_of_gpu_memory_says_what_to_change(token_data, tmp_path, monkeypatch
     assert e.value.code == 1
     assert capsys.readouterr().err.splitlines() == [
         "error: out of GPU memory at --batch-size 4: lower it (gradient accumulation keeps --total-batch-size), or "
-        "add --recompute mlp or --fused-ce --loss-chunk 16384; the README's 'Micro-batch by GPU memory' has "
-        "starting points",
+        "add --recompute mlp (every stage takes it); the README's 'Micro-batch by GPU memory' has starting points",
         "(torch: CUDA out of memory. Tried to allocate 6.14 GiB. GPU 0 has a total capacity of 79.19 GiB)"]
 
 
