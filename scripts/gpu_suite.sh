@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in calls that each fit a 10-minute limit; a session has about 15 minutes of device time, a machine
 # takes a minute or two to start and stays warm 30 s after a call. STAGES (comma list) picks what runs after the
-# environment report; the default is the first call:
+# environment report; the default runs all five in one call, the four test stages side by side, then bench alone:
 #   kernel-tests  TestCUDA of tests/test_fused_gelu.py and tests/test_fused_ce.py on the GPU (compiled kernels
 #                 against the reference: bias+GELU in bf16/fp16/fp32, cross-entropy in bf16/fp32; under torch.compile
 #                 too)                                                     fused_gelu 19 s, fused_ce 26 s on an H200
@@ -12,15 +12,15 @@
 #                                                                   181 s on an H200 (2026-11-28)
 #   post-tests    tests/test_gpu_post.py: sft.py, prefs.py (reward model, DPO) and rl.py (GRPO, PPO) on CUDA, compiled
 #                 and bf16, each against an eager run, and RL's masked head compiled against eager
-#                                                          114 s on an H200 as pytest -n 5 (2026-11-28)
+#                 (one pytest worker per test where pytest-xdist is there)   114 s on an H200 as -n 5 (2026-11-28)
 #   scale-tests   tests/test_scale.py's CUDA case: --tp 1 --pp 1 (DTensor on a one-rank mesh, a one-stage pipeline
 #                 schedule, the full-state checkpoint) against the plain model in fp32. One GPU runs no real split:
 #                 the multi-rank layouts are proved on CPU/gloo only                    8.5 s on an H200
 # Logs and JSON go to $OUT (the device runner's result folder) or out/gpu_suite.
 #
 # Usage:
-#   bash scripts/gpu_suite.sh                                       # kernel-tests,bench
-#   STAGES=train-tests,post-tests,scale-tests bash scripts/gpu_suite.sh   # the second call
+#   bash scripts/gpu_suite.sh                                       # every stage: the first call of a session
+#   STAGES=train-tests TESTS_K="zero1 or fsdp" bash scripts/gpu_suite.sh   # a test stage again, alone
 #   STAGES=bench bash scripts/gpu_suite.sh --suite train --variants compile-b16,compile-b32,eager+fused
 #                                                                   # a further call: arguments replace the default
 #                                                                   # --suite and --variants
@@ -28,9 +28,9 @@
 #                                                                   # pruning (not yet run): random GPT-2 124M in bf16,
 #                                                                   # dense, magnitude, structured, 2:4 with dense kernels
 #                                                                   # and 2:4 as semi-structured sparse tensors
-# TESTS_AT_ONCE=1 runs the chosen test stages side by side (about 210 s for all four on an H200, 2026-11-28, against
-# about 450 s one after another), then bench alone: STAGES=kernel-tests,train-tests,post-tests,scale-tests,bench
-# TESTS_AT_ONCE=1 bash scripts/gpu_suite.sh fits one call, with about 350 s left for bench's rows.
+# TESTS_AT_ONCE=1 (the default; 0 runs them in turn) runs the chosen test stages side by side, each a copy of this
+# script with its own OUT and TMPDIR, their logs packed into tests.tgz: about 210 s for all four on an H200
+# (2026-11-28, by hand) against about 450 s one after another, which leaves bench about 350 s of a call.
 # TESTS_K, when set, is pytest's -k for the test stages (e.g. TESTS_K="zero1 or fsdp" for a second train-tests
 # call if the first ran out of time; kernel-tests default to TestCUDA: the interpreter's tests are CPU work). Needs
 # python with torch (CUDA), triton and numpy (train.py imports fineweb.py);
@@ -54,7 +54,7 @@ LIMIT="${LIMIT:-585}"  # seconds this call may take in all: the device runner ki
 # shrinks to what is left of LIMIT when bench starts, so that a slow earlier stage cannot push bench.py past the
 # runner's kill: the JSON holds every finished row, and the table of them is printed after the stop.
 BENCH_TIMEOUT_MAX="${BENCH_TIMEOUT:-420}"
-STAGES="${STAGES:-kernel-tests,bench}"
+STAGES="${STAGES:-kernel-tests,train-tests,post-tests,scale-tests,bench}"
 # the train rows that answer the 600K question first (eager, compile, the kernels), then the candidates for the
 # largest costs; the time limit drops the tail. decode, int8, prune and hellaswag are for a later call (--suite ...)
 BENCH_VARIANTS="${BENCH_VARIANTS:-eager,compile,compile+fused,compile+fused-ce,compile+half-residual,compile+all,\
@@ -98,19 +98,20 @@ left() {  # left MAX: MAX seconds, or what is left of LIMIT if that is less (at 
     local t=$(( LIMIT - SECONDS )); t=$(( t < $1 ? t : $1 )); echo $(( t > 1 ? t : 1 ))
 }
 
-run_pytest() {  # run_pytest NAME FILE TIMEOUT
+run_pytest() {  # run_pytest NAME FILE TIMEOUT [pytest's own arguments]
     if ! "$PY" -c "import pytest" 2>/dev/null; then
         echo "skipped: pytest is not installed"; status=1; return
     fi
     # TRITON_INTERPRET must be unset: the kernels are to be compiled for the GPU, not interpreted. -s: the tests
     # print what they measured (loss differences, tok/s)
-    env -u TRITON_INTERPRET timeout "$3" "$PY" -m pytest "$2" -q -s -ra -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
-        --junitxml="$OUT/junit_$1.xml" 2>&1
+    local shown=(-s); [ $# -gt 3 ] && shown=()  # under xdist, -rP shows what the tests printed; -s would drop it
+    env -u TRITON_INTERPRET timeout "$3" "$PY" -m pytest "$2" -q "${shown[@]}" -ra -p no:cacheprovider \
+        ${TESTS_K:+-k "$TESTS_K"} --junitxml="$OUT/junit_$1.xml" "${@:4}" 2>&1
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || { echo "$1: pytest exit $rc (124 = timeout, 5 = no tests ran)"; status=1; }
 }
 
-if [ "${TESTS_AT_ONCE:-0}" = 1 ]; then
+if [ "${TESTS_AT_ONCE:-1}" = 1 ]; then
     # the test stages compile small models and barely load the GPU: each runs as its own copy of this script, all at
     # once (own OUT and TMPDIR), then bench alone. Their folders go into one tests.tgz: the runner returns 8 files
     names=() pids=()
@@ -144,7 +145,9 @@ fi
 
 if want post-tests; then
     stage "sft.py, prefs.py and rl.py on the GPU (torchrun/NCCL, compile, bf16, each against eager)"
-    run_pytest gpu_post tests/test_gpu_post.py "$(left 540)"
+    # a worker per test (xdist's output is shown by -rP: -s does not reach its workers)
+    workers=(); "$PY" -c "import xdist" 2>/dev/null && workers=(-n 5 -rP)
+    run_pytest gpu_post tests/test_gpu_post.py "$(left 540)" "${workers[@]}"
 fi
 
 if want scale-tests; then
