@@ -374,19 +374,32 @@ class TasksConfig:
     def __post_init__(self) -> None:
         if not self.limit >= 0:
             raise ValueError(f"--limit must be >= 0 (0: all); got {self.limit}")
-        for spec in self.tasks.split(",") if self.eval else ():
-            check_spec(spec.partition("=")[0])
+        if self.eval:
+            task_list(self.tasks, "--tasks")
         if self.pairs and not callable(getattr(load_task(self.task), "wrong", None)):
             raise ValueError(f"--pairs needs a task that makes wrong replies (wrong(answer, rng)), not {self.task}")
 
 
+def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
+    """A comma list of tasks as {label: (spec, FILE)}: a built-in NAME=FILE reads a local copy in the hub's schema; a
+    user's FILE.py:NAME is labelled NAME. Empty or repeated items are refused (a repeat would drop the first)."""
+    listed: dict[str, tuple[str, str]] = {}
+    for item in specs.split(","):
+        name, _, source = item.partition("=") if item.partition("=")[0] in TASKS else (item, "", "")
+        check_spec(name)
+        if not name or (label := name.rpartition(":")[2]) in listed:
+            what = f"{label} twice" if name else "an empty item"
+            raise ValueError(f"{flag} {specs}: {what}; list each task once")
+        listed[label] = (name, source)
+    return listed
+
+
 def named_tasks(specs: str, split: str, limit: int = 0) -> dict[str, tuple[Any, list[dict]]]:
-    """NAME or NAME=FILE (a local copy in the hub's schema), comma-separated: each task and the first `limit` problems
-    of its `split` in nanochat's order (0: all)."""
+    """task_list's tasks, each with the first `limit` problems of its `split` in nanochat's order (0: all)."""
     named = {}
-    for name, _, source in (spec.partition("=") for spec in specs.split(",")):
+    for label, (name, source) in task_list(specs).items():
         task = load_task(name)
-        named[name] = (task, nanochat_order(task.examples(split, source) if source else task.examples(split), limit))
+        named[label] = (task, nanochat_order(task.examples(split, source) if source else task.examples(split), limit))
     return named
 
 

@@ -29,8 +29,8 @@ def scalars(record: dict) -> dict[str, float]:
     kind = record["type"]
     keys = [*SCALARS.get(kind, ()), *(key for key in record if kind == "task" and key.startswith("pass@"))]
     each_task = {f"{kind}/{name}": float(acc) for name, acc in record.get("results", {}).items()}  # CORE's, ChatCORE's
-    return {**{f"{kind}/{key.removeprefix(kind + '_')}": float(record[key]) for key in keys
-               if record.get(key) is not None}, **each_task}
+    return {**each_task, **{f"{kind}/{key.removeprefix(kind + '_')}": float(record[key]) for key in keys
+                            if record.get(key) is not None}}  # the mean wins a clash with a task named like it
 
 
 def missing_package(tensorboard: bool, wandb_project: str) -> str | None:

@@ -91,6 +91,12 @@ def test_several_tasks_are_scored_as_chatcore(conversations, tmp_path, capsys):
     assert "| ChatCORE 0.4444 | mmlu 0.5000 | arc-easy 0.5000 | gsm8k 0.6667" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--task must be one of .*got 'nope'"):
         sft.SFTConfig(task="mmlu,nope")
+    with pytest.raises(ValueError, match="^--task mmlu,: an empty item; list each task once$"):
+        sft.SFTConfig(task="mmlu,")
+    with pytest.raises(ValueError, match="^--task mmlu=a.jsonl,mmlu: mmlu twice; list each task once$"):
+        sft.SFTConfig(task="mmlu=a.jsonl,mmlu")  # the first would be dropped from ChatCORE
+    # a user's task is labelled by its name; an '=' in its path is part of the path
+    assert tasks.task_list("/x/a=b/t.py:T,mmlu") == {"T": ("/x/a=b/t.py:T", ""), "mmlu": ("mmlu", "")}
 
 
 def test_an_hf_gpt2_is_padded_for_the_chat_tokens(conversations, hf_dir, tmp_path):
