@@ -172,10 +172,9 @@ def local_split(path: Path, split: str) -> list[Path]:
     if path.is_file():
         return [path]
     files, without = [], importlib.util.find_spec("datasets") is None
-    for pattern in SPLIT_LAYOUTS if without else ():
-        files = files or sorted(f for f in path.glob(pattern.format(s=split)) if f.is_file() and f.name[0] != "."
-                                and f.name.endswith((".jsonl", ".json", ".parquet", ".gz")))  # what read_local reads
-    if not without:
+    if without:
+        files = next(filter(None, (globbed(path, pattern.format(s=split)) for pattern in SPLIT_LAYOUTS)), [])
+    else:
         from datasets.data_files import DataFilesDict, get_data_patterns
 
         with contextlib.suppress(FileNotFoundError):  # no file of any split
@@ -185,6 +184,12 @@ def local_split(path: Path, split: str) -> list[Path]:
                         f"data/{split}-00000-of-00001.parquet" + (" (`datasets` is not installed: pip install "
                                                                   "datasets for its other layouts)" if without else ""))
     return [Path(f) for f in files]
+
+
+def globbed(path: Path, pattern: str) -> list[Path]:
+    """The data files read_local reads that match pattern under path, sorted; hidden files (an editor's) left out."""
+    return sorted(f for f in path.glob(pattern) if f.is_file() and f.name[0] != "."
+                  and f.name.endswith((".jsonl", ".json", ".parquet", ".gz")))
 
 
 def read_local(path: Path) -> list[dict]:

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import (
@@ -49,7 +48,7 @@ from common import (
 from fineweb import download
 from generate import evaluating
 from model import GPT
-from tasks import centered
+from tasks import centered, summed
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's copy of DCLM's
 KINDS = ("multiple_choice", "schema", "language_modeling")
@@ -212,10 +211,7 @@ def accuracy(model: GPT, enc: Any, task: CoreTask, rank: int, world: int, device
         else:
             with torch.no_grad(), autocast:
                 model(torch.tensor([[BOS]], device=device))
-    counts = torch.tensor([right, len(task.rows[rank::world])], dtype=torch.float64, device=device)
-    if world > 1:
-        dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
+    return summed(right, len(task.rows[rank::world]), device, world)["acc"]
 
 
 def evaluate(model: GPT, tasks: list[CoreTask], rank: int = 0, world: int = 1,

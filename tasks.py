@@ -206,6 +206,7 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
     the answer's letter has the highest logit of the problem's letters (prompts keep their last block_size tokens).
     Ranks share the problems as evaluate's do. {"acc", "n"}."""
     mine, right, device, block = problems[rank::world], 0, model.lm_head.weight.device, model.config.block_size
+    token = {letter: get_tokenizer().encode_ordinary(letter)[0] for letter in "ABCDEFGH"}  # each letter is one token
     for i in range(0, len(mine), batch):
         chunk = mine[i:i + batch]
         prompts = [render_prompt(p["messages"][:-1])[-block:] for p in chunk]
@@ -216,8 +217,7 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
         with autocast or contextlib.nullcontext():
             logits, _ = model(tokens, at=last)  # (rows, V): each row's answer position
         for row, p in zip(logits, chunk, strict=True):
-            ids = [get_tokenizer().encode_ordinary(letter)[0] for letter in p["letters"]]
-            right += p["letters"][row[ids].argmax().item()] == p["answer"]
+            right += p["letters"][row[[token[letter] for letter in p["letters"]]].argmax().item()] == p["answer"]
     return summed(right, len(mine), device, world)
 
 
