@@ -389,7 +389,7 @@ def test_decode_cache_no_cache_and_hf_give_the_same_tokens():
         assert r["status"] == "ok", r
         assert r["same_frac"] == (None if r["name"] == "ours kv-cache" else 1.0)
         assert r["same_prefix"] == (None if r["name"] == "ours kv-cache" else r["new_tokens"])
-        assert r["tok_per_s"] * r["ms_per_token"] == pytest.approx(1000)
+        assert r["tok_per_s"] * r["ms_per_token"] == pytest.approx(1000) and r["first_tok_per_s"] > 0
     assert rows[3]["distinct_tokens"] > 2  # the random model does not repeat one token, so equality means something
 
 
