@@ -300,10 +300,9 @@ def resolve_device(name: str) -> torch.device:
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but this machine has no CUDA GPU; use --device cpu")
     if device.type == "cuda" and device.index is not None:

@@ -10,7 +10,7 @@ import os
 import pickle
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -273,11 +273,11 @@ class Block(nn.Module):
 
 def checkpoint_config(ckpt: dict[str, Any], source: str = "checkpoint", **overrides: Any) -> GPTConfig:
     """The GPTConfig a checkpoint load_checkpoint read was written with (plus overrides), or a one-line ValueError."""
-    try:
-        return GPTConfig(**{**ckpt["model_config"], **overrides})
-    except TypeError as e:
-        raise ValueError(f"{source}: its model_config does not match this GPTConfig ({e}); it was written by "
-                         "another architecture or version") from e
+    config = {**ckpt["model_config"], **overrides}
+    if unknown := sorted(set(config) - {f.name for f in fields(GPTConfig)}):
+        raise ValueError(f"{source}: its model_config does not match this GPTConfig (no field {', '.join(unknown)}); "
+                         "it was written by another architecture or version")
+    return GPTConfig(**config)
 
 
 class GPT(nn.Module):

@@ -3,16 +3,18 @@ resume that changes the optimizer's settings, a rewind that dies, a TensorBoard 
 After each fault, the checkpoints and log.jsonl hold every step once, as an uninterrupted run's do."""
 
 import contextlib
+import re
 import resource
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import engine
 import train
-from common import iter_log, load_checkpoint
+from common import iter_log, load_checkpoint, resolve_device
 
 
 def tiny(data: Path, out: Path, *extra: str) -> list[str]:
@@ -161,3 +163,10 @@ def test_tensorboard_forgets_a_dead_attempt(token_data, tmp_path):
     events.Reload()
     got = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert got == [(step, pytest.approx(loss, abs=1e-6)) for step, loss in logged(out)]  # one value a step
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:x", "mps", "cpu:0 ", ""])
+def test_a_device_name_outside_auto_cpu_cuda_is_one_line(name):
+    with pytest.raises(ValueError, match=rf"^--device must be auto, cpu, cuda or cuda:N, got {re.escape(repr(name))}$"):
+        resolve_device(name)
+    assert resolve_device("cpu") == torch.device("cpu")
