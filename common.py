@@ -315,6 +315,15 @@ def resolve_device(name: str) -> torch.device:
 # Ranks: the process group, and one verdict on every rank
 
 
+def keep_large_blocks() -> None:
+    """CPU training: glibc gives blocks over 32 MB (a small model's logits) fresh mmaps, so each step faulted their
+    pages in again, half the step (docs/benchmarks.md). Serve them from the heap and keep what is freed."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS): its allocator is left as it is
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: no block is mmap'd
+        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: freed memory goes back to the system only past 2 GB
+
+
 def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> tuple[int, int, int, torch.device]:
     """rank, local_rank, world_size and device, from torchrun's environment or a single process. The default process
     group is created here, unless the caller (a launcher of its own, a notebook) already has one."""
@@ -325,6 +334,8 @@ def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> tu
 
     dev = resolve_device(device)
     use_cuda = dev.type == "cuda"
+    if not use_cuda:
+        keep_large_blocks()
     if dist.is_initialized():  # the caller's group: its ranks
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))

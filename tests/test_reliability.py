@@ -6,6 +6,7 @@ import contextlib
 import re
 import resource
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 import engine
 import train
 from common import iter_log, load_checkpoint, resolve_device
+from conftest import ROOT
 
 
 def tiny(data: Path, out: Path, *extra: str) -> list[str]:
@@ -170,3 +172,19 @@ def test_a_device_name_outside_auto_cpu_cuda_is_one_line(name):
     with pytest.raises(ValueError, match=rf"^--device must be auto, cpu, cuda or cuda:N, got {re.escape(repr(name))}$"):
         resolve_device(name)
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_a_cpu_run_does_not_fault_its_logits_in_again_every_step(token_data, tmp_path):
+    # the tiny model's logits and their gradient are 51 MB each, past glibc's mmap threshold: 3 steps against 9
+    code = ("import resource, sys, train\n"
+            "train.main(sys.argv[1:])\n"
+            "use = resource.getrusage(resource.RUSAGE_SELF)\n"
+            "print(use.ru_minflt, use.ru_maxrss)")
+    use = {n: list(map(int, subprocess.run([sys.executable, "-c", code, *tiny(token_data, tmp_path / str(n)),
+                                            f"--max-steps={n}"], cwd=ROOT, capture_output=True,
+                                           text=True, check=True).stdout.split()[-2:])) for n in (3, 9)}
+    faults, kb = ((use[9][i] - use[3][i]) / 6 for i in (0, 1))
+    print(f"per step: {faults:.0f} page faults, max RSS +{kb:.0f} KB")
+    assert faults < 3000 and kb < 10_000, use  # per step; glibc's defaults fault about 100,000 pages in each
