@@ -24,10 +24,10 @@
 #   STAGES=bench bash scripts/gpu_suite.sh --suite train --variants compile-b16,compile-b32,eager+fused
 #                                                                   # a further call: arguments replace the default
 #                                                                   # --suite and --variants
-#   STAGES=bench bash scripts/gpu_suite.sh --suite prune --seq-len 1024 --batch-sizes 8
-#                                                                   # pruning (not yet run): random GPT-2 124M in bf16,
-#                                                                   # dense, magnitude, structured, 2:4 with dense kernels
-#                                                                   # and 2:4 as semi-structured sparse tensors
+#   STAGES=bench bash scripts/gpu_suite.sh --suite prune,decode     # pruning: random GPT-2 124M in bf16, dense,
+#                                                                   # magnitude, structured, 2:4 with dense kernels and
+#                                                                   # as semi-structured sparse tensors (run 2026-11-28;
+#                                                                   # again for the decoding rows' first-run column)
 # TESTS_AT_ONCE=1 (the default; 0 runs them in turn) runs the chosen test stages side by side, each a copy of this
 # script with its own OUT and TMPDIR, their logs packed into tests.tgz: about 210 s for all four on an H200
 # (2026-11-28, by hand) against about 450 s one after another, which leaves bench about 350 s of a call.
