@@ -300,7 +300,7 @@ def resolve_device(name: str) -> torch.device:
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+    if not re.fullmatch(r"cpu|cuda(:(0|[1-9][0-9]{0,3}))?", name):  # what torch.device takes, no more
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -273,11 +273,12 @@ class Block(nn.Module):
 
 def checkpoint_config(ckpt: dict[str, Any], source: str = "checkpoint", **overrides: Any) -> GPTConfig:
     """The GPTConfig a checkpoint load_checkpoint read was written with (plus overrides), or a one-line ValueError."""
-    config = {**ckpt["model_config"], **overrides}
-    if unknown := sorted(set(config) - {f.name for f in fields(GPTConfig)}):
-        raise ValueError(f"{source}: its model_config does not match this GPTConfig (no field {', '.join(unknown)}); "
-                         "it was written by another architecture or version")
-    return GPTConfig(**config)
+    saved = ckpt["model_config"]
+    unknown = set(saved) - {f.name for f in fields(GPTConfig)} if isinstance(saved, dict) else {type(saved).__name__}
+    if unknown:
+        raise ValueError(f"{source}: its model_config does not match this GPTConfig (no field "
+                         f"{', '.join(sorted(map(str, unknown)))}); it was written by another architecture or version")
+    return GPTConfig(**{**saved, **overrides})
 
 
 class GPT(nn.Module):
