@@ -5,7 +5,7 @@ small object per concern, each owning its state and its cadence.
     Run           what the loop drives: a stage's step, model, evaluations and checkpointed parts
     get_lr        every stage's schedule: warmup, then cosine, linear, constant or wsd
     Checkpointer  find, agree across ranks, restore, due(step), save with prune, judge (a NaN sets one aside)
-    Evaluator     a list of Eval(name, every, fn): each due every N steps and at the end
+    Eval          one evaluation (name, every, fn): due every N steps and at the end
     SpikeGuard    llm.c's loss/grad-norm z-scores that skip an outlier update
     StopFlags     SIGTERM, Ctrl-C and the wall-clock budget, agreed across ranks (a context manager)
     Profiler      a few profiled steps after warmup
@@ -145,7 +145,7 @@ def train(run: Run) -> dict[str, Any]:
         stop.last = final  # no step left to stop after: a Ctrl-C during the final evaluations quits at once
 
         # evaluate once in a while; a signal that came meanwhile stops the run here, not a step later
-        evaluated = run.evaluator.run(step, final)
+        evaluated = run.evaluate(step, final)
         if final:
             break
         if evaluated and (stopping := stop.should_stop()):
@@ -179,7 +179,7 @@ def train(run: Run) -> dict[str, Any]:
 @dataclass(kw_only=True)
 class Run:
     """One training (or evaluation) run as the loop sees it: a stage gives its step, model, evaluations and the parts it
-    checkpoints; the stop flags, the profiler and the evaluator follow from the flags."""
+    checkpoints; the stop flags and the profiler follow from the flags."""
 
     cfg: RunArgs
     ctx: Context
@@ -200,13 +200,23 @@ class Run:
         self.rank, self.world, self.device, self.master = ctx.rank, ctx.world, ctx.device, ctx.master
         self.tokens: TokenCount = self.parts["tokens"]  # trained on, all ranks together
         self.last_step = self.start_step if cfg.eval_only else cfg.max_steps
-        self.evaluator = Evaluator(self.evals, self.log, self.tokens, cfg.eval_only)
+        self.latest: dict[str, dict[str, Any]] = {}  # each evaluation's last record, by name
         self.stop = StopFlags(cfg.max_time, not cfg.eval_only, ctx.master, ctx.device, ctx.world)
         self.profiler = Profiler(cfg.profile and not cfg.eval_only, self.start_step, cfg.profile_steps,
                                  Path(cfg.out_dir), ctx.rank)
         self.device_name, self.eval_only = device_name(ctx.device), cfg.eval_only
         self.stopped: str | None = None  # "signal", "max_time" or "nan"
         self.t_start = time.time()
+
+    def evaluate(self, step: int, final: bool) -> bool:
+        """The evaluations due at `step`; whether any ran."""
+        due = [e for e in self.evals if (final or (e.every > 0 and step % e.every == 0))
+               and (e.at_start or step > 0 or self.eval_only)]
+        for e in due:
+            if (record := e.fn(step)) is not None:
+                self.latest[e.name] = record
+                self.log.write({"type": e.name, "step": step, "tokens": self.tokens.value, **record})
+        return bool(due)
 
     def record(self, record: dict[str, Any], dt: float) -> dict[str, Any]:
         """The step's record for the log: its own fields, the running token count and the speed."""
@@ -260,7 +270,7 @@ class Run:
                      f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
         self.log.close()
         result: dict[str, Any] = {"losses": self.log.losses}
-        for name, record in self.evaluator.latest.items():
+        for name, record in self.latest.items():
             result.update(record if len(record) == 1 else {name: record})
             result.update({k: v for k, v in record.items() if k.startswith(name + "_")})  # val_loss, val_bpb
         when = {"checkpoint": self.checkpointer.last, "stopped": self.stopped}
@@ -555,7 +565,7 @@ def note_set_aside(out_dir: Path, resumed: tuple[Path, dict] | None, say: Callab
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Evaluator
+# Evaluations
 
 
 @dataclass
@@ -566,24 +576,6 @@ class Eval:
     every: int  # every N steps, and at the last step in any case (0: the last step only)
     fn: Callable[[int], dict[str, Any] | None]
     at_start: bool = True  # also at a training run's first step 0 (samples of untrained weights say nothing)
-
-
-class Evaluator:
-    """The run's evaluations, each when due; `latest` holds each one's last record by name."""
-
-    def __init__(self, evals: list[Eval], log: RunLog, tokens: TokenCount, eval_only: bool = False):
-        self.evals, self.log, self.tokens, self.eval_only = evals, log, tokens, eval_only
-        self.latest: dict[str, dict[str, Any]] = {}
-
-    def run(self, step: int, final: bool) -> bool:
-        """The evaluations due at `step`; whether any ran."""
-        due = [e for e in self.evals if (final or (e.every > 0 and step % e.every == 0))
-               and (e.at_start or step > 0 or self.eval_only)]
-        for e in due:
-            if (record := e.fn(step)) is not None:
-                self.latest[e.name] = record
-                self.log.write({"type": e.name, "step": step, "tokens": self.tokens.value, **record})
-        return bool(due)
 
 
 @torch.no_grad()
@@ -849,11 +841,10 @@ def weights_digest(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def agree_fingerprint(fingerprint: dict[str, Any], rank: int, world: int, weights_source: str = "",
-                      describe: dict[str, Callable[..., str]] | None = None) -> None:
+def agree_fingerprint(fingerprint: dict[str, Any], rank: int, world: int, weights_source: str = "") -> None:
     """Compare this rank's {"command", "data", "weights", ...} with rank 0's, once: the first difference on any rank
-    (a collective would hang, or replicas drift apart) stops every rank with one line. `describe`: a stage's keys."""
-    says = {"command": describe_command, "data": describe_data, "weights": describe_weights, **(describe or {})}
+    (a collective would hang, or replicas drift apart) stops every rank with one line."""
+    says = {"command": describe_command, "data": describe_data, "weights": describe_weights}
 
     def differs(mine: dict, first: dict) -> str | None:
         for key in mine:
