@@ -47,7 +47,9 @@ from parallel import (
     Trainable,
     attention_conflict,
     build_trainable,
+    check_flags,
     cuda_graph_conflict,
+    flag,
     optimizer_conflict,
     sdpa_switches,
     set_hyperparameters,
@@ -85,9 +87,10 @@ class StageArgs(RunArgs):
         if self.model not in (None, *MODEL_PRESETS):
             raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
         model_config(self)  # the architecture flags make a valid GPTConfig
-        for name in ("seq_len", "batch_size", "total_batch_size", "eval_tokens", "skip_loss_z", "skip_norm_z"):
-            if not getattr(self, name) >= (low := int("skip" not in name)):  # NaN fails it too
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
+        lows = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "skip_loss_z": 0,
+                "skip_norm_z": 0}
+        check_flags((getattr(self, name) >= low, f"--{flag(name)} must be >= {low}; got {getattr(self, name)}")
+                    for name, low in lows.items())  # a NaN fails it too
 
 
 @dataclass
@@ -104,11 +107,11 @@ class TaskEvalArgs:
         super().__post_init__()  # type: ignore[misc]
         if self.task:
             tasks.task_list(self.task)
-        if not (self.task_every >= 0 and self.task_limit >= 1):
-            raise ValueError(f"--task-every must be >= 0 and --task-limit >= 1; got {self.task_every} and "
-                             f"{self.task_limit}")
-        if self.task and self.parallel == "fsdp":  # type: ignore[attr-defined]  # FSDP's forwards would hang
-            raise ValueError("--task generates replies, which --parallel fsdp cannot: use ddp or zero1")
+        check_flags([(self.task_every >= 0 and self.task_limit >= 1,
+                      f"--task-every must be >= 0 and --task-limit >= 1; got {self.task_every} and {self.task_limit}"),
+                     # FSDP's forwards would hang
+                     (not (self.task and self.parallel == "fsdp"),  # type: ignore[attr-defined]
+                      "--task generates replies, which --parallel fsdp cannot: use ddp or zero1")])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -328,8 +331,11 @@ class Setup:
         """`fingerprint`: what else every rank must share (train.py's HellaSwag examples)."""
         cfg, ctx = self.cfg, self.ctx
         loaders = [loader for loader in (self.train_loader, self.val_loader) if loader is not None]
-        if ctx.world > 1:  # a digest of a 1.5B model takes seconds: only where there is something to compare
-            agree(cfg, loaders, self.raw, self.found, ctx, fingerprint or {})
+        if ctx.world > 1:  # what every rank must share, compared once; a digest of a 1.5B model takes seconds
+            source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"
+            engine.agree_fingerprint({"command": command(cfg), "data": engine.shards_of(loaders), **(fingerprint or {}),
+                                      "weights": engine.weights_digest(self.raw) if self.found is None else None},
+                                     ctx.rank, ctx.world, source)  # a resume's weights: Checkpointer.find's
         self.cfg, self.grad_accum, use_compile = check_run(cfg, ctx, self.raw.config)
         self.raw = self.raw.to(ctx.device)
         for loader in loaders:
@@ -355,15 +361,6 @@ class Setup:
                    start_step=self.start, resumed=self.found is not None,
                    flops_per_token=self.raw.flops_per_token(cfg.seq_len),
                    peak_flops=cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
-
-
-def agree(cfg: StageArgs, loaders: list[Any], raw: GPT, found: tuple[Path, dict] | None, ctx: Context,
-          extra: dict[str, Any]) -> None:
-    """What every rank must share, compared once: the command, the data, the weights, and the stage's `extra`."""
-    source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"
-    engine.agree_fingerprint({"command": command(cfg), "data": engine.shards_of(loaders), **extra,
-                              "weights": engine.weights_digest(raw) if found is None else None},
-                             ctx.rank, ctx.world, source)  # a resume's weights: Checkpointer.find's
 
 
 def command(cfg: StageArgs) -> dict[str, str]:
@@ -432,13 +429,13 @@ def print_header(cfg: StageArgs, raw: GPT, built: Trainable, start: int, grad_ac
 def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
     """Refuse a checkpoint past --max-steps (nothing would train), or one holding another optimizer's state."""
     path, ckpt = found
-    if int(ckpt["step"]) > cfg.max_steps and not cfg.eval_only:
-        raise ValueError(f"--resume {path} is at step {ckpt['step']}, past --max-steps {cfg.max_steps}; raise "
-                         "--max-steps to train further, or score it with --eval-only")
     saved = ckpt.get("train_config", {}).get("optimizer", "adamw")
-    if saved != cfg.optimizer and not cfg.eval_only:
-        raise ValueError(f"--resume {path} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass "
-                         f"--optimizer {saved}, or start a new run from its weights with --init-from {path}")
+    check_flags([(cfg.eval_only or int(ckpt["step"]) <= cfg.max_steps,
+                  f"--resume {path} is at step {ckpt['step']}, past --max-steps {cfg.max_steps}; raise --max-steps "
+                  "to train further, or score it with --eval-only"),
+                 (cfg.eval_only or saved == cfg.optimizer,
+                  f"--resume {path} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass --optimizer "
+                  f"{saved}, or start a new run from its weights with --init-from {path}")])
 
 
 def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.Module, built: Trainable,
@@ -462,12 +459,12 @@ def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
     """Say so when the resumed run had another schedule (--max-steps, --lr-schedule...) that changes the lr."""
     keys = ("max_steps", "warmup_steps", "lr_schedule", "min_lr_frac", "decay_frac")
     old = dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved})
-    if cfg.eval_only or all(getattr(old, k) == getattr(cfg, k) for k in keys):
+    changed = [k for k in keys if getattr(old, k) != getattr(cfg, k)]
+    if cfg.eval_only or not changed:
         return
     differs = next((s for s in range(step, max(old.max_steps, cfg.max_steps) + 1) if get_lr(s, old) != get_lr(s, cfg)),
                    None)
     if differs is not None:
-        changed = [k for k in keys if getattr(old, k) != getattr(cfg, k)]
         had = " and ".join(f"--{k.replace('_', '-')} {getattr(old, k)}" for k in changed)
         has = " and ".join(str(getattr(cfg, k)) for k in changed)
         print(f"note: the checkpoint's run had {had}, this run has {has}: from step {differs} the lr is "
