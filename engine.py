@@ -791,18 +791,10 @@ class Profiler:
             self.prof = torch.profiler.profile(record_shapes=True)  # the CPU, and CUDA where there is one
             self.prof.start()
 
-    def step_ends(self, step: int) -> None:
-        if self.prof is not None and step == self.at + self.steps - 1:
-            self._stop()
-
-    def finish(self, step: int) -> None:
-        """The run ended: keep what was recorded, or say that nothing was."""
-        if self.prof is not None:
-            self._stop()
-        elif self.enabled and self.rank == 0 and step <= self.at:  # enabled: a training run
-            print(f"profile: nothing recorded; the run ended before step {self.at}, where profiling starts")
-
-    def _stop(self) -> None:
+    def step_ends(self, step: int, finished: bool = False) -> None:
+        """Write the trace after the last profiled step, or when the run finished before it."""
+        if self.prof is None or not (finished or step == self.at + self.steps - 1):
+            return
         self.prof.stop()
         self.out_dir.mkdir(parents=True, exist_ok=True)  # on another node the master's out_dir may not exist
         trace = self.out_dir / f"trace_rank{self.rank}.json"
@@ -812,6 +804,12 @@ class Profiler:
             print(self.prof.key_averages().table(sort_by=sort, row_limit=15))
             print(f"profile: trace written to {trace} (open in chrome://tracing or ui.perfetto.dev)")
         self.prof = None
+
+    def finish(self, step: int) -> None:
+        """The run ended: keep what was recorded, or say that nothing was."""
+        if self.enabled and self.prof is None and self.rank == 0 and step <= self.at:  # enabled: a training run
+            print(f"profile: nothing recorded; the run ended before step {self.at}, where profiling starts")
+        self.step_ends(step, finished=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -846,11 +844,9 @@ def agree_fingerprint(fingerprint: dict[str, Any], rank: int, world: int, weight
     (a collective would hang, or replicas drift apart) stops every rank with one line."""
     says = {"command": describe_command, "data": describe_data, "weights": describe_weights}
 
-    def differs(mine: dict, first: dict) -> str | None:
-        for key in mine:
-            if mine[key] != first.get(key):
-                return says.get(key, describe_other)(key, mine[key], first.get(key), rank, weights_source)
-        return None
+    def differs(mine: dict, first: dict) -> str | None:  # the first key that differs, described
+        return next((says.get(key, describe_other)(key, mine[key], first.get(key), rank, weights_source)
+                     for key in mine if mine[key] != first.get(key)), None)
 
     if problem := agree(fingerprint, rank, world, differs):
         raise ValueError(problem)
@@ -861,7 +857,7 @@ def describe_other(key: str, mine: Any, first: Any, rank: int, _: str) -> str:
 
 
 def describe_command(key: str, mine: dict, first: dict, rank: int, _: str) -> str:
-    diff = ", ".join(f"--{k.replace('_', '-')} {mine.get(k)} (rank 0: {first.get(k)})" for k in {**first, **mine}
+    diff = ", ".join(f"--{flag(k)} {mine.get(k)} (rank 0: {first.get(k)})" for k in {**first, **mine}
                      if mine.get(k) != first.get(k))
     return f"rank {rank} was started with {diff}: every node must run the same command"
 
