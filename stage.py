@@ -128,7 +128,7 @@ def model_config(cfg: StageArgs) -> GPTConfig:
     try:
         return dataclasses.replace(MODEL_PRESETS[cfg.model or "gpt2"](), **cfg.arch, block_size=cfg.seq_len)
     except ValueError as e:  # GPTConfig.n_head -> --n-head
-        raise ValueError(re.sub(r"GPTConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
+        raise ValueError(re.sub(r"GPTConfig\.(\w+)", lambda m: "--" + flag(m.group(1)), str(e))) from None
 
 
 def check_architecture(cfg: StageArgs, src: GPTConfig, source: str) -> None:
@@ -140,7 +140,7 @@ def check_architecture(cfg: StageArgs, src: GPTConfig, source: str) -> None:
     follows = () if "n_kv_head" in cfg.arch or MODEL_PRESETS[cfg.model or "gpt2"]().n_kv_head else ("n_kv_head",)
     fixed = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_OPTIONS, "vocab_size", *follows)]
     differ = [k for k in fixed if (k in cfg.arch or cfg.model) and getattr(asked, k) != getattr(has, k)]
-    wrong = [f"--{k.replace('_', '-')} {getattr(asked, k)} (it has {getattr(has, k)})" for k in differ if k in cfg.arch]
+    wrong = [f"--{flag(k)} {getattr(asked, k)} (it has {getattr(has, k)})" for k in differ if k in cfg.arch]
     if by_preset := [k for k in differ if k not in cfg.arch]:
         wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(asked, k)}' for k in by_preset)}; it has "
                      f"{', '.join(f'{k} {getattr(has, k)}' for k in by_preset)})")
@@ -465,7 +465,7 @@ def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
     differs = next((s for s in range(step, max(old.max_steps, cfg.max_steps) + 1) if get_lr(s, old) != get_lr(s, cfg)),
                    None)
     if differs is not None:
-        had = " and ".join(f"--{k.replace('_', '-')} {getattr(old, k)}" for k in changed)
+        had = " and ".join(f"--{flag(k)} {getattr(old, k)}" for k in changed)
         has = " and ".join(str(getattr(cfg, k)) for k in changed)
         print(f"note: the checkpoint's run had {had}, this run has {has}: from step {differs} the lr is "
               f"{get_lr(differs, cfg):.3g}, not that run's {get_lr(differs, old):.3g}")
