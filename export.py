@@ -43,10 +43,9 @@ def hf_class(cfg: GPTConfig) -> str:
                                         (cfg.n_embd % cfg.head_dim, "head width that does not divide n_embd")) if on]
     llama_lacks = [what for on, what in ((cfg.mlp == "gelu", "GELU MLP"), (cfg.pos == "learned", "learned positions"),
                                          (cfg.norm == "layernorm", "LayerNorm")) if on]
-    if not gpt2_lacks:
-        return "GPT2LMHeadModel"
-    if not llama_lacks:
-        return "LlamaForCausalLM"
+    for name, lacks in (("GPT2LMHeadModel", gpt2_lacks), ("LlamaForCausalLM", llama_lacks)):
+        if not lacks:
+            return name
     raise ValueError("export_hf supports only the plain GPT-2 architecture and the LLaMA one: GPT2LMHeadModel has no "
                      f"{', '.join(gpt2_lacks)}, and LlamaForCausalLM no {', '.join(llama_lacks)}")
 
@@ -104,7 +103,11 @@ def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block
                  "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
     if chat:  # HF's generate then answers as chat.py does, and the tokenizer knows the chat tokens
         config, tokenizer = {**config, "eos_token_id": ASSISTANT_END}, {**tokenizer, **CHAT_TOKENIZER}
-        (out / "generation_config.json").write_text(json.dumps(chat_generation(config["vocab_size"])))
+        # generate's settings: chat.py's stop tokens, and never a padded row. The pad is an eos, not the BOS every
+        # prompt starts with: generate would mask that BOS out when given no attention mask
+        generation = {"bos_token_id": EOT, "eos_token_id": REPLY_STOPS, "pad_token_id": ASSISTANT_END,
+                      "suppress_tokens": list(range(CHAT_VOCAB, config["vocab_size"]))}
+        (out / "generation_config.json").write_text(json.dumps(generation))
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
@@ -133,13 +136,6 @@ CHAT_TOKENIZER = {
                              for i, name in zip(range(SYSTEM_START, CHAT_VOCAB), CHAT_TOKENS, strict=True)}}
 
 
-def chat_generation(vocab: int) -> dict[str, Any]:
-    """HF generate's settings for a chat model: chat.py's stop tokens, and never a padded row. The pad is an eos, not
-    the BOS every prompt starts with: generate would mask that BOS out when given no attention mask."""
-    return {"bos_token_id": EOT, "eos_token_id": REPLY_STOPS, "pad_token_id": ASSISTANT_END,
-            "suppress_tokens": list(range(CHAT_VOCAB, vocab))}
-
-
 def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config.json."""
     cfg = model.config
@@ -156,10 +152,9 @@ def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[s
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
         "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
         "n_head": n_head, "n_inner": None if hidden == 4 * cfg.n_embd else hidden, "activation_function": "gelu_new",
-        "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": NORM_EPS,
-        "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
-        "torch_dtype": "float32",
+        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "layer_norm_epsilon": NORM_EPS, "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT,
+        "tie_word_embeddings": True, "torch_dtype": "float32",
     }
     return sd, config
 
