@@ -35,10 +35,9 @@ def scalars(record: dict) -> dict[str, float]:
 
 def missing_package(tensorboard: bool, wandb_project: str) -> str | None:
     """Why --tensorboard or --wandb cannot run here (its package is not installed), or None."""
-    for flag, package, wanted in (("--tensorboard", "tensorboard", tensorboard), ("--wandb", "wandb", wandb_project)):
-        if wanted and importlib.util.find_spec(package) is None:
-            return f"{flag} needs the {package} package: pip install {package}"
-    return None
+    return next((f"{flag} needs the {package} package: pip install {package}" for flag, package, wanted in
+                 (("--tensorboard", "tensorboard", tensorboard), ("--wandb", "wandb", wandb_project))
+                 if wanted and importlib.util.find_spec(package) is None), None)
 
 
 class TensorBoard:
@@ -90,13 +89,6 @@ class WandB:
 
     def close(self) -> None:
         self.run.finish()
-
-
-def open_trackers(tensorboard: bool, wandb_project: str, out_dir: Path, resume_step: int | None,
-                  forget: int | None = None) -> list[Any]:
-    """The trackers asked for, each with write(record) and close(); `forget` as prepare_log returns it."""
-    return [*([TensorBoard(out_dir, forget)] if tensorboard else []),
-            *([WandB(wandb_project, out_dir, resume_step)] if wandb_project else [])]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -180,7 +172,7 @@ def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[i
         write_records(path, kept)
 
     replay = [r for r in kept if r["type"] != "config" and r["step"] >= first]
-    return (0 if resume_step is None else first), replay, write
+    return first or 0, replay, write  # a fresh run (no resume_step): from 0
 
 
 def write_records(path: Path, records: list[dict]) -> None:
@@ -201,8 +193,8 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
         return RunLog(None, rank == 0, cfg.max_steps, cfg.log_every)
     path = Path(cfg.out_dir) / "log.jsonl"
     forget, replay, write = prepare_log(path, resume_step, rewinding)
-    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step, forget),
-                            world)
+    trackers = same_verdict(lambda: [*([TensorBoard(path.parent, forget)] if cfg.tensorboard else []),
+                                     *([WandB(cfg.wandb, path.parent, resume_step)] if cfg.wandb else [])], world)
     write()  # after the trackers start: one that cannot leaves the log as it was
     for tracker in trackers:
         for record in replay:
