@@ -60,10 +60,13 @@ def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Pat
     to them (as llm.c does: HF's generate could sample the padded rows); a chat model keeps them (the chat tokens) and
     gets the chat tokenizer. An earlier export is replaced; a failed write is one OSError line and changes nothing."""
     cfg = model.config
-    files = {"GPT2LMHeadModel": _gpt2_files, "LlamaForCausalLM": _llama_files}[hf_class(cfg)]  # before any write
+    name = hf_class(cfg)  # before any write
+    model_type, files = {"GPT2LMHeadModel": ("gpt2", _gpt2_files), "LlamaForCausalLM": ("llama", _llama_files)}[name]
     out = check_target(Path(out_dir))
     vocab = cfg.vocab_size if chat else min(cfg.vocab_size, GPT2_VOCAB)  # a tiny test vocabulary stays
-    sd, config = files(model, vocab)
+    sd, own = files(model, vocab)
+    config = {"model_type": model_type, "architectures": [name], "vocab_size": vocab, **own, "initializer_range": 0.02,
+              "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True, "torch_dtype": "float32"}
     made = [p for p in (out, *out.parents) if not p.exists()]  # the directories this export creates
     staging = out / STAGING
     try:
@@ -137,7 +140,7 @@ CHAT_TOKENIZER = {
 
 
 def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config.json."""
+    """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config fields of its own."""
     cfg = model.config
     n_head = cfg.n_embd // cfg.head_dim
     # no lm_head: it is tied, and HF re-ties it to wte on load
@@ -148,15 +151,10 @@ def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[s
             p = _pad_heads(p, key, n_head * cfg.head_dim - cfg.n_head * cfg.head_dim)
         sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
     hidden = model.transformer.h[0].mlp.c_proj.in_features
-    config = {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
-        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-        "n_head": n_head, "n_inner": None if hidden == 4 * cfg.n_embd else hidden, "activation_function": "gelu_new",
-        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-        "layer_norm_epsilon": NORM_EPS, "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT,
-        "tie_word_embeddings": True, "torch_dtype": "float32",
-    }
-    return sd, config
+    return sd, {"n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+                "n_head": n_head, "n_inner": None if hidden == 4 * cfg.n_embd else hidden,
+                "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+                "attn_pdrop": cfg.dropout, "layer_norm_epsilon": NORM_EPS}
 
 
 def _pad_heads(p: torch.Tensor, key: str, missing: int) -> torch.Tensor:
@@ -168,7 +166,7 @@ def _pad_heads(p: torch.Tensor, key: str, missing: int) -> torch.Tensor:
 
 
 def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """LlamaForCausalLM's tensors and config.json: the fused c_attn split into q/k/v_proj, c_fc into gate/up_proj.
+    """LlamaForCausalLM's tensors and config fields: the fused c_attn split into q/k/v_proj, c_fc into gate/up_proj.
     Our RoPE rotates channel pairs (i, i + hs/2), HF Llama's rotate_half convention, so no q/k rows are permuted."""
     cfg = model.config
     sd = {k: p.detach().float().cpu() for k, p in model.state_dict().items()}
@@ -187,15 +185,12 @@ def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[
                      "mlp.down_proj": sd[f"{ours}mlp.c_proj.{kind}"]}
             out.update({f"{theirs}{name}.{kind}": t for name, t in parts.items()})
     config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
         "hidden_size": cfg.n_embd, "intermediate_size": hidden, "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": NORM_EPS,
         # rope_theta for transformers 4.x, rope_parameters for 5.x
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
-        "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
-        "torch_dtype": "float32",
     }
     return {k: t.contiguous() for k, t in out.items()}, config
 
