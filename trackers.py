@@ -67,8 +67,7 @@ class WandB:
         import wandb
 
         id_file = out_dir / "wandb_run_id"
-        resuming = resume_step is not None and id_file.is_file()
-        run_id = id_file.read_text().strip() if resuming else secrets.token_hex(4)
+        run_id = id_file.read_text().strip() if resume_step is not None and id_file.is_file() else secrets.token_hex(4)
         out_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id + "\n")
         try:
