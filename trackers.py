@@ -98,9 +98,8 @@ class RunLog:
     """The run's log.jsonl (rank 0, not for --eval-only), the trackers that get its records too (TensorBoard, W&B),
     and the console's step line every --log-every steps, with the ETA from the median of the last 20 step times."""
 
-    def __init__(self, path: Path | None, master: bool = True, max_steps: int = 0, log_every: int = 1,
-                 trackers: list[Any] | None = None):
-        self.path, self.master, self.trackers = path, master, trackers or []
+    def __init__(self, path: Path | None, master: bool, max_steps: int, log_every: int, trackers: list[Any]):
+        self.path, self.master, self.trackers = path, master, trackers
         self.file = open(path or os.devnull, "a", buffering=1)  # no log.jsonl (another rank, --eval-only): nowhere
         self.max_steps, self.log_every = max_steps, log_every
         self.recent_ms: list[float] = []
@@ -189,7 +188,7 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's)."""
     if rank != 0 or cfg.eval_only:
         same_verdict(lambda: None, world)  # rank 0's trackers starting, below
-        return RunLog(None, rank == 0, cfg.max_steps, cfg.log_every)
+        return RunLog(None, rank == 0, cfg.max_steps, cfg.log_every, [])
     path = Path(cfg.out_dir) / "log.jsonl"
     forget, replay, write = prepare_log(path, resume_step, rewinding)
     trackers = same_verdict(lambda: [*([TensorBoard(path.parent, forget)] if cfg.tensorboard else []),
