@@ -157,7 +157,11 @@ def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Ca
     An error exits with one line."""
     argv, presets = sys.argv[1:] if argv is None else argv, presets or {}
     hints = typing.get_type_hints(cls)
-    nested = _nested_flags(cls)
+    # flag -> (the dict field that holds it, its type), for each field whose metadata names `flags_of`
+    nested = {name: (f.name, typing.get_type_hints(f.metadata["flags_of"])[name])
+              for f in dataclasses.fields(cls) if "flags_of" in f.metadata
+              for name in (g.name for g in dataclasses.fields(f.metadata["flags_of"]))
+              if name not in hints and name not in f.metadata.get("except", ())}
     if "-h" in argv or "--help" in argv:
         _print_help(cls, hints, nested, presets, doc)
         raise SystemExit(0)
@@ -169,19 +173,6 @@ def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Ca
             field = nested[key][0]  # a preset's dict, or {} (base None has no such attribute)
             overrides.setdefault(field, dict(getattr(base, field, {})))[key] = overrides.pop(key)
         return dataclasses.replace(base, **overrides) if base is not None else cls(**overrides)
-
-
-def _nested_flags(cls: type) -> dict[str, tuple[str, Any]]:
-    """flag -> (the dict field that holds it, its type), for each field whose metadata names `flags_of`."""
-    own = {f.name for f in dataclasses.fields(cls)}
-    nested = {}
-    for f in dataclasses.fields(cls):
-        if "flags_of" in f.metadata:
-            inner = typing.get_type_hints(f.metadata["flags_of"])
-            for g in dataclasses.fields(f.metadata["flags_of"]):
-                if g.name not in own and g.name not in f.metadata.get("except", ()):
-                    nested[g.name] = (f.name, inner[g.name])
-    return nested
 
 
 def _print_help(cls: type, hints: dict[str, Any], nested: dict[str, tuple[str, Any]],
@@ -410,7 +401,6 @@ def first_on_each_node(load: Callable[[], T], local_rank: int, world: int, **ver
 def hold_lock(path: Path, busy: str, unlocked: str, error: type[Exception] = ValueError) -> typing.IO[str]:
     """The lock file `path`, open and flocked for the caller to keep open while it writes (the lock dies with the
     process, SIGKILL included). Held elsewhere: error(busy). No flock (Lustre, say): a warning ending in `unlocked`."""
-    import errno
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)

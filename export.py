@@ -43,10 +43,9 @@ def hf_class(cfg: GPTConfig) -> str:
                                         (cfg.n_embd % cfg.head_dim, "head width that does not divide n_embd")) if on]
     llama_lacks = [what for on, what in ((cfg.mlp == "gelu", "GELU MLP"), (cfg.pos == "learned", "learned positions"),
                                          (cfg.norm == "layernorm", "LayerNorm")) if on]
-    if not gpt2_lacks:
-        return "GPT2LMHeadModel"
-    if not llama_lacks:
-        return "LlamaForCausalLM"
+    for name, lacks in (("GPT2LMHeadModel", gpt2_lacks), ("LlamaForCausalLM", llama_lacks)):
+        if not lacks:
+            return name
     raise ValueError("export_hf supports only the plain GPT-2 architecture and the LLaMA one: GPT2LMHeadModel has no "
                      f"{', '.join(gpt2_lacks)}, and LlamaForCausalLM no {', '.join(llama_lacks)}")
 
@@ -61,10 +60,13 @@ def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Pat
     to them (as llm.c does: HF's generate could sample the padded rows); a chat model keeps them (the chat tokens) and
     gets the chat tokenizer. An earlier export is replaced; a failed write is one OSError line and changes nothing."""
     cfg = model.config
-    files = {"GPT2LMHeadModel": _gpt2_files, "LlamaForCausalLM": _llama_files}[hf_class(cfg)]  # before any write
+    name = hf_class(cfg)  # before any write
+    model_type, files = {"GPT2LMHeadModel": ("gpt2", _gpt2_files), "LlamaForCausalLM": ("llama", _llama_files)}[name]
     out = check_target(Path(out_dir))
     vocab = cfg.vocab_size if chat else min(cfg.vocab_size, GPT2_VOCAB)  # a tiny test vocabulary stays
-    sd, config = files(model, vocab)
+    sd, own = files(model, vocab)
+    config = {"model_type": model_type, "architectures": [name], "vocab_size": vocab, **own, "initializer_range": 0.02,
+              "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True, "torch_dtype": "float32"}
     made = [p for p in (out, *out.parents) if not p.exists()]  # the directories this export creates
     staging = out / STAGING
     try:
@@ -104,7 +106,11 @@ def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block
                  "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
     if chat:  # HF's generate then answers as chat.py does, and the tokenizer knows the chat tokens
         config, tokenizer = {**config, "eos_token_id": ASSISTANT_END}, {**tokenizer, **CHAT_TOKENIZER}
-        (out / "generation_config.json").write_text(json.dumps(chat_generation(config["vocab_size"])))
+        # generate's settings: chat.py's stop tokens, and never a padded row. The pad is an eos, not the BOS every
+        # prompt starts with: generate would mask that BOS out when given no attention mask
+        generation = {"bos_token_id": EOT, "eos_token_id": REPLY_STOPS, "pad_token_id": ASSISTANT_END,
+                      "suppress_tokens": list(range(CHAT_VOCAB, config["vocab_size"]))}
+        (out / "generation_config.json").write_text(json.dumps(generation))
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     # safetensors writes its file 0600 (a private temporary renamed); give it the mode every other file here gets
@@ -133,15 +139,8 @@ CHAT_TOKENIZER = {
                              for i, name in zip(range(SYSTEM_START, CHAT_VOCAB), CHAT_TOKENS, strict=True)}}
 
 
-def chat_generation(vocab: int) -> dict[str, Any]:
-    """HF generate's settings for a chat model: chat.py's stop tokens, and never a padded row. The pad is an eos, not
-    the BOS every prompt starts with: generate would mask that BOS out when given no attention mask."""
-    return {"bos_token_id": EOT, "eos_token_id": REPLY_STOPS, "pad_token_id": ASSISTANT_END,
-            "suppress_tokens": list(range(CHAT_VOCAB, vocab))}
-
-
 def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config.json."""
+    """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config fields of its own."""
     cfg = model.config
     n_head = cfg.n_embd // cfg.head_dim
     # no lm_head: it is tied, and HF re-ties it to wte on load
@@ -152,16 +151,10 @@ def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[s
             p = _pad_heads(p, key, n_head * cfg.head_dim - cfg.n_head * cfg.head_dim)
         sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
     hidden = model.transformer.h[0].mlp.c_proj.in_features
-    config = {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
-        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-        "n_head": n_head, "n_inner": None if hidden == 4 * cfg.n_embd else hidden, "activation_function": "gelu_new",
-        "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": NORM_EPS,
-        "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-    }
-    return sd, config
+    return sd, {"n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+                "n_head": n_head, "n_inner": None if hidden == 4 * cfg.n_embd else hidden,
+                "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+                "attn_pdrop": cfg.dropout, "layer_norm_epsilon": NORM_EPS}
 
 
 def _pad_heads(p: torch.Tensor, key: str, missing: int) -> torch.Tensor:
@@ -173,7 +166,7 @@ def _pad_heads(p: torch.Tensor, key: str, missing: int) -> torch.Tensor:
 
 
 def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """LlamaForCausalLM's tensors and config.json: the fused c_attn split into q/k/v_proj, c_fc into gate/up_proj.
+    """LlamaForCausalLM's tensors and config fields: the fused c_attn split into q/k/v_proj, c_fc into gate/up_proj.
     Our RoPE rotates channel pairs (i, i + hs/2), HF Llama's rotate_half convention, so no q/k rows are permuted."""
     cfg = model.config
     sd = {k: p.detach().float().cpu() for k, p in model.state_dict().items()}
@@ -192,15 +185,12 @@ def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[
                      "mlp.down_proj": sd[f"{ours}mlp.c_proj.{kind}"]}
             out.update({f"{theirs}{name}.{kind}": t for name, t in parts.items()})
     config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
         "hidden_size": cfg.n_embd, "intermediate_size": hidden, "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": NORM_EPS,
         # rope_theta for transformers 4.x, rope_parameters for 5.x
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
-        "initializer_range": 0.02, "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True,
-        "torch_dtype": "float32",
     }
     return {k: t.contiguous() for k, t in out.items()}, config
 

@@ -12,6 +12,7 @@ Usage:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,7 @@ from typing import Any
 from common import iter_log, parse_config, user_errors
 
 # OpenAI's published completion-style HellaSwag acc_norm (10,042 val examples), as build-nanogpt plots them
-GPT2_124M_HELLASWAG = 0.2955
-GPT3_SMALL_HELLASWAG = 0.337
+HELLASWAG_REFERENCES = (("OpenAI GPT-2 124M", 0.2955, "red"), ("OpenAI GPT-3 Small", 0.337, "gray"))
 Y_LABELS = {"loss": "loss", "bpb": "val bits per byte", "lr": "learning rate", "hellaswag": "HellaSwag acc_norm",
             "reward": "reward (mean, +-1 std shaded)", "task": "held-out accuracy", "core": "CORE",
             "chatcore": "ChatCORE"}
@@ -67,14 +67,14 @@ def plot(cfg: PlotConfig) -> Path:
     logs = log_paths(cfg.log)
     runs = [read_run(log) for log in logs]  # (config, curves) per run, in the order of logs
     single = len(runs) == 1
-    wanted = {"bpb": lambda c: any("val_bpb" in r for r in c.get("val", [])),
-              "lr": lambda c: any("lr" in r for r in c["train"]), "reward": lambda c: any("reward" in r for r in
-              c["train"]), "hellaswag": lambda c: c.get("hellaswag"), "task": lambda c: c.get("task"),
-              "core": lambda c: c.get("core"), "chatcore": lambda c: c.get("chatcore")}
-    names = ["loss", *(name for name, has in wanted.items() if any(has(curves) for _, curves in runs))]
+    # a panel for each curve some run has: (the record type that holds it, a field of its records)
+    wanted = {"bpb": ("val", "val_bpb"), "lr": ("train", "lr"), "reward": ("train", "reward"),
+              "hellaswag": ("hellaswag", "acc_norm"), "task": ("task", "acc"), "core": ("core", "core_metric"),
+              "chatcore": ("chatcore", "chatcore")}
+    names = ["loss", *(name for name, (kind, key) in wanted.items()
+                       if any(key in r for _, curves in runs for r in curves.get(kind, [])))]
     fig = Figure(figsize=(6 * len(names) + 1, 4.5))
-    axes = list(fig.subplots(1, len(names), squeeze=False)[0])
-    panel = dict(zip(names, axes, strict=True))
+    panel = dict(zip(names, fig.subplots(1, len(names), squeeze=False)[0], strict=True))
     drawn = [draw_run(cfg, curves, name, i, single, panel)
              for i, ((_, curves), name) in enumerate(zip(runs, run_names(logs), strict=True))]
     loss_ax = panel["loss"]
@@ -82,9 +82,8 @@ def plot(cfg: PlotConfig) -> Path:
     loss_ax.set_title(f"{logs[0].parent.name}: {len(runs[0][1]['train'])} steps" if single else f"{len(runs)} runs")
     shapes = [[c.get("model_config", {}).get(k) for k in ("n_layer", "n_embd", "n_head")] for c, _ in runs]
     if "hellaswag" in panel and all(shape == [12, 768, 12] for shape in shapes):  # OpenAI's are for GPT-2 124M's only
-        hs_ax = panel["hellaswag"]
-        hs_ax.axhline(GPT2_124M_HELLASWAG, color="red", linestyle="--", label="OpenAI GPT-2 124M (0.2955)")
-        hs_ax.axhline(GPT3_SMALL_HELLASWAG, color="gray", linestyle="--", label="OpenAI GPT-3 Small (0.337)")
+        for label, score, color in HELLASWAG_REFERENCES:
+            panel["hellaswag"].axhline(score, color=color, linestyle="--", label=f"{label} ({score})")
     for name, ax in panel.items():
         ax.set_ylabel(Y_LABELS[name])
         ax.set_xlabel(cfg.x)
@@ -118,10 +117,7 @@ def read_run(log: Path) -> tuple[dict, dict[str, list[dict]]]:
 
 
 def ema(values: list[float], smooth: float) -> list[float]:
-    out = values[:1]
-    for v in values[1:]:
-        out.append(smooth * out[-1] + (1 - smooth) * v)
-    return out
+    return list(itertools.accumulate(values, lambda mean, v: smooth * mean + (1 - smooth) * v))
 
 
 def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], name: str, i: int, single: bool,
@@ -149,13 +145,11 @@ def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], name: str, i: int, 
     if lrs := [r for r in train if "lr" in r]:
         panel["lr"].plot([r[cfg.x] for r in lrs], [r["lr"] for r in lrs], color=colors[3], label=f"{prefix}lr")
         panel["lr"].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-    if hs := curves.get("hellaswag", []):
-        panel["hellaswag"].plot([r[cfg.x] for r in hs], [r["acc_norm"] for r in hs], "o-", color=colors[2],
-                                markersize=3, label=f"{prefix}acc_norm (last {hs[-1]['acc_norm']:.4f})")
-    for kind, key in (("core", "core_metric"), ("chatcore", "chatcore")):
+    for kind, key, label in (("hellaswag", "acc_norm", "acc_norm"), ("core", "core_metric", Y_LABELS["core"]),
+                             ("chatcore", "chatcore", Y_LABELS["chatcore"])):
         if scored := curves.get(kind, []):
             panel[kind].plot([r[cfg.x] for r in scored], [r[key] for r in scored], "o-", color=colors[2], markersize=3,
-                             label=f"{prefix}{Y_LABELS[kind]} (last {scored[-1][key]:.4f})")
+                             label=f"{prefix}{label} (last {scored[-1][key]:.4f})")
     draw_rl(cfg, curves, prefix, colors, panel)
     start = xs[len(xs) // 10] if len(xs) >= 10 else float("-inf")  # a short run keeps its start in view
     return [y for _, y in points], [y for x, y in points if x >= start]

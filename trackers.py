@@ -35,10 +35,9 @@ def scalars(record: dict) -> dict[str, float]:
 
 def missing_package(tensorboard: bool, wandb_project: str) -> str | None:
     """Why --tensorboard or --wandb cannot run here (its package is not installed), or None."""
-    for flag, package, wanted in (("--tensorboard", "tensorboard", tensorboard), ("--wandb", "wandb", wandb_project)):
-        if wanted and importlib.util.find_spec(package) is None:
-            return f"{flag} needs the {package} package: pip install {package}"
-    return None
+    return next((f"{flag} needs the {package} package: pip install {package}" for flag, package, wanted in
+                 (("--tensorboard", "tensorboard", tensorboard), ("--wandb", "wandb", wandb_project))
+                 if wanted and importlib.util.find_spec(package) is None), None)
 
 
 class TensorBoard:
@@ -68,8 +67,7 @@ class WandB:
         import wandb
 
         id_file = out_dir / "wandb_run_id"
-        resuming = resume_step is not None and id_file.is_file()
-        run_id = id_file.read_text().strip() if resuming else secrets.token_hex(4)
+        run_id = id_file.read_text().strip() if resume_step is not None and id_file.is_file() else secrets.token_hex(4)
         out_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id + "\n")
         try:
@@ -92,13 +90,6 @@ class WandB:
         self.run.finish()
 
 
-def open_trackers(tensorboard: bool, wandb_project: str, out_dir: Path, resume_step: int | None,
-                  forget: int | None = None) -> list[Any]:
-    """The trackers asked for, each with write(record) and close(); `forget` as prepare_log returns it."""
-    return [*([TensorBoard(out_dir, forget)] if tensorboard else []),
-            *([WandB(wandb_project, out_dir, resume_step)] if wandb_project else [])]
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # The run's log: log.jsonl, the console's step line, and these trackers fed its records
 
@@ -107,9 +98,8 @@ class RunLog:
     """The run's log.jsonl (rank 0, not for --eval-only), the trackers that get its records too (TensorBoard, W&B),
     and the console's step line every --log-every steps, with the ETA from the median of the last 20 step times."""
 
-    def __init__(self, path: Path | None, master: bool = True, max_steps: int = 0, log_every: int = 1,
-                 trackers: list[Any] | None = None):
-        self.path, self.master, self.trackers = path, master, trackers or []
+    def __init__(self, path: Path | None, master: bool, max_steps: int, log_every: int, trackers: list[Any]):
+        self.path, self.master, self.trackers = path, master, trackers
         self.file = open(path or os.devnull, "a", buffering=1)  # no log.jsonl (another rank, --eval-only): nowhere
         self.max_steps, self.log_every = max_steps, log_every
         self.recent_ms: list[float] = []
@@ -180,7 +170,7 @@ def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[i
         write_records(path, kept)
 
     replay = [r for r in kept if r["type"] != "config" and r["step"] >= first]
-    return (0 if resume_step is None else first), replay, write
+    return first or 0, replay, write  # a fresh run (no resume_step): from 0
 
 
 def write_records(path: Path, records: list[dict]) -> None:
@@ -198,11 +188,11 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's)."""
     if rank != 0 or cfg.eval_only:
         same_verdict(lambda: None, world)  # rank 0's trackers starting, below
-        return RunLog(None, rank == 0, cfg.max_steps, cfg.log_every)
+        return RunLog(None, rank == 0, cfg.max_steps, cfg.log_every, [])
     path = Path(cfg.out_dir) / "log.jsonl"
     forget, replay, write = prepare_log(path, resume_step, rewinding)
-    trackers = same_verdict(lambda: open_trackers(cfg.tensorboard, cfg.wandb, Path(cfg.out_dir), resume_step, forget),
-                            world)
+    trackers = same_verdict(lambda: [*([TensorBoard(path.parent, forget)] if cfg.tensorboard else []),
+                                     *([WandB(cfg.wandb, path.parent, resume_step)] if cfg.wandb else [])], world)
     write()  # after the trackers start: one that cannot leaves the log as it was
     for tracker in trackers:
         for record in replay:
