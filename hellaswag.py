@@ -64,19 +64,17 @@ def default_cache_dir() -> Path:
 
 
 def download(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL) -> Path:
-    """Return the cached validation jsonl, downloading it first if needed (written atomically, so an interrupted
-    download never leaves a truncated file that looks complete)."""
-    cache = Path(cache_dir or default_cache_dir())
-    dest = cache / "hellaswag_val.jsonl"
+    """The cached validation jsonl, downloaded first if missing (atomically: a cut download leaves no file)."""
+    dest = Path(cache_dir or default_cache_dir()) / "hellaswag_val.jsonl"
     if dest.is_file():
         return dest
-    cache.mkdir(parents=True, exist_ok=True)
     return fetch(url, dest, "HellaSwag", f"on an offline machine copy hellaswag_val.jsonl over and pass --data PATH "
                  f"(or place it at {dest})", ConnectionError)
 
 
-def _check(ex: Any, where: str) -> None:
-    """Raise a HellaSwagError, starting with `where`, that says what is wrong with one parsed line, if anything."""
+def prepare_example(ex: Any, where: str = "") -> dict:
+    """A parsed example, checked (a HellaSwagError, starting with `where`, says what is wrong) and completed: `ctx`
+    from `ctx_a + " " + ctx_b` when it is missing, as HellaSwag builds it, and the label an int."""
     if not isinstance(ex, dict):
         raise HellaSwagError(f"{where}expected a JSON object, got {type(ex).__name__}")
     if "ctx" not in ex and not ("ctx_a" in ex and "ctx_b" in ex):
@@ -92,12 +90,6 @@ def _check(ex: Any, where: str) -> None:
     # the HF dataset (Rowan/hellaswag) stores the label as a string; str() also takes numpy ints, and refuses True
     if str(ex["label"]) not in ("0", "1", "2", "3"):
         raise HellaSwagError(f"{where}'label' must be an integer 0..3, got {ex['label']!r}")
-
-
-def prepare_example(ex: Any, where: str = "") -> dict:
-    """A parsed example, checked (a HellaSwagError, starting with `where`, says what is wrong) and completed: `ctx`
-    from `ctx_a + " " + ctx_b` when it is missing, as HellaSwag builds it, and the label an int."""
-    _check(ex, where)
     ctx = ex["ctx"] if "ctx" in ex else " ".join(s for s in (ex["ctx_a"], ex["ctx_b"]) if s)
     if not ctx.strip():  # an ending is scored as the continuation of the context: it needs one
         raise HellaSwagError(where + "empty context ('ctx', or 'ctx_a' and 'ctx_b', hold no text)")
