@@ -68,6 +68,7 @@ def download(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL) -> P
     dest = Path(cache_dir or default_cache_dir()) / "hellaswag_val.jsonl"
     if dest.is_file():
         return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
     return fetch(url, dest, "HellaSwag", f"on an offline machine copy hellaswag_val.jsonl over and pass --data PATH "
                  f"(or place it at {dest})", ConnectionError)
 
