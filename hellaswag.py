@@ -145,7 +145,7 @@ def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tupl
     """Tokens and ending masks, (rows, T) each: 4 rows per example, then dummy rows (mask 0) up to a fixed `rows`, T the
     longest candidate rounded up to 32 (few shapes for a compiled model), right-padded out of the causal view. A
     candidate longer than block_size keeps its last block_size tokens."""
-    keep = -block_size if block_size else 0
+    keep = -(block_size or 0)  # no block_size: [0:] keeps all
     seqs = [((r.ctx + end)[keep:], ([0] * len(r.ctx) + [1] * len(end))[keep:]) for r in batch for end in r.endings]
     longest = max((len(s) for s, _ in seqs), default=1)  # an empty batch still makes one (all-dummy) forward
     T = min(SEQ_MULTIPLE * math.ceil(longest / SEQ_MULTIPLE), block_size or math.inf)
@@ -203,19 +203,17 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
     # every rank runs as many forwards as the rank with the most examples (the others finish with all-dummy
     # batches): forwards of FSDP and of DDP with buffers are collectives, which hang if one rank skips them
     n_batches = math.ceil(math.ceil(len(examples) / world_size) / batch_size)
-    correct = torch.zeros(2, dtype=torch.long, device=device)  # (acc, acc_norm) counts on this rank
+    counts = torch.tensor([0, 0, len(rendered)], device=device)  # this rank's acc and acc_norm hits, and examples
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     with evaluating(model), torch.no_grad(), autocast:
-        bar = tqdm(range(n_batches), desc="hellaswag", unit="batch", disable=not progress or rank != 0)
-        for b in bar:
+        for b in tqdm(range(n_batches), desc="hellaswag", unit="batch", disable=not progress or rank != 0):
             batch = rendered[b * batch_size:(b + 1) * batch_size]  # short or empty at the end
             tokens, mask = make_batch(batch, 4 * batch_size, block_size)
             sums, means = score_batch(model, tokens, mask, device)
             n = len(batch)
             labels = torch.tensor([r.label for r in batch], dtype=torch.long, device=device)
-            correct[0] += (sums[:4 * n].view(n, 4).argmin(1) == labels).sum()
-            correct[1] += (means[:4 * n].view(n, 4).argmin(1) == labels).sum()
-    counts = torch.cat([correct, torch.tensor([len(rendered)], device=device)])
+            counts[0] += (sums[:4 * n].view(n, 4).argmin(1) == labels).sum()
+            counts[1] += (means[:4 * n].view(n, 4).argmin(1) == labels).sum()
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     if world_size > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
