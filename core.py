@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 import zipfile
@@ -72,11 +71,7 @@ class CoreTask:
 # The bundle: core.yaml, eval_meta_data.csv, eval_data/
 
 
-def default_cache_dir() -> Path:
-    return Path(__file__).resolve().parent / "data"  # data/ is git-ignored
-
-
-def fetch_bundle(source: str, cache_dir: Path | None = None) -> Path:
+def fetch_bundle(source: str, cache_dir: str | Path = "") -> Path:
     """The bundle's directory: `source` itself, or the directory holding core.yaml in the zip at URL `source`,
     unzipped into cache_dir once (the default URL's as data/eval_bundle) and kept there."""
     if "://" not in source:
@@ -85,7 +80,7 @@ def fetch_bundle(source: str, cache_dir: Path | None = None) -> Path:
             raise ValueError(f"--bundle {source} has no core.yaml: pass a directory laid out as DCLM's eval bundle "
                              "(core.yaml, eval_meta_data.csv, eval_data/), or a zip's URL")
         return path
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache = Path(cache_dir or Path(__file__).resolve().parent / "data")  # data/ is git-ignored
     name = "eval_bundle" if source == BUNDLE_URL else f"eval_bundle-{hashlib.sha1(source.encode()).hexdigest()[:10]}"
     dest = cache / name
     if (dest / "core.yaml").is_file():
@@ -257,12 +252,12 @@ class CoreConfig:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    cfg = parse_config(CoreConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    cfg = parse_config(CoreConfig, argv, doc=__doc__)
     with own_process_group():
         with user_errors(OSError, ValueError, KeyError, RuntimeError):
             rank, local_rank, world, device = setup_distributed(cfg.device)
             # one download per node; a failure anywhere stops every rank with its message
-            bundle = first_on_each_node(lambda: fetch_bundle(cfg.bundle, cfg.cache_dir or None), local_rank, world)
+            bundle = first_on_each_node(lambda: fetch_bundle(cfg.bundle, cfg.cache_dir), local_rank, world)
             tasks = load_tasks(bundle, cfg.max_per_task)
             model = GPT.load(cfg.ckpt, cfg.init_from).to(device)
         result = evaluate(model, tasks, rank, world, say=lambda line: print(line, flush=True))

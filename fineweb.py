@@ -284,7 +284,7 @@ class TokenLoader:
         return (f"the checkpoint read {old_b}-sequence windows with --shuffle {old_shuffle}, this run reads {self.B}-"
                 f"sequence windows with --shuffle {self.shuffle}: the data goes on{skip}, none served twice")
 
-    def _regrid(self, served: int, old_b: int, old_shuffle: str = "shards") -> int:
+    def _regrid(self, served: int, old_b: int, old_shuffle: str) -> int:
         """The first new window after `served` old ones of old_b * T tokens, none twice (docs/fineweb.md)."""
         old = self._windows_per_shard(old_b)
         epoch, w = divmod(served, int(old.sum()))
@@ -294,12 +294,10 @@ class TokenLoader:
         shard = order[i]
         done = w - int(cum_old[i] - old[shard])  # old windows served from it
         new_before = int(np.sum(self._windows[order[:i]]))  # new windows in the shards before it
-        if "windows" not in (old_shuffle, self.shuffle):  # neither shuffles: on inside the shard being read
-            within = min(-(-done * old_b // self.B), int(self._windows[shard]))
-        elif done:  # on at the next shard: the rest of this one is skipped
+        if done and "windows" in (old_shuffle, self.shuffle):  # on at the next shard: the rest of this one is skipped
             within, self.resume_skipped = int(self._windows[shard]), (int(old[shard]) - done) * old_b * self.T
-        else:
-            within = self.resume_skipped = 0
+        else:  # neither shuffles (or none of it served): on inside the shard being read
+            within = min(-(-done * old_b // self.B), int(self._windows[shard]))
         return epoch * self.num_windows + new_before + within
 
 

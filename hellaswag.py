@@ -64,19 +64,18 @@ def default_cache_dir() -> Path:
 
 
 def download(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL) -> Path:
-    """Return the cached validation jsonl, downloading it first if needed (written atomically, so an interrupted
-    download never leaves a truncated file that looks complete)."""
-    cache = Path(cache_dir or default_cache_dir())
-    dest = cache / "hellaswag_val.jsonl"
+    """The cached validation jsonl, downloaded first if missing (atomically: a cut download leaves no file)."""
+    dest = Path(cache_dir or default_cache_dir()) / "hellaswag_val.jsonl"
     if dest.is_file():
         return dest
-    cache.mkdir(parents=True, exist_ok=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
     return fetch(url, dest, "HellaSwag", f"on an offline machine copy hellaswag_val.jsonl over and pass --data PATH "
                  f"(or place it at {dest})", ConnectionError)
 
 
-def _check(ex: Any, where: str) -> None:
-    """Raise a HellaSwagError, starting with `where`, that says what is wrong with one parsed line, if anything."""
+def prepare_example(ex: Any, where: str = "") -> dict:
+    """A parsed example, checked (a HellaSwagError, starting with `where`, says what is wrong) and completed: `ctx`
+    from `ctx_a + " " + ctx_b` when it is missing, as HellaSwag builds it, and the label an int."""
     if not isinstance(ex, dict):
         raise HellaSwagError(f"{where}expected a JSON object, got {type(ex).__name__}")
     if "ctx" not in ex and not ("ctx_a" in ex and "ctx_b" in ex):
@@ -92,12 +91,6 @@ def _check(ex: Any, where: str) -> None:
     # the HF dataset (Rowan/hellaswag) stores the label as a string; str() also takes numpy ints, and refuses True
     if str(ex["label"]) not in ("0", "1", "2", "3"):
         raise HellaSwagError(f"{where}'label' must be an integer 0..3, got {ex['label']!r}")
-
-
-def prepare_example(ex: Any, where: str = "") -> dict:
-    """A parsed example, checked (a HellaSwagError, starting with `where`, says what is wrong) and completed: `ctx`
-    from `ctx_a + " " + ctx_b` when it is missing, as HellaSwag builds it, and the label an int."""
-    _check(ex, where)
     ctx = ex["ctx"] if "ctx" in ex else " ".join(s for s in (ex["ctx_a"], ex["ctx_b"]) if s)
     if not ctx.strip():  # an ending is scored as the continuation of the context: it needs one
         raise HellaSwagError(where + "empty context ('ctx', or 'ctx_a' and 'ctx_b', hold no text)")
@@ -152,7 +145,7 @@ def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tupl
     """Tokens and ending masks, (rows, T) each: 4 rows per example, then dummy rows (mask 0) up to a fixed `rows`, T the
     longest candidate rounded up to 32 (few shapes for a compiled model), right-padded out of the causal view. A
     candidate longer than block_size keeps its last block_size tokens."""
-    keep = -block_size if block_size else 0
+    keep = -(block_size or 0)  # no block_size: [0:] keeps all
     seqs = [((r.ctx + end)[keep:], ([0] * len(r.ctx) + [1] * len(end))[keep:]) for r in batch for end in r.endings]
     longest = max((len(s) for s, _ in seqs), default=1)  # an empty batch still makes one (all-dummy) forward
     T = min(SEQ_MULTIPLE * math.ceil(longest / SEQ_MULTIPLE), block_size or math.inf)
@@ -210,19 +203,17 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
     # every rank runs as many forwards as the rank with the most examples (the others finish with all-dummy
     # batches): forwards of FSDP and of DDP with buffers are collectives, which hang if one rank skips them
     n_batches = math.ceil(math.ceil(len(examples) / world_size) / batch_size)
-    correct = torch.zeros(2, dtype=torch.long, device=device)  # (acc, acc_norm) counts on this rank
+    counts = torch.tensor([0, 0, len(rendered)], device=device)  # this rank's acc and acc_norm hits, and examples
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     with evaluating(model), torch.no_grad(), autocast:
-        bar = tqdm(range(n_batches), desc="hellaswag", unit="batch", disable=not progress or rank != 0)
-        for b in bar:
+        for b in tqdm(range(n_batches), desc="hellaswag", unit="batch", disable=not progress or rank != 0):
             batch = rendered[b * batch_size:(b + 1) * batch_size]  # short or empty at the end
             tokens, mask = make_batch(batch, 4 * batch_size, block_size)
             sums, means = score_batch(model, tokens, mask, device)
             n = len(batch)
             labels = torch.tensor([r.label for r in batch], dtype=torch.long, device=device)
-            correct[0] += (sums[:4 * n].view(n, 4).argmin(1) == labels).sum()
-            correct[1] += (means[:4 * n].view(n, 4).argmin(1) == labels).sum()
-    counts = torch.cat([correct, torch.tensor([len(rendered)], device=device)])
+            counts[0] += (sums[:4 * n].view(n, 4).argmin(1) == labels).sum()
+            counts[1] += (means[:4 * n].view(n, 4).argmin(1) == labels).sum()
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     if world_size > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
