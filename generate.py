@@ -239,22 +239,13 @@ class _Row:
 
 def _prefill(model: GPT, prompts: Sequence[Sequence[int]]) -> tuple[KVCache, torch.Tensor]:
     """Left-pad the prompts into one batch and run it into a fresh cache; return the cache and the last logits."""
-    device = model.lm_head.weight.device
-    T = max(len(p) for p in prompts)
-    pad = torch.tensor([T - len(p) for p in prompts], device=device)
-    idx = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], device=device)
-    # equal lengths take the plain causal path: GPT.generate's kernels and numbers
-    cache = KVCache(model.config, len(prompts), pad if bool(pad.any()) else None)
+    device, T = model.lm_head.weight.device, max(map(len, prompts))
+    pads = [T - len(p) for p in prompts]
+    idx = torch.tensor([[0] * n + list(p) for n, p in zip(pads, prompts, strict=True)], device=device)
+    # equal lengths take the plain causal path: sample()'s kernels and numbers
+    cache = KVCache(model.config, len(prompts), torch.tensor(pads, device=device) if any(pads) else None)
     logits, _ = model(idx, cache=cache, last_only=True)
     return cache, logits[:, -1]
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, vocab: int,
-            generator: torch.Generator | None) -> tuple[list[int], list[float]]:
-    """Each row's next token, drawn as sample() draws it, and its log-prob (see Step.logprobs)."""
-    tokens, probs = next_token(logits, temperature, top_k, top_p, generator, vocab)
-    logprobs = probs.gather(1, tokens)[:, 0].log().tolist() if probs is not None else [0.0] * len(logits)
-    return tokens[:, 0].tolist(), logprobs
 
 
 @torch.inference_mode()
@@ -273,8 +264,9 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
         cache, logits = _prefill(model, prompts)
         alive, rows = list(range(len(prompts))), [_Row() for _ in prompts]
         for step in range(max_new_tokens):
-            sampled, logprobs = _sample(logits, temperature, top_k, top_p, vocab, generator)
-            chosen = [rows[r].next(t, calculator) for r, t in zip(alive, sampled, strict=True)]
+            sampled, probs = next_token(logits, temperature, top_k, top_p, generator, vocab)  # as sample() draws
+            logprobs = probs.gather(1, sampled)[:, 0].log().tolist() if probs is not None else [0.0] * len(alive)
+            chosen = [rows[r].next(t, calculator) for r, t in zip(alive, sampled[:, 0].tolist(), strict=True)]
             tokens, mask = [t for t, _ in chosen], [m for _, m in chosen]
             yield Step(alive, tokens, mask, [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)])
             keep = [i for i, t in enumerate(tokens) if t not in stop_ids]
