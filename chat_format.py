@@ -360,12 +360,9 @@ class ConversationLoader(RowStream):
         rows = pack(lengths, T + 1)
         self.ids = np.full((len(rows), T + 1), BOS, dtype=np.uint16)  # padding: BOS, with targets -1
         self.mask = np.zeros((len(rows), T + 1), dtype=bool)
-        for r, row in enumerate(rows):
-            at = 0
-            for i in row:
-                ids, mask = convs[i]
-                self.ids[r, at:at + len(ids)], self.mask[r, at:at + len(ids)] = ids, mask
-                at += len(ids)
+        for r, row in enumerate(rows):  # a row's conversations end to end
+            ids, mask = (np.concatenate([convs[i][j] for i in row]) for j in (0, 1))
+            self.ids[r, :len(ids)], self.mask[r, :len(ids)] = ids, mask
         self._stream(str(source), split, B, T, rank, world_size, seed, device, split == "train", len(rows),
                      sum(lengths))
         self.num_rows, self.padding = len(rows), padding_share(lengths, rows, T + 1)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import math
 import operator
 import sys
 import time
@@ -166,9 +165,8 @@ def _evaluate(node: ast.AST, deadline: float) -> int | float:
 
 
 def _bounded(value: Any) -> int | float:
-    # type() rather than isinstance: bool and complex ((-8) ** 0.5) are not results
-    if not ((type(value) is int and value.bit_length() <= MAX_BITS)
-            or (type(value) is float and math.isfinite(value) and abs(value) < 2.0 ** MAX_BITS)):
+    # type() rather than isinstance: bool and complex ((-8) ** 0.5) are not results; NaN and inf fail the comparison
+    if type(value) not in (int, float) or not abs(value) < 2 ** MAX_BITS:
         raise ValueError(f"{type(value).__name__} out of range")
     return value
 
@@ -237,26 +235,6 @@ class _Row:
 # The engine
 
 
-def _prefill(model: GPT, prompts: Sequence[Sequence[int]]) -> tuple[KVCache, torch.Tensor]:
-    """Left-pad the prompts into one batch and run it into a fresh cache; return the cache and the last logits."""
-    device = model.lm_head.weight.device
-    T = max(len(p) for p in prompts)
-    pad = torch.tensor([T - len(p) for p in prompts], device=device)
-    idx = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts], device=device)
-    # equal lengths take the plain causal path: GPT.generate's kernels and numbers
-    cache = KVCache(model.config, len(prompts), pad if bool(pad.any()) else None)
-    logits, _ = model(idx, cache=cache, last_only=True)
-    return cache, logits[:, -1]
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, vocab: int,
-            generator: torch.Generator | None) -> tuple[list[int], list[float]]:
-    """Each row's next token, drawn as sample() draws it, and its log-prob (see Step.logprobs)."""
-    tokens, probs = next_token(logits, temperature, top_k, top_p, generator, vocab)
-    logprobs = probs.gather(1, tokens)[:, 0].log().tolist() if probs is not None else [0.0] * len(logits)
-    return tokens[:, 0].tolist(), logprobs
-
-
 @torch.inference_mode()
 def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
                     top_k: int | None = None, top_p: float | None = None, stop_ids: Sequence[int] = (),
@@ -269,21 +247,27 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
     check_flags([(bool(prompts) and 0 < min(map(len, prompts)) and max(map(len, prompts)) <= bs,
                   f"prompts must be 1 or more lists of 1 to block_size ({bs}) token ids; crop long prompts"),
                  (max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}")])
-    with evaluating(model):
-        cache, logits = _prefill(model, prompts)
+    device, T = model.lm_head.weight.device, max(map(len, prompts))
+    pads = [T - len(p) for p in prompts]
+    with evaluating(model):  # the prefill: the prompts left-padded into one batch, run into a fresh cache
+        idx = torch.tensor([[0] * n + list(p) for n, p in zip(pads, prompts, strict=True)], device=device)
+        # equal lengths take the plain causal path: sample()'s kernels and numbers
+        cache = KVCache(model.config, len(prompts), torch.tensor(pads, device=device) if any(pads) else None)
+        logits = model(idx, cache=cache, last_only=True)[0][:, -1]
         alive, rows = list(range(len(prompts))), [_Row() for _ in prompts]
         for step in range(max_new_tokens):
-            sampled, logprobs = _sample(logits, temperature, top_k, top_p, vocab, generator)
-            chosen = [rows[r].next(t, calculator) for r, t in zip(alive, sampled, strict=True)]
+            sampled, probs = next_token(logits, temperature, top_k, top_p, generator, vocab)  # as sample() draws
+            logprobs = probs.gather(1, sampled)[:, 0].log().tolist() if probs is not None else [0.0] * len(alive)
+            chosen = [rows[r].next(t, calculator) for r, t in zip(alive, sampled[:, 0].tolist(), strict=True)]
             tokens, mask = [t for t, _ in chosen], [m for _, m in chosen]
             yield Step(alive, tokens, mask, [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)])
             keep = [i for i, t in enumerate(tokens) if t not in stop_ids]
             if not keep or step + 1 == max_new_tokens or cache.pos == bs:
                 return
             if len(keep) < len(alive):
-                cache.keep(torch.tensor(keep, device=logits.device))
+                cache.keep(torch.tensor(keep, device=device))
                 alive = [alive[i] for i in keep]
-            idx = torch.tensor([[tokens[i]] for i in keep], device=logits.device)
+            idx = torch.tensor([[tokens[i]] for i in keep], device=device)
             logits = model(idx, cache=cache, last_only=True)[0][:, -1]
 
 

@@ -67,10 +67,9 @@ class GPTConfig:
     def _check_types(self) -> None:
         ints = {"block_size": 1, "vocab_size": 1, "n_layer": 1, "n_head": 1, "n_embd": 1, "n_kv_head": 1,
                 "loss_chunk": 0, "head_size": 1, "mlp_hidden": 1}  # the lowest value each takes
+        optional = {"n_kv_head": " or None (= n_head)", "head_size": " or None", "mlp_hidden": " or None"}
         for name, low in ints.items():
-            value = getattr(self, name)
-            none = "" if name not in ("n_kv_head", "head_size", "mlp_hidden") else \
-                " or None (= n_head)" if name == "n_kv_head" else " or None"
+            value, none = getattr(self, name), optional.get(name, "")
             if not (none and value is None) and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"GPTConfig.{name} must be an integer >= {low}{none}, got {value!r}")
         for name in ("bias", "fused_gelu", "fused_ce", "half_residual", "value_head"):
@@ -161,8 +160,7 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k[layer] is None:
-            self.k[layer] = k.new_zeros(self.shape)
-            self.v[layer] = v.new_zeros(self.shape)
+            self.k[layer], self.v[layer] = k.new_zeros(self.shape), v.new_zeros(self.shape)
         ck, cv = self.k[layer], self.v[layer]
         t0, t1 = self.pos, self.pos + k.size(2)
         ck[:, :, t0:t1] = k  # type: ignore[index]
@@ -182,18 +180,17 @@ class KVCache:
         self.pad = None if self.pad is None else self.pad[rows]
 
 
-def rope_tables(config: GPTConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    exponents = torch.arange(0, config.head_dim, 2, device=device).float() / config.head_dim
+def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    exponents = torch.arange(0, config.head_dim, 2).float() / config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)  # (hs/2,)
-    angles = torch.outer(torch.arange(config.block_size, device=device).float(), inv_freq)  # (T, hs/2)
+    angles = torch.outer(torch.arange(config.block_size).float(), inv_freq)  # (T, hs/2)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (i, i + hs/2) of x (B, nh, T, hs) by position-dependent angles."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.type_as(x)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -210,14 +207,11 @@ class CausalSelfAttention(nn.Module):
                 cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.size()
         cfg = self.config
-        kv_dim, q_dim = cfg.kv_heads * cfg.head_dim, cfg.n_head * cfg.head_dim
         qkv = self.c_attn(x)
-        # the heads this module holds: all of them, or a tensor-parallel rank's share (parallelize.py)
-        kv = qkv.size(2) * kv_dim // (q_dim + 2 * kv_dim)
-        q, k, v = qkv.split([qkv.size(2) - 2 * kv, kv, kv], dim=2)
-        q = q.view(B, T, -1, cfg.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, -1, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = v.view(B, T, -1, cfg.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        # the k/v width of the heads this module holds: all, or a tensor-parallel rank's share (parallelize.py)
+        kv = qkv.size(2) // (cfg.n_head // cfg.kv_heads + 2)
+        # q (B, nh, T, hs), k and v (B, nkv, T, hs)
+        q, k, v = (t.view(B, T, -1, cfg.head_dim).transpose(1, 2) for t in qkv.split([qkv.size(2) - 2 * kv, kv, kv], 2))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # a chunk attends causally to itself, one decoded token to the whole cache. Without a cache a plain True:
@@ -227,10 +221,10 @@ class CausalSelfAttention(nn.Module):
             if cache.pos > 0 and T > 1:
                 raise ValueError("KVCache supports a prefill into an empty cache, then one token at a time")
             k, v = cache.update(self.layer, k, v)
-        gqa = {"enable_gqa": True} if cfg.kv_heads != cfg.n_head else {}
         mask = cache.visible(T) if cache is not None and cache.pad is not None else None  # a ragged batch
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, **gqa,
-                                           dropout_p=cfg.dropout if self.training else 0.0)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                           dropout_p=cfg.dropout if self.training else 0.0,
+                                           enable_gqa=cfg.kv_heads != cfg.n_head)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
@@ -326,8 +320,7 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
-                cache: KVCache | None = None, last_only: bool = False, return_logits: bool = True,
-                values: bool = False,
+                cache: KVCache | None = None, last_only: bool = False, return_logits: bool = True, values: bool = False,
                 at: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, V) ((B, 1, V) with last_only; None with loss_chunk or fused_ce and targets) and
         the mean loss over targets != -1 (None without targets). return_logits=False is the training step's call: a
@@ -345,10 +338,8 @@ class GPT(nn.Module):
             pos = (pos - pad[:, None]).clamp(min=0)
         if self.config.pos == "learned":
             x = x + self.transformer.wpe(pos)
-        elif pad is None:
-            rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])
-        else:  # (B, 1, T, hs/2): each row's angles, shared by its heads
-            rope = (self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1))
+        else:  # (1, T, hs/2), or a ragged batch's (B, 1, T, hs/2): each row's angles, shared by its heads
+            rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
         x = self.transformer.drop(x)
         device = idx.device.type
         if self.config.half_residual and torch.is_autocast_enabled(device):
@@ -434,13 +425,11 @@ class GPT(nn.Module):
         shape = dict(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
                      n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True, mlp_hidden=inner)
         config = GPTConfig(**{**shape, **overrides})  # an override (e.g. dropout, fused_gelu) wins
-        sd_hf = _load_hf_weights(path)
-        sd_hf = {k.removeprefix("transformer."): v for k, v in sd_hf.items()
-                 if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        # HF's causal-mask buffers (.attn.bias, .attn.masked_bias) are never looked up
+        sd_hf = {k.removeprefix("transformer."): v for k, v in _load_hf_weights(path).items()}
         model = cls(config)
-        sd = model.state_dict()
         with torch.no_grad():
-            for key, p in sd.items():
+            for key, p in model.state_dict().items():
                 if key == "lm_head.weight" or key.startswith("value_head."):
                     continue  # tied to wte; a new head keeps its init
                 src = sd_hf.get(key.removeprefix("transformer."))

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import codecs
 import collections
-import dataclasses
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -78,7 +77,6 @@ def generate_text(model: GPT, enc: Any, cfg: SampleConfig, device: torch.device 
                   out: TextIO | None = None) -> list[str]:
     """Stream cfg.num_samples continuations of cfg.prompt (the text itself) to `out`; return the continuations.
     The model is used as it is (main casts it to bf16 on CUDA). Speed goes to stderr: `N tokens in S s (R tok/s)`."""
-    device = torch.device(device)
     tokens = enc.encode(cfg.prompt, allowed_special="all") or [EOT]  # an empty prompt starts a new document
     shown = cfg.prompt
     keep = model.config.block_size - 1  # room for at least one new token in the context window
@@ -189,7 +187,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         dtype = str(model.transformer.wte.weight.dtype).removeprefix("torch.")  # GPT always ties it to lm_head
         print(f"int8: {len(names)} nn.Linear weights quantized, weights {before / 1e6:.1f} MB -> "
               f"{weight_bytes(model) / 1e6:.1f} MB (the tied wte/lm_head stays {dtype})", file=sys.stderr)
-    texts = generate_text(model, get_tokenizer(), dataclasses.replace(cfg, prompt=prompt), device)
+    texts = generate_text(model, get_tokenizer(), replace(cfg, prompt=prompt), device)
     if seen is not None:
         c = corpus_check(texts, seen)
         print(f"corpus check: {c['known']:.0%} of {c['words']} sampled words occur in {cfg.corpus}'s train shards; "
