@@ -11,7 +11,7 @@ A checkpoint stays the GPT's full state on any layout (Sharded.full_state and lo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -191,15 +191,18 @@ def tensor_parallel(stage: Stage, mesh: DeviceMesh, sp: bool) -> None:
                                                                                  run_check=False)))
 
 
-def fully_shard_stage(stage: Stage, mesh: DeviceMesh, dtype: torch.dtype) -> None:
-    """FSDP2 over the data-parallel ranks: each block, then the stage's other parameters. Gathered once a step, not
-    once a micro-batch (the schedule keeps them through its backwards), as torchtitan does under pipelining."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def fully_shard_model(model: nn.Module, blocks: Iterable[nn.Module], dtype: torch.dtype, **options: Any) -> None:
+    """FSDP2 on each block, then on the model's other parameters: gathered in the compute dtype (half the all-gather
+    traffic in bf16), gradients reduced in fp32."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch 2.5 keeps FSDP2 under _composable
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in stage.transformer.h.values():
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(stage, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    for block in blocks:
+        fully_shard(block, mp_policy=mp, **options)
+    fully_shard(model, mp_policy=mp, **options)
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -223,8 +226,10 @@ def shard(gpt: GPT, args: Any, device: torch.device, dtype: torch.dtype) -> Shar
     for stage in stages:
         if args.tp:  # 1 too: the same DTensor code on one rank
             tensor_parallel(stage, mesh["tp"], args.sequence_parallel)
+        # FSDP2 over the dp ranks, gathered once a step, not once a micro-batch (the schedule keeps them through its
+        # backwards), as torchtitan does under pipelining
         if args.parallel == "fsdp":
-            fully_shard_stage(stage, mesh["dp"], dtype)
+            fully_shard_model(stage, stage.transformer.h.values(), dtype, mesh=mesh["dp"], reshard_after_forward=False)
     return Sharded(gpt.config, stages, stage_ids, n, mesh, args.pp_schedule, device)
 
 
@@ -279,9 +284,8 @@ class Sharded(nn.Module):
 
     def mean_loss(self, losses: list[Tensor], micro_batches: int) -> Tensor:
         """The mean of the last stage's micro-batch losses, on every pipeline rank."""
-        loss = torch.zeros((), device=self.device)
-        for part in losses:  # empty but on the last stage
-            loss += part.detach() / micro_batches
+        # losses is empty but on the last stage
+        loss = sum((part.detach() / micro_batches for part in losses), torch.zeros((), device=self.device))
         dist.broadcast(loss, group=self.pp_group, group_src=self.pp - 1)
         return loss
 
@@ -369,15 +373,9 @@ class Sharded(nn.Module):
 
 def merge(parts: list[tuple[dict, dict]]) -> tuple[dict, dict]:
     """One full state from the pipeline stages' (first stage first), the tied matrix once, as one process saves it."""
-    model: dict[str, Any] = {}
-    state: dict[str, Any] = {}
-    groups = [{**g, "params": []} for g in parts[0][1]["param_groups"]]
-    for model_sd, optim_sd in parts:
-        model |= model_sd
-        state |= optim_sd["state"]
-        groups = [g | {"params": g["params"] + h["params"]} for g, h in zip(groups, optim_sd["param_groups"],
-                                                                           strict=True)]
-    state.pop("lm_head.weight", None)
+    model = {k: v for model_sd, _ in parts for k, v in model_sd.items()}
     model["transformer.wte.weight"] = model["lm_head.weight"]
-    return model, {"state": state, "param_groups": [g | {"params": [k for k in g["params"] if k != "lm_head.weight"]}
-                                                    for g in groups]}
+    state = {k: v for _, optim_sd in parts for k, v in optim_sd["state"].items() if k != "lm_head.weight"}
+    groups = zip(*(optim_sd["param_groups"] for _, optim_sd in parts), strict=True)  # a group as each stage holds it
+    return model, {"state": state, "param_groups": [
+        same[0] | {"params": [k for g in same for k in g["params"] if k != "lm_head.weight"]} for same in groups]}
