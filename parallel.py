@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from common import LOCAL, import_torchao, tensor_bytes, torchao_missing
-from parallelize import flag_problem, fully_shard_model, shard
+from parallelize import flag_checks, fully_shard_model, shard
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 # SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
@@ -68,9 +68,7 @@ class StepArgs:
                      *((ok(getattr(self, name)), f"--{flag(name)} must be {rule}; got {getattr(self, name)}")
                        for name, (ok, rule) in rules.items()),
                      (not (self.dtype == "fp16" and self.parallel == "fsdp"),
-                      "--dtype fp16 is not supported with --parallel fsdp; use bf16")])
-        if why := flag_problem(self):
-            raise ValueError(why)
+                      "--dtype fp16 is not supported with --parallel fsdp; use bf16"), *flag_checks(self)])
 
 
 def flag(name: str) -> str:
@@ -223,9 +221,9 @@ def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_co
     dtype, autocast = precision(args.dtype, device)
     select_attention(args.attention)
     shards = shard(raw, args, device, dtype) if args.tp or args.pp else None
-    model = shards if shards is not None else wrap_model(raw, args, device, dtype, use_compile)
+    model = shards or wrap_model(raw, args, device, dtype, use_compile)
     # after wrap_model: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
-    optimizer = build_optimizer(shards if shards is not None else raw, args, device, verbose)
+    optimizer = build_optimizer(shards or raw, args, device, verbose)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     return Trainable(model, optimizer, scaler, dtype, autocast, shards)
 
@@ -460,8 +458,7 @@ def lr_as_tensor(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     """A step pre-hook for torchao's 8-bit AdamW, which compiles its step for lr as a tensor (a float would be baked
     into the graph, and each new value recompile it); the loop sets a float."""
     for group in optimizer.param_groups:
-        if not torch.is_tensor(group["lr"]):
-            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+        group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -49,22 +49,21 @@ def chunks(args: Any) -> int:
     return {"interleaved-1f1b": 2}.get(args.pp_schedule, 1)
 
 
-def flag_problem(args: Any) -> str | None:
-    """Why these StepArgs cannot run, or None; shard_problem checks what needs the model and the world size."""
-    sharded = bool(args.tp or args.pp)
-    checks = [(args.tp < 0 or args.pp < 0, f"--tp and --pp must be >= 0 (0: off); got {args.tp} and {args.pp}"),
-              (args.pp_schedule not in SCHEDULES,
-               f"--pp-schedule must be one of {', '.join(SCHEDULES)}; got {args.pp_schedule!r}"),
-              (args.sequence_parallel and not args.tp, "--sequence-parallel splits the norms over the --tp ranks: "
-                                                        "pass --tp"),
-              (sharded and args.parallel == "zero1", "--parallel zero1 keeps a whole model's optimizer state on a "
-                                                     "rank, not a shard's: use --parallel fsdp"),
-              (sharded and args.optimizer != "adamw", f"--optimizer {args.optimizer} needs whole matrices or its own "
-                                                      "state format: use --optimizer adamw with --tp/--pp"),
-              (sharded and args.dtype == "fp16", "--dtype fp16's GradScaler does not run under --tp/--pp: use bf16"),
-              (sharded and args.compile is True, "--compile true is not wired for --tp/--pp: drop it (shards run "
-                                                 "eager)")]
-    return next((why for bad, why in checks if bad), None)
+def flag_checks(args: Any) -> list[tuple[bool, str]]:
+    """(ok, message) of each rule on StepArgs' --tp/--pp; shard_problem checks what needs the model and the world."""
+    alone = not (args.tp or args.pp)  # nothing sharded
+    return [(args.tp >= 0 and args.pp >= 0, f"--tp and --pp must be >= 0 (0: off); got {args.tp} and {args.pp}"),
+            (args.pp_schedule in SCHEDULES,
+             f"--pp-schedule must be one of {', '.join(SCHEDULES)}; got {args.pp_schedule!r}"),
+            (args.tp or not args.sequence_parallel,
+             "--sequence-parallel splits the norms over the --tp ranks: pass --tp"),
+            (alone or args.parallel != "zero1", "--parallel zero1 keeps a whole model's optimizer state on a rank, not "
+                                                "a shard's: use --parallel fsdp"),
+            (alone or args.optimizer == "adamw", f"--optimizer {args.optimizer} needs whole matrices or its own state "
+                                                 "format: use --optimizer adamw with --tp/--pp"),
+            (alone or args.dtype != "fp16", "--dtype fp16's GradScaler does not run under --tp/--pp: use bf16"),
+            (alone or args.compile is not True,
+             "--compile true is not wired for --tp/--pp: drop it (shards run eager)")]
 
 
 def shard_problem(args: Any, config: GPTConfig, world: int) -> str | None:
@@ -332,15 +331,11 @@ class Sharded(nn.Module):
 
     def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
         """The GPT's full model and optimizer state on rank 0 (None elsewhere), as one process would save them."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        opts = StateDictOptions(full_state_dict=True)  # not offloaded: that would keep rank 0's stage alone
-        model_sd, optim_sd = get_model_state_dict(self, options=opts), get_optimizer_state_dict(self, optimizer,
-                                                                                                 options=opts)
+        opts = dcp.StateDictOptions(full_state_dict=True)  # not offloaded: that would keep rank 0's stage alone
+        model_sd, optim_sd = dcp.get_model_state_dict(self, options=opts), dcp.get_optimizer_state_dict(
+            self, optimizer, options=opts)
         back = {mine: name for name, mine in self.names().items()}
 
         def plain(name: str, t: Tensor) -> Tensor:
