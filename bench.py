@@ -238,8 +238,8 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> Row:
         torch.cuda.reset_peak_memory_stats(device)
     with contextlib.ExitStack() as stack:
         if (variant.ddp or tcfg.tp or tcfg.pp) and not dist.is_initialized():  # as torchrun --nproc_per_node=1
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                    world_size=1)
+            dist.init_process_group(dist.Backend.default_device_backend_map[device.type], store=dist.HashStore(),
+                                    rank=0, world_size=1)
             stack.callback(dist.destroy_process_group)
         torch.manual_seed(cfg.seed)
         raw = GPT(train.model_config(tcfg)).to(device)

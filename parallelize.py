@@ -34,19 +34,15 @@ from torch.distributed.tensor.parallel import (
 from fused_ce import cross_entropy
 from model import GPT, MLP, GPTConfig
 
-# --pp-schedule -> torch.distributed.pipelining's schedule for training, and for evaluation's single micro-batch
-SCHEDULES = {"1f1b": ("Schedule1F1B", "ScheduleGPipe"), "gpipe": ("ScheduleGPipe", "ScheduleGPipe"),
-             "interleaved-1f1b": ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS")}
+# --pp-schedule -> torch.distributed.pipelining's schedule for training, for evaluation's single micro-batch, and the
+# stages per rank (interleaved 1F1B gives rank r stages r and r + pp)
+SCHEDULES = {"1f1b": ("Schedule1F1B", "ScheduleGPipe", 1), "gpipe": ("ScheduleGPipe", "ScheduleGPipe", 1),
+             "interleaved-1f1b": ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", 2)}
 
 
 def degrees(args: Any) -> tuple[int, int]:
     """(tensor-parallel, pipeline-parallel) ranks: --tp and --pp, where 0 (off) is 1."""
     return max(args.tp, 1), max(args.pp, 1)
-
-
-def chunks(args: Any) -> int:
-    """Pipeline stages per rank: interleaved 1F1B gives rank r stages r and r + pp."""
-    return {"interleaved-1f1b": 2}.get(args.pp_schedule, 1)
 
 
 def flag_checks(args: Any) -> list[tuple[bool, str]]:
@@ -68,8 +64,8 @@ def flag_checks(args: Any) -> list[tuple[bool, str]]:
 
 def shard_problem(args: Any, config: GPTConfig, world: int) -> str | None:
     """Why this model cannot be split as args say over `world` ranks, or None."""
-    (tp, pp), stages = degrees(args), max(args.pp, 1) * chunks(args)
-    ranks = tp * pp
+    tp, pp = degrees(args)
+    ranks, stages = tp * pp, pp * SCHEDULES[args.pp_schedule][2]
     with torch.device("meta"):
         hidden = MLP(config).c_proj.in_features
     checks = [(world % ranks, f"--tp {tp} x --pp {pp} = {ranks} ranks must divide the world size {world}: launch "
@@ -218,8 +214,9 @@ def shard(gpt: GPT, args: Any, device: torch.device, dtype: torch.dtype) -> Shar
         raise ValueError(why)
     tp, pp = degrees(args)
     mesh = init_device_mesh(device.type, (pp, world // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
-    n = pp * chunks(args)
-    stage_ids = [mesh["pp"].get_local_rank() + k * pp for k in range(chunks(args))]
+    chunks = SCHEDULES[args.pp_schedule][2]
+    n = pp * chunks
+    stage_ids = [mesh["pp"].get_local_rank() + k * pp for k in range(chunks)]
     bounds = [round(i * gpt.config.n_layer / n) for i in range(n + 1)]
     stages = [Stage(gpt, bounds[i], bounds[i + 1]) for i in stage_ids]
     for stage in stages:
