@@ -279,8 +279,7 @@ class Sharded(nn.Module):
         return self.schedules[key]
 
     def mean_loss(self, losses: list[Tensor], micro_batches: int) -> Tensor:
-        """The mean of the last stage's micro-batch losses, on every pipeline rank."""
-        # losses is empty but on the last stage
+        """The mean of the last stage's micro-batch losses (other stages' lists are empty), on every pipeline rank."""
         loss = sum((part.detach() / micro_batches for part in losses), torch.zeros((), device=self.device))
         dist.broadcast(loss, group=self.pp_group, group_src=self.pp - 1)
         return loss
