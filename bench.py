@@ -48,6 +48,8 @@ from sample import SampleConfig, quantize_int8, weight_bytes
 
 DECODE_INIT_STD = 0.1  # random decode/int8 weights: at GPT-2's 0.02 greedy decoding repeats one token
 DLOSS_STEP = 3  # dloss compares the train rows' losses at this step (two AdamW updates in), or at the last if sooner
+# what --model auto, and --seq-len, --kernel-rows, --batch-sizes unset, mean on each device type
+DEVICE_DEFAULTS = {"cuda": ("gpt2", 1024, 65536, (16, 32, 64)), "cpu": ("tiny", 64, 1024, (4,))}
 Row = dict[str, Any]
 
 
@@ -87,10 +89,7 @@ class BenchConfig:
         """Resolve the device's defaults (twice changes nothing); a bad flag fails here, before any row runs."""
         device = common.resolve_device(self.device)  # cuda:N becomes the current device, where Triton launches
         self.device = str(device)
-        if device.type == "cuda":  # what --model auto, and --seq-len, --kernel-rows, --batch-sizes unset, mean
-            model, seq_len, rows, sizes = "gpt2", 1024, 65536, (16, 32, 64)
-        else:
-            model, seq_len, rows, sizes = "tiny", 64, 1024, (4,)
+        model, seq_len, rows, sizes = DEVICE_DEFAULTS[device.type]
         self.model, self.seq_len = self.model.replace("auto", model), self.seq_len or seq_len
         self.kernel_rows, self.batch_sizes = self.kernel_rows or rows, self.batch_sizes or sizes
         if not self.suites() or set(self.suites()) - set(SUITES):
@@ -238,8 +237,8 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> Row:
         torch.cuda.reset_peak_memory_stats(device)
     with contextlib.ExitStack() as stack:
         if (variant.ddp or tcfg.tp or tcfg.pp) and not dist.is_initialized():  # as torchrun --nproc_per_node=1
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                    world_size=1)
+            dist.init_process_group(dist.Backend.default_device_backend_map[device.type], store=dist.HashStore(),
+                                    rank=0, world_size=1)
             stack.callback(dist.destroy_process_group)
         torch.manual_seed(cfg.seed)
         raw = GPT(train.model_config(tcfg)).to(device)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from common import LOCAL, import_torchao, tensor_bytes, torchao_missing
-from parallelize import flag_problem, shard
+from parallelize import flag_checks, fully_shard_model, shard
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 # SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
@@ -68,9 +68,7 @@ class StepArgs:
                      *((ok(getattr(self, name)), f"--{flag(name)} must be {rule}; got {getattr(self, name)}")
                        for name, (ok, rule) in rules.items()),
                      (not (self.dtype == "fp16" and self.parallel == "fsdp"),
-                      "--dtype fp16 is not supported with --parallel fsdp; use bf16")])
-        if why := flag_problem(self):
-            raise ValueError(why)
+                      "--dtype fp16 is not supported with --parallel fsdp; use bf16"), *flag_checks(self)])
 
 
 def flag(name: str) -> str:
@@ -111,32 +109,21 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     if hasattr(model, "forward_backward"):  # --tp/--pp shards (parallelize.Sharded) run their own micro-steps
         loss_accum, norm = model.forward_backward(next_batch, grad_accum, autocast, grad_clip)
     else:
-        loss_accum, norm = accumulate(model, optimizer, next_batch, grad_accum, autocast, grad_clip, label_smoothing,
-                                      scaler, objective)
+        loss_accum = torch.zeros((), device=next(model.parameters()).device)
+        for micro in range(grad_accum):
+            batch = next_batch()
+            with sync_gradients(model, micro == grad_accum - 1), autocast:
+                loss = objective(model, batch) if objective else lm_loss(model, batch, label_smoothing)
+            loss = loss / grad_accum  # gradients of the mean over all micro-batches, not the sum
+            loss_accum += loss.detach()
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2 returns a DTensor
     if update is None or update(loss_accum, norm):
         scaler.step(optimizer)
     scaler.update()  # after a skipped step too: the scale still reacts to its inf checks
     optimizer.zero_grad(set_to_none=True)
-    return loss_accum, norm
-
-
-def accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], tuple], grad_accum: int,
-               autocast: contextlib.AbstractContextManager, grad_clip: float, label_smoothing: float,
-               scaler: torch.amp.GradScaler,
-               objective: Callable[[nn.Module, tuple], torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """train_step's micro-steps forward and backward, then the clip: (mean loss, gradient norm)."""
-    loss_accum = torch.zeros((), device=next(model.parameters()).device)
-    for micro in range(grad_accum):
-        batch = next_batch()
-        with sync_gradients(model, micro == grad_accum - 1), autocast:
-            loss = objective(model, batch) if objective else lm_loss(model, batch, label_smoothing)
-        loss = loss / grad_accum  # gradients of the mean over all micro-batches, not the sum
-        loss_accum += loss.detach()
-        scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
-        norm = norm.full_tensor()
     return loss_accum, norm
 
 
@@ -157,13 +144,10 @@ class Objective:
 
 
 def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-    """Skip the gradient all-reduce on non-final micro-steps of gradient accumulation."""
+    """Skip the gradient all-reduce on non-final micro-steps of gradient accumulation: FSDP2's switch, DDP's context."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(enabled)
-        return contextlib.nullcontext()
-    if hasattr(model, "no_sync") and not enabled:  # DDP
-        return model.no_sync()
-    return contextlib.nullcontext()
+    return model.no_sync() if hasattr(model, "no_sync") and not enabled else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -237,9 +221,9 @@ def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_co
     dtype, autocast = precision(args.dtype, device)
     select_attention(args.attention)
     shards = shard(raw, args, device, dtype) if args.tp or args.pp else None
-    model = shards if shards is not None else wrap_model(raw, args, device, dtype, use_compile)
-    # after parallelize: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
-    optimizer = build_optimizer(shards if shards is not None else raw, args, device, verbose)
+    model = shards or wrap_model(raw, args, device, dtype, use_compile)
+    # after wrap_model: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
+    optimizer = build_optimizer(shards or raw, args, device, verbose)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     return Trainable(model, optimizer, scaler, dtype, autocast, shards)
 
@@ -262,38 +246,19 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
         target.forward = lambda *args, _f=inner: activation_checkpoint(_f, *args, use_reentrant=False)
 
 
-def parallelize(model: nn.Module, parallel: str, device: torch.device, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Wrap (DDP) or shard (FSDP2) the model under torchrun, at any world size (one rank included, as nanoGPT does);
-    returns the module that train steps call. For FSDP2, model is the GPT itself; DDP may wrap its compiled form."""
-    if parallel == "fsdp":
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        except ImportError:  # torch 2.5 keeps FSDP2 under _composable
-            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-        # gather parameters in the compute dtype (half the all-gather traffic in bf16), reduce gradients in fp32
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        if dist.is_initialized():
-            for block in model.transformer.h:
-                fully_shard(block, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
-        return model
-    if dist.is_initialized():
+def wrap_model(raw: nn.Module, args: StepArgs, device: torch.device, dtype: torch.dtype,
+               use_compile: bool) -> nn.Module:
+    """DDP or FSDP2 under torchrun, at any world size (one rank included, as nanoGPT does), and compile, in the order
+    each needs: DDP wraps the compiled model (nanoGPT's order; the other way breaks Dynamo's graph in DDP's forward),
+    FSDP2 is compiled after fully_shard, which needs plain blocks. Returns the module that train steps call."""
+    if args.parallel == "fsdp" and dist.is_initialized():
+        fully_shard_model(raw, raw.transformer.h, dtype)
+    mode = None if args.compile_mode == "default" else args.compile_mode
+    model = torch.compile(raw, mode=mode) if use_compile else raw
+    if args.parallel != "fsdp" and dist.is_initialized():
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
-
-
-def wrap_model(raw: nn.Module, args: StepArgs, device: torch.device, dtype: torch.dtype,
-               use_compile: bool) -> nn.Module:
-    """parallelize and compile in the order each needs: DDP wraps the compiled model (nanoGPT's order; the other way
-    breaks Dynamo's graph in DDP's forward), FSDP2 is compiled after fully_shard, which needs plain blocks."""
-    def compiled(model: nn.Module) -> nn.Module:
-        return torch.compile(model, mode=None if args.compile_mode == "default" else args.compile_mode) \
-            if use_compile else model
-
-    if args.parallel == "fsdp":
-        return compiled(parallelize(raw, args.parallel, device, dtype))
-    return parallelize(compiled(raw), args.parallel, device, dtype)
 
 
 def uses_cuda_graphs(args: StepArgs, device: torch.device) -> bool:
@@ -478,10 +443,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         self.muon.step()
         self.adamw.step()
         return loss
@@ -495,8 +458,7 @@ def lr_as_tensor(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     """A step pre-hook for torchao's 8-bit AdamW, which compiles its step for lr as a tensor (a float would be baked
     into the graph, and each new value recompile it); the loop sets a float."""
     for group in optimizer.param_groups:
-        if not torch.is_tensor(group["lr"]):
-            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+        group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -11,7 +11,7 @@ A checkpoint stays the GPT's full state on any layout (Sharded.full_state and lo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,9 +34,10 @@ from torch.distributed.tensor.parallel import (
 from fused_ce import cross_entropy
 from model import GPT, MLP, GPTConfig
 
-# --pp-schedule -> torch.distributed.pipelining's schedule for training, and for evaluation's single micro-batch
-SCHEDULES = {"1f1b": ("Schedule1F1B", "ScheduleGPipe"), "gpipe": ("ScheduleGPipe", "ScheduleGPipe"),
-             "interleaved-1f1b": ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS")}
+# --pp-schedule -> torch.distributed.pipelining's schedule for training, for evaluation's single micro-batch, and the
+# stages per rank (interleaved 1F1B gives rank r stages r and r + pp)
+SCHEDULES = {"1f1b": ("Schedule1F1B", "ScheduleGPipe", 1), "gpipe": ("ScheduleGPipe", "ScheduleGPipe", 1),
+             "interleaved-1f1b": ("ScheduleInterleaved1F1B", "ScheduleLoopedBFS", 2)}
 
 
 def degrees(args: Any) -> tuple[int, int]:
@@ -44,33 +45,27 @@ def degrees(args: Any) -> tuple[int, int]:
     return max(args.tp, 1), max(args.pp, 1)
 
 
-def chunks(args: Any) -> int:
-    """Pipeline stages per rank: interleaved 1F1B gives rank r stages r and r + pp."""
-    return {"interleaved-1f1b": 2}.get(args.pp_schedule, 1)
-
-
-def flag_problem(args: Any) -> str | None:
-    """Why these StepArgs cannot run, or None; shard_problem checks what needs the model and the world size."""
-    sharded = bool(args.tp or args.pp)
-    checks = [(args.tp < 0 or args.pp < 0, f"--tp and --pp must be >= 0 (0: off); got {args.tp} and {args.pp}"),
-              (args.pp_schedule not in SCHEDULES,
-               f"--pp-schedule must be one of {', '.join(SCHEDULES)}; got {args.pp_schedule!r}"),
-              (args.sequence_parallel and not args.tp, "--sequence-parallel splits the norms over the --tp ranks: "
-                                                        "pass --tp"),
-              (sharded and args.parallel == "zero1", "--parallel zero1 keeps a whole model's optimizer state on a "
-                                                     "rank, not a shard's: use --parallel fsdp"),
-              (sharded and args.optimizer != "adamw", f"--optimizer {args.optimizer} needs whole matrices or its own "
-                                                      "state format: use --optimizer adamw with --tp/--pp"),
-              (sharded and args.dtype == "fp16", "--dtype fp16's GradScaler does not run under --tp/--pp: use bf16"),
-              (sharded and args.compile is True, "--compile true is not wired for --tp/--pp: drop it (shards run "
-                                                 "eager)")]
-    return next((why for bad, why in checks if bad), None)
+def flag_checks(args: Any) -> list[tuple[bool, str]]:
+    """(ok, message) of each rule on StepArgs' --tp/--pp; shard_problem checks what needs the model and the world."""
+    alone = not (args.tp or args.pp)  # nothing sharded
+    return [(args.tp >= 0 and args.pp >= 0, f"--tp and --pp must be >= 0 (0: off); got {args.tp} and {args.pp}"),
+            (args.pp_schedule in SCHEDULES,
+             f"--pp-schedule must be one of {', '.join(SCHEDULES)}; got {args.pp_schedule!r}"),
+            (args.tp or not args.sequence_parallel,
+             "--sequence-parallel splits the norms over the --tp ranks: pass --tp"),
+            (alone or args.parallel != "zero1", "--parallel zero1 keeps a whole model's optimizer state on a rank, not "
+                                                "a shard's: use --parallel fsdp"),
+            (alone or args.optimizer == "adamw", f"--optimizer {args.optimizer} needs whole matrices or its own state "
+                                                 "format: use --optimizer adamw with --tp/--pp"),
+            (alone or args.dtype != "fp16", "--dtype fp16's GradScaler does not run under --tp/--pp: use bf16"),
+            (alone or args.compile is not True,
+             "--compile true is not wired for --tp/--pp: drop it (shards run eager)")]
 
 
 def shard_problem(args: Any, config: GPTConfig, world: int) -> str | None:
     """Why this model cannot be split as args say over `world` ranks, or None."""
-    (tp, pp), stages = degrees(args), max(args.pp, 1) * chunks(args)
-    ranks = tp * pp
+    tp, pp = degrees(args)
+    ranks, stages = tp * pp, pp * SCHEDULES[args.pp_schedule][2]
     with torch.device("meta"):
         hidden = MLP(config).c_proj.in_features
     checks = [(world % ranks, f"--tp {tp} x --pp {pp} = {ranks} ranks must divide the world size {world}: launch "
@@ -191,15 +186,18 @@ def tensor_parallel(stage: Stage, mesh: DeviceMesh, sp: bool) -> None:
                                                                                  run_check=False)))
 
 
-def fully_shard_stage(stage: Stage, mesh: DeviceMesh, dtype: torch.dtype) -> None:
-    """FSDP2 over the data-parallel ranks: each block, then the stage's other parameters. Gathered once a step, not
-    once a micro-batch (the schedule keeps them through its backwards), as torchtitan does under pipelining."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def fully_shard_model(model: nn.Module, blocks: Iterable[nn.Module], dtype: torch.dtype, **options: Any) -> None:
+    """FSDP2 on each block, then on the model's other parameters: gathered in the compute dtype (half the all-gather
+    traffic in bf16), gradients reduced in fp32."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch 2.5 keeps FSDP2 under _composable
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in stage.transformer.h.values():
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(stage, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    for block in blocks:
+        fully_shard(block, mp_policy=mp, **options)
+    fully_shard(model, mp_policy=mp, **options)
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -216,15 +214,18 @@ def shard(gpt: GPT, args: Any, device: torch.device, dtype: torch.dtype) -> Shar
         raise ValueError(why)
     tp, pp = degrees(args)
     mesh = init_device_mesh(device.type, (pp, world // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
-    n = pp * chunks(args)
-    stage_ids = [mesh["pp"].get_local_rank() + k * pp for k in range(chunks(args))]
+    chunks = SCHEDULES[args.pp_schedule][2]
+    n = pp * chunks
+    stage_ids = [mesh["pp"].get_local_rank() + k * pp for k in range(chunks)]
     bounds = [round(i * gpt.config.n_layer / n) for i in range(n + 1)]
     stages = [Stage(gpt, bounds[i], bounds[i + 1]) for i in stage_ids]
     for stage in stages:
         if args.tp:  # 1 too: the same DTensor code on one rank
             tensor_parallel(stage, mesh["tp"], args.sequence_parallel)
+        # FSDP2 over the dp ranks, gathered once a step, not once a micro-batch (the schedule keeps them through its
+        # backwards), as torchtitan does under pipelining
         if args.parallel == "fsdp":
-            fully_shard_stage(stage, mesh["dp"], dtype)
+            fully_shard_model(stage, stage.transformer.h.values(), dtype, mesh=mesh["dp"], reshard_after_forward=False)
     return Sharded(gpt.config, stages, stage_ids, n, mesh, args.pp_schedule, device)
 
 
@@ -278,10 +279,8 @@ class Sharded(nn.Module):
         return self.schedules[key]
 
     def mean_loss(self, losses: list[Tensor], micro_batches: int) -> Tensor:
-        """The mean of the last stage's micro-batch losses, on every pipeline rank."""
-        loss = torch.zeros((), device=self.device)
-        for part in losses:  # empty but on the last stage
-            loss += part.detach() / micro_batches
+        """The mean of the last stage's micro-batch losses (other stages' lists are empty), on every pipeline rank."""
+        loss = sum((part.detach() / micro_batches for part in losses), torch.zeros((), device=self.device))
         dist.broadcast(loss, group=self.pp_group, group_src=self.pp - 1)
         return loss
 
@@ -328,15 +327,11 @@ class Sharded(nn.Module):
 
     def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
         """The GPT's full model and optimizer state on rank 0 (None elsewhere), as one process would save them."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        opts = StateDictOptions(full_state_dict=True)  # not offloaded: that would keep rank 0's stage alone
-        model_sd, optim_sd = get_model_state_dict(self, options=opts), get_optimizer_state_dict(self, optimizer,
-                                                                                                 options=opts)
+        opts = dcp.StateDictOptions(full_state_dict=True)  # not offloaded: that would keep rank 0's stage alone
+        model_sd, optim_sd = dcp.get_model_state_dict(self, options=opts), dcp.get_optimizer_state_dict(
+            self, optimizer, options=opts)
         back = {mine: name for name, mine in self.names().items()}
 
         def plain(name: str, t: Tensor) -> Tensor:
@@ -369,15 +364,9 @@ class Sharded(nn.Module):
 
 def merge(parts: list[tuple[dict, dict]]) -> tuple[dict, dict]:
     """One full state from the pipeline stages' (first stage first), the tied matrix once, as one process saves it."""
-    model: dict[str, Any] = {}
-    state: dict[str, Any] = {}
-    groups = [{**g, "params": []} for g in parts[0][1]["param_groups"]]
-    for model_sd, optim_sd in parts:
-        model |= model_sd
-        state |= optim_sd["state"]
-        groups = [g | {"params": g["params"] + h["params"]} for g, h in zip(groups, optim_sd["param_groups"],
-                                                                           strict=True)]
-    state.pop("lm_head.weight", None)
+    model = {k: v for model_sd, _ in parts for k, v in model_sd.items()}
     model["transformer.wte.weight"] = model["lm_head.weight"]
-    return model, {"state": state, "param_groups": [g | {"params": [k for k in g["params"] if k != "lm_head.weight"]}
-                                                    for g in groups]}
+    state = {k: v for _, optim_sd in parts for k, v in optim_sd["state"].items() if k != "lm_head.weight"}
+    groups = zip(*(optim_sd["param_groups"] for _, optim_sd in parts), strict=True)  # a group as each stage holds it
+    return model, {"state": state, "param_groups": [
+        same[0] | {"params": [k for g in same for k in g["params"] if k != "lm_head.weight"]} for same in groups]}
