@@ -130,10 +130,9 @@ def ppo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor
 @dataclasses.dataclass(frozen=True)
 class Algo:
     advantages: Callable[[dict[str, Tensor], Any, int], dict[str, Tensor]]
-    flags: tuple[str, ...] = ("clip",)  # the flags of its own it reads: another's, changed, is refused
-    group: bool = True  # compares the replies to one prompt: --samples >= 2
-    clip: bool = True  # the ratio's clip (REINFORCE: none, on-policy)
-    critic: bool = False  # a value head on the policy's trunk; --beta is a KL penalty in the rewards, not a loss term
+    flags: tuple[str, ...] = ("clip",)  # its own flags (clip: it clips the ratio); another's, changed, is refused
+    # a value head on the policy's trunk, --beta a KL penalty in the rewards; else a group baseline (--samples >= 2)
+    critic: bool = False
     minibatches: int = 2  # optimizer steps per pass, by default
 
 
@@ -142,8 +141,8 @@ ALGOS = {"grpo": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cf
          "rloo": Algo(lambda b, cfg, _: {"adv": leave_one_out(b["scores"], cfg.samples)}),
          # the group's mean as baseline, and no clip: one on-policy step
          "reinforce": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, scale=False)}, (),
-                           clip=False, minibatches=1),
-         "ppo": Algo(ppo, ("clip", "gamma", "lam", "vf_coef"), group=False, critic=True)}
+                           minibatches=1),
+         "ppo": Algo(ppo, ("clip", "gamma", "lam", "vf_coef"), critic=True)}
 LOSS_AGG = ("token", "sequence", "dr_grpo")
 
 
@@ -206,10 +205,10 @@ class RLConfig(engine.RunArgs):
                     for name in "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches".split())
         calls = self.rollout_batch * self.samples
         check_flags([
-            (not algo.group or self.samples >= 2,
+            (algo.critic or self.samples >= 2,
              f"--algo {self.algo} scores each reply against its group's: --samples must be >= 2 (or --algo ppo)"),
-            (algo.clip or self.ppo_epochs * self.minibatches <= 1, f"--algo {self.algo} is on-policy: one optimizer "
-             "step per batch of rollouts (--ppo-epochs 1 --minibatches 1)"),
+            ("clip" in algo.flags or self.ppo_epochs * self.minibatches <= 1, f"--algo {self.algo} is on-policy: one "
+             "optimizer step per batch of rollouts (--ppo-epochs 1 --minibatches 1)"),
             (not (self.prompts % self.rollout_batch or calls % self.minibatches),
              f"--prompts ({self.prompts}) must be a multiple of --rollout-batch ({self.rollout_batch}), and "
              f"--minibatches ({self.minibatches}) must divide a call's --rollout-batch x --samples = {calls} replies"),
@@ -330,7 +329,7 @@ def rl_loss(model: torch.nn.Module, mb: dict[str, Tensor], cfg: RLConfig, world:
     counts their tokens, or their rows for --loss-agg sequence)."""
     mask, denom, algo = mb["mask"], mb["denom"], ALGOS[cfg.algo]
     logp, _, values = policy_forward(model, mb["ids"], mask, cfg.temperature, algo.critic)
-    per_token, clipped = surrogate(logp, mb["old_logp"], mb["adv"], cfg.clip if algo.clip else None)
+    per_token, clipped = surrogate(logp, mb["old_logp"], mb["adv"], cfg.clip if "clip" in algo.flags else None)
     if "ref_logp" in mb and not algo.critic:  # PPO's KL is in its rewards
         per_token = per_token + cfg.beta * kl_k3(logp, mb["ref_logp"])
     loss = aggregate(per_token, mask, cfg.loss_agg, denom)
