@@ -55,15 +55,12 @@ PRESETS: dict[str, Callable[[], SFTConfig]] = {
 }
 
 
-def loader(cfg: SFTConfig) -> Callable[[str, Context], ConversationLoader]:
-    """A split's packed conversations for `data`'s rank among its data-parallel world (stage.Setup's)."""
-    return lambda split, data: ConversationLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
-                                                  cfg.seed, data.device)
-
-
 def setup(cfg: SFTConfig, ctx: Context) -> Run:
     """The Run: packed conversations, the model (an HF GPT-2 padded for the chat tokens), val loss and the task."""
-    setup = stage.Setup(cfg, ctx, loader(cfg), chat=True, vocab=CHAT_VOCAB)
+    # a split's packed conversations for `data`'s rank among its data-parallel world (stage.Setup's)
+    loader = lambda split, data: ConversationLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
+                                                    cfg.seed, data.device)
+    setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
     setup.build()
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx,
                             label_smoothing=cfg.label_smoothing)

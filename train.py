@@ -109,17 +109,10 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 # Data: token shards, HellaSwag's examples and CORE's tasks
 
 
-def loader(cfg: TrainConfig) -> Callable[[str, Context], TokenLoader]:
-    """A split's token shards for `data`'s rank among its data-parallel world (stage.Setup's: --tp/--pp groups share
-    a batch)."""
-    return lambda split, data: TokenLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
-                                           cfg.seed, data.device, cfg.preload, cfg.shuffle)
-
-
-def batches(cfg: TrainConfig, loader: TokenLoader | None) -> Callable[[], tuple] | None:
+def batches(cfg: TrainConfig, setup: stage.Setup) -> Callable[[], tuple] | None:
     """The train batches; with --overfit-batch always the run's first batch, also after a resume."""
-    if loader is None or not cfg.overfit_batch:
-        return loader.next_batch if loader is not None else None
+    if (loader := setup.train_loader) is None or not cfg.overfit_batch:
+        return setup.next_batch
     position = loader.state_dict()
     loader.reset()
     fixed = loader.next_batch()
@@ -217,11 +210,14 @@ def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step
 
 def setup(cfg: TrainConfig, ctx: Context) -> Run:
     """The Run: token shards, the model (fresh, --init-from's or resumed), and its evaluations."""
-    setup = stage.Setup(cfg, ctx, loader(cfg))
+    # a split's token shards for `data`'s rank among its data-parallel world (a --tp/--pp group reads one batch)
+    loader = lambda split, data: TokenLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
+                                             cfg.seed, data.device, cfg.preload, cfg.shuffle)
+    setup = stage.Setup(cfg, ctx, loader)
     examples, core_tasks = load_hellaswag(cfg, ctx), load_core(cfg, ctx)
     setup.build({"--hellaswag file": stage.digest(examples),
                  "--core-bundle": stage.digest(core_tasks and [dataclasses.asdict(t) for t in core_tasks])})
-    step_fn = stage.lm_step(setup.cfg, setup.built, batches(cfg, setup.train_loader), setup.grad_accum, setup.guard,
+    step_fn = stage.lm_step(setup.cfg, setup.built, batches(cfg, setup), setup.grad_accum, setup.guard,
                             ctx, label_smoothing=cfg.label_smoothing)
     return setup.run(step_fn, evaluations(cfg, setup, examples, core_tasks))
 
