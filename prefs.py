@@ -86,11 +86,8 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
         prompt = [{"role": "user", "content": prompt}]
     if not (isinstance(prompt, list) and isinstance(chosen, str) and isinstance(rejected, str)):
         raise ValueError("expected the prompt as text or messages, chosen and rejected as text or conversations")
-    for name, reply in (("chosen", chosen), ("rejected", rejected)):
-        if not reply.strip():
-            raise ValueError(f"the {name} reply is empty")
-    if chosen == rejected:
-        raise ValueError("chosen == rejected: the pair prefers nothing")
+    check_flags([(chosen.strip(), "the chosen reply is empty"), (rejected.strip(), "the rejected reply is empty"),
+                 (chosen != rejected, "chosen == rejected: the pair prefers nothing")])
     return prompt, chosen, rejected
 
 
