@@ -11,7 +11,6 @@ Usage:
 # The loop is engine.py's, what every stage shares stage.py's, the optimizer step parallel.py's.
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from common import LOCAL, first_on_each_node, get_tokenizer, run_and_exit, same_
 from engine import Context, Eval, Run
 from fineweb import SHUFFLES, TokenLoader
 from generate import sample
-from model import GPT
 from stage import StageArgs, model_config  # noqa: F401  (model_config: train.model_config, the resolved model)
 
 
@@ -185,23 +183,18 @@ def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | Non
         def samples(step: int) -> dict[str, Any] | None:
             if not (ctx.master or cfg.parallel == "fsdp"):  # FSDP forwards are collective: every rank runs them
                 return None
-            texts = sample_text(raw, enc, cfg, ctx.device, step, built.autocast)
+            # two samples from the uncompiled module; their own generator leaves the training RNG (and resume) alone
+            idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=ctx.device)
+            gen = torch.Generator(device=ctx.device).manual_seed(cfg.seed + step)
+            with built.autocast:
+                out = sample(raw, idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+            texts = [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
             for text in texts:
                 log.say(f"sample: {text!r}")
             return {"texts": texts} if ctx.master else None
 
         evals.append(Eval("sample", cfg.sample_every, samples, at_start=False))
     return evals
-
-
-def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step: int,
-                autocast: contextlib.AbstractContextManager) -> list[str]:
-    """Two samples from the uncompiled module; their own generator leaves the training RNG (and exact resume) alone."""
-    idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=device)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
-    with autocast:
-        out = sample(raw, idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
-    return [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
