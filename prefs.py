@@ -236,23 +236,19 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
                       "--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")])
 
 
-def _preset(**kw: Any) -> Callable[[], PrefsConfig]:
-    return lambda: PrefsConfig(**kw)
-
-
 PRESETS: dict[str, Callable[[], PrefsConfig]] = {
     # on the chat demo's pairs (tasks.py --pairs), from the SFT model; the reward model's score adds the reply's mean
     # log-prob (a head alone learns no sums), and a small lr keeps Bradley-Terry from wrecking it
-    "rm-demo": _preset(init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs", objective="reward",
-                       reward_logprob=True, seq_len=24, total_batch_size=384, batch_size=16, max_lr=1e-4,
-                       lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=300, eval_every=50,
-                       eval_tokens=6144, ckpt_every=0, out_dir="out/rm-demo"),
+    "rm-demo": functools.partial(PrefsConfig, init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs",
+                                 objective="reward", reward_logprob=True, seq_len=24, total_batch_size=384,
+                                 batch_size=16, max_lr=1e-4, lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10,
+                                 max_steps=300, eval_every=50, eval_tokens=6144, ckpt_every=0, out_dir="out/rm-demo"),
     # DPO starts where RL does, from the half-trained SFT model; the SFT term keeps it from lowering both replies
-    "dpo-demo": _preset(init_from="out/sft-demo-1200/ckpt_001200.pt", data="data/addition_pairs", objective="dpo",
-                        dpo_sft=1.0, seq_len=24, total_batch_size=384, batch_size=16, max_lr=3e-4,
-                        lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=200, eval_every=50,
-                        eval_tokens=6144, ckpt_every=0, task="addition", task_every=50, task_limit=256,
-                        out_dir="out/dpo-demo"),
+    "dpo-demo": functools.partial(PrefsConfig, init_from="out/sft-demo-1200/ckpt_001200.pt",
+                                  data="data/addition_pairs", objective="dpo", dpo_sft=1.0, seq_len=24,
+                                  total_batch_size=384, batch_size=16, max_lr=3e-4, lr_schedule="linear",
+                                  min_lr_frac=0.0, warmup_steps=10, max_steps=200, eval_every=50, eval_tokens=6144,
+                                  ckpt_every=0, task="addition", task_every=50, task_limit=256, out_dir="out/dpo-demo"),
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -66,38 +67,34 @@ class TrainConfig(StageArgs):
                              "process")
 
 
-def _preset(**kw: Any) -> Callable[[], TrainConfig]:
-    return lambda: TrainConfig(**kw)
-
-
 PRESETS: dict[str, Callable[[], TrainConfig]] = {
     # build-nanogpt / llm.c GPT-2 124M on fineweb-edu 10B: 19073 steps of 2**19 tokens
-    "gpt2-124m": _preset(),
-    "gpt2-350m": _preset(model="gpt2-medium", batch_size=32, max_lr=3e-4, out_dir="out/gpt2-350m"),
-    "gpt2-774m": _preset(model="gpt2-large", batch_size=16, max_lr=2.5e-4, out_dir="out/gpt2-774m"),
-    "gpt2-1558m": _preset(model="gpt2-xl", batch_size=8, max_lr=2e-4, out_dir="out/gpt2-1558m"),
+    "gpt2-124m": partial(TrainConfig),
+    "gpt2-350m": partial(TrainConfig, model="gpt2-medium", batch_size=32, max_lr=3e-4, out_dir="out/gpt2-350m"),
+    "gpt2-774m": partial(TrainConfig, model="gpt2-large", batch_size=16, max_lr=2.5e-4, out_dir="out/gpt2-774m"),
+    "gpt2-1558m": partial(TrainConfig, model="gpt2-xl", batch_size=8, max_lr=2e-4, out_dir="out/gpt2-1558m"),
     # gpt2-124m's recipe for its LLaMA-style twin: RoPE, SwiGLU, GQA, RMSNorm, no biases
-    "llama-124m": _preset(model="llama-124m", out_dir="out/llama-124m"),
+    "llama-124m": partial(TrainConfig, model="llama-124m", out_dir="out/llama-124m"),
     # a 30M-param model (nanoGPT's 10.7M without the embedding) on Tiny Shakespeare (~300K tokens): minutes on a GPU
-    "shakespeare": _preset(model="gpt2", arch={"n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2}, seq_len=256,
-                           data="data/shakespeare", preload=True,
+    "shakespeare": partial(TrainConfig, model="gpt2", arch={"n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2},
+                           seq_len=256, data="data/shakespeare", preload=True,
                            total_batch_size=16384, batch_size=64, max_lr=1e-3, warmup_steps=100, max_steps=2000,
                            # the val shard's 32K tokens hold one window of B*T+1 = 16,385 (windows do not overlap)
                            eval_every=250, eval_tokens=16384, hellaswag="off", sample_every=500,
                            sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
     # nanoGPT's finetune_shakespeare: OpenAI's GPT-2 124M, about two epochs at a small constant lr; minutes on a GPU
-    "shakespeare-ft": _preset(init_from="gpt2", data="data/shakespeare", total_batch_size=32768, batch_size=8,
-                              max_lr=3e-5, lr_schedule="constant", warmup_steps=0, max_steps=20, eval_every=5,
-                              eval_tokens=24576, hellaswag="off", sample_every=10, sample_tokens=128, ckpt_every=0,
-                              out_dir="out/shakespeare-ft", sample_prompt="ROMEO:"),
+    "shakespeare-ft": partial(TrainConfig, init_from="gpt2", data="data/shakespeare", total_batch_size=32768,
+                              batch_size=8, max_lr=3e-5, lr_schedule="constant", warmup_steps=0, max_steps=20,
+                              eval_every=5, eval_tokens=24576, hellaswag="off", sample_every=10, sample_tokens=128,
+                              ckpt_every=0, out_dir="out/shakespeare-ft", sample_prompt="ROMEO:"),
     # the offline demo: a small model on the Python standard library's docstrings, minutes on 2 CPU cores; small
     # batches learn more per token here, and the chunked loss keeps the logits in malloc's heap (docs/benchmarks.md)
-    "demo": _preset(model="tiny", arch={"loss_chunk": 128}, seq_len=128, data="data/stdlib_docs",
+    "demo": partial(TrainConfig, model="tiny", arch={"loss_chunk": 128}, seq_len=128, data="data/stdlib_docs",
                     total_batch_size=512, batch_size=4, max_lr=3e-3, warmup_steps=40, max_steps=900, eval_every=150,
                     eval_tokens=8192, hellaswag="off", sample_every=0, sample_tokens=64, ckpt_every=0,
                     out_dir="out/demo", sample_prompt="Return the"),
     # seconds on CPU, for tests
-    "tiny": _preset(model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,
+    "tiny": partial(TrainConfig, model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,
                     max_lr=1e-3, warmup_steps=2, max_steps=10, eval_every=5, eval_tokens=512, hellaswag="off",
                     sample_every=0, ckpt_every=0, out_dir="out/tiny", sample_prompt="def "),
 }
