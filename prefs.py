@@ -35,6 +35,7 @@ from chat_format import CHAT_VOCAB, RowStream, load_rows, render, row_errors, sp
 from common import EOT, LOCAL, run_and_exit
 from engine import Context, Eval, Run
 from fineweb import DataError
+from generate import evaluating
 from parallel import Objective, check_flags, rewards, sequence_logprobs
 from stage import StageArgs, TaskEvalArgs
 
@@ -85,11 +86,8 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
         prompt = [{"role": "user", "content": prompt}]
     if not (isinstance(prompt, list) and isinstance(chosen, str) and isinstance(rejected, str)):
         raise ValueError("expected the prompt as text or messages, chosen and rejected as text or conversations")
-    for name, reply in (("chosen", chosen), ("rejected", rejected)):
-        if not reply.strip():
-            raise ValueError(f"the {name} reply is empty")
-    if chosen == rejected:
-        raise ValueError("chosen == rejected: the pair prefers nothing")
+    check_flags([(chosen.strip(), "the chosen reply is empty"), (rejected.strip(), "the rejected reply is empty"),
+                 (chosen != rejected, "chosen == rejected: the pair prefers nothing")])
     return prompt, chosen, rejected
 
 
@@ -119,10 +117,8 @@ class PairLoader(RowStream):
 
     def __init__(self, source: str | list[dict], split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, device: str | torch.device = "cpu", shuffle: bool = True):
-        if isinstance(source, list):
-            name, rows = f"<{len(source)} rows>", list(enumerate(source))
-        else:
-            name, rows = str(source), read_rows(source, split)
+        name, rows = (f"<{len(source)} rows>", list(enumerate(source))) if isinstance(source, list) else \
+            (str(source), read_rows(source, split))
         self.ids, self.starts, dropped = render_pairs(rows, name, T)
         self._stream(name, split, B, T, rank, world_size, seed, device, shuffle, len(self.ids),
                      sum(len(side) for pair in self.ids for side in pair))
@@ -192,19 +188,18 @@ def evaluate_pairs(model: nn.Module, loader: PairLoader, batches: int, metrics_f
                    autocast: contextlib.AbstractContextManager, world_size: int) -> dict[str, float]:
     """Mean metrics over the split's first `batches` batches, all ranks together, each batch once (the turns of
     engine.val_loss: every rank runs as many forwards, a turn past `batches` is left out)."""
-    model.eval()
     loader.reset()
     total, names = 0.0, []
-    for turn in range(-(-batches // world_size)):
-        batch = loader.next_batch()
-        with autocast:
-            out = metrics_fn(model, batch)
-        keep = float(turn * world_size + loader.rank < batches)
-        names, values = list(out), torch.stack([v.float() for v in out.values()]) * keep
-        total = total + values
+    with evaluating(model):
+        for turn in range(-(-batches // world_size)):
+            batch = loader.next_batch()
+            with autocast:
+                out = metrics_fn(model, batch)
+            keep = float(turn * world_size + loader.rank < batches)
+            names, values = list(out), torch.stack([v.float() for v in out.values()]) * keep
+            total = total + values
     if world_size > 1:
         dist.all_reduce(total)
-    model.train()
     return {name: value / batches for name, value in zip(names, total.tolist(), strict=True)}
 
 
@@ -230,9 +225,8 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
                      (self.objective != "reward" or self.arch.setdefault("value_head", True) is True,
                       "--objective reward trains a value head: drop --value-head false")])
         # the other objective's flags, and the next-token loss's speed options, which neither objective computes
-        other, default = {"reward": ("dpo_beta", "dpo_sft"), "dpo": ("reward_logprob",)}[self.objective], \
-            PrefsConfig.__dataclass_fields__
-        unused = [f for f in other if getattr(self, f) != default[f].default]
+        other = {"reward": ("dpo_beta", "dpo_sft"), "dpo": ("reward_logprob",)}[self.objective]
+        unused = [f for f in other if getattr(self, f) != PrefsConfig.__dataclass_fields__[f].default]
         if unused := unused + [f for f in ("loss_chunk", "fused_ce") if self.arch.get(f)]:
             raise ValueError(f"--objective {self.objective} does not use --{unused[0].replace('_', '-')}: drop it")
         dpo = self.objective == "dpo"
@@ -242,30 +236,20 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
                       "--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")])
 
 
-def _preset(**kw: Any) -> Callable[[], PrefsConfig]:
-    return lambda: PrefsConfig(**kw)
-
-
 PRESETS: dict[str, Callable[[], PrefsConfig]] = {
     # on the chat demo's pairs (tasks.py --pairs), from the SFT model; the reward model's score adds the reply's mean
     # log-prob (a head alone learns no sums), and a small lr keeps Bradley-Terry from wrecking it
-    "rm-demo": _preset(init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs", objective="reward",
-                       reward_logprob=True, seq_len=24, total_batch_size=384, batch_size=16, max_lr=1e-4,
-                       lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=300, eval_every=50,
-                       eval_tokens=6144, ckpt_every=0, out_dir="out/rm-demo"),
+    "rm-demo": functools.partial(PrefsConfig, init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs",
+                                 objective="reward", reward_logprob=True, seq_len=24, total_batch_size=384,
+                                 batch_size=16, max_lr=1e-4, lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10,
+                                 max_steps=300, eval_every=50, eval_tokens=6144, ckpt_every=0, out_dir="out/rm-demo"),
     # DPO starts where RL does, from the half-trained SFT model; the SFT term keeps it from lowering both replies
-    "dpo-demo": _preset(init_from="out/sft-demo-1200/ckpt_001200.pt", data="data/addition_pairs", objective="dpo",
-                        dpo_sft=1.0, seq_len=24, total_batch_size=384, batch_size=16, max_lr=3e-4,
-                        lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10, max_steps=200, eval_every=50,
-                        eval_tokens=6144, ckpt_every=0, task="addition", task_every=50, task_limit=256,
-                        out_dir="out/dpo-demo"),
+    "dpo-demo": functools.partial(PrefsConfig, init_from="out/sft-demo-1200/ckpt_001200.pt",
+                                  data="data/addition_pairs", objective="dpo", dpo_sft=1.0, seq_len=24,
+                                  total_batch_size=384, batch_size=16, max_lr=3e-4, lr_schedule="linear",
+                                  min_lr_frac=0.0, warmup_steps=10, max_steps=200, eval_every=50, eval_tokens=6144,
+                                  ckpt_every=0, task="addition", task_every=50, task_limit=256, out_dir="out/dpo-demo"),
 }
-
-
-def loader(cfg: PrefsConfig) -> Callable[[str, Context], PairLoader]:
-    """A split's preference pairs for `data`'s rank among its data-parallel world (stage.Setup's)."""
-    return lambda split, data: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
-                                          cfg.seed, data.device, shuffle=split == "train")
 
 
 def objective(cfg: PrefsConfig, ctx: Context) -> Objective:
@@ -297,7 +281,10 @@ def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list
 def setup(cfg: PrefsConfig, ctx: Context) -> Run:
     """The Run: the pairs, the objective (DPO's loads its reference), the model (a value head added for a reward
     model), held-out pairs and the task."""
-    setup = stage.Setup(cfg, ctx, loader(cfg), chat=True, vocab=CHAT_VOCAB)
+    # a split's preference pairs for `data`'s rank among its data-parallel world (stage.Setup's)
+    loader = lambda split, data: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
+                                            cfg.seed, data.device, shuffle=split == "train")
+    setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
     pairs = objective(cfg, ctx)
     setup.build()
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx, pairs)

@@ -29,9 +29,9 @@ import tasks
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, render_prompt, reply_text
 from common import LOCAL, get_tokenizer, load_checkpoint, provenance, run_and_exit
 from engine import Context, Run
-from generate import Rollout, calculator, generate
+from generate import Rollout, calculator, evaluating, generate
 from model import GPT
-from parallel import Objective, build_trainable, frozen_copy, last_index, rewards, spread, train_step
+from parallel import Objective, build_trainable, check_flags, frozen_copy, last_index, rewards, spread, train_step
 from trackers import RunLog
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -119,18 +119,6 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 # The algorithms: how each turns a batch's scores into advantages, and what its update keeps
 
 
-def grpo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
-    return {"adv": group_advantages(batch["scores"], cfg.samples, cfg.scale_rewards)}
-
-
-def rloo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
-    return {"adv": leave_one_out(batch["scores"], cfg.samples)}
-
-
-def reinforce(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
-    return {"adv": group_advantages(batch["scores"], cfg.samples, scale=False)}  # the group's mean as baseline
-
-
 def ppo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
     """Per-token rewards (the score, less the KL to the start), GAE on the value head's values, whitened."""
     mask, old = batch["mask"], batch["old_logp"]
@@ -142,16 +130,19 @@ def ppo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor
 @dataclasses.dataclass(frozen=True)
 class Algo:
     advantages: Callable[[dict[str, Tensor], Any, int], dict[str, Tensor]]
-    flags: tuple[str, ...] = ("clip",)  # the flags of its own it reads: another's, changed, is refused
-    group: bool = True  # compares the replies to one prompt: --samples >= 2
-    clip: bool = True  # the ratio's clip (REINFORCE: none, on-policy)
-    critic: bool = False  # a value head on the policy's trunk; --beta is a KL penalty in the rewards, not a loss term
+    flags: tuple[str, ...] = ("clip",)  # its own flags (clip: it clips the ratio); another's, changed, is refused
+    # a value head on the policy's trunk, --beta a KL penalty in the rewards; else a group baseline (--samples >= 2)
+    critic: bool = False
     minibatches: int = 2  # optimizer steps per pass, by default
 
 
-ALGOS = {"grpo": Algo(grpo, ("clip", "scale_rewards")), "rloo": Algo(rloo),
-         "reinforce": Algo(reinforce, (), clip=False, minibatches=1),
-         "ppo": Algo(ppo, ("clip", "gamma", "lam", "vf_coef"), group=False, critic=True)}
+ALGOS = {"grpo": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, cfg.scale_rewards)},
+                      ("clip", "scale_rewards")),
+         "rloo": Algo(lambda b, cfg, _: {"adv": leave_one_out(b["scores"], cfg.samples)}),
+         # the group's mean as baseline, and no clip: one on-policy step
+         "reinforce": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, scale=False)}, (),
+                           minibatches=1),
+         "ppo": Algo(ppo, ("clip", "gamma", "lam", "vf_coef"), critic=True)}
 LOSS_AGG = ("token", "sequence", "dr_grpo")
 
 
@@ -207,30 +198,25 @@ class RLConfig(engine.RunArgs):
         algo = ALGOS[self.algo]
         self.minibatches = self.minibatches or algo.minibatches
         self.beta = self.beta if self.beta is not None else 0.05 if algo.critic else 0.0
-        self._check_numbers(algo)
-
-    def _check_numbers(self, algo: Algo) -> None:
         others, default = {f for a in ALGOS.values() for f in a.flags} - set(algo.flags), RLConfig.__dataclass_fields__
         if unused := sorted(f for f in others if getattr(self, f) != default[f].default):
             raise ValueError(f"--algo {self.algo} does not use --{unused[0].replace('_', '-')}: drop it")
-        for name in "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches".split():
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
-        if algo.group and self.samples < 2:
-            raise ValueError(f"--algo {self.algo} scores each reply against its group's: --samples must be >= 2 (or "
-                             "--algo ppo)")
-        if not algo.clip and self.ppo_epochs * self.minibatches > 1:
-            raise ValueError(f"--algo {self.algo} is on-policy: one optimizer step per batch of rollouts "
-                             "(--ppo-epochs 1 --minibatches 1)")
-        if self.prompts % self.rollout_batch or self.rollout_batch * self.samples % self.minibatches:
-            raise ValueError(f"--prompts ({self.prompts}) must be a multiple of --rollout-batch "
-                             f"({self.rollout_batch}), and --minibatches ({self.minibatches}) must divide a call's "
-                             f"--rollout-batch x --samples = {self.rollout_batch * self.samples} replies")
-        if not self.temperature > 0 or self.parallel == "fsdp":  # FSDP's forwards are collectives: generation hangs
-            raise ValueError(f"RL samples its replies: --temperature must be > 0 (got {self.temperature}) and "
-                             "--parallel ddp or zero1 (FSDP cannot generate)")
-        if not (self.beta >= 0 and self.clip > 0 and self.pass_k >= 0 and 0 < self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise ValueError("--beta and --pass-k must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]")
+        check_flags((getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+                    for name in "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches".split())
+        calls = self.rollout_batch * self.samples
+        check_flags([
+            (algo.critic or self.samples >= 2,
+             f"--algo {self.algo} scores each reply against its group's: --samples must be >= 2 (or --algo ppo)"),
+            ("clip" in algo.flags or self.ppo_epochs * self.minibatches <= 1, f"--algo {self.algo} is on-policy: one "
+             "optimizer step per batch of rollouts (--ppo-epochs 1 --minibatches 1)"),
+            (not (self.prompts % self.rollout_batch or calls % self.minibatches),
+             f"--prompts ({self.prompts}) must be a multiple of --rollout-batch ({self.rollout_batch}), and "
+             f"--minibatches ({self.minibatches}) must divide a call's --rollout-batch x --samples = {calls} replies"),
+            (self.temperature > 0 and self.parallel != "fsdp",  # FSDP's forwards are collectives: generation hangs
+             f"RL samples its replies: --temperature must be > 0 (got {self.temperature}) and --parallel ddp or zero1 "
+             "(FSDP cannot generate)"),
+            (self.beta >= 0 and self.clip > 0 and self.pass_k >= 0 and 0 < self.gamma <= 1 and 0 <= self.lam <= 1,
+             "--beta and --pass-k must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]")])
 
 
 class PromptSampler:
@@ -316,12 +302,11 @@ def policy_forward(model: torch.nn.Module, ids: Tensor, mask: Tensor, temperatur
 def token_stats(model: GPT, ids: Tensor, mask: Tensor, temperature: float = 1.0, values: bool = False,
                 rows: int = 32) -> tuple[Tensor, Tensor, Tensor | None]:
     """(log-probs, entropies, values or None) at sampled targets, eval mode, whole vocabulary (unlike generate()'s)."""
-    training, out = model.training, []
-    model.eval()
-    for chunk, m in zip(ids.split(rows), mask.split(rows), strict=True):
-        logp, full, value = policy_forward(model, chunk, m, temperature, values)
-        out.append((logp, spread(-(full.exp() * full).sum(-1), m.bool()), value))
-    model.train(training)
+    out = []
+    with evaluating(model):
+        for chunk, m in zip(ids.split(rows), mask.split(rows), strict=True):
+            logp, full, value = policy_forward(model, chunk, m, temperature, values)
+            out.append((logp, spread(-(full.exp() * full).sum(-1), m.bool()), value))
     logp, entropy, value = zip(*out, strict=True)
     return torch.cat(logp), torch.cat(entropy), torch.cat(value) if values else None
 
@@ -344,7 +329,7 @@ def rl_loss(model: torch.nn.Module, mb: dict[str, Tensor], cfg: RLConfig, world:
     counts their tokens, or their rows for --loss-agg sequence)."""
     mask, denom, algo = mb["mask"], mb["denom"], ALGOS[cfg.algo]
     logp, _, values = policy_forward(model, mb["ids"], mask, cfg.temperature, algo.critic)
-    per_token, clipped = surrogate(logp, mb["old_logp"], mb["adv"], cfg.clip if algo.clip else None)
+    per_token, clipped = surrogate(logp, mb["old_logp"], mb["adv"], cfg.clip if "clip" in algo.flags else None)
     if "ref_logp" in mb and not algo.critic:  # PPO's KL is in its rewards
         per_token = per_token + cfg.beta * kl_k3(logp, mb["ref_logp"])
     loss = aggregate(per_token, mask, cfg.loss_agg, denom)
@@ -433,22 +418,19 @@ def task_eval(cfg: RLConfig, raw: GPT, task: Any, autocast: Any, log: RunLog, ct
 def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
     """The frozen reward model, or a one-line refusal of one that cannot score these replies."""
     path, ckpt = cfg.reward_model, load_checkpoint(cfg.reward_model, mmap=True)
-    mc, trained = ckpt["model_config"], ckpt.get("train_config", {})
+    mc, trained, n_vocab = ckpt["model_config"], ckpt.get("train_config", {}), get_tokenizer().n_vocab
     longest = max(len(render_prompt(p["messages"][:-1])) for p in problems) + cfg.max_new_tokens + 1  # and its end
-    if trained.get("objective") != "reward":
-        what = "a PPO policy, whose value head is a critic" if "algo" in trained else "a language model"
-        raise ValueError(f"--reward-model {path} is {what}, not a reward model: train one with prefs.py "
-                         "--objective reward")
-    if mc.get("vocab_size", 0) < get_tokenizer().n_vocab:
-        raise ValueError(f"--reward-model {path} has {mc.get('vocab_size')} embedding rows, fewer than the GPT-2 "
-                         f"tokenizer's {get_tokenizer().n_vocab} ids the replies are scored in: it reads another "
-                         "tokenizer's ids; train it on this project's GPT-2 tokens")
-    if mc.get("block_size", 0) < longest:
-        raise ValueError(f"--reward-model {path} reads {mc.get('block_size')} tokens, and a prompt with a reply of "
-                         f"--max-new-tokens {cfg.max_new_tokens} takes {longest}: lower --max-new-tokens or train the "
-                         "reward model with a longer --seq-len")
+    what = "a PPO policy, whose value head is a critic" if "algo" in trained else "a language model"
+    check_flags([(trained.get("objective") == "reward", f"--reward-model {path} is {what}, not a reward model: train "
+                  "one with prefs.py --objective reward"),
+                 (mc.get("vocab_size", 0) >= n_vocab, f"--reward-model {path} has {mc.get('vocab_size')} embedding "
+                  f"rows, fewer than the GPT-2 tokenizer's {n_vocab} ids the replies are scored in: it reads another "
+                  "tokenizer's ids; train it on this project's GPT-2 tokens"),
+                 (mc.get("block_size", 0) >= longest, f"--reward-model {path} reads {mc.get('block_size')} tokens, and "
+                  f"a prompt with a reply of --max-new-tokens {cfg.max_new_tokens} takes {longest}: lower "
+                  "--max-new-tokens or train the reward model with a longer --seq-len")])
     rm = frozen_copy(GPT.from_checkpoint(ckpt, dropout=0.0))
-    rm.reward_logprob = bool(ckpt.get("train_config", {}).get("reward_logprob"))  # scored as it was trained
+    rm.reward_logprob = bool(trained.get("reward_logprob"))  # scored as it was trained
     return rm
 
 

@@ -11,6 +11,7 @@ Usage:
 # stage.lm_step: next-token loss where the targets are not -1 (ConversationLoader masks all but the assistant's).
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -37,33 +38,27 @@ class SFTConfig(TaskEvalArgs, StageArgs):
                       f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")])
 
 
-def _preset(**kw: Any) -> Callable[[], SFTConfig]:
-    return lambda: SFTConfig(**kw)
-
-
 PRESETS: dict[str, Callable[[], SFTConfig]] = {
     # OpenAI's GPT-2 124M on smol-smoltalk, about a third of an epoch
-    "sft": _preset(init_from="gpt2", total_batch_size=32768, batch_size=8, max_lr=3e-5, lr_schedule="linear",
-                   min_lr_frac=0.0, warmup_steps=20, max_steps=2000, eval_every=200, eval_tokens=327680,
-                   ckpt_every=500, out_dir="out/sft"),
+    "sft": functools.partial(SFTConfig, init_from="gpt2", total_batch_size=32768, batch_size=8, max_lr=3e-5,
+                             lr_schedule="linear", min_lr_frac=0.0, warmup_steps=20, max_steps=2000, eval_every=200,
+                             eval_tokens=327680, ckpt_every=500, out_dir="out/sft"),
     # the offline chat demo: the demo's model fine-tuned on tasks.py's addition problems, one to a 24-token row (packed
     # several to a row, the small model learned far slower), scored on held-out ones; minutes on 2 CPU cores
-    "sft-demo": _preset(init_from="out/demo/ckpt_000900.pt", data="data/addition", seq_len=24,
-                        total_batch_size=768, batch_size=32, max_lr=3e-3, lr_schedule="linear", min_lr_frac=0.0,
-                        warmup_steps=20, max_steps=2400, eval_every=400, eval_tokens=3072, ckpt_every=0,
-                        task="addition", task_every=400, task_limit=256, out_dir="out/sft-demo"),
+    "sft-demo": functools.partial(SFTConfig, init_from="out/demo/ckpt_000900.pt", data="data/addition", seq_len=24,
+                                  total_batch_size=768, batch_size=32, max_lr=3e-3, lr_schedule="linear",
+                                  min_lr_frac=0.0, warmup_steps=20, max_steps=2400, eval_every=400, eval_tokens=3072,
+                                  ckpt_every=0, task="addition", task_every=400, task_limit=256,
+                                  out_dir="out/sft-demo"),
 }
-
-
-def loader(cfg: SFTConfig) -> Callable[[str, Context], ConversationLoader]:
-    """A split's packed conversations for `data`'s rank among its data-parallel world (stage.Setup's)."""
-    return lambda split, data: ConversationLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
-                                                  cfg.seed, data.device)
 
 
 def setup(cfg: SFTConfig, ctx: Context) -> Run:
     """The Run: packed conversations, the model (an HF GPT-2 padded for the chat tokens), val loss and the task."""
-    setup = stage.Setup(cfg, ctx, loader(cfg), chat=True, vocab=CHAT_VOCAB)
+    # a split's packed conversations for `data`'s rank among its data-parallel world (stage.Setup's)
+    loader = lambda split, data: ConversationLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
+                                                    cfg.seed, data.device)
+    setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
     setup.build()
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx,
                             label_smoothing=cfg.label_smoothing)

@@ -106,11 +106,8 @@ class GSM8K(Task):
 
     def check(self, reply: str, answer: str) -> bool:
         """The number after the reply's last ####, else its last number, equals the answer (commas aside)."""
-        marked = "####" in reply
         numbers = NUMBER.findall(reply.rsplit("####", 1)[-1])
-        if not numbers:
-            return False
-        return float((numbers[0] if marked else numbers[-1]).replace(",", "")) == float(answer)
+        return bool(numbers) and float(numbers[0 if "####" in reply else -1].replace(",", "")) == float(answer)
 
 
 class MultipleChoice(Task):
@@ -411,10 +408,10 @@ def score_tasks(cfg: TasksConfig) -> dict:
             model, named = GPT.load(cfg.eval, None).to(device), named_tasks(cfg.tasks, cfg.split, cfg.limit)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
         result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)
-        for name, acc in result["results"].items() if rank == 0 else ():
-            print(f"{name}: accuracy {acc:.4f}, centered {result['centered_results'][name]:.4f} "
-                  f"({len(named[name][1])} problems)")
         if rank == 0:
+            for name, acc in result["results"].items():
+                print(f"{name}: accuracy {acc:.4f}, centered {result['centered_results'][name]:.4f} "
+                      f"({len(named[name][1])} problems)")
             print(f"ChatCORE {result['chatcore']:.4f} over {', '.join(named)} (nanochat's also has HumanEval)")
         return result
 

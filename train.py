@@ -11,10 +11,10 @@ Usage:
 # The loop is engine.py's, what every stage shares stage.py's, the optimizer step parallel.py's.
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,7 +25,6 @@ from common import LOCAL, first_on_each_node, get_tokenizer, run_and_exit, same_
 from engine import Context, Eval, Run
 from fineweb import SHUFFLES, TokenLoader
 from generate import sample
-from model import GPT
 from stage import StageArgs, model_config  # noqa: F401  (model_config: train.model_config, the resolved model)
 
 
@@ -68,38 +67,34 @@ class TrainConfig(StageArgs):
                              "process")
 
 
-def _preset(**kw: Any) -> Callable[[], TrainConfig]:
-    return lambda: TrainConfig(**kw)
-
-
 PRESETS: dict[str, Callable[[], TrainConfig]] = {
     # build-nanogpt / llm.c GPT-2 124M on fineweb-edu 10B: 19073 steps of 2**19 tokens
-    "gpt2-124m": _preset(),
-    "gpt2-350m": _preset(model="gpt2-medium", batch_size=32, max_lr=3e-4, out_dir="out/gpt2-350m"),
-    "gpt2-774m": _preset(model="gpt2-large", batch_size=16, max_lr=2.5e-4, out_dir="out/gpt2-774m"),
-    "gpt2-1558m": _preset(model="gpt2-xl", batch_size=8, max_lr=2e-4, out_dir="out/gpt2-1558m"),
+    "gpt2-124m": partial(TrainConfig),
+    "gpt2-350m": partial(TrainConfig, model="gpt2-medium", batch_size=32, max_lr=3e-4, out_dir="out/gpt2-350m"),
+    "gpt2-774m": partial(TrainConfig, model="gpt2-large", batch_size=16, max_lr=2.5e-4, out_dir="out/gpt2-774m"),
+    "gpt2-1558m": partial(TrainConfig, model="gpt2-xl", batch_size=8, max_lr=2e-4, out_dir="out/gpt2-1558m"),
     # gpt2-124m's recipe for its LLaMA-style twin: RoPE, SwiGLU, GQA, RMSNorm, no biases
-    "llama-124m": _preset(model="llama-124m", out_dir="out/llama-124m"),
+    "llama-124m": partial(TrainConfig, model="llama-124m", out_dir="out/llama-124m"),
     # a 30M-param model (nanoGPT's 10.7M without the embedding) on Tiny Shakespeare (~300K tokens): minutes on a GPU
-    "shakespeare": _preset(model="gpt2", arch={"n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2}, seq_len=256,
-                           data="data/shakespeare", preload=True,
+    "shakespeare": partial(TrainConfig, model="gpt2", arch={"n_layer": 6, "n_head": 6, "n_embd": 384, "dropout": 0.2},
+                           seq_len=256, data="data/shakespeare", preload=True,
                            total_batch_size=16384, batch_size=64, max_lr=1e-3, warmup_steps=100, max_steps=2000,
                            # the val shard's 32K tokens hold one window of B*T+1 = 16,385 (windows do not overlap)
                            eval_every=250, eval_tokens=16384, hellaswag="off", sample_every=500,
                            sample_tokens=128, ckpt_every=1000, out_dir="out/shakespeare", sample_prompt="ROMEO:"),
     # nanoGPT's finetune_shakespeare: OpenAI's GPT-2 124M, about two epochs at a small constant lr; minutes on a GPU
-    "shakespeare-ft": _preset(init_from="gpt2", data="data/shakespeare", total_batch_size=32768, batch_size=8,
-                              max_lr=3e-5, lr_schedule="constant", warmup_steps=0, max_steps=20, eval_every=5,
-                              eval_tokens=24576, hellaswag="off", sample_every=10, sample_tokens=128, ckpt_every=0,
-                              out_dir="out/shakespeare-ft", sample_prompt="ROMEO:"),
+    "shakespeare-ft": partial(TrainConfig, init_from="gpt2", data="data/shakespeare", total_batch_size=32768,
+                              batch_size=8, max_lr=3e-5, lr_schedule="constant", warmup_steps=0, max_steps=20,
+                              eval_every=5, eval_tokens=24576, hellaswag="off", sample_every=10, sample_tokens=128,
+                              ckpt_every=0, out_dir="out/shakespeare-ft", sample_prompt="ROMEO:"),
     # the offline demo: a small model on the Python standard library's docstrings, minutes on 2 CPU cores; small
     # batches learn more per token here, and the chunked loss keeps the logits in malloc's heap (docs/benchmarks.md)
-    "demo": _preset(model="tiny", arch={"loss_chunk": 128}, seq_len=128, data="data/stdlib_docs",
+    "demo": partial(TrainConfig, model="tiny", arch={"loss_chunk": 128}, seq_len=128, data="data/stdlib_docs",
                     total_batch_size=512, batch_size=4, max_lr=3e-3, warmup_steps=40, max_steps=900, eval_every=150,
                     eval_tokens=8192, hellaswag="off", sample_every=0, sample_tokens=64, ckpt_every=0,
                     out_dir="out/demo", sample_prompt="Return the"),
     # seconds on CPU, for tests
-    "tiny": _preset(model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,
+    "tiny": partial(TrainConfig, model="tiny", seq_len=64, data="data/stdlib", total_batch_size=512, batch_size=4,
                     max_lr=1e-3, warmup_steps=2, max_steps=10, eval_every=5, eval_tokens=512, hellaswag="off",
                     sample_every=0, ckpt_every=0, out_dir="out/tiny", sample_prompt="def "),
 }
@@ -109,17 +104,10 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 # Data: token shards, HellaSwag's examples and CORE's tasks
 
 
-def loader(cfg: TrainConfig) -> Callable[[str, Context], TokenLoader]:
-    """A split's token shards for `data`'s rank among its data-parallel world (stage.Setup's: --tp/--pp groups share
-    a batch)."""
-    return lambda split, data: TokenLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
-                                           cfg.seed, data.device, cfg.preload, cfg.shuffle)
-
-
-def batches(cfg: TrainConfig, loader: TokenLoader | None) -> Callable[[], tuple] | None:
+def batches(cfg: TrainConfig, setup: stage.Setup) -> Callable[[], tuple] | None:
     """The train batches; with --overfit-batch always the run's first batch, also after a resume."""
-    if loader is None or not cfg.overfit_batch:
-        return loader.next_batch if loader is not None else None
+    if (loader := setup.train_loader) is None or not cfg.overfit_batch:
+        return setup.next_batch
     position = loader.state_dict()
     loader.reset()
     fixed = loader.next_batch()
@@ -165,7 +153,6 @@ def load_core(cfg: TrainConfig, ctx: Context) -> list | None:
 def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | None,
                 core_tasks: list | None) -> list[Eval]:
     raw, built, log, ctx = setup.raw, setup.built, setup.log, setup.ctx
-    enc = get_tokenizer() if (cfg.sample_every > 0 or examples) else None
     evals = stage.val_evals(cfg, setup)
     if examples:
         def hellaswag_eval(step: int) -> dict[str, Any]:
@@ -173,7 +160,7 @@ def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | Non
 
             # the uncompiled module: HellaSwag's many sequence lengths would recompile the training forward
             hs = hellaswag.evaluate(raw, examples, ctx.device, ctx.rank, ctx.world, limit=cfg.hellaswag_limit,
-                                    enc=enc, progress=True)
+                                    enc=get_tokenizer(), progress=True)
             log.say(f"step {step:6d} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
             return hs
 
@@ -192,7 +179,13 @@ def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | Non
         def samples(step: int) -> dict[str, Any] | None:
             if not (ctx.master or cfg.parallel == "fsdp"):  # FSDP forwards are collective: every rank runs them
                 return None
-            texts = sample_text(raw, enc, cfg, ctx.device, step, built.autocast)
+            # two samples from the uncompiled module; their own generator leaves the training RNG (and resume) alone
+            enc = get_tokenizer()
+            idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=ctx.device)
+            gen = torch.Generator(device=ctx.device).manual_seed(cfg.seed + step)
+            with built.autocast:
+                out = sample(raw, idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+            texts = [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
             for text in texts:
                 log.say(f"sample: {text!r}")
             return {"texts": texts} if ctx.master else None
@@ -201,27 +194,20 @@ def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | Non
     return evals
 
 
-def sample_text(raw: GPT, enc: Any, cfg: TrainConfig, device: torch.device, step: int,
-                autocast: contextlib.AbstractContextManager) -> list[str]:
-    """Two samples from the uncompiled module; their own generator leaves the training RNG (and exact resume) alone."""
-    idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=device)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + step)
-    with autocast:
-        out = sample(raw, idx, cfg.sample_tokens, temperature=1.0, top_k=50, generator=gen)
-    return [enc.decode([t for t in row if t < enc.n_vocab]) for row in out.tolist()]
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Setup and entry points
 
 
 def setup(cfg: TrainConfig, ctx: Context) -> Run:
     """The Run: token shards, the model (fresh, --init-from's or resumed), and its evaluations."""
-    setup = stage.Setup(cfg, ctx, loader(cfg))
+    # a split's token shards for `data`'s rank among its data-parallel world (a --tp/--pp group reads one batch)
+    loader = lambda split, data: TokenLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
+                                             cfg.seed, data.device, cfg.preload, cfg.shuffle)
+    setup = stage.Setup(cfg, ctx, loader)
     examples, core_tasks = load_hellaswag(cfg, ctx), load_core(cfg, ctx)
     setup.build({"--hellaswag file": stage.digest(examples),
                  "--core-bundle": stage.digest(core_tasks and [dataclasses.asdict(t) for t in core_tasks])})
-    step_fn = stage.lm_step(setup.cfg, setup.built, batches(cfg, setup.train_loader), setup.grad_accum, setup.guard,
+    step_fn = stage.lm_step(setup.cfg, setup.built, batches(cfg, setup), setup.grad_accum, setup.guard,
                             ctx, label_smoothing=cfg.label_smoothing)
     return setup.run(step_fn, evaluations(cfg, setup, examples, core_tasks))
 

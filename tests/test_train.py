@@ -854,14 +854,14 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     # the loss at step 20 is tripled; with --skip-loss-z that step changes neither weights nor AdamW moments
     monkeypatch.setattr(engine, "OUTLIER_WINDOW", 16)  # a lone spike among 16 scores sqrt(15) = 3.9
     current = {}
-    real_lr, real_forward = engine.get_lr, train.GPT.forward
+    real_lr, real_forward = engine.get_lr, GPT.forward
     monkeypatch.setattr(engine, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
 
     def spiky(self, idx, targets=None, **kw):
         logits, loss = real_forward(self, idx, targets, **kw)
         return logits, (loss * 3 if self.training and current["step"] == 20 else loss)
 
-    monkeypatch.setattr(train.GPT, "forward", spiky)
+    monkeypatch.setattr(GPT, "forward", spiky)
     common = ["--max-steps=21", "--ckpt-every=1", "--keep-last=3", "--eval-every=0", "--skip-loss-z=3",
               "--total-batch-size=256"]
     full = train.main(tiny_args(token_data, tmp_path / "full", *common))["losses"]
@@ -895,7 +895,7 @@ def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
     # --skip-norm-z alone: step 9's gradient is 100 times larger at an unchanged loss, and only its update is dropped
     monkeypatch.setattr(engine, "OUTLIER_WINDOW", 8)  # a lone spike among 8 scores up to sqrt(7) = 2.65
     current = {}
-    real_lr, real_forward = engine.get_lr, train.GPT.forward
+    real_lr, real_forward = engine.get_lr, GPT.forward
     monkeypatch.setattr(engine, "get_lr", lambda step, cfg: current.update(step=step) or real_lr(step, cfg))
 
     def steep(self, idx, targets=None, **kw):
@@ -904,7 +904,7 @@ def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
             loss = loss + 99 * (loss - loss.detach())  # the same value, 100 times the gradient
         return logits, loss
 
-    monkeypatch.setattr(train.GPT, "forward", steep)
+    monkeypatch.setattr(GPT, "forward", steep)
     train.main(tiny_args(token_data, tmp_path, "--max-steps=10", "--ckpt-every=1", "--keep-last=3", "--eval-every=0",
                          "--skip-norm-z=2.4", "--total-batch-size=256"))
     records = [r for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
@@ -1021,7 +1021,7 @@ def test_a_signal_during_hellaswag_or_the_samples_stops_too_and_a_resumed_run_ca
     import hellaswag
     where = {"hellaswag": (hellaswag, "evaluate", [f"--hellaswag={ROOT / 'tests' / 'data' / 'hellaswag_tiny.jsonl'}",
                                                    "--hellaswag-every=2"]),
-             "sample": (train, "sample_text", ["--sample-every=2"])}
+             "sample": (train, "sample", ["--sample-every=2"])}
     module, name, extra = where[evaluation]
     real, calls = getattr(module, name), []
 
