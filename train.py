@@ -154,6 +154,8 @@ def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | Non
                 core_tasks: list | None) -> list[Eval]:
     raw, built, log, ctx = setup.raw, setup.built, setup.log, setup.ctx
     evals = stage.val_evals(cfg, setup)
+    if examples or cfg.sample_every > 0:
+        get_tokenizer()  # cached: a broken tokenizer install stops the run now, not at its first evaluation
     if examples:
         def hellaswag_eval(step: int) -> dict[str, Any]:
             import hellaswag
