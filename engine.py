@@ -588,32 +588,33 @@ def val_metrics(model: nn.Module, loader: Any, windows: int, autocast: contextli
     world_size counts data-parallel ranks: under --tp/--pp each of them is several ranks that score the same windows."""
     model.eval()
     loader.reset()
-    total, bits = torch.zeros((), device=loader.device), torch.zeros(2, dtype=torch.float64, device=loader.device)
+    sums = torch.zeros(3, dtype=torch.float64, device=loader.device)  # window means, nats with bytes, bytes
     for turn in range(-(-windows // world_size)):
         x, y = loader.next_batch()
         with autocast:
-            _, loss = model(x, y)
-            part = target_bits(model, x, y, token_bytes) if token_bytes is not None else torch.zeros_like(bits)
+            part = window_sums(model, x, y, token_bytes)
         if turn * world_size + loader.rank < windows:
-            total += loss.float()
-            bits += part
+            sums += part
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)  # SUM: gloo has no AVG
-        dist.all_reduce(bits)  # a ratio: a window's --tp/--pp copies count alike in its nats and its bytes
-        total /= dist.get_world_size() // world_size
+        dist.all_reduce(sums)  # SUM: gloo has no AVG
+        sums[0] /= dist.get_world_size() // world_size  # bpb is a ratio: a window's --tp/--pp copies count alike
     model.train()
-    return {"loss": total.item() / windows, **({"bpb": (bits[0] / bits[1]).item() / math.log(2)} if
-                                               token_bytes is not None else {})}
+    return {"loss": sums[0].item() / windows, **({"bpb": (sums[1] / sums[2]).item() / math.log(2)} if
+                                                 token_bytes is not None else {})}
 
 
-def target_bits(model: nn.Module, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor) -> torch.Tensor:
-    """(summed nats, summed bytes) of the targets with bytes: a special token (0 bytes) and an ignored target count in
-    neither. A second forward on every rank (collective under FSDP), as per-token losses would need the whole logits."""
-    nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
+def window_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor | None) -> torch.Tensor:
+    """(mean loss, summed nats of the targets with bytes, their bytes) of one window: a special token (0 bytes) and an
+    ignored target count in neither sum. One forward's per-token losses give all three; --tp/--pp's shards
+    (parallelize.Sharded) return the mean alone, so their nats take a second forward, on every rank (collective)."""
+    nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0) if token_bytes is not None else torch.zeros_like(y)
     counted = torch.where(nbytes > 0, y, -1)
-    mean = model(x, counted)[1]
-    n = (counted >= 0).sum()
-    return torch.stack([torch.where(n > 0, mean.double() * n, 0.0), nbytes.sum().double()])
+    if hasattr(model, "forward_backward"):
+        mean, n = model(x, y)[1].double(), (counted >= 0).sum()
+        nats = torch.where(n > 0, model(x, counted)[1].double() * n, 0.0) if token_bytes is not None else n.double()
+        return torch.stack([mean, nats, nbytes.sum().double()])
+    losses = model(x, y, per_token=True)[1].double()
+    return torch.stack([losses.sum() / (y >= 0).sum(), (losses * (counted >= 0)).sum(), nbytes.sum().double()])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

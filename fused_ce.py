@@ -229,6 +229,18 @@ def chunked_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, chunk: int
     return total / count
 
 
+def token_losses(x: Tensor, weight: Tensor, targets: Tensor, chunk: int = 0, fused: bool = False) -> Tensor:
+    """The cross-entropy of each row of x (N, C) through weight (V, C): fp32 (N,), 0 where the target is -1, the
+    logits a chunk of rows at a time (0: all at once), through the kernel where `fused` can run. No gradient."""
+    chunk, fused = chunk or max(x.size(0), 1), fused and x.is_cuda and triton_available()
+    rows = []
+    for i in range(0, x.size(0), chunk):
+        logits, part = F.linear(x[i:i + chunk], weight), targets[i:i + chunk]
+        rows.append(cross_entropy_rows(logits, part, with_grad=False)[0] if fused else
+                    F.cross_entropy(logits.float(), part, ignore_index=-1, reduction="none"))
+    return torch.cat(rows)
+
+
 def scored_rows(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Only the rows of x (.., C) whose target is not -1 (SFT scores the assistant's tokens alone: a sixth of
     sft-demo's rows). Eager CPU only: the shape depends on data, and on a GPU each check would wait for it."""

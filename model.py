@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import checkpoints, load_checkpoint
-from fused_ce import lm_loss
+from fused_ce import lm_loss, token_losses
 from fused_gelu import bias_gelu
 
 # HF's GPT-2 keeps these matmuls as Conv1D, weight (in, out); ours are nn.Linear, (out, in): transposed both ways
@@ -321,12 +321,14 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
                 cache: KVCache | None = None, last_only: bool = False, return_logits: bool = True, values: bool = False,
-                at: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                at: torch.Tensor | None = None,
+                per_token: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, V) ((B, 1, V) with last_only; None with loss_chunk or fused_ce and targets) and
         the mean loss over targets != -1 (None without targets). return_logits=False is the training step's call: a
         compiled forward that outputs logits gets a zero (B, T, V) gradient for them. values=True (config.value_head)
         returns (logits or None, the head's fp32 values (B, T)). `at`, a (B, T) bool mask, keeps only its positions:
-        logits (N, V) and values (N,), for RL's and DPO's N scored tokens (the head is most of a small model's work)."""
+        logits (N, V) and values (N,), for RL's and DPO's N scored tokens (the head is most of a small model's work).
+        per_token=True returns (None, each target's fp32 loss (B, T), 0 where it is -1): validation's loss and bpb."""
         B, T = idx.size()
         start, pad = (cache.pos, cache.pad) if cache is not None else (0, None)
         if start + T > self.config.block_size:
@@ -358,6 +360,10 @@ class GPT(nn.Module):
             return self.lm_head(x) if return_logits else None, self.value_head(x).squeeze(-1).float()
         if targets is None:
             return self.lm_head(x), None  # (B, T, V)
+        if per_token:
+            losses = token_losses(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.config.loss_chunk,
+                                  self.config.fused_ce)
+            return None, losses.view_as(targets)
         return lm_loss(x, self.lm_head.weight, targets, label_smoothing, self.config.loss_chunk,
                        self.config.fused_ce, return_logits)
 

@@ -110,3 +110,25 @@ def test_val_bpb_sums_over_ranks(text_shards, hf_dir, tmp_path):
     proc = run_torchrun(["train.py", *eval_args(text_shards, hf_dir, tmp_path / "ddp")], nproc=2)
     bpb = float(re.search(r"\| bpb (\d+\.\d+)", proc.stdout).group(1))
     assert bpb == pytest.approx(independent_bpb(hf_dir, text_shards, 3, 2, 32), abs=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_one_forward_a_window_gives_the_loss_and_the_bits(chunk):
+    # the model's per-token losses (the head 5 rows at a time, or all at once) against two forwards' means
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, loss_chunk=chunk))
+    x, y = torch.randint(0, EOT, (2, 16)), torch.randint(0, EOT, (2, 16))
+    y[0, :3], y[1, 5], y[1, 9] = -1, EOT, 50258
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    got = engine.val_metrics(model, FixedBatch(x, y), 1, contextlib.nullcontext(), 1, token_bytes(50304))
+    assert len(forwards) == 1
+    with torch.no_grad():
+        mean = model(x, y)[1].item()
+        counted = torch.where((y >= 0) & (y < EOT), y, -1)
+        nats = model(x, counted)[1].double().item() * int((counted >= 0).sum())
+    nbytes = len(get_tokenizer().decode_bytes(counted[counted >= 0].tolist()))
+    assert got["loss"] == pytest.approx(mean, rel=1e-6)
+    assert got["bpb"] == pytest.approx(nats / math.log(2) / nbytes, rel=1e-6)
