@@ -315,6 +315,13 @@ def keep_large_blocks() -> None:
         libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: freed memory goes back to the system only past 2 GB
 
 
+def trim_heap() -> None:
+    """glibc's malloc_trim: the heap's free pages back to the system. keep_large_blocks keeps them, and blocks of
+    varying sizes between long-lived ones would otherwise grow the heap without a ceiling (docs/benchmarks.md)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> tuple[int, int, int, torch.device]:
     """rank, local_rank, world_size and device, from torchrun's environment or a single process. The default process
     group is created here, unless the caller (a launcher of its own, a notebook) already has one."""
