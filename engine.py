@@ -614,7 +614,9 @@ def window_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, token_bytes:
     counted = torch.where(nbytes > 0, y, -1)
     if hasattr(model, "forward_backward"):
         mean, n = model(x, y)[1].double(), (counted >= 0).sum()
-        nats = torch.where(n > 0, model(x, counted)[1].double() * n, 0.0) if token_bytes is not None else n.double()
+        nats = torch.zeros_like(mean)  # no bytes asked for: no second forward
+        if token_bytes is not None:
+            nats = torch.where(n > 0, model(x, counted)[1].double() * n, 0.0)
         return torch.stack([mean, nats, nbytes.sum().double()])
     losses = model(x, y, per_token=True)[1].double()
     return torch.stack([losses.sum() / (y >= 0).sum(), (losses * (counted >= 0)).sum(), nbytes.sum().double()])

@@ -19,6 +19,7 @@ Usage (self-check against the reference, not a benchmark; speed lives in bench.p
 
 import argparse
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -132,8 +133,9 @@ def cross_entropy_rows(logits: Tensor, targets: Tensor, label_smoothing: float =
 
 def _chunk_loss(logits: Tensor, targets: Tensor, label_smoothing: float,
                 with_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """Summed cross-entropy of fp32 logits (n, V) over targets != -1, and optionally its gradient. Label smoothing
-    spreads s over the R = min(V, 50257) real ids only: on the padded ids it would train up logits never used."""
+    """Cross-entropy of each row of fp32 logits (n, V), 0 where the target is -1, and optionally the gradient of their
+    sum. Label smoothing spreads s over the R = min(V, 50257) real ids only: on the padded ids it would train up
+    logits never used."""
     valid = targets != -1
     safe = targets.masked_fill(~valid, 0)  # (n,)
     real = min(logits.size(-1), GPT2_VOCAB)
@@ -141,14 +143,14 @@ def _chunk_loss(logits: Tensor, targets: Tensor, label_smoothing: float,
     rows = lse - logits.gather(1, safe[:, None]).squeeze(1)  # -log p(target)
     if label_smoothing:  # the mean over the real ids of -log p(id)
         rows = (1 - label_smoothing) * rows + label_smoothing * (lse - logits[:, :real].mean(dim=-1))
-    loss = (rows * valid).sum()
+    rows = rows * valid
     if not with_grad:
-        return loss, None
+        return rows, None
     grad = (logits - lse[:, None]).exp_()  # softmax, in place of a second (n, V) buffer
     grad.scatter_add_(1, safe[:, None], torch.full_like(grad[:, :1], label_smoothing - 1.0))
     if label_smoothing:
         grad[:, :real] -= label_smoothing / real
-    return loss, grad.mul_(valid[:, None])
+    return rows, grad.mul_(valid[:, None])
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
@@ -164,11 +166,10 @@ def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0)
 
 def _rows_loss(logits: Tensor, targets: Tensor, label_smoothing: float, fused: bool,
                with_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """One chunk's summed loss and, with with_grad, its gradient (N, V): the kernel in the logits' own dtype, or
-    _chunk_loss on an fp32 copy."""
+    """One chunk's loss per row (N,) and, with with_grad, the gradient of their sum (N, V): the kernel in the logits'
+    own dtype, or _chunk_loss on an fp32 copy."""
     if fused:
-        rows, grad = cross_entropy_rows(logits, targets, label_smoothing, min(logits.size(1), GPT2_VOCAB), with_grad)
-        return rows.sum(), grad
+        return cross_entropy_rows(logits, targets, label_smoothing, min(logits.size(1), GPT2_VOCAB), with_grad)
     return _chunk_loss(logits.float(), targets, label_smoothing, with_grad)
 
 
@@ -192,7 +193,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for i in range(0, x.size(0), chunk):
             xc = x[i:i + chunk].to(dtype)
             part, grad = _rows_loss(F.linear(xc, w), targets[i:i + chunk], label_smoothing, fused, with_grad=True)
-            loss += part
+            loss += part.sum()
             grad = grad.to(mm)  # (n, V)
             with torch.autocast(device, enabled=False):  # else fp16 autocast would cast the fp32 operands back
                 grad_x.append(grad @ w_mm)  # (n, C)
@@ -217,28 +218,27 @@ def chunked_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, chunk: int
                           label_smoothing: float = 0.0, fused: bool = False) -> Tensor:
     """F.cross_entropy(x @ weight.T, targets, ignore_index=-1, label_smoothing=...) of x (N, C), weight (V, C) without
     the full logits (chunk 0: all rows at once); fused uses the kernel on CUDA with triton, the reference elsewhere."""
-    chunk = chunk or max(x.size(0), 1)
-    fused = fused and x.is_cuda and triton_available()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _ChunkedCrossEntropy.apply(x, weight, targets, chunk, label_smoothing, fused)
-    count = (targets != -1).sum()
+        fused = fused and x.is_cuda and triton_available()
+        return _ChunkedCrossEntropy.apply(x, weight, targets, chunk or max(x.size(0), 1), label_smoothing, fused)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
-    for i in range(0, x.size(0), chunk):
-        total += _rows_loss(F.linear(x[i:i + chunk], weight), targets[i:i + chunk], label_smoothing, fused,
-                            with_grad=False)[0]
-    return total / count
+    for rows in _chunk_rows(x, weight, targets, chunk, label_smoothing, fused):
+        total += rows.sum()
+    return total / (targets != -1).sum()
 
 
 def token_losses(x: Tensor, weight: Tensor, targets: Tensor, chunk: int = 0, fused: bool = False) -> Tensor:
     """The cross-entropy of each row of x (N, C) through weight (V, C): fp32 (N,), 0 where the target is -1, the
     logits a chunk of rows at a time (0: all at once), through the kernel where `fused` can run. No gradient."""
+    return torch.cat(list(_chunk_rows(x, weight, targets, chunk, 0.0, fused)))
+
+
+def _chunk_rows(x: Tensor, weight: Tensor, targets: Tensor, chunk: int, label_smoothing: float,
+                fused: bool) -> Iterator[Tensor]:
+    """Each chunk's loss per row, without gradients: the logits `chunk` rows at a time (0: all at once)."""
     chunk, fused = chunk or max(x.size(0), 1), fused and x.is_cuda and triton_available()
-    rows = []
     for i in range(0, x.size(0), chunk):
-        logits, part = F.linear(x[i:i + chunk], weight), targets[i:i + chunk]
-        rows.append(cross_entropy_rows(logits, part, with_grad=False)[0] if fused else
-                    F.cross_entropy(logits.float(), part, ignore_index=-1, reduction="none"))
-    return torch.cat(rows)
+        yield _rows_loss(F.linear(x[i:i + chunk], weight), targets[i:i + chunk], label_smoothing, fused, False)[0]
 
 
 def scored_rows(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
