@@ -153,16 +153,15 @@ def load_core(cfg: TrainConfig, ctx: Context) -> list | None:
 def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | None,
                 core_tasks: list | None) -> list[Eval]:
     raw, built, log, ctx = setup.raw, setup.built, setup.log, setup.ctx
+    enc = get_tokenizer() if (cfg.sample_every > 0 or examples) else None  # a broken install stops the run here
     evals = stage.val_evals(cfg, setup)
-    if examples or cfg.sample_every > 0:
-        get_tokenizer()  # cached: a broken tokenizer install stops the run now, not at its first evaluation
     if examples:
         def hellaswag_eval(step: int) -> dict[str, Any]:
             import hellaswag
 
             # the uncompiled module: HellaSwag's many sequence lengths would recompile the training forward
             hs = hellaswag.evaluate(raw, examples, ctx.device, ctx.rank, ctx.world, limit=cfg.hellaswag_limit,
-                                    enc=get_tokenizer(), progress=True)
+                                    enc=enc, progress=True)
             log.say(f"step {step:6d} | hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
             return hs
 
@@ -182,7 +181,6 @@ def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | Non
             if not (ctx.master or cfg.parallel == "fsdp"):  # FSDP forwards are collective: every rank runs them
                 return None
             # two samples from the uncompiled module; their own generator leaves the training RNG (and resume) alone
-            enc = get_tokenizer()
             idx = torch.tensor([enc.encode(cfg.sample_prompt)] * 2, device=ctx.device)
             gen = torch.Generator(device=ctx.device).manual_seed(cfg.seed + step)
             with built.autocast:
