@@ -36,7 +36,7 @@ from common import EOT, LOCAL, run_and_exit
 from engine import Context, Eval, Run
 from fineweb import DataError
 from generate import evaluating
-from parallel import Objective, check_flags, rewards, sequence_logprobs
+from parallel import Objective, check_flags, flag, rewards, sequence_logprobs
 from stage import StageArgs, TaskEvalArgs
 
 ASSISTANT = "\n\nAssistant:"
@@ -228,7 +228,7 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
         other = {"reward": ("dpo_beta", "dpo_sft"), "dpo": ("reward_logprob",)}[self.objective]
         unused = [f for f in other if getattr(self, f) != PrefsConfig.__dataclass_fields__[f].default]
         if unused := unused + [f for f in ("loss_chunk", "fused_ce") if self.arch.get(f)]:
-            raise ValueError(f"--objective {self.objective} does not use --{unused[0].replace('_', '-')}: drop it")
+            raise ValueError(f"--objective {self.objective} does not use --{flag(unused[0])}: drop it")
         dpo = self.objective == "dpo"
         check_flags([(not dpo or bool(self.init_from), "--objective dpo moves a model away from its starting weights, "
                       "its reference: pass --init-from a fine-tuned model (a random one prefers nothing)"),

@@ -31,7 +31,7 @@ from common import LOCAL, get_tokenizer, load_checkpoint, provenance, run_and_ex
 from engine import Context, Run
 from generate import Rollout, calculator, evaluating, generate
 from model import GPT
-from parallel import Objective, build_trainable, check_flags, frozen_copy, last_index, rewards, spread, train_step
+from parallel import Objective, build_trainable, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
 from trackers import RunLog
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -200,8 +200,8 @@ class RLConfig(engine.RunArgs):
         self.beta = self.beta if self.beta is not None else 0.05 if algo.critic else 0.0
         others, default = {f for a in ALGOS.values() for f in a.flags} - set(algo.flags), RLConfig.__dataclass_fields__
         if unused := sorted(f for f in others if getattr(self, f) != default[f].default):
-            raise ValueError(f"--algo {self.algo} does not use --{unused[0].replace('_', '-')}: drop it")
-        check_flags((getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+            raise ValueError(f"--algo {self.algo} does not use --{flag(unused[0])}: drop it")
+        check_flags((getattr(self, name) >= 1, f"--{flag(name)} must be >= 1; got {getattr(self, name)}")
                     for name in "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches".split())
         calls = self.rollout_batch * self.samples
         check_flags([
