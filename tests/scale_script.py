@@ -41,4 +41,4 @@ def main(data: str, out: str, which: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    train.run_and_exit(lambda: main(*sys.argv[1:]))  # no interpreter finalization after gloo collectives

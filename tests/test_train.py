@@ -749,7 +749,7 @@ def slow(*args, **kwargs):  # rank 0 works alone (as in a download) while rank 1
         time.sleep(6)
     return found(*args, **kwargs)
 engine.Checkpointer.find_resume = slow
-train.main(sys.argv[2:])
+train.run_and_exit(lambda: train.main(sys.argv[2:]), train.stage.exit_code)  # as train.py's __main__ ends
 """
 
 
@@ -1913,6 +1913,7 @@ for signals in spec["signals"]:  # the signal each rank received (None: none): a
     out["stops"].append([stopping, flags.signal if stopping else None])
 dist.destroy_process_group()
 print("RESULT " + json.dumps(out))
+common.exit_now(0)  # past interpreter finalization, which can abort after gloo collectives (docs/notes.md)
 """
 
 
