@@ -144,7 +144,8 @@ def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[s
     cfg = model.config
     n_head = cfg.n_embd // cfg.head_dim
     # no lm_head: it is tied, and HF re-ties it to wte on load
-    sd = {k: p.detach().float().cpu() for k, p in model.state_dict().items() if k != "lm_head.weight"}
+    sd = {k: p.detach().float().cpu() for k, p in model.state_dict().items()
+          if k != "lm_head.weight" and not k.startswith("value_head.")}  # a PPO critic's head: HF has no place
     sd["transformer.wte.weight"] = sd["transformer.wte.weight"][:vocab]
     for key, p in sd.items():
         if n_head != cfg.n_head and key.endswith(("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight")):
@@ -201,8 +202,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("error: pass --ckpt PATH (a checkpoint of this project) and --export-hf DIR")
     with user_errors(OSError, ValueError):
         check_target(Path(cfg.export_hf))  # before a large checkpoint takes its time to load
+        ckpt = load_checkpoint(cfg.ckpt, mmap=True)
+        if ckpt.get("train_config", {}).get("objective") == "reward":  # its score would be silently dropped
+            raise ValueError(f"--ckpt {cfg.ckpt} is a reward model: HF's classes have no place for its score (a value "
+                             "head with a bias, read at <|assistant_end|>), so an export would load as a plain "
+                             "language model; score with it here (rl.py --reward-model)")
         model = GPT.from_checkpoint(cfg.ckpt)
-        chat = is_chat(load_checkpoint(cfg.ckpt, mmap=True))
+        chat = is_chat(ckpt)
         out = export_hf(model, cfg.export_hf, chat)
     print(f"exported {cfg.ckpt} to {out}{' as a chat model' * chat} (load with "
           "transformers.AutoModelForCausalLM.from_pretrained)")

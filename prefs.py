@@ -6,7 +6,8 @@ parallel.train_step on the engine (no loop of its own), with held-out pairwise a
     python prefs.py --objective dpo --init-from out/sft/ckpt_002000.pt --data HuggingFaceH4/ultrafeedback_binarized
 
 A row is a pair in one of three schemas:
-    text           {"prompt", "chosen", "rejected"}: the replies as text; the prompt as text or a list of messages
+    text           {"prompt", "chosen", "rejected"}: the replies as text (or TRL's [{"role": "assistant", ...}]); the
+                   prompt as text or a list of messages
     conversations  HuggingFaceH4/ultrafeedback_binarized (splits train_prefs, test_prefs): chosen and rejected are
                    whole conversations [{"role", "content"}, ...] that end with the assistant's reply
     transcripts    Anthropic/hh-rlhf (splits train, test): chosen and rejected only, "\\n\\nHuman: ...\\n\\nAssistant:
@@ -65,6 +66,8 @@ def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]
         raise ValueError("no 'prompt' field, and chosen and rejected are not Human/Assistant transcripts that share "
                          "a prompt")
     pieces = TURN.split(chosen[:cut])
+    if pieces[0].strip():  # a transcript starts with its first turn
+        raise ValueError(f"the transcripts start with {pieces[0][:40]!r}, text before their first '\\n\\nHuman:' turn")
     prompt = [{"role": ROLES[r], "content": c.strip()} for r, c in zip(pieces[1::2], pieces[2::2], strict=True)]
     return prompt, chosen[cut + len(ASSISTANT):].strip(), rejected[cut + len(ASSISTANT):].strip()
 
@@ -75,17 +78,21 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
         if row.get(key) is None:
             raise ValueError(f"missing field {key!r}")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
-    if isinstance(chosen, list) and isinstance(rejected, list):  # whole conversations
+    if isinstance(chosen, list) and isinstance(rejected, list):  # whole conversations, or TRL's replies to a prompt
+        if isinstance(prompt, list) and chosen[:len(prompt)] != prompt:
+            chosen, rejected = prompt + chosen, prompt + rejected
         if chosen[:-1] != rejected[:-1]:
             raise ValueError("chosen and rejected continue different conversations")
         prompt = chosen[:-1]
-        chosen, rejected = (m[-1].get("content") if m and isinstance(m[-1], dict) else None for m in (chosen, rejected))
+        chosen, rejected = (m[-1].get("content") if m and isinstance(m[-1], dict) and m[-1].get("role") == "assistant"
+                            else None for m in (chosen, rejected))
     elif prompt is None and isinstance(chosen, str) and isinstance(rejected, str):
         prompt, chosen, rejected = split_transcripts(chosen, rejected)
     elif isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if not (isinstance(prompt, list) and isinstance(chosen, str) and isinstance(rejected, str)):
-        raise ValueError("expected the prompt as text or messages, chosen and rejected as text or conversations")
+        raise ValueError("expected the prompt as text or messages, chosen and rejected as text or conversations that "
+                         "end with the assistant's reply")
     check_flags([(chosen.strip(), "the chosen reply is empty"), (rejected.strip(), "the rejected reply is empty"),
                  (chosen != rejected, "chosen == rejected: the pair prefers nothing")])
     return prompt, chosen, rejected

@@ -334,3 +334,20 @@ def test_a_full_disk_leaves_nothing_behind(tmp_path, limit, target):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]  # new/ and new/hf are gone too
     else:
         assert contents(out) == before  # the earlier export, untouched
+
+
+def test_a_reward_model_is_refused_and_a_critics_head_left_out(tmp_path):
+    """A reward model's score (its value head) has no HF class here: exported, it loaded as a plain LM, its head's
+    tensors ignored. A PPO policy's critic head is not the policy's: its export carries no value_head tensors."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    model = GPT(GPTConfig(block_size=16, vocab_size=96, n_layer=1, n_head=2, n_embd=16, value_head=True))
+    for objective, trained in (("reward", {"objective": "reward"}), ("ppo", {"algo": "ppo"})):
+        torch.save({"model": model.state_dict(), "model_config": model.config.__dict__, "train_config": trained,
+                    "chat": False}, ckpt := tmp_path / f"{objective}.pt")
+        if objective == "reward":
+            with pytest.raises(SystemExit, match=f"^error: --ckpt {ckpt} is a reward model: HF's classes have no"):
+                export.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / objective)])
+            assert not (tmp_path / objective).exists()
+        else:
+            export.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / objective)])
+            assert not [k for k in safetensors.load_file(tmp_path / objective / "model.safetensors") if "value" in k]

@@ -66,6 +66,11 @@ def test_each_schema_parses_to_prompt_messages_and_two_replies():
     assert parse_pair(hh) == (prompt, "Blue.", "No.")
     early = {"chosen": transcript("Hi", "Hello.", "Bye"), "rejected": transcript("Hi", "Go.", "Bye")}
     assert parse_pair(early) == ([{"role": "user", "content": "Hi"}], "Hello.\n\nHuman: Bye", "Go.\n\nHuman: Bye")
+    # TRL's conversational format with its prompt apart: the replies are lists of the assistant's message (the prompt
+    # was dropped, and the row refused as starting with an assistant message)
+    trl = {"prompt": [{"role": "user", "content": "Hi?"}], "chosen": conversation("Hi?", "Hello!")[1:],
+           "rejected": conversation("Hi?", "Go away.")[1:]}
+    assert parse_pair(trl) == ([{"role": "user", "content": "Hi?"}], "Hello!", "Go away.")
 
 
 @pytest.mark.parametrize("row, message", [
@@ -76,6 +81,11 @@ def test_each_schema_parses_to_prompt_messages_and_two_replies():
     ({"prompt": "p", "chosen": conversation("a", "x"), "rejected": conversation("b", "y")},
      "row 1: chosen and rejected continue different conversations"),
     ({"prompt": "p", "chosen": 3, "rejected": "y"}, "row 1: expected the prompt as text or messages"),
+    # a user's last message is not an assistant's reply; a transcript's text before its first turn is not dropped
+    ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
+     "row 1: expected the prompt as text or messages, chosen and rejected as text or conversations that end with"),
+    ({"chosen": "Be kind." + transcript("Hi", "Hello."), "rejected": "Be kind." + transcript("Hi", "Go.")},
+     "row 1: the transcripts start with 'Be kind.', text before their first '\\n\\nHuman:' turn"),
 ])
 def test_a_bad_row_is_one_line_naming_it(tmp_path, row, message):
     path = tmp_path / "pairs.jsonl"
