@@ -182,10 +182,11 @@ class Addition(Task):
         return " ".join(str(value))
 
 
-def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world: int = 1, max_new_tokens: int = 32,
+def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world: int = 1, max_new_tokens: int = 512,
              batch: int = 64, autocast: contextlib.AbstractContextManager | None = None) -> dict:
     """Greedy accuracy of the model's replies to `problems` (examples: messages and answer), the calculator on: rank
-    r answers every world-th problem, the counts summed over ranks. {"acc", "n"}."""
+    r answers every world-th problem, the counts summed over ranks; replies up to 512 tokens (GSM8K's), as chat_core's.
+    {"acc", "n"}."""
     mine, right = problems[rank::world], 0
     for i in range(0, len(mine), batch):
         chunk = mine[i:i + batch]
