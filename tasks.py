@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, load_rows, render_prompt, reply_text
+from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, check_messages, load_rows, render_prompt, reply_text, row_errors
 from common import get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
 from fineweb import DataError
 from generate import calculator, evaluating, generate
@@ -305,7 +305,38 @@ def load_task(spec: str) -> Any:
     if missing := [m for m in ("examples", "check") if not callable(getattr(task, m, None))]:
         raise ValueError(f"--task {spec}: {type(task).__name__} has no {' or '.join(missing)} method; a task gives "
                          "examples(split) and check(reply, answer) (tasks.py's docstring)")
-    return task
+    return UserTask(task, spec)
+
+
+class UserTask:
+    """A user's task as load_task gives it: its examples, check and wrong one line naming them when they raise, and
+    the examples checked to be a list of {"messages": [..., user, assistant], "answer"} rows; the rest as it has it."""
+
+    def __init__(self, task: Any, spec: str):
+        self.task, self.spec = task, spec
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self.task, name)
+        if name not in ("examples", "check", "wrong"):
+            return found
+
+        def method(*args: Any) -> Any:
+            try:
+                out = found(*args)
+            except Exception as e:
+                raise ValueError(f"--task {self.spec}: {name}() raised {type(e).__name__}: {e}".replace("\n", " ")) \
+                    from None
+            what = f"--task {self.spec}: examples({args[0]!r})"
+            if name == "examples" and not isinstance(out, list):
+                raise ValueError(f"{what} returned a {type(out).__name__}, not a list of rows")
+            for i, row in enumerate(out if name == "examples" else ()):
+                with row_errors(what, i):
+                    if not isinstance(row, dict) or "answer" not in row:
+                        raise ValueError(f"expected a dict with 'messages' and 'answer', got {row!r:.60}")
+                    check_messages(row["messages"], "assistant")
+            return out
+
+        return method
 
 
 Reward = Callable[[list[dict], str, str], float]
@@ -407,8 +438,8 @@ def score_tasks(cfg: TasksConfig) -> dict:
         with user_errors(OSError, ValueError, DataError, RuntimeError):
             rank, _, world, device = setup_distributed(cfg.device)
             model, named = GPT.load(cfg.eval, None).to(device), named_tasks(cfg.tasks, cfg.split, cfg.limit)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-        result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)
+            autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+            result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)  # a user's check may raise
         if rank == 0:
             for name, acc in result["results"].items():
                 print(f"{name}: accuracy {acc:.4f}, centered {result['centered_results'][name]:.4f} "
