@@ -131,3 +131,22 @@ def test_one_task_is_scored_on_replies_as_long_as_in_chatcore(conversations, tmp
         result = sft.main(flags(conversations, tmp_path / "out", f"--init-from={ckpt}", "--model=", f"--task={spec}",
                                 "--task-limit=1", "--eval-only"))[key]
         assert (result["acc"] if key == "task" else result["results"]["Long"]) == 1.0
+
+
+def test_a_task_prompt_longer_than_the_context_is_refused_before_training(conversations, tmp_path, capsys):
+    # generate() refused it in the task eval, by default only after the whole training, in a line naming no flag
+    task = tmp_path / "wordy.py"
+    task.write_text('''class Wordy:
+    def examples(self, split):
+        return [{"messages": [{"role": "user", "content": "word " * 70}, {"role": "assistant", "content": "x"}],
+                 "answer": "x"}]
+
+    def check(self, reply, answer):
+        return True
+''')
+    with pytest.raises(SystemExit):
+        sft.main(flags(conversations, tmp_path / "out", f"--task={task}:Wordy", "--max-steps=1"))
+    out = capsys.readouterr()
+    assert "val loss" not in out.out  # refused before step 0
+    assert out.err.endswith(f"\nerror: --task {task}:Wordy: a held-out prompt takes 75 tokens, more than --seq-len 64 "
+                            "(the model's context): raise --seq-len, or score another task\n")
