@@ -305,7 +305,7 @@ def load_task(spec: str) -> Any:
     if missing := [m for m in ("examples", "check") if not callable(getattr(task, m, None))]:
         raise ValueError(f"--task {spec}: {type(task).__name__} has no {' or '.join(missing)} method; a task gives "
                          "examples(split) and check(reply, answer) (tasks.py's docstring)")
-    return UserTask(task, spec)
+    return task if isinstance(task, Task) else UserTask(task, spec)  # a Task subclass: MultipleChoice's scoring kept
 
 
 class UserTask:

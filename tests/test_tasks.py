@@ -288,6 +288,9 @@ def test_a_task_whose_methods_fail_is_one_line_naming_it(user_file, tmp_path, na
     with pytest.raises(SystemExit) as e:
         tasks.main(["--eval", str(tmp_path / "chat.pt"), "--tasks", f"{user_file}:{name}"])
     assert e.value.code == f"error: {message}"
+    # a subclass of the project's Task is taken as it is: a MultipleChoice one is still scored by its letters
+    (tmp_path / "mc.py").write_text("import tasks\nclass MC(tasks.MultipleChoice):\n    pass\n")
+    assert isinstance(tasks.load_task(f"{tmp_path / 'mc.py'}:MC"), tasks.MultipleChoice)
 
 
 @pytest.mark.parametrize("name, message", [
