@@ -199,12 +199,14 @@ def read_local(path: Path) -> list[dict]:
 
         return pq.read_table(path).to_pylist()
     data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark (Windows tools write one), as datasets reads
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise DataError(f"{path} line {line}: not UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
-    lines = [text] if text.lstrip().startswith("[") else text.splitlines()
+    # lines end at \n alone: splitlines() would also cut at U+2028, U+0085... that JSON strings may hold unescaped
+    lines = [text] if text.lstrip().startswith("[") else text.split("\n")
     rows = []
     for number, line in enumerate(lines, 1):
         try:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import engine
 import tasks
+from chat_format import render_prompt
 from common import (
     LOCAL,
     checkpoints,
@@ -263,6 +264,7 @@ def task_evals(cfg: TaskEvalArgs, setup: Setup) -> list[Eval]:
         return [chatcore_eval(cfg, setup)]
     task, ctx = tasks.load_task(cfg.task), setup.ctx
     problems = task.examples("test")[:cfg.task_limit]
+    check_prompts({cfg.task: (task, problems)}, cfg.seq_len)
 
     def score(step: int) -> dict[str, Any]:
         result = tasks.evaluate(setup.raw, task, problems, ctx.rank, ctx.world, autocast=setup.built.autocast)
@@ -276,6 +278,7 @@ def chatcore_eval(cfg: TaskEvalArgs, setup: Setup) -> Eval:
     """Several tasks: each one's accuracy (multiple choice by the letters' logits, the rest by greedy replies) and
     their ChatCORE, nanochat's mean accuracy above chance, on the first --task-limit problems in nanochat's order."""
     named, ctx = tasks.named_tasks(cfg.task, "test", cfg.task_limit), setup.ctx
+    check_prompts(named, cfg.seq_len)
 
     def score(step: int) -> dict[str, Any]:
         result = tasks.chat_core(setup.raw, named, ctx.rank, ctx.world, setup.built.autocast)
@@ -284,6 +287,17 @@ def chatcore_eval(cfg: TaskEvalArgs, setup: Setup) -> Eval:
         return result
 
     return Eval("chatcore", cfg.task_every, score)
+
+
+def check_prompts(named: dict[str, tuple[Any, list[dict]]], seq_len: int) -> None:
+    """A ValueError now for a task scored by replies whose held-out prompt outgrows the context: generate() refused it
+    at the first task eval, with --task-every 0 after the whole training (multiple choice crops, as choose does)."""
+    for name, (task, problems) in named.items():
+        longest = 0 if isinstance(task, tasks.MultipleChoice) else \
+            max((len(render_prompt(p["messages"][:-1])) for p in problems), default=0)
+        if longest > seq_len:
+            raise ValueError(f"--task {name}: a held-out prompt takes {longest} tokens, more than --seq-len {seq_len} "
+                             "(the model's context): raise --seq-len, or score another task")
 
 
 def val_windows(cfg: StageArgs, loader: Any, master: bool) -> int:

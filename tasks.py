@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, load_rows, render_prompt, reply_text
+from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, check_messages, load_rows, render_prompt, reply_text, row_errors
 from common import get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
 from fineweb import DataError
 from generate import calculator, evaluating, generate
@@ -182,10 +182,11 @@ class Addition(Task):
         return " ".join(str(value))
 
 
-def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world: int = 1, max_new_tokens: int = 32,
+def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world: int = 1, max_new_tokens: int = 512,
              batch: int = 64, autocast: contextlib.AbstractContextManager | None = None) -> dict:
     """Greedy accuracy of the model's replies to `problems` (examples: messages and answer), the calculator on: rank
-    r answers every world-th problem, the counts summed over ranks. {"acc", "n"}."""
+    r answers every world-th problem, the counts summed over ranks; replies up to 512 tokens (GSM8K's), as chat_core's.
+    {"acc", "n"}."""
     mine, right = problems[rank::world], 0
     for i in range(0, len(mine), batch):
         chunk = mine[i:i + batch]
@@ -297,14 +298,48 @@ def load_task(spec: str) -> Any:
         return TASKS[spec]()
     check_spec(spec)
     made = load_object(spec, "--task")
-    try:
-        task = made() if isinstance(made, type) else made
-    except Exception as e:
-        raise ValueError(f"--task {spec}: {spec.rpartition(':')[2]}() raised {type(e).__name__}: {e}") from None
+    task = guarded(made, f"--task {spec}: {spec.rpartition(':')[2]}()")() if isinstance(made, type) else made
     if missing := [m for m in ("examples", "check") if not callable(getattr(task, m, None))]:
         raise ValueError(f"--task {spec}: {type(task).__name__} has no {' or '.join(missing)} method; a task gives "
                          "examples(split) and check(reply, answer) (tasks.py's docstring)")
-    return task
+    return task if isinstance(task, Task) else UserTask(task, spec)  # a Task subclass: MultipleChoice's scoring kept
+
+
+def guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """fn, whose exceptions (a user's code: any kind) become one-line ValueErrors naming it."""
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise ValueError(f"{name} raised {type(e).__name__}: {e}".replace("\n", " ")) from None
+
+    return call
+
+
+class UserTask:
+    """A user's task as load_task gives it: examples, check and wrong one line naming them where they raise, and the
+    examples checked to be a list of {"messages": [..., user, assistant], "answer"} rows; the rest as it has it."""
+
+    def __init__(self, task: Any, spec: str):
+        self.task, self.spec = task, spec
+        self.check = guarded(task.check, f"--task {spec}: check()")
+        if callable(getattr(task, "wrong", None)):
+            self.wrong = guarded(task.wrong, f"--task {spec}: wrong()")
+
+    def __getattr__(self, name: str) -> Any:  # reward and the user's own attributes
+        return getattr(self.task, name)
+
+    def examples(self, *args: Any) -> list[dict]:
+        what = f"--task {self.spec}: examples({args[0]!r})"
+        out = guarded(self.task.examples, f"--task {self.spec}: examples()")(*args)
+        if not isinstance(out, list):
+            raise ValueError(f"{what} returned a {type(out).__name__}, not a list of rows")
+        for i, row in enumerate(out):
+            with row_errors(what, i):
+                if not isinstance(row, dict) or "answer" not in row:
+                    raise ValueError(f"expected a dict with 'messages' and 'answer', got {row!r:.60}")
+                check_messages(row["messages"], "assistant")
+        return out
 
 
 Reward = Callable[[list[dict], str, str], float]
@@ -312,11 +347,10 @@ Reward = Callable[[list[dict], str, str], float]
 
 def checked(fn: Callable[..., Any], name: str) -> Reward:
     """fn(prompt, reply, answer) as a float, or a one-line ValueError naming it: it raised, or gave a non-number."""
+    call = guarded(fn, name)
+
     def reward(prompt: list[dict], reply: str, answer: str) -> float:
-        try:
-            value = fn(prompt, reply, answer)
-        except Exception as e:
-            raise ValueError(f"{name} raised {type(e).__name__}: {e}".replace("\n", " ")) from None
+        value = call(prompt, reply, answer)
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise ValueError(f"{name} returned {value!r:.60}, not a finite number")
         return float(value)
@@ -406,8 +440,8 @@ def score_tasks(cfg: TasksConfig) -> dict:
         with user_errors(OSError, ValueError, DataError, RuntimeError):
             rank, _, world, device = setup_distributed(cfg.device)
             model, named = GPT.load(cfg.eval, None).to(device), named_tasks(cfg.tasks, cfg.split, cfg.limit)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-        result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)
+            autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+            result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)  # a user's check may raise
         if rank == 0:
             for name, acc in result["results"].items():
                 print(f"{name}: accuracy {acc:.4f}, centered {result['centered_results'][name]:.4f} "

@@ -58,6 +58,14 @@ def test_chat_rows_reach_the_tokenizer_byte_for_byte(tmp_path):
     assert {f"q1{NUMBER}", f"q4{QUOTED}", f"q2{BOOLEAN}"} <= replies  # row 0 is val
 
 
+def test_jsonl_lines_end_at_newlines_only_and_a_byte_order_mark_is_skipped(tmp_path):
+    # json.dumps(ensure_ascii=False) leaves U+2028 and U+0085 unescaped; str.splitlines() cut rows there
+    rows = [{"messages": [{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c\x85d"}]}] * 3
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+    assert cf.load_rows(str(path), "train") == rows
+
+
 def split_packed(loader: cf.ConversationLoader) -> list[list[int]]:
     """The conversations in a loader's packed rows: each starts at a BOS, the row's padding (BOS, masked) dropped."""
     out = []

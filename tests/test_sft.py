@@ -3,6 +3,7 @@ resume is bitwise, 2 gloo ranks equal 1 process, an HF GPT-2 is padded for the c
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,8 @@ import torch.nn.functional as F
 import sft
 import stage
 import tasks
-from chat_format import ConversationLoader, render
-from common import iter_log, load_checkpoint
+from chat_format import ASSISTANT_END, ASSISTANT_START, ConversationLoader, render
+from common import get_tokenizer, iter_log, load_checkpoint
 from conftest import run_torchrun
 from model import GPT
 
@@ -74,8 +75,6 @@ def test_sft_on_two_ranks_equals_one_process(conversations, tmp_path):
 
 
 def test_several_tasks_are_scored_as_chatcore(conversations, tmp_path, capsys):
-    from dataclasses import asdict
-
     from test_tasks import ARC_ROWS, GSM8K_ROWS, MMLU_ROWS, chat_bigram, write_rows
 
     model, ckpt = chat_bigram(), tmp_path / "chat.pt"  # replies "B 4" to anything
@@ -110,3 +109,44 @@ def test_an_hf_gpt2_is_padded_for_the_chat_tokens(conversations, hf_dir, tmp_pat
     # the new rows started as the mean of GPT-2's, and two small steps moved every row a little at most
     assert torch.allclose(wte[:50257], hf, atol=0.01) and torch.allclose(wte[50257:], hf.mean(0).expand(47, -1),
                                                                           atol=0.01)
+
+
+def test_one_task_is_scored_on_replies_as_long_as_in_chatcore(conversations, tmp_path):
+    # --task T scored replies cut at 32 tokens, --task T,addition (ChatCORE) at 512: the same weights' accuracy on T
+    # was 0 alone and 1 in the list when T's replies give the answer after 40 tokens, as GSM8K's do
+    from conftest import bigram_model
+
+    task = tmp_path / "long.py"
+    task.write_text('''class Long:
+    def examples(self, split):
+        return [{"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "x"}], "answer": "4"}]
+
+    def check(self, reply, answer):
+        return reply.endswith(" #### 4")
+''')
+    chain = [ASSISTANT_START, *range(1000, 1040), *get_tokenizer().encode_ordinary(" #### 4"), ASSISTANT_END]
+    model, ckpt = bigram_model(dict(zip(chain, chain[1:], strict=False))), tmp_path / "long.pt"
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "step": 0}, ckpt)
+    for spec, key in ((f"{task}:Long", "task"), (f"{task}:Long,addition", "chatcore")):
+        result = sft.main(flags(conversations, tmp_path / "out", f"--init-from={ckpt}", "--model=", f"--task={spec}",
+                                "--task-limit=1", "--eval-only"))[key]
+        assert (result["acc"] if key == "task" else result["results"]["Long"]) == 1.0
+
+
+def test_a_task_prompt_longer_than_the_context_is_refused_before_training(conversations, tmp_path, capsys):
+    # generate() refused it in the task eval, by default only after the whole training, in a line naming no flag
+    task = tmp_path / "wordy.py"
+    task.write_text('''class Wordy:
+    def examples(self, split):
+        return [{"messages": [{"role": "user", "content": "word " * 70}, {"role": "assistant", "content": "x"}],
+                 "answer": "x"}]
+
+    def check(self, reply, answer):
+        return True
+''')
+    with pytest.raises(SystemExit):
+        sft.main(flags(conversations, tmp_path / "out", f"--task={task}:Wordy", "--max-steps=1"))
+    out = capsys.readouterr()
+    assert "val loss" not in out.out  # refused before step 0
+    assert out.err.endswith(f"\nerror: --task {task}:Wordy: a held-out prompt takes 75 tokens, more than --seq-len 64 "
+                            "(the model's context): raise --seq-len, or score another task\n")

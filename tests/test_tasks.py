@@ -3,10 +3,12 @@ local files through the same datasets call); the synthetic task's disjoint split
 
 import json
 import random
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import chat_format as cf
 import tasks
@@ -164,6 +166,21 @@ class NoChecker:
         return []
 
 
+class Lazy(Doubling):
+    def examples(self, split):
+        return (row for row in super().examples(split))
+
+
+class Unanswered(Doubling):
+    def examples(self, split):
+        return [{"messages": row["messages"]} for row in super().examples(split)]
+
+
+class Strict(Doubling):
+    def check(self, reply, answer):
+        raise KeyError("no such field")
+
+
 def near(prompt, reply, answer):  # reads the prompt, not the answer
     k = int(prompt[-1]["content"].split()[1].rstrip("?"))
     return 1.0 if reply.strip() == str(2 * k) else 0.5 if reply.strip().isdigit() else 0.0
@@ -252,6 +269,28 @@ def test_a_task_that_cannot_load_is_one_line_naming_the_file_and_the_name(user_f
     with pytest.raises(ValueError) as e:
         tasks.load_task(spec.format(**where))
     assert str(e.value) == message.format(**where)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("Lazy", "--task {file}:Lazy: examples('test') returned a generator, not a list of rows"),
+    ("Unanswered", "--task {file}:Unanswered: examples('test') row 0: expected a dict with 'messages' and 'answer', "
+                   "got {{'messages': [{{'role': 'user', 'content': 'Double 30?'}}, {{'r"),
+    ("Strict", "--task {file}:Strict: check() raised KeyError: 'no such field'"),
+])
+def test_a_task_whose_methods_fail_is_one_line_naming_it(user_file, tmp_path, name, message):
+    # they were tracebacks from tasks.py, sft.py, prefs.py and rl.py, in a task eval after the training
+    task, message = tasks.load_task(f"{user_file}:{name}"), message.format(file=user_file)
+    with pytest.raises(ValueError) as e:
+        task.check("60", "60") if name == "Strict" else task.examples("test")
+    assert str(e.value) == message
+    model = chat_bigram()
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "step": 0}, tmp_path / "chat.pt")
+    with pytest.raises(SystemExit) as e:
+        tasks.main(["--eval", str(tmp_path / "chat.pt"), "--tasks", f"{user_file}:{name}"])
+    assert e.value.code == f"error: {message}"
+    # a subclass of the project's Task is taken as it is: a MultipleChoice one is still scored by its letters
+    (tmp_path / "mc.py").write_text("import tasks\nclass MC(tasks.MultipleChoice):\n    pass\n")
+    assert isinstance(tasks.load_task(f"{tmp_path / 'mc.py'}:MC"), tasks.MultipleChoice)
 
 
 @pytest.mark.parametrize("name, message", [
