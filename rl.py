@@ -398,7 +398,7 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, scorer: tuple,
 
 def task_eval(cfg: RLConfig, raw: GPT, task: Any, autocast: Any, log: RunLog, ctx: Context) -> engine.Eval:
     """Held-out greedy accuracy (tasks.evaluate) and pass@k by a generator of its own (the training's RNG untouched)."""
-    problems = task.examples("test")[:cfg.eval_limit]
+    problems = tasks.problems(task, "test", cfg.task)[:cfg.eval_limit]
 
     def evaluate(step: int) -> dict[str, Any]:
         with autocast:
@@ -448,7 +448,7 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     if found:
         stage.check_resume(found, cfg)
     raw = GPT.from_checkpoint(cfg.init_from, value_head=critic, dropout=0.0)
-    train_problems = task.examples("train")
+    train_problems = tasks.problems(task, "train", cfg.task)
     rm = load_reward_model(cfg, train_problems) if cfg.reward_model else None
     engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw),
                               "reward_model": rm and engine.weights_digest(rm)}, ctx.rank, ctx.world,

@@ -192,7 +192,7 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
         with autocast or contextlib.nullcontext():
             replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
                                temperature=0.0, stop_ids=[ASSISTANT_END], vocab=CHAT_VOCAB, calculator=calculator())
-        right += sum(task.check(reply_text(r.tokens), p["answer"]) for r, p in zip(replies, chunk, strict=True))
+        right += sum(bool(task.check(reply_text(r.tokens), p["answer"])) for r, p in zip(replies, chunk, strict=True))
     return summed(right, len(mine), model.lm_head.weight.device, world)
 
 
@@ -282,6 +282,8 @@ def _module(where: str) -> Any:
 def load_object(spec: str, flag: str) -> Any:
     """NAME of FILE.py:NAME or module:NAME, or a one-line ValueError naming the file and the name."""
     where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{flag} {spec}: expected FILE.py:NAME or module:NAME")
     try:
         found = getattr(_module(where), name)
     except AttributeError:
@@ -307,6 +309,19 @@ def load_task(spec: str) -> Any:
     return task
 
 
+def problems(task: Any, split: str, spec: str) -> list[dict]:
+    """task.examples(split), or a one-line ValueError: none, or a row that is not a problem (the protocol above)."""
+    rows = task.examples(split)
+    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict) or "answer" not in row
+                or not isinstance(row.get("messages"), list) or len(row["messages"]) < 2
+                or not isinstance(row["messages"][-1], dict) or row["messages"][-1].get("role") != "assistant"), None)
+    if not rows or bad is not None:
+        what = f"row {bad} is {str(rows[bad])[:80]}" if rows else "it gave none"
+        raise ValueError(f"--task {spec}: examples({split!r}) must give problems {{'messages': [..., user, assistant], "
+                         f"'answer': ...}} (the last message is the reference reply); {what}")
+    return rows
+
+
 Reward = Callable[[list[dict], str, str], float]
 
 
@@ -317,7 +332,7 @@ def checked(fn: Callable[..., Any], name: str) -> Reward:
             value = fn(prompt, reply, answer)
         except Exception as e:
             raise ValueError(f"{name} raised {type(e).__name__}: {e}".replace("\n", " ")) from None
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if not isinstance(value, numbers.Real | np.bool_) or not math.isfinite(value):
             raise ValueError(f"{name} returned {value!r:.60}, not a finite number")
         return float(value)
 
@@ -326,7 +341,7 @@ def checked(fn: Callable[..., Any], name: str) -> Reward:
 
 def task_reward(task: Any, spec: str) -> Reward:
     """The task's own reward(prompt, reply, answer), or 1.0 for a reply check() passes and 0.0 otherwise."""
-    fn = getattr(task, "reward", None) or (lambda prompt, reply, answer: float(task.check(reply, answer)))
+    fn = getattr(task, "reward", None) or (lambda prompt, reply, answer: float(bool(task.check(reply, answer))))
     return checked(fn, f"--task {spec}'s reward")
 
 
