@@ -248,6 +248,22 @@ class PromptSampler:
         self.served = int(state["served"])
 
 
+@dataclasses.dataclass
+class Reference:
+    """The KL anchor's weights digest, a checkpointed part: resuming from another --init-from would move the anchor."""
+
+    digest: str
+    init_from: str
+
+    def state_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        if state["digest"] != self.digest:
+            raise ValueError(f"the run resumed was anchored (--beta) to the weights of --init-from "
+                             f"{state['init_from']}, not {self.init_from}'s: pass its --init-from, or start a new run")
+
+
 def all_sum(t: Tensor, world: int) -> Tensor:
     if world > 1:
         dist.all_reduce(t)
@@ -465,7 +481,9 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     raw, rm = raw.to(ctx.device), rm.to(ctx.device) if rm else None
     ref = frozen_copy(raw) if cfg.beta > 0 else None
     built = build_trainable(raw, cfg, ctx.device, stage.use_compile(cfg, ctx.device), verbose=ctx.master)
-    parts = {"sampler": PromptSampler(train_problems, cfg.seed), "scaler": built.scaler, "tokens": engine.TokenCount()}
+    anchor = Reference(engine.weights_digest(ref.transformer), cfg.init_from) if ref is not None else None
+    parts = {"sampler": PromptSampler(train_problems, cfg.seed), "scaler": built.scaler, "tokens": engine.TokenCount(),
+             "reference": anchor}
     start = stage.resume(found, checkpointer, raw, built, parts, cfg, ctx) if found else 0
     log = stage.open_log(cfg, raw, checkpointer, found, start, ctx)
     if ctx.master:

@@ -256,3 +256,13 @@ def test_flags_that_would_be_ignored_or_break_the_run_are_refused(flags, message
     with pytest.raises(ValueError, match=f"^{message}"):
         rl.RLConfig(**flags)
 
+
+def test_a_resume_from_other_starting_weights_is_refused_where_they_are_the_kl_anchor(models, tmp_path, capsys):
+    extra = ["--beta=0.05", "--eval-every=0", "--pass-k=0", "--max-steps=2", "--ckpt-every=1"]
+    rl.main(flags(models, tmp_path / "run", *extra, "--max-steps=1"))
+    other = save_model(tmp_path / "other.pt", 3)
+    resumed = flags(models, tmp_path / "run", *extra, "--resume=auto")
+    resumed[resumed.index(str(models[0]))] = str(other)
+    assert one_line_error(capsys, rl.main, resumed) == (
+        f"error: the run resumed was anchored (--beta) to the weights of --init-from {models[0]}, not {other}'s: pass "
+        "its --init-from, or start a new run")
