@@ -14,6 +14,7 @@ passes of --minibatches optimizer steps. The math comes first: per-token tensors
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from collections.abc import Callable
@@ -154,8 +155,8 @@ LOSS_AGG = ("token", "sequence", "dr_grpo")
 class RLConfig(engine.RunArgs):
     """Online RL of a chat model (an sft.py checkpoint) on a task: GRPO, RLOO, REINFORCE or PPO, on the engine."""
 
-    # the policy's start, a chat model checkpoint: the demo's is sft-demo stopped half-trained (--max-steps 1200)
-    init_from: Annotated[str, LOCAL] = "out/sft-demo-1200/ckpt_001200.pt"
+    # the demo's start is sft-demo stopped half-trained (--max-steps 1200)
+    init_from: Annotated[str, LOCAL] = "out/sft-demo-1200/ckpt_001200.pt"  # the policy's start: a chat checkpoint
     task: str = "addition"  # the prompts, the checker and held-out evaluations: a built-in task or FILE.py:NAME
     reward: str = ""  # reward functions FILE.py:FN[,FILE.py:FN2] (fn(prompt, reply, answer) -> float), not the task's
     reward_weights: tuple[float, ...] = ()  # --reward's weights, comma separated (default: 1 each)
@@ -201,10 +202,13 @@ class RLConfig(engine.RunArgs):
         others, default = {f for a in ALGOS.values() for f in a.flags} - set(algo.flags), RLConfig.__dataclass_fields__
         if unused := sorted(f for f in others if getattr(self, f) != default[f].default):
             raise ValueError(f"--algo {self.algo} does not use --{flag(unused[0])}: drop it")
-        check_flags((getattr(self, name) >= 1, f"--{flag(name)} must be >= 1; got {getattr(self, name)}")
-                    for name in "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches".split())
+        check_flags((getattr(self, name) >= 1, f"--{flag(name)} must be >= 1; got {getattr(self, name)}") for name in
+                    "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches eval_limit".split())
         calls = self.rollout_batch * self.samples
         check_flags([
+            (not (self.reward and self.reward_model), "--reward and --reward-model each score the replies: pass one"),
+            (bool(self.reward) or not self.reward_weights, "--reward-weights weigh --reward's functions: add it"),
+            (all(map(math.isfinite, self.reward_weights)), f"--reward-weights must be finite: {self.reward_weights}"),
             (algo.critic or self.samples >= 2,
              f"--algo {self.algo} scores each reply against its group's: --samples must be >= 2 (or --algo ppo)"),
             ("clip" in algo.flags or self.ppo_epochs * self.minibatches <= 1, f"--algo {self.algo} is on-policy: one "
@@ -215,8 +219,9 @@ class RLConfig(engine.RunArgs):
             (self.temperature > 0 and self.parallel != "fsdp",  # FSDP's forwards are collectives: generation hangs
              f"RL samples its replies: --temperature must be > 0 (got {self.temperature}) and --parallel ddp or zero1 "
              "(FSDP cannot generate)"),
-            (self.beta >= 0 and self.clip > 0 and self.pass_k >= 0 and 0 < self.gamma <= 1 and 0 <= self.lam <= 1,
-             "--beta and --pass-k must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]")])
+            (self.beta >= 0 and self.clip > 0 and self.pass_k >= 0 and self.vf_coef >= 0 and 0 < self.gamma <= 1
+             and 0 <= self.lam <= 1, "--beta, --pass-k and --vf-coef must be >= 0, --clip > 0, --gamma in (0, 1] and "
+             "--lam in [0, 1]")])
 
 
 class PromptSampler:
@@ -241,6 +246,22 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.served = int(state["served"])
+
+
+@dataclasses.dataclass
+class Reference:
+    """The KL anchor's weights digest, a checkpointed part: resuming from another --init-from would move the anchor."""
+
+    digest: str
+    init_from: str
+
+    def state_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        if state["digest"] != self.digest:
+            raise ValueError(f"the run resumed was anchored (--beta) to the weights of --init-from "
+                             f"{state['init_from']}, not {self.init_from}'s: pass its --init-from, or start a new run")
 
 
 def all_sum(t: Tensor, world: int) -> Tensor:
@@ -460,7 +481,9 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     raw, rm = raw.to(ctx.device), rm.to(ctx.device) if rm else None
     ref = frozen_copy(raw) if cfg.beta > 0 else None
     built = build_trainable(raw, cfg, ctx.device, stage.use_compile(cfg, ctx.device), verbose=ctx.master)
-    parts = {"sampler": PromptSampler(train_problems, cfg.seed), "scaler": built.scaler, "tokens": engine.TokenCount()}
+    anchor = Reference(engine.weights_digest(ref.transformer), cfg.init_from) if ref is not None else None
+    parts = {"sampler": PromptSampler(train_problems, cfg.seed), "scaler": built.scaler, "tokens": engine.TokenCount(),
+             "reference": anchor}
     start = stage.resume(found, checkpointer, raw, built, parts, cfg, ctx) if found else 0
     log = stage.open_log(cfg, raw, checkpointer, found, start, ctx)
     if ctx.master:

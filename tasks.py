@@ -193,7 +193,7 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
         with autocast or contextlib.nullcontext():
             replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
                                temperature=0.0, stop_ids=[ASSISTANT_END], vocab=CHAT_VOCAB, calculator=calculator())
-        right += sum(task.check(reply_text(r.tokens), p["answer"]) for r, p in zip(replies, chunk, strict=True))
+        right += sum(bool(task.check(reply_text(r.tokens), p["answer"])) for r, p in zip(replies, chunk, strict=True))
     return summed(right, len(mine), model.lm_head.weight.device, world)
 
 
@@ -283,6 +283,8 @@ def _module(where: str) -> Any:
 def load_object(spec: str, flag: str) -> Any:
     """NAME of FILE.py:NAME or module:NAME, or a one-line ValueError naming the file and the name."""
     where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{flag} {spec}: expected FILE.py:NAME or module:NAME")
     try:
         found = getattr(_module(where), name)
     except AttributeError:
@@ -334,6 +336,8 @@ class UserTask:
         out = guarded(self.task.examples, f"--task {self.spec}: examples()")(*args)
         if not isinstance(out, list):
             raise ValueError(f"{what} returned a {type(out).__name__}, not a list of rows")
+        if not out:  # RL samples from it, evaluations divide by its length
+            raise ValueError(f"{what} gave no rows")
         for i, row in enumerate(out):
             with row_errors(what, i):
                 if not isinstance(row, dict) or "answer" not in row:
@@ -351,7 +355,7 @@ def checked(fn: Callable[..., Any], name: str) -> Reward:
 
     def reward(prompt: list[dict], reply: str, answer: str) -> float:
         value = call(prompt, reply, answer)
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if not isinstance(value, numbers.Real | np.bool_) or not math.isfinite(value):
             raise ValueError(f"{name} returned {value!r:.60}, not a finite number")
         return float(value)
 
@@ -360,7 +364,7 @@ def checked(fn: Callable[..., Any], name: str) -> Reward:
 
 def task_reward(task: Any, spec: str) -> Reward:
     """The task's own reward(prompt, reply, answer), or 1.0 for a reply check() passes and 0.0 otherwise."""
-    fn = getattr(task, "reward", None) or (lambda prompt, reply, answer: float(task.check(reply, answer)))
+    fn = getattr(task, "reward", None) or (lambda prompt, reply, answer: float(bool(task.check(reply, answer))))
     return checked(fn, f"--task {spec}'s reward")
 
 

@@ -243,3 +243,26 @@ def test_a_flag_the_algorithm_does_not_use_is_refused(flags, unused):
     with pytest.raises(ValueError, match=f"^--algo {flags['algo']} does not use --{unused}: drop it$"):
         rl.RLConfig(**flags)
     rl.RLConfig(algo="ppo", gamma=0.9, lam=0.5, vf_coef=1.0)  # its own
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(reward="r.py:f", reward_model="rm.pt"), "--reward and --reward-model each score the replies: pass one"),
+    (dict(reward_weights=(2.0,)), "--reward-weights weigh --reward's functions: add it"),  # the task's reward, alone
+    (dict(reward="r.py:f", reward_weights=(1.0, math.inf)), r"--reward-weights must be finite: \(1.0, inf\)"),
+    (dict(eval_limit=0), "--eval-limit must be >= 1; got 0"),  # 0 divided pass@k by 0; -1 dropped the last problem
+    (dict(algo="ppo", vf_coef=-1.0), "--beta, --pass-k and --vf-coef must be >= 0"),
+])
+def test_flags_that_would_be_ignored_or_break_the_run_are_refused(flags, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        rl.RLConfig(**flags)
+
+
+def test_a_resume_from_other_starting_weights_is_refused_where_they_are_the_kl_anchor(models, tmp_path, capsys):
+    extra = ["--beta=0.05", "--eval-every=0", "--pass-k=0", "--max-steps=2", "--ckpt-every=1"]
+    rl.main(flags(models, tmp_path / "run", *extra, "--max-steps=1"))
+    other = save_model(tmp_path / "other.pt", 3)
+    resumed = flags(models, tmp_path / "run", *extra, "--resume=auto")
+    resumed[resumed.index(str(models[0]))] = str(other)
+    assert one_line_error(capsys, rl.main, resumed) == (
+        f"error: the run resumed was anchored (--beta) to the weights of --init-from {models[0]}, not {other}'s: pass "
+        "its --init-from, or start a new run")

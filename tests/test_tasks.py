@@ -369,3 +369,21 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "mmlu: accuracy 0.3333, centered 0.1111 (3 problems)" in out
     assert f"ChatCORE {result['chatcore']:.4f} over mmlu, arc-challenge, gsm8k (nanochat's also has HumanEval)" in out
+
+
+def test_a_tasks_rows_and_rewards_are_checked_as_the_protocol_says(user_file):
+    class Prompts:  # RL's prompts alone, without the reference reply the protocol asks for last
+        def examples(self, split):
+            return [{"messages": [{"role": "user", "content": "Double 3?"}], "answer": "6"}]
+
+        def check(self, reply, answer):
+            return None if not reply else reply == answer  # None where nothing was found: wrong, not a crash
+
+    with pytest.raises(ValueError, match=r"^--task x: examples\('train'\) row 0: .*expected assistant"):
+        tasks.UserTask(Prompts(), "x").examples("train")
+    with pytest.raises(ValueError, match=r"^--task x: examples\('test'\) gave no rows$"):
+        tasks.UserTask(type("Empty", (Prompts,), {"examples": lambda self, split: []})(), "x").examples("test")
+    assert tasks.task_reward(Prompts(), "x")([], "", "6") == 0.0
+    assert tasks.checked(lambda *_: np.float64(3.0) > 2, "np")([], "", "") == 1.0  # numpy's bool, as Python's
+    with pytest.raises(ValueError, match=f"^--reward {user_file}: expected FILE.py:NAME or module:NAME$"):
+        tasks.load_rewards(str(user_file))
