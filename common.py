@@ -350,6 +350,15 @@ def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> tu
     return rank, local_rank, world, torch.device("cuda", local_rank) if use_cuda else dev
 
 
+def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+    """t summed over the ranks, in place (as it is on one)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+    return t
+
+
 def shared_problem(problem: str | None, world: int) -> str | None:
     """This rank's reason to stop, else the first other rank's (named by its rank), else None: the same verdict on
     every rank, so all stop together and each says why. Collective when world > 1: every rank must call it."""

@@ -27,13 +27,12 @@ from typing import Annotated, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import stage
 from chat_format import CHAT_VOCAB, RowStream, load_rows, render, row_errors, split_rows
-from common import EOT, LOCAL, run_and_exit
+from common import EOT, LOCAL, all_sum, run_and_exit
 from engine import Context, Eval, Run
 from fineweb import DataError
 from generate import evaluating
@@ -205,9 +204,7 @@ def evaluate_pairs(model: nn.Module, loader: PairLoader, batches: int, metrics_f
             keep = float(turn * world_size + loader.rank < batches)
             names, values = list(out), torch.stack([v.float() for v in out.values()]) * keep
             total = total + values
-    if world_size > 1:
-        dist.all_reduce(total)
-    return {name: value / batches for name, value in zip(names, total.tolist(), strict=True)}
+    return {name: value / batches for name, value in zip(names, all_sum(total, world_size).tolist(), strict=True)}
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -21,14 +21,13 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 import engine
 import stage
 import tasks
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, render_prompt, reply_text
-from common import LOCAL, get_tokenizer, load_checkpoint, provenance, run_and_exit
+from common import LOCAL, all_sum, get_tokenizer, load_checkpoint, provenance, run_and_exit
 from engine import Context, Run
 from generate import Rollout, calculator, evaluating, generate
 from model import GPT
@@ -155,7 +154,6 @@ LOSS_AGG = ("token", "sequence", "dr_grpo")
 class RLConfig(engine.RunArgs):
     """Online RL of a chat model (an sft.py checkpoint) on a task: GRPO, RLOO, REINFORCE or PPO, on the engine."""
 
-    # the demo's start is sft-demo stopped half-trained (--max-steps 1200)
     init_from: Annotated[str, LOCAL] = "out/sft-demo-1200/ckpt_001200.pt"  # the policy's start: a chat checkpoint
     task: str = "addition"  # the prompts, the checker and held-out evaluations: a built-in task or FILE.py:NAME
     reward: str = ""  # reward functions FILE.py:FN[,FILE.py:FN2] (fn(prompt, reply, answer) -> float), not the task's
@@ -259,15 +257,8 @@ class Reference:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict[str, str]) -> None:
-        if state["digest"] != self.digest:
-            raise ValueError(f"the run resumed was anchored (--beta) to the weights of --init-from "
-                             f"{state['init_from']}, not {self.init_from}'s: pass its --init-from, or start a new run")
-
-
-def all_sum(t: Tensor, world: int) -> Tensor:
-    if world > 1:
-        dist.all_reduce(t)
-    return t
+        check_flags([(state["digest"] == self.digest, f"the run resumed was anchored (--beta) to the weights of --init-"
+                      f"from {state['init_from']}, not {self.init_from}'s: pass its --init-from, or start a new run")])
 
 
 def rollouts(model: GPT, problems: list[dict], samples: int, seed: int, cfg: RLConfig, rank: int,

@@ -28,6 +28,7 @@ import tasks
 from chat_format import render_prompt
 from common import (
     LOCAL,
+    all_sum,
     checkpoints,
     describe_provenance,
     first_on_each_node,
@@ -228,10 +229,8 @@ def lm_step(cfg: StageArgs, built: Trainable, next_batch: Callable[[], tuple], g
         lr = set_lr(built.optimizer, step, cfg)
         loss, norm = train_step(built.model, built.optimizer, next_batch, grad_accum, built.autocast, cfg.grad_clip,
                                 label_smoothing, built.scaler, guard.for_step(), objective)
-        if ctx.world > 1:
-            dist.all_reduce(loss)
-            loss /= ctx.world
-        loss_value, norm_value = loss.item(), norm.item()  # waits for the GPU, so the step's time is real
+        # waits for the GPU, so the step's time is real
+        loss_value, norm_value = (all_sum(loss, ctx.world) / ctx.world).item(), norm.item()
         guard.observe(loss_value, norm_value)
         return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens": tokens,
                 **(objective.summary() if objective else {}), **({"skipped": guard.skipped} if guard.skipped else {})}

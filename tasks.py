@@ -52,10 +52,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, check_messages, load_rows, render_prompt, reply_text, row_errors
-from common import get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
+from common import all_sum, get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
 from fineweb import DataError
 from generate import calculator, evaluating, generate
 from model import GPT
@@ -220,9 +219,7 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
 
 
 def summed(right: int, n: int, device: torch.device, world: int) -> dict:
-    counts = torch.tensor([right, n], dtype=torch.float64, device=device)
-    if world > 1:
-        dist.all_reduce(counts)
+    counts = all_sum(torch.tensor([right, n], dtype=torch.float64, device=device), world)
     return {"acc": counts[0].item() / max(1, counts[1].item()), "n": int(counts[1].item())}
 
 
