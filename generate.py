@@ -241,7 +241,7 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
                     vocab: int = GPT2_VOCAB, calculator: Calculator | None = None,
                     generator: torch.Generator | None = None) -> Iterator[Step]:
     """Decode all prompts at once; yield a Step per token position until every row has met a stop id or made
-    max_new_tokens tokens (forced ones count), or the context (block_size) is full. Ids >= vocab are never sampled."""
+    max_new_tokens tokens (forced ones count), or filled its context (block_size). Ids >= vocab are never sampled."""
     check_sampling(temperature, top_k, top_p)
     bs = model.config.block_size
     check_flags([(bool(prompts) and 0 < min(map(len, prompts)) and max(map(len, prompts)) <= bs,
@@ -261,8 +261,9 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
             chosen = [rows[r].next(t, calculator) for r, t in zip(alive, sampled[:, 0].tolist(), strict=True)]
             tokens, mask = [t for t, _ in chosen], [m for _, m in chosen]
             yield Step(alive, tokens, mask, [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)])
-            keep = [i for i, t in enumerate(tokens) if t not in stop_ids]
-            if not keep or step + 1 == max_new_tokens or cache.pos == bs:
+            # a row whose context (block_size) is full leaves: its own, whatever the other rows' lengths
+            keep = [i for i, t in enumerate(tokens) if t not in stop_ids and len(prompts[alive[i]]) + step < bs]
+            if not keep or step + 1 == max_new_tokens:
                 return
             if len(keep) < len(alive):
                 cache.keep(torch.tensor(keep, device=device))

@@ -72,10 +72,13 @@ def test_greedy_rows_equal_each_prompt_alone_and_stop_at_a_stop_id(model):
     assert [len(s.rows) for s in steps] == [sum(len(c) > i for c in cut) for i in range(16)]
 
 
-def test_rows_end_when_the_context_is_full(model):
-    prompts = [list(range(60)), [1, 2, 3]]  # padded to 60 of block_size 64: room for 5 new tokens each
-    out = generate(model, prompts, 10, temperature=0.0)
-    assert [r.tokens for r in out] == [alone(model, p, 5, temperature=0.0) for p in prompts]
+def test_each_row_ends_when_its_own_context_is_full(model):
+    # block_size 64: room for 5 new tokens after the first prompt, 62 after the second (not the first's 5: its pad
+    # columns are no part of its context), each as it gets alone
+    prompts = [list(range(60)), [1, 2, 3]]
+    out = generate(model, prompts, 70, temperature=0.0)
+    assert [len(r.tokens) for r in out] == [5, 62]
+    assert [r.tokens for r in out] == [alone(model, p, 65 - len(p), temperature=0.0) for p in prompts]
 
 
 def test_seeded_sampling_repeats_and_a_lone_row_samples_as_generate_does(model):
