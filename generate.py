@@ -37,6 +37,7 @@ from parallel import check_flags
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     check_flags([(temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {temperature}"),  # NaN fails too
+                 (temperature < float("inf"), f"temperature must be finite, got {temperature}"),
                  (top_k is None or top_k >= 1, f"top_k must be >= 1 or None, got {top_k}"),
                  (top_p is None or 0.0 < top_p <= 1.0, f"top_p must be in (0, 1] or None, got {top_p}")])
 
@@ -47,7 +48,9 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, t
     top_k and outside the top_p nucleus (HF's order), and at ids >= vocab (GPT-2's padded rows by default)."""
     logits = logits.float().clone()  # a copy: float() of fp32 logits is the caller's tensor, edited below
     logits[:, vocab:] = -float("inf")  # ids the caller does not sample (padding, or specials; none past the end)
-    logits = logits / temperature
+    # less the row's max, over at least fp32's smallest normal: a tiny temperature makes the others -inf, never two
+    # +inf or a 0 / 0 (a NaN softmax, whose draw is an id past the vocabulary)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -float("inf"))
