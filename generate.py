@@ -37,6 +37,7 @@ from parallel import check_flags
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     check_flags([(temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {temperature}"),  # NaN fails too
+                 (temperature < float("inf"), f"temperature must be finite, got {temperature}"),
                  (top_k is None or top_k >= 1, f"top_k must be >= 1 or None, got {top_k}"),
                  (top_p is None or 0.0 < top_p <= 1.0, f"top_p must be in (0, 1] or None, got {top_p}")])
 
@@ -47,7 +48,9 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, t
     top_k and outside the top_p nucleus (HF's order), and at ids >= vocab (GPT-2's padded rows by default)."""
     logits = logits.float().clone()  # a copy: float() of fp32 logits is the caller's tensor, edited below
     logits[:, vocab:] = -float("inf")  # ids the caller does not sample (padding, or specials; none past the end)
-    logits = logits / temperature
+    # less the row's max, over at least fp32's smallest normal: a tiny temperature makes the others -inf, never two
+    # +inf or a 0 / 0 (a NaN softmax, whose draw is an id past the vocabulary)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -float("inf"))
@@ -241,7 +244,7 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
                     vocab: int = GPT2_VOCAB, calculator: Calculator | None = None,
                     generator: torch.Generator | None = None) -> Iterator[Step]:
     """Decode all prompts at once; yield a Step per token position until every row has met a stop id or made
-    max_new_tokens tokens (forced ones count), or the context (block_size) is full. Ids >= vocab are never sampled."""
+    max_new_tokens tokens (forced ones count), or filled its context (block_size). Ids >= vocab are never sampled."""
     check_sampling(temperature, top_k, top_p)
     bs = model.config.block_size
     check_flags([(bool(prompts) and 0 < min(map(len, prompts)) and max(map(len, prompts)) <= bs,
@@ -261,8 +264,9 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
             chosen = [rows[r].next(t, calculator) for r, t in zip(alive, sampled[:, 0].tolist(), strict=True)]
             tokens, mask = [t for t, _ in chosen], [m for _, m in chosen]
             yield Step(alive, tokens, mask, [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)])
-            keep = [i for i, t in enumerate(tokens) if t not in stop_ids]
-            if not keep or step + 1 == max_new_tokens or cache.pos == bs:
+            # a row whose context (block_size) is full leaves: its own, whatever the other rows' lengths
+            keep = [i for i, t in enumerate(tokens) if t not in stop_ids and len(prompts[alive[i]]) + step < bs]
+            if not keep or step + 1 == max_new_tokens:
                 return
             if len(keep) < len(alive):
                 cache.keep(torch.tensor(keep, device=device))

@@ -149,14 +149,16 @@ def make_norm(config: GPTConfig) -> nn.LayerNorm | nn.RMSNorm:
 
 class KVCache:
     """Per-layer keys/values for decoding, `pos` of them cached, in the dtype of the first keys (autocast and FSDP2
-    mixed precision hide it). `pad` (B,) left-pads a ragged batch: row b's positions count from pad[b]."""
+    mixed precision hide it). `pad` (B,) left-pads a ragged batch: row b's positions count from pad[b], and it holds
+    block_size tokens of its own after them (`least`: the fewest pad columns of a row, which the longest row bounds)."""
 
     def __init__(self, config: GPTConfig, batch_size: int, pad: torch.Tensor | None = None):
-        self.shape = (batch_size, config.kv_heads, config.block_size, config.head_dim)
+        extra = 0 if pad is None else int(pad.max())
+        self.shape = (batch_size, config.kv_heads, config.block_size + extra, config.head_dim)
         self.k: list[torch.Tensor | None] = [None] * config.n_layer
         self.v: list[torch.Tensor | None] = [None] * config.n_layer
         self.pos = 0
-        self.pad = pad
+        self.pad, self.least = pad, 0 if pad is None else int(pad.min())
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k[layer] is None:
@@ -178,6 +180,7 @@ class KVCache:
         """Keep only these batch rows (finished generations leave the batch and stop costing compute)."""
         self.k, self.v = ([t[rows] for t in ts] for ts in (self.k, self.v))  # filled: called after the prefill
         self.pad = None if self.pad is None else self.pad[rows]
+        self.least = 0 if self.pad is None else int(self.pad.min())
 
 
 def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,8 +334,9 @@ class GPT(nn.Module):
         per_token=True returns (None, each target's fp32 loss (B, T), 0 where it is -1): validation's loss and bpb."""
         B, T = idx.size()
         start, pad = (cache.pos, cache.pad) if cache is not None else (0, None)
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of length {start + T} exceeds block_size {self.config.block_size}")
+        length = start + T - (cache.least if cache is not None else 0)  # the longest row's, its pad left out
+        if length > self.config.block_size:
+            raise ValueError(f"sequence of length {length} exceeds block_size {self.config.block_size}")
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         pos = torch.arange(start, start + T, device=idx.device)

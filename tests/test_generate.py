@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from common import GPT2_VOCAB, get_tokenizer
-from generate import Calculator, calculate, generate, generate_stream, sample
+from generate import Calculator, calculate, check_sampling, generate, generate_stream, next_token, sample
 from model import GPT, GPTConfig, KVCache
 
 # the chat format's special ids (chat_format.py): GPT-2's unused padded-vocabulary rows
@@ -72,10 +72,13 @@ def test_greedy_rows_equal_each_prompt_alone_and_stop_at_a_stop_id(model):
     assert [len(s.rows) for s in steps] == [sum(len(c) > i for c in cut) for i in range(16)]
 
 
-def test_rows_end_when_the_context_is_full(model):
-    prompts = [list(range(60)), [1, 2, 3]]  # padded to 60 of block_size 64: room for 5 new tokens each
-    out = generate(model, prompts, 10, temperature=0.0)
-    assert [r.tokens for r in out] == [alone(model, p, 5, temperature=0.0) for p in prompts]
+def test_each_row_ends_when_its_own_context_is_full(model):
+    # block_size 64: room for 5 new tokens after the first prompt, 62 after the second (not the first's 5: its pad
+    # columns are no part of its context), each as it gets alone
+    prompts = [list(range(60)), [1, 2, 3]]
+    out = generate(model, prompts, 70, temperature=0.0)
+    assert [len(r.tokens) for r in out] == [5, 62]
+    assert [r.tokens for r in out] == [alone(model, p, 65 - len(p), temperature=0.0) for p in prompts]
 
 
 def test_seeded_sampling_repeats_and_a_lone_row_samples_as_generate_does(model):
@@ -96,6 +99,15 @@ def test_logprobs_are_the_models_log_likelihood_of_the_sampled_tokens(model):
         expected = logp.gather(1, torch.tensor(r.tokens)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(r.logprobs), expected, atol=1e-4, rtol=1e-4)
         assert r.mask == [1] * 12
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-39, 5e-324])
+def test_a_tiny_temperature_samples_the_argmax_and_an_infinite_one_is_refused(temperature):
+    logits = torch.tensor([[3.0, 9.0, 9.5, -1.0, 20.0]])  # id 4 is past vocab=4
+    token, _ = next_token(logits, temperature, None, None, torch.Generator().manual_seed(0), vocab=4)
+    assert token.tolist() == [[2]]  # before: logits / temperature overflowed to inf, the softmax to NaN, the id to 5
+    with pytest.raises(ValueError, match="^temperature must be finite, got inf$"):
+        check_sampling(float("inf"), None, None)  # sample(), generate(), sample.py and chat.py check it first
 
 
 def test_bad_calls_fail_with_one_line(model):
