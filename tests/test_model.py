@@ -882,8 +882,9 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p(top_p):
                                                        (0.5, None, 0.9), (2.0, 1000, 0.8), (1.5, 3, 0.999)])
 def test_filter_logits_equals_hfs_warpers(temperature, top_k, top_p):
     # HF's TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper in that order, on the real ids: the kept set
-    # and the scaled values (up to each row's shift). A top-k that keeps k - 1 or only the best, a temperature that multiplies, or a nucleus
-    # taken before the temperature all still sample inside the plain top-k / nucleus that the other tests check.
+    # and the scaled values (up to each row's shift). A top-k that keeps k - 1 or only the best, a temperature that
+    # multiplies, or a nucleus taken before the temperature all still sample inside the plain top-k / nucleus that
+    # the other tests check.
     warpers = pytest.importorskip("transformers").generation.logits_process
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 50304, generator=gen) * 3
