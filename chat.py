@@ -47,6 +47,8 @@ class ChatConfig:
         check_sampling(self.temperature, self.top_k, None)  # before a model loads
         check_flags([(self.prompt is None or bool(self.prompt.strip()),
                       "--prompt is empty: pass a message, or leave --prompt out to chat interactively"),
+                     (self.system is None or bool(self.system.strip()), "--system is empty: pass a message, or leave "
+                      "--system out"),  # the first reply would fail on an empty system message
                      (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")])
 
 
@@ -78,7 +80,8 @@ class Chat:
             messages = messages[:first] + messages[first + 2:]
             ids, dropped = render_prompt(messages), dropped + 1
         if len(ids) >= bs:
-            raise ValueError(f"the message takes {len(ids)} tokens, the model's context only {bs}; say less")
+            raise ValueError(f"the message takes {len(ids)} tokens{' with --system' * first}, the model's context "
+                             f"only {bs}; say less")
         if dropped:
             print(f"(the conversation outgrew the model's context of {bs} tokens: its oldest {dropped} turn(s) "
                   "dropped)", file=sys.stderr)

@@ -108,6 +108,9 @@ def test_the_oldest_turns_are_cropped_to_the_context(sft, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         run(["--ckpt", str(sft), "--prompt", "one two three " * 20, *GREEDY], "", monkeypatch)
     assert str(e.value) == "error: the message takes 65 tokens, the model's context only 64; say less"
+    with pytest.raises(SystemExit) as e:  # a long --system is counted: the line says so
+        run(["--ckpt", str(sft), "--system", "one two three " * 20, "--prompt", "hi", *GREEDY], "", monkeypatch)
+    assert str(e.value) == "error: the message takes 68 tokens with --system, the model's context only 64; say less"
 
 
 def test_a_base_model_is_warned_about_and_an_hf_gpt2_padded(sft, hf_dir, tmp_path, capsys, monkeypatch):

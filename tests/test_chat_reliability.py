@@ -235,6 +235,8 @@ def test_tasks_py_offline_is_one_line_and_writes_nothing(tmp_path):
 def test_an_empty_prompt_and_dpo_without_a_start_are_refused(capsys):
     assert one_line_error(capsys, chat.main, ["--init-from", "gpt2", "--prompt", " "]) == \
         "error: --prompt is empty: pass a message, or leave --prompt out to chat interactively"
+    assert one_line_error(capsys, chat.main, ["--init-from", "gpt2", "--system", "  ", "--prompt", "hi"]) == \
+        "error: --system is empty: pass a message, or leave --system out"  # it failed at the first reply
     assert one_line_error(capsys, prefs.main, [*TINY, "--objective=dpo"]) == \
         ("error: --objective dpo moves a model away from its starting weights, its reference: pass --init-from a "
          "fine-tuned model (a random one prefers nothing)")
