@@ -39,7 +39,6 @@ import functools
 import importlib
 import importlib.util
 import json
-import math
 import numbers
 import random
 import re
@@ -352,7 +351,8 @@ def checked(fn: Callable[..., Any], name: str) -> Reward:
 
     def reward(prompt: list[dict], reply: str, answer: str) -> float:
         value = call(prompt, reply, answer)
-        if not isinstance(value, numbers.Real | np.bool_) or not math.isfinite(value):
+        # NaN fails the bound too; rewards are float32 tensors in rl.py: 1e39 would be inf there
+        if not isinstance(value, numbers.Real | np.bool_) or not abs(value) <= torch.finfo(torch.float32).max:
             raise ValueError(f"{name} returned {value!r:.60}, not a finite number")
         return float(value)
 

@@ -385,5 +385,7 @@ def test_a_tasks_rows_and_rewards_are_checked_as_the_protocol_says(user_file):
         tasks.UserTask(type("Empty", (Prompts,), {"examples": lambda self, split: []})(), "x").examples("test")
     assert tasks.task_reward(Prompts(), "x")([], "", "6") == 0.0
     assert tasks.checked(lambda *_: np.float64(3.0) > 2, "np")([], "", "") == 1.0  # numpy's bool, as Python's
+    with pytest.raises(ValueError, match=r"^big returned 1e\+39, not a finite number$"):  # inf as rl.py's float32
+        tasks.checked(lambda *_: 1e39, "big")([], "", "")
     with pytest.raises(ValueError, match=f"^--reward {user_file}: expected FILE.py:NAME or module:NAME$"):
         tasks.load_rewards(str(user_file))
