@@ -460,7 +460,10 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     if found:
         stage.check_resume(found, cfg)
     raw = GPT.from_checkpoint(cfg.init_from, value_head=critic, dropout=0.0)
-    train_problems = task.examples("train")
+    train_problems, bs = task.examples("train"), raw.config.block_size
+    longest = max(len(render_prompt(p["messages"][:-1])) for p in train_problems + task.examples("test"))
+    check_flags([(longest < bs, f"--task {cfg.task}: a prompt takes {longest} tokens, the policy's whole context {bs}: "
+                  "no room for a reply (a 1-token one at most)")])
     rm = load_reward_model(cfg, train_problems) if cfg.reward_model else None
     engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw),
                               "reward_model": rm and engine.weights_digest(rm)}, ctx.rank, ctx.world,

@@ -266,3 +266,13 @@ def test_a_resume_from_other_starting_weights_is_refused_where_they_are_the_kl_a
     assert one_line_error(capsys, rl.main, resumed) == (
         f"error: the run resumed was anchored (--beta) to the weights of --init-from {models[0]}, not {other}'s: pass "
         "its --init-from, or start a new run")
+
+
+def test_prompts_that_fill_the_policys_context_are_refused_at_setup(models, tmp_path, capsys):
+    # addition's prompts take 12 tokens: a 12-token policy had room for 1-token replies, silently, a shorter one
+    # stopped at step 0 in generate() with a line naming no task
+    short = save_model(tmp_path / "short.pt", 0, block_size=12)
+    argv = flags(models, tmp_path / "run", "--eval-every=0")
+    argv[argv.index(str(models[0]))] = str(short)
+    assert one_line_error(capsys, rl.main, argv) == ("error: --task addition: a prompt takes 12 tokens, the policy's "
+                                                     "whole context 12: no room for a reply (a 1-token one at most)")
