@@ -326,19 +326,26 @@ class RowStream:
         return k
 
     def state_dict(self) -> dict[str, Any]:
-        """The position and what it is relative to ("shards"/"shard_tokens": the keys the ranks' data check reads)."""
+        """The position and what it is relative to ("shards"/"shard_tokens": the keys the ranks' data check reads; the
+        data's name without its directory, as fineweb's shards: the file elsewhere, or spelled otherwise, resumes)."""
         return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
-                "shuffle": self.shuffle, "shards": [self.name], "shard_tokens": [self.tokens], "items": self.count,
-                "step": self.step}
+                "shuffle": self.shuffle, "shards": [Path(self.name).name], "shard_tokens": [self.tokens],
+                "items": self.count, "step": self.step}
 
-    def resume_note(self, saved: dict[str, Any]) -> None:
-        """Nothing to say: another B or world size goes on at the next item (load_state_dict)."""
+    def resume_note(self, saved: dict[str, Any]) -> str | None:
+        """Where the data goes on when another B or world size cut the stream into other windows (load_state_dict)."""
+        served, skipped = saved["step"] * saved["world_size"] * saved["B"], self.resume_skipped
+        if skipped:
+            return (f"the checkpoint read {saved['world_size']} x {saved['B']} items a micro-step, this run "
+                    f"{self.world_size} x {self.B}: the data goes on at the next such window, skipping {skipped} "
+                    f"unserved of epoch {served // self.count}'s {self.count:,} items; none served twice")
         return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` of a loader over the same data, T and seed; another B or world size goes on at the
         first window after the items already served."""
         mine = self.state_dict()
+        state = {**state, "shards": [Path(name).name for name in state.get("shards", [])]}  # older: whole paths
         for key in ("split", "T", "seed", "shuffle", "shards", "shard_tokens", "items"):
             if state.get(key) != mine[key]:
                 raise DataError(f"cannot resume the {self.split} loader of {self.name}: {key}={state.get(key)!r} in "
@@ -346,6 +353,7 @@ class RowStream:
                                 "--seed")
         served = state["step"] * state["world_size"] * state["B"]
         self.step = -(-served // (self.world_size * self.B))
+        self.resume_skipped = self.step * self.world_size * self.B - served  # items no rank will see this epoch
 
 
 class ConversationLoader(RowStream):
@@ -355,9 +363,10 @@ class ConversationLoader(RowStream):
     def __init__(self, source: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  device: str | torch.device = "cpu"):
         convs, truncated, dropped = render_rows(str(source), read_conversations(str(source), split), T + 1)
-        if not convs:  # each was cut before its first assistant token
-            raise DataError(f"{source} {split}: none of its {dropped:,} conversations has an assistant token within "
-                            f"T+1 = {T + 1} tokens; raise --seq-len")
+        if not convs:  # none in the split (a one-row file's train), or each was cut before its first assistant token
+            raise DataError(f"{source} {split}: " + (f"none of its {dropped:,} conversations has an assistant token "
+                            f"within T+1 = {T + 1} tokens; raise --seq-len" if dropped else "no conversations (a "
+                            f"single file's every {VAL_EVERY}th row, from row 0, is val); add conversations"))
         lengths = [len(ids) for ids, _ in convs]
         rows = pack(lengths, T + 1)
         self.ids = np.full((len(rows), T + 1), BOS, dtype=np.uint16)  # padding: BOS, with targets -1

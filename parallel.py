@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from common import LOCAL, import_torchao, tensor_bytes, torchao_missing
+from common import LOCAL, all_sum, import_torchao, tensor_bytes, torchao_missing
 from parallelize import flag_checks, fully_shard_model, shard
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
@@ -129,18 +129,21 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
 
 class Objective:
     """train_step's objective(model, batch) -> loss, from metrics_fn(model, batch) -> {"loss", ...}; `last` keeps the
-    last micro-batch's metrics, detached, and summary() the ones named in `summarised` as floats for the log record."""
+    last micro-batch's metrics, detached, and summary(world) the ones named in `summarised` as floats for the log
+    record: their mean over the step's micro-batches on every rank, as the step's loss is."""
 
     def __init__(self, metrics_fn: Callable[[nn.Module, Any], dict[str, torch.Tensor]], summarised: tuple = ()):
-        self.metrics_fn, self.summarised, self.last = metrics_fn, summarised, {}
+        self.metrics_fn, self.summarised, self.last, self.seen = metrics_fn, summarised, {}, []
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         out = self.metrics_fn(model, batch)
         self.last = {k: v.detach() for k, v in out.items()}
+        self.seen += [torch.stack([self.last[k].float() for k in self.summarised])] if self.summarised else []
         return out["loss"]
 
-    def summary(self) -> dict[str, float]:
-        return {k: self.last[k].item() for k in self.summarised}
+    def summary(self, world: int = 1) -> dict[str, float]:
+        mean, self.seen = all_sum(torch.stack(self.seen).mean(0), world) / world, []
+        return dict(zip(self.summarised, mean.tolist(), strict=True))
 
 
 def sync_gradients(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:

@@ -233,7 +233,8 @@ def lm_step(cfg: StageArgs, built: Trainable, next_batch: Callable[[], tuple], g
         loss_value, norm_value = (all_sum(loss, ctx.world) / ctx.world).item(), norm.item()
         guard.observe(loss_value, norm_value)
         return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens": tokens,
-                **(objective.summary() if objective else {}), **({"skipped": guard.skipped} if guard.skipped else {})}
+                **(objective.summary(ctx.world) if objective else {}),
+                **({"skipped": guard.skipped} if guard.skipped else {})}
 
     return step_fn
 

@@ -160,6 +160,32 @@ def test_resume_is_bitwise_across_epochs(tmp_path):
         other.load_state_dict(state)
 
 
+def test_resume_takes_the_same_file_elsewhere_and_notes_rows_skipped_for_another_batch_size(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(60)])
+    a = cf.ConversationLoader(path, "train", 3, 31, seed=5)
+    for _ in range(4):  # 12 of 25 rows served
+        a.next_batch()
+    state, want = a.state_dict(), a.next_batch()
+    (tmp_path / "moved").mkdir()
+    moved = write_jsonl(tmp_path / "moved" / "c.jsonl", [chat(i) for i in range(60)])
+    for state_of in (state, dict(state, shards=[path])):  # a checkpoint that kept the whole path resumes too
+        b = cf.ConversationLoader(f"{tmp_path}/moved/../moved/c.jsonl", "train", 3, 31, seed=5)
+        b.load_state_dict(state_of)
+        assert torch.equal(b.next_batch()[0], want[0]) and b.resume_note(state_of) is None
+    c = cf.ConversationLoader(moved, "train", 5, 31, seed=5)
+    c.load_state_dict(state)  # 12 served: goes on at 15, the first 5-row window after them
+    assert c.step == 3 and c.resume_note(state) == (
+        "the checkpoint read 1 x 3 items a micro-step, this run 1 x 5: the data goes on at the next such window, "
+        "skipping 3 unserved of epoch 0's 25 items; none served twice")
+
+
+def test_a_file_of_one_row_has_no_train_conversations(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [chat(0)])
+    with pytest.raises(DataError, match=r"c.jsonl train: no conversations \(a single file's every 20th row, from row "
+                       r"0, is val\); add conversations$"):
+        cf.ConversationLoader(path, "train", 1, 31)
+
+
 def test_two_ranks_see_one_ranks_two_micro_batches(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(60)])
     one = cf.ConversationLoader(path, "train", 2, 31, seed=1)

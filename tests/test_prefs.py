@@ -233,6 +233,18 @@ def train_pairs(raw: GPT, objective: Objective, batch: tuple, steps: int) -> lis
     return out
 
 
+def test_the_logged_accuracy_and_margin_are_the_steps_not_its_last_micro_batchs():
+    metrics = iter([{"loss": torch.tensor(1.0), "accuracy": torch.tensor(a), "margin": torch.tensor(m)}
+                    for a, m in ((1.0, 0.5), (0.5, -0.25), (0.0, 1.0), (0.25, 0.0))])
+    objective = Objective(lambda model, batch: next(metrics), summarised=("accuracy", "margin"))
+    for _ in range(2):  # two micro-batches a step: the logged numbers cover both, as the loss does
+        objective(None, None)
+    assert objective.summary() == {"accuracy": 0.75, "margin": 0.125}
+    for _ in range(2):
+        objective(None, None)
+    assert objective.summary() == {"accuracy": 0.125, "margin": 0.5} and objective.last["margin"].item() == 0.0
+
+
 def test_reward_model_starts_at_ln2_and_learns_one_batch():
     loader = PairLoader(text_rows(4), "train", 4, 40)
     batch = loader.next_batch()
