@@ -262,6 +262,9 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     found = checkpointer.find()
     raw, record, source, checkpointer.chat = start_model(cfg, found)
     check_record(record, cfg, source, resumed=found is not None)
+    if cfg.seq_len > raw.config.block_size:  # before anything is written: the first evaluation would fail
+        raise ValueError(f"--seq-len {cfg.seq_len} is longer than {source}'s context of {raw.config.block_size} "
+                         f"tokens; pass --seq-len {raw.config.block_size} or less (0: the model's)")
     cfg = dataclasses.replace(cfg, seq_len=cfg.seq_len or raw.config.block_size)
     B, T = cfg.batch_size, cfg.seq_len
     train_loader, val_loader = (TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)

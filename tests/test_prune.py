@@ -241,6 +241,10 @@ def test_refusals_are_one_line(start, token_data, tmp_path, capsys):
     assert refusal("--init-from", str(tmp_path / "mag"), "--data", str(token_data), "--out-dir", str(tmp_path / "e")) \
         == f"error: --init-from {tmp_path / 'mag'} is a run directory; pass one of its checkpoints, e.g. --init-from " \
         f"{pruned} (the latest)"
+    assert refusal("--init-from", str(start), "--data", str(token_data), "--out-dir", str(tmp_path / "g"),
+                   "--seq-len=64") == (f"error: --seq-len 64 is longer than --init-from {start}'s context of 32 "
+                                       "tokens; pass --seq-len 32 or less (0: the model's)")
+    assert not list((tmp_path / "g").glob("ckpt_*"))  # it failed at the first evaluation, ckpt_000000.pt written
     reward = tmp_path / "rm.pt"  # its pruned checkpoint was exported, and refused by rl.py, as a language model
     torch.save({**torch.load(start), "train_config": {"objective": "reward"}}, reward)
     assert refusal("--init-from", str(reward), "--data", str(token_data), "--out-dir", str(tmp_path / "f")).startswith(
