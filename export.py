@@ -40,7 +40,8 @@ def hf_class(cfg: GPTConfig) -> str:
                                         (cfg.norm == "rmsnorm", "RMSNorm"),
                                         (cfg.kv_heads != cfg.n_head, "grouped-query attention"),
                                         (not cfg.bias, "bias-free layers"),
-                                        (cfg.n_embd % cfg.head_dim, "head width that does not divide n_embd")) if on]
+                                        (cfg.n_embd % cfg.head_dim or cfg.n_head * cfg.head_dim > cfg.n_embd,
+                                         "heads wider than n_embd / n_head or not dividing n_embd")) if on]
     llama_lacks = [what for on, what in ((cfg.mlp == "gelu", "GELU MLP"), (cfg.pos == "learned", "learned positions"),
                                          (cfg.norm == "layernorm", "LayerNorm")) if on]
     for name, lacks in (("GPT2LMHeadModel", gpt2_lacks), ("LlamaForCausalLM", llama_lacks)):

@@ -548,7 +548,8 @@ def check_weights(model: GPT, weights: dict[str, Any], source: str) -> None:
 def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:
     """Refuse an HF config whose model this GPT cannot reproduce exactly, instead of loading wrong logits."""
     if hf.get("model_type") != "gpt2":
-        raise ValueError(f"{path} is not a GPT-2 checkpoint (model_type={hf.get('model_type')!r})")
+        raise ValueError(f"{path} is not a GPT-2 checkpoint (model_type={hf.get('model_type')!r}), the only HF kind "
+                         "read here; for a LLaMA model export.py wrote, use the checkpoint it was exported from")
     # HF's defaults for each key, and the value this model computes with
     expected = {"activation_function": ("gelu_new", {"gelu_new", "gelu_pytorch_tanh"}),  # both are tanh GELU
                 "layer_norm_epsilon": (1e-5, {1e-5}), "tie_word_embeddings": (True, {True}),

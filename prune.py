@@ -26,6 +26,7 @@ from torch import Tensor
 
 import engine
 import stage
+from chat_format import is_chat
 from common import LOCAL, load_checkpoint, provenance, run_and_exit, token_bytes
 from engine import Context, Run
 from fineweb import TokenLoader
@@ -237,18 +238,21 @@ def check_record(record: dict | None, cfg: PruneConfig, source: str, resumed: bo
 # Recovery on the engine (its step is pretraining's, stage.lm_step): setup
 
 
-def start_model(cfg: PruneConfig, found: tuple[Path, dict] | None) -> tuple[GPT, dict | None, str]:
-    """The model, its pruning record (None: unpruned) and where it came from: the resumed checkpoint's shape (checked
-    against the run's flags), or --init-from's weights."""
+def start_model(cfg: PruneConfig, found: tuple[Path, dict] | None) -> tuple[GPT, dict | None, str, bool]:
+    """The model, its pruning record (None: unpruned), its source and whether it speaks chat (export.py then keeps the
+    chat tokens): the resumed checkpoint's shape (checked against the run's flags), or --init-from's weights."""
     if found:
         stage.check_resume(found, cfg)
         source = f"--resume {found[0]}"
-        return GPT(checkpoint_config(found[1], source)), found[1].get("pruning"), source
+        return GPT(checkpoint_config(found[1], source)), found[1].get("pruning"), source, is_chat(found[1])
     source = f"--init-from {cfg.init_from}"
-    if not Path(cfg.init_from).is_file():
-        return GPT.load(None, cfg.init_from), None, source
-    ckpt = load_checkpoint(cfg.init_from, mmap=True)
-    return GPT.from_checkpoint(ckpt), ckpt.get("pruning"), source
+    if not (path := stage.check_not_run_dir(cfg.init_from)).is_file():
+        return GPT.load(None, cfg.init_from), None, source, False
+    ckpt = load_checkpoint(path, mmap=True)
+    if ckpt.get("train_config", {}).get("objective") == "reward":  # rl.py and export.py would read it as a policy
+        raise ValueError(f"{source} is a reward model: recovery trains a language model's loss, not its score, and "
+                         "its checkpoint would be read as a language model (by rl.py, export.py); prune a policy")
+    return GPT.from_checkpoint(ckpt), ckpt.get("pruning"), source, is_chat(ckpt)
 
 
 def setup(cfg: PruneConfig, ctx: Context) -> Run:
@@ -256,8 +260,11 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     rank, world, device = ctx.rank, ctx.world, ctx.device
     checkpointer = engine.Checkpointer(cfg, rank, world, provenance(device, world))
     found = checkpointer.find()
-    raw, record, source = start_model(cfg, found)
+    raw, record, source, checkpointer.chat = start_model(cfg, found)
     check_record(record, cfg, source, resumed=found is not None)
+    if cfg.seq_len > raw.config.block_size:  # before anything is written: the first evaluation would fail
+        raise ValueError(f"--seq-len {cfg.seq_len} is longer than {source}'s context of {raw.config.block_size} "
+                         f"tokens; pass --seq-len {raw.config.block_size} or less (0: the model's)")
     cfg = dataclasses.replace(cfg, seq_len=cfg.seq_len or raw.config.block_size)
     B, T = cfg.batch_size, cfg.seq_len
     train_loader, val_loader = (TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)

@@ -151,13 +151,19 @@ def check_architecture(cfg: StageArgs, src: GPTConfig, source: str) -> None:
                          "flags, or use a preset that does not set them")
 
 
+def check_not_run_dir(init_from: str) -> Path:
+    """--init-from as a path, or a one-line refusal of a run directory (GPT.load's hint would name --ckpt)."""
+    path = Path(init_from).expanduser()
+    if path.is_dir() and not (path / "config.json").exists() and (found := checkpoints(path)):
+        raise ValueError(f"--init-from {init_from} is a run directory; pass one of its checkpoints, e.g. "
+                         f"--init-from {found[-1]} (the latest)")
+    return path
+
+
 def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
     """--init-from's weights as a GPT on the CPU, the position table cropped to --seq-len (as nanoGPT's crop), the
     embedding padded to at least `vocab` rows (the chat tokens need more than HF GPT-2's 50,257)."""
-    path = Path(cfg.init_from).expanduser()
-    if path.is_dir() and not (path / "config.json").exists() and (found := checkpoints(path)):
-        raise ValueError(f"--init-from {cfg.init_from} is a run directory; pass one of its checkpoints, e.g. "
-                         f"--init-from {found[-1]} (the latest)")
+    path = check_not_run_dir(cfg.init_from)
     # a checkpoint's tensors are mapped, not read: its AdamW moments (twice the weights) never enter memory
     try:
         source = GPT.from_checkpoint(load_checkpoint(path, mmap=True)) if path.is_file() else \

@@ -191,7 +191,8 @@ def test_export_hf_refuses_a_mix_of_gpt2_and_llama_in_one_line(tmp_path, kw, gpt
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("kw", [dict(mlp="swiglu"), dict(pos="rope"), dict(n_kv_head=2), dict(bias=False)])
+@pytest.mark.parametrize("kw", [dict(mlp="swiglu"), dict(pos="rope"), dict(n_kv_head=2), dict(bias=False),
+                                dict(head_size=16)])  # 4 heads of 16: wider than GPT-2's 32 / 4
 def test_export_hf_refuses_other_architectures(tmp_path, kw):
     # each of these would write a model HF loads with missing or misread weights, or computes differently
     with pytest.raises(ValueError, match="only the plain GPT-2"):

@@ -688,7 +688,8 @@ def test_from_pretrained_refuses_another_model_type(tmp_path):
     hf.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neo"}))
-    with pytest.raises(ValueError, match=r"is not a GPT-2 checkpoint \(model_type='gpt_neo'\)"):
+    with pytest.raises(ValueError, match=r"is not a GPT-2 checkpoint \(model_type='gpt_neo'\), the only HF kind read "
+                       "here; for a LLaMA model export.py wrote, use the checkpoint it was exported from$"):
         GPT.from_pretrained(str(tmp_path))
 
 

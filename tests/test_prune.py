@@ -2,6 +2,7 @@
 the one-line refusals, and a structured checkpoint read by sample.py, hellaswag.py, export.py and train.py."""
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ import hellaswag
 import prune
 import sample
 import train
+from chat_format import is_chat
 from common import get_tokenizer, load_checkpoint
 from conftest import one_line_error
 from model import GPT, GPTConfig
@@ -235,6 +237,28 @@ def test_refusals_are_one_line(start, token_data, tmp_path, capsys):
                                          "0.25 (more prunes it further, in a new run from it)")
     further = run(pruned, token_data, tmp_path / "d", "--sparsity=0.5")
     assert further["val"]["sparsity"] == 0.5
+    # GPT.load's hint for a run directory named --ckpt, which prune.py has not
+    assert refusal("--init-from", str(tmp_path / "mag"), "--data", str(token_data), "--out-dir", str(tmp_path / "e")) \
+        == f"error: --init-from {tmp_path / 'mag'} is a run directory; pass one of its checkpoints, e.g. --init-from " \
+        f"{pruned} (the latest)"
+    assert refusal("--init-from", str(start), "--data", str(token_data), "--out-dir", str(tmp_path / "g"),
+                   "--seq-len=64") == (f"error: --seq-len 64 is longer than --init-from {start}'s context of 32 "
+                                       "tokens; pass --seq-len 32 or less (0: the model's)")
+    assert not list((tmp_path / "g").glob("ckpt_*"))  # it failed at the first evaluation, ckpt_000000.pt written
+    reward = tmp_path / "rm.pt"  # its pruned checkpoint was exported, and refused by rl.py, as a language model
+    torch.save({**torch.load(start), "train_config": {"objective": "reward"}}, reward)
+    assert refusal("--init-from", str(reward), "--data", str(token_data), "--out-dir", str(tmp_path / "f")).startswith(
+        f"error: --init-from {reward} is a reward model: recovery trains a language model's loss")
+
+
+def test_a_pruned_chat_model_stays_one_and_exports_its_chat_tokens(start, token_data, tmp_path):
+    chat = tmp_path / "chat.pt"
+    torch.save({**torch.load(start), "chat": True}, chat)
+    run(chat, token_data, tmp_path / "p", "--max-steps=1")
+    run(chat, token_data, tmp_path / "p", "--max-steps=2", "--resume=auto")
+    assert [is_chat(load_checkpoint(tmp_path / "p" / f"ckpt_{s:06d}.pt")) for s in (0, 1, 2)] == [True] * 3
+    export.main(["--ckpt", str(tmp_path / "p" / "ckpt_000002.pt"), "--export-hf", str(tmp_path / "hf")])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 50304  # not cropped to 50,257
 
 
 def test_a_structured_checkpoint_is_read_by_sample_hellaswag_export_and_train(start, token_data, tmp_path, capsys):
