@@ -116,15 +116,18 @@ def token_bytes(vocab_size: int, device: torch.device | str = "cpu") -> torch.Te
 
 
 def _field_help(cls: type) -> dict[str, str]:
-    """The trailing `# comment` of each field line in the class source becomes its --help text."""
+    """The trailing `# comment` of each field line in the class source becomes its --help text; without one, the
+    `# comment` lines right above it."""
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         with contextlib.suppress(OSError, TypeError):  # no source: object, or a class typed into a REPL
+            above: list[str] = []
             for line in inspect.getsource(klass).splitlines():
                 head, sep, comment = line.partition("  # ")
                 name = head.strip().split(":")[0]
-                if sep and ":" in head and name.isidentifier():
-                    out[name] = comment.strip()
+                if ":" in head and name.isidentifier() and (sep or above):
+                    out[name] = comment.strip() if sep else re.sub(r"(?<=\w)- (?=\w)", "-", " ".join(above))
+                above = [*above, line.strip()[1:].strip()] if line.strip().startswith("#") else []
     return out
 
 

@@ -59,7 +59,7 @@ class RunArgs(StepArgs):
     max_time: Annotated[float, LOCAL] = 0.0  # wall-clock budget in minutes; checkpoint and stop when reached (0 = none)
     profile: bool = False  # profile a few steps after warmup; writes a Chrome/Perfetto trace to out_dir
     profile_steps: int = 3  # steps to profile
-    eval_every: int = 250  # evaluate every N steps (and at the last step); 0 = at the last step only
+    eval_every: int = 250  # evaluate every N steps (and at the last step); 0 = never (no val split is read)
     # the learning rate: --max-lr after a linear warmup, then the schedule (get_lr)
     warmup_steps: int = 715  # linear warmup steps
     lr_schedule: str = "cosine"  # after warmup: cosine or linear decay, constant, wsd (stable, then decay)

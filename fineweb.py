@@ -481,6 +481,10 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                 if cfg.text_field not in item:
                     raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are "
                                     f"{', '.join(item)}; pass one of them with --text-field")
+                if not isinstance(item[cfg.text_field], (str, type(None))):  # tiktoken's TypeError is no line
+                    raise DataError(f"--text-field {cfg.text_field!r} of row {r + 1} of {where} holds "
+                                    f"{item[cfg.text_field]!r:.40} (a {type(item[cfg.text_field]).__name__}), not a "
+                                    "string; pass the column of text")
                 if item[cfg.text_field] and g >= first:  # an empty text would be a lone EOT
                     yield item[cfg.text_field], (p, r, g, len(parts))
                 g += 1

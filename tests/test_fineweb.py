@@ -1438,6 +1438,9 @@ def test_empty_source_and_missing_text_field_write_nothing(tmp_path):
     write_jsonl(tmp_path / "docs.jsonl", make_docs(30), field="content")
     with pytest.raises(DataError, match="--text-field 'text' is not in --source .*; its columns are content, id"):
         write_dataset(cfg_for(tmp_path / "docs.jsonl", tmp_path / "out"))
+    with pytest.raises(DataError, match=r"--text-field 'id' of row 1 of --source .*docs.jsonl holds 0 \(a int\), "
+                                        "not a string; pass the column of text"):
+        write_dataset(cfg_for(tmp_path / "docs.jsonl", tmp_path / "out", text_field="id"))
     n = len(expected_tokens(make_docs(30)))
     with pytest.raises(DataError, match=rf"has only {n:,} tokens, all of them for the val shard \(--val-tokens "
                                         rf"1000000\); lower --val-tokens to leave some for training, e.g. "

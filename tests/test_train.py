@@ -25,9 +25,9 @@ import engine
 import parallel as par
 import stage
 import train
-from common import describe_provenance, iter_log, load_checkpoint, parse_config
+from common import _field_help, describe_provenance, iter_log, load_checkpoint, parse_config
 from conftest import ROOT, children, run_nodes, run_torchrun
-from fineweb import DataError, TokenLoader, read_shard, write_shard
+from fineweb import DataError, FinewebConfig, TokenLoader, read_shard, write_shard
 from model import GPT, GPTConfig
 
 
@@ -196,6 +196,9 @@ def test_cli_subprocess_one_line_error_and_help():
                         timeout=120)
     assert ok.returncode == 0
     assert "--total-batch-size" in ok.stdout and "tokens per optimizer step" in ok.stdout and "gpt2-124m" in ok.stdout
+    # a field explained by the comment lines above it (no trailing one) gets them as its help, not an empty line
+    assert re.search(r"\n--fused-ce +bool +default False +lm_head \+ loss fused: ", ok.stdout)
+    assert _field_help(FinewebConfig)["source"].startswith("hub dataset, shakespeare, stdlib, stdlib-docs, or a local")
 
 
 def test_print_config_prints_the_preset_with_the_flags_and_exits_without_touching_anything(tmp_path):
@@ -392,6 +395,9 @@ def test_no_compile_mode_note_when_the_mode_was_left_at_its_default(token_data, 
     train.main(tiny_args(token_data, tmp_path, "--max-steps=1", "--eval-every=0"))
     out = capsys.readouterr().out
     assert "| compile False |" in out and "--compile-mode" not in out
+    # --eval-every 0 reads no val split, so not even the last step is scored: its --help says so
+    assert "val loss" not in out and _field_help(train.TrainConfig)["eval_every"].endswith("0 = never (no val split "
+                                                                                       "is read)")
 
 
 def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
