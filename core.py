@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from chat_format import read_local
 from common import (
     EOT,
     GPT2_VOCAB,
@@ -117,12 +118,29 @@ def load_tasks(bundle: Path, max_per_task: int = 0) -> list[CoreTask]:
         if kind not in KINDS or label not in baselines:
             raise ValueError(f"{bundle}: task {label} has icl_task_type {kind!r} (this scores {', '.join(KINDS)}) or "
                              "no row in eval_meta_data.csv")
-        with open(bundle / "eval_data" / entry["dataset_uri"], encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f]
+        path, shots = bundle / "eval_data" / entry["dataset_uri"], entry["num_fewshot"][0]
+        rows = read_local(path)  # a line that is not JSON is one error naming the file and the line
+        if (bad := next(((i, why) for i, row in enumerate(rows) if (why := row_problem(row, kind))), None)):
+            raise ValueError(f"{path} row {bad[0]}: {bad[1]} (a {kind} row of task {label})")
         random.Random(1337).shuffle(rows)
-        tasks.append(CoreTask(label, kind, rows[:max_per_task or None], entry["num_fewshot"][0],
+        if len(rows[:max_per_task or None]) <= shots:  # each row's few-shot examples are drawn from the others
+            raise ValueError(f"task {label} is {shots}-shot, but has {len(rows[:max_per_task or None])} rows to score "
+                             f"({path}): it needs at least {shots + 1}; raise --max-per-task or add rows")
+        tasks.append(CoreTask(label, kind, rows[:max_per_task or None], shots,
                               entry.get("continuation_delimiter", " "), baselines[label]))
     return tasks
+
+
+def row_problem(row: dict, kind: str) -> str:
+    """'' for a row of this kind that can be scored, else what is wrong with it."""
+    keys = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
+            "language_modeling": ("context", "continuation")}[kind]
+    if missing := [k for k in keys if k not in row]:
+        return f"no {', '.join(map(repr, missing))}"
+    options = row.get("choices", row.get("context_options", []))
+    if "gold" in row and not (type(row["gold"]) is int and 0 <= row["gold"] < len(options)):  # "1" would never match
+        return f"'gold' is {row['gold']!r}, not an index into its {len(options)} options"
+    return ""
 
 
 # ----------------------------------------------------------------------------------------------------------------------
