@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bundle = first_on_each_node(lambda: fetch_bundle(cfg.bundle, cfg.cache_dir), local_rank, world)
             tasks = load_tasks(bundle, cfg.max_per_task)
             model = GPT.load(cfg.ckpt, cfg.init_from).to(device)
+            if cfg.json:  # its folder made now: a path that cannot be, fails before the evaluation, not after it
+                Path(cfg.json).parent.mkdir(parents=True, exist_ok=True)
         result = evaluate(model, tasks, rank, world, say=lambda line: print(line, flush=True))
         if rank == 0:
             print(f"core: CORE {result['core_metric']:.4f} over {len(tasks)} tasks of {bundle}")

@@ -127,7 +127,7 @@ def test_the_bundle_downloads_once_from_a_zip_url(bundle, ckpt, tmp_path):
         for path in bundle.rglob("*"):
             z.write(path, path.relative_to(bundle.parent))  # eval_bundle/... as nanochat's zip holds it
     url, cache = archive.as_uri(), tmp_path / "cache"
-    out = tmp_path / "core.json"
+    out = tmp_path / "new" / "core.json"  # its folder made (it was a traceback after the whole evaluation)
     result = core.main(["--ckpt", str(ckpt), "--bundle", url, "--cache-dir", str(cache), "--json", str(out)])
     assert flat(result) == pytest.approx(flat(EXPECTED), abs=1e-12) and json.loads(out.read_text()) == result
     (kept,) = cache.iterdir()  # unzipped once and kept, under a name of its URL
