@@ -113,12 +113,15 @@ def load_tasks(bundle: Path, max_per_task: int = 0) -> list[CoreTask]:
     with open(bundle / "eval_meta_data.csv", encoding="utf-8") as f:
         baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
     tasks = []
-    for entry in config["icl_tasks"]:
+    for n, entry in enumerate(config["icl_tasks"]):
+        if missing := [k for k in ("label", "dataset_uri", "num_fewshot", "icl_task_type") if k not in entry]:
+            raise ValueError(f"{bundle / 'core.yaml'}: icl_tasks item {n} has no {', '.join(missing)}")
         label, kind = entry["label"], entry["icl_task_type"]
         if kind not in KINDS or label not in baselines:
             raise ValueError(f"{bundle}: task {label} has icl_task_type {kind!r} (this scores {', '.join(KINDS)}) or "
                              "no row in eval_meta_data.csv")
-        path, shots = bundle / "eval_data" / entry["dataset_uri"], entry["num_fewshot"][0]
+        path, shots = bundle / "eval_data" / entry["dataset_uri"], entry["num_fewshot"]
+        shots = shots[0] if isinstance(shots, list) else shots  # DCLM's is a list ([10]); nanochat scores the first
         rows = read_local(path)  # a line that is not JSON is one error naming the file and the line
         if (bad := next(((i, why) for i, row in enumerate(rows) if (why := row_problem(row, kind))), None)):
             raise ValueError(f"{path} row {bad[0]}: {bad[1]} (a {kind} row of task {label})")

@@ -215,3 +215,10 @@ def test_a_bad_task_file_is_one_line_naming_it(bundle, tmp_path):
             core.load_tasks(root)
     with pytest.raises(ValueError, match=r"task schema is 1-shot, but has 1 rows .*: it needs at least 2"):
         core.load_tasks(bundle, max_per_task=1)  # no other row to draw its example from
+    shutil.copy(bundle / "eval_data" / "multiple_choice" / "mc.jsonl", mc)
+    yaml = root / "core.yaml"  # a bundle of one's own: num_fewshot a number, not DCLM's list (was a TypeError)
+    yaml.write_text(yaml.read_text().replace("num_fewshot: [1]", "num_fewshot: 1"))
+    assert [t.shots for t in core.load_tasks(root)] == [0, 1, 1]
+    yaml.write_text(yaml.read_text().replace("  dataset_uri: language_modeling/lm.jsonl\n", ""))
+    with pytest.raises(ValueError, match=r"core.yaml: icl_tasks item 2 has no dataset_uri$"):
+        core.load_tasks(root)
