@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from chat_format import read_local
 from common import (
     EOT,
     GPT2_VOCAB,
@@ -112,17 +113,37 @@ def load_tasks(bundle: Path, max_per_task: int = 0) -> list[CoreTask]:
     with open(bundle / "eval_meta_data.csv", encoding="utf-8") as f:
         baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
     tasks = []
-    for entry in config["icl_tasks"]:
+    for n, entry in enumerate(config["icl_tasks"]):
+        if missing := [k for k in ("label", "dataset_uri", "num_fewshot", "icl_task_type") if k not in entry]:
+            raise ValueError(f"{bundle / 'core.yaml'}: icl_tasks item {n} has no {', '.join(missing)}")
         label, kind = entry["label"], entry["icl_task_type"]
         if kind not in KINDS or label not in baselines:
             raise ValueError(f"{bundle}: task {label} has icl_task_type {kind!r} (this scores {', '.join(KINDS)}) or "
                              "no row in eval_meta_data.csv")
-        with open(bundle / "eval_data" / entry["dataset_uri"], encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f]
+        path, shots = bundle / "eval_data" / entry["dataset_uri"], entry["num_fewshot"]
+        shots = shots[0] if isinstance(shots, list) else shots  # DCLM's is a list ([10]); nanochat scores the first
+        rows = read_local(path)  # a line that is not JSON is one error naming the file and the line
+        if (bad := next(((i, why) for i, row in enumerate(rows) if (why := row_problem(row, kind))), None)):
+            raise ValueError(f"{path} row {bad[0]}: {bad[1]} (a {kind} row of task {label})")
         random.Random(1337).shuffle(rows)
-        tasks.append(CoreTask(label, kind, rows[:max_per_task or None], entry["num_fewshot"][0],
+        if len(rows[:max_per_task or None]) <= shots:  # each row's few-shot examples are drawn from the others
+            raise ValueError(f"task {label} is {shots}-shot, but has {len(rows[:max_per_task or None])} rows to score "
+                             f"({path}): it needs at least {shots + 1}; raise --max-per-task or add rows")
+        tasks.append(CoreTask(label, kind, rows[:max_per_task or None], shots,
                               entry.get("continuation_delimiter", " "), baselines[label]))
     return tasks
+
+
+def row_problem(row: dict, kind: str) -> str:
+    """'' for a row of this kind that can be scored, else what is wrong with it."""
+    keys = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
+            "language_modeling": ("context", "continuation")}[kind]
+    if missing := [k for k in keys if k not in row]:
+        return f"no {', '.join(map(repr, missing))}"
+    options = row.get("choices", row.get("context_options", []))
+    if "gold" in row and not (type(row["gold"]) is int and 0 <= row["gold"] < len(options)):  # "1" would never match
+        return f"'gold' is {row['gold']!r}, not an index into its {len(options)} options"
+    return ""
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -260,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bundle = first_on_each_node(lambda: fetch_bundle(cfg.bundle, cfg.cache_dir), local_rank, world)
             tasks = load_tasks(bundle, cfg.max_per_task)
             model = GPT.load(cfg.ckpt, cfg.init_from).to(device)
+            if cfg.json:  # its folder made now: a path that cannot be, fails before the evaluation, not after it
+                Path(cfg.json).parent.mkdir(parents=True, exist_ok=True)
         result = evaluate(model, tasks, rank, world, say=lambda line: print(line, flush=True))
         if rank == 0:
             print(f"core: CORE {result['core_metric']:.4f} over {len(tasks)} tasks of {bundle}")

@@ -14,6 +14,7 @@ Usage:
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import math
@@ -99,7 +100,8 @@ def prepare_example(ex: Any, where: str = "") -> dict:
 
 def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
     """Read and validate HellaSwag jsonl lines (the first `limit` examples if given), completed by prepare_example.
-    Blank lines are skipped, and so is a UTF-8 byte order mark at the start (editors on Windows write one)."""
+    Blank lines are skipped, and so is a UTF-8 byte order mark at the start (editors on Windows write one); a .gz
+    file is read gzipped."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"HellaSwag file {path} is a directory; pass the validation jsonl itself with --data "
@@ -108,7 +110,8 @@ def load_examples(path: str | Path, limit: int | None = None) -> list[dict]:
         raise FileNotFoundError(f"HellaSwag file {path} does not exist; pass the validation jsonl with --data PATH, "
                                 "or leave --data out to download it")
     examples: list[dict] = []
-    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark at the start is not JSON's
+    # -sig: a byte order mark at the start is not JSON's; .gz: gzipped, as the shared subset and DCLM's copies ship
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8-sig") as f:
         numbered = ((lineno, line) for lineno, line in enumerate(f, start=1) if line.strip())  # blank lines skipped
         for lineno, line in itertools.islice(numbered, limit):
             try:

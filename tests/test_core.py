@@ -127,7 +127,7 @@ def test_the_bundle_downloads_once_from_a_zip_url(bundle, ckpt, tmp_path):
         for path in bundle.rglob("*"):
             z.write(path, path.relative_to(bundle.parent))  # eval_bundle/... as nanochat's zip holds it
     url, cache = archive.as_uri(), tmp_path / "cache"
-    out = tmp_path / "core.json"
+    out = tmp_path / "new" / "core.json"  # its folder made (it was a traceback after the whole evaluation)
     result = core.main(["--ckpt", str(ckpt), "--bundle", url, "--cache-dir", str(cache), "--json", str(out)])
     assert flat(result) == pytest.approx(flat(EXPECTED), abs=1e-12) and json.loads(out.read_text()) == result
     (kept,) = cache.iterdir()  # unzipped once and kept, under a name of its URL
@@ -198,3 +198,27 @@ def test_a_bundle_of_the_real_hellaswag_examples(tmp_path):
                                  "pool.", "are in the gym practicing to do this pole vault, trying to do their best."]}
     shots, question = core.prompts(ten, 0)[0].rsplit("\n\n", 1)
     assert shots.count("\n\n") == 9 and question.startswith(ten.rows[0]["query"] + " ")
+
+
+def test_a_bad_task_file_is_one_line_naming_it(bundle, tmp_path):
+    # each was a traceback mid-evaluation, a JSON error naming no file, or a silent accuracy of 0 (no rows)
+    root = tmp_path / "b"
+    shutil.copytree(bundle, root)
+    mc = root / "eval_data" / "multiple_choice" / "mc.jsonl"
+    row = '{"query": "a", "choices": ["x", "y"]'
+    for text, message in [(row + ', "gold": 0}\n{"query": "b", "choi', "mc.jsonl line 2: not valid JSON"),
+                          (row + "}\n", "mc.jsonl row 0: no 'gold' \\(a multiple_choice row of task mc\\)"),
+                          (row + ', "gold": "1"}\n', "row 0: 'gold' is '1', not an index into its 2 options"),
+                          ("", "task mc is 0-shot, but has 0 rows")]:
+        mc.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            core.load_tasks(root)
+    with pytest.raises(ValueError, match=r"task schema is 1-shot, but has 1 rows .*: it needs at least 2"):
+        core.load_tasks(bundle, max_per_task=1)  # no other row to draw its example from
+    shutil.copy(bundle / "eval_data" / "multiple_choice" / "mc.jsonl", mc)
+    yaml = root / "core.yaml"  # a bundle of one's own: num_fewshot a number, not DCLM's list (was a TypeError)
+    yaml.write_text(yaml.read_text().replace("num_fewshot: [1]", "num_fewshot: 1"))
+    assert [t.shots for t in core.load_tasks(root)] == [0, 1, 1]
+    yaml.write_text(yaml.read_text().replace("  dataset_uri: language_modeling/lm.jsonl\n", ""))
+    with pytest.raises(ValueError, match=r"core.yaml: icl_tasks item 2 has no dataset_uri$"):
+        core.load_tasks(root)

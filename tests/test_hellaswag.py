@@ -2,6 +2,7 @@
 
 import dataclasses
 import gc
+import gzip
 import json
 import os
 import re
@@ -196,6 +197,13 @@ def test_byte_order_mark_is_skipped(tmp_path, examples):
     path.write_bytes(lines[0] + b"\xef\xbb\xbf" + lines[1])
     with pytest.raises(HellaSwagError, match=rf"^{re.escape(str(path))}:2: not valid JSON"):
         load_examples(path)
+
+
+def test_a_gzipped_file_is_read(tmp_path, examples):
+    # was "error: 'utf-8' codec can't decode byte 0x8b in position 1", naming no file (the shared subset is a .gz)
+    path = tmp_path / "hellaswag_val.jsonl.gz"
+    path.write_bytes(gzip.compress(FIXTURE.read_bytes()))
+    assert load_examples(path) == examples
 
 
 def test_missing_and_empty_files(tmp_path):
