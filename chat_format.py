@@ -239,9 +239,13 @@ def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test
     return ((i, row) for i, row in enumerate(rows) if not single or (i % VAL_EVERY == 0) == (split == "val"))
 
 
-def read_conversations(source: str, split: str) -> Iterable[tuple[int, Any]]:
-    """(row index, messages) of the train or val split (split_rows)."""
-    return ((i, row.get("messages")) for i, row in split_rows(source, split))
+def read_conversations(source: str, split: str) -> Iterator[tuple[int, Any]]:
+    """(row index, messages) of the train or val split (split_rows); a row of another schema is one line naming it."""
+    for i, row in split_rows(source, split):
+        if "messages" not in row:  # ShareGPT's conversations, prompt/completion... (load_rows gives objects only)
+            raise DataError(f"{source} row {i}: no 'messages' (columns {', '.join(row)}); a conversation is "
+                            '{"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it')
+        yield i, row["messages"]
 
 
 def pack(lengths: Sequence[int], cap: int) -> list[list[int]]:

@@ -101,6 +101,17 @@ def test_a_bad_content_is_refused_naming_its_row(tmp_path, content, message):
     assert str(e.value) == f"{path} row 5: {message}"
 
 
+def test_a_row_of_another_schema_is_one_line_naming_its_columns(tmp_path):
+    # ShareGPT's rows were "expected a non-empty list of messages, got None", naming no column
+    rows = chat_rows()
+    rows[3] = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "id": 7}
+    path = write_jsonl(tmp_path / "sharegpt.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        cf.ConversationLoader(str(path), "train", 1, 64)
+    assert str(e.value) == f'{path} row 3: no \'messages\' (columns conversations, id); a conversation is ' \
+        '{"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it'
+
+
 def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
