@@ -126,10 +126,11 @@ def load_tasks(bundle: Path, max_per_task: int = 0) -> list[CoreTask]:
         if (bad := next(((i, why) for i, row in enumerate(rows) if (why := row_problem(row, kind))), None)):
             raise ValueError(f"{path} row {bad[0]}: {bad[1]} (a {kind} row of task {label})")
         random.Random(1337).shuffle(rows)
-        if len(rows[:max_per_task or None]) <= shots:  # each row's few-shot examples are drawn from the others
-            raise ValueError(f"task {label} is {shots}-shot, but has {len(rows[:max_per_task or None])} rows to score "
-                             f"({path}): it needs at least {shots + 1}; raise --max-per-task or add rows")
-        tasks.append(CoreTask(label, kind, rows[:max_per_task or None], shots,
+        rows = rows[:max_per_task or None]
+        if len(rows) <= shots:  # each row's few-shot examples are drawn from the others
+            raise ValueError(f"task {label} is {shots}-shot, but has {len(rows)} rows to score ({path}): it needs at "
+                             f"least {shots + 1}; raise --max-per-task or add rows")
+        tasks.append(CoreTask(label, kind, rows, shots,
                               entry.get("continuation_delimiter", " "), baselines[label]))
     return tasks
 
