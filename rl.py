@@ -408,9 +408,9 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, scorer: tuple,
     return step_fn
 
 
-def task_eval(cfg: RLConfig, raw: GPT, task: Any, autocast: Any, log: RunLog, ctx: Context) -> engine.Eval:
+def task_eval(cfg: RLConfig, raw: GPT, task: Any, problems: list[dict], autocast: Any, log: RunLog,
+              ctx: Context) -> engine.Eval:
     """Held-out greedy accuracy (tasks.evaluate) and pass@k by a generator of its own (the training's RNG untouched)."""
-    problems = task.examples("test")[:cfg.eval_limit]
 
     def evaluate(step: int) -> dict[str, Any]:
         with autocast:
@@ -431,7 +431,7 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
     """The frozen reward model, or a one-line refusal of one that cannot score these replies."""
     path, ckpt = cfg.reward_model, load_checkpoint(cfg.reward_model, mmap=True)
     mc, trained, n_vocab = ckpt["model_config"], ckpt.get("train_config", {}), get_tokenizer().n_vocab
-    longest = max(len(render_prompt(p["messages"][:-1])) for p in problems) + cfg.max_new_tokens + 1  # and its end
+    longest = tasks.longest_prompt(problems) + cfg.max_new_tokens + 1  # and its end
     what = "a PPO policy, whose value head is a critic" if "algo" in trained else "a language model"
     check_flags([(trained.get("objective") == "reward", f"--reward-model {path} is {what}, not a reward model: train "
                   "one with prefs.py --objective reward"),
@@ -460,8 +460,8 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     if found:
         stage.check_resume(found, cfg)
     raw = GPT.from_checkpoint(cfg.init_from, value_head=critic, dropout=0.0)
-    train_problems, bs = task.examples("train"), raw.config.block_size
-    longest = max(len(render_prompt(p["messages"][:-1])) for p in train_problems + task.examples("test"))
+    train_problems, test_problems, bs = task.examples("train"), task.examples("test"), raw.config.block_size
+    longest = tasks.longest_prompt(train_problems + test_problems)
     check_flags([(longest < bs, f"--task {cfg.task}: a prompt takes {longest} tokens, the policy's whole context {bs}: "
                   "no room for a reply (a 1-token one at most)")])
     rm = load_reward_model(cfg, train_problems) if cfg.reward_model else None
@@ -485,9 +485,9 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
         print(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {ctx.world} "
               f"ranks) from --init-from {cfg.init_from}")
     step_fn = rl_step(cfg, raw, built, ref, (None, rm) if rm else (reward, None), parts["sampler"], log, ctx)
+    evals = [task_eval(cfg, raw, task, test_problems[:cfg.eval_limit], built.autocast, log, ctx)]
     return Run(cfg=cfg, ctx=ctx, step_fn=step_fn, raw=raw, trainable=built, checkpointer=checkpointer, log=log,
-               evals=[task_eval(cfg, raw, task, built.autocast, log, ctx)], parts=parts, start_step=start,
-               resumed=found is not None)
+               evals=evals, parts=parts, start_step=start, resumed=found is not None)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

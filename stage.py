@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 import engine
 import tasks
-from chat_format import render_prompt
 from common import (
     LOCAL,
     all_sum,
@@ -299,8 +298,7 @@ def check_prompts(named: dict[str, tuple[Any, list[dict]]], seq_len: int) -> Non
     """A ValueError now for a task scored by replies whose held-out prompt outgrows the context: generate() refused it
     at the first task eval, with --task-every 0 after the whole training (multiple choice crops, as choose does)."""
     for name, (task, problems) in named.items():
-        longest = 0 if isinstance(task, tasks.MultipleChoice) else \
-            max((len(render_prompt(p["messages"][:-1])) for p in problems), default=0)
+        longest = 0 if isinstance(task, tasks.MultipleChoice) else tasks.longest_prompt(problems)
         if longest > seq_len:
             raise ValueError(f"--task {name}: a held-out prompt takes {longest} tokens, more than --seq-len {seq_len} "
                              "(the model's context): raise --seq-len, or score another task")

@@ -217,6 +217,11 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
     return summed(right, len(mine), device, world)
 
 
+def longest_prompt(problems: list[dict]) -> int:
+    """The most tokens a problem's prompt takes, rendered as generate() gets it (0 for no problems)."""
+    return max((len(render_prompt(p["messages"][:-1])) for p in problems), default=0)
+
+
 def summed(right: int, n: int, device: torch.device, world: int) -> dict:
     counts = all_sum(torch.tensor([right, n], dtype=torch.float64, device=device), world)
     return {"acc": counts[0].item() / max(1, counts[1].item()), "n": int(counts[1].item())}
