@@ -132,6 +132,8 @@ def load_hellaswag(cfg: TrainConfig, ctx: Context) -> list[dict] | None:
                            reason=lambda e: f"could not download it: {e.__cause__ or e}")
         return same_verdict(lambda: hellaswag.load_examples(path) if wanted else None, ctx.world, reason=why)
     except ValueError as e:  # the reason of the rank that lacks them
+        if wanted and cfg.eval_only and cfg.hellaswag != "auto":  # the score asked for is the one thing it does
+            raise ValueError(f"--hellaswag {cfg.hellaswag}: {e}") from None
         if wanted and ctx.master:
             print(f"hellaswag: skipped ({e}); pass --hellaswag PATH to a local hellaswag_val.jsonl to enable it, "
                   "or --hellaswag off to silence this")

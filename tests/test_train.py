@@ -735,6 +735,14 @@ def test_eval_only_needs_only_the_val_split(token_data, hf_dir, tmp_path):
     assert scored == pytest.approx(_hf_loss(hf_dir, token_data, "val", 2, 2, 32), abs=1e-5)
 
 
+def test_eval_only_refuses_a_hellaswag_file_it_cannot_read(token_data, hf_dir, tmp_path, capsys):
+    # training skips it (a node may lack it); an evaluation asked to score it must not exit 0 without the score
+    missing = tmp_path / "no.jsonl"
+    with pytest.raises(SystemExit, match="1"):
+        train.main(ft_args(token_data, hf_dir, tmp_path / "out", "--eval-only", f"--hellaswag={missing}"))
+    assert capsys.readouterr().err == f"error: --hellaswag {missing}: {missing} is not a file\n"
+
+
 def test_resumed_fine_tune_needs_no_init_source(token_data, hf_dir, tmp_path):
     full = train.main(ft_args(token_data, hf_dir, tmp_path, "--max-steps=4", "--eval-every=0", "--ckpt-every=2",
                               "--dropout=0.1"))["losses"]
