@@ -67,8 +67,10 @@ def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]
     pieces = TURN.split(chosen[:cut])
     if pieces[0].strip():  # a transcript starts with its first turn
         raise ValueError(f"the transcripts start with {pieces[0][:40]!r}, text before their first '\\n\\nHuman:' turn")
-    prompt = [{"role": ROLES[r], "content": c.strip()} for r, c in zip(pieces[1::2], pieces[2::2], strict=True)]
-    return prompt, chosen[cut + len(ASSISTANT):].strip(), rejected[cut + len(ASSISTANT):].strip()
+    # only the space after "Human:" / "Assistant:" goes, as TRL's hh-rlhf script cuts them: the text is the data
+    turns = zip(pieces[1::2], pieces[2::2], strict=True)
+    prompt = [{"role": ROLES[r], "content": c.removeprefix(" ")} for r, c in turns]
+    return prompt, chosen[cut + len(ASSISTANT):].removeprefix(" "), rejected[cut + len(ASSISTANT):].removeprefix(" ")
 
 
 def parse_pair(row: dict) -> tuple[list[dict], str, str]:

@@ -66,6 +66,9 @@ def test_each_schema_parses_to_prompt_messages_and_two_replies():
     assert parse_pair(hh) == (prompt, "Blue.", "No.")
     early = {"chosen": transcript("Hi", "Hello.", "Bye"), "rejected": transcript("Hi", "Go.", "Bye")}
     assert parse_pair(early) == ([{"role": "user", "content": "Hi"}], "Hello.\n\nHuman: Bye", "Go.\n\nHuman: Bye")
+    # replies that differ only in trailing whitespace are two replies (TRL keeps them), not 'chosen == rejected'
+    spaced = {"chosen": transcript("Hi", "Hello. "), "rejected": transcript("Hi", "Hello.")}
+    assert parse_pair(spaced) == ([{"role": "user", "content": "Hi"}], "Hello. ", "Hello.")
     # TRL's conversational format with its prompt apart: the replies are lists of the assistant's message (the prompt
     # was dropped, and the row refused as starting with an assistant message)
     trl = {"prompt": [{"role": "user", "content": "Hi?"}], "chosen": conversation("Hi?", "Hello!")[1:],
