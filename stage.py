@@ -299,8 +299,8 @@ def check_prompts(named: dict[str, tuple[Any, list[dict]]], seq_len: int) -> Non
     at the first task eval, with --task-every 0 after the whole training (multiple choice crops, as choose does)."""
     for name, (task, problems) in named.items():
         longest = 0 if isinstance(task, tasks.MultipleChoice) else tasks.longest_prompt(problems)
-        if longest > seq_len:
-            raise ValueError(f"--task {name}: a held-out prompt takes {longest} tokens, more than --seq-len {seq_len} "
+        if longest >= seq_len:  # at seq_len, a 1-token reply at most
+            raise ValueError(f"--task {name}: a held-out prompt takes {longest} tokens, --seq-len {seq_len} or more "
                              "(the model's context): raise --seq-len, or score another task")
 
 

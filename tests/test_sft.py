@@ -144,9 +144,11 @@ def test_a_task_prompt_longer_than_the_context_is_refused_before_training(conver
     def check(self, reply, answer):
         return True
 ''')
-    with pytest.raises(SystemExit):
-        sft.main(flags(conversations, tmp_path / "out", f"--task={task}:Wordy", "--max-steps=1"))
-    out = capsys.readouterr()
-    assert "val loss" not in out.out  # refused before step 0
-    assert out.err.endswith(f"\nerror: --task {task}:Wordy: a held-out prompt takes 75 tokens, more than --seq-len 64 "
-                            "(the model's context): raise --seq-len, or score another task\n")
+    for seq_len in (64, 75):  # a prompt that fills the context leaves room for a 1-token reply at most
+        with pytest.raises(SystemExit):
+            sft.main(flags(conversations, tmp_path / "out", f"--task={task}:Wordy", "--max-steps=1",
+                           f"--seq-len={seq_len}", f"--total-batch-size={4 * seq_len}"))
+        out = capsys.readouterr()
+        assert "val loss" not in out.out  # refused before step 0
+        assert out.err.endswith(f"\nerror: --task {task}:Wordy: a held-out prompt takes 75 tokens, --seq-len {seq_len} "
+                                "or more (the model's context): raise --seq-len, or score another task\n")
