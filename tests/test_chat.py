@@ -14,6 +14,7 @@ import torch
 import chat
 import chat_format as cf
 from conftest import ROOT, TINY
+from export import main as export_main
 from generate import generate
 from model import GPT, MODEL_PRESETS
 from sft import main as sft_main
@@ -128,6 +129,13 @@ def test_a_base_model_is_warned_about_and_an_hf_gpt2_padded(sft, hf_dir, tmp_pat
     model, fine_tuned = chat.load_model(chat.ChatConfig(init_from=str(hf_dir)))
     assert (model.config.vocab_size, fine_tuned) == (50304, False)
     assert chat.load_model(chat.ChatConfig(ckpt=str(sft)))[1]
+
+
+def test_an_hf_chat_export_is_not_warned_about_and_replies_as_its_checkpoint(sft, tmp_path, capsys, monkeypatch):
+    export_main(["--ckpt", str(sft), "--export-hf", str(tmp_path / "hf")])
+    capsys.readouterr()
+    messages = run(["--init-from", str(tmp_path / "hf"), "--prompt", "3+4?", *GREEDY], "", monkeypatch)
+    assert capsys.readouterr() == (SHOWN, "") and messages[-1] == {"role": "assistant", "content": REPLY}
 
 
 def test_a_bad_flag_or_model_is_one_line():
