@@ -51,7 +51,8 @@ class ChatConfig:
                       "--prompt is empty: pass a message, or leave --prompt out to chat interactively"),
                      (self.system is None or bool(self.system.strip()), "--system is empty: pass a message, or leave "
                       "--system out"),  # the first reply would fail on an empty system message
-                     (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")])
+                     (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
+                     (0 <= self.seed < 2**64, f"--seed must be in [0, 2**64), got {self.seed}")])
 
 
 def load_model(cfg: ChatConfig) -> tuple[GPT, bool]:
