@@ -446,6 +446,10 @@ def score_tasks(cfg: TasksConfig) -> dict:
         with user_errors(OSError, ValueError, DataError, RuntimeError):
             rank, _, world, device = setup_distributed(cfg.device)
             model, named = GPT.load(cfg.eval, None).to(device), named_tasks(cfg.tasks, cfg.split, cfg.limit)
+            for name, (task, problems) in named.items():  # choose crops; generate would refuse, naming no task
+                if not isinstance(task, MultipleChoice) and (n := longest_prompt(problems)) > model.config.block_size:
+                    raise ValueError(f"--tasks {name}: a prompt takes {n} tokens, more than the model's context "
+                                     f"({model.config.block_size}); score another task")
             autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
             result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)  # a user's check may raise
         if rank == 0:
