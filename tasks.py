@@ -161,7 +161,8 @@ class Addition(Task):
     def examples(self, split: str, source: str = "", n: int = 0) -> list[dict]:
         """Up to n (0: all) distinct problems of the split, in a seeded order."""
         if split not in self.splits or source:
-            raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}")
+            raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}"
+                             + f" and {source}" * bool(source))
         numbers = range(10 ** (self.digits - 1), 10 ** self.digits)
         pairs = [(a, b) for a in numbers for b in numbers if self.split_of(a, b) == split]
         random.Random(0).shuffle(pairs)
