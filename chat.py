@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -49,13 +51,17 @@ class ChatConfig:
                       "--prompt is empty: pass a message, or leave --prompt out to chat interactively"),
                      (self.system is None or bool(self.system.strip()), "--system is empty: pass a message, or leave "
                       "--system out"),  # the first reply would fail on an empty system message
-                     (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")])
+                     (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
+                     (0 <= self.seed < 2**64, f"--seed must be in [0, 2**64), got {self.seed}")])
 
 
 def load_model(cfg: ChatConfig) -> tuple[GPT, bool]:
-    """The model on the CPU, its vocabulary holding the chat tokens, and whether it was fine-tuned for chat."""
+    """The model on the CPU, its vocabulary holding the chat tokens, and whether it was fine-tuned for chat (an HF
+    directory: export.py gave it the chat template)."""
     model = GPT.load(cfg.ckpt, cfg.init_from)
-    chat = bool(cfg.ckpt) and is_chat(load_checkpoint(cfg.ckpt, mmap=True))
+    tokenizer_config = Path(cfg.init_from or "").expanduser() / "tokenizer_config.json"
+    chat = is_chat(load_checkpoint(cfg.ckpt, mmap=True)) if cfg.ckpt else tokenizer_config.is_file() and \
+        "<|assistant_start|>" in str(json.loads(tokenizer_config.read_text()).get("chat_template"))
     if model.config.vocab_size < CHAT_VOCAB:  # HF GPT-2's 50,257 rows: the chat tokens need rows of their own
         model.pad_vocab(GPTConfig().vocab_size)
     return model, chat

@@ -161,7 +161,8 @@ class Addition(Task):
     def examples(self, split: str, source: str = "", n: int = 0) -> list[dict]:
         """Up to n (0: all) distinct problems of the split, in a seeded order."""
         if split not in self.splits or source:
-            raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}")
+            raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}"
+                             + f" and {source}" * bool(source))
         numbers = range(10 ** (self.digits - 1), 10 ** self.digits)
         pairs = [(a, b) for a in numbers for b in numbers if self.split_of(a, b) == split]
         random.Random(0).shuffle(pairs)
@@ -446,6 +447,10 @@ def score_tasks(cfg: TasksConfig) -> dict:
         with user_errors(OSError, ValueError, DataError, RuntimeError):
             rank, _, world, device = setup_distributed(cfg.device)
             model, named = GPT.load(cfg.eval, None).to(device), named_tasks(cfg.tasks, cfg.split, cfg.limit)
+            for name, (task, problems) in named.items():  # choose crops; generate would refuse, naming no task
+                if not isinstance(task, MultipleChoice) and (n := longest_prompt(problems)) > model.config.block_size:
+                    raise ValueError(f"--tasks {name}: a prompt takes {n} tokens, more than the model's context "
+                                     f"({model.config.block_size}); score another task")
             autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
             result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)  # a user's check may raise
         if rank == 0:

@@ -14,6 +14,7 @@ import torch
 import chat
 import chat_format as cf
 from conftest import ROOT, TINY
+from export import main as export_main
 from generate import generate
 from model import GPT, MODEL_PRESETS
 from sft import main as sft_main
@@ -130,11 +131,19 @@ def test_a_base_model_is_warned_about_and_an_hf_gpt2_padded(sft, hf_dir, tmp_pat
     assert chat.load_model(chat.ChatConfig(ckpt=str(sft)))[1]
 
 
+def test_an_hf_chat_export_is_not_warned_about_and_replies_as_its_checkpoint(sft, tmp_path, capsys, monkeypatch):
+    export_main(["--ckpt", str(sft), "--export-hf", str(tmp_path / "hf")])
+    capsys.readouterr()
+    messages = run(["--init-from", str(tmp_path / "hf"), "--prompt", "3+4?", *GREEDY], "", monkeypatch)
+    assert capsys.readouterr() == (SHOWN, "") and messages[-1] == {"role": "assistant", "content": REPLY}
+
+
 def test_a_bad_flag_or_model_is_one_line():
     for args, message in (
             (["--temprature", "0"], "error: unknown option --temprature; did you mean --temperature?"),
             (["--temperature", "-1"], "error: temperature must be >= 0 (0 is greedy), got -1.0"),
             (["--max-new-tokens", "0"], "error: --max-new-tokens must be >= 1, got 0"),
+            (["--seed", str(2**64)], f"error: --seed must be in [0, 2**64), got {2**64}"),
             (["--ckpt", "missing.pt"], "error: checkpoint missing.pt does not exist; pass the .pt file that train.py "
                                        "wrote (e.g. out/<run>/ckpt_000100.pt)")):
         proc = subprocess.run([sys.executable, "chat.py", *args], cwd=ROOT, capture_output=True, text=True,

@@ -335,6 +335,7 @@ def test_model_errors_are_one_line(model, ckpt, tmp_path):
     ("--top-p", "0", "top_p must be in (0, 1] or None, got 0.0"),
     ("--temperature", "nan", "temperature must be >= 0 (0 is greedy), got nan"),
     ("--top-p", "nan", "top_p must be in (0, 1] or None, got nan"),
+    ("--seed", str(2**64), f"--seed must be in [0, 2**64), got {2**64}"),  # torch.Generator's range, not a traceback
 ])
 def test_sampling_settings_are_checked_before_loading(flag, value, message):
     # one line naming the flag, before any model is loaded (none is given here)

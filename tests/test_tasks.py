@@ -369,6 +369,15 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "mmlu: accuracy 0.3333, centered 0.1111 (3 problems)" in out
     assert f"ChatCORE {result['chatcore']:.4f} over mmlu, arc-challenge, gsm8k (nanochat's also has HumanEval)" in out
+    with pytest.raises(SystemExit) as e:  # the line named the split, not the file that was the mistake
+        tasks.main(["--eval", str(ckpt), "--tasks", f"addition={tmp_path / 'a.jsonl'}"])
+    assert e.value.code == (f"error: addition is made here, with splits train and test and no source; got 'test' and "
+                            f"{tmp_path / 'a.jsonl'}")
+    long = write_rows(tmp_path / "long.jsonl", [{"question": "two " * 70, "answer": "#### 4"}])
+    with pytest.raises(SystemExit) as e:  # was generate's 'prompts must be ... crop long prompts', naming no task
+        tasks.main(["--eval", str(ckpt), "--tasks", f"gsm8k={long}"])
+    assert e.value.code == ("error: --tasks gsm8k: a prompt takes 75 tokens, more than the model's context (64); "
+                            "score another task")
 
 
 def test_a_tasks_rows_and_rewards_are_checked_as_the_protocol_says(user_file):
