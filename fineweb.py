@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import EOT, get_tokenizer, hold_lock, parse_config
+from common import EOT, GPT2_VOCAB, get_tokenizer, hold_lock, parse_config
 
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's token shard (20240326 is its model-weights file)
 FINEWEB = "HuggingFaceFW/fineweb-edu"
@@ -228,8 +228,12 @@ class TokenLoader:
             self._bad_token(self.files[at], top)
 
     def _bad_token(self, path: Path, token: int) -> None:
+        why = "the shard was written with another tokenizer, or is corrupt; rewrite it with fineweb.py"
+        if token < GPT2_VOCAB and self.vocab_size < GPT2_VOCAB:  # a GPT-2 id: the model is too small, not the shard
+            why = (f"--vocab-size {self.vocab_size} is below GPT-2's {GPT2_VOCAB:,} tokens, which the shards use; "
+                   f"leave --vocab-size out (50304) or pass at least {GPT2_VOCAB}")
         raise DataError(f"{path} holds token id {token}, but the model has only {self.vocab_size} embedding rows: "
-                        "the shard was written with another tokenizer, or is corrupt; rewrite it with fineweb.py")
+                        + why)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each int64 (B, T) on the loader's device."""

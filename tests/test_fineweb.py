@@ -1307,8 +1307,11 @@ def test_ids_beyond_the_vocabulary_are_a_data_error_that_names_the_shard(tmp_pat
         loader.check_vocab(50304)
         batches(loader, 200)  # more than an epoch: every id is below 50304
         if preload:  # the whole split is checked at once: its largest id
+            # GPT-2 ids in a model smaller than GPT-2's vocabulary: the flag is the mistake, not the shard
             with pytest.raises(DataError, match=r"n_train_000004.bin holds token id 20069, but the model has only "
-                                                r"20000 embedding rows: the shard was written with another tokenizer"):
+                                                r"20000 embedding rows: --vocab-size 20000 is below GPT-2's 50,257 "
+                                                r"tokens, which the shards use; leave --vocab-size out \(50304\) or "
+                                                r"pass at least 50257$"):
                 loader.check_vocab(20000)
         else:  # each batch as it is read: the first window of shard 4 after step 200 ends with id 20000 + 32
             loader.check_vocab(20000)
@@ -1333,6 +1336,10 @@ def test_an_id_equal_to_the_vocab_size_is_out_of_range_and_named_in_its_shard(tm
                                             r"embedding rows"):
             loader.check_vocab(1000)
             batches(loader, loader.num_windows)
+    write_shard(tmp_path / "v_train_000001.bin", np.r_[60000, np.arange(199) % 50])  # no GPT-2 id: the shard's
+    with pytest.raises(DataError, match=r"v_train_000001.bin holds token id 60000, but the model has only 50304 "
+                                        r"embedding rows: the shard was written with another tokenizer, or is corrupt"):
+        TokenLoader(str(tmp_path), "train", B, T, preload=True).check_vocab(50304)
 
 
 def test_preload_serves_exactly_the_same_batches(tmp_path):
