@@ -485,12 +485,12 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                 if cfg.text_field not in item:
                     raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are "
                                     f"{', '.join(item)}; pass one of them with --text-field")
-                if not isinstance(item[cfg.text_field], (str, type(None))):  # tiktoken's TypeError is no line
-                    raise DataError(f"--text-field {cfg.text_field!r} of row {r + 1} of {where} holds "
-                                    f"{item[cfg.text_field]!r:.40} (a {type(item[cfg.text_field]).__name__}), not a "
-                                    "string; pass the column of text")
-                if item[cfg.text_field] and g >= first:  # an empty text would be a lone EOT
-                    yield item[cfg.text_field], (p, r, g, len(parts))
+                if not isinstance(text := item[cfg.text_field], str):  # tiktoken's TypeError is no line
+                    raise DataError(f"--text-field {cfg.text_field!r} of row {r + 1} of {where} holds " + (
+                        f"{text!r:.40} (a {type(text).__name__}), not a string; pass the column of text" if text is not
+                        None else "no text (null, or missing in that row); fill or remove such rows"))
+                if text and g >= first:  # an empty text would be a lone EOT
+                    yield text, (p, r, g, len(parts))
                 g += 1
     except DataError:
         raise

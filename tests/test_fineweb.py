@@ -1448,6 +1448,15 @@ def test_empty_source_and_missing_text_field_write_nothing(tmp_path):
     with pytest.raises(DataError, match=r"--text-field 'id' of row 1 of --source .*docs.jsonl holds 0 \(a int\), "
                                         "not a string; pass the column of text"):
         write_dataset(cfg_for(tmp_path / "docs.jsonl", tmp_path / "out", text_field="id"))
+    # a null text, or a row without the field, is refused where it is, never dropped: build-nanogpt's and nanochat's
+    # tokenizers fail on None too, and a row keyed otherwise ({"body": ...}) would be text lost without a word
+    (tmp_path / "holes.jsonl").write_text('{"text": "a"}\n{"text": null}\n{"body": "b"}\n')
+    import datasets
+    datasets.Dataset.from_dict({"text": ["a", "b", None]}).to_parquet(str(tmp_path / "holes.parquet"))
+    for name, row in (("holes.jsonl", 2), ("holes.parquet", 3)):
+        with pytest.raises(DataError, match=rf"^--text-field 'text' of row {row} of --source \S*{name} holds no text "
+                                            r"\(null, or missing in that row\); fill or remove such rows$"):
+            write_dataset(cfg_for(tmp_path / name, tmp_path / "out"))
     n = len(expected_tokens(make_docs(30)))
     with pytest.raises(DataError, match=rf"has only {n:,} tokens, all of them for the val shard \(--val-tokens "
                                         rf"1000000\); lower --val-tokens to leave some for training, e.g. "
