@@ -177,8 +177,10 @@ class TokenLoader:
         self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks
         if self.num_windows == 0:
             big = int(lengths.argmax())
+            more = "a longer val shard (fineweb.py --val-tokens), or skip the val loss (train.py --eval-every 0)" \
+                if split == "val" else "more data"
             raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
-                            f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write more data")
+                            f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write {more}")
         # (a val split may have fewer: components.val_loss scores each window once, on whichever rank it falls to)
         if split == "train" and self.num_windows < world_size:
             raise DataError(f"world size {world_size} is too large for the {split} data: it has only "

@@ -1416,6 +1416,11 @@ def test_only_shard_shorter_than_one_window(tmp_path):
     with pytest.raises(DataError, match=r"no train shard has B\*T\+1 = 17 tokens .*n_train_000000.bin, has 16"):
         TokenLoader(str(tmp_path), "train", 2, 8)
     assert TokenLoader(str(tmp_path), "train", 3, 5).num_windows == 1  # 16 tokens: one window of 3*5+1
+    numbered_shards(tmp_path, [16], split="val")  # a short val split: a longer one, or train.py without val loss
+    with pytest.raises(DataError, match=r"n_val_000000.bin, has 16; lower --batch-size/--seq-len or write a longer "
+                                        r"val shard \(fineweb.py --val-tokens\), or skip the val loss \(train.py "
+                                        r"--eval-every 0\)$"):
+        TokenLoader(str(tmp_path), "val", 2, 8)
 
 
 def test_world_size_too_large_for_the_data(tmp_path):
