@@ -380,6 +380,12 @@ def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     if (files := expand(source, lambda d: (f for f in d.rglob("*") if f.suffix in LOCAL_BUILDERS))) is None:
         raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
                         ".txt/.jsonl/.json/.parquet, or a hub dataset name")
+    src = Path(source).expanduser()  # a directory's files of other types are left out: named, not in silence
+    if src.is_dir() and (other := sorted(str(f.relative_to(src)) for f in src.rglob("*") if f.is_file() and f.suffix
+                                         not in LOCAL_BUILDERS and f.parent.resolve() != out and not any(
+                                             p.startswith(".") for p in f.relative_to(src).parts))):
+        print(f"note: --source {source}: {len(other)} file(s) left out, not .txt/.jsonl/.json/.parquet: "
+              f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
     records = ("_done.json", "_parts.json")  # parts: an older writer's
     files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and f.name.endswith(records)))
     suffixes = {f.suffix for f in files}

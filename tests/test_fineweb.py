@@ -220,6 +220,21 @@ def test_local_sources_jsonl_parquet_txt_give_the_same_tokens(tmp_path):
         assert np.array_equal(concat(tmp_path / name), want), name
 
 
+def test_a_directorys_files_of_other_types_are_named_not_skipped_in_silence(tmp_path, capsys):
+    import gzip
+
+    docs = make_docs(12, seed=2)
+    write_jsonl((tmp_path / "src").mkdir() or tmp_path / "src" / "a.jsonl", docs)
+    (tmp_path / "src" / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "more"}\n'))  # not read: compressed
+    (tmp_path / "src" / "README.md").write_text("# card")
+    (tmp_path / "src" / ".git").mkdir()  # hidden: a clone's own files are not the user's data
+    (tmp_path / "src" / ".git" / "HEAD").write_text("ref")
+    write_dataset(cfg_for(tmp_path / "src", tmp_path / "src" / "out", val_tokens=300))
+    assert capsys.readouterr().out.startswith(f"note: --source {tmp_path / 'src'}: 2 file(s) left out, not "
+                                              ".txt/.jsonl/.json/.parquet: README.md, b.jsonl.gz\n")
+    assert np.array_equal(concat(tmp_path / "src" / "out"), expected_tokens(docs))
+
+
 def test_txt_unit_line_makes_one_document_per_nonempty_line(tmp_path):
     (tmp_path / "a.txt").write_text("first line\n\nsecond line\nthird\n")
     write_dataset(cfg_for(tmp_path / "a.txt", tmp_path / "out", txt_unit="line", val_tokens=3))
