@@ -53,6 +53,7 @@ LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet":
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
 NAMED_SOURCES = {FINEWEB: "fineweb", "shakespeare": "shakespeare", "stdlib": "stdlib", "stdlib-docs": "stdlib-docs"}
+NO_VAL = "skip the val loss (train.py --eval-every 0)"  # the way out of a val split too short or missing
 START = (0, 0, 0, 0, 0)  # a source position: part, row in it, row in the source, parts, tokens of its document written
 
 
@@ -150,7 +151,7 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     if not files:
         raise DataError(f"no {split} shards in {pattern} (looked for names ending in _{split}.bin or "
                         f"_{split}_NNNNNN.bin); write them with `python fineweb.py` or point --data at the right "
-                        "directory or glob")
+                        "directory or glob" + (f", or {NO_VAL}" if split == "val" else ""))
     return files
 
 
@@ -177,8 +178,7 @@ class TokenLoader:
         self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks
         if self.num_windows == 0:
             big = int(lengths.argmax())
-            more = "a longer val shard (fineweb.py --val-tokens), or skip the val loss (train.py --eval-every 0)" \
-                if split == "val" else "more data"
+            more = f"a longer val shard (fineweb.py --val-tokens), or {NO_VAL}" if split == "val" else "more data"
             raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
                             f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write {more}")
         # (a val split may have fewer: components.val_loss scores each window once, on whichever rank it falls to)
