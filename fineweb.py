@@ -178,7 +178,8 @@ class TokenLoader:
         self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks
         if self.num_windows == 0:
             big = int(lengths.argmax())
-            more = f"a longer val shard (fineweb.py --val-tokens), or {NO_VAL}" if split == "val" else "more data"
+            more = f"a longer val shard (fineweb.py --val-tokens), or {NO_VAL}" if split == "val" else \
+                "longer shards (fineweb.py --shard-size)"  # a window never spans two shards
             raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
                             f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write {more}")
         # (a val split may have fewer: components.val_loss scores each window once, on whichever rank it falls to)

@@ -1429,7 +1429,8 @@ def test_bad_magic_version_and_size_are_named(tmp_path):
 
 def test_only_shard_shorter_than_one_window(tmp_path):
     numbered_shards(tmp_path, [16, 9])
-    with pytest.raises(DataError, match=r"no train shard has B\*T\+1 = 17 tokens .*n_train_000000.bin, has 16"):
+    with pytest.raises(DataError, match=r"no train shard has B\*T\+1 = 17 tokens .*n_train_000000.bin, has 16; lower "
+                                        r"--batch-size/--seq-len or write longer shards \(fineweb.py --shard-size\)$"):
         TokenLoader(str(tmp_path), "train", 2, 8)
     assert TokenLoader(str(tmp_path), "train", 3, 5).num_windows == 1  # 16 tokens: one window of 3*5+1
     numbered_shards(tmp_path, [16], split="val")  # a short val split: a longer one, or train.py without val loss
