@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import EOT, get_tokenizer, hold_lock, parse_config
+from common import EOT, GPT2_VOCAB, get_tokenizer, hold_lock, parse_config
 
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's token shard (20240326 is its model-weights file)
 FINEWEB = "HuggingFaceFW/fineweb-edu"
@@ -53,6 +53,7 @@ LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet":
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
 NAMED_SOURCES = {FINEWEB: "fineweb", "shakespeare": "shakespeare", "stdlib": "stdlib", "stdlib-docs": "stdlib-docs"}
+NO_VAL = "skip the val loss (train.py --eval-every 0)"  # the way out of a val split too short or missing
 START = (0, 0, 0, 0, 0)  # a source position: part, row in it, row in the source, parts, tokens of its document written
 
 
@@ -150,7 +151,7 @@ def find_shards(pattern: str | os.PathLike, split: str) -> list[Path]:
     if not files:
         raise DataError(f"no {split} shards in {pattern} (looked for names ending in _{split}.bin or "
                         f"_{split}_NNNNNN.bin); write them with `python fineweb.py` or point --data at the right "
-                        "directory or glob")
+                        "directory or glob" + (f", or {NO_VAL}" if split == "val" else ""))
     return files
 
 
@@ -177,8 +178,10 @@ class TokenLoader:
         self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks
         if self.num_windows == 0:
             big = int(lengths.argmax())
+            more = f"a longer val shard (fineweb.py --val-tokens), or {NO_VAL}" if split == "val" else \
+                "longer shards (fineweb.py --shard-size)"  # a window never spans two shards
             raise DataError(f"no {split} shard has B*T+1 = {B * T + 1:,} tokens (B={B}, T={T}); the largest, "
-                            f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write more data")
+                            f"{self.files[big]}, has {lengths[big]:,}; lower --batch-size/--seq-len or write {more}")
         # (a val split may have fewer: components.val_loss scores each window once, on whichever rank it falls to)
         if split == "train" and self.num_windows < world_size:
             raise DataError(f"world size {world_size} is too large for the {split} data: it has only "
@@ -228,8 +231,12 @@ class TokenLoader:
             self._bad_token(self.files[at], top)
 
     def _bad_token(self, path: Path, token: int) -> None:
+        why = "the shard was written with another tokenizer, or is corrupt; rewrite it with fineweb.py"
+        if token < GPT2_VOCAB and self.vocab_size < GPT2_VOCAB:  # a GPT-2 id: the model is too small, not the shard
+            why = (f"--vocab-size {self.vocab_size} is below GPT-2's {GPT2_VOCAB:,} tokens, which the shards use; "
+                   f"leave --vocab-size out (50304) or pass at least {GPT2_VOCAB}")
         raise DataError(f"{path} holds token id {token}, but the model has only {self.vocab_size} embedding rows: "
-                        "the shard was written with another tokenizer, or is corrupt; rewrite it with fineweb.py")
+                        + why)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each int64 (B, T) on the loader's device."""
@@ -374,6 +381,12 @@ def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     if (files := expand(source, lambda d: (f for f in d.rglob("*") if f.suffix in LOCAL_BUILDERS))) is None:
         raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
                         ".txt/.jsonl/.json/.parquet, or a hub dataset name")
+    src = Path(source).expanduser()  # a directory's files of other types are left out: named, not in silence
+    if src.is_dir() and (other := sorted(str(f.relative_to(src)) for f in src.rglob("*") if f.is_file() and f.suffix
+                                         not in LOCAL_BUILDERS and f.parent.resolve() != out and not any(
+                                             p.startswith(".") for p in f.relative_to(src).parts))):
+        print(f"note: --source {source}: {len(other)} file(s) left out, not .txt/.jsonl/.json/.parquet: "
+              f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
     records = ("_done.json", "_parts.json")  # parts: an older writer's
     files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and f.name.endswith(records)))
     suffixes = {f.suffix for f in files}
@@ -481,12 +494,12 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                 if cfg.text_field not in item:
                     raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are "
                                     f"{', '.join(item)}; pass one of them with --text-field")
-                if not isinstance(item[cfg.text_field], (str, type(None))):  # tiktoken's TypeError is no line
-                    raise DataError(f"--text-field {cfg.text_field!r} of row {r + 1} of {where} holds "
-                                    f"{item[cfg.text_field]!r:.40} (a {type(item[cfg.text_field]).__name__}), not a "
-                                    "string; pass the column of text")
-                if item[cfg.text_field] and g >= first:  # an empty text would be a lone EOT
-                    yield item[cfg.text_field], (p, r, g, len(parts))
+                if not isinstance(text := item[cfg.text_field], str):  # tiktoken's TypeError is no line
+                    raise DataError(f"--text-field {cfg.text_field!r} of row {r + 1} of {where} holds " + (
+                        f"{text!r:.40} (a {type(text).__name__}), not a string; pass the column of text" if text is not
+                        None else "no text (null, or missing in that row); fill or remove such rows"))
+                if text and g >= first:  # an empty text would be a lone EOT
+                    yield text, (p, r, g, len(parts))
                 g += 1
     except DataError:
         raise

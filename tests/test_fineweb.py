@@ -220,6 +220,21 @@ def test_local_sources_jsonl_parquet_txt_give_the_same_tokens(tmp_path):
         assert np.array_equal(concat(tmp_path / name), want), name
 
 
+def test_a_directorys_files_of_other_types_are_named_not_skipped_in_silence(tmp_path, capsys):
+    import gzip
+
+    docs = make_docs(12, seed=2)
+    write_jsonl((tmp_path / "src").mkdir() or tmp_path / "src" / "a.jsonl", docs)
+    (tmp_path / "src" / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "more"}\n'))  # not read: compressed
+    (tmp_path / "src" / "README.md").write_text("# card")
+    (tmp_path / "src" / ".git").mkdir()  # hidden: a clone's own files are not the user's data
+    (tmp_path / "src" / ".git" / "HEAD").write_text("ref")
+    write_dataset(cfg_for(tmp_path / "src", tmp_path / "src" / "out", val_tokens=300))
+    assert capsys.readouterr().out.startswith(f"note: --source {tmp_path / 'src'}: 2 file(s) left out, not "
+                                              ".txt/.jsonl/.json/.parquet: README.md, b.jsonl.gz\n")
+    assert np.array_equal(concat(tmp_path / "src" / "out"), expected_tokens(docs))
+
+
 def test_txt_unit_line_makes_one_document_per_nonempty_line(tmp_path):
     (tmp_path / "a.txt").write_text("first line\n\nsecond line\nthird\n")
     write_dataset(cfg_for(tmp_path / "a.txt", tmp_path / "out", txt_unit="line", val_tokens=3))
@@ -1307,8 +1322,11 @@ def test_ids_beyond_the_vocabulary_are_a_data_error_that_names_the_shard(tmp_pat
         loader.check_vocab(50304)
         batches(loader, 200)  # more than an epoch: every id is below 50304
         if preload:  # the whole split is checked at once: its largest id
+            # GPT-2 ids in a model smaller than GPT-2's vocabulary: the flag is the mistake, not the shard
             with pytest.raises(DataError, match=r"n_train_000004.bin holds token id 20069, but the model has only "
-                                                r"20000 embedding rows: the shard was written with another tokenizer"):
+                                                r"20000 embedding rows: --vocab-size 20000 is below GPT-2's 50,257 "
+                                                r"tokens, which the shards use; leave --vocab-size out \(50304\) or "
+                                                r"pass at least 50257$"):
                 loader.check_vocab(20000)
         else:  # each batch as it is read: the first window of shard 4 after step 200 ends with id 20000 + 32
             loader.check_vocab(20000)
@@ -1333,6 +1351,10 @@ def test_an_id_equal_to_the_vocab_size_is_out_of_range_and_named_in_its_shard(tm
                                             r"embedding rows"):
             loader.check_vocab(1000)
             batches(loader, loader.num_windows)
+    write_shard(tmp_path / "v_train_000001.bin", np.r_[60000, np.arange(199) % 50])  # no GPT-2 id: the shard's
+    with pytest.raises(DataError, match=r"v_train_000001.bin holds token id 60000, but the model has only 50304 "
+                                        r"embedding rows: the shard was written with another tokenizer, or is corrupt"):
+        TokenLoader(str(tmp_path), "train", B, T, preload=True).check_vocab(50304)
 
 
 def test_preload_serves_exactly_the_same_batches(tmp_path):
@@ -1377,7 +1399,8 @@ def test_missing_directory_and_pattern_without_shards(tmp_path):
     with pytest.raises(DataError, match=r"no train shards in .* \(looked for names ending in _train.bin or "
                                         r"_train_NNNNNN.bin\)"):
         TokenLoader(str(tmp_path), "train", 2, 8)
-    with pytest.raises(DataError, match="no val shards in .*other_"):
+    with pytest.raises(DataError, match=r"no val shards in .*other_.*directory or glob, or skip the val loss "
+                                        r"\(train.py --eval-every 0\)$"):
         TokenLoader(str(tmp_path / "other_*.bin"), "val", 2, 8)
 
 
@@ -1406,9 +1429,15 @@ def test_bad_magic_version_and_size_are_named(tmp_path):
 
 def test_only_shard_shorter_than_one_window(tmp_path):
     numbered_shards(tmp_path, [16, 9])
-    with pytest.raises(DataError, match=r"no train shard has B\*T\+1 = 17 tokens .*n_train_000000.bin, has 16"):
+    with pytest.raises(DataError, match=r"no train shard has B\*T\+1 = 17 tokens .*n_train_000000.bin, has 16; lower "
+                                        r"--batch-size/--seq-len or write longer shards \(fineweb.py --shard-size\)$"):
         TokenLoader(str(tmp_path), "train", 2, 8)
     assert TokenLoader(str(tmp_path), "train", 3, 5).num_windows == 1  # 16 tokens: one window of 3*5+1
+    numbered_shards(tmp_path, [16], split="val")  # a short val split: a longer one, or train.py without val loss
+    with pytest.raises(DataError, match=r"n_val_000000.bin, has 16; lower --batch-size/--seq-len or write a longer "
+                                        r"val shard \(fineweb.py --val-tokens\), or skip the val loss \(train.py "
+                                        r"--eval-every 0\)$"):
+        TokenLoader(str(tmp_path), "val", 2, 8)
 
 
 def test_world_size_too_large_for_the_data(tmp_path):
@@ -1441,6 +1470,15 @@ def test_empty_source_and_missing_text_field_write_nothing(tmp_path):
     with pytest.raises(DataError, match=r"--text-field 'id' of row 1 of --source .*docs.jsonl holds 0 \(a int\), "
                                         "not a string; pass the column of text"):
         write_dataset(cfg_for(tmp_path / "docs.jsonl", tmp_path / "out", text_field="id"))
+    # a null text, or a row without the field, is refused where it is, never dropped: build-nanogpt's and nanochat's
+    # tokenizers fail on None too, and a row keyed otherwise ({"body": ...}) would be text lost without a word
+    (tmp_path / "holes.jsonl").write_text('{"text": "a"}\n{"text": null}\n{"body": "b"}\n')
+    import datasets
+    datasets.Dataset.from_dict({"text": ["a", "b", None]}).to_parquet(str(tmp_path / "holes.parquet"))
+    for name, row in (("holes.jsonl", 2), ("holes.parquet", 3)):
+        with pytest.raises(DataError, match=rf"^--text-field 'text' of row {row} of --source \S*{name} holds no text "
+                                            r"\(null, or missing in that row\); fill or remove such rows$"):
+            write_dataset(cfg_for(tmp_path / name, tmp_path / "out"))
     n = len(expected_tokens(make_docs(30)))
     with pytest.raises(DataError, match=rf"has only {n:,} tokens, all of them for the val shard \(--val-tokens "
                                         rf"1000000\); lower --val-tokens to leave some for training, e.g. "
