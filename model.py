@@ -468,7 +468,12 @@ class GPT(nn.Module):
         if ckpt and init_from:
             raise ValueError("pass either --ckpt or --init-from, not both")
         if ckpt:
-            return cls.from_checkpoint(ckpt, map_location="cpu")
+            model = cls.from_checkpoint(ckpt, map_location="cpu")
+            if load_checkpoint(ckpt, mmap=True).get("train_config", {}).get("objective") == "reward":  # no LM head
+                raise ValueError(f"{ckpt} is a reward model (prefs.py --objective reward): it scores replies, and "
+                                 "its logits were never trained to write them; load a policy, or score with it in "
+                                 "rl.py --reward-model")
+            return model
         if not init_from:
             raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
                              "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")

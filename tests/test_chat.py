@@ -16,7 +16,7 @@ import chat_format as cf
 from conftest import ROOT, TINY
 from export import main as export_main
 from generate import generate
-from model import GPT, MODEL_PRESETS
+from model import GPT, MODEL_PRESETS, GPTConfig
 from sft import main as sft_main
 
 # every conversation: a question, then this reply (a calculator call, its result, text)
@@ -136,6 +136,23 @@ def test_an_hf_chat_export_is_not_warned_about_and_replies_as_its_checkpoint(sft
     capsys.readouterr()
     messages = run(["--init-from", str(tmp_path / "hf"), "--prompt", "3+4?", *GREEDY], "", monkeypatch)
     assert capsys.readouterr() == (SHOWN, "") and messages[-1] == {"role": "assistant", "content": REPLY}
+
+
+def test_a_reward_model_is_refused_where_a_model_writes_or_is_scored(tmp_path):
+    # its trunk and logits were trained to score replies (value head), not to write them: chat, sample, hellaswag,
+    # core and tasks.py --eval all load through GPT.load, which read it as a language model without a word
+    model = GPT(GPTConfig(block_size=16, vocab_size=96, n_layer=1, n_head=2, n_embd=16, value_head=True))
+    ckpt = tmp_path / "rm.pt"
+    torch.save({"model": model.state_dict(), "model_config": model.config.__dict__,
+                "train_config": {"objective": "reward"}, "chat": True}, ckpt)
+    with pytest.raises(ValueError, match=f"^{ckpt} is a reward model \\(prefs.py --objective reward\\): it scores"):
+        GPT.load(str(ckpt), None)
+    proc = subprocess.run([sys.executable, "chat.py", "--ckpt", str(ckpt), "--prompt", "hi"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == (f"error: {ckpt} is a reward model (prefs.py --objective reward): it scores replies, and its "
+                           "logits were never trained to write them; load a policy, or score with it in rl.py "
+                           "--reward-model\n")
 
 
 def test_a_bad_flag_or_model_is_one_line():
