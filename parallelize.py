@@ -141,6 +141,8 @@ class Stage(nn.Module):
         t, T = self.transformer, x.size(1)
         if self.first:
             x = t.drop(t.wte(x) + (t.wpe(torch.arange(T, device=x.device)) if "wpe" in t else 0))
+            if self.config.half_residual and torch.is_autocast_enabled(x.device.type):  # as GPT.forward's stream
+                x = x.to(torch.get_autocast_dtype(x.device.type))
         rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.rope_cos is not None else None
         for block in t.h.values():
             x = block(x, rope)

@@ -18,7 +18,7 @@ import train
 from conftest import make_token_data, run_torchrun
 from model import GPT, MODEL_PRESETS
 from parallel import StepArgs
-from parallelize import data_rank, reorder, shard_problem
+from parallelize import Stage, data_rank, reorder, shard_problem
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +120,15 @@ def test_fused_rows_give_each_rank_whole_heads_and_come_back():
     pruned = dataclasses.replace(config, head_size=4)  # prune.py's narrower heads: q is 4 x 4 rows, not n_embd's 32
     shares = reorder("h.0.attn.c_attn.weight", torch.arange(16 + 2 * 8), pruned, 2).view(2, -1)
     assert shares[0].tolist() == [*range(0, 8), *range(16, 20), *range(24, 28)]  # q heads 0-1, kv head 0
+
+
+def test_a_stage_keeps_the_half_residual_stream():
+    # --half-residual: the residual stream in autocast's dtype from the embedding on, as GPT.forward makes it
+    torch.manual_seed(0)
+    gpt = GPT(dataclasses.replace(MODEL_PRESETS["tiny"](), vocab_size=512, half_residual=True)).eval()
+    x = torch.randint(0, 512, (2, 16))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(Stage(gpt, 0, 2)(x), gpt(x)[0])
 
 
 def test_tensor_and_pipeline_groups_share_their_data_rank():
