@@ -178,3 +178,14 @@ def test_tensor_parallel_without_torchrun_names_the_fix(tokens512, tmp_path, cap
         train.main([*BASE, "--data", str(tokens512), "--out-dir", str(tmp_path), "--tp", "2"])
     assert capsys.readouterr().err == ("error: --tp 2 x --pp 1 = 2 ranks must divide the world size 1: launch "
                                        "torchrun with a multiple of 2 processes\n")
+
+
+def test_the_plan_holds_fp32_gradients_between_micro_steps():
+    # FSDP2 (reduce dtype fp32) accumulates a shard's unsharded gradients in fp32 while the pipeline schedule keeps
+    # gradient sync off: 2 + 4 bytes a parameter of the stage with its bf16 weights (docs/scale.md's table)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scale_plan", Path(__file__).parents[1] / "scripts/scale_plan.py")
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    assert [round(plan.memory(p, 36.1)["held"], 2) for p in plan.PLANS] == [0.12, 9.64, 8.64]
