@@ -51,6 +51,8 @@ def flag_checks(args: Any) -> list[tuple[bool, str]]:
     return [(args.tp >= 0 and args.pp >= 0, f"--tp and --pp must be >= 0 (0: off); got {args.tp} and {args.pp}"),
             (args.pp_schedule in SCHEDULES,
              f"--pp-schedule must be one of {', '.join(SCHEDULES)}; got {args.pp_schedule!r}"),
+            (args.pp != 1 or args.pp_schedule != "interleaved-1f1b",  # torch's eval of two adjacent local stages fails
+             "--pp-schedule interleaved-1f1b interleaves stages over the --pp ranks: use --pp 2 or more, or 1f1b"),
             (args.tp or not args.sequence_parallel,
              "--sequence-parallel splits the norms over the --tp ranks: pass --tp"),
             (alone or args.parallel != "zero1", "--parallel zero1 keeps a whole model's optimizer state on a rank, not "
@@ -141,6 +143,8 @@ class Stage(nn.Module):
         t, T = self.transformer, x.size(1)
         if self.first:
             x = t.drop(t.wte(x) + (t.wpe(torch.arange(T, device=x.device)) if "wpe" in t else 0))
+            if self.config.half_residual and torch.is_autocast_enabled(x.device.type):  # as GPT.forward's stream
+                x = x.to(torch.get_autocast_dtype(x.device.type))
         rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.rope_cos is not None else None
         for block in t.h.values():
             x = block(x, rope)

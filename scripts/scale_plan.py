@@ -65,9 +65,10 @@ def memory(plan: Plan, per_token: float) -> dict[str, float]:
         block = sum(p.numel() for p in Block(c, 0).parameters())
     stage = (c.n_layer // plan.pp * block + c.vocab_size * c.n_embd + c.block_size * c.n_embd) / plan.tp
     sharded = 16 * stage / plan.dp  # fp32 weights 4, gradients 4, AdamW's two moments 8: FSDP2 over dp
-    # --tp/--pp shards hold their bf16 weights gathered for the step and bf16 gradients between micro-steps; plain
-    # FSDP2 gathers a block or two at a time
-    held = 4 * stage if plan.tp * plan.pp > 1 else 2 * 2 * block
+    # --tp/--pp shards hold their bf16 weights gathered for the step and their gradients between micro-steps, which
+    # FSDP2 accumulates unsharded in its reduce dtype, fp32 (FSDPParam.to_accumulated_grad_if_needed); plain FSDP2
+    # gathers a block or two at a time
+    held = (2 + 4) * stage if plan.tp * plan.pp > 1 else 2 * 2 * block
     tokens, t = plan.micro * c.block_size, plan.tp
     # bytes a block saves per token and width: measured (GELU, bf16); under TP the norms' and matmuls' inputs stay
     # whole (12 of them), the rest splits; sequence parallel splits the norms' 8 too

@@ -18,7 +18,7 @@ import train
 from conftest import make_token_data, run_torchrun
 from model import GPT, MODEL_PRESETS
 from parallel import StepArgs
-from parallelize import data_rank, reorder, shard_problem
+from parallelize import Stage, data_rank, reorder, shard_problem
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,15 @@ def test_fused_rows_give_each_rank_whole_heads_and_come_back():
     assert shares[0].tolist() == [*range(0, 8), *range(16, 20), *range(24, 28)]  # q heads 0-1, kv head 0
 
 
+def test_a_stage_keeps_the_half_residual_stream():
+    # --half-residual: the residual stream in autocast's dtype from the embedding on, as GPT.forward makes it
+    torch.manual_seed(0)
+    gpt = GPT(dataclasses.replace(MODEL_PRESETS["tiny"](), vocab_size=512, half_residual=True)).eval()
+    x = torch.randint(0, 512, (2, 16))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(Stage(gpt, 0, 2)(x), gpt(x)[0])
+
+
 def test_tensor_and_pipeline_groups_share_their_data_rank():
     args = StepArgs(tp=2, pp=2)  # mesh (pp, dp, tp) over 8 ranks: dp = 2
     assert [data_rank(args, r, 8) for r in range(8)] == [(0, 2), (0, 2), (1, 2), (1, 2)] * 2
@@ -147,6 +156,7 @@ def test_what_cannot_shard_is_refused_in_one_line(flags, world, error):
     (dict(pp=2, optimizer="muon"), "--optimizer muon needs whole matrices"),
     (dict(tp=2, dtype="fp16"), "--dtype fp16's GradScaler"),
     (dict(sequence_parallel=True), "--sequence-parallel splits the norms over the --tp ranks"),
+    (dict(pp=1, pp_schedule="interleaved-1f1b"), "--pp-schedule interleaved-1f1b interleaves stages over the --pp"),
     (dict(pp=2, pp_schedule="zero-bubble"), "--pp-schedule must be one of 1f1b, gpipe, interleaved-1f1b"),
     (dict(tp=2, hellaswag="off"), "--sample-every: not under --tp/--pp"),
     (dict(pp=2, sample_every=0, label_smoothing=0.1), "--label-smoothing, --hellaswag-every: not under --tp/--pp"),
@@ -168,3 +178,14 @@ def test_tensor_parallel_without_torchrun_names_the_fix(tokens512, tmp_path, cap
         train.main([*BASE, "--data", str(tokens512), "--out-dir", str(tmp_path), "--tp", "2"])
     assert capsys.readouterr().err == ("error: --tp 2 x --pp 1 = 2 ranks must divide the world size 1: launch "
                                        "torchrun with a multiple of 2 processes\n")
+
+
+def test_the_plan_holds_fp32_gradients_between_micro_steps():
+    # FSDP2 (reduce dtype fp32) accumulates a shard's unsharded gradients in fp32 while the pipeline schedule keeps
+    # gradient sync off: 2 + 4 bytes a parameter of the stage with its bf16 weights (docs/scale.md's table)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scale_plan", Path(__file__).parents[1] / "scripts/scale_plan.py")
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    assert [round(plan.memory(p, 36.1)["held"], 2) for p in plan.PLANS] == [0.12, 9.64, 8.64]
