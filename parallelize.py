@@ -75,7 +75,8 @@ def shard_problem(args: Any, config: GPTConfig, world: int) -> str | None:
               (config.n_head % tp or config.kv_heads % tp, f"--tp {tp} must divide the {config.n_head} heads and the "
                                                            f"{config.kv_heads} key-value heads: use a divisor of both"),
               (config.vocab_size % tp or hidden % tp,
-               f"--tp {tp} must divide the padded vocabulary ({config.vocab_size}) and the MLP width ({hidden})"),
+               f"--tp {tp} must divide the vocabulary ({config.vocab_size} rows) and the MLP width ({hidden}); an HF "
+               "GPT-2's 50,257 rows (29 x 1733) divide by no --tp: fine-tune it with --pp or --parallel fsdp"),
               (stages > config.n_layer, f"--pp {pp} with --pp-schedule {args.pp_schedule} makes {stages} stages of "
                                         f"the {config.n_layer} blocks: lower --pp"),
               (config.fused_gelu or config.fused_ce or config.loss_chunk,

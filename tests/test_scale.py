@@ -145,6 +145,8 @@ def test_tensor_and_pipeline_groups_share_their_data_rank():
     (dict(tp=2, arch=dict(dropout=0.1)), 2, "use --dropout 0"),
     (dict(tp=2), 4, "over 2 data-parallel ranks shard them with FSDP2: pass --parallel fsdp"),
     (dict(tp=2), 3, "--tp 2 x --pp 1 = 2 ranks must divide the world size 3"),
+    (dict(tp=2, arch=dict(vocab_size=50257)), 2, "--tp 2 must divide the vocabulary (50257 rows) and the MLP width "
+     "(256); an HF GPT-2's 50,257 rows (29 x 1733) divide by no --tp: fine-tune it with --pp or --parallel fsdp"),
 ])
 def test_what_cannot_shard_is_refused_in_one_line(flags, world, error):
     cfg = train.TrainConfig(model="tiny", hellaswag="off", sample_every=0, **flags)
