@@ -78,7 +78,7 @@ class BenchConfig:
     kernel_impls: str = "eager,compile,triton"  # which kernel implementations to time (comma list)
     decode_model: str = "gpt2"  # preset of the random decode and int8 weights: gpt2 (124M) or tiny
     decode_tokens: tuple[int, ...] = (128, 512)  # new tokens per decode row (greedy, batch 1, a 16-token prompt)
-    ckpt: str = ""  # int8 and prune weights: a checkpoint; '' = --init-from (int8), or random --decode-model weights
+    ckpt: str = ""  # int8 and prune weights: a checkpoint; '' = --init-from, or random --decode-model weights
     init_from: str = ""  # or an HF GPT-2 (gpt2 or a local directory). Random weights make the agreement meaningless
     int8_tokens: int = 128  # greedy tokens per int8 and prune row; the later rows count those equal to the first's
     prune_sparsity: float = 0.5  # prune rows: magnitude and structured prune this share (2:4 always 0.5)
@@ -96,8 +96,13 @@ class BenchConfig:
             raise ValueError(f"--suite must be all or a comma list of {', '.join(SUITES)}; got {self.suite!r}")
         if min(self.steps, self.grad_accum, self.int8_tokens) < 1:
             raise ValueError("--steps, --grad-accum and --int8-tokens must be >= 1")
+        if not 0 <= self.prune_sparsity < 1:
+            raise ValueError(f"--prune-sparsity must be in [0, 1); got {self.prune_sparsity}")
+        if Path(self.out).is_dir():
+            raise ValueError(f"--out {self.out} is a directory; pass the JSON file to write, e.g. "
+                             f"{Path(self.out) / 'bench.json'}")
         if self.ckpt and self.init_from:
-            raise ValueError("pass either --ckpt or --init-from (the int8 suite's weights), not both")
+            raise ValueError("pass either --ckpt or --init-from (the int8 and prune suites' weights), not both")
         for variant in select_variants(self):  # a misspelt --variants, or a field TrainConfig refuses, fails now
             train_config(self, variant)
 
@@ -479,7 +484,8 @@ def bench_prune(cfg: BenchConfig) -> list[Row]:
 
     device = torch.device(cfg.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    source = GPT.from_checkpoint(cfg.ckpt) if cfg.ckpt else random_gpt(cfg.decode_model, cfg.seed)
+    source = GPT.from_checkpoint(cfg.ckpt) if cfg.ckpt else GPT.load(None, cfg.init_from) if cfg.init_from else \
+        random_gpt(cfg.decode_model, cfg.seed)
     T = min(cfg.seq_len, source.config.block_size)
     x = torch.randint(0, common.GPT2_VOCAB, (max(cfg.batch_sizes), T), generator=torch.Generator().manual_seed(0))
     prompt = x[:1, :16].to(device)
@@ -504,8 +510,8 @@ def bench_prune(cfg: BenchConfig) -> list[Row]:
         return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, ref),
                 "forward_ms": ms, "params": sum(n for n, _ in params), "nonzero": sum(z for _, z in params)}
 
-    base = {"suite": "prune", "weights": cfg.ckpt or f"random {cfg.decode_model}", "dtype": str(dtype),
-            "B": x.size(0), "T": T, "new_tokens": cfg.int8_tokens}
+    base = {"suite": "prune", "weights": cfg.ckpt or cfg.init_from or f"random {cfg.decode_model}",
+            "dtype": str(dtype), "B": x.size(0), "T": T, "new_tokens": cfg.int8_tokens}
     dense, rows = (lambda model: None), []
     for name, method, sparsity, convert in (
             ("dense", "magnitude", 0.0, dense), ("magnitude", "magnitude", cfg.prune_sparsity, dense),
@@ -630,7 +636,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"error: --table-from {cfg.table_from} is not a bench.py JSON file ({e!r})") from None
         return {**result, "table": table}
-    if cfg.ckpt and "int8" in cfg.suites() and not Path(cfg.ckpt).is_file():  # before the other suites' minutes
+    if cfg.ckpt and {"int8", "prune"} & set(cfg.suites()) and not Path(cfg.ckpt).is_file():  # before other suites
         raise SystemExit(f"error: --ckpt {cfg.ckpt}: no such file; pass a checkpoint that train.py wrote")
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     rank, _, world, _ = common.setup_distributed(cfg.device)  # under torchrun: the tp/pp rows; rank 0 reports

@@ -98,14 +98,16 @@ class Pruning:
         self.pruned = [(params[n], ~keep.to(params[n].device)) for n, keep in record["masks"].items()]
 
     @torch.no_grad()
-    def hold(self, grads: bool = False) -> None:
-        """Zero the pruned weights (or their gradients)."""
+    def hold(self) -> None:
+        """Zero the pruned weights."""
         for p, pruned in self.pruned:
-            (p.grad if grads else p).masked_fill_(pruned, 0.0)
+            p.masked_fill_(pruned, 0.0)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        # gradients masked before the step (AdamW's moments stay 0), weights after it (Muon's update is dense)
-        optimizer.register_step_pre_hook(lambda *_: self.hold(grads=True))
+        # gradients masked as backward makes them (so clipping and the logged norm count only the weights kept, and
+        # AdamW's moments stay 0), weights after each step (Muon's update is dense)
+        for i, (p, _) in enumerate(self.pruned):
+            p.register_hook(lambda g, i=i: g.masked_fill(self.pruned[i][1], 0.0))
         optimizer.register_step_post_hook(lambda *_: self.hold())
 
     def sparsity(self) -> float:

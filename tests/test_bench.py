@@ -431,6 +431,17 @@ def test_main_writes_json_with_provenance_config_and_table(tmp_path, capsys):
     assert mm["part"] == "matmul" and mm["calls"] > 0 and mm["ms"] <= row["breakdown"]["parts_ms"]["matmul"]
 
 
+def test_prune_rows_time_the_hf_model_init_from_names(tmp_path):
+    import export
+
+    model = GPT(dataclasses.replace(MODEL_PRESETS["tiny"](), block_size=16))
+    export.export_hf(model, tmp_path / "hf")
+    rows = bench.bench_prune(BenchConfig(**{**TINY, "steps": 1, "warmup": 0}, init_from=str(tmp_path / "hf"),
+                                         int8_tokens=2))
+    assert {r["weights"] for r in rows} == {str(tmp_path / "hf")} and rows[0]["T"] == 16  # not random GPT-2 weights
+    assert rows[0]["params"] == sum(p.numel() for p in GPT.load(None, str(tmp_path / "hf")).parameters())
+
+
 def test_table_from_prints_the_rows_of_a_run_cut_short(tmp_path, capsys):
     # a GPU call killed at its time limit prints no table; its JSON, rewritten after every row, has the rows so far
     out = tmp_path / "bench.json"
@@ -461,6 +472,9 @@ def test_cpu_defaults_are_the_small_ones_and_resolving_twice_changes_nothing():
     (["--variants", "eagr"], "--variants: unknown eagr"),
     (["--steps", "0"], "--steps, --grad-accum and --int8-tokens must be >= 1"),
     (["--model", "gpt5"], "--model must be one of"),  # TrainConfig's own check, before any row
+    (["--suite", "prune", "--decode-model", "tiny", "--prune-sparsity", "1.5"],  # not each row failing alone
+     r"--prune-sparsity must be in \[0, 1\); got 1.5"),
+    (["--suite", "prune", "--ckpt", "no/such.pt"], "error: --ckpt no/such.pt: no such file"),  # not a suite's error
 ])
 def test_bad_flags_exit_with_a_message(argv, message):
     with pytest.raises(SystemExit, match=message):
@@ -468,7 +482,8 @@ def test_bad_flags_exit_with_a_message(argv, message):
 
 
 def test_an_out_path_that_cannot_be_written_fails_before_any_row(tmp_path, capsys):
-    with pytest.raises(IsADirectoryError):  # the JSON is written once before the first row, then after each
+    with pytest.raises(SystemExit, match=f"--out {tmp_path} is a directory; pass the JSON file to write, e.g. "
+                       f"{tmp_path / 'bench.json'}"):  # one line, not the traceback of the first write's rename
         main(["--device", "cpu", "--suite", "hellaswag", "--out", str(tmp_path)])
     assert "hellaswag" not in capsys.readouterr().out  # no row ran
 

@@ -20,7 +20,7 @@ from chat_format import is_chat
 from common import get_tokenizer, load_checkpoint
 from conftest import one_line_error
 from model import GPT, GPTConfig
-from parallel import StepArgs, build_trainable, train_step
+from parallel import StepArgs, build_trainable, lm_loss, train_step
 
 SMALL = GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=32, dropout=0.1)  # GPT-2's vocabulary: the tokenizer's ids
 HELLASWAG = Path(__file__).resolve().parent / "data" / "hellaswag_tiny.jsonl"  # 6 examples
@@ -186,6 +186,21 @@ def test_masks_hold_after_optimizer_steps(optimizer):
     assert all((p != q).any() for p, q in zip(trained, started, strict=True))  # the kept weights trained
     _, unheld = steps(hold=False)  # the test can fail: without the hooks the optimizer revives pruned weights
     assert unheld.sparsity() < 0.01
+
+
+def test_clipping_and_the_logged_norm_count_only_the_kept_weights():
+    x = torch.randint(0, 64, (4, 16))
+    batch = lambda: (x, torch.roll(x, -1, 1))
+    model = noisy(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32))
+    masks = prune.magnitude_masks(model, 0.75, "global")
+    pruning = prune.Pruning(model, {"masks": masks, "dense": {"weights": 1}})
+    pruning.hold()
+    lm_loss(model, batch()).backward()  # the dense gradient: the removed weights' entries are not 0
+    kept = torch.cat([(p.grad * masks.get(n, 1)).flatten() for n, p in model.named_parameters()]).norm()
+    model.zero_grad(set_to_none=True)
+    built = build_trainable(model, StepArgs(device="cpu"), torch.device("cpu"), False, verbose=False)
+    pruning.attach(built.optimizer)
+    torch.testing.assert_close(train_step(built.model, built.optimizer, batch, 1, built.autocast, 1.0)[1], kept)
 
 
 def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, token_data, tmp_path):
