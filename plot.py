@@ -112,7 +112,8 @@ def read_run(log: Path) -> tuple[dict, dict[str, list[dict]]]:
         raise FileNotFoundError(f"--log {log} does not exist; train.py writes it as <out_dir>/log.jsonl")
     config, curves = load_curves(log)
     if not curves.get("train"):
-        raise ValueError(f"{log} has no train records yet; run train.py first")
+        raise ValueError(f"{log} has no train records: its run trained no step yet (or had --max-steps 0, as "
+                         "prune.py's default); nothing to draw")
     return config, curves
 
 

@@ -48,7 +48,8 @@ def test_plot_errors(tmp_path):
         plot.main(["--log", str(tmp_path)])
     empty = tmp_path / "log.jsonl"
     empty.write_text(json.dumps({"type": "config", "step": 0}) + "\n")
-    with pytest.raises(SystemExit, match="no train records"):
+    with pytest.raises(SystemExit, match=r"has no train records: its run trained no step yet \(or had --max-steps 0, "
+                                         r"as prune.py's default\); nothing to draw$"):  # not 'run train.py first'
         plot.main(["--log", str(empty)])
     with pytest.raises(SystemExit, match="--x must be 'step' or 'tokens'"):
         plot.main(["--log", str(empty), "--x", "time"])
