@@ -429,6 +429,8 @@ class GPT(nn.Module):
 
             path = Path(snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "vocab.json",
                                                                        "model.safetensors.index.json"]))
+            if not any(path.glob("*.safetensors")):  # an older repo: pytorch_model.bin only (or its shards)
+                path = Path(snapshot_download(name_or_dir, allow_patterns=["pytorch_model*.bin", "*.bin.index.json"]))
         hf = json.loads((path / "config.json").read_text())
         _check_plain_gpt2(hf, path)
         inner = hf.get("n_inner") if hf.get("n_inner") != 4 * hf["n_embd"] else None  # a pruned MLP's (prune.py)

@@ -644,6 +644,29 @@ def test_from_pretrained_matches_hf_logits(tmp_path, layout):
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
+def test_from_pretrained_gets_a_hub_repo_of_pytorch_model_bin_only(tmp_path, monkeypatch):
+    """snapshot_download fetched config.json and *.safetensors only: such a repo was refused as lacking its weights."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    _, hf = _hf_model(tmp_path)
+    _save_bin(hf, tmp_path / "repo", shards=1)
+
+    def snapshot_download(name: str, allow_patterns: list[str]) -> str:  # the hub's, on a local copy of the repo
+        for f in (tmp_path / "repo").iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, tmp_path / "cache" / f.name)
+        return str(tmp_path / "cache")
+
+    (tmp_path / "cache").mkdir()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    idx = torch.randint(0, 50257, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(GPT.load(None, "user/gpt2-bin").eval()(idx)[0], hf(idx).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_from_pretrained_names_a_missing_shard(tmp_path):
     _, hf = _hf_model(tmp_path)
     _save_bin(hf, tmp_path, shards=3)
