@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import checkpoints, load_checkpoint
+from common import GPT2_VOCAB, checkpoints, gpt2_bpe_dir, load_checkpoint
 from fused_ce import lm_loss, token_losses
 from fused_gelu import bias_gelu
 
@@ -427,8 +427,10 @@ class GPT(nn.Module):
         if not path.is_dir():
             from huggingface_hub import snapshot_download  # installed with datasets
 
-            path = Path(snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors",
+            path = Path(snapshot_download(name_or_dir, allow_patterns=["config.json", "*.safetensors", "vocab.json",
                                                                        "model.safetensors.index.json"]))
+            if not any(path.glob("*.safetensors")):  # an older repo: pytorch_model.bin only (or its shards)
+                path = Path(snapshot_download(name_or_dir, allow_patterns=["pytorch_model*.bin", "*.bin.index.json"]))
         hf = json.loads((path / "config.json").read_text())
         _check_plain_gpt2(hf, path)
         inner = hf.get("n_inner") if hf.get("n_inner") != 4 * hf["n_embd"] else None  # a pruned MLP's (prune.py)
@@ -437,6 +439,10 @@ class GPT(nn.Module):
         config = GPTConfig(**{**shape, **overrides})  # an override (e.g. dropout, fused_gelu) wins
         # HF's causal-mask buffers (.attn.bias, .attn.masked_bias) are never looked up
         sd_hf = {k.removeprefix("transformer."): v for k, v in _load_hf_weights(path).items()}
+        if (head := sd_hf.get("lm_head.weight")) is not None and not torch.equal(head, sd_hf.get("wte.weight", head)):
+            # transformers 5 then keeps the two apart, as tie_word_embeddings=False would
+            raise ValueError(f"{path} holds an lm_head.weight unlike its wte.weight: an untied output layer, which "
+                             "this model (one matrix embeds and un-embeds) does not implement")
         model = cls(config)
         with torch.no_grad():
             for key, p in model.state_dict().items():
@@ -564,6 +570,12 @@ def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:
         found = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
         raise ValueError(f"{path} is a GPT-2 variant this model does not implement ({found}); only plain GPT-2 "
                          "checkpoints load")
+    vocab = path / "vocab.json"  # a tokenizer of its own: this project encodes text with GPT-2's BPE only
+    if hf["vocab_size"] < GPT2_VOCAB or vocab.is_file() and json.loads(vocab.read_text()) != json.loads(
+            (gpt2_bpe_dir() / "encoder.json").read_text()):
+        raise ValueError(f"{path} was trained with a tokenizer other than GPT-2's (vocab_size {hf['vocab_size']}"
+                         f"{', its own vocab.json' * vocab.is_file()}), and this project encodes text with GPT-2's "
+                         "BPE only: its ids would mean other words")
 
 
 def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:

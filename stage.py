@@ -546,7 +546,7 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
         return {}
     try:
         return run(cfg, setup)
-    except (DataError, ValueError, FileNotFoundError) as e:
+    except (DataError, ValueError, FileNotFoundError, IsADirectoryError) as e:  # rl.py --init-from DIR
         message = f"error: {e}"
     except torch.cuda.OutOfMemoryError as e:  # the usual first failure on a new GPU: say what to change
         at = f"--batch-size {cfg.batch_size}: lower it (gradient accumulation keeps --total-batch-size)" \

@@ -599,7 +599,8 @@ def _hf_model(tmp_path, **config):
     as we do, so without noise a loader that dropped those tensors would still match."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    hf_cfg = transformers.GPT2Config(vocab_size=101, n_positions=48, n_embd=32, n_layer=2, n_head=4, **config)
+    shape = dict(vocab_size=50257, n_positions=48, n_embd=32, n_layer=2, n_head=4)  # GPT-2's vocabulary: its tokenizer
+    hf_cfg = transformers.GPT2Config(**{**shape, **config})
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -636,11 +637,34 @@ def test_from_pretrained_matches_hf_logits(tmp_path, layout):
         _save_bin(hf, tmp_path, shards=1 if layout == "bin" else 3)
     assert (tmp_path / "model.safetensors").exists() == (layout == "safetensors")
     model = GPT.from_pretrained(str(tmp_path)).eval()
-    idx = torch.randint(0, 101, (2, 48))
+    idx = torch.randint(0, 50257, (2, 48))
     with torch.no_grad():
         ours, _ = model(idx)
         theirs = hf(idx).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_from_pretrained_gets_a_hub_repo_of_pytorch_model_bin_only(tmp_path, monkeypatch):
+    """snapshot_download fetched config.json and *.safetensors only: such a repo was refused as lacking its weights."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    _, hf = _hf_model(tmp_path)
+    _save_bin(hf, tmp_path / "repo", shards=1)
+
+    def snapshot_download(name: str, allow_patterns: list[str]) -> str:  # the hub's, on a local copy of the repo
+        for f in (tmp_path / "repo").iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, tmp_path / "cache" / f.name)
+        return str(tmp_path / "cache")
+
+    (tmp_path / "cache").mkdir()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    idx = torch.randint(0, 50257, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(GPT.load(None, "user/gpt2-bin").eval()(idx)[0], hf(idx).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_from_pretrained_names_a_missing_shard(tmp_path):
@@ -683,6 +707,37 @@ def test_from_pretrained_refuses_gpt2_variants_it_cannot_reproduce(tmp_path, var
         GPT.from_pretrained(str(tmp_path))
 
 
+def test_from_pretrained_refuses_another_tokenizers_model_in_one_line(tmp_path, capsys):
+    """A GPT-2 trained with its own tokenizer: sample.py encoded GPT-2 ids into it (an IndexError traceback for those
+    past its rows), chat.py padded it and chatted in the wrong ids."""
+    import sample
+
+    _, hf = _hf_model(tmp_path, vocab_size=32000)
+    hf.save_pretrained(tmp_path / "small")
+    with pytest.raises(SystemExit) as e:
+        sample.main(["--init-from", str(tmp_path / "small"), "--prompt", " clutching newfound"])
+    assert str(e.value) == (f"error: {tmp_path / 'small'} was trained with a tokenizer other than GPT-2's "
+                            "(vocab_size 32000), and this project encodes text with GPT-2's BPE only: its ids would "
+                            "mean other words")
+    _, hf = _hf_model(tmp_path)  # GPT-2's size, another BPE's vocab.json
+    hf.save_pretrained(tmp_path / "own")
+    (tmp_path / "own" / "vocab.json").write_text(json.dumps({f"t{i}": i for i in range(50257)}))
+    with pytest.raises(ValueError, match=r"\(vocab_size 50257, its own vocab.json\)"):
+        GPT.from_pretrained(str(tmp_path / "own"))
+
+
+def test_from_pretrained_refuses_an_lm_head_unlike_wte(tmp_path):
+    """tie_word_embeddings is true, but the file holds an lm_head of its own: transformers 5 computes with it."""
+    from safetensors.torch import load_file, save_file
+
+    _, hf = _hf_model(tmp_path)
+    hf.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({**weights, "lm_head.weight": weights["transformer.wte.weight"] + 1}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="holds an lm_head.weight unlike its wte.weight: an untied output layer"):
+        GPT.from_pretrained(str(tmp_path))
+
+
 def test_from_pretrained_refuses_another_model_type(tmp_path):
     _, hf = _hf_model(tmp_path)
     hf.save_pretrained(tmp_path)
@@ -698,7 +753,7 @@ def test_from_pretrained_overrides_win_and_pytorch_tanh_gelu_loads(tmp_path):
     hf.save_pretrained(tmp_path)
     model = GPT.from_pretrained(str(tmp_path), block_size=48, dropout=0.1).eval()
     assert (model.config.block_size, model.config.dropout) == (48, 0.1)
-    idx = torch.randint(0, 101, (2, 48))
+    idx = torch.randint(0, 50257, (2, 48))
     with torch.no_grad():
         torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-5, rtol=1e-5)
 

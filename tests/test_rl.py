@@ -142,7 +142,7 @@ def test_rl_on_two_ranks_equals_one_process(models, tmp_path, algo):
     assert {k: ddp[k] for k in single["task"]} == single["task"]
 
 
-def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys):
+def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys, hf_dir):
     def error(*extra: str) -> str:
         return one_line_error(capsys, rl.main, flags(models, tmp_path / "out", *extra))
 
@@ -163,6 +163,12 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys):
                                                           "prompt with a reply of --max-new-tokens 6 takes 19")
     assert error("--init-from", str(tmp_path / "none.pt")).startswith(f"error: checkpoint {tmp_path / 'none.pt'} "
                                                                       "does not exist")
+    # a directory was an IsADirectoryError traceback, whose hint named the --init-from just given
+    assert error("--init-from", str(hf_dir)) == (f"error: checkpoint {hf_dir} is a directory, not a file; it has a "
+                                                 "config.json, so it looks like an HF GPT-2 directory: load it with "
+                                                 f"--init-from {hf_dir} (not rl.py's, which starts from a checkpoint "
+                                                 "of this project: sft.py --init-from it first)")
+    assert error("--reward-model", str(policy.parent)).startswith(f"error: checkpoint {policy.parent} is a directory")
 
 
 def test_the_lr_warms_up_then_decays_linearly_to_zero_at_max_steps():
