@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import engine
 import stage
 from chat_format import CHAT_VOCAB, RowStream, load_rows, render, row_errors, split_rows
 from common import EOT, LOCAL, all_sum, run_and_exit
@@ -292,7 +293,9 @@ def setup(cfg: PrefsConfig, ctx: Context) -> Run:
                                             cfg.seed, data.device, shuffle=split == "train")
     setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
     pairs = objective(cfg, ctx)
-    setup.build()
+    ref = pairs.metrics_fn.keywords.get("ref")  # DPO's: --init-from loaded again, so a resume checks it is the same
+    setup.build(parts={"reference": ref and stage.Reference(engine.weights_digest(ref), cfg.init_from,
+                                                            "took its DPO reference from")})
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx, pairs)
     return setup.run(step_fn, pair_evals(cfg, setup, pairs) + stage.task_evals(cfg, setup))
 

@@ -240,25 +240,13 @@ class PromptSampler:
         return out
 
     def state_dict(self) -> dict[str, int]:
-        return {"served": self.served, "problems": len(self.problems)}
+        return {"served": self.served, "problems": len(self.problems), "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        check_flags((state.get(key, mine) == mine, f"cannot resume the prompt stream: {key}={state.get(key)} in the "
+                     f"checkpoint but {mine} here; resume with the same --task and --seed, or start a new run")
+                    for key, mine in (("problems", len(self.problems)), ("seed", self.seed)))
         self.served = int(state["served"])
-
-
-@dataclasses.dataclass
-class Reference:
-    """The KL anchor's weights digest, a checkpointed part: resuming from another --init-from would move the anchor."""
-
-    digest: str
-    init_from: str
-
-    def state_dict(self) -> dict[str, str]:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict[str, str]) -> None:
-        check_flags([(state["digest"] == self.digest, f"the run resumed was anchored (--beta) to the weights of --init-"
-                      f"from {state['init_from']}, not {self.init_from}'s: pass its --init-from, or start a new run")])
 
 
 def rollouts(model: GPT, problems: list[dict], samples: int, seed: int, cfg: RLConfig, rank: int,
@@ -475,7 +463,8 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     raw, rm = raw.to(ctx.device), rm.to(ctx.device) if rm else None
     ref = frozen_copy(raw) if cfg.beta > 0 else None
     built = build_trainable(raw, cfg, ctx.device, stage.use_compile(cfg, ctx.device), verbose=ctx.master)
-    anchor = Reference(engine.weights_digest(ref.transformer), cfg.init_from) if ref is not None else None
+    anchor = stage.Reference(engine.weights_digest(ref.transformer), cfg.init_from, "was anchored (--beta) to") \
+        if ref is not None else None
     parts = {"sampler": PromptSampler(train_problems, cfg.seed), "scaler": built.scaler, "tokens": engine.TokenCount(),
              "reference": anchor}
     start = stage.resume(found, checkpointer, raw, built, parts, cfg, ctx) if found else 0

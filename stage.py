@@ -345,8 +345,9 @@ class Setup:
             check_resume(self.found, cfg)
         self.raw = build_model(cfg, self.found, ctx, vocab)
 
-    def build(self, fingerprint: dict[str, Any] | None = None) -> None:
-        """`fingerprint`: what else every rank must share (train.py's HellaSwag examples)."""
+    def build(self, fingerprint: dict[str, Any] | None = None, parts: dict[str, Any] | None = None) -> None:
+        """`fingerprint`: what else every rank must share (train.py's HellaSwag examples); `parts`: the stage's own
+        checkpointed parts (prefs.py's DPO reference)."""
         cfg, ctx = self.cfg, self.ctx
         loaders = [loader for loader in (self.train_loader, self.val_loader) if loader is not None]
         if ctx.world > 1:  # what every rank must share, compared once; a digest of a 1.5B model takes seconds
@@ -365,7 +366,7 @@ class Setup:
         self.raw = self.built.shards or self.raw  # under --tp/--pp: this rank's part, which checkpoints and evaluates
         self.guard = SpikeGuard(cfg.skip_loss_z, cfg.skip_norm_z, ctx.world)
         self.parts = {"loader": self.train_loader, "scaler": self.built.scaler, "outliers": self.guard,
-                      "tokens": TokenCount()}
+                      "tokens": TokenCount(), **(parts or {})}
         self.start = resume(self.found, self.checkpointer, self.raw, self.built, self.parts, cfg, ctx) \
             if self.found else 0
         if ctx.master:
@@ -442,6 +443,23 @@ def print_header(cfg: StageArgs, raw: GPT, built: Trainable, start: int, grad_ac
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Resume: the refusals before anything is built, the restore and its notes
+
+
+@dataclass
+class Reference:
+    """A frozen reference's weights digest (RL's KL anchor, DPO's), a checkpointed part: the reference is --init-from
+    loaded again on resume, so another --init-from would move it. `tie`: how the run depends on it, for the error."""
+
+    digest: str
+    init_from: str
+    tie: str
+
+    def state_dict(self) -> dict[str, str]:
+        return {"digest": self.digest, "init_from": self.init_from}
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        check_flags([(state["digest"] == self.digest, f"the run resumed {self.tie} the weights of --init-from "
+                      f"{state['init_from']}, not {self.init_from}'s: pass its --init-from, or start a new run")])
 
 
 def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:

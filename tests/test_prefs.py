@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from chat_format import ASSISTANT_END
 from common import EOT, get_tokenizer, iter_log, load_checkpoint
+from conftest import one_line_error
 from fineweb import DataError
 from model import GPT, MODEL_PRESETS, GPTConfig
 from parallel import Objective, StepArgs, build_trainable, frozen_copy, rewards, sequence_logprobs, train_step
@@ -354,6 +355,23 @@ def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pa
     assert all(0 <= r["val_accuracy"] <= 1 for r in records if r["type"] == "val")
     ckpt = load_checkpoint(tmp_path / "full" / "ckpt_000004.pt")
     assert ("value_head.weight" in ckpt["model"]) == (preset == "rm-demo") and ckpt["chat"] is True
+
+
+def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_reference(addition_pairs, random_start,
+                                                                                    tmp_path, capsys):
+    import prefs
+
+    extra = ["--max-steps=2", "--ckpt-every=1", "--eval-every=0"]
+    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={random_start}",
+                         "--max-steps=1"))
+    other = tmp_path / "other.pt"
+    torch.manual_seed(1)
+    model = GPT(MODEL_PRESETS["tiny"]())
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)}, other)
+    resumed = pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={other}", "--resume=auto")
+    assert one_line_error(capsys, prefs.main, resumed) == (  # it trained on against another reference, silently
+        f"error: the run resumed took its DPO reference from the weights of --init-from {random_start}, not {other}'s: "
+        "pass its --init-from, or start a new run")
 
 
 @pytest.mark.parametrize("main, flags, message", [

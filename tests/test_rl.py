@@ -195,7 +195,7 @@ def test_the_prompt_stream_is_a_seeded_order_per_epoch():
     sampler = rl.PromptSampler(problems, seed=3)
     served = [p["answer"] for p in sampler.next(4) + sampler.next(6)]
     assert sorted(served[:5]) == sorted(served[5:]) == list("01234") and served[:5] != served[5:]  # two epochs
-    assert sampler.state_dict() == {"served": 10, "problems": 5}
+    assert sampler.state_dict() == {"served": 10, "problems": 5, "seed": 3}
     again = rl.PromptSampler(problems, seed=3)
     again.load_state_dict({"served": 4, "problems": 5})
     assert [p["answer"] for p in again.next(6)] == served[4:]
@@ -272,6 +272,14 @@ def test_a_resume_from_other_starting_weights_is_refused_where_they_are_the_kl_a
     assert one_line_error(capsys, rl.main, resumed) == (
         f"error: the run resumed was anchored (--beta) to the weights of --init-from {models[0]}, not {other}'s: pass "
         "its --init-from, or start a new run")
+
+
+def test_a_resume_with_another_seed_or_task_is_refused_the_prompt_stream_depends_on_them(models, tmp_path, capsys):
+    extra = ["--eval-every=0", "--pass-k=0", "--max-steps=2", "--ckpt-every=1"]
+    rl.main(flags(models, tmp_path / "run", *extra, "--max-steps=1"))
+    assert one_line_error(capsys, rl.main, flags(models, tmp_path / "run", *extra, "--resume=auto", "--seed=7")) == (
+        "error: cannot resume the prompt stream: seed=1337 in the checkpoint but 7 here; resume with the same --task "
+        "and --seed, or start a new run")  # it went on with other prompts and samples, silently
 
 
 def test_prompts_that_fill_the_policys_context_are_refused_at_setup(models, tmp_path, capsys):
