@@ -493,7 +493,7 @@ def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.M
 
 def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
     """Say so when the resumed run had another schedule (--max-steps, --lr-schedule...) that changes the lr."""
-    keys = ("max_steps", "warmup_steps", "lr_schedule", "min_lr_frac", "decay_frac")
+    keys = ("max_steps", "max_lr", "warmup_steps", "lr_schedule", "min_lr_frac", "decay_frac")
     old = dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved})
     changed = [k for k in keys if getattr(old, k) != getattr(cfg, k)]
     if cfg.eval_only or not changed:

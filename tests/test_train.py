@@ -1556,6 +1556,12 @@ def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_origina
                          "--resume=auto"))
     train.main(tiny_args(token_data, tmp_path / "cos", "--max-steps=9", "--eval-only", "--resume=auto"))
     assert note_lines(capsys.readouterr().out) == []
+    # another --max-lr changes every later step's lr, whatever the schedule
+    train.main(tiny_args(token_data, tmp_path / "const", "--max-steps=6", "--eval-every=0", "--lr-schedule=constant",
+                         "--max-lr=2e-3", "--resume=auto"))
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: the checkpoint's")] == [
+        "note: the checkpoint's run had --max-steps 5 and --max-lr 0.001, this run has 6 and 0.002: from step 5 the lr "
+        "is 0.002, not that run's 0.001"]
 
 
 def test_a_second_run_into_a_live_runs_out_dir_stops_and_a_killed_runs_lock_blocks_nothing(token_data, tmp_path,
