@@ -229,6 +229,7 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
         super().__post_init__()
         check_flags([(self.objective in ("reward", "dpo") and self.dpo_sft >= 0, "--objective must be reward or dpo "
                       f"and --dpo-sft >= 0; got {self.objective!r} and {self.dpo_sft}"),
+                     (0 < self.dpo_beta < float("inf"), f"--dpo-beta must be a positive number; got {self.dpo_beta}"),
                      (self.objective != "reward" or self.arch.setdefault("value_head", True) is True,
                       "--objective reward trains a value head: drop --value-head false")])
         # the other objective's flags, and the next-token loss's speed options, which neither objective computes

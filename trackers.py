@@ -17,10 +17,11 @@ from typing import Any
 from common import checkpoints, iter_log, same_verdict, write_error
 
 # the log.jsonl fields each record type sends; a field named after its type drops the prefix (val_loss -> val/loss).
-# train: pretraining's, then the preference objectives' (accuracy, margin) and rl.py's; a task's pass@k as well
+# train: pretraining's, then the preference objectives' (accuracy, margin) and rl.py's; a task's pass@k as well; val:
+# prune.py's sparsity too
 SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu", "accuracy", "margin", "reward", "reward_std", "kl",
                      "clip_frac", "entropy", "length", "value_loss", "rollout_tok_s", "update_tok_s"),
-           "val": ("val_loss", "val_bpb", "val_accuracy", "val_margin"), "hellaswag": ("acc", "acc_norm"),
+           "val": ("val_loss", "val_bpb", "val_accuracy", "val_margin", "sparsity"), "hellaswag": ("acc", "acc_norm"),
            "task": ("acc",), "core": ("core_metric",), "chatcore": ("chatcore",)}
 
 

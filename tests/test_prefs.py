@@ -381,6 +381,14 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
     ("prefs", ["--objective=reward", "--dpo-sft=1"], "--objective reward does not use --dpo-sft: drop it"),
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--reward-logprob"], "--objective dpo does not use --reward-log"),
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--loss-chunk=64"], "--objective dpo does not use --loss-chunk"),
+    # a negative beta trains towards the rejected replies while its accuracy reads as right; NaN stops at step 0
+    ("prefs", ["--objective=dpo", "--init-from=x.pt", "--dpo-beta=-0.1"],
+     "--dpo-beta must be a positive number; got -0.1"),
+    ("prefs", ["--objective=dpo", "--init-from=x.pt", "--dpo-beta=nan"],
+     "--dpo-beta must be a positive number; got nan"),
+    # a NaN, negative or infinite peak gives a NaN, negative or zero MFU in log.jsonl; 0 fell back to the table
+    ("sft", ["--peak-tflops=nan"], "--peak-tflops must be a positive number; got nan"),
+    ("train", ["--preset=tiny", "--peak-tflops=0"], "--peak-tflops must be a positive number; got 0.0"),
     # pretraining takes no flag of the post-training stages: refused, not silently ignored
     ("train", ["--preset=tiny", "--objective=dpo"], "unknown option --objective"),
     ("train", ["--preset=tiny", "--task=addition"], "unknown option --task"),

@@ -73,6 +73,9 @@ def test_scalars_are_named_by_record_type():
         {"task/acc": 0.5, "task/pass@8": 0.75}
     assert trackers.scalars({"type": "val", "step": 4, "val_loss": 0.6, "val_accuracy": 0.7, "val_margin": 0.2}) == \
         {"val/loss": 0.6, "val/accuracy": 0.7, "val/margin": 0.2}
+    # prune.py's: the sparsity its log.jsonl records at every evaluation
+    assert trackers.scalars({"type": "val", "step": 4, "val_loss": 6.4, "val_bpb": 2.6, "sparsity": 0.5}) == \
+        {"val/loss": 6.4, "val/bpb": 2.6, "val/sparsity": 0.5}
     # ChatCORE (sft.py/prefs.py --task A,B) and CORE: the mean and each task's accuracy
     assert trackers.scalars({"type": "chatcore", "step": 5, "results": {"mmlu": 0.5, "gsm8k": 0.25},
                              "centered_results": {"mmlu": 1 / 3, "gsm8k": 0.25}, "chatcore": 0.29}) == \
