@@ -16,9 +16,8 @@ from typing import Any
 
 from common import checkpoints, iter_log, same_verdict, write_error
 
-# the log.jsonl fields each record type sends; a field named after its type drops the prefix (val_loss -> val/loss).
-# train: pretraining's, then the preference objectives' (accuracy, margin) and rl.py's; a task's pass@k as well; val:
-# prune.py's sparsity too
+# log.jsonl fields per record type, one named after its type unprefixed (val_loss -> val/loss); train: pretraining's,
+# the preference objectives' and rl.py's; val: prune.py's sparsity too; task: pass@k as well (scalars, below)
 SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu", "accuracy", "margin", "reward", "reward_std", "kl",
                      "clip_frac", "entropy", "length", "value_loss", "rollout_tok_s", "update_tok_s"),
            "val": ("val_loss", "val_bpb", "val_accuracy", "val_margin", "sparsity"), "hellaswag": ("acc", "acc_norm"),
