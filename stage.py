@@ -297,13 +297,10 @@ def chatcore_eval(cfg: TaskEvalArgs, setup: Setup) -> Eval:
 
 
 def check_prompts(named: dict[str, tuple[Any, list[dict]]], seq_len: int) -> None:
-    """A ValueError now for a task scored by replies whose held-out prompt outgrows the context: generate() refused it
-    at the first task eval, with --task-every 0 after the whole training (multiple choice crops, as choose does)."""
-    for name, (task, problems) in named.items():
-        longest = 0 if isinstance(task, tasks.MultipleChoice) else tasks.longest_prompt(problems)
-        if longest >= seq_len:  # at seq_len, a 1-token reply at most
-            raise ValueError(f"--task {name}: a held-out prompt takes {longest} tokens, --seq-len {seq_len} or more "
-                             "(the model's context): raise --seq-len, or score another task")
+    """tasks.check_prompts now, against --seq-len: else generate() refused a long prompt at the first task eval, with
+    --task-every 0 after the whole training."""
+    tasks.check_prompts(named, seq_len, "--task", f"--seq-len {seq_len} or more (the model's context): raise "
+                        "--seq-len, or score another task")
 
 
 def val_windows(cfg: StageArgs, loader: Any, master: bool) -> int:

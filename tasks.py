@@ -223,6 +223,14 @@ def longest_prompt(problems: list[dict]) -> int:
     return max((len(render_prompt(p["messages"][:-1])) for p in problems), default=0)
 
 
+def check_prompts(named: dict[str, tuple[Any, list[dict]]], context: int, flag: str, fix: str) -> None:
+    """A ValueError naming the first task scored by replies whose prompt leaves no room for a reply in `context` tokens
+    (one at most): generate() would refuse or cut it, naming no task. Multiple choice crops, as choose does."""
+    for name, (task, problems) in named.items():
+        if not isinstance(task, MultipleChoice) and (longest := longest_prompt(problems)) >= context:
+            raise ValueError(f"{flag} {name}: a prompt takes {longest} tokens, {fix}")
+
+
 def summed(right: int, n: int, device: torch.device, world: int) -> dict:
     counts = all_sum(torch.tensor([right, n], dtype=torch.float64, device=device), world)
     return {"acc": counts[0].item() / max(1, counts[1].item()), "n": int(counts[1].item())}
@@ -447,10 +455,8 @@ def score_tasks(cfg: TasksConfig) -> dict:
         with user_errors(OSError, ValueError, DataError, RuntimeError):
             rank, _, world, device = setup_distributed(cfg.device)
             model, named = GPT.load(cfg.eval, None).to(device), named_tasks(cfg.tasks, cfg.split, cfg.limit)
-            for name, (task, problems) in named.items():  # choose crops; generate would refuse, naming no task
-                if not isinstance(task, MultipleChoice) and (n := longest_prompt(problems)) > model.config.block_size:
-                    raise ValueError(f"--tasks {name}: a prompt takes {n} tokens, more than the model's context "
-                                     f"({model.config.block_size}); score another task")
+            bs = model.config.block_size
+            check_prompts(named, bs, "--tasks", f"the model's whole context ({bs}) or more; score another task")
             autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
             result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)  # a user's check may raise
         if rank == 0:

@@ -150,5 +150,5 @@ def test_a_task_prompt_longer_than_the_context_is_refused_before_training(conver
                            f"--seq-len={seq_len}", f"--total-batch-size={4 * seq_len}"))
         out = capsys.readouterr()
         assert "val loss" not in out.out  # refused before step 0
-        assert out.err.endswith(f"\nerror: --task {task}:Wordy: a held-out prompt takes 75 tokens, --seq-len {seq_len} "
-                                "or more (the model's context): raise --seq-len, or score another task\n")
+        assert out.err.endswith(f"\nerror: --task {task}:Wordy: a prompt takes 75 tokens, --seq-len {seq_len} or "
+                                "more (the model's context): raise --seq-len, or score another task\n")

@@ -373,11 +373,14 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
         tasks.main(["--eval", str(ckpt), "--tasks", f"addition={tmp_path / 'a.jsonl'}"])
     assert e.value.code == (f"error: addition is made here, with splits train and test and no source; got 'test' and "
                             f"{tmp_path / 'a.jsonl'}")
-    long = write_rows(tmp_path / "long.jsonl", [{"question": "two " * 70, "answer": "#### 4"}])
-    with pytest.raises(SystemExit) as e:  # was generate's 'prompts must be ... crop long prompts', naming no task
-        tasks.main(["--eval", str(ckpt), "--tasks", f"gsm8k={long}"])
-    assert e.value.code == ("error: --tasks gsm8k: a prompt takes 75 tokens, more than the model's context (64); "
-                            "score another task")
+    # was generate's 'prompts must be ... crop long prompts', naming no task; a prompt that fills the context left
+    # room for a 1-token reply, scored wrong
+    for words, tokens in ((70, 75), (59, 64)):
+        long = write_rows(tmp_path / "long.jsonl", [{"question": "two " * words, "answer": "#### 4"}])
+        with pytest.raises(SystemExit) as e:
+            tasks.main(["--eval", str(ckpt), "--tasks", f"gsm8k={long}"])
+        assert e.value.code == (f"error: --tasks gsm8k: a prompt takes {tokens} tokens, the model's whole context (64) "
+                                "or more; score another task")
 
 
 def test_a_tasks_rows_and_rewards_are_checked_as_the_protocol_says(user_file):
