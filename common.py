@@ -524,6 +524,11 @@ def checkpoints(out_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
 
 
+def is_reward_model(ckpt: dict) -> bool:
+    """Whether a checkpoint is prefs.py --objective reward's: its value head scores replies; it is not a policy."""
+    return ckpt.get("train_config", {}).get("objective") == "reward"
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
                     mmap: bool = False) -> dict[str, Any]:
     """Load a checkpoint with `weights_only=True` (tensors and plain containers, never arbitrary pickles); mmap maps

@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from chat_format import ASSISTANT_END, CHAT_VOCAB, REPLY_STOPS, SYSTEM_START, is_chat
-from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, load_checkpoint, parse_config, user_errors
+from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, is_reward_model, load_checkpoint, parse_config, user_errors
 from model import GPT, HF_CONV1D, NORM_EPS, GPTConfig
 
 
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     with user_errors(OSError, ValueError):
         check_target(Path(cfg.export_hf))  # before a large checkpoint takes its time to load
         ckpt = load_checkpoint(cfg.ckpt, mmap=True)
-        if ckpt.get("train_config", {}).get("objective") == "reward":  # its score would be silently dropped
+        if is_reward_model(ckpt):  # its score would be silently dropped
             raise ValueError(f"--ckpt {cfg.ckpt} is a reward model: HF's classes have no place for its score (a value "
                              "head with a bias, read at <|assistant_end|>), so an export would load as a plain "
                              "language model; score with it here (rl.py --reward-model)")

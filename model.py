@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import GPT2_VOCAB, checkpoints, gpt2_bpe_dir, load_checkpoint
+from common import GPT2_VOCAB, checkpoints, gpt2_bpe_dir, is_reward_model, load_checkpoint
 from fused_ce import lm_loss, token_losses
 from fused_gelu import bias_gelu
 
@@ -474,12 +474,11 @@ class GPT(nn.Module):
         if ckpt and init_from:
             raise ValueError("pass either --ckpt or --init-from, not both")
         if ckpt:
-            model = cls.from_checkpoint(ckpt, map_location="cpu")
-            if load_checkpoint(ckpt, mmap=True).get("train_config", {}).get("objective") == "reward":  # no LM head
+            if is_reward_model(load_checkpoint(ckpt, mmap=True)):  # mapped, not read: refused before it is built
                 raise ValueError(f"{ckpt} is a reward model (prefs.py --objective reward): it scores replies, and "
                                  "its logits were never trained to write them; load a policy, or score with it in "
                                  "rl.py --reward-model")
-            return model
+            return cls.from_checkpoint(ckpt, map_location="cpu")
         if not init_from:
             raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
                              "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")

@@ -27,7 +27,7 @@ from torch import Tensor
 import engine
 import stage
 from chat_format import is_chat
-from common import LOCAL, load_checkpoint, provenance, run_and_exit, token_bytes
+from common import LOCAL, is_reward_model, load_checkpoint, provenance, run_and_exit, token_bytes
 from engine import Context, Run
 from fineweb import TokenLoader
 from model import GPT, checkpoint_config
@@ -251,7 +251,7 @@ def start_model(cfg: PruneConfig, found: tuple[Path, dict] | None) -> tuple[GPT,
     if not (path := stage.check_not_run_dir(cfg.init_from)).is_file():
         return GPT.load(None, cfg.init_from), None, source, False
     ckpt = load_checkpoint(path, mmap=True)
-    if ckpt.get("train_config", {}).get("objective") == "reward":  # rl.py and export.py would read it as a policy
+    if is_reward_model(ckpt):  # rl.py and export.py would read it as a policy
         raise ValueError(f"{source} is a reward model: recovery trains a language model's loss, not its score, and "
                          "its checkpoint would be read as a language model (by rl.py, export.py); prune a policy")
     return GPT.from_checkpoint(ckpt), ckpt.get("pruning"), source, is_chat(ckpt)

@@ -27,7 +27,7 @@ import engine
 import stage
 import tasks
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, render_prompt, reply_text
-from common import LOCAL, all_sum, get_tokenizer, load_checkpoint, provenance, run_and_exit
+from common import LOCAL, all_sum, get_tokenizer, is_reward_model, load_checkpoint, provenance, run_and_exit
 from engine import Context, Run
 from generate import Rollout, calculator, evaluating, generate
 from model import GPT
@@ -421,7 +421,7 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
     mc, trained, n_vocab = ckpt["model_config"], ckpt.get("train_config", {}), get_tokenizer().n_vocab
     longest = tasks.longest_prompt(problems) + cfg.max_new_tokens + 1  # and its end
     what = "a PPO policy, whose value head is a critic" if "algo" in trained else "a language model"
-    check_flags([(trained.get("objective") == "reward", f"--reward-model {path} is {what}, not a reward model: train "
+    check_flags([(is_reward_model(ckpt), f"--reward-model {path} is {what}, not a reward model: train "
                   "one with prefs.py --objective reward"),
                  (mc.get("vocab_size", 0) >= n_vocab, f"--reward-model {path} has {mc.get('vocab_size')} embedding "
                   f"rows, fewer than the GPT-2 tokenizer's {n_vocab} ids the replies are scored in: it reads another "
