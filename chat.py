@@ -46,13 +46,12 @@ class ChatConfig:
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_k, None)  # before a model loads
+        check_sampling(self.temperature, self.top_k, None, self.seed)  # before a model loads
         check_flags([(self.prompt is None or bool(self.prompt.strip()),
                       "--prompt is empty: pass a message, or leave --prompt out to chat interactively"),
                      (self.system is None or bool(self.system.strip()), "--system is empty: pass a message, or leave "
                       "--system out"),  # the first reply would fail on an empty system message
-                     (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
-                     (0 <= self.seed < 2**64, f"--seed must be in [0, 2**64), got {self.seed}")])
+                     (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")])
 
 
 def load_model(cfg: ChatConfig) -> tuple[GPT, bool]:

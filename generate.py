@@ -35,8 +35,9 @@ from parallel import check_flags
 # Sampling: filter the logits, draw a token
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    check_flags([(temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {temperature}"),  # NaN fails too
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int = 0) -> None:
+    check_flags([(0 <= seed < 2**64, f"--seed must be in [0, 2**64), got {seed}"),  # torch.Generator's range
+                 (temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {temperature}"),  # NaN fails too
                  (temperature < float("inf"), f"temperature must be finite, got {temperature}"),
                  (top_k is None or top_k >= 1, f"top_k must be >= 1 or None, got {top_k}"),
                  (top_p is None or 0.0 < top_p <= 1.0, f"top_p must be in (0, 1] or None, got {top_p}")])

@@ -53,9 +53,8 @@ class SampleConfig:
     corpus: str | None = None  # token-shard dir: report the share of sampled words in its train split, and blank lines
 
     def __post_init__(self) -> None:
-        check_flags([(self.quantize in ("none", "int8"), f"--quantize must be none or int8, got {self.quantize!r}"),
-                     (0 <= self.seed < 2**64, f"--seed must be in [0, 2**64), got {self.seed}")])  # torch's range
-        check_sampling(self.temperature, self.top_k, self.top_p)  # before a model loads
+        check_flags([(self.quantize in ("none", "int8"), f"--quantize must be none or int8, got {self.quantize!r}")])
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)  # before a model loads
         check_flags((getattr(self, name) >= 1, f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
                     for name in ("num_samples", "max_new_tokens"))
 
