@@ -381,10 +381,7 @@ def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     if (files := expand(source, lambda d: (f for f in d.rglob("*") if f.suffix in LOCAL_BUILDERS))) is None:
         raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
                         ".txt/.jsonl/.json/.parquet, or a hub dataset name")
-    src = Path(source).expanduser()  # a directory's files of other types are left out: named, not in silence
-    if src.is_dir() and (other := sorted(str(f.relative_to(src)) for f in src.rglob("*") if f.is_file() and f.suffix
-                                         not in LOCAL_BUILDERS and f.parent.resolve() != out and not any(
-                                             p.startswith(".") for p in f.relative_to(src).parts))):
+    if other := left_out(Path(source).expanduser(), out):  # named, not skipped in silence
         print(f"note: --source {source}: {len(other)} file(s) left out, not .txt/.jsonl/.json/.parquet: "
               f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
     records = ("_done.json", "_parts.json")  # parts: an older writer's
@@ -399,6 +396,15 @@ def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     if all(f.stat().st_size == 0 for f in files):  # datasets' json builder fails on these with a bare StopIteration
         raise DataError(f"--source {source} is empty: its {len(files)} file(s) hold no bytes")
     return files
+
+
+def left_out(src: Path, out: Path) -> list[str]:
+    """A --source directory's files that no builder reads (its hidden ones and out's records aside), by path in it."""
+    if not src.is_dir():
+        return []
+    other = (f.relative_to(src) for f in src.rglob("*")
+             if f.is_file() and f.suffix not in LOCAL_BUILDERS and f.parent.resolve() != out)
+    return sorted(str(f) for f in other if not any(part.startswith(".") for part in f.parts))
 
 
 def stdlib_files() -> list[Path]:
