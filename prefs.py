@@ -124,6 +124,8 @@ class PairLoader(RowStream):
     """Batches of B pairs for one rank, with fineweb.TokenLoader's interface (chat_format.RowStream's position).
     `source` is a path or hub name (see read_rows), or a list of rows."""
 
+    sides = 2  # sequences per item, for the header's tokens per step
+
     def __init__(self, source: str | list[dict], split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, device: str | torch.device = "cpu", shuffle: bool = True):
         name, rows = (f"<{len(source)} rows>", list(enumerate(source))) if isinstance(source, list) else \
@@ -217,7 +219,8 @@ def evaluate_pairs(model: nn.Module, loader: PairLoader, batches: int, metrics_f
 @dataclass
 class PrefsConfig(TaskEvalArgs, StageArgs):
     """Train a reward model (--objective reward) or a policy by DPO (--objective dpo) on preference pairs, from a
-    chat model. Flags override the chosen --preset; every GPTConfig field is a flag too."""
+    chat model. Flags override the chosen --preset; every GPTConfig field is a flag too. --batch-size and
+    --total-batch-size count pairs' positions: a step reads both sides, twice the tokens."""
 
     data: Annotated[str, LOCAL] = "HuggingFaceH4/ultrafeedback_binarized"  # pairs: a file, a directory or a hub name
     objective: str = "dpo"  # reward (a Bradley-Terry reward model: a value head on the model) or dpo
@@ -260,13 +263,11 @@ PRESETS: dict[str, Callable[[], PrefsConfig]] = {
 }
 
 
-def objective(cfg: PrefsConfig, ctx: Context) -> Objective:
-    """train_step's objective: the reward model's Bradley-Terry metrics, or DPO's against the frozen reference (the
-    starting weights, loaded again: a resumed run's model has moved on from them)."""
+def objective(cfg: PrefsConfig, ref: nn.Module | None) -> Objective:
+    """train_step's objective: the reward model's Bradley-Terry metrics, or DPO's against the frozen reference."""
     if cfg.objective == "reward":
         metrics = functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
     else:
-        ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)
         metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft)
     return Objective(metrics, summarised=("accuracy", "margin"))
 
@@ -293,10 +294,12 @@ def setup(cfg: PrefsConfig, ctx: Context) -> Run:
     loader = lambda split, data: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
                                             cfg.seed, data.device, shuffle=split == "train")
     setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
-    pairs = objective(cfg, ctx)
-    ref = pairs.metrics_fn.keywords.get("ref")  # DPO's: --init-from loaded again, so a resume checks it is the same
+    # DPO's reference: the starting weights loaded again (a resumed model has moved on), checked the same on resume
+    ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False) if cfg.objective == "dpo" \
+        else None
     setup.build(parts={"reference": ref and stage.Reference(engine.weights_digest(ref), cfg.init_from,
                                                             "took its DPO reference from")})
+    pairs = objective(cfg, ref)
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx, pairs)
     return setup.run(step_fn, pair_evals(cfg, setup, pairs) + stage.task_evals(cfg, setup))
 

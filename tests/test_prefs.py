@@ -335,12 +335,17 @@ def random_start(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("preset", ["rm-demo", "dpo-demo"])
-def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pairs, random_start, tmp_path, preset):
+def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pairs, random_start, tmp_path, preset,
+                                                                     capsys):
     import prefs
 
     extra = ["--max-steps=4", "--ckpt-every=2", "--eval-every=2", "--dpo-sft=0"]  # DPO's tie below: no SFT term
     extra += [f"--init-from={random_start}"] if preset == "dpo-demo" else []
     full = prefs.main(pairs_run(addition_pairs, tmp_path / "full", preset, *extra))
+    # a pair is two sequences: the header counted one (384), log.jsonl both
+    assert "768 tokens/step = 2 x 8 pairs x 24 x 1 ranks x 2 accum" in capsys.readouterr().out
+    assert [r["tokens"] for r in iter_log(tmp_path / "full" / "log.jsonl") if r["type"] == "train"] == [768, 1536,
+                                                                                                      2304, 3072]
     prefs.main(pairs_run(addition_pairs, tmp_path / "split", preset, *extra, "--max-steps=2"))
     rest = prefs.main(pairs_run(addition_pairs, tmp_path / "split", preset, *extra, "--resume=auto"))
     losses = [r["loss"] for r in iter_log(tmp_path / "split" / "log.jsonl") if r["type"] == "train"]
