@@ -615,6 +615,14 @@ def mfu(flops_per_token: float, tokens_per_sec_per_device: float, device_name: s
 # Log reading
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file's value; one that is not JSON is a ValueError naming it (json's message names no file)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON file ({e}); restore or replace it") from None
+
+
 def iter_log(path: str | os.PathLike) -> Iterator[dict]:
     """Records of a train.py log.jsonl. A last line without its newline is a record cut short (a crash, or a write
     under way) and is left out; any other line that is not JSON is an error naming the file and line."""

@@ -4,7 +4,6 @@ fused_ce.py, decoding in generate.py, HF export in export.py."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pickle
@@ -18,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import GPT2_VOCAB, checkpoints, gpt2_bpe_dir, is_reward_model, load_checkpoint
+from common import GPT2_VOCAB, checkpoints, gpt2_bpe_dir, is_reward_model, load_checkpoint, read_json
 from fused_ce import lm_loss, token_losses
 from fused_gelu import bias_gelu
 
@@ -431,7 +430,7 @@ class GPT(nn.Module):
                                                                        "model.safetensors.index.json"]))
             if not any(path.glob("*.safetensors")):  # an older repo: pytorch_model.bin only (or its shards)
                 path = Path(snapshot_download(name_or_dir, allow_patterns=["pytorch_model*.bin", "*.bin.index.json"]))
-        hf = json.loads((path / "config.json").read_text())
+        hf = read_json(path / "config.json")
         _check_plain_gpt2(hf, path)
         inner = hf.get("n_inner") if hf.get("n_inner") != 4 * hf["n_embd"] else None  # a pruned MLP's (prune.py)
         shape = dict(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
@@ -511,8 +510,6 @@ class GPT(nn.Module):
             raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {HF_DIR}{hint}")
         try:
             return cls.from_pretrained(str(path))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_json} is not valid JSON ({e}); --init-from needs {HF_DIR}") from e
         except KeyError as e:
             raise ValueError(f"{config_json} lacks the key {e}, so it is not a GPT-2 config.json") from e
 
@@ -570,8 +567,8 @@ def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:
         raise ValueError(f"{path} is a GPT-2 variant this model does not implement ({found}); only plain GPT-2 "
                          "checkpoints load")
     vocab = path / "vocab.json"  # a tokenizer of its own: this project encodes text with GPT-2's BPE only
-    if hf["vocab_size"] < GPT2_VOCAB or vocab.is_file() and json.loads(vocab.read_text()) != json.loads(
-            (gpt2_bpe_dir() / "encoder.json").read_text()):
+    if hf["vocab_size"] < GPT2_VOCAB or vocab.is_file() and read_json(vocab) != read_json(
+            gpt2_bpe_dir() / "encoder.json"):
         raise ValueError(f"{path} was trained with a tokenizer other than GPT-2's (vocab_size {hf['vocab_size']}"
                          f"{', its own vocab.json' * vocab.is_file()}), and this project encodes text with GPT-2's "
                          "BPE only: its ids would mean other words")
@@ -594,7 +591,7 @@ def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
             return load(path / name)
         index = path / f"{name}.index.json"
         if index.exists():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            shards = sorted(set(read_json(index)["weight_map"].values()))
             missing = [f for f in shards if not (path / f).exists()]
             if missing:
                 raise FileNotFoundError(f"{index} lists {len(shards)} shards, but {len(missing)} are missing from "

@@ -166,3 +166,10 @@ def test_a_bad_flag_or_model_is_one_line():
         proc = subprocess.run([sys.executable, "chat.py", *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=120)
         assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", message + "\n")
+
+
+def test_a_corrupt_tokenizer_config_of_an_hf_export_is_named(sft, tmp_path):
+    export_main(["--ckpt", str(sft), "--export-hf", str(hf := tmp_path / "hf")])
+    (hf / "tokenizer_config.json").write_text("{")
+    with pytest.raises(ValueError, match=f"^{hf / 'tokenizer_config.json'} is not a JSON file"):
+        chat.load_model(chat.ChatConfig(init_from=str(hf)))

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -1221,3 +1222,15 @@ def test_training_forward_without_logits_gives_no_zero_logits_gradient():
     assert loss_without == pytest.approx(loss_with, abs=1e-6)
     for a, b in zip(grads_with, grads_without, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["config.json", "vocab.json", "model.safetensors.index.json"])
+def test_a_corrupt_json_file_of_an_hf_directory_is_named(hf_dir, tmp_path, name):
+    # json's own message ("Expecting value: line 1 column 1") named no file; vocab.json's was blamed on config.json
+    shutil.copytree(hf_dir, tmp_path / "hf")
+    (tmp_path / "hf" / name).write_text('{"a": ')
+    if name.endswith("index.json"):  # the weights in shards that the index lists
+        (tmp_path / "hf" / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'hf' / name))} is not a JSON file "
+                       r"\(Expecting value: line 1 column 7 \(char 6\)\); restore or replace it$"):
+        GPT.from_pretrained(str(tmp_path / "hf"))
