@@ -5,12 +5,14 @@ record's step. Both packages are optional and imported only when asked for. open
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import secrets
 import statistics
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(out_dir), purge_step=forget)
+        threading.excepthook = quiet_writer_thread
 
     def write(self, record: dict) -> None:
         if record["type"] == "config":
@@ -57,6 +60,13 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def quiet_writer_thread(args: Any, hook: Callable[[Any], None] = threading.excepthook) -> None:
+    """No traceback from TensorBoard's writer thread for a failed write (a full disk): the next add_scalar or close
+    raises it again in the run, where RunLog.writing makes it one line."""
+    if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+        hook(args)
 
 
 class WandB:
@@ -105,13 +115,20 @@ class RunLog:
         self.recent_ms: list[float] = []
         self.losses: list[float] = []  # every step's loss, all ranks together
 
-    def write(self, record: dict) -> None:
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """A failed write of log.jsonl or a tracker's file (a full disk) as one line naming the file."""
         try:
-            self.file.write(json.dumps(record) + "\n")
+            yield
         except OSError as e:
-            raise ValueError(f"cannot append to {self.path}: {'; '.join(write_error(e, self.path))}") from None
-        for tracker in self.trackers:
-            tracker.write(record)
+            where = Path(os.fsdecode(e.filename or self.path or os.devnull))  # bytes, from TensorBoard
+            raise ValueError(f"cannot append to {where}: {'; '.join(write_error(e, where))}") from None
+
+    def write(self, record: dict) -> None:
+        with self.writing():
+            self.file.write(json.dumps(record) + "\n")
+            for tracker in self.trackers:
+                tracker.write(record)
 
     def say(self, text: str, **kwargs: Any) -> None:
         """print on rank 0."""
@@ -139,9 +156,10 @@ class RunLog:
                      f"{f'{util:.1%}' if util else 'n/a'} | eta {fmt_time(eta)}", flush=True)
 
     def close(self) -> None:
-        self.file.close()
-        for tracker in self.trackers:
-            tracker.close()
+        with self.writing():
+            self.file.close()
+            for tracker in self.trackers:
+                tracker.close()
 
 
 def rewound(path: Path) -> Path:

@@ -151,3 +151,25 @@ def test_wandb_that_cannot_start_is_one_line_before_training(token_data, tmp_pat
                                        "login` to log in.); run `wandb login`, or set WANDB_MODE=offline to log "
                                        "without an account\n")
     assert not (tmp_path / "run" / "log.jsonl").exists()  # refused before the log, let alone a step
+
+
+def test_a_failed_event_file_write_is_one_line_naming_it_without_the_threads_traceback(tmp_path, capfd):
+    # a full disk under --tensorboard: the writer thread's traceback came first, then the run's own
+    pytest.importorskip("tensorboard", reason="--tensorboard is an optional extra (pip install tensorboard)")
+    import time
+
+    log = trackers.RunLog(tmp_path / "log.jsonl", True, 10, 1, [trackers.TensorBoard(tmp_path, None)])
+    record = {"type": "train", "step": 0, "loss": 1.0}
+    log.write(record)
+    log.trackers[0].writer.flush()
+    (events,) = tmp_path.glob("events.out.tfevents.*")
+    events.unlink()
+    events.mkdir()  # the thread opens the file for each write: now it cannot
+    with pytest.raises(ValueError) as error:
+        for step in range(1, 200):
+            log.write({**record, "step": step})
+            time.sleep(0.01)  # the thread fails in its own time; the next write raises its error
+    assert str(error.value) == f"cannot append to {events}: EISDIR (Is a directory); check the disk, then --resume auto"
+    assert capfd.readouterr().err == ""
+    with pytest.raises(ValueError, match=f"^cannot append to {events}: EISDIR"):
+        log.close()
