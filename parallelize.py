@@ -275,7 +275,8 @@ class Sharded(nn.Module):
         if key not in self.schedules:
             if train and micro_batches < self.pp and self.schedule_name != "gpipe":
                 raise ValueError(f"--pp-schedule {self.schedule_name} needs at least --pp {self.pp} micro-batches "
-                                 f"per step; the gradient accumulation makes {micro_batches}: lower --batch-size")
+                                 f"per step; the gradient accumulation makes {micro_batches}: lower --batch-size "
+                                 "(bench.py: raise --grad-accum)")
             pipes = [PipelineStage(s, i, self.n_stages, self.device, group=self.pp_group)
                      for s, i in zip(self.stages, self.stage_ids, strict=True)]
             kind = getattr(schedules, SCHEDULES[self.schedule_name][not train])
