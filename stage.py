@@ -487,7 +487,8 @@ def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.M
         if (loader := parts.get("loader")) is not None and (note := loader.resume_note(ckpt["loader"])):
             print(f"note: {note}")
         note_new_schedule(ckpt.get("train_config", {}), cfg, step)
-    if not cfg.eval_only and (changed := set_hyperparameters(built.optimizer, cfg)) and ctx.master:
+    clip = ["--grad-clip"] * (ckpt.get("train_config", {}).get("grad_clip", cfg.grad_clip) != cfg.grad_clip)
+    if not cfg.eval_only and (changed := set_hyperparameters(built.optimizer, cfg) + clip) and ctx.master:
         print(f"note: {', '.join(changed)} differ from the checkpoint's run: this run's values apply from step {step}")
     del ckpt["model"], ckpt["optimizer"]  # copied into the model and optimizer: free the CPU copy
     return step

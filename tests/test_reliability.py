@@ -109,10 +109,10 @@ def test_optimizer_settings_given_on_resume_apply_and_the_record_says_so(token_d
     out = tmp_path / "out"
     train.main(tiny(token_data, out, "--max-steps=2", "--ckpt-every=2"))
     capsys.readouterr()
-    changed = ["--weight-decay=0.5", "--beta1=0.8", "--beta2=0.99", "--eps=1e-6"]
+    changed = ["--weight-decay=0.5", "--beta1=0.8", "--beta2=0.99", "--eps=1e-6", "--grad-clip=0.5"]
     train.main(tiny(token_data, out, "--max-steps=4", "--ckpt-every=2", "--resume=auto", *changed))
-    assert "note: --beta1/--beta2, --eps, --weight-decay differ from the checkpoint's run: this run's values apply " \
-        "from step 2" in capsys.readouterr().out
+    assert "note: --beta1/--beta2, --eps, --weight-decay, --grad-clip differ from the checkpoint's run: this run's " \
+        "values apply from step 2" in capsys.readouterr().out
     ckpt = load_checkpoint(out / "ckpt_000004.pt")
     groups = [(g["weight_decay"], tuple(g["betas"]), g["eps"]) for g in ckpt["optimizer"]["param_groups"]]
     assert groups == [(0.5, (0.8, 0.99), 1e-6), (0.0, (0.8, 0.99), 1e-6)]  # what ran is what the record says
