@@ -486,7 +486,7 @@ def run_and_exit(main: Callable[[], Any], exit_code: Callable[[Any], int] = lamb
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
         else:
-            print(e.code, file=sys.stderr)
+            sys.stderr.write(f"{e.code}\n")  # one write: under torchrun the ranks' lines would interleave
             code = 1
     except KeyboardInterrupt:
         traceback.print_exc()

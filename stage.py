@@ -581,7 +581,7 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
         message = (f"error: rank {os.environ.get('RANK', 0)} waited --dist-timeout {cfg.dist_timeout:g} min in a "
                    "collective for a rank that never came: check that every rank is alive and running (not killed, "
                    "stopped or stuck in I/O) and that the nodes reach each other, then --resume auto")
-    print(message, file=sys.stderr)
+    sys.stderr.write(message + "\n")  # one write: under torchrun the ranks' lines would interleave
     raise SystemExit(1)
 
 
