@@ -14,12 +14,11 @@ import codecs
 import contextlib
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from chat_format import CHAT_VOCAB, REPLY_STOPS, TOOL_START, is_chat, parse, render_prompt, tokenizer
-from common import EOT, load_checkpoint, parse_config, read_json, resolve_device, user_errors
+from chat_format import CHAT_VOCAB, REPLY_STOPS, TOOL_START, exported_chat, is_chat, parse, render_prompt, tokenizer
+from common import EOT, load_checkpoint, parse_config, resolve_device, user_errors
 from generate import calculator, check_sampling, for_decoding, generate_stream
 from model import GPT, GPTConfig
 from parallel import check_flags
@@ -57,9 +56,7 @@ def load_model(cfg: ChatConfig) -> tuple[GPT, bool]:
     """The model on the CPU, its vocabulary holding the chat tokens, and whether it was fine-tuned for chat (an HF
     directory: export.py gave it the chat template)."""
     model = GPT.load(cfg.ckpt, cfg.init_from)
-    tokenizer_config = Path(cfg.init_from or "").expanduser() / "tokenizer_config.json"
-    chat = is_chat(load_checkpoint(cfg.ckpt, mmap=True)) if cfg.ckpt else tokenizer_config.is_file() and \
-        "<|assistant_start|>" in str(read_json(tokenizer_config).get("chat_template"))
+    chat = is_chat(load_checkpoint(cfg.ckpt, mmap=True)) if cfg.ckpt else exported_chat(cfg.init_from)
     if model.config.vocab_size < CHAT_VOCAB:  # HF GPT-2's 50,257 rows: the chat tokens need rows of their own
         model.pad_vocab(GPTConfig().vocab_size)
     return model, chat

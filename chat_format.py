@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import EOT, get_tokenizer
+from common import EOT, get_tokenizer, read_json
 from fineweb import DataError, source_kind
 
 BOS = EOT
@@ -134,6 +134,12 @@ def is_chat(ckpt: dict) -> bool:
     DPO, RL). Its "chat" entry, or for older checkpoints the stage its config names."""
     config = ckpt.get("train_config", {})
     return bool(ckpt.get("chat", config.get("data_kind") in ("chat", "pairs") or "algo" in config))
+
+
+def exported_chat(directory: str) -> bool:
+    """Whether an HF directory is a chat model's export (export.py): its tokenizer's chat template is this format."""
+    config = Path(directory).expanduser() / "tokenizer_config.json"
+    return config.is_file() and "<|assistant_start|>" in str(read_json(config).get("chat_template"))
 
 
 def reply_text(ids: Iterable[int]) -> str:

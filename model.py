@@ -458,7 +458,9 @@ class GPT(nn.Module):
 
     def pad_vocab(self, rows: int) -> GPT:
         """Grow the tied embedding to `rows` rows, each new one the mean of the old (a neutral start): HF's GPT-2 has
-        50,257, and the chat tokens take rows above them in this project's padded 50,304."""
+        50,257, and the chat tokens take rows above them in this project's padded 50,304. No more rows: unchanged."""
+        if self.config.vocab_size >= rows:
+            return self
         old = self.transformer.wte.weight.data
         new = nn.Embedding(rows, old.size(1)).to(old)
         new.weight.data[:len(old)] = old
@@ -468,8 +470,9 @@ class GPT(nn.Module):
         return self
 
     @classmethod
-    def load(cls, ckpt: str | None, init_from: str | None) -> GPT:
-        """The model to run, on the CPU: this project's checkpoint or an HF GPT-2 (exactly one of the two)."""
+    def load(cls, ckpt: str | None, init_from: str | None, **overrides: Any) -> GPT:
+        """The model to run, on the CPU: this project's checkpoint (with from_checkpoint's overrides) or an HF GPT-2
+        (exactly one of the two)."""
         if ckpt and init_from:
             raise ValueError("pass either --ckpt or --init-from, not both")
         if ckpt:
@@ -477,7 +480,7 @@ class GPT(nn.Module):
                 raise ValueError(f"{ckpt} is a reward model (prefs.py --objective reward): it scores replies, and "
                                  "its logits were never trained to write them; load a policy, or score with it in "
                                  "rl.py --reward-model")
-            return cls.from_checkpoint(ckpt, map_location="cpu")
+            return cls.from_checkpoint(ckpt, map_location="cpu", **overrides)
         if not init_from:
             raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
                              "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")
@@ -516,9 +519,11 @@ class GPT(nn.Module):
 
 def with_new_head(model: GPT, weights: dict[str, Any]) -> dict[str, Any]:
     """`weights` plus `model`'s freshly initialized value head where they have none: a reward model or a critic
-    starts from a language model's checkpoint (GPT.from_checkpoint(path, value_head=True))."""
-    new = {k: v for k, v in model.state_dict().items() if k.startswith("value_head.") and k not in weights}
-    return {**weights, **new}
+    starts from a language model's checkpoint (GPT.from_checkpoint(path, value_head=True)); theirs dropped where the
+    model has none (GRPO from a PPO policy, whose head was its critic)."""
+    head = {k: v for k, v in model.state_dict().items() if k.startswith("value_head.")}
+    return {**{k: v for k, v in weights.items() if head or not k.startswith("value_head.")},
+            **{k: v for k, v in head.items() if k not in weights}}
 
 
 def check_finite(source: str, weights: dict[str, torch.Tensor] | None = None) -> None:

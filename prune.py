@@ -26,7 +26,7 @@ from torch import Tensor
 
 import engine
 import stage
-from chat_format import is_chat
+from chat_format import exported_chat, is_chat
 from common import LOCAL, is_reward_model, load_checkpoint, provenance, run_and_exit, token_bytes
 from engine import Context, Run
 from fineweb import TokenLoader
@@ -249,12 +249,13 @@ def start_model(cfg: PruneConfig, found: tuple[Path, dict] | None) -> tuple[GPT,
         return GPT(checkpoint_config(found[1], source)), found[1].get("pruning"), source, is_chat(found[1])
     source = f"--init-from {cfg.init_from}"
     if not (path := stage.check_not_run_dir(cfg.init_from)).is_file():
-        return GPT.load(None, cfg.init_from), None, source, False
+        return GPT.load(None, cfg.init_from), None, source, exported_chat(cfg.init_from)
     ckpt = load_checkpoint(path, mmap=True)
     if is_reward_model(ckpt):  # rl.py and export.py would read it as a policy
         raise ValueError(f"{source} is a reward model: recovery trains a language model's loss, not its score, and "
                          "its checkpoint would be read as a language model (by rl.py, export.py); prune a policy")
-    return GPT.from_checkpoint(ckpt), ckpt.get("pruning"), source, is_chat(ckpt)
+    # a PPO policy's critic dropped: recovery trains no value head (DDP stops on a parameter without a gradient)
+    return GPT.from_checkpoint(ckpt, value_head=False), ckpt.get("pruning"), source, is_chat(ckpt)
 
 
 def setup(cfg: PruneConfig, ctx: Context) -> Run:

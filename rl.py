@@ -30,7 +30,7 @@ from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, render_prompt, reply_tex
 from common import LOCAL, all_sum, get_tokenizer, is_reward_model, load_checkpoint, provenance, run_and_exit
 from engine import Context, Run
 from generate import Rollout, calculator, evaluating, generate
-from model import GPT
+from model import GPT, GPTConfig
 from parallel import Objective, build_trainable, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
 from trackers import RunLog
 
@@ -447,7 +447,8 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
                          f"with --init-from {found[0]}")
     if found:
         stage.check_resume(found, cfg)
-    raw = GPT.from_checkpoint(cfg.init_from, value_head=critic, dropout=0.0)
+    # a reward model refused, a PPO critic dropped where none is trained, HF GPT-2's rows padded for the chat tokens
+    raw = GPT.load(cfg.init_from, None, value_head=critic, dropout=0.0).pad_vocab(GPTConfig().vocab_size)
     train_problems, test_problems, bs = task.examples("train"), task.examples("test"), raw.config.block_size
     longest = tasks.longest_prompt(train_problems + test_problems)
     check_flags([(longest < bs, f"--task {cfg.task}: a prompt takes {longest} tokens, the policy's whole context {bs}: "

@@ -177,14 +177,13 @@ def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
                          f"{source.config.block_size} tokens; pass --seq-len {source.config.block_size} or less")
     if source.config.vocab_size < vocab:
         source.pad_vocab(GPTConfig().vocab_size)
-    config = dataclasses.replace(source.config, **run_options(cfg))
+    config = dataclasses.replace(source.config, **{"value_head": False, **run_options(cfg)})  # one where asked
     weights = source.state_dict()
     del source  # its tensors live on in `weights`: at most two copies of the model at once
     if "transformer.wpe.weight" in weights:
         weights["transformer.wpe.weight"] = weights["transformer.wpe.weight"][:cfg.seq_len]
     model = GPT(config)
-    model.load_state_dict(with_new_head(model, {k: v for k, v in weights.items()  # a value head added or dropped
-                                                 if config.value_head or not k.startswith("value_head.")}))
+    model.load_state_dict(with_new_head(model, weights))  # a value head added or dropped
     return model
 
 

@@ -56,7 +56,7 @@ from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, check_messages, load_row
 from common import all_sum, get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
 from fineweb import DataError
 from generate import calculator, evaluating, generate
-from model import GPT
+from model import GPT, GPTConfig
 
 
 def conversation(prompt: str, reply: Any, answer: str) -> dict:
@@ -454,7 +454,9 @@ def score_tasks(cfg: TasksConfig) -> dict:
     with own_process_group():
         with user_errors(OSError, ValueError, DataError, RuntimeError):
             rank, _, world, device = setup_distributed(cfg.device)
-            model, named = GPT.load(cfg.eval, None).to(device), named_tasks(cfg.tasks, cfg.split, cfg.limit)
+            # HF GPT-2's 50,257 rows (train.py --init-from gpt2) padded for the chat tokens, as chat.py does
+            model = GPT.load(cfg.eval, None).pad_vocab(GPTConfig().vocab_size).to(device)
+            named = named_tasks(cfg.tasks, cfg.split, cfg.limit)
             bs = model.config.block_size
             check_prompts(named, bs, "--tasks", f"the model's whole context ({bs}) or more; score another task")
             autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")

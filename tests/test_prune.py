@@ -276,6 +276,19 @@ def test_a_pruned_chat_model_stays_one_and_exports_its_chat_tokens(start, token_
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 50304  # not cropped to 50,257
 
 
+def test_an_exported_chat_model_stays_one_and_a_critic_is_left_out(start, token_data, tmp_path):
+    # from an HF export of a chat model the mark was lost: the pruned model's export cropped the chat tokens' rows
+    export.export_hf(GPT.from_checkpoint(start), tmp_path / "hf", chat=True)
+    run(tmp_path / "hf", token_data, tmp_path / "p", "--max-steps=1")
+    assert is_chat(load_checkpoint(tmp_path / "p" / "ckpt_000001.pt"))
+    # a PPO policy's critic: recovery trains no value head, and DDP stopped on the gradient it never got
+    ppo, critic = tmp_path / "ppo.pt", dataclasses.replace(SMALL, value_head=True)
+    torch.save({"model": noisy(critic).state_dict(), "model_config": dataclasses.asdict(critic), "step": 0}, ppo)
+    run(ppo, token_data, tmp_path / "q", "--max-steps=1")
+    saved = load_checkpoint(tmp_path / "q" / "ckpt_000001.pt")
+    assert not saved["model_config"]["value_head"] and not any(k.startswith("value_head.") for k in saved["model"])
+
+
 def test_a_structured_checkpoint_is_read_by_sample_hellaswag_export_and_train(start, token_data, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     result = run(start, token_data, tmp_path / "s", "--method=structured", "--sparsity=0.5", "--importance=taylor",

@@ -169,6 +169,22 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys, hf_di
                                                  f"--init-from {hf_dir} (not rl.py's, which starts from a checkpoint "
                                                  "of this project: sft.py --init-from it first)")
     assert error("--reward-model", str(policy.parent)).startswith(f"error: checkpoint {policy.parent} is a directory")
+    # a reward model as the policy: PPO took its score head for a critic and trained it as a policy without a word
+    assert error("--init-from", str(rm), "--algo=ppo") == (
+        f"error: {rm} is a reward model (prefs.py --objective reward): it scores replies, and its logits were never "
+        "trained to write them; load a policy, or score with it in rl.py --reward-model")
+
+
+def test_grpo_continues_a_ppo_policy_and_a_gpt2_vocabulary_gets_the_chat_rows(models, tmp_path):
+    # a PPO policy's critic was refused as "unexpected weights"; HF GPT-2's 50,257 rows were an IndexError traceback
+    ppo = save_model(tmp_path / "ppo.pt", 3, value_head=True)
+    torch.save({**torch.load(ppo), "train_config": {"algo": "ppo"}}, ppo)  # a policy with its critic, as rl.py saves
+    gpt2 = save_model(tmp_path / "gpt2.pt", 4, vocab_size=50257)
+    for start in (ppo, gpt2):
+        rl.main(flags(models, tmp_path / start.stem, "--init-from", str(start), "--max-steps=1", "--eval-every=0",
+                      "--pass-k=0", "--eval-limit=1"))
+        saved = load_checkpoint(tmp_path / start.stem / "ckpt_000001.pt")
+        assert saved["model_config"]["vocab_size"] == 50304 and "value_head.weight" not in saved["model"]
 
 
 def test_the_lr_warms_up_then_decays_linearly_to_zero_at_max_steps():

@@ -50,6 +50,18 @@ def test_the_loss_is_the_mean_over_the_assistants_tokens(conversations):
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
 
 
+def test_a_ppo_policys_critic_is_left_behind(conversations, tmp_path):
+    # it was carried into the SFT model untrained, and under DDP its missing gradient stopped the run at step 1
+    torch.manual_seed(0)
+    model = GPT(stage.model_config(sft.SFTConfig(model="tiny", seq_len=64, arch={"value_head": True})))
+    ppo = tmp_path / "ppo.pt"
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "train_config": {"algo": "ppo"},
+                "step": 0}, ppo)
+    sft.main([*flags(conversations, tmp_path / "out", "--max-steps=1", "--eval-every=0"), "--init-from", str(ppo)])
+    saved = load_checkpoint(tmp_path / "out" / "ckpt_000001.pt")
+    assert not saved["model_config"]["value_head"] and not any(k.startswith("value_head.") for k in saved["model"])
+
+
 def test_sft_resumes_bitwise_and_logs_the_task_accuracy(conversations, tmp_path):
     extra = ["--max-steps=6", "--ckpt-every=3", "--eval-every=3", "--task=addition", "--task-every=3",
              "--task-limit=8"]

@@ -383,6 +383,16 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
                                 "or more; score another task")
 
 
+def test_the_cli_scores_a_checkpoint_with_gpt2s_vocabulary(tmp_path):
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)  # train.py --init-from gpt2's 50,257 rows: the chat tokens' ids were an IndexError traceback
+    model, ckpt = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)), tmp_path / "b.pt"
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "step": 0}, ckpt)
+    result = tasks.main(["--eval", str(ckpt), "--tasks", "addition", "--max-new-tokens", "4", "--limit", "2"])
+    assert result["results"] == {"addition": 0.0}
+
+
 def test_a_tasks_rows_and_rewards_are_checked_as_the_protocol_says(user_file):
     class Prompts:  # RL's prompts alone, without the reference reply the protocol asks for last
         def examples(self, split):
