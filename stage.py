@@ -32,6 +32,7 @@ from common import (
     describe_provenance,
     first_on_each_node,
     hold_lock,
+    is_reward_model,
     load_checkpoint,
     own_process_group,
     parse_config,
@@ -167,8 +168,11 @@ def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
     path = check_not_run_dir(cfg.init_from)
     # a checkpoint's tensors are mapped, not read: its AdamW moments (twice the weights) never enter memory
     try:
-        source = GPT.from_checkpoint(load_checkpoint(path, mmap=True)) if path.is_file() else \
-            GPT.load(None, cfg.init_from)
+        ckpt = load_checkpoint(path, mmap=True) if path.is_file() else None
+        check_flags([(ckpt is None or not is_reward_model(ckpt) or cfg.arch.get("value_head") is True,
+                      f"--init-from {cfg.init_from} is a reward model (prefs.py --objective reward): its logits were "
+                      "never trained to write replies; start from the policy it was trained from")])
+        source = GPT.from_checkpoint(ckpt) if ckpt is not None else GPT.load(None, cfg.init_from)
     except OSError as e:  # the hub is unreachable, or has no such model: one line, not an HTTP client's traceback
         raise ValueError(str(e).replace("\n", " ")) from None
     check_architecture(cfg, source.config, f"--init-from {cfg.init_from}")

@@ -2,6 +2,7 @@
 generate.py's greedy decode of chat_format.render_prompt, streamed with the calculator's call and forced result in
 brackets; /clear, EOF, Ctrl-C, the context crop, the base-model warning and one-line errors."""
 
+import functools
 import io
 import json
 import subprocess
@@ -13,10 +14,13 @@ import torch
 
 import chat
 import chat_format as cf
+import prefs
+import stage
 from conftest import ROOT, TINY
 from export import main as export_main
 from generate import generate
 from model import GPT, MODEL_PRESETS, GPTConfig
+from sft import SFTConfig
 from sft import main as sft_main
 
 # every conversation: a question, then this reply (a calculator call, its result, text)
@@ -147,6 +151,10 @@ def test_a_reward_model_is_refused_where_a_model_writes_or_is_scored(tmp_path):
                 "train_config": {"objective": "reward"}, "chat": True}, ckpt)
     with pytest.raises(ValueError, match=f"^{ckpt} is a reward model \\(prefs.py --objective reward\\): it scores"):
         GPT.load(str(ckpt), None)
+    # and where a stage starts from it: SFT and DPO (policy and reference) would train its logits as a policy's
+    for config in (SFTConfig, functools.partial(prefs.PrefsConfig, objective="dpo")):
+        with pytest.raises(ValueError, match=f"^--init-from {ckpt} is a reward model \\(prefs.py --objective reward"):
+            stage.load_init(config(init_from=str(ckpt), seq_len=16))
     proc = subprocess.run([sys.executable, "chat.py", "--ckpt", str(ckpt), "--prompt", "hi"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (1, "")
