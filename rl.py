@@ -23,6 +23,7 @@ from typing import Annotated, Any
 import torch
 from torch import Tensor
 
+import common
 import engine
 import stage
 import tasks
@@ -382,7 +383,7 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, scorer: tuple,
         seed = int(torch.randint(2**62, ()))  # from the global RNG, the same on every rank: an exact resume
         with built.autocast:
             share = rollouts(raw, sampler.next(cfg.prompts), cfg.samples, seed, cfg, ctx.rank, ctx.world)
-            batch = score(share, *scorer, ctx.device)
+            batch = common.same_verdict(lambda: score(share, *scorer, ctx.device), ctx.world)  # stops all ranks
         t1 = time.time()
         batch = prepare(batch, raw, ref, cfg, built.autocast, ctx.world)
         totals = update(built, objective, batch, cfg, ctx.world)
@@ -405,7 +406,8 @@ def task_eval(cfg: RLConfig, raw: GPT, task: Any, problems: list[dict], autocast
             result = tasks.evaluate(raw, task, problems, ctx.rank, ctx.world, cfg.max_new_tokens)
             if cfg.pass_k:
                 share = rollouts(raw, problems, cfg.pass_k, cfg.seed + 1_000_003 * step, cfg, ctx.rank, ctx.world)
-                right = [task.check(reply_text(r.tokens), p["answer"]) for p, _, r in share]
+                right = common.same_verdict(lambda: [task.check(reply_text(r.tokens), p["answer"])
+                                                     for p, _, r in share], ctx.world)  # one rank's raise stops all
                 solved = sum(any(right[i:i + cfg.pass_k]) for i in range(0, len(right), cfg.pass_k))
                 result[f"pass@{cfg.pass_k}"] = all_sum(torch.tensor(float(solved)), ctx.world).item() / len(problems)
         passed = f", pass@{cfg.pass_k} {result[f'pass@{cfg.pass_k}']:.4f}" if cfg.pass_k else ""
@@ -434,11 +436,26 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
     return rm
 
 
+def load(cfg: RLConfig) -> tuple[Any, tasks.Reward, GPT, list[dict], list[dict], GPT | None]:
+    """The task, the reward, the policy, the train and test problems and the reward model, or a one-line refusal."""
+    task = tasks.load_task(cfg.task)
+    reward = tasks.load_rewards(cfg.reward, cfg.reward_weights) if cfg.reward else tasks.task_reward(task, cfg.task)
+    # a reward model refused, a PPO critic dropped where none is trained, HF GPT-2's rows padded for the chat tokens
+    raw = GPT.load(cfg.init_from, None, value_head=ALGOS[cfg.algo].critic, dropout=0.0)
+    raw.pad_vocab(GPTConfig().vocab_size)
+    train_problems, test_problems, bs = task.examples("train"), task.examples("test"), raw.config.block_size
+    longest = tasks.longest_prompt(train_problems + test_problems)
+    check_flags([(longest < bs, f"--task {cfg.task}: a prompt takes {longest} tokens, the policy's whole context {bs}: "
+                  "no room for a reply (a 1-token one at most)")])
+    rm = load_reward_model(cfg, train_problems) if cfg.reward_model else None
+    return task, reward, raw, train_problems, test_problems, rm
+
+
 def setup(cfg: RLConfig, ctx: Context) -> Run:
     """The Run: the policy, its frozen reference and its rewards, the prompt stream, the resumed checkpoint and log."""
     torch.manual_seed(cfg.seed)  # the same on every rank: each step's rollout seed is drawn from it
-    task, critic = tasks.load_task(cfg.task), ALGOS[cfg.algo].critic
-    reward = tasks.load_rewards(cfg.reward, cfg.reward_weights) if cfg.reward else tasks.task_reward(task, cfg.task)
+    # a node that cannot read a file (--init-from, --reward-model, a task's or reward's .py) stops every rank
+    task, reward, raw, train_problems, test_problems, rm = common.same_verdict(lambda: load(cfg), ctx.world)
     checkpointer = engine.Checkpointer(cfg, ctx.rank, ctx.world, provenance(ctx.device, ctx.world), chat=True)
     found = checkpointer.find()
     if found and (saved := found[1].get("train_config", {}).get("algo", cfg.algo)) != cfg.algo:
@@ -447,13 +464,6 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
                          f"with --init-from {found[0]}")
     if found:
         stage.check_resume(found, cfg)
-    # a reward model refused, a PPO critic dropped where none is trained, HF GPT-2's rows padded for the chat tokens
-    raw = GPT.load(cfg.init_from, None, value_head=critic, dropout=0.0).pad_vocab(GPTConfig().vocab_size)
-    train_problems, test_problems, bs = task.examples("train"), task.examples("test"), raw.config.block_size
-    longest = tasks.longest_prompt(train_problems + test_problems)
-    check_flags([(longest < bs, f"--task {cfg.task}: a prompt takes {longest} tokens, the policy's whole context {bs}: "
-                  "no room for a reply (a 1-token one at most)")])
-    rm = load_reward_model(cfg, train_problems) if cfg.reward_model else None
     engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw),
                               "reward_model": rm and engine.weights_digest(rm)}, ctx.rank, ctx.world,
                              f"--init-from {cfg.init_from}")

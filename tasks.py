@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import common
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, check_messages, load_rows, render_prompt, reply_text, row_errors
 from common import all_sum, get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
 from fineweb import DataError
@@ -186,14 +187,20 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
     """Greedy accuracy of the model's replies to `problems` (examples: messages and answer), the calculator on: rank
     r answers every world-th problem, the counts summed over ranks; replies up to 512 tokens (GSM8K's), as chat_core's.
     {"acc", "n"}."""
-    mine, right = problems[rank::world], 0
-    for i in range(0, len(mine), batch):
-        chunk = mine[i:i + batch]
-        with autocast or contextlib.nullcontext():
-            replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
-                               temperature=0.0, stop_ids=[ASSISTANT_END], vocab=CHAT_VOCAB, calculator=calculator())
-        right += sum(bool(task.check(reply_text(r.tokens), p["answer"])) for r, p in zip(replies, chunk, strict=True))
-    return summed(right, len(mine), model.lm_head.weight.device, world)
+    mine = problems[rank::world]
+
+    def count(right: int = 0) -> int:
+        for i in range(0, len(mine), batch):
+            chunk = mine[i:i + batch]
+            with autocast or contextlib.nullcontext():
+                replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
+                                   temperature=0.0, stop_ids=[ASSISTANT_END], vocab=CHAT_VOCAB, calculator=calculator())
+            right += sum(bool(task.check(reply_text(r.tokens), p["answer"])) for r, p in zip(replies, chunk,
+                                                                                                strict=True))
+        return right
+
+    # a check() that raises on one rank's replies stops every rank with its line, not the others in summed's all_sum
+    return summed(common.same_verdict(count, world), len(mine), model.lm_head.weight.device, world)
 
 
 @torch.no_grad()

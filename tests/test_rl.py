@@ -16,7 +16,7 @@ import stage
 import tasks
 from chat_format import ASSISTANT_END, render_prompt
 from common import get_tokenizer, iter_log, load_checkpoint
-from conftest import one_line_error, run_torchrun
+from conftest import one_line_error, run_nodes, run_torchrun
 from generate import Rollout
 from model import GPT, GPTConfig
 from parallel import Objective, build_trainable, logprobs_of, sequence_logprobs
@@ -306,3 +306,29 @@ def test_prompts_that_fill_the_policys_context_are_refused_at_setup(models, tmp_
     argv[argv.index(str(models[0]))] = str(short)
     assert one_line_error(capsys, rl.main, argv) == ("error: --task addition: a prompt takes 12 tokens, the policy's "
                                                      "whole context 12: no room for a reply (a 1-token one at most)")
+
+
+@pytest.mark.slow
+def test_a_reward_raising_on_one_rank_stops_every_rank_with_its_line(models, tmp_path):
+    # rank 0 went on to the step's all-reduces while rank 1 had stopped: a gloo traceback on rank 0 (across nodes under
+    # NCCL, a wait of --dist-timeout)
+    (tmp_path / "r.py").write_text("import os\ndef r(prompt, reply, answer):\n"
+                                   "    if os.environ['RANK'] == '1':\n        raise KeyError('no')\n    return 1.0\n")
+    args = flags(models, tmp_path / "out", "--reward-model=", f"--reward={tmp_path}/r.py:r", "--max-steps=2")
+    done = run_nodes([["rl.py", *args]] * 2)  # a torchrun of its own each: one's would end the other rank at once
+    line = f"--reward {tmp_path}/r.py:r raised KeyError: 'no'"
+    assert [[e for e in r.stderr.splitlines() if e.startswith("error:")] for r in done] == [[f"error: rank 1: {line}"],
+                                                                                            [f"error: {line}"]]
+
+
+@pytest.mark.slow
+def test_a_file_one_node_cannot_read_stops_every_node_with_its_line(models, tmp_path):
+    # rl.py read --init-from and --reward-model alone: the node that could went on to a collective and got a lost
+    # peer's traceback (under NCCL, a wait of --dist-timeout)
+    missing = tmp_path / "missing.pt"
+    for name in ("--init-from", "--reward-model"):
+        done = run_nodes([["rl.py", *flags(models, tmp_path / name, *extra)] for extra in ([], [f"{name}={missing}"])])
+        assert [r.returncode for r in done] == [1, 1]
+        line = f"checkpoint {missing} does not exist; pass the .pt file that train.py wrote"
+        errors = [next(e for e in r.stderr.splitlines() if e.startswith("error: ")) for r in done]
+        assert errors[0].startswith(f"error: rank 1: {line}") and errors[1].startswith(f"error: {line}"), errors

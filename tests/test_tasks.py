@@ -411,3 +411,48 @@ def test_a_tasks_rows_and_rewards_are_checked_as_the_protocol_says(user_file):
         tasks.checked(lambda *_: 1e39, "big")([], "", "")
     with pytest.raises(ValueError, match=f"^--reward {user_file}: expected FILE.py:NAME or module:NAME$"):
         tasks.load_rewards(str(user_file))
+
+
+RANK_CHECK_WORKER = """import json, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import common, tasks
+from model import GPT, GPTConfig
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=rank, world_size=2)
+class Odd:  # a user's task whose check() raises on rank 1's replies only
+    def examples(self, split):
+        return tasks.Addition().examples(split)[:3]
+    def check(self, reply, answer):
+        if rank == 1:
+            raise KeyError("no")
+        return False
+torch.manual_seed(0)
+model = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
+task = tasks.UserTask(Odd(), "odd.py:Odd")
+try:
+    out = tasks.evaluate(model, task, task.examples("test"), rank, 2, max_new_tokens=2)
+except ValueError as e:
+    out = str(e)
+dist.destroy_process_group()
+print("RESULT " + json.dumps(out))
+common.exit_now(0)
+"""
+
+
+def test_a_check_raising_on_one_rank_stops_every_rank_with_its_line(tmp_path):
+    # rank 0 waited in the count's all_reduce for rank 1, which had stopped: a gloo traceback, or under NCCL across
+    # nodes a hang until --dist-timeout
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parent.parent)
+    (tmp_path / "worker.py").write_text(RANK_CHECK_WORKER)
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), root, str(r), str(tmp_path / "store")],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for r in range(2)]
+    out = [json.loads(p.communicate(timeout=120)[0].split("RESULT ")[-1]) for p in procs]
+    line = "--task odd.py:Odd: check() raised KeyError: 'no'"
+    assert out == [f"rank 1: {line}", line]
