@@ -15,7 +15,7 @@ import stage
 import tasks
 from chat_format import ASSISTANT_END, ASSISTANT_START, ConversationLoader, render
 from common import get_tokenizer, iter_log, load_checkpoint
-from conftest import run_torchrun
+from conftest import run_nodes, run_torchrun
 from model import GPT
 
 
@@ -164,3 +164,19 @@ def test_a_task_prompt_longer_than_the_context_is_refused_before_training(conver
         assert "val loss" not in out.out  # refused before step 0
         assert out.err.endswith(f"\nerror: --task {task}:Wordy: a prompt takes 75 tokens, --seq-len {seq_len} or "
                                 "more (the model's context): raise --seq-len, or score another task\n")
+
+
+@pytest.mark.slow
+def test_a_task_one_rank_cannot_load_stops_every_rank_with_its_line(conversations, tmp_path):
+    # each rank loaded --task's problems alone, after setup's checks: the others went on to train and got a lost
+    # peer's traceback (across nodes under NCCL, a wait of --dist-timeout)
+    (tmp_path / "t.py").write_text(
+        "import os\nimport tasks\nclass T:\n    def examples(self, split):\n"
+        "        if os.environ['RANK'] == '1':\n            open('/no/such/problems.jsonl')\n"
+        "        return tasks.Addition().examples(split)\n    def check(self, reply, answer):\n        return True\n")
+    args = flags(conversations, tmp_path / "out", "--max-steps=1", f"--task={tmp_path}/t.py:T")
+    done = run_nodes([["sft.py", *args]] * 2)  # a torchrun of its own each: one's would end the other rank at once
+    line = (f"--task {tmp_path}/t.py:T: examples() raised FileNotFoundError: [Errno 2] No such file or directory: "
+            "'/no/such/problems.jsonl'")
+    assert [[e for e in r.stderr.splitlines() if e.startswith("error:")] for r in done] == [[f"error: rank 1: {line}"],
+                                                                                            [f"error: {line}"]]
