@@ -396,7 +396,7 @@ def command(cfg: StageArgs) -> dict[str, str]:
 
 def digest(obj: Any) -> str | None:
     """A digest of JSON-able data (HellaSwag's examples) for the fingerprint."""
-    return None if obj is None else hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+    return None if obj is None else hashlib.sha1(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 def use_compile(cfg: RunArgs, device: torch.device) -> bool:

@@ -322,7 +322,7 @@ def test_a_reward_raising_on_one_rank_stops_every_rank_with_its_line(models, tmp
 
 
 @pytest.mark.slow
-def test_a_file_one_node_cannot_read_stops_every_node_with_its_line(models, tmp_path):
+def test_a_file_one_node_cannot_read_or_holds_otherwise_stops_every_node_with_its_line(models, tmp_path):
     # rl.py read --init-from and --reward-model alone: the node that could went on to a collective and got a lost
     # peer's traceback (under NCCL, a wait of --dist-timeout)
     missing = tmp_path / "missing.pt"
@@ -332,3 +332,10 @@ def test_a_file_one_node_cannot_read_stops_every_node_with_its_line(models, tmp_
         line = f"checkpoint {missing} does not exist; pass the .pt file that train.py wrote"
         errors = [next(e for e in r.stderr.splitlines() if e.startswith("error: ")) for r in done]
         assert errors[0].startswith(f"error: rank 1: {line}") and errors[1].startswith(f"error: {line}"), errors
+    # a task whose file differs between the nodes: each rank drew its prompts from its own problems, silently
+    (tmp_path / "t.py").write_text("import os\nimport tasks\nclass T:\n    def examples(self, split):\n"
+                                   "        return tasks.Addition().examples(split)[:None if os.environ['RANK'] == '0' "
+                                   "else -1]\n    def check(self, reply, answer):\n        return True\n")
+    done = run_nodes([["rl.py", *flags(models, tmp_path / "task", f"--task={tmp_path}/t.py:T", "--max-steps=1")]] * 2)
+    assert [next(e for e in r.stderr.splitlines() if e.startswith("error: ")) for r in done] == [
+        "error: rank 1's --task data differs from rank 0's: every node must hold the same --task data"] * 2
