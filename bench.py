@@ -6,7 +6,7 @@ untimed ones; decode, int8 and prune's decoding: a first generation, then the on
 Usage:
     python bench.py                                   # every suite; GPT-2 124M, T=1024, bf16 on CUDA; tiny on CPU
     python bench.py --suite train --variants eager,compile --steps 20 --warmup 10
-    python bench.py --suite int8 --ckpt out/demo/ckpt_000250.pt   # tok/s and greedy agreement (pip install torchao)
+    python bench.py --suite int8 --ckpt out/demo/ckpt_000900.pt   # tok/s and greedy agreement (pip install torchao)
     python bench.py --suite prune --ckpt out/demo/ckpt_000900.pt  # dense against each pruning method
     python bench.py --table-from out/bench.json       # the tables of an earlier run, or of one killed midway
 """

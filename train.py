@@ -1,7 +1,7 @@
 """Pretrain GPT-2: one process, or torchrun DDP / ZeRO-1 / FSDP2 on one or many nodes.
 
 Usage:
-    python train.py --preset tiny                                   # CPU, seconds (needs data/stdlib, see README)
+    python fineweb.py --source stdlib && python train.py --preset tiny   # CPU, seconds
     torchrun --standalone --nproc_per_node=8 train.py --preset gpt2-124m
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py --preset gpt2-124m
     python train.py --help                                          # every option, with its meaning
