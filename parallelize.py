@@ -19,17 +19,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
 
 from fused_ce import cross_entropy
 from model import GPT, MLP, GPTConfig
@@ -98,7 +87,7 @@ def data_rank(args: Any, rank: int, world: int) -> tuple[int, int]:
 
 def local(t: Any) -> Any:
     """This rank's plain tensor of t."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's (not imported here unless a run shards)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -156,6 +145,17 @@ def tensor_parallel(stage: Stage, mesh: DeviceMesh, sp: bool) -> None:
     """Megatron's plan on the stage's modules, every other parameter replicated. Between blocks the residual stream
     is a DTensor (replicated, or split by sequence); in a block's attention and MLP each rank computes its heads'
     plain part; stages exchange plain, whole tensors."""
+    # DTensor's modules, here and in Sharded's methods: 0.8 s of imports that a run without --tp/--pp never needs
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
     seq, whole = Shard(1) if sp else Replicate(), Replicate()
     blocks = list(stage.transformer.h)
     block = {"attn.c_attn": ColwiseParallel(), "mlp.c_fc": ColwiseParallel(),
@@ -292,6 +292,8 @@ class Sharded(nn.Module):
 
     def forward(self, idx: Tensor, targets: Tensor, **_: Any) -> tuple[None, Tensor]:
         """(None, the mean loss of idx's next tokens on every rank), as GPT(idx, targets)'s loss."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
         losses: list[Tensor] = []
         with loss_parallel():
             self.schedule(1, train=False).eval(idx, target=targets, losses=losses)
@@ -301,6 +303,8 @@ class Sharded(nn.Module):
                          grad_clip: float) -> tuple[Tensor, Tensor]:
         """grad_accum micro-batches forward and backward under the schedule, then the gradients clipped to grad_clip:
         (mean loss, gradient norm), the same on every rank."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
         xs, ys = zip(*(next_batch() for _ in range(grad_accum)), strict=True)
         losses: list[Tensor] = []
         with loss_parallel(), autocast:
@@ -309,6 +313,8 @@ class Sharded(nn.Module):
 
     def clip(self, max_norm: float) -> Tensor:
         """Clip the gradients to max_norm over every rank's; returns the norm before. The tied matrix counts once."""
+        from torch.distributed.tensor import DTensor
+
         params = [p for p in self.parameters() if p.grad is not None]
         for p in params:  # an embedding's gradient may come back unreduced (Partial): in its weight's layout
             if isinstance(p, DTensor):
