@@ -55,10 +55,8 @@ class ChatConfig:
 def load_model(cfg: ChatConfig) -> tuple[GPT, bool]:
     """The model on the CPU, its vocabulary holding the chat tokens, and whether it was fine-tuned for chat (an HF
     directory: export.py gave it the chat template)."""
-    model = GPT.load(cfg.ckpt, cfg.init_from)
+    model = GPT.load(cfg.ckpt, cfg.init_from).pad_vocab(GPTConfig().vocab_size)  # rows for HF GPT-2's chat tokens
     chat = is_chat(load_checkpoint(cfg.ckpt, mmap=True)) if cfg.ckpt else exported_chat(cfg.init_from)
-    if model.config.vocab_size < CHAT_VOCAB:  # HF GPT-2's 50,257 rows: the chat tokens need rows of their own
-        model.pad_vocab(GPTConfig().vocab_size)
     return model, chat
 
 
