@@ -324,14 +324,14 @@ def test_a_reward_raising_on_one_rank_stops_every_rank_with_its_line(models, tmp
 @pytest.mark.slow
 def test_a_file_one_node_cannot_read_or_holds_otherwise_stops_every_node_with_its_line(models, tmp_path):
     # rl.py read --init-from and --reward-model alone: the node that could went on to a collective and got a lost
-    # peer's traceback (under NCCL, a wait of --dist-timeout)
+    # peer's traceback (under NCCL, a wait of --dist-timeout). One load (rl.load) takes both: --reward-model stands in
     missing = tmp_path / "missing.pt"
-    for name in ("--init-from", "--reward-model"):
-        done = run_nodes([["rl.py", *flags(models, tmp_path / name, *extra)] for extra in ([], [f"{name}={missing}"])])
-        assert [r.returncode for r in done] == [1, 1]
-        line = f"checkpoint {missing} does not exist; pass the .pt file that train.py wrote"
-        errors = [next(e for e in r.stderr.splitlines() if e.startswith("error: ")) for r in done]
-        assert errors[0].startswith(f"error: rank 1: {line}") and errors[1].startswith(f"error: {line}"), errors
+    done = run_nodes([["rl.py", *flags(models, tmp_path / "rm", *extra)]
+                      for extra in ([], [f"--reward-model={missing}"])])
+    assert [r.returncode for r in done] == [1, 1]
+    line = f"checkpoint {missing} does not exist; pass the .pt file that train.py wrote"
+    errors = [next(e for e in r.stderr.splitlines() if e.startswith("error: ")) for r in done]
+    assert errors[0].startswith(f"error: rank 1: {line}") and errors[1].startswith(f"error: {line}"), errors
     # a task whose file differs between the nodes: each rank drew its prompts from its own problems, silently
     (tmp_path / "t.py").write_text("import os\nimport tasks\nclass T:\n    def examples(self, split):\n"
                                    "        return tasks.Addition().examples(split)[:None if os.environ['RANK'] == '0' "
