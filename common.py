@@ -573,7 +573,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
 def check_crcs(path: Path) -> None:
     """Read every member of the checkpoint's zip against its stored CRC-32 (BadZipFile names the one that fails):
-    torch.load does not, so rotted bytes would load as weights."""
+    torch.load does not, so rotted bytes would load as weights. Once per file as it is (a write changes its ctime)."""
+    st = path.stat()
+    crcs_read(path.resolve(), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def crcs_read(path: Path, *identity: int) -> None:
+    """check_crcs's reading, remembered for a file that passed (GPT.load maps a checkpoint, then loads it)."""
     if not zipfile.is_zipfile(path):
         return  # no archive to check (cut short, say): torch.load says what is wrong with it
     with zipfile.ZipFile(path) as archive:

@@ -15,7 +15,7 @@ import torch
 
 import engine
 import train
-from common import iter_log, load_checkpoint, resolve_device
+from common import check_crcs, iter_log, load_checkpoint, resolve_device
 from conftest import ROOT
 from model import checkpoint_config
 
@@ -236,3 +236,29 @@ def test_a_checkpoint_of_another_model_config_is_one_line(saved):
                                          r"(NoneType|1|1, zz|qk_norm)\); it was written by another"):
         checkpoint_config({"model_config": saved}, "ckpt.pt")
     assert checkpoint_config({"model_config": {"n_layer": 3}}, "ckpt.pt", n_head=2).n_layer == 3
+
+
+def test_a_checkpoint_is_crc_checked_once_until_it_is_written_again(tmp_path, monkeypatch):
+    # GPT.load maps a checkpoint to refuse a reward model, then loads it: each load read every byte for the CRCs
+    import os
+    import zipfile
+
+    import torch
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": {"w": torch.arange(4.0)}}, path)
+    opened = []
+    real = zipfile.ZipFile.open
+    monkeypatch.setattr(zipfile.ZipFile, "open", lambda self, *a, **k: opened.append(1) or real(self, *a, **k))
+    check_crcs(path)
+    first = len(opened)
+    check_crcs(path)
+    assert first > 0 and len(opened) == first  # the second load read no member for its CRC
+    data = bytearray(path.read_bytes())  # rotted in place, its mtime put back: the ctime still moves
+    at = data.index(bytes(torch.arange(4.0).numpy().tobytes()))
+    data[at] ^= 0xFF
+    stat = path.stat()
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(zipfile.BadZipFile):
+        check_crcs(path)
