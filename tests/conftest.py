@@ -1,6 +1,7 @@
 """Shared fixtures: small token shards on disk, and a runner for train.py under torchrun (gloo, CPU)."""
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -152,6 +153,13 @@ def run_torchrun(args: list[str], nproc: int, timeout: int = 300, env: dict[str,
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert done.returncode == 0 or not check, f"{' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     return done
+
+
+def run_train_runs(runs: list[list[str]], nproc: int, spec: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run several train.py argument lists one after another in one torchrun launch (tests/train_runs.py); spec is
+    where their JSON list is written."""
+    spec.write_text(json.dumps([[str(a) for a in argv] for argv in runs]))
+    return run_torchrun(["tests/train_runs.py", str(spec)], nproc=nproc, timeout=timeout)
 
 
 def run_nodes(args_per_node: list[list[str]], timeout: int = 300) -> list[subprocess.CompletedProcess]:

@@ -8,17 +8,41 @@ from typing import Any
 
 import pytest
 import torch
-from scale_script import BASE, LLAMA
 
 import prefs
 import prune
 import rl
 import sft
 import train
-from conftest import make_token_data, run_torchrun
+from conftest import make_token_data, run_train_runs
 from model import GPT, MODEL_PRESETS
 from parallel import StepArgs
 from parallelize import Stage, data_rank, reorder, shard_problem
+
+# the tiny GPT-2 on a 512-token vocabulary (its fp32 gradient norm is exact enough to compare: docs/scale.md)
+BASE = ["--preset", "tiny", "--vocab-size", "512", "--max-steps", "10", "--total-batch-size", "1024", "--eval-every",
+        "5", "--eval-tokens", "2048", "--hellaswag", "off"]
+LLAMA = ["--pos", "rope", "--mlp", "swiglu", "--n-kv-head", "2", "--norm", "rmsnorm", "--bias", "false"]
+RUNS = {  # name -> flags, run one after another in one launch; a resume names the run whose step-5 checkpoint it takes
+    "two": {"tp2": ["--tp", "2", "--ckpt-every", "5"],
+            "tp2_as_dp2": ["resume:tp2"],
+            "pp2": ["--pp", "2", "--ckpt-every", "5"],
+            "pp2_again": ["--pp", "2", "resume:pp2"],
+            "pp2gpipe_llama": ["--pp", "2", "--pp-schedule", "gpipe", *LLAMA],
+            "pp2interleaved_l4": ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--n-layer", "4"]},
+    "four": {"dp2tp2": ["--tp", "2", "--parallel", "fsdp", "--ckpt-every", "5"],
+             "dp2tp2_again": ["--tp", "2", "--parallel", "fsdp", "resume:dp2tp2"],
+             "dp2tp2_as_dp4": ["--parallel", "fsdp", "resume:dp2tp2"],
+             "pp2tp2sp_llama": ["--pp", "2", "--tp", "2", "--sequence-parallel", *LLAMA]},
+}
+
+
+def launch(data: Path, out: Path, which: str, nproc: int, timeout: int) -> None:
+    """RUNS[which] in one torchrun launch of nproc ranks, each run's log.jsonl in out/<name>."""
+    runs = [[*BASE, "--data", data, "--out-dir", out / name,
+             *(f"--resume={out / f.removeprefix('resume:')}/ckpt_000005.pt" if f.startswith("resume:") else f
+               for f in flags)] for name, flags in RUNS[which].items()]
+    run_train_runs(runs, nproc, out / "runs.json", timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +86,7 @@ def worst(run: dict, ref: dict, steps: range = range(10)) -> float:
 
 @pytest.mark.slow
 def test_two_ranks_train_as_one_process_and_resume_on_any_layout(tokens512, references, tmp_path):
-    run_torchrun(["tests/scale_script.py", str(tokens512), str(tmp_path), "two"], nproc=2, timeout=600)
+    launch(tokens512, tmp_path, "two", nproc=2, timeout=600)
     ref, llama, layers4 = references["ref"], references["llama"], references["layers4"]
     # 10 fp32 steps: losses, gradient norms and val losses as one process's
     for name, want in (("tp2", ref), ("pp2", ref), ("pp2gpipe_llama", llama), ("pp2interleaved_l4", layers4)):
@@ -84,7 +108,7 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_layout(tokens512, refe
 
 @pytest.mark.slow
 def test_four_ranks_compose_data_tensor_and_pipeline_parallel(tokens512, references, tmp_path):
-    run_torchrun(["tests/scale_script.py", str(tokens512), str(tmp_path), "four"], nproc=4, timeout=900)
+    launch(tokens512, tmp_path, "four", nproc=4, timeout=900)
     ref, llama = references["ref"], references["llama"]
     assert worst(log(tmp_path / "dp2tp2"), ref) <= 1e-5  # FSDP2 over dp x Megatron over tp
     # pipeline x tensor x sequence parallel, with GQA's key-value heads and SwiGLU split

@@ -26,7 +26,7 @@ import parallel as par
 import stage
 import train
 from common import _field_help, describe_provenance, iter_log, load_checkpoint, parse_config
-from conftest import ROOT, children, run_nodes, run_torchrun
+from conftest import ROOT, children, run_nodes, run_torchrun, run_train_runs
 from fineweb import DataError, FinewebConfig, TokenLoader, read_shard, write_shard
 from model import GPT, GPTConfig
 
@@ -2017,10 +2017,15 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
               "--weight-decay=0.05", "--beta1=0.85", "--beta2=0.9", "--eps=1e-6"]  # reach AdamW under every wrapper
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))  # 2 micro-steps of accumulation
     ref = load_checkpoint(tmp_path / "single" / "ckpt_000004.pt")["model"]
+    # one launch: the three wrappers, then a sharded run resumed from its (full) checkpoint at step 4 on 2 ranks
+    runs = [tiny_args(token_data, tmp_path / parallel, *common, f"--parallel={parallel}")
+            for parallel in ("ddp", "zero1", "fsdp")]
+    runs.append(tiny_args(token_data, tmp_path / "fsdp_again", *common, "--parallel=fsdp",
+                          f"--resume={tmp_path / 'fsdp' / 'ckpt_000004.pt'}"))
+    proc = run_train_runs(runs, nproc=2, spec=tmp_path / "runs.json")
+    assert proc.stdout.count("2 ranks x 1 accum") == 4
     for parallel in ("ddp", "zero1", "fsdp"):
         out = tmp_path / parallel
-        proc = run_torchrun(["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}")], nproc=2)
-        assert "2 ranks x 1 accum" in proc.stdout
         ckpt = load_checkpoint(out / "ckpt_000004.pt")
         assert ckpt["world_size"] == 2
         groups = [(g["weight_decay"], tuple(g["betas"]), g["eps"]) for g in ckpt["optimizer"]["param_groups"]]
@@ -2039,24 +2044,29 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
         scores = [[(r["step"], r["n"], r["acc"], r["acc_norm"]) for r in iter_log(run / "log.jsonl")
                    if r["type"] == "hellaswag"] for run in (out, tmp_path / "single")]
         assert [s[:2] for s in scores[0]] == [(0, 5), (8, 5)] and scores[0] == scores[1], parallel
-        if parallel == "fsdp":  # resume a sharded run from its (full) checkpoint at step 4, on 2 ranks
-            (out / "ckpt_000008.pt").unlink()
-            run_torchrun(["train.py", *tiny_args(token_data, out, *common, "--parallel=fsdp", "--resume=auto")],
-                         nproc=2)
-            assert load_checkpoint(out / "ckpt_000008.pt")["step"] == 8
-            again = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
-            assert again == losses  # the resumed steps 4-7 repeat the uninterrupted ones exactly, logged once
+        if parallel == "fsdp":  # the resumed steps 4-7 repeat the uninterrupted ones exactly
+            again = [r["loss"] for r in iter_log(tmp_path / "fsdp_again" / "log.jsonl") if r["type"] == "train"]
+            assert again == losses[4:]
         # preempted on 2 ranks, resumed on 1: accumulation 2 then sees the same windows, so steps 4-7 (which use
         # the restored AdamW moments) follow the 2-rank run. ZeRO-1 splits its consolidated state anew for its one
-        # rank; DDP's and FSDP's state seeds a plain single-process AdamW
+        # rank (a group of this process alone); DDP's and FSDP's state seeds a plain single-process AdamW
         (out / "ckpt_000008.pt").unlink()
-        argv = ["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}", "--resume=auto")]
-        if parallel == "zero1":
-            run_torchrun(argv, nproc=1)
-        else:
-            train.main(argv[1:])
+        with one_rank_group(parallel == "zero1"):
+            train.main(tiny_args(token_data, out, *common, f"--parallel={parallel}", "--resume=auto"))
         again = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert len(again) == 8 and again == pytest.approx(losses, abs=1e-5), parallel
+
+
+@contextlib.contextmanager
+def one_rank_group(on: bool = True) -> Iterator[None]:
+    """A gloo group of this process alone (no torchrun to start): ZeRO-1 resumes its state at one rank in it."""
+    if on:
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if on:
+            torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -2077,9 +2087,10 @@ def test_muon_and_8bit_adamw_under_ddp_and_zero1_match_single_process(token_data
     finally:
         torch.set_num_threads(threads)
     ref = load_checkpoint(tmp_path / "single" / "ckpt_000004.pt")
+    run_train_runs([tiny_args(token_data, tmp_path / parallel, *common, f"--parallel={parallel}")
+                    for parallel in ("ddp", "zero1")], nproc=2, spec=tmp_path / "runs.json")
     for parallel in ("ddp", "zero1"):
         out = tmp_path / parallel
-        run_torchrun(["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}")], nproc=2)
         ckpt = load_checkpoint(out / "ckpt_000004.pt")
         assert (ckpt["optimizer_kind"], ckpt["train_config"]["optimizer"]) == (parallel, optimizer)
         for name, ref_tensor in ref["model"].items():
@@ -2094,16 +2105,15 @@ def test_muon_and_8bit_adamw_under_ddp_and_zero1_match_single_process(token_data
     assert len(ckpt["optimizer"]["state"]) == len(ref["optimizer"]["state"]) == 28
     if optimizer == "adamw8bit":
         assert ckpt["optimizer"]["state"][1]["exp_avg"]["codes"].dtype == torch.uint8  # c_attn.weight, (192, 64)
-    # preempted at step 2, resumed on 1 rank (a group of this process alone: no torchrun to start): ZeRO-1 loads
-    # the consolidated state, both ranks' shares, into its one rank, and steps 2-3 follow the 2-rank run
+    # preempted at step 2, resumed on 1 rank: ZeRO-1 loads the consolidated state, both ranks' shares, into its one
+    # rank, and steps 2-3 follow the 2-rank run
     (tmp_path / "zero1" / "ckpt_000004.pt").unlink()
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     torch.set_num_threads(1)
     try:
-        train.main(tiny_args(token_data, tmp_path / "zero1", *common, "--parallel=zero1", "--resume=auto"))
+        with one_rank_group():
+            train.main(tiny_args(token_data, tmp_path / "zero1", *common, "--parallel=zero1", "--resume=auto"))
     finally:
         torch.set_num_threads(threads)
-        torch.distributed.destroy_process_group()
     again = [r["loss"] for r in iter_log(tmp_path / "zero1" / "log.jsonl") if r["type"] == "train"]
     assert len(again) == 4 and again == pytest.approx(losses, abs=1e-5)
 
@@ -2180,9 +2190,10 @@ def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path
     # as in nanoGPT, torchrun means DDP/ZeRO-1/FSDP2 even on one rank: a one-GPU machine then runs the real wrappers
     common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=0"]
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))["losses"]
+    run_train_runs([tiny_args(token_data, tmp_path / parallel, *common, f"--parallel={parallel}")
+                    for parallel in ("ddp", "zero1", "fsdp")], nproc=1, spec=tmp_path / "runs.json")
     for parallel in ("ddp", "zero1", "fsdp"):
         out = tmp_path / parallel
-        run_torchrun(["train.py", *tiny_args(token_data, out, *common, f"--parallel={parallel}")], nproc=1)
         assert load_checkpoint(out / "ckpt_000004.pt")["optimizer_kind"] == parallel
         losses = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert losses == pytest.approx(single, abs=1e-5), parallel
