@@ -191,16 +191,12 @@ def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
     return model
 
 
-def fresh_model(cfg: StageArgs) -> GPT:
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    return GPT(model_config(cfg))
-
-
 def build_model(cfg: StageArgs, found: tuple[Path, dict] | None, ctx: Context, vocab: int = 0) -> GPT:
     """The model on the CPU: the resumed checkpoint's architecture (restore() loads its weights), --init-from's
     weights, or a fresh init, identical on every rank (the fingerprint checks)."""
     if found is None:  # the same collectives on every rank, with --init-from or without
-        return first_on_each_node(lambda: load_init(cfg, vocab) if cfg.init_from else fresh_model(cfg),
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        return first_on_each_node(lambda: load_init(cfg, vocab) if cfg.init_from else GPT(model_config(cfg)),
                                   ctx.local_rank, ctx.world)
     src = checkpoint_config(found[1], f"--resume {found[0]}")
     check_architecture(cfg, src, f"--resume {found[0]}")
