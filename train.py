@@ -25,6 +25,7 @@ from common import LOCAL, first_on_each_node, get_tokenizer, run_and_exit, same_
 from engine import Context, Eval, Run
 from fineweb import SHUFFLES, TokenLoader
 from generate import sample
+from parallel import check_flags, flag
 from stage import StageArgs, model_config  # noqa: F401  (model_config: train.model_config, the resolved model)
 
 
@@ -50,21 +51,20 @@ class TrainConfig(StageArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.shuffle not in SHUFFLES:
-            raise ValueError(f"--shuffle must be one of {', '.join(SHUFFLES)}; got {self.shuffle!r}")
-        for name, low in {"sample_tokens": 1, "hellaswag_every": 0, "sample_every": 0, "hellaswag_limit": 1,
-                          "core_every": 0}.items():
-            if getattr(self, name) is not None and not getattr(self, name) >= low:  # NaN fails it too
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
+        lows = {"sample_tokens": 1, "hellaswag_every": 0, "sample_every": 0, "hellaswag_limit": 1, "core_every": 0}
         whole = {"--label-smoothing": self.label_smoothing, "--sample-every": self.sample_every,
                  "--hellaswag-every": self.hellaswag != "off" and self.hellaswag_every,
                  "--core-bundle": self.core_bundle}
-        if (self.tp or self.pp) and (flags := [flag for flag, on in whole.items() if on]):
-            raise ValueError(f"{', '.join(flags)}: not under --tp/--pp, which train and score the language model's "
-                             "loss only; drop them (--hellaswag off, --sample-every 0), or score a checkpoint on one "
-                             "process")
+        sharded = [name for name, on in whole.items() if on and (self.tp or self.pp)]
+        check_flags([(self.shuffle in SHUFFLES, f"--shuffle must be one of {', '.join(SHUFFLES)}; got "
+                      f"{self.shuffle!r}"),
+                     *((getattr(self, name) is None or getattr(self, name) >= low,  # a NaN fails it too
+                        f"--{flag(name)} must be >= {low}; got {getattr(self, name)}") for name, low in lows.items()),
+                     (0.0 <= self.label_smoothing < 1.0, f"--label-smoothing must be in [0, 1); got "
+                      f"{self.label_smoothing}"),
+                     (not sharded, f"{', '.join(sharded)}: not under --tp/--pp, which train and score the language "
+                      "model's loss only; drop them (--hellaswag off, --sample-every 0), or score a checkpoint on one "
+                      "process")])
 
 
 PRESETS: dict[str, Callable[[], TrainConfig]] = {
