@@ -15,7 +15,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -517,27 +517,24 @@ def open_log(cfg: RunArgs, raw: GPT, checkpointer: Checkpointer, found: tuple[Pa
 # Entry points: main's exits, once for every stage
 
 
-@contextlib.contextmanager
-def hold_out_dir(cfg: RunArgs, rank: int, world: int) -> Iterator[None]:
-    """Rank 0 locks --out-dir (not for --eval-only, which writes nothing there), so a second run there stops at once
-    instead of pruning this one's checkpoints. A problem on any rank (a missing logging package too) stops them all."""
-    out_dir, lock = Path(cfg.out_dir), None
+def hold_out_dir(cfg: RunArgs, rank: int, world: int, stack: contextlib.ExitStack) -> None:
+    """Rank 0 locks --out-dir until `stack` closes (--eval-only writes nothing there): a second run there stops at
+    once instead of pruning this one's checkpoints. A problem on any rank (a missing logging package too) stops all."""
+    out_dir = Path(cfg.out_dir)
     problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None
     if not problem and out_dir.exists() and not out_dir.is_dir():
         problem = f"--out-dir {out_dir} is a file, not a directory"
     elif not problem and rank == 0 and not cfg.eval_only:
         try:
-            lock = hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir {out_dir}; let it "
-                             "finish, or pass another --out-dir (an --eval-only run may share it)",
-                             "make sure no other train.py writes there")
+            stack.enter_context(hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir "
+                                          f"{out_dir}; let it finish, or pass another --out-dir (an --eval-only run "
+                                          "may share it)", "make sure no other train.py writes there"))
         except ValueError as e:
             problem = str(e)
         except OSError as e:
             problem = f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to"
-    with lock or contextlib.nullcontext():  # the lock file closes, and the lock goes, when the run ends
-        if problem := shared_problem(problem, world):
-            raise ValueError(problem)
-        yield
+    if problem := shared_problem(problem, world):
+        raise ValueError(problem)
 
 
 def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], Any]], setup: Callable[..., Run],
@@ -581,15 +578,15 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
 def run(cfg: RunArgs, setup: Callable[[Any, Context], Run]) -> dict[str, Any]:
     """Train (or evaluate) as cfg says, from Python: errors stay exceptions. It joins the default process group, or
     creates it and destroys it at the end. Returns engine.train()'s result, the same on every rank."""
-    with own_process_group(), contextlib.ExitStack() as restore:
+    with own_process_group(), contextlib.ExitStack() as held:  # what the run holds goes when it ends, in reverse
         ctx = Context(*setup_distributed(cfg.device, cfg.dist_timeout))
-        restore.callback(set_sdpa_switches, sdpa_switches())  # --attention's choice must not outlive the run either
-        with hold_out_dir(cfg, ctx.rank, ctx.world):
-            r = setup(cfg, ctx)
-            with r.stop:  # its signal handlers live as long as the loop, and put the caller's back
-                result = engine.train(r)
-                if dist.is_initialized():
-                    dist.barrier()  # leave together: no rank tears its group down while another is in a collective
+        held.callback(set_sdpa_switches, sdpa_switches())  # --attention's choice must not outlive the run either
+        hold_out_dir(cfg, ctx.rank, ctx.world, held)  # the lock file closes, and the lock goes, when the run ends
+        r = setup(cfg, ctx)
+        with r.stop:  # its signal handlers live as long as the loop, and put the caller's back
+            result = engine.train(r)
+            if dist.is_initialized():
+                dist.barrier()  # leave together: no rank tears its group down while another is in a collective
         return result
 
 
