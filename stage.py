@@ -246,8 +246,7 @@ def lm_step(cfg: StageArgs, built: Trainable, next_batch: Callable[[], tuple], g
 
 
 def val_evals(cfg: StageArgs, setup: Setup) -> list[Eval]:
-    """The val split's mean loss (the next-token loss where targets are not -1) and bits per byte, when there is a val
-    split."""
+    """The val split's mean loss (the next-token loss where targets are not -1) and bits per byte, if it has one."""
     if setup.val_loader is None:
         return []
     built, ctx = setup.built, setup.ctx
@@ -367,12 +366,11 @@ class Setup:
         self.log = open_log(self.cfg, self.raw, self.checkpointer, self.found, self.start, ctx)
 
     def run(self, step_fn: Callable[[int], dict[str, Any]], evals: list[Eval]) -> Run:
-        cfg = self.cfg
-        return Run(cfg=cfg, ctx=self.ctx, step_fn=step_fn, raw=self.raw, trainable=self.built,
-                   checkpointer=self.checkpointer, log=self.log, evals=evals, parts=self.parts,
-                   start_step=self.start, resumed=self.found is not None,
-                   flops_per_token=self.raw.flops_per_token(cfg.seq_len),
-                   peak_flops=cfg.peak_tflops * 1e12 if cfg.peak_tflops else None)
+        peak = self.cfg.peak_tflops
+        return Run(cfg=self.cfg, ctx=self.ctx, step_fn=step_fn, raw=self.raw, trainable=self.built,
+                   checkpointer=self.checkpointer, log=self.log, evals=evals, parts=self.parts, start_step=self.start,
+                   resumed=self.found is not None, flops_per_token=self.raw.flops_per_token(self.cfg.seq_len),
+                   peak_flops=peak * 1e12 if peak else None)
 
 
 def command(cfg: StageArgs) -> dict[str, str]:
@@ -425,14 +423,14 @@ def print_header(cfg: StageArgs, raw: GPT, built: Trainable, start: int, grad_ac
     print(f"{raw.num_params():,} params | {sides * grad_accum * B * T * dp:,} tokens/step = {rows} x {dp} ranks x "
           f"{grad_accum} accum | {cfg.max_steps} steps | compile {compiled} | "
           f"{optimizer_kind(built.optimizer, cfg.parallel)} | {built.dtype}")  # single: no torchrun
-    notes = {f"{flag} runs the PyTorch reference on {ctx.device.type}: the Triton kernel is CUDA only":
-             on and ctx.device.type != "cuda" for flag, on in (("--fused-gelu", mcfg.fused_gelu),
-                                                              ("--fused-ce", mcfg.fused_ce))}
-    notes["--half-residual does nothing in fp32: the residual stream is 16-bit only under --dtype bf16"] = \
-        mcfg.half_residual and built.dtype == torch.float32
-    notes[f"--compile-mode {cfg.compile_mode} does nothing: the model is not compiled (--compile true)"] = \
-        cfg.compile_mode != "default" and not compiled
-    for note in (note for note, due in notes.items() if due):
+    kernel = f"runs the PyTorch reference on {ctx.device.type}: the Triton kernel is CUDA only"
+    notes = [(mcfg.fused_gelu and ctx.device.type != "cuda", f"--fused-gelu {kernel}"),
+             (mcfg.fused_ce and ctx.device.type != "cuda", f"--fused-ce {kernel}"),
+             (mcfg.half_residual and built.dtype == torch.float32,
+              "--half-residual does nothing in fp32: the residual stream is 16-bit only under --dtype bf16"),
+             (cfg.compile_mode != "default" and not compiled,
+              f"--compile-mode {cfg.compile_mode} does nothing: the model is not compiled (--compile true)")]
+    for note in (note for due, note in notes if due):
         print(f"note: {note}")
 
 
