@@ -324,7 +324,6 @@ class Setup:
         # loader(split, data): data's rank and world are the data-parallel ones (a --tp/--pp group reads one batch)
         dp_rank, dp = data_rank(cfg, ctx.rank, ctx.world)
         self.data = dataclasses.replace(ctx, rank=dp_rank, world=dp)
-        torch.manual_seed(cfg.seed + ctx.rank)  # every device's generator; ranks see other data, so other dropout
         self.train_loader, self.val_loader = same_verdict(
             lambda: (loader("train", self.data) if not cfg.eval_only else None,
                      loader("val", self.data) if cfg.eval_every or cfg.eval_only else None),
@@ -350,7 +349,7 @@ class Setup:
         self.raw = self.raw.to(ctx.device)
         for loader in loaders:
             loader.check_vocab(self.raw.config.vocab_size)
-        torch.manual_seed(cfg.seed + ctx.rank)
+        torch.manual_seed(cfg.seed + ctx.rank)  # every device's generator; ranks see other data, so other dropout
         if ctx.master:  # the full config and provenance are log.jsonl's first record
             print(f"model: {describe_model(cfg, self.raw.config)}\nprovenance: {describe_provenance(self.prov)}")
         self.built = build_trainable(self.raw, self.cfg, ctx.device, use_compile, verbose=ctx.master)
