@@ -176,9 +176,9 @@ def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
     except OSError as e:  # the hub is unreachable, or has no such model: one line, not an HTTP client's traceback
         raise ValueError(str(e).replace("\n", " ")) from None
     check_architecture(cfg, source.config, f"--init-from {cfg.init_from}")
-    if cfg.seq_len > source.config.block_size:
-        raise ValueError(f"--seq-len {cfg.seq_len} is longer than --init-from {cfg.init_from}'s context of "
-                         f"{source.config.block_size} tokens; pass --seq-len {source.config.block_size} or less")
+    context = source.config.block_size
+    check_flags([(cfg.seq_len <= context, f"--seq-len {cfg.seq_len} is longer than --init-from {cfg.init_from}'s "
+                  f"context of {context} tokens; pass --seq-len {context} or less")])
     if source.config.vocab_size < vocab:
         source.pad_vocab(GPTConfig().vocab_size)
     config = dataclasses.replace(source.config, **{"value_head": False, **run_options(cfg)})  # one where asked
@@ -200,12 +200,11 @@ def build_model(cfg: StageArgs, found: tuple[Path, dict] | None, ctx: Context, v
                                   ctx.local_rank, ctx.world)
     src = checkpoint_config(found[1], f"--resume {found[0]}")
     check_architecture(cfg, src, f"--resume {found[0]}")
-    if cfg.seq_len != src.block_size:
-        raise ValueError(f"--seq-len {cfg.seq_len} is not the context of --resume {found[0]}, "
-                         f"{src.block_size} tokens; pass --seq-len {src.block_size}")
-    if cfg.arch.get("value_head", src.value_head) != src.value_head:
-        raise ValueError(f"--resume {found[0]} has {'a' if src.value_head else 'no'} value head; a resume cannot "
-                         "change that: start a new run from its weights with --init-from")
+    check_flags([(cfg.seq_len == src.block_size, f"--seq-len {cfg.seq_len} is not the context of --resume "
+                  f"{found[0]}, {src.block_size} tokens; pass --seq-len {src.block_size}"),
+                 (cfg.arch.get("value_head", src.value_head) == src.value_head, f"--resume {found[0]} has "
+                  f"{'a' if src.value_head else 'no'} value head; a resume cannot change that: start a new run from "
+                  "its weights with --init-from")])
     model = GPT(dataclasses.replace(src, **run_options(cfg)))
     check_weights(model, found[1]["model"], f"checkpoint {found[0]}")  # restore() would print every tensor
     return model
