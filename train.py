@@ -20,11 +20,14 @@ from typing import Annotated, Any
 
 import torch
 
+import core
+import hellaswag
 import stage
 from common import LOCAL, first_on_each_node, get_tokenizer, run_and_exit, same_verdict
 from engine import Context, Eval, Run
 from fineweb import SHUFFLES, TokenLoader
 from generate import sample
+from parallel import check_flags, flag
 from stage import StageArgs, model_config  # noqa: F401  (model_config: train.model_config, the resolved model)
 
 
@@ -50,21 +53,20 @@ class TrainConfig(StageArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.shuffle not in SHUFFLES:
-            raise ValueError(f"--shuffle must be one of {', '.join(SHUFFLES)}; got {self.shuffle!r}")
-        for name, low in {"sample_tokens": 1, "hellaswag_every": 0, "sample_every": 0, "hellaswag_limit": 1,
-                          "core_every": 0}.items():
-            if getattr(self, name) is not None and not getattr(self, name) >= low:  # NaN fails it too
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}; got {getattr(self, name)}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")
+        lows = {"sample_tokens": 1, "hellaswag_every": 0, "sample_every": 0, "hellaswag_limit": 1, "core_every": 0}
         whole = {"--label-smoothing": self.label_smoothing, "--sample-every": self.sample_every,
                  "--hellaswag-every": self.hellaswag != "off" and self.hellaswag_every,
                  "--core-bundle": self.core_bundle}
-        if (self.tp or self.pp) and (flags := [flag for flag, on in whole.items() if on]):
-            raise ValueError(f"{', '.join(flags)}: not under --tp/--pp, which train and score the language model's "
-                             "loss only; drop them (--hellaswag off, --sample-every 0), or score a checkpoint on one "
-                             "process")
+        sharded = [name for name, on in whole.items() if on and (self.tp or self.pp)]
+        check_flags([(self.shuffle in SHUFFLES, f"--shuffle must be one of {', '.join(SHUFFLES)}; got "
+                      f"{self.shuffle!r}"),
+                     *((getattr(self, name) is None or getattr(self, name) >= low,  # a NaN fails it too
+                        f"--{flag(name)} must be >= {low}; got {getattr(self, name)}") for name, low in lows.items()),
+                     (0.0 <= self.label_smoothing < 1.0, f"--label-smoothing must be in [0, 1); got "
+                      f"{self.label_smoothing}"),
+                     (not sharded, f"{', '.join(sharded)}: not under --tp/--pp, which train and score the language "
+                      "model's loss only; drop them (--hellaswag off, --sample-every 0), or score a checkpoint on one "
+                      "process")])
 
 
 PRESETS: dict[str, Callable[[], TrainConfig]] = {
@@ -101,7 +103,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Data: token shards, HellaSwag's examples and CORE's tasks
+# Data: token shards and HellaSwag's examples (CORE's tasks: setup)
 
 
 def batches(cfg: TrainConfig, setup: stage.Setup) -> Callable[[], tuple] | None:
@@ -118,8 +120,6 @@ def batches(cfg: TrainConfig, setup: stage.Setup) -> Callable[[], tuple] | None:
 def load_hellaswag(cfg: TrainConfig, ctx: Context) -> list[dict] | None:
     """HellaSwag examples on every rank, or None on every rank (evaluate is collective, so all or none). The same
     collectives on every rank, whatever its flags say: the fingerprint then compares what each rank loaded."""
-    import hellaswag
-
     wanted = cfg.hellaswag != "off" and (cfg.hellaswag_every > 0 or cfg.eval_only)
     path = Path(cfg.hellaswag) if cfg.hellaswag != "auto" else hellaswag.default_cache_dir() / "hellaswag_val.jsonl"
 
@@ -140,14 +140,6 @@ def load_hellaswag(cfg: TrainConfig, ctx: Context) -> list[dict] | None:
         return None
 
 
-def load_core(cfg: TrainConfig, ctx: Context) -> list | None:
-    """CORE's tasks, nanochat's base_train subsample of each, on every rank (the bundle fetched once per node)."""
-    import core
-
-    load = lambda: core.load_tasks(core.fetch_bundle(cfg.core_bundle), core.TRAIN_ROWS)
-    return first_on_each_node(load, ctx.local_rank, ctx.world) if cfg.core_bundle else None
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Evaluations: val loss and bpb, HellaSwag, CORE, samples (engine.Eval entries; a new one is an entry here and its flag)
 
@@ -159,8 +151,6 @@ def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | Non
     evals = stage.val_evals(cfg, setup)
     if examples:
         def hellaswag_eval(step: int) -> dict[str, Any]:
-            import hellaswag
-
             # the uncompiled module: HellaSwag's many sequence lengths would recompile the training forward
             hs = hellaswag.evaluate(raw, examples, ctx.device, ctx.rank, ctx.world, limit=cfg.hellaswag_limit,
                                     enc=enc, progress=True)
@@ -170,8 +160,6 @@ def evaluations(cfg: TrainConfig, setup: stage.Setup, examples: list[dict] | Non
         evals.append(Eval("hellaswag", cfg.hellaswag_every, hellaswag_eval))
     if core_tasks:
         def core_eval(step: int) -> dict[str, Any]:
-            import core
-
             scores = core.evaluate(raw, core_tasks, ctx.rank, ctx.world, built.autocast, say=lambda line: None)
             log.say(f"step {step:6d} | CORE {scores['core_metric']:.4f} ({len(core_tasks)} tasks, at most "
                     f"{core.TRAIN_ROWS} rows each)")
@@ -206,7 +194,10 @@ def setup(cfg: TrainConfig, ctx: Context) -> Run:
     loader = lambda split, data: TokenLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
                                              cfg.seed, data.device, cfg.preload, cfg.shuffle)
     setup = stage.Setup(cfg, ctx, loader)
-    examples, core_tasks = load_hellaswag(cfg, ctx), load_core(cfg, ctx)
+    examples = load_hellaswag(cfg, ctx)
+    # CORE's tasks, nanochat's base_train subsample of each, on every rank (the bundle fetched once per node)
+    load_core = lambda: core.load_tasks(core.fetch_bundle(cfg.core_bundle), core.TRAIN_ROWS)
+    core_tasks = first_on_each_node(load_core, ctx.local_rank, ctx.world) if cfg.core_bundle else None
     setup.build({"--hellaswag file": stage.digest(examples),
                  "--core-bundle": stage.digest(core_tasks and [dataclasses.asdict(t) for t in core_tasks])})
     step_fn = stage.lm_step(setup.cfg, setup.built, batches(cfg, setup), setup.grad_accum, setup.guard,
