@@ -313,7 +313,6 @@ class Checkpointer:
 
     def __init__(self, args: RunArgs, rank: int = 0, world: int = 1, prov: dict | None = None, chat: bool = False):
         self.args, self.rank, self.world, self.prov, self.chat = args, rank, world, prov or {}, chat
-        self.config = dataclasses.asdict(args)
         self.out_dir = Path(args.out_dir)
         self.master = rank == 0
         self.say = print if self.master else lambda text: None
@@ -373,7 +372,7 @@ class Checkpointer:
                           "warnings above): resume one with --resume PATH, or move them away to start afresh"),
                          # it would score a random model as if it were the run's
                          (not args.eval_only, f"--eval-only --resume auto: no checkpoint in {out_dir} to evaluate")])
-            init_from = self.config.get("init_from")
+            init_from = getattr(args, "init_from", "")
             self.say(f"resume: no checkpoint in {out_dir}; starting "
                      + (f"from --init-from {init_from}" if init_from else "from scratch"))
             return None
@@ -447,8 +446,8 @@ class Checkpointer:
             write_atomically(path, {
                 "model": model_sd, "optimizer": swap_8bit_state(optim_sd, pack=False),
                 "optimizer_kind": optimizer_kind(optimizer, self.args.parallel), "step": step, "rng": rngs,
-                "model_config": dataclasses.asdict(raw.config), "train_config": self.config, "provenance": self.prov,
-                "world_size": self.world, "chat": self.chat,
+                "model_config": dataclasses.asdict(raw.config), "train_config": dataclasses.asdict(self.args),
+                "provenance": self.prov, "world_size": self.world, "chat": self.chat,
                 **{key: part.state_dict() if part is not None else None for key, part in parts.items()}})
 
         same_verdict(write if self.master else lambda: None, self.world)
@@ -478,9 +477,8 @@ class Checkpointer:
             self.good = self.newest
             return None
         self.newest = self.last = None
-        if not self.master:
-            return None
-        os.replace(path, path.with_name(path.name + ".diverged"))  # out of checkpoints()'s pattern: never resumed
+        if self.master:  # out of checkpoints()'s pattern: never resumed
+            os.replace(path, path.with_name(path.name + ".diverged"))
         return path
 
     def remove_partial_writes(self) -> None:
@@ -825,8 +823,7 @@ def command_of(args: Any) -> dict[str, str]:
 
 def shards_of(loaders: list[Any]) -> list[tuple]:
     """(split, shard names, token counts) of each TokenLoader: a shard missing on one node would index other windows."""
-    return [(state["split"], state["shards"], state["shard_tokens"])
-            for state in (loader.state_dict() for loader in loaders if loader is not None)]
+    return [(s["split"], s["shards"], s["shard_tokens"]) for s in (loader.state_dict() for loader in loaders)]
 
 
 def weights_digest(model: nn.Module) -> str:
