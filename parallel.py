@@ -430,13 +430,9 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
         self.muon.state = self.adamw.state = self.state
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        with torch.enable_grad():
-            loss = closure() if closure is not None else None
+    def step(self, closure: None = None) -> None:  # no closure: nothing here re-evaluates the loss
         self.muon.step()
         self.adamw.step()
-        return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # new group dicts and a new state: share them again
