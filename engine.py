@@ -198,21 +198,20 @@ class Run:
 
     def __post_init__(self) -> None:
         cfg, ctx = self.cfg, self.ctx
-        self.rank, self.world, self.device, self.master = ctx.rank, ctx.world, ctx.device, ctx.master
         self.tokens: TokenCount = self.parts["tokens"]  # trained on, all ranks together
         self.last_step = self.start_step if cfg.eval_only else cfg.max_steps
         self.latest: dict[str, dict[str, Any]] = {}  # each evaluation's last record, by name
         self.stop = StopFlags(cfg.max_time, not cfg.eval_only, ctx.master, ctx.device, ctx.world)
         self.profiler = Profiler(cfg.profile and not cfg.eval_only, self.start_step, cfg.profile_steps,
                                  Path(cfg.out_dir), ctx.rank)
-        self.device_name, self.eval_only = device_name(ctx.device), cfg.eval_only
+        self.device_name = device_name(ctx.device)
         self.stopped: str | None = None  # "signal", "max_time" or "nan"
         self.t_start = time.time()
 
     def evaluate(self, step: int, final: bool) -> bool:
         """The evaluations due at `step`; whether any ran."""
         due = [e for e in self.evals if (final or (e.every > 0 and step % e.every == 0))
-               and (e.at_start or step > 0 or self.eval_only)]
+               and (e.at_start or step > 0 or self.cfg.eval_only)]
         for e in due:
             if (record := e.fn(step)) is not None:
                 self.latest[e.name] = record
@@ -225,18 +224,19 @@ class Run:
         tokens = record.pop("tokens", 0)
         self.tokens.value += tokens
         tok_s = tokens / dt
-        util = mfu(self.flops_per_token, tok_s / self.world, self.device_name, self.peak_flops) \
+        util = mfu(self.flops_per_token, tok_s / self.ctx.world, self.device_name, self.peak_flops) \
             if self.flops_per_token else None
         return {"tokens": self.tokens.value, **record, "ms": dt * 1000, "tok_s": tok_s, "mfu": util}
 
     def after_step(self, step: int) -> None:
-        if self.master and self.device.type == "cuda" and step == self.start_step:
+        device = self.ctx.device
+        if self.ctx.master and device.type == "cuda" and step == self.start_step:
             # the room --batch-size leaves: the first step has made everything a step holds (AdamW's moments too)
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            print(f"memory: peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB allocated, "
-                  f"{torch.cuda.max_memory_reserved(self.device) / 2**30:.1f} GiB reserved by PyTorch, of "
+            total = torch.cuda.get_device_properties(device).total_memory
+            print(f"memory: peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated, "
+                  f"{torch.cuda.max_memory_reserved(device) / 2**30:.1f} GiB reserved by PyTorch, of "
                   f"{total / 2**30:.1f} GiB on {self.device_name} (rank 0, after the first step)")
-        if self.device.type == "cpu" and (step + 1) % TRIM_EVERY == 0:
+        if device.type == "cpu" and (step + 1) % TRIM_EVERY == 0:
             trim_heap()  # the next step faults its blocks in again once: about 1% at this cadence
         self.profiler.step_ends(step)
 
@@ -269,7 +269,7 @@ class Run:
         after it as themselves too ("val_loss", "val_bpb"), and when they happened "checkpoint", "stopped"}."""
         self.profiler.finish(step)
         took = fmt_time(time.time() - self.t_start)
-        self.log.say(f"done: evaluated the weights at step {step} in {took}" if self.eval_only else
+        self.log.say(f"done: evaluated the weights at step {step} in {took}" if self.cfg.eval_only else
                      f"done: {len(self.log.losses)} steps in {took}; outputs in {self.checkpointer.out_dir}")
         self.log.close()
         result: dict[str, Any] = {"losses": self.log.losses}
@@ -313,18 +313,14 @@ class Checkpointer:
 
     def __init__(self, args: RunArgs, rank: int = 0, world: int = 1, prov: dict | None = None, chat: bool = False):
         self.args, self.rank, self.world, self.prov, self.chat = args, rank, world, prov or {}, chat
-        self.config = dataclasses.asdict(args)
         self.out_dir = Path(args.out_dir)
         self.master = rank == 0
+        self.say = print if self.master else lambda text: None
         self.unreadable: list[Path] = []
         self.last: str | None = None  # the path written last
         self.newest: Path | None = None  # this run's newest checkpoint (resumed or written), resolved
         self.good: Path | None = None  # the newest whose weights trained a step to a finite loss and gradient norm
         self.rewinding = False  # resuming a checkpoint older than the newest in out_dir
-
-    def say(self, text: str) -> None:
-        if self.master:
-            print(text)
 
     def due(self, step: int) -> bool:
         """Whether the state after `step` optimizer steps is saved: every --ckpt-every, and at the end."""
@@ -365,14 +361,18 @@ class Checkpointer:
         if args.resume != "auto":
             return Path(args.resume), load_checkpoint(args.resume, mmap=True)
         found = find_checkpoint(out_dir, self.unreadable)
-        note_set_aside(out_dir, found, self.say)
-        if found is None and existing:
-            raise ValueError(f"none of the {len(existing)} checkpoints in {out_dir} can be read (see the warnings "
-                             "above): resume one with --resume PATH, or move them away to start afresh")
-        if found is None and args.eval_only:  # it would score a random model as if it were the run's
-            raise ValueError(f"--eval-only --resume auto: no checkpoint in {out_dir} to evaluate")
+        # name the checkpoints set aside after the one resumed was written: a NaN-stopped run's (judge)
+        after = found[0].stat().st_mtime_ns if found else -1
+        for aside in sorted(out_dir.glob("ckpt_*.pt.diverged"), key=lambda p: p.stat().st_mtime_ns):
+            if aside.stat().st_mtime_ns > after and re.fullmatch(r"ckpt_\d+\.pt\.diverged", aside.name):
+                self.say(f"note: passing over {aside.name}: the run that wrote it set it aside, as its weights gave a "
+                         f"NaN/inf loss or gradient norm at step {step_of(Path(aside.stem))}")
         if found is None:
-            init_from = self.config.get("init_from")
+            check_flags([(not existing, f"none of the {len(existing)} checkpoints in {out_dir} can be read (see the "
+                          "warnings above): resume one with --resume PATH, or move them away to start afresh"),
+                         # it would score a random model as if it were the run's
+                         (not args.eval_only, f"--eval-only --resume auto: no checkpoint in {out_dir} to evaluate")])
+            init_from = getattr(args, "init_from", "")
             self.say(f"resume: no checkpoint in {out_dir}; starting "
                      + (f"from --init-from {init_from}" if init_from else "from scratch"))
             return None
@@ -402,11 +402,11 @@ class Checkpointer:
     def _restore_optimizer(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        kind = optimizer_kind(optimizer, self.args.parallel)
-        if (saved := ckpt["optimizer_kind"]) != kind and "zero1" in (saved, kind):
-            how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
-            raise ValueError(f"the checkpoint's optimizer state was saved by parallel={saved} and this run's optimizer "
-                             f"is {kind}: ZeRO-1 keeps its own format, so resume it {how}")
+        kind, saved = optimizer_kind(optimizer, self.args.parallel), ckpt["optimizer_kind"]
+        how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
+        check_flags([(saved == kind or "zero1" not in (saved, kind), f"the checkpoint's optimizer state was saved by "
+                      f"parallel={saved} and this run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume "
+                      f"it {how}")])
         optim_sd = swap_8bit_state(ckpt["optimizer"], pack=True)
         if kind != "zero1":
             set_optimizer_state_dict(raw, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
@@ -446,8 +446,8 @@ class Checkpointer:
             write_atomically(path, {
                 "model": model_sd, "optimizer": swap_8bit_state(optim_sd, pack=False),
                 "optimizer_kind": optimizer_kind(optimizer, self.args.parallel), "step": step, "rng": rngs,
-                "model_config": dataclasses.asdict(raw.config), "train_config": self.config, "provenance": self.prov,
-                "world_size": self.world, "chat": self.chat,
+                "model_config": dataclasses.asdict(raw.config), "train_config": dataclasses.asdict(self.args),
+                "provenance": self.prov, "world_size": self.world, "chat": self.chat,
                 **{key: part.state_dict() if part is not None else None for key, part in parts.items()}})
 
         same_verdict(write if self.master else lambda: None, self.world)
@@ -477,9 +477,8 @@ class Checkpointer:
             self.good = self.newest
             return None
         self.newest = self.last = None
-        if not self.master:
-            return None
-        os.replace(path, path.with_name(path.name + ".diverged"))  # out of checkpoints()'s pattern: never resumed
+        if self.master:  # out of checkpoints()'s pattern: never resumed
+            os.replace(path, path.with_name(path.name + ".diverged"))
         return path
 
     def remove_partial_writes(self) -> None:
@@ -556,15 +555,6 @@ def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tupl
             if unreadable is not None:
                 unreadable.append(path)
     return None
-
-
-def note_set_aside(out_dir: Path, resumed: tuple[Path, dict] | None, say: Callable[[str], None] = print) -> None:
-    """Name the checkpoints set aside after the one resumed was written: a NaN-stopped run's (Checkpointer.judge)."""
-    after = resumed[0].stat().st_mtime_ns if resumed else -1
-    for aside in sorted(out_dir.glob("ckpt_*.pt.diverged"), key=lambda p: p.stat().st_mtime_ns):
-        if aside.stat().st_mtime_ns > after and re.fullmatch(r"ckpt_\d+\.pt\.diverged", aside.name):
-            say(f"note: passing over {aside.name}: the run that wrote it set it aside, as its weights gave a NaN/inf "
-                f"loss or gradient norm at step {step_of(Path(aside.stem))}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -833,8 +823,7 @@ def command_of(args: Any) -> dict[str, str]:
 
 def shards_of(loaders: list[Any]) -> list[tuple]:
     """(split, shard names, token counts) of each TokenLoader: a shard missing on one node would index other windows."""
-    return [(state["split"], state["shards"], state["shard_tokens"])
-            for state in (loader.state_dict() for loader in loaders if loader is not None)]
+    return [(s["split"], s["shards"], s["shard_tokens"]) for s in (loader.state_dict() for loader in loaders)]
 
 
 def weights_digest(model: nn.Module) -> str:
