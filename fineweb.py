@@ -406,7 +406,8 @@ def stdlib_files() -> list[Path]:
 
 def stdlib_docstrings(cfg: FinewebConfig) -> Path:
     """stdlib_files()' distinct docstrings as JSON lines, cached: prose a small model learns in minutes, unlike code.
-    Each line's runs of whitespace are one space, its indentation gone."""
+    Each line's runs of whitespace are one space, its indentation gone: runs of bare-space tokens are what a small
+    model's top-k samples string into lines of spaces."""
     version = f"py{sys.version_info[0]}.{sys.version_info[1]}"
     path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_flat_{version}.jsonl"
     with contextlib.suppress(OSError):  # not there yet
@@ -420,8 +421,6 @@ def stdlib_docstrings(cfg: FinewebConfig) -> Path:
         with contextlib.suppress(SyntaxError, ValueError):  # a file of another Python's syntax
             for node in ast.walk(ast.parse(file.read_bytes())):
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    # indentation is runs of bare-space tokens, which a small model's top-k samples string into
-                    # lines of spaces
                     lines = (ast.get_docstring(node) or "").splitlines()
                     docs.setdefault("\n".join(" ".join(line.split()) for line in lines))
     atomic_write(path, "".join(json.dumps({"text": doc}) + "\n" for doc in docs if doc).encode())
@@ -456,9 +455,8 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
     (part, row, first, n), kind = list(start)[:4], source_kind(cfg.source)
     try:
         if files is None:
-            pin = {"revision": cfg.revision} if cfg.revision else {}
             ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming,
-                                       **pin)
+                                       revision=cfg.revision or None)
         else:
             builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
             options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}

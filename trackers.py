@@ -82,7 +82,7 @@ class WandB:
         id_file.write_text(run_id + "\n")
         try:
             self.run = wandb.init(project=project, id=run_id, resume="allow", name=out_dir.name,
-                                  dir=None if os.environ.get("WANDB_DIR") else str(out_dir))
+                                  dir=os.environ.get("WANDB_DIR") or str(out_dir))
         except Exception as e:  # no API key, no network...: one line, before training, on every rank (setup)
             why = (str(e) or type(e).__name__).splitlines()[0]
             raise ValueError(f"--wandb {project}: W&B did not start ({why}); run `wandb login`, or set "
