@@ -362,13 +362,11 @@ class FinewebConfig:
 
 def source_kind(source: str) -> str:
     """fineweb, shakespeare, stdlib, stdlib-docs, local or hub."""
-    if source in NAMED_SOURCES:
-        return NAMED_SOURCES[source]
     path = Path(source).expanduser()
     # data/x when ./data exists is a path, not the hub's owner/name
     local = any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS or \
         source[:1] in "./~" or len(path.parts) > 1 and path.parents[-2].is_dir()
-    return "local" if local else "hub"
+    return NAMED_SOURCES.get(source) or ("local" if local else "hub")
 
 
 def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
@@ -455,8 +453,9 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
     (part, row, first, n), kind = list(start)[:4], source_kind(cfg.source)
     try:
         if files is None:
+            pin = {"revision": cfg.revision} if cfg.revision else {}
             ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming,
-                                       revision=cfg.revision or None)
+                                       **pin)
         else:
             builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
             options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
