@@ -189,8 +189,9 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
         records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
     kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
     cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]
-    trackers = same_verdict(lambda: [*([TensorBoard(path.parent, first)] if cfg.tensorboard else []),
-                                     *([WandB(cfg.wandb, path.parent, resume_step)] if cfg.wandb else [])], world)
+    wanted = ((cfg.tensorboard, lambda: TensorBoard(path.parent, first)),
+              (cfg.wandb, lambda: WandB(cfg.wandb, path.parent, resume_step)))
+    trackers = same_verdict(lambda: [start() for on, start in wanted if on], world)
     # after the trackers start: one that cannot leaves the log as it was; the records cut go aside before the log is
     # cut, so a crash between the two loses nothing
     path.parent.mkdir(parents=True, exist_ok=True)
