@@ -121,7 +121,7 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     if size != HEADER_BYTES + 2 * n:
         raise DataError(f"{path}: header says {n:,} tokens ({HEADER_BYTES + 2 * n:,} bytes) but the file has "
                         f"{size:,} bytes: truncated or corrupt; delete it and rerun fineweb.py")
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else np.zeros(0, np.uint16)
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))  # n = 0 too: it maps the header
 
 
 def expand(pattern: str, in_dir: Callable[[Path], Iterable[Path]]) -> list[Path] | None:
