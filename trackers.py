@@ -157,9 +157,8 @@ class RunLog:
 
     def close(self) -> None:
         with self.writing():
-            self.file.close()
-            for tracker in self.trackers:
-                tracker.close()
+            for each in (self.file, *self.trackers):
+                each.close()
 
 
 def write_records(path: Path, records: list[dict]) -> None:
