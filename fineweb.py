@@ -222,7 +222,7 @@ class TokenLoader:
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse ids >= vocab_size in every batch from now on (a preloaded split: all of it, now), naming the shard."""
         self.vocab_size = vocab_size
-        if self._preloaded is not None and len(self._preloaded) and (top := int(self._preloaded.max())) >= vocab_size:
+        if self._preloaded is not None and (top := int(self._preloaded.max())) >= vocab_size:  # (B*T+1 tokens at least)
             at = int(np.searchsorted(self._starts, int(torch.argmax(self._preloaded)), side="right")) - 1
             self._bad_token(self.files[at], top)
 
