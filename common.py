@@ -36,6 +36,7 @@ GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must n
 LOCAL = "local"
 EOT = 50256  # <|endoftext|>
 T = TypeVar("T")
+CRCS_CHECKED: set[tuple] = set()  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
 
 
 # log lines that torchao's import writes on machines its prebuilt CUDA extensions do not load on, and a torch
@@ -274,7 +275,7 @@ def provenance(device: torch.device | str | None = None, world_size: int = 1) ->
 
 def describe_provenance(prov: dict) -> str:
     """provenance() as one line: `git 0123456789ab+dirty, torch 2.6.0, cuda 12.4, NVIDIA H100, 8 ranks`."""
-    sha = (prov.get("git_sha") or "unknown")[:12] + ("+dirty" if prov.get("git_dirty") else "")
+    sha = (prov.get("git_sha") or "unknown")[:12] + "+dirty" * bool(prov.get("git_dirty"))
     world = prov.get("world_size", 1)
     versions = [f"{name} {prov[name]}" for name in ("python", "torch", "triton", "cuda") if prov.get(name)]
     return ", ".join([f"git {sha}", *versions, str(prov.get("device")), f"{world} rank" + "s" * (world != 1)])
@@ -299,8 +300,7 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but this machine has no CUDA GPU; use --device cpu")
-    if device.type == "cuda" and device.index is not None:
-        # Triton launches on the current device, not on its tensors' own: make cuda:N current
+    if device.index is not None:  # cuda:N: Triton launches on the current device, not on its tensors' own
         torch.cuda.set_device(device)
     return device
 
@@ -342,14 +342,13 @@ def setup_distributed(device: str = "auto", timeout_minutes: float = 30.0) -> tu
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
     elif "RANK" in os.environ:
         rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-        if use_cuda:  # before the group: NCCL binds each rank to its GPU (the GPU runs proved this order)
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
     else:
         return 0, 0, 1, torch.device("cuda", 0) if use_cuda and dev.index is None else dev
-    if use_cuda:
+    if use_cuda:  # before a group we make: NCCL binds each rank to its GPU (the GPU runs proved this order)
         torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
     return rank, local_rank, world, torch.device("cuda", local_rank) if use_cuda else dev
 
 
@@ -572,22 +571,18 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
 
 def check_crcs(path: Path) -> None:
-    """Read every member of the checkpoint's zip against its stored CRC-32 (BadZipFile names the one that fails):
-    torch.load does not, so rotted bytes would load as weights. Once per file as it is (a write changes its ctime)."""
+    """Read every zip member against its stored CRC-32 (BadZipFile names the one that fails): torch.load does not, so
+    rotted bytes would load as weights. Once per file as it is (a write moves its ctime): GPT.load maps, then loads."""
     st = path.stat()
-    crcs_read(path.resolve(), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-@functools.lru_cache(maxsize=64)
-def crcs_read(path: Path, *identity: int) -> None:
-    """check_crcs's reading, remembered for a file that passed (GPT.load maps a checkpoint, then loads it)."""
-    if not zipfile.is_zipfile(path):
-        return  # no archive to check (cut short, say): torch.load says what is wrong with it
+    identity = (path.resolve(), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if identity in CRCS_CHECKED or not zipfile.is_zipfile(path):  # not an archive (cut short): torch.load says why
+        return
     with zipfile.ZipFile(path) as archive:
         for info in archive.infolist():
             with archive.open(info) as member:
                 while member.read(1 << 24):
                     pass
+    CRCS_CHECKED.add(identity)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

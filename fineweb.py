@@ -121,7 +121,7 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     if size != HEADER_BYTES + 2 * n:
         raise DataError(f"{path}: header says {n:,} tokens ({HEADER_BYTES + 2 * n:,} bytes) but the file has "
                         f"{size:,} bytes: truncated or corrupt; delete it and rerun fineweb.py")
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,)) if n else np.zeros(0, np.uint16)
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n,))  # n = 0 too: it maps the header
 
 
 def expand(pattern: str, in_dir: Callable[[Path], Iterable[Path]]) -> list[Path] | None:
@@ -198,10 +198,6 @@ class TokenLoader:
         return np.maximum(self._lengths - 1, 0) // (B * self.T)
 
     @property
-    def tokens_per_epoch(self) -> int:  # x tokens, all ranks together: every window once
-        return self.num_windows * self.B * self.T
-
-    @property
     def epoch(self) -> int:  # of this rank's next window (ranks differ by one in a step that straddles epochs)
         return (self.step * self.world_size + self.rank) // self.num_windows
 
@@ -226,7 +222,7 @@ class TokenLoader:
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse ids >= vocab_size in every batch from now on (a preloaded split: all of it, now), naming the shard."""
         self.vocab_size = vocab_size
-        if self._preloaded is not None and len(self._preloaded) and (top := int(self._preloaded.max())) >= vocab_size:
+        if self._preloaded is not None and (top := int(self._preloaded.max())) >= vocab_size:  # (B*T+1 tokens at least)
             at = int(np.searchsorted(self._starts, int(torch.argmax(self._preloaded)), side="right")) - 1
             self._bad_token(self.files[at], top)
 
@@ -366,22 +362,23 @@ class FinewebConfig:
 
 def source_kind(source: str) -> str:
     """fineweb, shakespeare, stdlib, stdlib-docs, local or hub."""
-    if source in NAMED_SOURCES:
-        return NAMED_SOURCES[source]
     path = Path(source).expanduser()
     # data/x when ./data exists is a path, not the hub's owner/name
     local = any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS or \
         source[:1] in "./~" or len(path.parts) > 1 and path.parents[-2].is_dir()
-    return "local" if local else "hub"
+    return NAMED_SOURCES.get(source) or ("local" if local else "hub")
 
 
 def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     """A local source's files, sorted, of one `datasets` builder, without the records in out_dir (its default)."""
-    out = Path(out_dir).expanduser().resolve()
+    out, src = Path(out_dir).expanduser().resolve(), Path(source).expanduser()
     if (files := expand(source, lambda d: (f for f in d.rglob("*") if f.suffix in LOCAL_BUILDERS))) is None:
         raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
                         ".txt/.jsonl/.json/.parquet, or a hub dataset name")
-    if other := left_out(Path(source).expanduser(), out):  # named, not skipped in silence
+    # a directory's files that no builder reads are named, not skipped in silence (its hidden ones and out's aside)
+    other = sorted(str(f.relative_to(src)) for f in src.rglob("*") if f.is_file() and f.suffix not in LOCAL_BUILDERS
+                   and f.parent.resolve() != out and not any(p.startswith(".") for p in f.relative_to(src).parts))
+    if other:
         print(f"note: --source {source}: {len(other)} file(s) left out, not .txt/.jsonl/.json/.parquet: "
               f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
     records = ("_done.json", "_parts.json")  # parts: an older writer's
@@ -398,15 +395,6 @@ def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
-def left_out(src: Path, out: Path) -> list[str]:
-    """A --source directory's files that no builder reads (its hidden ones and out's records aside), by path in it."""
-    if not src.is_dir():
-        return []
-    other = (f.relative_to(src) for f in src.rglob("*")
-             if f.is_file() and f.suffix not in LOCAL_BUILDERS and f.parent.resolve() != out)
-    return sorted(str(f) for f in other if not any(part.startswith(".") for part in f.parts))
-
-
 def stdlib_files() -> list[Path]:
     """This Python's standard-library .py files (no tests, site-packages or generated tables), in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -416,7 +404,8 @@ def stdlib_files() -> list[Path]:
 
 def stdlib_docstrings(cfg: FinewebConfig) -> Path:
     """stdlib_files()' distinct docstrings as JSON lines, cached: prose a small model learns in minutes, unlike code.
-    Each line's runs of whitespace are one space, its indentation gone."""
+    Each line's runs of whitespace are one space, its indentation gone: runs of bare-space tokens are what a small
+    model's top-k samples string into lines of spaces."""
     version = f"py{sys.version_info[0]}.{sys.version_info[1]}"
     path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_flat_{version}.jsonl"
     with contextlib.suppress(OSError):  # not there yet
@@ -430,8 +419,6 @@ def stdlib_docstrings(cfg: FinewebConfig) -> Path:
         with contextlib.suppress(SyntaxError, ValueError):  # a file of another Python's syntax
             for node in ast.walk(ast.parse(file.read_bytes())):
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    # indentation is runs of bare-space tokens, which a small model's top-k samples string into
-                    # lines of spaces
                     lines = (ast.get_docstring(node) or "").splitlines()
                     docs.setdefault("\n".join(" ".join(line.split()) for line in lines))
     atomic_write(path, "".join(json.dumps({"text": doc}) + "\n" for doc in docs if doc).encode())
@@ -452,21 +439,6 @@ def source_files(cfg: FinewebConfig) -> list[Path] | None:
     return files.get(kind, lambda: None)()  # a hub dataset: None
 
 
-def _read_error(cfg: FinewebConfig, where: str, file: Path | None, err: Exception) -> DataError:
-    """One line for an error raised while `datasets` read the source: where, the root cause, and what to do."""
-    import datasets
-
-    cause: BaseException = err
-    # the root cause: datasets wraps a builder's error (raise ... from e), or re-raises it inside an except
-    while (inner := cause.__cause__ or (cause.__context__ if isinstance(cause, datasets.exceptions.DatasetsError)
-                                        else None)) is not None:
-        cause = inner
-    message = textwrap.shorten(f"{type(cause).__name__}: {cause}", 300)  # one line (its messages can span several)
-    fix = "check the names and the network, and rerun (complete shards are kept)" if file is None and \
-        source_kind(cfg.source) in ("fineweb", "hub") else "fix that file or leave it out of --source"
-    return DataError(f"could not read {where}: {message}; {fix}")
-
-
 def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                    start: Iterable[int] = START) -> Iterator[tuple[str, tuple[int, int, int, int]]]:
     """The source's non-empty texts from `start` on, each with its position (part, row in it, row in the source, parts).
@@ -478,7 +450,7 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
     reading = (OSError, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs a read error before raising it: one line here
     where = f"--source {cfg.source}" + ("" if files else f" (--name {cfg.name or 'none'}, --split {cfg.split})")
-    file, (part, row, first, n), kind = None, list(start)[:4], source_kind(cfg.source)
+    (part, row, first, n), kind = list(start)[:4], source_kind(cfg.source)
     try:
         if files is None:
             pin = {"revision": cfg.revision} if cfg.revision else {}
@@ -490,12 +462,11 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
             ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
                                        streaming=cfg.streaming, **options)
         shards = getattr(ds, "num_shards", 1)  # streamed: a part per file; else one
-        names = files if files and len(files) == shards else [None] * shards
-        parts = [(ds, where, names[0])] if shards == 1 else [
-            (ds.shard(shards, i, contiguous=True), f"{f or f'file {i + 1} of {shards}'} of {where}", f)
-            for i, f in enumerate(names)]
+        names = files if files and len(files) == shards else [f"file {i + 1} of {shards}" for i in range(shards)]
+        parts = [(ds, where)] if shards == 1 else [(ds.shard(shards, i, contiguous=True), f"{name} of {where}")
+                                                   for i, name in enumerate(names)]
         part, g = (part, first - row) if n == len(parts) else (0, 0)
-        for p, (data, where, file) in enumerate(parts[part:], part):  # noqa: B007 (file: for the error below)
+        for p, (data, where) in enumerate(parts[part:], part):
             for r, item in enumerate(data):
                 if cfg.text_field not in item:
                     raise DataError(f"--text-field {cfg.text_field!r} is not in {where}; its columns are "
@@ -509,8 +480,15 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                 g += 1
     except DataError:
         raise
-    except reading as e:
-        raise _read_error(cfg, where, file, e) from None
+    except reading as e:  # one line: where, the root cause, and what to do
+        cause: BaseException = e  # datasets wraps a builder's error (raise ... from e), or re-raises it in an except
+        while (inner := cause.__cause__ or (cause.__context__ if isinstance(cause, datasets.exceptions.DatasetsError)
+                                            else None)) is not None:
+            cause = inner
+        fix = "check the names and the network, and rerun (complete shards are kept)" if files is None else \
+            "fix that file or leave it out of --source"
+        raise DataError(f"could not read {where}: {textwrap.shorten(f'{type(cause).__name__}: {cause}', 300)}; "
+                        f"{fix}") from None
 
 
 def _pool_worker_init() -> None:

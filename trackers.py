@@ -82,7 +82,7 @@ class WandB:
         id_file.write_text(run_id + "\n")
         try:
             self.run = wandb.init(project=project, id=run_id, resume="allow", name=out_dir.name,
-                                  dir=None if os.environ.get("WANDB_DIR") else str(out_dir))
+                                  dir=os.environ.get("WANDB_DIR") or str(out_dir))
         except Exception as e:  # no API key, no network...: one line, before training, on every rank (setup)
             why = (str(e) or type(e).__name__).splitlines()[0]
             raise ValueError(f"--wandb {project}: W&B did not start ({why}); run `wandb login`, or set "
@@ -136,9 +136,9 @@ class RunLog:
             print(text, **kwargs)
 
     def checkpointed(self) -> None:
-        """The run owns the newest checkpoint now: a rewind's set-aside records (prepare_log) are no one's."""
+        """The run owns the newest checkpoint now: a rewind's set-aside records (open_run_log) are no one's."""
         if self.path is not None:
-            rewound(self.path).unlink(missing_ok=True)
+            Path(f"{self.path}.rewound").unlink(missing_ok=True)
 
     def step(self, step: int, record: dict, timed: bool) -> None:
         """Log one optimizer step's record; `timed`: its time counts towards the ETA (not the first step's compile)."""
@@ -157,38 +157,8 @@ class RunLog:
 
     def close(self) -> None:
         with self.writing():
-            self.file.close()
-            for tracker in self.trackers:
-                tracker.close()
-
-
-def rewound(path: Path) -> Path:
-    return path.with_name(path.name + ".rewound")
-
-
-def prepare_log(path: Path, resume_step: int | None, rewinding: bool) -> tuple[int, list[dict], Callable[[], None]]:
-    """What log.jsonl must hold for the run about to start: a resumed run's records before its step. A rewind keeps
-    those it drops in log.jsonl.rewound until its first checkpoint; a run that finds them there puts them back first.
-    Returns the step from which trackers forget what they had, the records to give them again, and the write to do."""
-    records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
-    side, first, newest = rewound(path), resume_step, checkpoints(path.parent)
-    if records and side.is_file() and (not newest or side.stat().st_mtime_ns > newest[-1].stat().st_mtime_ns):
-        moved = list(iter_log(side))
-        first = min([resume_step, *(r["step"] for r in moved)])
-        records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
-    kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
-    cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]
-
-    def write() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if rewinding and cut:  # written before the log is cut, so a crash between the two loses nothing
-            write_records(side, cut)
-        else:
-            side.unlink(missing_ok=True)
-        write_records(path, kept)
-
-    replay = [r for r in kept if r["type"] != "config" and r["step"] >= first]
-    return first or 0, replay, write  # a fresh run (no resume_step): from 0
+            for each in (self.file, *self.trackers):
+                each.close()
 
 
 def write_records(path: Path, records: list[dict]) -> None:
@@ -203,15 +173,33 @@ def fmt_time(seconds: float) -> str:
 
 
 def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, world: int) -> RunLog:
-    """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's)."""
+    """log.jsonl and the trackers on rank 0; an evaluation-only run leaves out_dir alone (its log may be a run's).
+    A resumed run keeps the records before its step; a rewind keeps those it drops in log.jsonl.rewound until its
+    first checkpoint, and a run that finds them there puts them back first. The trackers get them again."""
     if rank != 0 or cfg.eval_only:
         same_verdict(lambda: None, world)  # rank 0's trackers starting, below
         return RunLog(None, rank == 0, cfg.max_steps, cfg.log_every, [])
     path = Path(cfg.out_dir) / "log.jsonl"
-    forget, replay, write = prepare_log(path, resume_step, rewinding)
-    trackers = same_verdict(lambda: [*([TensorBoard(path.parent, forget)] if cfg.tensorboard else []),
-                                     *([WandB(cfg.wandb, path.parent, resume_step)] if cfg.wandb else [])], world)
-    write()  # after the trackers start: one that cannot leaves the log as it was
+    side, first, newest = Path(f"{path}.rewound"), resume_step or 0, checkpoints(path.parent)
+    records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
+    if records and side.is_file() and (not newest or side.stat().st_mtime_ns > newest[-1].stat().st_mtime_ns):
+        moved = list(iter_log(side))
+        first = min([resume_step, *(r["step"] for r in moved)])
+        records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
+    kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
+    cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]
+    wanted = ((cfg.tensorboard, lambda: TensorBoard(path.parent, first)),
+              (cfg.wandb, lambda: WandB(cfg.wandb, path.parent, resume_step)))
+    trackers = same_verdict(lambda: [start() for on, start in wanted if on], world)
+    # after the trackers start: one that cannot leaves the log as it was; the records cut go aside before the log is
+    # cut, so a crash between the two loses nothing
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if rewinding and cut:
+        write_records(side, cut)
+    else:
+        side.unlink(missing_ok=True)
+    write_records(path, kept)
+    replay = [r for r in kept if r["type"] != "config" and r["step"] >= first]
     for tracker in trackers:
         for record in replay:
             tracker.write(record)
