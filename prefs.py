@@ -68,9 +68,8 @@ def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]
 
 def parse_pair(row: dict) -> tuple[list[dict], str, str]:
     """(prompt messages, chosen reply, rejected reply) of a row in any of the three schemas; a ValueError if bad."""
-    for key in ("chosen", "rejected"):
-        if row.get(key) is None:
-            raise ValueError(f"missing field {key!r}")
+    if missing := [key for key in ("chosen", "rejected") if row.get(key) is None]:
+        raise ValueError(f"missing field {missing[0]!r}")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     if isinstance(chosen, list) and isinstance(rejected, list):  # whole conversations, or TRL's replies to a prompt
         if isinstance(prompt, list) and chosen[:len(prompt)] != prompt:
@@ -281,14 +280,15 @@ def setup(cfg: PrefsConfig, ctx: Context) -> Run:
     loader = lambda split, data: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
                                             cfg.seed, data.device, shuffle=split == "train")
     setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
-    # DPO's reference: the starting weights loaded again (a resumed model has moved on), checked the same on resume
-    ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False) if cfg.objective == "dpo" \
-        else None
+    # train_step's objective: DPO's against a frozen reference, the starting weights loaded again (a resumed model has
+    # moved on; checked the same on resume), or the reward model's Bradley-Terry metrics
+    if cfg.objective == "dpo":
+        ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)
+        metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft)
+    else:
+        ref, metrics = None, functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
     setup.build(parts={"reference": ref and stage.Reference(engine.weights_digest(ref), cfg.init_from,
                                                             "took its DPO reference from")})
-    # train_step's objective: the reward model's Bradley-Terry metrics, or DPO's against the frozen reference
-    metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft) if ref is not None else \
-        functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
     pairs = Objective(metrics, summarised=("accuracy", "margin"))
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx, pairs)
     return setup.run(step_fn, pair_evals(cfg, setup, pairs) + stage.task_evals(cfg, setup))
