@@ -172,9 +172,10 @@ def local_split(path: Path, split: str) -> list[Path]:
     """A file itself, or `split`'s files in a directory, found by the patterns `datasets` uses (train*, *-test-*...)."""
     if path.is_file():
         return [path]
-    files, without = [], importlib.util.find_spec("datasets") is None
-    if without:
+    files, hint = [], ""
+    if importlib.util.find_spec("datasets") is None:
         files = next(filter(None, (globbed(path, pattern.format(s=split)) for pattern in SPLIT_LAYOUTS)), [])
+        hint = " (`datasets` is not installed: pip install datasets for its other layouts)"
     else:
         from datasets.data_files import DataFilesDict, get_data_patterns
 
@@ -182,8 +183,7 @@ def local_split(path: Path, split: str) -> list[Path]:
             files = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).get(split, [])
     if not files:
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
-                        f"data/{split}-00000-of-00001.parquet" + (" (`datasets` is not installed: pip install "
-                                                                  "datasets for its other layouts)" if without else ""))
+                        f"data/{split}-00000-of-00001.parquet{hint}")
     return [Path(f) for f in files]
 
 
