@@ -84,21 +84,16 @@ def check_messages(messages: Any, last: str) -> None:
 
 
 def _render(messages: list[dict]) -> tuple[list[int], list[int]]:
-    enc, ids, mask = tokenizer(), [BOS], [0]
-
-    def add(tokens: list[int], learn: int) -> None:
-        ids.extend(tokens)
-        mask.extend([learn] * len(tokens))
-
+    enc, pieces = tokenizer(), [([BOS], 0)]  # (tokens, 1 if the model learns to write them)
     for message in messages:
         (start, end), content = ROLES[message["role"]], message["content"]
         learn = int(message["role"] == "assistant")  # only the assistant's messages, and not its tool outputs
-        add([start], 0)
+        pieces.append(([start], 0))
         for part in [{"type": "text", "text": content}] if isinstance(content, str) else content:
-            text = enc.encode_ordinary(part["text"])
-            add([*PARTS[part["type"]][:1], *text, *PARTS[part["type"]][1:]], learn * (part["type"] != "output"))
-        add([end], learn)
-    return ids, mask
+            marks, text = PARTS[part["type"]], enc.encode_ordinary(part["text"])
+            pieces.append(([*marks[:1], *text, *marks[1:]], learn * (part["type"] != "output")))
+        pieces.append(([end], learn))
+    return [t for tokens, _ in pieces for t in tokens], [m for tokens, m in pieces for _ in tokens]
 
 
 def render(messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -177,9 +172,10 @@ def local_split(path: Path, split: str) -> list[Path]:
     """A file itself, or `split`'s files in a directory, found by the patterns `datasets` uses (train*, *-test-*...)."""
     if path.is_file():
         return [path]
-    files, without = [], importlib.util.find_spec("datasets") is None
-    if without:
+    files, hint = [], ""
+    if importlib.util.find_spec("datasets") is None:
         files = next(filter(None, (globbed(path, pattern.format(s=split)) for pattern in SPLIT_LAYOUTS)), [])
+        hint = " (`datasets` is not installed: pip install datasets for its other layouts)"
     else:
         from datasets.data_files import DataFilesDict, get_data_patterns
 
@@ -187,8 +183,7 @@ def local_split(path: Path, split: str) -> list[Path]:
             files = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).get(split, [])
     if not files:
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
-                        f"data/{split}-00000-of-00001.parquet" + (" (`datasets` is not installed: pip install "
-                                                                  "datasets for its other layouts)" if without else ""))
+                        f"data/{split}-00000-of-00001.parquet{hint}")
     return [Path(f) for f in files]
 
 
@@ -400,9 +395,8 @@ class ConversationLoader(RowStream):
         rows = self.next_items()
         ids = torch.from_numpy(self.ids[rows].astype(np.int64))
         x, y = ids[:, :-1], ids[:, 1:].masked_fill(~torch.from_numpy(self.mask[rows, 1:]), -1)
-        if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+        cuda = self.device.type == "cuda"  # from pinned memory, the copy overlaps the GPU's work (as fineweb's)
+        return tuple((t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda) for t in (x, y))
 
     def check_vocab(self, vocab_size: int) -> None:
         """Stop now if the model has too few embedding rows for the chat tokens: on CUDA an id past them asserts."""

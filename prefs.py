@@ -51,14 +51,6 @@ Metrics = dict[str, torch.Tensor]
 # Rows: read, parse, render
 
 
-def read_rows(source: str, split: str) -> Any:
-    """(index, row) of `split`'s rows; "val" is held out as chat_format's conversations are: a single file's every
-    VAL_EVERY-th row ("train" the others), a directory's or hub dataset's test split (UltraFeedback's test_prefs)."""
-    if split not in ("train", "val"):
-        return list(enumerate(load_rows(source, split)))
-    return list(split_rows(source, split, HELD_OUT.get(source, ("train", "test"))))
-
-
 def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]:
     """Two hh-rlhf transcripts -> (the prompt's messages, chosen reply, rejected reply)."""
     cut = chosen.rfind(ASSISTANT, 0, len(os.path.commonprefix([chosen, rejected])))
@@ -76,9 +68,8 @@ def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]
 
 def parse_pair(row: dict) -> tuple[list[dict], str, str]:
     """(prompt messages, chosen reply, rejected reply) of a row in any of the three schemas; a ValueError if bad."""
-    for key in ("chosen", "rejected"):
-        if row.get(key) is None:
-            raise ValueError(f"missing field {key!r}")
+    if missing := [key for key in ("chosen", "rejected") if row.get(key) is None]:
+        raise ValueError(f"missing field {missing[0]!r}")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     if isinstance(chosen, list) and isinstance(rejected, list):  # whole conversations, or TRL's replies to a prompt
         if isinstance(prompt, list) and chosen[:len(prompt)] != prompt:
@@ -122,14 +113,20 @@ def render_pairs(rows: Any, name: str, T: int) -> tuple[list[list[np.ndarray]], 
 
 class PairLoader(RowStream):
     """Batches of B pairs for one rank, with fineweb.TokenLoader's interface (chat_format.RowStream's position).
-    `source` is a path or hub name (see read_rows), or a list of rows."""
+    `source` is a path or hub name, or a list of rows. "val" is held out as chat_format's conversations are: a single
+    file's every VAL_EVERY-th row ("train" the others), a directory's or hub dataset's test split (UltraFeedback's
+    test_prefs); another split is read whole."""
 
     sides = 2  # sequences per item, for the header's tokens per step
 
     def __init__(self, source: str | list[dict], split: str, B: int, T: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, device: str | torch.device = "cpu", shuffle: bool = True):
-        name, rows = (f"<{len(source)} rows>", list(enumerate(source))) if isinstance(source, list) else \
-            (str(source), read_rows(source, split))
+        if isinstance(source, list):
+            name, rows = f"<{len(source)} rows>", enumerate(source)
+        elif split in ("train", "val"):
+            name, rows = str(source), split_rows(source, split, HELD_OUT.get(source, ("train", "test")))
+        else:
+            name, rows = str(source), enumerate(load_rows(source, split))
         self.ids, self.starts, dropped = render_pairs(rows, name, T)
         self._stream(name, split, B, T, rank, world_size, seed, device, shuffle, len(self.ids),
                      sum(len(side) for pair in self.ids for side in pair))
@@ -207,13 +204,12 @@ def evaluate_pairs(model: nn.Module, loader: PairLoader, batches: int, metrics_f
             with autocast:
                 out = metrics_fn(model, batch)
             keep = float(turn * world_size + loader.rank < batches)
-            names, values = list(out), torch.stack([v.float() for v in out.values()]) * keep
-            total = total + values
+            names, total = list(out), total + torch.stack([v.float() for v in out.values()]) * keep
     return {name: value / batches for name, value in zip(names, all_sum(total, world_size).tolist(), strict=True)}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The stage: config and presets, the objective, evaluations, setup
+# The stage: config and presets, evaluations, setup (the objective)
 
 
 @dataclass
@@ -247,29 +243,19 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
                       "--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")])
 
 
+# the chat demo's pairs (tasks.py --pairs), one to a 24-token row, and the schedule both demos share
+DEMO = {"data": "data/addition_pairs", "seq_len": 24, "total_batch_size": 384, "batch_size": 16, "warmup_steps": 10,
+        "lr_schedule": "linear", "min_lr_frac": 0.0, "eval_every": 50, "eval_tokens": 6144, "ckpt_every": 0}
 PRESETS: dict[str, Callable[[], PrefsConfig]] = {
-    # on the chat demo's pairs (tasks.py --pairs), from the SFT model; the reward model's score adds the reply's mean
-    # log-prob (a head alone learns no sums), and a small lr keeps Bradley-Terry from wrecking it
-    "rm-demo": functools.partial(PrefsConfig, init_from="out/sft-demo/ckpt_002400.pt", data="data/addition_pairs",
-                                 objective="reward", reward_logprob=True, seq_len=24, total_batch_size=384,
-                                 batch_size=16, max_lr=1e-4, lr_schedule="linear", min_lr_frac=0.0, warmup_steps=10,
-                                 max_steps=300, eval_every=50, eval_tokens=6144, ckpt_every=0, out_dir="out/rm-demo"),
+    # from the SFT model; the reward model's score adds the reply's mean log-prob (a head alone learns no sums), and a
+    # small lr keeps Bradley-Terry from wrecking it
+    "rm-demo": functools.partial(PrefsConfig, **DEMO, init_from="out/sft-demo/ckpt_002400.pt", objective="reward",
+                                 reward_logprob=True, max_lr=1e-4, max_steps=300, out_dir="out/rm-demo"),
     # DPO starts where RL does, from the half-trained SFT model; the SFT term keeps it from lowering both replies
-    "dpo-demo": functools.partial(PrefsConfig, init_from="out/sft-demo-1200/ckpt_001200.pt",
-                                  data="data/addition_pairs", objective="dpo", dpo_sft=1.0, seq_len=24,
-                                  total_batch_size=384, batch_size=16, max_lr=3e-4, lr_schedule="linear",
-                                  min_lr_frac=0.0, warmup_steps=10, max_steps=200, eval_every=50, eval_tokens=6144,
-                                  ckpt_every=0, task="addition", task_every=50, task_limit=256, out_dir="out/dpo-demo"),
+    "dpo-demo": functools.partial(PrefsConfig, **DEMO, init_from="out/sft-demo-1200/ckpt_001200.pt", objective="dpo",
+                                  dpo_sft=1.0, max_lr=3e-4, max_steps=200, task="addition", task_every=50,
+                                  task_limit=256, out_dir="out/dpo-demo"),
 }
-
-
-def objective(cfg: PrefsConfig, ref: nn.Module | None) -> Objective:
-    """train_step's objective: the reward model's Bradley-Terry metrics, or DPO's against the frozen reference."""
-    if cfg.objective == "reward":
-        metrics = functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
-    else:
-        metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft)
-    return Objective(metrics, summarised=("accuracy", "margin"))
 
 
 def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list[Eval]:
@@ -294,12 +280,16 @@ def setup(cfg: PrefsConfig, ctx: Context) -> Run:
     loader = lambda split, data: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
                                             cfg.seed, data.device, shuffle=split == "train")
     setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
-    # DPO's reference: the starting weights loaded again (a resumed model has moved on), checked the same on resume
-    ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False) if cfg.objective == "dpo" \
-        else None
+    # train_step's objective: DPO's against a frozen reference, the starting weights loaded again (a resumed model has
+    # moved on; checked the same on resume), or the reward model's Bradley-Terry metrics
+    if cfg.objective == "dpo":
+        ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)
+        metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft)
+    else:
+        ref, metrics = None, functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
     setup.build(parts={"reference": ref and stage.Reference(engine.weights_digest(ref), cfg.init_from,
                                                             "took its DPO reference from")})
-    pairs = objective(cfg, ref)
+    pairs = Objective(metrics, summarised=("accuracy", "margin"))
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx, pairs)
     return setup.run(step_fn, pair_evals(cfg, setup, pairs) + stage.task_evals(cfg, setup))
 

@@ -358,10 +358,10 @@ def update(built: Any, objective: Objective, batch: dict[str, Tensor], cfg: RLCo
     return totals
 
 
-def summary(batch: dict[str, Tensor], totals: dict[str, Tensor], has_ref: bool, rollout_s: float,
-            update_s: float, cfg: RLConfig, world: int) -> dict[str, Any]:
+def summary(batch: dict[str, Tensor], totals: dict[str, Tensor], rollout_s: float, update_s: float, cfg: RLConfig,
+            world: int) -> dict[str, Any]:
     """The step's record over every rank's rollouts (one all-reduce): the update's means, reward, KL, entropy, tok/s."""
-    mask, r = batch["mask"], batch["scores"]
+    mask, r, has_ref = batch["mask"], batch["scores"], "ref_logp" in batch
     kl = (kl_k3(batch["old_logp"], batch["ref_logp"]) * mask).sum() if has_ref else r.new_zeros(())
     sums = torch.stack([r.new_tensor(len(r)), r.sum(), (r * r).sum(), mask.sum(), (batch["entropy"] * mask).sum(),
                         kl, r.new_tensor(batch["ids"].numel()), *totals.values()]).double()
@@ -372,10 +372,10 @@ def summary(batch: dict[str, Tensor], totals: dict[str, Tensor], has_ref: bool, 
             "rollout_tok_s": sampled / rollout_s, "update_tok_s": tokens * cfg.ppo_epochs / update_s}
 
 
-def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, scorer: tuple, sampler: PromptSampler,
-            log: RunLog, ctx: Context) -> Callable[[int], dict[str, Any]]:
-    """engine.Run's step_fn: roll out, score, update; the record holds the whole batch's figures. `scorer`: (the reward
-    functions, the reward model), one of them None."""
+def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, reward: tasks.Reward, rm: GPT | None,
+            sampler: PromptSampler, log: RunLog, ctx: Context) -> Callable[[int], dict[str, Any]]:
+    """engine.Run's step_fn: roll out, score (by the reward model where there is one), update; the record holds the
+    whole batch's figures."""
     objective = Objective(lambda model, mb: rl_loss(model, mb, cfg, ctx.world))
 
     def step_fn(step: int) -> dict[str, Any]:
@@ -383,11 +383,11 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, scorer: tuple,
         seed = int(torch.randint(2**62, ()))  # from the global RNG, the same on every rank: an exact resume
         with built.autocast:
             share = rollouts(raw, sampler.next(cfg.prompts), cfg.samples, seed, cfg, ctx.rank, ctx.world)
-            batch = common.same_verdict(lambda: score(share, *scorer, ctx.device), ctx.world)  # stops all ranks
+            batch = common.same_verdict(lambda: score(share, reward, rm, ctx.device), ctx.world)  # stops all ranks
         t1 = time.time()
         batch = prepare(batch, raw, ref, cfg, built.autocast, ctx.world)
         totals = update(built, objective, batch, cfg, ctx.world)
-        record = {**summary(batch, totals, ref is not None, t1 - t0, time.time() - t1, cfg, ctx.world), "lr": lr}
+        record = {**summary(batch, totals, t1 - t0, time.time() - t1, cfg, ctx.world), "lr": lr}
         if step % cfg.log_every == 0:
             log.say(f"step {step:6d} | reward {record['reward']:.3f} +- {record['reward_std']:.3f} | entropy "
                     f"{record['entropy']:.3f} | clip {record['clip_frac']:.3f} | length {record['length']:.1f} | "
@@ -457,12 +457,11 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     # a node that cannot read a file (--init-from, --reward-model, a task's or reward's .py) stops every rank
     task, reward, raw, train_problems, test_problems, rm = common.same_verdict(lambda: load(cfg), ctx.world)
     checkpointer = engine.Checkpointer(cfg, ctx.rank, ctx.world, provenance(ctx.device, ctx.world), chat=True)
-    found = checkpointer.find()
-    if found and (saved := found[1].get("train_config", {}).get("algo", cfg.algo)) != cfg.algo:
-        raise ValueError(f"--resume {found[0]} was trained with --algo {saved}, whose optimizer state this run's "
-                         f"--algo {cfg.algo} cannot take: pass --algo {saved}, or start a new run from its weights "
-                         f"with --init-from {found[0]}")
-    if found:
+    if found := checkpointer.find():
+        saved = found[1].get("train_config", {}).get("algo", cfg.algo)
+        check_flags([(saved == cfg.algo, f"--resume {found[0]} was trained with --algo {saved}, whose optimizer state "
+                      f"this run's --algo {cfg.algo} cannot take: pass --algo {saved}, or start a new run from its "
+                      f"weights with --init-from {found[0]}")])
         stage.check_resume(found, cfg)
     engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw),
                               "reward_model": rm and engine.weights_digest(rm),  # and each node's task file's problems
@@ -475,17 +474,16 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     raw, rm = raw.to(ctx.device), rm.to(ctx.device) if rm else None
     ref = frozen_copy(raw) if cfg.beta > 0 else None
     built = build_trainable(raw, cfg, ctx.device, stage.use_compile(cfg, ctx.device), verbose=ctx.master)
-    anchor = stage.Reference(engine.weights_digest(ref.transformer), cfg.init_from, "was anchored (--beta) to") \
-        if ref is not None else None
     parts = {"sampler": PromptSampler(train_problems, cfg.seed), "scaler": built.scaler, "tokens": engine.TokenCount(),
-             "reference": anchor}
+             "reference": ref and stage.Reference(engine.weights_digest(ref.transformer), cfg.init_from,
+                                                  "was anchored (--beta) to")}
     start = stage.resume(found, checkpointer, raw, built, parts, cfg, ctx) if found else 0
     log = stage.open_log(cfg, raw, checkpointer, found, start, ctx)
     if ctx.master:
         rows = cfg.prompts // ctx.world * cfg.samples
         print(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {ctx.world} "
               f"ranks) from --init-from {cfg.init_from}")
-    step_fn = rl_step(cfg, raw, built, ref, (None, rm) if rm else (reward, None), parts["sampler"], log, ctx)
+    step_fn = rl_step(cfg, raw, built, ref, reward, rm, parts["sampler"], log, ctx)
     evals = [task_eval(cfg, raw, task, test_problems[:cfg.eval_limit], built.autocast, log, ctx)]
     return Run(cfg=cfg, ctx=ctx, step_fn=step_fn, raw=raw, trainable=built, checkpointer=checkpointer, log=log,
                evals=evals, parts=parts, start_step=start, resumed=found is not None)

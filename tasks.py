@@ -55,7 +55,6 @@ import torch
 import common
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, check_messages, load_rows, render_prompt, reply_text, row_errors
 from common import all_sum, get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
-from fineweb import DataError
 from generate import calculator, evaluating, generate
 from model import GPT, GPTConfig
 
@@ -66,8 +65,9 @@ def conversation(prompt: str, reply: Any, answer: str) -> dict:
 
 
 class Task:
-    """A hub dataset of problems: examples from the hub or from a local file in the hub's schema, and a checker.
-    `baseline` is the accuracy of chance, which ChatCORE centers by."""
+    """A hub dataset of problems: examples from the hub or from a local file in the hub's schema, each row made a
+    conversation by the subclass's example(row), and its check(reply, answer). `baseline` is the accuracy of chance,
+    which ChatCORE centers by."""
 
     hub, config, splits, baseline = "", None, ("train", "test"), 0.0
 
@@ -76,12 +76,6 @@ class Task:
         if not source and split not in self.splits:
             raise ValueError(f"{self.hub} has splits {', '.join(self.splits)}, not {split!r}")
         return [self.example(row) for row in load_rows(source or self.hub, split, None if source else self.config)]
-
-    def example(self, row: dict) -> dict:
-        raise NotImplementedError
-
-    def check(self, reply: str, answer: str) -> bool:
-        raise NotImplementedError
 
     def reward(self, prompt: list[dict], reply: str, answer: str) -> float:
         return float(self.check(reply, answer))
@@ -303,12 +297,11 @@ def load_object(spec: str, flag: str) -> Any:
     if not where or not name:
         raise ValueError(f"{flag} {spec}: expected FILE.py:NAME or module:NAME")
     try:
-        found = getattr(_module(where), name)
+        return getattr(_module(where), name)
     except AttributeError:
         raise ValueError(f"{flag} {spec}: {where} has no {name!r}") from None
     except Exception as e:  # the user's file: a missing file, a syntax error, an import that fails
         raise ValueError(f"{flag} {spec}: cannot load {where} ({type(e).__name__}: {e})".replace("\n", " ")) from None
-    return found
 
 
 def load_task(spec: str) -> Any:
@@ -458,26 +451,25 @@ def named_tasks(specs: str, split: str, limit: int = 0) -> dict[str, tuple[Any, 
 
 def score_tasks(cfg: TasksConfig) -> dict:
     """--eval: the checkpoint's accuracy on each task and their ChatCORE, printed by rank 0."""
-    with own_process_group():
-        with user_errors(OSError, ValueError, DataError, RuntimeError):
-            rank, _, world, device = setup_distributed(cfg.device)
-            # HF GPT-2's 50,257 rows (train.py --init-from gpt2) padded for the chat tokens, as chat.py does
-            model = GPT.load(cfg.eval, None).pad_vocab(GPTConfig().vocab_size).to(device)
-            named = named_tasks(cfg.tasks, cfg.split, cfg.limit)
-            bs = model.config.block_size
-            check_prompts(named, bs, "--tasks", f"the model's whole context ({bs}) or more; score another task")
-            autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-            result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)  # a user's check may raise
-        if rank == 0:
-            for name, acc in result["results"].items():
-                print(f"{name}: accuracy {acc:.4f}, centered {result['centered_results'][name]:.4f} "
-                      f"({len(named[name][1])} problems)")
-            print(f"ChatCORE {result['chatcore']:.4f} over {', '.join(named)} (nanochat's also has HumanEval)")
-        return result
+    with own_process_group(), user_errors(OSError, ValueError, RuntimeError):  # ValueError: fineweb.DataError too
+        rank, _, world, device = setup_distributed(cfg.device)
+        # HF GPT-2's 50,257 rows (train.py --init-from gpt2) padded for the chat tokens, as chat.py does
+        model = GPT.load(cfg.eval, None).pad_vocab(GPTConfig().vocab_size).to(device)
+        named = named_tasks(cfg.tasks, cfg.split, cfg.limit)
+        bs = model.config.block_size
+        check_prompts(named, bs, "--tasks", f"the model's whole context ({bs}) or more; score another task")
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+        result = chat_core(model, named, rank, world, autocast, cfg.max_new_tokens)  # a user's check may raise
+    if rank == 0:
+        for name, acc in result["results"].items():
+            print(f"{name}: accuracy {acc:.4f}, centered {result['centered_results'][name]:.4f} "
+                  f"({len(named[name][1])} problems)")
+        print(f"ChatCORE {result['chatcore']:.4f} over {', '.join(named)} (nanochat's also has HumanEval)")
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    cfg = parse_config(TasksConfig, sys.argv[1:] if argv is None else argv, doc=__doc__)
+    cfg = parse_config(TasksConfig, argv, doc=__doc__)
     if cfg.eval:
         return score_tasks(cfg)
     out = Path(cfg.out_dir or f"data/{cfg.task.rpartition(':')[2].lower()}")
@@ -492,11 +484,10 @@ def main(argv: list[str] | None = None) -> dict | None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(row) + "\n" for row in rows))
             print(f"{path}: {len(rows):,} {cfg.task} {'preference pairs' if path.parent == pairs else 'conversations'}")
-    except (DataError, ValueError) as e:
+    except ValueError as e:  # fineweb.DataError too
         raise SystemExit(f"error: {e}") from None
     except OSError as e:
         raise SystemExit(f"error: cannot write {e.filename} ({e.strerror}); pass another --out-dir") from None
-    return None
 
 
 if __name__ == "__main__":
