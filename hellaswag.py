@@ -152,12 +152,9 @@ def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tupl
     seqs = [((r.ctx + end)[keep:], ([0] * len(r.ctx) + [1] * len(end))[keep:]) for r in batch for end in r.endings]
     longest = max((len(s) for s, _ in seqs), default=1)  # an empty batch still makes one (all-dummy) forward
     T = min(SEQ_MULTIPLE * math.ceil(longest / SEQ_MULTIPLE), block_size or math.inf)
-    tokens = torch.full((rows, T), EOT, dtype=torch.long)
-    mask = torch.zeros((rows, T), dtype=torch.long)
-    for i, (s, m) in enumerate(seqs):
-        tokens[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(m)] = torch.tensor(m)
-    return tokens, mask
+    seqs += [([], [])] * (rows - len(seqs))  # the dummy rows
+    pad = lambda seq, fill: seq + [fill] * (T - len(seq))  # right-padded to T
+    return torch.tensor([pad(s, EOT) for s, _ in seqs]), torch.tensor([pad(m, 0) for _, m in seqs])
 
 
 def score_batch(model: Any, tokens: torch.Tensor, mask: torch.Tensor,
