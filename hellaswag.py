@@ -210,10 +210,9 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
             batch = rendered[b * batch_size:(b + 1) * batch_size]  # short or empty at the end
             tokens, mask = make_batch(batch, 4 * batch_size, block_size)
             sums, means = score_batch(model, tokens, mask, device)
-            n = len(batch)
             labels = torch.tensor([r.label for r in batch], dtype=torch.long, device=device)
-            counts[0] += (sums[:4 * n].view(n, 4).argmin(1) == labels).sum()
-            counts[1] += (means[:4 * n].view(n, 4).argmin(1) == labels).sum()
+            for j, losses in enumerate((sums, means)):  # acc by the summed loss, acc_norm by the mean per token
+                counts[j] += (losses[:4 * len(batch)].view(-1, 4).argmin(1) == labels).sum()
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     if world_size > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
