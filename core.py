@@ -33,9 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from chat_format import read_local
+from chat_format import BOS, read_local
 from common import (
-    EOT,
     GPT2_VOCAB,
     first_on_each_node,
     get_tokenizer,
@@ -53,7 +52,6 @@ from tasks import centered, summed
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's copy of DCLM's
 KINDS = ("multiple_choice", "schema", "language_modeling")
 TRAIN_ROWS = 500  # rows per task in train.py's --core-every evaluations, as nanochat's base_train scores them
-BOS = EOT
 
 
 @dataclass
