@@ -206,9 +206,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--ckpt {cfg.ckpt} is a reward model: HF's classes have no place for its score (a value "
                              "head with a bias, read at <|assistant_end|>), so an export would load as a plain "
                              "language model; score with it here (rl.py --reward-model)")
-        model = GPT.from_checkpoint(cfg.ckpt)
         chat = is_chat(ckpt)
-        out = export_hf(model, cfg.export_hf, chat)
+        out = export_hf(GPT.from_checkpoint(cfg.ckpt), cfg.export_hf, chat)
     print(f"exported {cfg.ckpt} to {out}{' as a chat model' * chat} (load with "
           "transformers.AutoModelForCausalLM.from_pretrained)")
 
