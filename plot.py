@@ -45,15 +45,12 @@ class PlotConfig:
 
 
 def load_curves(path: Path) -> tuple[dict, dict[str, list[dict]]]:
-    """The last config record and, per record type, one record per step (a resumed run's later one wins)."""
-    config: dict = {}
+    """The latest start's config record and, per record type, one record per step (a resumed run's later one wins)."""
     by_type: dict[str, dict[int, dict]] = {}
     for record in iter_log(path):
-        if record["type"] == "config":
-            config = record
-        else:
-            by_type.setdefault(record["type"], {})[record["step"]] = record
-    return config, {kind: [steps[s] for s in sorted(steps)] for kind, steps in by_type.items()}
+        by_type.setdefault(record["type"], {})[record["step"]] = record
+    curves = {kind: [steps[s] for s in sorted(steps)] for kind, steps in by_type.items()}
+    return curves.pop("config", [{}])[-1], curves
 
 
 def run_names(logs: list[Path]) -> list[str]:
