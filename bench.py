@@ -92,17 +92,16 @@ class BenchConfig:
         model, seq_len, rows, sizes = DEVICE_DEFAULTS[device.type]
         self.model, self.seq_len = self.model.replace("auto", model), self.seq_len or seq_len
         self.kernel_rows, self.batch_sizes = self.kernel_rows or rows, self.batch_sizes or sizes
-        if not self.suites() or set(self.suites()) - set(SUITES):
-            raise ValueError(f"--suite must be all or a comma list of {', '.join(SUITES)}; got {self.suite!r}")
-        if min(self.steps, self.grad_accum, self.int8_tokens) < 1:
-            raise ValueError("--steps, --grad-accum and --int8-tokens must be >= 1")
-        if not 0 <= self.prune_sparsity < 1:
-            raise ValueError(f"--prune-sparsity must be in [0, 1); got {self.prune_sparsity}")
-        if Path(self.out).is_dir():
-            raise ValueError(f"--out {self.out} is a directory; pass the JSON file to write, e.g. "
-                             f"{Path(self.out) / 'bench.json'}")
-        if self.ckpt and self.init_from:
-            raise ValueError("pass either --ckpt or --init-from (the int8 and prune suites' weights), not both")
+        parallel.check_flags([
+            (bool(self.suites()) and set(self.suites()) <= set(SUITES),
+             f"--suite must be all or a comma list of {', '.join(SUITES)}; got {self.suite!r}"),
+            (min(self.steps, self.grad_accum, self.int8_tokens) >= 1,
+             "--steps, --grad-accum and --int8-tokens must be >= 1"),
+            (0 <= self.prune_sparsity < 1, f"--prune-sparsity must be in [0, 1); got {self.prune_sparsity}"),
+            (not (out := Path(self.out)).is_dir(),
+             f"--out {self.out} is a directory; pass the JSON file to write, e.g. {out / 'bench.json'}"),
+            (not (self.ckpt and self.init_from),
+             "pass either --ckpt or --init-from (the int8 and prune suites' weights), not both")])
         for variant in select_variants(self):  # a misspelt --variants, or a field TrainConfig refuses, fails now
             train_config(self, variant)
 
@@ -400,10 +399,11 @@ def random_gpt(preset: str, seed: int) -> GPT:
     return model.eval()
 
 
-def generation(generate: Callable[[int], torch.Tensor], n: int, device: torch.device, ref: list[int] | None) -> Row:
+def generation(generate: Callable[[int], torch.Tensor], n: int, device: torch.device, rows: list[Row]) -> Row:
     """n greedy tokens, twice: "first" is what a fresh process pays (per-shape setup, e.g. cuDNN's plan for each
-    cache length), tok/s the run after it; same = the fraction equal to ref's, prefix = those before a difference."""
+    cache length), tok/s the run after it; same: the fraction equal to the first n-token row's, prefix: up to a diff"""
     runs: list[list[int]] = []
+    ref = next((r.get("tokens") for r in rows if r["new_tokens"] == n), None)
     first, again = (n / time_ms(lambda: runs.append(generate(n)[0, -n:].tolist()), device, 1)[1][0] * 1000
                     for _ in range(2))
     tokens = runs[-1]
@@ -440,9 +440,8 @@ def bench_decode(cfg: BenchConfig) -> list[Row]:
              hf_name: hf_generate}
     base, rows = {"suite": "decode", "model": cfg.decode_model, "params": ours.num_params(), "prompt": 16}, []
     for n, name in itertools.product(cfg.decode_tokens, impls):
-        ref = next((r.get("tokens") for r in rows if r["new_tokens"] == n), None)  # ours kv-cache's
-        rows.append(guarded({**base, "name": name, "new_tokens": n},
-                            lambda name=name, n=n, ref=ref: generation(impls[name], n, device, ref)))
+        rows.append(guarded({**base, "name": name, "new_tokens": n},  # the same as ours kv-cache's?
+                            lambda name=name, n=n: generation(impls[name], n, device, rows)))
     return rows
 
 
@@ -468,8 +467,7 @@ def bench_int8(cfg: BenchConfig) -> list[Row]:
 
         def measure(change: Callable[[GPT], Any] = change) -> Row:
             change(model)
-            ref = rows[0].get("tokens") if rows else None
-            return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, ref),
+            return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, rows),
                     "weight_bytes": weight_bytes(model)}
 
         rows.append(guarded({**base, "name": name, "new_tokens": cfg.int8_tokens}, measure))
@@ -506,8 +504,7 @@ def bench_prune(cfg: BenchConfig) -> list[Row]:
         convert(model)
         with torch.no_grad():
             ms = statistics.median(time_ms(lambda: model(x.to(device)), device, cfg.steps, cfg.warmup)[1])
-        ref = rows[0].get("tokens") if rows else None
-        return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, ref),
+        return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, rows),
                 "forward_ms": ms, "params": sum(n for n, _ in params), "nonzero": sum(z for _, z in params)}
 
     base = {"suite": "prune", "weights": cfg.ckpt or cfg.init_from or f"random {cfg.decode_model}",

@@ -33,9 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from chat_format import read_local
+from chat_format import BOS, read_local
 from common import (
-    EOT,
     GPT2_VOCAB,
     first_on_each_node,
     get_tokenizer,
@@ -53,7 +52,6 @@ from tasks import centered, summed
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's copy of DCLM's
 KINDS = ("multiple_choice", "schema", "language_modeling")
 TRAIN_ROWS = 500  # rows per task in train.py's --core-every evaluations, as nanochat's base_train scores them
-BOS = EOT
 
 
 @dataclass
@@ -130,8 +128,7 @@ def load_tasks(bundle: Path, max_per_task: int = 0) -> list[CoreTask]:
         if len(rows) <= shots:  # each row's few-shot examples are drawn from the others
             raise ValueError(f"task {label} is {shots}-shot, but has {len(rows)} rows to score ({path}): it needs at "
                              f"least {shots + 1}; raise --max-per-task or add rows")
-        tasks.append(CoreTask(label, kind, rows, shots,
-                              entry.get("continuation_delimiter", " "), baselines[label]))
+        tasks.append(CoreTask(label, kind, rows, shots, entry.get("continuation_delimiter", " "), baselines[label]))
     return tasks
 
 
@@ -209,8 +206,7 @@ def is_right(model: GPT, enc: Any, task: CoreTask, i: int, device: torch.device,
         logits, _ = model(tokens)
     logits = logits[..., :GPT2_VOCAB].float()  # the padded vocab rows are no tokens
     if task.kind == "language_modeling":  # logits at t predict the token at t + 1
-        s, e = starts[0], ends[0]
-        return torch.equal(logits[0, s - 1:e - 1].argmax(-1), tokens[0, s:e])
+        return torch.equal(logits[0, starts[0] - 1:ends[0] - 1].argmax(-1), tokens[0, starts[0]:ends[0]])
     losses = [F.cross_entropy(logits[r, s - 1:e - 1], tokens[r, s:e], reduction="none").mean().item()
               for r, (s, e) in enumerate(zip(starts, ends, strict=True))]
     return losses.index(min(losses)) == task.rows[i]["gold"]

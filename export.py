@@ -65,7 +65,11 @@ def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Pat
     model_type, files = {"GPT2LMHeadModel": ("gpt2", _gpt2_files), "LlamaForCausalLM": ("llama", _llama_files)}[name]
     out = check_target(Path(out_dir))
     vocab = cfg.vocab_size if chat else min(cfg.vocab_size, GPT2_VOCAB)  # a tiny test vocabulary stays
-    sd, own = files(model, vocab)
+    # no lm_head: it is tied, and HF re-ties it to wte on load; no PPO critic's head: HF has no place for it
+    sd = {k: p.detach().float().cpu() for k, p in model.state_dict().items()
+          if k != "lm_head.weight" and not k.startswith("value_head.")}
+    sd["transformer.wte.weight"] = sd["transformer.wte.weight"][:vocab]
+    sd, own = files(cfg, sd, model.transformer.h[0].mlp.c_proj.in_features)
     config = {"model_type": model_type, "architectures": [name], "vocab_size": vocab, **own, "initializer_range": 0.02,
               "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True, "torch_dtype": "float32"}
     made = [p for p in (out, *out.parents) if not p.exists()]  # the directories this export creates
@@ -140,19 +144,14 @@ CHAT_TOKENIZER = {
                              for i, name in zip(range(SYSTEM_START, CHAT_VOCAB), CHAT_TOKENS, strict=True)}}
 
 
-def _gpt2_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _gpt2_files(cfg: GPTConfig, sd: dict[str, torch.Tensor],
+                hidden: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config fields of its own."""
-    cfg = model.config
     n_head = cfg.n_embd // cfg.head_dim
-    # no lm_head: it is tied, and HF re-ties it to wte on load
-    sd = {k: p.detach().float().cpu() for k, p in model.state_dict().items()
-          if k != "lm_head.weight" and not k.startswith("value_head.")}  # a PPO critic's head: HF has no place
-    sd["transformer.wte.weight"] = sd["transformer.wte.weight"][:vocab]
     for key, p in sd.items():
         if n_head != cfg.n_head and key.endswith(("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight")):
             p = _pad_heads(p, key, n_head * cfg.head_dim - cfg.n_head * cfg.head_dim)
         sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
-    hidden = model.transformer.h[0].mlp.c_proj.in_features
     return sd, {"n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
                 "n_head": n_head, "n_inner": None if hidden == 4 * cfg.n_embd else hidden,
                 "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
@@ -167,13 +166,12 @@ def _pad_heads(p: torch.Tensor, key: str, missing: int) -> torch.Tensor:
     return torch.cat([t for part in p.chunk(3) for t in (part, part.new_zeros(missing, *part.shape[1:]))])
 
 
-def _llama_files(model: GPT, vocab: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _llama_files(cfg: GPTConfig, sd: dict[str, torch.Tensor],
+                 hidden: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """LlamaForCausalLM's tensors and config fields: the fused c_attn split into q/k/v_proj, c_fc into gate/up_proj.
     Our RoPE rotates channel pairs (i, i + hs/2), HF Llama's rotate_half convention, so no q/k rows are permuted."""
-    cfg = model.config
-    sd = {k: p.detach().float().cpu() for k, p in model.state_dict().items()}
-    kv_dim, hidden = cfg.kv_heads * cfg.head_dim, model.transformer.h[0].mlp.c_proj.in_features
-    out = {"model.embed_tokens.weight": sd["transformer.wte.weight"][:vocab],
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": sd["transformer.wte.weight"],
            "model.norm.weight": sd["transformer.ln_f.weight"]}
     for i in range(cfg.n_layer):
         ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
@@ -208,9 +206,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--ckpt {cfg.ckpt} is a reward model: HF's classes have no place for its score (a value "
                              "head with a bias, read at <|assistant_end|>), so an export would load as a plain "
                              "language model; score with it here (rl.py --reward-model)")
-        model = GPT.from_checkpoint(cfg.ckpt)
         chat = is_chat(ckpt)
-        out = export_hf(model, cfg.export_hf, chat)
+        out = export_hf(GPT.from_checkpoint(cfg.ckpt), cfg.export_hf, chat)
     print(f"exported {cfg.ckpt} to {out}{' as a chat model' * chat} (load with "
           "transformers.AutoModelForCausalLM.from_pretrained)")
 

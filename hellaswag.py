@@ -152,12 +152,9 @@ def make_batch(batch: list[Rendered], rows: int, block_size: int | None) -> tupl
     seqs = [((r.ctx + end)[keep:], ([0] * len(r.ctx) + [1] * len(end))[keep:]) for r in batch for end in r.endings]
     longest = max((len(s) for s, _ in seqs), default=1)  # an empty batch still makes one (all-dummy) forward
     T = min(SEQ_MULTIPLE * math.ceil(longest / SEQ_MULTIPLE), block_size or math.inf)
-    tokens = torch.full((rows, T), EOT, dtype=torch.long)
-    mask = torch.zeros((rows, T), dtype=torch.long)
-    for i, (s, m) in enumerate(seqs):
-        tokens[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(m)] = torch.tensor(m)
-    return tokens, mask
+    seqs += [([], [])] * (rows - len(seqs))  # the dummy rows
+    pad = lambda seq, fill: seq + [fill] * (T - len(seq))  # right-padded to T
+    return torch.tensor([pad(s, EOT) for s, _ in seqs]), torch.tensor([pad(m, 0) for _, m in seqs])
 
 
 def score_batch(model: Any, tokens: torch.Tensor, mask: torch.Tensor,
@@ -213,10 +210,9 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
             batch = rendered[b * batch_size:(b + 1) * batch_size]  # short or empty at the end
             tokens, mask = make_batch(batch, 4 * batch_size, block_size)
             sums, means = score_batch(model, tokens, mask, device)
-            n = len(batch)
             labels = torch.tensor([r.label for r in batch], dtype=torch.long, device=device)
-            counts[0] += (sums[:4 * n].view(n, 4).argmin(1) == labels).sum()
-            counts[1] += (means[:4 * n].view(n, 4).argmin(1) == labels).sum()
+            for j, losses in enumerate((sums, means)):  # acc by the summed loss, acc_norm by the mean per token
+                counts[j] += (losses[:4 * len(batch)].view(-1, 4).argmin(1) == labels).sum()
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     if world_size > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)

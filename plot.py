@@ -21,9 +21,11 @@ from common import iter_log, parse_config, user_errors
 
 # OpenAI's published completion-style HellaSwag acc_norm (10,042 val examples), as build-nanogpt plots them
 HELLASWAG_REFERENCES = (("OpenAI GPT-2 124M", 0.2955, "red"), ("OpenAI GPT-3 Small", 0.337, "gray"))
-Y_LABELS = {"loss": "loss", "bpb": "val bits per byte", "lr": "learning rate", "hellaswag": "HellaSwag acc_norm",
-            "reward": "reward (mean, +-1 std shaded)", "task": "held-out accuracy", "core": "CORE",
-            "chatcore": "ChatCORE"}
+# a panel for each curve some run has: the record type that holds it, a field of its records, and the y axis's label
+PANELS = {"loss": ("train", "loss", "loss"), "bpb": ("val", "val_bpb", "val bits per byte"),
+          "lr": ("train", "lr", "learning rate"), "reward": ("train", "reward", "reward (mean, +-1 std shaded)"),
+          "hellaswag": ("hellaswag", "acc_norm", "HellaSwag acc_norm"), "task": ("task", "acc", "held-out accuracy"),
+          "core": ("core", "core_metric", "CORE"), "chatcore": ("chatcore", "chatcore", "ChatCORE")}
 
 
 @dataclass
@@ -43,15 +45,12 @@ class PlotConfig:
 
 
 def load_curves(path: Path) -> tuple[dict, dict[str, list[dict]]]:
-    """The last config record and, per record type, one record per step (a resumed run's later one wins)."""
-    config: dict = {}
+    """The latest start's config record and, per record type, one record per step (a resumed run's later one wins)."""
     by_type: dict[str, dict[int, dict]] = {}
     for record in iter_log(path):
-        if record["type"] == "config":
-            config = record
-        else:
-            by_type.setdefault(record["type"], {})[record["step"]] = record
-    return config, {kind: [steps[s] for s in sorted(steps)] for kind, steps in by_type.items()}
+        by_type.setdefault(record["type"], {})[record["step"]] = record
+    curves = {kind: [steps[s] for s in sorted(steps)] for kind, steps in by_type.items()}
+    return curves.pop("config", [{}])[-1], curves
 
 
 def run_names(logs: list[Path]) -> list[str]:
@@ -67,12 +66,8 @@ def plot(cfg: PlotConfig) -> Path:
     logs = log_paths(cfg.log)
     runs = [read_run(log) for log in logs]  # (config, curves) per run, in the order of logs
     single = len(runs) == 1
-    # a panel for each curve some run has: (the record type that holds it, a field of its records)
-    wanted = {"bpb": ("val", "val_bpb"), "lr": ("train", "lr"), "reward": ("train", "reward"),
-              "hellaswag": ("hellaswag", "acc_norm"), "task": ("task", "acc"), "core": ("core", "core_metric"),
-              "chatcore": ("chatcore", "chatcore")}
-    names = ["loss", *(name for name, (kind, key) in wanted.items()
-                       if any(key in r for _, curves in runs for r in curves.get(kind, [])))]
+    names = [name for name, (kind, key, _) in PANELS.items()
+             if any(key in r for _, curves in runs for r in curves.get(kind, []))]
     fig = Figure(figsize=(6 * len(names) + 1, 4.5))
     panel = dict(zip(names, fig.subplots(1, len(names), squeeze=False)[0], strict=True))
     drawn = [draw_run(cfg, curves, name, i, single, panel)
@@ -85,7 +80,7 @@ def plot(cfg: PlotConfig) -> Path:
         for label, score, color in HELLASWAG_REFERENCES:
             panel["hellaswag"].axhline(score, color=color, linestyle="--", label=f"{label} ({score})")
     for name, ax in panel.items():
-        ax.set_ylabel(Y_LABELS[name])
+        ax.set_ylabel(PANELS[name][2])
         ax.set_xlabel(cfg.x)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -135,23 +130,20 @@ def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], name: str, i: int, 
     smoothed = ema([r["loss"] for r in train], cfg.smooth)
     loss_ax.plot(xs, [r["loss"] for r in train], color=colors[0], alpha=alpha, linewidth=0.8)
     loss_ax.plot(xs, smoothed, color=colors[0], label=f"{prefix}train loss (EMA {cfg.smooth})")
-    points = list(zip(xs, smoothed, strict=True))
-    if val := curves.get("val", []):
-        points += [(r[cfg.x], r["val_loss"]) for r in val]
-        loss_ax.plot([r[cfg.x] for r in val], [r["val_loss"] for r in val], val_style,
-                     color=colors[1], markersize=3, label=f"{prefix}val loss (last {val[-1]['val_loss']:.3f})")
-    if bpb := [r for r in curves.get("val", []) if "val_bpb" in r]:
-        panel["bpb"].plot([r[cfg.x] for r in bpb], [r["val_bpb"] for r in bpb], val_style, color=colors[1],
-                          markersize=3, label=f"{prefix}val bpb (last {bpb[-1]['val_bpb']:.3f})")
+    for curve, kind, key, label, style, color, digits in (
+            ("loss", "val", "val_loss", "val loss", val_style, 1, 3),
+            ("bpb", "val", "val_bpb", "val bpb", val_style, 1, 3),
+            ("hellaswag", "hellaswag", "acc_norm", "acc_norm", "o-", 2, 4),
+            ("core", "core", "core_metric", "CORE", "o-", 2, 4),
+            ("chatcore", "chatcore", "chatcore", "ChatCORE", "o-", 2, 4)):
+        if scored := [r for r in curves.get(kind, []) if key in r]:
+            panel[curve].plot([r[cfg.x] for r in scored], [r[key] for r in scored], style, color=colors[color],
+                             markersize=3, label=f"{prefix}{label} (last {scored[-1][key]:.{digits}f})")
     if lrs := [r for r in train if "lr" in r]:
         panel["lr"].plot([r[cfg.x] for r in lrs], [r["lr"] for r in lrs], color=colors[3], label=f"{prefix}lr")
         panel["lr"].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-    for kind, key, label in (("hellaswag", "acc_norm", "acc_norm"), ("core", "core_metric", Y_LABELS["core"]),
-                             ("chatcore", "chatcore", Y_LABELS["chatcore"])):
-        if scored := curves.get(kind, []):
-            panel[kind].plot([r[cfg.x] for r in scored], [r[key] for r in scored], "o-", color=colors[2], markersize=3,
-                             label=f"{prefix}{label} (last {scored[-1][key]:.4f})")
     draw_rl(cfg, curves, prefix, colors, panel)
+    points = [*zip(xs, smoothed, strict=True), *((r[cfg.x], r["val_loss"]) for r in curves.get("val", []))]
     start = xs[len(xs) // 10] if len(xs) >= 10 else float("-inf")  # a short run keeps its start in view
     return [y for _, y in points], [y for x, y in points if x >= start]
 
