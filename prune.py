@@ -215,39 +215,41 @@ def prune(model: GPT, record: dict | None, cfg: PruneConfig, calib: TokenLoader)
     return model, record
 
 
-def check_record(record: dict | None, cfg: PruneConfig, source: str, resumed: bool) -> None:
-    """Refuse to mix methods, to prune less than a checkpoint is, or to resume with another sparsity."""
-    old = record or {"method": cfg.method, "sparsity": cfg.sparsity}  # unpruned: nothing to mix or undo
-    check_flags([(bool(record) or not resumed,
-                  f"{source} holds no pruned model: pass it as --init-from, with another --out-dir"),
-                 (old["method"] == cfg.method,
-                  f"{source} was pruned by --method {old['method']}, which --method {cfg.method} cannot extend: pass "
-                  f"--method {old['method']}, or start from the unpruned checkpoint"),
-                 (cfg.sparsity == old["sparsity"] or cfg.sparsity > old["sparsity"] and not resumed,
-                  f"{source} is pruned to --sparsity {old['sparsity']}: pass --sparsity {old['sparsity']} (more "
-                  "prunes it further, in a new run from it)")])
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Recovery on the engine (its step is pretraining's, stage.lm_step): setup
 
 
 def start_model(cfg: PruneConfig, found: tuple[Path, dict] | None) -> tuple[GPT, dict | None, str, bool]:
     """The model, its pruning record (None: unpruned), its source and whether it speaks chat (export.py then keeps the
-    chat tokens): the resumed checkpoint's shape (checked against the run's flags), or --init-from's weights."""
+    chat tokens): the resumed checkpoint's shape, or --init-from's weights; refused if this run cannot extend it."""
+    source = f"--resume {found[0]}" if found else f"--init-from {cfg.init_from}"
     if found:
         stage.check_resume(found, cfg)
-        source = f"--resume {found[0]}"
-        return GPT(checkpoint_config(found[1], source)), found[1].get("pruning"), source, is_chat(found[1])
-    source = f"--init-from {cfg.init_from}"
-    if not (path := stage.check_not_run_dir(cfg.init_from)).is_file():
-        return GPT.load(None, cfg.init_from), None, source, exported_chat(cfg.init_from)
-    ckpt = load_checkpoint(path, mmap=True)
-    if is_reward_model(ckpt):  # rl.py and export.py would read it as a policy
-        raise ValueError(f"{source} is a reward model: recovery trains a language model's loss, not its score, and "
-                         "its checkpoint would be read as a language model (by rl.py, export.py); prune a policy")
-    # a PPO policy's critic dropped: recovery trains no value head (DDP stops on a parameter without a gradient)
-    return GPT.from_checkpoint(ckpt, value_head=False), ckpt.get("pruning"), source, is_chat(ckpt)
+        ckpt, model = found[1], GPT(checkpoint_config(found[1], source))
+    elif not (path := stage.check_not_run_dir(cfg.init_from)).is_file():  # HF GPT-2: a chat model's if export.py says
+        ckpt, model = {"chat": exported_chat(cfg.init_from)}, GPT.load(None, cfg.init_from)
+    else:
+        ckpt = load_checkpoint(path, mmap=True)
+        if is_reward_model(ckpt):  # rl.py and export.py would read it as a policy
+            raise ValueError(f"{source} is a reward model: recovery trains a language model's loss, not its "
+                             "score, and its checkpoint would be read as a language model (by rl.py, export.py); "
+                             "prune a policy")
+        # a PPO policy's critic dropped: recovery trains no value head (DDP stops on a parameter without a gradient)
+        model = GPT.from_checkpoint(ckpt, value_head=False)
+    record, context = ckpt.get("pruning"), model.config.block_size
+    old = record or {"method": cfg.method, "sparsity": cfg.sparsity}  # unpruned: nothing to mix or undo
+    check_flags([(bool(record) or not found,
+                  f"{source} holds no pruned model: pass it as --init-from, with another --out-dir"),
+                 (old["method"] == cfg.method,
+                  f"{source} was pruned by --method {old['method']}, which --method {cfg.method} cannot extend: pass "
+                  f"--method {old['method']}, or start from the unpruned checkpoint"),
+                 (cfg.sparsity == old["sparsity"] or cfg.sparsity > old["sparsity"] and not found,
+                  f"{source} is pruned to --sparsity {old['sparsity']}: pass --sparsity {old['sparsity']} (more "
+                  "prunes it further, in a new run from it)"),
+                 (cfg.seq_len <= context,  # before anything is written: the first evaluation would fail
+                  f"--seq-len {cfg.seq_len} is longer than {source}'s context of {context} tokens; pass --seq-len "
+                  f"{context} or less (0: the model's)")])
+    return model, record, source, is_chat(ckpt)
 
 
 def setup(cfg: PruneConfig, ctx: Context) -> Run:
@@ -256,10 +258,6 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     checkpointer = engine.Checkpointer(cfg, rank, world, provenance(device, world))
     found = checkpointer.find()
     raw, record, source, checkpointer.chat = start_model(cfg, found)
-    check_record(record, cfg, source, resumed=found is not None)
-    if cfg.seq_len > raw.config.block_size:  # before anything is written: the first evaluation would fail
-        raise ValueError(f"--seq-len {cfg.seq_len} is longer than {source}'s context of {raw.config.block_size} "
-                         f"tokens; pass --seq-len {raw.config.block_size} or less (0: the model's)")
     cfg = dataclasses.replace(cfg, seq_len=cfg.seq_len or raw.config.block_size)
     B, T = cfg.batch_size, cfg.seq_len
     train_loader, val_loader = (TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)
