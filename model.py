@@ -402,15 +402,14 @@ class GPT(nn.Module):
     # Interop: this project's checkpoints, OpenAI/HF GPT-2
 
     @classmethod
-    def from_checkpoint(cls, ckpt: str | os.PathLike | dict[str, Any], map_location: str | torch.device = "cpu",
-                        **overrides: Any) -> GPT:
+    def from_checkpoint(cls, ckpt: str | os.PathLike | dict[str, Any], **overrides: Any) -> GPT:
         """Rebuild the model a train.py checkpoint describes (path or already-loaded dict). Weights holding a NaN or
         inf, or a file a NaN stop set aside (.diverged), are refused: they would sample and score garbage silently."""
         source = "checkpoint"
         if not isinstance(ckpt, dict):
             source = f"checkpoint {ckpt}"
             check_finite(source)  # a .diverged file is refused before it is read
-            ckpt = load_checkpoint(ckpt, map_location)
+            ckpt = load_checkpoint(ckpt)
         model = cls(checkpoint_config(ckpt, source, **overrides))
         weights = with_new_head(model, ckpt["model"])
         check_weights(model, weights, source)
@@ -479,7 +478,7 @@ class GPT(nn.Module):
                 raise ValueError(f"{ckpt} is a reward model (prefs.py --objective reward): it scores replies, and "
                                  "its logits were never trained to write them; load a policy, or score with it in "
                                  "rl.py --reward-model")
-            return cls.from_checkpoint(ckpt, map_location="cpu", **overrides)
+            return cls.from_checkpoint(ckpt, **overrides)
         if not init_from:
             raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
                              "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")
