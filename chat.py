@@ -56,8 +56,7 @@ def load_model(cfg: ChatConfig) -> tuple[GPT, bool]:
     """The model on the CPU, its vocabulary holding the chat tokens, and whether it was fine-tuned for chat (an HF
     directory: export.py gave it the chat template)."""
     model = GPT.load(cfg.ckpt, cfg.init_from).pad_vocab(GPTConfig().vocab_size)  # rows for HF GPT-2's chat tokens
-    chat = is_chat(load_checkpoint(cfg.ckpt, mmap=True)) if cfg.ckpt else exported_chat(cfg.init_from)
-    return model, chat
+    return model, is_chat(load_checkpoint(cfg.ckpt, mmap=True)) if cfg.ckpt else exported_chat(cfg.init_from)
 
 
 class Chat:

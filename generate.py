@@ -4,8 +4,7 @@ generate_stream: chat, task evals, RL), each row until a stop token or max_new_t
 whose results are forced in.
 
 The batched loop left-pads its prompts (model.KVCache's pad), so every row's next token is in the last column; a
-finished row leaves the batch. generate_stream yields each step's new tokens (chat.py streams them); generate collects,
-per prompt, the token ids, a mask of sampled (1) vs forced (0) tokens and each sampled token's log-prob.
+finished row leaves the batch.
 
 Usage (the speed of 64 ragged prompts at once against one at a time, the tiny model on CPU):
     python generate.py --rows 64 --new-tokens 48

@@ -76,23 +76,22 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
 
     def _check_values(self) -> None:
-        if self.n_embd % self.n_head and self.head_size is None:
-            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.n_head % self.kv_heads:
-            raise ValueError(f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         choices = {"mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"), "norm": ("layernorm", "rmsnorm")}
-        for name, allowed in choices.items():
-            if (value := getattr(self, name)) not in allowed:
-                raise ValueError(f"GPTConfig.{name} must be {' or '.join(map(repr, allowed))}, got {value!r}")
-        if self.pos == "rope" and self.head_dim % 2:
-            raise ValueError(f"GPTConfig.pos='rope' needs an even head size, got {self.head_dim}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"GPTConfig.rope_theta must be > 0, got {self.rope_theta}")
-        if self.fused_gelu and (self.mlp != "gelu" or not self.bias):
-            raise ValueError("GPTConfig.fused_gelu fuses the c_fc bias into GELU, so it needs mlp='gelu' and "
-                             f"bias=True; got mlp={self.mlp!r}, bias={self.bias}")
+        checks = [(self.n_embd % self.n_head == 0 or self.head_size is not None,
+                   f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
+                  (self.n_head % self.kv_heads == 0,
+                   f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})"),
+                  (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
+                  *((getattr(self, name) in allowed,
+                     f"{name} must be {' or '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
+                    for name, allowed in choices.items()),
+                  (self.pos != "rope" or self.head_dim % 2 == 0,
+                   f"pos='rope' needs an even head size, got {self.head_dim}"),
+                  (self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}"),
+                  (not self.fused_gelu or self.mlp == "gelu" and self.bias, "fused_gelu fuses the c_fc bias into GELU, "
+                   f"so it needs mlp='gelu' and bias=True; got mlp={self.mlp!r}, bias={self.bias}")]
+        if why := next((why for ok, why in checks if not ok), None):
+            raise ValueError(f"GPTConfig.{why}")
 
     @property
     def kv_heads(self) -> int:
@@ -403,15 +402,14 @@ class GPT(nn.Module):
     # Interop: this project's checkpoints, OpenAI/HF GPT-2
 
     @classmethod
-    def from_checkpoint(cls, ckpt: str | os.PathLike | dict[str, Any], map_location: str | torch.device = "cpu",
-                        **overrides: Any) -> GPT:
+    def from_checkpoint(cls, ckpt: str | os.PathLike | dict[str, Any], **overrides: Any) -> GPT:
         """Rebuild the model a train.py checkpoint describes (path or already-loaded dict). Weights holding a NaN or
         inf, or a file a NaN stop set aside (.diverged), are refused: they would sample and score garbage silently."""
         source = "checkpoint"
         if not isinstance(ckpt, dict):
             source = f"checkpoint {ckpt}"
             check_finite(source)  # a .diverged file is refused before it is read
-            ckpt = load_checkpoint(ckpt, map_location)
+            ckpt = load_checkpoint(ckpt)
         model = cls(checkpoint_config(ckpt, source, **overrides))
         weights = with_new_head(model, ckpt["model"])
         check_weights(model, weights, source)
@@ -480,7 +478,7 @@ class GPT(nn.Module):
                 raise ValueError(f"{ckpt} is a reward model (prefs.py --objective reward): it scores replies, and "
                                  "its logits were never trained to write them; load a policy, or score with it in "
                                  "rl.py --reward-model")
-            return cls.from_checkpoint(ckpt, map_location="cpu", **overrides)
+            return cls.from_checkpoint(ckpt, **overrides)
         if not init_from:
             raise ValueError("no model given: pass --ckpt PATH (a checkpoint train.py wrote) or --init-from gpt2 "
                              "(or gpt2-medium, gpt2-large, gpt2-xl, or a local HF GPT-2 directory)")

@@ -10,8 +10,9 @@ A checkpoint stays the GPT's full state on any layout (Sharded.full_state and lo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -147,41 +148,33 @@ def tensor_parallel(stage: Stage, mesh: DeviceMesh, sp: bool) -> None:
     plain part; stages exchange plain, whole tensors."""
     # DTensor's modules, here and in Sharded's methods: 0.8 s of imports that a run without --tp/--pp never needs
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleInputOutput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor import parallel as tp
     seq, whole = Shard(1) if sp else Replicate(), Replicate()
     blocks = list(stage.transformer.h)
-    block = {"attn.c_attn": ColwiseParallel(), "mlp.c_fc": ColwiseParallel(),
-             "attn.c_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
-             "mlp.c_proj": RowwiseParallel(output_layouts=seq, use_local_output=False)}
-    block |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
-              "attn": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(whole, None, None)),
-              "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,))} if sp else {}
+    block = {"attn.c_attn": tp.ColwiseParallel(), "mlp.c_fc": tp.ColwiseParallel(),
+             "attn.c_proj": tp.RowwiseParallel(output_layouts=seq, use_local_output=False),
+             "mlp.c_proj": tp.RowwiseParallel(output_layouts=seq, use_local_output=False)}
+    block |= {"ln_1": tp.SequenceParallel(), "ln_2": tp.SequenceParallel(),
+              "attn": tp.PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(whole, None, None)),
+              "mlp": tp.PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,))} if sp else {}
     plan = {f"transformer.h.{i}.{name}": style for i in blocks for name, style in block.items()}
-    plan |= {"transformer.wte": RowwiseParallel(input_layouts=whole, output_layouts=whole),  # by vocabulary
-             "transformer.wpe": PrepareModuleInputOutput(input_layouts=whole, desired_input_layouts=whole,
-                                                         output_layouts=whole, desired_output_layouts=whole),
-             "transformer.drop": PrepareModuleInput(input_layouts=whole, desired_input_layouts=seq,
-                                                    use_local_output=False),
-             f"transformer.h.{blocks[0]}": PrepareModuleInput(input_layouts=(whole, None),
-                                                              desired_input_layouts=(seq, None),
-                                                              use_local_output=False),
-             "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+    plan |= {"transformer.wte": tp.RowwiseParallel(input_layouts=whole, output_layouts=whole),  # by vocabulary
+             "transformer.wpe": tp.PrepareModuleInputOutput(input_layouts=whole, desired_input_layouts=whole,
+                                                            output_layouts=whole, desired_output_layouts=whole),
+             "transformer.drop": tp.PrepareModuleInput(input_layouts=whole, desired_input_layouts=seq,
+                                                       use_local_output=False),
+             f"transformer.h.{blocks[0]}": tp.PrepareModuleInput(input_layouts=(whole, None),
+                                                                 desired_input_layouts=(seq, None),
+                                                                 use_local_output=False),
+             "lm_head": tp.ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
     if not stage.last:  # sent on as a plain tensor, whole
-        plan[f"transformer.h.{blocks[-1]}"] = PrepareModuleOutput(output_layouts=seq, desired_output_layouts=whole)
-    plan |= {"transformer.ln_f": SequenceParallel()} if sp else {}
+        plan[f"transformer.h.{blocks[-1]}"] = tp.PrepareModuleOutput(output_layouts=seq, desired_output_layouts=whole)
+    plan |= {"transformer.ln_f": tp.SequenceParallel()} if sp else {}
     with torch.no_grad():
         for name, p in stage.named_parameters():
             p.copy_(reorder(name, p, stage.config, mesh.size()))
     modules = dict(stage.named_modules())
-    parallelize_module(stage, mesh, {name: style for name, style in plan.items() if name in modules})
+    tp.parallelize_module(stage, mesh, {name: style for name, style in plan.items() if name in modules})
     if stage.first and stage.last:
         stage.transformer.wte.weight = stage.lm_head.weight  # tied again: each plan made its own DTensor
     for module in stage.modules():
@@ -203,11 +196,6 @@ def fully_shard_model(model: nn.Module, blocks: Iterable[nn.Module], dtype: torc
     for block in blocks:
         fully_shard(block, mp_policy=mp, **options)
     fully_shard(model, mp_policy=mp, **options)
-
-
-def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """The mean cross-entropy of (B, T, V) logits, vocab-parallel when they are split by vocabulary (a DTensor)."""
-    return local(cross_entropy(logits.flatten(0, 1), targets.flatten()))
 
 
 def shard(gpt: GPT, args: Any, device: torch.device, dtype: torch.dtype) -> Sharded:
@@ -256,16 +244,9 @@ class Sharded(nn.Module):
         if self.pp > 1:
             ranks = mesh.mesh.flatten(1).t()  # (dp * tp, pp) global ranks
             self.tie_group, _ = dist.new_subgroups_by_enumeration([[int(r[0]), int(r[-1])] for r in ranks])
-
-    def whole(self) -> GPT:
-        with torch.device("meta"):
-            return GPT(self.config)
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        return self.whole().num_params(non_embedding)
-
-    def flops_per_token(self, seq_len: int | None = None) -> int:
-        return self.whole().flops_per_token(seq_len)
+        with torch.device("meta"):  # the whole model's accounting, as a GPT's (a plain attribute: no submodule)
+            whole = GPT(config)
+        self.num_params, self.flops_per_token = whole.num_params, whole.flops_per_token
 
     def schedule(self, micro_batches: int, train: bool) -> Any:
         """The pipeline schedule over this rank's stages for this many micro-batches (training's, or evaluation's)."""
@@ -280,36 +261,35 @@ class Sharded(nn.Module):
             pipes = [PipelineStage(s, i, self.n_stages, self.device, group=self.pp_group)
                      for s, i in zip(self.stages, self.stage_ids, strict=True)]
             kind = getattr(schedules, SCHEDULES[self.schedule_name][not train])
+            # the mean cross-entropy of (B, T, V) logits, vocab-parallel when they are split by vocabulary (a DTensor)
+            loss = lambda logits, targets: local(cross_entropy(logits.flatten(0, 1), targets.flatten()))
             self.schedules[key] = kind(pipes if len(pipes) > 1 else pipes[0], n_microbatches=micro_batches,
-                                       loss_fn=lm_loss)
+                                       loss_fn=loss)
         return self.schedules[key]
-
-    def mean_loss(self, losses: list[Tensor], micro_batches: int) -> Tensor:
-        """The mean of the last stage's micro-batch losses (other stages' lists are empty), on every pipeline rank."""
-        loss = sum((part.detach() / micro_batches for part in losses), torch.zeros((), device=self.device))
-        dist.broadcast(loss, group=self.pp_group, group_src=self.pp - 1)
-        return loss
 
     def forward(self, idx: Tensor, targets: Tensor, **_: Any) -> tuple[None, Tensor]:
         """(None, the mean loss of idx's next tokens on every rank), as GPT(idx, targets)'s loss."""
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        losses: list[Tensor] = []
-        with loss_parallel():
-            self.schedule(1, train=False).eval(idx, target=targets, losses=losses)
-        return None, self.mean_loss(losses, 1)
+        return None, self.pipeline([idx], [targets], train=False)
 
     def forward_backward(self, next_batch: Callable[[], tuple], grad_accum: int, autocast: Any,
                          grad_clip: float) -> tuple[Tensor, Tensor]:
         """grad_accum micro-batches forward and backward under the schedule, then the gradients clipped to grad_clip:
         (mean loss, gradient norm), the same on every rank."""
+        xs, ys = zip(*(next_batch() for _ in range(grad_accum)), strict=True)
+        return self.pipeline(xs, ys, True, autocast), self.clip(grad_clip or float("inf"))  # 0: no clipping
+
+    def pipeline(self, xs: Sequence[Tensor], ys: Sequence[Tensor], train: bool, autocast: Any = None) -> Tensor:
+        """The micro-batches through the schedule, forward (and backward in training): the mean of the last stage's
+        losses, on every pipeline rank."""
         from torch.distributed.tensor.parallel import loss_parallel
 
-        xs, ys = zip(*(next_batch() for _ in range(grad_accum)), strict=True)
         losses: list[Tensor] = []
-        with loss_parallel(), autocast:
-            self.schedule(grad_accum, train=True).step(torch.cat(xs), target=torch.cat(ys), losses=losses)
-        return self.mean_loss(losses, grad_accum), self.clip(grad_clip or float("inf"))  # 0: no clipping
+        with loss_parallel(), autocast or contextlib.nullcontext():
+            schedule = self.schedule(len(xs), train)
+            (schedule.step if train else schedule.eval)(torch.cat(xs), target=torch.cat(ys), losses=losses)
+        loss = sum((part.detach() / len(xs) for part in losses), torch.zeros((), device=self.device))
+        dist.broadcast(loss, group=self.pp_group, group_src=self.pp - 1)
+        return loss
 
     def clip(self, max_norm: float) -> Tensor:
         """Clip the gradients to max_norm over every rank's; returns the norm before. The tied matrix counts once."""
@@ -341,14 +321,10 @@ class Sharded(nn.Module):
         """The GPT's full model and optimizer state on rank 0 (None elsewhere), as one process would save them."""
         from torch.distributed.checkpoint import state_dict as dcp
 
-        opts = dcp.StateDictOptions(full_state_dict=True)  # not offloaded: that would keep rank 0's stage alone
-        model_sd, optim_sd = dcp.get_model_state_dict(self, options=opts), dcp.get_optimizer_state_dict(
-            self, optimizer, options=opts)
+        # not offloaded: that would keep rank 0's stage alone
+        model_sd, optim_sd = dcp.get_state_dict(self, optimizer, options=dcp.StateDictOptions(full_state_dict=True))
         back = {mine: name for name, mine in self.names().items()}
-
-        def plain(name: str, t: Tensor) -> Tensor:
-            return reorder(name, t, self.config, self.tp, inverse=True).cpu()
-
+        plain = lambda name, t: reorder(name, t, self.config, self.tp, inverse=True).cpu()  # the GPT's row order
         mine = ({back[k]: plain(back[k], v) for k, v in model_sd.items()},
                 {"state": {back[k]: {n: plain(back[k], v) for n, v in s.items()} for k, s in optim_sd["state"].items()},
                  "param_groups": [g | {"params": [back[k] for k in g["params"]]} for g in optim_sd["param_groups"]]})
@@ -359,16 +335,12 @@ class Sharded(nn.Module):
 
     def local_state(self, ckpt: dict) -> dict:
         """ckpt with its full model and optimizer state renamed, and fused rows reordered, for this rank's part."""
-        names, state = self.names(), dict(ckpt["optimizer"]["state"])
-        groups = [dict(g) for g in ckpt["optimizer"]["param_groups"]]
+        names, state, groups = self.names(), dict(ckpt["optimizer"]["state"]), ckpt["optimizer"]["param_groups"]
         if "lm_head.weight" in names and "transformer.wte.weight" not in names:  # the tied matrix, saved as wte
             state["lm_head.weight"] = state["transformer.wte.weight"]
             groups = [g | {"params": g["params"] + ["lm_head.weight"] * ("transformer.wte.weight" in g["params"])}
                       for g in groups]
-
-        def mine(name: str, t: Any) -> Any:
-            return reorder(name, t, self.config, self.tp)
-
+        mine = lambda name, t: reorder(name, t, self.config, self.tp)  # this rank's row order
         optim = {"state": {names[k]: {n: mine(k, v) for n, v in s.items()} for k, s in state.items() if k in names},
                  "param_groups": [g | {"params": [names[k] for k in g["params"] if k in names]} for g in groups]}
         return {**ckpt, "model": {ours: mine(k, ckpt["model"][k]) for k, ours in names.items()}, "optimizer": optim}

@@ -49,7 +49,6 @@ class PruneConfig(engine.RunArgs):
     seq_len: int = 0  # T: tokens per sequence (0: the model's context)
     grad_accum: int = 1  # micro-batches per optimizer step
     warmup_steps: int = 10  # linear warmup, then cosine decay to --min-lr-frac of --max-lr at --max-steps
-    min_lr_frac: float = 0.1  # the schedule's floor, as a share of --max-lr
     eval_every: int = 50  # val loss and the sparsity reached every N steps and at the end (0: at the end only)
     eval_tokens: int = 8192  # val tokens per evaluation (whole B*T windows, at most the split)
     # RunArgs's flags with pruning's defaults
@@ -120,20 +119,17 @@ class Pruning:
 # The three methods
 
 
-def lowest(scores: Tensor, k: int) -> Tensor:
-    """A keep mask of scores' shape, False at its k smallest entries."""
-    keep = torch.ones(scores.numel(), dtype=torch.bool, device=scores.device)
-    keep[scores.flatten().topk(k, largest=False).indices] = False
-    return keep.view(scores.shape)
-
-
 def magnitude_masks(model: GPT, sparsity: float, scope: str) -> dict[str, Tensor]:
+    """Keep masks, False at the smallest |w|: over all the matrices at once (global), or in each one (layer)."""
     mats = {name: p.detach().abs() for name, p in matrices(model).items()}
-    if scope == "layer":
-        return {name: lowest(w, round(sparsity * w.numel())) for name, w in mats.items()}
-    flat = torch.cat([w.flatten() for w in mats.values()])
-    keep = lowest(flat, round(sparsity * flat.numel())).split([w.numel() for w in mats.values()])
-    return {name: k.view(w.shape) for (name, w), k in zip(mats.items(), keep, strict=True)}
+    masks = {}
+    for names in [[name] for name in mats] if scope == "layer" else [list(mats)]:
+        flat = torch.cat([mats[name].flatten() for name in names])
+        keep = torch.ones_like(flat, dtype=torch.bool)
+        keep[flat.topk(round(sparsity * flat.numel()), largest=False).indices] = False
+        sizes = [mats[name].numel() for name in names]
+        masks |= {name: k.view_as(mats[name]) for name, k in zip(names, keep.split(sizes), strict=True)}
+    return masks
 
 
 def two_four_masks(model: GPT) -> dict[str, Tensor]:
@@ -162,14 +158,6 @@ def block_scores(block: nn.Module, cfg: Any, importance: str) -> tuple[Tensor, T
     return heads.sqrt(), (rows(fc, hidden) + cols(mlp_out.pow(2), hidden)).sqrt()
 
 
-def calibrate(model: GPT, loader: TokenLoader, batches: int) -> None:
-    """The gradient of the mean loss over `batches` train batches, in .grad (dropout off)."""
-    model.eval()
-    for _ in range(batches):
-        (model(*loader.next_batch())[1] / batches).backward()
-    model.train()
-
-
 def shrink(model: GPT, keep: list[tuple[Tensor, Tensor]]) -> GPT:
     """A smaller GPT holding only the kept (key-value groups, neurons) of each block, in their order."""
     cfg, sd = model.config, model.state_dict()
@@ -188,14 +176,17 @@ def shrink(model: GPT, keep: list[tuple[Tensor, Tensor]]) -> GPT:
     kept = len(keep[0][0])
     small = GPT(dataclasses.replace(cfg, n_head=kept * rep, n_kv_head=kept, head_size=hs, mlp_hidden=len(keep[0][1])))
     small.load_state_dict(sd)
-    return small
+    return small.to(model.lm_head.weight.device)
 
 
 def structured(model: GPT, cfg: PruneConfig, dense: dict[str, int], calib: TokenLoader) -> tuple[GPT, dict]:
     """Keep round((1 - sparsity) * n) of each block's dense key-value groups and MLP neurons, those scored highest;
     no masks: the smaller tensors are the pruning."""
-    if cfg.importance == "taylor":
-        calibrate(model, calib, cfg.calib_batches)
+    if cfg.importance == "taylor":  # the gradient of the mean loss over --calib-batches batches (dropout off)
+        model.eval()
+        for _ in range(cfg.calib_batches):
+            (model(*calib.next_batch())[1] / cfg.calib_batches).backward()
+        model.train()
     with torch.no_grad():
         scores = [block_scores(block, model.config, cfg.importance) for block in model.transformer.h]
     model.zero_grad(set_to_none=True)
@@ -224,38 +215,41 @@ def prune(model: GPT, record: dict | None, cfg: PruneConfig, calib: TokenLoader)
     return model, record
 
 
-def check_record(record: dict | None, cfg: PruneConfig, source: str, resumed: bool) -> None:
-    """Refuse to mix methods, to prune less than a checkpoint is, or to resume with another sparsity."""
-    if resumed and not record:
-        raise ValueError(f"{source} holds no pruned model: pass it as --init-from, with another --out-dir")
-    if record and record["method"] != cfg.method:
-        raise ValueError(f"{source} was pruned by --method {record['method']}, which --method {cfg.method} cannot "
-                         f"extend: pass --method {record['method']}, or start from the unpruned checkpoint")
-    if record and (cfg.sparsity < record["sparsity"] or (resumed and cfg.sparsity != record["sparsity"])):
-        raise ValueError(f"{source} is pruned to --sparsity {record['sparsity']}: pass --sparsity "
-                         f"{record['sparsity']} (more prunes it further, in a new run from it)")
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Recovery on the engine (its step is pretraining's, stage.lm_step): setup
 
 
 def start_model(cfg: PruneConfig, found: tuple[Path, dict] | None) -> tuple[GPT, dict | None, str, bool]:
     """The model, its pruning record (None: unpruned), its source and whether it speaks chat (export.py then keeps the
-    chat tokens): the resumed checkpoint's shape (checked against the run's flags), or --init-from's weights."""
+    chat tokens): the resumed checkpoint's shape, or --init-from's weights; refused if this run cannot extend it."""
+    source = f"--resume {found[0]}" if found else f"--init-from {cfg.init_from}"
     if found:
         stage.check_resume(found, cfg)
-        source = f"--resume {found[0]}"
-        return GPT(checkpoint_config(found[1], source)), found[1].get("pruning"), source, is_chat(found[1])
-    source = f"--init-from {cfg.init_from}"
-    if not (path := stage.check_not_run_dir(cfg.init_from)).is_file():
-        return GPT.load(None, cfg.init_from), None, source, exported_chat(cfg.init_from)
-    ckpt = load_checkpoint(path, mmap=True)
-    if is_reward_model(ckpt):  # rl.py and export.py would read it as a policy
-        raise ValueError(f"{source} is a reward model: recovery trains a language model's loss, not its score, and "
-                         "its checkpoint would be read as a language model (by rl.py, export.py); prune a policy")
-    # a PPO policy's critic dropped: recovery trains no value head (DDP stops on a parameter without a gradient)
-    return GPT.from_checkpoint(ckpt, value_head=False), ckpt.get("pruning"), source, is_chat(ckpt)
+        ckpt, model = found[1], GPT(checkpoint_config(found[1], source))
+    elif not (path := stage.check_not_run_dir(cfg.init_from)).is_file():  # HF GPT-2: a chat model's if export.py says
+        ckpt, model = {"chat": exported_chat(cfg.init_from)}, GPT.load(None, cfg.init_from)
+    else:
+        ckpt = load_checkpoint(path, mmap=True)
+        if is_reward_model(ckpt):  # rl.py and export.py would read it as a policy
+            raise ValueError(f"{source} is a reward model: recovery trains a language model's loss, not its "
+                             "score, and its checkpoint would be read as a language model (by rl.py, export.py); "
+                             "prune a policy")
+        # a PPO policy's critic dropped: recovery trains no value head (DDP stops on a parameter without a gradient)
+        model = GPT.from_checkpoint(ckpt, value_head=False)
+    record, context = ckpt.get("pruning"), model.config.block_size
+    old = record or {"method": cfg.method, "sparsity": cfg.sparsity}  # unpruned: nothing to mix or undo
+    check_flags([(bool(record) or not found,
+                  f"{source} holds no pruned model: pass it as --init-from, with another --out-dir"),
+                 (old["method"] == cfg.method,
+                  f"{source} was pruned by --method {old['method']}, which --method {cfg.method} cannot extend: pass "
+                  f"--method {old['method']}, or start from the unpruned checkpoint"),
+                 (cfg.sparsity == old["sparsity"] or cfg.sparsity > old["sparsity"] and not found,
+                  f"{source} is pruned to --sparsity {old['sparsity']}: pass --sparsity {old['sparsity']} (more "
+                  "prunes it further, in a new run from it)"),
+                 (cfg.seq_len <= context,  # before anything is written: the first evaluation would fail
+                  f"--seq-len {cfg.seq_len} is longer than {source}'s context of {context} tokens; pass --seq-len "
+                  f"{context} or less (0: the model's)")])
+    return model, record, source, is_chat(ckpt)
 
 
 def setup(cfg: PruneConfig, ctx: Context) -> Run:
@@ -264,19 +258,13 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     checkpointer = engine.Checkpointer(cfg, rank, world, provenance(device, world))
     found = checkpointer.find()
     raw, record, source, checkpointer.chat = start_model(cfg, found)
-    check_record(record, cfg, source, resumed=found is not None)
-    if cfg.seq_len > raw.config.block_size:  # before anything is written: the first evaluation would fail
-        raise ValueError(f"--seq-len {cfg.seq_len} is longer than {source}'s context of {raw.config.block_size} "
-                         f"tokens; pass --seq-len {raw.config.block_size} or less (0: the model's)")
     cfg = dataclasses.replace(cfg, seq_len=cfg.seq_len or raw.config.block_size)
     B, T = cfg.batch_size, cfg.seq_len
     train_loader, val_loader = (TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)
                                 for split in ("train", "val"))
     raw = raw.to(device)
     if not found:  # the same on every rank, as are the weights and the calibration batches (rank 0's)
-        calib = TokenLoader(cfg.data, "train", B, T, 0, 1, cfg.seed + 1, device)
-        raw, record = prune(raw, record, cfg, calib)
-        raw = raw.to(device)
+        raw, record = prune(raw, record, cfg, TokenLoader(cfg.data, "train", B, T, 0, 1, cfg.seed + 1, device))
     engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw)}, rank, world,
                              source)
     torch.manual_seed(cfg.seed + rank)
