@@ -1532,6 +1532,17 @@ def note_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("note: the checkpoint's run had --max-steps")]
 
 
+def test_an_extended_run_keeps_the_evaluations_of_its_last_step(token_data, tmp_path):
+    # the resume cuts log.jsonl at the checkpoint's step 3: the finished run's final evaluations there run again
+    args = ["--eval-every=2", "--eval-tokens=512", "--hellaswag=off"]
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=3", *args))
+    first = {r["step"]: r["val_loss"] for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "val"}
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=5", *args, "--resume=auto"))
+    vals = [(r["step"], r["val_loss"]) for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "val"]
+    assert [step for step, _ in vals] == [0, 2, 3, 4, 5]
+    assert dict(vals)[3] == pytest.approx(first[3], abs=1e-6) and sorted(first) == [0, 2, 3]
+
+
 def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_original_runs(token_data, tmp_path,
                                                                                         capsys):
     # cosine: a finished 4-step run extended to 6 steps decays again from halfway, well above its final lr
