@@ -155,11 +155,12 @@ def run_torchrun(args: list[str], nproc: int, timeout: int = 300, env: dict[str,
     return done
 
 
-def run_train_runs(runs: list[list[str]], nproc: int, spec: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_train_runs(runs: list[list[str]], nproc: int, spec: Path, timeout: int = 300,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run several train.py argument lists one after another in one torchrun launch (tests/train_runs.py); spec is
     where their JSON list is written."""
     spec.write_text(json.dumps([[str(a) for a in argv] for argv in runs]))
-    return run_torchrun(["tests/train_runs.py", str(spec)], nproc=nproc, timeout=timeout)
+    return run_torchrun(["tests/train_runs.py", str(spec)], nproc=nproc, timeout=timeout, env=env)
 
 
 def run_nodes(args_per_node: list[list[str]], timeout: int = 300) -> list[subprocess.CompletedProcess]:
