@@ -315,7 +315,7 @@ def select_attention(name: str) -> None:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Optimizers: AdamW (the default), Muon for the blocks' matrices with AdamW for the rest, torchao's 8-bit AdamW.
-# A new one is a builder (groups, class, options), an entry in OPTIMIZERS and its conflicts in optimizer_conflict.
+# A new one is a builder (groups, class, options) and an entry in OPTIMIZERS.
 
 
 def adamw_groups(model: nn.Module, weight_decay: float, options: dict, verbose: bool) -> tuple[list, type, dict]:
@@ -354,16 +354,35 @@ def muon_groups(model: nn.Module, weight_decay: float, options: dict, verbose: b
             {"params": rest, "weight_decay": 0.0, "muon": False}], MuonAdamW, options
 
 
-# name -> builder of (param groups, optimizer class, its options)
-OPTIMIZERS: dict[str, Callable[..., tuple[list, type, dict]]] = {
-    "adamw": adamw_groups, "muon": muon_groups, "adamw8bit": adamw8bit_groups}
+def muon_problem(parallel: str) -> str | None:
+    if not hasattr(torch.optim, "Muon"):
+        return f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}"
+    if parallel == "fsdp":
+        return ("--optimizer muon orthogonalizes whole matrices, which --parallel fsdp shards across ranks; use "
+                "--parallel zero1 (each matrix whole on one rank) or ddp")
+    return None
+
+
+def adamw8bit_problem(parallel: str) -> str | None:
+    if parallel == "fsdp":
+        return ("--optimizer adamw8bit does not support --parallel fsdp here (8-bit states of sharded tensors do not "
+                "go through the full-state checkpoint); use --parallel zero1, which shards the 8-bit state too, or ddp")
+    return torchao_missing("--optimizer adamw8bit")
+
+
+# name -> (builder of (param groups, optimizer class, its options), why it cannot run with --parallel X or None)
+OPTIMIZERS: dict[str, tuple[Callable, Callable[[str], str | None]]] = {
+    "adamw": (adamw_groups, lambda parallel: None),
+    "muon": (muon_groups, muon_problem),
+    "adamw8bit": (adamw8bit_groups, adamw8bit_problem),
+}
 
 
 def build_optimizer(model: nn.Module, args: StepArgs, device: torch.device, verbose: bool) -> torch.optim.Optimizer:
     """args.optimizer over the model's parameters, inside ZeroRedundancyOptimizer for --parallel zero1 under torchrun.
     Every group's lr is --max-lr's schedule (the loop sets it), Muon's included (see MuonAdamW)."""
     options = {"lr": args.max_lr, "betas": (args.beta1, args.beta2), "eps": args.eps, "fused": device.type == "cuda"}
-    groups, optimizer_class, options = OPTIMIZERS[args.optimizer](model, args.weight_decay, options, verbose)
+    groups, optimizer_class, options = OPTIMIZERS[args.optimizer][0](model, args.weight_decay, options, verbose)
     if args.parallel == "zero1" and dist.is_initialized():
         from torch.distributed.optim import ZeroRedundancyOptimizer
         # the same optimizer and groups, with each rank keeping the state of only its share of the parameters
@@ -377,15 +396,7 @@ def build_optimizer(model: nn.Module, args: StepArgs, device: torch.device, verb
 
 def optimizer_conflict(args: StepArgs) -> str | None:
     """Why --optimizer cannot run with this torch, these packages or --parallel, or None."""
-    if args.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
-        return f"--optimizer muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}"
-    if args.optimizer != "adamw" and args.parallel == "fsdp":
-        return {"muon": "--optimizer muon orthogonalizes whole matrices, which --parallel fsdp shards across ranks; "
-                        "use --parallel zero1 (each matrix whole on one rank) or ddp",
-                "adamw8bit": "--optimizer adamw8bit does not support --parallel fsdp here (8-bit states of sharded "
-                             "tensors do not go through the full-state checkpoint); use --parallel zero1, which "
-                             "shards the 8-bit state too, or ddp"}[args.optimizer]
-    return torchao_missing("--optimizer adamw8bit") if args.optimizer == "adamw8bit" else None
+    return OPTIMIZERS[args.optimizer][1](args.parallel)
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, args: StepArgs) -> list[str]:
