@@ -6,6 +6,7 @@ record's step. Both packages are optional and imported only when asked for. open
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -50,7 +51,8 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(out_dir), purge_step=forget)
-        threading.excepthook = quiet_writer_thread
+        if getattr(threading.excepthook, "func", None) is not quiet_writer_thread:  # once; before it, the hook in place
+            threading.excepthook = functools.partial(quiet_writer_thread, hook=threading.excepthook)
 
     def write(self, record: dict) -> None:
         if record["type"] == "config":
@@ -62,7 +64,7 @@ class TensorBoard:
         self.writer.close()
 
 
-def quiet_writer_thread(args: Any, hook: Callable[[Any], None] = threading.excepthook) -> None:
+def quiet_writer_thread(args: Any, hook: Callable[[Any], None]) -> None:
     """No traceback from TensorBoard's writer thread for a failed write (a full disk): the next add_scalar or close
     raises it again in the run, where RunLog.writing makes it one line."""
     if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):

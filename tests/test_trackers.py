@@ -153,11 +153,14 @@ def test_wandb_that_cannot_start_is_one_line_before_training(token_data, tmp_pat
     assert not (tmp_path / "run" / "log.jsonl").exists()  # refused before the log, let alone a step
 
 
-def test_a_failed_event_file_write_is_one_line_naming_it_without_the_threads_traceback(tmp_path, capfd):
+def test_a_failed_event_file_write_is_one_line_naming_it_without_the_threads_traceback(tmp_path, capfd, monkeypatch):
     # a full disk under --tensorboard: the writer thread's traceback came first, then the run's own
     pytest.importorskip("tensorboard", reason="--tensorboard is an optional extra (pip install tensorboard)")
+    import threading
     import time
 
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(type(args.exc_value)))  # a user's own hook
     log = trackers.RunLog(tmp_path / "log.jsonl", True, 10, 1, [trackers.TensorBoard(tmp_path, None)])
     record = {"type": "train", "step": 0, "loss": 1.0}
     log.write(record)
@@ -173,3 +176,7 @@ def test_a_failed_event_file_write_is_one_line_naming_it_without_the_threads_tra
     assert capfd.readouterr().err == ""
     with pytest.raises(ValueError, match=f"^cannot append to {events}: EISDIR"):
         log.close()
+    thread = threading.Thread(target=lambda: 1 / 0)  # another thread's error still reaches the user's hook
+    thread.start()
+    thread.join()
+    assert seen == [ZeroDivisionError]
