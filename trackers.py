@@ -110,8 +110,9 @@ class RunLog:
     """The run's log.jsonl (rank 0, not for --eval-only), the trackers that get its records too (TensorBoard, W&B),
     and the console's step line every --log-every steps, with the ETA from the median of the last 20 step times."""
 
-    def __init__(self, path: Path | None, master: bool, max_steps: int, log_every: int, trackers: list[Any]):
-        self.path, self.master, self.trackers = path, master, trackers
+    def __init__(self, path: Path | None, master: bool, max_steps: int, log_every: int, trackers: list[Any],
+                 held: list[dict] | None = None):
+        self.path, self.master, self.trackers, self.held = path, master, trackers, held or []
         self.file = open(path or os.devnull, "a", buffering=1)  # no log.jsonl (another rank, --eval-only): nowhere
         self.max_steps, self.log_every = max_steps, log_every
         self.recent_ms: list[float] = []
@@ -127,6 +128,7 @@ class RunLog:
             raise ValueError(f"cannot append to {where}: {'; '.join(write_error(e, where))}") from None
 
     def write(self, record: dict) -> None:
+        self.held = [r for r in self.held if r["type"] != record["type"]]  # evaluated again: the new record stands
         with self.writing():
             self.file.write(json.dumps(record) + "\n")
             for tracker in self.trackers:
@@ -144,6 +146,7 @@ class RunLog:
 
     def step(self, step: int, record: dict, timed: bool) -> None:
         """Log one optimizer step's record; `timed`: its time counts towards the ETA (not the first step's compile)."""
+        self.put_back()
         self.losses.append(record["loss"])
         if timed:
             self.recent_ms = (self.recent_ms + [record["ms"]])[-20:]
@@ -157,7 +160,14 @@ class RunLog:
                      f"{record['grad_norm']:.3f} | {record['ms']:7.1f} ms | {record['tok_s']:,.0f} tok/s | mfu "
                      f"{f'{util:.1%}' if util else 'n/a'} | eta {fmt_time(eta)}", flush=True)
 
+    def put_back(self) -> None:
+        """The resumed step's cut evaluation records not written again (a run that finished there had made them)."""
+        held, self.held = self.held, []
+        for record in held:
+            self.write(record)
+
     def close(self) -> None:
+        self.put_back()
         with self.writing():
             for each in (self.file, *self.trackers):
                 each.close()
@@ -205,4 +215,5 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     for tracker in trackers:
         for record in replay:
             tracker.write(record)
-    return RunLog(path, True, cfg.max_steps, cfg.log_every, trackers)
+    held = [r for r in cut if r["step"] == resume_step and r["type"] != "train"] if not rewinding else []
+    return RunLog(path, True, cfg.max_steps, cfg.log_every, trackers, held)

@@ -1543,6 +1543,23 @@ def test_an_extended_run_keeps_the_evaluations_of_its_last_step(token_data, tmp_
     assert dict(vals)[3] == pytest.approx(first[3], abs=1e-6) and sorted(first) == [0, 2, 3]
 
 
+def test_a_run_finished_at_its_checkpoints_step_keeps_its_evaluations_there_when_extended(token_data, tmp_path,
+                                                                                         monkeypatch):
+    # a run stopped after step 2 (ckpt 3 of a 6-step run) is finished with --max-steps 3, then extended: the resume
+    # cuts log.jsonl at 3, where that finish logged its final val record (the checkpoint's max_steps is 6, not 3)
+    real, calls = engine.StopFlags.should_stop, []
+    monkeypatch.setattr(engine.StopFlags, "should_stop", lambda self: calls.append(1) or (
+        "max_time" if len(calls) == 4 else real(self)))  # the 4th check: after step 2
+    args = ["--eval-every=5", "--eval-tokens=512", "--hellaswag=off"]
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=6", *args))
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=3", *args, "--resume=auto"))
+    finished = {r["step"]: r["val_loss"] for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "val"}
+    train.main(tiny_args(token_data, tmp_path, "--max-steps=6", *args, "--resume=auto"))
+    vals = [(r["step"], r["val_loss"]) for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "val"]
+    assert sorted(finished) == [0, 3] and [step for step, _ in vals] == [0, 3, 5, 6]
+    assert dict(vals)[3] == finished[3]
+
+
 def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_original_runs(token_data, tmp_path,
                                                                                         capsys):
     # cosine: a finished 4-step run extended to 6 steps decays again from halfway, well above its final lr
