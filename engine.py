@@ -210,8 +210,7 @@ class Run:
 
     def evaluate(self, step: int, final: bool) -> bool:
         """The evaluations due at `step`; whether any ran."""
-        again = step == self.start_step and self.checkpointer.extending  # the cut log's final evaluations
-        due = [e for e in self.evals if (final or again or (e.every > 0 and step % e.every == 0))
+        due = [e for e in self.evals if (final or (e.every > 0 and step % e.every == 0))
                and (e.at_start or step > 0 or self.cfg.eval_only)]
         for e in due:
             if (record := e.fn(step)) is not None:
@@ -322,7 +321,6 @@ class Checkpointer:
         self.newest: Path | None = None  # this run's newest checkpoint (resumed or written), resolved
         self.good: Path | None = None  # the newest whose weights trained a step to a finite loss and gradient norm
         self.rewinding = False  # resuming a checkpoint older than the newest in out_dir
-        self.extending = False  # resuming a finished run's last checkpoint (a higher --max-steps)
 
     def due(self, step: int) -> bool:
         """Whether the state after `step` optimizer steps is saved: every --ckpt-every, and at the end."""
@@ -344,8 +342,6 @@ class Checkpointer:
                                  f"{self.out_dir} (put it on a shared filesystem, or copy the checkpoint to each node "
                                  "and pass --resume PATH)")
         self.newest = found[0].resolve() if found else None
-        # the log is cut at the resumed step, where a finished run made its final evaluations
-        self.extending = bool(found) and int(found[1]["step"]) == found[1].get("train_config", {}).get("max_steps")
         newest = checkpoints(self.out_dir)[-1:]
         self.rewinding = bool(found and newest and newest[0].resolve() != self.newest)  # older than the newest
         return found
