@@ -180,3 +180,11 @@ def test_a_task_one_rank_cannot_load_stops_every_rank_with_its_line(conversation
             "'/no/such/problems.jsonl'")
     assert [[e for e in r.stderr.splitlines() if e.startswith("error:")] for r in done] == [[f"error: rank 1: {line}"],
                                                                                             [f"error: {line}"]]
+    # a task file that differs between the nodes: each rank scored its share of its own held-out problems, silently
+    (tmp_path / "u.py").write_text("import os\nimport tasks\nclass T:\n    def examples(self, split):\n"
+                                   "        return tasks.Addition().examples(split)[::1 if os.environ['RANK'] == '0' "
+                                   "else -1]\n    def check(self, reply, answer):\n        return True\n")
+    done = run_nodes([["sft.py", *flags(conversations, tmp_path / "u", "--max-steps=1", f"--task={tmp_path}/u.py:T")]]
+                     * 2)
+    assert [[e for e in r.stderr.splitlines() if e.startswith("error:")] for r in done] == [
+        ["error: rank 1's --task data differs from rank 0's: every node must hold the same --task data"]] * 2
