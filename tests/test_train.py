@@ -2079,22 +2079,20 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
         # the restored AdamW moments) follow the 2-rank run. ZeRO-1 splits its consolidated state anew for its one
         # rank (a group of this process alone); DDP's and FSDP's state seeds a plain single-process AdamW
         (out / "ckpt_000008.pt").unlink()
-        with one_rank_group(parallel == "zero1"):
+        with one_rank_group() if parallel == "zero1" else contextlib.nullcontext():
             train.main(tiny_args(token_data, out, *common, f"--parallel={parallel}", "--resume=auto"))
         again = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert len(again) == 8 and again == pytest.approx(losses, abs=1e-5), parallel
 
 
 @contextlib.contextmanager
-def one_rank_group(on: bool = True) -> Iterator[None]:
+def one_rank_group() -> Iterator[None]:
     """A gloo group of this process alone (no torchrun to start): ZeRO-1 resumes its state at one rank in it."""
-    if on:
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
-        if on:
-            torch.distributed.destroy_process_group()
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
