@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import sys
 import time
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -27,7 +28,7 @@ import common
 import engine
 import stage
 import tasks
-from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, render_prompt, reply_text
+from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, is_chat, render_prompt, reply_text
 from common import LOCAL, all_sum, get_tokenizer, is_reward_model, load_checkpoint, provenance, run_and_exit
 from engine import Context, Run
 from generate import Rollout, calculator, evaluating, generate
@@ -341,8 +342,7 @@ def rl_loss(model: torch.nn.Module, mb: dict[str, Tensor], cfg: RLConfig, world:
     return {"loss": loss * world, **out}
 
 
-def update(built: Any, objective: Objective, batch: dict[str, Tensor], cfg: RLConfig,
-           world: int) -> dict[str, Tensor]:
+def update(built: Any, objective: Objective, batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor]:
     """--ppo-epochs passes of --minibatches optimizer steps (minibatch k: rows k, k + M, ...): the mean metrics."""
     M, steps, totals = cfg.minibatches, cfg.ppo_epochs * cfg.minibatches, {}
     tokens = all_sum(torch.stack([batch["mask"][k::M].sum() for k in range(M)]), world)
@@ -479,10 +479,12 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
                                                   "was anchored (--beta) to")}
     start = stage.resume(found, checkpointer, raw, built, parts, cfg, ctx) if found else 0
     log = stage.open_log(cfg, raw, checkpointer, found, start, ctx)
-    if ctx.master:
-        rows = cfg.prompts // ctx.world * cfg.samples
-        print(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {ctx.world} "
-              f"ranks) from --init-from {cfg.init_from}")
+    rows = cfg.prompts // ctx.world * cfg.samples
+    log.say(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {ctx.world} "
+            f"ranks) from --init-from {cfg.init_from}")
+    if not found and not is_chat(load_checkpoint(cfg.init_from, mmap=True)):  # a base model: R1-Zero's start, allowed
+        log.say(f"warning: --init-from {cfg.init_from} is not a chat model (sft.py makes one): its replies will not "
+                "follow the chat format at first", file=sys.stderr)
     step_fn = rl_step(cfg, raw, built, ref, reward, rm, parts["sampler"], log, ctx)
     evals = [task_eval(cfg, raw, task, test_problems[:cfg.eval_limit], built.autocast, log, ctx)]
     return Run(cfg=cfg, ctx=ctx, step_fn=step_fn, raw=raw, trainable=built, checkpointer=checkpointer, log=log,

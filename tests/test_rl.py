@@ -175,8 +175,9 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys, hf_di
         "trained to write them; load a policy, or score with it in rl.py --reward-model")
 
 
-def test_grpo_continues_a_ppo_policy_and_a_gpt2_vocabulary_gets_the_chat_rows(models, tmp_path):
-    # a PPO policy's critic was refused as "unexpected weights"; HF GPT-2's 50,257 rows were an IndexError traceback
+def test_grpo_continues_a_ppo_policy_and_a_gpt2_vocabulary_gets_the_chat_rows(models, tmp_path, capsys):
+    # a PPO policy's critic was refused as "unexpected weights"; HF GPT-2's 50,257 rows were an IndexError traceback;
+    # a base model (never SFT'd) started RL silently: allowed (R1-Zero), but warned of, unlike a chat model
     ppo = save_model(tmp_path / "ppo.pt", 3, value_head=True)
     torch.save({**torch.load(ppo), "train_config": {"algo": "ppo"}}, ppo)  # a policy with its critic, as rl.py saves
     gpt2 = save_model(tmp_path / "gpt2.pt", 4, vocab_size=50257)
@@ -185,6 +186,9 @@ def test_grpo_continues_a_ppo_policy_and_a_gpt2_vocabulary_gets_the_chat_rows(mo
                       "--pass-k=0", "--eval-limit=1"))
         saved = load_checkpoint(tmp_path / start.stem / "ckpt_000001.pt")
         assert saved["model_config"]["vocab_size"] == 50304 and "value_head.weight" not in saved["model"]
+        warning = (f"warning: --init-from {start} is not a chat model (sft.py makes one): its replies will not "
+                   "follow the chat format at first")
+        assert (warning in capsys.readouterr().err.splitlines()) == (start == gpt2)
 
 
 def test_the_lr_warms_up_then_decays_linearly_to_zero_at_max_steps():
