@@ -314,7 +314,7 @@ def load_task(spec: str) -> Any:
     if missing := [m for m in ("examples", "check") if not callable(getattr(task, m, None))]:
         raise ValueError(f"--task {spec}: {type(task).__name__} has no {' or '.join(missing)} method; a task gives "
                          "examples(split) and check(reply, answer) (tasks.py's docstring)")
-    return task if isinstance(task, Task) else UserTask(task, spec)  # a Task subclass: MultipleChoice's scoring kept
+    return UserTask(task, spec)
 
 
 def guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -337,6 +337,10 @@ class UserTask:
         self.check = guarded(task.check, f"--task {spec}: check()")
         if callable(getattr(task, "wrong", None)):
             self.wrong = guarded(task.wrong, f"--task {spec}: wrong()")
+
+    @property
+    def __class__(self) -> type:  # isinstance sees the user's class: a MultipleChoice subclass is scored by choose
+        return type(self.task)
 
     def __getattr__(self, name: str) -> Any:  # reward and the user's own attributes
         return getattr(self.task, name)

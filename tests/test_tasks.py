@@ -288,9 +288,38 @@ def test_a_task_whose_methods_fail_is_one_line_naming_it(user_file, tmp_path, na
     with pytest.raises(SystemExit) as e:
         tasks.main(["--eval", str(tmp_path / "chat.pt"), "--tasks", f"{user_file}:{name}"])
     assert e.value.code == f"error: {message}"
-    # a subclass of the project's Task is taken as it is: a MultipleChoice one is still scored by its letters
-    (tmp_path / "mc.py").write_text("import tasks\nclass MC(tasks.MultipleChoice):\n    pass\n")
-    assert isinstance(tasks.load_task(f"{tmp_path / 'mc.py'}:MC"), tasks.MultipleChoice)
+
+
+SUBCLASSES = '''import tasks
+
+
+class Broken(tasks.Task):
+    def examples(self, split):
+        raise KeyError("no such split")
+
+    def check(self, reply, answer):
+        return True
+
+
+class Letters(tasks.MultipleChoice):
+    def examples(self, split):
+        return [self.render(f"Question {k}?", ["w", "x", "y", "z"], answer) for k, answer in enumerate([1, 1, 0, 2])]
+
+    def check(self, reply, answer):  # no reply is right: only choose, by the letters' logits, scores 2 of 4
+        return False
+'''
+
+
+def test_a_users_task_subclass_is_guarded_as_any_and_a_multiple_choice_one_is_still_scored_by_its_letters(tmp_path):
+    # a subclass of the project's Task was taken unguarded: its examples() raising was a traceback
+    (tmp_path / "sub.py").write_text(SUBCLASSES)
+    with pytest.raises(ValueError) as e:
+        tasks.load_task(f"{tmp_path / 'sub.py'}:Broken").examples("test")
+    assert str(e.value) == f"--task {tmp_path / 'sub.py'}:Broken: examples() raised KeyError: 'no such split'"
+    task, model = tasks.load_task(f"{tmp_path / 'sub.py'}:Letters"), chat_bigram()
+    problems = task.examples("test")
+    assert tasks.chat_core(model, {"letters": (task, problems)})["results"]["letters"] == \
+        tasks.choose(model, problems)["acc"] == 0.5
 
 
 @pytest.mark.parametrize("name, message", [
