@@ -373,20 +373,6 @@ def shared_problem(problem: str | None, world: int) -> str | None:
     return problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
 
 
-def agree(mine: Any, rank: int, world: int, describe: Callable[[Any, Any], str | None]) -> str | None:
-    """Rank 0's `mine` goes to every rank, where describe(mine, rank 0's) says how this rank's differs (None: it does
-    not); the first rank's difference comes back, the same on every rank, or None. Collective."""
-    if world == 1:
-        return None
-    import torch.distributed as dist
-
-    box = [mine if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    answers: list[str | None] = [None] * world
-    dist.all_gather_object(answers, describe(mine, box[0]))
-    return next((a for a in answers if a), None)
-
-
 def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = ValueError,
                  catch: tuple[type[Exception], ...] = (ValueError, OSError),
                  reason: Callable[[Exception], str] = str) -> T:
