@@ -50,8 +50,8 @@ def torchao_missing(feature: str) -> str | None:
     return None if importlib.util.find_spec("torchao") else f"{feature} needs torchao: pip install torchao"
 
 
-def import_torchao(feature: str) -> Any:
-    """torchao, imported only by the options that use it; missing, one line naming the pip command."""
+def import_torchao(feature: str) -> None:
+    """Import torchao, only for the options that use it; missing, one line naming the pip command."""
     if problem := torchao_missing(feature):
         raise ImportError(problem)
     with contextlib.ExitStack() as restore:
@@ -59,8 +59,7 @@ def import_torchao(feature: str) -> Any:
             log, keep = logging.getLogger(name), lambda r, p=re.compile(pattern): not p.match(r.getMessage())
             log.addFilter(keep)
             restore.callback(log.removeFilter, keep)
-        import torchao
-    return torchao
+        importlib.import_module("torchao")
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
