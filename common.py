@@ -50,8 +50,8 @@ def torchao_missing(feature: str) -> str | None:
     return None if importlib.util.find_spec("torchao") else f"{feature} needs torchao: pip install torchao"
 
 
-def import_torchao(feature: str) -> Any:
-    """torchao, imported only by the options that use it; missing, one line naming the pip command."""
+def import_torchao(feature: str) -> None:
+    """Import torchao, only for the options that use it; missing, one line naming the pip command."""
     if problem := torchao_missing(feature):
         raise ImportError(problem)
     with contextlib.ExitStack() as restore:
@@ -59,8 +59,7 @@ def import_torchao(feature: str) -> Any:
             log, keep = logging.getLogger(name), lambda r, p=re.compile(pattern): not p.match(r.getMessage())
             log.addFilter(keep)
             restore.callback(log.removeFilter, keep)
-        import torchao
-    return torchao
+        importlib.import_module("torchao")
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -371,20 +370,6 @@ def shared_problem(problem: str | None, world: int) -> str | None:
     problems: list[str | None] = [None] * world
     dist.all_gather_object(problems, problem)
     return problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
-
-
-def agree(mine: Any, rank: int, world: int, describe: Callable[[Any, Any], str | None]) -> str | None:
-    """Rank 0's `mine` goes to every rank, where describe(mine, rank 0's) says how this rank's differs (None: it does
-    not); the first rank's difference comes back, the same on every rank, or None. Collective."""
-    if world == 1:
-        return None
-    import torch.distributed as dist
-
-    box = [mine if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    answers: list[str | None] = [None] * world
-    dist.all_gather_object(answers, describe(mine, box[0]))
-    return next((a for a in answers if a), None)
 
 
 def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = ValueError,

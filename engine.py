@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import LOCAL, agree, checkpoints, device_name, load_checkpoint, mfu, same_verdict, trim_heap, write_error
+from common import LOCAL, checkpoints, device_name, load_checkpoint, mfu, same_verdict, trim_heap, write_error
 from parallel import StepArgs, Trainable, check_flags, flag
 from trackers import RunLog, fmt_time
 
@@ -837,13 +837,16 @@ def weights_digest(model: nn.Module) -> str:
 def agree_fingerprint(fingerprint: dict[str, Any], rank: int, world: int, weights_source: str = "") -> None:
     """Compare this rank's {"command", "data", "weights", ...} with rank 0's, once: the first difference on any rank
     (a collective would hang, or replicas drift apart) stops every rank with one line."""
+    if world == 1:
+        return
     says = {"command": describe_command, "data": describe_data, "weights": describe_weights}
-
-    def differs(mine: dict, first: dict) -> str | None:  # the first key that differs, described
-        return next((says.get(key, describe_other)(key, mine[key], first.get(key), rank, weights_source)
-                     for key in mine if mine[key] != first.get(key)), None)
-
-    if problem := agree(fingerprint, rank, world, differs):
+    first = [fingerprint]  # rank 0's on every rank, once broadcast
+    dist.broadcast_object_list(first, src=0)
+    mine = next((says.get(key, describe_other)(key, fingerprint[key], first[0].get(key), rank, weights_source)
+                 for key in fingerprint if fingerprint[key] != first[0].get(key)), None)  # the first key that differs
+    answers: list[str | None] = [None] * world
+    dist.all_gather_object(answers, mine)
+    if problem := next((a for a in answers if a), None):
         raise ValueError(problem)
 
 

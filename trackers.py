@@ -80,7 +80,6 @@ class WandB:
 
         id_file = out_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.is_file() else secrets.token_hex(4)
-        out_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id + "\n")
         try:
             self.run = wandb.init(project=project, id=run_id, resume="allow", name=out_dir.name,
@@ -200,12 +199,12 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
         records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
     kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
     cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]
+    path.parent.mkdir(parents=True, exist_ok=True)  # for the trackers' files too
     wanted = ((cfg.tensorboard, lambda: TensorBoard(path.parent, first)),
               (cfg.wandb, lambda: WandB(cfg.wandb, path.parent, resume_step)))
     trackers = same_verdict(lambda: [start() for on, start in wanted if on], world)
     # after the trackers start: one that cannot leaves the log as it was; the records cut go aside before the log is
     # cut, so a crash between the two loses nothing
-    path.parent.mkdir(parents=True, exist_ok=True)
     if rewinding and cut:
         write_records(side, cut)
     else:
@@ -215,5 +214,5 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     for tracker in trackers:
         for record in replay:
             tracker.write(record)
-    held = [r for r in cut if r["step"] == resume_step and r["type"] != "train"] if not rewinding else []
+    held = [r for r in cut if not rewinding and r["step"] == resume_step and r["type"] != "train"]
     return RunLog(path, True, cfg.max_steps, cfg.log_every, trackers, held)
