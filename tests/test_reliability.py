@@ -190,8 +190,9 @@ def test_a_cpu_run_does_not_fault_its_logits_in_again_every_step(token_data, tmp
     faults, kb = ((use[13][i] - use[3][i]) / 10 for i in (0, 1))
     print(f"per step: {faults:.0f} page faults, max RSS +{kb:.0f} KB")
     # per step: glibc's defaults fault about 118,000 pages in each; kept, the heap settles within ~100 steps (the
-    # RSS of a 300-step run is that of a 60-step one), and a leak of the 51 MB logits would add 50,000 KB
-    assert faults < 5000 and kb < 20_000, use
+    # RSS of a 300-step run is that of a 60-step one), and a leak of the 51 MB logits would add 50,000 KB; kept, about
+    # 3,200 a step here on an idle machine, 6,300 on a busy one
+    assert faults < 20_000 and kb < 20_000, use
 
 
 HOLES = """
