@@ -35,7 +35,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -479,6 +479,9 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                     yield text, (p, r, g, len(parts))
                 g += 1
     except DataError:
+        if not cfg.streaming and files and len(files) > 1:  # one part: read again streamed, whose parts are the files,
+            for _ in read_documents(replace(cfg, streaming=True), files):  # to name the bad row's file and row in it
+                pass
         raise
     except reading as e:  # one line: where, the root cause, and what to do
         cause: BaseException = e  # datasets wraps a builder's error (raise ... from e), or re-raises it in an except

@@ -1553,6 +1553,22 @@ def test_unreadable_source_is_one_line_naming_the_file(tmp_path, capsys, case):
     assert not (tmp_path / "out").exists()
 
 
+def test_bad_row_is_named_by_its_file_streamed_or_not(tmp_path, monkeypatch):
+    # not streamed, the files are one part: the message named the whole source and the row in all of them
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))  # not streamed: it writes a cache
+    (src := tmp_path / "src").mkdir()
+    write_jsonl(src / "a.jsonl", make_docs(3))
+    (src / "b.jsonl").write_text('{"text": "fine"}\n{"text": null}\n{"text": "fine"}\n')
+    e = re.escape(str(src))
+    for field, line in (("text", rf"^--text-field 'text' of row 2 of {e}/b\.jsonl of --source {e} holds no text "),
+                        ("body", rf"^--text-field 'body' is not in {e}/a\.jsonl of --source {e}; its columns are")):
+        for streaming in (True, False):
+            with pytest.raises(DataError, match=line):
+                write_dataset(cfg_for(src, tmp_path / "out", text_field=field, streaming=streaming))
+
+
 def test_unreadable_source_without_streaming_names_source_and_root_cause(tmp_path, monkeypatch):
     import datasets
 
