@@ -413,7 +413,7 @@ class GPT(nn.Module):
         if not isinstance(ckpt, dict):
             source = f"checkpoint {ckpt}"
             check_finite(source)  # a .diverged file is refused before it is read
-            ckpt = load_checkpoint(ckpt)
+            ckpt = load_checkpoint(ckpt, mmap=True)  # mapped: only the weights are read, once (no optimizer state)
         model = cls(checkpoint_config(ckpt, source, **overrides))
         weights = with_new_head(model, ckpt["model"])
         check_weights(model, weights, source)
