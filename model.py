@@ -24,6 +24,10 @@ from fused_gelu import bias_gelu
 # HF's GPT-2 keeps these matmuls as Conv1D, weight (in, out); ours are nn.Linear, (out, in): transposed both ways
 HF_DIR = "a local HF GPT-2 directory (config.json + model.safetensors)"
 HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# transformers' GPT2Config fills a key config.json leaves out with its default: so does from_pretrained
+HF_GPT2_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
+                        activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                        scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -409,7 +413,7 @@ class GPT(nn.Module):
         if not isinstance(ckpt, dict):
             source = f"checkpoint {ckpt}"
             check_finite(source)  # a .diverged file is refused before it is read
-            ckpt = load_checkpoint(ckpt)
+            ckpt = load_checkpoint(ckpt, mmap=True)  # mapped: only the weights are read, once (no optimizer state)
         model = cls(checkpoint_config(ckpt, source, **overrides))
         weights = with_new_head(model, ckpt["model"])
         check_weights(model, weights, source)
@@ -428,9 +432,9 @@ class GPT(nn.Module):
                                                                        "model.safetensors.index.json"]))
             if not any(path.glob("*.safetensors")):  # an older repo: pytorch_model.bin only (or its shards)
                 path = Path(snapshot_download(name_or_dir, allow_patterns=["pytorch_model*.bin", "*.bin.index.json"]))
-        hf = read_json(path / "config.json")
+        hf = {**HF_GPT2_DEFAULTS, **read_json(path / "config.json")}
         _check_plain_gpt2(hf, path)
-        inner = hf.get("n_inner") if hf.get("n_inner") != 4 * hf["n_embd"] else None  # a pruned MLP's (prune.py)
+        inner = hf["n_inner"] if hf["n_inner"] != 4 * hf["n_embd"] else None  # a pruned MLP's (prune.py)
         shape = dict(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
                      n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True, mlp_hidden=inner)
         config = GPTConfig(**{**shape, **overrides})  # an override (e.g. dropout, fused_gelu) wins
@@ -560,11 +564,11 @@ def _check_plain_gpt2(hf: dict[str, Any], path: Path) -> None:
     if hf.get("model_type") != "gpt2":
         raise ValueError(f"{path} is not a GPT-2 checkpoint (model_type={hf.get('model_type')!r}), the only HF kind "
                          "read here; for a LLaMA model export.py wrote, use the checkpoint it was exported from")
-    # HF's defaults for each key, and the value this model computes with
-    expected = {"activation_function": ("gelu_new", {"gelu_new", "gelu_pytorch_tanh"}),  # both are tanh GELU
-                "layer_norm_epsilon": (1e-5, {1e-5}), "tie_word_embeddings": (True, {True}),
-                "scale_attn_weights": (True, {True}), "scale_attn_by_inverse_layer_idx": (False, {False})}
-    wrong = {k: hf.get(k, default) for k, (default, ok) in expected.items() if hf.get(k, default) not in ok}
+    # the values this model computes with
+    expected = {"activation_function": {"gelu_new", "gelu_pytorch_tanh"},  # both are tanh GELU
+                "layer_norm_epsilon": {1e-5}, "tie_word_embeddings": {True}, "scale_attn_weights": {True},
+                "scale_attn_by_inverse_layer_idx": {False}}
+    wrong = {k: hf[k] for k, ok in expected.items() if hf[k] not in ok}
     if wrong:
         found = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
         raise ValueError(f"{path} is a GPT-2 variant this model does not implement ({found}); only plain GPT-2 "

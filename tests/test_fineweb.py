@@ -184,6 +184,28 @@ def test_two_workers_write_the_same_bytes_as_one(tmp_path):
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True))
 
 
+def test_a_long_text_is_tokenized_in_pieces_to_the_same_tokens(monkeypatch):
+    """One 50 MB document peaked at ~1 GB: tiktoken's list of Python ints for the whole of it, ~40 bytes a token."""
+    import tracemalloc
+
+    words = [*"ab", "'s", "12", "!?", "caf\u00e9", ""]
+    seps = [" ", "\n", "\n\n", " \n", "\n ", "  \n\n", "\t\n", "\u00a0\n", "\x1c\n", "\r\n", "\n\n\n", "\n\t"]
+    text = "".join(w + s for w in words for s in seps) * 3
+    real = fineweb.pieces
+    for size in range(1, 40):  # pieces of 1 to 39 characters or a few more: cuts before nearly every newline
+        monkeypatch.setattr(fineweb, "pieces", functools.partial(real, size=size))
+        assert np.array_equal(fineweb.tokenize(["x", text]), expected_tokens(["x", text]))
+    long = "\n".join(make_docs(3000))  # ~1 MB, 370k tokens, in pieces of ~10k characters
+    monkeypatch.setattr(fineweb, "pieces", functools.partial(real, size=10_000))
+    tracemalloc.start()
+    try:
+        tokens = fineweb.tokenize([long])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(tokens, expected_tokens([long])) and peak < 8 * len(tokens)  # the list took 42 a token
+
+
 def test_chunks_come_back_in_document_order_when_more_are_in_flight_than_the_window():
     """token_stream keeps 4 chunks per worker in flight and must hand back the oldest first. The writer tests read
     too few chunks of 16 documents to fill that window; chunks of one document over 2 workers fill it many times."""
@@ -1551,6 +1573,22 @@ def test_unreadable_source_is_one_line_naming_the_file(tmp_path, capsys, case):
     lines = capsys.readouterr().err.strip().splitlines()  # nothing from datasets' own logging either
     assert len(lines) == 1 and re.fullmatch(f"error: {line}", lines[0]), lines
     assert not (tmp_path / "out").exists()
+
+
+def test_bad_row_is_named_by_its_file_streamed_or_not(tmp_path, monkeypatch):
+    # not streamed, the files are one part: the message named the whole source and the row in all of them
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))  # not streamed: it writes a cache
+    (src := tmp_path / "src").mkdir()
+    write_jsonl(src / "a.jsonl", make_docs(3))
+    (src / "b.jsonl").write_text('{"text": "fine"}\n{"text": null}\n{"text": "fine"}\n')
+    e = re.escape(str(src))
+    for field, line in (("text", rf"^--text-field 'text' of row 2 of {e}/b\.jsonl of --source {e} holds no text "),
+                        ("body", rf"^--text-field 'body' is not in {e}/a\.jsonl of --source {e}; its columns are")):
+        for streaming in (True, False):
+            with pytest.raises(DataError, match=line):
+                write_dataset(cfg_for(src, tmp_path / "out", text_field=field, streaming=streaming))
 
 
 def test_unreadable_source_without_streaming_names_source_and_root_cause(tmp_path, monkeypatch):

@@ -749,6 +749,23 @@ def test_from_pretrained_refuses_another_model_type(tmp_path):
         GPT.from_pretrained(str(tmp_path))
 
 
+def test_from_pretrained_fills_keys_a_config_json_leaves_out_as_transformers_does(tmp_path):
+    """transformers reads a config.json without n_positions (or vocab_size, ...) with GPT2Config's defaults; here
+    it was refused as lacking the key."""
+    transformers, hf = _hf_model(tmp_path, n_positions=1024)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("n_positions", "vocab_size", "n_inner", "activation_function", "tie_word_embeddings"):
+        del config[key]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = GPT.load(None, str(tmp_path)).eval()
+    assert (model.config.block_size, model.config.vocab_size, model.config.mlp_hidden) == (1024, 50257, None)
+    idx = torch.randint(0, 50257, (2, 48))
+    with torch.no_grad():
+        theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()(idx).logits
+        torch.testing.assert_close(model(idx)[0], theirs, atol=1e-5, rtol=1e-5)
+
+
 def test_from_pretrained_overrides_win_and_pytorch_tanh_gelu_loads(tmp_path):
     _, hf = _hf_model(tmp_path, activation_function="gelu_pytorch_tanh")
     hf.save_pretrained(tmp_path)
