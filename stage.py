@@ -193,11 +193,12 @@ def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
 
 def build_model(cfg: StageArgs, found: tuple[Path, dict] | None, ctx: Context, vocab: int = 0) -> GPT:
     """The model on the CPU: the resumed checkpoint's architecture (restore() loads its weights), --init-from's
-    weights, or a fresh init, identical on every rank (the fingerprint checks)."""
+    weights, or a fresh init, identical on every rank (the fingerprint checks). A resume's refusals come first."""
     if found is None:  # the same collectives on every rank, with --init-from or without
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         return first_on_each_node(lambda: load_init(cfg, vocab) if cfg.init_from else GPT(model_config(cfg)),
                                   ctx.local_rank, ctx.world)
+    check_resume(found, cfg)
     src = checkpoint_config(found[1], f"--resume {found[0]}")
     check_architecture(cfg, src, f"--resume {found[0]}")
     check_flags([(cfg.seq_len == src.block_size, f"--seq-len {cfg.seq_len} is not the context of --resume "
@@ -335,8 +336,6 @@ class Setup:
         self.next_batch = self.train_loader.next_batch if self.train_loader is not None else None
         self.checkpointer = Checkpointer(cfg, ctx.rank, ctx.world, self.prov, chat=chat)
         self.found = self.checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
-        if self.found is not None:
-            check_resume(self.found, cfg)
         self.raw = build_model(cfg, self.found, ctx, vocab)
 
     def build(self, fingerprint: dict[str, Any] | None = None, parts: dict[str, Any] | None = None) -> None:
