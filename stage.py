@@ -492,10 +492,8 @@ def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
     keys = ("max_steps", "max_lr", "warmup_steps", "lr_schedule", "min_lr_frac", "decay_frac")
     old = dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved})
     changed = [k for k in keys if getattr(old, k) != getattr(cfg, k)]
-    if cfg.eval_only or not changed:
-        return
-    differs = next((s for s in range(step, max(old.max_steps, cfg.max_steps) + 1) if get_lr(s, old) != get_lr(s, cfg)),
-                   None)
+    steps = range(step, max(old.max_steps, cfg.max_steps) + 1) if changed and not cfg.eval_only else ()
+    differs = next((s for s in steps if get_lr(s, old) != get_lr(s, cfg)), None)
     if differs is not None:
         had = " and ".join(f"--{flag(k)} {getattr(old, k)}" for k in changed)
         has = " and ".join(str(getattr(cfg, k)) for k in changed)
