@@ -381,9 +381,9 @@ def command(cfg: StageArgs) -> dict[str, str]:
     return {**engine.command_of(cfg), **{k: repr(v) for k, v in resolved.items() if k != "block_size"}}
 
 
-def digest(obj: Any) -> str | None:
+def digest(obj: Any) -> str:
     """A digest of JSON-able data (HellaSwag's examples) for the fingerprint."""
-    return None if obj is None else hashlib.sha1(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 def use_compile(cfg: RunArgs, device: torch.device) -> bool:
