@@ -473,8 +473,7 @@ def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.M
            parts: dict[str, Any], cfg: RunArgs, ctx: Context) -> int:
     """Restore the checkpoint found into the built run on every rank (or stop all of them); returns its step."""
     path, ckpt = found
-    step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, parts), ctx.world, ValueError,
-                        (DataError, ValueError))
+    step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, parts), ctx.world, catch=(ValueError,))
     if ctx.master:
         print(f"resumed from {path} at step {step}")
         if (loader := parts.get("loader")) is not None and (note := loader.resume_note(ckpt["loader"])):
