@@ -348,7 +348,7 @@ class Setup:
             engine.agree_fingerprint({"command": command(cfg), "data": engine.shards_of(loaders), **(fingerprint or {}),
                                       "weights": engine.weights_digest(self.raw) if self.found is None else None},
                                      ctx.rank, ctx.world, source)  # a resume's weights: Checkpointer.find's
-        self.cfg, self.grad_accum, use_compile = check_run(cfg, ctx, self.raw.config)
+        self.cfg, self.grad_accum, use_compile = check_run(cfg, ctx, self.raw.config, self.data.world)
         self.raw = self.raw.to(ctx.device)
         for loader in loaders:
             loader.check_vocab(self.raw.config.vocab_size)
@@ -392,10 +392,9 @@ def use_compile(cfg: RunArgs, device: torch.device) -> bool:
     return cfg.compile if cfg.compile is not None else device.type == "cuda" and not (cfg.eval_only or cfg.tp or cfg.pp)
 
 
-def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig) -> tuple[StageArgs, int, bool]:
-    """Refuse what cannot run: (cfg, gradient accumulation steps, whether to compile)."""
+def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[StageArgs, int, bool]:
+    """Refuse what cannot run on `dp` data-parallel ranks: (cfg, gradient accumulation steps, whether to compile)."""
     B, T, world, device = cfg.batch_size, cfg.seq_len, ctx.world, ctx.device
-    dp = data_rank(cfg, ctx.rank, world)[1]  # the ranks that read other data
     if cfg.eval_only:  # nothing trains, so no total batch to fill
         cfg = dataclasses.replace(cfg, total_batch_size=B * T * dp)
     if cfg.total_batch_size % (B * T * dp):
