@@ -36,7 +36,7 @@ GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must n
 LOCAL = "local"
 EOT = 50256  # <|endoftext|>
 T = TypeVar("T")
-CRCS_CHECKED: set[tuple] = set()  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
+CRCS_CHECKED: dict[tuple, bool] = {}  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
 
 
 # log lines that torchao's import writes on machines its prebuilt CUDA extensions do not load on, and a torch
@@ -539,8 +539,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         raise ValueError(f"{path} is not a PyTorch checkpoint ({what}, not the zip archive torch.save writes); "
                          f"{usage}")
     try:
-        check_crcs(path)
-        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        stored = check_crcs(path)  # a compressed member mapped would be read as garbage weights
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and stored)
     except pickle.UnpicklingError as e:
         raise ValueError(f"refusing to load {path}: it carries a pickled Python object, which could run code. "
                          "Only checkpoints of tensors and plain containers are accepted.") from e
@@ -555,19 +555,20 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     return ckpt
 
 
-def check_crcs(path: Path) -> None:
+def check_crcs(path: Path) -> bool:
     """Read every zip member against its stored CRC-32 (BadZipFile names the one that fails): torch.load does not, so
-    rotted bytes would load as weights. Once per file as it is (a write moves its ctime): GPT.load maps, then loads."""
+    rotted bytes would load as weights. Once per file as it is (a write moves its ctime): GPT.load maps, then loads.
+    Whether every member is stored uncompressed, as torch.save writes them (a repacked file may not be)."""
     st = path.stat()
     identity = (path.resolve(), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    if identity in CRCS_CHECKED or not zipfile.is_zipfile(path):  # not an archive (cut short): torch.load says why
-        return
-    with zipfile.ZipFile(path) as archive:
-        for info in archive.infolist():
-            with archive.open(info) as member:
-                while member.read(1 << 24):
-                    pass
-    CRCS_CHECKED.add(identity)
+    if identity not in CRCS_CHECKED and zipfile.is_zipfile(path):  # not an archive (cut short): torch.load says why
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as member:
+                    while member.read(1 << 24):
+                        pass
+            CRCS_CHECKED[identity] = all(info.compress_type == zipfile.ZIP_STORED for info in archive.infolist())
+    return CRCS_CHECKED.get(identity, True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
