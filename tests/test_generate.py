@@ -59,7 +59,7 @@ def test_padded_rows_get_the_logits_of_each_prompt_alone(model):
 
 def test_greedy_rows_equal_each_prompt_alone_and_stop_at_a_stop_id(model):
     expected = [alone(model, p, 16, temperature=0.0) for p in PROMPTS]
-    assert len({t for e in expected for t in e}) > 2  # the model does not emit one token everywhere (the count: 5 or 6,
+    assert len({t for e in expected for t in e}) > 4  # the model does not emit one token everywhere (the count: 5 or 6,
     # by the machine's float32 kernels)
     out = generate(model, PROMPTS, 16, temperature=0.0)
     assert [r.tokens for r in out] == expected

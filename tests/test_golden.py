@@ -32,7 +32,7 @@ def golden() -> dict:
 
 
 def kernels() -> str:
-    """This machine's float32 kernels, named by the bits of one AdamW step of a one-block transformer at the tiny
+    """This machine's float32 kernels, named by the bits of one AdamW step of a one-block transformer near the tiny
     preset's shapes, in plain torch on one thread: not this project's code, which the golden run is there to check."""
     threads, generator = torch.get_num_threads(), torch.Generator().manual_seed(0)
     V, B, T, C = 50257, 4, 64, 64
