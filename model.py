@@ -490,8 +490,12 @@ class GPT(nn.Module):
         if path.is_file():
             raise ValueError(f"--init-from {init_from} is a file; for a checkpoint train.py wrote, use --ckpt "
                              f"{init_from}")
-        if path.is_dir():
-            return cls._from_hf_dir(path, init_from)
+        if path.is_dir():  # from_pretrained's errors name what is wrong with its files, except a missing config.json
+            if not (path / "config.json").is_file():
+                found = checkpoints(path)
+                hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
+                raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {HF_DIR}{hint}")
+            return cls.from_pretrained(str(path))
         # a hub id is `name` or `org/name` of word characters, '-' and '.', neither first nor last, and no .pt: anything
         # else (./x, ../x, /abs/x, a/b/c, run/ckpt.pt) was meant as a local path
         part = r"\w(?:[\w.-]*\w)?"
@@ -504,19 +508,6 @@ class GPT(nn.Module):
             reason = (str(e).splitlines() or [e.__class__.__name__])[0]
             raise OSError(f"could not get {init_from!r} from the HF hub ({reason}), and there is no local "
                           f"directory of that name; offline, pass --init-from {HF_DIR}") from e
-
-    @classmethod
-    def _from_hf_dir(cls, path: Path, init_from: str) -> GPT:
-        """A local HF directory: from_pretrained's errors name what is wrong with its files, except these."""
-        config_json = path / "config.json"
-        if not config_json.is_file():
-            found = checkpoints(path)
-            hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
-            raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {HF_DIR}{hint}")
-        try:
-            return cls.from_pretrained(str(path))
-        except KeyError as e:
-            raise ValueError(f"{config_json} lacks the key {e}, so it is not a GPT-2 config.json") from e
 
 
 def with_new_head(model: GPT, weights: dict[str, Any]) -> dict[str, Any]:
