@@ -446,9 +446,8 @@ class GPT(nn.Module):
                              "this model (one matrix embeds and un-embeds) does not implement")
         model = cls(config)
         with torch.no_grad():
-            for key, p in model.state_dict().items():
-                if key == "lm_head.weight" or key.startswith("value_head."):
-                    continue  # tied to wte; a new head keeps its init
+            # the transformer's weights: lm_head is wte, and a new value head keeps its init
+            for key, p in model.transformer.state_dict(prefix="transformer.").items():
                 src = sd_hf.get(key.removeprefix("transformer."))
                 if src is None:
                     raise ValueError(f"{path} lacks weight {key}")
