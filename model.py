@@ -64,10 +64,7 @@ class GPTConfig:
     mlp_hidden: int | None = None  # the MLP's hidden width (SwiGLU: of each of its two halves)
 
     def __post_init__(self) -> None:
-        self._check_types()  # first: a string or float that slipped past a caller would fail deep inside nn.Linear
-        self._check_values()
-
-    def _check_types(self) -> None:
+        # types first: a string or float that slipped past a caller would fail deep inside nn.Linear
         ints = {"block_size": 1, "vocab_size": 1, "n_layer": 1, "n_head": 1, "n_embd": 1, "n_kv_head": 1,
                 "loss_chunk": 0, "head_size": 1, "mlp_hidden": 1}  # the lowest value each takes
         optional = {"n_kv_head": " or None (= n_head)", "head_size": " or None", "mlp_hidden": " or None"}
@@ -78,8 +75,6 @@ class GPTConfig:
         for name in ("bias", "fused_gelu", "fused_ce", "half_residual", "value_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
-
-    def _check_values(self) -> None:
         choices = {"mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"), "norm": ("layernorm", "rmsnorm")}
         checks = [(self.n_embd % self.n_head == 0 or self.head_size is not None,
                    f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
@@ -100,7 +95,7 @@ class GPTConfig:
     @property
     def kv_heads(self) -> int:
         """n_kv_head, or n_head when None: not stored, so replace(config, n_head=...) keeps a plain config plain."""
-        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+        return self.n_kv_head or self.n_head
 
     @property
     def head_dim(self) -> int:
