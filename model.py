@@ -295,7 +295,11 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight  # weight tying: one matrix embeds and un-embeds
         if config.value_head:
             self.value_head = nn.Linear(config.n_embd, 1)
-        self.apply(self._init_weights)
+        for module in self.modules():  # GPT-2's init: N(0, 0.02) weights, zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         if config.value_head:  # zero: every value starts at 0, a reward model's loss at ln 2
             nn.init.zeros_(self.value_head.weight)
         # residual projections add into the stream once per attn and once per MLP: scale so the stream's
@@ -313,12 +317,6 @@ class GPT(nn.Module):
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
         return self
 
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
                 cache: KVCache | None = None, last_only: bool = False, return_logits: bool = True, values: bool = False,
                 at: torch.Tensor | None = None,
@@ -330,8 +328,8 @@ class GPT(nn.Module):
         logits (N, V) and values (N,), for RL's and DPO's N scored tokens (the head is most of a small model's work).
         per_token=True returns (None, each target's fp32 loss (B, T), 0 where it is -1): validation's loss and bpb."""
         B, T = idx.size()
-        start, pad = (cache.pos, cache.pad) if cache is not None else (0, None)
-        length = start + T - (cache.least if cache is not None else 0)  # the longest row's, its pad left out
+        start, pad, least = (cache.pos, cache.pad, cache.least) if cache is not None else (0, None, 0)
+        length = start + T - least  # the longest row's, its pad left out
         if length > self.config.block_size:
             raise ValueError(f"sequence of length {length} exceeds block_size {self.config.block_size}")
         x = self.transformer.wte(idx)  # (B, T, C)
@@ -344,10 +342,9 @@ class GPT(nn.Module):
         else:  # (1, T, hs/2), or a ragged batch's (B, 1, T, hs/2): each row's angles, shared by its heads
             rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
         x = self.transformer.drop(x)
-        device = idx.device.type
-        if self.config.half_residual and torch.is_autocast_enabled(device):
+        if self.config.half_residual and torch.is_autocast_enabled(idx.device.type):
             # the blocks' outputs are then 16-bit too (their last ops are autocast matmuls), so the stream stays so
-            x = x.to(torch.get_autocast_dtype(device))
+            x = x.to(torch.get_autocast_dtype(idx.device.type))
         for block in self.transformer.h:
             x = block(x, rope, cache)
         if cache is not None:
