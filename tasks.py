@@ -254,11 +254,6 @@ def chat_core(model: Any, named: dict[str, tuple[Any, list[dict]]], rank: int = 
             "chatcore": sum(centered_results.values()) / len(centered_results)}
 
 
-def nanochat_order(problems: list[dict], limit: int = 0) -> list[dict]:
-    """The first `limit` problems (0: all) in nanochat's order: its datasets shuffle with seed 42."""
-    return [problems[i] for i in np.random.default_rng(42).permutation(len(problems))[:limit or None]]
-
-
 TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": lambda: ARC("ARC-Challenge"),
          "mmlu": MMLU, "addition": Addition}
 
@@ -446,7 +441,9 @@ def named_tasks(specs: str, split: str, limit: int = 0) -> dict[str, tuple[Any, 
     named = {}
     for label, (name, source) in task_list(specs).items():
         task = load_task(name)
-        named[label] = (task, nanochat_order(task.examples(split, source) if source else task.examples(split), limit))
+        problems = task.examples(split, source) if source else task.examples(split)
+        order = np.random.default_rng(42).permutation(len(problems))[:limit or None]  # nanochat's datasets' shuffle
+        named[label] = (task, [problems[i] for i in order])
     return named
 
 
