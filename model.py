@@ -580,7 +580,7 @@ def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
             return load(path / name)
         index = path / f"{name}.index.json"
         if index.exists():
-            shards = sorted(set(read_json(index)["weight_map"].values()))
+            shards = sorted(set(read_json(index).get("weight_map", {}).values()))  # none: from_pretrained names one
             missing = [f for f in shards if not (path / f).exists()]
             if missing:
                 raise FileNotFoundError(f"{index} lists {len(shards)} shards, but {len(missing)} are missing from "
