@@ -64,10 +64,7 @@ class GPTConfig:
     mlp_hidden: int | None = None  # the MLP's hidden width (SwiGLU: of each of its two halves)
 
     def __post_init__(self) -> None:
-        self._check_types()  # first: a string or float that slipped past a caller would fail deep inside nn.Linear
-        self._check_values()
-
-    def _check_types(self) -> None:
+        # types first: a string or float that slipped past a caller would fail deep inside nn.Linear
         ints = {"block_size": 1, "vocab_size": 1, "n_layer": 1, "n_head": 1, "n_embd": 1, "n_kv_head": 1,
                 "loss_chunk": 0, "head_size": 1, "mlp_hidden": 1}  # the lowest value each takes
         optional = {"n_kv_head": " or None (= n_head)", "head_size": " or None", "mlp_hidden": " or None"}
@@ -78,8 +75,6 @@ class GPTConfig:
         for name in ("bias", "fused_gelu", "fused_ce", "half_residual", "value_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
-
-    def _check_values(self) -> None:
         choices = {"mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"), "norm": ("layernorm", "rmsnorm")}
         checks = [(self.n_embd % self.n_head == 0 or self.head_size is not None,
                    f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
@@ -100,7 +95,7 @@ class GPTConfig:
     @property
     def kv_heads(self) -> int:
         """n_kv_head, or n_head when None: not stored, so replace(config, n_head=...) keeps a plain config plain."""
-        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+        return self.n_kv_head or self.n_head
 
     @property
     def head_dim(self) -> int:
@@ -300,7 +295,11 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight  # weight tying: one matrix embeds and un-embeds
         if config.value_head:
             self.value_head = nn.Linear(config.n_embd, 1)
-        self.apply(self._init_weights)
+        for module in self.modules():  # GPT-2's init: N(0, 0.02) weights, zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         if config.value_head:  # zero: every value starts at 0, a reward model's loss at ln 2
             nn.init.zeros_(self.value_head.weight)
         # residual projections add into the stream once per attn and once per MLP: scale so the stream's
@@ -318,12 +317,6 @@ class GPT(nn.Module):
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
         return self
 
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
                 cache: KVCache | None = None, last_only: bool = False, return_logits: bool = True, values: bool = False,
                 at: torch.Tensor | None = None,
@@ -335,8 +328,8 @@ class GPT(nn.Module):
         logits (N, V) and values (N,), for RL's and DPO's N scored tokens (the head is most of a small model's work).
         per_token=True returns (None, each target's fp32 loss (B, T), 0 where it is -1): validation's loss and bpb."""
         B, T = idx.size()
-        start, pad = (cache.pos, cache.pad) if cache is not None else (0, None)
-        length = start + T - (cache.least if cache is not None else 0)  # the longest row's, its pad left out
+        start, pad, least = (cache.pos, cache.pad, cache.least) if cache is not None else (0, None, 0)
+        length = start + T - least  # the longest row's, its pad left out
         if length > self.config.block_size:
             raise ValueError(f"sequence of length {length} exceeds block_size {self.config.block_size}")
         x = self.transformer.wte(idx)  # (B, T, C)
@@ -349,10 +342,9 @@ class GPT(nn.Module):
         else:  # (1, T, hs/2), or a ragged batch's (B, 1, T, hs/2): each row's angles, shared by its heads
             rope = (self.rope_cos[pos].unsqueeze(-3), self.rope_sin[pos].unsqueeze(-3))
         x = self.transformer.drop(x)
-        device = idx.device.type
-        if self.config.half_residual and torch.is_autocast_enabled(device):
+        if self.config.half_residual and torch.is_autocast_enabled(idx.device.type):
             # the blocks' outputs are then 16-bit too (their last ops are autocast matmuls), so the stream stays so
-            x = x.to(torch.get_autocast_dtype(device))
+            x = x.to(torch.get_autocast_dtype(idx.device.type))
         for block in self.transformer.h:
             x = block(x, rope, cache)
         if cache is not None:
@@ -446,9 +438,8 @@ class GPT(nn.Module):
                              "this model (one matrix embeds and un-embeds) does not implement")
         model = cls(config)
         with torch.no_grad():
-            for key, p in model.state_dict().items():
-                if key == "lm_head.weight" or key.startswith("value_head."):
-                    continue  # tied to wte; a new head keeps its init
+            # the transformer's weights: lm_head is wte, and a new value head keeps its init
+            for key, p in model.transformer.state_dict(prefix="transformer.").items():
                 src = sd_hf.get(key.removeprefix("transformer."))
                 if src is None:
                     raise ValueError(f"{path} lacks weight {key}")
@@ -490,8 +481,12 @@ class GPT(nn.Module):
         if path.is_file():
             raise ValueError(f"--init-from {init_from} is a file; for a checkpoint train.py wrote, use --ckpt "
                              f"{init_from}")
-        if path.is_dir():
-            return cls._from_hf_dir(path, init_from)
+        if path.is_dir():  # from_pretrained's errors name what is wrong with its files, except a missing config.json
+            if not (path / "config.json").is_file():
+                found = checkpoints(path)
+                hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
+                raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {HF_DIR}{hint}")
+            return cls.from_pretrained(str(path))
         # a hub id is `name` or `org/name` of word characters, '-' and '.', neither first nor last, and no .pt: anything
         # else (./x, ../x, /abs/x, a/b/c, run/ckpt.pt) was meant as a local path
         part = r"\w(?:[\w.-]*\w)?"
@@ -504,19 +499,6 @@ class GPT(nn.Module):
             reason = (str(e).splitlines() or [e.__class__.__name__])[0]
             raise OSError(f"could not get {init_from!r} from the HF hub ({reason}), and there is no local "
                           f"directory of that name; offline, pass --init-from {HF_DIR}") from e
-
-    @classmethod
-    def _from_hf_dir(cls, path: Path, init_from: str) -> GPT:
-        """A local HF directory: from_pretrained's errors name what is wrong with its files, except these."""
-        config_json = path / "config.json"
-        if not config_json.is_file():
-            found = checkpoints(path)
-            hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
-            raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {HF_DIR}{hint}")
-        try:
-            return cls.from_pretrained(str(path))
-        except KeyError as e:
-            raise ValueError(f"{config_json} lacks the key {e}, so it is not a GPT-2 config.json") from e
 
 
 def with_new_head(model: GPT, weights: dict[str, Any]) -> dict[str, Any]:
@@ -598,7 +580,7 @@ def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
             return load(path / name)
         index = path / f"{name}.index.json"
         if index.exists():
-            shards = sorted(set(read_json(index)["weight_map"].values()))
+            shards = sorted(set(read_json(index).get("weight_map", {}).values()))  # none: from_pretrained names one
             missing = [f for f in shards if not (path / f).exists()]
             if missing:
                 raise FileNotFoundError(f"{index} lists {len(shards)} shards, but {len(missing)} are missing from "

@@ -148,18 +148,15 @@ class Addition(Task):
     def __init__(self, digits: int = 2):
         self.digits = digits
 
-    @staticmethod
-    def split_of(a: int, b: int) -> str:
-        """test for a tenth of the pairs, by a hash of the unordered pair: a + b and b + a share a split."""
-        return "test" if zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0 else "train"
-
     def examples(self, split: str, source: str = "", n: int = 0) -> list[dict]:
         """Up to n (0: all) distinct problems of the split, in a seeded order."""
         if split not in self.splits or source:
             raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}"
                              + f" and {source}" * bool(source))
         numbers = range(10 ** (self.digits - 1), 10 ** self.digits)
-        pairs = [(a, b) for a in numbers for b in numbers if self.split_of(a, b) == split]
+        # a tenth of the pairs are test, by a hash of the unordered pair: a + b and b + a share a split
+        in_test = lambda a, b: zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0
+        pairs = [(a, b) for a in numbers for b in numbers if in_test(a, b) == (split == "test")]
         random.Random(0).shuffle(pairs)
         spaced = lambda k: " ".join(str(k))
         return [conversation(f"What is {spaced(a)} + {spaced(b)}?", spaced(a + b), str(a + b))
@@ -255,11 +252,6 @@ def chat_core(model: Any, named: dict[str, tuple[Any, list[dict]]], rank: int = 
     centered_results = {name: centered(acc, getattr(named[name][0], "baseline", 0.0)) for name, acc in results.items()}
     return {"results": results, "centered_results": centered_results,
             "chatcore": sum(centered_results.values()) / len(centered_results)}
-
-
-def nanochat_order(problems: list[dict], limit: int = 0) -> list[dict]:
-    """The first `limit` problems (0: all) in nanochat's order: its datasets shuffle with seed 42."""
-    return [problems[i] for i in np.random.default_rng(42).permutation(len(problems))[:limit or None]]
 
 
 TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": lambda: ARC("ARC-Challenge"),
@@ -449,7 +441,9 @@ def named_tasks(specs: str, split: str, limit: int = 0) -> dict[str, tuple[Any, 
     named = {}
     for label, (name, source) in task_list(specs).items():
         task = load_task(name)
-        named[label] = (task, nanochat_order(task.examples(split, source) if source else task.examples(split), limit))
+        problems = task.examples(split, source) if source else task.examples(split)
+        order = np.random.default_rng(42).permutation(len(problems))[:limit or None]  # nanochat's datasets' shuffle
+        named[label] = (task, [problems[i] for i in order])
     return named
 
 
