@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from common import EOT, get_tokenizer, read_json
-from fineweb import DataError, source_kind
+from fineweb import DataError, permutation, source_kind
 
 BOS = EOT
 SYSTEM_START, SYSTEM_END, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = range(50257, 50263)
@@ -312,7 +312,6 @@ class RowStream:
             name, split, B, T, rank, world_size, seed
         self.device, self.shuffle, self.count, self.tokens = torch.device(device), shuffle, count, tokens
         self.num_windows = count // B  # windows of B items per epoch, all ranks together
-        self._perm: tuple[int, np.ndarray] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -325,9 +324,7 @@ class RowStream:
         self.step += 1
         epochs, k = np.divmod(np.arange(first, first + self.B), self.count)
         for epoch in np.unique(epochs) if self.shuffle else ():
-            if self._perm is None or self._perm[0] != epoch:
-                self._perm = (int(epoch), np.random.default_rng((self.seed, int(epoch))).permutation(self.count))
-            k[epochs == epoch] = self._perm[1][k[epochs == epoch]]
+            k[epochs == epoch] = permutation((self.seed, int(epoch)), self.count)[k[epochs == epoch]]
         return k
 
     def state_dict(self) -> dict[str, Any]:

@@ -207,7 +207,7 @@ class TokenLoader:
 
     def shard_order(self, epoch: int) -> np.ndarray:
         """Indices into self.files in the order epoch `epoch` reads them."""
-        return np.arange(len(self.files)) if self.split == "val" else _permutation((self.seed, epoch), len(self.files))
+        return np.arange(len(self.files)) if self.split == "val" else permutation((self.seed, epoch), len(self.files))
 
     def _locate(self, g: int) -> tuple[int, int]:  # (shard index, first token) of global window g of the stream
         epoch, w = divmod(g, self.num_windows)
@@ -217,7 +217,7 @@ class TokenLoader:
         i = int(np.searchsorted(cum, w, side="right"))
         shard, k = int(order[i]), w - int(cum[i] - counts[i])  # the shard's k-th window served this epoch
         if self.shuffle == "windows":  # a stream of its own per (epoch, shard), apart from the shard order's
-            k = int(_permutation((self.seed, epoch, shard + 1), int(self._windows[shard]))[k])
+            k = int(permutation((self.seed, epoch, shard + 1), int(self._windows[shard]))[k])
         return shard, k * self.B * self.T
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -305,8 +305,8 @@ class TokenLoader:
         return epoch * self.num_windows + new_before + within
 
 
-@functools.lru_cache(maxsize=8)  # a shard's windows are drawn once, not at each of its batches
-def _permutation(seed: tuple[int, ...], n: int) -> np.ndarray:
+@functools.lru_cache(maxsize=8)  # drawn once per epoch (and shard), not at each batch (chat_format's loaders too)
+def permutation(seed: tuple[int, ...], n: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(n)
 
 
