@@ -20,7 +20,6 @@ attention, as in pretraining's documents; each starts with BOS.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gzip
 import importlib.util
 import json
@@ -44,7 +43,7 @@ ROLES = {"system": (SYSTEM_START, SYSTEM_END), "user": (USER_START, USER_END),
 PARTS = {"text": (), "tool": (TOOL_START, TOOL_END), "output": (OUTPUT_START, OUTPUT_END)}
 VAL_EVERY = 20  # a single local file holds out every 20th conversation (rows 0, 20, ...) as its val split
 
-tokenizer = functools.cache(get_tokenizer)
+tokenizer = get_tokenizer  # (cached in common) the name chat.py, generate.py and the tests import
 
 
 # ----------------------------------------------------------------------------------------------------------------------
