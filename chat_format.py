@@ -155,8 +155,15 @@ def load_rows(source: str, split: str, config: str | None = None) -> Any:
     elif source_kind(source) == "local":
         raise DataError(f"no such file or directory: {source} (taken as a local path); check the path, or run the "
                         "command that writes it first (e.g. tasks.py)")
-    else:
-        rows = load_hub(source, split, config)
+    else:  # a hub dataset
+        from datasets import load_dataset
+
+        try:
+            rows = load_dataset(source, config, split=split)
+        except Exception as e:  # datasets' own errors (no such split, offline) as one line naming the source
+            why = f"{e.__cause__ or e}".strip().splitlines()[0][:200]
+            raise DataError(f"cannot read {source} (split {split}), taken as a hub dataset as no local path of that "
+                            f"name exists: {why}") from None
     if len(rows) == 0:
         raise DataError(f"{source} (split {split}) holds no rows")
     return rows
@@ -217,18 +224,6 @@ def read_local(path: Path) -> list[dict]:
     if (bad := next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)) is not None:
         raise DataError(f"{path} row {bad}: expected a JSON object, got {type(rows[bad]).__name__}")
     return rows
-
-
-def load_hub(source: str, split: str, config: str | None) -> Any:
-    """A hub dataset's split (a name with no local path of that name), or one DataError line saying so."""
-    from datasets import load_dataset
-
-    try:
-        return load_dataset(source, config, split=split)
-    except Exception as e:  # datasets' own errors (no such split, offline) as one line naming the source
-        why = f"{e.__cause__ or e}".strip().splitlines()[0][:200]
-        raise DataError(f"cannot read {source} (split {split}), taken as a hub dataset as no local path of that name "
-                        f"exists: {why}") from None
 
 
 def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test")) -> Iterable[tuple[int, Any]]:
