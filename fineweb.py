@@ -430,10 +430,10 @@ def source_files(cfg: FinewebConfig) -> list[Path] | None:
     """The files a non-hub source reads, in order (None for a hub dataset); downloads Tiny Shakespeare once."""
     kind = source_kind(cfg.source)
     shakespeare = Path(cfg.shakespeare_path or Path(cfg.cache_dir, "tinyshakespeare.txt")).expanduser()
-    if kind == "shakespeare" and cfg.shakespeare_path and not shakespeare.is_file():
-        raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is not a file; pass the path of a local copy of "
-                        "tinyshakespeare.txt, or leave it out to download it")
     if kind == "shakespeare" and not shakespeare.is_file():
+        if cfg.shakespeare_path:
+            raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is not a file; pass the path of a local copy "
+                            "of tinyshakespeare.txt, or leave it out to download it")
         download(SHAKESPEARE_URL, shakespeare, "Tiny Shakespeare", "pass --shakespeare-path with a local copy")
     files = {"stdlib": stdlib_files, "stdlib-docs": lambda: [stdlib_docstrings(cfg)],
              "shakespeare": lambda: [shakespeare], "local": lambda: local_files(cfg.source, cfg.out_dir)}
