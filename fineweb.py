@@ -344,7 +344,7 @@ class FinewebConfig:
             raise ValueError(f"--val-tokens must be -1 (a default per source) or in [1, 2**31), got {self.val_tokens}")
         if self.workers < 0 or self.max_tokens < 0:
             raise ValueError("--workers and --max-tokens must be >= 0 (0 = all cores / the whole source)")
-        if self.max_tokens and self.val_tokens != -1 and self.max_tokens <= self.val_tokens:
+        if 0 < self.max_tokens <= self.val_tokens:  # never for -1: a short run's default val shard is its first 10%
             raise ValueError(f"--max-tokens {self.max_tokens} leaves no train tokens after the val shard's "
                              f"--val-tokens {self.val_tokens}; raise --max-tokens or lower --val-tokens")
         if source_kind(self.source) == "fineweb":
