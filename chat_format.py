@@ -20,7 +20,6 @@ attention, as in pretraining's documents; each starts with BOS.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gzip
 import importlib.util
 import json
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 
 from common import EOT, get_tokenizer, read_json
-from fineweb import DataError, source_kind
+from fineweb import DataError, permutation, source_kind
 
 BOS = EOT
 SYSTEM_START, SYSTEM_END, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = range(50257, 50263)
@@ -44,7 +43,7 @@ ROLES = {"system": (SYSTEM_START, SYSTEM_END), "user": (USER_START, USER_END),
 PARTS = {"text": (), "tool": (TOOL_START, TOOL_END), "output": (OUTPUT_START, OUTPUT_END)}
 VAL_EVERY = 20  # a single local file holds out every 20th conversation (rows 0, 20, ...) as its val split
 
-tokenizer = functools.cache(get_tokenizer)
+tokenizer = get_tokenizer  # (cached in common) the name chat.py, generate.py and the tests import
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -156,8 +155,15 @@ def load_rows(source: str, split: str, config: str | None = None) -> Any:
     elif source_kind(source) == "local":
         raise DataError(f"no such file or directory: {source} (taken as a local path); check the path, or run the "
                         "command that writes it first (e.g. tasks.py)")
-    else:
-        rows = load_hub(source, split, config)
+    else:  # a hub dataset
+        from datasets import load_dataset
+
+        try:
+            rows = load_dataset(source, config, split=split)
+        except Exception as e:  # datasets' own errors (no such split, offline) as one line naming the source
+            why = f"{e.__cause__ or e}".strip().splitlines()[0][:200]
+            raise DataError(f"cannot read {source} (split {split}), taken as a hub dataset as no local path of that "
+                            f"name exists: {why}") from None
     if len(rows) == 0:
         raise DataError(f"{source} (split {split}) holds no rows")
     return rows
@@ -218,18 +224,6 @@ def read_local(path: Path) -> list[dict]:
     if (bad := next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)) is not None:
         raise DataError(f"{path} row {bad}: expected a JSON object, got {type(rows[bad]).__name__}")
     return rows
-
-
-def load_hub(source: str, split: str, config: str | None) -> Any:
-    """A hub dataset's split (a name with no local path of that name), or one DataError line saying so."""
-    from datasets import load_dataset
-
-    try:
-        return load_dataset(source, config, split=split)
-    except Exception as e:  # datasets' own errors (no such split, offline) as one line naming the source
-        why = f"{e.__cause__ or e}".strip().splitlines()[0][:200]
-        raise DataError(f"cannot read {source} (split {split}), taken as a hub dataset as no local path of that name "
-                        f"exists: {why}") from None
 
 
 def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test")) -> Iterable[tuple[int, Any]]:
@@ -312,7 +306,6 @@ class RowStream:
             name, split, B, T, rank, world_size, seed
         self.device, self.shuffle, self.count, self.tokens = torch.device(device), shuffle, count, tokens
         self.num_windows = count // B  # windows of B items per epoch, all ranks together
-        self._perm: tuple[int, np.ndarray] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -325,9 +318,7 @@ class RowStream:
         self.step += 1
         epochs, k = np.divmod(np.arange(first, first + self.B), self.count)
         for epoch in np.unique(epochs) if self.shuffle else ():
-            if self._perm is None or self._perm[0] != epoch:
-                self._perm = (int(epoch), np.random.default_rng((self.seed, int(epoch))).permutation(self.count))
-            k[epochs == epoch] = self._perm[1][k[epochs == epoch]]
+            k[epochs == epoch] = permutation((self.seed, int(epoch)), self.count)[k[epochs == epoch]]
         return k
 
     def state_dict(self) -> dict[str, Any]:

@@ -207,7 +207,7 @@ class TokenLoader:
 
     def shard_order(self, epoch: int) -> np.ndarray:
         """Indices into self.files in the order epoch `epoch` reads them."""
-        return np.arange(len(self.files)) if self.split == "val" else _permutation((self.seed, epoch), len(self.files))
+        return np.arange(len(self.files)) if self.split == "val" else permutation((self.seed, epoch), len(self.files))
 
     def _locate(self, g: int) -> tuple[int, int]:  # (shard index, first token) of global window g of the stream
         epoch, w = divmod(g, self.num_windows)
@@ -217,7 +217,7 @@ class TokenLoader:
         i = int(np.searchsorted(cum, w, side="right"))
         shard, k = int(order[i]), w - int(cum[i] - counts[i])  # the shard's k-th window served this epoch
         if self.shuffle == "windows":  # a stream of its own per (epoch, shard), apart from the shard order's
-            k = int(_permutation((self.seed, epoch, shard + 1), int(self._windows[shard]))[k])
+            k = int(permutation((self.seed, epoch, shard + 1), int(self._windows[shard]))[k])
         return shard, k * self.B * self.T
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -305,8 +305,8 @@ class TokenLoader:
         return epoch * self.num_windows + new_before + within
 
 
-@functools.lru_cache(maxsize=8)  # a shard's windows are drawn once, not at each of its batches
-def _permutation(seed: tuple[int, ...], n: int) -> np.ndarray:
+@functools.lru_cache(maxsize=8)  # drawn once per epoch (and shard), not at each batch (chat_format's loaders too)
+def permutation(seed: tuple[int, ...], n: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(n)
 
 
@@ -344,7 +344,7 @@ class FinewebConfig:
             raise ValueError(f"--val-tokens must be -1 (a default per source) or in [1, 2**31), got {self.val_tokens}")
         if self.workers < 0 or self.max_tokens < 0:
             raise ValueError("--workers and --max-tokens must be >= 0 (0 = all cores / the whole source)")
-        if self.max_tokens and self.val_tokens != -1 and self.max_tokens <= self.val_tokens:
+        if 0 < self.max_tokens <= self.val_tokens:  # never for -1: a short run's default val shard is its first 10%
             raise ValueError(f"--max-tokens {self.max_tokens} leaves no train tokens after the val shard's "
                              f"--val-tokens {self.val_tokens}; raise --max-tokens or lower --val-tokens")
         if source_kind(self.source) == "fineweb":
@@ -430,10 +430,10 @@ def source_files(cfg: FinewebConfig) -> list[Path] | None:
     """The files a non-hub source reads, in order (None for a hub dataset); downloads Tiny Shakespeare once."""
     kind = source_kind(cfg.source)
     shakespeare = Path(cfg.shakespeare_path or Path(cfg.cache_dir, "tinyshakespeare.txt")).expanduser()
-    if kind == "shakespeare" and cfg.shakespeare_path and not shakespeare.is_file():
-        raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is not a file; pass the path of a local copy of "
-                        "tinyshakespeare.txt, or leave it out to download it")
     if kind == "shakespeare" and not shakespeare.is_file():
+        if cfg.shakespeare_path:
+            raise DataError(f"--shakespeare-path {cfg.shakespeare_path} is not a file; pass the path of a local copy "
+                            "of tinyshakespeare.txt, or leave it out to download it")
         download(SHAKESPEARE_URL, shakespeare, "Tiny Shakespeare", "pass --shakespeare-path with a local copy")
     files = {"stdlib": stdlib_files, "stdlib-docs": lambda: [stdlib_docstrings(cfg)],
              "shakespeare": lambda: [shakespeare], "local": lambda: local_files(cfg.source, cfg.out_dir)}
