@@ -54,7 +54,7 @@ STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests",
 SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
 NAMED_SOURCES = {FINEWEB: "fineweb", "shakespeare": "shakespeare", "stdlib": "stdlib", "stdlib-docs": "stdlib-docs"}
 NO_VAL = "skip the val loss (train.py --eval-every 0)"  # the way out of a val split too short or missing
-CUT = re.compile(r"(?<=\S)\n")  # where tokenize may cut a long text: the pre-tokenizer splits there too
+CUT = re.compile(r"(?<=\S)[\r\n]")  # where tokenize may cut a long text (CRLF too): the pre-tokenizer splits there too
 START = (0, 0, 0, 0, 0)  # a source position: part, row in it, row in the source, parts, tokens of its document written
 
 
@@ -511,7 +511,7 @@ def tokenize(texts: list[str]) -> np.ndarray:
 
 
 def pieces(text: str, size: int = 1 << 20) -> Iterator[str]:
-    """text in pieces of `size` characters or a few more, each cut before a newline that follows a non-space: GPT-2's
+    """text in pieces of `size` characters or a few more, each cut before a \n or \r that follows a non-space: GPT-2's
     pre-tokenizer splits there too, whatever follows, so the pieces' tokens are the text's."""
     start = 0
     while len(text) - start > size and (cut := CUT.search(text, start + size)):

@@ -189,12 +189,13 @@ def test_a_long_text_is_tokenized_in_pieces_to_the_same_tokens(monkeypatch):
     import tracemalloc
 
     words = [*"ab", "'s", "12", "!?", "caf\u00e9", ""]
-    seps = [" ", "\n", "\n\n", " \n", "\n ", "  \n\n", "\t\n", "\u00a0\n", "\x1c\n", "\r\n", "\n\n\n", "\n\t"]
+    seps = [" ", "\n", "\n\n", " \n", "\n ", "  \n\n", "\t\n", "\u00a0\n", "\x1c\n", "\r\n", "\r", "\n\n\n", "\n\t"]
     text = "".join(w + s for w in words for s in seps) * 3
     real = fineweb.pieces
     for size in range(1, 40):  # pieces of 1 to 39 characters or a few more: cuts before nearly every newline
         monkeypatch.setattr(fineweb, "pieces", functools.partial(real, size=size))
         assert np.array_equal(fineweb.tokenize(["x", text]), expected_tokens(["x", text]))
+    assert len(list(real("line\r\n" * 9, size=10))) == 5  # Windows line ends are cut too
     long = "\n".join(make_docs(3000))  # ~1 MB, 370k tokens, in pieces of ~10k characters
     monkeypatch.setattr(fineweb, "pieces", functools.partial(real, size=10_000))
     tracemalloc.start()
