@@ -479,12 +479,12 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                 if text and g >= first:  # an empty text would be a lone EOT
                     yield text, (p, r, g, len(parts))
                 g += 1
-    except DataError:
+    except reading as e:  # one line: where, the root cause, and what to do
         if not cfg.streaming and files and len(files) > 1:  # one part: read again streamed, whose parts are the files,
             for _ in read_documents(replace(cfg, streaming=True), files):  # to name the bad row's file and row in it
                 pass
-        raise
-    except reading as e:  # one line: where, the root cause, and what to do
+        if isinstance(e, DataError):
+            raise
         cause: BaseException = e  # datasets wraps a builder's error (raise ... from e), or re-raises it in an except
         while (inner := cause.__cause__ or (cause.__context__ if isinstance(cause, datasets.exceptions.DatasetsError)
                                             else None)) is not None:

@@ -1590,6 +1590,11 @@ def test_bad_row_is_named_by_its_file_streamed_or_not(tmp_path, monkeypatch):
         for streaming in (True, False):
             with pytest.raises(DataError, match=line):
                 write_dataset(cfg_for(src, tmp_path / "out", text_field=field, streaming=streaming))
+    # a file whose texts are all null: not streamed, Arrow types its column null and cannot cast the next file's
+    (src / "a.jsonl").write_text('{"text": null}\n')
+    for streaming in (True, False):
+        with pytest.raises(DataError, match=rf"^--text-field 'text' of row 1 of {e}/a\.jsonl of --source {e} holds no"):
+            write_dataset(cfg_for(src, tmp_path / "out", streaming=streaming))
 
 
 def test_unreadable_source_without_streaming_names_source_and_root_cause(tmp_path, monkeypatch):
@@ -1597,8 +1602,9 @@ def test_unreadable_source_without_streaming_names_source_and_root_cause(tmp_pat
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))  # not streamed: it writes a cache
     source, _ = bad_sources(tmp_path)["non-UTF-8 txt"]
-    with pytest.raises(DataError, match=rf"^could not read --source {source}: UnicodeDecodeError: 'utf-8' codec "
-                                        r"can't decode byte 0xe9 in position 3"):  # not DatasetGenerationError's
+    # not DatasetGenerationError's, and the file named as a streamed read names it
+    with pytest.raises(DataError, match=rf"^could not read {source}/b\.txt of --source {source}: UnicodeDecodeError: "
+                                        r"'utf-8' codec can't decode byte 0xe9 in position 3"):
         write_dataset(cfg_for(source, tmp_path / "out", streaming=False, val_tokens=10))
 
 
