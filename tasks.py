@@ -148,15 +148,18 @@ class Addition(Task):
     def __init__(self, digits: int = 2):
         self.digits = digits
 
+    @staticmethod
+    def split_of(a: int, b: int) -> str:
+        """test for a tenth of the pairs, by a hash of the unordered pair: a + b and b + a share a split."""
+        return "test" if zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0 else "train"
+
     def examples(self, split: str, source: str = "", n: int = 0) -> list[dict]:
         """Up to n (0: all) distinct problems of the split, in a seeded order."""
         if split not in self.splits or source:
             raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}"
                              + f" and {source}" * bool(source))
         numbers = range(10 ** (self.digits - 1), 10 ** self.digits)
-        # a tenth of the pairs are test, by a hash of the unordered pair: a + b and b + a share a split
-        in_test = lambda a, b: zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0
-        pairs = [(a, b) for a in numbers for b in numbers if in_test(a, b) == (split == "test")]
+        pairs = [(a, b) for a in numbers for b in numbers if self.split_of(a, b) == split]
         random.Random(0).shuffle(pairs)
         spaced = lambda k: " ".join(str(k))
         return [conversation(f"What is {spaced(a)} + {spaced(b)}?", spaced(a + b), str(a + b))
