@@ -580,7 +580,11 @@ def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
             return load(path / name)
         index = path / f"{name}.index.json"
         if index.exists():
-            shards = sorted(set(read_json(index).get("weight_map", {}).values()))  # none: from_pretrained names one
+            listed = read_json(index)
+            if not isinstance(listed, dict) or not isinstance(listed.get("weight_map"), dict):
+                raise ValueError(f"{index} has no weight_map (tensor name -> shard file), as HF writes one: fix or "
+                                 "remove it")
+            shards = sorted(set(listed["weight_map"].values()))
             missing = [f for f in shards if not (path / f).exists()]
             if missing:
                 raise FileNotFoundError(f"{index} lists {len(shards)} shards, but {len(missing)} are missing from "

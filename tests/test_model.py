@@ -645,6 +645,15 @@ def test_from_pretrained_matches_hf_logits(tmp_path, layout):
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("index", [{"metadata": {}}, [1, 2]])
+def test_an_index_json_without_its_weight_map_is_named_in_one_line(tmp_path, index):
+    _, hf = _hf_model(tmp_path)
+    _save_bin(hf, tmp_path, shards=3)
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin\.index\.json has no weight_map \(tensor name -> shard"):
+        GPT.from_pretrained(str(tmp_path))
+
+
 def test_from_pretrained_gets_a_hub_repo_of_pytorch_model_bin_only(tmp_path, monkeypatch):
     """snapshot_download fetched config.json and *.safetensors only: such a repo was refused as lacking its weights."""
     import fnmatch
