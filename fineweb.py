@@ -307,7 +307,9 @@ class TokenLoader:
 
 @functools.lru_cache(maxsize=8)  # drawn once per epoch (and shard), not at each batch (chat_format's loaders too)
 def permutation(seed: tuple[int, ...], n: int) -> np.ndarray:
-    return np.random.default_rng(seed).permutation(n)
+    order = np.random.default_rng(seed).permutation(n)
+    order.setflags(write=False)  # one cached array serves every loader: a write would reorder them all
+    return order
 
 
 # ----------------------------------------------------------------------------------------------------------------------
