@@ -340,6 +340,9 @@ class UserTask:
     def __getattr__(self, name: str) -> Any:  # reward and the user's own attributes
         return getattr(self.task, name)
 
+    def __reduce__(self) -> tuple:  # copy and pickle wrap again: the faked __class__ and __getattr__ defeat theirs
+        return UserTask, (self.task, self.spec)
+
     def examples(self, *args: Any) -> list[dict]:
         what = f"--task {self.spec}: examples({args[0]!r})"
         out = guarded(self.task.examples, f"--task {self.spec}: examples()")(*args)

@@ -1,7 +1,9 @@
 """tasks.py: each checker on right, wrong and reformatted replies; conversions from rows in the hub's schema (read from
 local files through the same datasets call); the synthetic task's disjoint splits and wrong answers; the CLI's files."""
 
+import copy
 import json
+import pickle
 import random
 from dataclasses import asdict
 from pathlib import Path
@@ -320,6 +322,8 @@ def test_a_users_task_subclass_is_guarded_as_any_and_a_multiple_choice_one_is_st
     problems = task.examples("test")
     assert tasks.chat_core(model, {"letters": (task, problems)})["results"]["letters"] == \
         tasks.choose(model, problems)["acc"] == 0.5
+    for twin in (copy.copy(task), copy.deepcopy(task), pickle.loads(pickle.dumps(task))):  # recursed, or refused
+        assert isinstance(twin, tasks.UserTask) and twin.examples("test") == problems
 
 
 @pytest.mark.parametrize("name, message", [
