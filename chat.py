@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from chat_format import CHAT_VOCAB, REPLY_STOPS, TOOL_START, exported_chat, is_chat, parse, render_prompt, tokenizer
-from common import EOT, load_checkpoint, parse_config, resolve_device, user_errors
+from chat_format import CHAT_VOCAB, REPLY_STOPS, TOOL_START, exported_chat, is_chat, parse, render_prompt
+from common import EOT, get_tokenizer, load_checkpoint, parse_config, resolve_device, user_errors
 from generate import calculator, check_sampling, for_decoding, generate_stream
 from model import GPT, GPTConfig
 from parallel import check_flags
@@ -88,7 +88,7 @@ class Chat:
     def reply(self, text: str) -> None:
         """Stream the reply to `text` to stdout, and keep both in the conversation."""
         messages, ids = self.fit([*self.messages, {"role": "user", "content": text}])
-        cfg, enc, reply = self.cfg, tokenizer(), []
+        cfg, enc, reply = self.cfg, get_tokenizer(), []
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a token can end mid-character
         for step in generate_stream(self.model, [ids], cfg.max_new_tokens, cfg.temperature, cfg.top_k,
                                     stop_ids=REPLY_STOPS, vocab=CHAT_VOCAB, calculator=self.tool,

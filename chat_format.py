@@ -43,8 +43,6 @@ ROLES = {"system": (SYSTEM_START, SYSTEM_END), "user": (USER_START, USER_END),
 PARTS = {"text": (), "tool": (TOOL_START, TOOL_END), "output": (OUTPUT_START, OUTPUT_END)}
 VAL_EVERY = 20  # a single local file holds out every 20th conversation (rows 0, 20, ...) as its val split
 
-tokenizer = get_tokenizer  # (cached in common) the name chat.py, generate.py and the tests import
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Render and parse
@@ -83,7 +81,7 @@ def check_messages(messages: Any, last: str) -> None:
 
 
 def _render(messages: list[dict]) -> tuple[list[int], list[int]]:
-    enc, pieces = tokenizer(), [([BOS], 0)]  # (tokens, 1 if the model learns to write them)
+    enc, pieces = get_tokenizer(), [([BOS], 0)]  # (tokens, 1 if the model learns to write them)
     for message in messages:
         (start, end), content = ROLES[message["role"]], message["content"]
         learn = int(message["role"] == "assistant")  # only the assistant's messages, and not its tool outputs
@@ -110,7 +108,7 @@ def render_prompt(messages: list[dict]) -> list[int]:
 def parse(ids: Iterable[int]) -> list[dict]:
     """Sampled reply ids (after <|assistant_start|>) -> its parts as render takes them, up to <|assistant_end|> or any
     other special token that is not a tool marker."""
-    enc, parts, kind, run = tokenizer(), [], "text", []
+    enc, parts, kind, run = get_tokenizer(), [], "text", []
     for t in [*ids, ASSISTANT_END]:
         if t < EOT:
             run.append(t)

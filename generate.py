@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from chat_format import OUTPUT_END, OUTPUT_START, TOOL_END, TOOL_START, tokenizer
-from common import GPT2_VOCAB, parse_config
+from chat_format import OUTPUT_END, OUTPUT_START, TOOL_END, TOOL_START
+from common import GPT2_VOCAB, get_tokenizer, parse_config
 from model import GPT, MODEL_PRESETS, KVCache
 from parallel import check_flags
 
@@ -188,7 +188,7 @@ class Calculator:
 
 def calculator() -> Calculator:
     """The calculator tool on chat_format.py's tool tokens."""
-    return Calculator(TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END, tokenizer())
+    return Calculator(TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END, get_tokenizer())
 
 
 @dataclass

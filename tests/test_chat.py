@@ -16,6 +16,7 @@ import chat
 import chat_format as cf
 import prefs
 import stage
+from common import get_tokenizer
 from conftest import ROOT, TINY
 from export import main as export_main
 from generate import generate
@@ -60,7 +61,7 @@ def test_a_prompt_gets_generate_pys_greedy_reply_streamed(sft, capsys, monkeypat
     messages = run(["--ckpt", str(sft), "--prompt", "3+4?", "--system", "Be brief.", *GREEDY], "", monkeypatch)
     out, err = capsys.readouterr()
     expected = greedy(GPT.from_checkpoint(sft), [system, {"role": "user", "content": "3+4?"}])
-    enc = cf.tokenizer()
+    enc = get_tokenizer()
     assert expected == [cf.TOOL_START, *enc.encode("6*7"), cf.TOOL_END, cf.OUTPUT_START, *enc.encode("42"),
                         cf.OUTPUT_END, *enc.encode(" Hi!"), cf.ASSISTANT_END]
     assert (out, err) == (SHOWN, "")  # a chat checkpoint: no warning

@@ -19,7 +19,7 @@ import export
 import prefs
 import rl
 import tasks
-from common import iter_log, load_checkpoint
+from common import get_tokenizer, iter_log, load_checkpoint
 from conftest import ROOT, TINY, one_line_error
 from fineweb import DataError, source_kind
 from generate import generate
@@ -53,7 +53,7 @@ def test_chat_rows_reach_the_tokenizer_byte_for_byte(tmp_path):
     rendered = sorted(tuple(cf.render(m)[0]) for m in read)
     conversations = sorted(tuple(seq) for seq in split_packed(loader))
     assert conversations == rendered
-    enc = cf.tokenizer()
+    enc = get_tokenizer()
     replies = {enc.decode([t for t in seq if t < cf.BOS]) for seq in conversations}
     assert {f"q1{NUMBER}", f"q4{QUOTED}", f"q2{BOOLEAN}"} <= replies  # row 0 is val
 
@@ -81,7 +81,7 @@ def test_pair_replies_reach_the_tokenizer_as_written(tmp_path):
     rows = [{"prompt": f"p{i}", "chosen": QUOTED, "rejected": NUMBER if i % 2 else BOOLEAN} for i in range(8)]
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     loader = PairLoader(str(path), "train", 2, 32, shuffle=False)
-    enc = cf.tokenizer()
+    enc = get_tokenizer()
     texts = {enc.decode([t for t in side[start:] if t < cf.BOS]) for pair, starts in zip(loader.ids, loader.starts,
                                                                                           strict=True)
              for side, start in zip(pair, starts, strict=True)}

@@ -18,7 +18,7 @@ from test_model import _perturbed, tiny
 
 import chat_format as cf
 import export
-from common import EOT, GPT2_VOCAB
+from common import EOT, GPT2_VOCAB, get_tokenizer
 from conftest import ROOT
 from export import export_hf
 from generate import generate, sample
@@ -116,7 +116,7 @@ def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tm
         (cf.CHAT_VOCAB, cf.ASSISTANT_END, "<|tool_start|><|output_end|>")
     # all 50,304 rows, the chat tokens' logits ours; generate stops at <|assistant_end|>, as generate.py does
     hf, model = transformers.AutoModelForCausalLM.from_pretrained(out).eval(), GPT.from_checkpoint(sft).eval()
-    enc = cf.tokenizer()
+    enc = get_tokenizer()
     ids = torch.tensor([cf.render_prompt([{"role": "user", "content": "3+4?"}]) + [
         cf.TOOL_START, *enc.encode("6*7"), cf.TOOL_END, cf.OUTPUT_START, *enc.encode("42"), cf.OUTPUT_END]])
     with torch.no_grad():
