@@ -112,10 +112,10 @@ def record() -> None:
         runs = {"single": single_process_losses(data, tmp / "single"), "ddp2": ddp_losses(data, tmp / "ddp")}
     old = golden()
     known = old["kernels"] if old["torch"] == torch.__version__ else {}
-    path = torch.backends.cpu.get_cpu_capability()
-    known[kernels()] = {"path": path, **{k: [x.hex() for x in v] for k, v in runs.items()}}
+    path, key = torch.backends.cpu.get_cpu_capability(), kernels()
+    known[key] = {"path": path, **{k: [x.hex() for x in v] for k, v in runs.items()}}
     GOLDEN.write_text(json.dumps({"torch": torch.__version__, "threads": 1, "kernels": known}, indent=1) + "\n")
-    print(f"recorded kernels {kernels()} ({path}) for torch {torch.__version__} in {GOLDEN}")
+    print(f"recorded kernels {key} ({path}) for torch {torch.__version__} in {GOLDEN}")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
