@@ -319,7 +319,7 @@ def test_a_reward_raising_on_one_rank_stops_every_rank_with_its_line(models, tmp
     (tmp_path / "r.py").write_text("import os\ndef r(prompt, reply, answer):\n"
                                    "    if os.environ['RANK'] == '1':\n        raise KeyError('no')\n    return 1.0\n")
     args = flags(models, tmp_path / "out", "--reward-model=", f"--reward={tmp_path}/r.py:r", "--max-steps=2")
-    done = run_nodes([["rl.py", *args]] * 2)  # a torchrun of its own each: one's would end the other rank at once
+    done = run_nodes([["rl.py", *args]] * 2)  # a node each: one torchrun would end the other rank at once
     line = f"--reward {tmp_path}/r.py:r raised KeyError: 'no'"
     assert [[e for e in r.stderr.splitlines() if e.startswith("error:")] for r in done] == [[f"error: rank 1: {line}"],
                                                                                             [f"error: {line}"]]

@@ -175,7 +175,7 @@ def test_a_task_one_rank_cannot_load_stops_every_rank_with_its_line(conversation
         "        if os.environ['RANK'] == '1':\n            open('/no/such/problems.jsonl')\n"
         "        return tasks.Addition().examples(split)\n    def check(self, reply, answer):\n        return True\n")
     args = flags(conversations, tmp_path / "out", "--max-steps=1", f"--task={tmp_path}/t.py:T")
-    done = run_nodes([["sft.py", *args]] * 2)  # a torchrun of its own each: one's would end the other rank at once
+    done = run_nodes([["sft.py", *args]] * 2)  # a node each: one torchrun would end the other rank at once
     line = (f"--task {tmp_path}/t.py:T: examples() raised FileNotFoundError: [Errno 2] No such file or directory: "
             "'/no/such/problems.jsonl'")
     assert [[e for e in r.stderr.splitlines() if e.startswith("error:")] for r in done] == [[f"error: rank 1: {line}"],

@@ -2150,7 +2150,7 @@ def test_muon_and_8bit_adamw_under_ddp_and_zero1_match_single_process(token_data
 
 @pytest.mark.slow
 def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints_differ(token_data, tmp_path):
-    # two torchruns, one rank each, as two nodes: each parses its own command line and reads its own files
+    # two nodes, one rank each: each parses its own command line and reads its own files
     common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=2", "--eval-tokens=512",
               "--total-batch-size=512", "--batch-size=4", "--hellaswag=off"]
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))
