@@ -77,9 +77,6 @@ class Task:
             raise ValueError(f"{self.hub} has splits {', '.join(self.splits)}, not {split!r}")
         return [self.example(row) for row in load_rows(source or self.hub, split, None if source else self.config)]
 
-    def reward(self, prompt: list[dict], reply: str, answer: str) -> float:
-        return float(self.check(reply, answer))
-
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # a trailing period is not part of it
 
