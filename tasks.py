@@ -478,13 +478,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     try:  # every row first: a split that cannot be made leaves nothing written
         task, files = load_task(cfg.task), {}
         for split in ("train", "test"):
-            files[out / f"{split}.jsonl"] = task.examples(split)[:cfg.limit or None]
+            files[out / f"{split}.jsonl"] = task.examples(split)[:cfg.limit or None], "conversations"
             if cfg.pairs:
-                files[pairs / f"{split}.jsonl"] = synthetic_pairs(task, split, cfg.limit, cfg.seed)
-        for path, rows in files.items():
+                files[pairs / f"{split}.jsonl"] = synthetic_pairs(task, split, cfg.limit, cfg.seed), "preference pairs"
+        for path, (rows, what) in files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-            print(f"{path}: {len(rows):,} {cfg.task} {'preference pairs' if path.parent == pairs else 'conversations'}")
+            print(f"{path}: {len(rows):,} {cfg.task} {what}")
     except ValueError as e:  # fineweb.DataError too
         raise SystemExit(f"error: {e}") from None
     except OSError as e:
