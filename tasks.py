@@ -140,8 +140,6 @@ class MMLU(MultipleChoice):
 class Addition(Task):
     """a + b for numbers of `digits` digits (10-99 by default); the sum is spaced too, most significant first."""
 
-    hub = "addition"
-
     def __init__(self, digits: int = 2):
         self.digits = digits
 
