@@ -77,9 +77,6 @@ class Task:
             raise ValueError(f"{self.hub} has splits {', '.join(self.splits)}, not {split!r}")
         return [self.example(row) for row in load_rows(source or self.hub, split, None if source else self.config)]
 
-    def reward(self, prompt: list[dict], reply: str, answer: str) -> float:
-        return float(self.check(reply, answer))
-
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # a trailing period is not part of it
 
@@ -142,8 +139,6 @@ class MMLU(MultipleChoice):
 
 class Addition(Task):
     """a + b for numbers of `digits` digits (10-99 by default); the sum is spaced too, most significant first."""
-
-    hub = "addition"
 
     def __init__(self, digits: int = 2):
         self.digits = digits
@@ -481,13 +476,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     try:  # every row first: a split that cannot be made leaves nothing written
         task, files = load_task(cfg.task), {}
         for split in ("train", "test"):
-            files[out / f"{split}.jsonl"] = task.examples(split)[:cfg.limit or None]
+            files[out / f"{split}.jsonl"] = task.examples(split)[:cfg.limit or None], "conversations"
             if cfg.pairs:
-                files[pairs / f"{split}.jsonl"] = synthetic_pairs(task, split, cfg.limit, cfg.seed)
-        for path, rows in files.items():
+                files[pairs / f"{split}.jsonl"] = synthetic_pairs(task, split, cfg.limit, cfg.seed), "preference pairs"
+        for path, (rows, what) in files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-            print(f"{path}: {len(rows):,} {cfg.task} {'preference pairs' if path.parent == pairs else 'conversations'}")
+            print(f"{path}: {len(rows):,} {cfg.task} {what}")
     except ValueError as e:  # fineweb.DataError too
         raise SystemExit(f"error: {e}") from None
     except OSError as e:

@@ -41,7 +41,7 @@ def datasets_cache(tmp_path, monkeypatch):
 ])
 def test_gsm8k_checker(reply, right):
     assert tasks.GSM8K().check(reply, "1000") is right
-    assert tasks.GSM8K().reward([], reply, "1000") == float(right)
+    assert tasks.task_reward(tasks.GSM8K(), "gsm8k")([], reply, "1000") == float(right)
 
 
 def test_gsm8k_checker_reads_negatives_and_decimals():
@@ -123,10 +123,11 @@ def test_addition_checker(reply, right):
 
 def test_addition_wrong_answers_fail_the_checker():
     add, rng = tasks.Addition(), random.Random(0)
+    reward = tasks.task_reward(add, "addition")
     for example in add.examples("test", n=200):
         wrong = add.wrong(example["answer"], rng)
-        assert add.reward(example["messages"][:1], wrong, example["answer"]) == 0.0
-        assert add.reward(example["messages"][:1], example["messages"][1]["content"], example["answer"]) == 1.0
+        assert reward(example["messages"][:1], wrong, example["answer"]) == 0.0
+        assert reward(example["messages"][:1], example["messages"][1]["content"], example["answer"]) == 1.0
         assert abs(int(wrong.replace(" ", "")) - int(example["answer"])) in (1, 10)
 
 
