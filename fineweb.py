@@ -409,8 +409,7 @@ def stdlib_docstrings(cfg: FinewebConfig) -> Path:
     """stdlib_files()' distinct docstrings as JSON lines, cached: prose a small model learns in minutes, unlike code.
     Each line's runs of whitespace are one space, its indentation gone: runs of bare-space tokens are what a small
     model's top-k samples string into lines of spaces."""
-    version = f"py{sys.version_info[0]}.{sys.version_info[1]}"
-    path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_flat_{version}.jsonl"
+    path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_flat_py{sysconfig.get_python_version()}.jsonl"
     with contextlib.suppress(OSError):  # not there yet
         try:
             [json.loads(line) for line in path.read_text().splitlines()]
