@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import sys
 import sysconfig
 import textwrap
 import time
@@ -43,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import EOT, GPT2_VOCAB, get_tokenizer, hold_lock, parse_config
+from common import EOT, GPT2_VOCAB, get_tokenizer, hold_lock, parse_config, user_errors
 
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's token shard (20240326 is its model-weights file)
 FINEWEB = "HuggingFaceFW/fineweb-edu"
@@ -728,11 +727,8 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(FinewebConfig, argv, doc=__doc__)
-    try:
+    with user_errors(DataError, OSError):  # OSError: the output cannot be written (permissions, a full disk)
         return write_dataset(cfg)
-    except (DataError, OSError) as e:  # OSError: the output cannot be written (permissions, a full disk)
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
