@@ -587,12 +587,13 @@ def resume_point(cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any]
     return (kept, point) if point else (0, START)
 
 
-class ShardWriter:
+class ShardWriter(contextlib.ExitStack):
     """Cuts the token stream into shards after `kept` ones (val, then --shard-size train shards), each recorded with the
     source position after it; holds the lock on --out-dir from its first change there until close()."""
 
     def __init__(self, cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any] | None = None, kept: int = 0,
                  point: Iterable[int] = START):
+        super().__init__()  # what close() lets go: the lock, once taken
         names = [shard_path(cfg, i).name for i in range(kept)]
         self.record = {**key, "done": False, **{k: {n: (record or {}).get(k, {}).get(n) for n in names}
                                                 for k in ("shards", "resume")}}
@@ -603,10 +604,6 @@ class ShardWriter:
         self.point = list(point)  # the last buffered token's document, and its tokens buffered or written
         self.drop = self.point[4]  # the first document's tokens that are on disk already
         self.buf = np.empty(self.val if kept == 0 else cfg.shard_size, dtype=np.uint16)
-
-    def close(self) -> None:
-        if self._lock is not None:
-            self._lock.close()
 
     def write_all(self, stream: Iterable[tuple[np.ndarray, list[Any]]]) -> None:
         """Take every (tokens, positions of their documents) of `stream` up to --max-tokens, and read no further (the
@@ -682,7 +679,7 @@ class ShardWriter:
         """At the first change to --out-dir: take the lock, delete killed runs' temporaries and shards from here on."""
         if self._lock is None:
             cfg, out = self.cfg, Path(self.cfg.out_dir).expanduser()
-            self._lock = _lock_out_dir(cfg)
+            self._lock = self.enter_context(_lock_out_dir(cfg))
             for old in [*out.glob(f".{cfg.prefix}_*.tmp"), *out.glob(f"{cfg.prefix}_*.bin")]:
                 index = re.fullmatch(rf"{re.escape(cfg.prefix)}_(?:val|train)_(\d+)\.bin", old.name)
                 if old.suffix == ".tmp" or (index and int(index[1]) >= self.index):
@@ -712,7 +709,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     if point is None:
         return ShardWriter(cfg, key, record, kept).report(0.0, 0)
     workers = cfg.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    with contextlib.closing(ShardWriter(cfg, key, record, kept, point)) as writer:
+    with ShardWriter(cfg, key, record, kept, point) as writer:
         t0 = time.time()
         with tokenizer_pool(workers) as pool:
             writer.write_all(token_stream(read_documents(cfg, files, point), pool, workers))

@@ -1,7 +1,6 @@
 """fineweb.py: the llm.c shard format, the writer (sources, val rule, resume) and the loader (exactly-once windows
 over ranks, reproducible shuffle, exact resume, preload), and a one-line error for every kind of bad input."""
 
-import contextlib
 import functools
 import io
 import json
@@ -955,8 +954,8 @@ def chunks(docs: list[np.ndarray], first_row: int = 0) -> list[tuple[np.ndarray,
 
 
 def shard_writer(cfg: FinewebConfig, record: dict | None = None, kept: int = 0,
-                 point: tuple = fineweb.START) -> contextlib.closing[fineweb.ShardWriter]:
-    return contextlib.closing(fineweb.ShardWriter(cfg, fineweb.record_key(cfg, None), record, kept, point))
+                 point: tuple = fineweb.START) -> fineweb.ShardWriter:
+    return fineweb.ShardWriter(cfg, fineweb.record_key(cfg, None), record, kept, point)  # closed by its `with`
 
 
 def test_shard_writer_cuts_a_stream_into_a_val_shard_then_train_shards(tmp_path):
