@@ -540,13 +540,13 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
 def token_stream(docs: Iterable[tuple[str, Any]], pool: ProcessPoolExecutor | None, workers: int,
                  chunk: int = 16) -> Iterator[tuple[np.ndarray, list[Any]]]:
     """(tokens, positions) of `docs` (text, position) in order, 4 chunks per worker in flight (Executor.map would
-    queue the whole streamed source)."""
+    queue the whole streamed source); without a pool, one chunk, tokenized here when its turn comes."""
+    defer, window = (lambda *call: pool.submit(*call).result, 4 * workers) if pool else (functools.partial, 1)
     pending, it = [], iter(docs)
     while batch := list(islice(it, chunk)):
         texts = [text for text, _ in batch]
-        pending.append((pool.submit(tokenize, texts).result if pool else functools.partial(tokenize, texts),
-                        [position for _, position in batch]))
-        while len(pending) >= (4 * workers if pool else 1):
+        pending.append((defer(tokenize, texts), [position for _, position in batch]))
+        while len(pending) >= window:
             job, positions = pending.pop(0)
             yield job(), positions
     for job, positions in pending:
