@@ -81,8 +81,7 @@ def atomic_write(path: Path, *chunks: bytes | np.ndarray) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
+            f.writelines(chunks)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
