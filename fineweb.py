@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import sys
 import sysconfig
 import textwrap
 import time
@@ -43,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import EOT, GPT2_VOCAB, get_tokenizer, hold_lock, parse_config
+from common import EOT, GPT2_VOCAB, get_tokenizer, hold_lock, parse_config, user_errors
 
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's token shard (20240326 is its model-weights file)
 FINEWEB = "HuggingFaceFW/fineweb-edu"
@@ -82,8 +81,7 @@ def atomic_write(path: Path, *chunks: bytes | np.ndarray) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
+            f.writelines(chunks)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -409,8 +407,7 @@ def stdlib_docstrings(cfg: FinewebConfig) -> Path:
     """stdlib_files()' distinct docstrings as JSON lines, cached: prose a small model learns in minutes, unlike code.
     Each line's runs of whitespace are one space, its indentation gone: runs of bare-space tokens are what a small
     model's top-k samples string into lines of spaces."""
-    version = f"py{sys.version_info[0]}.{sys.version_info[1]}"
-    path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_flat_{version}.jsonl"
+    path = Path(cfg.cache_dir).expanduser() / f"stdlib_docstrings_flat_py{sysconfig.get_python_version()}.jsonl"
     with contextlib.suppress(OSError):  # not there yet
         try:
             [json.loads(line) for line in path.read_text().splitlines()]
@@ -542,13 +539,13 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
 def token_stream(docs: Iterable[tuple[str, Any]], pool: ProcessPoolExecutor | None, workers: int,
                  chunk: int = 16) -> Iterator[tuple[np.ndarray, list[Any]]]:
     """(tokens, positions) of `docs` (text, position) in order, 4 chunks per worker in flight (Executor.map would
-    queue the whole streamed source)."""
+    queue the whole streamed source); without a pool, one chunk, tokenized here when its turn comes."""
+    defer, window = (lambda *call: pool.submit(*call).result, 4 * workers) if pool else (functools.partial, 1)
     pending, it = [], iter(docs)
     while batch := list(islice(it, chunk)):
         texts = [text for text, _ in batch]
-        pending.append((pool.submit(tokenize, texts).result if pool else functools.partial(tokenize, texts),
-                        [position for _, position in batch]))
-        while len(pending) >= (4 * workers if pool else 1):
+        pending.append((defer(tokenize, texts), [position for _, position in batch]))
+        while len(pending) >= window:
             job, positions = pending.pop(0)
             yield job(), positions
     for job, positions in pending:
@@ -589,12 +586,13 @@ def resume_point(cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any]
     return (kept, point) if point else (0, START)
 
 
-class ShardWriter:
+class ShardWriter(contextlib.ExitStack):
     """Cuts the token stream into shards after `kept` ones (val, then --shard-size train shards), each recorded with the
     source position after it; holds the lock on --out-dir from its first change there until close()."""
 
     def __init__(self, cfg: FinewebConfig, key: dict[str, Any], record: dict[str, Any] | None = None, kept: int = 0,
                  point: Iterable[int] = START):
+        super().__init__()  # what close() lets go: the lock, once taken
         names = [shard_path(cfg, i).name for i in range(kept)]
         self.record = {**key, "done": False, **{k: {n: (record or {}).get(k, {}).get(n) for n in names}
                                                 for k in ("shards", "resume")}}
@@ -605,10 +603,6 @@ class ShardWriter:
         self.point = list(point)  # the last buffered token's document, and its tokens buffered or written
         self.drop = self.point[4]  # the first document's tokens that are on disk already
         self.buf = np.empty(self.val if kept == 0 else cfg.shard_size, dtype=np.uint16)
-
-    def close(self) -> None:
-        if self._lock is not None:
-            self._lock.close()
 
     def write_all(self, stream: Iterable[tuple[np.ndarray, list[Any]]]) -> None:
         """Take every (tokens, positions of their documents) of `stream` up to --max-tokens, and read no further (the
@@ -684,7 +678,7 @@ class ShardWriter:
         """At the first change to --out-dir: take the lock, delete killed runs' temporaries and shards from here on."""
         if self._lock is None:
             cfg, out = self.cfg, Path(self.cfg.out_dir).expanduser()
-            self._lock = _lock_out_dir(cfg)
+            self._lock = self.enter_context(_lock_out_dir(cfg))
             for old in [*out.glob(f".{cfg.prefix}_*.tmp"), *out.glob(f"{cfg.prefix}_*.bin")]:
                 index = re.fullmatch(rf"{re.escape(cfg.prefix)}_(?:val|train)_(\d+)\.bin", old.name)
                 if old.suffix == ".tmp" or (index and int(index[1]) >= self.index):
@@ -714,7 +708,7 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
     if point is None:
         return ShardWriter(cfg, key, record, kept).report(0.0, 0)
     workers = cfg.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    with contextlib.closing(ShardWriter(cfg, key, record, kept, point)) as writer:
+    with ShardWriter(cfg, key, record, kept, point) as writer:
         t0 = time.time()
         with tokenizer_pool(workers) as pool:
             writer.write_all(token_stream(read_documents(cfg, files, point), pool, workers))
@@ -729,11 +723,8 @@ def write_dataset(cfg: FinewebConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(FinewebConfig, argv, doc=__doc__)
-    try:
+    with user_errors(DataError, OSError):  # OSError: the output cannot be written (permissions, a full disk)
         return write_dataset(cfg)
-    except (DataError, OSError) as e:  # OSError: the output cannot be written (permissions, a full disk)
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
