@@ -320,8 +320,7 @@ def select_attention(name: str) -> None:
 
 def adamw_groups(model: nn.Module, weight_decay: float, options: dict, verbose: bool) -> tuple[list, type, dict]:
     """AdamW over configure_optimizers' groups: weight decay on the 2-D tensors only."""
-    adamw = model.configure_optimizers(weight_decay, options["lr"], options["betas"], options["eps"],
-                                       "cuda" if options["fused"] else "cpu", verbose=verbose)
+    adamw = model.configure_optimizers(weight_decay, options["lr"], verbose=verbose)  # only its groups are kept
     return [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups], \
         torch.optim.AdamW, options
 
