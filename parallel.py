@@ -232,8 +232,8 @@ def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_co
 
 
 def precision(dtype: str, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
-    name = dtype if dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                   "auto": torch.bfloat16 if device.type == "cuda" else torch.float32}[dtype]
     return torch_dtype, torch.autocast(device.type, torch_dtype, enabled=torch_dtype != torch.float32)
 
 
