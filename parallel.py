@@ -423,15 +423,14 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, fused: bool = False, momentum: float = 0.95):
-        groups = list(params)
-        for group in groups:  # ZeRO-1 gives every group AdamW's defaults: Muon's take its own (its eps is another one)
+        for group in params:  # ZeRO-1 gives every group AdamW's defaults: Muon's take its own (its eps is another one)
             if group["muon"]:
                 for key in set(group) - {"params", "weight_decay", "muon", "lr"}:
                     del group[key]
-        self.muon = torch.optim.Muon([g for g in groups if g["muon"]], lr=lr, momentum=momentum, nesterov=True,
+        self.muon = torch.optim.Muon([g for g in params if g["muon"]], lr=lr, momentum=momentum, nesterov=True,
                                      adjust_lr_fn="match_rms_adamw")
-        self.adamw = torch.optim.AdamW([g for g in groups if not g["muon"]], lr=lr, betas=betas, eps=eps, fused=fused)
-        super().__init__(groups, {})
+        self.adamw = torch.optim.AdamW([g for g in params if not g["muon"]], lr=lr, betas=betas, eps=eps, fused=fused)
+        super().__init__(params, {})
         self._share()
 
     def _share(self) -> None:
