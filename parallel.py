@@ -93,9 +93,6 @@ def lm_loss(model: nn.Module, batch: tuple, label_smoothing: float = 0.0) -> tor
     return model(x, y, label_smoothing=label_smoothing, return_logits=False)[1]
 
 
-NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # without fp16: each method passes through (optimizer.step)
-
-
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], tuple], grad_accum: int,
                autocast: contextlib.AbstractContextManager, grad_clip: float, label_smoothing: float = 0.0,
                scaler: torch.amp.GradScaler | None = None,
@@ -105,7 +102,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     """Forward/backward grad_accum micro-batches, clip, step. Returns (mean loss, grad norm) as 0-d tensors.
     `objective(model, batch)` is the loss (lm_loss by default). `update(loss, norm)`, when given, decides before the
     optimizer step whether to take it (False drops this step's gradients); the same answer on every rank."""
-    scaler = scaler or NO_SCALER
+    scaler = scaler or torch.amp.GradScaler("cpu", enabled=False)  # without fp16: each method passes through
     if hasattr(model, "forward_backward"):  # --tp/--pp shards (parallelize.Sharded) run their own micro-steps
         loss_accum, norm = model.forward_backward(next_batch, grad_accum, autocast, grad_clip)
     else:
