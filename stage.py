@@ -86,15 +86,15 @@ class StageArgs(RunArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.model not in (None, *MODEL_PRESETS):
-            raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
-        model_config(self)  # the architecture flags make a valid GPTConfig
         lows = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "skip_loss_z": 0,
                 "skip_norm_z": 0}
-        check_flags([*((getattr(self, name) >= low, f"--{flag(name)} must be >= {low}; got {getattr(self, name)}")
+        check_flags([(self.model in (None, *MODEL_PRESETS),
+                      f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}"),
+                     *((getattr(self, name) >= low, f"--{flag(name)} must be >= {low}; got {getattr(self, name)}")
                        for name, low in lows.items()),  # a NaN fails it too
                      (self.peak_tflops is None or 0 < self.peak_tflops < float("inf"),  # else NaN/negative MFU
                       f"--peak-tflops must be a positive number; got {self.peak_tflops}")])
+        model_config(self)  # the architecture flags make a valid GPTConfig
 
 
 @dataclass
