@@ -404,7 +404,7 @@ def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[
                          f"world_size = {B} * {T} * {dp} = {B * T * dp}; pass "
                          f"{f'--batch-size {fits}' if fits else 'another --batch-size'} or another --total-batch-size")
     grad_accum, compiled = cfg.total_batch_size // (B * T * dp), use_compile(cfg, device)
-    problems = [attention_conflict(cfg, device), cfg.optimizer != "adamw" and optimizer_conflict(cfg),
+    problems = [attention_conflict(cfg, device), optimizer_conflict(cfg),
                 compiled and cuda_graph_conflict(cfg, grad_accum, device),
                 device.type == "cuda" and cfg.attention == "efficient" and model.kv_heads != model.n_head and
                 "--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, cudnn or auto"]
@@ -537,7 +537,7 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
          doc: str | None) -> dict[str, Any]:
     """The command line (sys.argv[1:] by default) into run(); a user error is one line on stderr and exit code 1."""
     try:
-        cfg = parse_config(config, sys.argv[1:] if argv is None else argv, presets, doc)
+        cfg = parse_config(config, argv, presets, doc)
     except SystemExit as e:
         # under torchrun, a rank whose flags do not parse (one node's typo) joins the group as the default config would,
         # to hand its reason to the other ranks' first collective: they would wait for it until the timeout
