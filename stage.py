@@ -363,8 +363,7 @@ class Setup:
         self.start = resume(self.found, self.checkpointer, self.raw, self.built, self.parts, cfg, ctx) \
             if self.found else 0
         if ctx.master:
-            print_header(self.cfg, self.raw, self.built, self.start, self.grad_accum, ctx, use_compile,
-                         max((getattr(loader, "sides", 1) for loader in loaders), default=1))
+            print_header(self, use_compile, max((getattr(loader, "sides", 1) for loader in loaders), default=1))
         self.log = open_log(self.cfg, self.raw, self.checkpointer, self.found, self.start, ctx)
 
     def run(self, step_fn: Callable[[int], dict[str, Any]], evals: list[Eval]) -> Run:
@@ -413,16 +412,16 @@ def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[
     return cfg, grad_accum, compiled
 
 
-def print_header(cfg: StageArgs, raw: GPT, built: Trainable, start: int, grad_accum: int, ctx: Context,
-                 compiled: bool, sides: int = 1) -> None:
+def print_header(setup: Setup, compiled: bool, sides: int) -> None:
     """`sides`: the sequences in one of the loader's items (a preference pair's two)."""
-    B, T, mcfg, dp = cfg.batch_size, cfg.seq_len, raw.config, data_rank(cfg, ctx.rank, ctx.world)[1]
+    cfg, raw, built, ctx, accum = setup.cfg, setup.raw, setup.built, setup.ctx, setup.grad_accum
+    B, T, mcfg, dp = cfg.batch_size, cfg.seq_len, raw.config, setup.data.world
     rows = f"{B} x {T}" if sides == 1 else f"{sides} x {B} pairs x {T}"
     if cfg.eval_only:
-        print(f"{raw.num_params():,} params | evaluating at step {start} | {rows} x {dp} ranks | {built.dtype}")
+        print(f"{raw.num_params():,} params | evaluating at step {setup.start} | {rows} x {dp} ranks | {built.dtype}")
         return
-    print(f"{raw.num_params():,} params | {sides * grad_accum * B * T * dp:,} tokens/step = {rows} x {dp} ranks x "
-          f"{grad_accum} accum | {cfg.max_steps} steps | compile {compiled} | "
+    print(f"{raw.num_params():,} params | {sides * accum * B * T * dp:,} tokens/step = {rows} x {dp} ranks x "
+          f"{accum} accum | {cfg.max_steps} steps | compile {compiled} | "
           f"{optimizer_kind(built.optimizer, cfg.parallel)} | {built.dtype}")  # single: no torchrun
     kernel = f"runs the PyTorch reference on {ctx.device.type}: the Triton kernel is CUDA only"
     notes = [(mcfg.fused_gelu and ctx.device.type != "cuda", f"--fused-gelu {kernel}"),
