@@ -93,9 +93,6 @@ def lm_loss(model: nn.Module, batch: tuple, label_smoothing: float = 0.0) -> tor
     return model(x, y, label_smoothing=label_smoothing, return_logits=False)[1]
 
 
-NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)  # without fp16: each method passes through (optimizer.step)
-
-
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], tuple], grad_accum: int,
                autocast: contextlib.AbstractContextManager, grad_clip: float, label_smoothing: float = 0.0,
                scaler: torch.amp.GradScaler | None = None,
@@ -105,7 +102,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     """Forward/backward grad_accum micro-batches, clip, step. Returns (mean loss, grad norm) as 0-d tensors.
     `objective(model, batch)` is the loss (lm_loss by default). `update(loss, norm)`, when given, decides before the
     optimizer step whether to take it (False drops this step's gradients); the same answer on every rank."""
-    scaler = scaler or NO_SCALER
+    scaler = scaler or torch.amp.GradScaler("cpu", enabled=False)  # without fp16: each method passes through
     if hasattr(model, "forward_backward"):  # --tp/--pp shards (parallelize.Sharded) run their own micro-steps
         loss_accum, norm = model.forward_backward(next_batch, grad_accum, autocast, grad_clip)
     else:
@@ -232,8 +229,8 @@ def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_co
 
 
 def precision(dtype: str, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
-    name = dtype if dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                   "auto": torch.bfloat16 if device.type == "cuda" else torch.float32}[dtype]
     return torch_dtype, torch.autocast(device.type, torch_dtype, enabled=torch_dtype != torch.float32)
 
 
@@ -320,8 +317,7 @@ def select_attention(name: str) -> None:
 
 def adamw_groups(model: nn.Module, weight_decay: float, options: dict, verbose: bool) -> tuple[list, type, dict]:
     """AdamW over configure_optimizers' groups: weight decay on the 2-D tensors only."""
-    adamw = model.configure_optimizers(weight_decay, options["lr"], options["betas"], options["eps"],
-                                       "cuda" if options["fused"] else "cpu", verbose=verbose)
+    adamw = model.configure_optimizers(weight_decay, options["lr"], verbose=verbose)  # only its groups are kept
     return [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups], \
         torch.optim.AdamW, options
 
@@ -424,15 +420,14 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, fused: bool = False, momentum: float = 0.95):
-        groups = list(params)
-        for group in groups:  # ZeRO-1 gives every group AdamW's defaults: Muon's take its own (its eps is another one)
+        for group in params:  # ZeRO-1 gives every group AdamW's defaults: Muon's take its own (its eps is another one)
             if group["muon"]:
                 for key in set(group) - {"params", "weight_decay", "muon", "lr"}:
                     del group[key]
-        self.muon = torch.optim.Muon([g for g in groups if g["muon"]], lr=lr, momentum=momentum, nesterov=True,
+        self.muon = torch.optim.Muon([g for g in params if g["muon"]], lr=lr, momentum=momentum, nesterov=True,
                                      adjust_lr_fn="match_rms_adamw")
-        self.adamw = torch.optim.AdamW([g for g in groups if not g["muon"]], lr=lr, betas=betas, eps=eps, fused=fused)
-        super().__init__(groups, {})
+        self.adamw = torch.optim.AdamW([g for g in params if not g["muon"]], lr=lr, betas=betas, eps=eps, fused=fused)
+        super().__init__(params, {})
         self._share()
 
     def _share(self) -> None:

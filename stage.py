@@ -86,15 +86,15 @@ class StageArgs(RunArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.model not in (None, *MODEL_PRESETS):
-            raise ValueError(f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}")
-        model_config(self)  # the architecture flags make a valid GPTConfig
         lows = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "skip_loss_z": 0,
                 "skip_norm_z": 0}
-        check_flags([*((getattr(self, name) >= low, f"--{flag(name)} must be >= {low}; got {getattr(self, name)}")
+        check_flags([(self.model in (None, *MODEL_PRESETS),
+                      f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}"),
+                     *((getattr(self, name) >= low, f"--{flag(name)} must be >= {low}; got {getattr(self, name)}")
                        for name, low in lows.items()),  # a NaN fails it too
                      (self.peak_tflops is None or 0 < self.peak_tflops < float("inf"),  # else NaN/negative MFU
                       f"--peak-tflops must be a positive number; got {self.peak_tflops}")])
+        model_config(self)  # the architecture flags make a valid GPTConfig
 
 
 @dataclass
@@ -363,8 +363,7 @@ class Setup:
         self.start = resume(self.found, self.checkpointer, self.raw, self.built, self.parts, cfg, ctx) \
             if self.found else 0
         if ctx.master:
-            print_header(self.cfg, self.raw, self.built, self.start, self.grad_accum, ctx, use_compile,
-                         max((getattr(loader, "sides", 1) for loader in loaders), default=1))
+            print_header(self, use_compile, max((getattr(loader, "sides", 1) for loader in loaders), default=1))
         self.log = open_log(self.cfg, self.raw, self.checkpointer, self.found, self.start, ctx)
 
     def run(self, step_fn: Callable[[int], dict[str, Any]], evals: list[Eval]) -> Run:
@@ -404,7 +403,7 @@ def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[
                          f"world_size = {B} * {T} * {dp} = {B * T * dp}; pass "
                          f"{f'--batch-size {fits}' if fits else 'another --batch-size'} or another --total-batch-size")
     grad_accum, compiled = cfg.total_batch_size // (B * T * dp), use_compile(cfg, device)
-    problems = [attention_conflict(cfg, device), cfg.optimizer != "adamw" and optimizer_conflict(cfg),
+    problems = [attention_conflict(cfg, device), optimizer_conflict(cfg),
                 compiled and cuda_graph_conflict(cfg, grad_accum, device),
                 device.type == "cuda" and cfg.attention == "efficient" and model.kv_heads != model.n_head and
                 "--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, cudnn or auto"]
@@ -413,16 +412,16 @@ def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[
     return cfg, grad_accum, compiled
 
 
-def print_header(cfg: StageArgs, raw: GPT, built: Trainable, start: int, grad_accum: int, ctx: Context,
-                 compiled: bool, sides: int = 1) -> None:
+def print_header(setup: Setup, compiled: bool, sides: int) -> None:
     """`sides`: the sequences in one of the loader's items (a preference pair's two)."""
-    B, T, mcfg, dp = cfg.batch_size, cfg.seq_len, raw.config, data_rank(cfg, ctx.rank, ctx.world)[1]
+    cfg, raw, built, ctx, accum = setup.cfg, setup.raw, setup.built, setup.ctx, setup.grad_accum
+    B, T, mcfg, dp = cfg.batch_size, cfg.seq_len, raw.config, setup.data.world
     rows = f"{B} x {T}" if sides == 1 else f"{sides} x {B} pairs x {T}"
     if cfg.eval_only:
-        print(f"{raw.num_params():,} params | evaluating at step {start} | {rows} x {dp} ranks | {built.dtype}")
+        print(f"{raw.num_params():,} params | evaluating at step {setup.start} | {rows} x {dp} ranks | {built.dtype}")
         return
-    print(f"{raw.num_params():,} params | {sides * grad_accum * B * T * dp:,} tokens/step = {rows} x {dp} ranks x "
-          f"{grad_accum} accum | {cfg.max_steps} steps | compile {compiled} | "
+    print(f"{raw.num_params():,} params | {sides * accum * B * T * dp:,} tokens/step = {rows} x {dp} ranks x "
+          f"{accum} accum | {cfg.max_steps} steps | compile {compiled} | "
           f"{optimizer_kind(built.optimizer, cfg.parallel)} | {built.dtype}")  # single: no torchrun
     kernel = f"runs the PyTorch reference on {ctx.device.type}: the Triton kernel is CUDA only"
     notes = [(mcfg.fused_gelu and ctx.device.type != "cuda", f"--fused-gelu {kernel}"),
@@ -537,7 +536,7 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
          doc: str | None) -> dict[str, Any]:
     """The command line (sys.argv[1:] by default) into run(); a user error is one line on stderr and exit code 1."""
     try:
-        cfg = parse_config(config, sys.argv[1:] if argv is None else argv, presets, doc)
+        cfg = parse_config(config, argv, presets, doc)
     except SystemExit as e:
         # under torchrun, a rank whose flags do not parse (one node's typo) joins the group as the default config would,
         # to hand its reason to the other ranks' first collective: they would wait for it until the timeout
