@@ -555,8 +555,9 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
     except (DataError, ValueError, FileNotFoundError, IsADirectoryError) as e:  # rl.py --init-from DIR
         message = f"error: {e}"
     except torch.cuda.OutOfMemoryError as e:  # the usual first failure on a new GPU: say what to change
-        at = f"--batch-size {cfg.batch_size}: lower it (gradient accumulation keeps --total-batch-size)" \
-            if isinstance(cfg, StageArgs) else f"--rollout-batch {cfg.rollout_batch}: lower it or raise --minibatches"
+        keeps = "--total-batch-size" if isinstance(cfg, StageArgs) else "the batch: raise --grad-accum"  # prune.py's
+        at = f"--rollout-batch {cfg.rollout_batch}: lower it or raise --minibatches" if hasattr(cfg, "rollout_batch") \
+            else f"--batch-size {cfg.batch_size}: lower it (gradient accumulation keeps {keeps})"
         message = (f"error: out of GPU memory at {at}, or add --recompute mlp (every stage takes it); the README's "
                    "'Micro-batch by GPU memory' has starting points"
                    f"\n(torch: {(str(e) or ' ').splitlines()[0]})")

@@ -319,3 +319,18 @@ def test_a_structured_checkpoint_is_read_by_sample_hellaswag_export_and_train(st
     config = load_checkpoint(tuned["checkpoint"])["model_config"]
     assert (config["n_head"], config["head_size"], config["mlp_hidden"]) == (2, 8, 64)
     capsys.readouterr()
+
+
+def test_out_of_gpu_memory_in_recovery_says_what_to_change(start, token_data, tmp_path, monkeypatch, capsys):
+    # stage.main's message read rl.py's --rollout-batch off any config not a StageArgs: prune.py's got a traceback
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr("stage.train_step", oom)
+    with pytest.raises(SystemExit) as e:
+        run(start, token_data, tmp_path / "out", "--max-steps=1")
+    assert e.value.code == 1
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "error: out of GPU memory at --batch-size 2: lower it (gradient accumulation keeps the batch: raise "
+        "--grad-accum), or add --recompute mlp (every stage takes it); the README's 'Micro-batch by GPU memory' has "
+        "starting points")
