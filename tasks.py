@@ -345,10 +345,11 @@ class UserTask:
             raise ValueError(f"{what} returned a {type(out).__name__}, not a list of rows")
         if not out:  # RL samples from it, evaluations divide by its length
             raise ValueError(f"{what} gave no rows")
+        need = ("messages", "answer", "letters") if isinstance(self.task, MultipleChoice) else ("messages", "answer")
         for i, row in enumerate(out):
             with row_errors(what, i):
-                if not isinstance(row, dict) or "answer" not in row:
-                    raise ValueError(f"expected a dict with 'messages' and 'answer', got {row!r:.60}")
+                if not isinstance(row, dict) or not set(need) <= row.keys():  # "letters": what choose() scores by
+                    raise ValueError(f"expected a dict with {' and '.join(map(repr, need))}, got {row!r:.60}")
                 check_messages(row["messages"], "assistant")
         return out
 
@@ -362,8 +363,9 @@ def checked(fn: Callable[..., Any], name: str) -> Reward:
 
     def reward(prompt: list[dict], reply: str, answer: str) -> float:
         value = call(prompt, reply, answer)
+        value = value.item() if getattr(value, "ndim", None) == 0 else value  # a 0-d tensor or array: its number
         # NaN fails the bound too; rewards are float32 tensors in rl.py: 1e39 would be inf there
-        if not isinstance(value, numbers.Real | np.bool_) or not abs(value) <= torch.finfo(torch.float32).max:
+        if not isinstance(value, numbers.Real) or not abs(value) <= torch.finfo(torch.float32).max:
             raise ValueError(f"{name} returned {value!r:.60}, not a finite number")
         return float(value)
 
@@ -378,7 +380,8 @@ def task_reward(task: Any, spec: str) -> Reward:
 
 def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
     """--reward FILE.py:FN[,FILE.py:FN2]: the functions' sum, weighted by --reward-weights (1 each by default)."""
-    names = [s for s in specs.split(",") if s]
+    if not (names := [s.strip() for s in specs.split(",") if s.strip()]):
+        raise ValueError(f"--reward {specs!r} names no function; pass FILE.py:FN[,FILE.py:FN2]")
     weights = weights or (1.0,) * len(names)
     if len(weights) != len(names):
         raise ValueError(f"--reward-weights gives {len(weights)} weights for {len(names)} --reward functions")
@@ -391,9 +394,15 @@ def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
 
 def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[dict]:
     """Up to n (0: all) rows of a task's problems, its reference reply chosen over a wrong one (task.wrong, seeded)."""
-    rng = random.Random(seed)
-    return [{"prompt": ex["messages"][:-1], "chosen": ex["messages"][-1]["content"],
-             "rejected": task.wrong(ex["answer"], rng)} for ex in task.examples(split)[:n or None]]
+    rng, pairs = random.Random(seed), []
+    for i, ex in enumerate(task.examples(split)[:n or None]):
+        chosen, rejected = ex["messages"][-1]["content"], task.wrong(ex["answer"], rng)
+        with row_errors(f"--pairs {split}", i):  # prefs.py would refuse the file, naming neither wrong() nor the task
+            if not (isinstance(rejected, str) and rejected.strip() and rejected != chosen and isinstance(chosen, str)):
+                raise ValueError(f"wrong({ex['answer']!r}) gave {rejected!r:.40} for the reference reply "
+                                 f"{chosen!r:.40}: a pair needs two different texts")
+        pairs.append({"prompt": ex["messages"][:-1], "chosen": chosen, "rejected": rejected})
+    return pairs
 
 
 @dataclass
@@ -431,8 +440,9 @@ def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
         name, _, source = item.partition("=") if item.partition("=")[0] in TASKS else (item, "", "")
         check_spec(name)
         if not name or (label := name.rpartition(":")[2]) in listed:
-            what = f"{label} twice" if name else "an empty item"
-            raise ValueError(f"{flag} {specs}: {what}; list each task once")
+            what = "an empty item; list each task once" if not name else f"{label} twice; list each task once" \
+                if listed[label][0] == name else f"two tasks named {label}: results go by the name; rename one"
+            raise ValueError(f"{flag} {specs}: {what}")
         listed[label] = (name, source)
     return listed
 
@@ -479,15 +489,20 @@ def main(argv: list[str] | None = None) -> dict | None:
             files[out / f"{split}.jsonl"] = task.examples(split)[:cfg.limit or None], "conversations"
             if cfg.pairs:
                 files[pairs / f"{split}.jsonl"] = synthetic_pairs(task, split, cfg.limit, cfg.seed), "preference pairs"
+        texts = {path: "".join(json.dumps(row) + "\n" for row in rows) for path, (rows, _) in files.items()}
         for path, (rows, what) in files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            path.write_text(texts[path])
             print(f"{path}: {len(rows):,} {cfg.task} {what}")
     except ValueError as e:  # fineweb.DataError too
         raise SystemExit(f"error: {e}") from None
+    except TypeError as e:  # json.dumps: a value JSON has no form for (a numpy number, say)
+        raise SystemExit(f"error: --task {cfg.task}: a row cannot be written as JSON ({e})") from None
     except OSError as e:
         raise SystemExit(f"error: cannot write {e.filename} ({e.strerror}); pass another --out-dir") from None
 
 
 if __name__ == "__main__":
-    run_and_exit(main)  # under torchrun: no interpreter finalization after the collectives
+    import tasks  # this file as a module: a user's task that imports it subclasses the classes main's isinstance sees
+
+    run_and_exit(tasks.main)  # under torchrun: no interpreter finalization after the collectives

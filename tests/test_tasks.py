@@ -5,6 +5,8 @@ import copy
 import json
 import pickle
 import random
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -179,6 +181,11 @@ class Unanswered(Doubling):
         return [{"messages": row["messages"]} for row in super().examples(split)]
 
 
+class Unmessaged(Doubling):  # was a KeyError traceback: only 'answer' was looked for
+    def examples(self, split):
+        return [{"conversation": [], "answer": "1"}]
+
+
 class Strict(Doubling):
     def check(self, reply, answer):
         raise KeyError("no such field")
@@ -202,6 +209,22 @@ def nan(prompt, reply, answer):
 
 
 ANSWER = 42
+
+
+class Copying(Doubling):  # its wrong reply is the right one
+    def wrong(self, answer, rng):
+        return answer
+
+
+class Numpy(Doubling):  # a row holding a numpy number: fine in memory, not JSON
+    def examples(self, split):
+        import numpy
+        return [{**row, "answer": numpy.int64(row["answer"])} for row in super().examples(split)]
+
+
+def tensor(prompt, reply, answer):
+    import torch
+    return torch.tensor(0.25)
 '''
 
 
@@ -275,6 +298,8 @@ def test_a_task_that_cannot_load_is_one_line_naming_the_file_and_the_name(user_f
 
 
 @pytest.mark.parametrize("name, message", [
+    ("Unmessaged", "--task {file}:Unmessaged: examples('test') row 0: expected a dict with 'messages' and 'answer', "
+                   "got {{'conversation': [], 'answer': '1'}}"),
     ("Lazy", "--task {file}:Lazy: examples('test') returned a generator, not a list of rows"),
     ("Unanswered", "--task {file}:Unanswered: examples('test') row 0: expected a dict with 'messages' and 'answer', "
                    "got {{'messages': [{{'role': 'user', 'content': 'Double 30?'}}, {{'r"),
@@ -331,11 +356,12 @@ def test_a_users_task_subclass_is_guarded_as_any_and_a_multiple_choice_one_is_st
     ("raises", "--reward {file}:raises raised KeyError: 'no such field'"),
     ("text", "--reward {file}:text returned '1', not a finite number"),
     ("nan", "--reward {file}:nan returned nan, not a finite number"),
+    (",", "--reward ',' names no function; pass FILE.py:FN[,FILE.py:FN2]"),  # was a dtype error in the loss
 ])
 def test_a_reward_that_fails_is_one_line_naming_it(user_file, name, message):
-    reward = tasks.load_rewards(f"{user_file}:{name}")
     with pytest.raises(ValueError) as e:
-        reward([{"role": "user", "content": "Double 3?"}], "6", "6")
+        tasks.load_rewards(name if name == "," else f"{user_file}:{name}")([{"role": "user", "content": "Double 3?"}],
+                                                                           "6", "6")
     assert str(e.value) == message.format(file=user_file)
     with pytest.raises(ValueError, match=f"--reward {user_file}:ANSWER is not a function"):
         tasks.load_rewards(f"{user_file}:ANSWER")
@@ -490,3 +516,44 @@ def test_a_check_raising_on_one_rank_stops_every_rank_with_its_line(tmp_path):
     out = [json.loads(p.communicate(timeout=120)[0].split("RESULT ")[-1]) for p in procs]
     line = "--task odd.py:Odd: check() raised KeyError: 'no'"
     assert out == [f"rank 1: {line}", line]
+
+
+def test_what_a_users_task_gives_is_checked_where_it_is_made(user_file, tmp_path, capsys):
+    # each was a traceback, a file prefs.py refused without naming wrong(), or a half-written --out-dir
+    def refused(*argv: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            tasks.main([*argv, "--out-dir", str(tmp_path / "out")])
+        return e.value.code
+
+    assert refused("--task", f"{user_file}:Copying", "--pairs") == (
+        "error: --pairs train row 0: wrong('20') gave '20' for the reference reply '20': a pair needs two different "
+        "texts")
+    assert refused("--task", f"{user_file}:Numpy") == (
+        f"error: --task {user_file}:Numpy: a row cannot be written as JSON (Object of type int64 is not JSON "
+        "serializable)")
+    assert not (tmp_path / "out").exists()
+    # a 0-d tensor or array is the number it holds, as numpy's scalars already were
+    assert tasks.load_rewards(f" {user_file}:tensor, {user_file}:tensor", (1.0, 2.0))([], "", "") == 0.75
+    # two tasks of one name would log under one label
+    with pytest.raises(ValueError) as e:
+        tasks.task_list(f"{user_file}:Doubling,{tmp_path / 'b.py'}:Doubling")
+    assert str(e.value) == (f"--task {user_file}:Doubling,{tmp_path / 'b.py'}:Doubling: two tasks named Doubling: "
+                            "results go by the name; rename one")
+
+
+def test_a_multiple_choice_task_run_as_tasks_py_is_scored_by_its_letters(tmp_path):
+    # run as a script, tasks.py was __main__: a user's `import tasks` made a second MultipleChoice, isinstance failed,
+    # and the task was scored by its replies (0.0 here) instead of its letters' logits (0.5); rows without "letters"
+    # were a KeyError once the training had ended
+    (tmp_path / "sub.py").write_text(SUBCLASSES + "\n\nclass Bare(Letters):\n    def examples(self, split):\n"
+                                     "        return [{k: v for k, v in r.items() if k != 'letters'} for r in "
+                                     "super().examples(split)]\n")
+    model = chat_bigram()
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "step": 0}, tmp_path / "chat.pt")
+    run = [sys.executable, "tasks.py", "--eval", str(tmp_path / "chat.pt"), "--device", "cpu", "--tasks"]
+    done = subprocess.run([*run, f"{tmp_path / 'sub.py'}:Letters"], cwd=ROOT, capture_output=True, text=True)
+    assert "Letters: accuracy 0.5000" in done.stdout, done.stderr[-2000:]
+    bare = subprocess.run([*run, f"{tmp_path / 'sub.py'}:Bare"], cwd=ROOT, capture_output=True, text=True)
+    assert bare.returncode == 1 and bare.stderr.startswith(
+        f"error: --task {tmp_path / 'sub.py'}:Bare: examples('test') row 0: expected a dict with 'messages' and "
+        "'answer' and 'letters', got {'messages': "), bare.stderr[-2000:]
