@@ -229,6 +229,7 @@ class PromptSampler:
 
     def __init__(self, problems: list[dict], seed: int):
         self.problems, self.seed, self.served, self.order = problems, seed, 0, (-1, [])
+        self.digest = stage.digest(problems)[:16]  # once: a task's problems can be many
 
     def next(self, n: int) -> list[dict]:
         """The next n problems of the stream, the same on every rank."""
@@ -241,13 +242,13 @@ class PromptSampler:
         self.served += n
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"served": self.served, "problems": len(self.problems), "seed": self.seed}
+    def state_dict(self) -> dict[str, int | str]:
+        return {"served": self.served, "problems": len(self.problems), "seed": self.seed, "task_digest": self.digest}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
         check_flags((state.get(key, mine) == mine, f"cannot resume the prompt stream: {key}={state.get(key)} in the "
                      f"checkpoint but {mine} here; resume with the same --task and --seed, or start a new run")
-                    for key, mine in (("problems", len(self.problems)), ("seed", self.seed)))
+                    for key, mine in self.state_dict().items() if key != "served")
         self.served = int(state["served"])
 
 

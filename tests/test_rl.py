@@ -215,11 +215,22 @@ def test_the_prompt_stream_is_a_seeded_order_per_epoch():
     sampler = rl.PromptSampler(problems, seed=3)
     served = [p["answer"] for p in sampler.next(4) + sampler.next(6)]
     assert sorted(served[:5]) == sorted(served[5:]) == list("01234") and served[:5] != served[5:]  # two epochs
-    assert sampler.state_dict() == {"served": 10, "problems": 5, "seed": 3}
+    assert sampler.state_dict() == {"served": 10, "problems": 5, "seed": 3, "task_digest": "0af107b669cbd7cb"}
     again = rl.PromptSampler(problems, seed=3)
     again.load_state_dict({"served": 4, "problems": 5})
     assert [p["answer"] for p in again.next(6)] == served[4:]
     assert [p["answer"] for p in rl.PromptSampler(problems, seed=4).next(5)] != served[:5]
+
+
+def test_the_prompt_stream_refuses_a_checkpoint_of_other_problems_of_as_many_rows():
+    # a --task of as many rows (another file, an edited one) resumed silently and trained on its prompts
+    problems = [{"answer": str(i)} for i in range(5)]
+    state = rl.PromptSampler(problems, seed=3).state_dict()
+    with pytest.raises(ValueError) as e:
+        rl.PromptSampler(problems[::-1], seed=3).load_state_dict(state)
+    assert str(e.value) == ("cannot resume the prompt stream: task_digest=0af107b669cbd7cb in the checkpoint but "
+                            "cc3171ba8fed4bc8 here; resume with the same --task and --seed, or start a new run")
+    rl.PromptSampler(problems[::-1], seed=3).load_state_dict({"served": 4, "problems": 5, "seed": 3})  # an older run's
 
 
 @pytest.mark.parametrize("algo", ["rloo", "reinforce"])
@@ -300,6 +311,13 @@ def test_a_resume_with_another_seed_or_task_is_refused_the_prompt_stream_depends
     assert one_line_error(capsys, rl.main, flags(models, tmp_path / "run", *extra, "--resume=auto", "--seed=7")) == (
         "error: cannot resume the prompt stream: seed=1337 in the checkpoint but 7 here; resume with the same --task "
         "and --seed, or start a new run")  # it went on with other prompts and samples, silently
+    (tmp_path / "t.py").write_text("import tasks\nclass T(tasks.Addition):\n    def examples(self, split):\n"
+                                   "        return super().examples(split)[::-1]\n")
+    assert one_line_error(capsys, rl.main, flags(models, tmp_path / "run", *extra, "--resume=auto",
+                                                 f"--task={tmp_path}/t.py:T")) == (
+        "error: cannot resume the prompt stream: task_digest=86eb798aa90db8bf in the checkpoint but "
+        "3b230a14984fab3c here; resume with the same --task and --seed, or start a new run")  # as many problems
+    assert rl.main(flags(models, tmp_path / "run", *extra, "--resume=auto"))["step"] == 2
 
 
 def test_prompts_that_fill_the_policys_context_are_refused_at_setup(models, tmp_path, capsys):
