@@ -486,10 +486,9 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     if not found and not is_chat(load_checkpoint(cfg.init_from, mmap=True)):  # a base model: R1-Zero's start, allowed
         log.say(f"warning: --init-from {cfg.init_from} is not a chat model (sft.py makes one): its replies will not "
                 "follow the chat format at first", file=sys.stderr)
-    step_fn = rl_step(cfg, raw, built, ref, reward, rm, parts["sampler"], log, ctx)
-    evals = [task_eval(cfg, raw, task, test_problems[:cfg.eval_limit], built.autocast, log, ctx)]
-    return Run(cfg=cfg, ctx=ctx, step_fn=step_fn, raw=raw, trainable=built, checkpointer=checkpointer, log=log,
-               evals=evals, parts=parts, start_step=start, resumed=found is not None)
+    return Run(cfg=cfg, ctx=ctx, step_fn=rl_step(cfg, raw, built, ref, reward, rm, parts["sampler"], log, ctx),
+               evals=[task_eval(cfg, raw, task, test_problems[:cfg.eval_limit], built.autocast, log, ctx)], raw=raw,
+               trainable=built, checkpointer=checkpointer, log=log, parts=parts, start_step=start, resumed=bool(found))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
