@@ -438,7 +438,7 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
 
 
 def load(cfg: RLConfig) -> tuple[Any, tasks.Reward, GPT, list[dict], list[dict], GPT | None]:
-    """The task, the reward, the policy, the train and test problems and the reward model, or a one-line refusal."""
+    """The task, the reward, the policy, the train and held-out problems and the reward model, or a one-line refusal."""
     task = tasks.load_task(cfg.task)
     reward = tasks.load_rewards(cfg.reward, cfg.reward_weights) if cfg.reward else tasks.task_reward(task, cfg.task)
     # a reward model refused, a PPO critic dropped where none is trained, HF GPT-2's rows padded for the chat tokens
@@ -449,7 +449,7 @@ def load(cfg: RLConfig) -> tuple[Any, tasks.Reward, GPT, list[dict], list[dict],
     check_flags([(longest < bs, f"--task {cfg.task}: a prompt takes {longest} tokens, the policy's whole context {bs}: "
                   "no room for a reply (a 1-token one at most)")])
     rm = load_reward_model(cfg, train_problems) if cfg.reward_model else None
-    return task, reward, raw, train_problems, test_problems, rm
+    return task, reward, raw, train_problems, tasks.held_out(task, test_problems, cfg.eval_limit), rm
 
 
 def setup(cfg: RLConfig, ctx: Context) -> Run:
@@ -487,7 +487,7 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
         log.say(f"warning: --init-from {cfg.init_from} is not a chat model (sft.py makes one): its replies will not "
                 "follow the chat format at first", file=sys.stderr)
     return Run(cfg=cfg, ctx=ctx, step_fn=rl_step(cfg, raw, built, ref, reward, rm, parts["sampler"], log, ctx),
-               evals=[task_eval(cfg, raw, task, test_problems[:cfg.eval_limit], built.autocast, log, ctx)], raw=raw,
+               evals=[task_eval(cfg, raw, task, test_problems, built.autocast, log, ctx)], raw=raw,
                trainable=built, checkpointer=checkpointer, log=log, parts=parts, start_step=start, resumed=bool(found))
 
 

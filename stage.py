@@ -273,12 +273,13 @@ def task_evals(cfg: TaskEvalArgs, setup: Setup) -> list[Eval]:
 
 
 def task_eval(cfg: TaskEvalArgs, setup: Setup) -> tuple[Eval, list[list[dict]]]:
-    """One task's accuracy, or several tasks' (multiple choice by the letters' logits, the rest by greedy replies) and
-    their ChatCORE, nanochat's mean accuracy above chance, on the first --task-limit problems in nanochat's order. The
-    prompts are checked against --seq-len now, not at the first task eval (after the whole training, --task-every 0)."""
+    """One task's accuracy, or several tasks' and their ChatCORE, nanochat's mean accuracy above chance, each scored as
+    tasks.py --eval scores it (tasks.accuracy, on tasks.held_out's --task-limit problems). The prompts are checked
+    against --seq-len now, not at the first task eval (after the whole training, --task-every 0)."""
     ctx, autocast = setup.ctx, setup.built.autocast
-    if len(listed := tasks.task_list(cfg.task)) > 1 or any(source for _, source in listed.values()):
-        kind, named = "chatcore", tasks.named_tasks(cfg.task, "test", cfg.task_limit)
+    named = tasks.named_tasks(cfg.task, "test", cfg.task_limit)
+    if len(named) > 1 or any(source for _, source in tasks.task_list(cfg.task).values()):
+        kind = "chatcore"
 
         def score(step: int) -> dict[str, Any]:
             result = tasks.chat_core(setup.raw, named, ctx.rank, ctx.world, autocast)
@@ -286,12 +287,11 @@ def task_eval(cfg: TaskEvalArgs, setup: Setup) -> tuple[Eval, list[list[dict]]]:
             setup.log.say(f"step {step:6d} | ChatCORE {result['chatcore']:.4f} | {accuracies}")
             return result
     else:
-        task = tasks.load_task(cfg.task)
-        problems = task.examples("test")[:cfg.task_limit]
-        kind, named = "task", {cfg.task: (task, problems)}
+        kind, ((task, problems),) = "task", named.values()
+        named = {cfg.task: (task, problems)}  # check_prompts names the task as given, its path too
 
         def score(step: int) -> dict[str, Any]:
-            result = tasks.evaluate(setup.raw, task, problems, ctx.rank, ctx.world, autocast=autocast)
+            result = tasks.accuracy(setup.raw, task, problems, ctx.rank, ctx.world, autocast)
             setup.log.say(f"step {step:6d} | {cfg.task} accuracy {result['acc']:.4f} ({result['n']} held-out problems)")
             return result
 

@@ -214,6 +214,23 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
     return summed(right, len(mine), device, world)
 
 
+def accuracy(model: Any, task: Any, problems: list[dict], rank: int = 0, world: int = 1,
+             autocast: contextlib.AbstractContextManager | None = None, max_new_tokens: int = 512) -> dict:
+    """A task's {"acc", "n"} wherever it is scored: a multiple-choice one's by its letters (choose), the rest's by
+    greedy replies (evaluate)."""
+    with evaluating(model):
+        if isinstance(task, MultipleChoice):
+            return choose(model, problems, rank, world, autocast=autocast)
+        return evaluate(model, task, problems, rank, world, max_new_tokens, autocast=autocast)
+
+
+def held_out(task: Any, problems: list[dict], limit: int = 0) -> list[dict]:
+    """The first `limit` problems (0: all) that sft.py, rl.py and tasks.py --eval score: a hub dataset's in nanochat's
+    order (its shuffle, seed 42), addition's and a user's as the task gives them."""
+    order = np.random.default_rng(42).permutation(len(problems)) if getattr(task, "hub", "") else range(len(problems))
+    return [problems[i] for i in order[:limit or None]]
+
+
 def longest_prompt(problems: list[dict]) -> int:
     """The most tokens a problem's prompt takes, rendered as generate() gets it (0 for no problems)."""
     return max((len(render_prompt(p["messages"][:-1])) for p in problems), default=0)
@@ -242,11 +259,8 @@ def chat_core(model: Any, named: dict[str, tuple[Any, list[dict]]], rank: int = 
               autocast: contextlib.AbstractContextManager | None = None, max_new_tokens: int = 512) -> dict:
     """{"results": {name: accuracy}, "centered_results": {name: centered by the task's chance}, "chatcore": their
     mean} over the tasks given, each (task, problems): nanochat's ChatCORE over those tasks. Every rank calls it."""
-    with evaluating(model):
-        results = {name: (choose(model, problems, rank, world, autocast=autocast)
-                          if isinstance(task, MultipleChoice) else
-                          evaluate(model, task, problems, rank, world, max_new_tokens, autocast=autocast))["acc"]
-                   for name, (task, problems) in named.items()}
+    results = {name: accuracy(model, task, problems, rank, world, autocast, max_new_tokens)["acc"]
+               for name, (task, problems) in named.items()}
     centered_results = {name: centered(acc, getattr(named[name][0], "baseline", 0.0)) for name, acc in results.items()}
     return {"results": results, "centered_results": centered_results,
             "chatcore": sum(centered_results.values()) / len(centered_results)}
@@ -412,7 +426,7 @@ class TasksConfig:
 
     task: str = "addition"  # gsm8k, arc-easy, arc-challenge, mmlu, addition, or your own: FILE.py:NAME or module:NAME
     out_dir: str = ""  # where to write them ('' = data/<task>)
-    limit: int = 0  # at most this many examples per split (0 = all); with --eval, per task, in nanochat's order
+    limit: int = 0  # at most this many examples per split (0 = all); with --eval, per task, as tasks.held_out picks
     # also write preference pairs, the reference reply chosen over a wrong one, to <out_dir>_pairs/{train,test}.jsonl
     # (for prefs.py); a task that can make wrong replies (addition, or one with wrong(answer, rng))
     pairs: bool = False
@@ -448,13 +462,11 @@ def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
 
 
 def named_tasks(specs: str, split: str, limit: int = 0) -> dict[str, tuple[Any, list[dict]]]:
-    """task_list's tasks, each with the first `limit` problems of its `split` in nanochat's order (0: all)."""
+    """task_list's tasks, each with its `split`'s held-out problems (`limit` of them, 0: all)."""
     named = {}
     for label, (name, source) in task_list(specs).items():
         task = load_task(name)
-        problems = task.examples(split, source) if source else task.examples(split)
-        order = np.random.default_rng(42).permutation(len(problems))[:limit or None]  # nanochat's datasets' shuffle
-        named[label] = (task, [problems[i] for i in order])
+        named[label] = (task, held_out(task, task.examples(split, source) if source else task.examples(split), limit))
     return named
 
 

@@ -145,6 +145,34 @@ def test_one_task_is_scored_on_replies_as_long_as_in_chatcore(conversations, tmp
         assert (result["acc"] if key == "task" else result["results"]["Long"]) == 1.0
 
 
+def test_one_task_is_scored_on_the_problems_and_by_the_method_tasks_py_eval_uses(conversations, tmp_path):
+    # sft.py --task T took T's first --task-limit problems and scored them by replies; tasks.py --eval took a seeded
+    # random --limit and scored multiple choice by its letters: one checkpoint, two accuracies (a reviewer's)
+    from test_tasks import SUBCLASSES, chat_bigram
+
+    (tmp_path / "t.py").write_text(SUBCLASSES + '''
+
+class Ordered:  # 50 problems, only the first two right whatever the reply
+    def examples(self, split):
+        return [{"messages": [{"role": "user", "content": f"{k}?"}, {"role": "assistant", "content": str(k)}],
+                 "answer": str(k)} for k in range(50)]
+
+    def check(self, reply, answer):
+        return answer in ("0", "1")
+''')
+    model, ckpt = chat_bigram(), tmp_path / "chat.pt"  # replies "B 4" to anything
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "step": 0}, ckpt)
+    for name, acc in (("Ordered", 0.5), ("Letters", 0.5)):  # Letters: no reply is right, the letters' logits 2 of 4
+        spec = f"{tmp_path / 't.py'}:{name}"
+        alone = sft.main(flags(conversations, tmp_path / name, f"--init-from={ckpt}", "--model=", f"--task={spec}",
+                               "--task-limit=4", "--eval-only"))["task"]
+        assert alone["acc"] == acc and alone["n"] == 4
+        assert tasks.main(["--eval", str(ckpt), "--tasks", spec, "--limit", "4", "--max-new-tokens", "4",
+                           "--device", "cpu"])["results"] == {name: acc}
+    # a hub dataset's problems come in nanochat's order (its shuffle, seed 42): the same list for both
+    assert tasks.held_out(tasks.MMLU(), list(range(4)), 3) == [3, 2, 1]
+
+
 def test_a_task_prompt_longer_than_the_context_is_refused_before_training(conversations, tmp_path, capsys):
     # generate() refused it in the task eval, by default only after the whole training, in a line naming no flag
     task = tmp_path / "wordy.py"
