@@ -289,6 +289,7 @@ def _module(where: str) -> Any:
     path = Path(where).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"no such file {where}")
+    sys.path.append(str(path.resolve().parent))  # its own modules beside it import, as when it runs as a script
     spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # a dataclass in it looks itself up there
     spec.loader.exec_module(module)

@@ -557,3 +557,12 @@ def test_a_multiple_choice_task_run_as_tasks_py_is_scored_by_its_letters(tmp_pat
     assert bare.returncode == 1 and bare.stderr.startswith(
         f"error: --task {tmp_path / 'sub.py'}:Bare: examples('test') row 0: expected a dict with 'messages' and "
         "'answer' and 'letters', got {'messages': "), bare.stderr[-2000:]
+
+
+def test_a_task_file_imports_the_modules_beside_it(tmp_path):
+    # "No module named 'helpers'": its folder was not on the path, as it is for `python arith.py`
+    (tmp_path / "helpers_for_arith.py").write_text("def spaced(n):\n    return ' '.join(str(n))\n")
+    (tmp_path / "arith.py").write_text("from helpers_for_arith import spaced\nimport tasks\n\n\n"
+                                       "class Arith(tasks.Addition):\n    pass\n")
+    task = tasks.load_task(f"{tmp_path / 'arith.py'}:Arith")
+    assert task.examples("test")[:2] == tasks.Addition().examples("test")[:2]
