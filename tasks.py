@@ -281,15 +281,19 @@ def check_spec(spec: str) -> None:
                          f"got {spec!r}")
 
 
-@functools.cache
 def _module(where: str) -> Any:
-    """A user's FILE.py (run once per process, as an import would be) or an importable module."""
+    """A user's FILE.py or an importable module."""
     if not where.endswith(".py"):
         return importlib.import_module(where)
-    path = Path(where).expanduser()
-    if not path.is_file():
+    if not (path := Path(where).expanduser()).is_file():
         raise FileNotFoundError(f"no such file {where}")
-    sys.path.append(str(path.resolve().parent))  # its own modules beside it import, as when it runs as a script
+    return _run_file(path.resolve())
+
+
+@functools.cache
+def _run_file(path: Path) -> Any:
+    """FILE.py run once per process, as an import would be, however its path is written (--task and --reward alike)."""
+    sys.path.append(str(path.parent))  # its own modules beside it import, as when it runs as a script
     spec = importlib.util.spec_from_file_location(f"user_{path.stem}", path)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # a dataclass in it looks itself up there
     spec.loader.exec_module(module)

@@ -566,3 +566,12 @@ def test_a_task_file_imports_the_modules_beside_it(tmp_path):
                                        "class Arith(tasks.Addition):\n    pass\n")
     task = tasks.load_task(f"{tmp_path / 'arith.py'}:Arith")
     assert task.examples("test")[:2] == tasks.Addition().examples("test")[:2]
+
+
+def test_a_file_named_two_ways_runs_once(tmp_path, monkeypatch):
+    # --task t.py:T --reward ./t.py:f ran t.py twice: the reward and the task saw two copies of its globals
+    (tmp_path / "t.py").write_text("with open(__file__ + '.runs', 'a') as f:\n    f.write('ran ')\n"
+                                   "def f(prompt, reply, answer):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    one, two = tasks.load_object(f"{tmp_path / 't.py'}:f", "--reward"), tasks.load_object("./t.py:f", "--reward")
+    assert one is two and (tmp_path / "t.py.runs").read_text() == "ran "
