@@ -51,7 +51,7 @@ VAL_EVERY = 20  # a single local file holds out every 20th conversation (rows 0,
 def _check_content(i: int, role: str, content: Any) -> None:
     if role == "assistant" and isinstance(content, list) and content:
         for part in content:
-            if not (isinstance(part, dict) and part.get("type") in PARTS and isinstance(part.get("text"), str)
+            if not (isinstance(part, dict) and str(part.get("type")) in PARTS and isinstance(part.get("text"), str)
                     and part["text"]):
                 raise ValueError(f"message {i} (assistant) has a bad part {part!r}: expected "
                                  "{'type': 'text' | 'tool' | 'output', 'text': a non-empty string}")
@@ -70,7 +70,7 @@ def check_messages(messages: Any, last: str) -> None:
     turns = ["system"] * system + ["user", "assistant"] * len(messages)  # the role each message must have
     for i, (message, expected) in enumerate(zip(messages, turns, strict=False)):
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list is unhashable: a TypeError
             raise ValueError(f"message {i} has role {role!r}, expected one of system, user, assistant")
         if role != expected:
             raise ValueError(f"message {i} is from {role}, expected {expected} (an optional first system message, "
@@ -168,8 +168,9 @@ def load_rows(source: str, split: str, config: str | None = None) -> Any:
 
 
 # where a directory keeps a split's files, for machines without `datasets` (the GPU image): the first layout that
-# matches wins (train.jsonl, train-0.parquet, data/..., train/0.jsonl, HH-RLHF's helpful-base/train.jsonl.gz, ...)
-SPLIT_LAYOUTS = ("{s}.*", "{s}[-_]*", "data/{s}.*", "data/{s}[-_]*", "{s}/*", "*/{s}.*", "*/{s}/*")
+# matches wins (train.jsonl, train-0.parquet, data/..., train/0.jsonl, HH-RLHF's helpful-base/train.jsonl.gz, ...);
+# a number after "train-": train_prefs-00000-of-00001.parquet is another split, as `datasets` reads it
+SPLIT_LAYOUTS = ("{s}.*", "{s}[-_][0-9]*", "data/{s}.*", "data/{s}[-_][0-9]*", "{s}/*", "*/{s}.*", "*/{s}/*")
 
 
 def local_split(path: Path, split: str) -> list[Path]:

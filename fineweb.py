@@ -365,7 +365,7 @@ def source_kind(source: str) -> str:
     """fineweb, shakespeare, stdlib, stdlib-docs, local or hub."""
     path = Path(source).expanduser()
     # data/x when ./data exists is a path, not the hub's owner/name
-    local = any(c in source for c in "*?[") or path.exists() or path.suffix in LOCAL_BUILDERS or \
+    local = any(c in source for c in "*?[") or path.exists() or bool(set(path.suffixes) & LOCAL_BUILDERS.keys()) or \
         source[:1] in "./~" or len(path.parts) > 1 and path.parents[-2].is_dir()
     return NAMED_SOURCES.get(source) or ("local" if local else "hub")
 

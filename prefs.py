@@ -72,8 +72,9 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
         raise ValueError(f"missing field {missing[0]!r}")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     if isinstance(chosen, list) and isinstance(rejected, list):  # whole conversations, or TRL's replies to a prompt
-        if isinstance(prompt, list) and chosen[:len(prompt)] != prompt:
-            chosen, rejected = prompt + chosen, prompt + rejected
+        if chosen and isinstance(chosen[0], dict) and chosen[0].get("role") == "assistant":  # TRL's: the prompt apart
+            prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            chosen, rejected = (prompt + chosen, prompt + rejected) if isinstance(prompt, list) else (chosen, rejected)
         if chosen[:-1] != rejected[:-1]:
             raise ValueError("chosen and rejected continue different conversations")
         prompt = chosen[:-1]

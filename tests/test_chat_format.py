@@ -82,6 +82,10 @@ def test_parse_inverts_the_reply_and_stops_at_its_end():
     ([{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}], "content of type int"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "code", "text": "x"}]}],
      "bad part"),
+    # a list where a name belongs: unhashable, they were TypeError tracebacks
+    ([{"role": ["user"], "content": "q"}], "message 0 has role ['user']"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": ["text"], "text": "x"}]}],
+     "bad part"),
     ([{"role": "user", "content": "q"}], "ends with a user message, expected assistant"),
 ])
 def test_bad_conversations_are_one_line_errors(messages, why):

@@ -128,6 +128,7 @@ def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     assert source_kind("data/addition") == "local" and source_kind("someone/dataset") == "hub"
+    assert source_kind("missing.jsonl.gz") == "local"  # was a hub name: ~25 s of retries, then blamed on the hub
 
 
 @pytest.mark.parametrize("datasets_installed", [True, False])
@@ -149,6 +150,15 @@ def test_a_directory_s_splits_are_found_with_or_without_datasets(tmp_path, monke
     assert [f.name for f in cf.local_split(hub, "train")] == names
     with pytest.raises(DataError, match=f"^{flat} has no validation split: expected files named like validation.jsonl"):
         cf.local_split(flat, "validation")
+    # ultrafeedback_binarized's layout: train_prefs, train_sft and train_gen are splits of their own, not train's
+    # (globbed as train's, its 120 rows were read three times over)
+    uf = tmp_path / "uf" / "data"
+    uf.mkdir(parents=True)
+    for split in ("train_prefs", "train_sft", "train_gen", "test_prefs"):
+        (uf / f"{split}-00000-of-00001.parquet").write_bytes(b"")
+    assert [f.name for f in cf.local_split(uf.parent, "train_prefs")] == ["train_prefs-00000-of-00001.parquet"]
+    with pytest.raises(DataError, match=f"^{uf.parent} has no train split"):
+        cf.local_split(uf.parent, "train")
 
 
 def test_a_hub_name_says_it_was_taken_for_one():

@@ -75,6 +75,8 @@ def test_each_schema_parses_to_prompt_messages_and_two_replies():
     trl = {"prompt": [{"role": "user", "content": "Hi?"}], "chosen": conversation("Hi?", "Hello!")[1:],
            "rejected": conversation("Hi?", "Go away.")[1:]}
     assert parse_pair(trl) == ([{"role": "user", "content": "Hi?"}], "Hello!", "Go away.")
+    # and its prompt as text: it was dropped, and the row refused as starting with the assistant
+    assert parse_pair({**trl, "prompt": "Hi?"}) == ([{"role": "user", "content": "Hi?"}], "Hello!", "Go away.")
 
 
 @pytest.mark.parametrize("row, message", [
