@@ -129,9 +129,11 @@ def is_chat(ckpt: dict) -> bool:
 
 
 def exported_chat(directory: str) -> bool:
-    """Whether an HF directory is a chat model's export (export.py): its tokenizer's chat template is this format."""
-    config = Path(directory).expanduser() / "tokenizer_config.json"
-    return config.is_file() and "<|assistant_start|>" in str(read_json(config).get("chat_template"))
+    """Whether an HF directory is a chat model's export (export.py): its tokenizer's chat template is this format, in
+    tokenizer_config.json as export.py writes it or in chat_template.jinja as transformers 4.43+ saves it again."""
+    config, jinja = (Path(directory).expanduser() / name for name in ("tokenizer_config.json", "chat_template.jinja"))
+    template = jinja.read_text() if jinja.is_file() else config.is_file() and read_json(config).get("chat_template")
+    return "<|assistant_start|>" in str(template)
 
 
 def reply_text(ids: Iterable[int]) -> str:
@@ -167,9 +169,8 @@ def load_rows(source: str, split: str, config: str | None = None) -> Any:
     return rows
 
 
-# where a directory keeps a split's files, for machines without `datasets` (the GPU image): the first layout that
-# matches wins (train.jsonl, train-0.parquet, data/..., train/0.jsonl, HH-RLHF's helpful-base/train.jsonl.gz, ...);
-# a number after "train-": train_prefs-00000-of-00001.parquet is another split, as `datasets` reads it
+# a split's files without `datasets` (the GPU image), the first layout that matches (train.jsonl, train-0.parquet,
+# data/..., train/0.jsonl, HH's helpful-base/train.jsonl.gz); a digit after "train-": train_prefs-0 is another split
 SPLIT_LAYOUTS = ("{s}.*", "{s}[-_][0-9]*", "data/{s}.*", "data/{s}[-_][0-9]*", "{s}/*", "*/{s}.*", "*/{s}/*")
 
 

@@ -524,7 +524,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     if path.is_dir():
         if (path / "config.json").is_file():
             fix = (f"it has a config.json, so it looks like an HF GPT-2 directory: load it with --init-from {path} "
-                   "(not rl.py's, which starts from a checkpoint of this project: sft.py --init-from it first)")
+                   "where the script has one; export.py, tasks.py --eval and rl.py take a checkpoint of this project "
+                   "(sft.py --init-from it first)")
         elif found := checkpoints(path):  # the last is the latest, the one train.py --resume auto would take
             fix = f"pass a checkpoint file in it (the latest is {found[-1]})"
         else:

@@ -208,8 +208,10 @@ def main(argv: list[str] | None = None) -> None:
                              "language model; score with it here (rl.py --reward-model)")
         chat = is_chat(ckpt)
         out = export_hf(GPT.from_checkpoint(cfg.ckpt), cfg.export_hf, chat)
+    critic = any(k.startswith("value_head.") for k in ckpt["model"])  # a PPO policy's
     print(f"exported {cfg.ckpt} to {out}{' as a chat model' * chat} (load with "
-          "transformers.AutoModelForCausalLM.from_pretrained)")
+          "transformers.AutoModelForCausalLM.from_pretrained)"
+          + "; its PPO value head is left out: HF's classes have no place for it" * critic)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,17 @@ def test_conversations_all_longer_than_seq_len_are_one_line(tmp_path):
         cf.ConversationLoader(str(path), "train", 1, 16)
 
 
+def test_a_chat_export_saved_again_by_transformers_is_still_one(sft, tmp_path):
+    # transformers 4.43+ saves the template as chat_template.jinja: the copy lost its chat mark, and its next export
+    # cropped the chat tokens' rows
+    transformers = pytest.importorskip("transformers")
+    export.main(["--ckpt", str(sft), "--export-hf", str(tmp_path / "hf")])
+    for part in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        part.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "again")
+    assert cf.exported_chat(str(tmp_path / "hf")) and cf.exported_chat(str(tmp_path / "again"))
+    assert not cf.exported_chat(str(tmp_path))
+
+
 def test_an_exported_chat_model_answers_as_chat_py(sft, tmp_path):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"

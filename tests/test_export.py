@@ -337,7 +337,7 @@ def test_a_full_disk_leaves_nothing_behind(tmp_path, limit, target):
         assert contents(out) == before  # the earlier export, untouched
 
 
-def test_a_reward_model_is_refused_and_a_critics_head_left_out(tmp_path):
+def test_a_reward_model_is_refused_and_a_critics_head_left_out(tmp_path, capsys):
     """A reward model's score (its value head) has no HF class here: exported, it loaded as a plain LM, its head's
     tensors ignored. A PPO policy's critic head is not the policy's: its export carries no value_head tensors."""
     safetensors = pytest.importorskip("safetensors.torch")
@@ -352,3 +352,6 @@ def test_a_reward_model_is_refused_and_a_critics_head_left_out(tmp_path):
         else:
             export.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / objective)])
             assert not [k for k in safetensors.load_file(tmp_path / objective / "model.safetensors") if "value" in k]
+            # said, not done in silence
+            assert capsys.readouterr().out.strip().endswith("; its PPO value head is left out: HF's classes have no "
+                                                            "place for it")

@@ -510,5 +510,5 @@ def test_cli_errors_are_one_line(tmp_path, hf_dir):
         main(["--data", str(FIXTURE), "--init-from", str(not_ckpt)])
     with pytest.raises(SystemExit, match=rf"^error: checkpoint {re.escape(str(hf_dir))} is a directory, not a file; "
                                          "it has a config.json, so it looks like an HF GPT-2 directory: load it with "
-                                         rf"--init-from {re.escape(str(hf_dir))} \(not rl.py's"):
+                                         rf"--init-from {re.escape(str(hf_dir))} where the script has one"):
         main(["--data", str(FIXTURE), "--ckpt", str(hf_dir)])
