@@ -131,9 +131,14 @@ def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block
 # spaces and newlines that touch them
 CHAT_TOKENS = [f"<|{role}_{edge}|>" for role in ("system", "user", "assistant", "tool", "output")
                for edge in ("start", "end")]
-# render(): BOS, then each message as <|role_start|> content <|role_end|>, an assistant's tool parts in their markers
+# render(): BOS, then each message as <|role_start|> content <|role_end|>, an assistant's tool parts in their markers;
+# the roles render() refuses (a developer's, a tool's, two users in a row) raise, not render as text or markers
 CHAT_TEMPLATE = (
-    "<|endoftext|>{% for m in messages %}<|{{ m.role }}_start|>{% if m.content is string %}{{ m.content }}"
+    "{% set o = 1 if messages and messages[0].role == 'system' else 0 %}<|endoftext|>{% for m in messages %}"
+    "{% set want = 'system' if loop.index0 < o else ['user', 'assistant'][(loop.index0 - o) % 2] %}"
+    "{% if m.role != want %}{{ raise_exception('message ' ~ loop.index0 ~ ' is from ' ~ m.role ~ ', expected ' ~ want"
+    " ~ ' (an optional first system message, then user and assistant in turns)') }}{% endif %}"
+    "<|{{ m.role }}_start|>{% if m.content is string %}{{ m.content }}"
     "{% else %}{% for p in m.content %}{% if p.type != 'text' %}<|{{ p.type }}_start|>{% endif %}{{ p.text }}"
     "{% if p.type != 'text' %}<|{{ p.type }}_end|>{% endif %}{% endfor %}{% endif %}<|{{ m.role }}_end|>"
     "{% endfor %}{% if add_generation_prompt %}<|assistant_start|>{% endif %}")

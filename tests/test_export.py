@@ -112,6 +112,10 @@ def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tm
             cf.render_prompt(messages)
         whole = CONVERSATION[:end + 1]
         assert tok.apply_chat_template(whole, return_dict=False) == cf.render(whole)[0]
+    for bad in ([{"role": "developer", "content": "x"}], [{"role": "user", "content": "x"}] * 2,
+                [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]):  # rendered as text or markers
+        with pytest.raises(Exception, match=f"message {len(bad) - 1} is from {bad[-1]['role']}, expected"):
+            tok.apply_chat_template(bad, return_dict=False)
     assert (len(tok), tok.eos_token_id, tok.decode([cf.TOOL_START, cf.OUTPUT_END])) == \
         (cf.CHAT_VOCAB, cf.ASSISTANT_END, "<|tool_start|><|output_end|>")
     # all 50,304 rows, the chat tokens' logits ours; generate stops at <|assistant_end|>, as generate.py does
