@@ -378,8 +378,8 @@ class ConversationLoader(RowStream):
                             f"T+1 = {T + 1} tokens, fewer than B = {B}; lower --batch-size or add conversations")
         if rank == 0:
             print(f"{source} {split}: {len(convs):,} conversations in {self.num_rows:,} rows of {T + 1} tokens, "
-                  f"{self.padding:.1%} padding; {truncated:,} truncated to {T + 1} tokens ({dropped:,} of them "
-                  "dropped: no assistant token left)")
+                  f"{self.padding:.1%} padding; {truncated - dropped:,} of them truncated to {T + 1} tokens; "
+                  f"{dropped:,} more dropped: no assistant token within them")
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each int64 (B, T) on the loader's device; y is -1 where nothing is learned."""

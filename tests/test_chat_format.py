@@ -126,7 +126,7 @@ def test_loader_batches_whole_conversations_with_targets_only_on_the_assistant(t
     # 190 train conversations of 2525 tokens: at least 79 rows of 32; best-fit decreasing takes 84
     assert loader.tokens == 2525 and loader.num_rows == 84 and loader.num_windows == 21
     assert loader.padding == pytest.approx(1 - 2525 / (84 * 32))
-    assert "190 conversations in 84 rows of 32 tokens, 6.1% padding; 0 truncated" in capsys.readouterr().out
+    assert "190 conversations in 84 rows of 32 tokens, 6.1% padding; 0 of them truncated" in capsys.readouterr().out
     rows = loader.next_items()  # the first batch's rows
     loader.reset()
     x, y = loader.next_batch()
@@ -143,7 +143,9 @@ def test_long_conversations_are_truncated_and_counted(tmp_path, capsys):
     path = write_jsonl(tmp_path / "c.jsonl", [chat(0), long_user, long_reply, chat(1)] * 2)
     loader = cf.ConversationLoader(path, "train", 1, 15)
     # train: rows 1-7 (row 0 is val); the long ones are cut to 16 tokens, and long_user's have nothing left to learn
-    assert "4 truncated to 16 tokens (2 of them dropped: no assistant token left)" in capsys.readouterr().out
+    # (the 2 dropped are not among the 5 kept: "5 conversations ...; 4 truncated (2 of them dropped)" read otherwise)
+    assert "5 conversations in 5 rows of 16 tokens, 21.3% padding; 2 of them truncated to 16 tokens; 2 more dropped: " \
+        "no assistant token within them" in capsys.readouterr().out
     assert loader.tokens == 16 + 16 + 9 + 9 + 13 and loader.num_rows == 5  # long_reply x2, chat(1) x2, chat(0)
 
 
