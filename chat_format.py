@@ -189,7 +189,8 @@ def local_split(path: Path, split: str) -> list[Path]:
             files = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).get(split, [])
     if not files:
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
-                        f"data/{split}-00000-of-00001.parquet{hint}")
+                        f"data/{split}-00000-of-00001.parquet{hint}; a held-out split missing, --eval-every 0 skips "
+                        "the val loss")
     return [Path(f) for f in files]
 
 
