@@ -7,7 +7,7 @@ parallel.train_step on the engine (no loop of its own), with held-out pairwise a
 
 A row is a pair in one of three schemas:
     text           {"prompt", "chosen", "rejected"}: the replies as text (or TRL's [{"role": "assistant", ...}]); the
-                   prompt as text or a list of messages
+                   prompt as text, a list of messages, or a transcript ending "\\n\\nAssistant:" (Dahoas/rm-static)
     conversations  HuggingFaceH4/ultrafeedback_binarized (splits train_prefs, test_prefs): chosen and rejected are
                    whole conversations [{"role", "content"}, ...] that end with the assistant's reply
     transcripts    Anthropic/hh-rlhf (splits train, test): chosen and rejected only, "\\n\\nHuman: ...\\n\\nAssistant:
@@ -51,19 +51,23 @@ Metrics = dict[str, torch.Tensor]
 # Rows: read, parse, render
 
 
+def turns(transcript: str) -> list[dict]:
+    """A "\\n\\nHuman: ...\\n\\nAssistant: ..." transcript's messages; a ValueError for text before its first turn."""
+    pieces = TURN.split(transcript)
+    if pieces[0].strip():  # a transcript starts with its first turn
+        raise ValueError(f"the transcripts start with {pieces[0][:40]!r}, text before their first '\\n\\nHuman:' turn")
+    # only the space after "Human:" / "Assistant:" goes, as TRL's hh-rlhf script cuts them: the text is the data
+    return [{"role": ROLES[r], "content": c.removeprefix(" ")} for r, c in zip(pieces[1::2], pieces[2::2], strict=True)]
+
+
 def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]:
     """Two hh-rlhf transcripts -> (the prompt's messages, chosen reply, rejected reply)."""
     cut = chosen.rfind(ASSISTANT, 0, len(os.path.commonprefix([chosen, rejected])))
     if cut < 0:
         raise ValueError("no 'prompt' field, and chosen and rejected are not Human/Assistant transcripts that share "
                          "a prompt")
-    pieces = TURN.split(chosen[:cut])
-    if pieces[0].strip():  # a transcript starts with its first turn
-        raise ValueError(f"the transcripts start with {pieces[0][:40]!r}, text before their first '\\n\\nHuman:' turn")
-    # only the space after "Human:" / "Assistant:" goes, as TRL's hh-rlhf script cuts them: the text is the data
-    turns = zip(pieces[1::2], pieces[2::2], strict=True)
-    prompt = [{"role": ROLES[r], "content": c.removeprefix(" ")} for r, c in turns]
-    return prompt, chosen[cut + len(ASSISTANT):].removeprefix(" "), rejected[cut + len(ASSISTANT):].removeprefix(" ")
+    return turns(chosen[:cut]), chosen[cut + len(ASSISTANT):].removeprefix(" "), \
+        rejected[cut + len(ASSISTANT):].removeprefix(" ")
 
 
 def parse_pair(row: dict) -> tuple[list[dict], str, str]:
@@ -82,6 +86,9 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
                             else None for m in (chosen, rejected))
     elif prompt is None and isinstance(chosen, str) and isinstance(rejected, str):
         prompt, chosen, rejected = split_transcripts(chosen, rejected)
+    elif isinstance(prompt, str) and TURN.match(prompt) and prompt.endswith(ASSISTANT):  # rm-static's: HH's prompt
+        prompt = turns(prompt[:-len(ASSISTANT)])  # the replies lose the space after "Assistant:", as HH's own do
+        chosen, rejected = (r.removeprefix(" ") if isinstance(r, str) else r for r in (chosen, rejected))
     elif isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if not (isinstance(prompt, list) and isinstance(chosen, str) and isinstance(rejected, str)):

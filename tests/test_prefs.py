@@ -75,6 +75,10 @@ def test_each_schema_parses_to_prompt_messages_and_two_replies():
     trl = {"prompt": [{"role": "user", "content": "Hi?"}], "chosen": conversation("Hi?", "Hello!")[1:],
            "rejected": conversation("Hi?", "Go away.")[1:]}
     assert parse_pair(trl) == ([{"role": "user", "content": "Hi?"}], "Hello!", "Go away.")
+    # Dahoas/rm-static's: hh-rlhf's prompt apart, as a transcript up to the last "Assistant:" (one user message before)
+    static = {"prompt": transcript("Hi", "Hello.", "Name a color") + "\n\nAssistant:", "chosen": " Blue.",
+              "rejected": " No."}
+    assert parse_pair(static) == (prompt, "Blue.", "No.")
     # and its prompt as text: it was dropped, and the row refused as starting with the assistant
     assert parse_pair({**trl, "prompt": "Hi?"}) == ([{"role": "user", "content": "Hi?"}], "Hello!", "Go away.")
 
