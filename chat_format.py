@@ -186,7 +186,8 @@ def local_split(path: Path, split: str) -> list[Path]:
         from datasets.data_files import DataFilesDict, get_data_patterns
 
         with contextlib.suppress(FileNotFoundError):  # no file of any split
-            files = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).get(split, [])
+            found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+            files, hint = found.get(split, []), f" (it has {', '.join(map(str, found))})"  # train_prefs, say
     if not files:
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
                         f"data/{split}-00000-of-00001.parquet{hint}; a held-out split missing, --eval-every 0 skips "
