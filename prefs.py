@@ -75,10 +75,14 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
     if missing := [key for key in ("chosen", "rejected") if row.get(key) is None]:
         raise ValueError(f"missing field {missing[0]!r}")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if isinstance(prompt, str) and TURN.match(prompt) and prompt.endswith(ASSISTANT):  # rm-static's: HH's prompt
+        prompt = turns(prompt[:-len(ASSISTANT)])  # the replies lose the space after "Assistant:", as HH's own do
+        chosen, rejected = (r.removeprefix(" ") if isinstance(r, str) else r for r in (chosen, rejected))
+    elif isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
     if isinstance(chosen, list) and isinstance(rejected, list):  # whole conversations, or TRL's replies to a prompt
-        if chosen and isinstance(chosen[0], dict) and chosen[0].get("role") == "assistant":  # TRL's: the prompt apart
-            prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            chosen, rejected = (prompt + chosen, prompt + rejected) if isinstance(prompt, list) else (chosen, rejected)
+        if isinstance(prompt, list) and chosen and isinstance(chosen[0], dict) and chosen[0].get("role") == "assistant":
+            chosen, rejected = prompt + chosen, prompt + rejected  # TRL's: the prompt apart
         if chosen[:-1] != rejected[:-1]:
             raise ValueError("chosen and rejected continue different conversations")
         prompt = chosen[:-1]
@@ -86,11 +90,6 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
                             else None for m in (chosen, rejected))
     elif prompt is None and isinstance(chosen, str) and isinstance(rejected, str):
         prompt, chosen, rejected = split_transcripts(chosen, rejected)
-    elif isinstance(prompt, str) and TURN.match(prompt) and prompt.endswith(ASSISTANT):  # rm-static's: HH's prompt
-        prompt = turns(prompt[:-len(ASSISTANT)])  # the replies lose the space after "Assistant:", as HH's own do
-        chosen, rejected = (r.removeprefix(" ") if isinstance(r, str) else r for r in (chosen, rejected))
-    elif isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
     if not (isinstance(prompt, list) and isinstance(chosen, str) and isinstance(rejected, str)):
         raise ValueError("expected the prompt as text or messages, chosen and rejected as text or conversations that "
                          "end with the assistant's reply")
