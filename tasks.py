@@ -417,7 +417,7 @@ def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[di
     for i, ex in enumerate(task.examples(split)[:n or None]):
         chosen, rejected = ex["messages"][-1]["content"], task.wrong(ex["answer"], rng)
         with row_errors(f"--pairs {split}", i):  # prefs.py would refuse the file, naming neither wrong() nor the task
-            if not (isinstance(rejected, str) and rejected.strip() and rejected != chosen and isinstance(chosen, str)):
+            if not (isinstance(chosen, str) and isinstance(rejected, str) and rejected.strip() and rejected != chosen):
                 raise ValueError(f"wrong({ex['answer']!r}) gave {rejected!r:.40} for the reference reply "
                                  f"{chosen!r:.40}: a pair needs two different texts")
         pairs.append({"prompt": ex["messages"][:-1], "chosen": chosen, "rejected": rejected})
@@ -458,9 +458,11 @@ def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
     for item in specs.split(","):
         name, _, source = item.partition("=") if item.partition("=")[0] in TASKS else (item, "", "")
         check_spec(name)
-        if not name or (label := name.rpartition(":")[2]) in listed:
-            what = "an empty item; list each task once" if not name else f"{label} twice; list each task once" \
-                if listed[label][0] == name else f"two tasks named {label}: results go by the name; rename one"
+        if not name:
+            raise ValueError(f"{flag} {specs}: an empty item; list each task once")
+        if (label := name.rpartition(":")[2]) in listed:
+            what = f"{label} twice; list each task once" if listed[label][0] == name else \
+                f"two tasks named {label}: results go by the name; rename one"
             raise ValueError(f"{flag} {specs}: {what}")
         listed[label] = (name, source)
     return listed
