@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from common import EOT, get_tokenizer, read_json
-from fineweb import DataError, permutation, source_kind
+from fineweb import DataError, expand, permutation, source_kind
 
 BOS = EOT
 SYSTEM_START, SYSTEM_END, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = range(50257, 50263)
@@ -146,13 +146,12 @@ def reply_text(ids: Iterable[int]) -> str:
 
 
 def load_rows(source: str, split: str, config: str | None = None, fallback: str = "") -> Any:
-    """The rows of a local .jsonl/.json/.parquet file (all of it), of `split` in a local directory in the hub's layout
-    (train/test files, e.g. data/train-00000-of-00001.parquet; else `fallback`'s), or of a hub dataset (downloaded
-    once). Local JSON is read as written: `datasets` would infer one type per column and rewrite contents ("42" as 42,
-    "\\"x\\"" as x)."""
-    path = Path(source).expanduser()
-    if path.exists():
-        rows = [row for f in local_split(path, split, fallback) for row in read_local(f)]
+    """The rows of a local .jsonl/.json/.parquet file (all of it) or a glob's files (in sorted order), of `split` in a
+    local directory in the hub's layout (train/test files, e.g. data/train-00000-of-00001.parquet; else `fallback`'s),
+    or of a hub dataset (downloaded once). Local JSON is read as written: `datasets` would infer one type per column
+    and rewrite contents ("42" as 42, "\\"x\\"" as x)."""
+    if files := expand(source, lambda path: local_split(path, split, fallback)):
+        rows = [row for f in files if f.is_file() for row in read_local(f)]
     elif source_kind(source) == "local":
         raise DataError(f"no such file or directory: {source} (taken as a local path); check the path, or run the "
                         "command that writes it first (e.g. tasks.py)")
@@ -231,12 +230,17 @@ def read_local(path: Path) -> list[dict]:
     return rows
 
 
+def one_file(source: str) -> bool:
+    """A local file or glob, read as one file: its every VAL_EVERY-th row is val, not a split of its own."""
+    return source_kind(source) == "local" and not Path(source).expanduser().is_dir()
+
+
 def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test"),
                family: tuple[str, str] = ("", "")) -> Iterable[tuple[int, Any]]:
-    """(row index, row) of the train or val split, one at a time: a file's every VAL_EVERY-th row is val, a
+    """(row index, row) of the train or val split, one at a time: a file's or glob's every VAL_EVERY-th row is val, a
     directory's or hub dataset's val is its names[1] split (train its names[0]); a directory without it, the stage's
     family's (ultrafeedback_binarized's copy: train_prefs, test_prefs)."""
-    single = Path(source).expanduser().is_file()
+    single = one_file(source)
     k = 0 if single or split == "train" else 1
     rows = load_rows(source, names[k], fallback=family[k])
     return ((i, row) for i, row in enumerate(rows) if not single or (i % VAL_EVERY == 0) == (split == "val"))

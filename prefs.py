@@ -121,9 +121,9 @@ def render_pairs(rows: Any, name: str, T: int) -> tuple[list[list[np.ndarray]], 
 
 class PairLoader(RowStream):
     """Batches of B pairs for one rank, with fineweb.TokenLoader's interface (chat_format.RowStream's position).
-    `source` is a path or hub name, or a list of rows. "val" is held out as chat_format's conversations are: a single
-    file's every VAL_EVERY-th row ("train" the others), a directory's or hub dataset's test split (else test_prefs,
-    as UltraFeedback's); another split is read whole."""
+    `source` is a path, glob or hub name, or a list of rows. "val" is held out as chat_format's conversations are: a
+    file's or glob's every VAL_EVERY-th row ("train" the others), a directory's or hub dataset's test split (else
+    test_prefs, as UltraFeedback's); another split is read whole."""
 
     sides = 2  # sequences per item, for the header's tokens per step
 
@@ -226,8 +226,8 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
     chat model. Flags override the chosen --preset; every GPTConfig field is a flag too. --batch-size and
     --total-batch-size count pairs' positions: a step reads both sides, twice the tokens."""
 
-    # pairs: a file, a directory (its train and test splits, else train_prefs and test_prefs: ultrafeedback_binarized's)
-    # or a hub name
+    # pairs: a file or glob of files (every 20th row is val), a directory (its train and test splits, else
+    # train_prefs and test_prefs: ultrafeedback_binarized's) or a hub name
     data: Annotated[str, LOCAL] = "HuggingFaceH4/ultrafeedback_binarized"
     objective: str = "dpo"  # reward (a Bradley-Terry reward model: a value head on the model) or dpo
     reward_logprob: bool = False  # reward: the score adds the mean log-prob of the reply (parallel.rewards)
