@@ -235,6 +235,13 @@ def one_file(source: str) -> bool:
     return source_kind(source) == "local" and not Path(source).expanduser().is_dir()
 
 
+def held_out(source: str, split: str) -> str:
+    """The load note's word on a file's train split: its val rows stay out with --eval-every 0 too (--eval-only scores
+    them later, and a resume needs the same train rows)."""
+    return f"; every {VAL_EVERY}th row from row 0 is held out as val, with --eval-every 0 too" \
+        if split == "train" and one_file(source) else ""
+
+
 def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test"),
                family: tuple[str, str] = ("", "")) -> Iterable[tuple[int, Any]]:
     """(row index, row) of the train or val split, one at a time: a file's or glob's every VAL_EVERY-th row is val, a
@@ -391,7 +398,7 @@ class ConversationLoader(RowStream):
         if rank == 0:
             print(f"{source} {split}: {len(convs):,} conversations in {self.num_rows:,} rows of {T + 1} tokens, "
                   f"{self.padding:.1%} padding; {truncated - dropped:,} of them truncated to {T + 1} tokens; "
-                  f"{dropped:,} more dropped: no assistant token within them")
+                  f"{dropped:,} more dropped: no assistant token within them{held_out(str(source), split)}")
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each int64 (B, T) on the loader's device; y is -1 where nothing is learned."""

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import engine
 import stage
-from chat_format import CHAT_VOCAB, RowStream, load_rows, render, row_errors, split_rows
+from chat_format import CHAT_VOCAB, RowStream, held_out, load_rows, render, row_errors, split_rows
 from common import EOT, LOCAL, all_sum, run_and_exit
 from engine import Context, Eval, Run
 from fineweb import DataError
@@ -143,7 +143,8 @@ class PairLoader(RowStream):
             raise DataError(f"{name} {split}: {self.num_pairs} pairs of at most T = {T} tokens ({dropped} longer "
                             f"dropped), fewer than B = {B}; lower --batch-size, raise --seq-len or add pairs")
         if rank == 0:
-            print(f"{name} {split}: {self.num_pairs:,} pairs; {dropped:,} with a side over {T} tokens dropped")
+            print(f"{name} {split}: {self.num_pairs:,} pairs; {dropped:,} with a side over {T} tokens dropped"
+                  + held_out(name, split))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int64, mask bool), each (2B, T) on the loader's device: B chosen rows, then the same pairs' B rejected
@@ -226,8 +227,8 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
     chat model. Flags override the chosen --preset; every GPTConfig field is a flag too. --batch-size and
     --total-batch-size count pairs' positions: a step reads both sides, twice the tokens."""
 
-    # pairs: a file or glob of files (every 20th row is val), a directory (its train and test splits, else
-    # train_prefs and test_prefs: ultrafeedback_binarized's) or a hub name
+    # pairs: a file or glob of files (every 20th row is val, --eval-every 0 too), a directory (its train and test
+    # splits, else train_prefs and test_prefs: ultrafeedback_binarized's) or a hub name
     data: Annotated[str, LOCAL] = "HuggingFaceH4/ultrafeedback_binarized"
     objective: str = "dpo"  # reward (a Bradley-Terry reward model: a value head on the model) or dpo
     reward_logprob: bool = False  # reward: the score adds the mean log-prob of the reply (parallel.rewards)

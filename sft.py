@@ -31,8 +31,8 @@ class SFTConfig(TaskEvalArgs, StageArgs):
     """Fine-tune a model on conversations ({"messages": [...]} rows: JSONL, parquet or the hub) into a chat model.
     Flags override the chosen --preset; every GPTConfig field is a flag too."""
 
-    # conversations: a file or glob of files (every 20th row is val), a directory (its train and test splits, else
-    # train_sft and test_sft: ultrachat_200k's) or a hub name
+    # conversations: a file or glob of files (every 20th row is val, --eval-every 0 too), a directory (its train and
+    # test splits, else train_sft and test_sft: ultrachat_200k's) or a hub name
     data: Annotated[str, LOCAL] = "HuggingFaceTB/smol-smoltalk"
     label_smoothing: float = 0.0  # cross-entropy label smoothing
 

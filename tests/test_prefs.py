@@ -156,11 +156,14 @@ def test_a_local_copy_of_ultrafeedback_reads_its_prefs_splits(tmp_path, monkeypa
     assert [PairLoader(str(tmp_path), split, 1, 48).num_pairs for split in ("train", "val")] == [6, 3]
 
 
-def test_a_glob_of_pair_files_is_read_as_one_file(tmp_path):
+def test_a_glob_of_pair_files_is_read_as_one_file(tmp_path, capsys):
     for name, n in (("a.jsonl", 25), ("b.jsonl", 15)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in text_rows(n)))
     pattern = str(tmp_path / "*.jsonl")
     assert [PairLoader(pattern, split, 1, 48).num_pairs for split in ("train", "val")] == [38, 2]  # rows 0, 20 val
+    assert capsys.readouterr().out.startswith(f"{pattern} train: 38 pairs; 0 with a side over 48 tokens dropped; "
+                                              "every 20th row from row 0 is held out as val, with --eval-every 0 "
+                                              "too\n")
 
 
 def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_dropped():
