@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from common import EOT, get_tokenizer, read_json
-from fineweb import DataError, permutation, source_kind
+from fineweb import DataError, expand, permutation, source_kind
 
 BOS = EOT
 SYSTEM_START, SYSTEM_END, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = range(50257, 50263)
@@ -145,13 +145,13 @@ def reply_text(ids: Iterable[int]) -> str:
 # Conversation data: read, pack, load
 
 
-def load_rows(source: str, split: str, config: str | None = None) -> Any:
-    """The rows of a local .jsonl/.json/.parquet file (all of it), of `split` in a local directory in the hub's layout
-    (train/test files, e.g. data/train-00000-of-00001.parquet), or of a hub dataset (downloaded once). Local JSON is
-    read as written: `datasets` would infer one type per column and rewrite contents ("42" as 42, "\\"x\\"" as x)."""
-    path = Path(source).expanduser()
-    if path.exists():
-        rows = [row for f in local_split(path, split) for row in read_local(f)]
+def load_rows(source: str, split: str, config: str | None = None, fallback: str = "") -> Any:
+    """The rows of a local .jsonl/.json/.parquet file (all of it) or a glob's files (in sorted order), of `split` in a
+    local directory in the hub's layout (train/test files, e.g. data/train-00000-of-00001.parquet; else `fallback`'s),
+    or of a hub dataset (downloaded once). Local JSON is read as written: `datasets` would infer one type per column
+    and rewrite contents ("42" as 42, "\\"x\\"" as x)."""
+    if files := expand(source, lambda path: local_split(path, split, fallback)):
+        rows = [row for f in files if f.is_file() for row in read_local(f)]
     elif source_kind(source) == "local":
         raise DataError(f"no such file or directory: {source} (taken as a local path); check the path, or run the "
                         "command that writes it first (e.g. tasks.py)")
@@ -174,21 +174,23 @@ def load_rows(source: str, split: str, config: str | None = None) -> Any:
 SPLIT_LAYOUTS = ("{s}.*", "{s}[-_][0-9]*", "data/{s}.*", "data/{s}[-_][0-9]*", "{s}/*", "*/{s}.*", "*/{s}/*")
 
 
-def local_split(path: Path, split: str) -> list[Path]:
-    """A file itself, or `split`'s files in a directory, found by the patterns `datasets` uses (train*, *-test-*...)."""
+def local_split(path: Path, split: str, fallback: str = "") -> list[Path]:
+    """A file itself, or `split`'s files in a directory (else `fallback`'s: ultrachat_200k's copy has train_sft, no
+    train), found by the patterns `datasets` uses (train*, *-test-*...)."""
     if path.is_file():
         return [path]
-    files, hint = [], ""
+    found, hint = {}, ""
     if importlib.util.find_spec("datasets") is None:
-        files = next(filter(None, (globbed(path, pattern.format(s=split)) for pattern in SPLIT_LAYOUTS)), [])
+        found = {s: next(filter(None, (globbed(path, pattern.format(s=s)) for pattern in SPLIT_LAYOUTS)), [])
+                 for s in filter(None, (split, fallback))}
         hint = " (`datasets` is not installed: pip install datasets for its other layouts)"
     else:
         from datasets.data_files import DataFilesDict, get_data_patterns
 
         with contextlib.suppress(FileNotFoundError):  # no file of any split
             found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
-            files, hint = found.get(split, []), f" (it has {', '.join(map(str, found))})"  # train_prefs, say
-    if not files:
+            hint = f" (it has {', '.join(map(str, found))})"  # train_prefs, say
+    if not (files := found.get(split) or found.get(fallback)):
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
                         f"data/{split}-00000-of-00001.parquet{hint}; a held-out split missing, --eval-every 0 skips "
                         "the val loss")
@@ -228,17 +230,32 @@ def read_local(path: Path) -> list[dict]:
     return rows
 
 
-def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test")) -> Iterable[tuple[int, Any]]:
-    """(row index, row) of the train or val split, one at a time: a file's every VAL_EVERY-th row is val, a
-    directory's or hub dataset's val is its names[1] split (train its names[0])."""
-    single = Path(source).expanduser().is_file()
-    rows = load_rows(source, names[0] if single or split == "train" else names[1])
+def one_file(source: str) -> bool:
+    """A local file or glob, read as one file: its every VAL_EVERY-th row is val, not a split of its own."""
+    return source_kind(source) == "local" and not Path(source).expanduser().is_dir()
+
+
+def held_out(source: str, split: str) -> str:
+    """The load note's word on a file's train split: its val rows stay out with --eval-every 0 too (--eval-only scores
+    them later, and a resume needs the same train rows)."""
+    return f"; every {VAL_EVERY}th row from row 0 is held out as val, with --eval-every 0 too" \
+        if split == "train" and one_file(source) else ""
+
+
+def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test"),
+               family: tuple[str, str] = ("", "")) -> Iterable[tuple[int, Any]]:
+    """(row index, row) of the train or val split, one at a time: a file's or glob's every VAL_EVERY-th row is val, a
+    directory's or hub dataset's val is its names[1] split (train its names[0]); a directory without it, the stage's
+    family's (ultrafeedback_binarized's copy: train_prefs, test_prefs)."""
+    single = one_file(source)
+    k = 0 if single or split == "train" else 1
+    rows = load_rows(source, names[k], fallback=family[k])
     return ((i, row) for i, row in enumerate(rows) if not single or (i % VAL_EVERY == 0) == (split == "val"))
 
 
-def read_conversations(source: str, split: str) -> Iterator[tuple[int, Any]]:
+def read_conversations(source: str, split: str, family: tuple[str, str] = ("", "")) -> Iterator[tuple[int, Any]]:
     """(row index, messages) of the train or val split (split_rows); a row of another schema is one line naming it."""
-    for i, row in split_rows(source, split):
+    for i, row in split_rows(source, split, family=family):
         if "messages" not in row:  # ShareGPT's conversations, prompt/completion... (load_rows gives objects only)
             raise DataError(f"{source} row {i}: no 'messages' (columns {', '.join(row)}); a conversation is "
                             '{"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it')
@@ -359,8 +376,8 @@ class ConversationLoader(RowStream):
     packed rows (train: a seeded shuffle per epoch; val: in order)."""
 
     def __init__(self, source: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 device: str | torch.device = "cpu"):
-        convs, truncated, dropped = render_rows(str(source), read_conversations(str(source), split), T + 1)
+                 device: str | torch.device = "cpu", family: tuple[str, str] = ("", "")):
+        convs, truncated, dropped = render_rows(str(source), read_conversations(str(source), split, family), T + 1)
         if not convs:  # none in the split (a one-row file's train), or each was cut before its first assistant token
             raise DataError(f"{source} {split}: " + (f"none of its {dropped:,} conversations has an assistant token "
                             f"within T+1 = {T + 1} tokens; raise --seq-len" if dropped else "no conversations (a "
@@ -381,7 +398,7 @@ class ConversationLoader(RowStream):
         if rank == 0:
             print(f"{source} {split}: {len(convs):,} conversations in {self.num_rows:,} rows of {T + 1} tokens, "
                   f"{self.padding:.1%} padding; {truncated - dropped:,} of them truncated to {T + 1} tokens; "
-                  f"{dropped:,} more dropped: no assistant token within them")
+                  f"{dropped:,} more dropped: no assistant token within them{held_out(str(source), split)}")
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each int64 (B, T) on the loader's device; y is -1 where nothing is learned."""

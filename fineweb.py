@@ -127,7 +127,7 @@ def expand(pattern: str, in_dir: Callable[[Path], Iterable[Path]]) -> list[Path]
     """The paths a glob matches, a directory's (in_dir), or the file itself; None where nothing is."""
     path = Path(pattern).expanduser()
     if any(c in pattern for c in "*?["):
-        return [Path(f) for f in glob.glob(str(path), recursive=True)]
+        return [Path(f) for f in sorted(glob.glob(str(path), recursive=True))]
     if path.exists():
         return list(in_dir(path)) if path.is_dir() else [path]
     return None

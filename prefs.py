@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import engine
 import stage
-from chat_format import CHAT_VOCAB, RowStream, load_rows, render, row_errors, split_rows
+from chat_format import CHAT_VOCAB, RowStream, held_out, load_rows, render, row_errors, split_rows
 from common import EOT, LOCAL, all_sum, run_and_exit
 from engine import Context, Eval, Run
 from fineweb import DataError
@@ -43,7 +43,8 @@ from stage import StageArgs, TaskEvalArgs
 ASSISTANT = "\n\nAssistant:"
 TURN = re.compile(r"\n\n(Human|Assistant):")
 ROLES = {"Human": "user", "Assistant": "assistant"}
-HELD_OUT = {"HuggingFaceH4/ultrafeedback_binarized": ("train_prefs", "test_prefs")}  # a hub dataset's split names
+SPLITS = ("train_prefs", "test_prefs")  # a directory's train and val split where it has no train and test
+HELD_OUT = {"HuggingFaceH4/ultrafeedback_binarized": SPLITS}  # a hub dataset's split names
 Metrics = dict[str, torch.Tensor]
 
 
@@ -120,9 +121,9 @@ def render_pairs(rows: Any, name: str, T: int) -> tuple[list[list[np.ndarray]], 
 
 class PairLoader(RowStream):
     """Batches of B pairs for one rank, with fineweb.TokenLoader's interface (chat_format.RowStream's position).
-    `source` is a path or hub name, or a list of rows. "val" is held out as chat_format's conversations are: a single
-    file's every VAL_EVERY-th row ("train" the others), a directory's or hub dataset's test split (UltraFeedback's
-    test_prefs); another split is read whole."""
+    `source` is a path, glob or hub name, or a list of rows. "val" is held out as chat_format's conversations are: a
+    file's or glob's every VAL_EVERY-th row ("train" the others), a directory's or hub dataset's test split (else
+    test_prefs, as UltraFeedback's); another split is read whole."""
 
     sides = 2  # sequences per item, for the header's tokens per step
 
@@ -131,7 +132,7 @@ class PairLoader(RowStream):
         if isinstance(source, list):
             name, rows = f"<{len(source)} rows>", enumerate(source)
         elif split in ("train", "val"):
-            name, rows = str(source), split_rows(source, split, HELD_OUT.get(source, ("train", "test")))
+            name, rows = str(source), split_rows(source, split, HELD_OUT.get(source, ("train", "test")), SPLITS)
         else:
             name, rows = str(source), enumerate(load_rows(source, split))
         self.ids, self.starts, dropped = render_pairs(rows, name, T)
@@ -142,7 +143,8 @@ class PairLoader(RowStream):
             raise DataError(f"{name} {split}: {self.num_pairs} pairs of at most T = {T} tokens ({dropped} longer "
                             f"dropped), fewer than B = {B}; lower --batch-size, raise --seq-len or add pairs")
         if rank == 0:
-            print(f"{name} {split}: {self.num_pairs:,} pairs; {dropped:,} with a side over {T} tokens dropped")
+            print(f"{name} {split}: {self.num_pairs:,} pairs; {dropped:,} with a side over {T} tokens dropped"
+                  + held_out(name, split))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int64, mask bool), each (2B, T) on the loader's device: B chosen rows, then the same pairs' B rejected
@@ -225,7 +227,9 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
     chat model. Flags override the chosen --preset; every GPTConfig field is a flag too. --batch-size and
     --total-batch-size count pairs' positions: a step reads both sides, twice the tokens."""
 
-    data: Annotated[str, LOCAL] = "HuggingFaceH4/ultrafeedback_binarized"  # pairs: a file, a directory or a hub name
+    # pairs: a file or glob of files (every 20th row is val, --eval-every 0 too), a directory (its train and test
+    # splits, else train_prefs and test_prefs: ultrafeedback_binarized's) or a hub name
+    data: Annotated[str, LOCAL] = "HuggingFaceH4/ultrafeedback_binarized"
     objective: str = "dpo"  # reward (a Bradley-Terry reward model: a value head on the model) or dpo
     reward_logprob: bool = False  # reward: the score adds the mean log-prob of the reply (parallel.rewards)
     dpo_beta: float = 0.1  # DPO's beta: how far the implicit reward may pull the policy from its reference

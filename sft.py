@@ -23,13 +23,17 @@ from engine import Context, Run
 from parallel import check_flags
 from stage import StageArgs, TaskEvalArgs
 
+SPLITS = ("train_sft", "test_sft")  # a directory's train and val split where it has no train and test (ultrachat_200k)
+
 
 @dataclass
 class SFTConfig(TaskEvalArgs, StageArgs):
     """Fine-tune a model on conversations ({"messages": [...]} rows: JSONL, parquet or the hub) into a chat model.
     Flags override the chosen --preset; every GPTConfig field is a flag too."""
 
-    data: Annotated[str, LOCAL] = "HuggingFaceTB/smol-smoltalk"  # conversations: a file, a directory or a hub name
+    # conversations: a file or glob of files (every 20th row is val, --eval-every 0 too), a directory (its train and
+    # test splits, else train_sft and test_sft: ultrachat_200k's) or a hub name
+    data: Annotated[str, LOCAL] = "HuggingFaceTB/smol-smoltalk"
     label_smoothing: float = 0.0  # cross-entropy label smoothing
 
     def __post_init__(self) -> None:
@@ -57,7 +61,7 @@ def setup(cfg: SFTConfig, ctx: Context) -> Run:
     """The Run: packed conversations, the model (an HF GPT-2 padded for the chat tokens), val loss and the task."""
     # a split's packed conversations for `data`'s rank among its data-parallel world (stage.Setup's)
     loader = lambda split, data: ConversationLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
-                                                    cfg.seed, data.device)
+                                                    cfg.seed, data.device, SPLITS)
     setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
     setup.build()
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx,

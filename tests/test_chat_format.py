@@ -228,3 +228,20 @@ def test_check_vocab_needs_the_chat_rows():
     loader.check_vocab(50304)
     with pytest.raises(DataError, match="ids up to 50266, but the model has only 50257 embedding rows"):
         loader.check_vocab(50257)
+
+
+def test_a_glob_reads_its_files_in_order_as_one_file(tmp_path, capsys):
+    (tmp_path / "convs").mkdir()
+    for name, first in (("b.jsonl", 30), ("a.jsonl", 0), ("c.txt", 60)):  # b after a; c.txt not matched
+        write_jsonl(tmp_path / "convs" / name, [chat(i) for i in range(first, first + 30)])
+    pattern = str(tmp_path / "convs" / "*.jsonl")
+    train = [m for _, m in cf.read_conversations(pattern, "train")]
+    assert train == [chat(i) for i in range(60) if i % cf.VAL_EVERY]  # rows 0, 20, 40 of a then b are val
+    assert [m for _, m in cf.read_conversations(pattern, "val")] == [chat(0), chat(20), chat(40)]
+    cf.ConversationLoader(pattern, "train", 1, 63)
+    assert capsys.readouterr().out.endswith("0 more dropped: no assistant token within them; every 20th row from "
+                                            "row 0 is held out as val, with --eval-every 0 too\n")
+    with pytest.raises(DataError, match=f"^no such file or directory: {re.escape(str(tmp_path))}/convs/\\*.json "
+                                        "\\(taken as a local path\\); check the path, or run the command that "
+                                        "writes it first \\(e.g. tasks.py\\)$"):
+        cf.ConversationLoader(str(tmp_path / "convs" / "*.json"), "train", 1, 63)

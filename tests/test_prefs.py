@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,33 @@ def test_each_schema_loads_from_local_files_and_hub_layouts(tmp_path):
     loader = PairLoader(str(tmp_path / "hh"), "train", 5, 48, shuffle=False)
     assert loader.num_pairs == 5
     assert sorted(replies(loader, loader.next_batch())) == ["No.<|assistant_end|>"] * 5 + ["Sure.<|assistant_end|>"] * 5
+
+
+@pytest.mark.parametrize("datasets_installed", [True, False])
+def test_a_local_copy_of_ultrafeedback_reads_its_prefs_splits(tmp_path, monkeypatch, datasets_installed):
+    """The hub name read train_prefs/test_prefs, but its local copy (no train split) was refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not datasets_installed:
+        for name in ["datasets", *(m for m in list(sys.modules) if m.startswith("datasets."))]:
+            monkeypatch.setitem(sys.modules, name, None)  # an import of it raises; find_spec says None
+    (tmp_path / "data").mkdir()
+    for split, n in (("train_prefs", 6), ("test_prefs", 3), ("train_sft", 5), ("train_gen", 4)):
+        rows = [{"prompt": f"Q{i}", "chosen": conversation(f"Q{i}", f"good {i}"),
+                 "rejected": conversation(f"Q{i}", f"bad {i}")} for i in range(n)]
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / f"{split}-00000-of-00001.parquet")
+    assert [PairLoader(str(tmp_path), split, 1, 48).num_pairs for split in ("train", "val")] == [6, 3]
+
+
+def test_a_glob_of_pair_files_is_read_as_one_file(tmp_path, capsys):
+    for name, n in (("a.jsonl", 25), ("b.jsonl", 15)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in text_rows(n)))
+    pattern = str(tmp_path / "*.jsonl")
+    assert [PairLoader(pattern, split, 1, 48).num_pairs for split in ("train", "val")] == [38, 2]  # rows 0, 20 val
+    assert capsys.readouterr().out.startswith(f"{pattern} train: 38 pairs; 0 with a side over 48 tokens dropped; "
+                                              "every 20th row from row 0 is held out as val, with --eval-every 0 "
+                                              "too\n")
 
 
 def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_dropped():

@@ -3,6 +3,7 @@ resume is bitwise, 2 gloo ranks equal 1 process, an HF GPT-2 is padded for the c
 
 import json
 import math
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,6 +34,25 @@ def flags(data: Path, out: Path, *extra: str) -> list[str]:
     return ["--preset", "sft-demo", "--init-from=", "--model=tiny", "--data", str(data), "--out-dir", str(out),
             "--seq-len=64", "--batch-size=4", "--total-batch-size=512", "--warmup-steps=2", "--eval-tokens=512",
             "--task=", *extra]
+
+
+@pytest.mark.parametrize("datasets_installed", [True, False])
+def test_a_local_copy_of_ultrachat_reads_its_sft_splits(tmp_path, monkeypatch, datasets_installed):
+    """ultrachat_200k's layout has train_sft/test_sft/train_gen/test_gen and no train: a local copy was refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not datasets_installed:
+        for name in ["datasets", *(m for m in list(sys.modules) if m.startswith("datasets."))]:
+            monkeypatch.setitem(sys.modules, name, None)  # an import of it raises; find_spec says None
+    chat = lambda i: [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    (tmp_path / "data").mkdir()
+    for split, first, n in (("train_sft", 0, 30), ("test_sft", 30, 4), ("train_gen", 40, 7), ("test_gen", 50, 5)):
+        table = pa.Table.from_pylist([{"messages": chat(i)} for i in range(first, first + n)])
+        pq.write_table(table, tmp_path / "data" / f"{split}-00000-of-00001.parquet")
+    train, val = (ConversationLoader(str(tmp_path), split, 1, 63, family=sft.SPLITS) for split in ("train", "val"))
+    assert train.tokens == sum(len(render(chat(i))[0]) for i in range(30))
+    assert val.tokens == sum(len(render(chat(i))[0]) for i in range(30, 34))
 
 
 def test_the_loss_is_the_mean_over_the_assistants_tokens(conversations):
