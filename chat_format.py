@@ -202,7 +202,8 @@ def globbed(path: Path, pattern: str) -> list[Path]:
 
 
 def read_local(path: Path) -> list[dict]:
-    """A .jsonl/.json file's rows as written (a JSON array, or one object per line; gzipped too), or a .parquet's."""
+    """A .jsonl/.json file's rows as written (a JSON array, or objects one after another, each on a line or over
+    several, as datasets reads them; gzipped too), or a .parquet's."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -214,17 +215,22 @@ def read_local(path: Path) -> list[dict]:
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise DataError(f"{path} line {line}: not UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
-    # lines end at \n alone: splitlines() would also cut at U+2028, U+0085... that JSON strings may hold unescaped
-    lines = [text] if text.lstrip().startswith("[") else text.split("\n")
-    rows = []
-    for number, line in enumerate(lines, 1):
+    rows, at, decoder = [], 0, json.JSONDecoder()
+    while (at := json.decoder.WHITESPACE.match(text, at).end()) < len(text):  # values one after another, as datasets
         try:
-            parsed = json.loads(line) if line.strip() else []
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {number + e.lineno - 1}: not valid JSON ({e.msg})") from None
+            parsed, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError as e:  # a line cut short runs on into the next: name the line it began on too
+            begun = text.count("\n", 0, at) + 1
+            where = f"; in the value from line {begun}" if begun < e.lineno else ""
+            raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg}{where})") from None
         rows += parsed if isinstance(parsed, list) else [parsed]
     if (bad := next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)) is not None:
         raise DataError(f"{path} row {bad}: expected a JSON object, got {type(rows[bad]).__name__}")
+    # one object whose every field holds many values, not a row's: json.dump(dataset[:]), pandas' to_json
+    if len(rows) == 1 and rows[0] and all(
+        isinstance(v, dict) or (isinstance(v, list) and v and not isinstance(v[0], dict)) for v in rows[0].values()):
+        raise DataError(f"{path}: one object of columns ({', '.join(rows[0])}), not rows; expected a list of objects, "
+                        "or one object per line")
     return rows
 
 

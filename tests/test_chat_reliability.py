@@ -112,6 +112,25 @@ def test_a_row_of_another_schema_is_one_line_naming_its_columns(tmp_path):
         '{"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it'
 
 
+def test_json_over_several_lines_reads_as_datasets_reads_it_and_columns_are_one_line(tmp_path):
+    # a pretty-printed object was "line 1: not valid JSON"; datasets reads objects one after another as rows
+    row, path = chat_rows()[0], tmp_path / "chat.json"
+    path.write_text(json.dumps(row, indent=2) + "\n" + json.dumps(row, indent=2))
+    assert cf.load_rows(str(path), "train") == [row, row]
+    # columns (json.dump(dataset[:]), pandas' to_json) were read as one row: "message 0 has role None"
+    for columns in ({"messages": [row["messages"]] * 2}, {"messages": {"0": row["messages"]}}):
+        path.write_text(json.dumps(columns, indent=2))
+        with pytest.raises(DataError) as e:
+            cf.load_rows(str(path), "train")
+        assert str(e.value) == f"{path}: one object of columns (messages), not rows; expected a list of objects, or " \
+            "one object per line"
+    # a line cut short runs into the next, where the decoder stops: the line its value began on is named too
+    path.write_text('{"messages": 1}\n{"messages": [1\n{"messages": 2}\n')
+    with pytest.raises(DataError) as e:
+        cf.load_rows(str(path), "train")
+    assert str(e.value) == f"{path} line 3: not valid JSON (Expecting ',' delimiter; in the value from line 2)"
+
+
 def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
