@@ -172,6 +172,7 @@ def load_rows(source: str, split: str, config: str | None = None) -> Any:
 # a split's files without `datasets` (the GPU image), the first layout that matches (train.jsonl, train-0.parquet,
 # data/..., train/0.jsonl, HH's helpful-base/train.jsonl.gz); a digit after "train-": train_prefs-0 is another split
 SPLIT_LAYOUTS = ("{s}.*", "{s}[-_][0-9]*", "data/{s}.*", "data/{s}[-_][0-9]*", "{s}/*", "*/{s}.*", "*/{s}/*")
+READABLE = (".jsonl", ".json", ".parquet", ".gz")  # the files read_local reads (gzipped: .jsonl.gz, .json.gz)
 
 
 def local_split(path: Path, split: str) -> list[Path]:
@@ -188,6 +189,7 @@ def local_split(path: Path, split: str) -> list[Path]:
         with contextlib.suppress(FileNotFoundError):  # no file of any split
             found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
             files, hint = found.get(split, []), f" (it has {', '.join(map(str, found))})"  # train_prefs, say
+    files = readable(path, split, [Path(f) for f in files])  # datasets' patterns also match train_notes.txt
     if not files:
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
                         f"data/{split}-00000-of-00001.parquet{hint}; a held-out split missing, --eval-every 0 skips "
@@ -197,8 +199,15 @@ def local_split(path: Path, split: str) -> list[Path]:
 
 def globbed(path: Path, pattern: str) -> list[Path]:
     """The data files read_local reads that match pattern under path, sorted; hidden files (an editor's) left out."""
-    return sorted(f for f in path.glob(pattern) if f.is_file() and f.name[0] != "."
-                  and f.name.endswith((".jsonl", ".json", ".parquet", ".gz")))
+    return sorted(f for f in path.glob(pattern) if f.is_file() and f.name[0] != "." and f.name.endswith(READABLE))
+
+
+def readable(path: Path, split: str, files: list[Path]) -> list[Path]:
+    """The files read_local reads, the others named in a note, as fineweb.local_files names a directory's."""
+    if other := [f.name for f in files if not f.name.endswith(READABLE)]:
+        print(f"note: {path} (split {split}): {len(other)} file(s) left out, not .jsonl/.json/.parquet/.gz: "
+              f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
+    return [f for f in files if f.name.endswith(READABLE)]
 
 
 def read_local(path: Path) -> list[dict]:

@@ -131,6 +131,15 @@ def test_json_over_several_lines_reads_as_datasets_reads_it_and_columns_are_one_
     assert str(e.value) == f"{path} line 3: not valid JSON (Expecting ',' delimiter; in the value from line 2)"
 
 
+def test_a_stray_file_beside_a_split_is_left_out_naming_it(tmp_path, capsys):
+    pytest.importorskip("datasets")  # its patterns match train_notes.txt too, and read_local took it for JSON
+    write_jsonl(tmp_path / "train.jsonl", chat_rows())
+    (tmp_path / "train_notes.txt").write_text("notes\n")
+    assert cf.load_rows(str(tmp_path), "train") == chat_rows()
+    assert capsys.readouterr().out == f"note: {tmp_path} (split train): 1 file(s) left out, not " \
+        ".jsonl/.json/.parquet/.gz: train_notes.txt\n"
+
+
 def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
