@@ -203,11 +203,12 @@ def globbed(path: Path, pattern: str) -> list[Path]:
 
 
 def readable(path: Path, split: str, files: list[Path]) -> list[Path]:
-    """The files read_local reads, the others named in a note, as fineweb.local_files names a directory's."""
+    """The files read_local reads in path order (datasets lists them pattern by pattern; row_name counts over them),
+    the others named in a note, as fineweb.local_files names a directory's."""
     if other := [f.name for f in files if not f.name.endswith(READABLE)]:
         print(f"note: {path} (split {split}): {len(other)} file(s) left out, not .jsonl/.json/.parquet/.gz: "
               f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
-    return [f for f in files if f.name.endswith(READABLE)]
+    return sorted(f for f in files if f.name.endswith(READABLE))
 
 
 def read_local(path: Path) -> list[dict]:
@@ -234,7 +235,7 @@ def read_local(path: Path) -> list[dict]:
             raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg}{where})") from None
         rows += parsed if isinstance(parsed, list) else [parsed]
     if (bad := next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)) is not None:
-        raise DataError(f"{path} row {bad}: expected a JSON object, got {type(rows[bad]).__name__}")
+        raise DataError(f"{row_name(str(path), bad)}: expected a JSON object, got {type(rows[bad]).__name__}")
     # one object whose every field holds many values, not a row's: json.dump(dataset[:]), pandas' to_json
     if len(rows) == 1 and rows[0] and all(
         isinstance(v, dict) or (isinstance(v, list) and v and not isinstance(v[0], dict)) for v in rows[0].values()):
@@ -255,7 +256,7 @@ def read_conversations(source: str, split: str) -> Iterator[tuple[int, Any]]:
     """(row index, messages) of the train or val split (split_rows); a row of another schema is one line naming it."""
     for i, row in split_rows(source, split):
         if "messages" not in row:  # ShareGPT's conversations, prompt/completion... (load_rows gives objects only)
-            raise DataError(f"{source} row {i}: no 'messages' (columns {', '.join(row)}); a conversation is "
+            raise DataError(f"{row_name(source, i)}: no 'messages' (columns {', '.join(row)}); a conversation is "
                             '{"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it')
         yield i, row["messages"]
 
@@ -294,7 +295,15 @@ def row_errors(source: str, index: int) -> Iterator[None]:
     try:
         yield
     except ValueError as e:
-        raise DataError(f"{source} row {index}: {e}") from None
+        raise DataError(f"{row_name(source, index)}: {e}") from None
+
+
+def row_name(source: str, index: int) -> str:
+    """A row in an error: a local file's by its index from 0 (its line would count blank lines), a directory's by its
+    index over its split's files in path order; another source's (a hub dataset's, a task's) by its index."""
+    path = Path(source).expanduser()
+    how = "over the split's files in path order" if path.is_dir() else "not a line number"
+    return f"{source} row {index}" + (f" (0-based, {how})" if path.exists() else "")
 
 
 def render_rows(source: str, rows: Iterable[tuple[int, Any]], cap: int) -> tuple[list[tuple[Any, Any]], int, int]:

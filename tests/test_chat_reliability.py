@@ -95,10 +95,23 @@ def test_pair_replies_reach_the_tokenizer_as_written(tmp_path):
 def test_a_bad_content_is_refused_naming_its_row(tmp_path, content, message):
     rows = chat_rows()
     rows[5]["messages"][1]["content"] = content
-    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n\n".join(map(json.dumps, rows)))  # row 5 is on line 11: "row 5" was opened at line 5
     with pytest.raises(DataError) as e:
         cf.ConversationLoader(str(path), "train", 1, 64)
-    assert str(e.value) == f"{path} row 5: {message}"
+    assert str(e.value) == f"{path} row 5 (0-based, not a line number): {message}"
+
+
+def test_a_directory_s_bad_row_is_counted_over_its_split_s_files_in_path_order(tmp_path):
+    pytest.importorskip("datasets")  # it lists train-1.jsonl (its first pattern's) before a-train.jsonl
+    rows = chat_rows()
+    rows[5]["messages"][1]["content"] = 42
+    write_jsonl(tmp_path / "a-train.jsonl", rows[:4])
+    write_jsonl(tmp_path / "train-1.jsonl", rows[4:])
+    with pytest.raises(DataError) as e:
+        cf.ConversationLoader(str(tmp_path), "train", 1, 64)
+    assert str(e.value) == f"{tmp_path} row 5 (0-based, over the split's files in path order): message 1 " \
+        "(assistant) has content of type int, expected a string or a list of parts"
 
 
 def test_a_row_of_another_schema_is_one_line_naming_its_columns(tmp_path):
@@ -108,8 +121,8 @@ def test_a_row_of_another_schema_is_one_line_naming_its_columns(tmp_path):
     path = write_jsonl(tmp_path / "sharegpt.jsonl", rows)
     with pytest.raises(DataError) as e:
         cf.ConversationLoader(str(path), "train", 1, 64)
-    assert str(e.value) == f'{path} row 3: no \'messages\' (columns conversations, id); a conversation is ' \
-        '{"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it'
+    assert str(e.value) == f'{path} row 3 (0-based, not a line number): no \'messages\' (columns conversations, id); ' \
+        'a conversation is {"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it'
 
 
 def test_json_over_several_lines_reads_as_datasets_reads_it_and_columns_are_one_line(tmp_path):
