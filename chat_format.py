@@ -172,6 +172,7 @@ def load_rows(source: str, split: str, config: str | None = None, fallback: str 
 # a split's files without `datasets` (the GPU image), the first layout that matches (train.jsonl, train-0.parquet,
 # data/..., train/0.jsonl, HH's helpful-base/train.jsonl.gz); a digit after "train-": train_prefs-0 is another split
 SPLIT_LAYOUTS = ("{s}.*", "{s}[-_][0-9]*", "data/{s}.*", "data/{s}[-_][0-9]*", "{s}/*", "*/{s}.*", "*/{s}/*")
+READABLE = (".jsonl", ".json", ".parquet", ".gz")  # the files read_local reads (gzipped: .jsonl.gz, .json.gz)
 
 
 def local_split(path: Path, split: str, fallback: str = "") -> list[Path]:
@@ -190,21 +191,32 @@ def local_split(path: Path, split: str, fallback: str = "") -> list[Path]:
         with contextlib.suppress(FileNotFoundError):  # no file of any split
             found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
             hint = f" (it has {', '.join(map(str, found))})"  # train_prefs, say
-    if not (files := found.get(split) or found.get(fallback)):
+    name = split if found.get(split) else fallback
+    files = readable(path, name, [Path(f) for f in found.get(name, [])])  # datasets' patterns match train_notes.txt
+    if not files:
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
                         f"data/{split}-00000-of-00001.parquet{hint}; a held-out split missing, --eval-every 0 skips "
                         "the val loss")
-    return [Path(f) for f in files]
+    return files
 
 
 def globbed(path: Path, pattern: str) -> list[Path]:
     """The data files read_local reads that match pattern under path, sorted; hidden files (an editor's) left out."""
-    return sorted(f for f in path.glob(pattern) if f.is_file() and f.name[0] != "."
-                  and f.name.endswith((".jsonl", ".json", ".parquet", ".gz")))
+    return sorted(f for f in path.glob(pattern) if f.is_file() and f.name[0] != "." and f.name.endswith(READABLE))
+
+
+def readable(path: Path, split: str, files: list[Path]) -> list[Path]:
+    """The files read_local reads in path order (datasets lists them pattern by pattern; row_name counts over them),
+    the others named in a note, as fineweb.local_files names a directory's."""
+    if other := [f.name for f in files if not f.name.endswith(READABLE)]:
+        print(f"note: {path} (split {split}): {len(other)} file(s) left out, not .jsonl/.json/.parquet/.gz: "
+              f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
+    return sorted(f for f in files if f.name.endswith(READABLE))
 
 
 def read_local(path: Path) -> list[dict]:
-    """A .jsonl/.json file's rows as written (a JSON array, or one object per line; gzipped too), or a .parquet's."""
+    """A .jsonl/.json file's rows as written (a JSON array, or objects one after another, each on a line or over
+    several, as datasets reads them; gzipped too), or a .parquet's."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -216,17 +228,22 @@ def read_local(path: Path) -> list[dict]:
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise DataError(f"{path} line {line}: not UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
-    # lines end at \n alone: splitlines() would also cut at U+2028, U+0085... that JSON strings may hold unescaped
-    lines = [text] if text.lstrip().startswith("[") else text.split("\n")
-    rows = []
-    for number, line in enumerate(lines, 1):
+    rows, at, decoder = [], 0, json.JSONDecoder()
+    while (at := json.decoder.WHITESPACE.match(text, at).end()) < len(text):  # values one after another, as datasets
         try:
-            parsed = json.loads(line) if line.strip() else []
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {number + e.lineno - 1}: not valid JSON ({e.msg})") from None
+            parsed, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError as e:  # a line cut short runs on into the next: name the line it began on too
+            begun = text.count("\n", 0, at) + 1
+            where = f"; in the value from line {begun}" if begun < e.lineno else ""
+            raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg}{where})") from None
         rows += parsed if isinstance(parsed, list) else [parsed]
     if (bad := next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)) is not None:
-        raise DataError(f"{path} row {bad}: expected a JSON object, got {type(rows[bad]).__name__}")
+        raise DataError(f"{row_name(str(path), bad)}: expected a JSON object, got {type(rows[bad]).__name__}")
+    # one object whose every field holds many values, not a row's: json.dump(dataset[:]), pandas' to_json
+    if len(rows) == 1 and rows[0] and all(
+        isinstance(v, dict) or (isinstance(v, list) and v and not isinstance(v[0], dict)) for v in rows[0].values()):
+        raise DataError(f"{path}: one object of columns ({', '.join(rows[0])}), not rows; expected a list of objects, "
+                        "or one object per line")
     return rows
 
 
@@ -257,7 +274,7 @@ def read_conversations(source: str, split: str, family: tuple[str, str] = ("", "
     """(row index, messages) of the train or val split (split_rows); a row of another schema is one line naming it."""
     for i, row in split_rows(source, split, family=family):
         if "messages" not in row:  # ShareGPT's conversations, prompt/completion... (load_rows gives objects only)
-            raise DataError(f"{source} row {i}: no 'messages' (columns {', '.join(row)}); a conversation is "
+            raise DataError(f"{row_name(source, i)}: no 'messages' (columns {', '.join(row)}); a conversation is "
                             '{"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it')
         yield i, row["messages"]
 
@@ -296,7 +313,15 @@ def row_errors(source: str, index: int) -> Iterator[None]:
     try:
         yield
     except ValueError as e:
-        raise DataError(f"{source} row {index}: {e}") from None
+        raise DataError(f"{row_name(source, index)}: {e}") from None
+
+
+def row_name(source: str, index: int) -> str:
+    """A row in an error: a local file's by its index from 0 (its line would count blank lines), a directory's by its
+    index over its split's files in path order; another source's (a hub dataset's, a task's) by its index."""
+    path = Path(source).expanduser()
+    how = "over the split's files in path order" if path.is_dir() else "not a line number"
+    return f"{source} row {index}" + (f" (0-based, {how})" if path.exists() else "")
 
 
 def render_rows(source: str, rows: Iterable[tuple[int, Any]], cap: int) -> tuple[list[tuple[Any, Any]], int, int]:

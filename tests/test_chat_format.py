@@ -97,7 +97,8 @@ def test_bad_conversations_are_one_line_errors(messages, why):
 def test_a_bad_row_names_its_index_in_the_file(tmp_path):
     rows = [chat(i) for i in range(5)]
     rows[3] = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]
-    with pytest.raises(DataError, match=r"chats.jsonl row 3: message 1 \(assistant\) is empty"):
+    message = r"chats.jsonl row 3 \(0-based, not a line number\): message 1 \(assistant\) is empty"
+    with pytest.raises(DataError, match=message):
         cf.ConversationLoader(write_jsonl(tmp_path / "chats.jsonl", rows), "train", 1, 32)
 
 

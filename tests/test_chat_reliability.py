@@ -95,10 +95,23 @@ def test_pair_replies_reach_the_tokenizer_as_written(tmp_path):
 def test_a_bad_content_is_refused_naming_its_row(tmp_path, content, message):
     rows = chat_rows()
     rows[5]["messages"][1]["content"] = content
-    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n\n".join(map(json.dumps, rows)))  # row 5 is on line 11: "row 5" was opened at line 5
     with pytest.raises(DataError) as e:
         cf.ConversationLoader(str(path), "train", 1, 64)
-    assert str(e.value) == f"{path} row 5: {message}"
+    assert str(e.value) == f"{path} row 5 (0-based, not a line number): {message}"
+
+
+def test_a_directory_s_bad_row_is_counted_over_its_split_s_files_in_path_order(tmp_path):
+    pytest.importorskip("datasets")  # it lists train-1.jsonl (its first pattern's) before a-train.jsonl
+    rows = chat_rows()
+    rows[5]["messages"][1]["content"] = 42
+    write_jsonl(tmp_path / "a-train.jsonl", rows[:4])
+    write_jsonl(tmp_path / "train-1.jsonl", rows[4:])
+    with pytest.raises(DataError) as e:
+        cf.ConversationLoader(str(tmp_path), "train", 1, 64)
+    assert str(e.value) == f"{tmp_path} row 5 (0-based, over the split's files in path order): message 1 " \
+        "(assistant) has content of type int, expected a string or a list of parts"
 
 
 def test_a_row_of_another_schema_is_one_line_naming_its_columns(tmp_path):
@@ -108,8 +121,36 @@ def test_a_row_of_another_schema_is_one_line_naming_its_columns(tmp_path):
     path = write_jsonl(tmp_path / "sharegpt.jsonl", rows)
     with pytest.raises(DataError) as e:
         cf.ConversationLoader(str(path), "train", 1, 64)
-    assert str(e.value) == f'{path} row 3: no \'messages\' (columns conversations, id); a conversation is ' \
-        '{"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it'
+    assert str(e.value) == f'{path} row 3 (0-based, not a line number): no \'messages\' (columns conversations, id); ' \
+        'a conversation is {"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it'
+
+
+def test_json_over_several_lines_reads_as_datasets_reads_it_and_columns_are_one_line(tmp_path):
+    # a pretty-printed object was "line 1: not valid JSON"; datasets reads objects one after another as rows
+    row, path = chat_rows()[0], tmp_path / "chat.json"
+    path.write_text(json.dumps(row, indent=2) + "\n" + json.dumps(row, indent=2))
+    assert cf.load_rows(str(path), "train") == [row, row]
+    # columns (json.dump(dataset[:]), pandas' to_json) were read as one row: "message 0 has role None"
+    for columns in ({"messages": [row["messages"]] * 2}, {"messages": {"0": row["messages"]}}):
+        path.write_text(json.dumps(columns, indent=2))
+        with pytest.raises(DataError) as e:
+            cf.load_rows(str(path), "train")
+        assert str(e.value) == f"{path}: one object of columns (messages), not rows; expected a list of objects, or " \
+            "one object per line"
+    # a line cut short runs into the next, where the decoder stops: the line its value began on is named too
+    path.write_text('{"messages": 1}\n{"messages": [1\n{"messages": 2}\n')
+    with pytest.raises(DataError) as e:
+        cf.load_rows(str(path), "train")
+    assert str(e.value) == f"{path} line 3: not valid JSON (Expecting ',' delimiter; in the value from line 2)"
+
+
+def test_a_stray_file_beside_a_split_is_left_out_naming_it(tmp_path, capsys):
+    pytest.importorskip("datasets")  # its patterns match train_notes.txt too, and read_local took it for JSON
+    write_jsonl(tmp_path / "train.jsonl", chat_rows())
+    (tmp_path / "train_notes.txt").write_text("notes\n")
+    assert cf.load_rows(str(tmp_path), "train") == chat_rows()
+    assert capsys.readouterr().out == f"note: {tmp_path} (split train): 1 file(s) left out, not " \
+        ".jsonl/.json/.parquet/.gz: train_notes.txt\n"
 
 
 def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):

@@ -85,25 +85,26 @@ def test_each_schema_parses_to_prompt_messages_and_two_replies():
 
 
 @pytest.mark.parametrize("row, message", [
-    ({"prompt": "p", "chosen": "a"}, "row 1: missing field 'rejected'"),
-    ({"prompt": "p", "chosen": "a", "rejected": "  "}, "row 1: the rejected reply is empty"),
-    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "row 1: chosen == rejected: the pair prefers nothing"),
-    ({"chosen": "one reply", "rejected": "another"}, "row 1: no 'prompt' field, and chosen and rejected are not"),
+    ({"prompt": "p", "chosen": "a"}, "missing field 'rejected'"),
+    ({"prompt": "p", "chosen": "a", "rejected": "  "}, "the rejected reply is empty"),
+    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "chosen == rejected: the pair prefers nothing"),
+    ({"chosen": "one reply", "rejected": "another"}, "no 'prompt' field, and chosen and rejected are not"),
     ({"prompt": "p", "chosen": conversation("a", "x"), "rejected": conversation("b", "y")},
-     "row 1: chosen and rejected continue different conversations"),
-    ({"prompt": "p", "chosen": 3, "rejected": "y"}, "row 1: expected the prompt as text or messages"),
+     "chosen and rejected continue different conversations"),
+    ({"prompt": "p", "chosen": 3, "rejected": "y"}, "expected the prompt as text or messages"),
     # a user's last message is not an assistant's reply; a transcript's text before its first turn is not dropped
     ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
-     "row 1: expected the prompt as text or messages, chosen and rejected as text or conversations that end with"),
+     "expected the prompt as text or messages, chosen and rejected as text or conversations that end with"),
     ({"chosen": "Be kind." + transcript("Hi", "Hello."), "rejected": "Be kind." + transcript("Hi", "Go.")},
-     "row 1: the transcripts start with 'Be kind.', text before their first '\\n\\nHuman:' turn"),
+     "the transcripts start with 'Be kind.', text before their first '\\n\\nHuman:' turn"),
 ])
 def test_a_bad_row_is_one_line_naming_it(tmp_path, row, message):
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [text_rows(1)[0], row]))
     with pytest.raises(DataError) as e:
         PairLoader(str(path), "train", 1, 48)
-    assert str(e.value).startswith(f"{path} {message}") and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"{path} row 1 (0-based, not a line number): {message}")
+    assert "\n" not in str(e.value)
 
 
 def test_each_schema_loads_from_local_files_and_hub_layouts(tmp_path):
