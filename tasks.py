@@ -326,13 +326,18 @@ def load_task(spec: str) -> Any:
     return UserTask(task, spec)
 
 
-def guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """fn, whose exceptions (a user's code: any kind) become one-line ValueErrors naming it."""
+def guarded(fn: Callable[..., Any], name: str, verdict: bool = False) -> Callable[..., Any]:
+    """fn, whose exceptions (a user's code: any kind) become one-line ValueErrors naming it; with `verdict`, so does a
+    return other than True or False (numpy's, 1 or 0 too): a check() without `return` was scored wrong, silently."""
     def call(*args: Any) -> Any:
         try:
-            return fn(*args)
+            out = fn(*args)
         except Exception as e:
             raise ValueError(f"{name} raised {type(e).__name__}: {e}".replace("\n", " ")) from None
+        if verdict and out not in (True, False):
+            raise ValueError(f"{name} returned {out!r:.60}, not True/False"
+                             + ": does it end with `return`?" * (out is None))
+        return out
 
     return call
 
@@ -343,7 +348,7 @@ class UserTask:
 
     def __init__(self, task: Any, spec: str):
         self.task, self.spec = task, spec
-        self.check = guarded(task.check, f"--task {spec}: check()")
+        self.check = guarded(task.check, f"--task {spec}: check()", verdict=True)
         if callable(getattr(task, "wrong", None)):
             self.wrong = guarded(task.wrong, f"--task {spec}: wrong()")
 
@@ -393,8 +398,9 @@ def checked(fn: Callable[..., Any], name: str) -> Reward:
 
 def task_reward(task: Any, spec: str) -> Reward:
     """The task's own reward(prompt, reply, answer), or 1.0 for a reply check() passes and 0.0 otherwise."""
-    fn = getattr(task, "reward", None) or (lambda prompt, reply, answer: float(bool(task.check(reply, answer))))
-    return checked(fn, f"--task {spec}'s reward")
+    if fn := getattr(task, "reward", None):
+        return checked(fn, f"--task {spec}'s reward")
+    return lambda prompt, reply, answer: float(bool(task.check(reply, answer)))  # a UserTask's check names itself
 
 
 def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
