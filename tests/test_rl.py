@@ -272,6 +272,10 @@ def test_rl_on_a_users_task_with_its_own_reward_that_sees_the_prompt(models, tmp
     assert one_line_error(capsys, rl.main, [*common, "--reward", f"{tmp_path / 'doubling.py'}:raises", "--out-dir",
                                             str(tmp_path / "bad")]) == \
         f"error: --reward {tmp_path / 'doubling.py'}:raises raised KeyError: 'no such field'"
+    quarter = f"{tmp_path / 'doubling.py'}:tensor"  # inf in the float32 scores: a NaN loss, blamed on --max-lr
+    assert one_line_error(capsys, rl.main, [*common, "--reward", quarter, "--reward-weights=1e40", "--out-dir",
+                                            str(tmp_path / "big")]) == \
+        f"error: --reward {quarter} returned 0.25 (weight 1e+40): the reward, 2.5e+39, is not a finite float32 number"
 
 
 @pytest.mark.parametrize("flags, unused", [(dict(algo="grpo", gamma=0.9), "gamma"), (dict(algo="rloo", lam=0.5), "lam"),

@@ -265,6 +265,10 @@ def test_rewards_see_the_prompt_and_sum_by_weight(user_file):
     assert (one(prompt, "42", "ignored"), one(prompt, "40", "ignored"), one(prompt, "no", "")) == (1.0, 0.5, 0.0)
     both = tasks.load_rewards(f"{user_file}:near,{user_file}:near", (2.0, -0.5))
     assert both(prompt, "40", "") == 2.0 * 0.5 - 0.5 * 0.5
+    with pytest.raises(ValueError) as e:  # was inf in rl.py's float32 scores, then a NaN loss blamed on --max-lr
+        tasks.load_rewards(f"{user_file}:near,{user_file}:near", (1e40, 1.0))(prompt, "42", "")
+    assert str(e.value) == (f"--reward {user_file}:near returned 1.0 (weight 1e+40), --reward {user_file}:near "
+                            "returned 1.0: the reward, 1e+40, is not a finite float32 number")
 
 
 def test_the_shipped_subtraction_example_is_disjoint_checks_and_scores_from_the_question():
@@ -364,7 +368,7 @@ def test_a_users_task_subclass_is_guarded_as_any_and_a_multiple_choice_one_is_st
 @pytest.mark.parametrize("name, message", [
     ("raises", "--reward {file}:raises raised KeyError: 'no such field'"),
     ("text", "--reward {file}:text returned '1', not a finite number"),
-    ("nan", "--reward {file}:nan returned nan, not a finite number"),
+    ("nan", "--reward {file}:nan returned nan: the reward, nan, is not a finite float32 number"),
     (",", "--reward ',' names no function; pass FILE.py:FN[,FILE.py:FN2]"),  # was a dtype error in the loss
 ])
 def test_a_reward_that_fails_is_one_line_naming_it(user_file, name, message):
@@ -481,9 +485,9 @@ def test_a_tasks_rows_and_rewards_are_checked_as_the_protocol_says(user_file):
         with pytest.raises(ValueError) as e:
             reward([], reply, "6")
         assert str(e.value) == f"--task x: check() returned {said}"
-    assert tasks.checked(lambda *_: np.float64(3.0) > 2, "np")([], "", "") == 1.0  # numpy's bool, as Python's
-    with pytest.raises(ValueError, match=r"^big returned 1e\+39, not a finite number$"):  # inf as rl.py's float32
-        tasks.checked(lambda *_: 1e39, "big")([], "", "")
+    assert tasks.checked([("np", lambda *_: np.float64(3.0) > 2, 1.0)])([], "", "") == 1.0  # numpy's bool, as Python's
+    with pytest.raises(ValueError, match=r"^big returned 1e\+39: the reward, 1e\+39, is not a finite float32 number$"):
+        tasks.checked([("big", lambda *_: 1e39, 1.0)])([], "", "")
     with pytest.raises(ValueError, match=f"^--reward {user_file}: expected FILE.py:NAME or module:NAME$"):
         tasks.load_rewards(str(user_file))
 
