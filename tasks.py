@@ -314,7 +314,7 @@ def load_object(spec: str, flag: str) -> Any:
 
 
 def load_task(spec: str) -> Any:
-    """A built-in task by name, or an instance of the class FILE.py:NAME that follows the protocol above."""
+    """A built-in task by name, or FILE.py:NAME that follows the protocol above: a class (made here) or an instance."""
     if spec in TASKS:
         return TASKS[spec]()
     check_spec(spec)
