@@ -192,6 +192,15 @@ def test_grpo_continues_a_ppo_policy_and_a_gpt2_vocabulary_gets_the_chat_rows(mo
         assert (warning in capsys.readouterr().err.splitlines()) == (start == gpt2)
 
 
+def test_only_rank_0_reads_the_start_again_to_warn_of_a_base_model(models, tmp_path, monkeypatch):
+    read = []  # each rank read --init-from's dict a second time, for a warning rank 0 alone prints
+    monkeypatch.setattr(rl, "load_checkpoint", lambda path, **kw: read.append(path) or load_checkpoint(path, **kw))
+    cfg = rl.RLConfig(init_from=str(models[0]), out_dir=str(tmp_path / "out"), device="cpu", prompts=2, samples=2,
+                      rollout_batch=1, max_new_tokens=4, eval_limit=2, pass_k=0)
+    rl.setup(cfg, engine.Context(rank=1))
+    assert read == []
+
+
 def test_the_lr_warms_up_then_decays_linearly_to_zero_at_max_steps():
     cfg = rl.RLConfig(max_steps=10, warmup_steps=2, max_lr=1.0)  # engine.get_lr, every stage's schedule
     assert [engine.get_lr(s, cfg) for s in range(11)] == pytest.approx([1 / 2, 1, 1, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8,
