@@ -314,7 +314,7 @@ def load_object(spec: str, flag: str) -> Any:
 
 
 def load_task(spec: str) -> Any:
-    """A built-in task by name, or an instance of the class FILE.py:NAME that follows the protocol above."""
+    """A built-in task by name, or FILE.py:NAME that follows the protocol above: a class (made here) or an instance."""
     if spec in TASKS:
         return TASKS[spec]()
     check_spec(spec)
@@ -326,13 +326,18 @@ def load_task(spec: str) -> Any:
     return UserTask(task, spec)
 
 
-def guarded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """fn, whose exceptions (a user's code: any kind) become one-line ValueErrors naming it."""
+def guarded(fn: Callable[..., Any], name: str, verdict: bool = False) -> Callable[..., Any]:
+    """fn, whose exceptions (a user's code: any kind) become one-line ValueErrors naming it; with `verdict`, so does a
+    return other than True or False (numpy's, 1 or 0 too): a check() without `return` was scored wrong, silently."""
     def call(*args: Any) -> Any:
         try:
-            return fn(*args)
+            out = fn(*args)
         except Exception as e:
             raise ValueError(f"{name} raised {type(e).__name__}: {e}".replace("\n", " ")) from None
+        if verdict and out not in (True, False):
+            raise ValueError(f"{name} returned {out!r:.60}, not True/False"
+                             + ": does it end with `return`?" * (out is None))
+        return out
 
     return call
 
@@ -343,7 +348,7 @@ class UserTask:
 
     def __init__(self, task: Any, spec: str):
         self.task, self.spec = task, spec
-        self.check = guarded(task.check, f"--task {spec}: check()")
+        self.check = guarded(task.check, f"--task {spec}: check()", verdict=True)
         if callable(getattr(task, "wrong", None)):
             self.wrong = guarded(task.wrong, f"--task {spec}: wrong()")
 
@@ -376,25 +381,32 @@ class UserTask:
 Reward = Callable[[list[dict], str, str], float]
 
 
-def checked(fn: Callable[..., Any], name: str) -> Reward:
-    """fn(prompt, reply, answer) as a float, or a one-line ValueError naming it: it raised, or gave a non-number."""
-    call = guarded(fn, name)
+def checked(terms: list[tuple[str, Callable[..., Any], float]]) -> Reward:
+    """The sum of weight * fn(prompt, reply, answer) over (name, fn, weight), or a one-line ValueError naming them: one
+    raised or gave a non-number, or the sum is not finite as rl.py's float32 rewards hold it."""
+    calls = [(name, guarded(fn, name), w) for name, fn, w in terms]
 
     def reward(prompt: list[dict], reply: str, answer: str) -> float:
-        value = call(prompt, reply, answer)
-        value = value.item() if getattr(value, "ndim", None) == 0 else value  # a 0-d tensor or array: its number
-        # NaN fails the bound too; rewards are float32 tensors in rl.py: 1e39 would be inf there
-        if not isinstance(value, numbers.Real) or not abs(value) <= torch.finfo(torch.float32).max:
-            raise ValueError(f"{name} returned {value!r:.60}, not a finite number")
-        return float(value)
+        got = []
+        for name, call, w in calls:
+            value = call(prompt, reply, answer)
+            value = value.item() if getattr(value, "ndim", None) == 0 else value  # a 0-d tensor or array: its number
+            if not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} returned {value!r:.60}, not a finite number")
+            got.append((name, w, float(value)))
+        if not abs(total := sum(w * v for _, w, v in got)) <= torch.finfo(torch.float32).max:  # NaN fails it too
+            said = ", ".join(f"{name} returned {v}" + f" (weight {w:g})" * (w != 1) for name, w, v in got)
+            raise ValueError(f"{said}: the reward, {total}, is not a finite float32 number")
+        return total
 
     return reward
 
 
 def task_reward(task: Any, spec: str) -> Reward:
     """The task's own reward(prompt, reply, answer), or 1.0 for a reply check() passes and 0.0 otherwise."""
-    fn = getattr(task, "reward", None) or (lambda prompt, reply, answer: float(bool(task.check(reply, answer))))
-    return checked(fn, f"--task {spec}'s reward")
+    if fn := getattr(task, "reward", None):
+        return checked([(f"--task {spec}'s reward", fn, 1.0)])
+    return lambda prompt, reply, answer: float(bool(task.check(reply, answer)))  # a UserTask's check names itself
 
 
 def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
@@ -407,8 +419,7 @@ def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
     found = [(name, load_object(name, "--reward"), w) for name, w in zip(names, weights, strict=True)]
     if bad := next((name for name, fn, _ in found if not callable(fn)), None):
         raise ValueError(f"--reward {bad} is not a function; a reward is fn(prompt, reply, answer) -> float")
-    fns = [(checked(fn, f"--reward {name}"), w) for name, fn, w in found]
-    return lambda prompt, reply, answer: sum(w * fn(prompt, reply, answer) for fn, w in fns)
+    return checked([(f"--reward {name}", fn, w) for name, fn, w in found])
 
 
 def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[dict]:

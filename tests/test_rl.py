@@ -192,6 +192,15 @@ def test_grpo_continues_a_ppo_policy_and_a_gpt2_vocabulary_gets_the_chat_rows(mo
         assert (warning in capsys.readouterr().err.splitlines()) == (start == gpt2)
 
 
+def test_only_rank_0_reads_the_start_again_to_warn_of_a_base_model(models, tmp_path, monkeypatch):
+    read = []  # each rank read --init-from's dict a second time, for a warning rank 0 alone prints
+    monkeypatch.setattr(rl, "load_checkpoint", lambda path, **kw: read.append(path) or load_checkpoint(path, **kw))
+    cfg = rl.RLConfig(init_from=str(models[0]), out_dir=str(tmp_path / "out"), device="cpu", prompts=2, samples=2,
+                      rollout_batch=1, max_new_tokens=4, eval_limit=2, pass_k=0)
+    rl.setup(cfg, engine.Context(rank=1))
+    assert read == []
+
+
 def test_the_lr_warms_up_then_decays_linearly_to_zero_at_max_steps():
     cfg = rl.RLConfig(max_steps=10, warmup_steps=2, max_lr=1.0)  # engine.get_lr, every stage's schedule
     assert [engine.get_lr(s, cfg) for s in range(11)] == pytest.approx([1 / 2, 1, 1, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8,
@@ -272,6 +281,10 @@ def test_rl_on_a_users_task_with_its_own_reward_that_sees_the_prompt(models, tmp
     assert one_line_error(capsys, rl.main, [*common, "--reward", f"{tmp_path / 'doubling.py'}:raises", "--out-dir",
                                             str(tmp_path / "bad")]) == \
         f"error: --reward {tmp_path / 'doubling.py'}:raises raised KeyError: 'no such field'"
+    quarter = f"{tmp_path / 'doubling.py'}:tensor"  # inf in the float32 scores: a NaN loss, blamed on --max-lr
+    assert one_line_error(capsys, rl.main, [*common, "--reward", quarter, "--reward-weights=1e40", "--out-dir",
+                                            str(tmp_path / "big")]) == \
+        f"error: --reward {quarter} returned 0.25 (weight 1e+40): the reward, 2.5e+39, is not a finite float32 number"
 
 
 @pytest.mark.parametrize("flags, unused", [(dict(algo="grpo", gamma=0.9), "gamma"), (dict(algo="rloo", lam=0.5), "lam"),

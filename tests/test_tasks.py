@@ -191,6 +191,14 @@ class Strict(Doubling):
         raise KeyError("no such field")
 
 
+class Silent(Doubling):  # no return: every reply scored wrong, in silence
+    def check(self, reply, answer):
+        reply.strip() == answer
+
+
+doubling = Doubling()  # an instance, not a class
+
+
 def near(prompt, reply, answer):  # reads the prompt, not the answer
     k = int(prompt[-1]["content"].split()[1].rstrip("?"))
     return 1.0 if reply.strip() == str(2 * k) else 0.5 if reply.strip().isdigit() else 0.0
@@ -238,6 +246,8 @@ def user_file(tmp_path):
 def test_a_users_task_loads_from_its_file_and_makes_data_and_pairs(user_file, tmp_path, capsys):
     task = tasks.load_task(f"{user_file}:Doubling")
     assert [e["answer"] for e in task.examples("test")] == ["60", "62", "64", "66"]
+    made = tasks.load_task(f"{user_file}:doubling")  # an instance at the file's top level, as a class is
+    assert made.task is tasks._module(str(user_file)).doubling and made.examples("test") == task.examples("test")
     reward = tasks.task_reward(task, "x")  # no reward(): check() as 1.0 or 0.0
     assert reward([], "60", "60") == 1.0 and reward([], "61", "60") == 0.0
     out = tmp_path / "data" / "doubling"
@@ -257,6 +267,10 @@ def test_rewards_see_the_prompt_and_sum_by_weight(user_file):
     assert (one(prompt, "42", "ignored"), one(prompt, "40", "ignored"), one(prompt, "no", "")) == (1.0, 0.5, 0.0)
     both = tasks.load_rewards(f"{user_file}:near,{user_file}:near", (2.0, -0.5))
     assert both(prompt, "40", "") == 2.0 * 0.5 - 0.5 * 0.5
+    with pytest.raises(ValueError) as e:  # was inf in rl.py's float32 scores, then a NaN loss blamed on --max-lr
+        tasks.load_rewards(f"{user_file}:near,{user_file}:near", (1e40, 1.0))(prompt, "42", "")
+    assert str(e.value) == (f"--reward {user_file}:near returned 1.0 (weight 1e+40), --reward {user_file}:near "
+                            "returned 1.0: the reward, 1e+40, is not a finite float32 number")
 
 
 def test_the_shipped_subtraction_example_is_disjoint_checks_and_scores_from_the_question():
@@ -304,12 +318,13 @@ def test_a_task_that_cannot_load_is_one_line_naming_the_file_and_the_name(user_f
     ("Unanswered", "--task {file}:Unanswered: examples('test') row 0: expected a dict with 'messages' and 'answer', "
                    "got {{'messages': [{{'role': 'user', 'content': 'Double 30?'}}, {{'r"),
     ("Strict", "--task {file}:Strict: check() raised KeyError: 'no such field'"),
+    ("Silent", "--task {file}:Silent: check() returned None, not True/False: does it end with `return`?"),
 ])
 def test_a_task_whose_methods_fail_is_one_line_naming_it(user_file, tmp_path, name, message):
     # they were tracebacks from tasks.py, sft.py, prefs.py and rl.py, in a task eval after the training
     task, message = tasks.load_task(f"{user_file}:{name}"), message.format(file=user_file)
     with pytest.raises(ValueError) as e:
-        task.check("60", "60") if name == "Strict" else task.examples("test")
+        task.check("60", "60") if name in ("Strict", "Silent") else task.examples("test")
     assert str(e.value) == message
     model = chat_bigram()
     torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "step": 0}, tmp_path / "chat.pt")
@@ -355,7 +370,7 @@ def test_a_users_task_subclass_is_guarded_as_any_and_a_multiple_choice_one_is_st
 @pytest.mark.parametrize("name, message", [
     ("raises", "--reward {file}:raises raised KeyError: 'no such field'"),
     ("text", "--reward {file}:text returned '1', not a finite number"),
-    ("nan", "--reward {file}:nan returned nan, not a finite number"),
+    ("nan", "--reward {file}:nan returned nan: the reward, nan, is not a finite float32 number"),
     (",", "--reward ',' names no function; pass FILE.py:FN[,FILE.py:FN2]"),  # was a dtype error in the loss
 ])
 def test_a_reward_that_fails_is_one_line_naming_it(user_file, name, message):
@@ -458,17 +473,23 @@ def test_a_tasks_rows_and_rewards_are_checked_as_the_protocol_says(user_file):
         def examples(self, split):
             return [{"messages": [{"role": "user", "content": "Double 3?"}], "answer": "6"}]
 
-        def check(self, reply, answer):
-            return None if not reply else reply == answer  # None where nothing was found: wrong, not a crash
+        def check(self, reply, answer):  # None was read as wrong: a check without `return` scored 0, in silence
+            return {"none": None, "np": np.float64(6.0) == float(answer), "zero": 0, "half": 0.5, "no": "False"}[reply]
 
     with pytest.raises(ValueError, match=r"^--task x: examples\('train'\) row 0: .*expected assistant"):
         tasks.UserTask(Prompts(), "x").examples("train")
     with pytest.raises(ValueError, match=r"^--task x: examples\('test'\) gave no rows$"):
         tasks.UserTask(type("Empty", (Prompts,), {"examples": lambda self, split: []})(), "x").examples("test")
-    assert tasks.task_reward(Prompts(), "x")([], "", "6") == 0.0
-    assert tasks.checked(lambda *_: np.float64(3.0) > 2, "np")([], "", "") == 1.0  # numpy's bool, as Python's
-    with pytest.raises(ValueError, match=r"^big returned 1e\+39, not a finite number$"):  # inf as rl.py's float32
-        tasks.checked(lambda *_: 1e39, "big")([], "", "")
+    reward = tasks.task_reward(tasks.UserTask(Prompts(), "x"), "x")  # rl.py's reward: check() through UserTask
+    assert (reward([], "np", "6"), reward([], "np", "7"), reward([], "zero", "6")) == (1.0, 0.0, 0.0)
+    for reply, said in [("none", "None, not True/False: does it end with `return`?"), ("half", "0.5, not True/False"),
+                        ("no", "'False', not True/False")]:
+        with pytest.raises(ValueError) as e:
+            reward([], reply, "6")
+        assert str(e.value) == f"--task x: check() returned {said}"
+    assert tasks.checked([("np", lambda *_: np.float64(3.0) > 2, 1.0)])([], "", "") == 1.0  # numpy's bool, as Python's
+    with pytest.raises(ValueError, match=r"^big returned 1e\+39: the reward, 1e\+39, is not a finite float32 number$"):
+        tasks.checked([("big", lambda *_: 1e39, 1.0)])([], "", "")
     with pytest.raises(ValueError, match=f"^--reward {user_file}: expected FILE.py:NAME or module:NAME$"):
         tasks.load_rewards(str(user_file))
 
