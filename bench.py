@@ -1,11 +1,13 @@
 """Benchmarks: the training step across variants (tokens/s, MFU, peak memory, optimizer state, where the time goes),
-the Triton kernels in GB/s, batch-1 decoding against HF `generate`, INT8 decoding against fp32, HellaSwag examples/s,
-pruned models' forward and decoding. Train, kernel and forward rows: the median of --steps timed runs after --warmup
-untimed ones; decode, int8 and prune's decoding: a first generation, then the one reported.
+the Triton kernels in GB/s, batch-1 decoding against HF `generate`, ragged prompts decoded at once against one at a
+time, INT8 decoding against fp32, HellaSwag examples/s, pruned models' forward and decoding. Train, kernel and forward
+rows: the median of --steps timed runs after --warmup untimed ones; decode, int8 and prune's decoding: a first
+generation, then the one reported; batched: the fastest of BATCHED_REPEATS runs.
 
 Usage:
     python bench.py                                   # every suite; GPT-2 124M, T=1024, bf16 on CUDA; tiny on CPU
     python bench.py --suite train --variants eager,compile --steps 20 --warmup 10
+    python bench.py --suite batched --batched-rows 64 --batched-tokens 48   # generate.generate's batching
     python bench.py --suite int8 --ckpt out/demo/ckpt_000900.pt   # tok/s and greedy agreement (pip install torchao)
     python bench.py --suite prune --ckpt out/demo/ckpt_000900.pt  # dense against each pruning method
     python bench.py --table-from out/bench.json       # the tables of an earlier run, or of one killed midway
@@ -42,11 +44,12 @@ import parallel
 import train
 from fineweb import atomic_write
 from fused_gelu import bias_gelu_reference, fused_bias_gelu, triton_available
-from generate import sample
+from generate import generate, sample
 from model import GPT, MODEL_PRESETS, GPTConfig
 from sample import SampleConfig, quantize_int8, weight_bytes
 
 DECODE_INIT_STD = 0.1  # random decode/int8 weights: at GPT-2's 0.02 greedy decoding repeats one token
+BATCHED_REPEATS = 3  # timed runs of each way, interleaved; the fastest counts (a shared CPU's load comes and goes)
 DLOSS_STEP = 3  # dloss compares the train rows' losses at this step (two AdamW updates in), or at the last if sooner
 # what --model auto, and --seq-len, --kernel-rows, --batch-sizes unset, mean on each device type
 DEVICE_DEFAULTS = {"cuda": ("gpt2", 1024, 65536, (16, 32, 64)), "cpu": ("tiny", 64, 1024, (4,))}
@@ -55,9 +58,10 @@ Row = dict[str, Any]
 
 @dataclasses.dataclass
 class BenchConfig:
-    """Benchmark the training step, the Triton kernels, decoding, INT8 decoding and HellaSwag; print tables and JSON."""
+    """Benchmark the training step, the Triton kernels, decoding (batch 1 and batched), INT8 decoding and HellaSwag;
+    print tables and JSON."""
 
-    suite: str = "all"  # all, or a comma list of kernel, decode, int8, prune, hellaswag, train, run in the order given
+    suite: str = "all"  # all, or a comma list run as given: kernel, decode, batched, int8, prune, hellaswag, train
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     out: str = "out/bench.json"  # JSON output, rewritten after every row: provenance, the resolved config, rows
     steps: int = 20  # timed repetitions per train or kernel row; the median is reported
@@ -78,6 +82,8 @@ class BenchConfig:
     kernel_impls: str = "eager,compile,triton"  # which kernel implementations to time (comma list)
     decode_model: str = "gpt2"  # preset of the random decode and int8 weights: gpt2 (124M) or tiny
     decode_tokens: tuple[int, ...] = (128, 512)  # new tokens per decode row (greedy, batch 1, a 16-token prompt)
+    batched_rows: int = 64  # batched suite: random prompts of 8-24 tokens, decoded at once and one at a time
+    batched_tokens: int = 48  # batched suite: greedy new tokens per prompt
     ckpt: str = ""  # int8 and prune weights: a checkpoint; '' = --init-from, or random --decode-model weights
     init_from: str = ""  # or an HF GPT-2 (gpt2 or a local directory). Random weights make the agreement meaningless
     int8_tokens: int = 128  # greedy tokens per int8 and prune row; the later rows count those equal to the first's
@@ -445,6 +451,25 @@ def bench_decode(cfg: BenchConfig) -> list[Row]:
     return rows
 
 
+def bench_batched(cfg: BenchConfig) -> list[Row]:
+    """Greedy tokens/s of --batched-rows ragged prompts decoded at once by generate.generate (left-padded into one KV
+    cache) and one at a time: the tiny model at context 128, GPT-2's init, fp32."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(dataclasses.replace(MODEL_PRESETS["tiny"](), block_size=128)).to(cfg.device)
+    lengths = torch.randint(8, 25, (cfg.batched_rows,)).tolist()
+    prompts = [torch.randint(0, common.GPT2_VOCAB, (n,)).tolist() for n in lengths]
+    ways = {f"{len(prompts)} at once": [prompts], "one at a time": [[p] for p in prompts]}
+    generate(model, prompts[:2], 4, temperature=0.0)  # untimed: first-call allocation and kernel selection
+    rates = dict.fromkeys(ways, 0.0)
+    for _, (name, batches) in itertools.product(range(BATCHED_REPEATS), ways.items()):
+        t0 = time.perf_counter()  # generate waits for every token (.tolist()): no sync needed
+        n = sum(len(r.tokens) for b in batches for r in generate(model, b, cfg.batched_tokens, temperature=0.0))
+        rates[name] = max(rates[name], n / (time.perf_counter() - t0))
+    return [{"suite": "batched", "name": name, "params": model.num_params(), "prompts": len(prompts),
+             "new_tokens": cfg.batched_tokens, "repeats": BATCHED_REPEATS, "tok_per_s": rate,
+             "speedup": rate / rates["one at a time"], "status": "ok"} for name, rate in rates.items()]
+
+
 def bench_int8(cfg: BenchConfig) -> list[Row]:
     """Greedy batch-1 tokens/s and weight bytes of one model in fp32, bf16, then quantized as sample.py's int8 does."""
     device, prompt_text = torch.device(cfg.device), SampleConfig.prompt
@@ -540,8 +565,9 @@ def bench_hellaswag(cfg: BenchConfig) -> list[Row]:
                      "batch_size": bs}, lambda bs=bs: measure(bs)) for bs in cfg.hellaswag_batch_sizes]
 
 
-SUITES = {"kernel": bench_kernel, "decode": bench_decode, "int8": bench_int8, "prune": bench_prune,
-          "hellaswag": bench_hellaswag, "train": run_train}  # --suite all's order: the short suites first
+# --suite all's order: the short suites first
+SUITES = {"kernel": bench_kernel, "decode": bench_decode, "batched": bench_batched, "int8": bench_int8,
+          "prune": bench_prune, "hellaswag": bench_hellaswag, "train": run_train}
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Output: one printer for every table; main
@@ -560,6 +586,9 @@ TABLES: list[tuple[str, Callable[[dict], list[Row]], list[tuple[str, Any]]]] = [
      lambda res: [r for r in res.get("kernel") or [] if r.get("op") == "cross-entropy"], GBS),
     ("decode: random {model} ({mparams:.1f}M) fp32, greedy, batch 1, prompt {prompt} tokens; same as the first row",
      lambda res: res.get("decode") or [], [("impl", "name"), *TOKENS]),
+    ("batched: random tiny ({mparams:.1f}M, context 128) fp32, greedy, {prompts} prompts of 8-24 tokens x {new_tokens} "
+     "new; the fastest of {repeats} runs", lambda res: res.get("batched") or [],
+     [("decoding", "name"), ("tok/s", "tok_per_s:,.0f"), ("speedup", lambda r: f"{r['speedup']:.1f}x")]),
     ("int8: {mparams:.1f}M params, {weights}; greedy, batch 1, prompt {prompt} tokens; same as fp32",
      lambda res: res.get("int8") or [],
      [("dtype", "name"), *TOKENS, ("weight MB", lambda r: f"{r['weight_bytes'] / 1e6:.1f}")]),

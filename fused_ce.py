@@ -10,15 +10,10 @@ A row whose target is -1 is ignored (loss 0, gradient 0). Label smoothing s spre
 
 Each program owns one row: an online max and sum of exponentials, then the gradient, walking the row backwards so
 its first blocks are still in L2. Math in fp32, the gradient in the logits' dtype. Why a kernel (the compiled loss's
-cost on an H200): docs/notes.md, "fused_ce.py". It is the inner step of lm_loss below (GPTConfig.fused_ce).
-
-Usage (self-check against the reference, not a benchmark; speed lives in bench.py):
-    python fused_ce.py --rows 4096 --vocab 50304 --dtype bfloat16                      # on a CUDA machine
-    TRITON_INTERPRET=1 python fused_ce.py --rows 16 --vocab 1000 --device cpu
+cost on an H200): docs/notes.md, "fused_ce.py". It is the inner step of lm_loss below (GPTConfig.fused_ce). The
+self-check against the reference: scripts/check_kernels.py ce.
 """
 
-import argparse
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common import GPT2_VOCAB
-from fused_gelu import check_cli_device, triton_available
+from fused_gelu import triton_available
 
 _HAS_TRITON = triton_available()  # without triton (CPU-only or macOS installs) the loss uses the PyTorch reference
 
@@ -263,32 +258,3 @@ def lm_loss(x: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float =
     loss = cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), label_smoothing)
     return (logits if return_logits else None), loss
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Check the fused cross-entropy kernel against the PyTorch reference.")
-    parser.add_argument("--rows", type=int, default=4096, help="N, rows of logits")
-    parser.add_argument("--vocab", type=int, default=50304, help="V, the (padded) vocabulary")
-    parser.add_argument("--real-vocab", type=int, default=50257, help="R, the ids label smoothing spreads over")
-    parser.add_argument("--label-smoothing", type=float, default=0.1)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1")
-    args = parser.parse_args()
-    check_cli_device(parser, args.device, "fused_ce.py")
-    real = min(args.real_vocab, args.vocab)
-    gen = torch.Generator(device=args.device).manual_seed(0)
-    # logits at GPT-2's scale after training (std ~3), one target in ten ignored
-    logits = (3 * torch.randn(args.rows, args.vocab, generator=gen, device=args.device)).to(getattr(torch, args.dtype))
-    targets = torch.randint(0, real, (args.rows,), generator=gen, device=args.device)
-    targets[::10] = -1
-    for s in (0.0, args.label_smoothing):
-        loss, grad = cross_entropy_rows(logits, targets, s, real)
-        ref_loss, ref_grad = cross_entropy_reference(logits, targets, s, real)
-        loss_err = (loss - ref_loss).abs().max().item() / max(ref_loss.abs().max().item(), 1e-30)
-        grad_err = (grad.float() - ref_grad).abs().max().item()  # gradients are in [-1, 1]
-        mean = ref_loss.sum().item() / (targets != -1).sum().item()
-        print(f"label_smoothing {s}: loss max rel err {loss_err:.1e} | grad max abs err {grad_err:.1e} | "
-              f"mean loss {mean:.4f} (ln V = {math.log(args.vocab):.4f})")
-
-
-if __name__ == "__main__":
-    main()

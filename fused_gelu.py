@@ -5,14 +5,9 @@
 Forward reads x and b once and writes y: x + b never exists in memory. Backward recomputes x + b and writes dx and db
 in one pass over dy and x; db goes through per-program partial rows, not atomics, so it is bitwise reproducible. Math
 in fp32; y and dx in x's dtype, db in b's. The MLP calls `bias_gelu(x, b, fused)`; on CPU the kernels run under the
-Triton interpreter when TRITON_INTERPRET=1 is set before triton is first imported.
-
-Usage (self-check against the reference, not a benchmark; speed lives in bench.py):
-    python fused_gelu.py --rows 8192 --cols 3072 --dtype bfloat16          # on a CUDA machine
-    TRITON_INTERPRET=1 python fused_gelu.py --rows 64 --cols 257 --device cpu
+Triton interpreter when TRITON_INTERPRET=1 is set before triton is first imported. The self-check against the
+reference: scripts/check_kernels.py gelu.
 """
-
-import argparse
 
 import torch
 import torch.nn.functional as F
@@ -160,47 +155,3 @@ def bias_gelu(x: Tensor, b: Tensor, fused: bool) -> Tensor:
         return fused_bias_gelu(x, b)
     return bias_gelu_reference(x, b.to(x.dtype))
 
-
-def check_cli_device(parser: argparse.ArgumentParser, device: str, script: str) -> None:
-    """The self-check CLIs' device rules: a usage error, not a traceback, for a missing triton, no GPU, or a CPU device
-    without the interpreter; cuda:N becomes the current device (where Triton launches, whatever the tensors')."""
-    if not _HAS_TRITON:
-        parser.error("triton is not installed (pip install triton)")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
-                     f"TRITON_INTERPRET=1 python {script} --device cpu")
-    # a JITFunction: the kernels compile for a GPU (under TRITON_INTERPRET=1 every kernel is an interpreted one)
-    if not device.startswith("cuda") and isinstance(_bias_gelu_fwd_kernel, triton.runtime.JITFunction):
-        parser.error(f"--device {device} needs Triton's interpreter: set TRITON_INTERPRET=1 (before the run)")
-    if device.startswith("cuda:"):
-        torch.cuda.set_device(device)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Check the fused bias+GELU kernels against the PyTorch reference.")
-    parser.add_argument("--rows", type=int, default=8192, help="M, rows of x")
-    parser.add_argument("--cols", type=int, default=3072, help="N, the MLP width")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1")
-    args = parser.parse_args()
-    check_cli_device(parser, args.device, "fused_gelu.py")
-    dtype = getattr(torch, args.dtype)
-    gen = torch.Generator(device=args.device).manual_seed(0)
-    x = (3 * torch.randn(args.rows, args.cols, generator=gen, device=args.device)).to(dtype).requires_grad_()
-    b = torch.randn(args.cols, generator=gen, device=args.device).to(dtype).requires_grad_()
-    dy = torch.randn(args.rows, args.cols, generator=gen, device=args.device).to(dtype)
-    y = fused_bias_gelu(x, b)
-    dx, db = torch.autograd.grad(y, (x, b), dy)
-    # the reference in fp32 from the same (rounded) inputs: what the kernels approximate
-    xr, br = x.detach().float().requires_grad_(), b.detach().float().requires_grad_()
-    yr = bias_gelu_reference(xr, br)
-    dxr, dbr = torch.autograd.grad(yr, (xr, br), dy.float())
-    for name, got, ref in (("y", y, yr), ("dx", dx, dxr), ("db", db, dbr)):
-        err = (got.float() - ref).abs().max().item()
-        # relative to the largest |ref|: an element-wise relative error explodes where the reference crosses 0
-        top = ref.abs().max().item()
-        print(f"{name:>2}: max abs err {err:.3e} = {err / max(top, 1e-30):.1e} of |ref| max {top:.3e}")
-
-
-if __name__ == "__main__":
-    main()

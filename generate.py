@@ -4,10 +4,7 @@ generate_stream: chat, task evals, RL), each row until a stop token or max_new_t
 whose results are forced in.
 
 The batched loop left-pads its prompts (model.KVCache's pad), so every row's next token is in the last column; a
-finished row leaves the batch.
-
-Usage (the speed of 64 ragged prompts at once against one at a time, the tiny model on CPU):
-    python generate.py --rows 64 --new-tokens 48
+finished row leaves the batch. bench.py's batched suite times 64 prompts at once against one at a time.
 """
 
 from __future__ import annotations
@@ -15,19 +12,18 @@ from __future__ import annotations
 import ast
 import contextlib
 import operator
-import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 
 from chat_format import OUTPUT_END, OUTPUT_START, TOOL_END, TOOL_START
-from common import GPT2_VOCAB, get_tokenizer, parse_config
-from model import GPT, MODEL_PRESETS, KVCache
+from common import GPT2_VOCAB, get_tokenizer
+from model import GPT, KVCache
 from parallel import check_flags
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -285,43 +281,3 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
             out[r].logprobs.append(logprob)
     return out
 
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Speed: a batch against one prompt at a time
-
-
-@dataclass
-class BenchConfig:
-    """Rows x new tokens per second, greedy, random weights: all prompts at once against one at a time."""
-
-    rows: int = 64  # prompts
-    new_tokens: int = 48  # tokens generated per prompt
-    min_prompt: int = 8  # prompt lengths are uniform in [min_prompt, max_prompt]
-    max_prompt: int = 24  # longest prompt
-    block_size: int = 128  # context of the model (model preset tiny: 2 layers, width 64, 4 heads)
-    seed: int = 0  # weights and prompts
-    repeats: int = 3  # timed runs of each way, interleaved; the fastest counts (a shared CPU's load comes and goes)
-
-
-def bench(cfg: BenchConfig) -> tuple[float, float]:
-    """(batched, one at a time) generated tokens per second on the CPU."""
-    torch.manual_seed(cfg.seed)
-    model = GPT(replace(MODEL_PRESETS["tiny"](), block_size=cfg.block_size))
-    lengths = torch.randint(cfg.min_prompt, cfg.max_prompt + 1, (cfg.rows,)).tolist()
-    prompts = [torch.randint(0, GPT2_VOCAB, (n,)).tolist() for n in lengths]
-    generate(model, prompts[:2], 4, temperature=0.0)  # untimed: first-call allocation and kernel selection
-    rates = [0.0, 0.0]
-    for _ in range(cfg.repeats):
-        for i, batches in enumerate(([prompts], [[p] for p in prompts])):
-            t0 = time.perf_counter()
-            n = sum(len(r.tokens) for b in batches for r in generate(model, b, cfg.new_tokens, temperature=0.0))
-            rates[i] = max(rates[i], n / (time.perf_counter() - t0))
-    return rates[0], rates[1]
-
-
-if __name__ == "__main__":
-    config = parse_config(BenchConfig, sys.argv[1:], doc=__doc__)
-    batched, single = bench(config)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads: {config.rows} "
-          f"prompts x {config.new_tokens} tokens: batched {batched:,.0f} tok/s, one at a time {single:,.0f} tok/s, "
-          f"{batched / single:.1f}x")

@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import re
+import runpy
 import signal
 import socket
 import subprocess
@@ -191,6 +192,11 @@ def run_nodes(args_per_node: list[list[str]], timeout: int = 300) -> list[subpro
             f"node {i} stdout:\n{out[-2000:]}\nnode {i} stderr:\n{err[-2000:]}"
             for i, (out, err) in enumerate(outputs)))
     return results
+
+
+def check_kernels(argv: list[str]) -> None:
+    """scripts/check_kernels.py's main in this process."""
+    runpy.run_path(str(ROOT / "scripts" / "check_kernels.py"))["main"](argv)
 
 
 def compile_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, object], num_warps: int):

@@ -393,6 +393,20 @@ def test_decode_cache_no_cache_and_hf_give_the_same_tokens():
     assert rows[3]["distinct_tokens"] > 2  # the random model does not repeat one token, so equality means something
 
 
+def test_batched_rows_compare_all_prompts_at_once_with_one_at_a_time(tmp_path):
+    result = main(["--device", "cpu", "--suite", "batched", "--batched-rows", "3", "--batched-tokens", "2",
+                   "--out", str(tmp_path / "b.json")])
+    rows = result["batched"]
+    assert [(r["name"], r["status"], r["prompts"], r["new_tokens"], r["repeats"]) for r in rows] == [
+        ("3 at once", "ok", 3, 2, 3), ("one at a time", "ok", 3, 2, 3)]
+    assert math.isfinite(rows[0]["tok_per_s"]) and rows[1]["tok_per_s"] > 0 and rows[1]["speedup"] == 1.0
+    assert rows[0]["speedup"] == pytest.approx(rows[0]["tok_per_s"] / rows[1]["tok_per_s"])
+    table = result["table"].split("batched: ")[1].splitlines()
+    assert table[0].endswith("fp32, greedy, 3 prompts of 8-24 tokens x 2 new; the fastest of 3 runs")
+    assert table[2].split()[:4] == ["3", "at", "once", f"{rows[0]['tok_per_s']:,.0f}"]
+    assert table[3].split()[-2:] == ["1.0x", "ok"]
+
+
 def test_hellaswag_rows_count_every_synthetic_example():
     rows = bench_hellaswag(BenchConfig(device="cpu", hellaswag_batch_sizes=(1, 4), hellaswag_examples=6))
     assert [(r["batch_size"], r["status"], r["examples"], r["model"]) for r in rows] == [(1, "ok", 6, "tiny"),

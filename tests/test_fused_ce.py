@@ -6,11 +6,7 @@ CUDA machine TestCUDA runs the kernel compiled, eagerly and under torch.compile.
 """
 
 import math
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +15,7 @@ import torch.nn.functional as F
 import fused_ce
 import model
 from common import GPT2_VOCAB
-from conftest import compile_for_hopper, run_interpreted
+from conftest import check_kernels, compile_for_hopper, run_interpreted
 from fused_ce import cross_entropy_reference, cross_entropy_rows, triton_available
 from model import GPT, MODEL_PRESETS
 
@@ -277,6 +273,12 @@ class TestInterpreted:
             assert got.dtype == ref.dtype == torch.float32
             torch.testing.assert_close(got, ref, atol=1e-2, rtol=2e-2)
 
+    def test_check_kernels_script(self, capsys: pytest.CaptureFixture) -> None:
+        check_kernels(["ce", "--rows", "6", "--vocab", "300", "--real-vocab", "257", "--device", "cpu"])
+        out = capsys.readouterr().out
+        errs = re.findall(r"loss max rel err (\S+) \| grad max abs err (\S+)", out)
+        assert len(errs) == 2 and max(float(e) for pair in errs for e in pair) < 1e-5, out
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # the compiled kernel on a GPU
@@ -326,16 +328,10 @@ class TestCUDA:
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=5e-2)
 
 
-@pytest.mark.skipif(not triton_available() or torch.cuda.is_available(), reason="the CLI's CPU paths: triton, no GPU")
-def test_self_check_cli_on_cpu() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, str(Path(fused_ce.__file__)), "--rows", "6", "--vocab", "300", "--real-vocab", "257"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
-        "fused_ce.py: error: this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
-        "TRITON_INTERPRET=1 python fused_ce.py --device cpu")
-    proc = subprocess.run([*cmd, "--device", "cpu"], env={**env, "TRITON_INTERPRET": "1"}, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    errs = re.findall(r"loss max rel err (\S+) \| grad max abs err (\S+)", proc.stdout)
-    assert len(errs) == 2 and max(float(e) for pair in errs for e in pair) < 1e-5, proc.stdout
+@pytest.mark.skipif(not triton_available() or torch.cuda.is_available(), reason="the CPU usage error: triton, no GPU")
+def test_check_kernels_without_a_gpu_says_how_to_run_it(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as e:
+        check_kernels(["ce", "--rows", "6", "--vocab", "300", "--real-vocab", "257"])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        "check_kernels.py ce: error: this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
+        "TRITON_INTERPRET=1 python scripts/check_kernels.py ce --device cpu")

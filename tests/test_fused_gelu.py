@@ -4,17 +4,13 @@ On CPU the kernels run under the Triton interpreter (TestInterpreted, in a child
 on a CUDA machine TestCUDA runs them compiled, eagerly and under torch.compile.
 """
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import fused_gelu
-from conftest import compile_for_hopper, run_interpreted
+from conftest import check_kernels, compile_for_hopper, run_interpreted
 from fused_gelu import bias_gelu, bias_gelu_reference, fused_bias_gelu, triton_available
 
 
@@ -222,6 +218,13 @@ class TestInterpreted:
         with pytest.raises(ValueError, match=r"b of shape \(N,\)"):
             fused_bias_gelu(x, b[:-1])
 
+    def test_check_kernels_script(self, capsys: pytest.CaptureFixture) -> None:
+        # fp32 kernels against the fp32 reference: errors at rounding level, relative to the largest |ref|
+        check_kernels(["gelu", "--rows", "33", "--cols", "40", "--device", "cpu"])
+        out = capsys.readouterr().out
+        rel = {m[0]: float(m[1]) for m in re.findall(r"(y|dx|db): max abs err \S+ = (\S+) of", out)}
+        assert set(rel) == {"y", "dx", "db"} and max(rel.values()) < 1e-5, out
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # the compiled kernels on a GPU
@@ -269,18 +272,17 @@ class TestCUDA:
         assert_matches(run(compiled, x, b, dy), ref, x, b)
 
 
-@pytest.mark.skipif(not triton_available() or torch.cuda.is_available(), reason="the CLI's CPU paths: triton, no GPU")
-def test_self_check_cli_on_cpu() -> None:
-    # without the interpreter: a one-line usage error that says how to run it, not a CUDA traceback
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, str(Path(fused_gelu.__file__)), "--rows", "33", "--cols", "40"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
-        "fused_gelu.py: error: this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
-        "TRITON_INTERPRET=1 python fused_gelu.py --device cpu")
-    proc = subprocess.run([*cmd, "--device", "cpu"], env={**env, "TRITON_INTERPRET": "1"}, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    # fp32 kernels against the fp32 reference: errors at rounding level, relative to the largest |ref|
-    rel = {m[0]: float(m[1]) for m in re.findall(r"(y|dx|db): max abs err \S+ = (\S+) of", proc.stdout)}
-    assert set(rel) == {"y", "dx", "db"} and max(rel.values()) < 1e-5, proc.stdout
+@pytest.mark.skipif(not triton_available() or torch.cuda.is_available() or INTERPRETED,
+                    reason="the CPU usage errors: triton, no GPU, no interpreter")
+@pytest.mark.parametrize("argv, triton, error", [
+    ([], True, "this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
+               "TRITON_INTERPRET=1 python scripts/check_kernels.py gelu --device cpu"),
+    (["--device", "cpu"], True, "--device cpu needs Triton's interpreter: set TRITON_INTERPRET=1 (before the run)"),
+    ([], False, "triton is not installed (pip install triton)")])
+def test_check_kernels_refuses_what_cannot_run(argv: list[str], triton: bool, error: str,
+                                               monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    # scripts/check_kernels.py: a one-line usage error that says how to run it, not a CUDA traceback
+    monkeypatch.setattr(fused_gelu, "_HAS_TRITON", triton)
+    with pytest.raises(SystemExit) as e:
+        check_kernels(["gelu", "--rows", "33", "--cols", "40", *argv])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"check_kernels.py gelu: error: {error}"
