@@ -147,8 +147,8 @@ def reply_text(ids: Iterable[int]) -> str:
 
 def load_rows(source: str, split: str, config: str | None = None, fallback: str = "") -> Any:
     """The rows of a local .jsonl/.json/.parquet file (all of it) or a glob's files (in sorted order), of `split` in a
-    local directory in the hub's layout (train/test files, e.g. data/train-00000-of-00001.parquet; else `fallback`'s),
-    or of a hub dataset (downloaded once). Local JSON is read as written: `datasets` would infer one type per column
+    local directory in the hub's layout (train/test files, e.g. data/train-00000-of-00001.parquet) or of a hub dataset
+    (downloaded once), else `fallback`'s. Local JSON is read as written: `datasets` would infer one type per column
     and rewrite contents ("42" as 42, "\\"x\\"" as x)."""
     if files := expand(source, lambda path: local_split(path, split, fallback)):
         rows = [row for f in files if f.is_file() for row in read_local(f)]
@@ -156,9 +156,10 @@ def load_rows(source: str, split: str, config: str | None = None, fallback: str 
         raise DataError(f"no such file or directory: {source} (taken as a local path); check the path, or run the "
                         "command that writes it first (e.g. tasks.py)")
     else:  # a hub dataset
-        from datasets import load_dataset
+        from datasets import get_dataset_split_names, load_dataset
 
         try:
+            split = fallback if fallback and split not in get_dataset_split_names(source, config) else split
             rows = load_dataset(source, config, split=split)
         except Exception as e:  # datasets' own errors (no such split, offline) as one line naming the source
             why = f"{e.__cause__ or e}".strip().splitlines()[0][:200]
@@ -253,20 +254,18 @@ def one_file(source: str) -> bool:
 
 
 def held_out(source: str, split: str) -> str:
-    """The load note's word on a file's train split: its val rows stay out with --eval-every 0 too (--eval-only scores
-    them later, and a resume needs the same train rows)."""
+    """The load note on a file's train split: val rows stay out (--eval-only scores them; a resume needs the same)."""
     return f"; every {VAL_EVERY}th row from row 0 is held out as val, with --eval-every 0 too" \
         if split == "train" and one_file(source) else ""
 
 
-def split_rows(source: str, split: str, names: tuple[str, str] = ("train", "test"),
-               family: tuple[str, str] = ("", "")) -> Iterable[tuple[int, Any]]:
+def split_rows(source: str, split: str, family: tuple[str, str] = ("", "")) -> Iterable[tuple[int, Any]]:
     """(row index, row) of the train or val split, one at a time: a file's or glob's every VAL_EVERY-th row is val, a
-    directory's or hub dataset's val is its names[1] split (train its names[0]); a directory without it, the stage's
-    family's (ultrafeedback_binarized's copy: train_prefs, test_prefs)."""
+    directory's or hub dataset's val is its test split (train its train); one without them, the stage's family's
+    (ultrafeedback_binarized: train_prefs, test_prefs)."""
     single = one_file(source)
     k = 0 if single or split == "train" else 1
-    rows = load_rows(source, names[k], fallback=family[k])
+    rows = load_rows(source, ("train", "test")[k], fallback=family[k])
     return ((i, row) for i, row in enumerate(rows) if not single or (i % VAL_EVERY == 0) == (split == "val"))
 
 
@@ -317,11 +316,10 @@ def row_errors(source: str, index: int) -> Iterator[None]:
 
 
 def row_name(source: str, index: int) -> str:
-    """A row in an error: a local file's by its index from 0 (its line would count blank lines), a directory's by its
-    index over its split's files in path order; another source's (a hub dataset's, a task's) by its index."""
-    path = Path(source).expanduser()
-    how = "over the split's files in path order" if path.is_dir() else "not a line number"
-    return f"{source} row {index}" + (f" (0-based, {how})" if path.exists() else "")
+    """A row in an error, by its index from 0: a local file's lines would count blank ones, a directory's files' rows
+    are counted in path order. A hub dataset's or a task's row: its index alone."""
+    how = "over the split's files in path order" if Path(source).expanduser().is_dir() else "not a line number"
+    return f"{source} row {index}" + f" (0-based, {how})" * Path(source).expanduser().exists()
 
 
 def render_rows(source: str, rows: Iterable[tuple[int, Any]], cap: int) -> tuple[list[tuple[Any, Any]], int, int]:

@@ -43,8 +43,7 @@ from stage import StageArgs, TaskEvalArgs
 ASSISTANT = "\n\nAssistant:"
 TURN = re.compile(r"\n\n(Human|Assistant):")
 ROLES = {"Human": "user", "Assistant": "assistant"}
-SPLITS = ("train_prefs", "test_prefs")  # a directory's train and val split where it has no train and test
-HELD_OUT = {"HuggingFaceH4/ultrafeedback_binarized": SPLITS}  # a hub dataset's split names
+SPLITS = ("train_prefs", "test_prefs")  # the train and val split of a dataset without train and test (UltraFeedback)
 Metrics = dict[str, torch.Tensor]
 
 
@@ -132,7 +131,7 @@ class PairLoader(RowStream):
         if isinstance(source, list):
             name, rows = f"<{len(source)} rows>", enumerate(source)
         elif split in ("train", "val"):
-            name, rows = str(source), split_rows(source, split, HELD_OUT.get(source, ("train", "test")), SPLITS)
+            name, rows = str(source), split_rows(source, split, SPLITS)
         else:
             name, rows = str(source), enumerate(load_rows(source, split))
         self.ids, self.starts, dropped = render_pairs(rows, name, T)
@@ -227,8 +226,8 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
     chat model. Flags override the chosen --preset; every GPTConfig field is a flag too. --batch-size and
     --total-batch-size count pairs' positions: a step reads both sides, twice the tokens."""
 
-    # pairs: a file or glob of files (every 20th row is val, --eval-every 0 too), a directory (its train and test
-    # splits, else train_prefs and test_prefs: ultrafeedback_binarized's) or a hub name
+    # pairs: a file or glob of files (every 20th row is val, --eval-every 0 too), or a directory or hub name (its
+    # train and test splits, else train_prefs and test_prefs: ultrafeedback_binarized's)
     data: Annotated[str, LOCAL] = "HuggingFaceH4/ultrafeedback_binarized"
     objective: str = "dpo"  # reward (a Bradley-Terry reward model: a value head on the model) or dpo
     reward_logprob: bool = False  # reward: the score adds the mean log-prob of the reply (parallel.rewards)

@@ -23,7 +23,7 @@ from engine import Context, Run
 from parallel import check_flags
 from stage import StageArgs, TaskEvalArgs
 
-SPLITS = ("train_sft", "test_sft")  # a directory's train and val split where it has no train and test (ultrachat_200k)
+SPLITS = ("train_sft", "test_sft")  # the train and val split of a dataset without train and test (ultrachat_200k)
 
 
 @dataclass
@@ -31,8 +31,8 @@ class SFTConfig(TaskEvalArgs, StageArgs):
     """Fine-tune a model on conversations ({"messages": [...]} rows: JSONL, parquet or the hub) into a chat model.
     Flags override the chosen --preset; every GPTConfig field is a flag too."""
 
-    # conversations: a file or glob of files (every 20th row is val, --eval-every 0 too), a directory (its train and
-    # test splits, else train_sft and test_sft: ultrachat_200k's) or a hub name
+    # conversations: a file or glob of files (every 20th row is val, --eval-every 0 too), or a directory or hub name
+    # (its train and test splits, else train_sft and test_sft: ultrachat_200k's)
     data: Annotated[str, LOCAL] = "HuggingFaceTB/smol-smoltalk"
     label_smoothing: float = 0.0  # cross-entropy label smoothing
 

@@ -157,6 +157,19 @@ def test_a_local_copy_of_ultrafeedback_reads_its_prefs_splits(tmp_path, monkeypa
     assert [PairLoader(str(tmp_path), split, 1, 48).num_pairs for split in ("train", "val")] == [6, 3]
 
 
+def test_a_hub_dataset_without_train_and_test_reads_the_stages_splits(tmp_path, monkeypatch):
+    """As its local copy does: HuggingFaceH4/ultrafeedback_binarized was a name in prefs.py, ultrachat_200k unknown to
+    sft.py. The hub is this directory here, read by datasets' own code."""
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "data").mkdir()
+    for split, n in (("train_prefs", 6), ("test_prefs", 3), ("train_gen", 4)):
+        rows = [{"prompt": f"Q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(n)]
+        (tmp_path / "data" / f"{split}-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for real in (datasets.get_dataset_split_names, datasets.load_dataset):
+        monkeypatch.setattr(datasets, real.__name__, lambda _, *a, real=real, **k: real(str(tmp_path), *a, **k))
+    assert [PairLoader("someone/prefs", split, 1, 48).num_pairs for split in ("train", "val")] == [6, 3]
+
+
 def test_a_glob_of_pair_files_is_read_as_one_file(tmp_path, capsys):
     for name, n in (("a.jsonl", 25), ("b.jsonl", 15)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in text_rows(n)))
