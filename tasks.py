@@ -332,9 +332,10 @@ def guarded(fn: Callable[..., Any], name: str, verdict: bool = False) -> Callabl
     def call(*args: Any) -> Any:
         try:
             out = fn(*args)
+            wrong = verdict and out not in (True, False)  # a tensor of many values raises here, named as fn's
         except Exception as e:
             raise ValueError(f"{name} raised {type(e).__name__}: {e}".replace("\n", " ")) from None
-        if verdict and out not in (True, False):
+        if wrong:
             raise ValueError(f"{name} returned {out!r:.60}, not True/False"
                              + ": does it end with `return`?" * (out is None))
         return out
@@ -379,6 +380,7 @@ class UserTask:
 
 
 Reward = Callable[[list[dict], str, str], float]
+FLOAT32_MAX = torch.finfo(torch.float32).max  # rl.py holds rewards in float32: 1e39 would be inf there
 
 
 def checked(terms: list[tuple[str, Callable[..., Any], float]]) -> Reward:
@@ -391,10 +393,10 @@ def checked(terms: list[tuple[str, Callable[..., Any], float]]) -> Reward:
         for name, call, w in calls:
             value = call(prompt, reply, answer)
             value = value.item() if getattr(value, "ndim", None) == 0 else value  # a 0-d tensor or array: its number
-            if not isinstance(value, numbers.Real):
-                raise ValueError(f"{name} returned {value!r:.60}, not a finite number")
+            if not isinstance(value, numbers.Real) or not abs(value) <= FLOAT32_MAX:  # 10**400 too: float() would raise
+                raise ValueError(f"{name} returned {value!r:.60}, not a finite float32 number")
             got.append((name, w, float(value)))
-        if not abs(total := sum(w * v for _, w, v in got)) <= torch.finfo(torch.float32).max:  # NaN fails it too
+        if not abs(total := sum(w * v for _, w, v in got)) <= FLOAT32_MAX:  # NaN fails it too
             said = ", ".join(f"{name} returned {v}" + f" (weight {w:g})" * (w != 1) for name, w, v in got)
             raise ValueError(f"{said}: the reward, {total}, is not a finite float32 number")
         return total
