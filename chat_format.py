@@ -23,6 +23,7 @@ import contextlib
 import gzip
 import importlib.util
 import json
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -146,25 +147,26 @@ def reply_text(ids: Iterable[int]) -> str:
 
 
 def load_rows(source: str, split: str, config: str | None = None, fallback: str = "") -> Any:
-    """The rows of a local .jsonl/.json/.parquet file (all of it) or a glob's files (in sorted order), of `split` in a
-    local directory in the hub's layout (train/test files, e.g. data/train-00000-of-00001.parquet) or of a hub dataset
-    (downloaded once), else `fallback`'s. Local JSON is read as written: `datasets` would infer one type per column
-    and rewrite contents ("42" as 42, "\\"x\\"" as x)."""
+    """The rows of a local file (all of it), a glob's files (sorted), `split`'s of a local directory in the hub's layout
+    (data/train-00000-of-00001.parquet, say) or of a hub dataset (downloaded once), else `fallback`'s. Local JSON is
+    read as written: `datasets` would infer a type per column and rewrite contents ("42" as 42, "\\"x\\"" as x)."""
     if files := expand(source, lambda path: local_split(path, split, fallback)):
-        rows = [row for f in files if f.is_file() for row in read_local(f)]
+        one = Path(source).expanduser().is_file()  # a file named on its own is read whatever its suffix
+        rows = [row for f in (files if one else readable(source, split, files)) for row in read_local(f)]
     elif source_kind(source) == "local":
         raise DataError(f"no such file or directory: {source} (taken as a local path); check the path, or run the "
                         "command that writes it first (e.g. tasks.py)")
     else:  # a hub dataset
         from datasets import get_dataset_split_names, load_dataset
 
+        wanted = " or ".join(dict.fromkeys(filter(None, (split, fallback))))  # test or test_sft
         try:
             split = fallback if fallback and split not in get_dataset_split_names(source, config) else split
             rows = load_dataset(source, config, split=split)
         except Exception as e:  # datasets' own errors (no such split, offline) as one line naming the source
             why = f"{e.__cause__ or e}".strip().splitlines()[0][:200]
-            raise DataError(f"cannot read {source} (split {split}), taken as a hub dataset as no local path of that "
-                            f"name exists: {why}") from None
+            raise DataError(f"cannot read {source} (split {wanted}), taken as a hub dataset as no local path of that "
+                            f"name exists: {why}" + f"; {NO_SPLIT}" * ("Unknown split" in why)) from None
     if len(rows) == 0:
         raise DataError(f"{source} (split {split}) holds no rows")
     return rows
@@ -174,31 +176,29 @@ def load_rows(source: str, split: str, config: str | None = None, fallback: str 
 # data/..., train/0.jsonl, HH's helpful-base/train.jsonl.gz); a digit after "train-": train_prefs-0 is another split
 SPLIT_LAYOUTS = ("{s}.*", "{s}[-_][0-9]*", "data/{s}.*", "data/{s}[-_][0-9]*", "{s}/*", "*/{s}.*", "*/{s}/*")
 READABLE = (".jsonl", ".json", ".parquet", ".gz")  # the files read_local reads (gzipped: .jsonl.gz, .json.gz)
+NO_SPLIT = "a held-out split missing, --eval-every 0 skips the val loss"
 
 
 def local_split(path: Path, split: str, fallback: str = "") -> list[Path]:
     """A file itself, or `split`'s files in a directory (else `fallback`'s: ultrachat_200k's copy has train_sft, no
-    train), found by the patterns `datasets` uses (train*, *-test-*...)."""
+    train): SPLIT_LAYOUTS' first match, else the patterns `datasets` uses (train*, *-test-*...)."""
     if path.is_file():
         return [path]
-    found, hint = {}, ""
-    if importlib.util.find_spec("datasets") is None:
-        found = {s: next(filter(None, (globbed(path, pattern.format(s=s)) for pattern in SPLIT_LAYOUTS)), [])
-                 for s in filter(None, (split, fallback))}
-        hint = " (`datasets` is not installed: pip install datasets for its other layouts)"
-    else:
+    # ours first, with `datasets` too: its patterns take train_sft.jsonl and train_gen.jsonl for train
+    found = {s: next(filter(None, (globbed(path, pattern.format(s=s)) for pattern in SPLIT_LAYOUTS)), [])
+             for s in filter(None, (split, fallback))}
+    hint = " (`datasets` is not installed: pip install datasets for its other layouts)"
+    if not any(found.values()) and importlib.util.find_spec("datasets") is not None:
         from datasets.data_files import DataFilesDict, get_data_patterns
 
+        hint = ""
         with contextlib.suppress(FileNotFoundError):  # no file of any split
             found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
             hint = f" (it has {', '.join(map(str, found))})"  # train_prefs, say
-    name = split if found.get(split) else fallback
-    files = readable(path, name, [Path(f) for f in found.get(name, [])])  # datasets' patterns match train_notes.txt
-    if not files:
+    if not (files := found.get(split) or found.get(fallback)):
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
-                        f"data/{split}-00000-of-00001.parquet{hint}; a held-out split missing, --eval-every 0 skips "
-                        "the val loss")
-    return files
+                        f"data/{split}-00000-of-00001.parquet{hint}; {NO_SPLIT}")
+    return [Path(f) for f in files]  # load_rows leaves out those read_local cannot read (datasets': train_notes.txt)
 
 
 def globbed(path: Path, pattern: str) -> list[Path]:
@@ -206,13 +206,14 @@ def globbed(path: Path, pattern: str) -> list[Path]:
     return sorted(f for f in path.glob(pattern) if f.is_file() and f.name[0] != "." and f.name.endswith(READABLE))
 
 
-def readable(path: Path, split: str, files: list[Path]) -> list[Path]:
-    """The files read_local reads in path order (datasets lists them pattern by pattern; row_name counts over them),
-    the others named in a note, as fineweb.local_files names a directory's."""
-    if other := [f.name for f in files if not f.name.endswith(READABLE)]:
-        print(f"note: {path} (split {split}): {len(other)} file(s) left out, not .jsonl/.json/.parquet/.gz: "
+def readable(source: Path | str, split: str, files: list[Path]) -> list[Path]:
+    """A directory's or glob's files that read_local reads, sorted (datasets lists them pattern by pattern; row_name
+    counts over them); the others named in a note, as fineweb.local_files names a directory's."""
+    other = [f.name for f in files if f.is_file() and not f.name.endswith(READABLE)]
+    if other and os.environ.get("RANK", "0") == "0":  # one note, not one a rank
+        print(f"note: {source} (split {split}): {len(other)} file(s) left out, not .jsonl/.json/.parquet/.gz: "
               f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
-    return sorted(f for f in files if f.name.endswith(READABLE))
+    return sorted(f for f in files if f.is_file() and f.name.endswith(READABLE))
 
 
 def read_local(path: Path) -> list[dict]:
@@ -316,10 +317,10 @@ def row_errors(source: str, index: int) -> Iterator[None]:
 
 
 def row_name(source: str, index: int) -> str:
-    """A row in an error, by its index from 0: a local file's lines would count blank ones, a directory's files' rows
-    are counted in path order. A hub dataset's or a task's row: its index alone."""
-    how = "over the split's files in path order" if Path(source).expanduser().is_dir() else "not a line number"
-    return f"{source} row {index}" + f" (0-based, {how})" * Path(source).expanduser().exists()
+    """A row in an error, by its index from 0: a local file's lines would count blank ones, a directory's or glob's
+    rows are counted over its files in sorted order. A hub dataset's or a task's row: its index alone."""
+    how = "not a line number" if Path(source).expanduser().is_file() else "over its files in sorted order"
+    return f"{source} row {index}" + f" (0-based, {how})" * (source_kind(source) == "local")
 
 
 def render_rows(source: str, rows: Iterable[tuple[int, Any]], cap: int) -> tuple[list[tuple[Any, Any]], int, int]:

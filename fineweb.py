@@ -126,10 +126,10 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
 def expand(pattern: str, in_dir: Callable[[Path], Iterable[Path]]) -> list[Path] | None:
     """The paths a glob matches, a directory's (in_dir), or the file itself; None where nothing is."""
     path = Path(pattern).expanduser()
+    if path.exists():  # a name with [ or ? in it too
+        return list(in_dir(path)) if path.is_dir() else [path]
     if any(c in pattern for c in "*?["):
         return [Path(f) for f in sorted(glob.glob(str(path), recursive=True))]
-    if path.exists():
-        return list(in_dir(path)) if path.is_dir() else [path]
     return None
 
 

@@ -103,14 +103,14 @@ def test_a_bad_content_is_refused_naming_its_row(tmp_path, content, message):
 
 
 def test_a_directory_s_bad_row_is_counted_over_its_split_s_files_in_path_order(tmp_path):
-    pytest.importorskip("datasets")  # it lists train-1.jsonl (its first pattern's) before a-train.jsonl
+    pytest.importorskip("datasets")  # its patterns find b-train.jsonl and a-train.jsonl, in another order
     rows = chat_rows()
     rows[5]["messages"][1]["content"] = 42
     write_jsonl(tmp_path / "a-train.jsonl", rows[:4])
-    write_jsonl(tmp_path / "train-1.jsonl", rows[4:])
+    write_jsonl(tmp_path / "b-train.jsonl", rows[4:])
     with pytest.raises(DataError) as e:
         cf.ConversationLoader(str(tmp_path), "train", 1, 64)
-    assert str(e.value) == f"{tmp_path} row 5 (0-based, over the split's files in path order): message 1 " \
+    assert str(e.value) == f"{tmp_path} row 5 (0-based, over its files in sorted order): message 1 " \
         "(assistant) has content of type int, expected a string or a list of parts"
 
 
@@ -145,12 +145,47 @@ def test_json_over_several_lines_reads_as_datasets_reads_it_and_columns_are_one_
 
 
 def test_a_stray_file_beside_a_split_is_left_out_naming_it(tmp_path, capsys):
-    pytest.importorskip("datasets")  # its patterns match train_notes.txt too, and read_local took it for JSON
-    write_jsonl(tmp_path / "train.jsonl", chat_rows())
-    (tmp_path / "train_notes.txt").write_text("notes\n")
-    assert cf.load_rows(str(tmp_path), "train") == chat_rows()
-    assert capsys.readouterr().out == f"note: {tmp_path} (split train): 1 file(s) left out, not " \
-        ".jsonl/.json/.parquet/.gz: train_notes.txt\n"
+    pytest.importorskip("datasets")  # its patterns match my-train-notes.txt too, and read_local took it for JSON
+    write_jsonl(tmp_path / "my-train.jsonl", chat_rows())
+    (tmp_path / "my-train-notes.txt").write_text("notes\n")
+    for source in (str(tmp_path), str(tmp_path / "*")):  # a glob's files too: it read the notes as JSON
+        assert cf.load_rows(source, "train") == chat_rows()
+        assert capsys.readouterr().out == f"note: {source} (split train): 1 file(s) left out, not " \
+            ".jsonl/.json/.parquet/.gz: my-train-notes.txt\n"
+
+
+def test_a_flat_copy_of_ultrachat_reads_the_stages_splits_alone(tmp_path):
+    """datasets' patterns take train_sft.jsonl and train_gen.jsonl for one train split: both were read, in silence."""
+    pytest.importorskip("datasets")
+    rows = chat_rows()
+    for split, part in (("train_sft", rows[:3]), ("train_gen", rows[3:5]), ("test_sft", rows[5:6]), ("test_gen", rows)):
+        write_jsonl(tmp_path / f"{split}.jsonl", part)
+    assert cf.load_rows(str(tmp_path), "train", fallback="train_sft") == rows[:3]
+    assert cf.load_rows(str(tmp_path), "test", fallback="test_sft") == rows[5:6]
+
+
+def test_a_file_named_with_glob_characters_is_that_file_and_a_glob_s_rows_are_counted_over_it(tmp_path):
+    odd = write_jsonl(tmp_path / "conv[v2].jsonl", chat_rows())  # was "no such file": taken for a glob
+    assert cf.load_rows(str(odd), "train") == chat_rows()
+    rows = chat_rows()
+    rows[5]["messages"] = []
+    (tmp_path / "g").mkdir()
+    write_jsonl(tmp_path / "g" / "b.jsonl", rows[2:])
+    write_jsonl(tmp_path / "g" / "a.jsonl", rows[:2])
+    with pytest.raises(DataError, match=r"/g/\*\.jsonl row 5 \(0-based, over its files in sorted order\): "):
+        cf.ConversationLoader(str(tmp_path / "g" / "*.jsonl"), "train", 1, 64)  # it named no position
+
+
+def test_a_hub_dataset_without_a_test_split_says_how_to_go_on(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    write_jsonl(tmp_path / "train.jsonl", chat_rows())  # the hub, read by datasets' own code
+    for real in (datasets.get_dataset_split_names, datasets.load_dataset):
+        monkeypatch.setattr(datasets, real.__name__, lambda _, *a, real=real, **k: real(str(tmp_path), *a, **k))
+    with pytest.raises(DataError) as e:
+        cf.load_rows("someone/chat", "test", fallback="test_sft")
+    assert str(e.value) == "cannot read someone/chat (split test or test_sft), taken as a hub dataset as no local " \
+        "path of that name exists: Unknown split \"test_sft\". Should be one of ['train'].; a held-out split " \
+        "missing, --eval-every 0 skips the val loss"
 
 
 def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
