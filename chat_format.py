@@ -181,14 +181,14 @@ NO_SPLIT = "a held-out split missing, --eval-every 0 skips the val loss"
 
 def local_split(path: Path, split: str, fallback: str = "") -> list[Path]:
     """A file itself, or `split`'s files in a directory (else `fallback`'s: ultrachat_200k's copy has train_sft, no
-    train): SPLIT_LAYOUTS' first match, else the patterns `datasets` uses (train*, *-test-*...)."""
+    train), found by the patterns `datasets` uses (train*, *-test-*...; without it, SPLIT_LAYOUTS' first match)."""
     if path.is_file():
         return [path]
-    # ours first, with `datasets` too: its patterns take train_sft.jsonl and train_gen.jsonl for train
     found = {s: next(filter(None, (globbed(path, pattern.format(s=s)) for pattern in SPLIT_LAYOUTS)), [])
              for s in filter(None, (split, fallback))}
     hint = " (`datasets` is not installed: pip install datasets for its other layouts)"
-    if not any(found.values()) and importlib.util.find_spec("datasets") is not None:
+    # datasets' patterns take train_sft.jsonl and train_gen.jsonl for train: fallback's files, found and no train, win
+    if (found[split] or not found.get(fallback)) and importlib.util.find_spec("datasets") is not None:
         from datasets.data_files import DataFilesDict, get_data_patterns
 
         hint = ""
