@@ -24,6 +24,7 @@ import gzip
 import importlib.util
 import json
 import os
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -217,19 +218,19 @@ def readable(source: Path | str, split: str, files: list[Path]) -> list[Path]:
 
 
 def read_local(path: Path) -> list[dict]:
-    """A .jsonl/.json file's rows as written (a JSON array, or objects one after another, each on a line or over
-    several, as datasets reads them; gzipped too), or a .parquet's."""
+    """A .jsonl/.json(.gz) file's rows as written (an array, or objects one after another, as datasets reads them)."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark (Windows tools write one), as datasets reads
     try:
-        text = data.decode("utf-8")
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        text = (data := data.removeprefix(b"\xef\xbb\xbf")).decode("utf-8")  # a byte order mark, as datasets reads
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise DataError(f"{path} line {line}: not UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a .gz cut short, damaged, or not gzip at all
+        raise DataError(f"{path}: not a whole gzip file ({e})") from None
     rows, at, decoder = [], 0, json.JSONDecoder()
     while (at := json.decoder.WHITESPACE.match(text, at).end()) < len(text):  # values one after another, as datasets
         try:
@@ -261,9 +262,8 @@ def held_out(source: str, split: str) -> str:
 
 
 def split_rows(source: str, split: str, family: tuple[str, str] = ("", "")) -> Iterable[tuple[int, Any]]:
-    """(row index, row) of the train or val split, one at a time: a file's or glob's every VAL_EVERY-th row is val, a
-    directory's or hub dataset's val is its test split (train its train); one without them, the stage's family's
-    (ultrafeedback_binarized: train_prefs, test_prefs)."""
+    """(row index, row) of the train or val split: a file's or glob's every VAL_EVERY-th row is val, a directory's or
+    hub dataset's val its test split (train its train), else the stage's family's (UltraFeedback's test_prefs)."""
     single = one_file(source)
     k = 0 if single or split == "train" else 1
     rows = load_rows(source, ("train", "test")[k], fallback=family[k])

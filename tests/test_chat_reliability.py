@@ -2,8 +2,10 @@
 that answers in transformers as in chat.py, the chat format kept through SFT -> DPO -> RL -> export, and one line (with
 nothing written) for what cannot work."""
 
+import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -201,6 +203,13 @@ def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
         cf.load_rows(str(latin), "train")
     with pytest.raises(DataError, match="no such file or directory: .*missing.jsonl \\(taken as a local path\\)"):
         cf.load_rows(str(tmp_path / "missing.jsonl"), "train")
+    whole = gzip.compress(json.dumps({"messages": []}).encode() * 50)
+    for name, data, why in (("cut", whole[:-12], "Compressed file ended before the end-of-stream marker was reached"),
+                            ("plain", b"no", "Not a gzipped file (b'no')"),
+                            ("bad", whole[:10] + b"\xff" * 9, "Error -3 while decompressing data: invalid block type")):
+        (tmp_path / f"{name}.jsonl.gz").write_bytes(data)  # an EOFError traceback, or an error naming no file
+        with pytest.raises(DataError, match=f"^{tmp_path}/{name}.jsonl.gz: not a whole gzip file \\({re.escape(why)}"):
+            cf.load_rows(str(tmp_path / f"{name}.jsonl.gz"), "train")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     assert source_kind("data/addition") == "local" and source_kind("someone/dataset") == "hub"
