@@ -399,6 +399,7 @@ def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pa
     losses = [r["loss"] for r in iter_log(tmp_path / "split" / "log.jsonl") if r["type"] == "train"]
     # bitwise: for DPO this also shows the resumed run's reference is the starting weights, not the resumed ones
     assert losses == full["losses"] and rest["val"] == full["val"]
+    assert rest["losses"] == full["losses"][2:]  # it resumed at step 2: a restart from 0 matched the full run too
     # DPO starts from a tie (a policy equal to its reference); the reward model's zero head adds nothing to the random
     # model's near-uniform log-probs of two replies
     assert full["losses"][0] == pytest.approx(math.log(2), abs=1e-6 if preset == "dpo-demo" else 1e-2)
