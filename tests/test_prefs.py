@@ -255,6 +255,10 @@ def test_bradley_terry_and_dpo_against_closed_forms():
     assert abs(out["loss"].item() - math.log1p(math.exp(-1))) < 1e-6 and out["accuracy"].item() == 1.0
     assert abs(out["chosen_reward"].item() - 0.5) < 1e-6 and abs(out["rejected_reward"].item() + 0.5) < 1e-6
     assert abs(dpo(*torch.tensor([[-1.0], [-3.0], [-2.0], [-2.0]]))["margin"].item() - 0.2) < 1e-6  # beta 0.1
+    # each side against its own reference: chosen 0.5 * (-1 + 2) = 0.5, rejected 0.5 * (-3 + 1.5) = -0.75
+    out = dpo(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), beta=0.5)
+    assert abs(out["loss"].item() - math.log1p(math.exp(-1.25))) < 1e-6 and abs(out["margin"].item() - 1.25) < 1e-6
+    assert abs(out["chosen_reward"].item() - 0.5) < 1e-6 and abs(out["rejected_reward"].item() + 0.75) < 1e-6
 
 
 def test_reward_is_the_value_at_the_last_reply_token_and_sequence_logprobs_sum_the_reply():
