@@ -31,6 +31,9 @@ def test_group_advantages_with_and_without_the_std():
     expected = [x / (std1 + 1e-4) for x in (0.5, -0.5, -0.5, 0.5)]
     expected += [0.0] * 4 + [x / (std3 + 1e-4) for x in (2.0, -1.0, -1.0, 0.0)]
     torch.testing.assert_close(scaled, torch.tensor(expected))  # a group of equal rewards: 0, not NaN
+    for scale, want in ((False, plain), (True, scaled)):  # as --algo grpo computes them, --scale-rewards or not
+        got = ALGOS["grpo"].advantages({"scores": rewards}, RLConfig(samples=4, scale_rewards=scale), 1)["adv"]
+        torch.testing.assert_close(got, want)
 
 
 def policy_loss(logp, old, adv, mask, denom=None):
@@ -127,6 +130,7 @@ def test_rloo_and_reinforce_baselines_by_hand():
     torch.testing.assert_close(leave_one_out(rewards, 4), want)
     torch.testing.assert_close(leave_one_out(rewards, 4), group_advantages(rewards, 4, scale=False) * 4 / 3)
     batch, cfg = {"scores": rewards}, RLConfig(samples=4, algo="reinforce")
+    torch.testing.assert_close(ALGOS["rloo"].advantages(batch, RLConfig(samples=4, algo="rloo"), 1)["adv"], want)
     torch.testing.assert_close(ALGOS["reinforce"].advantages(batch, cfg, 1)["adv"],
                                torch.tensor([0.5, -0.5, -0.5, 0.5, 2, -1, -1, 0]))  # the group's mean, no std
     assert cfg.minibatches == 1 and "clip" not in ALGOS["reinforce"].flags and RLConfig(algo="rloo").minibatches == 2
