@@ -99,6 +99,13 @@ def test_gae_against_a_hand_computation_with_a_forced_token_and_padding():
     # gamma = lam = 1: the advantage is the reward-to-go minus the value
     adv1, _ = gae(rewards, values, mask, 1.0, 1.0)
     torch.testing.assert_close(adv1, torch.tensor([[1.3 - 0.5, 0.0, 1.2 - 0.4, 1.0 - 0.3, 0.0]]))
+    # --algo ppo: GAE with its --gamma and --lam on kl_rewards' rewards (--beta), whitened over the sampled tokens
+    logp, ref, score = torch.tensor([[-1.0, -2.0, -0.5, -0.3, 0.0]]), torch.tensor([[-1.5, -2.0, -1.0, -0.2, 0.0]]), 2.0
+    batch = {"mask": mask, "old_logp": logp, "ref_logp": ref, "scores": torch.tensor([score]), "old_values": values}
+    out = ALGOS["ppo"].advantages(batch, RLConfig(algo="ppo", samples=1, gamma=gamma, lam=lam, beta=0.1), 1)
+    want, ret = gae(kl_rewards(torch.tensor([score]), logp, ref, mask, 0.1), values, mask, gamma, lam)
+    torch.testing.assert_close(out["adv"], whiten(want, mask))
+    torch.testing.assert_close(out["returns"], ret)
 
 
 def test_clipped_value_loss():
