@@ -203,7 +203,10 @@ def test_two_ranks_see_one_ranks_two_micro_batches(tmp_path):
             rx, ry = ranks[r].next_batch()
             assert torch.equal(x, rx) and torch.equal(y, ry)
     one.load_state_dict(ranks[1].state_dict())  # 2 ranks x 15 steps -> 1 rank at step 30
-    assert one.step == 30 and torch.equal(one.next_batch()[0], ranks[0].next_batch()[0])
+    assert one.step == 30 and torch.equal(one.next_batch()[0], want := ranks[0].next_batch()[0])
+    fresh = cf.ConversationLoader(path, "train", 2, 31, seed=1)  # `one` was at step 30 already: a load that did
+    fresh.load_state_dict(ranks[1].state_dict())  # nothing passed above
+    assert fresh.step == 30 and torch.equal(fresh.next_batch()[0], want)
 
 
 def test_hub_layout_directory_gives_train_and_held_out_test(tmp_path):

@@ -255,6 +255,10 @@ def test_bradley_terry_and_dpo_against_closed_forms():
     assert abs(out["loss"].item() - math.log1p(math.exp(-1))) < 1e-6 and out["accuracy"].item() == 1.0
     assert abs(out["chosen_reward"].item() - 0.5) < 1e-6 and abs(out["rejected_reward"].item() + 0.5) < 1e-6
     assert abs(dpo(*torch.tensor([[-1.0], [-3.0], [-2.0], [-2.0]]))["margin"].item() - 0.2) < 1e-6  # beta 0.1
+    # each side against its own reference: chosen 0.5 * (-1 + 2) = 0.5, rejected 0.5 * (-3 + 1.5) = -0.75
+    out = dpo(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), beta=0.5)
+    assert abs(out["loss"].item() - math.log1p(math.exp(-1.25))) < 1e-6 and abs(out["margin"].item() - 1.25) < 1e-6
+    assert abs(out["chosen_reward"].item() - 0.5) < 1e-6 and abs(out["rejected_reward"].item() + 0.75) < 1e-6
 
 
 def test_reward_is_the_value_at_the_last_reply_token_and_sequence_logprobs_sum_the_reply():
@@ -399,6 +403,7 @@ def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pa
     losses = [r["loss"] for r in iter_log(tmp_path / "split" / "log.jsonl") if r["type"] == "train"]
     # bitwise: for DPO this also shows the resumed run's reference is the starting weights, not the resumed ones
     assert losses == full["losses"] and rest["val"] == full["val"]
+    assert rest["losses"] == full["losses"][2:]  # it resumed at step 2: a restart from 0 matched the full run too
     # DPO starts from a tie (a policy equal to its reference); the reward model's zero head adds nothing to the random
     # model's near-uniform log-probs of two replies
     assert full["losses"][0] == pytest.approx(math.log(2), abs=1e-6 if preset == "dpo-demo" else 1e-2)

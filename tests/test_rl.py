@@ -119,6 +119,7 @@ def test_an_rl_run_resumes_bitwise(models, tmp_path, algo):
     records = train_records(tmp_path / "full")
     assert train_records(tmp_path / "split") == records and len(records) == 4  # rewards, losses, KL...: bitwise
     assert rest["step"] == 4 and rest["task"] == full["task"] and set(full["task"]) == {"acc", "n", "pass@2"}
+    assert rest["losses"] == full["losses"][2:]  # it resumed at step 2: a restart from 0 matched the full run too
     assert records[0]["kl"] == 0 and records[-1]["kl"] > 0  # the reference is the start
     assert len({r["reward"] for r in records}) == 4 and all(r["length"] == 6 for r in records)
     assert max(r["clip_frac"] for r in records) > 0 and ("value_loss" in records[-1]) == (algo == "ppo")

@@ -31,6 +31,9 @@ def test_group_advantages_with_and_without_the_std():
     expected = [x / (std1 + 1e-4) for x in (0.5, -0.5, -0.5, 0.5)]
     expected += [0.0] * 4 + [x / (std3 + 1e-4) for x in (2.0, -1.0, -1.0, 0.0)]
     torch.testing.assert_close(scaled, torch.tensor(expected))  # a group of equal rewards: 0, not NaN
+    for scale, want in ((False, plain), (True, scaled)):  # as --algo grpo computes them, --scale-rewards or not
+        got = ALGOS["grpo"].advantages({"scores": rewards}, RLConfig(samples=4, scale_rewards=scale), 1)["adv"]
+        torch.testing.assert_close(got, want)
 
 
 def policy_loss(logp, old, adv, mask, denom=None):
@@ -96,6 +99,13 @@ def test_gae_against_a_hand_computation_with_a_forced_token_and_padding():
     # gamma = lam = 1: the advantage is the reward-to-go minus the value
     adv1, _ = gae(rewards, values, mask, 1.0, 1.0)
     torch.testing.assert_close(adv1, torch.tensor([[1.3 - 0.5, 0.0, 1.2 - 0.4, 1.0 - 0.3, 0.0]]))
+    # --algo ppo: GAE with its --gamma and --lam on kl_rewards' rewards (--beta), whitened over the sampled tokens
+    logp, ref, score = torch.tensor([[-1.0, -2.0, -0.5, -0.3, 0.0]]), torch.tensor([[-1.5, -2.0, -1.0, -0.2, 0.0]]), 2.0
+    batch = {"mask": mask, "old_logp": logp, "ref_logp": ref, "scores": torch.tensor([score]), "old_values": values}
+    out = ALGOS["ppo"].advantages(batch, RLConfig(algo="ppo", samples=1, gamma=gamma, lam=lam, beta=0.1), 1)
+    want, ret = gae(kl_rewards(torch.tensor([score]), logp, ref, mask, 0.1), values, mask, gamma, lam)
+    torch.testing.assert_close(out["adv"], whiten(want, mask))
+    torch.testing.assert_close(out["returns"], ret)
 
 
 def test_clipped_value_loss():
@@ -127,6 +137,7 @@ def test_rloo_and_reinforce_baselines_by_hand():
     torch.testing.assert_close(leave_one_out(rewards, 4), want)
     torch.testing.assert_close(leave_one_out(rewards, 4), group_advantages(rewards, 4, scale=False) * 4 / 3)
     batch, cfg = {"scores": rewards}, RLConfig(samples=4, algo="reinforce")
+    torch.testing.assert_close(ALGOS["rloo"].advantages(batch, RLConfig(samples=4, algo="rloo"), 1)["adv"], want)
     torch.testing.assert_close(ALGOS["reinforce"].advantages(batch, cfg, 1)["adv"],
                                torch.tensor([0.5, -0.5, -0.5, 0.5, 2, -1, -1, 0]))  # the group's mean, no std
     assert cfg.minibatches == 1 and "clip" not in ALGOS["reinforce"].flags and RLConfig(algo="rloo").minibatches == 2

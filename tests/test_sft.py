@@ -91,6 +91,7 @@ def test_sft_resumes_bitwise_and_logs_the_task_accuracy(conversations, tmp_path)
     losses = [r["loss"] for r in iter_log(tmp_path / "split" / "log.jsonl") if r["type"] == "train"]
     assert losses == full["losses"] and len(losses) == 6 and losses[-1] < losses[0]  # bitwise
     assert rest["val_loss"] == full["val_loss"]
+    assert rest["losses"] == full["losses"][3:]  # it resumed at step 3: a restart from 0 matched the full run too
     scored = [r for r in iter_log(tmp_path / "full" / "log.jsonl") if r["type"] == "task"]
     assert [r["step"] for r in scored] == [0, 3, 6] and all(r["n"] == 8 and 0 <= r["acc"] <= 1 for r in scored)
     ckpt = load_checkpoint(tmp_path / "full" / "ckpt_000006.pt")
