@@ -411,8 +411,11 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
                 torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
             assert op in {e.name for e in prof.events()}, name
         before = par.sdpa_switches()  # flash alone, from the loop above
-        math_run = train.main(tiny_args(token_data, tmp_path / "math", "--max-steps=3", "--eval-every=0",
-                                        "--attention=math"))["losses"]
+        with torch.profiler.profile() as prof:  # the run's own choice is the kernel its steps run
+            math_run = train.main(tiny_args(token_data, tmp_path / "math", "--max-steps=3", "--eval-every=0",
+                                            "--attention=math"))["losses"]
+        ran = {e.name for e in prof.events()}
+        assert kernels["math"] in ran and kernels["flash"] not in ran
         assert par.sdpa_switches() == before  # the run's choice does not outlive it in the caller's process
     finally:
         par.select_attention("auto")
