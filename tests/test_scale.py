@@ -17,7 +17,7 @@ import train
 from conftest import make_token_data, run_train_runs
 from model import GPT, MODEL_PRESETS
 from parallel import StepArgs
-from parallelize import Stage, data_rank, reorder, shard_problem
+from parallelize import Sharded, Stage, data_rank, reorder, shard_problem
 
 # the tiny GPT-2 on a 512-token vocabulary (its fp32 gradient norm is exact enough to compare: docs/scale.md)
 BASE = ["--preset", "tiny", "--vocab-size", "512", "--max-steps", "10", "--total-batch-size", "1024", "--eval-every",
@@ -119,12 +119,17 @@ def test_four_ranks_compose_data_tensor_and_pipeline_parallel(tokens512, referen
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu_suite.sh runs it on one)"))])
-def test_one_rank_runs_the_sharded_code_as_the_plain_model(tokens512, tmp_path, device):
+def test_one_rank_runs_the_sharded_code_as_the_plain_model(tokens512, tmp_path, device, monkeypatch):
     # --tp 1 --pp 1: DTensor on a one-rank mesh (sequence parallel too) and a one-stage pipeline schedule
     flags = ["--device", device, "--dtype", "fp32", "--compile", "false", "--ckpt-every", "5"]
     plain = log(one_process(tokens512, tmp_path / "plain", *flags))
+    real, scheduled = Sharded.pipeline, []
+    monkeypatch.setattr(Sharded, "pipeline", lambda self, xs, ys, train, *a: scheduled.append(train) or
+                        real(self, xs, ys, train, *a))
     sharded = log(one_process(tokens512, tmp_path / "tp1pp1", *flags, "--tp", "1", "--pp", "1",
                               "--sequence-parallel"))
+    monkeypatch.undo()
+    assert scheduled.count(True) == 10  # every step went through the pipeline schedule, not the plain model
     tolerance = 1e-5 if device == "cpu" else 1e-3  # CUDA: TF32 matmuls, summed in another order
     assert worst(sharded, plain) <= tolerance
     back = one_process(tokens512, tmp_path / "back", *flags, f"--resume={tmp_path}/tp1pp1/ckpt_000005.pt")
