@@ -1418,7 +1418,9 @@ def test_an_error_on_two_ranks_exits_1_on_each_with_its_message(tmp_path):
     empty.mkdir()
     proc = run_torchrun(["train.py", *tiny_args(empty, tmp_path / "out", "--max-steps=2")], nproc=2, check=False)
     assert proc.returncode != 0
-    assert len(re.findall("^error: ", proc.stderr, re.M)) == 2, proc.stderr[-3000:]  # each on a line of its own
+    errors = re.findall("^error: .*", proc.stderr, re.M)
+    assert len(errors) == 2, proc.stderr[-3000:]  # each on a line of its own
+    assert all(f"no train shards in {empty} " in line for line in errors), errors  # the reason, not just any error
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
     assert codes and set(codes) == {"1"}, proc.stderr[-3000:]
 
