@@ -2088,6 +2088,10 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
             train.main(tiny_args(token_data, out, *common, f"--parallel={parallel}", "--resume=auto"))
         again = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert len(again) == 8 and again == pytest.approx(losses, abs=1e-5), parallel
+    # and those were the wrappers named (a --parallel fsdp that fell back to DDP would match as well as FSDP2 does)
+    assert re.findall(r"^train_runs: built (\w+) with (\w+)$", proc.stdout, re.M) == [
+        ("DistributedDataParallel", "AdamW"), ("DistributedDataParallel", "ZeroRedundancyOptimizer"),
+        ("FSDPGPT", "AdamW"), ("FSDPGPT", "AdamW")]
 
 
 @contextlib.contextmanager
@@ -2225,8 +2229,12 @@ def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path
     # as in nanoGPT, torchrun means DDP/ZeRO-1/FSDP2 even on one rank: a one-GPU machine then runs the real wrappers
     common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=0"]
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))["losses"]
-    run_train_runs([tiny_args(token_data, tmp_path / parallel, *common, f"--parallel={parallel}")
-                    for parallel in ("ddp", "zero1", "fsdp")], nproc=1, spec=tmp_path / "runs.json")
+    proc = run_train_runs([tiny_args(token_data, tmp_path / parallel, *common, f"--parallel={parallel}")
+                           for parallel in ("ddp", "zero1", "fsdp")], nproc=1, spec=tmp_path / "runs.json")
+    # the wrappers themselves, at one rank too (optimizer_kind below is the flag's name whenever a group is up)
+    assert re.findall(r"^train_runs: built (\w+) with (\w+)$", proc.stdout, re.M) == [
+        ("DistributedDataParallel", "AdamW"), ("DistributedDataParallel", "ZeroRedundancyOptimizer"),
+        ("FSDPGPT", "AdamW")]
     for parallel in ("ddp", "zero1", "fsdp"):
         out = tmp_path / parallel
         assert load_checkpoint(out / "ckpt_000004.pt")["optimizer_kind"] == parallel
