@@ -3,6 +3,7 @@ resumes its own checkpoints bitwise and another layout's within 1e-6, and refuse
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,14 @@ RUNS = {  # name -> flags, run one after another in one launch; a resume names t
 }
 
 
-def launch(data: Path, out: Path, which: str, nproc: int, timeout: int) -> None:
-    """RUNS[which] in one torchrun launch of nproc ranks, each run's log.jsonl in out/<name>."""
+def launch(data: Path, out: Path, which: str, nproc: int, timeout: int) -> list[str]:
+    """RUNS[which] in one torchrun launch of nproc ranks, each run's log.jsonl in out/<name>; returns the model each
+    run trained (tests/train_runs.py's line): Sharded for --tp/--pp, a data-parallel wrapper otherwise."""
     runs = [[*BASE, "--data", data, "--out-dir", out / name,
              *(f"--resume={out / f.removeprefix('resume:')}/ckpt_000005.pt" if f.startswith("resume:") else f
                for f in flags)] for name, flags in RUNS[which].items()]
-    run_train_runs(runs, nproc, out / "runs.json", timeout=timeout)
+    proc = run_train_runs(runs, nproc, out / "runs.json", timeout=timeout)
+    return re.findall(r"^train_runs: built (\w+) with", proc.stdout, re.M)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,7 @@ def worst(run: dict, ref: dict, steps: range = range(10)) -> float:
 
 @pytest.mark.slow
 def test_two_ranks_train_as_one_process_and_resume_on_any_layout(tokens512, references, tmp_path):
-    launch(tokens512, tmp_path, "two", nproc=2, timeout=600)
+    built = launch(tokens512, tmp_path, "two", nproc=2, timeout=600)
     ref, llama, layers4 = references["ref"], references["llama"], references["layers4"]
     # 10 fp32 steps: losses, gradient norms and val losses as one process's
     for name, want in (("tp2", ref), ("pp2", ref), ("pp2gpipe_llama", llama), ("pp2interleaved_l4", layers4)):
@@ -104,17 +107,21 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_layout(tokens512, refe
                                                                                           references["dir"] / "ref"))
         assert theirs.keys() == mine.keys()
         assert max((theirs[k] - mine[k]).abs().max().item() for k in mine) <= 1e-4
+    # the layouts were sharded (a --tp whose ranks both trained the whole model on the same batch matches too)
+    assert built == ["Sharded", "DistributedDataParallel", "Sharded", "Sharded", "Sharded", "Sharded"]
 
 
 @pytest.mark.slow
 def test_four_ranks_compose_data_tensor_and_pipeline_parallel(tokens512, references, tmp_path):
-    launch(tokens512, tmp_path, "four", nproc=4, timeout=900)
+    built = launch(tokens512, tmp_path, "four", nproc=4, timeout=900)
     ref, llama = references["ref"], references["llama"]
     assert worst(log(tmp_path / "dp2tp2"), ref) <= 1e-5  # FSDP2 over dp x Megatron over tp
     # pipeline x tensor x sequence parallel, with GQA's key-value heads and SwiGLU split
     assert worst(log(tmp_path / "pp2tp2sp_llama"), llama) <= 1e-5
     assert worst(log(tmp_path / "dp2tp2_again"), log(tmp_path / "dp2tp2"), range(5, 10)) == 0
     assert worst(log(tmp_path / "dp2tp2_as_dp4"), log(tmp_path / "dp2tp2"), range(5, 10)) <= 1e-6
+    # the layouts were sharded (a --tp whose ranks both trained the whole model on the same batch matches too)
+    assert built == ["Sharded", "Sharded", "FSDPGPT", "Sharded"]  # dp2tp2_as_dp4: FSDP2 alone
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
