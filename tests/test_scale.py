@@ -3,6 +3,7 @@ resumes its own checkpoints bitwise and another layout's within 1e-6, and refuse
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import train
 from conftest import make_token_data, run_train_runs
 from model import GPT, MODEL_PRESETS
 from parallel import StepArgs
-from parallelize import Stage, data_rank, reorder, shard_problem
+from parallelize import Sharded, Stage, data_rank, reorder, shard_problem
 
 # the tiny GPT-2 on a 512-token vocabulary (its fp32 gradient norm is exact enough to compare: docs/scale.md)
 BASE = ["--preset", "tiny", "--vocab-size", "512", "--max-steps", "10", "--total-batch-size", "1024", "--eval-every",
@@ -37,12 +38,14 @@ RUNS = {  # name -> flags, run one after another in one launch; a resume names t
 }
 
 
-def launch(data: Path, out: Path, which: str, nproc: int, timeout: int) -> None:
-    """RUNS[which] in one torchrun launch of nproc ranks, each run's log.jsonl in out/<name>."""
+def launch(data: Path, out: Path, which: str, nproc: int, timeout: int) -> list[str]:
+    """RUNS[which] in one torchrun launch of nproc ranks, each run's log.jsonl in out/<name>; returns the model each
+    run trained (tests/train_runs.py's line): Sharded for --tp/--pp, a data-parallel wrapper otherwise."""
     runs = [[*BASE, "--data", data, "--out-dir", out / name,
              *(f"--resume={out / f.removeprefix('resume:')}/ckpt_000005.pt" if f.startswith("resume:") else f
                for f in flags)] for name, flags in RUNS[which].items()]
-    run_train_runs(runs, nproc, out / "runs.json", timeout=timeout)
+    proc = run_train_runs(runs, nproc, out / "runs.json", timeout=timeout)
+    return re.findall(r"^train_runs: built (\w+) with", proc.stdout, re.M)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,7 @@ def worst(run: dict, ref: dict, steps: range = range(10)) -> float:
 
 @pytest.mark.slow
 def test_two_ranks_train_as_one_process_and_resume_on_any_layout(tokens512, references, tmp_path):
-    launch(tokens512, tmp_path, "two", nproc=2, timeout=600)
+    built = launch(tokens512, tmp_path, "two", nproc=2, timeout=600)
     ref, llama, layers4 = references["ref"], references["llama"], references["layers4"]
     # 10 fp32 steps: losses, gradient norms and val losses as one process's
     for name, want in (("tp2", ref), ("pp2", ref), ("pp2gpipe_llama", llama), ("pp2interleaved_l4", layers4)):
@@ -104,27 +107,36 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_layout(tokens512, refe
                                                                                           references["dir"] / "ref"))
         assert theirs.keys() == mine.keys()
         assert max((theirs[k] - mine[k]).abs().max().item() for k in mine) <= 1e-4
+    # the layouts were sharded (a --tp whose ranks both trained the whole model on the same batch matches too)
+    assert built == ["Sharded", "DistributedDataParallel", "Sharded", "Sharded", "Sharded", "Sharded"]
 
 
 @pytest.mark.slow
 def test_four_ranks_compose_data_tensor_and_pipeline_parallel(tokens512, references, tmp_path):
-    launch(tokens512, tmp_path, "four", nproc=4, timeout=900)
+    built = launch(tokens512, tmp_path, "four", nproc=4, timeout=900)
     ref, llama = references["ref"], references["llama"]
     assert worst(log(tmp_path / "dp2tp2"), ref) <= 1e-5  # FSDP2 over dp x Megatron over tp
     # pipeline x tensor x sequence parallel, with GQA's key-value heads and SwiGLU split
     assert worst(log(tmp_path / "pp2tp2sp_llama"), llama) <= 1e-5
     assert worst(log(tmp_path / "dp2tp2_again"), log(tmp_path / "dp2tp2"), range(5, 10)) == 0
     assert worst(log(tmp_path / "dp2tp2_as_dp4"), log(tmp_path / "dp2tp2"), range(5, 10)) <= 1e-6
+    # the layouts were sharded (a --tp whose ranks both trained the whole model on the same batch matches too)
+    assert built == ["Sharded", "Sharded", "FSDPGPT", "Sharded"]  # dp2tp2_as_dp4: FSDP2 alone
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu_suite.sh runs it on one)"))])
-def test_one_rank_runs_the_sharded_code_as_the_plain_model(tokens512, tmp_path, device):
+def test_one_rank_runs_the_sharded_code_as_the_plain_model(tokens512, tmp_path, device, monkeypatch):
     # --tp 1 --pp 1: DTensor on a one-rank mesh (sequence parallel too) and a one-stage pipeline schedule
     flags = ["--device", device, "--dtype", "fp32", "--compile", "false", "--ckpt-every", "5"]
     plain = log(one_process(tokens512, tmp_path / "plain", *flags))
+    real, scheduled = Sharded.pipeline, []
+    monkeypatch.setattr(Sharded, "pipeline", lambda self, xs, ys, train, *a: scheduled.append(train) or
+                        real(self, xs, ys, train, *a))
     sharded = log(one_process(tokens512, tmp_path / "tp1pp1", *flags, "--tp", "1", "--pp", "1",
                               "--sequence-parallel"))
+    monkeypatch.undo()
+    assert scheduled.count(True) == 10  # every step went through the pipeline schedule, not the plain model
     tolerance = 1e-5 if device == "cpu" else 1e-3  # CUDA: TF32 matmuls, summed in another order
     assert worst(sharded, plain) <= tolerance
     back = one_process(tokens512, tmp_path / "back", *flags, f"--resume={tmp_path}/tp1pp1/ckpt_000005.pt")

@@ -411,8 +411,11 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
                 torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
             assert op in {e.name for e in prof.events()}, name
         before = par.sdpa_switches()  # flash alone, from the loop above
-        math_run = train.main(tiny_args(token_data, tmp_path / "math", "--max-steps=3", "--eval-every=0",
-                                        "--attention=math"))["losses"]
+        with torch.profiler.profile() as prof:  # the run's own choice is the kernel its steps run
+            math_run = train.main(tiny_args(token_data, tmp_path / "math", "--max-steps=3", "--eval-every=0",
+                                            "--attention=math"))["losses"]
+        ran = {e.name for e in prof.events()}
+        assert kernels["math"] in ran and kernels["flash"] not in ran
         assert par.sdpa_switches() == before  # the run's choice does not outlive it in the caller's process
     finally:
         par.select_attention("auto")
@@ -1415,7 +1418,9 @@ def test_an_error_on_two_ranks_exits_1_on_each_with_its_message(tmp_path):
     empty.mkdir()
     proc = run_torchrun(["train.py", *tiny_args(empty, tmp_path / "out", "--max-steps=2")], nproc=2, check=False)
     assert proc.returncode != 0
-    assert len(re.findall("^error: ", proc.stderr, re.M)) == 2, proc.stderr[-3000:]  # each on a line of its own
+    errors = re.findall("^error: .*", proc.stderr, re.M)
+    assert len(errors) == 2, proc.stderr[-3000:]  # each on a line of its own
+    assert all(f"no train shards in {empty} " in line for line in errors), errors  # the reason, not just any error
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
     assert codes and set(codes) == {"1"}, proc.stderr[-3000:]
 
@@ -2083,6 +2088,10 @@ def test_ddp_zero1_fsdp_match_single_process(token_data, tmp_path):
             train.main(tiny_args(token_data, out, *common, f"--parallel={parallel}", "--resume=auto"))
         again = [r["loss"] for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
         assert len(again) == 8 and again == pytest.approx(losses, abs=1e-5), parallel
+    # and those were the wrappers named (a --parallel fsdp that fell back to DDP would match as well as FSDP2 does)
+    assert re.findall(r"^train_runs: built (\w+) with (\w+)$", proc.stdout, re.M) == [
+        ("DistributedDataParallel", "AdamW"), ("DistributedDataParallel", "ZeroRedundancyOptimizer"),
+        ("FSDPGPT", "AdamW"), ("FSDPGPT", "AdamW")]
 
 
 @contextlib.contextmanager
@@ -2220,8 +2229,12 @@ def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path
     # as in nanoGPT, torchrun means DDP/ZeRO-1/FSDP2 even on one rank: a one-GPU machine then runs the real wrappers
     common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=0"]
     single = train.main(tiny_args(token_data, tmp_path / "single", *common))["losses"]
-    run_train_runs([tiny_args(token_data, tmp_path / parallel, *common, f"--parallel={parallel}")
-                    for parallel in ("ddp", "zero1", "fsdp")], nproc=1, spec=tmp_path / "runs.json")
+    proc = run_train_runs([tiny_args(token_data, tmp_path / parallel, *common, f"--parallel={parallel}")
+                           for parallel in ("ddp", "zero1", "fsdp")], nproc=1, spec=tmp_path / "runs.json")
+    # the wrappers themselves, at one rank too (optimizer_kind below is the flag's name whenever a group is up)
+    assert re.findall(r"^train_runs: built (\w+) with (\w+)$", proc.stdout, re.M) == [
+        ("DistributedDataParallel", "AdamW"), ("DistributedDataParallel", "ZeroRedundancyOptimizer"),
+        ("FSDPGPT", "AdamW")]
     for parallel in ("ddp", "zero1", "fsdp"):
         out = tmp_path / parallel
         assert load_checkpoint(out / "ckpt_000004.pt")["optimizer_kind"] == parallel

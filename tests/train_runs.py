@@ -12,10 +12,23 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import stage  # noqa: E402
 import train  # noqa: E402
 
 
+def built(build_trainable):
+    """build_trainable that says (rank 0) what it wrapped the model in and which optimizer it made: the tests check
+    that --parallel took effect, which the checkpoint's optimizer_kind (the flag, once a group is up) cannot tell."""
+    def build(*args, **kwargs):
+        done = build_trainable(*args, **kwargs)
+        if dist.get_rank() == 0:
+            print(f"train_runs: built {type(done.model).__name__} with {type(done.optimizer).__name__}", flush=True)
+        return done
+    return build
+
+
 def main(runs: str) -> None:
+    stage.build_trainable = built(stage.build_trainable)
     dist.init_process_group("gloo")  # ours: each train.run joins it and leaves it up for the next
     for argv in json.loads(Path(runs).read_text()):
         train.main(argv)
