@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import rl
 from rl import (
     ALGOS,
     RLConfig,
@@ -160,3 +161,71 @@ def test_loss_aggregations_as_trl_names_them():
     assert aggregate(x, mask, "dr_grpo", denom=2 * 4).item() == pytest.approx(10 / 8)  # rows x the longest reply
     # the denominators of all micro-batches and ranks: this one's share of the whole
     assert aggregate(x, mask, "sequence", denom=4).item() == pytest.approx(6 / 4)
+
+
+# rl_loss on a policy of one weight against hand computations: the k3 term
+
+P0 = 0.75  # Tilt's p(token 0) at theta = log 3; d log p / d theta is 1 - P0 for token 0, -P0 for token 1
+REPLIES = [[0, 0, 1], [1], [0, 1, 0, 0], [0, 0], [1, 1], [0, 1, 1, 0, 1], [0], [1, 0, 0]]  # sampled tokens per row
+ADV = [1.0, -0.5, 2.0, -1.5, 0.5, 1.5, -2.0, 0.25]
+SHIFT, REF, MAX_NEW = 0.1, math.log(0.5), 6  # old_logp = logp - SHIFT (ratio e^0.1, unclipped); ref_logp = log 0.5
+
+
+class Tilt(torch.nn.Module):
+    """A policy over 2 tokens: logits [theta, 0] at each position asked for (`at`), whatever the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.tensor(math.log(P0 / (1 - P0))))
+
+    def forward(self, idx, values=False, at=None):
+        n = int(at.sum())
+        logits = torch.stack([self.theta.expand(n), self.theta.new_zeros(n)], -1)
+        return logits, (self.theta * 0).expand(n) if values else None
+
+
+def rl_batch(rows):
+    """REPLIES[rows] after a one-token prompt, padded: ids, mask (1 on the reply), advantages, old and ref log-probs."""
+    width = max(len(REPLIES[i]) for i in rows)
+    ids, mask = torch.zeros(len(rows), 1 + width, dtype=torch.long), torch.zeros(len(rows), width)
+    for j, i in enumerate(rows):
+        ids[j, 1:1 + len(REPLIES[i])], mask[j, :len(REPLIES[i])] = torch.tensor(REPLIES[i]), 1
+    logp = torch.where(ids[:, 1:] == 0, math.log(P0), math.log(1 - P0)) * mask
+    return {"ids": ids, "mask": mask, "adv": torch.tensor([ADV[i] for i in rows]), "old_logp": (logp - SHIFT) * mask,
+            "ref_logp": REF * mask}
+
+
+def by_hand(rows, how, beta):
+    """(loss, d loss / d theta) of rl_loss over REPLIES[rows], by hand: per token -r A + beta k3, k3 = e^d - d - 1 at
+    d = ref - logp, aggregated as `how` says over these rows (of all ranks)."""
+    r, loss, grad = math.exp(SHIFT), 0.0, 0.0
+    tokens = sum(len(REPLIES[i]) for i in rows)
+    for i in rows:
+        row_loss = row_grad = 0.0
+        for tok in REPLIES[i]:
+            d = REF - math.log(P0 if tok == 0 else 1 - P0)
+            row_loss += -r * ADV[i] + beta * (math.exp(d) - d - 1)
+            row_grad += (-r * ADV[i] + beta * (1 - math.exp(d))) * ((1 - P0) if tok == 0 else -P0)
+        n = {"token": tokens, "sequence": len(REPLIES[i]) * len(rows), "dr_grpo": len(rows) * MAX_NEW}[how]
+        loss, grad = loss + row_loss / n, grad + row_grad / n
+    return loss, grad
+
+
+def test_the_grpo_loss_adds_beta_times_k3_to_each_token():
+    model, mb = Tilt(), rl_batch([0, 1])  # 3 + 1 tokens
+    for beta in (0.0, 0.2):
+        cfg = RLConfig(beta=beta, temperature=1.0, max_new_tokens=MAX_NEW)
+        out = rl.rl_loss(model, mb | {"denom": torch.tensor(4.0), "tokens": torch.tensor(4.0)}, cfg, 1)
+        out["loss"].backward()
+        loss, grad = by_hand([0, 1], "token", beta)
+        assert out["loss"].item() == pytest.approx(loss, rel=1e-6) and out["clip_frac"].item() == 0
+        assert model.theta.grad.item() == pytest.approx(grad, rel=1e-6)
+        model.theta.grad = None
+    # the k3 term by itself: two tokens 0 (d = log 2/3) and two 1 (d = log 2), over the 4 tokens
+    assert by_hand([0, 1], "token", 0.2)[0] - by_hand([0, 1], "token", 0.0)[0] == pytest.approx(
+        0.2 * (2 * (2 / 3 - math.log(2 / 3) - 1) + 2 * (2 - math.log(2) - 1)) / 4)
+    # PPO's KL is in its rewards (kl_rewards), not in its loss: no k3 term with its --beta
+    ppo_mb = mb | {"denom": torch.tensor(4.0), "tokens": torch.tensor(4.0), "old_values": torch.zeros(2, 3),
+                   "returns": torch.zeros(2, 3), "adv": mb["adv"][:, None] * mb["mask"]}
+    out = rl.rl_loss(model, ppo_mb, RLConfig(algo="ppo", samples=1, beta=0.2, temperature=1.0), 1)
+    assert out["loss"].item() == pytest.approx(by_hand([0, 1], "token", 0.0)[0], rel=1e-6)
