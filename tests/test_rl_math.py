@@ -1,12 +1,15 @@
 """rl.py's math against hand computations: GRPO, RLOO and REINFORCE advantages, the clipped policy and value losses,
 the loss aggregations, k3 KL, GAE, the KL penalty folded into rewards."""
 
+import contextlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import rl
+from parallel import Objective
 from rl import (
     ALGOS,
     RLConfig,
@@ -163,7 +166,7 @@ def test_loss_aggregations_as_trl_names_them():
     assert aggregate(x, mask, "sequence", denom=4).item() == pytest.approx(6 / 4)
 
 
-# rl_loss on a policy of one weight against hand computations: the k3 term
+# rl_loss and update on a policy of one weight against hand computations: the k3 term, each --loss-agg's denominators
 
 P0 = 0.75  # Tilt's p(token 0) at theta = log 3; d log p / d theta is 1 - P0 for token 0, -P0 for token 1
 REPLIES = [[0, 0, 1], [1], [0, 1, 0, 0], [0, 0], [1, 1], [0, 1, 1, 0, 1], [0], [1, 0, 0]]  # sampled tokens per row
@@ -229,3 +232,31 @@ def test_the_grpo_loss_adds_beta_times_k3_to_each_token():
                    "returns": torch.zeros(2, 3), "adv": mb["adv"][:, None] * mb["mask"]}
     out = rl.rl_loss(model, ppo_mb, RLConfig(algo="ppo", samples=1, beta=0.2, temperature=1.0), 1)
     assert out["loss"].item() == pytest.approx(by_hand([0, 1], "token", 0.0)[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("how", ["token", "sequence", "dr_grpo"])
+def test_update_divides_each_minibatch_as_its_loss_agg_says_over_every_rank(how, world, monkeypatch):
+    """--minibatches 2 over 8 rows of 1 to 5 tokens (minibatch k: rows k, k + 2, ...), on one rank or split over two
+    (the first four rows on rank 0): each optimizer step's loss and gradient (the ranks' mean, as DDP's) are the hand
+    values over its rows of every rank: token / the minibatch's tokens, sequence / its rows, dr_grpo / rows x 6."""
+    cfg = RLConfig(loss_agg=how, beta=0.1, temperature=1.0, max_new_tokens=MAX_NEW, grad_clip=0.0)
+    shares = [list(range(8))] if world == 1 else [[0, 1, 2, 3], [4, 5, 6, 7]]
+    batches = [rl_batch(rows) for rows in shares]
+    counts = [torch.stack([b["mask"][k::2].sum() for k in range(2)]) for b in batches]
+    losses, grads = torch.zeros(2), torch.zeros(2)
+    for rank, batch in enumerate(batches):
+        others = sum(c for j, c in enumerate(counts) if j != rank)  # all_sum: this rank's token counts plus the other's
+        monkeypatch.setattr(rl, "all_sum", lambda t, w, others=others: t + others)
+        model, seen, outs = Tilt(), [], []  # each optimizer step's gradient and rl_loss on this rank
+        model.theta.register_hook(lambda g, seen=seen: seen.append(g.item()))
+        built = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), scaler=None,
+                                autocast=contextlib.nullcontext())  # lr 0: both steps see theta = log 3
+        objective = Objective(lambda m, mb, outs=outs: outs.append(rl.rl_loss(m, mb, cfg, world)) or outs[-1])
+        totals = rl.update(built, objective, batch, cfg, world)
+        step_losses = torch.tensor([out["loss"].item() for out in outs])
+        assert len(seen) == 2 and totals["loss"].item() == pytest.approx(step_losses.mean().item(), rel=1e-6)
+        losses, grads = losses + step_losses / world, grads + torch.tensor(seen) / world
+    for k in range(2):
+        loss, grad = by_hand(list(range(k, 8, 2)), how, 0.1)
+        assert losses[k].item() == pytest.approx(loss, rel=1e-5) and grads[k].item() == pytest.approx(grad, rel=1e-5)
