@@ -1,11 +1,15 @@
 """rl.py's math against hand computations: GRPO, RLOO and REINFORCE advantages, the clipped policy and value losses,
 the loss aggregations, k3 KL, GAE, the KL penalty folded into rewards."""
 
+import contextlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import rl
+from parallel import Objective
 from rl import (
     ALGOS,
     RLConfig,
@@ -160,3 +164,99 @@ def test_loss_aggregations_as_trl_names_them():
     assert aggregate(x, mask, "dr_grpo", denom=2 * 4).item() == pytest.approx(10 / 8)  # rows x the longest reply
     # the denominators of all micro-batches and ranks: this one's share of the whole
     assert aggregate(x, mask, "sequence", denom=4).item() == pytest.approx(6 / 4)
+
+
+# rl_loss and update on a policy of one weight against hand computations: the k3 term, each --loss-agg's denominators
+
+P0 = 0.75  # Tilt's p(token 0) at theta = log 3; d log p / d theta is 1 - P0 for token 0, -P0 for token 1
+REPLIES = [[0, 0, 1], [1], [0, 1, 0, 0], [0, 0], [1, 1], [0, 1, 1, 0, 1], [0], [1, 0, 0]]  # sampled tokens per row
+ADV = [1.0, -0.5, 2.0, -1.5, 0.5, 1.5, -2.0, 0.25]
+SHIFT, REF, MAX_NEW = 0.1, math.log(0.5), 6  # old_logp = logp - SHIFT (ratio e^0.1, unclipped); ref_logp = log 0.5
+
+
+class Tilt(torch.nn.Module):
+    """A policy over 2 tokens: logits [theta, 0] at each position asked for (`at`), whatever the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.tensor(math.log(P0 / (1 - P0))))
+
+    def forward(self, idx, values=False, at=None):
+        n = int(at.sum())
+        logits = torch.stack([self.theta.expand(n), self.theta.new_zeros(n)], -1)
+        return logits, (self.theta * 0).expand(n) if values else None
+
+
+def rl_batch(rows):
+    """REPLIES[rows] after a one-token prompt, padded: ids, mask (1 on the reply), advantages, old and ref log-probs."""
+    width = max(len(REPLIES[i]) for i in rows)
+    ids, mask = torch.zeros(len(rows), 1 + width, dtype=torch.long), torch.zeros(len(rows), width)
+    for j, i in enumerate(rows):
+        ids[j, 1:1 + len(REPLIES[i])], mask[j, :len(REPLIES[i])] = torch.tensor(REPLIES[i]), 1
+    logp = torch.where(ids[:, 1:] == 0, math.log(P0), math.log(1 - P0)) * mask
+    return {"ids": ids, "mask": mask, "adv": torch.tensor([ADV[i] for i in rows]), "old_logp": (logp - SHIFT) * mask,
+            "ref_logp": REF * mask}
+
+
+def by_hand(rows, how, beta):
+    """(loss, d loss / d theta) of rl_loss over REPLIES[rows], by hand: per token -r A + beta k3, k3 = e^d - d - 1 at
+    d = ref - logp, aggregated as `how` says over these rows (of all ranks)."""
+    r, loss, grad = math.exp(SHIFT), 0.0, 0.0
+    tokens = sum(len(REPLIES[i]) for i in rows)
+    for i in rows:
+        row_loss = row_grad = 0.0
+        for tok in REPLIES[i]:
+            d = REF - math.log(P0 if tok == 0 else 1 - P0)
+            row_loss += -r * ADV[i] + beta * (math.exp(d) - d - 1)
+            row_grad += (-r * ADV[i] + beta * (1 - math.exp(d))) * ((1 - P0) if tok == 0 else -P0)
+        n = {"token": tokens, "sequence": len(REPLIES[i]) * len(rows), "dr_grpo": len(rows) * MAX_NEW}[how]
+        loss, grad = loss + row_loss / n, grad + row_grad / n
+    return loss, grad
+
+
+def test_the_grpo_loss_adds_beta_times_k3_to_each_token():
+    model, mb = Tilt(), rl_batch([0, 1])  # 3 + 1 tokens
+    for beta in (0.0, 0.2):
+        cfg = RLConfig(beta=beta, temperature=1.0, max_new_tokens=MAX_NEW)
+        out = rl.rl_loss(model, mb | {"denom": torch.tensor(4.0), "tokens": torch.tensor(4.0)}, cfg, 1)
+        out["loss"].backward()
+        loss, grad = by_hand([0, 1], "token", beta)
+        assert out["loss"].item() == pytest.approx(loss, rel=1e-6) and out["clip_frac"].item() == 0
+        assert model.theta.grad.item() == pytest.approx(grad, rel=1e-6)
+        model.theta.grad = None
+    # the k3 term by itself: two tokens 0 (d = log 2/3) and two 1 (d = log 2), over the 4 tokens
+    assert by_hand([0, 1], "token", 0.2)[0] - by_hand([0, 1], "token", 0.0)[0] == pytest.approx(
+        0.2 * (2 * (2 / 3 - math.log(2 / 3) - 1) + 2 * (2 - math.log(2) - 1)) / 4)
+    # PPO's KL is in its rewards (kl_rewards), not in its loss: no k3 term with its --beta
+    ppo_mb = mb | {"denom": torch.tensor(4.0), "tokens": torch.tensor(4.0), "old_values": torch.zeros(2, 3),
+                   "returns": torch.zeros(2, 3), "adv": mb["adv"][:, None] * mb["mask"]}
+    out = rl.rl_loss(model, ppo_mb, RLConfig(algo="ppo", samples=1, beta=0.2, temperature=1.0), 1)
+    assert out["loss"].item() == pytest.approx(by_hand([0, 1], "token", 0.0)[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("how", ["token", "sequence", "dr_grpo"])
+def test_update_divides_each_minibatch_as_its_loss_agg_says_over_every_rank(how, world, monkeypatch):
+    """--minibatches 2 over 8 rows of 1 to 5 tokens (minibatch k: rows k, k + 2, ...), on one rank or split over two
+    (the first four rows on rank 0): each optimizer step's loss and gradient (the ranks' mean, as DDP's) are the hand
+    values over its rows of every rank: token / the minibatch's tokens, sequence / its rows, dr_grpo / rows x 6."""
+    cfg = RLConfig(loss_agg=how, beta=0.1, temperature=1.0, max_new_tokens=MAX_NEW, grad_clip=0.0)
+    shares = [list(range(8))] if world == 1 else [[0, 1, 2, 3], [4, 5, 6, 7]]
+    batches = [rl_batch(rows) for rows in shares]
+    counts = [torch.stack([b["mask"][k::2].sum() for k in range(2)]) for b in batches]
+    losses, grads = torch.zeros(2), torch.zeros(2)
+    for rank, batch in enumerate(batches):
+        others = sum(c for j, c in enumerate(counts) if j != rank)  # all_sum: this rank's token counts plus the other's
+        monkeypatch.setattr(rl, "all_sum", lambda t, w, others=others: t + others)
+        model, seen, outs = Tilt(), [], []  # each optimizer step's gradient and rl_loss on this rank
+        model.theta.register_hook(lambda g, seen=seen: seen.append(g.item()))
+        built = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), scaler=None,
+                                autocast=contextlib.nullcontext())  # lr 0: both steps see theta = log 3
+        objective = Objective(lambda m, mb, outs=outs: outs.append(rl.rl_loss(m, mb, cfg, world)) or outs[-1])
+        totals = rl.update(built, objective, batch, cfg, world)
+        step_losses = torch.tensor([out["loss"].item() for out in outs])
+        assert len(seen) == 2 and totals["loss"].item() == pytest.approx(step_losses.mean().item(), rel=1e-6)
+        losses, grads = losses + step_losses / world, grads + torch.tensor(seen) / world
+    for k in range(2):
+        loss, grad = by_hand(list(range(k, 8, 2)), how, 0.1)
+        assert losses[k].item() == pytest.approx(loss, rel=1e-5) and grads[k].item() == pytest.approx(grad, rel=1e-5)
