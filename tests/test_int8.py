@@ -164,11 +164,12 @@ def test_the_cli_prints_the_text_and_two_lines_of_its_own(ckpt):
     assert out.stdout == f"Hello, I'm a language model,{text}\n---------------\n"
 
 
-def test_a_missing_torchao_is_one_line_before_the_model_loads(monkeypatch):
+def test_a_missing_torchao_is_one_line_before_the_model_loads(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` now raises ImportError
     with pytest.raises(SystemExit) as e:
         main(["--ckpt", "no/such/ckpt.pt", "--quantize", "int8"])  # the missing file would be the other error
     assert str(e.value) == "error: --quantize int8 needs torchao: pip install torchao"
+    assert capsys.readouterr().err == ""  # the line alone
     with pytest.raises(SystemExit, match=r"^error: --quantize must be none or int8, got 'int4'$"):
         main(["--quantize", "int4"])
 
