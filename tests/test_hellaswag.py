@@ -438,6 +438,7 @@ def test_cli_reads_the_cached_download_and_limits_the_examples(hf_dir, examples,
     with pytest.raises(SystemExit) as e:
         main(["--init-from", str(hf_dir), "--cache-dir", str(tmp_path / "file"), "--device", "cpu"])
     assert str(e.value) == f"error: [Errno 17] File exists: '{tmp_path / 'file'}'"
+    assert capsys.readouterr().err == ""  # the line alone
     with pytest.raises(SystemExit, match=r"^error: --limit must be >= 1 or none, got 0$"):
         main(["--init-from", str(hf_dir), "--data", str(FIXTURE), "--limit", "0"])
 
