@@ -34,11 +34,13 @@ TINY = ["--model=tiny", "--seq-len=64", "--total-batch-size=512", "--batch-size=
 
 
 def one_line_error(capsys: pytest.CaptureFixture, main, argv: list[str]) -> str:
-    """A stage's one-line error, whichever way it came: a flag's (SystemExit's text) or the run's (stderr, exit 1)."""
+    """A stage's one-line error, whichever way it came: a flag's (SystemExit's text) or the run's (stderr, exit 1);
+    nothing else on stderr either way (a traceback printed before SystemExit's text would pass otherwise)."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(argv)
-    lines = [e.value.code] if isinstance(e.value.code, str) else capsys.readouterr().err.strip().splitlines()
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [e.value.code, *err] if isinstance(e.value.code, str) else err
     errors = [line for line in lines if not line.startswith("warning: ")]  # a repeated flag's warning comes first
     assert e.value.code not in (0, None) and len(errors) == 1, lines
     return errors[0]

@@ -1614,14 +1614,14 @@ def test_programming_errors_outside_reading_are_not_turned_into_data_errors(tmp_
         write_dataset(cfg_for(write_jsonl(tmp_path / "docs.jsonl", make_docs(5)), tmp_path / "out"))
 
 
-def test_out_dir_that_is_a_file_is_one_line_naming_it(tmp_path):
+def test_out_dir_that_is_a_file_is_one_line_naming_it(tmp_path, capsys):
     (tmp_path / "taken").write_text("not a directory")
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(5))
     for out, why in ((tmp_path / "taken", "[Errno 17] File exists"), (tmp_path / "taken" / "sub", "[Errno 20] Not a "
                                                                       "directory")):
         with pytest.raises(SystemExit) as err:
             main(["--source", str(src), "--out-dir", str(out), "--workers", "1"])
-        assert err.value.code == f"error: {why}: '{out}'"
+        assert err.value.code == f"error: {why}: '{out}'" and capsys.readouterr().err == ""  # the line alone
     assert (tmp_path / "taken").read_text() == "not a directory"
 
 

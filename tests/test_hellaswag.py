@@ -438,6 +438,7 @@ def test_cli_reads_the_cached_download_and_limits_the_examples(hf_dir, examples,
     with pytest.raises(SystemExit) as e:
         main(["--init-from", str(hf_dir), "--cache-dir", str(tmp_path / "file"), "--device", "cpu"])
     assert str(e.value) == f"error: [Errno 17] File exists: '{tmp_path / 'file'}'"
+    assert capsys.readouterr().err == ""  # the line alone
     with pytest.raises(SystemExit, match=r"^error: --limit must be >= 1 or none, got 0$"):
         main(["--init-from", str(hf_dir), "--data", str(FIXTURE), "--limit", "0"])
 
@@ -490,7 +491,7 @@ def test_describe_provenance():
     assert describe_provenance(cpu) == "git unknown, python 3.11.9, torch 2.6.0+cu124, cpu (2 cores), 1 rank"
 
 
-def test_cli_errors_are_one_line(tmp_path, hf_dir):
+def test_cli_errors_are_one_line(tmp_path, hf_dir, capsys):
     with pytest.raises(SystemExit, match=r"^error: HellaSwag file .*nope.jsonl does not exist"):
         main(["--data", str(tmp_path / "nope.jsonl"), "--init-from", str(hf_dir)])
     with pytest.raises(SystemExit, match=rf"^error: HellaSwag file {re.escape(str(tmp_path))} is a directory; pass"):
@@ -512,3 +513,4 @@ def test_cli_errors_are_one_line(tmp_path, hf_dir):
                                          "it has a config.json, so it looks like an HF GPT-2 directory: load it with "
                                          rf"--init-from {re.escape(str(hf_dir))} where the script has one"):
         main(["--data", str(FIXTURE), "--ckpt", str(hf_dir)])
+    assert capsys.readouterr().err == ""  # the line alone: no traceback or other output before any of them

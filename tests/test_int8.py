@@ -151,13 +151,25 @@ def test_the_cli_prints_the_text_and_two_lines_of_its_own(ckpt):
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
     assert len(lines) == 2 and lines[0].startswith("int8: 8 nn.Linear weights quantized") and "tok/s" in lines[1]
+    # the text on stdout: the default prompt, then the continuation main returns for the same flags (on one thread,
+    # as the child runs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (text,) = main(["--ckpt", str(ckpt[0]), "--quantize", "int8", "--num-samples", "1", "--max-new-tokens", "4",
+                        "--device", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
+    assert text and "<|endoftext|>" not in text
+    assert out.stdout == f"Hello, I'm a language model,{text}\n---------------\n"
 
 
-def test_a_missing_torchao_is_one_line_before_the_model_loads(monkeypatch):
+def test_a_missing_torchao_is_one_line_before_the_model_loads(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` now raises ImportError
     with pytest.raises(SystemExit) as e:
         main(["--ckpt", "no/such/ckpt.pt", "--quantize", "int8"])  # the missing file would be the other error
     assert str(e.value) == "error: --quantize int8 needs torchao: pip install torchao"
+    assert capsys.readouterr().err == ""  # the line alone
     with pytest.raises(SystemExit, match=r"^error: --quantize must be none or int8, got 'int4'$"):
         main(["--quantize", "int4"])
 

@@ -697,10 +697,10 @@ def test_from_pretrained_refuses_a_pickle_in_pytorch_model_bin_in_one_line(tmp_p
     with pytest.raises(ValueError) as e:
         GPT.from_pretrained(str(tmp_path))
     assert str(e.value) == message
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         sample.main(["--init-from", str(tmp_path)])
-    assert str(e.value) == f"error: {message}"
-    capsys.readouterr()  # transformers' notes on the tiny config
+    assert str(e.value) == f"error: {message}" and capsys.readouterr().err == ""  # the line alone
     with pytest.raises(SystemExit) as e:
         train.main(["--preset", "tiny", "--data", str(token_data), "--out-dir", str(tmp_path / "out"), "--init-from",
                     str(tmp_path), "--max-steps=1"])
@@ -724,11 +724,13 @@ def test_from_pretrained_refuses_another_tokenizers_model_in_one_line(tmp_path, 
 
     _, hf = _hf_model(tmp_path, vocab_size=32000)
     hf.save_pretrained(tmp_path / "small")
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         sample.main(["--init-from", str(tmp_path / "small"), "--prompt", " clutching newfound"])
     assert str(e.value) == (f"error: {tmp_path / 'small'} was trained with a tokenizer other than GPT-2's "
                             "(vocab_size 32000), and this project encodes text with GPT-2's BPE only: its ids would "
                             "mean other words")
+    assert capsys.readouterr().err == ""  # the line alone
     _, hf = _hf_model(tmp_path)  # GPT-2's size, another BPE's vocab.json
     hf.save_pretrained(tmp_path / "own")
     (tmp_path / "own" / "vocab.json").write_text(json.dumps({f"t{i}": i for i in range(50257)}))
