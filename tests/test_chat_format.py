@@ -69,6 +69,19 @@ def test_parse_inverts_the_reply_and_stops_at_its_end():
     assert cf.parse(reply + [cf.USER_START, 17250]) == TOOL_REPLY  # nothing after <|assistant_end|>
     assert cf.parse([17250, cf.USER_START, 15496]) == [{"type": "text", "text": "Hi"}]  # another special ends it
     assert cf.parse([17250]) == [{"type": "text", "text": "Hi"}]  # cut off: what there is
+    assert cf.parse([17250, cf.BOS, 15496]) == [{"type": "text", "text": "Hi"}]  # BOS (<|endoftext|>) ends it too
+
+
+def test_render_rows_counts_a_cut_only_past_cap_and_keeps_a_reply_whose_first_token_is_the_last():
+    hi = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = cf.render(hi)  # BOS, <|user_start|>, Hi, <|user_end|>, <|assistant_start|>, Hello, <|assistant_end|>
+    assert mask == [0, 0, 0, 0, 0, 1, 1]
+    rows = [(0, hi), (1, hi)]
+    for cap, (truncated, dropped) in ((7, (0, 0)), (6, (2, 0)), (5, (2, 2))):
+        out, t, d = cf.render_rows("x", rows, cap)
+        assert (t, d, len(out)) == (truncated, dropped, 2 - dropped), cap
+        for row_ids, row_mask in out:
+            assert row_ids.tolist() == ids[:cap] and row_mask.tolist() == [bool(m) for m in mask[:cap]]
 
 
 @pytest.mark.parametrize("messages, why", [
