@@ -199,6 +199,16 @@ def test_resume_takes_the_same_file_elsewhere_and_notes_rows_skipped_for_another
         "skipping 3 unserved of epoch 0's 25 items; none served twice")
 
 
+def test_the_stream_serves_every_item_once_an_epoch_when_b_does_not_divide_them():
+    for shuffle in (False, True):
+        stream = cf.RowStream()
+        stream._stream("x", "train", 3, 8, 0, 1, 0, "cpu", shuffle, 25, 0)  # 25 items, windows of 3
+        served = np.concatenate([stream.next_items() for _ in range(9)]).tolist()  # the 9th window spans two epochs
+        assert sorted(served[:25]) == list(range(25)) and len(set(served[25:])) == 2
+        assert not shuffle or served[:25] != list(range(25))
+    assert served[:25] == [int(i) for i in cf.permutation((0, 0), 25)]
+
+
 def test_a_file_of_one_row_has_no_train_conversations(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [chat(0)])
     with pytest.raises(DataError, match=r"c.jsonl train: no conversations \(a single file's every 20th row, from row "
