@@ -69,6 +69,19 @@ def test_parse_inverts_the_reply_and_stops_at_its_end():
     assert cf.parse(reply + [cf.USER_START, 17250]) == TOOL_REPLY  # nothing after <|assistant_end|>
     assert cf.parse([17250, cf.USER_START, 15496]) == [{"type": "text", "text": "Hi"}]  # another special ends it
     assert cf.parse([17250]) == [{"type": "text", "text": "Hi"}]  # cut off: what there is
+    assert cf.parse([17250, cf.BOS, 15496]) == [{"type": "text", "text": "Hi"}]  # BOS (<|endoftext|>) ends it too
+
+
+def test_render_rows_counts_a_cut_only_past_cap_and_keeps_a_reply_whose_first_token_is_the_last():
+    hi = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = cf.render(hi)  # BOS, <|user_start|>, Hi, <|user_end|>, <|assistant_start|>, Hello, <|assistant_end|>
+    assert mask == [0, 0, 0, 0, 0, 1, 1]
+    rows = [(0, hi), (1, hi)]
+    for cap, (truncated, dropped) in ((7, (0, 0)), (6, (2, 0)), (5, (2, 2))):
+        out, t, d = cf.render_rows("x", rows, cap)
+        assert (t, d, len(out)) == (truncated, dropped, 2 - dropped), cap
+        for row_ids, row_mask in out:
+            assert row_ids.tolist() == ids[:cap] and row_mask.tolist() == [bool(m) for m in mask[:cap]]
 
 
 @pytest.mark.parametrize("messages, why", [
@@ -184,6 +197,16 @@ def test_resume_takes_the_same_file_elsewhere_and_notes_rows_skipped_for_another
     assert c.step == 3 and c.resume_note(state) == (
         "the checkpoint read 1 x 3 items a micro-step, this run 1 x 5: the data goes on at the next such window, "
         "skipping 3 unserved of epoch 0's 25 items; none served twice")
+
+
+def test_the_stream_serves_every_item_once_an_epoch_when_b_does_not_divide_them():
+    for shuffle in (False, True):
+        stream = cf.RowStream()
+        stream._stream("x", "train", 3, 8, 0, 1, 0, "cpu", shuffle, 25, 0)  # 25 items, windows of 3
+        served = np.concatenate([stream.next_items() for _ in range(9)]).tolist()  # the 9th window spans two epochs
+        assert sorted(served[:25]) == list(range(25)) and len(set(served[25:])) == 2
+        assert not shuffle or served[:25] != list(range(25))
+    assert served[:25] == [int(i) for i in cf.permutation((0, 0), 25)]
 
 
 def test_a_file_of_one_row_has_no_train_conversations(tmp_path):

@@ -199,6 +199,20 @@ def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_droppe
         loader.check_vocab(50000)
 
 
+def test_a_multi_turn_pairs_mask_is_its_last_reply_only_and_a_side_of_exactly_t_tokens_is_kept():
+    # BOS <|user_start|> Hi <|user_end|> <|assistant_start|> Hello <|assistant_end|> <|user_start|> Hi <|user_end|>
+    # <|assistant_start|> Hello|Yes <|assistant_end|>: 13 tokens a side, the reply at 11 and 12
+    prompt = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+              {"role": "user", "content": "Hi"}]
+    rows = [{"prompt": prompt, "chosen": "Hello", "rejected": "Yes"},
+            {"prompt": prompt, "chosen": "Hello", "rejected": "Yes yes"}]  # its rejected side, 14 tokens: dropped
+    loader = PairLoader(rows, "train", 1, 13, shuffle=False)
+    assert loader.num_pairs == 1 and loader.starts.tolist() == [[11, 11]]
+    ids, mask = loader.next_batch()
+    assert mask.tolist() == [[False] * 11 + [True] * 2] * 2  # not the earlier assistant turn at 5 and 6
+    assert replies(loader, (ids, mask)) == ["Hello<|assistant_end|>", "Yes<|assistant_end|>"]
+
+
 def test_resume_is_bitwise_ranks_take_disjoint_shares_and_epochs_reshuffle():
     rows = text_rows(12)
     loader = PairLoader(rows, "train", 3, 40, seed=1)
@@ -337,6 +351,29 @@ def test_dpo_sft_adds_the_chosen_replies_mean_token_nll():
     assert count > 4 and rpo["nll"].item() == pytest.approx(nll / count, rel=1e-5)
     assert rpo["loss"].item() == pytest.approx(plain["loss"].item() + 0.5 * nll / count, rel=1e-5)
     assert "nll" not in plain and rpo["margin"] == plain["margin"]
+
+
+def test_dpo_metrics_take_their_beta_and_each_side_against_the_reference():
+    ids, mask = PairLoader(text_rows(2), "train", 2, 40, shuffle=False).next_batch()
+    model, ref = tiny(), frozen_copy(tiny())
+    with torch.no_grad():
+        ref.transformer.h[0].mlp.c_fc.weight.add_(0.5 * torch.randn_like(ref.transformer.h[0].mlp.c_fc.weight))
+    pc, pr = sequence_logprobs(model, ids, mask).chunk(2)
+    rc, rr = sequence_logprobs(ref, ids, mask).chunk(2)
+    out = dpo_metrics(model, (ids, mask), ref, beta=0.5)
+    want = 0.5 * ((pc - rc) - (pr - rr))
+    assert abs(want.mean().item()) > 1e-3  # the reference differs: beta shows
+    assert out["margin"].item() == pytest.approx(want.mean().item(), rel=1e-5)
+    assert out["loss"].item() == pytest.approx(-F.logsigmoid(want).mean().item(), rel=1e-5)
+
+
+def test_reward_model_metrics_pass_logprob_on_to_the_score():
+    batch = PairLoader(text_rows(2), "train", 2, 40, shuffle=False).next_batch()
+    model = tiny(value_head=True)  # a zero head: without the log-probs every margin is 0
+    chosen, rejected = rewards(model, *batch, logprob=True).chunk(2)
+    out = reward_model_metrics(model, batch, logprob=True)
+    assert abs((chosen - rejected).mean().item()) > 1e-4
+    assert out["margin"].item() == pytest.approx((chosen - rejected).mean().item(), rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

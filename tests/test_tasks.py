@@ -39,6 +39,7 @@ def datasets_cache(tmp_path, monkeypatch):
     ("#### 1,000", True), ("The answer is 1000.", True), ("1,000.", True), ("$1,000", True), ("1000.0", True),
     ("first 999, then 1000", True),  # the last number counts
     ("#### 1000 since 3 + 4 = 7", True),  # the number after #### counts
+    ("#### 999, no:\n#### 1000", True),  # the last #### counts
     ("#### 999", False), ("1000 or maybe 999", False), ("#### 10000", False), ("no number", False), ("", False),
 ])
 def test_gsm8k_checker(reply, right):
@@ -67,6 +68,15 @@ def test_gsm8k_reference_becomes_calculator_parts_its_reply_text_passes():
     assert sum(mask) == len(reply) - 2 - 2 * 3  # all learned but the two outputs: their markers and one token each
 
 
+def test_gsm8k_answer_drops_commas_and_a_note_is_split_at_its_last_equals_sign():
+    row = {"question": "q", "answer": "So <<x=2*500=1000>>1000 in all<<7=>>.\n#### 1,000"}
+    example = tasks.GSM8K().example(row)
+    assert example["answer"] == "1000"  # as check() compares it: float("1,000") would raise
+    assert example["messages"][1]["content"] == [
+        {"type": "text", "text": "So "}, {"type": "tool", "text": "x=2*500"}, {"type": "output", "text": "1000"},
+        {"type": "text", "text": "1000 in all"}, {"type": "text", "text": ".\n#### 1,000"}]  # <<7=>>, no result: out
+
+
 def test_gsm8k_reads_a_local_jsonl_in_the_hub_schema(tmp_path):
     path = tmp_path / "gsm8k_test.jsonl"
     path.write_text(json.dumps(WENG) + "\n" + json.dumps({"question": "2 + 3?", "answer": "2 + 3 = 5\n#### 5"}) + "\n")
@@ -77,6 +87,7 @@ def test_gsm8k_reads_a_local_jsonl_in_the_hub_schema(tmp_path):
 
 @pytest.mark.parametrize("reply, right", [
     ("C", True), ("C.", True), ("(C)", True), ("The answer is C", True), ("C, not B", True),
+    ("Definitely C", True), ("Because of B, C", False),  # a capital inside a word is no letter
     ("B", False), ("B, not C", False), ("c", False), ("carbon dioxide", False), ("", False),
 ])
 def test_arc_checker_reads_the_first_letter(reply, right):
@@ -99,6 +110,7 @@ def test_arc_reads_a_local_parquet_in_the_hub_schema(tmp_path):
     pq.write_table(pa.Table.from_pylist([ARC_ROW, row]), tmp_path / "arc.parquet")
     examples = tasks.ARC("ARC-Challenge").examples("test", str(tmp_path / "arc.parquet"))
     assert [e["answer"] for e in examples] == ["C", "B"]
+    assert [e["letters"] for e in examples] == [list("ABCD"), list("ABC")]  # what choose() compares: 3 here
     with pytest.raises(ValueError, match="allenai/ai2_arc has splits train, validation, test, not 'val'"):
         tasks.ARC().examples("val")
 
@@ -406,6 +418,32 @@ def chat_bigram():
 def write_rows(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
+
+
+def test_choose_scores_only_the_problems_letters_on_the_prompts_last_block_size_tokens(monkeypatch):
+    from conftest import bigram_model
+
+    model, mmlu = bigram_model({cf.ASSISTANT_START: get_tokenizer().encode_ordinary("B")[0]}), tasks.MMLU()
+    # B has the highest logit after <|assistant_start|>, but a one-choice problem's only letter is A: A wins
+    one = mmlu.example({"question": "Q?", "choices": ["w"], "answer": 0})
+    assert one["letters"] == ["A"] and tasks.choose(model, [one]) == {"acc": 1.0, "n": 1}
+    long = mmlu.example({"question": "two " * 70, "choices": list("wxyz"), "answer": 1})  # B
+    assert len(cf.render_prompt(long["messages"][:-1])) > 64  # the model's block: its last 64 tokens are scored,
+    assert tasks.choose(model, [long]) == {"acc": 1.0, "n": 1}  # which end with <|assistant_start|>
+    # rank 1 of 2 scores problems 1 and 3 (both B; 0 and 2 are A); the sum over ranks as if rank 0 counted the same
+    monkeypatch.setattr(tasks, "all_sum", lambda t, world: 2 * t)
+    problems = [mmlu.example({"question": f"Q{k}?", "choices": list("wxyz"), "answer": k % 2}) for k in range(4)]
+    assert tasks.choose(model, problems, rank=1, world=2) == {"acc": 1.0, "n": 4}
+
+
+def test_evaluate_scores_its_ranks_share_of_the_problems(monkeypatch):
+    # rank 1 of 2 answers problems 1 and 3 ("B 4": right, 4) and not 0 and 2 (5); the sum over ranks and the shared
+    # verdict (collectives) as if rank 0 counted the same
+    monkeypatch.setattr(tasks, "all_sum", lambda t, world: 2 * t)
+    monkeypatch.setattr(tasks.common, "same_verdict", lambda work, world: work())
+    problems = [tasks.GSM8K().example({"question": f"Q{k}?", "answer": f"#### {5 - k % 2}"}) for k in range(4)]
+    out = tasks.evaluate(chat_bigram(), tasks.GSM8K(), problems, rank=1, world=2, max_new_tokens=4)
+    assert out == {"acc": 1.0, "n": 4}
 
 
 def test_mmlu_reads_a_local_file_in_the_hub_schema(tmp_path):
