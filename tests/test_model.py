@@ -98,6 +98,22 @@ def test_forward_shapes_and_loss_ignores_minus_one():
     assert abs(loss_smooth.item() - loss.item()) > 1e-4
 
 
+def test_per_token_losses_are_each_targets_cross_entropy_and_zero_where_ignored():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx, targets = torch.randint(0, 96, (2, 2, 9))
+    targets[0, :4] = -1
+    targets[1, -1] = -1
+    logits, loss = model(idx, targets)
+    none, losses = model(idx, targets, per_token=True)
+    assert none is None and losses.shape == (2, 9) and losses.dtype == torch.float32
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1,
+                               reduction="none").view(2, 9)
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-5)
+    assert bool((losses[targets == -1] == 0).all()) and bool((losses[targets != -1] > 0).all())
+    torch.testing.assert_close(losses.sum() / (targets != -1).sum(), loss, rtol=1e-5, atol=1e-5)
+
+
 def test_loss_at_init_is_about_ln_vocab():
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64))  # padded 50304 vocab
@@ -802,6 +818,18 @@ def test_cached_logits_equal_uncached(kw):
         steps = [model(idx[:, :8], cache=cache)[0]]
         steps += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(8, 20)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_visible_mask_is_causal_hides_pad_keys_and_always_shows_a_query_itself():
+    cache = KVCache(tiny(), 2, pad=torch.tensor([0, 2]))
+    prefill = cache.visible(3)  # (B, 1, 3, 3): row 1's first two columns are pad
+    assert prefill.shape == (2, 1, 3, 3)
+    assert prefill[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    # a pad query sees no real key, but itself: an all-hidden row is NaN in some SDPA kernels
+    assert prefill[1, 0].int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    cache.pos = 3
+    step = cache.visible(1)  # the next token sees every cached key but the pad, and itself
+    assert step[:, 0].int().tolist() == [[[1, 1, 1, 1]], [[0, 0, 1, 1]]]
 
 
 def test_kv_cache_refuses_a_second_multi_token_chunk():
