@@ -164,6 +164,11 @@ def test_the_calculator_forces_its_result_into_the_row(expr, value):
     assert row.mask == [1] * (len(chain) - 1) + [0] * len(forced) + [1]
     assert row.logprobs == [0.0] * len(row.tokens)
     assert short.tokens == [ASSISTANT_END]
+    # sampled with top_k=1: a mapped token's successor for sure (log-prob 0); after an unmapped one (the value's ids) a
+    # uniform draw, log-prob -ln 50267, that the forced token replaces: its log-prob goes with it
+    sampled = generate(model, [[7, 100], [200]], 30, temperature=1.0, top_k=1, vocab=CHAT_VOCAB,
+                       stop_ids=[ASSISTANT_END], calculator=calc, generator=torch.Generator().manual_seed(0))
+    assert sampled == [row, short]
 
 
 @pytest.mark.parametrize("expr, value", [("2+3*4", "14"), ("(1+2)**3", "27"), ("7/2", "3.5"), ("7//2", "3"),
@@ -184,3 +189,4 @@ def test_calculate_refuses_anything_else(expr):
 def test_calculate_stops_at_its_time_limit():
     assert calculate("1+1", seconds=1.0) == "2"
     assert calculate("1+1", seconds=-1.0) is None
+
