@@ -1016,6 +1016,19 @@ def test_filter_logits_equals_hfs_warpers(temperature, top_k, top_p):
         assert kept.sum(-1).tolist() == [top_k] * 4  # no ties in random logits: exactly k
 
 
+def test_top_p_stops_at_the_token_whose_mass_reaches_p_exactly():
+    # probabilities exact in fp32: 0.5 reaches p = 0.5 alone, 0.5 + 0.25 reaches 0.75 (HF's <= on the tail mass)
+    logits = torch.tensor([[0.5, 0.25, 0.25, 0.0]]).log()
+    assert (filter_logits(logits, 1.0, None, 0.5, vocab=4) > -float("inf")).tolist() == [[True, False, False, False]]
+    assert (filter_logits(logits, 1.0, None, 0.75, vocab=4) > -float("inf")).sum().item() == 2
+
+
+def test_draw_never_returns_a_leading_zero_probability_id_even_for_a_zero_uniform(monkeypatch):
+    probs = torch.tensor([[0.0, 0.0, 0.5, 0.5]])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.zeros(*shape, dtype=kw.get("dtype")))
+    assert draw(probs).tolist() == [[2]]  # torch.rand's [0, 1) includes 0: the first id whose sum passes 0
+
+
 def test_top_p_below_the_largest_probability_keeps_the_most_likely_token():
     # the tail mass of the most likely token is the whole distribution: exactly 1.0 in fp32 when that token holds all
     # but ~1e-9 of it (a confident model). With top_p = 1e-9, 1 - top_p is 1.0 in fp32 as well, and only the "always
