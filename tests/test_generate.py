@@ -82,6 +82,17 @@ def test_each_row_ends_when_its_own_context_is_full(model):
     assert [r.tokens for r in out] == [alone(model, p, 65 - len(p), temperature=0.0) for p in prompts]
 
 
+def test_n_new_tokens_cost_n_forwards_a_prefill_and_one_per_token_after_the_first(model):
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
+    try:
+        out = generate(model, PROMPTS, 5, temperature=0.0)
+    finally:
+        hook.remove()
+    assert [len(r.tokens) for r in out] == [5] * 4
+    assert calls == [(4, 21)] + [(4, 1)] * 4  # no forward for a token past max_new_tokens
+
+
 def test_seeded_sampling_repeats_and_a_lone_row_samples_as_generate_does(model):
     kw = dict(temperature=0.8, top_k=20, top_p=0.9)
     out = generate(model, PROMPTS[1:2], 20, generator=torch.Generator().manual_seed(3), **kw)
