@@ -1309,6 +1309,8 @@ def test_resume_across_a_change_of_shuffle_goes_on_at_the_next_shard(tmp_path):
     assert new.resume_skipped == (48 - 14) * B * T  # shard 1's windows the old loader had not served, in tokens
     rest = {int(t) for x, _ in batches(new, 62 + 31) for t in x.flatten()}
     assert not served & rest and {t // 5000 for t in rest} == {3, 0}
+    new.load_state_dict({**state, "step": 0})  # a state from the start, loaded next: it skips nothing, whatever the
+    assert (new.step, new.resume_skipped) == (0, 0)  # last load skipped
     # a cut between shards (4 and 2 read whole, shard 1 not begun) skips nothing: on at shard 1's first window
     state["step"] = 2 + 24
     new.load_state_dict(state)

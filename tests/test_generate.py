@@ -82,6 +82,17 @@ def test_each_row_ends_when_its_own_context_is_full(model):
     assert [r.tokens for r in out] == [alone(model, p, 65 - len(p), temperature=0.0) for p in prompts]
 
 
+def test_n_new_tokens_cost_n_forwards_a_prefill_and_one_per_token_after_the_first(model):
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
+    try:
+        out = generate(model, PROMPTS, 5, temperature=0.0)
+    finally:
+        hook.remove()
+    assert [len(r.tokens) for r in out] == [5] * 4
+    assert calls == [(4, 21)] + [(4, 1)] * 4  # no forward for a token past max_new_tokens
+
+
 def test_seeded_sampling_repeats_and_a_lone_row_samples_as_generate_does(model):
     kw = dict(temperature=0.8, top_k=20, top_p=0.9)
     out = generate(model, PROMPTS[1:2], 20, generator=torch.Generator().manual_seed(3), **kw)
@@ -164,6 +175,11 @@ def test_the_calculator_forces_its_result_into_the_row(expr, value):
     assert row.mask == [1] * (len(chain) - 1) + [0] * len(forced) + [1]
     assert row.logprobs == [0.0] * len(row.tokens)
     assert short.tokens == [ASSISTANT_END]
+    # sampled with top_k=1: a mapped token's successor for sure (log-prob 0); after an unmapped one (the value's ids) a
+    # uniform draw, log-prob -ln 50267, that the forced token replaces: its log-prob goes with it
+    sampled = generate(model, [[7, 100], [200]], 30, temperature=1.0, top_k=1, vocab=CHAT_VOCAB,
+                       stop_ids=[ASSISTANT_END], calculator=calc, generator=torch.Generator().manual_seed(0))
+    assert sampled == [row, short]
 
 
 @pytest.mark.parametrize("expr, value", [("2+3*4", "14"), ("(1+2)**3", "27"), ("7/2", "3.5"), ("7//2", "3"),
@@ -184,3 +200,4 @@ def test_calculate_refuses_anything_else(expr):
 def test_calculate_stops_at_its_time_limit():
     assert calculate("1+1", seconds=1.0) == "2"
     assert calculate("1+1", seconds=-1.0) is None
+

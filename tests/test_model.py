@@ -98,6 +98,22 @@ def test_forward_shapes_and_loss_ignores_minus_one():
     assert abs(loss_smooth.item() - loss.item()) > 1e-4
 
 
+def test_per_token_losses_are_each_targets_cross_entropy_and_zero_where_ignored():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx, targets = torch.randint(0, 96, (2, 2, 9))
+    targets[0, :4] = -1
+    targets[1, -1] = -1
+    logits, loss = model(idx, targets)
+    none, losses = model(idx, targets, per_token=True)
+    assert none is None and losses.shape == (2, 9) and losses.dtype == torch.float32
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1,
+                               reduction="none").view(2, 9)
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-5)
+    assert bool((losses[targets == -1] == 0).all()) and bool((losses[targets != -1] > 0).all())
+    torch.testing.assert_close(losses.sum() / (targets != -1).sum(), loss, rtol=1e-5, atol=1e-5)
+
+
 def test_loss_at_init_is_about_ln_vocab():
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64))  # padded 50304 vocab
@@ -804,6 +820,18 @@ def test_cached_logits_equal_uncached(kw):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_kv_cache_visible_mask_is_causal_hides_pad_keys_and_always_shows_a_query_itself():
+    cache = KVCache(tiny(), 2, pad=torch.tensor([0, 2]))
+    prefill = cache.visible(3)  # (B, 1, 3, 3): row 1's first two columns are pad
+    assert prefill.shape == (2, 1, 3, 3)
+    assert prefill[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    # a pad query sees no real key, but itself: an all-hidden row is NaN in some SDPA kernels
+    assert prefill[1, 0].int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    cache.pos = 3
+    step = cache.visible(1)  # the next token sees every cached key but the pad, and itself
+    assert step[:, 0].int().tolist() == [[[1, 1, 1, 1]], [[0, 0, 1, 1]]]
+
+
 def test_kv_cache_refuses_a_second_multi_token_chunk():
     # SDPA's is_causal aligns its mask top-left, so a 2-token chunk after a filled cache would attend to the first
     # positions instead of all cached ones: wrong logits, not an error, if the guard were gone
@@ -986,6 +1014,19 @@ def test_filter_logits_equals_hfs_warpers(temperature, top_k, top_p):
     torch.testing.assert_close(ours[:, :GPT2_VOCAB][kept], (hf - hf.amax(-1, keepdim=True))[kept], atol=1e-5, rtol=1e-6)
     if top_k is not None and top_p is None:
         assert kept.sum(-1).tolist() == [top_k] * 4  # no ties in random logits: exactly k
+
+
+def test_top_p_stops_at_the_token_whose_mass_reaches_p_exactly():
+    # probabilities exact in fp32: 0.5 reaches p = 0.5 alone, 0.5 + 0.25 reaches 0.75 (HF's <= on the tail mass)
+    logits = torch.tensor([[0.5, 0.25, 0.25, 0.0]]).log()
+    assert (filter_logits(logits, 1.0, None, 0.5, vocab=4) > -float("inf")).tolist() == [[True, False, False, False]]
+    assert (filter_logits(logits, 1.0, None, 0.75, vocab=4) > -float("inf")).sum().item() == 2
+
+
+def test_draw_never_returns_a_leading_zero_probability_id_even_for_a_zero_uniform(monkeypatch):
+    probs = torch.tensor([[0.0, 0.0, 0.5, 0.5]])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.zeros(*shape, dtype=kw.get("dtype")))
+    assert draw(probs).tolist() == [[2]]  # torch.rand's [0, 1) includes 0: the first id whose sum passes 0
 
 
 def test_top_p_below_the_largest_probability_keeps_the_most_likely_token():
