@@ -67,6 +67,19 @@ def test_lr_schedule_shapes():
     assert lrs("wsd", decay_frac=1.0)[2:] == pytest.approx(lrs("linear")[2:])  # decaying from the warmup's end
     with pytest.raises(ValueError, match="--decay-frac must be in"):
         train.TrainConfig(decay_frac=0.0)
+    # a fractional decay length is rounded to the nearest step: 22.4 -> 22 and 22.6 -> 23, so both decays start at 90
+    for max_steps in (112, 113):
+        cfg = train.TrainConfig(max_lr=1.0, min_lr_frac=0.1, warmup_steps=0, max_steps=max_steps, lr_schedule="wsd")
+        assert engine.get_lr(90, cfg) == 1.0 and engine.get_lr(91, cfg) < 1.0, max_steps
+
+
+def test_set_lr_sets_every_param_group():
+    # AdamW's decayed and undecayed groups (and Muon's matrices beside AdamW's rest) all follow the schedule
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.SGD([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=5.0)
+    cfg = train.TrainConfig(max_lr=1.0, min_lr_frac=0.1, warmup_steps=10, max_steps=110)
+    assert engine.set_lr(optimizer, 4, cfg) == pytest.approx(0.5)
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.5, 0.5])
 
 
 def test_gpt2_124m_preset_is_the_reference_recipe():
