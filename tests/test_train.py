@@ -1902,6 +1902,28 @@ def test_a_checkpoint_whose_bytes_rotted_is_skipped_and_the_resume_is_exact(toke
             main(argv)
 
 
+def test_prune_keeps_the_newest_readable_the_milestones_and_the_known_good(tmp_path):
+    # on files alone (prune reads names and write times): 8 checkpoints, ckpt_000008 written last
+    def kept(tmp: Path, keep_last: int, keep_every: int = 0, good: int = 0, unreadable: tuple = ()) -> list[int]:
+        out = tmp / f"{keep_last}-{keep_every}-{good}-{len(unreadable)}"
+        out.mkdir()
+        for step in range(1, 9):
+            (out / f"ckpt_{step:06d}.pt").write_bytes(b"")
+            os.utime(out / f"ckpt_{step:06d}.pt", ns=(step * 10**9, step * 10**9))
+        ckpt = engine.Checkpointer(train.TrainConfig(out_dir=str(out), ckpt_every=1, keep_last=keep_last,
+                                                     keep_every=keep_every))
+        ckpt.good = (out / f"ckpt_{good:06d}.pt").resolve() if good else None
+        ckpt.unreadable = [out / f"ckpt_{step:06d}.pt" for step in unreadable]
+        ckpt.prune()
+        return sorted(engine.step_of(p) for p in out.glob("ckpt_*.pt"))
+
+    assert kept(tmp_path, 0) == [1, 2, 3, 4, 5, 6, 7, 8]  # --keep-last 0 keeps all
+    assert kept(tmp_path, 1) == [8] and kept(tmp_path, 2) == [7, 8]
+    assert kept(tmp_path, 2, keep_every=3) == [3, 6, 7, 8]
+    assert kept(tmp_path, 2, good=4) == [4, 7, 8]
+    assert kept(tmp_path, 2, unreadable=(8,)) == [6, 7, 8]  # left in place, and not one of the 2
+
+
 def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
     (tmp_path / "ckpt_best.pt").write_bytes(b"a user's own file")  # not a step: neither pruned nor resumed from
     train.main(tiny_args(token_data, tmp_path, "--max-steps=7", "--ckpt-every=1", "--keep-last=2", "--keep-every=3",
