@@ -368,6 +368,19 @@ def test_train_step_in_fp16_clips_the_unscaled_gradient():
     assert moved.item() == pytest.approx(norm / 2, rel=1e-2)  # clipped to half the true norm, then applied
 
 
+def test_a_skipped_fp16_step_still_updates_the_scaler():
+    # the GradScaler's update() after a step the guard refused too: without it the next step's unscale_() raises
+    model, batches = _small_gpt_and_batches(2)
+    _, autocast = par.precision("fp16", torch.device("cpu"))
+    scaler, batch = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12), iter(batches)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = copy.deepcopy(model.state_dict())
+    par.train_step(model, optimizer, batch.__next__, 1, autocast, 1.0, scaler=scaler, update=lambda loss, norm: False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    _, norm = par.train_step(model, optimizer, batch.__next__, 1, autocast, 1.0, scaler=scaler)
+    assert math.isfinite(norm.item()) and not torch.equal(before["lm_head.weight"], model.lm_head.weight)
+
+
 def test_ddp_reduces_gradients_only_on_the_last_micro_step():
     # no_sync on every micro-step but the last: one all-reduce per optimizer step, after all micro-batches are in
     # (a one-rank group: DDP still runs its reducer, whose calls a comm hook records)
@@ -878,6 +891,26 @@ def test_outlier_detector_zscores(monkeypatch):
     assert detect.values == [2.0, 3.0, 4.0, 5.0]
     assert detect(float("nan")) == 0.0 and detect.values == [2.0, 3.0, 4.0, 5.0]  # not poisoned by a NaN
     assert detect(1e9) == pytest.approx(3 ** 0.5, rel=1e-6)  # the most a window of 4 allows: sqrt(4 - 1)
+
+
+def test_spike_guard_skips_a_rise_of_a_figure_it_watches_only(monkeypatch):
+    # one-sided, as llm.c: a loss that drops as sharply is applied; a grad norm spike with --skip-norm-z 0 is too
+    monkeypatch.setattr(engine, "OUTLIER_WINDOW", 4)
+    guard, t = engine.SpikeGuard(skip_loss_z=1.5), torch.tensor
+    assert guard.for_step() == guard.update
+    for loss in (2.0, 2.1, 1.9, 2.0):
+        assert guard.update(t(loss), t(1.0)) and guard.skipped == ""
+    assert guard.update(t(0.5), t(1.0)) and guard.skipped == ""  # z = -1.72
+    assert guard.update(t(1.0), t(50.0)) and guard.skipped == ""  # the norm's z is 1.73, unwatched
+    assert not guard.update(t(10.0), t(1.0)) and guard.skipped == "loss z-score 1.7 > 1.5"
+    history = copy.deepcopy(guard.state_dict())
+    assert history == {"loss": [2.0, 0.5, 1.0, 10.0], "norm": [1.0, 1.0, 50.0, 1.0]}  # the spike stays in the window
+    guard.observe(2.0, 1.0)  # the guard on: update() saw this step's figures already
+    assert guard.state_dict() == history and guard.for_step() is not None and guard.skipped == ""
+    off = engine.SpikeGuard()
+    assert off.for_step() is None
+    off.observe(2.0, 1.0)
+    assert off.state_dict() == {"loss": [2.0], "norm": [1.0]}
 
 
 def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_path, monkeypatch):
