@@ -1848,6 +1848,26 @@ def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_d
     assert path.name == "ckpt_000004.pt" and ckpt["step"] == 4  # not the abandoned ckpt_000009
 
 
+def test_resuming_a_checkpoint_older_than_the_newest_is_a_rewind(tmp_path, monkeypatch):
+    # Checkpointer.find's rewinding (the run log then drops the abandoned steps): only for a checkpoint older than the
+    # one written last, whichever way it was named (a relative --resume PATH too)
+    for step, written in ((3, 1), (6, 2)):
+        torch.save({"model": {}, "model_config": {}, "step": step}, tmp_path / f"ckpt_{step:06d}.pt")
+        os.utime(tmp_path / f"ckpt_{step:06d}.pt", ns=(written * 10**9, written * 10**9))
+
+    def found(resume: str) -> tuple[str, bool]:
+        ckpt = engine.Checkpointer(train.TrainConfig(out_dir=str(tmp_path), resume=resume))
+        path = ckpt.find()[0]
+        assert ckpt.newest == path.resolve()
+        return path.name, ckpt.rewinding
+
+    assert found("auto") == ("ckpt_000006.pt", False)
+    assert found(str(tmp_path / "ckpt_000006.pt")) == ("ckpt_000006.pt", False)
+    assert found(str(tmp_path / "ckpt_000003.pt")) == ("ckpt_000003.pt", True)
+    monkeypatch.chdir(tmp_path)
+    assert found("ckpt_000006.pt") == ("ckpt_000006.pt", False) and found("ckpt_000003.pt") == ("ckpt_000003.pt", True)
+
+
 def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tmp_path, capsys):
     # written last but unreadable: a checkpoint cut short (a copy interrupted, a full disk), and a path that cannot
     # be opened as a file (OSError rather than ValueError); the one before them is resumed, and each skip is named
