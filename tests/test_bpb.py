@@ -167,3 +167,29 @@ def test_each_rank_scores_its_own_windows_and_runs_the_same_number_of_forwards()
         got = engine.val_metrics(model, Windows(batches, rank), 3, contextlib.nullcontext(), 2, token_bytes(50304))
         assert got["loss"] == pytest.approx(want, rel=1e-6) and len(forwards) == 2, rank
         forwards.clear()
+
+
+def test_sharded_models_two_forwards_give_the_same_three_sums():
+    # --tp/--pp's shards (parallelize.Sharded: a forward_backward, and a forward that returns the mean loss alone) take
+    # a second forward on the counted targets for the nats: the same sums as one forward's per-token losses
+    from model import GPT, GPTConfig
+
+    class MeanOnly(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward_backward(self):
+            raise AssertionError("not called by an evaluation")
+
+        def forward(self, x, y):
+            return None, self.model(x, y)[1]
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    x, y = torch.randint(0, EOT, (2, 16)), torch.randint(0, EOT, (2, 16))
+    y[0, :3], y[1, 5], y[1, 9] = -1, EOT, 50258
+    with torch.no_grad():
+        one, two = (engine.window_sums(m, x, y, token_bytes(50304)) for m in (model, MeanOnly(model)))
+    torch.testing.assert_close(two, one, rtol=1e-6, atol=0)
+    assert two[1] > 0 and two[2] > 0
