@@ -907,10 +907,16 @@ def test_spike_guard_skips_a_rise_of_a_figure_it_watches_only(monkeypatch):
     assert history == {"loss": [2.0, 0.5, 1.0, 10.0], "norm": [1.0, 1.0, 50.0, 1.0]}  # the spike stays in the window
     guard.observe(2.0, 1.0)  # the guard on: update() saw this step's figures already
     assert guard.state_dict() == history and guard.for_step() is not None and guard.skipped == ""
+    resumed = engine.SpikeGuard(skip_loss_z=1.5)  # a resume: the checkpoint's history gives the same verdict
+    resumed.load_state_dict(history)
+    assert not resumed.update(t(30.0), t(1.0)) and not guard.update(t(30.0), t(1.0))
+    assert resumed.state_dict() == guard.state_dict()
     off = engine.SpikeGuard()
     assert off.for_step() is None
     off.observe(2.0, 1.0)
     assert off.state_dict() == {"loss": [2.0], "norm": [1.0]}
+    off.load_state_dict({})  # a checkpoint from before the guard: no history
+    assert off.state_dict() == {"loss": [], "norm": []}
 
 
 def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_path, monkeypatch):
@@ -942,6 +948,8 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     resumed.mkdir()
     shutil.copy(tmp_path / "full" / "ckpt_000020.pt", resumed)
     assert train.main(tiny_args(token_data, resumed, *common, "--resume=auto"))["losses"] == full[20:]
+    skipped = lambda out: [r["step"] for r in iter_log(out / "log.jsonl") if r["type"] == "train" and "skipped" in r]
+    assert skipped(resumed) == [20]  # the loss of step 20 comes before the verdict: the log says it was skipped
     # with the guard off the history is kept all the same, so turning it on at a resume (after a spike, say) works
     # from the first step instead of after 16 more
     unguarded = [arg for arg in common if not arg.startswith("--skip")]
@@ -952,6 +960,7 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     switched_on.mkdir()
     shutil.copy(tmp_path / "off" / "ckpt_000020.pt", switched_on)
     assert train.main(tiny_args(token_data, switched_on, *common, "--resume=auto"))["losses"] == full[20:]
+    assert skipped(switched_on) == [20]
 
 
 def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
