@@ -890,6 +890,8 @@ def test_outlier_detector_zscores(monkeypatch):
     assert detect(5.0) == pytest.approx(1.5 / 1.25 ** 0.5)
     assert detect.values == [2.0, 3.0, 4.0, 5.0]
     assert detect(float("nan")) == 0.0 and detect.values == [2.0, 3.0, 4.0, 5.0]  # not poisoned by a NaN
+    # nor an inf (an fp16 step's overflowed norm, which the GradScaler skips): its mean would be inf, every z NaN
+    assert detect(float("inf")) == 0.0 and detect.values == [2.0, 3.0, 4.0, 5.0]
     assert detect(1e9) == pytest.approx(3 ** 0.5, rel=1e-6)  # the most a window of 4 allows: sqrt(4 - 1)
 
 
