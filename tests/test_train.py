@@ -16,6 +16,7 @@ import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -75,8 +76,8 @@ def test_lr_schedule_shapes():
 
 def test_set_lr_sets_every_param_group():
     # AdamW's decayed and undecayed groups (and Muon's matrices beside AdamW's rest) all follow the schedule
-    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
-    optimizer = torch.optim.SGD([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=5.0)
+    # set_lr reads param_groups alone (a real optimizer's first construction costs a second in a fresh process)
+    optimizer = SimpleNamespace(param_groups=[{"lr": 5.0, "weight_decay": 0.1}, {"lr": 5.0, "weight_decay": 0.0}])
     cfg = train.TrainConfig(max_lr=1.0, min_lr_frac=0.1, warmup_steps=10, max_steps=110)
     assert engine.set_lr(optimizer, 4, cfg) == pytest.approx(0.5)
     assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.5, 0.5])
