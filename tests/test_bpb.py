@@ -132,3 +132,64 @@ def test_one_forward_a_window_gives_the_loss_and_the_bits(chunk):
     nbytes = len(get_tokenizer().decode_bytes(counted[counted >= 0].tolist()))
     assert got["loss"] == pytest.approx(mean, rel=1e-6)
     assert got["bpb"] == pytest.approx(nats / math.log(2) / nbytes, rel=1e-6)
+
+
+class Windows:
+    """A val loader of distinct windows, one per next_batch, as rank `rank` of a data-parallel run reads them."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, batches, rank):
+        self.batches, self.rank, self.i = batches, rank, 0
+
+    def reset(self):
+        self.i = 0
+
+    def next_batch(self):
+        self.i += 1
+        return self.batches[self.i - 1]
+
+
+def test_each_rank_scores_its_own_windows_and_runs_the_same_number_of_forwards():
+    # 3 windows on 2 ranks (no process group, so each rank's share before the all-reduce): rank 0 scores windows 0 and
+    # 2, rank 1 window 1 and then a turn past the 3 that runs (FSDP's collectives) and is left out; both divide by 3
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    batches = [(torch.randint(0, EOT, (1, 16)), torch.randint(0, EOT, (1, 16))) for _ in range(2)]
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with torch.no_grad():
+        means = [model(x, y)[1].double().item() for x, y in batches]
+    forwards.clear()
+    for rank, want in ((0, (means[0] + means[1]) / 3), (1, means[0] / 3)):
+        got = engine.val_metrics(model, Windows(batches, rank), 3, contextlib.nullcontext(), 2, token_bytes(50304))
+        assert got["loss"] == pytest.approx(want, rel=1e-6) and len(forwards) == 2, rank
+        forwards.clear()
+
+
+def test_sharded_models_two_forwards_give_the_same_three_sums():
+    # --tp/--pp's shards (parallelize.Sharded: a forward_backward, and a forward that returns the mean loss alone) take
+    # a second forward on the counted targets for the nats: the same sums as one forward's per-token losses
+    from model import GPT, GPTConfig
+
+    class MeanOnly(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward_backward(self):
+            raise AssertionError("not called by an evaluation")
+
+        def forward(self, x, y):
+            return None, self.model(x, y)[1]
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    x, y = torch.randint(0, EOT, (2, 16)), torch.randint(0, EOT, (2, 16))
+    y[0, :3], y[1, 5], y[1, 9] = -1, EOT, 50258
+    with torch.no_grad():
+        one, two = (engine.window_sums(m, x, y, token_bytes(50304)) for m in (model, MeanOnly(model)))
+    torch.testing.assert_close(two, one, rtol=1e-6, atol=0)
+    assert two[1] > 0 and two[2] > 0

@@ -16,6 +16,7 @@ import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -67,6 +68,19 @@ def test_lr_schedule_shapes():
     assert lrs("wsd", decay_frac=1.0)[2:] == pytest.approx(lrs("linear")[2:])  # decaying from the warmup's end
     with pytest.raises(ValueError, match="--decay-frac must be in"):
         train.TrainConfig(decay_frac=0.0)
+    # a fractional decay length is rounded to the nearest step: 22.4 -> 22 and 22.6 -> 23, so both decays start at 90
+    for max_steps in (112, 113):
+        cfg = train.TrainConfig(max_lr=1.0, min_lr_frac=0.1, warmup_steps=0, max_steps=max_steps, lr_schedule="wsd")
+        assert engine.get_lr(90, cfg) == 1.0 and engine.get_lr(91, cfg) < 1.0, max_steps
+
+
+def test_set_lr_sets_every_param_group():
+    # AdamW's decayed and undecayed groups (and Muon's matrices beside AdamW's rest) all follow the schedule
+    # set_lr reads param_groups alone (a real optimizer's first construction costs a second in a fresh process)
+    optimizer = SimpleNamespace(param_groups=[{"lr": 5.0, "weight_decay": 0.1}, {"lr": 5.0, "weight_decay": 0.0}])
+    cfg = train.TrainConfig(max_lr=1.0, min_lr_frac=0.1, warmup_steps=10, max_steps=110)
+    assert engine.set_lr(optimizer, 4, cfg) == pytest.approx(0.5)
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.5, 0.5])
 
 
 def test_gpt2_124m_preset_is_the_reference_recipe():
@@ -353,6 +367,19 @@ def test_train_step_in_fp16_clips_the_unscaled_gradient():
     moved = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(a.detach() - b.detach())
                                                   for a, b in zip(model.parameters(), run.parameters(), strict=True)]))
     assert moved.item() == pytest.approx(norm / 2, rel=1e-2)  # clipped to half the true norm, then applied
+
+
+def test_a_skipped_fp16_step_still_updates_the_scaler():
+    # the GradScaler's update() after a step the guard refused too: without it the next step's unscale_() raises
+    model, batches = _small_gpt_and_batches(2)
+    _, autocast = par.precision("fp16", torch.device("cpu"))
+    scaler, batch = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12), iter(batches)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = copy.deepcopy(model.state_dict())
+    par.train_step(model, optimizer, batch.__next__, 1, autocast, 1.0, scaler=scaler, update=lambda loss, norm: False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    _, norm = par.train_step(model, optimizer, batch.__next__, 1, autocast, 1.0, scaler=scaler)
+    assert math.isfinite(norm.item()) and not torch.equal(before["lm_head.weight"], model.lm_head.weight)
 
 
 def test_ddp_reduces_gradients_only_on_the_last_micro_step():
@@ -864,7 +891,35 @@ def test_outlier_detector_zscores(monkeypatch):
     assert detect(5.0) == pytest.approx(1.5 / 1.25 ** 0.5)
     assert detect.values == [2.0, 3.0, 4.0, 5.0]
     assert detect(float("nan")) == 0.0 and detect.values == [2.0, 3.0, 4.0, 5.0]  # not poisoned by a NaN
+    # nor an inf (an fp16 step's overflowed norm, which the GradScaler skips): its mean would be inf, every z NaN
+    assert detect(float("inf")) == 0.0 and detect.values == [2.0, 3.0, 4.0, 5.0]
     assert detect(1e9) == pytest.approx(3 ** 0.5, rel=1e-6)  # the most a window of 4 allows: sqrt(4 - 1)
+
+
+def test_spike_guard_skips_a_rise_of_a_figure_it_watches_only(monkeypatch):
+    # one-sided, as llm.c: a loss that drops as sharply is applied; a grad norm spike with --skip-norm-z 0 is too
+    monkeypatch.setattr(engine, "OUTLIER_WINDOW", 4)
+    guard, t = engine.SpikeGuard(skip_loss_z=1.5), torch.tensor
+    assert guard.for_step() == guard.update
+    for loss in (2.0, 2.1, 1.9, 2.0):
+        assert guard.update(t(loss), t(1.0)) and guard.skipped == ""
+    assert guard.update(t(0.5), t(1.0)) and guard.skipped == ""  # z = -1.72
+    assert guard.update(t(1.0), t(50.0)) and guard.skipped == ""  # the norm's z is 1.73, unwatched
+    assert not guard.update(t(10.0), t(1.0)) and guard.skipped == "loss z-score 1.7 > 1.5"
+    history = copy.deepcopy(guard.state_dict())
+    assert history == {"loss": [2.0, 0.5, 1.0, 10.0], "norm": [1.0, 1.0, 50.0, 1.0]}  # the spike stays in the window
+    guard.observe(2.0, 1.0)  # the guard on: update() saw this step's figures already
+    assert guard.state_dict() == history and guard.for_step() is not None and guard.skipped == ""
+    resumed = engine.SpikeGuard(skip_loss_z=1.5)  # a resume: the checkpoint's history gives the same verdict
+    resumed.load_state_dict(history)
+    assert not resumed.update(t(30.0), t(1.0)) and not guard.update(t(30.0), t(1.0))
+    assert resumed.state_dict() == guard.state_dict()
+    off = engine.SpikeGuard()
+    assert off.for_step() is None
+    off.observe(2.0, 1.0)
+    assert off.state_dict() == {"loss": [2.0], "norm": [1.0]}
+    off.load_state_dict({})  # a checkpoint from before the guard: no history
+    assert off.state_dict() == {"loss": [], "norm": []}
 
 
 def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_path, monkeypatch):
@@ -896,6 +951,8 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     resumed.mkdir()
     shutil.copy(tmp_path / "full" / "ckpt_000020.pt", resumed)
     assert train.main(tiny_args(token_data, resumed, *common, "--resume=auto"))["losses"] == full[20:]
+    skipped = lambda out: [r["step"] for r in iter_log(out / "log.jsonl") if r["type"] == "train" and "skipped" in r]
+    assert skipped(resumed) == [20]  # the loss of step 20 comes before the verdict: the log says it was skipped
     # with the guard off the history is kept all the same, so turning it on at a resume (after a spike, say) works
     # from the first step instead of after 16 more
     unguarded = [arg for arg in common if not arg.startswith("--skip")]
@@ -906,6 +963,7 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     switched_on.mkdir()
     shutil.copy(tmp_path / "off" / "ckpt_000020.pt", switched_on)
     assert train.main(tiny_args(token_data, switched_on, *common, "--resume=auto"))["losses"] == full[20:]
+    assert skipped(switched_on) == [20]
 
 
 def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
@@ -1802,6 +1860,26 @@ def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_d
     assert path.name == "ckpt_000004.pt" and ckpt["step"] == 4  # not the abandoned ckpt_000009
 
 
+def test_resuming_a_checkpoint_older_than_the_newest_is_a_rewind(tmp_path, monkeypatch):
+    # Checkpointer.find's rewinding (the run log then drops the abandoned steps): only for a checkpoint older than the
+    # one written last, whichever way it was named (a relative --resume PATH too)
+    for step, written in ((3, 1), (6, 2)):
+        torch.save({"model": {}, "model_config": {}, "step": step}, tmp_path / f"ckpt_{step:06d}.pt")
+        os.utime(tmp_path / f"ckpt_{step:06d}.pt", ns=(written * 10**9, written * 10**9))
+
+    def found(resume: str) -> tuple[str, bool]:
+        ckpt = engine.Checkpointer(train.TrainConfig(out_dir=str(tmp_path), resume=resume))
+        path = ckpt.find()[0]
+        assert ckpt.newest == path.resolve()
+        return path.name, ckpt.rewinding
+
+    assert found("auto") == ("ckpt_000006.pt", False)
+    assert found(str(tmp_path / "ckpt_000006.pt")) == ("ckpt_000006.pt", False)
+    assert found(str(tmp_path / "ckpt_000003.pt")) == ("ckpt_000003.pt", True)
+    monkeypatch.chdir(tmp_path)
+    assert found("ckpt_000006.pt") == ("ckpt_000006.pt", False) and found("ckpt_000003.pt") == ("ckpt_000003.pt", True)
+
+
 def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tmp_path, capsys):
     # written last but unreadable: a checkpoint cut short (a copy interrupted, a full disk), and a path that cannot
     # be opened as a file (OSError rather than ValueError); the one before them is resumed, and each skip is named
@@ -1887,6 +1965,28 @@ def test_a_checkpoint_whose_bytes_rotted_is_skipped_and_the_resume_is_exact(toke
         with pytest.raises(SystemExit, match=rf"^error: {re.escape(why)}\d+'\); pass an intact copy, or an earlier "
                                              "checkpoint of the run$"):
             main(argv)
+
+
+def test_prune_keeps_the_newest_readable_the_milestones_and_the_known_good(tmp_path):
+    # on files alone (prune reads names and write times): 8 checkpoints, ckpt_000008 written last
+    def kept(tmp: Path, keep_last: int, keep_every: int = 0, good: int = 0, unreadable: tuple = ()) -> list[int]:
+        out = tmp / f"{keep_last}-{keep_every}-{good}-{len(unreadable)}"
+        out.mkdir()
+        for step in range(1, 9):
+            (out / f"ckpt_{step:06d}.pt").write_bytes(b"")
+            os.utime(out / f"ckpt_{step:06d}.pt", ns=(step * 10**9, step * 10**9))
+        ckpt = engine.Checkpointer(train.TrainConfig(out_dir=str(out), ckpt_every=1, keep_last=keep_last,
+                                                     keep_every=keep_every))
+        ckpt.good = (out / f"ckpt_{good:06d}.pt").resolve() if good else None
+        ckpt.unreadable = [out / f"ckpt_{step:06d}.pt" for step in unreadable]
+        ckpt.prune()
+        return sorted(engine.step_of(p) for p in out.glob("ckpt_*.pt"))
+
+    assert kept(tmp_path, 0) == [1, 2, 3, 4, 5, 6, 7, 8]  # --keep-last 0 keeps all
+    assert kept(tmp_path, 1) == [8] and kept(tmp_path, 2) == [7, 8]
+    assert kept(tmp_path, 2, keep_every=3) == [3, 6, 7, 8]
+    assert kept(tmp_path, 2, good=4) == [4, 7, 8]
+    assert kept(tmp_path, 2, unreadable=(8,)) == [6, 7, 8]  # left in place, and not one of the 2
 
 
 def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
