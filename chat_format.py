@@ -255,7 +255,7 @@ def one_file(source: str) -> bool:
     return source_kind(source) == "local" and not Path(source).expanduser().is_dir()
 
 
-def held_out(source: str, split: str) -> str:
+def val_note(source: str, split: str) -> str:
     """The load note on a file's train split: val rows stay out (--eval-only scores them; a resume needs the same)."""
     return f"; every {VAL_EVERY}th row from row 0 is held out as val, with --eval-every 0 too" \
         if split == "train" and one_file(source) else ""
@@ -422,7 +422,7 @@ class ConversationLoader(RowStream):
         if rank == 0:
             print(f"{source} {split}: {len(convs):,} conversations in {self.num_rows:,} rows of {T + 1} tokens, "
                   f"{self.padding:.1%} padding; {truncated - dropped:,} of them truncated to {T + 1} tokens; "
-                  f"{dropped:,} more dropped: no assistant token within them{held_out(str(source), split)}")
+                  f"{dropped:,} more dropped: no assistant token within them{val_note(str(source), split)}")
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (x, y), each int64 (B, T) on the loader's device; y is -1 where nothing is learned."""

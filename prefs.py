@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import engine
 import stage
-from chat_format import CHAT_VOCAB, RowStream, held_out, load_rows, render, row_errors, split_rows
+from chat_format import CHAT_VOCAB, RowStream, load_rows, render, row_errors, split_rows, val_note
 from common import EOT, LOCAL, all_sum, run_and_exit
 from engine import Context, Eval, Run
 from fineweb import DataError
@@ -143,7 +143,7 @@ class PairLoader(RowStream):
                             f"dropped), fewer than B = {B}; lower --batch-size, raise --seq-len or add pairs")
         if rank == 0:
             print(f"{name} {split}: {self.num_pairs:,} pairs; {dropped:,} with a side over {T} tokens dropped"
-                  + held_out(name, split))
+                  + val_note(name, split))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int64, mask bool), each (2B, T) on the loader's device: B chosen rows, then the same pairs' B rejected
