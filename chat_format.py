@@ -20,6 +20,7 @@ attention, as in pretraining's documents; each starts with BOS.
 from __future__ import annotations
 
 import contextlib
+import glob
 import gzip
 import importlib.util
 import json
@@ -181,20 +182,18 @@ NO_SPLIT = "a held-out split missing, --eval-every 0 skips the val loss"
 
 
 def local_split(path: Path, split: str, fallback: str = "") -> list[Path]:
-    """A file itself, or `split`'s files in a directory (else `fallback`'s: ultrachat_200k's copy has train_sft, no
-    train), found by the patterns `datasets` uses (train*, *-test-*...; without it, SPLIT_LAYOUTS' first match)."""
-    if path.is_file():
-        return [path]
+    """`split`'s files in a directory (else `fallback`'s: ultrachat_200k's copy has train_sft, no train), found by the
+    patterns `datasets` uses (train*, *-test-*...; without it, or with fallback's found, SPLIT_LAYOUTS' first match)."""
     found = {s: next(filter(None, (globbed(path, pattern.format(s=s)) for pattern in SPLIT_LAYOUTS)), [])
              for s in filter(None, (split, fallback))}
     hint = " (`datasets` is not installed: pip install datasets for its other layouts)"
-    # datasets' patterns take train_sft.jsonl and train_gen.jsonl for train: fallback's files, found and no train, win
-    if (found[split] or not found.get(fallback)) and importlib.util.find_spec("datasets") is not None:
+    # datasets' patterns take train_sft.jsonl for train too: with fallback's files found, SPLIT_LAYOUTS alone pick
+    if not found.get(fallback) and importlib.util.find_spec("datasets") is not None:
         from datasets.data_files import DataFilesDict, get_data_patterns
 
-        hint = ""
+        hint, base = "", glob.escape(str(path))  # a directory named runs[v2] is not a pattern
         with contextlib.suppress(FileNotFoundError):  # no file of any split
-            found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+            found = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
             hint = f" (it has {', '.join(map(str, found))})"  # train_prefs, say
     if not (files := found.get(split) or found.get(fallback)):
         raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "

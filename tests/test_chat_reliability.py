@@ -164,6 +164,15 @@ def test_a_flat_copy_of_ultrachat_reads_the_stages_splits_alone(tmp_path):
         write_jsonl(tmp_path / f"{split}.jsonl", part)
     assert cf.load_rows(str(tmp_path), "train", fallback="train_sft") == rows[:3]
     assert cf.load_rows(str(tmp_path), "test", fallback="test_sft") == rows[5:6]
+    write_jsonl(tmp_path / "train.jsonl", rows[6:8])  # the plain split wins alone: datasets read train_sft.jsonl too
+    assert cf.load_rows(str(tmp_path), "train", fallback="train_sft") == rows[6:8]
+
+
+def test_a_directory_named_with_glob_characters_is_read_by_datasets_layouts(tmp_path):
+    pytest.importorskip("datasets")  # its patterns took runs[v2] for a glob and found nothing: "no train split"
+    (tmp_path / "runs[v2]").mkdir()
+    write_jsonl(tmp_path / "runs[v2]" / "my-train.jsonl", chat_rows())
+    assert cf.load_rows(str(tmp_path / "runs[v2]"), "train", fallback="train_sft") == chat_rows()
 
 
 def test_a_file_named_with_glob_characters_is_that_file_and_a_glob_s_rows_are_counted_over_it(tmp_path):
