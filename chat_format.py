@@ -168,7 +168,8 @@ def load_rows(source: str, split: str, config: str | None = None, fallback: str 
         except Exception as e:  # datasets' own errors (no such split, offline) as one line naming the source
             why = f"{e.__cause__ or e}".strip().splitlines()[0][:200]
             raise DataError(f"cannot read {source} (split {wanted}), taken as a hub dataset as no local path of that "
-                            f"name exists: {why}" + f"; {NO_SPLIT}" * ("Unknown split" in why)) from None
+                            f"name exists: {why}"
+                            + f"; {NO_SPLIT}" * ("Unknown split" in why and "train" not in split)) from None
     if len(rows) == 0:
         raise DataError(f"{source} (split {split}) holds no rows")
     return rows
@@ -178,7 +179,7 @@ def load_rows(source: str, split: str, config: str | None = None, fallback: str 
 # data/..., train/0.jsonl, HH's helpful-base/train.jsonl.gz); a digit after "train-": train_prefs-0 is another split
 SPLIT_LAYOUTS = ("{s}.*", "{s}[-_][0-9]*", "data/{s}.*", "data/{s}[-_][0-9]*", "{s}/*", "*/{s}.*", "*/{s}/*")
 READABLE = (".jsonl", ".json", ".parquet", ".gz")  # the files read_local reads (gzipped: .jsonl.gz, .json.gz)
-NO_SPLIT = "a held-out split missing, --eval-every 0 skips the val loss"
+NO_SPLIT = "a held-out split missing, --eval-every 0 skips the val loss"  # not for train's: it cannot help there
 
 
 def local_split(path: Path, split: str, fallback: str = "") -> list[Path]:
@@ -196,8 +197,9 @@ def local_split(path: Path, split: str, fallback: str = "") -> list[Path]:
             found = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
             hint = f" (it has {', '.join(map(str, found))})"  # train_prefs, say
     if not (files := found.get(split) or found.get(fallback)):
-        raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
-                        f"data/{split}-00000-of-00001.parquet{hint}; {NO_SPLIT}")
+        raise DataError(f"{path} has no {' or '.join(filter(None, (split, fallback)))} split: expected files named "
+                        f"like {split}.jsonl or data/{split}-00000-of-00001.parquet{hint}"
+                        + f"; {NO_SPLIT}" * ("train" not in split))
     return [Path(f) for f in files]  # load_rows leaves out those read_local cannot read (datasets': train_notes.txt)
 
 

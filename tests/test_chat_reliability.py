@@ -197,6 +197,9 @@ def test_a_hub_dataset_without_a_test_split_says_how_to_go_on(tmp_path, monkeypa
     assert str(e.value) == "cannot read someone/chat (split test or test_sft), taken as a hub dataset as no local " \
         "path of that name exists: Unknown split \"test_sft\". Should be one of ['train'].; a held-out split " \
         "missing, --eval-every 0 skips the val loss"
+    with pytest.raises(DataError) as e:  # a train split: no --eval-every 0 hint, it cannot help
+        cf.load_rows("someone/chat", "train_prefs")
+    assert str(e.value).endswith("Unknown split \"train_prefs\". Should be one of ['train'].")
 
 
 def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
@@ -245,6 +248,8 @@ def test_a_directory_s_splits_are_found_with_or_without_datasets(tmp_path, monke
     with pytest.raises(DataError, match=f"^{flat} has no validation split: expected files named like validation.jsonl"
                                         ".*; a held-out split missing, --eval-every 0 skips the val loss$"):
         cf.local_split(flat, "validation")  # the way out was not named
+    with pytest.raises(DataError, match=f"^{flat} has no validation or test_sft split: "):  # test_sft was not named
+        cf.local_split(flat, "validation", "test_sft")
     # ultrafeedback_binarized's layout: train_prefs, train_sft and train_gen are splits of their own, not train's
     # (globbed as train's, its 120 rows were read three times over)
     uf = tmp_path / "uf" / "data"
@@ -253,8 +258,8 @@ def test_a_directory_s_splits_are_found_with_or_without_datasets(tmp_path, monke
         (uf / f"{split}-00000-of-00001.parquet").write_bytes(b"")
     assert [f.name for f in cf.local_split(uf.parent, "train_prefs")] == ["train_prefs-00000-of-00001.parquet"]
     has = "it has test_prefs, train_gen, train_prefs, train_sft" if datasets_installed else "`datasets` is not"
-    with pytest.raises(DataError, match=f"^{uf.parent} has no train split: .*parquet \\({has}.*\\);"):  # what is
-        cf.local_split(uf.parent, "train")
+    with pytest.raises(DataError, match=f"^{uf.parent} has no train split: .*parquet \\({has}.*\\)$"):  # what is;
+        cf.local_split(uf.parent, "train")  # no --eval-every 0 hint: it cannot help a missing train split
 
 
 def test_a_hub_name_says_it_was_taken_for_one():
