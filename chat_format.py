@@ -20,6 +20,7 @@ attention, as in pretraining's documents; each starts with BOS.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import gzip
 import importlib.util
@@ -180,6 +181,7 @@ def load_rows(source: str, split: str, config: str | None = None, fallback: str 
 SPLIT_LAYOUTS = ("{s}.*", "{s}[-_][0-9]*", "data/{s}.*", "data/{s}[-_][0-9]*", "{s}/*", "*/{s}.*", "*/{s}/*")
 READABLE = (".jsonl", ".json", ".parquet", ".gz")  # the files read_local reads (gzipped: .jsonl.gz, .json.gz)
 NO_SPLIT = "a held-out split missing, --eval-every 0 skips the val loss"  # not for train's: it cannot help there
+note = functools.cache(print)  # a note once per process: a glob's val reads its train's files again
 
 
 def local_split(path: Path, split: str, fallback: str = "") -> list[Path]:
@@ -213,9 +215,11 @@ def readable(source: Path | str, split: str, files: list[Path]) -> list[Path]:
     counts over them); the others named in a note, as fineweb.local_files names a directory's."""
     other = [f.name for f in files if f.is_file() and not f.name.endswith(READABLE)]
     if other and os.environ.get("RANK", "0") == "0":  # one note, not one a rank
-        print(f"note: {source} (split {split}): {len(other)} file(s) left out, not .jsonl/.json/.parquet/.gz: "
-              f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
-    return sorted(f for f in files if f.is_file() and f.name.endswith(READABLE))
+        note(f"note: {source} (split {split}): {len(other)} file(s) left out, not .jsonl/.json/.parquet/.gz: "
+             f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
+    if not (data := sorted(f for f in files if f.is_file() and f.name.endswith(READABLE))):  # a glob of directories
+        raise DataError(f"{source} (split {split}) matched no .jsonl/.json/.parquet/.gz files")
+    return data
 
 
 def read_local(path: Path) -> list[dict]:

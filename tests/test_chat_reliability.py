@@ -154,6 +154,8 @@ def test_a_stray_file_beside_a_split_is_left_out_naming_it(tmp_path, capsys):
         assert cf.load_rows(source, "train") == chat_rows()
         assert capsys.readouterr().out == f"note: {source} (split train): 1 file(s) left out, not " \
             ".jsonl/.json/.parquet/.gz: my-train-notes.txt\n"
+    cf.ConversationLoader(source, "val", 1, 64)  # the glob's val is its train's files read again: the note was twice
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_a_flat_copy_of_ultrachat_reads_the_stages_splits_alone(tmp_path):
@@ -222,6 +224,10 @@ def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
         (tmp_path / f"{name}.jsonl.gz").write_bytes(data)  # an EOFError traceback, or an error naming no file
         with pytest.raises(DataError, match=f"^{tmp_path}/{name}.jsonl.gz: not a whole gzip file \\({re.escape(why)}"):
             cf.load_rows(str(tmp_path / f"{name}.jsonl.gz"), "train")
+    (tmp_path / "runs" / "a").mkdir(parents=True)  # was "holds no rows"
+    with pytest.raises(DataError, match=f"^{tmp_path}/runs/\\* \\(split train\\) matched no .jsonl/.json/.parquet/.gz "
+                                        "files$"):
+        cf.load_rows(str(tmp_path / "runs" / "*"), "train")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     assert source_kind("data/addition") == "local" and source_kind("someone/dataset") == "hub"
