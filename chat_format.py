@@ -307,11 +307,6 @@ def pack(lengths: Sequence[int], cap: int) -> list[list[int]]:
     return rows
 
 
-def padding_share(lengths: Sequence[int], rows: list[list[int]], cap: int) -> float:
-    """The share of the packed rows' tokens that is padding."""
-    return 1 - sum(lengths[i] for row in rows for i in row) / (len(rows) * cap)
-
-
 @contextlib.contextmanager
 def row_errors(source: str, index: int) -> Iterator[None]:
     """A ValueError about one row (a bad conversation or pair) as a DataError that names the row."""
@@ -420,7 +415,7 @@ class ConversationLoader(RowStream):
             self.ids[r, :len(ids)], self.mask[r, :len(ids)] = ids, mask
         self._stream(str(source), split, B, T, rank, world_size, seed, device, split == "train", len(rows),
                      sum(lengths))
-        self.num_rows, self.padding = len(rows), padding_share(lengths, rows, T + 1)
+        self.num_rows, self.padding = len(rows), 1 - sum(lengths) / (len(rows) * (T + 1))  # pack keeps all
         if self.num_windows == 0:
             raise DataError(f"{source} {split}: {len(convs)} conversations pack into {self.num_rows} rows of "
                             f"T+1 = {T + 1} tokens, fewer than B = {B}; lower --batch-size or add conversations")
