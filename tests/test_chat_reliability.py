@@ -154,6 +154,8 @@ def test_a_stray_file_beside_a_split_is_left_out_naming_it(tmp_path, capsys):
         assert cf.load_rows(source, "train") == chat_rows()
         assert capsys.readouterr().out == f"note: {source} (split train): 1 file(s) left out, not " \
             ".jsonl/.json/.parquet/.gz: my-train-notes.txt\n"
+    cf.ConversationLoader(source, "val", 1, 64)  # the glob's val is its train's files read again: the note was twice
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_a_flat_copy_of_ultrachat_reads_the_stages_splits_alone(tmp_path):
@@ -164,6 +166,15 @@ def test_a_flat_copy_of_ultrachat_reads_the_stages_splits_alone(tmp_path):
         write_jsonl(tmp_path / f"{split}.jsonl", part)
     assert cf.load_rows(str(tmp_path), "train", fallback="train_sft") == rows[:3]
     assert cf.load_rows(str(tmp_path), "test", fallback="test_sft") == rows[5:6]
+    write_jsonl(tmp_path / "train.jsonl", rows[6:8])  # the plain split wins alone: datasets read train_sft.jsonl too
+    assert cf.load_rows(str(tmp_path), "train", fallback="train_sft") == rows[6:8]
+
+
+def test_a_directory_named_with_glob_characters_is_read_by_datasets_layouts(tmp_path):
+    pytest.importorskip("datasets")  # its patterns took runs[v2] for a glob and found nothing: "no train split"
+    (tmp_path / "runs[v2]").mkdir()
+    write_jsonl(tmp_path / "runs[v2]" / "my-train.jsonl", chat_rows())
+    assert cf.load_rows(str(tmp_path / "runs[v2]"), "train", fallback="train_sft") == chat_rows()
 
 
 def test_a_file_named_with_glob_characters_is_that_file_and_a_glob_s_rows_are_counted_over_it(tmp_path):
@@ -188,6 +199,9 @@ def test_a_hub_dataset_without_a_test_split_says_how_to_go_on(tmp_path, monkeypa
     assert str(e.value) == "cannot read someone/chat (split test or test_sft), taken as a hub dataset as no local " \
         "path of that name exists: Unknown split \"test_sft\". Should be one of ['train'].; a held-out split " \
         "missing, --eval-every 0 skips the val loss"
+    with pytest.raises(DataError) as e:  # a train split: no --eval-every 0 hint, it cannot help
+        cf.load_rows("someone/chat", "train_prefs")
+    assert str(e.value).endswith("Unknown split \"train_prefs\". Should be one of ['train'].")
 
 
 def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
@@ -210,6 +224,10 @@ def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
         (tmp_path / f"{name}.jsonl.gz").write_bytes(data)  # an EOFError traceback, or an error naming no file
         with pytest.raises(DataError, match=f"^{tmp_path}/{name}.jsonl.gz: not a whole gzip file \\({re.escape(why)}"):
             cf.load_rows(str(tmp_path / f"{name}.jsonl.gz"), "train")
+    (tmp_path / "runs" / "a").mkdir(parents=True)  # was "holds no rows"
+    with pytest.raises(DataError, match=f"^{tmp_path}/runs/\\* \\(split train\\) matched no .jsonl/.json/.parquet/.gz "
+                                        "files$"):
+        cf.load_rows(str(tmp_path / "runs" / "*"), "train")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     assert source_kind("data/addition") == "local" and source_kind("someone/dataset") == "hub"
@@ -236,6 +254,8 @@ def test_a_directory_s_splits_are_found_with_or_without_datasets(tmp_path, monke
     with pytest.raises(DataError, match=f"^{flat} has no validation split: expected files named like validation.jsonl"
                                         ".*; a held-out split missing, --eval-every 0 skips the val loss$"):
         cf.local_split(flat, "validation")  # the way out was not named
+    with pytest.raises(DataError, match=f"^{flat} has no validation or test_sft split: "):  # test_sft was not named
+        cf.local_split(flat, "validation", "test_sft")
     # ultrafeedback_binarized's layout: train_prefs, train_sft and train_gen are splits of their own, not train's
     # (globbed as train's, its 120 rows were read three times over)
     uf = tmp_path / "uf" / "data"
@@ -244,8 +264,8 @@ def test_a_directory_s_splits_are_found_with_or_without_datasets(tmp_path, monke
         (uf / f"{split}-00000-of-00001.parquet").write_bytes(b"")
     assert [f.name for f in cf.local_split(uf.parent, "train_prefs")] == ["train_prefs-00000-of-00001.parquet"]
     has = "it has test_prefs, train_gen, train_prefs, train_sft" if datasets_installed else "`datasets` is not"
-    with pytest.raises(DataError, match=f"^{uf.parent} has no train split: .*parquet \\({has}.*\\);"):  # what is
-        cf.local_split(uf.parent, "train")
+    with pytest.raises(DataError, match=f"^{uf.parent} has no train split: .*parquet \\({has}.*\\)$"):  # what is;
+        cf.local_split(uf.parent, "train")  # no --eval-every 0 hint: it cannot help a missing train split
 
 
 def test_a_hub_name_says_it_was_taken_for_one():
