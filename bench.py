@@ -101,8 +101,8 @@ class BenchConfig:
         parallel.check_flags([
             (bool(self.suites()) and set(self.suites()) <= set(SUITES),
              f"--suite must be all or a comma list of {', '.join(SUITES)}; got {self.suite!r}"),
-            (min(self.steps, self.grad_accum, self.int8_tokens) >= 1,
-             "--steps, --grad-accum and --int8-tokens must be >= 1"),
+            (min(self.steps, self.grad_accum, self.int8_tokens, self.batched_rows, self.batched_tokens) >= 1,
+             "--steps, --grad-accum, --int8-tokens, --batched-rows and --batched-tokens must be >= 1"),
             (0 <= self.prune_sparsity < 1, f"--prune-sparsity must be in [0, 1); got {self.prune_sparsity}"),
             (not (out := Path(self.out)).is_dir(),
              f"--out {self.out} is a directory; pass the JSON file to write, e.g. {out / 'bench.json'}"),

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from chat_format import BOS, read_local
+from chat_format import BOS, read_local, row_name
 from common import (
     GPT2_VOCAB,
     first_on_each_node,
@@ -122,7 +122,7 @@ def load_tasks(bundle: Path, max_per_task: int = 0) -> list[CoreTask]:
         shots = shots[0] if isinstance(shots, list) else shots  # DCLM's is a list ([10]); nanochat scores the first
         rows = read_local(path)  # a line that is not JSON is one error naming the file and the line
         if (bad := next(((i, why) for i, row in enumerate(rows) if (why := row_problem(row, kind))), None)):
-            raise ValueError(f"{path} row {bad[0]}: {bad[1]} (a {kind} row of task {label})")
+            raise ValueError(f"{row_name(str(path), bad[0])}: {bad[1]} (a {kind} row of task {label})")
         random.Random(1337).shuffle(rows)
         rows = rows[:max_per_task or None]
         if len(rows) <= shots:  # each row's few-shot examples are drawn from the others

@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
         sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         sub.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1")
     args = parser.parse_args(argv)
+    for name in ("rows", "cols", "vocab", "real_vocab"):  # an empty shape has no max error to print
+        if getattr(args, name, 1) < 1:
+            kernels.choices[args.kernel].error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     check_device(kernels.choices[args.kernel], args)
     (check_gelu if args.kernel == "gelu" else check_ce)(args)
 

@@ -158,6 +158,11 @@ def run_torchrun(args: list[str], nproc: int, timeout: int = 300, env: dict[str,
     return done
 
 
+def graph_breaks(stderr: str) -> list[str]:
+    """The graph breaks torch.compile logged to a run's stderr under TORCH_LOGS=graph_breaks, a line each."""
+    return [line for line in stderr.splitlines() if "Graph break" in line]
+
+
 def run_train_runs(runs: list[list[str]], nproc: int, spec: Path, timeout: int = 300,
                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run several train.py argument lists one after another in one torchrun launch (tests/train_runs.py); spec is

@@ -484,7 +484,9 @@ def test_cpu_defaults_are_the_small_ones_and_resolving_twice_changes_nothing():
 @pytest.mark.parametrize("argv, message", [
     (["--suite", "bogus"], "--suite must be all or a comma list of kernel"),
     (["--variants", "eagr"], "--variants: unknown eagr"),
-    (["--steps", "0"], "--steps, --grad-accum and --int8-tokens must be >= 1"),
+    (["--steps", "0"], "--steps, --grad-accum, --int8-tokens, --batched-rows and --batched-tokens must be >= 1"),
+    (["--batched-rows", "0"], "--batched-rows and --batched-tokens must be >= 1"),  # was the batched row's failure
+    (["--batched-tokens", "0"], "--batched-rows and --batched-tokens must be >= 1"),
     (["--model", "gpt5"], "--model must be one of"),  # TrainConfig's own check, before any row
     (["--suite", "prune", "--decode-model", "tiny", "--prune-sparsity", "1.5"],  # not each row failing alone
      r"--prune-sparsity must be in \[0, 1\); got 1.5"),

@@ -207,8 +207,9 @@ def test_a_bad_task_file_is_one_line_naming_it(bundle, tmp_path):
     mc = root / "eval_data" / "multiple_choice" / "mc.jsonl"
     row = '{"query": "a", "choices": ["x", "y"]'
     for text, message in [(row + ', "gold": 0}\n{"query": "b", "choi', "mc.jsonl line 2: not valid JSON"),
-                          (row + "}\n", "mc.jsonl row 0: no 'gold' \\(a multiple_choice row of task mc\\)"),
-                          (row + ', "gold": "1"}\n', "row 0: 'gold' is '1', not an index into its 2 options"),
+                          (row + "}\n", "mc.jsonl row 0 \\(0-based, not a line number\\): no 'gold' "
+                                         "\\(a multiple_choice row of task mc\\)"),
+                          (row + ', "gold": "1"}\n', "number\\): 'gold' is '1', not an index into its 2 options"),
                           ("", "task mc is 0-shot, but has 0 rows")]:
         mc.write_text(text)
         with pytest.raises(ValueError, match=message):

@@ -335,3 +335,16 @@ def test_check_kernels_without_a_gpu_says_how_to_run_it(capsys: pytest.CaptureFi
     assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
         "check_kernels.py ce: error: this machine has no CUDA GPU; on CPU run the kernels in Triton's interpreter: "
         "TRITON_INTERPRET=1 python scripts/check_kernels.py ce --device cpu")
+
+
+@pytest.mark.parametrize("argv, flag", [(["gelu", "--rows", "0"], "--rows must be >= 1, got 0"),
+                                        (["gelu", "--cols", "-3"], "--cols must be >= 1, got -3"),
+                                        (["ce", "--rows", "0"], "--rows must be >= 1, got 0"),
+                                        (["ce", "--vocab", "0"], "--vocab must be >= 1, got 0"),
+                                        (["ce", "--real-vocab", "0"], "--real-vocab must be >= 1, got 0")])
+def test_check_kernels_refuses_an_empty_shape_in_one_line(argv, flag, capsys: pytest.CaptureFixture) -> None:
+    # each was a traceback from the max of an empty tensor, a reshape or randint; before the device's checks
+    with pytest.raises(SystemExit) as e:
+        check_kernels([*argv, "--device", "cpu"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"check_kernels.py {argv[0]}: error: {flag}"

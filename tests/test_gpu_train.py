@@ -27,9 +27,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from train_runs import built
 
+import stage
 from common import get_tokenizer, iter_log, load_checkpoint
-from conftest import ROOT, run_torchrun
+from conftest import ROOT, graph_breaks, run_torchrun
 
 DEVICE = os.environ.get("GPU_TESTS_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [
@@ -84,8 +86,9 @@ def launch(argv: list[str], env: dict[str, str] | None = None) -> tuple[str, str
     """Run a stage script (argv[0]: train.py, sft.py...) as one torchrun rank and return its stdout and stderr. On
     CUDA, a real torchrun. On CPU, the same distributed path in this process: the stage builds its gloo group from
     torchrun's variables and destroys it at the end, and the ~5 s a launcher and two interpreters take are saved."""
-    if GPU:
-        proc = run_torchrun(argv, nproc=1, timeout=RUN_TIMEOUT, env=env)
+    if GPU:  # train.py through tests/train_runs.py, which says what the run built
+        proc = run_torchrun(["tests/train_runs.py", *argv] if argv[0] == "train.py" else argv, nproc=1,
+                            timeout=RUN_TIMEOUT, env=env)
         return proc.stdout, proc.stderr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,6 +99,7 @@ def launch(argv: list[str], env: dict[str, str] | None = None) -> tuple[str, str
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         for key, value in torchrun_env.items():
             mp.setenv(key, value)
+        mp.setattr(stage, "build_trainable", built(stage.build_trainable))
         torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1: tiny ops on 2 threads took twice as long here
         try:
             importlib.import_module(argv[0].removesuffix(".py")).main(argv[1:])
@@ -146,7 +150,7 @@ def test_compiled_bf16_run_learns_evaluates_samples_and_scores_hellaswag(ddp_run
     assert abs(scored["acc_norm"] - hs[-1]["acc_norm"]) <= tol
     # one graph for the whole forward (the fused kernel, the chunked loss and SDPA included), also after the
     # evaluations and HellaSwag: a graph break leaves the rest of the step to eager PyTorch
-    breaks = [line for line in (ddp_run / "stderr.txt").read_text().splitlines() if "Graph break" in line]
+    breaks = graph_breaks((ddp_run / "stderr.txt").read_text())  # able to fail: test_train's control of it
     assert not breaks, "\n".join(breaks[:10])
     # on CUDA, the first step's memory, once: what --batch-size leaves free
     memory = re.findall(r"^memory: peak (\d+\.\d) GiB allocated, (\d+\.\d) GiB reserved by PyTorch, of "
@@ -178,8 +182,11 @@ def test_zero1_and_fsdp_follow_ddp_and_resume(parallel, tol, ddp_run, learnable_
     # one rank under torchrun still builds ZeroRedundancyOptimizer (with fused AdamW) or FSDP2's fully_shard (with
     # bf16 parameters for compute), so this is their real code on the GPU, short of multi-GPU communication
     common = [f"--parallel={parallel}", "--max-steps=10", "--eval-every=0", "--ckpt-every=5"]
-    launch(args(learnable_data, tmp_path, *common))
-    assert load_checkpoint(tmp_path / "ckpt_000010.pt")["optimizer_kind"] == parallel
+    stdout, _ = launch(args(learnable_data, tmp_path, *common))
+    assert load_checkpoint(tmp_path / "ckpt_000010.pt")["optimizer_kind"] == parallel  # the flag, whatever ran
+    # what the run built (tests/train_runs.py's line): a --parallel fsdp that fell back to DDP would fail here
+    assert re.findall(r"^train_runs: built (\w+) with (\w+)$", stdout, re.M) == [
+        {"zero1": ("DistributedDataParallel", "ZeroRedundancyOptimizer"), "fsdp": ("FSDPGPT", "AdamW")}[parallel]]
     ddp = [r["loss"] for r in records(ddp_run, "train")][:10]
     other = [r["loss"] for r in records(tmp_path, "train")]
     # the schedules differ after warmup (max_steps 10 against 40), so compare the 5 warmup steps, which match

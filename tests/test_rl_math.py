@@ -260,3 +260,13 @@ def test_update_divides_each_minibatch_as_its_loss_agg_says_over_every_rank(how,
     for k in range(2):
         loss, grad = by_hand(list(range(k, 8, 2)), how, 0.1)
         assert losses[k].item() == pytest.approx(loss, rel=1e-5) and grads[k].item() == pytest.approx(grad, rel=1e-5)
+
+
+def test_the_logged_clip_fraction_is_over_every_ranks_tokens():
+    """Rows 0-1 (4 tokens) on one rank, rows 2-7 (17) on the other; --clip 0.05 < the ratio's e^0.1 - 1 clips the
+    tokens of a positive advantage (17 of 21): the record's all_sum / world is 17/21, not the mean of 3/4 and 14/17."""
+    cfg = RLConfig(clip=0.05, temperature=1.0, max_new_tokens=MAX_NEW)
+    tokens = torch.tensor(21.0)  # update's all_sum of the minibatch's tokens
+    shares = [rl_batch(rows) | {"denom": tokens, "tokens": tokens} for rows in ([0, 1], [2, 3, 4, 5, 6, 7])]
+    outs = [rl.rl_loss(Tilt(), mb, cfg, 2) for mb in shares]
+    assert sum(out["clip_frac"] for out in outs).item() / 2 == pytest.approx(17 / 21, rel=1e-6)

@@ -4,6 +4,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import io
 import json
 import math
 import os
@@ -27,7 +28,7 @@ import parallel as par
 import stage
 import train
 from common import _field_help, describe_provenance, iter_log, load_checkpoint, parse_config
-from conftest import ROOT, children, run_nodes, run_torchrun, run_train_runs
+from conftest import ROOT, children, graph_breaks, run_nodes, run_torchrun, run_train_runs
 from fineweb import DataError, FinewebConfig, TokenLoader, read_shard, write_shard
 from model import GPT, GPTConfig
 
@@ -2392,6 +2393,28 @@ def test_fsdp_bf16_samples_between_evaluations(token_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_graph_break_count_sees_one():
+    """The positive control of the compiled runs' 'no graph break' (here and in test_gpu_train.py): graph_breaks finds
+    none in what TORCH_LOGS=graph_breaks logs for a whole graph, then the one a torch._dynamo.graph_break() makes."""
+    def step(x: torch.Tensor, cut: bool) -> torch.Tensor:
+        x = x + 1
+        if cut:
+            torch._dynamo.graph_break()
+        return x * 2
+
+    counts, err = [], io.StringIO()
+    with contextlib.redirect_stderr(err):  # torch's log handlers write to the stderr of the moment they are made
+        torch._logging.set_logs(graph_breaks=True)  # what TORCH_LOGS=graph_breaks sets in a new process
+    try:
+        for cut in (False, True):
+            torch.compile(step, backend="eager")(torch.ones(3), cut)
+            counts.append(len(graph_breaks(err.getvalue())))
+    finally:
+        torch._logging.set_logs()
+    assert counts == [0, 1]
+
+
+@pytest.mark.slow
 def test_compiled_run_with_eval_hellaswag_and_samples(token_data, tmp_path):
     hellaswag_data = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
     # T=128: HellaSwag's batches, padded to a multiple of 32 tokens, are shorter than the training sequences
@@ -2404,7 +2427,7 @@ def test_compiled_run_with_eval_hellaswag_and_samples(token_data, tmp_path):
                         env={"TORCH_LOGS": "graph_breaks,recompiles"})
     # HellaSwag's many sequence lengths never reach the compiled model either: no graph break, and one recompile
     # of the forward (evaluation: eval mode and no grad) on top of the training graph
-    assert "Graph break" not in proc.stderr, proc.stderr[-3000:]
+    assert not graph_breaks(proc.stderr), proc.stderr[-3000:]
     # exactly one: none would also mean that TORCH_LOGS no longer reached stderr, and the graph break check was blind
     assert proc.stderr.count("Recompiling function forward") == 1, proc.stderr[-3000:]
     assert "compile True" in proc.stdout and " | ddp | " in proc.stdout
