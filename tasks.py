@@ -274,15 +274,6 @@ def check_spec(spec: str) -> None:
                          f"got {spec!r}")
 
 
-def _module(where: str) -> Any:
-    """A user's FILE.py or an importable module."""
-    if not where.endswith(".py"):
-        return importlib.import_module(where)
-    if not (path := Path(where).expanduser()).is_file():
-        raise FileNotFoundError(f"no such file {where}")
-    return _run_file(path.resolve())
-
-
 @functools.cache
 def _run_file(path: Path) -> Any:
     """FILE.py run once per process, as an import would be, however its path is written (--task and --reward alike)."""
@@ -299,7 +290,13 @@ def load_object(spec: str, flag: str) -> Any:
     if not where or not name:
         raise ValueError(f"{flag} {spec}: expected FILE.py:NAME or module:NAME")
     try:
-        return getattr(_module(where), name)
+        if not where.endswith(".py"):
+            module = importlib.import_module(where)
+        elif not (path := Path(where).expanduser()).is_file():
+            raise FileNotFoundError(f"no such file {where}")
+        else:
+            module = _run_file(path.resolve())
+        return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{flag} {spec}: {where} has no {name!r}") from None
     except Exception as e:  # the user's file: a missing file, a syntax error, an import that fails
