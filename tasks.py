@@ -16,8 +16,7 @@ rl.py's --reward FILE.py:FN[,FILE.py:FN2] takes functions fn(prompt, reply, answ
     arc-challenge  the same for ARC-Challenge
     mmlu           cais/mmlu "all" (auxiliary_train/validation/dev/test): 57 subjects, 4 choices, the same way
     addition       made here, offline: "What is 4 7 + 3 8?" -> "8 5", digits spaced so that each is one token; train
-                   and test are disjoint by a hash of the pair. Train a small model on it one problem per row
-                   (seq_len 16): packed with others, a problem attends to the ones before it, and it learns far slower
+                   and test are disjoint by a hash of the pair
 
 ChatCORE (chat_core) is nanochat's score of a chat model: each task's accuracy centered by its chance (1/4 for a
 multiple-choice task, 0 otherwise), averaged over the tasks given; multiple-choice tasks are scored by the logits of
@@ -65,9 +64,8 @@ def conversation(prompt: str, reply: Any, answer: str) -> dict:
 
 
 class Task:
-    """A hub dataset of problems: examples from the hub or from a local file in the hub's schema, each row made a
-    conversation by the subclass's example(row), and its check(reply, answer). `baseline` is the accuracy of chance,
-    which ChatCORE centers by."""
+    """A hub dataset of problems, each row made a conversation by the subclass's example(row), and its check(reply,
+    answer). `baseline` is the accuracy of chance, which ChatCORE centers by."""
 
     hub, config, splits, baseline = "", None, ("train", "test"), 0.0
 
