@@ -16,8 +16,7 @@ rl.py's --reward FILE.py:FN[,FILE.py:FN2] takes functions fn(prompt, reply, answ
     arc-challenge  the same for ARC-Challenge
     mmlu           cais/mmlu "all" (auxiliary_train/validation/dev/test): 57 subjects, 4 choices, the same way
     addition       made here, offline: "What is 4 7 + 3 8?" -> "8 5", digits spaced so that each is one token; train
-                   and test are disjoint by a hash of the pair. Train a small model on it one problem per row
-                   (seq_len 16): packed with others, a problem attends to the ones before it, and it learns far slower
+                   and test are disjoint by a hash of the pair
 
 ChatCORE (chat_core) is nanochat's score of a chat model: each task's accuracy centered by its chance (1/4 for a
 multiple-choice task, 0 otherwise), averaged over the tasks given; multiple-choice tasks are scored by the logits of
@@ -65,9 +64,8 @@ def conversation(prompt: str, reply: Any, answer: str) -> dict:
 
 
 class Task:
-    """A hub dataset of problems: examples from the hub or from a local file in the hub's schema, each row made a
-    conversation by the subclass's example(row), and its check(reply, answer). `baseline` is the accuracy of chance,
-    which ChatCORE centers by."""
+    """A hub dataset of problems, each row made a conversation by the subclass's example(row), and its check(reply,
+    answer). `baseline` is the accuracy of chance, which ChatCORE centers by."""
 
     hub, config, splits, baseline = "", None, ("train", "test"), 0.0
 
@@ -138,23 +136,16 @@ class MMLU(MultipleChoice):
 
 
 class Addition(Task):
-    """a + b for numbers of `digits` digits (10-99 by default); the sum is spaced too, most significant first."""
-
-    def __init__(self, digits: int = 2):
-        self.digits = digits
-
-    @staticmethod
-    def split_of(a: int, b: int) -> str:
-        """test for a tenth of the pairs, by a hash of the unordered pair: a + b and b + a share a split."""
-        return "test" if zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0 else "train"
+    """a + b for two-digit numbers (10-99); the sum is spaced too, most significant first."""
 
     def examples(self, split: str, source: str = "", n: int = 0) -> list[dict]:
-        """Up to n (0: all) distinct problems of the split, in a seeded order."""
+        """Up to n (0: all) distinct problems of the split, in a seeded order. Test holds a tenth of the pairs, by a
+        hash of the unordered pair: a + b and b + a share a split."""
         if split not in self.splits or source:
             raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}"
                              + f" and {source}" * bool(source))
-        numbers = range(10 ** (self.digits - 1), 10 ** self.digits)
-        pairs = [(a, b) for a in numbers for b in numbers if self.split_of(a, b) == split]
+        pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)
+                 if (zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0) == (split == "test")]
         random.Random(0).shuffle(pairs)
         spaced = lambda k: " ".join(str(k))
         return [conversation(f"What is {spaced(a)} + {spaced(b)}?", spaced(a + b), str(a + b))
@@ -281,15 +272,6 @@ def check_spec(spec: str) -> None:
                          f"got {spec!r}")
 
 
-def _module(where: str) -> Any:
-    """A user's FILE.py or an importable module."""
-    if not where.endswith(".py"):
-        return importlib.import_module(where)
-    if not (path := Path(where).expanduser()).is_file():
-        raise FileNotFoundError(f"no such file {where}")
-    return _run_file(path.resolve())
-
-
 @functools.cache
 def _run_file(path: Path) -> Any:
     """FILE.py run once per process, as an import would be, however its path is written (--task and --reward alike)."""
@@ -306,7 +288,13 @@ def load_object(spec: str, flag: str) -> Any:
     if not where or not name:
         raise ValueError(f"{flag} {spec}: expected FILE.py:NAME or module:NAME")
     try:
-        return getattr(_module(where), name)
+        if not where.endswith(".py"):
+            module = importlib.import_module(where)
+        elif not (path := Path(where).expanduser()).is_file():
+            raise FileNotFoundError(f"no such file {where}")
+        else:
+            module = _run_file(path.resolve())
+        return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{flag} {spec}: {where} has no {name!r}") from None
     except Exception as e:  # the user's file: a missing file, a syntax error, an import that fails

@@ -259,7 +259,8 @@ def test_a_users_task_loads_from_its_file_and_makes_data_and_pairs(user_file, tm
     task = tasks.load_task(f"{user_file}:Doubling")
     assert [e["answer"] for e in task.examples("test")] == ["60", "62", "64", "66"]
     made = tasks.load_task(f"{user_file}:doubling")  # an instance at the file's top level, as a class is
-    assert made.task is tasks._module(str(user_file)).doubling and made.examples("test") == task.examples("test")
+    assert made.task is tasks.load_object(f"{user_file}:doubling", "--task")
+    assert made.examples("test") == task.examples("test")
     reward = tasks.task_reward(task, "x")  # no reward(): check() as 1.0 or 0.0
     assert reward([], "60", "60") == 1.0 and reward([], "61", "60") == 0.0
     out = tmp_path / "data" / "doubling"
