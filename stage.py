@@ -169,7 +169,7 @@ def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
     # a checkpoint's tensors are mapped, not read: its AdamW moments (twice the weights) never enter memory
     try:
         ckpt = load_checkpoint(path, mmap=True) if path.is_file() else None
-        check_flags([(ckpt is None or not is_reward_model(ckpt) or cfg.arch.get("value_head") is True,
+        check_flags([(ckpt is None or not is_reward_model(ckpt) or getattr(cfg, "objective", "") == "reward",
                       f"--init-from {cfg.init_from} is a reward model (prefs.py --objective reward): its logits were "
                       "never trained to write replies; start from the policy it was trained from")])
         source = GPT.from_checkpoint(ckpt) if ckpt is not None else GPT.load(None, cfg.init_from)
