@@ -169,7 +169,7 @@ def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
     # a checkpoint's tensors are mapped, not read: its AdamW moments (twice the weights) never enter memory
     try:
         ckpt = load_checkpoint(path, mmap=True) if path.is_file() else None
-        check_flags([(ckpt is None or not is_reward_model(ckpt) or cfg.arch.get("value_head") is True,
+        check_flags([(ckpt is None or not is_reward_model(ckpt) or getattr(cfg, "objective", "") == "reward",
                       f"--init-from {cfg.init_from} is a reward model (prefs.py --objective reward): its logits were "
                       "never trained to write replies; start from the policy it was trained from")])
         source = GPT.from_checkpoint(ckpt) if ckpt is not None else GPT.load(None, cfg.init_from)
@@ -459,15 +459,20 @@ class Reference:
 
 
 def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
-    """Refuse a checkpoint past --max-steps (nothing would train), or one holding another optimizer's state."""
+    """Refuse a checkpoint past --max-steps (nothing would train), one holding another optimizer's state, or another
+    stage's or --objective's (its parts and heads differ: a reward model went on as DPO, an SFT model as RL)."""
     path, ckpt = found
-    saved = ckpt.get("train_config", {}).get("optimizer", "adamw")
+    config = ckpt.get("train_config", {})
+    saved, kind = config.get("optimizer", "adamw"), (config.get("objective", "lm"), "algo" in config)  # lm: train.py's
     check_flags([(cfg.eval_only or int(ckpt["step"]) <= cfg.max_steps,
                   f"--resume {path} is at step {ckpt['step']}, past --max-steps {cfg.max_steps}; raise --max-steps "
                   "to train further, or score it with --eval-only"),
                  (cfg.eval_only or saved == cfg.optimizer,
                   f"--resume {path} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass --optimizer "
-                  f"{saved}, or start a new run from its weights with --init-from {path}")])
+                  f"{saved}, or start a new run from its weights with --init-from {path}"),
+                 (cfg.eval_only or kind == (getattr(cfg, "objective", "lm"), hasattr(cfg, "algo")),
+                  f"--resume {path} was written by another stage or --objective, which this run cannot continue: start "
+                  f"a new run from its weights with --init-from {path}")])
 
 
 def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.Module, built: Trainable,

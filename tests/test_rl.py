@@ -20,6 +20,8 @@ from conftest import one_line_error, run_nodes, run_torchrun
 from generate import Rollout
 from model import GPT, GPTConfig
 from parallel import Objective, build_trainable, logprobs_of, sequence_logprobs
+from prefs import PrefsConfig
+from sft import SFTConfig
 
 
 def save_model(path: Path, seed: int, **shape) -> Path:
@@ -219,6 +221,21 @@ def test_a_resume_notes_another_schedule_and_refuses_a_checkpoint_past_max_steps
                                        "the lr is 0.000833, not that run's 0.000625\n")
     with pytest.raises(ValueError, match=f"--resume {tmp_path} is at step 21, past --max-steps 20; raise --max-steps"):
         stage.check_resume((tmp_path, {"step": 21, "train_config": {}}), cfg)
+
+
+@pytest.mark.parametrize("saved, config", [
+    ({}, rl.RLConfig()),  # an SFT or DPO policy went on silently at its step, a PPO one crashed on its critic
+    ({"objective": "reward"}, rl.RLConfig()),  # a traceback on its value head
+    ({"algo": "grpo"}, SFTConfig()),  # KeyError: 'loader'
+    ({"objective": "reward"}, PrefsConfig(objective="dpo", init_from="x.pt")),  # a reward model went on as a policy
+])
+def test_a_resume_from_another_stages_checkpoint_is_refused(tmp_path, saved, config):
+    with pytest.raises(ValueError) as e:
+        stage.check_resume((tmp_path, {"step": 1, "train_config": saved}), config)
+    assert str(e.value) == (f"--resume {tmp_path} was written by another stage or --objective, which this run cannot "
+                            f"continue: start a new run from its weights with --init-from {tmp_path}")
+    stage.check_resume((tmp_path, {"step": 1, "train_config": saved}), dataclasses.replace(config, eval_only=True))
+    stage.check_resume((tmp_path, {"step": 1, "train_config": {"objective": "lm"}}), SFTConfig())  # train.py's once
 
 
 def test_the_prompt_stream_is_a_seeded_order_per_epoch():
