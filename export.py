@@ -75,6 +75,7 @@ def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Pat
     made = [p for p in (out, *out.parents) if not p.exists()]  # the directories this export creates
     staging = out / STAGING
     try:
+        shutil.rmtree(staging, ignore_errors=True)  # a killed export's files (a chat export's) never join this one
         staging.mkdir(parents=True, exist_ok=True)
         _write(staging, sd, config, cfg.block_size, chat)
         for name in HF_FILES:  # what this export lacks goes too (a chat export's generation_config.json)

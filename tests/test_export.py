@@ -286,6 +286,14 @@ def test_an_earlier_export_is_replaced_and_a_foreign_directory_refused(tmp_path,
     assert transformers.GPT2LMHeadModel.from_pretrained(hf).config.n_layer == 3
 
 
+def test_a_killed_exports_staging_files_never_join_the_next(tmp_path):
+    # a chat export killed mid-write left its generation_config.json in the staging folder; a plain export took it
+    (tmp_path / export.STAGING).mkdir()
+    (tmp_path / export.STAGING / "generation_config.json").write_text("{}")
+    export_hf(GPT(tiny()), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(PLAIN_SHA256)
+
+
 def unwritable(tmp_path: Path) -> tuple[Path, str]:
     """An empty directory this process cannot write in, and the reason mkdir there gives: chmod 555, or for root,
     whom chmod does not stop, an empty sysfs directory."""
