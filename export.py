@@ -54,6 +54,7 @@ def hf_class(cfg: GPTConfig) -> str:
 HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
             "generation_config.json")
 STAGING = ".export-partial"  # written here first, then moved into place: a failed export leaves nothing behind
+HUB_FILES = (".git", ".gitattributes", "README.md")  # a clone of a Hub repo's own, which transformers never reads
 
 
 def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Path:
@@ -100,7 +101,7 @@ def check_target(out: Path) -> Path:
     if not above.is_dir():
         raise ValueError(f"--export-hf {out}: {above} is a file, not a directory; pass a new directory, or an earlier "
                          "export to replace")
-    if above == out and (foreign := sorted(p.name for p in out.iterdir() if p.name not in (*HF_FILES, STAGING))):
+    if above == out and (foreign := sorted({p.name for p in out.iterdir()} - {*HF_FILES, STAGING, *HUB_FILES})):
         raise ValueError(f"--export-hf {out} holds files export.py does not write ({', '.join(foreign[:3])}"
                          f"{', ...' if len(foreign) > 3 else ''}), which transformers would read with the export; "
                          "pass a new or empty directory, or an earlier export to replace")
