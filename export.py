@@ -54,6 +54,7 @@ def hf_class(cfg: GPTConfig) -> str:
 HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
             "generation_config.json")
 STAGING = ".export-partial"  # written here first, then moved into place: a failed export leaves nothing behind
+HUB_FILES = (".git", ".gitattributes", "README.md")  # a clone of a Hub repo's own, which transformers never reads
 
 
 def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Path:
@@ -75,6 +76,7 @@ def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Pat
     made = [p for p in (out, *out.parents) if not p.exists()]  # the directories this export creates
     staging = out / STAGING
     try:
+        shutil.rmtree(staging, ignore_errors=True)  # a killed export's files (a chat export's) never join this one
         staging.mkdir(parents=True, exist_ok=True)
         _write(staging, sd, config, cfg.block_size, chat)
         for name in HF_FILES:  # what this export lacks goes too (a chat export's generation_config.json)
@@ -99,7 +101,7 @@ def check_target(out: Path) -> Path:
     if not above.is_dir():
         raise ValueError(f"--export-hf {out}: {above} is a file, not a directory; pass a new directory, or an earlier "
                          "export to replace")
-    if above == out and (foreign := sorted(p.name for p in out.iterdir() if p.name not in (*HF_FILES, STAGING))):
+    if above == out and (foreign := sorted({p.name for p in out.iterdir()} - {*HF_FILES, STAGING, *HUB_FILES})):
         raise ValueError(f"--export-hf {out} holds files export.py does not write ({', '.join(foreign[:3])}"
                          f"{', ...' if len(foreign) > 3 else ''}), which transformers would read with the export; "
                          "pass a new or empty directory, or an earlier export to replace")

@@ -250,7 +250,9 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
         check_flags([(not dpo or bool(self.init_from), "--objective dpo moves a model away from its starting weights, "
                       "its reference: pass --init-from a fine-tuned model (a random one prefers nothing)"),
                      (not dpo or self.parallel != "fsdp",
-                      "--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")])
+                      "--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1"),
+                     (not dpo or not self.arch.get("value_head"),
+                      "--objective dpo trains no value head: drop --value-head true")])
 
 
 # the chat demo's pairs (tasks.py --pairs), one to a 24-token row, and the schedule both demos share

@@ -39,7 +39,8 @@ class SFTConfig(TaskEvalArgs, StageArgs):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_flags([(0.0 <= self.label_smoothing < 1.0,
-                      f"--label-smoothing must be in [0, 1); got {self.label_smoothing}")])
+                      f"--label-smoothing must be in [0, 1); got {self.label_smoothing}"),
+                     (not self.arch.get("value_head"), "sft.py trains no value head: drop --value-head true")])
 
 
 PRESETS: dict[str, Callable[[], SFTConfig]] = {

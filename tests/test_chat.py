@@ -152,12 +152,11 @@ def test_a_reward_model_is_refused_where_a_model_writes_or_is_scored(tmp_path):
                 "train_config": {"objective": "reward"}, "chat": True}, ckpt)
     with pytest.raises(ValueError, match=f"^{ckpt} is a reward model \\(prefs.py --objective reward\\): it scores"):
         GPT.load(str(ckpt), None)
-    # and where a stage starts from it: SFT and DPO (policy and reference) would train its logits as a policy's, with
-    # --value-head true too (kept, the head is never trained; only a reward model's own stage may start from one)
+    # and where a stage starts from it: SFT and DPO (policy and reference) would train its logits as a policy's
+    # (both refuse --value-head true itself: a head they never train); only a reward model's own stage starts from one
     for config in (SFTConfig, functools.partial(prefs.PrefsConfig, objective="dpo")):
-        for arch in ({}, {"value_head": True}):
-            with pytest.raises(ValueError, match=f"^--init-from {ckpt} is a reward model \\(prefs.py --objective"):
-                stage.load_init(config(init_from=str(ckpt), seq_len=16, arch=arch))
+        with pytest.raises(ValueError, match=f"^--init-from {ckpt} is a reward model \\(prefs.py --objective"):
+            stage.load_init(config(init_from=str(ckpt), seq_len=16))
     assert stage.load_init(prefs.PrefsConfig(objective="reward", init_from=str(ckpt), seq_len=16)).config.value_head
     proc = subprocess.run([sys.executable, "chat.py", "--ckpt", str(ckpt), "--prompt", "hi"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

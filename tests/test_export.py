@@ -286,6 +286,30 @@ def test_an_earlier_export_is_replaced_and_a_foreign_directory_refused(tmp_path,
     assert transformers.GPT2LMHeadModel.from_pretrained(hf).config.n_layer == 3
 
 
+def test_a_killed_exports_staging_files_never_join_the_next(tmp_path):
+    # a chat export killed mid-write left its generation_config.json in the staging folder; a plain export took it
+    (tmp_path / export.STAGING).mkdir()
+    (tmp_path / export.STAGING / "generation_config.json").write_text("{}")
+    export_hf(GPT(tiny()), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(PLAIN_SHA256)
+
+
+def test_a_clone_of_a_hub_repo_keeps_its_git_files_and_a_foreign_file_is_still_refused(tmp_path):
+    # git clone https://huggingface.co/me/model; export into it; git push
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (tmp_path / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n")
+    before = {p.name: p.read_bytes() for p in (tmp_path / ".gitattributes", tmp_path / "README.md")}
+    export_hf(GPT(tiny()), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*PLAIN_SHA256, ".git", ".gitattributes", "README.md"])
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert [p.name for p in (tmp_path / ".git").iterdir()] == ["HEAD"]
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"holds files export.py does not write \(tokenizer.json\)"):
+        export_hf(GPT(tiny()), tmp_path)
+
+
 def unwritable(tmp_path: Path) -> tuple[Path, str]:
     """An empty directory this process cannot write in, and the reason mkdir there gives: chmod 555, or for root,
     whom chmod does not stop, an empty sysfs directory."""

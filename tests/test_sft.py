@@ -4,7 +4,7 @@ resume is bitwise, 2 gloo ranks equal 1 process, an HF GPT-2 is padded for the c
 import json
 import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -73,7 +73,7 @@ def test_the_loss_is_the_mean_over_the_assistants_tokens(conversations):
 def test_a_ppo_policys_critic_is_left_behind(conversations, tmp_path):
     # it was carried into the SFT model untrained, and under DDP its missing gradient stopped the run at step 1
     torch.manual_seed(0)
-    model = GPT(stage.model_config(sft.SFTConfig(model="tiny", seq_len=64, arch={"value_head": True})))
+    model = GPT(replace(stage.model_config(sft.SFTConfig(model="tiny", seq_len=64)), value_head=True))
     ppo = tmp_path / "ppo.pt"
     torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "train_config": {"algo": "ppo"},
                 "step": 0}, ppo)
