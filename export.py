@@ -134,16 +134,24 @@ def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block
 CHAT_TOKENS = [f"<|{role}_{edge}|>" for role in ("system", "user", "assistant", "tool", "output")
                for edge in ("start", "end")]
 # render(): BOS, then each message as <|role_start|> content <|role_end|>, an assistant's tool parts in their markers;
-# the roles render() refuses (a developer's, a tool's, two users in a row) raise, not render as text or markers
+# what render() and render_prompt() refuse (roles out of turn, blank or listed content, a prompt after a reply) raises
 CHAT_TEMPLATE = (
     "{% set o = 1 if messages and messages[0].role == 'system' else 0 %}<|endoftext|>{% for m in messages %}"
-    "{% set want = 'system' if loop.index0 < o else ['user', 'assistant'][(loop.index0 - o) % 2] %}"
-    "{% if m.role != want %}{{ raise_exception('message ' ~ loop.index0 ~ ' is from ' ~ m.role ~ ', expected ' ~ want"
+    "{% set i = loop.index0 %}{% set want = 'system' if i < o else ['user', 'assistant'][(i - o) % 2] %}"
+    "{% if m.role != want %}{{ raise_exception('message ' ~ i ~ ' is from ' ~ m.role ~ ', expected ' ~ want"
     " ~ ' (an optional first system message, then user and assistant in turns)') }}{% endif %}"
-    "<|{{ m.role }}_start|>{% if m.content is string %}{{ m.content }}"
-    "{% else %}{% for p in m.content %}{% if p.type != 'text' %}<|{{ p.type }}_start|>{% endif %}{{ p.text }}"
+    "{% if not m.content or m.content is string and not m.content | trim %}"
+    "{{ raise_exception('message ' ~ i ~ ' (' ~ m.role ~ ') is empty or only whitespace') }}{% endif %}"
+    "{% if m.content is not string and m.role != 'assistant' %}"
+    "{{ raise_exception('message ' ~ i ~ ' (' ~ m.role ~ ') has content of type list, expected a string') }}{% endif %}"
+    "<|{{ m.role }}_start|>{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type not in ['text', 'tool', 'output'] or p.text is not string or not p.text %}{{ raise_exception("
+    "'message ' ~ i ~ ' (assistant) has a bad part ' ~ p ~ \": expected {'type': 'text' | 'tool' | 'output', "
+    "'text': a non-empty string}\") }}{% endif %}{% if p.type != 'text' %}<|{{ p.type }}_start|>{% endif %}{{ p.text }}"
     "{% if p.type != 'text' %}<|{{ p.type }}_end|>{% endif %}{% endfor %}{% endif %}<|{{ m.role }}_end|>"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant_start|>{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}{% if messages[-1].role != 'user' %}{{ raise_exception("
+    "'the conversation ends with a ' ~ messages[-1].role ~ ' message, expected user') }}{% endif %}"
+    "<|assistant_start|>{% endif %}")
 CHAT_TOKENIZER = {
     "eos_token": "<|assistant_end|>", "pad_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE,
     "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,

@@ -64,6 +64,7 @@ class TrainConfig(StageArgs):
                         f"--{flag(name)} must be >= {low}; got {getattr(self, name)}") for name, low in lows.items()),
                      (0.0 <= self.label_smoothing < 1.0, f"--label-smoothing must be in [0, 1); got "
                       f"{self.label_smoothing}"),
+                     (not self.arch.get("value_head"), "train.py trains no value head: drop --value-head true"),
                      (not sharded, f"{', '.join(sharded)}: not under --tp/--pp, which train and score the language "
                       "model's loss only; drop them (--hellaswag off, --sample-every 0), or score a checkpoint on one "
                       "process")])

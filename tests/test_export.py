@@ -5,6 +5,7 @@ directory, no permission, a full disk)."""
 import contextlib
 import hashlib
 import json
+import re
 import resource
 import signal
 import subprocess
@@ -116,6 +117,18 @@ def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tm
                 [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]):  # rendered as text or markers
         with pytest.raises(Exception, match=f"message {len(bad) - 1} is from {bad[-1]['role']}, expected"):
             tok.apply_chat_template(bad, return_dict=False)
+    # and what render and render_prompt refuse in the messages themselves, with their messages
+    user, part = {"role": "user", "content": "x"}, {"type": "image", "text": "x"}
+    for bad, prompt in (([user, {"role": "assistant", "content": "y"}], True),  # two assistant turns in a row
+                        ([{"role": "user", "content": [{"type": "text", "text": "x"}]}], True),
+                        ([{"role": "system", "content": " \n"}, user], True),
+                        ([user, {"role": "assistant", "content": ""}], False),
+                        ([user, {"role": "assistant", "content": [part]}], False),
+                        ([user, {"role": "assistant", "content": [{"type": "tool", "text": ""}]}], False)):
+        with pytest.raises(ValueError) as ours:
+            (cf.render_prompt if prompt else cf.render)(bad)
+        with pytest.raises(Exception, match=f"^{re.escape(str(ours.value))}$"):
+            tok.apply_chat_template(bad, add_generation_prompt=prompt, return_dict=False)
     assert (len(tok), tok.eos_token_id, tok.decode([cf.TOOL_START, cf.OUTPUT_END])) == \
         (cf.CHAT_VOCAB, cf.ASSISTANT_END, "<|tool_start|><|output_end|>")
     # all 50,304 rows, the chat tokens' logits ours; generate stops at <|assistant_end|>, as generate.py does

@@ -480,6 +480,7 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--value-head=true"],
      "--objective dpo trains no value head: drop --value-head true"),
     ("sft", ["--value-head=true"], "sft.py trains no value head: drop --value-head true"),
+    ("train", ["--preset=tiny", "--value-head=true"], "train.py trains no value head: drop --value-head true"),
     # a negative beta trains towards the rejected replies while its accuracy reads as right; NaN stops at step 0
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--dpo-beta=-0.1"],
      "--dpo-beta must be a positive number; got -0.1"),
