@@ -209,9 +209,9 @@ def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_droppe
         starts.append(first)
     for c in (0, 1):  # a pair's two rows share the prompt up to the reply
         assert starts[c] == starts[c + 2] and torch.equal(ids[c, :starts[c]], ids[c + 2, :starts[c]])
-    loader.check_vocab(50304)
-    with pytest.raises(DataError, match="renders token ids up to 50262, but the model has only 50000"):
-        loader.check_vocab(50000)
+    loader.check_vocab(50263)  # ids up to 50262: 50263 rows hold them, 50262 do not
+    with pytest.raises(DataError, match="renders token ids up to 50262, but the model has only 50262"):
+        loader.check_vocab(50262)
 
 
 def test_a_multi_turn_pairs_mask_is_its_last_reply_only_and_a_side_of_exactly_t_tokens_is_kept():
@@ -518,6 +518,25 @@ def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pa
     assert all(0 <= r["val_accuracy"] <= 1 for r in records if r["type"] == "val")
     ckpt = load_checkpoint(tmp_path / "full" / "ckpt_000004.pt")
     assert ("value_head.weight" in ckpt["model"]) == (preset == "rm-demo") and ckpt["chat"] is True
+
+
+def test_the_stage_hands_its_flags_to_the_objective_and_shuffles_the_train_pairs_alone(addition_pairs, random_start,
+                                                                                        tmp_path, monkeypatch):
+    import prefs
+
+    seen, loaders = set(), set()  # --dpo-sft, --dpo-beta and --reward-logprob were dropped silently by a wrong setup
+    dpo_metrics, reward_metrics, loader = prefs.dpo_metrics, prefs.reward_model_metrics, prefs.PairLoader
+    monkeypatch.setattr(prefs, "dpo_metrics", lambda model, batch, ref, **kw: seen.add(("dpo", *sorted(kw.items())))
+                        or dpo_metrics(model, batch, ref, **kw))
+    monkeypatch.setattr(prefs, "reward_model_metrics", lambda model, batch, **kw: seen.add(
+        ("reward", *sorted(kw.items()))) or reward_metrics(model, batch, **kw))
+    monkeypatch.setattr(prefs, "PairLoader", lambda *a, **kw: loaders.add((a[1], kw["shuffle"])) or loader(*a, **kw))
+    extra = ["--max-steps=1", "--eval-every=1", "--ckpt-every=0"]  # and the held-out pairs scored
+    prefs.main(pairs_run(addition_pairs, tmp_path / "dpo", "dpo-demo", *extra, f"--init-from={random_start}",
+                         "--dpo-sft=0.5", "--dpo-beta=0.2"))
+    prefs.main(pairs_run(addition_pairs, tmp_path / "rm", "rm-demo", *extra))  # its preset: --reward-logprob
+    assert seen == {("dpo", ("beta", 0.2), ("sft", 0.5)), ("reward", ("logprob", True))}
+    assert loaders == {("train", True), ("val", False)}
 
 
 def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_reference(addition_pairs, random_start,
