@@ -91,6 +91,10 @@ def test_multi_turn_conversations_keep_every_earlier_turn_and_a_prompts_spaces()
     multi = {"chosen": [*history, {"role": "assistant", "content": "Blue."}],
              "rejected": [*history, {"role": "assistant", "content": "No."}]}
     assert parse_pair(multi) == (history, "Blue.", "No.")
+    # hh-rlhf transcripts that part at the first reply: the cut is the shared prefix's last "Assistant:", not chosen's
+    early = {"chosen": transcript("Hi", "Hello.", "Bye", "Ciao."), "rejected": transcript("Hi", "Go.", "Bye", "Later.")}
+    assert parse_pair(early) == ([{"role": "user", "content": "Hi"}], "Hello.\n\nHuman: Bye\n\nAssistant: Ciao.",
+                                 "Go.\n\nHuman: Bye\n\nAssistant: Later.")
     # hh-rlhf's turns lose only the one space after "Human:": the prompt's own spaces are its text
     hh = {"chosen": transcript("  Hi there ", "Sure."), "rejected": transcript("  Hi there ", "No.")}
     assert parse_pair(hh) == ([{"role": "user", "content": "  Hi there "}], "Sure.", "No.")
