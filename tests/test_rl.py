@@ -276,6 +276,18 @@ def test_rollouts_keep_each_problems_samples_together_and_ranks_take_whole_seede
     assert [r.tokens for *_, r in twice[:2]] != [r.tokens for *_, r in twice[2:]]
 
 
+def test_load_turns_dropout_off_and_holds_out_the_problems_tasks_py_scores(tmp_path):
+    # a policy saved with dropout trained with it on while its old log-probs were read in eval mode: ratios off 1
+    policy = save_model(tmp_path / "policy.pt", 0, dropout=0.1)
+    (tmp_path / "t.py").write_text("import tasks\n\n\nclass T(tasks.Addition):\n    hub = 'someone/addition'\n")
+    cfg = rl.RLConfig(init_from=str(policy), task=f"{tmp_path / 't.py'}:T", eval_limit=5)
+    task, _, raw, _, held, _ = rl.load(cfg)
+    assert raw.config.dropout == 0.0
+    # a hub task's held-out problems in nanochat's order, as sft.py and tasks.py --eval score them
+    test = task.examples("test")
+    assert held == tasks.held_out(task, test, 5) != test[:5]
+
+
 def test_pass_at_k_counts_a_problem_any_of_whose_k_samples_is_right(monkeypatch):
     from types import SimpleNamespace as NS
 
