@@ -148,6 +148,33 @@ def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tm
     assert sorted(p.name for p in out.iterdir()) == sorted(PLAIN_SHA256)
 
 
+def test_a_chat_exports_config_stops_at_assistant_end_and_never_samples_a_padded_row(tmp_path):
+    # what HF's generate, and whatever reads config.json's eos, go by: no transformers needed to read them
+    export_hf(GPT(tiny(vocab_size=50304, n_layer=1)), tmp_path, chat=True)
+    config, generation = (json.loads((tmp_path / f).read_text()) for f in ("config.json", "generation_config.json"))
+    assert (config["vocab_size"], config["eos_token_id"], config["bos_token_id"]) == (50304, cf.ASSISTANT_END, EOT)
+    assert generation == {"bos_token_id": EOT, "eos_token_id": cf.REPLY_STOPS, "pad_token_id": cf.ASSISTANT_END,
+                          "suppress_tokens": list(range(cf.CHAT_VOCAB, 50304))}  # the padded rows: never sampled
+
+
+def test_a_narrower_mlp_exports_its_width_as_n_inner(tmp_path):
+    for hidden, n_inner in ((None, None), (48, 48)):  # 4 x n_embd is GPT-2's own: None
+        export_hf(GPT(tiny(mlp_hidden=hidden)), tmp_path / str(hidden))
+        assert json.loads((tmp_path / str(hidden) / "config.json").read_text())["n_inner"] == n_inner
+
+
+def test_a_pruned_gpt2s_narrow_heads_export_padded_with_zero_heads_to_the_same_logits(tmp_path):
+    # prune.py's GPT-2 with 4 heads of 4 channels: HF's GPT-2 has n_embd / n_head, so 8 heads, the 4 cut out zeros
+    transformers = pytest.importorskip("transformers")
+    model = _perturbed(tiny(head_size=4), scale=0.05)
+    export_hf(model, tmp_path)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert hf.config.n_head == 8
+    idx = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx)[0], atol=1e-5, rtol=1e-5)
+
+
 def _llama_tiny(**kw) -> GPTConfig:
     return GPTConfig(**{**dict(block_size=32, vocab_size=50304, n_layer=2, n_head=4, n_embd=32, n_kv_head=2,
                                mlp="swiglu", pos="rope", norm="rmsnorm", bias=False, rope_theta=500.0), **kw})

@@ -2,6 +2,7 @@
 errors naming bad rows, the PairLoader's masks, resume and rank shares, the Bradley–Terry and DPO losses against
 closed forms and falling on one batch through parallel.train_step; and model.py's value head."""
 
+import contextlib
 import dataclasses
 import gzip
 import json
@@ -82,6 +83,24 @@ def test_each_schema_parses_to_prompt_messages_and_two_replies():
     assert parse_pair(static) == (prompt, "Blue.", "No.")
     # and its prompt as text: it was dropped, and the row refused as starting with the assistant
     assert parse_pair({**trl, "prompt": "Hi?"}) == ([{"role": "user", "content": "Hi?"}], "Hello!", "Go away.")
+
+
+def test_multi_turn_conversations_keep_every_earlier_turn_and_a_prompts_spaces():
+    # ultrafeedback-style whole conversations of two turns: the prompt is all but the last message, not the first one
+    history = [*conversation("Hi", "Hello."), {"role": "user", "content": "Name a color"}]
+    multi = {"chosen": [*history, {"role": "assistant", "content": "Blue."}],
+             "rejected": [*history, {"role": "assistant", "content": "No."}]}
+    assert parse_pair(multi) == (history, "Blue.", "No.")
+    # hh-rlhf transcripts that part at the first reply: the cut is the shared prefix's last "Assistant:", not chosen's
+    early = {"chosen": transcript("Hi", "Hello.", "Bye", "Ciao."), "rejected": transcript("Hi", "Go.", "Bye", "Later.")}
+    assert parse_pair(early) == ([{"role": "user", "content": "Hi"}], "Hello.\n\nHuman: Bye\n\nAssistant: Ciao.",
+                                 "Go.\n\nHuman: Bye\n\nAssistant: Later.")
+    # hh-rlhf's turns lose only the one space after "Human:": the prompt's own spaces are its text
+    hh = {"chosen": transcript("  Hi there ", "Sure."), "rejected": transcript("  Hi there ", "No.")}
+    assert parse_pair(hh) == ([{"role": "user", "content": "  Hi there "}], "Sure.", "No.")
+    # a text prompt that opens like a transcript but does not end with "\n\nAssistant:" is one user message, whole
+    text = {"prompt": transcript("What is 2 + 2?"), "chosen": "4", "rejected": "5"}
+    assert parse_pair(text) == ([{"role": "user", "content": transcript("What is 2 + 2?")}], "4", "5")
 
 
 @pytest.mark.parametrize("row, message", [
@@ -194,9 +213,9 @@ def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_droppe
         starts.append(first)
     for c in (0, 1):  # a pair's two rows share the prompt up to the reply
         assert starts[c] == starts[c + 2] and torch.equal(ids[c, :starts[c]], ids[c + 2, :starts[c]])
-    loader.check_vocab(50304)
-    with pytest.raises(DataError, match="renders token ids up to 50262, but the model has only 50000"):
-        loader.check_vocab(50000)
+    loader.check_vocab(50263)  # ids up to 50262: 50263 rows hold them, 50262 do not
+    with pytest.raises(DataError, match="renders token ids up to 50262, but the model has only 50262"):
+        loader.check_vocab(50262)
 
 
 def test_a_multi_turn_pairs_mask_is_its_last_reply_only_and_a_side_of_exactly_t_tokens_is_kept():
@@ -376,6 +395,59 @@ def test_reward_model_metrics_pass_logprob_on_to_the_score():
     assert out["margin"].item() == pytest.approx((chosen - rejected).mean().item(), rel=1e-5)
 
 
+def scoring_model(dropout: float = 0.0) -> GPT:
+    """A tiny reward model whose head tells pairs apart: each batch has its own metrics."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=48, n_layer=2, n_head=4, n_embd=64, value_head=True, dropout=dropout))
+    torch.nn.init.normal_(model.value_head.weight, std=0.1)
+    return model
+
+
+def test_evaluate_pairs_scores_the_first_batches_once_across_ranks_from_the_start_in_eval_mode(monkeypatch):
+    import prefs
+
+    model, off = scoring_model(), contextlib.nullcontext()
+    rows = text_rows(8)
+    one = PairLoader(rows, "val", 1, 40, shuffle=False)
+    want = evaluate_pairs(model, one, 3, reward_model_metrics, off, 1)
+    one.reset()
+    by_batch = [reward_model_metrics(model, one.next_batch()) for _ in range(4)]
+    assert want == pytest.approx({k: sum(m[k].item() for m in by_batch[:3]) / 3 for k in want})
+    assert by_batch[3]["loss"].item() != pytest.approx(want["loss"])  # a 4th batch would show
+    assert evaluate_pairs(model, one, 3, reward_model_metrics, off, 1) == want  # from the split's start again
+    # dropout off while it scores, and the model's training mode back after
+    noisy = scoring_model(dropout=0.5).train()
+    held = evaluate_pairs(noisy, one, 1, reward_model_metrics, off, 1)
+    assert noisy.training
+    one.reset()
+    with torch.no_grad():
+        batch = one.next_batch()
+        assert held == pytest.approx({k: v.item() for k, v in reward_model_metrics(noisy.eval(), batch).items()})
+    # two ranks (rank r's s-th batch is the stream's 2s + r): 2 turns each, rank 1's second (batch 3) left out
+    shares = [PairLoader(rows, "val", 1, 40, rank, 2, shuffle=False) for rank in (0, 1)]
+    other = []
+    monkeypatch.setattr(prefs, "all_sum", lambda t, world: other.append(t.clone()) or t)
+    evaluate_pairs(model, shares[1], 3, reward_model_metrics, off, 2)
+    monkeypatch.setattr(prefs, "all_sum", lambda t, world: t + other[0])  # rank 0's sum plus rank 1's
+    assert evaluate_pairs(model, shares[0], 3, reward_model_metrics, off, 2) == pytest.approx(want)
+
+
+def test_pair_evals_log_the_held_out_loss_accuracy_and_margin():
+    from types import SimpleNamespace as NS
+
+    import prefs
+
+    model, off, said = scoring_model(), contextlib.nullcontext(), []
+    loader = PairLoader(text_rows(4), "val", 2, 40, shuffle=False)
+    setup = NS(val_loader=loader, built=NS(model=model, autocast=off), ctx=NS(master=True, world=1),
+               log=NS(say=said.append))
+    [val] = prefs.pair_evals(NS(eval_every=5, eval_tokens=160), setup, Objective(reward_model_metrics))
+    want = evaluate_pairs(model, loader, 2, reward_model_metrics, off, 1)  # 160 tokens: both windows of 2 x 40
+    assert len(set(want.values())) == 3 and val.every == 5
+    assert val.fn(3) == {"val_loss": want["loss"], "val_accuracy": want["accuracy"], "val_margin": want["margin"]}
+    assert said == [f"step      3 | val loss {want['loss']:.4f} | pairs ranked right {want['accuracy']:.4f}"]
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # model.py's value head
 
@@ -450,6 +522,25 @@ def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pa
     assert all(0 <= r["val_accuracy"] <= 1 for r in records if r["type"] == "val")
     ckpt = load_checkpoint(tmp_path / "full" / "ckpt_000004.pt")
     assert ("value_head.weight" in ckpt["model"]) == (preset == "rm-demo") and ckpt["chat"] is True
+
+
+def test_the_stage_hands_its_flags_to_the_objective_and_shuffles_the_train_pairs_alone(addition_pairs, random_start,
+                                                                                        tmp_path, monkeypatch):
+    import prefs
+
+    seen, loaders = set(), set()  # --dpo-sft, --dpo-beta and --reward-logprob were dropped silently by a wrong setup
+    dpo_metrics, reward_metrics, loader = prefs.dpo_metrics, prefs.reward_model_metrics, prefs.PairLoader
+    monkeypatch.setattr(prefs, "dpo_metrics", lambda model, batch, ref, **kw: seen.add(("dpo", *sorted(kw.items())))
+                        or dpo_metrics(model, batch, ref, **kw))
+    monkeypatch.setattr(prefs, "reward_model_metrics", lambda model, batch, **kw: seen.add(
+        ("reward", *sorted(kw.items()))) or reward_metrics(model, batch, **kw))
+    monkeypatch.setattr(prefs, "PairLoader", lambda *a, **kw: loaders.add((a[1], kw["shuffle"])) or loader(*a, **kw))
+    extra = ["--max-steps=1", "--eval-every=1", "--ckpt-every=0"]  # and the held-out pairs scored
+    prefs.main(pairs_run(addition_pairs, tmp_path / "dpo", "dpo-demo", *extra, f"--init-from={random_start}",
+                         "--dpo-sft=0.5", "--dpo-beta=0.2"))
+    prefs.main(pairs_run(addition_pairs, tmp_path / "rm", "rm-demo", *extra))  # its preset: --reward-logprob
+    assert seen == {("dpo", ("beta", 0.2), ("sft", 0.5)), ("reward", ("logprob", True))}
+    assert loaders == {("train", True), ("val", False)}
 
 
 def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_reference(addition_pairs, random_start,

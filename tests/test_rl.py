@@ -261,6 +261,54 @@ def test_the_prompt_stream_refuses_a_checkpoint_of_other_problems_of_as_many_row
     rl.PromptSampler(problems[::-1], seed=3).load_state_dict({"served": 4, "problems": 5, "seed": 3})  # an older run's
 
 
+def test_rollouts_keep_each_problems_samples_together_and_ranks_take_whole_seeded_calls():
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
+    problems = tasks.Addition().examples("test", n=3)
+    cfg = rl.RLConfig(samples=2, rollout_batch=2, max_new_tokens=3, temperature=1.0, device="cpu")
+    out = rl.rollouts(raw, problems, 2, 5, cfg, 0, 1)  # calls of 2 problems and 1: pass@k's need not fill a call
+    assert [p["answer"] for p, _, _ in out] == [p["answer"] for p in problems for _ in range(2)]
+    assert all(ids == render_prompt(p["messages"][:-1]) for p, ids, _ in out)  # each reply to its own problem
+    ranks = [rl.rollouts(raw, problems, 2, 5, cfg, rank, 2) for rank in (0, 1)]  # call c on rank c % 2, seed 5 + c
+    assert [(p["answer"], r.tokens) for p, _, r in ranks[0] + ranks[1]] == [(p["answer"], r.tokens) for p, _, r in out]
+    # a call's own seed: the same problem in two calls gets other replies
+    twice = rl.rollouts(raw, problems[:1] * 2, 2, 5, dataclasses.replace(cfg, rollout_batch=1), 0, 1)
+    assert [r.tokens for *_, r in twice[:2]] != [r.tokens for *_, r in twice[2:]]
+
+
+def test_load_turns_dropout_off_and_holds_out_the_problems_tasks_py_scores(tmp_path):
+    # a policy saved with dropout trained with it on while its old log-probs were read in eval mode: ratios off 1
+    policy = save_model(tmp_path / "policy.pt", 0, dropout=0.1)
+    (tmp_path / "t.py").write_text("import tasks\n\n\nclass T(tasks.Addition):\n    hub = 'someone/addition'\n")
+    cfg = rl.RLConfig(init_from=str(policy), task=f"{tmp_path / 't.py'}:T", eval_limit=5)
+    task, _, raw, _, held, _ = rl.load(cfg)
+    assert raw.config.dropout == 0.0
+    # a hub task's held-out problems in nanochat's order, as sft.py and tasks.py --eval score them
+    test = task.examples("test")
+    assert held == tasks.held_out(task, test, 5) != test[:5]
+
+
+def test_pass_at_k_counts_a_problem_any_of_whose_k_samples_is_right(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    enc, calls, said = get_tokenizer(), [], []
+    problems = [tasks.conversation(f"Say {a}", a, a) for a in ("1", "2", "3")]
+    replies = {"1": ["0", "1"], "2": ["2", "2"], "3": ["0", "0"]}  # solved at the 2nd sample, at both, never
+
+    def rollouts(model, given, samples, seed, cfg, rank, world):
+        calls.append((given, samples, seed))
+        return [(p, [], Rollout(enc.encode_ordinary(t) + [ASSISTANT_END])) for p in given for t in replies[p["answer"]]]
+
+    monkeypatch.setattr(rl, "rollouts", rollouts)
+    monkeypatch.setattr(tasks, "evaluate", lambda *args, **kwargs: {"acc": 0.25, "n": 3})
+    task = NS(check=lambda reply, answer: reply == answer)
+    cfg = rl.RLConfig(pass_k=2, seed=7, eval_every=5)
+    val = rl.task_eval(cfg, None, task, problems, contextlib.nullcontext(), NS(say=said.append), engine.Context())
+    assert val.every == 5 and val.fn(3) == {"acc": 0.25, "n": 3, "pass@2": 2 / 3}
+    assert calls == [(problems, 2, 7 + 1_000_003 * 3)]  # k samples each, a seed of the step's
+    assert said == ["step      3 | addition accuracy 0.2500, pass@2 0.6667 (3 held out)"]
+
+
 @pytest.mark.parametrize("algo", ["rloo", "reinforce"])
 def test_rloo_and_reinforce_train_on_the_engine(models, tmp_path, algo):
     result = rl.main(flags(models, tmp_path / algo, f"--algo={algo}", "--max-steps=2", "--eval-every=0", "--pass-k=0",

@@ -270,3 +270,63 @@ def test_the_logged_clip_fraction_is_over_every_ranks_tokens():
     shares = [rl_batch(rows) | {"denom": tokens, "tokens": tokens} for rows in ([0, 1], [2, 3, 4, 5, 6, 7])]
     outs = [rl.rl_loss(Tilt(), mb, cfg, 2) for mb in shares]
     assert sum(out["clip_frac"] for out in outs).item() / 2 == pytest.approx(17 / 21, rel=1e-6)
+
+
+def all_reduce_between_threads(world: int):
+    """rl.all_sum as `world` threads, one a rank, see it: each call returns the sum of every thread's tensor."""
+    import threading
+
+    barrier, slots = threading.Barrier(world, timeout=30), {}
+
+    def all_sum(t, w):
+        assert w == world
+        slots[threading.get_ident()] = t.clone()
+        barrier.wait()
+        total = sum(slots.values())
+        barrier.wait()  # every rank has read the slots before any writes its next
+        return total
+
+    return all_sum
+
+
+def test_ppo_whitens_its_advantages_over_every_ranks_tokens(monkeypatch):
+    import threading
+
+    torch.manual_seed(0)
+    masks = [torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]), torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])]
+    batches = [{"mask": m, "old_logp": -torch.rand(2, 5), "scores": torch.randn(2) + 3 * r,
+                "old_values": torch.randn(2, 5)} for r, m in enumerate(masks)]  # the ranks' rewards apart
+    cfg = RLConfig(algo="ppo", samples=1)
+    whole = ALGOS["ppo"].advantages({k: torch.cat([b[k] for b in batches]) for k in batches[0]}, cfg, 1)["adv"]
+    monkeypatch.setattr(rl, "all_sum", all_reduce_between_threads(2))
+    out = [None, None]
+    ranks = [threading.Thread(target=lambda r=r: out.__setitem__(r, ALGOS["ppo"].advantages(batches[r], cfg, 2)))
+             for r in (0, 1)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    torch.testing.assert_close(torch.cat([o["adv"] for o in out]), whole)  # one process's whitening of all the rows
+
+
+def test_the_step_record_is_over_every_ranks_rollouts(monkeypatch):
+    import threading
+
+    masks = [torch.tensor([[1, 1, 0], [1, 0, 0]]), torch.tensor([[1, 1, 1], [0, 0, 0]])]  # 3 + 3 sampled tokens
+    batches = [{"mask": m, "scores": torch.tensor(s), "ids": torch.zeros(2, 4, dtype=torch.long),
+                "old_logp": torch.zeros(2, 3), "ref_logp": torch.full((2, 3), math.log(2)),  # k3: 1 - ln 2 a token
+                "entropy": torch.tensor(e)} for m, s, e in
+               ((masks[0], [2.0, 0.0], [[0.5, 0.5, 9.0], [1.0, 9.0, 9.0]]),
+                (masks[1], [4.0, 0.0], [[2.0, 2.0, 2.0], [9.0, 9.0, 9.0]]))]
+    cfg, out = RLConfig(ppo_epochs=2), [None, None]
+    monkeypatch.setattr(rl, "all_sum", all_reduce_between_threads(2))
+    ranks = [threading.Thread(target=lambda r=r: out.__setitem__(r, rl.summary(
+        batches[r], {"loss": torch.tensor(0.2 * (r + 1))}, 2.0, 4.0, cfg, 2))) for r in (0, 1)]  # 2 s, 4 s
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    want = {"loss": pytest.approx(0.3), "tokens": 16, "reward": 1.5, "reward_std": pytest.approx(2.75 ** 0.5),
+            "kl": pytest.approx(1 - math.log(2)), "entropy": pytest.approx(8 / 6), "length": 1.5,
+            "rollout_tok_s": 3.0, "update_tok_s": 8.0}  # rewards 2, 0, 4, 0; 6 sampled of 4 rows; 2 x 8 ids, 2 passes
+    assert out[0] == out[1] == want

@@ -143,6 +143,7 @@ def test_addition_wrong_answers_fail_the_checker():
         assert reward(example["messages"][:1], wrong, example["answer"]) == 0.0
         assert reward(example["messages"][:1], example["messages"][1]["content"], example["answer"]) == 1.0
         assert abs(int(wrong.replace(" ", "")) - int(example["answer"])) in (1, 10)
+        assert wrong == " ".join(wrong.replace(" ", ""))  # spaced as the reference: a pair differs in its digits alone
 
 
 def test_cli_writes_splits_the_conversation_loader_reads(tmp_path, capsys):
@@ -284,6 +285,34 @@ def test_rewards_see_the_prompt_and_sum_by_weight(user_file):
         tasks.load_rewards(f"{user_file}:near,{user_file}:near", (1e40, 1.0))(prompt, "42", "")
     assert str(e.value) == (f"--reward {user_file}:near returned 1.0 (weight 1e+40), --reward {user_file}:near "
                             "returned 1.0: the reward, 1e+40, is not a finite float32 number")
+
+
+def test_a_tasks_own_reward_replaces_its_check_and_rewards_weigh_1_each_by_default(user_file):
+    class Graded(tasks.Addition):  # a task's reward(prompt, reply, answer): RL's reward, not check()'s 1.0 or 0.0
+        def reward(self, prompt, reply, answer):
+            return 0.5 if self.check(reply, answer) else -1.0
+
+    reward = tasks.task_reward(Graded(), "graded")
+    assert (reward([], "7 5", "75"), reward([], "7 6", "75")) == (0.5, -1.0)
+    both = tasks.load_rewards(f"{user_file}:near,{user_file}:near")  # no --reward-weights: 1 each, summed
+    assert both([{"role": "user", "content": "Double 21?"}], "40", "") == 0.5 + 0.5
+
+
+def test_a_reward_sum_of_nan_is_refused():
+    with pytest.raises(ValueError, match=r"^a returned 1e\+30 \(weight 1e\+300\), b returned 1e\+30 \(weight "
+                                         r"-1e\+300\): the reward, nan, is not a finite float32 number$"):
+        tasks.checked([("a", lambda *_: 1e30, 1e300), ("b", lambda *_: 1e30, -1e300)])([], "", "")  # inf - inf
+
+
+def test_a_task_file_under_a_directory_with_a_colon_loads_and_its_wrong_is_one_line(tmp_path):
+    folder = tmp_path / "runs:1"  # the name is after the last colon
+    folder.mkdir()
+    (folder / "t.py").write_text("import tasks\n\n\nclass T(tasks.Addition):\n    def wrong(self, answer, rng):\n"
+                                 "        raise KeyError('no')\n")
+    task = tasks.load_task(f"{folder / 't.py'}:T")
+    with pytest.raises(ValueError) as e:
+        task.wrong("75", random.Random(0))
+    assert str(e.value) == f"--task {folder / 't.py'}:T: wrong() raised KeyError: 'no'"
 
 
 def test_the_shipped_subtraction_example_is_disjoint_checks_and_scores_from_the_question():
@@ -465,6 +494,26 @@ def test_chat_core_is_the_mean_centered_accuracy_over_the_tasks_given(tmp_path):
     # centered by chance, 1/4 for the multiple-choice tasks, 0 for GSM8K: 1/3, 1/3, 2/3
     assert result["centered_results"] == pytest.approx({"mmlu": 1 / 3, "arc-easy": 1 / 3, "gsm8k": 2 / 3})
     assert result["chatcore"] == pytest.approx(4 / 9)
+
+
+def test_accuracy_scores_in_eval_mode_with_the_reply_length_it_is_given(monkeypatch):
+    from model import GPT, GPTConfig
+
+    seen = []
+    monkeypatch.setattr(tasks, "evaluate", lambda model, *args, **kwargs: seen.append((model.training, args[2:]))
+                        or {"acc": 0.5, "n": 2})
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.1)).train()
+    assert tasks.accuracy(model, tasks.GSM8K(), [], 1, 2, max_new_tokens=7) == {"acc": 0.5, "n": 2}
+    assert seen == [(False, (1, 2, 7))] and model.training  # dropout off while it scores, then back on
+
+
+def test_chat_core_centers_a_task_without_a_baseline_at_zero(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setattr(tasks, "accuracy", lambda model, task, *args: {"acc": task.acc, "n": 4})
+    named = {"own": (NS(acc=0.5), []), "choice": (NS(acc=0.625, baseline=0.25), [])}  # a user's task has none
+    assert tasks.chat_core(None, named) == {"results": {"own": 0.5, "choice": 0.625},
+                                            "centered_results": {"own": 0.5, "choice": 0.5}, "chatcore": 0.5}
 
 
 def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
