@@ -214,7 +214,7 @@ def test_bench_int8_without_torchao_keeps_the_fp32_row(monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--ckpt", "a.pt", "--init-from", "gpt2"], "pass either --ckpt or --init-from"),
     (["--ckpt", "no/such.pt"], "--ckpt no/such.pt: no such file"),
-    (["--int8-tokens", "0"], "--int8-tokens must be >= 1"),
+    (["--int8-tokens", "0"], "--int8-tokens, --batched-rows and --batched-tokens must be >= 1"),
 ])
 def test_bench_int8_flags_are_checked_first(argv, message):
     with pytest.raises(SystemExit, match=message):
