@@ -336,8 +336,7 @@ def rl_loss(model: torch.nn.Module, mb: dict[str, Tensor], cfg: RLConfig, world:
     if "ref_logp" in mb and not algo.critic:  # PPO's KL is in its rewards
         per_token = per_token + cfg.beta * kl_k3(logp, mb["ref_logp"])
     loss = aggregate(per_token, mask, cfg.loss_agg, denom)
-    # over every rank's tokens, times world (as the loss): all_sum / world is the fraction of all of them
-    out = {"clip_frac": masked_mean(clipped.float(), mask, mb["tokens"]).detach() * world}
+    out = {"clip_frac": masked_mean(clipped.float(), mask, mb["tokens"]).detach() * world}  # all ranks' tokens
     if values is not None:
         vloss, _ = value_loss(values, mb["old_values"], mb["returns"], mask, cfg.clip, mb["tokens"])
         loss, out["value_loss"] = loss + cfg.vf_coef * vloss, vloss.detach() * world
