@@ -81,7 +81,7 @@ def check_messages(messages: Any, last: str) -> None:
                              "then user and assistant in turns)")
         _check_content(i, role, message.get("content"))
     if messages[-1]["role"] != last:
-        raise ValueError(f"the conversation ends with a {messages[-1]['role']} message, expected {last}")
+        raise ValueError(f"the conversation's last message is from {messages[-1]['role']}, expected {last}")
 
 
 def _render(messages: list[dict]) -> tuple[list[int], list[int]]:

@@ -150,7 +150,7 @@ CHAT_TEMPLATE = (
     "'text': a non-empty string}\") }}{% endif %}{% if p.type != 'text' %}<|{{ p.type }}_start|>{% endif %}{{ p.text }}"
     "{% if p.type != 'text' %}<|{{ p.type }}_end|>{% endif %}{% endfor %}{% endif %}<|{{ m.role }}_end|>"
     "{% endfor %}{% if add_generation_prompt %}{% if messages[-1].role != 'user' %}{{ raise_exception("
-    "'the conversation ends with a ' ~ messages[-1].role ~ ' message, expected user') }}{% endif %}"
+    "\"the conversation's last message is from \" ~ messages[-1].role ~ ', expected user') }}{% endif %}"
     "<|assistant_start|>{% endif %}")
 CHAT_TOKENIZER = {
     "eos_token": "<|assistant_end|>", "pad_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE,

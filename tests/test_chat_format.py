@@ -99,7 +99,7 @@ def test_render_rows_counts_a_cut_only_past_cap_and_keeps_a_reply_whose_first_to
     ([{"role": ["user"], "content": "q"}], "message 0 has role ['user']"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": ["text"], "text": "x"}]}],
      "bad part"),
-    ([{"role": "user", "content": "q"}], "ends with a user message, expected assistant"),
+    ([{"role": "user", "content": "q"}], "last message is from user, expected assistant"),
 ])
 def test_bad_conversations_are_one_line_errors(messages, why):
     with pytest.raises(ValueError, match=re.escape(why)) as info:
