@@ -471,8 +471,10 @@ def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
                   f"--resume {path} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass --optimizer "
                   f"{saved}, or start a new run from its weights with --init-from {path}"),
                  (cfg.eval_only or kind == (getattr(cfg, "objective", "lm"), hasattr(cfg, "algo")),
-                  f"--resume {path} was written by another stage or --objective, which this run cannot continue: start "
-                  f"a new run from its weights with --init-from {path}")])
+                  f"--resume {path} was written by another stage or --objective, which this run cannot continue: "
+                  + ("it is a reward model (prefs.py --objective reward), not a policy: start a new run from the "
+                     "policy it was trained from" if is_reward_model(ckpt)  # load_init refuses --init-from it too
+                     else f"start a new run from its weights with --init-from {path}"))])
 
 
 def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.Module, built: Trainable,
