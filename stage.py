@@ -463,16 +463,20 @@ def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
     stage's or --objective's (its parts and heads differ: a reward model went on as DPO, an SFT model as RL)."""
     path, ckpt = found
     config = ckpt.get("train_config", {})
-    saved, kind = config.get("optimizer", "adamw"), (config.get("objective", "lm"), "algo" in config)  # lm: train.py's
+    saved = config.get("optimizer", "adamw")
+    # the stage a config is of: its --objective (lm: train.py's old ones), rl.py's algo, prune.py's sparsity (masks)
+    kind = lambda c: (c.get("objective", "lm"), "algo" in c, "sparsity" in c)
     check_flags([(cfg.eval_only or int(ckpt["step"]) <= cfg.max_steps,
                   f"--resume {path} is at step {ckpt['step']}, past --max-steps {cfg.max_steps}; raise --max-steps "
                   "to train further, or score it with --eval-only"),
                  (cfg.eval_only or saved == cfg.optimizer,
                   f"--resume {path} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass --optimizer "
                   f"{saved}, or start a new run from its weights with --init-from {path}"),
-                 (cfg.eval_only or kind == (getattr(cfg, "objective", "lm"), hasattr(cfg, "algo")),
-                  f"--resume {path} was written by another stage or --objective, which this run cannot continue: start "
-                  f"a new run from its weights with --init-from {path}")])
+                 (cfg.eval_only or kind(config) == kind(dataclasses.asdict(cfg)),
+                  f"--resume {path} was written by another stage or --objective, which this run cannot continue: "
+                  + ("it is a reward model (prefs.py --objective reward), not a policy: start a new run from the "
+                     "policy it was trained from" if is_reward_model(ckpt)  # load_init refuses --init-from it too
+                     else f"start a new run from its weights with --init-from {path}"))])
 
 
 def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.Module, built: Trainable,

@@ -15,6 +15,7 @@ import generate
 import hellaswag
 import prune
 import sample
+import stage
 import train
 from chat_format import is_chat
 from common import get_tokenizer, load_checkpoint
@@ -289,6 +290,20 @@ def test_an_exported_chat_model_stays_one_and_a_critic_is_left_out(start, token_
     run(ppo, token_data, tmp_path / "q", "--max-steps=1")
     saved = load_checkpoint(tmp_path / "q" / "ckpt_000001.pt")
     assert not saved["model_config"]["value_head"] and not any(k.startswith("value_head.") for k in saved["model"])
+
+
+def test_train_py_refuses_to_resume_a_pruned_checkpoint(tmp_path):
+    """train.py --resume of prune.py's checkpoint went on as pretraining: the masks lost in silence, the zeros trained
+    back, with none of --init-from's note. A resume stays in its stage; prune.py's and train.py's own still resume."""
+    pruned, plain = ({"step": 0, "train_config": dataclasses.asdict(c)}
+                     for c in (prune.PruneConfig(), train.TrainConfig()))
+    with pytest.raises(ValueError, match=f"^--resume {tmp_path} was written by another stage or --objective, which "
+                       f"this run cannot continue: start a new run from its weights with --init-from {tmp_path}$"):
+        stage.check_resume((tmp_path, pruned), train.TrainConfig())
+    with pytest.raises(ValueError, match="was written by another stage"):
+        stage.check_resume((tmp_path, plain), prune.PruneConfig())
+    stage.check_resume((tmp_path, pruned), prune.PruneConfig())
+    stage.check_resume((tmp_path, plain), train.TrainConfig())
 
 
 def test_a_structured_checkpoint_is_read_by_sample_hellaswag_export_and_train(start, token_data, tmp_path, capsys):

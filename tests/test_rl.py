@@ -228,12 +228,17 @@ def test_a_resume_notes_another_schedule_and_refuses_a_checkpoint_past_max_steps
     ({"objective": "reward"}, rl.RLConfig()),  # a traceback on its value head
     ({"algo": "grpo"}, SFTConfig()),  # KeyError: 'loader'
     ({"objective": "reward"}, PrefsConfig(objective="dpo", init_from="x.pt")),  # a reward model went on as a policy
+    ({"objective": "reward"}, SFTConfig()),
 ])
 def test_a_resume_from_another_stages_checkpoint_is_refused(tmp_path, saved, config):
     with pytest.raises(ValueError) as e:
         stage.check_resume((tmp_path, {"step": 1, "train_config": saved}), config)
+    # a reward model's fix is not --init-from it, which load_init (and rl.load) refuse: its policy is the start
+    fix = (f"start a new run from its weights with --init-from {tmp_path}" if saved.get("objective") != "reward" else
+           "it is a reward model (prefs.py --objective reward), not a policy: start a new run from the policy it was "
+           "trained from")
     assert str(e.value) == (f"--resume {tmp_path} was written by another stage or --objective, which this run cannot "
-                            f"continue: start a new run from its weights with --init-from {tmp_path}")
+                            f"continue: {fix}")
     stage.check_resume((tmp_path, {"step": 1, "train_config": saved}), dataclasses.replace(config, eval_only=True))
     stage.check_resume((tmp_path, {"step": 1, "train_config": {"objective": "lm"}}), SFTConfig())  # train.py's once
 
