@@ -154,6 +154,7 @@ CHAT_TEMPLATE = (
     "<|assistant_start|>{% endif %}")
 CHAT_TOKENIZER = {
     "eos_token": "<|assistant_end|>", "pad_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE,
+    "padding_side": "left",  # a batch's prompts end where generate goes on, as HF expects of decoder-only models
     "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
                                       "normalized": False, "single_word": False}
                              for i, name in zip(range(SYSTEM_START, CHAT_VOCAB), CHAT_TOKENS, strict=True)}}

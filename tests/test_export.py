@@ -157,6 +157,29 @@ def test_a_chat_exports_config_stops_at_assistant_end_and_never_samples_a_padded
                           "suppress_tokens": list(range(cf.CHAT_VOCAB, 50304))}  # the padded rows: never sampled
 
 
+@pytest.fixture(scope="module")
+def random_chat(tmp_path_factory) -> tuple[GPT, Path]:
+    """A random tiny chat model and its export: greedy tokens that hang on every input id and position."""
+    model = _perturbed(tiny(vocab_size=50304, n_layer=1), scale=0.5)
+    return model, export_hf(model, tmp_path_factory.mktemp("chat") / "hf", chat=True)
+
+
+def test_a_batch_of_prompts_of_two_lengths_generates_each_rows_own_reply(random_chat):
+    # tok(prompts, padding=True) + generate, as pipeline and batched evals do: padded on the right, the short row went
+    # on from its pads
+    transformers = pytest.importorskip("transformers")
+    model, out = random_chat
+    tok, hf = transformers.AutoTokenizer.from_pretrained(out), transformers.AutoModelForCausalLM.from_pretrained(out)
+    chats = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "what is 6 times 7, please?"}]]
+    batch = tok([tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats], padding=True,
+                return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf.eval().generate(**batch, max_new_tokens=4, do_sample=False)[:, batch["input_ids"].shape[1]:]
+    alone = [generate(model, [cf.render_prompt(c)], 4, temperature=0.0, vocab=cf.CHAT_VOCAB)[0].tokens for c in chats]
+    assert theirs.tolist() == alone
+    assert batch["attention_mask"].tolist()[0] == [0] * 7 + [1] * 5  # the pads, on the left, unseen
+
+
 def test_a_narrower_mlp_exports_its_width_as_n_inner(tmp_path):
     for hidden, n_inner in ((None, None), (48, 48)):  # 4 x n_embd is GPT-2's own: None
         export_hf(GPT(tiny(mlp_hidden=hidden)), tmp_path / str(hidden))
