@@ -148,6 +148,17 @@ def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tm
     assert sorted(p.name for p in out.iterdir()) == sorted(PLAIN_SHA256)
 
 
+def test_the_chat_template_refuses_an_empty_conversation_with_renders_message():
+    # transformers 5 refuses [] before the template runs; 4.x, and whatever else renders the template, did not: an
+    # UndefinedError with a generation prompt, a lone BOS without
+    utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    with pytest.raises(ValueError) as ours:
+        cf.render([])
+    for prompt in (False, True):
+        with pytest.raises(Exception, match=f"^{re.escape(str(ours.value))}$"):
+            utils.render_jinja_template([[]], chat_template=export.CHAT_TEMPLATE, add_generation_prompt=prompt)
+
+
 def test_a_chat_exports_config_stops_at_assistant_end_and_never_samples_a_padded_row(tmp_path):
     # what HF's generate, and whatever reads config.json's eos, go by: no transformers needed to read them
     export_hf(GPT(tiny(vocab_size=50304, n_layer=1)), tmp_path, chat=True)
