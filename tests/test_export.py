@@ -148,6 +148,19 @@ def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tm
     assert sorted(p.name for p in out.iterdir()) == sorted(PLAIN_SHA256)
 
 
+def test_adjacent_text_parts_render_as_the_template_joins_them_and_tool_calls_apart(random_chat):
+    # the template hands HF's tokenizer "foobar" (6513, 30973); render encoded "foo" and "bar" apart (21943, 5657)
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(random_chat[1])
+    parts = [{"type": "text", "text": "foo"}, {"type": "text", "text": "bar"}, *[{"type": "tool", "text": "1+1"}] * 2]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": parts}]
+    ids, mask = cf.render(messages)
+    assert tok.apply_chat_template(messages, return_dict=False) == ids
+    call = [cf.TOOL_START, 16, 10, 16, cf.TOOL_END]
+    assert ids[ids.index(cf.ASSISTANT_START):] == [cf.ASSISTANT_START, 6513, 30973, *call, *call, cf.ASSISTANT_END]
+    assert sum(mask) == 13  # all but <|assistant_start|>
+
+
 def test_the_chat_template_refuses_an_empty_conversation_with_renders_message():
     # transformers 5 refuses [] before the template runs; 4.x, and whatever else renders the template, did not: an
     # UndefinedError with a generation prompt, a lone BOS without
