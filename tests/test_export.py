@@ -148,6 +148,13 @@ def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tm
     assert sorted(p.name for p in out.iterdir()) == sorted(PLAIN_SHA256)
 
 
+@pytest.fixture(scope="module")
+def random_chat(tmp_path_factory) -> tuple[GPT, Path]:
+    """A random tiny chat model and its export: greedy tokens that hang on every input id and position."""
+    model = _perturbed(tiny(vocab_size=50304, n_layer=1), scale=0.5)
+    return model, export_hf(model, tmp_path_factory.mktemp("chat") / "hf", chat=True)
+
+
 def test_adjacent_text_parts_render_as_the_template_joins_them_and_tool_calls_apart(random_chat):
     # the template hands HF's tokenizer "foobar" (6513, 30973); render encoded "foo" and "bar" apart (21943, 5657)
     transformers = pytest.importorskip("transformers")
@@ -179,13 +186,6 @@ def test_a_chat_exports_config_stops_at_assistant_end_and_never_samples_a_padded
     assert (config["vocab_size"], config["eos_token_id"], config["bos_token_id"]) == (50304, cf.ASSISTANT_END, EOT)
     assert generation == {"bos_token_id": EOT, "eos_token_id": cf.REPLY_STOPS, "pad_token_id": cf.ASSISTANT_END,
                           "suppress_tokens": list(range(cf.CHAT_VOCAB, 50304))}  # the padded rows: never sampled
-
-
-@pytest.fixture(scope="module")
-def random_chat(tmp_path_factory) -> tuple[GPT, Path]:
-    """A random tiny chat model and its export: greedy tokens that hang on every input id and position."""
-    model = _perturbed(tiny(vocab_size=50304, n_layer=1), scale=0.5)
-    return model, export_hf(model, tmp_path_factory.mktemp("chat") / "hf", chat=True)
 
 
 def test_a_batch_of_prompts_of_two_lengths_generates_each_rows_own_reply(random_chat):
