@@ -24,6 +24,7 @@ import functools
 import glob
 import gzip
 import importlib.util
+import itertools
 import json
 import os
 import zlib
@@ -90,9 +91,12 @@ def _render(messages: list[dict]) -> tuple[list[int], list[int]]:
         (start, end), content = ROLES[message["role"]], message["content"]
         learn = int(message["role"] == "assistant")  # only the assistant's messages, and not its tool outputs
         pieces.append(([start], 0))
-        for part in [{"type": "text", "text": content}] if isinstance(content, str) else content:
-            marks, text = PARTS[part["type"]], enc.encode_ordinary(part["text"])
-            pieces.append(([*marks[:1], *text, *marks[1:]], learn * (part["type"] != "output")))
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        # adjacent text parts are encoded as one text, as export.py's chat template hands them to HF's tokenizer
+        for kind, run in itertools.groupby(parts, key=lambda part: part["type"]):
+            marks, texts = PARTS[kind], [part["text"] for part in run]
+            for text in ["".join(texts)] if kind == "text" else texts:
+                pieces.append(([*marks[:1], *enc.encode_ordinary(text), *marks[1:]], learn * (kind != "output")))
         pieces.append(([end], learn))
     return [t for tokens, _ in pieces for t in tokens], [m for tokens, m in pieces for _ in tokens]
 

@@ -134,9 +134,10 @@ def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block
 CHAT_TOKENS = [f"<|{role}_{edge}|>" for role in ("system", "user", "assistant", "tool", "output")
                for edge in ("start", "end")]
 # render(): BOS, then each message as <|role_start|> content <|role_end|>, an assistant's tool parts in their markers;
-# what render() and render_prompt() refuse (roles out of turn, blank or listed content, a prompt after a reply) raises
+# what render and render_prompt refuse (no messages, roles out of turn, blank or listed content, a late prompt) raises
 CHAT_TEMPLATE = (
-    "{% set o = 1 if messages and messages[0].role == 'system' else 0 %}<|endoftext|>{% for m in messages %}"
+    "{% if not messages %}{{ raise_exception('expected a non-empty list of messages, got []') }}{% endif %}"
+    "{% set o = 1 if messages[0].role == 'system' else 0 %}<|endoftext|>{% for m in messages %}"
     "{% set i = loop.index0 %}{% set want = 'system' if i < o else ['user', 'assistant'][(i - o) % 2] %}"
     "{% if m.role != want %}{{ raise_exception('message ' ~ i ~ ' is from ' ~ m.role ~ ', expected ' ~ want"
     " ~ ' (an optional first system message, then user and assistant in turns)') }}{% endif %}"
@@ -154,6 +155,7 @@ CHAT_TEMPLATE = (
     "<|assistant_start|>{% endif %}")
 CHAT_TOKENIZER = {
     "eos_token": "<|assistant_end|>", "pad_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE,
+    "padding_side": "left",  # a batch's prompts end where generate goes on, as HF expects of decoder-only models
     "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
                                       "normalized": False, "single_word": False}
                              for i, name in zip(range(SYSTEM_START, CHAT_VOCAB), CHAT_TOKENS, strict=True)}}

@@ -329,12 +329,20 @@ def test_the_chat_format_follows_the_weights_through_dpo_and_rl_to_export(sft, t
     rl.main([*policy, "--out-dir", str(tmp_path / "rl")])
     ppo = tmp_path / "rl" / "ckpt_000001.pt"
     transformers = pytest.importorskip("transformers")
+    prompt = cf.render_prompt([{"role": "user", "content": "3+1?"}])
     for ckpt in (dpo, ppo):
         assert cf.is_chat(load_checkpoint(ckpt))
         export.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / f"hf_{ckpt.parent.name}")])
         tok = transformers.AutoTokenizer.from_pretrained(tmp_path / f"hf_{ckpt.parent.name}")
         config = json.loads((tmp_path / f"hf_{ckpt.parent.name}" / "config.json").read_text())
         assert (config["vocab_size"], len(tok), tok.chat_template is not None) == (50304, cf.CHAT_VOCAB, True)
+        # and HF answers as this project does, whatever each stage saved beside the weights
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{ckpt.parent.name}").eval()
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+        ours = generate(GPT.from_checkpoint(ckpt), [prompt], 6, temperature=0.0, stop_ids=cf.REPLY_STOPS,
+                        vocab=cf.CHAT_VOCAB)[0].tokens
+        assert theirs == ours, ckpt.parent.name
     capsys.readouterr()
     chat.main(["--ckpt", str(ppo), "--prompt", "hi", "--max-new-tokens", "2"])
     assert "never fine-tuned" not in capsys.readouterr().err

@@ -148,6 +148,37 @@ def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tm
     assert sorted(p.name for p in out.iterdir()) == sorted(PLAIN_SHA256)
 
 
+@pytest.fixture(scope="module")
+def random_chat(tmp_path_factory) -> tuple[GPT, Path]:
+    """A random tiny chat model and its export: greedy tokens that hang on every input id and position."""
+    model = _perturbed(tiny(vocab_size=50304, n_layer=1), scale=0.5)
+    return model, export_hf(model, tmp_path_factory.mktemp("chat") / "hf", chat=True)
+
+
+def test_adjacent_text_parts_render_as_the_template_joins_them_and_tool_calls_apart(random_chat):
+    # the template hands HF's tokenizer "foobar" (6513, 30973); render encoded "foo" and "bar" apart (21943, 5657)
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(random_chat[1])
+    parts = [{"type": "text", "text": "foo"}, {"type": "text", "text": "bar"}, *[{"type": "tool", "text": "1+1"}] * 2]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": parts}]
+    ids, mask = cf.render(messages)
+    assert tok.apply_chat_template(messages, return_dict=False) == ids
+    call = [cf.TOOL_START, 16, 10, 16, cf.TOOL_END]
+    assert ids[ids.index(cf.ASSISTANT_START):] == [cf.ASSISTANT_START, 6513, 30973, *call, *call, cf.ASSISTANT_END]
+    assert sum(mask) == 13  # all but <|assistant_start|>
+
+
+def test_the_chat_template_refuses_an_empty_conversation_with_renders_message():
+    # transformers 5 refuses [] before the template runs; 4.x, and whatever else renders the template, did not: an
+    # UndefinedError with a generation prompt, a lone BOS without
+    utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    with pytest.raises(ValueError) as ours:
+        cf.render([])
+    for prompt in (False, True):
+        with pytest.raises(Exception, match=f"^{re.escape(str(ours.value))}$"):
+            utils.render_jinja_template([[]], chat_template=export.CHAT_TEMPLATE, add_generation_prompt=prompt)
+
+
 def test_a_chat_exports_config_stops_at_assistant_end_and_never_samples_a_padded_row(tmp_path):
     # what HF's generate, and whatever reads config.json's eos, go by: no transformers needed to read them
     export_hf(GPT(tiny(vocab_size=50304, n_layer=1)), tmp_path, chat=True)
@@ -155,6 +186,22 @@ def test_a_chat_exports_config_stops_at_assistant_end_and_never_samples_a_padded
     assert (config["vocab_size"], config["eos_token_id"], config["bos_token_id"]) == (50304, cf.ASSISTANT_END, EOT)
     assert generation == {"bos_token_id": EOT, "eos_token_id": cf.REPLY_STOPS, "pad_token_id": cf.ASSISTANT_END,
                           "suppress_tokens": list(range(cf.CHAT_VOCAB, 50304))}  # the padded rows: never sampled
+
+
+def test_a_batch_of_prompts_of_two_lengths_generates_each_rows_own_reply(random_chat):
+    # tok(prompts, padding=True) + generate, as pipeline and batched evals do: padded on the right, the short row went
+    # on from its pads
+    transformers = pytest.importorskip("transformers")
+    model, out = random_chat
+    tok, hf = transformers.AutoTokenizer.from_pretrained(out), transformers.AutoModelForCausalLM.from_pretrained(out)
+    chats = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "what is 6 times 7, please?"}]]
+    batch = tok([tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats], padding=True,
+                return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf.eval().generate(**batch, max_new_tokens=4, do_sample=False)[:, batch["input_ids"].shape[1]:]
+    alone = [generate(model, [cf.render_prompt(c)], 4, temperature=0.0, vocab=cf.CHAT_VOCAB)[0].tokens for c in chats]
+    assert theirs.tolist() == alone
+    assert batch["attention_mask"].tolist()[0] == [0] * 7 + [1] * 5  # the pads, on the left, unseen
 
 
 def test_a_narrower_mlp_exports_its_width_as_n_inner(tmp_path):
