@@ -107,7 +107,9 @@ class BenchConfig:
             (not (out := Path(self.out)).is_dir(),
              f"--out {self.out} is a directory; pass the JSON file to write, e.g. {out / 'bench.json'}"),
             (not (self.ckpt and self.init_from),
-             "pass either --ckpt or --init-from (the int8 and prune suites' weights), not both")])
+             "pass either --ckpt or --init-from (the int8 and prune suites' weights), not both"),
+            (not (self.ckpt and {"int8", "prune"} & set(self.suites())) or Path(self.ckpt).is_file(),
+             f"--ckpt {self.ckpt}: no such file; pass a checkpoint that train.py wrote")])
         for variant in select_variants(self):  # a misspelt --variants, or a field TrainConfig refuses, fails now
             train_config(self, variant)
 
@@ -324,8 +326,8 @@ def step_part(name: str) -> str:
 def profile_step(step: Callable[[], Any], device: torch.device) -> tuple[str, Row | None]:
     """The SDPA kernels one step ran and where its time went: CUDA kernel times, or CPU ops' self times."""
     cuda, kind = device.type == "cuda", torch.autograd.DeviceType
-    if cuda:  # tear CUPTI down when the profile ends, or older Kineto slows every later launch (pytorch#144455)
-        os.environ.setdefault("TEARDOWN_CUPTI", "1")
+    # tear CUPTI down when the profile ends, or older Kineto slows every later launch (pytorch#144455)
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     with torch.profiler.profile() as prof:  # the CPU's ops, and CUDA's kernels where there is a GPU
         t0 = time.perf_counter()
         step()
@@ -487,15 +489,15 @@ def bench_int8(cfg: BenchConfig) -> list[Row]:
                           device=device)
     base, rows = {"suite": "int8", "weights": weights, "params": model.num_params(), "prompt_text": prompt_text,
                   "prompt": prompt.size(1)}, []
+
+    def measure(change: Callable[[GPT], Any]) -> Row:
+        change(model)  # each stage converts the model the one before left
+        return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, rows),
+                "weight_bytes": weight_bytes(model)}
+
     stages = [("fp32", lambda m: None), ("bf16", lambda m: m.to(torch.bfloat16)), ("int8 weight-only", quantize_int8)]
     for name, change in stages if device.type == "cuda" else stages[::2]:  # bf16 is sample.py's dtype on CUDA
-
-        def measure(change: Callable[[GPT], Any] = change) -> Row:
-            change(model)
-            return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, rows),
-                    "weight_bytes": weight_bytes(model)}
-
-        rows.append(guarded({**base, "name": name, "new_tokens": cfg.int8_tokens}, measure))
+        rows.append(guarded({**base, "name": name, "new_tokens": cfg.int8_tokens}, lambda c=change: measure(c)))
     return rows
 
 
@@ -506,7 +508,7 @@ def bench_prune(cfg: BenchConfig) -> list[Row]:
     import prune
 
     device = torch.device(cfg.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = parallel.precision("auto", device)[0]  # bf16 on CUDA, as the semi-structured kernels need
     source = GPT.from_checkpoint(cfg.ckpt) if cfg.ckpt else GPT.load(None, cfg.init_from) if cfg.init_from else \
         random_gpt(cfg.decode_model, cfg.seed)
     T = min(cfg.seq_len, source.config.block_size)
@@ -662,8 +664,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"error: --table-from {cfg.table_from} is not a bench.py JSON file ({e!r})") from None
         return {**result, "table": table}
-    if cfg.ckpt and {"int8", "prune"} & set(cfg.suites()) and not Path(cfg.ckpt).is_file():  # before other suites
-        raise SystemExit(f"error: --ckpt {cfg.ckpt}: no such file; pass a checkpoint that train.py wrote")
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     rank, _, world, _ = common.setup_distributed(cfg.device)  # under torchrun: the tp/pp rows; rank 0 reports
     master = rank == 0
