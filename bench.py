@@ -502,9 +502,8 @@ def bench_int8(cfg: BenchConfig) -> list[Row]:
 
 
 def bench_prune(cfg: BenchConfig) -> list[Row]:
-    """Forward ms (B x T) and greedy batch-1 decoding of one model, dense (pruned at 0%) and pruned by prune.py's
-    methods: magnitude's zeros run dense kernels, structured's smaller tensors run directly, and 2:4 runs dense
-    kernels or torch's semi-structured sparse tensors (cuSPARSELt/CUTLASS: CUDA only, bf16)."""
+    """Forward ms (B x T) and greedy batch-1 decoding of one model, dense (pruned at 0%) and by each prune.py method;
+    2:4 also as torch's semi-structured sparse tensors (cuSPARSELt/CUTLASS: CUDA only, bf16), not only dense kernels."""
     import prune
 
     device = torch.device(cfg.device)
