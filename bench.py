@@ -107,9 +107,7 @@ class BenchConfig:
             (not (out := Path(self.out)).is_dir(),
              f"--out {self.out} is a directory; pass the JSON file to write, e.g. {out / 'bench.json'}"),
             (not (self.ckpt and self.init_from),
-             "pass either --ckpt or --init-from (the int8 and prune suites' weights), not both"),
-            (not (self.ckpt and {"int8", "prune"} & set(self.suites())) or Path(self.ckpt).is_file(),
-             f"--ckpt {self.ckpt}: no such file; pass a checkpoint that train.py wrote")])
+             "pass either --ckpt or --init-from (the int8 and prune suites' weights), not both")])
         for variant in select_variants(self):  # a misspelt --variants, or a field TrainConfig refuses, fails now
             train_config(self, variant)
 
@@ -663,6 +661,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"error: --table-from {cfg.table_from} is not a bench.py JSON file ({e!r})") from None
         return {**result, "table": table}
+    if cfg.ckpt and {"int8", "prune"} & set(cfg.suites()) and not Path(cfg.ckpt).is_file():  # before other suites
+        raise SystemExit(f"error: --ckpt {cfg.ckpt}: no such file; pass a checkpoint that train.py wrote")
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     rank, _, world, _ = common.setup_distributed(cfg.device)  # under torchrun: the tp/pp rows; rank 0 reports
     master = rank == 0
