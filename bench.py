@@ -324,8 +324,8 @@ def step_part(name: str) -> str:
 def profile_step(step: Callable[[], Any], device: torch.device) -> tuple[str, Row | None]:
     """The SDPA kernels one step ran and where its time went: CUDA kernel times, or CPU ops' self times."""
     cuda, kind = device.type == "cuda", torch.autograd.DeviceType
-    if cuda:  # tear CUPTI down when the profile ends, or older Kineto slows every later launch (pytorch#144455)
-        os.environ.setdefault("TEARDOWN_CUPTI", "1")
+    # tear CUPTI down when the profile ends, or older Kineto slows every later launch (pytorch#144455)
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     with torch.profiler.profile() as prof:  # the CPU's ops, and CUDA's kernels where there is a GPU
         t0 = time.perf_counter()
         step()
@@ -487,26 +487,25 @@ def bench_int8(cfg: BenchConfig) -> list[Row]:
                           device=device)
     base, rows = {"suite": "int8", "weights": weights, "params": model.num_params(), "prompt_text": prompt_text,
                   "prompt": prompt.size(1)}, []
+
+    def measure(change: Callable[[GPT], Any]) -> Row:
+        change(model)  # each stage converts the model the one before left
+        return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, rows),
+                "weight_bytes": weight_bytes(model)}
+
     stages = [("fp32", lambda m: None), ("bf16", lambda m: m.to(torch.bfloat16)), ("int8 weight-only", quantize_int8)]
     for name, change in stages if device.type == "cuda" else stages[::2]:  # bf16 is sample.py's dtype on CUDA
-
-        def measure(change: Callable[[GPT], Any] = change) -> Row:
-            change(model)
-            return {**generation(lambda k: sample(model, prompt, k, temperature=0.0), cfg.int8_tokens, device, rows),
-                    "weight_bytes": weight_bytes(model)}
-
-        rows.append(guarded({**base, "name": name, "new_tokens": cfg.int8_tokens}, measure))
+        rows.append(guarded({**base, "name": name, "new_tokens": cfg.int8_tokens}, lambda c=change: measure(c)))
     return rows
 
 
 def bench_prune(cfg: BenchConfig) -> list[Row]:
-    """Forward ms (B x T) and greedy batch-1 decoding of one model, dense (pruned at 0%) and pruned by prune.py's
-    methods: magnitude's zeros run dense kernels, structured's smaller tensors run directly, and 2:4 runs dense
-    kernels or torch's semi-structured sparse tensors (cuSPARSELt/CUTLASS: CUDA only, bf16)."""
+    """Forward ms (B x T) and greedy batch-1 decoding of one model, dense (pruned at 0%) and by each prune.py method;
+    2:4 also as torch's semi-structured sparse tensors (cuSPARSELt/CUTLASS: CUDA only, bf16), not only dense kernels."""
     import prune
 
     device = torch.device(cfg.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = parallel.precision("auto", device)[0]  # bf16 on CUDA, as the semi-structured kernels need
     source = GPT.from_checkpoint(cfg.ckpt) if cfg.ckpt else GPT.load(None, cfg.init_from) if cfg.init_from else \
         random_gpt(cfg.decode_model, cfg.seed)
     T = min(cfg.seq_len, source.config.block_size)

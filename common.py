@@ -63,8 +63,7 @@ def import_torchao(feature: str) -> None:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor holds; a tensor subclass (torchao's int8 weight) counts its inner tensors: data and scales (a
-    DTensor its local part; its device mesh is no tensor)."""
+    """Bytes a tensor holds; a subclass (torchao's int8 weight, a DTensor) counts its inner tensors, not its mesh."""
     if hasattr(t, "__tensor_flatten__"):
         inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
         return sum(tensor_bytes(x) for x in inner if hasattr(x, "element_size"))
@@ -156,8 +155,7 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
 def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Callable[[], Any]] | None = None,
                  doc: str | None = None) -> Any:
     """A `cls` from `--preset NAME`, then `--key=value` / `--key value` overrides (a bare `--flag` sets a bool); a dict
-    field whose metadata names `flags_of` (a dataclass) takes its fields as flags too. argv defaults to sys.argv[1:].
-    An error exits with one line."""
+    field whose metadata names `flags_of` (a dataclass) takes its fields as flags too. An error exits with one line."""
     argv, presets = sys.argv[1:] if argv is None else argv, presets or {}
     hints = typing.get_type_hints(cls)
     # flag -> (the dict field that holds it, its type), for each field whose metadata names `flags_of`
@@ -372,10 +370,9 @@ def shared_problem(problem: str | None, world: int) -> str | None:
     return problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
 
 
-def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = ValueError,
-                 catch: tuple[type[Exception], ...] = (ValueError, OSError),
+def same_verdict(work: Callable[[], T], world: int, catch: tuple[type[Exception], ...] = (ValueError, OSError),
                  reason: Callable[[Exception], str] = str) -> T:
-    """work() on this rank; where it fails on any rank, every rank raises error(the first reason), so all stop
+    """work() on this rank; where it fails on any rank, every rank raises a ValueError of the first reason, so all stop
     together instead of leaving the others waiting in a collective. Collective when world > 1."""
     result, problem = None, None
     try:
@@ -383,7 +380,7 @@ def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = Val
     except catch as e:
         problem = reason(e)
     if problem := shared_problem(problem, world):
-        raise error(problem)
+        raise ValueError(problem)
     return result
 
 
@@ -496,8 +493,8 @@ def write_error(e: Exception, path: Path) -> tuple[str, str]:
         size = path.stat().st_size if path.exists() else 0
         code = errno.EFBIG if limit != resource.RLIM_INFINITY and size >= limit else errno.ENOSPC \
             if shutil.disk_usage(path.parent).free < 1 << 20 else errno.EIO
-    fix = "free space there (or lower --keep-last)" if code in (errno.ENOSPC, errno.EDQUOT) else \
-        "raise the file-size limit (ulimit -f) or write elsewhere" if code == errno.EFBIG else "check the disk"
+    fixes = dict.fromkeys((errno.ENOSPC, errno.EDQUOT), "free space there (or lower --keep-last)")
+    fix = {**fixes, errno.EFBIG: "raise the file-size limit (ulimit -f) or write elsewhere"}.get(code, "check the disk")
     return f"{errno.errorcode.get(code, 'error')} ({os.strerror(code)})", fix + ", then --resume auto"
 
 
@@ -557,9 +554,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
 
 def check_crcs(path: Path) -> bool:
-    """Read every zip member against its stored CRC-32 (BadZipFile names the one that fails): torch.load does not, so
-    rotted bytes would load as weights. Once per file as it is (a write moves its ctime): GPT.load maps, then loads.
-    Whether every member is stored uncompressed, as torch.save writes them (a repacked file may not be)."""
+    """Read every zip member against its CRC-32, which torch.load does not (rotted bytes would load as weights); once
+    per file version (a write moves its ctime): GPT.load maps, then loads. Whether every member is uncompressed."""
     st = path.stat()
     identity = (path.resolve(), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if identity not in CRCS_CHECKED and zipfile.is_zipfile(path):  # not an archive (cut short): torch.load says why

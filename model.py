@@ -72,11 +72,10 @@ class GPTConfig:
             value, none = getattr(self, name), optional.get(name, "")
             if not (none and value is None) and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"GPTConfig.{name} must be an integer >= {low}{none}, got {value!r}")
-        for name in ("bias", "fused_gelu", "fused_ce", "half_residual", "value_head"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         choices = {"mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"), "norm": ("layernorm", "rmsnorm")}
-        checks = [(self.n_embd % self.n_head == 0 or self.head_size is not None,
+        checks = [*((isinstance(getattr(self, key), bool), f"{key} must be True or False, got {getattr(self, key)!r}")
+                    for key in ("bias", "fused_gelu", "fused_ce", "half_residual", "value_head")),
+                  (self.n_embd % self.n_head == 0 or self.head_size is not None,
                    f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
                   (self.n_head % self.kv_heads == 0,
                    f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.kv_heads})"),
@@ -150,12 +149,12 @@ class KVCache:
     block_size tokens of its own after them (`least`: the fewest pad columns of a row, which the longest row bounds)."""
 
     def __init__(self, config: GPTConfig, batch_size: int, pad: torch.Tensor | None = None):
-        extra = 0 if pad is None else int(pad.max())
+        extra, self.least = (0, 0) if pad is None else (int(pad.max()), int(pad.min()))
         self.shape = (batch_size, config.kv_heads, config.block_size + extra, config.head_dim)
         self.k: list[torch.Tensor | None] = [None] * config.n_layer
         self.v: list[torch.Tensor | None] = [None] * config.n_layer
         self.pos = 0
-        self.pad, self.least = pad, 0 if pad is None else int(pad.min())
+        self.pad = pad
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k[layer] is None:
@@ -176,8 +175,9 @@ class KVCache:
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished generations leave the batch and stop costing compute)."""
         self.k, self.v = ([t[rows] for t in ts] for ts in (self.k, self.v))  # filled: called after the prefill
-        self.pad = None if self.pad is None else self.pad[rows]
-        self.least = 0 if self.pad is None else int(self.pad.min())
+        if self.pad is not None:
+            self.pad = self.pad[rows]
+            self.least = int(self.pad.min())
 
 
 def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -464,8 +464,7 @@ class GPT(nn.Module):
 
     @classmethod
     def load(cls, ckpt: str | None, init_from: str | None, **overrides: Any) -> GPT:
-        """The model to run, on the CPU: this project's checkpoint (with from_checkpoint's overrides) or an HF GPT-2
-        (exactly one of the two)."""
+        """The model to run, on the CPU: this project's checkpoint (with from_checkpoint's overrides) or an HF GPT-2."""
         if ckpt and init_from:
             raise ValueError("pass either --ckpt or --init-from, not both")
         if ckpt:
@@ -502,9 +501,8 @@ class GPT(nn.Module):
 
 
 def with_new_head(model: GPT, weights: dict[str, Any]) -> dict[str, Any]:
-    """`weights` plus `model`'s freshly initialized value head where they have none: a reward model or a critic
-    starts from a language model's checkpoint (GPT.from_checkpoint(path, value_head=True)); theirs dropped where the
-    model has none (GRPO from a PPO policy, whose head was its critic)."""
+    """`weights` with `model`'s fresh value head where they have none (a reward model or critic from a language model's
+    checkpoint), and without theirs where the model has none (GRPO from a PPO policy, whose head was its critic)."""
     head = {k: v for k, v in model.state_dict().items() if k.startswith("value_head.")}
     return {**{k: v for k, v in weights.items() if head or not k.startswith("value_head.")},
             **{k: v for k, v in head.items() if k not in weights}}
