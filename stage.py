@@ -464,8 +464,10 @@ def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
     path, ckpt = found
     config = ckpt.get("train_config", {})
     saved = config.get("optimizer", "adamw")
-    # the stage a config is of: its --objective (lm: train.py's old ones), rl.py's algo, prune.py's sparsity (masks)
-    kind = lambda c: (c.get("objective", "lm"), "algo" in c, "sparsity" in c)
+    # the stage a config is of: its --objective (lm: train.py's old ones), rl.py's algo, prune.py's sparsity (masks),
+    # and pretraining (also "lm"): train.py's hellaswag, or before sft.py split from it, its --data-kind tokens
+    kind = lambda c: (c.get("objective", "lm"), "algo" in c, "sparsity" in c,
+                      c.get("data_kind", "tokens" if "hellaswag" in c else "") == "tokens")
     check_flags([(cfg.eval_only or int(ckpt["step"]) <= cfg.max_steps,
                   f"--resume {path} is at step {ckpt['step']}, past --max-steps {cfg.max_steps}; raise --max-steps "
                   "to train further, or score it with --eval-only"),
