@@ -296,7 +296,7 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but this machine has no CUDA GPU; use --device cpu")
+        raise ValueError(f"--device {name}, but this machine has no CUDA GPU; use --device cpu")
     if device.index is not None:  # cuda:N: Triton launches on the current device, not on its tensors' own
         torch.cuda.set_device(device)
     return device

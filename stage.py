@@ -460,22 +460,28 @@ class Reference:
 
 def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
     """Refuse a checkpoint past --max-steps (nothing would train), one holding another optimizer's state, or another
-    stage's or --objective's (its parts and heads differ: a reward model went on as DPO, an SFT model as RL)."""
+    stage's or --objective's (its parts and heads differ: a reward model went on as DPO, an SFT model as RL); under
+    --eval-only, a reward model scored as a policy, or a policy as one."""
     path, ckpt = found
     config = ckpt.get("train_config", {})
-    saved = config.get("optimizer", "adamw")
-    # the stage a config is of: its --objective (lm: train.py's old ones), rl.py's algo, prune.py's sparsity (masks)
-    kind = lambda c: (c.get("objective", "lm"), "algo" in c, "sparsity" in c)
+    # the stage a config is of: its --objective (lm: train.py's old ones), rl.py's algo, prune.py's sparsity (masks),
+    # and pretraining (also "lm"): train.py's hellaswag, or before sft.py split from it, its --data-kind tokens
+    kind = lambda c: (c.get("objective", "lm"), "algo" in c, "sparsity" in c,
+                      c.get("data_kind", "tokens" if "hellaswag" in c else "") == "tokens")
+    saved, ours, rm = config.get("optimizer", "adamw"), kind(dataclasses.asdict(cfg)), is_reward_model(ckpt)
     check_flags([(cfg.eval_only or int(ckpt["step"]) <= cfg.max_steps,
                   f"--resume {path} is at step {ckpt['step']}, past --max-steps {cfg.max_steps}; raise --max-steps "
                   "to train further, or score it with --eval-only"),
                  (cfg.eval_only or saved == cfg.optimizer,
                   f"--resume {path} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass --optimizer "
                   f"{saved}, or start a new run from its weights with --init-from {path}"),
-                 (cfg.eval_only or kind(config) == kind(dataclasses.asdict(cfg)),
-                  f"--resume {path} was written by another stage or --objective, which this run cannot continue: "
-                  + ("it is a reward model (prefs.py --objective reward), not a policy: start a new run from the "
-                     "policy it was trained from" if is_reward_model(ckpt)  # load_init refuses --init-from it too
+                 # --eval-only scores another stage's policy (train.py: an SFT model's val loss), a reward model as one
+                 (kind(config) == ours or cfg.eval_only and rm == (ours[0] == "reward"),
+                  f"--resume {path} was written by another stage or --objective, which this run cannot "
+                  f"{'score' if cfg.eval_only else 'continue'}: "
+                  + ("it is a reward model (prefs.py --objective reward), not a policy: " + (
+                      "score it with prefs.py --objective reward --eval-only" if cfg.eval_only else
+                      "start a new run from the policy it was trained from") if rm  # load_init refuses --init-from it
                      else f"start a new run from its weights with --init-from {path}"))])
 
 

@@ -175,6 +175,13 @@ def test_a_device_name_outside_auto_cpu_cuda_is_one_line(name):
     assert resolve_device("cpu") == torch.device("cpu")
 
 
+@pytest.mark.parametrize("name", ["cuda", "cuda:1"])
+def test_a_cuda_device_without_a_gpu_names_the_device_passed(name, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device cuda:1 was told of --device cuda
+    with pytest.raises(ValueError, match=rf"^--device {name}, but this machine has no CUDA GPU; use --device cpu$"):
+        resolve_device(name)
+
+
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
 def test_a_cpu_run_does_not_fault_its_logits_in_again_every_step(token_data, tmp_path):

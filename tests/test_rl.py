@@ -229,18 +229,30 @@ def test_a_resume_notes_another_schedule_and_refuses_a_checkpoint_past_max_steps
     ({"algo": "grpo"}, SFTConfig()),  # KeyError: 'loader'
     ({"objective": "reward"}, PrefsConfig(objective="dpo", init_from="x.pt")),  # a reward model went on as a policy
     ({"objective": "reward"}, SFTConfig()),
+    ({"algo": "ppo"}, PrefsConfig(objective="reward")),  # a PPO critic scored as a reward model
 ])
 def test_a_resume_from_another_stages_checkpoint_is_refused(tmp_path, saved, config):
     with pytest.raises(ValueError) as e:
         stage.check_resume((tmp_path, {"step": 1, "train_config": saved}), config)
     # a reward model's fix is not --init-from it, which load_init (and rl.load) refuse: its policy is the start
+    rm = "it is a reward model (prefs.py --objective reward), not a policy: "
     fix = (f"start a new run from its weights with --init-from {tmp_path}" if saved.get("objective") != "reward" else
-           "it is a reward model (prefs.py --objective reward), not a policy: start a new run from the policy it was "
-           "trained from")
+           f"{rm}start a new run from the policy it was trained from")
     assert str(e.value) == (f"--resume {tmp_path} was written by another stage or --objective, which this run cannot "
                             f"continue: {fix}")
-    stage.check_resume((tmp_path, {"step": 1, "train_config": saved}), dataclasses.replace(config, eval_only=True))
     stage.check_resume((tmp_path, {"step": 1, "train_config": {"objective": "lm"}}), SFTConfig())  # train.py's once
+    # --eval-only scores another stage's policy (train.py's val loss of an SFT model), not a reward model as a policy
+    # (prefs.py --objective dpo --eval-only printed DPO numbers for one) nor a policy as a reward model
+    scored = dataclasses.replace(config, eval_only=True)
+    if (saved.get("objective") == "reward") == (getattr(config, "objective", "") == "reward"):
+        stage.check_resume((tmp_path, {"step": 1, "train_config": saved}), scored)
+        return
+    with pytest.raises(ValueError) as e:
+        stage.check_resume((tmp_path, {"step": 1, "train_config": saved}), scored)
+    fix = (f"{rm}score it with prefs.py --objective reward --eval-only" if saved.get("objective") == "reward" else
+           f"start a new run from its weights with --init-from {tmp_path}")
+    assert str(e.value) == (f"--resume {tmp_path} was written by another stage or --objective, which this run cannot "
+                            f"score: {fix}")
 
 
 def test_the_prompt_stream_is_a_seeded_order_per_epoch():

@@ -99,6 +99,25 @@ def test_sft_resumes_bitwise_and_logs_the_task_accuracy(conversations, tmp_path)
 
 
 @pytest.mark.slow
+def test_sft_and_train_py_refuse_each_others_checkpoints(tmp_path):
+    """sft.py --resume of a pretraining checkpoint passed the stage check (both objectives "lm") and, with matching
+    flags, went on as SFT; train.py's of an SFT one too. Each resumes its own, and train.py's SFT ones of old."""
+    import train
+
+    pretrained, tuned = ({"step": 0, "train_config": asdict(c)} for c in (train.TrainConfig(), sft.SFTConfig()))
+    for ckpt, cfg in ((pretrained, sft.SFTConfig()), (tuned, train.TrainConfig())):
+        with pytest.raises(ValueError, match=f"^--resume {tmp_path} was written by another stage or --objective, "
+                           f"which this run cannot continue: start a new run from its weights with --init-from "
+                           f"{tmp_path}$"):
+            stage.check_resume((tmp_path, ckpt), cfg)
+    # train.py's before sft.py split from it: --data-kind chat was SFT, tokens pretraining
+    old = {kind: {"step": 0, "train_config": {**asdict(train.TrainConfig()), "objective": "lm", "data_kind": kind}}
+           for kind in ("chat", "tokens")}
+    for ckpt, cfg in ((pretrained, train.TrainConfig()), (tuned, sft.SFTConfig()), (old["chat"], sft.SFTConfig()),
+                      (old["tokens"], train.TrainConfig())):
+        stage.check_resume((tmp_path, ckpt), cfg)
+
+
 def test_sft_on_two_ranks_equals_one_process(conversations, tmp_path):
     common = ["--max-steps=4", "--eval-every=0", "--ckpt-every=4"]
     single = sft.main(flags(conversations, tmp_path / "single", *common))["losses"]
