@@ -11,10 +11,6 @@ renders as <|tool_start|> expression <|tool_end|>, its result as <|output_start|
 what the model learns to write (the assistant's text and tool calls, and <|assistant_end|>) and 0 on what it is given
 (BOS, system, user, <|assistant_start|>, tool outputs, which the engine inserts). The special tokens take the unused
 rows 50257-50266 of GPT-2's padded 50,304-row embedding; text goes through encode_ordinary, so no text makes them.
-
-ConversationLoader packs whole conversations into rows of T+1 tokens (best-fit decreasing) and serves (x, y) batches
-as fineweb.TokenLoader does, with y = -1 wherever nothing is learned. A packed row's conversations see each other in
-attention, as in pretraining's documents; each starts with BOS.
 """
 
 from __future__ import annotations
@@ -355,8 +351,7 @@ class RowStream:
         self.num_windows = count // B  # windows of B items per epoch, all ranks together
         self.reset()
 
-    def reset(self) -> None:
-        """Back to the first batch of epoch 0 (for val: the same batches on every call)."""
+    def reset(self) -> None:  # back to epoch 0's first batch (for val: the same batches on every call), as fineweb's
         self.step = 0
 
     def next_items(self) -> np.ndarray:
@@ -377,12 +372,12 @@ class RowStream:
 
     def resume_note(self, saved: dict[str, Any]) -> str | None:
         """Where the data goes on when another B or world size cut the stream into other windows (load_state_dict)."""
-        served, skipped = saved["step"] * saved["world_size"] * saved["B"], self.resume_skipped
-        if skipped:
-            return (f"the checkpoint read {saved['world_size']} x {saved['B']} items a micro-step, this run "
-                    f"{self.world_size} x {self.B}: the data goes on at the next such window, skipping {skipped} "
-                    f"unserved of epoch {served // self.count}'s {self.count:,} items; none served twice")
-        return None
+        if not (skipped := self.resume_skipped):
+            return None
+        served = saved["step"] * saved["world_size"] * saved["B"]
+        return (f"the checkpoint read {saved['world_size']} x {saved['B']} items a micro-step, this run "
+                f"{self.world_size} x {self.B}: the data goes on at the next such window, skipping {skipped} "
+                f"unserved of epoch {served // self.count}'s {self.count:,} items; none served twice")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` of a loader over the same data, T and seed; another B or world size goes on at the
@@ -400,8 +395,9 @@ class RowStream:
 
 
 class ConversationLoader(RowStream):
-    """Batches (x, y) of packed conversations, for one rank, with fineweb.TokenLoader's interface: a RowStream of the
-    packed rows (train: a seeded shuffle per epoch; val: in order)."""
+    """Batches (x, y) of whole conversations packed into rows of T+1 tokens (y = -1 where nothing is learned), for one
+    rank, with fineweb.TokenLoader's interface: a RowStream of the rows (train: a seeded shuffle per epoch; val: in
+    order). A row's conversations see each other in attention, as pretraining's documents do; each starts with BOS."""
 
     def __init__(self, source: str, split: str, B: int, T: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  device: str | torch.device = "cpu", family: tuple[str, str] = ("", "")):
