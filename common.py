@@ -298,6 +298,9 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}, but this machine has no CUDA GPU; use --device cpu")
     if device.index is not None:  # cuda:N: Triton launches on the current device, not on its tensors' own
+        if device.index >= (count := torch.cuda.device_count()):  # else CUDA's "invalid device ordinal" traceback
+            raise ValueError(f"--device {name}, but this machine has {count} CUDA GPU(s); pass --device cuda:N with "
+                             f"N below {count}")
         torch.cuda.set_device(device)
     return device
 
