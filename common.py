@@ -298,6 +298,9 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}, but this machine has no CUDA GPU; use --device cpu")
     if device.index is not None:  # cuda:N: Triton launches on the current device, not on its tensors' own
+        if device.index >= (count := torch.cuda.device_count()):  # else CUDA's "invalid device ordinal" traceback
+            raise ValueError(f"--device {name}, but this machine has {count} CUDA GPU(s); pass --device cuda:N with "
+                             f"N below {count}")
         torch.cuda.set_device(device)
     return device
 
@@ -370,9 +373,10 @@ def shared_problem(problem: str | None, world: int) -> str | None:
     return problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
 
 
-def same_verdict(work: Callable[[], T], world: int, catch: tuple[type[Exception], ...] = (ValueError, OSError),
+def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = ValueError,
+                 catch: tuple[type[Exception], ...] = (ValueError, OSError),
                  reason: Callable[[Exception], str] = str) -> T:
-    """work() on this rank; where it fails on any rank, every rank raises a ValueError of the first reason, so all stop
+    """work() on this rank; where it fails on any rank, every rank raises error(the first reason), so all stop
     together instead of leaving the others waiting in a collective. Collective when world > 1."""
     result, problem = None, None
     try:
@@ -380,7 +384,7 @@ def same_verdict(work: Callable[[], T], world: int, catch: tuple[type[Exception]
     except catch as e:
         problem = reason(e)
     if problem := shared_problem(problem, world):
-        raise ValueError(problem)
+        raise error(problem)
     return result
 
 

@@ -335,7 +335,7 @@ class Setup:
         self.train_loader, self.val_loader = same_verdict(
             lambda: (loader("train", self.data) if not cfg.eval_only else None,
                      loader("val", self.data) if cfg.eval_every or cfg.eval_only else None),
-            ctx.world, DataError, (DataError, OSError))  # a node without the data stops all
+            ctx.world, error=DataError, catch=(DataError, OSError))  # a node without the data stops all
         self.next_batch = self.train_loader.next_batch if self.train_loader is not None else None
         self.checkpointer = Checkpointer(cfg, ctx.rank, ctx.world, self.prov, chat=chat)
         self.found = self.checkpointer.find()  # first: a resumed fine-tune needs no --init-from source

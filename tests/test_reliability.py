@@ -182,6 +182,14 @@ def test_a_cuda_device_without_a_gpu_names_the_device_passed(name, monkeypatch):
         resolve_device(name)
 
 
+def test_a_cuda_device_past_the_last_gpu_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU: set_device(1) was CUDA's traceback
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"^--device cuda:1, but this machine has 1 CUDA GPU\(s\); pass "
+                       r"--device cuda:N with N below 1$"):
+        resolve_device("cuda:1")
+
+
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
 def test_a_cpu_run_does_not_fault_its_logits_in_again_every_step(token_data, tmp_path):
