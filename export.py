@@ -113,9 +113,9 @@ def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block
                  "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
     if chat:  # HF's generate then answers as chat.py does, and the tokenizer knows the chat tokens
         config, tokenizer = {**config, "eos_token_id": ASSISTANT_END}, {**tokenizer, **CHAT_TOKENIZER}
-        # generate's settings: chat.py's stop tokens, and never a padded row. The pad is an eos, not the BOS every
-        # prompt starts with: generate would mask that BOS out when given no attention mask
-        generation = {"bos_token_id": EOT, "eos_token_id": REPLY_STOPS, "pad_token_id": ASSISTANT_END,
+        # generate's settings: chat.py's stop tokens, and never a padded row. The pad is <|pad|>, never in input: the
+        # BOS was hidden by generate's guessed attention mask, the eos by HF's collator from the labels (never learned)
+        generation = {"bos_token_id": EOT, "eos_token_id": REPLY_STOPS, "pad_token_id": CHAT_VOCAB,
                       "suppress_tokens": list(range(CHAT_VOCAB, config["vocab_size"]))}
         (out / "generation_config.json").write_text(json.dumps(generation))
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -129,10 +129,10 @@ def _write(out: Path, sd: dict[str, torch.Tensor], config: dict[str, Any], block
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer))
 
 
-# chat_format.py's special tokens by name, in id order from SYSTEM_START; lstrip/rstrip off, so text keeps the
-# spaces and newlines that touch them
+# chat_format.py's special tokens by name, in id order from SYSTEM_START, then the pad at CHAT_VOCAB; lstrip/rstrip
+# off, so text keeps the spaces and newlines that touch them
 CHAT_TOKENS = [f"<|{role}_{edge}|>" for role in ("system", "user", "assistant", "tool", "output")
-               for edge in ("start", "end")]
+               for edge in ("start", "end")] + ["<|pad|>"]
 # render(): BOS, then each message as <|role_start|> content <|role_end|>, an assistant's tool parts in their markers;
 # what render and render_prompt refuse (no messages, roles out of turn, blank or listed content, a late prompt) raises
 CHAT_TEMPLATE = (
@@ -154,11 +154,11 @@ CHAT_TEMPLATE = (
     "\"the conversation's last message is from \" ~ messages[-1].role ~ ', expected user') }}{% endif %}"
     "<|assistant_start|>{% endif %}")
 CHAT_TOKENIZER = {
-    "eos_token": "<|assistant_end|>", "pad_token": "<|assistant_end|>", "chat_template": CHAT_TEMPLATE,
+    "eos_token": "<|assistant_end|>", "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE,
     "padding_side": "left",  # a batch's prompts end where generate goes on, as HF expects of decoder-only models
     "added_tokens_decoder": {str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
                                       "normalized": False, "single_word": False}
-                             for i, name in zip(range(SYSTEM_START, CHAT_VOCAB), CHAT_TOKENS, strict=True)}}
+                             for i, name in zip(range(SYSTEM_START, CHAT_VOCAB + 1), CHAT_TOKENS, strict=True)}}
 
 
 def _gpt2_files(cfg: GPTConfig, sd: dict[str, torch.Tensor],

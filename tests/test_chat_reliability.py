@@ -335,7 +335,7 @@ def test_the_chat_format_follows_the_weights_through_dpo_and_rl_to_export(sft, t
         export.main(["--ckpt", str(ckpt), "--export-hf", str(tmp_path / f"hf_{ckpt.parent.name}")])
         tok = transformers.AutoTokenizer.from_pretrained(tmp_path / f"hf_{ckpt.parent.name}")
         config = json.loads((tmp_path / f"hf_{ckpt.parent.name}" / "config.json").read_text())
-        assert (config["vocab_size"], len(tok), tok.chat_template is not None) == (50304, cf.CHAT_VOCAB, True)
+        assert (config["vocab_size"], len(tok), tok.chat_template is not None) == (50304, cf.CHAT_VOCAB + 1, True)
         # and HF answers as this project does, whatever each stage saved beside the weights
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{ckpt.parent.name}").eval()
         with torch.no_grad():

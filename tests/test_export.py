@@ -130,7 +130,7 @@ def test_a_chat_export_renders_as_chat_format_and_stops_at_assistant_end(sft, tm
         with pytest.raises(Exception, match=f"^{re.escape(str(ours.value))}$"):
             tok.apply_chat_template(bad, add_generation_prompt=prompt, return_dict=False)
     assert (len(tok), tok.eos_token_id, tok.decode([cf.TOOL_START, cf.OUTPUT_END])) == \
-        (cf.CHAT_VOCAB, cf.ASSISTANT_END, "<|tool_start|><|output_end|>")
+        (cf.CHAT_VOCAB + 1, cf.ASSISTANT_END, "<|tool_start|><|output_end|>")  # and the pad, <|pad|>
     # all 50,304 rows, the chat tokens' logits ours; generate stops at <|assistant_end|>, as generate.py does
     hf, model = transformers.AutoModelForCausalLM.from_pretrained(out).eval(), GPT.from_checkpoint(sft).eval()
     enc = get_tokenizer()
@@ -184,8 +184,8 @@ def test_a_chat_exports_config_stops_at_assistant_end_and_never_samples_a_padded
     export_hf(GPT(tiny(vocab_size=50304, n_layer=1)), tmp_path, chat=True)
     config, generation = (json.loads((tmp_path / f).read_text()) for f in ("config.json", "generation_config.json"))
     assert (config["vocab_size"], config["eos_token_id"], config["bos_token_id"]) == (50304, cf.ASSISTANT_END, EOT)
-    assert generation == {"bos_token_id": EOT, "eos_token_id": cf.REPLY_STOPS, "pad_token_id": cf.ASSISTANT_END,
-                          "suppress_tokens": list(range(cf.CHAT_VOCAB, 50304))}  # the padded rows: never sampled
+    assert generation == {"bos_token_id": EOT, "eos_token_id": cf.REPLY_STOPS, "pad_token_id": cf.CHAT_VOCAB,
+                          "suppress_tokens": list(range(cf.CHAT_VOCAB, 50304))}  # the padded rows (the pad's too)
 
 
 def test_a_batch_of_prompts_of_two_lengths_generates_each_rows_own_reply(random_chat):
@@ -202,6 +202,23 @@ def test_a_batch_of_prompts_of_two_lengths_generates_each_rows_own_reply(random_
     alone = [generate(model, [cf.render_prompt(c)], 4, temperature=0.0, vocab=cf.CHAT_VOCAB)[0].tokens for c in chats]
     assert theirs.tolist() == alone
     assert batch["attention_mask"].tolist()[0] == [0] * 7 + [1] * 5  # the pads, on the left, unseen
+
+
+def test_a_chat_exports_pad_is_its_own_token_so_a_collator_learns_assistant_end(random_chat):
+    # HF's collator masks the pad id out of the labels: as <|assistant_end|>, Trainer never learned to end a reply
+    transformers = pytest.importorskip("transformers")
+    model, out = random_chat
+    tok, hf = transformers.AutoTokenizer.from_pretrained(out), transformers.AutoModelForCausalLM.from_pretrained(out)
+    short, long = (tok.apply_chat_template(CONVERSATION[:n], return_dict=False) for n in (3, 5))
+    labels = transformers.DataCollatorForLanguageModeling(tok, mlm=False)([{"input_ids": short}, {"input_ids": long}])
+    assert labels["labels"].tolist() == [[-100] * (len(long) - len(short)) + short, long]
+    assert (tok.pad_token, tok.pad_token_id, hf.generation_config.pad_token_id) == ("<|pad|>", 50267, 50267)
+    # generate infers no mask hiding a real token (a BOS, an <|assistant_end|>) from the pad
+    prompt = torch.tensor([tok.apply_chat_template(CONVERSATION[1:4], add_generation_prompt=True, return_dict=False)])
+    with torch.no_grad():
+        unmasked = hf.eval().generate(prompt, max_new_tokens=4, do_sample=False)
+        masked = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    assert unmasked.tolist() == masked.tolist()
 
 
 def test_a_narrower_mlp_exports_its_width_as_n_inner(tmp_path):
