@@ -448,6 +448,8 @@ class TasksConfig:
             raise ValueError(f"--limit must be >= 0 (0: all); got {self.limit}")
         if self.eval:
             task_list(self.tasks, "--tasks")
+            if self.task != TasksConfig.task:  # sft.py's and rl.py's flag: ignored, the default --tasks were scored
+                raise ValueError(f"--eval scores --tasks, not --task: pass --tasks {self.task}")
         if self.pairs and not callable(getattr(load_task(self.task), "wrong", None)):
             raise ValueError(f"--pairs needs a task that makes wrong replies (wrong(answer, rng)), not {self.task}")
 

@@ -546,6 +546,13 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
                                 "or more; score another task")
 
 
+def test_eval_refuses_the_task_flag_of_the_other_stages():
+    # sft.py's and rl.py's --task, ignored here: the four default --tasks were scored (downloaded) in its place
+    with pytest.raises(SystemExit) as e:
+        tasks.main(["--eval", "chat.pt", "--task", "mine.py:Mine"])
+    assert e.value.code == "error: --eval scores --tasks, not --task: pass --tasks mine.py:Mine"
+
+
 def test_the_cli_scores_a_checkpoint_with_gpt2s_vocabulary(tmp_path):
     from model import GPT, GPTConfig
 
