@@ -458,7 +458,7 @@ def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
     """A comma list of tasks as {label: (spec, FILE)}: a built-in NAME=FILE reads a local copy in the hub's schema; a
     user's FILE.py:NAME is labelled NAME. Empty or repeated items are refused (a repeat would drop the first)."""
     listed: dict[str, tuple[str, str]] = {}
-    for item in specs.split(","):
+    for item in map(str.strip, specs.split(",")):
         name, _, source = item.partition("=") if item.partition("=")[0] in TASKS else (item, "", "")
         check_spec(name)
         if not name:

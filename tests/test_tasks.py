@@ -661,6 +661,12 @@ def test_what_a_users_task_gives_is_checked_where_it_is_made(user_file, tmp_path
                             "results go by the name; rename one")
 
 
+def test_a_task_list_takes_spaces_after_its_commas_as_a_reward_list_does():
+    # "arc-easy, mmlu" was refused as ' mmlu', a user's ' t.py:T' as "no such file  t.py"
+    assert tasks.task_list("arc-easy, mmlu=m.jsonl") == {"arc-easy": ("arc-easy", ""), "mmlu": ("mmlu", "m.jsonl")}
+    assert tasks.task_list("addition, t.py:T") == {"addition": ("addition", ""), "T": ("t.py:T", "")}
+
+
 def test_a_multiple_choice_task_run_as_tasks_py_is_scored_by_its_letters(tmp_path):
     # run as a script, tasks.py was __main__: a user's `import tasks` made a second MultipleChoice, isinstance failed,
     # and the task was scored by its replies (0.0 here) instead of its letters' logits (0.5); rows without "letters"
