@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if cfg.eval:
         return score_tasks(cfg)
     out = Path(cfg.out_dir or f"data/{cfg.task.rpartition(':')[2].lower()}")
-    pairs = out.with_name(out.name + "_pairs")  # beside, not inside: a directory is one dataset of one schema
+    pairs = out.resolve().with_name(out.resolve().name + "_pairs")  # beside, not inside: a directory has one schema
     try:  # every row first: a split that cannot be made leaves nothing written
         task, files = load_task(cfg.task), {}
         for split in ("train", "test"):

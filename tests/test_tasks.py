@@ -146,6 +146,13 @@ def test_addition_wrong_answers_fail_the_checker():
         assert wrong == " ".join(wrong.replace(" ", ""))  # spaced as the reference: a pair differs in its digits alone
 
 
+def test_cli_writes_into_the_current_directory_its_pairs_beside_it(tmp_path, monkeypatch):
+    (tmp_path / "mine").mkdir()
+    monkeypatch.chdir(tmp_path / "mine")  # --out-dir . was a traceback: '.' has no name to put _pairs after
+    tasks.main(["--task", "addition", "--out-dir", ".", "--limit", "3", "--pairs"])
+    assert [len((tmp_path / d / "test.jsonl").read_text().splitlines()) for d in ("mine", "mine_pairs")] == [3, 3]
+
+
 def test_cli_writes_splits_the_conversation_loader_reads(tmp_path, capsys):
     tasks.main(["--task", "addition", "--out-dir", str(tmp_path), "--limit", "100"])
     assert [len((tmp_path / f"{s}.jsonl").read_text().splitlines()) for s in ("train", "test")] == [100, 100]
