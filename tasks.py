@@ -285,7 +285,7 @@ def _run_file(path: Path) -> Any:
 def load_object(spec: str, flag: str) -> Any:
     """NAME of FILE.py:NAME or module:NAME, or a one-line ValueError naming the file and the name."""
     where, _, name = spec.rpartition(":")
-    if not where or not name:
+    if not name or not (where.endswith(".py") or all(map(str.isidentifier, where.split(".")))):  # a path without .py
         raise ValueError(f"{flag} {spec}: expected FILE.py:NAME or module:NAME")
     try:
         if not where.endswith(".py"):

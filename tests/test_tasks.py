@@ -350,6 +350,11 @@ def test_the_shipped_subtraction_example_is_disjoint_checks_and_scores_from_the_
                          "check(reply, answer) (tasks.py's docstring)"),
     ("no_such_module_here:Task", "--task no_such_module_here:Task: cannot load no_such_module_here "
                                  "(ModuleNotFoundError: No module named 'no_such_module_here')"),
+    # a path without .py, or a file whose path has a colon without :NAME, was imported as a module: "No module named
+    # '{dir}/doubling'", or a TypeError about relative imports for './doubling'
+    ("{dir}/doubling:Doubling", "--task {dir}/doubling:Doubling: expected FILE.py:NAME or module:NAME"),
+    ("./doubling:Doubling", "--task ./doubling:Doubling: expected FILE.py:NAME or module:NAME"),
+    ("./runs:1/t.py", "--task ./runs:1/t.py: expected FILE.py:NAME or module:NAME"),
     ("subtraction", "--task must be one of gsm8k, arc-easy, arc-challenge, mmlu, addition, or FILE.py:NAME or "
                     "module:NAME for your own; got 'subtraction'"),
 ])
