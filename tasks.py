@@ -39,6 +39,7 @@ import importlib
 import importlib.util
 import json
 import numbers
+import os
 import random
 import re
 import sys
@@ -504,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if cfg.eval:
         return score_tasks(cfg)
     out = Path(cfg.out_dir or f"data/{cfg.task.rpartition(':')[2].lower()}")
-    pairs = out.resolve().with_name(out.resolve().name + "_pairs")  # beside, not inside: a directory has one schema
+    pairs = Path(os.path.abspath(out) + "_pairs")  # beside, not inside: a directory is one dataset of one schema
     try:  # every row first: a split that cannot be made leaves nothing written
         task, files = load_task(cfg.task), {}
         for split in ("train", "test"):

@@ -151,6 +151,9 @@ def test_cli_writes_into_the_current_directory_its_pairs_beside_it(tmp_path, mon
     monkeypatch.chdir(tmp_path / "mine")  # --out-dir . was a traceback: '.' has no name to put _pairs after
     tasks.main(["--task", "addition", "--out-dir", ".", "--limit", "3", "--pairs"])
     assert [len((tmp_path / d / "test.jsonl").read_text().splitlines()) for d in ("mine", "mine_pairs")] == [3, 3]
+    (tmp_path / "link").symlink_to(tmp_path / "mine")  # a link's pairs go beside the link, as its name says
+    tasks.main(["--task", "addition", "--out-dir", "../link", "--limit", "2", "--pairs"])
+    assert len((tmp_path / "link_pairs" / "test.jsonl").read_text().splitlines()) == 2
 
 
 def test_cli_writes_splits_the_conversation_loader_reads(tmp_path, capsys):
