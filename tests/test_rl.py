@@ -385,6 +385,9 @@ def test_a_flag_the_algorithm_does_not_use_is_refused(flags, unused):
     (dict(reward="r.py:f", reward_weights=(1.0, math.inf)), r"--reward-weights must be finite: \(1.0, inf\)"),
     (dict(eval_limit=0), "--eval-limit must be >= 1; got 0"),  # 0 divided pass@k by 0; -1 dropped the last problem
     (dict(algo="ppo", vf_coef=-1.0), "--beta, --pass-k and --vf-coef must be >= 0"),
+    # TRL's loss_type names: which of ours each is was said by --help alone
+    (dict(loss_agg="grpo"), "--algo must be one of grpo, rloo, reinforce, ppo and --loss-agg one of token, sequence, "
+                            r"dr_grpo; got 'grpo' and 'grpo' \(TRL's dapo is token, its grpo sequence\)$"),
 ])
 def test_flags_that_would_be_ignored_or_break_the_run_are_refused(flags, message):
     with pytest.raises(ValueError, match=f"^{message}"):
