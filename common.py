@@ -35,6 +35,9 @@ GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must n
 # marks a config field (typing.Annotated[type, LOCAL]) that may differ between nodes: a path, or a rank's own setting
 LOCAL = "local"
 EOT = 50256  # <|endoftext|>
+# TRL's GRPOConfig names for rl.py's flags: its --epsilon is the clip range, not AdamW's --eps that difflib offers
+TRL_NAMES = {"epsilon": "clip", "num_generations": "samples", "max_completion_length": "max_new_tokens",
+             "loss_type": "loss_agg", "num_iterations": "ppo_epochs", "learning_rate": "max_lr"}
 T = TypeVar("T")
 CRCS_CHECKED: dict[tuple, bool] = {}  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
 
@@ -235,7 +238,8 @@ def _overrides(rest: list[tuple[str, str | None]], hints: dict[str, Any],
     for key, val in rest:
         flag = "--" + key.replace("_", "-")
         if key not in hints:
-            hint = difflib.get_close_matches(key, [*hints, *(["preset"] if presets else [])], n=1)
+            hint = [TRL_NAMES[key]] if TRL_NAMES.get(key) in hints else \
+                difflib.get_close_matches(key, [*hints, *(["preset"] if presets else [])], n=1)
             raise SystemExit(f"error: unknown option {flag}" + (f"; did you mean --{hint[0].replace('_', '-')}?"
                                                                 if hint else "; see --help"))
         if val is None:

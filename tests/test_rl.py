@@ -379,6 +379,15 @@ def test_a_flag_the_algorithm_does_not_use_is_refused(flags, unused):
     rl.RLConfig(algo="ppo", gamma=0.9, lam=0.5, vf_coef=1.0)  # its own
 
 
+@pytest.mark.parametrize("flag, ours", [("--epsilon", "--clip"), ("--num-generations", "--samples"),
+                                        ("--max-completion-length", "--max-new-tokens"), ("--loss-type", "--loss-agg")])
+def test_trls_names_for_our_flags_point_to_ours(flag, ours):
+    # TRL's --epsilon (its clip range) was offered AdamW's --eps; the others were "see --help"
+    with pytest.raises(SystemExit) as e:
+        rl.main([flag, "1"])
+    assert e.value.code == f"error: unknown option {flag}; did you mean {ours}?"
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(reward="r.py:f", reward_model="rm.pt"), "--reward and --reward-model each score the replies: pass one"),
     (dict(reward_weights=(2.0,)), "--reward-weights weigh --reward's functions: add it"),  # the task's reward, alone
