@@ -35,9 +35,10 @@ GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must n
 # marks a config field (typing.Annotated[type, LOCAL]) that may differ between nodes: a path, or a rank's own setting
 LOCAL = "local"
 EOT = 50256  # <|endoftext|>
-# TRL's GRPOConfig names for rl.py's flags: its --epsilon is the clip range, not AdamW's --eps that difflib offers
-TRL_NAMES = {"epsilon": "clip", "num_generations": "samples", "max_completion_length": "max_new_tokens",
-             "loss_type": "loss_agg", "num_iterations": "ppo_epochs", "learning_rate": "max_lr"}
+# TRL's and nanoGPT's names for our flags, where difflib offers others: TRL's --epsilon is rl.py's --clip, not --eps
+KNOWN_AS = {"epsilon": "clip", "num_generations": "samples", "max_completion_length": "max_new_tokens",
+            "loss_type": "loss_agg", "num_iterations": "ppo_epochs", "learning_rate": "max_lr", "block_size": "seq_len",
+            "eval_interval": "eval_every"}
 T = TypeVar("T")
 CRCS_CHECKED: dict[tuple, bool] = {}  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
 
@@ -238,7 +239,7 @@ def _overrides(rest: list[tuple[str, str | None]], hints: dict[str, Any],
     for key, val in rest:
         flag = "--" + key.replace("_", "-")
         if key not in hints:
-            hint = [TRL_NAMES[key]] if TRL_NAMES.get(key) in hints else \
+            hint = [KNOWN_AS[key]] if KNOWN_AS.get(key) in hints else \
                 difflib.get_close_matches(key, [*hints, *(["preset"] if presets else [])], n=1)
             raise SystemExit(f"error: unknown option {flag}" + (f"; did you mean --{hint[0].replace('_', '-')}?"
                                                                 if hint else "; see --help"))
