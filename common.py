@@ -35,10 +35,10 @@ GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must n
 # marks a config field (typing.Annotated[type, LOCAL]) that may differ between nodes: a path, or a rank's own setting
 LOCAL = "local"
 EOT = 50256  # <|endoftext|>
-# TRL's and nanoGPT's names for our flags, where difflib offers others: TRL's --epsilon is rl.py's --clip, not --eps
+# TRL's, nanoGPT's and nanochat's names for our flags, where difflib offers others: TRL's --epsilon is --clip, not --eps
 KNOWN_AS = {"epsilon": "clip", "num_generations": "samples", "max_completion_length": "max_new_tokens",
             "loss_type": "loss_agg", "num_iterations": "ppo_epochs", "learning_rate": "max_lr", "block_size": "seq_len",
-            "eval_interval": "eval_every"}
+            "eval_interval": "eval_every", "save_every": "ckpt_every", "examples_per_step": "prompts"}
 T = TypeVar("T")
 CRCS_CHECKED: dict[tuple, bool] = {}  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
 
