@@ -38,7 +38,8 @@ EOT = 50256  # <|endoftext|>
 # TRL's, nanoGPT's and nanochat's names for our flags, where difflib offers others: TRL's --epsilon is --clip, not --eps
 KNOWN_AS = {"epsilon": "clip", "num_generations": "samples", "max_completion_length": "max_new_tokens",
             "loss_type": "loss_agg", "num_iterations": "ppo_epochs", "learning_rate": "max_lr", "block_size": "seq_len",
-            "eval_interval": "eval_every", "save_every": "ckpt_every", "examples_per_step": "prompts"}
+            "eval_interval": "eval_every", "save_every": "ckpt_every", "examples_per_step": "prompts",
+            "beta": "dpo_beta", "rpo_alpha": "dpo_sft", "max_length": "seq_len"}
 T = TypeVar("T")
 CRCS_CHECKED: dict[tuple, bool] = {}  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
 
