@@ -35,6 +35,11 @@ GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must n
 # marks a config field (typing.Annotated[type, LOCAL]) that may differ between nodes: a path, or a rank's own setting
 LOCAL = "local"
 EOT = 50256  # <|endoftext|>
+# TRL's, nanoGPT's and nanochat's names for our flags, where difflib offers others: TRL's --epsilon is --clip, not --eps
+KNOWN_AS = {"epsilon": "clip", "num_generations": "samples", "max_completion_length": "max_new_tokens",
+            "loss_type": "loss_agg", "num_iterations": "ppo_epochs", "learning_rate": "max_lr", "block_size": "seq_len",
+            "eval_interval": "eval_every", "save_every": "ckpt_every", "examples_per_step": "prompts",
+            "beta": "dpo_beta", "rpo_alpha": "dpo_sft", "max_length": "seq_len"}
 T = TypeVar("T")
 CRCS_CHECKED: dict[tuple, bool] = {}  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
 
@@ -235,7 +240,8 @@ def _overrides(rest: list[tuple[str, str | None]], hints: dict[str, Any],
     for key, val in rest:
         flag = "--" + key.replace("_", "-")
         if key not in hints:
-            hint = difflib.get_close_matches(key, [*hints, *(["preset"] if presets else [])], n=1)
+            hint = [KNOWN_AS[key]] if KNOWN_AS.get(key) in hints else \
+                difflib.get_close_matches(key, [*hints, *(["preset"] if presets else [])], n=1)
             raise SystemExit(f"error: unknown option {flag}" + (f"; did you mean --{hint[0].replace('_', '-')}?"
                                                                 if hint else "; see --help"))
         if val is None:

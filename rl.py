@@ -194,7 +194,7 @@ class RLConfig(engine.RunArgs):
         super().__post_init__()
         if self.algo not in ALGOS or self.loss_agg not in LOSS_AGG:
             raise ValueError(f"--algo must be one of {', '.join(ALGOS)} and --loss-agg one of {', '.join(LOSS_AGG)}; "
-                             f"got {self.algo!r} and {self.loss_agg!r}")
+                             f"got {self.algo!r} and {self.loss_agg!r} (TRL's dapo is token, its grpo sequence)")
         tasks.check_spec(self.task)
         algo = ALGOS[self.algo]
         self.minibatches = self.minibatches or algo.minibatches

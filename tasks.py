@@ -39,6 +39,7 @@ import importlib
 import importlib.util
 import json
 import numbers
+import os
 import random
 import re
 import sys
@@ -285,7 +286,7 @@ def _run_file(path: Path) -> Any:
 def load_object(spec: str, flag: str) -> Any:
     """NAME of FILE.py:NAME or module:NAME, or a one-line ValueError naming the file and the name."""
     where, _, name = spec.rpartition(":")
-    if not where or not name:
+    if not name or not (where.endswith(".py") or all(map(str.isidentifier, where.split(".")))):  # a path without .py
         raise ValueError(f"{flag} {spec}: expected FILE.py:NAME or module:NAME")
     try:
         if not where.endswith(".py"):
@@ -448,6 +449,8 @@ class TasksConfig:
             raise ValueError(f"--limit must be >= 0 (0: all); got {self.limit}")
         if self.eval:
             task_list(self.tasks, "--tasks")
+            if self.task != TasksConfig.task:  # sft.py's and rl.py's flag: ignored, the default --tasks were scored
+                raise ValueError(f"--eval scores --tasks, not --task: pass --tasks {self.task}")
         if self.pairs and not callable(getattr(load_task(self.task), "wrong", None)):
             raise ValueError(f"--pairs needs a task that makes wrong replies (wrong(answer, rng)), not {self.task}")
 
@@ -456,7 +459,7 @@ def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
     """A comma list of tasks as {label: (spec, FILE)}: a built-in NAME=FILE reads a local copy in the hub's schema; a
     user's FILE.py:NAME is labelled NAME. Empty or repeated items are refused (a repeat would drop the first)."""
     listed: dict[str, tuple[str, str]] = {}
-    for item in specs.split(","):
+    for item in map(str.strip, specs.split(",")):
         name, _, source = item.partition("=") if item.partition("=")[0] in TASKS else (item, "", "")
         check_spec(name)
         if not name:
@@ -502,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if cfg.eval:
         return score_tasks(cfg)
     out = Path(cfg.out_dir or f"data/{cfg.task.rpartition(':')[2].lower()}")
-    pairs = out.with_name(out.name + "_pairs")  # beside, not inside: a directory is one dataset of one schema
+    pairs = Path(os.path.abspath(out) + "_pairs")  # beside, not inside: a directory is one dataset of one schema
     try:  # every row first: a split that cannot be made leaves nothing written
         task, files = load_task(cfg.task), {}
         for split in ("train", "test"):

@@ -586,6 +586,10 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
     ("prefs", ["--preload"], "unknown option --preload"),
     ("prefs", ["--label-smoothing=0.1"], "unknown option --label-smoothing"),
     ("sft", ["--shuffle=shards"], "unknown option --shuffle"),
+    # TRL's DPOConfig names: --beta was offered AdamW's --beta2, --max-length the learning rate --max-lr
+    ("prefs", ["--beta=0.1"], "unknown option --beta; did you mean --dpo-beta?"),
+    ("prefs", ["--rpo-alpha=1"], "unknown option --rpo-alpha; did you mean --dpo-sft?"),
+    ("prefs", ["--max-length=512"], "unknown option --max-length; did you mean --seq-len?"),
 ])
 def test_a_flag_a_stage_cannot_honour_is_one_line(main, flags, message):
     import importlib

@@ -379,12 +379,25 @@ def test_a_flag_the_algorithm_does_not_use_is_refused(flags, unused):
     rl.RLConfig(algo="ppo", gamma=0.9, lam=0.5, vf_coef=1.0)  # its own
 
 
+@pytest.mark.parametrize("flag, ours", [("--epsilon", "--clip"), ("--num-generations", "--samples"),
+                                        ("--max-completion-length", "--max-new-tokens"), ("--loss-type", "--loss-agg"),
+                                        ("--examples-per-step", "--prompts")])  # nanochat's
+def test_trls_and_nanochats_names_for_our_flags_point_to_ours(flag, ours):
+    # TRL's --epsilon (its clip range) was offered AdamW's --eps; the others were "see --help"
+    with pytest.raises(SystemExit) as e:
+        rl.main([flag, "1"])
+    assert e.value.code == f"error: unknown option {flag}; did you mean {ours}?"
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(reward="r.py:f", reward_model="rm.pt"), "--reward and --reward-model each score the replies: pass one"),
     (dict(reward_weights=(2.0,)), "--reward-weights weigh --reward's functions: add it"),  # the task's reward, alone
     (dict(reward="r.py:f", reward_weights=(1.0, math.inf)), r"--reward-weights must be finite: \(1.0, inf\)"),
     (dict(eval_limit=0), "--eval-limit must be >= 1; got 0"),  # 0 divided pass@k by 0; -1 dropped the last problem
     (dict(algo="ppo", vf_coef=-1.0), "--beta, --pass-k and --vf-coef must be >= 0"),
+    # TRL's loss_type names: which of ours each is was said by --help alone
+    (dict(loss_agg="grpo"), "--algo must be one of grpo, rloo, reinforce, ppo and --loss-agg one of token, sequence, "
+                            r"dr_grpo; got 'grpo' and 'grpo' \(TRL's dapo is token, its grpo sequence\)$"),
 ])
 def test_flags_that_would_be_ignored_or_break_the_run_are_refused(flags, message):
     with pytest.raises(ValueError, match=f"^{message}"):

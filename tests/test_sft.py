@@ -16,7 +16,7 @@ import stage
 import tasks
 from chat_format import ASSISTANT_END, ASSISTANT_START, ConversationLoader, render
 from common import get_tokenizer, iter_log, load_checkpoint
-from conftest import run_nodes, run_torchrun
+from conftest import one_line_error, run_nodes, run_torchrun
 from model import GPT
 
 
@@ -34,6 +34,14 @@ def flags(data: Path, out: Path, *extra: str) -> list[str]:
     return ["--preset", "sft-demo", "--init-from=", "--model=tiny", "--data", str(data), "--out-dir", str(out),
             "--seq-len=64", "--batch-size=4", "--total-batch-size=512", "--warmup-steps=2", "--eval-tokens=512",
             "--task=", *extra]
+
+
+def test_a_data_error_stops_the_run_in_one_line(tmp_path, capsys):
+    # a loader's DataError through the CLI: a trim of same_verdict once made it a TypeError traceback
+    (tmp_path / "c.jsonl").write_text('{"text": "hi"}\n' * 40)
+    assert one_line_error(capsys, sft.main, flags(tmp_path / "c.jsonl", tmp_path / "out")) == (
+        f"error: {tmp_path / 'c.jsonl'} row 1 (0-based, not a line number): no 'messages' (columns text); a "
+        'conversation is {"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it')
 
 
 @pytest.mark.parametrize("datasets_installed", [True, False])

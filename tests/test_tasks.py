@@ -146,6 +146,16 @@ def test_addition_wrong_answers_fail_the_checker():
         assert wrong == " ".join(wrong.replace(" ", ""))  # spaced as the reference: a pair differs in its digits alone
 
 
+def test_cli_writes_into_the_current_directory_its_pairs_beside_it(tmp_path, monkeypatch):
+    (tmp_path / "mine").mkdir()
+    monkeypatch.chdir(tmp_path / "mine")  # --out-dir . was a traceback: '.' has no name to put _pairs after
+    tasks.main(["--task", "addition", "--out-dir", ".", "--limit", "3", "--pairs"])
+    assert [len((tmp_path / d / "test.jsonl").read_text().splitlines()) for d in ("mine", "mine_pairs")] == [3, 3]
+    (tmp_path / "link").symlink_to(tmp_path / "mine")  # a link's pairs go beside the link, as its name says
+    tasks.main(["--task", "addition", "--out-dir", "../link", "--limit", "2", "--pairs"])
+    assert len((tmp_path / "link_pairs" / "test.jsonl").read_text().splitlines()) == 2
+
+
 def test_cli_writes_splits_the_conversation_loader_reads(tmp_path, capsys):
     tasks.main(["--task", "addition", "--out-dir", str(tmp_path), "--limit", "100"])
     assert [len((tmp_path / f"{s}.jsonl").read_text().splitlines()) for s in ("train", "test")] == [100, 100]
@@ -343,6 +353,11 @@ def test_the_shipped_subtraction_example_is_disjoint_checks_and_scores_from_the_
                          "check(reply, answer) (tasks.py's docstring)"),
     ("no_such_module_here:Task", "--task no_such_module_here:Task: cannot load no_such_module_here "
                                  "(ModuleNotFoundError: No module named 'no_such_module_here')"),
+    # a path without .py, or a file whose path has a colon without :NAME, was imported as a module: "No module named
+    # '{dir}/doubling'", or a TypeError about relative imports for './doubling'
+    ("{dir}/doubling:Doubling", "--task {dir}/doubling:Doubling: expected FILE.py:NAME or module:NAME"),
+    ("./doubling:Doubling", "--task ./doubling:Doubling: expected FILE.py:NAME or module:NAME"),
+    ("./runs:1/t.py", "--task ./runs:1/t.py: expected FILE.py:NAME or module:NAME"),
     ("subtraction", "--task must be one of gsm8k, arc-easy, arc-challenge, mmlu, addition, or FILE.py:NAME or "
                     "module:NAME for your own; got 'subtraction'"),
 ])
@@ -546,6 +561,13 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
                                 "or more; score another task")
 
 
+def test_eval_refuses_the_task_flag_of_the_other_stages():
+    # sft.py's and rl.py's --task, ignored here: the four default --tasks were scored (downloaded) in its place
+    with pytest.raises(SystemExit) as e:
+        tasks.main(["--eval", "chat.pt", "--task", "mine.py:Mine"])
+    assert e.value.code == "error: --eval scores --tasks, not --task: pass --tasks mine.py:Mine"
+
+
 def test_the_cli_scores_a_checkpoint_with_gpt2s_vocabulary(tmp_path):
     from model import GPT, GPTConfig
 
@@ -652,6 +674,12 @@ def test_what_a_users_task_gives_is_checked_where_it_is_made(user_file, tmp_path
         tasks.task_list(f"{user_file}:Doubling,{tmp_path / 'b.py'}:Doubling")
     assert str(e.value) == (f"--task {user_file}:Doubling,{tmp_path / 'b.py'}:Doubling: two tasks named Doubling: "
                             "results go by the name; rename one")
+
+
+def test_a_task_list_takes_spaces_after_its_commas_as_a_reward_list_does():
+    # "arc-easy, mmlu" was refused as ' mmlu', a user's ' t.py:T' as "no such file  t.py"
+    assert tasks.task_list("arc-easy, mmlu=m.jsonl") == {"arc-easy": ("arc-easy", ""), "mmlu": ("mmlu", "m.jsonl")}
+    assert tasks.task_list("addition, t.py:T") == {"addition": ("addition", ""), "T": ("t.py:T", "")}
 
 
 def test_a_multiple_choice_task_run_as_tasks_py_is_scored_by_its_letters(tmp_path):

@@ -149,6 +149,10 @@ def test_llama_trains_and_resumes_bitwise(token_data, tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--max-lrr=1"], "unknown option --max-lrr; did you mean --max-lr"),
     (["--presett", "tiny"], "unknown option --presett; did you mean --preset?"),
+    # nanoGPT's and nanochat's names: --block-size was offered --vocab-size, --eval-interval the bool --eval-only
+    (["--block-size=64"], "unknown option --block-size; did you mean --seq-len?"),
+    (["--eval-interval=5"], "unknown option --eval-interval; did you mean --eval-every?"),
+    (["--save-every=5"], "unknown option --save-every; did you mean --ckpt-every?"),  # nanochat's: was --keep-every
     (["--parallel", "zero3"], "--parallel must be one of ddp, zero1, fsdp"),
     (["--batch-size=big"], "--batch-size expects int"),
     (["--preset", "gpt5"], "unknown --preset 'gpt5'"),
