@@ -165,9 +165,8 @@ class Addition(Task):
 
 def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world: int = 1, max_new_tokens: int = 512,
              batch: int = 64, autocast: contextlib.AbstractContextManager | None = None) -> dict:
-    """Greedy accuracy of the model's replies to `problems` (examples: messages and answer), the calculator on: rank
-    r answers every world-th problem, the counts summed over ranks; replies up to 512 tokens (GSM8K's), as chat_core's.
-    {"acc", "n"}."""
+    """{"acc", "n"}: greedy accuracy of the model's replies to `problems`, the calculator on: rank r answers every
+    world-th problem, the counts summed over ranks; replies up to 512 tokens (GSM8K's), as chat_core's."""
     mine = problems[rank::world]
 
     def count(right: int = 0) -> int:
@@ -208,8 +207,7 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
 
 def accuracy(model: Any, task: Any, problems: list[dict], rank: int = 0, world: int = 1,
              autocast: contextlib.AbstractContextManager | None = None, max_new_tokens: int = 512) -> dict:
-    """A task's {"acc", "n"} wherever it is scored: a multiple-choice one's by its letters (choose), the rest's by
-    greedy replies (evaluate)."""
+    """A task's {"acc", "n"} wherever it is scored: multiple choice by its letters (choose), the rest by replies."""
     with evaluating(model):
         if isinstance(task, MultipleChoice):
             return choose(model, problems, rank, world, autocast=autocast)
@@ -242,8 +240,7 @@ def summed(right: int, n: int, device: torch.device, world: int) -> dict:
 
 
 def centered(accuracy: float, baseline: float) -> float:
-    """Accuracy rescaled so that chance (`baseline`, a fraction) scores 0 and a perfect score 1: CORE's and ChatCORE's
-    centering."""
+    """Accuracy rescaled so that chance (`baseline`, a fraction) scores 0, a perfect score 1: as CORE and ChatCORE."""
     return (accuracy - baseline) / (1.0 - baseline)
 
 
