@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
 import json
 import numbers
@@ -286,12 +285,9 @@ def load_object(spec: str, flag: str) -> Any:
     if not name or not (where.endswith(".py") or all(map(str.isidentifier, where.split(".")))):  # a path without .py
         raise ValueError(f"{flag} {spec}: expected FILE.py:NAME or module:NAME")
     try:
-        if not where.endswith(".py"):
-            module = importlib.import_module(where)
-        elif not (path := Path(where).expanduser()).is_file():
+        if where.endswith(".py") and not (path := Path(where).expanduser()).is_file():
             raise FileNotFoundError(f"no such file {where}")
-        else:
-            module = _run_file(path.resolve())
+        module = _run_file(path.resolve()) if where.endswith(".py") else importlib.import_module(where)
         return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{flag} {spec}: {where} has no {name!r}") from None
@@ -362,6 +358,8 @@ class UserTask:
                 if not isinstance(row, dict) or not set(need) <= row.keys():  # "letters": what choose() scores by
                     raise ValueError(f"expected a dict with {' and '.join(map(repr, need))}, got {row!r:.60}")
                 check_messages(row["messages"], "assistant")
+                if not isinstance(a := row["answer"], str):  # check() compared text to 20: wrong every time, silently
+                    raise ValueError(f"'answer' is {a!r:.40} ({type(a).__name__}), not a str: return str(...) of it")
         return out
 
 

@@ -247,10 +247,16 @@ class Copying(Doubling):  # its wrong reply is the right one
         return answer
 
 
-class Numpy(Doubling):  # a row holding a numpy number: fine in memory, not JSON
+class Numpy(Doubling):  # a numpy string is a str; a numpy number in a row of its own is fine in memory, not JSON
     def examples(self, split):
         import numpy
-        return [{**row, "answer": numpy.int64(row["answer"])} for row in super().examples(split)]
+        return [{**row, "answer": numpy.str_(row["answer"]), "level": numpy.int64(1)}
+                for row in super().examples(split)]
+
+
+class Integer(Doubling):  # check() compared text to an int: 0% accuracy, 0 reward, a zero loss, silently
+    def examples(self, split):
+        return [{**row, "answer": int(row["answer"])} for row in super().examples(split)]
 
 
 def tensor(prompt, reply, answer):
@@ -374,6 +380,8 @@ def test_a_task_that_cannot_load_is_one_line_naming_the_file_and_the_name(user_f
     ("Lazy", "--task {file}:Lazy: examples('test') returned a generator, not a list of rows"),
     ("Unanswered", "--task {file}:Unanswered: examples('test') row 0: expected a dict with 'messages' and 'answer', "
                    "got {{'messages': [{{'role': 'user', 'content': 'Double 30?'}}, {{'r"),
+    ("Integer", "--task {file}:Integer: examples('test') row 0: 'answer' is 60 (int), not a str: return str(...) of "
+                "it"),
     ("Strict", "--task {file}:Strict: check() raised KeyError: 'no such field'"),
     ("Silent", "--task {file}:Silent: check() returned None, not True/False: does it end with `return`?"),
 ])
