@@ -241,8 +241,9 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
                      (0 < self.dpo_beta < float("inf"), f"--dpo-beta must be a positive number; got {self.dpo_beta}"),
                      (self.objective != "reward" or self.arch.setdefault("value_head", True) is True,
                       "--objective reward trains a value head: drop --value-head false")])
-        # the other objective's flags, and the next-token loss's speed options, which neither objective computes
-        other = {"reward": ("dpo_beta", "dpo_sft"), "dpo": ("reward_logprob",)}[self.objective]
+        # the other objective's flags (--task scores greedy replies: a reward model's logits are not what it trains),
+        # and the next-token loss's speed options, which neither objective computes
+        other = {"reward": ("dpo_beta", "dpo_sft", "task"), "dpo": ("reward_logprob",)}[self.objective]
         unused = [f for f in other if getattr(self, f) != PrefsConfig.__dataclass_fields__[f].default]
         if unused := unused + [f for f in ("loss_chunk", "fused_ce") if self.arch.get(f)]:
             raise ValueError(f"--objective {self.objective} does not use --{flag(unused[0])}: drop it")

@@ -565,6 +565,10 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
     ("prefs", ["--objective=reward", "--value-head=false"], "--objective reward trains a value head"),
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--parallel=fsdp"], "--objective dpo keeps a whole frozen"),
     ("prefs", ["--objective=reward", "--dpo-sft=1"], "--objective reward does not use --dpo-sft: drop it"),
+    # a reward model's greedy replies were scored as task accuracy: its logits are not what it trains (tasks.py --eval
+    # refuses one), with --reward-logprob too: they are half of its score
+    ("prefs", ["--objective=reward", "--task=addition"], "--objective reward does not use --task: drop it"),
+    ("prefs", ["--objective=reward", "--reward-logprob", "--task=addition"], "--objective reward does not use --task"),
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--reward-logprob"], "--objective dpo does not use --reward-log"),
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--loss-chunk=64"], "--objective dpo does not use --loss-chunk"),
     # a value head neither trains: it stayed zero, and under DDP its missing gradient stops the run
