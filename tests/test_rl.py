@@ -223,6 +223,20 @@ def test_a_resume_notes_another_schedule_and_refuses_a_checkpoint_past_max_steps
         stage.check_resume((tmp_path, {"step": 21, "train_config": {}}), cfg)
 
 
+def test_a_resume_names_the_flags_changed_since_the_checkpoint(capsys):
+    # another --clip, --samples or --reward went on silently, as the same run; the lr's and paths' changes are not
+    # listed (note_new_schedule speaks when the lr changes), nor a flag the checkpoint's config lacks
+    saved = dataclasses.asdict(rl.RLConfig(max_steps=10, out_dir="a", clip=0.2, samples=8))
+    del saved["temperature"]
+    cfg = rl.RLConfig(max_steps=20, out_dir="b", clip=0.3, samples=4, temperature=1.0, reward="r.py:f")
+    stage.note_changed_flags(saved, cfg)
+    assert capsys.readouterr().out == ("note: flags changed since the checkpoint: --reward '' -> 'r.py:f', --samples "
+                                       "8 -> 4, --clip 0.2 -> 0.3\n")
+    for same in (rl.RLConfig(**{**saved, "temperature": 1.0}), dataclasses.replace(cfg, eval_only=True)):
+        stage.note_changed_flags(saved, same)  # an evaluation trains nothing
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("saved, config", [
     ({}, rl.RLConfig()),  # an SFT or DPO policy went on silently at its step, a PPO one crashed on its critic
     ({"objective": "reward"}, rl.RLConfig()),  # a traceback on its value head
