@@ -262,10 +262,10 @@ TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": l
 # A user's own task and rewards: FILE.py:NAME or module:NAME
 
 
-def check_spec(spec: str) -> None:
+def check_spec(spec: str, flag: str = "--task") -> None:
     """A ValueError unless spec is '' (none), a built-in task's name, or FILE.py:NAME / module:NAME (loaded later)."""
     if spec and spec not in TASKS and ":" not in spec:
-        raise ValueError(f"--task must be one of {', '.join(TASKS)}, or FILE.py:NAME or module:NAME for your own; "
+        raise ValueError(f"{flag} must be one of {', '.join(TASKS)}, or FILE.py:NAME or module:NAME for your own; "
                          f"got {spec!r}")
 
 
@@ -401,7 +401,8 @@ def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
         raise ValueError(f"--reward {specs!r} names no function; pass FILE.py:FN[,FILE.py:FN2]")
     weights = weights or (1.0,) * len(names)
     if len(weights) != len(names):
-        raise ValueError(f"--reward-weights gives {len(weights)} weights for {len(names)} --reward functions")
+        raise ValueError(f"--reward-weights gives {len(weights)} weight{'s' * (len(weights) != 1)} for {len(names)} "
+                         f"--reward function{'s' * (len(names) != 1)}")
     found = [(name, load_object(name, "--reward"), w) for name, w in zip(names, weights, strict=True)]
     if bad := next((name for name, fn, _ in found if not callable(fn)), None):
         raise ValueError(f"--reward {bad} is not a function; a reward is fn(prompt, reply, answer) -> float")
@@ -456,7 +457,7 @@ def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
     listed: dict[str, tuple[str, str]] = {}
     for item in map(str.strip, specs.split(",")):
         name, _, source = item.partition("=") if item.partition("=")[0] in TASKS else (item, "", "")
-        check_spec(name)
+        check_spec(name, flag)
         if not name:
             raise ValueError(f"{flag} {specs}: an empty item; list each task once")
         if (label := name.rpartition(":")[2]) in listed:
