@@ -73,7 +73,9 @@ def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]
 def parse_pair(row: dict) -> tuple[list[dict], str, str]:
     """(prompt messages, chosen reply, rejected reply) of a row in any of the three schemas; a ValueError if bad."""
     if missing := [key for key in ("chosen", "rejected") if row.get(key) is None]:
-        raise ValueError(f"missing field {missing[0]!r}")
+        sft = (": a row with 'messages' is a conversation, sft.py's data; a pair is {\"prompt\", \"chosen\", "
+               "\"rejected\"} (tasks.py --pairs writes them)") * ("messages" in row)
+        raise ValueError(f"missing field {missing[0]!r}{sft}")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     if isinstance(prompt, str) and TURN.match(prompt) and prompt.endswith(ASSISTANT):  # rm-static's: HH's prompt
         prompt = turns(prompt[:-len(ASSISTANT)])  # the replies lose the space after "Assistant:", as HH's own do

@@ -105,6 +105,10 @@ def test_multi_turn_conversations_keep_every_earlier_turn_and_a_prompts_spaces()
 
 @pytest.mark.parametrize("row, message", [
     ({"prompt": "p", "chosen": "a"}, "missing field 'rejected'"),
+    # sft.py's data given to prefs.py: "missing field 'chosen'" alone
+    ({"messages": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "a"}]},
+     "missing field 'chosen': a row with 'messages' is a conversation, sft.py's data; a pair is {\"prompt\", "
+     "\"chosen\", \"rejected\"} (tasks.py --pairs writes them)"),
     ({"prompt": "p", "chosen": "a", "rejected": "  "}, "the rejected reply is empty"),
     ({"prompt": "p", "chosen": "same", "rejected": "same"}, "chosen == rejected: the pair prefers nothing"),
     ({"chosen": "one reply", "rejected": "another"}, "no 'prompt' field, and chosen and rejected are not"),
