@@ -153,12 +153,15 @@ def check_architecture(cfg: StageArgs, src: GPTConfig, source: str) -> None:
                          "flags, or use a preset that does not set them")
 
 
-def check_not_run_dir(init_from: str) -> Path:
-    """--init-from as a path, or a one-line refusal of a run directory (GPT.load's hint would name --ckpt)."""
+def check_not_run_dir(init_from: str, made_by: str = "") -> Path:
+    """--init-from as a path, or a one-line refusal of a run directory (GPT.load's hint would name --ckpt); with
+    `made_by`, the stage that writes it, of a path that does not exist (load_checkpoint's hint names train.py)."""
     path = Path(init_from).expanduser()
     if path.is_dir() and not (path / "config.json").exists() and (found := checkpoints(path)):
         raise ValueError(f"--init-from {init_from} is a run directory; pass one of its checkpoints, e.g. "
                          f"--init-from {found[-1]} (the latest)")
+    check_flags([(not made_by or path.exists(), f"--init-from {init_from} does not exist; pass a checkpoint that "
+                  f"{made_by} wrote")])
     return path
 
 

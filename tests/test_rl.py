@@ -164,8 +164,8 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys, hf_di
     short = save_model(tmp_path / "short.pt", 2, block_size=16, value_head=True)
     assert error("--reward-model", str(short)).startswith(f"error: --reward-model {short} reads 16 tokens, and a "
                                                           "prompt with a reply of --max-new-tokens 6 takes 19")
-    assert error("--init-from", str(tmp_path / "none.pt")).startswith(f"error: checkpoint {tmp_path / 'none.pt'} "
-                                                                      "does not exist")
+    assert error("--init-from", str(tmp_path / "none.pt")) == (  # it said "pass the .pt file that train.py wrote"
+        f"error: --init-from {tmp_path / 'none.pt'} does not exist; pass a checkpoint that sft.py wrote")
     # a directory was an IsADirectoryError traceback, whose hint named the --init-from just given
     assert error("--init-from", str(hf_dir)) == (f"error: checkpoint {hf_dir} is a directory, not a file; it has a "
                                                  "config.json, so it looks like an HF GPT-2 directory: load it with "
