@@ -327,7 +327,7 @@ def guarded(fn: Callable[..., Any], name: str, verdict: bool = False) -> Callabl
 
 class UserTask:
     """A user's task as load_task gives it: examples, check and wrong one line naming them where they raise, and the
-    examples checked to be a list of {"messages": [..., user, assistant], "answer"} rows; the rest as it has it."""
+    examples checked to be a list of {"messages": [..., user, assistant], "answer": str} rows; the rest as it has it."""
 
     def __init__(self, task: Any, spec: str):
         self.task, self.spec = task, spec
