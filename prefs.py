@@ -73,7 +73,9 @@ def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]
 def parse_pair(row: dict) -> tuple[list[dict], str, str]:
     """(prompt messages, chosen reply, rejected reply) of a row in any of the three schemas; a ValueError if bad."""
     if missing := [key for key in ("chosen", "rejected") if row.get(key) is None]:
-        raise ValueError(f"missing field {missing[0]!r}")
+        sft = (": a row with 'messages' is a conversation, sft.py's data; a pair is {\"prompt\", \"chosen\", "
+               "\"rejected\"} (tasks.py --pairs writes them)") * ("messages" in row)
+        raise ValueError(f"missing field {missing[0]!r}{sft}")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     if isinstance(prompt, str) and TURN.match(prompt) and prompt.endswith(ASSISTANT):  # rm-static's: HH's prompt
         prompt = turns(prompt[:-len(ASSISTANT)])  # the replies lose the space after "Assistant:", as HH's own do
@@ -241,8 +243,9 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
                      (0 < self.dpo_beta < float("inf"), f"--dpo-beta must be a positive number; got {self.dpo_beta}"),
                      (self.objective != "reward" or self.arch.setdefault("value_head", True) is True,
                       "--objective reward trains a value head: drop --value-head false")])
-        # the other objective's flags, and the next-token loss's speed options, which neither objective computes
-        other = {"reward": ("dpo_beta", "dpo_sft"), "dpo": ("reward_logprob",)}[self.objective]
+        # the other objective's flags (--task scores greedy replies: a reward model's logits are not what it trains),
+        # and the next-token loss's speed options, which neither objective computes
+        other = {"reward": ("dpo_beta", "dpo_sft", "task"), "dpo": ("reward_logprob",)}[self.objective]
         unused = [f for f in other if getattr(self, f) != PrefsConfig.__dataclass_fields__[f].default]
         if unused := unused + [f for f in ("loss_chunk", "fused_ce") if self.arch.get(f)]:
             raise ValueError(f"--objective {self.objective} does not use --{flag(unused[0])}: drop it")

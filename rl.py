@@ -441,9 +441,9 @@ def load(cfg: RLConfig) -> tuple[Any, tasks.Reward, GPT, list[dict], list[dict],
     """The task, the reward, the policy, the train and held-out problems and the reward model, or a one-line refusal."""
     task = tasks.load_task(cfg.task)
     reward = tasks.load_rewards(cfg.reward, cfg.reward_weights) if cfg.reward else tasks.task_reward(task, cfg.task)
+    stage.check_not_run_dir(cfg.init_from, "sft.py")  # a missing start, named as the flag that gives it
     # a reward model refused, a PPO critic dropped where none is trained, HF GPT-2's rows padded for the chat tokens
-    raw = GPT.load(cfg.init_from, None, value_head=ALGOS[cfg.algo].critic, dropout=0.0)
-    raw.pad_vocab(GPTConfig().vocab_size)
+    raw = GPT.load(cfg.init_from, None, value_head=ALGOS[cfg.algo].critic, dropout=0.0).pad_vocab(GPTConfig.vocab_size)
     train_problems, test_problems, bs = task.examples("train"), task.examples("test"), raw.config.block_size
     longest = tasks.longest_prompt(train_problems + test_problems)
     check_flags([(longest < bs, f"--task {cfg.task}: a prompt takes {longest} tokens, the policy's whole context {bs}: "

@@ -153,12 +153,15 @@ def check_architecture(cfg: StageArgs, src: GPTConfig, source: str) -> None:
                          "flags, or use a preset that does not set them")
 
 
-def check_not_run_dir(init_from: str) -> Path:
-    """--init-from as a path, or a one-line refusal of a run directory (GPT.load's hint would name --ckpt)."""
+def check_not_run_dir(init_from: str, made_by: str = "") -> Path:
+    """--init-from as a path, or a one-line refusal of a run directory (GPT.load's hint would name --ckpt); with
+    `made_by`, the stage that writes it, of a path that does not exist (load_checkpoint's hint names train.py)."""
     path = Path(init_from).expanduser()
     if path.is_dir() and not (path / "config.json").exists() and (found := checkpoints(path)):
         raise ValueError(f"--init-from {init_from} is a run directory; pass one of its checkpoints, e.g. "
                          f"--init-from {found[-1]} (the latest)")
+    check_flags([(not made_by or path.exists(), f"--init-from {init_from} does not exist; pass a checkpoint that "
+                  f"{made_by} wrote")])
     return path
 
 
@@ -489,24 +492,28 @@ def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.M
            parts: dict[str, Any], cfg: RunArgs, ctx: Context) -> int:
     """Restore the checkpoint found into the built run on every rank (or stop all of them); returns its step."""
     path, ckpt = found
+    saved = ckpt.get("train_config", {})
     step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, parts), ctx.world, catch=(ValueError,))
     if ctx.master:
         print(f"resumed from {path} at step {step}")
         if (loader := parts.get("loader")) is not None and (note := loader.resume_note(ckpt["loader"])):
             print(f"note: {note}")
-        note_new_schedule(ckpt.get("train_config", {}), cfg, step)
-    clip = ["--grad-clip"] * (ckpt.get("train_config", {}).get("grad_clip", cfg.grad_clip) != cfg.grad_clip)
+        note_new_schedule(saved, cfg, step)
+        note_changed_flags(saved, cfg)
+    clip = ["--grad-clip"] * (saved.get("grad_clip", cfg.grad_clip) != cfg.grad_clip)
     if not cfg.eval_only and (changed := set_hyperparameters(built.optimizer, cfg) + clip) and ctx.master:
         print(f"note: {', '.join(changed)} differ from the checkpoint's run: this run's values apply from step {step}")
     del ckpt["model"], ckpt["optimizer"]  # copied into the model and optimizer: free the CPU copy
     return step
 
 
+SCHEDULE = ("max_steps", "max_lr", "warmup_steps", "lr_schedule", "min_lr_frac", "decay_frac")  # the lr's flags
+
+
 def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
     """Say so when the resumed run had another schedule (--max-steps, --lr-schedule...) that changes the lr."""
-    keys = ("max_steps", "max_lr", "warmup_steps", "lr_schedule", "min_lr_frac", "decay_frac")
-    old = dataclasses.replace(cfg, **{k: saved[k] for k in keys if k in saved})
-    changed = [k for k in keys if getattr(old, k) != getattr(cfg, k)]
+    old = dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE if k in saved})
+    changed = [k for k in SCHEDULE if getattr(old, k) != getattr(cfg, k)]
     steps = range(step, max(old.max_steps, cfg.max_steps) + 1) if changed and not cfg.eval_only else ()
     differs = next((s for s in steps if get_lr(s, old) != get_lr(s, cfg)), None)
     if differs is not None:
@@ -514,6 +521,16 @@ def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
         has = " and ".join(str(getattr(cfg, k)) for k in changed)
         print(f"note: the checkpoint's run had {had}, this run has {has}: from step {differs} the lr is "
               f"{get_lr(differs, cfg):.3g}, not that run's {get_lr(differs, old):.3g}")
+
+
+def note_changed_flags(saved: dict[str, Any], cfg: RunArgs) -> None:
+    """Name the flags a training run changed since its checkpoint (--clip, --samples...) but those the notes above
+    cover (the lr's, the optimizer's, the data windows'), LOCAL ones (paths, a node's own) and any it lacks."""
+    said = (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "batch_size", "shuffle")
+    changed = [f"--{flag(k)} {saved[k]!r} -> {now}" for k, now in engine.command_of(cfg).items()
+               if k in saved and k not in said and repr(saved[k]) != now]
+    if changed and not cfg.eval_only:
+        print(f"note: flags changed since the checkpoint: {', '.join(changed)}")
 
 
 def open_log(cfg: RunArgs, raw: GPT, checkpointer: Checkpointer, found: tuple[Path, dict] | None, start: int,

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
 import json
 import numbers
@@ -263,10 +262,10 @@ TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": l
 # A user's own task and rewards: FILE.py:NAME or module:NAME
 
 
-def check_spec(spec: str) -> None:
+def check_spec(spec: str, flag: str = "--task") -> None:
     """A ValueError unless spec is '' (none), a built-in task's name, or FILE.py:NAME / module:NAME (loaded later)."""
     if spec and spec not in TASKS and ":" not in spec:
-        raise ValueError(f"--task must be one of {', '.join(TASKS)}, or FILE.py:NAME or module:NAME for your own; "
+        raise ValueError(f"{flag} must be one of {', '.join(TASKS)}, or FILE.py:NAME or module:NAME for your own; "
                          f"got {spec!r}")
 
 
@@ -286,12 +285,9 @@ def load_object(spec: str, flag: str) -> Any:
     if not name or not (where.endswith(".py") or all(map(str.isidentifier, where.split(".")))):  # a path without .py
         raise ValueError(f"{flag} {spec}: expected FILE.py:NAME or module:NAME")
     try:
-        if not where.endswith(".py"):
-            module = importlib.import_module(where)
-        elif not (path := Path(where).expanduser()).is_file():
+        if where.endswith(".py") and not (path := Path(where).expanduser()).is_file():
             raise FileNotFoundError(f"no such file {where}")
-        else:
-            module = _run_file(path.resolve())
+        module = _run_file(path.resolve()) if where.endswith(".py") else importlib.import_module(where)
         return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{flag} {spec}: {where} has no {name!r}") from None
@@ -331,7 +327,7 @@ def guarded(fn: Callable[..., Any], name: str, verdict: bool = False) -> Callabl
 
 class UserTask:
     """A user's task as load_task gives it: examples, check and wrong one line naming them where they raise, and the
-    examples checked to be a list of {"messages": [..., user, assistant], "answer"} rows; the rest as it has it."""
+    examples checked to be a list of {"messages": [..., user, assistant], "answer": str} rows; the rest as it has it."""
 
     def __init__(self, task: Any, spec: str):
         self.task, self.spec = task, spec
@@ -362,6 +358,8 @@ class UserTask:
                 if not isinstance(row, dict) or not set(need) <= row.keys():  # "letters": what choose() scores by
                     raise ValueError(f"expected a dict with {' and '.join(map(repr, need))}, got {row!r:.60}")
                 check_messages(row["messages"], "assistant")
+                if not isinstance(a := row["answer"], str):  # check() compared text to 20: wrong every time, silently
+                    raise ValueError(f"'answer' is {a!r:.40} ({type(a).__name__}), not a str: return str(...) of it")
         return out
 
 
@@ -403,7 +401,8 @@ def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
         raise ValueError(f"--reward {specs!r} names no function; pass FILE.py:FN[,FILE.py:FN2]")
     weights = weights or (1.0,) * len(names)
     if len(weights) != len(names):
-        raise ValueError(f"--reward-weights gives {len(weights)} weights for {len(names)} --reward functions")
+        raise ValueError(f"--reward-weights gives {len(weights)} weight{'s' * (len(weights) != 1)} for {len(names)} "
+                         f"--reward function{'s' * (len(names) != 1)}")
     found = [(name, load_object(name, "--reward"), w) for name, w in zip(names, weights, strict=True)]
     if bad := next((name for name, fn, _ in found if not callable(fn)), None):
         raise ValueError(f"--reward {bad} is not a function; a reward is fn(prompt, reply, answer) -> float")
@@ -458,7 +457,7 @@ def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
     listed: dict[str, tuple[str, str]] = {}
     for item in map(str.strip, specs.split(",")):
         name, _, source = item.partition("=") if item.partition("=")[0] in TASKS else (item, "", "")
-        check_spec(name)
+        check_spec(name, flag)
         if not name:
             raise ValueError(f"{flag} {specs}: an empty item; list each task once")
         if (label := name.rpartition(":")[2]) in listed:

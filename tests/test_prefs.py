@@ -105,6 +105,10 @@ def test_multi_turn_conversations_keep_every_earlier_turn_and_a_prompts_spaces()
 
 @pytest.mark.parametrize("row, message", [
     ({"prompt": "p", "chosen": "a"}, "missing field 'rejected'"),
+    # sft.py's data given to prefs.py: "missing field 'chosen'" alone
+    ({"messages": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "a"}]},
+     "missing field 'chosen': a row with 'messages' is a conversation, sft.py's data; a pair is {\"prompt\", "
+     "\"chosen\", \"rejected\"} (tasks.py --pairs writes them)"),
     ({"prompt": "p", "chosen": "a", "rejected": "  "}, "the rejected reply is empty"),
     ({"prompt": "p", "chosen": "same", "rejected": "same"}, "chosen == rejected: the pair prefers nothing"),
     ({"chosen": "one reply", "rejected": "another"}, "no 'prompt' field, and chosen and rejected are not"),
@@ -565,6 +569,10 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
     ("prefs", ["--objective=reward", "--value-head=false"], "--objective reward trains a value head"),
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--parallel=fsdp"], "--objective dpo keeps a whole frozen"),
     ("prefs", ["--objective=reward", "--dpo-sft=1"], "--objective reward does not use --dpo-sft: drop it"),
+    # a reward model's greedy replies were scored as task accuracy: its logits are not what it trains (tasks.py --eval
+    # refuses one), with --reward-logprob too: they are half of its score
+    ("prefs", ["--objective=reward", "--task=addition"], "--objective reward does not use --task: drop it"),
+    ("prefs", ["--objective=reward", "--reward-logprob", "--task=addition"], "--objective reward does not use --task"),
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--reward-logprob"], "--objective dpo does not use --reward-log"),
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--loss-chunk=64"], "--objective dpo does not use --loss-chunk"),
     # a value head neither trains: it stayed zero, and under DDP its missing gradient stops the run

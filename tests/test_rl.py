@@ -164,8 +164,8 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys, hf_di
     short = save_model(tmp_path / "short.pt", 2, block_size=16, value_head=True)
     assert error("--reward-model", str(short)).startswith(f"error: --reward-model {short} reads 16 tokens, and a "
                                                           "prompt with a reply of --max-new-tokens 6 takes 19")
-    assert error("--init-from", str(tmp_path / "none.pt")).startswith(f"error: checkpoint {tmp_path / 'none.pt'} "
-                                                                      "does not exist")
+    assert error("--init-from", str(tmp_path / "none.pt")) == (  # it said "pass the .pt file that train.py wrote"
+        f"error: --init-from {tmp_path / 'none.pt'} does not exist; pass a checkpoint that sft.py wrote")
     # a directory was an IsADirectoryError traceback, whose hint named the --init-from just given
     assert error("--init-from", str(hf_dir)) == (f"error: checkpoint {hf_dir} is a directory, not a file; it has a "
                                                  "config.json, so it looks like an HF GPT-2 directory: load it with "
@@ -221,6 +221,20 @@ def test_a_resume_notes_another_schedule_and_refuses_a_checkpoint_past_max_steps
                                        "the lr is 0.000833, not that run's 0.000625\n")
     with pytest.raises(ValueError, match=f"--resume {tmp_path} is at step 21, past --max-steps 20; raise --max-steps"):
         stage.check_resume((tmp_path, {"step": 21, "train_config": {}}), cfg)
+
+
+def test_a_resume_names_the_flags_changed_since_the_checkpoint(capsys):
+    # another --clip, --samples or --reward went on silently, as the same run; the lr's and paths' changes are not
+    # listed (note_new_schedule speaks when the lr changes), nor a flag the checkpoint's config lacks
+    saved = dataclasses.asdict(rl.RLConfig(max_steps=10, out_dir="a", clip=0.2, samples=8))
+    del saved["temperature"]
+    cfg = rl.RLConfig(max_steps=20, out_dir="b", clip=0.3, samples=4, temperature=1.0, reward="r.py:f")
+    stage.note_changed_flags(saved, cfg)
+    assert capsys.readouterr().out == ("note: flags changed since the checkpoint: --reward '' -> 'r.py:f', --samples "
+                                       "8 -> 4, --clip 0.2 -> 0.3\n")
+    for same in (rl.RLConfig(**{**saved, "temperature": 1.0}), dataclasses.replace(cfg, eval_only=True)):
+        stage.note_changed_flags(saved, same)  # an evaluation trains nothing
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("saved, config", [

@@ -247,10 +247,16 @@ class Copying(Doubling):  # its wrong reply is the right one
         return answer
 
 
-class Numpy(Doubling):  # a row holding a numpy number: fine in memory, not JSON
+class Numpy(Doubling):  # a numpy string is a str; a numpy number in a row of its own is fine in memory, not JSON
     def examples(self, split):
         import numpy
-        return [{**row, "answer": numpy.int64(row["answer"])} for row in super().examples(split)]
+        return [{**row, "answer": numpy.str_(row["answer"]), "level": numpy.int64(1)}
+                for row in super().examples(split)]
+
+
+class Integer(Doubling):  # check() compared text to an int: 0% accuracy, 0 reward, a zero loss, silently
+    def examples(self, split):
+        return [{**row, "answer": int(row["answer"])} for row in super().examples(split)]
 
 
 def tensor(prompt, reply, answer):
@@ -374,6 +380,8 @@ def test_a_task_that_cannot_load_is_one_line_naming_the_file_and_the_name(user_f
     ("Lazy", "--task {file}:Lazy: examples('test') returned a generator, not a list of rows"),
     ("Unanswered", "--task {file}:Unanswered: examples('test') row 0: expected a dict with 'messages' and 'answer', "
                    "got {{'messages': [{{'role': 'user', 'content': 'Double 30?'}}, {{'r"),
+    ("Integer", "--task {file}:Integer: examples('test') row 0: 'answer' is 60 (int), not a str: return str(...) of "
+                "it"),
     ("Strict", "--task {file}:Strict: check() raised KeyError: 'no such field'"),
     ("Silent", "--task {file}:Silent: check() returned None, not True/False: does it end with `return`?"),
 ])
@@ -437,8 +445,10 @@ def test_a_reward_that_fails_is_one_line_naming_it(user_file, name, message):
     assert str(e.value) == message.format(file=user_file)
     with pytest.raises(ValueError, match=f"--reward {user_file}:ANSWER is not a function"):
         tasks.load_rewards(f"{user_file}:ANSWER")
-    with pytest.raises(ValueError, match="--reward-weights gives 1 weights for 2 --reward functions"):
+    with pytest.raises(ValueError, match="^--reward-weights gives 1 weight for 2 --reward functions$"):
         tasks.load_rewards(f"{user_file}:near,{user_file}:nan", (1.0,))
+    with pytest.raises(ValueError, match="^--reward-weights gives 2 weights for 1 --reward function$"):
+        tasks.load_rewards(f"{user_file}:near", (1.0, 2.0))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -680,6 +690,9 @@ def test_a_task_list_takes_spaces_after_its_commas_as_a_reward_list_does():
     # "arc-easy, mmlu" was refused as ' mmlu', a user's ' t.py:T' as "no such file  t.py"
     assert tasks.task_list("arc-easy, mmlu=m.jsonl") == {"arc-easy": ("arc-easy", ""), "mmlu": ("mmlu", "m.jsonl")}
     assert tasks.task_list("addition, t.py:T") == {"addition": ("addition", ""), "T": ("t.py:T", "")}
+    with pytest.raises(ValueError) as e:  # named --task, the flag sft.py's list has, where tasks.py's is --tasks
+        tasks.TasksConfig(eval="c.pt", tasks="arc-easy,nope")
+    assert str(e.value).startswith("--tasks must be one of gsm8k, arc-easy, arc-challenge, mmlu, addition, or ")
 
 
 def test_a_multiple_choice_task_run_as_tasks_py_is_scored_by_its_letters(tmp_path):
