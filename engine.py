@@ -354,9 +354,14 @@ class Checkpointer:
         if not args.resume:
             existing = existing or sorted(out_dir.glob("ckpt_*.pt.diverged"))  # a NaN-stopped run's
             if existing and not args.eval_only:  # an evaluation writes nothing there
-                raise ValueError(f"--out-dir {out_dir} holds another run's checkpoints ({existing[-1].name} the last "
-                                 "written): continue that run with --resume auto, or start this one in a new "
-                                 "--out-dir (or delete them first)")
+                last, found = existing[-1].name, find_checkpoint(out_dir)  # --resume auto refuses another stage's
+                if found and stage_of(found[1].get("train_config", {})) != stage_of(dataclasses.asdict(args)):
+                    raise ValueError(f"--out-dir {out_dir} holds another stage's or --objective's checkpoints ({last} "
+                                     "the last written), which this run cannot continue: start it in a new --out-dir "
+                                     f"(from their weights: --init-from {found[0]})")
+                raise ValueError(f"--out-dir {out_dir} holds another run's checkpoints ({last} the last written): "
+                                 "continue that run with --resume auto, or start this one in a new --out-dir (or "
+                                 "delete them first)")
             return None
         if args.resume != "auto":
             return Path(args.resume), load_checkpoint(args.resume, mmap=True)
@@ -542,6 +547,13 @@ def swap_8bit_state(optim_sd: dict, pack: bool) -> dict:
 
     return {**optim_sd, "state": {k: {name: swap(v) for name, v in state.items()}
                                   for k, state in optim_sd["state"].items()}}
+
+
+def stage_of(config: dict[str, Any]) -> tuple:
+    """The stage a run's config is of: its --objective (lm: train.py's old ones), rl.py's algo, prune.py's sparsity
+    (masks), and pretraining (also "lm"): train.py's hellaswag, or before sft.py split from it, --data-kind tokens."""
+    return (config.get("objective", "lm"), "algo" in config, "sparsity" in config,
+            config.get("data_kind", "tokens" if "hellaswag" in config else "") == "tokens")
 
 
 def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tuple[Path, dict] | None:

@@ -375,8 +375,7 @@ def summary(batch: dict[str, Tensor], totals: dict[str, Tensor], rollout_s: floa
 
 def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, reward: tasks.Reward, rm: GPT | None,
             sampler: PromptSampler, log: RunLog, ctx: Context) -> Callable[[int], dict[str, Any]]:
-    """engine.Run's step_fn: roll out, score (by the reward model where there is one), update; the record holds the
-    whole batch's figures."""
+    """engine.Run's step_fn: roll out, score (by the reward model if any), update; record the whole batch's figures."""
     objective = Objective(lambda model, mb: rl_loss(model, mb, cfg, ctx.world))
 
     def step_fn(step: int) -> dict[str, Any]:
@@ -460,9 +459,10 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     checkpointer = engine.Checkpointer(cfg, ctx.rank, ctx.world, provenance(ctx.device, ctx.world), chat=True)
     if found := checkpointer.find():
         saved = found[1].get("train_config", {}).get("algo", cfg.algo)
-        check_flags([(saved == cfg.algo, f"--resume {found[0]} was trained with --algo {saved}, whose optimizer state "
-                      f"this run's --algo {cfg.algo} cannot take: pass --algo {saved}, or start a new run from its "
-                      f"weights with --init-from {found[0]}")])
+        check_flags([(saved == cfg.algo, f"--resume {found[0]} was trained with --algo {saved}, " + (
+            f"and --eval-only builds the policy (PPO's with a value head) by --algo: pass --algo {saved}"
+            if cfg.eval_only else f"whose optimizer state this run's --algo {cfg.algo} cannot take: pass --algo "
+            f"{saved}, or start a new run from its weights with --init-from {found[0]}"))])
         stage.check_resume(found, cfg)
     engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw),
                               "reward_model": rm and engine.weights_digest(rm),  # and each node's task file's problems

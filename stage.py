@@ -467,11 +467,7 @@ def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
     --eval-only, a reward model scored as a policy, or a policy as one."""
     path, ckpt = found
     config = ckpt.get("train_config", {})
-    # the stage a config is of: its --objective (lm: train.py's old ones), rl.py's algo, prune.py's sparsity (masks),
-    # and pretraining (also "lm"): train.py's hellaswag, or before sft.py split from it, its --data-kind tokens
-    kind = lambda c: (c.get("objective", "lm"), "algo" in c, "sparsity" in c,
-                      c.get("data_kind", "tokens" if "hellaswag" in c else "") == "tokens")
-    saved, ours, rm = config.get("optimizer", "adamw"), kind(dataclasses.asdict(cfg)), is_reward_model(ckpt)
+    saved, ours, rm = config.get("optimizer", "adamw"), engine.stage_of(dataclasses.asdict(cfg)), is_reward_model(ckpt)
     check_flags([(cfg.eval_only or int(ckpt["step"]) <= cfg.max_steps,
                   f"--resume {path} is at step {ckpt['step']}, past --max-steps {cfg.max_steps}; raise --max-steps "
                   "to train further, or score it with --eval-only"),
@@ -479,7 +475,7 @@ def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
                   f"--resume {path} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass --optimizer "
                   f"{saved}, or start a new run from its weights with --init-from {path}"),
                  # --eval-only scores another stage's policy (train.py: an SFT model's val loss), a reward model as one
-                 (kind(config) == ours or cfg.eval_only and rm == (ours[0] == "reward"),
+                 (engine.stage_of(config) == ours or cfg.eval_only and rm == (ours[0] == "reward"),
                   f"--resume {path} was written by another stage or --objective, which this run cannot "
                   f"{'score' if cfg.eval_only else 'continue'}: "
                   + ("it is a reward model (prefs.py --objective reward), not a policy: " + (

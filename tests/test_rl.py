@@ -485,3 +485,13 @@ def test_a_file_one_node_cannot_read_or_holds_otherwise_stops_every_node_with_it
     done = run_nodes([["rl.py", *flags(models, tmp_path / "task", f"--task={tmp_path}/t.py:T", "--max-steps=1")]] * 2)
     assert [next(e for e in r.stderr.splitlines() if e.startswith("error: ")) for r in done] == [
         "error: rank 1's --task data differs from rank 0's: every node must hold the same --task data"] * 2
+
+
+def test_eval_only_of_another_algos_checkpoint_names_the_algo_not_optimizer_state(models, tmp_path, capsys):
+    # --eval-only loads no optimizer state, yet was refused for it; the policy's heads follow --algo (PPO's critic)
+    grpo = save_model(tmp_path / "grpo.pt", 3)
+    torch.save({**torch.load(grpo), "step": 1, "train_config": {"algo": "grpo"}}, grpo)
+    assert one_line_error(capsys, rl.main, flags(models, tmp_path / "out", "--algo=ppo", "--eval-only",
+                                                 f"--resume={grpo}")) == (
+        f"error: --resume {grpo} was trained with --algo grpo, and --eval-only builds the policy (PPO's with a value "
+        "head) by --algo: pass --algo grpo")

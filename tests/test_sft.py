@@ -126,6 +126,23 @@ def test_sft_and_train_py_refuse_each_others_checkpoints(tmp_path):
         stage.check_resume((tmp_path, ckpt), cfg)
 
 
+def test_an_out_dir_of_another_stages_checkpoints_is_not_to_be_continued_with_resume_auto(tmp_path):
+    """sft.py into train.py's --out-dir was told to continue it with --resume auto, which then refused the checkpoint
+    as another stage's: the way out is a new --out-dir."""
+    import engine
+    import train
+
+    ckpt = tmp_path / "ckpt_000002.pt"
+    torch.save({"model": {}, "model_config": {}, "step": 2, "train_config": asdict(train.TrainConfig())}, ckpt)
+    with pytest.raises(ValueError) as e:
+        engine.Checkpointer(sft.SFTConfig(out_dir=str(tmp_path))).find_resume()
+    assert str(e.value) == (f"--out-dir {tmp_path} holds another stage's or --objective's checkpoints (ckpt_000002.pt "
+                            f"the last written), which this run cannot continue: start it in a new --out-dir (from "
+                            f"their weights: --init-from {ckpt})")
+    with pytest.raises(ValueError, match="continue that run with --resume auto"):  # its own stage's: as before
+        engine.Checkpointer(train.TrainConfig(out_dir=str(tmp_path))).find_resume()
+
+
 def test_sft_on_two_ranks_equals_one_process(conversations, tmp_path):
     common = ["--max-steps=4", "--eval-every=0", "--ckpt-every=4"]
     single = sft.main(flags(conversations, tmp_path / "single", *common))["losses"]
