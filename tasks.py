@@ -285,9 +285,10 @@ def load_object(spec: str, flag: str) -> Any:
     if not name or not (where.endswith(".py") or all(map(str.isidentifier, where.split(".")))):  # a path without .py
         raise ValueError(f"{flag} {spec}: expected FILE.py:NAME or module:NAME")
     try:
-        if where.endswith(".py") and not (path := Path(where).expanduser()).is_file():
+        path, from_file = Path(where).expanduser(), where.endswith(".py")  # else `where` is an importable module's name
+        if from_file and not path.is_file():
             raise FileNotFoundError(f"no such file {where}")
-        module = _run_file(path.resolve()) if where.endswith(".py") else importlib.import_module(where)
+        module = _run_file(path.resolve()) if from_file else importlib.import_module(where)
         return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{flag} {spec}: {where} has no {name!r}") from None
