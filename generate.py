@@ -85,6 +85,19 @@ def for_decoding(model: GPT, device: torch.device) -> GPT:
     return model.to(device, torch.bfloat16 if device.type == "cuda" else None)
 
 
+def last_logits(model: GPT, idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    """The last position's logits (B, V), cuDNN's attention off: it plans each new key length, so a fresh process
+    decoded 15-20 bf16 tokens/s on an H200, 150 without it, the same after (docs/benchmarks.md, 2026-11-30)."""
+    cuda = torch.backends.cuda
+    was = cuda.cudnn_sdp_enabled()  # kept when it is the only kernel allowed (--attention cudnn): SDPA needs one
+    cuda.enable_cudnn_sdp(was and not (cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled()
+                                       or cuda.math_sdp_enabled()))
+    try:
+        return model(idx, cache=cache, last_only=True)[0][:, -1]
+    finally:
+        cuda.enable_cudnn_sdp(was)
+
+
 @contextlib.contextmanager
 def evaluating(model: nn.Module) -> Iterator[None]:
     """model.eval() inside, and back to the mode it was in after, a generator's close included."""
@@ -109,12 +122,12 @@ def sample_stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperatur
     with evaluating(model):
         for _ in range(max_new_tokens):
             if use_cache and cache is not None and cache.pos < bs:
-                logits, _ = model(idx[:, -1:], cache=cache, last_only=True)
+                logits = last_logits(model, idx[:, -1:], cache)
             else:
                 # first step, or the context overflowed: (re)fill the cache from the cropped context
                 cache = KVCache(model.config, idx.size(0)) if use_cache else None
-                logits, _ = model(idx[:, -bs:], cache=cache, last_only=True)
-            nxt = next_token(logits[:, -1, :], temperature, top_k, top_p, generator)[0]
+                logits = last_logits(model, idx[:, -bs:], cache)
+            nxt = next_token(logits, temperature, top_k, top_p, generator)[0]
             idx = torch.cat((idx, nxt), dim=1)
             yield nxt
 
@@ -252,7 +265,7 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
         idx = torch.tensor([[0] * n + list(p) for n, p in zip(pads, prompts, strict=True)], device=device)
         # equal lengths take the plain causal path: sample()'s kernels and numbers
         cache = KVCache(model.config, len(prompts), torch.tensor(pads, device=device) if any(pads) else None)
-        logits = model(idx, cache=cache, last_only=True)[0][:, -1]
+        logits = last_logits(model, idx, cache)
         alive, rows = list(range(len(prompts))), [_Row() for _ in prompts]
         for step in range(max_new_tokens):
             sampled, probs = next_token(logits, temperature, top_k, top_p, generator, vocab)  # as sample() draws
@@ -268,7 +281,7 @@ def generate_stream(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
                 cache.keep(torch.tensor(keep, device=device))
                 alive = [alive[i] for i in keep]
             idx = torch.tensor([[tokens[i]] for i in keep], device=device)
-            logits = model(idx, cache=cache, last_only=True)[0][:, -1]
+            logits = last_logits(model, idx, cache)
 
 
 def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kwargs: Any) -> list[Rollout]:
