@@ -416,9 +416,10 @@ def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[di
     for i, ex in enumerate(task.examples(split)[:n or None]):
         chosen, rejected = ex["messages"][-1]["content"], task.wrong(ex["answer"], rng)
         with row_errors(f"--pairs {split}", i):  # prefs.py would refuse the file, naming neither wrong() nor the task
-            if not (isinstance(chosen, str) and isinstance(rejected, str) and rejected.strip() and rejected != chosen):
+            if not (isinstance(chosen, str) and isinstance(rejected, str) and rejected.strip() and rejected != chosen
+                    and not task.check(rejected, ex["answer"])):
                 raise ValueError(f"wrong({ex['answer']!r}) gave {rejected!r:.40} for the reference reply "
-                                 f"{chosen!r:.40}: a pair needs two different texts")
+                                 f"{chosen!r:.40}: a pair needs a second text that check() marks wrong")
         pairs.append({"prompt": ex["messages"][:-1], "chosen": chosen, "rejected": rejected})
     return pairs
 

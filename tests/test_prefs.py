@@ -262,9 +262,12 @@ def test_resume_is_bitwise_ranks_take_disjoint_shares_and_epochs_reshuffle():
 
 
 def test_synthetic_pairs_from_a_task_prefer_the_right_answer():
-    class Doubling:  # tasks.py's protocol: examples(split) and wrong(answer, rng)
+    class Doubling:  # tasks.py's protocol: examples, check and wrong
         def examples(self, split: str) -> list[dict]:
             return [{"messages": conversation(f"Double {k}?", str(2 * k)), "answer": str(2 * k)} for k in range(10, 40)]
+
+        def check(self, reply: str, answer: str) -> bool:
+            return reply == answer
 
         def wrong(self, answer: str, rng: random.Random) -> str:
             return str(int(answer) + rng.choice([-1, 1]))

@@ -247,6 +247,11 @@ class Copying(Doubling):  # its wrong reply is the right one
         return answer
 
 
+class Spacing(Doubling):  # its wrong reply is the right one with a space, which check() accepts
+    def wrong(self, answer, rng):
+        return answer + " "
+
+
 class Numpy(Doubling):  # a numpy string is a str; a numpy number in a row of its own is fine in memory, not JSON
     def examples(self, split):
         import numpy
@@ -671,8 +676,12 @@ def test_what_a_users_task_gives_is_checked_where_it_is_made(user_file, tmp_path
         return e.value.code
 
     assert refused("--task", f"{user_file}:Copying", "--pairs") == (
-        "error: --pairs train row 0: wrong('20') gave '20' for the reference reply '20': a pair needs two different "
-        "texts")
+        "error: --pairs train row 0: wrong('20') gave '20' for the reference reply '20': a pair needs a second text "
+        "that check() marks wrong")
+    # a different text that the task's own check() accepts: "rejected" was a right answer, and DPO learned against it
+    assert refused("--task", f"{user_file}:Spacing", "--pairs") == (
+        "error: --pairs train row 0: wrong('20') gave '20 ' for the reference reply '20': a pair needs a second text "
+        "that check() marks wrong")
     assert refused("--task", f"{user_file}:Numpy") == (
         f"error: --task {user_file}:Numpy: a row cannot be written as JSON (Object of type int64 is not JSON "
         "serializable)")
