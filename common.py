@@ -39,7 +39,9 @@ EOT = 50256  # <|endoftext|>
 KNOWN_AS = {"epsilon": "clip", "num_generations": "samples", "max_completion_length": "max_new_tokens",
             "loss_type": "loss_agg", "num_iterations": "ppo_epochs", "learning_rate": "max_lr", "block_size": "seq_len",
             "eval_interval": "eval_every", "save_every": "ckpt_every", "examples_per_step": "prompts",
-            "beta": "dpo_beta", "rpo_alpha": "dpo_sft", "max_length": "seq_len"}
+            "beta": "dpo_beta", "rpo_alpha": "dpo_sft", "max_length": "seq_len", "lr_decay_iters": "max_steps",
+            "per_device_train_batch_size": "batch_size", "gradient_accumulation_steps": "total_batch_size",
+            "log_interval": "log_every"}
 T = TypeVar("T")
 CRCS_CHECKED: dict[tuple, bool] = {}  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
 

@@ -601,6 +601,13 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
     ("prefs", ["--beta=0.1"], "unknown option --beta; did you mean --dpo-beta?"),
     ("prefs", ["--rpo-alpha=1"], "unknown option --rpo-alpha; did you mean --dpo-sft?"),
     ("prefs", ["--max-length=512"], "unknown option --max-length; did you mean --seq-len?"),
+    # HF's per-device micro-batch was offered the total batch; nanoGPT's names had no hint at all
+    ("sft", ["--per-device-train-batch-size=8"], "unknown option --per-device-train-batch-size; did you mean "
+                                                 "--batch-size?"),
+    ("sft", ["--gradient-accumulation-steps=4"], "unknown option --gradient-accumulation-steps; did you mean "
+                                                 "--total-batch-size?"),
+    ("train", ["--lr-decay-iters=600000"], "unknown option --lr-decay-iters; did you mean --max-steps?"),
+    ("train", ["--log-interval=10"], "unknown option --log-interval; did you mean --log-every?"),
 ])
 def test_a_flag_a_stage_cannot_honour_is_one_line(main, flags, message):
     import importlib
