@@ -406,8 +406,9 @@ def random_gpt(preset: str, seed: int) -> GPT:
 
 
 def generation(generate: Callable[[int], torch.Tensor], n: int, device: torch.device, rows: list[Row]) -> Row:
-    """n greedy tokens, twice: "first" is what a fresh process pays (per-shape setup: cuDNN's attention planned each
-    cache length until generate.last_logits turned it off), tok/s the run after it; same: the fraction equal to the first n-token row's, prefix: up to a diff"""
+    """n greedy tokens, twice: "first" is what a fresh process pays (per-shape setup; cuDNN's attention planned each
+    cache length until generate.last_logits turned it off), tok/s the run after; same: the fraction equal to the
+    first n-token row's, prefix: up to a diff"""
     runs: list[list[int]] = []
     ref = next((r.get("tokens") for r in rows if r["new_tokens"] == n), None)
     first, again = (n / time_ms(lambda: runs.append(generate(n)[0, -n:].tolist()), device, 1)[1][0] * 1000
