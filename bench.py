@@ -2,7 +2,7 @@
 the Triton kernels in GB/s, batch-1 decoding against HF `generate`, ragged prompts decoded at once against one at a
 time, INT8 decoding against fp32, HellaSwag examples/s, pruned models' forward and decoding. Train, kernel and forward
 rows: the median of --steps timed runs after --warmup untimed ones; decode, int8 and prune's decoding: a first
-generation, then the one reported; batched: the fastest of BATCHED_REPEATS runs.
+generation (reported beside), then the median of 3; batched: the fastest of BATCHED_REPEATS runs.
 
 Usage:
     python bench.py                                   # every suite; GPT-2 124M, T=1024, bf16 on CUDA; tiny on CPU
@@ -406,13 +406,13 @@ def random_gpt(preset: str, seed: int) -> GPT:
 
 
 def generation(generate: Callable[[int], torch.Tensor], n: int, device: torch.device, rows: list[Row]) -> Row:
-    """n greedy tokens, twice: "first" is what a fresh process pays (per-shape setup; cuDNN's attention planned each
-    cache length until generate.last_logits turned it off), tok/s the run after; same: the fraction equal to the
-    first n-token row's, prefix: up to a diff"""
+    """n greedy tokens, four times: "first" is what a fresh process pays (per-shape setup; cuDNN's attention planned
+    each cache length until generate.last_logits turned it off), tok/s the median of the 3 runs after (one run of
+    0.5 s once read 45% low); same: the fraction equal to the first n-token row's, prefix: up to a diff"""
     runs: list[list[int]] = []
     ref = next((r.get("tokens") for r in rows if r["new_tokens"] == n), None)
-    first, again = (n / time_ms(lambda: runs.append(generate(n)[0, -n:].tolist()), device, 1)[1][0] * 1000
-                    for _ in range(2))
+    rates = [n / ms * 1000 for ms in time_ms(lambda: runs.append(generate(n)[0, -n:].tolist()), device, 4)[1]]
+    first, again = rates[0], statistics.median(rates[1:])
     tokens = runs[-1]
     same = ref and [a == b for a, b in zip(tokens, ref, strict=True)]
     return {"tok_per_s": again, "ms_per_token": 1000 / again, "first_tok_per_s": first, "tokens": tokens,
