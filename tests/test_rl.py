@@ -409,8 +409,8 @@ def test_a_task_whose_reward_raises_mid_run_saves_the_steps_done_and_the_fixed_r
     (tmp_path / "t.py").write_text("import itertools\n" + USER_TASK + BROKEN_TASK)
     split, task = tmp_path / "split", f"{tmp_path}/t.py:Broken"
     args = ["--init-from", str(models[0]), f"--task={task}", "--device=cpu", "--prompts=1", "--samples=2",
-            "--rollout-batch=1", "--minibatches=1", "--max-new-tokens=2", "--eval-limit=1", "--pass-k=0",
-            "--eval-every=0", "--ckpt-every=50", "--max-lr=1e-3", "--warmup-steps=0", "--max-steps=2"]
+            "--rollout-batch=1", "--max-new-tokens=2", "--eval-limit=1", "--pass-k=0", "--eval-every=0",
+            "--ckpt-every=50", "--max-lr=1e-3", "--warmup-steps=0", "--max-steps=2"]
     assert one_line_error(capsys, rl.main, [*args, "--out-dir", str(split)]) == (
         f"error: --task {task}'s reward raised KeyError: 'boom' at step 1; {split}/ckpt_000001.pt holds the steps "
         "before it: fix that, then --resume auto goes on from there")
@@ -418,6 +418,7 @@ def test_a_task_whose_reward_raises_mid_run_saves_the_steps_done_and_the_fixed_r
     resumed = rl.main([*args, "--out-dir", str(split), "--resume=auto"])
     full = rl.main([*args, "--out-dir", str(tmp_path / "full")])
     assert train_records(split) == train_records(tmp_path / "full") and resumed["losses"] == full["losses"][1:]
+    assert 0 not in full["losses"] and resumed["step"] == 2  # the second minibatch's ratio is not 1
 
 
 @pytest.mark.parametrize("flags, unused", [(dict(algo="grpo", gamma=0.9), "gamma"), (dict(algo="rloo", lam=0.5), "lam"),
