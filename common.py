@@ -381,6 +381,11 @@ def shared_problem(problem: str | None, world: int) -> str | None:
     return problem or next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
 
 
+class ResumableError(ValueError):
+    """A failure every rank raises alike (a user's reward) while the run's state, but for the global RNG's draws, is
+    still its last step's: engine.Run.attempt puts those back and saves it, so the fixed run resumes bitwise."""
+
+
 def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = ValueError,
                  catch: tuple[type[Exception], ...] = (ValueError, OSError),
                  reason: Callable[[Exception], str] = str) -> T:

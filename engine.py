@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import common
 from common import LOCAL, checkpoints, device_name, load_checkpoint, mfu, same_verdict, trim_heap, write_error
 from parallel import StepArgs, Trainable, check_flags, flag
 from trackers import RunLog, fmt_time
@@ -158,7 +159,7 @@ def train(run: Run) -> dict[str, Any]:
         # one optimizer step
         run.profiler.step_begins(step)
         t0 = time.time()
-        record = run.step_fn(step)  # read on the host: it waited for the device, so dt is the step's real time
+        record = run.attempt(step, run.step_fn, step)  # read on the host (it waited for the device): dt is real
         dt = time.time() - t0
         run.after_step(step)
 
@@ -217,6 +218,21 @@ class Run:
                 self.latest[e.name] = record
                 self.log.write({"type": e.name, "step": step, "tokens": self.tokens.value, **record})
         return bool(due)
+
+    def attempt(self, step: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) at `step`; where it raises a ResumableError, its random draws are put back and the state after the
+        steps done is saved, and the error says so (unless none was done since the run started or resumed)."""
+        rng = rng_state()
+        try:
+            return fn(*args)
+        except common.ResumableError as e:
+            if step == self.start_step:
+                raise
+            set_rng_state(rng)
+            if not self.checkpointer.due(step):  # else written after the step before
+                self.checkpoint(step)
+            raise ValueError(f"{e} at step {step}; {self.checkpointer.last} holds the steps before it: fix that, "
+                             "then --resume auto goes on from there") from None
 
     def record(self, record: dict[str, Any], dt: float) -> dict[str, Any]:
         """The step's record for the log: its own fields, the running token count and the speed."""
@@ -427,10 +443,7 @@ class Checkpointer:
 
     def _restore_rng(self, rngs: list[dict]) -> None:
         if len(rngs) == self.world:
-            rng = rngs[self.rank]
-            torch.set_rng_state(rng["cpu"])
-            if rng["cuda"] is not None and torch.cuda.is_initialized():  # a CUDA run (see save)
-                torch.cuda.set_rng_state(rng["cuda"])
+            set_rng_state(rngs[self.rank])
         else:
             self.say(f"note: the checkpoint came from world size {len(rngs)}, this run has {self.world}: the data "
                      "stream goes on where it was, the RNG streams restart (not the run an unchanged world would give)")
@@ -440,9 +453,7 @@ class Checkpointer:
         path = self.out_dir / f"ckpt_{step:06d}.pt"
         self.unreadable = [p for p in self.unreadable if p != path]  # written anew, and readable now
         model_sd, optim_sd = state_dicts(raw, optimizer)
-        # is_initialized, not is_available: a --device cpu run on a GPU host has no CUDA context to read
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-        rng = {"cpu": torch.get_rng_state(), "cuda": cuda}
+        rng = rng_state()
         rngs = [rng] * self.world
         if self.world > 1:
             dist.all_gather_object(rngs, rng)  # dropout masks differ per rank, so every rank's RNG is saved
@@ -492,6 +503,18 @@ class Checkpointer:
         if self.master and not self.args.eval_only:
             for stale in self.out_dir.glob("ckpt_*.pt.tmp"):
                 stale.unlink()
+
+
+def rng_state() -> dict[str, torch.Tensor | None]:
+    """This rank's RNG state: the CPU's, and the GPU's in a CUDA run (is_initialized, not is_available: a --device cpu
+    run on a GPU host has no CUDA context to read)."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
+
+
+def set_rng_state(rng: dict[str, torch.Tensor | None]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if rng["cuda"] is not None and torch.cuda.is_initialized():  # a CUDA run's
+        torch.cuda.set_rng_state(rng["cuda"])
 
 
 def write_atomically(path: Path, ckpt: dict) -> None:

@@ -231,15 +231,14 @@ class PromptSampler:
         self.problems, self.seed, self.served, self.order = problems, seed, 0, (-1, [])
         self.digest = stage.digest(problems)[:16]  # once: a task's problems can be many
 
-    def next(self, n: int) -> list[dict]:
-        """The next n problems of the stream, the same on every rank."""
+    def peek(self, n: int) -> list[dict]:
+        """The n problems after the `served` ones, the same on every rank (a step serves them once it scored them)."""
         out = []
         for i in range(self.served, self.served + n):
             epoch, k = divmod(i, len(self.problems))
             if self.order[0] != epoch:
                 self.order = epoch, random.Random(f"{self.seed}:{epoch}").sample(self.problems, len(self.problems))
             out.append(self.order[1][k])
-        self.served += n
         return out
 
     def state_dict(self) -> dict[str, int | str]:
@@ -379,12 +378,12 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, reward: tasks.
     objective = Objective(lambda model, mb: rl_loss(model, mb, cfg, ctx.world))
 
     def step_fn(step: int) -> dict[str, Any]:
-        t0, lr = time.time(), engine.set_lr(built.optimizer, step, cfg)
-        seed = int(torch.randint(2**62, ()))  # from the global RNG, the same on every rank: an exact resume
+        t0, seed = time.time(), int(torch.randint(2**62, ()))  # the global RNG's, alike on every rank: an exact resume
         with built.autocast:
-            share = rollouts(raw, sampler.next(cfg.prompts), cfg.samples, seed, cfg, ctx.rank, ctx.world)
-            batch = common.same_verdict(lambda: score(share, reward, rm, ctx.device), ctx.world)  # stops all ranks
-        t1 = time.time()
+            share = rollouts(raw, sampler.peek(cfg.prompts), cfg.samples, seed, cfg, ctx.rank, ctx.world)
+            batch = common.same_verdict(lambda: score(share, reward, rm, ctx.device), ctx.world, common.ResumableError)
+        sampler.served += cfg.prompts  # once scored: a reward that raises leaves the last step's state to save
+        t1, lr = time.time(), engine.set_lr(built.optimizer, step, cfg)
         batch = prepare(batch, raw, ref, cfg, built.autocast, ctx.world)
         totals = update(built, objective, batch, cfg, ctx.world)
         record = {**summary(batch, totals, t1 - t0, time.time() - t1, cfg, ctx.world), "lr": lr}

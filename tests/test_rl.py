@@ -272,13 +272,16 @@ def test_a_resume_from_another_stages_checkpoint_is_refused(tmp_path, saved, con
 def test_the_prompt_stream_is_a_seeded_order_per_epoch():
     problems = [{"answer": str(i)} for i in range(5)]
     sampler = rl.PromptSampler(problems, seed=3)
-    served = [p["answer"] for p in sampler.next(4) + sampler.next(6)]
+    first = sampler.peek(4)
+    assert sampler.peek(4) == first and sampler.served == 0  # a step serves them once it scored them
+    sampler.served = 4
+    served = [p["answer"] for p in first + sampler.peek(6)]
     assert sorted(served[:5]) == sorted(served[5:]) == list("01234") and served[:5] != served[5:]  # two epochs
-    assert sampler.state_dict() == {"served": 10, "problems": 5, "seed": 3, "task_digest": "0af107b669cbd7cb"}
+    assert sampler.state_dict() == {"served": 4, "problems": 5, "seed": 3, "task_digest": "0af107b669cbd7cb"}
     again = rl.PromptSampler(problems, seed=3)
     again.load_state_dict({"served": 4, "problems": 5})
-    assert [p["answer"] for p in again.next(6)] == served[4:]
-    assert [p["answer"] for p in rl.PromptSampler(problems, seed=4).next(5)] != served[:5]
+    assert [p["answer"] for p in again.peek(6)] == served[4:]
+    assert [p["answer"] for p in rl.PromptSampler(problems, seed=4).peek(5)] != served[:5]
 
 
 def test_the_prompt_stream_refuses_a_checkpoint_of_other_problems_of_as_many_rows():
@@ -382,6 +385,40 @@ def test_rl_on_a_users_task_with_its_own_reward_that_sees_the_prompt(models, tmp
     assert one_line_error(capsys, rl.main, [*common, "--reward", quarter, "--reward-weights=1e40", "--out-dir",
                                             str(tmp_path / "big")]) == \
         f"error: --reward {quarter} returned 0.25 (weight 1e+40): the reward, 2.5e+39, is not a finite float32 number"
+
+
+BROKEN_TASK = '''
+
+calls = itertools.count(1)
+
+
+class Broken(Doubling):
+    def reward(self, prompt, reply, answer):
+        if next(calls) == 3:  # step 1's first reply: a step scores 2
+            raise KeyError("boom")
+        return float(len(reply))
+'''
+
+
+def test_a_task_whose_reward_raises_mid_run_saves_the_steps_done_and_the_fixed_run_goes_on_bitwise(models, tmp_path,
+                                                                                                     capsys):
+    # the run stopped with every step since the last checkpoint lost; the state saved is step 0's end (not the RNG and
+    # prompt stream that step 1 had drawn), so the run resumed once the file is fixed equals an uninterrupted one
+    from test_tasks import USER_TASK
+
+    (tmp_path / "t.py").write_text("import itertools\n" + USER_TASK + BROKEN_TASK)
+    split, task = tmp_path / "split", f"{tmp_path}/t.py:Broken"
+    args = ["--init-from", str(models[0]), f"--task={task}", "--device=cpu", "--prompts=1", "--samples=2",
+            "--rollout-batch=1", "--max-new-tokens=2", "--eval-limit=1", "--pass-k=0", "--eval-every=0",
+            "--ckpt-every=50", "--max-lr=1e-3", "--warmup-steps=0", "--max-steps=2"]
+    assert one_line_error(capsys, rl.main, [*args, "--out-dir", str(split)]) == (
+        f"error: --task {task}'s reward raised KeyError: 'boom' at step 1; {split}/ckpt_000001.pt holds the steps "
+        "before it: fix that, then --resume auto goes on from there")
+    (tmp_path / "t.py").write_text("import itertools\n" + USER_TASK + BROKEN_TASK.replace("== 3", "== 0"))
+    resumed = rl.main([*args, "--out-dir", str(split), "--resume=auto"])
+    full = rl.main([*args, "--out-dir", str(tmp_path / "full")])
+    assert train_records(split) == train_records(tmp_path / "full") and resumed["losses"] == full["losses"][1:]
+    assert 0 not in full["losses"] and resumed["step"] == 2  # the second minibatch's ratio is not 1
 
 
 @pytest.mark.parametrize("flags, unused", [(dict(algo="grpo", gamma=0.9), "gamma"), (dict(algo="rloo", lam=0.5), "lam"),
