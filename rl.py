@@ -157,7 +157,7 @@ class RLConfig(engine.RunArgs):
     """Online RL of a chat model (an sft.py checkpoint) on a task: GRPO, RLOO, REINFORCE or PPO, on the engine."""
 
     init_from: Annotated[str, LOCAL] = "out/sft-demo-1200/ckpt_001200.pt"  # the policy's start: a chat checkpoint
-    task: str = "addition"  # the prompts, the checker and held-out evaluations: a built-in task or FILE.py:NAME
+    task: str = "addition"  # the prompts, checker and evals: a built-in task (NAME=DIR: a local copy) or FILE.py:NAME
     reward: str = ""  # reward functions FILE.py:FN[,FILE.py:FN2] (fn(prompt, reply, answer) -> float), not the task's
     reward_weights: tuple[float, ...] = ()  # --reward's weights, comma separated (default: 1 each)
     reward_model: Annotated[str, LOCAL] = ""  # score replies with this reward model (prefs.py --objective reward)
@@ -195,7 +195,7 @@ class RLConfig(engine.RunArgs):
         if self.algo not in ALGOS or self.loss_agg not in LOSS_AGG:
             raise ValueError(f"--algo must be one of {', '.join(ALGOS)} and --loss-agg one of {', '.join(LOSS_AGG)}; "
                              f"got {self.algo!r} and {self.loss_agg!r} (TRL's dapo is token, its grpo sequence)")
-        tasks.check_spec(self.task)
+        tasks.parse_spec(self.task)
         algo = ALGOS[self.algo]
         self.minibatches = self.minibatches or algo.minibatches
         self.beta = self.beta if self.beta is not None else 0.05 if algo.critic else 0.0
@@ -437,7 +437,7 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
 
 def load(cfg: RLConfig) -> tuple[Any, tasks.Reward, GPT, list[dict], list[dict], GPT | None]:
     """The task, the reward, the policy, the train and held-out problems and the reward model, or a one-line refusal."""
-    task = tasks.load_task(cfg.task)
+    task = tasks.load_task(cfg.task, train=True)
     reward = tasks.load_rewards(cfg.reward, cfg.reward_weights) if cfg.reward else tasks.task_reward(task, cfg.task)
     stage.check_not_run_dir(cfg.init_from, "sft.py")  # a missing start, named as the flag that gives it
     # a reward model refused, a PPO critic dropped where none is trained, HF GPT-2's rows padded for the chat tokens

@@ -27,6 +27,7 @@ Usage (a task's train and test splits as JSONL conversations, for sft.py; with -
 with --eval, a checkpoint's accuracies and ChatCORE):
     python tasks.py --task addition --pairs                # -> data/addition/, data/addition_pairs/
     python tasks.py --task examples/subtraction.py:Subtraction --out-dir data/subtraction
+    python tasks.py --task gsm8k=gsm8k/main       # a local copy: a directory of the hub's train and test files
     python tasks.py --eval out/sft/ckpt_002000.pt --tasks arc-easy,arc-challenge,mmlu,gsm8k --limit 500
     python tasks.py --eval out/sft/ckpt_002000.pt --tasks mmlu=mmlu_test.parquet   # a local file in the hub's schema
 """
@@ -67,11 +68,11 @@ class Task:
     """A hub dataset of problems, each row made a conversation by the subclass's example(row), and its check(reply,
     answer). `baseline` is the accuracy of chance, which ChatCORE centers by."""
 
-    hub, config, splits, baseline = "", None, ("train", "test"), 0.0
+    hub, config, splits, baseline, source = "", None, ("train", "test"), 0.0, ""  # source: NAME=FILE's local copy
 
-    def examples(self, split: str, source: str = "") -> list[dict]:
-        """The split's problems, or all of `source`'s: a local .jsonl/.json/.parquet of rows in the hub's schema."""
-        if not source and split not in self.splits:
+    def examples(self, split: str) -> list[dict]:
+        """The split's problems, or `source`'s: a local file in the hub's schema (all of it), or a directory's split."""
+        if not (source := self.source) and split not in self.splits:
             raise ValueError(f"{self.hub} has splits {', '.join(self.splits)}, not {split!r}")
         return [self.example(row) for row in load_rows(source or self.hub, split, None if source else self.config)]
 
@@ -138,12 +139,12 @@ class MMLU(MultipleChoice):
 class Addition(Task):
     """a + b for two-digit numbers (10-99); the sum is spaced too, most significant first."""
 
-    def examples(self, split: str, source: str = "", n: int = 0) -> list[dict]:
+    def examples(self, split: str, n: int = 0) -> list[dict]:
         """Up to n (0: all) distinct problems of the split, in a seeded order. Test holds a tenth of the pairs, by a
         hash of the unordered pair: a + b and b + a share a split."""
-        if split not in self.splits or source:
+        if split not in self.splits or self.source:
             raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}"
-                             + f" and {source}" * bool(source))
+                             + f" and {self.source}" * bool(self.source))
         pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)
                  if (zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0) == (split == "test")]
         random.Random(0).shuffle(pairs)
@@ -262,11 +263,13 @@ TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": l
 # A user's own task and rewards: FILE.py:NAME or module:NAME
 
 
-def check_spec(spec: str, flag: str = "--task") -> None:
-    """A ValueError unless spec is '' (none), a built-in task's name, or FILE.py:NAME / module:NAME (loaded later)."""
-    if spec and spec not in TASKS and ":" not in spec:
+def parse_spec(spec: str, flag: str = "--task") -> tuple[str, str]:
+    """(NAME, FILE) of a built-in's NAME=FILE, else (spec, ''); a ValueError unless spec is '' or names a task."""
+    name, _, source = spec.partition("=") if spec.partition("=")[0] in TASKS else (spec, "", "")
+    if name and name not in TASKS and ":" not in name:
         raise ValueError(f"{flag} must be one of {', '.join(TASKS)}, or FILE.py:NAME or module:NAME for your own; "
                          f"got {spec!r}")
+    return name, source
 
 
 @functools.cache
@@ -296,11 +299,17 @@ def load_object(spec: str, flag: str) -> Any:
         raise ValueError(f"{flag} {spec}: cannot load {where} ({type(e).__name__}: {e})".replace("\n", " ")) from None
 
 
-def load_task(spec: str) -> Any:
-    """A built-in task by name, or FILE.py:NAME that follows the protocol above: a class (made here) or an instance."""
-    if spec in TASKS:
-        return TASKS[spec]()
-    check_spec(spec)
+def load_task(spec: str, train: bool = False) -> Any:
+    """A built-in task by name (NAME=FILE: on a local copy), or FILE.py:NAME that follows the protocol above: a class
+    (made here) or an instance. `train`: the caller reads the train and test splits, which a copy's directory holds."""
+    name, source = parse_spec(spec)
+    if name in TASKS:
+        task = TASKS[name]()
+        task.source = source
+        if train and source and not Path(source).expanduser().is_dir():
+            raise ValueError(f"--task {spec}: {source} is one split, and this reads train and test: pass a directory "
+                             "with both (train.jsonl and test.jsonl, or the hub's parquet files)")
+        return task
     made = load_object(spec, "--task")
     task = guarded(made, f"--task {spec}: {spec.rpartition(':')[2]}()")() if isinstance(made, type) else made
     if missing := [m for m in ("examples", "check") if not callable(getattr(task, m, None))]:
@@ -437,7 +446,7 @@ class TasksConfig:
     pairs: bool = False
     seed: int = 0  # seeds the wrong replies
     eval: str = ""  # a checkpoint (a .pt of this project) to score on --tasks, instead of writing files
-    tasks: str = "arc-easy,arc-challenge,mmlu,gsm8k"  # with --eval: NAME or NAME=FILE (a local file, the hub schema)
+    tasks: str = "arc-easy,arc-challenge,mmlu,gsm8k"  # with --eval: NAME or NAME=FILE (a local copy in the hub schema)
     split: str = "test"  # with --eval: the split scored
     max_new_tokens: int = 512  # with --eval: the longest reply of a task scored by its replies (gsm8k)
     device: str = "auto"  # with --eval: auto (cuda if available, else cpu), cpu, cuda, cuda:N
@@ -458,8 +467,7 @@ def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
     user's FILE.py:NAME is labelled NAME. Empty or repeated items are refused (a repeat would drop the first)."""
     listed: dict[str, tuple[str, str]] = {}
     for item in map(str.strip, specs.split(",")):
-        name, _, source = item.partition("=") if item.partition("=")[0] in TASKS else (item, "", "")
-        check_spec(name, flag)
+        name, source = parse_spec(item, flag)
         if not name:
             raise ValueError(f"{flag} {specs}: an empty item; list each task once")
         if (label := name.rpartition(":")[2]) in listed:
@@ -474,8 +482,8 @@ def named_tasks(specs: str, split: str, limit: int = 0) -> dict[str, tuple[Any, 
     """task_list's tasks, each with its `split`'s held-out problems (`limit` of them, 0: all)."""
     named = {}
     for label, (name, source) in task_list(specs).items():
-        task = load_task(name)
-        named[label] = (task, held_out(task, task.examples(split, source) if source else task.examples(split), limit))
+        task = load_task(f"{name}={source}" if source else name)
+        named[label] = (task, held_out(task, task.examples(split), limit))
     return named
 
 
@@ -502,10 +510,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     cfg = parse_config(TasksConfig, argv, doc=__doc__)
     if cfg.eval:
         return score_tasks(cfg)
-    out = Path(cfg.out_dir or f"data/{cfg.task.rpartition(':')[2].lower()}")
+    out = Path(cfg.out_dir or f"data/{parse_spec(cfg.task)[0].rpartition(':')[2].lower()}")
     pairs = Path(os.path.abspath(out) + "_pairs")  # beside, not inside: a directory is one dataset of one schema
     try:  # every row first: a split that cannot be made leaves nothing written
-        task, files = load_task(cfg.task), {}
+        task, files = load_task(cfg.task, train=True), {}
         for split in ("train", "test"):
             files[out / f"{split}.jsonl"] = task.examples(split)[:cfg.limit or None], "conversations"
             if cfg.pairs:

@@ -322,6 +322,22 @@ def test_load_turns_dropout_off_and_holds_out_the_problems_tasks_py_scores(tmp_p
     assert held == tasks.held_out(task, test, 5) != test[:5]
 
 
+def test_load_takes_a_local_copy_of_a_built_in_task_its_train_and_test_files(tmp_path):
+    from test_tasks import GSM8K_ROWS, write_rows
+
+    (copy := tmp_path / "gsm8k").mkdir()  # offline: the hub's splits as files
+    write_rows(copy / "train.jsonl", GSM8K_ROWS[:2])
+    write_rows(copy / "test.jsonl", GSM8K_ROWS[2:])
+    cfg = rl.RLConfig(init_from=str(save_model(tmp_path / "policy.pt", 0)), task=f"gsm8k={copy}")
+    _, _, _, train, held, _ = rl.load(cfg)
+    assert [p["answer"] for p in train] == ["4", "5"] and [p["answer"] for p in held] == ["4"]
+    file = write_rows(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    with pytest.raises(ValueError) as e:  # held-out accuracy on the problems it trains on
+        rl.load(dataclasses.replace(cfg, task=f"gsm8k={file}"))
+    assert str(e.value) == (f"--task gsm8k={file}: {file} is one split, and this reads train and test: pass a "
+                            "directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
+
+
 def test_pass_at_k_counts_a_problem_any_of_whose_k_samples_is_right(monkeypatch):
     from types import SimpleNamespace as NS
 

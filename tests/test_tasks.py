@@ -80,7 +80,7 @@ def test_gsm8k_answer_drops_commas_and_a_note_is_split_at_its_last_equals_sign()
 def test_gsm8k_reads_a_local_jsonl_in_the_hub_schema(tmp_path):
     path = tmp_path / "gsm8k_test.jsonl"
     path.write_text(json.dumps(WENG) + "\n" + json.dumps({"question": "2 + 3?", "answer": "2 + 3 = 5\n#### 5"}) + "\n")
-    examples = tasks.GSM8K().examples("test", source=str(path))
+    examples = tasks.load_task(f"gsm8k={path}").examples("test")
     assert [e["answer"] for e in examples] == ["10", "5"]
     assert examples[1]["messages"][1]["content"] == [{"type": "text", "text": "2 + 3 = 5\n#### 5"}]
 
@@ -108,7 +108,7 @@ def test_arc_reads_a_local_parquet_in_the_hub_schema(tmp_path):
 
     row = {**ARC_ROW, "answerKey": "B", "choices": {"text": ["a", "b", "c"], "label": ["A", "B", "C"]}}
     pq.write_table(pa.Table.from_pylist([ARC_ROW, row]), tmp_path / "arc.parquet")
-    examples = tasks.ARC("ARC-Challenge").examples("test", str(tmp_path / "arc.parquet"))
+    examples = tasks.load_task(f"arc-challenge={tmp_path / 'arc.parquet'}").examples("test")
     assert [e["answer"] for e in examples] == ["C", "B"]
     assert [e["letters"] for e in examples] == [list("ABCD"), list("ABC")]  # what choose() compares: 3 here
     with pytest.raises(ValueError, match="allenai/ai2_arc has splits train, validation, test, not 'val'"):
@@ -507,7 +507,7 @@ def test_evaluate_scores_its_ranks_share_of_the_problems(monkeypatch):
 
 
 def test_mmlu_reads_a_local_file_in_the_hub_schema(tmp_path):
-    examples = tasks.MMLU().examples("test", write_rows(tmp_path / "mmlu.jsonl", MMLU_ROWS))
+    examples = tasks.load_task(f"mmlu={write_rows(tmp_path / 'mmlu.jsonl', MMLU_ROWS)}").examples("test")
     assert [e["answer"] for e in examples] == ["B", "B", "A", "C"] and examples[0]["letters"] == ["A", "B", "C", "D"]
     assert examples[0]["messages"][0]["content"] == "Question 0?\nA. w\nB. x\nC. y\nD. z\nAnswer with the letter of " \
                                                     "the correct choice."
@@ -515,9 +515,9 @@ def test_mmlu_reads_a_local_file_in_the_hub_schema(tmp_path):
 
 
 def test_chat_core_is_the_mean_centered_accuracy_over_the_tasks_given(tmp_path):
-    named = {"mmlu": (tasks.MMLU(), tasks.MMLU().examples("test", write_rows(tmp_path / "m.jsonl", MMLU_ROWS))),
-             "arc-easy": (tasks.ARC(), tasks.ARC().examples("test", write_rows(tmp_path / "a.jsonl", ARC_ROWS))),
-             "gsm8k": (tasks.GSM8K(), tasks.GSM8K().examples("test", write_rows(tmp_path / "g.jsonl", GSM8K_ROWS)))}
+    files = {"mmlu": MMLU_ROWS, "arc-easy": ARC_ROWS, "gsm8k": GSM8K_ROWS}
+    named = {name: (task := tasks.load_task(f"{name}={write_rows(tmp_path / f'{name}.jsonl', rows)}"),
+                    task.examples("test")) for name, rows in files.items()}
     result = tasks.chat_core(chat_bigram(), named, max_new_tokens=6)
     # the letters' logits say B: 2 of 4 MMLU answers, 1 of 2 ARC answers; the reply "B 4" holds 2 of 3 GSM8K answers
     assert result["results"] == {"mmlu": 0.5, "arc-easy": 0.5, "gsm8k": pytest.approx(2 / 3)}
@@ -574,6 +574,27 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
             tasks.main(["--eval", str(ckpt), "--tasks", f"gsm8k={long}"])
         assert e.value.code == (f"error: --tasks gsm8k: a prompt takes {tokens} tokens, the model's whole context (64) "
                                 "or more; score another task")
+
+
+def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, capsys, monkeypatch):
+    # NAME=FILE is one split read whole, as --eval reads it; NAME=DIR its splits by name: train and test for --out-dir
+    file, copy = write_rows(tmp_path / "gsm8k.jsonl", GSM8K_ROWS), tmp_path / "gsm8k"
+    assert [e["answer"] for e in tasks.load_task(f"gsm8k={file}").examples("train")] == ["4", "5", "4"]
+    copy.mkdir()
+    write_rows(copy / "train.jsonl", GSM8K_ROWS[1:])
+    write_rows(copy / "test.jsonl", [WENG])
+    assert [e["answer"] for _, held in tasks.named_tasks(f"gsm8k={copy}", "test").values() for e in held] == ["10"]
+    monkeypatch.chdir(tmp_path)
+    tasks.main(["--task", f"gsm8k={copy}"])  # into data/gsm8k, as for gsm8k
+    written = {s: [json.loads(r)["answer"] for r in (tmp_path / "data/gsm8k" / f"{s}.jsonl").read_text().splitlines()]
+               for s in ("train", "test")}
+    assert written == {"train": ["5", "4"], "test": ["10"]}
+    assert f"data/gsm8k/train.jsonl: 2 gsm8k={copy} conversations" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # its train.jsonl and test.jsonl would hold the same problems
+        tasks.main(["--task", f"gsm8k={file}", "--out-dir", str(tmp_path / "x")])
+    assert e.value.code == (f"error: --task gsm8k={file}: {file} is one split, and this reads train and test: pass a "
+                            f"directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
+    assert not (tmp_path / "x").exists()
 
 
 def test_eval_refuses_the_task_flag_of_the_other_stages():
