@@ -382,8 +382,8 @@ def shared_problem(problem: str | None, world: int) -> str | None:
 
 
 class ResumableError(ValueError):
-    """A failure every rank raises alike (a user's reward) while the run's state, but for the global RNG's draws, is
-    still its last step's: engine.Run.attempt puts those back and saves it, so the fixed run resumes bitwise."""
+    """A failure every rank raises alike (a user's reward or check()) while the run's state, but for the global RNG's
+    draws, is still its last step's: engine.Run.attempt puts those back and saves it: the fixed run resumes bitwise."""
 
 
 def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = ValueError,

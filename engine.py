@@ -147,7 +147,7 @@ def train(run: Run) -> dict[str, Any]:
         stop.last = final  # no step left to stop after: a Ctrl-C during the final evaluations quits at once
 
         # evaluate once in a while; a signal that came meanwhile stops the run here, not a step later
-        evaluated = run.evaluate(step, final)
+        evaluated = run.attempt(step, run.evaluate, step, final)
         if final:
             break
         if evaluated and (stopping := stop.should_stop()):

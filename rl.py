@@ -405,8 +405,8 @@ def task_eval(cfg: RLConfig, raw: GPT, task: Any, problems: list[dict], autocast
             result = tasks.evaluate(raw, task, problems, ctx.rank, ctx.world, cfg.max_new_tokens)
             if cfg.pass_k:
                 share = rollouts(raw, problems, cfg.pass_k, cfg.seed + 1_000_003 * step, cfg, ctx.rank, ctx.world)
-                right = common.same_verdict(lambda: [task.check(reply_text(r.tokens), p["answer"])
-                                                     for p, _, r in share], ctx.world)  # one rank's raise stops all
+                right = common.same_verdict(lambda: [task.check(reply_text(r.tokens), p["answer"])  # all ranks stop
+                                                     for p, _, r in share], ctx.world, common.ResumableError)
                 solved = sum(any(right[i:i + cfg.pass_k]) for i in range(0, len(right), cfg.pass_k))
                 result[f"pass@{cfg.pass_k}"] = all_sum(torch.tensor(float(solved)), ctx.world).item() / len(problems)
         passed = f", pass@{cfg.pass_k} {result[f'pass@{cfg.pass_k}']:.4f}" if cfg.pass_k else ""

@@ -179,8 +179,9 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
                                                                                                 strict=True))
         return right
 
-    # a check() that raises on one rank's replies stops every rank with its line, not the others in summed's all_sum
-    return summed(common.same_verdict(count, world), len(mine), model.lm_head.weight.device, world)
+    # one rank's check() that raises stops every rank, not the others in summed's all_sum; a run saves its steps first
+    right = common.same_verdict(count, world, common.ResumableError)
+    return summed(right, len(mine), model.lm_head.weight.device, world)
 
 
 @torch.no_grad()

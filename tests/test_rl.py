@@ -58,9 +58,10 @@ def flags(models: tuple[Path, Path], out: Path, *extra: str) -> list[str]:
             "--eval-every=2", "--ckpt-every=2", "--max-lr=1e-3", "--warmup-steps=0", *extra]
 
 
-def train_records(out: Path) -> list[dict]:
+def train_records(out: Path, *also: str) -> list[dict]:
+    """log.jsonl's train records (and those of the types `also`) but for their timings."""
     return [{k: v for k, v in r.items() if k not in ("ms", "tok_s", "rollout_tok_s", "update_tok_s")}
-            for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
+            for r in iter_log(out / "log.jsonl") if r["type"] in ("train", *also)]
 
 
 def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
@@ -435,6 +436,28 @@ def test_a_task_whose_reward_raises_mid_run_saves_the_steps_done_and_the_fixed_r
     full = rl.main([*args, "--out-dir", str(tmp_path / "full")])
     assert train_records(split) == train_records(tmp_path / "full") and resumed["losses"] == full["losses"][1:]
     assert 0 not in full["losses"] and resumed["step"] == 2  # the second minibatch's ratio is not 1
+
+
+@pytest.mark.parametrize("pass_k, raises, step", [(0, 2, 2), (2, 5, 2), (0, 3, 3)])  # greedy, pass@2, final
+def test_a_task_whose_check_raises_in_a_held_out_eval_saves_the_steps_done_and_the_fixed_run_goes_on_bitwise(
+        models, tmp_path, capsys, pass_k, raises, step):
+    # the eval at step 2 lost steps 0 and 1: the state saved is theirs, and the resumed run evaluates step 2 again;
+    # the final step's: its checkpoint was written anyway, and the resumed run only evaluates
+    from test_tasks import flaky_task
+
+    (tmp_path / "t.py").write_text(flaky_task(raises))
+    split, task = tmp_path / "split", f"{tmp_path}/t.py:Flaky"
+    args = ["--init-from", str(models[0]), f"--task={task}", "--device=cpu", "--prompts=1", "--samples=2",
+            "--rollout-batch=1", "--max-new-tokens=2", "--eval-limit=1", f"--pass-k={pass_k}", "--eval-every=2",
+            "--ckpt-every=50", "--max-lr=1e-3", "--warmup-steps=0", "--max-steps=3"]
+    assert one_line_error(capsys, rl.main, [*args, "--out-dir", str(split)]) == (
+        f"error: --task {task}: check() raised KeyError: 'boom' at step {step}; {split}/ckpt_00000{step}.pt holds the "
+        "steps before it: fix that, then --resume auto goes on from there")
+    (tmp_path / "t.py").write_text(flaky_task(0))
+    resumed = rl.main([*args, "--out-dir", str(split), "--resume=auto"])
+    full = rl.main([*args, "--out-dir", str(tmp_path / "full")])
+    assert train_records(split, "task") == train_records(tmp_path / "full", "task") and len(full["losses"]) == 3
+    assert resumed["losses"] == full["losses"][step:] and resumed["task"] == full["task"]
 
 
 @pytest.mark.parametrize("flags, unused", [(dict(algo="grpo", gamma=0.9), "gamma"), (dict(algo="rloo", lam=0.5), "lam"),

@@ -106,6 +106,26 @@ def test_sft_resumes_bitwise_and_logs_the_task_accuracy(conversations, tmp_path)
     assert ckpt["chat"] is True  # chat.py and export.py tell a chat checkpoint from a base one by this
 
 
+def test_a_task_whose_check_raises_mid_run_saves_the_steps_done_and_the_fixed_run_goes_on_bitwise(conversations,
+                                                                                                  tmp_path, capsys):
+    # the task eval at step 2 (after val's) lost steps 0 and 1; the resumed run evaluates step 2 again, as if unstopped
+    from test_tasks import flaky_task
+
+    (tmp_path / "t.py").write_text(flaky_task(2))  # step 0's eval scored its one problem
+    task, split, full = f"{tmp_path}/t.py:Flaky", tmp_path / "split", tmp_path / "full"
+    extra = ["--max-steps=3", "--ckpt-every=0", "--eval-every=2", f"--task={task}", "--task-every=2", "--task-limit=1",
+             "--total-batch-size=256", "--eval-tokens=256"]
+    assert one_line_error(capsys, sft.main, flags(conversations, split, *extra)) == (
+        f"error: --task {task}: check() raised KeyError: 'boom' at step 2; {split}/ckpt_000002.pt holds the steps "
+        "before it: fix that, then --resume auto goes on from there")
+    (tmp_path / "t.py").write_text(flaky_task(0))
+    rest = sft.main(flags(conversations, split, *extra, "--resume=auto"))
+    assert rest["losses"] == sft.main(flags(conversations, full, *extra))["losses"][2:]
+    timeless = lambda out: [{k: v for k, v in r.items() if k not in ("ms", "tok_s")}
+                            for r in iter_log(out / "log.jsonl") if r["type"] != "config"]
+    assert timeless(split) == timeless(full) and [r["type"] for r in timeless(full)].count("task") == 3  # 0, 2, 3
+
+
 @pytest.mark.slow
 def test_sft_and_train_py_refuse_each_others_checkpoints(tmp_path):
     """sft.py --resume of a pretraining checkpoint passed the stage check (both objectives "lm") and, with matching

@@ -270,6 +270,26 @@ def tensor(prompt, reply, answer):
 '''
 
 
+def flaky_task(n: int) -> str:
+    """USER_TASK and Flaky, whose check() raises on its n-th call (0: never): its reward scores rl.py's rollouts, so
+    only evaluations call check()."""
+    return USER_TASK + f'''
+import itertools
+
+calls = itertools.count(1)
+
+
+class Flaky(Doubling):
+    def reward(self, prompt, reply, answer):
+        return float(len(reply))
+
+    def check(self, reply, answer):
+        if next(calls) == {n}:
+            raise KeyError("boom")
+        return super().check(reply, answer)
+'''
+
+
 @pytest.fixture
 def user_file(tmp_path):
     path = tmp_path / "doubling.py"
@@ -500,7 +520,7 @@ def test_evaluate_scores_its_ranks_share_of_the_problems(monkeypatch):
     # rank 1 of 2 answers problems 1 and 3 ("B 4": right, 4) and not 0 and 2 (5); the sum over ranks and the shared
     # verdict (collectives) as if rank 0 counted the same
     monkeypatch.setattr(tasks, "all_sum", lambda t, world: 2 * t)
-    monkeypatch.setattr(tasks.common, "same_verdict", lambda work, world: work())
+    monkeypatch.setattr(tasks.common, "same_verdict", lambda work, world, *error: work())
     problems = [tasks.GSM8K().example({"question": f"Q{k}?", "answer": f"#### {5 - k % 2}"}) for k in range(4)]
     out = tasks.evaluate(chat_bigram(), tasks.GSM8K(), problems, rank=1, world=2, max_new_tokens=4)
     assert out == {"acc": 1.0, "n": 4}
