@@ -309,8 +309,8 @@ def load_task(spec: str, train: bool = False) -> Any:
         task = TASKS[name]()
         task.source = source
         if train and source and not Path(source).expanduser().is_dir():
-            raise ValueError(f"--task {spec}: {source} is one split, and this reads train and test: pass a directory "
-                             "with both (train.jsonl and test.jsonl, or the hub's parquet files)")
+            raise ValueError(f"--task {spec}: {source} is not a directory, and this reads train and test: pass a "
+                             "directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
         return task
     made = load_object(spec, "--task")
     task = guarded(made, f"--task {spec}: {spec.rpartition(':')[2]}()")() if isinstance(made, type) else made

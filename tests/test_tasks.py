@@ -594,9 +594,11 @@ def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, c
     assert f"data/gsm8k/train.jsonl: 2 gsm8k={copy} conversations" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:  # its train.jsonl and test.jsonl would hold the same problems
         tasks.main(["--task", f"gsm8k={file}", "--out-dir", str(tmp_path / "x")])
-    assert e.value.code == (f"error: --task gsm8k={file}: {file} is one split, and this reads train and test: pass a "
-                            f"directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
+    assert e.value.code == (f"error: --task gsm8k={file}: {file} is not a directory, and this reads train and test: "
+                            f"pass a directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
     assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match=f"{tmp_path}/gsm8k-v2 is not a directory, and"):  # a typo: not "one split"
+        tasks.load_task(f"gsm8k={tmp_path}/gsm8k-v2", train=True)
     with pytest.raises(SystemExit) as e:  # the default --out-dir, named after the task, raised it as a traceback
         tasks.main(["--task", "subtraction"])
     assert e.value.code.startswith("error: --task must be one of gsm8k, ")
