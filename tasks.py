@@ -266,10 +266,12 @@ TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": l
 
 def parse_spec(spec: str, flag: str = "--task") -> tuple[str, str]:
     """(NAME, FILE) of a built-in's NAME=FILE, else (spec, ''); a ValueError unless spec is '' or names a task."""
-    name, _, source = spec.partition("=") if spec.partition("=")[0] in TASKS else (spec, "", "")
+    name, eq, source = spec.partition("=") if spec.partition("=")[0] in TASKS else (spec, "", "")
     if name and name not in TASKS and ":" not in name:
         raise ValueError(f"{flag} must be one of {', '.join(TASKS)}, or FILE.py:NAME or module:NAME for your own; "
                          f"got {spec!r}")
+    if eq and not source:  # gsm8k=$DIR with DIR unset: the hub's, silently
+        raise ValueError(f"{flag} {spec}: no path after '=' (NAME=FILE or NAME=DIR: a local copy)")
     return name, source
 
 
@@ -308,8 +310,8 @@ def load_task(spec: str, train: bool = False) -> Any:
         task = TASKS[name]()
         task.source = source
         if train and source and not Path(source).expanduser().is_dir():
-            raise ValueError(f"--task {spec}: {source} is one split, and this reads train and test: pass a directory "
-                             "with both (train.jsonl and test.jsonl, or the hub's parquet files)")
+            raise ValueError(f"--task {spec}: {source} is not a directory, and this reads train and test: pass a "
+                             "directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
         return task
     made = load_object(spec, "--task")
     task = guarded(made, f"--task {spec}: {spec.rpartition(':')[2]}()")() if isinstance(made, type) else made
@@ -511,9 +513,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     cfg = parse_config(TasksConfig, argv, doc=__doc__)
     if cfg.eval:
         return score_tasks(cfg)
-    out = Path(cfg.out_dir or f"data/{parse_spec(cfg.task)[0].rpartition(':')[2].lower()}")
-    pairs = Path(os.path.abspath(out) + "_pairs")  # beside, not inside: a directory is one dataset of one schema
     try:  # every row first: a split that cannot be made leaves nothing written
+        out = Path(cfg.out_dir or f"data/{parse_spec(cfg.task)[0].rpartition(':')[2].lower()}")
+        pairs = Path(os.path.abspath(out) + "_pairs")  # beside, not inside: a directory is one dataset of one schema
         task, files = load_task(cfg.task, train=True), {}
         for split in ("train", "test"):
             files[out / f"{split}.jsonl"] = task.examples(split)[:cfg.limit or None], "conversations"

@@ -335,7 +335,7 @@ def test_load_takes_a_local_copy_of_a_built_in_task_its_train_and_test_files(tmp
     file = write_rows(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
     with pytest.raises(ValueError) as e:  # held-out accuracy on the problems it trains on
         rl.load(dataclasses.replace(cfg, task=f"gsm8k={file}"))
-    assert str(e.value) == (f"--task gsm8k={file}: {file} is one split, and this reads train and test: pass a "
+    assert str(e.value) == (f"--task gsm8k={file}: {file} is not a directory, and this reads train and test: pass a "
                             "directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
 
 

@@ -391,6 +391,8 @@ def test_the_shipped_subtraction_example_is_disjoint_checks_and_scores_from_the_
     ("./runs:1/t.py", "--task ./runs:1/t.py: expected FILE.py:NAME or module:NAME"),
     ("subtraction", "--task must be one of gsm8k, arc-easy, arc-challenge, mmlu, addition, or FILE.py:NAME or "
                     "module:NAME for your own; got 'subtraction'"),
+    # an unset variable in gsm8k=$DIR read the hub's gsm8k in place of the local copy, saying nothing
+    ("gsm8k=", "--task gsm8k=: no path after '=' (NAME=FILE or NAME=DIR: a local copy)"),
 ])
 def test_a_task_that_cannot_load_is_one_line_naming_the_file_and_the_name(user_file, spec, message):
     where = {"dir": user_file.parent, "file": user_file}
@@ -612,9 +614,14 @@ def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, c
     assert f"data/gsm8k/train.jsonl: 2 gsm8k={copy} conversations" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:  # its train.jsonl and test.jsonl would hold the same problems
         tasks.main(["--task", f"gsm8k={file}", "--out-dir", str(tmp_path / "x")])
-    assert e.value.code == (f"error: --task gsm8k={file}: {file} is one split, and this reads train and test: pass a "
-                            f"directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
+    assert e.value.code == (f"error: --task gsm8k={file}: {file} is not a directory, and this reads train and test: "
+                            f"pass a directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
     assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match=f"{tmp_path}/gsm8k-v2 is not a directory, and"):  # a typo: not "one split"
+        tasks.load_task(f"gsm8k={tmp_path}/gsm8k-v2", train=True)
+    with pytest.raises(SystemExit) as e:  # the default --out-dir, named after the task, raised it as a traceback
+        tasks.main(["--task", "subtraction"])
+    assert e.value.code.startswith("error: --task must be one of gsm8k, ")
 
 
 def test_eval_refuses_the_task_flag_of_the_other_stages():
