@@ -462,27 +462,27 @@ class TasksConfig:
             raise ValueError(f"--pairs needs a task that makes wrong replies (wrong(answer, rng)), not {self.task}")
 
 
-def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
-    """A comma list of tasks as {label: (spec, FILE)}: a built-in NAME=FILE reads a local copy in the hub's schema; a
-    user's FILE.py:NAME is labelled NAME. Empty or repeated items are refused (a repeat would drop the first)."""
-    listed: dict[str, tuple[str, str]] = {}
-    for item in map(str.strip, specs.split(",")):
-        name, source = parse_spec(item, flag)
+def task_list(specs: str, flag: str = "--task") -> dict[str, str]:
+    """A comma list of tasks as {label: spec}, each spec as load_task takes it; a built-in NAME=FILE is labelled NAME,
+    a user's FILE.py:NAME too. Empty or repeated items are refused (a repeat would drop the first)."""
+    listed: dict[str, str] = {}
+    for spec in map(str.strip, specs.split(",")):
+        name = parse_spec(spec, flag)[0]
         if not name:
             raise ValueError(f"{flag} {specs}: an empty item; list each task once")
         if (label := name.rpartition(":")[2]) in listed:
-            what = f"{label} twice; list each task once" if listed[label][0] == name else \
+            what = f"{label} twice; list each task once" if parse_spec(listed[label])[0] == name else \
                 f"two tasks named {label}: results go by the name; rename one"
             raise ValueError(f"{flag} {specs}: {what}")
-        listed[label] = (name, source)
+        listed[label] = spec
     return listed
 
 
 def named_tasks(specs: str, split: str, limit: int = 0) -> dict[str, tuple[Any, list[dict]]]:
     """task_list's tasks, each with its `split`'s held-out problems (`limit` of them, 0: all)."""
     named = {}
-    for label, (name, source) in task_list(specs).items():
-        task = load_task(f"{name}={source}" if source else name)
+    for label, spec in task_list(specs).items():
+        task = load_task(spec)
         named[label] = (task, held_out(task, task.examples(split), limit))
     return named
 
