@@ -65,8 +65,7 @@ def conversation(prompt: str, reply: Any, answer: str) -> dict:
 
 
 class Task:
-    """A hub dataset of problems, each row made a conversation by the subclass's example(row), and its check(reply,
-    answer). `baseline` is the accuracy of chance, which ChatCORE centers by."""
+    """A hub dataset, each row made a conversation by the subclass's example(row); `baseline`: chance's accuracy."""
 
     hub, config, splits, baseline, source = "", None, ("train", "test"), 0.0, ""  # source: NAME=FILE's local copy
 
@@ -336,8 +335,7 @@ def guarded(fn: Callable[..., Any], name: str, verdict: bool = False) -> Callabl
 
 
 class UserTask:
-    """A user's task as load_task gives it: examples, check and wrong one line naming them where they raise, and the
-    examples checked to be a list of {"messages": [..., user, assistant], "answer": str} rows; the rest as it has it."""
+    """A user's task as load_task gives it: examples, check and wrong raise one line naming them; rows are checked."""
 
     def __init__(self, task: Any, spec: str):
         self.task, self.spec = task, spec
@@ -435,8 +433,7 @@ def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[di
 
 @dataclass
 class TasksConfig:
-    """Write a task's train and test examples as JSONL conversations (train.jsonl, test.jsonl) for sft.py; or, with
-    --eval, score a checkpoint on --tasks and print each accuracy and their ChatCORE (runs under torchrun too)."""
+    """tasks.py's flags, as the module docstring's usage gives them (--eval runs under torchrun too)."""
 
     task: str = "addition"  # gsm8k, arc-easy, arc-challenge, mmlu, addition, or your own: FILE.py:NAME or module:NAME
     out_dir: str = ""  # where to write them ('' = data/<task>)
