@@ -284,7 +284,7 @@ def task_eval(cfg: TaskEvalArgs, setup: Setup) -> tuple[Eval, list[list[dict]]]:
     against --seq-len now, not at the first task eval (after the whole training, --task-every 0)."""
     ctx, autocast = setup.ctx, setup.built.autocast
     named = tasks.named_tasks(cfg.task, "test", cfg.task_limit)
-    if len(named) > 1 or any(source for _, source in tasks.task_list(cfg.task).values()):
+    if len(named) > 1 or tasks.parse_spec(cfg.task.strip())[1]:  # one task from a local copy: scored as a list
         kind = "chatcore"
 
         def score(step: int) -> dict[str, Any]:

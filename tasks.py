@@ -65,8 +65,7 @@ def conversation(prompt: str, reply: Any, answer: str) -> dict:
 
 
 class Task:
-    """A hub dataset of problems, each row made a conversation by the subclass's example(row), and its check(reply,
-    answer). `baseline` is the accuracy of chance, which ChatCORE centers by."""
+    """A hub dataset, each row made a conversation by the subclass's example(row); `baseline`: chance's accuracy."""
 
     hub, config, splits, baseline, source = "", None, ("train", "test"), 0.0, ""  # source: NAME=FILE's local copy
 
@@ -339,8 +338,7 @@ def guarded(fn: Callable[..., Any], name: str, verdict: bool = False) -> Callabl
 
 
 class UserTask:
-    """A user's task as load_task gives it: examples, check and wrong one line naming them where they raise, and the
-    examples checked to be a list of {"messages": [..., user, assistant], "answer": str} rows; the rest as it has it."""
+    """A user's task as load_task gives it: examples, check and wrong raise one line naming them; rows are checked."""
 
     def __init__(self, task: Any, spec: str):
         self.task, self.spec = task, spec
@@ -438,8 +436,7 @@ def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[di
 
 @dataclass
 class TasksConfig:
-    """Write a task's train and test examples as JSONL conversations (train.jsonl, test.jsonl) for sft.py; or, with
-    --eval, score a checkpoint on --tasks and print each accuracy and their ChatCORE (runs under torchrun too)."""
+    """tasks.py's flags, as the module docstring's usage gives them (--eval runs under torchrun too)."""
 
     task: str = "addition"  # gsm8k, arc-easy, arc-challenge, mmlu, addition, or your own: FILE.py:NAME or module:NAME
     out_dir: str = ""  # where to write them ('' = data/<task>)
@@ -465,27 +462,27 @@ class TasksConfig:
             raise ValueError(f"--pairs needs a task that makes wrong replies (wrong(answer, rng)), not {self.task}")
 
 
-def task_list(specs: str, flag: str = "--task") -> dict[str, tuple[str, str]]:
-    """A comma list of tasks as {label: (spec, FILE)}: a built-in NAME=FILE reads a local copy in the hub's schema; a
-    user's FILE.py:NAME is labelled NAME. Empty or repeated items are refused (a repeat would drop the first)."""
-    listed: dict[str, tuple[str, str]] = {}
-    for item in map(str.strip, specs.split(",")):
-        name, source = parse_spec(item, flag)
+def task_list(specs: str, flag: str = "--task") -> dict[str, str]:
+    """A comma list of tasks as {label: spec}, each spec as load_task takes it; a built-in NAME=FILE is labelled NAME,
+    a user's FILE.py:NAME too. Empty or repeated items are refused (a repeat would drop the first)."""
+    listed: dict[str, str] = {}
+    for spec in map(str.strip, specs.split(",")):
+        name = parse_spec(spec, flag)[0]
         if not name:
             raise ValueError(f"{flag} {specs}: an empty item; list each task once")
         if (label := name.rpartition(":")[2]) in listed:
-            what = f"{label} twice; list each task once" if listed[label][0] == name else \
+            what = f"{label} twice; list each task once" if parse_spec(listed[label])[0] == name else \
                 f"two tasks named {label}: results go by the name; rename one"
             raise ValueError(f"{flag} {specs}: {what}")
-        listed[label] = (name, source)
+        listed[label] = spec
     return listed
 
 
 def named_tasks(specs: str, split: str, limit: int = 0) -> dict[str, tuple[Any, list[dict]]]:
     """task_list's tasks, each with its `split`'s held-out problems (`limit` of them, 0: all)."""
     named = {}
-    for label, (name, source) in task_list(specs).items():
-        task = load_task(f"{name}={source}" if source else name)
+    for label, spec in task_list(specs).items():
+        task = load_task(spec)
         named[label] = (task, held_out(task, task.examples(split), limit))
     return named
 

@@ -192,7 +192,8 @@ def test_several_tasks_are_scored_as_chatcore(conversations, tmp_path, capsys):
     with pytest.raises(ValueError, match="^--task mmlu=a.jsonl,mmlu: mmlu twice; list each task once$"):
         sft.SFTConfig(task="mmlu=a.jsonl,mmlu")  # the first would be dropped from ChatCORE
     # a user's task is labelled by its name; an '=' in its path is part of the path
-    assert tasks.task_list("/x/a=b/t.py:T,mmlu") == {"T": ("/x/a=b/t.py:T", ""), "mmlu": ("mmlu", "")}
+    assert tasks.task_list("/x/a=b/t.py:T,mmlu") == {"T": "/x/a=b/t.py:T", "mmlu": "mmlu"}
+    assert tasks.parse_spec("/x/a=b/t.py:T") == ("/x/a=b/t.py:T", "")
 
 
 def test_an_hf_gpt2_is_padded_for_the_chat_tokens(conversations, hf_dir, tmp_path):

@@ -745,8 +745,8 @@ def test_what_a_users_task_gives_is_checked_where_it_is_made(user_file, tmp_path
 
 def test_a_task_list_takes_spaces_after_its_commas_as_a_reward_list_does():
     # "arc-easy, mmlu" was refused as ' mmlu', a user's ' t.py:T' as "no such file  t.py"
-    assert tasks.task_list("arc-easy, mmlu=m.jsonl") == {"arc-easy": ("arc-easy", ""), "mmlu": ("mmlu", "m.jsonl")}
-    assert tasks.task_list("addition, t.py:T") == {"addition": ("addition", ""), "T": ("t.py:T", "")}
+    assert tasks.task_list("arc-easy, mmlu=m.jsonl") == {"arc-easy": "arc-easy", "mmlu": "mmlu=m.jsonl"}
+    assert tasks.task_list("addition, t.py:T") == {"addition": "addition", "T": "t.py:T"}
     with pytest.raises(ValueError) as e:  # named --task, the flag sft.py's list has, where tasks.py's is --tasks
         tasks.TasksConfig(eval="c.pt", tasks="arc-easy,nope")
     assert str(e.value).startswith("--tasks must be one of gsm8k, arc-easy, arc-challenge, mmlu, addition, or ")
