@@ -437,7 +437,7 @@ def load_reward_model(cfg: RLConfig, problems: list[dict]) -> GPT:
 
 def load(cfg: RLConfig) -> tuple[Any, tasks.Reward, GPT, list[dict], list[dict], GPT | None]:
     """The task, the reward, the policy, the train and held-out problems and the reward model, or a one-line refusal."""
-    task = tasks.load_task(cfg.task, train=True)
+    task = tasks.load_task(cfg.task, train=not cfg.eval_only)  # --eval-only scores one split: a FILE will do
     reward = tasks.load_rewards(cfg.reward, cfg.reward_weights) if cfg.reward else tasks.task_reward(task, cfg.task)
     stage.check_not_run_dir(cfg.init_from, "sft.py")  # a missing start, named as the flag that gives it
     # a reward model refused, a PPO critic dropped where none is trained, HF GPT-2's rows padded for the chat tokens

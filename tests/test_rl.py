@@ -337,6 +337,9 @@ def test_load_takes_a_local_copy_of_a_built_in_task_its_train_and_test_files(tmp
         rl.load(dataclasses.replace(cfg, task=f"gsm8k={file}"))
     assert str(e.value) == (f"--task gsm8k={file}: {file} is not a directory, and this reads train and test: pass a "
                             "directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
+    # --eval-only scores the test split alone, as tasks.py --eval does: the file is that split
+    held = rl.load(dataclasses.replace(cfg, task=f"gsm8k={file}", eval_only=True))[4]
+    assert [p["answer"] for p in held] == ["4", "5", "4"]
 
 
 def test_pass_at_k_counts_a_problem_any_of_whose_k_samples_is_right(monkeypatch):
