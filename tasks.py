@@ -67,20 +67,23 @@ def conversation(prompt: str, reply: Any, answer: str) -> dict:
 class Task:
     """A hub dataset, each row made a conversation by the subclass's example(row); `baseline`: chance's accuracy."""
 
-    hub, config, splits, baseline, source = "", None, ("train", "test"), 0.0, ""  # source: NAME=FILE's local copy
+    hub, config, splits, baseline, source, fields = "", None, ("train", "test"), 0.0, "", ()  # source: NAME=FILE's copy
 
     def examples(self, split: str) -> list[dict]:
         """The split's problems, or `source`'s: a local file in the hub's schema (all of it), or a directory's split."""
         if not (source := self.source) and split not in self.splits:
             raise ValueError(f"{self.hub} has splits {', '.join(self.splits)}, not {split!r}")
-        return [self.example(row) for row in load_rows(source or self.hub, split, None if source else self.config)]
+        rows = load_rows(source or self.hub, split, None if source else self.config)
+        if missing := " or ".join(repr(f) for f in self.fields if f not in rows[0]):  # a local copy in another schema
+            raise ValueError(f"{source} {split}: rows lack {missing} ({self.hub}'s schema: {', '.join(self.fields)})")
+        return [self.example(row) for row in rows]
 
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # a trailing period is not part of it
 
 
 class GSM8K(Task):
-    hub, config = "openai/gsm8k", "main"
+    hub, config, fields = "openai/gsm8k", "main", ("question", "answer")
 
     def example(self, row: dict) -> dict:
         parts = []
@@ -117,7 +120,7 @@ class MultipleChoice(Task):
 
 
 class ARC(MultipleChoice):
-    hub, splits = "allenai/ai2_arc", ("train", "validation", "test")
+    hub, splits, fields = "allenai/ai2_arc", ("train", "validation", "test"), ("question", "choices", "answerKey")
 
     def __init__(self, config: str = "ARC-Easy"):
         self.config = config
@@ -130,6 +133,7 @@ class ARC(MultipleChoice):
 
 class MMLU(MultipleChoice):
     hub, config, splits = "cais/mmlu", "all", ("auxiliary_train", "validation", "dev", "test")
+    fields = ("question", "choices", "answer")
 
     def example(self, row: dict) -> dict:
         return self.render(row["question"], row["choices"], int(row["answer"]))
@@ -480,11 +484,8 @@ def task_list(specs: str, flag: str = "--task") -> dict[str, str]:
 
 def named_tasks(specs: str, split: str, limit: int = 0) -> dict[str, tuple[Any, list[dict]]]:
     """task_list's tasks, each with its `split`'s held-out problems (`limit` of them, 0: all)."""
-    named = {}
-    for label, spec in task_list(specs).items():
-        task = load_task(spec)
-        named[label] = (task, held_out(task, task.examples(split), limit))
-    return named
+    loaded = {label: load_task(spec) for label, spec in task_list(specs).items()}  # a typo, before any download
+    return {label: (task, held_out(task, task.examples(split), limit)) for label, task in loaded.items()}
 
 
 def score_tasks(cfg: TasksConfig) -> dict:

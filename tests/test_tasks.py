@@ -624,6 +624,28 @@ def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, c
     assert e.value.code.startswith("error: --task must be one of gsm8k, ")
 
 
+def test_a_local_copy_in_another_schema_is_one_line_naming_its_file_and_the_hubs_schema(tmp_path):
+    # a KeyError traceback from example(): ARC's rows as MMLU's, or a copy with its columns renamed
+    mmlu, q = write_rows(tmp_path / "mmlu.jsonl", MMLU_ROWS), write_rows(tmp_path / "q.jsonl", [{"q": "1?", "a": "1"}])
+    with pytest.raises(ValueError) as e:
+        tasks.load_task(f"arc-easy={mmlu}").examples("test")
+    assert str(e.value) == f"{mmlu} test: rows lack 'answerKey' (allenai/ai2_arc's schema: question, choices, " \
+                           "answerKey)"
+    with pytest.raises(ValueError) as e:
+        tasks.load_task(f"mmlu={q}").examples("test")
+    assert str(e.value) == f"{q} test: rows lack 'question' or 'choices' or 'answer' (cais/mmlu's schema: question, " \
+                           "choices, answer)"
+    (tmp_path / "g").mkdir()
+    write_rows(tmp_path / "g/train.jsonl", GSM8K_ROWS)
+    write_rows(tmp_path / "g/test.jsonl", [{"q": "1?", "answer": "#### 1"}])
+    with pytest.raises(SystemExit) as e:  # tasks.py --task gsm8k=DIR, rl.py's --task too
+        tasks.main(["--task", f"gsm8k={tmp_path}/g", "--out-dir", str(tmp_path / "out")])
+    assert e.value.code == f"error: {tmp_path}/g test: rows lack 'question' (openai/gsm8k's schema: question, answer)"
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="^--task nosuch.py:X: cannot load"):  # every task loaded before any is read
+        tasks.named_tasks(f"gsm8k={q},nosuch.py:X", "test")
+
+
 def test_eval_refuses_the_task_flag_of_the_other_stages():
     # sft.py's and rl.py's --task, ignored here: the four default --tasks were scored (downloaded) in its place
     with pytest.raises(SystemExit) as e:
