@@ -291,8 +291,10 @@ def test_the_prompt_stream_refuses_a_checkpoint_of_other_problems_of_as_many_row
     state = rl.PromptSampler(problems, seed=3).state_dict()
     with pytest.raises(ValueError) as e:
         rl.PromptSampler(problems[::-1], seed=3).load_state_dict(state)
+    # a task drawing its problems unseeded gets this at every resume: "the same --task and --seed" alone misled
     assert str(e.value) == ("cannot resume the prompt stream: task_digest=0af107b669cbd7cb in the checkpoint but "
-                            "cc3171ba8fed4bc8 here; resume with the same --task and --seed, or start a new run")
+                            "cc3171ba8fed4bc8 here; resume with the same --task and --seed (and a task whose "
+                            "examples('train') gives the same rows each run: seed its draws), or start a new run")
     rl.PromptSampler(problems[::-1], seed=3).load_state_dict({"served": 4, "problems": 5, "seed": 3})  # an older run's
 
 
@@ -513,13 +515,15 @@ def test_a_resume_with_another_seed_or_task_is_refused_the_prompt_stream_depends
     rl.main(flags(models, tmp_path / "run", *extra, "--max-steps=1"))
     assert one_line_error(capsys, rl.main, flags(models, tmp_path / "run", *extra, "--resume=auto", "--seed=7")) == (
         "error: cannot resume the prompt stream: seed=1337 in the checkpoint but 7 here; resume with the same --task "
-        "and --seed, or start a new run")  # it went on with other prompts and samples, silently
+        "and --seed (and a task whose examples('train') gives the same rows each run: seed its draws), or start a new "
+        "run")  # it went on with other prompts and samples, silently
     (tmp_path / "t.py").write_text("import tasks\nclass T(tasks.Addition):\n    def examples(self, split):\n"
                                    "        return super().examples(split)[::-1]\n")
     assert one_line_error(capsys, rl.main, flags(models, tmp_path / "run", *extra, "--resume=auto",
                                                  f"--task={tmp_path}/t.py:T")) == (
         "error: cannot resume the prompt stream: task_digest=86eb798aa90db8bf in the checkpoint but "
-        "3b230a14984fab3c here; resume with the same --task and --seed, or start a new run")  # as many problems
+        "3b230a14984fab3c here; resume with the same --task and --seed (and a task whose examples('train') gives the "
+        "same rows each run: seed its draws), or start a new run")  # as many problems
     assert rl.main(flags(models, tmp_path / "run", *extra, "--resume=auto"))["step"] == 2
 
 
