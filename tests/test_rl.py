@@ -298,6 +298,13 @@ def test_the_prompt_stream_refuses_a_checkpoint_of_other_problems_of_as_many_row
     rl.PromptSampler(problems[::-1], seed=3).load_state_dict({"served": 4, "problems": 5, "seed": 3})  # an older run's
 
 
+def test_the_prompt_streams_digest_holds_across_processes_for_rows_holding_a_function():
+    # a row's lambda was digested by its repr, an address: every resume refused ("cannot resume the prompt stream"), and
+    # under torchrun the ranks' "--task data" fingerprints differed
+    a, b = (rl.PromptSampler([{"answer": "1", "verify": lambda reply: reply == "1"}], seed=0) for _ in range(2))
+    assert a.digest == b.digest
+
+
 def test_rollouts_keep_each_problems_samples_together_and_ranks_take_whole_seeded_calls():
     torch.manual_seed(0)
     raw = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
