@@ -246,7 +246,8 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:
         check_flags((state.get(key, mine) == mine, f"cannot resume the prompt stream: {key}={state.get(key)} in the "
-                     f"checkpoint but {mine} here; resume with the same --task and --seed, or start a new run")
+                     f"checkpoint but {mine} here; resume with the same --task and --seed (and a task whose "
+                     "examples('train') gives the same rows each run: seed its draws), or start a new run")
                     for key, mine in self.state_dict().items() if key != "served")
         self.served = int(state["served"])
 

@@ -387,8 +387,10 @@ def command(cfg: StageArgs) -> dict[str, str]:
 
 
 def digest(obj: Any) -> str:
-    """A digest of JSON-able data (HellaSwag's examples) for the fingerprint."""
-    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()
+    """A digest of JSON-able data (HellaSwag's examples) for the fingerprint; others by their repr, less any address
+    (a task's row holding a function: each process its own)."""
+    stable = lambda o: re.sub(r" at 0x[0-9a-fA-F]+", "", repr(o))
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=stable).encode()).hexdigest()
 
 
 def use_compile(cfg: RunArgs, device: torch.device) -> bool:

@@ -301,7 +301,7 @@ def load_object(spec: str, flag: str) -> Any:
         return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{flag} {spec}: {where} has no {name!r}") from None
-    except Exception as e:  # the user's file: a missing file, a syntax error, an import that fails
+    except (Exception, SystemExit) as e:  # the user's file: missing, a syntax error, a failed import, an exit
         raise ValueError(f"{flag} {spec}: cannot load {where} ({type(e).__name__}: {e})".replace("\n", " ")) from None
 
 

@@ -291,9 +291,18 @@ def test_the_prompt_stream_refuses_a_checkpoint_of_other_problems_of_as_many_row
     state = rl.PromptSampler(problems, seed=3).state_dict()
     with pytest.raises(ValueError) as e:
         rl.PromptSampler(problems[::-1], seed=3).load_state_dict(state)
+    # a task drawing its problems unseeded gets this at every resume: "the same --task and --seed" alone misled
     assert str(e.value) == ("cannot resume the prompt stream: task_digest=0af107b669cbd7cb in the checkpoint but "
-                            "cc3171ba8fed4bc8 here; resume with the same --task and --seed, or start a new run")
+                            "cc3171ba8fed4bc8 here; resume with the same --task and --seed (and a task whose "
+                            "examples('train') gives the same rows each run: seed its draws), or start a new run")
     rl.PromptSampler(problems[::-1], seed=3).load_state_dict({"served": 4, "problems": 5, "seed": 3})  # an older run's
+
+
+def test_the_prompt_streams_digest_holds_across_processes_for_rows_holding_a_function():
+    # a row's lambda was digested by its repr, an address: every resume refused ("cannot resume the prompt stream"), and
+    # under torchrun the ranks' "--task data" fingerprints differed
+    a, b = (rl.PromptSampler([{"answer": "1", "verify": lambda reply: reply == "1"}], seed=0) for _ in range(2))
+    assert a.digest == b.digest
 
 
 def test_rollouts_keep_each_problems_samples_together_and_ranks_take_whole_seeded_calls():
@@ -513,13 +522,15 @@ def test_a_resume_with_another_seed_or_task_is_refused_the_prompt_stream_depends
     rl.main(flags(models, tmp_path / "run", *extra, "--max-steps=1"))
     assert one_line_error(capsys, rl.main, flags(models, tmp_path / "run", *extra, "--resume=auto", "--seed=7")) == (
         "error: cannot resume the prompt stream: seed=1337 in the checkpoint but 7 here; resume with the same --task "
-        "and --seed, or start a new run")  # it went on with other prompts and samples, silently
+        "and --seed (and a task whose examples('train') gives the same rows each run: seed its draws), or start a new "
+        "run")  # it went on with other prompts and samples, silently
     (tmp_path / "t.py").write_text("import tasks\nclass T(tasks.Addition):\n    def examples(self, split):\n"
                                    "        return super().examples(split)[::-1]\n")
     assert one_line_error(capsys, rl.main, flags(models, tmp_path / "run", *extra, "--resume=auto",
                                                  f"--task={tmp_path}/t.py:T")) == (
         "error: cannot resume the prompt stream: task_digest=86eb798aa90db8bf in the checkpoint but "
-        "3b230a14984fab3c here; resume with the same --task and --seed, or start a new run")  # as many problems
+        "3b230a14984fab3c here; resume with the same --task and --seed (and a task whose examples('train') gives the "
+        "same rows each run: seed its draws), or start a new run")  # as many problems
     assert rl.main(flags(models, tmp_path / "run", *extra, "--resume=auto"))["step"] == 2
 
 

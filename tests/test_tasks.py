@@ -401,6 +401,14 @@ def test_a_task_that_cannot_load_is_one_line_naming_the_file_and_the_name(user_f
     assert str(e.value) == message.format(**where)
 
 
+def test_a_file_that_exits_as_it_loads_is_one_line_naming_it(tmp_path):
+    # argparse at a file's top level read rl.py's flags and exited: "rl.py: error: unrecognized arguments: --init-from"
+    (tmp_path / "exits.py").write_text("raise SystemExit(2)\n")
+    with pytest.raises(ValueError) as e:
+        tasks.load_rewards(f"{tmp_path}/exits.py:fn")
+    assert str(e.value) == f"--reward {tmp_path}/exits.py:fn: cannot load {tmp_path}/exits.py (SystemExit: 2)"
+
+
 @pytest.mark.parametrize("name, message", [
     ("Unmessaged", "--task {file}:Unmessaged: examples('test') row 0: expected a dict with 'messages' and 'answer', "
                    "got {{'conversation': [], 'answer': '1'}}"),
