@@ -407,6 +407,10 @@ def test_rl_on_a_users_task_with_its_own_reward_that_sees_the_prompt(models, tmp
         k = int(prompt[-1]["content"].removeprefix("Double ").rstrip("?"))
         assert prompt == [{"role": "user", "content": f"Double {k}?"}] and answer == str(2 * k) and 10 <= k < 30
     assert train_records(tmp_path / "run")[0]["reward"] == pytest.approx(sum(len(r) for _, r, _ in calls) / 4)
+    # the step served its 2 prompts (not 1, nor one per sample) and trained at warmup's first lr, which it records
+    ckpt = load_checkpoint(tmp_path / "run" / "ckpt_000001.pt")
+    lrs = {group["lr"] for group in ckpt["optimizer"]["param_groups"]}
+    assert ckpt["sampler"]["served"] == 2 and lrs == {train_records(tmp_path / "run")[0]["lr"]} == {3e-4 / 10}
     assert one_line_error(capsys, rl.main, [*common, "--reward", f"{tmp_path / 'doubling.py'}:raises", "--out-dir",
                                             str(tmp_path / "bad")]) == \
         f"error: --reward {tmp_path / 'doubling.py'}:raises raised KeyError: 'no such field'"
@@ -443,6 +447,8 @@ def test_a_task_whose_reward_raises_mid_run_saves_the_steps_done_and_the_fixed_r
     assert one_line_error(capsys, rl.main, [*args, "--out-dir", str(split)]) == (
         f"error: --task {task}'s reward raised KeyError: 'boom' at step 1; {split}/ckpt_000001.pt holds the steps "
         "before it: fix that, then --resume auto goes on from there")
+    saved = load_checkpoint(split / "ckpt_000001.pt")  # step 0's end: step 1 neither served its prompt nor set its lr
+    assert saved["sampler"]["served"] == 1 and {group["lr"] for group in saved["optimizer"]["param_groups"]} == {1e-3}
     (tmp_path / "t.py").write_text("import itertools\n" + USER_TASK + BROKEN_TASK.replace("== 3", "== 0"))
     resumed = rl.main([*args, "--out-dir", str(split), "--resume=auto"])
     full = rl.main([*args, "--out-dir", str(tmp_path / "full")])
