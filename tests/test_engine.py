@@ -1,7 +1,14 @@
 """The engine serves a stage other than train.py: tests/engine_script.py (its own config, not TrainConfig) trains
 through it, and a resume is bitwise."""
 
+import types
+
 import engine_script  # tests/ is on sys.path (conftest.py lives there)
+import pytest
+import torch
+
+import common
+import engine
 
 
 def test_a_second_stage_on_the_engine_resumes_bitwise(token_data, tmp_path):
@@ -16,3 +23,54 @@ def test_a_second_stage_on_the_engine_resumes_bitwise(token_data, tmp_path):
     assert first["losses"] + rest["losses"] == full["losses"]  # bitwise: weights, AdamW, data position, RNG
     assert rest["val_loss"] == full["val_loss"] and rest["step"] == 6
     assert (tmp_path / "split" / "ckpt_000006.pt").is_file()
+
+
+def test_attempt_puts_back_a_resumable_errors_draws_and_saves_the_steps_done_other_errors_go_through():
+    saved = []
+    run = types.SimpleNamespace(start_step=0, checkpoint=saved.append, checkpointer=types.SimpleNamespace(
+        due=lambda step: step % 4 == 0, last="out/ckpt_000003.pt"))
+
+    def draws_then(error: Exception):
+        def fn():
+            torch.rand(3)
+            raise error
+        return fn
+
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with pytest.raises(ValueError) as e:
+        engine.Run.attempt(run, 3, draws_then(common.ResumableError("boom")))
+    assert str(e.value) == ("boom at step 3; out/ckpt_000003.pt holds the steps before it: fix that, then --resume "
+                            "auto goes on from there")
+    assert torch.equal(torch.get_rng_state(), before) and saved == [3]  # the draws put back, then saved
+    with pytest.raises(ValueError, match="^boom at step 4;"):
+        engine.Run.attempt(run, 4, draws_then(common.ResumableError("boom")))
+    assert saved == [3]  # --ckpt-every 4 wrote ckpt_000004 after step 3: not a second time
+    other = ValueError("not a user's code")  # not ResumableError: no claim that a resume goes on, nothing saved
+    with pytest.raises(ValueError) as e:
+        engine.Run.attempt(run, 5, draws_then(other))
+    assert e.value is other and saved == [3]
+    run.start_step = 6  # no step done since the run started: nothing to save
+    first = common.ResumableError("boom")
+    with pytest.raises(ValueError) as e:
+        engine.Run.attempt(run, 6, draws_then(first))
+    assert e.value is first and saved == [3]
+    assert engine.Run.attempt(run, 7, lambda x: x + 1, 1) == 2
+
+
+def test_the_rng_state_has_the_gpus_in_a_cuda_run_only(monkeypatch):
+    # a --device cpu run on a GPU host has no CUDA context: reading the GPU's RNG would make one
+    calls = []
+    gpu = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *_: calls.append("get") or gpu)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, *_: calls.append(("set", state)))
+    rng = engine.rng_state()
+    draw = torch.rand(3)
+    engine.set_rng_state({"cpu": rng["cpu"], "cuda": gpu})  # a CUDA run's checkpoint resumed on the CPU
+    assert rng["cuda"] is None and calls == [] and torch.equal(torch.rand(3), draw)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a CUDA run: both are saved and put back
+    rng = engine.rng_state()
+    engine.set_rng_state(rng)
+    assert rng["cuda"] is gpu and calls == ["get", ("set", gpu)]
