@@ -773,6 +773,41 @@ def test_what_a_users_task_gives_is_checked_where_it_is_made(user_file, tmp_path
                             "results go by the name; rename one")
 
 
+
+class Picky:  # its check() marks every reply wrong, its reference's text too: wrong()'s reply is refused by itself
+    def __init__(self, reply):
+        self.reply = reply
+
+    def examples(self, split):
+        return [tasks.conversation("Double 10?", "20", "20")]
+
+    def check(self, reply, answer):
+        return False
+
+    def wrong(self, answer, rng):
+        return self.reply
+
+
+@pytest.mark.parametrize("reply, shown", [("20", "'20'"), (" \n", "' \\n'"), (21, "21")])
+def test_a_pair_needs_a_rejected_text_other_than_the_chosen_one_not_blank(reply, shown):
+    # a pair of one text twice, or of a blank one, taught DPO nothing: a check() that accepts no reply let them through
+    with pytest.raises(ValueError) as e:
+        tasks.synthetic_pairs(Picky(reply), "train")
+    assert str(e.value) == (f"--pairs train row 0: wrong('20') gave {shown} for the reference reply '20': a pair needs "
+                            "a second text that check() marks wrong")
+    assert tasks.synthetic_pairs(Picky("21"), "train") == [
+        {"prompt": [{"role": "user", "content": "Double 10?"}], "chosen": "20", "rejected": "21"}]
+
+
+def test_a_local_copys_path_may_hold_an_equals_sign_and_start_with_a_tilde(tmp_path, monkeypatch):
+    assert tasks.parse_spec("gsm8k=/runs/lr=1e-3/gsm8k") == ("gsm8k", "/runs/lr=1e-3/gsm8k")  # the first '=' splits
+    monkeypatch.setenv("HOME", str(tmp_path))  # `--task gsm8k=~/copy`: the shell leaves a ~ after '=' to us
+    (tmp_path / "copy").mkdir()
+    assert tasks.load_task("gsm8k=~/copy", train=True).source == "~/copy"  # load_rows reads it expanded
+    with pytest.raises(ValueError, match="^--task gsm8k=~/nope: ~/nope is not a directory, and this reads train"):
+        tasks.load_task("gsm8k=~/nope", train=True)
+
+
 def test_a_task_list_takes_spaces_after_its_commas_as_a_reward_list_does():
     # "arc-easy, mmlu" was refused as ' mmlu', a user's ' t.py:T' as "no such file  t.py"
     assert tasks.task_list("arc-easy, mmlu=m.jsonl") == {"arc-easy": "arc-easy", "mmlu": "mmlu=m.jsonl"}
