@@ -1,5 +1,7 @@
 """generate.py: ragged batches against one prompt at a time, stops, seeds, log-probs, the calculator tool."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -224,3 +226,25 @@ def test_decoding_runs_without_cudnn_attention_unless_it_is_the_only_kernel(mode
         hook.remove()
         for switch in switches:
             getattr(cuda, switch)(True)
+
+
+@pytest.mark.parametrize("allowed, cudnn", [(("flash",), True), (("mem_efficient",), True), (("math",), True),
+                                            (("flash", "mem_efficient", "math"), False)])
+def test_decoding_runs_without_cudnn_attention_where_another_kernel_is_allowed_and_leaves_it_as_it_was(model, allowed,
+                                                                                                       cudnn):
+    # any one other kernel allowed beside cuDNN's: decoding takes it; cuDNN's off (--attention flash, efficient or math
+    # allows its kernel alone) stays off after a sample, not turned back on for the training that goes on
+    cuda, seen = torch.backends.cuda, []
+    hook = model.register_forward_pre_hook(lambda *_: seen.append(cuda.cudnn_sdp_enabled()))
+    kernels = ("flash", "mem_efficient", "math")
+    try:
+        for name in kernels:
+            getattr(cuda, f"enable_{name}_sdp")(name in allowed)
+        cuda.enable_cudnn_sdp(cudnn)
+        with contextlib.suppress(RuntimeError):  # CPU has no mem-efficient kernel: that forward fails
+            alone(model, [5, 9], 1, temperature=0.0)
+        assert seen == [False] and cuda.cudnn_sdp_enabled() == cudnn
+    finally:
+        hook.remove()
+        for name in (*kernels, "cudnn"):
+            getattr(cuda, f"enable_{name}_sdp")(True)
