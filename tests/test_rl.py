@@ -489,6 +489,7 @@ def test_a_flag_the_algorithm_does_not_use_is_refused(flags, unused):
 
 @pytest.mark.parametrize("flag, ours", [("--epsilon", "--clip"), ("--num-generations", "--samples"),
                                         ("--max-completion-length", "--max-new-tokens"), ("--loss-type", "--loss-agg"),
+                                        ("--num-iterations", "--ppo-epochs"), ("--learning-rate", "--max-lr"),
                                         ("--examples-per-step", "--prompts")])  # nanochat's
 def test_trls_and_nanochats_names_for_our_flags_point_to_ours(flag, ours):
     # TRL's --epsilon (its clip range) was offered AdamW's --eps; the others were "see --help"

@@ -153,6 +153,8 @@ def test_llama_trains_and_resumes_bitwise(token_data, tmp_path, capsys):
     (["--block-size=64"], "unknown option --block-size; did you mean --seq-len?"),
     (["--eval-interval=5"], "unknown option --eval-interval; did you mean --eval-every?"),
     (["--save-every=5"], "unknown option --save-every; did you mean --ckpt-every?"),  # nanochat's: was --keep-every
+    # TRL's name for rl.py's --clip: train.py has no --clip to offer, so its own near name is
+    (["--epsilon=1e-8"], r"unknown option --epsilon; did you mean --eps\?"),
     (["--parallel", "zero3"], "--parallel must be one of ddp, zero1, fsdp"),
     (["--batch-size=big"], "--batch-size expects int"),
     (["--preset", "gpt5"], "unknown --preset 'gpt5'"),
