@@ -1355,6 +1355,26 @@ def test_restore_gives_each_rank_its_own_rng_and_restarts_them_when_the_world_si
     assert step == 7 and torch.equal(draw, draws[99])
 
 
+def test_save_keeps_every_ranks_rng_for_restore_to_give_back(tmp_path, monkeypatch):
+    # rank 0 writes the file for both: without the gather, rank 1 would resume rank 0's dropout masks
+    cfg = train.TrainConfig(model="tiny", seq_len=16, device="cpu", out_dir=str(tmp_path))
+    torch.manual_seed(0)
+    raw = GPT(train.model_config(cfg))
+    optimizer = par.build_optimizer(raw, cfg, torch.device("cpu"), verbose=False)
+    theirs = {"cpu": torch.manual_seed(11).get_state(), "cuda": None}
+    torch.manual_seed(10)
+    mine = engine.rng_state()
+
+    def all_gather_object(out: list, obj) -> None:  # rank 1's part: its RNG, and no problem in the write
+        assert len(out) == 2
+        out[:] = [obj, theirs if isinstance(obj, dict) else None]
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    path = engine.Checkpointer(cfg, 0, 2).save(3, raw, optimizer, {})
+    rngs = load_checkpoint(path)["rng"]
+    assert len(rngs) == 2 and torch.equal(rngs[0]["cpu"], mine["cpu"]) and torch.equal(rngs[1]["cpu"], theirs["cpu"])
+
+
 def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_path, monkeypatch):
     train.main(tiny_args(token_data, tmp_path, "--max-steps=3", "--eval-every=0"))
     good = tmp_path / "ckpt_000003.pt"
