@@ -42,25 +42,12 @@ REPLY_STOPS = [BOS, *range(SYSTEM_START, TOOL_START)]  # any special token but t
 ROLES = {"system": (SYSTEM_START, SYSTEM_END), "user": (USER_START, USER_END),
          "assistant": (ASSISTANT_START, ASSISTANT_END)}
 PARTS = {"text": (), "tool": (TOOL_START, TOOL_END), "output": (OUTPUT_START, OUTPUT_END)}
+UNRENDERED = ("tool_calls", "reasoning_content", "thinking")  # OpenAI's tool calls, reasoning datasets' thoughts
 VAL_EVERY = 20  # a single local file holds out every 20th conversation (rows 0, 20, ...) as its val split
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Render and parse
-
-
-def _check_content(i: int, role: str, content: Any) -> None:
-    if role == "assistant" and isinstance(content, list) and content:
-        for part in content:
-            if not (isinstance(part, dict) and str(part.get("type")) in PARTS and isinstance(part.get("text"), str)
-                    and part["text"]):
-                raise ValueError(f"message {i} (assistant) has a bad part {part!r}: expected "
-                                 "{'type': 'text' | 'tool' | 'output', 'text': a non-empty string}")
-    elif not isinstance(content, str):
-        raise ValueError(f"message {i} ({role}) has content of type {type(content).__name__}, expected a string"
-                         + (" or a list of parts" if role == "assistant" else ""))
-    elif not content.strip():  # a blank reply teaches only whitespace; chat.py never sends a blank message
-        raise ValueError(f"message {i} ({role}) is empty or only whitespace")
 
 
 def check_messages(messages: Any, last: str) -> None:
@@ -76,7 +63,20 @@ def check_messages(messages: Any, last: str) -> None:
         if role != expected:
             raise ValueError(f"message {i} is from {role}, expected {expected} (an optional first system message, "
                              "then user and assistant in turns)")
-        _check_content(i, role, message.get("content"))
+        if field := next((key for key in UNRENDERED if message.get(key)), None):  # render would train without it
+            raise ValueError(f"message {i} ({role}) has {field!r}, which the chat format does not render: move it into "
+                             "the content (as text, or a tool call as {'type': 'tool'} parts) or drop the field")
+        if isinstance(content := message.get("content"), list) and content and role == "assistant":
+            for part in content:
+                if not (isinstance(part, dict) and str(part.get("type")) in PARTS and isinstance(part.get("text"), str)
+                        and part["text"]):
+                    raise ValueError(f"message {i} (assistant) has a bad part {part!r}: expected "
+                                     "{'type': 'text' | 'tool' | 'output', 'text': a non-empty string}")
+        elif not isinstance(content, str):
+            raise ValueError(f"message {i} ({role}) has content of type {type(content).__name__}, expected a string"
+                             + (" or a list of parts" if role == "assistant" else ""))
+        elif not content.strip():  # a blank reply teaches only whitespace; chat.py never sends a blank message
+            raise ValueError(f"message {i} ({role}) is empty or only whitespace")
     if messages[-1]["role"] != last:
         raise ValueError(f"the conversation's last message is from {messages[-1]['role']}, expected {last}")
 

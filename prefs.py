@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import engine
 import stage
-from chat_format import CHAT_VOCAB, RowStream, load_rows, render, row_errors, split_rows, val_note
+from chat_format import CHAT_VOCAB, RowStream, check_messages, load_rows, render, row_errors, split_rows, val_note
 from common import EOT, LOCAL, all_sum, run_and_exit
 from engine import Context, Eval, Run
 from fineweb import DataError
@@ -77,6 +77,7 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
                "\"rejected\"} (tasks.py --pairs writes them)") * ("messages" in row)
         raise ValueError(f"missing field {missing[0]!r}{sft}")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    whole = []  # conversations whose last messages are the replies
     if isinstance(prompt, str) and TURN.match(prompt) and prompt.endswith(ASSISTANT):  # rm-static's: HH's prompt
         prompt = turns(prompt[:-len(ASSISTANT)])  # the replies lose the space after "Assistant:", as HH's own do
         chosen, rejected = (r.removeprefix(" ") if isinstance(r, str) else r for r in (chosen, rejected))
@@ -87,7 +88,7 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
             chosen, rejected = prompt + chosen, prompt + rejected  # TRL's: the prompt apart
         if chosen[:-1] != rejected[:-1]:
             raise ValueError("chosen and rejected continue different conversations")
-        prompt = chosen[:-1]
+        prompt, whole = chosen[:-1], [chosen, rejected]
         chosen, rejected = (m[-1].get("content") if m and isinstance(m[-1], dict) and m[-1].get("role") == "assistant"
                             else None for m in (chosen, rejected))
     elif prompt is None and isinstance(chosen, str) and isinstance(rejected, str):
@@ -97,6 +98,8 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
                          "end with the assistant's reply")
     check_flags([(chosen.strip(), "the chosen reply is empty"), (rejected.strip(), "the rejected reply is empty"),
                  (chosen != rejected, "chosen == rejected: the pair prefers nothing")])
+    for messages in whole:  # the replies' other fields (tool calls, reasoning); last, so the checks above speak first
+        check_messages(messages, "assistant")
     return prompt, chosen, rejected
 
 

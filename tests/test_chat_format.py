@@ -107,6 +107,28 @@ def test_bad_conversations_are_one_line_errors(messages, why):
     assert "\n" not in str(info.value)
 
 
+def test_a_tool_call_or_reasoning_beside_the_content_is_refused_not_dropped(tmp_path):
+    # OpenAI's tool_calls and reasoning datasets' fields: rendered without them, SFT trained on a stripped reply
+    call = [{"type": "function", "function": {"name": "calc", "arguments": '{"expr": "2+2"}'}}]
+    for field, value in (("tool_calls", call), ("reasoning_content", "2+2 is 4"), ("thinking", "hm")):
+        bad = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", field: value}]
+        with pytest.raises(ValueError) as info:
+            cf.render(bad)
+        assert str(info.value) == (f"message 1 (assistant) has '{field}', which the chat format does not render: move "
+                                   "it into the content (as text, or a tool call as {'type': 'tool'} parts) or drop "
+                                   "the field")
+    with pytest.raises(ValueError, match="^message 0 \\(user\\) has 'thinking'"):  # a prompt's too
+        cf.render_prompt([{"role": "user", "content": "q", "thinking": "x"}])
+    rows = [chat(i) for i in range(5)]
+    rows[3] = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": call}]
+    with pytest.raises(DataError, match=r"^\S*chats.jsonl row 3 \(0-based, not a line number\): message 1 "
+                       r"\(assistant\) has 'tool_calls'"):
+        cf.ConversationLoader(write_jsonl(tmp_path / "chats.jsonl", rows), "train", 1, 32)
+    # absent or empty (as a hub dataset's columns fill them), or another key (a speaker's "name"): rendered as before
+    empty = {"tool_calls": None, "reasoning_content": "", "thinking": [], "name": "bot"}
+    assert cf.render([CONVERSATION[1], {**CONVERSATION[2], **empty}]) == cf.render(CONVERSATION[1:3])
+
+
 def test_a_bad_row_names_its_index_in_the_file(tmp_path):
     rows = [chat(i) for i in range(5)]
     rows[3] = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]

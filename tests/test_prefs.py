@@ -118,6 +118,10 @@ def test_multi_turn_conversations_keep_every_earlier_turn_and_a_prompts_spaces()
     # a user's last message is not an assistant's reply; a transcript's text before its first turn is not dropped
     ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
      "expected the prompt as text or messages, chosen and rejected as text or conversations that end with"),
+    # a reply's reasoning beside its text: parse_pair keeps the text, so the pair was scored without it
+    ({"chosen": [*conversation("p", "a")[:1], {"role": "assistant", "content": "a", "reasoning_content": "r"}],
+      "rejected": conversation("p", "b")}, "message 1 (assistant) has 'reasoning_content', which the chat format does "
+     "not render: move it into the content"),
     ({"chosen": "Be kind." + transcript("Hi", "Hello."), "rejected": "Be kind." + transcript("Hi", "Go.")},
      "the transcripts start with 'Be kind.', text before their first '\\n\\nHuman:' turn"),
 ])

@@ -2,8 +2,10 @@
 
 import dataclasses
 import io
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +77,21 @@ def test_checkpoint_and_hf_dir_agree_with_generate(model, ckpt, hf_dir, enc, cap
         expected = sample(ref_model, idx, 12, temperature=0.0)[0, idx.size(1):].tolist()
         assert text == enc.decode(expected)
     assert SPEED.search(capsys.readouterr().err).group(1) == "12"
+
+
+def test_a_chat_model_gets_a_note_pointing_to_chat_py_and_the_same_text(ckpt, hf_dir, tmp_path, capsys):
+    # its prompt is continued as raw text, not wrapped in the chat format's turns: chat.py is the way to talk to it
+    torch.save({**torch.load(ckpt), "chat": True}, chat := tmp_path / "chat.pt")
+    shutil.copytree(hf_dir, export := tmp_path / "hf")
+    (export / "tokenizer_config.json").write_text(json.dumps({"chat_template": "<|assistant_start|>..."}))
+    args = ["--prompt", "Hi", "--num-samples", "1", "--max-new-tokens", "3", "--device", "cpu"]
+    for flag, plain, chatty in (("--ckpt", ckpt, chat), ("--init-from", hf_dir, export)):
+        assert main([flag, str(plain), *args]) == main([flag, str(chatty), *args])
+        out, err = capsys.readouterr()
+        assert out[:len(out) // 2] == out[len(out) // 2:]
+        assert [line for line in err.splitlines() if not SPEED.match(line)] == [
+            f"note: {chatty} is a chat model (fine-tuned on conversations): sample.py continues the prompt as raw "
+            "text; chat.py sends it as a user message and streams the reply"]
 
 
 def test_cli_subprocess_exit_codes(hf_dir, tmp_path):
