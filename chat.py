@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from chat_format import CHAT_VOCAB, REPLY_STOPS, TOOL_START, exported_chat, is_chat, parse, render_prompt
-from common import EOT, get_tokenizer, load_checkpoint, parse_config, resolve_device, user_errors
+from common import EOT, get_tokenizer, parse_config, resolve_device, user_errors
 from generate import calculator, check_sampling, for_decoding, generate_stream
 from model import GPT, GPTConfig
 from parallel import check_flags
@@ -56,7 +56,7 @@ def load_model(cfg: ChatConfig) -> tuple[GPT, bool]:
     """The model on the CPU, its vocabulary holding the chat tokens, and whether it was fine-tuned for chat (an HF
     directory: export.py gave it the chat template)."""
     model = GPT.load(cfg.ckpt, cfg.init_from).pad_vocab(GPTConfig().vocab_size)  # rows for HF GPT-2's chat tokens
-    return model, is_chat(load_checkpoint(cfg.ckpt, mmap=True)) if cfg.ckpt else exported_chat(cfg.init_from)
+    return model, is_chat(cfg.ckpt) if cfg.ckpt else exported_chat(cfg.init_from)
 
 
 class Chat:

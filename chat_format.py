@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import EOT, get_tokenizer, read_json
+from common import EOT, get_tokenizer, load_checkpoint, read_json
 from fineweb import DataError, expand, permutation, source_kind
 
 BOS = EOT
@@ -125,9 +125,9 @@ def parse(ids: Iterable[int]) -> list[dict]:
     return parts
 
 
-def is_chat(ckpt: dict) -> bool:
-    """Whether a checkpoint's weights were fine-tuned on this format: SFT, and every stage after it (a reward model,
-    DPO, RL). Its "chat" entry, or for older checkpoints the stage its config names."""
+def is_chat(ckpt: dict | str) -> bool:
+    """A checkpoint (or a path's) fine-tuned on this format (SFT or a stage after): its "chat" entry, else its stage."""
+    ckpt = ckpt if isinstance(ckpt, dict) else load_checkpoint(ckpt, mmap=True)
     config = ckpt.get("train_config", {})
     return bool(ckpt.get("chat", config.get("data_kind") in ("chat", "pairs") or "algo" in config))
 

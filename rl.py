@@ -483,7 +483,7 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     rows = cfg.prompts // ctx.world * cfg.samples
     log.say(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {ctx.world} "
             f"ranks) from --init-from {cfg.init_from}")
-    if ctx.master and not found and not is_chat(load_checkpoint(cfg.init_from, mmap=True)):  # R1-Zero's start: allowed
+    if ctx.master and not found and not is_chat(cfg.init_from):  # R1-Zero's start: allowed
         log.say(f"warning: --init-from {cfg.init_from} is not a chat model (sft.py makes one): its replies will not "
                 "follow the chat format at first", file=sys.stderr)
     return Run(cfg=cfg, ctx=ctx, step_fn=rl_step(cfg, raw, built, ref, reward, rm, parts["sampler"], log, ctx),

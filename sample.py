@@ -25,16 +25,7 @@ import torch
 from torch import nn
 
 from chat_format import exported_chat, is_chat
-from common import (
-    EOT,
-    get_tokenizer,
-    import_torchao,
-    load_checkpoint,
-    parse_config,
-    resolve_device,
-    tensor_bytes,
-    user_errors,
-)
+from common import EOT, get_tokenizer, import_torchao, parse_config, resolve_device, tensor_bytes, user_errors
 from generate import check_sampling, for_decoding, sample_stream
 from model import GPT
 from parallel import check_flags, flag
@@ -189,7 +180,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         if cfg.quantize == "int8":
             torchao_int8()  # a missing torchao fails before the model loads
         model = GPT.load(cfg.ckpt, cfg.init_from)
-        chat = is_chat(load_checkpoint(cfg.ckpt, mmap=True)) if cfg.ckpt else exported_chat(cfg.init_from)
+        chat = is_chat(cfg.ckpt) if cfg.ckpt else exported_chat(cfg.init_from)
         seen = corpus_words(cfg.corpus) if cfg.corpus else None
     if chat:  # a chat model is prompted in chat_format's turns, which sample.py does not add
         print(f"note: {cfg.ckpt or cfg.init_from} is a chat model (fine-tuned on conversations): sample.py continues "
