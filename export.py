@@ -87,8 +87,8 @@ def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Pat
         staging.rmdir()
     except (OSError, SafetensorError) as e:
         shutil.rmtree(made[-1] if made else staging, ignore_errors=True)
-        code = re.search(r"(?:os error|code:) (\d+)", str(e))  # a SafetensorError holds the errno in its text
-        reason = e.strerror if isinstance(e, OSError) else os.strerror(int(code[1])) if code else str(e)
+        code = re.search(r"(?:\[Errno|os error|code:) (\d+)", str(e))  # an OSError's errno, or a SafetensorError's
+        reason = os.strerror(int(code[1])) if code else str(e)
         raise OSError(f"cannot write the HF export to {out} ({reason}); nothing of it is left there: free some "
                       "space, or pass a directory you can write to") from None
     return out
