@@ -507,9 +507,8 @@ def write_error(e: Exception, path: Path) -> tuple[str, str]:
     code = getattr(e, "errno", None)
     if code is None:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        size = path.stat().st_size if path.exists() else 0
-        code = errno.EFBIG if limit != resource.RLIM_INFINITY and size >= limit else errno.ENOSPC \
-            if shutil.disk_usage(path.parent).free < 1 << 20 else errno.EIO
+        full = limit != resource.RLIM_INFINITY and path.exists() and path.stat().st_size >= limit  # reached ulimit -f
+        code = errno.EFBIG if full else errno.ENOSPC if shutil.disk_usage(path.parent).free < 1 << 20 else errno.EIO
     fixes = dict.fromkeys((errno.ENOSPC, errno.EDQUOT), "free space there (or lower --keep-last)")
     fix = {**fixes, errno.EFBIG: "raise the file-size limit (ulimit -f) or write elsewhere"}.get(code, "check the disk")
     return f"{errno.errorcode.get(code, 'error')} ({os.strerror(code)})", fix + ", then --resume auto"
