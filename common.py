@@ -525,8 +525,7 @@ def is_reward_model(ckpt: dict) -> bool:
     return ckpt.get("train_config", {}).get("objective") == "reward"
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
-                    mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, Any]:
     """Load a checkpoint with `weights_only=True` (tensors and plain containers, never arbitrary pickles); mmap maps
     the tensors from the file. The first bytes are checked first, so a wrong file gets a one-line error."""
     import torch
@@ -553,7 +552,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                          f"{usage}")
     try:
         stored = check_crcs(path)  # a compressed member mapped would be read as garbage weights
-        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and stored)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and stored)
     except pickle.UnpicklingError as e:
         raise ValueError(f"refusing to load {path}: it carries a pickled Python object, which could run code. "
                          "Only checkpoints of tensors and plain containers are accepted.") from e
