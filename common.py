@@ -166,9 +166,8 @@ def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Ca
     argv, presets = sys.argv[1:] if argv is None else argv, presets or {}
     hints = typing.get_type_hints(cls)
     # flag -> (the dict field that holds it, its type), for each field whose metadata names `flags_of`
-    nested = {name: (f.name, typing.get_type_hints(f.metadata["flags_of"])[name])
-              for f in dataclasses.fields(cls) if "flags_of" in f.metadata
-              for name in (g.name for g in dataclasses.fields(f.metadata["flags_of"]))
+    nested = {name: (f.name, typ) for f in dataclasses.fields(cls) if "flags_of" in f.metadata
+              for name, typ in typing.get_type_hints(f.metadata["flags_of"]).items()
               if name not in hints and name not in f.metadata.get("except", ())}
     if "-h" in argv or "--help" in argv:
         _print_help(cls, hints, nested, presets, doc)
@@ -507,9 +506,8 @@ def write_error(e: Exception, path: Path) -> tuple[str, str]:
     code = getattr(e, "errno", None)
     if code is None:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        size = path.stat().st_size if path.exists() else 0
-        code = errno.EFBIG if limit != resource.RLIM_INFINITY and size >= limit else errno.ENOSPC \
-            if shutil.disk_usage(path.parent).free < 1 << 20 else errno.EIO
+        full = limit != resource.RLIM_INFINITY and path.exists() and path.stat().st_size >= limit  # reached ulimit -f
+        code = errno.EFBIG if full else errno.ENOSPC if shutil.disk_usage(path.parent).free < 1 << 20 else errno.EIO
     fixes = dict.fromkeys((errno.ENOSPC, errno.EDQUOT), "free space there (or lower --keep-last)")
     fix = {**fixes, errno.EFBIG: "raise the file-size limit (ulimit -f) or write elsewhere"}.get(code, "check the disk")
     return f"{errno.errorcode.get(code, 'error')} ({os.strerror(code)})", fix + ", then --resume auto"
@@ -527,8 +525,7 @@ def is_reward_model(ckpt: dict) -> bool:
     return ckpt.get("train_config", {}).get("objective") == "reward"
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
-                    mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, Any]:
     """Load a checkpoint with `weights_only=True` (tensors and plain containers, never arbitrary pickles); mmap maps
     the tensors from the file. The first bytes are checked first, so a wrong file gets a one-line error."""
     import torch
@@ -555,7 +552,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                          f"{usage}")
     try:
         stored = check_crcs(path)  # a compressed member mapped would be read as garbage weights
-        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and stored)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and stored)
     except pickle.UnpicklingError as e:
         raise ValueError(f"refusing to load {path}: it carries a pickled Python object, which could run code. "
                          "Only checkpoints of tensors and plain containers are accepted.") from e

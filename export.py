@@ -87,8 +87,8 @@ def export_hf(model: GPT, out_dir: str | os.PathLike, chat: bool = False) -> Pat
         staging.rmdir()
     except (OSError, SafetensorError) as e:
         shutil.rmtree(made[-1] if made else staging, ignore_errors=True)
-        code = re.search(r"(?:os error|code:) (\d+)", str(e))  # a SafetensorError holds the errno in its text
-        reason = e.strerror if isinstance(e, OSError) else os.strerror(int(code[1])) if code else str(e)
+        code = re.search(r"(?:\[Errno|os error|code:) (\d+)", str(e))  # an OSError's errno, or a SafetensorError's
+        reason = os.strerror(int(code[1])) if code else str(e)
         raise OSError(f"cannot write the HF export to {out} ({reason}); nothing of it is left there: free some "
                       "space, or pass a directory you can write to") from None
     return out
@@ -163,24 +163,20 @@ CHAT_TOKENIZER = {
 
 def _gpt2_files(cfg: GPTConfig, sd: dict[str, torch.Tensor],
                 hidden: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config fields of its own."""
+    """GPT2LMHeadModel's tensors (our names; Conv1D matmuls transposed) and config fields of its own. A pruned model's
+    heads are narrower than GPT-2's n_embd // n_head: the heads pruning cut out come back as zeros, adding nothing."""
     n_head = cfg.n_embd // cfg.head_dim
+    missing = (n_head - cfg.n_head) * cfg.head_dim  # channels of each of q, k, v and of c_proj's input; 0 if unpruned
     for key, p in sd.items():
-        if n_head != cfg.n_head and key.endswith(("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight")):
-            p = _pad_heads(p, key, n_head * cfg.head_dim - cfg.n_head * cfg.head_dim)
+        if key.endswith("attn.c_proj.weight"):
+            p = torch.cat([p, p.new_zeros(p.size(0), missing)], dim=1)
+        elif key.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+            p = torch.cat([t for part in p.chunk(3) for t in (part, part.new_zeros(missing, *part.shape[1:]))])
         sd[key] = (p.t() if key.endswith(HF_CONV1D) else p).contiguous()
     return sd, {"n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
                 "n_head": n_head, "n_inner": None if hidden == 4 * cfg.n_embd else hidden,
                 "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
                 "attn_pdrop": cfg.dropout, "layer_norm_epsilon": NORM_EPS}
-
-
-def _pad_heads(p: torch.Tensor, key: str, missing: int) -> torch.Tensor:
-    """A pruned model's attention as GPT-2's, whose head width is n_embd // n_head: the heads pruning cut out come back
-    as zeros (q, k, v and their output columns), which add nothing to the logits."""
-    if key.endswith("c_proj.weight"):
-        return torch.cat([p, p.new_zeros(p.size(0), missing)], dim=1)
-    return torch.cat([t for part in p.chunk(3) for t in (part, part.new_zeros(missing, *part.shape[1:]))])
 
 
 def _llama_files(cfg: GPTConfig, sd: dict[str, torch.Tensor],
