@@ -166,8 +166,9 @@ def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Ca
     argv, presets = sys.argv[1:] if argv is None else argv, presets or {}
     hints = typing.get_type_hints(cls)
     # flag -> (the dict field that holds it, its type), for each field whose metadata names `flags_of`
-    nested = {name: (f.name, typ) for f in dataclasses.fields(cls) if "flags_of" in f.metadata
-              for name, typ in typing.get_type_hints(f.metadata["flags_of"]).items()
+    nested = {name: (f.name, typing.get_type_hints(f.metadata["flags_of"])[name])
+              for f in dataclasses.fields(cls) if "flags_of" in f.metadata
+              for name in (g.name for g in dataclasses.fields(f.metadata["flags_of"]))
               if name not in hints and name not in f.metadata.get("except", ())}
     if "-h" in argv or "--help" in argv:
         _print_help(cls, hints, nested, presets, doc)
