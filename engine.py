@@ -608,11 +608,11 @@ class Eval:
 
 @torch.no_grad()
 def val_metrics(model: nn.Module, loader: Any, windows: int, autocast: contextlib.AbstractContextManager,
-                world_size: int, token_bytes: torch.Tensor | None = None) -> dict[str, float]:
-    """{"loss": the mean loss over the split's first `windows` windows, all ranks together; with token_bytes (each id's
-    UTF-8 bytes, common.token_bytes) "bpb": nanochat's bits per byte, the nats of the targets with bytes over their
-    bytes}. Rank r scores windows r, r + world_size, ...: every rank runs as many forwards (collective under FSDP), and
-    a turn past `windows` is scored and left out.
+                world_size: int, token_bytes: torch.Tensor) -> dict[str, float]:
+    """{"loss": the mean loss over the split's first `windows` windows, all ranks together; "bpb": nanochat's bits per
+    byte, the nats of the targets with bytes over their bytes (token_bytes: each id's UTF-8 bytes, common.token_bytes)}.
+    Rank r scores windows r, r + world_size, ...: every rank runs as many forwards (collective under FSDP), and a turn
+    past `windows` is scored and left out.
     world_size counts data-parallel ranks: under --tp/--pp each of them is several ranks that score the same windows."""
     model.eval()
     loader.reset()
@@ -627,21 +627,18 @@ def val_metrics(model: nn.Module, loader: Any, windows: int, autocast: contextli
         dist.all_reduce(sums)  # SUM: gloo has no AVG
         sums[0] /= dist.get_world_size() // world_size  # bpb is a ratio: a window's --tp/--pp copies count alike
     model.train()
-    return {"loss": sums[0].item() / windows, **({"bpb": (sums[1] / sums[2]).item() / math.log(2)} if
-                                                 token_bytes is not None else {})}
+    return {"loss": sums[0].item() / windows, "bpb": (sums[1] / sums[2]).item() / math.log(2)}
 
 
-def window_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor | None) -> torch.Tensor:
+def window_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor) -> torch.Tensor:
     """(mean loss, summed nats of the targets with bytes, their bytes) of one window: a special token (0 bytes) and an
     ignored target count in neither sum. One forward's per-token losses give all three; --tp/--pp's shards
     (parallelize.Sharded) return the mean alone, so their nats take a second forward, on every rank (collective)."""
-    nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0) if token_bytes is not None else torch.zeros_like(y)
+    nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
     counted = torch.where(nbytes > 0, y, -1)
     if hasattr(model, "forward_backward"):
         mean, n = model(x, y)[1].double(), (counted >= 0).sum()
-        nats = torch.zeros_like(mean)  # no bytes asked for: no second forward
-        if token_bytes is not None:
-            nats = torch.where(n > 0, model(x, counted)[1].double() * n, 0.0)
+        nats = torch.where(n > 0, model(x, counted)[1].double() * n, 0.0)
         return torch.stack([mean, nats, nbytes.sum().double()])
     losses = model(x, y, per_token=True)[1].double()
     return torch.stack([losses.sum() / (y >= 0).sum(), (losses * (counted >= 0)).sum(), nbytes.sum().double()])
