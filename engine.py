@@ -417,7 +417,12 @@ class Checkpointer:
         for key, part in parts.items():
             if part is not None and ckpt.get(key) is not None:
                 part.load_state_dict(ckpt[key])
-        self._restore_rng(ckpt["rng"])
+        if len(ckpt["rng"]) == self.world:
+            set_rng_state(ckpt["rng"][self.rank])
+        else:
+            self.say(f"note: the checkpoint came from world size {len(ckpt['rng'])}, this run has {self.world}: the "
+                     "data stream goes on where it was, the RNG streams restart (not the run an unchanged world would "
+                     "give)")
         return int(ckpt["step"])
 
     def _restore_optimizer(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -440,13 +445,6 @@ class Checkpointer:
                 state["step"] = state["step"].to(p.device, torch.float32)
         # ZeRO's own load also kept a second device copy of this rank's moments that it never reads again
         optimizer.state.clear()
-
-    def _restore_rng(self, rngs: list[dict]) -> None:
-        if len(rngs) == self.world:
-            set_rng_state(rngs[self.rank])
-        else:
-            self.say(f"note: the checkpoint came from world size {len(rngs)}, this run has {self.world}: the data "
-                     "stream goes on where it was, the RNG streams restart (not the run an unchanged world would give)")
 
     def save(self, step: int, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> Path:
         """Write ckpt_{step}.pt on rank 0 (every rank helps gather it), then prune; a failed write stops every rank."""
