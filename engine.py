@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import common
-from common import LOCAL, checkpoints, device_name, load_checkpoint, mfu, same_verdict, trim_heap, write_error
+from common import LOCAL, all_sum, checkpoints, device_name, load_checkpoint, mfu, same_verdict, trim_heap, write_error
 from parallel import StepArgs, Trainable, check_flags, flag
 from trackers import RunLog, fmt_time
 
@@ -687,10 +687,7 @@ class SpikeGuard:
     def update(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
         """train_step's `update`: whether to apply this step. Every rank must decide the same, so both figures are
         averaged over the ranks in one all-reduce, which hands every rank the same history and verdict."""
-        stats = torch.stack([loss.detach().float(), norm.detach().float()])
-        if self.world > 1:
-            dist.all_reduce(stats)
-            stats /= self.world
+        stats = all_sum(torch.stack([loss.detach().float(), norm.detach().float()]), self.world) / self.world
         mean_loss, mean_norm = stats.tolist()
         z_loss, z_norm = self.detectors["loss"](mean_loss), self.detectors["norm"](mean_norm)
         self.skipped = next((f"{what} z-score {z:.1f} > {limit}" for what, z, limit in
@@ -763,10 +760,7 @@ class StopFlags:
         """"signal", "max_time" or None, the same on every rank: one rank's signal stops them all at this step."""
         flags = [self.term == "SIGTERM", self.term == "SIGINT",
                  self.deadline is not None and time.time() > self.deadline]
-        if self.world > 1:
-            agreed = torch.tensor(flags, dtype=torch.float32, device=self.device)
-            dist.all_reduce(agreed)
-            flags = (agreed > 0).tolist()
+        flags = (all_sum(torch.tensor(flags, dtype=torch.float32, device=self.device), self.world) > 0).tolist()
         self.signal = "SIGTERM" if flags[0] else "SIGINT"
         return "signal" if flags[0] or flags[1] else "max_time" if flags[2] else None
 
