@@ -276,7 +276,7 @@ class Run:
         self.log.checkpointed()
 
     def halt(self, stopping: str, when: str, resumable: bool = True) -> None:
-        self.log.say(f"stopping {when} ({self.stop.reason(stopping)}); "
+        self.log.say(f"stopping {when} ({self.stop.reason}); "
                      + ("resume with --resume auto" if resumable else "nothing trained yet"))
         self.stopped = stopping
 
@@ -720,7 +720,7 @@ class StopFlags:
     def __init__(self, max_minutes: float, interrupt: bool = True, master: bool = True,
                  device: torch.device | None = None, world: int = 1):
         self.term: str | None = None  # the first signal this rank received: "SIGTERM" or "SIGINT"
-        self.signal = "SIGTERM"  # after should_stop said "signal": SIGTERM if any rank had it, else SIGINT
+        self.reason = ""  # after should_stop said stop, why: SIGTERM if any rank had it, else Ctrl-C, else --max-time
         self.master, self.interrupt, self.device, self.world = master, interrupt, device, world
         self.max_minutes = max_minutes
         self.last = False  # set when no step is left to stop after: Ctrl-C then quits at once
@@ -761,12 +761,8 @@ class StopFlags:
         flags = [self.term == "SIGTERM", self.term == "SIGINT",
                  self.deadline is not None and time.time() > self.deadline]
         flags = (all_sum(torch.tensor(flags, dtype=torch.float32, device=self.device), self.world) > 0).tolist()
-        self.signal = "SIGTERM" if flags[0] else "SIGINT"
+        self.reason = "SIGTERM" if flags[0] else "Ctrl-C" if flags[1] else f"--max-time {self.max_minutes} min"
         return "signal" if flags[0] or flags[1] else "max_time" if flags[2] else None
-
-    def reason(self, stopping: str) -> str:
-        return {"SIGTERM": "SIGTERM", "SIGINT": "Ctrl-C"}[self.signal] if stopping == "signal" else \
-            f"--max-time {self.max_minutes} min"
 
 
 class _PipeGuard:
