@@ -446,7 +446,7 @@ class Checkpointer:
         # ZeRO's own load also kept a second device copy of this rank's moments that it never reads again
         optimizer.state.clear()
 
-    def save(self, step: int, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> None:
+    def save(self, step: int, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> Path:
         """Write ckpt_{step}.pt on rank 0 (every rank helps gather it), then prune; a failed write stops every rank."""
         path = self.out_dir / f"ckpt_{step:06d}.pt"
         self.unreadable = [p for p in self.unreadable if p != path]  # written anew, and readable now
@@ -469,6 +469,7 @@ class Checkpointer:
         if self.master:
             self.prune()
             print(f"saved {path}")
+        return path
 
     def prune(self) -> None:
         """Keep the newest --keep-last readable checkpoints, every multiple of --keep-every, and the newest known good:
