@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import common
-from common import LOCAL, checkpoints, device_name, load_checkpoint, mfu, same_verdict, trim_heap, write_error
+from common import LOCAL, all_sum, checkpoints, device_name, load_checkpoint, mfu, same_verdict, trim_heap, write_error
 from parallel import StepArgs, Trainable, check_flags, flag
 from trackers import RunLog, fmt_time
 
@@ -276,7 +276,7 @@ class Run:
         self.log.checkpointed()
 
     def halt(self, stopping: str, when: str, resumable: bool = True) -> None:
-        self.log.say(f"stopping {when} ({self.stop.reason(stopping)}); "
+        self.log.say(f"stopping {when} ({self.stop.reason}); "
                      + ("resume with --resume auto" if resumable else "nothing trained yet"))
         self.stopped = stopping
 
@@ -417,7 +417,12 @@ class Checkpointer:
         for key, part in parts.items():
             if part is not None and ckpt.get(key) is not None:
                 part.load_state_dict(ckpt[key])
-        self._restore_rng(ckpt["rng"])
+        if len(ckpt["rng"]) == self.world:
+            set_rng_state(ckpt["rng"][self.rank])
+        else:
+            self.say(f"note: the checkpoint came from world size {len(ckpt['rng'])}, this run has {self.world}: the "
+                     "data stream goes on where it was, the RNG streams restart (not the run an unchanged world would "
+                     "give)")
         return int(ckpt["step"])
 
     def _restore_optimizer(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -440,13 +445,6 @@ class Checkpointer:
                 state["step"] = state["step"].to(p.device, torch.float32)
         # ZeRO's own load also kept a second device copy of this rank's moments that it never reads again
         optimizer.state.clear()
-
-    def _restore_rng(self, rngs: list[dict]) -> None:
-        if len(rngs) == self.world:
-            set_rng_state(rngs[self.rank])
-        else:
-            self.say(f"note: the checkpoint came from world size {len(rngs)}, this run has {self.world}: the data "
-                     "stream goes on where it was, the RNG streams restart (not the run an unchanged world would give)")
 
     def save(self, step: int, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> Path:
         """Write ckpt_{step}.pt on rank 0 (every rank helps gather it), then prune; a failed write stops every rank."""
@@ -608,11 +606,11 @@ class Eval:
 
 @torch.no_grad()
 def val_metrics(model: nn.Module, loader: Any, windows: int, autocast: contextlib.AbstractContextManager,
-                world_size: int, token_bytes: torch.Tensor | None = None) -> dict[str, float]:
-    """{"loss": the mean loss over the split's first `windows` windows, all ranks together; with token_bytes (each id's
-    UTF-8 bytes, common.token_bytes) "bpb": nanochat's bits per byte, the nats of the targets with bytes over their
-    bytes}. Rank r scores windows r, r + world_size, ...: every rank runs as many forwards (collective under FSDP), and
-    a turn past `windows` is scored and left out.
+                world_size: int, token_bytes: torch.Tensor) -> dict[str, float]:
+    """{"loss": the mean loss over the split's first `windows` windows, all ranks together; "bpb": nanochat's bits per
+    byte, the nats of the targets with bytes over their bytes (token_bytes: each id's UTF-8 bytes, common.token_bytes)}.
+    Rank r scores windows r, r + world_size, ...: every rank runs as many forwards (collective under FSDP), and a turn
+    past `windows` is scored and left out.
     world_size counts data-parallel ranks: under --tp/--pp each of them is several ranks that score the same windows."""
     model.eval()
     loader.reset()
@@ -627,21 +625,18 @@ def val_metrics(model: nn.Module, loader: Any, windows: int, autocast: contextli
         dist.all_reduce(sums)  # SUM: gloo has no AVG
         sums[0] /= dist.get_world_size() // world_size  # bpb is a ratio: a window's --tp/--pp copies count alike
     model.train()
-    return {"loss": sums[0].item() / windows, **({"bpb": (sums[1] / sums[2]).item() / math.log(2)} if
-                                                 token_bytes is not None else {})}
+    return {"loss": sums[0].item() / windows, "bpb": (sums[1] / sums[2]).item() / math.log(2)}
 
 
-def window_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor | None) -> torch.Tensor:
+def window_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor) -> torch.Tensor:
     """(mean loss, summed nats of the targets with bytes, their bytes) of one window: a special token (0 bytes) and an
     ignored target count in neither sum. One forward's per-token losses give all three; --tp/--pp's shards
     (parallelize.Sharded) return the mean alone, so their nats take a second forward, on every rank (collective)."""
-    nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0) if token_bytes is not None else torch.zeros_like(y)
+    nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
     counted = torch.where(nbytes > 0, y, -1)
     if hasattr(model, "forward_backward"):
         mean, n = model(x, y)[1].double(), (counted >= 0).sum()
-        nats = torch.zeros_like(mean)  # no bytes asked for: no second forward
-        if token_bytes is not None:
-            nats = torch.where(n > 0, model(x, counted)[1].double() * n, 0.0)
+        nats = torch.where(n > 0, model(x, counted)[1].double() * n, 0.0)
         return torch.stack([mean, nats, nbytes.sum().double()])
     losses = model(x, y, per_token=True)[1].double()
     return torch.stack([losses.sum() / (y >= 0).sum(), (losses * (counted >= 0)).sum(), nbytes.sum().double()])
@@ -693,10 +688,7 @@ class SpikeGuard:
     def update(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
         """train_step's `update`: whether to apply this step. Every rank must decide the same, so both figures are
         averaged over the ranks in one all-reduce, which hands every rank the same history and verdict."""
-        stats = torch.stack([loss.detach().float(), norm.detach().float()])
-        if self.world > 1:
-            dist.all_reduce(stats)
-            stats /= self.world
+        stats = all_sum(torch.stack([loss.detach().float(), norm.detach().float()]), self.world) / self.world
         mean_loss, mean_norm = stats.tolist()
         z_loss, z_norm = self.detectors["loss"](mean_loss), self.detectors["norm"](mean_norm)
         self.skipped = next((f"{what} z-score {z:.1f} > {limit}" for what, z, limit in
@@ -729,7 +721,7 @@ class StopFlags:
     def __init__(self, max_minutes: float, interrupt: bool = True, master: bool = True,
                  device: torch.device | None = None, world: int = 1):
         self.term: str | None = None  # the first signal this rank received: "SIGTERM" or "SIGINT"
-        self.signal = "SIGTERM"  # after should_stop said "signal": SIGTERM if any rank had it, else SIGINT
+        self.reason = ""  # after should_stop said stop, why: SIGTERM if any rank had it, else Ctrl-C, else --max-time
         self.master, self.interrupt, self.device, self.world = master, interrupt, device, world
         self.max_minutes = max_minutes
         self.last = False  # set when no step is left to stop after: Ctrl-C then quits at once
@@ -769,16 +761,9 @@ class StopFlags:
         """"signal", "max_time" or None, the same on every rank: one rank's signal stops them all at this step."""
         flags = [self.term == "SIGTERM", self.term == "SIGINT",
                  self.deadline is not None and time.time() > self.deadline]
-        if self.world > 1:
-            agreed = torch.tensor(flags, dtype=torch.float32, device=self.device)
-            dist.all_reduce(agreed)
-            flags = (agreed > 0).tolist()
-        self.signal = "SIGTERM" if flags[0] else "SIGINT"
+        flags = (all_sum(torch.tensor(flags, dtype=torch.float32, device=self.device), self.world) > 0).tolist()
+        self.reason = "SIGTERM" if flags[0] else "Ctrl-C" if flags[1] else f"--max-time {self.max_minutes} min"
         return "signal" if flags[0] or flags[1] else "max_time" if flags[2] else None
-
-    def reason(self, stopping: str) -> str:
-        return {"SIGTERM": "SIGTERM", "SIGINT": "Ctrl-C"}[self.signal] if stopping == "signal" else \
-            f"--max-time {self.max_minutes} min"
 
 
 class _PipeGuard:

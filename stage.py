@@ -273,8 +273,7 @@ def task_evals(cfg: TaskEvalArgs, setup: Setup) -> list[Eval]:
     if not cfg.task:
         return []
     evaluation, problems = same_verdict(lambda: task_eval(cfg, setup), setup.ctx.world)
-    if setup.ctx.world > 1:  # the digest reads every problem: only where there are ranks to compare
-        engine.agree_fingerprint({"--task data": digest(problems)}, setup.ctx.rank, setup.ctx.world)
+    engine.agree_fingerprint({"--task data": digest(problems)}, setup.ctx.rank, setup.ctx.world)
     return [evaluation]
 
 

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine  # noqa: E402
 import trackers  # noqa: E402
-from common import parse_config, provenance, run_and_exit, setup_distributed  # noqa: E402
+from common import parse_config, provenance, run_and_exit, setup_distributed, token_bytes  # noqa: E402
 from fineweb import TokenLoader  # noqa: E402
 from model import GPT, MODEL_PRESETS  # noqa: E402
 from parallel import build_trainable, train_step  # noqa: E402
@@ -51,8 +51,10 @@ def main(argv: list[str]) -> dict:
         return {"loss": loss.item() / ctx.world, "lr": cfg.max_lr, "grad_norm": norm.item(),
                 "tokens": cfg.batch_size * cfg.seq_len * ctx.world}
 
+    nbytes = token_bytes(raw.config.vocab_size, ctx.device)
+
     def val_eval(step: int) -> dict:
-        return {"val_loss": engine.val_metrics(built.model, val, 2, built.autocast, ctx.world)["loss"]}
+        return {"val_loss": engine.val_metrics(built.model, val, 2, built.autocast, ctx.world, nbytes)["loss"]}
 
     run = engine.Run(cfg=cfg, ctx=ctx, step_fn=step_fn, raw=raw, trainable=built, checkpointer=checkpointer,
                      log=log, evals=[engine.Eval("val", 3, val_eval)], parts=parts, start_step=start,

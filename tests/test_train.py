@@ -1224,7 +1224,7 @@ def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_onc
     try:
         flags = armed(0)
         signal.raise_signal(signal.SIGINT)
-        assert flags.term == "SIGINT" and flags.should_stop() == "signal" and flags.signal == "SIGINT"
+        assert flags.term == "SIGINT" and flags.should_stop() == "signal" and flags.reason == "Ctrl-C"
         assert "Ctrl-C: stopping after this step, with a checkpoint; Ctrl-C again quits now" in capfd.readouterr().err
         assert isinstance(sys.stdout, engine._PipeGuard) and isinstance(sys.stderr, engine._PipeGuard)
         with pytest.raises(KeyboardInterrupt):  # torchrun's answer to a second Ctrl-C: SIGTERM to its workers
@@ -1239,7 +1239,7 @@ def test_first_ctrl_c_asks_for_a_stop_and_a_ctrl_c_after_any_signal_quits_at_onc
         # not announced as a Ctrl-C, which would send the log's reader looking for who pressed it: the "stopping
         # after step" line names the preemption
         assert capfd.readouterr().err == ""
-        assert flags.term == "SIGTERM" and flags.should_stop() == "signal" and flags.signal == "SIGTERM"
+        assert flags.term == "SIGTERM" and flags.should_stop() == "signal" and flags.reason == "SIGTERM"
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C while a preempted run saves: quit
             signal.raise_signal(signal.SIGINT)
         sys.stdout, sys.stderr = streams
@@ -2089,7 +2089,7 @@ for signals in spec["signals"]:  # the signal each rank received (None: none): a
     flags = engine.StopFlags(0, device=torch.device("cpu"), world=2)
     flags.term = signals[rank]
     stopping = flags.should_stop()
-    out["stops"].append([stopping, flags.signal if stopping else None])
+    out["stops"].append([stopping, flags.reason if stopping else None])
 dist.destroy_process_group()
 print("RESULT " + json.dumps(out))
 common.exit_now(0)  # past interpreter finalization, which can abort after gloo collectives (docs/notes.md)
@@ -2159,7 +2159,7 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
         assert result["hellaswag"] == [None, "rank 1's --hellaswag file differs from rank 0's: every node must hold "
                                              "the same --hellaswag file"]
         # one rank's Ctrl-C stops both; SIGTERM (a preemption) is named before Ctrl-C
-        assert result["stops"] == [[None, None], ["signal", "SIGINT"], ["signal", "SIGTERM"], ["signal", "SIGTERM"]]
+        assert result["stops"] == [[None, None], ["signal", "Ctrl-C"], ["signal", "SIGTERM"], ["signal", "SIGTERM"]]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
