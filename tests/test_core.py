@@ -161,10 +161,16 @@ def test_rank_r_of_world_scores_rows_r_r_plus_world(bundle, monkeypatch):
     # (wrong), MC[2]; schema's stay in file order (right, wrong, right); rank 1 of 2 gets a padding forward there
     monkeypatch.setattr(core, "summed", lambda right, n, device, world: {"acc": (right, n)})
     mc, schema, _ = core.load_tasks(bundle)
-    model, enc, cpu = bigram_gpt(SUCCESSOR), get_tokenizer(), torch.device("cpu")
-    got = [core.accuracy(model, enc, task, rank, 2, cpu, contextlib.nullcontext()) for task in (mc, schema)
-           for rank in (0, 1)]
+    model, enc, cpu, calls = bigram_gpt(SUCCESSOR), get_tokenizer(), torch.device("cpu"), []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    got, forwards = [], []
+    for task in (mc, schema):
+        for rank in (0, 1):
+            calls.clear()
+            got.append(core.accuracy(model, enc, task, rank, 2, cpu, contextlib.nullcontext()))
+            forwards.append(len(calls))
     assert got == [(0, 2), (2, 2), (2, 2), (0, 1)]
+    assert forwards == [2, 2, 2, 2]  # as many forwards on every rank: an FSDP forward is a collective
 
 
 def test_spans_and_crop():
