@@ -67,6 +67,9 @@ def test_token_bytes_count_special_and_padded_ids_as_zero():
     assert table.shape == (50304,) and table[EOT] == 0 and table[50257:].sum() == 0
     assert table[enc.encode_ordinary(" the")[0]] == 4 and table[enc.encode_ordinary("€")].sum() == 3
     assert table[:EOT].min() >= 1 and table.sum() == sum(len(enc.decode_single_token_bytes(i)) for i in range(EOT))
+    # a vocabulary smaller than the tokenizer's: one entry an id; the table made on the device it is asked for
+    assert token_bytes(256).tolist() == [len(enc.decode_single_token_bytes(i)) for i in range(256)]
+    assert token_bytes(8, "meta").device.type == "meta"
 
 
 class FixedBatch:

@@ -2,6 +2,7 @@
 each row's verdict and every task's accuracy follow by hand; one process, 2 gloo ranks, and the download path on a
 local zip."""
 
+import contextlib
 import json
 import random
 import runpy
@@ -112,6 +113,66 @@ def test_rows_are_shuffled_then_cut_and_prompts_render_as_nanochat_does(bundle):
     assert core.prompts(mc, 0) == ["The grass is blue", "The grass is green"]
 
 
+def test_each_shot_is_its_gold_answer_and_each_row_draws_its_own_shots():
+    # 5 rows, 2 shots: row 4 draws rows 0 and 1 (random.Random(1238)), row 1 draws rows 4 and 3 (random.Random(1235))
+    assert [random.Random(1234 + i).sample([j for j in range(5) if j != i], 2) for i in (4, 1)] == [[0, 1], [4, 3]]
+    golds = [2, 1, 0, 1, 0]  # no shot's gold is its first option
+    mc = core.CoreTask("mc", "multiple_choice", [{"query": f"Q{k}", "choices": [f"a{k}", f"b{k}", f"c{k}"], "gold": g}
+                                                 for k, g in enumerate(golds)], 2, ": ", 25.0)
+    assert core.prompts(mc, 4) == [f"Q0: c0\n\nQ1: b1\n\nQ4: {c}4" for c in "abc"]
+    assert core.prompts(mc, 1)[0] == "Q4: a4\n\nQ3: b3\n\nQ1: a1"
+    schema = core.CoreTask("schema", "schema", [{"context_options": [f"x{k}", f"y{k}", f"z{k}"],
+                                                 "continuation": f"w{k}", "gold": g} for k, g in enumerate(golds)],
+                           2, " ", 50.0)
+    assert core.prompts(schema, 4) == [f"z0 w0\n\ny1 w1\n\n{c}4 w4" for c in "xyz"]
+    lm = core.CoreTask("lm", "language_modeling", [{"context": f" c{k} ", "continuation": f"d{k}"} for k in range(5)],
+                       2, " ", 0.0)  # each shot's context trimmed too, not only the row's
+    assert core.prompts(lm, 4) == ["c0 d0\n\nc1 d1\n\nc4", "c0 d0\n\nc1 d1\n\nc4 d4"]
+
+
+def test_a_choice_is_scored_by_its_mean_loss_on_bos_prompts_padded_on_the_right():
+    # costs a token: ~0 when the table predicts it, ln(50257) after a token with no row (uniform), ~113 otherwise.
+    # Row 0: " sky" costs 10.8 (mean 10.8); " hat dog runs runs runs runs" 10.8 + 10.8 + 0 x 4 (sum 21.6, mean 3.6):
+    # the mean picks the long choice, the sum the short one. Row 1: " blue" follows " is" (0); " green dog runs" costs
+    # 113 + 10.8 + 0
+    rows = [{"query": "My cup", "choices": ["sky", "hat dog runs runs runs runs"], "gold": 1},
+            {"query": "The dog dog dog is", "choices": ["blue", "green dog runs"], "gold": 0}]
+    task, model, enc = core.CoreTask("mc", "multiple_choice", rows, 0, " ", 50.0), bigram_gpt(SUCCESSOR), \
+        get_tokenizer()
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(args[0].tolist()))
+    verdicts = [core.is_right(model, enc, task, i, torch.device("cpu"), contextlib.nullcontext()) for i in range(2)]
+    assert verdicts == [True, True]
+    bos, (sky,), long = enc.eot_token, enc.encode_ordinary(" sky"), enc.encode_ordinary(" hat dog runs runs runs runs")
+    head = enc.encode_ordinary("My cup")
+    assert len(long) == 6 and seen[0] == [[bos, *head, sky] + [bos] * 5, [bos, *head, *long]]  # BOS first, pad right
+    # a padded vocabulary row is no token: the model's id 50300 outscores " three" after " two", but is not the greedy
+    # continuation (ids past the tokenizer's 50257 are out of the argmax)
+    lm = core.CoreTask("lm", "language_modeling", [{"context": "one two", "continuation": "three"}], 0, " ", 0.0)
+    assert core.is_right(model, enc, lm, 0, torch.device("cpu"), contextlib.nullcontext())
+    with torch.no_grad():
+        (three,) = enc.encode_ordinary(" three")
+        model.transformer.wte.weight[50300] = 1.01 * model.transformer.wte.weight[three]
+    assert core.is_right(model, enc, lm, 0, torch.device("cpu"), contextlib.nullcontext())
+
+
+def test_rank_r_of_world_scores_rows_r_r_plus_world(bundle, monkeypatch):
+    # its own rows' hits and count go to the sum over ranks: shuffled, mc's rows are MC[1] (wrong), MC[0], MC[3]
+    # (wrong), MC[2]; schema's stay in file order (right, wrong, right); rank 1 of 2 gets a padding forward there
+    monkeypatch.setattr(core, "summed", lambda right, n, device, world: {"acc": (right, n)})
+    mc, schema, _ = core.load_tasks(bundle)
+    model, enc, cpu, calls = bigram_gpt(SUCCESSOR), get_tokenizer(), torch.device("cpu"), []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    got, forwards = [], []
+    for task in (mc, schema):
+        for rank in (0, 1):
+            calls.clear()
+            got.append(core.accuracy(model, enc, task, rank, 2, cpu, contextlib.nullcontext()))
+            forwards.append(len(calls))
+    assert got == [(0, 2), (2, 2), (2, 2), (0, 1)]
+    assert forwards == [2, 2, 2, 2]  # as many forwards on every rank: an FSDP forward is a collective
+
+
 def test_spans_and_crop():
     ids = [[9, 1, 2, 3, 4], [9, 1, 2, 5], [9, 1, 2, 6, 7, 8]]
     assert core.spans(ids, "multiple_choice") == (ids, [3, 3, 3], [5, 4, 6])  # after the common prefix
@@ -119,6 +180,8 @@ def test_spans_and_crop():
     assert core.spans([[9, 1, 2], [9, 1, 2, 3, 4]], "language_modeling") == ([[9, 1, 2, 3, 4]], [3], [5])
     # the rows keep their last 4 tokens, the spans move with them (the third's first scored token is now at 1)
     assert core.crop(ids, [3, 3, 3], [5, 4, 6], 4) == ([[1, 2, 3, 4], [9, 1, 2, 5], [2, 6, 7, 8]], [2, 3, 1], [4, 4, 4])
+    # a continuation longer than the context: its first kept token has no token before it, so scoring starts at 1
+    assert core.crop([[9, 1, 2, 6, 7, 8]], [3], [6], 2) == ([[7, 8]], [1], [2])
 
 
 def test_the_bundle_downloads_once_from_a_zip_url(bundle, ckpt, tmp_path):

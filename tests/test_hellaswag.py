@@ -302,6 +302,19 @@ def test_score_batch_equals_per_ending_reference(examples, enc):
     assert ref[:, 1].min() > 10.0  # untrained: about ln(50257) = 10.8 per token
 
 
+def test_an_ending_longer_than_the_block_is_averaged_over_its_scored_tokens(enc):
+    # a block of 4 holds only ending tokens: the first has no token before it, so 3 are scored and the mean is over 3
+    ex = {"ctx": "He said", "endings": ["one two three four five six", "yes", "no", "a b c d e"], "label": 0}
+    model = tiny_gpt(block_size=4)
+    tokens, mask = make_batch([render_example(ex, enc)], rows=4, block_size=4)
+    assert mask[0].tolist() == [1, 1, 1, 1]
+    with torch.no_grad():
+        sums, means = score_batch(model, tokens, mask, torch.device("cpu"))
+    ref = torch.tensor(reference_losses(model, ex, enc, 4))  # (4, 2)
+    torch.testing.assert_close(sums, ref[:, 0].float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(means, ref[:, 1].float(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [64, 24])  # 24 crops the long examples from the left
 def test_evaluate_equals_per_example_reference(examples, enc, block_size):
     model = tiny_gpt(block_size)

@@ -1,6 +1,7 @@
 """tasks.py: each checker on right, wrong and reformatted replies; conversions from rows in the hub's schema (read from
 local files through the same datasets call); the synthetic task's disjoint splits and wrong answers; the CLI's files."""
 
+import contextlib
 import copy
 import json
 import pickle
@@ -574,6 +575,33 @@ def test_chat_core_centers_a_task_without_a_baseline_at_zero(monkeypatch):
     named = {"own": (NS(acc=0.5), []), "choice": (NS(acc=0.625, baseline=0.25), [])}  # a user's task has none
     assert tasks.chat_core(None, named) == {"results": {"own": 0.5, "choice": 0.625},
                                             "centered_results": {"own": 0.5, "choice": 0.5}, "chatcore": 0.5}
+
+
+def test_chat_core_scores_each_task_as_its_rank_of_world_under_its_autocast(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    seen, autocast = [], contextlib.nullcontext()
+    monkeypatch.setattr(tasks, "accuracy", lambda model, task, problems, *args: seen.append(args) or {"acc": 0.5})
+    tasks.chat_core(None, {"own": (NS(), [])}, rank=1, world=2, autocast=autocast, max_new_tokens=7)
+    assert seen == [(1, 2, autocast, 7)]
+
+
+def test_choose_scores_under_the_autocast_it_is_given():
+    from conftest import bigram_model
+
+    class Counting(contextlib.AbstractContextManager):
+        entered = 0
+
+        def __enter__(self):
+            self.entered += 1
+
+        def __exit__(self, *exc):
+            return None
+
+    model, autocast = bigram_model({cf.ASSISTANT_START: get_tokenizer().encode_ordinary("B")[0]}), Counting()
+    problems = [tasks.MMLU().example({"question": f"Q{k}?", "choices": list("wxyz"), "answer": 1}) for k in range(3)]
+    assert tasks.choose(model, problems, batch=2, autocast=autocast) == {"acc": 1.0, "n": 3}
+    assert autocast.entered == 2  # a forward a batch, bf16 on a GPU
 
 
 def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
