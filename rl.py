@@ -33,7 +33,7 @@ from common import LOCAL, all_sum, get_tokenizer, is_reward_model, load_checkpoi
 from engine import Context, Run
 from generate import Rollout, calculator, evaluating, generate
 from model import GPT, GPTConfig
-from parallel import Objective, build_trainable, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
+from parallel import Objective, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
 from trackers import RunLog
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -474,11 +474,9 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
                          f"as many; pass --prompts {cfg.rollout_batch * ctx.world} or a multiple")
     raw, rm = raw.to(ctx.device), rm.to(ctx.device) if rm else None
     ref = frozen_copy(raw) if cfg.beta > 0 else None
-    built = build_trainable(raw, cfg, ctx.device, stage.use_compile(cfg, ctx.device), verbose=ctx.master)
-    parts = {"sampler": PromptSampler(train_problems, cfg.seed), "scaler": built.scaler, "tokens": engine.TokenCount(),
-             "reference": ref and stage.Reference(engine.weights_digest(ref.transformer), cfg.init_from,
-                                                  "was anchored (--beta) to")}
-    start = stage.resume(found, checkpointer, raw, built, parts, cfg, ctx) if found else 0
+    parts = {"sampler": PromptSampler(train_problems, cfg.seed), "reference": ref and stage.Reference(
+        engine.weights_digest(ref.transformer), cfg.init_from, "was anchored (--beta) to")}
+    built, start = stage.build_and_resume(raw, parts, cfg, ctx, checkpointer, found)
     log = stage.open_log(cfg, raw, checkpointer, found, start, ctx)
     rows = cfg.prompts // ctx.world * cfg.samples
     log.say(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {ctx.world} "
