@@ -31,7 +31,7 @@ from common import LOCAL, is_reward_model, load_checkpoint, provenance, run_and_
 from engine import Context, Run
 from fineweb import TokenLoader
 from model import GPT, checkpoint_config
-from parallel import build_trainable, check_flags
+from parallel import check_flags
 
 
 @dataclasses.dataclass
@@ -269,12 +269,10 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
                              source)
     torch.manual_seed(cfg.seed + rank)
     pruning = Pruning(raw, record)
-    built = build_trainable(raw, cfg, device, stage.use_compile(cfg, device), verbose=ctx.master)
-    pruning.attach(built.optimizer)
     guard = engine.SpikeGuard(world=world)
-    parts = {"loader": train_loader, "scaler": built.scaler, "tokens": engine.TokenCount(), "outliers": guard,
-             "pruning": pruning}
-    start = stage.resume(found, checkpointer, raw, built, parts, cfg, ctx) if found else 0
+    parts = {"loader": train_loader, "outliers": guard, "pruning": pruning}
+    built, start = stage.build_and_resume(raw, parts, cfg, ctx, checkpointer, found)
+    pruning.attach(built.optimizer)
     if not found and not cfg.eval_only:
         checkpointer.save(0, raw, built.optimizer, parts)  # the pruned model, before any recovery
     log = stage.open_log(cfg, raw, checkpointer, found, start, ctx)

@@ -33,7 +33,7 @@ from common import LOCAL, all_sum, get_tokenizer, is_reward_model, load_checkpoi
 from engine import Context, Run
 from generate import Rollout, calculator, evaluating, generate
 from model import GPT, GPTConfig
-from parallel import Objective, build_trainable, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
+from parallel import Objective, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
 from trackers import RunLog
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -279,15 +279,16 @@ def score(share: list[tuple[dict, list[int], Rollout]], reward: tasks.Reward | N
     """ids (N, T), the mask of sampled targets ids[:, 1:] (N, T-1), and scores: the reward functions' (they see the
     prompt's messages, the reply's text and the answer) or the reward model's."""
     ids, mask = pack([(prompt + r.tokens, [0] * (len(prompt) - 1) + r.mask) for _, prompt, r in share], device)
-    if rm is None:
-        scores = [reward(p["messages"][:-1], reply_text(r.tokens), p["answer"]) for p, _, r in share]
-        return {"ids": ids, "mask": mask[:, :-1], "scores": torch.tensor(scores, device=device)}
+    if rm is None:  # with each --reward function's own values, as tasks.checked's `last` names them (reward/FN)
+        got = [(reward(p["messages"][:-1], reply_text(r.tokens), p["answer"]), getattr(reward, "last", {}))
+               for p, _, r in share]
+        own = {key: torch.tensor([last[key] for _, last in got], device=device) for key in got[0][1]}
+        return {"ids": ids, "mask": mask[:, :-1], "scores": torch.tensor([s for s, _ in got], device=device), **own}
     bs, enc = rm.config.block_size, get_tokenizer()  # rendered as chat_format.render does, an empty reply too
     replies = [enc.encode_ordinary(reply_text(r.tokens)) + [ASSISTANT_END] for _, _, r in share]
     rows = [((p + o)[-bs:], ([0] * len(p) + [1] * len(o))[-bs:]) for (_, p, _), o in zip(share, replies, strict=True)]
     with torch.no_grad():
-        scores = rewards(rm, *pack(rows, device), rm.reward_logprob)
-    return {"ids": ids, "mask": mask[:, :-1], "scores": scores.float()}
+        return {"ids": ids, "mask": mask[:, :-1], "scores": rewards(rm, *pack(rows, device), rm.reward_logprob).float()}
 
 
 def policy_forward(model: torch.nn.Module, ids: Tensor, mask: Tensor, temperature: float,
@@ -386,7 +387,8 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, reward: tasks.
         sampler.served += cfg.prompts  # once scored: a reward that raises leaves the last step's state to save
         t1, lr = time.time(), engine.set_lr(built.optimizer, step, cfg)
         batch = prepare(batch, raw, ref, cfg, built.autocast, ctx.world)
-        totals = update(built, objective, batch, cfg, ctx.world)
+        totals = update(built, objective, batch, cfg, ctx.world)  # and each --reward function's mean, as summary's
+        totals |= {key: values.mean() for key, values in batch.items() if key.startswith("reward/")}
         record = {**summary(batch, totals, t1 - t0, time.time() - t1, cfg, ctx.world), "lr": lr}
         if step % cfg.log_every == 0:
             log.say(f"step {step:6d} | reward {record['reward']:.3f} +- {record['reward_std']:.3f} | entropy "
@@ -474,11 +476,9 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
                          f"as many; pass --prompts {cfg.rollout_batch * ctx.world} or a multiple")
     raw, rm = raw.to(ctx.device), rm.to(ctx.device) if rm else None
     ref = frozen_copy(raw) if cfg.beta > 0 else None
-    built = build_trainable(raw, cfg, ctx.device, stage.use_compile(cfg, ctx.device), verbose=ctx.master)
-    parts = {"sampler": PromptSampler(train_problems, cfg.seed), "scaler": built.scaler, "tokens": engine.TokenCount(),
-             "reference": ref and stage.Reference(engine.weights_digest(ref.transformer), cfg.init_from,
-                                                  "was anchored (--beta) to")}
-    start = stage.resume(found, checkpointer, raw, built, parts, cfg, ctx) if found else 0
+    parts = {"sampler": PromptSampler(train_problems, cfg.seed), "reference": ref and stage.Reference(
+        engine.weights_digest(ref.transformer), cfg.init_from, "was anchored (--beta) to")}
+    built, start = stage.build_and_resume(raw, parts, cfg, ctx, checkpointer, found)
     log = stage.open_log(cfg, raw, checkpointer, found, start, ctx)
     rows = cfg.prompts // ctx.world * cfg.samples
     log.say(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {ctx.world} "

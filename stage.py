@@ -360,13 +360,10 @@ class Setup:
         torch.manual_seed(cfg.seed + ctx.rank)  # every device's generator; ranks see other data, so other dropout
         if ctx.master:  # the full config and provenance are log.jsonl's first record
             print(f"model: {describe_model(cfg, self.raw.config)}\nprovenance: {describe_provenance(self.prov)}")
-        self.built = build_trainable(self.raw, self.cfg, ctx.device, use_compile, verbose=ctx.master)
-        self.raw = self.built.shards or self.raw  # under --tp/--pp: this rank's part, which checkpoints and evaluates
         self.guard = SpikeGuard(cfg.skip_loss_z, cfg.skip_norm_z, ctx.world)
-        self.parts = {"loader": self.train_loader, "scaler": self.built.scaler, "outliers": self.guard,
-                      "tokens": TokenCount(), **(parts or {})}
-        self.start = resume(self.found, self.checkpointer, self.raw, self.built, self.parts, cfg, ctx) \
-            if self.found else 0
+        self.parts = {"loader": self.train_loader, "outliers": self.guard, **(parts or {})}
+        self.built, self.start = build_and_resume(self.raw, self.parts, self.cfg, ctx, self.checkpointer, self.found)
+        self.raw = self.built.shards or self.raw  # under --tp/--pp: this rank's part, which checkpoints and evaluates
         if ctx.master:
             print_header(self, use_compile, max((getattr(loader, "sides", 1) for loader in loaders), default=1))
         self.log = open_log(self.cfg, self.raw, self.checkpointer, self.found, self.start, ctx)
@@ -485,9 +482,15 @@ def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
                      else f"start a new run from its weights with --init-from {path}"))])
 
 
-def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.Module, built: Trainable,
-           parts: dict[str, Any], cfg: RunArgs, ctx: Context) -> int:
-    """Restore the checkpoint found into the built run on every rank (or stop all of them); returns its step."""
+def build_and_resume(raw: GPT, parts: dict[str, Any], cfg: RunArgs, ctx: Context, checkpointer: Checkpointer,
+                     found: tuple[Path, dict] | None) -> tuple[Trainable, int]:
+    """The model on its device and its optimizer, and the checkpoint found restored into them and into `parts` (the
+    stage's checkpointed parts; its scaler and token count join them) on every rank, or stop all: (built, the step)."""
+    built = build_trainable(raw, cfg, ctx.device, use_compile(cfg, ctx.device), verbose=ctx.master)
+    parts.update(scaler=built.scaler, tokens=TokenCount())
+    if found is None:
+        return built, 0
+    raw = built.shards or raw  # under --tp/--pp: this rank's part
     path, ckpt = found
     saved = ckpt.get("train_config", {})
     step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, parts), ctx.world, catch=(ValueError,))
@@ -501,7 +504,7 @@ def resume(found: tuple[Path, dict], checkpointer: Checkpointer, raw: torch.nn.M
     if not cfg.eval_only and (changed := set_hyperparameters(built.optimizer, cfg) + clip) and ctx.master:
         print(f"note: {', '.join(changed)} differ from the checkpoint's run: this run's values apply from step {step}")
     del ckpt["model"], ckpt["optimizer"]  # copied into the model and optimizer: free the CPU copy
-    return step
+    return built, step
 
 
 SCHEDULE = ("max_steps", "max_lr", "warmup_steps", "lr_schedule", "min_lr_frac", "decay_frac")  # the lr's flags

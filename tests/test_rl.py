@@ -388,6 +388,10 @@ def length(prompt, reply, answer):
     with open(os.environ["REWARD_LOG"], "a") as f:
         f.write(json.dumps([prompt, reply, answer]) + "\\n")
     return float(len(reply))
+
+
+def one(prompt, reply, answer):
+    return 1.0
 '''
 
 
@@ -400,13 +404,16 @@ def test_rl_on_a_users_task_with_its_own_reward_that_sees_the_prompt(models, tmp
     task = f"{tmp_path / 'doubling.py'}:Doubling"
     common = ["--init-from", str(models[0]), "--task", task, "--device=cpu", "--prompts=2", "--samples=2",
               "--rollout-batch=1", "--max-new-tokens=4", "--eval-limit=2", "--pass-k=0", "--max-steps=1"]
-    result = rl.main([*common, "--reward", f"{tmp_path / 'rewards.py'}:length", "--out-dir", str(tmp_path / "run")])
+    rewards = f"{tmp_path / 'rewards.py'}:length,{tmp_path / 'rewards.py'}:one"
+    result = rl.main([*common, "--reward", rewards, "--reward-weights=0.5,2", "--out-dir", str(tmp_path / "run")])
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert len(calls) == 4 and result["task"]["n"] == 2  # 2 prompts x 2 samples; the task's 2 held-out problems
     for prompt, _, answer in calls:  # the prompt's messages and the task's answer (the reply's text: below)
         k = int(prompt[-1]["content"].removeprefix("Double ").rstrip("?"))
         assert prompt == [{"role": "user", "content": f"Double {k}?"}] and answer == str(2 * k) and 10 <= k < 30
-    assert train_records(tmp_path / "run")[0]["reward"] == pytest.approx(sum(len(r) for _, r, _ in calls) / 4)
+    # the weighted sum, and each function's own mean over the 4 replies (as TRL's rewards/<name>/mean), unweighted
+    record, length = train_records(tmp_path / "run")[0], sum(len(r) for _, r, _ in calls) / 4
+    assert (record["reward"], record["reward/length"], record["reward/one"]) == (0.5 * length + 2, length, 1.0)
     # the step served its 2 prompts (not 1, nor one per sample) and trained at warmup's first lr, which it records
     ckpt = load_checkpoint(tmp_path / "run" / "ckpt_000001.pt")
     lrs = {group["lr"] for group in ckpt["optimizer"]["param_groups"]}
