@@ -97,7 +97,7 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
         raise ValueError("expected the prompt as text or messages, chosen and rejected as text or conversations that "
                          "end with the assistant's reply")
     check_flags([(chosen.strip(), "the chosen reply is empty"), (rejected.strip(), "the rejected reply is empty"),
-                 (chosen != rejected, "chosen == rejected: the pair prefers nothing")])
+                 (chosen != rejected, "chosen == rejected: the pair prefers nothing; drop such pairs")])
     for messages in whole:  # the replies' other fields (tool calls, reasoning); last, so the checks above speak first
         check_messages(messages, "assistant")
     return prompt, chosen, rejected

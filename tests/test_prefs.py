@@ -110,7 +110,8 @@ def test_multi_turn_conversations_keep_every_earlier_turn_and_a_prompts_spaces()
      "missing field 'chosen': a row with 'messages' is a conversation, sft.py's data; a pair is {\"prompt\", "
      "\"chosen\", \"rejected\"} (tasks.py --pairs writes them)"),
     ({"prompt": "p", "chosen": "a", "rejected": "  "}, "the rejected reply is empty"),
-    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "chosen == rejected: the pair prefers nothing"),
+    ({"prompt": "p", "chosen": "same", "rejected": "same"},
+     "chosen == rejected: the pair prefers nothing; drop such pairs"),
     ({"chosen": "one reply", "rejected": "another"}, "no 'prompt' field, and chosen and rejected are not"),
     ({"prompt": "p", "chosen": conversation("a", "x"), "rejected": conversation("b", "y")},
      "chosen and rejected continue different conversations"),
