@@ -761,7 +761,8 @@ class StopFlags:
         """"signal", "max_time" or None, the same on every rank: one rank's signal stops them all at this step."""
         flags = [self.term == "SIGTERM", self.term == "SIGINT",
                  self.deadline is not None and time.time() > self.deadline]
-        flags = (all_sum(torch.tensor(flags, dtype=torch.float32, device=self.device), self.world) > 0).tolist()
+        if self.world > 1:  # one rank has nothing to agree with: no device round trip each step
+            flags = (all_sum(torch.tensor(flags, dtype=torch.float32, device=self.device), self.world) > 0).tolist()
         self.reason = "SIGTERM" if flags[0] else "Ctrl-C" if flags[1] else f"--max-time {self.max_minutes} min"
         return "signal" if flags[0] or flags[1] else "max_time" if flags[2] else None
 
