@@ -525,10 +525,13 @@ def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
 
 def note_changed_flags(saved: dict[str, Any], cfg: RunArgs) -> None:
     """Name the flags a training run changed since its checkpoint (--clip, --samples...) but those the notes above
-    cover (the lr's, the optimizer's, the data windows'), LOCAL ones (paths, a node's own) and any it lacks."""
+    cover (the lr's, the optimizer's, the data windows'), LOCAL ones (paths; --init-from apart) and any it lacks."""
     said = (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "batch_size", "shuffle")
     changed = [f"--{flag(k)} {saved[k]!r} -> {now}" for k, now in engine.command_of(cfg).items()
                if k in saved and k not in said and repr(saved[k]) != now]
+    if cfg.init_from and saved.get("init_from", cfg.init_from) != cfg.init_from:  # LOCAL, so not in `changed`
+        print(f"note: the weights are the checkpoint's, whose run started from {saved['init_from'] or 'a random init'}"
+              f", not --init-from {cfg.init_from}'s")
     if changed and not cfg.eval_only:
         print(f"note: flags changed since the checkpoint: {', '.join(changed)}")
 

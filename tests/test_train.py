@@ -790,6 +790,17 @@ def test_resumed_fine_tune_needs_no_init_source(token_data, hf_dir, tmp_path):
     assert rest == full[2:]  # bitwise
 
 
+def test_a_resume_names_the_start_of_its_weights_when_init_from_names_another(capsys):
+    # --resume auto --init-from B over a run started from A (or from scratch) went on from the checkpoint in
+    # silence, the header's model line naming B; the same --init-from again (a resumed fine-tune) says nothing
+    cfg = train.TrainConfig(init_from="b.pt", resume="auto", eval_only=True)
+    for start in ("", "a.pt", "b.pt"):
+        stage.note_changed_flags({**dataclasses.asdict(cfg), "init_from": start}, cfg)
+    assert capsys.readouterr().out == (
+        "note: the weights are the checkpoint's, whose run started from a random init, not --init-from b.pt's\n"
+        "note: the weights are the checkpoint's, whose run started from a.pt, not --init-from b.pt's\n")
+
+
 SLOW_RANK_WORKER = """import os, sys, time
 sys.path.insert(0, sys.argv[1])
 import train
