@@ -458,7 +458,8 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                                        **pin)
         else:
             builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
-            options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit} if builder == "text" else {}
+            options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit,  # a BOM (Notepad's) is no text
+                       "encoding": "utf-8-sig"} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
                                        streaming=cfg.streaming, **options)
         shards = getattr(ds, "num_shards", 1)  # streamed: a part per file; else one

@@ -263,6 +263,13 @@ def test_txt_unit_line_makes_one_document_per_nonempty_line(tmp_path):
     assert np.array_equal(concat(tmp_path / "out"), expected_tokens(["first line", "second line", "third"]))
 
 
+def test_a_txt_files_byte_order_mark_is_not_text(tmp_path):
+    # Notepad's UTF-8 files begin with EF BB BF: each such document began with U+FEFF's tokens
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfHello there.\n")
+    cfg = cfg_for(tmp_path / "a.txt", tmp_path / "out")
+    assert [text for text, _ in fineweb.read_documents(cfg, [tmp_path / "a.txt"])] == ["Hello there.\n"]
+
+
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
 def test_shakespeare_local_copy_whole_file_is_one_document(tmp_path):
     text = SHAKESPEARE.read_text()
