@@ -404,7 +404,7 @@ def same_verdict(work: Callable[[], T], world: int, error: type[Exception] = Val
 def first_on_each_node(load: Callable[[], T], local_rank: int, world: int, **verdict: Any) -> T:
     """load() on each node's first rank, then on its other ranks, which find what it fetched in the cache (a download
     once per node). A failure anywhere stops every rank with its reason (same_verdict's options). Collective."""
-    if world == 1 or local_rank == 0:  # the node's first rank
+    if local_rank == 0:  # the node's first rank
         fetched = same_verdict(load, world, **verdict)
         return same_verdict(lambda: fetched, world, **verdict)
     same_verdict(lambda: None, world, **verdict)  # while the first rank fetches
