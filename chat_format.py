@@ -81,7 +81,9 @@ def check_messages(messages: Any, last: str) -> None:
         raise ValueError(f"the conversation's last message is from {messages[-1]['role']}, expected {last}")
 
 
-def _render(messages: list[dict]) -> tuple[list[int], list[int]]:
+def render(messages: list[dict], last: str = "assistant") -> tuple[list[int], list[int]]:
+    """A conversation ending with a `last` message -> (ids, mask), mask 1 on what the assistant learns to write."""
+    check_messages(messages, last)
     enc, pieces = get_tokenizer(), [([BOS], 0)]  # (tokens, 1 if the model learns to write them)
     for message in messages:
         (start, end), content = ROLES[message["role"]], message["content"]
@@ -97,16 +99,9 @@ def _render(messages: list[dict]) -> tuple[list[int], list[int]]:
     return [t for tokens, _ in pieces for t in tokens], [m for tokens, m in pieces for _ in tokens]
 
 
-def render(messages: list[dict]) -> tuple[list[int], list[int]]:
-    """A whole conversation -> (ids, mask), mask 1 on the tokens the assistant learns to write."""
-    check_messages(messages, "assistant")
-    return _render(messages)
-
-
 def render_prompt(messages: list[dict]) -> list[int]:
     """A conversation ending with a user message -> its ids and <|assistant_start|>: the prompt for the reply."""
-    check_messages(messages, "user")
-    return _render(messages)[0] + [ASSISTANT_START]
+    return render(messages, "user")[0] + [ASSISTANT_START]
 
 
 def parse(ids: Iterable[int]) -> list[dict]:

@@ -167,7 +167,7 @@ class Addition(Task):
 
 
 def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world: int = 1, max_new_tokens: int = 512,
-             batch: int = 64, autocast: contextlib.AbstractContextManager | None = None) -> dict:
+             batch: int = 64) -> dict:
     """{"acc", "n"}: greedy accuracy of the model's replies to `problems`, the calculator on: rank r answers every
     world-th problem, the counts summed over ranks; replies up to 512 tokens (GSM8K's), as chat_core's."""
     mine = problems[rank::world]
@@ -175,9 +175,8 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
     def count(right: int = 0) -> int:
         for i in range(0, len(mine), batch):
             chunk = mine[i:i + batch]
-            with autocast or contextlib.nullcontext():
-                replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
-                                   temperature=0.0, stop_ids=[ASSISTANT_END], vocab=CHAT_VOCAB, calculator=calculator())
+            replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
+                               temperature=0.0, stop_ids=[ASSISTANT_END], vocab=CHAT_VOCAB, calculator=calculator())
             right += sum(bool(task.check(reply_text(r.tokens), p["answer"])) for r, p in zip(replies, chunk,
                                                                                                 strict=True))
         return right
@@ -188,8 +187,7 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
 
 
 @torch.no_grad()
-def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batch: int = 32,
-           autocast: contextlib.AbstractContextManager | None = None) -> dict:
+def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batch: int = 32) -> dict:
     """Multiple-choice accuracy as nanochat's categorical eval: right when, after the prompt's <|assistant_start|>,
     the answer's letter has the highest logit of the problem's letters (prompts keep their last block_size tokens).
     Ranks share the problems as evaluate's do. {"acc", "n"}."""
@@ -202,8 +200,7 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
         tokens = torch.tensor([p + [BOS] * (width - len(p)) for p in prompts], device=device)
         last = torch.zeros_like(tokens, dtype=torch.bool)
         last[range(len(prompts)), [len(p) - 1 for p in prompts]] = True
-        with autocast or contextlib.nullcontext():
-            logits, _ = model(tokens, at=last)  # (rows, V): each row's answer position
+        logits, _ = model(tokens, at=last)  # (rows, V): each row's answer position
         for row, p in zip(logits, chunk, strict=True):
             right += p["letters"][row[[token[letter] for letter in p["letters"]]].argmax().item()] == p["answer"]
     return summed(right, len(mine), device, world)
@@ -212,10 +209,10 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
 def accuracy(model: Any, task: Any, problems: list[dict], rank: int = 0, world: int = 1,
              autocast: contextlib.AbstractContextManager | None = None, max_new_tokens: int = 512) -> dict:
     """A task's {"acc", "n"} wherever it is scored: multiple choice by its letters (choose), the rest by replies."""
-    with evaluating(model):
+    with evaluating(model), autocast or contextlib.nullcontext():  # bf16 on a GPU, as rl.py's evaluate runs
         if isinstance(task, MultipleChoice):
-            return choose(model, problems, rank, world, autocast=autocast)
-        return evaluate(model, task, problems, rank, world, max_new_tokens, autocast=autocast)
+            return choose(model, problems, rank, world)
+        return evaluate(model, task, problems, rank, world, max_new_tokens)
 
 
 def held_out(task: Any, problems: list[dict], limit: int = 0) -> list[dict]:

@@ -586,7 +586,7 @@ def test_chat_core_scores_each_task_as_its_rank_of_world_under_its_autocast(monk
     assert seen == [(1, 2, autocast, 7)]
 
 
-def test_choose_scores_under_the_autocast_it_is_given():
+def test_accuracy_scores_multiple_choice_under_the_autocast_it_is_given():
     from conftest import bigram_model
 
     class Counting(contextlib.AbstractContextManager):
@@ -600,8 +600,8 @@ def test_choose_scores_under_the_autocast_it_is_given():
 
     model, autocast = bigram_model({cf.ASSISTANT_START: get_tokenizer().encode_ordinary("B")[0]}), Counting()
     problems = [tasks.MMLU().example({"question": f"Q{k}?", "choices": list("wxyz"), "answer": 1}) for k in range(3)]
-    assert tasks.choose(model, problems, batch=2, autocast=autocast) == {"acc": 1.0, "n": 3}
-    assert autocast.entered == 2  # a forward a batch, bf16 on a GPU
+    assert tasks.accuracy(model, tasks.MMLU(), problems, autocast=autocast) == {"acc": 1.0, "n": 3}
+    assert autocast.entered == 1  # around the forwards, bf16 on a GPU
 
 
 def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
