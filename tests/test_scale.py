@@ -215,6 +215,12 @@ def test_each_tensor_parallel_rank_holds_its_heads_neurons_and_vocabulary_rows()
         for name, p in params.items():
             dim = next((d for k, d in split.items() if name.endswith(k)), None)
             assert torch.equal(local(p), whole[name] if dim is None else whole[name].chunk(2, dim)[0]), name
+    with fake_rank(0, 4):  # --pp 2 too: the first stage's embedding, not tied to a head there, by its own plan
+        torch.manual_seed(0)
+        gpt = GPT(config)
+        wte = gpt.transformer.wte.weight.detach().clone()
+        first = shard(gpt, StepArgs(tp=2, pp=2, device="cpu"), torch.device("cpu"), torch.float32).stages[0]
+        assert first.lm_head is None and torch.equal(local(first.transformer.wte.weight), wte.chunk(2, 0)[0])
 
 
 def test_tensor_and_pipeline_groups_share_their_data_rank():
