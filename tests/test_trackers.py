@@ -93,6 +93,35 @@ def test_scalars_are_named_by_record_type():
         {"core/metric": 0.2, "core/arc_easy": 0.4}
 
 
+def test_the_step_line_shows_the_records_figures_and_an_eta_from_the_median_of_the_last_20_timed_steps(tmp_path,
+                                                                                                   capsys):
+    log = trackers.RunLog(tmp_path / "log.jsonl", True, max_steps=10_000, log_every=1, trackers=[])
+    record = {"loss": 2.5, "lr": 3e-4, "grad_norm": 0.75, "tok_s": 12345.6, "mfu": None}
+    log.step(0, {**record, "ms": 90_000.0}, timed=False)  # the first step's compile: not in the ETA
+    for step in range(1, 25):  # 1-4 slow (10 s), then 20 at 100-119 ms
+        log.step(step, {**record, "ms": 10_000.0 if step < 5 else 95.0 + step}, timed=True)
+    log.step(25, {**record, "loss": 1.25, "ms": 120.0, "mfu": 0.4567}, timed=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 26
+    # step 0: its own 90 s x 9,999 steps left; step 1: 10 s (step 0's 90 s left out) x 9,998; step 25: the last 20
+    # timed steps (101-120 ms) have the median-high 111 ms, x 9,974 steps left = 1,107 s
+    assert [lines[i] for i in (0, 1, 25)] == [
+        "step      0/10000 | loss 2.5000 | lr 3.00e-04 | norm 0.750 | 90000.0 ms | 12,346 tok/s | mfu n/a | eta "
+        "249h58m",
+        "step      1/10000 | loss 2.5000 | lr 3.00e-04 | norm 0.750 | 10000.0 ms | 12,346 tok/s | mfu n/a | eta "
+        "27h46m",
+        "step     25/10000 | loss 1.2500 | lr 3.00e-04 | norm 0.750 |   120.0 ms | 12,346 tok/s | mfu 45.7% | eta "
+        "18m27s"]
+    assert log.losses == [2.5] * 25 + [1.25]
+    assert [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()] == list(range(26))
+    # every --log-every steps, and the last step whatever --log-every
+    log = trackers.RunLog(None, True, max_steps=10, log_every=4, trackers=[])
+    for step in range(10):
+        log.step(step, {**record, "ms": 100.0}, timed=True)
+    assert [line.split("/")[0] for line in capsys.readouterr().out.splitlines()] == [
+        f"step {step:6d}" for step in (0, 4, 8, 9)]
+    assert (trackers.fmt_time(3599.9), trackers.fmt_time(3600), trackers.fmt_time(7322)) == ("59m59s", "1h00m", "2h02m")
+
 def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_data, tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="--wandb is an optional extra (pip install wandb)")
     pytest.importorskip("tensorboard", reason="--tensorboard is an optional extra (pip install tensorboard)")
