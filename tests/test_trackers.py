@@ -1,10 +1,12 @@
 """--tensorboard and --wandb: the same scalars as log.jsonl, read back from the event files and the offline W&B run."""
 
 import json
+import os
 import struct
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -121,6 +123,39 @@ def test_the_step_line_shows_the_records_figures_and_an_eta_from_the_median_of_t
     assert [line.split("/")[0] for line in capsys.readouterr().out.splitlines()] == [
         f"step {step:6d}" for step in (0, 4, 8, 9)]
     assert (trackers.fmt_time(3599.9), trackers.fmt_time(3600), trackers.fmt_time(7322)) == ("59m59s", "1h00m", "2h02m")
+
+def test_a_dead_rewinds_set_aside_records_come_back_to_the_trackers_from_their_first_step(tmp_path, monkeypatch):
+    # a run logged steps 0-7 (ckpt 8); a rewind to ckpt 4 set 4-7 aside in log.jsonl.rewound, logged 4 and 5 anew and
+    # died before its first checkpoint; the next run resumes ckpt 8, puts 4-7 back, and the trackers (whose event
+    # files it hides from step 4 on) get all four again, step 4 too
+    made = []
+
+    class Tracker:
+        def __init__(self, out_dir: Path, forget: int):
+            self.forget, self.steps = forget, []
+            made.append(self)
+
+        def write(self, record: dict) -> None:
+            self.steps.append(record["step"])
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(trackers, "TensorBoard", Tracker)
+    train = lambda step, loss: {"type": "train", "step": step, "loss": loss}
+    (tmp_path / "ckpt_000008.pt").write_bytes(b"")
+    os.utime(tmp_path / "ckpt_000008.pt", ns=(0, 0))  # before the rewind
+    trackers.write_records(tmp_path / "log.jsonl", [{"type": "config", "step": 0}, *(train(s, 1.0) for s in range(4)),
+                                                    train(4, 9.0), train(5, 9.0)])
+    trackers.write_records(tmp_path / "log.jsonl.rewound", [train(s, 2.0) for s in range(4, 8)])
+    cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=10, log_every=1, tensorboard=True,
+                          wandb="")
+    trackers.open_run_log(cfg, 8, False, 0, 1).close()
+    assert [(t.forget, t.steps) for t in made] == [(4, [4, 5, 6, 7])]
+    assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
+        (0, None), (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0), (7, 2.0)]
+    assert not (tmp_path / "log.jsonl.rewound").exists()
+
 
 def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_data, tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="--wandb is an optional extra (pip install wandb)")
