@@ -292,6 +292,23 @@ def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, 
         assert (weights[~keep] == 0).all() and (weights[keep] != before[keep]).any()
 
 
+
+def test_taylor_calibration_reads_its_own_batches_not_the_recoverys(start, token_data, tmp_path, monkeypatch):
+    # the calibration batches come from a loader of their own (rank 0's, another seed): drawn from the recovery's, its
+    # first --calib-batches batches would be skipped
+    class Pruned(Exception):
+        pass
+
+    def calibrated(model, record, cfg, calib):
+        seen.update(seed=(calib.seed, cfg.seed), ranks=(calib.rank, calib.world_size), step=calib.step)
+        raise Pruned
+
+    seen = {}
+    monkeypatch.setattr(prune, "prune", calibrated)
+    with pytest.raises(Pruned):
+        run(start, token_data, tmp_path / "t", "--method=structured", "--importance=taylor", "--seed=5")
+    assert seen == {"seed": (6, 5), "ranks": (0, 1), "step": 0}
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Refusals, and the pruned checkpoint in the other scripts
 
