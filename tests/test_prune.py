@@ -75,6 +75,74 @@ def test_magnitude_and_2_4_remove_the_smallest_weights_to_the_sparsity_asked():
         assert (groups[keep].view(-1, 2).min(1).values >= groups[~keep].view(-1, 2).max(1).values).all()
 
 
+def test_2_4_refuses_a_matrix_whose_inputs_are_not_groups_of_4_even_when_its_outputs_are():
+    # mlp.c_proj is (32, 30): 960 weights would split into 4s, but each 4 would straddle two rows
+    model = GPT(dataclasses.replace(SMALL, mlp_hidden=30))
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.mlp\.c_proj\.weight is \(32, 30\): 30 inputs"):
+        prune.two_four_masks(model)
+
+
+def test_norm_scores_are_each_units_l2_norm_over_all_its_weights():
+    # GQA and SwiGLU: a group's q rows (2 heads), k and v rows, and attn.c_proj columns; a neuron's two c_fc rows
+    # (gate, up) and its mlp.c_proj column
+    model = noisy(dataclasses.replace(SMALL, vocab_size=64, n_head=8, n_kv_head=4, mlp="swiglu", bias=False))
+    cfg, block = model.config, model.transformer.h[1]
+    hs, hidden = cfg.head_dim, block.mlp.c_proj.in_features
+    attn, proj = block.attn.c_attn.weight.detach(), block.attn.c_proj.weight.detach()
+    fc, out = block.mlp.c_fc.weight.detach(), block.mlp.c_proj.weight.detach()
+    want = []
+    for g in range(4):
+        q = [h * hs + i for h in (2 * g, 2 * g + 1) for i in range(hs)]
+        kv = [8 * hs + g * hs + i for i in range(hs)]
+        rows = q + kv + [r + 4 * hs for r in kv]
+        want.append((attn[rows].pow(2).sum() + proj[:, q].pow(2).sum()).sqrt())
+    neurons = [(fc[j].pow(2).sum() + fc[hidden + j].pow(2).sum() + out[:, j].pow(2).sum()).sqrt()
+               for j in range(hidden)]
+    with torch.no_grad():
+        heads, mlp = prune.block_scores(block, cfg, "norm")
+    torch.testing.assert_close(heads, torch.stack(want))
+    torch.testing.assert_close(mlp, torch.stack(neurons))
+
+
+def test_structured_keeps_the_rounded_share_and_prunes_further_counting_from_the_dense_model():
+    model = noisy(dataclasses.replace(SMALL, dropout=0.0))
+    cfg = prune.PruneConfig(method="structured", sparsity=0.3)
+    small, record = prune.prune(model, None, cfg, None)  # 4 groups, 128 neurons: 0.7 of them round to 3 and 90
+    assert (small.config.n_head, small.config.mlp_hidden) == (3, 90)
+    assert record["dense"] == {"weights": 24576, "groups": 4, "hidden": 128}
+    smaller, record = prune.prune(small, record, dataclasses.replace(cfg, sparsity=0.5), None)
+    assert (smaller.config.n_head, smaller.config.mlp_hidden) == (2, 64)  # half of the dense 4 and 128, not of 3, 90
+    assert record["dense"]["hidden"] == 128
+
+
+def test_taylor_scores_average_every_calibration_batch():
+    model = noisy(dataclasses.replace(SMALL, vocab_size=64, dropout=0.0))
+    batches = [torch.randint(0, 64, (2, 16)) for _ in range(3)]
+    served = []
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        served.append(x := batches[len(served)])
+        return x, torch.roll(x, -1, 1)
+
+    calib = SimpleNamespace(next_batch=next_batch)
+    dense = {"weights": 0, "groups": 4, "hidden": 128}
+    prune.structured(model, prune.PruneConfig(method="structured", importance="taylor", calib_batches=3), dense,
+                     calib)
+    assert len(served) == 3
+
+
+def test_pruning_further_keeps_the_masks_before_it():
+    # global magnitude prunes all of a tiny matrix; pruning further per layer (--scope layer) must not revive half
+    model = noisy(SMALL)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_proj.weight.mul_(1e-3)
+    model, record = prune.prune(model, None, prune.PruneConfig(sparsity=0.25), None)
+    name = "transformer.h.0.attn.c_proj.weight"
+    assert not record["masks"][name].any()
+    model, record = prune.prune(model, record, prune.PruneConfig(sparsity=0.5, scope="layer"), None)
+    assert not record["masks"][name].any() and (model.transformer.h[0].attn.c_proj.weight == 0).all()
+
+
 def zeroed(model: GPT, keep: list[tuple[torch.Tensor, torch.Tensor]]) -> GPT:
     """The dense model with every unit not in `keep` zeroed: its q, k, v rows and output columns, its MLP rows."""
     cfg, dense = model.config, GPT(model.config)
@@ -223,6 +291,23 @@ def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, 
         weights, before = last["model"][name], first["model"][name]
         assert (weights[~keep] == 0).all() and (weights[keep] != before[keep]).any()
 
+
+
+def test_taylor_calibration_reads_its_own_batches_not_the_recoverys(start, token_data, tmp_path, monkeypatch):
+    # the calibration batches come from a loader of their own (rank 0's, another seed): drawn from the recovery's, its
+    # first --calib-batches batches would be skipped
+    class Pruned(Exception):
+        pass
+
+    def calibrated(model, record, cfg, calib):
+        seen.update(seed=(calib.seed, cfg.seed), ranks=(calib.rank, calib.world_size), step=calib.step)
+        raise Pruned
+
+    seen = {}
+    monkeypatch.setattr(prune, "prune", calibrated)
+    with pytest.raises(Pruned):
+        run(start, token_data, tmp_path / "t", "--method=structured", "--importance=taylor", "--seed=5")
+    assert seen == {"seed": (6, 5), "ranks": (0, 1), "step": 0}
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Refusals, and the pruned checkpoint in the other scripts

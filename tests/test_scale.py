@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism (parallelize.py) on CPU over gloo: every layout trains the run one process trains,
 resumes its own checkpoints bitwise and another layout's within 1e-6, and refuses what cannot shard in one line."""
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -18,7 +19,7 @@ import train
 from conftest import make_token_data, run_train_runs
 from model import GPT, MODEL_PRESETS
 from parallel import StepArgs
-from parallelize import Sharded, Stage, data_rank, reorder, shard_problem
+from parallelize import Sharded, Stage, data_rank, local, reorder, shard, shard_problem
 
 # the tiny GPT-2 on a 512-token vocabulary (its fp32 gradient norm is exact enough to compare: docs/scale.md)
 BASE = ["--preset", "tiny", "--vocab-size", "512", "--max-steps", "10", "--total-batch-size", "1024", "--eval-every",
@@ -165,6 +166,61 @@ def test_a_stage_keeps_the_half_residual_stream():
     x = torch.randint(0, 512, (2, 16))
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         assert torch.equal(Stage(gpt, 0, 2)(x), gpt(x)[0])
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, world: int):
+    """This process as one rank of a `world`-rank group whose collectives do nothing: a rank's own part of the plan
+    and the split, built in-process without torchrun."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule, blocks, ends", [
+    ("1f1b", [[[0, 1]], [[2, 3, 4]]], [[(True, False)], [(False, True)]]),
+    ("interleaved-1f1b", [[[0], [2, 3]], [[1], [4]]],
+     [[(True, False), (False, False)], [(False, False), (False, True)]]),
+])
+def test_each_pipeline_rank_builds_its_stages_of_contiguous_blocks(schedule, blocks, ends):
+    # 5 blocks over 2 stages (2.5 each: 2 and 3) or 4 (1.25 each: 1, 1, 2, 1); interleaved: rank r runs r and r + 2
+    config = dataclasses.replace(MODEL_PRESETS["tiny"](), vocab_size=512, n_layer=5)
+    for rank in range(2):
+        with fake_rank(rank, 2):
+            sharded = shard(GPT(config), StepArgs(pp=2, pp_schedule=schedule, device="cpu"), torch.device("cpu"),
+                            torch.float32)
+            assert [[int(i) for i in s.transformer.h] for s in sharded.stages] == blocks[rank]
+            assert [(s.first, s.last) for s in sharded.stages] == ends[rank]
+            assert sharded.stage_ids == [rank + 2 * k for k in range(len(blocks[rank]))]
+            assert [("wte" in s.transformer, s.lm_head is not None) for s in sharded.stages] == ends[rank]
+
+
+def test_each_tensor_parallel_rank_holds_its_heads_neurons_and_vocabulary_rows():
+    # Megatron's plan: c_attn and c_fc by output rows (c_attn's reordered so a rank's rows are whole q, k, v heads),
+    # the c_projs by input columns, the tied embedding by vocabulary rows, norms and output biases whole
+    config = dataclasses.replace(MODEL_PRESETS["tiny"](), vocab_size=512, n_kv_head=2)
+    split = {"attn.c_attn.weight": 0, "attn.c_attn.bias": 0, "mlp.c_fc.weight": 0, "mlp.c_fc.bias": 0,
+             "attn.c_proj.weight": 1, "mlp.c_proj.weight": 1, "wte.weight": 0}  # the dim each splits: rows, columns
+    with fake_rank(0, 2):  # rank 0: the others' shares are scattered from it, which the fake group does not do
+        torch.manual_seed(0)
+        gpt = GPT(config)
+        whole = {name: reorder(name, p.detach().clone(), config, 2) for name, p in gpt.named_parameters()}
+        sharded = shard(gpt, StepArgs(tp=2, device="cpu"), torch.device("cpu"), torch.float32)
+        params = dict(sharded.stages[0].named_parameters())
+        assert params.keys() == whole.keys()
+        for name, p in params.items():
+            dim = next((d for k, d in split.items() if name.endswith(k)), None)
+            assert torch.equal(local(p), whole[name] if dim is None else whole[name].chunk(2, dim)[0]), name
+    with fake_rank(0, 4):  # --pp 2 too: the first stage's embedding, not tied to a head there, by its own plan
+        torch.manual_seed(0)
+        gpt = GPT(config)
+        wte = gpt.transformer.wte.weight.detach().clone()
+        first = shard(gpt, StepArgs(tp=2, pp=2, device="cpu"), torch.device("cpu"), torch.float32).stages[0]
+        assert first.lm_head is None and torch.equal(local(first.transformer.wte.weight), wte.chunk(2, 0)[0])
 
 
 def test_tensor_and_pipeline_groups_share_their_data_rank():

@@ -1,10 +1,12 @@
 """--tensorboard and --wandb: the same scalars as log.jsonl, read back from the event files and the offline W&B run."""
 
 import json
+import os
 import struct
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -91,6 +93,68 @@ def test_scalars_are_named_by_record_type():
         {"chatcore/chatcore": 0.29, "chatcore/mmlu": 0.5, "chatcore/gsm8k": 0.25}
     assert trackers.scalars({"type": "core", "step": 5, "results": {"arc_easy": 0.4}, "core_metric": 0.2}) == \
         {"core/metric": 0.2, "core/arc_easy": 0.4}
+
+
+def test_the_step_line_shows_the_records_figures_and_an_eta_from_the_median_of_the_last_20_timed_steps(tmp_path,
+                                                                                                   capsys):
+    log = trackers.RunLog(tmp_path / "log.jsonl", True, max_steps=10_000, log_every=1, trackers=[])
+    record = {"loss": 2.5, "lr": 3e-4, "grad_norm": 0.75, "tok_s": 12345.6, "mfu": None}
+    log.step(0, {**record, "ms": 90_000.0}, timed=False)  # the first step's compile: not in the ETA
+    for step in range(1, 25):  # 1-4 slow (10 s), then 20 at 100-119 ms
+        log.step(step, {**record, "ms": 10_000.0 if step < 5 else 95.0 + step}, timed=True)
+    log.step(25, {**record, "loss": 1.25, "ms": 120.0, "mfu": 0.4567}, timed=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 26
+    # step 0: its own 90 s x 9,999 steps left; step 1: 10 s (step 0's 90 s left out) x 9,998; step 25: the last 20
+    # timed steps (101-120 ms) have the median-high 111 ms, x 9,974 steps left = 1,107 s
+    assert [lines[i] for i in (0, 1, 25)] == [
+        "step      0/10000 | loss 2.5000 | lr 3.00e-04 | norm 0.750 | 90000.0 ms | 12,346 tok/s | mfu n/a | eta "
+        "249h58m",
+        "step      1/10000 | loss 2.5000 | lr 3.00e-04 | norm 0.750 | 10000.0 ms | 12,346 tok/s | mfu n/a | eta "
+        "27h46m",
+        "step     25/10000 | loss 1.2500 | lr 3.00e-04 | norm 0.750 |   120.0 ms | 12,346 tok/s | mfu 45.7% | eta "
+        "18m27s"]
+    assert log.losses == [2.5] * 25 + [1.25]
+    assert [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()] == list(range(26))
+    # every --log-every steps, and the last step whatever --log-every
+    log = trackers.RunLog(None, True, max_steps=10, log_every=4, trackers=[])
+    for step in range(10):
+        log.step(step, {**record, "ms": 100.0}, timed=True)
+    assert [line.split("/")[0] for line in capsys.readouterr().out.splitlines()] == [
+        f"step {step:6d}" for step in (0, 4, 8, 9)]
+    assert (trackers.fmt_time(3599.9), trackers.fmt_time(3600), trackers.fmt_time(7322)) == ("59m59s", "1h00m", "2h02m")
+
+def test_a_dead_rewinds_set_aside_records_come_back_to_the_trackers_from_their_first_step(tmp_path, monkeypatch):
+    # a run logged steps 0-7 (ckpt 8); a rewind to ckpt 4 set 4-7 aside in log.jsonl.rewound, logged 4 and 5 anew and
+    # died before its first checkpoint; the next run resumes ckpt 8, puts 4-7 back, and the trackers (whose event
+    # files it hides from step 4 on) get all four again, step 4 too
+    made = []
+
+    class Tracker:
+        def __init__(self, out_dir: Path, forget: int):
+            self.forget, self.steps = forget, []
+            made.append(self)
+
+        def write(self, record: dict) -> None:
+            self.steps.append(record["step"])
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(trackers, "TensorBoard", Tracker)
+    train = lambda step, loss: {"type": "train", "step": step, "loss": loss}
+    (tmp_path / "ckpt_000008.pt").write_bytes(b"")
+    os.utime(tmp_path / "ckpt_000008.pt", ns=(0, 0))  # before the rewind
+    trackers.write_records(tmp_path / "log.jsonl", [{"type": "config", "step": 0}, *(train(s, 1.0) for s in range(4)),
+                                                    train(4, 9.0), train(5, 9.0)])
+    trackers.write_records(tmp_path / "log.jsonl.rewound", [train(s, 2.0) for s in range(4, 8)])
+    cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=10, log_every=1, tensorboard=True,
+                          wandb="")
+    trackers.open_run_log(cfg, 8, False, 0, 1).close()
+    assert [(t.forget, t.steps) for t in made] == [(4, [4, 5, 6, 7])]
+    assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
+        (0, None), (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0), (7, 2.0)]
+    assert not (tmp_path / "log.jsonl.rewound").exists()
 
 
 def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_data, tmp_path, monkeypatch):

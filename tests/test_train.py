@@ -575,6 +575,37 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(arch, capsys):
         for name, p in params.items())  # fp32 momentum; fp32 moments and a 0-d fp32 step
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "zero1"])
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=needs_muon), "adamw8bit"])
+def test_every_optimizer_decays_the_2d_tensors_only_and_takes_the_betas_and_eps_given(optimizer, parallel):
+    # the unit tests of Muon's groups run at --weight-decay 0 and the default betas: a group built with another decay,
+    # or AdamW built without --beta1/--beta2, passed them. ZeRO-1 (a one-rank group) wraps the same groups, Muon's
+    # without AdamW's defaults (its eps is its own)
+    if optimizer == "adamw8bit":
+        pytest.importorskip("torchao", reason="--optimizer adamw8bit needs torchao")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    raw, _ = _small_gpt_and_batches(0)
+    args = par.StepArgs(optimizer=optimizer, weight_decay=0.05, beta1=0.8, beta2=0.99, eps=1e-6, device="cpu",
+                        parallel=parallel)
+    with one_rank_group() if parallel == "zero1" else contextlib.nullcontext():
+        wrapped = par.build_optimizer(raw, args, torch.device("cpu"), verbose=False)
+        assert isinstance(wrapped, ZeroRedundancyOptimizer) == (parallel == "zero1")
+        built = getattr(wrapped, "optim", wrapped)  # ZeRO-1's: this rank's share, here every parameter
+    names = {id(p): name for name, p in raw.named_parameters()}
+    decay = {wd: {names[id(p)] for g in built.param_groups if g["weight_decay"] == wd for p in g["params"]}
+             for wd in (0.05, 0.0)}
+    assert decay == {0.05: {n for n, p in raw.named_parameters() if p.dim() == 2},
+                     0.0: {n for n, p in raw.named_parameters() if p.dim() == 1}}
+    assert sum(len(g["params"]) for g in built.param_groups) == len(names)
+    for group in built.param_groups:
+        if group.get("muon"):  # Muon's own momentum, Nesterov's form
+            assert (group["momentum"], group["nesterov"], group["adjust_lr_fn"], group["eps"]) == (
+                0.95, True, "match_rms_adamw", 1e-7)
+        else:
+            assert (tuple(group["betas"]), group["eps"]) == ((0.8, 0.99), 1e-6)
+
+
 @pytest.mark.parametrize("optimizer, dtype", [pytest.param("muon", "fp16", marks=needs_muon), ("adamw8bit", "fp32")])
 def test_muon_and_8bit_adamw_resume_bitwise_exact(token_data, tmp_path, optimizer, dtype):
     if optimizer == "adamw8bit":
