@@ -214,5 +214,5 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     for tracker in trackers:
         for record in replay:
             tracker.write(record)
-    held = [r for r in cut if not rewinding and r["step"] == resume_step and r["type"] != "train"]
+    held = [r for r in cut if r["step"] == resume_step and r["type"] != "train"]
     return RunLog(path, True, cfg.max_steps, cfg.log_every, trackers, held)

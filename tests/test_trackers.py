@@ -255,3 +255,20 @@ def test_a_failed_event_file_write_is_one_line_naming_it_without_the_threads_tra
     thread.start()
     thread.join()
     assert seen == [ZeroDivisionError]
+
+
+def test_a_rewind_keeps_the_evaluations_of_its_step_that_it_does_not_make_again(tmp_path):
+    # a run finished at step 3 (its final val there), extended to 6, then rewound to ckpt 3: the val at 3 is of the
+    # checkpoint's own weights, but not due again under --eval-every 2, so the log puts the record back
+    val, train = {"type": "val", "step": 3, "val_loss": 4.5}, lambda step: {"type": "train", "step": step, "loss": 1.0}
+    trackers.write_records(tmp_path / "log.jsonl", [{"type": "config", "step": 0}, *map(train, range(3)), val,
+                                                    *map(train, range(3, 6))])
+    cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=6, log_every=1, tensorboard=False,
+                          wandb="")
+    log = trackers.open_run_log(cfg, 3, True, 0, 1)
+    log.step(3, {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "ms": 1.0, "tok_s": 1.0, "mfu": None}, timed=True)
+    log.checkpointed()
+    log.close()
+    assert [(r["type"], r["step"]) for r in iter_log(tmp_path / "log.jsonl")][1:] == [
+        ("train", 0), ("train", 1), ("train", 2), ("val", 3), ("train", 3)]
+    assert not (tmp_path / "log.jsonl.rewound").exists()
