@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import engine
 import export
 import generate
 import hellaswag
@@ -222,6 +223,19 @@ def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, 
     for name, keep in record["masks"].items():
         weights, before = last["model"][name], first["model"][name]
         assert (weights[~keep] == 0).all() and (weights[keep] != before[keep]).any()
+
+
+def test_the_step_0_checkpoint_leaves_adamw_at_its_first_step():
+    """DCP's get_optimizer_state_dict fills a fresh optimizer by a step at lr 0, which AdamW counts: ckpt_000000 made
+    recovery's first update AdamW's second (a 26% smaller one) on one process and DDP, not under ZeRO-1, and its
+    resume did the same on load."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    _, saved = engine.state_dicts(model, optimizer)
+    assert not optimizer.state and not saved["state"]
+    engine.Checkpointer(prune.PruneConfig())._restore_optimizer({"optimizer": saved, "optimizer_kind": "single"},
+                                                                model, optimizer)
+    assert not optimizer.state
 
 
 # ----------------------------------------------------------------------------------------------------------------------
