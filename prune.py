@@ -258,7 +258,7 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     checkpointer = engine.Checkpointer(cfg, rank, world, provenance(device, world))
     found = checkpointer.find()
     raw, record, source, checkpointer.chat = start_model(cfg, found)
-    cfg = dataclasses.replace(cfg, seq_len=cfg.seq_len or raw.config.block_size)
+    cfg = checkpointer.args = dataclasses.replace(cfg, seq_len=cfg.seq_len or raw.config.block_size)  # as saved
     B, T = cfg.batch_size, cfg.seq_len
     train_loader, val_loader = (TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)
                                 for split in ("train", "val"))

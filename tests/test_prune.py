@@ -225,6 +225,12 @@ def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, 
         assert (weights[~keep] == 0).all() and (weights[keep] != before[keep]).any()
 
 
+def test_the_checkpoint_records_the_seq_len_the_run_resolved(start, token_data, tmp_path):
+    # it kept --seq-len 0, and every resume against the run's 32 said "flags changed: --seq-len 0 -> 32"
+    prune.main(["--init-from", str(start), "--data", str(token_data), "--out-dir", str(tmp_path), "--eval-tokens=64"])
+    assert load_checkpoint(tmp_path / "ckpt_000000.pt")["train_config"]["seq_len"] == 32
+
+
 def test_the_step_0_checkpoint_leaves_adamw_at_its_first_step():
     """DCP's get_optimizer_state_dict fills a fresh optimizer by a step at lr 0, which AdamW counts: ckpt_000000 made
     recovery's first update AdamW's second (a 26% smaller one) on one process and DDP, not under ZeRO-1, and its
