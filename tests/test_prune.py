@@ -207,15 +207,17 @@ def test_clipping_and_the_logged_norm_count_only_the_kept_weights():
     torch.testing.assert_close(train_step(built.model, built.optimizer, batch, 1, built.autocast, 1.0)[1], kept)
 
 
-def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, token_data, tmp_path):
+def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, token_data, tmp_path, monkeypatch):
     args = ["--method=magnitude", "--sparsity=0.5", "--max-steps=4", "--ckpt-every=2", "--keep-last=5",
             "--eval-every=2"]
     full = run(start, token_data, tmp_path / "full", *args)
     assert len(full["losses"]) == 4 and full["val"]["sparsity"] == 0.5
     (tmp_path / "resumed").mkdir()
     shutil.copy(tmp_path / "full" / "ckpt_000002.pt", tmp_path / "resumed")
+    seen = []  # a resume compared its random init's digest across ranks: every torchrun resume stopped at once
+    monkeypatch.setattr(engine, "agree_fingerprint", lambda fingerprint, *_: seen.append(fingerprint["weights"]))
     rest = run(start, token_data, tmp_path / "resumed", *args, "--resume=auto")
-    assert rest["losses"] == full["losses"][2:] and rest["val"] == full["val"]  # bitwise
+    assert rest["losses"] == full["losses"][2:] and rest["val"] == full["val"] and seen == [None]  # bitwise
     first, last = (load_checkpoint(tmp_path / "full" / f"ckpt_{s:06d}.pt") for s in (0, 4))
     record = last["pruning"]
     assert (record["method"], record["sparsity"], record["scope"]) == ("magnitude", 0.5, "global")
