@@ -436,6 +436,8 @@ class Checkpointer:
         optim_sd = swap_8bit_state(ckpt["optimizer"], pack=True)
         if kind != "zero1":
             set_optimizer_state_dict(raw, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
+            if not optim_sd["state"]:  # a fresh optimizer's (prune.py's step 0): the load's own lr-0 step is undone
+                optimizer.state.clear()
             return
         optimizer.load_state_dict(optim_sd)
         # ZeRO's load moves Adam's `step` tensors to the CPU, where the fused CUDA kernel refuses them
@@ -547,7 +549,11 @@ def state_dicts(raw: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict 
         # the offload copies each name on its own: one tensor under both names stores the tied matrix once
         model_sd["transformer.wte.weight"] = model_sd["lm_head.weight"]
     if not hasattr(optimizer, "consolidate_state_dict"):  # keyed by parameter name: DDP, FSDP, single interchange
-        return model_sd, get_optimizer_state_dict(raw, optimizer, options=opts)
+        fresh = not optimizer.state  # DCP fills a fresh one by a step at lr 0, which AdamW counts: stay at step 0
+        optim_sd = get_optimizer_state_dict(raw, optimizer, options=opts)
+        if fresh:
+            optimizer.state.clear()
+        return model_sd, {**optim_sd, "state": {}} if fresh else optim_sd
     optimizer.consolidate_state_dict(to=0)  # ZeRO-1: gather every rank's shard on rank 0
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the gathered state arrives by non_blocking copies that nothing else waits for

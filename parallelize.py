@@ -45,6 +45,7 @@ def flag_checks(args: Any) -> list[tuple[bool, str]]:
              "--pp-schedule interleaved-1f1b interleaves stages over the --pp ranks: use --pp 2 or more, or 1f1b"),
             (args.tp or not args.sequence_parallel,
              "--sequence-parallel splits the norms over the --tp ranks: pass --tp"),
+            (args.pp or args.pp_schedule == "1f1b", f"--pp-schedule {args.pp_schedule} needs --pp stages: pass --pp"),
             (alone or args.parallel != "zero1", "--parallel zero1 keeps a whole model's optimizer state on a rank, not "
                                                 "a shard's: use --parallel fsdp"),
             (alone or args.optimizer == "adamw", f"--optimizer {args.optimizer} needs whole matrices or its own state "

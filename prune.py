@@ -258,15 +258,15 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     checkpointer = engine.Checkpointer(cfg, rank, world, provenance(device, world))
     found = checkpointer.find()
     raw, record, source, checkpointer.chat = start_model(cfg, found)
-    cfg = dataclasses.replace(cfg, seq_len=cfg.seq_len or raw.config.block_size)
+    cfg = checkpointer.args = dataclasses.replace(cfg, seq_len=cfg.seq_len or raw.config.block_size)  # as saved
     B, T = cfg.batch_size, cfg.seq_len
     train_loader, val_loader = (TokenLoader(cfg.data, split, B, T, rank, world, cfg.seed, device)
                                 for split in ("train", "val"))
     raw = raw.to(device)
     if not found:  # the same on every rank, as are the weights and the calibration batches (rank 0's)
         raw, record = prune(raw, record, cfg, TokenLoader(cfg.data, "train", B, T, 0, 1, cfg.seed + 1, device))
-    engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw)}, rank, world,
-                             source)
+    engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": None if found else  # a resume's: find's
+                              engine.weights_digest(raw)}, rank, world, source)
     torch.manual_seed(cfg.seed + rank)
     pruning = Pruning(raw, record)
     guard = engine.SpikeGuard(world=world)

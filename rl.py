@@ -217,8 +217,8 @@ class RLConfig(engine.RunArgs):
              f"--prompts ({self.prompts}) must be a multiple of --rollout-batch ({self.rollout_batch}), and "
              f"--minibatches ({self.minibatches}) must divide a call's --rollout-batch x --samples = {calls} replies"),
             (self.temperature > 0 and self.parallel != "fsdp",  # FSDP's forwards are collectives: generation hangs
-             f"RL samples its replies: --temperature must be > 0 (got {self.temperature}) and --parallel ddp or zero1 "
-             "(FSDP cannot generate)"),
+             f"RL samples its replies: --temperature must be > 0 and --parallel ddp or zero1 (FSDP cannot generate); "
+             f"got --temperature {self.temperature} --parallel {self.parallel}"),
             (self.beta >= 0 and self.clip > 0 and self.pass_k >= 0 and self.vf_coef >= 0 and 0 < self.gamma <= 1
              and 0 <= self.lam <= 1, "--beta, --pass-k and --vf-coef must be >= 0, --clip > 0, --gamma in (0, 1] and "
              "--lam in [0, 1]")])

@@ -115,7 +115,7 @@ class TaskEvalArgs:
                       f"--task-every must be >= 0 and --task-limit >= 1; got {self.task_every} and {self.task_limit}"),
                      # FSDP's forwards would hang
                      (not (self.task and self.parallel == "fsdp"),  # type: ignore[attr-defined]
-                      "--task generates replies, which --parallel fsdp cannot: use ddp or zero1")])
+                      "--task generates replies, which --parallel fsdp cannot: use ddp or zero1, or --task ''")])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -587,6 +587,9 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--value-head=true"],
      "--objective dpo trains no value head: drop --value-head true"),
     ("sft", ["--value-head=true"], "sft.py trains no value head: drop --value-head true"),
+    # sft-demo sets --task: the way out named only ddp and zero1, and --task-every 0 was refused all the same
+    ("sft", ["--parallel=fsdp", "--task=addition"], "--task generates replies, which --parallel fsdp cannot: use ddp "
+                                                    "or zero1, or --task ''"),
     ("train", ["--preset=tiny", "--value-head=true"], "train.py trains no value head: drop --value-head true"),
     # a negative beta trains towards the rejected replies while its accuracy reads as right; NaN stops at step 0
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--dpo-beta=-0.1"],

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import engine
 import export
 import generate
 import hellaswag
@@ -274,15 +275,17 @@ def test_clipping_and_the_logged_norm_count_only_the_kept_weights():
     torch.testing.assert_close(train_step(built.model, built.optimizer, batch, 1, built.autocast, 1.0)[1], kept)
 
 
-def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, token_data, tmp_path):
+def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, token_data, tmp_path, monkeypatch):
     args = ["--method=magnitude", "--sparsity=0.5", "--max-steps=4", "--ckpt-every=2", "--keep-last=5",
             "--eval-every=2"]
     full = run(start, token_data, tmp_path / "full", *args)
     assert len(full["losses"]) == 4 and full["val"]["sparsity"] == 0.5
     (tmp_path / "resumed").mkdir()
     shutil.copy(tmp_path / "full" / "ckpt_000002.pt", tmp_path / "resumed")
+    seen = []  # a resume compared its random init's digest across ranks: every torchrun resume stopped at once
+    monkeypatch.setattr(engine, "agree_fingerprint", lambda fingerprint, *_: seen.append(fingerprint["weights"]))
     rest = run(start, token_data, tmp_path / "resumed", *args, "--resume=auto")
-    assert rest["losses"] == full["losses"][2:] and rest["val"] == full["val"]  # bitwise
+    assert rest["losses"] == full["losses"][2:] and rest["val"] == full["val"] and seen == [None]  # bitwise
     first, last = (load_checkpoint(tmp_path / "full" / f"ckpt_{s:06d}.pt") for s in (0, 4))
     record = last["pruning"]
     assert (record["method"], record["sparsity"], record["scope"]) == ("magnitude", 0.5, "global")
@@ -290,7 +293,6 @@ def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, 
     for name, keep in record["masks"].items():
         weights, before = last["model"][name], first["model"][name]
         assert (weights[~keep] == 0).all() and (weights[keep] != before[keep]).any()
-
 
 
 def test_taylor_calibration_reads_its_own_batches_not_the_recoverys(start, token_data, tmp_path, monkeypatch):
@@ -308,6 +310,26 @@ def test_taylor_calibration_reads_its_own_batches_not_the_recoverys(start, token
     with pytest.raises(Pruned):
         run(start, token_data, tmp_path / "t", "--method=structured", "--importance=taylor", "--seed=5")
     assert seen == {"seed": (6, 5), "ranks": (0, 1), "step": 0}
+
+
+def test_the_checkpoint_records_the_seq_len_the_run_resolved(start, token_data, tmp_path):
+    # it kept --seq-len 0, and every resume against the run's 32 said "flags changed: --seq-len 0 -> 32"
+    prune.main(["--init-from", str(start), "--data", str(token_data), "--out-dir", str(tmp_path), "--eval-tokens=64"])
+    assert load_checkpoint(tmp_path / "ckpt_000000.pt")["train_config"]["seq_len"] == 32
+
+
+def test_the_step_0_checkpoint_leaves_adamw_at_its_first_step():
+    """DCP's get_optimizer_state_dict fills a fresh optimizer by a step at lr 0, which AdamW counts: ckpt_000000 made
+    recovery's first update AdamW's second (a 26% smaller one) on one process and DDP, not under ZeRO-1, and its
+    resume did the same on load."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    _, saved = engine.state_dicts(model, optimizer)
+    assert not optimizer.state and not saved["state"]
+    engine.Checkpointer(prune.PruneConfig())._restore_optimizer({"optimizer": saved, "optimizer_kind": "single"},
+                                                                model, optimizer)
+    assert not optimizer.state
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Refusals, and the pruned checkpoint in the other scripts

@@ -152,8 +152,9 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys, hf_di
 
     assert "--samples must be >= 2 (or --algo ppo)" in error("--samples=1")
     assert rl.RLConfig(algo="ppo", samples=1).beta == 0.05 and rl.RLConfig().beta == 0.0
-    assert "--temperature must be > 0 (got 0.0)" in error("--temperature=0")
-    assert "FSDP cannot generate" in error("--parallel=fsdp")
+    assert error("--temperature=0").endswith("(FSDP cannot generate); got --temperature 0.0 --parallel ddp")
+    # it said "--temperature must be > 0 (got 0.7) and --parallel ddp or zero1": the temperature was not the fault
+    assert error("--parallel=fsdp").endswith("got --temperature 0.7 --parallel fsdp")
     assert "--minibatches (3) must divide a call's --rollout-batch x --samples = 4 replies" in error("--minibatches=3")
     assert "--prompts (2) must be a multiple of --rollout-batch (3)" in error("--rollout-batch=3")
     policy, rm = models

@@ -250,6 +250,7 @@ def test_what_cannot_shard_is_refused_in_one_line(flags, world, error):
     (dict(pp=2, optimizer="muon"), "--optimizer muon needs whole matrices"),
     (dict(tp=2, dtype="fp16"), "--dtype fp16's GradScaler"),
     (dict(sequence_parallel=True), "--sequence-parallel splits the norms over the --tp ranks"),
+    (dict(pp_schedule="gpipe"), "--pp-schedule gpipe needs --pp stages: pass --pp"),  # was ignored in silence
     (dict(pp=1, pp_schedule="interleaved-1f1b"), "--pp-schedule interleaved-1f1b interleaves stages over the --pp"),
     (dict(pp=2, pp_schedule="zero-bubble"), "--pp-schedule must be one of 1f1b, gpipe, interleaved-1f1b"),
     (dict(tp=2, hellaswag="off"), "--sample-every: not under --tp/--pp"),

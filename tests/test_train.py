@@ -2091,10 +2091,11 @@ OTHER_VALUE = {
     "sample_prompt": "def ", "out_dir": "/other/out", "ckpt_every": 1000, "keep_last": 0, "keep_every": 10000,
     "resume": "auto", "log_every": 10, "overfit_batch": True, "eval_only": True, "max_time": 60.0, "profile": True,
     "profile_steps": 5, "tensorboard": True, "wandb": "proj", "print_config": True, "hellaswag": "off",
-    "init_from": "gpt2", "pp_schedule": "gpipe", "core_every": 2000, "core_bundle": "/other/bundle",
+    "init_from": "gpt2", "core_every": 2000, "core_bundle": "/other/bundle",
 }
-# --tp/--pp refuse the generating evaluations: both ranks drop them (and run --tp 2 where --sequence-parallel needs it)
-SHARDED_VALUE = {"tp": 2, "pp": 2, "sequence_parallel": True}
+# --tp/--pp refuse the generating evaluations: both ranks drop them (and run --tp 2 where --sequence-parallel needs it,
+# --pp 2 where --pp-schedule does)
+SHARDED_VALUE = {"tp": 2, "pp": 2, "sequence_parallel": True, "pp_schedule": "gpipe"}
 # the GPTConfig fields, each a flag through TrainConfig.arch
 OTHER_ARCH = {"vocab_size": 50257, "n_layer": 6, "n_head": 6, "n_embd": 384, "n_kv_head": 4, "dropout": 0.1,
               "bias": False, "mlp": "swiglu", "pos": "rope", "rope_theta": 5e5, "norm": "rmsnorm", "fused_gelu": True,
@@ -2158,7 +2159,8 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
         commands.append([{}, {"arch": {name: other}}])
         expected.append(differ.format(name.replace("_", "-"), other, arch[name]))
     for name, other in SHARDED_VALUE.items():
-        both = {"sample_every": 0, "hellaswag": "off", **({"tp": 2} if name == "sequence_parallel" else {})}
+        both = {"sample_every": 0, "hellaswag": "off", **{"sequence_parallel": {"tp": 2}, "pp_schedule": {"pp": 2}}.get(
+            name, {})}
         commands.append([both, {**both, name: other}])
         expected.append(differ.format(name.replace("_", "-"), other, base[name]))
     # data: an identical copy, and copies whose train (then val) split has one token less in one shard
