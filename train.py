@@ -54,10 +54,10 @@ class TrainConfig(StageArgs):
     def __post_init__(self) -> None:
         super().__post_init__()
         lows = {"sample_tokens": 1, "hellaswag_every": 0, "sample_every": 0, "hellaswag_limit": 1, "core_every": 0}
-        whole = {"--label-smoothing": self.label_smoothing, "--sample-every": self.sample_every,
-                 "--hellaswag-every": self.hellaswag != "off" and self.hellaswag_every,
-                 "--core-bundle": self.core_bundle}
-        sharded = [name for name, on in whole.items() if on and (self.tp or self.pp)]
+        whole = {"--label-smoothing 0": self.label_smoothing, "--sample-every 0": self.sample_every,
+                 "--hellaswag off": self.hellaswag != "off" and self.hellaswag_every,
+                 "--core-bundle ''": self.core_bundle}  # each with the setting that turns it off
+        sharded = [way for way, on in whole.items() if on and (self.tp or self.pp)]
         check_flags([(self.shuffle in SHUFFLES, f"--shuffle must be one of {', '.join(SHUFFLES)}; got "
                       f"{self.shuffle!r}"),
                      *((getattr(self, name) is None or getattr(self, name) >= low,  # a NaN fails it too
@@ -65,9 +65,9 @@ class TrainConfig(StageArgs):
                      (0.0 <= self.label_smoothing < 1.0, f"--label-smoothing must be in [0, 1); got "
                       f"{self.label_smoothing}"),
                      (not self.arch.get("value_head"), "train.py trains no value head: drop --value-head true"),
-                     (not sharded, f"{', '.join(sharded)}: not under --tp/--pp, which train and score the language "
-                      "model's loss only; drop them (--hellaswag off, --sample-every 0), or score a checkpoint on one "
-                      "process")])
+                     (not sharded, f"{', '.join(way.split()[0] for way in sharded)}: not under --tp/--pp, which "
+                      f"train and score the language model's loss only; pass {', '.join(sharded)}, or score a "
+                      "checkpoint on one process")])
 
 
 PRESETS: dict[str, Callable[[], TrainConfig]] = {

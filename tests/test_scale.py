@@ -254,7 +254,9 @@ def test_what_cannot_shard_is_refused_in_one_line(flags, world, error):
     (dict(pp=1, pp_schedule="interleaved-1f1b"), "--pp-schedule interleaved-1f1b interleaves stages over the --pp"),
     (dict(pp=2, pp_schedule="zero-bubble"), "--pp-schedule must be one of 1f1b, gpipe, interleaved-1f1b"),
     (dict(tp=2, hellaswag="off"), "--sample-every: not under --tp/--pp"),
-    (dict(pp=2, sample_every=0, label_smoothing=0.1), "--label-smoothing, --hellaswag-every: not under --tp/--pp"),
+    (dict(pp=2, sample_every=0, label_smoothing=0.1), "--label-smoothing, --hellaswag: not under --tp/--pp, which "
+     "train and score the language model's loss only; pass --label-smoothing 0, --hellaswag off, or score a checkpoint "
+     "on one process"),
 ])
 def test_flags_that_cannot_shard_are_refused_before_any_work(flags, error):
     with pytest.raises(ValueError, match="^" + error.replace("(", r"\(").replace(")", r"\)")):
