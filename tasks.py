@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 import common
-from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, check_messages, load_rows, render_prompt, reply_text, row_errors
+from chat_format import BOS, CHAT_VOCAB, REPLY_STOPS, check_messages, load_rows, render_prompt, reply_text, row_errors
 from common import all_sum, get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
 from generate import calculator, evaluating, generate
 from model import GPT, GPTConfig
@@ -176,7 +176,7 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
         for i in range(0, len(mine), batch):
             chunk = mine[i:i + batch]
             replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
-                               temperature=0.0, stop_ids=[ASSISTANT_END], vocab=CHAT_VOCAB, calculator=calculator())
+                               temperature=0.0, stop_ids=REPLY_STOPS, vocab=CHAT_VOCAB, calculator=calculator())
             right += sum(bool(task.check(reply_text(r.tokens), p["answer"])) for r, p in zip(replies, chunk,
                                                                                                 strict=True))
         return right

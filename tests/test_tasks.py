@@ -537,6 +537,18 @@ def test_evaluate_scores_its_ranks_share_of_the_problems(monkeypatch):
     assert out == {"acc": 1.0, "n": 4}
 
 
+def test_evaluate_ends_a_reply_at_any_reply_stop_as_chat_py_does(monkeypatch):
+    # it decoded on past <|user_start|> to max_new_tokens (512 forwards more a problem) for the same verdict
+    from conftest import bigram_model
+
+    four, replies = get_tokenizer().encode_ordinary("4")[0], []
+    real = tasks.generate
+    monkeypatch.setattr(tasks, "generate", lambda *a, **k: replies.extend(real(*a, **k)) or replies)
+    problem = tasks.GSM8K().example({"question": "Q?", "answer": "#### 4"})
+    out = tasks.evaluate(bigram_model({cf.ASSISTANT_START: four, four: cf.USER_START}), tasks.GSM8K(), [problem])
+    assert out["acc"] == 1.0 and replies[0].tokens == [four, cf.USER_START]
+
+
 def test_mmlu_reads_a_local_file_in_the_hub_schema(tmp_path):
     examples = tasks.load_task(f"mmlu={write_rows(tmp_path / 'mmlu.jsonl', MMLU_ROWS)}").examples("test")
     assert [e["answer"] for e in examples] == ["B", "B", "A", "C"] and examples[0]["letters"] == ["A", "B", "C", "D"]
