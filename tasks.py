@@ -76,7 +76,11 @@ class Task:
         rows = load_rows(source or self.hub, split, None if source else self.config)
         if missing := " or ".join(repr(f) for f in self.fields if f not in rows[0]):  # a local copy in another schema
             raise ValueError(f"{source} {split}: rows lack {missing} ({self.hub}'s schema: {', '.join(self.fields)})")
-        return [self.example(row) for row in rows]
+        example, out = guarded(self.example, f"reading it as {self.hub}"), []
+        for i, row in enumerate(rows):  # a bad row (a local copy's) in one line naming it, not example()'s traceback
+            with row_errors(source or self.hub, i):
+                out.append(example(row))
+        return out
 
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # a trailing period is not part of it
@@ -86,6 +90,8 @@ class GSM8K(Task):
     hub, config, fields = "openai/gsm8k", "main", ("question", "answer")
 
     def example(self, row: dict) -> dict:
+        if "####" not in row["answer"]:  # its text would be the answer: every check a float() error naming no file
+            raise ValueError(f"answer {row['answer']!r:.40} has no '#### N' (GSM8K's final answer)")
         parts = []
         for k, piece in enumerate(re.split(r"<<([^>]*)>>", row["answer"])):  # odd pieces: the calculator notes
             expr, _, result = piece.rpartition("=")

@@ -86,6 +86,21 @@ def test_gsm8k_reads_a_local_jsonl_in_the_hub_schema(tmp_path):
     assert examples[1]["messages"][1]["content"] == [{"type": "text", "text": "2 + 3 = 5\n#### 5"}]
 
 
+@pytest.mark.parametrize("name, row, why", [
+    ("gsm8k", {"question": "q", "answer": "she has 3"}, "ValueError: answer 'she has 3' has no '#### N'"),
+    ("arc-easy", {**ARC_ROW, "choices": {"text": ["a", "b"]}}, "KeyError: 'label'"),
+    ("arc-easy", {**ARC_ROW, "answerKey": "5"}, "ValueError: '5' is not in list"),
+    ("mmlu", {"question": "q", "choices": ["a", "b"], "answer": 2}, "IndexError: string index out of range"),
+])
+def test_a_bad_row_of_a_local_copy_is_one_line_naming_it(tmp_path, name, row, why):
+    # a traceback from example(), or (GSM8K without ####) a float() error at the first check naming no file
+    path = write_rows(tmp_path / "t.jsonl", [MMLU_ROWS[0] if name == "mmlu" else GSM8K_ROWS[0] if name == "gsm8k"
+                                              else ARC_ROW, row])
+    task = tasks.load_task(f"{name}={path}")
+    with pytest.raises(ValueError, match=rf"^{path} row 1 \(0-based, [^)]*\): reading it as .* raised {why}"):
+        task.examples("test")
+
+
 @pytest.mark.parametrize("reply, right", [
     ("C", True), ("C.", True), ("(C)", True), ("The answer is C", True), ("C, not B", True),
     ("Definitely C", True), ("Because of B, C", False),  # a capital inside a word is no letter
