@@ -453,7 +453,7 @@ class TasksConfig:
     # (for prefs.py); a task that can make wrong replies (addition, or one with wrong(answer, rng))
     pairs: bool = False
     seed: int = 0  # seeds the wrong replies
-    eval: str = ""  # a checkpoint (a .pt of this project) to score on --tasks, instead of writing files
+    eval: str = ""  # a checkpoint to score on --tasks, instead of writing files: a .pt of this project, or an HF export
     tasks: str = "arc-easy,arc-challenge,mmlu,gsm8k"  # with --eval: NAME or NAME=FILE (a local copy in the hub schema)
     split: str = "test"  # with --eval: the split scored
     max_new_tokens: int = 512  # with --eval: the longest reply of a task scored by its replies (gsm8k)
@@ -497,7 +497,8 @@ def score_tasks(cfg: TasksConfig) -> dict:
     with own_process_group(), user_errors(OSError, ValueError, RuntimeError):  # ValueError: fineweb.DataError too
         rank, _, world, device = setup_distributed(cfg.device)
         # HF GPT-2's 50,257 rows (train.py --init-from gpt2) padded for the chat tokens, as chat.py does
-        model = GPT.load(cfg.eval, None).pad_vocab(GPTConfig().vocab_size).to(device)
+        hf = Path(cfg.eval).expanduser().is_dir()  # an HF directory (an export) loads as chat.py's --init-from does
+        model = GPT.load(*((None, cfg.eval) if hf else (cfg.eval, None))).pad_vocab(GPTConfig().vocab_size).to(device)
         named = named_tasks(cfg.tasks, cfg.split, cfg.limit)
         bs = model.config.block_size
         check_prompts(named, bs, "--tasks", f"the model's whole context ({bs}) or more; score another task")

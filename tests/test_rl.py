@@ -170,8 +170,8 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys, hf_di
     # a directory was an IsADirectoryError traceback, whose hint named the --init-from just given
     assert error("--init-from", str(hf_dir)) == (f"error: checkpoint {hf_dir} is a directory, not a file; it has a "
                                                  "config.json, so it looks like an HF GPT-2 directory: load it with "
-                                                 f"--init-from {hf_dir} where the script has one; export.py, tasks.py "
-                                                 "--eval and rl.py take a checkpoint of this project (sft.py "
+                                                 f"--init-from {hf_dir} where the script has one; export.py and rl.py "
+                                                 "take a checkpoint of this project (sft.py "
                                                  "--init-from it first)")
     assert error("--reward-model", str(policy.parent)).startswith(f"error: checkpoint {policy.parent} is a directory")
     # a reward model as the policy: PPO took its score head for a critic and trained it as a policy without a word

@@ -661,6 +661,17 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
                                 "or more; score another task")
 
 
+def test_the_cli_scores_an_hf_export_as_its_checkpoint(tmp_path):
+    # an export (or a chat model from the hub) was refused: "take a checkpoint of this project (sft.py --init-from it
+    # first)", a training run, which changes the weights, to score them
+    from export import export_hf
+
+    model, spec = chat_bigram(), f"gsm8k={write_rows(tmp_path / 'g.jsonl', GSM8K_ROWS)}"
+    export_hf(model, tmp_path / "hf", chat=True)
+    result = tasks.main(["--eval", str(tmp_path / "hf"), "--tasks", spec, "--max-new-tokens", "6"])
+    assert result["results"] == pytest.approx({"gsm8k": 2 / 3})
+
+
 def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, capsys, monkeypatch):
     # NAME=FILE is one split read whole, as --eval reads it; NAME=DIR its splits by name: train and test for --out-dir
     file, copy = write_rows(tmp_path / "gsm8k.jsonl", GSM8K_ROWS), tmp_path / "gsm8k"
