@@ -100,6 +100,9 @@ class Chat:
             print(piece, end="", flush=True)
         print(decoder.decode(b"", final=True), flush=True)
         parts = parse(reply)  # an empty reply has no turn to render: the exchange is left out
+        if not parts or reply[-1] not in REPLY_STOPS:  # either looked like a whole reply
+            print("(no reply: your message is left out of the conversation)" if not parts else "(the reply was cut at "
+                  "--max-new-tokens or the model's context)", file=sys.stderr)
         self.messages = [*messages, {"role": "assistant", "content": parts}] if parts else messages[:-1]
 
 

@@ -536,7 +536,7 @@ def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, An
     if path.is_dir():
         if (path / "config.json").is_file():
             fix = (f"it has a config.json, so it looks like an HF GPT-2 directory: load it with --init-from {path} "
-                   "where the script has one; export.py, tasks.py --eval and rl.py take a checkpoint of this project "
+                   "where the script has one; export.py and rl.py take a checkpoint of this project "
                    "(sft.py --init-from it first)")
         elif found := checkpoints(path):  # the last is the latest, the one train.py --resume auto would take
             fix = f"pass a checkpoint file in it (the latest is {found[-1]})"

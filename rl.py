@@ -28,7 +28,7 @@ import common
 import engine
 import stage
 import tasks
-from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, is_chat, render_prompt, reply_text
+from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, REPLY_STOPS, is_chat, render_prompt, reply_text
 from common import LOCAL, all_sum, get_tokenizer, is_reward_model, load_checkpoint, provenance, run_and_exit
 from engine import Context, Run
 from generate import Rollout, calculator, evaluating, generate
@@ -260,7 +260,7 @@ def rollouts(model: GPT, problems: list[dict], samples: int, seed: int, cfg: RLC
     for c in range(rank, -(-len(problems) // cfg.rollout_batch), world):
         chunk = problems[c * cfg.rollout_batch:(c + 1) * cfg.rollout_batch]
         prompts = [render_prompt(p["messages"][:-1]) for p in chunk for _ in range(samples)]
-        replies = generate(model, prompts, cfg.max_new_tokens, temperature=cfg.temperature, stop_ids=[ASSISTANT_END],
+        replies = generate(model, prompts, cfg.max_new_tokens, temperature=cfg.temperature, stop_ids=REPLY_STOPS,
                            vocab=CHAT_VOCAB, calculator=calculator(),
                            generator=torch.Generator(device).manual_seed(seed + c))
         out += zip([p for p in chunk for _ in range(samples)], prompts, replies, strict=True)

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 import common
-from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, check_messages, load_rows, render_prompt, reply_text, row_errors
+from chat_format import BOS, CHAT_VOCAB, REPLY_STOPS, check_messages, load_rows, render_prompt, reply_text, row_errors
 from common import all_sum, get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
 from generate import calculator, evaluating, generate
 from model import GPT, GPTConfig
@@ -76,7 +76,11 @@ class Task:
         rows = load_rows(source or self.hub, split, None if source else self.config)
         if missing := " or ".join(repr(f) for f in self.fields if f not in rows[0]):  # a local copy in another schema
             raise ValueError(f"{source} {split}: rows lack {missing} ({self.hub}'s schema: {', '.join(self.fields)})")
-        return [self.example(row) for row in rows]
+        example, out = guarded(self.example, f"reading it as {self.hub}"), []
+        for i, row in enumerate(rows):  # a bad row (a local copy's) in one line naming it, not example()'s traceback
+            with row_errors(source or self.hub, i):
+                out.append(example(row))
+        return out
 
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # a trailing period is not part of it
@@ -86,6 +90,8 @@ class GSM8K(Task):
     hub, config, fields = "openai/gsm8k", "main", ("question", "answer")
 
     def example(self, row: dict) -> dict:
+        if "####" not in row["answer"]:  # its text would be the answer: every check a float() error naming no file
+            raise ValueError(f"answer {row['answer']!r:.40} has no '#### N' (GSM8K's final answer)")
         parts = []
         for k, piece in enumerate(re.split(r"<<([^>]*)>>", row["answer"])):  # odd pieces: the calculator notes
             expr, _, result = piece.rpartition("=")
@@ -176,7 +182,7 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
         for i in range(0, len(mine), batch):
             chunk = mine[i:i + batch]
             replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
-                               temperature=0.0, stop_ids=[ASSISTANT_END], vocab=CHAT_VOCAB, calculator=calculator())
+                               temperature=0.0, stop_ids=REPLY_STOPS, vocab=CHAT_VOCAB, calculator=calculator())
             right += sum(bool(task.check(reply_text(r.tokens), p["answer"])) for r, p in zip(replies, chunk,
                                                                                                 strict=True))
         return right
@@ -447,7 +453,7 @@ class TasksConfig:
     # (for prefs.py); a task that can make wrong replies (addition, or one with wrong(answer, rng))
     pairs: bool = False
     seed: int = 0  # seeds the wrong replies
-    eval: str = ""  # a checkpoint (a .pt of this project) to score on --tasks, instead of writing files
+    eval: str = ""  # a checkpoint to score on --tasks, instead of writing files: a .pt of this project, or an HF export
     tasks: str = "arc-easy,arc-challenge,mmlu,gsm8k"  # with --eval: NAME or NAME=FILE (a local copy in the hub schema)
     split: str = "test"  # with --eval: the split scored
     max_new_tokens: int = 512  # with --eval: the longest reply of a task scored by its replies (gsm8k)
@@ -491,7 +497,8 @@ def score_tasks(cfg: TasksConfig) -> dict:
     with own_process_group(), user_errors(OSError, ValueError, RuntimeError):  # ValueError: fineweb.DataError too
         rank, _, world, device = setup_distributed(cfg.device)
         # HF GPT-2's 50,257 rows (train.py --init-from gpt2) padded for the chat tokens, as chat.py does
-        model = GPT.load(cfg.eval, None).pad_vocab(GPTConfig().vocab_size).to(device)
+        hf = Path(cfg.eval).expanduser().is_dir()  # an HF directory (an export) loads as chat.py's --init-from does
+        model = GPT.load(*((None, cfg.eval) if hf else (cfg.eval, None))).pad_vocab(GPTConfig().vocab_size).to(device)
         named = named_tasks(cfg.tasks, cfg.split, cfg.limit)
         bs = model.config.block_size
         check_prompts(named, bs, "--tasks", f"the model's whole context ({bs}) or more; score another task")

@@ -119,6 +119,20 @@ def test_the_oldest_turns_are_cropped_to_the_context(sft, capsys, monkeypatch):
     assert str(e.value) == "error: the message takes 68 tokens with --system, the model's context only 64; say less"
 
 
+def test_a_cut_or_an_empty_reply_is_said_on_stderr(capsys):
+    # a reply cut at --max-new-tokens read as a whole one, and an empty one dropped the user's message without a word
+    from conftest import bigram_model
+
+    hi, cfg, cpu = get_tokenizer().encode_ordinary("hi")[0], chat.ChatConfig(temperature=0, max_new_tokens=3), "cpu"
+    bot = chat.Chat(bigram_model({cf.ASSISTANT_START: hi, hi: hi}), cfg, torch.device(cpu))
+    bot.reply("x")
+    assert capsys.readouterr() == ("hihihi\n", "(the reply was cut at --max-new-tokens or the model's context)\n")
+    bot = chat.Chat(bigram_model({cf.ASSISTANT_START: cf.ASSISTANT_END}), cfg, torch.device(cpu))
+    bot.reply("x")
+    assert bot.messages == [] and capsys.readouterr() == ("\n", "(no reply: your message is left out of the "
+                                                          "conversation)\n")
+
+
 def test_a_base_model_is_warned_about_and_an_hf_gpt2_padded(sft, hf_dir, tmp_path, capsys, monkeypatch):
     torch.manual_seed(0)
     base = GPT(MODEL_PRESETS["tiny"]())
@@ -129,7 +143,8 @@ def test_a_base_model_is_warned_about_and_an_hf_gpt2_padded(sft, hf_dir, tmp_pat
                        monkeypatch)
         assert capsys.readouterr().err == (
             f"warning: {source} was never fine-tuned on conversations (sft.py), so it does not "
-            "know the chat format: its replies may be gibberish\n")
+            "know the chat format: its replies may be gibberish\n(the reply was cut at --max-new-tokens or the "
+            "model's context)\n")
         assert messages[0] == {"role": "user", "content": "hello"}
     model, fine_tuned = chat.load_model(chat.ChatConfig(init_from=str(hf_dir)))
     assert (model.config.vocab_size, fine_tuned) == (50304, False)

@@ -14,7 +14,7 @@ import engine
 import rl
 import stage
 import tasks
-from chat_format import ASSISTANT_END, render_prompt
+from chat_format import ASSISTANT_END, ASSISTANT_START, USER_START, render_prompt
 from common import get_tokenizer, iter_log, load_checkpoint
 from conftest import one_line_error, run_nodes, run_torchrun
 from generate import Rollout
@@ -171,8 +171,8 @@ def test_what_cannot_work_is_refused_in_one_line(models, tmp_path, capsys, hf_di
     # a directory was an IsADirectoryError traceback, whose hint named the --init-from just given
     assert error("--init-from", str(hf_dir)) == (f"error: checkpoint {hf_dir} is a directory, not a file; it has a "
                                                  "config.json, so it looks like an HF GPT-2 directory: load it with "
-                                                 f"--init-from {hf_dir} where the script has one; export.py, tasks.py "
-                                                 "--eval and rl.py take a checkpoint of this project (sft.py "
+                                                 f"--init-from {hf_dir} where the script has one; export.py and rl.py "
+                                                 "take a checkpoint of this project (sft.py "
                                                  "--init-from it first)")
     assert error("--reward-model", str(policy.parent)).startswith(f"error: checkpoint {policy.parent} is a directory")
     # a reward model as the policy: PPO took its score head for a critic and trained it as a policy without a word
@@ -319,6 +319,18 @@ def test_rollouts_keep_each_problems_samples_together_and_ranks_take_whole_seede
     # a call's own seed: the same problem in two calls gets other replies
     twice = rl.rollouts(raw, problems[:1] * 2, 2, 5, dataclasses.replace(cfg, rollout_batch=1), 0, 1)
     assert [r.tokens for *_, r in twice[:2]] != [r.tokens for *_, r in twice[2:]]
+
+
+def test_rollouts_end_at_any_reply_stop_as_chat_py_and_the_export_do():
+    # they ran on past a <|user_start|> (or <|endoftext|>) to --max-new-tokens: the policy trained on tokens that
+    # chat.py, HF's generate and the reward (reply_text) never see
+    from conftest import bigram_model
+
+    eight = get_tokenizer().encode_ordinary("8")[0]
+    model = bigram_model({ASSISTANT_START: eight, eight: USER_START})
+    cfg = rl.RLConfig(rollout_batch=1, max_new_tokens=5, device="cpu")
+    ((_, _, reply),) = rl.rollouts(model, tasks.Addition().examples("test", n=1), 1, 0, cfg, 0, 1)
+    assert reply.tokens == [eight, USER_START]
 
 
 def test_load_turns_dropout_off_and_holds_out_the_problems_tasks_py_scores(tmp_path):

@@ -389,8 +389,8 @@ def bad_inputs(model, ckpt, hf_dir, tmp_path) -> Path:
                               "(e.g. out/<run>/ckpt_000100.pt); an HF GPT-2 directory (config.json + "
                               "model.safetensors) loads with --init-from instead"),
     (["--ckpt", "{hf}"], "checkpoint {hf} is a directory, not a file; it has a config.json, so it looks like an HF "
-                         "GPT-2 directory: load it with --init-from {hf} where the script has one; export.py, "
-                         "tasks.py --eval and rl.py take a checkpoint of this project (sft.py --init-from it first)"),
+                         "GPT-2 directory: load it with --init-from {hf} where the script has one; export.py "
+                         "and rl.py take a checkpoint of this project (sft.py --init-from it first)"),
     (["--init-from", "run/ckpt_000002.pt"], "--init-from run/ckpt_000002.pt is a file; for a checkpoint train.py "
                                             "wrote, use --ckpt run/ckpt_000002.pt"),
     (["--init-from", "run/nope.pt"], "--init-from run/nope.pt: no such file or directory (nor a hub name)"),

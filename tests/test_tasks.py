@@ -86,6 +86,21 @@ def test_gsm8k_reads_a_local_jsonl_in_the_hub_schema(tmp_path):
     assert examples[1]["messages"][1]["content"] == [{"type": "text", "text": "2 + 3 = 5\n#### 5"}]
 
 
+@pytest.mark.parametrize("name, row, why", [
+    ("gsm8k", {"question": "q", "answer": "she has 3"}, "ValueError: answer 'she has 3' has no '#### N'"),
+    ("arc-easy", {**ARC_ROW, "choices": {"text": ["a", "b"]}}, "KeyError: 'label'"),
+    ("arc-easy", {**ARC_ROW, "answerKey": "5"}, "ValueError: '5' is not in list"),
+    ("mmlu", {"question": "q", "choices": ["a", "b"], "answer": 2}, "IndexError: string index out of range"),
+])
+def test_a_bad_row_of_a_local_copy_is_one_line_naming_it(tmp_path, name, row, why):
+    # a traceback from example(), or (GSM8K without ####) a float() error at the first check naming no file
+    path = write_rows(tmp_path / "t.jsonl", [MMLU_ROWS[0] if name == "mmlu" else GSM8K_ROWS[0] if name == "gsm8k"
+                                              else ARC_ROW, row])
+    task = tasks.load_task(f"{name}={path}")
+    with pytest.raises(ValueError, match=rf"^{path} row 1 \(0-based, [^)]*\): reading it as .* raised {why}"):
+        task.examples("test")
+
+
 @pytest.mark.parametrize("reply, right", [
     ("C", True), ("C.", True), ("(C)", True), ("The answer is C", True), ("C, not B", True),
     ("Definitely C", True), ("Because of B, C", False),  # a capital inside a word is no letter
@@ -537,6 +552,18 @@ def test_evaluate_scores_its_ranks_share_of_the_problems(monkeypatch):
     assert out == {"acc": 1.0, "n": 4}
 
 
+def test_evaluate_ends_a_reply_at_any_reply_stop_as_chat_py_does(monkeypatch):
+    # it decoded on past <|user_start|> to max_new_tokens (512 forwards more a problem) for the same verdict
+    from conftest import bigram_model
+
+    four, replies = get_tokenizer().encode_ordinary("4")[0], []
+    real = tasks.generate
+    monkeypatch.setattr(tasks, "generate", lambda *a, **k: replies.extend(real(*a, **k)) or replies)
+    problem = tasks.GSM8K().example({"question": "Q?", "answer": "#### 4"})
+    out = tasks.evaluate(bigram_model({cf.ASSISTANT_START: four, four: cf.USER_START}), tasks.GSM8K(), [problem])
+    assert out["acc"] == 1.0 and replies[0].tokens == [four, cf.USER_START]
+
+
 def test_mmlu_reads_a_local_file_in_the_hub_schema(tmp_path):
     examples = tasks.load_task(f"mmlu={write_rows(tmp_path / 'mmlu.jsonl', MMLU_ROWS)}").examples("test")
     assert [e["answer"] for e in examples] == ["B", "B", "A", "C"] and examples[0]["letters"] == ["A", "B", "C", "D"]
@@ -632,6 +659,17 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
             tasks.main(["--eval", str(ckpt), "--tasks", f"gsm8k={long}"])
         assert e.value.code == (f"error: --tasks gsm8k: a prompt takes {tokens} tokens, the model's whole context (64) "
                                 "or more; score another task")
+
+
+def test_the_cli_scores_an_hf_export_as_its_checkpoint(tmp_path):
+    # an export (or a chat model from the hub) was refused: "take a checkpoint of this project (sft.py --init-from it
+    # first)", a training run, which changes the weights, to score them
+    from export import export_hf
+
+    model, spec = chat_bigram(), f"gsm8k={write_rows(tmp_path / 'g.jsonl', GSM8K_ROWS)}"
+    export_hf(model, tmp_path / "hf", chat=True)
+    result = tasks.main(["--eval", str(tmp_path / "hf"), "--tasks", spec, "--max-new-tokens", "6"])
+    assert result["results"] == pytest.approx({"gsm8k": 2 / 3})
 
 
 def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, capsys, monkeypatch):
