@@ -493,6 +493,8 @@ def build_and_resume(raw: GPT, parts: dict[str, Any], cfg: RunArgs, ctx: Context
     raw = built.shards or raw  # under --tp/--pp: this rank's part
     path, ckpt = found
     saved = ckpt.get("train_config", {})
+    if "init_from" in saved:  # its checkpoints name the run's start, not this resume's --init-from (or none)
+        checkpointer.args = dataclasses.replace(checkpointer.args, init_from=saved["init_from"])
     step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, parts), ctx.world, catch=(ValueError,))
     if ctx.master:
         print(f"resumed from {path} at step {step}")
@@ -523,15 +525,22 @@ def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
               f"{get_lr(differs, cfg):.3g}, not that run's {get_lr(differs, old):.3g}")
 
 
+def same_path(a: str, b: str) -> bool:
+    """One file or HF name, however written (./a.pt, its absolute path, ~/a.pt)."""
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
 def note_changed_flags(saved: dict[str, Any], cfg: RunArgs) -> None:
     """Name the flags a training run changed since its checkpoint (--clip, --samples...) but those the notes above
     cover (the lr's, the optimizer's, the data windows'), LOCAL ones (paths; --init-from apart) and any it lacks."""
     said = (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "batch_size", "shuffle")
     changed = [f"--{flag(k)} {saved[k]!r} -> {now}" for k, now in engine.command_of(cfg).items()
                if k in saved and k not in said and repr(saved[k]) != now]
-    if cfg.init_from and saved.get("init_from", cfg.init_from) != cfg.init_from:  # LOCAL, so not in `changed`
-        print(f"note: the weights are the checkpoint's, whose run started from {saved['init_from'] or 'a random init'}"
-              f", not --init-from {cfg.init_from}'s")
+    start, given = saved.get("init_from", cfg.init_from), cfg.init_from  # LOCAL, so not in `changed`
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "init_from")  # prune's, rl's: not given
+    if given not in ("", default) and not (start and same_path(start, given)):
+        print(f"note: the weights are the checkpoint's, whose run started from {start or 'a random init'}, not "
+              f"--init-from {given}'s")
     if changed and not cfg.eval_only:
         print(f"note: flags changed since the checkpoint: {', '.join(changed)}")
 

@@ -25,6 +25,7 @@ import torch
 
 import engine
 import parallel as par
+import prune
 import stage
 import train
 from common import _field_help, describe_provenance, iter_log, load_checkpoint, parse_config
@@ -819,9 +820,12 @@ def test_resumed_fine_tune_needs_no_init_source(token_data, hf_dir, tmp_path):
     rest = train.main(ft_args(token_data, gone, tmp_path, "--max-steps=4", "--eval-every=0", "--ckpt-every=2",
                               "--dropout=0.1", "--resume=auto"))["losses"]
     assert rest == full[2:]  # bitwise
+    # its checkpoint names the run's start, not the resume's: a later resume with --init-from hf_dir said "started
+    # from hf_gone" (or "from a random init" after a resume without --init-from)
+    assert load_checkpoint(tmp_path / "ckpt_000004.pt")["train_config"]["init_from"] == str(hf_dir)
 
 
-def test_a_resume_names_the_start_of_its_weights_when_init_from_names_another(capsys):
+def test_a_resume_names_the_start_of_its_weights_when_init_from_names_another(capsys, monkeypatch, tmp_path):
     # --resume auto --init-from B over a run started from A (or from scratch) went on from the checkpoint in
     # silence, the header's model line naming B; the same --init-from again (a resumed fine-tune) says nothing
     cfg = train.TrainConfig(init_from="b.pt", resume="auto", eval_only=True)
@@ -830,6 +834,14 @@ def test_a_resume_names_the_start_of_its_weights_when_init_from_names_another(ca
     assert capsys.readouterr().out == (
         "note: the weights are the checkpoint's, whose run started from a random init, not --init-from b.pt's\n"
         "note: the weights are the checkpoint's, whose run started from a.pt, not --init-from b.pt's\n")
+    # the same file written otherwise, and prune.py's default --init-from on a resume that names none: nothing to say
+    monkeypatch.chdir(tmp_path)
+    for given, start in (("./b.pt", str(tmp_path / "b.pt")), ("~/b.pt", str(Path("~/b.pt").expanduser()))):
+        cfg = train.TrainConfig(init_from=given, resume="auto")
+        stage.note_changed_flags({**dataclasses.asdict(cfg), "init_from": start}, cfg)
+    cfg = prune.PruneConfig(resume="auto")
+    stage.note_changed_flags({**dataclasses.asdict(cfg), "init_from": "start.pt"}, cfg)
+    assert capsys.readouterr().out == ""
 
 
 SLOW_RANK_WORKER = """import os, sys, time
