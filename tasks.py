@@ -183,8 +183,9 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
             chunk = mine[i:i + batch]
             replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
                                temperature=0.0, stop_ids=REPLY_STOPS, vocab=CHAT_VOCAB, calculator=calculator())
-            right += sum(bool(task.check(reply_text(r.tokens), p["answer"])) for r, p in zip(replies, chunk,
-                                                                                                strict=True))
+            with torch.autocast(model.lm_head.weight.device.type, enabled=False):  # a task's own check: full precision
+                right += sum(bool(task.check(reply_text(r.tokens), p["answer"])) for r, p in zip(replies, chunk,
+                                                                                                    strict=True))
         return right
 
     # one rank's check() that raises stops every rank, not the others in summed's all_sum; a run saves its steps first

@@ -917,3 +917,16 @@ def test_a_file_named_two_ways_runs_once(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     one, two = tasks.load_object(f"{tmp_path / 't.py'}:f", "--reward"), tasks.load_object("./t.py:f", "--reward")
     assert one is two and (tmp_path / "t.py.runs").read_text() == "ran "
+
+
+def test_a_tasks_check_runs_outside_the_autocast_the_replies_are_generated_under():
+    # accuracy enters the autocast once around the scoring: a user's check() that builds tensors ran in bf16 too, where
+    # 1.001 rounds to 1 and a right reply scored 0
+    class Near(tasks.GSM8K):
+        def check(self, reply: str, answer: str) -> bool:
+            return (torch.tensor([[1.001]]) @ torch.tensor([[1.0]])).item() > 1.0
+
+    problems = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+                 "answer": "4"}]
+    autocast = torch.autocast("cpu", torch.bfloat16)
+    assert tasks.accuracy(chat_bigram(), Near(), problems, autocast=autocast, max_new_tokens=4) == {"acc": 1.0, "n": 1}
