@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -346,8 +346,8 @@ class Checkpointer:
         """find_resume, agreed: every rank resumes the same checkpoint, or all stop before a collective could hang."""
         found = same_verdict(self.find_resume, self.world)  # OSError too: a --resume PATH this node cannot read
         if self.world > 1:
-            # the loss history tells two runs' checkpoints of the same step apart (each node's own out-dir, say)
-            mine = (int(found[1]["step"]), found[1].get("outliers", {}).get("loss")) if found else (None, None)
+            # the weights tell two runs' checkpoints of the same step apart (each node's own out-dir, say), step 0's too
+            mine = (int(found[1]["step"]), weights_digest(found[1]["model"].values())) if found else (None, None)
             seen: list[tuple] = [mine] * self.world
             dist.all_gather_object(seen, mine)
             if any(other != seen[0] for other in seen):
@@ -853,10 +853,10 @@ def shards_of(loaders: list[Any]) -> list[tuple]:
     return [(s["split"], s["shards"], s["shard_tokens"]) for s in (loader.state_dict() for loader in loaders)]
 
 
-def weights_digest(model: nn.Module) -> str:
-    """A digest of the parameters' bytes: exact where a float sum is not."""
+def weights_digest(model: nn.Module | Iterable[torch.Tensor]) -> str:
+    """A digest of the parameters' bytes (or the tensors'): exact where a float sum is not."""
     digest = hashlib.sha1()
-    for p in model.parameters():
+    for p in model.parameters() if isinstance(model, nn.Module) else model:
         digest.update(p.detach().contiguous().view(torch.uint8).cpu().numpy())
     return digest.hexdigest()[:16]
 

@@ -295,6 +295,23 @@ def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, 
         assert (weights[~keep] == 0).all() and (weights[keep] != before[keep]).any()
 
 
+def test_ranks_resuming_step_0_checkpoints_of_other_weights_are_refused(start, token_data, tmp_path, monkeypatch):
+    # ckpt_000000 has no loss history, and a resume's fingerprint leaves the weights to find: two nodes' own out-dirs
+    # holding other runs' (another --init-from) were resumed, each rank training its own model
+    run(start, token_data, tmp_path / "a", "--max-steps=1")
+    (tmp_path / "a" / "ckpt_000001.pt").unlink()
+    ckpt = load_checkpoint(tmp_path / "a" / "ckpt_000000.pt")
+    (tmp_path / "b").mkdir()
+    torch.save({**ckpt, "model": {k: v + 1 for k, v in ckpt["model"].items()}}, tmp_path / "b" / "ckpt_000000.pt")
+    monkeypatch.setattr(engine, "same_verdict", lambda work, world, **_: work())
+    theirs = []  # rank 1's, its node's out-dir b
+    monkeypatch.setattr(engine.dist, "all_gather_object", lambda seen, mine: theirs.append(mine))
+    engine.Checkpointer(prune.PruneConfig(out_dir=str(tmp_path / "b"), resume="auto"), 1, 2).find()
+    monkeypatch.setattr(engine.dist, "all_gather_object", lambda seen, mine: seen.__setitem__(1, theirs[0]))
+    with pytest.raises(ValueError, match="ranks resumed different checkpoints"):
+        engine.Checkpointer(prune.PruneConfig(out_dir=str(tmp_path / "a"), resume="auto"), 0, 2).find()
+
+
 def test_taylor_calibration_reads_its_own_batches_not_the_recoverys(start, token_data, tmp_path, monkeypatch):
     # the calibration batches come from a loader of their own (rank 0's, another seed): drawn from the recovery's, its
     # first --calib-batches batches would be skipped
