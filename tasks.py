@@ -18,10 +18,9 @@ rl.py's --reward FILE.py:FN[,FILE.py:FN2] takes functions fn(prompt, reply, answ
     addition       made here, offline: "What is 4 7 + 3 8?" -> "8 5", digits spaced so that each is one token; train
                    and test are disjoint by a hash of the pair
 
-ChatCORE (chat_core) is nanochat's score of a chat model: each task's accuracy centered by its chance (1/4 for a
-multiple-choice task, 0 otherwise), averaged over the tasks given; multiple-choice tasks are scored by the logits of
-their letters (choose), the others by greedy replies (evaluate). nanochat's also has HumanEval, left out here: it
-runs the model's code, which needs a sandbox.
+ChatCORE (chat_core) is nanochat's score of a chat model: each task's accuracy centered by its chance (1/4 for
+multiple choice, 0 otherwise), averaged over the tasks given; multiple choice is scored by its letters' logits
+(choose), the rest by greedy replies (evaluate). nanochat's also has HumanEval, which runs code in a sandbox: not here.
 
 Usage (a task's train and test splits as JSONL conversations, for sft.py; with --pairs, preference pairs for prefs.py;
 with --eval, a checkpoint's accuracies and ChatCORE):
@@ -90,8 +89,6 @@ class GSM8K(Task):
     hub, config, fields = "openai/gsm8k", "main", ("question", "answer")
 
     def example(self, row: dict) -> dict:
-        if "####" not in row["answer"]:  # its text would be the answer: every check a float() error naming no file
-            raise ValueError(f"answer {row['answer']!r:.40} has no '#### N' (GSM8K's final answer)")
         parts = []
         for k, piece in enumerate(re.split(r"<<([^>]*)>>", row["answer"])):  # odd pieces: the calculator notes
             expr, _, result = piece.rpartition("=")
@@ -99,7 +96,7 @@ class GSM8K(Task):
                 parts += [{"type": "tool", "text": expr}, {"type": "output", "text": result}]
             elif piece and not k % 2:
                 parts.append({"type": "text", "text": piece})
-        return conversation(row["question"], parts, row["answer"].rsplit("####", 1)[-1].strip().replace(",", ""))
+        return conversation(row["question"], parts, row["answer"].rsplit("####", 1)[1].strip().replace(",", ""))
 
     def check(self, reply: str, answer: str) -> bool:
         """The number after the reply's last ####, else its last number, equals the answer (commas aside)."""
@@ -223,8 +220,7 @@ def accuracy(model: Any, task: Any, problems: list[dict], rank: int = 0, world: 
 
 
 def held_out(task: Any, problems: list[dict], limit: int = 0) -> list[dict]:
-    """The first `limit` problems (0: all) that sft.py, rl.py and tasks.py --eval score: a hub dataset's in nanochat's
-    order (its shuffle, seed 42), addition's and a user's as the task gives them."""
+    """The first `limit` problems (0: all) scored: a hub dataset's in nanochat's order (seed 42), others as given."""
     order = np.random.default_rng(42).permutation(len(problems)) if getattr(task, "hub", "") else range(len(problems))
     return [problems[i] for i in order[:limit or None]]
 
@@ -236,7 +232,7 @@ def longest_prompt(problems: list[dict]) -> int:
 
 def check_prompts(named: dict[str, tuple[Any, list[dict]]], context: int, flag: str, fix: str) -> None:
     """A ValueError naming the first task scored by replies whose prompt leaves no room for a reply in `context` tokens
-    (one at most): generate() would refuse or cut it, naming no task. Multiple choice crops, as choose does."""
+    (generate() would refuse or cut it, naming no task); multiple choice crops, as choose does."""
     for name, (task, problems) in named.items():
         if not isinstance(task, MultipleChoice) and (longest := longest_prompt(problems)) >= context:
             raise ValueError(f"{flag} {name}: a prompt takes {longest} tokens, {fix}")
@@ -450,8 +446,7 @@ class TasksConfig:
     task: str = "addition"  # gsm8k, arc-easy, arc-challenge, mmlu, addition, or your own: FILE.py:NAME or module:NAME
     out_dir: str = ""  # where to write them ('' = data/<task>)
     limit: int = 0  # at most this many examples per split (0 = all); with --eval, per task, as tasks.held_out picks
-    # also write preference pairs, the reference reply chosen over a wrong one, to <out_dir>_pairs/{train,test}.jsonl
-    # (for prefs.py); a task that can make wrong replies (addition, or one with wrong(answer, rng))
+    # also write preference pairs (the reference reply over a wrong(answer, rng) one) to <out_dir>_pairs/, for prefs.py
     pairs: bool = False
     seed: int = 0  # seeds the wrong replies
     eval: str = ""  # a checkpoint to score on --tasks, instead of writing files: a .pt of this project, or an HF export
