@@ -194,6 +194,14 @@ def test_cli_rejects_bad_overrides(argv, message):
         parse_config(train.TrainConfig, argv, train.PRESETS)
 
 
+def test_an_architecture_flag_adds_to_the_presets_architecture():
+    # --dropout over the shakespeare preset changes that one GPTConfig field and keeps the preset's 6-layer shape
+    cfg = parse_config(train.TrainConfig, ["--preset", "shakespeare", "--dropout=0.1", "--n-layer", "4"],
+                       train.PRESETS)
+    assert cfg.arch == {"n_layer": 4, "n_head": 6, "n_embd": 384, "dropout": 0.1}
+    assert train.PRESETS["shakespeare"]().arch["dropout"] == 0.2  # the preset's own dict is not written to
+
+
 def test_a_flag_given_twice_is_named_with_both_values_and_the_last_wins(capsys, monkeypatch):
     # a warning, not an error: a wrapper's defaults then the user's "$@" (scripts/gpu_suite.sh) repeat flags by design
     monkeypatch.delenv("RANK", raising=False)
