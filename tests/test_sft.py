@@ -65,6 +65,37 @@ def test_a_local_copy_of_ultrachat_reads_its_sft_splits(tmp_path, monkeypatch, d
     assert val.tokens == sum(len(render(chat(i))[0]) for i in range(30, 34))
 
 
+def test_setup_wires_the_chat_loader_the_label_smoothing_and_both_evaluations(monkeypatch):
+    # the Run sft.setup builds, without building it: conversations for the data-parallel rank under sft.SPLITS'
+    # fallback names, the chat vocabulary, --label-smoothing in the step, the val loss and the task evaluations
+    seen = {}
+
+    class FakeSetup:
+        def __init__(self, cfg, ctx, loader, chat=False, vocab=0):
+            seen.update(loader=loader, chat=chat, vocab=vocab)
+            self.cfg, self.built, self.next_batch, self.grad_accum, self.guard = cfg, "model", "batches", 3, "guard"
+
+        def build(self):
+            seen["built"] = True
+
+        def run(self, step_fn, evals):
+            return step_fn, evals
+
+    monkeypatch.setattr(stage, "Setup", FakeSetup)
+    monkeypatch.setattr(stage, "lm_step", lambda *args, **kw: seen.update(step=(args[1:5], kw)) or "step")
+    monkeypatch.setattr(stage, "val_evals", lambda cfg, setup: ["val"])
+    monkeypatch.setattr(stage, "task_evals", lambda cfg, setup: ["task"])
+    monkeypatch.setattr(sft, "ConversationLoader", lambda *args: args)
+    cfg = sft.SFTConfig(model="tiny", seq_len=64, batch_size=4, seed=7, label_smoothing=0.1, data="d")
+    assert sft.setup(cfg, SimpleNamespace()) == ("step", ["val", "task"])
+    assert seen["built"] and seen["chat"] and seen["vocab"] == sft.CHAT_VOCAB
+    assert seen["step"] == (("model", "batches", 3, "guard"), {"label_smoothing": 0.1})
+    data = SimpleNamespace(rank=1, world=2, device="cpu")
+    assert seen["loader"]("val", data) == ("d", "val", 4, 64, 1, 2, 7, "cpu", ("train_sft", "test_sft"))
+    with pytest.raises(ValueError, match=r"--label-smoothing must be in \[0, 1\); got 1.0"):
+        sft.SFTConfig(label_smoothing=1.0)
+
+
 def test_the_loss_is_the_mean_over_the_assistants_tokens(conversations):
     loader = ConversationLoader(str(conversations), "train", 4, 64)
     x, y = loader.next_batch()
