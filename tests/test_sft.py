@@ -96,6 +96,25 @@ def test_setup_wires_the_chat_loader_the_label_smoothing_and_both_evaluations(mo
         sft.SFTConfig(label_smoothing=1.0)
 
 
+def test_one_task_is_scored_every_task_every_steps_on_its_held_out_problems(monkeypatch):
+    # --task-every, not --eval-every, is the task's cadence; the score is tasks.accuracy of this rank among the world
+    ctx = engine.Context(rank=1, world=2)
+    said = []
+    setup = SimpleNamespace(ctx=ctx, built=SimpleNamespace(autocast="ac"), raw="model",
+                            log=SimpleNamespace(say=said.append))
+    cfg = sft.SFTConfig(task="addition", task_limit=4, task_every=7, eval_every=3, seq_len=64)
+    evaluation, (problems,) = stage.task_eval(cfg, setup)
+    assert (evaluation.name, evaluation.every, len(problems)) == ("task", 7, 4)
+    assert problems == tasks.Addition().examples("test")[:4]  # the held-out split's first problems, not train's
+    calls = []
+    monkeypatch.setattr(tasks, "accuracy", lambda *args: calls.append(args) or {"acc": 0.5, "n": 4})
+    assert evaluation.fn(9) == {"acc": 0.5, "n": 4}
+    assert calls[0][0] == "model" and calls[0][2] is problems and calls[0][3:] == (1, 2, "ac")
+    assert said == ["step      9 | addition accuracy 0.5000 (4 held-out problems)"]
+    with pytest.raises(ValueError, match="--seq-len 8 or more"):
+        stage.task_eval(replace(cfg, seq_len=8), setup)
+
+
 def test_the_loss_is_the_mean_over_the_assistants_tokens(conversations):
     loader = ConversationLoader(str(conversations), "train", 4, 64)
     x, y = loader.next_batch()
