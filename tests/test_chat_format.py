@@ -292,6 +292,9 @@ def test_check_vocab_needs_the_chat_rows():
     loader.check_vocab(50304)
     with pytest.raises(DataError, match="ids up to 50266, but the model has only 50257 embedding rows"):
         loader.check_vocab(50257)
+    loader.check_vocab(50267)  # the last id's row exists; with one row fewer it does not (ids index from 0)
+    with pytest.raises(DataError, match="ids up to 50266, but the model has only 50266 embedding rows"):
+        loader.check_vocab(50266)
 
 
 def test_a_glob_reads_its_files_in_order_as_one_file(tmp_path, capsys):
