@@ -172,6 +172,21 @@ def test_loader_batches_whole_conversations_with_targets_only_on_the_assistant(t
     assert int((y != -1).sum()) == int(mask[:, 1:].sum()) > 0
 
 
+def test_a_packed_rows_mask_is_each_conversations_own_and_val_rows_come_in_order(tmp_path):
+    # each conversation in a packed row keeps render's mask (the assistant's tokens, not the user's); val is not
+    # shuffled: its batches are the rows in order
+    convs = [chat(i) for i in range(200)]
+    path = write_jsonl(tmp_path / "c.jsonl", convs)
+    masks = {tuple(ids): mask for ids, mask in map(cf.render, convs)}
+    loader = cf.ConversationLoader(path, "train", 4, 31)
+    for ids, mask in zip(loader.ids.tolist(), loader.mask.tolist(), strict=True):
+        cuts = [k for k, t in enumerate(ids) if t == cf.BOS] + [len(ids)]
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            assert mask[a:b] == (masks[tuple(ids[a:b])] if b - a > 1 else [False])
+    val = cf.ConversationLoader(path, "val", 2, 31)
+    assert [val.next_items().tolist() for _ in range(2)] == [[0, 1], [2, 3]]
+
+
 def test_long_conversations_are_truncated_and_counted(tmp_path, capsys):
     long_user = [{"role": "user", "content": "hello " * 40}, {"role": "assistant", "content": "yes"}]
     long_reply = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes " * 40}]
@@ -228,6 +243,7 @@ def test_the_stream_serves_every_item_once_an_epoch_when_b_does_not_divide_them(
         assert sorted(served[:25]) == list(range(25)) and len(set(served[25:])) == 2
         assert not shuffle or served[:25] != list(range(25))
     assert served[:25] == [int(i) for i in cf.permutation((0, 0), 25)]
+    assert served[25:] == [int(i) for i in cf.permutation((0, 1), 25)[:2]]  # the next epoch's part shuffled too
 
 
 def test_a_file_of_one_row_has_no_train_conversations(tmp_path):
@@ -276,6 +292,9 @@ def test_check_vocab_needs_the_chat_rows():
     loader.check_vocab(50304)
     with pytest.raises(DataError, match="ids up to 50266, but the model has only 50257 embedding rows"):
         loader.check_vocab(50257)
+    loader.check_vocab(50267)  # the last id's row exists; with one row fewer it does not (ids index from 0)
+    with pytest.raises(DataError, match="ids up to 50266, but the model has only 50266 embedding rows"):
+        loader.check_vocab(50266)
 
 
 def test_a_glob_reads_its_files_in_order_as_one_file(tmp_path, capsys):

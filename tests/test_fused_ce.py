@@ -74,6 +74,34 @@ def test_reference_is_f_cross_entropy(label_smoothing: float) -> None:
     torch.testing.assert_close(grad / count, z.grad, atol=1e-7, rtol=1e-6)
 
 
+def test_chunked_loss_smooths_over_the_real_ids_of_a_padded_vocabulary() -> None:
+    # V = 50304 (GPT-2's padded head), s = 0.1: the chunked loss's gradients put s/R on the 50257 real ids only, as
+    # the plain loss (log_softmax over the real ids) does; the padded ids' weight rows get softmax alone
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 8, generator=gen, requires_grad=True)
+    w = (0.5 * torch.randn(50304, 8, generator=gen)).requires_grad_()
+    t = torch.tensor([3, -1, 50256, 7, 100])
+    loss = fused_ce.chunked_cross_entropy(x, w, t, chunk=2, label_smoothing=0.1)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    ref = fused_ce.cross_entropy(F.linear(x, w), t, label_smoothing=0.1)
+    rx, rw = torch.autograd.grad(ref, (x, w))
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
+    torch.testing.assert_close(gx, rx, atol=5e-5, rtol=1e-3)  # a sum over 50304 fp32 ids
+    torch.testing.assert_close(gw, rw, atol=1e-7, rtol=1e-4)
+
+
+def test_chunked_loss_without_grad_is_the_mean_over_the_counted_targets() -> None:
+    # the no-grad path (evaluation on a GPU, where the -1 rows are not dropped first) divides by the targets that
+    # count, not by all rows
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 8, generator=gen), torch.randn(37, 8, generator=gen)
+    t = torch.tensor([1, -1, 5, -1, -1, 36, 0])
+    with torch.no_grad():
+        loss = fused_ce.chunked_cross_entropy(x, w, t, chunk=3)
+    ref = F.cross_entropy(F.linear(x, w), t, ignore_index=-1)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-6)
+
+
 def tiny(**kw) -> model.GPTConfig:
     import dataclasses
 

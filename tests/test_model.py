@@ -1059,6 +1059,30 @@ def test_configure_optimizers_decays_2d_only(capsys):
     assert model.configure_optimizers(0.1, 1e-3, verbose=False).param_groups[0]["betas"] == (0.9, 0.95)  # GPT-3's
 
 
+def test_provenance_names_the_run_device_and_no_sha_outside_git(monkeypatch):
+    # a CUDA run's record names the GPU (the MFU table's key), not the CPU; without a git checkout the sha is None
+    import common
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: f"NVIDIA H100 80GB HBM3 ({dev})")
+    monkeypatch.setattr(common.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 128, "", "fatal"))
+    prov = common.provenance(torch.device("cuda", 1), world_size=8)
+    assert prov["device"] == "NVIDIA H100 80GB HBM3 (cuda:1)" and prov["world_size"] == 8
+    assert prov["git_sha"] is None and prov["git_dirty"] is False
+
+
+@pytest.mark.parametrize("local_rank, want", [(0, ["load", "collective", "collective"]),
+                                               (3, ["collective", "load", "collective"])])
+def test_first_on_each_node_loads_on_the_first_rank_while_the_others_wait(monkeypatch, local_rank, want):
+    # two collectives on every rank: the node's first rank loads before the first (the others wait in it), the others
+    # load before the second, from its cache; the first rank loads once
+    import common
+
+    events = []
+    monkeypatch.setattr(common, "shared_problem", lambda problem, world: events.append("collective") or problem)
+    assert common.first_on_each_node(lambda: events.append("load") or "bundle", local_rank, 8) == "bundle"
+    assert events == want
+
+
 def test_peak_flops_table():
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops("NVIDIA H100 PCIe") == 756e12 and peak_flops("NVIDIA H800 PCIe") == 756e12

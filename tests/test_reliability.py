@@ -280,6 +280,33 @@ def test_a_checkpoint_is_crc_checked_once_until_it_is_written_again(tmp_path, mo
         check_crcs(path)
 
 
+def test_a_checkpoint_with_one_compressed_member_is_not_mapped(tmp_path):
+    # only the weights' member deflated, the rest stored: one compressed member is enough to load without mmap
+    import zipfile
+
+    weights = {"w": torch.linspace(-1, 1, 4096)}
+    torch.save({"model": weights, "model_config": {}}, tmp_path / "saved.pt")
+    with zipfile.ZipFile(tmp_path / "saved.pt") as src, zipfile.ZipFile(tmp_path / "mixed.pt", "w") as dst:
+        for info in src.infolist():
+            packed = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info), compress_type=packed)
+    assert not check_crcs(tmp_path / "mixed.pt")
+    assert torch.equal(load_checkpoint(tmp_path / "mixed.pt", mmap=True)["model"]["w"], weights["w"])
+
+
+def test_a_member_rotted_past_its_first_16_mib_fails_its_crc(tmp_path):
+    # the CRC is checked at a member's end: every chunk of a large tensor is read, not the first 16 MiB alone
+    import zipfile
+
+    path = tmp_path / "big.pt"
+    torch.save({"model": {"w": torch.zeros(4_400_000)}}, path)  # 17.6 MB of zeros in one member
+    data = bytearray(path.read_bytes())
+    data[data.index(bytes(64)) + 17_000_000] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(zipfile.BadZipFile):
+        check_crcs(path)
+
+
 def test_a_checkpoint_repacked_with_compression_loads_its_weights_mapped_or_not(tmp_path):
     # torch.save stores members uncompressed; mmap=True maps a deflated member's bytes as the tensor (garbage weights)
     import zipfile

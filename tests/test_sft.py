@@ -65,6 +65,56 @@ def test_a_local_copy_of_ultrachat_reads_its_sft_splits(tmp_path, monkeypatch, d
     assert val.tokens == sum(len(render(chat(i))[0]) for i in range(30, 34))
 
 
+def test_setup_wires_the_chat_loader_the_label_smoothing_and_both_evaluations(monkeypatch):
+    # the Run sft.setup builds, without building it: conversations for the data-parallel rank under sft.SPLITS'
+    # fallback names, the chat vocabulary, --label-smoothing in the step, the val loss and the task evaluations
+    seen = {}
+
+    class FakeSetup:
+        def __init__(self, cfg, ctx, loader, chat=False, vocab=0):
+            seen.update(loader=loader, chat=chat, vocab=vocab)
+            self.cfg, self.built, self.next_batch, self.grad_accum, self.guard = cfg, "model", "batches", 3, "guard"
+
+        def build(self):
+            seen["built"] = True
+
+        def run(self, step_fn, evals):
+            return step_fn, evals
+
+    monkeypatch.setattr(stage, "Setup", FakeSetup)
+    monkeypatch.setattr(stage, "lm_step", lambda *args, **kw: seen.update(step=(args[1:5], kw)) or "step")
+    monkeypatch.setattr(stage, "val_evals", lambda cfg, setup: ["val"])
+    monkeypatch.setattr(stage, "task_evals", lambda cfg, setup: ["task"])
+    monkeypatch.setattr(sft, "ConversationLoader", lambda *args: args)
+    cfg = sft.SFTConfig(model="tiny", seq_len=64, batch_size=4, seed=7, label_smoothing=0.1, data="d")
+    assert sft.setup(cfg, SimpleNamespace()) == ("step", ["val", "task"])
+    assert seen["built"] and seen["chat"] and seen["vocab"] == sft.CHAT_VOCAB
+    assert seen["step"] == (("model", "batches", 3, "guard"), {"label_smoothing": 0.1})
+    data = SimpleNamespace(rank=1, world=2, device="cpu")
+    assert seen["loader"]("val", data) == ("d", "val", 4, 64, 1, 2, 7, "cpu", ("train_sft", "test_sft"))
+    with pytest.raises(ValueError, match=r"--label-smoothing must be in \[0, 1\); got 1.0"):
+        sft.SFTConfig(label_smoothing=1.0)
+
+
+def test_one_task_is_scored_every_task_every_steps_on_its_held_out_problems(monkeypatch):
+    # --task-every, not --eval-every, is the task's cadence; the score is tasks.accuracy of this rank among the world
+    ctx = engine.Context(rank=1, world=2)
+    said = []
+    setup = SimpleNamespace(ctx=ctx, built=SimpleNamespace(autocast="ac"), raw="model",
+                            log=SimpleNamespace(say=said.append))
+    cfg = sft.SFTConfig(task="addition", task_limit=4, task_every=7, eval_every=3, seq_len=64)
+    evaluation, (problems,) = stage.task_eval(cfg, setup)
+    assert (evaluation.name, evaluation.every, len(problems)) == ("task", 7, 4)
+    assert problems == tasks.Addition().examples("test")[:4]  # the held-out split's first problems, not train's
+    calls = []
+    monkeypatch.setattr(tasks, "accuracy", lambda *args: calls.append(args) or {"acc": 0.5, "n": 4})
+    assert evaluation.fn(9) == {"acc": 0.5, "n": 4}
+    assert calls[0][0] == "model" and calls[0][2] is problems and calls[0][3:] == (1, 2, "ac")
+    assert said == ["step      9 | addition accuracy 0.5000 (4 held-out problems)"]
+    with pytest.raises(ValueError, match="--seq-len 8 or more"):
+        stage.task_eval(replace(cfg, seq_len=8), setup)
+
+
 def test_the_loss_is_the_mean_over_the_assistants_tokens(conversations):
     loader = ConversationLoader(str(conversations), "train", 4, 64)
     x, y = loader.next_batch()

@@ -195,6 +195,14 @@ def test_cli_rejects_bad_overrides(argv, message):
         parse_config(train.TrainConfig, argv, train.PRESETS)
 
 
+def test_an_architecture_flag_adds_to_the_presets_architecture():
+    # --dropout over the shakespeare preset changes that one GPTConfig field and keeps the preset's 6-layer shape
+    cfg = parse_config(train.TrainConfig, ["--preset", "shakespeare", "--dropout=0.1", "--n-layer", "4"],
+                       train.PRESETS)
+    assert cfg.arch == {"n_layer": 4, "n_head": 6, "n_embd": 384, "dropout": 0.1}
+    assert train.PRESETS["shakespeare"]().arch["dropout"] == 0.2  # the preset's own dict is not written to
+
+
 def test_a_flag_given_twice_is_named_with_both_values_and_the_last_wins(capsys, monkeypatch):
     # a warning, not an error: a wrapper's defaults then the user's "$@" (scripts/gpu_suite.sh) repeat flags by design
     monkeypatch.delenv("RANK", raising=False)
@@ -842,6 +850,114 @@ def test_a_resume_names_the_start_of_its_weights_when_init_from_names_another(ca
     cfg = prune.PruneConfig(resume="auto")
     stage.note_changed_flags({**dataclasses.asdict(cfg), "init_from": "start.pt"}, cfg)
     assert capsys.readouterr().out == ""
+
+
+def test_resume_notes_stay_silent_for_an_evaluation_and_an_older_checkpoints_missing_flags(capsys):
+    # --eval-only trains nothing: another --max-steps changes no lr it uses; a checkpoint's config without the
+    # schedule's keys (an older run's) is the same schedule, not a KeyError
+    cfg = train.TrainConfig(max_steps=20, warmup_steps=2, eval_only=True)
+    stage.note_new_schedule({**dataclasses.asdict(cfg), "max_steps": 10}, cfg, 5)
+    stage.note_new_schedule({}, dataclasses.replace(cfg, eval_only=False), 5)
+    saved = dataclasses.asdict(train.TrainConfig(init_from="a.pt"))
+    del saved["init_from"]  # a checkpoint from before the key: its start unknown, so not named
+    stage.note_changed_flags(saved, train.TrainConfig(init_from="a.pt"))
+    assert capsys.readouterr().out == ""
+
+
+def test_check_run_counts_the_micro_steps_over_the_data_parallel_ranks():
+    # grad_accum = total / (B * T * dp); --eval-only makes the total one micro-step of every data-parallel rank
+    cfg = train.TrainConfig(model="tiny", seq_len=32, batch_size=2, total_batch_size=2 * 32 * 4 * 3, compile=False)
+    ctx = engine.Context()
+    got, grad_accum, compiled = stage.check_run(cfg, ctx, stage.model_config(cfg), 4)
+    assert (got, grad_accum, compiled) == (cfg, 3, False)
+    got, grad_accum, _ = stage.check_run(dataclasses.replace(cfg, eval_only=True, total_batch_size=524288), ctx,
+                                         stage.model_config(cfg), 4)
+    assert (got.total_batch_size, grad_accum) == (2 * 32 * 4, 1)
+    # --attention efficient on CUDA has no grouped-query kernel: refused with --n-kv-head, allowed without
+    gpu = engine.Context(device=torch.device("cuda"))
+    efficient = dataclasses.replace(cfg, attention="efficient")
+    stage.check_run(efficient, gpu, stage.model_config(cfg), 4)
+    with pytest.raises(ValueError, match="--attention efficient has no grouped-query"):
+        stage.check_run(efficient, gpu, dataclasses.replace(stage.model_config(cfg), n_kv_head=2), 4)
+
+
+def test_hold_out_dir_locks_for_a_training_run_on_rank_0_only(tmp_path):
+    # an --eval-only run, or another rank, takes no lock; a directory yet to be made is no problem
+    for rank, eval_only, locked in ((0, True, False), (1, False, False), (0, False, True)):
+        out = tmp_path / f"{rank}{eval_only}"
+        cfg = train.TrainConfig(out_dir=str(out), eval_only=eval_only)
+        with contextlib.ExitStack() as stack:
+            stage.hold_out_dir(cfg, rank, 1, stack)
+            assert (out / ".train.lock").exists() == locked, (rank, eval_only)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file, not a directory"), contextlib.ExitStack() as stack:
+        stage.hold_out_dir(train.TrainConfig(out_dir=str(tmp_path / "file")), 1, 1, stack)
+
+
+def test_lm_step_logs_the_mean_loss_over_ranks_and_the_tokens_of_every_data_parallel_rank(monkeypatch):
+    monkeypatch.setattr(stage, "set_lr", lambda optimizer, step, cfg: 0.25)
+    monkeypatch.setattr(stage, "train_step", lambda *args: (torch.tensor(2.0), torch.tensor(0.5)))
+    monkeypatch.setattr(stage, "all_sum", lambda t, world: t * world)  # every rank's loss the same 2.0
+    observed = []
+    guard = SimpleNamespace(for_step=lambda: None, observe=lambda *a: observed.append(a), skipped=0)
+    built = SimpleNamespace(model=None, optimizer=None, autocast=None, scaler=None)
+    cfg = train.TrainConfig(model="tiny", seq_len=32, batch_size=2)
+    step = stage.lm_step(cfg, built, lambda: None, 3, guard, engine.Context(world=4))
+    assert step(7) == {"loss": 2.0, "lr": 0.25, "grad_norm": 0.5, "tokens": 3 * 2 * 32 * 4}
+    assert observed == [(2.0, 0.5)]
+    guard.skipped = 1
+    assert step(8)["skipped"] == 1
+
+
+def test_val_evals_score_over_the_data_parallel_ranks_at_eval_every(monkeypatch):
+    # under --tp the val loss is averaged over the data-parallel ranks (setup.data.world), not every rank; the
+    # evaluation's cadence is --eval-every (0: the last step only)
+    seen = []
+    monkeypatch.setattr(stage, "token_bytes", lambda vocab, device: "bytes")
+    monkeypatch.setattr(engine, "val_metrics", lambda *args: seen.append(args[2:]) or {"loss": 1.5, "bpb": 0.5})
+    loader = SimpleNamespace(B=2, T=32, num_windows=10)
+    setup = SimpleNamespace(val_loader=loader, built=SimpleNamespace(model="m", autocast="ac"),
+                            ctx=engine.Context(rank=1, world=4), data=engine.Context(world=2),
+                            raw=SimpleNamespace(config=SimpleNamespace(vocab_size=96)), log=SimpleNamespace(say=print))
+    cfg = train.TrainConfig(eval_every=0, eval_tokens=128)
+    (val,) = stage.val_evals(cfg, setup)
+    assert (val.name, val.every) == ("val", 0)
+    assert val.fn(3) == {"val_loss": 1.5, "val_bpb": 0.5} and seen == [(2, "ac", 2, "bytes")]
+
+
+def tiny_init(tmp_path, block_size=16):
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=96, n_layer=1, n_head=2, n_embd=16))
+    path = tmp_path / "init.pt"
+    torch.save({"model": model.state_dict(), "model_config": model.config.__dict__, "train_config": {}}, path)
+    return model, path
+
+
+def test_load_init_crops_the_positions_to_seq_len_and_pads_the_vocabulary_where_asked(tmp_path):
+    import sft
+
+    model, path = tiny_init(tmp_path)
+    whole = stage.load_init(sft.SFTConfig(init_from=str(path), seq_len=16))  # the whole context is allowed
+    assert whole.config.block_size == 16 and whole.config.vocab_size == 96
+    short = stage.load_init(sft.SFTConfig(init_from=str(path), seq_len=8), vocab=100)
+    assert short.config.block_size == 8 and short.config.vocab_size == 50304
+    assert torch.equal(short.transformer.wpe.weight, model.transformer.wpe.weight[:8])
+    assert torch.equal(short.transformer.wte.weight[:96], model.transformer.wte.weight)
+    with pytest.raises(ValueError, match="--seq-len 17 is longer than --init-from"):
+        stage.load_init(sft.SFTConfig(init_from=str(path), seq_len=17))
+
+
+def test_build_model_inits_from_the_seed_and_a_resume_keeps_its_context(tmp_path):
+    cfg = train.TrainConfig(model="tiny", seq_len=16, seed=3)
+    torch.manual_seed(0)
+    a = stage.build_model(cfg, None, engine.Context())
+    torch.manual_seed(1)
+    b = stage.build_model(cfg, None, engine.Context())
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    found = (tmp_path / "ckpt.pt", {"step": 0, "train_config": dataclasses.asdict(cfg), "model": a.state_dict(),
+                                    "model_config": dataclasses.asdict(a.config)})
+    assert stage.build_model(cfg, found, engine.Context()).config.block_size == 16
+    with pytest.raises(ValueError, match="--seq-len 8 is not the context of --resume"):
+        stage.build_model(dataclasses.replace(cfg, seq_len=8), found, engine.Context())
 
 
 SLOW_RANK_WORKER = """import os, sys, time
