@@ -45,7 +45,7 @@ class SFTConfig(TaskEvalArgs, StageArgs):
 
 PRESETS: dict[str, Callable[[], SFTConfig]] = {
     # OpenAI's GPT-2 124M on smol-smoltalk, about a third of an epoch
-    "sft": functools.partial(SFTConfig, init_from="gpt2", total_batch_size=32768, batch_size=8, max_lr=3e-5,
+    "sft": functools.partial(SFTConfig, init_from="gpt2", total_batch_size=32768, batch_size=4, max_lr=3e-5,
                              lr_schedule="linear", min_lr_frac=0.0, warmup_steps=20, max_steps=2000, eval_every=200,
                              eval_tokens=327680, ckpt_every=500, out_dir="out/sft"),
     # the offline chat demo: the demo's model fine-tuned on tasks.py's addition problems, one to a 24-token row (packed

@@ -4,6 +4,7 @@ Usage:
     python fineweb.py --source stdlib && python train.py --preset tiny   # CPU, seconds
     torchrun --standalone --nproc_per_node=8 train.py --preset gpt2-124m
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py --preset gpt2-124m
+        --batch-size 32   # on each node (one line): 32 rows x 1,024 tokens x 16 GPUs fill its 524,288-token step
     python train.py --help                                          # every option, with its meaning
 """
 

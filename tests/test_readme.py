@@ -14,6 +14,7 @@ import bench
 import chat
 import common
 import core
+import engine
 import export
 import fineweb
 import hellaswag
@@ -23,6 +24,7 @@ import prune
 import rl
 import sample
 import sft
+import stage
 import tasks
 import train
 from conftest import ROOT, SHAKESPEARE
@@ -74,6 +76,27 @@ DOCS = ("README.md", "docs/guide.md", "docs/resume.md", "docs/scale.md")
 def test_readme_command_flags_exist(script, args):
     cls, presets = SCRIPTS[script]
     common.parse_config(cls, args, presets)  # raises SystemExit naming the flag if one does not exist
+
+
+def torchrun_commands() -> list[tuple[str, list[str], int]]:
+    """(script, args, world size) of each documented `torchrun --nproc_per_node=N [--nnodes=M] X.py ...` of a stage."""
+    out = []
+    for doc in DOCS:
+        for line in (ROOT / doc).read_text().replace("\\\n", " ").splitlines():
+            if (m := re.match(r"torchrun (.*?)(train|sft|prefs|rl)\.py ([^#|]*)", line.strip())) and "=N " not in line:
+                nodes = re.search(r"--nnodes[= ](\d+)", m.group(1))
+                procs = re.search(r"--nproc_per_node[= ](\d+)", m.group(1))
+                out.append((f"{m.group(2)}.py", shlex.split(m.group(3)), int(procs[1]) * int(nodes[1] if nodes else 1)))
+    return out
+
+
+@pytest.mark.parametrize("script, args, world", torchrun_commands(), ids=lambda v: str(v))
+def test_documented_torchrun_commands_fit_their_ranks(script, args, world):
+    # sft.py --preset sft's 32,768-token batch was 8 rows of 1,024 x 8 ranks = 65,536: refused on the README's 8 GPUs
+    cls, presets = SCRIPTS[script]
+    cfg = common.parse_config(cls, args, presets)
+    dp = world // max(cfg.tp, 1) // max(cfg.pp, 1)
+    stage.check_run(cfg, engine.Context(), stage.model_config(cfg), dp)  # dp ranks; the world only for agreeing
 
 
 def test_quickstart_is_what_ci_runs():
