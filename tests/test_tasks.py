@@ -670,6 +670,13 @@ def test_the_cli_scores_an_hf_export_as_its_checkpoint(tmp_path):
     export_hf(model, tmp_path / "hf", chat=True)
     result = tasks.main(["--eval", str(tmp_path / "hf"), "--tasks", spec, "--max-new-tokens", "6"])
     assert result["results"] == pytest.approx({"gsm8k": 2 / 3})
+    # a run's directory of checkpoints was sent to --init-from's loader: 'pass --ckpt ...', flags tasks.py lacks
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt_000010.pt").touch()
+    with pytest.raises(SystemExit) as e:
+        tasks.main(["--eval", str(tmp_path / "run"), "--tasks", spec])
+    assert e.value.code == (f"error: checkpoint {tmp_path / 'run'} is a directory, not a file; pass a checkpoint file "
+                            f"in it (the latest is {tmp_path / 'run' / 'ckpt_000010.pt'})")
 
 
 def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, capsys, monkeypatch):
