@@ -79,6 +79,7 @@ class Task:
         for i, row in enumerate(rows):  # a bad row (a local copy's) in one line naming it, not example()'s traceback
             with row_errors(source or self.hub, i):
                 out.append(example(row))
+                check_messages(out[-1]["messages"], "assistant")  # as render() will, while the row can be named
         return out
 
 

@@ -101,6 +101,14 @@ def test_a_bad_row_of_a_local_copy_is_one_line_naming_it(tmp_path, name, row, wh
         task.examples("test")
 
 
+def test_a_local_copys_row_that_renders_wrong_is_named(tmp_path):
+    # example() took a null question; render() refused it later, naming neither the file nor the row
+    path = write_rows(tmp_path / "t.jsonl", [GSM8K_ROWS[0], {"question": None, "answer": "#### 4"}])
+    with pytest.raises(ValueError, match=rf"^{path} row 1 \(0-based, [^)]*\): message 0 \(user\) has content of type "
+                                         "NoneType, expected a string$"):
+        tasks.load_task(f"gsm8k={path}").examples("test")
+
+
 @pytest.mark.parametrize("reply, right", [
     ("C", True), ("C.", True), ("(C)", True), ("The answer is C", True), ("C, not B", True),
     ("Definitely C", True), ("Because of B, C", False),  # a capital inside a word is no letter
