@@ -639,7 +639,7 @@ def test_accuracy_scores_multiple_choice_under_the_autocast_it_is_given():
     assert autocast.entered == 1  # around the forwards, bf16 on a GPU
 
 
-def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
+def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys, monkeypatch):
     from dataclasses import asdict
 
     import torch
@@ -655,6 +655,8 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "mmlu: accuracy 0.3333, centered 0.1111 (3 problems)" in out
     assert f"ChatCORE {result['chatcore']:.4f} over mmlu, arc-challenge, gsm8k (nanochat's also has HumanEval)" in out
+    monkeypatch.setenv("HOME", str(tmp_path))  # --eval=~/chat.pt, which no shell expands, as an HF directory's ~ is
+    assert tasks.main(["--eval=~/chat.pt", "--tasks", spec, "--limit", "3"])["results"] == result["results"]
     with pytest.raises(SystemExit) as e:  # the line named the split, not the file that was the mistake
         tasks.main(["--eval", str(ckpt), "--tasks", f"addition={tmp_path / 'a.jsonl'}"])
     assert e.value.code == (f"error: addition is made here, with splits train and test and no source; got 'test' and "
