@@ -493,11 +493,9 @@ def score_tasks(cfg: TasksConfig) -> dict:
     """--eval: the checkpoint's accuracy on each task and their ChatCORE, printed by rank 0."""
     with own_process_group(), user_errors(OSError, ValueError, RuntimeError):  # ValueError: fineweb.DataError too
         rank, _, world, device = setup_distributed(cfg.device)
-        # an HF directory (an export) loads as chat.py's --init-from does; a run's directory gets load_checkpoint's hint
-        path = Path(cfg.eval).expanduser()
+        path = Path(cfg.eval).expanduser()  # an HF directory (an export) loads as chat.py's --init-from does
         model = GPT.load(*((None, str(path)) if (path / "config.json").is_file() else (str(path), None)))
-        # HF GPT-2's 50,257 rows (train.py --init-from gpt2) padded for the chat tokens, as chat.py does
-        model = model.pad_vocab(GPTConfig().vocab_size).to(device)
+        model = model.pad_vocab(GPTConfig().vocab_size).to(device)  # HF GPT-2's 50,257 rows: room for the chat tokens
         named = named_tasks(cfg.tasks, cfg.split, cfg.limit)
         bs = model.config.block_size
         check_prompts(named, bs, "--tasks", f"the model's whole context ({bs}) or more; score another task")
