@@ -97,7 +97,9 @@ class GSM8K(Task):
                 parts += [{"type": "tool", "text": expr}, {"type": "output", "text": result}]
             elif piece and not k % 2:
                 parts.append({"type": "text", "text": piece})
-        return conversation(row["question"], parts, row["answer"].rsplit("####", 1)[1].strip().replace(",", ""))
+        answer = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+        float(answer)  # check() compares numbers: a bad one raised at its first check, naming no row
+        return conversation(row["question"], parts, answer)
 
     def check(self, reply: str, answer: str) -> bool:
         """The number after the reply's last ####, else its last number, equals the answer (commas aside)."""

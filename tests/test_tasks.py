@@ -88,6 +88,8 @@ def test_gsm8k_reads_a_local_jsonl_in_the_hub_schema(tmp_path):
 
 @pytest.mark.parametrize("name, row, why", [
     ("gsm8k", {"question": "q", "answer": "she has 3"}, "IndexError: list index out of range"),  # no ####
+    # check() compares numbers: float() raised at the first check, naming no row
+    ("gsm8k", {"question": "q", "answer": "#### four"}, "ValueError: could not convert string to float: 'four'"),
     ("arc-easy", {**ARC_ROW, "choices": {"text": ["a", "b"]}}, "KeyError: 'label'"),
     ("arc-easy", {**ARC_ROW, "answerKey": "5"}, "ValueError: '5' is not in list"),
     ("mmlu", {"question": "q", "choices": ["a", "b"], "answer": 2}, "IndexError: string index out of range"),
