@@ -79,6 +79,7 @@ class Task:
         for i, row in enumerate(rows):  # a bad row (a local copy's) in one line naming it, not example()'s traceback
             with row_errors(source or self.hub, i):
                 out.append(example(row))
+                check_messages(out[-1]["messages"], "assistant")  # as render() will, while the row can be named
         return out
 
 
@@ -96,7 +97,9 @@ class GSM8K(Task):
                 parts += [{"type": "tool", "text": expr}, {"type": "output", "text": result}]
             elif piece and not k % 2:
                 parts.append({"type": "text", "text": piece})
-        return conversation(row["question"], parts, row["answer"].rsplit("####", 1)[1].strip().replace(",", ""))
+        answer = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+        float(answer)  # check() compares numbers: a bad one raised at its first check, naming no row
+        return conversation(row["question"], parts, answer)
 
     def check(self, reply: str, answer: str) -> bool:
         """The number after the reply's last ####, else its last number, equals the answer (commas aside)."""
@@ -492,9 +495,9 @@ def score_tasks(cfg: TasksConfig) -> dict:
     """--eval: the checkpoint's accuracy on each task and their ChatCORE, printed by rank 0."""
     with own_process_group(), user_errors(OSError, ValueError, RuntimeError):  # ValueError: fineweb.DataError too
         rank, _, world, device = setup_distributed(cfg.device)
-        # HF GPT-2's 50,257 rows (train.py --init-from gpt2) padded for the chat tokens, as chat.py does
-        hf = Path(cfg.eval).expanduser().is_dir()  # an HF directory (an export) loads as chat.py's --init-from does
-        model = GPT.load(*((None, cfg.eval) if hf else (cfg.eval, None))).pad_vocab(GPTConfig().vocab_size).to(device)
+        path = Path(cfg.eval).expanduser()  # an HF directory (an export) loads as chat.py's --init-from does
+        model = GPT.load(*((None, str(path)) if (path / "config.json").is_file() else (str(path), None)))
+        model = model.pad_vocab(GPTConfig().vocab_size).to(device)  # HF GPT-2's 50,257 rows: room for the chat tokens
         named = named_tasks(cfg.tasks, cfg.split, cfg.limit)
         bs = model.config.block_size
         check_prompts(named, bs, "--tasks", f"the model's whole context ({bs}) or more; score another task")

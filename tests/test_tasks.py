@@ -88,6 +88,8 @@ def test_gsm8k_reads_a_local_jsonl_in_the_hub_schema(tmp_path):
 
 @pytest.mark.parametrize("name, row, why", [
     ("gsm8k", {"question": "q", "answer": "she has 3"}, "IndexError: list index out of range"),  # no ####
+    # check() compares numbers: float() raised at the first check, naming no row
+    ("gsm8k", {"question": "q", "answer": "#### four"}, "ValueError: could not convert string to float: 'four'"),
     ("arc-easy", {**ARC_ROW, "choices": {"text": ["a", "b"]}}, "KeyError: 'label'"),
     ("arc-easy", {**ARC_ROW, "answerKey": "5"}, "ValueError: '5' is not in list"),
     ("mmlu", {"question": "q", "choices": ["a", "b"], "answer": 2}, "IndexError: string index out of range"),
@@ -99,6 +101,14 @@ def test_a_bad_row_of_a_local_copy_is_one_line_naming_it(tmp_path, name, row, wh
     task = tasks.load_task(f"{name}={path}")
     with pytest.raises(ValueError, match=rf"^{path} row 1 \(0-based, [^)]*\): reading it as .* raised {why}"):
         task.examples("test")
+
+
+def test_a_local_copys_row_that_renders_wrong_is_named(tmp_path):
+    # example() took a null question; render() refused it later, naming neither the file nor the row
+    path = write_rows(tmp_path / "t.jsonl", [GSM8K_ROWS[0], {"question": None, "answer": "#### 4"}])
+    with pytest.raises(ValueError, match=rf"^{path} row 1 \(0-based, [^)]*\): message 0 \(user\) has content of type "
+                                         "NoneType, expected a string$"):
+        tasks.load_task(f"gsm8k={path}").examples("test")
 
 
 @pytest.mark.parametrize("reply, right", [
@@ -631,7 +641,7 @@ def test_accuracy_scores_multiple_choice_under_the_autocast_it_is_given():
     assert autocast.entered == 1  # around the forwards, bf16 on a GPU
 
 
-def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
+def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys, monkeypatch):
     from dataclasses import asdict
 
     import torch
@@ -647,6 +657,8 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "mmlu: accuracy 0.3333, centered 0.1111 (3 problems)" in out
     assert f"ChatCORE {result['chatcore']:.4f} over mmlu, arc-challenge, gsm8k (nanochat's also has HumanEval)" in out
+    monkeypatch.setenv("HOME", str(tmp_path))  # --eval=~/chat.pt, which no shell expands, as an HF directory's ~ is
+    assert tasks.main(["--eval=~/chat.pt", "--tasks", spec, "--limit", "3"])["results"] == result["results"]
     with pytest.raises(SystemExit) as e:  # the line named the split, not the file that was the mistake
         tasks.main(["--eval", str(ckpt), "--tasks", f"addition={tmp_path / 'a.jsonl'}"])
     assert e.value.code == (f"error: addition is made here, with splits train and test and no source; got 'test' and "
@@ -670,6 +682,13 @@ def test_the_cli_scores_an_hf_export_as_its_checkpoint(tmp_path):
     export_hf(model, tmp_path / "hf", chat=True)
     result = tasks.main(["--eval", str(tmp_path / "hf"), "--tasks", spec, "--max-new-tokens", "6"])
     assert result["results"] == pytest.approx({"gsm8k": 2 / 3})
+    # a run's directory of checkpoints was sent to --init-from's loader: 'pass --ckpt ...', flags tasks.py lacks
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt_000010.pt").touch()
+    with pytest.raises(SystemExit) as e:
+        tasks.main(["--eval", str(tmp_path / "run"), "--tasks", spec])
+    assert e.value.code == (f"error: checkpoint {tmp_path / 'run'} is a directory, not a file; pass a checkpoint file "
+                            f"in it (the latest is {tmp_path / 'run' / 'ckpt_000010.pt'})")
 
 
 def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, capsys, monkeypatch):
