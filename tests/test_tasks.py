@@ -88,8 +88,6 @@ def test_gsm8k_reads_a_local_jsonl_in_the_hub_schema(tmp_path):
 
 @pytest.mark.parametrize("name, row, why", [
     ("gsm8k", {"question": "q", "answer": "she has 3"}, "IndexError: list index out of range"),  # no ####
-    # check() compares numbers: float() raised at the first check, naming no row
-    ("gsm8k", {"question": "q", "answer": "#### four"}, "ValueError: could not convert string to float: 'four'"),
     ("arc-easy", {**ARC_ROW, "choices": {"text": ["a", "b"]}}, "KeyError: 'label'"),
     ("arc-easy", {**ARC_ROW, "answerKey": "5"}, "ValueError: '5' is not in list"),
     ("mmlu", {"question": "q", "choices": ["a", "b"], "answer": 2}, "IndexError: string index out of range"),
@@ -101,14 +99,6 @@ def test_a_bad_row_of_a_local_copy_is_one_line_naming_it(tmp_path, name, row, wh
     task = tasks.load_task(f"{name}={path}")
     with pytest.raises(ValueError, match=rf"^{path} row 1 \(0-based, [^)]*\): reading it as .* raised {why}"):
         task.examples("test")
-
-
-def test_a_local_copys_row_that_renders_wrong_is_named(tmp_path):
-    # example() took a null question; render() refused it later, naming neither the file nor the row
-    path = write_rows(tmp_path / "t.jsonl", [GSM8K_ROWS[0], {"question": None, "answer": "#### 4"}])
-    with pytest.raises(ValueError, match=rf"^{path} row 1 \(0-based, [^)]*\): message 0 \(user\) has content of type "
-                                         "NoneType, expected a string$"):
-        tasks.load_task(f"gsm8k={path}").examples("test")
 
 
 @pytest.mark.parametrize("reply, right", [
