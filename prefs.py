@@ -95,7 +95,7 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
         prompt, chosen, rejected = split_transcripts(chosen, rejected)
     if not (isinstance(prompt, list) and isinstance(chosen, str) and isinstance(rejected, str)):
         raise ValueError("expected the prompt as text or messages, chosen and rejected as text or conversations that "
-                         "end with the assistant's reply")
+                         "end with the assistant's reply as a string, not a list of parts")
     check_flags([(chosen.strip(), "the chosen reply is empty"), (rejected.strip(), "the rejected reply is empty"),
                  (chosen != rejected, "chosen == rejected: the pair prefers nothing; drop such pairs")])
     for messages in whole:  # the replies' other fields (tool calls, reasoning); last, so the checks above speak first

@@ -119,6 +119,10 @@ def test_multi_turn_conversations_keep_every_earlier_turn_and_a_prompts_spaces()
     # a user's last message is not an assistant's reply; a transcript's text before its first turn is not dropped
     ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
      "expected the prompt as text or messages, chosen and rejected as text or conversations that end with"),
+    # a reply as content parts (OpenAI's, and sft.py's for tool calls): pairs take its text, and say so
+    ({"prompt": "p", "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "a"}]}],
+      "rejected": [{"role": "assistant", "content": "b"}]}, "expected the prompt as text or messages, chosen and "
+     "rejected as text or conversations that end with the assistant's reply as a string, not a list of parts"),
     # a reply's reasoning beside its text: parse_pair keeps the text, so the pair was scored without it
     ({"chosen": [*conversation("p", "a")[:1], {"role": "assistant", "content": "a", "reasoning_content": "r"}],
       "rejected": conversation("p", "b")}, "message 1 (assistant) has 'reasoning_content', which the chat format does "
