@@ -277,7 +277,7 @@ PRESETS: dict[str, Callable[[], PrefsConfig]] = {
 
 
 def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list[Eval]:
-    """The held-out pairs' loss, the share ranked right and the mean margin."""
+    """The held-out pairs' loss, the share ranked right and the mean margin; DPO's each side's reward (and sft term)."""
     if setup.val_loader is None:
         return []
     built, ctx = setup.built, setup.ctx
@@ -286,7 +286,7 @@ def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list
     def val(step: int) -> dict[str, Any]:
         pairs = evaluate_pairs(built.model, setup.val_loader, windows, metrics.metrics_fn, built.autocast, ctx.world)
         setup.log.say(f"step {step:6d} | val loss {pairs['loss']:.4f} | pairs ranked right {pairs['accuracy']:.4f}")
-        return {"val_loss": pairs["loss"], "val_accuracy": pairs["accuracy"], "val_margin": pairs["margin"]}
+        return {f"val_{name}": value for name, value in pairs.items()}  # DPO's: its rewards and sft term too, as TRL
 
     return [Eval("val", cfg.eval_every, val)]
 
