@@ -95,7 +95,7 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
         prompt, chosen, rejected = split_transcripts(chosen, rejected)
     if not (isinstance(prompt, list) and isinstance(chosen, str) and isinstance(rejected, str)):
         raise ValueError("expected the prompt as text or messages, chosen and rejected as text or conversations that "
-                         "end with the assistant's reply")
+                         "end with the assistant's reply as a string, not a list of parts")
     check_flags([(chosen.strip(), "the chosen reply is empty"), (rejected.strip(), "the rejected reply is empty"),
                  (chosen != rejected, "chosen == rejected: the pair prefers nothing; drop such pairs")])
     for messages in whole:  # the replies' other fields (tool calls, reasoning); last, so the checks above speak first
@@ -277,7 +277,7 @@ PRESETS: dict[str, Callable[[], PrefsConfig]] = {
 
 
 def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list[Eval]:
-    """The held-out pairs' loss, the share ranked right and the mean margin."""
+    """The held-out pairs' loss, the share ranked right and the mean margin; DPO's each side's reward (and sft term)."""
     if setup.val_loader is None:
         return []
     built, ctx = setup.built, setup.ctx
@@ -286,7 +286,7 @@ def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list
     def val(step: int) -> dict[str, Any]:
         pairs = evaluate_pairs(built.model, setup.val_loader, windows, metrics.metrics_fn, built.autocast, ctx.world)
         setup.log.say(f"step {step:6d} | val loss {pairs['loss']:.4f} | pairs ranked right {pairs['accuracy']:.4f}")
-        return {"val_loss": pairs["loss"], "val_accuracy": pairs["accuracy"], "val_margin": pairs["margin"]}
+        return {f"val_{name}": value for name, value in pairs.items()}  # DPO's: its rewards and sft term too, as TRL
 
     return [Eval("val", cfg.eval_every, val)]
 

@@ -20,10 +20,11 @@ from typing import Any
 from common import checkpoints, iter_log, same_verdict, write_error
 
 # log.jsonl fields per record type, one named after its type unprefixed (val_loss -> val/loss); train: pretraining's,
-# the preference objectives' and rl.py's; val: prune.py's sparsity too; task: pass@k as well (scalars, below)
+# the preference objectives' and rl.py's; val: DPO's rewards, prune.py's sparsity; task: pass@k as well (scalars)
 SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu", "accuracy", "margin", "reward", "reward_std", "kl",
                      "clip_frac", "entropy", "length", "value_loss", "rollout_tok_s", "update_tok_s"),
-           "val": ("val_loss", "val_bpb", "val_accuracy", "val_margin", "sparsity"), "hellaswag": ("acc", "acc_norm"),
+           "val": ("val_loss", "val_bpb", "val_accuracy", "val_margin", "val_chosen_reward", "val_rejected_reward",
+                   "val_nll", "sparsity"), "hellaswag": ("acc", "acc_norm"),
            "task": ("acc",), "core": ("core_metric",), "chatcore": ("chatcore",)}
 
 

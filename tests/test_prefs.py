@@ -119,6 +119,10 @@ def test_multi_turn_conversations_keep_every_earlier_turn_and_a_prompts_spaces()
     # a user's last message is not an assistant's reply; a transcript's text before its first turn is not dropped
     ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
      "expected the prompt as text or messages, chosen and rejected as text or conversations that end with"),
+    # a reply as content parts (OpenAI's, and sft.py's for tool calls): pairs take its text, and say so
+    ({"prompt": "p", "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "a"}]}],
+      "rejected": [{"role": "assistant", "content": "b"}]}, "expected the prompt as text or messages, chosen and "
+     "rejected as text or conversations that end with the assistant's reply as a string, not a list of parts"),
     # a reply's reasoning beside its text: parse_pair keeps the text, so the pair was scored without it
     ({"chosen": [*conversation("p", "a")[:1], {"role": "assistant", "content": "a", "reasoning_content": "r"}],
       "rejected": conversation("p", "b")}, "message 1 (assistant) has 'reasoning_content', which the chat format does "
@@ -458,6 +462,25 @@ def test_pair_evals_log_the_held_out_loss_accuracy_and_margin():
     assert len(set(want.values())) == 3 and val.every == 5
     assert val.fn(3) == {"val_loss": want["loss"], "val_accuracy": want["accuracy"], "val_margin": want["margin"]}
     assert said == [f"step      3 | val loss {want['loss']:.4f} | pairs ranked right {want['accuracy']:.4f}"]
+
+
+def test_dpos_pair_evals_log_its_held_out_rewards_and_sft_term_as_trl_does():
+    # TRL's eval_rewards/chosen and /rejected: both falling is what --dpo-sft is there to stop, so the log shows them
+    from types import SimpleNamespace as NS
+
+    import prefs
+
+    model, off = tiny(), contextlib.nullcontext()
+    ref = frozen_copy(model)
+    with torch.no_grad():
+        ref.transformer.h[0].mlp.c_fc.weight.add_(0.5 * torch.randn_like(ref.transformer.h[0].mlp.c_fc.weight))
+    loader = PairLoader(text_rows(4), "val", 2, 40, shuffle=False)
+    setup = NS(val_loader=loader, built=NS(model=model, autocast=off), ctx=NS(master=True, world=1),
+               log=NS(say=lambda line: None))
+    metrics = lambda m, b: dpo_metrics(m, b, ref, sft=1.0)
+    [val] = prefs.pair_evals(NS(eval_every=5, eval_tokens=160), setup, Objective(metrics))
+    want = evaluate_pairs(model, loader, 2, metrics, off, 1)
+    assert val.fn(3) == {f"val_{k}": v for k, v in want.items()} and len(want) == 6
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -84,6 +84,9 @@ def test_scalars_are_named_by_record_type():
         {"task/acc": 0.5, "task/pass@8": 0.75}
     assert trackers.scalars({"type": "val", "step": 4, "val_loss": 0.6, "val_accuracy": 0.7, "val_margin": 0.2}) == \
         {"val/loss": 0.6, "val/accuracy": 0.7, "val/margin": 0.2}
+    # DPO's held-out rewards of each side and its sft term (TRL's eval rewards/chosen, rewards/rejected)
+    dpo_val = {"val_loss": 0.9, "val_chosen_reward": -0.1, "val_rejected_reward": -0.3, "val_nll": 0.4}
+    assert trackers.scalars({"type": "val", "step": 4, **dpo_val}) == {f"val/{k[4:]}": v for k, v in dpo_val.items()}
     # prune.py's: the sparsity its log.jsonl records at every evaluation
     assert trackers.scalars({"type": "val", "step": 4, "val_loss": 6.4, "val_bpb": 2.6, "sparsity": 0.5}) == \
         {"val/loss": 6.4, "val/bpb": 2.6, "val/sparsity": 0.5}
