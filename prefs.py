@@ -96,27 +96,29 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
     if not (isinstance(prompt, list) and isinstance(chosen, str) and isinstance(rejected, str)):
         raise ValueError("expected the prompt as text or messages, chosen and rejected as text or conversations that "
                          "end with the assistant's reply as a string, not a list of parts")
-    check_flags([(chosen.strip(), "the chosen reply is empty"), (rejected.strip(), "the rejected reply is empty"),
-                 (chosen != rejected, "chosen == rejected: the pair prefers nothing; drop such pairs")])
     for messages in whole:  # the replies' other fields (tool calls, reasoning); last, so the checks above speak first
         check_messages(messages, "assistant")
     return prompt, chosen, rejected
 
 
-def render_pairs(rows: Any, name: str, T: int) -> tuple[list[list[np.ndarray]], np.ndarray, int]:
-    """Each pair's [chosen ids, rejected ids], their replies' first positions (n, 2), and the count of pairs dropped
-    because a side is longer than T tokens (cut, it would score another reply or none)."""
-    ids, starts, dropped = [], [], 0
+def render_pairs(rows: Any, name: str, T: int) -> tuple[list[list[np.ndarray]], np.ndarray, int, int]:
+    """Each pair's [chosen ids, rejected ids], their replies' first positions (n, 2), and the counts of pairs dropped:
+    a side longer than T tokens (cut, it would score another reply or none); a tie or an empty reply (hub sets hold
+    a few, which prefer nothing: TRL's and OpenRLHF's users filter them)."""
+    ids, starts, dropped, moot = [], [], 0, 0
     for i, row in rows:
         with row_errors(name, i):
             prompt, *replies = parse_pair(row)
+            if replies[0] == replies[1] or not all(reply.strip() for reply in replies):
+                moot += 1
+                continue
             sides = [render([*prompt, {"role": "assistant", "content": reply}]) for reply in replies]
         if max(len(side) for side, _ in sides) > T:
             dropped += 1
             continue
         ids.append([np.array(side, dtype=np.uint16) for side, _ in sides])
         starts.append([len(mask) - mask[::-1].index(0) for _, mask in sides])  # after the last 0: the reply
-    return ids, np.array(starts, dtype=np.int64).reshape(-1, 2), dropped
+    return ids, np.array(starts, dtype=np.int64).reshape(-1, 2), dropped, moot
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -139,16 +141,17 @@ class PairLoader(RowStream):
             name, rows = str(source), split_rows(source, split, SPLITS)
         else:
             name, rows = str(source), enumerate(load_rows(source, split))
-        self.ids, self.starts, dropped = render_pairs(rows, name, T)
+        self.ids, self.starts, dropped, moot = render_pairs(rows, name, T)
         self._stream(name, split, B, T, rank, world_size, seed, device, shuffle, len(self.ids),
                      sum(len(side) for pair in self.ids for side in pair))
         self.num_pairs = len(self.ids)
         if self.num_windows == 0:
-            raise DataError(f"{name} {split}: {self.num_pairs} pairs of at most T = {T} tokens ({dropped} longer "
-                            f"dropped), fewer than B = {B}; lower --batch-size, raise --seq-len or add pairs")
+            raise DataError(f"{name} {split}: {self.num_pairs} pairs of at most T = {T} tokens ({dropped} longer, "
+                            f"{moot} ties or empty dropped), fewer than B = {B}; lower --batch-size, raise "
+                            "--seq-len or add pairs")
         if rank == 0:
-            print(f"{name} {split}: {self.num_pairs:,} pairs; {dropped:,} with a side over {T} tokens dropped"
-                  + val_note(name, split))
+            print(f"{name} {split}: {self.num_pairs:,} pairs; {dropped:,} with a side over {T} tokens and {moot:,} "
+                  "ties or empty replies dropped" + val_note(name, split))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int64, mask bool), each (2B, T) on the loader's device: B chosen rows, then the same pairs' B rejected

@@ -109,9 +109,6 @@ def test_multi_turn_conversations_keep_every_earlier_turn_and_a_prompts_spaces()
     ({"messages": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "a"}]},
      "missing field 'chosen': a row with 'messages' is a conversation, sft.py's data; a pair is {\"prompt\", "
      "\"chosen\", \"rejected\"} (tasks.py --pairs writes them)"),
-    ({"prompt": "p", "chosen": "a", "rejected": "  "}, "the rejected reply is empty"),
-    ({"prompt": "p", "chosen": "same", "rejected": "same"},
-     "chosen == rejected: the pair prefers nothing; drop such pairs"),
     ({"chosen": "one reply", "rejected": "another"}, "no 'prompt' field, and chosen and rejected are not"),
     ({"prompt": "p", "chosen": conversation("a", "x"), "rejected": conversation("b", "y")},
      "chosen and rejected continue different conversations"),
@@ -207,9 +204,21 @@ def test_a_glob_of_pair_files_is_read_as_one_file(tmp_path, capsys):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in text_rows(n)))
     pattern = str(tmp_path / "*.jsonl")
     assert [PairLoader(pattern, split, 1, 48).num_pairs for split in ("train", "val")] == [38, 2]  # rows 0, 20 val
-    assert capsys.readouterr().out.startswith(f"{pattern} train: 38 pairs; 0 with a side over 48 tokens dropped; "
+    assert capsys.readouterr().out.startswith(f"{pattern} train: 38 pairs; 0 with a side over 48 tokens and 0 ties "
+                                              "or empty replies dropped; "
                                               "every 20th row from row 0 is held out as val, with --eval-every 0 "
                                               "too\n")
+
+
+def test_ties_and_empty_replies_are_dropped_and_counted_not_a_stop(capsys):
+    # a hub set's tie or empty reply stopped the run, with no file to edit; they prefer nothing, so TRL's users filter
+    moot = [{"prompt": "p", "chosen": "same", "rejected": "same"}, {"prompt": "p", "chosen": "a", "rejected": "  "},
+            {"prompt": "p", "chosen": "", "rejected": "b"}]
+    loader = PairLoader(text_rows(4) + moot, "train", 1, 48, shuffle=False)
+    assert loader.num_pairs == 4 and "4 pairs; 0 with a side over 48 tokens and 3 ties or empty replies dropped" in \
+        capsys.readouterr().out
+    with pytest.raises(DataError, match=r"0 pairs of at most T = 48 tokens \(0 longer, 3 ties or empty dropped\)"):
+        PairLoader(moot, "train", 1, 48)
 
 
 def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_dropped():
