@@ -121,18 +121,19 @@ def load_tasks(bundle: Path, max_per_task: int = 0) -> list[CoreTask]:
         path, shots = bundle / "eval_data" / entry["dataset_uri"], entry["num_fewshot"]
         shots = shots[0] if isinstance(shots, list) else shots  # DCLM's is a list ([10]); nanochat scores the first
         rows = read_local(path)  # a line that is not JSON is one error naming the file and the line
-        if (bad := next(((i, why) for i, row in enumerate(rows) if (why := row_problem(row, kind))), None)):
+        delimiter = entry.get("continuation_delimiter", " ")
+        if (bad := next(((i, why) for i, row in enumerate(rows) if (why := row_problem(row, kind, delimiter))), None)):
             raise ValueError(f"{row_name(str(path), bad[0])}: {bad[1]} (a {kind} row of task {label})")
         random.Random(1337).shuffle(rows)
         rows = rows[:max_per_task or None]
         if len(rows) <= shots:  # each row's few-shot examples are drawn from the others
             raise ValueError(f"task {label} is {shots}-shot, but has {len(rows)} rows to score ({path}): it needs at "
                              f"least {shots + 1}; raise --max-per-task or add rows")
-        tasks.append(CoreTask(label, kind, rows, shots, entry.get("continuation_delimiter", " "), baselines[label]))
+        tasks.append(CoreTask(label, kind, rows, shots, delimiter, baselines[label]))
     return tasks
 
 
-def row_problem(row: dict, kind: str) -> str:
+def row_problem(row: dict, kind: str, delimiter: str) -> str:
     """'' for a row of this kind that can be scored, else what is wrong with it."""
     keys = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
             "language_modeling": ("context", "continuation")}[kind]
@@ -141,6 +142,11 @@ def row_problem(row: dict, kind: str) -> str:
     options = row.get("choices", row.get("context_options", []))
     if "gold" in row and not (type(row["gold"]) is int and 0 <= row["gold"] < len(options)):  # "1" would never match
         return f"'gold' is {row['gold']!r}, not an index into its {len(options)} options"
+    if kind == "language_modeling":  # rendered as prompts() renders it; nanochat asserts this too
+        text, encode = f"{row['context'].strip()}{delimiter}", get_tokenizer().encode_ordinary
+        if (full := encode(text + row["continuation"]))[:len(ids := encode(text.strip()))] != ids or full == ids:
+            return f"its continuation joins the context's last token (continuation_delimiter {delimiter!r}) or is " \
+                "empty, so another span or none would be scored; start it with a space or a new line"
     return ""
 
 

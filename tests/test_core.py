@@ -286,3 +286,13 @@ def test_a_bad_task_file_is_one_line_naming_it(bundle, tmp_path):
     yaml.write_text(yaml.read_text().replace("  dataset_uri: language_modeling/lm.jsonl\n", ""))
     with pytest.raises(ValueError, match=r"core.yaml: icl_tasks item 2 has no dataset_uri$"):
         core.load_tasks(root)
+
+
+
+def test_a_continuation_that_joins_the_contexts_last_token_is_one_line(tmp_path):
+    # "19" + "84" is the one token "1984": the span scored was empty, so any model got the row right (nanochat asserts)
+    ok = {"context": "one two", "continuation": " three"}
+    for bad in [{"context": "In the year 19", "continuation": "84"}, {"context": "one", "continuation": ""}]:
+        write_bundle(tmp_path, {"lm": ("language_modeling", 0, 0.0, [ok, bad])}, {"lm": ""})
+        with pytest.raises(ValueError, match=r"lm.jsonl row 1 .*: its continuation joins the context's last token"):
+            core.load_tasks(tmp_path)
