@@ -288,7 +288,6 @@ def test_a_bad_task_file_is_one_line_naming_it(bundle, tmp_path):
         core.load_tasks(root)
 
 
-
 def test_a_continuation_that_joins_the_contexts_last_token_is_one_line(tmp_path):
     # "19" + "84" is the one token "1984": the span scored was empty, so any model got the row right (nanochat asserts)
     ok = {"context": "one two", "continuation": " three"}
