@@ -61,6 +61,8 @@ def shard_problem(args: Any, config: GPTConfig, world: int) -> str | None:
     ranks, stages = tp * pp, pp * SCHEDULES[args.pp_schedule][2]
     with torch.device("meta"):
         hidden = MLP(config).c_proj.in_features
+    unsharded = [f"--{name} {off}" for name, off, on in (("fused-gelu", "false", config.fused_gelu),
+                 ("fused-ce", "false", config.fused_ce), ("loss-chunk", 0, config.loss_chunk)) if on]
     checks = [(world % ranks, f"--tp {tp} x --pp {pp} = {ranks} ranks must divide the world size {world}: launch "
                               f"torchrun with a multiple of {ranks} processes"),
               (config.n_head % tp or config.kv_heads % tp, f"--tp {tp} must divide the {config.n_head} heads and the "
@@ -70,8 +72,8 @@ def shard_problem(args: Any, config: GPTConfig, world: int) -> str | None:
                "GPT-2's 50,257 rows (29 x 1733) divide by no --tp: fine-tune it with --pp or --parallel fsdp"),
               (stages > config.n_layer, f"--pp {pp} with --pp-schedule {args.pp_schedule} makes {stages} stages of "
                                         f"the {config.n_layer} blocks: lower --pp"),
-              (config.fused_gelu or config.fused_ce or config.loss_chunk,
-               "--fused-gelu, --fused-ce and --loss-chunk do not shard: drop them with --tp/--pp"),
+              (unsharded, f"--fused-gelu, --fused-ce and --loss-chunk do not shard: pass {', '.join(unsharded)} "
+                          "with --tp/--pp (a preset may set them)"),
               (tp > 1 and config.dropout > 0, "--dropout under --tp draws other masks on each tensor-parallel rank: "
                                               "use --dropout 0"),
               (config.value_head, "a value head does not shard: --tp/--pp train the language model only"),

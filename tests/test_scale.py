@@ -233,7 +233,10 @@ def test_tensor_and_pipeline_groups_share_their_data_rank():
     (dict(tp=2, arch=dict(n_kv_head=1)), 2, "and the 1 key-value heads"),
     (dict(pp=3), 3, "--pp 3 with --pp-schedule 1f1b makes 3 stages of the 2 blocks"),
     (dict(pp=2, pp_schedule="interleaved-1f1b"), 2, "makes 4 stages of the 2 blocks"),
-    (dict(tp=2, arch=dict(fused_ce=True)), 2, "--fused-ce and --loss-chunk do not shard"),
+    (dict(tp=2, arch=dict(fused_ce=True)), 2, "--fused-ce and --loss-chunk do not shard: pass --fused-ce false "
+     "with --tp/--pp"),
+    # the demo preset's --loss-chunk 128, which the user never typed: "drop them" pointed at nothing to drop
+    (dict(pp=2, arch=dict(loss_chunk=128, fused_gelu=True)), 2, "pass --fused-gelu false, --loss-chunk 0 with"),
     (dict(tp=2, arch=dict(dropout=0.1)), 2, "use --dropout 0"),
     (dict(tp=2), 4, "over 2 data-parallel ranks shard them with FSDP2: pass --parallel fsdp"),
     (dict(tp=2), 3, "--tp 2 x --pp 1 = 2 ranks must divide the world size 3"),
