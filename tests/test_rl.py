@@ -385,6 +385,33 @@ def test_pass_at_k_counts_a_problem_any_of_whose_k_samples_is_right(monkeypatch)
     assert said == ["step      3 | addition accuracy 0.2500, pass@2 0.6667 (3 held out)"]
 
 
+class Near(tasks.Addition):
+    def check(self, reply: str, answer: str) -> bool:  # right in float32 only: bf16 rounds 1.001 to 1
+        return (torch.tensor([[1.001]]) @ torch.tensor([[1.0]])).item() > 1.0
+
+
+def test_a_users_check_scores_rollouts_and_pass_at_k_outside_the_autocast_and_the_reward_model_inside(monkeypatch):
+    # both ran under the bf16 autocast the replies are sampled in: a check that builds tensors scored a right reply 0
+    from types import SimpleNamespace as NS
+
+    torch.manual_seed(0)
+    raw, problems = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)), Near().examples("test", n=2)
+    cfg = rl.RLConfig(prompts=1, samples=2, rollout_batch=1, minibatches=1, max_new_tokens=3, pass_k=2, device="cpu")
+    built = build_trainable(raw, cfg, torch.device("cpu"), use_compile=False, verbose=False)
+    built.autocast, seen = torch.autocast("cpu", torch.bfloat16), []
+    monkeypatch.setattr(rl, "rewards", lambda rm, ids, *_: seen.append(torch.is_autocast_enabled("cpu")) or
+                        torch.zeros(len(ids)))  # a reward model's forward, stubbed: it scores 0
+    judge = NS(config=raw.config, reward_logprob=False)
+    for reward, rm, expected in ((tasks.task_reward(Near(), "near"), None, 1.0), (None, judge, 0.0)):
+        step_fn = rl.rl_step(cfg, raw, built, None, reward, rm, rl.PromptSampler(problems, 0), NS(say=print),
+                             engine.Context())
+        assert step_fn(1)["reward"] == expected
+    assert seen == [True]  # the reward model's forward runs under the autocast: bf16 on a GPU
+    monkeypatch.setattr(tasks, "evaluate", lambda *args, **kwargs: {"acc": 1.0, "n": 2})
+    val = rl.task_eval(cfg, raw, Near(), problems, built.autocast, NS(say=print), engine.Context())
+    assert val.fn(0)["pass@2"] == 1.0
+
+
 @pytest.mark.parametrize("algo", ["rloo", "reinforce"])
 def test_rloo_and_reinforce_train_on_the_engine(models, tmp_path, algo):
     result = rl.main(flags(models, tmp_path / algo, f"--algo={algo}", "--max-steps=2", "--eval-every=0", "--pass-k=0",
