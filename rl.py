@@ -469,8 +469,8 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
         stage.check_resume(found, cfg)
     engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw),
                               "reward_model": rm and engine.weights_digest(rm),  # and each node's task file's problems
-                              "--task data": stage.digest([train_problems, test_problems])}, ctx.rank, ctx.world,
-                             f"--init-from {cfg.init_from}")
+                              "--task data": stage.digest([train_problems, test_problems])} if ctx.world > 1 else {},
+                             ctx.rank, ctx.world, f"--init-from {cfg.init_from}")  # one process: no rank to compare
     if (cfg.prompts // cfg.rollout_batch) % ctx.world:
         raise ValueError(f"--prompts {cfg.prompts} make {cfg.prompts // cfg.rollout_batch} generate() calls of "
                          f"--rollout-batch {cfg.rollout_batch}, not a multiple of the {ctx.world} ranks: each must get "

@@ -571,6 +571,25 @@ def test_a_resume_from_other_starting_weights_is_refused_where_they_are_the_kl_a
         "its --init-from, or start a new run")
 
 
+def test_one_process_digests_only_what_its_checkpoint_keeps_to_compare_on_resume(models, tmp_path, monkeypatch):
+    # the policy's (and a reward model's) weights, about 0.7 s a GB, and the task's problems were digested at every
+    # single-process start for a fingerprint with no other rank to compare it with
+    from test_tasks import USER_TASK
+
+    (tmp_path / "doubling.py").write_text(USER_TASK)  # 20 problems: addition's 7,700 take a second to render
+    digested, hashed, weights_digest, digest = [], [], engine.weights_digest, stage.digest
+    monkeypatch.setattr(engine, "weights_digest", lambda module: digested.append(module) or weights_digest(module))
+    monkeypatch.setattr(stage, "digest", lambda obj: hashed.append(obj) or digest(obj))
+    cfg = rl.RLConfig(init_from=str(models[0]), task=f"{tmp_path / 'doubling.py'}:Doubling", beta=0.05,
+                      out_dir=str(tmp_path / "run"), device="cpu", prompts=2, rollout_batch=1)
+    run = rl.setup(cfg, engine.Context())
+    run.log.close()
+    # the frozen KL anchor's weights and the prompt stream's problems: a resume compares them with the checkpoint's
+    frozen = [(weights_digest(m), not any(p.requires_grad for p in m.parameters())) for m in digested]
+    assert frozen == [(run.parts["reference"].digest, True)]
+    assert hashed == [run.parts["sampler"].problems]
+
+
 def test_a_resume_with_another_seed_or_task_is_refused_the_prompt_stream_depends_on_them(models, tmp_path, capsys):
     extra = ["--eval-every=0", "--pass-k=0", "--max-steps=2", "--ckpt-every=1"]
     rl.main(flags(models, tmp_path / "run", *extra, "--max-steps=1"))
