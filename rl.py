@@ -280,15 +280,15 @@ def score(share: list[tuple[dict, list[int], Rollout]], reward: tasks.Reward | N
     prompt's messages, the reply's text and the answer) or the reward model's."""
     ids, mask = pack([(prompt + r.tokens, [0] * (len(prompt) - 1) + r.mask) for _, prompt, r in share], device)
     if rm is None:  # with each --reward function's own values, as tasks.checked's `last` names them (reward/FN)
-        got = [(reward(p["messages"][:-1], reply_text(r.tokens), p["answer"]), getattr(reward, "last", {}))
-               for p, _, r in share]
+        with torch.autocast(device.type, enabled=False):  # a user's function: full precision, as tasks.evaluate's check
+            got = [(reward(p["messages"][:-1], reply_text(r.tokens), p["answer"]), getattr(reward, "last", {}))
+                   for p, _, r in share]
         own = {key: torch.tensor([last[key] for _, last in got], device=device) for key in got[0][1]}
         return {"ids": ids, "mask": mask[:, :-1], "scores": torch.tensor([s for s, _ in got], device=device), **own}
     bs, enc = rm.config.block_size, get_tokenizer()  # rendered as chat_format.render does, an empty reply too
     replies = [enc.encode_ordinary(reply_text(r.tokens)) + [ASSISTANT_END] for _, _, r in share]
     rows = [((p + o)[-bs:], ([0] * len(p) + [1] * len(o))[-bs:]) for (_, p, _), o in zip(share, replies, strict=True)]
-    with torch.no_grad():
-        return {"ids": ids, "mask": mask[:, :-1], "scores": rewards(rm, *pack(rows, device), rm.reward_logprob).float()}
+    return {"ids": ids, "mask": mask[:, :-1], "scores": rewards(rm, *pack(rows, device), rm.reward_logprob).float()}
 
 
 def policy_forward(model: torch.nn.Module, ids: Tensor, mask: Tensor, temperature: float,
@@ -408,8 +408,9 @@ def task_eval(cfg: RLConfig, raw: GPT, task: Any, problems: list[dict], autocast
             result = tasks.evaluate(raw, task, problems, ctx.rank, ctx.world, cfg.max_new_tokens)
             if cfg.pass_k:
                 share = rollouts(raw, problems, cfg.pass_k, cfg.seed + 1_000_003 * step, cfg, ctx.rank, ctx.world)
-                right = common.same_verdict(lambda: [task.check(reply_text(r.tokens), p["answer"])  # all ranks stop
-                                                     for p, _, r in share], ctx.world, common.ResumableError)
+                with torch.autocast(ctx.device.type, enabled=False):  # a task's own check: full precision
+                    right = common.same_verdict(lambda: [task.check(reply_text(r.tokens), p["answer"])  # all ranks stop
+                                                         for p, _, r in share], ctx.world, common.ResumableError)
                 solved = sum(any(right[i:i + cfg.pass_k]) for i in range(0, len(right), cfg.pass_k))
                 result[f"pass@{cfg.pass_k}"] = all_sum(torch.tensor(float(solved)), ctx.world).item() / len(problems)
         passed = f", pass@{cfg.pass_k} {result[f'pass@{cfg.pass_k}']:.4f}" if cfg.pass_k else ""
@@ -468,8 +469,8 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
         stage.check_resume(found, cfg)
     engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": engine.weights_digest(raw),
                               "reward_model": rm and engine.weights_digest(rm),  # and each node's task file's problems
-                              "--task data": stage.digest([train_problems, test_problems])}, ctx.rank, ctx.world,
-                             f"--init-from {cfg.init_from}")
+                              "--task data": stage.digest([train_problems, test_problems])} if ctx.world > 1 else {},
+                             ctx.rank, ctx.world, f"--init-from {cfg.init_from}")  # one process: no rank to compare
     if (cfg.prompts // cfg.rollout_batch) % ctx.world:
         raise ValueError(f"--prompts {cfg.prompts} make {cfg.prompts // cfg.rollout_batch} generate() calls of "
                          f"--rollout-batch {cfg.rollout_batch}, not a multiple of the {ctx.world} ranks: each must get "

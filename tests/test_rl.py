@@ -385,6 +385,33 @@ def test_pass_at_k_counts_a_problem_any_of_whose_k_samples_is_right(monkeypatch)
     assert said == ["step      3 | addition accuracy 0.2500, pass@2 0.6667 (3 held out)"]
 
 
+class Near(tasks.Addition):
+    def check(self, reply: str, answer: str) -> bool:  # right in float32 only: bf16 rounds 1.001 to 1
+        return (torch.tensor([[1.001]]) @ torch.tensor([[1.0]])).item() > 1.0
+
+
+def test_a_users_check_scores_rollouts_and_pass_at_k_outside_the_autocast_and_the_reward_model_inside(monkeypatch):
+    # both ran under the bf16 autocast the replies are sampled in: a check that builds tensors scored a right reply 0
+    from types import SimpleNamespace as NS
+
+    torch.manual_seed(0)
+    raw, problems = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)), Near().examples("test", n=2)
+    cfg = rl.RLConfig(prompts=1, samples=2, rollout_batch=1, minibatches=1, max_new_tokens=3, pass_k=2, device="cpu")
+    built = build_trainable(raw, cfg, torch.device("cpu"), use_compile=False, verbose=False)
+    built.autocast, seen = torch.autocast("cpu", torch.bfloat16), []
+    monkeypatch.setattr(rl, "rewards", lambda rm, ids, *_: seen.append(torch.is_autocast_enabled("cpu")) or
+                        torch.zeros(len(ids)))  # a reward model's forward, stubbed: it scores 0
+    judge = NS(config=raw.config, reward_logprob=False)
+    for reward, rm, expected in ((tasks.task_reward(Near(), "near"), None, 1.0), (None, judge, 0.0)):
+        step_fn = rl.rl_step(cfg, raw, built, None, reward, rm, rl.PromptSampler(problems, 0), NS(say=print),
+                             engine.Context())
+        assert step_fn(1)["reward"] == expected
+    assert seen == [True]  # the reward model's forward runs under the autocast: bf16 on a GPU
+    monkeypatch.setattr(tasks, "evaluate", lambda *args, **kwargs: {"acc": 1.0, "n": 2})
+    val = rl.task_eval(cfg, raw, Near(), problems, built.autocast, NS(say=print), engine.Context())
+    assert val.fn(0)["pass@2"] == 1.0
+
+
 @pytest.mark.parametrize("algo", ["rloo", "reinforce"])
 def test_rloo_and_reinforce_train_on_the_engine(models, tmp_path, algo):
     result = rl.main(flags(models, tmp_path / algo, f"--algo={algo}", "--max-steps=2", "--eval-every=0", "--pass-k=0",
@@ -542,6 +569,25 @@ def test_a_resume_from_other_starting_weights_is_refused_where_they_are_the_kl_a
     assert one_line_error(capsys, rl.main, resumed) == (
         f"error: the run resumed was anchored (--beta) to the weights of --init-from {models[0]}, not {other}'s: pass "
         "its --init-from, or start a new run")
+
+
+def test_one_process_digests_only_what_its_checkpoint_keeps_to_compare_on_resume(models, tmp_path, monkeypatch):
+    # the policy's (and a reward model's) weights, about 0.7 s a GB, and the task's problems were digested at every
+    # single-process start for a fingerprint with no other rank to compare it with
+    from test_tasks import USER_TASK
+
+    (tmp_path / "doubling.py").write_text(USER_TASK)  # 20 problems: addition's 7,700 take a second to render
+    digested, hashed, weights_digest, digest = [], [], engine.weights_digest, stage.digest
+    monkeypatch.setattr(engine, "weights_digest", lambda module: digested.append(module) or weights_digest(module))
+    monkeypatch.setattr(stage, "digest", lambda obj: hashed.append(obj) or digest(obj))
+    cfg = rl.RLConfig(init_from=str(models[0]), task=f"{tmp_path / 'doubling.py'}:Doubling", beta=0.05,
+                      out_dir=str(tmp_path / "run"), device="cpu", prompts=2, rollout_batch=1)
+    run = rl.setup(cfg, engine.Context())
+    run.log.close()
+    # the frozen KL anchor's weights and the prompt stream's problems: a resume compares them with the checkpoint's
+    frozen = [(weights_digest(m), not any(p.requires_grad for p in m.parameters())) for m in digested]
+    assert frozen == [(run.parts["reference"].digest, True)]
+    assert hashed == [run.parts["sampler"].problems]
 
 
 def test_a_resume_with_another_seed_or_task_is_refused_the_prompt_stream_depends_on_them(models, tmp_path, capsys):
