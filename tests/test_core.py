@@ -98,6 +98,17 @@ def test_core_equals_the_scores_by_hand(bundle):
     assert flat(core.evaluate(bigram_gpt(SUCCESSOR, block_size=6), tasks)) == pytest.approx(flat(EXPECTED), abs=1e-12)
 
 
+def test_a_model_in_training_mode_is_scored_without_dropout_and_left_training(bundle):
+    model = bigram_gpt(SUCCESSOR)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.9  # dropout on the embeddings would turn most tokens' rows into uniform logits
+    torch.manual_seed(0)
+    model.train()
+    assert flat(core.evaluate(model, core.load_tasks(bundle))) == pytest.approx(flat(EXPECTED), abs=1e-12)
+    assert model.training
+
+
 def test_rows_are_shuffled_then_cut_and_prompts_render_as_nanochat_does(bundle):
     # nanochat's order: random.Random(1337).shuffle of the file's rows, then the first --max-per-task
     order = list(range(4))
@@ -125,6 +136,8 @@ def test_each_shot_is_its_gold_answer_and_each_row_draws_its_own_shots():
                                                  "continuation": f"w{k}", "gold": g} for k, g in enumerate(golds)],
                            2, " ", 50.0)
     assert core.prompts(schema, 4) == [f"z0 w0\n\ny1 w1\n\n{c}4 w4" for c in "xyz"]
+    schema.delimiter = " => "  # the row's delimiter, not only its shots'
+    assert core.prompts(schema, 4) == [f"z0 => w0\n\ny1 => w1\n\n{c}4 => w4" for c in "xyz"]
     lm = core.CoreTask("lm", "language_modeling", [{"context": f" c{k} ", "continuation": f"d{k}"} for k in range(5)],
                        2, " ", 0.0)  # each shot's context trimmed too, not only the row's
     assert core.prompts(lm, 4) == ["c0 d0\n\nc1 d1\n\nc4", "c0 d0\n\nc1 d1\n\nc4 d4"]
@@ -273,6 +286,8 @@ def test_a_bad_task_file_is_one_line_naming_it(bundle, tmp_path):
                           (row + "}\n", "mc.jsonl row 0 \\(0-based, not a line number\\): no 'gold' "
                                          "\\(a multiple_choice row of task mc\\)"),
                           (row + ', "gold": "1"}\n', "number\\): 'gold' is '1', not an index into its 2 options"),
+                          (row + ', "gold": 2}\n', "number\\): 'gold' is 2, not an index into its 2 options"),
+                          (row + ', "gold": true}\n', "number\\): 'gold' is True, not an index into its 2 options"),
                           ("", "task mc is 0-shot, but has 0 rows")]:
         mc.write_text(text)
         with pytest.raises(ValueError, match=message):
@@ -283,6 +298,8 @@ def test_a_bad_task_file_is_one_line_naming_it(bundle, tmp_path):
     yaml = root / "core.yaml"  # a bundle of one's own: num_fewshot a number, not DCLM's list (was a TypeError)
     yaml.write_text(yaml.read_text().replace("num_fewshot: [1]", "num_fewshot: 1"))
     assert [t.shots for t in core.load_tasks(root)] == [0, 1, 1]
+    yaml.write_text(yaml.read_text().replace("num_fewshot: 1", "num_fewshot: [1, 2]"))
+    assert [t.shots for t in core.load_tasks(root)] == [0, 1, 1]  # a list's first, as nanochat scores it
     yaml.write_text(yaml.read_text().replace("  dataset_uri: language_modeling/lm.jsonl\n", ""))
     with pytest.raises(ValueError, match=r"core.yaml: icl_tasks item 2 has no dataset_uri$"):
         core.load_tasks(root)
