@@ -4,6 +4,7 @@ shard's bytes, on one process and on 2 gloo ranks; ignored targets and chat toke
 import contextlib
 import math
 import re
+import types
 
 import numpy as np
 import pytest
@@ -196,3 +197,40 @@ def test_sharded_models_two_forwards_give_the_same_three_sums():
         one, two = (engine.window_sums(m, x, y, token_bytes(50304)) for m in (model, MeanOnly(model)))
     torch.testing.assert_close(two, one, rtol=1e-6, atol=0)
     assert two[1] > 0 and two[2] > 0
+    # a window whose targets are all ignored or special: no nats and no bytes, not the NaN of a mean over no targets
+    y[:] = -1
+    y[:, 4], y[1, 7] = EOT, 50258
+    with torch.no_grad():
+        one, two = (engine.window_sums(m, x, y, token_bytes(50304)) for m in (model, MeanOnly(model)))
+    assert one[1:].tolist() == two[1:].tolist() == [0.0, 0.0]
+
+
+def test_each_evaluation_scores_the_first_windows_without_dropout_and_gives_back_a_training_model():
+    # the step-0 evaluation comes before the first step: a model left in eval mode would train without its dropout
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.5))
+    batches = [(torch.randint(0, EOT, (1, 16)), torch.randint(0, EOT, (1, 16))) for _ in range(2)]
+    with torch.no_grad():
+        want = model.eval()(*batches[0])[1].item()
+    loader = Windows(batches, 0)
+    for _ in range(2):  # the second evaluation reads window 0 again, not the next one
+        model.train()
+        got = engine.val_metrics(model, loader, 1, contextlib.nullcontext(), 1, token_bytes(50304))
+        assert got["loss"] == pytest.approx(want, rel=1e-6) and model.training
+
+
+def test_tensor_parallel_copies_of_a_window_count_once(monkeypatch):
+    # --tp 2 on one data-parallel rank: the all-reduce adds the two ranks' copies of each window's sums; the loss is
+    # divided back, bpb (a ratio) needs nothing
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32))
+    batches = [(torch.randint(0, EOT, (1, 16)), torch.randint(0, EOT, (1, 16)))]
+    one = engine.val_metrics(model, Windows(batches, 0), 1, contextlib.nullcontext(), 1, token_bytes(50304))
+    monkeypatch.setattr(engine, "dist", types.SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda: 2,
+                                                              all_reduce=lambda t: t.mul_(2)))
+    two = engine.val_metrics(model, Windows(batches, 0), 1, contextlib.nullcontext(), 1, token_bytes(50304))
+    assert two == pytest.approx(one, rel=1e-12)
