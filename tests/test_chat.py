@@ -2,11 +2,13 @@
 generate.py's greedy decode of chat_format.render_prompt, streamed with the calculator's call and forced result in
 brackets; /clear, EOF, Ctrl-C, the context crop, the base-model warning and one-line errors."""
 
+import contextlib
 import functools
 import io
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -131,6 +133,53 @@ def test_a_cut_or_an_empty_reply_is_said_on_stderr(capsys):
     bot.reply("x")
     assert bot.messages == [] and capsys.readouterr() == ("\n", "(no reply: your message is left out of the "
                                                           "conversation)\n")
+
+
+def test_a_reply_ended_by_another_special_token_is_whole_and_not_printed(capsys):
+    # <|endoftext|> ends a reply as <|assistant_end|> does (REPLY_STOPS): not a cut reply, and not shown as its text
+    from conftest import bigram_model
+
+    hi, cfg = get_tokenizer().encode_ordinary("hi")[0], chat.ChatConfig(temperature=0, max_new_tokens=3)
+    bot = chat.Chat(bigram_model({cf.ASSISTANT_START: hi, hi: cf.BOS}), cfg, torch.device("cpu"))
+    bot.reply("x")
+    assert capsys.readouterr() == ("hi\n", "") and bot.messages[-1]["content"] == [{"type": "text", "text": "hi"}]
+
+
+def test_the_seed_and_top_k_decide_the_sampled_reply():
+    # --seed's generator, not the global RNG, draws the tokens; --top-k 1 leaves one token to draw whatever the seed
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=16)).eval()
+    replies = []
+    for seed, top_k, global_seed in ((5, None, 0), (5, None, 1), (5, 1, 0), (6, 1, 1)):
+        torch.manual_seed(global_seed)
+        bot = chat.Chat(model, chat.ChatConfig(temperature=1.0, top_k=top_k, seed=seed, max_new_tokens=2),
+                        torch.device("cpu"))
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            bot.reply("x")
+        replies.append(bot.messages)
+    assert replies[0] == replies[1] != replies[2] == replies[3]
+
+
+def test_fit_keeps_room_for_the_reply_and_refuses_a_message_that_fills_the_context():
+    # the prompt keeps at most block_size - min(--max-new-tokens, block_size // 2) tokens; Chat.fit reads only the
+    # model's block_size
+    turn = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}]
+    msgs = [*turn, *turn, {"role": "user", "content": "5+6?"}]
+    n, last = len(cf.render_prompt(msgs)), len(cf.render_prompt(msgs[-1:]))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(block_size=0))
+
+    def fit(block_size: int, max_new_tokens: int, messages: list[dict]) -> list[dict]:
+        model.config.block_size = block_size
+        with contextlib.redirect_stderr(io.StringIO()):
+            return chat.Chat(model, chat.ChatConfig(max_new_tokens=max_new_tokens), torch.device("cpu")).fit(
+                messages)[0]
+
+    assert fit(n + 12, 12, msgs) == msgs  # exactly the room: nothing dropped
+    assert fit(n + 11, 12, msgs) == msgs[2:]  # a token short: the oldest turn goes
+    assert fit(2 * n, 256, msgs) == msgs  # a --max-new-tokens past the context leaves half of it for the reply
+    assert fit(last + 1, 12, msgs) == msgs[-1:]  # one token of room: the message alone, still answered
+    with pytest.raises(ValueError, match=f"^the message takes {last} tokens, the model's context only {last}; say"):
+        fit(last, 12, msgs)  # no room at all: refused
 
 
 def test_a_base_model_is_warned_about_and_an_hf_gpt2_padded(sft, hf_dir, tmp_path, capsys, monkeypatch):
