@@ -142,6 +142,9 @@ def row_problem(row: dict, kind: str, delimiter: str) -> str:
     options = row.get("choices", row.get("context_options", []))
     if "gold" in row and not (type(row["gold"]) is int and 0 <= row["gold"] < len(options)):  # "1" would never match
         return f"'gold' is {row['gold']!r}, not an index into its {len(options)} options"
+    if kind == "language_modeling" and not all(isinstance(row[k], str) for k in keys):  # .strip() would raise
+        return f"'context' and 'continuation' must be strings, not {type(row['context']).__name__} and " \
+            f"{type(row['continuation']).__name__}"
     if kind == "language_modeling":  # rendered as prompts() renders it; nanochat asserts this too
         text, encode = f"{row['context'].strip()}{delimiter}", get_tokenizer().encode_ordinary
         if (full := encode(text + row["continuation"]))[:len(ids := encode(text.strip()))] != ids or full == ids:

@@ -73,7 +73,7 @@ def shard_problem(args: Any, config: GPTConfig, world: int) -> str | None:
               (stages > config.n_layer, f"--pp {pp} with --pp-schedule {args.pp_schedule} makes {stages} stages of "
                                         f"the {config.n_layer} blocks: lower --pp"),
               (unsharded, f"--fused-gelu, --fused-ce and --loss-chunk do not shard: pass {', '.join(unsharded)} "
-                          "with --tp/--pp (a preset may set them)"),
+                          "with --tp/--pp (a preset or an --init-from checkpoint may set them)"),
               (tp > 1 and config.dropout > 0, "--dropout under --tp draws other masks on each tensor-parallel rank: "
                                               "use --dropout 0"),
               (config.value_head, "a value head does not shard: --tp/--pp train the language model only"),

@@ -430,7 +430,7 @@ def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[di
     rng, pairs = random.Random(seed), []
     for i, ex in enumerate(task.examples(split)[:n or None]):
         chosen, rejected = ex["messages"][-1]["content"], task.wrong(ex["answer"], rng)
-        with row_errors(f"--pairs {split}", i):  # prefs.py would refuse the file, naming neither wrong() nor the task
+        with row_errors(f"--pairs {split}", i):  # prefs.py would drop a tie unnamed: say wrong() made it
             if not (isinstance(chosen, str) and isinstance(rejected, str) and rejected.strip() and rejected != chosen
                     and not task.check(rejected, ex["answer"])):
                 raise ValueError(f"wrong({ex['answer']!r}) gave {rejected!r:.40} for the reference reply "

@@ -312,3 +312,12 @@ def test_a_continuation_that_joins_the_contexts_last_token_is_one_line(tmp_path)
         write_bundle(tmp_path, {"lm": ("language_modeling", 0, 0.0, [ok, bad])}, {"lm": ""})
         with pytest.raises(ValueError, match=r"lm.jsonl row 1 .*: its continuation joins the context's last token"):
             core.load_tasks(tmp_path)
+
+
+def test_a_language_modeling_row_that_is_not_text_is_one_line(tmp_path):
+    # the continuation join check (commit 1f3688b) called .strip() on the row's fields: a null was a traceback at load
+    row = {"context": "one", "continuation": None}
+    write_bundle(tmp_path, {"lm": ("language_modeling", 0, 0.0, [row])}, {"lm": ""})
+    with pytest.raises(ValueError, match=r"lm.jsonl row 0 .*: 'context' and 'continuation' must be strings, not str "
+                                         r"and NoneType"):
+        core.load_tasks(tmp_path)

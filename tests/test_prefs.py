@@ -221,6 +221,14 @@ def test_ties_and_empty_replies_are_dropped_and_counted_not_a_stop(capsys):
         PairLoader(moot, "train", 1, 48)
 
 
+def test_an_empty_reply_in_a_conversation_is_dropped_as_in_text():
+    # UltraFeedback's and TRL's conversational rows: check_messages refused the blank reply before the pair was dropped
+    blank = [{"chosen": conversation("p", "a"), "rejected": conversation("p", " ")},
+             {"prompt": [{"role": "user", "content": "p"}], "chosen": [{"role": "assistant", "content": ""}],
+              "rejected": [{"role": "assistant", "content": "b"}]}]
+    assert PairLoader(text_rows(2) + blank, "train", 1, 48, shuffle=False).num_pairs == 2
+
+
 def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_dropped():
     rows = text_rows(4) + [{"prompt": "long " * 60, "chosen": "a", "rejected": "b"}]
     loader = PairLoader(rows, "train", 2, 24, shuffle=False)

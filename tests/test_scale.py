@@ -236,7 +236,9 @@ def test_tensor_and_pipeline_groups_share_their_data_rank():
     (dict(tp=2, arch=dict(fused_ce=True)), 2, "--fused-ce and --loss-chunk do not shard: pass --fused-ce false "
      "with --tp/--pp"),
     # the demo preset's --loss-chunk 128, which the user never typed: "drop them" pointed at nothing to drop
-    (dict(pp=2, arch=dict(loss_chunk=128, fused_gelu=True)), 2, "pass --fused-gelu false, --loss-chunk 0 with"),
+    # ... or an --init-from checkpoint of the demo, whose model_config keeps it (stage.load_init's run options)
+    (dict(pp=2, arch=dict(loss_chunk=128, fused_gelu=True)), 2, "pass --fused-gelu false, --loss-chunk 0 with "
+     "--tp/--pp (a preset or an --init-from checkpoint may set them)"),
     (dict(tp=2, arch=dict(dropout=0.1)), 2, "use --dropout 0"),
     (dict(tp=2), 4, "over 2 data-parallel ranks shard them with FSDP2: pass --parallel fsdp"),
     (dict(tp=2), 3, "--tp 2 x --pp 1 = 2 ranks must divide the world size 3"),
