@@ -96,7 +96,7 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
     if not (isinstance(prompt, list) and isinstance(chosen, str) and isinstance(rejected, str)):
         raise ValueError("expected the prompt as text or messages, chosen and rejected as text or conversations that "
                          "end with the assistant's reply as a string, not a list of parts")
-    for messages in whole * bool(chosen.strip() and rejected.strip()):  # a blank reply: render_pairs drops the pair
+    for messages in whole if chosen.strip() and rejected.strip() else []:  # a blank reply: render_pairs drops it
         check_messages(messages, "assistant")  # the replies' other fields (tool calls, reasoning); last, as above
     return prompt, chosen, rejected
 
