@@ -197,9 +197,9 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     side, first, newest = Path(f"{path}.rewound"), resume_step or 0, checkpoints(path.parent)
     records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
     if records and side.is_file() and (not newest or side.stat().st_mtime_ns > newest[-1].stat().st_mtime_ns):
-        moved = list(iter_log(side))
-        first = min([resume_step, *(r["step"] for r in moved)])
-        records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
+        moved = list(iter_log(side))  # in step order, as the log: the first is where the set-aside records begin
+        records = [r for r in records if r["type"] == "config" or r["step"] < moved[0]["step"]] + moved
+        first = min(resume_step, moved[0]["step"])
     kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
     cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]
     path.parent.mkdir(parents=True, exist_ok=True)  # for the trackers' files too
