@@ -112,7 +112,6 @@ class RunLog:
     def __init__(self, path: Path | None, master: bool, max_steps: int, log_every: int, trackers: list[Any],
                  held: list[dict] | None = None):
         self.path, self.master, self.trackers, self.held = path, master, trackers, {r["type"]: r for r in held or ()}
-        self.file = open(path or os.devnull, "a", buffering=1)  # no log.jsonl (another rank, --eval-only): nowhere
         self.max_steps, self.log_every = max_steps, log_every
         self.recent_ms: list[float] = []
         self.losses: list[float] = []  # every step's loss, all ranks together
@@ -129,11 +128,10 @@ class RunLog:
     def write(self, record: dict) -> None:
         with self.writing():
             if stale := self.held.pop(record["type"], None):  # made again, or put back: it replaces the held record
-                self.file.close()
                 write_records(self.path, [*(r for r in iter_log(self.path) if r != stale), record])  # in one move
-                self.file = open(self.path, "a", buffering=1)
-            else:
-                self.file.write(json.dumps(record) + "\n")
+            else:  # opened per record, as a rewrite replaces it; no log.jsonl (another rank, --eval-only): nowhere
+                with open(self.path or os.devnull, "a") as file:
+                    file.write(json.dumps(record) + "\n")
             for tracker in self.trackers:
                 tracker.write(record)
 
@@ -171,7 +169,7 @@ class RunLog:
     def close(self) -> None:
         self.put_back()
         with self.writing():
-            for each in (self.file, *self.trackers):
+            for each in self.trackers:
                 each.close()
 
 
