@@ -31,7 +31,7 @@ from common import LOCAL, is_reward_model, load_checkpoint, provenance, run_and_
 from engine import Context, Run
 from fineweb import TokenLoader
 from model import GPT, checkpoint_config
-from parallel import check_flags
+from parallel import check_flags, flag
 
 
 @dataclasses.dataclass
@@ -60,16 +60,17 @@ class PruneConfig(engine.RunArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        sizes = (self.batch_size, self.grad_accum, self.calib_batches, self.eval_tokens, self.seq_len + 1)
         check_flags([
             (self.method in METHODS and self.scope in ("global", "layer") and self.importance in ("norm", "taylor"),
              f"--method must be one of {', '.join(METHODS)}, --scope global or layer, --importance norm or taylor; "
              f"got {self.method!r}, {self.scope!r}, {self.importance!r}"),
             (0 <= self.sparsity < 1 and (self.method != "2:4" or self.sparsity == 0.5),
              f"--sparsity must be in [0, 1), and 0.5 for --method 2:4 (2 of every 4 weights); got {self.sparsity}"),
-            (min(sizes) >= 1 and self.parallel != "fsdp",
-             "--batch-size, --grad-accum, --calib-batches and --eval-tokens must be >= 1, --seq-len >= 0, and "
-             "--parallel ddp or zero1 (the masks cover whole tensors, which FSDP shards)")])
+            (self.seq_len >= 0, f"--seq-len must be >= 0 (0: the model's context); got {self.seq_len}"),
+            (self.parallel != "fsdp", "--parallel fsdp shards each tensor, and the masks cover whole ones: use "
+                                      "--parallel ddp or zero1")])
+        check_flags((getattr(self, name) >= 1, f"--{flag(name)} must be >= 1; got {getattr(self, name)}")
+                    for name in ("batch_size", "grad_accum", "calib_batches", "eval_tokens"))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

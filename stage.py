@@ -58,7 +58,7 @@ from parallel import (
     set_sdpa_switches,
     train_step,
 )
-from parallelize import data_rank
+from parallelize import data_rank, degrees
 from trackers import RunLog, missing_package, open_run_log
 
 
@@ -421,12 +421,14 @@ def print_header(setup: Setup, compiled: bool, sides: int) -> None:
     cfg, raw, built, ctx, accum = setup.cfg, setup.raw, setup.built, setup.ctx, setup.grad_accum
     B, T, mcfg, dp = cfg.batch_size, cfg.seq_len, raw.config, setup.data.world
     rows = f"{B} x {T}" if sides == 1 else f"{sides} x {B} pairs x {T}"
+    tp, pp = degrees(cfg)  # --tp/--pp's mesh, or else the data-parallel wrapper (ddp, zero1, fsdp; single: no torchrun)
+    layout = f"pp{pp} x dp{dp} x tp{tp}" if cfg.tp or cfg.pp else optimizer_kind(built.optimizer, cfg.parallel)
     if cfg.eval_only:
         print(f"{raw.num_params():,} params | evaluating at step {setup.start} | {rows} x {dp} ranks | {built.dtype}")
         return
     print(f"{raw.num_params():,} params | {sides * accum * B * T * dp:,} tokens/step = {rows} x {dp} ranks x "
           f"{accum} accum | {cfg.max_steps} steps | compile {compiled} | "
-          f"{optimizer_kind(built.optimizer, cfg.parallel)} | {built.dtype}")  # single: no torchrun
+          f"{layout} | {built.dtype}")
     kernel = f"runs the PyTorch reference on {ctx.device.type}: the Triton kernel is CUDA only"
     notes = [(mcfg.fused_gelu and ctx.device.type != "cuda", f"--fused-gelu {kernel}"),
              (mcfg.fused_ce and ctx.device.type != "cuda", f"--fused-ce {kernel}"),

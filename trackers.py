@@ -112,8 +112,7 @@ class RunLog:
 
     def __init__(self, path: Path | None, master: bool, max_steps: int, log_every: int, trackers: list[Any],
                  held: list[dict] | None = None):
-        self.path, self.master, self.trackers, self.held = path, master, trackers, held or []
-        self.file = open(path or os.devnull, "a", buffering=1)  # no log.jsonl (another rank, --eval-only): nowhere
+        self.path, self.master, self.trackers, self.held = path, master, trackers, {r["type"]: r for r in held or ()}
         self.max_steps, self.log_every = max_steps, log_every
         self.recent_ms: list[float] = []
         self.losses: list[float] = []  # every step's loss, all ranks together
@@ -128,9 +127,12 @@ class RunLog:
             raise ValueError(f"cannot append to {where}: {'; '.join(write_error(e, where))}") from None
 
     def write(self, record: dict) -> None:
-        self.held = [r for r in self.held if r["type"] != record["type"]]  # evaluated again: the new record stands
         with self.writing():
-            self.file.write(json.dumps(record) + "\n")
+            if stale := self.held.pop(record["type"], None):  # made again, or put back: it replaces the held record
+                write_records(self.path, [*(r for r in iter_log(self.path) if r != stale), record])  # in one move
+            else:  # opened per record, as a rewrite replaces it; no log.jsonl (another rank, --eval-only): nowhere
+                with open(self.path or os.devnull, "a") as file:
+                    file.write(json.dumps(record) + "\n")
             for tracker in self.trackers:
                 tracker.write(record)
 
@@ -161,15 +163,14 @@ class RunLog:
                      f"{f'{util:.1%}' if util else 'n/a'} | eta {fmt_time(eta)}", flush=True)
 
     def put_back(self) -> None:
-        """The resumed step's cut evaluation records not written again (a run that finished there had made them)."""
-        held, self.held = self.held, []
-        for record in held:
+        """The resumed step's evaluation records not made again: to the trackers, and moved to the end of log.jsonl."""
+        for record in list(self.held.values()):
             self.write(record)
 
     def close(self) -> None:
         self.put_back()
         with self.writing():
-            for each in (self.file, *self.trackers):
+            for each in self.trackers:
                 each.close()
 
 
@@ -195,25 +196,24 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     side, first, newest = Path(f"{path}.rewound"), resume_step or 0, checkpoints(path.parent)
     records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
     if records and side.is_file() and (not newest or side.stat().st_mtime_ns > newest[-1].stat().st_mtime_ns):
-        moved = list(iter_log(side))
-        first = min([resume_step, *(r["step"] for r in moved)])
-        records = [r for r in records if r["type"] == "config" or r["step"] < first] + moved
+        moved = list(iter_log(side))  # in step order, as the log: the first is where the set-aside records begin
+        records = [r for r in records if r["type"] == "config" or r["step"] < moved[0]["step"]] + moved
+        first = min(resume_step, moved[0]["step"])
     kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
     cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]
     path.parent.mkdir(parents=True, exist_ok=True)  # for the trackers' files too
     wanted = ((cfg.tensorboard, lambda: TensorBoard(path.parent, first)),
               (cfg.wandb, lambda: WandB(cfg.wandb, path.parent, resume_step)))
     trackers = same_verdict(lambda: [start() for on, start in wanted if on], world)
-    # after the trackers start: one that cannot leaves the log as it was; the records cut go aside before the log is
-    # cut, so a crash between the two loses nothing
+    # after the trackers start (one that cannot leaves the log as it was); the cut goes aside first: a crash loses none
     if rewinding and cut:
         write_records(side, cut)
     else:
         side.unlink(missing_ok=True)
-    write_records(path, kept)
+    held = [r for r in cut if r["step"] == resume_step and r["type"] != "train"]  # in the log till replaced (write)
+    write_records(path, kept + held)
     replay = [r for r in kept if r["type"] != "config" and r["step"] >= first]
     for tracker in trackers:
         for record in replay:
             tracker.write(record)
-    held = [r for r in cut if r["step"] == resume_step and r["type"] != "train"]
     return RunLog(path, True, cfg.max_steps, cfg.log_every, trackers, held)

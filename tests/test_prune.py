@@ -76,6 +76,19 @@ def test_magnitude_and_2_4_remove_the_smallest_weights_to_the_sparsity_asked():
         assert (groups[keep].view(-1, 2).min(1).values >= groups[~keep].view(-1, 2).max(1).values).all()
 
 
+def test_a_size_or_parallel_refusal_names_only_the_flag_at_fault():
+    def refusal(**flags: object) -> str:
+        with pytest.raises(ValueError) as e:
+            prune.PruneConfig(**flags)
+        return str(e.value)
+
+    assert refusal(calib_batches=0) == "--calib-batches must be >= 1; got 0"
+    assert refusal(batch_size=0, eval_tokens=0) == "--batch-size must be >= 1; got 0"
+    assert refusal(seq_len=-1) == "--seq-len must be >= 0 (0: the model's context); got -1"
+    assert refusal(parallel="fsdp") == ("--parallel fsdp shards each tensor, and the masks cover whole ones: use "
+                                        "--parallel ddp or zero1")
+
+
 def test_2_4_refuses_a_matrix_whose_inputs_are_not_groups_of_4_even_when_its_outputs_are():
     # mlp.c_proj is (32, 30): 960 weights would split into 4s, but each 4 would straddle two rows
     model = GPT(dataclasses.replace(SMALL, mlp_hidden=30))

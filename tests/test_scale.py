@@ -127,7 +127,7 @@ def test_four_ranks_compose_data_tensor_and_pipeline_parallel(tokens512, referen
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu_suite.sh runs it on one)"))])
-def test_one_rank_runs_the_sharded_code_as_the_plain_model(tokens512, tmp_path, device, monkeypatch):
+def test_one_rank_runs_the_sharded_code_as_the_plain_model(tokens512, tmp_path, device, monkeypatch, capsys):
     # --tp 1 --pp 1: DTensor on a one-rank mesh (sequence parallel too) and a one-stage pipeline schedule
     flags = ["--device", device, "--dtype", "fp32", "--compile", "false", "--ckpt-every", "5"]
     plain = log(one_process(tokens512, tmp_path / "plain", *flags))
@@ -137,6 +137,7 @@ def test_one_rank_runs_the_sharded_code_as_the_plain_model(tokens512, tmp_path, 
     sharded = log(one_process(tokens512, tmp_path / "tp1pp1", *flags, "--tp", "1", "--pp", "1",
                               "--sequence-parallel"))
     monkeypatch.undo()
+    assert f"| compile False | pp1 x dp1 x tp1 | {torch.float32}" in capsys.readouterr().out  # the header's layout
     assert scheduled.count(True) == 10  # every step went through the pipeline schedule, not the plain model
     tolerance = 1e-5 if device == "cpu" else 1e-3  # CUDA: TF32 matmuls, summed in another order
     assert worst(sharded, plain) <= tolerance

@@ -275,3 +275,46 @@ def test_a_rewind_keeps_the_evaluations_of_its_step_that_it_does_not_make_again(
     assert [(r["type"], r["step"]) for r in iter_log(tmp_path / "log.jsonl")][1:] == [
         ("train", 0), ("train", 1), ("train", 2), ("val", 3), ("train", 3)]
     assert not (tmp_path / "log.jsonl.rewound").exists()
+
+
+def test_a_resumed_runs_held_evaluations_stay_in_the_log_until_made_again(tmp_path, monkeypatch):
+    # a run finished at step 3 (val and hellaswag there) is extended: a SIGKILL before its first step (no close) leaves
+    # both in log.jsonl; then a val made again at 3 replaces its own, and the hellaswag not due again stays, once
+    sent = []
+    monkeypatch.setattr(trackers, "TensorBoard", lambda out_dir, forget: SimpleNamespace(
+        write=lambda record: sent.append((record["type"], record["step"])), close=lambda: None))
+    val, hellaswag = {"type": "val", "step": 3, "val_loss": 4.5}, {"type": "hellaswag", "step": 3, "acc": 0.25}
+    records = [{"type": "config", "step": 0}, *({"type": "train", "step": s, "loss": 1.0} for s in range(3)), val,
+               hellaswag]
+    trackers.write_records(tmp_path / "log.jsonl", records)
+    cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=6, log_every=1, tensorboard=True,
+                          wandb="")
+    trackers.open_run_log(cfg, 3, False, 0, 1)  # killed here
+    assert list(iter_log(tmp_path / "log.jsonl")) == records
+    log = trackers.open_run_log(cfg, 3, False, 0, 1)
+    log.write({**val, "val_loss": 4.0})  # due again at 3
+    assert list(iter_log(tmp_path / "log.jsonl")) == [*records[:4], hellaswag, {**val, "val_loss": 4.0}]
+    log.step(3, {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "ms": 1.0, "tok_s": 1.0, "mfu": None}, timed=True)
+    log.close()
+    assert [(r["type"], r["step"]) for r in iter_log(tmp_path / "log.jsonl")][4:] == [
+        ("val", 3), ("hellaswag", 3), ("train", 3)]
+    assert sent == [("val", 3), ("hellaswag", 3), ("train", 3)]  # the trackers get each once
+
+
+def test_two_rewinds_that_die_before_a_checkpoint_lose_no_logged_step(tmp_path):
+    # a run logged steps 0-7 (ckpts 2, 4, 8); a rewind to 4 sets 4-7 aside, logs 4 anew and dies; a rewind to 2 logs 2
+    # anew and dies too; resuming ckpt 8 brings back the run's own 0-7, steps 2 and 3 too
+    for step in (2, 4, 8):
+        (tmp_path / f"ckpt_{step:06d}.pt").write_bytes(b"")
+        os.utime(tmp_path / f"ckpt_{step:06d}.pt", ns=(0, 0))  # before the rewinds
+    train = lambda step, loss=1.0: {"type": "train", "step": step, "loss": loss}
+    trackers.write_records(tmp_path / "log.jsonl", [{"type": "config", "step": 0}, *map(train, range(8))])
+    cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=10, log_every=1, tensorboard=False,
+                          wandb="")
+    for step, rewinding in ((4, True), (2, True), (8, False)):
+        log = trackers.open_run_log(cfg, step, rewinding, 0, 1)
+        if rewinding:
+            log.write(train(step, 9.0))  # then killed
+    log.close()
+    assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
+        (0, None), *((step, 1.0) for step in range(8))]
