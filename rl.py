@@ -166,7 +166,7 @@ class RLConfig(engine.RunArgs):
     prompts: int = 32  # prompts per step, all ranks together
     samples: int = 4  # replies sampled per prompt (the group of GRPO, RLOO and REINFORCE)
     rollout_batch: int = 8  # prompts per generate() call, each call with its own seed: ranks take whole calls
-    max_new_tokens: int = 16  # reply length cap
+    max_new_tokens: int = 16  # reply length cap: rollouts, pass@k and held-out accuracy alike (tasks.py --eval: 512)
     temperature: float = 0.7  # sampling temperature of the rollouts and pass@k; the policy's log-probs use it too
     ppo_epochs: int = 1  # passes over each step's rollouts
     minibatches: int | None = None  # optimizer steps per pass, rows split evenly (None: 1 for reinforce, else 2)
