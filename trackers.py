@@ -205,10 +205,10 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     wanted = ((cfg.tensorboard, lambda: TensorBoard(path.parent, first)),
               (cfg.wandb, lambda: WandB(cfg.wandb, path.parent, resume_step)))
     trackers = same_verdict(lambda: [start() for on, start in wanted if on], world)
-    # after the trackers start (one that cannot leaves the log as it was); the cut goes aside first, and set-aside
-    # records taken back leave the side file only once the log holds them: a crash loses none
+    # after the trackers start (one that cannot leaves the log as it was); the cut goes aside first, with the set-aside
+    # records taken back (from `first`), and they leave the side file only once the log holds them: a crash loses none
     if rewinding and cut:
-        write_records(side, cut)
+        write_records(side, [r for r in records if r["type"] != "config" and r["step"] >= first])
     held = [r for r in cut if r["step"] == resume_step and r["type"] != "train"]  # in the log till replaced (write)
     write_records(path, kept + held)
     if not (rewinding and cut):
