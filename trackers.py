@@ -175,9 +175,9 @@ class RunLog:
 
 
 def write_records(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = Path(f"{os.path.realpath(path)}.tmp")  # beside a link's file: replacing the link would leave the log behind
     tmp.write_text("".join(json.dumps(record) + "\n" for record in records))
-    os.replace(tmp, path)
+    os.replace(tmp, tmp.with_suffix(""))
 
 
 def fmt_time(seconds: float) -> str:

@@ -374,3 +374,17 @@ def test_a_second_rewind_killed_before_it_cuts_the_log_loses_no_logged_step(tmp_
     trackers.open_run_log(cfg, 8, False, 0, 1).close()
     assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
         (0, None), *((step, 1.0) for step in range(8))]
+
+
+def test_a_symlinked_log_jsonl_stays_a_link_to_the_log(tmp_path):
+    # log.jsonl kept elsewhere (another disk) through a link: the rewrites go to the file it names, not over the link
+    (tmp_path / "logs").mkdir()
+    target, link = tmp_path / "logs" / "run.jsonl", tmp_path / "log.jsonl"
+    trackers.write_records(target, [{"type": "config", "step": 0}, {"type": "train", "step": 0}])
+    link.symlink_to(target)
+    cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=6, log_every=1, tensorboard=False,
+                          wandb="")
+    log = trackers.open_run_log(cfg, 1, False, 0, 1)
+    log.write({"type": "train", "step": 1})
+    log.close()
+    assert link.is_symlink() and [r["step"] for r in iter_log(target)] == [0, 0, 1]
