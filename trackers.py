@@ -175,9 +175,9 @@ class RunLog:
 
 
 def write_records(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = Path(f"{os.path.realpath(path)}.tmp")  # beside a link's file: replacing the link would leave the log behind
     tmp.write_text("".join(json.dumps(record) + "\n" for record in records))
-    os.replace(tmp, path)
+    os.replace(tmp, tmp.with_suffix(""))
 
 
 def fmt_time(seconds: float) -> str:
@@ -205,13 +205,14 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     wanted = ((cfg.tensorboard, lambda: TensorBoard(path.parent, first)),
               (cfg.wandb, lambda: WandB(cfg.wandb, path.parent, resume_step)))
     trackers = same_verdict(lambda: [start() for on, start in wanted if on], world)
-    # after the trackers start (one that cannot leaves the log as it was); the cut goes aside first: a crash loses none
+    # after the trackers start (one that cannot leaves the log as it was); the cut goes aside first, with the set-aside
+    # records taken back (from `first`), and they leave the side file only once the log holds them: a crash loses none
     if rewinding and cut:
-        write_records(side, cut)
-    else:
-        side.unlink(missing_ok=True)
+        write_records(side, [r for r in records if r["type"] != "config" and r["step"] >= first])
     held = [r for r in cut if r["step"] == resume_step and r["type"] != "train"]  # in the log till replaced (write)
     write_records(path, kept + held)
+    if not (rewinding and cut):
+        side.unlink(missing_ok=True)
     replay = [r for r in kept if r["type"] != "config" and r["step"] >= first]
     for tracker in trackers:
         for record in replay:
