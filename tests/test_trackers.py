@@ -320,17 +320,22 @@ def test_two_rewinds_that_die_before_a_checkpoint_lose_no_logged_step(tmp_path):
         (0, None), *((step, 1.0) for step in range(8))]
 
 
-def test_a_resume_killed_as_it_takes_back_a_dead_rewinds_records_loses_none(tmp_path, monkeypatch):
-    # a rewind to 4 sets 4-7 aside and dies; resuming ckpt 8 takes them back: killed between dropping
-    # log.jsonl.rewound and rewriting log.jsonl, 4-7 must still be somewhere, so the next resume finds them
-    for step in (4, 8):
+def train_record(step, loss=1.0):
+    return {"type": "train", "step": step, "loss": loss}
+
+
+def eight_logged_steps(tmp_path, ckpts):
+    """A log of steps 0-7 (loss 1.0), checkpoints at `ckpts` older than any side file, and the resumes' flags."""
+    for step in ckpts:
         (tmp_path / f"ckpt_{step:06d}.pt").write_bytes(b"")
         os.utime(tmp_path / f"ckpt_{step:06d}.pt", ns=(0, 0))
-    train = lambda step, loss=1.0: {"type": "train", "step": step, "loss": loss}
-    trackers.write_records(tmp_path / "log.jsonl", [{"type": "config", "step": 0}, *map(train, range(8))])
-    cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=10, log_every=1, tensorboard=False,
-                          wandb="")
-    trackers.open_run_log(cfg, 4, True, 0, 1).write(train(4, 9.0))  # then killed
+    trackers.write_records(tmp_path / "log.jsonl", [{"type": "config", "step": 0}, *map(train_record, range(8))])
+    return SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=10, log_every=1, tensorboard=False,
+                           wandb="")
+
+
+def open_killed_at_the_log_rewrite(monkeypatch, cfg, step, rewinding):
+    """open_run_log, SIGKILLed as it rewrites log.jsonl (after its side file is written or dropped)."""
     write_records = trackers.write_records
 
     def killed(path, records):
@@ -340,8 +345,16 @@ def test_a_resume_killed_as_it_takes_back_a_dead_rewinds_records_loses_none(tmp_
 
     monkeypatch.setattr(trackers, "write_records", killed)
     with pytest.raises(KeyboardInterrupt):
-        trackers.open_run_log(cfg, 8, False, 0, 1)
+        trackers.open_run_log(cfg, step, rewinding, 0, 1)
     monkeypatch.setattr(trackers, "write_records", write_records)
+
+
+def test_a_resume_killed_as_it_takes_back_a_dead_rewinds_records_loses_none(tmp_path, monkeypatch):
+    # a rewind to 4 sets 4-7 aside and dies; resuming ckpt 8 takes them back: killed between dropping
+    # log.jsonl.rewound and rewriting log.jsonl, 4-7 must still be somewhere, so the next resume finds them
+    cfg = eight_logged_steps(tmp_path, (4, 8))
+    trackers.open_run_log(cfg, 4, True, 0, 1).write(train_record(4, 9.0))  # then killed
+    open_killed_at_the_log_rewrite(monkeypatch, cfg, 8, False)
     trackers.open_run_log(cfg, 8, False, 0, 1).close()
     assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
         (0, None), *((step, 1.0) for step in range(8))]
@@ -350,27 +363,11 @@ def test_a_resume_killed_as_it_takes_back_a_dead_rewinds_records_loses_none(tmp_
 def test_a_second_rewind_killed_before_it_cuts_the_log_loses_no_logged_step(tmp_path, monkeypatch):
     # a rewind to 2 sets 2-7 aside, logs 2 and 3 anew and dies; a rewind to 4 sets aside again, killed before it
     # rewrites log.jsonl: the run's own 2 and 3 must still be somewhere for the resume of ckpt 8
-    for step in (2, 4, 8):
-        (tmp_path / f"ckpt_{step:06d}.pt").write_bytes(b"")
-        os.utime(tmp_path / f"ckpt_{step:06d}.pt", ns=(0, 0))
-    train = lambda step, loss=1.0: {"type": "train", "step": step, "loss": loss}
-    trackers.write_records(tmp_path / "log.jsonl", [{"type": "config", "step": 0}, *map(train, range(8))])
-    cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=10, log_every=1, tensorboard=False,
-                          wandb="")
+    cfg = eight_logged_steps(tmp_path, (2, 4, 8))
     log = trackers.open_run_log(cfg, 2, True, 0, 1)
-    log.write(train(2, 9.0))
-    log.write(train(3, 9.0))  # then killed
-    write_records = trackers.write_records
-
-    def killed(path, records):
-        if path.name == "log.jsonl":
-            raise KeyboardInterrupt  # SIGKILL
-        write_records(path, records)
-
-    monkeypatch.setattr(trackers, "write_records", killed)
-    with pytest.raises(KeyboardInterrupt):
-        trackers.open_run_log(cfg, 4, True, 0, 1)
-    monkeypatch.setattr(trackers, "write_records", write_records)
+    log.write(train_record(2, 9.0))
+    log.write(train_record(3, 9.0))  # then killed
+    open_killed_at_the_log_rewrite(monkeypatch, cfg, 4, True)
     trackers.open_run_log(cfg, 8, False, 0, 1).close()
     assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
         (0, None), *((step, 1.0) for step in range(8))]
