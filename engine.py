@@ -861,11 +861,13 @@ def weights_digest(model: nn.Module | Iterable[torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-def agree_fingerprint(fingerprint: dict[str, Any], rank: int, world: int, weights_source: str = "") -> None:
-    """Compare this rank's {"command", "data", "weights", ...} with rank 0's, once: the first difference on any rank
-    (a collective would hang, or replicas drift apart) stops every rank with one line."""
+def agree_fingerprint(make: Callable[[], dict[str, Any]], rank: int, world: int, weights_source: str = "") -> None:
+    """Compare this rank's make() -> {"command", "data", "weights", ...} with rank 0's, once: the first difference on
+    any rank (a collective would hang, or replicas drift apart) stops every rank with one line. One process makes none
+    (a 1.5B weights digest takes seconds)."""
     if world == 1:
         return
+    fingerprint = make()
     says = {"command": describe_command, "data": describe_data, "weights": describe_weights}
     first = [fingerprint]  # rank 0's on every rank, once broadcast
     dist.broadcast_object_list(first, src=0)

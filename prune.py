@@ -266,9 +266,8 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     raw = raw.to(device)
     if not found:  # the same on every rank, as are the weights and the calibration batches (rank 0's)
         raw, record = prune(raw, record, cfg, TokenLoader(cfg.data, "train", B, T, 0, 1, cfg.seed + 1, device))
-    # a resume's weights are Checkpointer.find's to compare; one process has none to compare (a 1.5B digest: seconds)
-    engine.agree_fingerprint({"command": engine.command_of(cfg), "weights": None if found or world == 1 else
-                              engine.weights_digest(raw)}, rank, world, source)
+    engine.agree_fingerprint(lambda: {"command": engine.command_of(cfg), "weights": None if found else  # a resume's:
+                                      engine.weights_digest(raw)}, rank, world, source)  # Checkpointer.find's
     torch.manual_seed(cfg.seed + rank)
     pruning = Pruning(raw, record)
     guard = engine.SpikeGuard(world=world)

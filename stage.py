@@ -273,7 +273,7 @@ def task_evals(cfg: TaskEvalArgs, setup: Setup) -> list[Eval]:
     if not cfg.task:
         return []
     evaluation, problems = same_verdict(lambda: task_eval(cfg, setup), setup.ctx.world)
-    engine.agree_fingerprint({"--task data": digest(problems)}, setup.ctx.rank, setup.ctx.world)
+    engine.agree_fingerprint(lambda: {"--task data": digest(problems)}, setup.ctx.rank, setup.ctx.world)
     return [evaluation]
 
 
@@ -348,11 +348,11 @@ class Setup:
         checkpointed parts (prefs.py's DPO reference)."""
         cfg, ctx = self.cfg, self.ctx
         loaders = [loader for loader in (self.train_loader, self.val_loader) if loader is not None]
-        if ctx.world > 1:  # what every rank must share, compared once; a digest of a 1.5B model takes seconds
-            source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"
-            engine.agree_fingerprint({"command": command(cfg), "data": engine.shards_of(loaders), **(fingerprint or {}),
-                                      "weights": engine.weights_digest(self.raw) if self.found is None else None},
-                                     ctx.rank, ctx.world, source)  # a resume's weights: Checkpointer.find's
+        source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"  # what every rank must share, once
+        engine.agree_fingerprint(lambda: {"command": command(cfg), "data": engine.shards_of(loaders),
+                                          **(fingerprint or {}), "weights": engine.weights_digest(self.raw)
+                                          if self.found is None else None},  # a resume's: Checkpointer.find's
+                                 ctx.rank, ctx.world, source)
         self.cfg, self.grad_accum, use_compile = check_run(cfg, ctx, self.raw.config, self.data.world)
         self.raw = self.raw.to(ctx.device)
         for loader in loaders:

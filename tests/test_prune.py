@@ -296,7 +296,7 @@ def test_recovery_resumes_bitwise_and_the_checkpoint_records_the_pruning(start, 
     (tmp_path / "resumed").mkdir()
     shutil.copy(tmp_path / "full" / "ckpt_000002.pt", tmp_path / "resumed")
     seen = []  # a resume compared its random init's digest across ranks: every torchrun resume stopped at once
-    monkeypatch.setattr(engine, "agree_fingerprint", lambda fingerprint, *_: seen.append(fingerprint["weights"]))
+    monkeypatch.setattr(engine, "agree_fingerprint", lambda make, *_: seen.append(make()["weights"]))
     rest = run(start, token_data, tmp_path / "resumed", *args, "--resume=auto")
     assert rest["losses"] == full["losses"][2:] and rest["val"] == full["val"] and seen == [None]  # bitwise
     first, last = (load_checkpoint(tmp_path / "full" / f"ckpt_{s:06d}.pt") for s in (0, 4))

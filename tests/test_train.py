@@ -2243,7 +2243,7 @@ rank, spec = int(sys.argv[2]), json.loads(open(sys.argv[3]).read())
 dist.init_process_group("gloo", init_method="file://" + spec["store"], rank=rank, world_size=2)
 def verdict(fingerprint):
     try:
-        engine.agree_fingerprint(fingerprint, rank, 2)
+        engine.agree_fingerprint(lambda: fingerprint, rank, 2)
     except ValueError as e:
         return str(e)
 out = {"commands": [verdict({"command": stage.command(train.TrainConfig(**case[rank]))}) for case in spec["commands"]],
