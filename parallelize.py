@@ -61,8 +61,8 @@ def shard_problem(args: Any, config: GPTConfig, world: int) -> str | None:
     ranks, stages = tp * pp, pp * SCHEDULES[args.pp_schedule][2]
     with torch.device("meta"):
         hidden = MLP(config).c_proj.in_features
-    unsharded = [f"--{name} {off}" for name, off, on in (("fused-gelu", "false", config.fused_gelu),
-                 ("fused-ce", "false", config.fused_ce), ("loss-chunk", 0, config.loss_chunk)) if on]
+    unsharded = [way for way, on in {"--fused-gelu false": config.fused_gelu, "--fused-ce false": config.fused_ce,
+                                     "--loss-chunk 0": config.loss_chunk}.items() if on]  # each with its off setting
     checks = [(world % ranks, f"--tp {tp} x --pp {pp} = {ranks} ranks must divide the world size {world}: launch "
                               f"torchrun with a multiple of {ranks} processes"),
               (config.n_head % tp or config.kv_heads % tp, f"--tp {tp} must divide the {config.n_head} heads and the "
