@@ -343,14 +343,14 @@ class Setup:
         self.found = self.checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
         self.raw = build_model(cfg, self.found, ctx, vocab)
 
-    def build(self, fingerprint: dict[str, Any] | None = None, parts: dict[str, Any] | None = None) -> None:
-        """`fingerprint`: what else every rank must share (train.py's HellaSwag examples); `parts`: the stage's own
-        checkpointed parts (prefs.py's DPO reference)."""
+    def build(self, fingerprint: Callable[[], dict[str, Any]] = dict, parts: dict[str, Any] | None = None) -> None:
+        """`fingerprint` makes what else every rank must share (train.py's HellaSwag examples), called only where
+        ranks compare; `parts`: the stage's own checkpointed parts (prefs.py's DPO reference)."""
         cfg, ctx = self.cfg, self.ctx
         loaders = [loader for loader in (self.train_loader, self.val_loader) if loader is not None]
         source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"  # what every rank must share, once
         engine.agree_fingerprint(lambda: {"command": command(cfg), "data": engine.shards_of(loaders),
-                                          **(fingerprint or {}), "weights": engine.weights_digest(self.raw)
+                                          **fingerprint(), "weights": engine.weights_digest(self.raw)
                                           if self.found is None else None},  # a resume's: Checkpointer.find's
                                  ctx.rank, ctx.world, source)
         self.cfg, self.grad_accum, use_compile = check_run(cfg, ctx, self.raw.config, self.data.world)

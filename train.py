@@ -200,8 +200,8 @@ def setup(cfg: TrainConfig, ctx: Context) -> Run:
     # CORE's tasks, nanochat's base_train subsample of each, on every rank (the bundle fetched once per node)
     load_core = lambda: core.load_tasks(core.fetch_bundle(cfg.core_bundle), core.TRAIN_ROWS)
     core_tasks = first_on_each_node(load_core, ctx.local_rank, ctx.world) if cfg.core_bundle else None
-    setup.build({"--hellaswag file": stage.digest(examples),
-                 "--core-bundle": stage.digest(core_tasks and [dataclasses.asdict(t) for t in core_tasks])})
+    setup.build(lambda: {"--hellaswag file": stage.digest(examples),
+                         "--core-bundle": stage.digest(core_tasks and [dataclasses.asdict(t) for t in core_tasks])})
     step_fn = stage.lm_step(setup.cfg, setup.built, batches(cfg, setup), setup.grad_accum, setup.guard,
                             ctx, label_smoothing=cfg.label_smoothing)
     return setup.run(step_fn, evaluations(cfg, setup, examples, core_tasks))
