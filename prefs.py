@@ -75,6 +75,9 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
         sft = (": a row with 'messages' is a conversation, sft.py's data; a pair is {\"prompt\", \"chosen\", "
                "\"rejected\"} (tasks.py --pairs writes them)") * ("messages" in row)
         raise ValueError(f"missing field {missing[0]!r}{sft}")
+    if row.get("margin") is not None:
+        raise ValueError("a 'margin' field, which prefs.py's losses do not take (TRL's RewardTrainer subtracts it from "
+                         "the reward gap): drop the field to train without it")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     whole = []  # conversations whose last messages are the replies
     if isinstance(prompt, str) and TURN.match(prompt) and prompt.endswith(ASSISTANT):  # rm-static's: HH's prompt
