@@ -66,8 +66,7 @@ def split_transcripts(chosen: str, rejected: str) -> tuple[list[dict], str, str]
     if cut < 0:
         raise ValueError("no 'prompt' field, and chosen and rejected are not Human/Assistant transcripts that share "
                          "a prompt")
-    return turns(chosen[:cut]), chosen[cut + len(ASSISTANT):].removeprefix(" "), \
-        rejected[cut + len(ASSISTANT):].removeprefix(" ")
+    return turns(chosen[:cut]), *(side[cut + len(ASSISTANT):].removeprefix(" ") for side in (chosen, rejected))
 
 
 def parse_pair(row: dict) -> tuple[list[dict], str, str]:
@@ -76,6 +75,9 @@ def parse_pair(row: dict) -> tuple[list[dict], str, str]:
         sft = (": a row with 'messages' is a conversation, sft.py's data; a pair is {\"prompt\", \"chosen\", "
                "\"rejected\"} (tasks.py --pairs writes them)") * ("messages" in row)
         raise ValueError(f"missing field {missing[0]!r}{sft}")
+    if row.get("margin") is not None:
+        raise ValueError("a 'margin' field, which prefs.py's losses do not take (TRL's RewardTrainer subtracts it from "
+                         "the reward gap): drop the field to train without it")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     whole = []  # conversations whose last messages are the replies
     if isinstance(prompt, str) and TURN.match(prompt) and prompt.endswith(ASSISTANT):  # rm-static's: HH's prompt
@@ -158,10 +160,9 @@ class PairLoader(RowStream):
         rows, padded with EOT on the right; the mask is True on each reply's tokens."""
         pairs = self.next_items()
         ids, mask = np.full((2 * self.B, self.T), EOT, dtype=np.int64), np.zeros((2 * self.B, self.T), dtype=bool)
-        for side in (0, 1):
-            for j, p in enumerate(pairs):
-                seq, row = self.ids[p][side], side * self.B + j
-                ids[row, :len(seq)], mask[row, self.starts[p, side]:len(seq)] = seq, True
+        for row, (side, p) in enumerate((side, p) for side in (0, 1) for p in pairs):  # the B chosen rows first
+            seq = self.ids[p][side]
+            ids[row, :len(seq)], mask[row, self.starts[p, side]:len(seq)] = seq, True
         return torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device)
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -216,9 +217,8 @@ def evaluate_pairs(model: nn.Module, loader: PairLoader, batches: int, metrics_f
     total, names = 0.0, []
     with evaluating(model):
         for turn in range(-(-batches // world_size)):
-            batch = loader.next_batch()
             with autocast:
-                out = metrics_fn(model, batch)
+                out = metrics_fn(model, loader.next_batch())
             keep = float(turn * world_size + loader.rank < batches)
             names, total = list(out), total + torch.stack([v.float() for v in out.values()]) * keep
     return {name: value / batches for name, value in zip(names, all_sum(total, world_size).tolist(), strict=True)}

@@ -126,6 +126,9 @@ def test_multi_turn_conversations_keep_every_earlier_turn_and_a_prompts_spaces()
      "not render: move it into the content"),
     ({"chosen": "Be kind." + transcript("Hi", "Hello."), "rejected": "Be kind." + transcript("Hi", "Go.")},
      "the transcripts start with 'Be kind.', text before their first '\\n\\nHuman:' turn"),
+    # TRL's RewardTrainer subtracts a row's margin from the reward gap: training without it was another objective
+    ({**text_rows(1)[0], "margin": 1.5}, "a 'margin' field, which prefs.py's losses do not take (TRL's "
+     "RewardTrainer subtracts it from the reward gap): drop the field to train without it"),
 ])
 def test_a_bad_row_is_one_line_naming_it(tmp_path, row, message):
     path = tmp_path / "pairs.jsonl"
