@@ -262,10 +262,11 @@ def test_a_failed_event_file_write_is_one_line_naming_it_without_the_threads_tra
 
 def test_a_rewind_keeps_the_evaluations_of_its_step_that_it_does_not_make_again(tmp_path):
     # a run finished at step 3 (its final val there), extended to 6, then rewound to ckpt 3: the val at 3 is of the
-    # checkpoint's own weights, but not due again under --eval-every 2, so the log puts the record back
+    # checkpoint's own weights, but not due again under --eval-every 2, so the log puts the record back; the extended
+    # run's final val at 6 is of weights the rewind drops: it goes with them
     val, train = {"type": "val", "step": 3, "val_loss": 4.5}, lambda step: {"type": "train", "step": step, "loss": 1.0}
     trackers.write_records(tmp_path / "log.jsonl", [{"type": "config", "step": 0}, *map(train, range(3)), val,
-                                                    *map(train, range(3, 6))])
+                                                    *map(train, range(3, 6)), {**val, "step": 6, "val_loss": 4.0}])
     cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=6, log_every=1, tensorboard=False,
                           wandb="")
     log = trackers.open_run_log(cfg, 3, True, 0, 1)
