@@ -158,6 +158,20 @@ def test_a_dead_rewinds_set_aside_records_come_back_to_the_trackers_from_their_f
     assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
         (0, None), (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0), (7, 2.0)]
     assert not (tmp_path / "log.jsonl.rewound").exists()
+    # not a dead one: a rewind that checkpointed (its ckpt 6 written after its side file), killed before it dropped the
+    # file, owns the log: resuming its ckpt 6 keeps its own 4 and 5, and the steps it set aside are no one's
+    live = tmp_path / "live"
+    live.mkdir()
+    trackers.write_records(live / "log.jsonl", [{"type": "config", "step": 0}, *(train(s, 1.0) for s in range(4)),
+                                                train(4, 9.0), train(5, 9.0)])
+    trackers.write_records(live / "log.jsonl.rewound", [train(s, 2.0) for s in range(4, 8)])
+    for second, name in enumerate(("ckpt_000004.pt", "log.jsonl.rewound", "ckpt_000006.pt")):
+        (live / name).touch()
+        os.utime(live / name, ns=(second * 10**9, second * 10**9))
+    trackers.open_run_log(SimpleNamespace(**{**vars(cfg), "out_dir": str(live)}), 6, False, 0, 1).close()
+    assert [(r["step"], r.get("loss")) for r in iter_log(live / "log.jsonl")] == [
+        (0, None), (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 9.0), (5, 9.0)]
+    assert (made[-1].forget, made[-1].steps) == (6, []) and not (live / "log.jsonl.rewound").exists()
 
 
 def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_data, tmp_path, monkeypatch):
