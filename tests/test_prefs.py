@@ -232,10 +232,12 @@ def test_an_empty_reply_in_a_conversation_is_dropped_as_in_text():
     assert PairLoader(text_rows(2) + blank, "train", 1, 48, shuffle=False).num_pairs == 2
 
 
-def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_dropped():
+def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_dropped(capsys):
     rows = text_rows(4) + [{"prompt": "long " * 60, "chosen": "a", "rejected": "b"}]
     loader = PairLoader(rows, "train", 2, 24, shuffle=False)
     assert loader.num_pairs == 4 and loader.num_windows == 2  # the long pair is dropped
+    assert capsys.readouterr().out.startswith("<5 rows> train: 4 pairs; 1 with a side over 24 tokens and 0 ties or "
+                                              "empty replies dropped")  # and counted
     ids, mask = loader.next_batch()
     assert ids.shape == mask.shape == (4, 24) and ids.dtype == torch.int64 and mask.dtype == torch.bool
     enc, starts = get_tokenizer(), []

@@ -200,10 +200,14 @@ def test_grpo_continues_a_ppo_policy_and_a_gpt2_vocabulary_gets_the_chat_rows(mo
 def test_only_rank_0_reads_the_start_again_to_warn_of_a_base_model(models, tmp_path, monkeypatch):
     read = []  # each rank read --init-from's dict a second time, for a warning rank 0 alone prints
     monkeypatch.setattr(rl, "load_checkpoint", lambda path, **kw: read.append(path) or load_checkpoint(path, **kw))
+    # the warning's read is is_chat's (chat_format's own load_checkpoint): watched there, not only as rl's name
+    monkeypatch.setattr(rl, "is_chat", lambda ckpt, is_chat=rl.is_chat: read.append(ckpt) or is_chat(ckpt))
     cfg = rl.RLConfig(init_from=str(models[0]), out_dir=str(tmp_path / "out"), device="cpu", prompts=2, samples=2,
                       rollout_batch=1, max_new_tokens=4, eval_limit=2, pass_k=0)
     rl.setup(cfg, engine.Context(rank=1))
     assert read == []
+    rl.setup(dataclasses.replace(cfg, out_dir=str(tmp_path / "out0")), engine.Context()).log.close()
+    assert read == [str(models[0])]  # rank 0 does read it: the watch sees the read it forbids rank 1
 
 
 def test_the_lr_warms_up_then_decays_linearly_to_zero_at_max_steps():

@@ -158,6 +158,20 @@ def test_a_dead_rewinds_set_aside_records_come_back_to_the_trackers_from_their_f
     assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
         (0, None), (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0), (7, 2.0)]
     assert not (tmp_path / "log.jsonl.rewound").exists()
+    # not a dead one: a rewind that checkpointed (its ckpt 6 written after its side file), killed before it dropped the
+    # file, owns the log: resuming its ckpt 6 keeps its own 4 and 5, and the steps it set aside are no one's
+    live = tmp_path / "live"
+    live.mkdir()
+    trackers.write_records(live / "log.jsonl", [{"type": "config", "step": 0}, *(train(s, 1.0) for s in range(4)),
+                                                train(4, 9.0), train(5, 9.0)])
+    trackers.write_records(live / "log.jsonl.rewound", [train(s, 2.0) for s in range(4, 8)])
+    for second, name in enumerate(("ckpt_000004.pt", "log.jsonl.rewound", "ckpt_000006.pt")):
+        (live / name).touch()
+        os.utime(live / name, ns=(second * 10**9, second * 10**9))
+    trackers.open_run_log(SimpleNamespace(**{**vars(cfg), "out_dir": str(live)}), 6, False, 0, 1).close()
+    assert [(r["step"], r.get("loss")) for r in iter_log(live / "log.jsonl")] == [
+        (0, None), (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 9.0), (5, 9.0)]
+    assert (made[-1].forget, made[-1].steps) == (6, []) and not (live / "log.jsonl.rewound").exists()
 
 
 def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_data, tmp_path, monkeypatch):
@@ -262,10 +276,11 @@ def test_a_failed_event_file_write_is_one_line_naming_it_without_the_threads_tra
 
 def test_a_rewind_keeps_the_evaluations_of_its_step_that_it_does_not_make_again(tmp_path):
     # a run finished at step 3 (its final val there), extended to 6, then rewound to ckpt 3: the val at 3 is of the
-    # checkpoint's own weights, but not due again under --eval-every 2, so the log puts the record back
+    # checkpoint's own weights, but not due again under --eval-every 2, so the log puts the record back; the extended
+    # run's final val at 6 is of weights the rewind drops: it goes with them
     val, train = {"type": "val", "step": 3, "val_loss": 4.5}, lambda step: {"type": "train", "step": step, "loss": 1.0}
     trackers.write_records(tmp_path / "log.jsonl", [{"type": "config", "step": 0}, *map(train, range(3)), val,
-                                                    *map(train, range(3, 6))])
+                                                    *map(train, range(3, 6)), {**val, "step": 6, "val_loss": 4.0}])
     cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=6, log_every=1, tensorboard=False,
                           wandb="")
     log = trackers.open_run_log(cfg, 3, True, 0, 1)
