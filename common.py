@@ -152,7 +152,8 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
     elif typing.get_origin(typ) is tuple:
         item = typing.get_args(typ)[0]
         want = f"a comma list of {item.__name__}"
-        convert = lambda s: tuple(item(p) for p in s.replace("(", "").replace(")", "").split(",") if p.strip())
+        # Python's tuple: a trailing comma is fine; an empty item (1,,2) is refused, as dropping it shifts the rest
+        convert = lambda s: tuple(map(item, s.strip("() ").removesuffix(",").split(","))) if s.strip("(), ") else ()
     try:
         return convert(text)
     except (ValueError, KeyError):
