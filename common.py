@@ -42,6 +42,9 @@ KNOWN_AS = {"epsilon": "clip", "num_generations": "samples", "max_completion_len
             "beta": "dpo_beta", "rpo_alpha": "dpo_sft", "max_length": "seq_len", "lr_decay_iters": "max_steps",
             "per_device_train_batch_size": "batch_size", "gradient_accumulation_steps": "total_batch_size",
             "log_interval": "log_every"}
+# TRL's values for a flag of ours that takes another kind, said where one is refused
+KNOWN_VALUES = {"--scale-rewards": "; TRL's scale_rewards group is true here, none false (its batch, the std of the "
+                                   "whole batch, is not offered)"}
 T = TypeVar("T")
 CRCS_CHECKED: dict[tuple, bool] = {}  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
 
@@ -157,7 +160,7 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
     try:
         return convert(text)
     except (ValueError, KeyError):
-        raise ValueError(f"{flag} expects {want}, got {text!r}") from None
+        raise ValueError(f"{flag} expects {want}, got {text!r}{KNOWN_VALUES.get(flag, '')}") from None
 
 
 def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Callable[[], Any]] | None = None,

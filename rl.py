@@ -171,7 +171,7 @@ class RLConfig(engine.RunArgs):
     ppo_epochs: int = 1  # passes over each step's rollouts
     minibatches: int | None = None  # optimizer steps per pass, rows split evenly (None: 1 for reinforce, else 2)
     clip: float = 0.2  # the ratio's clip range (PPO's value clip too)
-    scale_rewards: bool = True  # GRPO: divide by the group's std (False: the plain difference)
+    scale_rewards: bool = True  # GRPO: divide by the group's std, TRL's group (false: the plain difference, its none)
     beta: float | None = None  # KL to the start: a k3 loss term (None: 0, off), PPO's reward penalty (None: 0.05)
     gamma: float = 1.0  # PPO: discount
     lam: float = 0.95  # PPO: GAE lambda

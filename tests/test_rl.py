@@ -545,6 +545,15 @@ def test_trls_and_nanochats_names_for_our_flags_point_to_ours(flag, ours):
     assert e.value.code == f"error: unknown option {flag}; did you mean {ours}?"
 
 
+@pytest.mark.parametrize("value", ["group", "none", "batch"])
+def test_trls_scale_rewards_words_are_refused_naming_ours(value):
+    # TRL 1.16's GRPOConfig takes scale_rewards="group", "batch" or "none": the refusal said only true/false
+    with pytest.raises(SystemExit) as e:
+        rl.main(["--scale-rewards", value])
+    assert e.value.code == (f"error: --scale-rewards expects true/false, got '{value}'; TRL's scale_rewards group is "
+                            "true here, none false (its batch, the std of the whole batch, is not offered)")
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(reward="r.py:f", reward_model="rm.pt"), "--reward and --reward-model each score the replies: pass one"),
     (dict(reward_weights=(2.0,)), "--reward-weights weigh --reward's functions: add it"),  # the task's reward, alone
