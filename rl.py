@@ -31,7 +31,7 @@ import tasks
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, REPLY_STOPS, is_chat, render_prompt, reply_text
 from common import LOCAL, all_sum, get_tokenizer, is_reward_model, load_checkpoint, provenance, run_and_exit
 from engine import Context, Run
-from generate import Rollout, calculator, evaluating, generate
+from generate import Rollout, calculator, evaluating, full_precision, generate
 from model import GPT, GPTConfig
 from parallel import Objective, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
 from trackers import RunLog
@@ -280,7 +280,7 @@ def score(share: list[tuple[dict, list[int], Rollout]], reward: tasks.Reward | N
     prompt's messages, the reply's text and the answer) or the reward model's."""
     ids, mask = pack([(prompt + r.tokens, [0] * (len(prompt) - 1) + r.mask) for _, prompt, r in share], device)
     if rm is None:  # with each --reward function's own values, as tasks.checked's `last` names them (reward/FN)
-        with torch.autocast(device.type, enabled=False):  # a user's function: full precision, as tasks.evaluate's check
+        with full_precision(device):  # a user's function, as tasks.evaluate's check
             got = [(reward(p["messages"][:-1], reply_text(r.tokens), p["answer"]), getattr(reward, "last", {}))
                    for p, _, r in share]
         own = {key: torch.tensor([last[key] for _, last in got], device=device) for key in got[0][1]}
@@ -408,7 +408,7 @@ def task_eval(cfg: RLConfig, raw: GPT, task: Any, problems: list[dict], autocast
             result = tasks.evaluate(raw, task, problems, ctx.rank, ctx.world, cfg.max_new_tokens)
             if cfg.pass_k:
                 share = rollouts(raw, problems, cfg.pass_k, cfg.seed + 1_000_003 * step, cfg, ctx.rank, ctx.world)
-                with torch.autocast(ctx.device.type, enabled=False):  # a task's own check: full precision
+                with full_precision(ctx.device):  # a task's own check
                     right = common.same_verdict(lambda: [task.check(reply_text(r.tokens), p["answer"])  # all ranks stop
                                                          for p, _, r in share], ctx.world, common.ResumableError)
                 solved = sum(any(right[i:i + cfg.pass_k]) for i in range(0, len(right), cfg.pass_k))
