@@ -135,15 +135,13 @@ class Algo:
     flags: tuple[str, ...] = ("clip",)  # its own flags (clip: it clips the ratio); another's, changed, is refused
     # a value head on the policy's trunk, --beta a KL penalty in the rewards; else a group baseline (--samples >= 2)
     critic: bool = False
-    minibatches: int = 2  # optimizer steps per pass, by default
 
 
 ALGOS = {"grpo": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, cfg.scale_rewards)},
                       ("clip", "scale_rewards")),
          "rloo": Algo(lambda b, cfg, _: {"adv": leave_one_out(b["scores"], cfg.samples)}),
          # the group's mean as baseline, and no clip: one on-policy step
-         "reinforce": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, scale=False)}, (),
-                           minibatches=1),
+         "reinforce": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, scale=False)}, ()),
          "ppo": Algo(ppo, ("clip", "gamma", "lam", "vf_coef"), critic=True)}
 LOSS_AGG = ("token", "sequence", "dr_grpo")
 
@@ -197,7 +195,7 @@ class RLConfig(engine.RunArgs):
                              f"got {self.algo!r} and {self.loss_agg!r} (TRL's dapo is token, its grpo sequence)")
         tasks.parse_spec(self.task)
         algo = ALGOS[self.algo]
-        self.minibatches = self.minibatches or algo.minibatches
+        self.minibatches = self.minibatches or (2 if "clip" in algo.flags else 1)  # one on-policy step, unclipped
         self.beta = self.beta if self.beta is not None else 0.05 if algo.critic else 0.0
         others, default = {f for a in ALGOS.values() for f in a.flags} - set(algo.flags), RLConfig.__dataclass_fields__
         if unused := sorted(f for f in others if getattr(self, f) != default[f].default):
