@@ -313,14 +313,12 @@ def token_stats(model: GPT, ids: Tensor, mask: Tensor, temperature: float = 1.0,
     return torch.cat(logp), torch.cat(entropy), torch.cat(value) if values else None
 
 
-def prepare(batch: dict[str, Tensor], raw: GPT, ref: GPT | None, cfg: RLConfig, autocast: Any,
-            world: int) -> dict[str, Tensor]:
+def prepare(batch: dict[str, Tensor], raw: GPT, ref: GPT | None, cfg: RLConfig, world: int) -> dict[str, Tensor]:
     """Add what the update needs: the policy's old log-probs (and values), the reference's, the advantages."""
     ids, mask, algo = batch["ids"], batch["mask"], ALGOS[cfg.algo]
-    with autocast:
-        batch["old_logp"], batch["entropy"], values = token_stats(raw, ids, mask, cfg.temperature, algo.critic)
-        if ref is not None:
-            batch["ref_logp"] = token_stats(ref, ids, mask, cfg.temperature)[0]
+    batch["old_logp"], batch["entropy"], values = token_stats(raw, ids, mask, cfg.temperature, algo.critic)
+    if ref is not None:
+        batch["ref_logp"] = token_stats(ref, ids, mask, cfg.temperature)[0]
     if values is not None:
         batch["old_values"] = values
     return batch | algo.advantages(batch, cfg, world)
@@ -379,12 +377,12 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, reward: tasks.
 
     def step_fn(step: int) -> dict[str, Any]:
         t0, seed = time.time(), int(torch.randint(2**62, ()))  # the global RNG's, alike on every rank: an exact resume
-        with built.autocast:
+        with built.autocast:  # the forwards before the update: rollouts, a reward model's, the old log-probs
             share = rollouts(raw, sampler.peek(cfg.prompts), cfg.samples, seed, cfg, ctx.rank, ctx.world)
             batch = common.same_verdict(lambda: score(share, reward, rm, ctx.device), ctx.world, common.ResumableError)
-        sampler.served += cfg.prompts  # once scored: a reward that raises leaves the last step's state to save
-        t1, lr = time.time(), engine.set_lr(built.optimizer, step, cfg)
-        batch = prepare(batch, raw, ref, cfg, built.autocast, ctx.world)
+            sampler.served += cfg.prompts  # once scored: a reward that raises leaves the last step's state to save
+            t1, lr = time.time(), engine.set_lr(built.optimizer, step, cfg)
+            batch = prepare(batch, raw, ref, cfg, ctx.world)
         totals = update(built, objective, batch, cfg, ctx.world)  # and each --reward function's mean, as summary's
         totals |= {key: values.mean() for key, values in batch.items() if key.startswith("reward/")}
         record = {**summary(batch, totals, t1 - t0, time.time() - t1, cfg, ctx.world), "lr": lr}

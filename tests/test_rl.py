@@ -77,7 +77,7 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
     batch = rl.score(share, tasks.task_reward(tasks.Addition(), "addition"), None, torch.device("cpu"))
     assert batch["scores"].tolist() == [1.0, 0.0, 1.0, 0.0]  # the task's checker
     assert batch["mask"].sum(1).tolist() == [len(right)] * 4 and batch["mask"][:, :len(prompt) - 1].sum() == 0
-    batch = rl.prepare(batch, raw, None, cfg, contextlib.nullcontext(), 1)
+    batch = rl.prepare(batch, raw, None, cfg, 1)
     # the old log-probs are the policy's over the whole vocabulary, in eval mode: every position's log-prob on the
     # sampled tokens (the head ran on those positions only), 0 on the prompt
     every = logprobs_of(raw(batch["ids"][:, :-1])[0], batch["ids"][:, 1:])
