@@ -294,7 +294,7 @@ def policy_forward(model: torch.nn.Module, ids: Tensor, mask: Tensor, temperatur
     """The policy, the model at the sampling temperature (as TRL's: the rollouts are its own samples), its head on the N
     sampled tokens only: (log-probs (B, T) of ids[:, 1:], the (N, V) log-softmax, values (B, T) or None), 0 off mask."""
     m = mask.bool()
-    logits, value = model(ids[:, :-1], values=True, at=m) if values else (model(ids[:, :-1], at=m)[0], None)
+    logits, value = model(ids[:, :-1], values=values, at=m)
     logp = (logits.float() / temperature).log_softmax(-1)
     chosen = logp.gather(-1, ids[:, 1:][m][:, None]).squeeze(-1)
     return spread(chosen, m), logp, None if value is None else spread(value, m)
@@ -302,25 +302,22 @@ def policy_forward(model: torch.nn.Module, ids: Tensor, mask: Tensor, temperatur
 
 @torch.no_grad()
 def token_stats(model: GPT, ids: Tensor, mask: Tensor, temperature: float = 1.0, values: bool = False,
-                rows: int = 32) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(log-probs, entropies, values or None) at sampled targets, eval mode, whole vocabulary (unlike generate()'s)."""
+                rows: int = 32) -> dict[str, Tensor]:
+    """old_logp, entropy (and old_values) at sampled targets, eval mode, whole vocabulary (unlike generate()'s)."""
     out = []
     with evaluating(model):
         for chunk, m in zip(ids.split(rows), mask.split(rows), strict=True):
             logp, full, value = policy_forward(model, chunk, m, temperature, values)
-            out.append((logp, spread(-(full.exp() * full).sum(-1), m.bool()), value))
-    logp, entropy, value = zip(*out, strict=True)
-    return torch.cat(logp), torch.cat(entropy), torch.cat(value) if values else None
+            out.append(dict(old_logp=logp, entropy=spread(-(full.exp() * full).sum(-1), m.bool()), old_values=value))
+    return {key: torch.cat([each[key] for each in out]) for key in out[0] if out[0][key] is not None}
 
 
 def prepare(batch: dict[str, Tensor], raw: GPT, ref: GPT | None, cfg: RLConfig, world: int) -> dict[str, Tensor]:
     """Add what the update needs: the policy's old log-probs (and values), the reference's, the advantages."""
     ids, mask, algo = batch["ids"], batch["mask"], ALGOS[cfg.algo]
-    batch["old_logp"], batch["entropy"], values = token_stats(raw, ids, mask, cfg.temperature, algo.critic)
+    batch |= token_stats(raw, ids, mask, cfg.temperature, algo.critic)
     if ref is not None:
-        batch["ref_logp"] = token_stats(ref, ids, mask, cfg.temperature)[0]
-    if values is not None:
-        batch["old_values"] = values
+        batch["ref_logp"] = token_stats(ref, ids, mask, cfg.temperature)["old_logp"]
     return batch | algo.advantages(batch, cfg, world)
 
 

@@ -89,7 +89,7 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
     before = batch["old_logp"].sum(1)  # 0 off the sampled tokens, as asserted above
     objective = Objective(lambda model, mb: rl.rl_loss(model, mb, cfg, 1))
     totals = rl.update(built, objective, batch, cfg, 1)
-    after = rl.token_stats(raw, batch["ids"], batch["mask"])[0].sum(1)
+    after = rl.token_stats(raw, batch["ids"], batch["mask"])["old_logp"].sum(1)
     # at ratio 1 the per-token loss is -mean(A): 0 for two rewarded and two unrewarded replies of one length
     assert abs(totals["loss"].item()) < 1e-6 and totals["clip_frac"].item() == 0 and totals["grad_norm"] > 0
     assert after[0] > before[0] + 0.01 and after[1] < before[1] - 0.01
