@@ -356,8 +356,8 @@ def update(built: Any, objective: Objective, batch: dict[str, Tensor], cfg: RLCo
 def summary(batch: dict[str, Tensor], totals: dict[str, Tensor], rollout_s: float, update_s: float, cfg: RLConfig,
             world: int) -> dict[str, Any]:
     """The step's record over every rank's rollouts (one all-reduce): the update's means, reward, KL, entropy, tok/s."""
-    mask, r, has_ref = batch["mask"], batch["scores"], "ref_logp" in batch
-    kl = (kl_k3(batch["old_logp"], batch["ref_logp"]) * mask).sum() if has_ref else r.new_zeros(())
+    mask, r, old, has_ref = batch["mask"], batch["scores"], batch["old_logp"], "ref_logp" in batch
+    kl = (kl_k3(old, batch.get("ref_logp", old)) * mask).sum()  # 0 without a reference (and not logged)
     sums = torch.stack([r.new_tensor(len(r)), r.sum(), (r * r).sum(), mask.sum(), (batch["entropy"] * mask).sum(),
                         kl, r.new_tensor(batch["ids"].numel()), *totals.values()]).double()
     n, r1, r2, sampled, entropy, kl, tokens, *means = all_sum(sums, world).tolist()
