@@ -159,6 +159,7 @@ class RLConfig(engine.RunArgs):
     reward: str = ""  # reward functions FILE.py:FN[,FILE.py:FN2] (fn(prompt, reply, answer) -> float), not the task's
     reward_weights: tuple[float, ...] = ()  # --reward's weights, comma separated (default: 1 each)
     reward_model: Annotated[str, LOCAL] = ""  # score replies with this reward model (prefs.py --objective reward)
+    missing_eos_penalty: float = 0.0  # off the score of a reply cut before a stop token, TRL's (0: scored as ended)
     algo: str = "grpo"  # grpo, rloo (leave-one-out baseline), reinforce (mean baseline, no clip) or ppo (value head)
     loss_agg: str = "token"  # the policy loss over tokens, as TRL's: token (its dapo), sequence (its grpo) or dr_grpo
     prompts: int = 32  # prompts per step, all ranks together
@@ -217,9 +218,9 @@ class RLConfig(engine.RunArgs):
             (self.temperature > 0 and self.parallel != "fsdp",  # FSDP's forwards are collectives: generation hangs
              f"RL samples its replies: --temperature must be > 0 and --parallel ddp or zero1 (FSDP cannot generate); "
              f"got --temperature {self.temperature} --parallel {self.parallel}"),
-            (self.beta >= 0 and self.clip > 0 and self.pass_k >= 0 and self.vf_coef >= 0 and 0 < self.gamma <= 1
-             and 0 <= self.lam <= 1, "--beta, --pass-k and --vf-coef must be >= 0, --clip > 0, --gamma in (0, 1] and "
-             "--lam in [0, 1]")])
+            (min(self.beta, self.pass_k, self.vf_coef, self.missing_eos_penalty) >= 0 and self.clip > 0
+             and 0 < self.gamma <= 1 and 0 <= self.lam <= 1, "--beta, --pass-k, --vf-coef and --missing-eos-penalty "
+             "must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]")])
 
 
 class PromptSampler:
@@ -377,6 +378,8 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, reward: tasks.
         with built.autocast:  # the forwards before the update: rollouts, a reward model's, the old log-probs
             share = rollouts(raw, sampler.peek(cfg.prompts), cfg.samples, seed, cfg, ctx.rank, ctx.world)
             batch = common.same_verdict(lambda: score(share, reward, rm, ctx.device), ctx.world, common.ResumableError)
+            cut = torch.tensor([r.tokens[-1] not in REPLY_STOPS for _, _, r in share], device=ctx.device)  # no stop met
+            batch["scores"] -= cfg.missing_eos_penalty * cut  # TRL's: else a reward model scores a cut reply as ended
             sampler.served += cfg.prompts  # once scored: a reward that raises leaves the last step's state to save
             t1, lr = time.time(), engine.set_lr(built.optimizer, step, cfg)
             batch = prepare(batch, raw, ref, cfg, ctx.world)

@@ -412,6 +412,23 @@ def test_a_users_check_scores_rollouts_and_pass_at_k_outside_the_autocast_and_th
     assert val.fn(0)["pass@2"] == 1.0
 
 
+def test_missing_eos_penalty_comes_off_the_score_of_a_reply_that_met_no_stop_token_as_trls(monkeypatch):
+    # a reply cut at --max-new-tokens was scored as one that ended: a reward model read it with <|assistant_end|>
+    from types import SimpleNamespace as NS
+
+    problem, enc = tasks.Addition().examples("test", n=1)[0], get_tokenizer()
+    prompt, reply = render_prompt(problem["messages"][:-1]), enc.encode_ordinary(" ".join(problem["answer"]))
+    share = [(problem, prompt, Rollout(tokens, [1] * len(tokens))) for tokens in (reply + [ASSISTANT_END], reply)]
+    monkeypatch.setattr(rl, "rollouts", lambda *_: share)  # the second reply is cut: it met no stop token
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
+    cfg = rl.RLConfig(prompts=1, samples=2, rollout_batch=1, minibatches=1, missing_eos_penalty=0.25, device="cpu")
+    built = build_trainable(raw, cfg, torch.device("cpu"), use_compile=False, verbose=False)
+    step_fn = rl.rl_step(cfg, raw, built, None, tasks.task_reward(tasks.Addition(), "addition"), None,
+                         rl.PromptSampler([problem], 0), NS(say=print), engine.Context())
+    assert step_fn(0)["reward"] == (1.0 + 0.75) / 2  # both are right
+
+
 @pytest.mark.parametrize("algo", ["rloo", "reinforce"])
 def test_rloo_and_reinforce_train_on_the_engine(models, tmp_path, algo):
     result = rl.main(flags(models, tmp_path / algo, f"--algo={algo}", "--max-steps=2", "--eval-every=0", "--pass-k=0",
@@ -559,7 +576,8 @@ def test_trls_scale_rewards_words_are_refused_naming_ours(value):
     (dict(reward_weights=(2.0,)), "--reward-weights weigh --reward's functions: add it"),  # the task's reward, alone
     (dict(reward="r.py:f", reward_weights=(1.0, math.inf)), r"--reward-weights must be finite: \(1.0, inf\)"),
     (dict(eval_limit=0), "--eval-limit must be >= 1; got 0"),  # 0 divided pass@k by 0; -1 dropped the last problem
-    (dict(algo="ppo", vf_coef=-1.0), "--beta, --pass-k and --vf-coef must be >= 0"),
+    (dict(algo="ppo", vf_coef=-1.0), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0"),
+    (dict(missing_eos_penalty=-1.0), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0"),
     # TRL's loss_type names: which of ours each is was said by --help alone
     (dict(loss_agg="grpo"), "--algo must be one of grpo, rloo, reinforce, ppo and --loss-agg one of token, sequence, "
                             r"dr_grpo; got 'grpo' and 'grpo' \(TRL's dapo is token, its grpo sequence\)$"),
