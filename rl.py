@@ -133,14 +133,12 @@ def ppo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor
 class Algo:
     advantages: Callable[[dict[str, Tensor], Any, int], dict[str, Tensor]]
     flags: tuple[str, ...] = ("clip",)  # its own flags (clip: it clips the ratio); another's, changed, is refused
-    # a value head on the policy's trunk, --beta a KL penalty in the rewards; else a group baseline (--samples >= 2)
-    critic: bool = False
+    critic: bool = False  # a value head on the trunk, --beta in its rewards; else a group baseline (--samples >= 2)
 
 
 ALGOS = {"grpo": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, cfg.scale_rewards)},
                       ("clip", "scale_rewards")),
          "rloo": Algo(lambda b, cfg, _: {"adv": leave_one_out(b["scores"], cfg.samples)}),
-         # the group's mean as baseline, and no clip: one on-policy step
          "reinforce": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, scale=False)}, ()),
          "ppo": Algo(ppo, ("clip", "gamma", "lam", "vf_coef"), critic=True)}
 LOSS_AGG = ("token", "sequence", "dr_grpo")
