@@ -42,6 +42,9 @@ KNOWN_AS = {"epsilon": "clip", "num_generations": "samples", "max_completion_len
             "beta": "dpo_beta", "rpo_alpha": "dpo_sft", "max_length": "seq_len", "lr_decay_iters": "max_steps",
             "per_device_train_batch_size": "batch_size", "gradient_accumulation_steps": "total_batch_size",
             "log_interval": "log_every"}
+# TRL's values for a flag of ours that takes another kind, said where one is refused
+KNOWN_VALUES = {"--scale-rewards": "; TRL's scale_rewards group is true here, none false (its batch, the std of the "
+                                   "whole batch, is not offered)"}
 T = TypeVar("T")
 CRCS_CHECKED: dict[tuple, bool] = {}  # files check_crcs read, as they were (path, inode, size, mtime, ctime)
 
@@ -152,11 +155,12 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
     elif typing.get_origin(typ) is tuple:
         item = typing.get_args(typ)[0]
         want = f"a comma list of {item.__name__}"
-        convert = lambda s: tuple(item(p) for p in s.replace("(", "").replace(")", "").split(",") if p.strip())
+        # Python's tuple: a trailing comma is fine; an empty item (1,,2) is refused, as dropping it shifts the rest
+        convert = lambda s: tuple(map(item, s.strip("() ").removesuffix(",").split(","))) if s.strip("(), ") else ()
     try:
         return convert(text)
     except (ValueError, KeyError):
-        raise ValueError(f"{flag} expects {want}, got {text!r}") from None
+        raise ValueError(f"{flag} expects {want}, got {text!r}{KNOWN_VALUES.get(flag, '')}") from None
 
 
 def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Callable[[], Any]] | None = None,

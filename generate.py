@@ -109,6 +109,11 @@ def evaluating(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off, around a user's check or reward: one that builds tensors would round in bf16 (1.001 @ 1 is 1)."""
+    return torch.autocast(device.type, enabled=False)
+
+
 @torch.inference_mode()
 def sample_stream(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                   top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,

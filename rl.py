@@ -31,7 +31,7 @@ import tasks
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, REPLY_STOPS, is_chat, render_prompt, reply_text
 from common import LOCAL, all_sum, get_tokenizer, is_reward_model, load_checkpoint, provenance, run_and_exit
 from engine import Context, Run
-from generate import Rollout, calculator, evaluating, generate
+from generate import Rollout, calculator, evaluating, full_precision, generate
 from model import GPT, GPTConfig
 from parallel import Objective, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
 from trackers import RunLog
@@ -133,17 +133,13 @@ def ppo(batch: dict[str, Tensor], cfg: RLConfig, world: int) -> dict[str, Tensor
 class Algo:
     advantages: Callable[[dict[str, Tensor], Any, int], dict[str, Tensor]]
     flags: tuple[str, ...] = ("clip",)  # its own flags (clip: it clips the ratio); another's, changed, is refused
-    # a value head on the policy's trunk, --beta a KL penalty in the rewards; else a group baseline (--samples >= 2)
-    critic: bool = False
-    minibatches: int = 2  # optimizer steps per pass, by default
+    critic: bool = False  # a value head on the trunk, --beta in its rewards; else a group baseline (--samples >= 2)
 
 
 ALGOS = {"grpo": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, cfg.scale_rewards)},
                       ("clip", "scale_rewards")),
          "rloo": Algo(lambda b, cfg, _: {"adv": leave_one_out(b["scores"], cfg.samples)}),
-         # the group's mean as baseline, and no clip: one on-policy step
-         "reinforce": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, scale=False)}, (),
-                           minibatches=1),
+         "reinforce": Algo(lambda b, cfg, _: {"adv": group_advantages(b["scores"], cfg.samples, scale=False)}, ()),
          "ppo": Algo(ppo, ("clip", "gamma", "lam", "vf_coef"), critic=True)}
 LOSS_AGG = ("token", "sequence", "dr_grpo")
 
@@ -161,6 +157,7 @@ class RLConfig(engine.RunArgs):
     reward: str = ""  # reward functions FILE.py:FN[,FILE.py:FN2] (fn(prompt, reply, answer) -> float), not the task's
     reward_weights: tuple[float, ...] = ()  # --reward's weights, comma separated (default: 1 each)
     reward_model: Annotated[str, LOCAL] = ""  # score replies with this reward model (prefs.py --objective reward)
+    missing_eos_penalty: float = 0.0  # off the score of a reply cut before a stop token, TRL's (0: scored as ended)
     algo: str = "grpo"  # grpo, rloo (leave-one-out baseline), reinforce (mean baseline, no clip) or ppo (value head)
     loss_agg: str = "token"  # the policy loss over tokens, as TRL's: token (its dapo), sequence (its grpo) or dr_grpo
     prompts: int = 32  # prompts per step, all ranks together
@@ -171,7 +168,7 @@ class RLConfig(engine.RunArgs):
     ppo_epochs: int = 1  # passes over each step's rollouts
     minibatches: int | None = None  # optimizer steps per pass, rows split evenly (None: 1 for reinforce, else 2)
     clip: float = 0.2  # the ratio's clip range (PPO's value clip too)
-    scale_rewards: bool = True  # GRPO: divide by the group's std (False: the plain difference)
+    scale_rewards: bool = True  # GRPO: divide by the group's std, TRL's group (false: the plain difference, its none)
     beta: float | None = None  # KL to the start: a k3 loss term (None: 0, off), PPO's reward penalty (None: 0.05)
     gamma: float = 1.0  # PPO: discount
     lam: float = 0.95  # PPO: GAE lambda
@@ -197,7 +194,7 @@ class RLConfig(engine.RunArgs):
                              f"got {self.algo!r} and {self.loss_agg!r} (TRL's dapo is token, its grpo sequence)")
         tasks.parse_spec(self.task)
         algo = ALGOS[self.algo]
-        self.minibatches = self.minibatches or algo.minibatches
+        self.minibatches = self.minibatches or (2 if "clip" in algo.flags else 1)  # one on-policy step, unclipped
         self.beta = self.beta if self.beta is not None else 0.05 if algo.critic else 0.0
         others, default = {f for a in ALGOS.values() for f in a.flags} - set(algo.flags), RLConfig.__dataclass_fields__
         if unused := sorted(f for f in others if getattr(self, f) != default[f].default):
@@ -219,9 +216,9 @@ class RLConfig(engine.RunArgs):
             (self.temperature > 0 and self.parallel != "fsdp",  # FSDP's forwards are collectives: generation hangs
              f"RL samples its replies: --temperature must be > 0 and --parallel ddp or zero1 (FSDP cannot generate); "
              f"got --temperature {self.temperature} --parallel {self.parallel}"),
-            (self.beta >= 0 and self.clip > 0 and self.pass_k >= 0 and self.vf_coef >= 0 and 0 < self.gamma <= 1
-             and 0 <= self.lam <= 1, "--beta, --pass-k and --vf-coef must be >= 0, --clip > 0, --gamma in (0, 1] and "
-             "--lam in [0, 1]")])
+            (min(self.beta, self.pass_k, self.vf_coef, self.missing_eos_penalty) >= 0 and self.clip > 0
+             and 0 < self.gamma <= 1 and 0 <= self.lam <= 1, "--beta, --pass-k, --vf-coef and --missing-eos-penalty "
+             "must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]")])
 
 
 class PromptSampler:
@@ -280,7 +277,7 @@ def score(share: list[tuple[dict, list[int], Rollout]], reward: tasks.Reward | N
     prompt's messages, the reply's text and the answer) or the reward model's."""
     ids, mask = pack([(prompt + r.tokens, [0] * (len(prompt) - 1) + r.mask) for _, prompt, r in share], device)
     if rm is None:  # with each --reward function's own values, as tasks.checked's `last` names them (reward/FN)
-        with torch.autocast(device.type, enabled=False):  # a user's function: full precision, as tasks.evaluate's check
+        with full_precision(device):  # a user's function, as tasks.evaluate's check
             got = [(reward(p["messages"][:-1], reply_text(r.tokens), p["answer"]), getattr(reward, "last", {}))
                    for p, _, r in share]
         own = {key: torch.tensor([last[key] for _, last in got], device=device) for key in got[0][1]}
@@ -296,7 +293,7 @@ def policy_forward(model: torch.nn.Module, ids: Tensor, mask: Tensor, temperatur
     """The policy, the model at the sampling temperature (as TRL's: the rollouts are its own samples), its head on the N
     sampled tokens only: (log-probs (B, T) of ids[:, 1:], the (N, V) log-softmax, values (B, T) or None), 0 off mask."""
     m = mask.bool()
-    logits, value = model(ids[:, :-1], values=True, at=m) if values else (model(ids[:, :-1], at=m)[0], None)
+    logits, value = model(ids[:, :-1], values=values, at=m)
     logp = (logits.float() / temperature).log_softmax(-1)
     chosen = logp.gather(-1, ids[:, 1:][m][:, None]).squeeze(-1)
     return spread(chosen, m), logp, None if value is None else spread(value, m)
@@ -304,27 +301,22 @@ def policy_forward(model: torch.nn.Module, ids: Tensor, mask: Tensor, temperatur
 
 @torch.no_grad()
 def token_stats(model: GPT, ids: Tensor, mask: Tensor, temperature: float = 1.0, values: bool = False,
-                rows: int = 32) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(log-probs, entropies, values or None) at sampled targets, eval mode, whole vocabulary (unlike generate()'s)."""
+                rows: int = 32) -> dict[str, Tensor]:
+    """old_logp, entropy (and old_values) at sampled targets, eval mode, whole vocabulary (unlike generate()'s)."""
     out = []
     with evaluating(model):
         for chunk, m in zip(ids.split(rows), mask.split(rows), strict=True):
             logp, full, value = policy_forward(model, chunk, m, temperature, values)
-            out.append((logp, spread(-(full.exp() * full).sum(-1), m.bool()), value))
-    logp, entropy, value = zip(*out, strict=True)
-    return torch.cat(logp), torch.cat(entropy), torch.cat(value) if values else None
+            out.append(dict(old_logp=logp, entropy=spread(-(full.exp() * full).sum(-1), m.bool()), old_values=value))
+    return {key: torch.cat([each[key] for each in out]) for key in out[0] if out[0][key] is not None}
 
 
-def prepare(batch: dict[str, Tensor], raw: GPT, ref: GPT | None, cfg: RLConfig, autocast: Any,
-            world: int) -> dict[str, Tensor]:
+def prepare(batch: dict[str, Tensor], raw: GPT, ref: GPT | None, cfg: RLConfig, world: int) -> dict[str, Tensor]:
     """Add what the update needs: the policy's old log-probs (and values), the reference's, the advantages."""
     ids, mask, algo = batch["ids"], batch["mask"], ALGOS[cfg.algo]
-    with autocast:
-        batch["old_logp"], batch["entropy"], values = token_stats(raw, ids, mask, cfg.temperature, algo.critic)
-        if ref is not None:
-            batch["ref_logp"] = token_stats(ref, ids, mask, cfg.temperature)[0]
-    if values is not None:
-        batch["old_values"] = values
+    batch |= token_stats(raw, ids, mask, cfg.temperature, algo.critic)
+    if ref is not None:
+        batch["ref_logp"] = token_stats(ref, ids, mask, cfg.temperature)["old_logp"]
     return batch | algo.advantages(batch, cfg, world)
 
 
@@ -363,8 +355,8 @@ def update(built: Any, objective: Objective, batch: dict[str, Tensor], cfg: RLCo
 def summary(batch: dict[str, Tensor], totals: dict[str, Tensor], rollout_s: float, update_s: float, cfg: RLConfig,
             world: int) -> dict[str, Any]:
     """The step's record over every rank's rollouts (one all-reduce): the update's means, reward, KL, entropy, tok/s."""
-    mask, r, has_ref = batch["mask"], batch["scores"], "ref_logp" in batch
-    kl = (kl_k3(batch["old_logp"], batch["ref_logp"]) * mask).sum() if has_ref else r.new_zeros(())
+    mask, r, old, has_ref = batch["mask"], batch["scores"], batch["old_logp"], "ref_logp" in batch
+    kl = (kl_k3(old, batch.get("ref_logp", old)) * mask).sum()  # 0 without a reference (and not logged)
     sums = torch.stack([r.new_tensor(len(r)), r.sum(), (r * r).sum(), mask.sum(), (batch["entropy"] * mask).sum(),
                         kl, r.new_tensor(batch["ids"].numel()), *totals.values()]).double()
     n, r1, r2, sampled, entropy, kl, tokens, *means = all_sum(sums, world).tolist()
@@ -381,12 +373,14 @@ def rl_step(cfg: RLConfig, raw: GPT, built: Any, ref: GPT | None, reward: tasks.
 
     def step_fn(step: int) -> dict[str, Any]:
         t0, seed = time.time(), int(torch.randint(2**62, ()))  # the global RNG's, alike on every rank: an exact resume
-        with built.autocast:
+        with built.autocast:  # the forwards before the update: rollouts, a reward model's, the old log-probs
             share = rollouts(raw, sampler.peek(cfg.prompts), cfg.samples, seed, cfg, ctx.rank, ctx.world)
             batch = common.same_verdict(lambda: score(share, reward, rm, ctx.device), ctx.world, common.ResumableError)
-        sampler.served += cfg.prompts  # once scored: a reward that raises leaves the last step's state to save
-        t1, lr = time.time(), engine.set_lr(built.optimizer, step, cfg)
-        batch = prepare(batch, raw, ref, cfg, built.autocast, ctx.world)
+            cut = torch.tensor([r.tokens[-1] not in REPLY_STOPS for _, _, r in share], device=ctx.device)  # no stop met
+            batch["scores"] -= cfg.missing_eos_penalty * cut  # TRL's: else a reward model scores a cut reply as ended
+            sampler.served += cfg.prompts  # once scored: a reward that raises leaves the last step's state to save
+            t1, lr = time.time(), engine.set_lr(built.optimizer, step, cfg)
+            batch = prepare(batch, raw, ref, cfg, ctx.world)
         totals = update(built, objective, batch, cfg, ctx.world)  # and each --reward function's mean, as summary's
         totals |= {key: values.mean() for key, values in batch.items() if key.startswith("reward/")}
         record = {**summary(batch, totals, t1 - t0, time.time() - t1, cfg, ctx.world), "lr": lr}
@@ -408,7 +402,7 @@ def task_eval(cfg: RLConfig, raw: GPT, task: Any, problems: list[dict], autocast
             result = tasks.evaluate(raw, task, problems, ctx.rank, ctx.world, cfg.max_new_tokens)
             if cfg.pass_k:
                 share = rollouts(raw, problems, cfg.pass_k, cfg.seed + 1_000_003 * step, cfg, ctx.rank, ctx.world)
-                with torch.autocast(ctx.device.type, enabled=False):  # a task's own check: full precision
+                with full_precision(ctx.device):  # a task's own check
                     right = common.same_verdict(lambda: [task.check(reply_text(r.tokens), p["answer"])  # all ranks stop
                                                          for p, _, r in share], ctx.world, common.ResumableError)
                 solved = sum(any(right[i:i + cfg.pass_k]) for i in range(0, len(right), cfg.pass_k))

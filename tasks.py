@@ -54,7 +54,7 @@ import torch
 import common
 from chat_format import BOS, CHAT_VOCAB, REPLY_STOPS, check_messages, load_rows, render_prompt, reply_text, row_errors
 from common import all_sum, get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
-from generate import calculator, evaluating, generate
+from generate import calculator, evaluating, full_precision, generate
 from model import GPT, GPTConfig
 
 
@@ -180,7 +180,7 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
             chunk = mine[i:i + batch]
             replies = generate(model, [render_prompt(p["messages"][:-1]) for p in chunk], max_new_tokens,
                                temperature=0.0, stop_ids=REPLY_STOPS, vocab=CHAT_VOCAB, calculator=calculator())
-            with torch.autocast(model.lm_head.weight.device.type, enabled=False):  # a task's own check: full precision
+            with full_precision(model.lm_head.weight.device):  # a task's own check, outside the replies' autocast
                 right += sum(bool(task.check(reply_text(r.tokens), p["answer"])) for r, p in zip(replies, chunk,
                                                                                                     strict=True))
         return right

@@ -1127,6 +1127,9 @@ def test_parse_config_forms_and_errors():
     assert parse_config(_Cfg, ["--sizes=4,8"]).sizes == (4, 8)
     with pytest.raises(SystemExit, match=r"^error: --sizes expects a comma list of int, got '1.5,2'$"):
         parse_config(_Cfg, ["--sizes=1.5,2"])
+    for text in ("4,,8", ",4", "4,,"):  # an empty item was dropped: --reward-weights 1,,2 weighed 2 functions 1 and 2
+        with pytest.raises(SystemExit, match=f"^error: --sizes expects a comma list of int, got '{text}'$"):
+            parse_config(_Cfg, ["--sizes", text])
 
 
 def test_parse_config_every_accepted_spelling_converts():
@@ -1142,8 +1145,10 @@ def test_parse_config_every_accepted_spelling_converts():
         assert parse_config(_Cfg, ["--preset", "p", f"--limit={text}"], presets=presets) == _Cfg(lr=0.25, sizes=(3,))
     assert parse_config(_Cfg, ["--preset=p", "--steps", "7"], presets=presets) == _Cfg(lr=0.25, steps=7, limit=4,
                                                                                      sizes=(3,))
-    for text in ("(4, 8)", "4,8", "4,8,"):
+    for text in ("(4, 8)", "4,8", "4,8,", " 4, 8 , "):  # a trailing comma is Python's
         assert parse_config(_Cfg, ["--sizes", text]).sizes == (4, 8), text
+    for text in ("", "()"):
+        assert parse_config(_Cfg, ["--sizes", text]).sizes == (), text
     assert parse_config(_Cfg, ["--lr", "-0.5", "--steps", "-1", "--name", "-"]) == _Cfg(lr=-0.5, steps=-1, name="-")
     assert parse_config(_Cfg, ["--compile", "--name", "--", "--steps=2"]) == _Cfg(compile=True, name="--", steps=2)
 

@@ -77,7 +77,7 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
     batch = rl.score(share, tasks.task_reward(tasks.Addition(), "addition"), None, torch.device("cpu"))
     assert batch["scores"].tolist() == [1.0, 0.0, 1.0, 0.0]  # the task's checker
     assert batch["mask"].sum(1).tolist() == [len(right)] * 4 and batch["mask"][:, :len(prompt) - 1].sum() == 0
-    batch = rl.prepare(batch, raw, None, cfg, contextlib.nullcontext(), 1)
+    batch = rl.prepare(batch, raw, None, cfg, 1)
     # the old log-probs are the policy's over the whole vocabulary, in eval mode: every position's log-prob on the
     # sampled tokens (the head ran on those positions only), 0 on the prompt
     every = logprobs_of(raw(batch["ids"][:, :-1])[0], batch["ids"][:, 1:])
@@ -89,7 +89,7 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
     before = batch["old_logp"].sum(1)  # 0 off the sampled tokens, as asserted above
     objective = Objective(lambda model, mb: rl.rl_loss(model, mb, cfg, 1))
     totals = rl.update(built, objective, batch, cfg, 1)
-    after = rl.token_stats(raw, batch["ids"], batch["mask"])[0].sum(1)
+    after = rl.token_stats(raw, batch["ids"], batch["mask"])["old_logp"].sum(1)
     # at ratio 1 the per-token loss is -mean(A): 0 for two rewarded and two unrewarded replies of one length
     assert abs(totals["loss"].item()) < 1e-6 and totals["clip_frac"].item() == 0 and totals["grad_norm"] > 0
     assert after[0] > before[0] + 0.01 and after[1] < before[1] - 0.01
@@ -416,6 +416,23 @@ def test_a_users_check_scores_rollouts_and_pass_at_k_outside_the_autocast_and_th
     assert val.fn(0)["pass@2"] == 1.0
 
 
+def test_missing_eos_penalty_comes_off_the_score_of_a_reply_that_met_no_stop_token_as_trls(monkeypatch):
+    # a reply cut at --max-new-tokens was scored as one that ended: a reward model read it with <|assistant_end|>
+    from types import SimpleNamespace as NS
+
+    problem, enc = tasks.Addition().examples("test", n=1)[0], get_tokenizer()
+    prompt, reply = render_prompt(problem["messages"][:-1]), enc.encode_ordinary(" ".join(problem["answer"]))
+    share = [(problem, prompt, Rollout(tokens, [1] * len(tokens))) for tokens in (reply + [ASSISTANT_END], reply)]
+    monkeypatch.setattr(rl, "rollouts", lambda *_: share)  # the second reply is cut: it met no stop token
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
+    cfg = rl.RLConfig(prompts=1, samples=2, rollout_batch=1, minibatches=1, missing_eos_penalty=0.25, device="cpu")
+    built = build_trainable(raw, cfg, torch.device("cpu"), use_compile=False, verbose=False)
+    step_fn = rl.rl_step(cfg, raw, built, None, tasks.task_reward(tasks.Addition(), "addition"), None,
+                         rl.PromptSampler([problem], 0), NS(say=print), engine.Context())
+    assert step_fn(0)["reward"] == (1.0 + 0.75) / 2  # both are right
+
+
 @pytest.mark.parametrize("algo", ["rloo", "reinforce"])
 def test_rloo_and_reinforce_train_on_the_engine(models, tmp_path, algo):
     result = rl.main(flags(models, tmp_path / algo, f"--algo={algo}", "--max-steps=2", "--eval-every=0", "--pass-k=0",
@@ -549,12 +566,22 @@ def test_trls_and_nanochats_names_for_our_flags_point_to_ours(flag, ours):
     assert e.value.code == f"error: unknown option {flag}; did you mean {ours}?"
 
 
+@pytest.mark.parametrize("value", ["group", "none", "batch"])
+def test_trls_scale_rewards_words_are_refused_naming_ours(value):
+    # TRL 1.16's GRPOConfig takes scale_rewards="group", "batch" or "none": the refusal said only true/false
+    with pytest.raises(SystemExit) as e:
+        rl.main(["--scale-rewards", value])
+    assert e.value.code == (f"error: --scale-rewards expects true/false, got '{value}'; TRL's scale_rewards group is "
+                            "true here, none false (its batch, the std of the whole batch, is not offered)")
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(reward="r.py:f", reward_model="rm.pt"), "--reward and --reward-model each score the replies: pass one"),
     (dict(reward_weights=(2.0,)), "--reward-weights weigh --reward's functions: add it"),  # the task's reward, alone
     (dict(reward="r.py:f", reward_weights=(1.0, math.inf)), r"--reward-weights must be finite: \(1.0, inf\)"),
     (dict(eval_limit=0), "--eval-limit must be >= 1; got 0"),  # 0 divided pass@k by 0; -1 dropped the last problem
-    (dict(algo="ppo", vf_coef=-1.0), "--beta, --pass-k and --vf-coef must be >= 0"),
+    (dict(algo="ppo", vf_coef=-1.0), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0"),
+    (dict(missing_eos_penalty=-1.0), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0"),
     # TRL's loss_type names: which of ours each is was said by --help alone
     (dict(loss_agg="grpo"), "--algo must be one of grpo, rloo, reinforce, ppo and --loss-agg one of token, sequence, "
                             r"dr_grpo; got 'grpo' and 'grpo' \(TRL's dapo is token, its grpo sequence\)$"),
