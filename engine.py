@@ -166,7 +166,7 @@ def train(run: Run) -> dict[str, Any]:
         # log
         if run.diverged(step, record):
             break
-        run.log.step(step, run.record(record, dt), timed=step > run.start_step)
+        run.log.step(step, run.record(record, dt))
 
         # checkpoint or stop
         stopping = stop.should_stop()

@@ -146,17 +146,17 @@ class RunLog:
         if self.path is not None:
             Path(f"{self.path}.rewound").unlink(missing_ok=True)
 
-    def step(self, step: int, record: dict, timed: bool) -> None:
-        """Log one optimizer step's record; `timed`: its time counts towards the ETA (not the first step's compile)."""
+    def step(self, step: int, record: dict) -> None:
+        """Log one optimizer step's record; the ETA leaves out the oldest of the last 21 step times: 20 of them, and
+        never the time of this run's first step (its compile) once there is another."""
         self.put_back()
         self.losses.append(record["loss"])
-        if timed:
-            self.recent_ms = (self.recent_ms + [record["ms"]])[-20:]
+        self.recent_ms = (self.recent_ms + [record["ms"]])[-21:]
         self.write({"type": "train", "step": step, **record})
         if record.get("skipped"):
             self.say(f"step {step:6d} | update skipped: {record['skipped']}")
         if step % self.log_every == 0 or step == self.max_steps - 1:
-            eta = statistics.median_high(self.recent_ms or [record["ms"]]) * (self.max_steps - step - 1) / 1000
+            eta = statistics.median_high(self.recent_ms[1:] or self.recent_ms) * (self.max_steps - step - 1) / 1000
             util = record["mfu"]
             self.say(f"step {step:6d}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | norm "
                      f"{record['grad_norm']:.3f} | {record['ms']:7.1f} ms | {record['tok_s']:,.0f} tok/s | mfu "
