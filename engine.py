@@ -370,7 +370,7 @@ class Checkpointer:
         if not args.resume:
             existing = existing or sorted(out_dir.glob("ckpt_*.pt.diverged"))  # a NaN-stopped run's
             if existing and not args.eval_only:  # an evaluation writes nothing there
-                last, found = existing[-1].name, find_checkpoint(out_dir)  # --resume auto refuses another stage's
+                last, found = existing[-1].name, find_checkpoint(out_dir, [])  # --resume auto refuses another stage's
                 if found and stage_of(found[1].get("train_config", {})) != stage_of(dataclasses.asdict(args)):
                     raise ValueError(f"--out-dir {out_dir} holds another stage's or --objective's checkpoints ({last} "
                                      "the last written), which this run cannot continue: start it in a new --out-dir "
@@ -583,7 +583,7 @@ def stage_of(config: dict[str, Any]) -> tuple:
             config.get("data_kind", "tokens" if "hellaswag" in config else "") == "tokens")
 
 
-def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tuple[Path, dict] | None:
+def find_checkpoint(out_dir: Path, unreadable: list[Path]) -> tuple[Path, dict] | None:
     """The newest checkpoint in out_dir that loads; unreadable ones are reported, skipped and added to `unreadable`."""
     for path in reversed(checkpoints(out_dir)):
         try:
@@ -591,8 +591,7 @@ def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tupl
         except (ValueError, OSError) as e:
             print(f"warning: skipping unreadable checkpoint {path}: {e} (left in place; --keep-last does not count "
                   "it)", file=sys.stderr)
-            if unreadable is not None:
-                unreadable.append(path)
+            unreadable.append(path)
     return None
 
 
