@@ -553,7 +553,8 @@ def state_dicts(raw: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict 
         optim_sd = get_optimizer_state_dict(raw, optimizer, options=opts)
         if fresh:
             optimizer.state.clear()
-        return model_sd, {**optim_sd, "state": {}} if fresh else optim_sd
+            optim_sd["state"] = {}
+        return model_sd, optim_sd
     optimizer.consolidate_state_dict(to=0)  # ZeRO-1: gather every rank's shard on rank 0
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the gathered state arrives by non_blocking copies that nothing else waits for
