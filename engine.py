@@ -406,14 +406,32 @@ class Checkpointer:
 
     def restore(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> int:
         """Load the weights, and unless --eval-only the optimizer, each part's state and the RNG; returns the step."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint import state_dict as dcp
 
         if hasattr(raw, "local_state"):  # --tp/--pp shards (parallelize.Sharded) take their part of the full state
             ckpt = raw.local_state(ckpt)
-        set_model_state_dict(raw, ckpt["model"], options=StateDictOptions(full_state_dict=True))
+        dcp.set_model_state_dict(raw, ckpt["model"], options=dcp.StateDictOptions(full_state_dict=True))
         if self.args.eval_only:  # it needs no more, so it scores any checkpoint
             return int(ckpt["step"])
-        self._restore_optimizer(ckpt, raw, optimizer)
+        kind, saved = optimizer_kind(optimizer, self.args.parallel), ckpt["optimizer_kind"]
+        how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
+        check_flags([(saved == kind or "zero1" not in (saved, kind), f"the checkpoint's optimizer state was saved by "
+                      f"parallel={saved} and this run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume "
+                      f"it {how}")])
+        optim_sd = swap_8bit_state(ckpt["optimizer"], pack=True)
+        if kind != "zero1":
+            dcp.set_optimizer_state_dict(raw, optimizer, optim_sd, options=dcp.StateDictOptions(full_state_dict=True))
+            if not optim_sd["state"]:  # a fresh optimizer's (prune.py's step 0): the load's own lr-0 step is undone
+                optimizer.state.clear()
+        else:
+            optimizer.load_state_dict(optim_sd)
+            # ZeRO's load moves Adam's `step` tensors to the CPU, where the fused CUDA kernel refuses them
+            fused = any(group.get("fused") for group in optimizer.optim.param_groups)
+            for p, state in optimizer.optim.state.items():
+                if fused and torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(p.device, torch.float32)
+            # ZeRO's own load also kept a second device copy of this rank's moments that it never reads again
+            optimizer.state.clear()
         for key, part in parts.items():
             if part is not None and ckpt.get(key) is not None:
                 part.load_state_dict(ckpt[key])
@@ -424,29 +442,6 @@ class Checkpointer:
                      "data stream goes on where it was, the RNG streams restart (not the run an unchanged world would "
                      "give)")
         return int(ckpt["step"])
-
-    def _restore_optimizer(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        kind, saved = optimizer_kind(optimizer, self.args.parallel), ckpt["optimizer_kind"]
-        how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
-        check_flags([(saved == kind or "zero1" not in (saved, kind), f"the checkpoint's optimizer state was saved by "
-                      f"parallel={saved} and this run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume "
-                      f"it {how}")])
-        optim_sd = swap_8bit_state(ckpt["optimizer"], pack=True)
-        if kind != "zero1":
-            set_optimizer_state_dict(raw, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
-            if not optim_sd["state"]:  # a fresh optimizer's (prune.py's step 0): the load's own lr-0 step is undone
-                optimizer.state.clear()
-            return
-        optimizer.load_state_dict(optim_sd)
-        # ZeRO's load moves Adam's `step` tensors to the CPU, where the fused CUDA kernel refuses them
-        fused = any(group.get("fused") for group in optimizer.optim.param_groups)
-        for p, state in optimizer.optim.state.items():
-            if fused and torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].to(p.device, torch.float32)
-        # ZeRO's own load also kept a second device copy of this rank's moments that it never reads again
-        optimizer.state.clear()
 
     def save(self, step: int, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> Path:
         """Write ckpt_{step}.pt on rank 0 (every rank helps gather it), then prune; a failed write stops every rank."""
@@ -539,18 +534,18 @@ def write_atomically(path: Path, ckpt: dict) -> None:
 
 def state_dicts(raw: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
     """Full (unsharded, unwrapped) model and optimizer state; collective under ZeRO-1/FSDP, so every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint import state_dict as dcp
 
     if hasattr(raw, "full_state"):  # --tp/--pp shards (parallelize.Sharded) gather the GPT's full state
         return raw.full_state(optimizer)
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(raw, options=opts)
+    opts = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = dcp.get_model_state_dict(raw, options=opts)
     if "lm_head.weight" in model_sd and raw.lm_head.weight is raw.transformer.wte.weight:
         # the offload copies each name on its own: one tensor under both names stores the tied matrix once
         model_sd["transformer.wte.weight"] = model_sd["lm_head.weight"]
     if not hasattr(optimizer, "consolidate_state_dict"):  # keyed by parameter name: DDP, FSDP, single interchange
         fresh = not optimizer.state  # DCP fills a fresh one by a step at lr 0, which AdamW counts: stay at step 0
-        optim_sd = get_optimizer_state_dict(raw, optimizer, options=opts)
+        optim_sd = dcp.get_optimizer_state_dict(raw, optimizer, options=opts)
         if fresh:
             optimizer.state.clear()
             optim_sd["state"] = {}
