@@ -673,13 +673,9 @@ class SpikeGuard:
 
     def __init__(self, skip_loss_z: float = 0.0, skip_norm_z: float = 0.0, world: int = 1):
         self.skip_loss_z, self.skip_norm_z, self.world = skip_loss_z, skip_norm_z, world
+        self.on = skip_loss_z > 0 or skip_norm_z > 0  # deciding syncs the host on loss and norm: only when asked
         self.detectors = {"loss": OutlierDetector(), "norm": OutlierDetector()}
         self.skipped = ""  # why this step's update was dropped, or ""
-
-    @property
-    def on(self) -> bool:
-        """Deciding reads the loss and norm on the host before the optimizer step: one sync more, so only when asked."""
-        return self.skip_loss_z > 0 or self.skip_norm_z > 0
 
     def for_step(self) -> Callable[[torch.Tensor, torch.Tensor], bool] | None:
         """train_step's `update` for the next step (None when the guard is off), with no skip recorded yet."""
