@@ -722,7 +722,7 @@ class StopFlags:
         self.master, self.interrupt, self.device, self.world = master, interrupt, device, world
         self.max_minutes = max_minutes
         self.last = False  # set when no step is left to stop after: Ctrl-C then quits at once
-        self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
+        self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else math.inf
         self._saved: dict[int, Any] = {}
 
     def __enter__(self) -> StopFlags:
@@ -756,8 +756,7 @@ class StopFlags:
 
     def should_stop(self) -> str | None:
         """"signal", "max_time" or None, the same on every rank: one rank's signal stops them all at this step."""
-        flags = [self.term == "SIGTERM", self.term == "SIGINT",
-                 self.deadline is not None and time.time() > self.deadline]
+        flags = [self.term == "SIGTERM", self.term == "SIGINT", time.time() > self.deadline]
         if self.world > 1:  # one rank has nothing to agree with: no device round trip each step
             flags = (all_sum(torch.tensor(flags, dtype=torch.float32, device=self.device), self.world) > 0).tolist()
         self.reason = "SIGTERM" if flags[0] else "Ctrl-C" if flags[1] else f"--max-time {self.max_minutes} min"

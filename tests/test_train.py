@@ -1376,7 +1376,7 @@ def test_stop_flags_budget_is_in_minutes_and_a_signal_is_named_first():
     # a no-op underneath: were StopFlags to install no handler, the SIGTERM below must not end the test session
     previous = signal.signal(signal.SIGTERM, lambda *args: None)
     try:
-        assert engine.StopFlags(0).deadline is None  # no budget
+        assert engine.StopFlags(0).deadline == math.inf  # no budget
         flags = armed(2.0)
         assert flags.deadline - time.time() == pytest.approx(120, abs=10)  # 2 minutes, not 2 seconds (nor hours)
         assert flags.should_stop() is None
