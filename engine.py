@@ -358,8 +358,7 @@ class Checkpointer:
                                  f"{self.out_dir} (put it on a shared filesystem, or copy the checkpoint to each node "
                                  "and pass --resume PATH)")
         self.newest = found[0].resolve() if found else None
-        newest = checkpoints(self.out_dir)[-1:]
-        self.rewinding = bool(found and newest and newest[0].resolve() != self.newest)  # older than the newest
+        self.rewinding = bool(found) and any(p.resolve() != self.newest for p in checkpoints(self.out_dir)[-1:])
         return found
 
     def find_resume(self) -> tuple[Path, dict] | None:
