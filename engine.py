@@ -26,11 +26,10 @@ import signal
 import sys
 import threading
 import time
-import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import torch
 import torch.distributed as dist
@@ -447,10 +446,9 @@ class Checkpointer:
         path = self.out_dir / f"ckpt_{step:06d}.pt"
         self.unreadable = [p for p in self.unreadable if p != path]  # written anew, and readable now
         model_sd, optim_sd = state_dicts(raw, optimizer)
-        rng = rng_state()
-        rngs = [rng] * self.world
+        rngs = [rng_state()] * self.world
         if self.world > 1:
-            dist.all_gather_object(rngs, rng)  # dropout masks differ per rank, so every rank's RNG is saved
+            dist.all_gather_object(rngs, rngs[0])  # dropout masks differ per rank, so every rank's RNG is saved
 
         def write() -> None:  # rank 0's
             write_atomically(path, {
@@ -470,10 +468,9 @@ class Checkpointer:
     def prune(self) -> None:
         """Keep the newest --keep-last readable checkpoints, every multiple of --keep-every, and the newest known good:
         the newer ones may yet be set aside by a NaN."""
-        args = self.args
         readable = [p for p in checkpoints(self.out_dir) if p not in self.unreadable]
-        for stale in readable[:-args.keep_last]:  # --keep-last 0: [:-0] is empty, all are kept
-            milestone = args.keep_every and step_of(stale) % args.keep_every == 0
+        for stale in readable[:-self.args.keep_last]:  # --keep-last 0: [:-0] is empty, all are kept
+            milestone = self.args.keep_every and step_of(stale) % self.args.keep_every == 0
             if not milestone and stale.resolve() != self.good:
                 stale.unlink()
 
@@ -831,7 +828,7 @@ class Profiler:
 def command_of(args: Any) -> dict[str, str]:
     """The config as every node must share it: the fields not marked LOCAL (a path, or a rank's own setting: what
     a path names is compared as data, weights or examples instead), nor holding another class's flags."""
-    hints = typing.get_type_hints(type(args), include_extras=True)
+    hints = get_type_hints(type(args), include_extras=True)
     nested = {f.name for f in dataclasses.fields(args) if "flags_of" in f.metadata}
     return {key: repr(value) for key, value in dataclasses.asdict(args).items()  # repr: a NaN equals itself
             if LOCAL not in getattr(hints.get(key), "__metadata__", ()) and key not in nested}
