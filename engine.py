@@ -26,11 +26,10 @@ import signal
 import sys
 import threading
 import time
-import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import torch
 import torch.distributed as dist
@@ -166,7 +165,7 @@ def train(run: Run) -> dict[str, Any]:
         # log
         if run.diverged(step, record):
             break
-        run.log.step(step, run.record(record, dt), timed=step > run.start_step)
+        run.log.step(step, run.record(record, dt))
 
         # checkpoint or stop
         stopping = stop.should_stop()
@@ -358,8 +357,7 @@ class Checkpointer:
                                  f"{self.out_dir} (put it on a shared filesystem, or copy the checkpoint to each node "
                                  "and pass --resume PATH)")
         self.newest = found[0].resolve() if found else None
-        newest = checkpoints(self.out_dir)[-1:]
-        self.rewinding = bool(found and newest and newest[0].resolve() != self.newest)  # older than the newest
+        self.rewinding = bool(found) and any(p.resolve() != self.newest for p in checkpoints(self.out_dir)[-1:])
         return found
 
     def find_resume(self) -> tuple[Path, dict] | None:
@@ -370,7 +368,7 @@ class Checkpointer:
         if not args.resume:
             existing = existing or sorted(out_dir.glob("ckpt_*.pt.diverged"))  # a NaN-stopped run's
             if existing and not args.eval_only:  # an evaluation writes nothing there
-                last, found = existing[-1].name, find_checkpoint(out_dir)  # --resume auto refuses another stage's
+                last, found = existing[-1].name, find_checkpoint(out_dir, [])  # --resume auto refuses another stage's
                 if found and stage_of(found[1].get("train_config", {})) != stage_of(dataclasses.asdict(args)):
                     raise ValueError(f"--out-dir {out_dir} holds another stage's or --objective's checkpoints ({last} "
                                      "the last written), which this run cannot continue: start it in a new --out-dir "
@@ -406,14 +404,32 @@ class Checkpointer:
 
     def restore(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> int:
         """Load the weights, and unless --eval-only the optimizer, each part's state and the RNG; returns the step."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint import state_dict as dcp
 
         if hasattr(raw, "local_state"):  # --tp/--pp shards (parallelize.Sharded) take their part of the full state
             ckpt = raw.local_state(ckpt)
-        set_model_state_dict(raw, ckpt["model"], options=StateDictOptions(full_state_dict=True))
+        dcp.set_model_state_dict(raw, ckpt["model"], options=dcp.StateDictOptions(full_state_dict=True))
         if self.args.eval_only:  # it needs no more, so it scores any checkpoint
             return int(ckpt["step"])
-        self._restore_optimizer(ckpt, raw, optimizer)
+        kind, saved = optimizer_kind(optimizer, self.args.parallel), ckpt["optimizer_kind"]
+        how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
+        check_flags([(saved == kind or "zero1" not in (saved, kind), f"the checkpoint's optimizer state was saved by "
+                      f"parallel={saved} and this run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume "
+                      f"it {how}")])
+        optim_sd = swap_8bit_state(ckpt["optimizer"], pack=True)
+        if kind != "zero1":
+            dcp.set_optimizer_state_dict(raw, optimizer, optim_sd, options=dcp.StateDictOptions(full_state_dict=True))
+            if not optim_sd["state"]:  # a fresh optimizer's (prune.py's step 0): the load's own lr-0 step is undone
+                optimizer.state.clear()
+        else:
+            optimizer.load_state_dict(optim_sd)
+            # ZeRO's load moves Adam's `step` tensors to the CPU, where the fused CUDA kernel refuses them
+            fused = any(group.get("fused") for group in optimizer.optim.param_groups)
+            for p, state in optimizer.optim.state.items():
+                if fused and torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(p.device, torch.float32)
+            # ZeRO's own load also kept a second device copy of this rank's moments that it never reads again
+            optimizer.state.clear()
         for key, part in parts.items():
             if part is not None and ckpt.get(key) is not None:
                 part.load_state_dict(ckpt[key])
@@ -425,38 +441,14 @@ class Checkpointer:
                      "give)")
         return int(ckpt["step"])
 
-    def _restore_optimizer(self, ckpt: dict, raw: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        kind, saved = optimizer_kind(optimizer, self.args.parallel), ckpt["optimizer_kind"]
-        how = "under torchrun with --parallel zero1" if saved == "zero1" else "without --parallel zero1"
-        check_flags([(saved == kind or "zero1" not in (saved, kind), f"the checkpoint's optimizer state was saved by "
-                      f"parallel={saved} and this run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume "
-                      f"it {how}")])
-        optim_sd = swap_8bit_state(ckpt["optimizer"], pack=True)
-        if kind != "zero1":
-            set_optimizer_state_dict(raw, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
-            if not optim_sd["state"]:  # a fresh optimizer's (prune.py's step 0): the load's own lr-0 step is undone
-                optimizer.state.clear()
-            return
-        optimizer.load_state_dict(optim_sd)
-        # ZeRO's load moves Adam's `step` tensors to the CPU, where the fused CUDA kernel refuses them
-        fused = any(group.get("fused") for group in optimizer.optim.param_groups)
-        for p, state in optimizer.optim.state.items():
-            if fused and torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].to(p.device, torch.float32)
-        # ZeRO's own load also kept a second device copy of this rank's moments that it never reads again
-        optimizer.state.clear()
-
     def save(self, step: int, raw: nn.Module, optimizer: torch.optim.Optimizer, parts: dict[str, Any]) -> Path:
         """Write ckpt_{step}.pt on rank 0 (every rank helps gather it), then prune; a failed write stops every rank."""
         path = self.out_dir / f"ckpt_{step:06d}.pt"
         self.unreadable = [p for p in self.unreadable if p != path]  # written anew, and readable now
         model_sd, optim_sd = state_dicts(raw, optimizer)
-        rng = rng_state()
-        rngs = [rng] * self.world
+        rngs = [rng_state()] * self.world
         if self.world > 1:
-            dist.all_gather_object(rngs, rng)  # dropout masks differ per rank, so every rank's RNG is saved
+            dist.all_gather_object(rngs, rngs[0])  # dropout masks differ per rank, so every rank's RNG is saved
 
         def write() -> None:  # rank 0's
             write_atomically(path, {
@@ -476,10 +468,9 @@ class Checkpointer:
     def prune(self) -> None:
         """Keep the newest --keep-last readable checkpoints, every multiple of --keep-every, and the newest known good:
         the newer ones may yet be set aside by a NaN."""
-        args = self.args
         readable = [p for p in checkpoints(self.out_dir) if p not in self.unreadable]
-        for stale in readable[:-args.keep_last]:  # --keep-last 0: [:-0] is empty, all are kept
-            milestone = args.keep_every and step_of(stale) % args.keep_every == 0
+        for stale in readable[:-self.args.keep_last]:  # --keep-last 0: [:-0] is empty, all are kept
+            milestone = self.args.keep_every and step_of(stale) % self.args.keep_every == 0
             if not milestone and stale.resolve() != self.good:
                 stale.unlink()
 
@@ -539,21 +530,22 @@ def write_atomically(path: Path, ckpt: dict) -> None:
 
 def state_dicts(raw: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
     """Full (unsharded, unwrapped) model and optimizer state; collective under ZeRO-1/FSDP, so every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint import state_dict as dcp
 
     if hasattr(raw, "full_state"):  # --tp/--pp shards (parallelize.Sharded) gather the GPT's full state
         return raw.full_state(optimizer)
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(raw, options=opts)
+    opts = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = dcp.get_model_state_dict(raw, options=opts)
     if "lm_head.weight" in model_sd and raw.lm_head.weight is raw.transformer.wte.weight:
         # the offload copies each name on its own: one tensor under both names stores the tied matrix once
         model_sd["transformer.wte.weight"] = model_sd["lm_head.weight"]
     if not hasattr(optimizer, "consolidate_state_dict"):  # keyed by parameter name: DDP, FSDP, single interchange
         fresh = not optimizer.state  # DCP fills a fresh one by a step at lr 0, which AdamW counts: stay at step 0
-        optim_sd = get_optimizer_state_dict(raw, optimizer, options=opts)
+        optim_sd = dcp.get_optimizer_state_dict(raw, optimizer, options=opts)
         if fresh:
             optimizer.state.clear()
-        return model_sd, {**optim_sd, "state": {}} if fresh else optim_sd
+            optim_sd["state"] = {}
+        return model_sd, optim_sd
     optimizer.consolidate_state_dict(to=0)  # ZeRO-1: gather every rank's shard on rank 0
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the gathered state arrives by non_blocking copies that nothing else waits for
@@ -583,7 +575,7 @@ def stage_of(config: dict[str, Any]) -> tuple:
             config.get("data_kind", "tokens" if "hellaswag" in config else "") == "tokens")
 
 
-def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tuple[Path, dict] | None:
+def find_checkpoint(out_dir: Path, unreadable: list[Path]) -> tuple[Path, dict] | None:
     """The newest checkpoint in out_dir that loads; unreadable ones are reported, skipped and added to `unreadable`."""
     for path in reversed(checkpoints(out_dir)):
         try:
@@ -591,8 +583,7 @@ def find_checkpoint(out_dir: Path, unreadable: list[Path] | None = None) -> tupl
         except (ValueError, OSError) as e:
             print(f"warning: skipping unreadable checkpoint {path}: {e} (left in place; --keep-last does not count "
                   "it)", file=sys.stderr)
-            if unreadable is not None:
-                unreadable.append(path)
+            unreadable.append(path)
     return None
 
 
@@ -678,13 +669,9 @@ class SpikeGuard:
 
     def __init__(self, skip_loss_z: float = 0.0, skip_norm_z: float = 0.0, world: int = 1):
         self.skip_loss_z, self.skip_norm_z, self.world = skip_loss_z, skip_norm_z, world
+        self.on = skip_loss_z > 0 or skip_norm_z > 0  # deciding syncs the host on loss and norm: only when asked
         self.detectors = {"loss": OutlierDetector(), "norm": OutlierDetector()}
         self.skipped = ""  # why this step's update was dropped, or ""
-
-    @property
-    def on(self) -> bool:
-        """Deciding reads the loss and norm on the host before the optimizer step: one sync more, so only when asked."""
-        return self.skip_loss_z > 0 or self.skip_norm_z > 0
 
     def for_step(self) -> Callable[[torch.Tensor, torch.Tensor], bool] | None:
         """train_step's `update` for the next step (None when the guard is off), with no skip recorded yet."""
@@ -731,7 +718,7 @@ class StopFlags:
         self.master, self.interrupt, self.device, self.world = master, interrupt, device, world
         self.max_minutes = max_minutes
         self.last = False  # set when no step is left to stop after: Ctrl-C then quits at once
-        self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else None
+        self.deadline = time.time() + 60 * max_minutes if max_minutes > 0 else math.inf
         self._saved: dict[int, Any] = {}
 
     def __enter__(self) -> StopFlags:
@@ -765,8 +752,7 @@ class StopFlags:
 
     def should_stop(self) -> str | None:
         """"signal", "max_time" or None, the same on every rank: one rank's signal stops them all at this step."""
-        flags = [self.term == "SIGTERM", self.term == "SIGINT",
-                 self.deadline is not None and time.time() > self.deadline]
+        flags = [self.term == "SIGTERM", self.term == "SIGINT", time.time() > self.deadline]
         if self.world > 1:  # one rank has nothing to agree with: no device round trip each step
             flags = (all_sum(torch.tensor(flags, dtype=torch.float32, device=self.device), self.world) > 0).tolist()
         self.reason = "SIGTERM" if flags[0] else "Ctrl-C" if flags[1] else f"--max-time {self.max_minutes} min"
@@ -842,7 +828,7 @@ class Profiler:
 def command_of(args: Any) -> dict[str, str]:
     """The config as every node must share it: the fields not marked LOCAL (a path, or a rank's own setting: what
     a path names is compared as data, weights or examples instead), nor holding another class's flags."""
-    hints = typing.get_type_hints(type(args), include_extras=True)
+    hints = get_type_hints(type(args), include_extras=True)
     nested = {f.name for f in dataclasses.fields(args) if "flags_of" in f.metadata}
     return {key: repr(value) for key, value in dataclasses.asdict(args).items()  # repr: a NaN equals itself
             if LOCAL not in getattr(hints.get(key), "__metadata__", ()) and key not in nested}

@@ -126,15 +126,17 @@ class RunLog:
             where = Path(os.fsdecode(e.filename or self.path or os.devnull))  # bytes, from TensorBoard
             raise ValueError(f"cannot append to {where}: {'; '.join(write_error(e, where))}") from None
 
-    def write(self, record: dict) -> None:
+    def write(self, *records: dict) -> None:
         with self.writing():
-            if stale := self.held.pop(record["type"], None):  # made again, or put back: it replaces the held record
-                write_records(self.path, [*(r for r in iter_log(self.path) if r != stale), record])  # in one move
-            else:  # opened per record, as a rewrite replaces it; no log.jsonl (another rank, --eval-only): nowhere
+            # made again, or put back: they replace the held records, all in one rewrite
+            if stale := [self.held.pop(r["type"]) for r in records if r["type"] in self.held]:
+                write_records(self.path, [*(r for r in iter_log(self.path) if r not in stale), *records])
+            else:  # opened per write, as a rewrite replaces it; no log.jsonl (another rank, --eval-only): nowhere
                 with open(self.path or os.devnull, "a") as file:
-                    file.write(json.dumps(record) + "\n")
-            for tracker in self.trackers:
-                tracker.write(record)
+                    file.write("".join(json.dumps(record) + "\n" for record in records))
+            for record in records:
+                for tracker in self.trackers:
+                    tracker.write(record)
 
     def say(self, text: str, **kwargs: Any) -> None:
         """print on rank 0."""
@@ -146,29 +148,24 @@ class RunLog:
         if self.path is not None:
             Path(f"{self.path}.rewound").unlink(missing_ok=True)
 
-    def step(self, step: int, record: dict, timed: bool) -> None:
-        """Log one optimizer step's record; `timed`: its time counts towards the ETA (not the first step's compile)."""
-        self.put_back()
+    def step(self, step: int, record: dict) -> None:
+        """Log one optimizer step's record; the ETA leaves out the oldest of the last 21 step times: 20 of them, and
+        never the time of this run's first step (its compile) once there is another."""
         self.losses.append(record["loss"])
-        if timed:
-            self.recent_ms = (self.recent_ms + [record["ms"]])[-20:]
-        self.write({"type": "train", "step": step, **record})
+        self.recent_ms = (self.recent_ms + [record["ms"]])[-21:]
+        self.write(*self.held.values(), {"type": "train", "step": step, **record})  # the held ones put back first
         if record.get("skipped"):
             self.say(f"step {step:6d} | update skipped: {record['skipped']}")
         if step % self.log_every == 0 or step == self.max_steps - 1:
-            eta = statistics.median_high(self.recent_ms or [record["ms"]]) * (self.max_steps - step - 1) / 1000
+            eta = statistics.median_high(self.recent_ms[1:] or self.recent_ms) * (self.max_steps - step - 1) / 1000
             util = record["mfu"]
             self.say(f"step {step:6d}/{self.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | norm "
                      f"{record['grad_norm']:.3f} | {record['ms']:7.1f} ms | {record['tok_s']:,.0f} tok/s | mfu "
                      f"{f'{util:.1%}' if util else 'n/a'} | eta {fmt_time(eta)}", flush=True)
 
-    def put_back(self) -> None:
-        """The resumed step's evaluation records not made again: to the trackers, and moved to the end of log.jsonl."""
-        for record in list(self.held.values()):
-            self.write(record)
-
     def close(self) -> None:
-        self.put_back()
+        # the resumed step's evaluation records not made again (no step came): to the trackers, to log.jsonl's end
+        self.write(*self.held.values())
         with self.writing():
             for each in self.trackers:
                 each.close()

@@ -356,8 +356,9 @@ def test_the_step_0_checkpoint_leaves_adamw_at_its_first_step():
     optimizer = torch.optim.AdamW(model.parameters())
     _, saved = engine.state_dicts(model, optimizer)
     assert not optimizer.state and not saved["state"]
-    engine.Checkpointer(prune.PruneConfig())._restore_optimizer({"optimizer": saved, "optimizer_kind": "single"},
-                                                                model, optimizer)
+    ckpt = {"model": model.state_dict(), "optimizer": saved, "optimizer_kind": "single", "step": 0,
+            "rng": [engine.rng_state()]}
+    assert engine.Checkpointer(prune.PruneConfig()).restore(ckpt, model, optimizer, {}) == 0
     assert not optimizer.state
 
 

@@ -102,10 +102,10 @@ def test_the_step_line_shows_the_records_figures_and_an_eta_from_the_median_of_t
                                                                                                    capsys):
     log = trackers.RunLog(tmp_path / "log.jsonl", True, max_steps=10_000, log_every=1, trackers=[])
     record = {"loss": 2.5, "lr": 3e-4, "grad_norm": 0.75, "tok_s": 12345.6, "mfu": None}
-    log.step(0, {**record, "ms": 90_000.0}, timed=False)  # the first step's compile: not in the ETA
+    log.step(0, {**record, "ms": 90_000.0})  # the first step's compile: not in the ETA once there is another
     for step in range(1, 25):  # 1-4 slow (10 s), then 20 at 100-119 ms
-        log.step(step, {**record, "ms": 10_000.0 if step < 5 else 95.0 + step}, timed=True)
-    log.step(25, {**record, "loss": 1.25, "ms": 120.0, "mfu": 0.4567}, timed=True)
+        log.step(step, {**record, "ms": 10_000.0 if step < 5 else 95.0 + step})
+    log.step(25, {**record, "loss": 1.25, "ms": 120.0, "mfu": 0.4567})
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 26
     # step 0: its own 90 s x 9,999 steps left; step 1: 10 s (step 0's 90 s left out) x 9,998; step 25: the last 20
@@ -122,7 +122,7 @@ def test_the_step_line_shows_the_records_figures_and_an_eta_from_the_median_of_t
     # every --log-every steps, and the last step whatever --log-every
     log = trackers.RunLog(None, True, max_steps=10, log_every=4, trackers=[])
     for step in range(10):
-        log.step(step, {**record, "ms": 100.0}, timed=True)
+        log.step(step, {**record, "ms": 100.0})
     assert [line.split("/")[0] for line in capsys.readouterr().out.splitlines()] == [
         f"step {step:6d}" for step in (0, 4, 8, 9)]
     assert (trackers.fmt_time(3599.9), trackers.fmt_time(3600), trackers.fmt_time(7322)) == ("59m59s", "1h00m", "2h02m")
@@ -284,7 +284,7 @@ def test_a_rewind_keeps_the_evaluations_of_its_step_that_it_does_not_make_again(
     cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=6, log_every=1, tensorboard=False,
                           wandb="")
     log = trackers.open_run_log(cfg, 3, True, 0, 1)
-    log.step(3, {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "ms": 1.0, "tok_s": 1.0, "mfu": None}, timed=True)
+    log.step(3, {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "ms": 1.0, "tok_s": 1.0, "mfu": None})
     log.checkpointed()
     log.close()
     assert [(r["type"], r["step"]) for r in iter_log(tmp_path / "log.jsonl")][1:] == [
@@ -309,7 +309,7 @@ def test_a_resumed_runs_held_evaluations_stay_in_the_log_until_made_again(tmp_pa
     log = trackers.open_run_log(cfg, 3, False, 0, 1)
     log.write({**val, "val_loss": 4.0})  # due again at 3
     assert list(iter_log(tmp_path / "log.jsonl")) == [*records[:4], hellaswag, {**val, "val_loss": 4.0}]
-    log.step(3, {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "ms": 1.0, "tok_s": 1.0, "mfu": None}, timed=True)
+    log.step(3, {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "ms": 1.0, "tok_s": 1.0, "mfu": None})
     log.close()
     assert [(r["type"], r["step"]) for r in iter_log(tmp_path / "log.jsonl")][4:] == [
         ("val", 3), ("hellaswag", 3), ("train", 3)]

@@ -1379,7 +1379,7 @@ def test_stop_flags_budget_is_in_minutes_and_a_signal_is_named_first():
     # a no-op underneath: were StopFlags to install no handler, the SIGTERM below must not end the test session
     previous = signal.signal(signal.SIGTERM, lambda *args: None)
     try:
-        assert engine.StopFlags(0).deadline is None  # no budget
+        assert engine.StopFlags(0).deadline == math.inf  # no budget
         flags = armed(2.0)
         assert flags.deadline - time.time() == pytest.approx(120, abs=10)  # 2 minutes, not 2 seconds (nor hours)
         assert flags.should_stop() is None
@@ -1563,7 +1563,7 @@ def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_pa
     assert good.read_bytes() == before and not (tmp_path / "ckpt_000006.pt").exists()
     # a torn file under the final name (e.g. copied by hand) is skipped with a warning, not loaded
     (tmp_path / "ckpt_000009.pt").write_bytes(b"garbage")
-    path, ckpt = engine.find_checkpoint(tmp_path)
+    path, ckpt = engine.find_checkpoint(tmp_path, [])
     assert path == good and ckpt["step"] == 3
 
 
@@ -2055,7 +2055,7 @@ def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_d
     # finite loss; ckpt_000004's has not been trained yet)
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000004.pt",
                                                                  "ckpt_000009.pt"]
-    path, ckpt = engine.find_checkpoint(tmp_path)
+    path, ckpt = engine.find_checkpoint(tmp_path, [])
     assert path.name == "ckpt_000004.pt" and ckpt["step"] == 4  # not the abandoned ckpt_000009
 
 
@@ -2089,8 +2089,9 @@ def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tm
     (tmp_path / "ckpt_000003.pt").mkdir()
     for path, written in ((good, 1), (tmp_path / "ckpt_000003.pt", 2), (torn, 3)):
         os.utime(path, ns=(written * 10**9, written * 10**9))
-    path, ckpt = engine.find_checkpoint(tmp_path)
-    assert path == good and ckpt["step"] == 2
+    unreadable = []
+    path, ckpt = engine.find_checkpoint(tmp_path, unreadable)
+    assert path == good and ckpt["step"] == 2 and unreadable == [torn, tmp_path / "ckpt_000003.pt"]  # newest first
     err = capsys.readouterr().err
     assert err.count("warning: skipping unreadable checkpoint") == 2
     assert f"checkpoint {torn} is corrupt or truncated" in err and f"checkpoint {tmp_path / 'ckpt_000003.pt'} is a " \
@@ -2194,7 +2195,7 @@ def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
                          "--eval-every=0"))
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000006.pt", "ckpt_000007.pt",
                                                                  "ckpt_best.pt"]
-    assert engine.find_checkpoint(tmp_path)[0].name == "ckpt_000007.pt"
+    assert engine.find_checkpoint(tmp_path, [])[0].name == "ckpt_000007.pt"
     with pytest.raises(ValueError, match="--keep-every 5 must be a multiple of --ckpt-every 2"):
         train.TrainConfig(ckpt_every=2, keep_every=5)
 
