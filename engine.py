@@ -812,7 +812,7 @@ class Profiler:
             sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
             print(self.prof.key_averages().table(sort_by=sort, row_limit=15))
             print(f"profile: trace written to {trace} (open in chrome://tracing or ui.perfetto.dev)")
-        self.prof = None
+        self.prof, self.enabled = None, False  # written: finish has nothing more to say
 
     def finish(self, step: int) -> None:
         """The run ended: keep what was recorded, or say that nothing was."""

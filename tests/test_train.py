@@ -2207,6 +2207,17 @@ def test_profile_writes_a_trace(token_data, tmp_path, capsys):
     assert "Self CPU" in capsys.readouterr().out
 
 
+def test_a_run_stopped_right_after_its_profiled_steps_does_not_say_nothing_was_recorded(tmp_path, capsys):
+    profiler = engine.Profiler(True, 0, 1, tmp_path)  # --profile-steps 1: step 2 alone, then a Ctrl-C after it
+    for step in range(3):
+        profiler.step_begins(step)
+        profiler.step_ends(step)
+    profiler.finish(2)
+    trace = tmp_path / "trace_rank0.json"
+    assert trace.is_file() and capsys.readouterr().out.endswith(
+        f"profile: trace written to {trace} (open in chrome://tracing or ui.perfetto.dev)\n")
+
+
 # every TrainConfig field with another valid value. The nodes of a run may differ in their paths (each mounts the data
 # and out-dir where it will) and in what changes only their own files or figures; any other flag must be the same on
 # every node. A field added to TrainConfig must be classified here
