@@ -118,8 +118,7 @@ class MultipleChoice(Task):
 
     def check(self, reply: str, answer: str) -> bool:
         """The reply's first standalone letter A-H is the answer (a reply opening with the article "A" reads as A)."""
-        found = re.search(r"\b([A-H])\b", reply)
-        return found is not None and found.group(1) == answer
+        return re.findall(r"\b([A-H])\b", reply)[:1] == [answer]
 
 
 class ARC(MultipleChoice):
@@ -130,8 +129,7 @@ class ARC(MultipleChoice):
 
     def example(self, row: dict) -> dict:
         """Choices relabelled A, B, C, ... (a few questions are labelled 1, 2, 3, 4)."""
-        labels = row["choices"]["label"]
-        return self.render(row["question"], row["choices"]["text"], labels.index(row["answerKey"]))
+        return self.render(row["question"], row["choices"]["text"], row["choices"]["label"].index(row["answerKey"]))
 
 
 class MMLU(MultipleChoice):
@@ -145,9 +143,9 @@ class MMLU(MultipleChoice):
 class Addition(Task):
     """a + b for two-digit numbers (10-99); the sum is spaced too, most significant first."""
 
-    def examples(self, split: str, n: int = 0) -> list[dict]:
-        """Up to n (0: all) distinct problems of the split, in a seeded order. Test holds a tenth of the pairs, by a
-        hash of the unordered pair: a + b and b + a share a split."""
+    def examples(self, split: str) -> list[dict]:
+        """The split's distinct problems, in a seeded order. Test holds a tenth of the pairs, by a hash of the
+        unordered pair: a + b and b + a share a split."""
         if split not in self.splits or self.source:
             raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}"
                              + f" and {self.source}" * bool(self.source))
@@ -155,8 +153,7 @@ class Addition(Task):
                  if (zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0) == (split == "test")]
         random.Random(0).shuffle(pairs)
         spaced = lambda k: " ".join(str(k))
-        return [conversation(f"What is {spaced(a)} + {spaced(b)}?", spaced(a + b), str(a + b))
-                for a, b in pairs[:n or None]]
+        return [conversation(f"What is {spaced(a)} + {spaced(b)}?", spaced(a + b), str(a + b)) for a, b in pairs]
 
     def check(self, reply: str, answer: str) -> bool:
         """The reply's first number, spaced or not ("8 5", "85."), is the answer."""
@@ -202,8 +199,7 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
         prompts = [render_prompt(p["messages"][:-1])[-block:] for p in chunk]
         width = max(len(p) for p in prompts)
         tokens = torch.tensor([p + [BOS] * (width - len(p)) for p in prompts], device=device)
-        last = torch.zeros_like(tokens, dtype=torch.bool)
-        last[range(len(prompts)), [len(p) - 1 for p in prompts]] = True
+        last = torch.tensor([[j == len(p) - 1 for j in range(width)] for p in prompts], device=device)
         logits, _ = model(tokens, at=last)  # (rows, V): each row's answer position
         for row, p in zip(logits, chunk, strict=True):
             right += p["letters"][row[[token[letter] for letter in p["letters"]]].argmax().item()] == p["answer"]

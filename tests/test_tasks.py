@@ -137,7 +137,6 @@ def test_addition_splits_are_disjoint_seeded_and_cover_every_pair():
     assert len(train) + len(test) == 90 * 90 and 0.08 < len(test) / 8100 < 0.12
     pair = lambda e: frozenset(e["messages"][0]["content"].removeprefix("What is ").rstrip("?").split(" + "))
     assert not {pair(e) for e in train} & {pair(e) for e in test}  # a + b and b + a too
-    assert add.examples("train", n=5) == add.examples("train")[:5]  # one seeded order
     first = add.examples("train")[0]
     assert first["messages"] == [{"role": "user", "content": "What is 4 1 + 3 4?"},
                                  {"role": "assistant", "content": "7 5"}] and first["answer"] == "75"
@@ -154,7 +153,7 @@ def test_addition_checker(reply, right):
 def test_addition_wrong_answers_fail_the_checker():
     add, rng = tasks.Addition(), random.Random(0)
     reward = tasks.task_reward(add, "addition")
-    for example in add.examples("test", n=200):
+    for example in add.examples("test")[:200]:
         wrong = add.wrong(example["answer"], rng)
         assert reward(example["messages"][:1], wrong, example["answer"]) == 0.0
         assert reward(example["messages"][:1], example["messages"][1]["content"], example["answer"]) == 1.0
