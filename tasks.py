@@ -382,6 +382,8 @@ def checked(terms: list[tuple[str, Callable[..., Any], float]]) -> Reward:
     """The sum of weight * fn(prompt, reply, answer) over (name, fn, weight), or a one-line ValueError naming them: one
     raised or gave a non-number, or the sum is not finite in rl.py's float32; `last`: each --reward FN's own value."""
     calls = [(name, guarded(fn, name), w) for name, fn, w in terms]
+    fns = [name.rsplit(":", 1)[-1] for name, _, _ in terms]  # reward/FN, and FN_1, FN_2 for functions named alike
+    keys = [f"reward/{fn}" + f"_{fns[:i + 1].count(fn)}" * (fns.count(fn) > 1) for i, fn in enumerate(fns)]
 
     def reward(prompt: list[dict], reply: str, answer: str) -> float:
         got = []
@@ -391,7 +393,7 @@ def checked(terms: list[tuple[str, Callable[..., Any], float]]) -> Reward:
             if not isinstance(value, numbers.Real) or not abs(value) <= FLOAT32_MAX:  # 10**400 too: float() would raise
                 raise ValueError(f"{name} returned {value!r:.60}, not a finite float32 number")
             got.append((name, w, float(value)))
-        reward.last = {f"reward/{name.rsplit(':', 1)[-1]}": v for name, _, v in got if name.startswith("--reward ")}
+        reward.last = {key: v for key, (name, _, v) in zip(keys, got, strict=True) if name.startswith("--reward ")}
         if not abs(total := sum(w * v for _, w, v in got)) <= FLOAT32_MAX:  # NaN fails it too
             said = ", ".join(f"{name} returned {v}" + f" (weight {w:g})" * (w != 1) for name, w, v in got)
             raise ValueError(f"{said}: the reward, {total}, is not a finite float32 number")

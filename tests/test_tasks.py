@@ -341,6 +341,10 @@ def test_rewards_see_the_prompt_and_sum_by_weight(user_file):
         tasks.load_rewards(f"{user_file}:near,{user_file}:near", (1e40, 1.0))(prompt, "42", "")
     assert str(e.value) == (f"--reward {user_file}:near returned 1.0 (weight 1e+40), --reward {user_file}:near "
                             "returned 1.0: the reward, 1e+40, is not a finite float32 number")
+    other = user_file.with_name("other.py")  # two files' functions named alike: each logged, not the last alone
+    other.write_text("def near(prompt, reply, answer):\n    return -3.0\n")
+    (two := tasks.load_rewards(f"{user_file}:near,{other}:near,{user_file}:tensor"))(prompt, "40", "")
+    assert two.last == {"reward/near_1": 0.5, "reward/near_2": -3.0, "reward/tensor": 0.25}
 
 
 def test_a_tasks_own_reward_replaces_its_check_and_rewards_weigh_1_each_by_default(user_file):
