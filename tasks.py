@@ -512,6 +512,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         return score_tasks(cfg)
     try:  # every row first: a split that cannot be made leaves nothing written
         out = Path(cfg.out_dir or f"data/{parse_spec(cfg.task)[0].rpartition(':')[2].lower()}")
+        if (source := parse_spec(cfg.task)[1]) and Path(source).expanduser().resolve() == out.resolve():
+            raise ValueError(f"--task {cfg.task}: {out} is the copy it reads; pass another --out-dir")
         pairs = Path(os.path.abspath(out) + "_pairs")  # beside, not inside: a directory is one dataset of one schema
         task, files = load_task(cfg.task, train=True), {}
         for split in ("train", "test"):

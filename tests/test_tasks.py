@@ -6,6 +6,7 @@ import copy
 import json
 import pickle
 import random
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -698,6 +699,13 @@ def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, c
                for s in ("train", "test")}
     assert written == {"train": ["5", "4"], "test": ["10"]}
     assert f"data/gsm8k/train.jsonl: 2 gsm8k={copy} conversations" in capsys.readouterr().out
+    shutil.copytree(copy, tmp_path / "own/data/gsm8k")  # a copy where the default --out-dir is: it was written over
+    monkeypatch.chdir(tmp_path / "own")
+    with pytest.raises(SystemExit) as e:
+        tasks.main(["--task", "gsm8k=data/gsm8k"])
+    assert e.value.code == "error: --task gsm8k=data/gsm8k: data/gsm8k is the copy it reads; pass another --out-dir"
+    assert (tmp_path / "own/data/gsm8k/test.jsonl").read_text() == (copy / "test.jsonl").read_text()
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:  # its train.jsonl and test.jsonl would hold the same problems
         tasks.main(["--task", f"gsm8k={file}", "--out-dir", str(tmp_path / "x")])
     assert e.value.code == (f"error: --task gsm8k={file}: {file} is not a directory, and this reads train and test: "
