@@ -118,8 +118,7 @@ class MultipleChoice(Task):
 
     def check(self, reply: str, answer: str) -> bool:
         """The reply's first standalone letter A-H is the answer (a reply opening with the article "A" reads as A)."""
-        found = re.search(r"\b([A-H])\b", reply)
-        return found is not None and found.group(1) == answer
+        return re.findall(r"\b([A-H])\b", reply)[:1] == [answer]
 
 
 class ARC(MultipleChoice):
@@ -130,8 +129,7 @@ class ARC(MultipleChoice):
 
     def example(self, row: dict) -> dict:
         """Choices relabelled A, B, C, ... (a few questions are labelled 1, 2, 3, 4)."""
-        labels = row["choices"]["label"]
-        return self.render(row["question"], row["choices"]["text"], labels.index(row["answerKey"]))
+        return self.render(row["question"], row["choices"]["text"], row["choices"]["label"].index(row["answerKey"]))
 
 
 class MMLU(MultipleChoice):
@@ -145,9 +143,9 @@ class MMLU(MultipleChoice):
 class Addition(Task):
     """a + b for two-digit numbers (10-99); the sum is spaced too, most significant first."""
 
-    def examples(self, split: str, n: int = 0) -> list[dict]:
-        """Up to n (0: all) distinct problems of the split, in a seeded order. Test holds a tenth of the pairs, by a
-        hash of the unordered pair: a + b and b + a share a split."""
+    def examples(self, split: str) -> list[dict]:
+        """The split's distinct problems, in a seeded order. Test holds a tenth of the pairs, by a hash of the
+        unordered pair: a + b and b + a share a split."""
         if split not in self.splits or self.source:
             raise ValueError(f"addition is made here, with splits train and test and no source; got {split!r}"
                              + f" and {self.source}" * bool(self.source))
@@ -155,8 +153,7 @@ class Addition(Task):
                  if (zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 10 == 0) == (split == "test")]
         random.Random(0).shuffle(pairs)
         spaced = lambda k: " ".join(str(k))
-        return [conversation(f"What is {spaced(a)} + {spaced(b)}?", spaced(a + b), str(a + b))
-                for a, b in pairs[:n or None]]
+        return [conversation(f"What is {spaced(a)} + {spaced(b)}?", spaced(a + b), str(a + b)) for a, b in pairs]
 
     def check(self, reply: str, answer: str) -> bool:
         """The reply's first number, spaced or not ("8 5", "85."), is the answer."""
@@ -202,8 +199,7 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
         prompts = [render_prompt(p["messages"][:-1])[-block:] for p in chunk]
         width = max(len(p) for p in prompts)
         tokens = torch.tensor([p + [BOS] * (width - len(p)) for p in prompts], device=device)
-        last = torch.zeros_like(tokens, dtype=torch.bool)
-        last[range(len(prompts)), [len(p) - 1 for p in prompts]] = True
+        last = torch.tensor([[j == len(p) - 1 for j in range(width)] for p in prompts], device=device)
         logits, _ = model(tokens, at=last)  # (rows, V): each row's answer position
         for row, p in zip(logits, chunk, strict=True):
             right += p["letters"][row[[token[letter] for letter in p["letters"]]].argmax().item()] == p["answer"]
@@ -386,6 +382,8 @@ def checked(terms: list[tuple[str, Callable[..., Any], float]]) -> Reward:
     """The sum of weight * fn(prompt, reply, answer) over (name, fn, weight), or a one-line ValueError naming them: one
     raised or gave a non-number, or the sum is not finite in rl.py's float32; `last`: each --reward FN's own value."""
     calls = [(name, guarded(fn, name), w) for name, fn, w in terms]
+    fns = [name.rsplit(":", 1)[-1] for name, _, _ in terms]  # reward/FN, and FN_1, FN_2 for functions named alike
+    keys = [f"reward/{fn}" + f"_{fns[:i + 1].count(fn)}" * (fns.count(fn) > 1) for i, fn in enumerate(fns)]
 
     def reward(prompt: list[dict], reply: str, answer: str) -> float:
         got = []
@@ -395,7 +393,7 @@ def checked(terms: list[tuple[str, Callable[..., Any], float]]) -> Reward:
             if not isinstance(value, numbers.Real) or not abs(value) <= FLOAT32_MAX:  # 10**400 too: float() would raise
                 raise ValueError(f"{name} returned {value!r:.60}, not a finite float32 number")
             got.append((name, w, float(value)))
-        reward.last = {f"reward/{name.rsplit(':', 1)[-1]}": v for name, _, v in got if name.startswith("--reward ")}
+        reward.last = {key: v for key, (name, _, v) in zip(keys, got, strict=True) if name.startswith("--reward ")}
         if not abs(total := sum(w * v for _, w, v in got)) <= FLOAT32_MAX:  # NaN fails it too
             said = ", ".join(f"{name} returned {v}" + f" (weight {w:g})" * (w != 1) for name, w, v in got)
             raise ValueError(f"{said}: the reward, {total}, is not a finite float32 number")
@@ -514,6 +512,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         return score_tasks(cfg)
     try:  # every row first: a split that cannot be made leaves nothing written
         out = Path(cfg.out_dir or f"data/{parse_spec(cfg.task)[0].rpartition(':')[2].lower()}")
+        if (source := parse_spec(cfg.task)[1]) and Path(source).expanduser().resolve() == out.resolve():
+            raise ValueError(f"--task {cfg.task}: {out} is the copy it reads; pass another --out-dir")
         pairs = Path(os.path.abspath(out) + "_pairs")  # beside, not inside: a directory is one dataset of one schema
         task, files = load_task(cfg.task, train=True), {}
         for split in ("train", "test"):

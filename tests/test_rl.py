@@ -68,7 +68,7 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
     torch.manual_seed(0)
     raw = GPT(GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64))
     cfg = rl.RLConfig(samples=4, rollout_batch=1, minibatches=1, max_lr=1e-3, temperature=1.0, device="cpu")
-    problem = tasks.Addition().examples("test", n=1)[0]  # its answer is right, that + 1 is wrong
+    problem = tasks.Addition().examples("test")[0]  # its answer is right, that + 1 is wrong
     enc, prompt = get_tokenizer(), render_prompt(problem["messages"][:-1])
     right, wrong = (enc.encode_ordinary(" ".join(str(v))) + [ASSISTANT_END] for v in (int(problem["answer"]),
                                                                                       int(problem["answer"]) + 1))
@@ -99,7 +99,7 @@ def test_a_grpo_step_moves_the_policy_toward_the_rewarded_reply():
 def test_a_reward_model_trained_with_reward_logprob_scores_with_it(models, tmp_path):
     ckpt = load_checkpoint(models[1])
     torch.save({**ckpt, "train_config": {"objective": "reward", "reward_logprob": True}}, tmp_path / "rm_logprob.pt")
-    problem = tasks.Addition().examples("test", n=1)[0]
+    problem = tasks.Addition().examples("test")[0]
     prompt = render_prompt(problem["messages"][:-1])
     reply = get_tokenizer().encode_ordinary("6 9") + [ASSISTANT_END]
     share = [(problem, prompt, Rollout(reply, [1] * len(reply), [0.0] * len(reply)))]
@@ -313,7 +313,7 @@ def test_the_prompt_streams_digest_holds_across_processes_for_rows_holding_a_fun
 def test_rollouts_keep_each_problems_samples_together_and_ranks_take_whole_seeded_calls():
     torch.manual_seed(0)
     raw = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32))
-    problems = tasks.Addition().examples("test", n=3)
+    problems = tasks.Addition().examples("test")[:3]
     cfg = rl.RLConfig(samples=2, rollout_batch=2, max_new_tokens=3, temperature=1.0, device="cpu")
     out = rl.rollouts(raw, problems, 2, 5, cfg, 0, 1)  # calls of 2 problems and 1: pass@k's need not fill a call
     assert [p["answer"] for p, _, _ in out] == [p["answer"] for p in problems for _ in range(2)]
@@ -333,7 +333,7 @@ def test_rollouts_end_at_any_reply_stop_as_chat_py_and_the_export_do():
     eight = get_tokenizer().encode_ordinary("8")[0]
     model = bigram_model({ASSISTANT_START: eight, eight: USER_START})
     cfg = rl.RLConfig(rollout_batch=1, max_new_tokens=5, device="cpu")
-    ((_, _, reply),) = rl.rollouts(model, tasks.Addition().examples("test", n=1), 1, 0, cfg, 0, 1)
+    ((_, _, reply),) = rl.rollouts(model, tasks.Addition().examples("test")[:1], 1, 0, cfg, 0, 1)
     assert reply.tokens == [eight, USER_START]
 
 
@@ -399,7 +399,7 @@ def test_a_users_check_scores_rollouts_and_pass_at_k_outside_the_autocast_and_th
     from types import SimpleNamespace as NS
 
     torch.manual_seed(0)
-    raw, problems = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)), Near().examples("test", n=2)
+    raw, problems = GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)), Near().examples("test")[:2]
     cfg = rl.RLConfig(prompts=1, samples=2, rollout_batch=1, minibatches=1, max_new_tokens=3, pass_k=2, device="cpu")
     built = build_trainable(raw, cfg, torch.device("cpu"), use_compile=False, verbose=False)
     built.autocast, seen = torch.autocast("cpu", torch.bfloat16), []
@@ -420,7 +420,7 @@ def test_missing_eos_penalty_comes_off_the_score_of_a_reply_that_met_no_stop_tok
     # a reply cut at --max-new-tokens was scored as one that ended: a reward model read it with <|assistant_end|>
     from types import SimpleNamespace as NS
 
-    problem, enc = tasks.Addition().examples("test", n=1)[0], get_tokenizer()
+    problem, enc = tasks.Addition().examples("test")[0], get_tokenizer()
     prompt, reply = render_prompt(problem["messages"][:-1]), enc.encode_ordinary(" ".join(problem["answer"]))
     share = [(problem, prompt, Rollout(tokens, [1] * len(tokens))) for tokens in (reply + [ASSISTANT_END], reply)]
     monkeypatch.setattr(rl, "rollouts", lambda *_: share)  # the second reply is cut: it met no stop token

@@ -6,6 +6,7 @@ import copy
 import json
 import pickle
 import random
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -137,7 +138,6 @@ def test_addition_splits_are_disjoint_seeded_and_cover_every_pair():
     assert len(train) + len(test) == 90 * 90 and 0.08 < len(test) / 8100 < 0.12
     pair = lambda e: frozenset(e["messages"][0]["content"].removeprefix("What is ").rstrip("?").split(" + "))
     assert not {pair(e) for e in train} & {pair(e) for e in test}  # a + b and b + a too
-    assert add.examples("train", n=5) == add.examples("train")[:5]  # one seeded order
     first = add.examples("train")[0]
     assert first["messages"] == [{"role": "user", "content": "What is 4 1 + 3 4?"},
                                  {"role": "assistant", "content": "7 5"}] and first["answer"] == "75"
@@ -154,7 +154,7 @@ def test_addition_checker(reply, right):
 def test_addition_wrong_answers_fail_the_checker():
     add, rng = tasks.Addition(), random.Random(0)
     reward = tasks.task_reward(add, "addition")
-    for example in add.examples("test", n=200):
+    for example in add.examples("test")[:200]:
         wrong = add.wrong(example["answer"], rng)
         assert reward(example["messages"][:1], wrong, example["answer"]) == 0.0
         assert reward(example["messages"][:1], example["messages"][1]["content"], example["answer"]) == 1.0
@@ -342,6 +342,10 @@ def test_rewards_see_the_prompt_and_sum_by_weight(user_file):
         tasks.load_rewards(f"{user_file}:near,{user_file}:near", (1e40, 1.0))(prompt, "42", "")
     assert str(e.value) == (f"--reward {user_file}:near returned 1.0 (weight 1e+40), --reward {user_file}:near "
                             "returned 1.0: the reward, 1e+40, is not a finite float32 number")
+    other = user_file.with_name("other.py")  # two files' functions named alike: each logged, not the last alone
+    other.write_text("def near(prompt, reply, answer):\n    return -3.0\n")
+    (two := tasks.load_rewards(f"{user_file}:near,{other}:near,{user_file}:tensor"))(prompt, "40", "")
+    assert two.last == {"reward/near_1": 0.5, "reward/near_2": -3.0, "reward/tensor": 0.25}
 
 
 def test_a_tasks_own_reward_replaces_its_check_and_rewards_weigh_1_each_by_default(user_file):
@@ -695,6 +699,13 @@ def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, c
                for s in ("train", "test")}
     assert written == {"train": ["5", "4"], "test": ["10"]}
     assert f"data/gsm8k/train.jsonl: 2 gsm8k={copy} conversations" in capsys.readouterr().out
+    shutil.copytree(copy, tmp_path / "own/data/gsm8k")  # a copy where the default --out-dir is: it was written over
+    monkeypatch.chdir(tmp_path / "own")
+    with pytest.raises(SystemExit) as e:
+        tasks.main(["--task", "gsm8k=data/gsm8k"])
+    assert e.value.code == "error: --task gsm8k=data/gsm8k: data/gsm8k is the copy it reads; pass another --out-dir"
+    assert (tmp_path / "own/data/gsm8k/test.jsonl").read_text() == (copy / "test.jsonl").read_text()
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:  # its train.jsonl and test.jsonl would hold the same problems
         tasks.main(["--task", f"gsm8k={file}", "--out-dir", str(tmp_path / "x")])
     assert e.value.code == (f"error: --task gsm8k={file}: {file} is not a directory, and this reads train and test: "
