@@ -301,7 +301,8 @@ def task_eval(cfg: TaskEvalArgs, setup: Setup) -> tuple[Eval, list[list[dict]]]:
             return result
 
     tasks.check_prompts(named, cfg.seq_len, "--task", f"--seq-len {cfg.seq_len} or more (the model's context): raise "
-                        "--seq-len, or score another task")
+                        "--seq-len where the model allows (not past --init-from's context, nor on a resume), or "
+                        "score another task")
     return Eval(kind, cfg.task_every, score), [problems for _, problems in named.values()]
 
 

@@ -333,7 +333,8 @@ def test_a_task_prompt_longer_than_the_context_is_refused_before_training(conver
         out = capsys.readouterr()
         assert "val loss" not in out.out  # refused before step 0
         assert out.err.endswith(f"\nerror: --task {task}:Wordy: a prompt takes 75 tokens, --seq-len {seq_len} or "
-                                "more (the model's context): raise --seq-len, or score another task\n")
+                                "more (the model's context): raise --seq-len where the model allows (not "
+                                "past --init-from's context, nor on a resume), or score another task\n")
 
 
 @pytest.mark.slow
