@@ -281,6 +281,8 @@ def test_export_cli_writes_a_llama_checkpoint_as_llama(tmp_path, capsys):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["architectures"], config["rms_norm_eps"], config["intermediate_size"]) == \
         (["LlamaForCausalLM"], 1e-5, 128)
+    # theta 500, not HF's default 10000, where either transformers looks: 4.x's rope_theta, 5.x's rope_parameters
+    assert (config["rope_theta"], config["rope_parameters"]) == (500.0, {"rope_type": "default", "rope_theta": 500.0})
 
 
 @pytest.mark.parametrize("kw, gpt2_lacks, llama_lacks", [
