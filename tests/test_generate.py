@@ -84,6 +84,16 @@ def test_each_row_ends_when_its_own_context_is_full(model):
     assert [r.tokens for r in out] == [alone(model, p, 65 - len(p), temperature=0.0) for p in prompts]
 
 
+def test_rows_that_leave_one_after_another_keep_their_own_cache_rows(model):
+    # the second row leaves after 3 tokens, the first after 5, while the third goes on: the second shrink keeps the
+    # third row by its place in the shrunk batch (1), not by its prompt's index (2); and a prompt of a full block_size
+    # is taken, its one token the block's next
+    prompts = [list(range(60)), list(range(62)), list(range(7, 57)), list(range(64))]
+    out = generate(model, prompts, 70, temperature=0.0)
+    assert [len(r.tokens) for r in out] == [5, 3, 15, 1]
+    assert [r.tokens for r in out] == [alone(model, p, 65 - len(p), temperature=0.0) for p in prompts]
+
+
 def test_n_new_tokens_cost_n_forwards_a_prefill_and_one_per_token_after_the_first(model):
     calls = []
     hook = model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
@@ -122,6 +132,10 @@ def test_a_tiny_temperature_samples_the_argmax_and_an_infinite_one_is_refused(te
     assert token.tolist() == [[2]]  # before: logits / temperature overflowed to inf, the softmax to NaN, the id to 5
     with pytest.raises(ValueError, match="^temperature must be finite, got inf$"):
         check_sampling(float("inf"), None, None)  # sample(), generate(), sample.py and chat.py check it first
+
+
+def test_top_p_of_one_and_top_k_of_one_are_taken():
+    check_sampling(1.0, 1, 1.0)  # HF's defaults' "no nucleus", and greedy by top-k: not refused as out of range
 
 
 def test_bad_calls_fail_with_one_line(model):
