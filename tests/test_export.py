@@ -166,6 +166,19 @@ def test_adjacent_text_parts_render_as_the_template_joins_them_and_tool_calls_ap
     call = [cf.TOOL_START, 16, 10, 16, cf.TOOL_END]
     assert ids[ids.index(cf.ASSISTANT_START):] == [cf.ASSISTANT_START, 6513, 30973, *call, *call, cf.ASSISTANT_END]
     assert sum(mask) == 13  # all but <|assistant_start|>
+    # the chat tokens are special: skip_special_tokens (pipelines, batch_decode of replies) drops them with the BOS
+    assert tok.decode(ids, skip_special_tokens=True) == "xfoobar1+11+1"
+
+
+def test_the_chat_template_refuses_list_content_where_render_does():
+    utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    parts = [{"type": "text", "text": "x"}]
+    for messages in ([{"role": "system", "content": parts}, {"role": "user", "content": "y"}],
+                     [{"role": "user", "content": parts}]):
+        with pytest.raises(ValueError) as ours:
+            cf.render_prompt(messages)
+        with pytest.raises(Exception, match=f"^{re.escape(str(ours.value))}$"):
+            utils.render_jinja_template([messages], chat_template=export.CHAT_TEMPLATE, add_generation_prompt=True)
 
 
 def test_the_chat_template_refuses_an_empty_conversation_with_renders_message():
