@@ -166,6 +166,19 @@ def test_adjacent_text_parts_render_as_the_template_joins_them_and_tool_calls_ap
     call = [cf.TOOL_START, 16, 10, 16, cf.TOOL_END]
     assert ids[ids.index(cf.ASSISTANT_START):] == [cf.ASSISTANT_START, 6513, 30973, *call, *call, cf.ASSISTANT_END]
     assert sum(mask) == 13  # all but <|assistant_start|>
+    # the chat tokens are special: skip_special_tokens (pipelines, batch_decode of replies) drops them with the BOS
+    assert tok.decode(ids, skip_special_tokens=True) == "xfoobar1+11+1"
+
+
+def test_the_chat_template_refuses_list_content_where_render_does():
+    utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    parts = [{"type": "text", "text": "x"}]
+    for messages in ([{"role": "system", "content": parts}, {"role": "user", "content": "y"}],
+                     [{"role": "user", "content": parts}]):
+        with pytest.raises(ValueError) as ours:
+            cf.render_prompt(messages)
+        with pytest.raises(Exception, match=f"^{re.escape(str(ours.value))}$"):
+            utils.render_jinja_template([messages], chat_template=export.CHAT_TEMPLATE, add_generation_prompt=True)
 
 
 def test_the_chat_template_refuses_an_empty_conversation_with_renders_message():
@@ -281,6 +294,8 @@ def test_export_cli_writes_a_llama_checkpoint_as_llama(tmp_path, capsys):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["architectures"], config["rms_norm_eps"], config["intermediate_size"]) == \
         (["LlamaForCausalLM"], 1e-5, 128)
+    # theta 500, not HF's default 10000, where either transformers looks: 4.x's rope_theta, 5.x's rope_parameters
+    assert (config["rope_theta"], config["rope_parameters"]) == (500.0, {"rope_type": "default", "rope_theta": 500.0})
 
 
 @pytest.mark.parametrize("kw, gpt2_lacks, llama_lacks", [

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from common import GPT2_VOCAB, get_tokenizer
-from generate import Calculator, calculate, check_sampling, generate, generate_stream, next_token, sample
+from generate import Calculator, _Row, calculate, check_sampling, generate, generate_stream, next_token, sample
 from model import GPT, GPTConfig, KVCache
 
 # the chat format's special ids (chat_format.py): GPT-2's unused padded-vocabulary rows
@@ -84,6 +84,16 @@ def test_each_row_ends_when_its_own_context_is_full(model):
     assert [r.tokens for r in out] == [alone(model, p, 65 - len(p), temperature=0.0) for p in prompts]
 
 
+def test_rows_that_leave_one_after_another_keep_their_own_cache_rows(model):
+    # the second row leaves after 3 tokens, the first after 5, while the third goes on: the second shrink keeps the
+    # third row by its place in the shrunk batch (1), not by its prompt's index (2); and a prompt of a full block_size
+    # is taken, its one token the block's next
+    prompts = [list(range(60)), list(range(62)), list(range(7, 57)), list(range(64))]
+    out = generate(model, prompts, 70, temperature=0.0)
+    assert [len(r.tokens) for r in out] == [5, 3, 15, 1]
+    assert [r.tokens for r in out] == [alone(model, p, 65 - len(p), temperature=0.0) for p in prompts]
+
+
 def test_n_new_tokens_cost_n_forwards_a_prefill_and_one_per_token_after_the_first(model):
     calls = []
     hook = model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
@@ -122,6 +132,10 @@ def test_a_tiny_temperature_samples_the_argmax_and_an_infinite_one_is_refused(te
     assert token.tolist() == [[2]]  # before: logits / temperature overflowed to inf, the softmax to NaN, the id to 5
     with pytest.raises(ValueError, match="^temperature must be finite, got inf$"):
         check_sampling(float("inf"), None, None)  # sample(), generate(), sample.py and chat.py check it first
+
+
+def test_top_p_of_one_and_top_k_of_one_are_taken():
+    check_sampling(1.0, 1, 1.0)  # HF's defaults' "no nucleus", and greedy by top-k: not refused as out of range
 
 
 def test_bad_calls_fail_with_one_line(model):
@@ -248,3 +262,50 @@ def test_decoding_runs_without_cudnn_attention_where_another_kernel_is_allowed_a
         hook.remove()
         for name in (*kernels, "cudnn"):
             getattr(cuda, f"enable_{name}_sdp")(True)
+
+
+def test_a_special_id_inside_a_tool_call_is_left_out_of_the_expression():
+    # <|system_start|> (50257, the tokenizer's n_vocab: the first id it cannot decode) between "2" and "+3"
+    enc = get_tokenizer()
+    two, plus, three = enc.encode_ordinary("2+3")
+    chain = [TOOL_START, two, enc.n_vocab, plus, three, TOOL_END]
+    model = bigram_model({100: TOOL_START, **dict(zip(chain[:-1], chain[1:], strict=True)),
+                          OUTPUT_END: ASSISTANT_END})
+    calc = Calculator(TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END, enc)
+    (row,) = generate(model, [[100]], 20, temperature=0.0, vocab=CHAT_VOCAB, stop_ids=[ASSISTANT_END],
+                      calculator=calc)
+    assert row.tokens == chain + [OUTPUT_START, *enc.encode_ordinary("5"), OUTPUT_END, ASSISTANT_END]
+
+
+def test_a_tool_end_without_its_start_calls_nothing():
+    # after a call's result, a second <|tool_end|> with no <|tool_start|> before it is text, not a call on what came
+    # since the first ("5" then "7": 57)
+    enc = get_tokenizer()
+    seven = enc.encode_ordinary("7")[0]
+    chain = [TOOL_START, *enc.encode_ordinary("2+3"), TOOL_END]
+    model = bigram_model({100: TOOL_START, **dict(zip(chain[:-1], chain[1:], strict=True)), OUTPUT_END: seven,
+                          seven: TOOL_END, TOOL_END: ASSISTANT_END})
+    calc = Calculator(TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END, enc)
+    (row,) = generate(model, [[100]], 20, temperature=0.0, vocab=CHAT_VOCAB, stop_ids=[ASSISTANT_END],
+                      calculator=calc)
+    assert row.tokens == chain + [OUTPUT_START, *enc.encode_ordinary("5"), OUTPUT_END, seven, TOOL_END, ASSISTANT_END]
+    assert row.mask == [1] * len(chain) + [0] * 3 + [1] * 3
+
+
+def test_calculate_takes_up_to_its_limits_and_refuses_just_past_them():
+    assert calculate("0+" * 49 + "10") == "10"  # 100 characters: MAX_EXPR_CHARS
+    assert calculate("0+" * 49 + "100") is None  # 101
+    assert calculate("2**64") == str(2**64) and calculate("2**65") is None  # MAX_EXPONENT
+    assert calculate("(2**64)**4") is None  # 2**256: MAX_BITS
+    assert calculate("(2**63)**4*15") == str(2**252 * 15)  # just under 2**256
+    assert calculate("-(2**63)**4*15") == str(-(2**252) * 15)
+
+
+def test_a_second_tool_start_begins_the_expression_anew():
+    # <|tool_start|> 1 <|tool_start|> 2+3 <|tool_end|>: the call is the open one, 2+3, not 12+3
+    enc = get_tokenizer()
+    calc = Calculator(TOOL_START, TOOL_END, OUTPUT_START, OUTPUT_END, enc)
+    row = _Row()
+    ids = [TOOL_START, *enc.encode_ordinary("1"), TOOL_START, *enc.encode_ordinary("2+3"), TOOL_END]
+    assert [row.next(t, calc) for t in ids] == [(t, 1) for t in ids]
+    assert list(row.forced) == [OUTPUT_START, *enc.encode_ordinary("5"), OUTPUT_END]

@@ -842,6 +842,25 @@ def test_kv_cache_refuses_a_second_multi_token_chunk():
         model(idx[:, :8], cache=cache)
         with pytest.raises(ValueError, match="a prefill into an empty cache, then one token at a time"):
             model(idx[:, 8:], cache=cache)
+        cache = KVCache(model.config, 1)  # a one-token prefill is a filled cache too
+        model(idx[:, :1], cache=cache)
+        with pytest.raises(ValueError, match="a prefill into an empty cache, then one token at a time"):
+            model(idx[:, 1:3], cache=cache)
+
+
+@pytest.mark.parametrize("pad", [None, [0, 3]], ids=["plain", "ragged"])
+def test_a_forward_past_block_size_is_refused_counting_the_longest_rows_own_tokens(pad):
+    # block_size 32: a full context goes in, one more token is the guard's ValueError (not an index past the position
+    # table); a ragged cache counts from the longest row's first token (pad 0), never from another row's pad
+    model = GPT(tiny()).eval()
+    cache = KVCache(model.config, 2, None if pad is None else torch.tensor(pad))
+    too_long = "^sequence of length 33 exceeds block_size 32$"
+    with torch.no_grad():
+        model(torch.zeros(2, 32, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match=too_long):
+            model(torch.zeros(2, 1, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match=too_long):
+            model(torch.zeros(1, 33, dtype=torch.long))
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(pos="rope", n_kv_head=1, mlp="swiglu", bias=False)])
