@@ -157,13 +157,11 @@ class Addition(Task):
 
     def check(self, reply: str, answer: str) -> bool:
         """The reply's first number, spaced or not ("8 5", "85."), is the answer."""
-        found = re.search(r"\d(?: ?\d)*", reply)
-        return found is not None and found.group().replace(" ", "") == answer
+        return [found.replace(" ", "") for found in re.findall(r"\d(?: ?\d)*", reply)[:1]] == [answer]
 
     def wrong(self, answer: str, rng: random.Random) -> str:
         """A wrong reply for a preference pair: one digit off by one."""
-        value = int(answer) + rng.choice([d for d in (-10, -1, 1, 10) if int(answer) + d >= 0])
-        return " ".join(str(value))
+        return " ".join(str(int(answer) + rng.choice([d for d in (-10, -1, 1, 10) if int(answer) + d >= 0])))
 
 
 def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world: int = 1, max_new_tokens: int = 512,
