@@ -218,7 +218,9 @@ class RLConfig(engine.RunArgs):
              f"got --temperature {self.temperature} --parallel {self.parallel}"),
             (all(v >= 0 for v in (self.beta, self.pass_k, self.vf_coef, self.missing_eos_penalty)) and self.clip > 0
              and 0 < self.gamma <= 1 and 0 <= self.lam <= 1, "--beta, --pass-k, --vf-coef and --missing-eos-penalty "
-             "must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]")])
+             "must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]"),
+            (self.missing_eos_penalty <= tasks.FLOAT32_MAX, "--missing-eos-penalty must be within float32's range "
+             f"(the scores'; a reward's sum is refused past it too): got {self.missing_eos_penalty}")])
 
 
 class PromptSampler:
