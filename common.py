@@ -156,7 +156,7 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
         item = typing.get_args(typ)[0]
         want = f"a comma list of {item.__name__}"
         # Python's tuple: a trailing comma is fine; an empty item (1,,2) is refused, as dropping it shifts the rest
-        convert = lambda s: tuple(map(item, s.strip("() ").removesuffix(",").split(","))) if s.strip("(), ") else ()
+        convert = lambda s: tuple(map(item, s.strip("() ").removesuffix(",").split(","))) if s.strip("() ") else ()
     try:
         return convert(text)
     except (ValueError, KeyError):

@@ -216,9 +216,11 @@ class RLConfig(engine.RunArgs):
             (self.temperature > 0 and self.parallel != "fsdp",  # FSDP's forwards are collectives: generation hangs
              f"RL samples its replies: --temperature must be > 0 and --parallel ddp or zero1 (FSDP cannot generate); "
              f"got --temperature {self.temperature} --parallel {self.parallel}"),
-            (min(self.beta, self.pass_k, self.vf_coef, self.missing_eos_penalty) >= 0 and self.clip > 0
+            (all(v >= 0 for v in (self.beta, self.pass_k, self.vf_coef, self.missing_eos_penalty)) and self.clip > 0
              and 0 < self.gamma <= 1 and 0 <= self.lam <= 1, "--beta, --pass-k, --vf-coef and --missing-eos-penalty "
-             "must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]")])
+             "must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]"),
+            (self.missing_eos_penalty <= tasks.FLOAT32_MAX, "--missing-eos-penalty must be within float32's range "
+             f"(the scores'; a reward's sum is refused past it too): got {self.missing_eos_penalty}")])
 
 
 class PromptSampler:

@@ -157,13 +157,11 @@ class Addition(Task):
 
     def check(self, reply: str, answer: str) -> bool:
         """The reply's first number, spaced or not ("8 5", "85."), is the answer."""
-        found = re.search(r"\d(?: ?\d)*", reply)
-        return found is not None and found.group().replace(" ", "") == answer
+        return [found.replace(" ", "") for found in re.findall(r"\d(?: ?\d)*", reply)[:1]] == [answer]
 
     def wrong(self, answer: str, rng: random.Random) -> str:
         """A wrong reply for a preference pair: one digit off by one."""
-        value = int(answer) + rng.choice([d for d in (-10, -1, 1, 10) if int(answer) + d >= 0])
-        return " ".join(str(value))
+        return " ".join(str(int(answer) + rng.choice([d for d in (-10, -1, 1, 10) if int(answer) + d >= 0])))
 
 
 def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world: int = 1, max_new_tokens: int = 512,
@@ -382,8 +380,10 @@ def checked(terms: list[tuple[str, Callable[..., Any], float]]) -> Reward:
     """The sum of weight * fn(prompt, reply, answer) over (name, fn, weight), or a one-line ValueError naming them: one
     raised or gave a non-number, or the sum is not finite in rl.py's float32; `last`: each --reward FN's own value."""
     calls = [(name, guarded(fn, name), w) for name, fn, w in terms]
-    fns = [name.rsplit(":", 1)[-1] for name, _, _ in terms]  # reward/FN, and FN_1, FN_2 for functions named alike
+    fns = [name.rsplit(":", 1)[-1] for name, _, _ in terms]  # reward/FN, or FN_1, FN_2 if alike (f, f, f_1 clash)
     keys = [f"reward/{fn}" + f"_{fns[:i + 1].count(fn)}" * (fns.count(fn) > 1) for i, fn in enumerate(fns)]
+    if clash := [(name, key) for (name, _, _), key in zip(terms, keys, strict=True) if keys.count(key) > 1]:
+        raise ValueError(f"{' and '.join(name for name, _ in clash)} would log as one {clash[0][1]}; rename one")
 
     def reward(prompt: list[dict], reply: str, answer: str) -> float:
         got = []

@@ -1146,8 +1146,8 @@ def test_parse_config_forms_and_errors():
     assert parse_config(_Cfg, ["--sizes=4,8"]).sizes == (4, 8)
     with pytest.raises(SystemExit, match=r"^error: --sizes expects a comma list of int, got '1.5,2'$"):
         parse_config(_Cfg, ["--sizes=1.5,2"])
-    for text in ("4,,8", ",4", "4,,"):  # an empty item was dropped: --reward-weights 1,,2 weighed 2 functions 1 and 2
-        with pytest.raises(SystemExit, match=f"^error: --sizes expects a comma list of int, got '{text}'$"):
+    for text in ("4,,8", ",4", "4,,", ",", "(,)"):  # an empty item was dropped: --reward-weights 1,,2 weighed 1 and 2
+        with pytest.raises(SystemExit, match=f"^error: --sizes expects a comma list of int, got '{re.escape(text)}'$"):
             parse_config(_Cfg, ["--sizes", text])
 
 

@@ -346,6 +346,10 @@ def test_rewards_see_the_prompt_and_sum_by_weight(user_file):
     other.write_text("def near(prompt, reply, answer):\n    return -3.0\n")
     (two := tasks.load_rewards(f"{user_file}:near,{other}:near,{user_file}:tensor"))(prompt, "40", "")
     assert two.last == {"reward/near_1": 0.5, "reward/near_2": -3.0, "reward/tensor": 0.25}
+    (third := user_file.with_name("third.py")).write_text("def near_1(prompt, reply, answer):\n    return 9.0\n")
+    with pytest.raises(ValueError, match=f"^--reward {user_file}:near and --reward {third}:near_1 would log as one "
+                       "reward/near_1; rename one$"):  # its own name is the first near's key: that value was dropped
+        tasks.load_rewards(f"{user_file}:near,{user_file}:near,{third}:near_1")
 
 
 def test_a_tasks_own_reward_replaces_its_check_and_rewards_weigh_1_each_by_default(user_file):
