@@ -197,7 +197,7 @@ def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batc
         prompts = [render_prompt(p["messages"][:-1])[-block:] for p in chunk]
         width = max(len(p) for p in prompts)
         tokens = torch.tensor([p + [BOS] * (width - len(p)) for p in prompts], device=device)
-        last = torch.tensor([[j == len(p) - 1 for j in range(width)] for p in prompts], device=device)
+        last = torch.arange(width, device=device) == torch.tensor([len(p) - 1 for p in prompts], device=device)[:, None]
         logits, _ = model(tokens, at=last)  # (rows, V): each row's answer position
         for row, p in zip(logits, chunk, strict=True):
             right += p["letters"][row[[token[letter] for letter in p["letters"]]].argmax().item()] == p["answer"]
