@@ -216,11 +216,11 @@ class RLConfig(engine.RunArgs):
             (self.temperature > 0 and self.parallel != "fsdp",  # FSDP's forwards are collectives: generation hangs
              f"RL samples its replies: --temperature must be > 0 and --parallel ddp or zero1 (FSDP cannot generate); "
              f"got --temperature {self.temperature} --parallel {self.parallel}"),
-            (all(v >= 0 for v in (self.beta, self.pass_k, self.vf_coef, self.missing_eos_penalty)) and self.clip > 0
-             and 0 < self.gamma <= 1 and 0 <= self.lam <= 1, "--beta, --pass-k, --vf-coef and --missing-eos-penalty "
-             "must be >= 0, --clip > 0, --gamma in (0, 1] and --lam in [0, 1]"),
-            (self.missing_eos_penalty <= tasks.FLOAT32_MAX, "--missing-eos-penalty must be within float32's range "
-             f"(the scores'; a reward's sum is refused past it too): got {self.missing_eos_penalty}")])
+            # float32's range: past it a score or the loss is inf, and the NaN that follows was blamed on --max-lr
+            (all(0 <= v <= tasks.FLOAT32_MAX for v in (self.beta, self.pass_k, self.vf_coef, self.missing_eos_penalty))
+             and self.clip > 0 and 0 < self.gamma <= 1 and 0 <= self.lam <= 1, "--beta, --pass-k, --vf-coef and "
+             "--missing-eos-penalty must be >= 0 and within float32's range, --clip > 0, --gamma in (0, 1] and --lam "
+             "in [0, 1]")])
 
 
 class PromptSampler:

@@ -586,7 +586,10 @@ def test_trls_scale_rewards_words_are_refused_naming_ours(value):
     (dict(algo="ppo", vf_coef=math.nan), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0"),
     (dict(missing_eos_penalty=math.nan), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0"),
     # the scores are float32: past its range a cut reply scored -inf, and the NaN loss was blamed on --max-lr
-    (dict(missing_eos_penalty=1e39), "--missing-eos-penalty must be within float32's range .*: got 1e[+]39$"),
+    (dict(missing_eos_penalty=1e39), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0 and within "
+                                     "float32's range"),
+    (dict(beta=math.inf), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0 and within float32's"),
+    (dict(algo="ppo", vf_coef=math.inf), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0 and"),
     # TRL's loss_type names: which of ours each is was said by --help alone
     (dict(loss_agg="grpo"), "--algo must be one of grpo, rloo, reinforce, ppo and --loss-agg one of token, sequence, "
                             r"dr_grpo; got 'grpo' and 'grpo' \(TRL's dapo is token, its grpo sequence\)$"),
