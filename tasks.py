@@ -411,8 +411,8 @@ def task_reward(task: Any, spec: str) -> Reward:
 
 def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
     """--reward FILE.py:FN[,FILE.py:FN2]: the functions' sum, weighted by --reward-weights (1 each by default)."""
-    if not (names := [s.strip() for s in specs.split(",") if s.strip()]):
-        raise ValueError(f"--reward {specs!r} names no function; pass FILE.py:FN[,FILE.py:FN2]")
+    if not all(names := [s.strip() for s in specs.strip().removesuffix(",").split(",")]):  # a,,b: not a and b
+        raise ValueError(f"--reward {specs!r} has an item that names no function; pass FILE.py:FN[,FILE.py:FN2]")
     weights = weights or (1.0,) * len(names)
     if len(weights) != len(names):
         raise ValueError(f"--reward-weights gives {len(weights)} weight{'s' * (len(weights) != 1)} for {len(names)} "

@@ -495,11 +495,13 @@ def test_a_users_task_subclass_is_guarded_as_any_and_a_multiple_choice_one_is_st
     ("raises", "--reward {file}:raises raised KeyError: 'no such field'"),
     ("text", "--reward {file}:text returned '1', not a finite float32 number"),
     ("nan", "--reward {file}:nan returned nan, not a finite float32 number"),
-    (",", "--reward ',' names no function; pass FILE.py:FN[,FILE.py:FN2]"),  # was a dtype error in the loss
+    (",", "--reward ',' has an item that names no function; pass FILE.py:FN[,FILE.py:FN2]"),  # was a dtype error
+    # an empty item is refused, as --reward-weights 1,,2 is, not dropped without a word
+    ("x.py:f,,y.py:g", "--reward 'x.py:f,,y.py:g' has an item that names no function; pass FILE.py:FN[,FILE.py:FN2]"),
 ])
 def test_a_reward_that_fails_is_one_line_naming_it(user_file, name, message):
     with pytest.raises(ValueError) as e:
-        tasks.load_rewards(name if name == "," else f"{user_file}:{name}")([{"role": "user", "content": "Double 3?"}],
+        tasks.load_rewards(name if "," in name else f"{user_file}:{name}")([{"role": "user", "content": "Double 3?"}],
                                                                            "6", "6")
     assert str(e.value) == message.format(file=user_file)
     with pytest.raises(ValueError, match=f"--reward {user_file}:ANSWER is not a function"):
