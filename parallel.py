@@ -82,6 +82,11 @@ def check_flags(checks: Iterable[tuple[bool, str]]) -> None:
             raise ValueError(message)
 
 
+def check_counts(cfg: Any, names: Iterable[str]) -> None:
+    """The first of these fields (counts and sizes) below 1, as check_flags' one-line ValueError."""
+    check_flags((getattr(cfg, name) >= 1, f"--{flag(name)} must be >= 1; got {getattr(cfg, name)}") for name in names)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # One optimizer step (bench.py times this same function)
 

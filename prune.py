@@ -31,7 +31,7 @@ from common import LOCAL, is_reward_model, load_checkpoint, provenance, run_and_
 from engine import Context, Run
 from fineweb import TokenLoader
 from model import GPT, checkpoint_config
-from parallel import check_flags, flag
+from parallel import check_counts, check_flags
 
 
 @dataclasses.dataclass
@@ -69,8 +69,7 @@ class PruneConfig(engine.RunArgs):
             (self.seq_len >= 0, f"--seq-len must be >= 0 (0: the model's context); got {self.seq_len}"),
             (self.parallel != "fsdp", "--parallel fsdp shards each tensor, and the masks cover whole ones: use "
                                       "--parallel ddp or zero1")])
-        check_flags((getattr(self, name) >= 1, f"--{flag(name)} must be >= 1; got {getattr(self, name)}")
-                    for name in ("batch_size", "grad_accum", "calib_batches", "eval_tokens"))
+        check_counts(self, ("batch_size", "grad_accum", "calib_batches", "eval_tokens"))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from common import LOCAL, all_sum, get_tokenizer, is_reward_model, load_checkpoi
 from engine import Context, Run
 from generate import Rollout, calculator, evaluating, full_precision, generate
 from model import GPT, GPTConfig
-from parallel import Objective, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
+from parallel import Objective, check_counts, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
 from trackers import RunLog
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -199,8 +199,7 @@ class RLConfig(engine.RunArgs):
         others, default = {f for a in ALGOS.values() for f in a.flags} - set(algo.flags), RLConfig.__dataclass_fields__
         if unused := sorted(f for f in others if getattr(self, f) != default[f].default):
             raise ValueError(f"--algo {self.algo} does not use --{flag(unused[0])}: drop it")
-        check_flags((getattr(self, name) >= 1, f"--{flag(name)} must be >= 1; got {getattr(self, name)}") for name in
-                    "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches eval_limit".split())
+        check_counts(self, "prompts samples rollout_batch max_new_tokens ppo_epochs minibatches eval_limit".split())
         calls = self.rollout_batch * self.samples
         check_flags([
             (not (self.reward and self.reward_model), "--reward and --reward-model each score the replies: pass one"),

@@ -28,7 +28,7 @@ from chat_format import exported_chat, is_chat
 from common import EOT, get_tokenizer, import_torchao, parse_config, resolve_device, tensor_bytes, user_errors
 from generate import check_sampling, for_decoding, sample_stream
 from model import GPT
-from parallel import check_flags, flag
+from parallel import check_counts, check_flags
 
 WORD = re.compile(r"\w+", re.ASCII)  # identifier-like: letters, digits and _
 DOC_BREAK = "\n--- end of document ---\n"  # printed for <|endoftext|>, where the model ends a document
@@ -56,8 +56,7 @@ class SampleConfig:
     def __post_init__(self) -> None:
         check_flags([(self.quantize in ("none", "int8"), f"--quantize must be none or int8, got {self.quantize!r}")])
         check_sampling(self.temperature, self.top_k, self.top_p, self.seed)  # before a model loads
-        check_flags((getattr(self, name) >= 1, f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
-                    for name in ("num_samples", "max_new_tokens"))
+        check_counts(self, ("num_samples", "max_new_tokens"))
 
 
 def read_prompt(prompt: str, stdin: TextIO | None = None) -> str:
