@@ -4,6 +4,7 @@ parallel.train_step on the engine (no loop of its own), with held-out pairwise a
     python tasks.py --task addition --pairs && python prefs.py --preset rm-demo    # a reward model, CPU seconds
     python prefs.py --preset dpo-demo                                          # DPO from the half-trained SFT model
     python prefs.py --objective dpo --init-from out/sft/ckpt_002000.pt --data HuggingFaceH4/ultrafeedback_binarized
+        --out-dir out/dpo   # (one line) the default --out-dir is train.py's out/gpt2-124m, as are the other defaults
 
 A row is a pair in one of three schemas:
     text           {"prompt", "chosen", "rejected"}: the replies as text (or TRL's [{"role": "assistant", ...}]); the

@@ -4,7 +4,7 @@ tokens only, packed whole into rows; val loss and a task's held-out accuracy as 
 Usage:
     python tasks.py --task addition && python sft.py --preset sft-demo   # the demo model taught addition, CPU minutes
     torchrun --standalone --nproc_per_node=8 sft.py --preset sft          # GPT-2 124M on smol-smoltalk
-    python sft.py --preset sft-demo --data data/mine --task mytask.py:MyTask  # your own conversations and task
+    python sft.py --preset sft-demo --data data/mine --task mytask.py:MyTask --out-dir out/sft-mine  # your data, task
 """
 
 # Read top to bottom: config and presets, the data, the evaluations, then setup (one engine.Run) and main. The step is
