@@ -298,10 +298,20 @@ def test_overfit_batch_drives_loss_near_zero(token_data, tmp_path):
     assert losses[-1] < 0.1, losses[-10:]
 
 
-def test_recompute_and_chunked_loss_give_the_same_losses(token_data, tmp_path):
+def test_recompute_and_chunked_loss_give_the_same_losses(token_data, tmp_path, monkeypatch):
+    # the same losses prove nothing if a flag never reached the model: what each run asked of the model is recorded
+    import model as model_module
+    asked: list = []
+    real_recompute, real_loss = par.apply_recompute, model_module.lm_loss
+    monkeypatch.setattr(par, "apply_recompute", lambda m, mode: asked.append(mode) or real_recompute(m, mode))
+    monkeypatch.setattr(model_module, "lm_loss", lambda *a: asked.append(a[4:6]) or real_loss(*a))
     base = train.main(tiny_args(token_data, tmp_path / "a", "--max-steps=3", "--eval-every=2"))
-    for flag in ("--recompute=mlp", "--recompute=block", "--loss-chunk=100", "--fused-ce"):
+    assert set(asked) == {"none", (0, False)}
+    for flag, want in (("--recompute=mlp", {"mlp", (0, False)}), ("--recompute=block", {"block", (0, False)}),
+                       ("--loss-chunk=100", {"none", (100, False)}), ("--fused-ce", {"none", (0, True)})):
+        asked.clear()
         again = train.main(tiny_args(token_data, tmp_path / flag[2:], "--max-steps=3", "--eval-every=2", flag))
+        assert set(asked) == want, flag
         assert again["losses"] == pytest.approx(base["losses"], abs=1e-5), flag
         assert again["val_loss"] == pytest.approx(base["val_loss"], abs=1e-5), flag
 
