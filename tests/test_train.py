@@ -966,6 +966,11 @@ def test_build_model_inits_from_the_seed_and_a_resume_keeps_its_context(tmp_path
     torch.manual_seed(1)
     b = stage.build_model(cfg, None, engine.Context())
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    torch.manual_seed(3)  # --seed's init, not one of a seed fixed elsewhere (the default 1337's, say)
+    seeded = GPT(train.model_config(cfg))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), seeded.state_dict().values(), strict=True))
+    other = stage.build_model(dataclasses.replace(cfg, seed=4), None, engine.Context())
+    assert not torch.equal(other.lm_head.weight, a.lm_head.weight)
     found = (tmp_path / "ckpt.pt", {"step": 0, "train_config": dataclasses.asdict(cfg), "model": a.state_dict(),
                                     "model_config": dataclasses.asdict(a.config)})
     assert stage.build_model(cfg, found, engine.Context()).config.block_size == 16
