@@ -910,14 +910,15 @@ def test_hold_out_dir_locks_for_a_training_run_on_rank_0_only(tmp_path):
 def test_lm_step_logs_the_mean_loss_over_ranks_and_the_tokens_of_every_data_parallel_rank(monkeypatch):
     monkeypatch.setattr(stage, "set_lr", lambda optimizer, step, cfg: 0.25)
     monkeypatch.setattr(stage, "train_step", lambda *args: (torch.tensor(2.0), torch.tensor(0.5)))
-    monkeypatch.setattr(stage, "all_sum", lambda t, world: t * world)  # every rank's loss the same 2.0
+    # this rank's loss 2.0, the 3 others' 4.0 each: the mean over the ranks is 3.5, not this rank's own
+    monkeypatch.setattr(stage, "all_sum", lambda t, world: t + (world - 1) * 4.0)
     observed = []
     guard = SimpleNamespace(for_step=lambda: None, observe=lambda *a: observed.append(a), skipped=0)
     built = SimpleNamespace(model=None, optimizer=None, autocast=None, scaler=None)
     cfg = train.TrainConfig(model="tiny", seq_len=32, batch_size=2)
     step = stage.lm_step(cfg, built, lambda: None, 3, guard, engine.Context(world=4))
-    assert step(7) == {"loss": 2.0, "lr": 0.25, "grad_norm": 0.5, "tokens": 3 * 2 * 32 * 4}
-    assert observed == [(2.0, 0.5)]
+    assert step(7) == {"loss": 3.5, "lr": 0.25, "grad_norm": 0.5, "tokens": 3 * 2 * 32 * 4}
+    assert observed == [(3.5, 0.5)]
     guard.skipped = 1
     assert step(8)["skipped"] == 1
 
