@@ -921,6 +921,9 @@ def test_lm_step_logs_the_mean_loss_over_ranks_and_the_tokens_of_every_data_para
     assert observed == [(3.5, 0.5)]
     guard.skipped = 1
     assert step(8)["skipped"] == 1
+    # under --tp 2 the 4 ranks are 2 data-parallel ranks, each pair reading one batch: half the tokens
+    tp = dataclasses.replace(cfg, tp=2, hellaswag="off", sample_every=0)
+    assert stage.lm_step(tp, built, lambda: None, 3, guard, engine.Context(world=4))(9)["tokens"] == 3 * 2 * 32 * 2
 
 
 def test_val_evals_score_over_the_data_parallel_ranks_at_eval_every(monkeypatch):
