@@ -298,10 +298,20 @@ def test_overfit_batch_drives_loss_near_zero(token_data, tmp_path):
     assert losses[-1] < 0.1, losses[-10:]
 
 
-def test_recompute_and_chunked_loss_give_the_same_losses(token_data, tmp_path):
+def test_recompute_and_chunked_loss_give_the_same_losses(token_data, tmp_path, monkeypatch):
+    # the same losses prove nothing if a flag never reached the model: what each run asked of the model is recorded
+    import model as model_module
+    asked: list = []
+    real_recompute, real_loss = par.apply_recompute, model_module.lm_loss
+    monkeypatch.setattr(par, "apply_recompute", lambda m, mode: asked.append(mode) or real_recompute(m, mode))
+    monkeypatch.setattr(model_module, "lm_loss", lambda *a: asked.append(a[4:6]) or real_loss(*a))
     base = train.main(tiny_args(token_data, tmp_path / "a", "--max-steps=3", "--eval-every=2"))
-    for flag in ("--recompute=mlp", "--recompute=block", "--loss-chunk=100", "--fused-ce"):
+    assert set(asked) == {"none", (0, False)}
+    for flag, want in (("--recompute=mlp", {"mlp", (0, False)}), ("--recompute=block", {"block", (0, False)}),
+                       ("--loss-chunk=100", {"none", (100, False)}), ("--fused-ce", {"none", (0, True)})):
+        asked.clear()
         again = train.main(tiny_args(token_data, tmp_path / flag[2:], "--max-steps=3", "--eval-every=2", flag))
+        assert set(asked) == want, flag
         assert again["losses"] == pytest.approx(base["losses"], abs=1e-5), flag
         assert again["val_loss"] == pytest.approx(base["val_loss"], abs=1e-5), flag
 
@@ -900,16 +910,20 @@ def test_hold_out_dir_locks_for_a_training_run_on_rank_0_only(tmp_path):
 def test_lm_step_logs_the_mean_loss_over_ranks_and_the_tokens_of_every_data_parallel_rank(monkeypatch):
     monkeypatch.setattr(stage, "set_lr", lambda optimizer, step, cfg: 0.25)
     monkeypatch.setattr(stage, "train_step", lambda *args: (torch.tensor(2.0), torch.tensor(0.5)))
-    monkeypatch.setattr(stage, "all_sum", lambda t, world: t * world)  # every rank's loss the same 2.0
+    # this rank's loss 2.0, the 3 others' 4.0 each: the mean over the ranks is 3.5, not this rank's own
+    monkeypatch.setattr(stage, "all_sum", lambda t, world: t + (world - 1) * 4.0)
     observed = []
     guard = SimpleNamespace(for_step=lambda: None, observe=lambda *a: observed.append(a), skipped=0)
     built = SimpleNamespace(model=None, optimizer=None, autocast=None, scaler=None)
     cfg = train.TrainConfig(model="tiny", seq_len=32, batch_size=2)
     step = stage.lm_step(cfg, built, lambda: None, 3, guard, engine.Context(world=4))
-    assert step(7) == {"loss": 2.0, "lr": 0.25, "grad_norm": 0.5, "tokens": 3 * 2 * 32 * 4}
-    assert observed == [(2.0, 0.5)]
+    assert step(7) == {"loss": 3.5, "lr": 0.25, "grad_norm": 0.5, "tokens": 3 * 2 * 32 * 4}
+    assert observed == [(3.5, 0.5)]
     guard.skipped = 1
     assert step(8)["skipped"] == 1
+    # under --tp 2 the 4 ranks are 2 data-parallel ranks, each pair reading one batch: half the tokens
+    tp = dataclasses.replace(cfg, tp=2, hellaswag="off", sample_every=0)
+    assert stage.lm_step(tp, built, lambda: None, 3, guard, engine.Context(world=4))(9)["tokens"] == 3 * 2 * 32 * 2
 
 
 def test_val_evals_score_over_the_data_parallel_ranks_at_eval_every(monkeypatch):
@@ -956,6 +970,11 @@ def test_build_model_inits_from_the_seed_and_a_resume_keeps_its_context(tmp_path
     torch.manual_seed(1)
     b = stage.build_model(cfg, None, engine.Context())
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    torch.manual_seed(3)  # --seed's init, not one of a seed fixed elsewhere (the default 1337's, say)
+    seeded = GPT(train.model_config(cfg))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), seeded.state_dict().values(), strict=True))
+    other = stage.build_model(dataclasses.replace(cfg, seed=4), None, engine.Context())
+    assert not torch.equal(other.lm_head.weight, a.lm_head.weight)
     found = (tmp_path / "ckpt.pt", {"step": 0, "train_config": dataclasses.asdict(cfg), "model": a.state_dict(),
                                     "model_config": dataclasses.asdict(a.config)})
     assert stage.build_model(cfg, found, engine.Context()).config.block_size == 16
