@@ -26,12 +26,13 @@ SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu", "accuracy", "mar
            "val": ("val_loss", "val_bpb", "val_accuracy", "val_margin", "val_chosen_reward", "val_rejected_reward",
                    "val_nll", "sparsity"), "hellaswag": ("acc", "acc_norm"),
            "task": ("acc",), "core": ("core_metric",), "chatcore": ("chatcore",)}
+PER_RUN = {"task": ("pass@",), "train": ("reward/",)}  # keys a run names: pass@K, each --reward function's reward/FN
 
 
 def scalars(record: dict) -> dict[str, float]:
     """The record's scalars by tag: {"train/loss": 10.9, "train/lr": 6e-05, ...}; a None (no MFU on CPU) is left out."""
     kind = record["type"]
-    keys = [*SCALARS.get(kind, ()), *(key for key in record if kind == "task" and key.startswith("pass@"))]
+    keys = [*SCALARS.get(kind, ()), *(key for key in record if key.startswith(PER_RUN.get(kind, ())))]
     each_task = {f"{kind}/{name}": float(acc) for name, acc in record.get("results", {}).items()}  # CORE's, ChatCORE's
     return {**each_task, **{f"{kind}/{key.removeprefix(kind + '_')}": float(record[key]) for key in keys
                             if record.get(key) is not None}}  # the mean wins a clash with a task named like it

@@ -77,7 +77,8 @@ def test_scalars_are_named_by_record_type():
     # rl.py's step and its held-out evaluation: what the issue asks TensorBoard and W&B to show
     rl_step = {"type": "train", "step": 5, "tokens": 512, "loss": 0.01, "grad_norm": 0.9, "clip_frac": 0.02,
                "reward": 0.25, "reward_std": 0.4, "kl": 0.03, "entropy": 0.5, "length": 3.5, "rollout_tok_s": 700.0,
-               "update_tok_s": 1000.0, "lr": 3e-4, "ms": 9.0, "tok_s": 500.0, "mfu": None}
+               "update_tok_s": 1000.0, "lr": 3e-4, "ms": 9.0, "tok_s": 500.0, "mfu": None, "reward/exact": 0.5,
+               "reward/short_2": 0.0}  # each --reward function's mean (tasks.checked's names)
     assert trackers.scalars(rl_step) == {f"train/{k}": float(v) for k, v in rl_step.items()
                                          if k not in ("type", "step", "tokens", "ms", "mfu")}
     assert trackers.scalars({"type": "task", "step": 5, "tokens": 512, "acc": 0.5, "n": 256, "pass@8": 0.75}) == \
