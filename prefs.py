@@ -3,8 +3,7 @@ parallel.train_step on the engine (no loop of its own), with held-out pairwise a
 
     python tasks.py --task addition --pairs && python prefs.py --preset rm-demo    # a reward model, CPU seconds
     python prefs.py --preset dpo-demo                                          # DPO from the half-trained SFT model
-    python prefs.py --objective dpo --init-from out/sft/ckpt_002000.pt --data HuggingFaceH4/ultrafeedback_binarized
-        --out-dir out/dpo   # (one line) the default --out-dir is train.py's out/gpt2-124m, as are the other defaults
+    python prefs.py --init-from out/sft/ckpt_002000.pt    # DPO on UltraFeedback from sft.py's GPT-2 (the defaults)
 
 A row is a pair in one of three schemas:
     text           {"prompt", "chosen", "rejected"}: the replies as text (or TRL's [{"role": "assistant", ...}]); the
@@ -242,8 +241,22 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
     reward_logprob: bool = False  # reward: the score adds the mean log-prob of the reply (parallel.rewards)
     dpo_beta: float = 0.1  # DPO's beta: how far the implicit reward may pull the policy from its reference
     dpo_sft: float = 0.0  # DPO's loss adds this times the chosen replies' token NLL (RPO; TRL's rpo_alpha)
+    # with no --preset, GPT-2 124M on UltraFeedback (64 pairs a step, TRL's 8 a GPU on 8), not pretraining's schedule
+    max_steps: int = 955  # optimizer steps (about one epoch of ultrafeedback_binarized's 61,135 train pairs)
+    max_lr: float | None = None  # peak learning rate (None: TRL's, 1e-6 for dpo, 1e-4 for reward)
+    total_batch_size: int = 65536
+    batch_size: int = 8
+    lr_schedule: str = "linear"
+    min_lr_frac: float = 0.0
+    warmup_steps: int = 20
+    eval_every: int = 100
+    eval_tokens: int = 524288
+    ckpt_every: int = 250
+    out_dir: Annotated[str, LOCAL] = "out/prefs"
 
     def __post_init__(self) -> None:
+        if self.max_lr is None:
+            self.max_lr = 1e-4 if self.objective == "reward" else 1e-6
         super().__post_init__()
         check_flags([(self.objective in ("reward", "dpo") and self.dpo_sft >= 0, "--objective must be reward or dpo "
                       f"and --dpo-sft >= 0; got {self.objective!r} and {self.dpo_sft}"),

@@ -35,6 +35,18 @@ class SFTConfig(TaskEvalArgs, StageArgs):
     # (its train and test splits, else train_sft and test_sft: ultrachat_200k's)
     data: Annotated[str, LOCAL] = "HuggingFaceTB/smol-smoltalk"
     label_smoothing: float = 0.0  # cross-entropy label smoothing
+    # with no --preset, GPT-2 124M's recipe (the `sft` preset's), not pretraining's 19,073 steps at lr 6e-4
+    max_steps: int = 2000  # optimizer steps (about a third of smol-smoltalk)
+    total_batch_size: int = 32768
+    batch_size: int = 4
+    max_lr: float = 3e-5
+    lr_schedule: str = "linear"
+    min_lr_frac: float = 0.0
+    warmup_steps: int = 20
+    eval_every: int = 200
+    eval_tokens: int = 327680
+    ckpt_every: int = 500
+    out_dir: Annotated[str, LOCAL] = "out/sft"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,9 +57,7 @@ class SFTConfig(TaskEvalArgs, StageArgs):
 
 PRESETS: dict[str, Callable[[], SFTConfig]] = {
     # OpenAI's GPT-2 124M on smol-smoltalk, about a third of an epoch
-    "sft": functools.partial(SFTConfig, init_from="gpt2", total_batch_size=32768, batch_size=4, max_lr=3e-5,
-                             lr_schedule="linear", min_lr_frac=0.0, warmup_steps=20, max_steps=2000, eval_every=200,
-                             eval_tokens=327680, ckpt_every=500, out_dir="out/sft"),
+    "sft": functools.partial(SFTConfig, init_from="gpt2"),
     # the offline chat demo: the demo's model fine-tuned on tasks.py's addition problems, one to a 24-token row (packed
     # several to a row, the small model learned far slower), scored on held-out ones; minutes on 2 CPU cores
     "sft-demo": functools.partial(SFTConfig, init_from="out/demo/ckpt_000900.pt", data="data/addition", seq_len=24,

@@ -39,7 +39,8 @@ def sft_checkpoint(out: Path) -> Path:
             messages = [{"role": "user", "content": f"{i % 10}+{i // 10}?"}, {"role": "assistant", "content": REPLY}]
             f.write(json.dumps({"messages": messages}) + "\n")
     sft_main([*TINY, "--data", str(out / "chat.jsonl"), "--batch-size", "2", "--total-batch-size", "128",
-              "--max-steps", "40", "--eval-every", "0", "--max-lr", "1e-2", "--out-dir", str(out / "run")])
+              "--max-steps", "40", "--eval-every", "0", "--max-lr", "1e-2", "--out-dir", str(out / "run"),
+              "--lr-schedule", "cosine", "--min-lr-frac", "0.1"])  # the schedule this recipe was found with
     return out / "run" / "ckpt_000040.pt"
 
 

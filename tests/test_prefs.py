@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from chat_format import ASSISTANT_END
-from common import EOT, get_tokenizer, iter_log, load_checkpoint
+from common import EOT, get_tokenizer, iter_log, load_checkpoint, parse_config
 from conftest import one_line_error
 from fineweb import DataError
 from model import GPT, MODEL_PRESETS, GPTConfig
@@ -668,3 +668,12 @@ def test_a_flag_a_stage_cannot_honour_is_one_line(main, flags, message):
     with pytest.raises(SystemExit) as e:
         importlib.import_module(main).main(flags)
     assert str(e.value.code).startswith(f"error: {message}")
+
+
+def test_without_a_preset_prefs_runs_dpo_on_its_own_schedule_at_trls_lr():
+    # the bare defaults were pretraining's (lr 6e-4 for DPO, 19,073 steps, out/gpt2-124m); TRL's lr by objective
+    from prefs import PrefsConfig
+    cfg, rm = PrefsConfig(init_from="x.pt"), parse_config(PrefsConfig, ["--objective", "reward"])
+    assert (cfg.max_lr, rm.max_lr, cfg.max_steps, cfg.total_batch_size, cfg.batch_size, cfg.out_dir) == \
+        (1e-6, 1e-4, 955, 65536, 8, "out/prefs")
+    assert PrefsConfig(objective="reward", max_lr=3e-4).max_lr == 3e-4  # a given lr is kept

@@ -359,3 +359,11 @@ def test_a_task_one_rank_cannot_load_stops_every_rank_with_its_line(conversation
                      * 2)
     assert [[e for e in r.stderr.splitlines() if e.startswith("error:")] for r in done] == [
         ["error: rank 1's --task data differs from rank 0's: every node must hold the same --task data"]] * 2
+
+
+def test_without_a_preset_sft_runs_the_sft_recipe_not_pretrainings():
+    # the bare defaults were pretraining's: 19,073 steps at lr 6e-4 of 524,288 tokens, into train.py's out/gpt2-124m
+    bare = sft.SFTConfig()
+    assert replace(bare, init_from="gpt2") == sft.PRESETS["sft"]()
+    assert (bare.max_steps, bare.max_lr, bare.total_batch_size, bare.warmup_steps, bare.eval_tokens, bare.out_dir) == \
+        (2000, 3e-5, 32768, 20, 327680, "out/sft")
