@@ -222,6 +222,16 @@ def test_rmsnorm_replaces_every_layernorm_and_matches_a_written_out_reference(bi
                for m in (plain.transformer.h[1].ln_2, plain.transformer.ln_f))
 
 
+
+def test_rmsnorm_epsilon_is_1e_5_where_it_sets_the_scale():
+    # on activations of mean square 1e-6 the epsilon decides the output's size: 1e-5 as export.py writes it, not
+    # nn.RMSNorm's default (the dtype's machine epsilon) or another 1e-6 (the reference test's inputs are too large)
+    norm = GPT(tiny(norm="rmsnorm")).transformer.ln_f
+    x = 1e-3 * torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    expected = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x).double(), expected, atol=1e-6, rtol=1e-5)
+
 def test_a_checkpoint_written_before_the_norm_option_loads_as_layernorm(tmp_path):
     torch.manual_seed(0)
     model = GPT(tiny()).eval()
