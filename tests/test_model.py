@@ -232,6 +232,13 @@ def test_rmsnorm_epsilon_is_1e_5_where_it_sets_the_scale():
     with torch.no_grad():
         torch.testing.assert_close(norm(x).double(), expected, atol=1e-6, rtol=1e-5)
 
+
+def test_bias_false_leaves_no_bias_anywhere_layernorm_included():
+    # bias=False drops the LayerNorms' biases too (GPTConfig.bias), not only the Linear ones
+    names = [n for n, _ in GPT(tiny(bias=False)).named_parameters()]
+    assert "transformer.ln_f.weight" in names and not [n for n in names if n.endswith(".bias")]
+    assert sum(n.endswith(".bias") for n, _ in GPT(tiny()).named_parameters()) == 2 * (2 + 2 + 2) + 1
+
 def test_a_checkpoint_written_before_the_norm_option_loads_as_layernorm(tmp_path):
     torch.manual_seed(0)
     model = GPT(tiny()).eval()
