@@ -96,6 +96,9 @@ def test_forward_shapes_and_loss_ignores_minus_one():
     torch.testing.assert_close(loss_masked, expected, rtol=1e-6, atol=1e-6)
     _, loss_smooth = model(idx, targets, label_smoothing=0.1)
     assert abs(loss_smooth.item() - loss.item()) > 1e-4
+    no_logits, same = model(idx, targets, return_logits=False)  # the training step's call: the loss alone
+    assert no_logits is None
+    torch.testing.assert_close(same, loss, rtol=1e-6, atol=1e-6)
 
 
 def test_per_token_losses_are_each_targets_cross_entropy_and_zero_where_ignored():
