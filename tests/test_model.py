@@ -753,6 +753,17 @@ def test_from_pretrained_refuses_gpt2_variants_it_cannot_reproduce(tmp_path, var
         GPT.from_pretrained(str(tmp_path))
 
 
+
+def test_from_pretrained_refuses_a_tensor_unlike_its_config_json_even_one_that_would_broadcast(tmp_path):
+    # a position table of 1 row under a config.json of 48: copy_ would broadcast the row to every position, silently
+    _, hf = _hf_model(tmp_path, n_positions=1)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_positions": 48}))
+    with pytest.raises(ValueError, match=re.escape("transformer.wpe.weight: checkpoint shape (1, 32) != model shape "
+                                                   "(48, 32)")):
+        GPT.from_pretrained(str(tmp_path))
+
 def test_from_pretrained_refuses_another_tokenizers_model_in_one_line(tmp_path, capsys):
     """A GPT-2 trained with its own tokenizer: sample.py encoded GPT-2 ids into it (an IndexError traceback for those
     past its rows), chat.py padded it and chatted in the wrong ids."""
