@@ -1295,6 +1295,21 @@ def test_from_checkpoint_other_architecture_is_clear(tmp_path):
         GPT.from_checkpoint(path)
 
 
+
+def test_pad_vocab_grows_the_tied_matrix_with_mean_rows_and_never_shrinks_it():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    weight = model.transformer.wte.weight
+    old = weight.detach().clone()
+    for rows in (96, 50):  # as many rows or fewer: the very same parameter, which an optimizer may hold
+        assert model.pad_vocab(rows) is model and model.transformer.wte.weight is weight
+    assert model.pad_vocab(100) is model and model.config.vocab_size == 100
+    grown = model.transformer.wte.weight
+    assert grown.shape == (100, 32) and model.lm_head.weight is grown  # still one matrix embeds and un-embeds
+    assert torch.equal(grown[:96], old) and torch.equal(grown[96:], old.mean(dim=0).expand(4, -1))
+    with torch.no_grad():
+        assert model(torch.tensor([[99]]))[0].shape == (1, 1, 100)
+
 def test_untrained_tiny_model_samples():
     # what model.py's smoke run (`python model.py --model tiny`) checked before export.py replaced its CLI
     torch.manual_seed(1337)
