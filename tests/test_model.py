@@ -1310,6 +1310,20 @@ def test_pad_vocab_grows_the_tied_matrix_with_mean_rows_and_never_shrinks_it():
     with torch.no_grad():
         assert model(torch.tensor([[99]]))[0].shape == (1, 1, 100)
 
+
+def test_from_checkpoint_keeps_a_trained_value_head_adds_a_fresh_one_and_drops_an_unwanted_one():
+    torch.manual_seed(0)
+    critic = GPT(tiny(value_head=True))
+    torch.nn.init.normal_(critic.value_head.weight)  # trained: off its zero init
+    ckpt = {"model": critic.state_dict(), "model_config": critic.config.__dict__}
+    again = GPT.from_checkpoint(ckpt)  # a reward model or critic reloaded: its own head, not a fresh one
+    assert torch.equal(again.value_head.weight, critic.value_head.weight)
+    policy = GPT.from_checkpoint(ckpt, value_head=False)  # GRPO from a PPO policy: the critic's head left out
+    assert not hasattr(policy, "value_head") and set(policy.state_dict()) == set(GPT(tiny()).state_dict())
+    plain = {"model": policy.state_dict(), "model_config": policy.config.__dict__}
+    fresh = GPT.from_checkpoint(plain, value_head=True)  # a critic from a language model: a zero head
+    assert fresh.value_head.weight.abs().sum() == 0 and fresh.value_head.bias.abs().sum() == 0
+
 def test_untrained_tiny_model_samples():
     # what model.py's smoke run (`python model.py --model tiny`) checked before export.py replaced its CLI
     torch.manual_seed(1337)
