@@ -1229,6 +1229,15 @@ def test_load_checkpoint_refuses_pickles(tmp_path):
         load_checkpoint(tmp_path / "missing.pt")
 
 
+
+def test_load_checkpoint_refuses_a_dict_with_model_but_no_model_config(tmp_path):
+    # nanoGPT's ckpt.pt: 'model' and 'model_args', no 'model_config'; refused here, not a KeyError traceback later
+    path = tmp_path / "nanogpt.pt"
+    torch.save({"model": GPT(tiny()).state_dict(), "model_args": {"n_layer": 2}, "iter_num": 0}, path)
+    with pytest.raises(ValueError, match=re.escape("is not a checkpoint of this project (expected keys 'model' and "
+                                                   "'model_config', got keys 'model', 'model_args', 'iter_num')")):
+        load_checkpoint(path)
+
 def test_checkpoints_are_ordered_by_write_time_and_exclude_other_pt_files(tmp_path):
     """After a rewind the newest ckpt_000004 comes after the abandoned ckpt_000009 (write time, not step, decides);
     ckpt_best.pt and other .pt files are never taken for train.py's checkpoints. Same mtimes: by name."""
