@@ -96,6 +96,9 @@ def test_forward_shapes_and_loss_ignores_minus_one():
     torch.testing.assert_close(loss_masked, expected, rtol=1e-6, atol=1e-6)
     _, loss_smooth = model(idx, targets, label_smoothing=0.1)
     assert abs(loss_smooth.item() - loss.item()) > 1e-4
+    no_logits, same = model(idx, targets, return_logits=False)  # the training step's call: the loss alone
+    assert no_logits is None
+    torch.testing.assert_close(same, loss, rtol=1e-6, atol=1e-6)
 
 
 def test_per_token_losses_are_each_targets_cross_entropy_and_zero_where_ignored():
@@ -221,6 +224,23 @@ def test_rmsnorm_replaces_every_layernorm_and_matches_a_written_out_reference(bi
     assert all(isinstance(m, torch.nn.LayerNorm) and m.eps == 1e-5 and m.bias is not None
                for m in (plain.transformer.h[1].ln_2, plain.transformer.ln_f))
 
+
+
+def test_rmsnorm_epsilon_is_1e_5_where_it_sets_the_scale():
+    # on activations of mean square 1e-6 the epsilon decides the output's size: 1e-5 as export.py writes it, not
+    # nn.RMSNorm's default (the dtype's machine epsilon) or another 1e-6 (the reference test's inputs are too large)
+    norm = GPT(tiny(norm="rmsnorm")).transformer.ln_f
+    x = 1e-3 * torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    expected = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x).double(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_bias_false_leaves_no_bias_anywhere_layernorm_included():
+    # bias=False drops the LayerNorms' biases too (GPTConfig.bias), not only the Linear ones
+    names = [n for n, _ in GPT(tiny(bias=False)).named_parameters()]
+    assert "transformer.ln_f.weight" in names and not [n for n in names if n.endswith(".bias")]
+    assert sum(n.endswith(".bias") for n, _ in GPT(tiny()).named_parameters()) == 2 * (2 + 2 + 2) + 1
 
 def test_a_checkpoint_written_before_the_norm_option_loads_as_layernorm(tmp_path):
     torch.manual_seed(0)
@@ -733,6 +753,17 @@ def test_from_pretrained_refuses_gpt2_variants_it_cannot_reproduce(tmp_path, var
         GPT.from_pretrained(str(tmp_path))
 
 
+
+def test_from_pretrained_refuses_a_tensor_unlike_its_config_json_even_one_that_would_broadcast(tmp_path):
+    # a position table of 1 row under a config.json of 48: copy_ would broadcast the row to every position, silently
+    _, hf = _hf_model(tmp_path, n_positions=1)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_positions": 48}))
+    with pytest.raises(ValueError, match=re.escape("transformer.wpe.weight: checkpoint shape (1, 32) != model shape "
+                                                   "(48, 32)")):
+        GPT.from_pretrained(str(tmp_path))
+
 def test_from_pretrained_refuses_another_tokenizers_model_in_one_line(tmp_path, capsys):
     """A GPT-2 trained with its own tokenizer: sample.py encoded GPT-2 ids into it (an IndexError traceback for those
     past its rows), chat.py padded it and chatted in the wrong ids."""
@@ -1198,6 +1229,15 @@ def test_load_checkpoint_refuses_pickles(tmp_path):
         load_checkpoint(tmp_path / "missing.pt")
 
 
+
+def test_load_checkpoint_refuses_a_dict_with_model_but_no_model_config(tmp_path):
+    # nanoGPT's ckpt.pt: 'model' and 'model_args', no 'model_config'; refused here, not a KeyError traceback later
+    path = tmp_path / "nanogpt.pt"
+    torch.save({"model": GPT(tiny()).state_dict(), "model_args": {"n_layer": 2}, "iter_num": 0}, path)
+    with pytest.raises(ValueError, match=re.escape("is not a checkpoint of this project (expected keys 'model' and "
+                                                   "'model_config', got keys 'model', 'model_args', 'iter_num')")):
+        load_checkpoint(path)
+
 def test_checkpoints_are_ordered_by_write_time_and_exclude_other_pt_files(tmp_path):
     """After a rewind the newest ckpt_000004 comes after the abandoned ckpt_000009 (write time, not step, decides);
     ckpt_best.pt and other .pt files are never taken for train.py's checkpoints. Same mtimes: by name."""
@@ -1263,6 +1303,35 @@ def test_from_checkpoint_other_architecture_is_clear(tmp_path):
     with pytest.raises(ValueError, match="do not fit"):
         GPT.from_checkpoint(path)
 
+
+
+def test_pad_vocab_grows_the_tied_matrix_with_mean_rows_and_never_shrinks_it():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    weight = model.transformer.wte.weight
+    old = weight.detach().clone()
+    for rows in (96, 50):  # as many rows or fewer: the very same parameter, which an optimizer may hold
+        assert model.pad_vocab(rows) is model and model.transformer.wte.weight is weight
+    assert model.pad_vocab(100) is model and model.config.vocab_size == 100
+    grown = model.transformer.wte.weight
+    assert grown.shape == (100, 32) and model.lm_head.weight is grown  # still one matrix embeds and un-embeds
+    assert torch.equal(grown[:96], old) and torch.equal(grown[96:], old.mean(dim=0).expand(4, -1))
+    with torch.no_grad():
+        assert model(torch.tensor([[99]]))[0].shape == (1, 1, 100)
+
+
+def test_from_checkpoint_keeps_a_trained_value_head_adds_a_fresh_one_and_drops_an_unwanted_one():
+    torch.manual_seed(0)
+    critic = GPT(tiny(value_head=True))
+    torch.nn.init.normal_(critic.value_head.weight)  # trained: off its zero init
+    ckpt = {"model": critic.state_dict(), "model_config": critic.config.__dict__}
+    again = GPT.from_checkpoint(ckpt)  # a reward model or critic reloaded: its own head, not a fresh one
+    assert torch.equal(again.value_head.weight, critic.value_head.weight)
+    policy = GPT.from_checkpoint(ckpt, value_head=False)  # GRPO from a PPO policy: the critic's head left out
+    assert not hasattr(policy, "value_head") and set(policy.state_dict()) == set(GPT(tiny()).state_dict())
+    plain = {"model": policy.state_dict(), "model_config": policy.config.__dict__}
+    fresh = GPT.from_checkpoint(plain, value_head=True)  # a critic from a language model: a zero head
+    assert fresh.value_head.weight.abs().sum() == 0 and fresh.value_head.bias.abs().sum() == 0
 
 def test_untrained_tiny_model_samples():
     # what model.py's smoke run (`python model.py --model tiny`) checked before export.py replaced its CLI
