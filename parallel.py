@@ -401,20 +401,20 @@ def optimizer_conflict(args: StepArgs) -> str | None:
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, args: StepArgs) -> list[str]:
-    """Give every param group this run's weight decay, betas and eps (a resumed optimizer state brings its run's);
-    returns the flags whose value changed, for the caller to say so."""
+    """Give every param group this run's weight decay, betas and eps, and its optimizer's other options (a builder's
+    momentum): a resumed optimizer state brings its run's; returns the flags here whose value changed, to say so."""
     changed = set()
     for group in optimizer.param_groups:
         decays = any(p.dim() >= 2 for p in group["params"])  # the rule every builder here follows
-        want = {"weight_decay": args.weight_decay if decays else 0.0}
-        if not group.get("muon"):  # Muon keeps its own momentum and eps
-            want |= {"betas": (args.beta1, args.beta2), "eps": args.eps}
+        want = {} if group.get("muon") else {k: v for k, v in optimizer.defaults.items() if k != "lr"} | {
+            "betas": (args.beta1, args.beta2), "eps": args.eps}  # Muon keeps its own momentum and eps
+        want["weight_decay"] = args.weight_decay if decays else 0.0
         for key, value in want.items():
             have = tuple(group[key]) if isinstance(group.get(key), list) else group.get(key)  # a DTensor load's list
             if key in group and have != value:
-                changed.add({"weight_decay": "--weight-decay", "betas": "--beta1/--beta2", "eps": "--eps"}[key])
+                changed.add({"weight_decay": "--weight-decay", "betas": "--beta1/--beta2", "eps": "--eps"}.get(key))
                 group[key] = value
-    return sorted(changed)
+    return sorted(changed - {None})
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -618,6 +618,17 @@ def test_every_optimizer_decays_the_2d_tensors_only_and_takes_the_betas_and_eps_
             assert (tuple(group["betas"]), group["eps"]) == ((0.8, 0.99), 1e-6)
 
 
+def test_a_resume_gives_the_optimizer_this_runs_options_not_the_checkpoints():
+    # a user's optimizer option (SGD's momentum from a new --momentum flag) changed on resume: load_state_dict brings
+    # back the checkpoint's group values, which this run's must replace, as its --beta1 and --eps do
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    saved = torch.optim.SGD([p], lr=0.1, momentum=0.9).state_dict()
+    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.5, nesterov=True)
+    optimizer.load_state_dict(saved)
+    par.set_hyperparameters(optimizer, par.StepArgs())
+    assert (optimizer.param_groups[0]["momentum"], optimizer.param_groups[0]["nesterov"]) == (0.5, True)
+
+
 @pytest.mark.parametrize("optimizer, dtype", [pytest.param("muon", "fp16", marks=needs_muon), ("adamw8bit", "fp32")])
 def test_muon_and_8bit_adamw_resume_bitwise_exact(token_data, tmp_path, optimizer, dtype):
     if optimizer == "adamw8bit":
