@@ -618,6 +618,18 @@ def test_every_optimizer_decays_the_2d_tensors_only_and_takes_the_betas_and_eps_
             assert (tuple(group["betas"]), group["eps"]) == ((0.8, 0.99), 1e-6)
 
 
+def test_a_new_optimizers_builder_reads_its_own_flag_from_the_args(monkeypatch):
+    # a user's SGD entry and its --momentum (beta1 here): the builder reads it from the args, not from options that
+    # build_optimizer would have to fill, and AdamW's class would then be given too
+    def sgd(model, args, options, verbose):
+        return par.adamw_groups(model, args, options, verbose)[0], torch.optim.SGD, {"lr": 1.0, "momentum": args.beta1}
+
+    monkeypatch.setitem(par.OPTIMIZERS, "sgd", (sgd, lambda parallel: None))
+    args = par.StepArgs(optimizer="sgd", beta1=0.8, weight_decay=0.05, device="cpu")
+    built = par.build_optimizer(_small_gpt_and_batches(0)[0], args, torch.device("cpu"), verbose=False)
+    assert [(g["momentum"], g["weight_decay"]) for g in built.param_groups] == [(0.8, 0.05), (0.8, 0.0)]
+
+
 def test_a_resume_gives_the_optimizer_this_runs_options_not_the_checkpoints():
     # a user's optimizer option (SGD's momentum from a new --momentum flag) changed on resume: load_state_dict brings
     # back the checkpoint's group values, which this run's must replace, as its --beta1 and --eps do
