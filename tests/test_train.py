@@ -1028,6 +1028,14 @@ def test_init_from_on_two_ranks_scores_the_hf_model(token_data, hf_dir, tmp_path
     assert "error: rank 0: could not get" in proc.stderr and "gloo" not in proc.stderr.lower(), proc.stderr[-3000:]
 
 
+def test_a_resume_without_an_architecture_flag_is_told_to_pass_the_weights_value():
+    # a run of --preset demo --mlp swiglu (or a user's new --qk-norm true) resumed as --preset demo --resume auto: its
+    # --model tiny says gelu, and the way out is the checkpoint's --mlp swiglu, not "drop those flags" (none was given)
+    src = dataclasses.replace(stage.model_config(train.PRESETS["demo"]()), mlp="swiglu")
+    with pytest.raises(ValueError, match=r"asks for --model tiny \(mlp gelu; it has mlp swiglu\): pass --mlp swiglu"):
+        stage.check_architecture(train.PRESETS["demo"](), src, "--resume ckpt")
+
+
 @pytest.fixture(scope="module")
 def swiglu_ckpt(token_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("swiglu")
@@ -1036,7 +1044,8 @@ def swiglu_ckpt(token_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source, extra, message", [
-    ("hf", ["--n-layer=3"], r"fixes the architecture, but this run asks for --n-layer 3 \(it has 2\): drop"),
+    ("hf", ["--n-layer=3"], r"fixes the architecture, but this run asks for --n-layer 3 \(it has 2\): pass --n-layer 2 "
+                            "as it has"),
     ("hf", ["--preset=gpt2-350m"], r"--model gpt2-medium \(n_layer 24, n_head 16, n_embd 1024; it has n_layer 2, "
                                    r"n_head 4, n_embd 32\)"),
     ("hf", ["--seq-len=128", "--total-batch-size=256"],
@@ -1044,14 +1053,14 @@ def swiglu_ckpt(token_data, tmp_path_factory):
     # a flag given explicitly is checked even when it names GPT-2's default
     ("swiglu", ["--mlp=gelu"], r"asks for --mlp gelu \(it has swiglu\)"),
     # a source without n_kv_head has as many key/value heads as query heads: 4 here, not None
-    ("hf", ["--n-kv-head=2"], r"asks for --n-kv-head 2 \(it has 4\): drop"),
-    ("swiglu", ["--norm=rmsnorm"], r"asks for --norm rmsnorm \(it has layernorm\): drop"),
+    ("hf", ["--n-kv-head=2"], r"asks for --n-kv-head 2 \(it has 4\): pass --n-kv-head 4 as"),
+    ("swiglu", ["--norm=rmsnorm"], r"asks for --norm rmsnorm \(it has layernorm\): pass --norm layernorm as"),
     # a preset naming GPT-2's own choices is checked too: the tiny preset is gelu, the checkpoint swiglu
-    ("swiglu", ["--model=tiny"], r"asks for --model tiny \(mlp gelu; it has mlp swiglu\): drop"),
+    ("swiglu", ["--model=tiny"], r"asks for --model tiny \(mlp gelu; it has mlp swiglu\): pass --mlp swiglu as"),
     # a named preset's own options are checked too, where no flag replaces them: its shape flags match here
     ("swiglu", ["--model=llama-124m", "--n-layer=2", "--n-head=4", "--n-embd=64"],
      r"asks for --model llama-124m \(bias False, pos rope, norm rmsnorm; it has bias True, pos learned, "
-     r"norm layernorm\): drop"),
+     r"norm layernorm\): pass --bias True --pos learned --norm layernorm as"),
 ])
 def test_init_from_refuses_a_different_architecture(token_data, hf_dir, swiglu_ckpt, tmp_path, capsys, source,
                                                     extra, message):
