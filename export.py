@@ -34,17 +34,13 @@ class ExportConfig:
     export_hf: str = ""  # output directory for the HF export (for transformers / lm-eval-harness)
 
 
-# the GPTConfig fields hf_class and the writers below know; a field added to GPTConfig since (a user's QK-norm) is
-# refused, where it is not at its default, instead of exported as a model that HF computes without it
-KNOWN = set("block_size vocab_size n_layer n_head n_embd n_kv_head dropout bias mlp pos rope_theta norm fused_gelu "
-            "loss_chunk fused_ce half_residual value_head head_size mlp_hidden".split())
-
-
 def hf_class(cfg: GPTConfig) -> str:
     """The HF class that computes exactly this model, or a one-line ValueError naming what each lacks."""
-    if new := next((f.name for f in fields(cfg) if f.name not in KNOWN and getattr(cfg, f.name) != f.default), None):
+    known = ("block_size vocab_size n_layer n_head n_embd n_kv_head dropout bias mlp pos rope_theta norm fused_gelu "
+             "loss_chunk fused_ce half_residual value_head head_size mlp_hidden").split()  # a user's new field: refused
+    if new := next((f.name for f in fields(cfg) if f.name not in known and getattr(cfg, f.name) != f.default), None):
         raise ValueError(f"export.py does not know GPTConfig.{new} ({getattr(cfg, new)!r} here), which HF's classes "
-                         "would compute without: teach export.py's KNOWN and hf_class how to write it")
+                         "would compute without: teach export.py's hf_class how to write it")
     gpt2_lacks = [what for on, what in ((cfg.mlp == "swiglu", "SwiGLU MLP"), (cfg.pos == "rope", "rotary positions"),
                                         (cfg.norm == "rmsnorm", "RMSNorm"),
                                         (cfg.kv_heads != cfg.n_head, "grouped-query attention"),
