@@ -13,7 +13,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,11 @@ class ExportConfig:
 
 def hf_class(cfg: GPTConfig) -> str:
     """The HF class that computes exactly this model, or a one-line ValueError naming what each lacks."""
+    known = ("block_size vocab_size n_layer n_head n_embd n_kv_head dropout bias mlp pos rope_theta norm fused_gelu "
+             "loss_chunk fused_ce half_residual value_head head_size mlp_hidden").split()  # a user's new field: refused
+    if new := next((f.name for f in fields(cfg) if f.name not in known and getattr(cfg, f.name) != f.default), None):
+        raise ValueError(f"export.py does not know GPTConfig.{new} ({getattr(cfg, new)!r} here), which HF's classes "
+                         "would compute without: teach export.py's hf_class how to write it")
     gpt2_lacks = [what for on, what in ((cfg.mlp == "swiglu", "SwiGLU MLP"), (cfg.pos == "rope", "rotary positions"),
                                         (cfg.norm == "rmsnorm", "RMSNorm"),
                                         (cfg.kv_heads != cfg.n_head, "grouped-query attention"),

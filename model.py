@@ -74,7 +74,7 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be an integer >= {low}{none}, got {value!r}")
         choices = {"mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"), "norm": ("layernorm", "rmsnorm")}
         checks = [*((isinstance(getattr(self, key), bool), f"{key} must be True or False, got {getattr(self, key)!r}")
-                    for key in ("bias", "fused_gelu", "fused_ce", "half_residual", "value_head")),
+                    for key in (f.name for f in fields(self) if f.type == "bool")),  # a new one too
                   (self.n_embd % self.n_head == 0 or self.head_size is not None,
                    f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"),
                   (self.n_head % self.kv_heads == 0,

@@ -317,27 +317,27 @@ def select_attention(name: str) -> None:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Optimizers: AdamW (the default), Muon for the blocks' matrices with AdamW for the rest, torchao's 8-bit AdamW.
-# A new one is a builder (groups, class, options) and an entry in OPTIMIZERS.
+# A new one is a builder (groups, class, options) and an entry in OPTIMIZERS; its own flags are StepArgs fields.
 
 
-def adamw_groups(model: nn.Module, weight_decay: float, options: dict, verbose: bool) -> tuple[list, type, dict]:
+def adamw_groups(model: nn.Module, args: StepArgs, options: dict, verbose: bool) -> tuple[list, type, dict]:
     """AdamW over configure_optimizers' groups: weight decay on the 2-D tensors only."""
-    adamw = model.configure_optimizers(weight_decay, options["lr"], verbose=verbose)  # only its groups are kept
+    adamw = model.configure_optimizers(args.weight_decay, options["lr"], verbose=verbose)  # only its groups are kept
     return [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups], \
         torch.optim.AdamW, options
 
 
-def adamw8bit_groups(model: nn.Module, weight_decay: float, options: dict, verbose: bool) -> tuple[list, type, dict]:
+def adamw8bit_groups(model: nn.Module, args: StepArgs, options: dict, verbose: bool) -> tuple[list, type, dict]:
     import_torchao("--optimizer adamw8bit")
     from torchao.optim import AdamW8bit
 
-    groups = adamw_groups(model, weight_decay, options, verbose)[0]
+    groups = adamw_groups(model, args, options, verbose)[0]
     if verbose:
         print("optimizer: torchao's AdamW8bit: 8-bit moments (blocks of 256) for tensors of 4096+ elements")
     return groups, AdamW8bit, {k: v for k, v in options.items() if k != "fused"}  # it compiles its own step
 
 
-def muon_groups(model: nn.Module, weight_decay: float, options: dict, verbose: bool) -> tuple[list, type, dict]:
+def muon_groups(model: nn.Module, args: StepArgs, options: dict, verbose: bool) -> tuple[list, type, dict]:
     """Muon's group, the blocks' 2-D matrices (attention and MLP weights), then AdamW's two: the other 2-D tensors
     (token and position embeddings, the tied lm_head) with weight decay, biases and norms without."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # the tied lm_head once, as wte
@@ -350,8 +350,8 @@ def muon_groups(model: nn.Module, weight_decay: float, options: dict, verbose: b
             return f"{len(ps)} {what} ({sum(p.numel() for p in ps):,} params)"
         print(f"optimizer: Muon for {count(hidden, 'block matrices')}; AdamW for {count(decay, 'embedding tensors')} "
               f"with weight decay, {count(rest, 'bias and norm tensors')} without")
-    return [{"params": hidden, "weight_decay": weight_decay, "muon": True},
-            {"params": decay, "weight_decay": weight_decay, "muon": False},
+    return [{"params": hidden, "weight_decay": args.weight_decay, "muon": True},
+            {"params": decay, "weight_decay": args.weight_decay, "muon": False},
             {"params": rest, "weight_decay": 0.0, "muon": False}], MuonAdamW, options
 
 
@@ -383,7 +383,7 @@ def build_optimizer(model: nn.Module, args: StepArgs, device: torch.device, verb
     """args.optimizer over the model's parameters, inside ZeroRedundancyOptimizer for --parallel zero1 under torchrun.
     Every group's lr is --max-lr's schedule (the loop sets it), Muon's included (see MuonAdamW)."""
     options = {"lr": args.max_lr, "betas": (args.beta1, args.beta2), "eps": args.eps, "fused": device.type == "cuda"}
-    groups, optimizer_class, options = OPTIMIZERS[args.optimizer][0](model, args.weight_decay, options, verbose)
+    groups, optimizer_class, options = OPTIMIZERS[args.optimizer][0](model, args, options, verbose)
     if args.parallel == "zero1" and dist.is_initialized():
         from torch.distributed.optim import ZeroRedundancyOptimizer
         # the same optimizer and groups, with each rank keeping the state of only its share of the parameters
@@ -401,20 +401,20 @@ def optimizer_conflict(args: StepArgs) -> str | None:
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, args: StepArgs) -> list[str]:
-    """Give every param group this run's weight decay, betas and eps (a resumed optimizer state brings its run's);
-    returns the flags whose value changed, for the caller to say so."""
+    """Give every param group this run's weight decay, betas and eps, and its optimizer's other options (a builder's
+    momentum): a resumed optimizer state brings its run's; returns the flags here whose value changed, to say so."""
     changed = set()
     for group in optimizer.param_groups:
         decays = any(p.dim() >= 2 for p in group["params"])  # the rule every builder here follows
-        want = {"weight_decay": args.weight_decay if decays else 0.0}
-        if not group.get("muon"):  # Muon keeps its own momentum and eps
-            want |= {"betas": (args.beta1, args.beta2), "eps": args.eps}
+        want = {} if group.get("muon") else {k: v for k, v in optimizer.defaults.items() if k != "lr"} | {
+            "betas": (args.beta1, args.beta2), "eps": args.eps}  # Muon keeps its own momentum and eps
+        want["weight_decay"] = args.weight_decay if decays else 0.0
         for key, value in want.items():
             have = tuple(group[key]) if isinstance(group.get(key), list) else group.get(key)  # a DTensor load's list
             if key in group and have != value:
-                changed.add({"weight_decay": "--weight-decay", "betas": "--beta1/--beta2", "eps": "--eps"}[key])
+                changed.add({"weight_decay": "--weight-decay", "betas": "--beta1/--beta2", "eps": "--eps"}.get(key))
                 group[key] = value
-    return sorted(changed)
+    return sorted(changed - {None})
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -149,8 +149,9 @@ def check_architecture(cfg: StageArgs, src: GPTConfig, source: str) -> None:
         wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(asked, k)}' for k in by_preset)}; it has "
                      f"{', '.join(f'{k} {getattr(has, k)}' for k in by_preset)})")
     if wrong:
-        raise ValueError(f"{source} fixes the architecture, but this run asks for {', '.join(wrong)}: drop those "
-                         "flags, or use a preset that does not set them")
+        raise ValueError(f"{source} fixes the architecture, but this run asks for {', '.join(wrong)}: pass "
+                         f"{' '.join(f'--{flag(k)} {getattr(has, k)}' for k in differ)} as it has them, or drop the "
+                         "flags or preset that say otherwise")
 
 
 def check_not_run_dir(init_from: str, made_by: str = "") -> Path:

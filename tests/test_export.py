@@ -3,6 +3,7 @@ and stop token, refused architectures, and a failed export that leaves nothing b
 directory, no permission, a full disk)."""
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import re
@@ -321,6 +322,14 @@ def test_export_hf_refuses_other_architectures(tmp_path, kw):
     with pytest.raises(ValueError, match="only the plain GPT-2"):
         export_hf(GPT(tiny(**kw)), tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_gptconfig_field_export_py_was_not_taught_is_refused_not_exported_as_plain_gpt2():
+    # a user's new model option (QK-norm, say): its checkpoint must not export as a GPT-2 that computes another model
+    new = dataclasses.make_dataclass("WithQKNorm", [("qk_norm", bool, False)], bases=(GPTConfig,), frozen=True)
+    assert export.hf_class(new()) == "GPT2LMHeadModel"  # at its default it is the plain model
+    with pytest.raises(ValueError, match=r"^export.py does not know GPTConfig.qk_norm \(True here\)"):
+        export.hf_class(new(qk_norm=True))
 
 
 def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):

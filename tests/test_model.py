@@ -1,5 +1,6 @@
 """model.py: shapes, init, parameter counts, HF equivalence, variants, KV cache, sampling, config errors."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -414,6 +415,14 @@ def test_dropout_at_every_site_in_training_and_none_in_eval():
 def test_bad_config_raises(kw, message):
     with pytest.raises(ValueError, match=message):
         tiny(**kw)
+
+
+def test_a_new_bool_field_is_type_checked_as_the_others_are():
+    # a user's new option (qk_norm: bool, the string annotation model.py's fields have) is refused as bias="no" is,
+    # with no list in __post_init__ to extend: "false" from Python would otherwise switch it on
+    new = dataclasses.make_dataclass("WithQKNorm", [("qk_norm", "bool", False)], bases=(GPTConfig,), frozen=True)
+    with pytest.raises(ValueError, match="qk_norm must be True or False, got 'false'"):
+        new(qk_norm="false")
 
 
 def test_lm_loss_picks_plain_chunked_or_fused_and_returns_logits_only_when_whole():

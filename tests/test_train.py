@@ -628,6 +628,29 @@ def test_every_optimizer_decays_the_2d_tensors_only_and_takes_the_betas_and_eps_
             assert (tuple(group["betas"]), group["eps"]) == ((0.8, 0.99), 1e-6)
 
 
+def test_a_new_optimizers_builder_reads_its_own_flag_from_the_args(monkeypatch):
+    # a user's SGD entry and its --momentum (beta1 here): the builder reads it from the args, not from options that
+    # build_optimizer would have to fill, and AdamW's class would then be given too
+    def sgd(model, args, options, verbose):
+        return par.adamw_groups(model, args, options, verbose)[0], torch.optim.SGD, {"lr": 1.0, "momentum": args.beta1}
+
+    monkeypatch.setitem(par.OPTIMIZERS, "sgd", (sgd, lambda parallel: None))
+    args = par.StepArgs(optimizer="sgd", beta1=0.8, weight_decay=0.05, device="cpu")
+    built = par.build_optimizer(_small_gpt_and_batches(0)[0], args, torch.device("cpu"), verbose=False)
+    assert [(g["momentum"], g["weight_decay"]) for g in built.param_groups] == [(0.8, 0.05), (0.8, 0.0)]
+
+
+def test_a_resume_gives_the_optimizer_this_runs_options_not_the_checkpoints():
+    # a user's optimizer option (SGD's momentum from a new --momentum flag) changed on resume: load_state_dict brings
+    # back the checkpoint's group values, which this run's must replace, as its --beta1 and --eps do
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    saved = torch.optim.SGD([p], lr=0.1, momentum=0.9).state_dict()
+    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.5, nesterov=True)
+    optimizer.load_state_dict(saved)
+    par.set_hyperparameters(optimizer, par.StepArgs())
+    assert (optimizer.param_groups[0]["momentum"], optimizer.param_groups[0]["nesterov"]) == (0.5, True)
+
+
 @pytest.mark.parametrize("optimizer, dtype", [pytest.param("muon", "fp16", marks=needs_muon), ("adamw8bit", "fp32")])
 def test_muon_and_8bit_adamw_resume_bitwise_exact(token_data, tmp_path, optimizer, dtype):
     if optimizer == "adamw8bit":
@@ -1024,6 +1047,14 @@ def test_init_from_on_two_ranks_scores_the_hf_model(token_data, hf_dir, tmp_path
     assert "error: rank 0: could not get" in proc.stderr and "gloo" not in proc.stderr.lower(), proc.stderr[-3000:]
 
 
+def test_a_resume_without_an_architecture_flag_is_told_to_pass_the_weights_value():
+    # a run of --preset demo --mlp swiglu (or a user's new --qk-norm true) resumed as --preset demo --resume auto: its
+    # --model tiny says gelu, and the way out is the checkpoint's --mlp swiglu, not "drop those flags" (none was given)
+    src = dataclasses.replace(stage.model_config(train.PRESETS["demo"]()), mlp="swiglu")
+    with pytest.raises(ValueError, match=r"asks for --model tiny \(mlp gelu; it has mlp swiglu\): pass --mlp swiglu"):
+        stage.check_architecture(train.PRESETS["demo"](), src, "--resume ckpt")
+
+
 @pytest.fixture(scope="module")
 def swiglu_ckpt(token_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("swiglu")
@@ -1032,7 +1063,8 @@ def swiglu_ckpt(token_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source, extra, message", [
-    ("hf", ["--n-layer=3"], r"fixes the architecture, but this run asks for --n-layer 3 \(it has 2\): drop"),
+    ("hf", ["--n-layer=3"], r"fixes the architecture, but this run asks for --n-layer 3 \(it has 2\): pass --n-layer 2 "
+                            "as it has"),
     ("hf", ["--preset=gpt2-350m"], r"--model gpt2-medium \(n_layer 24, n_head 16, n_embd 1024; it has n_layer 2, "
                                    r"n_head 4, n_embd 32\)"),
     ("hf", ["--seq-len=128", "--total-batch-size=256"],
@@ -1040,14 +1072,14 @@ def swiglu_ckpt(token_data, tmp_path_factory):
     # a flag given explicitly is checked even when it names GPT-2's default
     ("swiglu", ["--mlp=gelu"], r"asks for --mlp gelu \(it has swiglu\)"),
     # a source without n_kv_head has as many key/value heads as query heads: 4 here, not None
-    ("hf", ["--n-kv-head=2"], r"asks for --n-kv-head 2 \(it has 4\): drop"),
-    ("swiglu", ["--norm=rmsnorm"], r"asks for --norm rmsnorm \(it has layernorm\): drop"),
+    ("hf", ["--n-kv-head=2"], r"asks for --n-kv-head 2 \(it has 4\): pass --n-kv-head 4 as"),
+    ("swiglu", ["--norm=rmsnorm"], r"asks for --norm rmsnorm \(it has layernorm\): pass --norm layernorm as"),
     # a preset naming GPT-2's own choices is checked too: the tiny preset is gelu, the checkpoint swiglu
-    ("swiglu", ["--model=tiny"], r"asks for --model tiny \(mlp gelu; it has mlp swiglu\): drop"),
+    ("swiglu", ["--model=tiny"], r"asks for --model tiny \(mlp gelu; it has mlp swiglu\): pass --mlp swiglu as"),
     # a named preset's own options are checked too, where no flag replaces them: its shape flags match here
     ("swiglu", ["--model=llama-124m", "--n-layer=2", "--n-head=4", "--n-embd=64"],
      r"asks for --model llama-124m \(bias False, pos rope, norm rmsnorm; it has bias True, pos learned, "
-     r"norm layernorm\): drop"),
+     r"norm layernorm\): pass --bias True --pos learned --norm layernorm as"),
 ])
 def test_init_from_refuses_a_different_architecture(token_data, hf_dir, swiglu_ckpt, tmp_path, capsys, source,
                                                     extra, message):
