@@ -406,8 +406,10 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, args: StepArgs) -> lis
     changed = set()
     for group in optimizer.param_groups:
         decays = any(p.dim() >= 2 for p in group["params"])  # the rule every builder here follows
-        want = {} if group.get("muon") else {k: v for k, v in optimizer.defaults.items() if k != "lr"} | {
-            "betas": (args.beta1, args.beta2), "eps": args.eps}  # Muon keeps its own momentum and eps
+        # Muon keeps its own momentum and eps; fused and capturable stay the checkpoint's, for which load_state_dict
+        # placed the step tensors (a CPU run's, resumed on CUDA, would hand the fused kernel CPU steps)
+        want = {} if group.get("muon") else {k: v for k, v in optimizer.defaults.items() if k not in (
+            "lr", "fused", "capturable")} | {"betas": (args.beta1, args.beta2), "eps": args.eps}
         want["weight_decay"] = args.weight_decay if decays else 0.0
         for key, value in want.items():
             have = tuple(group[key]) if isinstance(group.get(key), list) else group.get(key)  # a DTensor load's list

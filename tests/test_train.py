@@ -651,6 +651,19 @@ def test_a_resume_gives_the_optimizer_this_runs_options_not_the_checkpoints():
     assert (optimizer.param_groups[0]["momentum"], optimizer.param_groups[0]["nesterov"]) == (0.5, True)
 
 
+def test_a_resume_keeps_the_checkpoints_fused_which_placed_its_step_tensors():
+    # a CPU run's checkpoint resumed on CUDA (fused=True built): load_state_dict left each step on the CPU, as the
+    # saved group's fused=False wants; switching the group to fused after the load hands the CUDA kernel CPU steps
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    saved = torch.optim.AdamW([p], lr=0.1, fused=False)
+    p.grad = torch.ones(2, 2)
+    saved.step()
+    optimizer = torch.optim.AdamW([p], lr=0.1, fused=True)
+    optimizer.load_state_dict(saved.state_dict())
+    par.set_hyperparameters(optimizer, par.StepArgs())
+    assert optimizer.param_groups[0]["fused"] is False
+
+
 @pytest.mark.parametrize("optimizer, dtype", [pytest.param("muon", "fp16", marks=needs_muon), ("adamw8bit", "fp32")])
 def test_muon_and_8bit_adamw_resume_bitwise_exact(token_data, tmp_path, optimizer, dtype):
     if optimizer == "adamw8bit":
