@@ -326,8 +326,8 @@ def test_a_users_task_loads_from_its_file_and_makes_data_and_pairs(user_file, tm
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     pairs = [json.loads(row) for row in (tmp_path / "data" / "doubling_pairs" / "test.jsonl").read_text().splitlines()]
     assert len(rows) == 20 and rows[0]["messages"][1]["content"] == "20" and rows[0]["answer"] == "20"
-    assert [(p["chosen"], abs(int(p["rejected"]) - int(p["chosen"]))) for p in pairs] == \
-        [("60", 1), ("62", 1), ("64", 1), ("66", 1)]
+    # one off, as --seed=1 draws them (the default seed 0 draws 61, 63, 63, 67: --seed was read by nothing unnoticed)
+    assert [(p["chosen"], p["rejected"]) for p in pairs] == [("60", "59"), ("62", "61"), ("64", "65"), ("66", "65")]
     assert cf.ConversationLoader(str(out), "val", 1, 16).tokens == sum(len(cf.render(
         json.loads(line)["messages"])[0]) for line in (out / "test.jsonl").read_text().splitlines())
 
