@@ -489,6 +489,7 @@ def test_a_users_task_subclass_is_guarded_as_any_and_a_multiple_choice_one_is_st
         tasks.choose(model, problems)["acc"] == 0.5
     for twin in (copy.copy(task), copy.deepcopy(task), pickle.loads(pickle.dumps(task))):  # recursed, or refused
         assert isinstance(twin, tasks.UserTask) and twin.examples("test") == problems
+        assert twin.spec == task.spec  # its errors name the same --task
 
 
 @pytest.mark.parametrize("name, message", [
