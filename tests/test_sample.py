@@ -520,7 +520,7 @@ def test_casting_the_model_keeps_the_fp32_rope_tables(cast, dtype):
     assert out.shape == (1, 13)
 
 
-def test_corpus_check_counts_known_words_and_blank_lines(ckpt, enc, tmp_path, capsys):
+def test_corpus_check_counts_known_words_and_blank_lines(ckpt, enc, tmp_path, capsys, monkeypatch):
     from fineweb import write_shard
     from sample import corpus_check, corpus_words
 
@@ -536,5 +536,10 @@ def test_corpus_check_counts_known_words_and_blank_lines(ckpt, enc, tmp_path, ca
           "--corpus", str(tmp_path)])
     assert re.search(r"^corpus check: \d+% of \d+ sampled words occur in .*'s train shards; \d+% of 1 sampled lines "
                      r"are whitespace only$", capsys.readouterr().err, re.M)
+    # the random model's words are none of the corpus's: the line's numbers, from texts whose counts are known above
+    monkeypatch.setattr(sample_py, "generate_text", lambda *args, **kwargs: texts)
+    assert main(["--ckpt", str(ckpt), "--corpus", str(tmp_path)]) == texts
+    assert f"corpus check: 67% of 6 sampled words occur in {tmp_path}'s train shards; 40% of 5 sampled lines are " \
+           "whitespace only\n" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"--corpus .*nope is not a directory"):
         main(["--ckpt", str(ckpt), "--corpus", str(tmp_path / "nope")])
