@@ -896,7 +896,9 @@ def test_a_local_copys_path_may_hold_an_equals_sign_and_start_with_a_tilde(tmp_p
     assert tasks.parse_spec("gsm8k=/runs/lr=1e-3/gsm8k") == ("gsm8k", "/runs/lr=1e-3/gsm8k")  # the first '=' splits
     monkeypatch.setenv("HOME", str(tmp_path))  # `--task gsm8k=~/copy`: the shell leaves a ~ after '=' to us
     (tmp_path / "copy").mkdir()
-    assert tasks.load_task("gsm8k=~/copy", train=True).source == "~/copy"  # load_rows reads it expanded
+    write_rows(tmp_path / "copy" / "test.jsonl", GSM8K_ROWS)
+    task = tasks.load_task("gsm8k=~/copy", train=True)
+    assert task.source == "~/copy" and [e["answer"] for e in task.examples("test")] == ["4", "5", "4"]  # read expanded
     with pytest.raises(ValueError, match="^--task gsm8k=~/nope: ~/nope is not a directory, and this reads train"):
         tasks.load_task("gsm8k=~/nope", train=True)
 
