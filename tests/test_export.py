@@ -49,6 +49,10 @@ def test_export_hf_round_trip(tmp_path):
     assert tok("Hello, I'm a language model,")["input_ids"] == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
     # the model's dropout (0 for pretraining), not HF's default 0.1, for whoever fine-tunes the export
     assert (hf.config.resid_pdrop, hf.config.embd_pdrop, hf.config.attn_pdrop) == (0.0, 0.0, 0.0)
+    for kw, keys in ((dict(), ("resid_pdrop", "embd_pdrop", "attn_pdrop")),  # and a model's own rate, in either layout
+                     (dict(mlp="swiglu", pos="rope", norm="rmsnorm"), ("attention_dropout",))):
+        config = json.loads((export_hf(GPT(tiny(dropout=0.2, **kw)), tmp_path / keys[0]) / "config.json").read_text())
+        assert [config[k] for k in keys] == [0.2] * len(keys)
     modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
     assert modes["model.safetensors"] == modes["config.json"], modes  # readable by whoever may read the config
 

@@ -124,13 +124,22 @@ def test_same_seed_same_text_other_seed_other_text(model, enc, capsys):
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, None, None), (0.9, 50, 0.9)])
-def test_cache_and_no_cache_give_identical_text(model, enc, capsys, temperature, top_k, top_p):
+def test_cache_and_no_cache_give_identical_text(model, enc, capsys, monkeypatch, temperature, top_k, top_p):
     # 80 new tokens after an 8-token prompt overflow the 64-token window: the cache is refilled from the crop
+    import generate
+
     cfg = SampleConfig(prompt="Hello, I'm a language model,", num_samples=1, max_new_tokens=80,
                        temperature=temperature, top_k=top_k, top_p=top_p)
+    forwards, real = [], generate.last_logits  # each forward's (tokens fed, cache given): the two paths really differ
+    monkeypatch.setattr(generate, "last_logits", lambda m, idx, cache: forwards.append((idx.size(1), cache is not None))
+                        or real(m, idx, cache))
     cached = generate_text(model, enc, cfg, "cpu")
+    fed, forwards[:] = forwards[:], []
     uncached = generate_text(model, enc, dataclasses.replace(cfg, no_cache=True), "cpu")
     assert cached == uncached
+    assert forwards == [(min(8 + i, 64), False) for i in range(80)]  # the whole (cropped) context each token
+    # one token a step until the window is full, then each step refills the cache from the cropped window
+    assert fed == [(8, True), *[(1, True)] * 56, *[(64, True)] * 23]
     assert SPEED.findall(capsys.readouterr().err)[0][0] == "80"
 
 
@@ -520,7 +529,7 @@ def test_casting_the_model_keeps_the_fp32_rope_tables(cast, dtype):
     assert out.shape == (1, 13)
 
 
-def test_corpus_check_counts_known_words_and_blank_lines(ckpt, enc, tmp_path, capsys):
+def test_corpus_check_counts_known_words_and_blank_lines(ckpt, enc, tmp_path, capsys, monkeypatch):
     from fineweb import write_shard
     from sample import corpus_check, corpus_words
 
@@ -536,5 +545,10 @@ def test_corpus_check_counts_known_words_and_blank_lines(ckpt, enc, tmp_path, ca
           "--corpus", str(tmp_path)])
     assert re.search(r"^corpus check: \d+% of \d+ sampled words occur in .*'s train shards; \d+% of 1 sampled lines "
                      r"are whitespace only$", capsys.readouterr().err, re.M)
+    # the random model's words are none of the corpus's: the line's numbers, from texts whose counts are known above
+    monkeypatch.setattr(sample_py, "generate_text", lambda *args, **kwargs: texts)
+    assert main(["--ckpt", str(ckpt), "--corpus", str(tmp_path)]) == texts
+    assert f"corpus check: 67% of 6 sampled words occur in {tmp_path}'s train shards; 40% of 5 sampled lines are " \
+           "whitespace only\n" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"--corpus .*nope is not a directory"):
         main(["--ckpt", str(ckpt), "--corpus", str(tmp_path / "nope")])
