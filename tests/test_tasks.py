@@ -575,6 +575,37 @@ def test_evaluate_ends_a_reply_at_any_reply_stop_as_chat_py_does(monkeypatch):
     assert out["acc"] == 1.0 and replies[0].tokens == [four, cf.USER_START]
 
 
+def test_evaluate_runs_the_calculator_in_the_replies(monkeypatch):
+    # a reply's tool call "3*4" is answered by the calculator's forced "12", as chat.py and rl.py's rollouts answer it
+    from conftest import bigram_model
+
+    t3, star, t4 = get_tokenizer().encode_ordinary("3*4")
+    model = bigram_model({cf.ASSISTANT_START: cf.TOOL_START, cf.TOOL_START: t3, t3: star, star: t4, t4: cf.TOOL_END,
+                          cf.OUTPUT_END: cf.ASSISTANT_END})
+    replies, real = [], tasks.generate
+    monkeypatch.setattr(tasks, "generate", lambda *a, **k: replies.extend(real(*a, **k)) or replies)
+    tasks.evaluate(model, tasks.GSM8K(), [tasks.GSM8K().example({"question": "Q?", "answer": "#### 12"})])
+    assert replies[0].tokens == [cf.TOOL_START, t3, star, t4, cf.TOOL_END, cf.OUTPUT_START,
+                                 *get_tokenizer().encode_ordinary("12"), cf.OUTPUT_END, cf.ASSISTANT_END]
+
+
+def test_a_tasks_own_reward_is_not_logged_as_a_reward_function():
+    # rl.py logs reward/FN for each --reward function; a task's own reward is the step's `reward` itself
+    class Scored:
+        def reward(self, prompt, reply, answer):
+            return 0.5
+
+    fn = tasks.task_reward(Scored(), "mine.py:Scored")
+    assert fn([], "r", "a") == 0.5 and fn.last == {}
+
+
+def test_pairs_need_a_task_that_makes_wrong_replies():
+    with pytest.raises(ValueError, match=r"^--pairs needs a task that makes wrong replies \(wrong\(answer, rng\)\), "
+                                         r"not arc-easy$"):
+        tasks.TasksConfig(task="arc-easy", pairs=True)
+    assert tasks.TasksConfig(task="addition", pairs=True).pairs
+
+
 def test_mmlu_reads_a_local_file_in_the_hub_schema(tmp_path):
     examples = tasks.load_task(f"mmlu={write_rows(tmp_path / 'mmlu.jsonl', MMLU_ROWS)}").examples("test")
     assert [e["answer"] for e in examples] == ["B", "B", "A", "C"] and examples[0]["letters"] == ["A", "B", "C", "D"]
