@@ -127,6 +127,17 @@ def test_the_step_line_shows_the_records_figures_and_an_eta_from_the_median_of_t
     assert [line.split("/")[0] for line in capsys.readouterr().out.splitlines()] == [
         f"step {step:6d}" for step in (0, 4, 8, 9)]
     assert (trackers.fmt_time(3599.9), trackers.fmt_time(3600), trackers.fmt_time(7322)) == ("59m59s", "1h00m", "2h02m")
+    assert (trackers.fmt_time(0), trackers.fmt_time(65)) == ("0m00s", "1m05s")
+
+
+def test_the_eta_takes_the_median_of_exactly_the_20_steps_before_and_at_this_one(capsys):
+    # steps 1-20: one slow (200 ms), ten at 100 ms, nine at 200 ms. All 20 have the median-high 200 ms; the last 19
+    # would give 100 ms. 1,000 steps left at step 20: 200 s
+    log = trackers.RunLog(None, True, max_steps=1021, log_every=20, trackers=[])
+    record = {"loss": 2.5, "lr": 3e-4, "grad_norm": 0.75, "tok_s": 1.0, "mfu": None}
+    for step, ms in enumerate([5000.0, 200.0, *[100.0] * 10, *[200.0] * 9]):
+        log.step(step, {**record, "ms": ms})
+    assert capsys.readouterr().out.splitlines()[-1].endswith("| eta 3m20s")
 
 def test_a_dead_rewinds_set_aside_records_come_back_to_the_trackers_from_their_first_step(tmp_path, monkeypatch):
     # a run logged steps 0-7 (ckpt 8); a rewind to ckpt 4 set 4-7 aside in log.jsonl.rewound, logged 4 and 5 anew and
