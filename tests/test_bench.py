@@ -191,7 +191,7 @@ def test_profile_step_cuda_branch_counts_kernels_once_and_skips_gpu_annotations(
 def test_the_cuda_breakdown_table_divides_by_the_timed_step_and_names_idle():
     row = {"suite": "train", "name": "compile", "status": "ok", "loop": False, "ms_per_step": 100.0,
            "batch_size": 64, "seq_len": 1024, "grad_accum": 1, "dtype": "bfloat16", "tokens_per_step": 65536,
-           "tok_per_s": 655360.0, "mfu": 0.5, "peak_mem_bytes": 2**30, "mem_metric": "cuda max_memory_allocated",
+           "tok_per_s": 655360.0, "mfu": 0.5, "peak_mem_bytes": 3 * 2**29, "mem_metric": "cuda max_memory_allocated",
            "warmup_s": 60.0, "loss": 10.0, "attention": "flash",
            "breakdown": {"source": "cuda kernels", "basis": "ms_per_step", "busy_ms": 90.0, "wall_ms": 300.0,
                          "parts_ms": {**dict.fromkeys([p for p, _ in bench.STEP_PARTS] + ["other"], 0.0),
@@ -207,6 +207,9 @@ def test_the_cuda_breakdown_table_divides_by_the_timed_step_and_names_idle():
     by_column = dict(zip(header, cells, strict=True))
     assert [by_column[c] for c in ("step_ms", "busy", "matmul", "attention", "idle")] == \
         ["100.0", "90%", "60%", "30%", "10%"]
+    # the train table's own line: MFU as a percentage, peak memory in GiB (2**30 bytes, not 1e9)
+    (line,) = [line for line in table.split("where the step's time goes")[0].splitlines() if line.startswith("compile")]
+    assert "  655,360  " in line and "  100.0  " in line and "  50.0%  " in line and "  1.50  " in line
 
 
 def test_a_table_pads_its_columns_and_blanks_a_skipped_rows_measurements():
@@ -377,6 +380,25 @@ def test_kernel_cli_times_triton_under_the_interpreter(tmp_path):
     assert all(r["gb_per_s"] == pytest.approx(r["bytes"] / r["ms"] / 1e6) for r in rows)
     (ce,) = [r for r in json.loads(out.read_text())["kernel"] if r["name"] == "ce triton"]
     assert (ce["status"], ce["rows"], ce["cols"], ce["bytes"]) == ("ok", 2, 50304, 2 * 2 * 50304 * 4)
+
+
+def test_generation_reports_the_first_run_and_the_median_of_the_3_after(monkeypatch):
+    # 4 runs of 8 tokens on a clock that reads 100, 50, 40 and 10 ms: 80 tok/s first, then 160, 200 and 800, whose
+    # median is 200 (their mean 387; the median of all 4, 180)
+    def clock(fn, device, steps, warmup=0):
+        for _ in range(steps):
+            fn()
+        return 0.0, [100.0, 50.0, 40.0, 10.0]
+
+    monkeypatch.setattr(bench, "time_ms", clock)
+    calls = []
+    generate = lambda n: calls.append(n) or torch.tensor([[9, 9, 1, 2, 3, 4, 5, 6, 7, 8]])  # the prompt, then n new
+    rows = [{"new_tokens": 4, "tokens": [0] * 4}, {"new_tokens": 8, "tokens": [1, 2, 3, 0, 5, 6, 7, 8]}]
+    row = bench.generation(generate, 8, torch.device("cpu"), rows)
+    assert calls == [8] * 4
+    assert row == {"tok_per_s": 200.0, "ms_per_token": 5.0, "first_tok_per_s": 80.0, "tokens": [1, 2, 3, 4, 5, 6, 7, 8],
+                   "distinct_tokens": 8, "same_frac": 7 / 8, "same_prefix": 3}
+    assert bench.generation(generate, 8, torch.device("cpu"), [])["same_frac"] is None  # the first row of its n
 
 
 def test_decode_cache_no_cache_and_hf_give_the_same_tokens():
