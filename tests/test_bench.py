@@ -356,6 +356,28 @@ def test_kernel_rows_count_bytes_and_skip_triton_without_cuda(monkeypatch):
     assert "kernel: bias+GELU on (64, 96) float32" in table
 
 
+def test_kernel_rows_time_the_median_call(monkeypatch):
+    # a clock that reads 4, 1 and 10 ms for every timed kernel: each row's ms is the median 4 (not the fastest 1,
+    # nor the mean 5)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, device, steps, warmup=0: (0.0, [4.0, 1.0, 10.0]))
+    M, N = 8, 16
+    rows = bench_kernel(BenchConfig(device="cpu", kernel_rows=M, kernel_cols=N, kernel_impls="eager", steps=3))
+    assert [r["ms"] for r in rows] == [4.0] * 4  # the copy, GELU fwd and bwd, the loss
+    assert [r["gb_per_s"] for r in rows] == [b / 4e6 for b in (2 * M * N * 4, 4 * (2 * M * N + N),
+                                                               4 * (3 * M * N + 2 * N), 2 * (M // 4) * 50304 * 4)]
+
+
+def test_the_breakdowns_idle_share_is_never_negative():
+    # the profiled step's kernels can add up to more than the timed median step: no GPU time was idle, not -20%
+    parts = {**dict.fromkeys([p for p, _ in bench.STEP_PARTS] + ["other"], 0.0), "matmul": 120.0}
+    row = {"name": "eager", "status": "ok", "ms_per_step": 100.0,
+           "breakdown": {"source": "cuda kernels", "basis": "ms_per_step", "busy_ms": 120.0, "wall_ms": 300.0,
+                         "parts_ms": parts}}
+    lines = bench.breakdown([row])
+    cells = dict(zip(lines[2].replace("step ms", "step_ms").split(), lines[3].split(), strict=True))
+    assert (cells["busy"], cells["matmul"], cells["idle"]) == ("120%", "120%", "0%")
+
+
 def test_kernel_bytes_count_the_element_size_of_the_dtype():
     """bf16 moves 2 bytes an element: the byte counts (and so GB/s) are half those of fp32, not fp32's."""
     M, N = 16, 64
