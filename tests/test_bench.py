@@ -356,6 +356,15 @@ def test_kernel_rows_count_bytes_and_skip_triton_without_cuda(monkeypatch):
     assert "kernel: bias+GELU on (64, 96) float32" in table
 
 
+def test_time_ms_times_the_warmup_in_seconds_and_each_step_in_ms(monkeypatch):
+    # on the CPU: a clock that each call of fn moves on by its own duration
+    now, durations = [0.0], iter([0.1, 0.2, 0.003, 0.005, 0.004])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    fn = lambda: now.__setitem__(0, now[0] + next(durations))
+    warmup_s, ms = bench.time_ms(fn, torch.device("cpu"), steps=3, warmup=2)
+    assert warmup_s == pytest.approx(0.3) and ms == pytest.approx([3.0, 5.0, 4.0])
+
+
 def test_kernel_rows_time_the_median_call(monkeypatch):
     # a clock that reads 4, 1 and 10 ms for every timed kernel: each row's ms is the median 4 (not the fastest 1,
     # nor the mean 5)
