@@ -194,6 +194,15 @@ def test_the_loss_panel_shows_the_curve_after_its_first_drop(tmp_path, monkeypat
     assert plot.loss_range([([2.5], [2.5])]) == (2.0, 3.0)  # one value: half a nat either side
 
 
+def test_a_ten_step_run_leaves_its_first_step_out_of_the_loss_panels_top():
+    from matplotlib.figure import Figure
+
+    panel = dict(zip(("loss", "lr"), Figure().subplots(1, 2), strict=True))
+    train = [{"step": s, "loss": 10.0 - s, "lr": 1e-3} for s in range(10)]  # ten steps: a tenth is one step
+    every, later = plot.draw_run(plot.PlotConfig(smooth=0.0), {"train": train}, "run", 0, True, panel)
+    assert every == [10.0 - s for s in range(10)] and later == every[1:]
+
+
 def test_plot_imports_no_torch():
     # plot.py reads a JSONL file: importing it must not pull in torch (nor the Triton kernels through train.py)
     heavy = ("torch", "triton", "numpy", "train", "model")
