@@ -525,6 +525,18 @@ def test_table_from_prints_the_rows_of_a_run_cut_short(tmp_path, capsys):
     (tmp_path / "log.txt").write_text("not json")
     with pytest.raises(SystemExit, match=r"--table-from .*log.txt is not a bench.py JSON file"):
         main(["--table-from", str(tmp_path / "log.txt")])
+    (tmp_path / "other.json").write_text('{"config": {}}')  # JSON, but no bench.py run's (no provenance)
+    with pytest.raises(SystemExit, match=r"--table-from .*other.json is not a bench.py JSON file \(KeyError"):
+        main(["--table-from", str(tmp_path / "other.json")])
+
+
+def test_a_tables_title_names_what_its_rows_measured_over_the_flags():
+    # --dtype auto resolved to float32 on the CPU: the row's dtype, not the flag's, heads the kernel table
+    row = {"suite": "kernel", "rows": 8, "cols": 16, "dtype": "float32", "name": "copy", "pass": "d2d copy", "ms": 1.0,
+           "bytes": 1024, "gb_per_s": 1.0, "pct_copy": 100.0, "status": "ok"}
+    table = bench.format_table({"provenance": provenance(torch.device("cpu")),
+                                "config": {"dtype": "auto", "steps": 2, "seq_len": 1024}, "kernel": [row]})
+    assert "kernel: bias+GELU on (8, 16) float32; GB/s of fwd 2MN+N, bwd 3MN+2N elements; median of 2" in table
 
 
 def test_cpu_defaults_are_the_small_ones_and_resolving_twice_changes_nothing():
