@@ -69,6 +69,8 @@ def test_scalars_are_named_by_record_type():
     assert trackers.scalars({"type": "train", "step": 3, "tokens": 2048, "loss": 10.5, "lr": 1e-3, "grad_norm": 0.5,
                              "ms": 12.0, "tok_s": 1000.0, "mfu": None}) == \
         {"train/loss": 10.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/tok_s": 1000.0}
+    assert trackers.scalars({"type": "train", "step": 3, "loss": 10.5, "ms": 12.0, "tok_s": 1000.0, "mfu": 0.42}) == \
+        {"train/loss": 10.5, "train/tok_s": 1000.0, "train/mfu": 0.42}  # on a GPU the table knows: MFU is charted
     assert trackers.scalars({"type": "val", "step": 4, "tokens": 0, "val_loss": 9.25, "val_bpb": 3.5}) == \
         {"val/loss": 9.25, "val/bpb": 3.5}
     assert trackers.scalars({"type": "hellaswag", "step": 4, "acc": 0.5, "acc_norm": 0.25, "n": 6,
