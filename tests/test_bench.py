@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -458,6 +459,23 @@ def test_batched_rows_compare_all_prompts_at_once_with_one_at_a_time(tmp_path):
     assert table[0].endswith("fp32, greedy, 3 prompts of 8-24 tokens x 2 new; the fastest of 3 runs")
     assert table[2].split()[:4] == ["3", "at", "once", f"{rows[0]['tok_per_s']:,.0f}"]
     assert table[3].split()[-2:] == ["1.0x", "ok"]
+
+
+def test_batched_rates_count_the_tokens_made_and_take_the_fastest_repeat(monkeypatch):
+    # 2 prompts whose replies stop after 3 of the 4 new tokens; a clock each generate call moves on by its duration:
+    # the untimed first call, then per repeat one call for both prompts and one call each
+    now, durations = [0.0], iter([1.0, 0.3, 0.2, 0.2, 0.1, 0.3, 0.3, 0.2, 0.1, 0.1])
+
+    def fake_generate(model, prompts, n, temperature):
+        now[0] += next(durations)
+        return [types.SimpleNamespace(tokens=[7] * (n - 1)) for _ in prompts]
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(bench, "generate", fake_generate)
+    rows = bench.bench_batched(BenchConfig(device="cpu", batched_rows=2, batched_tokens=4))
+    # 6 tokens in 0.3, 0.1, 0.2 s at once (fastest 60/s); in 0.4, 0.6, 0.2 s one at a time (fastest 30/s)
+    assert [(r["name"], r["tok_per_s"], r["speedup"]) for r in rows] == [
+        ("2 at once", pytest.approx(60.0), pytest.approx(2.0)), ("one at a time", pytest.approx(30.0), 1.0)]
 
 
 def test_hellaswag_rows_count_every_synthetic_example():
