@@ -516,6 +516,28 @@ def test_main_writes_json_with_provenance_config_and_table(tmp_path, capsys):
     assert mm["part"] == "matmul" and mm["calls"] > 0 and mm["ms"] <= row["breakdown"]["parts_ms"]["matmul"]
 
 
+def test_prune_rows_time_the_median_forward(monkeypatch):
+    import prune
+
+    def clock(fn, device, steps, warmup=0):  # forwards read 4, 1 and 10 ms (the median is 4); decoding runs once
+        if steps == 3:
+            return 0.0, [4.0, 1.0, 10.0]
+        fn()
+        return 0.0, [100.0] * steps
+
+    monkeypatch.setattr(bench, "time_ms", clock)
+    monkeypatch.setattr(prune, "prune", lambda model, *args: (model,))  # the timing, not the pruning
+    rows = bench.bench_prune(BenchConfig(**{**TINY, "steps": 3}, decode_model="tiny", int8_tokens=1))
+    assert {(r["status"], r["forward_ms"]) for r in rows if r["name"] != "2:4 semi-structured"} == {("ok", 4.0)}
+
+
+def test_the_int8_table_counts_weight_mb_in_1e6_bytes():
+    row = {"suite": "int8", "name": "fp32", "weights": "w", "params": 1, "prompt": 1, "new_tokens": 2,
+           "weight_bytes": 500_000_000, "status": "ok"}
+    table = bench.format_table({"provenance": provenance(torch.device("cpu")), "config": {}, "int8": [row]})
+    assert table.splitlines()[-1].split()[-2:] == ["500.0", "ok"]  # MB, not MiB (476.8)
+
+
 def test_prune_rows_time_the_hf_model_init_from_names(tmp_path):
     import export
 
