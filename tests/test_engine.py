@@ -94,3 +94,20 @@ def test_a_steps_record_counts_its_tokens_and_reports_the_speed_and_mfu_per_devi
     assert engine.Run.record(run, {"loss": 2.0, "tokens": 1000}, 0.5)["mfu"] is None
     run.flops_per_token, run.peak_flops = 0.0, 1e12  # a stage that reports no FLOP count
     assert engine.Run.record(run, {"loss": 2.0, "tokens": 1000}, 0.5)["mfu"] is None
+
+
+def test_a_steps_time_is_the_step_alone(monkeypatch):
+    # on a clock that the evaluation moves 5 s, the profiler's hook 1 s, the step 0.25 s and the memory probe after it
+    # 2 s: each logged step took 0.25 s
+    now = [0.0]
+    tick = lambda s: now.__setitem__(0, now[0] + s)
+    monkeypatch.setattr(engine.time, "time", lambda: now[0])
+    logged = []
+    run = types.SimpleNamespace(
+        stop=types.SimpleNamespace(should_stop=lambda: None), start_step=0, last_step=2,
+        attempt=lambda step, fn, *args: fn(*args), evaluate=lambda step, final: tick(5.0),
+        profiler=types.SimpleNamespace(step_begins=lambda step: tick(1.0)), step_fn=lambda step: tick(0.25) or {},
+        after_step=lambda step: tick(2.0), diverged=lambda step, record: False,
+        record=lambda record, dt: {"dt": dt}, log=types.SimpleNamespace(step=lambda step, r: logged.append(r["dt"])),
+        checkpointer=types.SimpleNamespace(due=lambda step: False), result=lambda step: step)
+    assert engine.train(run) == 2 and logged == [0.25, 0.25]
