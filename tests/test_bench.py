@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -191,7 +192,7 @@ def test_profile_step_cuda_branch_counts_kernels_once_and_skips_gpu_annotations(
 def test_the_cuda_breakdown_table_divides_by_the_timed_step_and_names_idle():
     row = {"suite": "train", "name": "compile", "status": "ok", "loop": False, "ms_per_step": 100.0,
            "batch_size": 64, "seq_len": 1024, "grad_accum": 1, "dtype": "bfloat16", "tokens_per_step": 65536,
-           "tok_per_s": 655360.0, "mfu": 0.5, "peak_mem_bytes": 2**30, "mem_metric": "cuda max_memory_allocated",
+           "tok_per_s": 655360.0, "mfu": 0.5, "peak_mem_bytes": 3 * 2**29, "mem_metric": "cuda max_memory_allocated",
            "warmup_s": 60.0, "loss": 10.0, "attention": "flash",
            "breakdown": {"source": "cuda kernels", "basis": "ms_per_step", "busy_ms": 90.0, "wall_ms": 300.0,
                          "parts_ms": {**dict.fromkeys([p for p, _ in bench.STEP_PARTS] + ["other"], 0.0),
@@ -207,6 +208,9 @@ def test_the_cuda_breakdown_table_divides_by_the_timed_step_and_names_idle():
     by_column = dict(zip(header, cells, strict=True))
     assert [by_column[c] for c in ("step_ms", "busy", "matmul", "attention", "idle")] == \
         ["100.0", "90%", "60%", "30%", "10%"]
+    # the train table's own line: MFU as a percentage, peak memory in GiB (2**30 bytes, not 1e9)
+    (line,) = [line for line in table.split("where the step's time goes")[0].splitlines() if line.startswith("compile")]
+    assert "  655,360  " in line and "  100.0  " in line and "  50.0%  " in line and "  1.50  " in line
 
 
 def test_a_table_pads_its_columns_and_blanks_a_skipped_rows_measurements():
@@ -353,6 +357,37 @@ def test_kernel_rows_count_bytes_and_skip_triton_without_cuda(monkeypatch):
     assert "kernel: bias+GELU on (64, 96) float32" in table
 
 
+def test_time_ms_times_the_warmup_in_seconds_and_each_step_in_ms(monkeypatch):
+    # on the CPU: a clock that each call of fn moves on by its own duration
+    now, durations = [0.0], iter([0.1, 0.2, 0.003, 0.005, 0.004])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    fn = lambda: now.__setitem__(0, now[0] + next(durations))
+    warmup_s, ms = bench.time_ms(fn, torch.device("cpu"), steps=3, warmup=2)
+    assert warmup_s == pytest.approx(0.3) and ms == pytest.approx([3.0, 5.0, 4.0])
+
+
+def test_kernel_rows_time_the_median_call(monkeypatch):
+    # a clock that reads 4, 1 and 10 ms for every timed kernel: each row's ms is the median 4 (not the fastest 1,
+    # nor the mean 5)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, device, steps, warmup=0: (0.0, [4.0, 1.0, 10.0]))
+    M, N = 8, 16
+    rows = bench_kernel(BenchConfig(device="cpu", kernel_rows=M, kernel_cols=N, kernel_impls="eager", steps=3))
+    assert [r["ms"] for r in rows] == [4.0] * 4  # the copy, GELU fwd and bwd, the loss
+    assert [r["gb_per_s"] for r in rows] == [b / 4e6 for b in (2 * M * N * 4, 4 * (2 * M * N + N),
+                                                               4 * (3 * M * N + 2 * N), 2 * (M // 4) * 50304 * 4)]
+
+
+def test_the_breakdowns_idle_share_is_never_negative():
+    # the profiled step's kernels can add up to more than the timed median step: no GPU time was idle, not -20%
+    parts = {**dict.fromkeys([p for p, _ in bench.STEP_PARTS] + ["other"], 0.0), "matmul": 120.0}
+    row = {"name": "eager", "status": "ok", "ms_per_step": 100.0,
+           "breakdown": {"source": "cuda kernels", "basis": "ms_per_step", "busy_ms": 120.0, "wall_ms": 300.0,
+                         "parts_ms": parts}}
+    lines = bench.breakdown([row])
+    cells = dict(zip(lines[2].replace("step ms", "step_ms").split(), lines[3].split(), strict=True))
+    assert (cells["busy"], cells["matmul"], cells["idle"]) == ("120%", "120%", "0%")
+
+
 def test_kernel_bytes_count_the_element_size_of_the_dtype():
     """bf16 moves 2 bytes an element: the byte counts (and so GB/s) are half those of fp32, not fp32's."""
     M, N = 16, 64
@@ -377,6 +412,25 @@ def test_kernel_cli_times_triton_under_the_interpreter(tmp_path):
     assert all(r["gb_per_s"] == pytest.approx(r["bytes"] / r["ms"] / 1e6) for r in rows)
     (ce,) = [r for r in json.loads(out.read_text())["kernel"] if r["name"] == "ce triton"]
     assert (ce["status"], ce["rows"], ce["cols"], ce["bytes"]) == ("ok", 2, 50304, 2 * 2 * 50304 * 4)
+
+
+def test_generation_reports_the_first_run_and_the_median_of_the_3_after(monkeypatch):
+    # 4 runs of 8 tokens on a clock that reads 100, 50, 40 and 10 ms: 80 tok/s first, then 160, 200 and 800, whose
+    # median is 200 (their mean 387; the median of all 4, 180)
+    def clock(fn, device, steps, warmup=0):
+        for _ in range(steps):
+            fn()
+        return 0.0, [100.0, 50.0, 40.0, 10.0]
+
+    monkeypatch.setattr(bench, "time_ms", clock)
+    calls = []
+    generate = lambda n: calls.append(n) or torch.tensor([[9, 9, 1, 2, 3, 4, 5, 6, 7, 8]])  # the prompt, then n new
+    rows = [{"new_tokens": 4, "tokens": [0] * 4}, {"new_tokens": 8, "tokens": [1, 2, 3, 0, 5, 6, 7, 8]}]
+    row = bench.generation(generate, 8, torch.device("cpu"), rows)
+    assert calls == [8] * 4
+    assert row == {"tok_per_s": 200.0, "ms_per_token": 5.0, "first_tok_per_s": 80.0, "tokens": [1, 2, 3, 4, 5, 6, 7, 8],
+                   "distinct_tokens": 8, "same_frac": 7 / 8, "same_prefix": 3}
+    assert bench.generation(generate, 8, torch.device("cpu"), [])["same_frac"] is None  # the first row of its n
 
 
 def test_decode_cache_no_cache_and_hf_give_the_same_tokens():
@@ -405,6 +459,23 @@ def test_batched_rows_compare_all_prompts_at_once_with_one_at_a_time(tmp_path):
     assert table[0].endswith("fp32, greedy, 3 prompts of 8-24 tokens x 2 new; the fastest of 3 runs")
     assert table[2].split()[:4] == ["3", "at", "once", f"{rows[0]['tok_per_s']:,.0f}"]
     assert table[3].split()[-2:] == ["1.0x", "ok"]
+
+
+def test_batched_rates_count_the_tokens_made_and_take_the_fastest_repeat(monkeypatch):
+    # 2 prompts whose replies stop after 3 of the 4 new tokens; a clock each generate call moves on by its duration:
+    # the untimed first call, then per repeat one call for both prompts and one call each
+    now, durations = [0.0], iter([1.0, 0.3, 0.2, 0.2, 0.1, 0.3, 0.3, 0.2, 0.1, 0.1])
+
+    def fake_generate(model, prompts, n, temperature):
+        now[0] += next(durations)
+        return [types.SimpleNamespace(tokens=[7] * (n - 1)) for _ in prompts]
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(bench, "generate", fake_generate)
+    rows = bench.bench_batched(BenchConfig(device="cpu", batched_rows=2, batched_tokens=4))
+    # 6 tokens in 0.3, 0.1, 0.2 s at once (fastest 60/s); in 0.4, 0.6, 0.2 s one at a time (fastest 30/s)
+    assert [(r["name"], r["tok_per_s"], r["speedup"]) for r in rows] == [
+        ("2 at once", pytest.approx(60.0), pytest.approx(2.0)), ("one at a time", pytest.approx(30.0), 1.0)]
 
 
 def test_hellaswag_rows_count_every_synthetic_example():
@@ -445,6 +516,28 @@ def test_main_writes_json_with_provenance_config_and_table(tmp_path, capsys):
     assert mm["part"] == "matmul" and mm["calls"] > 0 and mm["ms"] <= row["breakdown"]["parts_ms"]["matmul"]
 
 
+def test_prune_rows_time_the_median_forward(monkeypatch):
+    import prune
+
+    def clock(fn, device, steps, warmup=0):  # forwards read 4, 1 and 10 ms (the median is 4); decoding runs once
+        if steps == 3:
+            return 0.0, [4.0, 1.0, 10.0]
+        fn()
+        return 0.0, [100.0] * steps
+
+    monkeypatch.setattr(bench, "time_ms", clock)
+    monkeypatch.setattr(prune, "prune", lambda model, *args: (model,))  # the timing, not the pruning
+    rows = bench.bench_prune(BenchConfig(**{**TINY, "steps": 3}, decode_model="tiny", int8_tokens=1))
+    assert {(r["status"], r["forward_ms"]) for r in rows if r["name"] != "2:4 semi-structured"} == {("ok", 4.0)}
+
+
+def test_the_int8_table_counts_weight_mb_in_1e6_bytes():
+    row = {"suite": "int8", "name": "fp32", "weights": "w", "params": 1, "prompt": 1, "new_tokens": 2,
+           "weight_bytes": 500_000_000, "status": "ok"}
+    table = bench.format_table({"provenance": provenance(torch.device("cpu")), "config": {}, "int8": [row]})
+    assert table.splitlines()[-1].split()[-2:] == ["500.0", "ok"]  # MB, not MiB (476.8)
+
+
 def test_prune_rows_time_the_hf_model_init_from_names(tmp_path):
     import export
 
@@ -472,6 +565,18 @@ def test_table_from_prints_the_rows_of_a_run_cut_short(tmp_path, capsys):
     (tmp_path / "log.txt").write_text("not json")
     with pytest.raises(SystemExit, match=r"--table-from .*log.txt is not a bench.py JSON file"):
         main(["--table-from", str(tmp_path / "log.txt")])
+    (tmp_path / "other.json").write_text('{"config": {}}')  # JSON, but no bench.py run's (no provenance)
+    with pytest.raises(SystemExit, match=r"--table-from .*other.json is not a bench.py JSON file \(KeyError"):
+        main(["--table-from", str(tmp_path / "other.json")])
+
+
+def test_a_tables_title_names_what_its_rows_measured_over_the_flags():
+    # --dtype auto resolved to float32 on the CPU: the row's dtype, not the flag's, heads the kernel table
+    row = {"suite": "kernel", "rows": 8, "cols": 16, "dtype": "float32", "name": "copy", "pass": "d2d copy", "ms": 1.0,
+           "bytes": 1024, "gb_per_s": 1.0, "pct_copy": 100.0, "status": "ok"}
+    table = bench.format_table({"provenance": provenance(torch.device("cpu")),
+                                "config": {"dtype": "auto", "steps": 2, "seq_len": 1024}, "kernel": [row]})
+    assert "kernel: bias+GELU on (8, 16) float32; GB/s of fwd 2MN+N, bwd 3MN+2N elements; median of 2" in table
 
 
 def test_cpu_defaults_are_the_small_ones_and_resolving_twice_changes_nothing():

@@ -74,3 +74,40 @@ def test_the_rng_state_has_the_gpus_in_a_cuda_run_only(monkeypatch):
     rng = engine.rng_state()
     engine.set_rng_state(rng)
     assert rng["cuda"] is gpu and calls == ["get", ("set", gpu)]
+
+
+def test_a_steps_record_counts_its_tokens_and_reports_the_speed_and_mfu_per_device():
+    # 4 ranks trained 494,500 tokens in all in 0.25 s: 1,978,000 tok/s together, 494,500 per device; at 1 GFLOP a
+    # token that is 4.945e14 FLOP/s, half an H100's 989 TFLOP/s
+    run = types.SimpleNamespace(tokens=engine.TokenCount(1000), ctx=engine.Context(world=4), flops_per_token=1e9,
+                                device_name="NVIDIA H100 80GB HBM3", peak_flops=None)
+    step = {"loss": 2.5, "tokens": 494_500}
+    record = engine.Run.record(run, step, 0.25)
+    assert record == {"tokens": 495_500, "loss": 2.5, "ms": 250.0, "tok_s": 1_978_000.0,
+                      "mfu": pytest.approx(0.5, rel=1e-3)}
+    assert list(record) == ["tokens", "loss", "ms", "tok_s", "mfu"] and step == {"loss": 2.5, "tokens": 494_500}
+    # the running count goes on; tok/s is this step's tokens, not the count's; --peak-tflops wins over the table
+    run.peak_flops = 1e12
+    again = engine.Run.record(run, {"loss": 2.0, "tokens": 1000}, 0.5)
+    assert (again["tokens"], again["tok_s"], again["mfu"]) == (496_500, 2000.0, pytest.approx(1e9 * 500 / 1e12))
+    run.peak_flops, run.device_name = None, "cpu (2 cores)"  # no peak known: no MFU, not 0
+    assert engine.Run.record(run, {"loss": 2.0, "tokens": 1000}, 0.5)["mfu"] is None
+    run.flops_per_token, run.peak_flops = 0.0, 1e12  # a stage that reports no FLOP count
+    assert engine.Run.record(run, {"loss": 2.0, "tokens": 1000}, 0.5)["mfu"] is None
+
+
+def test_a_steps_time_is_the_step_alone(monkeypatch):
+    # on a clock that the evaluation moves 5 s, the profiler's hook 1 s, the step 0.25 s and the memory probe after it
+    # 2 s: each logged step took 0.25 s
+    now = [0.0]
+    tick = lambda s: now.__setitem__(0, now[0] + s)
+    monkeypatch.setattr(engine.time, "time", lambda: now[0])
+    logged = []
+    run = types.SimpleNamespace(
+        stop=types.SimpleNamespace(should_stop=lambda: None), start_step=0, last_step=2,
+        attempt=lambda step, fn, *args: fn(*args), evaluate=lambda step, final: tick(5.0),
+        profiler=types.SimpleNamespace(step_begins=lambda step: tick(1.0)), step_fn=lambda step: tick(0.25) or {},
+        after_step=lambda step: tick(2.0), diverged=lambda step, record: False,
+        record=lambda record, dt: {"dt": dt}, log=types.SimpleNamespace(step=lambda step, r: logged.append(r["dt"])),
+        checkpointer=types.SimpleNamespace(due=lambda step: False), result=lambda step: step)
+    assert engine.train(run) == 2 and logged == [0.25, 0.25]

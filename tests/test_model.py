@@ -1150,6 +1150,8 @@ def test_peak_flops_table():
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops("NVIDIA L40") == 181e12 and peak_flops("NVIDIA L4") == 121e12  # L4 is a substring of L40
     assert peak_flops("NVIDIA H200 NVL") == 835e12 and peak_flops("NVIDIA GH200 480GB") == 989e12
+    assert peak_flops("NVIDIA H100 NVL") == 835e12  # not the SXM part's 989, which "h100" alone would give
+    assert peak_flops("NVIDIA A10G") == 70e12 and peak_flops("NVIDIA A10") == 125e12  # A10 is a substring of A10G
     assert peak_flops("NVIDIA B200") == 2250e12 and peak_flops("NVIDIA GB200") == 2500e12  # B200 is a substring
     assert peak_flops("cpu (2 cores)") is None
     assert peak_flops("cpu", override=1e12) == 1e12

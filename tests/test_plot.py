@@ -194,6 +194,15 @@ def test_the_loss_panel_shows_the_curve_after_its_first_drop(tmp_path, monkeypat
     assert plot.loss_range([([2.5], [2.5])]) == (2.0, 3.0)  # one value: half a nat either side
 
 
+def test_a_ten_step_run_leaves_its_first_step_out_of_the_loss_panels_top():
+    from matplotlib.figure import Figure
+
+    panel = dict(zip(("loss", "lr"), Figure().subplots(1, 2), strict=True))
+    train = [{"step": s, "loss": 10.0 - s, "lr": 1e-3} for s in range(10)]  # ten steps: a tenth is one step
+    every, later = plot.draw_run(plot.PlotConfig(smooth=0.0), {"train": train}, "run", 0, True, panel)
+    assert every == [10.0 - s for s in range(10)] and later == every[1:]
+
+
 def test_plot_imports_no_torch():
     # plot.py reads a JSONL file: importing it must not pull in torch (nor the Triton kernels through train.py)
     heavy = ("torch", "triton", "numpy", "train", "model")
@@ -213,8 +222,8 @@ def test_plot_draws_an_rl_runs_reward_and_the_task_accuracy(tmp_path, monkeypatc
     rewards, stds = [0.25, 0.5, 0.75], [0.1, 0.2, 0.0]
     records = [{"type": "train", "step": s, "tokens": 10 * s, "loss": 0.1, "lr": 3e-4, "reward": r, "reward_std": d}
                for s, (r, d) in enumerate(zip(rewards, stds, strict=True))]
-    records += [{"type": "task", "step": 0, "acc": 0.5, "n": 8, "pass@8": 0.75}, {"type": "task", "step": 2,
-                                                                                  "acc": 0.625, "n": 8}]
+    records += [{"type": "task", "step": 0, "tokens": 0, "acc": 0.5, "n": 8, "pass@8": 0.75},
+                {"type": "task", "step": 2, "tokens": 20, "acc": 0.625, "n": 8}]
     log = tmp_path / "rl" / "log.jsonl"
     log.parent.mkdir()
     log.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -231,6 +240,12 @@ def test_plot_draws_an_rl_runs_reward_and_the_task_accuracy(tmp_path, monkeypatc
     assert (list(greedy.get_xdata()), list(greedy.get_ydata())) == ([0, 2], [0.5, 0.625])
     assert (list(passed.get_xdata()), list(passed.get_ydata()), passed.get_linestyle()) == ([0], [0.75], "--")
     assert passed.get_label() == "pass@8 (last 0.750)"
+    assert fig.axes[0].get_title() == "rl: 3 steps"
+    figures.clear()
+    plot.main(["--log", str(log), "--x", "tokens"])  # every panel against tokens, the RL ones too
+    reward_ax, task_ax = figures[0].axes[2:]
+    assert [list(line.get_xdata()) for line in reward_ax.get_lines() + task_ax.get_lines()] == \
+        [[0, 10, 20], [0, 20], [0]]
     figures.clear()
     sft = [{"type": "train", "step": s, "tokens": s, "loss": 1.0, "lr": 1e-3} for s in range(3)]
     log.write_text("".join(json.dumps(r) + "\n" for r in [*sft, records[3]]))

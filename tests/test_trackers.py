@@ -69,6 +69,8 @@ def test_scalars_are_named_by_record_type():
     assert trackers.scalars({"type": "train", "step": 3, "tokens": 2048, "loss": 10.5, "lr": 1e-3, "grad_norm": 0.5,
                              "ms": 12.0, "tok_s": 1000.0, "mfu": None}) == \
         {"train/loss": 10.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/tok_s": 1000.0}
+    assert trackers.scalars({"type": "train", "step": 3, "loss": 10.5, "ms": 12.0, "tok_s": 1000.0, "mfu": 0.42}) == \
+        {"train/loss": 10.5, "train/tok_s": 1000.0, "train/mfu": 0.42}  # on a GPU the table knows: MFU is charted
     assert trackers.scalars({"type": "val", "step": 4, "tokens": 0, "val_loss": 9.25, "val_bpb": 3.5}) == \
         {"val/loss": 9.25, "val/bpb": 3.5}
     assert trackers.scalars({"type": "hellaswag", "step": 4, "acc": 0.5, "acc_norm": 0.25, "n": 6,
@@ -127,6 +129,17 @@ def test_the_step_line_shows_the_records_figures_and_an_eta_from_the_median_of_t
     assert [line.split("/")[0] for line in capsys.readouterr().out.splitlines()] == [
         f"step {step:6d}" for step in (0, 4, 8, 9)]
     assert (trackers.fmt_time(3599.9), trackers.fmt_time(3600), trackers.fmt_time(7322)) == ("59m59s", "1h00m", "2h02m")
+    assert (trackers.fmt_time(0), trackers.fmt_time(65)) == ("0m00s", "1m05s")
+
+
+def test_the_eta_takes_the_median_of_exactly_the_20_steps_before_and_at_this_one(capsys):
+    # steps 1-20: one slow (200 ms), ten at 100 ms, nine at 200 ms. All 20 have the median-high 200 ms; the last 19
+    # would give 100 ms. 1,000 steps left at step 20: 200 s
+    log = trackers.RunLog(None, True, max_steps=1021, log_every=20, trackers=[])
+    record = {"loss": 2.5, "lr": 3e-4, "grad_norm": 0.75, "tok_s": 1.0, "mfu": None}
+    for step, ms in enumerate([5000.0, 200.0, *[100.0] * 10, *[200.0] * 9]):
+        log.step(step, {**record, "ms": ms})
+    assert capsys.readouterr().out.splitlines()[-1].endswith("| eta 3m20s")
 
 def test_a_dead_rewinds_set_aside_records_come_back_to_the_trackers_from_their_first_step(tmp_path, monkeypatch):
     # a run logged steps 0-7 (ckpt 8); a rewind to ckpt 4 set 4-7 aside in log.jsonl.rewound, logged 4 and 5 anew and

@@ -962,6 +962,17 @@ def test_lm_step_logs_the_mean_loss_over_ranks_and_the_tokens_of_every_data_para
     assert stage.lm_step(tp, built, lambda: None, 3, guard, engine.Context(world=4))(9)["tokens"] == 3 * 2 * 32 * 2
 
 
+def test_the_runs_mfu_takes_peak_tflops_as_tera_and_the_flop_count_at_seq_len(monkeypatch):
+    monkeypatch.setattr(stage, "Run", lambda **kwargs: kwargs)  # what Setup.run hands the engine
+    raw = GPT(GPTConfig(block_size=64, vocab_size=96, n_layer=1, n_head=2, n_embd=16))
+    setup = SimpleNamespace(cfg=train.TrainConfig(seq_len=32, peak_tflops=312.0), ctx=None, raw=raw, built=None,
+                            checkpointer=None, log=None, parts={}, start=0, found=None)
+    run = stage.Setup.run(setup, lambda step: {}, [])
+    assert (run["peak_flops"], run["flops_per_token"]) == (312e12, raw.flops_per_token(32))
+    setup.cfg = train.TrainConfig(seq_len=32)  # no --peak-tflops: common.py's table, by the device's name
+    assert stage.Setup.run(setup, lambda step: {}, [])["peak_flops"] is None
+
+
 def test_val_evals_score_over_the_data_parallel_ranks_at_eval_every(monkeypatch):
     # under --tp the val loss is averaged over the data-parallel ranks (setup.data.world), not every rank; the
     # evaluation's cadence is --eval-every (0: the last step only)
