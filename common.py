@@ -177,14 +177,17 @@ def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Ca
     if "-h" in argv or "--help" in argv:
         _print_help(cls, hints, nested, presets, doc)
         raise SystemExit(0)
-    base, rest = _pick_preset(_split_argv(argv), presets)
+    # the preset's keywords (a functools.partial's; another kind's fields, made) joined by the flags: cls is made once,
+    # so a default __post_init__ fills in from a flag (prefs.py's lr by --objective) is not kept from the preset's
+    preset, rest = _pick_preset(_split_argv(argv), presets)
+    given = preset.keywords if isinstance(preset, functools.partial) else vars(preset()) if preset else {}
     flags = {k: t for k, t in hints.items() if k not in {field for field, _ in nested.values()}}
     with user_errors(ValueError):  # a value of the wrong type, or one __post_init__ refuses
         overrides = _overrides(rest, {**flags, **{k: t for k, (_, t) in nested.items()}}, presets)
         for key in [k for k in overrides if k in nested]:
-            field = nested[key][0]  # a preset's dict, or {} (base None has no such attribute)
-            overrides.setdefault(field, dict(getattr(base, field, {})))[key] = overrides.pop(key)
-        return dataclasses.replace(base, **overrides) if base is not None else cls(**overrides)
+            field = nested[key][0]  # over the preset's dict, or {}
+            overrides.setdefault(field, dict(given.get(field, {})))[key] = overrides.pop(key)
+        return cls(**given | overrides)
 
 
 def _print_help(cls: type, hints: dict[str, Any], nested: dict[str, tuple[str, Any]],
@@ -224,7 +227,7 @@ def _split_argv(argv: list[str]) -> list[tuple[str, str | None]]:
 
 def _pick_preset(pairs: list[tuple[str, str | None]],
                  presets: dict[str, Callable[[], Any]]) -> tuple[Any, list[tuple[str, str | None]]]:
-    """The config of the one --preset given (None without one), and the other options."""
+    """The one --preset given, uncalled (None without one), and the other options."""
     names = [val for key, val in pairs if key == "preset"]
     if len(names) > 1:
         raise SystemExit("error: --preset given twice; pass one preset and override its fields with flags")
@@ -234,7 +237,7 @@ def _pick_preset(pairs: list[tuple[str, str | None]],
         hint = difflib.get_close_matches(names[0], list(presets), n=1)
         raise SystemExit(f"error: unknown --preset {names[0]!r}; choose from {', '.join(presets)}"
                          + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-    return presets[names[0]]() if names else None, [(key, val) for key, val in pairs if key != "preset"]
+    return presets[names[0]] if names else None, [(key, val) for key, val in pairs if key != "preset"]
 
 
 def _overrides(rest: list[tuple[str, str | None]], hints: dict[str, Any],

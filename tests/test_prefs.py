@@ -677,3 +677,16 @@ def test_without_a_preset_prefs_runs_dpo_on_its_own_schedule_at_trls_lr():
     assert (cfg.max_lr, rm.max_lr, cfg.max_steps, cfg.total_batch_size, cfg.batch_size, cfg.out_dir) == \
         (1e-6, 1e-4, 955, 65536, 8, "out/prefs")
     assert PrefsConfig(objective="reward", max_lr=3e-4).max_lr == 3e-4  # a given lr is kept
+
+
+def test_a_preset_given_the_other_objective_is_made_once_with_the_flags():
+    # the preset was made, then replaced: rm-demo's value head (its objective's default) stayed under --objective dpo,
+    # "drop --value-head true", never given; and an lr filled in for the preset's objective stayed under the other
+    import functools
+
+    from prefs import PRESETS, PrefsConfig
+    cfg = parse_config(PrefsConfig, ["--preset", "rm-demo", "--objective", "dpo", "--reward-logprob", "false"], PRESETS)
+    assert (cfg.objective, cfg.arch.get("value_head"), cfg.max_lr, cfg.seq_len) == ("dpo", None, 1e-4, 24)
+    presets = {"mine": functools.partial(PrefsConfig, seq_len=24, arch={"n_layer": 2})}
+    cfg = parse_config(PrefsConfig, ["--preset", "mine", "--objective", "reward", "--n-head", "2"], presets)
+    assert (cfg.max_lr, cfg.arch) == (1e-4, {"n_layer": 2, "n_head": 2, "value_head": True})
