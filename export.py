@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from chat_format import ASSISTANT_END, CHAT_VOCAB, REPLY_STOPS, SYSTEM_START, is_chat
 from common import EOT, GPT2_VOCAB, gpt2_bpe_dir, is_reward_model, load_checkpoint, parse_config, user_errors
-from model import GPT, HF_CONV1D, NORM_EPS, GPTConfig
+from model import GPT, HF_CONV1D, NORM_EPS, RUN_OPTIONS, GPTConfig
 
 
 @dataclass
@@ -36,8 +36,8 @@ class ExportConfig:
 
 def hf_class(cfg: GPTConfig) -> str:
     """The HF class that computes exactly this model, or a one-line ValueError naming what each lacks."""
-    known = ("block_size vocab_size n_layer n_head n_embd n_kv_head dropout bias mlp pos rope_theta norm fused_gelu "
-             "loss_chunk fused_ce half_residual value_head head_size mlp_hidden").split()  # a user's new field: refused
+    known = (*RUN_OPTIONS, *"vocab_size n_layer n_head n_embd n_kv_head bias mlp pos rope_theta norm head_size "
+             "mlp_hidden".split())  # what the files below write, model.RUN_OPTIONS too; a user's new field: refused
     if new := next((f.name for f in fields(cfg) if f.name not in known and getattr(cfg, f.name) != f.default), None):
         raise ValueError(f"export.py does not know GPTConfig.{new} ({getattr(cfg, new)!r} here), which HF's classes "
                          "would compute without: teach export.py's hf_class how to write it")
