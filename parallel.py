@@ -37,7 +37,7 @@ class StepArgs:
     device: str = "auto"  # auto (cuda if available, else cpu), cuda, cpu
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 (with GradScaler), fp32
     compile: bool | None = None  # torch.compile the model (None = on for CUDA, off for CPU)
-    compile_mode: str = "default"  # torch.compile mode: default, reduce-overhead, max-autotune(-no-cudagraphs)
+    compile_mode: str = "default"  # torch.compile: default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs
     attention: str = "auto"  # SDPA kernel: auto (torch picks), flash, cudnn, efficient or math (only that one allowed)
     parallel: str = "ddp"  # ddp, zero1 (ZeroRedundancyOptimizer) or fsdp (FSDP2 fully_shard per block + root)
     recompute: str = "none"  # activation recompute: none, mlp or block (trade compute for memory)

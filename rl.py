@@ -180,7 +180,7 @@ class RLConfig(engine.RunArgs):
     max_lr: float = 3e-4  # the learning rate after warmup
     # Adam's first steps move every weight by about the lr whatever its gradient: RL's noisy ones would wreck the policy
     warmup_steps: int = 10  # linear warmup of the learning rate
-    lr_schedule: str = "linear"  # then linear decay to min_lr_frac * max_lr at --max-steps (or constant...)
+    lr_schedule: str = "linear"  # then linear decay to min_lr_frac * max_lr at --max-steps (or cosine, constant, wsd)
     min_lr_frac: float = 0.0  # the schedule decays to this times --max-lr
     weight_decay: float = 0.0  # decoupled weight decay
     eval_every: int = 100  # held-out greedy accuracy and pass@k every N steps (and at the end); 0 = at the end only

@@ -92,3 +92,24 @@ def test_the_readme_layout_keeps_its_line_budgets():
     over = {name: len((ROOT / name).read_text().splitlines()) for name, n in budgets.items()
             if len((ROOT / name).read_text().splitlines()) > 1.1 * n}
     assert over == {}
+
+
+@pytest.mark.parametrize("script", ["train.py", "sft.py", "prefs.py", "rl.py"])
+def test_help_names_every_value_a_registry_accepts(script):
+    """A flag's --help is its field's hand-written comment: a value added to the registry it is checked against (a new
+    schedule, optimizer, algorithm) fails here until the comment names it too."""
+    import engine
+    import fineweb
+    import parallel
+    import parallelize
+    import rl
+    registries = {"lr-schedule": engine.SCHEDULES, "optimizer": parallel.OPTIMIZERS, "algo": rl.ALGOS,
+                  "loss-agg": rl.LOSS_AGG, "pp-schedule": parallelize.SCHEDULES, "shuffle": fineweb.SHUFFLES,
+                  "compile-mode": parallel.COMPILE_MODES, "attention": parallel.SDPA_SWITCHES}
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, check=True)
+    lines = {m[1]: m[2] for m in re.finditer(r"^--([\w-]+) +\S+ +default +\S+ +(.*)$", proc.stdout, re.M)}
+    shown = [flag for flag in registries if flag in lines]
+    assert "lr-schedule" in shown and "optimizer" in shown
+    missing = {flag: [v for v in registries[flag] if not re.search(rf"(?<![\w-]){re.escape(v)}(?![\w])", lines[flag])]
+               for flag in shown}
+    assert {flag: v for flag, v in missing.items() if v} == {}
