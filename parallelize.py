@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from common import same_verdict
 from fused_ce import cross_entropy
 from model import GPT, MLP, GPTConfig
 
@@ -173,6 +174,15 @@ def tensor_parallel(stage: Stage, mesh: DeviceMesh, sp: bool) -> None:
     if not stage.last:  # sent on as a plain tensor, whole
         plan[f"transformer.h.{blocks[-1]}"] = tp.PrepareModuleOutput(output_layouts=seq, desired_output_layouts=whole)
     plan |= {"transformer.ln_f": tp.SequenceParallel()} if sp else {}
+    # inside attention and the MLP a rank computes on its plain share of heads: a parameter no style splits would meet
+    # it as a DTensor (a block's own parameters see the DTensor residual stream, so replication is right there)
+    split = [name for name in block if "." in name]
+    for name, _ in stage.named_parameters():
+        inner = name.split(".", 3)[3:]  # a block's parameter's name in the block
+        if inner and inner[0].startswith(("attn.", "mlp.")) and inner[0].rpartition(".")[0] not in split:
+            raise ValueError(f"--tp cannot split {name}: inside attention and the MLP a rank holds only its heads and "
+                             f"hidden units, and the plan in parallelize.py's tensor_parallel lists {', '.join(split)} "
+                             "there; add its module to that plan (docs/scale.md), or use --pp or --parallel fsdp")
     with torch.no_grad():
         for name, p in stage.named_parameters():
             p.copy_(reorder(name, p, stage.config, mesh.size()))
@@ -216,8 +226,8 @@ def shard(gpt: GPT, args: Any, device: torch.device, dtype: torch.dtype) -> Shar
     bounds = [round(i * gpt.config.n_layer / n) for i in range(n + 1)]
     stages = [Stage(gpt, bounds[i], bounds[i + 1]) for i in stage_ids]
     for stage in stages:
-        if args.tp:  # 1 too: the same DTensor code on one rank
-            tensor_parallel(stage, mesh["tp"], args.sequence_parallel)
+        if args.tp:  # 1 too: the same DTensor code on one rank; a refusal stops every rank together, each saying why
+            same_verdict(lambda s=stage: tensor_parallel(s, mesh["tp"], args.sequence_parallel), world)
         # FSDP2 over the dp ranks, gathered once a step, not once a micro-batch (the schedule keeps them through its
         # backwards), as torchtitan does under pipelining
         if args.parallel == "fsdp":

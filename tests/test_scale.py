@@ -10,13 +10,15 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn as nn
 
+import model
 import prefs
 import prune
 import rl
 import sft
 import train
-from conftest import make_token_data, run_train_runs
+from conftest import make_token_data, run_torchrun, run_train_runs
 from model import GPT, MODEL_PRESETS
 from parallel import StepArgs
 from parallelize import Sharded, Stage, data_rank, local, reorder, shard, shard_problem
@@ -222,6 +224,67 @@ def test_each_tensor_parallel_rank_holds_its_heads_neurons_and_vocabulary_rows()
         wte = gpt.transformer.wte.weight.detach().clone()
         first = shard(gpt, StepArgs(tp=2, pp=2, device="cpu"), torch.device("cpu"), torch.float32).stages[0]
         assert first.lm_head is None and torch.equal(local(first.transformer.wte.weight), wte.chunk(2, 0)[0])
+
+
+# a QK-norm (an RMSNorm over head_dim on q and k) in model.py's attention, as a researcher adds one: this launcher
+# patches it in, then runs train.py as tests/train_runs.py does
+QK_NORM = """
+import runpy, sys
+sys.path.insert(0, ".")
+import torch.nn as nn, torch.nn.functional as F
+import model
+
+class QKNorm(model.CausalSelfAttention):
+    def __init__(self, config, layer):
+        super().__init__(config, layer)
+        self.q_norm, self.k_norm = nn.RMSNorm(config.head_dim), nn.RMSNorm(config.head_dim)
+
+    def forward(self, x, rope, cache):
+        B, T, _ = x.size()
+        q, k, v = (t.view(B, T, -1, self.config.head_dim).transpose(1, 2) for t in self.c_attn(x).chunk(3, 2))
+        y = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).flatten(2))
+
+model.CausalSelfAttention = QKNorm
+sys.argv = ["tests/train_runs.py", "train.py", *sys.argv[1:]]
+runpy.run_path("tests/train_runs.py", run_name="__main__")
+"""
+UNSPLIT = ("--tp cannot split {}: inside attention and the MLP a rank holds only its heads and hidden units, and "
+           "the plan in parallelize.py's tensor_parallel lists attn.c_attn, mlp.c_fc, attn.c_proj, mlp.c_proj there; "
+           "add its module to that plan (docs/scale.md), or use --pp or --parallel fsdp")
+
+
+@pytest.mark.slow
+def test_a_module_the_tp_plan_does_not_split_is_refused_in_one_line_per_rank(tokens512, tmp_path):
+    # was each rank's RuntimeError traceback from DTensor: "aten.mul.Tensor got mixed torch.Tensor and DTensor"
+    (tmp_path / "qk_norm.py").write_text(QK_NORM)
+    proc = run_torchrun([tmp_path / "qk_norm.py", *BASE, "--data", tokens512, "--out-dir", tmp_path, "--tp", "2"],
+                        nproc=2, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: " + UNSPLIT.format("transformer.h.0.attn.q_norm.weight")] * 2, proc.stderr[-3000:]
+    assert proc.stderr.count("Traceback (most recent call last)") == 1  # torchrun's own report of a failed worker
+
+
+class Scaled(model.MLP):  # a learned scale on the MLP's hidden units: rank-local there, so refused
+    def __init__(self, config):
+        super().__init__(config)
+        self.scale = nn.Parameter(torch.ones(4 * config.n_embd))
+
+
+class Gated(model.Block):  # a block's own module on the residual stream: a DTensor there, so replicated
+    def __init__(self, config, layer):
+        super().__init__(config, layer)
+        self.gate = nn.Linear(config.n_embd, config.n_embd)
+
+
+@pytest.mark.parametrize("name, cls, error", [("MLP", Scaled, UNSPLIT.format("transformer.h.0.mlp.scale")),
+                                              ("Block", Gated, None)])
+def test_what_the_tp_plan_refuses_is_inside_attention_and_the_mlp(monkeypatch, name, cls, error):
+    monkeypatch.setattr(model, name, cls)
+    config = dataclasses.replace(MODEL_PRESETS["tiny"](), vocab_size=512)
+    with fake_rank(0, 2), (pytest.raises(ValueError) if error else contextlib.nullcontext()) as refused:
+        shard(GPT(config), StepArgs(tp=2, device="cpu"), torch.device("cpu"), torch.float32)
+    assert (refused and str(refused.value)) == error
 
 
 def test_tensor_and_pipeline_groups_share_their_data_rank():
