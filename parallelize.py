@@ -128,6 +128,11 @@ class Stage(nn.Module):
         t, self.config = gpt.transformer, gpt.config
         self.first, self.last = lo == 0, hi == gpt.config.n_layer
         keep = {"wte": self.first, "wpe": self.first, "drop": self.first, "ln_f": self.last}
+        known = {"transformer", "lm_head", "value_head", *(f"transformer.{k}" for k in [*keep, "h"])}  # as forward
+        new = [n for n, _ in [*gpt.named_modules(), *gpt.named_parameters(recurse=False)] if n.count(".") < 2]
+        if unknown := [n for n in new if n and n not in known]:  # left out, it would train a model without it
+            raise ValueError(f"--tp/--pp run the model as parallelize.Stage, which carries GPT's wte, wpe, drop, "
+                             f"blocks, ln_f and lm_head only: add {unknown[0]} to Stage's __init__ and forward")
         self.transformer = nn.ModuleDict({k: m for k, m in t.items() if keep.get(k)})
         self.transformer["h"] = nn.ModuleDict({str(i): t.h[i] for i in range(lo, hi)})
         self.lm_head = gpt.lm_head if self.last else None

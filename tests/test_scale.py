@@ -287,6 +287,21 @@ def test_what_the_tp_plan_refuses_is_inside_attention_and_the_mlp(monkeypatch, n
     assert (refused and str(refused.value)) == error
 
 
+@pytest.mark.parametrize("where, add", [
+    ("transformer.emb_norm", lambda gpt: gpt.transformer.update({"emb_norm": nn.LayerNorm(64)})),
+    ("logit_scale", lambda gpt: gpt.register_parameter("logit_scale", nn.Parameter(torch.ones(1))))])
+def test_a_module_stage_does_not_carry_is_refused_not_dropped(where, add):
+    """A researcher's module outside the blocks: Stage rebuilt the model without it, and --tp/--pp trained a model
+    that silently lacked it."""
+    gpt = GPT(dataclasses.replace(MODEL_PRESETS["tiny"](), n_embd=64))
+    assert len(Stage(gpt, 0, gpt.config.n_layer).state_dict()) > 0  # the model as built shards
+    add(gpt)
+    with pytest.raises(ValueError) as refused:
+        Stage(gpt, 0, gpt.config.n_layer)
+    assert str(refused.value) == (f"--tp/--pp run the model as parallelize.Stage, which carries GPT's wte, wpe, drop, "
+                                  f"blocks, ln_f and lm_head only: add {where} to Stage's __init__ and forward")
+
+
 def test_tensor_and_pipeline_groups_share_their_data_rank():
     args = StepArgs(tp=2, pp=2)  # mesh (pp, dp, tp) over 8 ranks: dp = 2
     assert [data_rank(args, r, 8) for r in range(8)] == [(0, 2), (0, 2), (1, 2), (1, 2)] * 2
