@@ -58,6 +58,10 @@ def readme_commands(doc: str = "README.md") -> list[tuple[str, list[str]]]:
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     lines += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))]
+    return commands_in(lines)
+
+
+def commands_in(lines: list[str]) -> list[tuple[str, list[str]]]:
     commands = []
     for part in (p for line in lines for p in re.split(r"&&|\||;", line.split("#")[0].split(" [--")[0])):
         first, ours = part.split()[:1], [w for w in part.split() if w in SCRIPTS]  # [--a 1 | --b 2]: optional
@@ -95,6 +99,14 @@ DOCS = ("README.md", "docs/guide.md", "docs/resume.md", "docs/scale.md", "docs/f
                          ids=lambda v: v if isinstance(v, str) else " ".join(v))
 def test_readme_command_flags_exist(script, args):
     assert parse_error(script, args) == ""  # else parse_config's line naming the flag or value it refuses
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_usage_in_help_parses(script):
+    # a module docstring heads the script's --help: its usage lines are the first commands a user copies
+    doc = sys.modules[script.removesuffix(".py")].__doc__
+    commands = commands_in(doc.replace("\\\n", " ").splitlines())
+    assert {" ".join([s, *a]): parse_error(s, a) for s, a in commands if parse_error(s, a)} == {}
 
 
 def test_benchmark_commands_parse_or_say_what_they_are_now():
