@@ -602,6 +602,16 @@ def test_bad_flags_exit_with_a_message(argv, message):
         main(["--device", "cpu", *argv])
 
 
+def test_dtype_fp16_that_help_lists_runs_and_the_tensor_parallel_rows_say_why_not():
+    # `bench.py --dtype fp16` (any suite, even kernel) was refused: "--dtype fp16's GradScaler does not run under
+    # --tp/--pp", flags never given, from the tp/pp rows that `--variants all` holds
+    cfg = BenchConfig(**TINY, dtype="fp16", suite="kernel")
+    assert (cfg.dtype, cfg.variants) == ("fp16", "all")
+    [row] = bench.run_train(BenchConfig(**TINY, dtype="fp16", variants="tp1"))
+    assert (row["status"], row["reason"]) == ("failed", "ValueError: --dtype fp16's GradScaler does not run under "
+                                                        "--tp/--pp: use bf16")
+
+
 def test_an_out_path_that_cannot_be_written_fails_before_any_row(tmp_path, capsys):
     with pytest.raises(SystemExit, match=f"--out {tmp_path} is a directory; pass the JSON file to write, e.g. "
                        f"{tmp_path / 'bench.json'}"):  # one line, not the traceback of the first write's rename
