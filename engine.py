@@ -417,19 +417,15 @@ class Checkpointer:
                       f"parallel={saved} and this run's optimizer is {kind}: ZeRO-1 keeps its own format, so resume "
                       f"it {how}")])
         optim_sd = swap_8bit_state(ckpt["optimizer"], pack=True)
+        built = [{k: g[k] for k in ("fused", "capturable") if k in g} for g in optimizer.param_groups]
         if kind != "zero1":
             dcp.set_optimizer_state_dict(raw, optimizer, optim_sd, options=dcp.StateDictOptions(full_state_dict=True))
             if not optim_sd["state"]:  # a fresh optimizer's (prune.py's step 0): the load's own lr-0 step is undone
                 optimizer.state.clear()
         else:
             optimizer.load_state_dict(optim_sd)
-            # ZeRO's load moves Adam's `step` tensors to the CPU, where the fused CUDA kernel refuses them
-            fused = any(group.get("fused") for group in optimizer.optim.param_groups)
-            for p, state in optimizer.optim.state.items():
-                if fused and torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].to(p.device, torch.float32)
-            # ZeRO's own load also kept a second device copy of this rank's moments that it never reads again
-            optimizer.state.clear()
+            optimizer.state.clear()  # ZeRO's load kept a second device copy of this rank's moments, never read again
+        use_built_kernel(optimizer, built)
         for key, part in parts.items():
             if part is not None and ckpt.get(key) is not None:
                 part.load_state_dict(ckpt[key])
@@ -506,6 +502,17 @@ def set_rng_state(rng: dict[str, torch.Tensor | None]) -> None:
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] is not None and torch.cuda.is_initialized():  # a CUDA run's
         torch.cuda.set_rng_state(rng["cuda"])
+
+
+def use_built_kernel(optimizer: torch.optim.Optimizer, built: list[dict[str, bool]]) -> None:
+    """Each group gets this run's fused/capturable back (the load brought the checkpoint's: a CPU run's False, resumed
+    on CUDA under fp16, met GradScaler's found_inf), each `step` where they need it: the param's device, or the CPU."""
+    state = getattr(optimizer, "optim", optimizer).state  # ZeRO-1's shard holds this rank's; its step syncs the flags
+    for group, flags in zip(optimizer.param_groups, built, strict=True):
+        group.update(flags)
+        for p in group["params"] if flags else ():  # Muon's and 8-bit AdamW's groups have neither flag
+            if torch.is_tensor(step := state.get(p, {}).get("step")):
+                state[p]["step"] = step.to(p.device if any(flags.values()) else "cpu", torch.float32)
 
 
 def write_atomically(path: Path, ckpt: dict) -> None:

@@ -406,8 +406,8 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, args: StepArgs) -> lis
     changed = set()
     for group in optimizer.param_groups:
         decays = any(p.dim() >= 2 for p in group["params"])  # the rule every builder here follows
-        # Muon keeps its own momentum and eps; fused and capturable stay the checkpoint's, for which load_state_dict
-        # placed the step tensors (a CPU run's, resumed on CUDA, would hand the fused kernel CPU steps)
+        # Muon keeps its own momentum and eps; fused and capturable are this run's already: engine's restore set them
+        # with the step tensors they need (engine.use_built_kernel)
         want = {} if group.get("muon") else {k: v for k, v in optimizer.defaults.items() if k not in (
             "lr", "fused", "capturable")} | {"betas": (args.beta1, args.beta2), "eps": args.eps}
         want["weight_decay"] = args.weight_decay if decays else 0.0
