@@ -177,6 +177,23 @@ def test_resume_from_checkpoint_repeats_the_last_steps(ddp_run, learnable_data, 
     assert (tmp_path / f"ckpt_{STEPS:06d}.pt").is_file()
 
 
+@pytest.mark.skipif(not GPU, reason="the device change needs CUDA")
+def test_a_cpu_checkpoint_resumes_on_cuda_under_fp16(learnable_data, tmp_path):
+    # the CPU run's AdamW is not fused; the CUDA run's is, and GradScaler hands a fused step its found_inf: the resume
+    # takes this run's kernel and moves the step counters to the GPU (engine.use_built_kernel; run on CPU only before)
+    tiny = ["--model=tiny", "--seq-len=32", "--batch-size=4", "--total-batch-size=256", "--compile=false"]
+    common = ["train.py", *tiny, f"--data={learnable_data}", f"--out-dir={tmp_path}", "--max-steps=10",
+              "--warmup-steps=5", "--max-lr=3e-3", "--eval-every=0", "--ckpt-every=5", "--seed=7", "--hellaswag=off"]
+    launch([*common, "--device=cpu"])
+    cpu = [r["loss"] for r in records(tmp_path, "train")]
+    (tmp_path / "ckpt_000010.pt").unlink()
+    stdout, stderr = launch([*common, "--device=cuda", "--dtype=fp16", "--resume=auto"])
+    resumed = records(tmp_path, "train")
+    diff = max(abs(a - r["loss"]) for a, r in zip(cpu[5:], resumed[-5:], strict=True))
+    print(f"cpu -> cuda fp16: max |loss difference| over steps 5-9 = {diff:.2e}")
+    assert [r["step"] for r in resumed][-5:] == list(range(5, 10)) and diff <= 0.05, stdout[-2000:] + stderr[-2000:]
+
+
 @pytest.mark.parametrize("parallel, tol", [("zero1", ZERO1_TOL), ("fsdp", FSDP_TOL)])
 def test_zero1_and_fsdp_follow_ddp_and_resume(parallel, tol, ddp_run, learnable_data, tmp_path):
     # one rank under torchrun still builds ZeroRedundancyOptimizer (with fused AdamW) or FSDP2's fully_shard (with
