@@ -431,5 +431,5 @@ class ConversationLoader(RowStream):
         """Stop now if the model has too few embedding rows for the chat tokens: on CUDA an id past them asserts."""
         if (top := int(self.ids.max())) >= vocab_size:
             raise DataError(f"the chat format uses token ids up to {top}, but the model has only {vocab_size} "
-                            f"embedding rows; start from a model with at least {CHAT_VOCAB} (GPT-2's padded 50304)")
+                            f"embedding rows; pass --vocab-size {CHAT_VOCAB} or more (the default: 50304)")
 

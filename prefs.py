@@ -169,7 +169,7 @@ class PairLoader(RowStream):
         """Stop now if the model has too few embedding rows for the ids: on CUDA an id past them asserts."""
         if (top := max(int(side.max()) for pair in self.ids for side in pair)) >= vocab_size:
             raise DataError(f"{self.name} renders token ids up to {top}, but the model has only {vocab_size} "
-                            "embedding rows; start from a model with more")
+                            f"embedding rows; pass --vocab-size {CHAT_VOCAB} or more (the default: 50304)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

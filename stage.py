@@ -142,8 +142,9 @@ def check_architecture(cfg: StageArgs, src: GPTConfig, source: str) -> None:
     # the flags given, and the --model preset's shape and options (llama-124m's) where no flag replaces them; a preset's
     # n_kv_head of None follows n_head
     follows = () if "n_kv_head" in cfg.arch or MODEL_PRESETS[cfg.model or "gpt2"]().n_kv_head else ("n_kv_head",)
-    fixed = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_OPTIONS, "vocab_size", *follows)]
-    differ = [k for k in fixed if (k in cfg.arch or cfg.model) and getattr(asked, k) != getattr(has, k)]
+    fixed = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_OPTIONS, *follows)]
+    differ = [k for k in fixed if (k in cfg.arch or cfg.model and k != "vocab_size")  # a flag only: presets pad
+              and getattr(asked, k) != getattr(has, k)]
     wrong = [f"--{flag(k)} {getattr(asked, k)} (it has {getattr(has, k)})" for k in differ if k in cfg.arch]
     if by_preset := [k for k in differ if k not in cfg.arch]:
         wrong.append(f"--model {cfg.model} ({', '.join(f'{k} {getattr(asked, k)}' for k in by_preset)}; it has "
@@ -182,12 +183,12 @@ def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
                   "every weight, so its zeros fill in again; prune.py --init-from it holds them while it recovers")
     except OSError as e:  # the hub is unreachable, or has no such model: one line, not an HTTP client's traceback
         raise ValueError(str(e).replace("\n", " ")) from None
+    if source.config.vocab_size < vocab:
+        source.pad_vocab(GPTConfig().vocab_size)
     check_architecture(cfg, source.config, f"--init-from {cfg.init_from}")
     context = source.config.block_size
     check_flags([(cfg.seq_len <= context, f"--seq-len {cfg.seq_len} is longer than --init-from {cfg.init_from}'s "
                   f"context of {context} tokens; pass --seq-len {context} or less")])
-    if source.config.vocab_size < vocab:
-        source.pad_vocab(GPTConfig().vocab_size)
     config = dataclasses.replace(source.config, **{"value_head": False, **run_options(cfg)})  # one where asked
     weights = source.state_dict()
     del source  # its tensors live on in `weights`: at most two copies of the model at once

@@ -19,23 +19,18 @@ from typing import Any
 
 from common import checkpoints, iter_log, same_verdict, write_error
 
-# log.jsonl fields per record type, one named after its type unprefixed (val_loss -> val/loss); train: pretraining's,
-# the preference objectives' and rl.py's; val: DPO's rewards, prune.py's sparsity; task: pass@k as well (scalars)
-SCALARS = {"train": ("loss", "lr", "grad_norm", "tok_s", "mfu", "accuracy", "margin", "reward", "reward_std", "kl",
-                     "clip_frac", "entropy", "length", "value_loss", "rollout_tok_s", "update_tok_s"),
-           "val": ("val_loss", "val_bpb", "val_accuracy", "val_margin", "val_chosen_reward", "val_rejected_reward",
-                   "val_nll", "sparsity"), "hellaswag": ("acc", "acc_norm"),
-           "task": ("acc",), "core": ("core_metric",), "chatcore": ("chatcore",)}
-PER_RUN = {"task": ("pass@",), "train": ("reward/",)}  # keys a run names: pass@K, each --reward function's reward/FN
+# a record's numbers that are not its figures (counters, timings); all others are scalars, named after the record's
+# type unprefixed (val_loss -> val/loss): a figure a stage adds to log.jsonl reaches the trackers with no list to extend
+NOT_SCALARS = ("step", "tokens", "ms", "n", "examples_per_sec")
 
 
 def scalars(record: dict) -> dict[str, float]:
     """The record's scalars by tag: {"train/loss": 10.9, "train/lr": 6e-05, ...}; a None (no MFU on CPU) is left out."""
     kind = record["type"]
-    keys = [*SCALARS.get(kind, ()), *(key for key in record if key.startswith(PER_RUN.get(kind, ())))]
+    keys = [key for key, value in record.items() if key not in NOT_SCALARS and type(value) in (int, float)]
     each_task = {f"{kind}/{name}": float(acc) for name, acc in record.get("results", {}).items()}  # CORE's, ChatCORE's
-    return {**each_task, **{f"{kind}/{key.removeprefix(kind + '_')}": float(record[key]) for key in keys
-                            if record.get(key) is not None}}  # the mean wins a clash with a task named like it
+    return {**each_task, **{f"{kind}/{key.removeprefix(kind + '_')}": float(record[key])
+                            for key in keys}}  # the mean wins a clash with a task named like it
 
 
 def missing_package(tensorboard: bool, wandb_project: str) -> str | None:

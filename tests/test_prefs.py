@@ -600,6 +600,16 @@ def test_the_stage_hands_its_flags_to_the_objective_and_shuffles_the_train_pairs
     assert loaders == {("train", True), ("val", False)}
 
 
+def test_a_fresh_reward_model_too_small_for_the_chat_tokens_names_the_flag_that_made_it(addition_pairs, tmp_path,
+                                                                                       capsys):
+    import prefs
+
+    # it said "start from a model with more": an --init-from is padded for the chat tokens, a fresh model only is short
+    assert one_line_error(capsys, prefs.main, pairs_run(addition_pairs, tmp_path, "rm-demo", "--vocab-size=50257")) \
+        == (f"error: {addition_pairs} renders token ids up to 50262, but the model has only 50257 embedding rows; "
+            "pass --vocab-size 50267 or more (the default: 50304)")
+
+
 def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_reference(addition_pairs, random_start,
                                                                                     tmp_path, capsys):
     import prefs

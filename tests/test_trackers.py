@@ -101,6 +101,15 @@ def test_scalars_are_named_by_record_type():
         {"core/metric": 0.2, "core/arc_easy": 0.4}
 
 
+def test_a_metric_a_stage_adds_to_its_record_reaches_the_trackers_with_no_list_to_extend():
+    # a researcher's new figure on sft.py's task eval, and a new Eval's record type: log.jsonl has them, so the
+    # trackers do (a list of known names dropped both without a word); counters and timings stay out
+    assert trackers.scalars({"type": "task", "step": 5, "tokens": 512, "acc": 0.5, "n": 8, "reply_len": 10.0}) == \
+        {"task/acc": 0.5, "task/reply_len": 10.0}
+    assert trackers.scalars({"type": "probe", "step": 5, "tokens": 512, "probe_auc": 0.75, "n": 64}) == \
+        {"probe/auc": 0.75}
+
+
 def test_the_step_line_shows_the_records_figures_and_an_eta_from_the_median_of_the_last_20_timed_steps(tmp_path,
                                                                                                    capsys):
     log = trackers.RunLog(tmp_path / "log.jsonl", True, max_steps=10_000, log_every=1, trackers=[])

@@ -861,6 +861,9 @@ def test_resume_takes_the_architecture_from_the_checkpoint(token_data, tmp_path,
     for extra, message in (([f"--seq-len={tiny.seq_len}", "--model=gpt2"],
                             r"fixes the architecture, but this run asks for --model gpt2 \(n_layer 12"),
                            ([f"--seq-len={tiny.seq_len}", "--n-head=2"], r"asks for --n-head 2 \(it has"),
+                           # a vocabulary given as a flag too: it was taken from the checkpoint without a word
+                           ([f"--seq-len={tiny.seq_len}", "--vocab-size=50432"],
+                            r"asks for --vocab-size 50432 \(it has 50304\): pass --vocab-size 50304 as it has"),
                            (["--seq-len=32"], rf"--seq-len 32 is not the context of --resume .*, {tiny.seq_len} ")):
         capsys.readouterr()
         with pytest.raises(SystemExit):
@@ -1124,6 +1127,8 @@ def swiglu_ckpt(token_data, tmp_path_factory):
     ("swiglu", ["--mlp=gelu"], r"asks for --mlp gelu \(it has swiglu\)"),
     # a source without n_kv_head has as many key/value heads as query heads: 4 here, not None
     ("hf", ["--n-kv-head=2"], r"asks for --n-kv-head 2 \(it has 4\): pass --n-kv-head 4 as"),
+    # train.py pads no vocabulary: the HF model's 50,257 rows were trained on, --vocab-size 50304 ignored
+    ("hf", ["--vocab-size=50304"], r"asks for --vocab-size 50304 \(it has 50257\): pass --vocab-size 50257 as"),
     ("swiglu", ["--norm=rmsnorm"], r"asks for --norm rmsnorm \(it has layernorm\): pass --norm layernorm as"),
     # a preset naming GPT-2's own choices is checked too: the tiny preset is gelu, the checkpoint swiglu
     ("swiglu", ["--model=tiny"], r"asks for --model tiny \(mlp gelu; it has mlp swiglu\): pass --mlp swiglu as"),
