@@ -128,9 +128,12 @@ class Stage(nn.Module):
         t, self.config = gpt.transformer, gpt.config
         self.first, self.last = lo == 0, hi == gpt.config.n_layer
         keep = {"wte": self.first, "wpe": self.first, "drop": self.first, "ln_f": self.last}
-        known = {"transformer", "lm_head", "value_head", *(f"transformer.{k}" for k in [*keep, "h"])}  # as forward
-        new = [n for n, _ in [*gpt.named_modules(), *gpt.named_parameters(recurse=False)] if n.count(".") < 2]
-        if unknown := [n for n in new if n and n not in known]:  # left out, it would train a model without it
+        known = {"", "transformer", "lm_head", "value_head", "rope_cos", "rope_sin",
+                 *(f"transformer.{k}" for k in [*keep, "h"])}  # as forward
+        # each module's, parameter's and buffer's owner: transformer.X or the GPT's own X
+        owners = [".".join(n.split(".")[:1 + n.startswith("transformer.")]) for n, _ in
+                  [*gpt.named_modules(), *gpt.named_parameters(), *gpt.named_buffers()]]
+        if unknown := [n for n in owners if n not in known]:  # left out, it would train a model without it
             raise ValueError(f"--tp/--pp run the model as parallelize.Stage, which carries GPT's wte, wpe, drop, "
                              f"blocks, ln_f and lm_head only: add {unknown[0]} to Stage's __init__ and forward")
         self.transformer = nn.ModuleDict({k: m for k, m in t.items() if keep.get(k)})

@@ -593,6 +593,7 @@ def test_cpu_defaults_are_the_small_ones_and_resolving_twice_changes_nothing():
     (["--batched-rows", "0"], "--batched-rows and --batched-tokens must be >= 1"),  # was the batched row's failure
     (["--batched-tokens", "0"], "--batched-rows and --batched-tokens must be >= 1"),
     (["--model", "gpt5"], "--model must be one of"),  # TrainConfig's own check, before any row
+    (["--suite", "train", "--variants", "tp1,pp2", "--model", "gpt5"], "--model must be one of"),  # tp/pp rows alone
     (["--suite", "prune", "--decode-model", "tiny", "--prune-sparsity", "1.5"],  # not each row failing alone
      r"--prune-sparsity must be in \[0, 1\); got 1.5"),
     (["--suite", "prune", "--ckpt", "no/such.pt"], "error: --ckpt no/such.pt: no such file"),  # not a suite's error

@@ -289,12 +289,16 @@ def test_what_the_tp_plan_refuses_is_inside_attention_and_the_mlp(monkeypatch, n
 
 @pytest.mark.parametrize("where, add", [
     ("transformer.emb_norm", lambda gpt: gpt.transformer.update({"emb_norm": nn.LayerNorm(64)})),
-    ("logit_scale", lambda gpt: gpt.register_parameter("logit_scale", nn.Parameter(torch.ones(1))))])
+    ("logit_scale", lambda gpt: gpt.register_parameter("logit_scale", nn.Parameter(torch.ones(1)))),
+    # a parameter set on the transformer dict itself, and a buffer of the GPT's other than RoPE's tables
+    ("transformer.emb_scale",
+     lambda gpt: gpt.transformer.register_parameter("emb_scale", nn.Parameter(torch.ones(64)))),
+    ("logit_bias", lambda gpt: gpt.register_buffer("logit_bias", torch.zeros(512)))])
 def test_a_module_stage_does_not_carry_is_refused_not_dropped(where, add):
     """A researcher's module outside the blocks: Stage rebuilt the model without it, and --tp/--pp trained a model
     that silently lacked it."""
-    gpt = GPT(dataclasses.replace(MODEL_PRESETS["tiny"](), n_embd=64))
-    assert len(Stage(gpt, 0, gpt.config.n_layer).state_dict()) > 0  # the model as built shards
+    gpt, rope = (GPT(dataclasses.replace(MODEL_PRESETS["tiny"](), n_embd=64, pos=pos)) for pos in ("learned", "rope"))
+    assert len(Stage(gpt, 0, 2).state_dict()) > 0 and Stage(rope, 0, 2).rope_cos is not None  # the models as built
     add(gpt)
     with pytest.raises(ValueError) as refused:
         Stage(gpt, 0, gpt.config.n_layer)
