@@ -263,15 +263,17 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
 
     def __post_init__(self) -> None:
         reward, dpo = self.objective == "reward", self.objective == "dpo"
-        self.max_lr = self.max_lr if self.max_lr is not None else 1e-4 if reward else 1e-6
+        if self.max_lr is None:
+            self.max_lr = 1e-4 if reward else 1e-6
         super().__post_init__()
         check_flags([((reward or dpo) and self.dpo_loss in DPO_LOSSES and self.dpo_sft >= 0, "--objective must be "
                       f"reward or dpo, --dpo-loss one of {', '.join(DPO_LOSSES)} and --dpo-sft >= 0; got "
                       f"{self.objective!r}, {self.dpo_loss!r} and {self.dpo_sft}"),
                      (0 < self.dpo_beta < float("inf"), f"--dpo-beta must be a positive number; got {self.dpo_beta}"),
-                     (self.arch.setdefault("value_head", True) if reward else not self.arch.get("value_head"),
-                      f"--objective {self.objective} trains {'a' if reward else 'no'} value head: drop --value-head "
-                      f"{str(not reward).lower()}"),
+                     (not reward or self.arch.setdefault("value_head", True) is True,
+                      "--objective reward trains a value head: drop --value-head false"),
+                     (not dpo or not self.arch.get("value_head"), "--objective dpo trains no value head: drop "
+                      "--value-head true"),
                      (not dpo or bool(self.init_from), "--objective dpo moves a model away from its starting weights, "
                       "its reference: pass --init-from a fine-tuned model (a random one prefers nothing)"),
                      (not dpo or self.parallel != "fsdp",
