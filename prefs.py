@@ -182,11 +182,17 @@ def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> Metrics:
     return {"loss": -F.logsigmoid(margin).mean(), "accuracy": (margin > 0).float().mean(), "margin": margin.mean()}
 
 
+DPO_LOSSES = {"sigmoid": lambda c, r, n, beta: -F.logsigmoid(c - r),  # TRL's loss_types, on the rewards c, r of dpo
+              "ipo": lambda c, r, n, beta: ((c / n[0] - r / n[1]) / beta - 1 / (2 * beta)) ** 2,  # n: reply lengths
+              "hinge": lambda c, r, n, beta: F.relu(1 - (c - r))}  # c - r is beta times TRL's logits
+
+
 def dpo(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-        ref_rejected: torch.Tensor, beta: float = 0.1) -> Metrics:
-    """DPO (sigmoid) from sequence log-probs: Bradley–Terry on the implicit rewards beta * log(policy / reference)."""
+        ref_rejected: torch.Tensor, beta: float = 0.1, loss: str = "sigmoid", tokens: Any = None) -> Metrics:
+    """DPO_LOSSES[loss] of the implicit rewards beta * log(policy / reference), and Bradley–Terry's accuracy, margin."""
     chosen, rejected = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
-    return {**bradley_terry(chosen, rejected), "chosen_reward": chosen.mean(), "rejected_reward": rejected.mean()}
+    return {**bradley_terry(chosen, rejected), "loss": DPO_LOSSES[loss](chosen, rejected, tokens, beta).mean(),
+            "chosen_reward": chosen.mean(), "rejected_reward": rejected.mean()}
 
 
 def reward_model_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], logprob: bool = False) -> Metrics:
@@ -195,13 +201,13 @@ def reward_model_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
 
 
 def dpo_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], ref: nn.Module, beta: float = 0.1,
-                sft: float = 0.0) -> Metrics:
+                sft: float = 0.0, loss: str = "sigmoid") -> Metrics:
     """A PairLoader batch's DPO metrics against the frozen reference `ref`; with `sft` the loss adds that times the
     chosen replies' mean token NLL (RPO, TRL's rpo_alpha): on pairs one token apart DPO alone lowers both sides."""
     with torch.no_grad():
         reference = sequence_logprobs(ref, *batch)
     chosen, rejected = sequence_logprobs(model, *batch).chunk(2)
-    out = dpo(chosen, rejected, *reference.chunk(2), beta)
+    out = dpo(chosen, rejected, *reference.chunk(2), beta, loss, batch[1][:, 1:].sum(1).chunk(2))
     if sft:
         out["nll"] = -chosen.sum() / batch[1][:len(chosen), 1:].sum()
         out["loss"] = out["loss"] + sft * out["nll"]
@@ -240,6 +246,7 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
     objective: str = "dpo"  # reward (a Bradley-Terry reward model: a value head on the model) or dpo
     reward_logprob: bool = False  # reward: the score adds the mean log-prob of the reply (parallel.rewards)
     dpo_beta: float = 0.1  # DPO's beta: how far the implicit reward may pull the policy from its reference
+    dpo_loss: str = "sigmoid"  # DPO's loss, TRL's loss_type: sigmoid (DPO's), ipo (per-token log-ratios) or hinge
     dpo_sft: float = 0.0  # DPO's loss adds this times the chosen replies' token NLL (RPO; TRL's rpo_alpha)
     # with no --preset, GPT-2 124M on UltraFeedback (64 pairs a step, TRL's 8 a GPU on 8), not pretraining's schedule
     max_steps: int = 955  # optimizer steps (about one epoch of ultrafeedback_binarized's 61,135 train pairs)
@@ -255,27 +262,27 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
     out_dir: Annotated[str, LOCAL] = "out/prefs"
 
     def __post_init__(self) -> None:
+        reward, dpo = self.objective == "reward", self.objective == "dpo"
         if self.max_lr is None:
-            self.max_lr = 1e-4 if self.objective == "reward" else 1e-6
+            self.max_lr = 1e-4 if reward else 1e-6
         super().__post_init__()
-        check_flags([(self.objective in ("reward", "dpo") and self.dpo_sft >= 0, "--objective must be reward or dpo "
-                      f"and --dpo-sft >= 0; got {self.objective!r} and {self.dpo_sft}"),
+        check_flags([((reward or dpo) and self.dpo_loss in DPO_LOSSES and self.dpo_sft >= 0, "--objective must be "
+                      f"reward or dpo, --dpo-loss one of {', '.join(DPO_LOSSES)} and --dpo-sft >= 0; got "
+                      f"{self.objective!r}, {self.dpo_loss!r} and {self.dpo_sft}"),
                      (0 < self.dpo_beta < float("inf"), f"--dpo-beta must be a positive number; got {self.dpo_beta}"),
-                     (self.objective != "reward" or self.arch.setdefault("value_head", True) is True,
-                      "--objective reward trains a value head: drop --value-head false")])
-        # the other objective's flags (--task scores greedy replies: a reward model's logits are not what it trains),
-        # and the next-token loss's speed options, which neither objective computes
-        other = {"reward": ("dpo_beta", "dpo_sft", "task"), "dpo": ("reward_logprob",)}[self.objective]
+                     (not reward or self.arch.setdefault("value_head", True) is True,
+                      "--objective reward trains a value head: drop --value-head false"),
+                     (not dpo or not self.arch.get("value_head"), "--objective dpo trains no value head: drop "
+                      "--value-head true"),
+                     (not dpo or bool(self.init_from), "--objective dpo moves a model away from its starting weights, "
+                      "its reference: pass --init-from a fine-tuned model (a random one prefers nothing)"),
+                     (not dpo or self.parallel != "fsdp",
+                      "--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")])
+        # the other objective's flags (--task: a reward model's logits don't reply) and the lm loss's speed options
+        other = {"reward": ("dpo_beta", "dpo_loss", "dpo_sft", "task"), "dpo": ("reward_logprob",)}[self.objective]
         unused = [f for f in other if getattr(self, f) != PrefsConfig.__dataclass_fields__[f].default]
         if unused := unused + [f for f in ("loss_chunk", "fused_ce") if self.arch.get(f)]:
             raise ValueError(f"--objective {self.objective} does not use --{flag(unused[0])}: drop it")
-        dpo = self.objective == "dpo"
-        check_flags([(not dpo or bool(self.init_from), "--objective dpo moves a model away from its starting weights, "
-                      "its reference: pass --init-from a fine-tuned model (a random one prefers nothing)"),
-                     (not dpo or self.parallel != "fsdp",
-                      "--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1"),
-                     (not dpo or not self.arch.get("value_head"),
-                      "--objective dpo trains no value head: drop --value-head true")])
 
 
 # the chat demo's pairs (tasks.py --pairs), one to a 24-token row, and the schedule both demos share
@@ -289,16 +296,14 @@ PRESETS: dict[str, Callable[[], PrefsConfig]] = {
     # DPO starts where RL does, from the half-trained SFT model; the SFT term keeps it from lowering both replies
     "dpo-demo": functools.partial(PrefsConfig, **DEMO, init_from="out/sft-demo-1200/ckpt_001200.pt", objective="dpo",
                                   dpo_sft=1.0, max_lr=3e-4, max_steps=200, task="addition", task_every=50,
-                                  task_limit=256, out_dir="out/dpo-demo"),
-}
+                                  task_limit=256, out_dir="out/dpo-demo")}
 
 
 def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list[Eval]:
     """The held-out pairs' loss, the share ranked right and the mean margin; DPO's each side's reward (and sft term)."""
     if setup.val_loader is None:
         return []
-    built, ctx = setup.built, setup.ctx
-    windows = stage.val_windows(cfg, setup.val_loader, ctx.master)
+    built, ctx, windows = setup.built, setup.ctx, stage.val_windows(cfg, setup.val_loader, setup.ctx.master)
 
     def val(step: int) -> dict[str, Any]:
         pairs = evaluate_pairs(built.model, setup.val_loader, windows, metrics.metrics_fn, built.autocast, ctx.world)
@@ -309,19 +314,17 @@ def pair_evals(cfg: PrefsConfig, setup: stage.Setup, metrics: Objective) -> list
 
 
 def setup(cfg: PrefsConfig, ctx: Context) -> Run:
-    """The Run: the pairs, the objective (DPO's loads its reference), the model (a value head added for a reward
-    model), held-out pairs and the task."""
+    """The Run: the pairs, the objective (DPO's with its reference), the model (a reward model's with a head), evals."""
     # a split's preference pairs for `data`'s rank among its data-parallel world (stage.Setup's)
     loader = lambda split, data: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
                                             cfg.seed, data.device, shuffle=split == "train")
     setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
     # train_step's objective: DPO's against a frozen reference, the starting weights loaded again (a resumed model has
     # moved on; checked the same on resume), or the reward model's Bradley-Terry metrics
+    ref, metrics = None, functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
     if cfg.objective == "dpo":
         ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)
-        metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft)
-    else:
-        ref, metrics = None, functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
+        metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft, loss=cfg.dpo_loss)
     setup.build(parts={"reference": ref and stage.Reference(engine.weights_digest(ref), cfg.init_from,
                                                             "took its DPO reference from")})
     pairs = Objective(metrics, summarised=("accuracy", "margin"))

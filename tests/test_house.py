@@ -102,11 +102,13 @@ def test_help_names_every_value_a_registry_accepts(script):
     import fineweb
     import parallel
     import parallelize
+    import prefs
     import rl
     import tasks
     registries = {"lr-schedule": engine.SCHEDULES, "optimizer": parallel.OPTIMIZERS, "algo": rl.ALGOS,
                   "loss-agg": rl.LOSS_AGG, "pp-schedule": parallelize.SCHEDULES, "shuffle": fineweb.SHUFFLES,
-                  "compile-mode": parallel.COMPILE_MODES, "attention": parallel.SDPA_SWITCHES, "task": tasks.TASKS}
+                  "compile-mode": parallel.COMPILE_MODES, "attention": parallel.SDPA_SWITCHES, "task": tasks.TASKS,
+                  "dpo-loss": prefs.DPO_LOSSES}
     proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, check=True)
     lines = {m[1]: m[2] for m in re.finditer(r"^--([\w-]+) +\S+ +default +\S+ +(.*)$", proc.stdout, re.M)}
     shown = [flag for flag in registries if flag in lines]

@@ -332,6 +332,43 @@ def test_bradley_terry_and_dpo_against_closed_forms():
     assert abs(out["chosen_reward"].item() - 0.5) < 1e-6 and abs(out["rejected_reward"].item() + 0.75) < 1e-6
 
 
+# two pairs by hand, beta 0.5: log-ratios log(policy / reference) chosen 0.5 and -1, rejected -1 and 1, over replies of
+# 2 and 4 (chosen), 1 and 3 (rejected) tokens; TRL's logits (chosen - rejected log-ratio) 1.5 and -2
+PAIRS = [torch.tensor(v) for v in ([-4.0, -6.0], [-5.0, -3.0], [-4.5, -5.0], [-4.0, -4.0])]
+LENGTHS = (torch.tensor([2, 4]), torch.tensor([1, 3]))
+
+
+@pytest.mark.parametrize("loss, want", [
+    ("sigmoid", (math.log1p(math.exp(-0.75)) + math.log1p(math.exp(1.0))) / 2),  # -log sigmoid(beta * logits)
+    ("hinge", (0.25 + 2.0) / 2),  # relu(1 - beta * logits): 1 - 0.75, 1 + 1
+    # TRL's ipo on per-token means: logits 0.5/2 + 1/1 = 1.25 and -1/4 - 1/3 = -7/12, less 1 / (2 beta) = 1, squared
+    ("ipo", ((1.25 - 1) ** 2 + (-7 / 12 - 1) ** 2) / 2),
+])
+def test_each_dpo_loss_against_trls_formula_by_hand(loss, want):
+    out = dpo(*PAIRS, beta=0.5, loss=loss, tokens=LENGTHS)
+    assert out["loss"].item() == pytest.approx(want, rel=1e-6)
+    # the logged rewards, margin and accuracy are the summed log-ratios' whatever the loss, as TRL logs them
+    assert [out[k].item() for k in ("accuracy", "margin", "chosen_reward", "rejected_reward")] == pytest.approx(
+        [0.5, (0.75 - 1.0) / 2, (0.25 - 0.5) / 2, (-0.5 + 0.5) / 2])
+
+
+def test_ipo_takes_each_replys_token_count_from_the_mask():
+    # the per-token means divide by each side's reply tokens: the masked targets after position 0, as TRL's
+    rows = [{"prompt": "What is 1 + 1?", "chosen": "It is 2.", "rejected": "I think it is three, or so."},
+            {"prompt": "What is 2 + 2?", "chosen": "Four, of course: two and two.", "rejected": "5"}]
+    ids, mask = PairLoader(rows, "train", 2, 40, shuffle=False).next_batch()
+    model, ref = tiny(), frozen_copy(tiny())
+    with torch.no_grad():
+        ref.transformer.h[0].mlp.c_fc.weight.add_(0.5 * torch.randn_like(ref.transformer.h[0].mlp.c_fc.weight))
+    logs = [F.log_softmax(m(ids)[0].float(), -1) for m in (model, ref)]
+    mean = [[sum(lp[r, t - 1, ids[r, t]].item() for t in range(1, 40) if mask[r, t]) / int(mask[r, 1:].sum())
+             for r in range(4)] for lp in logs]  # policy's and reference's, rows: chosen 0, 1, rejected 2, 3
+    logits = [(mean[0][p] - mean[1][p]) - (mean[0][p + 2] - mean[1][p + 2]) for p in (0, 1)]
+    want = sum((x - 1 / (2 * 0.25)) ** 2 for x in logits) / 2
+    assert mask[:, 1:].sum(1).tolist() == [5, 10, 10, 2]  # sides of other lengths: sums would give another loss
+    assert dpo_metrics(model, (ids, mask), ref, beta=0.25, loss="ipo")["loss"].item() == pytest.approx(want, rel=1e-4)
+
+
 def test_reward_is_the_value_at_the_last_reply_token_and_sequence_logprobs_sum_the_reply():
     model = tiny(value_head=True)
     torch.nn.init.normal_(model.value_head.weight, std=0.1)
@@ -552,13 +589,17 @@ def random_start(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("preset", ["rm-demo", "dpo-demo"])
+# DPO starts from a tie (a policy equal to its reference): log 2, or IPO's (0 - 1 / (2 beta))^2 = 25; the reward
+# model's zero head adds nothing to the random model's near-uniform log-probs of two replies
+@pytest.mark.parametrize("preset, loss, start", [("rm-demo", "sigmoid", pytest.approx(LN2, abs=1e-2)),
+                                                 ("dpo-demo", "sigmoid", pytest.approx(LN2, abs=1e-6)),
+                                                 ("dpo-demo", "ipo", pytest.approx(25.0, abs=1e-4))])
 def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pairs, random_start, tmp_path, preset,
-                                                                     capsys):
+                                                                     loss, start, capsys):
     import prefs
 
     extra = ["--max-steps=4", "--ckpt-every=2", "--eval-every=2", "--dpo-sft=0"]  # DPO's tie below: no SFT term
-    extra += [f"--init-from={random_start}"] if preset == "dpo-demo" else []
+    extra += [f"--init-from={random_start}", f"--dpo-loss={loss}"] if preset == "dpo-demo" else []
     full = prefs.main(pairs_run(addition_pairs, tmp_path / "full", preset, *extra))
     # a pair is two sequences: the header counted one (384), log.jsonl both
     assert "768 tokens/step = 2 x 8 pairs x 24 x 1 ranks x 2 accum" in capsys.readouterr().out
@@ -570,10 +611,9 @@ def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pa
     # bitwise: for DPO this also shows the resumed run's reference is the starting weights, not the resumed ones
     assert losses == full["losses"] and rest["val"] == full["val"]
     assert rest["losses"] == full["losses"][2:]  # it resumed at step 2: a restart from 0 matched the full run too
-    # DPO starts from a tie (a policy equal to its reference); the reward model's zero head adds nothing to the random
-    # model's near-uniform log-probs of two replies
-    assert full["losses"][0] == pytest.approx(math.log(2), abs=1e-6 if preset == "dpo-demo" else 1e-2)
-    records = [r for r in iter_log(tmp_path / "full" / "log.jsonl") if r["type"] in ("train", "val")]
+    assert full["losses"][0] == start and all(map(math.isfinite, full["losses"] + list(full["val"].values())))
+    records = [r for r in iter_log(tmp_path / "full" / "log.jsonl") if r["type"] in ("train", "val", "config")]
+    assert [r["config"]["dpo_loss"] for r in records if r["type"] == "config"] == [loss]  # the log says which loss
     assert all(0 <= r["accuracy"] <= 1 for r in records if r["type"] == "train")
     assert [r["step"] for r in records if r["type"] == "val"] == [0, 2, 4]
     assert all(0 <= r["val_accuracy"] <= 1 for r in records if r["type"] == "val")
@@ -585,7 +625,7 @@ def test_the_stage_hands_its_flags_to_the_objective_and_shuffles_the_train_pairs
                                                                                         tmp_path, monkeypatch):
     import prefs
 
-    seen, loaders = set(), set()  # --dpo-sft, --dpo-beta and --reward-logprob were dropped silently by a wrong setup
+    seen, loaders = set(), set()  # --dpo-sft, --dpo-beta, --dpo-loss and --reward-logprob: each handed on
     dpo_metrics, reward_metrics, loader = prefs.dpo_metrics, prefs.reward_model_metrics, prefs.PairLoader
     monkeypatch.setattr(prefs, "dpo_metrics", lambda model, batch, ref, **kw: seen.add(("dpo", *sorted(kw.items())))
                         or dpo_metrics(model, batch, ref, **kw))
@@ -594,9 +634,9 @@ def test_the_stage_hands_its_flags_to_the_objective_and_shuffles_the_train_pairs
     monkeypatch.setattr(prefs, "PairLoader", lambda *a, **kw: loaders.add((a[1], kw["shuffle"])) or loader(*a, **kw))
     extra = ["--max-steps=1", "--eval-every=1", "--ckpt-every=0"]  # and the held-out pairs scored
     prefs.main(pairs_run(addition_pairs, tmp_path / "dpo", "dpo-demo", *extra, f"--init-from={random_start}",
-                         "--dpo-sft=0.5", "--dpo-beta=0.2"))
+                         "--dpo-sft=0.5", "--dpo-beta=0.2", "--dpo-loss=hinge"))
     prefs.main(pairs_run(addition_pairs, tmp_path / "rm", "rm-demo", *extra))  # its preset: --reward-logprob
-    assert seen == {("dpo", ("beta", 0.2), ("sft", 0.5)), ("reward", ("logprob", True))}
+    assert seen == {("dpo", ("beta", 0.2), ("loss", "hinge"), ("sft", 0.5)), ("reward", ("logprob", True))}
     assert loaders == {("train", True), ("val", False)}
 
 
@@ -628,7 +668,12 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
 
 
 @pytest.mark.parametrize("main, flags, message", [
-    ("prefs", ["--objective=lm"], "--objective must be reward or dpo and --dpo-sft >= 0; got 'lm' and 0.0"),
+    ("prefs", ["--objective=lm"], "--objective must be reward or dpo, --dpo-loss one of sigmoid, ipo, hinge and "
+                                  "--dpo-sft >= 0; got 'lm', 'sigmoid' and 0.0"),
+    ("prefs", ["--init-from=x.pt", "--dpo-loss=kto"], "--objective must be reward or dpo, --dpo-loss one of sigmoid, "
+                                                      "ipo, hinge and --dpo-sft >= 0; got 'dpo', 'kto' and 0.0"),
+    # a reward model trains on Bradley-Terry alone: DPO's loss would be ignored
+    ("prefs", ["--objective=reward", "--dpo-loss=ipo"], "--objective reward does not use --dpo-loss: drop it"),
     ("prefs", ["--objective=reward", "--value-head=false"], "--objective reward trains a value head"),
     ("prefs", ["--objective=dpo", "--init-from=x.pt", "--parallel=fsdp"], "--objective dpo keeps a whole frozen"),
     ("prefs", ["--objective=reward", "--dpo-sft=1"], "--objective reward does not use --dpo-sft: drop it"),
