@@ -847,17 +847,35 @@ def test_from_pretrained_overrides_win_and_pytorch_tanh_gelu_loads(tmp_path):
 # KV cache and generation
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(pos="rope", n_kv_head=2)])
-def test_cached_logits_equal_uncached(kw):
+# a variant for each GPTConfig field but the sizes, so that a field a researcher adds is decoded with a cache here too
+CACHE_VARIANTS = {"plain": {}, "n_kv_head": dict(n_kv_head=1), "pos": dict(pos="rope", n_kv_head=2),
+                  "rope_theta": dict(pos="rope", rope_theta=500.0), "bias": dict(bias=False), "mlp": dict(mlp="swiglu"),
+                  "norm": dict(norm="rmsnorm"), "fused_gelu": dict(fused_gelu=True), "loss_chunk": dict(loss_chunk=8),
+                  "fused_ce": dict(fused_ce=True), "half_residual": dict(half_residual=True),
+                  "value_head": dict(value_head=True), "head_size": dict(head_size=12),
+                  "mlp_hidden": dict(mlp_hidden=40), "dropout": dict(dropout=0.1)}
+
+
+def test_every_config_field_has_a_cache_variant():
+    sizes = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd"}
+    untested = {f.name for f in dataclasses.fields(GPTConfig)} - sizes - CACHE_VARIANTS.keys()
+    assert not untested, f"add a variant for {sorted(untested)} to CACHE_VARIANTS (cached logits vs uncached)"
+
+
+@pytest.mark.parametrize("name", CACHE_VARIANTS)
+def test_cached_logits_equal_uncached(name):
     torch.manual_seed(0)
-    model = GPT(tiny(**kw)).eval()
+    model = GPT(tiny(**CACHE_VARIANTS[name])).eval()
     idx = torch.randint(0, 96, (2, 20))
-    with torch.no_grad():
-        full, _ = model(idx)
+    half = torch.autocast("cpu", torch.bfloat16, enabled=name == "half_residual")  # it acts under autocast only
+    with torch.no_grad(), half:
+        full = model(idx, values=model.config.value_head)
         cache = KVCache(model.config, 2)
-        steps = [model(idx[:, :8], cache=cache)[0]]
-        steps += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(8, 20)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+        steps = [model(idx[:, :8], cache=cache, values=model.config.value_head)]
+        steps += [model(idx[:, t:t + 1], cache=cache, values=model.config.value_head) for t in range(8, 20)]
+    tol = 1e-2 if name == "half_residual" else 1e-5  # bf16 logits (measured 4e-3 apart), other matmul shapes
+    for i in range(2 if model.config.value_head else 1):  # (logits, values) with the value head
+        torch.testing.assert_close(torch.cat([s[i] for s in steps], dim=1), full[i], atol=tol, rtol=tol)
 
 
 def test_kv_cache_visible_mask_is_causal_hides_pad_keys_and_always_shows_a_query_itself():
