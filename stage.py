@@ -568,20 +568,18 @@ def hold_out_dir(cfg: RunArgs, rank: int, world: int, stack: contextlib.ExitStac
     """Rank 0 locks --out-dir until `stack` closes (--eval-only writes nothing there): a second run there stops at
     once instead of pruning this one's checkpoints. A problem on any rank (a missing logging package too) stops all."""
     out_dir = Path(cfg.out_dir)
-    problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None
-    if not problem and out_dir.exists() and not out_dir.is_dir():
-        problem = f"--out-dir {out_dir} is a file, not a directory"
-    elif not problem and rank == 0 and not cfg.eval_only:
-        try:
+
+    def hold() -> None:
+        if rank == 0 and (missing := missing_package(cfg.tensorboard, cfg.wandb)):
+            raise ValueError(missing)
+        check_flags([(not out_dir.exists() or out_dir.is_dir(), f"--out-dir {out_dir} is a file, not a directory")])
+        if rank == 0 and not cfg.eval_only:
             stack.enter_context(hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir "
                                           f"{out_dir}; let it finish, or pass another --out-dir (an --eval-only run "
                                           "may share it)", "make sure no other train.py writes there"))
-        except ValueError as e:
-            problem = str(e)
-        except OSError as e:
-            problem = f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to"
-    if problem := shared_problem(problem, world):
-        raise ValueError(problem)
+
+    same_verdict(hold, world, reason=lambda e: str(e) if isinstance(e, ValueError) else
+                 f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to")
 
 
 def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], Any]], setup: Callable[..., Run],
