@@ -369,7 +369,7 @@ class Setup:
         self.raw = self.built.shards or self.raw  # under --tp/--pp: this rank's part, which checkpoints and evaluates
         if ctx.master:
             print_header(self, use_compile, max((getattr(loader, "sides", 1) for loader in loaders), default=1))
-        self.log = open_log(self.cfg, self.raw, self.checkpointer, self.found, self.start, ctx)
+        self.log = open_log(self.cfg, self.raw, self.checkpointer, self.found, self.start)
 
     def run(self, step_fn: Callable[[int], dict[str, Any]], evals: list[Eval]) -> Run:
         peak = self.cfg.peak_tflops
@@ -550,11 +550,10 @@ def note_changed_flags(saved: dict[str, Any], cfg: RunArgs) -> None:
         print(f"note: flags changed since the checkpoint: {', '.join(changed)}")
 
 
-def open_log(cfg: RunArgs, raw: GPT, checkpointer: Checkpointer, found: tuple[Path, dict] | None, start: int,
-             ctx: Context) -> RunLog:
+def open_log(cfg: RunArgs, raw: GPT, checkpointer: Checkpointer, found: tuple[Path, dict] | None, start: int) -> RunLog:
     """log.jsonl and the trackers, its first record the full config, the model's and the provenance."""
     checkpointer.remove_partial_writes()
-    log = open_run_log(cfg, start if found else None, checkpointer.rewinding, ctx.rank, ctx.world)
+    log = open_run_log(cfg, start if found else None, checkpointer.rewinding, checkpointer.rank, checkpointer.world)
     log.write({"type": "config", "step": start, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": checkpointer.prov})
     return log
