@@ -861,10 +861,9 @@ def agree_fingerprint(make: Callable[[], dict[str, Any]], rank: int, world: int,
     if world == 1:
         return
     fingerprint = make()
-    says = {"command": describe_command, "data": describe_data, "weights": describe_weights}
     first = [fingerprint]  # rank 0's on every rank, once broadcast
     dist.broadcast_object_list(first, src=0)
-    mine = next((says.get(key, describe_other)(key, fingerprint[key], first[0].get(key), rank, weights_source)
+    mine = next((describe_difference(key, fingerprint[key], first[0].get(key), rank, weights_source)
                  for key in fingerprint if fingerprint[key] != first[0].get(key)), None)  # the first key that differs
     answers: list[str | None] = [None] * world
     dist.all_gather_object(answers, mine)
@@ -872,17 +871,17 @@ def agree_fingerprint(make: Callable[[], dict[str, Any]], rank: int, world: int,
         raise ValueError(problem)
 
 
-def describe_other(key: str, mine: Any, first: Any, rank: int, _: str) -> str:
-    return f"rank {rank}'s {key} differs from rank 0's: every node must hold the same {key}"
-
-
-def describe_command(key: str, mine: dict, first: dict, rank: int, _: str) -> str:
-    diff = ", ".join(f"--{flag(k)} {mine.get(k)} (rank 0: {first.get(k)})" for k in {**first, **mine}
-                     if mine.get(k) != first.get(k))
-    return f"rank {rank} was started with {diff}: every node must run the same command"
-
-
-def describe_data(key: str, mine: list, first: list, rank: int, _: str) -> str:
+def describe_difference(key: str, mine: Any, first: Any, rank: int, weights_source: str) -> str:
+    """This rank's fingerprint[key] against rank 0's, in one line: what differs, and what every node must share."""
+    if key == "command":
+        diff = ", ".join(f"--{flag(k)} {mine.get(k)} (rank 0: {first.get(k)})" for k in {**first, **mine}
+                         if mine.get(k) != first.get(k))
+        return f"rank {rank} was started with {diff}: every node must run the same command"
+    if key == "weights":
+        return (f"rank {rank} loaded other weights from {weights_source} than rank 0 (digest {mine}, rank 0: "
+                f"{first}): every node must start from the same model")
+    if key != "data":
+        return f"rank {rank}'s {key} differs from rank 0's: every node must hold the same {key}"
     for (split, names, sizes), (_, names0, sizes0) in zip(mine, first, strict=True):
         here, there = dict(zip(names, sizes, strict=True)), dict(zip(names0, sizes0, strict=True))
         if here != there:
@@ -890,8 +889,3 @@ def describe_data(key: str, mine: list, first: list, rank: int, _: str) -> str:
             return (f"rank {rank}'s {split} shard {name} holds {here.get(name, 0):,} tokens, rank 0's "
                     f"{there.get(name, 0):,}: every node must hold the same --data")
     return f"rank {rank}'s data differs from rank 0's: every node must hold the same --data"
-
-
-def describe_weights(key: str, mine: str, first: str, rank: int, source: str) -> str:
-    return (f"rank {rank} loaded other weights from {source} than rank 0 (digest {mine}, rank 0: {first}): every node "
-            "must start from the same model")

@@ -369,7 +369,7 @@ class Setup:
         self.raw = self.built.shards or self.raw  # under --tp/--pp: this rank's part, which checkpoints and evaluates
         if ctx.master:
             print_header(self, use_compile, max((getattr(loader, "sides", 1) for loader in loaders), default=1))
-        self.log = open_log(self.cfg, self.raw, self.checkpointer, self.found, self.start, ctx)
+        self.log = open_log(self.cfg, self.raw, self.checkpointer, self.found, self.start)
 
     def run(self, step_fn: Callable[[int], dict[str, Any]], evals: list[Eval]) -> Run:
         peak = self.cfg.peak_tflops
@@ -550,11 +550,10 @@ def note_changed_flags(saved: dict[str, Any], cfg: RunArgs) -> None:
         print(f"note: flags changed since the checkpoint: {', '.join(changed)}")
 
 
-def open_log(cfg: RunArgs, raw: GPT, checkpointer: Checkpointer, found: tuple[Path, dict] | None, start: int,
-             ctx: Context) -> RunLog:
+def open_log(cfg: RunArgs, raw: GPT, checkpointer: Checkpointer, found: tuple[Path, dict] | None, start: int) -> RunLog:
     """log.jsonl and the trackers, its first record the full config, the model's and the provenance."""
     checkpointer.remove_partial_writes()
-    log = open_run_log(cfg, start if found else None, checkpointer.rewinding, ctx.rank, ctx.world)
+    log = open_run_log(cfg, start if found else None, checkpointer.rewinding, checkpointer.rank, checkpointer.world)
     log.write({"type": "config", "step": start, "config": dataclasses.asdict(cfg),
                "model_config": dataclasses.asdict(raw.config), "provenance": checkpointer.prov})
     return log
@@ -568,20 +567,18 @@ def hold_out_dir(cfg: RunArgs, rank: int, world: int, stack: contextlib.ExitStac
     """Rank 0 locks --out-dir until `stack` closes (--eval-only writes nothing there): a second run there stops at
     once instead of pruning this one's checkpoints. A problem on any rank (a missing logging package too) stops all."""
     out_dir = Path(cfg.out_dir)
-    problem = missing_package(cfg.tensorboard, cfg.wandb) if rank == 0 else None
-    if not problem and out_dir.exists() and not out_dir.is_dir():
-        problem = f"--out-dir {out_dir} is a file, not a directory"
-    elif not problem and rank == 0 and not cfg.eval_only:
-        try:
+
+    def hold() -> None:
+        if rank == 0 and (missing := missing_package(cfg.tensorboard, cfg.wandb)):
+            raise ValueError(missing)
+        check_flags([(not out_dir.exists() or out_dir.is_dir(), f"--out-dir {out_dir} is a file, not a directory")])
+        if rank == 0 and not cfg.eval_only:
             stack.enter_context(hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir "
                                           f"{out_dir}; let it finish, or pass another --out-dir (an --eval-only run "
                                           "may share it)", "make sure no other train.py writes there"))
-        except ValueError as e:
-            problem = str(e)
-        except OSError as e:
-            problem = f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to"
-    if problem := shared_problem(problem, world):
-        raise ValueError(problem)
+
+    same_verdict(hold, world, reason=lambda e: str(e) if isinstance(e, ValueError) else
+                 f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to")
 
 
 def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], Any]], setup: Callable[..., Run],
