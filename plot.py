@@ -96,8 +96,12 @@ def log_paths(arg: str) -> list[Path]:
         if newest is None:
             raise FileNotFoundError("no out/*/log.jsonl here; pass --log PATH (the log.jsonl in a run's --out-dir)")
         return [newest]
-    # a path that exists as given is one log, commas and all (run names such as lr=6e-4,bs=8)
-    return [Path(arg)] if Path(arg).is_file() else [Path(part) for part in arg.split(",") if part]
+    logs, part = [], ""
+    for piece in arg.split(","):  # a comma may be a run name's (lr=6e-4,bs=8): pieces join until a file exists
+        part = f"{part},{piece}" if part else piece
+        if Path(part).is_file():
+            logs, part = [*logs, Path(part)], ""
+    return logs + [Path(rest) for rest in part.split(",") if rest]  # what never existed: named apart, as given
 
 
 def read_run(log: Path) -> tuple[dict, dict[str, list[dict]]]:

@@ -172,6 +172,21 @@ def test_plot_overlays_several_runs(tmp_path, monkeypatch):
         plot.main(["--log", f"{a},{tmp_path / 'nope.jsonl'}"])
 
 
+def test_plot_overlays_runs_whose_names_hold_commas(tmp_path):
+    # a sweep's runs named as the docstring suggests (lr=6e-4,bs=8): one such log plotted, but two compared gave
+    # "error: --log .../lr=6e-4 does not exist", the comma inside a name taken for the one between logs
+    logs = [tmp_path / f"lr={lr},bs=8" / "log.jsonl" for lr in ("6e-4", "1e-3")]
+    for i, log in enumerate(logs):
+        log.parent.mkdir()
+        log.write_text(json.dumps({"type": "train", "step": 0, "tokens": 8, "loss": 5.0 + i}) + "\n")
+    assert plot.log_paths(f"{logs[0]},{logs[1]}") == logs
+    assert plot.main(["--log", f"{logs[0]},{logs[1]}"]) == logs[0].with_name("compare.png")
+    with pytest.raises(SystemExit, match=f"--log {tmp_path / 'nope.jsonl'} does not exist"):  # the missing one named
+        plot.main(["--log", f"{tmp_path / 'nope.jsonl'},{logs[0]}"])
+    (tmp_path / "lr=6e-4").mkdir()  # another run's directory, named as the first piece: not taken for the log
+    assert plot.log_paths(f"{logs[0]},{tmp_path}") == [logs[0], tmp_path]  # a directory: read_run says so
+
+
 def test_the_loss_panel_shows_the_curve_after_its_first_drop(tmp_path, monkeypatch):
     """ln(vocab) at step 0 would squash 90 steps of a slow decline into a few pixels: the y-range's top is the
     highest loss past the run's first tenth (train EMA and val), its bottom the lowest, with 5% to spare."""
