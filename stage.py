@@ -521,7 +521,7 @@ def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
     """Say so when the resumed run had another schedule (--max-steps, --lr-schedule...) that changes the lr."""
     old = dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE if k in saved})
     changed = [k for k in SCHEDULE if getattr(old, k) != getattr(cfg, k)]
-    steps = range(step, max(old.max_steps, cfg.max_steps) + 1) if changed and not cfg.eval_only else ()
+    steps = range(step, cfg.max_steps) if changed and not cfg.eval_only else ()  # the steps this run trains
     differs = next((s for s in steps if get_lr(s, old) != get_lr(s, cfg)), None)
     if differs is not None:
         had = " and ".join(f"--{flag(k)} {getattr(old, k)}" for k in changed)
