@@ -285,3 +285,27 @@ def test_plot_draws_chatcore_and_core_on_panels_of_their_own(tmp_path, monkeypat
     (core,), (chatcore,) = fig.axes[1].get_lines(), fig.axes[2].get_lines()
     assert (list(chatcore.get_xdata()), list(chatcore.get_ydata())) == ([0, 2], [0.1, 0.3])
     assert chatcore.get_label() == "ChatCORE (last 0.3000)" and core.get_label() == "CORE (last 0.0500)"
+
+
+def test_plot_draws_the_pairs_ranked_right_of_two_preference_runs(tmp_path, monkeypatch):
+    # prefs.py's val records hold val_accuracy, the share of held-out pairs ranked right (a reward model's or DPO's
+    # headline): comparing two DPO runs drew their losses and lrs only
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: figures.append(self))
+    logs = []
+    for name, accs in (("dpo-b0.1", (0.5, 0.75)), ("dpo-b0.5", (0.5, 0.625))):
+        records = [{"type": "train", "step": s, "tokens": s, "loss": 0.7, "lr": 1e-4} for s in range(3)]
+        records += [{"type": "val", "step": s, "tokens": s, "val_loss": 0.69, "val_accuracy": a, "val_margin": 0.0}
+                    for s, a in zip((0, 2), accs, strict=True)]
+        (tmp_path / name).mkdir()
+        logs.append(tmp_path / name / "log.jsonl")
+        logs[-1].write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot.main(["--log", f"{logs[0]},{logs[1]}"])
+    (fig,) = figures
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "learning rate", "val pairs ranked right"]
+    lines = fig.axes[2].get_lines()
+    assert [(line.get_label(), list(line.get_ydata())) for line in lines] == [
+        ("dpo-b0.1: pairs ranked right (last 0.750)", [0.5, 0.75]),
+        ("dpo-b0.5: pairs ranked right (last 0.625)", [0.5, 0.625])]
