@@ -46,7 +46,7 @@ class RunArgs(StepArgs):
     """Where a run writes, how it checkpoints, resumes, logs and stops."""
 
     max_steps: int = 19073  # optimizer steps (19073 * 524288 tokens ~ 10B)
-    seed: int = 1337  # seeds weights, dropout and the data shuffle
+    seed: int = 1337  # seeds the init, dropout, the data order and sampling (rl.py's rollouts, train.py's samples)
     out_dir: Annotated[str, LOCAL] = "out/gpt2-124m"  # checkpoints, log.jsonl and profiler traces go here
     ckpt_every: int = 5000  # checkpoint every N steps (and at the end, on SIGTERM and Ctrl-C); 0 = only at the end
     keep_last: Annotated[int, LOCAL] = 3  # keep the newest K checkpoints (0 = all)
