@@ -46,7 +46,7 @@ class RunArgs(StepArgs):
     """Where a run writes, how it checkpoints, resumes, logs and stops."""
 
     max_steps: int = 19073  # optimizer steps (19073 * 524288 tokens ~ 10B)
-    seed: int = 1337  # seeds weights, dropout and the data shuffle
+    seed: int = 1337  # seeds the init, dropout, the data order and sampling (rl.py's rollouts, train.py's samples)
     out_dir: Annotated[str, LOCAL] = "out/gpt2-124m"  # checkpoints, log.jsonl and profiler traces go here
     ckpt_every: int = 5000  # checkpoint every N steps (and at the end, on SIGTERM and Ctrl-C); 0 = only at the end
     keep_last: Annotated[int, LOCAL] = 3  # keep the newest K checkpoints (0 = all)
@@ -200,6 +200,9 @@ class Run:
         cfg, ctx = self.cfg, self.ctx
         self.tokens: TokenCount = self.parts["tokens"]  # trained on, all ranks together
         self.last_step = self.start_step if cfg.eval_only else cfg.max_steps
+        if self.resumed and not cfg.eval_only and self.start_step == cfg.max_steps and ctx.master:  # a sweep's rerun
+            print(f"note: the checkpoint is at --max-steps {cfg.max_steps} already: this run trains no step, it only "
+                  "evaluates; raise --max-steps to train on, or start a new run in a new --out-dir")
         self.latest: dict[str, dict[str, Any]] = {}  # each evaluation's last record, by name
         self.stop = StopFlags(cfg.max_time, not cfg.eval_only, ctx.master, ctx.device, ctx.world)
         self.profiler = Profiler(cfg.profile and not cfg.eval_only, self.start_step, cfg.profile_steps,

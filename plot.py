@@ -1,6 +1,6 @@
 """Plot a run from its log.jsonl: smoothed train loss, val loss and bits per byte, lr, HellaSwag and CORE against steps
-or tokens; an RL run's reward (rl.py) and a task's held-out accuracy and pass@k (rl.py, sft.py --task) where the log has
-them.
+or tokens; an RL run's reward (rl.py), a task's held-out accuracy and pass@k (rl.py, sft.py --task) and the val pairs
+ranked right (prefs.py) where the log has them.
 
 Usage:
     python plot.py                                          # the newest out/*/log.jsonl -> out/<run>/loss.png
@@ -23,7 +23,8 @@ from common import iter_log, parse_config, user_errors
 HELLASWAG_REFERENCES = (("OpenAI GPT-2 124M", 0.2955, "red"), ("OpenAI GPT-3 Small", 0.337, "gray"))
 # a panel for each curve some run has: the record type that holds it, a field of its records, and the y axis's label
 PANELS = {"loss": ("train", "loss", "loss"), "bpb": ("val", "val_bpb", "val bits per byte"),
-          "lr": ("train", "lr", "learning rate"), "reward": ("train", "reward", "reward (mean, +-1 std shaded)"),
+          "lr": ("train", "lr", "learning rate"), "pairs": ("val", "val_accuracy", "val pairs ranked right"),
+          "reward": ("train", "reward", "reward (mean, +-1 std shaded)"),
           "hellaswag": ("hellaswag", "acc_norm", "HellaSwag acc_norm"), "task": ("task", "acc", "held-out accuracy"),
           "core": ("core", "core_metric", "CORE"), "chatcore": ("chatcore", "chatcore", "ChatCORE")}
 
@@ -96,8 +97,12 @@ def log_paths(arg: str) -> list[Path]:
         if newest is None:
             raise FileNotFoundError("no out/*/log.jsonl here; pass --log PATH (the log.jsonl in a run's --out-dir)")
         return [newest]
-    # a path that exists as given is one log, commas and all (run names such as lr=6e-4,bs=8)
-    return [Path(arg)] if Path(arg).is_file() else [Path(part) for part in arg.split(",") if part]
+    logs, part = [], ""
+    for piece in arg.split(","):  # a comma may be a run name's (lr=6e-4,bs=8): pieces join until a file exists
+        part = f"{part},{piece}" if part else piece
+        if Path(part).is_file():
+            logs, part = [*logs, Path(part)], ""
+    return logs + [Path(rest) for rest in part.split(",") if rest]  # what never existed: named apart, as given
 
 
 def read_run(log: Path) -> tuple[dict, dict[str, list[dict]]]:
@@ -133,6 +138,7 @@ def draw_run(cfg: PlotConfig, curves: dict[str, list[dict]], name: str, i: int, 
     for curve, kind, key, label, style, color, digits in (
             ("loss", "val", "val_loss", "val loss", val_style, 1, 3),
             ("bpb", "val", "val_bpb", "val bpb", val_style, 1, 3),
+            ("pairs", "val", "val_accuracy", "pairs ranked right", val_style, 1, 3),  # prefs.py's
             ("hellaswag", "hellaswag", "acc_norm", "acc_norm", "o-", 2, 4),
             ("core", "core", "core_metric", "CORE", "o-", 2, 4),
             ("chatcore", "chatcore", "chatcore", "ChatCORE", "o-", 2, 4)):

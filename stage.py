@@ -495,7 +495,7 @@ def build_and_resume(raw: GPT, parts: dict[str, Any], cfg: RunArgs, ctx: Context
     parts.update(scaler=built.scaler, tokens=TokenCount())
     if found is None:
         return built, 0
-    raw = built.shards or raw  # under --tp/--pp: this rank's part
+    raw, config = built.shards or raw, raw.config  # under --tp/--pp: this rank's part
     path, ckpt = found
     saved = ckpt.get("train_config", {})
     if "init_from" in saved:  # its checkpoints name the run's start, not this resume's --init-from (or none)
@@ -506,7 +506,7 @@ def build_and_resume(raw: GPT, parts: dict[str, Any], cfg: RunArgs, ctx: Context
         if (loader := parts.get("loader")) is not None and (note := loader.resume_note(ckpt["loader"])):
             print(f"note: {note}")
         note_new_schedule(saved, cfg, step)
-        note_changed_flags(saved, cfg)
+        note_changed_flags({**ckpt.get("model_config", {}), **saved}, cfg, config)
     clip = ["--grad-clip"] * (saved.get("grad_clip", cfg.grad_clip) != cfg.grad_clip)
     if not cfg.eval_only and (changed := set_hyperparameters(built.optimizer, cfg) + clip) and ctx.master:
         print(f"note: {', '.join(changed)} differ from the checkpoint's run: this run's values apply from step {step}")
@@ -521,7 +521,7 @@ def note_new_schedule(saved: dict[str, Any], cfg: RunArgs, step: int) -> None:
     """Say so when the resumed run had another schedule (--max-steps, --lr-schedule...) that changes the lr."""
     old = dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE if k in saved})
     changed = [k for k in SCHEDULE if getattr(old, k) != getattr(cfg, k)]
-    steps = range(step, max(old.max_steps, cfg.max_steps) + 1) if changed and not cfg.eval_only else ()
+    steps = range(step, cfg.max_steps) if changed and not cfg.eval_only else ()  # the steps this run trains
     differs = next((s for s in steps if get_lr(s, old) != get_lr(s, cfg)), None)
     if differs is not None:
         had = " and ".join(f"--{flag(k)} {getattr(old, k)}" for k in changed)
@@ -535,12 +535,12 @@ def same_path(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def note_changed_flags(saved: dict[str, Any], cfg: RunArgs) -> None:
-    """Name the flags a training run changed since its checkpoint (--clip, --samples...) but those the notes above
-    cover (the lr's, the optimizer's, the data windows'), LOCAL ones (paths; --init-from apart) and any it lacks."""
-    said = (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "batch_size", "shuffle")
-    changed = [f"--{flag(k)} {saved[k]!r} -> {now}" for k, now in engine.command_of(cfg).items()
-               if k in saved and k not in said and repr(saved[k]) != now]
+def note_changed_flags(saved: dict[str, Any], cfg: RunArgs, model: GPTConfig | None = None) -> None:
+    """Name the flags a run changed since its checkpoint (--clip, --dropout...) but those the notes above cover (the
+    lr's, the optimizer's, the data's), LOCAL ones (paths; --init-from apart) and any it lacks."""
+    now = {**engine.command_of(cfg), **{k: repr(getattr(model, k)) for k in RUN_OPTIONS if model}}  # + --dropout's
+    changed = [f"--{flag(k)} {saved[k]!r} -> {v}" for k, v in now.items() if k in saved and repr(saved[k]) != v
+               and k not in (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "batch_size", "shuffle")]
     start, given = saved.get("init_from", cfg.init_from), cfg.init_from  # LOCAL, so not in `changed`
     default = next(f.default for f in dataclasses.fields(cfg) if f.name == "init_from")  # prune's, rl's: not given
     if given not in ("", default) and not (start and same_path(start, given)):

@@ -172,6 +172,21 @@ def test_plot_overlays_several_runs(tmp_path, monkeypatch):
         plot.main(["--log", f"{a},{tmp_path / 'nope.jsonl'}"])
 
 
+def test_plot_overlays_runs_whose_names_hold_commas(tmp_path):
+    # a sweep's runs named as the docstring suggests (lr=6e-4,bs=8): one such log plotted, but two compared gave
+    # "error: --log .../lr=6e-4 does not exist", the comma inside a name taken for the one between logs
+    logs = [tmp_path / f"lr={lr},bs=8" / "log.jsonl" for lr in ("6e-4", "1e-3")]
+    for i, log in enumerate(logs):
+        log.parent.mkdir()
+        log.write_text(json.dumps({"type": "train", "step": 0, "tokens": 8, "loss": 5.0 + i}) + "\n")
+    assert plot.log_paths(f"{logs[0]},{logs[1]}") == logs
+    assert plot.main(["--log", f"{logs[0]},{logs[1]}"]) == logs[0].with_name("compare.png")
+    with pytest.raises(SystemExit, match=f"--log {tmp_path / 'nope.jsonl'} does not exist"):  # the missing one named
+        plot.main(["--log", f"{tmp_path / 'nope.jsonl'},{logs[0]}"])
+    (tmp_path / "lr=6e-4").mkdir()  # another run's directory, named as the first piece: not taken for the log
+    assert plot.log_paths(f"{logs[0]},{tmp_path}") == [logs[0], tmp_path]  # a directory: read_run says so
+
+
 def test_the_loss_panel_shows_the_curve_after_its_first_drop(tmp_path, monkeypatch):
     """ln(vocab) at step 0 would squash 90 steps of a slow decline into a few pixels: the y-range's top is the
     highest loss past the run's first tenth (train EMA and val), its bottom the lowest, with 5% to spare."""
@@ -270,3 +285,27 @@ def test_plot_draws_chatcore_and_core_on_panels_of_their_own(tmp_path, monkeypat
     (core,), (chatcore,) = fig.axes[1].get_lines(), fig.axes[2].get_lines()
     assert (list(chatcore.get_xdata()), list(chatcore.get_ydata())) == ([0, 2], [0.1, 0.3])
     assert chatcore.get_label() == "ChatCORE (last 0.3000)" and core.get_label() == "CORE (last 0.0500)"
+
+
+def test_plot_draws_the_pairs_ranked_right_of_two_preference_runs(tmp_path, monkeypatch):
+    # prefs.py's val records hold val_accuracy, the share of held-out pairs ranked right (a reward model's or DPO's
+    # headline): comparing two DPO runs drew their losses and lrs only
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: figures.append(self))
+    logs = []
+    for name, accs in (("dpo-b0.1", (0.5, 0.75)), ("dpo-b0.5", (0.5, 0.625))):
+        records = [{"type": "train", "step": s, "tokens": s, "loss": 0.7, "lr": 1e-4} for s in range(3)]
+        records += [{"type": "val", "step": s, "tokens": s, "val_loss": 0.69, "val_accuracy": a, "val_margin": 0.0}
+                    for s, a in zip((0, 2), accs, strict=True)]
+        (tmp_path / name).mkdir()
+        logs.append(tmp_path / name / "log.jsonl")
+        logs[-1].write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot.main(["--log", f"{logs[0]},{logs[1]}"])
+    (fig,) = figures
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "learning rate", "val pairs ranked right"]
+    lines = fig.axes[2].get_lines()
+    assert [(line.get_label(), list(line.get_ydata())) for line in lines] == [
+        ("dpo-b0.1: pairs ranked right (last 0.750)", [0.5, 0.75]),
+        ("dpo-b0.5: pairs ranked right (last 0.625)", [0.5, 0.625])]

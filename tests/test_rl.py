@@ -15,7 +15,7 @@ import rl
 import stage
 import tasks
 from chat_format import ASSISTANT_END, ASSISTANT_START, USER_START, render_prompt
-from common import get_tokenizer, iter_log, load_checkpoint
+from common import _field_help, get_tokenizer, iter_log, load_checkpoint
 from conftest import one_line_error, run_nodes, run_torchrun
 from generate import Rollout
 from model import GPT, GPTConfig
@@ -697,3 +697,10 @@ def test_eval_only_of_another_algos_checkpoint_names_the_algo_not_optimizer_stat
                                                  f"--resume={grpo}")) == (
         f"error: --resume {grpo} was trained with --algo grpo, and --eval-only builds the policy (PPO's with a value "
         "head) by --algo: pass --algo grpo")
+
+
+def test_the_seed_help_names_the_sampling_it_seeds():
+    # --seed also draws every step's rollout seed and pass@k's (two seeds sample other replies): rl.py --help said
+    # "seeds weights, dropout and the data shuffle", little of which an RL run from --init-from has
+    assert _field_help(rl.RLConfig)["seed"] == (
+        "seeds the init, dropout, the data order and sampling (rl.py's rollouts, train.py's samples)")

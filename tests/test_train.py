@@ -1117,6 +1117,28 @@ def swiglu_ckpt(token_data, tmp_path_factory):
     return out / "ckpt_000001.pt"
 
 
+def test_a_resume_names_a_changed_dropout_or_loss_chunk(token_data, swiglu_ckpt, tmp_path, capsys):
+    # the model's run options may change on resume, and do: --dropout 0.1 trained with dropout, without a word, so a
+    # sweep loop's `--dropout $p --resume auto` into a finished run's --out-dir read as the run it asked for
+    capsys.readouterr()
+    train.main(tiny_args(token_data, tmp_path, "--mlp=swiglu", "--max-steps=2", "--eval-every=0", "--resume",
+                         str(swiglu_ckpt), "--dropout=0.1", "--loss-chunk=32"))
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: flags")]
+    assert notes == ["note: flags changed since the checkpoint: --dropout 0.0 -> 0.1, --loss-chunk 0 -> 32"]
+    assert load_checkpoint(tmp_path / "ckpt_000002.pt")["model_config"]["dropout"] == 0.1
+
+
+def test_a_resume_of_a_finished_run_says_it_trains_nothing(token_data, swiglu_ckpt, tmp_path, capsys):
+    # a sweep's `--max-lr $lr --resume auto` into a finished run's --out-dir: it said "from step 1 the lr is 0.003"
+    # of a step it never trains, then "done: 0 steps"; now it says at once that the run only evaluates
+    capsys.readouterr()
+    train.main(tiny_args(token_data, tmp_path, "--mlp=swiglu", "--max-steps=1", "--eval-every=0", "--max-lr=3e-3",
+                         "--resume", str(swiglu_ckpt)))
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")] == [
+        "note: the checkpoint is at --max-steps 1 already: this run trains no step, it only evaluates; raise "
+        "--max-steps to train on, or start a new run in a new --out-dir"]
+
+
 @pytest.mark.parametrize("source, extra, message", [
     ("hf", ["--n-layer=3"], r"fixes the architecture, but this run asks for --n-layer 3 \(it has 2\): pass --n-layer 2 "
                             "as it has"),
