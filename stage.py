@@ -538,9 +538,11 @@ def same_path(a: str, b: str) -> bool:
 def note_changed_flags(saved: dict[str, Any], cfg: RunArgs, model: GPTConfig | None = None) -> None:
     """Name the flags a run changed since its checkpoint (--clip, --dropout...) but those the notes above cover (the
     lr's, the optimizer's, the data's), LOCAL ones (paths; --init-from apart) and any it lacks."""
-    now = {**engine.command_of(cfg), **{k: repr(getattr(model, k)) for k in RUN_OPTIONS if model}}  # + --dropout's
-    changed = [f"--{flag(k)} {saved[k]!r} -> {v}" for k, v in now.items() if k in saved and repr(saved[k]) != v
-               and k not in (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "batch_size", "shuffle")]
+    said = (*SCHEDULE, "weight_decay", "beta1", "beta2", "eps", "grad_clip", "batch_size", "shuffle")
+    options = {k: repr(getattr(model, k)) for k in RUN_OPTIONS} if model else {}  # --dropout, --loss-chunk...
+    now = {**engine.command_of(cfg), **options}
+    changed = [f"--{flag(k)} {saved[k]!r} -> {v}" for k, v in now.items() if k in saved and k not in said
+               and repr(saved[k]) != v]
     start, given = saved.get("init_from", cfg.init_from), cfg.init_from  # LOCAL, so not in `changed`
     default = next(f.default for f in dataclasses.fields(cfg) if f.name == "init_from")  # prune's, rl's: not given
     if given not in ("", default) and not (start and same_path(start, given)):
