@@ -347,7 +347,7 @@ LENGTHS = (torch.tensor([2, 4]), torch.tensor([1, 3]))
 def test_each_dpo_loss_against_trls_formula_by_hand(loss, want):
     out = dpo(*PAIRS, beta=0.5, loss=loss, tokens=LENGTHS)
     assert out["loss"].item() == pytest.approx(want, rel=1e-6)
-    # the logged rewards, margin and accuracy are the summed log-ratios' whatever the loss, as TRL logs them
+    # the logged rewards, margin and accuracy are the summed log-ratios' whatever the loss, as TRL (v0.29 on) logs them
     assert [out[k].item() for k in ("accuracy", "margin", "chosen_reward", "rejected_reward")] == pytest.approx(
         [0.5, (0.75 - 1.0) / 2, (0.25 - 0.5) / 2, (-0.5 + 0.5) / 2])
 
