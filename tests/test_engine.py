@@ -111,3 +111,17 @@ def test_a_steps_time_is_the_step_alone(monkeypatch):
         record=lambda record, dt: {"dt": dt}, log=types.SimpleNamespace(step=lambda step, r: logged.append(r["dt"])),
         checkpointer=types.SimpleNamespace(due=lambda step: False), result=lambda step: step)
     assert engine.train(run) == 2 and logged == [0.25, 0.25]
+
+
+def test_describe_difference_names_what_differs_for_each_key():
+    # agree_fingerprint's one line per key: the command's flags, the first data shard, the weights' digests, any other
+    # (the two-process tests reach the weights only in a slow run, and check no digest)
+    say = lambda key, mine, first: engine.describe_difference(key, mine, first, 1, "--init-from a.pt")
+    assert say("command", {"max_lr": "0.003", "seed": "1"}, {"max_lr": "0.001", "seed": "1"}) == (
+        "rank 1 was started with --max-lr 0.003 (rank 0: 0.001): every node must run the same command")
+    assert say("weights", "d1", "d0") == ("rank 1 loaded other weights from --init-from a.pt than rank 0 (digest d1, "
+                                          "rank 0: d0): every node must start from the same model")
+    assert say("data", [("train", ["a.bin", "b.bin"], [5, 6])], [("train", ["a.bin", "b.bin"], [5, 7])]) == (
+        "rank 1's train shard b.bin holds 6 tokens, rank 0's 7: every node must hold the same --data")
+    assert say("--task data", "x", "y") == ("rank 1's --task data differs from rank 0's: every node must hold the "
+                                            "same --task data")

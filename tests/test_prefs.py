@@ -347,9 +347,16 @@ LENGTHS = (torch.tensor([2, 4]), torch.tensor([1, 3]))
 def test_each_dpo_loss_against_trls_formula_by_hand(loss, want):
     out = dpo(*PAIRS, beta=0.5, loss=loss, tokens=LENGTHS)
     assert out["loss"].item() == pytest.approx(want, rel=1e-6)
-    # the logged rewards, margin and accuracy are the summed log-ratios' whatever the loss, as TRL logs them
+    # the logged rewards, margin and accuracy are the summed log-ratios' whatever the loss, as TRL (v0.29 on) logs them
     assert [out[k].item() for k in ("accuracy", "margin", "chosen_reward", "rejected_reward")] == pytest.approx(
         [0.5, (0.75 - 1.0) / 2, (0.25 - 0.5) / 2, (-0.5 + 0.5) / 2])
+
+
+def test_hinge_adds_nothing_for_a_pair_past_its_margin():
+    # relu(1 - beta * logits), TRL's: logits 3 (beta * 3 = 1.5 > 1) gives 0, logits 1 gives 1 - 0.5; without the relu
+    # the first would give -0.5 and the mean 0
+    out = dpo(*map(torch.tensor, ([-1.0, -1.0], [-4.0, -2.0], [-1.0, -1.0], [-1.0, -1.0])), beta=0.5, loss="hinge")
+    assert out["loss"].item() == pytest.approx((0.0 + 0.5) / 2, rel=1e-6)
 
 
 def test_ipo_takes_each_replys_token_count_from_the_mask():
@@ -366,6 +373,8 @@ def test_ipo_takes_each_replys_token_count_from_the_mask():
     logits = [(mean[0][p] - mean[1][p]) - (mean[0][p + 2] - mean[1][p + 2]) for p in (0, 1)]
     want = sum((x - 1 / (2 * 0.25)) ** 2 for x in logits) / 2
     assert mask[:, 1:].sum(1).tolist() == [5, 10, 10, 2]  # sides of other lengths: sums would give another loss
+    assert dpo_metrics(model, (ids, mask), ref, beta=0.25, loss="ipo")["loss"].item() == pytest.approx(want, rel=1e-4)
+    mask[:, 0] = True  # no target: sequence_logprobs scores positions 1 on, so the count must too (not 6, 11, 11, 3)
     assert dpo_metrics(model, (ids, mask), ref, beta=0.25, loss="ipo")["loss"].item() == pytest.approx(want, rel=1e-4)
 
 

@@ -974,6 +974,17 @@ def test_hold_out_dir_locks_for_a_training_run_on_rank_0_only(tmp_path):
         stage.hold_out_dir(train.TrainConfig(out_dir=str(tmp_path / "file")), 1, 1, stack)
 
 
+def test_only_rank_0_needs_the_tracker_packages(tmp_path, monkeypatch):
+    # rank 0 alone starts --wandb and --tensorboard: a node without the package may run the others
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now fails, as where it is not installed
+    cfg = train.TrainConfig(out_dir=str(tmp_path), wandb="proj")
+    with contextlib.ExitStack() as stack:
+        stage.hold_out_dir(cfg, 1, 1, stack)
+        with pytest.raises(ValueError) as e:
+            stage.hold_out_dir(cfg, 0, 1, stack)
+    assert str(e.value) == "--wandb needs the wandb package: pip install wandb"
+
+
 def test_lm_step_logs_the_mean_loss_over_ranks_and_the_tokens_of_every_data_parallel_rank(monkeypatch):
     monkeypatch.setattr(stage, "set_lr", lambda optimizer, step, cfg: 0.25)
     monkeypatch.setattr(stage, "train_step", lambda *args: (torch.tensor(2.0), torch.tensor(0.5)))
