@@ -575,9 +575,9 @@ def hold_out_dir(cfg: RunArgs, rank: int, world: int, stack: contextlib.ExitStac
             raise ValueError(missing)
         check_flags([(not out_dir.exists() or out_dir.is_dir(), f"--out-dir {out_dir} is a file, not a directory")])
         if rank == 0 and not cfg.eval_only:
-            stack.enter_context(hold_lock(out_dir / ".train.lock", f"another train.py is writing to --out-dir "
+            stack.enter_context(hold_lock(out_dir / ".train.lock", f"another run is writing to --out-dir "
                                           f"{out_dir}; let it finish, or pass another --out-dir (an --eval-only run "
-                                          "may share it)", "make sure no other train.py writes there"))
+                                          "may share it)", "make sure no other run writes there"))
 
     same_verdict(hold, world, reason=lambda e: str(e) if isinstance(e, ValueError) else
                  f"cannot write to --out-dir {out_dir} ({e.strerror}); pass a directory you can write to")

@@ -1997,7 +1997,7 @@ def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_origina
 
 def test_a_second_run_into_a_live_runs_out_dir_stops_and_a_killed_runs_lock_blocks_nothing(token_data, tmp_path,
                                                                                             capsys):
-    busy = (f"error: another train.py is writing to --out-dir {tmp_path}; let it finish, or pass another --out-dir "
+    busy = (f"error: another run is writing to --out-dir {tmp_path}; let it finish, or pass another --out-dir "
             "(an --eval-only run may share it)\n")
     with long_run(token_data, tmp_path) as proc:
         capsys.readouterr()
@@ -2022,7 +2022,7 @@ def test_under_torchrun_every_rank_stops_with_the_out_dir_lock_holders_reason(to
         proc = run_torchrun(["train.py", *tiny_args(token_data, tmp_path, "--max-steps=1")], nproc=2, check=False)
     finally:
         held.close()
-    reason = f"another train.py is writing to --out-dir {tmp_path}; let it finish"
+    reason = f"another run is writing to --out-dir {tmp_path}; let it finish"
     assert proc.returncode != 0 and f"error: {reason}" in proc.stderr and f"error: rank 0: {reason}" in proc.stderr
     assert proc.stderr.count("error: ") == 2 and set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)) == {"1"}
     assert not list(tmp_path.glob("ckpt_*")) and not (tmp_path / "log.jsonl").exists()
