@@ -1344,11 +1344,11 @@ def test_ctrl_c_checkpoints_even_when_its_output_pipes_died_with_it(token_data, 
     assert len(steps) == 1 and steps[0] >= 1
 
 
-def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tmp_path, monkeypatch, capsys,
+def test_a_signal_during_an_evaluation_stops_before_the_next_step(tokens_512, tmp_path, monkeypatch, capsys,
                                                                   sigint_handled):
     # torchrun SIGKILLs its workers 30 s after it passes a signal on, so a Ctrl-C (or preemption) during an
     # evaluation stops the run right after it, with the checkpoint the last step's end would have written
-    straight = train.main(tiny_args(token_data, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
+    straight = train.main(v512_args(tokens_512, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
     real, calls = engine.val_metrics, []
 
     def interrupted(*args, **kw):  # Ctrl-C during the run's `at`-th evaluation: at step 2 * (at - 1)
@@ -1359,12 +1359,12 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
 
     monkeypatch.setattr(engine, "val_metrics", interrupted)
     at = 1
-    fresh = train.main(tiny_args(token_data, tmp_path / "fresh", "--max-steps=10", "--eval-every=2"))
+    fresh = train.main(v512_args(tokens_512, tmp_path / "fresh", "--max-steps=10", "--eval-every=2"))
     assert fresh["stopped"] == "signal" and fresh["losses"] == [] and not list((tmp_path / "fresh").glob("ckpt_*"))
     assert "stopping at step 0, before training it (Ctrl-C); nothing trained yet" in capsys.readouterr().out
     run, at = tmp_path / "run", 2
     calls.clear()
-    result = train.main(tiny_args(token_data, run, "--max-steps=10", "--eval-every=2", "--ckpt-every=0",
+    result = train.main(v512_args(tokens_512, run, "--max-steps=10", "--eval-every=2", "--ckpt-every=0",
                                   "--hellaswag=off"))
     assert result["stopped"] == "signal" and result["losses"] == straight["losses"]  # steps 0 and 1, no more
     assert "stopping at step 2, before training it (Ctrl-C); resume with --resume auto" in capsys.readouterr().out
@@ -1376,7 +1376,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
     last, at = tmp_path / "last", 2  # the evaluations at steps 0 and 2 (the last)
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
-        train.main(tiny_args(token_data, last, "--max-steps=2", "--eval-every=1000"))
+        train.main(v512_args(tokens_512, last, "--max-steps=2", "--eval-every=1000"))
     assert [p.name for p in last.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]
 
 
@@ -1423,7 +1423,7 @@ def test_a_signal_during_hellaswag_or_the_samples_stops_too_and_a_resumed_run_ca
     assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]
 
 
-def test_the_stop_check_runs_once_a_step_and_once_after_each_evaluation(token_data, tmp_path, monkeypatch):
+def test_the_stop_check_runs_once_a_step_and_once_after_each_evaluation(tokens_512, tmp_path, monkeypatch):
     # under torchrun each check is an all-reduce, a sync of every rank: one per step, and one more only after the
     # evaluations, where a signal that came during them must not wait for the next step's end
     real, calls = engine.StopFlags.should_stop, []
@@ -1433,7 +1433,7 @@ def test_the_stop_check_runs_once_a_step_and_once_after_each_evaluation(token_da
         return real(self, *args)
 
     monkeypatch.setattr(engine.StopFlags, "should_stop", counted)
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=4", "--eval-every=3"))
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=4", "--eval-every=3"))
     assert len(calls) == 4 + 2  # steps 0-3, and the evaluations at steps 0 and 3 (the one at 4 ends the run)
 
 
@@ -2044,11 +2044,11 @@ def test_resume_auto_names_a_later_step_it_passes_over(token_data, tmp_path, cap
     assert len(result["losses"]) == 2
 
 
-def test_tokens_axis_survives_a_resume_with_another_total_batch(token_data, tmp_path):
+def test_tokens_axis_survives_a_resume_with_another_total_batch(tokens_512, tmp_path):
     common = ["--max-steps=4", "--ckpt-every=2", "--eval-every=0", "--batch-size=4"]
-    train.main(tiny_args(token_data, tmp_path, *common, "--total-batch-size=256", "--max-steps=2"))
+    train.main(v512_args(tokens_512, tmp_path, *common, "--total-batch-size=256", "--max-steps=2"))
     assert load_checkpoint(tmp_path / "ckpt_000002.pt")["tokens"] == 2 * 256
-    train.main(tiny_args(token_data, tmp_path, *common, "--total-batch-size=512", "--resume=auto"))
+    train.main(v512_args(tokens_512, tmp_path, *common, "--total-batch-size=512", "--resume=auto"))
     tokens = [r["tokens"] for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
     assert tokens == [256, 512, 1024, 1536]  # steps 2 and 3 trained on 512 tokens each
     assert load_checkpoint(tmp_path / "ckpt_000004.pt")["tokens"] == 1536
@@ -2313,8 +2313,8 @@ def test_keep_every_checkpoints_survive_pruning(tokens_512, tmp_path):
         train.TrainConfig(ckpt_every=2, keep_every=5)
 
 
-def test_profile_writes_a_trace(token_data, tmp_path, capsys):
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=5", "--eval-every=0", "--profile", "--profile-steps=1"))
+def test_profile_writes_a_trace(tokens_512, tmp_path, capsys):
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=5", "--eval-every=0", "--profile", "--profile-steps=1"))
     trace = json.loads((tmp_path / "trace_rank0.json").read_text())
     assert len(trace["traceEvents"]) > 10
     assert "Self CPU" in capsys.readouterr().out
