@@ -2062,16 +2062,16 @@ def test_tokens_axis_survives_a_resume_with_another_total_batch(tokens_512, tmp_
     # 8 x 64), skipping the 78 - 4 windows of 4 x 64 of the 20,000-token shard that were not served
     ("windows", "on at the next shard, skipping this one's 18,944 unserved tokens, none served twice", 39 + 2),
 ])
-def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_batch(token_data, tmp_path, capsys,
+def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_batch(tokens_512, tmp_path, capsys,
                                                                                      shuffle, where, step):
     # moved to a GPU with other memory, a run resumes with another --batch-size: grad accumulation changes so the
     # step keeps its 512 tokens, and the loader goes on without serving a window twice
     common = ["--eval-every=0", "--ckpt-every=2", "--max-steps=4", f"--shuffle={shuffle}"]
-    train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=2"))  # the tiny preset: B=4, 2 micro-steps
+    train.main(v512_args(tokens_512, tmp_path, *common, "--max-steps=2"))  # the tiny preset: B=4, 2 micro-steps
     loader = load_checkpoint(tmp_path / "ckpt_000002.pt")["loader"]
     assert (loader["B"], loader["step"], loader["shuffle"]) == (4, 4, shuffle)
     capsys.readouterr()
-    result = train.main(tiny_args(token_data, tmp_path, *common, "--batch-size=8", "--resume=auto"))
+    result = train.main(v512_args(tokens_512, tmp_path, *common, "--batch-size=8", "--resume=auto"))
     out = capsys.readouterr().out
     assert (f"note: the checkpoint read 4-sequence windows with --shuffle {shuffle}, this run reads 8-sequence windows "
             f"with --shuffle {shuffle}: the data goes {where}") in out
