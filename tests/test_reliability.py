@@ -24,6 +24,11 @@ def tiny(data: Path, out: Path, *extra: str) -> list[str]:
     return ["--preset", "tiny", "--data", str(data), "--out-dir", str(out), "--eval-every=0", *extra]
 
 
+def small(data: Path, out: Path, *extra: str) -> list[str]:
+    """tiny for conftest's tokens_512."""
+    return tiny(data, out, "--vocab-size=512", *extra)
+
+
 def logged(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in iter_log(out / "log.jsonl") if r["type"] == "train"]
 
@@ -104,13 +109,13 @@ def test_a_full_log_is_one_line(token_data, tmp_path, capsys):
                                                 "raise the file-size limit") and err.count("\n") == 1
 
 
-def test_optimizer_settings_given_on_resume_apply_and_the_record_says_so(token_data, tmp_path, capsys):
-    straight = train.main(tiny(token_data, tmp_path / "straight", "--max-steps=4"))["losses"]
+def test_optimizer_settings_given_on_resume_apply_and_the_record_says_so(tokens_512, tmp_path, capsys):
+    straight = train.main(small(tokens_512, tmp_path / "straight", "--max-steps=4"))["losses"]
     out = tmp_path / "out"
-    train.main(tiny(token_data, out, "--max-steps=2", "--ckpt-every=2"))
+    train.main(small(tokens_512, out, "--max-steps=2", "--ckpt-every=2"))
     capsys.readouterr()
     changed = ["--weight-decay=0.5", "--beta1=0.8", "--beta2=0.99", "--eps=1e-6", "--grad-clip=0.5"]
-    train.main(tiny(token_data, out, "--max-steps=4", "--ckpt-every=2", "--resume=auto", *changed))
+    train.main(small(tokens_512, out, "--max-steps=4", "--ckpt-every=2", "--resume=auto", *changed))
     assert "note: --beta1/--beta2, --eps, --weight-decay, --grad-clip differ from the checkpoint's run: this run's " \
         "values apply from step 2" in capsys.readouterr().out
     ckpt = load_checkpoint(out / "ckpt_000004.pt")
@@ -123,36 +128,36 @@ def test_optimizer_settings_given_on_resume_apply_and_the_record_says_so(token_d
     assert losses[:3] == straight[:3] and losses[3] != straight[3]
 
 
-def test_a_rewind_that_dies_before_its_first_checkpoint_loses_no_logged_step(token_data, tmp_path):
+def test_a_rewind_that_dies_before_its_first_checkpoint_loses_no_logged_step(tokens_512, tmp_path):
     out, args = tmp_path / "out", ["--ckpt-every=4", "--keep-last=0"]
-    train.main(tiny(token_data, out, "--max-steps=8", *args))
+    train.main(small(tokens_512, out, "--max-steps=8", *args))
     whole = logged(out)
     assert [step for step, _ in whole] == list(range(8))
     # a rewind to step 4 (ckpt_000008 is newer) that dies at step 5, before its first checkpoint (at step 8)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine, "get_lr", dies_at(5, engine.get_lr))
         with pytest.raises(KeyboardInterrupt):
-            train.main(tiny(token_data, out, "--max-steps=8", *args, f"--resume={out / 'ckpt_000004.pt'}"))
+            train.main(small(tokens_512, out, "--max-steps=8", *args, f"--resume={out / 'ckpt_000004.pt'}"))
     assert [step for step, _ in logged(out)] == [0, 1, 2, 3, 4]  # the rewind's view, its dropped steps kept aside
     assert (out / "log.jsonl.rewound").is_file()
     # resume auto continues the untouched ckpt_000008: steps 5-7 are back, once each, with their values
-    train.main(tiny(token_data, out, "--max-steps=10", *args, "--resume=auto"))
+    train.main(small(tokens_512, out, "--max-steps=10", *args, "--resume=auto"))
     assert logged(out)[:8] == whole and [step for step, _ in logged(out)] == list(range(10))
     assert not (out / "log.jsonl.rewound").exists()
 
 
-def test_a_rewind_that_checkpoints_owns_the_log(token_data, tmp_path):
+def test_a_rewind_that_checkpoints_owns_the_log(tokens_512, tmp_path):
     out, args = tmp_path / "out", ["--ckpt-every=2", "--keep-last=0"]
-    train.main(tiny(token_data, out, "--max-steps=6", *args))
-    train.main(tiny(token_data, out, "--max-steps=6", *args, f"--resume={out / 'ckpt_000002.pt'}", "--max-lr=2e-3"))
+    train.main(small(tokens_512, out, "--max-steps=6", *args))
+    train.main(small(tokens_512, out, "--max-steps=6", *args, f"--resume={out / 'ckpt_000002.pt'}", "--max-lr=2e-3"))
     steps = [step for step, _ in logged(out)]
     assert steps == list(range(6)) and not (out / "log.jsonl.rewound").exists()
-    again = train.main(tiny(token_data, out, "--max-steps=6", *args, "--resume=auto", "--max-lr=2e-3",
-                            "--eval-only"))
+    again = train.main(small(tokens_512, out, "--max-steps=6", *args, "--resume=auto", "--max-lr=2e-3",
+                             "--eval-only"))
     assert again["step"] == 6  # resume auto takes the rewind's own ckpt_000006
 
 
-def test_tensorboard_forgets_a_dead_attempt(token_data, tmp_path):
+def test_tensorboard_forgets_a_dead_attempt(tokens_512, tmp_path):
     pytest.importorskip("tensorboard", reason="--tensorboard is an optional extra (pip install tensorboard)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -160,8 +165,8 @@ def test_tensorboard_forgets_a_dead_attempt(token_data, tmp_path):
     with pytest.MonkeyPatch.context() as patch:  # a first attempt killed before its first checkpoint
         patch.setattr(engine, "get_lr", dies_at(3, engine.get_lr))
         with pytest.raises(KeyboardInterrupt):
-            train.main(tiny(token_data, out, "--max-steps=4", "--tensorboard", "--max-lr=5e-3"))
-    train.main(tiny(token_data, out, "--max-steps=4", "--tensorboard"))  # started afresh, with another lr
+            train.main(small(tokens_512, out, "--max-steps=4", "--tensorboard", "--max-lr=5e-3"))
+    train.main(small(tokens_512, out, "--max-steps=4", "--tensorboard"))  # started afresh, with another lr
     events = EventAccumulator(str(out))
     events.Reload()
     got = [(e.step, e.value) for e in events.Scalars("train/loss")]

@@ -38,6 +38,11 @@ def tiny_args(data, out, *extra: str) -> list[str]:
     return ["--preset", "tiny", "--data", str(data), "--out-dir", str(out), *extra]
 
 
+def v512_args(data, out, *extra: str) -> list[str]:
+    """tiny_args for conftest's tokens_512."""
+    return tiny_args(data, out, "--vocab-size=512", *extra)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # config and schedule
 
@@ -298,19 +303,19 @@ def test_overfit_batch_drives_loss_near_zero(token_data, tmp_path):
     assert losses[-1] < 0.1, losses[-10:]
 
 
-def test_recompute_and_chunked_loss_give_the_same_losses(token_data, tmp_path, monkeypatch):
+def test_recompute_and_chunked_loss_give_the_same_losses(tokens_512, tmp_path, monkeypatch):
     # the same losses prove nothing if a flag never reached the model: what each run asked of the model is recorded
     import model as model_module
     asked: list = []
     real_recompute, real_loss = par.apply_recompute, model_module.lm_loss
     monkeypatch.setattr(par, "apply_recompute", lambda m, mode: asked.append(mode) or real_recompute(m, mode))
     monkeypatch.setattr(model_module, "lm_loss", lambda *a: asked.append(a[4:6]) or real_loss(*a))
-    base = train.main(tiny_args(token_data, tmp_path / "a", "--max-steps=3", "--eval-every=2"))
+    base = train.main(v512_args(tokens_512, tmp_path / "a", "--max-steps=3", "--eval-every=2"))
     assert set(asked) == {"none", (0, False)}
     for flag, want in (("--recompute=mlp", {"mlp", (0, False)}), ("--recompute=block", {"block", (0, False)}),
                        ("--loss-chunk=100", {"none", (100, False)}), ("--fused-ce", {"none", (0, True)})):
         asked.clear()
-        again = train.main(tiny_args(token_data, tmp_path / flag[2:], "--max-steps=3", "--eval-every=2", flag))
+        again = train.main(v512_args(tokens_512, tmp_path / flag[2:], "--max-steps=3", "--eval-every=2", flag))
         assert set(asked) == want, flag
         assert again["losses"] == pytest.approx(base["losses"], abs=1e-5), flag
         assert again["val_loss"] == pytest.approx(base["val_loss"], abs=1e-5), flag
@@ -530,7 +535,7 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-def test_resume_is_bitwise_exact(token_data, tmp_path, dtype):
+def test_resume_is_bitwise_exact(tokens_512, tmp_path, dtype):
     # dropout on, so the restored RNG matters as well as weights, optimizer moments and the data position; fp16 adds
     # the GradScaler, whose state (its scale, and the count of finite steps toward the next growth of the scale) must
     # be restored, not restarted
@@ -539,11 +544,11 @@ def test_resume_is_bitwise_exact(token_data, tmp_path, dtype):
     common = [f"--max-steps={steps}", f"--ckpt-every={at}", "--keep-last=5", "--dropout=0.1", f"--dtype={dtype}",
               *(["--eval-every=4"] if dtype == "fp32" else
                 ["--eval-every=0", "--seq-len=32", "--batch-size=2", "--total-batch-size=64"])]
-    full = train.main(tiny_args(token_data, tmp_path / "full", *common))["losses"]
+    full = train.main(v512_args(tokens_512, tmp_path / "full", *common))["losses"]
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copy(tmp_path / "full" / f"ckpt_{at:06d}.pt", resumed_dir)
-    rest = train.main(tiny_args(token_data, resumed_dir, *common, "--resume", "auto"))["losses"]
+    rest = train.main(v512_args(tokens_512, resumed_dir, *common, "--resume", "auto"))["losses"]
     assert len(full) == steps and len(rest) == steps - at
     assert rest == full[at:]  # bitwise: float equality, no tolerance
     scalers = [load_checkpoint(d / f"ckpt_{steps:06d}.pt")["scaler"] for d in (tmp_path / "full", resumed_dir)]
@@ -693,7 +698,7 @@ def test_a_resume_on_another_device_runs_this_runs_adamw_kernel_under_fp16(optim
 
 
 @pytest.mark.parametrize("optimizer, dtype", [pytest.param("muon", "fp16", marks=needs_muon), ("adamw8bit", "fp32")])
-def test_muon_and_8bit_adamw_resume_bitwise_exact(token_data, tmp_path, optimizer, dtype):
+def test_muon_and_8bit_adamw_resume_bitwise_exact(tokens_512, tmp_path, optimizer, dtype):
     if optimizer == "adamw8bit":
         pytest.importorskip("torchao", reason="--optimizer adamw8bit needs torchao")
     # as test_resume_is_bitwise_exact: Muon's momentum and AdamW's moments (8-bit ones: their codes and scales)
@@ -702,11 +707,11 @@ def test_muon_and_8bit_adamw_resume_bitwise_exact(token_data, tmp_path, optimize
     small = ["--seq-len=32", "--batch-size=2", "--total-batch-size=128"]
     common = [f"--max-steps={steps}", f"--ckpt-every={at}", "--keep-last=5", "--dropout=0.1", "--eval-every=0",
               f"--optimizer={optimizer}", f"--dtype={dtype}", *small]
-    full = train.main(tiny_args(token_data, tmp_path / "full", *common))["losses"]
+    full = train.main(v512_args(tokens_512, tmp_path / "full", *common))["losses"]
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copy(tmp_path / "full" / f"ckpt_{at:06d}.pt", resumed_dir)
-    rest = train.main(tiny_args(token_data, resumed_dir, *common, "--resume", "auto"))["losses"]
+    rest = train.main(v512_args(tokens_512, resumed_dir, *common, "--resume", "auto"))["losses"]
     assert len(full) == steps and rest == full[at:]  # bitwise
     ckpt = load_checkpoint(tmp_path / "full" / f"ckpt_{steps:06d}.pt")
     assert ckpt["train_config"]["optimizer"] == optimizer
@@ -723,10 +728,10 @@ def test_muon_and_8bit_adamw_resume_bitwise_exact(token_data, tmp_path, optimize
                for t in (v.values() if isinstance(v, dict) else [v]) if torch.is_tensor(t))
     # so a run without the 8-bit optimizer starts from its weights, and an evaluation scores it
     final = tmp_path / "full" / f"ckpt_{steps:06d}.pt"
-    tuned = train.main(tiny_args(token_data, tmp_path / "ft", "--max-steps=1", "--eval-every=0", *small,
+    tuned = train.main(v512_args(tokens_512, tmp_path / "ft", "--max-steps=1", "--eval-every=0", *small,
                                  f"--init-from={final}"))
     assert len(tuned["losses"]) == 1 and math.isfinite(tuned["losses"][0])
-    scored = train.main(tiny_args(token_data, tmp_path / "eval", "--eval-only", "--seq-len=32", "--eval-tokens=128",
+    scored = train.main(v512_args(tokens_512, tmp_path / "eval", "--eval-only", "--seq-len=32", "--eval-tokens=128",
                                   f"--resume={final}"))
     assert scored["step"] == 6 and math.isfinite(scored["val_loss"])
 
@@ -1287,7 +1292,7 @@ def test_loss_spike_update_is_skipped_and_resume_skips_it_again(token_data, tmp_
     assert skipped(switched_on) == [20]
 
 
-def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
+def test_grad_norm_spike_update_is_skipped(tokens_512, tmp_path, monkeypatch):
     # --skip-norm-z alone: step 9's gradient is 100 times larger at an unchanged loss, and only its update is dropped
     monkeypatch.setattr(engine, "OUTLIER_WINDOW", 8)  # a lone spike among 8 scores up to sqrt(7) = 2.65
     current = {}
@@ -1301,7 +1306,7 @@ def test_grad_norm_spike_update_is_skipped(token_data, tmp_path, monkeypatch):
         return logits, loss
 
     monkeypatch.setattr(GPT, "forward", steep)
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=10", "--ckpt-every=1", "--keep-last=3", "--eval-every=0",
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=10", "--ckpt-every=1", "--keep-last=3", "--eval-every=0",
                          "--skip-norm-z=2.4", "--total-batch-size=256"))
     records = [r for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
     assert [r.get("skipped") for r in records] == [None] * 9 + ["grad norm z-score 2.6 > 2.4"]
@@ -1372,11 +1377,11 @@ def test_ctrl_c_checkpoints_even_when_its_output_pipes_died_with_it(token_data, 
     assert len(steps) == 1 and steps[0] >= 1
 
 
-def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tmp_path, monkeypatch, capsys,
+def test_a_signal_during_an_evaluation_stops_before_the_next_step(tokens_512, tmp_path, monkeypatch, capsys,
                                                                   sigint_handled):
     # torchrun SIGKILLs its workers 30 s after it passes a signal on, so a Ctrl-C (or preemption) during an
     # evaluation stops the run right after it, with the checkpoint the last step's end would have written
-    straight = train.main(tiny_args(token_data, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
+    straight = train.main(v512_args(tokens_512, tmp_path / "straight", "--max-steps=2", "--eval-every=0"))
     real, calls = engine.val_metrics, []
 
     def interrupted(*args, **kw):  # Ctrl-C during the run's `at`-th evaluation: at step 2 * (at - 1)
@@ -1387,12 +1392,12 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
 
     monkeypatch.setattr(engine, "val_metrics", interrupted)
     at = 1
-    fresh = train.main(tiny_args(token_data, tmp_path / "fresh", "--max-steps=10", "--eval-every=2"))
+    fresh = train.main(v512_args(tokens_512, tmp_path / "fresh", "--max-steps=10", "--eval-every=2"))
     assert fresh["stopped"] == "signal" and fresh["losses"] == [] and not list((tmp_path / "fresh").glob("ckpt_*"))
     assert "stopping at step 0, before training it (Ctrl-C); nothing trained yet" in capsys.readouterr().out
     run, at = tmp_path / "run", 2
     calls.clear()
-    result = train.main(tiny_args(token_data, run, "--max-steps=10", "--eval-every=2", "--ckpt-every=0",
+    result = train.main(v512_args(tokens_512, run, "--max-steps=10", "--eval-every=2", "--ckpt-every=0",
                                   "--hellaswag=off"))
     assert result["stopped"] == "signal" and result["losses"] == straight["losses"]  # steps 0 and 1, no more
     assert "stopping at step 2, before training it (Ctrl-C); resume with --resume auto" in capsys.readouterr().out
@@ -1404,7 +1409,7 @@ def test_a_signal_during_an_evaluation_stops_before_the_next_step(token_data, tm
     last, at = tmp_path / "last", 2  # the evaluations at steps 0 and 2 (the last)
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
-        train.main(tiny_args(token_data, last, "--max-steps=2", "--eval-every=1000"))
+        train.main(v512_args(tokens_512, last, "--max-steps=2", "--eval-every=1000"))
     assert [p.name for p in last.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]
 
 
@@ -1451,7 +1456,7 @@ def test_a_signal_during_hellaswag_or_the_samples_stops_too_and_a_resumed_run_ca
     assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == ["ckpt_000002.pt"]
 
 
-def test_the_stop_check_runs_once_a_step_and_once_after_each_evaluation(token_data, tmp_path, monkeypatch):
+def test_the_stop_check_runs_once_a_step_and_once_after_each_evaluation(tokens_512, tmp_path, monkeypatch):
     # under torchrun each check is an all-reduce, a sync of every rank: one per step, and one more only after the
     # evaluations, where a signal that came during them must not wait for the next step's end
     real, calls = engine.StopFlags.should_stop, []
@@ -1461,7 +1466,7 @@ def test_the_stop_check_runs_once_a_step_and_once_after_each_evaluation(token_da
         return real(self, *args)
 
     monkeypatch.setattr(engine.StopFlags, "should_stop", counted)
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=4", "--eval-every=3"))
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=4", "--eval-every=3"))
     assert len(calls) == 4 + 2  # steps 0-3, and the evaluations at steps 0 and 3 (the one at 4 ends the run)
 
 
@@ -1688,8 +1693,8 @@ def test_save_keeps_every_ranks_rng_for_restore_to_give_back(tmp_path, monkeypat
     assert len(rngs) == 2 and torch.equal(rngs[0]["cpu"], mine["cpu"]) and torch.equal(rngs[1]["cpu"], theirs["cpu"])
 
 
-def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_path, monkeypatch):
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=3", "--eval-every=0"))
+def test_checkpoint_killed_mid_write_leaves_previous_loadable(tokens_512, tmp_path, monkeypatch):
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=3", "--eval-every=0"))
     good = tmp_path / "ckpt_000003.pt"
     before = good.read_bytes()
 
@@ -1699,7 +1704,7 @@ def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_pa
 
     monkeypatch.setattr(engine.torch, "save", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
-        train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--eval-every=0", "--resume=auto"))
+        train.main(v512_args(tokens_512, tmp_path, "--max-steps=6", "--eval-every=0", "--resume=auto"))
     monkeypatch.undo()
     assert good.read_bytes() == before and not (tmp_path / "ckpt_000006.pt").exists()
     # a torn file under the final name (e.g. copied by hand) is skipped with a warning, not loaded
@@ -1713,7 +1718,7 @@ def test_checkpoint_killed_mid_write_leaves_previous_loadable(token_data, tmp_pa
     # the loss is computed before the update, so it is still finite on the step whose gradient wrecks the weights
     ("norm", "gradient norm is inf at step 2"),
 ])
-def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(token_data, tmp_path, monkeypatch, capsys, broken,
+def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(tokens_512, tmp_path, monkeypatch, capsys, broken,
                                                                message):
     real_step = par.train_step
     calls = {"n": 0}
@@ -1726,7 +1731,7 @@ def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(token_data, tmp_
         return loss, norm
 
     monkeypatch.setattr(stage, "train_step", breaks_on_third_step)
-    result = train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--ckpt-every=2", "--keep-last=1",
+    result = train.main(v512_args(tokens_512, tmp_path, "--max-steps=6", "--ckpt-every=2", "--keep-last=1",
                                   "--eval-every=0"))
     assert result["stopped"] == "nan" and len(result["losses"]) == 2
     # ckpt_000004 never written; ckpt_000002 holds the weights that gave the NaN, so --resume auto must not take it
@@ -1735,20 +1740,20 @@ def test_nonfinite_loss_or_grad_norm_stops_without_a_checkpoint(token_data, tmp_
     assert message in err and "ckpt_000002.pt holds the weights that gave it: renamed ckpt_000002.pt.diverged" in err
     assert "checkpoint" not in result  # the one it wrote is set aside
     with pytest.raises(SystemExit):  # a fresh run there is refused, as when ckpt_000002.pt stood
-        train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--eval-every=0"))
+        train.main(v512_args(tokens_512, tmp_path, "--max-steps=6", "--eval-every=0"))
     assert "holds another run's checkpoints (ckpt_000002.pt.diverged the last written)" in capsys.readouterr().err
 
 
-def test_after_a_nan_stop_resume_auto_takes_a_checkpoint_with_a_finite_loss(token_data, tmp_path, capsys):
+def test_after_a_nan_stop_resume_auto_takes_a_checkpoint_with_a_finite_loss(tokens_512, tmp_path, capsys):
     # the loss of step s comes from the weights in ckpt_s: a NaN there condemns ckpt_s, written after step s - 1
     common = ["--device=cpu", "--ckpt-every=1", "--keep-last=3", "--eval-every=0"]
-    train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=6"))
-    blown = train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto", "--max-lr=1e6", "--max-steps=20"))
+    train.main(v512_args(tokens_512, tmp_path, *common, "--max-steps=6"))
+    blown = train.main(v512_args(tokens_512, tmp_path, *common, "--resume=auto", "--max-lr=1e6", "--max-steps=20"))
     assert blown["stopped"] == "nan" and blown["step"] == 8 and math.isfinite(blown["losses"][-1])
     assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000006.pt", "ckpt_000007.pt",
                                                                "ckpt_000008.pt.diverged"]
     capsys.readouterr()
-    calm = train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto", "--max-lr=1e-3", "--max-steps=20"))
+    calm = train.main(v512_args(tokens_512, tmp_path, *common, "--resume=auto", "--max-lr=1e-3", "--max-steps=20"))
     out = capsys.readouterr().out
     assert "note: passing over ckpt_000008.pt.diverged: the run that wrote it set it aside, as its weights gave a " \
         "NaN/inf loss or gradient norm at step 8" in out
@@ -1756,11 +1761,11 @@ def test_after_a_nan_stop_resume_auto_takes_a_checkpoint_with_a_finite_loss(toke
     assert "stopped" not in calm and calm["step"] == 20 and all(math.isfinite(loss) for loss in calm["losses"])
     assert calm["losses"][0] == blown["losses"][-1]  # step 7's loss, computed before the update from ckpt_000007
     # the step has been trained through, and ckpt_000008 written anew: a later resume passes over nothing
-    train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto", "--max-steps=21"))
+    train.main(v512_args(tokens_512, tmp_path, *common, "--resume=auto", "--max-steps=21"))
     assert "note: passing over" not in capsys.readouterr().out
 
 
-def test_keep_last_never_deletes_the_newest_known_good_checkpoint(token_data, tmp_path, monkeypatch, capsys):
+def test_keep_last_never_deletes_the_newest_known_good_checkpoint(tokens_512, tmp_path, monkeypatch, capsys):
     # --keep-last 1 would keep only the newest, ckpt_000004, whose weights then give the NaN: ckpt_000003 stays
     real_step = par.train_step
     calls = {"n": 0}
@@ -1772,11 +1777,11 @@ def test_keep_last_never_deletes_the_newest_known_good_checkpoint(token_data, tm
 
     common = ["--device=cpu", "--ckpt-every=1", "--keep-last=1", "--eval-every=0", "--max-steps=6"]
     monkeypatch.setattr(stage, "train_step", nan_on_fifth_step)
-    first = train.main(tiny_args(token_data, tmp_path, *common))
+    first = train.main(v512_args(tokens_512, tmp_path, *common))
     monkeypatch.undo()
     assert first["stopped"] == "nan" and first["step"] == 4
     assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000003.pt", "ckpt_000004.pt.diverged"]
-    again = train.main(tiny_args(token_data, tmp_path, *common, "--resume=auto"))
+    again = train.main(v512_args(tokens_512, tmp_path, *common, "--resume=auto"))
     assert again["losses"][0] == first["losses"][3]  # resumed at step 3, bitwise
     assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000004.pt.diverged", "ckpt_000005.pt",
                                                                "ckpt_000006.pt"]  # ckpt_000005 was known good
@@ -1850,8 +1855,8 @@ train.run_and_exit(train.main)
     assert "gloo" not in proc.stderr.lower(), proc.stderr[-3000:]
 
 
-def test_overfit_resume_is_exact_and_the_log_has_each_step_once(token_data, tmp_path):
-    args = tiny_args(token_data, tmp_path, "--overfit-batch", "--max-steps=6", "--ckpt-every=3", "--keep-last=5",
+def test_overfit_resume_is_exact_and_the_log_has_each_step_once(tokens_512, tmp_path):
+    args = v512_args(tokens_512, tmp_path, "--overfit-batch", "--max-steps=6", "--ckpt-every=3", "--keep-last=5",
                      "--eval-every=3")
     full = train.main(args)["losses"]
     (tmp_path / "ckpt_000006.pt").unlink()  # as if the run had died after step 5, its log already written
@@ -1863,8 +1868,8 @@ def test_overfit_resume_is_exact_and_the_log_has_each_step_once(token_data, tmp_
     assert [r["type"] for r in records].count("config") == 2
 
 
-def test_a_log_line_cut_short_by_a_crash_does_not_block_the_resume(token_data, tmp_path):
-    args = tiny_args(token_data, tmp_path, "--max-steps=4", "--ckpt-every=2", "--eval-every=0")
+def test_a_log_line_cut_short_by_a_crash_does_not_block_the_resume(tokens_512, tmp_path):
+    args = v512_args(tokens_512, tmp_path, "--max-steps=4", "--ckpt-every=2", "--eval-every=0")
     train.main(args)
     (tmp_path / "ckpt_000004.pt").unlink()
     log = tmp_path / "log.jsonl"
@@ -1882,8 +1887,8 @@ def test_a_log_line_cut_short_by_a_crash_does_not_block_the_resume(token_data, t
         list(iter_log(log))
 
 
-def test_a_fresh_run_does_not_overwrite_another_runs_directory(token_data, tmp_path, capsys):
-    args = tiny_args(token_data, tmp_path, "--max-steps=3", "--ckpt-every=1", "--keep-last=2", "--eval-every=0")
+def test_a_fresh_run_does_not_overwrite_another_runs_directory(tokens_512, tmp_path, capsys):
+    args = v512_args(tokens_512, tmp_path, "--max-steps=3", "--ckpt-every=1", "--keep-last=2", "--eval-every=0")
     train.main(args)
     log = (tmp_path / "log.jsonl").read_text()
     with pytest.raises(SystemExit):  # forgot --resume auto: the log and the checkpoints must survive
@@ -1911,7 +1916,7 @@ def test_a_fresh_run_does_not_overwrite_another_runs_directory(token_data, tmp_p
         train.main([*args, "--resume=auto", "--eval-only"])
     assert "none of the 2 checkpoints in" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        train.main(tiny_args(token_data, tmp_path / "empty", "--resume=auto", "--eval-only"))
+        train.main(v512_args(tokens_512, tmp_path / "empty", "--resume=auto", "--eval-only"))
     assert "--eval-only --resume auto: no checkpoint in" in capsys.readouterr().err
 
 
@@ -1935,18 +1940,18 @@ def note_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("note: the checkpoint's run had --max-steps")]
 
 
-def test_an_extended_run_keeps_the_evaluations_of_its_last_step(token_data, tmp_path):
+def test_an_extended_run_keeps_the_evaluations_of_its_last_step(tokens_512, tmp_path):
     # the resume cuts log.jsonl at the checkpoint's step 3: the finished run's final evaluations there are put back
     args = ["--eval-every=2", "--eval-tokens=512", "--hellaswag=off"]
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=3", *args))
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=3", *args))
     first = {r["step"]: r["val_loss"] for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "val"}
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=5", *args, "--resume=auto"))
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=5", *args, "--resume=auto"))
     vals = [(r["step"], r["val_loss"]) for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "val"]
     assert [step for step, _ in vals] == [0, 2, 3, 4, 5]
     assert dict(vals)[3] == first[3] and sorted(first) == [0, 2, 3]  # the record itself, put back
 
 
-def test_a_run_finished_at_its_checkpoints_step_keeps_its_evaluations_there_when_extended(token_data, tmp_path,
+def test_a_run_finished_at_its_checkpoints_step_keeps_its_evaluations_there_when_extended(tokens_512, tmp_path,
                                                                                          monkeypatch):
     # a run stopped after step 2 (ckpt 3 of a 6-step run) is finished with --max-steps 3, then extended: the resume
     # cuts log.jsonl at 3, where that finish logged its final val record (the checkpoint's max_steps is 6, not 3)
@@ -1954,41 +1959,41 @@ def test_a_run_finished_at_its_checkpoints_step_keeps_its_evaluations_there_when
     monkeypatch.setattr(engine.StopFlags, "should_stop", lambda self: calls.append(1) or (
         "max_time" if len(calls) == 4 else real(self)))  # the 4th check: after step 2
     args = ["--eval-every=5", "--eval-tokens=512", "--hellaswag=off"]
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=6", *args))
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=3", *args, "--resume=auto"))
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=6", *args))
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=3", *args, "--resume=auto"))
     finished = {r["step"]: r["val_loss"] for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "val"}
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=6", *args, "--resume=auto"))
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=6", *args, "--resume=auto"))
     vals = [(r["step"], r["val_loss"]) for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "val"]
     assert sorted(finished) == [0, 3] and [step for step, _ in vals] == [0, 3, 5, 6]
     assert dict(vals)[3] == finished[3]
 
 
-def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_original_runs(token_data, tmp_path,
+def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_original_runs(tokens_512, tmp_path,
                                                                                         capsys):
     # cosine: a finished 4-step run extended to 6 steps decays again from halfway, well above its final lr
-    train.main(tiny_args(token_data, tmp_path / "cos", "--max-steps=4", "--eval-every=0"))
+    train.main(v512_args(tokens_512, tmp_path / "cos", "--max-steps=4", "--eval-every=0"))
     capsys.readouterr()
-    train.main(tiny_args(token_data, tmp_path / "cos", "--max-steps=6", "--eval-every=0", "--resume=auto"))
+    train.main(v512_args(tokens_512, tmp_path / "cos", "--max-steps=6", "--eval-every=0", "--resume=auto"))
     assert note_lines(capsys.readouterr().out) == [
         "note: the checkpoint's run had --max-steps 4, this run has 6: from step 4 the lr is 0.00055, not that run's "
         "0.0001"]
     # wsd holds max_lr until its decay: extended before the decay began, the lr stays the original's until then
     wsd = ["--lr-schedule=wsd", "--eval-every=0", "--ckpt-every=4", "--keep-last=0"]
-    train.main(tiny_args(token_data, tmp_path / "wsd", "--max-steps=10", *wsd))
+    train.main(v512_args(tokens_512, tmp_path / "wsd", "--max-steps=10", *wsd))
     capsys.readouterr()
-    train.main(tiny_args(token_data, tmp_path / "wsd2", "--max-steps=20", *wsd, "--max-time=1e-9",
+    train.main(v512_args(tokens_512, tmp_path / "wsd2", "--max-steps=20", *wsd, "--max-time=1e-9",
                          f"--resume={tmp_path / 'wsd' / 'ckpt_000004.pt'}"))
     assert note_lines(capsys.readouterr().out) == [
         "note: the checkpoint's run had --max-steps 10, this run has 20: from step 9 the lr is 0.001, not that run's "
         "0.00055"]
     # constant: no schedule depends on --max-steps, and an evaluation trains nothing: no note
-    train.main(tiny_args(token_data, tmp_path / "const", "--max-steps=3", "--eval-every=0", "--lr-schedule=constant"))
-    train.main(tiny_args(token_data, tmp_path / "const", "--max-steps=5", "--eval-every=0", "--lr-schedule=constant",
+    train.main(v512_args(tokens_512, tmp_path / "const", "--max-steps=3", "--eval-every=0", "--lr-schedule=constant"))
+    train.main(v512_args(tokens_512, tmp_path / "const", "--max-steps=5", "--eval-every=0", "--lr-schedule=constant",
                          "--resume=auto"))
-    train.main(tiny_args(token_data, tmp_path / "cos", "--max-steps=9", "--eval-only", "--resume=auto"))
+    train.main(v512_args(tokens_512, tmp_path / "cos", "--max-steps=9", "--eval-only", "--resume=auto"))
     assert note_lines(capsys.readouterr().out) == []
     # another --max-lr changes every later step's lr, whatever the schedule
-    train.main(tiny_args(token_data, tmp_path / "const", "--max-steps=6", "--eval-every=0", "--lr-schedule=constant",
+    train.main(v512_args(tokens_512, tmp_path / "const", "--max-steps=6", "--eval-every=0", "--lr-schedule=constant",
                          "--max-lr=2e-3", "--resume=auto"))
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: the checkpoint's")] == [
         "note: the checkpoint's run had --max-steps 5 and --max-lr 0.001, this run has 6 and 0.002: from step 5 the lr "
@@ -2072,11 +2077,11 @@ def test_resume_auto_names_a_later_step_it_passes_over(token_data, tmp_path, cap
     assert len(result["losses"]) == 2
 
 
-def test_tokens_axis_survives_a_resume_with_another_total_batch(token_data, tmp_path):
+def test_tokens_axis_survives_a_resume_with_another_total_batch(tokens_512, tmp_path):
     common = ["--max-steps=4", "--ckpt-every=2", "--eval-every=0", "--batch-size=4"]
-    train.main(tiny_args(token_data, tmp_path, *common, "--total-batch-size=256", "--max-steps=2"))
+    train.main(v512_args(tokens_512, tmp_path, *common, "--total-batch-size=256", "--max-steps=2"))
     assert load_checkpoint(tmp_path / "ckpt_000002.pt")["tokens"] == 2 * 256
-    train.main(tiny_args(token_data, tmp_path, *common, "--total-batch-size=512", "--resume=auto"))
+    train.main(v512_args(tokens_512, tmp_path, *common, "--total-batch-size=512", "--resume=auto"))
     tokens = [r["tokens"] for r in iter_log(tmp_path / "log.jsonl") if r["type"] == "train"]
     assert tokens == [256, 512, 1024, 1536]  # steps 2 and 3 trained on 512 tokens each
     assert load_checkpoint(tmp_path / "ckpt_000004.pt")["tokens"] == 1536
@@ -2090,16 +2095,16 @@ def test_tokens_axis_survives_a_resume_with_another_total_batch(token_data, tmp_
     # 8 x 64), skipping the 78 - 4 windows of 4 x 64 of the 20,000-token shard that were not served
     ("windows", "on at the next shard, skipping this one's 18,944 unserved tokens, none served twice", 39 + 2),
 ])
-def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_batch(token_data, tmp_path, capsys,
+def test_resume_with_another_micro_batch_keeps_the_data_position_and_the_total_batch(tokens_512, tmp_path, capsys,
                                                                                      shuffle, where, step):
     # moved to a GPU with other memory, a run resumes with another --batch-size: grad accumulation changes so the
     # step keeps its 512 tokens, and the loader goes on without serving a window twice
     common = ["--eval-every=0", "--ckpt-every=2", "--max-steps=4", f"--shuffle={shuffle}"]
-    train.main(tiny_args(token_data, tmp_path, *common, "--max-steps=2"))  # the tiny preset: B=4, 2 micro-steps
+    train.main(v512_args(tokens_512, tmp_path, *common, "--max-steps=2"))  # the tiny preset: B=4, 2 micro-steps
     loader = load_checkpoint(tmp_path / "ckpt_000002.pt")["loader"]
     assert (loader["B"], loader["step"], loader["shuffle"]) == (4, 4, shuffle)
     capsys.readouterr()
-    result = train.main(tiny_args(token_data, tmp_path, *common, "--batch-size=8", "--resume=auto"))
+    result = train.main(v512_args(tokens_512, tmp_path, *common, "--batch-size=8", "--resume=auto"))
     out = capsys.readouterr().out
     assert (f"note: the checkpoint read 4-sequence windows with --shuffle {shuffle}, this run reads 8-sequence windows "
             f"with --shuffle {shuffle}: the data goes {where}") in out
@@ -2184,13 +2189,13 @@ def test_out_dir_that_is_a_file_is_refused_before_anything_runs(token_data, tmp_
     assert f"--out-dir {tmp_path / 'out'} is a file, not a directory" in capsys.readouterr().err
 
 
-def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(token_data, tmp_path):
+def test_rewinding_to_an_older_checkpoint_keeps_and_resumes_the_new_ones(tokens_512, tmp_path):
     common = ["--max-steps=9", "--ckpt-every=3", "--eval-every=0"]
-    train.main(tiny_args(token_data, tmp_path, *common, "--keep-last=5"))
+    train.main(v512_args(tokens_512, tmp_path, *common, "--keep-last=5"))
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000006.pt",
                                                                  "ckpt_000009.pt"]
     # rewind to step 3 (say, before a loss spike) and stop after one step
-    train.main(tiny_args(token_data, tmp_path, *common, "--keep-last=2", f"--resume={tmp_path / 'ckpt_000003.pt'}",
+    train.main(v512_args(tokens_512, tmp_path, *common, "--keep-last=2", f"--resume={tmp_path / 'ckpt_000003.pt'}",
                          "--max-time=0.000001"))
     # --keep-last 2 keeps ckpt_000004 and ckpt_000009, and ckpt_000003: the newest known good (its step trained to a
     # finite loss; ckpt_000004's has not been trained yet)
@@ -2248,14 +2253,14 @@ def test_find_checkpoint_skips_files_it_cannot_read_for_the_newest_that_loads(tm
     assert "ckpt_000005.pt has a later step but was written earlier" in capsys.readouterr().out
 
 
-def test_keep_last_counts_only_the_checkpoints_that_load(token_data, tmp_path, capsys):
+def test_keep_last_counts_only_the_checkpoints_that_load(tokens_512, tmp_path, capsys):
     # the newest checkpoint is corrupt (a disk error, a copy cut short): the run resumes the one before it, and the
     # corrupt file must not take a good one's place among the --keep-last 3, nor be deleted behind the user's back
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=6", "--ckpt-every=2", "--keep-last=5", "--eval-every=0"))
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=6", "--ckpt-every=2", "--keep-last=5", "--eval-every=0"))
     torn = tmp_path / "ckpt_000006.pt"
     torn.write_bytes(torn.read_bytes()[:1000])
     capsys.readouterr()
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=7", "--ckpt-every=0", "--keep-last=3", "--eval-every=0",
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=7", "--ckpt-every=0", "--keep-last=3", "--eval-every=0",
                          "--resume=auto"))
     assert "(left in place; --keep-last does not count it)" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000002.pt", "ckpt_000004.pt", "ckpt_000006.pt",
@@ -2264,7 +2269,7 @@ def test_keep_last_counts_only_the_checkpoints_that_load(token_data, tmp_path, c
     # without ckpt_000007, resumed from step 4 again and past step 6 with checkpoints every 2 steps: ckpt_000006 is
     # written anew, readable, and counted again, so the oldest good one goes
     (tmp_path / "ckpt_000007.pt").unlink()
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=8", "--ckpt-every=2", "--keep-last=3", "--eval-every=0",
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=8", "--ckpt-every=2", "--keep-last=3", "--eval-every=0",
                          "--resume=auto"))
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000004.pt", "ckpt_000006.pt", "ckpt_000008.pt"]
     assert load_checkpoint(tmp_path / "ckpt_000006.pt")["step"] == 6
@@ -2277,27 +2282,27 @@ def rot(path: Path, size: int = 100_000) -> None:
         f.write(bytes(size))
 
 
-def test_a_checkpoint_whose_bytes_rotted_is_skipped_and_the_resume_is_exact(token_data, tmp_path, capsys):
+def test_a_checkpoint_whose_bytes_rotted_is_skipped_and_the_resume_is_exact(tokens_512, tmp_path, capsys):
     import export
     import hellaswag
     import sample
 
     common = ["--device=cpu", "--lr-schedule=constant", "--ckpt-every=1", "--keep-last=3", "--eval-every=0"]
-    full = train.main(tiny_args(token_data, tmp_path / "full", *common, "--max-steps=12"))["losses"]
+    full = train.main(v512_args(tokens_512, tmp_path / "full", *common, "--max-steps=12"))["losses"]
     out = tmp_path / "rotted"
-    train.main(tiny_args(token_data, out, *common, "--max-steps=10"))
+    train.main(v512_args(tokens_512, out, *common, "--max-steps=10"))
     newest = out / "ckpt_000010.pt"
     rot(newest)
     assert zipfile.ZipFile(newest).testzip() is not None  # well-formed, and torch.load alone would take it
     why = f"checkpoint {newest} is corrupt or truncated (BadZipFile: Bad CRC-32 for file 'archive/data/"
     capsys.readouterr()
-    rest = train.main(tiny_args(token_data, out, *common, "--max-steps=12", "--resume=auto"))["losses"]
+    rest = train.main(v512_args(tokens_512, out, *common, "--max-steps=12", "--resume=auto"))["losses"]
     assert f"warning: skipping unreadable checkpoint {newest}: {why}" in capsys.readouterr().err
     assert rest == full[9:]  # resumed from ckpt_000009: bitwise what the uninterrupted run did
     assert load_checkpoint(newest)["step"] == 10  # written anew by the resumed run
     rot(newest)
     with pytest.raises(SystemExit) as e:
-        train.main(tiny_args(token_data, out, *common, "--max-steps=12", f"--resume={newest}"))
+        train.main(v512_args(tokens_512, out, *common, "--max-steps=12", f"--resume={newest}"))
     assert e.value.code == 1 and capsys.readouterr().err.startswith(f"error: {why}")
     examples = str(ROOT / "tests" / "data" / "hellaswag_tiny.jsonl")
     for main, argv in ((sample.main, ["--ckpt", str(newest)]),
@@ -2330,9 +2335,9 @@ def test_prune_keeps_the_newest_readable_the_milestones_and_the_known_good(tmp_p
     assert kept(tmp_path, 2, unreadable=(8,)) == [6, 7, 8]  # left in place, and not one of the 2
 
 
-def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
+def test_keep_every_checkpoints_survive_pruning(tokens_512, tmp_path):
     (tmp_path / "ckpt_best.pt").write_bytes(b"a user's own file")  # not a step: neither pruned nor resumed from
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=7", "--ckpt-every=1", "--keep-last=2", "--keep-every=3",
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=7", "--ckpt-every=1", "--keep-last=2", "--keep-every=3",
                          "--eval-every=0"))
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_000003.pt", "ckpt_000006.pt", "ckpt_000007.pt",
                                                                  "ckpt_best.pt"]
@@ -2341,8 +2346,8 @@ def test_keep_every_checkpoints_survive_pruning(token_data, tmp_path):
         train.TrainConfig(ckpt_every=2, keep_every=5)
 
 
-def test_profile_writes_a_trace(token_data, tmp_path, capsys):
-    train.main(tiny_args(token_data, tmp_path, "--max-steps=5", "--eval-every=0", "--profile", "--profile-steps=1"))
+def test_profile_writes_a_trace(tokens_512, tmp_path, capsys):
+    train.main(v512_args(tokens_512, tmp_path, "--max-steps=5", "--eval-every=0", "--profile", "--profile-steps=1"))
     trace = json.loads((tmp_path / "trace_rank0.json").read_text())
     assert len(trace["traceEvents"]) > 10
     assert "Self CPU" in capsys.readouterr().out
