@@ -97,6 +97,8 @@ def log_paths(arg: str) -> list[Path]:
         if newest is None:
             raise FileNotFoundError("no out/*/log.jsonl here; pass --log PATH (the log.jsonl in a run's --out-dir)")
         return [newest]
+    if Path(arg).is_file():  # one log as given, commas and all, though a prefix of it be a file too
+        return [Path(arg)]
     logs, part = [], ""
     for piece in arg.split(","):  # a comma may be a run name's (lr=6e-4,bs=8): pieces join until a file exists
         part = f"{part},{piece}" if part else piece

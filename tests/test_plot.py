@@ -185,6 +185,9 @@ def test_plot_overlays_runs_whose_names_hold_commas(tmp_path):
         plot.main(["--log", f"{tmp_path / 'nope.jsonl'},{logs[0]}"])
     (tmp_path / "lr=6e-4").mkdir()  # another run's directory, named as the first piece: not taken for the log
     assert plot.log_paths(f"{logs[0]},{tmp_path}") == [logs[0], tmp_path]  # a directory: read_run says so
+    (tmp_path / "log").write_text("")
+    (tmp_path / "log,old").write_text("")  # a file whose name a file's name and a comma begin: itself, as given
+    assert plot.log_paths(f"{tmp_path / 'log'},old") == [tmp_path / "log,old"]
 
 
 def test_the_loss_panel_shows_the_curve_after_its_first_drop(tmp_path, monkeypatch):
