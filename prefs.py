@@ -188,7 +188,7 @@ DPO_LOSSES = {"sigmoid": lambda c, r, n, beta: -F.logsigmoid(c - r),  # TRL's lo
 
 
 def dpo(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-        ref_rejected: torch.Tensor, beta: float = 0.1, loss: str = "sigmoid", tokens: Any = None) -> Metrics:
+        ref_rejected: torch.Tensor, beta: float = 0.1, loss: str = "sigmoid", tokens: tuple | None = None) -> Metrics:
     """DPO_LOSSES[loss] of the implicit rewards beta * log(policy / reference), and Bradley–Terry's accuracy, margin."""
     chosen, rejected = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
     return {**bradley_terry(chosen, rejected), "loss": DPO_LOSSES[loss](chosen, rejected, tokens, beta).mean(),
@@ -207,9 +207,10 @@ def dpo_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], ref:
     with torch.no_grad():
         reference = sequence_logprobs(ref, *batch)
     chosen, rejected = sequence_logprobs(model, *batch).chunk(2)
-    out = dpo(chosen, rejected, *reference.chunk(2), beta, loss, batch[1][:, 1:].sum(1).chunk(2))
+    tokens = batch[1][:, 1:].sum(1).chunk(2)  # each reply's (chosen, rejected): ipo's means and the sft term's
+    out = dpo(chosen, rejected, *reference.chunk(2), beta, loss, tokens)
     if sft:
-        out["nll"] = -chosen.sum() / batch[1][:len(chosen), 1:].sum()
+        out["nll"] = -chosen.sum() / tokens[0].sum()
         out["loss"] = out["loss"] + sft * out["nll"]
     return out
 
