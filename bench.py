@@ -671,8 +671,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     rank, _, world, _ = common.setup_distributed(cfg.device)  # under torchrun: the tp/pp rows; rank 0 reports
     master = rank == 0
-    result = {"provenance": {**common.provenance(cfg.device, world), "torch_threads": torch.get_num_threads()},
-              "config": dataclasses.asdict(cfg), "errors": {}}
+    result = {"provenance": common.provenance(cfg.device, world), "config": dataclasses.asdict(cfg), "errors": {}}
 
     def save(row: Row | None = None) -> None:
         if not master:

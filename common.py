@@ -282,7 +282,7 @@ def provenance(device: torch.device | str | None = None, world_size: int = 1) ->
         from triton import __version__ as triton_version
     return {"git_sha": sha, "git_dirty": dirty, "python": sys.version.split()[0], "torch": str(torch.__version__),
             "triton": triton_version, "cuda": torch.version.cuda, "device": device_name(device),
-            "world_size": world_size}
+            "world_size": world_size, "torch_threads": torch.get_num_threads()}  # a CPU loss's last bits
 
 
 def describe_provenance(prov: dict) -> str:

@@ -38,7 +38,7 @@ import torch.nn as nn
 import common
 from common import LOCAL, all_sum, checkpoints, device_name, load_checkpoint, mfu, same_verdict, trim_heap, write_error
 from parallel import StepArgs, Trainable, check_flags, flag
-from trackers import RunLog, fmt_time
+from trackers import RunLog, fmt_time, open_run_log
 
 
 @dataclass
@@ -93,12 +93,13 @@ TRIM_EVERY = 100  # CPU steps between handing the heap's free pages back (common
 
 @dataclass(frozen=True)
 class Context:
-    """Where this process runs: its rank, its rank on the node, the world size and its device."""
+    """Where this process runs: its rank, its rank on the node, the world size and its device; and its command line."""
 
     rank: int = 0
     local_rank: int = 0
     world: int = 1
     device: torch.device = torch.device("cpu")
+    argv: tuple[str, ...] | None = None  # the stage's script and the flags stage.main parsed (None: stage.run's)
 
     @property
     def master(self) -> bool:
@@ -595,6 +596,18 @@ def find_checkpoint(out_dir: Path, unreadable: list[Path]) -> tuple[Path, dict] 
                   "it)", file=sys.stderr)
             unreadable.append(path)
     return None
+
+
+def open_log(cfg: RunArgs, raw: nn.Module, built: Trainable, ctx: Context, checkpointer: Checkpointer,
+             found: tuple[Path, dict] | None, start: int) -> RunLog:
+    """log.jsonl and the trackers, its first record what the run is: its command (the stage's script and flags), the
+    full config and what its auto flags came to (the header's), the model's config and the provenance."""
+    checkpointer.remove_partial_writes()
+    log = open_run_log(cfg, start if found else None, checkpointer.rewinding, ctx.rank, ctx.world)
+    log.write({"type": "config", "step": start, "argv": ctx.argv, "config": dataclasses.asdict(cfg),
+               "resolved": built.resolved(), "model_config": dataclasses.asdict(raw.config),
+               "provenance": checkpointer.prov})
+    return log
 
 
 # ----------------------------------------------------------------------------------------------------------------------

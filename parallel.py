@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from common import LOCAL, all_sum, import_torchao, tensor_bytes, torchao_missing
 from parallelize import flag_checks, fully_shard_model, shard
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype's names
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")
 # SDPA kernel -> the global switch that allows it (torch.backends.cuda's switches also steer the CPU kernels)
 SDPA_SWITCHES = {"flash": "enable_flash_sdp", "cudnn": "enable_cudnn_sdp", "efficient": "enable_mem_efficient_sdp",
@@ -214,6 +216,13 @@ class Trainable:
     dtype: torch.dtype
     autocast: contextlib.AbstractContextManager
     shards: nn.Module | None = None  # --tp/--pp: this rank's part (parallelize.Sharded), for state dicts and evals
+    compiled: bool = False
+    attention: str = "auto"  # the SDPA kernel torch picks for the training forward (sdpa_kernel)
+
+    def resolved(self) -> dict[str, Any]:
+        """What --dtype, --compile and --attention came to (auto, None): the console's header and log.jsonl say this."""
+        return {"dtype": next(k for k, v in DTYPES.items() if v == self.dtype), "compile": self.compiled,
+                "attention": self.attention}
 
 
 def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_compile: bool,
@@ -230,12 +239,12 @@ def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_co
     # after wrap_model: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
     optimizer = build_optimizer(shards or raw, args, device, verbose)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    return Trainable(model, optimizer, scaler, dtype, autocast, shards)
+    return Trainable(model, optimizer, scaler, dtype, autocast, shards, use_compile and shards is None,
+                     sdpa_kernel(raw.config, dtype, device))
 
 
 def precision(dtype: str, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                   "auto": torch.bfloat16 if device.type == "cuda" else torch.float32}[dtype]
+    torch_dtype = {**DTYPES, "auto": torch.bfloat16 if device.type == "cuda" else torch.float32}[dtype]
     return torch_dtype, torch.autocast(device.type, torch_dtype, enabled=torch_dtype != torch.float32)
 
 
@@ -307,6 +316,16 @@ def set_sdpa_switches(state: dict[str, bool]) -> None:
         from torch._inductor import config as inductor_config
 
         inductor_config.fx_graph_cache = not choice
+
+
+def sdpa_kernel(config: Any, dtype: torch.dtype, device: torch.device) -> str:
+    """The SDPA kernel torch's dispatcher picks, under the switches set now, for the model's causal training forward
+    (one sequence of its context; dropout and grouped-query heads count): what --attention auto comes to."""
+    q = torch.zeros(1, config.n_head, config.block_size, config.head_dim, dtype=dtype, device=device)
+    kv = q[:, :config.kv_heads]
+    choice = torch._fused_sdp_choice(q, kv, kv, dropout_p=config.dropout, is_causal=True,
+                                     enable_gqa=config.kv_heads != config.n_head)
+    return SDPBackend(choice).name.lower().removesuffix("_attention")  # FLASH_ATTENTION: flash
 
 
 def select_attention(name: str) -> None:

@@ -7,12 +7,14 @@ Usage:
     python plot.py --log out/gpt2-124m/log.jsonl            # writes out/gpt2-124m/loss.png
     python plot.py --log out/demo/log.jsonl --x tokens --out demo.png
     python plot.py --log out/lr6e-4/log.jsonl,out/lr1e-3/log.jsonl --x tokens   # overlaid -> out/lr6e-4/compare.png
+    python plot.py --log out/sweep/*/log.jsonl                    # several words after --log: overlaid too
     python plot.py --log out/rl/log.jsonl,out/rl-ppo/log.jsonl   # reward and accuracy curves of two RL runs
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ PANELS = {"loss": ("train", "loss", "loss"), "bpb": ("val", "val_bpb", "val bits
 class PlotConfig:
     """Plot the curves of a train.py or rl.py log.jsonl (or of several runs, overlaid) into a PNG."""
 
-    log: str = ""  # the run's JSONL log ('' = the newest out/*/log.jsonl); several, comma-separated, are overlaid
+    log: str = ""  # the run's JSONL log ('' = the newest out/*/log.jsonl); several (comma-separated, or words) overlaid
     out: str = ""  # PNG path ('' = loss.png next to the log; compare.png next to the first log for several)
     x: str = "step"  # x axis: step or tokens
     smooth: float = 0.9  # EMA factor for the train loss (0 = raw)
@@ -60,11 +62,11 @@ def run_names(logs: list[Path]) -> list[str]:
     return [str(log.parent) if names.count(name) > 1 else name for log, name in zip(logs, names, strict=True)]
 
 
-def plot(cfg: PlotConfig) -> Path:
+def plot(cfg: PlotConfig, more: tuple[str, ...] = ()) -> Path:  # more: the words after --log's value (main)
     # a Figure of its own on the Agg canvas: no display needed, and no pyplot state left in a notebook that calls plot()
     from matplotlib.figure import Figure
 
-    logs = log_paths(cfg.log)
+    logs = [log for arg in (cfg.log, *more) for log in log_paths(arg)]
     runs = [read_run(log) for log in logs]  # (config, curves) per run, in the order of logs
     single = len(runs) == 1
     names = [name for name, (kind, key, _) in PANELS.items()
@@ -185,9 +187,15 @@ def loss_range(drawn: list[tuple[list[float], list[float]]]) -> tuple[float, flo
 
 
 def main(argv: list[str] | None = None) -> Path:
-    cfg = parse_config(PlotConfig, argv, doc=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    # the words after --log's value up to the next option are logs too (a shell glob's: --log out/sweep/*/log.jsonl),
+    # each as --log takes one: the house parser would refuse them, one word a flag
+    at = next((i + 1 for i, word in enumerate(argv) if word == "--log" or word.startswith("--log=")), len(argv))
+    end = next((j for j in range(at, len(argv)) if argv[j].startswith("--")), len(argv))
+    at = min(at + (argv[at - 1:at] == ["--log"]), end)  # past its value
+    cfg = parse_config(PlotConfig, argv[:at] + argv[end:], doc=__doc__)
     with user_errors(FileNotFoundError, ValueError):
-        out = plot(cfg)
+        out = plot(cfg, tuple(argv[at:end]))
     print(f"plot: wrote {out}")
     return out
 

@@ -275,7 +275,7 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     pruning.attach(built.optimizer)
     if not found and not cfg.eval_only:
         checkpointer.save(0, raw, built.optimizer, parts)  # the pruned model, before any recovery
-    log = stage.open_log(cfg, raw, checkpointer, found, start)
+    log = engine.open_log(cfg, raw, built, ctx, checkpointer, found, start)
     params, nonzero = (sum(f(p) for p in raw.parameters()) for f in (Tensor.numel, lambda p: int(p.count_nonzero())))
     log.say(f"{cfg.method}: {pruning.sparsity():.1%} of the blocks' {record['dense']['weights']:,} matrix weights "
             f"pruned, {source}; {params:,} parameters, {nonzero:,} nonzero")

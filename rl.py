@@ -477,7 +477,7 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     parts = {"sampler": PromptSampler(train_problems, cfg.seed), "reference": ref and stage.Reference(
         engine.weights_digest(ref.transformer), cfg.init_from, "was anchored (--beta) to")}
     built, start = stage.build_and_resume(raw, parts, cfg, ctx, checkpointer, found)
-    log = stage.open_log(cfg, raw, checkpointer, found, start)
+    log = engine.open_log(cfg, raw, built, ctx, checkpointer, found, start)
     rows = cfg.prompts // ctx.world * cfg.samples
     log.say(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {ctx.world} "
             f"ranks) from --init-from {cfg.init_from}")

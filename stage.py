@@ -59,7 +59,7 @@ from parallel import (
     train_step,
 )
 from parallelize import data_rank, degrees
-from trackers import RunLog, missing_package, open_run_log
+from trackers import missing_package
 
 
 @dataclass
@@ -356,7 +356,7 @@ class Setup:
                                           **fingerprint(), "weights": engine.weights_digest(self.raw)
                                           if self.found is None else None},  # a resume's: Checkpointer.find's
                                  ctx.rank, ctx.world, source)
-        self.cfg, self.grad_accum, use_compile = check_run(cfg, ctx, self.raw.config, self.data.world)
+        self.cfg, self.grad_accum, _ = check_run(cfg, ctx, self.raw.config, self.data.world)
         self.raw = self.raw.to(ctx.device)
         for loader in loaders:
             loader.check_vocab(self.raw.config.vocab_size)
@@ -368,8 +368,8 @@ class Setup:
         self.built, self.start = build_and_resume(self.raw, self.parts, self.cfg, ctx, self.checkpointer, self.found)
         self.raw = self.built.shards or self.raw  # under --tp/--pp: this rank's part, which checkpoints and evaluates
         if ctx.master:
-            print_header(self, use_compile, max((getattr(loader, "sides", 1) for loader in loaders), default=1))
-        self.log = open_log(self.cfg, self.raw, self.checkpointer, self.found, self.start)
+            print_header(self, max((getattr(loader, "sides", 1) for loader in loaders), default=1))
+        self.log = engine.open_log(self.cfg, self.raw, self.built, ctx, self.checkpointer, self.found, self.start)
 
     def run(self, step_fn: Callable[[int], dict[str, Any]], evals: list[Eval]) -> Run:
         peak = self.cfg.peak_tflops
@@ -419,25 +419,27 @@ def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[
     return cfg, grad_accum, compiled
 
 
-def print_header(setup: Setup, compiled: bool, sides: int) -> None:
-    """`sides`: the sequences in one of the loader's items (a preference pair's two)."""
+def print_header(setup: Setup, sides: int) -> None:
+    """`sides`: the sequences in one of the loader's items (a preference pair's two). What --dtype, --compile and
+    --attention came to is built.resolved(), as log.jsonl's config record has it."""
     cfg, raw, built, ctx, accum = setup.cfg, setup.raw, setup.built, setup.ctx, setup.grad_accum
-    B, T, mcfg, dp = cfg.batch_size, cfg.seq_len, raw.config, setup.data.world
+    B, T, mcfg, dp, came = cfg.batch_size, cfg.seq_len, raw.config, setup.data.world, built.resolved()
     rows = f"{B} x {T}" if sides == 1 else f"{sides} x {B} pairs x {T}"
     tp, pp = degrees(cfg)  # --tp/--pp's mesh, or else the data-parallel wrapper (ddp, zero1, fsdp; single: no torchrun)
     layout = f"pp{pp} x dp{dp} x tp{tp}" if cfg.tp or cfg.pp else optimizer_kind(built.optimizer, cfg.parallel)
     if cfg.eval_only:
-        print(f"{raw.num_params():,} params | evaluating at step {setup.start} | {rows} x {dp} ranks | {built.dtype}")
+        print(f"{raw.num_params():,} params | evaluating at step {setup.start} | {rows} x {dp} ranks | attention "
+              f"{came['attention']} | {came['dtype']}")
         return
     print(f"{raw.num_params():,} params | {sides * accum * B * T * dp:,} tokens/step = {rows} x {dp} ranks x "
-          f"{accum} accum | {cfg.max_steps} steps | compile {compiled} | "
-          f"{layout} | {built.dtype}")
+          f"{accum} accum | {cfg.max_steps} steps | compile {came['compile']} | attention {came['attention']} | "
+          f"{layout} | {came['dtype']}")
     kernel = f"runs the PyTorch reference on {ctx.device.type}: the Triton kernel is CUDA only"
     notes = [(mcfg.fused_gelu and ctx.device.type != "cuda", f"--fused-gelu {kernel}"),
              (mcfg.fused_ce and ctx.device.type != "cuda", f"--fused-ce {kernel}"),
              (mcfg.half_residual and built.dtype == torch.float32,
               "--half-residual does nothing in fp32: the residual stream is 16-bit only under --dtype bf16"),
-             (cfg.compile_mode != "default" and not compiled,
+             (cfg.compile_mode != "default" and not came["compile"],
               f"--compile-mode {cfg.compile_mode} does nothing: the model is not compiled (--compile true)")]
     for note in (note for due, note in notes if due):
         print(f"note: {note}")
@@ -552,15 +554,6 @@ def note_changed_flags(saved: dict[str, Any], cfg: RunArgs, model: GPTConfig | N
         print(f"note: flags changed since the checkpoint: {', '.join(changed)}")
 
 
-def open_log(cfg: RunArgs, raw: GPT, checkpointer: Checkpointer, found: tuple[Path, dict] | None, start: int) -> RunLog:
-    """log.jsonl and the trackers, its first record the full config, the model's and the provenance."""
-    checkpointer.remove_partial_writes()
-    log = open_run_log(cfg, start if found else None, checkpointer.rewinding, checkpointer.rank, checkpointer.world)
-    log.write({"type": "config", "step": start, "config": dataclasses.asdict(cfg),
-               "model_config": dataclasses.asdict(raw.config), "provenance": checkpointer.prov})
-    return log
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Entry points: main's exits, once for every stage
 
@@ -586,6 +579,7 @@ def hold_out_dir(cfg: RunArgs, rank: int, world: int, stack: contextlib.ExitStac
 def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], Any]], setup: Callable[..., Run],
          doc: str | None) -> dict[str, Any]:
     """The command line (sys.argv[1:] by default) into run(); a user error is one line on stderr and exit code 1."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse_config(config, argv, presets, doc)
     except SystemExit as e:
@@ -602,7 +596,7 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
         print(json.dumps({**resolved, **model}, indent=1))
         return {}
     try:
-        return run(cfg, setup)
+        return run(cfg, setup, (Path(setup.__code__.co_filename).name, *argv))  # the script: not pytest's argv[0]
     except (DataError, ValueError, FileNotFoundError, IsADirectoryError) as e:  # rl.py --init-from DIR
         message = f"error: {e}"
     except torch.cuda.OutOfMemoryError as e:  # the usual first failure on a new GPU: say what to change
@@ -622,11 +616,12 @@ def main(config: type, argv: list[str] | None, presets: dict[str, Callable[[], A
     raise SystemExit(1)
 
 
-def run(cfg: RunArgs, setup: Callable[[Any, Context], Run]) -> dict[str, Any]:
+def run(cfg: RunArgs, setup: Callable[[Any, Context], Run], argv: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Train (or evaluate) as cfg says, from Python: errors stay exceptions. It joins the default process group, or
-    creates it and destroys it at the end. Returns engine.train()'s result, the same on every rank."""
+    creates it and destroys it at the end. Returns engine.train()'s result, the same on every rank. `argv`: the
+    command that made cfg, for log.jsonl."""
     with own_process_group(), contextlib.ExitStack() as held:  # what the run holds goes when it ends, in reverse
-        ctx = Context(*setup_distributed(cfg.device, cfg.dist_timeout))
+        ctx = Context(*setup_distributed(cfg.device, cfg.dist_timeout), argv)
         held.callback(set_sdpa_switches, sdpa_switches())  # --attention's choice must not outlive the run either
         hold_out_dir(cfg, ctx.rank, ctx.world, held)  # the lock file closes, and the lock goes, when the run ends
         r = setup(cfg, ctx)

@@ -88,7 +88,7 @@ class WandB:
 
     def write(self, record: dict) -> None:
         if record["type"] == "config":
-            config = {key: record[key] for key in ("config", "model_config", "provenance") if key in record}
+            config = {key: value for key, value in record.items() if key not in ("type", "step")}
             self.run.config.update(config, allow_val_change=True)
         elif values := scalars(record):
             # online, W&B ignores a step it already has: the interrupted run's, with the same loss (exact resume)

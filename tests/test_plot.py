@@ -190,6 +190,32 @@ def test_plot_overlays_runs_whose_names_hold_commas(tmp_path):
     assert plot.log_paths(f"{tmp_path / 'log'},old") == [tmp_path / "log,old"]
 
 
+def test_plot_overlays_the_logs_a_shell_glob_gives_as_words(tmp_path, monkeypatch):
+    # `--log out/sweep/*/log.jsonl` expands to several words: "error: unexpected argument '.../b/log.jsonl'; options
+    # look like --key=value"; each word is a log as given (a comma in its name too), and the options after them apply
+    from matplotlib.figure import Figure
+
+    figures = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: figures.append(self) or savefig(self, *a, **kw))
+    logs = [tmp_path / name / "log.jsonl" for name in ("a", "lr=6e-4,bs=8", "c")]
+    for i, log in enumerate(logs):
+        log.parent.mkdir()
+        log.write_text(json.dumps({"type": "train", "step": 0, "tokens": 8, "loss": 5.0 + i}) + "\n")
+    assert plot.main(["--log", *map(str, logs), "--smooth", "0"]) == logs[0].with_name("compare.png")
+    (fig,) = figures
+    assert fig.axes[0].get_title() == "3 runs"
+    assert [line.get_label() for line in fig.axes[0].get_lines()[1::2]] == [
+        "a: train loss (EMA 0.0)", "lr=6e-4,bs=8: train loss (EMA 0.0)", "c: train loss (EMA 0.0)"]
+    out = tmp_path / "two.png"
+    assert plot.main(["--x", "tokens", f"--log={logs[2]}", f"{logs[0]},{logs[1]}", "--out", str(out)]) == out
+    assert [line.get_label() for line in figures[1].axes[0].get_lines()[1::2]] == [
+        "c: train loss (EMA 0.9)", "a: train loss (EMA 0.9)", "lr=6e-4,bs=8: train loss (EMA 0.9)"]
+    assert list(figures[1].axes[0].get_lines()[0].get_xdata()) == [8]  # --x tokens, given before --log
+    with pytest.raises(SystemExit, match=f"--log {tmp_path / 'nope.jsonl'} does not exist"):
+        plot.main(["--log", str(logs[0]), str(tmp_path / "nope.jsonl")])
+
+
 def test_the_loss_panel_shows_the_curve_after_its_first_drop(tmp_path, monkeypatch):
     """ln(vocab) at step 0 would squash 90 steps of a slow decline into a few pixels: the y-range's top is the
     highest loss past the run's first tenth (train EMA and val), its bottom the lowest, with 5% to spare."""

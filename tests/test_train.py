@@ -486,6 +486,26 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
         assert all(par.sdpa_switches().values())
 
 
+@pytest.mark.parametrize("attention, extra, kernel", [("auto", {}, "flash"), ("auto", {"dropout": 0.1}, "math"),
+                                                      ("auto", {"n_kv_head": 2}, "flash"), ("math", {}, "math"),
+                                                      ("auto", {"n_kv_head": 2, "dropout": 0.1}, "math")])
+def test_the_resolved_attention_is_the_kernel_the_training_forward_runs(attention, extra, kernel):
+    # what the header and log.jsonl say --attention came to, against the aten kernel the profiler sees run
+    switches = par.sdpa_switches()
+    par.select_attention(attention)
+    try:
+        config = GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=4, n_embd=32, **extra)
+        model, x = GPT(config).train(), torch.randint(0, 64, (2, 32))
+        with torch.profiler.profile() as prof:
+            model(x, x)
+        ran = {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")}
+        assert par.sdpa_kernel(config, torch.float32, torch.device("cpu")) == kernel
+    finally:
+        par.set_sdpa_switches(switches)
+    assert ran == {"aten::_scaled_dot_product_flash_attention_for_cpu" if kernel == "flash" else
+                   "aten::_scaled_dot_product_attention_math"}
+
+
 def test_log_jsonl_and_provenance(token_data, tmp_path, capsys, monkeypatch):
     hellaswag = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
     digested = []  # HellaSwag's examples were digested on one process, for a fingerprint no rank compares
@@ -501,7 +521,7 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys, monkeypatch):
     assert f", torch {torch.__version__}, " in lines[1] and lines[1].endswith(f", cpu ({os.cpu_count()} cores), 1 rank")
     assert not any(line.startswith("{") for line in lines)
     # without torchrun nothing is wrapped or sharded, whatever --parallel says; and the kernel needs CUDA
-    assert "| compile False | single | torch.float32" in out
+    assert "| compile False | attention flash | single | fp32" in out
     assert "note: --fused-gelu runs the PyTorch reference on cpu: the Triton kernel is CUDA only" in out
     assert "note: --fused-ce runs the PyTorch reference on cpu: the Triton kernel is CUDA only" in out
     assert "note: --half-residual does nothing in fp32: the residual stream is 16-bit only under --dtype bf16" in out
@@ -532,6 +552,34 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys, monkeypatch):
     assert [group["lr"] for group in ckpt["optimizer"]["param_groups"]] == [engine.get_lr(3, cfg)] * 2
     assert ckpt["provenance"]["world_size"] == 1 and ckpt["train_config"]["max_steps"] == 4
     assert not any(k.startswith("_orig_mod") for k in ckpt["model"])
+
+
+def test_the_logs_first_record_says_what_ran_as_the_console_did(tokens_512, tmp_path, capsys):
+    """Runs compared from their log.jsonl alone: the config record held --dtype auto, --compile None and --attention
+    auto as given, not what they came to, nor the command or the CPU threads (CPU losses move 1e-6 with them)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        # CPU's flash kernel takes no dropout: torch picks math
+        for name, extra, kernel in (("flash", (), "flash"), ("math", ("--dropout=0.1",), "math")):
+            argv = v512_args(tokens_512, tmp_path / name, "--max-steps=1", "--eval-every=0", *extra)
+            train.main(argv)
+            header = next(line for line in capsys.readouterr().out.splitlines() if " tokens/step = " in line)
+            record = next(iter_log(tmp_path / name / "log.jsonl"))
+            assert record["argv"] == ["train.py", *argv]  # the stage, though pytest's is sys.argv[0]
+            assert (record["config"]["dtype"], record["config"]["compile"], record["config"]["attention"]) == (
+                "auto", None, "auto")
+            assert record["resolved"] == {"dtype": "fp32", "compile": False, "attention": kernel}
+            assert header.endswith(f"| 1 steps | compile False | attention {kernel} | single | fp32")
+            assert record["provenance"]["torch_threads"] == 1
+    finally:
+        torch.set_num_threads(threads)
+    # a resume's record says its own command and threads
+    train.main(resumed := v512_args(tokens_512, tmp_path / "math", "--max-steps=2", "--eval-every=0", "--dropout=0.1",
+                                    "--resume=auto"))
+    records = [r for r in iter_log(tmp_path / "math" / "log.jsonl") if r["type"] == "config"]
+    assert [r["argv"] for r in records] == [["train.py", *argv], ["train.py", *resumed]]
+    assert records[1]["provenance"]["torch_threads"] == threads
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
@@ -2746,7 +2794,7 @@ def test_fsdp_bf16_samples_between_evaluations(token_data, tmp_path):
     proc = run_torchrun(["train.py", *tiny_args(token_data, tmp_path, "--parallel=fsdp", "--dtype=bf16",
                                                 "--max-steps=3", "--sample-every=1", "--sample-tokens=4",
                                                 "--eval-every=0", "--total-batch-size=512")], nproc=2)
-    assert " | fsdp | torch.bfloat16" in proc.stdout  # bf16 autocast, and FSDP2's bf16 parameters for compute
+    assert " | fsdp | bf16" in proc.stdout  # bf16 autocast, and FSDP2's bf16 parameters for compute
     assert proc.stdout.count("sample: ") == 6  # 2 samples at each of steps 1, 2, 3
     assert (tmp_path / "ckpt_000003.pt").is_file()
 
