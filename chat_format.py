@@ -360,8 +360,8 @@ class RowStream:
         return k
 
     def state_dict(self) -> dict[str, Any]:
-        """The position and what it is relative to ("shards"/"shard_tokens": the keys the ranks' data check reads; the
-        data's name without its directory, as fineweb's shards: the file elsewhere, or spelled otherwise, resumes)."""
+        """The position and what it is relative to ("shards", "shard_tokens", "shard_crc32": what the ranks' data check
+        reads; the data's name without its directory, as fineweb's: moved, or spelled otherwise, it resumes)."""
         return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
                 "shuffle": self.shuffle, "shards": [Path(self.name).name], "shard_tokens": [self.tokens],
                 "shard_crc32": [self.crc], "items": self.count, "step": self.step}
