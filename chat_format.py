@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from common import EOT, get_tokenizer, load_checkpoint, read_json
-from fineweb import DataError, expand, permutation, source_kind
+from fineweb import DataError, check_contents, crc32, expand, permutation, source_kind
 
 BOS = EOT
 SYSTEM_START, SYSTEM_END, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = range(50257, 50263)
@@ -339,10 +339,11 @@ class RowStream:
     of B items, so `step` is the whole position, and a state resumes under another B or world size."""
 
     def _stream(self, name: str, split: str, B: int, T: int, rank: int, world_size: int, seed: int,
-                device: str | torch.device, shuffle: bool, count: int, tokens: int) -> None:
+                device: str | torch.device, shuffle: bool, count: int, sequences: list[np.ndarray]) -> None:
         self.name, self.split, self.B, self.T, self.rank, self.world_size, self.seed = \
             name, split, B, T, rank, world_size, seed
-        self.device, self.shuffle, self.count, self.tokens = torch.device(device), shuffle, count, tokens
+        self.device, self.shuffle, self.count = torch.device(device), shuffle, count
+        self.tokens, self.crc = sum(map(len, sequences)), crc32(sequences)  # what a resume compares, with the name
         self.num_windows = count // B  # windows of B items per epoch, all ranks together
         self.reset()
 
@@ -359,11 +360,11 @@ class RowStream:
         return k
 
     def state_dict(self) -> dict[str, Any]:
-        """The position and what it is relative to ("shards"/"shard_tokens": the keys the ranks' data check reads; the
-        data's name without its directory, as fineweb's shards: the file elsewhere, or spelled otherwise, resumes)."""
+        """The position and what it is relative to ("shards", "shard_tokens", "shard_crc32": what the ranks' data check
+        reads; the data's name without its directory, as fineweb's: moved, or spelled otherwise, it resumes)."""
         return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
                 "shuffle": self.shuffle, "shards": [Path(self.name).name], "shard_tokens": [self.tokens],
-                "items": self.count, "step": self.step}
+                "shard_crc32": [self.crc], "items": self.count, "step": self.step}
 
     def resume_note(self, saved: dict[str, Any]) -> str | None:
         """Where the data goes on when another B or world size cut the stream into other windows (load_state_dict)."""
@@ -384,6 +385,7 @@ class RowStream:
                 raise DataError(f"cannot resume the {self.split} loader of {self.name}: {key}={state.get(key)!r} in "
                                 f"the checkpoint but {mine[key]!r} here; resume with the same data, --seq-len and "
                                 "--seed")
+        check_contents(state, mine, f"the {self.split} loader of {self.name}")
         served = state["step"] * state["world_size"] * state["B"]
         self.step = -(-served // (self.world_size * self.B))
         self.resume_skipped = self.step * self.world_size * self.B - served  # items no rank will see this epoch
@@ -409,7 +411,7 @@ class ConversationLoader(RowStream):
             ids, mask = (np.concatenate([convs[i][j] for i in row]) for j in (0, 1))
             self.ids[r, :len(ids)], self.mask[r, :len(ids)] = ids, mask
         self._stream(str(source), split, B, T, rank, world_size, seed, device, split == "train", len(rows),
-                     sum(lengths))
+                     [ids for ids, _ in convs])
         self.num_rows, self.padding = len(rows), 1 - sum(lengths) / (len(rows) * (T + 1))  # pack keeps all
         if self.num_windows == 0:
             raise DataError(f"{source} {split}: {len(convs)} conversations pack into {self.num_rows} rows of "

@@ -858,8 +858,10 @@ def command_of(args: Any) -> dict[str, str]:
 
 
 def shards_of(loaders: list[Any]) -> list[tuple]:
-    """(split, shard names, token counts) of each TokenLoader: a shard missing on one node would index other windows."""
-    return [(s["split"], s["shards"], s["shard_tokens"]) for s in (loader.state_dict() for loader in loaders)]
+    """(split, shard names, token counts, CRCs of their ends) of each loader: a shard missing on one node would index
+    other windows, one of other tokens would train the replicas apart."""
+    return [(s["split"], s["shards"], s["shard_tokens"], s["shard_crc32"])
+            for s in (loader.state_dict() for loader in loaders)]
 
 
 def weights_digest(model: nn.Module | Iterable[torch.Tensor]) -> str:
@@ -898,10 +900,12 @@ def describe_difference(key: str, mine: Any, first: Any, rank: int, weights_sour
                 f"{first}): every node must start from the same model")
     if key != "data":
         return f"rank {rank}'s {key} differs from rank 0's: every node must hold the same {key}"
-    for (split, names, sizes), (_, names0, sizes0) in zip(mine, first, strict=True):
-        here, there = dict(zip(names, sizes, strict=True)), dict(zip(names0, sizes0, strict=True))
+    for (split, names, sizes, crcs), (_, names0, sizes0, crcs0) in zip(mine, first, strict=True):
+        here = dict(zip(names, zip(sizes, crcs, strict=True), strict=True))
+        there = dict(zip(names0, zip(sizes0, crcs0, strict=True), strict=True))
         if here != there:
             name = min(n for n in {**here, **there} if here.get(n) != there.get(n))
-            return (f"rank {rank}'s {split} shard {name} holds {here.get(name, 0):,} tokens, rank 0's "
-                    f"{there.get(name, 0):,}: every node must hold the same --data")
+            (n, _), (n0, _) = here.get(name, (0, 0)), there.get(name, (0, 0))
+            what = f"holds {n:,} tokens, rank 0's {n0:,}" if n != n0 else "holds other tokens than rank 0's, as many"
+            return f"rank {rank}'s {split} shard {name} {what}: every node must hold the same --data"
     return f"rank {rank}'s data differs from rank 0's: every node must hold the same --data"

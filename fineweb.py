@@ -31,6 +31,7 @@ import sysconfig
 import textwrap
 import time
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -52,6 +53,7 @@ LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet":
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
 NAMED_SOURCES = {FINEWEB: "fineweb", "shakespeare": "shakespeare", "stdlib": "stdlib", "stdlib-docs": "stdlib-docs"}
+ENDS = 4096  # tokens at each end of a shard that a resume compares (8 KiB each): never the whole shard
 NO_VAL = "skip the val loss (train.py --eval-every 0)"  # the way out of a val split too short or missing
 CUT = re.compile(r"(?<=\S)[\r\n]")  # where tokenize may cut a long text (CRLF too): the pre-tokenizer splits there too
 START = (0, 0, 0, 0, 0)  # a source position: part, row in it, row in the source, parts, tokens of its document written
@@ -173,6 +175,7 @@ class TokenLoader:
         self.files = find_shards(pattern, split)
         self._shards = [read_shard(f) for f in self.files]  # memory maps, not loaded
         self._lengths = lengths = np.array([len(s) for s in self._shards], dtype=np.int64)
+        self._crcs = [shard_crc(f, len(s)) for f, s in zip(self.files, self._shards, strict=True)]  # resume compares
         self._windows = self._windows_per_shard(B)
         self.num_windows = int(self._windows.sum())  # windows per epoch over all ranks
         if self.num_windows == 0:
@@ -254,7 +257,7 @@ class TokenLoader:
         """The exact position plus what it is relative to; plain ints, strs and lists (safe for weights_only)."""
         return {"split": self.split, "B": self.B, "T": self.T, "world_size": self.world_size, "seed": self.seed,
                 "shuffle": self.shuffle, "shards": [f.name for f in self.files],
-                "shard_tokens": self._lengths.tolist(), "step": self.step}
+                "shard_tokens": self._lengths.tolist(), "shard_crc32": self._crcs, "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (same shards, T and seed), mapped onto another world size, B or shuffle if need be."""
@@ -268,6 +271,7 @@ class TokenLoader:
                     else "shards of other sizes (the same names, rewritten since)"
                 raise DataError(f"cannot resume the {self.split} loader: {why}; resume with the same {what} or start a "
                                 "fresh run")
+        check_contents(state, mine, f"the {self.split} loader")
         # the stream does not depend on the world size: the new ranks start at the first multiple of theirs at or
         # after the step * world windows served, none twice (docs/fineweb.md)
         old_b, old_shuffle, served = state["B"], state.get("shuffle", "shards"), state["step"] * state["world_size"]
@@ -301,6 +305,26 @@ class TokenLoader:
         else:  # neither shuffles (or none of it served): on inside the shard being read
             within = min(-(-done * old_b // self.B), int(self._windows[shard]))
         return epoch * self.num_windows + new_before + within
+
+
+def crc32(arrays: Iterable[np.ndarray]) -> int:
+    """The CRC-32 of the arrays' bytes end to end."""
+    return functools.reduce(lambda crc, a: zlib.crc32(np.ascontiguousarray(a), crc), arrays, 0)
+
+
+def shard_crc(path: Path, n: int) -> int:
+    """The CRC-32 of a shard's first and last ENDS of its n tokens, in two small reads: a memory map's page fault
+    reads ahead megabytes (10 ms a cold 200 MB shard here, against 0.3 ms)."""
+    return crc32(np.fromfile(path, "<u2", min(n, ENDS), offset=HEADER_BYTES + 2 * k) for k in (0, max(n - ENDS, 0)))
+
+
+def check_contents(state: dict[str, Any], mine: dict[str, Any], what: str) -> None:
+    """Refuse a loader state (of the same shard names and sizes) whose shards' shard_crc32 differ from these: other
+    tokens would be read at the same position. A state from before the key resumes unchecked."""
+    theirs = state.get("shard_crc32", mine["shard_crc32"])
+    if other := [name for name, a, b in zip(mine["shards"], theirs, mine["shard_crc32"], strict=True) if a != b]:
+        raise DataError(f"cannot resume {what}: {other[0]} holds other tokens than the checkpoint's under the same "
+                        "name and size; resume with the checkpoint's --data or start a fresh run")
 
 
 @functools.lru_cache(maxsize=8)  # drawn once per epoch (and shard), not at each batch (chat_format's loaders too)

@@ -145,7 +145,7 @@ class PairLoader(RowStream):
             name, rows = str(source), enumerate(load_rows(source, split))
         self.ids, self.starts, dropped, moot = render_pairs(rows, name, T)
         self._stream(name, split, B, T, rank, world_size, seed, device, shuffle, len(self.ids),
-                     sum(len(side) for pair in self.ids for side in pair))
+                     [side for pair in self.ids for side in pair])
         self.num_pairs = len(self.ids)
         if self.num_windows == 0:
             raise DataError(f"{name} {split}: {self.num_pairs} pairs of at most T = {T} tokens ({dropped} longer, "

@@ -4,6 +4,7 @@ and rank interleaving on local files read through datasets (a JSONL file, and a 
 import json
 import random
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,10 +236,30 @@ def test_resume_takes_the_same_file_elsewhere_and_notes_rows_skipped_for_another
         "skipping 3 unserved of epoch 0's 25 items; none served twice")
 
 
+def test_resume_on_a_file_of_the_same_name_rows_and_tokens_but_other_words_is_refused(tmp_path):
+    """Every "yes" a "no" (one token each): the same name, rows and tokens, so only the tokens' CRC tells them apart."""
+    path = write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(60)])
+    a = cf.ConversationLoader(path, "train", 3, 31, seed=5)
+    a.next_batch()
+    state = a.state_dict()
+    (tmp_path / "other").mkdir()
+    other = Path(write_jsonl(tmp_path / "other" / "c.jsonl", [chat(i) for i in range(60)]))
+    other.write_text(other.read_text().replace("yes", "no"))
+    b = cf.ConversationLoader(str(other), "train", 3, 31, seed=5)
+    assert (b.tokens, b.num_rows) == (a.tokens, a.num_rows) and not np.array_equal(b.ids, a.ids)
+    with pytest.raises(DataError) as e:
+        b.load_state_dict(state)
+    assert str(e.value) == (
+        f"cannot resume the train loader of {other}: c.jsonl holds other tokens than the checkpoint's under the same "
+        "name and size; resume with the checkpoint's --data or start a fresh run")
+    b.load_state_dict({k: v for k, v in state.items() if k != "shard_crc32"})  # a checkpoint from before the CRC
+    assert b.step == 1
+
+
 def test_the_stream_serves_every_item_once_an_epoch_when_b_does_not_divide_them():
     for shuffle in (False, True):
         stream = cf.RowStream()
-        stream._stream("x", "train", 3, 8, 0, 1, 0, "cpu", shuffle, 25, 0)  # 25 items, windows of 3
+        stream._stream("x", "train", 3, 8, 0, 1, 0, "cpu", shuffle, 25, [])  # 25 items, windows of 3
         served = np.concatenate([stream.next_items() for _ in range(9)]).tolist()  # the 9th window spans two epochs
         assert sorted(served[:25]) == list(range(25)) and len(set(served[25:])) == 2
         assert not shuffle or served[:25] != list(range(25))

@@ -121,7 +121,10 @@ def test_describe_difference_names_what_differs_for_each_key():
         "rank 1 was started with --max-lr 0.003 (rank 0: 0.001): every node must run the same command")
     assert say("weights", "d1", "d0") == ("rank 1 loaded other weights from --init-from a.pt than rank 0 (digest d1, "
                                           "rank 0: d0): every node must start from the same model")
-    assert say("data", [("train", ["a.bin", "b.bin"], [5, 6])], [("train", ["a.bin", "b.bin"], [5, 7])]) == (
+    ab = ["a.bin", "b.bin"]  # (split, names, token counts, CRCs)
+    assert say("data", [("train", ab, [5, 6], [1, 2])], [("train", ab, [5, 7], [1, 2])]) == (
         "rank 1's train shard b.bin holds 6 tokens, rank 0's 7: every node must hold the same --data")
+    assert say("data", [("val", ab, [5, 6], [1, 2])], [("val", ab, [5, 6], [3, 4])]) == (
+        "rank 1's val shard a.bin holds other tokens than rank 0's, as many: every node must hold the same --data")
     assert say("--task data", "x", "y") == ("rank 1's --task data differs from rank 0's: every node must hold the "
                                             "same --task data")

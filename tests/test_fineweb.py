@@ -1226,6 +1226,54 @@ def test_resume_state_that_does_not_match_is_refused(tmp_path):
         TokenLoader(str(tmp_path / "again"), "train", B, T, 0, 2, seed=3).load_state_dict(rewritten.state_dict())
 
 
+def other_datasets(tmp_path: Path) -> tuple[Path, Path]:
+    """Two datasets the writer made from other documents under the same settings: shards of the same names and sizes
+    (two sources given one --prefix and --max-tokens): 7 train shards of 1000 tokens after a 1000-token val shard."""
+    for seed in (0, 1):
+        write_dataset(cfg_for(write_jsonl(tmp_path / f"docs{seed}.jsonl", make_docs(100, seed)), tmp_path / f"d{seed}",
+                              val_tokens=-1, max_tokens=8000))
+    return tmp_path / "d0", tmp_path / "d1"
+
+
+def test_resume_on_other_shards_of_the_same_names_and_sizes_is_refused(tmp_path):
+    """A checkpoint's position means the tokens it was read in: the shards' ends are compared as well as their names
+    and sizes. A state saved before that comparison (no shard_crc32) resumes unchecked."""
+    first, other = other_datasets(tmp_path)
+    loader = TokenLoader(str(first), "train", B, T, 0, 2, seed=3)
+    batches(loader, 5)
+    state = loader.state_dict()
+    assert [p.name for p in find_shards(str(other), "train")] == state["shards"] == \
+        [f"t_train_{i:06d}.bin" for i in range(1, 8)] and state["shard_tokens"] == [1000] * 7
+    elsewhere = tmp_path / "copy"
+    elsewhere.mkdir()
+    for f in find_shards(str(first), "train"):  # the same tokens in another directory: they resume
+        (elsewhere / f.name).write_bytes(f.read_bytes())
+    again = TokenLoader(str(elsewhere), "train", B, T, 1, 2, seed=3)
+    again.load_state_dict(state)
+    assert again.step == 5
+    resumed = TokenLoader(str(other), "train", B, T, 0, 2, seed=3)
+    with pytest.raises(DataError) as e:
+        resumed.load_state_dict(state)
+    assert str(e.value) == (
+        "cannot resume the train loader: t_train_000001.bin holds other tokens than the checkpoint's under the same "
+        "name and size; resume with the checkpoint's --data or start a fresh run")
+    old = {k: v for k, v in state.items() if k != "shard_crc32"}  # a checkpoint from before the comparison
+    resumed.load_state_dict(old)
+    assert resumed.step == 5
+
+
+def test_a_run_resumed_with_data_pointing_at_other_shards_of_the_same_names_and_sizes_stops(tmp_path, capsys):
+    import train
+    from conftest import one_line_error
+
+    first, other = other_datasets(tmp_path)
+    run = ["--preset=tiny", "--eval-every=0", "--out-dir", str(tmp_path / "run")]
+    train.main([*run, "--data", str(first), "--max-steps=2"])
+    assert one_line_error(capsys, train.main, [*run, "--data", str(other), "--max-steps=4", "--resume=auto"]) == (
+        "error: cannot resume the train loader: t_train_000001.bin holds other tokens than the checkpoint's under the "
+        "same name and size; resume with the checkpoint's --data or start a fresh run")
+
+
 @pytest.mark.parametrize(("old_world", "new_world", "split_at", "skipped"), [
     (3, 2, 40, 0),  # 120 windows served, a multiple of 2: the new ranks start at window 120
     (2, 3, 41, 2),  # 82 served: the new ranks start at 84 (the first multiple of 3), so windows 82, 83 are skipped

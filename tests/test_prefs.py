@@ -292,6 +292,23 @@ def test_resume_is_bitwise_ranks_take_disjoint_shares_and_epochs_reshuffle():
         resumed.load_state_dict(state)
 
 
+def test_resume_on_pairs_whose_chosen_and_rejected_were_swapped_is_refused():
+    """The same rows relabeled: as many pairs and tokens, so only the tokens' CRC tells them apart."""
+    loader = PairLoader(text_rows(12), "train", 3, 40, seed=1)
+    loader.next_batch()
+    state = loader.state_dict()
+    swapped = PairLoader([{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in text_rows(12)], "train", 3,
+                         40, seed=1)
+    assert (swapped.tokens, swapped.num_pairs) == (loader.tokens, loader.num_pairs) == (state["shard_tokens"][0], 12)
+    with pytest.raises(DataError) as e:
+        swapped.load_state_dict(state)
+    assert str(e.value) == ("cannot resume the train loader of <12 rows>: <12 rows> holds other tokens than the "
+                            "checkpoint's under the same name and size; resume with the checkpoint's --data or start "
+                            "a fresh run")
+    swapped.load_state_dict({k: v for k, v in state.items() if k != "shard_crc32"})  # a checkpoint from before the CRC
+    assert swapped.step == 1
+
+
 def test_synthetic_pairs_from_a_task_prefer_the_right_answer():
     class Doubling:  # tasks.py's protocol: examples, check and wrong
         def examples(self, split: str) -> list[dict]:

@@ -2502,18 +2502,20 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
         expected.append(differ.format(name.replace("_", "-"), other, base[name]))
     # data: an identical copy, and copies whose train (then val) split has one token less in one shard
     copies = {}
-    for name, short in (("same", None), ("short_train", "rand_train_000002.bin"), ("short_val", "rand_val_000000.bin")):
+    for name, short in (("same", None), ("short_train", "rand_train_000002.bin"), ("short_val", "rand_val_000000.bin"),
+                        ("other_train", "rand_train_000001.bin")):
         copies[name] = tmp_path / name
         shutil.copytree(token_data, copies[name])
-        if short:
-            write_shard(copies[name] / short, read_shard(token_data / short)[:-1])
+        if short:  # one token less; or as many, the last one other
+            tokens = read_shard(token_data / short)[:-1]
+            write_shard(copies[name] / short, np.append(tokens, 7) if "other" in name else tokens)
     hs = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
     (tmp_path / "hs_copy.jsonl").write_text(hs.read_text())
     lines = hs.read_text().splitlines(keepends=True)
     lines[0] = lines[0].replace("paints the sink bright blue.", "paints the sink bright red.")
     (tmp_path / "hs_other.jsonl").write_text("".join(lines))
     spec = {"store": str(tmp_path / "store"), "commands": commands, "problems": [None, "no data on this node"],
-            "data": [[str(token_data), str(copies[name])] for name in ("same", "short_train", "short_val")],
+            "data": [[str(token_data), str(copies[name])] for name in copies],
             "hellaswag": [[str(hs), str(tmp_path / name)] for name in ("hs_copy.jsonl", "hs_other.jsonl")],
             "signals": [[None, None], [None, "SIGINT"], ["SIGINT", "SIGTERM"], ["SIGTERM", None]]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -2535,7 +2537,9 @@ def test_ranks_agree_on_commands_data_and_hellaswag_only_where_they_may_differ(t
             "rank 1's train shard rand_train_000002.bin holds 19,999 tokens, rank 0's 20,000: every node must hold "
             "the same --data",
             "rank 1's val shard rand_val_000000.bin holds 7,999 tokens, rank 0's 8,000: every node must hold the same "
-            "--data"]
+            "--data",
+            "rank 1's train shard rand_train_000001.bin holds other tokens than rank 0's, as many: every node must "
+            "hold the same --data"]
         # the same examples in another path are the same HellaSwag; as many other ones stop every rank
         assert result["hellaswag"] == [None, "rank 1's --hellaswag file differs from rank 0's: every node must hold "
                                              "the same --hellaswag file"]
