@@ -525,7 +525,13 @@ def checkpoints(out_dir: Path) -> list[Path]:
     """out_dir's checkpoints, oldest written first. By write time rather than step: after a rewind (--resume an
     older checkpoint), the new ckpt_000004 is the one to keep and to resume from, not the abandoned ckpt_000009."""
     found = [p for p in out_dir.glob("ckpt_*.pt") if re.fullmatch(r"ckpt_\d+\.pt", p.name)]  # not a ckpt_best.pt
-    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    return sorted(found, key=written)
+
+
+def written(path: Path) -> tuple[int, str]:
+    """A checkpoint's place in write order: its mtime, then its name (the step), where a coarse clock (1 s on HFS+
+    and some NFS, 2 s on FAT) gives two checkpoints one mtime."""
+    return path.stat().st_mtime_ns, path.name
 
 
 def is_reward_model(ckpt: dict) -> bool:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from common import same_verdict
+from common import same_verdict, shared_problem
 from fused_ce import cross_entropy
 from model import GPT, MLP, GPTConfig
 
@@ -224,7 +224,8 @@ def shard(gpt: GPT, args: Any, device: torch.device, dtype: torch.dtype) -> Shar
     if not dist.is_initialized():  # one process (--tp 1 / --pp 1): a group of its own, which stage.run ends
         dist.init_process_group(dist.Backend.default_device_backend_map[device.type], store=dist.HashStore(), rank=0,
                                 world_size=1)
-    if why := shard_problem(args, gpt.config, world := dist.get_world_size()):
+    # the same verdict on every rank: a node's own --init-from may set a run option (--loss-chunk) the others lack
+    if why := shared_problem(shard_problem(args, gpt.config, world := dist.get_world_size()), world):
         raise ValueError(why)
     tp, pp = degrees(args)
     mesh = init_device_mesh(device.type, (pp, world // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))

@@ -512,10 +512,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         return score_tasks(cfg)
     try:  # every row first: a split that cannot be made leaves nothing written
         out = Path(cfg.out_dir or f"data/{parse_spec(cfg.task)[0].rpartition(':')[2].lower()}")
-        if (source := parse_spec(cfg.task)[1]) and Path(source).expanduser().resolve() == out.resolve():
+        task, files = load_task(cfg.task, train=True), {}  # a copy must be a dir; then inodes: macOS's GSM8K is gsm8k
+        if (source := parse_spec(cfg.task)[1]) and out.is_dir() and out.samefile(Path(source).expanduser()):
             raise ValueError(f"--task {cfg.task}: {out} is the copy it reads; pass another --out-dir")
         pairs = Path(os.path.abspath(out) + "_pairs")  # beside, not inside: a directory is one dataset of one schema
-        task, files = load_task(cfg.task, train=True), {}
         for split in ("train", "test"):
             files[out / f"{split}.jsonl"] = task.examples(split)[:cfg.limit or None], "conversations"
             if cfg.pairs:

@@ -18,7 +18,7 @@ import prune
 import rl
 import sft
 import train
-from conftest import make_token_data, run_torchrun, run_train_runs
+from conftest import make_token_data, run_nodes, run_torchrun, run_train_runs
 from model import GPT, MODEL_PRESETS
 from parallel import StepArgs
 from parallelize import Sharded, Stage, data_rank, local, reorder, shard, shard_problem
@@ -263,6 +263,24 @@ def test_a_module_the_tp_plan_does_not_split_is_refused_in_one_line_per_rank(tok
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: " + UNSPLIT.format("transformer.h.0.attn.q_norm.weight")] * 2, proc.stderr[-3000:]
     assert proc.stderr.count("Traceback (most recent call last)") == 1  # torchrun's own report of a failed worker
+
+
+@pytest.mark.slow
+def test_a_model_only_one_node_cannot_shard_stops_every_node_with_its_line(tokens512, tmp_path):
+    # each node's --init-from (a path of its own) holds the same weights, one node's with the demo's --loss-chunk 128
+    # (a run option, in no fingerprint): that rank refused alone, the other went on and got gloo's "Connection closed
+    # by peer" traceback (across nodes under NCCL, a wait of --dist-timeout)
+    for node, chunk in enumerate((128, 0)):
+        torch.manual_seed(0)
+        config = dataclasses.replace(MODEL_PRESETS["tiny"](), vocab_size=512, loss_chunk=chunk)
+        torch.save({"model": GPT(config).state_dict(), "model_config": dataclasses.asdict(config)},
+                   tmp_path / f"init{node}.pt")
+    args = [*BASE, "--data", tokens512, "--out-dir", tmp_path / "out", "--tp", "2", "--sample-every", "0",
+            "--batch-size", "16"]
+    done = run_nodes([["train.py", *map(str, args), f"--init-from={tmp_path}/init{node}.pt"] for node in (0, 1)])
+    line = ("--fused-gelu, --fused-ce and --loss-chunk do not shard: pass --loss-chunk 0 with --tp/--pp (a preset or "
+            "an --init-from checkpoint may set them)")
+    assert [(r.returncode, r.stderr) for r in done] == [(1, f"error: {line}\n"), (1, f"error: rank 0: {line}\n")]
 
 
 class Scaled(model.MLP):  # a learned scale on the MLP's hidden units: rank-local there, so refused

@@ -748,6 +748,25 @@ def test_a_built_in_task_takes_a_local_copy_wherever_a_task_is_taken(tmp_path, c
         tasks.main(["--task", f"gsm8k={file}", "--out-dir", str(tmp_path / "x")])
     assert e.value.code == (f"error: --task gsm8k={file}: {file} is not a directory, and this reads train and test: "
                             f"pass a directory with both (train.jsonl and test.jsonl, or the hub's parquet files)")
+
+
+def test_a_copy_its_directory_names_otherwise_is_not_written_over(tmp_path):
+    # on a case-insensitive file system (macOS) data/GSM8K is data/gsm8k, which resolve() kept apart: the copy was
+    # written over. A bind mount in a mount namespace of its own names one directory twice here, as that does
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode:
+        pytest.skip("no unshare -rm (a user and mount namespace) here")
+    copy, alias = tmp_path / "data/gsm8k", tmp_path / "data/GSM8K"
+    for where in (copy, alias):
+        where.mkdir(parents=True)
+    write_rows(copy / "train.jsonl", GSM8K_ROWS)
+    write_rows(copy / "test.jsonl", [WENG])
+    rows = {p.name: p.read_text() for p in copy.iterdir()}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount --bind {copy} {alias} || exit 77; exec '
+                           f'{sys.executable} {ROOT / "tasks.py"} --task gsm8k=data/GSM8K'],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert (done.returncode, done.stderr) == (1, "error: --task gsm8k=data/GSM8K: data/gsm8k is the copy it reads; "
+                                                 "pass another --out-dir\n")
+    assert {p.name: p.read_text() for p in copy.iterdir()} == rows
     assert not (tmp_path / "x").exists()
     with pytest.raises(ValueError, match=f"{tmp_path}/gsm8k-v2 is not a directory, and"):  # a typo: not "one split"
         tasks.load_task(f"gsm8k={tmp_path}/gsm8k-v2", train=True)
