@@ -4,6 +4,7 @@ local files through the same datasets call); the synthetic task's disjoint split
 import contextlib
 import copy
 import json
+import os
 import pickle
 import random
 import shutil
@@ -762,7 +763,7 @@ def test_a_copy_its_directory_names_otherwise_is_not_written_over(tmp_path):
     write_rows(copy / "test.jsonl", [WENG])
     rows = {p.name: p.read_text() for p in copy.iterdir()}
     done = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount --bind {copy} {alias} || exit 77; exec '
-                           f'{sys.executable} {ROOT / "tasks.py"} --task gsm8k=data/GSM8K'],
+                           f'{os.path.abspath(sys.executable)} {ROOT / "tasks.py"} --task gsm8k=data/GSM8K'],
                           cwd=tmp_path, capture_output=True, text=True)
     assert (done.returncode, done.stderr) == (1, "error: --task gsm8k=data/GSM8K: data/gsm8k is the copy it reads; "
                                                  "pass another --out-dir\n")
