@@ -895,6 +895,11 @@ def describe_difference(key: str, mine: Any, first: Any, rank: int, weights_sour
         diff = ", ".join(f"--{flag(k)} {mine.get(k)} (rank 0: {first.get(k)})" for k in {**first, **mine}
                          if mine.get(k) != first.get(k))
         return f"rank {rank} was started with {diff}: every node must run the same command"
+    if key == "model":  # the GPTConfig each rank built: a flag left unset takes its --init-from's (--resume's) value
+        what = ", ".join(f"{k} {v} (rank 0: {getattr(first, k)})" for k, v in dataclasses.asdict(mine).items()
+                         if v != getattr(first, k))
+        return (f"rank {rank} built its model from {weights_source} with {what}: every node must build the same model "
+                "(its checkpoint's options, where no flag sets them)")
     if key == "weights":
         return (f"rank {rank} loaded other weights from {weights_source} than rank 0 (digest {mine}, rank 0: "
                 f"{first}): every node must start from the same model")

@@ -265,8 +265,8 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     raw = raw.to(device)
     if not found:  # the same on every rank, as are the weights and the calibration batches (rank 0's)
         raw, record = prune(raw, record, cfg, TokenLoader(cfg.data, "train", B, T, 0, 1, cfg.seed + 1, device))
-    engine.agree_fingerprint(lambda: {"command": engine.command_of(cfg), "weights": None if found else  # a resume's:
-                                      engine.weights_digest(raw)}, rank, world, source)  # Checkpointer.find's
+    engine.agree_fingerprint(lambda: {"command": engine.command_of(cfg), "model": raw.config, "weights": None if found
+                                      else engine.weights_digest(raw)}, rank, world, source)  # a resume's: find's
     torch.manual_seed(cfg.seed + rank)
     pruning = Pruning(raw, record)
     guard = engine.SpikeGuard(world=world)

@@ -464,7 +464,8 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
             if cfg.eval_only else f"whose optimizer state this run's --algo {cfg.algo} cannot take: pass --algo "
             f"{saved}, or start a new run from its weights with --init-from {found[0]}"))])
         stage.check_resume(found, cfg)
-    engine.agree_fingerprint(lambda: {"command": engine.command_of(cfg), "weights": engine.weights_digest(raw),
+    engine.agree_fingerprint(lambda: {"command": engine.command_of(cfg), "model": raw.config,  # --init-from's options
+                                      "weights": engine.weights_digest(raw),
                                       "reward_model": rm and engine.weights_digest(rm),  # and each node's task file's
                                       "--task data": stage.digest([train_problems, test_problems])},  # problems
                              ctx.rank, ctx.world, f"--init-from {cfg.init_from}")

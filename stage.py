@@ -351,10 +351,11 @@ class Setup:
         ranks compare; `parts`: the stage's own checkpointed parts (prefs.py's DPO reference)."""
         cfg, ctx = self.cfg, self.ctx
         loaders = [loader for loader in (self.train_loader, self.val_loader) if loader is not None]
-        source = f"--init-from {cfg.init_from}" if cfg.init_from else "--seed"  # what every rank must share, once
+        source = f"--resume {self.found[0]}" if self.found else f"--init-from {cfg.init_from}" if cfg.init_from \
+            else "--seed"  # what every rank must share, once; the model's config as built (an --init-from's options)
         engine.agree_fingerprint(lambda: {"command": command(cfg), "data": engine.shards_of(loaders),
-                                          **fingerprint(), "weights": engine.weights_digest(self.raw)
-                                          if self.found is None else None},  # a resume's: Checkpointer.find's
+                                          **fingerprint(), "model": self.raw.config, "weights": engine.weights_digest(
+                                              self.raw) if self.found is None else None},  # a resume's: find's
                                  ctx.rank, ctx.world, source)
         self.cfg, self.grad_accum, _ = check_run(cfg, ctx, self.raw.config, self.data.world)
         self.raw = self.raw.to(ctx.device)

@@ -9,6 +9,7 @@ import torch
 
 import common
 import engine
+from model import GPTConfig
 
 
 def test_a_second_stage_on_the_engine_resumes_bitwise(token_data, tmp_path):
@@ -121,6 +122,9 @@ def test_describe_difference_names_what_differs_for_each_key():
         "rank 1 was started with --max-lr 0.003 (rank 0: 0.001): every node must run the same command")
     assert say("weights", "d1", "d0") == ("rank 1 loaded other weights from --init-from a.pt than rank 0 (digest d1, "
                                           "rank 0: d0): every node must start from the same model")
+    assert say("model", GPTConfig(loss_chunk=128, fused_ce=True), GPTConfig()) == (
+        "rank 1 built its model from --init-from a.pt with loss_chunk 128 (rank 0: 0), fused_ce True (rank 0: False): "
+        "every node must build the same model (its checkpoint's options, where no flag sets them)")
     ab = ["a.bin", "b.bin"]  # (split, names, token counts, CRCs)
     assert say("data", [("train", ab, [5, 6], [1, 2])], [("train", ab, [5, 7], [1, 2])]) == (
         "rank 1's train shard b.bin holds 6 tokens, rank 0's 7: every node must hold the same --data")

@@ -20,7 +20,7 @@ import stage
 import train
 from chat_format import is_chat
 from common import get_tokenizer, load_checkpoint
-from conftest import one_line_error
+from conftest import one_line_error, run_nodes
 from model import GPT, GPTConfig
 from parallel import StepArgs, build_trainable, lm_loss, train_step
 
@@ -489,3 +489,16 @@ def test_out_of_gpu_memory_in_recovery_says_what_to_change(start, token_data, tm
         "error: out of GPU memory at --batch-size 2: lower it (gradient accumulation keeps the batch: raise "
         "--grad-accum), or add --recompute mlp (every stage takes it); the README's 'Micro-batch by GPU memory' has "
         "starting points")
+
+
+def test_nodes_whose_init_from_was_saved_with_another_dropout_stop_naming_it(start, token_data, tmp_path):
+    # each node's --init-from (a LOCAL path) holds the same weights, SMALL's dropout 0.1 in one copy's config only:
+    # the pruned weights' digest matched, and DDP recovered one replica with dropout, the other without
+    ckpt = torch.load(start, weights_only=False)
+    ckpt["model_config"]["dropout"] = 0.0
+    torch.save(ckpt, tmp_path / "plain.pt")
+    args = ["--data", token_data, "--out-dir", tmp_path / "out", "--batch-size=2", "--seq-len=16", "--max-steps=1"]
+    done = run_nodes([["prune.py", *map(str, args), f"--init-from={init}"] for init in (start, tmp_path / "plain.pt")])
+    assert [(r.returncode, r.stderr.splitlines()[-1:]) for r in done] == [(1, [
+        f"error: rank 1 built its model from --init-from {tmp_path}/plain.pt with dropout 0.0 (rank 0: 0.1): every "
+        "node must build the same model (its checkpoint's options, where no flag sets them)"])] * 2

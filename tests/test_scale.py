@@ -265,22 +265,49 @@ def test_a_module_the_tp_plan_does_not_split_is_refused_in_one_line_per_rank(tok
     assert proc.stderr.count("Traceback (most recent call last)") == 1  # torchrun's own report of a failed worker
 
 
-@pytest.mark.slow
-def test_a_model_only_one_node_cannot_shard_stops_every_node_with_its_line(tokens512, tmp_path):
-    # each node's --init-from (a path of its own) holds the same weights, one node's with the demo's --loss-chunk 128
-    # (a run option, in no fingerprint): that rank refused alone, the other went on and got gloo's "Connection closed
-    # by peer" traceback (across nodes under NCCL, a wait of --dist-timeout)
-    for node, chunk in enumerate((128, 0)):
+def run_from_own_inits(tokens512, tmp_path, field: str, values: tuple, *flags: str) -> list:
+    """Two nodes, each with an --init-from of its own (a LOCAL path): the same weights, saved with field=values[node]
+    in the model config, as a run with that flag saves them (the demo's --loss-chunk 128)."""
+    for node, value in enumerate(values):
         torch.manual_seed(0)
-        config = dataclasses.replace(MODEL_PRESETS["tiny"](), vocab_size=512, loss_chunk=chunk)
+        config = dataclasses.replace(MODEL_PRESETS["tiny"](), vocab_size=512, **{field: value})
         torch.save({"model": GPT(config).state_dict(), "model_config": dataclasses.asdict(config)},
                    tmp_path / f"init{node}.pt")
-    args = [*BASE, "--data", tokens512, "--out-dir", tmp_path / "out", "--tp", "2", "--sample-every", "0",
-            "--batch-size", "16"]
-    done = run_nodes([["train.py", *map(str, args), f"--init-from={tmp_path}/init{node}.pt"] for node in (0, 1)])
-    line = ("--fused-gelu, --fused-ce and --loss-chunk do not shard: pass --loss-chunk 0 with --tp/--pp (a preset or "
-            "an --init-from checkpoint may set them)")
-    assert [(r.returncode, r.stderr) for r in done] == [(1, f"error: {line}\n"), (1, f"error: rank 0: {line}\n")]
+    args = [*BASE, "--data", tokens512, "--out-dir", tmp_path / "out", "--sample-every", "0", *flags]
+    return run_nodes([["train.py", *map(str, args), f"--init-from={tmp_path}/init{node}.pt"] for node in (0, 1)])
+
+
+def test_nodes_whose_init_from_was_saved_with_another_dropout_stop_naming_it(tokens512, tmp_path):
+    # the weights digest matched, and DDP trained one replica with dropout, the other without: apart, without a word
+    done = run_from_own_inits(tokens512, tmp_path, "dropout", (0.0, 0.1))
+    line = (f"error: rank 1 built its model from --init-from {tmp_path}/init1.pt with dropout 0.1 (rank 0: 0.0): "
+            "every node must build the same model (its checkpoint's options, where no flag sets them)\n")
+    assert [(r.returncode, r.stderr) for r in done] == [(1, line)] * 2
+
+
+@pytest.mark.slow
+def test_a_model_only_one_node_cannot_shard_stops_every_node_naming_the_difference(tokens512, tmp_path):
+    # one node's --loss-chunk 128: that rank refused alone and the other got gloo's "Connection closed by peer"; then
+    # both stopped in shard() with its refusal; now the model config differs, and is named before anything shards
+    done = run_from_own_inits(tokens512, tmp_path, "loss_chunk", (128, 0), "--tp", "2", "--batch-size", "16")
+    line = (f"error: rank 1 built its model from --init-from {tmp_path}/init1.pt with loss_chunk 0 (rank 0: 128): "
+            "every node must build the same model (its checkpoint's options, where no flag sets them)\n")
+    assert [(r.returncode, r.stderr) for r in done] == [(1, line)] * 2
+
+
+def test_nodes_resuming_copies_saved_with_another_dropout_stop_naming_it(tokens512, tmp_path):
+    # each node's --resume PATH: the same step and weights (Checkpointer.find's check), one copy's config with
+    # dropout 0.1, which the resumed model takes where no --dropout is given
+    train.main([*BASE, "--data", str(tokens512), "--out-dir", str(tmp_path / "a"), "--max-steps", "2"])
+    ckpt = torch.load(tmp_path / "a/ckpt_000002.pt", weights_only=False)
+    ckpt["model_config"]["dropout"] = 0.1
+    torch.save(ckpt, tmp_path / "b.pt")
+    args = [*BASE, "--data", tokens512, "--out-dir", tmp_path / "out", "--sample-every", "0"]
+    done = run_nodes([["train.py", *map(str, args), f"--resume={path}"] for path in (tmp_path / "a/ckpt_000002.pt",
+                                                                                    tmp_path / "b.pt")])
+    line = (f"error: rank 1 built its model from --resume {tmp_path}/b.pt with dropout 0.1 (rank 0: 0.0): every node "
+            "must build the same model (its checkpoint's options, where no flag sets them)\n")
+    assert [(r.returncode, r.stderr) for r in done] == [(1, line)] * 2
 
 
 class Scaled(model.MLP):  # a learned scale on the MLP's hidden units: rank-local there, so refused
