@@ -554,6 +554,15 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys, monkeypatch):
     assert not any(k.startswith("_orig_mod") for k in ckpt["model"])
 
 
+@pytest.mark.parametrize("attention", ["auto", "flash"])
+def test_an_evaluation_names_the_kernel_its_forward_runs_without_dropout(tokens_512, tmp_path, capsys, attention):
+    # --eval-only's forward is in eval mode, without dropout, so CPU's flash kernel runs: the header said math, and
+    # --attention flash stopped with "RuntimeError: No available kernel" before evaluating (the training probe's)
+    train.main(v512_args(tokens_512, tmp_path, "--eval-only", "--dropout=0.1", f"--attention={attention}"))
+    header = next(line for line in capsys.readouterr().out.splitlines() if "| evaluating at step 0 |" in line)
+    assert header.endswith("| 4 x 64 x 1 ranks | attention flash | fp32")
+
+
 def test_the_logs_first_record_says_what_ran_as_the_console_did(tokens_512, tmp_path, capsys):
     """Runs compared from their log.jsonl alone: the config record held --dtype auto, --compile None and --attention
     auto as given, not what they came to, nor the command or the CPU threads (CPU losses move 1e-6 with them)."""
