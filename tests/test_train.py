@@ -506,6 +506,15 @@ def test_the_resolved_attention_is_the_kernel_the_training_forward_runs(attentio
                    "aten::_scaled_dot_product_attention_math"}
 
 
+def test_the_resolved_compile_is_whether_the_model_was_compiled():
+    # torch.compile wraps lazily (nothing compiles before a forward); the runs above are all eager, so a constant False
+    # passed them
+    config = GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=4, n_embd=32)
+    built = par.build_trainable(GPT(config), par.StepArgs(), torch.device("cpu"), use_compile=True, verbose=False)
+    assert type(built.model).__name__ == "OptimizedModule"
+    assert built.resolved() == {"dtype": "fp32", "compile": True, "attention": "flash"}
+
+
 def test_log_jsonl_and_provenance(token_data, tmp_path, capsys, monkeypatch):
     hellaswag = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
     digested = []  # HellaSwag's examples were digested on one process, for a fingerprint no rank compares
