@@ -506,6 +506,15 @@ def test_the_resolved_attention_is_the_kernel_the_training_forward_runs(attentio
                    "aten::_scaled_dot_product_attention_math"}
 
 
+def test_flash_attention_with_dropout_on_a_cpu_is_one_line_before_training(tokens_512, tmp_path, capsys):
+    # CPU's flash kernel takes no dropout: "RuntimeError: No available kernel. Aborting execution." came as a traceback
+    from conftest import one_line_error
+
+    assert one_line_error(capsys, train.main, v512_args(tokens_512, tmp_path, "--dropout=0.1", "--attention=flash")) \
+        == "error: --attention flash has no CPU kernel with dropout (0.1); use --attention auto or math, or --dropout 0"
+    assert not (tmp_path / "log.jsonl").exists()
+
+
 def test_the_resolved_compile_is_whether_the_model_was_compiled():
     # torch.compile wraps lazily (nothing compiles before a forward); the runs above are all eager, so a constant False
     # passed them
