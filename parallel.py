@@ -239,8 +239,9 @@ def build_trainable(raw: nn.Module, args: StepArgs, device: torch.device, use_co
     # after wrap_model: FSDP2 replaces the parameters with sharded ones, and the optimizer must hold those
     optimizer = build_optimizer(shards or raw, args, device, verbose)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    training = not getattr(args, "eval_only", False)  # --eval-only's forward: eval mode, no dropout (another kernel)
     return Trainable(model, optimizer, scaler, dtype, autocast, shards, use_compile and shards is None,
-                     sdpa_kernel(raw.config, dtype, device))
+                     sdpa_kernel(raw.config, dtype, device, training))
 
 
 def precision(dtype: str, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
@@ -318,12 +319,12 @@ def set_sdpa_switches(state: dict[str, bool]) -> None:
         inductor_config.fx_graph_cache = not choice
 
 
-def sdpa_kernel(config: Any, dtype: torch.dtype, device: torch.device) -> str:
-    """The SDPA kernel torch's dispatcher picks, under the switches set now, for the model's causal training forward
-    (one sequence of its context; dropout and grouped-query heads count): what --attention auto comes to."""
+def sdpa_kernel(config: Any, dtype: torch.dtype, device: torch.device, training: bool = True) -> str:
+    """The SDPA kernel torch's dispatcher picks, under the switches set now, for the model's causal forward in training
+    (or eval) mode (one sequence of its context; dropout and grouped-query heads count): what --attention came to."""
     q = torch.zeros(1, config.n_head, config.block_size, config.head_dim, dtype=dtype, device=device)
     kv = q[:, :config.kv_heads]
-    choice = torch._fused_sdp_choice(q, kv, kv, dropout_p=config.dropout, is_causal=True,
+    choice = torch._fused_sdp_choice(q, kv, kv, dropout_p=config.dropout if training else 0.0, is_causal=True,
                                      enable_gqa=config.kv_heads != config.n_head)
     return SDPBackend(choice).name.lower().removesuffix("_attention")  # FLASH_ATTENTION: flash
 

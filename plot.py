@@ -189,9 +189,9 @@ def loss_range(drawn: list[tuple[list[float], list[float]]]) -> tuple[float, flo
 def main(argv: list[str] | None = None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
     # the words after --log's value up to the next option are logs too (a shell glob's: --log out/sweep/*/log.jsonl),
-    # each as --log takes one: the house parser would refuse them, one word a flag
+    # each as --log takes one: the house parser would refuse them, one word a flag (-h too)
     at = next((i + 1 for i, word in enumerate(argv) if word == "--log" or word.startswith("--log=")), len(argv))
-    end = next((j for j in range(at, len(argv)) if argv[j].startswith("--")), len(argv))
+    end = next((j for j in range(at, len(argv)) if argv[j].startswith("-")), len(argv))
     at = min(at + (argv[at - 1:at] == ["--log"]), end)  # past its value
     cfg = parse_config(PlotConfig, argv[:at] + argv[end:], doc=__doc__)
     with user_errors(FileNotFoundError, ValueError):

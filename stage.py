@@ -414,7 +414,10 @@ def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[
     problems = [attention_conflict(cfg, device), optimizer_conflict(cfg),
                 compiled and cuda_graph_conflict(cfg, grad_accum, device),
                 device.type == "cuda" and cfg.attention == "efficient" and model.kv_heads != model.n_head and
-                "--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, cudnn or auto"]
+                "--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, cudnn or auto",
+                device.type == "cpu" and cfg.attention == "flash" and model.dropout > 0 and not cfg.eval_only and
+                f"--attention flash has no CPU kernel with dropout ({model.dropout}); use --attention auto or math, "
+                "or --dropout 0"]
     if why := shared_problem(next((p for p in problems if p), None), world):  # a node may lack torchao
         raise ValueError(why)
     return cfg, grad_accum, compiled

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -1260,6 +1261,21 @@ def test_resume_on_other_shards_of_the_same_names_and_sizes_is_refused(tmp_path)
     old = {k: v for k, v in state.items() if k != "shard_crc32"}  # a checkpoint from before the comparison
     resumed.load_state_dict(old)
     assert resumed.step == 5
+
+
+def test_a_shards_crc_covers_its_first_and_last_ends_tokens_only(tmp_path):
+    # the resume tests' shards are shorter than ENDS, so either read alone covered them whole (a CRC of one end passed)
+    tokens = np.arange(3 * fineweb.ENDS, dtype=np.uint16)
+    crcs = []
+    for at in (None, 0, fineweb.ENDS - 1, fineweb.ENDS, 2 * fineweb.ENDS - 1, 2 * fineweb.ENDS, len(tokens) - 1):
+        changed = tokens.copy()
+        if at is not None:
+            changed[at] = 7
+        write_shard(tmp_path / "s.bin", changed)
+        crcs.append(fineweb.shard_crc(tmp_path / "s.bin", len(changed)))
+    unchanged = crcs[0]
+    assert unchanged == zlib.crc32(np.concatenate([tokens[:4096], tokens[-4096:]]).tobytes())
+    assert [crc != unchanged for crc in crcs[1:]] == [True, True, False, False, True, True]  # the middle is not read
 
 
 def test_a_run_resumed_with_data_pointing_at_other_shards_of_the_same_names_and_sizes_stops(tmp_path, capsys):

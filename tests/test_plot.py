@@ -216,6 +216,17 @@ def test_plot_overlays_the_logs_a_shell_glob_gives_as_words(tmp_path, monkeypatc
         plot.main(["--log", str(logs[0]), str(tmp_path / "nope.jsonl")])
 
 
+def test_help_after_the_logs_a_shell_glob_gives_is_help(tmp_path, capsys):
+    # `--log out/sweep/*/log.jsonl -h` printed help before the glob's words were logs; then -h was read as a log:
+    # "error: --log -h does not exist"
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"type": "train", "step": 0, "tokens": 8, "loss": 5.0}) + "\n")
+    for argv in (["--log", str(log), "-h"], ["--log", str(log), str(log), "-h"]):
+        with pytest.raises(SystemExit) as e:
+            plot.main(argv)
+        assert e.value.code == 0 and capsys.readouterr().out.startswith(plot.__doc__.strip())
+
+
 def test_the_loss_panel_shows_the_curve_after_its_first_drop(tmp_path, monkeypatch):
     """ln(vocab) at step 0 would squash 90 steps of a slow decline into a few pixels: the y-range's top is the
     highest loss past the run's first tenth (train EMA and val), its bottom the lowest, with 5% to spare."""

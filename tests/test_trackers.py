@@ -33,11 +33,11 @@ def expected_scalars(log: Path) -> dict[str, dict[int, float]]:
     return want
 
 
-def wandb_history(run_file: Path, timeout: float = 60.0) -> list[dict]:
-    """The history rows of an offline run's .wandb file: a LevelDB-style log of Record protos (32 KiB blocks, a
-    7-byte header per chunk), after W&B's own 7-byte file header. W&B's service process can still be writing the file
-    when run.finish() has returned (a resumed run's rows were missing 2 times in 5 on 2 busy cores): it is read again
-    until its exit record, W&B's last, is there."""
+def wandb_history(run_file: Path, timeout: float = 60.0, rows_of: str = "history") -> list[dict]:
+    """The history (or config) rows of an offline run's .wandb file: a LevelDB-style log of Record protos (32 KiB
+    blocks, a 7-byte header per chunk), after W&B's own 7-byte file header. W&B's service process can still be writing
+    the file when run.finish() has returned (a resumed run's rows were missing 2 times in 5 on 2 busy cores): it is read
+    again until its exit record, W&B's last, is there."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     deadline = time.monotonic() + timeout
@@ -56,9 +56,9 @@ def wandb_history(run_file: Path, timeout: float = 60.0) -> list[dict]:
                 record.ParseFromString(chunks)
                 chunks = b""
                 ended = ended or record.WhichOneof("record_type") == "exit"
-                if record.WhichOneof("record_type") == "history":
+                if record.WhichOneof("record_type") == rows_of:
                     rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                 for item in record.history.item})
+                                 for item in (record.history.item if rows_of == "history" else record.config.update)})
         if ended:
             return rows
         assert time.monotonic() < deadline, f"{run_file} has no exit record {timeout:.0f} s after run.finish()"
@@ -238,6 +238,12 @@ def test_tensorboard_and_wandb_log_what_log_jsonl_logs_across_a_resume(token_dat
                 if not tag.startswith("_"):
                     got.setdefault(tag, {})[row["_step"]] = value
     assert got == want  # exact: W&B keeps the float64
+    # each run's config holds its config record's keys: its command and what its flags came to, not only the flags
+    configs = [{k: v for row in wandb_history(run / f"run-{run_id}.wandb", rows_of="config") for k, v in row.items()}
+               for run in runs]
+    records = [r for r in iter_log(out / "log.jsonl") if r["type"] == "config"]
+    assert sorted((c["argv"], c["resolved"]) for c in configs) == sorted((r["argv"], r["resolved"]) for r in records)
+    assert [r["argv"][-2:] for r in records] == [["--wandb", "tests"], ["--resume", "auto"]]
 
 
 @pytest.mark.parametrize("flag, package", [("--tensorboard", "tensorboard"), ("--wandb=proj", "wandb")])

@@ -506,6 +506,24 @@ def test_the_resolved_attention_is_the_kernel_the_training_forward_runs(attentio
                    "aten::_scaled_dot_product_attention_math"}
 
 
+def test_flash_attention_with_dropout_on_a_cpu_is_one_line_before_training(tokens_512, tmp_path, capsys):
+    # CPU's flash kernel takes no dropout: "RuntimeError: No available kernel. Aborting execution." came as a traceback
+    from conftest import one_line_error
+
+    assert one_line_error(capsys, train.main, v512_args(tokens_512, tmp_path, "--dropout=0.1", "--attention=flash")) \
+        == "error: --attention flash has no CPU kernel with dropout (0.1); use --attention auto or math, or --dropout 0"
+    assert not (tmp_path / "log.jsonl").exists()
+
+
+def test_the_resolved_compile_is_whether_the_model_was_compiled():
+    # torch.compile wraps lazily (nothing compiles before a forward); the runs above are all eager, so a constant False
+    # passed them
+    config = GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=4, n_embd=32)
+    built = par.build_trainable(GPT(config), par.StepArgs(), torch.device("cpu"), use_compile=True, verbose=False)
+    assert type(built.model).__name__ == "OptimizedModule"
+    assert built.resolved() == {"dtype": "fp32", "compile": True, "attention": "flash"}
+
+
 def test_log_jsonl_and_provenance(token_data, tmp_path, capsys, monkeypatch):
     hellaswag = ROOT / "tests" / "data" / "hellaswag_tiny.jsonl"
     digested = []  # HellaSwag's examples were digested on one process, for a fingerprint no rank compares
@@ -552,6 +570,15 @@ def test_log_jsonl_and_provenance(token_data, tmp_path, capsys, monkeypatch):
     assert [group["lr"] for group in ckpt["optimizer"]["param_groups"]] == [engine.get_lr(3, cfg)] * 2
     assert ckpt["provenance"]["world_size"] == 1 and ckpt["train_config"]["max_steps"] == 4
     assert not any(k.startswith("_orig_mod") for k in ckpt["model"])
+
+
+@pytest.mark.parametrize("attention", ["auto", "flash"])
+def test_an_evaluation_names_the_kernel_its_forward_runs_without_dropout(tokens_512, tmp_path, capsys, attention):
+    # --eval-only's forward is in eval mode, without dropout, so CPU's flash kernel runs: the header said math, and
+    # --attention flash stopped with "RuntimeError: No available kernel" before evaluating (the training probe's)
+    train.main(v512_args(tokens_512, tmp_path, "--eval-only", "--dropout=0.1", f"--attention={attention}"))
+    header = next(line for line in capsys.readouterr().out.splitlines() if "| evaluating at step 0 |" in line)
+    assert header.endswith("| 4 x 64 x 1 ranks | attention flash | fp32")
 
 
 def test_the_logs_first_record_says_what_ran_as_the_console_did(tokens_512, tmp_path, capsys):
