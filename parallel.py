@@ -322,7 +322,9 @@ def set_sdpa_switches(state: dict[str, bool]) -> None:
 def sdpa_kernel(config: Any, dtype: torch.dtype, device: torch.device, training: bool = True) -> str:
     """The SDPA kernel torch's dispatcher picks, under the switches set now, for the model's causal forward in training
     (or eval) mode (one sequence of its context; dropout and grouped-query heads count): what --attention came to."""
-    q = torch.zeros(1, config.n_head, config.block_size, config.head_dim, dtype=dtype, device=device)
+    # requires_grad: CUDA's dispatcher refuses flash for a trained q of some head sizes on some cards (sm86/89)
+    q = torch.zeros(1, config.n_head, config.block_size, config.head_dim, dtype=dtype, device=device,
+                    requires_grad=training)
     kv = q[:, :config.kv_heads]
     choice = torch._fused_sdp_choice(q, kv, kv, dropout_p=config.dropout if training else 0.0, is_causal=True,
                                      enable_gqa=config.kv_heads != config.n_head)
