@@ -357,7 +357,7 @@ class Setup:
                                           **fingerprint(), "model": self.raw.config, "weights": engine.weights_digest(
                                               self.raw) if self.found is None else None},  # a resume's: find's
                                  ctx.rank, ctx.world, source)
-        self.cfg, self.grad_accum, _ = check_run(cfg, ctx, self.raw.config, self.data.world)
+        self.cfg, self.grad_accum = check_run(cfg, ctx, self.raw.config, self.data.world)
         self.raw = self.raw.to(ctx.device)
         for loader in loaders:
             loader.check_vocab(self.raw.config.vocab_size)
@@ -399,8 +399,8 @@ def use_compile(cfg: RunArgs, device: torch.device) -> bool:
     return cfg.compile if cfg.compile is not None else device.type == "cuda" and not (cfg.eval_only or cfg.tp or cfg.pp)
 
 
-def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[StageArgs, int, bool]:
-    """Refuse what cannot run on `dp` data-parallel ranks: (cfg, gradient accumulation steps, whether to compile)."""
+def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[StageArgs, int]:
+    """Refuse what cannot run on `dp` data-parallel ranks: (cfg, gradient accumulation steps)."""
     B, T, world, device = cfg.batch_size, cfg.seq_len, ctx.world, ctx.device
     if cfg.eval_only:  # nothing trains, so no total batch to fill
         cfg = dataclasses.replace(cfg, total_batch_size=B * T * dp)
@@ -420,7 +420,7 @@ def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[
                 "or --dropout 0"]
     if why := shared_problem(next((p for p in problems if p), None), world):  # a node may lack torchao
         raise ValueError(why)
-    return cfg, grad_accum, compiled
+    return cfg, grad_accum
 
 
 def print_header(setup: Setup, sides: int) -> None:
