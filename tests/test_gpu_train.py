@@ -221,3 +221,34 @@ def test_zero1_and_fsdp_follow_ddp_and_resume(parallel, tol, ddp_run, learnable_
     diff = max(abs(a - b) for a, b in zip(other[5:], again[5:], strict=True))
     print(f"{parallel}: resume at step 5, max |loss difference| over steps 5-9 = {diff:.2e}")
     assert [r["step"] for r in records(tmp_path, "train")] == list(range(10)) and diff <= RESUME_TOL
+
+
+# what the header and log.jsonl say --attention came to (parallel.sdpa_kernel asks the dispatcher about a probe),
+# against the aten kernel a training step's forward runs; on CUDA the dispatcher's rules differ (cards, head sizes)
+KERNEL_OPS = {"flash": "flash_attention", "efficient": "efficient_attention", "cudnn": "cudnn_attention",
+              "math": "attention_math"}
+CASES = [("auto", {}), ("auto", {"dropout": 0.1}), ("auto", {"n_kv_head": 2}), ("math", {}), ("flash", {})]
+if GPU:
+    CASES += [("efficient", {}), ("efficient", {"dropout": 0.1}), ("cudnn", {})]
+
+
+@pytest.mark.parametrize("attention, extra", CASES)
+def test_the_kernel_the_log_names_is_the_one_a_training_step_runs(attention, extra):
+    import parallel as par
+    from model import GPT, GPTConfig
+
+    device, dtype = torch.device(DEVICE), torch.bfloat16 if GPU else torch.float32
+    switches = par.sdpa_switches()
+    par.select_attention(attention)
+    try:
+        config = GPTConfig(block_size=256, vocab_size=512, n_layer=1, n_head=4, n_embd=256, **extra)  # head size 64
+        model, x = GPT(config).to(device).train(), torch.randint(0, 512, (2, 256), device=device)
+        named = par.sdpa_kernel(config, dtype, device)
+        with torch.profiler.profile() as prof, torch.autocast(device.type, dtype, enabled=GPU):
+            model(x, x)[1].backward()
+        ran = {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
+               and "backward" not in e.name}
+    finally:
+        par.set_sdpa_switches(switches)
+    print(f"--attention {attention} {extra}: named {named}, ran {sorted(ran)}")
+    assert len(ran) == 1 and KERNEL_OPS[named] in ran.pop()
