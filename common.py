@@ -528,10 +528,10 @@ def checkpoints(out_dir: Path) -> list[Path]:
     return sorted(found, key=written)
 
 
-def written(path: Path) -> tuple[int, str]:
-    """A checkpoint's place in write order: its mtime, then its name (the step), where a coarse clock (1 s on HFS+
-    and some NFS, 2 s on FAT) gives two checkpoints one mtime."""
-    return path.stat().st_mtime_ns, path.name
+def written(path: Path) -> tuple[int, int, str]:
+    """A checkpoint's place in write order: its mtime, then its step (as a number: ckpt_1000000 after ckpt_999999),
+    where a coarse clock (1 s on HFS+ and some NFS, 2 s on FAT) gives two checkpoints one mtime."""
+    return path.stat().st_mtime_ns, int(re.match(r"ckpt_(\d+)", path.name)[1]), path.name
 
 
 def is_reward_model(ckpt: dict) -> bool:

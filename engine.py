@@ -385,9 +385,10 @@ class Checkpointer:
             return Path(args.resume), load_checkpoint(args.resume, mmap=True)
         found = find_checkpoint(out_dir, self.unreadable)
         # name the checkpoints set aside after the one resumed was written: a NaN-stopped run's (judge)
-        after = common.written(found[0]) if found else (-1, "")
-        for aside in sorted(out_dir.glob("ckpt_*.pt.diverged"), key=common.written):
-            if common.written(aside) > after and re.fullmatch(r"ckpt_\d+\.pt\.diverged", aside.name):
+        after = common.written(found[0]) if found else (-1, -1, "")
+        asides = [p for p in out_dir.glob("ckpt_*.pt.diverged") if re.fullmatch(r"ckpt_\d+\.pt\.diverged", p.name)]
+        for aside in sorted(asides, key=common.written):
+            if common.written(aside) > after:
                 self.say(f"note: passing over {aside.name}: the run that wrote it set it aside, as its weights gave a "
                          f"NaN/inf loss or gradient norm at step {step_of(Path(aside.stem))}")
         if found is None:

@@ -1,6 +1,7 @@
 """The engine serves a stage other than train.py: tests/engine_script.py (its own config, not TrainConfig) trains
 through it, and a resume is bitwise."""
 
+import os
 import types
 
 import engine_script  # tests/ is on sys.path (conftest.py lives there)
@@ -132,3 +133,15 @@ def test_describe_difference_names_what_differs_for_each_key():
         "rank 1's val shard a.bin holds other tokens than rank 0's, as many: every node must hold the same --data")
     assert say("--task data", "x", "y") == ("rank 1's --task data differs from rank 0's: every node must hold the "
                                             "same --task data")
+
+
+def test_checkpoints_of_one_mtime_are_in_step_order_past_a_million_steps(tmp_path):
+    # a coarse clock (1 s on HFS+, 2 s on FAT) gives checkpoints one mtime: then the step decides, as a number
+    steps = (7, 999_999, 1_000_000)
+    for step in steps:
+        (tmp_path / f"ckpt_{step:06d}.pt").write_bytes(b"")
+        os.utime(tmp_path / f"ckpt_{step:06d}.pt", ns=(10**18, 10**18))
+    (tmp_path / "ckpt_best.pt").write_bytes(b"")
+    assert [p.name for p in common.checkpoints(tmp_path)] == ["ckpt_000007.pt", "ckpt_999999.pt", "ckpt_1000000.pt"]
+    os.utime(tmp_path / "ckpt_000007.pt", ns=(2 * 10**18, 2 * 10**18))  # written last: a rewind's
+    assert common.checkpoints(tmp_path)[-1].name == "ckpt_000007.pt"
