@@ -1339,6 +1339,10 @@ def test_resume_with_another_batch_size_goes_on_where_the_old_windows_stopped(tm
         order = np.random.default_rng((3, cut)).permutation(len(LENGTHS)).tolist()
         read = max((order.index(t // 5000) for t in served.get(cut, set())), default=-1)
         first = sum((LENGTHS[s] - 1) // (new_b * T) for s in order[:read + 1])
+        if read >= 0:  # the note's count: the old windows of the shard being read less the tokens served from it
+            s = order[read]
+            assert new[0].resume_skipped == (LENGTHS[s] - 1) // (old_b * T) * old_b * T - sum(
+                t // 5000 == s for t in served[cut])
     start = -(-(cut * len(grid) + first) // new_world) * new_world
     assert new[0].step * new_world == start and new[0].num_windows == len(grid)
     stream = grid + windows(cut + 1)
