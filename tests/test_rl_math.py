@@ -355,3 +355,18 @@ def test_the_policys_log_probs_and_entropy_are_at_the_sampling_temperature():
     torch.testing.assert_close(stats["old_logp"], want)
     entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
     torch.testing.assert_close(stats["entropy"], torch.tensor([[entropy] * 3, [entropy, 0.0, 0.0]]))
+
+
+def test_ppo_epochs_make_as_many_passes_over_the_minibatches():
+    """--ppo-epochs 2 --minibatches 2: four optimizer steps, the second pass again minibatch 0 then 1 (lr 0: the same
+    gradients), and the record's loss the mean of the four."""
+    cfg = RLConfig(ppo_epochs=2, beta=0.0, temperature=1.0, max_new_tokens=MAX_NEW, grad_clip=0.0)
+    model, seen, outs = Tilt(), [], []
+    model.theta.register_hook(lambda g: seen.append(g.item()))
+    built = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), scaler=None,
+                            autocast=contextlib.nullcontext())
+    objective = Objective(lambda m, mb: outs.append(rl.rl_loss(m, mb, cfg, 1)) or outs[-1])
+    totals = rl.update(built, objective, rl_batch(list(range(8))), cfg, 1)
+    want = [by_hand(list(range(k, 8, 2)), "token", 0.0) for k in (0, 1)] * 2
+    assert seen == pytest.approx([grad for _, grad in want], rel=1e-5)
+    assert totals["loss"].item() == pytest.approx(sum(loss for loss, _ in want) / 4, rel=1e-5)
