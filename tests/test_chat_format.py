@@ -215,6 +215,8 @@ def test_resume_is_bitwise_across_epochs(tmp_path):
     assert not torch.equal(other.next_batch()[0], cf.ConversationLoader(path, "train", 3, 31, seed=5).next_batch()[0])
     with pytest.raises(DataError, match="seed=5 in the checkpoint but 6 here"):
         other.load_state_dict(state)
+    with pytest.raises(DataError, match="T=31 in the checkpoint but 63 here"):  # rows packed for another T
+        cf.ConversationLoader(path, "train", 3, 63, seed=5).load_state_dict(state)
 
 
 def test_resume_takes_the_same_file_elsewhere_and_notes_rows_skipped_for_another_batch_size(tmp_path):
@@ -260,6 +262,7 @@ def test_the_stream_serves_every_item_once_an_epoch_when_b_does_not_divide_them(
     for shuffle in (False, True):
         stream = cf.RowStream()
         stream._stream("x", "train", 3, 8, 0, 1, 0, "cpu", shuffle, 25, [])  # 25 items, windows of 3
+        assert stream.num_windows == 8  # whole windows an epoch: a val pass of 9 would score 2 items twice
         served = np.concatenate([stream.next_items() for _ in range(9)]).tolist()  # the 9th window spans two epochs
         assert sorted(served[:25]) == list(range(25)) and len(set(served[25:])) == 2
         assert not shuffle or served[:25] != list(range(25))

@@ -1355,6 +1355,10 @@ def test_resume_with_another_batch_size_goes_on_where_the_old_windows_stopped(tm
         order = np.random.default_rng((3, cut)).permutation(len(LENGTHS)).tolist()
         read = max((order.index(t // 5000) for t in served.get(cut, set())), default=-1)
         first = sum((LENGTHS[s] - 1) // (new_b * T) for s in order[:read + 1])
+        if read >= 0:  # the note's count: the old windows of the shard being read less the tokens served from it
+            s = order[read]
+            assert new[0].resume_skipped == (LENGTHS[s] - 1) // (old_b * T) * old_b * T - sum(
+                t // 5000 == s for t in served[cut])
     start = -(-(cut * len(grid) + first) // new_world) * new_world
     assert new[0].step * new_world == start and new[0].num_windows == len(grid)
     stream = grid + windows(cut + 1)
@@ -1378,6 +1382,9 @@ def test_resume_across_a_change_of_shuffle_goes_on_at_the_next_shard(tmp_path):
     new.load_state_dict(state)
     assert new.step == 2 + 24 + 48  # shards 4 and 2 whole, shard 1 begun: on at shard 3
     assert new.resume_skipped == (48 - 14) * B * T  # shard 1's windows the old loader had not served, in tokens
+    assert new.resume_note(state) == ("the checkpoint read 2-sequence windows with --shuffle shards, this run reads "
+                                      "2-sequence windows with --shuffle windows: the data goes on at the next shard, "
+                                      "skipping this one's 1,088 unserved tokens, none served twice")
     rest = {int(t) for x, _ in batches(new, 62 + 31) for t in x.flatten()}
     assert not served & rest and {t // 5000 for t in rest} == {3, 0}
     new.load_state_dict({**state, "step": 0})  # a state from the start, loaded next: it skips nothing, whatever the
@@ -1386,6 +1393,7 @@ def test_resume_across_a_change_of_shuffle_goes_on_at_the_next_shard(tmp_path):
     state["step"] = 2 + 24
     new.load_state_dict(state)
     assert (new.step, new.resume_skipped) == (2 + 24, 0)
+    assert new.resume_note(state).endswith("--shuffle windows: the data goes on, none served twice")  # no skip
     assert {t // 5000 for x, _ in batches(new, 48) for t in x.flatten().tolist()} == {1}
 
 

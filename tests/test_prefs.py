@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import parallel
 from chat_format import ASSISTANT_END
 from common import EOT, get_tokenizer, iter_log, load_checkpoint, parse_config
 from conftest import one_line_error
@@ -423,7 +424,7 @@ def train_pairs(raw: GPT, objective: Objective, batch: tuple, steps: int) -> lis
     return out
 
 
-def test_the_logged_accuracy_and_margin_are_the_steps_not_its_last_micro_batchs():
+def test_the_logged_accuracy_and_margin_are_the_steps_not_its_last_micro_batchs(monkeypatch):
     metrics = iter([{"loss": torch.tensor(1.0), "accuracy": torch.tensor(a), "margin": torch.tensor(m)}
                     for a, m in ((1.0, 0.5), (0.5, -0.25), (0.0, 1.0), (0.25, 0.0))])
     objective = Objective(lambda model, batch: next(metrics), summarised=("accuracy", "margin"))
@@ -433,6 +434,12 @@ def test_the_logged_accuracy_and_margin_are_the_steps_not_its_last_micro_batchs(
     for _ in range(2):
         objective(None, None)
     assert objective.summary() == {"accuracy": 0.125, "margin": 0.5} and objective.last["margin"].item() == 0.0
+    # on two ranks: the mean of both ranks' means (all_sum adds the other rank's, 0.5 and 0.25), not their sum
+    monkeypatch.setattr(parallel, "all_sum", lambda t, world: t + torch.tensor([0.5, 0.25]))
+    objective = Objective(lambda model, batch: {"loss": torch.tensor(1.0), "accuracy": torch.tensor(1.0),
+                                                "margin": torch.tensor(-0.75)}, summarised=("accuracy", "margin"))
+    objective(None, None)
+    assert objective.summary(2) == {"accuracy": 0.75, "margin": -0.25}
 
 
 def test_reward_model_starts_at_ln2_and_learns_one_batch():

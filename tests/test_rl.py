@@ -590,6 +590,9 @@ def test_trls_scale_rewards_words_are_refused_naming_ours(value):
                                      "float32's range"),
     (dict(beta=math.inf), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0 and within float32's"),
     (dict(algo="ppo", vf_coef=math.inf), "--beta, --pass-k, --vf-coef and --missing-eos-penalty must be >= 0 and"),
+    # --clip 0 clips every ratio (no gradient); --gamma 0 or --lam past 1 make GAE's sum meaningless or diverge
+    *((flags, r"--beta, .* within float32's range, --clip > 0, --gamma in \(0, 1\] and --lam in \[0, 1\]$")
+      for flags in (dict(clip=0.0), dict(algo="ppo", gamma=0.0), dict(algo="ppo", lam=1.01))),
     # TRL's loss_type names: which of ours each is was said by --help alone
     (dict(loss_agg="grpo"), "--algo must be one of grpo, rloo, reinforce, ppo and --loss-agg one of token, sequence, "
                             r"dr_grpo; got 'grpo' and 'grpo' \(TRL's dapo is token, its grpo sequence\)$"),

@@ -330,3 +330,43 @@ def test_the_step_record_is_over_every_ranks_rollouts(monkeypatch):
             "kl": pytest.approx(1 - math.log(2)), "entropy": pytest.approx(8 / 6), "length": 1.5,
             "rollout_tok_s": 3.0, "update_tok_s": 8.0}  # rewards 2, 0, 4, 0; 6 sampled of 4 rows; 2 x 8 ids, 2 passes
     assert out[0] == out[1] == want
+
+
+def test_ppos_loss_adds_vf_coef_times_the_value_loss_over_every_ranks_tokens():
+    """Tilt's values are 0 (and so are the old ones): the clipped value loss is 0.5 R^2 a token, summed over the 4
+    sampled tokens here and divided by the 10 of every rank's minibatch (mb["tokens"]), times --vf-coef (not 0.5)."""
+    mb, returns = rl_batch([0, 1]), torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])  # 9.0: off the mask
+    tokens = torch.tensor(10.0)
+    ppo_mb = mb | {"denom": tokens, "tokens": tokens, "old_values": torch.zeros(2, 3), "returns": returns,
+                   "adv": mb["adv"][:, None] * mb["mask"]}
+    out = rl.rl_loss(Tilt(), ppo_mb, RLConfig(algo="ppo", samples=1, vf_coef=0.25, temperature=1.0), 2)
+    vloss = 0.5 * (1 + 4 + 9 + 16) / 10
+    policy = by_hand([0, 1], "token", 0.0)[0] * 4 / 10  # by_hand divides by these rows' 4 tokens
+    assert out["value_loss"].item() == pytest.approx(2 * vloss, rel=1e-6)  # times world, as the loss
+    assert out["loss"].item() == pytest.approx(2 * (policy + 0.25 * vloss), rel=1e-6)
+
+
+def test_the_policys_log_probs_and_entropy_are_at_the_sampling_temperature():
+    """Tilt's logits [log 3, 0] at temperature 0.5 are [2 log 3, 0]: p(token 0) = 9/10, as generate() sampled them."""
+    mb = rl_batch([0, 1])  # tokens 0, 0, 1 and 1
+    stats = rl.token_stats(Tilt(), mb["ids"], mb["mask"], temperature=0.5)
+    p = 0.9
+    want = torch.tensor([[math.log(p), math.log(p), math.log(1 - p)], [math.log(1 - p), 0.0, 0.0]])
+    torch.testing.assert_close(stats["old_logp"], want)
+    entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    torch.testing.assert_close(stats["entropy"], torch.tensor([[entropy] * 3, [entropy, 0.0, 0.0]]))
+
+
+def test_ppo_epochs_make_as_many_passes_over_the_minibatches():
+    """--ppo-epochs 2 --minibatches 2: four optimizer steps, the second pass again minibatch 0 then 1 (lr 0: the same
+    gradients), and the record's loss the mean of the four."""
+    cfg = RLConfig(ppo_epochs=2, beta=0.0, temperature=1.0, max_new_tokens=MAX_NEW, grad_clip=0.0)
+    model, seen, outs = Tilt(), [], []
+    model.theta.register_hook(lambda g: seen.append(g.item()))
+    built = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), scaler=None,
+                            autocast=contextlib.nullcontext())
+    objective = Objective(lambda m, mb: outs.append(rl.rl_loss(m, mb, cfg, 1)) or outs[-1])
+    totals = rl.update(built, objective, rl_batch(list(range(8))), cfg, 1)
+    want = [by_hand(list(range(k, 8, 2)), "token", 0.0) for k in (0, 1)] * 2
+    assert seen == pytest.approx([grad for _, grad in want], rel=1e-5)
+    assert totals["loss"].item() == pytest.approx(sum(loss for loss, _ in want) / 4, rel=1e-5)
