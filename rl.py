@@ -466,8 +466,8 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
         stage.check_resume(found, cfg)
     engine.agree_fingerprint(lambda: {"command": engine.command_of(cfg), "model": raw.config,  # --init-from's options
                                       "weights": engine.weights_digest(raw),
-                                      "reward_model": rm and engine.weights_digest(rm),  # and each node's task file's
-                                      "--task data": stage.digest([train_problems, test_problems])},  # problems
+                                      "--reward-model": rm and (engine.weights_digest(rm), rm.config),  # + options
+                                      "--task data": stage.digest([train_problems, test_problems])},  # each node's
                              ctx.rank, ctx.world, f"--init-from {cfg.init_from}")
     if (cfg.prompts // cfg.rollout_batch) % ctx.world:
         raise ValueError(f"--prompts {cfg.prompts} make {cfg.prompts // cfg.rollout_batch} generate() calls of "

@@ -705,6 +705,18 @@ def test_nodes_whose_policy_was_saved_with_other_options_stop_naming_them(models
         "every node must build the same model (its checkpoint's options, where no flag sets them)"])] * 2
 
 
+def test_nodes_whose_reward_model_was_saved_with_other_options_stop(models, tmp_path):
+    # the same weights in each node's --reward-model, one copy with --half-residual (other scores under autocast):
+    # only the weights were compared, and the nodes scored their replies apart
+    ckpt = torch.load(models[1], weights_only=False)
+    ckpt["model_config"]["half_residual"] = True
+    torch.save(ckpt, tmp_path / "half_rm.pt")
+    done = run_nodes([["rl.py", *flags(models, tmp_path / "out", "--max-steps=1", *rm)]
+                      for rm in ([], [f"--reward-model={tmp_path}/half_rm.pt"])])
+    assert [(r.returncode, r.stderr.splitlines()[-1:]) for r in done] == [(1, [
+        "error: rank 1's --reward-model differs from rank 0's: every node must hold the same --reward-model"])] * 2
+
+
 def test_eval_only_of_another_algos_checkpoint_names_the_algo_not_optimizer_state(models, tmp_path, capsys):
     # --eval-only loads no optimizer state, yet was refused for it; the policy's heads follow --algo (PPO's critic)
     grpo = save_model(tmp_path / "grpo.pt", 3)
