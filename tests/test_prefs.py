@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import parallel
 from chat_format import ASSISTANT_END
 from common import EOT, get_tokenizer, iter_log, load_checkpoint, parse_config
-from conftest import one_line_error
+from conftest import one_line_error, run_torchrun
 from fineweb import DataError
 from model import GPT, MODEL_PRESETS, GPTConfig
 from parallel import Objective, StepArgs, build_trainable, frozen_copy, rewards, sequence_logprobs, train_step
@@ -424,7 +423,7 @@ def train_pairs(raw: GPT, objective: Objective, batch: tuple, steps: int) -> lis
     return out
 
 
-def test_the_logged_accuracy_and_margin_are_the_steps_not_its_last_micro_batchs(monkeypatch):
+def test_the_logged_accuracy_and_margin_are_the_steps_not_its_last_micro_batchs():
     metrics = iter([{"loss": torch.tensor(1.0), "accuracy": torch.tensor(a), "margin": torch.tensor(m)}
                     for a, m in ((1.0, 0.5), (0.5, -0.25), (0.0, 1.0), (0.25, 0.0))])
     objective = Objective(lambda model, batch: next(metrics), summarised=("accuracy", "margin"))
@@ -434,12 +433,6 @@ def test_the_logged_accuracy_and_margin_are_the_steps_not_its_last_micro_batchs(
     for _ in range(2):
         objective(None, None)
     assert objective.summary() == {"accuracy": 0.125, "margin": 0.5} and objective.last["margin"].item() == 0.0
-    # on two ranks: the mean of both ranks' means (all_sum adds the other rank's, 0.5 and 0.25), not their sum
-    monkeypatch.setattr(parallel, "all_sum", lambda t, world: t + torch.tensor([0.5, 0.25]))
-    objective = Objective(lambda model, batch: {"loss": torch.tensor(1.0), "accuracy": torch.tensor(1.0),
-                                                "margin": torch.tensor(-0.75)}, summarised=("accuracy", "margin"))
-    objective(None, None)
-    assert objective.summary(2) == {"accuracy": 0.75, "margin": -0.25}
 
 
 def test_reward_model_starts_at_ln2_and_learns_one_batch():
@@ -652,6 +645,20 @@ def test_reward_model_and_dpo_train_on_the_engine_and_resume_bitwise(addition_pa
     assert all(0 <= r["val_accuracy"] <= 1 for r in records if r["type"] == "val")
     ckpt = load_checkpoint(tmp_path / "full" / "ckpt_000004.pt")
     assert ("value_head.weight" in ckpt["model"]) == (preset == "rm-demo") and ckpt["chat"] is True
+
+
+def test_dpo_on_two_ranks_logs_what_one_process_logs(addition_pairs, random_start, tmp_path):
+    # the two ranks' micro-batches are the one process's two accumulation steps: the same losses, and the logged
+    # accuracy and margin the mean of the ranks' means (their sum logged an accuracy above 1)
+    import prefs
+
+    extra = ["--max-steps=3", "--eval-every=0", "--ckpt-every=0", f"--init-from={random_start}"]
+    prefs.main(pairs_run(addition_pairs, tmp_path / "single", "dpo-demo", *extra))
+    run_torchrun(["prefs.py", *pairs_run(addition_pairs, tmp_path / "ddp", "dpo-demo", *extra)], nproc=2)
+    logged = [[r[key] for r in iter_log(tmp_path / out / "log.jsonl") if r["type"] == "train"
+               for key in ("loss", "accuracy", "margin")] for out in ("single", "ddp")]
+    assert len(logged[0]) == 9 and logged[1] == pytest.approx(logged[0], abs=1e-5)
+    assert logged[0][4] == 0.625  # step 1's accuracy: 10 of its 16 pairs
 
 
 def test_the_stage_hands_its_flags_to_the_objective_and_shuffles_the_train_pairs_alone(addition_pairs, random_start,
