@@ -692,29 +692,19 @@ def test_a_file_one_node_cannot_read_or_holds_otherwise_stops_every_node_with_it
         "error: rank 1's --task data differs from rank 0's: every node must hold the same --task data"] * 2
 
 
-def test_nodes_whose_policy_was_saved_with_other_options_stop_naming_them(models, tmp_path):
-    # each node's --init-from (a LOCAL path) holds the same weights, one copy saved with --half-residual: the weights
-    # digest matched and the nodes' policies ran with other options, silently
-    ckpt = torch.load(models[0], weights_only=False)
+@pytest.mark.parametrize("which, flag, line", [
+    (0, "init-from", "rank 1 built its model from --init-from {} with half_residual True (rank 0: False): every node "
+                     "must build the same model (its checkpoint's options, where no flag sets them)"),
+    (1, "reward-model", "rank 1's --reward-model differs from rank 0's: every node must hold the same --reward-model")])
+def test_nodes_whose_models_were_saved_with_other_options_stop_naming_them(models, tmp_path, which, flag, line):
+    # each node's --init-from or --reward-model (LOCAL paths) holds the same weights, one copy saved with
+    # --half-residual: the weights digests matched and the nodes ran (or scored) with other options, silently
+    ckpt = torch.load(models[which], weights_only=False)
     ckpt["model_config"]["half_residual"] = True
-    torch.save(ckpt, tmp_path / "half.pt")
-    done = run_nodes([["rl.py", *flags(models, tmp_path / "out", "--max-steps=1", *init)]
-                      for init in ([], [f"--init-from={tmp_path}/half.pt"])])
-    assert [(r.returncode, r.stderr.splitlines()[-1:]) for r in done] == [(1, [
-        f"error: rank 1 built its model from --init-from {tmp_path}/half.pt with half_residual True (rank 0: False): "
-        "every node must build the same model (its checkpoint's options, where no flag sets them)"])] * 2
-
-
-def test_nodes_whose_reward_model_was_saved_with_other_options_stop(models, tmp_path):
-    # the same weights in each node's --reward-model, one copy with --half-residual (other scores under autocast):
-    # only the weights were compared, and the nodes scored their replies apart
-    ckpt = torch.load(models[1], weights_only=False)
-    ckpt["model_config"]["half_residual"] = True
-    torch.save(ckpt, tmp_path / "half_rm.pt")
-    done = run_nodes([["rl.py", *flags(models, tmp_path / "out", "--max-steps=1", *rm)]
-                      for rm in ([], [f"--reward-model={tmp_path}/half_rm.pt"])])
-    assert [(r.returncode, r.stderr.splitlines()[-1:]) for r in done] == [(1, [
-        "error: rank 1's --reward-model differs from rank 0's: every node must hold the same --reward-model"])] * 2
+    torch.save(ckpt, half := tmp_path / "half.pt")
+    done = run_nodes([["rl.py", *flags(models, tmp_path / "out", "--max-steps=1", *other)]
+                      for other in ([], [f"--{flag}={half}"])])
+    assert [(r.returncode, r.stderr.splitlines()[-1:]) for r in done] == [(1, [f"error: {line.format(half)}"])] * 2
 
 
 def test_eval_only_of_another_algos_checkpoint_names_the_algo_not_optimizer_state(models, tmp_path, capsys):
