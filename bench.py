@@ -242,7 +242,8 @@ def bench_train(cfg: BenchConfig, variant: Variant) -> Row:
         raise Skipped(f"runs on {ranks} ranks, this run has {world}: " + (
             f"torchrun --nproc_per_node={ranks} bench.py --variants {variant.name}" if ranks > 1 else "no torchrun"))
     if why := ((tcfg.compile and parallel.cuda_graph_conflict(tcfg, accum, device))
-               or parallel.attention_conflict(tcfg, device) or parallel.optimizer_conflict(tcfg)):
+               or parallel.attention_conflict(tcfg, device, train.model_config(tcfg))
+               or parallel.optimizer_conflict(tcfg)):
         raise Skipped(why)
     B, T, gen = tcfg.batch_size, tcfg.seq_len, torch.Generator(device=device).manual_seed(cfg.seed)
     tokens = torch.randint(0, common.GPT2_VOCAB, (accum, B, T + 1), generator=gen, device=device)

@@ -289,12 +289,18 @@ def cuda_graph_conflict(args: StepArgs, grad_accum: int, device: torch.device) -
     return None
 
 
-def attention_conflict(args: StepArgs, device: torch.device) -> str | None:
-    """Why the SDPA kernel --attention allows alone has no kernel for this device and dtype, or None."""
+def attention_conflict(args: StepArgs, device: torch.device, model: Any) -> str | None:
+    """Why the SDPA kernel --attention allows alone has no kernel for this device, dtype and model (its GPTConfig's
+    grouped-query heads, its dropout in training), or None."""
     if device.type == "cpu" and args.attention in ("efficient", "cudnn"):
         return f"--attention {args.attention} has no CPU kernel; use --attention flash, math or auto"
     if device.type == "cuda" and args.attention in ("flash", "cudnn") and args.dtype == "fp32":
         return f"--attention {args.attention} has no fp32 kernel on CUDA; use --dtype bf16 or --attention auto"
+    if device.type == "cuda" and args.attention == "efficient" and model.kv_heads != model.n_head:
+        return "--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, cudnn or auto"
+    if device.type == "cpu" and args.attention == "flash" and model.dropout > 0 and not getattr(args, "eval_only", 0):
+        return (f"--attention flash has no CPU kernel with dropout ({model.dropout}); use --attention auto or math, "
+                "or --dropout 0")
     return None
 
 

@@ -411,13 +411,8 @@ def check_run(cfg: StageArgs, ctx: Context, model: GPTConfig, dp: int) -> tuple[
                          f"world_size = {B} * {T} * {dp} = {B * T * dp}; pass "
                          f"{f'--batch-size {fits}' if fits else 'another --batch-size'} or another --total-batch-size")
     grad_accum, compiled = cfg.total_batch_size // (B * T * dp), use_compile(cfg, device)
-    problems = [attention_conflict(cfg, device), optimizer_conflict(cfg),
-                compiled and cuda_graph_conflict(cfg, grad_accum, device),
-                device.type == "cuda" and cfg.attention == "efficient" and model.kv_heads != model.n_head and
-                "--attention efficient has no grouped-query (--n-kv-head) kernel; use --attention flash, cudnn or auto",
-                device.type == "cpu" and cfg.attention == "flash" and model.dropout > 0 and not cfg.eval_only and
-                f"--attention flash has no CPU kernel with dropout ({model.dropout}); use --attention auto or math, "
-                "or --dropout 0"]
+    problems = [attention_conflict(cfg, device, model), optimizer_conflict(cfg),
+                compiled and cuda_graph_conflict(cfg, grad_accum, device)]
     if why := shared_problem(next((p for p in problems if p), None), world):  # a node may lack torchao
         raise ValueError(why)
     return cfg, grad_accum

@@ -2799,7 +2799,7 @@ def test_attention_conflicts_are_the_kernels_missing_for_the_device_and_dtype():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU
     conflicts = {(name, dtype, dev.type) for name in ("auto", *par.SDPA_SWITCHES) for dtype in ("fp32", "bf16")
                  for dev in (cuda, cpu)
-                 if par.attention_conflict(train.TrainConfig(attention=name, dtype=dtype), dev)}
+                 if par.attention_conflict(train.TrainConfig(attention=name, dtype=dtype), dev, GPTConfig())}
     assert conflicts == {("efficient", "fp32", "cpu"), ("efficient", "bf16", "cpu"), ("cudnn", "fp32", "cpu"),
                          ("cudnn", "bf16", "cpu"), ("flash", "fp32", "cuda"), ("cudnn", "fp32", "cuda")}
 
