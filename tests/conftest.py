@@ -126,6 +126,26 @@ def bigram_model(successor: dict[int, int], block_size: int = 64):
     return model
 
 
+def sdpa_named_and_run(attention: str, config, device: torch.device, dtype: torch.dtype) -> tuple[str, set[str]]:
+    """(the SDPA kernel parallel.sdpa_kernel names for a training forward under --attention, the aten attention ops
+    a training step of that model then runs forward), the switches restored after."""
+    import parallel as par
+    from model import GPT
+
+    switches = par.sdpa_switches()
+    par.select_attention(attention)
+    try:
+        named = par.sdpa_kernel(config, dtype, device)
+        model = GPT(config).to(device).train()
+        x = torch.randint(0, config.vocab_size, (2, config.block_size), device=device)
+        with torch.profiler.profile() as prof, torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+            model(x, x)[1].backward()
+    finally:
+        par.set_sdpa_switches(switches)
+    return named, {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
+                   and "backward" not in e.name}
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is pid, from /proc (Linux)."""
     found = []

@@ -31,7 +31,7 @@ from train_runs import built
 
 import stage
 from common import get_tokenizer, iter_log, load_checkpoint
-from conftest import ROOT, graph_breaks, run_torchrun
+from conftest import ROOT, graph_breaks, run_torchrun, sdpa_named_and_run
 
 DEVICE = os.environ.get("GPU_TESTS_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [
@@ -234,21 +234,9 @@ if GPU:
 
 @pytest.mark.parametrize("attention, extra", CASES)
 def test_the_kernel_the_log_names_is_the_one_a_training_step_runs(attention, extra):
-    import parallel as par
-    from model import GPT, GPTConfig
+    from model import GPTConfig
 
-    device, dtype = torch.device(DEVICE), torch.bfloat16 if GPU else torch.float32
-    switches = par.sdpa_switches()
-    par.select_attention(attention)
-    try:
-        config = GPTConfig(block_size=256, vocab_size=512, n_layer=1, n_head=4, n_embd=256, **extra)  # head size 64
-        model, x = GPT(config).to(device).train(), torch.randint(0, 512, (2, 256), device=device)
-        named = par.sdpa_kernel(config, dtype, device)
-        with torch.profiler.profile() as prof, torch.autocast(device.type, dtype, enabled=GPU):
-            model(x, x)[1].backward()
-        ran = {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
-               and "backward" not in e.name}
-    finally:
-        par.set_sdpa_switches(switches)
+    config = GPTConfig(block_size=256, vocab_size=512, n_layer=1, n_head=4, n_embd=256, **extra)  # head size 64
+    named, ran = sdpa_named_and_run(attention, config, torch.device(DEVICE), torch.bfloat16 if GPU else torch.float32)
     print(f"--attention {attention} {extra}: named {named}, ran {sorted(ran)}")
     assert len(ran) == 1 and KERNEL_OPS[named] in ran.pop()

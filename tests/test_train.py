@@ -29,7 +29,7 @@ import prune
 import stage
 import train
 from common import _field_help, describe_provenance, iter_log, load_checkpoint, parse_config
-from conftest import ROOT, children, graph_breaks, run_nodes, run_torchrun, run_train_runs
+from conftest import ROOT, children, graph_breaks, run_nodes, run_torchrun, run_train_runs, sdpa_named_and_run
 from fineweb import DataError, FinewebConfig, TokenLoader, read_shard, write_shard
 from model import GPT, GPTConfig
 
@@ -491,17 +491,9 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
                                                       ("auto", {"n_kv_head": 2, "dropout": 0.1}, "math")])
 def test_the_resolved_attention_is_the_kernel_the_training_forward_runs(attention, extra, kernel):
     # what the header and log.jsonl say --attention came to, against the aten kernel the profiler sees run
-    switches = par.sdpa_switches()
-    par.select_attention(attention)
-    try:
-        config = GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=4, n_embd=32, **extra)
-        model, x = GPT(config).train(), torch.randint(0, 64, (2, 32))
-        with torch.profiler.profile() as prof:
-            model(x, x)
-        ran = {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")}
-        assert par.sdpa_kernel(config, torch.float32, torch.device("cpu")) == kernel
-    finally:
-        par.set_sdpa_switches(switches)
+    config = GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=4, n_embd=32, **extra)
+    named, ran = sdpa_named_and_run(attention, config, torch.device("cpu"), torch.float32)
+    assert named == kernel
     assert ran == {"aten::_scaled_dot_product_flash_attention_for_cpu" if kernel == "flash" else
                    "aten::_scaled_dot_product_attention_math"}
 
