@@ -102,10 +102,11 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: 
 
 
 def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, total: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
-    """x at mean 0 and std 1 over the masked entries (PPO's advantages); `total` sums each statistic over the ranks."""
+    """x at mean 0 and std 1 over the masked entries (PPO's advantages), the variance unbiased as TRL's masked_whiten
+    takes it; `total` sums each statistic over the ranks."""
     count = total(mask.sum()).clamp(min=1)
     mean = total((x * mask).sum()) / count
-    var = total(((x - mean) ** 2 * mask).sum()) / count
+    var = total(((x - mean) ** 2 * mask).sum()) / (count - 1).clamp(min=1)
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
