@@ -53,7 +53,8 @@ import torch
 
 import common
 from chat_format import BOS, CHAT_VOCAB, REPLY_STOPS, check_messages, load_rows, render_prompt, reply_text, row_errors
-from common import all_sum, get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
+from common import get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
+from core import centered, summed
 from generate import calculator, evaluating, full_precision, generate
 from model import GPT, GPTConfig
 
@@ -230,16 +231,6 @@ def check_prompts(named: dict[str, tuple[Any, list[dict]]], context: int, flag: 
     for name, (task, problems) in named.items():
         if not isinstance(task, MultipleChoice) and (longest := longest_prompt(problems)) >= context:
             raise ValueError(f"{flag} {name}: a prompt takes {longest} tokens, {fix}")
-
-
-def summed(right: int, n: int, device: torch.device, world: int) -> dict:
-    counts = all_sum(torch.tensor([right, n], dtype=torch.float64, device=device), world)
-    return {"acc": counts[0].item() / max(1, counts[1].item()), "n": int(counts[1].item())}
-
-
-def centered(accuracy: float, baseline: float) -> float:
-    """Accuracy rescaled so that chance (`baseline`, a fraction) scores 0, a perfect score 1: as CORE and ChatCORE."""
-    return (accuracy - baseline) / (1.0 - baseline)
 
 
 def chat_core(model: Any, named: dict[str, tuple[Any, list[dict]]], rank: int = 0, world: int = 1,

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import chat_format as cf
+import core
 import tasks
 from common import get_tokenizer
 
@@ -549,7 +550,7 @@ def test_choose_scores_only_the_problems_letters_on_the_prompts_last_block_size_
     assert len(cf.render_prompt(long["messages"][:-1])) > 64  # the model's block: its last 64 tokens are scored,
     assert tasks.choose(model, [long]) == {"acc": 1.0, "n": 1}  # which end with <|assistant_start|>
     # rank 1 of 2 scores problems 1 and 3 (both B; 0 and 2 are A); the sum over ranks as if rank 0 counted the same
-    monkeypatch.setattr(tasks, "all_sum", lambda t, world: 2 * t)
+    monkeypatch.setattr(core, "all_sum", lambda t, world: 2 * t)
     problems = [mmlu.example({"question": f"Q{k}?", "choices": list("wxyz"), "answer": k % 2}) for k in range(4)]
     assert tasks.choose(model, problems, rank=1, world=2) == {"acc": 1.0, "n": 4}
 
@@ -557,7 +558,7 @@ def test_choose_scores_only_the_problems_letters_on_the_prompts_last_block_size_
 def test_evaluate_scores_its_ranks_share_of_the_problems(monkeypatch):
     # rank 1 of 2 answers problems 1 and 3 ("B 4": right, 4) and not 0 and 2 (5); the sum over ranks and the shared
     # verdict (collectives) as if rank 0 counted the same
-    monkeypatch.setattr(tasks, "all_sum", lambda t, world: 2 * t)
+    monkeypatch.setattr(core, "all_sum", lambda t, world: 2 * t)
     monkeypatch.setattr(tasks.common, "same_verdict", lambda work, world, *error: work())
     problems = [tasks.GSM8K().example({"question": f"Q{k}?", "answer": f"#### {5 - k % 2}"}) for k in range(4)]
     out = tasks.evaluate(chat_bigram(), tasks.GSM8K(), problems, rank=1, world=2, max_new_tokens=4)
