@@ -415,8 +415,8 @@ def test_the_shipped_subtraction_example_is_disjoint_checks_and_scores_from_the_
     ("{dir}/doubling:Doubling", "--task {dir}/doubling:Doubling: expected FILE.py:NAME or module:NAME"),
     ("./doubling:Doubling", "--task ./doubling:Doubling: expected FILE.py:NAME or module:NAME"),
     ("./runs:1/t.py", "--task ./runs:1/t.py: expected FILE.py:NAME or module:NAME"),
-    ("subtraction", "--task must be one of gsm8k, arc-easy, arc-challenge, mmlu, addition, or FILE.py:NAME or "
-                    "module:NAME for your own; got 'subtraction'"),
+    ("subtraction", "--task must be one of gsm8k, arc-easy, arc-challenge, mmlu, humaneval, addition, or FILE.py:NAME "
+                    "or module:NAME for your own; got 'subtraction'"),
     # an unset variable in gsm8k=$DIR read the hub's gsm8k in place of the local copy, saying nothing
     ("gsm8k=", "--task gsm8k=: no path after '=' (NAME=FILE or NAME=DIR: a local copy)"),
 ])
@@ -690,7 +690,7 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys, monkeypat
     assert result["results"] == pytest.approx({"mmlu": 1 / 3, "arc-challenge": 0.5, "gsm8k": 2 / 3})
     out = capsys.readouterr().out
     assert "mmlu: accuracy 0.3333, centered 0.1111 (3 problems)" in out
-    assert f"ChatCORE {result['chatcore']:.4f} over mmlu, arc-challenge, gsm8k (nanochat's also has HumanEval)" in out
+    assert f"ChatCORE {result['chatcore']:.4f} over mmlu, arc-challenge, gsm8k\n" in out
     monkeypatch.setenv("HOME", str(tmp_path))  # --eval=~/chat.pt, which no shell expands, as an HF directory's ~ is
     assert tasks.main(["--eval=~/chat.pt", "--tasks", spec, "--limit", "3"])["results"] == result["results"]
     with pytest.raises(SystemExit) as e:  # the line named the split, not the file that was the mistake
@@ -800,7 +800,7 @@ def test_a_local_copy_in_another_schema_is_one_line_naming_its_file_and_the_hubs
 
 
 def test_eval_refuses_the_task_flag_of_the_other_stages():
-    # sft.py's and rl.py's --task, ignored here: the four default --tasks were scored (downloaded) in its place
+    # sft.py's and rl.py's --task, ignored here: the five default --tasks were scored (downloaded) in its place
     with pytest.raises(SystemExit) as e:
         tasks.main(["--eval", "chat.pt", "--task", "mine.py:Mine"])
     assert e.value.code == "error: --eval scores --tasks, not --task: pass --tasks mine.py:Mine"
@@ -961,7 +961,8 @@ def test_a_task_list_takes_spaces_after_its_commas_as_a_reward_list_does():
     assert tasks.task_list("addition, t.py:T") == {"addition": "addition", "T": "t.py:T"}
     with pytest.raises(ValueError) as e:  # named --task, the flag sft.py's list has, where tasks.py's is --tasks
         tasks.TasksConfig(eval="c.pt", tasks="arc-easy,nope")
-    assert str(e.value).startswith("--tasks must be one of gsm8k, arc-easy, arc-challenge, mmlu, addition, or ")
+    assert str(e.value).startswith("--tasks must be one of gsm8k, arc-easy, arc-challenge, mmlu, humaneval, addition, "
+                                   "or ")
 
 
 def test_a_multiple_choice_task_run_as_tasks_py_is_scored_by_its_letters(tmp_path):
