@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from chat_format import BOS, read_local, row_name
 from common import (
     GPT2_VOCAB,
+    all_sum,
     first_on_each_node,
     get_tokenizer,
     own_process_group,
@@ -47,11 +48,20 @@ from common import (
 from fineweb import download
 from generate import evaluating
 from model import GPT
-from tasks import centered, summed
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's copy of DCLM's
 KINDS = ("multiple_choice", "schema", "language_modeling")
 TRAIN_ROWS = 500  # rows per task in train.py's --core-every evaluations, as nanochat's base_train scores them
+
+
+def summed(right: int, n: int, device: torch.device, world: int) -> dict:
+    counts = all_sum(torch.tensor([right, n], dtype=torch.float64, device=device), world)
+    return {"acc": counts[0].item() / max(1, counts[1].item()), "n": int(counts[1].item())}
+
+
+def centered(accuracy: float, baseline: float) -> float:
+    """Accuracy rescaled so that chance (`baseline`, a fraction) scores 0, a perfect score 1: as CORE and ChatCORE."""
+    return (accuracy - baseline) / (1.0 - baseline)
 
 
 @dataclass

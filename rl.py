@@ -154,8 +154,8 @@ class RLConfig(engine.RunArgs):
     """Online RL of a chat model (an sft.py checkpoint) on a task: GRPO, RLOO, REINFORCE or PPO, on the engine."""
 
     init_from: Annotated[str, LOCAL] = "out/sft-demo-1200/ckpt_001200.pt"  # the policy's start: a chat checkpoint
-    # the prompts, checker and evals: gsm8k, arc-easy, arc-challenge, mmlu or addition (NAME=DIR: a local copy in the
-    # hub's schema), or your own, FILE.py:NAME or module:NAME
+    # the prompts, checker and evals: gsm8k, arc-easy, arc-challenge, mmlu, humaneval (test only) or addition (NAME=DIR:
+    # a local copy in the hub's schema), or your own, FILE.py:NAME or module:NAME
     task: str = "addition"
     reward: str = ""  # reward functions FILE.py:FN[,FILE.py:FN2] (fn(prompt, reply, answer) -> float), not the task's
     reward_weights: tuple[float, ...] = ()  # --reward's weights, comma separated (default: 1 each)

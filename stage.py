@@ -101,8 +101,8 @@ class StageArgs(RunArgs):
 class TaskEvalArgs:
     """A chat model's held-out task accuracy as an evaluation (sft.py, prefs.py): mixed in before StageArgs."""
 
-    # a task whose held-out greedy accuracy is an eval: gsm8k, arc-easy, arc-challenge, mmlu, addition, FILE.py:NAME or
-    # module:NAME; several, comma-separated (NAME=FILE: a local copy in the hub's schema), make nanochat's ChatCORE
+    # a task whose held-out greedy accuracy is an eval: gsm8k, arc-easy, arc-challenge, mmlu, humaneval, addition,
+    # FILE.py:NAME or module:NAME; several, comma-separated (NAME=FILE: a local copy in the hub's schema): ChatCORE
     task: str = ""
     task_every: int = 0  # score --task every N steps (and at the last step); 0 = at the last step only
     task_limit: int = 256  # held-out problems scored each time (per task)

@@ -15,19 +15,18 @@ rl.py's --reward FILE.py:FN[,FILE.py:FN2] takes functions fn(prompt, reply, answ
     arc-easy       allenai/ai2_arc ARC-Easy (train/validation/test): multiple choice, answered with a letter
     arc-challenge  the same for ARC-Challenge
     mmlu           cais/mmlu "all" (auxiliary_train/validation/dev/test): 57 subjects, 4 choices, the same way
+    humaneval      openai/openai_humaneval (test): code that passes its tests in sandbox.py (not a security boundary)
     addition       made here, offline: "What is 4 7 + 3 8?" -> "8 5", digits spaced so that each is one token; train
                    and test are disjoint by a hash of the pair
 
-ChatCORE (chat_core) is nanochat's score of a chat model: each task's accuracy centered by its chance (1/4 for
-multiple choice, 0 otherwise), averaged over the tasks given; multiple choice is scored by its letters' logits
-(choose), the rest by greedy replies (evaluate). nanochat's also has HumanEval, which runs code in a sandbox: not here.
+ChatCORE (chat_core), nanochat's score of a chat model: the tasks' accuracies centered by chance (1/4 for multiple
+choice, 0 otherwise) and averaged; multiple choice scored by its letters' logits (choose), the rest by greedy replies.
 
-Usage (a task's train and test splits as JSONL conversations, for sft.py; with --pairs, preference pairs for prefs.py;
-with --eval, a checkpoint's accuracies and ChatCORE):
+Usage (train and test splits as JSONL conversations for sft.py; --pairs: preference pairs, for prefs.py; --eval):
     python tasks.py --task addition --pairs                # -> data/addition/, data/addition_pairs/
     python tasks.py --task examples/subtraction.py:Subtraction --out-dir data/subtraction
     python tasks.py --task gsm8k=gsm8k/main       # a local copy: a directory of the hub's train and test files
-    python tasks.py --eval out/sft/ckpt_002000.pt --tasks arc-easy,arc-challenge,mmlu,gsm8k --limit 500
+    python tasks.py --eval out/sft/ckpt_002000.pt --limit 500    # ChatCORE over ARC, MMLU, GSM8K and HumanEval
     python tasks.py --eval out/sft/ckpt_002000.pt --tasks mmlu=mmlu_test.parquet   # a local file in the hub's schema
 """
 
@@ -52,8 +51,10 @@ import numpy as np
 import torch
 
 import common
+import sandbox
 from chat_format import BOS, CHAT_VOCAB, REPLY_STOPS, check_messages, load_rows, render_prompt, reply_text, row_errors
-from common import all_sum, get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
+from common import get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
+from core import centered, summed
 from generate import calculator, evaluating, full_precision, generate
 from model import GPT, GPTConfig
 
@@ -140,6 +141,17 @@ class MMLU(MultipleChoice):
         return self.render(row["question"], row["choices"], int(row["answer"]))
 
 
+class HumanEval(Task):
+    hub, config, splits = "openai/openai_humaneval", "openai_humaneval", ("test",)
+    fields = ("prompt", "canonical_solution", "test", "entry_point")
+
+    def example(self, row: dict) -> dict:  # the answer: JSON of what check() runs the reply's code with
+        return conversation(row["prompt"], row["prompt"] + row["canonical_solution"], sandbox.humaneval_answer(row))
+
+    def check(self, reply: str, answer: str) -> bool:
+        return sandbox.run(sandbox.humaneval_program(reply, answer)).passed
+
+
 class Addition(Task):
     """a + b for two-digit numbers (10-99); the sum is spaced too, most significant first."""
 
@@ -180,8 +192,7 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
                                                                                                     strict=True))
         return right
 
-    # one rank's check() that raises stops every rank, not the others in summed's all_sum; a run saves its steps first
-    right = common.same_verdict(count, world, common.ResumableError)
+    right = common.same_verdict(count, world, common.ResumableError)  # one rank's check() raising stops every rank
     return summed(right, len(mine), model.lm_head.weight.device, world)
 
 
@@ -232,16 +243,6 @@ def check_prompts(named: dict[str, tuple[Any, list[dict]]], context: int, flag: 
             raise ValueError(f"{flag} {name}: a prompt takes {longest} tokens, {fix}")
 
 
-def summed(right: int, n: int, device: torch.device, world: int) -> dict:
-    counts = all_sum(torch.tensor([right, n], dtype=torch.float64, device=device), world)
-    return {"acc": counts[0].item() / max(1, counts[1].item()), "n": int(counts[1].item())}
-
-
-def centered(accuracy: float, baseline: float) -> float:
-    """Accuracy rescaled so that chance (`baseline`, a fraction) scores 0, a perfect score 1: as CORE and ChatCORE."""
-    return (accuracy - baseline) / (1.0 - baseline)
-
-
 def chat_core(model: Any, named: dict[str, tuple[Any, list[dict]]], rank: int = 0, world: int = 1,
               autocast: contextlib.AbstractContextManager | None = None, max_new_tokens: int = 512) -> dict:
     """{"results": {name: accuracy}, "centered_results": {name: centered by the task's chance}, "chatcore": their
@@ -254,7 +255,7 @@ def chat_core(model: Any, named: dict[str, tuple[Any, list[dict]]], rank: int = 
 
 
 TASKS = {"gsm8k": GSM8K, "arc-easy": lambda: ARC("ARC-Easy"), "arc-challenge": lambda: ARC("ARC-Challenge"),
-         "mmlu": MMLU, "addition": Addition}
+         "mmlu": MMLU, "humaneval": HumanEval, "addition": Addition}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -441,14 +442,13 @@ def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[di
 class TasksConfig:
     """tasks.py's flags, as the module docstring's usage gives them (--eval runs under torchrun too)."""
 
-    task: str = "addition"  # gsm8k, arc-easy, arc-challenge, mmlu, addition, or your own: FILE.py:NAME or module:NAME
+    task: str = "addition"  # gsm8k, arc-easy, arc-challenge, mmlu, humaneval, addition, or FILE.py:NAME or module:NAME
     out_dir: str = ""  # where to write them ('' = data/<task>)
     limit: int = 0  # at most this many examples per split (0 = all); with --eval, per task, as tasks.held_out picks
-    # also write preference pairs (the reference reply over a wrong(answer, rng) one) to <out_dir>_pairs/, for prefs.py
-    pairs: bool = False
+    pairs: bool = False  # also write preference pairs (the reference reply over wrong(answer, rng)) to <out_dir>_pairs/
     seed: int = 0  # seeds the wrong replies
     eval: str = ""  # a checkpoint to score on --tasks, instead of writing files: a .pt of this project, or an HF export
-    tasks: str = "arc-easy,arc-challenge,mmlu,gsm8k"  # with --eval: NAME or NAME=FILE (a local copy in the hub schema)
+    tasks: str = "arc-easy,arc-challenge,mmlu,gsm8k,humaneval"  # with --eval: NAME or NAME=FILE (a hub-schema copy)
     split: str = "test"  # with --eval: the split scored
     max_new_tokens: int = 512  # with --eval: the longest reply of a task scored by its replies (gsm8k)
     device: str = "auto"  # with --eval: auto (cuda if available, else cpu), cpu, cuda, cuda:N
@@ -502,7 +502,7 @@ def score_tasks(cfg: TasksConfig) -> dict:
         for name, acc in result["results"].items():
             print(f"{name}: accuracy {acc:.4f}, centered {result['centered_results'][name]:.4f} "
                   f"({len(named[name][1])} problems)")
-        print(f"ChatCORE {result['chatcore']:.4f} over {', '.join(named)} (nanochat's also has HumanEval)")
+        print(f"ChatCORE {result['chatcore']:.4f} over {', '.join(named)}")
     return result
 
 

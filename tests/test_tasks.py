@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import chat_format as cf
+import core
 import tasks
 from common import get_tokenizer
 
@@ -414,8 +415,8 @@ def test_the_shipped_subtraction_example_is_disjoint_checks_and_scores_from_the_
     ("{dir}/doubling:Doubling", "--task {dir}/doubling:Doubling: expected FILE.py:NAME or module:NAME"),
     ("./doubling:Doubling", "--task ./doubling:Doubling: expected FILE.py:NAME or module:NAME"),
     ("./runs:1/t.py", "--task ./runs:1/t.py: expected FILE.py:NAME or module:NAME"),
-    ("subtraction", "--task must be one of gsm8k, arc-easy, arc-challenge, mmlu, addition, or FILE.py:NAME or "
-                    "module:NAME for your own; got 'subtraction'"),
+    ("subtraction", "--task must be one of gsm8k, arc-easy, arc-challenge, mmlu, humaneval, addition, or FILE.py:NAME "
+                    "or module:NAME for your own; got 'subtraction'"),
     # an unset variable in gsm8k=$DIR read the hub's gsm8k in place of the local copy, saying nothing
     ("gsm8k=", "--task gsm8k=: no path after '=' (NAME=FILE or NAME=DIR: a local copy)"),
 ])
@@ -549,7 +550,7 @@ def test_choose_scores_only_the_problems_letters_on_the_prompts_last_block_size_
     assert len(cf.render_prompt(long["messages"][:-1])) > 64  # the model's block: its last 64 tokens are scored,
     assert tasks.choose(model, [long]) == {"acc": 1.0, "n": 1}  # which end with <|assistant_start|>
     # rank 1 of 2 scores problems 1 and 3 (both B; 0 and 2 are A); the sum over ranks as if rank 0 counted the same
-    monkeypatch.setattr(tasks, "all_sum", lambda t, world: 2 * t)
+    monkeypatch.setattr(core, "all_sum", lambda t, world: 2 * t)
     problems = [mmlu.example({"question": f"Q{k}?", "choices": list("wxyz"), "answer": k % 2}) for k in range(4)]
     assert tasks.choose(model, problems, rank=1, world=2) == {"acc": 1.0, "n": 4}
 
@@ -557,7 +558,7 @@ def test_choose_scores_only_the_problems_letters_on_the_prompts_last_block_size_
 def test_evaluate_scores_its_ranks_share_of_the_problems(monkeypatch):
     # rank 1 of 2 answers problems 1 and 3 ("B 4": right, 4) and not 0 and 2 (5); the sum over ranks and the shared
     # verdict (collectives) as if rank 0 counted the same
-    monkeypatch.setattr(tasks, "all_sum", lambda t, world: 2 * t)
+    monkeypatch.setattr(core, "all_sum", lambda t, world: 2 * t)
     monkeypatch.setattr(tasks.common, "same_verdict", lambda work, world, *error: work())
     problems = [tasks.GSM8K().example({"question": f"Q{k}?", "answer": f"#### {5 - k % 2}"}) for k in range(4)]
     out = tasks.evaluate(chat_bigram(), tasks.GSM8K(), problems, rank=1, world=2, max_new_tokens=4)
@@ -689,7 +690,7 @@ def test_the_cli_scores_a_checkpoint_on_local_copies(tmp_path, capsys, monkeypat
     assert result["results"] == pytest.approx({"mmlu": 1 / 3, "arc-challenge": 0.5, "gsm8k": 2 / 3})
     out = capsys.readouterr().out
     assert "mmlu: accuracy 0.3333, centered 0.1111 (3 problems)" in out
-    assert f"ChatCORE {result['chatcore']:.4f} over mmlu, arc-challenge, gsm8k (nanochat's also has HumanEval)" in out
+    assert f"ChatCORE {result['chatcore']:.4f} over mmlu, arc-challenge, gsm8k\n" in out
     monkeypatch.setenv("HOME", str(tmp_path))  # --eval=~/chat.pt, which no shell expands, as an HF directory's ~ is
     assert tasks.main(["--eval=~/chat.pt", "--tasks", spec, "--limit", "3"])["results"] == result["results"]
     with pytest.raises(SystemExit) as e:  # the line named the split, not the file that was the mistake
@@ -799,7 +800,7 @@ def test_a_local_copy_in_another_schema_is_one_line_naming_its_file_and_the_hubs
 
 
 def test_eval_refuses_the_task_flag_of_the_other_stages():
-    # sft.py's and rl.py's --task, ignored here: the four default --tasks were scored (downloaded) in its place
+    # sft.py's and rl.py's --task, ignored here: the five default --tasks were scored (downloaded) in its place
     with pytest.raises(SystemExit) as e:
         tasks.main(["--eval", "chat.pt", "--task", "mine.py:Mine"])
     assert e.value.code == "error: --eval scores --tasks, not --task: pass --tasks mine.py:Mine"
@@ -960,7 +961,8 @@ def test_a_task_list_takes_spaces_after_its_commas_as_a_reward_list_does():
     assert tasks.task_list("addition, t.py:T") == {"addition": "addition", "T": "t.py:T"}
     with pytest.raises(ValueError) as e:  # named --task, the flag sft.py's list has, where tasks.py's is --tasks
         tasks.TasksConfig(eval="c.pt", tasks="arc-easy,nope")
-    assert str(e.value).startswith("--tasks must be one of gsm8k, arc-easy, arc-challenge, mmlu, addition, or ")
+    assert str(e.value).startswith("--tasks must be one of gsm8k, arc-easy, arc-challenge, mmlu, humaneval, addition, "
+                                   "or ")
 
 
 def test_a_multiple_choice_task_run_as_tasks_py_is_scored_by_its_letters(tmp_path):
