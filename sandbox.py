@@ -1,7 +1,7 @@
 """Runs one Python program in a child process and says whether it passed: how HumanEval's check (tasks.py) runs the
 model's code. NOT a security boundary: the program runs as the user, may read, write and reach what the user can, and
 can undo its limits (ctypes, a grandchild that calls setsid). It guards against mistakes, not malice: an endless loop,
-a memory bomb, a stray file or process. Linux (the limits are setrlimit's; macOS refuses some).
+a memory bomb, a stray file or process. The limits are setrlimit's: one the OS refuses (macOS: RLIMIT_AS) is left off.
 
     python -I          isolated: no PYTHON* variables, no user site-packages, no script directory on sys.path
     its own cwd        a temporary directory, removed afterwards; the environment is PATH alone; stdin is empty
@@ -27,13 +27,17 @@ import tempfile
 import time
 from typing import IO, NamedTuple
 
+PYTHON = os.path.abspath(sys.executable)  # as started: a relative path (PATH=.venv/bin) breaks under another cwd
 KEEP = 10_000  # characters of stdout and stderr kept: their ends, where a traceback's last line is
 # set in the child before the program runs; never above a hard limit the user already has
 PRELUDE = """import resource
 for name, n in {limits!r}:
-    hard = resource.getrlimit(key := getattr(resource, name))[1]
-    resource.setrlimit(key, (n, n) if hard == resource.RLIM_INFINITY else (min(n, hard),) * 2)
-del resource, name, n, hard, key
+    try:  # one the OS lacks or refuses (macOS: RLIMIT_AS) is left off, rather than failing every program
+        hard = resource.getrlimit(key := getattr(resource, name))[1]
+        resource.setrlimit(key, (n, n) if hard == resource.RLIM_INFINITY else (min(n, hard),) * 2)
+    except Exception:
+        pass
+del resource
 exec(compile(open("main.py", encoding="utf-8").read(), "main.py", "exec"), {{"__name__": "__main__"}})
 """
 
@@ -59,7 +63,7 @@ def run(program: str, timeout: float = 5.0, memory: int = 256 << 20) -> Ran:
             tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:  # a file it made read-only stays
         with open(os.path.join(cwd, "main.py"), "w", encoding="utf-8") as f:
             f.write(program)
-        proc = subprocess.Popen([sys.executable, "-I", "-c", PRELUDE.format(limits=limits)], cwd=cwd,
+        proc = subprocess.Popen([PYTHON, "-I", "-c", PRELUDE.format(limits=limits)], cwd=cwd,
                                 env={"PATH": os.defpath}, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                 start_new_session=True)
         deadline = time.monotonic() + timeout
