@@ -165,12 +165,6 @@ class PairLoader(RowStream):
             ids[row, :len(seq)], mask[row, self.starts[p, side]:len(seq)] = seq, True
         return torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device)
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Stop now if the model has too few embedding rows for the ids: on CUDA an id past them asserts."""
-        if (top := max(int(side.max()) for pair in self.ids for side in pair)) >= vocab_size:
-            raise DataError(f"{self.name} renders token ids up to {top}, but the model has only {vocab_size} "
-                            f"embedding rows; pass --vocab-size {CHAT_VOCAB} or more (the default: 50304)")
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Objectives: Bradley–Terry reward model and DPO

@@ -249,7 +249,7 @@ def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_droppe
     for c in (0, 1):  # a pair's two rows share the prompt up to the reply
         assert starts[c] == starts[c + 2] and torch.equal(ids[c, :starts[c]], ids[c + 2, :starts[c]])
     loader.check_vocab(50263)  # ids up to 50262: 50263 rows hold them, 50262 do not
-    with pytest.raises(DataError, match="renders token ids up to 50262, but the model has only 50262"):
+    with pytest.raises(DataError, match="uses token ids up to 50262, but the model has only 50262"):
         loader.check_vocab(50262)
 
 
@@ -686,8 +686,8 @@ def test_a_fresh_reward_model_too_small_for_the_chat_tokens_names_the_flag_that_
 
     # it said "start from a model with more": an --init-from is padded for the chat tokens, a fresh model only is short
     assert one_line_error(capsys, prefs.main, pairs_run(addition_pairs, tmp_path, "rm-demo", "--vocab-size=50257")) \
-        == (f"error: {addition_pairs} renders token ids up to 50262, but the model has only 50257 embedding rows; "
-            "pass --vocab-size 50267 or more (the default: 50304)")
+        == (f"error: {addition_pairs}: the chat format uses token ids up to 50262, but the model has only 50257 "
+            "embedding rows; pass --vocab-size 50267 or more (the default: 50304)")
 
 
 def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_reference(addition_pairs, random_start,
