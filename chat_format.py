@@ -33,6 +33,7 @@ import torch
 
 from common import EOT, get_tokenizer, load_checkpoint, read_json
 from fineweb import DataError, check_contents, crc32, expand, permutation, source_kind
+from model import GPTConfig
 
 BOS = EOT
 SYSTEM_START, SYSTEM_END, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END = range(50257, 50263)
@@ -344,8 +345,16 @@ class RowStream:
             name, split, B, T, rank, world_size, seed
         self.device, self.shuffle, self.count = torch.device(device), shuffle, count
         self.tokens, self.crc = sum(map(len, sequences)), crc32(sequences)  # what a resume compares, with the name
+        self.top = max((int(ids.max()) for ids in sequences), default=-1)  # the highest token id, for check_vocab
         self.num_windows = count // B  # windows of B items per epoch, all ranks together
         self.reset()
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Stop now if the model has too few embedding rows for the chat tokens: on CUDA an id past them asserts."""
+        if self.top >= vocab_size:
+            raise DataError(f"{self.name}: the chat format uses token ids up to {self.top}, but the model has only "
+                            f"{vocab_size} embedding rows; pass --vocab-size {CHAT_VOCAB} or more (the default: "
+                            f"{GPTConfig.vocab_size})")
 
     def reset(self) -> None:  # back to epoch 0's first batch (for val: the same batches on every call), as fineweb's
         self.step = 0
@@ -428,10 +437,4 @@ class ConversationLoader(RowStream):
         x, y = ids[:, :-1], ids[:, 1:].masked_fill(~torch.from_numpy(self.mask[rows, 1:]), -1)
         cuda = self.device.type == "cuda"  # from pinned memory, the copy overlaps the GPU's work (as fineweb's)
         return tuple((t.pin_memory() if cuda else t).to(self.device, non_blocking=cuda) for t in (x, y))
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Stop now if the model has too few embedding rows for the chat tokens: on CUDA an id past them asserts."""
-        if (top := int(self.ids.max())) >= vocab_size:
-            raise DataError(f"the chat format uses token ids up to {top}, but the model has only {vocab_size} "
-                            f"embedding rows; pass --vocab-size {CHAT_VOCAB} or more (the default: 50304)")
 

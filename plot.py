@@ -7,7 +7,7 @@ Usage:
     python plot.py --log out/gpt2-124m/log.jsonl            # writes out/gpt2-124m/loss.png
     python plot.py --log out/demo/log.jsonl --x tokens --out demo.png
     python plot.py --log out/lr6e-4/log.jsonl,out/lr1e-3/log.jsonl --x tokens   # overlaid -> out/lr6e-4/compare.png
-    python plot.py --log out/sweep/*/log.jsonl                    # several words after --log: overlaid too
+    python plot.py --log out/sweep/*/log.jsonl --log out/base/log.jsonl  # words after --log, a repeated --log: all
     python plot.py --log out/rl/log.jsonl,out/rl-ppo/log.jsonl   # reward and accuracy curves of two RL runs
 """
 
@@ -35,7 +35,7 @@ PANELS = {"loss": ("train", "loss", "loss"), "bpb": ("val", "val_bpb", "val bits
 class PlotConfig:
     """Plot the curves of a train.py or rl.py log.jsonl (or of several runs, overlaid) into a PNG."""
 
-    log: str = ""  # the run's JSONL log ('' = the newest out/*/log.jsonl); several (comma-separated, or words) overlaid
+    log: str = ""  # a JSONL log ('' = the newest out/*/log.jsonl, alone); several (commas, words, --log again) overlaid
     out: str = ""  # PNG path ('' = loss.png next to the log; compare.png next to the first log for several)
     x: str = "step"  # x axis: step or tokens
     smooth: float = 0.9  # EMA factor for the train loss (0 = raw)
@@ -66,6 +66,8 @@ def plot(cfg: PlotConfig, more: tuple[str, ...] = ()) -> Path:  # more: the word
     # a Figure of its own on the Agg canvas: no display needed, and no pyplot state left in a notebook that calls plot()
     from matplotlib.figure import Figure
 
+    if more and not all((cfg.log, *more)):  # '' is the newest run: maybe one of the others, maybe not; name it
+        raise ValueError("an empty --log (the newest out/*/log.jsonl) stands alone; name each log to overlay it")
     logs = [log for arg in (cfg.log, *more) for log in log_paths(arg)]
     runs = [read_run(log) for log in logs]  # (config, curves) per run, in the order of logs
     single = len(runs) == 1
@@ -188,14 +190,16 @@ def loss_range(drawn: list[tuple[list[float], list[float]]]) -> tuple[float, flo
 
 def main(argv: list[str] | None = None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
-    # the words after --log's value up to the next option are logs too (a shell glob's: --log out/sweep/*/log.jsonl),
-    # each as --log takes one: the house parser would refuse them, one word a flag (-h too)
-    at = next((i + 1 for i, word in enumerate(argv) if word == "--log" or word.startswith("--log=")), len(argv))
-    end = next((j for j in range(at, len(argv)) if argv[j].startswith("-")), len(argv))
-    at = min(at + (argv[at - 1:at] == ["--log"]), end)  # past its value
-    cfg = parse_config(PlotConfig, argv[:at] + argv[end:], doc=__doc__)
+    # each --log's value and the words after it up to the next option are logs (a shell glob's: --log out/*/log.jsonl),
+    # a repeated --log's too, as argparse's append: the house parser would refuse the words, one word a flag (-h too)
+    spans = [(i, next((j for j in range(i + 1, len(argv)) if argv[j].startswith("-")), len(argv)))
+             for i, word in enumerate(argv) if word == "--log" or word.startswith("--log=")]
+    words = [[argv[i][6:]] * (argv[i] != "--log") + argv[i + 1:end] for i, end in spans]
+    rest, logs = [word for k, word in enumerate(argv) if not any(i <= k < end for i, end in spans)], sum(words, [])
+    given = ["--log"] if [] in words else [f"--log={log}" for log in logs[:1]]  # no value: the parser's line says so
+    cfg = parse_config(PlotConfig, rest + given, doc=__doc__)
     with user_errors(FileNotFoundError, ValueError):
-        out = plot(cfg, tuple(argv[at:end]))
+        out = plot(cfg, tuple(logs[1:]))
     print(f"plot: wrote {out}")
     return out
 

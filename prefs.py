@@ -18,6 +18,7 @@ Each side renders as the prompt's conversation plus its reply; the mask covers t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -164,12 +165,6 @@ class PairLoader(RowStream):
             seq = self.ids[p][side]
             ids[row, :len(seq)], mask[row, self.starts[p, side]:len(seq)] = seq, True
         return torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device)
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Stop now if the model has too few embedding rows for the ids: on CUDA an id past them asserts."""
-        if (top := max(int(side.max()) for pair in self.ids for side in pair)) >= vocab_size:
-            raise DataError(f"{self.name} renders token ids up to {top}, but the model has only {vocab_size} "
-                            f"embedding rows; pass --vocab-size {CHAT_VOCAB} or more (the default: 50304)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -322,12 +317,15 @@ def setup(cfg: PrefsConfig, ctx: Context) -> Run:
     setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
     # train_step's objective: DPO's against a frozen reference, the starting weights loaded again (a resumed model has
     # moved on; checked the same on resume), or the reward model's Bradley-Terry metrics
-    ref, metrics = None, functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
+    reference, metrics = None, functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
     if cfg.objective == "dpo":
         ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)
         metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft, loss=cfg.dpo_loss)
-    setup.build(parts={"reference": ref and stage.Reference(engine.weights_digest(ref), cfg.init_from,
-                                                            "took its DPO reference from")})
+        reference = stage.Reference(engine.weights_digest(ref), cfg.init_from, "took its DPO reference from",
+                                    dataclasses.asdict(ref.config))
+    # every rank's reference, as its model: a resume's is each node's --init-from (a LOCAL path) and flags
+    setup.build(lambda: {"DPO reference": reference and (reference.digest, reference.config)},
+                parts={"reference": reference})
     pairs = Objective(metrics, summarised=("accuracy", "margin"))
     step_fn = stage.lm_step(setup.cfg, setup.built, setup.next_batch, setup.grad_accum, setup.guard, ctx, pairs)
     return setup.run(step_fn, pair_evals(cfg, setup, pairs) + stage.task_evals(cfg, setup))

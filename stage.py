@@ -354,8 +354,8 @@ class Setup:
         source = f"--resume {self.found[0]}" if self.found else f"--init-from {cfg.init_from}" if cfg.init_from \
             else "--seed"  # what every rank must share, once; the model's config as built (an --init-from's options)
         engine.agree_fingerprint(lambda: {"command": command(cfg), "data": engine.shards_of(loaders),
-                                          **fingerprint(), "model": self.raw.config, "weights": engine.weights_digest(
-                                              self.raw) if self.found is None else None},  # a resume's: find's
+                                          "model": self.raw.config, "weights": engine.weights_digest(self.raw) if
+                                          self.found is None else None, **fingerprint()},  # a resume's: find's
                                  ctx.rank, ctx.world, source)
         self.cfg, self.grad_accum = check_run(cfg, ctx, self.raw.config, self.data.world)
         self.raw = self.raw.to(ctx.device)
@@ -456,13 +456,20 @@ class Reference:
     digest: str
     init_from: str
     tie: str
+    config: dict[str, Any] | None = None  # DPO's GPTConfig as built: a resume builds it from --init-from and the flags
 
-    def state_dict(self) -> dict[str, str]:
-        return {"digest": self.digest, "init_from": self.init_from}
+    def state_dict(self) -> dict[str, Any]:
+        return {"digest": self.digest, "init_from": self.init_from, "config": self.config}
 
-    def load_state_dict(self, state: dict[str, str]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        was, now = state.get("config") or {}, self.config or {}  # an older checkpoint's (or RL's): the weights alone
+        changed = [k for k in was if k != "dropout" and now.get(k, was[k]) != was[k]]  # off in eval mode
         check_flags([(state["digest"] == self.digest, f"the run resumed {self.tie} the weights of --init-from "
-                      f"{state['init_from']}, not {self.init_from}'s: pass its --init-from, or start a new run")])
+                      f"{state['init_from']}, not {self.init_from}'s: pass its --init-from, or start a new run"),
+                     (not changed, f"the run resumed {self.tie} --init-from {state['init_from']} built with "
+                      f"{', '.join(f'{k} {was[k]}' for k in changed)}, this run with "
+                      f"{', '.join(f'{k} {now[k]}' for k in changed)}: pass "
+                      f"{' '.join(f'--{flag(k)} {was[k]}' for k in changed)}, or start a new run")])
 
 
 def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:

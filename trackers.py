@@ -187,11 +187,15 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
         return RunLog(None, rank == 0, cfg.max_steps, cfg.log_every, [])
     path = Path(cfg.out_dir) / "log.jsonl"
     side, first, newest = Path(f"{path}.rewound"), resume_step or 0, checkpoints(path.parent)
+    # a rewind's set-aside records are the log's while the newest checkpoint is the one it found (the rewound run's
+    # first drops them): the side file names that file, which a coarse clock's tie of mtimes would not tell apart
+    mark = [newest[-1].name, newest[-1].stat().st_mtime_ns, newest[-1].stat().st_ino] if newest else []
     records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
-    if records and side.is_file() and (not newest or side.stat().st_mtime_ns > newest[-1].stat().st_mtime_ns):
-        moved = list(iter_log(side))  # in step order, as the log: the first is where the set-aside records begin
-        records = [r for r in records if r["type"] == "config" or r["step"] < moved[0]["step"]] + moved
-        first = min(resume_step, moved[0]["step"])
+    head, *moved = (list(iter_log(side)) if records and side.is_file() else []) or [{}]  # the mark, then in step order
+    older = bool(head) and "newest" not in head and (not mark or side.stat().st_mtime_ns > mark[1])
+    if older or head and head.get("newest") == mark:  # an older version's side file has no mark: by its mtime
+        records = [r for r in records if r["type"] == "config" or r["step"] < head["step"]] + [head] * older + moved
+        first = min(resume_step, head["step"])
     kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
     cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]
     path.parent.mkdir(parents=True, exist_ok=True)  # for the trackers' files too
@@ -201,7 +205,8 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     # after the trackers start (one that cannot leaves the log as it was); the cut goes aside first, with the set-aside
     # records taken back (from `first`), and they leave the side file only once the log holds them: a crash loses none
     if rewinding and cut:
-        write_records(side, [r for r in records if r["type"] != "config" and r["step"] >= first])
+        write_records(side, [{"type": "rewound", "step": first, "newest": mark},
+                             *(r for r in records if r["type"] != "config" and r["step"] >= first)])
     held = [r for r in cut if r["step"] == resume_step and r["type"] != "train"]  # in the log till replaced (write)
     write_records(path, kept + held)
     if not (rewinding and cut):

@@ -310,15 +310,18 @@ def test_hub_layout_directory_gives_train_and_held_out_test(tmp_path):
     assert train.tokens == sum(len(cf.render(chat(i))[0]) for i in range(40))
 
 
-def test_check_vocab_needs_the_chat_rows():
-    loader = object.__new__(cf.ConversationLoader)
-    loader.ids = np.array([[cf.BOS, cf.USER_START, cf.OUTPUT_END]], dtype=np.uint16)
-    loader.check_vocab(50304)
-    with pytest.raises(DataError, match="ids up to 50266, but the model has only 50257 embedding rows"):
-        loader.check_vocab(50257)
-    loader.check_vocab(50267)  # the last id's row exists; with one row fewer it does not (ids index from 0)
-    with pytest.raises(DataError, match="ids up to 50266, but the model has only 50266 embedding rows"):
-        loader.check_vocab(50266)
+def test_conversations_and_pairs_refuse_too_few_embedding_rows_in_one_line_naming_their_data(tmp_path):
+    # each loader held its own copy of the check (the default as a literal), the conversations' naming no data
+    from prefs import PairLoader
+
+    chats = cf.ConversationLoader(write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(40)]), "train", 1, 31)
+    pairs = PairLoader([{"prompt": "hi", "chosen": "yes", "rejected": "no"}] * 2, "train", 1, 16)
+    for loader, name in ((chats, tmp_path / "c.jsonl"), (pairs, "<2 rows>")):
+        loader.check_vocab(50263)  # the top id's (ASSISTANT_END's) row exists; with one row fewer it does not
+        with pytest.raises(DataError) as e:
+            loader.check_vocab(50262)
+        assert str(e.value) == (f"{name}: the chat format uses token ids up to 50262, but the model has only 50262 "
+                                "embedding rows; pass --vocab-size 50267 or more (the default: 50304)")
 
 
 def test_a_glob_reads_its_files_in_order_as_one_file(tmp_path, capsys):

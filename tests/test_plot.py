@@ -216,6 +216,31 @@ def test_plot_overlays_the_logs_a_shell_glob_gives_as_words(tmp_path, monkeypatc
         plot.main(["--log", str(logs[0]), str(tmp_path / "nope.jsonl")])
 
 
+def test_a_repeated_log_adds_its_logs_and_an_empty_one_stands_alone(tmp_path, monkeypatch):
+    # `--log a b --log c` drew b and c (the parser kept the last --log's value), `--log= a b` the newest run plus a, b
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **kw: figures.append(self))
+    monkeypatch.chdir(tmp_path)
+    logs = [tmp_path / "out" / name / "log.jsonl" for name in ("a", "b", "c")]
+    for i, log in enumerate(logs):
+        log.parent.mkdir(parents=True)
+        log.write_text(json.dumps({"type": "train", "step": 0, "tokens": 8, "loss": 5.0 + i}) + "\n")
+        os.utime(log, (i, i))  # c is the newest
+    plot.main(["--log", str(logs[0]), str(logs[1]), "--smooth=0", f"--log={logs[2]}"])
+    assert [line.get_label() for line in figures[0].axes[0].get_lines()[1::2]] == [
+        "a: train loss (EMA 0.0)", "b: train loss (EMA 0.0)", "c: train loss (EMA 0.0)"]
+    plot.main(["--log="])  # alone: the newest run's
+    assert figures[1].axes[0].get_title() == "c: 1 steps"
+    for argv in (["--log=", str(logs[0])], ["--log", str(logs[0]), "--log="]):
+        with pytest.raises(SystemExit, match=r"^error: an empty --log \(the newest out/\*/log.jsonl\) stands alone; "
+                           "name each log to overlay it$"):
+            plot.main(argv)
+    with pytest.raises(SystemExit, match="^error: --log needs a value, e.g. --log=VALUE$"):
+        plot.main(["--log", str(logs[0]), "--log", "--smooth=0"])
+
+
 def test_help_after_the_logs_a_shell_glob_gives_is_help(tmp_path, capsys):
     # `--log out/sweep/*/log.jsonl -h` printed help before the glob's words were logs; then -h was read as a log:
     # "error: --log -h does not exist"

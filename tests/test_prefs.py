@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from chat_format import ASSISTANT_END
 from common import EOT, get_tokenizer, iter_log, load_checkpoint, parse_config
-from conftest import one_line_error, run_torchrun
+from conftest import one_line_error, run_nodes, run_torchrun
 from fineweb import DataError
 from model import GPT, MODEL_PRESETS, GPTConfig
 from parallel import Objective, StepArgs, build_trainable, frozen_copy, rewards, sequence_logprobs, train_step
@@ -249,7 +249,7 @@ def test_batches_pad_to_t_with_the_mask_on_the_replies_and_overlong_pairs_droppe
     for c in (0, 1):  # a pair's two rows share the prompt up to the reply
         assert starts[c] == starts[c + 2] and torch.equal(ids[c, :starts[c]], ids[c + 2, :starts[c]])
     loader.check_vocab(50263)  # ids up to 50262: 50263 rows hold them, 50262 do not
-    with pytest.raises(DataError, match="renders token ids up to 50262, but the model has only 50262"):
+    with pytest.raises(DataError, match="uses token ids up to 50262, but the model has only 50262"):
         loader.check_vocab(50262)
 
 
@@ -686,8 +686,8 @@ def test_a_fresh_reward_model_too_small_for_the_chat_tokens_names_the_flag_that_
 
     # it said "start from a model with more": an --init-from is padded for the chat tokens, a fresh model only is short
     assert one_line_error(capsys, prefs.main, pairs_run(addition_pairs, tmp_path, "rm-demo", "--vocab-size=50257")) \
-        == (f"error: {addition_pairs} renders token ids up to 50262, but the model has only 50257 embedding rows; "
-            "pass --vocab-size 50267 or more (the default: 50304)")
+        == (f"error: {addition_pairs}: the chat format uses token ids up to 50262, but the model has only 50257 "
+            "embedding rows; pass --vocab-size 50267 or more (the default: 50304)")
 
 
 def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_reference(addition_pairs, random_start,
@@ -705,6 +705,38 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
     assert one_line_error(capsys, prefs.main, resumed) == (  # it trained on against another reference, silently
         f"error: the run resumed took its DPO reference from the weights of --init-from {random_start}, not {other}'s: "
         "pass its --init-from, or start a new run")
+
+
+def test_a_dpo_resume_whose_reference_is_built_with_other_options_is_refused(addition_pairs, random_start, tmp_path,
+                                                                             capsys):
+    # the policy kept the checkpoint's --half-residual, the reference (--init-from loaded again) took --init-from's
+    import prefs
+
+    extra = ["--max-steps=2", "--ckpt-every=1", "--eval-every=0", f"--init-from={random_start}"]
+    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, "--half-residual=true", "--max-steps=1"))
+    assert one_line_error(capsys, prefs.main, pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra,
+                                                        "--resume=auto")) == (
+        f"error: the run resumed took its DPO reference from --init-from {random_start} built with half_residual True, "
+        "this run with half_residual False: pass --half-residual True, or start a new run")
+
+
+@pytest.mark.slow
+def test_nodes_whose_dpo_references_were_saved_with_other_options_stop_on_resume(addition_pairs, random_start,
+                                                                                 tmp_path):
+    # a resume builds the policy from the checkpoint and the reference from each node's --init-from (a LOCAL path):
+    # one saved with --half-residual held the same weights, and that node trained against another reference, silently
+    import prefs
+
+    extra = ["--max-steps=2", "--ckpt-every=1", "--eval-every=0"]
+    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={random_start}",
+                         "--max-steps=1"))
+    ckpt = torch.load(random_start, weights_only=False)
+    ckpt["model_config"]["half_residual"] = True
+    torch.save(ckpt, half := tmp_path / "half.pt")
+    done = run_nodes([["prefs.py", *pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, "--resume=auto",
+                                              f"--init-from={start}")] for start in (random_start, half)])
+    assert [(r.returncode, r.stderr.splitlines()[-1:]) for r in done] == [(1, [
+        "error: rank 1's DPO reference differs from rank 0's: every node must hold the same DPO reference"])] * 2
 
 
 @pytest.mark.parametrize("main, flags, message", [

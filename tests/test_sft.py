@@ -49,8 +49,8 @@ def test_a_data_error_stops_the_run_in_one_line(tmp_path, capsys):
 def test_a_fresh_model_too_small_for_the_chat_tokens_names_the_flag_that_made_it(conversations, tmp_path, capsys):
     # it said "start from a model with at least 50267": an --init-from is padded for them, a fresh model only is short
     assert one_line_error(capsys, sft.main, flags(conversations, tmp_path, "--vocab-size=50257")) == (
-        "error: the chat format uses token ids up to 50262, but the model has only 50257 embedding rows; pass "
-        "--vocab-size 50267 or more (the default: 50304)")
+        f"error: {conversations}: the chat format uses token ids up to 50262, but the model has only 50257 embedding "
+        "rows; pass --vocab-size 50267 or more (the default: 50304)")
 
 
 @pytest.mark.parametrize("datasets_installed", [True, False])

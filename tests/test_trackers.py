@@ -393,6 +393,27 @@ def open_killed_at_the_log_rewrite(monkeypatch, cfg, step, rewinding):
     monkeypatch.setattr(trackers, "write_records", write_records)
 
 
+def test_a_rewinds_side_file_in_its_checkpoints_clock_tick_is_ordered_by_what_it_found(tmp_path):
+    # a rewind to 4 sets 4-7 aside and dies; on a coarse clock (1 s on HFS+, 2 s on FAT) its side file had ckpt 8's
+    # mtime, was taken for older, and resuming ckpt 8 dropped 4-7 with it (the log held the dead rewind's 4)
+    cfg = eight_logged_steps(tmp_path, (4, 8))
+    trackers.open_run_log(cfg, 4, True, 0, 1).write(train_record(4, 9.0))  # then killed
+    tick = (tmp_path / "ckpt_000008.pt").stat().st_mtime_ns
+    os.utime(tmp_path / "log.jsonl.rewound", ns=(tick, tick))
+    trackers.open_run_log(cfg, 8, False, 0, 1).close()
+    assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
+        (0, None), *((step, 1.0) for step in range(8))]
+    # a rewind that wrote its ckpt 6 in that tick, killed before it dropped the side file, owns the log
+    trackers.open_run_log(cfg, 4, True, 0, 1).write(train_record(4, 9.0))
+    (tmp_path / "ckpt_000006.pt").write_bytes(b"")
+    for name in ("ckpt_000006.pt", "log.jsonl.rewound"):
+        os.utime(tmp_path / name, ns=(10**9, 10**9))
+    trackers.open_run_log(cfg, 6, False, 0, 1).close()
+    assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
+        (0, None), *((step, 1.0) for step in range(4)), (4, 9.0)]
+    assert not (tmp_path / "log.jsonl.rewound").exists()
+
+
 def test_a_resume_killed_as_it_takes_back_a_dead_rewinds_records_loses_none(tmp_path, monkeypatch):
     # a rewind to 4 sets 4-7 aside and dies; resuming ckpt 8 takes them back: killed between dropping
     # log.jsonl.rewound and rewriting log.jsonl, 4-7 must still be somewhere, so the next resume finds them
