@@ -192,9 +192,8 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     mark = [newest[-1].name, newest[-1].stat().st_mtime_ns, newest[-1].stat().st_ino] if newest else []
     records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
     head, *moved = (list(iter_log(side)) if records and side.is_file() else []) or [{}]  # the mark, then in step order
-    older = bool(head) and "newest" not in head and (not mark or side.stat().st_mtime_ns > mark[1])
-    if older or head and head.get("newest") == mark:  # an older version's side file has no mark: by its mtime
-        records = [r for r in records if r["type"] == "config" or r["step"] < head["step"]] + [head] * older + moved
+    if head.get("newest") == mark:  # a side file without one (an older version's) stays aside
+        records = [r for r in records if r["type"] == "config" or r["step"] < head["step"]] + moved
         first = min(resume_step, head["step"])
     kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]
     cut = [r for r in records if r["type"] != "config" and r["step"] >= resume_step]

@@ -169,17 +169,15 @@ def test_a_dead_rewinds_set_aside_records_come_back_to_the_trackers_from_their_f
 
     monkeypatch.setattr(trackers, "TensorBoard", Tracker)
     train = lambda step, loss: {"type": "train", "step": step, "loss": loss}
-    (tmp_path / "ckpt_000008.pt").write_bytes(b"")
-    os.utime(tmp_path / "ckpt_000008.pt", ns=(0, 0))  # before the rewind
-    trackers.write_records(tmp_path / "log.jsonl", [{"type": "config", "step": 0}, *(train(s, 1.0) for s in range(4)),
-                                                    train(4, 9.0), train(5, 9.0)])
-    trackers.write_records(tmp_path / "log.jsonl.rewound", [train(s, 2.0) for s in range(4, 8)])
-    cfg = SimpleNamespace(out_dir=str(tmp_path), eval_only=False, max_steps=10, log_every=1, tensorboard=True,
-                          wandb="")
+    cfg = eight_logged_steps(tmp_path, (4, 8))
+    rewind = trackers.open_run_log(cfg, 4, True, 0, 1)  # sets 4-7 aside, logs 4 and 5 anew, dies
+    rewind.write(train(4, 9.0))
+    rewind.write(train(5, 9.0))
+    cfg.tensorboard = True
     trackers.open_run_log(cfg, 8, False, 0, 1).close()
     assert [(t.forget, t.steps) for t in made] == [(4, [4, 5, 6, 7])]
     assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
-        (0, None), (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0), (7, 2.0)]
+        (0, None), *((step, 1.0) for step in range(8))]
     assert not (tmp_path / "log.jsonl.rewound").exists()
     # not a dead one: a rewind that checkpointed (its ckpt 6 written after its side file), killed before it dropped the
     # file, owns the log: resuming its ckpt 6 keeps its own 4 and 5, and the steps it set aside are no one's
