@@ -67,6 +67,8 @@ def check_messages(messages: Any, last: str) -> None:
         if field := next((key for key in UNRENDERED if message.get(key)), None):  # render would train without it
             raise ValueError(f"message {i} ({role}) has {field!r}, which the chat format does not render: move it into "
                              "the content (as text, or a tool call as {'type': 'tool'} parts) or drop the field")
+        if message.get("weight") not in (None, 0, 1):  # OpenAI's fine-tuning rows: 0 leaves a reply out of the loss
+            raise ValueError(f"message {i} has weight {message['weight']!r}: OpenAI's weight is 0 (not learned) or 1")
         if isinstance(content := message.get("content"), list) and content and role == "assistant":
             for part in content:
                 if not (isinstance(part, dict) and str(part.get("type")) in PARTS and isinstance(part.get("text"), str)
@@ -88,7 +90,7 @@ def render(messages: list[dict], last: str = "assistant") -> tuple[list[int], li
     enc, pieces = get_tokenizer(), [([BOS], 0)]  # (tokens, 1 if the model learns to write them)
     for message in messages:
         (start, end), content = ROLES[message["role"]], message["content"]
-        learn = int(message["role"] == "assistant")  # only the assistant's messages, and not its tool outputs
+        learn = int(message["role"] == "assistant" and message.get("weight") != 0)  # not tool outputs, nor weight 0
         pieces.append(([start], 0))
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         # adjacent text parts are encoded as one text, as export.py's chat template hands them to HF's tokenizer
