@@ -267,8 +267,7 @@ def val_note(source: str, split: str) -> str:
 def split_rows(source: str, split: str, family: tuple[str, str] = ("", "")) -> Iterable[tuple[int, Any]]:
     """(row index, row) of the train or val split: a file's or glob's every VAL_EVERY-th row is val, a directory's or
     hub dataset's val its test split (train its train), else the stage's family's (UltraFeedback's test_prefs)."""
-    single = one_file(source)
-    k = 0 if single or split == "train" else 1
+    k = 0 if (single := one_file(source)) or split == "train" else 1
     rows = load_rows(source, ("train", "test")[k], fallback=family[k])
     return ((i, row) for i, row in enumerate(rows) if not single or (i % VAL_EVERY == 0) == (split == "val"))
 
@@ -414,8 +413,7 @@ class ConversationLoader(RowStream):
             raise DataError(f"{source} {split}: " + (f"none of its {dropped:,} conversations has an assistant token "
                             f"within T+1 = {T + 1} tokens; raise --seq-len" if dropped else "no conversations (a "
                             f"single file's every {VAL_EVERY}th row, from row 0, is val); add conversations"))
-        lengths = [len(ids) for ids, _ in convs]
-        rows = pack(lengths, T + 1)
+        rows = pack(lengths := [len(ids) for ids, _ in convs], T + 1)
         self.ids = np.full((len(rows), T + 1), BOS, dtype=np.uint16)  # padding: BOS, with targets -1
         self.mask = np.zeros((len(rows), T + 1), dtype=bool)
         for r, row in enumerate(rows):  # a row's conversations end to end
