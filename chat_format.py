@@ -67,6 +67,8 @@ def check_messages(messages: Any, last: str) -> None:
         if field := next((key for key in UNRENDERED if message.get(key)), None):  # render would train without it
             raise ValueError(f"message {i} ({role}) has {field!r}, which the chat format does not render: move it into "
                              "the content (as text, or a tool call as {'type': 'tool'} parts) or drop the field")
+        if message.get("weight") not in (None, 0, 1):  # OpenAI's fine-tuning rows: 0 leaves a reply out of the loss
+            raise ValueError(f"message {i} has weight {message['weight']!r}: OpenAI's weight is 0 (not learned) or 1")
         if isinstance(content := message.get("content"), list) and content and role == "assistant":
             for part in content:
                 if not (isinstance(part, dict) and str(part.get("type")) in PARTS and isinstance(part.get("text"), str)
@@ -88,7 +90,7 @@ def render(messages: list[dict], last: str = "assistant") -> tuple[list[int], li
     enc, pieces = get_tokenizer(), [([BOS], 0)]  # (tokens, 1 if the model learns to write them)
     for message in messages:
         (start, end), content = ROLES[message["role"]], message["content"]
-        learn = int(message["role"] == "assistant")  # only the assistant's messages, and not its tool outputs
+        learn = int(message["role"] == "assistant" and message.get("weight") != 0)  # not tool outputs, nor weight 0
         pieces.append(([start], 0))
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         # adjacent text parts are encoded as one text, as export.py's chat template hands them to HF's tokenizer
@@ -265,8 +267,7 @@ def val_note(source: str, split: str) -> str:
 def split_rows(source: str, split: str, family: tuple[str, str] = ("", "")) -> Iterable[tuple[int, Any]]:
     """(row index, row) of the train or val split: a file's or glob's every VAL_EVERY-th row is val, a directory's or
     hub dataset's val its test split (train its train), else the stage's family's (UltraFeedback's test_prefs)."""
-    single = one_file(source)
-    k = 0 if single or split == "train" else 1
+    k = 0 if (single := one_file(source)) or split == "train" else 1
     rows = load_rows(source, ("train", "test")[k], fallback=family[k])
     return ((i, row) for i, row in enumerate(rows) if not single or (i % VAL_EVERY == 0) == (split == "val"))
 
@@ -412,8 +413,7 @@ class ConversationLoader(RowStream):
             raise DataError(f"{source} {split}: " + (f"none of its {dropped:,} conversations has an assistant token "
                             f"within T+1 = {T + 1} tokens; raise --seq-len" if dropped else "no conversations (a "
                             f"single file's every {VAL_EVERY}th row, from row 0, is val); add conversations"))
-        lengths = [len(ids) for ids, _ in convs]
-        rows = pack(lengths, T + 1)
+        rows = pack(lengths := [len(ids) for ids, _ in convs], T + 1)
         self.ids = np.full((len(rows), T + 1), BOS, dtype=np.uint16)  # padding: BOS, with targets -1
         self.mask = np.zeros((len(rows), T + 1), dtype=bool)
         for r, row in enumerate(rows):  # a row's conversations end to end

@@ -130,6 +130,20 @@ def test_a_tool_call_or_reasoning_beside_the_content_is_refused_not_dropped(tmp_
     assert cf.render([CONVERSATION[1], {**CONVERSATION[2], **empty}]) == cf.render(CONVERSATION[1:3])
 
 
+def test_openais_weight_0_leaves_an_assistant_message_out_of_the_loss(tmp_path):
+    # OpenAI's fine-tuning rows mark earlier replies "weight": 0: they were learned as the last one is
+    ids, mask = cf.render([{**m, "weight": 0} if i == 2 else m for i, m in enumerate(CONVERSATION)])
+    assert ids == IDS and mask == [0] * 19 + MASK[19:] and sum(MASK) == 15 and sum(mask) == 13
+    assert cf.render([{**m, "weight": 1} for m in CONVERSATION]) == (IDS, MASK)
+    assert cf.render([{**m, "weight": None} for m in CONVERSATION]) == (IDS, MASK)  # a hub column's empty cell
+    with pytest.raises(ValueError) as info:
+        cf.render([CONVERSATION[1], {**CONVERSATION[2], "weight": 0.5}])
+    assert str(info.value) == "message 1 has weight 0.5: OpenAI's weight is 0 (not learned) or 1"
+    two = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}, *chat(1)]
+    loader = cf.ConversationLoader(write_jsonl(tmp_path / "chats.jsonl", [chat(0), two, chat(2)]), "train", 1, 32)
+    assert loader.num_rows == 1 and int(loader.mask.sum()) == 7  # row 0 is val; chat(1)'s 2 "yes" + end, chat(2)'s 3
+
+
 def test_a_bad_row_names_its_index_in_the_file(tmp_path):
     rows = [chat(i) for i in range(5)]
     rows[3] = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]
