@@ -28,6 +28,7 @@ import time
 from typing import IO, NamedTuple
 
 PYTHON = os.path.abspath(sys.executable)  # as started: a relative path (PATH=.venv/bin) breaks under another cwd
+DONE = "check() returned"  # a HumanEval program's last line prints it: one that exits 0 before has not passed
 KEEP = 10_000  # characters of stdout and stderr kept: their ends, where a traceback's last line is
 # set in the child before the program runs; never above a hard limit the user already has
 PRELUDE = """import resource
@@ -88,8 +89,11 @@ def humaneval_answer(row: dict) -> str:
     return json.dumps({"imports": imports, "test": row["test"], "entry_point": row["entry_point"]})
 
 
-def humaneval_program(reply: str, answer: str) -> str:
-    """The program that checks a reply, as nanochat's: the prompt's imports, the reply's first ```python (or ```)
-    block, else the whole reply, then the problem's tests called on its function."""
+def humaneval_passed(reply: str, answer: str) -> bool:
+    """Whether a reply is right, as nanochat checks it: a program of the prompt's imports, the reply's first ```python
+    (or ```) block, else the whole reply, then the problem's tests called on its function, passes and prints DONE last
+    (one that exits 0 before its tests, by exit() or unittest.main(), has not passed; nanochat's passes the latter)."""
     block, a = re.search(r"```(?:python)?[^\S\n]*\n(.*?)```", reply, re.S), json.loads(answer)
-    return f"{a['imports']}\n\n{block[1] if block else reply}\n\n{a['test']}\ncheck({a['entry_point']})\n"
+    ran = run(f"{a['imports']}\n\n{block[1] if block else reply}\n\n{a['test']}\ncheck({a['entry_point']})\n"
+              f"print({DONE!r})\n")
+    return ran.passed and ran.stdout.endswith(f"{DONE}\n")

@@ -54,6 +54,15 @@ def test_humaneval_checks_a_reply_by_running_it_with_the_problems_tests(tmp_path
         tasks.HumanEval().examples("train")
 
 
+def test_a_reply_that_ends_its_program_before_the_tests_fails(tmp_path):
+    # each exited 0 before check() ran, so that a wrong function (or none) passed: a model replying exit(0) scored
+    # 1.0 on every problem (nanochat's fails exit() and quit() only); the program must reach its last line
+    twice = tasks.load_task(f"humaneval={write_rows(tmp_path / 'he.jsonl', PROBLEMS)}").examples("test")[1]["answer"]
+    ends = ["exit(0)", "quit()", "import sys\nsys.exit()", "import os\nos._exit(0)", "import unittest\nunittest.main()"]
+    assert [tasks.HumanEval().check(f"def twice(s):\n    return s\n{end}\n", twice) for end in ends] == [False] * 5
+    assert tasks.HumanEval().check("def twice(s):\n    print(s, end='')\n    return s + s\n", twice)  # its output
+
+
 def test_a_program_that_loops_forever_or_eats_memory_fails_and_says_why():
     start = time.monotonic()
     ran = sandbox.run("while True:\n    pass\n", timeout=0.5)
