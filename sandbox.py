@@ -4,9 +4,9 @@ can undo its limits (ctypes, a grandchild that calls setsid). It guards against 
 a memory bomb, a stray file or process. The limits are setrlimit's: one the OS refuses (macOS: RLIMIT_AS) is left off.
 
     python -I          isolated: no PYTHON* variables, no user site-packages, no script directory on sys.path
-    its own cwd        a temporary directory, removed afterwards; the environment is PATH alone; stdin is empty
+    its own cwd        a temporary directory, removed afterwards; stdin empty; env: PATH, OMP_NUM_THREADS=1 (see limits)
     limits             address space (`memory`), CPU seconds, file size, no core dumps, no new processes or threads
-                       (RLIMIT_NPROC 0; root is exempt, and the process-group kill ends its program's children)
+                       (RLIMIT_NPROC 0, which numpy's OpenBLAS obeys at OMP_NUM_THREADS=1; root is exempt)
     a wall clock       at `timeout` the whole process group is killed (start_new_session): its children too
     its output         stdout and stderr through files (the file size limit bounds them), their last 10,000 chars
 
@@ -64,8 +64,8 @@ def run(program: str, timeout: float = 5.0, memory: int = 256 << 20) -> Ran:
             tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:  # a file it made read-only stays
         with open(os.path.join(cwd, "main.py"), "w", encoding="utf-8") as f:
             f.write(program)
-        proc = subprocess.Popen([PYTHON, "-I", "-c", PRELUDE.format(limits=limits)], cwd=cwd,
-                                env={"PATH": os.defpath}, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+        proc = subprocess.Popen([PYTHON, "-I", "-c", PRELUDE.format(limits=limits)], cwd=cwd, stdin=subprocess.DEVNULL,
+                                env={"PATH": os.defpath, "OMP_NUM_THREADS": "1"}, stdout=out, stderr=err,
                                 start_new_session=True)
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:  # Popen.wait(timeout) polls too, but raises

@@ -110,6 +110,12 @@ def test_a_program_runs_isolated_in_a_directory_of_its_own(tmp_path, monkeypatch
     assert len(ran.stdout) == sandbox.KEEP and ran.stdout.endswith("yEND\n")  # the output's end kept
 
 
+def test_numpy_imports_in_a_program_without_threads():
+    # a user's program may start no thread (RLIMIT_NPROC 0; root is exempt): numpy's OpenBLAS, failing to start a
+    # thread per core, killed `import numpy` with SIGINT; OMP_NUM_THREADS=1, as nanochat's, starts none
+    assert sandbox.run("import os, numpy\nprint(len(os.listdir('/proc/self/task')))\n")[:3] == (True, "passed", "1\n")
+
+
 def test_tasks_py_scores_humaneval_as_chatcores_fifth_task_from_a_local_copy(tmp_path, capsys):
     from conftest import bigram_model
 
