@@ -4,9 +4,9 @@ can undo its limits (ctypes, a grandchild that calls setsid). It guards against 
 a memory bomb, a stray file or process. The limits are setrlimit's: one the OS refuses (macOS: RLIMIT_AS) is left off.
 
     python -I          isolated: no PYTHON* variables, no user site-packages, no script directory on sys.path
-    its own cwd        a temporary directory, removed afterwards; the environment is PATH alone; stdin is empty
+    its own cwd        a temporary directory, removed afterwards; stdin empty; env: PATH, OMP_NUM_THREADS=1 (see limits)
     limits             address space (`memory`), CPU seconds, file size, no core dumps, no new processes or threads
-                       (RLIMIT_NPROC 0; root is exempt, and the process-group kill ends its program's children)
+                       (RLIMIT_NPROC 0, which numpy's OpenBLAS obeys at OMP_NUM_THREADS=1; root is exempt)
     a wall clock       at `timeout` the whole process group is killed (start_new_session): its children too
     its output         stdout and stderr through files (the file size limit bounds them), their last 10,000 chars
 
@@ -28,6 +28,7 @@ import time
 from typing import IO, NamedTuple
 
 PYTHON = os.path.abspath(sys.executable)  # as started: a relative path (PATH=.venv/bin) breaks under another cwd
+DONE = "check() returned"  # a HumanEval program's last line prints it: one that exits 0 before has not passed
 KEEP = 10_000  # characters of stdout and stderr kept: their ends, where a traceback's last line is
 # set in the child before the program runs; never above a hard limit the user already has
 PRELUDE = """import resource
@@ -63,8 +64,8 @@ def run(program: str, timeout: float = 5.0, memory: int = 256 << 20) -> Ran:
             tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:  # a file it made read-only stays
         with open(os.path.join(cwd, "main.py"), "w", encoding="utf-8") as f:
             f.write(program)
-        proc = subprocess.Popen([PYTHON, "-I", "-c", PRELUDE.format(limits=limits)], cwd=cwd,
-                                env={"PATH": os.defpath}, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+        proc = subprocess.Popen([PYTHON, "-I", "-c", PRELUDE.format(limits=limits)], cwd=cwd, stdin=subprocess.DEVNULL,
+                                env={"PATH": os.defpath, "OMP_NUM_THREADS": "1"}, stdout=out, stderr=err,
                                 start_new_session=True)
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:  # Popen.wait(timeout) polls too, but raises
@@ -88,8 +89,11 @@ def humaneval_answer(row: dict) -> str:
     return json.dumps({"imports": imports, "test": row["test"], "entry_point": row["entry_point"]})
 
 
-def humaneval_program(reply: str, answer: str) -> str:
-    """The program that checks a reply, as nanochat's: the prompt's imports, the reply's first ```python (or ```)
-    block, else the whole reply, then the problem's tests called on its function."""
+def humaneval_passed(reply: str, answer: str) -> bool:
+    """Whether a reply is right, as nanochat checks it: a program of the prompt's imports, the reply's first ```python
+    (or ```) block, else the whole reply, then the problem's tests called on its function, passes and prints DONE last
+    (one that exits 0 before its tests, by exit() or unittest.main(), has not passed; nanochat's passes the latter)."""
     block, a = re.search(r"```(?:python)?[^\S\n]*\n(.*?)```", reply, re.S), json.loads(answer)
-    return f"{a['imports']}\n\n{block[1] if block else reply}\n\n{a['test']}\ncheck({a['entry_point']})\n"
+    ran = run(f"{a['imports']}\n\n{block[1] if block else reply}\n\n{a['test']}\ncheck({a['entry_point']})\n"
+              f"print({DONE!r})\n")
+    return ran.passed and ran.stdout.endswith(f"{DONE}\n")

@@ -132,6 +132,8 @@ def test_kl_penalty_folded_into_rewards_and_whiten():
     w = whiten(x, torch.tensor([[1, 1, 1, 0]]))
     # TRL's masked_whiten: mean 2, unbiased variance (1 + 0 + 1) / (3 - 1) = 1, the masked entry 0
     torch.testing.assert_close(w, torch.tensor([[-1.0, 0.0, 1.0, 0.0]]))
+    # one token: n - 1 = 0 is taken as 1, so 0 (TRL's masked_whiten: 0 * 1/0, NaN)
+    assert whiten(torch.tensor([[5.0, 7.0]]), torch.tensor([[1, 0]])).tolist() == [[0.0, 0.0]]
 
 
 def test_rloo_and_reinforce_baselines_by_hand():

@@ -54,6 +54,15 @@ def test_humaneval_checks_a_reply_by_running_it_with_the_problems_tests(tmp_path
         tasks.HumanEval().examples("train")
 
 
+def test_a_reply_that_ends_its_program_before_the_tests_fails(tmp_path):
+    # each exited 0 before check() ran, so that a wrong function (or none) passed: a model replying exit(0) scored
+    # 1.0 on every problem (nanochat's fails exit() and quit() only); the program must reach its last line
+    twice = tasks.load_task(f"humaneval={write_rows(tmp_path / 'he.jsonl', PROBLEMS)}").examples("test")[1]["answer"]
+    ends = ["exit(0)", "quit()", "import sys\nsys.exit()", "import os\nos._exit(0)", "import unittest\nunittest.main()"]
+    assert [tasks.HumanEval().check(f"def twice(s):\n    return s\n{end}\n", twice) for end in ends] == [False] * 5
+    assert tasks.HumanEval().check("def twice(s):\n    print(s, end='')\n    return s + s\n", twice)  # its output
+
+
 def test_a_program_that_loops_forever_or_eats_memory_fails_and_says_why():
     start = time.monotonic()
     ran = sandbox.run("while True:\n    pass\n", timeout=0.5)
@@ -99,6 +108,12 @@ def test_a_program_runs_isolated_in_a_directory_of_its_own(tmp_path, monkeypatch
     assert ran.passed and (token, isolated) == ("None", "1") and Path(cwd).name.startswith("sandbox-")
     assert list(tmp_path.iterdir()) == [] and not Path(cwd).exists()  # its file went with its directory
     assert len(ran.stdout) == sandbox.KEEP and ran.stdout.endswith("yEND\n")  # the output's end kept
+
+
+def test_numpy_imports_in_a_program_without_threads():
+    # a user's program may start no thread (RLIMIT_NPROC 0; root is exempt): numpy's OpenBLAS, failing to start a
+    # thread per core, killed `import numpy` with SIGINT; OMP_NUM_THREADS=1, as nanochat's, starts none
+    assert sandbox.run("import os, numpy\nprint(len(os.listdir('/proc/self/task')))\n")[:3] == (True, "passed", "1\n")
 
 
 def test_tasks_py_scores_humaneval_as_chatcores_fifth_task_from_a_local_copy(tmp_path, capsys):
