@@ -93,7 +93,7 @@ def humaneval_passed(reply: str, answer: str) -> bool:
     """Whether a reply is right, as nanochat checks it: a program of the prompt's imports, the reply's first ```python
     (or ```) block, else the whole reply, then the problem's tests called on its function, passes and prints DONE last
     (one that exits 0 before its tests, by exit() or unittest.main(), has not passed; nanochat's passes the latter)."""
-    block, a = re.search(r"```(?:python)?[^\S\n]*\n(.*?)```", reply, re.S), json.loads(answer)
+    block, a = re.search(r"```(?:python)?\s*\n(.*?)\n```", reply, re.S), json.loads(answer)
     ran = run(f"{a['imports']}\n\n{block[1] if block else reply}\n\n{a['test']}\ncheck({a['entry_point']})\n"
               f"print({DONE!r})\n")
     return ran.passed and ran.stdout.endswith(f"{DONE}\n")

@@ -50,6 +50,8 @@ def test_humaneval_checks_a_reply_by_running_it_with_the_problems_tests(tmp_path
     assert task.check(fenced, hyp["answer"])
     assert not task.check("```python\ndef hyp(a, b):\n    return a + b\n```", hyp["answer"])
     assert task.check("```\ndef twice(s):\n    return 2 * s\n```", twice["answer"])
+    # nanochat's block ends on a line of its own: one closed on the code's line is no block (run whole, it fails)
+    assert not task.check("```\ndef twice(s):\n    return 2 * s```", twice["answer"])
     with pytest.raises(ValueError, match=r"^openai/openai_humaneval has splits test, not 'train'$"):
         tasks.HumanEval().examples("train")
 
