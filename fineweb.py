@@ -478,11 +478,13 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
     import datasets  # lazily: the loader above must import on machines without `datasets`
     import pyarrow
 
-    # what reading data raises (bad bytes, bad JSON, a schema mismatch, a network drop); anything else is a bug
-    reading = (OSError, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
+    # what reading data raises (bad bytes or gzip, bad JSON, a schema mismatch, a network drop); anything else: a bug
+    reading = (OSError, EOFError, zlib.error, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs a read error before raising it: one line here
     where = f"--source {cfg.source}" + ("" if files else f" (--name {cfg.name or 'none'}, --split {cfg.split})")
-    (part, row, first, n), kind = list(start)[:4], source_kind(cfg.source)
+    if files and len(files) == 1 and files[0] != Path(cfg.source).expanduser():  # a directory's one file: name it
+        where = f"{files[0]} of {where}"
+    (part, row, first, n), kind, parts = list(start)[:4], source_kind(cfg.source), []
     try:
         if files is None:
             pin = {"revision": cfg.revision} if cfg.revision else {}
@@ -512,8 +514,9 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                     yield text, (p, r, g, len(parts))
                 g += 1
     except reading as e:  # one line: where, the root cause, and what to do
-        if not cfg.streaming and files and len(files) > 1:  # one part: read again streamed, whose parts are the files,
-            for _ in read_documents(replace(cfg, streaming=True), files):  # to name the bad row's file and row in it
+        if files and len(files) > 1 and not (cfg.streaming and parts):  # not streamed, the files were one part; the
+            # load reads the first file's first rows (json's schema): read again streamed, to name the file and row
+            for _ in read_documents(replace(cfg, streaming=True), files[:1] if cfg.streaming else files):
                 pass
         if isinstance(e, DataError):
             raise

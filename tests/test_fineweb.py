@@ -1664,6 +1664,11 @@ def bad_sources(d: Path) -> dict[str, tuple[Path, str]]:
     (d / "latin1" / "b.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), d / "empty.parquet")
     (d / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet")
+    (d / "gz").mkdir()  # C4's layout: a shard cut short by a download, one not gzipped at all
+    (d / "gz" / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress((good + "\n").encode() * 500)[:60])
+    write_jsonl(d / "gz" / "c4-train.00001-of-01024.json.gz", ["fine"])
+    (d / "one").mkdir()  # a directory's one file: named as well
+    (d / "one" / "plain.txt.gz").write_text("hello there")
     e = re.escape(str(d))
     return {
         "text field in one file only": (d / "mixed", rf"could not read {e}/mixed/b\.jsonl of --source {e}/mixed: "
@@ -1678,11 +1683,16 @@ def bad_sources(d: Path) -> dict[str, tuple[Path, str]]:
                           "fix that file or leave it out of --source"),
         "corrupt parquet": (d / "corrupt.parquet", rf"could not read --source {e}/corrupt\.parquet: ArrowInvalid: "
                             r"Parquet magic bytes not found in footer.*; fix that file or leave it out of --source"),
+        "truncated gz": (d / "gz", rf"could not read {e}/gz/c4-train\.00000-of-01024\.json\.gz of --source {e}/gz: "
+                         r"EOFError: Compressed file ended before the end-of-stream marker was reached; fix that file "
+                         r"or leave it out of --source"),
+        "not gzip": (d / "one", rf"could not read {e}/one/plain\.txt\.gz of --source {e}/one: BadGzipFile: Not a "
+                     r"gzipped file \(b'he'\); fix that file or leave it out of --source"),
     }
 
 
 @pytest.mark.parametrize("case", ["text field in one file only", "malformed jsonl line", "non-UTF-8 txt",
-                                  "0-row parquet", "corrupt parquet"])
+                                  "0-row parquet", "corrupt parquet", "truncated gz", "not gzip"])
 def test_unreadable_source_is_one_line_naming_the_file(tmp_path, capsys, case):
     source, line = bad_sources(tmp_path)[case]
     with pytest.raises(SystemExit) as err:
@@ -1717,11 +1727,12 @@ def test_unreadable_source_without_streaming_names_source_and_root_cause(tmp_pat
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))  # not streamed: it writes a cache
-    source, _ = bad_sources(tmp_path)["non-UTF-8 txt"]
     # not DatasetGenerationError's, and the file named as a streamed read names it
-    with pytest.raises(DataError, match=rf"^could not read {source}/b\.txt of --source {source}: UnicodeDecodeError: "
-                                        r"'utf-8' codec can't decode byte 0xe9 in position 3"):
-        write_dataset(cfg_for(source, tmp_path / "out", streaming=False, val_tokens=10))
+    for case in ("non-UTF-8 txt", "truncated gz"):
+        (d := tmp_path / case.split()[0]).mkdir()
+        source, line = bad_sources(d)[case]
+        with pytest.raises(DataError, match=f"^{line}$"):
+            write_dataset(cfg_for(source, tmp_path / "out", streaming=False, val_tokens=10))
 
 
 def test_programming_errors_outside_reading_are_not_turned_into_data_errors(tmp_path, monkeypatch):
