@@ -8,7 +8,7 @@
 #        bash demo.sh --source stdlib                    # the stdlib's code itself (indentation: harder to learn)
 #        bash demo.sh --source shakespeare               # Tiny Shakespeare (downloaded once)
 #        bash demo.sh --shakespeare-path FILE            # the same, from a local copy (offline)
-#        bash demo.sh --source path/to/corpus.txt        # any local .txt/.jsonl/.parquet file, dir or glob
+#        bash demo.sh --source path/to/corpus.txt        # any local .txt/.jsonl/.parquet file (.gz too), dir or glob
 #        bash demo.sh --source fineweb                   # the first 20M tokens of fineweb-edu sample-10BT (network)
 # Environment: DEMO_STEPS=N trains longer or shorter (default 900); DEMO_DIR=path puts data/ and out/ elsewhere;
 # DEMO_PROMPT sets the sample prompt.

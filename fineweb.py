@@ -6,8 +6,9 @@ them apart by the `_val`/`_train` before the index.
 
 The writer reads the source through `datasets` and writes each document as <|endoftext|> + its GPT-2 tokens, in
 order: a .txt file is one document (or one per --txt-unit paragraph or line), stdlib one per .py file, stdlib-docs one
-per docstring (each line's indentation and runs of spaces cut to single spaces). The val shard is the stream's first
---val-tokens tokens, or 10% of a source too short for a train token.
+per docstring (each line's indentation and runs of spaces cut to single spaces). A .txt.gz, .jsonl.gz or .json.gz (C4's
+shards) is read as its plain form. The val shard is the stream's first --val-tokens tokens, or 10% of a source too short
+for a train token.
 
 After each shard, PREFIX_done.json records the settings, a local source's files (paths, sizes, mtimes), the shard's
 size and where the source stands after it (file, row, tokens of that row's document written). A rerun with the same
@@ -48,7 +49,9 @@ from common import EOT, GPT2_VOCAB, get_tokenizer, hold_lock, parse_config, user
 MAGIC, VERSION, HEADER_BYTES = 20240520, 1, 1024  # llm.c's token shard (20240326 is its model-weights file)
 FINEWEB = "HuggingFaceFW/fineweb-edu"
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # suffix -> datasets
+LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt.gz": "text",
+                  ".jsonl.gz": "json", ".json.gz": "json"}  # suffix -> datasets builder, which decompresses a .gz
+READS = "/".join(LOCAL_BUILDERS)
 # left out of --source stdlib: tests, third-party packages, generated tables (codec maps, pydoc's topics)
 STDLIB_SKIP = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings", "pydoc_data"}
 SHUFFLES = ("windows", "shards")  # TokenLoader's train orders within an epoch (see its docstring)
@@ -342,7 +345,7 @@ def permutation(seed: tuple[int, ...], n: int) -> np.ndarray:
 class FinewebConfig:
     """Tokenize a corpus with GPT-2 BPE into llm.c-format token shards: the first is val, the rest train."""
 
-    # hub dataset, shakespeare, stdlib, stdlib-docs, or a local file/dir/glob of .txt/.jsonl/.json/.parquet
+    # hub dataset, shakespeare, stdlib, stdlib-docs, or a local file/dir/glob of .txt/.jsonl/.json/.parquet, .gz too
     source: str = FINEWEB
     name: str = ""  # hub dataset config ('' = sample-10BT for fineweb-edu, none otherwise)
     split: str = "train"  # hub dataset split to read
@@ -397,27 +400,32 @@ def source_kind(source: str) -> str:
 def local_files(source: str, out_dir: str | os.PathLike) -> list[Path]:
     """A local source's files, sorted, of one `datasets` builder, without the records in out_dir (its default)."""
     out, src = Path(out_dir).expanduser().resolve(), Path(source).expanduser()
-    if (files := expand(source, lambda d: (f for f in d.rglob("*") if f.suffix in LOCAL_BUILDERS))) is None:
-        raise DataError(f"--source {source} does not exist; pass a file, directory or glob of "
-                        ".txt/.jsonl/.json/.parquet, or a hub dataset name")
+    if (files := expand(source, lambda d: (f for f in d.rglob("*") if suffix(f) in LOCAL_BUILDERS))) is None:
+        raise DataError(f"--source {source} does not exist; pass a file, directory or glob of {READS}, or a hub "
+                        "dataset name")
     # a directory's files that no builder reads are named, not skipped in silence (its hidden ones and out's aside)
-    other = sorted(str(f.relative_to(src)) for f in src.rglob("*") if f.is_file() and f.suffix not in LOCAL_BUILDERS
+    other = sorted(str(f.relative_to(src)) for f in src.rglob("*") if f.is_file() and suffix(f) not in LOCAL_BUILDERS
                    and f.parent.resolve() != out and not any(p.startswith(".") for p in f.relative_to(src).parts))
     if other:
-        print(f"note: --source {source}: {len(other)} file(s) left out, not .txt/.jsonl/.json/.parquet: "
+        print(f"note: --source {source}: {len(other)} file(s) left out, not {READS}: "
               f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}")
     records = ("_done.json", "_parts.json")  # parts: an older writer's
     files = sorted(f for f in files if f.is_file() and not (f.parent.resolve() == out and f.name.endswith(records)))
-    suffixes = {f.suffix for f in files}
+    suffixes = {suffix(f) for f in files}
     if not files or not suffixes <= set(LOCAL_BUILDERS):
         found = f" (found {', '.join(sorted(suffixes))})" if suffixes else ""
-        raise DataError(f"--source {source} matches no .txt/.jsonl/.json/.parquet files{found}")
+        raise DataError(f"--source {source} matches no {READS} files{found}")
     if len({LOCAL_BUILDERS[s] for s in suffixes}) > 1:
         raise DataError(f"--source {source} mixes file types ({', '.join(sorted(suffixes))}); pass a glob that "
                         "matches one type, e.g. 'dir/*.jsonl'")
     if all(f.stat().st_size == 0 for f in files):  # datasets' json builder fails on these with a bare StopIteration
         raise DataError(f"--source {source} is empty: its {len(files)} file(s) hold no bytes")
     return files
+
+
+def suffix(file: Path) -> str:
+    """The suffix that picks a file's builder: .jsonl, or .jsonl.gz for a gzipped one (.gz alone: none)."""
+    return "".join(file.suffixes[-2:]) if file.suffix == ".gz" else file.suffix
 
 
 def stdlib_files() -> list[Path]:
@@ -470,18 +478,20 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
     import datasets  # lazily: the loader above must import on machines without `datasets`
     import pyarrow
 
-    # what reading data raises (bad bytes, bad JSON, a schema mismatch, a network drop); anything else is a bug
-    reading = (OSError, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
+    # what reading data raises (bad bytes or gzip, bad JSON, a schema mismatch, a network drop); anything else: a bug
+    reading = (OSError, EOFError, zlib.error, ValueError, pyarrow.ArrowException, datasets.exceptions.DatasetsError)
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs a read error before raising it: one line here
     where = f"--source {cfg.source}" + ("" if files else f" (--name {cfg.name or 'none'}, --split {cfg.split})")
-    (part, row, first, n), kind = list(start)[:4], source_kind(cfg.source)
+    if files and len(files) == 1 and files[0] != Path(cfg.source).expanduser():  # a directory's one file: name it
+        where = f"{files[0]} of {where}"
+    (part, row, first, n), kind, parts = list(start)[:4], source_kind(cfg.source), []
     try:
         if files is None:
             pin = {"revision": cfg.revision} if cfg.revision else {}
             ds = datasets.load_dataset(cfg.source, name=cfg.name or None, split=cfg.split, streaming=cfg.streaming,
                                        **pin)
         else:
-            builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[files[0].suffix]
+            builder = "text" if kind in ("stdlib", "shakespeare") else LOCAL_BUILDERS[suffix(files[0])]
             options = {"sample_by": "document" if kind == "stdlib" else cfg.txt_unit,  # a BOM (Notepad's) is no text
                        "encoding": "utf-8-sig"} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
@@ -504,8 +514,9 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                     yield text, (p, r, g, len(parts))
                 g += 1
     except reading as e:  # one line: where, the root cause, and what to do
-        if not cfg.streaming and files and len(files) > 1:  # one part: read again streamed, whose parts are the files,
-            for _ in read_documents(replace(cfg, streaming=True), files):  # to name the bad row's file and row in it
+        if files and len(files) > 1 and not (cfg.streaming and parts):  # not streamed, the files were one part; the
+            # load reads the first file's first rows (json's schema): read again streamed, to name the file and row
+            for _ in read_documents(replace(cfg, streaming=True), files[:1] if cfg.streaming else files):
                 pass
         if isinstance(e, DataError):
             raise

@@ -2,6 +2,7 @@
 over ranks, reproducible shuffle, exact resume, preload), and a one-line error for every kind of bad input."""
 
 import functools
+import gzip
 import io
 import json
 import os
@@ -54,7 +55,8 @@ def expected_tokens(docs: list[str]) -> np.ndarray:
 
 
 def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
-    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    data = "".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)).encode()
+    path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)  # x.jsonl.gz: gzipped
     return path
 
 
@@ -244,18 +246,52 @@ def test_local_sources_jsonl_parquet_txt_give_the_same_tokens(tmp_path):
 
 
 def test_a_directorys_files_of_other_types_are_named_not_skipped_in_silence(tmp_path, capsys):
-    import gzip
-
     docs = make_docs(12, seed=2)
-    write_jsonl((tmp_path / "src").mkdir() or tmp_path / "src" / "a.jsonl", docs)
-    (tmp_path / "src" / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "more"}\n'))  # not read: compressed
-    (tmp_path / "src" / "README.md").write_text("# card")
+    write_jsonl((tmp_path / "src").mkdir() or tmp_path / "src" / "a.jsonl", docs[:8])
+    write_jsonl(tmp_path / "src" / "b.jsonl.gz", docs[8:])  # gzipped, of the same builder: read
+    for name in ("README.md", "x.csv.gz", "x.gz"):  # a .gz whose inner suffix no builder reads is not
+        (tmp_path / "src" / name).write_bytes(gzip.compress(b"a,b\n") if name.endswith(".gz") else b"# card")
     (tmp_path / "src" / ".git").mkdir()  # hidden: a clone's own files are not the user's data
     (tmp_path / "src" / ".git" / "HEAD").write_text("ref")
     write_dataset(cfg_for(tmp_path / "src", tmp_path / "src" / "out", val_tokens=300))
-    assert capsys.readouterr().out.startswith(f"note: --source {tmp_path / 'src'}: 2 file(s) left out, not "
-                                              ".txt/.jsonl/.json/.parquet: README.md, b.jsonl.gz\n")
+    assert capsys.readouterr().out.startswith(f"note: --source {tmp_path / 'src'}: 3 file(s) left out, not "
+                                              ".txt/.jsonl/.json/.parquet/.txt.gz/.jsonl.gz/.json.gz: README.md, "
+                                              "x.csv.gz, x.gz\n")
     assert np.array_equal(concat(tmp_path / "src" / "out"), expected_tokens(docs))
+    for files, found in ((["x.csv.gz", "x.gz"], "matches no .* files \\(found \\.csv\\.gz, \\.gz\\)$"),
+                         (["a.txt", "b.jsonl.gz"], "mixes file types \\(\\.jsonl\\.gz, \\.txt\\); pass a glob")):
+        (only := tmp_path / "-".join(files)).mkdir()
+        for name in files:
+            (only / name).write_bytes(gzip.compress(b"{}") if name.endswith(".gz") else b"text")
+        with pytest.raises(DataError, match=f"^--source {re.escape(str(only))}/\\* {found}"):
+            fineweb.local_files(f"{only}/*", tmp_path / "out")
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_gzipped_files_write_the_shards_and_record_of_their_plain_forms(tmp_path, monkeypatch, streaming):
+    """C4's c4-train.00000-of-01024.json.gz, a folder of .jsonl.gz with a plain .jsonl among them (one builder), a
+    book.txt.gz by paragraph: `datasets` decompresses them, and the shards and record are those of the plain files."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))  # not streamed: it writes a cache
+    docs = make_docs(24, seed=4)
+    book = "\n\n".join(docs).encode()  # by paragraph: a document each
+    corpora = {"c4": {"c4-train.00000-of-01024.json": docs}, "book": {"book.txt": None},
+               "parts": {"a.jsonl": docs[:8], "b.jsonl": docs[8:16], "c.jsonl": docs[16:]}}
+    for corpus, files in corpora.items():
+        seen = []
+        for gz in ("", ".gz"):
+            (src := tmp_path / f"{corpus}{gz}").mkdir()
+            for name, part in files.items():
+                path = src / (name + gz * (name != "a.jsonl"))  # a plain .jsonl among .jsonl.gz: one builder
+                write_jsonl(path, part) if part else path.write_bytes(gzip.compress(book) if gz else book)
+            result = write_dataset(cfg_for(src, out := tmp_path / f"out-{corpus}{gz}", txt_unit="paragraph",
+                                           streaming=streaming))
+            record = json.loads((out / "t_done.json").read_text())
+            seen.append(([record[k] for k in ("shards", "resume", "done")], record["inputs"]["files"],
+                         result["documents_tokenized"], {p.name: p.read_bytes() for p in shard_files(out)}))
+        assert seen[0] == seen[1], corpus
+        assert (seen[1][2], len(seen[1][3])) == (24, 4), corpus
 
 
 def test_txt_unit_line_makes_one_document_per_nonempty_line(tmp_path):
@@ -621,14 +657,14 @@ def test_killed_writer_resumes_without_duplicating_or_losing_tokens(tmp_path, mo
 
 
 def rerun_with_earlier_files_garbled(cfg: FinewebConfig, files: list[Path], docs_per_file: list[int],
-                                     written: list[Path]) -> tuple[dict, int]:
+                                     written: list[Path], spared: int = 0) -> tuple[dict, int]:
     """write_dataset(cfg) after a run killed once it wrote `written`, with every source file before the one holding
     the document its last shard ends in overwritten by garbage of the same size and mtime (which the inputs'
     fingerprint cannot tell): a rerun that read one would fail or write other tokens. The files are restored after.
-    Returns the rerun's result and the number of files garbled."""
+    Returns the rerun's result and the number of files before that one (the first `spared` of them kept as they are)."""
     cut = sum(int((read_shard(p) == EOT).sum()) for p in written) - 1  # that document's index
     first = next(i for i in range(len(files)) if sum(docs_per_file[:i + 1]) > cut)
-    saved = [(f, f.read_bytes(), f.stat()) for f in files[:first]]
+    saved = [(f, f.read_bytes(), f.stat()) for f in files[spared:first]]
     for f, data, st in saved:
         f.write_bytes(b"x" * len(data))
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
@@ -670,20 +706,22 @@ def test_killed_writer_resumes_at_the_file_of_its_first_missing_document(tmp_pat
     assert {p.name: p.read_bytes() for p in shard_files(tmp_path / "plain")} == expected
 
 
-def test_resume_skips_every_file_before_the_document_it_goes_on_in(tmp_path, monkeypatch):
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_resume_skips_every_file_before_the_document_it_goes_on_in(tmp_path, monkeypatch, suffix):
     """One document per file, and shards of a few documents each: whatever the cut, the rerun starts reading at the
-    file of the document the kept shards end in, and writes what an uninterrupted run writes."""
+    file of the document the kept shards end in, and writes what an uninterrupted run writes, gzipped or not."""
     src = tmp_path / "src"
     src.mkdir()
-    files = [write_jsonl(src / f"doc{i:02d}.jsonl", [d]) for i, d in enumerate(make_docs(20, seed=12))]
+    files = [write_jsonl(src / f"doc{i:02d}{suffix}", [d]) for i, d in enumerate(make_docs(20, seed=12))]
     settings = {"shard_size": 300, "val_tokens": 200}
-    write_dataset(cfg_for(f"{src}/*.jsonl", tmp_path / "ref", **settings))
+    write_dataset(cfg_for(f"{src}/*{suffix}", tmp_path / "ref", **settings))
     expected = {p.name: p.read_bytes() for p in shard_files(tmp_path / "ref")}
     for kill_after in (3, len(expected) - 2):
         out = tmp_path / f"out{kill_after}"
-        written = write_killed(cfg_for(f"{src}/*.jsonl", out, **settings), monkeypatch, after=kill_after)
-        result, skipped = rerun_with_earlier_files_garbled(cfg_for(f"{src}/*.jsonl", out, **settings), files,
-                                                          [1] * 20, written)
+        written = write_killed(cfg_for(f"{src}/*{suffix}", out, **settings), monkeypatch, after=kill_after)
+        # `datasets`' json builder reads the first file's first chunk for its schema: plain garbage passes, not gzip's
+        result, skipped = rerun_with_earlier_files_garbled(cfg_for(f"{src}/*{suffix}", out, **settings), files,
+                                                          [1] * 20, written, spared=suffix.endswith(".gz"))
         assert result["skipped_shards"] == kill_after and skipped >= 3
         assert {p.name: p.read_bytes() for p in shard_files(out)} == expected
 
@@ -1591,7 +1629,7 @@ def test_empty_source_and_missing_text_field_write_nothing(tmp_path):
     (tmp_path / "mixed" / "b.jsonl").write_text("{}")
     with pytest.raises(DataError, match=r"mixes file types \(.jsonl, .txt\)"):
         write_dataset(cfg_for(tmp_path / "mixed", tmp_path / "out"))
-    with pytest.raises(DataError, match="matches no .txt/.jsonl/.json/.parquet files"):
+    with pytest.raises(DataError, match="matches no .txt/.jsonl/.json/.parquet/.txt.gz/.jsonl.gz/.json.gz files"):
         write_dataset(cfg_for(f"{tmp_path}/*.csv", tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
@@ -1626,6 +1664,11 @@ def bad_sources(d: Path) -> dict[str, tuple[Path, str]]:
     (d / "latin1" / "b.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), d / "empty.parquet")
     (d / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet")
+    (d / "gz").mkdir()  # C4's layout: a shard cut short by a download, one not gzipped at all
+    (d / "gz" / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress((good + "\n").encode() * 500)[:60])
+    write_jsonl(d / "gz" / "c4-train.00001-of-01024.json.gz", ["fine"])
+    (d / "one").mkdir()  # a directory's one file: named as well
+    (d / "one" / "plain.txt.gz").write_text("hello there")
     e = re.escape(str(d))
     return {
         "text field in one file only": (d / "mixed", rf"could not read {e}/mixed/b\.jsonl of --source {e}/mixed: "
@@ -1640,11 +1683,16 @@ def bad_sources(d: Path) -> dict[str, tuple[Path, str]]:
                           "fix that file or leave it out of --source"),
         "corrupt parquet": (d / "corrupt.parquet", rf"could not read --source {e}/corrupt\.parquet: ArrowInvalid: "
                             r"Parquet magic bytes not found in footer.*; fix that file or leave it out of --source"),
+        "truncated gz": (d / "gz", rf"could not read {e}/gz/c4-train\.00000-of-01024\.json\.gz of --source {e}/gz: "
+                         r"EOFError: Compressed file ended before the end-of-stream marker was reached; fix that file "
+                         r"or leave it out of --source"),
+        "not gzip": (d / "one", rf"could not read {e}/one/plain\.txt\.gz of --source {e}/one: BadGzipFile: Not a "
+                     r"gzipped file \(b'he'\); fix that file or leave it out of --source"),
     }
 
 
 @pytest.mark.parametrize("case", ["text field in one file only", "malformed jsonl line", "non-UTF-8 txt",
-                                  "0-row parquet", "corrupt parquet"])
+                                  "0-row parquet", "corrupt parquet", "truncated gz", "not gzip"])
 def test_unreadable_source_is_one_line_naming_the_file(tmp_path, capsys, case):
     source, line = bad_sources(tmp_path)[case]
     with pytest.raises(SystemExit) as err:
@@ -1679,11 +1727,12 @@ def test_unreadable_source_without_streaming_names_source_and_root_cause(tmp_pat
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))  # not streamed: it writes a cache
-    source, _ = bad_sources(tmp_path)["non-UTF-8 txt"]
     # not DatasetGenerationError's, and the file named as a streamed read names it
-    with pytest.raises(DataError, match=rf"^could not read {source}/b\.txt of --source {source}: UnicodeDecodeError: "
-                                        r"'utf-8' codec can't decode byte 0xe9 in position 3"):
-        write_dataset(cfg_for(source, tmp_path / "out", streaming=False, val_tokens=10))
+    for case in ("non-UTF-8 txt", "truncated gz"):
+        (d := tmp_path / case.split()[0]).mkdir()
+        source, line = bad_sources(d)[case]
+        with pytest.raises(DataError, match=f"^{line}$"):
+            write_dataset(cfg_for(source, tmp_path / "out", streaming=False, val_tokens=10))
 
 
 def test_programming_errors_outside_reading_are_not_turned_into_data_errors(tmp_path, monkeypatch):
@@ -1710,7 +1759,7 @@ def test_cli_errors_exit_1_with_one_line(tmp_path):
     with pytest.raises(SystemExit) as err:
         main(["--source", str(tmp_path / "docs.jsonl"), "--out-dir", str(tmp_path / "out")])
     assert err.value.code == (f"error: --source {tmp_path / 'docs.jsonl'} does not exist; pass a file, directory or "
-                              "glob of .txt/.jsonl/.json/.parquet, or a hub dataset name")
+                              "glob of .txt/.jsonl/.json/.parquet/.txt.gz/.jsonl.gz/.json.gz, or a hub dataset name")
     with pytest.raises(SystemExit, match=r"^error: --shard-size must be in \[1, 2\*\*31\), got 0$"):
         main(["--shard-size", "0"])
     with pytest.raises(SystemExit, match="unknown option --shard-sise; did you mean --shard-size"):
