@@ -720,6 +720,25 @@ def test_a_dpo_resume_whose_reference_is_built_with_other_options_is_refused(add
         "this run with half_residual False: pass --half-residual True, or start a new run")
 
 
+def test_a_dpo_resume_whose_reference_file_has_another_architecture_names_no_flag_that_cannot_set_it(
+        addition_pairs, random_start, tmp_path, capsys):
+    # a copy saved with head_size 16 (GPT-2's None: the same weights) said "pass --head-size None", which
+    # check_architecture then refuses against the file; no flag sets an --init-from's architecture: the file does
+    import prefs
+
+    ckpt = torch.load(random_start, weights_only=False)
+    ckpt["model_config"]["head_size"] = 16
+    torch.save(ckpt, copy := tmp_path / "copy.pt")
+    extra = ["--max-steps=2", "--ckpt-every=1", "--eval-every=0", "--half-residual=true"]
+    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={random_start}",
+                         "--max-steps=1"))
+    assert one_line_error(capsys, prefs.main, pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra[:3],
+                                                        f"--init-from={copy}", "--model=", "--resume=auto")) == (
+        f"error: the run resumed took its DPO reference from --init-from {random_start} built with half_residual True, "
+        "head_size None, this run with half_residual False, head_size 16: pass --half-residual True and the "
+        "--init-from it was built from, or start a new run")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("option, value, code, last", [
     ("half_residual", True, 1, ["error: rank 1's DPO reference differs from rank 0's: every node must hold the same "
