@@ -739,6 +739,23 @@ def test_a_dpo_resume_whose_reference_file_has_another_architecture_names_no_fla
         "--init-from it was built from, or start a new run")
 
 
+def test_a_dpo_resume_whose_reference_file_differs_in_the_lm_losss_speed_options_goes_on(addition_pairs, random_start,
+                                                                                         tmp_path):
+    # an --init-from saved with --loss-chunk 8 (or --fused-ce), a copy without: "pass --loss-chunk 8", which prefs.py
+    # then refuses ("does not use --loss-chunk"); the reference's forward computes no loss, so neither changes it
+    import prefs
+
+    ckpt = torch.load(random_start, weights_only=False)
+    ckpt["model_config"].update(loss_chunk=8, fused_ce=True)
+    torch.save(ckpt, chunked := tmp_path / "chunked.pt")
+    extra = ["--max-steps=2", "--ckpt-every=1", "--eval-every=0"]
+    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={chunked}",
+                         "--max-steps=1"))
+    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={random_start}",
+                         "--resume=auto"))
+    assert [r["step"] for r in iter_log(tmp_path / "run" / "log.jsonl") if r["type"] == "train"] == [0, 1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("option, value, code, last", [
     ("half_residual", True, 1, ["error: rank 1's DPO reference differs from rank 0's: every node must hold the same "
