@@ -108,7 +108,7 @@ def log_paths(arg: str) -> list[Path]:
         part = f"{part},{piece}" if part else piece
         if Path(part).is_file():
             logs, part = [*logs, Path(part)], ""
-    return logs + [Path(rest) for rest in part.split(",") if rest]  # what never existed: named apart, as given
+    return logs + [Path(rest) for rest in part.split(",") if rest] or [Path(arg)]  # what never existed, apart
 
 
 def read_run(log: Path) -> tuple[dict, dict[str, list[dict]]]:

@@ -321,8 +321,10 @@ def setup(cfg: PrefsConfig, ctx: Context) -> Run:
     if cfg.objective == "dpo":
         ref = stage.load_init(cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)
         metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft, loss=cfg.dpo_loss)
+        # left out (a checkpoint's then unchanged): dropout, off in eval mode, and the loss's options (it computes none)
+        unused = ("dropout", "loss_chunk", "fused_ce")
         reference = stage.Reference(engine.weights_digest(ref), cfg.init_from, "took its DPO reference from",
-                                    dataclasses.asdict(ref.config))
+                                    {k: v for k, v in dataclasses.asdict(ref.config).items() if k not in unused})
     # every rank's reference, as its model: a resume's is each node's --init-from (a LOCAL path) and flags
     setup.build(lambda: {"DPO reference": reference and (reference.digest, reference.config)},
                 parts={"reference": reference})

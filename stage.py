@@ -186,9 +186,8 @@ def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
     if source.config.vocab_size < vocab:
         source.pad_vocab(GPTConfig().vocab_size)
     check_architecture(cfg, source.config, f"--init-from {cfg.init_from}")
-    context = source.config.block_size
-    check_flags([(cfg.seq_len <= context, f"--seq-len {cfg.seq_len} is longer than --init-from {cfg.init_from}'s "
-                  f"context of {context} tokens; pass --seq-len {context} or less")])
+    check_flags([(cfg.seq_len <= (context := source.config.block_size), f"--seq-len {cfg.seq_len} is longer than "
+                  f"--init-from {cfg.init_from}'s context of {context} tokens; pass --seq-len {context} or less")])
     config = dataclasses.replace(source.config, **{"value_head": False, **run_options(cfg)})  # one where asked
     weights = source.state_dict()
     del source  # its tensors live on in `weights`: at most two copies of the model at once
@@ -464,12 +463,13 @@ class Reference:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         was, now = state.get("config") or {}, self.config or {}  # an older checkpoint's (or RL's): the weights alone
         changed = [k for k in was if k != "dropout" and now.get(k, was[k]) != was[k]]  # off in eval mode
+        fix = dict.fromkeys(f"--{flag(k)} {was[k]}" if k in RUN_OPTIONS else "the --init-from it was built from"
+                            for k in changed)  # a run option's flag sets it over the file's, the architecture none
         check_flags([(state["digest"] == self.digest, f"the run resumed {self.tie} the weights of --init-from "
                       f"{state['init_from']}, not {self.init_from}'s: pass its --init-from, or start a new run"),
                      (not changed, f"the run resumed {self.tie} --init-from {state['init_from']} built with "
                       f"{', '.join(f'{k} {was[k]}' for k in changed)}, this run with "
-                      f"{', '.join(f'{k} {now[k]}' for k in changed)}: pass "
-                      f"{' '.join(f'--{flag(k)} {was[k]}' for k in changed)}, or start a new run")])
+                      f"{', '.join(f'{k} {now[k]}' for k in changed)}: pass {' and '.join(fix)}, or start a new run")])
 
 
 def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:

@@ -188,8 +188,8 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     path = Path(cfg.out_dir) / "log.jsonl"
     side, first, newest = Path(f"{path}.rewound"), resume_step or 0, checkpoints(path.parent)
     # a rewind's set-aside records are the log's while the newest checkpoint is the one it found (the rewound run's
-    # first drops them): the side file names that file, which a coarse clock's tie of mtimes would not tell apart
-    mark = [newest[-1].name, newest[-1].stat().st_mtime_ns, newest[-1].stat().st_ino] if newest else []
+    # first drops them): the side file names it (a coarse clock ties mtimes) by what a copy with its times keeps
+    mark = [newest[-1].name, newest[-1].stat().st_mtime_ns] if newest else []
     records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
     head, *moved = (list(iter_log(side)) if records and side.is_file() else []) or [{}]  # the mark, then in step order
     if head.get("newest") == mark:  # a side file without one (an older version's) stays aside

@@ -58,6 +58,9 @@ def test_plot_errors(tmp_path):
     with pytest.raises(SystemExit, match=rf"error: {ckpt} is not a train.py log.jsonl: it is not text \(invalid "
                                          r"start byte at byte 64\); pass the log.jsonl in the run's --out-dir"):
         plot.main(["--log", str(ckpt)])
+    # commas alone named no log: matplotlib's "Number of columns must be a positive integer, not 0" came out
+    with pytest.raises(SystemExit, match=r"^error: --log , does not exist; train.py writes it as <out_dir>/log.jsonl$"):
+        plot.main(["--log=,"])
 
 
 def test_without_log_the_newest_run_is_plotted(tmp_path, monkeypatch, capsys):

@@ -720,9 +720,49 @@ def test_a_dpo_resume_whose_reference_is_built_with_other_options_is_refused(add
         "this run with half_residual False: pass --half-residual True, or start a new run")
 
 
+def test_a_dpo_resume_whose_reference_file_has_another_architecture_names_no_flag_that_cannot_set_it(
+        addition_pairs, random_start, tmp_path, capsys):
+    # a copy saved with head_size 16 (GPT-2's None: the same weights) said "pass --head-size None", which
+    # check_architecture then refuses against the file; no flag sets an --init-from's architecture: the file does
+    import prefs
+
+    ckpt = torch.load(random_start, weights_only=False)
+    ckpt["model_config"]["head_size"] = 16
+    torch.save(ckpt, copy := tmp_path / "copy.pt")
+    extra = ["--max-steps=2", "--ckpt-every=1", "--eval-every=0", "--half-residual=true"]
+    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={random_start}",
+                         "--max-steps=1"))
+    assert one_line_error(capsys, prefs.main, pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra[:3],
+                                                        f"--init-from={copy}", "--model=", "--resume=auto")) == (
+        f"error: the run resumed took its DPO reference from --init-from {random_start} built with half_residual True, "
+        "head_size None, this run with half_residual False, head_size 16: pass --half-residual True and the "
+        "--init-from it was built from, or start a new run")
+
+
+def test_a_dpo_resume_whose_reference_file_differs_in_the_lm_losss_speed_options_goes_on(addition_pairs, random_start,
+                                                                                         tmp_path):
+    # an --init-from saved with --loss-chunk 8 (or --fused-ce), a copy without: "pass --loss-chunk 8", which prefs.py
+    # then refuses ("does not use --loss-chunk"); the reference's forward computes no loss, so neither changes it
+    import prefs
+
+    ckpt = torch.load(random_start, weights_only=False)
+    ckpt["model_config"].update(loss_chunk=8, fused_ce=True)
+    torch.save(ckpt, chunked := tmp_path / "chunked.pt")
+    extra = ["--max-steps=2", "--ckpt-every=1", "--eval-every=0"]
+    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={chunked}",
+                         "--max-steps=1"))
+    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={random_start}",
+                         "--resume=auto"))
+    assert [r["step"] for r in iter_log(tmp_path / "run" / "log.jsonl") if r["type"] == "train"] == [0, 1]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("option, value, code, last", [
+    ("half_residual", True, 1, ["error: rank 1's DPO reference differs from rank 0's: every node must hold the same "
+                                "DPO reference"]),
+    ("dropout", 0.1, 0, [])])  # off in eval mode, as one node's resume ignores it: it stopped both ranks
 def test_nodes_whose_dpo_references_were_saved_with_other_options_stop_on_resume(addition_pairs, random_start,
-                                                                                 tmp_path):
+                                                                                 tmp_path, option, value, code, last):
     # a resume builds the policy from the checkpoint and the reference from each node's --init-from (a LOCAL path):
     # one saved with --half-residual held the same weights, and that node trained against another reference, silently
     import prefs
@@ -731,12 +771,11 @@ def test_nodes_whose_dpo_references_were_saved_with_other_options_stop_on_resume
     prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={random_start}",
                          "--max-steps=1"))
     ckpt = torch.load(random_start, weights_only=False)
-    ckpt["model_config"]["half_residual"] = True
+    ckpt["model_config"][option] = value
     torch.save(ckpt, half := tmp_path / "half.pt")
     done = run_nodes([["prefs.py", *pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, "--resume=auto",
                                               f"--init-from={start}")] for start in (random_start, half)])
-    assert [(r.returncode, r.stderr.splitlines()[-1:]) for r in done] == [(1, [
-        "error: rank 1's DPO reference differs from rank 0's: every node must hold the same DPO reference"])] * 2
+    assert [(r.returncode, r.stderr.splitlines()[-1:] if code else []) for r in done] == [(code, last)] * 2
 
 
 @pytest.mark.parametrize("main, flags, message", [

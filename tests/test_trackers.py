@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import struct
 import sys
 import time
@@ -410,6 +411,18 @@ def test_a_rewinds_side_file_in_its_checkpoints_clock_tick_is_ordered_by_what_it
     assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
         (0, None), *((step, 1.0) for step in range(4)), (4, 9.0)]
     assert not (tmp_path / "log.jsonl.rewound").exists()
+
+
+def test_a_dead_rewinds_records_come_back_in_a_run_directory_copied_with_its_file_times(tmp_path):
+    # the mark held the newest checkpoint's inode: `cp -a` (or a restore) gave it another, the side file was dropped,
+    # and the log kept the dead rewind's 4 with 5-7 lost; docs/resume.md: a copy with its file times keeps the order
+    cfg = eight_logged_steps(tmp_path, (4, 8))
+    trackers.open_run_log(cfg, 4, True, 0, 1).write(train_record(4, 9.0))  # then killed
+    shutil.copy2(tmp_path / "ckpt_000008.pt", tmp_path / "copy.pt")
+    os.replace(tmp_path / "copy.pt", tmp_path / "ckpt_000008.pt")  # the same name and times, another inode
+    trackers.open_run_log(cfg, 8, False, 0, 1).close()
+    assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
+        (0, None), *((step, 1.0) for step in range(8))]
 
 
 def test_a_resume_killed_as_it_takes_back_a_dead_rewinds_records_loses_none(tmp_path, monkeypatch):
