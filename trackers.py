@@ -192,7 +192,10 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     mark = [newest[-1].name, newest[-1].stat().st_mtime_ns] if newest else []
     records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
     head, *moved = (list(iter_log(side)) if records and side.is_file() else []) or [{}]  # the mark, then in step order
-    if head.get("newest") == mark:  # a side file without one (an older version's) stays aside
+    if head and "newest" not in head:  # an older version's, unmarked: the log's if written after the newest checkpoint
+        late = not newest or side.stat().st_mtime_ns > newest[-1].stat().st_mtime_ns
+        head, moved = {"step": head["step"], "newest": mark if late else None}, [head, *moved]
+    if head.get("newest") == mark:
         records = [r for r in records if r["type"] == "config" or r["step"] < head["step"]] + moved
         first = min(resume_step, head["step"])
     kept = [r for r in records if r["type"] == "config" or r["step"] < resume_step]

@@ -180,6 +180,14 @@ def test_a_dead_rewinds_set_aside_records_come_back_to_the_trackers_from_their_f
     assert [(r["step"], r.get("loss")) for r in iter_log(tmp_path / "log.jsonl")] == [
         (0, None), *((step, 1.0) for step in range(8))]
     assert not (tmp_path / "log.jsonl.rewound").exists()
+    # a side file of the code before the mark (unmarked, written after ckpt 8): its records come back all the same
+    (old := tmp_path / "old").mkdir()
+    before = eight_logged_steps(old, (8,))
+    trackers.write_records(old / "log.jsonl", [*iter_log(old / "log.jsonl")][:5] + [train(4, 9.0), train(5, 9.0)])
+    trackers.write_records(old / "log.jsonl.rewound", [train(s, 2.0) for s in range(4, 8)])
+    trackers.open_run_log(before, 8, False, 0, 1).close()
+    assert [(r["step"], r.get("loss")) for r in iter_log(old / "log.jsonl")] == [
+        (0, None), *((step, 1.0) for step in range(4)), *((step, 2.0) for step in range(4, 8))]
     # not a dead one: a rewind that checkpointed (its ckpt 6 written after its side file), killed before it dropped the
     # file, owns the log: resuming its ckpt 6 keeps its own 4 and 5, and the steps it set aside are no one's
     live = tmp_path / "live"
