@@ -178,7 +178,7 @@ def load_init(cfg: StageArgs, vocab: int = 0) -> GPT:
                       f"--init-from {cfg.init_from} is a reward model (prefs.py --objective reward): its logits were "
                       "never trained to write replies; start from the policy it was trained from")])
         source = GPT.from_checkpoint(ckpt) if ckpt is not None else GPT.load(None, cfg.init_from)
-        if ckpt is not None and ckpt.get("pruning") and os.environ.get("RANK", "0") == "0":  # one line, not one a rank
+        if ckpt and ckpt.get("pruning") and ckpt["pruning"]["method"] != "structured" and not int(os.getenv("RANK", 0)):
             print(f"note: --init-from {cfg.init_from} was pruned ({ckpt['pruning']['method']}): this stage trains "
                   "every weight, so its zeros fill in again; prune.py --init-from it holds them while it recovers")
     except OSError as e:  # the hub is unreachable, or has no such model: one line, not an HTTP client's traceback
