@@ -243,6 +243,9 @@ def start_model(cfg: PruneConfig, found: tuple[Path, dict] | None) -> tuple[GPT,
                  (old["method"] == cfg.method,
                   f"{source} was pruned by --method {old['method']}, which --method {cfg.method} cannot extend: pass "
                   f"--method {old['method']}, or start from the unpruned checkpoint"),
+                 (old.get("scope", cfg.scope) == cfg.scope or cfg.method != "magnitude",  # the other's zeros stay
+                  f"{source} was pruned with --scope {old.get('scope')}: pass --scope {old.get('scope')} (its zeros "
+                  f"stay, so under --scope {cfg.scope} some matrices would end past --sparsity {cfg.sparsity})"),
                  (cfg.sparsity == old["sparsity"] or cfg.sparsity > old["sparsity"] and not found,
                   f"{source} is pruned to --sparsity {old['sparsity']}: pass --sparsity {old['sparsity']} (more "
                   "prunes it further, in a new run from it)"),

@@ -391,6 +391,11 @@ def test_refusals_are_one_line(start, token_data, tmp_path, capsys):
     assert refusal("--init-from", str(pruned), "--data", str(token_data), "--out-dir", str(tmp_path / "c"),
                    "--sparsity=0.1") == (f"error: --init-from {pruned} is pruned to --sparsity 0.25: pass --sparsity "
                                          "0.25 (more prunes it further, in a new run from it)")
+    # a global 0.25's zeros kept under --scope layer 0.5 left a matrix past 0.5, its record saying 0.5
+    assert refusal("--init-from", str(pruned), "--data", str(token_data), "--out-dir", str(tmp_path / "s"),
+                   "--sparsity=0.5", "--scope=layer") == (
+        f"error: --init-from {pruned} was pruned with --scope global: pass --scope global (its zeros stay, so under "
+        "--scope layer some matrices would end past --sparsity 0.5)")
     further = run(pruned, token_data, tmp_path / "d", "--sparsity=0.5")
     assert further["val"]["sparsity"] == 0.5
     # GPT.load's hint for a run directory named --ckpt, which prune.py has not
