@@ -530,11 +530,13 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
                         f"{fix}") from None
 
 
-def _pool_worker_init() -> None:
+def _pool_worker_init(writer: int) -> None:
     """SIGTERM's default back (a handler could keep the pool open); on Linux, SIGTERM when the writer dies outright."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: no prctl, not Linux
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != writer:  # it died before that: no signal comes, and the task queue (its pipe) never closes
+        os._exit(1)
 
 
 def tokenize(texts: list[str]) -> np.ndarray:
@@ -561,7 +563,7 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
     if workers <= 1:
         yield None
         return
-    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init)
+    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init, initargs=(os.getpid(),))
     try:
         pool.submit(int).result()  # fork every worker now, before `datasets` starts threads (fork + threads deadlock)
         yield pool

@@ -407,6 +407,17 @@ fineweb.main({args!r})
     assert result["skipped_shards"] >= 1 and len(shard_files(tmp_path / "out")) > written
 
 
+def test_a_tokenizer_process_whose_writer_died_before_it_started_exits():
+    # SIGKILLed before a worker ran its initializer, the writer sends no death signal (prctl came too late), and the
+    # worker, holding the task pipe's write end itself, waited on it forever (one outlived CI's 30 s, under load)
+    ran = subprocess.run([sys.executable, "-c", "import os, fineweb\nfineweb._pool_worker_init(os.getppid() + 1)\n"
+                          "print('waits for tasks')"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (1, "", "")  # an exit, not an error
+    ran = subprocess.run([sys.executable, "-c", "import os, fineweb\nfineweb._pool_worker_init(os.getppid())\n"
+                          "print('waits for tasks')"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (ran.returncode, ran.stdout) == (0, "waits for tasks\n")
+
+
 def test_tokenizer_processes_end_with_a_writer_killed_outright(tmp_path):
     # SIGKILL (the OOM killer) runs no shutdown in the writer; its pool workers must not sleep on forever
     write_jsonl(tmp_path / "docs.jsonl", make_docs(50))
