@@ -25,6 +25,7 @@ import functools
 import glob
 import hashlib
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -531,11 +532,12 @@ def read_documents(cfg: FinewebConfig, files: list[Path] | None,
 
 
 def _pool_worker_init(writer: int) -> None:
-    """SIGTERM's default back (a handler could keep the pool open); on Linux, SIGTERM when the writer dies outright."""
+    """SIGTERM's default back (a handler could keep the pool open); on Linux, SIGTERM when its parent dies outright:
+    the writer, whose pid is `writer` (0 under forkserver, whose workers are the server's children)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: no prctl, not Linux
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != writer:  # it died before that: no signal comes, and the task queue (its pipe) never closes
+    if writer and os.getppid() != writer:  # it died before that: no signal comes, and the task pipe never closes
         os._exit(1)
 
 
@@ -563,7 +565,8 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
     if workers <= 1:
         yield None
         return
-    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init, initargs=(os.getpid(),))
+    forked = multiprocessing.get_start_method() != "forkserver"  # fork and spawn: the writer's children
+    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init, initargs=(os.getpid() * forked,))
     try:
         pool.submit(int).result()  # fork every worker now, before `datasets` starts threads (fork + threads deadlock)
         yield pool
