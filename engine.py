@@ -882,36 +882,9 @@ def agree_fingerprint(make: Callable[[], dict[str, Any]], rank: int, world: int,
     fingerprint = make()
     first = [fingerprint]  # rank 0's on every rank, once broadcast
     dist.broadcast_object_list(first, src=0)
-    mine = next((describe_difference(key, fingerprint[key], first[0].get(key), rank, weights_source)
+    mine = next((common.describe_difference(key, fingerprint[key], first[0].get(key), rank, weights_source)
                  for key in fingerprint if fingerprint[key] != first[0].get(key)), None)  # the first key that differs
     answers: list[str | None] = [None] * world
     dist.all_gather_object(answers, mine)
     if problem := next((a for a in answers if a), None):
         raise ValueError(problem)
-
-
-def describe_difference(key: str, mine: Any, first: Any, rank: int, weights_source: str) -> str:
-    """This rank's fingerprint[key] against rank 0's, in one line: what differs, and what every node must share."""
-    if key == "command":
-        diff = ", ".join(f"--{flag(k)} {mine.get(k)} (rank 0: {first.get(k)})" for k in {**first, **mine}
-                         if mine.get(k) != first.get(k))
-        return f"rank {rank} was started with {diff}: every node must run the same command"
-    if key == "model":  # the GPTConfig each rank built: a flag left unset takes its --init-from's (--resume's) value
-        what = ", ".join(f"{k} {v} (rank 0: {getattr(first, k)})" for k, v in dataclasses.asdict(mine).items()
-                         if v != getattr(first, k))
-        return (f"rank {rank} built its model from {weights_source} with {what}: every node must build the same model "
-                "(its checkpoint's options, where no flag sets them)")
-    if key == "weights":
-        return (f"rank {rank} loaded other weights from {weights_source} than rank 0 (digest {mine}, rank 0: "
-                f"{first}): every node must start from the same model")
-    if key != "data":
-        return f"rank {rank}'s {key} differs from rank 0's: every node must hold the same {key}"
-    for (split, names, sizes, crcs), (_, names0, sizes0, crcs0) in zip(mine, first, strict=True):
-        here = dict(zip(names, zip(sizes, crcs, strict=True), strict=True))
-        there = dict(zip(names0, zip(sizes0, crcs0, strict=True), strict=True))
-        if here != there:
-            name = min(n for n in {**here, **there} if here.get(n) != there.get(n))
-            (n, _), (n0, _) = here.get(name, (0, 0)), there.get(name, (0, 0))
-            what = f"holds {n:,} tokens, rank 0's {n0:,}" if n != n0 else "holds other tokens than rank 0's, as many"
-            return f"rank {rank}'s {split} shard {name} {what}: every node must hold the same --data"
-    return f"rank {rank}'s data differs from rank 0's: every node must hold the same --data"

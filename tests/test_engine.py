@@ -118,7 +118,7 @@ def test_a_steps_time_is_the_step_alone(monkeypatch):
 def test_describe_difference_names_what_differs_for_each_key():
     # agree_fingerprint's one line per key: the command's flags, the first data shard, the weights' digests, any other
     # (the two-process tests reach the weights only in a slow run, and check no digest)
-    say = lambda key, mine, first: engine.describe_difference(key, mine, first, 1, "--init-from a.pt")
+    say = lambda key, mine, first: common.describe_difference(key, mine, first, 1, "--init-from a.pt")
     assert say("command", {"max_lr": "0.003", "seed": "1"}, {"max_lr": "0.001", "seed": "1"}) == (
         "rank 1 was started with --max-lr 0.003 (rank 0: 0.001): every node must run the same command")
     assert say("weights", "d1", "d0") == ("rank 1 loaded other weights from --init-from a.pt than rank 0 (digest d1, "
