@@ -462,7 +462,7 @@ class Reference:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         was, now = state.get("config") or {}, self.config or {}  # an older checkpoint's (or RL's): the weights alone
-        changed = [k for k in was if k != "dropout" and now.get(k, was[k]) != was[k]]  # off in eval mode
+        changed = [k for k in was if now.get(k, was[k]) != was[k]]  # a key the stage leaves out: unchanged
         fix = dict.fromkeys(f"--{flag(k)} {was[k]}" if k in RUN_OPTIONS else "the --init-from it was built from"
                             for k in changed)  # a run option's flag sets it over the file's, the architecture none
         check_flags([(state["digest"] == self.digest, f"the run resumed {self.tie} the weights of --init-from "
