@@ -193,7 +193,7 @@ def open_run_log(cfg: Any, resume_step: int | None, rewinding: bool, rank: int, 
     records = list(iter_log(path)) if path.is_file() and resume_step is not None else []
     head, *moved = (list(iter_log(side)) if records and side.is_file() else []) or [{}]  # the mark, then in step order
     if head and "newest" not in head:  # an older version's, unmarked: the log's if written after the newest checkpoint
-        late = not newest or side.stat().st_mtime_ns > newest[-1].stat().st_mtime_ns
+        late = not mark or side.stat().st_mtime_ns > mark[1]
         head, moved = {"step": head["step"], "newest": mark if late else None}, [head, *moved]
     if head.get("newest") == mark:
         records = [r for r in records if r["type"] == "config" or r["step"] < head["step"]] + moved
