@@ -86,8 +86,7 @@ class StageArgs(RunArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        lows = {"seq_len": 1, "batch_size": 1, "total_batch_size": 1, "eval_tokens": 1, "skip_loss_z": 0,
-                "skip_norm_z": 0}
+        lows = dict(seq_len=1, batch_size=1, total_batch_size=1, eval_tokens=1, skip_loss_z=0, skip_norm_z=0)
         check_flags([(self.model in (None, *MODEL_PRESETS),
                       f"--model must be one of {', '.join(MODEL_PRESETS)}; got {self.model!r}"),
                      *((getattr(self, name) >= low, f"--{flag(name)} must be >= {low}; got {getattr(self, name)}")
@@ -139,8 +138,7 @@ def check_architecture(cfg: StageArgs, src: GPTConfig, source: str) -> None:
     """Refuse a run whose architecture flags or --model preset say otherwise than the weights it starts from, which
     fix the architecture: they would be ignored without a word."""
     has, asked = (dataclasses.replace(c, n_kv_head=c.kv_heads) for c in (src, model_config(cfg)))
-    # the flags given, and the --model preset's shape and options (llama-124m's) where no flag replaces them; a preset's
-    # n_kv_head of None follows n_head
+    # the flags given, and the --model preset's shape and options where no flag replaces them (n_kv_head None: n_head)
     follows = () if "n_kv_head" in cfg.arch or MODEL_PRESETS[cfg.model or "gpt2"]().n_kv_head else ("n_kv_head",)
     fixed = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_OPTIONS, *follows)]
     differ = [k for k in fixed if (k in cfg.arch or cfg.model and k != "vocab_size")  # a flag only: presets pad
@@ -509,6 +507,8 @@ def build_and_resume(raw: GPT, parts: dict[str, Any], cfg: RunArgs, ctx: Context
     if "init_from" in saved:  # its checkpoints name the run's start, not this resume's --init-from (or none)
         checkpointer.args = dataclasses.replace(checkpointer.args, init_from=saved["init_from"])
     step = same_verdict(lambda: checkpointer.restore(ckpt, raw, built.optimizer, parts), ctx.world, catch=(ValueError,))
+    if cfg.eval_only and (ref := parts.get("reference")) and ref.config and ckpt.get("reference"):  # DPO scores
+        same_verdict(lambda: ref.load_state_dict(ckpt["reference"]), ctx.world, catch=(ValueError,))  # against it
     if ctx.master:
         print(f"resumed from {path} at step {step}")
         if (loader := parts.get("loader")) is not None and (note := loader.resume_note(ckpt["loader"])):

@@ -695,16 +695,20 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
     import prefs
 
     extra = ["--max-steps=2", "--ckpt-every=1", "--eval-every=0"]
-    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={random_start}",
-                         "--max-steps=1"))
+    first = prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={random_start}",
+                                 "--max-steps=1", "--eval-every=1"))
     other = tmp_path / "other.pt"
     torch.manual_seed(1)
     model = GPT(MODEL_PRESETS["tiny"]())
     torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)}, other)
     resumed = pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={other}", "--resume=auto")
-    assert one_line_error(capsys, prefs.main, resumed) == (  # it trained on against another reference, silently
-        f"error: the run resumed took its DPO reference from the weights of --init-from {random_start}, not {other}'s: "
-        "pass its --init-from, or start a new run")
+    refusal = (f"error: the run resumed took its DPO reference from the weights of --init-from {random_start}, not "
+               f"{other}'s: pass its --init-from, or start a new run")
+    assert one_line_error(capsys, prefs.main, resumed) == refusal  # it trained on against another reference, silently
+    # --eval-only scored the DPO losses against the other reference, silently; with its own, it scores
+    scored = [*resumed, "--eval-only", "--eval-every=1"]
+    assert one_line_error(capsys, prefs.main, scored) == refusal
+    assert prefs.main([*scored, f"--init-from={random_start}"])["val"] == first["val"]
 
 
 def test_a_dpo_resume_whose_reference_is_built_with_other_options_is_refused(addition_pairs, random_start, tmp_path,
