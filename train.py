@@ -49,7 +49,7 @@ class TrainConfig(StageArgs):
     sample_prompt: str = "Hello, I'm a language model,"  # prompt for the in-training samples
     core_every: int = 0  # DCLM's CORE every N steps (and at the last step) with --core-bundle; 0 = the last step only
     core_bundle: Annotated[str, LOCAL] = ""  # CORE's eval bundle: a directory or a zip's URL (core.py); '' = no CORE
-    overfit_batch: bool = False  # train on the first batch only (sanity check: the loss must go to ~0)
+    overfit_batch: bool = False  # train on the first micro-batch only (each rank's own): the loss must go to ~0
     SHARDS = True  # not a flag: --tp/--pp train this stage's language model
 
     def __post_init__(self) -> None:
