@@ -1394,11 +1394,11 @@ def wait_for_first_step(proc: subprocess.Popen, log: Path, timeout: float = 120)
 
 
 @contextlib.contextmanager
-def long_run(token_data: Path, out: Path, ranks: int = 1) -> Iterator[subprocess.Popen]:
-    """A tiny run of 100,000 steps in a child process with text pipes (ranks > 1: under torchrun, with ZeRO-1), from
-    its first logged step on. It and its workers are killed at the end whatever happens, so that none can outlive a
-    failed test."""
-    args = tiny_args(token_data, out, "--max-steps=100000", "--eval-every=0")
+def long_run(tokens_512: Path, out: Path, ranks: int = 1) -> Iterator[subprocess.Popen]:
+    """A tiny run of 100,000 steps at vocabulary 512 in a child process with text pipes (ranks > 1: under torchrun,
+    with ZeRO-1), from its first logged step on. It and its workers are killed at the end whatever happens, so that
+    none can outlive a failed test."""
+    args = v512_args(tokens_512, out, "--max-steps=100000", "--eval-every=0")
     cmd, env = [sys.executable, "train.py", *args], None
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py",
@@ -1419,8 +1419,8 @@ def long_run(token_data: Path, out: Path, ranks: int = 1) -> Iterator[subprocess
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
-    with long_run(token_data, tmp_path) as proc:
+def test_sigterm_checkpoints_and_exits_cleanly(tokens_512, tmp_path):
+    with long_run(tokens_512, tmp_path) as proc:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -1429,14 +1429,14 @@ def test_sigterm_checkpoints_and_exits_cleanly(token_data, tmp_path):
     assert len(ckpts) == 1
     step = load_checkpoint(ckpts[0])["step"]
     assert 1 <= step < 100000
-    more = train.main(tiny_args(token_data, tmp_path, f"--max-steps={step + 2}", "--eval-every=0", "--resume=auto"))
+    more = train.main(v512_args(tokens_512, tmp_path, f"--max-steps={step + 2}", "--eval-every=0", "--resume=auto"))
     assert len(more["losses"]) == 2
 
 
-def test_ctrl_c_checkpoints_even_when_its_output_pipes_died_with_it(token_data, tmp_path):
+def test_ctrl_c_checkpoints_even_when_its_output_pipes_died_with_it(tokens_512, tmp_path):
     # `python train.py ... 2>&1 | tee log`: the terminal's Ctrl-C kills tee too, and the run's next print to the
     # dead pipe must not end it before its checkpoint
-    with long_run(token_data, tmp_path) as proc:
+    with long_run(tokens_512, tmp_path) as proc:
         proc.send_signal(signal.SIGINT)
         assert "Ctrl-C: stopping after this step" in proc.stderr.readline() + proc.stderr.readline()
         proc.stdout.close()
@@ -1539,8 +1539,8 @@ def test_the_stop_check_runs_once_a_step_and_once_after_each_evaluation(tokens_5
     assert len(calls) == 4 + 2  # steps 0-3, and the evaluations at steps 0 and 3 (the one at 4 ends the run)
 
 
-def test_ctrl_c_checkpoints_and_exits_cleanly(token_data, tmp_path):
-    with long_run(token_data, tmp_path) as proc:
+def test_ctrl_c_checkpoints_and_exits_cleanly(tokens_512, tmp_path):
+    with long_run(tokens_512, tmp_path) as proc:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -1550,10 +1550,10 @@ def test_ctrl_c_checkpoints_and_exits_cleanly(token_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
+def test_sigterm_to_one_rank_stops_both_and_says_why(tokens_512, tmp_path):
     # a preempted node may signal only its own workers: rank 1's SIGTERM must stop rank 0 at the same step, with a
     # checkpoint, and rank 0 (which prints) must name the signal, not a --max-time that is not set
-    with long_run(token_data, tmp_path, ranks=2) as proc:
+    with long_run(tokens_512, tmp_path, ranks=2) as proc:
         workers = children(proc.pid)
         environ = {pid: dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                              if b"=" in kv) for pid in workers}
@@ -1569,10 +1569,10 @@ def test_sigterm_to_one_rank_stops_both_and_says_why(token_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_under_torchrun_is_announced_once_and_named(token_data, tmp_path):
+def test_ctrl_c_under_torchrun_is_announced_once_and_named(tokens_512, tmp_path):
     # torchrun passes the terminal's Ctrl-C on to every worker as SIGINT: each stops at the same step with a
     # checkpoint, but only rank 0 (which prints) says so, once, and names Ctrl-C
-    with long_run(token_data, tmp_path, ranks=2) as proc:
+    with long_run(tokens_512, tmp_path, ranks=2) as proc:
         workers = children(proc.pid)
         assert len(workers) == 2, workers
         for pid in workers:
@@ -2073,23 +2073,23 @@ def test_a_resume_with_another_max_steps_says_the_lr_schedule_is_not_the_origina
         "is 0.002, not that run's 0.001"]
 
 
-def test_a_second_run_into_a_live_runs_out_dir_stops_and_a_killed_runs_lock_blocks_nothing(token_data, tmp_path,
+def test_a_second_run_into_a_live_runs_out_dir_stops_and_a_killed_runs_lock_blocks_nothing(tokens_512, tmp_path,
                                                                                             capsys):
     busy = (f"error: another run is writing to --out-dir {tmp_path}; let it finish, or pass another --out-dir "
             "(an --eval-only run may share it)\n")
-    with long_run(token_data, tmp_path) as proc:
+    with long_run(tokens_512, tmp_path) as proc:
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
-            train.main(tiny_args(token_data, tmp_path, "--max-steps=1", "--resume=auto"))
+            train.main(v512_args(tokens_512, tmp_path, "--max-steps=1", "--resume=auto"))
         assert e.value.code == 1 and capsys.readouterr().err == busy
         assert proc.poll() is None  # the live run goes on
-        # an evaluation writes nothing there, so it may run beside the live run
-        assert train.main(tiny_args(token_data, tmp_path, "--eval-only"))["val_loss"] > 5.0
+        # an evaluation writes nothing there, so it may run beside the live run (fresh weights: ~ln(512) = 6.24)
+        assert train.main(v512_args(tokens_512, tmp_path, "--eval-only"))["val_loss"] > 6.0
         log = (tmp_path / "log.jsonl").read_text()
         proc.kill()  # SIGKILL: its lock goes with it
         proc.communicate(timeout=60)
     assert log.startswith('{"type": "config"')
-    assert train.main(tiny_args(token_data, tmp_path, "--max-steps=1", "--eval-every=0", "--resume=auto"))["step"] == 1
+    assert train.main(v512_args(tokens_512, tmp_path, "--max-steps=1", "--eval-every=0", "--resume=auto"))["step"] == 1
 
 
 def test_under_torchrun_every_rank_stops_with_the_out_dir_lock_holders_reason(token_data, tmp_path):
