@@ -1901,11 +1901,11 @@ def test_an_error_on_two_ranks_exits_1_on_each_with_its_message(tmp_path):
     assert codes and set(codes) == {"1"}, proc.stderr[-3000:]
 
 
-def test_ranks_that_find_different_checkpoints_fail_before_fsdp_restore_can_hang(token_data, tmp_path):
+def test_ranks_that_find_different_checkpoints_fail_before_fsdp_restore_can_hang(tokens_512, tmp_path):
     # a node that cannot see --out-dir finds no checkpoint; FSDP's restore is a collective the other rank would wait
     # in forever, so the ranks must compare steps before it and stop with the reason
     out = tmp_path / "run"
-    train.main(tiny_args(token_data, out, "--max-steps=2", "--eval-every=0"))
+    train.main(v512_args(tokens_512, out, "--max-steps=2", "--eval-every=0"))
     script = tmp_path / "rank1_sees_no_checkpoint.py"
     script.write_text(f"""import os, sys
 sys.path.insert(0, {str(ROOT)!r})
@@ -1915,13 +1915,13 @@ if os.environ["RANK"] == "1":  # this node cannot see --out-dir
     engine.checkpoints = lambda out_dir: []
 train.run_and_exit(train.main)
 """)
-    proc = run_torchrun([str(script), *tiny_args(token_data, out, "--max-steps=4", "--eval-every=0",
+    proc = run_torchrun([str(script), *v512_args(tokens_512, out, "--max-steps=4", "--eval-every=0",
                                                  "--parallel=fsdp", "--resume=auto")],
                         nproc=2, timeout=120, check=False)
     assert proc.returncode != 0
     assert proc.stderr.count("error: ranks resumed different steps [2, None]") == 2, proc.stderr[-3000:]
     # a refusal on one rank (here rank 0's: a fresh run over checkpoints) reaches the other as its reason
-    proc = run_torchrun([str(script), *tiny_args(token_data, out, "--max-steps=4", "--eval-every=0",
+    proc = run_torchrun([str(script), *v512_args(tokens_512, out, "--max-steps=4", "--eval-every=0",
                                                  "--parallel=fsdp")], nproc=2, timeout=120, check=False)
     assert proc.returncode != 0
     assert "error: --out-dir" in proc.stderr and "error: rank 0: --out-dir" in proc.stderr, proc.stderr[-3000:]
@@ -2762,11 +2762,11 @@ def test_two_nodes_train_as_one_and_stop_when_their_commands_data_or_checkpoints
 
 
 @pytest.mark.slow
-def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path, capsys):
+def test_one_rank_under_torchrun_takes_the_distributed_path(tokens_512, tmp_path, capsys):
     # as in nanoGPT, torchrun means DDP/ZeRO-1/FSDP2 even on one rank: a one-GPU machine then runs the real wrappers
     common = ["--max-steps=4", "--ckpt-every=2", "--keep-last=5", "--eval-every=0"]
-    single = train.main(tiny_args(token_data, tmp_path / "single", *common))["losses"]
-    proc = run_train_runs([tiny_args(token_data, tmp_path / parallel, *common, f"--parallel={parallel}")
+    single = train.main(v512_args(tokens_512, tmp_path / "single", *common))["losses"]
+    proc = run_train_runs([v512_args(tokens_512, tmp_path / parallel, *common, f"--parallel={parallel}")
                            for parallel in ("ddp", "zero1", "fsdp")], nproc=1, spec=tmp_path / "runs.json")
     # the wrappers themselves, at one rank too (optimizer_kind below is the flag's name whenever a group is up)
     assert re.findall(r"^train_runs: built (\w+) with (\w+)$", proc.stdout, re.M) == [
@@ -2779,12 +2779,12 @@ def test_one_rank_under_torchrun_takes_the_distributed_path(token_data, tmp_path
         assert losses == pytest.approx(single, abs=1e-5), parallel
     # (ZeRO-1's own state resuming at one rank under torchrun: test_ddp_zero1_fsdp_match_single_process, from 2 ranks)
     with pytest.raises(SystemExit):  # ZeRO-1 state cannot seed a plain AdamW: the refusal names the fix
-        train.main(tiny_args(token_data, tmp_path / "zero1", *common, "--max-steps=6", "--resume=auto"))
+        train.main(v512_args(tokens_512, tmp_path / "zero1", *common, "--max-steps=6", "--resume=auto"))
     assert "resume it under torchrun with --parallel zero1" in capsys.readouterr().err
     # an evaluation needs only the weights, so it scores a ZeRO-1 checkpoint without torchrun
-    scored = train.main(tiny_args(token_data, tmp_path / "eval", "--eval-only", "--eval-every=1", "--hellaswag=off",
+    scored = train.main(v512_args(tokens_512, tmp_path / "eval", "--eval-only", "--eval-every=1", "--hellaswag=off",
                                   f"--resume={tmp_path / 'zero1' / 'ckpt_000004.pt'}"))
-    ddp_scored = train.main(tiny_args(token_data, tmp_path / "eval", "--eval-only", "--eval-every=1",
+    ddp_scored = train.main(v512_args(tokens_512, tmp_path / "eval", "--eval-only", "--eval-every=1",
                                       "--hellaswag=off", f"--resume={tmp_path / 'ddp' / 'ckpt_000004.pt'}"))
     assert scored["step"] == 4 and scored["val_loss"] == pytest.approx(ddp_scored["val_loss"], abs=1e-5)
 
