@@ -2643,7 +2643,7 @@ def one_rank_group() -> Iterator[None]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", [pytest.param("muon", marks=needs_muon), "adamw8bit"])
-def test_muon_and_8bit_adamw_under_ddp_and_zero1_match_single_process(token_data, tmp_path, optimizer):
+def test_muon_and_8bit_adamw_under_ddp_and_zero1_match_single_process(tokens_512, tmp_path, optimizer):
     if optimizer == "adamw8bit":
         pytest.importorskip("torchao", reason="--optimizer adamw8bit needs torchao")
     # ZeRO-1 gives each rank whole tensors: Muon orthogonalizes each matrix on the rank that owns it, and the 8-bit
@@ -2658,11 +2658,11 @@ def test_muon_and_8bit_adamw_under_ddp_and_zero1_match_single_process(token_data
     # here every process runs the same math eagerly (compiled: bench.py's compile+adamw8bit row, on CUDA)
     try:
         with torch.compiler.set_stance("force_eager"):
-            single = train.main(tiny_args(token_data, tmp_path / "single", *common))["losses"]
+            single = train.main(v512_args(tokens_512, tmp_path / "single", *common))["losses"]
     finally:
         torch.set_num_threads(threads)
     ref = load_checkpoint(tmp_path / "single" / "ckpt_000004.pt")
-    run_train_runs([tiny_args(token_data, tmp_path / parallel, *common, f"--parallel={parallel}")
+    run_train_runs([v512_args(tokens_512, tmp_path / parallel, *common, f"--parallel={parallel}")
                     for parallel in ("ddp", "zero1")], nproc=2, spec=tmp_path / "runs.json",
                    env={"TORCHDYNAMO_DISABLE": "1"})
     for parallel in ("ddp", "zero1"):
@@ -2687,7 +2687,7 @@ def test_muon_and_8bit_adamw_under_ddp_and_zero1_match_single_process(token_data
     torch.set_num_threads(1)
     try:
         with one_rank_group(), torch.compiler.set_stance("force_eager"):
-            train.main(tiny_args(token_data, tmp_path / "zero1", *common, "--parallel=zero1", "--resume=auto"))
+            train.main(v512_args(tokens_512, tmp_path / "zero1", *common, "--parallel=zero1", "--resume=auto"))
     finally:
         torch.set_num_threads(threads)
     again = [r["loss"] for r in iter_log(tmp_path / "zero1" / "log.jsonl") if r["type"] == "train"]
