@@ -67,19 +67,19 @@ def small_tmpfs(where: Path, megabytes: int) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("fault", ["file-size limit", "full disk"])
-def test_a_failed_checkpoint_write_is_one_line_leaves_no_partial_file_and_loses_no_step(token_data, tmp_path, fault,
+def test_a_failed_checkpoint_write_is_one_line_leaves_no_partial_file_and_loses_no_step(tokens_512, tmp_path, fault,
                                                                                           capsys):
-    straight = train.main(tiny(token_data, tmp_path / "straight", "--ckpt-every=2", "--max-steps=4"))["losses"]
+    straight = train.main(small(tokens_512, tmp_path / "straight", "--ckpt-every=2", "--max-steps=4"))["losses"]
     with contextlib.ExitStack() as stack:
-        out = stack.enter_context(small_tmpfs(tmp_path / "fs", 60)) if fault == "full disk" else tmp_path / "out"
-        train.main(tiny(token_data, out, "--ckpt-every=2", "--max-steps=2"))
-        size = (out / "ckpt_000002.pt").stat().st_size  # ~40 MB: a second one does not fit in 60 MB
+        out = stack.enter_context(small_tmpfs(tmp_path / "fs", 3)) if fault == "full disk" else tmp_path / "out"
+        train.main(small(tokens_512, out, "--ckpt-every=2", "--max-steps=2"))
+        size = (out / "ckpt_000002.pt").stat().st_size  # ~1.7 MB at vocabulary 512: a second one does not fit in 3 MB
         if fault == "file-size limit":
             stack.enter_context(file_size_limit(size // 2))
         kept = (out / "ckpt_000002.pt").read_bytes()
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
-            train.main(tiny(token_data, out, "--ckpt-every=2", "--max-steps=4", "--resume=auto"))
+            train.main(small(tokens_512, out, "--ckpt-every=2", "--max-steps=4", "--resume=auto"))
         what, fix = ("EFBIG (File too large)", "raise the file-size limit (ulimit -f) or write elsewhere") \
             if fault == "file-size limit" else ("ENOSPC (No space left on device)", "free space there (or lower "
                                                                                      "--keep-last)")
@@ -94,16 +94,16 @@ def test_a_failed_checkpoint_write_is_one_line_leaves_no_partial_file_and_loses_
             out.mkdir()
             (out / "ckpt_000002.pt").write_bytes(kept)
             (out / "log.jsonl").write_text((tmp_path / "straight" / "log.jsonl").read_text())
-    train.main(tiny(token_data, out, "--ckpt-every=2", "--max-steps=4", "--resume=auto"))
+    train.main(small(tokens_512, out, "--ckpt-every=2", "--max-steps=4", "--resume=auto"))
     assert logged(out) == list(enumerate(straight))  # every step once, bitwise the uninterrupted run's
 
 
-def test_a_full_log_is_one_line(token_data, tmp_path, capsys):
+def test_a_full_log_is_one_line(tokens_512, tmp_path, capsys):
     out = tmp_path / "out"
-    train.main(tiny(token_data, out, "--max-steps=2", "--ckpt-every=2"))
+    train.main(small(tokens_512, out, "--max-steps=2", "--ckpt-every=2"))
     capsys.readouterr()
     with file_size_limit((out / "log.jsonl").stat().st_size + 300), pytest.raises(SystemExit) as e:
-        train.main(tiny(token_data, out, "--max-steps=8", "--resume=auto"))
+        train.main(small(tokens_512, out, "--max-steps=8", "--resume=auto"))
     err = capsys.readouterr().err
     assert e.value.code == 1 and err.startswith(f"error: cannot append to {out / 'log.jsonl'}: EFBIG (File too large); "
                                                 "raise the file-size limit") and err.count("\n") == 1
@@ -243,11 +243,11 @@ def test_the_kept_heap_hands_its_free_pages_back_when_trimmed():
     assert kept > -16 and trimmed < -240, out
 
 
-def test_a_cpu_run_trims_its_heap_every_trim_every_steps(token_data, tmp_path, monkeypatch):
+def test_a_cpu_run_trims_its_heap_every_trim_every_steps(tokens_512, tmp_path, monkeypatch):
     trims = []
     monkeypatch.setattr(engine, "TRIM_EVERY", 3)
     monkeypatch.setattr(engine, "trim_heap", lambda: trims.append(1))
-    train.main(tiny(token_data, tmp_path, "--max-steps=7"))
+    train.main(small(tokens_512, tmp_path, "--max-steps=7"))
     assert len(trims) == 2  # after steps 2 and 5 (0-based): 3 and 6 steps done
 
 
