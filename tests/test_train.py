@@ -460,7 +460,7 @@ def test_no_compile_mode_note_when_the_mode_was_left_at_its_default(token_data, 
                                                                                        "is read)")
 
 
-def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
+def test_attention_flag_picks_the_sdpa_kernel(tokens_512, tmp_path, capsys):
     q = torch.randn(1, 2, 8, 4)
     kernels = {"math": "aten::_scaled_dot_product_attention_math",
                "flash": "aten::_scaled_dot_product_flash_attention_for_cpu"}
@@ -472,18 +472,18 @@ def test_attention_flag_picks_the_sdpa_kernel(token_data, tmp_path, capsys):
             assert op in {e.name for e in prof.events()}, name
         before = par.sdpa_switches()  # flash alone, from the loop above
         with torch.profiler.profile() as prof:  # the run's own choice is the kernel its steps run
-            math_run = train.main(tiny_args(token_data, tmp_path / "math", "--max-steps=3", "--eval-every=0",
+            math_run = train.main(v512_args(tokens_512, tmp_path / "math", "--max-steps=3", "--eval-every=0",
                                             "--attention=math"))["losses"]
         ran = {e.name for e in prof.events()}
         assert kernels["math"] in ran and kernels["flash"] not in ran
         assert par.sdpa_switches() == before  # the run's choice does not outlive it in the caller's process
     finally:
         par.select_attention("auto")
-    auto_run = train.main(tiny_args(token_data, tmp_path / "auto", "--max-steps=3", "--eval-every=0"))["losses"]
+    auto_run = train.main(v512_args(tokens_512, tmp_path / "auto", "--max-steps=3", "--eval-every=0"))["losses"]
     assert math_run == pytest.approx(auto_run, abs=1e-5)  # another kernel, the same attention
     for name in ("efficient", "cudnn"):  # CUDA-only kernels: one line up front, not "no viable backend" mid-run
         with pytest.raises(SystemExit):
-            train.main(tiny_args(token_data, tmp_path / name, "--max-steps=1", f"--attention={name}"))
+            train.main(v512_args(tokens_512, tmp_path / name, "--max-steps=1", f"--attention={name}"))
         assert f"--attention {name} has no CPU kernel" in capsys.readouterr().err
         assert all(par.sdpa_switches().values())
 
@@ -2138,9 +2138,9 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_anything_runs(token
     (tmp_path / "ro").chmod(0o755)
 
 
-def test_resume_auto_names_a_later_step_it_passes_over(token_data, tmp_path, capsys):
+def test_resume_auto_names_a_later_step_it_passes_over(tokens_512, tmp_path, capsys):
     # "newest" is the last written (so a rewind continues); files copied without their times may lose that order
-    args = tiny_args(token_data, tmp_path, "--max-steps=3", "--ckpt-every=1", "--keep-last=5", "--eval-every=0")
+    args = v512_args(tokens_512, tmp_path, "--max-steps=3", "--ckpt-every=1", "--keep-last=5", "--eval-every=0")
     train.main(args)
     os.utime(tmp_path / "ckpt_000001.pt")  # as if copied last
     capsys.readouterr()
