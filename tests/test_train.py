@@ -733,7 +733,8 @@ def test_a_resume_on_another_device_runs_this_runs_adamw_kernel_under_fp16(optim
     # fused AdamW runs on CPU too). A CPU run's checkpoint resumed on CUDA under --dtype fp16 kept the saved
     # fused=False, and GradScaler handed that non-fused step the found_inf meant for the fused kernel built (Muon's
     # AdamW groups, and ZeRO-1's (a one-rank group here), only ran the checkpoint's kernel: neither hands on found_inf)
-    cfg = train.TrainConfig(model="tiny", seq_len=16, device="cpu", optimizer=optimizer, parallel=parallel)
+    cfg = train.TrainConfig(model="tiny", arch={"vocab_size": 512}, seq_len=16, device="cpu", optimizer=optimizer,
+                            parallel=parallel)
     _, autocast = par.precision("fp16", torch.device("cpu"))
     torch.manual_seed(0)
     batches = [(torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))) for _ in range(2)]
