@@ -143,7 +143,12 @@ def _field_help(cls: type) -> dict[str, str]:
 BOOLS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
 
 
-def _convert(text: str, typ: Any, flag: str) -> Any:
+def flag(name: str) -> str:
+    """A config field's name as its command-line option, without the dashes: max_lr -> max-lr."""
+    return name.replace("_", "-")
+
+
+def _convert(text: str, typ: Any, option: str) -> Any:
     args = typing.get_args(typ)
     if type(None) in args:  # Optional[X] / X | None
         if text.lower() in ("none", "null", ""):
@@ -160,7 +165,7 @@ def _convert(text: str, typ: Any, flag: str) -> Any:
     try:
         return convert(text)
     except (ValueError, KeyError):
-        raise ValueError(f"{flag} expects {want}, got {text!r}{KNOWN_VALUES.get(flag, '')}") from None
+        raise ValueError(f"{option} expects {want}, got {text!r}{KNOWN_VALUES.get(option, '')}") from None
 
 
 def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Callable[[], Any]] | None = None,
@@ -206,7 +211,7 @@ def _print_help(cls: type, hints: dict[str, Any], nested: dict[str, tuple[str, A
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
             helps, rows = own, [(f.name, hints[f.name], default)]
         for name, typ, default in rows:
-            print(f"--{name.replace('_', '-'):<24} {getattr(typ, '__name__', str(typ)):<12} default {default!r:<14} "
+            print(f"--{flag(name):<24} {getattr(typ, '__name__', str(typ)):<12} default {default!r:<14} "
                   f"{helps.get(name, '')}")
 
 
@@ -247,19 +252,20 @@ def _overrides(rest: list[tuple[str, str | None]], hints: dict[str, Any],
     overrides: dict[str, Any] = {}
     given: dict[str, str] = {}
     for key, val in rest:
-        flag = "--" + key.replace("_", "-")
+        option = "--" + flag(key)
         if key not in hints:
             hint = [KNOWN_AS[key]] if KNOWN_AS.get(key) in hints else \
                 difflib.get_close_matches(key, [*hints, *(["preset"] if presets else [])], n=1)
-            raise SystemExit(f"error: unknown option {flag}" + (f"; did you mean --{hint[0].replace('_', '-')}?"
-                                                                if hint else "; see --help"))
+            raise SystemExit(f"error: unknown option {option}" + (f"; did you mean --{flag(hint[0])}?"
+                                                                  if hint else "; see --help"))
         if val is None:
             if bool not in (hints[key], *typing.get_args(hints[key])):
-                raise SystemExit(f"error: {flag} needs a value, e.g. {flag}=VALUE")
+                raise SystemExit(f"error: {option} needs a value, e.g. {option}=VALUE")
             val = "true"
-        value = _convert(val, hints[key], flag)
+        value = _convert(val, hints[key], option)
         if key in given and overrides[key] != value and os.environ.get("RANK", "0") == "0":  # one rank says it
-            print(f"warning: {flag} given twice ({given[key]!r}, then {val!r}): the last one is used", file=sys.stderr)
+            print(f"warning: {option} given twice ({given[key]!r}, then {val!r}): the last one is used",
+                  file=sys.stderr)
         overrides[key], given[key] = value, val
     return overrides
 
@@ -391,7 +397,7 @@ def shared_problem(problem: str | None, world: int) -> str | None:
 def describe_difference(key: str, mine: Any, first: Any, rank: int, weights_source: str) -> str:
     """This rank's fingerprint[key] against rank 0's, in one line: what differs, and what every node must share."""
     if key == "command":
-        diff = ", ".join(f"--{k.replace('_', '-')} {mine.get(k)} (rank 0: {first.get(k)})" for k in {**first, **mine}
+        diff = ", ".join(f"--{flag(k)} {mine.get(k)} (rank 0: {first.get(k)})" for k in {**first, **mine}
                          if mine.get(k) != first.get(k))
         return f"rank {rank} was started with {diff}: every node must run the same command"
     if key == "model":  # the GPTConfig each rank built: a flag left unset takes its --init-from's (--resume's) value

@@ -37,7 +37,7 @@ import torch.nn as nn
 
 import common
 from common import LOCAL, all_sum, checkpoints, device_name, load_checkpoint, mfu, same_verdict, trim_heap, write_error
-from parallel import StepArgs, Trainable, check_flags, flag
+from parallel import StepArgs, Trainable, check_flags
 from trackers import RunLog, fmt_time, open_run_log
 
 
@@ -73,8 +73,8 @@ class RunArgs(StepArgs):
         super().__post_init__()
         lows = {"max_steps": self.MIN_STEPS, "log_every": 1, "profile_steps": 1, "ckpt_every": 0, "keep_last": 0,
                 "keep_every": 0, "max_time": 0, "eval_every": 0, "warmup_steps": 0}
-        check_flags([*((getattr(self, name) >= low, f"--{flag(name)} must be >= {low}; got {getattr(self, name)}")
-                       for name, low in lows.items()),
+        check_flags([*((getattr(self, key) >= low, f"--{common.flag(key)} must be >= {low}; got {getattr(self, key)}")
+                       for key, low in lows.items()),
                      (self.lr_schedule in SCHEDULES,
                       f"--lr-schedule must be one of {', '.join(SCHEDULES)}; got {self.lr_schedule!r}"),
                      (0.0 <= self.min_lr_frac <= 1.0, f"--min-lr-frac must be in [0, 1]; got {self.min_lr_frac}"),

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from common import LOCAL, all_sum, import_torchao, tensor_bytes, torchao_missing
+from common import LOCAL, all_sum, flag, import_torchao, tensor_bytes, torchao_missing
 from parallelize import flag_checks, fully_shard_model, shard
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype's names
@@ -71,10 +71,6 @@ class StepArgs:
                        for name, (ok, rule) in rules.items()),
                      (not (self.dtype == "fp16" and self.parallel == "fsdp"),
                       "--dtype fp16 is not supported with --parallel fsdp; use bf16"), *flag_checks(self)])
-
-
-def flag(name: str) -> str:
-    return name.replace("_", "-")
 
 
 def check_flags(checks: Iterable[tuple[bool, str]]) -> None:

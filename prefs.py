@@ -34,11 +34,11 @@ import torch.nn.functional as F
 import engine
 import stage
 from chat_format import CHAT_VOCAB, RowStream, check_messages, load_rows, render, row_errors, split_rows, val_note
-from common import EOT, LOCAL, all_sum, run_and_exit
+from common import EOT, LOCAL, all_sum, flag, run_and_exit
 from engine import Context, Eval, Run
 from fineweb import DataError
 from generate import evaluating
-from parallel import Objective, check_flags, flag, rewards, sequence_logprobs
+from parallel import Objective, check_flags, rewards, sequence_logprobs
 from stage import StageArgs, TaskEvalArgs
 
 ASSISTANT = "\n\nAssistant:"

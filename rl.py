@@ -29,11 +29,11 @@ import engine
 import stage
 import tasks
 from chat_format import ASSISTANT_END, BOS, CHAT_VOCAB, REPLY_STOPS, is_chat, render_prompt, reply_text
-from common import LOCAL, all_sum, get_tokenizer, is_reward_model, load_checkpoint, provenance, run_and_exit
+from common import LOCAL, all_sum, flag, get_tokenizer, is_reward_model, load_checkpoint, provenance, run_and_exit
 from engine import Context, Run
 from generate import Rollout, calculator, evaluating, full_precision, generate
 from model import GPT, GPTConfig
-from parallel import Objective, check_counts, check_flags, flag, frozen_copy, last_index, rewards, spread, train_step
+from parallel import Objective, check_counts, check_flags, frozen_copy, last_index, rewards, spread, train_step
 from trackers import RunLog
 
 # ----------------------------------------------------------------------------------------------------------------------
