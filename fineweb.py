@@ -566,7 +566,7 @@ def tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
         yield None
         return
     forked = multiprocessing.get_start_method() != "forkserver"  # fork and spawn: the writer's children
-    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init, initargs=(os.getpid() * forked,))
+    pool = ProcessPoolExecutor(workers, initializer=_pool_worker_init, initargs=(os.getpid() if forked else 0,))
     try:
         pool.submit(int).result()  # fork every worker now, before `datasets` starts threads (fork + threads deadlock)
         yield pool
