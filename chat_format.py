@@ -108,8 +108,7 @@ def render_prompt(messages: list[dict]) -> list[int]:
 
 
 def parse(ids: Iterable[int]) -> list[dict]:
-    """Sampled reply ids (after <|assistant_start|>) -> its parts as render takes them, up to <|assistant_end|> or any
-    other special token that is not a tool marker."""
+    """Reply ids (after <|assistant_start|>) -> parts as render takes them, up to any special token but a tool mark."""
     enc, parts, kind, run = get_tokenizer(), [], "text", []
     for t in [*ids, ASSISTANT_END]:
         if t < EOT:
@@ -131,8 +130,7 @@ def is_chat(ckpt: dict | str) -> bool:
 
 
 def exported_chat(directory: str) -> bool:
-    """Whether an HF directory is a chat model's export (export.py): its tokenizer's chat template is this format, in
-    tokenizer_config.json as export.py writes it or in chat_template.jinja as transformers 4.43+ saves it again."""
+    """Whether an HF export's chat template (tokenizer_config.json's, or transformers 4.43+'s .jinja) is ours."""
     config, jinja = (Path(directory).expanduser() / name for name in ("tokenizer_config.json", "chat_template.jinja"))
     template = jinja.read_text() if jinja.is_file() else config.is_file() and read_json(config).get("chat_template")
     return "<|assistant_start|>" in str(template)
@@ -209,8 +207,7 @@ def globbed(path: Path, pattern: str) -> list[Path]:
 
 
 def readable(source: Path | str, split: str, files: list[Path]) -> list[Path]:
-    """A directory's or glob's files that read_local reads, sorted (datasets lists them pattern by pattern; row_name
-    counts over them); the others named in a note, as fineweb.local_files names a directory's."""
+    """Its files read_local reads, sorted (datasets lists them by pattern; row_name counts in order); the rest noted."""
     other = [f.name for f in files if f.is_file() and not f.name.endswith(READABLE)]
     if other and os.environ.get("RANK", "0") == "0":  # one note, not one a rank
         note(f"note: {source} (split {split}): {len(other)} file(s) left out, not .jsonl/.json/.parquet/.gz: "
@@ -275,22 +272,27 @@ def split_rows(source: str, split: str, family: tuple[str, str] = ("", "")) -> I
 def read_conversations(source: str, split: str, family: tuple[str, str] = ("", "")) -> Iterator[tuple[int, Any]]:
     """(row index, messages) of the train or val split (split_rows); a row of another schema is one line naming it."""
     for i, row in split_rows(source, split, family=family):
-        if "messages" not in row:  # ShareGPT's conversations, prompt/completion... (load_rows gives objects only)
-            raise DataError(f"{row_name(source, i)}: no 'messages' (columns {', '.join(row)}); a conversation is "
-                            '{"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas to it')
-        yield i, row["messages"]
+        if "messages" not in row and "conversations" not in row:  # prompt/completion... (load_rows gives objects)
+            raise DataError(f"{row_name(source, i)}: no 'messages' or 'conversations' (columns {', '.join(row)}); a "
+                            'conversation is {"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas')
+        yield i, row["messages"] if "messages" in row else sharegpt(row["conversations"])
+
+
+def sharegpt(turns: Any) -> Any:
+    """ShareGPT's turns {"from", "value"} as messages, renamed as TRL does; anything else is left to check_messages."""
+    speakers = {"human": "user", "gpt": "assistant"}  # FastChat's names ("system" is the same)
+    return [{**t, "role": speakers.get(str(t["from"]), t["from"]), "content": t.get("value")}
+            if isinstance(t, dict) and "from" in t else t for t in turns] if isinstance(turns, list) else turns
 
 
 def pack(lengths: Sequence[int], cap: int) -> list[list[int]]:
-    """Best-fit decreasing: the conversations' indices (each at most cap tokens long) in rows of cap tokens, longest
-    first, each into the open row it fills most tightly, else into a new row."""
+    """Best-fit decreasing: indices of conversations of `lengths` (each at most cap) in rows of cap tokens, packed."""
     free: list[list[int]] = [[] for _ in range(cap + 1)]  # free[r]: the open rows with r tokens to spare
     count = np.zeros(cap + 1, dtype=np.int64)
     rows: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         n = lengths[i]
-        fits = np.flatnonzero(count[n:])
-        if len(fits):
+        if len(fits := np.flatnonzero(count[n:])):  # the open row with the least room that it fits
             spare = n + int(fits[0])
             row = free[spare].pop()
             count[spare] -= 1
@@ -386,15 +388,13 @@ class RowStream:
                 f"unserved of epoch {served // self.count}'s {self.count:,} items; none served twice")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state` of a loader over the same data, T and seed; another B or world size goes on at the
-        first window after the items already served."""
+        """Continue from `state` of a loader over the same data, T and seed, at the first window not served yet."""
         mine = self.state_dict()
         state = {**state, "shards": [Path(name).name for name in state.get("shards", [])]}  # older: whole paths
         for key in ("split", "T", "seed", "shuffle", "shards", "shard_tokens", "items"):
-            if state.get(key) != mine[key]:
-                raise DataError(f"cannot resume the {self.split} loader of {self.name}: {key}={state.get(key)!r} in "
-                                f"the checkpoint but {mine[key]!r} here; resume with the same data, --seq-len and "
-                                "--seed")
+            if (saved := state.get(key)) != mine[key]:
+                raise DataError(f"cannot resume the {self.split} loader of {self.name}: {key}={saved!r} in the "
+                                f"checkpoint but {mine[key]!r} here; resume with the same data, --seq-len and --seed")
         check_contents(state, mine, f"the {self.split} loader of {self.name}")
         served = state["step"] * state["world_size"] * state["B"]
         self.step = -(-served // (self.world_size * self.B))

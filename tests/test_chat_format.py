@@ -152,6 +152,34 @@ def test_a_bad_row_names_its_index_in_the_file(tmp_path):
         cf.ConversationLoader(write_jsonl(tmp_path / "chats.jsonl", rows), "train", 1, 32)
 
 
+def test_sharegpt_rows_load_as_the_same_conversations_written_as_messages(tmp_path):
+    # ShareGPT's {"conversations": [{"from", "value"}, ...]} was refused in one line; TRL renames from/value, and
+    # FastChat's speakers human and gpt are user and assistant
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    convs = [[SYSTEM, *chat(i)] if i % 3 == 0 else chat(i) for i in range(60)]
+    rows = [{"id": i, "conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in conv]}
+            for i, conv in enumerate(convs)]
+    path = tmp_path / "share.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    plain = cf.ConversationLoader(write_jsonl(tmp_path / "c.jsonl", convs), "train", 2, 31)
+    as_messages = [{"conversations": conv} for conv in convs]  # some hub datasets call their messages so
+    (tmp_path / "as.jsonl").write_text("".join(json.dumps(row) + "\n" for row in as_messages))
+    for loader in cf.ConversationLoader(str(path), "train", 2, 31), cf.ConversationLoader(tmp_path / "as.jsonl",
+                                                                                          "train", 2, 31):
+        assert np.array_equal(loader.ids, plain.ids) and np.array_equal(loader.mask, plain.mask)
+        assert loader.tokens == plain.tokens == 842 and loader.num_rows == plain.num_rows == 28  # 57 train rows
+    # a speaker that is no role (glaive's function_call), or turns that are no list: one line naming the row
+    bad = [(3, [{**rows[3]["conversations"][0], "from": "function_call"}],
+            "message 0 has role 'function_call', expected one of system, user, assistant"),
+           (5, "hi", "expected a non-empty list of messages, got 'hi'")]
+    for row, turns, why in bad:
+        path.write_text("".join(json.dumps({"conversations": turns} if i == row else r) + "\n"
+                                for i, r in enumerate(rows)))
+        with pytest.raises(DataError) as info:
+            cf.ConversationLoader(str(path), "train", 1, 31)
+        assert str(info.value) == f"{path} row {row} (0-based, not a line number): {why}"
+
+
 def test_pack_is_best_fit_decreasing_and_keeps_every_conversation_whole():
     lengths = [5, 3, 7, 2, 4, 1]
     rows = cf.pack(lengths, 8)
