@@ -186,7 +186,8 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
              limit: int | None = None, batch_size: int = 16, enc: Any = None, progress: bool = False) -> dict:
     """Completion-style HellaSwag {"acc", "acc_norm", "n", "examples_per_sec"} of `model` (a GPT, or train.py's
     compiled, DDP or FSDP module), called on every rank: ranks take strided shares and all-reduce the counts. Runs
-    under no_grad in eval mode (restored after), bf16 autocast on CUDA; `progress` shows a tqdm bar on rank 0."""
+    under no_grad in eval mode (restored after), bf16 autocast on CUDA; `progress` shows a tqdm bar on rank 0's
+    terminal (redirected to a file, as runs' logs are, the bar's redraws would be lines among the step lines)."""
     device = torch.device(device)
     # examples made in Python, not by load_examples, are checked here
     examples = [prepare_example(ex, f"example {i}: ") for i, ex in enumerate(examples[:limit])]
@@ -206,7 +207,7 @@ def evaluate(model: Any, examples: list[dict], device: torch.device | str, rank:
     counts = torch.tensor([0, 0, len(rendered)], device=device)  # this rank's acc and acc_norm hits, and examples
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     with evaluating(model), torch.no_grad(), autocast:
-        for b in tqdm(range(n_batches), desc="hellaswag", unit="batch", disable=not progress or rank != 0):
+        for b in tqdm(range(n_batches), desc="hellaswag", unit="batch", disable=True if not progress or rank else None):
             batch = rendered[b * batch_size:(b + 1) * batch_size]  # short or empty at the end
             tokens, mask = make_batch(batch, 4 * batch_size, block_size)
             sums, means = score_batch(model, tokens, mask, device)

@@ -2869,6 +2869,8 @@ def test_compiled_run_with_eval_hellaswag_and_samples(token_data, tmp_path):
     assert proc.stderr.count("Recompiling function forward") == 1, proc.stderr[-3000:]
     assert "compile True" in proc.stdout and " | ddp | " in proc.stdout
     assert proc.stdout.count("sample: ") == 4  # 2 at step 2 and 2 at the end (step 3)
+    # no HellaSwag bar among the step lines: a pipe is no terminal (it drew "hellaswag: 100%|...| 1/1" 3 times)
+    assert proc.stdout.count("hellaswag acc_norm") == 3 and "batch/s" not in proc.stderr + proc.stdout
     log = list(iter_log(out / "log.jsonl"))
     compiled = {"losses": [r["loss"] for r in log if r["type"] == "train"],
                 "val_loss": [r["val_loss"] for r in log if r["type"] == "val"][-1],
