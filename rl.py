@@ -480,9 +480,9 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
         engine.weights_digest(ref.transformer), cfg.init_from, "was anchored (--beta) to")}
     built, start = stage.build_and_resume(raw, parts, cfg, ctx, checkpointer, found)
     log = engine.open_log(cfg, raw, built, ctx, checkpointer, found, start)
-    rows = cfg.prompts // ctx.world * cfg.samples
-    log.say(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({rows} rows a rank, {ctx.world} "
-            f"ranks) from --init-from {cfg.init_from}")
+    if not cfg.eval_only:  # which scores the weights once: no rollouts, and maybe not --init-from's weights
+        log.say(f"{cfg.algo}: {cfg.prompts} prompts x {cfg.samples} replies per step ({cfg.prompts // ctx.world} x "
+                f"{cfg.samples} rows a rank, {ctx.world} ranks) from --init-from {cfg.init_from}")
     if ctx.master and not found and not is_chat(cfg.init_from):  # R1-Zero's start: allowed
         log.say(f"warning: --init-from {cfg.init_from} is not a chat model (sft.py makes one): its replies will not "
                 "follow the chat format at first", file=sys.stderr)

@@ -497,7 +497,7 @@ def build_and_resume(raw: GPT, parts: dict[str, Any], cfg: RunArgs, ctx: Context
                      found: tuple[Path, dict] | None) -> tuple[Trainable, int]:
     """The model on its device and its optimizer, and the checkpoint found restored into them and into `parts` (the
     stage's checkpointed parts; its scaler and token count join them) on every rank, or stop all: (built, the step)."""
-    built = build_trainable(raw, cfg, ctx.device, use_compile(cfg, ctx.device), verbose=ctx.master)
+    built = build_trainable(raw, cfg, ctx.device, use_compile(cfg, ctx.device), ctx.master and not cfg.eval_only)
     parts.update(scaler=built.scaler, tokens=TokenCount())
     if found is None:
         return built, 0

@@ -113,10 +113,16 @@ def test_a_reward_model_trained_with_reward_logprob_scores_with_it(models, tmp_p
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_an_rl_run_resumes_bitwise(models, tmp_path, algo):
+def test_an_rl_run_resumes_bitwise(models, tmp_path, algo, capsys):
     # a constant lr after warmup: the decay's schedule ends at --max-steps, which the split run changes
     extra = [f"--algo={algo}", "--beta=0.05", "--ppo-epochs=2", "--minibatches=2", "--lr-schedule=constant"]
     full = rl.main(flags(models, tmp_path / "full", *extra, "--max-steps=4"))
+    # --eval-only scores the last checkpoint as the run scored it there, and said "2 prompts x 4 replies per step ...
+    # from --init-from policy.pt" as if it trained those weights
+    capsys.readouterr()
+    assert rl.main(flags(models, tmp_path / "full", *extra, "--eval-only", "--resume=auto"))["task"] == full["task"]
+    out = capsys.readouterr().out
+    assert "done: evaluated the weights at step 4" in out and "replies per step" not in out
     rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=2"))
     rest = rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=4", "--resume=auto"))
     records = train_records(tmp_path / "full")
