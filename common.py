@@ -184,7 +184,7 @@ def parse_config(cls: type, argv: list[str] | None = None, presets: dict[str, Ca
         raise SystemExit(0)
     # the preset's keywords (a functools.partial's; another kind's fields, made) joined by the flags: cls is made once,
     # so a default __post_init__ fills in from a flag (prefs.py's lr by --objective) is not kept from the preset's
-    preset, rest = _pick_preset(_split_argv(argv), presets)
+    preset, rest = _pick_preset(split_argv(argv), presets)
     given = preset.keywords if isinstance(preset, functools.partial) else vars(preset()) if preset else {}
     flags = {k: t for k, t in hints.items() if k not in {field for field, _ in nested.values()}}
     with user_errors(ValueError):  # a value of the wrong type, or one __post_init__ refuses
@@ -215,7 +215,7 @@ def _print_help(cls: type, hints: dict[str, Any], nested: dict[str, tuple[str, A
                   f"{helps.get(name, '')}")
 
 
-def _split_argv(argv: list[str]) -> list[tuple[str, str | None]]:
+def split_argv(argv: list[str]) -> list[tuple[str, str | None]]:
     """(key with underscores, value or None for a bare flag) per option, in order."""
     pairs: list[tuple[str, str | None]] = []
     rest = list(argv)

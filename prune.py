@@ -260,6 +260,7 @@ def setup(cfg: PruneConfig, ctx: Context) -> Run:
     rank, world, device = ctx.rank, ctx.world, ctx.device
     checkpointer = engine.Checkpointer(cfg, rank, world, provenance(device, world))
     found = checkpointer.find()
+    cfg = engine.resumed_start(cfg, found, ctx)  # without --init-from: its run's, not the default (header, notes)
     raw, record, source, checkpointer.chat = start_model(cfg, found)
     cfg = checkpointer.args = dataclasses.replace(cfg, seq_len=cfg.seq_len or raw.config.block_size)  # as saved
     B, T = cfg.batch_size, cfg.seq_len

@@ -455,10 +455,12 @@ def load(cfg: RLConfig) -> tuple[Any, tasks.Reward, GPT, list[dict], list[dict],
 def setup(cfg: RLConfig, ctx: Context) -> Run:
     """The Run: the policy, its frozen reference and its rewards, the prompt stream, the resumed checkpoint and log."""
     torch.manual_seed(cfg.seed)  # the same on every rank: each step's rollout seed is drawn from it
+    checkpointer = engine.Checkpointer(cfg, ctx.rank, ctx.world, provenance(ctx.device, ctx.world), chat=True)
+    found = checkpointer.find()
+    cfg = engine.resumed_start(cfg, found, ctx, reads=True)  # the policy's shape and the reference come from it
     # a node that cannot read a file (--init-from, --reward-model, a task's or reward's .py) stops every rank
     task, reward, raw, train_problems, test_problems, rm = common.same_verdict(lambda: load(cfg), ctx.world)
-    checkpointer = engine.Checkpointer(cfg, ctx.rank, ctx.world, provenance(ctx.device, ctx.world), chat=True)
-    if found := checkpointer.find():
+    if found:
         saved = found[1].get("train_config", {}).get("algo", cfg.algo)
         check_flags([(saved == cfg.algo, f"--resume {found[0]} was trained with --algo {saved}, " + (
             f"and --eval-only builds the policy (PPO's with a value head) by --algo: pass --algo {saved}"

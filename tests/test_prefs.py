@@ -711,6 +711,58 @@ def test_a_dpo_resume_from_other_starting_weights_is_refused_they_are_its_refere
     assert prefs.main([*scored, f"--init-from={random_start}"])["val"] == first["val"]
 
 
+def dpo_run(data: Path, out: Path, *extra: str) -> list[str]:
+    """A 2-step dpo-demo run with no --init-from of its own: the preset's default, or what `extra` gives."""
+    return [arg for arg in pairs_run(data, out, "dpo-demo", "--max-steps=2", "--ckpt-every=1", "--eval-every=2", *extra)
+            if arg != "--init-from="]
+
+
+def test_a_dpo_resume_without_init_from_takes_its_runs_start_not_the_presets(addition_pairs, random_start, tmp_path,
+                                                                            monkeypatch, capsys):
+    # it read dpo-demo's default (out/sft-demo-1200/ckpt_001200.pt) as the reference: "no such file", or another
+    # model's weights refused; the checkpoint records the run's --init-from, the only source of its reference
+    import prefs
+
+    monkeypatch.chdir(tmp_path)  # the preset's relative default: no such file here
+    full = prefs.main(dpo_run(addition_pairs, tmp_path / "full", f"--init-from={random_start}"))
+    prefs.main(dpo_run(addition_pairs, tmp_path / "split", f"--init-from={random_start}", "--max-steps=1"))
+    capsys.readouterr()
+    rest = prefs.main(dpo_run(addition_pairs, tmp_path / "split", "--resume=auto"))
+    note = f"note: --init-from {random_start}, the resumed run's start (its checkpoint records it; none given here)"
+    assert note in capsys.readouterr().out.splitlines()
+    assert rest["losses"] == full["losses"][1:] and rest["val"] == full["val"]  # bitwise: the same reference
+    assert prefs.main(dpo_run(addition_pairs, tmp_path / "split", "--resume=auto", "--eval-only"))["val"] == full["val"]
+
+
+def test_a_dpo_resume_whose_recorded_start_is_not_found_names_it(addition_pairs, random_start, tmp_path, monkeypatch,
+                                                                 capsys):
+    # a relative --init-from, resumed from another directory: the error named the preset's default, not the run's
+    import prefs
+
+    monkeypatch.chdir(random_start.parent)
+    prefs.main(dpo_run(addition_pairs, tmp_path / "run", f"--init-from={random_start.name}", "--max-steps=1"))
+    monkeypatch.chdir(tmp_path)
+    assert one_line_error(capsys, prefs.main, dpo_run(addition_pairs, tmp_path / "run", "--resume=auto")) == (
+        f"error: the resumed run started from --init-from {random_start.name} (its checkpoint records it), which "
+        "this stage reads again but cannot find here: pass --init-from pointing at it")
+
+
+def test_a_dpo_run_without_a_preset_resumes_without_init_from_and_a_new_one_still_needs_it(addition_pairs,
+                                                                                           random_start, tmp_path,
+                                                                                           capsys):
+    # with no preset the default --init-from is none, which --objective dpo refused before the checkpoint was found
+    import prefs
+
+    run = lambda out, *extra: ["--objective=dpo", "--model=tiny", "--data", str(addition_pairs), "--out-dir",
+                               str(tmp_path / out), "--seq-len=24", "--total-batch-size=384", "--batch-size=8",
+                               "--eval-tokens=384", "--max-steps=2", "--ckpt-every=1", "--eval-every=0", *extra]
+    prefs.main(run("run", f"--init-from={random_start}", "--max-steps=1"))
+    assert prefs.main(run("run", "--resume=auto"))["step"] == 2
+    assert one_line_error(capsys, prefs.main, run("new", "--resume=auto")) == (
+        f"error: --resume auto found no checkpoint in {tmp_path / 'new'}, and a new run of this stage needs "
+        "--init-from: pass one")
+
+
 def test_a_dpo_resume_whose_reference_is_built_with_other_options_is_refused(addition_pairs, random_start, tmp_path,
                                                                              capsys):
     # the policy kept the checkpoint's --half-residual, the reference (--init-from loaded again) took --init-from's

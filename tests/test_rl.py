@@ -619,6 +619,19 @@ def test_a_resume_from_other_starting_weights_is_refused_where_they_are_the_kl_a
         "its --init-from, or start a new run")
 
 
+def test_an_rl_resume_without_init_from_takes_its_runs_start_not_the_default(models, tmp_path, monkeypatch, capsys):
+    # rl.py's default --init-from (out/sft-demo-1200/ckpt_001200.pt) built the policy and the KL anchor: "does not
+    # exist", or another model's weights refused; the checkpoint records the run's start
+    monkeypatch.chdir(tmp_path)  # the default's relative path: no such file here
+    extra = ["--beta=0.05", "--eval-every=0", "--pass-k=0", "--max-steps=2", "--ckpt-every=1"]
+    full = rl.main(flags(models, tmp_path / "full", *extra))
+    rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=1"))
+    capsys.readouterr()
+    rest = rl.main(flags(models, tmp_path / "split", *extra, "--resume=auto")[2:])  # without --init-from
+    note = f"note: --init-from {models[0]}, the resumed run's start (its checkpoint records it; none given here)"
+    assert note in capsys.readouterr().out.splitlines() and rest["losses"] == full["losses"][1:]  # bitwise
+
+
 def test_one_process_digests_only_what_its_checkpoint_keeps_to_compare_on_resume(models, tmp_path, monkeypatch):
     # the policy's (and a reward model's) weights, about 0.7 s a GB, and the task's problems were digested at every
     # single-process start for a fingerprint with no other rank to compare it with
