@@ -5,7 +5,6 @@ small object per concern, each owning its state and its cadence.
     Run           what the loop drives: a stage's step, model, evaluations and checkpointed parts
     get_lr        every stage's schedule: warmup, then cosine, linear, constant or wsd
     Checkpointer  find, agree across ranks, restore, due(step), save with prune, judge (a NaN sets one aside)
-    resumed_start a resume's --init-from: its run's start, which its checkpoint records, unless the command gives one
     Eval          one evaluation (name, every, fn): due every N steps and at the end
     SpikeGuard    llm.c's loss/grad-norm z-scores that skip an outlier update
     StopFlags     SIGTERM, Ctrl-C and the wall-clock budget, agreed across ranks (a context manager)
@@ -38,7 +37,6 @@ import torch.nn as nn
 
 import common
 from common import LOCAL, all_sum, checkpoints, device_name, load_checkpoint, mfu, same_verdict, trim_heap, write_error
-from model import hub_id
 from parallel import StepArgs, Trainable, check_flags
 from trackers import RunLog, fmt_time, open_run_log
 
@@ -601,29 +599,14 @@ def find_checkpoint(out_dir: Path, unreadable: list[Path]) -> tuple[Path, dict] 
     return None
 
 
-def resumed_start(cfg: Any, found: tuple[Path, dict] | None, ctx: Context, reads: bool = False) -> Any:
-    """cfg with --init-from the resumed run's start, which its checkpoint records, where the command gives none: a
-    preset's or the stage's default is no run's start. `reads`: the stage reads it again (a reference), on each node."""
-    start = found[1].get("train_config", {}).get("init_from", cfg.init_from) if found else cfg.init_from
-    take = start != cfg.init_from and not gives_init_from(cfg, ctx.argv)  # found is agreed, and torchrun's command
-    problems = [(bool(found or start or not cfg.resume), f"--resume auto found no checkpoint in {cfg.out_dir}, and a "
-                 "new run of this stage needs --init-from: pass one"),
-                (not take or Path(start).expanduser().exists() or hub_id(start), f"the resumed run started from "
-                 f"--init-from {start} (its checkpoint records it), which this stage reads again but cannot find here: "
-                 "pass --init-from pointing at it")]
-    if reads:  # on every rank, whatever it takes: one that cannot find it stops all
-        same_verdict(lambda: check_flags(problems), ctx.world)
-    if take and ctx.master:
+def resumed_start(cfg: Any, found: tuple[Path, dict] | None, ctx: Context) -> Any:
+    """cfg whose --init-from is the resumed run's start, which its checkpoint records, where the command gives none."""
+    start = (found[1].get("train_config", {}).get("init_from") if found else "") or cfg.init_from
+    if start == cfg.init_from or not ctx.argv or "init_from" in dict(common.split_argv(list(ctx.argv[1:]))):
+        return cfg  # the same, or the command's (a config made in Python is taken as given)
+    if ctx.master:  # a preset's or the stage's default is no run's start: DPO and RL read theirs again
         print(f"note: --init-from {start}, the resumed run's start (its checkpoint records it; none given here)")
-    return dataclasses.replace(cfg, init_from=start) if take else cfg
-
-
-def gives_init_from(cfg: Any, argv: tuple[str, ...] | None = None) -> bool:
-    """Whether the command (argv: stage.main's, the script first) gives --init-from; from Python (no argv), whether
-    cfg holds one but the stage's default."""
-    if argv is not None:
-        return "init_from" in dict(common.split_argv(list(argv[1:])))
-    return cfg.init_from not in ("", next(f.default for f in dataclasses.fields(cfg) if f.name == "init_from"))
+    return dataclasses.replace(cfg, init_from=start)
 
 
 def open_log(cfg: RunArgs, raw: nn.Module, built: Trainable, ctx: Context, checkpointer: Checkpointer,

@@ -486,7 +486,11 @@ class GPT(nn.Module):
                 hint = f"; it holds train.py checkpoints: pass --ckpt {found[-1]}" if found else ""
                 raise FileNotFoundError(f"--init-from {init_from} has no config.json, so it is not {HF_DIR}{hint}")
             return cls.from_pretrained(str(path))
-        if not hub_id(init_from):
+        # a hub id is `name` or `org/name` of word characters, '-' and '.', neither first nor last, and no .pt: anything
+        # else (./x, ../x, /abs/x, a/b/c, run/ckpt.pt) was meant as a local path
+        part = r"\w(?:[\w.-]*\w)?"
+        if not re.fullmatch(rf"(?:{part}/)?{part}", init_from) or ".." in init_from or "--" in init_from or \
+                path.suffix in (".pt", ".pth"):
             raise FileNotFoundError(f"--init-from {init_from}: no such file or directory (nor a hub name)")
         try:
             return cls.from_pretrained(init_from)
@@ -494,14 +498,6 @@ class GPT(nn.Module):
             reason = (str(e).splitlines() or [e.__class__.__name__])[0]
             raise OSError(f"could not get {init_from!r} from the HF hub ({reason}), and there is no local "
                           f"directory of that name; offline, pass --init-from {HF_DIR}") from e
-
-
-def hub_id(name: str) -> bool:
-    """`name` or `org/name` of word characters, '-' and '.', neither first nor last, and no .pt: anything else (./x,
-    ../x, /abs/x, a/b/c, run/ckpt.pt) was meant as a local path."""
-    part = r"\w(?:[\w.-]*\w)?"
-    return bool(re.fullmatch(rf"(?:{part}/)?{part}", name)) and ".." not in name and "--" not in name and \
-        Path(name).suffix not in (".pt", ".pth")
 
 
 def with_new_head(model: GPT, weights: dict[str, Any]) -> dict[str, Any]:

@@ -270,9 +270,8 @@ class PrefsConfig(TaskEvalArgs, StageArgs):
                       "--objective reward trains a value head: drop --value-head false"),
                      (not dpo or not self.arch.get("value_head"), "--objective dpo trains no value head: drop "
                       "--value-head true"),
-                     (not dpo or bool(self.init_from or self.resume), "--objective dpo moves a model away from its "
-                      "starting weights, its reference: pass --init-from a fine-tuned model (a random one prefers "
-                      "nothing)"),
+                     (not dpo or bool(self.init_from), "--objective dpo moves a model away from its starting weights, "
+                      "its reference: pass --init-from a fine-tuned model (a random one prefers nothing)"),
                      (not dpo or self.parallel != "fsdp",
                       "--objective dpo keeps a whole frozen reference on every rank: use ddp or zero1")])
         # the other objective's flags (--task: a reward model's logits don't reply) and the lm loss's speed options
@@ -315,8 +314,9 @@ def setup(cfg: PrefsConfig, ctx: Context) -> Run:
     # a split's preference pairs for `data`'s rank among its data-parallel world (stage.Setup's)
     loader = lambda split, data: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
                                             cfg.seed, data.device, shuffle=split == "train")
-    setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB, reads_start=cfg.objective == "dpo")
-    # train_step's objective: DPO's against its starting weights loaded again (a resume's: its run's), or Bradley-Terry
+    setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
+    # train_step's objective: DPO's against a frozen reference, the starting weights loaded again (a resumed model has
+    # moved on; a resume's start is its run's: setup.cfg), or the reward model's Bradley-Terry metrics
     reference, metrics = None, functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
     if cfg.objective == "dpo":
         ref = stage.load_init(setup.cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)

@@ -102,8 +102,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: 
 
 
 def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, total: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
-    """x at mean 0 and std 1 over the masked entries (PPO's advantages), the variance unbiased as TRL's masked_whiten
-    takes it; `total` sums each statistic over the ranks."""
+    """x at mean 0, std 1 over the masked entries (unbiased, as TRL's masked_whiten); `total` sums over the ranks."""
     count = total(mask.sum()).clamp(min=1)
     mean = total((x * mask).sum()) / count
     var = total(((x - mean) ** 2 * mask).sum()) / (count - 1).clamp(min=1)
@@ -456,8 +455,7 @@ def setup(cfg: RLConfig, ctx: Context) -> Run:
     """The Run: the policy, its frozen reference and its rewards, the prompt stream, the resumed checkpoint and log."""
     torch.manual_seed(cfg.seed)  # the same on every rank: each step's rollout seed is drawn from it
     checkpointer = engine.Checkpointer(cfg, ctx.rank, ctx.world, provenance(ctx.device, ctx.world), chat=True)
-    found = checkpointer.find()
-    cfg = engine.resumed_start(cfg, found, ctx, reads=True)  # the policy's shape and the reference come from it
+    cfg = engine.resumed_start(cfg, found := checkpointer.find(), ctx)  # the policy and its KL anchor load from it
     # a node that cannot read a file (--init-from, --reward-model, a task's or reward's .py) stops every rank
     task, reward, raw, train_problems, test_problems, rm = common.same_verdict(lambda: load(cfg), ctx.world)
     if found:

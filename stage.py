@@ -329,7 +329,7 @@ class Setup:
     """
 
     def __init__(self, cfg: StageArgs, ctx: Context, loader: Callable[[str, Context], Any], chat: bool = False,
-                 vocab: int = 0, reads_start: bool = False):
+                 vocab: int = 0):
         self.ctx, self.prov = ctx, provenance(ctx.device, ctx.world)
         # loader(split, data): data's rank and world are the data-parallel ones (a --tp/--pp group reads one batch)
         dp_rank, dp = data_rank(cfg, ctx.rank, ctx.world)
@@ -341,7 +341,7 @@ class Setup:
         self.next_batch = self.train_loader.next_batch if self.train_loader is not None else None
         self.checkpointer = Checkpointer(cfg, ctx.rank, ctx.world, self.prov, chat=chat)
         self.found = self.checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
-        self.cfg = cfg = engine.resumed_start(cfg, self.found, ctx, reads_start)  # prefs.py's DPO reference reads it
+        self.cfg = cfg = engine.resumed_start(cfg, self.found, ctx)  # a resume without --init-from: its run's
         self.raw = build_model(cfg, self.found, ctx, vocab)
 
     def build(self, fingerprint: Callable[[], dict[str, Any]] = dict, parts: dict[str, Any] | None = None) -> None:
@@ -553,7 +553,7 @@ def note_changed_flags(saved: dict[str, Any], cfg: RunArgs, model: GPTConfig | N
     changed = [f"--{flag(k)} {saved[k]!r} -> {v}" for k, v in now.items() if k in saved and k not in said
                and repr(saved[k]) != v]
     start, given = saved.get("init_from", cfg.init_from), cfg.init_from  # LOCAL, so not in `changed`
-    if engine.gives_init_from(cfg) and not (start and same_path(start, given)):  # else resumed_start took `start`
+    if given and not (start and same_path(start, given)):  # not given on the command line: resumed_start took it
         print(f"note: the weights are the checkpoint's, whose run started from {start or 'a random init'}, not "
               f"--init-from {given}'s")
     if changed and not cfg.eval_only:

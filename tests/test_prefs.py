@@ -736,31 +736,20 @@ def test_a_dpo_resume_without_init_from_takes_its_runs_start_not_the_presets(add
 
 def test_a_dpo_resume_whose_recorded_start_is_not_found_names_it(addition_pairs, random_start, tmp_path, monkeypatch,
                                                                  capsys):
-    # a relative --init-from, resumed from another directory: the error named the preset's default, not the run's
+    # a relative --init-from, resumed from another directory: the error named the preset's default, not the run's;
+    # a run without a preset still needs --init-from to resume (its flags are checked before any checkpoint is read)
     import prefs
 
     monkeypatch.chdir(random_start.parent)
     prefs.main(dpo_run(addition_pairs, tmp_path / "run", f"--init-from={random_start.name}", "--max-steps=1"))
     monkeypatch.chdir(tmp_path)
     assert one_line_error(capsys, prefs.main, dpo_run(addition_pairs, tmp_path / "run", "--resume=auto")) == (
-        f"error: the resumed run started from --init-from {random_start.name} (its checkpoint records it), which "
-        "this stage reads again but cannot find here: pass --init-from pointing at it")
-
-
-def test_a_dpo_run_without_a_preset_resumes_without_init_from_and_a_new_one_still_needs_it(addition_pairs,
-                                                                                           random_start, tmp_path,
-                                                                                           capsys):
-    # with no preset the default --init-from is none, which --objective dpo refused before the checkpoint was found
-    import prefs
-
-    run = lambda out, *extra: ["--objective=dpo", "--model=tiny", "--data", str(addition_pairs), "--out-dir",
-                               str(tmp_path / out), "--seq-len=24", "--total-batch-size=384", "--batch-size=8",
-                               "--eval-tokens=384", "--max-steps=2", "--ckpt-every=1", "--eval-every=0", *extra]
-    prefs.main(run("run", f"--init-from={random_start}", "--max-steps=1"))
-    assert prefs.main(run("run", "--resume=auto"))["step"] == 2
-    assert one_line_error(capsys, prefs.main, run("new", "--resume=auto")) == (
-        f"error: --resume auto found no checkpoint in {tmp_path / 'new'}, and a new run of this stage needs "
-        "--init-from: pass one")
+        f"error: --init-from {random_start.name}: no such file or directory (nor a hub name)")
+    bare = ["--objective=dpo", "--model=tiny", "--data", str(addition_pairs), "--out-dir", str(tmp_path / "run"),
+            "--resume=auto"]
+    assert one_line_error(capsys, prefs.main, bare) == (
+        "error: --objective dpo moves a model away from its starting weights, its reference: pass --init-from a "
+        "fine-tuned model (a random one prefers nothing)")
 
 
 def test_a_dpo_resume_whose_reference_is_built_with_other_options_is_refused(addition_pairs, random_start, tmp_path,

@@ -998,14 +998,18 @@ def test_a_resume_names_the_start_of_its_weights_when_init_from_names_another(ca
     assert capsys.readouterr().out == (
         "note: the weights are the checkpoint's, whose run started from a random init, not --init-from b.pt's\n"
         "note: the weights are the checkpoint's, whose run started from a.pt, not --init-from b.pt's\n")
-    # the same file written otherwise, and prune.py's default --init-from on a resume that names none: nothing to say
+    # the same file written otherwise: nothing to say
     monkeypatch.chdir(tmp_path)
     for given, start in (("./b.pt", str(tmp_path / "b.pt")), ("~/b.pt", str(Path("~/b.pt").expanduser()))):
         cfg = train.TrainConfig(init_from=given, resume="auto")
         stage.note_changed_flags({**dataclasses.asdict(cfg), "init_from": start}, cfg)
-    cfg = prune.PruneConfig(resume="auto")
-    stage.note_changed_flags({**dataclasses.asdict(cfg), "init_from": "start.pt"}, cfg)
     assert capsys.readouterr().out == ""
+    # prune.py's default --init-from on a resume whose command names none: the run's start, said once
+    found = (tmp_path / "ckpt_000001.pt", {"train_config": {"init_from": "start.pt"}})
+    cfg = engine.resumed_start(prune.PruneConfig(resume="auto"), found, engine.Context(argv=("prune.py", "--resume")))
+    stage.note_changed_flags({**dataclasses.asdict(cfg), "init_from": "start.pt"}, cfg)
+    assert cfg.init_from == "start.pt" and capsys.readouterr().out == (
+        "note: --init-from start.pt, the resumed run's start (its checkpoint records it; none given here)\n")
 
 
 def test_resume_notes_stay_silent_for_an_evaluation_and_an_older_checkpoints_missing_flags(capsys):
@@ -2143,7 +2147,9 @@ def test_resume_auto_names_a_later_step_it_passes_over(tokens_512, tmp_path, cap
     # "newest" is the last written (so a rewind continues); files copied without their times may lose that order
     args = v512_args(tokens_512, tmp_path, "--max-steps=3", "--ckpt-every=1", "--keep-last=5", "--eval-every=0")
     train.main(args)
-    os.utime(tmp_path / "ckpt_000001.pt")  # as if copied last
+    # as if copied last; a second later, not now: the kernel's coarse file clock gave ckpt_000003's mtime again
+    last = (tmp_path / "ckpt_000003.pt").stat().st_mtime_ns + 10**9
+    os.utime(tmp_path / "ckpt_000001.pt", ns=(last, last))
     capsys.readouterr()
     result = train.main([*args, "--resume=auto"])
     out = capsys.readouterr().out
