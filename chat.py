@@ -22,6 +22,7 @@ from common import EOT, get_tokenizer, parse_config, resolve_device, user_errors
 from generate import calculator, check_sampling, for_decoding, generate_stream
 from model import GPT, GPTConfig
 from parallel import check_flags
+from sample import read_prompt
 
 with contextlib.suppress(ImportError):  # line editing and history in input()
     import readline  # noqa: F401
@@ -35,7 +36,7 @@ class ChatConfig:
 
     ckpt: str | None = None  # checkpoint of this project (.pt; a chat one: written by sft.py, prefs.py or rl.py)
     init_from: str | None = None  # or HF GPT-2: gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a local HF directory
-    prompt: str | None = None  # one message: print the reply and exit; none: an interactive conversation
+    prompt: str | None = None  # one message (@FILE reads a file, - stdin): print the reply and exit; none: interactive
     system: str | None = None  # a system message that opens every conversation
     temperature: float = 0.6  # softmax temperature; 0 is greedy
     top_k: int | None = 50  # sample among the k most likely tokens only; none disables
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with user_errors(ImportError, OSError, ValueError, RuntimeError):
         device = resolve_device(cfg.device)
         model, fine_tuned = load_model(cfg)
+        prompt = None if cfg.prompt is None else read_prompt(cfg.prompt).rstrip("\n")  # as input() gives a line
     if not fine_tuned:
         print(f"warning: {cfg.ckpt or cfg.init_from} was never fine-tuned on conversations (sft.py), so it does not "
               "know the chat format: its replies may be gibberish", file=sys.stderr)
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if cfg.prompt is None:
             repl(chat)
         else:
-            chat.reply(cfg.prompt)
+            chat.reply(prompt)
         return chat.messages
     print()  # ended by Ctrl-D or Ctrl-C: the shell's prompt on a line of its own
     return chat.messages

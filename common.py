@@ -35,13 +35,15 @@ GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this are padding that must n
 # marks a config field (typing.Annotated[type, LOCAL]) that may differ between nodes: a path, or a rank's own setting
 LOCAL = "local"
 EOT = 50256  # <|endoftext|>
-# TRL's, nanoGPT's and nanochat's names for our flags, where difflib offers others: TRL's --epsilon is --clip, not --eps
-KNOWN_AS = {"epsilon": "clip", "num_generations": "samples", "max_completion_length": "max_new_tokens",
-            "loss_type": "loss_agg", "num_iterations": "ppo_epochs", "learning_rate": "max_lr", "block_size": "seq_len",
-            "eval_interval": "eval_every", "save_every": "ckpt_every", "examples_per_step": "prompts",
-            "beta": "dpo_beta", "rpo_alpha": "dpo_sft", "max_length": "seq_len", "lr_decay_iters": "max_steps",
-            "per_device_train_batch_size": "batch_size", "gradient_accumulation_steps": "total_batch_size",
-            "log_interval": "log_every"}
+# TRL's, HF Trainer's, nanoGPT's and nanochat's names for our flags (a space between two: the first a stage has), where
+# difflib offers others: TRL's --epsilon is --clip, not --eps; HF's --save-steps --ckpt-every, not --max-steps
+KNOWN_AS = {"num_generations": "samples", "save_steps": "ckpt_every", "max_length": "seq_len", "epsilon": "clip",
+            "logging_steps": "log_every", "num_iterations": "ppo_epochs", "lr_decay_iters": "max_steps",
+            "rpo_alpha": "dpo_sft", "block_size": "seq_len", "eval_interval": "eval_every",
+            "gradient_accumulation_steps": "total_batch_size", "eval_steps": "eval_every", "epochs": "max_steps",
+            "learning_rate": "max_lr", "lr": "max_lr", "beta": "dpo_beta", "num_train_epochs": "max_steps",
+            "log_interval": "log_every", "per_device_train_batch_size": "batch_size", "examples_per_step": "prompts",
+            "max_completion_length": "max_new_tokens", "loss_type": "loss_agg dpo_loss", "save_every": "ckpt_every"}
 # TRL's values for a flag of ours that takes another kind, said where one is refused
 KNOWN_VALUES = {"--scale-rewards": "; TRL's scale_rewards group is true here, none false (its batch, the std of the "
                                    "whole batch, is not offered)"}
@@ -125,8 +127,7 @@ def token_bytes(vocab_size: int, device: torch.device | str = "cpu") -> torch.Te
 
 
 def _field_help(cls: type) -> dict[str, str]:
-    """The trailing `# comment` of each field line in the class source becomes its --help text; without one, the
-    `# comment` lines right above it."""
+    """Each field's --help text: the trailing `# comment` of its line, else the `# comment` lines right above it."""
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         with contextlib.suppress(OSError, TypeError):  # no source: object, or a class typed into a REPL
@@ -254,7 +255,7 @@ def _overrides(rest: list[tuple[str, str | None]], hints: dict[str, Any],
     for key, val in rest:
         option = "--" + flag(key)
         if key not in hints:
-            hint = [KNOWN_AS[key]] if KNOWN_AS.get(key) in hints else \
+            hint = [k for k in KNOWN_AS.get(key, "").split() if k in hints][:1] or \
                 difflib.get_close_matches(key, [*hints, *(["preset"] if presets else [])], n=1)
             raise SystemExit(f"error: unknown option {option}" + (f"; did you mean --{flag(hint[0])}?"
                                                                   if hint else "; see --help"))

@@ -472,26 +472,26 @@ class Reference:
 
 
 def check_resume(found: tuple[Path, dict], cfg: RunArgs) -> None:
-    """Refuse a checkpoint past --max-steps (nothing would train), one holding another optimizer's state, or another
-    stage's or --objective's (its parts and heads differ: a reward model went on as DPO, an SFT model as RL); under
-    --eval-only, a reward model scored as a policy, or a policy as one."""
+    """Refuse another stage's or --objective's checkpoint (its parts and heads differ: a reward model went on as DPO,
+    an SFT model as RL), first: raising --max-steps is no way out; one past --max-steps (nothing would train) or of
+    another optimizer's state; under --eval-only, a reward model scored as a policy, or a policy as one."""
     path, ckpt = found
     config = ckpt.get("train_config", {})
     saved, ours, rm = config.get("optimizer", "adamw"), engine.stage_of(dataclasses.asdict(cfg)), is_reward_model(ckpt)
-    check_flags([(cfg.eval_only or int(ckpt["step"]) <= cfg.max_steps,
-                  f"--resume {path} is at step {ckpt['step']}, past --max-steps {cfg.max_steps}; raise --max-steps "
-                  "to train further, or score it with --eval-only"),
-                 (cfg.eval_only or saved == cfg.optimizer,
-                  f"--resume {path} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass --optimizer "
-                  f"{saved}, or start a new run from its weights with --init-from {path}"),
-                 # --eval-only scores another stage's policy (train.py: an SFT model's val loss), a reward model as one
-                 (engine.stage_of(config) == ours or cfg.eval_only and rm == (ours[0] == "reward"),
+    # --eval-only scores another stage's policy (train.py: an SFT model's val loss), a reward model as one
+    check_flags([(engine.stage_of(config) == ours or cfg.eval_only and rm == (ours[0] == "reward"),
                   f"--resume {path} was written by another stage or --objective, which this run cannot "
                   f"{'score' if cfg.eval_only else 'continue'}: "
                   + ("it is a reward model (prefs.py --objective reward), not a policy: " + (
                       "score it with prefs.py --objective reward --eval-only" if cfg.eval_only else
                       "start a new run from the policy it was trained from") if rm  # load_init refuses --init-from it
-                     else f"start a new run from its weights with --init-from {path}"))])
+                     else f"start a new run from its weights with --init-from {path}")),
+                 (cfg.eval_only or int(ckpt["step"]) <= cfg.max_steps,
+                  f"--resume {path} is at step {ckpt['step']}, past --max-steps {cfg.max_steps}; raise --max-steps "
+                  "to train further, or score it with --eval-only"),
+                 (cfg.eval_only or saved == cfg.optimizer,
+                  f"--resume {path} holds --optimizer {saved}'s state, not {cfg.optimizer}'s: pass --optimizer "
+                  f"{saved}, or start a new run from its weights with --init-from {path}")])
 
 
 def build_and_resume(raw: GPT, parts: dict[str, Any], cfg: RunArgs, ctx: Context, checkpointer: Checkpointer,

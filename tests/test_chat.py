@@ -93,6 +93,17 @@ def test_the_command_line_reads_stdin_and_exits_0_at_its_end(sft):
     assert (proc.returncode, proc.stdout) == (0, "> " + SHOWN + "> \n")
 
 
+def test_prompt_dash_reads_stdin_and_at_reads_a_file_as_sample_py_does(sft, tmp_path, capsys, monkeypatch):
+    # `--prompt -` was the message "-" itself, answered without a word
+    (tmp_path / "q.txt").write_text("3+4?\n")
+    for prompt, stdin in (("-", "3+4?\n"), (f"@{tmp_path / 'q.txt'}", "")):
+        messages = run(["--ckpt", str(sft), "--prompt", prompt, *GREEDY], stdin, monkeypatch)
+        assert messages == [{"role": "user", "content": "3+4?"}, {"role": "assistant", "content": REPLY}]
+    assert capsys.readouterr().out == SHOWN * 2
+    assert one_line_error(capsys, chat.main, ["--ckpt", str(sft), "--prompt", f"@{tmp_path / 'no.txt'}"]) == (
+        f"error: [Errno 2] No such file or directory: '{tmp_path / 'no.txt'}'")
+
+
 class CtrlC(io.StringIO):
     def readline(self, *args) -> str:
         line = super().readline(*args)

@@ -872,6 +872,14 @@ def test_nodes_whose_dpo_references_were_saved_with_other_options_stop_on_resume
                                                  "--total-batch-size?"),
     ("train", ["--lr-decay-iters=600000"], "unknown option --lr-decay-iters; did you mean --max-steps?"),
     ("train", ["--log-interval=10"], "unknown option --log-interval; did you mean --log-every?"),
+    # HF Trainer's were offered wrong ones (--save-steps --max-steps, --eval-steps --eval-tokens, --epochs --pos)
+    ("sft", ["--save-steps=500"], "unknown option --save-steps; did you mean --ckpt-every?"),
+    ("sft", ["--eval-steps=500"], "unknown option --eval-steps; did you mean --eval-every?"),
+    ("sft", ["--logging-steps=10"], "unknown option --logging-steps; did you mean --log-every?"),
+    ("sft", ["--epochs=2"], "unknown option --epochs; did you mean --max-steps?"),
+    ("sft", ["--num-train-epochs=2"], "unknown option --num-train-epochs; did you mean --max-steps?"),
+    ("sft", ["--lr=1e-3"], "unknown option --lr; did you mean --max-lr?"),
+    ("prefs", ["--loss-type=ipo"], "unknown option --loss-type; did you mean --dpo-loss?"),  # rl.py's: --loss-agg
 ])
 def test_a_flag_a_stage_cannot_honour_is_one_line(main, flags, message):
     import importlib

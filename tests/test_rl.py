@@ -232,7 +232,7 @@ def test_a_resume_notes_another_schedule_and_refuses_a_checkpoint_past_max_steps
     assert capsys.readouterr().out == ("note: the checkpoint's run had --max-steps 10, this run has 20: from step 5 "
                                        "the lr is 0.000833, not that run's 0.000625\n")
     with pytest.raises(ValueError, match=f"--resume {tmp_path} is at step 21, past --max-steps 20; raise --max-steps"):
-        stage.check_resume((tmp_path, {"step": 21, "train_config": {}}), cfg)
+        stage.check_resume((tmp_path, {"step": 21, "train_config": dataclasses.asdict(cfg)}), cfg)
 
 
 def test_a_resume_names_the_flags_changed_since_the_checkpoint(capsys):
@@ -258,8 +258,8 @@ def test_a_resume_names_the_flags_changed_since_the_checkpoint(capsys):
     ({"algo": "ppo"}, PrefsConfig(objective="reward")),  # a PPO critic scored as a reward model
 ])
 def test_a_resume_from_another_stages_checkpoint_is_refused(tmp_path, saved, config):
-    with pytest.raises(ValueError) as e:
-        stage.check_resume((tmp_path, {"step": 1, "train_config": saved}), config)
+    with pytest.raises(ValueError) as e:  # past --max-steps too: "raise --max-steps" was the advice, then this refusal
+        stage.check_resume((tmp_path, {"step": 10**6, "train_config": saved}), config)
     # a reward model's fix is not --init-from it, which load_init (and rl.load) refuse: its policy is the start
     rm = "it is a reward model (prefs.py --objective reward), not a policy: "
     fix = (f"start a new run from its weights with --init-from {tmp_path}" if saved.get("objective") != "reward" else
