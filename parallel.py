@@ -109,12 +109,17 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, next_batch: C
     if hasattr(model, "forward_backward"):  # --tp/--pp shards (parallelize.Sharded) run their own micro-steps
         loss_accum, norm = model.forward_backward(next_batch, grad_accum, autocast, grad_clip)
     else:
+        # the next-token loss: the mean over the step's targets on every rank, as TRL's (SFT's masks make micro-batches
+        # unequal; a mean of their means weighs a token by its micro-batch's size); pairs weigh alike
+        batches = [next_batch() for _ in range(grad_accum)]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        counts = torch.stack([(batch[1] != -1).sum() for batch in batches]).float() if objective is None else None
+        divisors = all_sum(counts.sum(), world) / (world * counts) if objective is None else [grad_accum] * grad_accum
         loss_accum = torch.zeros((), device=next(model.parameters()).device)
-        for micro in range(grad_accum):
-            batch = next_batch()
+        for micro, batch in enumerate(batches):
             with sync_gradients(model, micro == grad_accum - 1), autocast:
                 loss = objective(model, batch) if objective else lm_loss(model, batch, label_smoothing)
-            loss = loss / grad_accum  # gradients of the mean over all micro-batches, not the sum
+            loss = loss / divisors[micro]  # pretraining's: grad_accum, exactly (a mean over all micro-batches)
             loss_accum += loss.detach()
             scaler.scale(loss).backward()
         scaler.unscale_(optimizer)

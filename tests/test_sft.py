@@ -230,6 +230,17 @@ def test_sft_on_two_ranks_equals_one_process(conversations, tmp_path):
     assert losses == pytest.approx(single, abs=1e-5)
 
 
+def test_the_step_loss_is_every_targets_mean_however_the_batch_is_split(conversations, tmp_path):
+    # packed rows hold unequal numbers of assistant tokens, so the mean of the micro-batches' means weighed a token by
+    # its micro-batch: --batch-size 4 (2 micro-steps a step) trained otherwise than 8 (one), 4e-3 apart by step 3
+    loader = ConversationLoader(conversations, "train", 4, 64, seed=1337)  # the run's first step, in 2 micro-batches
+    assert len({int((loader.next_batch()[1] != -1).sum()) for _ in range(2)}) == 2
+    common = ["--max-steps=3", "--eval-every=0"]
+    two = sft.main(flags(conversations, tmp_path / "two", *common))["losses"]
+    one = sft.main(flags(conversations, tmp_path / "one", *common, "--batch-size=8"))["losses"]
+    assert two == pytest.approx(one, abs=2e-6) and len(one) == 3
+
+
 def test_several_tasks_are_scored_as_chatcore(conversations, tmp_path, capsys):
     from test_tasks import ARC_ROWS, GSM8K_ROWS, MMLU_ROWS, chat_bigram, write_rows
 
