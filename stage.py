@@ -341,7 +341,7 @@ class Setup:
         self.next_batch = self.train_loader.next_batch if self.train_loader is not None else None
         self.checkpointer = Checkpointer(cfg, ctx.rank, ctx.world, self.prov, chat=chat)
         self.found = self.checkpointer.find()  # first: a resumed fine-tune needs no --init-from source
-        self.cfg = cfg = engine.resumed_start(cfg, self.found, ctx)  # a resume without --init-from: its run's
+        self.cfg = cfg = engine.resumed_start(cfg, self.found, ctx)  # a resume without --init-from: its run's start
         self.raw = build_model(cfg, self.found, ctx, vocab)
 
     def build(self, fingerprint: Callable[[], dict[str, Any]] = dict, parts: dict[str, Any] | None = None) -> None:
