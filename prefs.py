@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import engine
 import stage
 from chat_format import CHAT_VOCAB, RowStream, check_messages, load_rows, render, row_errors, split_rows, val_note
-from common import EOT, LOCAL, all_sum, flag, run_and_exit
+from common import EOT, LOCAL, all_sum, first_on_each_node, flag, run_and_exit
 from engine import Context, Eval, Run
 from fineweb import DataError
 from generate import evaluating
@@ -315,11 +315,11 @@ def setup(cfg: PrefsConfig, ctx: Context) -> Run:
     loader = lambda split, data: PairLoader(cfg.data, split, cfg.batch_size, cfg.seq_len, data.rank, data.world,
                                             cfg.seed, data.device, shuffle=split == "train")
     setup = stage.Setup(cfg, ctx, loader, chat=True, vocab=CHAT_VOCAB)
-    # train_step's objective: DPO's against a frozen reference, the starting weights loaded again (a resumed model has
-    # moved on; a resume's start is its run's: setup.cfg), or the reward model's Bradley-Terry metrics
+    # train_step's objective: DPO's against its start loaded again (a resume's: its run's), or Bradley-Terry's
     reference, metrics = None, functools.partial(reward_model_metrics, logprob=cfg.reward_logprob)
-    if cfg.objective == "dpo":
-        ref = stage.load_init(setup.cfg, CHAT_VOCAB).to(ctx.device).eval().requires_grad_(False)
+    if cfg.objective == "dpo":  # a node that cannot load it stops all (a resume's policy loaded no --init-from)
+        ref = first_on_each_node(lambda: stage.load_init(setup.cfg, CHAT_VOCAB), ctx.local_rank, ctx.world)
+        ref = ref.to(ctx.device).eval().requires_grad_(False)
         metrics = functools.partial(dpo_metrics, ref=ref, beta=cfg.dpo_beta, sft=cfg.dpo_sft, loss=cfg.dpo_loss)
         # left out (a checkpoint's then unchanged): dropout, off in eval mode, and the loss's options (it computes none)
         unused = ("dropout", "loss_chunk", "fused_ce")

@@ -823,6 +823,23 @@ def test_nodes_whose_dpo_references_were_saved_with_other_options_stop_on_resume
     assert [(r.returncode, r.stderr.splitlines()[-1:] if code else []) for r in done] == [(code, last)] * 2
 
 
+@pytest.mark.slow
+def test_a_node_that_cannot_load_the_dpo_reference_on_resume_stops_every_node(addition_pairs, random_start, tmp_path):
+    # a resume loads its policy from the checkpoint, so the reference's load was each node's own: the node without
+    # the file stopped alone, and the other was left in the next collective
+    import prefs
+
+    extra = ["--max-steps=2", "--ckpt-every=1", "--eval-every=0"]
+    prefs.main(pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, f"--init-from={random_start}",
+                         "--max-steps=1"))
+    missing = tmp_path / "missing.pt"
+    done = run_nodes([["prefs.py", *pairs_run(addition_pairs, tmp_path / "run", "dpo-demo", *extra, "--resume=auto",
+                                              f"--init-from={start}")] for start in (random_start, missing)])
+    line = f"--init-from {missing}: no such file or directory (nor a hub name)"
+    assert [[e for e in r.stderr.splitlines() if e.startswith("error:")] for r in done] == [[f"error: rank 1: {line}"],
+                                                                                            [f"error: {line}"]]
+
+
 @pytest.mark.parametrize("main, flags, message", [
     ("prefs", ["--objective=lm"], "--objective must be reward or dpo, --dpo-loss one of sigmoid, ipo, hinge and "
                                   "--dpo-sft >= 0; got 'lm', 'sigmoid' and 0.0"),
