@@ -123,6 +123,7 @@ def test_an_rl_run_resumes_bitwise(models, tmp_path, algo, capsys):
     assert rl.main(flags(models, tmp_path / "full", *extra, "--eval-only", "--resume=auto"))["task"] == full["task"]
     out = capsys.readouterr().out
     assert "done: evaluated the weights at step 4" in out and "replies per step" not in out
+    assert "optimizer" not in out  # its groups, printed by every stage's --eval-only: none is used
     rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=2"))
     rest = rl.main(flags(models, tmp_path / "split", *extra, "--max-steps=4", "--resume=auto"))
     records = train_records(tmp_path / "full")
