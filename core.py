@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from chat_format import BOS, read_local, row_name
+from chat_format import BOS
 from common import (
     GPT2_VOCAB,
     all_sum,
@@ -45,6 +45,7 @@ from common import (
     setup_distributed,
     user_errors,
 )
+from datarows import read_local, row_name
 from fineweb import download
 from generate import evaluating
 from model import GPT

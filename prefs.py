@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 import engine
 import stage
-from chat_format import CHAT_VOCAB, RowStream, check_messages, load_rows, render, row_errors, split_rows, val_note
+from chat_format import CHAT_VOCAB, RowStream, check_messages, render
 from common import EOT, LOCAL, all_sum, first_on_each_node, flag, run_and_exit
+from datarows import DataError, load_rows, row_errors, split_rows, val_note
 from engine import Context, Eval, Run
-from fineweb import DataError
 from generate import evaluating
 from parallel import Objective, check_flags, rewards, sequence_logprobs
 from stage import StageArgs, TaskEvalArgs

@@ -52,9 +52,10 @@ import torch
 
 import common
 import sandbox
-from chat_format import BOS, CHAT_VOCAB, REPLY_STOPS, check_messages, load_rows, render_prompt, reply_text, row_errors
+from chat_format import BOS, CHAT_VOCAB, REPLY_STOPS, check_messages, render_prompt, reply_text
 from common import get_tokenizer, own_process_group, parse_config, run_and_exit, setup_distributed, user_errors
 from core import centered, summed
+from datarows import load_rows, row_errors
 from generate import calculator, evaluating, full_precision, generate
 from model import GPT, GPTConfig
 

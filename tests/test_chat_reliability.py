@@ -17,6 +17,7 @@ from test_chat import sft
 
 import chat
 import chat_format as cf
+import datarows
 import export
 import prefs
 import rl
@@ -65,7 +66,7 @@ def test_jsonl_lines_end_at_newlines_only_and_a_byte_order_mark_is_skipped(tmp_p
     rows = [{"messages": [{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c\x85d"}]}] * 3
     path = tmp_path / "chat.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
-    assert cf.load_rows(str(path), "train") == rows
+    assert datarows.load_rows(str(path), "train") == rows
 
 
 def split_packed(loader: cf.ConversationLoader) -> list[list[int]]:
@@ -132,18 +133,18 @@ def test_json_over_several_lines_reads_as_datasets_reads_it_and_columns_are_one_
     # a pretty-printed object was "line 1: not valid JSON"; datasets reads objects one after another as rows
     row, path = chat_rows()[0], tmp_path / "chat.json"
     path.write_text(json.dumps(row, indent=2) + "\n" + json.dumps(row, indent=2))
-    assert cf.load_rows(str(path), "train") == [row, row]
+    assert datarows.load_rows(str(path), "train") == [row, row]
     # columns (json.dump(dataset[:]), pandas' to_json) were read as one row: "message 0 has role None"
     for columns in ({"messages": [row["messages"]] * 2}, {"messages": {"0": row["messages"]}}):
         path.write_text(json.dumps(columns, indent=2))
         with pytest.raises(DataError) as e:
-            cf.load_rows(str(path), "train")
+            datarows.load_rows(str(path), "train")
         assert str(e.value) == f"{path}: one object of columns (messages), not rows; expected a list of objects, or " \
             "one object per line"
     # a line cut short runs into the next, where the decoder stops: the line its value began on is named too
     path.write_text('{"messages": 1}\n{"messages": [1\n{"messages": 2}\n')
     with pytest.raises(DataError) as e:
-        cf.load_rows(str(path), "train")
+        datarows.load_rows(str(path), "train")
     assert str(e.value) == f"{path} line 3: not valid JSON (Expecting ',' delimiter; in the value from line 2)"
 
 
@@ -152,7 +153,7 @@ def test_a_stray_file_beside_a_split_is_left_out_naming_it(tmp_path, capsys):
     write_jsonl(tmp_path / "my-train.jsonl", chat_rows())
     (tmp_path / "my-train-notes.txt").write_text("notes\n")
     for source in (str(tmp_path), str(tmp_path / "*")):  # a glob's files too: it read the notes as JSON
-        assert cf.load_rows(source, "train") == chat_rows()
+        assert datarows.load_rows(source, "train") == chat_rows()
         assert capsys.readouterr().out == f"note: {source} (split train): 1 file(s) left out, not " \
             ".jsonl/.json/.parquet/.gz: my-train-notes.txt\n"
     cf.ConversationLoader(source, "val", 1, 64)  # the glob's val is its train's files read again: the note was twice
@@ -165,22 +166,22 @@ def test_a_flat_copy_of_ultrachat_reads_the_stages_splits_alone(tmp_path):
     rows = chat_rows()
     for split, part in (("train_sft", rows[:3]), ("train_gen", rows[3:5]), ("test_sft", rows[5:6]), ("test_gen", rows)):
         write_jsonl(tmp_path / f"{split}.jsonl", part)
-    assert cf.load_rows(str(tmp_path), "train", fallback="train_sft") == rows[:3]
-    assert cf.load_rows(str(tmp_path), "test", fallback="test_sft") == rows[5:6]
+    assert datarows.load_rows(str(tmp_path), "train", fallback="train_sft") == rows[:3]
+    assert datarows.load_rows(str(tmp_path), "test", fallback="test_sft") == rows[5:6]
     write_jsonl(tmp_path / "train.jsonl", rows[6:8])  # the plain split wins alone: datasets read train_sft.jsonl too
-    assert cf.load_rows(str(tmp_path), "train", fallback="train_sft") == rows[6:8]
+    assert datarows.load_rows(str(tmp_path), "train", fallback="train_sft") == rows[6:8]
 
 
 def test_a_directory_named_with_glob_characters_is_read_by_datasets_layouts(tmp_path):
     pytest.importorskip("datasets")  # its patterns took runs[v2] for a glob and found nothing: "no train split"
     (tmp_path / "runs[v2]").mkdir()
     write_jsonl(tmp_path / "runs[v2]" / "my-train.jsonl", chat_rows())
-    assert cf.load_rows(str(tmp_path / "runs[v2]"), "train", fallback="train_sft") == chat_rows()
+    assert datarows.load_rows(str(tmp_path / "runs[v2]"), "train", fallback="train_sft") == chat_rows()
 
 
 def test_a_file_named_with_glob_characters_is_that_file_and_a_glob_s_rows_are_counted_over_it(tmp_path):
     odd = write_jsonl(tmp_path / "conv[v2].jsonl", chat_rows())  # was "no such file": taken for a glob
-    assert cf.load_rows(str(odd), "train") == chat_rows()
+    assert datarows.load_rows(str(odd), "train") == chat_rows()
     rows = chat_rows()
     rows[5]["messages"] = []
     (tmp_path / "g").mkdir()
@@ -196,12 +197,12 @@ def test_a_hub_dataset_without_a_test_split_says_how_to_go_on(tmp_path, monkeypa
     for real in (datasets.get_dataset_split_names, datasets.load_dataset):
         monkeypatch.setattr(datasets, real.__name__, lambda _, *a, real=real, **k: real(str(tmp_path), *a, **k))
     with pytest.raises(DataError) as e:
-        cf.load_rows("someone/chat", "test", fallback="test_sft")
+        datarows.load_rows("someone/chat", "test", fallback="test_sft")
     assert str(e.value) == "cannot read someone/chat (split test or test_sft), taken as a hub dataset as no local " \
         "path of that name exists: Unknown split \"test_sft\". Should be one of ['train'].; a held-out split " \
         "missing, --eval-every 0 skips the val loss"
     with pytest.raises(DataError) as e:  # a train split: no --eval-every 0 hint, it cannot help
-        cf.load_rows("someone/chat", "train_prefs")
+        datarows.load_rows("someone/chat", "train_prefs")
     assert str(e.value).endswith("Unknown split \"train_prefs\". Should be one of ['train'].")
 
 
@@ -215,20 +216,20 @@ def test_empty_non_utf8_and_missing_files_are_one_line(tmp_path, monkeypatch):
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"messages": []}\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
     with pytest.raises(DataError, match=f"^{latin} line 2: not UTF-8 \\(byte 0xe9\\); save the file as UTF-8$"):
-        cf.load_rows(str(latin), "train")
+        datarows.load_rows(str(latin), "train")
     with pytest.raises(DataError, match="no such file or directory: .*missing.jsonl \\(taken as a local path\\)"):
-        cf.load_rows(str(tmp_path / "missing.jsonl"), "train")
+        datarows.load_rows(str(tmp_path / "missing.jsonl"), "train")
     whole = gzip.compress(json.dumps({"messages": []}).encode() * 50)
     for name, data, why in (("cut", whole[:-12], "Compressed file ended before the end-of-stream marker was reached"),
                             ("plain", b"no", "Not a gzipped file (b'no')"),
                             ("bad", whole[:10] + b"\xff" * 9, "Error -3 while decompressing data: invalid block type")):
         (tmp_path / f"{name}.jsonl.gz").write_bytes(data)  # an EOFError traceback, or an error naming no file
         with pytest.raises(DataError, match=f"^{tmp_path}/{name}.jsonl.gz: not a whole gzip file \\({re.escape(why)}"):
-            cf.load_rows(str(tmp_path / f"{name}.jsonl.gz"), "train")
+            datarows.load_rows(str(tmp_path / f"{name}.jsonl.gz"), "train")
     (tmp_path / "runs" / "a").mkdir(parents=True)  # was "holds no rows"
     with pytest.raises(DataError, match=f"^{tmp_path}/runs/\\* \\(split train\\) matched no .jsonl/.json/.parquet/.gz "
                                         "files$"):
-        cf.load_rows(str(tmp_path / "runs" / "*"), "train")
+        datarows.load_rows(str(tmp_path / "runs" / "*"), "train")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     assert source_kind("data/addition") == "local" and source_kind("someone/dataset") == "hub"
@@ -248,29 +249,29 @@ def test_a_directory_s_splits_are_found_with_or_without_datasets(tmp_path, monke
               hh / "harmless-base" / "train.jsonl.gz", hh / "harmless-base" / "test.jsonl.gz"):
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_bytes(b"")
-    assert [f.name for f in cf.local_split(flat, "test")] == ["test.jsonl"]
-    assert [f.parent.name for f in cf.local_split(hh, "train")] == ["harmless-base", "helpful-base"]  # HH-RLHF's
+    assert [f.name for f in datarows.local_split(flat, "test")] == ["test.jsonl"]
+    assert [f.parent.name for f in datarows.local_split(hh, "train")] == ["harmless-base", "helpful-base"]  # HH-RLHF's
     names = ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
-    assert [f.name for f in cf.local_split(hub, "train")] == names
+    assert [f.name for f in datarows.local_split(hub, "train")] == names
     with pytest.raises(DataError, match=f"^{flat} has no validation split: expected files named like validation.jsonl"
                                         ".*; a held-out split missing, --eval-every 0 skips the val loss$"):
-        cf.local_split(flat, "validation")  # the way out was not named
+        datarows.local_split(flat, "validation")  # the way out was not named
     with pytest.raises(DataError, match=f"^{flat} has no validation or test_sft split: "):  # test_sft was not named
-        cf.local_split(flat, "validation", "test_sft")
+        datarows.local_split(flat, "validation", "test_sft")
     # ultrafeedback_binarized's layout: train_prefs, train_sft and train_gen are splits of their own, not train's
     # (globbed as train's, its 120 rows were read three times over)
     uf = tmp_path / "uf" / "data"
     uf.mkdir(parents=True)
     for split in ("train_prefs", "train_sft", "train_gen", "test_prefs"):
         (uf / f"{split}-00000-of-00001.parquet").write_bytes(b"")
-    assert [f.name for f in cf.local_split(uf.parent, "train_prefs")] == ["train_prefs-00000-of-00001.parquet"]
+    assert [f.name for f in datarows.local_split(uf.parent, "train_prefs")] == ["train_prefs-00000-of-00001.parquet"]
     has = "it has test_prefs, train_gen, train_prefs, train_sft" if datasets_installed else "`datasets` is not"
     with pytest.raises(DataError, match=f"^{uf.parent} has no train split: .*parquet \\({has}.*\\)$"):  # what is;
-        cf.local_split(uf.parent, "train")  # no --eval-every 0 hint: it cannot help a missing train split
+        datarows.local_split(uf.parent, "train")  # no --eval-every 0 hint: it cannot help a missing train split
 
 
 def test_a_hub_name_says_it_was_taken_for_one():
-    code = ("import chat_format\ntry:\n    chat_format.load_rows('someone/no-such-dataset', 'train')\n"
+    code = ("import datarows\ntry:\n    datarows.load_rows('someone/no-such-dataset', 'train')\n"
             "except Exception as e:\n    print(type(e).__name__, e)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout
