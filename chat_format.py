@@ -138,12 +138,19 @@ def reply_text(ids: Iterable[int]) -> str:
 
 
 def read_conversations(source: str, split: str, family: tuple[str, str] = ("", "")) -> Iterator[tuple[int, Any]]:
-    """(row index, messages) of the train or val split (split_rows); a row of another schema is one line naming it."""
+    """(row index, messages) of the train or val split (split_rows): "messages", ShareGPT's "conversations" or TRL's
+    conversational "prompt" and "completion"; a row of another schema is one line naming its columns."""
     for i, row in split_rows(source, split, family=family):
-        if "messages" not in row and "conversations" not in row:  # prompt/completion... (load_rows gives objects)
+        if "messages" in row or "conversations" in row:
+            yield i, row["messages"] if "messages" in row else sharegpt(row["conversations"])
+        elif isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
+            # as TRL's completion_only_loss: replies in the prompt are given (weight 0), only the completion is learned
+            yield i, [{**m, "weight": 0} if isinstance(m, dict) and m.get("role") == "assistant" else m
+                      for m in row["prompt"]] + row["completion"]
+        else:  # text prompt/completion has no roles to render (load_rows gives objects)
             raise DataError(f"{row_name(source, i)}: no 'messages' or 'conversations' (columns {', '.join(row)}); a "
-                            'conversation is {"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas')
-        yield i, row["messages"] if "messages" in row else sharegpt(row["conversations"])
+                            'conversation is {"messages": [{"role": ..., "content": ...}, ...]}, or "prompt" and '
+                            '"completion" as lists of such messages: convert other schemas')
 
 
 def sharegpt(turns: Any) -> Any:

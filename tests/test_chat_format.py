@@ -180,6 +180,32 @@ def test_sharegpt_rows_load_as_the_same_conversations_written_as_messages(tmp_pa
         assert str(info.value) == f"{path} row {row} (0-based, not a line number): {why}"
 
 
+def test_trl_prompt_completion_rows_learn_the_completion_alone(tmp_path):
+    # TRL's conversational {"prompt": [...], "completion": [...]} was refused; its completion_only_loss learns only the
+    # completion, so a reply inside the prompt is given (mask 0) and the rest renders as the whole conversation does
+    row = {"prompt": CONVERSATION[:4], "completion": CONVERSATION[4:], "id": 3}
+    path = tmp_path / "pc.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "id": 4}) + "\n")
+    [(index, messages)] = cf.read_conversations(str(path), "val")  # one file: row 0 is val
+    ids, mask = cf.render(messages)
+    assert index == 0 and ids == IDS and mask == [0] * 10 + [0, 0] + MASK[12:]  # Hello and its end: 15496, 50262
+    assert sum(MASK) - sum(mask) == 2 and messages[2] == {**CONVERSATION[2], "weight": 0}
+    # single-turn rows load as the same conversations written as messages
+    convs = [chat(i)[:2] for i in range(60)]
+    path.write_text("".join(json.dumps({"prompt": c[:1], "completion": c[1:]}) + "\n" for c in convs))
+    plain = cf.ConversationLoader(write_jsonl(tmp_path / "c.jsonl", convs), "train", 2, 31)
+    loader = cf.ConversationLoader(str(path), "train", 2, 31)
+    assert np.array_equal(loader.ids, plain.ids) and np.array_equal(loader.mask, plain.mask)
+    assert loader.tokens == plain.tokens == sum(5 + i % 7 + 1 + i % 5 + 1 for i in range(60) if i % 20) == 682
+    assert loader.num_rows == plain.num_rows == 23
+    # a completion that does not answer the prompt's user: check_messages' line, naming the row
+    path.write_text(json.dumps({"prompt": CONVERSATION[:4], "completion": CONVERSATION[3:]}) + "\n")
+    with pytest.raises(DataError) as info:
+        cf.ConversationLoader(str(path), "val", 1, 64)
+    assert str(info.value) == f"{path} row 0 (0-based, not a line number): message 4 is from user, expected " \
+        "assistant (an optional first system message, then user and assistant in turns)"
+
+
 def test_pack_is_best_fit_decreasing_and_keeps_every_conversation_whole():
     lengths = [5, 3, 7, 2, 4, 1]
     rows = cf.pack(lengths, 8)

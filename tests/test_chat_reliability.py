@@ -120,13 +120,13 @@ def test_a_directory_s_bad_row_is_counted_over_its_split_s_files_in_path_order(t
 def test_a_row_of_another_schema_is_one_line_naming_its_columns(tmp_path):
     # such rows were "expected a non-empty list of messages, got None", naming no column (ShareGPT's are read now)
     rows = chat_rows()
-    rows[3] = {"prompt": "hi", "completion": "hello", "id": 7}  # TRL's prompt/completion
+    rows[3] = {"prompt": "hi", "completion": "hello", "id": 7}  # TRL's text prompt/completion: no roles
     path = write_jsonl(tmp_path / "completion.jsonl", rows)
     with pytest.raises(DataError) as e:
         cf.ConversationLoader(str(path), "train", 1, 64)
     assert str(e.value) == f"{path} row 3 (0-based, not a line number): no 'messages' or 'conversations' (columns " \
-        'prompt, completion, id); a conversation is {"messages": [{"role": ..., "content": ...}, ...]}: convert ' \
-        'other schemas'
+        'prompt, completion, id); a conversation is {"messages": [{"role": ..., "content": ...}, ...]}, or ' \
+        '"prompt" and "completion" as lists of such messages: convert other schemas'
 
 
 def test_json_over_several_lines_reads_as_datasets_reads_it_and_columns_are_one_line(tmp_path):

@@ -43,7 +43,8 @@ def test_a_data_error_stops_the_run_in_one_line(tmp_path, capsys):
     (tmp_path / "c.jsonl").write_text('{"text": "hi"}\n' * 40)
     assert one_line_error(capsys, sft.main, flags(tmp_path / "c.jsonl", tmp_path / "out")) == (
         f"error: {tmp_path / 'c.jsonl'} row 1 (0-based, not a line number): no 'messages' or 'conversations' (columns "
-        'text); a conversation is {"messages": [{"role": ..., "content": ...}, ...]}: convert other schemas')
+        'text); a conversation is {"messages": [{"role": ..., "content": ...}, ...]}, or "prompt" and "completion" as '
+        'lists of such messages: convert other schemas')
 
 
 def test_a_fresh_model_too_small_for_the_chat_tokens_names_the_flag_that_made_it(conversations, tmp_path, capsys):
