@@ -142,7 +142,9 @@ def read_conversations(source: str, split: str, family: tuple[str, str] = ("", "
     conversational "prompt" and "completion"; a row of another schema is one line naming its columns."""
     for i, row in split_rows(source, split, family=family):
         if "messages" in row or "conversations" in row:
-            yield i, row["messages"] if "messages" in row else sharegpt(row["conversations"])
+            with row_errors(source, i):
+                messages = row["messages"] if "messages" in row else sharegpt(row["conversations"])
+            yield i, messages
         elif isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
             # as TRL's completion_only_loss: replies in the prompt are given (weight 0), only the completion is learned
             yield i, [{**m, "weight": 0} if isinstance(m, dict) and m.get("role") == "assistant" else m
@@ -154,9 +156,13 @@ def read_conversations(source: str, split: str, family: tuple[str, str] = ("", "
 
 
 def sharegpt(turns: Any) -> Any:
-    """ShareGPT's turns {"from", "value"} as messages, renamed as TRL does; anything else is left to check_messages."""
-    speakers = {"human": "user", "gpt": "assistant"}  # FastChat's names ("system" is the same)
-    return [{**t, "role": speakers.get(str(t["from"]), t["from"]), "content": t.get("value")}
+    """ShareGPT's turns {"from", "value"} as messages, renamed as TRL does; a speaker that is no role is a ValueError
+    naming "from" (check_messages would name "role", not in the file); anything else is left to check_messages."""
+    speakers = {"human": "user", "gpt": "assistant", **{role: role for role in ROLES}}  # FastChat's names, and ours
+    for i, t in enumerate(turns if isinstance(turns, list) else []):
+        if isinstance(t, dict) and "from" in t and str(t["from"]) not in speakers:  # glaive's function_call, say
+            raise ValueError(f"message {i} is from {t['from']!r}, expected human, gpt or system (ShareGPT's \"from\")")
+    return [{**t, "role": speakers[str(t["from"])], "content": t.get("value")}
             if isinstance(t, dict) and "from" in t else t for t in turns] if isinstance(turns, list) else turns
 
 

@@ -170,7 +170,7 @@ def test_sharegpt_rows_load_as_the_same_conversations_written_as_messages(tmp_pa
         assert loader.tokens == plain.tokens == 842 and loader.num_rows == plain.num_rows == 28  # 57 train rows
     # a speaker that is no role (glaive's function_call), or turns that are no list: one line naming the row
     bad = [(3, [{**rows[3]["conversations"][0], "from": "function_call"}],
-            "message 0 has role 'function_call', expected one of system, user, assistant"),
+            "message 0 is from 'function_call', expected human, gpt or system (ShareGPT's \"from\")"),
            (5, "hi", "expected a non-empty list of messages, got 'hi'")]
     for row, turns, why in bad:
         path.write_text("".join(json.dumps({"conversations": turns} if i == row else r) + "\n"
