@@ -579,7 +579,7 @@ def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, An
     import torch
 
     path = Path(path)
-    usage = "pass the .pt file that train.py wrote (e.g. out/<run>/ckpt_000100.pt)"
+    usage = "pass a .pt file that train.py, sft.py, prefs.py or rl.py wrote (e.g. out/<run>/ckpt_000100.pt)"
     if path.is_dir():
         if (path / "config.json").is_file():
             fix = (f"it has a config.json, so it looks like an HF GPT-2 directory: load it with --init-from {path} "

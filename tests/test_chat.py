@@ -249,8 +249,8 @@ def test_a_bad_flag_or_model_is_one_line(capsys):
             (["--temperature", "-1"], "error: temperature must be >= 0 (0 is greedy), got -1.0"),
             (["--max-new-tokens", "0"], "error: --max-new-tokens must be >= 1, got 0"),
             (["--seed", str(2**64)], f"error: --seed must be in [0, 2**64), got {2**64}"),
-            (["--ckpt", "missing.pt"], "error: checkpoint missing.pt does not exist; pass the .pt file that train.py "
-                                       "wrote (e.g. out/<run>/ckpt_000100.pt)")):
+            (["--ckpt", "missing.pt"], "error: checkpoint missing.pt does not exist; pass a .pt file that train.py, "
+                                       "sft.py, prefs.py or rl.py wrote (e.g. out/<run>/ckpt_000100.pt)")):
         assert one_line_error(capsys, chat.main, args) == message
     # as a script: exit 1 and that line alone (one interpreter: each costs ~1.5 s of the suite)
     proc = subprocess.run([sys.executable, "chat.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)

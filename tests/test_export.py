@@ -355,7 +355,7 @@ def test_cli_exports_a_checkpoint_to_hf(tmp_path, capsys):
     # a checkpoint that cannot be exported is one error line, and no output directory is left behind
     with pytest.raises(SystemExit) as e:
         export.main(["--ckpt", str(tmp_path / "missing.pt"), "--export-hf", str(tmp_path / "x")])
-    assert str(e.value).startswith(f"error: checkpoint {tmp_path / 'missing.pt'} does not exist; pass the .pt file")
+    assert str(e.value).startswith(f"error: checkpoint {tmp_path / 'missing.pt'} does not exist; pass a .pt file")
     swiglu = GPT(GPTConfig(block_size=32, vocab_size=96, n_layer=1, n_head=4, n_embd=32, mlp="swiglu"))
     torch.save({"model": swiglu.state_dict(), "model_config": swiglu.config.__dict__}, tmp_path / "swiglu.pt")
     with pytest.raises(SystemExit, match="^error: export_hf supports only the plain GPT-2 architecture"):
@@ -388,9 +388,9 @@ def test_a_file_a_path_under_one_or_a_directory_as_ckpt_is_one_line(tmp_path):
                                 "directory; pass a new directory, or an earlier export to replace")
     with pytest.raises(SystemExit) as e:
         export.main(["--ckpt", str(tmp_path), "--export-hf", str(tmp_path / "hf")])
-    assert str(e.value) == (f"error: checkpoint {tmp_path} is a directory, not a file; pass the .pt file that train.py "
-                            "wrote (e.g. out/<run>/ckpt_000100.pt); an HF GPT-2 directory (config.json + "
-                            "model.safetensors) loads with --init-from instead")
+    assert str(e.value) == (f"error: checkpoint {tmp_path} is a directory, not a file; pass a .pt file that train.py, "
+                            "sft.py, prefs.py or rl.py wrote (e.g. out/<run>/ckpt_000100.pt); an HF GPT-2 directory "
+                            "(config.json + model.safetensors) loads with --init-from instead")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "notes.txt"]
 
 

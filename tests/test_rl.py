@@ -700,7 +700,7 @@ def test_a_file_one_node_cannot_read_or_holds_otherwise_stops_every_node_with_it
     done = run_nodes([["rl.py", *flags(models, tmp_path / "rm", *extra)]
                       for extra in ([], [f"--reward-model={missing}"])])
     assert [r.returncode for r in done] == [1, 1]
-    line = f"checkpoint {missing} does not exist; pass the .pt file that train.py wrote"
+    line = f"checkpoint {missing} does not exist; pass a .pt file that train.py, sft.py, prefs.py or rl.py wrote"
     errors = [next(e for e in r.stderr.splitlines() if e.startswith("error: ")) for r in done]
     assert errors[0].startswith(f"error: rank 1: {line}") and errors[1].startswith(f"error: {line}"), errors
     # a task whose file differs between the nodes: each rank drew its prompts from its own problems, silently

@@ -387,14 +387,15 @@ def bad_inputs(model, ckpt, hf_dir, tmp_path) -> Path:
 
 @pytest.mark.parametrize("args, message", [
     (["--ckpt", "notes.txt"], "notes.txt is not a PyTorch checkpoint (it starts with b'step 100', not the zip "
-                              "archive torch.save writes); pass the .pt file that train.py wrote (e.g. "
-                              "out/<run>/ckpt_000100.pt)"),
+                              "archive torch.save writes); pass a .pt file that train.py, sft.py, prefs.py or "
+                              "rl.py wrote (e.g. out/<run>/ckpt_000100.pt)"),
     (["--ckpt", "random.bin"], "random.bin is not a PyTorch checkpoint (it starts with b'\\x07\\x08\\t\\n\\x0b\\x0c\\r"
-                               "\\x0e', not the zip archive torch.save writes); pass the .pt file that train.py wrote "
-                               "(e.g. out/<run>/ckpt_000100.pt)"),
+                               "\\x0e', not the zip archive torch.save writes); pass a .pt file that train.py, "
+                               "sft.py, prefs.py or rl.py wrote (e.g. out/<run>/ckpt_000100.pt)"),
     (["--ckpt", "run"], "checkpoint run is a directory, not a file; pass a checkpoint file in it (the latest is "
                         "run/ckpt_000010.pt)"),
-    (["--ckpt", "empty_dir"], "checkpoint empty_dir is a directory, not a file; pass the .pt file that train.py wrote "
+    (["--ckpt", "empty_dir"], "checkpoint empty_dir is a directory, not a file; pass a .pt file that train.py, sft.py, "
+                              "prefs.py or rl.py wrote "
                               "(e.g. out/<run>/ckpt_000100.pt); an HF GPT-2 directory (config.json + "
                               "model.safetensors) loads with --init-from instead"),
     (["--ckpt", "{hf}"], "checkpoint {hf} is a directory, not a file; it has a config.json, so it looks like an HF "
@@ -447,8 +448,8 @@ def test_damaged_and_foreign_checkpoints(model, ckpt, tmp_path):
         main(["--ckpt", str(bare)])
     assert str(e.value) == (f"error: {bare} is not a checkpoint of this project (expected keys 'model' and "
                             "'model_config', got keys 'transformer.wte.weight', 'transformer.h.0.ln_1.weight', "
-                            "'transformer.h.0.ln_1.bias', 'transformer.h.0.attn.c_attn.weight'); pass the .pt file "
-                            "that train.py wrote (e.g. out/<run>/ckpt_000100.pt)")
+                            "'transformer.h.0.ln_1.bias', 'transformer.h.0.attn.c_attn.weight'); pass a .pt file "
+                            "that train.py, sft.py, prefs.py or rl.py wrote (e.g. out/<run>/ckpt_000100.pt)")
     # torch.save(..., _use_new_zipfile_serialization=False)'s format, which no train.py run writes, is refused
     legacy = tmp_path / "legacy.pt"
     torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config)}, legacy,
