@@ -8,7 +8,8 @@ A task is any object with (duck-typed: a user's file need not import this projec
 and optionally
     reward(prompt, reply, answer) -> float        RL's reward (default: 1.0 if check, else 0.0); prompt is the messages
     wrong(answer, rng) -> str                     a wrong reply, for preference pairs (tasks.py --pairs)
-rl.py's --reward FILE.py:FN[,FILE.py:FN2] takes functions fn(prompt, reply, answer) -> float in the task's place.
+rl.py's --reward FILE.py:FN[,FILE.py:FN2] takes functions fn(prompt, reply, answer) -> float in the task's place, or
+TRL's reward functions as written, fn(prompts, completions, **kwargs) -> list (one reply a call; kwargs: answer).
 
     gsm8k          openai/gsm8k "main" (train/test): word problems; the reference's <<expr=result>> calculator notes
                    become tool calls and outputs; the answer is the number after ####
@@ -32,9 +33,11 @@ Usage (train and test splits as JSONL conversations for sft.py; --pairs: prefere
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import importlib.util
+import inspect
 import json
 import numbers
 import os
@@ -422,7 +425,20 @@ def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
     found = [(name, load_object(name, "--reward"), w) for name, w in zip(names, weights, strict=True)]
     if bad := next((name for name, fn, _ in found if not callable(fn)), None):
         raise ValueError(f"--reward {bad} is not a function; a reward is fn(prompt, reply, answer) -> float")
-    return checked([(f"--reward {name}", fn, w) for name, fn, w in found])
+    return checked([(f"--reward {name}", one_reply(fn), w) for name, fn, w in found])
+
+
+def one_reply(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, or a TRL GRPOTrainer reward fn(prompts, completions, **columns) -> [float | None] (it has `completions`),
+    called on one reply in TRL's conversational form with the answer as column `answer`; None counts 0, as in TRL."""
+    if not (inspect.isfunction(fn) and "completions" in inspect.signature(fn).parameters):
+        return fn
+    def trl(prompt: list[dict], reply: str, answer: str) -> Any:
+        out = fn(prompts=[prompt], completions=[[{"role": "assistant", "content": reply}]], answer=[answer])
+        out = asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL awaits an async one
+        return (0.0 if out[0] is None else out[0]) if isinstance(out, list | tuple) and len(out) == 1 else out
+
+    return trl
 
 
 def synthetic_pairs(task: Any, split: str, n: int = 0, seed: int = 0) -> list[dict]:

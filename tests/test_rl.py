@@ -489,6 +489,14 @@ def test_rl_on_a_users_task_with_its_own_reward_that_sees_the_prompt(models, tmp
     assert one_line_error(capsys, rl.main, [*common, "--reward", f"{tmp_path / 'doubling.py'}:raises", "--out-dir",
                                             str(tmp_path / "bad")]) == \
         f"error: --reward {tmp_path / 'doubling.py'}:raises raised KeyError: 'no such field'"
+    # TRL's reward functions as written: each reply scored alone, logged under its name as ours are
+    from test_tasks import TRL_REWARDS
+
+    (tmp_path / "trl_rewards.py").write_text(TRL_REWARDS)
+    trl = f"{tmp_path / 'trl_rewards.py'}:later,{tmp_path / 'trl_rewards.py'}:accuracy"
+    rl.main([*common, "--reward", trl, "--reward-weights=2,1", "--out-dir", str(tmp_path / "trl")])
+    record = train_records(tmp_path / "trl")[0]
+    assert record["reward/later"] == 0.25 and record["reward"] == 0.5 + record["reward/accuracy"]
     quarter = f"{tmp_path / 'doubling.py'}:tensor"  # inf in the float32 scores: a NaN loss, blamed on --max-lr
     assert one_line_error(capsys, rl.main, [*common, "--reward", quarter, "--reward-weights=1e40", "--out-dir",
                                             str(tmp_path / "big")]) == \

@@ -354,6 +354,35 @@ def test_rewards_see_the_prompt_and_sum_by_weight(user_file):
         tasks.load_rewards(f"{user_file}:near,{user_file}:near,{third}:near_1")
 
 
+TRL_REWARDS = """
+def accuracy(completions, answer, **kwargs):
+    return [1.0 if c[0]["content"].strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+def brevity(prompts, completions, **kwargs):  # None: not this prompt's, as TRL's rewards say
+    return [None if "skip" in p[-1]["content"] else -len(c[0]["content"]) for p, c in zip(prompts, completions)]
+
+async def later(completions, **kwargs):
+    return [0.25 for _ in completions]
+
+def two(completions, **kwargs):
+    return [1.0, 2.0]
+"""
+
+
+def test_trls_reward_functions_load_as_written(tmp_path):
+    # a GRPOTrainer reward fn(prompts, completions, **kwargs) -> list was called as fn(prompt, reply, answer): a
+    # TypeError; each is now called on one reply, in TRL's conversational form, its None counted 0 as TRL's nansum
+    (path := tmp_path / "trl_rewards.py").write_text(TRL_REWARDS)
+    reward = tasks.load_rewards(f"{path}:accuracy,{path}:brevity,{path}:later", (1.0, 0.5, 1.0))
+    assert reward([{"role": "user", "content": "Double 21?"}], "42", "42") == 1.0 + 0.5 * -2 + 0.25 == 0.25
+    assert reward.last == {"reward/accuracy": 1.0, "reward/brevity": -2.0, "reward/later": 0.25}
+    assert reward([{"role": "user", "content": "skip: 21?"}], " 41", "42") == 0.0 + 0.5 * 0 + 0.25
+    assert reward.last == {"reward/accuracy": 0.0, "reward/brevity": 0.0, "reward/later": 0.25}
+    with pytest.raises(ValueError) as e:  # a list for other completions than the one given
+        tasks.load_rewards(f"{path}:two")([{"role": "user", "content": "hi"}], "x", "y")
+    assert str(e.value) == f"--reward {path}:two returned [1.0, 2.0], not a finite float32 number"
+
+
 def test_a_tasks_own_reward_replaces_its_check_and_rewards_weigh_1_each_by_default(user_file):
     class Graded(tasks.Addition):  # a task's reward(prompt, reply, answer): RL's reward, not check()'s 1.0 or 0.0
         def reward(self, prompt, reply, answer):
