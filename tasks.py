@@ -431,11 +431,16 @@ def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
 def one_reply(fn: Callable[..., Any]) -> Callable[..., Any]:
     """fn, or a TRL GRPOTrainer reward fn(prompts, completions, **columns) -> [float | None] (it has `completions`),
     called on one reply in TRL's conversational form with the answer as column `answer`; None counts 0, as in TRL."""
-    if not (inspect.isfunction(fn) and "completions" in inspect.signature(fn).parameters):
+    try:  # any callable, as TRL takes (an instance, a partial, a method); one of **kwargs alone has only TRL's keywords
+        kinds = {name: p.kind for name, p in inspect.signature(fn).parameters.items()}
+    except (TypeError, ValueError):  # a builtin without a signature
+        return fn
+    if "completions" not in kinds and set(kinds.values()) != {inspect.Parameter.VAR_KEYWORD}:
         return fn
     def trl(prompt: list[dict], reply: str, answer: str) -> Any:
         out = fn(prompts=[prompt], completions=[[{"role": "assistant", "content": reply}]], answer=[answer])
         out = asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL awaits an async one
+        out = list(out) if getattr(out, "ndim", 0) == 1 else out  # a tensor or array: TRL takes them too
         return (0.0 if out[0] is None else out[0]) if isinstance(out, list | tuple) and len(out) == 1 else out
 
     return trl

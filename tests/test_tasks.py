@@ -383,6 +383,37 @@ def test_trls_reward_functions_load_as_written(tmp_path):
     assert str(e.value) == f"--reward {path}:two returned [1.0, 2.0], not a finite float32 number"
 
 
+TRL_CALLABLES = """
+import functools, torch
+
+class Scorer:  # TRL takes any callable: a class instance, a bound method, a partial
+    def __call__(self, prompts, completions, **kwargs):
+        return [len(completions[0][0]["content"]) / 10]
+
+    def method(self, prompts, completions, **kwargs):
+        return [len(completions[0][0]["content"]) / 100]
+
+instance, bound = Scorer(), Scorer().method
+scaled = functools.partial(lambda prompts, completions, scale, **kwargs: [scale], scale=2.0)
+
+def columns(**kwargs):  # TRL calls by keyword: kwargs alone hold prompts and completions
+    return [len(kwargs["completions"][0][0]["content"]) / 1000]
+
+def tensor(prompts, completions, **kwargs):  # TRL's torch.tensor(...) of the list takes a tensor or an array too
+    return torch.tensor([0.5])
+"""
+
+
+def test_trl_reward_callables_and_kwargs_alone_are_called_as_trl_calls_them(tmp_path):
+    # detected only for a plain function: an instance, a partial or a method was called as fn(prompt, reply, answer),
+    # `completions` given the reply's str; fn(**kwargs) raised a TypeError; a returned tensor was refused
+    (path := tmp_path / "trl_callables.py").write_text(TRL_CALLABLES)
+    reward = tasks.load_rewards(",".join(f"{path}:{fn}" for fn in ("instance", "bound", "scaled", "columns", "tensor")))
+    assert reward([{"role": "user", "content": "hi"}], "abcde", "5") == 0.5 + 0.05 + 2.0 + 0.005 + 0.5
+    assert reward.last == {"reward/instance": 0.5, "reward/bound": 0.05, "reward/scaled": 2.0,
+                           "reward/columns": 0.005, "reward/tensor": 0.5}
+
+
 def test_a_tasks_own_reward_replaces_its_check_and_rewards_weigh_1_each_by_default(user_file):
     class Graded(tasks.Addition):  # a task's reward(prompt, reply, answer): RL's reward, not check()'s 1.0 or 0.0
         def reward(self, prompt, reply, answer):
