@@ -141,6 +141,7 @@ def read_conversations(source: str, split: str, family: tuple[str, str] = ("", "
     """(row index, messages) of the train or val split (split_rows): "messages", ShareGPT's "conversations" or TRL's
     conversational "prompt" and "completion"; a row of another schema is one line naming its columns."""
     for i, row in split_rows(source, split, family=family):
+        row = {k: v for k, v in row.items() if v is not None}  # a table's other rows' columns: None (mixed schemas)
         if "messages" in row or "conversations" in row:
             with row_errors(source, i):
                 messages = row["messages"] if "messages" in row else sharegpt(row["conversations"])

@@ -206,6 +206,21 @@ def test_trl_prompt_completion_rows_learn_the_completion_alone(tmp_path):
         "assistant (an optional first system message, then user and assistant in turns)"
 
 
+def test_a_parquet_of_messages_and_prompt_completion_rows_reads_both(tmp_path):
+    # a table's columns are its rows' union, the absent ones None: a prompt/completion row's "messages": None was read
+    # as its messages ("expected a non-empty list of messages, got None"), and a messages row's None prompt refused
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    convs = [chat(9), chat(1)]  # 9: two turns, the prompt's reply given
+    rows = [{"prompt": convs[0][:3], "completion": convs[0][3:], "messages": None},
+            {"prompt": None, "completion": None, "messages": convs[1]}]
+    pq.write_table(pa.Table.from_pylist(rows), path := tmp_path / "m.parquet")
+    [(index, messages)] = cf.read_conversations(str(path), "val")  # the prompt/completion row
+    assert index == 0 and messages == [*convs[0][:1], {**convs[0][1], "weight": 0}, *convs[0][2:]]
+    assert [m for _, m in cf.read_conversations(str(path), "train")] == [convs[1]]
+
+
 def test_pack_is_best_fit_decreasing_and_keeps_every_conversation_whole():
     lengths = [5, 3, 7, 2, 4, 1]
     rows = cf.pack(lengths, 8)
