@@ -156,7 +156,7 @@ class RLConfig(engine.RunArgs):
     # the prompts, checker and evals: gsm8k, arc-easy, arc-challenge, mmlu, humaneval (test only) or addition (NAME=DIR:
     # a local copy in the hub's schema), or your own, FILE.py:NAME or module:NAME
     task: str = "addition"
-    reward: str = ""  # reward functions FILE.py:FN[,FILE.py:FN2] (fn(prompt, reply, answer) -> float), not the task's
+    reward: str = ""  # FILE.py:FN[,FILE.py:FN2]: fn(prompt, reply, answer) -> float, or TRL GRPO's, in the task's place
     reward_weights: tuple[float, ...] = ()  # --reward's weights, comma separated (default: 1 each)
     reward_model: Annotated[str, LOCAL] = ""  # score replies with this reward model (prefs.py --objective reward)
     missing_eos_penalty: float = 0.0  # off the score of a reply cut before a stop token, TRL's (0: scored as ended)
