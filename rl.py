@@ -277,11 +277,11 @@ def pack(rows: list[tuple[list[int], list[int]]], device: torch.device) -> tuple
 def score(share: list[tuple[dict, list[int], Rollout]], reward: tasks.Reward | None, rm: GPT | None,
           device: torch.device) -> dict[str, Tensor]:
     """ids (N, T), the mask of sampled targets ids[:, 1:] (N, T-1), and scores: the reward functions' (they see the
-    prompt's messages, the reply's text and the answer) or the reward model's."""
+    prompt's messages, the reply's text, the answer and the problem: TRL's columns) or the reward model's."""
     ids, mask = pack([(prompt + r.tokens, [0] * (len(prompt) - 1) + r.mask) for _, prompt, r in share], device)
     if rm is None:  # with each --reward function's own values, as tasks.checked's `last` names them (reward/FN)
         with full_precision(device):  # a user's function, as tasks.evaluate's check
-            got = [(reward(p["messages"][:-1], reply_text(r.tokens), p["answer"]), getattr(reward, "last", {}))
+            got = [(reward(p["messages"][:-1], reply_text(r.tokens), p["answer"], p), getattr(reward, "last", {}))
                    for p, _, r in share]
         own = {key: torch.tensor([last[key] for _, last in got], device=device) for key in got[0][1]}
         return {"ids": ids, "mask": mask[:, :-1], "scores": torch.tensor([s for s, _ in got], device=device), **own}

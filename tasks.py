@@ -9,7 +9,7 @@ and optionally
     reward(prompt, reply, answer) -> float        RL's reward (default: 1.0 if check, else 0.0); prompt is the messages
     wrong(answer, rng) -> str                     a wrong reply, for preference pairs (tasks.py --pairs)
 rl.py's --reward FILE.py:FN[,FILE.py:FN2] takes functions fn(prompt, reply, answer) -> float in the task's place, or
-TRL's reward functions as written, fn(prompts, completions, **kwargs) -> list (one reply a call; kwargs: answer).
+TRL's reward functions as written, fn(prompts, completions, **kwargs) -> list (one reply a call; kwargs: its row's).
 
     gsm8k          openai/gsm8k "main" (train/test): word problems; the reference's <<expr=result>> calculator notes
                    become tool calls and outputs; the answer is the number after ####
@@ -63,9 +63,8 @@ from generate import calculator, evaluating, full_precision, generate
 from model import GPT, GPTConfig
 
 
-def conversation(prompt: str, reply: Any, answer: str) -> dict:
-    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}],
-            "answer": answer}
+def conversation(user: str, reply: Any, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}], "answer": answer}
 
 
 class Task:
@@ -182,8 +181,8 @@ class Addition(Task):
 
 def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world: int = 1, max_new_tokens: int = 512,
              batch: int = 64) -> dict:
-    """{"acc", "n"}: greedy accuracy of the model's replies to `problems`, the calculator on: rank r answers every
-    world-th problem, the counts summed over ranks; replies up to 512 tokens (GSM8K's), as chat_core's."""
+    """{"acc", "n"}: greedy accuracy of the replies to `problems` (the calculator on; max_new_tokens: GSM8K's 512, as
+    chat_core's); rank r answers every world-th problem, the counts summed over ranks."""
     mine = problems[rank::world]
 
     def count(right: int = 0) -> int:
@@ -202,9 +201,8 @@ def evaluate(model: Any, task: Task, problems: list[dict], rank: int = 0, world:
 
 @torch.no_grad()
 def choose(model: Any, problems: list[dict], rank: int = 0, world: int = 1, batch: int = 32) -> dict:
-    """Multiple-choice accuracy as nanochat's categorical eval: right when, after the prompt's <|assistant_start|>,
-    the answer's letter has the highest logit of the problem's letters (prompts keep their last block_size tokens).
-    Ranks share the problems as evaluate's do. {"acc", "n"}."""
+    """{"acc", "n"} of nanochat's categorical eval: right when, after the prompt (its last block_size tokens), the
+    answer's letter has the highest logit of the problem's letters. Ranks share the problems as evaluate's do."""
     mine, right, device, block = problems[rank::world], 0, model.lm_head.weight.device, model.config.block_size
     token = {letter: get_tokenizer().encode_ordinary(letter)[0] for letter in "ABCDEFGH"}  # each letter is one token
     for i in range(0, len(mine), batch):
@@ -377,23 +375,23 @@ class UserTask:
         return out
 
 
-Reward = Callable[[list[dict], str, str], float]
+Reward = Callable[..., float]  # (prompt, reply, answer, row=None): row, the problem, is a TRL function's columns
 FLOAT32_MAX = torch.finfo(torch.float32).max  # rl.py holds rewards in float32: 1e39 would be inf there
 
 
 def checked(terms: list[tuple[str, Callable[..., Any], float]]) -> Reward:
     """The sum of weight * fn(prompt, reply, answer) over (name, fn, weight), or a one-line ValueError naming them: one
     raised or gave a non-number, or the sum is not finite in rl.py's float32; `last`: each --reward FN's own value."""
-    calls = [(name, guarded(fn, name), w) for name, fn, w in terms]
+    calls = [(name, guarded(fn, name), w, getattr(fn, "columns", 0)) for name, fn, w in terms]
     fns = [name.rsplit(":", 1)[-1] for name, _, _ in terms]  # reward/FN, or FN_1, FN_2 if alike (f, f, f_1 clash)
     keys = [f"reward/{fn}" + f"_{fns[:i + 1].count(fn)}" * (fns.count(fn) > 1) for i, fn in enumerate(fns)]
     if clash := [(name, key) for (name, _, _), key in zip(terms, keys, strict=True) if keys.count(key) > 1]:
         raise ValueError(f"{' and '.join(name for name, _ in clash)} would log as one {clash[0][1]}; rename one")
 
-    def reward(prompt: list[dict], reply: str, answer: str) -> float:
+    def reward(prompt: list[dict], reply: str, answer: str, row: dict | None = None) -> float:
         got = []
-        for name, call, w in calls:
-            value = call(prompt, reply, answer)
+        for name, call, w, columns in calls:  # a TRL function gets the problem's row: its columns are TRL's kwargs
+            value = call(prompt, reply, answer, *[row or {"answer": answer}][:columns])
             value = value.item() if getattr(value, "ndim", None) == 0 else value  # a 0-d tensor or array: its number
             if not isinstance(value, numbers.Real) or not abs(value) <= FLOAT32_MAX:  # 10**400 too: float() would raise
                 raise ValueError(f"{name} returned {value!r:.60}, not a finite float32 number")
@@ -411,7 +409,7 @@ def task_reward(task: Any, spec: str) -> Reward:
     """The task's own reward(prompt, reply, answer), or 1.0 for a reply check() passes and 0.0 otherwise."""
     if fn := getattr(task, "reward", None):
         return checked([(f"--task {spec}'s reward", fn, 1.0)])
-    return lambda prompt, reply, answer: float(bool(task.check(reply, answer)))  # a UserTask's check names itself
+    return lambda prompt, reply, answer, row=None: float(bool(task.check(reply, answer)))  # UserTask's names itself
 
 
 def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
@@ -430,19 +428,21 @@ def load_rewards(specs: str, weights: tuple[float, ...] = ()) -> Reward:
 
 def one_reply(fn: Callable[..., Any]) -> Callable[..., Any]:
     """fn, or a TRL GRPOTrainer reward fn(prompts, completions, **columns) -> [float | None] (it has `completions`),
-    called on one reply in TRL's conversational form with the answer as column `answer`; None counts 0, as in TRL."""
+    called on one reply in TRL's conversational form, the problem's keys but `messages` its columns; None counts 0."""
     try:  # any callable, as TRL takes (an instance, a partial, a method); one of **kwargs alone has only TRL's keywords
         kinds = {name: p.kind for name, p in inspect.signature(fn).parameters.items()}
     except (TypeError, ValueError):  # a builtin without a signature
         return fn
     if "completions" not in kinds and set(kinds.values()) != {inspect.Parameter.VAR_KEYWORD}:
         return fn
-    def trl(prompt: list[dict], reply: str, answer: str) -> Any:
-        out = fn(prompts=[prompt], completions=[[{"role": "assistant", "content": reply}]], answer=[answer])
+    def trl(prompt: list[dict], reply: str, answer: str, row: dict) -> Any:
+        columns = {k: [v] for k, v in row.items() if k != "messages"}  # our prompt and reference reply: not a column
+        out = fn(prompts=[prompt], completions=[[{"role": "assistant", "content": reply}]], **columns)
         out = asyncio.run(out) if inspect.iscoroutine(out) else out  # TRL awaits an async one
         out = list(out) if getattr(out, "ndim", 0) == 1 else out  # a tensor or array: TRL takes them too
         return (0.0 if out[0] is None else out[0]) if isinstance(out, list | tuple) and len(out) == 1 else out
 
+    trl.columns = 1
     return trl
 
 

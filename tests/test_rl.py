@@ -497,6 +497,12 @@ def test_rl_on_a_users_task_with_its_own_reward_that_sees_the_prompt(models, tmp
     rl.main([*common, "--reward", trl, "--reward-weights=2,1", "--out-dir", str(tmp_path / "trl")])
     record = train_records(tmp_path / "trl")[0]
     assert record["reward/later"] == 0.25 and record["reward"] == 0.5 + record["reward/accuracy"]
+    # and the problem's other keys as its columns: `solution` (a TypeError before), passed with each reply
+    solved = [f"{tmp_path / 'doubling.py'}:Solved" if arg == task else arg for arg in common]
+    rl.main([*solved, "--reward", f"{tmp_path / 'trl_rewards.py'}:solved", "--out-dir", str(tmp_path / "solved")])
+    seen = tasks.load_object(f"{tmp_path / 'trl_rewards.py'}:seen", "--reward")
+    assert seen == [["answer", "level", "prompts", "solution"]] * 4  # 2 prompts x 2 samples
+    assert train_records(tmp_path / "solved")[0]["reward/solved"] in (0.0, 0.25, 0.5, 0.75, 1.0)
     quarter = f"{tmp_path / 'doubling.py'}:tensor"  # inf in the float32 scores: a NaN loss, blamed on --max-lr
     assert one_line_error(capsys, rl.main, [*common, "--reward", quarter, "--reward-weights=1e40", "--out-dir",
                                             str(tmp_path / "big")]) == \

@@ -207,6 +207,11 @@ class Doubling:
         return str(int(answer) + rng.choice([-1, 1]))
 
 
+class Solved(Doubling):  # a column beside answer, as TRL's datasets carry (its accuracy_reward reads `solution`)
+    def examples(self, split):
+        return [{**row, "solution": row["answer"], "level": 2} for row in super().examples(split)]
+
+
 class NoChecker:
     def examples(self, split):
         return []
@@ -366,6 +371,12 @@ async def later(completions, **kwargs):
 
 def two(completions, **kwargs):
     return [1.0, 2.0]
+
+seen = []
+
+def solved(completions, solution, **kwargs):  # TRL's accuracy_reward reads the dataset's `solution` column
+    seen.append(sorted([*kwargs, "solution"]))
+    return [float(c[0]["content"].strip() == s) for c, s in zip(completions, solution)]
 """
 
 
@@ -381,6 +392,20 @@ def test_trls_reward_functions_load_as_written(tmp_path):
     with pytest.raises(ValueError) as e:  # a list for other completions than the one given
         tasks.load_rewards(f"{path}:two")([{"role": "user", "content": "hi"}], "x", "y")
     assert str(e.value) == f"--reward {path}:two returned [1.0, 2.0], not a finite float32 number"
+
+
+def test_a_trl_reward_gets_the_problems_keys_as_its_columns(tmp_path):
+    # only `answer` was passed: a TRL reward reading another column (its accuracy_reward's `solution`) raised
+    (path := tmp_path / "trl_rewards.py").write_text(TRL_REWARDS)
+    reward, seen = tasks.load_rewards(f"{path}:solved"), tasks.load_object(f"{path}:seen", "--reward")
+    row = {"messages": [{"role": "user", "content": "Double 21?"}, {"role": "assistant", "content": "42"}],
+           "answer": "42", "solution": "42", "level": 2}
+    assert (reward(row["messages"][:1], " 42", "42", row), reward(row["messages"][:1], "41", "42", row)) == (1.0, 0.0)
+    assert seen == [["answer", "level", "prompts", "solution"]] * 2  # every key but messages (prompt and reference)
+    with pytest.raises(ValueError) as e:  # no row: the answer alone, and TRL's own message for the missing column
+        reward(row["messages"][:1], "42", "42")
+    assert str(e.value) == (f"--reward {path}:solved raised TypeError: solved() missing 1 required positional "
+                            "argument: 'solution'")
 
 
 TRL_CALLABLES = """
