@@ -50,8 +50,9 @@ def check_messages(messages: Any, last: str) -> None:
     system = isinstance(messages[0], dict) and messages[0].get("role") == "system"
     turns = ["system"] * system + ["user", "assistant"] * len(messages)  # the role each message must have
     for i, (message, expected) in enumerate(zip(messages, turns, strict=False)):
-        role = message.get("role") if isinstance(message, dict) else None
-        if not isinstance(role, str) or role not in ROLES:  # a list is unhashable: a TypeError
+        if not isinstance(message, dict):
+            raise ValueError(f"message {i} is {message!r:.40}, expected a dict with a role and content")
+        if not isinstance(role := message.get("role"), str) or role not in ROLES:  # a list is unhashable: a TypeError
             raise ValueError(f"message {i} has role {role!r}, expected one of system, user, assistant")
         if role != expected:
             raise ValueError(f"message {i} is from {role}, expected {expected} (an optional first system message, "
@@ -161,8 +162,9 @@ def sharegpt(turns: Any) -> Any:
     naming "from" (check_messages would name "role", not in the file); anything else is left to check_messages."""
     speakers = {"human": "user", "gpt": "assistant", **{role: role for role in ROLES}}  # FastChat's names, and ours
     for i, t in enumerate(turns if isinstance(turns, list) else []):
-        if isinstance(t, dict) and "from" in t and str(t["from"]) not in speakers:  # glaive's function_call, say
-            raise ValueError(f"message {i} is from {t['from']!r}, expected human, gpt or system (ShareGPT's \"from\")")
+        if isinstance(t, dict) and ("from" in t or "role" not in t) and str(t.get("from")) not in speakers:
+            said = f"is from {t['from']!r}" if "from" in t else 'has no "from"'  # glaive's function_call, say
+            raise ValueError(f"message {i} {said}, expected human, gpt or system (ShareGPT's \"from\")")
     return [{**t, "role": speakers[str(t["from"])], "content": t.get("value")}
             if isinstance(t, dict) and "from" in t else t for t in turns] if isinstance(turns, list) else turns
 

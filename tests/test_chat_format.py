@@ -171,7 +171,9 @@ def test_sharegpt_rows_load_as_the_same_conversations_written_as_messages(tmp_pa
     # a speaker that is no role (glaive's function_call), or turns that are no list: one line naming the row
     bad = [(3, [{**rows[3]["conversations"][0], "from": "function_call"}],
             "message 0 is from 'function_call', expected human, gpt or system (ShareGPT's \"from\")"),
-           (5, "hi", "expected a non-empty list of messages, got 'hi'")]
+           (5, "hi", "expected a non-empty list of messages, got 'hi'"),  # and a turn with no speaker, or no dict:
+           (6, [{"value": "Hi"}], "message 0 has no \"from\", expected human, gpt or system (ShareGPT's \"from\")"),
+           (7, ["Hi"], "message 0 is 'Hi', expected a dict with a role and content")]
     for row, turns, why in bad:
         path.write_text("".join(json.dumps({"conversations": turns} if i == row else r) + "\n"
                                 for i, r in enumerate(rows)))
