@@ -93,6 +93,9 @@ def readable(source: Path | str, split: str, files: list[Path]) -> list[Path]:
     return data
 
 
+ROW_KEYS = {"messages", "conversations", "prompt", "chosen"}  # keys of the rows sft.py and prefs.py read
+
+
 def read_local(path: Path) -> list[dict]:
     """A .jsonl/.json(.gz) file's rows as written (an array, or objects one after another, as datasets reads them)."""
     if path.suffix == ".parquet":
@@ -123,6 +126,11 @@ def read_local(path: Path) -> list[dict]:
         isinstance(v, dict) or (isinstance(v, list) and v and not isinstance(v[0], dict)) for v in rows[0].values()):
         raise DataError(f"{path}: one object of columns ({', '.join(rows[0])}), not rows; expected a list of objects, "
                         "or one object per line")
+    held = [k for k, v in (rows[0] if len(rows) == 1 else {}).items()  # {"data": [rows]}: the stages' rows inside
+            if isinstance(v, list) and v and all(isinstance(r, dict) and ROW_KEYS & r.keys() for r in v)]
+    if held:
+        raise DataError(f"{path}: one object whose {held[0]!r} holds {len(rows[0][held[0]])} objects, read as one row; "
+                        f"if those are the rows, save that list alone (datasets reads them with field={held[0]!r})")
     return rows
 
 

@@ -141,6 +141,14 @@ def test_json_over_several_lines_reads_as_datasets_reads_it_and_columns_are_one_
             datarows.load_rows(str(path), "train")
         assert str(e.value) == f"{path}: one object of columns (messages), not rows; expected a list of objects, or " \
             "one object per line"
+    # rows inside one object ({"data": [rows]}, as SQuAD's files hold theirs) were one row: "train: no conversations"
+    path.write_text(json.dumps({"version": 2, "data": [row] * 3}))
+    with pytest.raises(DataError) as e:
+        datarows.load_rows(str(path), "train")
+    assert str(e.value) == f"{path}: one object whose 'data' holds 3 objects, read as one row; if those are the " \
+        "rows, save that list alone (datasets reads them with field='data')"
+    path.write_text(json.dumps({**row, "tools": [{"type": "function", "function": {"name": "f"}}]}))  # a row: read
+    assert len(datarows.load_rows(str(path), "train")) == 1
     # a line cut short runs into the next, where the decoder stops: the line its value began on is named too
     path.write_text('{"messages": 1}\n{"messages": [1\n{"messages": 2}\n')
     with pytest.raises(DataError) as e:
